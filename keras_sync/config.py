@@ -1,0 +1,411 @@
+"""The keras-sync config: a tree of frozen dataclasses and the one loader that builds it.
+
+The YAML file is read here and nowhere else (``yaml.safe_load`` semantics, node marks kept
+for line numbers). Precedence, printed by ``keras-sync plan``:
+command-line flag > environment (``MLFLOW_TRACKING_URI``) > YAML file > default.
+Every problem becomes a `ConfigIssue` with ``file:line``, the key path, the value received
+and what is allowed; all problems of one file are reported together in one `ConfigError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from keras_sync._fields import (
+    AutoOrBool,
+    Bool,
+    Choice,
+    EpochOrInt,
+    FieldValueError,
+    Float,
+    Int,
+    Spec,
+    Str,
+    StrList,
+)
+from keras_sync.errors import ConfigError, ConfigIssue
+
+DEFAULT_CONFIG_FILE = "keras_sync.yaml"
+CONFIG_ENV = "KERAS_SYNC_CONFIG"
+
+STRATEGY_KINDS = ("auto", "default", "one_device", "mirrored", "multi_worker_mirrored", "tpu")
+
+
+def _f(default: Any, spec: Spec, doc: str, key: str | None = None) -> Any:
+    if isinstance(default, (list, dict)):
+        raise TypeError("mutable default")  # pragma: no cover - programming error
+    return field(default=default, metadata={"spec": spec, "doc": doc, "key": key})
+
+
+def _sub(cls: type, doc: str) -> Any:
+    return field(default_factory=cls, metadata={"doc": doc, "key": None})
+
+
+@dataclass(frozen=True)
+class TPUConfig:
+    """Where the TPU is: a name or grpc:// address (`local` for a TPU VM), zone and project."""
+
+    name: str | None = _f("local", Str(nullable=True), "TPU name or grpc:// address; 'local' on a TPU VM")
+    zone: str | None = _f(None, Str(nullable=True), "GCE zone of the TPU (Cloud TPU only)")
+    project: str | None = _f(None, Str(nullable=True), "GCP project of the TPU (Cloud TPU only)")
+
+
+@dataclass(frozen=True)
+class StrategyConfig:
+    """Which `tf.distribute` strategy to build, and its options."""
+
+    kind: str = _f("auto", Choice(values=STRATEGY_KINDS), "which strategy; auto picks by the hardware and TF_CONFIG")
+    devices: tuple[str, ...] = _f((), StrList(), "mirrored/one_device: explicit devices; empty = all GPUs, else the CPU")
+    simulated_cpu_replicas: int = _f(0, Int(minimum=0), "> 0: split the CPU into N logical devices, one replica each")
+    cross_device_ops: str = _f(
+        "auto",
+        Choice(values=("auto", "nccl", "hierarchical_copy", "reduction_to_one")),
+        "mirrored: how gradients are all-reduced between local devices",
+    )
+    communication: str = _f(
+        "auto", Choice(values=("auto", "ring", "nccl")), "multi_worker_mirrored: collective implementation"
+    )
+    cluster: str = _f("tf_config", Choice(values=("tf_config", "slurm")), "multi_worker_mirrored: where the cluster is described")
+    connect_timeout_s: float = _f(300.0, Float(minimum=0, exclusive=True), "seconds to wait for all workers to join")
+    tpu: TPUConfig = _sub(TPUConfig, "TPU address")
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """Batch size, given per replica or globally (exactly one), and how data is split."""
+
+    per_replica: int | None = _f(32, Int(minimum=1, nullable=True), "examples per replica per step")
+    global_: int | None = _f(None, Int(minimum=1, nullable=True), "examples per step over all replicas", key="global")
+    drop_remainder: str | bool = _f("auto", AutoOrBool(), "drop the last partial batch; auto = true on TPU")
+    shard_policy: str = _f(
+        "auto",
+        Choice(values=("auto", "data", "file", "off"), bool_aliases=((False, "off"),)),
+        "tf.data auto-shard policy between workers",
+    )
+
+
+@dataclass(frozen=True)
+class LearningRateConfig:
+    """The base learning rate and how it scales with the global batch."""
+
+    base: float = _f(0.1, Float(minimum=0, exclusive=True), "learning rate tuned for base_batch_size")
+    base_batch_size: int | None = _f(
+        None, Int(minimum=1, nullable=True), "batch `base` was tuned for; null = the per-replica batch"
+    )
+    scaling: str = _f("linear", Choice(values=("linear", "sqrt", "none")), "linear (Goyal et al. 2017), sqrt, none")
+    warmup_epochs: float = _f(0.0, Float(minimum=0), "gradual warmup length in epochs (needs steps per epoch)")
+    warmup_steps: int = _f(0, Int(minimum=0), "gradual warmup length in optimizer steps")
+
+
+@dataclass(frozen=True)
+class MlflowConfig:
+    """Where sync metrics go."""
+
+    enabled: bool = _f(True, Bool(), "log sync metrics to MLflow")
+    tracking_uri: str | None = _f(None, Str(nullable=True), "null = $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db")
+    experiment: str = _f("keras-sync", Str(), "MLflow experiment name")
+    run_name: str | None = _f(None, Str(nullable=True), "MLflow run name; null = generated")
+    log_every_n_steps: int = _f(1, Int(minimum=1), "log step metrics every N optimizer steps")
+    allreduce_probe: bool = _f(False, Bool(), "time one all-reduce of the gradients' size at train start")
+    system_metrics: bool = _f(False, Bool(), "MLflow system metrics (CPU, memory)")
+
+
+@dataclass(frozen=True)
+class FaultToleranceConfig:
+    """Backup and exact resume after a worker is killed."""
+
+    backup_dir: str | None = _f(None, Str(nullable=True), "directory for BackupAndRestore; null = off")
+    save_freq: str | int = _f("epoch", EpochOrInt(), "'epoch' or every N batches")
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole keras-sync config. Build it with `load_config`."""
+
+    strategy: StrategyConfig = _sub(StrategyConfig, "distribution strategy")
+    batch: BatchConfig = _sub(BatchConfig, "batch sizes")
+    learning_rate: LearningRateConfig = _sub(LearningRateConfig, "learning-rate scaling and warmup")
+    mlflow: MlflowConfig = _sub(MlflowConfig, "MLflow tracking")
+    fault_tolerance: FaultToleranceConfig = _sub(FaultToleranceConfig, "backup and resume")
+    source: str = field(default="<defaults>", compare=False, metadata={"internal": True})
+    text: str | None = field(default=None, compare=False, repr=False, metadata={"internal": True})
+    provenance: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False, metadata={"internal": True})
+
+    def source_of(self, key_path: str) -> str:
+        """Where a value came from: ``flag``, ``env``, ``file``, ``dict`` or ``default``."""
+        return self.provenance.get(key_path, "default")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as plain YAML-able data, with the public key names."""
+        return _to_dict(self)
+
+
+def _yaml_key(f: dataclasses.Field) -> str:
+    return f.metadata.get("key") or f.name
+
+
+def _public_fields(cls: type) -> list[dataclasses.Field]:
+    return [f for f in fields(cls) if not f.metadata.get("internal")]
+
+
+def _to_dict(obj: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in _public_fields(type(obj)):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            out[_yaml_key(f)] = _to_dict(value)
+        elif isinstance(value, tuple):
+            out[_yaml_key(f)] = list(value)
+        else:
+            out[_yaml_key(f)] = value
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading: YAML text -> (data, line of every key path)
+
+
+def _parse_yaml(text: str, file: str) -> tuple[Any, dict[str, int]]:
+    """safe_load the text and map every key path to its 1-based line."""
+    import yaml
+
+    lines: dict[str, int] = {}
+
+    class _Loader(yaml.SafeLoader):
+        pass
+
+    def construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+        return {"__line__": node.start_mark.line + 1, "__items__": [
+            (loader.construct_object(k, deep=True), loader.construct_object(v, deep=True), k.start_mark.line + 1)
+            for k, v in node.value
+        ]}
+
+    _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
+    try:
+        raw = yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader derives from SafeLoader
+    except yaml.constructor.ConstructorError as exc:
+        mark = exc.problem_mark
+        line = mark.line + 1 if mark else None
+        raise ConfigError(ConfigIssue(file, line, "", f"YAML tag not allowed ({exc.problem}); "
+                                      "keras-sync reads plain YAML only: remove the '!!' tag")) from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = mark.line + 1 if mark else None
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(ConfigIssue(file, line, "", f"YAML syntax error: {problem}")) from None
+
+    def unwrap(node: Any, path: str) -> Any:
+        if isinstance(node, dict) and "__items__" in node:
+            lines.setdefault(path, node["__line__"])
+            out: dict[Any, Any] = {}
+            for k, v, line in node["__items__"]:
+                key_path = f"{path}.{k}" if path else str(k)
+                if k in out:
+                    dups.append(ConfigIssue(file, line, key_path, f"duplicate key {k!r} (first at line "
+                                            f"{lines[key_path]}); keep one of them"))
+                lines.setdefault(key_path, line)
+                out[k] = unwrap(v, key_path)
+            return out
+        if isinstance(node, list):
+            return [unwrap(v, f"{path}[{i}]") for i, v in enumerate(node)]
+        return node
+
+    dups: list[ConfigIssue] = []
+    data = unwrap(raw, "")
+    if dups:
+        raise ConfigError(dups)
+    return data, lines
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: data -> dataclasses, collecting every issue
+
+
+class _Builder:
+    def __init__(self, file: str, lines: Mapping[str, int]):
+        self.file = file
+        self.lines = lines
+        self.issues: list[ConfigIssue] = []
+
+    def issue(self, key_path: str, message: str) -> None:
+        line = self.lines.get(key_path)
+        parent = key_path
+        while line is None and "." in parent:
+            parent = parent.rsplit(".", 1)[0]
+            line = self.lines.get(parent)
+        if line is None:
+            line = self.lines.get("")
+        self.issues.append(ConfigIssue(self.file, line, key_path, message))
+
+    def build(self, cls: type, data: Any, path: str) -> Any:
+        if data is None:
+            return cls()
+        if not isinstance(data, dict):
+            where = path or "top level"
+            self.issue(path, f"received {type(data).__name__} {data!r} at the {where}, expected a mapping of keys")
+            return cls()
+        by_key = {_yaml_key(f): f for f in _public_fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in data.items():
+            key_path = f"{path}.{key}" if path else str(key)
+            f = by_key.get(key) if isinstance(key, str) else None
+            if f is None:
+                close = difflib.get_close_matches(str(key), list(by_key), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                self.issue(key_path, f"unknown key {key!r}{hint} (allowed: {', '.join(by_key)})")
+                continue
+            spec = f.metadata.get("spec")
+            if spec is None:
+                kwargs[f.name] = self.build(_sub_type(cls, f), value, key_path)
+                continue
+            try:
+                kwargs[f.name] = spec.check(value)
+            except FieldValueError as exc:
+                self.issue(key_path, str(exc))
+        return cls(**kwargs)
+
+
+def _sub_type(cls: type, f: dataclasses.Field) -> type:
+    return f.default_factory  # type: ignore[return-value]  # _sub stores the class as factory
+
+
+def _check_consistency(cfg: Config, b: _Builder, given: Mapping[str, Any]) -> Config:
+    batch = cfg.batch
+    per_given = "batch.per_replica" in given and given["batch.per_replica"] is not None
+    global_given = "batch.global" in given and given["batch.global"] is not None
+    if per_given and global_given:
+        b.issue("batch.global", f"received batch.per_replica={batch.per_replica} and batch.global={batch.global_}; "
+                "give exactly one of them (set the other to null or remove it)")
+    elif global_given:
+        batch = dataclasses.replace(batch, per_replica=None)
+    elif batch.per_replica is None:
+        b.issue("batch.per_replica", "received null for both batch.per_replica and batch.global; give exactly one")
+    lr = cfg.learning_rate
+    if lr.warmup_epochs and lr.warmup_steps:
+        b.issue("learning_rate.warmup_steps", f"received warmup_epochs={lr.warmup_epochs:g} and "
+                f"warmup_steps={lr.warmup_steps}; give one of them (set the other to 0)")
+    s = cfg.strategy
+    if s.devices and s.kind in ("multi_worker_mirrored", "tpu"):
+        b.issue("strategy.devices", f"received devices={list(s.devices)} with kind={s.kind}; devices applies to "
+                "mirrored and one_device only (remove it, or use simulated_cpu_replicas)")
+    if s.kind == "one_device" and len(s.devices) > 1:
+        b.issue("strategy.devices", f"received {len(s.devices)} devices for kind=one_device; give at most one")
+    if s.devices and s.simulated_cpu_replicas:
+        b.issue("strategy.simulated_cpu_replicas", "received both devices and simulated_cpu_replicas; give one "
+                "(simulated replicas make their own logical CPU devices)")
+    if s.kind == "tpu" and s.simulated_cpu_replicas:
+        b.issue("strategy.simulated_cpu_replicas", "simulated_cpu_replicas does not apply to kind=tpu; remove it")
+    return dataclasses.replace(cfg, batch=batch)
+
+
+def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if isinstance(data, dict):
+        for k, v in data.items():
+            path = f"{prefix}.{k}" if prefix else str(k)
+            if isinstance(v, dict):
+                out.update(_flatten(v, path))
+            out[path] = v
+    return out
+
+
+def _unflatten_into(data: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = data
+    for part in parts[:-1]:
+        nxt = node.get(part)
+        if not isinstance(nxt, dict):
+            nxt = {}
+            node[part] = nxt
+        node = nxt
+    node[parts[-1]] = value
+
+
+def load_config(
+    source: str | os.PathLike[str] | Mapping[str, Any] | None = None,
+    *,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """Build and validate the config.
+
+    Args:
+        source: a YAML file path, a dict in the same shape, or None: then ``$KERAS_SYNC_CONFIG``,
+            else ``./keras_sync.yaml`` if it exists, else the defaults.
+        overrides: dotted key paths (``{"batch.per_replica": 64}``), e.g. from command-line flags;
+            they win over everything else.
+        environ: the environment to read (default ``os.environ``); ``MLFLOW_TRACKING_URI`` overrides
+            ``mlflow.tracking_uri`` from the file.
+
+    Raises:
+        ConfigError: with every issue found, each naming file, line, key path, value and fix.
+    """
+    env = os.environ if environ is None else environ
+    text: str | None = None
+    origin = "dict"
+    if source is None:
+        env_path = env.get(CONFIG_ENV)
+        if env_path:
+            source = env_path
+        elif Path(DEFAULT_CONFIG_FILE).is_file():
+            source = DEFAULT_CONFIG_FILE
+    if source is None:
+        file, data, lines, origin = "<defaults>", {}, {}, "default"
+    elif isinstance(source, Mapping):
+        file, data, lines = "<dict>", _plain(source), {}
+    else:
+        file = str(source)
+        text = _read_text(Path(source))
+        data, lines = _parse_yaml(text, file)
+        origin = "file"
+        if data is None:
+            raise ConfigError(ConfigIssue(file, 1, "", "the file is empty; write at least one key, e.g. "
+                                          "'strategy: {kind: mirrored}', or delete the file to use the defaults"))
+    if not isinstance(data, dict):
+        raise ConfigError(ConfigIssue(file, lines.get("", 1), "", f"received a {type(data).__name__} at the top "
+                                      "level, expected a mapping with keys such as strategy, batch, learning_rate"))
+    given = _flatten(data)
+    provenance = {k: origin for k in given}
+    tracking_env = env.get("MLFLOW_TRACKING_URI")
+    if tracking_env:
+        _unflatten_into(data, "mlflow.tracking_uri", tracking_env)
+        provenance["mlflow.tracking_uri"] = "env"
+    for dotted, value in (overrides or {}).items():
+        _unflatten_into(data, dotted, value)
+        provenance[dotted] = "flag"
+    given = _flatten(data)
+    b = _Builder(file, lines)
+    cfg = b.build(Config, data, "")
+    cfg = _check_consistency(cfg, b, given)
+    if b.issues:
+        raise ConfigError(b.issues)
+    return dataclasses.replace(cfg, source=file, text=text, provenance=provenance)
+
+
+def _plain(mapping: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _plain(v) if isinstance(v, Mapping) else v for k, v in mapping.items()}
+
+
+def _read_text(path: Path) -> str:
+    file = str(path)
+    if not path.exists():
+        raise ConfigError(ConfigIssue(file, None, "", "no such file; create one with 'keras-sync init' "
+                                      "or pass the right path"))
+    if path.is_dir():
+        raise ConfigError(ConfigIssue(file, None, "", "is a directory, expected a YAML file "
+                                      f"(e.g. {path / DEFAULT_CONFIG_FILE})"))
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(ConfigIssue(file, None, "", f"cannot read the file: {exc.strerror}")) from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise ConfigError(ConfigIssue(file, line, "", f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset "
+                                      f"{exc.start}); save the file as UTF-8 YAML")) from None
