@@ -1,0 +1,128 @@
+"""Version-guarded fixes for upstream Keras bugs that break distributed `fit`.
+
+Each fix cites its upstream issue and applies only to the Keras versions where it
+was measured. Results with the fixes equal plain Keras on one device (see
+tests/test_keras_compat.py). No TensorFlow or Keras import at module import time.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from keras_sync.errors import UsageError
+
+logger = logging.getLogger(__name__)
+
+# keras-team/keras#20585 is present from Keras 3.0 and still in 3.15.1 (measured here).
+# The upper bound is the newest version checked: re-measure before widening it.
+_FIXED_RANGE = ((3, 0), (3, 16))
+_PATCH_MARK = "_keras_sync_multi_worker_fix"
+
+
+def _keras_version() -> tuple[int, int]:
+    import keras
+
+    major, minor = keras.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def _is_multi_worker(strategy: Any) -> bool:
+    import tensorflow as tf
+
+    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and bool(
+        strategy.extended._in_multi_worker_mode()
+    )
+
+
+def apply_multi_worker_fixes() -> bool:
+    """Make Keras 3 `model.fit` work under a multi-worker `MultiWorkerMirroredStrategy`.
+
+    keras-team/keras#20585 (also tensorflow/tensorflow#72388): under MWMS with more
+    than one worker, `fit` fails twice in `keras/src/backend/tensorflow/trainer.py`:
+
+    1. `TensorFlowTrainer._maybe_symbolic_build` all-reduces the first (tuple)
+       data batch with `strategy.reduce("MEAN", ..., axis=None)` only to learn its
+       shapes, which fails for a nested structure of `PerReplica`. We give it the
+       first local replica's batch instead: same shapes and dtypes, no collective.
+    2. `reduce_per_replica` reduces the logs with `strategy.reduce("MEAN", v,
+       axis=0)`; the logs are scalars ("Invalid reduction dimension 0 for input
+       with 0 dimensions"). For scalars we reduce across replicas only
+       (`axis=None`), which is the mean Keras reports on one machine.
+
+    Both patches only change behaviour when the strategy is a multi-worker MWMS;
+    every other call goes to the original Keras code.
+
+    Returns:
+        True if the fixes are active (now or from an earlier call), False when the
+        installed Keras is outside the range where the bug was measured.
+    """
+    version = _keras_version()
+    if not (_FIXED_RANGE[0] <= version < _FIXED_RANGE[1]):
+        logger.info("Keras %s.%s is outside %s: multi-worker fit fixes not applied", *version, _FIXED_RANGE)
+        return False
+
+    from keras.src import tree
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    if getattr(tf_trainer.reduce_per_replica, _PATCH_MARK, False):
+        return True
+
+    original_reduce = tf_trainer.reduce_per_replica
+    original_build = tf_trainer.TensorFlowTrainer._maybe_symbolic_build
+
+    def reduce_per_replica(values: Any, strategy: Any, reduction: str) -> Any:
+        tpu = tf_trainer._is_tpu_strategy(strategy)
+        if reduction not in ("auto", "mean") or tpu or not _is_multi_worker(strategy):
+            return original_reduce(values, strategy, reduction)
+
+        def _reduce(v: Any) -> Any:
+            first = v.values[0] if tf_trainer._is_per_replica_instance(v) else v
+            if tf_trainer._is_scalar(first):
+                return strategy.reduce("MEAN", v, axis=None)
+            return original_reduce(v, strategy, reduction)
+
+        return tree.map_structure(_reduce, values)
+
+    def _maybe_symbolic_build(self: Any, iterator: Any = None, data_batch: Any = None) -> Any:
+        strategy = self._distribute_strategy
+        if iterator is not None and strategy is not None and _is_multi_worker(strategy):
+            import tensorflow as tf
+
+            def first_replica(x: Any) -> Any:
+                if isinstance(x, tf.distribute.DistributedValues):
+                    return strategy.experimental_local_results(x)[0]
+                return x
+
+            for _, _, it in iterator:
+                data_batch = tree.map_structure(first_replica, next(it))
+                break
+            iterator = None
+        return original_build(self, iterator=iterator, data_batch=data_batch)
+
+    setattr(reduce_per_replica, _PATCH_MARK, True)
+    setattr(_maybe_symbolic_build, _PATCH_MARK, True)
+    # `make_train_function` looks `reduce_per_replica` up in the module at trace time.
+    tf_trainer.reduce_per_replica = reduce_per_replica
+    tf_trainer.TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build
+    return True
+
+
+def check_steps_per_execution(model: Any, num_replicas: int) -> None:
+    """Refuse `steps_per_execution > 1` with several replicas (keras-team/keras#19246).
+
+    Keras 3's multi-step loop under a strategy with more than one replica fails or
+    trains wrongly; one step per execution is correct.
+
+    Raises:
+        UsageError: with the value received and how to fix it.
+    """
+    steps = int(getattr(model, "steps_per_execution", 1) or 1)
+    if steps > 1 and num_replicas > 1:
+        raise UsageError(
+            "Invalid value for argument `steps_per_execution` of `model.compile()`. "
+            f"Received: steps_per_execution={steps} with {num_replicas} replicas. "
+            "Expected steps_per_execution=1 when training on more than one replica "
+            "(Keras bug keras-team/keras#19246). "
+            "Fix: compile with steps_per_execution=1, or train on one replica."
+        )
