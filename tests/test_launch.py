@@ -1,0 +1,187 @@
+"""The local launcher, with real worker processes (tiny Python scripts, no TensorFlow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from keras_sync.errors import UsageError
+from keras_sync.launch import launch, worker_tf_configs
+
+WORKER = str(Path(__file__).with_name("_launch_worker.py"))
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (killed, not yet reaped by init) is dead for our purpose
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def _pids(folder: Path, workers: int) -> list[int]:
+    return [int((folder / f"w{i}.{kind}").read_text()) for i in range(workers) for kind in ("pid", "child")]
+
+
+def _wait_for_pids(folder: Path, workers: int, timeout: float = 20.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return _pids(folder, workers)
+        except FileNotFoundError:
+            time.sleep(0.05)
+    raise AssertionError(f"workers did not start: {sorted(os.listdir(folder))}")
+
+
+def _assert_all_gone(pids: list[int]) -> None:
+    deadline = time.monotonic() + 3.0  # SIGKILLed children may take a moment to vanish
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [p for p in pids if _alive(p)] == []
+
+
+def _run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "keras_sync.launch", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+def test_each_worker_gets_its_own_tf_config_and_prefixed_output(tmp_path: Path) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text("strategy: auto\n")
+    proc = _run_cli("--workers", "3", "--config", str(config), WORKER, "print", "--lr", "0.1")
+    assert proc.returncode == 0, proc.stderr
+    reports = {}
+    for line in proc.stdout.splitlines():
+        prefix, _, payload = line.partition(" ")
+        reports[prefix] = json.loads(payload)
+    assert sorted(reports) == ["[w0]", "[w1]", "[w2]"]
+    clusters = {json.dumps(r["tf_config"]["cluster"]) for r in reports.values()}
+    assert len(clusters) == 1
+    workers = reports["[w0]"]["tf_config"]["cluster"]["worker"]
+    assert len(set(workers)) == 3 and all(w.startswith("127.0.0.1:") and int(w.split(":")[1]) > 0 for w in workers)
+    for i in range(3):
+        r = reports[f"[w{i}]"]
+        assert r["tf_config"]["task"] == {"type": "worker", "index": i}
+        assert r["config"] == str(config.resolve())
+        assert r["unbuffered"] == "1"
+        assert r["argv"] == ["--lr", "0.1"]
+    assert sorted(proc.stderr.splitlines()) == ["[w0] stderr of 0", "[w1] stderr of 1", "[w2] stderr of 2"]
+
+
+def test_worker_tf_configs_share_cluster() -> None:
+    configs = [json.loads(c) for c in worker_tf_configs([1234, 5678])]
+    assert configs[1] == {"cluster": {"worker": ["127.0.0.1:1234", "127.0.0.1:5678"]}, "task": {"type": "worker", "index": 1}}
+    assert configs[0]["cluster"] == configs[1]["cluster"]
+
+
+def test_inherited_tf_config_is_replaced(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["elsewhere:1"]}, "task": {"type": "worker", "index": 0}}')
+    assert launch(WORKER, ["print"], workers=1, env={"EXTRA": "1"}) == 0
+    report = json.loads(capsys.readouterr().out.partition(" ")[2])
+    assert report["tf_config"]["cluster"]["worker"][0].startswith("127.0.0.1:")
+
+
+def test_failed_worker_stops_the_others_and_its_code_is_returned(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    start = time.monotonic()
+    code = launch(WORKER, ["fail-or-hang", str(tmp_path)], workers=2, grace_period_s=0.5)
+    elapsed = time.monotonic() - start
+    assert code == 3
+    assert elapsed < 8, elapsed
+    _assert_all_gone(_pids(tmp_path, 2))
+    err = capsys.readouterr().err
+    assert "[launch] w1 exited with code 3; stopping the other 1 worker(s)" in err
+    assert "sending SIGKILL" in err  # w0 ignores SIGTERM
+
+
+def test_sigint_to_launcher_stops_all_workers(tmp_path: Path) -> None:
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "keras_sync.launch", "--workers", "2", "--grace-period", "1", WORKER, "hang", str(tmp_path)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        pids = _wait_for_pids(tmp_path, 2)
+        launcher.send_signal(signal.SIGINT)
+        out, err = launcher.communicate(timeout=20)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 130, err
+    assert "[launch] got SIGINT; stopping 2 worker(s)" in err
+    assert "[w0] KeyboardInterrupt" in err  # w0 got the forwarded SIGINT
+    _assert_all_gone(pids)
+
+
+def test_sigterm_to_launcher_stops_all_workers(tmp_path: Path) -> None:
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "keras_sync.launch", "--workers", "2", "--grace-period", "0.5", WORKER, "hang", str(tmp_path)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        pids = _wait_for_pids(tmp_path, 2)
+        launcher.terminate()
+        launcher.wait(timeout=20)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 128 + signal.SIGTERM
+    _assert_all_gone(pids)
+
+
+def test_all_workers_succeed_returns_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    assert launch(WORKER, ["print"], workers=2, grace_period_s=0) == 0
+
+
+def test_cli_rejects_zero_workers_in_one_line() -> None:
+    proc = _run_cli("--workers", "0", WORKER, "print")
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr == (
+        "python -m keras_sync.launch: error: argument --workers: invalid value '0'; "
+        "expected an integer >= 1, e.g. --workers 2 (see --help)\n"
+    )
+
+
+def test_cli_missing_script_is_one_line() -> None:
+    proc = _run_cli("--workers", "2", "no_such_train.py")
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1
+    assert "script='no_such_train.py', which is not a file" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"workers": 0}, "Invalid value for argument `workers`. Received: workers=0. Expected an integer >= 1"),
+        ({"workers": True}, "Received: workers=True"),
+        ({"workers": 2, "config": "missing.yaml"}, "Received: config='missing.yaml', which is not a file"),
+        ({"workers": 2, "grace_period_s": -1}, "Received: grace_period_s=-1"),
+    ],
+)
+def test_launch_rejects_bad_arguments(kwargs: dict, message: str) -> None:
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        launch(WORKER, ["print"], **kwargs)
+
+
+def test_launcher_and_cluster_load_no_tensorflow() -> None:
+    code = "import sys, keras_sync.launch, keras_sync.cluster; print('tensorflow' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.stdout.strip() == "False", proc.stderr
