@@ -1,0 +1,405 @@
+"""MLflow tracking that never stalls training and loses nothing.
+
+`MlflowWriter` is what the sync-metrics callback writes through: the training thread only
+appends to an in-memory queue; a daemon thread writes each record to a local JSONL spool first
+(write-ahead), then sends batches with `MlflowClient.log_batch`, retrying with backoff while the
+server is down. What is still undelivered at `close()` stays in the spool, and
+``keras-sync sync-spool PATH`` (`replay_spool`) delivers it later without duplicating a point.
+
+Every param, tag and text artifact is scrubbed of secrets first: credentials in URIs and the
+values of environment variables whose names say TOKEN, PASSWORD, SECRET or API_KEY.
+
+MLflow is imported on first use, never by ``import keras_sync``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import math
+import os
+import re
+import threading
+import time
+import uuid
+import warnings
+import weakref
+from collections import deque
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from keras_sync._spool import Deliverer, SpoolFile, is_transient
+from keras_sync.errors import TrackingError
+
+_log = logging.getLogger("keras_sync.tracking")
+
+#: Where spools go when ``spool_dir`` is not given (relative to the working directory).
+DEFAULT_SPOOL_DIR = ".keras_sync_spool"
+MAX_PARAM_VALUE_LENGTH = 6000  # MLflow 3.x; longer values are refused
+MAX_TAG_VALUE_LENGTH = 8000
+MAX_KEY_LENGTH = 250
+_TRUNCATED = "...[truncated]"
+_REDACTED = "***"
+
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)[^/?#@\s]*@")
+_SECRET_QUERY = re.compile(
+    r"(?P<key>[?&;][^=&#\s]*(?:token|password|passwd|secret|key|sig|signature|credential|auth)"
+    r"[^=&#\s]*=)[^&#\s]*", re.IGNORECASE)
+_SECRET_ENV_NAME = re.compile(r"TOKEN|PASSWORD|PASSWD|SECRET|API_?KEY|PRIVATE_KEY|CREDENTIAL",
+                              re.IGNORECASE)
+_NOT_SECRET_VALUES = {"", "0", "1", "true", "false", "none", "null", "yes", "no"}
+_JOB_ID = re.compile(r"^[\w.:/@+\-]{1,250}$")
+_BAD_KEY_CHARS = re.compile(r"[^\w.\- :/]")
+
+
+def redact_uri(uri: str | None) -> str | None:
+    """Return ``uri`` without ``user:password@`` and with secret query values replaced by ``***``.
+
+    >>> redact_uri("http://user:s3cret@127.0.0.1:5000/?token=abc&x=1")
+    'http://127.0.0.1:5000/?token=***&x=1'
+    """
+    if uri is None:
+        return None
+    uri = _USERINFO.sub(lambda m: m.group("scheme"), uri)
+    return _SECRET_QUERY.sub(lambda m: m.group("key") + _REDACTED, uri)
+
+
+def _secrets_of(tracking_uri: str | None, environ: Mapping[str, str]) -> list[str]:
+    found: set[str] = set()
+    for name, value in environ.items():
+        if _SECRET_ENV_NAME.search(name) and value.strip().lower() not in _NOT_SECRET_VALUES:
+            found.add(value)
+    if tracking_uri:
+        m = re.match(r"[A-Za-z][A-Za-z0-9+.\-]*://([^/?#@\s]*)@", tracking_uri)
+        if m:
+            found.update(p for p in m.group(1).split(":")[1:] if p)
+        for q in _SECRET_QUERY.finditer(tracking_uri):
+            found.add(tracking_uri[q.end("key"):q.end()])
+    found = {s for s in found if len(s) >= 3}
+    return sorted(found, key=len, reverse=True)  # longest first: one secret may contain another
+
+
+def _redact(text: str, secrets: list[str]) -> str:
+    text = redact_uri(text) or ""
+    for s in secrets:
+        text = text.replace(s, _REDACTED)
+    return text
+
+
+def resolve_tracking_uri(configured: str | None, *, environ: Mapping[str, str] | None = None,
+                         cwd: str | os.PathLike[str] | None = None) -> tuple[str, str]:
+    """Pick the tracking URI: the config's, else ``MLFLOW_TRACKING_URI``, else a sqlite file here.
+
+    Returns ``(uri, source)`` with source ``"file"``, ``"env"`` or ``"default"``; the default is
+    MLflow 3's own, ``sqlite:///<cwd>/mlflow.db``.
+    """
+    environ = os.environ if environ is None else environ
+    if configured:
+        return configured, "file"
+    if environ.get("MLFLOW_TRACKING_URI"):
+        return environ["MLFLOW_TRACKING_URI"], "env"
+    base = Path(cwd) if cwd is not None else Path.cwd()
+    return f"sqlite:///{base.resolve() / 'mlflow.db'}", "default"
+
+
+def _metric_key(key: str) -> str:
+    clean = _BAD_KEY_CHARS.sub("_", str(key)).lstrip("/")
+    clean = re.sub(r"/+", "/", clean).replace("..", "__")[:MAX_KEY_LENGTH]
+    return clean if clean not in ("", ".") else "_"
+
+
+def _clip(value: str, limit: int) -> str:
+    return value if len(value) <= limit else value[: limit - len(_TRUNCATED)] + _TRUNCATED
+
+
+_live_writers: weakref.WeakSet[MlflowWriter] = weakref.WeakSet()
+_ATEXIT_TIMEOUT_S = 5.0
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    for w in list(_live_writers):
+        w.close(timeout_s=_ATEXIT_TIMEOUT_S)
+
+
+class MlflowWriter:
+    """Log metrics, params, tags and text to one MLflow run without ever blocking the caller.
+
+    Calls only queue records; a daemon thread spools them to ``spool_path`` and delivers them in
+    batches. While the server is unreachable the thread keeps retrying with backoff (0.5 s up to
+    30 s). ``close()`` waits at most ``timeout_s``; whatever is still undelivered stays in the
+    spool and a `RuntimeWarning` says how to deliver it (``keras-sync sync-spool PATH``).
+
+    Args:
+        tracking_uri: MLflow tracking URI (see `resolve_tracking_uri`).
+        experiment: experiment name; created if missing.
+        run_name: name of a new run (ignored when an existing run is resumed).
+        job_id: the same job id resumes the same run (tag ``keras_sync.job_id``) and reuses the
+            same spool file, so a restarted job also delivers what its predecessor left behind.
+        spool_dir: directory of spool files; default ``./.keras_sync_spool``.
+        flush_interval_s: how often the thread sends what was queued.
+        max_batch: metric points per `log_batch` call (MLflow accepts at most 1000).
+
+    Example:
+        >>> w = MlflowWriter(tracking_uri="sqlite:///mlflow.db", experiment="demo")  # doctest: +SKIP
+        >>> w.start(); w.log_metrics({"loss": 0.3}, step=1); w.close()  # doctest: +SKIP
+    """
+
+    def __init__(self, *, tracking_uri: str, experiment: str, run_name: str | None = None,
+                 job_id: str | None = None, spool_dir: str | os.PathLike[str] | None = None,
+                 flush_interval_s: float = 1.0, max_batch: int = 1000):
+        if not tracking_uri or not isinstance(tracking_uri, str):
+            raise TrackingError(f"Invalid value for argument `tracking_uri`. Received: "
+                                f"tracking_uri={tracking_uri!r}. Expected a non-empty URI string.")
+        if not experiment or not isinstance(experiment, str):
+            raise TrackingError(f"Invalid value for argument `experiment`. Received: "
+                                f"experiment={experiment!r}. Expected a non-empty name.")
+        if job_id is not None and not _JOB_ID.match(str(job_id)):
+            raise TrackingError(f"Invalid value for argument `job_id`. Received: job_id={job_id!r}. "
+                                "Expected 1-250 letters, digits or `_.:/@+-` (no quotes or spaces).")
+        if not flush_interval_s > 0:
+            raise TrackingError(f"Invalid value for argument `flush_interval_s`. Received: "
+                                f"flush_interval_s={flush_interval_s!r}. Expected a number > 0.")
+        if not 1 <= int(max_batch) <= 1000:
+            raise TrackingError(f"Invalid value for argument `max_batch`. Received: "
+                                f"max_batch={max_batch!r}. Expected 1..1000 (MLflow's batch limit).")
+        self._uri = tracking_uri
+        self._shown_uri = redact_uri(tracking_uri)
+        self._secrets = _secrets_of(tracking_uri, os.environ)
+        self._flush_interval_s = float(flush_interval_s)
+        self._max_batch = int(max_batch)
+        self._experiment, self._run_name, self._job_id = experiment, run_name, job_id
+        name = re.sub(r"[^\w.\-]", "_", job_id) if job_id else f"run-{uuid.uuid4().hex[:12]}"
+        self.spool_path = Path(spool_dir or DEFAULT_SPOOL_DIR).resolve() / f"{name}.spool.jsonl"
+        self._spool = SpoolFile(self.spool_path)
+        self._deliverer = Deliverer(tracking_uri, experiment, run_name, job_id)
+        self._queue: deque[tuple[int, dict[str, Any]]] = deque()
+        self._seq = itertools.count(1)
+        self._last_seq = 0
+        self._delivered_seq = 0
+        self._pending: list[tuple[int, int, dict[str, Any]]] = []  # (end offset, seq, record)
+        self._wake = threading.Event()
+        self._progress = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closing = self._abandon = self._closed = False
+        self._key_cache: dict[str, str] = {}
+        _live_writers.add(self)
+
+    # ---- the caller's side: O(1), no I/O ----
+    @property
+    def run_id(self) -> str | None:
+        """The MLflow run id, once the background thread has created or found the run."""
+        return self._deliverer.run_id
+
+    def start(self) -> None:
+        """Start the background thread, which opens (or resumes) the run; returns at once."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="keras-sync-mlflow", daemon=True)
+            self._thread.start()
+
+    def _put(self, rec: dict[str, Any]) -> None:
+        if self._closing:
+            raise TrackingError("MlflowWriter is closed; create a new writer to log more.")
+        seq = next(self._seq)
+        self._queue.append((seq, rec))
+        self._last_seq = seq
+        if len(self._queue) >= self._max_batch:
+            self._wake.set()
+
+    def log_metrics(self, metrics: dict[str, float], step: int, timestamp_ms: int | None = None) -> None:
+        """Queue metric values at ``step``; keys MLflow would refuse are rewritten (``a@b`` -> ``a_b``)."""
+        ts = int(time.time() * 1000) if timestamp_ms is None else int(timestamp_ms)
+        self._put({"k": "m", "s": int(step), "ts": ts, "d": dict(metrics)})
+
+    def log_params(self, params: dict[str, object]) -> None:
+        """Queue params; values are stringified, scrubbed of secrets and cut to 6000 characters."""
+        self._put({"k": "p", "d": {str(k): str(v) for k, v in params.items()}})
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        """Queue run tags; values are scrubbed of secrets and cut to 8000 characters."""
+        self._put({"k": "t", "d": {str(k): str(v) for k, v in tags.items()}})
+
+    def log_text_artifact(self, text: str, artifact_file: str) -> None:
+        """Queue a text file to store as the run artifact ``artifact_file``, scrubbed of secrets."""
+        self._put({"k": "a", "f": str(artifact_file), "text": str(text)})
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait up to ``timeout_s`` for everything queued so far to reach MLflow; True if it did."""
+        target = self._last_seq
+        self._wake.set()
+        if self._thread is None or not self._thread.is_alive():
+            return self._delivered_seq >= target and not self._pending and not self._queue
+        with self._progress:
+            return self._progress.wait_for(
+                lambda: self._delivered_seq >= target and not self._pending, timeout=timeout_s)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """End the run (FINISHED) and stop the thread, waiting at most ``timeout_s``.
+
+        What could not be delivered stays in the spool; a `RuntimeWarning` names it.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        _live_writers.discard(self)
+        self._put({"k": "end", "status": "FINISHED"})
+        self._closing = True
+        self.start()
+        self._wake.set()
+        assert self._thread is not None
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            self._abandon = True  # stop retrying: `keras-sync sync-spool` takes over from here
+            self._wake.set()
+            self._thread.join(1.0)
+        left = len(self._pending) + len(self._queue)
+        if left:
+            warnings.warn(
+                f"keras-sync: {left} MLflow record(s) were not delivered to {self._shown_uri} "
+                f"within {timeout_s:g} s; they are kept in {self.spool_path}. Deliver them when "
+                f"the server is back with: keras-sync sync-spool {self.spool_path}",
+                RuntimeWarning, stacklevel=2)
+
+    # ---- the background thread ----
+    def _loop(self) -> None:
+        backoff, failures = 0.0, 0
+        try:
+            self._load_leftovers()
+            while not self._abandon:
+                self._drain_to_spool()
+                if self._pending:
+                    try:
+                        self._deliver()
+                        if failures:
+                            _log.info("MLflow at %s reachable again; spool backlog delivered.",
+                                      self._shown_uri)
+                        backoff, failures = 0.0, 0
+                    except Exception as e:  # noqa: BLE001 - anything: keep the data, retry later
+                        failures += 1
+                        backoff = min(max(backoff * 2, 0.5), 30.0)
+                        level = logging.WARNING if failures == 1 else logging.DEBUG
+                        kind = "unreachable" if is_transient(e) else "refusing records"
+                        _log.log(level, "MLflow at %s is %s (%s); %d record(s) kept in %s, "
+                                 "retrying in the background.", self._shown_uri, kind,
+                                 _redact(f"{type(e).__name__}: {e}", self._secrets)[:500],
+                                 len(self._pending), self.spool_path)
+                if self._closing and not self._pending and not self._queue:
+                    return
+                self._wake.wait(backoff or self._flush_interval_s)
+                self._wake.clear()
+        finally:
+            self._spool.close()
+            with self._progress:
+                self._progress.notify_all()
+
+    def _load_leftovers(self) -> None:
+        """Queue what an earlier process with the same job id spooled but never delivered."""
+        if self._spool.header() is None:
+            self._spool.append([{"k": "header", "v": 1, "experiment": self._experiment,
+                                 "run_name": self._run_name, "job_id": self._job_id,
+                                 "tracking_uri": self._shown_uri}])
+            self._spool.mark_delivered(self._spool.path.stat().st_size)
+            return
+        for end, rec in self._spool.read(self._spool.delivered_offset()):
+            if rec["k"] != "end":  # the earlier process ended; this one continues the run
+                self._pending.append((end, 0, rec))
+
+    def _drain_to_spool(self) -> None:
+        recs: list[tuple[int, dict[str, Any]]] = []
+        while self._queue:
+            seq, rec = self._queue.popleft()
+            rec = self._clean(rec)
+            if rec is not None:
+                recs.append((seq, rec))
+        if not recs:
+            return
+        ends = self._spool.append([rec for _, rec in recs])
+        self._pending.extend((end, seq, rec) for end, (seq, rec) in zip(ends, recs))
+
+    def _clean(self, rec: dict[str, Any]) -> dict[str, Any] | None:
+        k = rec["k"]
+        if k == "m":
+            out = {}
+            for key, v in rec["d"].items():
+                clean = self._key_cache.get(key)
+                if clean is None:
+                    clean = self._key_cache[key] = _metric_key(key)
+                    if clean != key:
+                        _log.warning("Metric key %r is not valid in MLflow; logged as %r.", key, clean)
+                try:
+                    out[clean] = float(v)
+                except (TypeError, ValueError):
+                    _log.warning("Metric %r=%r is not a number; dropped.", key, v)
+            rec["d"] = out
+            return rec if out else None
+        if k in ("p", "t"):
+            limit = MAX_PARAM_VALUE_LENGTH if k == "p" else MAX_TAG_VALUE_LENGTH
+            rec["d"] = {_clip(_redact(key, self._secrets), MAX_KEY_LENGTH):
+                        _clip(_redact(v, self._secrets), limit) for key, v in rec["d"].items()}
+        elif k == "a":
+            rec["text"] = _redact(rec["text"], self._secrets)
+        return rec
+
+    def _deliver(self) -> None:
+        run_id, fresh = self._deliverer.ensure_run()
+        if fresh:
+            (end,) = self._spool.append([{"k": "run", "run_id": run_id}])
+            self._pending.append((end, 0, {"k": "run", "run_id": run_id}))
+        while self._pending:
+            chunk, points = [], 0
+            for item in self._pending:
+                n = len(item[2]["d"]) if item[2]["k"] == "m" else 0
+                if chunk and (points + n > self._max_batch or len(chunk) >= 100):
+                    break
+                chunk.append(item)
+                points += n
+            self._deliverer.send([rec for _, _, rec in chunk])
+            self._spool.mark_delivered(chunk[-1][0])
+            del self._pending[: len(chunk)]
+            with self._progress:
+                self._delivered_seq = max(self._delivered_seq, max(s for _, s, _ in chunk))
+                self._progress.notify_all()
+
+
+def replay_spool(spool_path: str | os.PathLike[str], tracking_uri: str | None = None) -> int:
+    """Deliver what a spool holds beyond its delivered offset; return the metric points sent.
+
+    Idempotent: the offset moves after every batch, so a second replay sends nothing. The run is
+    the one recorded in the spool, else the one with the spool's job id, else a new run.
+    ``tracking_uri`` defaults to the one in the spool (stored without credentials: pass it again
+    if the server needs them). Backs ``keras-sync sync-spool PATH``.
+    """
+    spool = SpoolFile(spool_path)
+    header = spool.header()
+    if header is None:
+        raise TrackingError(f"Invalid value for argument `spool_path`. Received: "
+                            f"spool_path={str(spool_path)!r}. Expected a keras-sync spool file "
+                            "(*.spool.jsonl) whose first line is its header.")
+    uri = tracking_uri or header["tracking_uri"]
+    records = [(end, rec) for end, rec in spool.read(spool.delivered_offset())
+               if rec["k"] not in ("header", "run")]
+    if not records:
+        spool.mark_delivered(spool.path.stat().st_size)
+        return 0
+    deliverer = Deliverer(uri, header["experiment"], header.get("run_name"), header.get("job_id"),
+                          run_id=spool.last_run_id())
+    try:
+        _, fresh = deliverer.ensure_run()
+        if fresh:
+            spool.append([{"k": "run", "run_id": deliverer.run_id}])
+        sent = 0
+        for i in range(0, len(records), 100):
+            chunk = records[i: i + 100]
+            sent += deliverer.send([rec for _, rec in chunk])
+            spool.mark_delivered(chunk[-1][0])
+        spool.mark_delivered(spool.path.stat().st_size)
+        return sent
+    except Exception as e:
+        raise TrackingError(
+            f"Could not deliver spool {spool_path} to MLflow at {redact_uri(uri)}: "
+            f"{_redact(str(e), _secrets_of(uri, os.environ))[:500]}. Nothing delivered is sent "
+            "twice; run `keras-sync sync-spool` again when the server is reachable.") from None
+    finally:
+        spool.close()

@@ -1,0 +1,105 @@
+"""Shared fixtures: a real `mlflow server` on 127.0.0.1 that tests can stop and restart."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MlflowServer:
+    """A real `mlflow server` (sqlite store, one worker) that keeps its port and store across restarts."""
+
+    def __init__(self, root: Path, port: int | None = None):
+        self.root = root
+        self.port = port or _free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.store_uri = f"sqlite:///{root / 'db'}"
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log = root / "server.log"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self, timeout_s: float = 90.0) -> None:
+        """Start the server and wait until /health answers."""
+        if self.running:
+            return
+        env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
+        env.pop("MLFLOW_TRACKING_URI", None)
+        cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", self.store_uri,
+               "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"]
+        with open(self._log, "ab") as log:
+            # Own process group: `mlflow server` runs uvicorn as a child, and a stop must end both.
+            self._proc = subprocess.Popen(cmd, cwd=self.root, env=env, stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"mlflow server exited with {self._proc.returncode}; see {self._log}")
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"mlflow server not healthy after {timeout_s} s; see {self._log}")
+
+    def stop(self) -> None:
+        """Kill the server (SIGKILL to its process group), as a crash would."""
+        if self._proc is None:
+            return
+        try:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._proc.wait(timeout=30)
+        self._proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server_control(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    """The `MlflowServer` handle (uri, start, stop, restart), started; killed at session end."""
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow_server"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(mlflow_server_control: MlflowServer) -> str:
+    """URI of a running real `mlflow server` shared by the session."""
+    mlflow_server_control.start()
+    return mlflow_server_control.uri
+
+
+@pytest.fixture
+def restartable_mlflow_server(mlflow_server_control: MlflowServer) -> Iterator[MlflowServer]:
+    """The shared server for a test that stops it; it is running again when the test ends."""
+    mlflow_server_control.start()
+    try:
+        yield mlflow_server_control
+    finally:
+        mlflow_server_control.start()
