@@ -1,10 +1,20 @@
 """keras-sync: make a Keras 3 training script distributed with a YAML file and three lines.
 
+    import keras, keras_sync
+    sync = keras_sync.load("keras_sync.yaml")
+    with sync.scope():
+        model = make_model()
+        model.compile(optimizer=keras.optimizers.SGD(sync.lr_schedule()), loss="mse")
+    sync.fit(model, x, y, epochs=3)
+
 Importing this package loads no TensorFlow, Keras or MLflow; they load on first use.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+from keras_sync.config import Config, load_config
 from keras_sync.errors import (
     ClusterError,
     ConfigError,
@@ -15,17 +25,47 @@ from keras_sync.errors import (
     TrackingError,
     UsageError,
 )
+from keras_sync.scaling import (
+    global_batch_size,
+    per_replica_batch_size,
+    scale_learning_rate,
+    warmup_learning_rate,
+)
+from keras_sync.session import Sync, load
 
 __version__ = "0.1.0"
 
+# Public names whose modules import Keras/TensorFlow: loaded on first attribute access.
+_LAZY = {
+    "GradualWarmup": "keras_sync.schedules",
+}
+
 __all__ = [
     "ClusterError",
+    "Config",
     "ConfigError",
     "ConnectTimeoutError",
+    "GradualWarmup",
     "KerasSyncError",
     "ScalingError",
     "StrategyError",
+    "Sync",
     "TrackingError",
     "UsageError",
     "__version__",
+    "global_batch_size",
+    "load",
+    "load_config",
+    "per_replica_batch_size",
+    "scale_learning_rate",
+    "warmup_learning_rate",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'keras_sync' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

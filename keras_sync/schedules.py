@@ -1,0 +1,79 @@
+"""Keras learning-rate schedules: gradual warmup to the scaled peak (Goyal et al. 2017).
+
+This module imports Keras; `keras_sync` imports it only when a schedule is asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
+
+@keras.saving.register_keras_serializable(package="keras_sync")
+class GradualWarmup(keras.optimizers.schedules.LearningRateSchedule):
+    """Linear warmup from ``start_lr`` to ``peak_lr`` over ``warmup_steps``, then ``peak_lr``
+    (or ``after``, a schedule that takes over counting from the end of the warmup).
+
+    ``lr(step) = start_lr + (peak_lr - start_lr) * step / warmup_steps`` for ``step < warmup_steps``
+    (Goyal et al. 2017, "Accurate, Large Minibatch SGD", section 2.2, gradual warmup).
+    Same values as `keras_sync.scaling.warmup_learning_rate`.
+
+    Args:
+        start_lr: learning rate at step 0 (the unscaled base rate).
+        peak_lr: learning rate reached at ``warmup_steps`` (the scaled rate).
+        warmup_steps: number of optimizer steps of the warmup, >= 1.
+        after: optional schedule applied from the end of the warmup, called with
+            ``step - warmup_steps``.
+
+    Example:
+        >>> sched = GradualWarmup(0.1, 0.4, warmup_steps=3)
+        >>> [round(float(sched(s)), 6) for s in range(5)]
+        [0.1, 0.2, 0.3, 0.4, 0.4]
+    """
+
+    def __init__(
+        self,
+        start_lr: float,
+        peak_lr: float,
+        warmup_steps: int,
+        after: keras.optimizers.schedules.LearningRateSchedule | None = None,
+        name: str = "GradualWarmup",
+    ):
+        super().__init__()
+        if int(warmup_steps) < 1:
+            raise ValueError(
+                f"Invalid value for argument `warmup_steps`. Received: warmup_steps={warmup_steps}. "
+                "Expected an integer >= 1 (use the plain learning rate when there is no warmup)."
+            )
+        self.start_lr = float(start_lr)
+        self.peak_lr = float(peak_lr)
+        self.warmup_steps = int(warmup_steps)
+        self.after = after
+        self.name = name
+
+    def __call__(self, step: Any) -> Any:
+        ops = keras.ops
+        step = ops.cast(step, "float32")
+        warm = ops.convert_to_tensor(float(self.warmup_steps), "float32")
+        frac = ops.minimum(step, warm) / warm
+        warm_lr = self.start_lr + (self.peak_lr - self.start_lr) * frac
+        if self.after is None:
+            return warm_lr
+        return ops.where(step < warm, warm_lr, ops.cast(self.after(step - warm), "float32"))
+
+    def get_config(self) -> dict[str, Any]:
+        return {
+            "start_lr": self.start_lr,
+            "peak_lr": self.peak_lr,
+            "warmup_steps": self.warmup_steps,
+            "after": keras.optimizers.schedules.serialize(self.after) if self.after is not None else None,
+            "name": self.name,
+        }
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> GradualWarmup:
+        config = dict(config)
+        if config.get("after") is not None:
+            config["after"] = keras.optimizers.schedules.deserialize(config["after"])
+        return cls(**config)

@@ -1,0 +1,319 @@
+"""`keras_sync.load()` and `Sync`: the strategy, the scaled batch and learning rate, and a drop-in `fit`."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import warnings
+from typing import Any, Mapping
+
+from keras_sync import scaling
+from keras_sync.config import Config, load_config
+from keras_sync.errors import UsageError
+
+log = logging.getLogger("keras_sync")
+
+
+def load(
+    config: str | os.PathLike[str] | Mapping[str, Any] | Config | None = None,
+    *,
+    overrides: Mapping[str, Any] | None = None,
+) -> Sync:
+    """Read the config, build the distribution strategy and scale batch size and learning rate.
+
+    Call it first, before any other TensorFlow work: simulated CPU replicas and the
+    multi-worker cluster can only be set up before TensorFlow initialises.
+
+    Args:
+        config: path to a YAML file, a dict of the same shape, a `Config`, or None
+            (then ``$KERAS_SYNC_CONFIG``, else ``./keras_sync.yaml`` if present, else defaults).
+        overrides: dotted keys that win over the file, e.g. ``{"batch.per_replica": 64}``.
+
+    Example:
+        >>> sync = keras_sync.load("keras_sync.yaml")              # doctest: +SKIP
+        >>> with sync.scope():                                     # doctest: +SKIP
+        ...     model = make_model()
+        ...     model.compile(optimizer=keras.optimizers.SGD(sync.lr_schedule()), loss="mse")
+        >>> sync.fit(model, x, y, epochs=3)                        # doctest: +SKIP
+    """
+    cfg = config if isinstance(config, Config) else load_config(config, overrides=overrides)
+    from keras_sync.strategy import build_strategy
+
+    strategy, detection = build_strategy(cfg)
+    return Sync(cfg, strategy, detection)
+
+
+class Sync:
+    """A configured distributed-training session: strategy, batch sizes, learning rate, `fit`.
+
+    Build it with `keras_sync.load`. Attributes: ``config``, ``strategy``, ``kind`` (the kind
+    built, after `auto`), ``num_replicas``, ``num_workers``, ``is_chief``,
+    ``per_replica_batch_size``, ``global_batch_size``, ``base_learning_rate``,
+    ``learning_rate`` (the scaled peak).
+    """
+
+    def __init__(self, config: Config, strategy: Any, detection: Any):
+        self.config = config
+        self.strategy = strategy
+        self.kind: str = detection.kind
+        self.kind_reason: str = detection.reason
+        self.num_replicas: int = int(strategy.num_replicas_in_sync)
+        self.num_workers, self.is_chief, self.task = _worker_info(strategy)
+        self.per_replica_batch_size, self.global_batch_size = scaling.resolve_batch_sizes(
+            config.batch.per_replica, config.batch.global_, self.num_replicas
+        )
+        lr = config.learning_rate
+        self.base_learning_rate = lr.base
+        self.base_batch_size = lr.base_batch_size or self.per_replica_batch_size
+        self.learning_rate = scaling.scale_learning_rate(
+            lr.base, global_batch_size=self.global_batch_size, base_batch_size=self.base_batch_size, rule=lr.scaling
+        )
+        self._schedules: list[Any] = []
+        self._steps_per_epoch: int | None = None
+        self._warned_batch_size = False
+
+    def __repr__(self) -> str:
+        return (
+            f"Sync(kind={self.kind!r}, replicas={self.num_replicas}, workers={self.num_workers}, "
+            f"per_replica_batch={self.per_replica_batch_size}, global_batch={self.global_batch_size}, "
+            f"learning_rate={self.learning_rate:g})"
+        )
+
+    # -- learning rate -----------------------------------------------------------------------
+
+    def warmup_steps(self, steps_per_epoch: int | None = None) -> int:
+        """The warmup length in optimizer steps (0 when there is no warmup)."""
+        lr = self.config.learning_rate
+        return scaling.warmup_steps_from(
+            warmup_steps=lr.warmup_steps,
+            warmup_epochs=lr.warmup_epochs,
+            steps_per_epoch=steps_per_epoch or self._steps_per_epoch,
+        )
+
+    def lr_schedule(self, steps_per_epoch: int | None = None) -> Any:
+        """The learning rate to give the optimizer: the scaled peak as a float, or a serializable
+        `GradualWarmup` schedule from the base rate to the peak when a warmup is configured.
+
+        With ``learning_rate.warmup_epochs`` the number of steps is fixed by `fit` from the data,
+        unless ``steps_per_epoch`` is given here.
+        """
+        lr = self.config.learning_rate
+        if not lr.warmup_steps and not lr.warmup_epochs:
+            return self.learning_rate
+        from keras_sync.schedules import GradualWarmup
+
+        steps_known = steps_per_epoch or self._steps_per_epoch
+        n = self.warmup_steps(steps_known) if (lr.warmup_steps or steps_known) else 1
+        sched = GradualWarmup(self.base_learning_rate, self.learning_rate, warmup_steps=n)
+        if lr.warmup_epochs and not steps_known:
+            self._schedules.append(sched)  # fit() sets warmup_steps once it knows the steps per epoch
+        return sched
+
+    # -- strategy ----------------------------------------------------------------------------
+
+    def scope(self) -> Any:
+        """The strategy's scope: build and compile the model inside it."""
+        return self.strategy.scope()
+
+    def distribute(self, data: Any, *, shuffle: bool = False, seed: int = 1337) -> Any:
+        """A `tf.data.Dataset` batched by the global batch, from arrays or a dataset of examples.
+
+        Args:
+            data: a numpy array, a tuple/dict of arrays (``(x, y)``), or an unbatched
+                `tf.data.Dataset` of single examples.
+            shuffle: shuffle the examples each epoch, with the same ``seed`` on every worker so
+                that sharding splits one order.
+        """
+        import tensorflow as tf
+
+        if isinstance(data, tf.data.Dataset):
+            ds = data
+        else:
+            if isinstance(data, list):
+                data = tuple(data)
+            ds = tf.data.Dataset.from_tensor_slices(data)
+        n = int(ds.cardinality())
+        if shuffle:
+            size = n if n > 0 else 10_000
+            ds = ds.shuffle(size, seed=seed, reshuffle_each_iteration=True)
+        ds = ds.batch(self.global_batch_size, drop_remainder=self._drop_remainder())
+        if n > 0:
+            self._steps_per_epoch = (n // self.global_batch_size) if self._drop_remainder() else math.ceil(n / self.global_batch_size)
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = self._shard_policy(in_memory=not isinstance(data, tf.data.Dataset))
+        return ds.with_options(options)
+
+    def _drop_remainder(self) -> bool:
+        value = self.config.batch.drop_remainder
+        return self.kind == "tpu" if value == "auto" else bool(value)
+
+    def _shard_policy(self, *, in_memory: bool) -> Any:
+        import tensorflow as tf
+
+        policy = tf.data.experimental.AutoShardPolicy
+        name = self.config.batch.shard_policy
+        if name == "auto":
+            from keras_sync import cluster
+
+            if self.num_workers > 1 and cluster.data_already_sharded():
+                return policy.OFF  # Ray Train shards the data itself
+            return policy.DATA if in_memory else policy.AUTO
+        return {"data": policy.DATA, "file": policy.FILE, "off": policy.OFF}[name]
+
+    # -- Keras -------------------------------------------------------------------------------
+
+    def fit(self, model: Any, x: Any = None, y: Any = None, **kwargs: Any) -> Any:
+        """`model.fit` under this strategy: same arguments, same return value (a `History`).
+
+        Arrays are batched by the global batch (``batch_size``, if given, is read as per-replica);
+        under `multi_worker_mirrored` they become a `tf.data.Dataset`, as Keras requires.
+        """
+        x, y, kwargs = self._prepare(model, "fit", x, y, kwargs)
+        self._resolve_pending_warmup(x, kwargs)
+        from keras_sync import callbacks as ks_callbacks
+
+        kwargs["callbacks"] = ks_callbacks.default_callbacks(self, model, kwargs.get("callbacks"))
+        return model.fit(x, y, **kwargs)
+
+    def evaluate(self, model: Any, x: Any = None, y: Any = None, **kwargs: Any) -> Any:
+        """`model.evaluate` under this strategy, with the same batching rules as `fit`."""
+        x, y, kwargs = self._prepare(model, "evaluate", x, y, kwargs)
+        return model.evaluate(x, y, **kwargs)
+
+    def predict(self, model: Any, x: Any = None, **kwargs: Any) -> Any:
+        """`model.predict` under this strategy, with the same batching rules as `fit`."""
+        x, _, kwargs = self._prepare(model, "predict", x, None, kwargs)
+        return model.predict(x, **kwargs)
+
+    def _prepare(self, model: Any, method: str, x: Any, y: Any, kwargs: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
+        self._check_model(model, method)
+        from keras_sync import _keras_compat
+
+        _keras_compat.check_steps_per_execution(model, self.num_replicas)
+        kwargs = dict(kwargs)
+        per_replica = self._batch_size_argument(kwargs.pop("batch_size", None), method)
+        global_batch = per_replica * self.num_replicas
+        if _is_dataset(x):
+            return x, y, kwargs
+        if self.kind != "multi_worker_mirrored":
+            kwargs["batch_size"] = global_batch
+            return x, y, kwargs
+        return self._arrays_to_dataset(method, x, y, kwargs, global_batch)
+
+    def _arrays_to_dataset(self, method: str, x: Any, y: Any, kwargs: dict[str, Any], global_batch: int) -> tuple[Any, Any, dict[str, Any]]:
+        import tensorflow as tf
+
+        sample_weight = kwargs.pop("sample_weight", None)
+        shuffle = kwargs.pop("shuffle", True) if method == "fit" else False
+        split = kwargs.pop("validation_split", 0.0) if method == "fit" else 0.0
+        if split and kwargs.get("validation_data") is None:
+            # Same rule as Keras: the last `split` fraction of the arrays, before shuffling.
+            n = len(tf.nest.flatten(x)[0])
+            cut = int(n * (1.0 - split))
+            head = lambda a: tf.nest.map_structure(lambda t: t[:cut], a) if a is not None else None  # noqa: E731
+            tail = lambda a: tf.nest.map_structure(lambda t: t[cut:], a) if a is not None else None  # noqa: E731
+            kwargs["validation_data"] = self._dataset(_parts(tail(x), tail(y), tail(sample_weight)), global_batch, False)
+            x, y, sample_weight = head(x), head(y), head(sample_weight)
+        vd = kwargs.get("validation_data")
+        if isinstance(vd, tuple) and not _is_dataset(vd[0]):
+            kwargs["validation_data"] = self._dataset(vd, global_batch, False)
+        return self._dataset(_parts(x, y, sample_weight), global_batch, shuffle), None, kwargs
+
+    def _dataset(self, parts: tuple, global_batch: int, shuffle: bool) -> Any:
+        import tensorflow as tf
+
+        ds = tf.data.Dataset.from_tensor_slices(parts if len(parts) > 1 else parts[0])
+        n = int(ds.cardinality())
+        if shuffle:
+            ds = ds.shuffle(max(n, 1), seed=1337, reshuffle_each_iteration=True)
+        ds = ds.batch(global_batch, drop_remainder=self._drop_remainder())
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = self._shard_policy(in_memory=True)
+        return ds.with_options(options)
+
+    def _batch_size_argument(self, batch_size: int | None, method: str) -> int:
+        if batch_size is None:
+            return self.per_replica_batch_size
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise UsageError(
+                f"Invalid value for argument `batch_size` of sync.{method}. Received: batch_size={batch_size!r}. "
+                "Expected a per-replica batch size (an integer >= 1), or leave it out to use batch.per_replica."
+            )
+        if batch_size != self.per_replica_batch_size and not self._warned_batch_size:
+            self._warned_batch_size = True
+            warnings.warn(
+                f"sync.{method}(batch_size={batch_size}): keras-sync reads batch_size as per-replica, so the global "
+                f"batch is {batch_size} x {self.num_replicas} replicas = {batch_size * self.num_replicas}. The learning "
+                f"rate {self.learning_rate:g} was scaled for the configured global batch {self.global_batch_size}; "
+                "set batch.per_replica in the config instead to keep them consistent.",
+                UserWarning,
+                stacklevel=4,
+            )
+        return batch_size
+
+    def _check_model(self, model: Any, method: str) -> None:
+        if not hasattr(model, "fit") or not hasattr(model, "predict"):
+            raise UsageError(
+                f"sync.{method}(model, ...) expects a Keras model as first argument. Received: {type(model).__name__}."
+            )
+        if self.kind == "default":
+            return
+        if getattr(model, "_distribute_strategy", None) is not self.strategy:
+            raise UsageError(
+                f"The model was built outside sync.scope(), so sync.{method} cannot distribute it over "
+                f"{self.num_replicas} replicas. Fix: create and compile the model inside `with sync.scope():`."
+            )
+
+    def _resolve_pending_warmup(self, x: Any, kwargs: dict[str, Any]) -> None:
+        if not self._schedules:
+            return
+        steps = kwargs.get("steps_per_epoch") or _steps_of(x, kwargs.get("batch_size"), kwargs.get("validation_split"))
+        if not steps:
+            raise UsageError(
+                "learning_rate.warmup_epochs needs the number of steps per epoch, and the training data does not "
+                "tell it (an infinite or unknown-size dataset). Pass steps_per_epoch to sync.fit, or use "
+                "learning_rate.warmup_steps."
+            )
+        self._steps_per_epoch = steps
+        for sched in self._schedules:
+            sched.warmup_steps = self.warmup_steps(steps)
+        self._schedules.clear()
+
+
+def _worker_info(strategy: Any) -> tuple[int, bool, tuple[str | None, int | None]]:
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None:
+        return 1, True, (None, None)
+    from tensorflow.python.distribute import multi_worker_util
+
+    spec = resolver.cluster_spec()
+    if not spec.jobs:
+        return 1, True, (None, None)
+    task_type, task_id = resolver.task_type, resolver.task_id
+    workers = multi_worker_util.worker_count(spec, task_type)
+    return workers, bool(multi_worker_util.is_chief(spec, task_type, task_id)), (task_type, task_id)
+
+
+def _parts(x: Any, y: Any, sample_weight: Any) -> tuple:
+    return tuple(p for p in (x, y, sample_weight) if p is not None)
+
+
+def _is_dataset(x: Any) -> bool:
+    import tensorflow as tf
+
+    return isinstance(x, (tf.data.Dataset, tf.distribute.DistributedDataset)) or hasattr(x, "element_spec")
+
+
+def _steps_of(x: Any, batch_size: int | None, validation_split: float | None) -> int | None:
+    if _is_dataset(x):
+        n = int(x.cardinality()) if hasattr(x, "cardinality") else -1
+        return n if n > 0 else None
+    if x is None or batch_size is None:
+        return None
+    import tensorflow as tf
+
+    n = len(tf.nest.flatten(x)[0])
+    if validation_split:
+        n = int(n * (1.0 - validation_split))
+    return math.ceil(n / batch_size)

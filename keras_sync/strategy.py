@@ -1,0 +1,236 @@
+"""The strategy factory: one small builder per `strategy.kind`, and what `auto` picks and why.
+
+`detect` is cheap and imports no TensorFlow (used by `keras-sync plan`); `build_strategy`
+imports TensorFlow and builds the real `tf.distribute.Strategy`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from keras_sync.config import STRATEGY_KINDS, Config, StrategyConfig
+from keras_sync.errors import StrategyError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import tensorflow as tf
+
+# Environment variables that Cloud TPU VMs, Colab and GKE set when a TPU is attached.
+_TPU_ENV_VARS = ("TPU_NAME", "COLAB_TPU_ADDR", "TPU_ACCELERATOR_TYPE", "KUBE_GOOGLE_CLOUD_TPU_ENDPOINTS")
+
+
+@dataclass(frozen=True)
+class Detection:
+    """The strategy kind that will be built, and the reason, in words for `keras-sync plan`."""
+
+    kind: str
+    reason: str
+
+
+def count_gpus_cheaply() -> int:
+    """NVIDIA GPUs visible to the driver, without importing TensorFlow (0 when unknown)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return 0
+    gpus = Path("/proc/driver/nvidia/gpus")
+    try:
+        n = sum(1 for _ in gpus.iterdir()) if gpus.is_dir() else 0
+    except OSError:
+        return 0
+    if visible:
+        n = min(n, len([v for v in visible.split(",") if v.strip()]))
+    return n
+
+
+def tpu_hint(environ: Mapping[str, str]) -> str | None:
+    """Why we believe a TPU is attached (an env var or /dev/accel0), or None."""
+    for var in _TPU_ENV_VARS:
+        if environ.get(var):
+            return f"${var} is set"
+    if Path("/dev/accel0").exists() or Path("/dev/vfio/0").exists():
+        return "a TPU device (/dev/accel0) is present"
+    return None
+
+
+def count_workers(config: Config, environ: Mapping[str, str]) -> tuple[int, str]:
+    """Number of training workers from the cluster source, and where that came from."""
+    from keras_sync import cluster
+
+    if config.strategy.cluster == "slurm":
+        if "SLURM_PROCID" not in environ:
+            return 1, "no Slurm job ($SLURM_PROCID unset)"
+        info = cluster.parse_slurm_env(environ)
+        return info.num_workers, "Slurm"
+    info = cluster.parse_tf_config(environ.get("TF_CONFIG"))
+    if info.source == "none":
+        return 1, "TF_CONFIG unset"
+    return info.num_workers, f"TF_CONFIG ({info.flavor})"
+
+
+def detect(config: Config, environ: Mapping[str, str] | None = None, *, gpus: int | None = None) -> Detection:
+    """Resolve `strategy.kind: auto` (other kinds are returned as they are), with the reason.
+
+    Order: a reachable TPU; ``multi_worker_mirrored`` when the cluster names more than one worker;
+    ``mirrored`` with more than one GPU or simulated CPU replicas; else the default strategy.
+    """
+    env = os.environ if environ is None else environ
+    kind = config.strategy.kind
+    if kind != "auto":
+        return Detection(kind, f"strategy.kind is {kind!r} ({config.source_of('strategy.kind')})")
+    hint = tpu_hint(env)
+    if hint:
+        return Detection("tpu", f"auto: {hint}")
+    workers, where = count_workers(config, env)
+    if workers > 1:
+        return Detection("multi_worker_mirrored", f"auto: {where} names {workers} workers")
+    n_gpus = count_gpus_cheaply() if gpus is None else gpus
+    if n_gpus > 1:
+        return Detection("mirrored", f"auto: {n_gpus} GPUs")
+    sim = config.strategy.simulated_cpu_replicas
+    if sim > 1:
+        return Detection("mirrored", f"auto: strategy.simulated_cpu_replicas={sim}")
+    why = "one GPU" if n_gpus == 1 else "no GPU"
+    return Detection("default", f"auto: one worker, {why}, no simulated replicas")
+
+
+# ---------------------------------------------------------------------------------------------
+# Builders (import TensorFlow)
+
+
+def configure_simulated_cpus(n: int) -> list[str]:
+    """Split the CPU into ``n`` logical devices; must run before TensorFlow initialises."""
+    import tensorflow as tf
+
+    cpus = tf.config.list_physical_devices("CPU")
+    current = tf.config.get_logical_device_configuration(cpus[0])
+    if current is not None and len(current) == n:
+        return [d.name for d in tf.config.list_logical_devices("CPU")]
+    try:
+        tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * n)
+    except RuntimeError as exc:
+        raise StrategyError(
+            f"Cannot split the CPU into strategy.simulated_cpu_replicas={n} logical devices: TensorFlow has "
+            "already initialised its devices in this process. Call keras_sync.load() first, before creating "
+            f"any tensor, model or dataset. ({exc})"
+        ) from None
+    return [d.name for d in tf.config.list_logical_devices("CPU")]
+
+
+def _cross_device_ops(name: str, n_gpus: int) -> Any:
+    import tensorflow as tf
+
+    if name == "auto":
+        return None
+    if name == "nccl":
+        if n_gpus == 0:
+            raise StrategyError(
+                "strategy.cross_device_ops='nccl' needs GPUs, and TensorFlow sees none here. "
+                "Use 'hierarchical_copy', 'reduction_to_one' or 'auto'."
+            )
+        return tf.distribute.NcclAllReduce()
+    if name == "hierarchical_copy":
+        return tf.distribute.HierarchicalCopyAllReduce()
+    return tf.distribute.ReductionToOneDevice()
+
+
+def _local_devices(cfg: StrategyConfig) -> tuple[list[str] | None, int]:
+    import tensorflow as tf
+
+    if cfg.simulated_cpu_replicas:
+        return configure_simulated_cpus(cfg.simulated_cpu_replicas), 0
+    n_gpus = len(tf.config.list_physical_devices("GPU"))
+    if cfg.devices:
+        known = {d.name.lower() for d in tf.config.list_logical_devices()}
+        for dev in cfg.devices:
+            if _canonical(dev) not in known:
+                raise StrategyError(
+                    f"Invalid value for strategy.devices. Received: {dev!r}. Expected one of the devices "
+                    f"TensorFlow sees here: {', '.join(sorted(known))}."
+                )
+        return list(cfg.devices), n_gpus
+    return None, n_gpus
+
+
+def _canonical(dev: str) -> str:
+    d = dev.strip().lower()
+    if not d.startswith("/"):
+        d = "/" + d
+    if not d.startswith("/job:"):
+        d = "/job:localhost/replica:0/task:0" + ("/device:" + d[1:] if not d.startswith("/device:") else d)
+    return d
+
+
+def _build_default(config: Config) -> tf.distribute.Strategy:
+    import tensorflow as tf
+
+    return tf.distribute.get_strategy()
+
+
+def _build_one_device(config: Config) -> tf.distribute.Strategy:
+    import tensorflow as tf
+
+    devices, n_gpus = _local_devices(config.strategy)
+    device = devices[0] if devices else ("/gpu:0" if n_gpus else "/cpu:0")
+    return tf.distribute.OneDeviceStrategy(device)
+
+
+def _build_mirrored(config: Config) -> tf.distribute.Strategy:
+    import tensorflow as tf
+
+    devices, n_gpus = _local_devices(config.strategy)
+    ops = _cross_device_ops(config.strategy.cross_device_ops, n_gpus)
+    return tf.distribute.MirroredStrategy(devices=devices, cross_device_ops=ops)
+
+
+def _build_multi_worker(config: Config) -> tf.distribute.Strategy:
+    from keras_sync import _keras_compat, _multi_worker, cluster
+
+    cfg = config.strategy
+    local = configure_simulated_cpus(cfg.simulated_cpu_replicas) if cfg.simulated_cpu_replicas else None
+    resolver = cluster.slurm_cluster_resolver() if cfg.cluster == "slurm" else None
+    strategy = _multi_worker.build_multi_worker_strategy(
+        communication=cfg.communication,
+        cluster_resolver=resolver,
+        local_devices=local,
+        connect_timeout_s=cfg.connect_timeout_s,
+    )
+    _keras_compat.apply_multi_worker_fixes()
+    return strategy
+
+
+def _build_tpu(config: Config) -> tf.distribute.Strategy:
+    import tensorflow as tf
+
+    tpu = config.strategy.tpu
+    address = tpu.name or ""
+    try:
+        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=address, zone=tpu.zone, project=tpu.project)
+        if address not in ("", "local"):
+            tf.config.experimental_connect_to_cluster(resolver)
+        tf.tpu.experimental.initialize_tpu_system(resolver)
+        return tf.distribute.TPUStrategy(resolver)
+    except Exception as exc:  # TF raises ValueError, NotFoundError, RuntimeError... all mean "no TPU here"
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise StrategyError(
+            f"Cannot reach a TPU at strategy.tpu.name={address!r} (zone={tpu.zone}, project={tpu.project}): "
+            f"{type(exc).__name__}: {detail}. Set strategy.tpu.name to your TPU's name or grpc:// address, "
+            "or choose another strategy.kind."
+        ) from None
+
+
+BUILDERS: dict[str, Callable[[Config], "tf.distribute.Strategy"]] = {
+    "default": _build_default,
+    "one_device": _build_one_device,
+    "mirrored": _build_mirrored,
+    "multi_worker_mirrored": _build_multi_worker,
+    "tpu": _build_tpu,
+}
+assert set(BUILDERS) | {"auto"} == set(STRATEGY_KINDS)
+
+
+def build_strategy(config: Config, environ: Mapping[str, str] | None = None) -> tuple[tf.distribute.Strategy, Detection]:
+    """Build the configured `tf.distribute.Strategy` (call before any other TensorFlow work)."""
+    detection = detect(config, environ)
+    return BUILDERS[detection.kind](config), detection
