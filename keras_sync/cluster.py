@@ -1,0 +1,399 @@
+"""Where this process sits in a training cluster: TF_CONFIG, Slurm, or alone.
+
+The parsers here are pure (no TensorFlow), so `keras-sync plan` can show the
+cluster without paying for a TensorFlow import. Only `slurm_cluster_resolver`
+and the TensorFlow half of `check_tf_config_order` touch TensorFlow, lazily.
+
+Chief rule (as `tensorflow/python/distribute/multi_worker_util.py` `is_chief`):
+the `chief` task if the cluster has one, else `worker` 0; an `evaluator` is
+not part of the training cluster and is a chief of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from keras_sync.errors import ClusterError
+
+_TRAINING_JOBS = ("chief", "worker")
+_ALLOWED_JOBS = ("chief", "worker", "evaluator", "ps")
+_SLURM_PORT_BASE = 8888  # SlurmClusterResolver's default `port_base`.
+
+
+@dataclass(frozen=True)
+class ClusterInfo:
+    """This process's place in the cluster, as read from the environment.
+
+    Attributes:
+        source: "tf_config", "slurm" or "none" (a single process).
+        task_type: "chief", "worker" or "evaluator".
+        task_id: index of this task within `task_type`.
+        num_workers: number of training tasks (chief + workers).
+        is_chief: whether this task is the chief (see the module docstring).
+        worker_addresses: "host:port" of the training tasks, chief first.
+        flavor: who wrote the cluster description: "kubeflow" (TFJob, also
+            Vertex AI: `"environment": "cloud"`), "ray" (Ray Train) or "plain".
+        data_already_sharded: True when the platform shards the data itself
+            (Ray Train datasets), so shard policy `auto` must not shard again.
+    """
+
+    source: Literal["tf_config", "slurm", "none"]
+    task_type: str
+    task_id: int
+    num_workers: int
+    is_chief: bool
+    worker_addresses: list[str] = field(default_factory=list)
+    flavor: Literal["kubeflow", "ray", "plain"] = "plain"
+    data_already_sharded: bool = False
+
+
+SINGLE_PROCESS = ClusterInfo("none", "worker", 0, 1, True)
+
+
+def is_chief(cluster: Mapping[str, list[str]], task_type: str, task_id: int) -> bool:
+    """The chief rule of TensorFlow's `multi_worker_util.is_chief`.
+
+    >>> is_chief({"chief": ["a:1"], "worker": ["b:1"]}, "worker", 0)
+    False
+    >>> is_chief({"worker": ["a:1", "b:1"]}, "worker", 0)
+    True
+    >>> is_chief({"worker": ["a:1"]}, "evaluator", 0)
+    True
+    """
+    if task_type in ("chief", "evaluator"):
+        return True
+    return "chief" not in cluster and task_type == "worker" and task_id == 0
+
+
+def _error(what: str, received: Any, fix: str) -> ClusterError:
+    shown = received if len(str(received)) < 300 else str(received)[:300] + "..."
+    return ClusterError(f"{what}. Received: {shown}. {fix}")
+
+
+def _load_tf_config(raw: str) -> dict[str, Any]:
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise _error(
+            f"TF_CONFIG is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}, char {e.pos})",
+            f"TF_CONFIG={raw!r}",
+            "Expected a JSON object such as "
+            '{"cluster": {"worker": ["host0:2222", "host1:2222"]}, "task": {"type": "worker", "index": 0}}; '
+            "fix the quoting where TF_CONFIG is set (shell quotes, the job spec).",
+        ) from None
+    if not isinstance(data, dict):
+        raise _error("TF_CONFIG must be a JSON object", f"TF_CONFIG={raw!r}", 'Expected {"cluster": ..., "task": ...}.')
+    return data
+
+
+def parse_tf_config(raw: str | None, *, env: Mapping[str, str] | None = None) -> ClusterInfo:
+    """Reads a TF_CONFIG value (Kubeflow TFJob, Ray Train, Vertex AI or hand-written).
+
+    Args:
+        raw: the TF_CONFIG string; None, "" or "{}" mean a single process.
+        env: the environment, only to recognise Ray workers (default `os.environ`).
+
+    Raises:
+        ClusterError: invalid JSON, `sparseCluster` or `ps` (not supported by
+            MultiWorkerMirroredStrategy), a missing task, an index out of range.
+    """
+    if raw is None or not raw.strip():
+        return SINGLE_PROCESS
+    data = _load_tf_config(raw)
+    if not data:
+        return SINGLE_PROCESS
+    if "sparseCluster" in data:
+        raise _error(
+            "TF_CONFIG has `sparseCluster` (a TFJob with enableDynamicWorker), which is not supported by "
+            "MultiWorkerMirroredStrategy: every worker must know every peer",
+            f"sparseCluster={data['sparseCluster']!r}",
+            "Fix: set `enableDynamicWorker: false` in the TFJob spec so it writes a full `cluster`.",
+        )
+    cluster = data.get("cluster")
+    if not isinstance(cluster, dict) or not cluster:
+        raise _error(
+            "TF_CONFIG has no `cluster` (or it is not a non-empty object)",
+            f"cluster={cluster!r}",
+            'Expected e.g. "cluster": {"worker": ["host0:2222", "host1:2222"]}; unset TF_CONFIG to train in one process.',
+        )
+    for job, addresses in cluster.items():
+        if job not in _ALLOWED_JOBS:
+            raise _error(
+                f"TF_CONFIG cluster has an unknown job `{job}`",
+                f"cluster={cluster!r}",
+                f"Expected only {', '.join(_TRAINING_JOBS)} (and evaluator); rename the job.",
+            )
+        if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
+            raise _error(
+                f"TF_CONFIG cluster.{job} must be a list of 'host:port' strings",
+                f"cluster.{job}={addresses!r}",
+                f'Expected e.g. "{job}": ["host0:2222"].',
+            )
+    if cluster.get("ps"):
+        raise _error(
+            "TF_CONFIG cluster has `ps` tasks, which are not supported by MultiWorkerMirroredStrategy "
+            "(keras-sync does data-parallel all-reduce, not parameter servers)",
+            f"cluster.ps={cluster['ps']!r}",
+            "Fix: remove the PS replicas (TFJob `PS:` replica spec) and run chief/worker replicas only.",
+        )
+    for job in ("chief", "evaluator"):
+        if len(cluster.get(job, [])) > 1:
+            raise _error(
+                f"TF_CONFIG cluster.{job} must have at most one task",
+                f"cluster.{job}={cluster[job]!r}",
+                f"Fix: set `replicas: 1` for the {job.capitalize()} replica spec.",
+            )
+    training = [a for job in _TRAINING_JOBS for a in cluster.get(job, [])]
+    if not training:
+        raise _error(
+            "TF_CONFIG cluster has no `chief` or `worker` tasks", f"cluster={cluster!r}", "Add a worker list."
+        )
+
+    task = data.get("task")
+    if not isinstance(task, dict) or "type" not in task:
+        raise _error(
+            "TF_CONFIG has no `task` (this process's role)",
+            f"task={task!r}",
+            'Expected e.g. "task": {"type": "worker", "index": 0}, different on each process.',
+        )
+    task_type, task_id = task.get("type"), task.get("index")
+    if task_type not in ("chief", "worker", "evaluator"):
+        raise _error(
+            "TF_CONFIG task.type is not a training role",
+            f"task.type={task_type!r}",
+            "Expected one of chief, worker, evaluator.",
+        )
+    if isinstance(task_id, str) and task_id.isdigit():
+        task_id = int(task_id)  # TFConfigClusterResolver does int(index) too
+    if isinstance(task_id, bool) or not isinstance(task_id, int) or task_id < 0:
+        raise _error("TF_CONFIG task.index must be an integer >= 0", f"task.index={task_id!r}", "Fix the task index.")
+    if task_type != "evaluator" or task_type in cluster:
+        count = len(cluster.get(task_type, []))
+        if task_id >= count:
+            raise _error(
+                f"TF_CONFIG task.index is out of range for `{task_type}` ({count} task(s) in cluster.{task_type})",
+                f"task={task!r}",
+                f"Expected an index from 0 to {count - 1}; give each process its own index.",
+            )
+
+    env = os.environ if env is None else env
+    flavor: Literal["kubeflow", "ray", "plain"] = "plain"
+    if str(data.get("environment", "")).lower() == "cloud":
+        flavor = "kubeflow"
+    elif set(cluster) == {"worker"} and "RAY_RAYLET_PID" in env:
+        # Ray Train's TensorflowConfig writes only a worker list; the raylet sets
+        # RAY_RAYLET_PID in every Ray worker process it starts.
+        flavor = "ray"
+    return ClusterInfo(
+        source="tf_config",
+        task_type=task_type,
+        task_id=task_id,
+        num_workers=len(training),
+        is_chief=is_chief(cluster, task_type, task_id),
+        worker_addresses=training,
+        flavor=flavor,
+        data_already_sharded=flavor == "ray",
+    )
+
+
+def tf_config_cluster_resolver(env: Mapping[str, str] | None = None) -> Any:
+    """TensorFlow's `TFConfigClusterResolver`, after TF_CONFIG passed `parse_tf_config`.
+
+    Validating first turns TensorFlow's late, terse failures (a KeyError deep in
+    the strategy, or a hang) into a `ClusterError` that says what to fix.
+    TensorFlow reads `os.environ["TF_CONFIG"]` itself.
+    """
+    parse_tf_config(os.environ.get("TF_CONFIG"), env=env)
+    import tensorflow as tf
+
+    return tf.distribute.cluster_resolver.TFConfigClusterResolver()
+
+
+# ---------------------------------------------------------------- Slurm
+
+_SLURM_VARS = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE")
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """Expands a Slurm hostlist, keeping order, as TensorFlow's resolver does.
+
+    >>> expand_hostlist("n[1-2],m5,o[08-10]")
+    ['n1', 'n2', 'm5', 'o08', 'o09', 'o10']
+    """
+    hosts: list[str] = []
+    for part in re.findall(r"[^,\[]*(?:\[[^\]]*\])?", hostlist):
+        if not part:
+            continue
+        m = re.fullmatch(r"([^\[\]]*)(?:\[([^\]]+)\])?", part)
+        if m is None or (not m.group(1) and m.group(2) is None):
+            raise ValueError(f"bad part {part!r}")
+        prefix, ranges = m.group(1), m.group(2)
+        if ranges is None:
+            hosts.append(prefix)
+            continue
+        for item in ranges.split(","):
+            lo, _, hi = item.partition("-")
+            for i in range(int(lo), int(hi or lo) + 1):
+                hosts.append(prefix + str(i).zfill(len(lo)))
+    return hosts
+
+
+def expand_tasks_per_node(spec: str) -> list[int]:
+    """Expands SLURM_STEP_TASKS_PER_NODE.
+
+    >>> expand_tasks_per_node("3(x2),1")
+    [3, 3, 1]
+    """
+    out: list[int] = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if m is None:
+            raise ValueError(f"bad part {part!r}")
+        out.extend([int(m.group(1))] * int(m.group(2) or 1))
+    return out
+
+
+def parse_slurm_env(env: Mapping[str, str] | None = None, *, port_base: int = _SLURM_PORT_BASE) -> ClusterInfo:
+    """Reads a Slurm job step (`srun`) the way `SlurmClusterResolver` does, without TensorFlow.
+
+    Every task is a `worker`; task i listens on its node at `port_base + i-th task on
+    that node`; nodes are taken in sorted order (TensorFlow sorts them too).
+    """
+    env = os.environ if env is None else env
+    missing = [v for v in _SLURM_VARS if v not in env]
+    if missing:
+        raise _error(
+            f"Slurm variable(s) {', '.join(missing)} are not set",
+            f"SLURM_JOB_ID={env.get('SLURM_JOB_ID')!r}",
+            "The SLURM_STEP_* variables exist only inside a job step: start the script with "
+            "`srun python train.py`, not directly from the batch script.",
+        )
+    try:
+        rank = int(env["SLURM_PROCID"])
+        num_tasks = int(env["SLURM_STEP_NUM_TASKS"])
+        hosts = expand_hostlist(env["SLURM_STEP_NODELIST"])
+        per_node = expand_tasks_per_node(env["SLURM_STEP_TASKS_PER_NODE"])
+    except ValueError as e:
+        raise _error(
+            f"Slurm variables cannot be read ({e})",
+            {v: env[v] for v in _SLURM_VARS},
+            "They are set by srun; do not set them by hand unless you mimic srun exactly.",
+        ) from None
+    layout = dict(zip(hosts, per_node))
+    addresses = [f"{h}:{port_base + i}" for h, n in sorted(layout.items()) for i in range(n)]
+    if len(addresses) != num_tasks or not 0 <= rank < num_tasks:
+        raise _error(
+            "Slurm variables disagree: the node list and tasks per node do not give SLURM_STEP_NUM_TASKS "
+            "tasks, or SLURM_PROCID is out of range",
+            {v: env[v] for v in _SLURM_VARS},
+            "Run under srun with one task per worker process.",
+        )
+    return ClusterInfo("slurm", "worker", rank, num_tasks, rank == 0, addresses)
+
+
+def slurm_cluster_resolver(*, port_base: int = _SLURM_PORT_BASE, env: Mapping[str, str] | None = None) -> Any:
+    """A TensorFlow cluster resolver for the current Slurm job step.
+
+    Uses `tf.distribute.cluster_resolver.SlurmClusterResolver`, which reads the
+    SLURM_* variables of `os.environ` (no `scontrol`, no DNS: host names go into
+    the cluster spec as they are). On a machine without GPUs its GPU bookkeeping
+    would give each task a GPU that does not exist (and zero GPUs per task makes
+    it drop every task), so there the result is frozen into a
+    `SimpleClusterResolver` that reports no accelerators.
+    """
+    info = parse_slurm_env(env, port_base=port_base)  # clear errors before TensorFlow's RuntimeErrors
+    import tensorflow as tf
+
+    resolvers = tf.distribute.cluster_resolver
+    if tf.config.list_physical_devices("GPU"):
+        return resolvers.SlurmClusterResolver(port_base=port_base)
+    slurm = resolvers.SlurmClusterResolver(
+        port_base=port_base, gpus_per_node=info.num_workers, gpus_per_task=1, auto_set_gpu=False
+    )
+    spec = slurm.cluster_spec()
+    return resolvers.SimpleClusterResolver(
+        spec, task_type=slurm.task_type, task_id=slurm.task_id, num_accelerators={}, rpc_layer="grpc"
+    )
+
+
+def cluster_from_env(env: Mapping[str, str] | None = None) -> ClusterInfo:
+    """This process's cluster: TF_CONFIG if set, else a Slurm step with more than one task, else alone."""
+    env = os.environ if env is None else env
+    info = parse_tf_config(env.get("TF_CONFIG"), env=env)
+    if info.source == "none" and "SLURM_STEP_NUM_TASKS" in env and env["SLURM_STEP_NUM_TASKS"] != "1":
+        info = parse_slurm_env(env)
+    return info
+
+
+# ------------------------------------------------- TF_CONFIG order (tensorflow#60706)
+
+_recorded: list[str | None] = []  # TF_CONFIG seen when keras_sync built a strategy
+
+
+def _cluster_key(raw: str | None) -> tuple[Any, ...] | None:
+    try:
+        data = json.loads(raw) if raw and raw.strip() else {}
+    except json.JSONDecodeError:
+        return ("invalid", raw)
+    if not isinstance(data, dict) or not data.get("cluster"):
+        return None
+    cluster = {k: list(v) for k, v in sorted(data["cluster"].items()) if v}
+    task = data.get("task") or {}
+    return (json.dumps(cluster, sort_keys=True), task.get("type"), task.get("index"))
+
+
+def record_strategy_tf_config(raw: str | None) -> None:
+    """Remembers the TF_CONFIG a strategy was built with (called by the strategy factory)."""
+    _recorded[:] = [raw]
+
+
+def _tf_context_cluster() -> tuple[Any, ...] | None:
+    """The cluster TensorFlow's eager context already joined, if TensorFlow is loaded."""
+    if "tensorflow" not in sys.modules:
+        return None
+    from tensorflow.python.eager import context
+
+    ctx = context.context_safe()
+    server_def = ctx and (getattr(ctx, "_collective_ops_server_def", None) or getattr(ctx, "_server_def", None))
+    if not server_def:
+        return None
+    cluster = {j.name: [j.tasks[i] for i in sorted(j.tasks)] for j in server_def.cluster.job}
+    cluster = {k: v for k, v in sorted(cluster.items()) if v}
+    return (json.dumps(cluster, sort_keys=True), server_def.job_name, server_def.task_index)
+
+
+def check_tf_config_order(raw: str | None = None, *, env: Mapping[str, str] | None = None) -> None:
+    """Raises if TF_CONFIG differs from the cluster this process already built a strategy for.
+
+    TensorFlow reads TF_CONFIG once, when a strategy is built, and a process can
+    join only one cluster (tensorflow#60706): a TF_CONFIG set or changed later is
+    silently ignored and the job trains in the wrong cluster or hangs.
+    """
+    if raw is None:
+        raw = (os.environ if env is None else env).get("TF_CONFIG")
+    now = _cluster_key(raw)
+    fix = (
+        "TensorFlow reads TF_CONFIG once, when the first strategy is built (tensorflow#60706). "
+        "Fix: set TF_CONFIG in the environment before the process starts, or at least before "
+        "`keras_sync.load()` and any TensorFlow work, and do not change it afterwards."
+    )
+    if _recorded and _cluster_key(_recorded[0]) != now:
+        raise _error(
+            f"TF_CONFIG changed after keras_sync built a strategy in this process (it was {_recorded[0]!r})",
+            f"TF_CONFIG={raw!r}",
+            fix,
+        )
+    joined = _tf_context_cluster()
+    if joined is not None and joined != now:
+        raise _error(
+            f"TensorFlow in this process already joined the cluster {joined[0]} as {joined[1]}:{joined[2]}, "
+            "which TF_CONFIG no longer describes",
+            f"TF_CONFIG={raw!r}",
+            fix,
+        )
