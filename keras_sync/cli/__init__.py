@@ -1,0 +1,39 @@
+"""The ``keras-sync`` command line.
+
+This module only registers the commands, one module each; they translate between the user
+and the library and hold no logic of their own. Nothing heavy is imported here: ``--help``,
+``validate`` and ``schema`` never load TensorFlow, Keras or MLflow.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from keras_sync import __version__
+from keras_sync.cli import env, init, launch, plan, schema, sync_spool, ui, validate
+from keras_sync.cli._base import SyncGroup
+
+
+@click.group(cls=SyncGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", "-V", prog_name="keras-sync")
+def cli() -> None:
+    """Make a Keras 3 training script distributed from a YAML file.
+
+    \b
+    Start:   keras-sync init && python train.py
+    Check:   keras-sync validate && keras-sync plan
+    """
+
+
+for _module in (init, validate, plan, env, ui, schema, launch, sync_spool):
+    cli.add_command(_module.command)
+
+
+def main(args: list[str] | None = None, *, standalone_mode: bool = True) -> Any:
+    """Entry point of the ``keras-sync`` console script."""
+    return cli.main(args=args, prog_name="keras-sync", standalone_mode=standalone_mode)
+
+
+__all__ = ["cli", "main"]

@@ -1,0 +1,30 @@
+"""How every command reports a user's mistake: the message alone on stderr, exit code 2."""
+
+from __future__ import annotations
+
+from typing import IO, Any
+
+import click
+
+from keras_sync.errors import KerasSyncError
+
+USAGE_EXIT = 2
+
+
+class UserError(click.ClickException):
+    """A `KerasSyncError` on its way to the terminal: printed as is (no 'Error:' prefix)."""
+
+    exit_code = USAGE_EXIT
+
+    def show(self, file: IO[Any] | None = None) -> None:
+        click.echo(self.format_message(), err=True, file=file)
+
+
+class SyncGroup(click.Group):
+    """A click group that turns `KerasSyncError` into `UserError` (never a traceback)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KerasSyncError as exc:
+            raise UserError(str(exc)) from None

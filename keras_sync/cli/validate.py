@@ -1,0 +1,25 @@
+"""``keras-sync validate``: check a config file and print every problem at once."""
+
+from __future__ import annotations
+
+import click
+
+from keras_sync.cli._base import UserError
+
+
+@click.command("validate")
+@click.argument("config", required=False, type=click.Path(dir_okay=True, path_type=str))
+def command(config: str | None) -> None:
+    """Check CONFIG (default: $KERAS_SYNC_CONFIG or ./keras_sync.yaml).
+
+    Prints a one-line summary, or every problem as FILE:LINE: key.path: message and
+    exits with code 2. Loads no TensorFlow.
+    """
+    from keras_sync.config import load_config
+    from keras_sync.plan import config_summary
+
+    cfg = load_config(config)
+    if cfg.source == "<defaults>":
+        raise UserError("no config file: ./keras_sync.yaml does not exist and $KERAS_SYNC_CONFIG is unset; "
+                        "pass a path, or create one with 'keras-sync init'")
+    click.echo(config_summary(cfg))

@@ -1,0 +1,167 @@
+"""What a training run would do with this config, computed without training.
+
+`make_plan` answers, before any TensorFlow starts: which strategy ``auto`` picks and why,
+the devices, workers and replicas, the per-replica and global batch, the scaled learning
+rate and warmup, and where MLflow writes (credentials redacted). Every value says where
+it came from: ``flag``, ``env``, ``file``, ``default``, or ``detected``/``derived`` when
+keras-sync worked it out from the others.
+
+Pure: no TensorFlow import (device detection is the cheap one in `keras_sync.strategy`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from keras_sync.config import Config
+
+
+@dataclass(frozen=True)
+class PlanItem:
+    """One planned value: its key, the value, where it came from, and a short why."""
+
+    key: str
+    value: Any
+    source: str
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The values a run would use, in the order a user reads them."""
+
+    config_file: str
+    items: list[PlanItem] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able: ``{"config": file, "items": {key: {"value", "source", "note"}}}``."""
+        return {
+            "config": self.config_file,
+            "items": {i.key: {"value": i.value, "source": i.source, "note": i.note} for i in self.items},
+        }
+
+    def format(self) -> str:
+        """An aligned text table: key, value, source, note."""
+        rows = [(i.key, _show(i.value), i.source, i.note) for i in self.items]
+        widths = [max(len(r[c]) for r in rows) for c in range(3)]
+        lines = [f"config: {self.config_file}"]
+        for key, value, source, note in rows:
+            line = f"  {key:<{widths[0]}}  {value:<{widths[1]}}  [{source}]"
+            if note:
+                line = f"{line:<{widths[0] + widths[1] + widths[2] + 8}}  {note}"
+            lines.append(line.rstrip())
+        return "\n".join(lines)
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(str(v) for v in value) or "-"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Plan:
+    """The plan of a run with `config` in the environment `environ` (default ``os.environ``).
+
+    Raises:
+        KerasSyncError: when the values do not fit together (e.g. a global batch that does not
+            divide by the replica count, or a malformed TF_CONFIG).
+    """
+    from keras_sync import scaling, strategy, tracking
+
+    src = config.source_of
+    env = os.environ if environ is None else environ
+    det = strategy.detect(config, environ=env)
+    workers, where = strategy.count_workers(config, env)
+    if det.kind != "multi_worker_mirrored":
+        workers, where = 1, f"{det.kind} runs in one process"
+    devices, per_worker = _local_layout(det.kind, config, strategy.count_gpus_cheaply())
+    replicas = workers * per_worker
+    items = [
+        PlanItem("strategy.kind", config.strategy.kind, src("strategy.kind")),
+        PlanItem("strategy.chosen", det.kind, "detected", det.reason),
+        PlanItem("devices", devices, "detected", "per worker"),
+        PlanItem("workers", workers, "env" if workers > 1 else "default", where),
+        PlanItem("replicas", replicas, "derived", f"{workers} worker(s) x {per_worker} device(s)"),
+    ]
+    if det.kind == "tpu":
+        items[-1] = PlanItem("replicas", replicas, "derived", "assumes 8 TPU cores; the real count is known "
+                             "when the TPU system starts")
+    b = config.batch
+    per_replica, global_batch = scaling.resolve_batch_sizes(b.per_replica, b.global_, replicas)
+    if b.global_ is not None:
+        items.append(PlanItem("batch.global", global_batch, src("batch.global")))
+        items.append(PlanItem("batch.per_replica", per_replica, "derived", f"{global_batch} / {replicas} replicas"))
+    else:
+        items.append(PlanItem("batch.per_replica", per_replica, src("batch.per_replica")))
+        items.append(PlanItem("batch.global", global_batch, "derived", f"{per_replica} x {replicas} replicas"))
+    lr = config.learning_rate
+    base_batch = lr.base_batch_size or per_replica
+    scaled = scaling.scale_learning_rate(lr.base, global_batch_size=global_batch, base_batch_size=base_batch,
+                                         rule=lr.scaling)
+    items += [
+        PlanItem("learning_rate.base", lr.base, src("learning_rate.base")),
+        PlanItem("learning_rate.base_batch_size", base_batch, src("learning_rate.base_batch_size"),
+                 "" if lr.base_batch_size else "null = the per-replica batch"),
+        PlanItem("learning_rate.scaling", lr.scaling, src("learning_rate.scaling")),
+        PlanItem("learning_rate.scaled", scaled, "derived", _lr_formula(lr.scaling, lr.base, global_batch, base_batch)),
+    ]
+    if lr.warmup_epochs:
+        items.append(PlanItem("learning_rate.warmup_epochs", lr.warmup_epochs, src("learning_rate.warmup_epochs"),
+                              "steps = ceil(epochs x steps per epoch), known at fit"))
+    else:
+        items.append(PlanItem("learning_rate.warmup_steps", lr.warmup_steps, src("learning_rate.warmup_steps"),
+                              "" if lr.warmup_steps else "no warmup"))
+    m = config.mlflow
+    items.append(PlanItem("mlflow.enabled", m.enabled, src("mlflow.enabled")))
+    if m.enabled:
+        # load_config already put $MLFLOW_TRACKING_URI into the config (source "env"); only the
+        # default is left for resolve_tracking_uri to fill in.
+        uri, _ = tracking.resolve_tracking_uri(m.tracking_uri, environ=env)
+        uri_source = src("mlflow.tracking_uri") if m.tracking_uri else "default"
+        items.append(PlanItem("mlflow.tracking_uri", tracking.redact_uri(uri), uri_source))
+        items.append(PlanItem("mlflow.experiment", m.experiment, src("mlflow.experiment")))
+    return Plan(config.source, items)
+
+
+def _lr_formula(rule: str, base: float, global_batch: int, base_batch: int) -> str:
+    if rule == "linear":
+        return f"{base:g} x {global_batch}/{base_batch} (Goyal et al. 2017)"
+    if rule == "sqrt":
+        return f"{base:g} x sqrt({global_batch}/{base_batch})"
+    return "not scaled"
+
+
+def _local_layout(kind: str, config: Config, gpus: int) -> tuple[list[str], int]:
+    """The devices one worker trains on, as the strategy builders will pick them."""
+    s = config.strategy
+    if kind == "tpu":
+        return [f"TPU {s.tpu.name}"], 8
+    if s.devices:
+        return list(s.devices), len(s.devices)
+    if kind in ("default", "one_device"):
+        return ["/gpu:0" if gpus else "/cpu:0"], 1
+    if s.simulated_cpu_replicas:
+        n = s.simulated_cpu_replicas
+        return [f"/cpu:{i} (logical)" for i in range(n)], n
+    if gpus:
+        return [f"/gpu:{i}" for i in range(gpus)], gpus
+    return ["/cpu:0"], 1
+
+
+def config_summary(config: Config) -> str:
+    """One line on a valid config, for `keras-sync validate` (no detection, no TensorFlow)."""
+    b, lr, m = config.batch, config.learning_rate, config.mlflow
+    batch = f"global batch {b.global_}" if b.global_ is not None else f"per-replica batch {b.per_replica}"
+    target = "mlflow off"
+    if m.enabled:
+        target = f"mlflow experiment {m.experiment!r}"
+    return (f"{config.source}: OK (strategy {config.strategy.kind}, {batch}, "
+            f"learning rate {lr.base:g} scaled {lr.scaling}, {target})")

@@ -1,0 +1,74 @@
+"""What `keras-sync init` writes: a commented ``keras_sync.yaml`` and a ``train.py`` that runs as is.
+
+The files come from the templates shipped in the package (``keras_sync.templates``): one main
+config template, one commented ``strategy:`` section per strategy kind, and the training script.
+Nothing is overwritten unless asked: every target is checked before any is written.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+from keras_sync.config import DEFAULT_CONFIG_FILE, STRATEGY_KINDS
+from keras_sync.errors import UsageError
+
+TRAIN_SCRIPT = "train.py"
+TARGETS = (DEFAULT_CONFIG_FILE, TRAIN_SCRIPT)
+
+
+def _template(name: str) -> str:
+    return resources.files("keras_sync.templates").joinpath(name).read_text(encoding="utf-8")
+
+
+def render_config(kind: str = "auto", per_replica_batch: int = 32) -> str:
+    """The text of a commented ``keras_sync.yaml`` for strategy `kind`.
+
+    >>> "kind: mirrored" in render_config("mirrored", 64)
+    True
+    """
+    if kind not in STRATEGY_KINDS:
+        raise UsageError(f"Invalid value for argument `kind`. Received: kind={kind!r}. "
+                         f"Expected one of {', '.join(STRATEGY_KINDS)}.")
+    if isinstance(per_replica_batch, bool) or not isinstance(per_replica_batch, int) or per_replica_batch < 1:
+        raise UsageError(f"Invalid value for argument `per_replica_batch`. Received: "
+                         f"per_replica_batch={per_replica_batch!r}. Expected an integer >= 1.")
+    # Plain replacement, not string.Template: the comments mention $MLFLOW_TRACKING_URI and friends.
+    text = _template(DEFAULT_CONFIG_FILE)
+    return text.replace("${strategy}", _template(f"strategy_{kind}.yaml")).replace(
+        "${per_replica}", str(per_replica_batch))
+
+
+def render_train_script() -> str:
+    """The text of ``train.py``: a small Keras model on generated data, three keras-sync lines."""
+    return _template(TRAIN_SCRIPT)
+
+
+def init_project(directory: str | Path = ".", *, kind: str = "auto", per_replica_batch: int = 32,
+                 force: bool = False) -> list[Path]:
+    """Write ``keras_sync.yaml`` and ``train.py`` into `directory` (created if needed); return their paths.
+
+    Raises:
+        UsageError: a target exists and `force` is false (nothing is written then), or a bad argument.
+        KerasSyncError: the directory cannot be created or written.
+    """
+    root = Path(directory)
+    contents = {root / DEFAULT_CONFIG_FILE: render_config(kind, per_replica_batch),
+                root / TRAIN_SCRIPT: render_train_script()}
+    if root.exists() and not root.is_dir():
+        raise UsageError(f"Invalid value for argument `directory`. Received: {str(root)!r}, which is a file. "
+                         "Expected a directory (it is created if missing).")
+    existing = [p for p in contents if p.exists()]
+    if existing and not force:
+        names = " and ".join(str(p) for p in existing)
+        exist = "it exists" if len(existing) == 1 else "they exist"
+        raise UsageError(f"Refusing to overwrite {names}: {exist}, so nothing was written. "
+                         "Pass --force to overwrite, or choose another directory.")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        for path, text in contents.items():
+            path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"Cannot write into {str(root)!r}: {exc.strerror or exc}. "
+                         "Expected a writable directory; choose another one.") from None
+    return list(contents)
