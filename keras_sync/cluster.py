@@ -331,6 +331,11 @@ def cluster_from_env(env: Mapping[str, str] | None = None) -> ClusterInfo:
     return info
 
 
+def data_already_sharded(env: Mapping[str, str] | None = None) -> bool:
+    """Whether the platform shards the input itself (Ray Train), so shard policy `auto` must not."""
+    return cluster_from_env(env).data_already_sharded
+
+
 # ------------------------------------------------- TF_CONFIG order (tensorflow#60706)
 
 _recorded: list[str | None] = []  # TF_CONFIG seen when keras_sync built a strategy

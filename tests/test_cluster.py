@@ -16,6 +16,7 @@ from keras_sync.cluster import (
     ClusterInfo,
     check_tf_config_order,
     cluster_from_env,
+    data_already_sharded,
     expand_hostlist,
     expand_tasks_per_node,
     is_chief,
@@ -24,6 +25,7 @@ from keras_sync.cluster import (
     record_strategy_tf_config,
 )
 from keras_sync.errors import ClusterError
+from keras_sync.launch import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,6 +75,12 @@ def test_ray_train_worker_list_is_ray_and_already_sharded() -> None:
     assert (info.flavor, info.data_already_sharded, info.task_id, info.is_chief) == ("ray", True, 1, False)
     rank0 = parse_tf_config(RAY.replace('"index": 1', '"index": 0'), env=RAY_ENV)
     assert rank0.is_chief
+
+
+def test_data_already_sharded_only_under_ray() -> None:
+    assert data_already_sharded({"TF_CONFIG": RAY, **RAY_ENV}) is True
+    assert data_already_sharded({"TF_CONFIG": RAY}) is False
+    assert data_already_sharded(RAY_ENV) is False  # Ray without TF_CONFIG: not Ray Train's TensorflowConfig
 
 
 def test_same_worker_list_outside_ray_is_plain() -> None:
@@ -246,3 +254,28 @@ def test_against_tensorflow_resolvers_and_a_real_strategy() -> None:
     assert order["replicas"] == 1
     assert re.search("TF_CONFIG changed after keras_sync built a strategy", order["recorded"])
     assert re.search(r"TensorFlow in this process already joined the cluster .*127\.0\.0\.1.* as worker:0", order["tf_context"])
+
+
+def _two_consecutive_free_ports() -> int:
+    for _ in range(50):
+        base = _free_port_base()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", base + 1))
+            except OSError:
+                continue
+        return base
+    raise AssertionError("no two consecutive free ports")
+
+
+def test_two_slurm_tasks_all_reduce_with_the_slurm_resolver(capsys: pytest.CaptureFixture[str]) -> None:
+    """Two processes with srun-like variables on 127.0.0.1 build a real MultiWorkerMirroredStrategy."""
+    port_base = _two_consecutive_free_ports()
+    code = launch(str(ROOT / "tests" / "_launch_tf_worker.py"), ["slurm", str(port_base)], workers=2, grace_period_s=1)
+    out, err = capsys.readouterr()
+    assert code == 0, err[-3000:]
+    results = [json.loads(line.partition(" ")[2]) for line in sorted(out.splitlines()) if '{"task_id"' in line]
+    assert [(r["task_id"], r["sum"], r["replicas"], r["is_chief"], r["tf_is_chief"]) for r in results] == [
+        (0, 3.0, 2, True, True),
+        (1, 3.0, 2, False, False),
+    ]

@@ -185,3 +185,22 @@ def test_launcher_and_cluster_load_no_tensorflow() -> None:
     code = "import sys, keras_sync.launch, keras_sync.cluster; print('tensorflow' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert proc.stdout.strip() == "False", proc.stderr
+
+
+def _results(out: str) -> dict[str, dict]:
+    found = {}
+    for line in out.splitlines():
+        prefix, _, payload = line.partition(" ")
+        if payload.startswith('{"task_id"'):
+            found[prefix] = json.loads(payload)
+    return found
+
+
+def test_two_tensorflow_workers_all_reduce_over_the_launchers_tf_config(capsys: pytest.CaptureFixture[str]) -> None:
+    code = launch(str(ROOT / "tests" / "_launch_tf_worker.py"), ["tf_config"], workers=2, grace_period_s=1)
+    out, err = capsys.readouterr()
+    assert code == 0, err[-3000:]
+    results = _results(out)
+    assert [results[f"[w{i}]"]["sum"] for i in range(2)] == [3.0, 3.0]  # 1 + 2 across the two workers
+    assert [results[f"[w{i}]"]["replicas"] for i in range(2)] == [2, 2]
+    assert [(r["is_chief"], r["tf_is_chief"]) for r in (results["[w0]"], results["[w1]"])] == [(True, True), (False, False)]
