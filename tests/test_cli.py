@@ -1,0 +1,321 @@
+"""The `keras-sync` console script, run for real in subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+KERAS_SYNC = str(Path(sys.executable).with_name("keras-sync"))
+BAD_CONFIGS = Path(__file__).parent / "fixtures" / "bad_configs"
+_SETTINGS_ENV = ("KERAS_SYNC_CONFIG", "MLFLOW_TRACKING_URI", "TF_CONFIG")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _SETTINGS_ENV}
+    env.update(extra)
+    return env
+
+
+def run(*args: str, cwd: Path | str | None = None, timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([KERAS_SYNC, *args], cwd=cwd, env=_env(**env), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+# -- validate -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in BAD_CONFIGS.glob("*.yaml")))
+def test_validate_bad_config_prints_exact_errors(name: str) -> None:
+    result = run("validate", f"{name}.yaml", cwd=BAD_CONFIGS)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr == (BAD_CONFIGS / f"{name}.expected").read_text()
+    assert "Traceback" not in result.stderr
+
+
+def test_bad_config_fixtures_cover_every_case() -> None:
+    names = {p.stem for p in BAD_CONFIGS.glob("*.yaml")}
+    assert names == {"unknown_key", "wrong_type", "bad_value", "conflicting_keys", "yaml_syntax", "empty",
+                     "not_a_mapping", "python_tag", "yes_no_kind", "duplicate_key", "several_errors"}
+    assert all((BAD_CONFIGS / f"{n}.expected").is_file() for n in names)
+
+
+def test_validate_several_errors_reports_all_at_once() -> None:
+    expected = (BAD_CONFIGS / "several_errors.expected").read_text().splitlines()
+    assert len(expected) == 6
+    assert all(line.startswith("several_errors.yaml:") for line in expected)
+
+
+def test_validate_missing_file_says_so(tmp_path: Path) -> None:
+    result = run("validate", "nope.yaml", cwd=tmp_path)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == "nope.yaml: no such file; create one with 'keras-sync init' or pass the right path\n"
+
+
+def test_validate_directory_says_so(tmp_path: Path) -> None:
+    (tmp_path / "conf").mkdir()
+    result = run("validate", "conf", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr == "conf: is a directory, expected a YAML file (e.g. conf/keras_sync.yaml)\n"
+
+
+def test_validate_non_utf8_names_line_and_byte(tmp_path: Path) -> None:
+    (tmp_path / "latin1.yaml").write_bytes(b"strategy:\n  kind: mirrored\n# caf\xe9\n")
+    result = run("validate", "latin1.yaml", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr == ("latin1.yaml:3: not UTF-8 text (byte 0xe9 at offset 32); "
+                             "save the file as UTF-8 YAML\n")
+
+
+def test_validate_without_any_config_file_says_how_to_make_one(tmp_path: Path) -> None:
+    result = run("validate", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "no config file" in result.stderr and "keras-sync init" in result.stderr
+
+
+def test_validate_good_config_prints_summary(tmp_path: Path) -> None:
+    (tmp_path / "keras_sync.yaml").write_text("strategy:\n  kind: mirrored\nbatch:\n  global: 256\n")
+    result = run("validate", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == ("keras_sync.yaml: OK (strategy mirrored, global batch 256, learning rate 0.1 "
+                             "scaled linear, mlflow experiment 'keras-sync')\n")
+
+
+def test_validate_reads_config_from_env(tmp_path: Path) -> None:
+    (tmp_path / "other.yaml").write_text("strategy:\n  kind: tpu\n")
+    result = run("validate", cwd=tmp_path, KERAS_SYNC_CONFIG="other.yaml")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("other.yaml: OK (strategy tpu,")
+
+
+# -- no heavy imports ---------------------------------------------------------------------------
+
+_NO_TF_PROBE = """
+import sys
+from keras_sync.cli import main
+assert main(["--help"], standalone_mode=False) == 0
+main(["validate", sys.argv[1]], standalone_mode=False)
+main(["schema"], standalone_mode=False)
+heavy = [m for m in ("tensorflow", "keras", "mlflow") if m in sys.modules]
+assert not heavy, heavy
+print("clean")
+"""
+
+
+def test_help_validate_and_schema_import_no_tensorflow(tmp_path: Path) -> None:
+    (tmp_path / "keras_sync.yaml").write_text("strategy:\n  kind: mirrored\n")
+    result = subprocess.run([sys.executable, "-c", _NO_TF_PROBE, str(tmp_path / "keras_sync.yaml")],
+                            env=_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.rstrip().endswith("clean")
+
+
+def test_version() -> None:
+    from keras_sync import __version__
+
+    result = run("--version")
+    assert (result.returncode, result.stdout) == (0, f"keras-sync, version {__version__}\n")
+
+
+def test_unknown_command_is_a_usage_error() -> None:
+    result = run("trian")
+    assert result.returncode == 2
+    assert "No such command 'trian'" in result.stderr and "Traceback" not in result.stderr
+
+
+# -- init ---------------------------------------------------------------------------------------
+
+
+def test_init_refuses_to_overwrite_names_file_and_writes_nothing(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text("# mine\n")
+    result = run("init", "--no-input", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr == ("Refusing to overwrite train.py: it exists, so nothing was written. "
+                             "Pass --force to overwrite, or choose another directory.\n")
+    assert (tmp_path / "train.py").read_text() == "# mine\n"
+    assert not (tmp_path / "keras_sync.yaml").exists()
+
+
+def test_init_force_overwrites(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text("# mine\n")
+    (tmp_path / "keras_sync.yaml").write_text("strategy: {kind: tpu}\n")
+    result = run("init", "--no-input", "--force", "--strategy", "mirrored", "--per-replica-batch", "16",
+                 cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "import keras_sync" in (tmp_path / "train.py").read_text()
+    text = (tmp_path / "keras_sync.yaml").read_text()
+    assert "kind: mirrored" in text and "per_replica: 16" in text
+    check = run("validate", cwd=tmp_path)
+    assert check.returncode == 0, check.stderr
+
+
+def test_init_without_tty_asks_nothing_and_uses_defaults(tmp_path: Path) -> None:
+    result = subprocess.run([KERAS_SYNC, "init", "proj"], cwd=tmp_path, env=_env(), input="",
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[:2] == [f"wrote {Path('proj', 'keras_sync.yaml')}",
+                                              f"wrote {Path('proj', 'train.py')}"]
+    assert "kind: auto" in (tmp_path / "proj" / "keras_sync.yaml").read_text()
+
+
+def test_init_into_a_file_is_a_usage_error(tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("")
+    result = run("init", "afile", "--no-input", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and "afile" in result.stderr
+
+
+def test_init_then_train_script_trains(tmp_path: Path) -> None:
+    assert run("init", "--no-input", cwd=tmp_path).returncode == 0
+    result = subprocess.run([sys.executable, "train.py", "--epochs", "1"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=180, env=_env(TF_CPP_MIN_LOG_LEVEL="2"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Epoch 1/1" in result.stdout
+    assert "accuracy" in result.stdout
+
+
+# -- plan ---------------------------------------------------------------------------------------
+
+
+def test_plan_json_has_values_and_sources(tmp_path: Path) -> None:
+    (tmp_path / "keras_sync.yaml").write_text("strategy:\n  kind: mirrored\nlearning_rate:\n  base: 0.05\n")
+    result = run("plan", "--json", "--simulated-cpu-replicas", "4", "--per-replica-batch", "16", cwd=tmp_path,
+                 MLFLOW_TRACKING_URI="http://alice:s3cret@127.0.0.1:5999")
+    assert result.returncode == 0, result.stderr
+    items = json.loads(result.stdout)["items"]
+    assert items["strategy.kind"] == {"value": "mirrored", "source": "file", "note": ""}
+    assert items["strategy.chosen"]["value"] == "mirrored"
+    assert (items["replicas"]["value"], items["replicas"]["source"]) == (4, "derived")
+    assert (items["batch.per_replica"]["value"], items["batch.per_replica"]["source"]) == (16, "flag")
+    assert items["batch.global"]["value"] == 64
+    assert (items["learning_rate.base"]["value"], items["learning_rate.base"]["source"]) == (0.05, "file")
+    assert items["learning_rate.scaled"]["value"] == pytest.approx(0.2)  # 0.05 x 64/16
+    assert items["learning_rate.scaling"]["source"] == "default"
+    assert items["mlflow.tracking_uri"] == {"value": "http://127.0.0.1:5999", "source": "env", "note": ""}
+    assert "s3cret" not in result.stdout
+
+
+def test_plan_text_shows_auto_choice_and_reason(tmp_path: Path) -> None:
+    result = run("plan", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "strategy.chosen" in result.stdout and "auto: one worker" in result.stdout
+    assert f"sqlite:///{tmp_path.resolve()}/mlflow.db" in result.stdout
+
+
+def test_plan_counts_workers_from_tf_config(tmp_path: Path) -> None:
+    tf_config = json.dumps({"cluster": {"worker": ["127.0.0.1:2001", "127.0.0.1:2002"]},
+                            "task": {"type": "worker", "index": 0}})
+    result = run("plan", "--json", cwd=tmp_path, TF_CONFIG=tf_config)
+    assert result.returncode == 0, result.stderr
+    items = json.loads(result.stdout)["items"]
+    assert items["strategy.chosen"]["value"] == "multi_worker_mirrored"
+    assert (items["workers"]["value"], items["workers"]["source"]) == (2, "env")
+    assert items["batch.global"]["value"] == 64
+
+
+def test_plan_global_batch_that_does_not_divide_is_one_line(tmp_path: Path) -> None:
+    result = run("plan", "--strategy", "mirrored", "--simulated-cpu-replicas", "3", "--global-batch", "100",
+                 cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr == ("Invalid value for batch.global. Received: global=100 with 3 replicas. Expected a "
+                             "multiple of 3 so that every replica gets the same batch; use 99 or 102, or set "
+                             "batch.per_replica instead.\n")
+
+
+def test_plan_bad_config_lists_issues(tmp_path: Path) -> None:
+    result = run("plan", str(BAD_CONFIGS / "several_errors.yaml"), cwd=tmp_path)
+    assert result.returncode == 2
+    assert len(result.stderr.splitlines()) == 6
+
+
+# -- env, launch, sync-spool --------------------------------------------------------------------
+
+
+def test_env_report_redacts_and_lists_versions(tmp_path: Path) -> None:
+    tf_config = json.dumps({"cluster": {"worker": ["node-a.corp:2222", "node-b.corp:2222"]},
+                            "task": {"type": "worker", "index": 1}})
+    result = run("env", "--no-devices", cwd=tmp_path, TF_CONFIG=tf_config,
+                 MLFLOW_TRACKING_URI="https://bob:hunter2@mlflow.example/?token=abc")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for label in ("keras-sync", "Python", "Platform", "TensorFlow", "Keras", "MLflow", "TF_CONFIG"):
+        assert f"- {label}: " in out
+    assert "hunter2" not in out and "token=abc" not in out and "node-a.corp" not in out
+    assert "2 worker(s) [<host>:2222, <host>:2222], this task worker:1 (not chief)" in out
+
+
+def test_launch_missing_script_is_a_usage_error(tmp_path: Path) -> None:
+    result = run("launch", "--workers", "2", "nope.py", "--epochs", "1", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.startswith("Invalid value for argument `script`. Received: script='nope.py'")
+
+
+def test_launch_runs_script_with_its_args(tmp_path: Path) -> None:
+    (tmp_path / "hello.py").write_text("import os, sys; print('args', sys.argv[1:], 'tf_config' if "
+                                       "os.environ.get('TF_CONFIG') else 'none')\n")
+    result = run("launch", "--workers", "2", "hello.py", "--epochs", "1", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "[w0] args ['--epochs', '1'] tf_config" in result.stdout
+    assert "[w1] args ['--epochs', '1'] tf_config" in result.stdout
+
+
+def test_sync_spool_bad_file_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "x.spool.jsonl").write_text("")
+    result = run("sync-spool", "x.spool.jsonl", cwd=tmp_path)
+    assert result.returncode == 2
+    assert len(result.stderr.splitlines()) == 1 and "x.spool.jsonl" in result.stderr
+
+
+# -- ui -----------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_ui_serves_http_on_localhost_and_stops_on_sigint(tmp_path: Path) -> None:
+    port = _free_port()
+    proc = subprocess.Popen([KERAS_SYNC, "ui", "--port", str(port), "--no-browser"], cwd=tmp_path, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, status = time.monotonic() + 90, None
+        while time.monotonic() < deadline and proc.poll() is None and status != 200:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2) as resp:
+                    status = resp.status
+            except OSError:
+                time.sleep(0.5)
+        assert status == 200, proc.stderr.read() if proc.poll() is not None else "not ready in 90 s"
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0
+    assert f"at http://127.0.0.1:{port}" in out and "MLflow UI stopped." in out
+    assert (tmp_path / "mlflow.db").is_file()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2)
+
+
+def test_ui_port_in_use_is_a_usage_error(tmp_path: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        result = run("ui", "--port", str(port), "--no-browser", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr == (f"Invalid value for --port. Received: {port}, which is in use on 127.0.0.1. "
+                             "Expected a free port; pass another, e.g. --port 5001.\n")
