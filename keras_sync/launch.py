@@ -12,7 +12,9 @@ Stopping: when a worker exits non-zero the others get SIGTERM and, after
 ignores SIGTERM and SIGINT). Ctrl-C (SIGINT) or SIGTERM to the launcher is
 forwarded to every worker with the same escalation. At the end every worker's
 process group is killed, so no child a worker started outlives the launch
-(unless it left the group with setsid).
+(unless it left the group with setsid). A launcher killed with SIGKILL cannot
+clean up; its workers then lose their output pipes, and the next line a worker
+prints fails (EPIPE), which ends a Python worker.
 
 Ports: free ports are found by binding 127.0.0.1:0; the sockets are closed just
 before the workers start, so another process could take a port in that short
@@ -63,8 +65,11 @@ def _pump(stream: IO[bytes], prefix: str, out: IO[str]) -> None:
         if not line.endswith("\n"):
             line += "\n"
         with _print_lock:
-            out.write(prefix + line)
-            out.flush()
+            try:
+                out.write(prefix + line)
+                out.flush()
+            except (OSError, ValueError):
+                pass  # our output is gone (`| head`, closed stream): keep draining so the worker never blocks
     stream.close()
 
 
