@@ -8,7 +8,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 
 import click
 
@@ -75,6 +74,8 @@ def _start_server(uri: str, port: int) -> subprocess.Popen[bytes]:
 
 
 def _wait_ready(url: str, server: subprocess.Popen[bytes]) -> bool:
+    import urllib.request  # 25 ms: not on the path of `keras-sync --help`
+
     deadline = time.monotonic() + _READY_TIMEOUT_S
     while time.monotonic() < deadline and server.poll() is None:
         try:
