@@ -33,6 +33,8 @@ _ENV_LOCK = threading.Lock()
 _FAST_FAIL_ENV = {
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "0",
+    # set_terminated otherwise prints "View run ... at: <tracking URI>" to stdout, password included.
+    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
 }
 
 

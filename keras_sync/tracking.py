@@ -46,7 +46,7 @@ _REDACTED = "***"
 _USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)[^/?#@\s]*@")
 _SECRET_QUERY = re.compile(
     r"(?P<key>[?&;][^=&#\s]*(?:token|password|passwd|secret|key|sig|signature|credential|auth)"
-    r"[^=&#\s]*=)[^&#\s]*", re.IGNORECASE)
+    r"[^=&#\s]*=)[^&#;\s]*", re.IGNORECASE)
 _SECRET_ENV_NAME = re.compile(r"TOKEN|PASSWORD|PASSWD|SECRET|API_?KEY|PRIVATE_KEY|CREDENTIAL",
                               re.IGNORECASE)
 _NOT_SECRET_VALUES = {"", "0", "1", "true", "false", "none", "null", "yes", "no"}

@@ -1,0 +1,317 @@
+"""Tests for keras_sync.tracking against real MLflow stores: sqlite files and a real `mlflow server`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import time
+import uuid
+import warnings
+from pathlib import Path
+
+import pytest
+
+from keras_sync.errors import TrackingError
+from keras_sync.tracking import MlflowWriter, redact_uri, replay_spool, resolve_tracking_uri
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def sqlite_uri(tmp_path_factory) -> str:
+    """One migrated sqlite store for the module (a fresh one costs 1-6 s to migrate)."""
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path_factory.mktemp('sqlite') / 'mlflow.db'}"
+    MlflowClient(uri).search_experiments()
+    return uri
+
+
+def _exp() -> str:
+    return f"exp-{uuid.uuid4().hex[:8]}"
+
+
+def _history(uri: str, run_id: str, key: str = "loss") -> list[int]:
+    from mlflow import MlflowClient
+
+    return sorted(m.step for m in MlflowClient(uri).get_metric_history(run_id, key))
+
+
+def _run_of_job(uri: str, experiment: str, job_id: str):
+    from mlflow import MlflowClient
+
+    c = MlflowClient(uri)
+    exp = c.get_experiment_by_name(experiment)
+    runs = c.search_runs([exp.experiment_id], filter_string=f"tags.`keras_sync.job_id` = '{job_id}'")
+    assert len(runs) == 1
+    return runs[0]
+
+
+def _spooled_steps(path: Path) -> list[int]:
+    steps: list[int] = []
+    if not path.exists():
+        return steps
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if rec["k"] == "m":
+            steps.append(rec["s"])
+    return steps
+
+
+def _log_timed(w: MlflowWriter, steps: range) -> list[float]:
+    durations = []
+    for s in steps:
+        t0 = time.perf_counter()
+        w.log_metrics({"loss": 1.0 / (s + 1), "acc": s / 1000}, step=s)
+        durations.append(time.perf_counter() - t0)
+    return durations
+
+
+def _wait_for(cond, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch, sqlite_uri):
+    monkeypatch.chdir(tmp_path)  # sqlite artifacts land in ./mlruns
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    return tmp_path
+
+
+# ---- pure functions ----
+
+@pytest.mark.parametrize("uri, expected", [
+    ("http://user:s3cret@127.0.0.1:5000", "http://127.0.0.1:5000"),
+    ("https://tok@host/path?x=1", "https://host/path?x=1"),
+    ("http://h/?access_token=abc&run=2", "http://h/?access_token=***&run=2"),
+    ("http://h/?sig=zz;password=pp", "http://h/?sig=***;password=***"),
+    ("sqlite:////tmp/a@b/mlflow.db", "sqlite:////tmp/a@b/mlflow.db"),
+    (None, None),
+])
+def test_redact_uri_strips_credentials(uri, expected):
+    assert redact_uri(uri) == expected
+
+
+def test_resolve_tracking_uri_config_beats_env_beats_default(tmp_path):
+    env = {"MLFLOW_TRACKING_URI": "http://env:5000"}
+    assert resolve_tracking_uri("http://cfg:5000", environ=env) == ("http://cfg:5000", "file")
+    assert resolve_tracking_uri(None, environ=env) == ("http://env:5000", "env")
+    assert resolve_tracking_uri(None, environ={}, cwd=tmp_path) == (
+        f"sqlite:///{tmp_path.resolve()}/mlflow.db", "default")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"job_id": "a'b"}, r"`job_id`. Received: job_id=\"a'b\""),
+    ({"max_batch": 5000}, r"`max_batch`. Received: max_batch=5000. Expected 1..1000"),
+    ({"flush_interval_s": 0}, r"`flush_interval_s`. Received: flush_interval_s=0"),
+    ({"experiment": ""}, r"`experiment`. Received: experiment=''"),
+])
+def test_invalid_arguments_name_value_and_expectation(tmp_path, kwargs, match):
+    args = {"tracking_uri": "sqlite:///x.db", "experiment": "e", "spool_dir": tmp_path} | kwargs
+    with pytest.raises(TrackingError, match=match):
+        MlflowWriter(**args)
+
+
+def test_import_loads_no_mlflow():
+    code = "import sys, keras_sync.tracking; print([m for m in ('mlflow','tensorflow','keras') if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# ---- sqlite store ----
+
+def test_every_point_delivered_exactly_once_with_steps(in_tmp, sqlite_uri):
+    uri = sqlite_uri
+    w = MlflowWriter(tracking_uri=uri, experiment=_exp(), spool_dir=in_tmp / "spool",
+                     flush_interval_s=0.1, max_batch=300)
+    w.start()
+    _log_timed(w, range(1200))
+    w.log_params({"lr": 0.1, "long": "x" * 10_000})
+    w.set_tags({"team": "ml"})
+    w.log_text_artifact("hello", "notes/hello.txt")
+    assert w.flush(60)
+    w.close()
+    from mlflow import MlflowClient
+
+    run = MlflowClient(uri).get_run(w.run_id)
+    assert _history(uri, w.run_id) == list(range(1200))
+    assert _history(uri, w.run_id, "acc") == list(range(1200))
+    assert run.info.status == "FINISHED"
+    assert run.data.params["lr"] == "0.1"
+    assert len(run.data.params["long"]) == 6000 and run.data.params["long"].endswith("[truncated]")
+    assert run.data.tags["team"] == "ml"
+    assert Path(MlflowClient(uri).download_artifacts(w.run_id, "notes/hello.txt", str(in_tmp))).read_text() == "hello"
+    assert replay_spool(w.spool_path) == 0  # everything was marked delivered
+
+
+def test_invalid_metric_key_is_rewritten(in_tmp, sqlite_uri, caplog):
+    uri = sqlite_uri
+    w = MlflowWriter(tracking_uri=uri, experiment=_exp(), spool_dir=in_tmp)
+    w.start()
+    w.log_metrics({"top@1": 0.5, "/abs/../x": 1.0}, step=0)
+    w.close()
+    from mlflow import MlflowClient
+
+    assert set(MlflowClient(uri).get_run(w.run_id).data.metrics) == {"top_1", "abs/__/x"}
+    assert "Metric key 'top@1' is not valid in MLflow; logged as 'top_1'" in caplog.text
+
+
+def test_same_job_id_resumes_same_run(in_tmp, sqlite_uri):
+    uri, exp = sqlite_uri, _exp()
+    ids = []
+    for attempt in range(2):
+        w = MlflowWriter(tracking_uri=uri, experiment=exp, job_id="job-7", spool_dir=in_tmp / "spool")
+        w.start()
+        w.log_metrics({"loss": 1.0}, step=attempt)
+        w.close()
+        ids.append(w.run_id)
+    assert ids[0] is not None and ids[0] == ids[1]
+    assert _history(uri, ids[0]) == [0, 1]
+
+
+def test_replay_after_crash_before_offset_write_does_not_duplicate(in_tmp, sqlite_uri):
+    uri = sqlite_uri
+    w = MlflowWriter(tracking_uri=uri, experiment=_exp(), job_id="crash", spool_dir=in_tmp)
+    w.start()
+    _log_timed(w, range(100))
+    w.close()
+    header_end = len(w.spool_path.read_bytes().splitlines()[0]) + 1
+    Path(f"{w.spool_path}.offset").write_text(str(header_end))  # as if killed before the marker
+    replay_spool(w.spool_path)
+    assert _history(uri, w.run_id) == list(range(100))
+    assert replay_spool(w.spool_path) == 0
+
+
+def test_log_after_close_raises(in_tmp, sqlite_uri):
+    w = MlflowWriter(tracking_uri=sqlite_uri, experiment=_exp(), spool_dir=in_tmp)
+    w.start()
+    w.close()
+    with pytest.raises(TrackingError, match="closed"):
+        w.log_metrics({"loss": 1.0}, step=0)
+
+
+def test_replay_rejects_a_file_that_is_not_a_spool(tmp_path):
+    bad = tmp_path / "x.jsonl"
+    bad.write_text('{"k": "m"}\n')
+    with pytest.raises(TrackingError, match="Expected a keras-sync spool file"):
+        replay_spool(bad)
+
+
+# ---- real mlflow server, with outages ----
+
+def test_server_down_from_start_buffers_then_delivers(restartable_mlflow_server, tmp_path):
+    server = restartable_mlflow_server
+    server.stop()
+    exp = f"down-{uuid.uuid4().hex[:6]}"
+    w = MlflowWriter(tracking_uri=server.uri, experiment=exp, job_id="j1",
+                     spool_dir=tmp_path, flush_interval_s=0.1)
+    w.start()
+    t0 = time.perf_counter()
+    durations = _log_timed(w, range(500))
+    total = time.perf_counter() - t0
+    assert max(durations) < 0.05 and total < 0.5, (max(durations), total)
+    assert _wait_for(lambda: len(_spooled_steps(w.spool_path)) == 500, 10)
+    assert w.run_id is None and not w.flush(0.5)
+    server.start()
+    assert w.flush(60)
+    w.close()
+    assert _history(server.uri, w.run_id) == list(range(500))
+    assert _run_of_job(server.uri, exp, "j1").info.status == "FINISHED"
+
+
+def test_server_killed_mid_run_loses_and_duplicates_nothing(restartable_mlflow_server, tmp_path):
+    server = restartable_mlflow_server
+    w = MlflowWriter(tracking_uri=server.uri, experiment=f"kill-{uuid.uuid4().hex[:6]}",
+                     spool_dir=tmp_path, flush_interval_s=0.1)
+    w.start()
+    _log_timed(w, range(0, 200))
+    assert w.flush(30)
+    server.stop()
+    durations = _log_timed(w, range(200, 400))
+    assert max(durations) < 0.05
+    time.sleep(1.0)  # let the thread fail a few times
+    server.start()
+    _log_timed(w, range(400, 600))
+    assert w.flush(60)
+    w.close()
+    assert _history(server.uri, w.run_id) == list(range(600))
+    assert _history(server.uri, w.run_id, "acc") == list(range(600))
+
+
+def test_close_with_server_down_warns_and_replay_delivers_once(restartable_mlflow_server, tmp_path):
+    server = restartable_mlflow_server
+    server.stop()
+    exp = f"close-{uuid.uuid4().hex[:6]}"
+    w = MlflowWriter(tracking_uri=server.uri, experiment=exp, job_id="j2", spool_dir=tmp_path)
+    w.start()
+    _log_timed(w, range(50))
+    t0 = time.perf_counter()
+    with pytest.warns(RuntimeWarning, match="keras-sync sync-spool") as rec:
+        w.close(timeout_s=2.0)
+    assert time.perf_counter() - t0 < 4.0
+    assert str(w.spool_path) in str(rec[0].message)
+    server.start()
+    assert replay_spool(w.spool_path) == 100  # 50 steps x 2 keys
+    assert replay_spool(w.spool_path) == 0
+    run = _run_of_job(server.uri, exp, "j2")
+    assert _history(server.uri, run.info.run_id) == list(range(50))
+    assert run.info.status == "FINISHED"
+
+
+def test_secrets_never_reach_params_tags_artifacts_spool_or_logs(
+        mlflow_server, tmp_path, monkeypatch, caplog, capfd):
+    monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", "tok123")
+    caplog.set_level(logging.DEBUG)
+    port = mlflow_server.rsplit(":", 1)[1]
+    secret_uri = f"http://user:s3cret@127.0.0.1:{port}"
+    w = MlflowWriter(tracking_uri=secret_uri, experiment=f"red-{uuid.uuid4().hex[:6]}",
+                     spool_dir=tmp_path, flush_interval_s=0.1)
+    w.start()
+    w.log_params({"tracking_uri": secret_uri, "token": "tok123", "cmd": "train --password s3cret"})
+    w.set_tags({"env": "MLFLOW_TRACKING_TOKEN=tok123", "uri": secret_uri})
+    w.log_text_artifact(f"uri: {secret_uri}\ntoken: tok123\n", "config.txt")
+    w.log_metrics({"loss": 1.0}, step=0)
+    assert w.flush(30)
+    w.close()
+    # A writer to a dead server with the same credentials: its failure logs and warning too.
+    dead = MlflowWriter(tracking_uri=f"http://user:s3cret@127.0.0.1:1/?token=tok123",
+                        experiment="x", spool_dir=tmp_path, flush_interval_s=0.1)
+    dead.start()
+    dead.log_params({"u": secret_uri})
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        dead.close(timeout_s=1.0)
+    from mlflow import MlflowClient
+
+    client = MlflowClient(mlflow_server)
+    run = client.get_run(w.run_id)
+    artifact = Path(client.download_artifacts(w.run_id, "config.txt", str(tmp_path))).read_text()
+    assert run.data.params["tracking_uri"] == f"http://127.0.0.1:{port}"
+    assert run.data.params["token"] == "***"
+    everything = "\n".join([
+        json.dumps(run.data.params), json.dumps(run.data.tags), artifact, caplog.text,
+        *[str(x.message) for x in warned], *capfd.readouterr(),
+        *[p.read_text() for p in tmp_path.glob("*.spool.jsonl")]])
+    assert "unreachable" in caplog.text and warned  # the failure paths did run
+    assert "s3cret" not in everything and "tok123" not in everything
+
+
+def test_process_exit_with_server_down_is_bounded_and_warns(tmp_path):
+    code = (
+        "from keras_sync.tracking import MlflowWriter\n"
+        f"w = MlflowWriter(tracking_uri='http://127.0.0.1:1', experiment='e', spool_dir={str(tmp_path)!r})\n"
+        "w.start()\n"
+        "w.log_metrics({'loss': 1.0}, step=0)\n"
+    )
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert time.perf_counter() - t0 < 20
+    assert out.returncode == 0
+    assert "keras-sync sync-spool" in out.stderr
