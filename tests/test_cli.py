@@ -319,3 +319,27 @@ def test_ui_port_in_use_is_a_usage_error(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stderr == (f"Invalid value for --port. Received: {port}, which is in use on 127.0.0.1. "
                              "Expected a free port; pass another, e.g. --port 5001.\n")
+
+
+def test_init_on_a_terminal_asks_with_defaults(tmp_path: Path) -> None:
+    import pty
+
+    primary, secondary = pty.openpty()
+    proc = subprocess.Popen([KERAS_SYNC, "init"], cwd=tmp_path, env=_env(), stdin=secondary, stdout=secondary,
+                            stderr=secondary, close_fds=True)
+    os.close(secondary)
+    os.write(primary, b"mirrored\n\n")  # strategy kind; Enter keeps the default batch of 32
+    output = b""
+    while True:
+        try:
+            chunk = os.read(primary, 4096)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        output += chunk
+    os.close(primary)
+    assert proc.wait(timeout=60) == 0, output
+    assert b"Strategy kind" in output and b"Per-replica batch size [32]" in output
+    text = (tmp_path / "keras_sync.yaml").read_text()
+    assert "kind: mirrored" in text and "per_replica: 32" in text
