@@ -63,7 +63,7 @@ def count_workers(config: Config, environ: Mapping[str, str]) -> tuple[int, str]
             return 1, "no Slurm job ($SLURM_PROCID unset)"
         info = cluster.parse_slurm_env(environ)
         return info.num_workers, "Slurm"
-    info = cluster.parse_tf_config(environ.get("TF_CONFIG"))
+    info = cluster.parse_tf_config(environ.get("TF_CONFIG"), env=environ)
     if info.source == "none":
         return 1, "TF_CONFIG unset"
     return info.num_workers, f"TF_CONFIG ({info.flavor})"
@@ -122,7 +122,11 @@ def _cross_device_ops(name: str, n_gpus: int) -> Any:
     import tensorflow as tf
 
     if name == "auto":
-        return None
+        # With GPUs TensorFlow picks (NCCL where it can). On CPU-only hosts we pick
+        # ReductionToOneDevice: TF's own pick there is collective all-reduce, and the collective
+        # instances of two MirroredStrategy objects in one process collide (measured here with 4
+        # logical CPUs: "Shape mismatch in the collective instance 100").
+        return None if n_gpus else tf.distribute.ReductionToOneDevice()
     if name == "nccl":
         if n_gpus == 0:
             raise StrategyError(
@@ -142,24 +146,26 @@ def _local_devices(cfg: StrategyConfig) -> tuple[list[str] | None, int]:
         return configure_simulated_cpus(cfg.simulated_cpu_replicas), 0
     n_gpus = len(tf.config.list_physical_devices("GPU"))
     if cfg.devices:
-        known = {d.name.lower() for d in tf.config.list_logical_devices()}
+        known = {_short(d.name): d.name for d in tf.config.list_logical_devices()}
         for dev in cfg.devices:
-            if _canonical(dev) not in known:
+            if _short(dev) not in known:
                 raise StrategyError(
-                    f"Invalid value for strategy.devices. Received: {dev!r}. Expected one of the devices "
-                    f"TensorFlow sees here: {', '.join(sorted(known))}."
+                    f"Invalid value for strategy.devices. Received: {dev!r}. Expected devices TensorFlow sees "
+                    f"here: {', '.join(sorted(known))}."
                 )
         return list(cfg.devices), n_gpus
     return None, n_gpus
 
 
-def _canonical(dev: str) -> str:
-    d = dev.strip().lower()
-    if not d.startswith("/"):
-        d = "/" + d
-    if not d.startswith("/job:"):
-        d = "/job:localhost/replica:0/task:0" + ("/device:" + d[1:] if not d.startswith("/device:") else d)
-    return d
+def _short(dev: str) -> str:
+    """'/job:localhost/replica:0/task:0/device:CPU:1', '/cpu:1', 'CPU:1' -> '/cpu:1'."""
+    import tensorflow as tf
+
+    try:
+        spec = tf.DeviceSpec.from_string(dev.strip() if dev.strip().startswith("/") else "/" + dev.strip())
+    except (ValueError, TypeError):
+        return dev.strip().lower()
+    return f"/{(spec.device_type or '').lower()}:{spec.device_index if spec.device_index is not None else 0}"
 
 
 def _build_default(config: Config) -> tf.distribute.Strategy:
@@ -188,6 +194,7 @@ def _build_multi_worker(config: Config) -> tf.distribute.Strategy:
     from keras_sync import _keras_compat, _multi_worker, cluster
 
     cfg = config.strategy
+    cluster.check_tf_config_order()  # tensorflow#60706: TF_CONFIG must be set before TF joins a cluster
     local = configure_simulated_cpus(cfg.simulated_cpu_replicas) if cfg.simulated_cpu_replicas else None
     resolver = cluster.slurm_cluster_resolver() if cfg.cluster == "slurm" else None
     strategy = _multi_worker.build_multi_worker_strategy(
@@ -196,6 +203,7 @@ def _build_multi_worker(config: Config) -> tf.distribute.Strategy:
         local_devices=local,
         connect_timeout_s=cfg.connect_timeout_s,
     )
+    cluster.record_strategy_tf_config(os.environ.get("TF_CONFIG"))
     _keras_compat.apply_multi_worker_fixes()
     return strategy
 
@@ -213,6 +221,7 @@ def _build_tpu(config: Config) -> tf.distribute.Strategy:
         return tf.distribute.TPUStrategy(resolver)
     except Exception as exc:  # TF raises ValueError, NotFoundError, RuntimeError... all mean "no TPU here"
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        detail = detail.split(". ")[0][:160]
         raise StrategyError(
             f"Cannot reach a TPU at strategy.tpu.name={address!r} (zone={tpu.zone}, project={tpu.project}): "
             f"{type(exc).__name__}: {detail}. Set strategy.tpu.name to your TPU's name or grpc:// address, "

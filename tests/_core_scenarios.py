@@ -1,0 +1,174 @@
+"""Core scenarios, one process per replica count (logical devices are fixed once per process).
+
+Usage: python _core_scenarios.py N OUT.json
+Trains the same model with fixed seeds over N simulated CPU replicas (N=1: one device) and
+exercises the session API; writes what it saw to OUT.json for tests/test_session.py to check.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+import warnings
+
+import numpy as np
+
+import keras_sync
+
+N = int(sys.argv[1])
+OUT = sys.argv[2]
+GLOBAL_BATCH = 64
+results: dict = {"n": N}
+
+
+def record(name, fn):
+    try:
+        results[name] = fn()
+    except keras_sync.KerasSyncError as exc:
+        results[name] = {"error": type(exc).__name__, "message": str(exc)}
+    except Exception as exc:  # a non-keras-sync error is a bug: keep the traceback for the test output
+        results[name] = {"unexpected": type(exc).__name__, "message": str(exc), "tb": traceback.format_exc()}
+
+
+base = {
+    "strategy": {"kind": "mirrored" if N > 1 else "one_device", "simulated_cpu_replicas": N if N > 1 else 0},
+    "batch": {"global": GLOBAL_BATCH},
+    "learning_rate": {"base": 0.05, "scaling": "none"},
+    "mlflow": {"enabled": False},
+}
+sync = keras_sync.load(base)
+
+import keras  # noqa: E402  (after load: the devices are set up by then)
+import tensorflow as tf  # noqa: E402
+
+results["num_replicas"] = sync.num_replicas
+results["per_replica"] = sync.per_replica_batch_size
+results["global"] = sync.global_batch_size
+results["kind"] = sync.kind
+results["is_chief"] = sync.is_chief
+results["num_workers"] = sync.num_workers
+results["devices"] = list(sync.strategy.extended.worker_devices)
+
+rng = np.random.default_rng(0)
+x = rng.normal(size=(640, 8)).astype("float32")
+y = (x @ rng.normal(size=(8, 1)) + 0.1 * rng.normal(size=(640, 1))).astype("float32")
+
+
+def make_model(s):
+    keras.utils.set_random_seed(0)
+    with s.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(s.lr_schedule(), momentum=0.9), loss="mse")
+    return model
+
+
+def train(s, **fit_kwargs):
+    model = make_model(s)
+    history = s.fit(model, x, y, epochs=3, shuffle=False, verbose=0, **fit_kwargs)
+    weights = np.concatenate([w.ravel() for w in model.get_weights()])
+    return model, history, weights
+
+
+model, history, weights = train(sync)
+np.save(OUT + ".weights.npy", weights)
+results["loss"] = history.history["loss"]
+results["history_type"] = type(history).__name__
+
+# Arrays and sync.distribute(...) give the same training.
+def via_distribute():
+    m = make_model(sync)
+    ds = sync.distribute((x, y))
+    first = next(iter(ds))
+    h = m.fit(ds, epochs=3, verbose=0)
+    w = np.concatenate([v.ravel() for v in m.get_weights()])
+    return {"batch_shape": list(first[0].shape), "max_diff_vs_arrays": float(np.abs(w - weights).max()),
+            "cardinality": int(ds.cardinality()), "loss": h.history["loss"]}
+
+
+record("distribute", via_distribute)
+record("evaluate", lambda: float(sync.evaluate(model, x, y, verbose=0)))
+record("predict_shape", lambda: list(sync.predict(model, x, verbose=0).shape))
+
+
+def outside_scope():
+    keras.utils.set_random_seed(0)
+    m = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+    m.compile(optimizer="sgd", loss="mse")
+    sync.fit(m, x, y, epochs=1, verbose=0)
+
+
+record("outside_scope", outside_scope)
+
+
+def batch_size_argument():
+    m = make_model(sync)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        h = sync.fit(m, x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+    return {"warnings": [str(w.message) for w in caught if "batch_size" in str(w.message)],
+            "steps_seen": len(h.history["loss"])}
+
+
+record("batch_size_argument", batch_size_argument)
+record("bad_batch_size", lambda: sync.fit(make_model(sync), x, y, batch_size=0, epochs=1, verbose=0))
+
+
+def steps_per_execution():
+    keras.utils.set_random_seed(0)
+    with sync.scope():
+        m = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+        m.compile(optimizer="sgd", loss="mse", steps_per_execution=4)
+    sync.fit(m, x, y, epochs=1, verbose=0)
+    return "trained"
+
+
+record("steps_per_execution", steps_per_execution)
+
+
+def warmup_schedule():
+    s = keras_sync.load({**base, "learning_rate": {"base": 0.1, "scaling": "linear", "base_batch_size": 32,
+                                                   "warmup_epochs": 1}})
+    sched = s.lr_schedule()  # warmup_epochs: the step count is fixed by fit from the data
+    keras.utils.set_random_seed(0)
+    with s.scope():
+        m = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+        m.compile(optimizer=keras.optimizers.SGD(sched), loss="mse")
+    s.fit(m, x, y, epochs=1, verbose=0, shuffle=False)
+    values = [float(sched(i)) for i in range(0, 12)]
+    config = keras.optimizers.schedules.serialize(sched)
+    back = keras.optimizers.schedules.deserialize(config)
+    return {"peak": s.learning_rate, "warmup_steps": sched.warmup_steps, "values": values,
+            "roundtrip": [float(back(i)) for i in (0, 5, 10, 20)], "iterations": int(m.optimizer.iterations.numpy())}
+
+
+record("warmup", warmup_schedule)
+
+
+def cross_device_ops():
+    out = {}
+    for name in ("hierarchical_copy", "reduction_to_one", "auto"):
+        s = keras_sync.load({**base, "strategy": {**base["strategy"], "kind": "mirrored", "cross_device_ops": name}})
+        ops = getattr(s.strategy.extended, "_cross_device_ops", None)
+        _, _, w = train(s)
+        out[name] = {"ops": type(ops).__name__ if ops is not None else None,
+                     "max_diff": float(np.abs(w - weights).max())}
+    return out
+
+
+if N > 1:
+    record("cross_device_ops", cross_device_ops)
+    record("nccl_on_cpu", lambda: keras_sync.load({**base, "strategy": {**base["strategy"],
+                                                                         "cross_device_ops": "nccl"}}))
+    record("unknown_device", lambda: keras_sync.load({**base, "strategy": {"kind": "mirrored",
+                                                                            "devices": ["/cpu:0", "/gpu:7"]}}))
+    record("explicit_devices", lambda: keras_sync.load({**base, "strategy": {"kind": "mirrored", "devices": [
+        "/cpu:0", "CPU:1"]}}).num_replicas)
+    record("global_not_divisible", lambda: keras_sync.load({**base, "batch": {"global": 63}}))
+else:
+    # Too late: TensorFlow has initialised its devices in this process.
+    record("too_late", lambda: keras_sync.load({**base, "strategy": {"kind": "mirrored", "simulated_cpu_replicas": 2}}))
+    record("tpu", lambda: keras_sync.load({**base, "strategy": {"kind": "tpu", "tpu": {"name": "local"}}}))
+
+with open(OUT, "w") as fh:
+    json.dump(results, fh, indent=1)
