@@ -1,0 +1,188 @@
+"""One process of a multi-worker scenario for tests/test_keras_compat.py.
+
+Usage: python _mw_worker.py SCENARIO OUT_JSON [LOGICAL_CPUS]
+TF_CONFIG comes from the environment (set by the test). Writes a JSON result
+(final weights, replica count, error messages) so the test asserts in its own
+process without importing TensorFlow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+GLOBAL_BATCH = 32
+EPOCHS = 3
+SAMPLES = 256
+_ORIGINAL_REDUCE = None
+
+
+def _data():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(SAMPLES, 8)).astype("float32")
+    y = (x @ rng.normal(size=(8, 1)) + 0.1 * rng.normal(size=(SAMPLES, 1))).astype("float32")
+    return x, y
+
+
+def _dataset():
+    import tensorflow as tf
+
+    ds = tf.data.Dataset.from_tensor_slices(_data()).batch(GLOBAL_BATCH)
+    options = tf.data.Options()
+    # Every worker reads the full file; DATA sharding splits each global batch.
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    return ds.with_options(options)
+
+
+def _model(steps_per_execution: int = 1):
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)])
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.05),
+        loss="mse",
+        metrics=["mae"],
+        steps_per_execution=steps_per_execution,
+    )
+    return model
+
+
+def _fit(strategy) -> dict:
+    if strategy is None:
+        model = _model()
+    else:
+        with strategy.scope():
+            model = _model()
+    history = model.fit(_dataset(), epochs=EPOCHS, verbose=0)
+    return {
+        "weights": [w.tolist() for w in model.get_weights()],
+        "loss": [float(v) for v in history.history["loss"]],
+    }
+
+
+def _fit_error(strategy) -> str | None:
+    try:
+        _fit(strategy)
+    except Exception as e:  # the upstream bug, whatever its type
+        msg = f"{type(e).__name__}: {e}"
+        # Keep the head and the tail: the middle may dump a whole data batch.
+        return msg if len(msg) <= 600 else f"{msg[:300]} ... {msg[-300:]}"
+    return None
+
+
+def _error(fn) -> str | None:
+    from keras_sync.errors import KerasSyncError
+
+    try:
+        fn()
+    except KerasSyncError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _configure_cpus(n: int) -> None:
+    import tensorflow as tf
+
+    if n > 1:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * n)
+
+
+def main() -> int:
+    scenario, out = sys.argv[1], sys.argv[2]
+    cpus = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+    result: dict = {"scenario": scenario}
+    _configure_cpus(cpus)
+
+    from keras.src.backend.tensorflow import trainer
+
+    from keras_sync import _keras_compat, _multi_worker
+    from keras_sync.errors import KerasSyncError
+
+    global _ORIGINAL_REDUCE
+    _ORIGINAL_REDUCE = trainer.reduce_per_replica
+
+    start = time.monotonic()
+    try:
+        if scenario == "reference":
+            result.update(_fit(None))
+        elif scenario == "single":
+            # No TF_CONFIG: one worker over this process's logical CPUs.
+            result["bad_args"] = [
+                _error(lambda: _multi_worker.build_multi_worker_strategy(communication="mpi")),
+                _error(lambda: _multi_worker.build_multi_worker_strategy(local_devices=["CPU:0", "GPU:0"])),
+                _error(lambda: _multi_worker.build_multi_worker_strategy(local_devices=["banana"])),
+            ]
+            strategy = _multi_worker.build_multi_worker_strategy(local_devices=_multi_worker.local_cpu_devices())
+            result["num_replicas"] = strategy.num_replicas_in_sync
+            result["num_workers"] = strategy.extended._num_workers
+            result.update(_fit(strategy))
+        elif scenario == "load":
+            # The public path: YAML-shaped dict -> keras_sync.load -> Sync.fit on arrays.
+            import keras_sync
+
+            sync = keras_sync.load(
+                {
+                    "strategy": {"kind": "multi_worker_mirrored", "connect_timeout_s": 60},
+                    "batch": {"global": GLOBAL_BATCH},
+                    "mlflow": {"enabled": False},
+                }
+            )
+            result["num_replicas"] = sync.num_replicas
+            with sync.scope():
+                model = _model()
+            history = sync.fit(model, *_data(), epochs=EPOCHS, shuffle=False, verbose=0)
+            result["weights"] = [w.tolist() for w in model.get_weights()]
+            result["loss"] = [float(v) for v in history.history["loss"]]
+        elif scenario == "timeout":
+            start = time.monotonic()  # the clock starts at the constructor
+            try:
+                _multi_worker.build_multi_worker_strategy(connect_timeout_s=10)
+                result["error"] = None
+            except KerasSyncError as e:
+                result["error_type"] = type(e).__name__
+                result["error"] = str(e)
+        elif scenario in ("unfixed_then_fixed", "fixed"):
+            devices = _multi_worker.local_cpu_devices() if cpus > 1 else None
+            strategy = _multi_worker.build_multi_worker_strategy(local_devices=devices, connect_timeout_s=60)
+            result["num_replicas"] = strategy.num_replicas_in_sync
+            if scenario == "unfixed_then_fixed":
+                result["unfixed_error"] = _fit_error(strategy)
+            result["patched"] = _keras_compat.apply_multi_worker_fixes()
+            result["patched_again"] = _keras_compat.apply_multi_worker_fixes()
+            if scenario == "unfixed_then_fixed":
+                # Only the symbolic-build fix: shows the second upstream failure is real too.
+                from keras.src.backend.tensorflow import trainer
+
+                patched, trainer.reduce_per_replica = trainer.reduce_per_replica, _ORIGINAL_REDUCE
+                result["build_fix_only_error"] = _fit_error(strategy)
+                trainer.reduce_per_replica = patched
+            result.update(_fit(strategy))
+            try:
+                with strategy.scope():
+                    model = _model(steps_per_execution=2)
+                _keras_compat.check_steps_per_execution(model, strategy.num_replicas_in_sync)
+                result["spe_error"] = None
+            except KerasSyncError as e:
+                result["spe_error"] = f"{type(e).__name__}: {e}"
+        else:
+            raise SystemExit(f"unknown scenario {scenario!r}")
+    except BaseException:
+        result["crash"] = traceback.format_exc()
+    result["elapsed_s"] = time.monotonic() - start
+    result["finished_at"] = time.time()
+    with open(out, "w") as f:
+        json.dump(result, f)
+    return 0 if "crash" not in result else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""Keras 3 `fit` under MultiWorkerMirroredStrategy: the upstream bug, our fixes, the builder.
+
+Real worker processes on 127.0.0.1 (tests/_mw_worker.py). Every scenario starts
+at module setup so the ~4 s TensorFlow import of each process overlaps; a test
+waits only for the processes it reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from keras_sync import _keras_compat
+from keras_sync.errors import UsageError
+
+WORKER = Path(__file__).with_name("_mw_worker.py")
+TOLERANCE = 1e-5
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+class Runs:
+    """Worker processes started at once; `result(name)` waits for one and reads its JSON."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.procs: dict[str, tuple[subprocess.Popen, float]] = {}
+        self.configs: dict[str, dict] = {}
+        self.ended: dict[str, float] = {}
+        self.ended_wall: dict[str, float] = {}
+
+    def start(self, name: str, scenario: str, *, cpus: int = 1, tf_config: dict | None = None) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+        if tf_config is not None:
+            env["TF_CONFIG"] = json.dumps(tf_config)
+            self.configs[name] = tf_config
+        log = open(self.tmp / f"{name}.log", "w")
+        cmd = [sys.executable, str(WORKER), scenario, str(self.tmp / f"{name}.json"), str(cpus)]
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        self.procs[name] = (proc, time.monotonic())
+        threading.Thread(target=self._watch, args=(name, proc), daemon=True).start()
+
+    def _watch(self, name: str, proc: subprocess.Popen) -> None:
+        proc.wait()
+        self.ended[name] = time.monotonic()
+        self.ended_wall[name] = time.time()
+
+    def start_cluster(self, prefix: str, scenario: str, *, cpus: int = 1) -> None:
+        addrs = [f"127.0.0.1:{p}" for p in _free_ports(2)]
+        for i in range(2):
+            tf_config = {"cluster": {"worker": addrs}, "task": {"type": "worker", "index": i}}
+            self.start(f"{prefix}{i}", scenario, cpus=cpus, tf_config=tf_config)
+
+    def result(self, name: str, timeout: float = 150) -> dict:
+        proc, started = self.procs[name]
+        try:
+            proc.wait(timeout=max(1.0, started + timeout - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail(f"{name} still running after {timeout} s; log:\n{self.log(name)}")
+        out = self.tmp / f"{name}.json"
+        if not out.exists():
+            pytest.fail(f"{name} exited {proc.returncode} without a result; log:\n{self.log(name)}")
+        data = json.loads(out.read_text())
+        time.sleep(0.05)  # let the watcher record the exit time
+        data["wall_s"] = self.ended.get(name, time.monotonic()) - started
+        # Seconds between the worker writing its result and the process being gone.
+        data["exit_s"] = self.ended_wall.get(name, time.time()) - data["finished_at"]
+        assert "crash" not in data, data["crash"]
+        return data
+
+    def log(self, name: str) -> str:
+        return (self.tmp / f"{name}.log").read_text()[-4000:]
+
+    def stop(self) -> None:
+        for proc, _ in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    r = Runs(tmp_path_factory.mktemp("mw"))
+    # Timeout workers first: their clock is the one the tests measure.
+    for i in range(2):
+        # Task i waits for the other task, which never starts (its port is unused).
+        addrs = [f"127.0.0.1:{p}" for p in _free_ports(2)]
+        r.start(f"timeout{i}", "timeout", tf_config={"cluster": {"worker": addrs}, "task": {"type": "worker", "index": i}})
+    r.start("reference", "reference")
+    r.start_cluster("two", "unfixed_then_fixed")
+    r.start("single", "single", cpus=2)
+    r.start_cluster("four", "fixed", cpus=2)
+    r.start_cluster("load", "load")
+    yield r
+    r.stop()
+    print({name: round(r.ended.get(name, float("nan")) - start, 1) for name, (_, start) in r.procs.items()})
+
+
+def _max_diff(a: list, b: list) -> float:
+    assert len(a) == len(b)
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a, b))
+
+
+@pytest.mark.timeout(180)
+def test_plain_keras_fit_fails_under_two_workers(runs):
+    for name in ("two0", "two1"):
+        res = runs.result(name)
+        # keras-team/keras#20585, first failure: the symbolic build all-reduces a tuple of PerReplica.
+        assert res["unfixed_error"] is not None
+        assert "PerReplica" in res["unfixed_error"] and "to a Tensor" in res["unfixed_error"]
+        # Second failure, once the first is fixed: scalar logs reduced on axis 0.
+        assert "Invalid reduction dimension 0" in (res["build_fix_only_error"] or "")
+
+
+@pytest.mark.timeout(180)
+def test_two_workers_match_one_process(runs):
+    ref = runs.result("reference")
+    for name in ("two0", "two1"):
+        res = runs.result(name)
+        assert res["patched"] is True and res["patched_again"] is True
+        assert res["num_replicas"] == 2
+        assert _max_diff(res["weights"], ref["weights"]) <= TOLERANCE
+        np.testing.assert_allclose(res["loss"], ref["loss"], rtol=1e-5)
+    # The fit really trained: weights moved and loss fell.
+    assert ref["loss"][-1] < ref["loss"][0] / 2
+
+
+@pytest.mark.timeout(180)
+def test_two_workers_with_two_cpus_each_make_four_replicas_matching_one_process(runs):
+    ref = runs.result("reference")
+    for name in ("four0", "four1"):
+        res = runs.result(name)
+        assert res["num_replicas"] == 4
+        assert _max_diff(res["weights"], ref["weights"]) <= TOLERANCE
+
+
+@pytest.mark.timeout(180)
+def test_keras_sync_load_and_fit_on_two_workers_match_one_process(runs):
+    ref = runs.result("reference")
+    for name in ("load0", "load1"):
+        res = runs.result(name)
+        assert res["num_replicas"] == 2
+        assert _max_diff(res["weights"], ref["weights"]) <= TOLERANCE
+
+
+@pytest.mark.timeout(180)
+def test_without_tf_config_one_worker_uses_local_devices(runs):
+    ref = runs.result("reference")
+    res = runs.result("single")
+    assert res["num_workers"] == 1 and res["num_replicas"] == 2
+    assert _max_diff(res["weights"], ref["weights"]) <= TOLERANCE
+
+
+@pytest.mark.timeout(180)
+def test_bad_builder_arguments_name_argument_value_and_allowed_values(runs):
+    communication, mixed, garbage = runs.result("single")["bad_args"]
+    assert communication == (
+        "StrategyError: Invalid value for argument `communication`. Received: communication='mpi'. "
+        "Expected one of ['auto', 'ring', 'nccl']."
+    )
+    assert mixed.startswith("StrategyError: Invalid value for argument `local_devices`.")
+    assert "mixes ['CPU', 'GPU']" in mixed
+    assert garbage.startswith("StrategyError: Invalid device name in argument `local_devices`. Received: 'banana'.")
+
+
+@pytest.mark.timeout(180)
+def test_steps_per_execution_refused_on_real_multi_worker_model(runs):
+    res = runs.result("four0")
+    assert res["spe_error"] == (
+        "UsageError: Invalid value for argument `steps_per_execution` of `model.compile()`. "
+        "Received: steps_per_execution=2 with 4 replicas. Expected steps_per_execution=1 when "
+        "training on more than one replica (Keras bug keras-team/keras#19246). "
+        "Fix: compile with steps_per_execution=1, or train on one replica."
+    )
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("task,missing", [(0, 1), (1, 0)])
+def test_missing_peer_raises_connect_timeout_naming_task_and_address(runs, task, missing):
+    res = runs.result(f"timeout{task}", timeout=90)
+    missing_addr = runs.configs[f"timeout{task}"]["cluster"]["worker"][missing]
+    assert res["error_type"] == "ConnectTimeoutError"
+    msg = res["error"]
+    assert "\n" not in msg
+    assert "strategy.connect_timeout_s=10 s" in msg
+    assert f"missing /job:worker/task:{missing} ({missing_addr})." in msg
+    # From the constructor call to the error (the process import time depends on load).
+    assert 10 <= res["elapsed_s"] < 30, res["elapsed_s"]
+    # ... and the process really ends: nothing keeps it waiting for the absent peer.
+    assert res["exit_s"] < 20, res["exit_s"]
+
+
+def test_steps_per_execution_one_or_one_replica_is_accepted():
+    _keras_compat.check_steps_per_execution(types.SimpleNamespace(steps_per_execution=1), 4)
+    _keras_compat.check_steps_per_execution(types.SimpleNamespace(steps_per_execution=8), 1)
+
+
+def test_steps_per_execution_above_one_with_replicas_is_refused():
+    with pytest.raises(UsageError, match=r"Received: steps_per_execution=8 with 2 replicas\..*Fix: compile"):
+        _keras_compat.check_steps_per_execution(types.SimpleNamespace(steps_per_execution=8), 2)
+
+
+def test_fixes_not_applied_outside_measured_keras_range(monkeypatch):
+    monkeypatch.setattr(_keras_compat, "_keras_version", lambda: (3, 16))
+    assert _keras_compat.apply_multi_worker_fixes() is False
+    monkeypatch.setattr(_keras_compat, "_keras_version", lambda: (2, 15))
+    assert _keras_compat.apply_multi_worker_fixes() is False
+
+
+def test_modules_import_no_tensorflow():
+    code = (
+        "import sys, keras_sync._keras_compat, keras_sync._multi_worker; "
+        "heavy = [m for m in ('tensorflow', 'keras') if m in sys.modules]; "
+        "assert not heavy, heavy"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
