@@ -243,3 +243,13 @@ def build_multi_worker_strategy(
         return strategy_cls(resolver, options, devices)
     except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError) as e:
         raise _connect_timeout_error(e, tasks, me, connect_timeout_s) from e
+    except RuntimeError as e:
+        if "at program startup" not in str(e):
+            raise
+        # Something already ran a TensorFlow op (or listed logical devices): the
+        # collective runtime of a multi-worker job can no longer be set up.
+        raise StrategyError(
+            f"Cannot build the multi-worker strategy for task {me}: TensorFlow has already "
+            "initialised in this process. Build it (keras_sync.load) first, before creating any "
+            f"tensor, model or dataset or calling tf.config.list_logical_devices. ({e})"
+        ) from None

@@ -142,6 +142,11 @@ def main() -> int:
             history = sync.fit(model, *_data(), epochs=EPOCHS, shuffle=False, verbose=0)
             result["weights"] = [w.tolist() for w in model.get_weights()]
             result["loss"] = [float(v) for v in history.history["loss"]]
+        elif scenario == "late":
+            import tensorflow as tf
+
+            tf.constant(1.0)  # TensorFlow initialises here, before the strategy
+            result["error"] = _error(lambda: _multi_worker.build_multi_worker_strategy(connect_timeout_s=5))
         elif scenario == "timeout":
             start = time.monotonic()  # the clock starts at the constructor
             try:

@@ -106,6 +106,8 @@ def runs(tmp_path_factory):
         addrs = [f"127.0.0.1:{p}" for p in _free_ports(2)]
         r.start(f"timeout{i}", "timeout", tf_config={"cluster": {"worker": addrs}, "task": {"type": "worker", "index": i}})
     r.start("reference", "reference")
+    addrs = [f"127.0.0.1:{p}" for p in _free_ports(2)]
+    r.start("late", "late", tf_config={"cluster": {"worker": addrs}, "task": {"type": "worker", "index": 0}})
     r.start_cluster("two", "unfixed_then_fixed")
     r.start("single", "single", cpus=2)
     r.start_cluster("four", "fixed", cpus=2)
@@ -207,6 +209,15 @@ def test_missing_peer_raises_connect_timeout_naming_task_and_address(runs, task,
     assert 10 <= res["elapsed_s"] < 30, res["elapsed_s"]
     # ... and the process really ends: nothing keeps it waiting for the absent peer.
     assert res["exit_s"] < 20, res["exit_s"]
+
+
+@pytest.mark.timeout(120)
+def test_strategy_built_after_tensorflow_initialised_says_to_build_it_first(runs):
+    msg = runs.result("late")["error"]
+    assert msg.startswith(
+        "StrategyError: Cannot build the multi-worker strategy for task /job:worker/replica:0/task:0: "
+        "TensorFlow has already initialised in this process. Build it (keras_sync.load) first"
+    ), msg
 
 
 def test_steps_per_execution_one_or_one_replica_is_accepted():
