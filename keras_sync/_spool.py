@@ -104,8 +104,19 @@ class SpoolFile:
         tmp.write_text(str(offset))
         os.replace(tmp, self.offset_path)
 
+    def repair_tail(self) -> int:
+        """Cut a last line torn by a crash (appending after it would corrupt the next record); return the size."""
+        if not self.path.exists():
+            return 0
+        data = self.path.read_bytes()
+        keep = data.rfind(b"\n") + 1
+        if keep != len(data):
+            with open(self.path, "r+b") as fh:
+                fh.truncate(keep)
+        return keep
+
     # -- reading --
-    def read(self, start: int = 0) -> list[tuple[int, dict[str, Any]]]:
+    def read(self, start: int = 0, max_records: int | None = None) -> list[tuple[int, dict[str, Any]]]:
         """Records from byte ``start`` on, each with the offset just past it; a torn last line is skipped."""
         out: list[tuple[int, dict[str, Any]]] = []
         if not self.path.exists():
@@ -114,14 +125,14 @@ class SpoolFile:
             fh.seek(start)
             pos = start
             for line in fh:
-                if not line.endswith(b"\n"):
-                    break  # written half-way when the process died
+                if not line.endswith(b"\n") or (max_records is not None and len(out) >= max_records):
+                    break  # a torn line was written half-way when the process died
                 pos += len(line)
                 out.append((pos, json.loads(line)))
         return out
 
     def header(self) -> dict[str, Any] | None:
-        recs = self.read(0)[:1]
+        recs = self.read(0, max_records=1)
         return recs[0][1] if recs and recs[0][1].get("k") == "header" else None
 
     def last_run_id(self) -> str | None:

@@ -179,7 +179,9 @@ class MlflowWriter:
         self._seq = itertools.count(1)
         self._last_seq = 0
         self._delivered_seq = 0
-        self._pending: list[tuple[int, int, dict[str, Any]]] = []  # (end offset, seq, record)
+        # Owned by the thread: spool offsets, and (last seq, end offset) of each spooled batch.
+        self._spooled_end = self._delivered_end = self._resume_from = 0
+        self._seq_marks: deque[tuple[int, int]] = deque()
         self._wake = threading.Event()
         self._progress = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -230,10 +232,11 @@ class MlflowWriter:
         target = self._last_seq
         self._wake.set()
         if self._thread is None or not self._thread.is_alive():
-            return self._delivered_seq >= target and not self._pending and not self._queue
+            return not self._queue and self._delivered_end >= self._spooled_end
         with self._progress:
             return self._progress.wait_for(
-                lambda: self._delivered_seq >= target and not self._pending, timeout=timeout_s)
+                lambda: self._delivered_seq >= target and self._delivered_end >= self._resume_from,
+                timeout=timeout_s)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """End the run (FINISHED) and stop the thread, waiting at most ``timeout_s``.
@@ -254,22 +257,30 @@ class MlflowWriter:
             self._abandon = True  # stop retrying: `keras-sync sync-spool` takes over from here
             self._wake.set()
             self._thread.join(1.0)
-        left = len(self._pending) + len(self._queue)
-        if left:
-            warnings.warn(
-                f"keras-sync: {left} MLflow record(s) were not delivered to {self._shown_uri} "
-                f"within {timeout_s:g} s; they are kept in {self.spool_path}. Deliver them when "
-                f"the server is back with: keras-sync sync-spool {self.spool_path}",
-                RuntimeWarning, stacklevel=2)
+        if self._thread.is_alive():
+            return  # still inside one call (at most its timeout); the spool stays as it is
+        left = len(self._queue) + len(self._spool.read(self._delivered_end))
+        if not left:
+            # Everything reached MLflow: the write-ahead log has done its job.
+            for p in (self.spool_path, self._spool.offset_path):
+                p.unlink(missing_ok=True)
+            return
+        creds = ("" if self._shown_uri == self._uri else
+                 " (the spool stores the URI without credentials: pass it again)")
+        warnings.warn(
+            f"keras-sync: {left} MLflow record(s) were not delivered to {self._shown_uri} "
+            f"within {timeout_s:g} s; they are kept in {self.spool_path}. Deliver them when "
+            f"the server is back with: keras-sync sync-spool {self.spool_path}{creds}",
+            RuntimeWarning, stacklevel=2)
 
     # ---- the background thread ----
     def _loop(self) -> None:
         backoff, failures = 0.0, 0
         try:
-            self._load_leftovers()
+            self._open_spool()
             while not self._abandon:
                 self._drain_to_spool()
-                if self._pending:
+                if self._delivered_end < self._spooled_end:
                     try:
                         self._deliver()
                         if failures:
@@ -281,11 +292,11 @@ class MlflowWriter:
                         backoff = min(max(backoff * 2, 0.5), 30.0)
                         level = logging.WARNING if failures == 1 else logging.DEBUG
                         kind = "unreachable" if is_transient(e) else "refusing records"
-                        _log.log(level, "MLflow at %s is %s (%s); %d record(s) kept in %s, "
+                        _log.log(level, "MLflow at %s is %s (%s); records are kept in %s, "
                                  "retrying in the background.", self._shown_uri, kind,
                                  _redact(f"{type(e).__name__}: {e}", self._secrets)[:500],
-                                 len(self._pending), self.spool_path)
-                if self._closing and not self._pending and not self._queue:
+                                 self.spool_path)
+                if self._closing and self._delivered_end >= self._spooled_end and not self._queue:
                     return
                 self._wake.wait(backoff or self._flush_interval_s)
                 self._wake.clear()
@@ -294,17 +305,17 @@ class MlflowWriter:
             with self._progress:
                 self._progress.notify_all()
 
-    def _load_leftovers(self) -> None:
-        """Queue what an earlier process with the same job id spooled but never delivered."""
-        if self._spool.header() is None:
-            self._spool.append([{"k": "header", "v": 1, "experiment": self._experiment,
-                                 "run_name": self._run_name, "job_id": self._job_id,
-                                 "tracking_uri": self._shown_uri}])
-            self._spool.mark_delivered(self._spool.path.stat().st_size)
-            return
-        for end, rec in self._spool.read(self._spool.delivered_offset()):
-            if rec["k"] != "end":  # the earlier process ended; this one continues the run
-                self._pending.append((end, 0, rec))
+    def _open_spool(self) -> None:
+        """Create the spool, or continue one an earlier process with the same job id left."""
+        size = self._spool.repair_tail()
+        if size == 0:
+            (size,) = self._spool.append([{"k": "header", "v": 1, "experiment": self._experiment,
+                                           "run_name": self._run_name, "job_id": self._job_id,
+                                           "tracking_uri": self._shown_uri}])
+            self._spool.mark_delivered(size)
+        # What the earlier process did not deliver (up to _resume_from) goes first.
+        self._spooled_end = self._resume_from = size
+        self._delivered_end = min(self._spool.delivered_offset(), size)
 
     def _drain_to_spool(self) -> None:
         recs: list[tuple[int, dict[str, Any]]] = []
@@ -316,7 +327,8 @@ class MlflowWriter:
         if not recs:
             return
         ends = self._spool.append([rec for _, rec in recs])
-        self._pending.extend((end, seq, rec) for end, (seq, rec) in zip(ends, recs))
+        self._spooled_end = ends[-1]
+        self._seq_marks.append((recs[-1][0], ends[-1]))
 
     def _clean(self, rec: dict[str, Any]) -> dict[str, Any] | None:
         k = rec["k"]
@@ -345,21 +357,25 @@ class MlflowWriter:
     def _deliver(self) -> None:
         run_id, fresh = self._deliverer.ensure_run()
         if fresh:
-            (end,) = self._spool.append([{"k": "run", "run_id": run_id}])
-            self._pending.append((end, 0, {"k": "run", "run_id": run_id}))
-        while self._pending:
+            (self._spooled_end,) = self._spool.append([{"k": "run", "run_id": run_id}])
+        while self._delivered_end < self._spooled_end and not self._abandon:
             chunk, points = [], 0
-            for item in self._pending:
-                n = len(item[2]["d"]) if item[2]["k"] == "m" else 0
-                if chunk and (points + n > self._max_batch or len(chunk) >= 100):
+            for end, rec in self._spool.read(self._delivered_end, max_records=100):
+                n = len(rec["d"]) if rec["k"] == "m" else 0
+                if chunk and points + n > self._max_batch:
                     break
-                chunk.append(item)
+                chunk.append((end, rec))
                 points += n
-            self._deliverer.send([rec for _, _, rec in chunk])
+            if not chunk:  # cannot happen unless the file was cut under us
+                raise TrackingError(f"Spool {self.spool_path} is shorter than recorded.")
+            # An earlier process's "end" would mark the run finished while this one still logs.
+            self._deliverer.send([rec for end, rec in chunk
+                                  if not (rec["k"] == "end" and end <= self._resume_from)])
             self._spool.mark_delivered(chunk[-1][0])
-            del self._pending[: len(chunk)]
             with self._progress:
-                self._delivered_seq = max(self._delivered_seq, max(s for _, s, _ in chunk))
+                self._delivered_end = chunk[-1][0]
+                while self._seq_marks and self._seq_marks[0][1] <= self._delivered_end:
+                    self._delivered_seq = self._seq_marks.popleft()[0]
                 self._progress.notify_all()
 
 
@@ -372,16 +388,19 @@ def replay_spool(spool_path: str | os.PathLike[str], tracking_uri: str | None = 
     if the server needs them). Backs ``keras-sync sync-spool PATH``.
     """
     spool = SpoolFile(spool_path)
+    if not spool.path.is_file():
+        raise TrackingError(f"Invalid value for argument `spool_path`. Received: "
+                            f"spool_path={str(spool_path)!r}, which does not exist. Expected a "
+                            "spool file left by a writer (a fully delivered spool is removed).")
+    spool.repair_tail()
     header = spool.header()
     if header is None:
         raise TrackingError(f"Invalid value for argument `spool_path`. Received: "
                             f"spool_path={str(spool_path)!r}. Expected a keras-sync spool file "
                             "(*.spool.jsonl) whose first line is its header.")
     uri = tracking_uri or header["tracking_uri"]
-    records = [(end, rec) for end, rec in spool.read(spool.delivered_offset())
-               if rec["k"] not in ("header", "run")]
-    if not records:
-        spool.mark_delivered(spool.path.stat().st_size)
+    if not any(rec["k"] not in ("header", "run") for _, rec in spool.read(spool.delivered_offset())):
+        spool.mark_delivered(spool.repair_tail())
         return 0
     deliverer = Deliverer(uri, header["experiment"], header.get("run_name"), header.get("job_id"),
                           run_id=spool.last_run_id())
@@ -390,11 +409,9 @@ def replay_spool(spool_path: str | os.PathLike[str], tracking_uri: str | None = 
         if fresh:
             spool.append([{"k": "run", "run_id": deliverer.run_id}])
         sent = 0
-        for i in range(0, len(records), 100):
-            chunk = records[i: i + 100]
+        while chunk := spool.read(spool.delivered_offset(), max_records=100):
             sent += deliverer.send([rec for _, rec in chunk])
             spool.mark_delivered(chunk[-1][0])
-        spool.mark_delivered(spool.path.stat().st_size)
         return sent
     except Exception as e:
         raise TrackingError(

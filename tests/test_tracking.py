@@ -152,7 +152,7 @@ def test_every_point_delivered_exactly_once_with_steps(in_tmp, sqlite_uri):
     assert len(run.data.params["long"]) == 6000 and run.data.params["long"].endswith("[truncated]")
     assert run.data.tags["team"] == "ml"
     assert Path(MlflowClient(uri).download_artifacts(w.run_id, "notes/hello.txt", str(in_tmp))).read_text() == "hello"
-    assert replay_spool(w.spool_path) == 0  # everything was marked delivered
+    assert not w.spool_path.exists()  # all delivered: the write-ahead spool is removed
 
 
 def test_invalid_metric_key_is_rewritten(in_tmp, sqlite_uri, caplog):
@@ -185,10 +185,14 @@ def test_replay_after_crash_before_offset_write_does_not_duplicate(in_tmp, sqlit
     w = MlflowWriter(tracking_uri=uri, experiment=_exp(), job_id="crash", spool_dir=in_tmp)
     w.start()
     _log_timed(w, range(100))
+    assert w.flush(30)
+    spooled = w.spool_path.read_bytes()
     w.close()
-    header_end = len(w.spool_path.read_bytes().splitlines()[0]) + 1
-    Path(f"{w.spool_path}.offset").write_text(str(header_end))  # as if killed before the marker
-    replay_spool(w.spool_path)
+    # As if the process died after delivering, before moving the delivered-offset marker.
+    w.spool_path.write_bytes(spooled + b'{"k":"m","s":7,"ts"')  # and tore its last line
+    header_end = spooled.index(b"\n") + 1
+    Path(f"{w.spool_path}.offset").write_text(str(header_end))
+    assert replay_spool(w.spool_path) == 200
     assert _history(uri, w.run_id) == list(range(100))
     assert replay_spool(w.spool_path) == 0
 
@@ -206,6 +210,8 @@ def test_replay_rejects_a_file_that_is_not_a_spool(tmp_path):
     bad.write_text('{"k": "m"}\n')
     with pytest.raises(TrackingError, match="Expected a keras-sync spool file"):
         replay_spool(bad)
+    with pytest.raises(TrackingError, match="which does not exist"):
+        replay_spool(tmp_path / "missing.spool.jsonl")
 
 
 # ---- real mlflow server, with outages ----
@@ -319,3 +325,32 @@ def test_process_exit_with_server_down_is_bounded_and_warns(tmp_path):
     assert time.perf_counter() - t0 < 20
     assert out.returncode == 0
     assert "keras-sync sync-spool" in out.stderr
+
+
+def test_restarted_job_delivers_what_the_crashed_process_spooled(restartable_mlflow_server, tmp_path):
+    server = restartable_mlflow_server
+    server.stop()
+    exp = f"restart-{uuid.uuid4().hex[:6]}"
+    crash = (
+        "import os, time\n"
+        "from keras_sync.tracking import MlflowWriter\n"
+        f"w = MlflowWriter(tracking_uri={server.uri!r}, experiment={exp!r}, job_id='j3',\n"
+        f"                 spool_dir={str(tmp_path)!r}, flush_interval_s=0.05)\n"
+        "w.start()\n"
+        "for s in range(50): w.log_metrics({'loss': 1.0, 'acc': 0.5}, step=s)\n"
+        "while not w.spool_path.exists() or w.spool_path.read_text().count('\"k\":\"m\"') < 50:\n"
+        "    time.sleep(0.05)\n"
+        "os._exit(9)  # no atexit, no close: a crash\n"
+    )
+    out = subprocess.run([sys.executable, "-c", crash], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 9, out.stderr
+    server.start()
+    w = MlflowWriter(tracking_uri=server.uri, experiment=exp, job_id="j3", spool_dir=tmp_path)
+    w.start()
+    _log_timed(w, range(50, 100))
+    assert w.flush(60)
+    w.close()
+    run = _run_of_job(server.uri, exp, "j3")
+    assert run.info.run_id == w.run_id
+    assert _history(server.uri, w.run_id) == list(range(100))
+    assert run.info.status == "FINISHED"
