@@ -195,6 +195,9 @@ class Sync:
         per_replica = self._batch_size_argument(kwargs.pop("batch_size", None), method)
         global_batch = per_replica * self.num_replicas
         if _is_dataset(x):
+            if method == "fit":
+                # Keras ignores `shuffle` for datasets but warns about its default True on every fit.
+                kwargs.setdefault("shuffle", False)
             return x, y, kwargs
         if self.kind != "multi_worker_mirrored":
             kwargs["batch_size"] = global_batch
