@@ -105,8 +105,12 @@ def configure_simulated_cpus(n: int) -> list[str]:
 
     cpus = tf.config.list_physical_devices("CPU")
     current = tf.config.get_logical_device_configuration(cpus[0])
+    # Names are built here rather than read from tf.config.list_logical_devices(): listing would
+    # start the TensorFlow runtime, after which MultiWorkerMirroredStrategy can no longer
+    # configure its collectives ("Collective ops must be configured at program startup").
+    names = [f"/cpu:{i}" for i in range(n)]
     if current is not None and len(current) == n:
-        return [d.name for d in tf.config.list_logical_devices("CPU")]
+        return names
     try:
         tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * n)
     except RuntimeError as exc:
@@ -115,7 +119,7 @@ def configure_simulated_cpus(n: int) -> list[str]:
             "already initialised its devices in this process. Call keras_sync.load() first, before creating "
             f"any tensor, model or dataset. ({exc})"
         ) from None
-    return [d.name for d in tf.config.list_logical_devices("CPU")]
+    return names
 
 
 def _cross_device_ops(name: str, n_gpus: int) -> Any:
