@@ -383,7 +383,7 @@ def load_config(
     cfg = b.build(Config, data, "")
     cfg = _check_consistency(cfg, b, given)
     if b.issues:
-        raise ConfigError(b.issues)
+        raise ConfigError(sorted(b.issues, key=lambda i: i.line or 0))  # stable: file order within a line
     return dataclasses.replace(cfg, source=file, text=text, provenance=provenance)
 
 

@@ -88,7 +88,7 @@ def test_yaml_boolean_kind_gets_quote_hint(tmp_path):
         load_config(path, environ={})
 
 
-def test_all_errors_reported_at_once(tmp_path):
+def test_all_errors_reported_at_once_in_line_order(tmp_path):
     path = write(tmp_path, """\
         strategy: {kind: mirorred, simulated_cpu_replicas: -1}
         batch: {per_replica: 32, global: 64}
@@ -101,9 +101,9 @@ def test_all_errors_reported_at_once(tmp_path):
         f"{path}:1: strategy.kind: received 'mirorred', expected one of auto, default, one_device, mirrored, "
         "multi_worker_mirrored, tpu; did you mean 'mirrored'?",
         f"{path}:1: strategy.simulated_cpu_replicas: received -1, expected an integer >= 0",
-        f"{path}:3: learning_rate.base: received 'fast', expected a number > 0",
         f"{path}:2: batch.global: received batch.per_replica=32 and batch.global=64; give exactly one of them "
         "(set the other to null or remove it)",
+        f"{path}:3: learning_rate.base: received 'fast', expected a number > 0",
         f"{path}:3: learning_rate.warmup_steps: received warmup_epochs=1 and warmup_steps=3; give one of them "
         "(set the other to 0)",
     ]
