@@ -24,6 +24,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; one writer per spool is then on the user
+    fcntl = None  # type: ignore[assignment]
+
 _log = logging.getLogger("keras_sync.tracking")
 
 # MLflow reads its HTTP retry settings from the environment on every request. Retrying is ours
@@ -76,11 +81,26 @@ class SpoolFile:
         self._fh: Any = None
 
     # -- writing (one writer at a time: the writer's thread, or a replay) --
-    def append(self, records: list[dict[str, Any]]) -> list[int]:
-        """Append records, flush them to the OS, and return the offset just past each one."""
+    def _open(self) -> Any:
         if self._fh is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fh = open(self.path, "ab")  # noqa: SIM115 - held open for the writer's life
+        return self._fh
+
+    def lock(self) -> bool:
+        """Take the spool for this process until `close`; False if a live writer or replay holds it."""
+        if fcntl is None:
+            return True
+        try:
+            fcntl.flock(self._open().fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            self.close()
+            return False
+
+    def append(self, records: list[dict[str, Any]]) -> list[int]:
+        """Append records, flush them to the OS, and return the offset just past each one."""
+        self._open()
         ends = []
         for rec in records:
             self._fh.write(json.dumps(rec, separators=(",", ":")).encode() + b"\n")

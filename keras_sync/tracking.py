@@ -257,13 +257,14 @@ class MlflowWriter:
             self._abandon = True  # stop retrying: `keras-sync sync-spool` takes over from here
             self._wake.set()
             self._thread.join(1.0)
-        if self._thread.is_alive():
-            return  # still inside one call (at most its timeout); the spool stays as it is
+        # The thread may still be inside one call (bounded by its timeout): then keep the spool.
         left = len(self._queue) + len(self._spool.read(self._delivered_end))
-        if not left:
+        if not left and not self._thread.is_alive():
             # Everything reached MLflow: the write-ahead log has done its job.
             for p in (self.spool_path, self._spool.offset_path):
                 p.unlink(missing_ok=True)
+            return
+        if not left:
             return
         creds = ("" if self._shown_uri == self._uri else
                  " (the spool stores the URI without credentials: pass it again)")
@@ -307,6 +308,16 @@ class MlflowWriter:
 
     def _open_spool(self) -> None:
         """Create the spool, or continue one an earlier process with the same job id left."""
+        if not self._spool.lock():
+            # The same job id is still logging elsewhere (another live process or writer):
+            # its spool is its own, so this writer keeps a separate one.
+            busy = self.spool_path
+            self.spool_path = busy.with_name(busy.name.replace(".spool.jsonl",
+                                                               f".{os.getpid()}-{id(self):x}.spool.jsonl"))
+            self._spool = SpoolFile(self.spool_path)
+            self._spool.lock()
+            _log.warning("Spool %s is in use by another writer; this one writes %s.", busy,
+                         self.spool_path)
         size = self._spool.repair_tail()
         if size == 0:
             (size,) = self._spool.append([{"k": "header", "v": 1, "experiment": self._experiment,
@@ -392,6 +403,17 @@ def replay_spool(spool_path: str | os.PathLike[str], tracking_uri: str | None = 
         raise TrackingError(f"Invalid value for argument `spool_path`. Received: "
                             f"spool_path={str(spool_path)!r}, which does not exist. Expected a "
                             "spool file left by a writer (a fully delivered spool is removed).")
+    if not spool.lock():
+        raise TrackingError(f"Spool {spool_path} is in use by a running keras-sync writer, which "
+                            "delivers it itself; replay it after that process has ended.")
+    try:
+        return _replay_locked(spool, spool_path, tracking_uri)
+    finally:
+        spool.close()
+
+
+def _replay_locked(spool: SpoolFile, spool_path: str | os.PathLike[str],
+                   tracking_uri: str | None) -> int:
     spool.repair_tail()
     header = spool.header()
     if header is None:
@@ -418,5 +440,3 @@ def replay_spool(spool_path: str | os.PathLike[str], tracking_uri: str | None = 
             f"Could not deliver spool {spool_path} to MLflow at {redact_uri(uri)}: "
             f"{_redact(str(e), _secrets_of(uri, os.environ))[:500]}. Nothing delivered is sent "
             "twice; run `keras-sync sync-spool` again when the server is reachable.") from None
-    finally:
-        spool.close()

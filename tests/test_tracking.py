@@ -354,3 +354,27 @@ def test_restarted_job_delivers_what_the_crashed_process_spooled(restartable_mlf
     assert run.info.run_id == w.run_id
     assert _history(server.uri, w.run_id) == list(range(100))
     assert run.info.status == "FINISHED"
+
+
+def test_replay_refuses_a_spool_a_live_writer_holds(restartable_mlflow_server, tmp_path):
+    server = restartable_mlflow_server
+    server.stop()
+    w = MlflowWriter(tracking_uri=server.uri, experiment=_exp(), job_id="busy", spool_dir=tmp_path,
+                     flush_interval_s=0.05)
+    w.start()
+    w.log_metrics({"loss": 1.0}, step=0)
+    assert _wait_for(lambda: _spooled_steps(w.spool_path) == [0], 10)
+    with pytest.raises(TrackingError, match="in use by a running keras-sync writer"):
+        replay_spool(w.spool_path)
+    with pytest.warns(RuntimeWarning, match="not delivered"):
+        w.close(timeout_s=0.5)
+
+
+def test_replay_failure_is_one_clean_error(tmp_path):
+    spool = tmp_path / "j.spool.jsonl"
+    spool.write_text('{"k":"header","v":1,"experiment":"e","run_name":null,"job_id":"j",'
+                     '"tracking_uri":"http://127.0.0.1:1"}\n{"k":"m","s":0,"ts":1,"d":{"loss":1.0}}\n')
+    with pytest.raises(TrackingError, match=r"Could not deliver spool .* run `keras-sync sync-spool` again") as err:
+        replay_spool(spool, tracking_uri="http://user:s3cret@127.0.0.1:1")
+    assert "s3cret" not in str(err.value)
+    assert Path(f"{spool}.offset").exists() is False  # nothing marked delivered
