@@ -1,0 +1,220 @@
+"""Measure each replica's own loss and gradient norm inside Keras's default `train_step`.
+
+Keras 3 (TensorFlow backend) runs `train_step` once per replica under `strategy.run`; the
+values we want exist only there, before the all-reduce. We wrap the model's `train_step`:
+while it is *traced*, `model._compute_loss` and `optimizer.apply_gradients` are shadowed on
+the instances by pass-through functions that only remember the tensors they see (the loss,
+the local gradients). No op of the step is changed or reordered, so training stays
+bit-identical to plain Keras (tests/test_sync_metrics.py checks the weights). The wrapper
+then writes ``[loss, grad_norm, examples_seen]`` of the replica into a
+``tf.Variable(synchronization=ON_READ, aggregation=NONE)`` (one copy per replica, never
+all-reduced), read by the callbacks only on the steps they log.
+
+Scaling (so values compare with a single-device run): Keras divides each replica's loss by
+the number of replicas, so its local gradient is ``1/N`` of the gradient of the replica's own
+mean loss. We report the replica's own mean loss (``loss * N``) and the global norm of the
+gradient of that loss (``||grads|| * N``, also divided by the loss scale of a
+`LossScaleOptimizer`). The gradient the optimizer applies is the mean of the replicas' ones.
+
+A model that overrides `train_step` keeps its own: we only count the examples of each step
+around it (for throughput), and loss and gradient norm are NaN.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import weakref
+from typing import Any, Callable, Iterator
+
+log = logging.getLogger("keras_sync")
+
+_MARK = "_keras_sync_instrumented"
+_probes: weakref.WeakKeyDictionary[Any, ReplicaProbe] = weakref.WeakKeyDictionary()
+
+
+def has_default_train_step(model: Any) -> bool:
+    """True when the model uses Keras's own TensorFlow `train_step` (no override)."""
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    return getattr(type(model), "train_step", None) is TensorFlowTrainer.train_step
+
+
+class ReplicaProbe:
+    """The per-replica values of the last train step, for one model.
+
+    Build it with `instrument(model)`. ``per_replica_supported`` says whether loss and gradient
+    norm are measured (False for a model with its own `train_step`).
+    """
+
+    def __init__(self, model: Any):
+        import tensorflow as tf
+
+        self.model = model
+        self.strategy = model.distribute_strategy
+        self.num_replicas = int(self.strategy.num_replicas_in_sync)
+        self.per_replica_supported = has_default_train_step(model)
+        with self.strategy.scope():
+            # Outside the model: not a weight, never saved in its checkpoints.
+            self.var = tf.Variable(
+                tf.constant([float("nan"), float("nan"), 0.0], tf.float64),
+                trainable=False,
+                synchronization=tf.VariableSynchronization.ON_READ,
+                aggregation=tf.VariableAggregation.NONE,
+                name="keras_sync_replica_stats",
+            )
+        self._multi_worker = _is_multi_worker(self.strategy)
+        self._gather_fn: Callable[[], Any] | None = None
+
+    def read(self) -> list[tuple[float, float, float]]:
+        """``(loss, grad_norm, examples_seen)`` of every replica of the job, replica 0 first.
+
+        Under a multi-worker strategy this is a collective: every worker must call it at the
+        same step (the callbacks do, on the steps they log).
+        """
+        if self._multi_worker:
+            rows = self._gather().numpy()
+        else:
+            rows = [v.numpy() for v in self.strategy.experimental_local_results(self.var)]
+        return [(float(r[0]), float(r[1]), float(r[2])) for r in rows]
+
+    def _gather(self) -> Any:
+        if self._gather_fn is None:
+            import tensorflow as tf
+
+            var, strategy = self.var, self.strategy
+
+            def replica_fn() -> Any:
+                ctx = tf.distribute.get_replica_context()
+                return ctx.all_gather(tf.expand_dims(tf.identity(var), 0), axis=0)
+
+            @tf.function
+            def gather() -> Any:
+                return strategy.experimental_local_results(strategy.run(replica_fn))[0]
+
+            self._gather_fn = gather
+        return self._gather_fn()
+
+    def step_fn(self, original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """The instrumented `train_step`: ``original`` plus the writes of this replica's values."""
+        import tensorflow as tf
+
+        model, var, n = self.model, self.var, float(self.num_replicas)
+        capture = self.per_replica_supported
+
+        def train_step(data: Any) -> Any:
+            seen: dict[str, Any] = {}
+            with _capture(model, seen) if capture else contextlib.nullcontext():
+                logs = original(data)
+            examples = tf.cast(_batch_size(data), tf.float64)
+            loss = seen.get("loss")
+            loss = tf.cast(loss, tf.float64) * n if loss is not None else tf.constant(float("nan"), tf.float64)
+            grads = [g for g in seen.get("grads", ()) if g is not None]
+            if grads:
+                norm = tf.cast(tf.linalg.global_norm([tf.cast(_dense(g), tf.float32) for g in grads]), tf.float64) * n
+                scale = seen.get("loss_scale")
+                if scale is not None:
+                    norm = norm / tf.cast(scale, tf.float64)
+            else:
+                norm = tf.constant(float("nan"), tf.float64)
+            var.assign(tf.stack([loss, norm, var[2] + examples]))
+            return logs
+
+        setattr(train_step, _MARK, True)
+        return train_step
+
+
+def instrument(model: Any) -> ReplicaProbe:
+    """Install the instrumented `train_step` on ``model`` (once) and return its probe.
+
+    The model keeps it after `fit` (a few cheap ops per step), so a second `fit` does not
+    retrace. Call this before `fit` builds its train function (Keras callbacks' `set_model`
+    is early enough); a train function built earlier is dropped so that `fit` rebuilds it.
+    """
+    probe = _probes.get(model)
+    if probe is not None and getattr(model.__dict__.get("train_step"), _MARK, False):
+        return probe
+    probe = ReplicaProbe(model)
+    original = type(model).train_step.__get__(model)
+    # object.__setattr__: a function is not state for Keras's attribute tracker.
+    object.__setattr__(model, "train_step", probe.step_fn(original))
+    model.train_function = None
+    _probes[model] = probe
+    return probe
+
+
+# MirroredStrategy traces `train_step` once per replica, each in its own thread, switching
+# threads inside `apply_gradients` (merge_call): the shims are installed while any replica
+# traces, and each thread records into its own dict.
+_lock = threading.Lock()
+_tls = threading.local()
+_installed: dict[int, int] = {}
+
+
+@contextlib.contextmanager
+def _capture(model: Any, seen: dict[str, Any]) -> Iterator[None]:
+    """While Keras's `train_step` is traced, remember its loss and local gradients."""
+    optimizer = model.optimizer
+    with _lock:
+        if _installed.get(id(model), 0) == 0:
+            _install_shims(model, optimizer)
+        _installed[id(model)] = _installed.get(id(model), 0) + 1
+    _tls.seen = seen
+    try:
+        yield
+    finally:
+        _tls.seen = None
+        with _lock:
+            _installed[id(model)] -= 1
+            if _installed[id(model)] == 0:
+                del _installed[id(model)]
+                object.__delattr__(model, "_compute_loss")
+                object.__delattr__(optimizer, "apply_gradients")
+
+
+def _install_shims(model: Any, optimizer: Any) -> None:
+    compute_loss = model._compute_loss
+    apply_gradients = optimizer.apply_gradients
+
+    def _compute_loss(*args: Any, **kwargs: Any) -> Any:
+        loss = compute_loss(*args, **kwargs)
+        seen = getattr(_tls, "seen", None)
+        if seen is not None:
+            seen["loss"] = loss
+        return loss
+
+    def _apply_gradients(grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
+        pairs = list(grads_and_vars)
+        seen = getattr(_tls, "seen", None)
+        if seen is not None:
+            seen["grads"] = [g for g, _ in pairs]
+            scale = getattr(optimizer, "dynamic_scale", None)  # LossScaleOptimizer: grads are scaled
+            if scale is not None:
+                seen["loss_scale"] = scale
+        return apply_gradients(pairs, *args, **kwargs)
+
+    # object.__setattr__: plain functions, not state for Keras's attribute tracker.
+    object.__setattr__(model, "_compute_loss", _compute_loss)
+    object.__setattr__(optimizer, "apply_gradients", _apply_gradients)
+
+
+def _batch_size(data: Any) -> Any:
+    import tensorflow as tf
+
+    for t in tf.nest.flatten(data):
+        if t is not None and hasattr(t, "shape") and len(t.shape) > 0:
+            return tf.shape(t)[0]
+    return tf.constant(0)
+
+
+def _dense(g: Any) -> Any:
+    import tensorflow as tf
+
+    return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+
+
+def _is_multi_worker(strategy: Any) -> bool:
+    extended = getattr(strategy, "extended", None)
+    check = getattr(extended, "_in_multi_worker_mode", None)
+    return bool(check()) if check is not None else False

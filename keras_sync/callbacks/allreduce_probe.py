@@ -1,0 +1,77 @@
+"""`AllReduceProbe`: time one all-reduce of a tensor the size of the model's gradients, once."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import keras
+
+from keras_sync.errors import UsageError
+
+
+class AllReduceProbe(keras.callbacks.Callback):
+    """At the start of the first `fit`, log ``sync/allreduce_ms`` and ``sync/allreduce_gbps``.
+
+    The probe all-reduces (sum) a float32 tensor with as many elements as the model has
+    trainable parameters, the volume of one step's gradient all-reduce: one warm-up call, then
+    ``repeats`` timed calls; the median is logged at the current global step.
+    ``sync/allreduce_gbps`` is the algorithm bandwidth, ``bytes * 8 / seconds / 1e9``
+    (gigabits per second of gradient data reduced). It is a collective: every worker runs it.
+    Off by default (``mlflow.allreduce_probe: true``); it costs ``repeats + 1`` all-reduces.
+
+    Args:
+        writer: a started `keras_sync.tracking.MlflowWriter`, or None on non-writing workers.
+        repeats: timed all-reduces (>= 1).
+    """
+
+    def __init__(self, writer: Any = None, *, repeats: int = 5):
+        super().__init__()
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise UsageError(f"Invalid value for argument `repeats`. Received: repeats={repeats!r}. "
+                             "Expected an integer >= 1.")
+        self.writer = writer
+        self.repeats = repeats
+        self._done = False
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        if self._done:
+            return
+        self._done = True
+        ms, nbytes = time_allreduce(self.model, self.repeats)
+        if self.writer is None or ms is None:
+            return
+        step = int(self.model.optimizer.iterations.numpy())
+        self.writer.log_metrics({"sync/allreduce_ms": ms,
+                                 "sync/allreduce_gbps": nbytes * 8 / (ms / 1000.0) / 1e9 if ms > 0 else 0.0},
+                                step=step)
+
+
+def time_allreduce(model: Any, repeats: int = 5) -> tuple[float | None, int]:
+    """Median milliseconds of a sum all-reduce of the model's gradient size, and its bytes."""
+    import tensorflow as tf
+
+    strategy = model.distribute_strategy
+    size = int(sum(int(tf.size(w)) for w in model.trainable_weights))
+    if size == 0:
+        return None, 0
+
+    def make() -> Any:
+        return tf.zeros([size], tf.float32)
+
+    def reduce() -> Any:
+        ctx = tf.distribute.get_replica_context()
+        return ctx.all_reduce(tf.distribute.ReduceOp.SUM, make())
+
+    @tf.function
+    def step() -> Any:
+        return strategy.experimental_local_results(strategy.run(reduce))[0][0]
+
+    step().numpy()  # trace and warm up the collective
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step().numpy()
+        times.append((time.perf_counter() - t0) * 1000.0)
+    return statistics.median(times), size * 4
