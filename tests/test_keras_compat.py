@@ -69,7 +69,7 @@ class Runs:
             tf_config = {"cluster": {"worker": addrs}, "task": {"type": "worker", "index": i}}
             self.start(f"{prefix}{i}", scenario, cpus=cpus, tf_config=tf_config)
 
-    def result(self, name: str, timeout: float = 150) -> dict:
+    def result(self, name: str, timeout: float = 480) -> dict:
         proc, started = self.procs[name]
         try:
             proc.wait(timeout=max(1.0, started + timeout - time.monotonic()))
