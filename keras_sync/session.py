@@ -174,7 +174,10 @@ class Sync:
         from keras_sync import callbacks as ks_callbacks
 
         kwargs["callbacks"] = ks_callbacks.default_callbacks(self, model, kwargs.get("callbacks"))
-        return model.fit(x, y, **kwargs)
+        from keras_sync.callbacks.backup import resumable_fit
+
+        with resumable_fit(kwargs["callbacks"]):  # a restored backup resumes mid-epoch, data order included
+            return model.fit(x, y, **kwargs)
 
     def evaluate(self, model: Any, x: Any = None, y: Any = None, **kwargs: Any) -> Any:
         """`model.evaluate` under this strategy, with the same batching rules as `fit`."""
@@ -199,7 +202,8 @@ class Sync:
                 # Keras ignores `shuffle` for datasets but warns about its default True on every fit.
                 kwargs.setdefault("shuffle", False)
             return x, y, kwargs
-        if self.kind != "multi_worker_mirrored":
+        # With a backup, arrays go through our seeded shuffle (Keras' is unseeded), so a resume replays the order.
+        if self.kind != "multi_worker_mirrored" and not (method == "fit" and self.config.fault_tolerance.backup_dir):
             kwargs["batch_size"] = global_batch
             return x, y, kwargs
         return self._arrays_to_dataset(method, x, y, kwargs, global_batch)

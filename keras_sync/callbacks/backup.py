@@ -1,0 +1,247 @@
+"""Back up the training state and resume exactly where a killed job stopped, mid-epoch included.
+
+Keras' own `BackupAndRestore` restores weights and the epoch, but with an integer `save_freq`
+it restarts the interrupted epoch at batch 0 and replays a different data order, so the
+result differs from an uninterrupted run. This callback restores everything that decides the
+next update: weights, optimizer state (``iterations``, momentum...), the epoch, the batches of
+it already trained, the metric totals of that epoch, and the position of the input pipeline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import warnings
+from typing import Any, Iterator
+
+import keras
+
+from keras_sync.resume import ResumePoint, SaveSchedule, batches_to_skip, write_dir
+
+log = logging.getLogger("keras_sync")
+
+
+class BackupAndRestore(keras.callbacks.Callback):
+    """Back up the training state every epoch or every N batches; restore it when `fit` restarts.
+
+    Saved with `tf.train.Checkpoint`: the model, its optimizer, the metrics of the running epoch
+    and the position ``(epoch, batches trained in it)``. On restart the weights and optimizer
+    are restored before any other callback's ``on_train_begin`` runs (put this callback first),
+    so ``model.optimizer.iterations`` already holds the restored step count there; `fit` then
+    continues at the saved epoch and skips the batches already trained, replaying the input
+    pipeline so a seeded shuffle yields the same order as an uninterrupted run.
+
+    Under `MultiWorkerMirroredStrategy` every worker saves (reading the variables is collective);
+    the chief writes ``backup_dir`` and the others a temporary directory they delete at once.
+    All workers restore from ``backup_dir``, which must be on storage they share. The backup is
+    deleted when training ends normally.
+
+    Skipping batches needs `Sync.fit` (it installs the epoch iterator that can skip). Passed to
+    plain `model.fit`, a mid-epoch backup restarts its epoch at batch 0, as Keras does.
+
+    Args:
+        backup_dir: directory for the checkpoints; not shared with anything else.
+        save_freq: ``"epoch"``, or an integer: save every that many batches.
+        delete_checkpoint: delete the backup when training finishes. Defaults to True.
+        max_to_keep: checkpoints kept (the newest ones). Defaults to 2.
+
+    Example:
+        >>> sync = keras_sync.load({"fault_tolerance": {"backup_dir": "/tmp/bk", "save_freq": 50}})  # doctest: +SKIP
+        >>> sync.fit(model, x, y, epochs=5)   # adds this callback; rerun after a kill to resume  # doctest: +SKIP
+    """
+
+    def __init__(self, backup_dir: str, save_freq: str | int = "epoch", *, delete_checkpoint: bool = True,
+                 max_to_keep: int = 2):
+        super().__init__()
+        if not backup_dir or not isinstance(backup_dir, (str, os.PathLike)):
+            raise ValueError(
+                f"Invalid value for argument `backup_dir`. Received: backup_dir={backup_dir!r}. "
+                "Expected the path of a directory used for nothing else."
+            )
+        self.backup_dir = os.fspath(backup_dir)
+        self._schedule = SaveSchedule(save_freq)
+        self.save_freq = save_freq
+        self.delete_checkpoint = delete_checkpoint
+        self.max_to_keep = max_to_keep
+        self.restored: ResumePoint | None = None
+        self.epoch_iterator: Any = None  # set by `resumable_fit` to fit's training iterator
+        self._epoch = 0
+        self._step = 0
+        self._restore_metrics_from: str | None = None
+
+    # -- Keras hooks -----------------------------------------------------------------------
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        import tensorflow as tf
+
+        model = self.model
+        if model.optimizer is not None and not model.optimizer.built:
+            model.optimizer.build(model.trainable_variables)  # its variables must exist to be restored
+        self._position = tf.Variable([0, 0], dtype=tf.int64, trainable=False, name="keras_sync_position")
+        self._ckpt = tf.train.Checkpoint(model=model, optimizer=model.optimizer, position=self._position,
+                                         metrics=list(model.metrics_variables))
+        self._is_chief, task_id = _chief_and_task(model.distribute_strategy)
+        self._dir = write_dir(self.backup_dir, is_chief=self._is_chief, task_id=task_id)
+        self._manager = tf.train.CheckpointManager(self._ckpt, self._dir, max_to_keep=self.max_to_keep)
+        self.restored = None
+        self._epoch = self._step = 0
+        latest = tf.train.latest_checkpoint(self.backup_dir)
+        if latest is None:
+            return
+        self._ckpt.restore(latest).assert_existing_objects_matched()
+        epoch, step = (int(v) for v in self._position.numpy())
+        iterations = int(model.optimizer.iterations.numpy()) if model.optimizer is not None else 0
+        point = ResumePoint(epoch=epoch, step=step, iterations=iterations)
+        self.restored = point
+        model._initial_epoch = epoch  # read by Keras fit right after on_train_begin
+        self._epoch, self._step = epoch, step
+        if point.mid_epoch:
+            if self.epoch_iterator is not None:
+                skip = batches_to_skip(point, int(getattr(model, "steps_per_execution", 1) or 1))
+                self.epoch_iterator.resume_at(epoch, skip)
+                self._restore_metrics_from = latest
+            else:
+                warnings.warn(
+                    f"keras-sync BackupAndRestore: the backup in {self.backup_dir} was taken after batch {step} of "
+                    f"epoch {epoch}, but this fit cannot skip batches (use sync.fit), so epoch {epoch} restarts at "
+                    "batch 0 and the result will differ from an uninterrupted run.",
+                    UserWarning,
+                    stacklevel=2,
+                )
+        elif self.epoch_iterator is not None:
+            self.epoch_iterator.resume_at(epoch, 0)
+        log.info("keras-sync: resumed from %s at epoch %d, batch %d (optimizer step %d)", latest, epoch, step,
+                 iterations)
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        self._epoch, self._step = epoch, (self._step if epoch == self._epoch else 0)
+        if self._restore_metrics_from is not None:
+            # Keras resets the metrics just before this hook; bring back the totals of the batches
+            # trained before the interruption so the epoch's logs equal an uninterrupted run's.
+            import tensorflow as tf
+
+            tf.train.Checkpoint(metrics=list(self.model.metrics_variables)).read(self._restore_metrics_from).expect_partial()
+            self._restore_metrics_from = None
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        trained = batch + 1
+        done, self._step = trained - self._step, trained
+        if self._schedule.after_batch(max(done, 1)):
+            self._save()
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        self._epoch, self._step = epoch + 1, 0
+        if self._schedule.after_epoch():
+            self._save()
+
+    def on_train_end(self, logs: Any = None) -> None:
+        self.model._initial_epoch = None  # a later fit on this model starts at its own initial_epoch
+        if self.delete_checkpoint and self._is_chief:
+            shutil.rmtree(self.backup_dir, ignore_errors=True)
+
+    # -- saving ----------------------------------------------------------------------------
+
+    def _save(self) -> None:
+        self._position.assign([self._epoch, self._step])
+        self._manager.save(checkpoint_number=int(self.model.optimizer.iterations.numpy()))
+        if not self._is_chief:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _chief_and_task(strategy: Any) -> tuple[bool, int | None]:
+    resolver = getattr(strategy, "cluster_resolver", None)
+    extended = getattr(strategy, "extended", None)
+    if resolver is None or extended is None or not getattr(extended, "_in_multi_worker_mode", lambda: False)():
+        return True, None
+    from tensorflow.python.distribute import multi_worker_util
+
+    spec = resolver.cluster_spec()
+    return bool(multi_worker_util.is_chief(spec, resolver.task_type, resolver.task_id)), resolver.task_id
+
+
+# ---------------------------------------------------------------------------------------------
+# The epoch iterator that can start at a saved position
+
+
+def _resumable_iterator_class() -> type:
+    from keras.src.backend.tensorflow import trainer
+
+    base = trainer.TFEpochIterator
+
+    class ResumableEpochIterator(base):  # type: ignore[misc, valid-type]
+        """Keras' epoch iterator, plus `resume_at(epoch, step)` for the first epoch it runs.
+
+        Resuming replays Keras' own iterator logic for the epochs already done, so the dataset
+        sees the same sequence of `iter()` calls (each one reshuffles a seeded shuffle) and of
+        reads as in the interrupted run; batches are read only where the pipeline carries over
+        from one epoch to the next (``steps_per_epoch`` given, or an unknown size). Then it reads
+        and drops the batches of the resumed epoch already trained, and yields the rest with
+        their real step numbers, so callbacks see batches ``step..end``.
+        """
+
+        _ks_resume: tuple[int, int] | None = None
+
+        def resume_at(self, epoch: int, step: int) -> None:
+            self._ks_resume = (epoch, step)
+
+        def _enumerate_iterator(self) -> Iterator[tuple[int, int, Any]]:
+            point, self._ks_resume = self._ks_resume, None
+            if point is None:
+                yield from super()._enumerate_iterator()
+                return
+            epochs_done, step = point
+            for _ in range(epochs_done):
+                carry_over = self.steps_per_epoch is not None or self._num_batches is None
+                with self.catch_stop_iteration():
+                    for _, _, it in super()._enumerate_iterator():
+                        if carry_over:
+                            self._drop(it)
+            for begin, end, it in super()._enumerate_iterator():
+                if end < step:
+                    self._drop(it)
+                    continue
+                yield begin, end, it
+
+        def _drop(self, it: Any) -> None:
+            for _ in range(self.steps_per_execution):
+                next(it)
+
+    return ResumableEpochIterator
+
+
+@contextlib.contextmanager
+def resumable_fit(callbacks: list[Any]) -> Iterator[None]:
+    """Run one `model.fit` with Keras' epoch iterator replaced by one that can resume mid-epoch.
+
+    A no-op unless ``callbacks`` holds a `BackupAndRestore`. Keras 3 `fit` builds its iterator
+    from the module global ``TFEpochIterator``; it is swapped for the length of the call only.
+    """
+    backup = next((c for c in callbacks if isinstance(c, BackupAndRestore)), None)
+    if backup is None:
+        yield
+        return
+    from keras.src.backend.tensorflow import trainer
+
+    original = trainer.TFEpochIterator
+    cls = _resumable_iterator_class()
+
+    def make_iterator(*args: Any, **kwargs: Any) -> Any:
+        it = cls(*args, **kwargs)
+        if backup.epoch_iterator is None:  # fit builds its training iterator first, then validation's
+            backup.epoch_iterator = it
+        return it
+
+    trainer.TFEpochIterator = make_iterator
+    try:
+        yield
+    finally:
+        trainer.TFEpochIterator = original
+        backup.epoch_iterator = None
+
+
+def backup_callbacks(sync: Any) -> list[Any]:
+    """The backup callback the config asks for (``fault_tolerance.backup_dir``), or none."""
+    ft = sync.config.fault_tolerance
+    return [BackupAndRestore(ft.backup_dir, ft.save_freq)] if ft.backup_dir else []
