@@ -38,20 +38,28 @@ __version__ = "0.1.0"
 # Public names whose modules import Keras/TensorFlow: loaded on first attribute access.
 _LAZY = {
     "GradualWarmup": "keras_sync.schedules",
+    "AllReduceProbe": "keras_sync.callbacks.allreduce_probe",
+    "RunParams": "keras_sync.callbacks.run_params",
+    "SyncMetrics": "keras_sync.callbacks.sync_metrics",
+    "WeightDivergence": "keras_sync.callbacks.weight_divergence",
 }
 
 __all__ = [
+    "AllReduceProbe",
     "ClusterError",
     "Config",
     "ConfigError",
     "ConnectTimeoutError",
     "GradualWarmup",
     "KerasSyncError",
+    "RunParams",
     "ScalingError",
     "StrategyError",
     "Sync",
+    "SyncMetrics",
     "TrackingError",
     "UsageError",
+    "WeightDivergence",
     "__version__",
     "global_batch_size",
     "load",

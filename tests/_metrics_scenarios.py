@@ -1,0 +1,176 @@
+"""Sync-metrics scenarios on real strategies, one process each (logical devices are fixed per process).
+
+Usage:
+    python _metrics_scenarios.py mirrored OUT.json TRACKING_URI SERVER_CONFIG.yaml
+        2 simulated CPU replicas: the main logged run (sqlite TRACKING_URI), bit-identical weights
+        vs plain Keras, a custom train_step with the public callbacks, a restarted job, and a run
+        to the real MLflow server whose URI (with credentials) is in SERVER_CONFIG.yaml.
+    python -m keras_sync.launch --workers 2 _metrics_scenarios.py multi_worker OUT.json CONFIG.yaml
+        one process per worker (TF_CONFIG from the launcher); the chief writes OUT.json.
+Writes what it saw to OUT.json for tests/test_sync_metrics.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+import warnings
+
+import numpy as np
+
+import keras_sync
+
+MODE, OUT = sys.argv[1], sys.argv[2]
+results: dict = {}
+rng = np.random.default_rng(0)
+X = rng.normal(size=(640, 8)).astype("float32")
+Y = (X @ rng.normal(size=(8, 1)) + 0.1 * rng.normal(size=(640, 1))).astype("float32")
+
+
+def record(name, fn):
+    try:
+        results[name] = fn()
+    except Exception as exc:  # keep the traceback for the test's message
+        results[name] = {"unexpected": type(exc).__name__, "message": str(exc), "tb": traceback.format_exc()}
+
+
+def make_model(sync, cls=None):
+    import keras
+
+    keras.utils.set_random_seed(0)
+    with sync.scope():
+        layers = [keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)]
+        model = (cls or keras.Sequential)(layers)
+        model.compile(optimizer=keras.optimizers.SGD(sync.lr_schedule(), momentum=0.9), loss="mse", metrics=["mae"])
+    return model
+
+
+def flat(model):
+    return np.concatenate([w.ravel() for w in model.get_weights()])
+
+
+def run_id_of(sync):
+    from keras_sync.callbacks._run import _writers
+
+    return _writers[sync].run_id
+
+
+def close(sync):
+    from keras_sync.callbacks._run import close_writer
+
+    close_writer(sync, timeout_s=60)
+
+
+def mirrored(tracking_uri: str, server_config: str) -> None:
+    base = {
+        "strategy": {"kind": "mirrored", "simulated_cpu_replicas": 2},
+        "batch": {"global": 64},
+        # base 0.05 tuned at 32, global 64 -> linear peak 0.1, reached after 4 warmup steps
+        "learning_rate": {"base": 0.05, "base_batch_size": 32, "scaling": "linear", "warmup_steps": 4},
+        "mlflow": {"tracking_uri": tracking_uri, "experiment": "metrics", "log_every_n_steps": 2,
+                   "allreduce_probe": True},
+    }
+    os.environ["KERAS_SYNC_JOB_ID"] = "job-main"
+    sync = keras_sync.load(base)
+    import keras
+
+    # 1. The main run: 512 training examples / 64 = 8 steps per epoch, 2 epochs.
+    model = make_model(sync)
+    h = sync.fit(model, X, Y, epochs=2, shuffle=False, verbose=0, validation_split=0.2)
+    results["main"] = {"run_id": run_id_of(sync), "history": h.history, "steps": 16}
+    first = sync
+    close(sync)
+
+    # 2. The same job restarted: a new Sync with the same job id continues the run and the steps.
+    # (As BackupAndRestore would, the restarted model resumes at the optimizer step it reached.)
+    reached = int(model.optimizer.iterations.numpy())
+    sync2 = keras_sync.load(base)
+    model2 = make_model(sync2)
+    model2.set_weights(model.get_weights())
+    with sync2.scope():
+        model2.optimizer.build(model2.trainable_variables)
+        model2.optimizer.iterations.assign(reached)
+    sync2.fit(model2, X, Y, epochs=1, shuffle=False, verbose=0, validation_split=0.2)
+    results["restart"] = {"run_id": run_id_of(sync2), "iterations": int(model2.optimizer.iterations.numpy())}
+    close(sync2)
+    del os.environ["KERAS_SYNC_JOB_ID"]
+
+    # 3. Instrumented training is bit-identical to plain Keras under the same strategy.
+    def identical():
+        plain = make_model(first)
+        plain.fit(X, Y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+        s = keras_sync.load({**base, "mlflow": {**base["mlflow"], "log_every_n_steps": 1,
+                                                 "allreduce_probe": False}})
+        ours = make_model(s)
+        s.fit(ours, X, Y, epochs=2, shuffle=False, verbose=0)
+        close(s)
+        a, b = flat(plain), flat(ours)
+        return {"equal": bool(np.array_equal(a, b)), "max_diff": float(np.abs(a - b).max()),
+                "trained": float(np.abs(a - flat(make_model(first))).max())}
+
+    record("identical", identical)
+
+    # 4. A model with its own train_step, trained with plain model.fit and the public callbacks.
+    def custom_train_step():
+        import tensorflow as tf
+
+        from keras_sync.tracking import MlflowWriter
+
+        class OwnStep(keras.Sequential):
+            def train_step(self, data):
+                x, y = data
+                with tf.GradientTape() as tape:
+                    loss = self.compute_loss(x, y, self(x, training=True))
+                grads = tape.gradient(loss, self.trainable_weights)
+                self.optimizer.apply_gradients(zip(grads, self.trainable_weights))
+                return {"loss": loss}
+
+        writer = MlflowWriter(tracking_uri=tracking_uri, experiment="custom")
+        writer.start()
+        model = make_model(first, OwnStep)
+        cbs = [keras_sync.RunParams(writer), keras_sync.SyncMetrics(writer, log_every_n_steps=1),
+               keras_sync.WeightDivergence(writer)]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(X, Y, batch_size=64, epochs=2, shuffle=False, verbose=0, callbacks=cbs)
+        writer.close(timeout_s=60)
+        return {"run_id": writer.run_id, "steps": 20,
+                "warnings": [str(w.message) for w in caught if "train_step" in str(w.message)]}
+
+    record("custom", custom_train_step)
+
+    # 5. To the real MLflow server, through a config file whose URI carries credentials.
+    def server():
+        s = keras_sync.load(server_config)
+        m = make_model(s)
+        s.fit(m, X, Y, epochs=1, shuffle=False, verbose=0)
+        rid = run_id_of(s)
+        close(s)
+        return {"run_id": rid}
+
+    record("server", server)
+
+
+def multi_worker(config: str) -> None:
+    sync = keras_sync.load(config)
+    ds = sync.distribute((X, Y))
+    model = make_model(sync)
+    sync.fit(model, ds, epochs=2, verbose=0)
+    results.update(kind=sync.kind, replicas=sync.num_replicas, workers=sync.num_workers, chief=sync.is_chief)
+    if sync.is_chief:
+        results["run_id"] = run_id_of(sync)
+        close(sync)
+
+
+if MODE == "mirrored":
+    mirrored(sys.argv[3], sys.argv[4])
+elif MODE == "multi_worker":
+    multi_worker(sys.argv[3])
+else:
+    raise SystemExit(f"unknown mode {MODE!r}")
+
+if MODE != "multi_worker" or results.get("chief"):
+    with open(OUT, "w") as fh:
+        json.dump(results, fh, indent=1, default=str)

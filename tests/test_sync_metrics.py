@@ -1,0 +1,284 @@
+"""Sync metrics end to end: real MirroredStrategy / MultiWorkerMirroredStrategy runs in subprocesses,
+read back from a real MLflow sqlite store and a real `mlflow server` with `MlflowClient`.
+
+The two training processes (tests/_metrics_scenarios.py) start together in a module fixture;
+the pure metric logic (keras_sync/callbacks/_reduce.py) is tested without TensorFlow.
+"""
+
+from __future__ import annotations
+
+import doctest
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from keras_sync.callbacks import _reduce
+
+HERE = Path(__file__).parent
+SECRET_PASSWORD = "pw-Zq81xT"
+SECRET_TOKEN = "tok-9f3kQ7vLm2"
+
+
+# ---- pure logic, no TensorFlow ------------------------------------------------------------------
+
+def test_reduce_doctests():
+    assert doctest.testmod(_reduce).failed == 0
+
+
+def test_grad_norm_spread():
+    assert _reduce.grad_norm_spread([1.0, 3.0]) == 1.0
+    assert _reduce.grad_norm_spread([2.0, 2.0]) == 0.0
+    assert math.isnan(_reduce.grad_norm_spread([]))
+    assert math.isnan(_reduce.grad_norm_spread([0.0, 0.0]))
+
+
+def test_replica_metrics_leave_out_unmeasured_values():
+    nan = float("nan")
+    assert _reduce.replica_metrics([nan, nan], [nan, nan]) == {}
+    assert _reduce.replica_metrics([1.0, 2.0], [nan, 1.0]) == {
+        "sync/replica_0/loss": 1.0, "sync/replica_1/loss": 2.0, "sync/replica_1/grad_norm": 1.0}
+
+
+def test_log_steps():
+    assert [s for s in range(1, 101) if _reduce.crossed_log_step(s - 1, s, 50)] == [50, 100]
+    assert _reduce.crossed_log_step(48, 52, 50) and not _reduce.crossed_log_step(50, 52, 50)
+
+
+def test_throughput():
+    assert _reduce.throughput(100, 0.0, 2) == {}
+    assert _reduce.throughput(64, 0.5, 4)["sync/examples_per_sec_per_replica"] == 32.0
+
+
+def test_job_id_precedence(tmp_path):
+    tf_config = json.dumps({"cluster": {"worker": ["h1:1", "h2:2"]}, "task": {"type": "worker", "index": 1}})
+    other_task = json.dumps({"cluster": {"worker": ["h1:1", "h2:2"]}, "task": {"type": "worker", "index": 0}})
+    env = {"TF_CONFIG": tf_config}
+    cluster_id = _reduce.job_id(env, experiment="e")
+    assert cluster_id.startswith("cluster-")
+    assert _reduce.job_id({"TF_CONFIG": other_task}, experiment="e") == cluster_id  # same job, any task
+    assert _reduce.job_id(env, experiment="other") != cluster_id
+    backup = _reduce.job_id(env, experiment="e", backup_dir="ckpt", cwd=str(tmp_path))
+    assert backup.startswith("backup-") and backup == _reduce.job_id({}, experiment="e", backup_dir=str(tmp_path / "ckpt"))
+    assert _reduce.job_id({**env, "KERAS_SYNC_JOB_ID": " run-7 "}, experiment="e", backup_dir="x") == "run-7"
+    assert _reduce.job_id({"SLURM_JOB_ID": "42"}, experiment="my exp") == "slurm-42-my_exp"
+    assert _reduce.job_id({"TF_CONFIG": "not json"}, experiment="e") is None
+
+
+def test_callbacks_package_imports_no_tensorflow():
+    code = ("import sys, keras_sync, keras_sync.callbacks, keras_sync.callbacks._reduce;"
+            "heavy = [m for m in ('tensorflow', 'keras', 'mlflow') if m in sys.modules]; print(heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+# ---- real training runs ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, mlflow_server):
+    out = tmp_path_factory.mktemp("metrics")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KS_TEST_API_TOKEN=SECRET_TOKEN)
+    for k in ("TF_CONFIG", "MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID", "KERAS_SYNC_CONFIG"):
+        env.pop(k, None)
+    host = mlflow_server.split("://", 1)[1]
+    server_cfg = out / "server.yaml"
+    server_cfg.write_text(
+        "strategy: {kind: mirrored, simulated_cpu_replicas: 2}\n"
+        "batch: {global: 64}\n"
+        f"# api token for the data bucket: {SECRET_TOKEN}\n"
+        "mlflow:\n"
+        f"  tracking_uri: http://alice:{SECRET_PASSWORD}@{host}\n"
+        "  experiment: server-metrics\n"
+        "  log_every_n_steps: 5\n")
+    mw_dir = out / "mw"
+    mw_dir.mkdir()
+    mw_cfg = mw_dir / "mw.yaml"
+    mw_cfg.write_text(
+        "strategy: {kind: multi_worker_mirrored, connect_timeout_s: 120}\n"
+        "batch: {global: 64}\n"
+        "learning_rate: {base: 0.05, scaling: none}\n"
+        "mlflow:\n"
+        f"  tracking_uri: sqlite:///{mw_dir / 'mlflow.db'}\n"
+        "  experiment: mw\n"
+        "  log_every_n_steps: 1\n")
+    sqlite_uri = f"sqlite:///{out / 'mlflow.db'}"
+    script = str(HERE / "_metrics_scenarios.py")
+    procs = {
+        "mirrored": subprocess.Popen([sys.executable, script, "mirrored", str(out / "mirrored.json"), sqlite_uri,
+                                      str(server_cfg)], cwd=out, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True),
+        "multi_worker": subprocess.Popen([sys.executable, "-m", "keras_sync.launch", "--workers", "2", script,
+                                          "multi_worker", str(mw_dir / "mw.json"), str(mw_cfg)], cwd=mw_dir,
+                                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+    }
+    logs = {}
+    for name, proc in procs.items():
+        logs[name], _ = proc.communicate(timeout=400)
+        assert proc.returncode == 0, f"{name} scenario failed:\n{logs[name][-5000:]}"
+    return {
+        "mirrored": json.loads((out / "mirrored.json").read_text()),
+        "multi_worker": json.loads((mw_dir / "mw.json").read_text()),
+        "sqlite": sqlite_uri, "mw_sqlite": f"sqlite:///{mw_dir / 'mlflow.db'}", "server": mlflow_server,
+        "logs": logs,
+    }
+
+
+def _client(uri):
+    from mlflow import MlflowClient
+
+    return MlflowClient(uri)
+
+
+def _history(client, run_id, key):
+    return sorted(((m.step, m.value) for m in client.get_metric_history(run_id, key)))
+
+
+def _ok(result):
+    assert not (isinstance(result, dict) and "unexpected" in result), result
+
+
+PER_STEP = ["sync/replica_0/loss", "sync/replica_1/loss", "sync/replica_0/grad_norm", "sync/replica_1/grad_norm",
+            "sync/grad_norm_spread", "sync/step_time_ms", "sync/examples_per_sec",
+            "sync/examples_per_sec_per_replica", "sync/learning_rate", "loss", "mae"]
+
+
+def test_every_step_metric_has_one_point_per_logged_step(runs):
+    main = runs["mirrored"]["main"]
+    c = _client(runs["sqlite"])
+    # 16 steps in the first run, logged every 2nd: steps 2..16; the restart adds 8 steps (18..24).
+    for key in PER_STEP:
+        steps = [s for s, _ in _history(c, main["run_id"], key)]
+        assert steps == list(range(2, 25, 2)), key
+
+
+def test_per_replica_losses_average_to_keras_loss(runs):
+    c = _client(runs["sqlite"])
+    rid = runs["mirrored"]["main"]["run_id"]
+    r0 = dict(_history(c, rid, "sync/replica_0/loss"))
+    r1 = dict(_history(c, rid, "sync/replica_1/loss"))
+    keras_loss = dict(_history(c, rid, "loss"))
+    # Keras's `loss` is the running mean of the epoch; at the 1st logged step (step 2) it is the
+    # mean of steps 1-2. Epoch 1 = steps 1..8. Equal shards: the step loss is the replicas' mean.
+    step_means = {s: (r0[s] + r1[s]) / 2 for s in r0}
+    assert r0[2] != pytest.approx(r1[2], rel=1e-3)  # the shards really differ
+    assert keras_loss[8] == pytest.approx(sum(step_means[s] for s in (2, 4, 6, 8)) / 4, rel=0.25)
+    assert runs["mirrored"]["main"]["history"]["loss"][0] == pytest.approx(keras_loss[8], rel=1e-5)
+    spread = dict(_history(c, rid, "sync/grad_norm_spread"))
+    g0, g1 = dict(_history(c, rid, "sync/replica_0/grad_norm")), dict(_history(c, rid, "sync/replica_1/grad_norm"))
+    assert spread[2] == pytest.approx(abs(g0[2] - g1[2]) / ((g0[2] + g1[2]) / 2), rel=1e-6)
+
+
+def test_warmup_is_visible_in_learning_rate(runs):
+    c = _client(runs["sqlite"])
+    lr = dict(_history(c, runs["mirrored"]["main"]["run_id"], "sync/learning_rate"))
+    # base 0.05 -> peak 0.1 over 4 steps; step s applied schedule(s - 1).
+    assert lr[2] == pytest.approx(0.0625) and lr[4] == pytest.approx(0.0875) and lr[6] == pytest.approx(0.1)
+
+
+def test_throughput_and_step_time_are_sane(runs):
+    c = _client(runs["sqlite"])
+    rid = runs["mirrored"]["main"]["run_id"]
+    eps = dict(_history(c, rid, "sync/examples_per_sec"))
+    per = dict(_history(c, rid, "sync/examples_per_sec_per_replica"))
+    ms = dict(_history(c, rid, "sync/step_time_ms"))
+    for s in (4, 6, 8):
+        assert eps[s] == pytest.approx(64 / (ms[s] / 1000), rel=1e-6)
+        assert per[s] == pytest.approx(eps[s] / 2)
+        assert 0 < ms[s] < 5000
+
+
+def test_epoch_metrics_at_the_epochs_last_step(runs):
+    c = _client(runs["sqlite"])
+    rid = runs["mirrored"]["main"]["run_id"]
+    assert [s for s, _ in _history(c, rid, "val_loss")] == [8, 16, 24]
+    assert [s for s, _ in _history(c, rid, "val_mae")] == [8, 16, 24]
+    assert _history(c, rid, "sync/weight_divergence") == [(8, 0.0), (16, 0.0), (24, 0.0)]
+
+
+def test_allreduce_probe(runs):
+    c = _client(runs["sqlite"])
+    rid = runs["mirrored"]["main"]["run_id"]
+    (step, ms), = _history(c, rid, "sync/allreduce_ms")[:1]
+    (_, gbps), = _history(c, rid, "sync/allreduce_gbps")[:1]
+    params = 8 * 16 + 16 + 16 + 1
+    assert step == 0 and ms > 0 and gbps == pytest.approx(params * 4 * 8 / (ms / 1000) / 1e9, rel=1e-6)
+
+
+def test_params_and_config_tags(runs):
+    c = _client(runs["sqlite"])
+    run = c.get_run(runs["mirrored"]["main"]["run_id"])
+    p = run.data.params
+    assert {k: p[k] for k in ("sync.strategy", "sync.num_replicas", "sync.num_workers", "sync.per_replica_batch_size",
+                              "sync.global_batch_size", "sync.base_learning_rate", "sync.learning_rate",
+                              "sync.lr_scaling", "sync.warmup_steps")} == {
+        "sync.strategy": "mirrored", "sync.num_replicas": "2", "sync.num_workers": "1",
+        "sync.per_replica_batch_size": "32", "sync.global_batch_size": "64", "sync.base_learning_rate": "0.05",
+        "sync.learning_rate": "0.1", "sync.lr_scaling": "linear", "sync.warmup_steps": "4"}
+    assert p["sync.tensorflow_version"].startswith("2.") and p["sync.keras_version"].startswith("3.")
+    assert p["sync.devices"].endswith("device:CPU:0,/job:localhost/replica:0/task:0/device:CPU:1")
+    assert "log_every_n_steps: 2" in run.data.tags["keras_sync.config"]
+    assert run.data.tags["keras_sync.job_id"] == "job-main"
+
+
+def test_restarted_job_continues_the_same_run(runs):
+    r = runs["mirrored"]
+    assert r["restart"]["run_id"] == r["main"]["run_id"] and r["restart"]["iterations"] == 24
+    c = _client(runs["sqlite"])
+    assert len(c.search_runs([c.get_experiment_by_name("metrics").experiment_id])) == 2  # main + identical
+
+
+def test_instrumented_training_is_bit_identical_to_plain_keras(runs):
+    r = runs["mirrored"]["identical"]
+    _ok(r)
+    assert r["trained"] > 1e-3
+    assert r["equal"], f"max diff {r['max_diff']}"
+
+
+def test_custom_train_step_warns_and_keeps_outside_metrics(runs):
+    r = runs["mirrored"]["custom"]
+    _ok(r)
+    assert len(r["warnings"]) == 1
+    assert r["warnings"][0].startswith("keras-sync: OwnStep overrides train_step, so sync/replica_{i}/loss, "
+                                       "sync/replica_{i}/grad_norm, sync/grad_norm_spread are not logged")
+    c = _client(runs["sqlite"])
+    metrics = c.get_run(r["run_id"]).data.metrics
+    assert not any(k.startswith("sync/replica_") or k == "sync/grad_norm_spread" for k in metrics)
+    for key in ("sync/step_time_ms", "sync/examples_per_sec", "sync/examples_per_sec_per_replica",
+                "sync/learning_rate", "loss"):
+        assert [s for s, _ in _history(c, r["run_id"], key)] == list(range(1, 21)), key
+    assert _history(c, r["run_id"], "sync/weight_divergence") == [(10, 0.0), (20, 0.0)]
+    assert c.get_run(r["run_id"]).data.params["sync.strategy"] == "MirroredStrategy"
+
+
+def test_multi_worker_run_is_one_run_with_every_replica(runs):
+    r = runs["multi_worker"]
+    assert (r["kind"], r["replicas"], r["workers"]) == ("multi_worker_mirrored", 2, 2)
+    c = _client(runs["mw_sqlite"])
+    found = c.search_runs([c.get_experiment_by_name("mw").experiment_id])
+    assert [x.info.run_id for x in found] == [r["run_id"]]
+    for key in ("sync/replica_0/loss", "sync/replica_1/loss", "sync/replica_0/grad_norm", "sync/replica_1/grad_norm"):
+        assert [s for s, _ in _history(c, r["run_id"], key)] == list(range(1, 21)), key
+    r0 = dict(_history(c, r["run_id"], "sync/replica_0/loss"))
+    r1 = dict(_history(c, r["run_id"], "sync/replica_1/loss"))
+    keras_loss = dict(_history(c, r["run_id"], "loss"))
+    assert keras_loss[1] == pytest.approx((r0[1] + r1[1]) / 2, rel=1e-5)  # step 1: running mean = step mean
+    assert _history(c, r["run_id"], "sync/weight_divergence") == [(10, 0.0), (20, 0.0)]
+    assert found[0].data.params["sync.num_workers"] == "2"
+
+
+def test_server_run_and_no_secret_anywhere(runs):
+    r = runs["mirrored"]["server"]
+    _ok(r)
+    c = _client(runs["server"])
+    run = c.get_run(r["run_id"])
+    assert [s for s, _ in _history(c, r["run_id"], "sync/replica_1/loss")] == [5, 10]
+    texts = [json.dumps(run.data.params), json.dumps(run.data.tags)]
+    local = c.download_artifacts(r["run_id"], "keras_sync/config.yaml")
+    texts.append(Path(local).read_text())
+    assert "tracking_uri: http://127.0.0.1:" in run.data.tags["keras_sync.config"]
+    for text in texts + [runs["logs"]["mirrored"], runs["logs"]["multi_worker"]]:
+        assert SECRET_PASSWORD not in text and SECRET_TOKEN not in text
