@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import re
+import sys
 import threading
 import time
 import uuid
@@ -50,6 +51,7 @@ _SECRET_QUERY = re.compile(
 _SECRET_ENV_NAME = re.compile(r"TOKEN|PASSWORD|PASSWD|SECRET|API_?KEY|PRIVATE_KEY|CREDENTIAL",
                               re.IGNORECASE)
 _NOT_SECRET_VALUES = {"", "0", "1", "true", "false", "none", "null", "yes", "no"}
+_RUN_STATUSES = ("FINISHED", "FAILED", "KILLED")
 _JOB_ID = re.compile(r"^[\w.:/@+\-]{1,250}$")
 _BAD_KEY_CHARS = re.compile(r"[^\w.\- :/]")
 
@@ -120,8 +122,10 @@ _ATEXIT_TIMEOUT_S = 5.0
 
 @atexit.register
 def _close_at_exit() -> None:
+    # An uncaught exception has been printed by now, and left sys.last_type behind.
+    status = "FAILED" if getattr(sys, "last_type", None) is not None else "FINISHED"
     for w in list(_live_writers):
-        w.close(timeout_s=_ATEXIT_TIMEOUT_S)
+        w.close(timeout_s=_ATEXIT_TIMEOUT_S, status=status)
 
 
 class MlflowWriter:
@@ -171,6 +175,12 @@ class MlflowWriter:
         self._flush_interval_s = float(flush_interval_s)
         self._max_batch = int(max_batch)
         self._experiment, self._run_name, self._job_id = experiment, run_name, job_id
+        try:
+            Path(spool_dir or DEFAULT_SPOOL_DIR).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise TrackingError(f"Invalid value for argument `spool_dir`. Received: "
+                                f"spool_dir={str(spool_dir or DEFAULT_SPOOL_DIR)!r}, which cannot be "
+                                f"created ({e.strerror}). Expected a writable directory.") from None
         name = re.sub(r"[^\w.\-]", "_", job_id) if job_id else f"run-{uuid.uuid4().hex[:12]}"
         self.spool_path = Path(spool_dir or DEFAULT_SPOOL_DIR).resolve() / f"{name}.spool.jsonl"
         self._spool = SpoolFile(self.spool_path)
@@ -185,7 +195,7 @@ class MlflowWriter:
         self._wake = threading.Event()
         self._progress = threading.Condition()
         self._thread: threading.Thread | None = None
-        self._closing = self._abandon = self._closed = False
+        self._closing = self._abandon = self._closed = self._dead = False
         self._key_cache: dict[str, str] = {}
         _live_writers.add(self)
 
@@ -204,6 +214,8 @@ class MlflowWriter:
     def _put(self, rec: dict[str, Any]) -> None:
         if self._closing:
             raise TrackingError("MlflowWriter is closed; create a new writer to log more.")
+        if self._dead:
+            return  # the spool failed and said so once; do not grow memory forever
         seq = next(self._seq)
         self._queue.append((seq, rec))
         self._last_seq = seq
@@ -238,16 +250,21 @@ class MlflowWriter:
                 lambda: self._delivered_seq >= target and self._delivered_end >= self._resume_from,
                 timeout=timeout_s)
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        """End the run (FINISHED) and stop the thread, waiting at most ``timeout_s``.
+    def close(self, timeout_s: float = 10.0, status: str = "FINISHED") -> None:
+        """End the run with ``status`` and stop the thread, waiting at most ``timeout_s``.
 
-        What could not be delivered stays in the spool; a `RuntimeWarning` names it.
+        What could not be delivered stays in the spool; a `RuntimeWarning` names it. At
+        interpreter exit, writers not closed are closed with a 5 s wait (FAILED after an
+        uncaught exception).
         """
+        if status not in _RUN_STATUSES:
+            raise TrackingError(f"Invalid value for argument `status`. Received: status={status!r}. "
+                                f"Expected one of {', '.join(_RUN_STATUSES)}.")
         if self._closed:
             return
         self._closed = True
         _live_writers.discard(self)
-        self._put({"k": "end", "status": "FINISHED"})
+        self._put({"k": "end", "status": status})
         self._closing = True
         self.start()
         self._wake.set()
@@ -279,7 +296,12 @@ class MlflowWriter:
         backoff, failures = 0.0, 0
         try:
             self._open_spool()
+            try:  # import MLflow now, not at exit, where importing it fails (atexit is closed)
+                self._deliverer.client()
+            except Exception:  # noqa: BLE001 - the first delivery reports it
+                pass
             while not self._abandon:
+                self._wake.clear()  # before draining: a flush() from now on is not lost
                 self._drain_to_spool()
                 if self._delivered_end < self._spooled_end:
                     try:
@@ -300,7 +322,10 @@ class MlflowWriter:
                 if self._closing and self._delivered_end >= self._spooled_end and not self._queue:
                     return
                 self._wake.wait(backoff or self._flush_interval_s)
-                self._wake.clear()
+        except OSError as e:  # the spool itself failed (disk full, directory removed)
+            self._dead = True
+            _log.error("keras-sync cannot write its MLflow spool %s (%s); MLflow logging stops "
+                       "for this run.", self.spool_path, e)
         finally:
             self._spool.close()
             with self._progress:

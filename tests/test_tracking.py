@@ -356,10 +356,8 @@ def test_restarted_job_delivers_what_the_crashed_process_spooled(restartable_mlf
     assert run.info.status == "FINISHED"
 
 
-def test_replay_refuses_a_spool_a_live_writer_holds(restartable_mlflow_server, tmp_path):
-    server = restartable_mlflow_server
-    server.stop()
-    w = MlflowWriter(tracking_uri=server.uri, experiment=_exp(), job_id="busy", spool_dir=tmp_path,
+def test_replay_refuses_a_spool_a_live_writer_holds(tmp_path):
+    w = MlflowWriter(tracking_uri="http://127.0.0.1:1", experiment=_exp(), job_id="busy", spool_dir=tmp_path,
                      flush_interval_s=0.05)
     w.start()
     w.log_metrics({"loss": 1.0}, step=0)
@@ -378,3 +376,29 @@ def test_replay_failure_is_one_clean_error(tmp_path):
         replay_spool(spool, tracking_uri="http://user:s3cret@127.0.0.1:1")
     assert "s3cret" not in str(err.value)
     assert Path(f"{spool}.offset").exists() is False  # nothing marked delivered
+
+
+def test_uncaught_exception_ends_run_failed_at_exit(sqlite_uri, tmp_path):
+    exp = _exp()
+    code = (
+        "import time\n"
+        "from keras_sync.tracking import MlflowWriter\n"
+        f"w = MlflowWriter(tracking_uri={sqlite_uri!r}, experiment={exp!r}, job_id='boom',\n"
+        f"                 spool_dir={str(tmp_path)!r}, flush_interval_s=0.1)\n"
+        "w.start()\n"
+        "w.log_metrics({'loss': 1.0}, step=0)\n"
+        "while w.run_id is None: time.sleep(0.05)\n"
+        "raise ValueError('boom')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90,
+                         cwd=tmp_path)
+    assert "ValueError: boom" in out.stderr
+    run = _run_of_job(sqlite_uri, exp, "boom")
+    assert run.info.status == "FAILED" and run.data.metrics == {"loss": 1.0}
+
+
+def test_close_rejects_unknown_status(in_tmp, sqlite_uri):
+    w = MlflowWriter(tracking_uri=sqlite_uri, experiment=_exp(), spool_dir=in_tmp)
+    with pytest.raises(TrackingError, match="`status`. Received: status='DONE'. Expected one of FINISHED, FAILED, KILLED"):
+        w.close(status="DONE")
+    w.close()
