@@ -17,7 +17,6 @@ from __future__ import annotations
 import atexit
 import itertools
 import logging
-import math
 import os
 import re
 import sys
