@@ -1,0 +1,208 @@
+"""Multi-worker training through `keras-sync launch`: real worker processes on 127.0.0.1.
+
+One process vs 2 workers (and 2 workers x 2 simulated replicas) give the same weights; a failing
+worker ends the launch; a missing worker fails with its address; a SIGKILLed worker (chief or
+not) and a relaunch give the weights of an uninterrupted run, mid-epoch included.
+Scripts: tests/_mwr_train.py, tests/_mwr_fail.py and examples/multi_worker.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+HERE = Path(__file__).parent
+TRAIN = HERE / "_mwr_train.py"
+FAIL = HERE / "_mwr_fail.py"
+EXAMPLE = HERE.parent / "examples" / "multi_worker.py"
+KERAS_SYNC = Path(sys.executable).with_name("keras-sync")  # the real console script of this venv
+SAME_AS_ONE_PROCESS = 1e-5
+EXACT_RESUME = 1e-6
+STEPS_PER_EPOCH = 8  # 256 samples / global batch 32
+
+
+def _config(**fault_tolerance: object) -> str:
+    cfg = {
+        "strategy": {"kind": "multi_worker_mirrored", "connect_timeout_s": 60},
+        "batch": {"global": 32},
+        "learning_rate": {"base": 0.01, "base_batch_size": 32},  # same rate for 1 or 2 workers
+        "mlflow": {"enabled": False},
+    }
+    if fault_tolerance:
+        cfg["fault_tolerance"] = fault_tolerance
+    return json.dumps(cfg)
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "KERAS_SYNC_CONFIG")}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    return env
+
+
+def _launch(tmp: Path, script: Path, *args: str, workers: int = 2, timeout: float = 150,
+            grace: float = 2.0) -> subprocess.CompletedProcess[str]:
+    cmd = [str(KERAS_SYNC), "launch", "--workers", str(workers), "--grace-period", str(grace), str(script), *args]
+    return subprocess.run(cmd, cwd=tmp, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _alone(tmp: Path, script: Path, *args: str, timeout: float = 150) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(script), *args], cwd=tmp, env=_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _result(out_dir: Path, task: int = 0) -> dict:
+    return json.loads((out_dir / f"w{task}.json").read_text())
+
+
+def _max_diff(a: list, b: list) -> float:
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def tmp_module(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("mw")
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_module: Path) -> dict:
+    r = _alone(tmp_module, TRAIN, _config(), str(tmp_module / "one"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return _result(tmp_module / "one")
+
+
+@pytest.fixture(scope="module")
+def two_workers(tmp_module: Path) -> dict:
+    """An uninterrupted 2-worker run: the reference for every resume test."""
+    r = _launch(tmp_module, TRAIN, _config(), str(tmp_module / "two"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return {"w0": _result(tmp_module / "two", 0), "w1": _result(tmp_module / "two", 1)}
+
+
+@pytest.mark.timeout(200)
+def test_two_workers_via_console_script_equal_one_process(one_process: dict, two_workers: dict) -> None:
+    assert one_process["num_replicas"] == 1
+    for w in ("w0", "w1"):
+        assert two_workers[w]["num_workers"] == 2 and two_workers[w]["num_replicas"] == 2
+        assert _max_diff(two_workers[w]["weights"], one_process["weights"]) <= SAME_AS_ONE_PROCESS
+    assert two_workers["w0"]["iterations"] == one_process["iterations"] == 4 * STEPS_PER_EPOCH
+
+
+@pytest.mark.timeout(200)
+def test_example_two_workers_times_two_simulated_replicas_give_four(tmp_path: Path) -> None:
+    alone = _alone(tmp_path, EXAMPLE, "--epochs", "1", "--out", "one.json")
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    launched = _launch(tmp_path, EXAMPLE, "--epochs", "1", "--out", "four.json")
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    one, four = (json.loads((tmp_path / f).read_text()) for f in ("one.json", "four.json"))
+    assert (one["workers"], one["replicas"]) == (1, 2)
+    assert (four["workers"], four["replicas"]) == (2, 4)
+    assert "[w0] strategy=multi_worker_mirrored workers=2 replicas=4" in launched.stdout
+    assert _max_diff(four["weights"], one["weights"]) <= SAME_AS_ONE_PROCESS
+    assert not (tmp_path / "keras_sync_backup").exists()  # the backup is deleted when training ends
+
+
+@pytest.mark.timeout(120)
+def test_failing_worker_stops_launch_within_seconds_and_leaves_no_process(tmp_path: Path) -> None:
+    r = _launch(tmp_path, FAIL, timeout=100)
+    ended = time.time()
+    assert r.returncode == 1, r.stderr[-3000:]
+    failed_at = float(re.search(r"\[w1\] failing at ([\d.]+)", r.stdout).group(1))
+    assert ended - failed_at < 10, f"launch ended {ended - failed_at:.1f} s after the failure"
+    assert "[launch] w1 exited with code 1; stopping the other 1 worker(s)" in r.stderr
+    pids = [int(p) for p in re.findall(r"\[w\d\] pid (\d+)", r.stdout)]
+    assert len(pids) == 2
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@pytest.mark.timeout(120)
+def test_worker_alone_fails_after_connect_timeout_naming_missing_task_and_address(tmp_path: Path) -> None:
+    addrs = [f"127.0.0.1:{p}" for p in _free_ports(2)]
+    env = _env()
+    env["TF_CONFIG"] = json.dumps({"cluster": {"worker": addrs}, "task": {"type": "worker", "index": 0}})
+    cfg = json.loads(_config())
+    cfg["strategy"]["connect_timeout_s"] = 10
+    start = time.monotonic()
+    r = subprocess.run([sys.executable, str(TRAIN), json.dumps(cfg), str(tmp_path)], env=env,
+                       capture_output=True, text=True, timeout=100)
+    elapsed = time.monotonic() - start
+    assert r.returncode == 1
+    # After the Python traceback TensorFlow's coordination agent logs its own shutdown error (C++,
+    # at exit); the keras-sync line is the last Python line.
+    errors = [line for line in r.stderr.splitlines() if line.startswith("keras_sync.errors.")]
+    assert errors == [(
+        "keras_sync.errors.ConnectTimeoutError: Workers did not join the cluster within "
+        f"strategy.connect_timeout_s=10 s: missing /job:worker/task:1 ({addrs[1]}). Start them, check their "
+        "addresses in TF_CONFIG, or raise strategy.connect_timeout_s."
+    )]
+    assert 10 <= elapsed < 60
+
+
+def _kill_and_resume(tmp: Path, name: str, *, save_freq: object, kill_at: int, kill_task: int) -> dict:
+    out, marker = tmp / name, tmp / f"{name}.killed"
+    args = [_config(backup_dir=str(tmp / f"{name}_backup"), save_freq=save_freq), str(out),
+            "--kill-at", str(kill_at), "--kill-task", str(kill_task), "--marker", str(marker)]
+    first = _launch(tmp, TRAIN, *args)
+    assert marker.exists(), first.stderr[-3000:]
+    assert first.returncode == 137, first.stderr[-3000:]  # SIGKILL: 128 + 9
+    assert f"[launch] w{kill_task} exited with code 137" in first.stderr
+    assert not out.exists()
+    second = _launch(tmp, TRAIN, *args)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert not (tmp / f"{name}_backup").exists()
+    return {"w0": _result(out, 0), "w1": _result(out, 1), "stdout": second.stdout}
+
+
+def _assert_exact(resumed: dict, reference: dict, *, epoch: int, iterations: int) -> None:
+    for w in ("w0", "w1"):
+        r = resumed[w]
+        assert r["start"] == {"iterations": iterations, "epoch": epoch}  # restored before other callbacks ran
+        assert r["iterations"] == reference[w]["iterations"]
+        assert r["epochs_run"] == list(range(epoch, 4))
+        assert _max_diff(r["weights"], reference[w]["weights"]) <= EXACT_RESUME
+        # The interrupted epoch's mean loss includes the batches trained before the kill.
+        assert np.allclose(r["loss"], reference[w]["loss"][epoch:], rtol=1e-5, atol=0)
+
+
+@pytest.mark.timeout(200)
+def test_sigkill_non_chief_mid_epoch_resumes_exactly(tmp_module: Path, two_workers: dict) -> None:
+    # Saved every 3 batches: the last backup before step 13 is step 12 = epoch 1, batch 4.
+    resumed = _kill_and_resume(tmp_module, "kill_w1", save_freq=3, kill_at=13, kill_task=1)
+    _assert_exact(resumed, two_workers, epoch=1, iterations=12)
+    assert re.search(r"^\[w0\] step 13 epoch 1 batch 4$", resumed["stdout"], re.M)
+    assert not re.search(r"^\[w0\] step \d+ epoch 1 batch [0-3]$", resumed["stdout"], re.M)
+
+
+@pytest.mark.timeout(200)
+def test_sigkill_chief_mid_epoch_resumes_exactly(tmp_module: Path, two_workers: dict) -> None:
+    # Saved every 5 batches: step 15 = epoch 1 after 7 of its 8 batches; killed at step 19 (epoch 2).
+    resumed = _kill_and_resume(tmp_module, "kill_w0", save_freq=5, kill_at=19, kill_task=0)
+    _assert_exact(resumed, two_workers, epoch=1, iterations=15)
+    assert re.search(r"^\[w0\] step 16 epoch 1 batch 7$", resumed["stdout"], re.M)
+
+
+@pytest.mark.timeout(200)
+def test_sigkill_with_epoch_backups_resumes_exactly(tmp_module: Path, two_workers: dict) -> None:
+    # Saved at each epoch end: killed at epoch 2 batch 2, resumes at epoch 2 batch 0.
+    resumed = _kill_and_resume(tmp_module, "kill_epoch", save_freq="epoch", kill_at=19, kill_task=1)
+    _assert_exact(resumed, two_workers, epoch=2, iterations=16)
