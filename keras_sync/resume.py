@@ -37,7 +37,7 @@ class SaveSchedule:
     """When to save: after every epoch, or after every ``save_freq`` batches (counted across epochs).
 
     >>> s = SaveSchedule(3)
-    >>> [s.after_batch(b) for b in range(5)]
+    >>> [s.after_batch() for _ in range(5)]
     [False, False, True, False, False]
     >>> SaveSchedule("epoch").after_batch(0), SaveSchedule("epoch").after_epoch()
     (False, True)

@@ -1,0 +1,105 @@
+"""Exact-resume bookkeeping (keras_sync.resume, no TensorFlow) and a one-process kill and resume.
+
+The multi-worker kill tests are in tests/test_multi_worker.py.
+"""
+
+from __future__ import annotations
+
+import doctest
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from keras_sync import resume
+from keras_sync.resume import ResumePoint, SaveSchedule, batches_to_skip, write_dir
+
+TRAIN = Path(__file__).with_name("_mwr_train.py")
+
+
+def test_doctests_pass() -> None:
+    assert doctest.testmod(resume).failed == 0
+
+
+def test_integer_save_freq_counts_batches_across_epochs() -> None:
+    s = SaveSchedule(4)
+    due = [s.after_batch() for _ in range(10)]
+    assert [i for i, d in enumerate(due) if d] == [3, 7]
+    assert not s.after_epoch()
+
+
+def test_epoch_save_freq_saves_only_at_epoch_end() -> None:
+    s = SaveSchedule("epoch")
+    assert not any(s.after_batch() for _ in range(100))
+    assert s.after_epoch()
+
+
+@pytest.mark.parametrize("bad", [0, -3, "batch", 2.5, True, None])
+def test_invalid_save_freq_names_value_and_expected(bad: object) -> None:
+    with pytest.raises(ValueError) as e:
+        SaveSchedule(bad)  # type: ignore[arg-type]
+    assert str(e.value) == (
+        f"Invalid value for argument `save_freq`. Received: save_freq={bad!r}. "
+        "Expected 'epoch' or an integer number of batches >= 1."
+    )
+
+
+def test_only_the_chief_writes_the_backup_dir() -> None:
+    assert write_dir("/b", is_chief=True, task_id=0) == "/b"
+    assert write_dir("/b", is_chief=True, task_id=None) == "/b"
+    assert write_dir("/b", is_chief=False, task_id=3) == os.path.join("/b", ".worker_tmp_3")
+
+
+def test_resume_point_mid_epoch() -> None:
+    assert ResumePoint(epoch=2, step=3, iterations=19).mid_epoch
+    assert not ResumePoint(epoch=2, step=0, iterations=16).mid_epoch
+
+
+def test_step_not_multiple_of_steps_per_execution_is_refused_with_fix() -> None:
+    assert batches_to_skip(ResumePoint(1, 4, 12), steps_per_execution=2) == 4
+    with pytest.raises(ValueError, match=r"taken at step 3 of epoch 1, which is not a multiple of "
+                                         r"steps_per_execution=2\. Resume with the steps_per_execution"):
+        batches_to_skip(ResumePoint(1, 3, 11), steps_per_execution=2)
+
+
+def test_resume_module_imports_no_tensorflow() -> None:
+    code = "import sys, keras_sync.resume; print('tensorflow' in sys.modules, 'keras' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
+
+
+def test_backup_callback_rejects_empty_backup_dir() -> None:
+    from keras_sync.callbacks.backup import BackupAndRestore
+
+    with pytest.raises(ValueError, match=r"Invalid value for argument `backup_dir`\. Received: backup_dir=''\."):
+        BackupAndRestore("")
+
+
+@pytest.mark.timeout(150)
+def test_one_process_default_strategy_sigkill_mid_epoch_resumes_exactly(tmp_path: Path) -> None:
+    """kind=default with arrays: with a backup, sync.fit shuffles with its own seed so a resume replays it."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "KERAS_SYNC_CONFIG")}
+
+    def run(name: str, *extra: str) -> subprocess.CompletedProcess[str]:
+        cfg = {"strategy": {"kind": "default"}, "batch": {"global": 32}, "mlflow": {"enabled": False},
+               "learning_rate": {"base": 0.01}, "fault_tolerance": {"backup_dir": str(tmp_path / f"{name}_bk"),
+                                                                    "save_freq": 3}}
+        return subprocess.run([sys.executable, str(TRAIN), json.dumps(cfg), str(tmp_path / name), *extra],
+                              env=env, capture_output=True, text=True, timeout=120)
+
+    ref = run("ref")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    kill = ("--kill-at", "22", "--marker", str(tmp_path / "killed"))
+    assert run("res", *kill).returncode == -9
+    second = run("res", *kill)
+    assert second.returncode == 0, second.stderr[-3000:]
+    a, b = (json.loads((tmp_path / n / "w0.json").read_text()) for n in ("ref", "res"))
+    assert b["start"] == {"iterations": 21, "epoch": 2}  # step 21 = epoch 2 after 5 of 8 batches
+    assert second.stdout.splitlines()[0] == "step 22 epoch 2 batch 5"
+    diff = max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a["weights"], b["weights"]))
+    assert diff <= 1e-6
+    assert np.allclose(b["loss"], a["loss"][2:], rtol=1e-6, atol=0)
