@@ -51,16 +51,13 @@ def flat(model):
     return np.concatenate([w.ravel() for w in model.get_weights()])
 
 
-def run_id_of(sync):
-    from keras_sync.callbacks._run import _writers
-
-    return _writers[sync].run_id
-
-
 def close(sync):
-    from keras_sync.callbacks._run import close_writer
+    """End the sync's MLflow run and return its id (the writer's thread creates the run lazily)."""
+    from keras_sync.callbacks._run import _writers, close_writer
 
+    writer = _writers[sync]
     close_writer(sync, timeout_s=60)
+    return writer.run_id
 
 
 def mirrored(tracking_uri: str, server_config: str) -> None:
@@ -79,9 +76,8 @@ def mirrored(tracking_uri: str, server_config: str) -> None:
     # 1. The main run: 512 training examples / 64 = 8 steps per epoch, 2 epochs.
     model = make_model(sync)
     h = sync.fit(model, X, Y, epochs=2, shuffle=False, verbose=0, validation_split=0.2)
-    results["main"] = {"run_id": run_id_of(sync), "history": h.history, "steps": 16}
     first = sync
-    close(sync)
+    results["main"] = {"run_id": close(sync), "history": h.history, "steps": 16}
 
     # 2. The same job restarted: a new Sync with the same job id continues the run and the steps.
     # (As BackupAndRestore would, the restarted model resumes at the optimizer step it reached.)
@@ -93,8 +89,7 @@ def mirrored(tracking_uri: str, server_config: str) -> None:
         model2.optimizer.build(model2.trainable_variables)
         model2.optimizer.iterations.assign(reached)
     sync2.fit(model2, X, Y, epochs=1, shuffle=False, verbose=0, validation_split=0.2)
-    results["restart"] = {"run_id": run_id_of(sync2), "iterations": int(model2.optimizer.iterations.numpy())}
-    close(sync2)
+    results["restart"] = {"run_id": close(sync2), "iterations": int(model2.optimizer.iterations.numpy())}
     del os.environ["KERAS_SYNC_JOB_ID"]
 
     # 3. Instrumented training is bit-identical to plain Keras under the same strategy.
@@ -146,9 +141,7 @@ def mirrored(tracking_uri: str, server_config: str) -> None:
         s = keras_sync.load(server_config)
         m = make_model(s)
         s.fit(m, X, Y, epochs=1, shuffle=False, verbose=0)
-        rid = run_id_of(s)
-        close(s)
-        return {"run_id": rid}
+        return {"run_id": close(s)}
 
     record("server", server)
 
@@ -160,8 +153,7 @@ def multi_worker(config: str) -> None:
     sync.fit(model, ds, epochs=2, verbose=0)
     results.update(kind=sync.kind, replicas=sync.num_replicas, workers=sync.num_workers, chief=sync.is_chief)
     if sync.is_chief:
-        results["run_id"] = run_id_of(sync)
-        close(sync)
+        results["run_id"] = close(sync)
 
 
 if MODE == "mirrored":

@@ -116,8 +116,8 @@ class SyncMetrics(keras.callbacks.Callback):
         if self._steps_since_log:
             metrics["sync/step_time_ms"] = 1000.0 * self._busy_s / self._steps_since_log
         metrics.update(_reduce.throughput(examples, self._busy_s, self._num_replicas))
-        lr = current_learning_rate(self.model.optimizer, self.global_step)
-        if lr is not None:
+        lr = rows[0][3] if rows else float("nan")
+        if lr == lr:  # not NaN
             metrics["sync/learning_rate"] = lr
         for k, v in (logs or {}).items():
             if isinstance(v, (int, float)):
@@ -125,7 +125,7 @@ class SyncMetrics(keras.callbacks.Callback):
         self.writer.log_metrics(metrics, step=self.global_step)
         self._reset_interval(rows)
 
-    def _reset_interval(self, rows: list[tuple[float, float, float]]) -> None:
+    def _reset_interval(self, rows: list[tuple[float, float, float, float]]) -> None:
         self._examples_at_log = sum(r[2] for r in rows)
         self._busy_s, self._steps_since_log = 0.0, 0
 
@@ -139,22 +139,6 @@ class SyncMetrics(keras.callbacks.Callback):
     def on_train_end(self, logs: dict | None = None) -> None:
         if self.writer is not None:
             self.writer.flush(timeout_s=0)  # wake the writer's thread; never wait here
-
-
-def current_learning_rate(optimizer: Any, step: int) -> float | None:
-    """The learning rate ``optimizer`` applied at global step ``step`` (1-based), as a float."""
-    opt = getattr(optimizer, "inner_optimizer", optimizer)  # LossScaleOptimizer
-    lr = getattr(opt, "_learning_rate", None)
-    if lr is None:
-        return None
-    try:
-        if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule):
-            return float(lr(max(step - 1, 0)))
-        if callable(lr):
-            return float(lr())
-        return float(keras.ops.convert_to_numpy(lr))
-    except Exception:  # noqa: BLE001 - a custom schedule we cannot evaluate: skip the metric
-        return None
 
 
 def _warn_custom_train_step(model: Any) -> None:

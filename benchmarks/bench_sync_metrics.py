@@ -1,0 +1,107 @@
+"""Cost of the sync metrics on `sync.fit`: 2 simulated CPU replicas, metrics off vs on.
+
+    .venv/bin/python benchmarks/bench_sync_metrics.py [--repeats 5] [--epochs 4] [--steps 50]
+
+One process runs every variant: `sync.fit` with `mlflow.enabled: false` (baseline), with our
+metrics at `log_every_n_steps` 1 and 50, and the baseline plus `mlflow.keras.MlflowCallback` at
+the same frequencies (for comparison). Each variant trains its own model of the same shape;
+one untimed warm-up fit per variant takes the tracing and the MLflow run creation out of the
+timing. Then the variants take turns (`--repeats` rounds) so load changes hit them alike. The
+sqlite stores live in a temporary directory. We print the fastest and the median fit time
+of each variant and their ratios to the baseline (the fastest is the headline: tf.data
+sometimes adds a fixed 5-20 s wait at fit teardown under CPU load, see FACTS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=50, help="steps per epoch")
+    args = ap.parse_args()
+
+    tmp = tempfile.mkdtemp(prefix="bench_sync_metrics_")
+    os.chdir(tmp)  # spools and stores stay out of the checkout
+    import numpy as np
+
+    import keras_sync
+
+    def config(enabled: bool, every: int = 1) -> dict:
+        return {"strategy": {"kind": "mirrored", "simulated_cpu_replicas": 2}, "batch": {"global": 64},
+                "learning_rate": {"base": 0.01, "scaling": "none"},
+                "mlflow": {"enabled": enabled, "tracking_uri": f"sqlite:///{tmp}/ours.db",
+                           "experiment": "bench", "log_every_n_steps": every}}
+
+    syncs = {"off": keras_sync.load(config(False)), "ours_n1": keras_sync.load(config(True, 1)),
+             "ours_n50": keras_sync.load(config(True, 50))}
+    import keras
+    import mlflow
+
+    rng = np.random.default_rng(0)
+    n = 64 * args.steps
+    x = rng.normal(size=(n, 32)).astype("float32")
+    y = (x @ rng.normal(size=(32, 1))).astype("float32")
+
+    def model_for(sync):
+        keras.utils.set_random_seed(0)
+        with sync.scope():
+            m = keras.Sequential([keras.Input((32,)), keras.layers.Dense(256, activation="relu"),
+                                  keras.layers.Dense(256, activation="relu"), keras.layers.Dense(1)])
+            m.compile(optimizer=keras.optimizers.SGD(sync.lr_schedule()), loss="mse", metrics=["mae"])
+        return m
+
+    mlflow.set_tracking_uri(f"sqlite:///{tmp}/mlflow_callback.db")
+    mlflow.set_experiment("bench")
+    run = mlflow.start_run()
+    variants = {
+        "off": (syncs["off"], model_for(syncs["off"]), None),
+        "ours_n1": (syncs["ours_n1"], model_for(syncs["ours_n1"]), None),
+        "ours_n50": (syncs["ours_n50"], model_for(syncs["ours_n50"]), None),
+        "mlflow_cb_n1": (syncs["off"], model_for(syncs["off"]), 1),
+        "mlflow_cb_n50": (syncs["off"], model_for(syncs["off"]), 50),
+    }
+
+    def fit(name: str, epochs: int) -> float:
+        sync, model, every = variants[name]
+        cbs = ([mlflow.keras.MlflowCallback(log_every_epoch=False, log_every_n_steps=every)]
+               if every else None)
+        t0 = time.perf_counter()
+        sync.fit(model, x, y, epochs=epochs, shuffle=False, verbose=0, callbacks=cbs)
+        return time.perf_counter() - t0
+
+    for name in variants:  # warm-up: tracing, run creation, store migration
+        fit(name, 1)
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for r in range(args.repeats):
+        for name in variants:
+            times[name].append(fit(name, args.epochs))
+        print(f"round {r + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()),
+              file=sys.stderr, flush=True)
+    mlflow.end_run()
+
+    steps = args.steps * args.epochs
+    best = {k: min(v) for k, v in times.items()}
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"\nsync.fit, 2 simulated CPU replicas, {steps} steps of global batch 64 per fit, "
+          f"{args.repeats} repeats (keras {keras.version()}, mlflow {mlflow.__version__})")
+    print(f"{'variant':<16}{'fastest s':>10}{'median s':>10}{'ms/step':>9}{'ratio fastest':>15}{'ratio median':>14}")
+    for k in variants:
+        print(f"{k:<16}{best[k]:>10.3f}{med[k]:>10.3f}{1000 * best[k] / steps:>9.2f}"
+              f"{best[k] / best['off']:>15.3f}{med[k] / med['off']:>14.3f}")
+    print("\ngoal: ours_n1 <= 1.10x, ours_n50 <= 1.03x (fastest of the repeats)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
