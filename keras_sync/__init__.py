@@ -39,6 +39,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "GradualWarmup": "keras_sync.schedules",
     "AllReduceProbe": "keras_sync.callbacks.allreduce_probe",
+    "BackupAndRestore": "keras_sync.callbacks.backup",
     "RunParams": "keras_sync.callbacks.run_params",
     "SyncMetrics": "keras_sync.callbacks.sync_metrics",
     "WeightDivergence": "keras_sync.callbacks.weight_divergence",
@@ -46,6 +47,7 @@ _LAZY = {
 
 __all__ = [
     "AllReduceProbe",
+    "BackupAndRestore",
     "ClusterError",
     "Config",
     "ConfigError",

@@ -37,6 +37,9 @@ def load(
         ...     model.compile(optimizer=keras.optimizers.SGD(sync.lr_schedule()), loss="mse")
         >>> sync.fit(model, x, y, epochs=3)                        # doctest: +SKIP
     """
+    from keras_sync import _excepthook
+
+    _excepthook.install()  # an uncaught keras-sync error ends the script with one line, not a traceback
     cfg = config if isinstance(config, Config) else load_config(config, overrides=overrides)
     from keras_sync.strategy import build_strategy
 
@@ -225,6 +228,8 @@ class Sync:
         vd = kwargs.get("validation_data")
         if isinstance(vd, tuple) and not _is_dataset(vd[0]):
             kwargs["validation_data"] = self._dataset(vd, global_batch, False)
+        if method == "fit":
+            kwargs["shuffle"] = False  # shuffled above, with one seed for all workers; Keras would only warn
         return self._dataset(_parts(x, y, sample_weight), global_batch, shuffle), None, kwargs
 
     def _dataset(self, parts: tuple, global_batch: int, shuffle: bool) -> Any:
