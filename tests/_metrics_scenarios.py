@@ -5,6 +5,8 @@ Usage:
         2 simulated CPU replicas: the main logged run (sqlite TRACKING_URI), bit-identical weights
         vs plain Keras, a custom train_step with the public callbacks, a restarted job, and a run
         to the real MLflow server whose URI (with credentials) is in SERVER_CONFIG.yaml.
+    python _metrics_scenarios.py single OUT.json TRACKING_URI
+        the default strategy (one device) with an XLA-compiled step.
     python -m keras_sync.launch --workers 2 _metrics_scenarios.py multi_worker OUT.json CONFIG.yaml
         one process per worker (TF_CONFIG from the launcher); the chief writes OUT.json.
 Writes what it saw to OUT.json for tests/test_sync_metrics.py.
@@ -146,6 +148,26 @@ def mirrored(tracking_uri: str, server_config: str) -> None:
     record("server", server)
 
 
+def single(tracking_uri: str) -> None:
+    """The default strategy (one device, XLA-compiled step, Adam): still bit-identical, still logged."""
+    import keras
+
+    sync = keras_sync.load({"batch": {"per_replica": 32},
+                            "mlflow": {"tracking_uri": tracking_uri, "experiment": "single"}})
+
+    def build():
+        keras.utils.set_random_seed(0)
+        m = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)])
+        m.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", jit_compile=True)
+        return m
+
+    plain, ours = build(), build()
+    plain.fit(X, Y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    sync.fit(ours, X, Y, epochs=2, shuffle=False, verbose=0)
+    results.update(kind=sync.kind, jit=bool(ours.jit_compile), equal=bool(np.array_equal(flat(plain), flat(ours))),
+                   run_id=close(sync))
+
+
 def multi_worker(config: str) -> None:
     sync = keras_sync.load(config)
     ds = sync.distribute((X, Y))
@@ -158,6 +180,8 @@ def multi_worker(config: str) -> None:
 
 if MODE == "mirrored":
     mirrored(sys.argv[3], sys.argv[4])
+elif MODE == "single":
+    single(sys.argv[3])
 elif MODE == "multi_worker":
     multi_worker(sys.argv[3])
 else:

@@ -114,6 +114,9 @@ def runs(tmp_path_factory, mlflow_server):
         "multi_worker": subprocess.Popen([sys.executable, "-m", "keras_sync.launch", "--workers", "2", script,
                                           "multi_worker", str(mw_dir / "mw.json"), str(mw_cfg)], cwd=mw_dir,
                                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+        "single": subprocess.Popen([sys.executable, script, "single", str(out / "single.json"),
+                                    f"sqlite:///{out / 'single.db'}"], cwd=out, env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True),
     }
     logs = {}
     for name, proc in procs.items():
@@ -122,6 +125,7 @@ def runs(tmp_path_factory, mlflow_server):
     return {
         "mirrored": json.loads((out / "mirrored.json").read_text()),
         "multi_worker": json.loads((mw_dir / "mw.json").read_text()),
+        "single": json.loads((out / "single.json").read_text()), "single_sqlite": f"sqlite:///{out / 'single.db'}",
         "sqlite": sqlite_uri, "mw_sqlite": f"sqlite:///{mw_dir / 'mlflow.db'}", "server": mlflow_server,
         "logs": logs,
     }
@@ -282,3 +286,15 @@ def test_server_run_and_no_secret_anywhere(runs):
     assert "tracking_uri: http://127.0.0.1:" in run.data.tags["keras_sync.config"]
     for text in texts + [runs["logs"]["mirrored"], runs["logs"]["multi_worker"]]:
         assert SECRET_PASSWORD not in text and SECRET_TOKEN not in text
+
+
+def test_default_strategy_with_xla_is_bit_identical_and_logged(runs):
+    r = runs["single"]
+    assert (r["kind"], r["jit"], r["equal"]) == ("default", True, True)
+    c = _client(runs["single_sqlite"])
+    # 640 / 32 = 20 steps per epoch, 2 epochs, every step; one replica: spread 0, no divergence.
+    for key in ("sync/replica_0/loss", "sync/replica_0/grad_norm", "sync/learning_rate", "sync/step_time_ms"):
+        assert [s for s, _ in _history(c, r["run_id"], key)] == list(range(1, 41)), key
+    assert set(_history(c, r["run_id"], "sync/grad_norm_spread")) == {(s, 0.0) for s in range(1, 41)}
+    assert dict(_history(c, r["run_id"], "sync/learning_rate"))[40] == pytest.approx(0.01)
+    assert c.get_run(r["run_id"]).data.params["sync.devices"].endswith("CPU:0")

@@ -57,12 +57,15 @@ def run_params(model: Any, sync: Any = None) -> dict[str, Any]:
     import tensorflow as tf
 
     strategy = sync.strategy if sync is not None else model.distribute_strategy
-    devices = list(getattr(strategy.extended, "worker_devices", ()) or ())
+    try:
+        devices = list(strategy.extended.worker_devices)
+    except (RuntimeError, AttributeError):  # the default strategy has no replica devices
+        devices = [d.name for d in tf.config.list_logical_devices() if d.device_type in ("CPU", "GPU", "TPU")][:1]
     params: dict[str, Any] = {
         "sync.num_replicas": int(strategy.num_replicas_in_sync),
         "sync.tensorflow_version": tf.version.VERSION,
         "sync.keras_version": keras.version(),
-        "sync.devices": ",".join(devices) or "default",
+        "sync.devices": ",".join(devices) or "unknown",
     }
     if sync is None:
         params["sync.strategy"] = type(strategy).__name__
