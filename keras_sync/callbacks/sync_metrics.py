@@ -48,6 +48,8 @@ class SyncMetrics(keras.callbacks.Callback):
         writer: a started `keras_sync.tracking.MlflowWriter`; None on workers that only take
             part in the gathers.
         log_every_n_steps: log every N optimizer steps (>= 1).
+        flush_timeout_s: at train end, wait at most this long for MLflow to have every point
+            (the rest stays in the spool and is delivered in the background).
 
     Example:
         >>> writer = MlflowWriter(tracking_uri="sqlite:///mlflow.db", experiment="demo")  # doctest: +SKIP
@@ -55,8 +57,9 @@ class SyncMetrics(keras.callbacks.Callback):
         >>> model.fit(ds, epochs=3, callbacks=[SyncMetrics(writer, log_every_n_steps=10)])  # doctest: +SKIP
     """
 
-    def __init__(self, writer: Any = None, *, log_every_n_steps: int = 1):
+    def __init__(self, writer: Any = None, *, log_every_n_steps: int = 1, flush_timeout_s: float = 10.0):
         super().__init__()
+        self.flush_timeout_s = float(flush_timeout_s)
         if writer is not None and not hasattr(writer, "log_metrics"):
             raise UsageError(f"Invalid value for argument `writer`. Received: writer={writer!r}. Expected a "
                              "keras_sync.tracking.MlflowWriter, or None on workers that do not write.")
@@ -137,8 +140,18 @@ class SyncMetrics(keras.callbacks.Callback):
             self.writer.log_metrics(val, step=self.global_step)
 
     def on_train_end(self, logs: dict | None = None) -> None:
-        if self.writer is not None:
-            self.writer.flush(timeout_s=0)  # wake the writer's thread; never wait here
+        if self.writer is None:
+            return
+        # Bounded wait: metrics are in MLflow when fit returns, unless the server is away; then
+        # they stay in the spool and the writer's thread keeps delivering (or `keras-sync sync-spool`).
+        if not self.writer.flush(timeout_s=self.flush_timeout_s):
+            warnings.warn(
+                f"keras-sync: some metrics are not in MLflow yet (tracking server slow or away); they are kept in "
+                f"{getattr(self.writer, 'spool_path', 'the spool')} and delivered in the background while this "
+                "process lives, or later with `keras-sync sync-spool PATH`.",
+                UserWarning,
+                stacklevel=2,
+            )
 
 
 def _warn_custom_train_step(model: Any) -> None:
