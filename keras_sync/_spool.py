@@ -175,6 +175,9 @@ class Deliverer:
         self.run_id = run_id
         self.request_timeout_s = request_timeout_s
         self._client: Any = None
+        # Per metric key, the highest step the run has; set by a "dedupe" record (a job resumed
+        # from a backup retrains the steps after its last backup: their points are dropped).
+        self.floors: dict[str, int] | None = None
 
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         with fast_fail_env(self.tracking_uri, self.request_timeout_s):
@@ -232,6 +235,9 @@ class Deliverer:
             if metrics or params or tags:
                 self._send_batch(metrics, params, tags)
                 sent += len(metrics)
+                if self.floors is not None:
+                    for m in metrics:
+                        self.floors[m.key] = max(self.floors.get(m.key, m.step), m.step)
                 metrics.clear(), params.clear(), tags.clear()
 
         for rec in records:
@@ -239,7 +245,13 @@ class Deliverer:
             if k == "m":
                 if len(metrics) + len(rec["d"]) + len(params) + len(tags) > 1000:
                     flush()
-                metrics.extend(Metric(key, v, rec["ts"], rec["s"]) for key, v in rec["d"].items())
+                floors, step = self.floors, rec["s"]
+                metrics.extend(Metric(key, v, rec["ts"], step) for key, v in rec["d"].items()
+                               if floors is None or step > floors.get(key, step - 1))
+            elif k == "dedupe":
+                flush()
+                if self.floors is None:
+                    self.floors = self._logged_steps()
             elif k in ("p", "t"):
                 if len(params) + len(tags) + len(rec["d"]) > 100:
                     flush()
@@ -253,6 +265,17 @@ class Deliverer:
                 self._call(c.set_terminated, self.run_id, status=rec["status"])
         flush()
         return sent
+
+    def _logged_steps(self) -> dict[str, int]:
+        """The highest step of every metric the run already has."""
+        c = self.client()
+        run = self._call(c.get_run, self.run_id)
+        floors: dict[str, int] = {}
+        for key in run.data.metrics:
+            history = self._call(c.get_metric_history, self.run_id, key)
+            if history:
+                floors[key] = max(m.step for m in history)
+        return floors
 
     def _send_batch(self, metrics: list[Any], params: list[Any], tags: list[Any]) -> None:
         c = self.client()

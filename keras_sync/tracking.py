@@ -127,6 +127,10 @@ def _close_at_exit() -> None:
         w.close(timeout_s=_ATEXIT_TIMEOUT_S, status=status)
 
 
+#: How often the writer's thread moves queued records to the spool file (seconds).
+SPOOL_INTERVAL_S = 0.2
+
+
 class MlflowWriter:
     """Log metrics, params, tags and text to one MLflow run without ever blocking the caller.
 
@@ -188,6 +192,7 @@ class MlflowWriter:
         self._seq = itertools.count(1)
         self._last_seq = 0
         self._delivered_seq = 0
+        self._spooled_seq = 0
         # Owned by the thread: spool offsets, and (last seq, end offset) of each spooled batch.
         self._spooled_end = self._delivered_end = self._resume_from = 0
         self._seq_marks: deque[tuple[int, int]] = deque()
@@ -226,6 +231,16 @@ class MlflowWriter:
         ts = int(time.time() * 1000) if timestamp_ms is None else int(timestamp_ms)
         self._put({"k": "m", "s": int(step), "ts": ts, "d": dict(metrics)})
 
+    def skip_logged_steps(self) -> None:
+        """From here on, drop metric points at steps the run already has for that metric.
+
+        A job resumed from a backup retrains the steps between its last backup and the crash;
+        calling this before logging them keeps the run free of duplicate steps. Points queued
+        before the call (an earlier process's undelivered spool included) are delivered first
+        and count as already logged.
+        """
+        self._put({"k": "dedupe"})
+
     def log_params(self, params: dict[str, object]) -> None:
         """Queue params; values are stringified, scrubbed of secrets and cut to 6000 characters."""
         self._put({"k": "p", "d": {str(k): str(v) for k, v in params.items()}})
@@ -248,6 +263,19 @@ class MlflowWriter:
             return self._progress.wait_for(
                 lambda: self._delivered_seq >= target and self._delivered_end >= self._resume_from,
                 timeout=timeout_s)
+
+    def flush_to_spool(self, timeout_s: float = 10.0) -> bool:
+        """Wait up to ``timeout_s`` until everything queued so far is in the spool file.
+
+        A process killed after this loses none of those records (the spool survives it); a
+        backup calls it so that metrics up to the backup's step are as durable as the backup.
+        """
+        target = self._last_seq
+        if self._thread is None or not self._thread.is_alive():
+            return not self._queue
+        self._wake.set()
+        with self._progress:
+            return self._progress.wait_for(lambda: self._spooled_seq >= target or self._dead, timeout=timeout_s)
 
     def close(self, timeout_s: float = 10.0, status: str = "FINISHED") -> None:
         """End the run with ``status`` and stop the thread, waiting at most ``timeout_s``.
@@ -299,19 +327,25 @@ class MlflowWriter:
                 self._deliverer.client()
             except Exception:  # noqa: BLE001 - the first delivery reports it
                 pass
+            deliver_at, urgent = 0.0, False
             while not self._abandon:
                 self._wake.clear()  # before draining: a flush() from now on is not lost
+                # The spool is written every SPOOL_INTERVAL_S, whatever the delivery schedule, so a
+                # killed process (or one killed during an outage) loses at most that much.
                 self._drain_to_spool()
-                if self._delivered_end < self._spooled_end:
+                now = time.monotonic()
+                if self._delivered_end < self._spooled_end and (urgent or now >= deliver_at):
                     try:
                         self._deliver()
                         if failures:
                             _log.info("MLflow at %s reachable again; spool backlog delivered.",
                                       self._shown_uri)
                         backoff, failures = 0.0, 0
+                        deliver_at = time.monotonic() + self._flush_interval_s
                     except Exception as e:  # noqa: BLE001 - anything: keep the data, retry later
                         failures += 1
                         backoff = min(max(backoff * 2, 0.5), 30.0)
+                        deliver_at = time.monotonic() + backoff
                         level = logging.WARNING if failures == 1 else logging.DEBUG
                         kind = "unreachable" if is_transient(e) else "refusing records"
                         _log.log(level, "MLflow at %s is %s (%s); records are kept in %s, "
@@ -320,7 +354,11 @@ class MlflowWriter:
                                  self.spool_path)
                 if self._closing and self._delivered_end >= self._spooled_end and not self._queue:
                     return
-                self._wake.wait(backoff or self._flush_interval_s)
+                wait = SPOOL_INTERVAL_S
+                if self._delivered_end < self._spooled_end:
+                    wait = min(wait, max(0.0, deliver_at - time.monotonic()))
+                # Woken early (flush, close, a full queue): deliver now, unless backing off.
+                urgent = self._wake.wait(wait) and not failures
         except OSError as e:  # the spool itself failed (disk full, directory removed)
             self._dead = True
             _log.error("keras-sync cannot write its MLflow spool %s (%s); MLflow logging stops "
@@ -354,16 +392,21 @@ class MlflowWriter:
 
     def _drain_to_spool(self) -> None:
         recs: list[tuple[int, dict[str, Any]]] = []
+        last = None
         while self._queue:
             seq, rec = self._queue.popleft()
+            last = seq
             rec = self._clean(rec)
             if rec is not None:
                 recs.append((seq, rec))
-        if not recs:
-            return
-        ends = self._spool.append([rec for _, rec in recs])
-        self._spooled_end = ends[-1]
-        self._seq_marks.append((recs[-1][0], ends[-1]))
+        if recs:
+            ends = self._spool.append([rec for _, rec in recs])
+            self._spooled_end = ends[-1]
+            self._seq_marks.append((recs[-1][0], ends[-1]))
+        if last is not None:
+            with self._progress:
+                self._spooled_seq = last
+                self._progress.notify_all()
 
     def _clean(self, rec: dict[str, Any]) -> dict[str, Any] | None:
         k = rec["k"]

@@ -30,13 +30,15 @@ EXACT_RESUME = 1e-6
 STEPS_PER_EPOCH = 8  # 256 samples / global batch 32
 
 
-def _config(**fault_tolerance: object) -> str:
+def _config(mlflow_uri: str | None = None, **fault_tolerance: object) -> str:
     cfg = {
         "strategy": {"kind": "multi_worker_mirrored", "connect_timeout_s": 60},
         "batch": {"global": 32},
         "learning_rate": {"base": 0.01, "base_batch_size": 32},  # same rate for 1 or 2 workers
         "mlflow": {"enabled": False},
     }
+    if mlflow_uri:
+        cfg["mlflow"] = {"enabled": True, "tracking_uri": mlflow_uri, "experiment": "resume"}
     if fault_tolerance:
         cfg["fault_tolerance"] = fault_tolerance
     return json.dumps(cfg)
@@ -158,9 +160,10 @@ def test_worker_alone_fails_after_connect_timeout_naming_missing_task_and_addres
     assert 10 <= elapsed < 60
 
 
-def _kill_and_resume(tmp: Path, name: str, *, save_freq: object, kill_at: int, kill_task: int) -> dict:
+def _kill_and_resume(tmp: Path, name: str, *, save_freq: object, kill_at: int, kill_task: int,
+                     mlflow_uri: str | None = None) -> dict:
     out, marker = tmp / name, tmp / f"{name}.killed"
-    args = [_config(backup_dir=str(tmp / f"{name}_backup"), save_freq=save_freq), str(out),
+    args = [_config(mlflow_uri, backup_dir=str(tmp / f"{name}_backup"), save_freq=save_freq), str(out),
             "--kill-at", str(kill_at), "--kill-task", str(kill_task), "--marker", str(marker)]
     first = _launch(tmp, TRAIN, *args)
     assert marker.exists(), first.stderr[-3000:]
@@ -196,9 +199,19 @@ def test_sigkill_non_chief_mid_epoch_resumes_exactly(tmp_module: Path, two_worke
 @pytest.mark.timeout(200)
 def test_sigkill_chief_mid_epoch_resumes_exactly(tmp_module: Path, two_workers: dict) -> None:
     # Saved every 5 batches: step 15 = epoch 1 after 7 of its 8 batches; killed at step 19 (epoch 2).
-    resumed = _kill_and_resume(tmp_module, "kill_w0", save_freq=5, kill_at=19, kill_task=0)
+    uri = f"sqlite:///{tmp_module / 'kill_w0_mlflow.db'}"
+    resumed = _kill_and_resume(tmp_module, "kill_w0", save_freq=5, kill_at=19, kill_task=0, mlflow_uri=uri)
     _assert_exact(resumed, two_workers, epoch=1, iterations=15)
     assert re.search(r"^\[w0\] step 16 epoch 1 batch 7$", resumed["stdout"], re.M)
+    # The MLflow side: the relaunched job continues the one run, and steps 16..18, trained twice
+    # (after the backup at 15, before the kill at 19), appear once.
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("resume").experiment_id])
+    assert len(runs) == 1
+    steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "sync/replica_1/loss")]
+    assert sorted(steps) == list(range(1, resumed["w0"]["iterations"] + 1))
 
 
 @pytest.mark.timeout(200)

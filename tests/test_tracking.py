@@ -402,3 +402,50 @@ def test_close_rejects_unknown_status(in_tmp, sqlite_uri):
     with pytest.raises(TrackingError, match="`status`. Received: status='DONE'. Expected one of FINISHED, FAILED, KILLED"):
         w.close(status="DONE")
     w.close()
+
+
+def test_resumed_job_skips_the_steps_it_trains_again(in_tmp, sqlite_uri):
+    # A crashed process logged steps 0..39 (undelivered: the spool was never flushed); its backup was
+    # at step 24, so the restarted process trains and logs 25..59 again from there.
+    uri, exp = sqlite_uri, _exp()
+    crash = (
+        "import os, time\n"
+        "from keras_sync.tracking import MlflowWriter\n"
+        f"w = MlflowWriter(tracking_uri={uri!r}, experiment={exp!r}, job_id='resumed',\n"
+        f"                 spool_dir={str(in_tmp)!r}, flush_interval_s=3600)\n"
+        "w.start()\n"
+        "for s in range(40): w.log_metrics({'loss': 1.0, 'acc': 0.5}, step=s)\n"
+        "w._wake.set()\n"
+        "while not w.spool_path.exists() or w.spool_path.read_text().count('\"k\":\"m\"') < 40:\n"
+        "    time.sleep(0.05)\n"
+        "os._exit(9)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", crash], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 9, out.stderr
+    w = MlflowWriter(tracking_uri=uri, experiment=exp, job_id="resumed", spool_dir=in_tmp)
+    w.start()
+    w.skip_logged_steps()
+    for s in range(25, 60):
+        w.log_metrics({"loss": 2.0, "acc": 0.5}, step=s)
+    assert w.flush(60)
+    w.close()
+    from mlflow import MlflowClient
+
+    hist = MlflowClient(uri).get_metric_history(w.run_id, "loss")
+    assert sorted(m.step for m in hist) == list(range(60)), "each step exactly once"
+    # Steps 25..39 keep the first process's points; 40.. are the new process's.
+    assert {m.step: m.value for m in hist}[39] == 1.0 and {m.step: m.value for m in hist}[40] == 2.0
+
+
+def test_without_skip_a_restart_from_step_zero_keeps_its_points(in_tmp, sqlite_uri):
+    # A job restarted from scratch (no backup) does not call skip_logged_steps: nothing is dropped.
+    uri, exp = sqlite_uri, _exp()
+    for attempt in range(2):
+        w = MlflowWriter(tracking_uri=uri, experiment=exp, job_id="fresh", spool_dir=in_tmp)
+        w.start()
+        for s in range(5):
+            w.log_metrics({"loss": float(attempt)}, step=s)
+        w.close()
+    from mlflow import MlflowClient
+
+    assert len(MlflowClient(uri).get_metric_history(w.run_id, "loss")) == 10

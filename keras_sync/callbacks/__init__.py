@@ -7,13 +7,13 @@ from typing import Any
 
 def default_callbacks(sync: Any, model: Any, user_callbacks: Any) -> list[Any]:
     """The user's callbacks plus the ones the config asks for (sync metrics, backup and restore)."""
-    callbacks = list(user_callbacks or [])
     from keras_sync.callbacks.backup import backup_callbacks
 
-    callbacks[:0] = backup_callbacks(sync)  # first: restores optimizer.iterations before others read it
-    if sync.config.mlflow.enabled:
-        callbacks += mlflow_callbacks(sync)
-    return callbacks
+    # Order: the sync metrics log a step before the backup of that step is saved (the backup puts
+    # them in the spool first, so a kill loses no step it will not train again); the backup
+    # restores optimizer.iterations in on_train_begin before the user's callbacks run.
+    ours = mlflow_callbacks(sync) if sync.config.mlflow.enabled else []
+    return ours + backup_callbacks(sync) + list(user_callbacks or [])
 
 
 def mlflow_callbacks(sync: Any) -> list[Any]:

@@ -53,8 +53,11 @@ class BackupAndRestore(keras.callbacks.Callback):
     """
 
     def __init__(self, backup_dir: str, save_freq: str | int = "epoch", *, delete_checkpoint: bool = True,
-                 max_to_keep: int = 2):
+                 max_to_keep: int = 2, writer: Any = None):
         super().__init__()
+        # The MLflow writer, if any: its queued metrics are put in its spool before each backup, so
+        # that after a kill MLflow has every step up to the backup the job resumes from.
+        self.writer = writer
         if not backup_dir or not isinstance(backup_dir, (str, os.PathLike)):
             raise ValueError(
                 f"Invalid value for argument `backup_dir`. Received: backup_dir={backup_dir!r}. "
@@ -144,6 +147,9 @@ class BackupAndRestore(keras.callbacks.Callback):
     # -- saving ----------------------------------------------------------------------------
 
     def _save(self) -> None:
+        if self.writer is not None and not self.writer.flush_to_spool(timeout_s=10.0):
+            warnings.warn("keras-sync: the MLflow spool did not take the queued metrics within 10 s; "
+                          "a crash now may lose the last steps' metrics.", RuntimeWarning, stacklevel=2)
         self._position.assign([self._epoch, self._step])
         self._manager.save(checkpoint_number=int(self.model.optimizer.iterations.numpy()))
         if not self._is_chief:
@@ -244,4 +250,11 @@ def resumable_fit(callbacks: list[Any]) -> Iterator[None]:
 def backup_callbacks(sync: Any) -> list[Any]:
     """The backup callback the config asks for (``fault_tolerance.backup_dir``), or none."""
     ft = sync.config.fault_tolerance
-    return [BackupAndRestore(ft.backup_dir, ft.save_freq)] if ft.backup_dir else []
+    if not ft.backup_dir:
+        return []
+    writer = None
+    if sync.config.mlflow.enabled:
+        from keras_sync.callbacks._run import writer_for
+
+        writer = writer_for(sync)
+    return [BackupAndRestore(ft.backup_dir, ft.save_freq, writer=writer)]

@@ -97,6 +97,10 @@ class SyncMetrics(keras.callbacks.Callback):
             # Read once, after every on_train_begin (BackupAndRestore may have restored it).
             self.global_step = int(self.model.optimizer.iterations.numpy())
             self._examples_at_log = sum(r[2] for r in self._probe.read())
+            if self.global_step > 0 and self.writer is not None and hasattr(self.writer, "skip_logged_steps"):
+                # Resumed (a backup restored the step count) or a later fit: a crashed process may
+                # have logged steps past the backup, which this one trains again; keep one point each.
+                self.writer.skip_logged_steps()
         self._first_batch = batch
         self._t0 = time.perf_counter()
 
