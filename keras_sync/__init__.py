@@ -42,6 +42,7 @@ _LAZY = {
     "BackupAndRestore": "keras_sync.callbacks.backup",
     "RunParams": "keras_sync.callbacks.run_params",
     "SyncMetrics": "keras_sync.callbacks.sync_metrics",
+    "SystemMetrics": "keras_sync.callbacks.system_metrics",
     "WeightDivergence": "keras_sync.callbacks.weight_divergence",
 }
 
@@ -59,6 +60,7 @@ __all__ = [
     "StrategyError",
     "Sync",
     "SyncMetrics",
+    "SystemMetrics",
     "TrackingError",
     "UsageError",
     "WeightDivergence",

@@ -20,6 +20,14 @@ _FIXED_RANGE = ((3, 0), (3, 16))
 _PATCH_MARK = "_keras_sync_multi_worker_fix"
 
 
+TESTED_RANGE_TEXT = f">= {_FIXED_RANGE[0][0]}.{_FIXED_RANGE[0][1]}, < {_FIXED_RANGE[1][0]}.{_FIXED_RANGE[1][1]}"
+
+
+def keras_in_tested_range() -> bool:
+    """Whether the installed Keras is in the range where keras-sync's Keras patches were measured."""
+    return _FIXED_RANGE[0] <= _keras_version() < _FIXED_RANGE[1]
+
+
 def _keras_version() -> tuple[int, int]:
     import keras
 

@@ -30,4 +30,9 @@ def mlflow_callbacks(sync: Any) -> list[Any]:
     out: list[Any] = [RunParams(writer, sync)]
     if cfg.allreduce_probe:
         out.append(AllReduceProbe(writer))
-    return out + [metrics, WeightDivergence(writer, step_source=metrics)]
+    out += [metrics, WeightDivergence(writer, step_source=metrics)]
+    if cfg.system_metrics:
+        from keras_sync.callbacks.system_metrics import SystemMetrics
+
+        out.append(SystemMetrics(writer, step_source=metrics))
+    return out

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-import warnings
 import weakref
 from typing import Any
 
@@ -43,8 +41,6 @@ def writer_for(sync: Any) -> Any:
     writer.start()
     log.info("keras-sync: logging sync metrics to MLflow at %s, experiment %r%s", redact_uri(uri),
              cfg.experiment, f", job id {jid}" if jid else "")
-    if cfg.system_metrics:
-        _start_system_metrics(writer, uri)
     _writers[sync] = writer
     return writer
 
@@ -54,26 +50,3 @@ def close_writer(sync: Any, timeout_s: float = 10.0) -> None:
     writer = _writers.pop(sync, None)
     if writer is not None:
         writer.close(timeout_s=timeout_s)
-
-
-def _start_system_metrics(writer: Any, uri: str) -> None:
-    try:
-        import psutil  # noqa: F401  - what MLflow's system metrics need
-    except ImportError:
-        warnings.warn("keras-sync: mlflow.system_metrics is on but psutil is not installed, so no system "
-                      "metrics are logged. Fix: pip install psutil", UserWarning, stacklevel=3)
-        return
-
-    def start_when_run_exists() -> None:
-        # The writer's thread opens the run; MLflow's monitor needs its id.
-        for _ in range(600):
-            if writer.run_id is not None:
-                break
-            threading.Event().wait(0.1)
-        else:
-            return
-        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-        SystemMetricsMonitor(writer.run_id, tracking_uri=uri, resume_logging=True).start()
-
-    threading.Thread(target=start_when_run_exists, name="keras-sync-system-metrics", daemon=True).start()

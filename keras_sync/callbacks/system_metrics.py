@@ -1,0 +1,101 @@
+"""`SystemMetrics`: CPU, memory, disk, network (and GPU) usage, logged through the keras-sync writer."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any
+
+import keras
+
+
+class SystemMetrics(keras.callbacks.Callback):
+    """Sample MLflow's system monitors during `fit` and log them as ``system/*`` metrics.
+
+    MLflow's own `SystemMetricsMonitor` logs synchronously through its client (retrying for
+    minutes when the server is away) and only flushes when it is stopped. Here the same monitors
+    (MLflow's CPU, disk, network and GPU monitors; they need ``psutil``) are sampled in a daemon
+    thread and their averages go through the keras-sync writer, so they are spooled, never block,
+    and are lost by no outage. The MLflow ``step`` is the training step at the time of the sample
+    (taken from ``step_source.global_step``), so system and training metrics share an x-axis.
+
+    Args:
+        writer: a started `keras_sync.tracking.MlflowWriter`; None logs nothing.
+        step_source: an object with a ``global_step`` attribute (a `SyncMetrics`).
+        interval_s: seconds between samples (``MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL`` if set,
+            else 10).
+    """
+
+    def __init__(self, writer: Any = None, *, step_source: Any = None, interval_s: float | None = None):
+        super().__init__()
+        from mlflow.environment_variables import MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL
+
+        interval = interval_s if interval_s is not None else (MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL.get() or 10.0)
+        if not interval > 0:
+            raise ValueError(f"Invalid value for argument `interval_s`. Received: interval_s={interval_s!r}. "
+                             "Expected a number of seconds > 0.")
+        self.writer = writer
+        self.step_source = step_source
+        self.interval_s = float(interval)
+        self._monitors: list[Any] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_step: int | None = None
+
+    def _make_monitors(self) -> list[Any]:
+        try:
+            import psutil  # noqa: F401 - what MLflow's monitors need
+        except ImportError:
+            warnings.warn("keras-sync: mlflow.system_metrics is on but psutil is not installed, so no system "
+                          "metrics are logged. Fix: pip install psutil", UserWarning, stacklevel=3)
+            return []
+        from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor
+        from mlflow.system_metrics.metrics.disk_monitor import DiskMonitor
+        from mlflow.system_metrics.metrics.network_monitor import NetworkMonitor
+
+        monitors: list[Any] = [CPUMonitor(), DiskMonitor(), NetworkMonitor()]
+        try:
+            from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor
+
+            monitors.append(GPUMonitor())
+        except Exception:  # noqa: BLE001 - no NVIDIA GPU or no pynvml: nothing to monitor there
+            pass
+        return monitors
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        if self.writer is None or (self._thread is not None and self._thread.is_alive()):
+            return
+        if self._monitors is None:
+            self._monitors = self._make_monitors()
+        if not self._monitors:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="keras-sync-system-metrics", daemon=True)
+        self._thread.start()
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout=self.interval_s + 5)
+            self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            for m in self._monitors or []:
+                m.collect_metrics()
+            stopping = self._stop.wait(self.interval_s)
+            self._log()
+            if stopping:
+                return
+
+    def _log(self) -> None:
+        step = getattr(self.step_source, "global_step", None)
+        if step is None or step == self._last_step:
+            return  # before the first step, or no step since the last sample: keep one point per step
+        metrics: dict[str, float] = {}
+        for m in self._monitors or []:
+            metrics.update({f"system/{k}": float(v) for k, v in m.aggregate_metrics().items()})
+            m.clear_metrics()
+        if metrics:
+            self._last_step = step
+            self.writer.log_metrics(metrics, step=step)
