@@ -127,6 +127,15 @@ def _close_at_exit() -> None:
         w.close(timeout_s=_ATEXIT_TIMEOUT_S, status=status)
 
 
+def _lower_thread_priority() -> None:
+    """Nice the writer's thread (Linux threads have their own nice value): when the cores are busy
+    training, the replicas go first and delivery waits; it never matters when they are idle."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):  # not Linux, or not permitted: run at normal priority
+        pass
+
+
 #: How often the writer's thread moves queued records to the spool file (seconds).
 SPOOL_INTERVAL_S = 0.2
 
@@ -321,6 +330,7 @@ class MlflowWriter:
     # ---- the background thread ----
     def _loop(self) -> None:
         backoff, failures = 0.0, 0
+        _lower_thread_priority()
         try:
             self._open_spool()
             try:  # import MLflow now, not at exit, where importing it fails (atexit is closed)
