@@ -31,6 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from keras_sync._spool import Deliverer, SpoolFile, is_transient
+from keras_sync.redact import redact_uri
+from keras_sync.redact import redact_text as _redact
+from keras_sync.redact import secrets_of as _secrets_of
 from keras_sync.errors import TrackingError
 
 _log = logging.getLogger("keras_sync.tracking")
@@ -41,52 +44,10 @@ MAX_PARAM_VALUE_LENGTH = 6000  # MLflow 3.x; longer values are refused
 MAX_TAG_VALUE_LENGTH = 8000
 MAX_KEY_LENGTH = 250
 _TRUNCATED = "...[truncated]"
-_REDACTED = "***"
 
-_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)[^/?#@\s]*@")
-_SECRET_QUERY = re.compile(
-    r"(?P<key>[?&;][^=&#\s]*(?:token|password|passwd|secret|key|sig|signature|credential|auth)"
-    r"[^=&#\s]*=)[^&#;\s]*", re.IGNORECASE)
-_SECRET_ENV_NAME = re.compile(r"TOKEN|PASSWORD|PASSWD|SECRET|API_?KEY|PRIVATE_KEY|CREDENTIAL",
-                              re.IGNORECASE)
-_NOT_SECRET_VALUES = {"", "0", "1", "true", "false", "none", "null", "yes", "no"}
 _RUN_STATUSES = ("FINISHED", "FAILED", "KILLED")
 _JOB_ID = re.compile(r"^[\w.:/@+\-]{1,250}$")
 _BAD_KEY_CHARS = re.compile(r"[^\w.\- :/]")
-
-
-def redact_uri(uri: str | None) -> str | None:
-    """Return ``uri`` without ``user:password@`` and with secret query values replaced by ``***``.
-
-    >>> redact_uri("http://user:s3cret@127.0.0.1:5000/?token=abc&x=1")
-    'http://127.0.0.1:5000/?token=***&x=1'
-    """
-    if uri is None:
-        return None
-    uri = _USERINFO.sub(lambda m: m.group("scheme"), uri)
-    return _SECRET_QUERY.sub(lambda m: m.group("key") + _REDACTED, uri)
-
-
-def _secrets_of(tracking_uri: str | None, environ: Mapping[str, str]) -> list[str]:
-    found: set[str] = set()
-    for name, value in environ.items():
-        if _SECRET_ENV_NAME.search(name) and value.strip().lower() not in _NOT_SECRET_VALUES:
-            found.add(value)
-    if tracking_uri:
-        m = re.match(r"[A-Za-z][A-Za-z0-9+.\-]*://([^/?#@\s]*)@", tracking_uri)
-        if m:
-            found.update(p for p in m.group(1).split(":")[1:] if p)
-        for q in _SECRET_QUERY.finditer(tracking_uri):
-            found.add(tracking_uri[q.end("key"):q.end()])
-    found = {s for s in found if len(s) >= 3}
-    return sorted(found, key=len, reverse=True)  # longest first: one secret may contain another
-
-
-def _redact(text: str, secrets: list[str]) -> str:
-    text = redact_uri(text) or ""
-    for s in secrets:
-        text = text.replace(s, _REDACTED)
-    return text
 
 
 def resolve_tracking_uri(configured: str | None, *, environ: Mapping[str, str] | None = None,
