@@ -172,6 +172,10 @@ def _kill_and_resume(tmp: Path, name: str, *, save_freq: object, kill_at: int, k
     assert not out.exists()
     second = _launch(tmp, TRAIN, *args)
     assert second.returncode == 0, second.stderr[-3000:]
+    # The chief says once that the job continued; the other worker stays quiet.
+    said = re.findall(r"^\[w(\d)\] keras-sync: resumed from the backup in .*: epoch \d+, after batch \d+ "
+                      r"\(optimizer step \d+\)$", second.stderr, re.M)
+    assert said == ["0"], second.stderr[-3000:]
     assert not (tmp / f"{name}_backup").exists()
     return {"w0": _result(out, 0), "w1": _result(out, 1), "stdout": second.stdout}
 

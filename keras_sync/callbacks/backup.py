@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import shutil
+import sys
 import warnings
 from typing import Any, Iterator
 
@@ -117,6 +118,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             self.epoch_iterator.resume_at(epoch, 0)
         log.info("keras-sync: resumed from %s at epoch %d, batch %d (optimizer step %d)", latest, epoch, step,
                  iterations)
+        if self._is_chief:  # a relaunch should say that it continued, once per job
+            print(f"keras-sync: resumed from the backup in {self.backup_dir}: epoch {epoch + 1}, after batch {step} "
+                  f"(optimizer step {iterations})", file=sys.stderr, flush=True)
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         self._epoch, self._step = epoch, (self._step if epoch == self._epoch else 0)
