@@ -145,8 +145,22 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_train_end(self, logs: Any = None) -> None:
         self.model._initial_epoch = None  # a later fit on this model starts at its own initial_epoch
-        if self.delete_checkpoint and self._is_chief:
-            shutil.rmtree(self.backup_dir, ignore_errors=True)
+        if self.delete_checkpoint:
+            # Every worker saves at the last epoch end; the chief must not delete the backup (with the
+            # other workers' temporary directories in it) while one is still writing: seen here as
+            # "NotFoundError: .../.worker_tmp_1/checkpoint.tmp...". A one-number all-reduce is the barrier.
+            self._barrier()
+            if self._is_chief:
+                shutil.rmtree(self.backup_dir, ignore_errors=True)
+
+    def _barrier(self) -> None:
+        strategy = self.model.distribute_strategy
+        extended = getattr(strategy, "extended", None)
+        if extended is None or not getattr(extended, "_in_multi_worker_mode", lambda: False)():
+            return
+        import tensorflow as tf
+
+        strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None)
 
     # -- saving ----------------------------------------------------------------------------
 
@@ -155,6 +169,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             warnings.warn("keras-sync: the MLflow spool did not take the queued metrics within 10 s; "
                           "a crash now may lose the last steps' metrics.", RuntimeWarning, stacklevel=2)
         self._position.assign([self._epoch, self._step])
+        if not self._is_chief:
+            os.makedirs(self._dir, exist_ok=True)
         self._manager.save(checkpoint_number=int(self.model.optimizer.iterations.numpy()))
         if not self._is_chief:
             shutil.rmtree(self._dir, ignore_errors=True)
