@@ -137,14 +137,21 @@ class Sync:
                 data = tuple(data)
             ds = tf.data.Dataset.from_tensor_slices(data)
         n = int(ds.cardinality())
-        if shuffle:
-            size = n if n > 0 else 10_000
-            ds = ds.shuffle(size, seed=seed, reshuffle_each_iteration=True)
-        ds = ds.batch(self.global_batch_size, drop_remainder=self._drop_remainder())
         if n > 0:
             self._steps_per_epoch = (n // self.global_batch_size) if self._drop_remainder() else math.ceil(n / self.global_batch_size)
+        return self._batched(ds, self.global_batch_size, shuffle=shuffle, seed=seed,
+                             in_memory=not isinstance(data, tf.data.Dataset))
+
+    def _batched(self, ds: Any, global_batch: int, *, shuffle: bool, seed: int, in_memory: bool) -> Any:
+        """``ds`` of single examples -> shuffled (one seed for every worker), batched, shard policy set."""
+        import tensorflow as tf
+
+        if shuffle:
+            n = int(ds.cardinality())
+            ds = ds.shuffle(n if n > 0 else 10_000, seed=seed, reshuffle_each_iteration=True)
+        ds = ds.batch(global_batch, drop_remainder=self._drop_remainder())
         options = tf.data.Options()
-        options.experimental_distribute.auto_shard_policy = self._shard_policy(in_memory=not isinstance(data, tf.data.Dataset))
+        options.experimental_distribute.auto_shard_policy = self._shard_policy(in_memory=in_memory)
         return ds.with_options(options)
 
     def _drop_remainder(self) -> bool:
@@ -236,13 +243,7 @@ class Sync:
         import tensorflow as tf
 
         ds = tf.data.Dataset.from_tensor_slices(parts if len(parts) > 1 else parts[0])
-        n = int(ds.cardinality())
-        if shuffle:
-            ds = ds.shuffle(max(n, 1), seed=1337, reshuffle_each_iteration=True)
-        ds = ds.batch(global_batch, drop_remainder=self._drop_remainder())
-        options = tf.data.Options()
-        options.experimental_distribute.auto_shard_policy = self._shard_policy(in_memory=True)
-        return ds.with_options(options)
+        return self._batched(ds, global_batch, shuffle=shuffle, seed=1337, in_memory=True)
 
     def _batch_size_argument(self, batch_size: int | None, method: str) -> int:
         if batch_size is None:
