@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,11 +13,7 @@ from pathlib import Path
 
 import pytest
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from _ports import free_ports
 
 
 class MlflowServer:
@@ -26,7 +21,7 @@ class MlflowServer:
 
     def __init__(self, root: Path, port: int | None = None):
         self.root = root
-        self.port = port or _free_port()
+        self.port = port or free_ports(1)[0]
         self.uri = f"http://127.0.0.1:{self.port}"
         self.store_uri = f"sqlite:///{root / 'db'}"
         self._proc: subprocess.Popen[bytes] | None = None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -23,18 +22,10 @@ import pytest
 from keras_sync import _keras_compat
 from keras_sync.errors import UsageError
 
+from _ports import free_ports
+
 WORKER = Path(__file__).with_name("_mw_worker.py")
 TOLERANCE = 1e-5
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 class Runs:
@@ -64,7 +55,7 @@ class Runs:
         self.ended_wall[name] = time.time()
 
     def start_cluster(self, prefix: str, scenario: str, *, cpus: int = 1) -> None:
-        addrs = [f"127.0.0.1:{p}" for p in _free_ports(2)]
+        addrs = [f"127.0.0.1:{p}" for p in free_ports(2)]
         for i in range(2):
             tf_config = {"cluster": {"worker": addrs}, "task": {"type": "worker", "index": i}}
             self.start(f"{prefix}{i}", scenario, cpus=cpus, tf_config=tf_config)
@@ -103,10 +94,10 @@ def runs(tmp_path_factory):
     # Timeout workers first: their clock is the one the tests measure.
     for i in range(2):
         # Task i waits for the other task, which never starts (its port is unused).
-        addrs = [f"127.0.0.1:{p}" for p in _free_ports(2)]
+        addrs = [f"127.0.0.1:{p}" for p in free_ports(2)]
         r.start(f"timeout{i}", "timeout", tf_config={"cluster": {"worker": addrs}, "task": {"type": "worker", "index": i}})
     r.start("reference", "reference")
-    addrs = [f"127.0.0.1:{p}" for p in _free_ports(2)]
+    addrs = [f"127.0.0.1:{p}" for p in free_ports(2)]
     r.start("late", "late", tf_config={"cluster": {"worker": addrs}, "task": {"type": "worker", "index": 0}})
     r.start_cluster("two", "unfixed_then_fixed")
     r.start("single", "single", cpus=2)

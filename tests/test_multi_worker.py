@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from _ports import free_ports
 
 HERE = Path(__file__).parent
 TRAIN = HERE / "_mwr_train.py"
@@ -127,19 +128,9 @@ def test_failing_worker_stops_launch_within_seconds_and_leaves_no_process(tmp_pa
             os.kill(pid, 0)
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 @pytest.mark.timeout(120)
 def test_worker_alone_fails_after_connect_timeout_naming_missing_task_and_address(tmp_path: Path) -> None:
-    addrs = [f"127.0.0.1:{p}" for p in _free_ports(2)]
+    addrs = [f"127.0.0.1:{p}" for p in free_ports(2)]
     env = _env()
     env["TF_CONFIG"] = json.dumps({"cluster": {"worker": addrs}, "task": {"type": "worker", "index": 0}})
     cfg = json.loads(_config())
