@@ -6,7 +6,8 @@ rate and warmup, and where MLflow writes (credentials redacted). Every value say
 it came from: ``flag``, ``env``, ``file``, ``default``, or ``detected``/``derived`` when
 keras-sync worked it out from the others.
 
-Pure: no TensorFlow import (device detection is the cheap one in `keras_sync.strategy`).
+Pure: no TensorFlow import (device detection is the cheap one in `keras_sync.strategy`, and the
+devices come from `strategy.device_layout`, the function the strategy builders use).
 """
 
 from __future__ import annotations
@@ -82,7 +83,12 @@ def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Pl
     workers, where = strategy.count_workers(config, env)
     if det.kind != "multi_worker_mirrored":
         workers, where = 1, f"{det.kind} runs in one process"
-    devices, per_worker = _local_layout(det.kind, config, strategy.count_gpus_cheaply())
+    if det.kind == "tpu":
+        devices, per_worker = [f"TPU {config.strategy.tpu.name}"], 8
+    else:
+        layout = strategy.device_layout(det.kind, config.strategy, gpus=strategy.count_gpus_cheaply())
+        logical = " (logical)" if layout.source == "simulated" else ""
+        devices, per_worker = [f"{d}{logical}" for d in layout.devices], len(layout.devices)
     replicas = workers * per_worker
     items = [
         PlanItem("strategy.kind", config.strategy.kind, src("strategy.kind")),
@@ -137,23 +143,6 @@ def _lr_formula(rule: str, base: float, global_batch: int, base_batch: int) -> s
     if rule == "sqrt":
         return f"{base:g} x sqrt({global_batch}/{base_batch})"
     return "not scaled"
-
-
-def _local_layout(kind: str, config: Config, gpus: int) -> tuple[list[str], int]:
-    """The devices one worker trains on, as the strategy builders will pick them."""
-    s = config.strategy
-    if kind == "tpu":
-        return [f"TPU {s.tpu.name}"], 8
-    if s.devices:
-        return list(s.devices), len(s.devices)
-    if kind in ("default", "one_device"):
-        return ["/gpu:0" if gpus else "/cpu:0"], 1
-    if s.simulated_cpu_replicas:
-        n = s.simulated_cpu_replicas
-        return [f"/cpu:{i} (logical)" for i in range(n)], n
-    if gpus:
-        return [f"/gpu:{i}" for i in range(gpus)], gpus
-    return ["/cpu:0"], 1
 
 
 def config_summary(config: Config) -> str:

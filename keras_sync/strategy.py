@@ -1,7 +1,7 @@
 """The strategy factory: one small builder per `strategy.kind`, and what `auto` picks and why.
 
-`detect` is cheap and imports no TensorFlow (used by `keras-sync plan`); `build_strategy`
-imports TensorFlow and builds the real `tf.distribute.Strategy`.
+`detect` and `device_layout` are cheap and import no TensorFlow (used by `keras-sync plan`);
+`build_strategy` imports TensorFlow and builds the real `tf.distribute.Strategy`.
 """
 
 from __future__ import annotations
@@ -95,6 +95,50 @@ def detect(config: Config, environ: Mapping[str, str] | None = None, *, gpus: in
     return Detection("default", f"auto: one worker, {why}, no simulated replicas")
 
 
+@dataclass(frozen=True)
+class DeviceLayout:
+    """The devices one worker trains on, one replica each, as the builders below pick them.
+
+    ``source`` says who names them: ``"simulated"`` (logical CPUs from
+    ``strategy.simulated_cpu_replicas``), ``"strategy.devices"`` (the config's list), or
+    ``"tensorflow"`` (the builder passes no list and TensorFlow takes all GPUs, else the CPU;
+    ``devices`` then shows that pick).
+    """
+
+    devices: tuple[str, ...]
+    source: str
+
+    @property
+    def explicit_devices(self) -> list[str] | None:
+        """The device list a builder hands to TensorFlow; None leaves the choice to TensorFlow."""
+        return None if self.source == "tensorflow" else list(self.devices)
+
+
+def device_layout(kind: str, cfg: StrategyConfig, *, gpus: int) -> DeviceLayout:
+    """The per-worker devices of a ``kind`` strategy, without importing TensorFlow.
+
+    Both the builders and `keras-sync plan` call this, so the plan shows what a run will use.
+    ``gpus`` is the number of GPUs visible (TensorFlow's count in a builder, the driver's in
+    the plan). Not for ``tpu``: the TPU system names its cores when it starts.
+    """
+    if kind not in ("default", "one_device", "mirrored", "multi_worker_mirrored"):
+        raise ValueError(f"device_layout: no local device layout for kind={kind!r}")
+    tf_default = DeviceLayout(("/gpu:0" if gpus else "/cpu:0",), "tensorflow")
+    if kind == "default":  # tf.distribute.get_strategy(): no device list, no simulated CPUs
+        return tf_default
+    if cfg.simulated_cpu_replicas:
+        layout = DeviceLayout(tuple(_simulated_cpu_names(cfg.simulated_cpu_replicas)), "simulated")
+    elif cfg.devices and kind != "multi_worker_mirrored":
+        layout = DeviceLayout(tuple(cfg.devices), "strategy.devices")
+    elif gpus and kind != "one_device":
+        layout = DeviceLayout(tuple(f"/gpu:{i}" for i in range(gpus)), "tensorflow")
+    else:
+        layout = tf_default
+    if kind == "one_device":
+        return DeviceLayout(layout.devices[:1], layout.source)
+    return layout
+
+
 # ---------------------------------------------------------------------------------------------
 # Builders (import TensorFlow)
 
@@ -108,7 +152,7 @@ def configure_simulated_cpus(n: int) -> list[str]:
     # Names are built here rather than read from tf.config.list_logical_devices(): listing would
     # start the TensorFlow runtime, after which MultiWorkerMirroredStrategy can no longer
     # configure its collectives ("Collective ops must be configured at program startup").
-    names = [f"/cpu:{i}" for i in range(n)]
+    names = _simulated_cpu_names(n)
     if current is not None and len(current) == n:
         return names
     try:
@@ -120,6 +164,10 @@ def configure_simulated_cpus(n: int) -> list[str]:
             f"any tensor, model or dataset. ({exc})"
         ) from None
     return names
+
+
+def _simulated_cpu_names(n: int) -> list[str]:
+    return [f"/cpu:{i}" for i in range(n)]
 
 
 def _cross_device_ops(name: str, n_gpus: int) -> Any:
@@ -143,22 +191,25 @@ def _cross_device_ops(name: str, n_gpus: int) -> Any:
     return tf.distribute.ReductionToOneDevice()
 
 
-def _local_devices(cfg: StrategyConfig) -> tuple[list[str] | None, int]:
+def _local_devices(kind: str, cfg: StrategyConfig) -> tuple[DeviceLayout, int]:
+    """`device_layout` made real (simulated CPUs split, listed devices checked), and the GPU count."""
     import tensorflow as tf
 
     if cfg.simulated_cpu_replicas:
-        return configure_simulated_cpus(cfg.simulated_cpu_replicas), 0
-    n_gpus = len(tf.config.list_physical_devices("GPU"))
-    if cfg.devices:
+        configure_simulated_cpus(cfg.simulated_cpu_replicas)
+        n_gpus = 0
+    else:
+        n_gpus = len(tf.config.list_physical_devices("GPU"))
+    layout = device_layout(kind, cfg, gpus=n_gpus)
+    if layout.source == "strategy.devices":
         known = {_short(d.name): d.name for d in tf.config.list_logical_devices()}
-        for dev in cfg.devices:
+        for dev in layout.devices:
             if _short(dev) not in known:
                 raise StrategyError(
                     f"Invalid value for strategy.devices. Received: {dev!r}. Expected devices TensorFlow sees "
                     f"here: {', '.join(sorted(known))}."
                 )
-        return list(cfg.devices), n_gpus
-    return None, n_gpus
+    return layout, n_gpus
 
 
 def _short(dev: str) -> str:
@@ -181,17 +232,16 @@ def _build_default(config: Config) -> tf.distribute.Strategy:
 def _build_one_device(config: Config) -> tf.distribute.Strategy:
     import tensorflow as tf
 
-    devices, n_gpus = _local_devices(config.strategy)
-    device = devices[0] if devices else ("/gpu:0" if n_gpus else "/cpu:0")
-    return tf.distribute.OneDeviceStrategy(device)
+    layout, _ = _local_devices("one_device", config.strategy)
+    return tf.distribute.OneDeviceStrategy(layout.devices[0])
 
 
 def _build_mirrored(config: Config) -> tf.distribute.Strategy:
     import tensorflow as tf
 
-    devices, n_gpus = _local_devices(config.strategy)
+    layout, n_gpus = _local_devices("mirrored", config.strategy)
     ops = _cross_device_ops(config.strategy.cross_device_ops, n_gpus)
-    return tf.distribute.MirroredStrategy(devices=devices, cross_device_ops=ops)
+    return tf.distribute.MirroredStrategy(devices=layout.explicit_devices, cross_device_ops=ops)
 
 
 def _build_multi_worker(config: Config) -> tf.distribute.Strategy:
@@ -199,7 +249,11 @@ def _build_multi_worker(config: Config) -> tf.distribute.Strategy:
 
     cfg = config.strategy
     cluster.check_tf_config_order()  # tensorflow#60706: TF_CONFIG must be set before TF joins a cluster
-    local = configure_simulated_cpus(cfg.simulated_cpu_replicas) if cfg.simulated_cpu_replicas else None
+    if cfg.simulated_cpu_replicas:
+        configure_simulated_cpus(cfg.simulated_cpu_replicas)
+    # Only a list keras-sync names is passed on; TensorFlow finds its own devices otherwise, so
+    # the GPU count (which only names TensorFlow's pick) is not asked for before the cluster forms.
+    local = device_layout("multi_worker_mirrored", cfg, gpus=0).explicit_devices
     resolver = cluster.slurm_cluster_resolver() if cfg.cluster == "slurm" else None
     strategy = _multi_worker.build_multi_worker_strategy(
         communication=cfg.communication,

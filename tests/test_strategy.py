@@ -1,4 +1,4 @@
-"""What `strategy.kind: auto` picks, and why: pure detection, no TensorFlow."""
+"""What `strategy.kind: auto` picks and why, and the devices each kind trains on: no TensorFlow."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 
 from keras_sync.config import load_config
 from keras_sync.errors import ClusterError
-from keras_sync.strategy import BUILDERS, detect
+from keras_sync.plan import make_plan
+from keras_sync.strategy import BUILDERS, detect, device_layout
 
 TWO_WORKERS = json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"type": "worker", "index": 0}})
 
@@ -39,3 +40,38 @@ def test_one_task_tf_config_is_not_multi_worker():
 def test_bad_tf_config_is_a_cluster_error():
     with pytest.raises(ClusterError, match="TF_CONFIG"):
         detect(load_config({}, environ={}), {"TF_CONFIG": "{not json"}, gpus=0)
+
+
+@pytest.mark.parametrize("kind, strategy, gpus, devices, source", [
+    ("default", {}, 0, ("/cpu:0",), "tensorflow"),
+    ("default", {"devices": ["/cpu:0", "/cpu:1"]}, 2, ("/gpu:0",), "tensorflow"),  # get_strategy() takes no list
+    ("one_device", {}, 4, ("/gpu:0",), "tensorflow"),
+    ("one_device", {"simulated_cpu_replicas": 2}, 0, ("/cpu:0",), "simulated"),
+    ("one_device", {"devices": ["/cpu:0"]}, 1, ("/cpu:0",), "strategy.devices"),
+    ("mirrored", {}, 0, ("/cpu:0",), "tensorflow"),
+    ("mirrored", {}, 2, ("/gpu:0", "/gpu:1"), "tensorflow"),
+    ("mirrored", {"simulated_cpu_replicas": 3}, 2, ("/cpu:0", "/cpu:1", "/cpu:2"), "simulated"),
+    ("mirrored", {"devices": ["/gpu:1"]}, 2, ("/gpu:1",), "strategy.devices"),
+    ("multi_worker_mirrored", {}, 2, ("/gpu:0", "/gpu:1"), "tensorflow"),
+    ("multi_worker_mirrored", {"simulated_cpu_replicas": 2}, 0, ("/cpu:0", "/cpu:1"), "simulated"),
+])
+def test_device_layout_is_what_the_builders_use(kind, strategy, gpus, devices, source):
+    layout = device_layout(kind, load_config({"strategy": strategy}, environ={}).strategy, gpus=gpus)
+    assert (layout.devices, layout.source) == (devices, source)
+    assert layout.explicit_devices == (None if source == "tensorflow" else list(devices))
+
+
+def test_device_layout_has_no_answer_for_tpu():
+    with pytest.raises(ValueError, match="kind='tpu'"):
+        device_layout("tpu", load_config({}, environ={}).strategy, gpus=0)
+
+
+@pytest.mark.parametrize("strategy, devices, replicas", [
+    ({"kind": "mirrored", "simulated_cpu_replicas": 2}, ["/cpu:0 (logical)", "/cpu:1 (logical)"], 2),
+    ({"kind": "default", "devices": ["/cpu:0", "/cpu:1"]}, ["/cpu:0"], 1),
+    ({"kind": "tpu", "tpu": {"name": "t1"}}, ["TPU t1"], 8),
+])
+def test_plan_shows_the_device_layout(strategy, devices, replicas, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the plan counts GPUs itself: none, on any machine
+    items = make_plan(load_config({"strategy": strategy}, environ={}), environ={}).to_dict()["items"]
+    assert (items["devices"]["value"], items["replicas"]["value"]) == (devices, replicas)
