@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from keras_sync.callbacks import _reduce
+from keras_sync.errors import UsageError
 
 HERE = Path(__file__).parent
 SECRET_PASSWORD = "pw-Zq81xT"
@@ -28,6 +29,13 @@ SECRET_TOKEN = "tok-9f3kQ7vLm2"
 
 def test_reduce_doctests():
     assert doctest.testmod(_reduce).failed == 0
+
+
+def test_writer_without_the_logging_method_is_a_usage_error():
+    _reduce.check_writer(None, "log_params")  # workers that do not write pass None
+    with pytest.raises(UsageError, match=r"^Invalid value for argument `writer`\. Received: writer='w'\. Expected a "
+                       r"keras_sync\.tracking\.MlflowWriter, or None on workers that do not write\.$"):
+        _reduce.check_writer("w", "log_metrics")
 
 
 def test_grad_norm_spread():

@@ -1,4 +1,4 @@
-"""Pure metric logic for the sync callbacks: spread, throughput, when to log, the job id.
+"""Pure logic for the sync callbacks: spread, throughput, when to log, the job id, the writer check.
 
 No TensorFlow, Keras, numpy or MLflow here, so it is tested on its own (tests/test_sync_metrics.py).
 """
@@ -10,9 +10,26 @@ import json
 import math
 import os
 from collections.abc import Mapping, Sequence
+from typing import Any
+
+from keras_sync.errors import UsageError
 
 #: Environment variable that names the job (and so its MLflow run) explicitly.
 JOB_ID_ENV = "KERAS_SYNC_JOB_ID"
+
+
+def check_writer(writer: Any, method: str) -> None:
+    """Raise `UsageError` unless ``writer`` is None or has ``method`` (the callback's `writer` argument).
+
+    >>> check_writer(None, "log_metrics")
+    >>> check_writer("w", "log_metrics")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    keras_sync.errors.UsageError: Invalid value for argument `writer`. Received: writer='w'. Expected a ...
+    """
+    if writer is not None and not hasattr(writer, method):
+        raise UsageError(f"Invalid value for argument `writer`. Received: writer={writer!r}. Expected a "
+                         "keras_sync.tracking.MlflowWriter, or None on workers that do not write.")
 
 
 def grad_norm_spread(norms: Sequence[float]) -> float:

@@ -6,7 +6,7 @@ from typing import Any
 
 import keras
 
-from keras_sync.errors import UsageError
+from keras_sync.callbacks import _reduce
 from keras_sync.tracking import redact_uri
 
 #: Tag holding the config file's text (scrubbed of secrets by the writer as well).
@@ -33,9 +33,7 @@ class RunParams(keras.callbacks.Callback):
 
     def __init__(self, writer: Any = None, sync: Any = None):
         super().__init__()
-        if writer is not None and not hasattr(writer, "log_params"):
-            raise UsageError(f"Invalid value for argument `writer`. Received: writer={writer!r}. Expected a "
-                             "keras_sync.tracking.MlflowWriter, or None on workers that do not write.")
+        _reduce.check_writer(writer, "log_params")
         self.writer = writer
         self.sync = sync
         self._done = False

@@ -7,7 +7,7 @@ from typing import Any
 
 import keras
 
-from keras_sync.errors import UsageError
+from keras_sync.callbacks import _reduce
 
 
 class WeightDivergence(keras.callbacks.Callback):
@@ -36,9 +36,7 @@ class WeightDivergence(keras.callbacks.Callback):
 
     def __init__(self, writer: Any = None, *, step_source: Any = None):
         super().__init__()
-        if writer is not None and not hasattr(writer, "log_metrics"):
-            raise UsageError(f"Invalid value for argument `writer`. Received: writer={writer!r}. "
-                            "Expected a keras_sync.tracking.MlflowWriter (or None on non-chief workers).")
+        _reduce.check_writer(writer, "log_metrics")
         self.writer = writer
         self.step_source = step_source
 
