@@ -2,8 +2,9 @@
 
 `MlflowWriter` is what the sync-metrics callback writes through: the training thread only
 appends to an in-memory queue; a daemon thread writes each record to a local JSONL spool first
-(write-ahead), then sends batches with `MlflowClient.log_batch`, retrying with backoff while the
-server is down. What is still undelivered at `close()` stays in the spool, and
+(write-ahead), and a child process (the courier, `keras_sync._courier`) sends batches from the
+spool with `MlflowClient.log_batch`, retrying with backoff while the server is down. MLflow's
+per-point Python cost then runs outside the training process and never holds its GIL. What is still undelivered at `close()` stays in the spool, and
 ``keras-sync sync-spool PATH`` (`replay_spool`) delivers it later without duplicating a point.
 
 Every param, tag and text artifact is scrubbed of secrets first: credentials in URIs and the
@@ -30,7 +31,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from keras_sync._spool import Deliverer, SpoolFile, is_transient
+from keras_sync._courier import Courier
+from keras_sync._spool import Deliverer, SpoolFile
 from keras_sync.redact import redact_uri
 from keras_sync.redact import redact_text as _redact
 from keras_sync.redact import secrets_of as _secrets_of
@@ -104,9 +106,9 @@ SPOOL_INTERVAL_S = 0.2
 class MlflowWriter:
     """Log metrics, params, tags and text to one MLflow run without ever blocking the caller.
 
-    Calls only queue records; a daemon thread spools them to ``spool_path`` and delivers them in
-    batches. While the server is unreachable the thread keeps retrying with backoff (0.5 s up to
-    30 s). ``close()`` waits at most ``timeout_s``; whatever is still undelivered stays in the
+    Calls only queue records; a daemon thread spools them to ``spool_path`` and a child process
+    started by `start` delivers them in batches (restarted if it dies). While the server is
+    unreachable it keeps retrying with backoff (0.5 s up to 30 s). ``close()`` waits at most ``timeout_s``; whatever is still undelivered stays in the
     spool and a `RuntimeWarning` says how to deliver it (``keras-sync sync-spool PATH``).
 
     Args:
@@ -116,7 +118,9 @@ class MlflowWriter:
         job_id: the same job id resumes the same run (tag ``keras_sync.job_id``) and reuses the
             same spool file, so a restarted job also delivers what its predecessor left behind.
         spool_dir: directory of spool files; default ``./.keras_sync_spool``.
-        flush_interval_s: how often the thread sends what was queued.
+        flush_interval_s: how often the courier sends what was spooled (it runs in its own
+            process, so sending often costs the training nothing; it keeps the wait of the
+            flush at train end short).
         max_batch: metric points per `log_batch` call (MLflow accepts at most 1000).
 
     Example:
@@ -126,7 +130,7 @@ class MlflowWriter:
 
     def __init__(self, *, tracking_uri: str, experiment: str, run_name: str | None = None,
                  job_id: str | None = None, spool_dir: str | os.PathLike[str] | None = None,
-                 flush_interval_s: float = 1.0, max_batch: int = 1000):
+                 flush_interval_s: float = 0.25, max_batch: int = 1000):
         if not tracking_uri or not isinstance(tracking_uri, str):
             raise TrackingError(f"Invalid value for argument `tracking_uri`. Received: "
                                 f"tracking_uri={tracking_uri!r}. Expected a non-empty URI string.")
@@ -157,19 +161,23 @@ class MlflowWriter:
         name = re.sub(r"[^\w.\-]", "_", job_id) if job_id else f"run-{uuid.uuid4().hex[:12]}"
         self.spool_path = Path(spool_dir or DEFAULT_SPOOL_DIR).resolve() / f"{name}.spool.jsonl"
         self._spool = SpoolFile(self.spool_path)
-        self._deliverer = Deliverer(tracking_uri, experiment, run_name, job_id)
         self._queue: deque[tuple[int, dict[str, Any]]] = deque()
         self._seq = itertools.count(1)
         self._last_seq = 0
         self._delivered_seq = 0
         self._spooled_seq = 0
-        # Owned by the thread: spool offsets, and (last seq, end offset) of each spooled batch.
-        self._spooled_end = self._delivered_end = self._resume_from = 0
+        # Spool offsets: written (_spooled_end), owed to MLflow (_owed_end: the run record is not),
+        # delivered (_delivered_end, as the courier reports it); (last seq, owed end) of each drain.
+        self._spooled_end = self._owed_end = self._delivered_end = self._resume_from = 0
         self._seq_marks: deque[tuple[int, int]] = deque()
         self._wake = threading.Event()
         self._progress = threading.Condition()
         self._thread: threading.Thread | None = None
-        self._closing = self._abandon = self._closed = self._dead = False
+        self._closing = self._abandon = self._closed = self._dead = self._urgent = False
+        self._courier: Courier | None = None
+        self._courier_done = threading.Event()
+        self._run_id: str | None = None
+        self._new_run: str | None = None
         self._key_cache: dict[str, str] = {}
         _live_writers.add(self)
 
@@ -177,7 +185,7 @@ class MlflowWriter:
     @property
     def run_id(self) -> str | None:
         """The MLflow run id, once the background thread has created or found the run."""
-        return self._deliverer.run_id
+        return self._run_id
 
     def start(self) -> None:
         """Start the background thread, which opens (or resumes) the run; returns at once."""
@@ -226,9 +234,10 @@ class MlflowWriter:
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait up to ``timeout_s`` for everything queued so far to reach MLflow; True if it did."""
         target = self._last_seq
+        self._urgent = True
         self._wake.set()
         if self._thread is None or not self._thread.is_alive():
-            return not self._queue and self._delivered_end >= self._spooled_end
+            return not self._queue and self._delivered_end >= self._owed_end
         with self._progress:
             return self._progress.wait_for(
                 lambda: self._delivered_seq >= target and self._delivered_end >= self._resume_from,
@@ -262,7 +271,7 @@ class MlflowWriter:
         self._closed = True
         _live_writers.discard(self)
         self._put({"k": "end", "status": status})
-        self._closing = True
+        self._closing = self._urgent = True
         self.start()
         self._wake.set()
         assert self._thread is not None
@@ -270,9 +279,10 @@ class MlflowWriter:
         if self._thread.is_alive():
             self._abandon = True  # stop retrying: `keras-sync sync-spool` takes over from here
             self._wake.set()
-            self._thread.join(1.0)
-        # The thread may still be inside one call (bounded by its timeout): then keep the spool.
-        left = len(self._queue) + len(self._spool.read(self._delivered_end))
+            self._thread.join(1.5)
+        # The courier may still be inside one call (it is stopped within 3 s): then keep the spool.
+        delivered = max(self._delivered_end, self._spool.delivered_offset())
+        left = len(self._queue) + sum(rec["k"] not in ("header", "run") for _, rec in self._spool.read(delivered))
         if not left and not self._thread.is_alive():
             # Everything reached MLflow: the write-ahead log has done its job.
             for p in (self.spool_path, self._spool.offset_path):
@@ -288,56 +298,88 @@ class MlflowWriter:
             f"the server is back with: keras-sync sync-spool {self.spool_path}{creds}",
             RuntimeWarning, stacklevel=2)
 
-    # ---- the background thread ----
+    # ---- the background thread: spool, and the courier process that delivers ----
     def _loop(self) -> None:
-        backoff, failures = 0.0, 0
         _lower_thread_priority()
+        told, stop_sent, respawn_at, restarts = -1, False, 0.0, 0
         try:
             self._open_spool()
-            try:  # import MLflow now, not at exit, where importing it fails (atexit is closed)
-                self._deliverer.client()
-            except Exception:  # noqa: BLE001 - the first delivery reports it
-                pass
-            deliver_at, urgent = 0.0, False
             while not self._abandon:
                 self._wake.clear()  # before draining: a flush() from now on is not lost
+                urgent, self._urgent = self._urgent, False
                 # The spool is written every SPOOL_INTERVAL_S, whatever the delivery schedule, so a
                 # killed process (or one killed during an outage) loses at most that much.
                 self._drain_to_spool()
-                now = time.monotonic()
-                if self._delivered_end < self._spooled_end and (urgent or now >= deliver_at):
-                    try:
-                        self._deliver()
-                        if failures:
-                            _log.info("MLflow at %s reachable again; spool backlog delivered.",
-                                      self._shown_uri)
-                        backoff, failures = 0.0, 0
-                        deliver_at = time.monotonic() + self._flush_interval_s
-                    except Exception as e:  # noqa: BLE001 - anything: keep the data, retry later
-                        failures += 1
-                        backoff = min(max(backoff * 2, 0.5), 30.0)
-                        deliver_at = time.monotonic() + backoff
-                        level = logging.WARNING if failures == 1 else logging.DEBUG
-                        kind = "unreachable" if is_transient(e) else "refusing records"
-                        _log.log(level, "MLflow at %s is %s (%s); records are kept in %s, "
-                                 "retrying in the background.", self._shown_uri, kind,
-                                 _redact(f"{type(e).__name__}: {e}", self._secrets)[:500],
-                                 self.spool_path)
-                if self._closing and self._delivered_end >= self._spooled_end and not self._queue:
+                run_id, self._new_run = self._new_run, None
+                if run_id is not None:  # lets a replay or a restart find the run (not owed to MLflow)
+                    (self._spooled_end,) = self._spool.append([{"k": "run", "run_id": run_id}])
+                if self._courier is None or (not self._courier.alive() and self._courier_done.is_set()):
+                    if self._courier is not None:
+                        restarts += 1
+                        code = self._courier.proc.poll()
+                        _log.warning("keras-sync's MLflow courier process exited (code %s); restarting it "
+                                     "(records are kept in %s).", code, self.spool_path)
+                        self._courier = None
+                        respawn_at = time.monotonic() + min(0.5 * 2 ** restarts, 30.0)
+                    if time.monotonic() >= respawn_at:
+                        self._spawn_courier()
+                        told, stop_sent = -1, False
+                        respawn_at = time.monotonic() + 30.0  # if the spawn itself failed
+                if self._courier is not None:
+                    if self._spooled_end > told or urgent:
+                        self._courier.send({"go": self._spooled_end, "urgent": urgent})
+                        told = self._spooled_end
+                    if self._closing and not stop_sent:
+                        stop_sent = self._courier.send({"stop": True})
+                if self._closing and self._delivered_end >= self._owed_end and not self._queue:
                     return
-                wait = SPOOL_INTERVAL_S
-                if self._delivered_end < self._spooled_end:
-                    wait = min(wait, max(0.0, deliver_at - time.monotonic()))
-                # Woken early (flush, close, a full queue): deliver now, unless backing off.
-                urgent = self._wake.wait(wait) and not failures
+                self._wake.wait(SPOOL_INTERVAL_S)
         except OSError as e:  # the spool itself failed (disk full, directory removed)
             self._dead = True
             _log.error("keras-sync cannot write its MLflow spool %s (%s); MLflow logging stops "
                        "for this run.", self.spool_path, e)
         finally:
+            if self._courier is not None:
+                if self._abandon or self._dead:
+                    self._courier.send({"abandon": True})
+                self._courier.end(wait_s=1.0)
             self._spool.close()
             with self._progress:
                 self._progress.notify_all()
+
+    def _spawn_courier(self) -> None:
+        settings = {
+            "spool_path": str(self.spool_path), "tracking_uri": self._uri, "experiment": self._experiment,
+            "run_name": self._run_name, "job_id": self._job_id, "flush_interval_s": self._flush_interval_s,
+            "max_batch": self._max_batch, "spooled": self._spooled_end, "delivered": self._delivered_end,
+            "resume_from": self._resume_from, "run_id": self._run_id,  # a restarted courier keeps the run
+        }
+        self._courier_done = threading.Event()
+        done = self._courier_done
+        try:
+            self._courier = Courier(settings, lambda msg: self._on_courier(msg, done))
+        except OSError as e:
+            self._courier = None
+            _log.error("keras-sync cannot start its MLflow courier process (%s); records are kept in %s "
+                       "(deliver them with: keras-sync sync-spool %s).", e, self.spool_path, self.spool_path)
+
+    def _on_courier(self, msg: dict[str, Any] | None, done: threading.Event) -> None:
+        """A message from the courier (in its reader thread); None when it has exited."""
+        if msg is None:
+            done.set()
+            self._wake.set()
+        elif "delivered" in msg:
+            with self._progress:
+                self._delivered_end = max(self._delivered_end, int(msg["delivered"]))
+                self._pop_delivered_marks()
+                self._progress.notify_all()
+        elif "run" in msg:
+            self._run_id = msg["run"]
+            if msg.get("fresh"):
+                self._new_run = msg["run"]
+                self._wake.set()
+        elif "log" in msg:
+            _log.log(int(msg["log"]), "%s", msg.get("msg", ""))
 
     def _open_spool(self) -> None:
         """Create the spool, or continue one an earlier process with the same job id left."""
@@ -358,7 +400,7 @@ class MlflowWriter:
                                            "tracking_uri": self._shown_uri}])
             self._spool.mark_delivered(size)
         # What the earlier process did not deliver (up to _resume_from) goes first.
-        self._spooled_end = self._resume_from = size
+        self._spooled_end = self._owed_end = self._resume_from = size
         self._delivered_end = min(self._spool.delivered_offset(), size)
 
     def _drain_to_spool(self) -> None:
@@ -372,12 +414,17 @@ class MlflowWriter:
                 recs.append((seq, rec))
         if recs:
             ends = self._spool.append([rec for _, rec in recs])
-            self._spooled_end = ends[-1]
-            self._seq_marks.append((recs[-1][0], ends[-1]))
-        if last is not None:
+            self._spooled_end = self._owed_end = ends[-1]
+        if last is not None:  # records up to `last` are delivered once the courier passes _owed_end
             with self._progress:
                 self._spooled_seq = last
+                self._seq_marks.append((last, self._owed_end))
+                self._pop_delivered_marks()
                 self._progress.notify_all()
+
+    def _pop_delivered_marks(self) -> None:
+        while self._seq_marks and self._seq_marks[0][1] <= self._delivered_end:
+            self._delivered_seq = self._seq_marks.popleft()[0]
 
     def _clean(self, rec: dict[str, Any]) -> dict[str, Any] | None:
         k = rec["k"]
@@ -402,30 +449,6 @@ class MlflowWriter:
         elif k == "a":
             rec["text"] = _redact(rec["text"], self._secrets)
         return rec
-
-    def _deliver(self) -> None:
-        run_id, fresh = self._deliverer.ensure_run()
-        if fresh:
-            (self._spooled_end,) = self._spool.append([{"k": "run", "run_id": run_id}])
-        while self._delivered_end < self._spooled_end and not self._abandon:
-            chunk, points = [], 0
-            for end, rec in self._spool.read(self._delivered_end, max_records=100):
-                n = len(rec["d"]) if rec["k"] == "m" else 0
-                if chunk and points + n > self._max_batch:
-                    break
-                chunk.append((end, rec))
-                points += n
-            if not chunk:  # cannot happen unless the file was cut under us
-                raise TrackingError(f"Spool {self.spool_path} is shorter than recorded.")
-            # An earlier process's "end" would mark the run finished while this one still logs.
-            self._deliverer.send([rec for end, rec in chunk
-                                  if not (rec["k"] == "end" and end <= self._resume_from)])
-            self._spool.mark_delivered(chunk[-1][0])
-            with self._progress:
-                self._delivered_end = chunk[-1][0]
-                while self._seq_marks and self._seq_marks[0][1] <= self._delivered_end:
-                    self._delivered_seq = self._seq_marks.popleft()[0]
-                self._progress.notify_all()
 
 
 def replay_spool(spool_path: str | os.PathLike[str], tracking_uri: str | None = None) -> int:

@@ -295,6 +295,8 @@ def test_secrets_never_reach_params_tags_artifacts_spool_or_logs(
                         experiment="x", spool_dir=tmp_path, flush_interval_s=0.1)
     dead.start()
     dead.log_params({"u": secret_uri})
+    # The courier process reports its first failed delivery (it starts in ~1-2 s).
+    assert _wait_for(lambda: "unreachable" in caplog.text, 30)
     with warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
         dead.close(timeout_s=1.0)
@@ -449,3 +451,73 @@ def test_without_skip_a_restart_from_step_zero_keeps_its_points(in_tmp, sqlite_u
     from mlflow import MlflowClient
 
     assert len(MlflowClient(uri).get_metric_history(w.run_id, "loss")) == 10
+
+
+# ---- the courier process that delivers ----
+
+def _couriers(pid: int | None = None) -> list[int]:
+    import psutil
+
+    parent = psutil.Process(pid) if pid else psutil.Process()
+    return [p.pid for p in parent.children() if "keras_sync._courier" in " ".join(p.cmdline())]
+
+
+def _gone(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_delivery_runs_in_a_child_process_that_ends_with_the_writer(in_tmp, sqlite_uri):
+    w = MlflowWriter(tracking_uri=sqlite_uri, experiment=_exp(), spool_dir=in_tmp)
+    w.start()
+    w.log_metrics({"loss": 1.0}, step=0)
+    assert w.flush(60)
+    (courier,) = _couriers()
+    w.close()
+    assert _gone(courier) and _couriers() == []
+
+
+def test_killed_courier_is_restarted_and_nothing_is_lost_or_duplicated(in_tmp, sqlite_uri, caplog):
+    import os
+    import signal
+
+    w = MlflowWriter(tracking_uri=sqlite_uri, experiment=_exp(), spool_dir=in_tmp, flush_interval_s=0.1)
+    w.start()
+    _log_timed(w, range(0, 200))
+    assert w.flush(60)
+    (courier,) = _couriers()
+    os.kill(courier, signal.SIGKILL)
+    durations = _log_timed(w, range(200, 400))
+    assert max(durations) < 0.05
+    assert w.flush(60)
+    assert _couriers() != [courier]
+    w.close()
+    assert "courier process exited (code -9); restarting it" in caplog.text
+    assert _history(sqlite_uri, w.run_id) == list(range(400))
+    assert _history(sqlite_uri, w.run_id, "acc") == list(range(400))
+
+
+def test_crashed_process_leaves_no_courier_behind(sqlite_uri, tmp_path):
+    # The courier sees its input end when the training process dies, and exits: the undelivered
+    # rest stays in the spool for the restarted job (tested above) or `keras-sync sync-spool`.
+    code = (
+        "import os, time, psutil\n"
+        "from keras_sync.tracking import MlflowWriter\n"
+        f"w = MlflowWriter(tracking_uri={sqlite_uri!r}, experiment='crash', spool_dir={str(tmp_path)!r},\n"
+        "                 flush_interval_s=3600)\n"
+        "w.start()\n"
+        "w.log_metrics({'loss': 1.0}, step=0)\n"
+        "w.flush(60)\n"
+        "for s in range(1, 50): w.log_metrics({'loss': 1.0}, step=s)\n"
+        "print([p.pid for p in psutil.Process().children()], flush=True)\n"
+        "os._exit(9)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90, cwd=tmp_path)
+    assert out.returncode == 9, out.stderr
+    pids = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(pids) == 1
+    assert _wait_for(lambda: all(_gone(p) for p in pids), 10)
