@@ -241,12 +241,26 @@ class _Scrubbed:
         return getattr(self._stream, name)
 
 
+def _yield_cpu() -> None:
+    """Run only on CPU time the training leaves idle (Linux SCHED_IDLE; else the lowest nice).
+
+    Measured here with 2 replicas on 2 cores: at nice 10 the courier's ~1 ms of CPU per logged
+    step still cost the training a few percent. Lowering one's own priority needs no privilege.
+    A training that keeps every core busy delays delivery (to the bounded flush at train end);
+    it never loses a point: the spool holds them.
+    """
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # type: ignore[attr-defined]
+    except (AttributeError, OSError):
+        try:
+            os.nice(19)
+        except OSError:
+            pass
+
+
 def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent, which then stops us
-    try:
-        os.nice(10)  # the training process's replicas go first
-    except OSError:
-        pass
+    _yield_cpu()
     # The protocol owns the real stdout; anything printed goes to stderr, scrubbed.
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)

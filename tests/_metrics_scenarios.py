@@ -147,6 +147,31 @@ def mirrored(tracking_uri: str, server_config: str) -> None:
 
     record("server", server)
 
+    # 6. Longer than the probe's ring (64 rows): 2 epochs of 80 steps at global batch 8, with a
+    # warmup over 120 steps (each step's rate differs), logged every step and every 70 steps.
+    def long_run():
+        out = {}
+        for every in (1, 70):
+            s = keras_sync.load({"strategy": {"kind": "mirrored", "simulated_cpu_replicas": 2},
+                                 "batch": {"global": 8},
+                                 "learning_rate": {"base": 0.01, "scaling": "none", "warmup_steps": 120},
+                                 "mlflow": {"tracking_uri": tracking_uri, "experiment": f"long-{every}",
+                                            "log_every_n_steps": every}})
+            m = make_model(s)
+            s.fit(m, X, Y, epochs=2, shuffle=False, verbose=0)
+            schedule = s.lr_schedule()
+            out[str(every)] = {"run_id": close(s), "ring": _probe_ring(m),
+                               "lr": [float(schedule(step)) for step in range(160)]}
+        return out
+
+    record("long", long_run)
+
+
+def _probe_ring(model) -> int:
+    from keras_sync import _instrument
+
+    return _instrument._probes[model].ring
+
 
 def single(tracking_uri: str) -> None:
     """The default strategy (one device, XLA-compiled step, Adam): still bit-identical, still logged."""

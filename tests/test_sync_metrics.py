@@ -184,6 +184,32 @@ def test_per_replica_losses_average_to_keras_loss(runs):
     assert spread[2] == pytest.approx(abs(g0[2] - g1[2]) / ((g0[2] + g1[2]) / 2), rel=1e-6)
 
 
+def test_runs_longer_than_the_probe_ring_log_every_step_with_its_own_values(runs):
+    long = runs["mirrored"]["long"]
+    _ok(long)
+    c = _client(runs["sqlite"])
+    every1 = long["1"]
+    assert every1["ring"] < 160  # the ring wrapped more than twice
+    rid = every1["run_id"]
+    for key in PER_STEP:
+        assert [s for s, _ in _history(c, rid, key)] == list(range(1, 161)), key
+    # Row alignment after every wrap: step s applied the warmup rate of schedule(s - 1), and
+    # examples per step (examples/s x s/step) is the global batch, 8.
+    lr = dict(_history(c, rid, "sync/learning_rate"))
+    assert [lr[s] for s in range(1, 161)] == pytest.approx(every1["lr"], rel=1e-6)
+    eps, ms = dict(_history(c, rid, "sync/examples_per_sec")), dict(_history(c, rid, "sync/step_time_ms"))
+    assert [eps[s] * ms[s] / 1000 for s in range(1, 161)] == pytest.approx([8.0] * 160, rel=1e-6)
+    # Each point carries the time of its own step, not of the read that queued it.
+    stamps = [m.timestamp for m in sorted(c.get_metric_history(rid, "sync/replica_0/loss"), key=lambda m: m.step)]
+    assert stamps == sorted(stamps) and len(set(stamps)) > 40
+    # Logged every 70 steps (more than the ring holds between reads): steps 70 and 140, over 70 steps each.
+    rid70 = long["70"]["run_id"]
+    assert [s for s, _ in _history(c, rid70, "sync/replica_1/grad_norm")] == [70, 140]
+    eps, ms = dict(_history(c, rid70, "sync/examples_per_sec")), dict(_history(c, rid70, "sync/step_time_ms"))
+    assert [eps[s] * ms[s] / 1000 for s in (70, 140)] == pytest.approx([8.0, 8.0], rel=1e-6)
+    assert dict(_history(c, rid70, "sync/learning_rate"))[140] == pytest.approx(long["70"]["lr"][139], rel=1e-6)
+
+
 def test_warmup_is_visible_in_learning_rate(runs):
     c = _client(runs["sqlite"])
     lr = dict(_history(c, runs["mirrored"]["main"]["run_id"], "sync/learning_rate"))

@@ -13,7 +13,10 @@ def default_callbacks(sync: Any, model: Any, user_callbacks: Any) -> list[Any]:
     # them in the spool first, so a kill loses no step it will not train again); the backup
     # restores optimizer.iterations in on_train_begin before the user's callbacks run.
     ours = mlflow_callbacks(sync) if sync.config.mlflow.enabled else []
-    return ours + backup_callbacks(sync) + list(user_callbacks or [])
+    backups = backup_callbacks(sync)
+    for backup in backups:  # the sync metrics still held in the probe's ring go first
+        backup.before_save += [cb.emit for cb in ours if hasattr(cb, "emit")]
+    return ours + backups + list(user_callbacks or [])
 
 
 def mlflow_callbacks(sync: Any) -> list[Any]:

@@ -59,6 +59,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         # The MLflow writer, if any: its queued metrics are put in its spool before each backup, so
         # that after a kill MLflow has every step up to the backup the job resumes from.
         self.writer = writer
+        #: Called on every worker before each save (`Sync.fit` puts `SyncMetrics.emit` here, so
+        #: the steps up to the backup are queued, then spooled, before it exists).
+        self.before_save: list[Any] = []
         if not backup_dir or not isinstance(backup_dir, (str, os.PathLike)):
             raise ValueError(
                 f"Invalid value for argument `backup_dir`. Received: backup_dir={backup_dir!r}. "
@@ -165,6 +168,8 @@ class BackupAndRestore(keras.callbacks.Callback):
     # -- saving ----------------------------------------------------------------------------
 
     def _save(self) -> None:
+        for hook in self.before_save:
+            hook()
         if self.writer is not None and not self.writer.flush_to_spool(timeout_s=10.0):
             warnings.warn("keras-sync: the MLflow spool did not take the queued metrics within 10 s; "
                           "a crash now may lose the last steps' metrics.", RuntimeWarning, stacklevel=2)

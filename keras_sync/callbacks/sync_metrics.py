@@ -14,6 +14,8 @@ from keras_sync.errors import UsageError
 #: Metrics that need Keras's default `train_step` (measured inside it, per replica).
 PER_REPLICA_METRICS = ("sync/replica_{i}/loss", "sync/replica_{i}/grad_norm", "sync/grad_norm_spread")
 _warned_classes: set[type] = set()
+#: Longest a logged step waits in the probe's ring before it is read and queued (single worker).
+MAX_HOLD_MS = 500
 
 
 class SyncMetrics(keras.callbacks.Callback):
@@ -38,8 +40,14 @@ class SyncMetrics(keras.callbacks.Callback):
       and at each epoch's last step the ``val_*`` logs.
 
     ``i`` runs over all replicas of the job: under `multi_worker_mirrored` the values are
-    gathered from every worker (a collective on the logged steps, so every worker must run
-    this callback); only the worker given a ``writer`` writes.
+    gathered from every worker (a collective, so every worker must run this callback); only
+    the worker given a ``writer`` writes.
+
+    The per-replica values wait in a ring inside the train step and are read every 32 steps
+    (and at 0.5 s at most with one worker), at each epoch's end, at train end and before a
+    keras-sync backup is saved; each point keeps the wall-clock time of its own step. A
+    process that dies holds at most that many steps unlogged. (With Keras's own
+    `BackupAndRestore` instead of `Sync.fit`'s backup, call `emit()` before it saves.)
 
     A model that overrides `train_step` keeps it: the per-replica loss, grad norm and spread
     are then missing (a one-time warning says so), the rest is logged.
@@ -60,9 +68,7 @@ class SyncMetrics(keras.callbacks.Callback):
     def __init__(self, writer: Any = None, *, log_every_n_steps: int = 1, flush_timeout_s: float = 10.0):
         super().__init__()
         self.flush_timeout_s = float(flush_timeout_s)
-        if writer is not None and not hasattr(writer, "log_metrics"):
-            raise UsageError(f"Invalid value for argument `writer`. Received: writer={writer!r}. Expected a "
-                             "keras_sync.tracking.MlflowWriter, or None on workers that do not write.")
+        _reduce.check_writer(writer, "log_metrics")
         if isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
             raise UsageError(f"Invalid value for argument `log_every_n_steps`. Received: "
                              f"log_every_n_steps={log_every_n_steps!r}. Expected an integer >= 1.")
@@ -77,6 +83,10 @@ class SyncMetrics(keras.callbacks.Callback):
         self._examples_at_log = 0.0
         self._steps_since_log = 0
         self._first_batch = 0
+        self._count = 0  # train steps the probe has counted, as of the last finished batch
+        # Logged steps whose per-replica values are still in the probe's ring:
+        # (global step, probe count, Keras logs, busy seconds, steps in the interval, timestamp ms).
+        self._pending: list[tuple[int, int, dict, float, int, int]] = []
 
     def set_model(self, model: Any) -> None:
         # Runs before `fit` builds its train function: the moment to instrument train_step.
@@ -90,13 +100,16 @@ class SyncMetrics(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         self.global_step = None
-        self._busy_s, self._steps_since_log = 0.0, 0
+        self._busy_s, self._steps_since_log, self._pending = 0.0, 0, []
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         if self.global_step is None:
             # Read once, after every on_train_begin (BackupAndRestore may have restored it).
             self.global_step = int(self.model.optimizer.iterations.numpy())
-            self._examples_at_log = sum(r[2] for r in self._probe.read())
+            rings = self._probe.read()
+            self._count = self._probe.count(rings)
+            rows = self._probe.row(rings, self._count)
+            self._examples_at_log = sum(r[self._probe.EXAMPLES] for r in rows) if rows else 0.0
             if self.global_step > 0 and self.writer is not None and hasattr(self.writer, "skip_logged_steps"):
                 # Resumed (a backup restored the step count) or a later fit: a crashed process may
                 # have logged steps past the backup, which this one trains again; keep one point each.
@@ -105,38 +118,59 @@ class SyncMetrics(keras.callbacks.Callback):
         self._t0 = time.perf_counter()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        # Per step only bookkeeping; the probe is read every ring/2 steps (`emit`).
         self._busy_s += time.perf_counter() - self._t0
         steps = max(batch - self._first_batch + 1, 1)  # > 1 with steps_per_execution
         self._steps_since_log += steps
+        self._count += steps
         prev = self.global_step or 0
         self.global_step = prev + steps
         if _reduce.crossed_log_step(prev, self.global_step, self.every):
-            self._log_step(logs)
+            numbers = {k: v for k, v in (logs or {}).items() if isinstance(v, (int, float))}
+            self._pending.append((self.global_step, self._count, numbers, self._busy_s,
+                                  self._steps_since_log, int(time.time() * 1000)))
+            self._busy_s, self._steps_since_log = 0.0, 0
+        if self._pending and (self._count - self._pending[0][1] >= self._probe.ring // 2 or (
+                # Slow steps: do not hold a step's metrics in memory for long (a crash would lose
+                # them). Only without workers: there the read is a collective, and every worker
+                # must take the same decision, which a clock does not give.
+                not self._probe.multi_worker and time.time() * 1000 - self._pending[0][5] >= MAX_HOLD_MS)):
+            self.emit()
 
-    def _log_step(self, logs: dict | None) -> None:
-        rows = self._probe.read()  # a collective under multi-worker: every worker runs it
-        if self.writer is None:
-            self._reset_interval(rows)
+    def emit(self) -> None:
+        """Log the logged steps still held in the probe's ring (every worker must call it at the same step).
+
+        Called every ring/2 steps, at each epoch's end, at train end and before a backup is saved.
+        """
+        if not self._pending:
             return
-        metrics = _reduce.replica_metrics([r[0] for r in rows], [r[1] for r in rows])
-        examples = sum(r[2] for r in rows) - self._examples_at_log
-        if self._steps_since_log:
-            metrics["sync/step_time_ms"] = 1000.0 * self._busy_s / self._steps_since_log
-        metrics.update(_reduce.throughput(examples, self._busy_s, self._num_replicas))
-        lr = rows[0][3] if rows else float("nan")
+        rings = self._probe.read()  # a collective under multi-worker: every worker runs it
+        pending, self._pending = self._pending, []
+        for step, count, logs, busy_s, n_steps, ts in pending:
+            rows = self._probe.row(rings, count)
+            if rows is None:  # not expected: the ring is read before it wraps
+                continue
+            examples = sum(r[self._probe.EXAMPLES] for r in rows)
+            if self.writer is not None:
+                self._log_step(step, rows, examples - self._examples_at_log, logs, busy_s, n_steps, ts)
+            self._examples_at_log = examples
+
+    def _log_step(self, step: int, rows: list[Any], examples: float, logs: dict, busy_s: float,
+                  n_steps: int, ts: int) -> None:
+        p = self._probe
+        metrics = _reduce.replica_metrics([float(r[p.LOSS]) for r in rows], [float(r[p.GRAD_NORM]) for r in rows])
+        metrics["sync/step_time_ms"] = 1000.0 * busy_s / n_steps
+        metrics.update(_reduce.throughput(float(examples), busy_s, self._num_replicas))
+        lr = float(rows[0][p.LR])
         if lr == lr:  # not NaN
             metrics["sync/learning_rate"] = lr
-        for k, v in (logs or {}).items():
+        for k, v in logs.items():
             if isinstance(v, (int, float)):
                 metrics[k] = v
-        self.writer.log_metrics(metrics, step=self.global_step)
-        self._reset_interval(rows)
-
-    def _reset_interval(self, rows: list[tuple[float, float, float, float]]) -> None:
-        self._examples_at_log = sum(r[2] for r in rows)
-        self._busy_s, self._steps_since_log = 0.0, 0
+        self.writer.log_metrics(metrics, step=step, timestamp_ms=ts)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self.emit()
         if self.writer is None or self.global_step is None:
             return
         val = {k: v for k, v in (logs or {}).items() if k.startswith("val_") and isinstance(v, (int, float))}
@@ -144,6 +178,7 @@ class SyncMetrics(keras.callbacks.Callback):
             self.writer.log_metrics(val, step=self.global_step)
 
     def on_train_end(self, logs: dict | None = None) -> None:
+        self.emit()
         if self.writer is None:
             return
         # Bounded wait: metrics are in MLflow when fit returns, unless the server is away; then
