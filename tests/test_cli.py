@@ -13,6 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from _ports import free_ports
 
 KERAS_SYNC = str(Path(sys.executable).with_name("keras-sync"))
 BAD_CONFIGS = Path(__file__).parent / "fixtures" / "bad_configs"
@@ -278,16 +279,16 @@ def test_sync_spool_bad_file_is_one_line(tmp_path: Path) -> None:
 # -- ui -----------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def test_ui_serves_http_on_localhost_and_stops_on_sigint(tmp_path: Path) -> None:
-    port = _free_port()
+    (port,) = free_ports(1)
+    # Started as a background job of a non-interactive shell is (SIGINT ignored, inherited):
+    # Ctrl-C must still stop it.
     proc = subprocess.Popen([KERAS_SYNC, "ui", "--port", str(port), "--no-browser"], cwd=tmp_path, env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_ignore_sigint)
     try:
         deadline, status = time.monotonic() + 90, None
         while time.monotonic() < deadline and proc.poll() is None and status != 200:

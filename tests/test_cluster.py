@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _ports import free_ports
 
 from keras_sync.cluster import (
     SINGLE_PROCESS,
@@ -218,16 +219,10 @@ def test_order_check_catches_tf_config_changed_after_strategy() -> None:
         cluster._recorded.clear()
 
 
-def _free_port_base() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_against_tensorflow_resolvers_and_a_real_strategy() -> None:
     """TF's own resolvers and `is_chief` agree with the pure parsers; a joined cluster is detected."""
     examples = [tfjob("chief", 0), tfjob("worker", 0), tfjob("worker", 1), tfjob("evaluator", 0), RAY, PLAIN_W0]
-    port_base = _free_port_base()
+    port_base = free_ports(1)[0]
     request = {"tf_configs": examples, "slurm_env": _slurm_env(1), "port_base": port_base}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "_launch_tf_cluster.py"), json.dumps(request)],
@@ -258,7 +253,7 @@ def test_against_tensorflow_resolvers_and_a_real_strategy() -> None:
 
 def _two_consecutive_free_ports() -> int:
     for _ in range(50):
-        base = _free_port_base()
+        base = free_ports(1)[0]
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", base + 1))

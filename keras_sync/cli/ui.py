@@ -38,7 +38,10 @@ def command(config: str | None, port: int, no_browser: bool) -> None:
     url = f"http://127.0.0.1:{port}"
     server = _start_server(uri, port)
     click.echo(f"MLflow UI for {redact_uri(uri)} at {url} (Ctrl-C to stop)")
-    signal.signal(signal.SIGTERM, _interrupt)  # stop the server on SIGTERM as on Ctrl-C
+    # Stop the server on Ctrl-C and SIGTERM, also when started with SIGINT ignored (a background
+    # job of a non-interactive shell inherits that: seen in CI, where Ctrl-C then did nothing).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
     try:
         if _wait_ready(url, server) and not no_browser:
             import webbrowser
@@ -89,7 +92,8 @@ def _wait_ready(url: str, server: subprocess.Popen[bytes]) -> bool:
 
 
 def _stop(server: subprocess.Popen[bytes]) -> None:
-    for sig in (signal.SIGINT, signal.SIGKILL):
+    # SIGTERM, not SIGINT: the server may have inherited SIGINT ignored from us.
+    for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(server.pid, sig)
         except ProcessLookupError:
