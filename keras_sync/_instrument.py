@@ -31,6 +31,8 @@ import threading
 import weakref
 from typing import Any, Callable, Iterator
 
+from keras_sync.strategy import in_multi_worker_mode
+
 log = logging.getLogger("keras_sync")
 
 _MARK = "_keras_sync_instrumented"
@@ -72,7 +74,7 @@ class ReplicaProbe:
                 aggregation=tf.VariableAggregation.NONE,
                 name="keras_sync_replica_stats",
             )
-        self.multi_worker = _is_multi_worker(self.strategy)
+        self.multi_worker = in_multi_worker_mode(self.strategy)
         self._components = list(self.strategy.experimental_local_results(self.var))
         self._gather_fn: Callable[[], Any] | None = None
 
@@ -264,8 +266,3 @@ def _dense(g: Any) -> Any:
 
     return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
 
-
-def _is_multi_worker(strategy: Any) -> bool:
-    extended = getattr(strategy, "extended", None)
-    check = getattr(extended, "_in_multi_worker_mode", None)
-    return bool(check()) if check is not None else False

@@ -38,9 +38,9 @@ def _keras_version() -> tuple[int, int]:
 def _is_multi_worker(strategy: Any) -> bool:
     import tensorflow as tf
 
-    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and bool(
-        strategy.extended._in_multi_worker_mode()
-    )
+    from keras_sync.strategy import in_multi_worker_mode
+
+    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and in_multi_worker_mode(strategy)
 
 
 def apply_multi_worker_fixes() -> bool:

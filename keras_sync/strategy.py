@@ -139,6 +139,12 @@ def device_layout(kind: str, cfg: StrategyConfig, *, gpus: int) -> DeviceLayout:
     return layout
 
 
+def in_multi_worker_mode(strategy: Any) -> bool:
+    """Whether ``strategy`` spans several workers (collectives then need every worker to take part)."""
+    check = getattr(getattr(strategy, "extended", None), "_in_multi_worker_mode", None)
+    return bool(check()) if check is not None else False
+
+
 # ---------------------------------------------------------------------------------------------
 # Builders (import TensorFlow)
 

@@ -20,6 +20,7 @@ from typing import Any, Iterator
 import keras
 
 from keras_sync.resume import ResumePoint, SaveSchedule, batches_to_skip, write_dir
+from keras_sync.strategy import in_multi_worker_mode
 
 log = logging.getLogger("keras_sync")
 
@@ -158,8 +159,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _barrier(self) -> None:
         strategy = self.model.distribute_strategy
-        extended = getattr(strategy, "extended", None)
-        if extended is None or not getattr(extended, "_in_multi_worker_mode", lambda: False)():
+        if not in_multi_worker_mode(strategy):
             return
         import tensorflow as tf
 
@@ -183,8 +183,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
 def _chief_and_task(strategy: Any) -> tuple[bool, int | None]:
     resolver = getattr(strategy, "cluster_resolver", None)
-    extended = getattr(strategy, "extended", None)
-    if resolver is None or extended is None or not getattr(extended, "_in_multi_worker_mode", lambda: False)():
+    if resolver is None or not in_multi_worker_mode(strategy):
         return True, None
     from tensorflow.python.distribute import multi_worker_util
 

@@ -8,6 +8,7 @@ from typing import Any
 import keras
 
 from keras_sync.callbacks import _reduce
+from keras_sync.strategy import in_multi_worker_mode
 
 
 class WeightDivergence(keras.callbacks.Callback):
@@ -79,7 +80,7 @@ def divergence(model: Any) -> float | None:
     variables = mirrored_variables(model)
     if not variables:
         return None
-    if _in_multi_worker(strategy):
+    if in_multi_worker_mode(strategy):
         return float(_multi_worker_fn(model, variables)().numpy())
     worst = 0.0
     for v in variables:
@@ -119,7 +120,3 @@ def _multi_worker_fn(model: Any, variables: list[Any]) -> Any:
     _fns[model] = fn
     return fn
 
-
-def _in_multi_worker(strategy: Any) -> bool:
-    check = getattr(getattr(strategy, "extended", None), "_in_multi_worker_mode", None)
-    return bool(check()) if check is not None else False
