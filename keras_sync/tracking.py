@@ -4,8 +4,9 @@
 appends to an in-memory queue; a daemon thread writes each record to a local JSONL spool first
 (write-ahead), and a child process (the courier, `keras_sync._courier`) sends batches from the
 spool with `MlflowClient.log_batch`, retrying with backoff while the server is down. MLflow's
-per-point Python cost then runs outside the training process and never holds its GIL. What is still undelivered at `close()` stays in the spool, and
-``keras-sync sync-spool PATH`` (`replay_spool`) delivers it later without duplicating a point.
+per-point Python cost then runs outside the training process and never holds its GIL. What is
+still undelivered at `close()` stays in the spool, and ``keras-sync sync-spool PATH``
+(`replay_spool`) delivers it later without duplicating a point.
 
 Every param, tag and text artifact is scrubbed of secrets first: credentials in URIs and the
 values of environment variables whose names say TOKEN, PASSWORD, SECRET or API_KEY.
@@ -92,7 +93,7 @@ def _close_at_exit() -> None:
 
 def _lower_thread_priority() -> None:
     """Nice the writer's thread (Linux threads have their own nice value): when the cores are busy
-    training, the replicas go first and delivery waits; it never matters when they are idle."""
+    training, the replicas go first and spooling waits; it never matters when they are idle."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
     except (AttributeError, OSError):  # not Linux, or not permitted: run at normal priority
@@ -108,8 +109,9 @@ class MlflowWriter:
 
     Calls only queue records; a daemon thread spools them to ``spool_path`` and a child process
     started by `start` delivers them in batches (restarted if it dies). While the server is
-    unreachable it keeps retrying with backoff (0.5 s up to 30 s). ``close()`` waits at most ``timeout_s``; whatever is still undelivered stays in the
-    spool and a `RuntimeWarning` says how to deliver it (``keras-sync sync-spool PATH``).
+    unreachable it keeps retrying with backoff (0.5 s up to 30 s). ``close()`` waits at most
+    ``timeout_s``; whatever is still undelivered stays in the spool and a `RuntimeWarning` says
+    how to deliver it (``keras-sync sync-spool PATH``).
 
     Args:
         tracking_uri: MLflow tracking URI (see `resolve_tracking_uri`).

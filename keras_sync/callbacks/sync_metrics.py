@@ -164,9 +164,7 @@ class SyncMetrics(keras.callbacks.Callback):
         lr = float(rows[0][p.LR])
         if lr == lr:  # not NaN
             metrics["sync/learning_rate"] = lr
-        for k, v in logs.items():
-            if isinstance(v, (int, float)):
-                metrics[k] = v
+        metrics.update(logs)  # the step's numeric Keras logs (filtered when the step was recorded)
         self.writer.log_metrics(metrics, step=step, timestamp_ms=ts)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
