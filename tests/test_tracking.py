@@ -73,6 +73,25 @@ def _log_timed(w: MlflowWriter, steps: range) -> list[float]:
     return durations
 
 
+def _crash_after_spooling(uri: str, experiment: str, job_id: str, spool_dir: Path, *, steps: int,
+                          flush_interval_s: float, timeout_s: float) -> None:
+    """A process logs ``steps`` steps of loss and acc, waits until they are in its spool, and dies
+    (no atexit, no close: a crash)."""
+    crash = (
+        "import os, time\n"
+        "from keras_sync.tracking import MlflowWriter\n"
+        f"w = MlflowWriter(tracking_uri={uri!r}, experiment={experiment!r}, job_id={job_id!r},\n"
+        f"                 spool_dir={str(spool_dir)!r}, flush_interval_s={flush_interval_s!r})\n"
+        "w.start()\n"
+        f"for s in range({steps}): w.log_metrics({{'loss': 1.0, 'acc': 0.5}}, step=s)\n"
+        f"while not w.spool_path.exists() or w.spool_path.read_text().count('\"k\":\"m\"') < {steps}:\n"
+        "    time.sleep(0.05)\n"
+        "os._exit(9)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", crash], capture_output=True, text=True, timeout=timeout_s)
+    assert out.returncode == 9, out.stderr
+
+
 def _wait_for(cond, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -333,19 +352,7 @@ def test_restarted_job_delivers_what_the_crashed_process_spooled(restartable_mlf
     server = restartable_mlflow_server
     server.stop()
     exp = f"restart-{uuid.uuid4().hex[:6]}"
-    crash = (
-        "import os, time\n"
-        "from keras_sync.tracking import MlflowWriter\n"
-        f"w = MlflowWriter(tracking_uri={server.uri!r}, experiment={exp!r}, job_id='j3',\n"
-        f"                 spool_dir={str(tmp_path)!r}, flush_interval_s=0.05)\n"
-        "w.start()\n"
-        "for s in range(50): w.log_metrics({'loss': 1.0, 'acc': 0.5}, step=s)\n"
-        "while not w.spool_path.exists() or w.spool_path.read_text().count('\"k\":\"m\"') < 50:\n"
-        "    time.sleep(0.05)\n"
-        "os._exit(9)  # no atexit, no close: a crash\n"
-    )
-    out = subprocess.run([sys.executable, "-c", crash], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 9, out.stderr
+    _crash_after_spooling(server.uri, exp, "j3", tmp_path, steps=50, flush_interval_s=0.05, timeout_s=60)
     server.start()
     w = MlflowWriter(tracking_uri=server.uri, experiment=exp, job_id="j3", spool_dir=tmp_path)
     w.start()
@@ -410,20 +417,7 @@ def test_resumed_job_skips_the_steps_it_trains_again(in_tmp, sqlite_uri):
     # A crashed process logged steps 0..39 (undelivered: the spool was never flushed); its backup was
     # at step 24, so the restarted process trains and logs 25..59 again from there.
     uri, exp = sqlite_uri, _exp()
-    crash = (
-        "import os, time\n"
-        "from keras_sync.tracking import MlflowWriter\n"
-        f"w = MlflowWriter(tracking_uri={uri!r}, experiment={exp!r}, job_id='resumed',\n"
-        f"                 spool_dir={str(in_tmp)!r}, flush_interval_s=3600)\n"
-        "w.start()\n"
-        "for s in range(40): w.log_metrics({'loss': 1.0, 'acc': 0.5}, step=s)\n"
-        "w._wake.set()\n"
-        "while not w.spool_path.exists() or w.spool_path.read_text().count('\"k\":\"m\"') < 40:\n"
-        "    time.sleep(0.05)\n"
-        "os._exit(9)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", crash], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 9, out.stderr
+    _crash_after_spooling(uri, exp, "resumed", in_tmp, steps=40, flush_interval_s=3600, timeout_s=120)
     w = MlflowWriter(tracking_uri=uri, experiment=exp, job_id="resumed", spool_dir=in_tmp)
     w.start()
     w.skip_logged_steps()
