@@ -41,6 +41,11 @@ from keras_sync.redact import redact_text, secrets_of
 MAX_BACKOFF_S = 30.0
 
 
+def _line(message: dict[str, Any]) -> bytes:
+    """One protocol message: compact JSON and a newline."""
+    return json.dumps(message, separators=(",", ":")).encode() + b"\n"
+
+
 # ---- the parent's side ----
 
 class Courier:
@@ -65,7 +70,7 @@ class Courier:
 
     def send(self, message: dict[str, Any]) -> bool:
         """Send one message; False if the courier has gone."""
-        data = json.dumps(message, separators=(",", ":")).encode() + b"\n"
+        data = _line(message)
         with self._send_lock:
             try:
                 assert self.proc.stdin is not None
@@ -154,7 +159,7 @@ class _Delivery:
         self.stop = self.abandon = self.urgent = False
 
     def send(self, **msg: Any) -> None:
-        self.out.write(json.dumps(msg, separators=(",", ":")).encode() + b"\n")
+        self.out.write(_line(msg))
         self.out.flush()
 
     def log(self, level: int, msg: str) -> None:
@@ -271,8 +276,8 @@ def main() -> int:
     if not first:
         return 0
     settings = first[0]
-    sys.stderr = sys.stdout = _Scrubbed(sys.stderr, secrets_of(settings["tracking_uri"], os.environ))
     delivery = _Delivery(settings, out, inbox)
+    sys.stderr = sys.stdout = _Scrubbed(sys.stderr, delivery.secrets)
     delivery.take(first[1:])
     delivery.run()
     return 0
