@@ -175,6 +175,7 @@ def test_init_into_a_file_is_a_usage_error(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr and "afile" in result.stderr
 
 
+@pytest.mark.slow
 def test_init_then_train_script_trains(tmp_path: Path) -> None:
     assert run("init", "--no-input", cwd=tmp_path).returncode == 0
     result = subprocess.run([sys.executable, "train.py", "--epochs", "1"], cwd=tmp_path, capture_output=True,
@@ -241,6 +242,7 @@ def test_plan_bad_config_lists_issues(tmp_path: Path) -> None:
 # -- env, launch, sync-spool --------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_env_report_redacts_and_lists_versions(tmp_path: Path) -> None:
     tf_config = json.dumps({"cluster": {"worker": ["node-a.corp:2222", "node-b.corp:2222"]},
                             "task": {"type": "worker", "index": 1}})
@@ -260,6 +262,7 @@ def test_launch_missing_script_is_a_usage_error(tmp_path: Path) -> None:
     assert result.stderr.startswith("Invalid value for argument `script`. Received: script='nope.py'")
 
 
+@pytest.mark.slow
 def test_launch_runs_script_with_its_args(tmp_path: Path) -> None:
     (tmp_path / "hello.py").write_text("import os, sys; print('args', sys.argv[1:], 'tf_config' if "
                                        "os.environ.get('TF_CONFIG') else 'none')\n")
@@ -283,6 +286,7 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+@pytest.mark.slow
 def test_ui_serves_http_on_localhost_and_stops_on_sigint(tmp_path: Path) -> None:
     (port,) = free_ports(1)
     # Started as a background job of a non-interactive shell is (SIGINT ignored, inherited):
@@ -311,6 +315,7 @@ def test_ui_serves_http_on_localhost_and_stops_on_sigint(tmp_path: Path) -> None
         urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2)
 
 
+@pytest.mark.slow
 def test_ui_port_in_use_is_a_usage_error(tmp_path: Path) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

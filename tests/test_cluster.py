@@ -219,6 +219,7 @@ def test_order_check_catches_tf_config_changed_after_strategy() -> None:
         cluster._recorded.clear()
 
 
+@pytest.mark.slow
 def test_against_tensorflow_resolvers_and_a_real_strategy() -> None:
     """TF's own resolvers and `is_chief` agree with the pure parsers; a joined cluster is detected."""
     examples = [tfjob("chief", 0), tfjob("worker", 0), tfjob("worker", 1), tfjob("evaluator", 0), RAY, PLAIN_W0]
@@ -263,6 +264,7 @@ def _two_consecutive_free_ports() -> int:
     raise AssertionError("no two consecutive free ports")
 
 
+@pytest.mark.slow
 def test_two_slurm_tasks_all_reduce_with_the_slurm_resolver(capsys: pytest.CaptureFixture[str]) -> None:
     """Two processes with srun-like variables on 127.0.0.1 build a real MultiWorkerMirroredStrategy."""
     port_base = _two_consecutive_free_ports()

@@ -24,6 +24,8 @@ from keras_sync.errors import UsageError
 
 from _ports import free_ports
 
+pytestmark = pytest.mark.slow  # starts TensorFlow processes; the fast lane is `pytest -m "not slow"`
+
 WORKER = Path(__file__).with_name("_mw_worker.py")
 TOLERANCE = 1e-5
 

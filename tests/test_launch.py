@@ -15,6 +15,8 @@ import pytest
 from keras_sync.errors import UsageError
 from keras_sync.launch import launch, worker_tf_configs
 
+pytestmark = pytest.mark.slow  # starts TensorFlow processes; the fast lane is `pytest -m "not slow"`
+
 WORKER = str(Path(__file__).with_name("_launch_worker.py"))
 ROOT = Path(__file__).resolve().parents[1]
 

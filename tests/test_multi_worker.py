@@ -21,6 +21,8 @@ import pytest
 
 from _ports import free_ports
 
+pytestmark = pytest.mark.slow  # starts TensorFlow processes; the fast lane is `pytest -m "not slow"`
+
 HERE = Path(__file__).parent
 TRAIN = HERE / "_mwr_train.py"
 FAIL = HERE / "_mwr_fail.py"

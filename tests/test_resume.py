@@ -79,6 +79,7 @@ def test_backup_callback_rejects_empty_backup_dir() -> None:
         BackupAndRestore("")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_one_process_default_strategy_sigkill_mid_epoch_resumes_exactly(tmp_path: Path) -> None:
     """kind=default with arrays: with a backup, sync.fit shuffles with its own seed so a resume replays it."""

@@ -20,6 +20,8 @@ import pytest
 from keras_sync.callbacks import _reduce
 from keras_sync.errors import UsageError
 
+pytestmark = pytest.mark.slow  # starts TensorFlow processes; the fast lane is `pytest -m "not slow"`
+
 HERE = Path(__file__).parent
 SECRET_PASSWORD = "pw-Zq81xT"
 SECRET_TOKEN = "tok-9f3kQ7vLm2"

@@ -7,6 +7,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+pytestmark = pytest.mark.slow  # starts TensorFlow processes; the fast lane is `pytest -m "not slow"`
+
 
 def test_system_metrics_reach_the_run(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

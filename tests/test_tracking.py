@@ -17,7 +17,7 @@ import pytest
 from keras_sync.errors import TrackingError
 from keras_sync.tracking import MlflowWriter, redact_uri, replay_spool, resolve_tracking_uri
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]  # real MLflow stores, servers and couriers
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,102 @@
+"""Create a fresh MLflow sqlite store so that a kill at any moment leaves no store or a whole one.
+
+MLflow builds its schema (about 60 migrations, 1-2 s) in place the first time a client opens a
+``sqlite:///`` URI whose file does not exist yet. A process killed during that leaves a
+half-built file, and every later client fails on it ("table webhooks already exists"). keras-sync
+makes sqlite the default store, so it builds a new store in a private file next to the target, in
+a child process, and publishes it with ``os.link``: atomic, and it never replaces a store another
+process published first.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from urllib.parse import unquote
+
+from keras_sync.errors import TrackingError
+
+_log = logging.getLogger("keras_sync.tracking")
+
+_TMP_MARK = ".keras-sync-creating-"
+_BUILD = "import sys; from mlflow import MlflowClient; MlflowClient(tracking_uri=sys.argv[1]).search_experiments(max_results=1)"
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """The file of a ``sqlite:///`` tracking URI, or None for any other URI or an in-memory one.
+
+    >>> sqlite_path("sqlite:////tmp/x/mlflow.db")
+    PosixPath('/tmp/x/mlflow.db')
+    >>> sqlite_path("sqlite:///:memory:") is None, sqlite_path("http://127.0.0.1:5000") is None
+    (True, True)
+    """
+    if not uri.startswith("sqlite:///"):
+        return None
+    raw = unquote(uri[len("sqlite:///"):].split("?", 1)[0])
+    if raw in ("", ":memory:"):
+        return None
+    return Path(raw)
+
+
+def ensure_sqlite_store(uri: str, *, timeout_s: float = 300.0) -> bool:
+    """Make sure the sqlite store of ``uri`` exists and is complete; True if this call created it.
+
+    Any other URI, or a store file that already exists, is left alone. The schema is built by a
+    child process in ``.<name>.keras-sync-creating-<pid>-<id>`` beside the target, then linked
+    into place. Leftovers of builders that were killed are removed.
+    """
+    path = sqlite_path(uri)
+    if path is None or path.exists():
+        return False
+    path = path.absolute()
+    if not path.parent.is_dir():
+        raise TrackingError(
+            f"The MLflow store {uri!r} cannot be created: its folder {str(path.parent)!r} does not exist. "
+            "Create the folder, or set mlflow.tracking_uri to a path in an existing folder."
+        )
+    _remove_leftovers(path)
+    tmp = path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        done = subprocess.run([sys.executable, "-c", _BUILD, f"sqlite:///{tmp}"], capture_output=True,
+                              text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+        if done.returncode != 0:
+            tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise TrackingError(f"Could not create the MLflow store {str(path)!r}: {tail}")
+        try:
+            os.link(tmp, path)  # atomic; FileExistsError if another process published first
+        except FileExistsError:
+            return False
+        _log.debug("created the MLflow sqlite store %s", path)
+        return True
+    finally:
+        for leftover in (tmp, tmp.with_name(tmp.name + "-journal")):
+            try:
+                leftover.unlink()
+            except FileNotFoundError:
+                pass
+
+
+def _remove_leftovers(path: Path) -> None:
+    """Delete private build files of ``path`` whose builder process is gone."""
+    for p in path.parent.glob(f".{path.name}{_TMP_MARK}*"):
+        pid_text = p.name[len(f".{path.name}{_TMP_MARK}"):].split("-", 1)[0]
+        if pid_text.isdigit() and _alive(int(pid_text)):
+            continue
+        try:
+            p.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

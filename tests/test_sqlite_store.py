@@ -1,0 +1,93 @@
+"""A fresh sqlite store is created whole or not at all, whenever its creator is killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from keras_sync._sqlite_store import ensure_sqlite_store, sqlite_path
+from keras_sync.errors import TrackingError
+
+_ENSURE = "import sys; from keras_sync._sqlite_store import ensure_sqlite_store; print(ensure_sqlite_store(sys.argv[1]))"
+
+
+def _schema(path: Path) -> tuple[set[str], str]:
+    with sqlite3.connect(path) as db:
+        tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        version = db.execute("SELECT version_num FROM alembic_version").fetchone()[0]
+    return tables, version
+
+
+def _leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if "keras-sync-creating" in p.name)
+
+
+def test_sqlite_path_of_uris(tmp_path: Path) -> None:
+    assert sqlite_path(f"sqlite:///{tmp_path}/a.db") == tmp_path / "a.db"
+    assert sqlite_path("sqlite:///rel/a.db?mode=rw") == Path("rel/a.db")
+    assert sqlite_path("postgresql://u:p@h/db") is None
+
+
+def test_missing_folder_is_one_clear_error(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path}/nope/mlflow.db"
+    with pytest.raises(TrackingError, match=r"its folder '.*nope' does not exist. Create the folder"):
+        ensure_sqlite_store(uri)
+
+
+def test_existing_file_is_left_alone(tmp_path: Path) -> None:
+    db = tmp_path / "mlflow.db"
+    db.write_bytes(b"")
+    assert ensure_sqlite_store(f"sqlite:///{db}") is False
+    assert db.read_bytes() == b""
+
+
+@pytest.mark.slow
+def test_kill_at_any_moment_leaves_no_store_or_a_whole_one(tmp_path: Path) -> None:
+    reference = tmp_path / "reference.db"
+    assert ensure_sqlite_store(f"sqlite:///{reference}") is True
+    want = _schema(reference)
+    assert {"experiments", "runs", "metrics", "webhooks"} <= want[0]
+
+    folder = tmp_path / "kills"
+    folder.mkdir()
+    target = folder / "mlflow.db"
+    outcomes = []
+    # Kill the creator and its builder (the whole process group) across the build window.
+    for delay_s in (0.2, 0.6, 1.0, 1.5, 2.2, 3.0, 4.5):
+        proc = subprocess.Popen([sys.executable, "-c", _ENSURE, f"sqlite:///{target}"], start_new_session=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            proc.wait(timeout=delay_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        if target.exists():
+            assert _schema(target) == want, f"half-built store after a kill at {delay_s} s"
+            outcomes.append("whole")
+            target.unlink()
+        else:
+            outcomes.append("none")
+    assert "none" in outcomes  # the kills did land while the store was being built
+
+    # Whatever the kills left behind, the next client gets a whole store and no leftovers remain.
+    ensure_sqlite_store(f"sqlite:///{target}")
+    assert _schema(target) == want
+    assert _leftovers(folder) == []
+
+
+@pytest.mark.slow
+def test_two_creators_at_once_publish_one_store(tmp_path: Path) -> None:
+    target = tmp_path / "mlflow.db"
+    procs = [subprocess.Popen([sys.executable, "-c", _ENSURE, f"sqlite:///{target}"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = sorted(p.communicate(timeout=300)[0].strip() for p in procs)
+    assert results == ["False", "True"]
+    tables, _ = _schema(target)
+    assert "webhooks" in tables
+    assert _leftovers(tmp_path) == []
