@@ -87,7 +87,10 @@ class Choice(Spec):
         return "one of " + ", ".join(self.values)
 
     def json_schema(self) -> dict[str, Any]:
-        return self._nullable_schema({"type": "string", "enum": list(self.values)})
+        schema: dict[str, Any] = {"type": "string", "enum": list(self.values)}
+        if self.bool_aliases:  # e.g. bare `off`, which YAML 1.1 reads as false and `check` accepts
+            schema = {"anyOf": [schema, *({"const": flag} for flag, _ in self.bool_aliases)]}
+        return self._nullable_schema(schema)
 
 
 @dataclass(frozen=True)

@@ -29,28 +29,35 @@ from keras_sync._fields import (
     StrList,
 )
 from keras_sync.errors import ConfigError, ConfigIssue
+from keras_sync.kinds import STRATEGY_KINDS
 
 DEFAULT_CONFIG_FILE = "keras_sync.yaml"
 CONFIG_ENV = "KERAS_SYNC_CONFIG"
 
-STRATEGY_KINDS = ("auto", "default", "one_device", "mirrored", "multi_worker_mirrored", "tpu")
 
 
-def _f(default: Any, spec: Spec, doc: str, key: str | None = None) -> Any:
+def _f(default: Any, spec: Spec, doc: str, key: str | None = None, kinds: tuple[str, ...] | None = None) -> Any:
+    """A config key. `doc` is its one description: validation errors, the JSON Schema, the commented
+    template and the README reference all show it (`keras_sync.config_reference` writes the last two).
+    `kinds`: the strategy kinds a `strategy.*` key applies to (their template sections show it)."""
     if isinstance(default, (list, dict)):
         raise TypeError("mutable default")  # pragma: no cover - programming error
-    return field(default=default, metadata={"spec": spec, "doc": doc, "key": key})
+    return field(default=default, metadata={"spec": spec, "doc": doc, "key": key, "kinds": kinds})
 
 
-def _sub(cls: type, doc: str) -> Any:
-    return field(default_factory=cls, metadata={"doc": doc, "key": None})
+def _sub(cls: type, doc: str, note: str | None = None, kinds: tuple[str, ...] | None = None) -> Any:
+    """A section. `note`: a comment the template prints above the section's keys."""
+    return field(default_factory=cls, metadata={"doc": doc, "key": None, "note": note, "kinds": kinds})
+
+
+_MWM = ("multi_worker_mirrored",)
 
 
 @dataclass(frozen=True)
 class TPUConfig:
     """Where the TPU is: a name or grpc:// address (`local` for a TPU VM), zone and project."""
 
-    name: str | None = _f("local", Str(nullable=True), "TPU name or grpc:// address; 'local' on a TPU VM")
+    name: str | None = _f("local", Str(nullable=True), "'local' on a TPU VM, else the TPU's name or grpc:// address")
     zone: str | None = _f(None, Str(nullable=True), "GCE zone of the TPU (Cloud TPU only)")
     project: str | None = _f(None, Str(nullable=True), "GCP project of the TPU (Cloud TPU only)")
 
@@ -59,20 +66,29 @@ class TPUConfig:
 class StrategyConfig:
     """Which `tf.distribute` strategy to build, and its options."""
 
-    kind: str = _f("auto", Choice(values=STRATEGY_KINDS), "which strategy; auto picks by the hardware and TF_CONFIG")
-    devices: tuple[str, ...] = _f((), StrList(), "mirrored/one_device: explicit devices; empty = all GPUs, else the CPU")
-    simulated_cpu_replicas: int = _f(0, Int(minimum=0), "> 0: split the CPU into N logical devices, one replica each")
+    kind: str = _f("auto", Choice(values=STRATEGY_KINDS), "which strategy; auto picks by the hardware and TF_CONFIG",
+                   kinds=STRATEGY_KINDS)
+    devices: tuple[str, ...] = _f(
+        (), StrList(), "e.g. ['/gpu:0', '/gpu:1']; empty = all GPUs (one_device: the first), else the CPU",
+        kinds=("mirrored", "one_device"))
+    simulated_cpu_replicas: int = _f(
+        0, Int(minimum=0), "> 0: split the CPU into N logical devices, one replica each (per worker)",
+        kinds=("auto", "mirrored", *_MWM))
     cross_device_ops: str = _f(
         "auto",
         Choice(values=("auto", "nccl", "hierarchical_copy", "reduction_to_one")),
-        "mirrored: how gradients are all-reduced between local devices",
+        "how local gradients are all-reduced: auto, nccl, hierarchical_copy or "
+        "reduction_to_one (no NCCL on CPU)", kinds=("mirrored",),
     )
     communication: str = _f(
-        "auto", Choice(values=("auto", "ring", "nccl")), "multi_worker_mirrored: collective implementation"
+        "auto", Choice(values=("auto", "ring", "nccl")), "collective implementation: auto, ring or nccl",
+        kinds=_MWM,
     )
-    cluster: str = _f("tf_config", Choice(values=("tf_config", "slurm")), "multi_worker_mirrored: where the cluster is described")
-    connect_timeout_s: float = _f(300.0, Float(minimum=0, exclusive=True), "seconds to wait for all workers to join")
-    tpu: TPUConfig = _sub(TPUConfig, "TPU address")
+    cluster: str = _f("tf_config", Choice(values=("tf_config", "slurm")), "where the workers are: "
+                      "tf_config ($TF_CONFIG) or slurm (srun's environment)", kinds=_MWM)
+    connect_timeout_s: float = _f(300.0, Float(minimum=0, exclusive=True), "seconds to wait for all workers to "
+                                  "join, then fail naming the missing ones", kinds=("auto", *_MWM))
+    tpu: TPUConfig = _sub(TPUConfig, "TPU address", kinds=("tpu",))
 
 
 @dataclass(frozen=True)
@@ -81,11 +97,12 @@ class BatchConfig:
 
     per_replica: int | None = _f(32, Int(minimum=1, nullable=True), "examples per replica per step")
     global_: int | None = _f(None, Int(minimum=1, nullable=True), "examples per step over all replicas", key="global")
-    drop_remainder: str | bool = _f("auto", AutoOrBool(), "drop the last partial batch; auto = true on TPU")
+    drop_remainder: str | bool = _f("auto", AutoOrBool(), "drop the last partial batch; auto = true on TPU "
+                                    "(static shapes), false elsewhere")
     shard_policy: str = _f(
         "auto",
         Choice(values=("auto", "data", "file", "off"), bool_aliases=((False, "off"),)),
-        "tf.data auto-shard policy between workers",
+        "tf.data auto-shard between workers: auto, data, file or off (auto = off under Ray)",
     )
 
 
@@ -93,34 +110,40 @@ class BatchConfig:
 class LearningRateConfig:
     """The base learning rate and how it scales with the global batch."""
 
-    base: float = _f(0.1, Float(minimum=0, exclusive=True), "learning rate tuned for base_batch_size")
+    base: float = _f(0.1, Float(minimum=0, exclusive=True), "the learning rate tuned for base_batch_size")
     base_batch_size: int | None = _f(
-        None, Int(minimum=1, nullable=True), "batch `base` was tuned for; null = the per-replica batch"
+        None, Int(minimum=1, nullable=True), "the batch `base` was tuned for; null = the per-replica batch"
     )
-    scaling: str = _f("linear", Choice(values=("linear", "sqrt", "none")), "linear (Goyal et al. 2017), sqrt, none")
-    warmup_epochs: float = _f(0.0, Float(minimum=0), "gradual warmup length in epochs (needs steps per epoch)")
-    warmup_steps: int = _f(0, Int(minimum=0), "gradual warmup length in optimizer steps")
+    scaling: str = _f("linear", Choice(values=("linear", "sqrt", "none")), "linear (Goyal et al. 2017), sqrt "
+                      "or none: how the rate follows the global batch")
+    warmup_epochs: float = _f(0.0, Float(minimum=0), "ramp from base to the scaled rate over N epochs (or "
+                              "warmup_steps, not both)")
+    warmup_steps: int = _f(0, Int(minimum=0), "ramp from base to the scaled rate over N optimizer steps (or "
+                             "warmup_epochs)")
 
 
 @dataclass(frozen=True)
 class MlflowConfig:
     """Where sync metrics go."""
 
-    enabled: bool = _f(True, Bool(), "log sync metrics to MLflow")
-    tracking_uri: str | None = _f(None, Str(nullable=True), "null = $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db")
+    enabled: bool = _f(True, Bool(), "log sync metrics to MLflow (only the chief writes)")
+    tracking_uri: str | None = _f(None, Str(nullable=True), "null = $MLFLOW_TRACKING_URI, else "
+                                  "sqlite:///<cwd>/mlflow.db")
     experiment: str = _f("keras-sync", Str(), "MLflow experiment name")
     run_name: str | None = _f(None, Str(nullable=True), "MLflow run name; null = generated")
     log_every_n_steps: int = _f(1, Int(minimum=1), "log step metrics every N optimizer steps")
     allreduce_probe: bool = _f(False, Bool(), "time one all-reduce of the gradients' size at train start")
-    system_metrics: bool = _f(False, Bool(), "MLflow system metrics (CPU, memory)")
+    system_metrics: bool = _f(False, Bool(), "MLflow's system metrics (CPU, memory, disk, network, GPU) as "
+                              "system/*, every 10 s")
 
 
 @dataclass(frozen=True)
 class FaultToleranceConfig:
     """Backup and exact resume after a worker is killed."""
 
-    backup_dir: str | None = _f(None, Str(nullable=True), "directory for BackupAndRestore; null = off")
-    save_freq: str | int = _f("epoch", EpochOrInt(), "'epoch' or every N batches")
+    backup_dir: str | None = _f(None, Str(nullable=True), "a directory turns on BackupAndRestore (exact resume "
+                                "after a kill); null = off")
+    save_freq: str | int = _f("epoch", EpochOrInt(), "epoch, or back up every N batches")
 
 
 @dataclass(frozen=True)
@@ -128,7 +151,9 @@ class Config:
     """The whole keras-sync config. Build it with `load_config`."""
 
     strategy: StrategyConfig = _sub(StrategyConfig, "distribution strategy")
-    batch: BatchConfig = _sub(BatchConfig, "batch sizes")
+    batch: BatchConfig = _sub(BatchConfig, "batch sizes", note=(
+        "Give exactly one of per_replica / global (the other null); keras-sync derives the other from the "
+        "replica count: global = per_replica x replicas."))
     learning_rate: LearningRateConfig = _sub(LearningRateConfig, "learning-rate scaling and warmup")
     mlflow: MlflowConfig = _sub(MlflowConfig, "MLflow tracking")
     fault_tolerance: FaultToleranceConfig = _sub(FaultToleranceConfig, "backup and resume")
@@ -143,6 +168,19 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         """The config as plain YAML-able data, with the public key names."""
         return _to_dict(self)
+
+    def origin(self) -> str:
+        """Which config this is, in words: the file's absolute path, or why the defaults are used.
+
+        `keras_sync.load` prints it once on the chief, so a script started from another directory
+        says that it found no ``keras_sync.yaml`` instead of silently training with the defaults.
+        """
+        if self.source == "<defaults>":
+            return (f"no {DEFAULT_CONFIG_FILE} found in {Path.cwd()} and ${CONFIG_ENV} is unset: built-in "
+                    "defaults (pass a path to keras_sync.load(), or run from the directory of the file)")
+        if self.source == "<dict>":
+            return "a dict passed to keras_sync.load() (no file)"
+        return str(Path(self.source).resolve())
 
 
 def _yaml_key(f: dataclasses.Field) -> str:
@@ -177,7 +215,15 @@ def _parse_yaml(text: str, file: str) -> tuple[Any, dict[str, int]]:
     lines: dict[str, int] = {}
 
     class _Loader(yaml.SafeLoader):
-        pass
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            # Refuse aliases: a config has no use for them, and nested ones (a "billion laughs"
+            # file of a few hundred bytes) expand exponentially when read into plain data.
+            if self.check_event(yaml.AliasEvent):
+                event = self.peek_event()
+                raise ConfigError(ConfigIssue(file, event.start_mark.line + 1, "", (
+                    f"YAML alias *{event.anchor} not allowed; keras-sync reads plain YAML only: write the value "
+                    f"out instead of *{event.anchor} (and drop the anchor &{event.anchor})")))
+            return super().compose_node(parent, index)
 
     def construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
         return {"__line__": node.start_mark.line + 1, "__items__": [

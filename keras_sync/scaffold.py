@@ -35,7 +35,7 @@ def render_config(kind: str = "auto", per_replica_batch: int = 32) -> str:
                          f"per_replica_batch={per_replica_batch!r}. Expected an integer >= 1.")
     # Plain replacement, not string.Template: the comments mention $MLFLOW_TRACKING_URI and friends.
     text = _template(DEFAULT_CONFIG_FILE)
-    return text.replace("${strategy}", _template(f"strategy_{kind}.yaml")).replace(
+    return text.replace("${strategy}", _template(f"strategy_{kind}.yaml").rstrip("\n")).replace(
         "${per_replica}", str(per_replica_batch))
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from keras_sync import __version__
 from keras_sync.config import Config
+from keras_sync.config_reference import describe_key
 
 DRAFT = "https://json-schema.org/draft/2020-12/schema"
 SCHEMA_ID = f"https://keras-sync.invalid/schema/{__version__}/keras_sync.schema.json"
@@ -31,7 +32,7 @@ def config_schema() -> dict[str, Any]:
         False
     """
     schema = {"$schema": DRAFT, "$id": SCHEMA_ID, "title": "keras-sync config (keras_sync.yaml)"}
-    schema.update(_object_schema(Config))
+    schema.update(_object_schema(Config, ""))
     return schema
 
 
@@ -39,20 +40,21 @@ def _first_line(text: str | None) -> str:
     return (text or "").strip().splitlines()[0] if text and text.strip() else ""
 
 
-def _object_schema(cls: type) -> dict[str, Any]:
+def _object_schema(cls: type, path: str) -> dict[str, Any]:
     properties: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         if f.metadata.get("internal"):
             continue
         key = f.metadata.get("key") or f.name
+        dotted = f"{path}.{key}" if path else key
         spec = f.metadata.get("spec")
         if spec is None:  # a nested section: its class is the default factory
-            sub = _object_schema(f.default_factory)  # type: ignore[arg-type]
+            sub = _object_schema(f.default_factory, dotted)  # type: ignore[arg-type]
             sub["description"] = f.metadata.get("doc") or sub.get("description", "")
             properties[key] = sub
             continue
         prop = dict(spec.json_schema())
-        prop["description"] = f"{f.metadata.get('doc', '')} ({spec.describe()})"
+        prop["description"] = f"{describe_key(f, dotted)} ({spec.describe()})"
         prop["default"] = _json_value(f.default)
         properties[key] = prop
     return {

@@ -1,0 +1,119 @@
+"""The commented template and the README reference are written from the config fields, and stay so."""
+
+from __future__ import annotations
+
+import dataclasses
+import doctest
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from keras_sync import config_reference
+from keras_sync._fields import Int
+from keras_sync.config import Config, _f, load_config
+from keras_sync.config_reference import README_BEGIN, README_END, drift, source_root
+from keras_sync.errors import UsageError
+from keras_sync.kinds import STRATEGY_KINDS
+from keras_sync.scaffold import render_config
+
+ROOT = Path(__file__).resolve().parents[1]
+REGENERATE = [sys.executable, "-m", "keras_sync.config_reference"]
+
+
+def _leaf_fields(cls: type, path: str = ""):
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("internal"):
+            continue
+        dotted = f"{path}.{f.metadata.get('key') or f.name}" if path else (f.metadata.get("key") or f.name)
+        if f.metadata.get("spec") is None:
+            yield from _leaf_fields(f.default_factory, dotted)
+        else:
+            yield dotted, f
+
+
+def test_doctests_hold() -> None:
+    assert doctest.testmod(config_reference).failed == 0
+
+
+def test_templates_and_readme_match_the_config_fields() -> None:
+    stale = drift(source_root())
+    assert not stale, ("generated files differ from keras_sync/config.py; run `python -m keras_sync.config_reference`"
+                       "\n" + "\n".join(stale.values()))
+
+
+def test_every_key_is_documented_in_the_readme_with_its_doc_and_default() -> None:
+    readme = (ROOT / "README.md").read_text()
+    block = readme[readme.index(README_BEGIN):readme.index(README_END)]
+    for dotted, f in _leaf_fields(Config):
+        row = next((line for line in block.splitlines() if line.startswith(f"| `{dotted}` |")), None)
+        assert row is not None, f"README reference has no row for {dotted}"
+        assert f.metadata["doc"] in row.replace("\\|", "|")
+        assert f"`{config_reference.yaml_value(f.default)}`" in row
+
+
+@pytest.mark.parametrize("kind", STRATEGY_KINDS)
+def test_each_kind_template_shows_the_keys_that_apply_with_their_docs(kind: str, tmp_path: Path) -> None:
+    text = render_config(kind, 64)
+    data = yaml.safe_load(text)
+    for dotted, f in _leaf_fields(Config):
+        section, _, rest = dotted.partition(".")
+        kinds = f.metadata.get("kinds")
+        if section == "strategy" and rest.startswith("tpu."):
+            kinds = ("tpu",)
+        shown = kinds is None or kind in kinds
+        node = data
+        for part in dotted.split("."):
+            node = node.get(part, KeyError) if isinstance(node, dict) else KeyError
+        assert (node is not KeyError) == shown, f"{dotted} in the {kind} template: expected shown={shown}"
+        if shown and dotted != "strategy.kind":
+            assert f.metadata["doc"] in " ".join(line.strip().lstrip("# ") for line in text.splitlines()), dotted
+    path = tmp_path / "keras_sync.yaml"
+    path.write_text(text)
+    assert load_config(path, environ={}).strategy.kind == kind
+    assert "\n\n\n" not in text  # one blank line between sections
+
+
+def _copy_checkout(tmp_path: Path) -> Path:
+    root = tmp_path / "checkout"
+    shutil.copytree(ROOT / "templates", root / "templates")
+    shutil.copy(ROOT / "README.md", root / "README.md")
+    return root
+
+
+def test_check_fails_on_a_hand_edited_comment_and_regenerating_fixes_it(tmp_path: Path) -> None:
+    root = _copy_checkout(tmp_path)
+    template = root / "templates" / "strategy_mirrored.yaml"
+    template.write_text(template.read_text().replace("how local gradients", "how remote gradients"))
+    check = subprocess.run([*REGENERATE, "--check", "--root", str(root)], capture_output=True, text=True, timeout=60)
+    assert check.returncode == 1
+    assert "-  # how remote gradients" in check.stdout and "+  # how local gradients" in check.stdout
+    assert "1 file(s) differ from the config fields: run python -m keras_sync.config_reference" in check.stderr
+    write = subprocess.run([*REGENERATE, "--root", str(root)], capture_output=True, text=True, timeout=60)
+    assert write.returncode == 0 and write.stdout.strip() == f"wrote {template}"
+    again = subprocess.run([*REGENERATE, "--check", "--root", str(root)], capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert template.read_text() == (ROOT / "templates" / "strategy_mirrored.yaml").read_text()
+
+
+def test_readme_without_the_markers_is_an_error_naming_them(tmp_path: Path) -> None:
+    root = _copy_checkout(tmp_path)
+    readme = root / "README.md"
+    readme.write_text(readme.read_text().replace(README_END, ""))
+    result = subprocess.run([*REGENERATE, "--check", "--root", str(root)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "README.md has no generated config reference block: put the lines" in result.stderr
+    assert README_END in result.stderr
+
+
+def test_a_key_without_a_doc_is_refused() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Section:
+        undocumented: int = _f(1, Int(), "")
+
+    with pytest.raises(UsageError, match="config key 'x.undocumented' has no doc: give its field in "
+                                         "keras_sync/config.py a description"):
+        config_reference._section_lines(Section, "x", "  ")
