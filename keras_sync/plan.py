@@ -114,7 +114,9 @@ def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Pl
                                          rule=lr.scaling)
     items += [
         PlanItem("learning_rate.base", lr.base, src("learning_rate.base")),
-        PlanItem("learning_rate.base_batch_size", base_batch, src("learning_rate.base_batch_size"),
+        # null (in the file or by default) means "the per-replica batch": the number shown is derived
+        PlanItem("learning_rate.base_batch_size", base_batch,
+                 src("learning_rate.base_batch_size") if lr.base_batch_size else "derived",
                  "" if lr.base_batch_size else "null = the per-replica batch"),
         PlanItem("learning_rate.scaling", lr.scaling, src("learning_rate.scaling")),
         PlanItem("learning_rate.scaled", scaled, "derived", _lr_formula(lr.scaling, lr.base, global_batch, base_batch)),

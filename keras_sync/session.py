@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import warnings
 from typing import Any, Mapping
 
@@ -41,10 +42,16 @@ def load(
 
     _excepthook.install()  # an uncaught keras-sync error ends the script with one line, not a traceback
     cfg = config if isinstance(config, Config) else load_config(config, overrides=overrides)
+    # TensorFlow's C++ start-up INFO lines (CPU features, absl's pre-init banner) hide the user's own
+    # output; warnings and errors still show, and a value the user set wins.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     from keras_sync.strategy import build_strategy
 
     strategy, detection = build_strategy(cfg)
-    return Sync(cfg, strategy, detection)
+    sync = Sync(cfg, strategy, detection)
+    if sync.is_chief:
+        print(f"keras-sync: config: {cfg.origin()}", file=sys.stderr)
+    return sync
 
 
 class Sync:

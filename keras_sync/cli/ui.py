@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import click
 
@@ -34,6 +35,12 @@ def command(config: str | None, port: int, no_browser: bool) -> None:
     if uri.startswith(("http://", "https://", "databricks")):
         click.echo(f"The config points at a tracking server already: open {redact_uri(uri)}")
         return
+    store = _local_store(uri)
+    if store is not None and not store.exists():
+        # mlflow server would create an empty store here and show nothing: say where we looked
+        raise UserError(f"No MLflow store at {store} ({redact_uri(uri)}): nothing has been logged there yet. "
+                        f"Expected the store of a training run: run keras-sync ui in the directory you trained "
+                        f"in, pass that run's config, or set MLFLOW_TRACKING_URI to its store.")
     _check_port_free(port)
     url = f"http://127.0.0.1:{port}"
     server = _start_server(uri, port)
@@ -52,6 +59,20 @@ def command(config: str | None, port: int, no_browser: bool) -> None:
     except KeyboardInterrupt:
         _stop(server)
         click.echo("MLflow UI stopped.")
+
+
+def _local_store(uri: str) -> Path | None:
+    """The file or directory of a local store (sqlite:///x.db, file:///dir, a plain path), else None."""
+    from urllib.parse import unquote, urlparse
+
+    if uri.startswith("sqlite:///"):
+        return Path(unquote(uri[len("sqlite:///"):].split("?")[0])) if uri != "sqlite:///:memory:" else None
+    parsed = urlparse(uri)
+    if parsed.scheme == "file":
+        return Path(unquote(parsed.path))
+    if parsed.scheme == "" or len(parsed.scheme) == 1:  # a plain path (or a Windows drive letter)
+        return Path(uri)
+    return None  # another database or server: mlflow server reports its own errors
 
 
 def _interrupt(signum: int, frame: object) -> None:
