@@ -8,14 +8,16 @@ import pytest
 
 from keras_sync.config import load_config
 from keras_sync.errors import ClusterError
+from keras_sync.kinds import STRATEGY_KINDS
 from keras_sync.plan import make_plan
 from keras_sync.strategy import BUILDERS, detect, device_layout
 
 TWO_WORKERS = json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"type": "worker", "index": 0}})
 
 
-def test_every_kind_has_a_builder():
-    assert set(BUILDERS) == {"default", "one_device", "mirrored", "multi_worker_mirrored", "tpu"}
+def test_every_kind_but_auto_has_a_builder():
+    assert set(BUILDERS) | {"auto"} == set(STRATEGY_KINDS)
+    assert "auto" not in BUILDERS  # auto is resolved by detect() into one of the others
 
 
 @pytest.mark.parametrize("config, env, gpus, kind, reason", [
