@@ -1,0 +1,57 @@
+"""Pure logic of `WeightDivergence`: compare the replicas' fingerprints of each mirrored variable.
+
+A fingerprint is what one replica computes from its copy of one variable (see
+`keras_sync.callbacks.weight_divergence`): a 32-bit checksum of the bits, as two exact 16-bit
+halves, then the mean and the root mean square. No TensorFlow or numpy here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+CHECK_HI, CHECK_LO, MEAN, RMS = range(4)
+WIDTH = 4
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """How far the replicas' copies of the mirrored variables are apart.
+
+    Attributes:
+        value: ``sync/weight_divergence``: 0.0 when every replica's copy of every variable has
+            the same checksum; else the largest spread between replicas of a diverged variable's
+            mean or root mean square. Both spreads are at most the largest element-wise
+            difference between two copies (|mean(a) - mean(b)| <= max|a - b|, and
+            |rms(a) - rms(b)| <= rms(a - b) <= max|a - b|), so this is a lower bound of it, in the
+            weights' units.
+        diverged_variables: ``sync/diverged_variables``: how many variables' copies differ.
+        variables: how many variables were compared.
+    """
+
+    value: float
+    diverged_variables: int
+    variables: int
+
+
+def summarize(gathered: Sequence[Sequence[Sequence[float]]]) -> Divergence:
+    """The `Divergence` of gathered fingerprints, indexed ``[replica][variable][column]``.
+
+    >>> summarize([[[1, 2, 0.5, 1.0]], [[1, 2, 0.5, 1.0]]])
+    Divergence(value=0.0, diverged_variables=0, variables=1)
+    >>> summarize([[[1, 2, 0.5, 1.0], [0, 7, 0.1, 0.2]], [[1, 3, 0.25, 1.5], [0, 7, 0.1, 0.2]]])
+    Divergence(value=0.5, diverged_variables=1, variables=2)
+    """
+    replicas = [list(r) for r in gathered]
+    if not replicas:
+        return Divergence(0.0, 0, 0)
+    value, diverged = 0.0, 0
+    for v in range(len(replicas[0])):
+        rows = [r[v] for r in replicas]
+        if len({(row[CHECK_HI], row[CHECK_LO]) for row in rows}) == 1:
+            continue  # same checksum everywhere: the copies are equal (up to a 2**-32 collision)
+        diverged += 1
+        for col in (MEAN, RMS):
+            column = [float(row[col]) for row in rows]
+            value = max(value, max(column) - min(column))
+    return Divergence(value=value, diverged_variables=diverged, variables=len(replicas[0]))
