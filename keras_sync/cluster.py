@@ -56,7 +56,51 @@ class ClusterInfo:
 SINGLE_PROCESS = ClusterInfo("none", "worker", 0, 1, True)
 
 
-def is_chief(cluster: Mapping[str, list[str]], task_type: str, task_id: int) -> bool:
+@dataclass(frozen=True)
+class Role:
+    """This process's part in the training job: does it write (chief), which task is it, how many train.
+
+    Attributes:
+        is_chief: the one process with side effects (MLflow, files, printing).
+        task_type: "chief", "worker" or "evaluator"; None for a single process.
+        task_id: index within `task_type`; None for a single process.
+        num_workers: training tasks (chief + workers); 1 for a single process.
+    """
+
+    is_chief: bool
+    task_type: str | None
+    task_id: int | None
+    num_workers: int
+
+
+SINGLE = Role(is_chief=True, task_type=None, task_id=None, num_workers=1)
+
+
+def role(cluster: Mapping[str, Any] | None, task_type: str | None, task_id: int | None) -> Role:
+    """The role of task (`task_type`, `task_id`) in `cluster` (``{job: [addresses]}``): the one rule.
+
+    >>> role({"chief": ["c:1"], "worker": ["w:1", "w:2"]}, "worker", 0)
+    Role(is_chief=False, task_type='worker', task_id=0, num_workers=3)
+    >>> role(None, None, None) == SINGLE
+    True
+    """
+    if not cluster or task_type is None:
+        return SINGLE
+    workers = sum(len(cluster.get(job) or ()) for job in _TRAINING_JOBS)
+    return Role(is_chief(cluster, task_type, task_id or 0), task_type, task_id, max(workers, 1))
+
+
+def strategy_role(strategy: Any) -> Role:
+    """The `Role` of this process in `strategy`'s cluster (`SINGLE` without one). No TensorFlow import:
+    reads the strategy's cluster resolver, which multi-worker strategies carry."""
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None:
+        return SINGLE
+    spec = resolver.cluster_spec().as_dict()  # {job: [addresses]} (or {job: {index: address}} when sparse)
+    return role(spec, resolver.task_type, resolver.task_id)
+
+
+def is_chief(cluster: Mapping[str, Any], task_type: str, task_id: int) -> bool:
     """The chief rule of TensorFlow's `multi_worker_util.is_chief`.
 
     >>> is_chief({"chief": ["a:1"], "worker": ["b:1"]}, "worker", 0)
@@ -194,8 +238,8 @@ def parse_tf_config(raw: str | None, *, env: Mapping[str, str] | None = None) ->
         source="tf_config",
         task_type=task_type,
         task_id=task_id,
-        num_workers=len(training),
-        is_chief=is_chief(cluster, task_type, task_id),
+        num_workers=role(cluster, task_type, task_id).num_workers,
+        is_chief=role(cluster, task_type, task_id).is_chief,
         worker_addresses=training,
         flavor=flavor,
         data_already_sharded=flavor == "ray",

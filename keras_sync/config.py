@@ -29,7 +29,7 @@ from keras_sync._fields import (
     StrList,
 )
 from keras_sync.errors import ConfigError, ConfigIssue
-from keras_sync.kinds import STRATEGY_KINDS
+from keras_sync.kinds import KINDS, STRATEGY_KINDS, kinds_where
 
 DEFAULT_CONFIG_FILE = "keras_sync.yaml"
 CONFIG_ENV = "KERAS_SYNC_CONFIG"
@@ -50,7 +50,7 @@ def _sub(cls: type, doc: str, note: str | None = None, kinds: tuple[str, ...] | 
     return field(default_factory=cls, metadata={"doc": doc, "key": None, "note": note, "kinds": kinds})
 
 
-_MWM = ("multi_worker_mirrored",)
+_MWM = kinds_where(multi_process=True)
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class StrategyConfig:
                    kinds=STRATEGY_KINDS)
     devices: tuple[str, ...] = _f(
         (), StrList(), "e.g. ['/gpu:0', '/gpu:1']; empty = all GPUs (one_device: the first), else the CPU",
-        kinds=("mirrored", "one_device"))
+        kinds=tuple(k for k in kinds_where(accepts_devices=True) if k != "auto"))
     simulated_cpu_replicas: int = _f(
         0, Int(minimum=0), "> 0: split the CPU into N logical devices, one replica each (per worker)",
         kinds=("auto", "mirrored", *_MWM))
@@ -336,16 +336,20 @@ def _check_consistency(cfg: Config, b: _Builder, given: Mapping[str, Any]) -> Co
         b.issue("learning_rate.warmup_steps", f"received warmup_epochs={lr.warmup_epochs:g} and "
                 f"warmup_steps={lr.warmup_steps}; give one of them (set the other to 0)")
     s = cfg.strategy
-    if s.devices and s.kind in ("multi_worker_mirrored", "tpu"):
+    spec = KINDS[s.kind]
+    if s.devices and not spec.accepts_devices:
+        named = " and ".join(k for k in kinds_where(accepts_devices=True) if k != "auto")
         b.issue("strategy.devices", f"received devices={list(s.devices)} with kind={s.kind}; devices applies to "
-                "mirrored and one_device only (remove it, or use simulated_cpu_replicas)")
-    if s.kind == "one_device" and len(s.devices) > 1:
-        b.issue("strategy.devices", f"received {len(s.devices)} devices for kind=one_device; give at most one")
+                f"{named} only (remove it, or use simulated_cpu_replicas)")
+    if spec.max_devices is not None and len(s.devices) > spec.max_devices:
+        b.issue("strategy.devices", f"received {len(s.devices)} devices for kind={s.kind}; give at most "
+                f"{spec.max_devices}")
     if s.devices and s.simulated_cpu_replicas:
         b.issue("strategy.simulated_cpu_replicas", "received both devices and simulated_cpu_replicas; give one "
                 "(simulated replicas make their own logical CPU devices)")
-    if s.kind == "tpu" and s.simulated_cpu_replicas:
-        b.issue("strategy.simulated_cpu_replicas", "simulated_cpu_replicas does not apply to kind=tpu; remove it")
+    if s.simulated_cpu_replicas and not spec.simulated_cpus:
+        b.issue("strategy.simulated_cpu_replicas", f"simulated_cpu_replicas does not apply to kind={s.kind}; "
+                "remove it")
     return dataclasses.replace(cfg, batch=batch)
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from keras_sync.config import Config
+from keras_sync.kinds import KINDS, LAYOUT_TPU
 
 
 @dataclass(frozen=True)
@@ -80,10 +81,11 @@ def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Pl
     src = config.source_of
     env = os.environ if environ is None else environ
     det = strategy.detect(config, environ=env)
+    spec = KINDS[det.kind]
     workers, where = strategy.count_workers(config, env)
-    if det.kind != "multi_worker_mirrored":
+    if not spec.multi_process:
         workers, where = 1, f"{det.kind} runs in one process"
-    if det.kind == "tpu":
+    if spec.layout == LAYOUT_TPU:
         devices, per_worker = [f"TPU {config.strategy.tpu.name}"], 8
     else:
         layout = strategy.device_layout(det.kind, config.strategy, gpus=strategy.count_gpus_cheaply())
@@ -97,7 +99,7 @@ def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Pl
         PlanItem("workers", workers, "env" if workers > 1 else "default", where),
         PlanItem("replicas", replicas, "derived", f"{workers} worker(s) x {per_worker} device(s)"),
     ]
-    if det.kind == "tpu":
+    if spec.layout == LAYOUT_TPU:
         items[-1] = PlanItem("replicas", replicas, "derived", "assumes 8 TPU cores; the real count is known "
                              "when the TPU system starts")
     b = config.batch

@@ -12,6 +12,7 @@ from typing import Any, Mapping
 from keras_sync import scaling
 from keras_sync.config import Config, load_config
 from keras_sync.errors import UsageError
+from keras_sync.kinds import KINDS
 
 log = logging.getLogger("keras_sync")
 
@@ -163,7 +164,7 @@ class Sync:
 
     def _drop_remainder(self) -> bool:
         value = self.config.batch.drop_remainder
-        return self.kind == "tpu" if value == "auto" else bool(value)
+        return KINDS[self.kind].drop_remainder if value == "auto" else bool(value)
 
     def _shard_policy(self, *, in_memory: bool) -> Any:
         import tensorflow as tf
@@ -220,7 +221,7 @@ class Sync:
                 kwargs.setdefault("shuffle", False)
             return x, y, kwargs
         # With a backup, arrays go through our seeded shuffle (Keras' is unseeded), so a resume replays the order.
-        if self.kind != "multi_worker_mirrored" and not (method == "fit" and self.config.fault_tolerance.backup_dir):
+        if not KINDS[self.kind].multi_process and not (method == "fit" and self.config.fault_tolerance.backup_dir):
             kwargs["batch_size"] = global_batch
             return x, y, kwargs
         return self._arrays_to_dataset(method, x, y, kwargs, global_batch)
@@ -277,7 +278,7 @@ class Sync:
             raise UsageError(
                 f"sync.{method}(model, ...) expects a Keras model as first argument. Received: {type(model).__name__}."
             )
-        if self.kind == "default":
+        if not KINDS[self.kind].scoped:
             return
         if getattr(model, "_distribute_strategy", None) is not self.strategy:
             raise UsageError(
@@ -302,17 +303,10 @@ class Sync:
 
 
 def _worker_info(strategy: Any) -> tuple[int, bool, tuple[str | None, int | None]]:
-    resolver = getattr(strategy, "cluster_resolver", None)
-    if resolver is None:
-        return 1, True, (None, None)
-    from tensorflow.python.distribute import multi_worker_util
+    from keras_sync.cluster import strategy_role
 
-    spec = resolver.cluster_spec()
-    if not spec.jobs:
-        return 1, True, (None, None)
-    task_type, task_id = resolver.task_type, resolver.task_id
-    workers = multi_worker_util.worker_count(spec, task_type)
-    return workers, bool(multi_worker_util.is_chief(spec, task_type, task_id)), (task_type, task_id)
+    r = strategy_role(strategy)
+    return r.num_workers, r.is_chief, (r.task_type, r.task_id)
 
 
 def _parts(x: Any, y: Any, sample_weight: Any) -> tuple:

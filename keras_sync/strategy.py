@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from keras_sync.config import Config, StrategyConfig
 from keras_sync.errors import StrategyError
+from keras_sync.kinds import KINDS, LAYOUT_ONE, LAYOUT_TENSORFLOW, LAYOUT_TPU
 
 if TYPE_CHECKING:  # pragma: no cover
     import tensorflow as tf
@@ -121,20 +122,21 @@ def device_layout(kind: str, cfg: StrategyConfig, *, gpus: int) -> DeviceLayout:
     ``gpus`` is the number of GPUs visible (TensorFlow's count in a builder, the driver's in
     the plan). Not for ``tpu``: the TPU system names its cores when it starts.
     """
-    if kind not in ("default", "one_device", "mirrored", "multi_worker_mirrored"):
+    spec = KINDS[kind]
+    if spec.builder is None or spec.layout == LAYOUT_TPU:
         raise ValueError(f"device_layout: no local device layout for kind={kind!r}")
     tf_default = DeviceLayout(("/gpu:0" if gpus else "/cpu:0",), "tensorflow")
-    if kind == "default":  # tf.distribute.get_strategy(): no device list, no simulated CPUs
+    if spec.layout == LAYOUT_TENSORFLOW:  # e.g. tf.distribute.get_strategy(): no device list, no simulated CPUs
         return tf_default
     if cfg.simulated_cpu_replicas:
         layout = DeviceLayout(tuple(_simulated_cpu_names(cfg.simulated_cpu_replicas)), "simulated")
-    elif cfg.devices and kind != "multi_worker_mirrored":
+    elif cfg.devices and spec.accepts_devices:
         layout = DeviceLayout(tuple(cfg.devices), "strategy.devices")
-    elif gpus and kind != "one_device":
+    elif gpus and spec.layout != LAYOUT_ONE:
         layout = DeviceLayout(tuple(f"/gpu:{i}" for i in range(gpus)), "tensorflow")
     else:
         layout = tf_default
-    if kind == "one_device":
+    if spec.layout == LAYOUT_ONE:
         return DeviceLayout(layout.devices[:1], layout.source)
     return layout
 
@@ -293,12 +295,10 @@ def _build_tpu(config: Config) -> tf.distribute.Strategy:
         ) from None
 
 
+# kind -> builder, from the kinds table (`keras_sync.kinds`): a new kind is an entry there and its
+# `_build_<kind>` function here.
 BUILDERS: dict[str, Callable[[Config], "tf.distribute.Strategy"]] = {
-    "default": _build_default,
-    "one_device": _build_one_device,
-    "mirrored": _build_mirrored,
-    "multi_worker_mirrored": _build_multi_worker,
-    "tpu": _build_tpu,
+    name: globals()[spec.builder] for name, spec in KINDS.items() if spec.builder is not None
 }
 
 

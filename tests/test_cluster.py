@@ -13,8 +13,10 @@ import pytest
 from _ports import free_ports
 
 from keras_sync.cluster import (
+    SINGLE,
     SINGLE_PROCESS,
     ClusterInfo,
+    Role,
     check_tf_config_order,
     cluster_from_env,
     data_already_sharded,
@@ -24,6 +26,7 @@ from keras_sync.cluster import (
     parse_slurm_env,
     parse_tf_config,
     record_strategy_tf_config,
+    role,
 )
 from keras_sync.errors import ClusterError
 from keras_sync.launch import launch
@@ -150,6 +153,24 @@ def test_bad_tf_config_names_the_problem(raw: str, message: str) -> None:
 )
 def test_chief_rule(cluster: dict, task: tuple[str, int], expected: bool) -> None:
     assert is_chief(cluster, *task) is expected
+    assert role(cluster, *task).is_chief is expected  # the one role function applies the same rule
+
+
+@pytest.mark.parametrize(("cluster", "task", "expected"), [
+    (None, (None, None), SINGLE),
+    ({}, ("worker", 0), SINGLE),
+    ({"worker": ["w0", "w1"]}, ("worker", 1), Role(False, "worker", 1, 2)),
+    ({"chief": ["c"], "worker": ["w0", "w1"]}, ("chief", 0), Role(True, "chief", 0, 3)),
+    ({"chief": ["c"], "worker": ["w0"], "evaluator": ["e"]}, ("evaluator", 0), Role(True, "evaluator", 0, 2)),
+])
+def test_role_says_chief_task_and_training_workers(cluster: dict | None, task: tuple, expected: Role) -> None:
+    assert role(cluster, *task) == expected
+
+
+def test_parsed_tf_config_and_role_agree() -> None:
+    info = parse_tf_config(tfjob("worker", 1), env={})
+    assert role(json.loads(tfjob("worker", 1))["cluster"], "worker", 1) == Role(
+        info.is_chief, info.task_type, info.task_id, info.num_workers)
 
 
 def _slurm_env(procid: int, port_base_hosts: str = "localhost", tasks: str = "2") -> dict[str, str]:

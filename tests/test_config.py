@@ -119,7 +119,11 @@ def test_all_errors_reported_at_once_in_line_order(tmp_path):
     ("batch: {per_replica: 8.5}\n", 1, "batch.per_replica: received 8.5, expected an integer >= 1 or null"),
     ("mlflow: {enabled: 'yes'}\n", 1, "mlflow.enabled: received 'yes', expected true or false"),
     ("fault_tolerance: {save_freq: 0}\n", 1, "fault_tolerance.save_freq: received 0, expected 'epoch' or an integer"),
-    ("strategy: {kind: tpu, devices: [/cpu:0]}\n", 1, "devices applies to mirrored and one_device only"),
+    ("strategy: {kind: tpu, devices: [/cpu:0]}\n", 1, "devices applies to one_device and mirrored only"),
+    ("strategy: {kind: default, devices: [/cpu:0]}\n", 1, "devices=\\['/cpu:0'\\] with kind=default; devices applies"),
+    ("strategy: {kind: one_device, devices: [/cpu:0, /cpu:1]}\n", 1, "received 2 devices for kind=one_device; give "
+     "at most 1"),
+    ("strategy: {kind: tpu, simulated_cpu_replicas: 2}\n", 1, "simulated_cpu_replicas does not apply to kind=tpu"),
     ("batch: {per_replica: null}\n", 1, "received null for both batch.per_replica and batch.global"),
 ])
 def test_each_error_class_has_file_line_and_message(tmp_path, text, line, pattern):

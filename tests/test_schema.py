@@ -59,7 +59,7 @@ def test_kind_enum_default_and_description_come_from_the_field(schema: dict[str,
     assert (kind["enum"], kind["default"]) == (list(STRATEGY_KINDS), "auto")
     assert kind["description"].startswith("which strategy")
     devices = schema["properties"]["strategy"]["properties"]["devices"]
-    assert devices["description"].startswith("mirrored, one_device: ")  # the kinds a key applies to
+    assert devices["description"].startswith("one_device, mirrored: ")  # the kinds a key applies to
 
 
 def test_default_config_is_valid(validator: jsonschema.Draft202012Validator) -> None:

@@ -70,7 +70,8 @@ def test_device_layout_has_no_answer_for_tpu():
 
 @pytest.mark.parametrize("strategy, devices, replicas", [
     ({"kind": "mirrored", "simulated_cpu_replicas": 2}, ["/cpu:0 (logical)", "/cpu:1 (logical)"], 2),
-    ({"kind": "default", "devices": ["/cpu:0", "/cpu:1"]}, ["/cpu:0"], 1),
+    ({"kind": "one_device", "devices": ["/cpu:1"]}, ["/cpu:1"], 1),
+    ({"kind": "default"}, ["/cpu:0"], 1),
     ({"kind": "tpu", "tpu": {"name": "t1"}}, ["TPU t1"], 8),
 ])
 def test_plan_shows_the_device_layout(strategy, devices, replicas, monkeypatch):

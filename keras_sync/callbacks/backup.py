@@ -182,13 +182,10 @@ class BackupAndRestore(keras.callbacks.Callback):
 
 
 def _chief_and_task(strategy: Any) -> tuple[bool, int | None]:
-    resolver = getattr(strategy, "cluster_resolver", None)
-    if resolver is None or not in_multi_worker_mode(strategy):
-        return True, None
-    from tensorflow.python.distribute import multi_worker_util
+    from keras_sync.cluster import strategy_role
 
-    spec = resolver.cluster_spec()
-    return bool(multi_worker_util.is_chief(spec, resolver.task_type, resolver.task_id)), resolver.task_id
+    r = strategy_role(strategy)
+    return r.is_chief, r.task_id
 
 
 # ---------------------------------------------------------------------------------------------
