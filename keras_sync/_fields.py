@@ -161,18 +161,30 @@ class Bool(Spec):
 
 @dataclass(frozen=True)
 class Str(Spec):
-    """A non-empty string."""
+    """A non-empty string; with ``pattern``, one that matches it (``pattern_doc`` says how in words)."""
+
+    pattern: str | None = None
+    pattern_doc: str = ""
 
     def _check(self, value: Any) -> str:
         if not isinstance(value, str) or not value.strip():
             raise FieldValueError(f"received {_show(value)}, expected {self.describe()}")
+        if self.pattern is not None:
+            import re
+
+            if not re.fullmatch(self.pattern, value):
+                raise FieldValueError(f"received {_show(value)}, expected {self.describe()}")
         return value
 
     def describe(self) -> str:
-        return "a non-empty string" + (" or null" if self.nullable else "")
+        what = self.pattern_doc or "a non-empty string"
+        return what + (" or null" if self.nullable else "")
 
     def json_schema(self) -> dict[str, Any]:
-        return self._nullable_schema({"type": "string", "minLength": 1})
+        schema: dict[str, Any] = {"type": "string", "minLength": 1}
+        if self.pattern is not None:
+            schema["pattern"] = f"^(?:{self.pattern})$"
+        return self._nullable_schema(schema)
 
 
 @dataclass(frozen=True)

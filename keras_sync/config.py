@@ -2,7 +2,8 @@
 
 The YAML file is read here and nowhere else (``yaml.safe_load`` semantics, node marks kept
 for line numbers). Precedence, printed by ``keras-sync plan``:
-command-line flag > environment (``MLFLOW_TRACKING_URI``) > YAML file > default.
+command-line flag > environment (``MLFLOW_TRACKING_URI``, ``KERAS_SYNC_JOB_ID``) > YAML file > default.
+This is the only place that rule is applied; everything else reads the resulting `Config`.
 Every problem becomes a `ConfigIssue` with ``file:line``, the key path, the value received
 and what is allowed; all problems of one file are reported together in one `ConfigError`.
 """
@@ -34,6 +35,8 @@ from keras_sync.kinds import KINDS, STRATEGY_KINDS, kinds_where
 DEFAULT_CONFIG_FILE = "keras_sync.yaml"
 CONFIG_ENV = "KERAS_SYNC_CONFIG"
 
+#: Environment variables that set a config key (they win over the file, lose to a flag).
+ENV_KEYS = {"MLFLOW_TRACKING_URI": "mlflow.tracking_uri", "KERAS_SYNC_JOB_ID": "mlflow.job_id"}
 
 
 def _f(default: Any, spec: Spec, doc: str, key: str | None = None, kinds: tuple[str, ...] | None = None) -> Any:
@@ -127,10 +130,15 @@ class MlflowConfig:
     """Where sync metrics go."""
 
     enabled: bool = _f(True, Bool(), "log sync metrics to MLflow (only the chief writes)")
-    tracking_uri: str | None = _f(None, Str(nullable=True), "null = $MLFLOW_TRACKING_URI, else "
-                                  "sqlite:///<cwd>/mlflow.db")
+    tracking_uri: str | None = _f(None, Str(nullable=True),
+                                  "MLflow tracking URI; $MLFLOW_TRACKING_URI wins over it; null = sqlite:///<cwd>/mlflow.db")
     experiment: str = _f("keras-sync", Str(), "MLflow experiment name")
     run_name: str | None = _f(None, Str(nullable=True), "MLflow run name; null = generated")
+    job_id: str | None = _f(None, Str(nullable=True, pattern=r"[\w.:/@+\-]{1,250}",
+                                      pattern_doc="1-250 letters, digits or _.:/@+-"),
+                            "runs with the same job id share one MLflow run; $KERAS_SYNC_JOB_ID wins over it; "
+                            "null = a new run per job (a relaunch that restores a backup continues its run)")
+    spool_dir: str = _f(".keras_sync_spool", Str(), "where metrics wait for delivery to MLflow (relative to the cwd)")
     log_every_n_steps: int = _f(1, Int(minimum=1), "log step metrics every N optimizer steps")
     allreduce_probe: bool = _f(False, Bool(), "time one all-reduce of the gradients' size at train start")
     system_metrics: bool = _f(False, Bool(), "MLflow's system metrics (CPU, memory, disk, network, GPU) as "
@@ -389,8 +397,8 @@ def load_config(
             else ``./keras_sync.yaml`` if it exists, else the defaults.
         overrides: dotted key paths (``{"batch.per_replica": 64}``), e.g. from command-line flags;
             they win over everything else.
-        environ: the environment to read (default ``os.environ``); ``MLFLOW_TRACKING_URI`` overrides
-            ``mlflow.tracking_uri`` from the file.
+        environ: the environment to read (default ``os.environ``): ``MLFLOW_TRACKING_URI`` and
+            ``KERAS_SYNC_JOB_ID`` override ``mlflow.tracking_uri`` and ``mlflow.job_id`` (`ENV_KEYS`).
 
     Raises:
         ConfigError: with every issue found, each naming file, line, key path, value and fix.
@@ -421,10 +429,11 @@ def load_config(
                                       "level, expected a mapping with keys such as strategy, batch, learning_rate"))
     given = _flatten(data)
     provenance = {k: origin for k in given}
-    tracking_env = env.get("MLFLOW_TRACKING_URI")
-    if tracking_env:
-        _unflatten_into(data, "mlflow.tracking_uri", tracking_env)
-        provenance["mlflow.tracking_uri"] = "env"
+    for name, dotted in ENV_KEYS.items():
+        value = env.get(name, "").strip()
+        if value:
+            _unflatten_into(data, dotted, value)
+            provenance[dotted] = "env"
     for dotted, value in (overrides or {}).items():
         _unflatten_into(data, dotted, value)
         provenance[dotted] = "flag"
@@ -433,7 +442,10 @@ def load_config(
     cfg = b.build(Config, data, "")
     cfg = _check_consistency(cfg, b, given)
     if b.issues:
-        raise ConfigError(sorted(b.issues, key=lambda i: i.line or 0))  # stable: file order within a line
+        from_env = {dotted: name for name, dotted in ENV_KEYS.items() if provenance.get(dotted) == "env"}
+        issues = [ConfigIssue(f"${from_env[i.key_path]}", None, i.key_path, f"{i.message}; fix or unset "
+                              f"${from_env[i.key_path]}") if i.key_path in from_env else i for i in b.issues]
+        raise ConfigError(sorted(issues, key=lambda i: i.line or 0))  # stable: file order within a line
     return dataclasses.replace(cfg, source=file, text=text, provenance=provenance)
 
 

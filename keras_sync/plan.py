@@ -132,12 +132,15 @@ def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Pl
     m = config.mlflow
     items.append(PlanItem("mlflow.enabled", m.enabled, src("mlflow.enabled")))
     if m.enabled:
-        # load_config already put $MLFLOW_TRACKING_URI into the config (source "env"); only the
-        # default is left for resolve_tracking_uri to fill in.
-        uri, _ = tracking.resolve_tracking_uri(m.tracking_uri, environ=env)
+        # load_config applied flag > env > file; only the default is left to fill in.
+        uri, _ = tracking.resolve_tracking_uri(m.tracking_uri)
         uri_source = src("mlflow.tracking_uri") if m.tracking_uri else "default"
-        items.append(PlanItem("mlflow.tracking_uri", tracking.redact_uri(uri), uri_source))
+        items.append(PlanItem("mlflow.tracking_uri", tracking.redact_uri(uri), uri_source,
+                              "flag > $MLFLOW_TRACKING_URI > file > default"))
         items.append(PlanItem("mlflow.experiment", m.experiment, src("mlflow.experiment")))
+        items.append(PlanItem("mlflow.job_id", m.job_id, src("mlflow.job_id"),
+                              "runs with this job id share one MLflow run" if m.job_id else
+                              "a new run; a relaunch that restores a backup continues its run"))
     return Plan(config.source, items)
 
 

@@ -64,21 +64,6 @@ def test_throughput():
     assert _reduce.throughput(64, 0.5, 4)["sync/examples_per_sec_per_replica"] == 32.0
 
 
-def test_job_id_precedence(tmp_path):
-    tf_config = json.dumps({"cluster": {"worker": ["h1:1", "h2:2"]}, "task": {"type": "worker", "index": 1}})
-    other_task = json.dumps({"cluster": {"worker": ["h1:1", "h2:2"]}, "task": {"type": "worker", "index": 0}})
-    env = {"TF_CONFIG": tf_config}
-    cluster_id = _reduce.job_id(env, experiment="e")
-    assert cluster_id.startswith("cluster-")
-    assert _reduce.job_id({"TF_CONFIG": other_task}, experiment="e") == cluster_id  # same job, any task
-    assert _reduce.job_id(env, experiment="other") != cluster_id
-    backup = _reduce.job_id(env, experiment="e", backup_dir="ckpt", cwd=str(tmp_path))
-    assert backup.startswith("backup-") and backup == _reduce.job_id({}, experiment="e", backup_dir=str(tmp_path / "ckpt"))
-    assert _reduce.job_id({**env, "KERAS_SYNC_JOB_ID": " run-7 "}, experiment="e", backup_dir="x") == "run-7"
-    assert _reduce.job_id({"SLURM_JOB_ID": "42"}, experiment="my exp") == "slurm-42-my_exp"
-    assert _reduce.job_id({"TF_CONFIG": "not json"}, experiment="e") is None
-
-
 def test_callbacks_package_imports_no_tensorflow():
     code = ("import sys, keras_sync, keras_sync.callbacks, keras_sync.callbacks._reduce;"
             "heavy = [m for m in ('tensorflow', 'keras', 'mlflow') if m in sys.modules]; print(heavy)")

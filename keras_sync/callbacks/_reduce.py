@@ -1,21 +1,15 @@
-"""Pure logic for the sync callbacks: spread, throughput, when to log, the job id, the writer check.
+"""Pure logic for the sync callbacks: spread, throughput, when to log, the writer check.
 
 No TensorFlow, Keras, numpy or MLflow here, so it is tested on its own (tests/test_sync_metrics.py).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from keras_sync.errors import UsageError
-
-#: Environment variable that names the job (and so its MLflow run) explicitly.
-JOB_ID_ENV = "KERAS_SYNC_JOB_ID"
 
 
 def check_writer(writer: Any, method: str) -> None:
@@ -98,50 +92,3 @@ def replica_metrics(losses: Sequence[float], grad_norms: Sequence[float]) -> dic
     if len(finite) == len(grad_norms) and finite:
         out["sync/grad_norm_spread"] = grad_norm_spread(finite)
     return out
-
-
-def job_id(environ: Mapping[str, str], *, experiment: str, backup_dir: str | None = None,
-           cwd: str | None = None) -> str | None:
-    """A job id that stays the same when a job restarts, so it continues its MLflow run.
-
-    In order: ``$KERAS_SYNC_JOB_ID`` as given; else, with ``fault_tolerance.backup_dir``, a hash
-    of the backup directory's absolute path and the experiment (a restarted job resumes from
-    that directory, whatever ports its workers got); else under Slurm ``slurm-<SLURM_JOB_ID>``
-    (kept on requeue); else, with a ``TF_CONFIG`` cluster, a hash of the cluster (its addresses)
-    and the experiment. ``None`` otherwise: a single process without a backup directory starts
-    a new run each time.
-
-    >>> job_id({"KERAS_SYNC_JOB_ID": "resnet-7"}, experiment="x")
-    'resnet-7'
-    >>> job_id({}, experiment="x") is None
-    True
-    >>> job_id({"SLURM_JOB_ID": "123"}, experiment="x")
-    'slurm-123-x'
-    """
-    explicit = environ.get(JOB_ID_ENV, "").strip()
-    if explicit:
-        return explicit
-    if backup_dir:
-        path = os.path.abspath(os.path.join(cwd or os.getcwd(), os.path.expanduser(backup_dir)))
-        return "backup-" + _digest({"backup_dir": path, "experiment": experiment})
-    slurm = environ.get("SLURM_JOB_ID", "").strip()
-    if slurm:
-        return _clean(f"slurm-{slurm}-{experiment}")
-    raw = environ.get("TF_CONFIG", "").strip()
-    if raw:
-        try:
-            cluster = json.loads(raw).get("cluster")
-        except (ValueError, AttributeError):
-            cluster = None
-        if cluster:
-            return "cluster-" + _digest({"cluster": cluster, "experiment": experiment})
-    return None
-
-
-def _digest(data: object) -> str:
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _clean(text: str) -> str:
-    # The writer accepts letters, digits and `_.:/@+-` only.
-    return "".join(c if c.isalnum() or c in "_.:/@+-" else "_" for c in text)[:250]

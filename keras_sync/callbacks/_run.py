@@ -1,22 +1,33 @@
-"""The MLflow writer of a `Sync`: one run per job, opened by the chief only.
+"""The MLflow run of a `Sync`: which run a job writes to, opened by the chief only.
 
-One writer per `Sync` object, kept across `fit` calls (one run, steps continue). Its job id
-(see `_reduce.job_id`) makes a restarted job continue the same run. The run ends when the
-process exits (the writer's `atexit` close) or with `close_writer(sync)`.
+One writer per `Sync` object, kept across `fit` calls (one run, steps continue). Which run:
+
+- ``mlflow.job_id`` / ``$KERAS_SYNC_JOB_ID`` (set by ``keras-sync launch`` for its restarts):
+  the run with that job id, created once and shared, also after it finished;
+- else, when a relaunch restores the backup in ``fault_tolerance.backup_dir``: the run recorded
+  with that backup (`record_run` writes it before every save), unless that run is FINISHED;
+- else a new run.
+
+The run ends when the process exits (the writer's `atexit` close) or with `close_writer(sync)`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import sys
 import weakref
+from pathlib import Path
 from typing import Any
-
-from keras_sync.callbacks import _reduce
-from keras_sync.errors import TrackingError
 
 log = logging.getLogger("keras_sync")
 _writers: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_recorded: weakref.WeakKeyDictionary[Any, tuple[str, dict[str, Any]]] = weakref.WeakKeyDictionary()
+#: The file in the backup directory that names the job's run (deleted with the backup).
+RUN_RECORD = "keras_sync_run.json"
+#: At the first `fit`, how long to wait for the courier to create the run before saying where it is.
+ANNOUNCE_WAIT_S = 10.0
 
 
 def writer_for(sync: Any) -> Any:
@@ -26,23 +37,70 @@ def writer_for(sync: Any) -> Any:
     writer = _writers.get(sync)
     if writer is not None:
         return writer
-    from keras_sync.tracking import MlflowWriter, redact_uri, resolve_tracking_uri
+    from keras_sync.tracking import MlflowWriter, resolve_tracking_uri
 
     cfg = sync.config.mlflow
-    uri, _ = resolve_tracking_uri(cfg.tracking_uri, environ={})  # config.py already folded in the env
-    jid = _reduce.job_id(os.environ, experiment=cfg.experiment, backup_dir=sync.config.fault_tolerance.backup_dir)
-    try:
-        writer = MlflowWriter(tracking_uri=uri, experiment=cfg.experiment, run_name=cfg.run_name, job_id=jid)
-    except TrackingError as exc:
-        if jid is not None and os.environ.get(_reduce.JOB_ID_ENV):
-            raise TrackingError(f"Invalid value for ${_reduce.JOB_ID_ENV}. Received: {jid!r}. Expected 1-250 "
-                                "letters, digits or `_.:/@+-`; fix or unset it.") from None
-        raise exc
+    uri, _ = resolve_tracking_uri(cfg.tracking_uri)
+    job_id, explicit, run_id = cfg.job_id, True, None
+    restored = restored_run(sync.config.fault_tolerance.backup_dir) if job_id is None else None
+    if restored is not None:
+        job_id, explicit, run_id = restored["job_id"], False, restored.get("run_id")
+    writer = MlflowWriter(tracking_uri=uri, experiment=cfg.experiment, run_name=cfg.run_name, job_id=job_id,
+                          job_id_explicit=explicit, run_id=run_id, spool_dir=cfg.spool_dir)
     writer.start()
-    log.info("keras-sync: logging sync metrics to MLflow at %s, experiment %r%s", redact_uri(uri),
-             cfg.experiment, f", job id {jid}" if jid else "")
     _writers[sync] = writer
+    announce(writer, sync)
     return writer
+
+
+def announce(writer: Any, sync: Any) -> None:
+    """Print one line on where this job's metrics go: URI, experiment, run id, how to open it."""
+    run_id = writer.wait_for_run(ANNOUNCE_WAIT_S)
+    where = f"MLflow at {writer.shown_uri}, experiment {writer.experiment!r}"
+    if run_id is None:
+        failed = writer.failure()
+        why = f"not reachable yet ({failed['error']})" if failed else "not created yet"
+        line = (f"keras-sync: metrics go to {where}; the run is {why}. They wait in {writer.spool_path} "
+                "and are delivered when MLflow answers.")
+    else:
+        url = writer.run_url()
+        config = f" {sync.config.source}" if sync.config.source not in ("<defaults>", "<dict>") else ""
+        how = f"open {url}" if url else f"view it with: keras-sync ui{config}"
+        line = f"keras-sync: metrics go to {where}, run {run_id}; {how}"
+    print(line, file=sys.stderr, flush=True)
+
+
+def restored_run(backup_dir: str | None) -> dict[str, Any] | None:
+    """The run recorded with the backup in ``backup_dir``, if a relaunch will restore one; else None."""
+    if not backup_dir:
+        return None
+    import tensorflow as tf  # the backup's own test of "a checkpoint to restore exists"
+
+    if tf.train.latest_checkpoint(backup_dir) is None:
+        return None
+    try:
+        record = json.loads((Path(backup_dir) / RUN_RECORD).read_text())
+    except (OSError, ValueError):
+        return None  # a backup from before runs were recorded: a new run
+    return record if isinstance(record, dict) and isinstance(record.get("job_id"), str) else None
+
+
+def record_run(writer: Any, backup_dir: str) -> None:
+    """Write the job id and run id of ``writer`` into ``backup_dir``, next to the backup.
+
+    `keras_sync.callbacks.backup` calls it before every save (chief only); a relaunch that
+    restores that backup continues the run it names (`restored_run`).
+    """
+    record = {"job_id": writer.job_id, "run_id": writer.run_id, "experiment": writer.experiment,
+              "tracking_uri": writer.shown_uri}
+    path = Path(backup_dir) / RUN_RECORD
+    if _recorded.get(writer) == (str(path), record) and path.exists():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{RUN_RECORD}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
+    _recorded[writer] = (str(path), record)
 
 
 def close_writer(sync: Any, timeout_s: float = 10.0) -> None:

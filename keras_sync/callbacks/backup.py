@@ -286,7 +286,10 @@ def backup_callbacks(sync: Any) -> list[Any]:
         return []
     writer = None
     if sync.config.mlflow.enabled:
-        from keras_sync.callbacks._run import writer_for
+        from keras_sync.callbacks._run import record_run, writer_for
 
         writer = writer_for(sync)
-    return [BackupAndRestore(ft.backup_dir, ft.save_freq, writer=writer)]
+    backup = BackupAndRestore(ft.backup_dir, ft.save_freq, writer=writer)
+    if writer is not None:  # the run goes with every backup: a relaunch that restores it continues that run
+        backup.before_save.append(lambda: record_run(writer, ft.backup_dir))
+    return [backup]

@@ -56,8 +56,6 @@ class SyncMetrics(keras.callbacks.Callback):
         writer: a started `keras_sync.tracking.MlflowWriter`; None on workers that only take
             part in the gathers.
         log_every_n_steps: log every N optimizer steps (>= 1).
-        flush_timeout_s: at train end, wait at most this long for MLflow to have every point
-            (the rest stays in the spool and is delivered in the background).
 
     Example:
         >>> writer = MlflowWriter(tracking_uri="sqlite:///mlflow.db", experiment="demo")  # doctest: +SKIP
@@ -65,9 +63,8 @@ class SyncMetrics(keras.callbacks.Callback):
         >>> model.fit(ds, epochs=3, callbacks=[SyncMetrics(writer, log_every_n_steps=10)])  # doctest: +SKIP
     """
 
-    def __init__(self, writer: Any = None, *, log_every_n_steps: int = 1, flush_timeout_s: float = 10.0):
+    def __init__(self, writer: Any = None, *, log_every_n_steps: int = 1):
         super().__init__()
-        self.flush_timeout_s = float(flush_timeout_s)
         _reduce.check_writer(writer, "log_metrics")
         if isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
             raise UsageError(f"Invalid value for argument `log_every_n_steps`. Received: "
@@ -110,10 +107,6 @@ class SyncMetrics(keras.callbacks.Callback):
             self._count = self._probe.count(rings)
             rows = self._probe.row(rings, self._count)
             self._examples_at_log = sum(r[self._probe.EXAMPLES] for r in rows) if rows else 0.0
-            if self.global_step > 0 and self.writer is not None and hasattr(self.writer, "skip_logged_steps"):
-                # Resumed (a backup restored the step count) or a later fit: a crashed process may
-                # have logged steps past the backup, which this one trains again; keep one point each.
-                self.writer.skip_logged_steps()
         self._first_batch = batch
         self._t0 = time.perf_counter()
 
@@ -179,16 +172,10 @@ class SyncMetrics(keras.callbacks.Callback):
         self.emit()
         if self.writer is None:
             return
-        # Bounded wait: metrics are in MLflow when fit returns, unless the server is away; then
-        # they stay in the spool and the writer's thread keeps delivering (or `keras-sync sync-spool`).
-        if not self.writer.flush(timeout_s=self.flush_timeout_s):
-            warnings.warn(
-                f"keras-sync: some metrics are not in MLflow yet (tracking server slow or away); they are kept in "
-                f"{getattr(self.writer, 'spool_path', 'the spool')} and delivered in the background while this "
-                "process lives, or later with `keras-sync sync-spool PATH`.",
-                UserWarning,
-                stacklevel=2,
-            )
+        # Metrics are in MLflow when fit returns, unless delivery stops making progress or MLflow is
+        # known to be away: then one warning names the cause and the spool, and fit returns.
+        if hasattr(self.writer, "end_of_fit"):
+            self.writer.end_of_fit()
 
 
 def _warn_custom_train_step(model: Any) -> None:

@@ -7,9 +7,14 @@ import click
 
 @click.command("sync-spool")
 @click.argument("path", type=click.Path(path_type=str))
-@click.option("--tracking-uri", help="Where to send them (default: the URI recorded in the spool).")
+@click.option("--tracking-uri", help="Where to send them (default: the URI recorded in the spool, "
+              "which is kept without credentials).")
 def command(path: str, tracking_uri: str | None) -> None:
-    """Replay the spool file PATH into MLflow; safe to run again (delivered records are skipped)."""
+    """Deliver the spool directory PATH to MLflow; safe to run again (nothing is sent twice).
+
+    A training process leaves a spool when MLflow was unreachable at its end; its warning names
+    PATH (under mlflow.spool_dir, default .keras_sync_spool). A delivered spool is removed.
+    """
     from keras_sync.tracking import replay_spool
 
     sent = replay_spool(path, tracking_uri=tracking_uri)

@@ -20,17 +20,19 @@ _STOP_TIMEOUT_S = 10.0
 
 @click.command("ui")
 @click.argument("config", required=False, type=click.Path(path_type=str))
+@click.option("--tracking-uri", help="The store to show; wins over $MLFLOW_TRACKING_URI and the config.")
 @click.option("--port", type=click.IntRange(1, 65535), default=5000, show_default=True, help="Port on 127.0.0.1.")
 @click.option("--no-browser", is_flag=True, help="Do not open a browser.")
-def command(config: str | None, port: int, no_browser: bool) -> None:
+def command(config: str | None, tracking_uri: str | None, port: int, no_browser: bool) -> None:
     """Serve the MLflow UI for CONFIG's tracking store on 127.0.0.1 until Ctrl-C.
 
-    The store is mlflow.tracking_uri, else $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db.
+    The store is the one training logs to, by the same rule: --tracking-uri, else
+    $MLFLOW_TRACKING_URI, else mlflow.tracking_uri in CONFIG, else sqlite:///<cwd>/mlflow.db.
     """
     from keras_sync.config import load_config
     from keras_sync.tracking import redact_uri, resolve_tracking_uri
 
-    cfg = load_config(config)
+    cfg = load_config(config, overrides={"mlflow.tracking_uri": tracking_uri} if tracking_uri else None)
     uri, _ = resolve_tracking_uri(cfg.mlflow.tracking_uri)
     if uri.startswith(("http://", "https://", "databricks")):
         click.echo(f"The config points at a tracking server already: open {redact_uri(uri)}")

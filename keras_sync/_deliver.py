@@ -1,0 +1,258 @@
+"""Sending spooled records to one MLflow run: find or create the run, batch, drop repeated steps.
+
+The only keras-sync module that calls MLflow's tracking client. Which run a job writes to:
+
+- the run id recorded with the job's backup (a relaunch that restored it), else the run tagged
+  ``keras_sync.job_id`` with the job id, else a new run with that tag;
+- a FINISHED run is reopened only for a job id given explicitly (``$KERAS_SYNC_JOB_ID``,
+  ``mlflow.job_id``, ``keras-sync launch``); for a job id that came with a backup, a new run is
+  started instead.
+
+Every metric point at a step that its key already has in the run is dropped, so no run ever
+holds two points at one (key, step): a batch re-sent after a crash, or the steps a restored job
+trains again after its backup, keep the first point.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+_log = logging.getLogger("keras_sync.tracking")
+
+# MLflow reads its HTTP retry settings from the environment on every request. Retrying is ours
+# to do (with backoff, in the background), so each of our calls runs with retries off and a short
+# timeout; the lock keeps two of our threads from interleaving their save/restore.
+_ENV_LOCK = threading.Lock()
+_FAST_FAIL_ENV = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "0",
+    # set_terminated otherwise prints "View run ... at: <tracking URI>" to stdout, password included.
+    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
+}
+JOB_TAG = "keras_sync.job_id"
+
+
+@contextlib.contextmanager
+def fast_fail_env(tracking_uri: str, timeout_s: int) -> Iterator[None]:
+    """Run MLflow HTTP calls with no retries and a short timeout; restore the user's values after."""
+    if not tracking_uri.startswith(("http://", "https://")):
+        yield
+        return
+    wanted = dict(_FAST_FAIL_ENV, MLFLOW_HTTP_REQUEST_TIMEOUT=str(max(1, int(timeout_s))))
+    with _ENV_LOCK:
+        saved = {k: os.environ.get(k) for k in wanted}
+        os.environ.update(wanted)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True if a failed MLflow call may succeed later (server down, overloaded, store locked)."""
+    code = getattr(exc, "error_code", None)
+    if code is None:
+        return True  # OSError, requests errors, sqlite "database is locked": try again
+    return code in {"INTERNAL_ERROR", "TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED",
+                    "DEADLINE_EXCEEDED", "ABORTED", "IO_ERROR"}
+
+
+class Deliverer:
+    """Sends spooled records to one MLflow run through `MlflowClient`.
+
+    Args:
+        tracking_uri: where to send (credentials included; never written to disk).
+        experiment, run_name: of a run it creates.
+        job_id: the job's id; runs are found by the tag ``keras_sync.job_id``.
+        explicit: the job id was given by the user: a FINISHED run with it is reopened.
+        run_id: a run id recorded with the job's backup, tried first.
+    """
+
+    def __init__(self, tracking_uri: str, experiment: str, run_name: str | None, job_id: str | None,
+                 *, explicit: bool = False, run_id: str | None = None, request_timeout_s: int = 5):
+        self.tracking_uri = tracking_uri
+        self.experiment, self.run_name, self.job_id = experiment, run_name, job_id
+        self.explicit = explicit
+        self.run_id: str | None = None
+        self.experiment_id: str | None = None
+        self._hint = run_id
+        self._checked = False
+        self.request_timeout_s = request_timeout_s
+        self._client: Any = None
+        #: Per metric key, the highest step the run has; points at or below it are dropped.
+        self.floors: dict[str, int] = {}
+        self.dropped = 0
+        self.start_time_ms: int | None = None
+
+    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        with fast_fail_env(self.tracking_uri, self.request_timeout_s):
+            return fn(*args, **kwargs)
+
+    def client(self) -> Any:
+        if self._client is None:
+            from mlflow import MlflowClient
+
+            from keras_sync._sqlite_store import ensure_sqlite_store
+
+            ensure_sqlite_store(self.tracking_uri)  # a kill while MLflow builds it would leave it half-built
+            self._client = MlflowClient(tracking_uri=self.tracking_uri)
+        return self._client
+
+    def new_session(self, start_time_ms: int | None) -> None:
+        """A writer (re)started: check the run again before the next batch (it may have ended)."""
+        self._checked = False
+        if self.start_time_ms is None:
+            self.start_time_ms = start_time_ms
+
+    def ensure_run(self) -> tuple[str, bool]:
+        """Return (run id, whether it changed now): find, reopen or create the job's run."""
+        if self.run_id is not None and self._checked:
+            return self.run_id, False
+        before = self.run_id
+        c = self.client()
+        run = None
+        for candidate in (self.run_id, self._hint):
+            if candidate is not None:
+                run = self._usable(self._get_run(candidate))
+                if run is not None:
+                    break
+        if run is None and self.job_id is not None:
+            exp_id = self._experiment_id()
+            found = self._call(c.search_runs, [exp_id], filter_string=f"tags.`{JOB_TAG}` = '{self.job_id}'",
+                               max_results=20, order_by=["attributes.start_time DESC"])
+            run = next((r for r in map(self._usable, found) if r is not None), None)
+        if run is None:
+            tags = {JOB_TAG: self.job_id} if self.job_id is not None else None
+            run = self._call(c.create_run, self._experiment_id(), start_time=self.start_time_ms,
+                             run_name=self.run_name, tags=tags)
+            self.floors = {}
+        else:
+            if run.info.status != "RUNNING":
+                self._call(c.update_run, run.info.run_id, status="RUNNING")
+            if run.info.run_id != before:
+                self.floors = self._logged_steps(run)
+        self.run_id, self._checked, self._hint = run.info.run_id, True, None
+        self.experiment_id = run.info.experiment_id
+        return self.run_id, self.run_id != before
+
+    def _get_run(self, run_id: str) -> Any:
+        try:
+            run = self._call(self.client().get_run, run_id)
+        except Exception as e:
+            if is_transient(e):
+                raise
+            return None  # deleted, or another store: look the job up by its tag
+        return run if run.info.lifecycle_stage == "active" else None
+
+    def _usable(self, run: Any) -> Any:
+        """The run, unless it is FINISHED and the job id was not given explicitly."""
+        if run is None or (run.info.status == "FINISHED" and not self.explicit):
+            return None
+        return run
+
+    def _experiment_id(self) -> str:
+        c = self.client()
+        exp = self._call(c.get_experiment_by_name, self.experiment)
+        if exp is not None:
+            return exp.experiment_id
+        try:
+            return self._call(c.create_experiment, self.experiment)
+        except Exception as e:  # another process created it first
+            if getattr(e, "error_code", None) != "RESOURCE_ALREADY_EXISTS":
+                raise
+            return self._call(c.get_experiment_by_name, self.experiment).experiment_id
+
+    def _logged_steps(self, run: Any) -> dict[str, int]:
+        """The highest step of every metric the run has."""
+        # RunData keeps the latest point of each key (MLflow's latest = highest step) with its
+        # step in `_metric_objs`; without that shape, read the histories (slower, same answer).
+        objs = getattr(run.data, "_metric_objs", None)
+        if isinstance(objs, list) and all(hasattr(m, "step") for m in objs):
+            return {m.key: int(m.step) for m in objs}
+        floors: dict[str, int] = {}
+        for key in run.data.metrics:
+            history = self._call(self.client().get_metric_history, run.info.run_id, key)
+            if history:
+                floors[key] = max(m.step for m in history)
+        return floors
+
+    def send(self, records: list[dict[str, Any]]) -> int:
+        """Deliver records in order; return how many metric points were sent."""
+        from mlflow.entities import Metric, Param, RunTag
+
+        if records and records[0]["k"] != "begin":  # a "begin" sets the start time of a new run first
+            self.ensure_run()
+        c = self.client()
+        metrics: list[Any] = []
+        params: list[Any] = []
+        tags: list[Any] = []
+        floors = dict(self.floors)  # committed only when the batch is accepted
+        sent = dropped = 0
+
+        def flush() -> None:
+            nonlocal sent
+            if metrics or params or tags:
+                self._send_batch(metrics, params, tags)
+                sent += len(metrics)
+                self.floors.update(floors)
+                metrics.clear(), params.clear(), tags.clear()
+
+        for rec in records:
+            k = rec["k"]
+            if k == "m":
+                if len(metrics) + len(rec["d"]) + len(params) + len(tags) > 1000:
+                    flush()
+                step = rec["s"]
+                for key, v in rec["d"].items():
+                    if step > floors.get(key, step - 1):
+                        metrics.append(Metric(key, v, rec["ts"], step))
+                        floors[key] = step
+                    else:
+                        dropped += 1
+            elif k in ("p", "t"):
+                if len(params) + len(tags) + len(rec["d"]) > 100:
+                    flush()
+                target, cls = (params, Param) if k == "p" else (tags, RunTag)
+                target.extend(cls(key, v) for key, v in rec["d"].items())
+            elif k == "a":
+                flush()
+                self._call(c.log_text, self.run_id, rec["text"], rec["f"])
+            elif k == "end":
+                flush()
+                self._call(c.set_terminated, self.run_id, status=rec["status"], end_time=rec.get("ts"))
+            elif k == "begin":
+                flush()
+                self.new_session(rec.get("ts"))
+                self.ensure_run()
+                floors = dict(self.floors)  # the run may be another one now
+        flush()
+        self.dropped += dropped
+        return sent
+
+    def _send_batch(self, metrics: list[Any], params: list[Any], tags: list[Any]) -> None:
+        c = self.client()
+        try:
+            self._call(c.log_batch, self.run_id, metrics=metrics, params=params, tags=tags)
+        except Exception as e:
+            if is_transient(e) or not params:
+                raise
+            # A param logged before with another value is refused for good (params are
+            # immutable); send the rest without it rather than retry the batch forever.
+            self._call(c.log_batch, self.run_id, metrics=metrics, params=[], tags=tags)
+            for p in params:
+                try:
+                    self._call(c.log_batch, self.run_id, params=[p])
+                except Exception as pe:
+                    if is_transient(pe):
+                        raise
+                    _log.warning("MLflow refused param %r (logged before with another value?); "
+                                 "it is dropped, the rest of the batch was delivered.", p.key)
