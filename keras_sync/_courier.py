@@ -96,14 +96,14 @@ class Delivery:
         transient = is_transient(error)
         local = not self.uri.startswith(("http://", "https://", "databricks"))
         text = redact_text(f"{type(error).__name__}: {error}", self.secrets)[:500]
+        cause = "store_failing" if local else "unreachable" if transient else "refused"
         self.spool.set_status({"ok": False, "at": time.time(), "since": since or time.time(), "error": text,
-                               "cause": ("refused" if not transient else "store_failing" if local else "unreachable"),
-                               "uri": self.shown_uri})
+                               "cause": cause, "uri": self.shown_uri})
 
     def serve(self, parent_pid: int | None) -> None:
         """Deliver until the run's end is delivered, or the parent process is gone."""
         retry_at, backoff, failing_since = 0.0, 0.0, None
-        while True:
+        while self.spool.path.is_dir():  # removed: its writer delivered it all, or it was cleaned up
             orphan = parent_pid is not None and os.getppid() != parent_pid
             if time.monotonic() >= retry_at or orphan:
                 try:
@@ -148,8 +148,12 @@ def main(argv: list[str]) -> int:
         delivery.deliverer.client()
     except Exception:  # noqa: BLE001 - the first delivery reports it
         pass
-    delivery.serve(parent)
-    return 0
+    try:
+        delivery.serve(parent)
+    except OSError:
+        if spool.path.is_dir():
+            raise
+    return 0  # the spool directory went away under us: nothing left to deliver
 
 
 if __name__ == "__main__":

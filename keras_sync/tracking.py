@@ -54,9 +54,10 @@ _BAD_KEY_CHARS = re.compile(r"[^\w.\- :/]")
 #: How often the writer's thread moves queued records to the spool (seconds).
 SPOOL_INTERVAL_S = 0.2
 #: A wait for delivery gives up when the delivered position has not moved for this long (seconds).
-STALL_S = 10.0
-#: ... or, before the courier's first attempt (it imports MLflow, may migrate a fresh store), this long.
-STARTUP_S = 60.0
+STALL_S = 30.0
+#: ... or, before the courier's first attempt (it imports MLflow, may migrate a fresh store: 2-4 s
+#: on a quiet machine, a minute seen on an overloaded one), this long.
+STARTUP_S = 120.0
 
 
 def resolve_tracking_uri(configured: str | None, *, cwd: str | os.PathLike[str] | None = None) -> tuple[str, str]:
@@ -315,6 +316,9 @@ class MlflowWriter:
             cause += f" ({failed.get('error', '')})"
         elif self._courier is None or self._courier.poll() is not None:
             cause = f"the courier process that delivers to {self.shown_uri} is not running"
+        elif self._spool.status() is None:
+            cause = (f"the courier process had not reached {self.shown_uri} yet (it starts by importing "
+                     "MLflow: seconds, more on a busy machine)")
         else:
             cause = (f"delivery to {self.shown_uri} made no progress for {STALL_S:g} s (the courier "
                      "process gets no CPU time, or MLflow does not answer)")
@@ -368,7 +372,7 @@ class MlflowWriter:
         self.run_id  # noqa: B018 - read the run id before the spool that holds it may be removed
         self._spool.close_segment()
         self._spool.unlock("writer")
-        if message is None and not self._spool.pending():
+        if message is None and not self._thread.is_alive() and not self._spool.pending():
             self._spool.remove()  # everything is in MLflow: the spool has done its job
         elif message:
             warnings.warn(message, RuntimeWarning, stacklevel=2)

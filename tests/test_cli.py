@@ -259,7 +259,8 @@ def test_plan_json_has_values_and_sources(tmp_path: Path) -> None:
     assert (items["learning_rate.base"]["value"], items["learning_rate.base"]["source"]) == (0.05, "file")
     assert items["learning_rate.scaled"]["value"] == pytest.approx(0.2)  # 0.05 x 64/16
     assert items["learning_rate.scaling"]["source"] == "default"
-    assert items["mlflow.tracking_uri"] == {"value": "http://127.0.0.1:5999", "source": "env", "note": ""}
+    assert items["mlflow.tracking_uri"] == {"value": "http://127.0.0.1:5999", "source": "env",
+                                           "note": "flag > $MLFLOW_TRACKING_URI > file > default"}
     assert "s3cret" not in result.stdout
 
 
