@@ -32,7 +32,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Mapping, Sequence
 from typing import IO, NoReturn
 
@@ -147,7 +146,6 @@ def launch(
     base_env.pop("TF_CONFIG", None)
     base_env.update(env or {})
     base_env["PYTHONUNBUFFERED"] = "1"
-    base_env.setdefault("KERAS_SYNC_JOB_ID", f"launch-{uuid.uuid4().hex[:12]}")  # one MLflow run per launch, restarts included
     if config is not None:
         base_env["KERAS_SYNC_CONFIG"] = os.path.abspath(config)
 
