@@ -238,10 +238,12 @@ def test_replay_failure_is_one_clean_error(tmp_path):
     assert (spool / "00000001.jsonl").exists()
 
 
-def test_close_rejects_unknown_status(tmp_path):
-    w = MlflowWriter(tracking_uri="sqlite:///x.db", experiment=_exp(), spool_dir=tmp_path)
+@slow
+def test_close_rejects_unknown_status(in_tmp, sqlite_uri):
+    w = MlflowWriter(tracking_uri=sqlite_uri, experiment=_exp(), spool_dir=in_tmp)
     with pytest.raises(TrackingError, match="`status`. Received: status='DONE'. Expected one of FINISHED, FAILED, KILLED"):
         w.close(status="DONE")
+    w.close(timeout_s=120)
 
 
 # ---- sqlite store ----
