@@ -168,8 +168,9 @@ class MlflowWriter:
             raise TrackingError(f"Invalid value for argument `spool_dir`. Received: spool_dir={str(root)!r}, "
                                 f"which cannot be created ({e.strerror}). Expected a writable directory.") from None
         self.job_id = job_id or f"run-{uuid.uuid4().hex[:12]}"
+        self.job_id_explicit = bool(job_id and job_id_explicit)
         self._header = {"v": 2, "experiment": experiment, "run_name": run_name, "job_id": self.job_id,
-                        "explicit": bool(job_id and job_id_explicit), "tracking_uri": self.shown_uri,
+                        "explicit": self.job_id_explicit, "tracking_uri": self.shown_uri,
                         "run_id": run_id}
         self._spool = SpoolDir(root.resolve() / re.sub(r"[^\w.\-]", "_", self.job_id))
         self._queue: deque[tuple[int, dict[str, Any]]] = deque()

@@ -2,10 +2,11 @@
 
 One writer per `Sync` object, kept across `fit` calls (one run, steps continue). Which run:
 
-- ``mlflow.job_id`` / ``$KERAS_SYNC_JOB_ID`` (set by ``keras-sync launch`` for its restarts):
-  the run with that job id, created once and shared, also after it finished;
-- else, when a relaunch restores the backup in ``fault_tolerance.backup_dir``: the run recorded
-  with that backup (`record_run` writes it before every save), unless that run is FINISHED;
+- when a relaunch restores the backup in ``fault_tolerance.backup_dir``: the run recorded with
+  that backup (`record_run` writes it before every save), unless that run is FINISHED (and its
+  job id was not explicit);
+- else ``mlflow.job_id`` / ``$KERAS_SYNC_JOB_ID`` (set by ``keras-sync launch`` for its
+  restarts): the run with that job id, created once and shared, also after it finished;
 - else a new run.
 
 The run ends when the process exits (the writer's `atexit` close) or with `close_writer(sync)`.
@@ -42,9 +43,9 @@ def writer_for(sync: Any) -> Any:
     cfg = sync.config.mlflow
     uri, _ = resolve_tracking_uri(cfg.tracking_uri)
     job_id, explicit, run_id = cfg.job_id, True, None
-    restored = restored_run(sync.config.fault_tolerance.backup_dir) if job_id is None else None
-    if restored is not None:
-        job_id, explicit, run_id = restored["job_id"], False, restored.get("run_id")
+    restored = restored_run(sync.config.fault_tolerance.backup_dir)
+    if restored is not None:  # wins over a job id: `keras-sync launch` makes a new one per launch
+        job_id, explicit, run_id = restored["job_id"], bool(restored.get("explicit")), restored.get("run_id")
     writer = MlflowWriter(tracking_uri=uri, experiment=cfg.experiment, run_name=cfg.run_name, job_id=job_id,
                           job_id_explicit=explicit, run_id=run_id, spool_dir=cfg.spool_dir)
     writer.start()
@@ -91,8 +92,8 @@ def record_run(writer: Any, backup_dir: str) -> None:
     `keras_sync.callbacks.backup` calls it before every save (chief only); a relaunch that
     restores that backup continues the run it names (`restored_run`).
     """
-    record = {"job_id": writer.job_id, "run_id": writer.run_id, "experiment": writer.experiment,
-              "tracking_uri": writer.shown_uri}
+    record = {"job_id": writer.job_id, "explicit": writer.job_id_explicit, "run_id": writer.run_id,
+              "experiment": writer.experiment, "tracking_uri": writer.shown_uri}
     path = Path(backup_dir) / RUN_RECORD
     if _recorded.get(writer) == (str(path), record) and path.exists():
         return
