@@ -177,7 +177,6 @@ def build_multi_worker_strategy(
     """
     import tensorflow as tf
     from tensorflow.python.distribute import multi_worker_util
-    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
     from tensorflow.python.eager import context
 
     impls = {
@@ -224,15 +223,17 @@ def build_multi_worker_strategy(
             "standalone",
             service_leader=multi_worker_util.coordination_leader(spec),
             cluster_register_timeout_in_ms=int(connect_timeout_s * 1000),
-            coordinated_jobs=[
-                coordination_config_pb2.CoordinatedJob(name=j, num_tasks=spec.num_tasks(j))
-                for j in _TRAINING_JOBS
-                if j in spec.jobs
-            ],
         )
+        config = ctx.coordination_service
+        # The job list is filled on the config TF just made, so no protobuf module is imported:
+        # TF moved `coordination_config_pb2` (tensorflow.tsl -> tensorflow.compiler.xla.tsl)
+        # between 2.17 and 2.21, and neither path is public.
+        for j in _TRAINING_JOBS:
+            if j in spec.jobs:
+                config.coordinated_job_list.add(name=j, num_tasks=spec.num_tasks(j))
         # Without the barrier only the leader waits for the others; with it every task
         # waits, and times out, at registration.
-        ctx.coordination_service.cluster_register_with_barrier = True
+        config.cluster_register_with_barrier = True
     else:
         logger.warning(
             "Coordination service already configured or task %s is not a training task; "

@@ -302,7 +302,30 @@ BUILDERS: dict[str, Callable[[Config], "tf.distribute.Strategy"]] = {
 }
 
 
+# keras-sync depends on no TensorFlow distribution (see pyproject.toml): a project brings its own.
+INSTALL_TENSORFLOW_HINT = (
+    'pip install "keras-sync[cpu]" (tensorflow-cpu), "keras-sync[tensorflow]" (the standard build; '
+    'GPU with a system CUDA) or "keras-sync[and-cuda]" (GPU with CUDA from pip)'
+)
+
+
+def require_tensorflow() -> None:
+    """Raise `StrategyError` with the install command when no TensorFlow can be imported."""
+    import sys
+
+    try:
+        import tensorflow  # noqa: F401
+    except ModuleNotFoundError as e:
+        if e.name != "tensorflow":
+            raise  # a broken TensorFlow: its own error says more than ours could
+        raise StrategyError(
+            f"TensorFlow is not installed in this environment ({sys.executable}); keras-sync uses the "
+            f"TensorFlow of your project and installs none itself. Fix: {INSTALL_TENSORFLOW_HINT}."
+        ) from None
+
+
 def build_strategy(config: Config, environ: Mapping[str, str] | None = None) -> tuple[tf.distribute.Strategy, Detection]:
     """Build the configured `tf.distribute.Strategy` (call before any other TensorFlow work)."""
+    require_tensorflow()
     detection = detect(config, environ)
     return BUILDERS[detection.kind](config), detection

@@ -14,7 +14,8 @@ def bash_blocks() -> list[str]:
 
 def test_readme_starts_with_install_and_test_commands():
     install, tests = bash_blocks()[:2]
-    assert "pip install -e ." in install and "examples/quickstart.py" in install
+    # A fresh venv has no TensorFlow: the install command brings one with the `cpu` extra.
+    assert 'pip install -e ".[cpu]"' in install and "examples/quickstart.py" in install
     assert "pytest" in tests
 
 

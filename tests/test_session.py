@@ -53,6 +53,7 @@ def test_replicas_and_batches(runs, n):
     assert r["history_type"] == "History"
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("n", (2, 4))
 def test_mirrored_equals_one_device(runs, n):
     diff = float(np.abs(runs[n]["weights"] - runs[1]["weights"]).max())

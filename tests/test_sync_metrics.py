@@ -145,6 +145,7 @@ PER_STEP = ["sync/replica_0/loss", "sync/replica_1/loss", "sync/replica_0/grad_n
             "sync/examples_per_sec_per_replica", "sync/learning_rate", "loss", "mae"]
 
 
+@pytest.mark.compat
 def test_every_step_metric_has_one_point_per_logged_step(runs):
     main = runs["mirrored"]["main"]
     c = _client(runs["sqlite"])
@@ -154,6 +155,7 @@ def test_every_step_metric_has_one_point_per_logged_step(runs):
         assert steps == list(range(2, 25, 2)), key
 
 
+@pytest.mark.compat
 def test_per_replica_losses_average_to_keras_loss(runs):
     c = _client(runs["sqlite"])
     rid = runs["mirrored"]["main"]["run_id"]
@@ -279,6 +281,7 @@ def test_custom_train_step_warns_and_keeps_outside_metrics(runs):
     assert c.get_run(r["run_id"]).data.params["sync.strategy"] == "MirroredStrategy"
 
 
+@pytest.mark.compat
 def test_multi_worker_run_is_one_run_with_every_replica(runs):
     r = runs["multi_worker"]
     assert (r["kind"], r["replicas"], r["workers"]) == ("multi_worker_mirrored", 2, 2)
@@ -295,6 +298,7 @@ def test_multi_worker_run_is_one_run_with_every_replica(runs):
     assert found[0].data.params["sync.num_workers"] == "2"
 
 
+@pytest.mark.compat
 def test_server_run_and_no_secret_anywhere(runs):
     r = runs["mirrored"]["server"]
     _ok(r)
