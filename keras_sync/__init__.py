@@ -17,6 +17,7 @@ from typing import Any
 from keras_sync.config import Config, load_config
 from keras_sync.errors import (
     ClusterError,
+    CompatibilityError,
     ConfigError,
     ConnectTimeoutError,
     KerasSyncError,
@@ -50,6 +51,7 @@ __all__ = [
     "AllReduceProbe",
     "BackupAndRestore",
     "ClusterError",
+    "CompatibilityError",
     "Config",
     "ConfigError",
     "ConnectTimeoutError",

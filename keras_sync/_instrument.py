@@ -63,6 +63,10 @@ class ReplicaProbe:
         self.strategy = model.distribute_strategy
         self.num_replicas = int(self.strategy.num_replicas_in_sync)
         self.per_replica_supported = has_default_train_step(model)
+        if self.per_replica_supported:
+            from keras_sync import _internals
+
+            _internals.require("per_replica_metrics")  # what the shims below shadow must still be called
         #: Rows of the ring: the steps a reader may fall behind (with room for steps_per_execution).
         self.ring = max(int(ring), 4 * int(getattr(model, "steps_per_execution", 1) or 1))
         with self.strategy.scope():

@@ -1,8 +1,10 @@
-"""Version-guarded fixes for upstream Keras bugs that break distributed `fit`.
+"""Fixes for upstream Keras bugs that break distributed `fit`, applied where probes allow.
 
-Each fix cites its upstream issue and applies only to the Keras versions where it
-was measured. Results with the fixes equal plain Keras on one device (see
-tests/test_keras_compat.py). No TensorFlow or Keras import at module import time.
+Each fix cites its upstream issue. Whether it can be applied is decided by probing the
+internals it patches (`keras_sync._internals`, feature ``multi_worker_fit``), not by the
+Keras version number: a Keras that moved one is refused with one line. Results with the
+fixes equal plain Keras on one device (see tests/test_keras_compat.py). No TensorFlow or
+Keras import at module import time.
 """
 
 from __future__ import annotations
@@ -14,25 +16,9 @@ from keras_sync.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
-# keras-team/keras#20585 is present from Keras 3.0 and still in 3.15.1 (measured here).
-# The upper bound is the newest version checked: re-measure before widening it.
-_FIXED_RANGE = ((3, 0), (3, 16))
+# keras-team/keras#20585 is present from Keras 3.0 and still in 3.15.1 (measured here); the
+# canary test (tests/test_keras_compat.py) says when plain Keras stops failing.
 _PATCH_MARK = "_keras_sync_multi_worker_fix"
-
-
-TESTED_RANGE_TEXT = f">= {_FIXED_RANGE[0][0]}.{_FIXED_RANGE[0][1]}, < {_FIXED_RANGE[1][0]}.{_FIXED_RANGE[1][1]}"
-
-
-def keras_in_tested_range() -> bool:
-    """Whether the installed Keras is in the range where keras-sync's Keras patches were measured."""
-    return _FIXED_RANGE[0] <= _keras_version() < _FIXED_RANGE[1]
-
-
-def _keras_version() -> tuple[int, int]:
-    import keras
-
-    major, minor = keras.__version__.split(".")[:2]
-    return int(major), int(minor)
 
 
 def _is_multi_worker(strategy: Any) -> bool:
@@ -62,15 +48,15 @@ def apply_multi_worker_fixes() -> bool:
     every other call goes to the original Keras code.
 
     Returns:
-        True if the fixes are active (now or from an earlier call), False when the
-        installed Keras is outside the range where the bug was measured.
-    """
-    version = _keras_version()
-    if not (_FIXED_RANGE[0] <= version < _FIXED_RANGE[1]):
-        logger.info("Keras %s.%s is outside %s: multi-worker fit fixes not applied", *version, _FIXED_RANGE)
-        return False
+        True: the fixes are active (now or from an earlier call).
 
-    from keras.src import tree
+    Raises:
+        CompatibilityError: the installed Keras no longer has the internals patched here.
+    """
+    from keras_sync import _internals
+
+    _internals.require("multi_worker_fit")
+    from keras import tree
     from keras.src.backend.tensorflow import trainer as tf_trainer
 
     if getattr(tf_trainer.reduce_per_replica, _PATCH_MARK, False):

@@ -99,8 +99,9 @@ def _normalize_devices(local_devices: list[str]) -> tuple[list[str], str]:
 
 def _strategy_classes() -> tuple[type, type]:
     """The strategy subclass and its extended object, defined on first use (TF is heavy)."""
+    import tensorflow as tf
+    # Private (no public subclassing point); probed in keras_sync/_internals.py.
     from tensorflow.python.distribute import collective_all_reduce_strategy as cars
-    from tensorflow.python.distribute import distribute_lib
 
     class _LocalDevicesExtended(cars.CollectiveAllReduceExtended):
         def __init__(self, container, cluster_resolver, communication_options, local_devices):
@@ -117,7 +118,7 @@ def _strategy_classes() -> tuple[type, type]:
         # Same class as `tf.distribute.MultiWorkerMirroredStrategy` for isinstance checks
         # (Keras, tf.data); only the extended object differs.
         def __init__(self, cluster_resolver, communication_options, local_devices):
-            distribute_lib.Strategy.__init__(
+            tf.distribute.Strategy.__init__(
                 self,
                 _LocalDevicesExtended(self, cluster_resolver, communication_options, local_devices),
             )

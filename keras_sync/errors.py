@@ -77,3 +77,7 @@ class UsageError(KerasSyncError):
 
 class TrackingError(KerasSyncError):
     """MLflow tracking cannot be set up as configured."""
+
+
+class CompatibilityError(KerasSyncError):
+    """The installed Keras, TensorFlow or MLflow no longer has an internal a keras-sync feature needs."""

@@ -253,9 +253,10 @@ def _build_mirrored(config: Config) -> tf.distribute.Strategy:
 
 
 def _build_multi_worker(config: Config) -> tf.distribute.Strategy:
-    from keras_sync import _keras_compat, _multi_worker, cluster
+    from keras_sync import _internals, _keras_compat, _multi_worker, cluster
 
     cfg = config.strategy
+    _internals.require("multi_worker_strategy")  # private TF internals the builder subclasses and configures
     cluster.check_tf_config_order()  # tensorflow#60706: TF_CONFIG must be set before TF joins a cluster
     if cfg.simulated_cpu_replicas:
         configure_simulated_cpus(cfg.simulated_cpu_replicas)
@@ -270,7 +271,8 @@ def _build_multi_worker(config: Config) -> tf.distribute.Strategy:
         connect_timeout_s=cfg.connect_timeout_s,
     )
     cluster.record_strategy_tf_config(os.environ.get("TF_CONFIG"))
-    _keras_compat.apply_multi_worker_fixes()
+    if in_multi_worker_mode(strategy):  # the fixes (and their probes) concern multi-worker fit only
+        _keras_compat.apply_multi_worker_fixes()
     return strategy
 
 

@@ -223,11 +223,17 @@ def test_steps_per_execution_above_one_with_replicas_is_refused():
         _keras_compat.check_steps_per_execution(types.SimpleNamespace(steps_per_execution=8), 2)
 
 
-def test_fixes_not_applied_outside_measured_keras_range(monkeypatch):
-    monkeypatch.setattr(_keras_compat, "_keras_version", lambda: (3, 16))
-    assert _keras_compat.apply_multi_worker_fixes() is False
-    monkeypatch.setattr(_keras_compat, "_keras_version", lambda: (2, 15))
-    assert _keras_compat.apply_multi_worker_fixes() is False
+def test_fixes_refuse_in_one_line_when_a_patched_internal_moved(monkeypatch):
+    # Decided by probing what is patched, not by the version number (keras_sync/_internals.py).
+    from keras.src.backend.tensorflow import trainer
+
+    from keras_sync.errors import CompatibilityError
+
+    monkeypatch.delattr(trainer.TensorFlowTrainer, "_maybe_symbolic_build")
+    with pytest.raises(CompatibilityError, match=r"^`fit` under multi-worker multi_worker_mirrored cannot work with Keras .*"
+                       r"TensorFlowTrainer._maybe_symbolic_build` is gone .*Fix: pip install .*\.$"):
+        _keras_compat.apply_multi_worker_fixes()
+    assert not getattr(trainer.reduce_per_replica, _keras_compat._PATCH_MARK, False)  # nothing was patched
 
 
 def test_modules_import_no_tensorflow():

@@ -249,19 +249,12 @@ def resumable_fit(callbacks: list[Any]) -> Iterator[None]:
     if backup is None:
         yield
         return
+    from keras_sync import _internals
+
+    # The swap relies on private Keras internals: a Keras that moved them is refused in one line.
+    _internals.require("exact_resume")
     from keras.src.backend.tensorflow import trainer
 
-    from keras_sync import _keras_compat
-
-    base = getattr(trainer, "TFEpochIterator", None)
-    if not _keras_compat.keras_in_tested_range() or not hasattr(base, "_enumerate_iterator"):
-        # The swap relies on Keras 3.15 internals; on another Keras, resume as Keras does (from
-        # the start of the interrupted epoch) rather than guess.
-        warnings.warn(f"keras-sync: exact mid-epoch resume is tested on Keras {_keras_compat.TESTED_RANGE_TEXT}; "
-                      f"with Keras {keras.__version__} a resumed job restarts the interrupted epoch at batch 0.",
-                      RuntimeWarning, stacklevel=3)
-        yield
-        return
     original = trainer.TFEpochIterator
     cls = _resumable_iterator_class()
 

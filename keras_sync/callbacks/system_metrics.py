@@ -49,6 +49,9 @@ class SystemMetrics(keras.callbacks.Callback):
             warnings.warn("keras-sync: mlflow.system_metrics is on but psutil is not installed, so no system "
                           "metrics are logged. Fix: pip install psutil", UserWarning, stacklevel=3)
             return []
+        from keras_sync import _internals
+
+        _internals.require("system_metrics")  # MLflow's private monitor classes, sampled here
         from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor
         from mlflow.system_metrics.metrics.disk_monitor import DiskMonitor
         from mlflow.system_metrics.metrics.network_monitor import NetworkMonitor

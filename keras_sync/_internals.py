@@ -1,0 +1,246 @@
+"""Every private Keras, TensorFlow and MLflow internal keras-sync relies on, each with a probe.
+
+Keras 3 has no public hook for what keras-sync fixes or measures: its `fit` under a
+multi-worker `MultiWorkerMirroredStrategy` (keras-team/keras#20585), each replica's own loss
+and gradients, an epoch that starts mid-way. Where no public API exists keras-sync reaches
+into the library, and this table is the one list of those places. Each entry names the
+internal, the feature that needs it, the upstream issue or the reason, and a probe that
+checks the internal still has the shape keras-sync patches or calls (the attribute exists,
+the signature matches, the caller still looks it up where we replace it).
+
+`require(feature)` runs the probes of one feature and raises `CompatibilityError` with one
+line (the Keras and TensorFlow versions, what is missing, what to do) when one fails: a
+moved internal ends in a clear refusal, never in a silent skip that leads back to the
+upstream crash, nor in a traceback from inside Keras. Probes are chosen by shape, not by
+version number. An entry with ``fallback`` has a public path keras-sync takes instead, so a
+failed probe costs speed or a safety check, not the feature.
+
+No TensorFlow, Keras or MLflow import at module import time; a probe imports what it checks.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+from types import CodeType
+from typing import Any, Callable
+
+from keras_sync.errors import CompatibilityError
+
+# What a refused feature is, in the words of the refusal, and what else the user can do.
+FEATURES: dict[str, tuple[str, str]] = {
+    "multi_worker_fit": ("`fit` under multi-worker multi_worker_mirrored",
+                         "or train on one worker (strategy.kind: mirrored)"),
+    "multi_worker_strategy": ("multi_worker_mirrored with local devices and strategy.connect_timeout_s",
+                              "or train on one worker (strategy.kind: mirrored)"),
+    "exact_resume": ("exact mid-epoch resume (fault_tolerance.backup_dir)",
+                     "or remove fault_tolerance.backup_dir"),
+    "per_replica_metrics": ("per-replica loss and gradient norm (sync/replica_*)",
+                            "or set mlflow.enabled: false"),
+    "system_metrics": ("MLflow system metrics (mlflow.system_metrics: true)",
+                       "or set mlflow.system_metrics: false"),
+}
+TESTED = "Keras 3.10-3.15, TensorFlow 2.17-2.21, MLflow 2.22-3.17"
+PIN = 'pip install "keras>=3.10,<3.16" "tensorflow>=2.17,<2.22" "mlflow>=2.22,<3.18"'
+
+
+@dataclass(frozen=True)
+class Internal:
+    """One private internal: where it lives, who needs it, why, and how its shape is checked."""
+
+    name: str
+    feature: str
+    why: str
+    probe: Callable[[], str | None]  # None when the shape matches, else what is missing
+    fallback: bool = False
+
+
+def _get(path: str) -> Any:
+    """``"pkg.module:Class.attr"`` -> the object; raises AttributeError/ImportError if moved."""
+    module, _, attrs = path.partition(":")
+    obj: Any = importlib.import_module(module)
+    for a in attrs.split(".") if attrs else ():
+        obj = getattr(obj, a)
+    return obj
+
+
+def _names(code: CodeType) -> set[str]:
+    """Global and attribute names a function's code (and its nested functions) looks up."""
+    out = set(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, CodeType):
+            out |= _names(c)
+    return out
+
+
+def callable_with(path: str, *params: str) -> Callable[[], str | None]:
+    """Probe: ``path`` exists, is callable and its first parameters are ``params``."""
+
+    def probe() -> str | None:
+        obj = _get(path)
+        if not callable(obj):
+            return f"`{path}` is not callable"
+        got = list(inspect.signature(obj).parameters)[: len(params)]
+        return None if got == list(params) else f"`{path}` takes {got}, not {list(params)}"
+
+    return probe
+
+
+def looks_up(paths: str | tuple[str, ...], *names: str) -> Callable[[], str | None]:
+    """Probe: the function at ``paths`` (or those of them that exist, taken together) still looks
+    up ``names`` by name, which is what keras-sync replaces or shadows."""
+    paths = (paths,) if isinstance(paths, str) else paths
+
+    def probe() -> str | None:
+        found: set[str] = set()
+        existing = []
+        for path in paths:
+            try:
+                fn = inspect.unwrap(_get(path))
+            except (ImportError, AttributeError):
+                continue
+            existing.append(path)
+            found |= _names(fn.__code__)
+        if not existing:
+            _get(paths[0])  # raises: reported as gone
+        missing = [n for n in names if n not in found]
+        return None if not missing else f"`{' / '.join(existing)}` no longer uses {missing}"
+
+    return probe
+
+
+def has_attrs(path: str, *attrs: str) -> Callable[[], str | None]:
+    """Probe: the object at ``path`` has ``attrs``."""
+
+    def probe() -> str | None:
+        obj = _get(path)
+        missing = [a for a in attrs if not hasattr(obj, a)]
+        return None if not missing else f"`{path}` has no {missing}"
+
+    return probe
+
+
+def _is_mwms() -> str | None:
+    import tensorflow as tf
+
+    cls = _get("tensorflow.python.distribute.collective_all_reduce_strategy:CollectiveAllReduceStrategy")
+    return None if cls is tf.distribute.MultiWorkerMirroredStrategy else (
+        "`CollectiveAllReduceStrategy` is no longer `tf.distribute.MultiWorkerMirroredStrategy`")
+
+
+def _coordination_config() -> str | None:
+    # The config TF builds in `configure_coordination_service`; keras-sync adds jobs and the barrier.
+    ctx = _get("tensorflow.python.eager.context")
+    pb2 = getattr(ctx, "coordination_config_pb2", None)
+    fields = pb2.CoordinationServiceConfig.DESCRIPTOR.fields_by_name if pb2 else {}
+    missing = [f for f in ("coordinated_job_list", "cluster_register_with_barrier",
+                           "cluster_register_timeout_in_ms") if f not in fields]
+    return None if not missing else f"TensorFlow's coordination service config has no {missing}"
+
+
+def _monitors() -> str | None:
+    for module, cls in (("cpu", "CPU"), ("disk", "Disk"), ("network", "Network")):
+        missing = has_attrs(f"{_SYSTEM}.{module}_monitor:{cls}Monitor",
+                            "collect_metrics", "aggregate_metrics", "clear_metrics")()
+        if missing:
+            return missing
+    return None
+
+
+_TRAINER = "keras.src.backend.tensorflow.trainer"
+_CARS = "tensorflow.python.distribute.collective_all_reduce_strategy"
+_MW_UTIL = "tensorflow.python.distribute.multi_worker_util"
+_SYSTEM = "mlflow.system_metrics.metrics"
+_KERAS_20585 = "keras-team/keras#20585 (Keras 3 fit under MultiWorkerMirroredStrategy)"
+
+REGISTRY: tuple[Internal, ...] = (
+    # _keras_compat.py: the two failures of keras-team/keras#20585, patched for multi-worker only.
+    Internal(f"{_TRAINER}:reduce_per_replica", "multi_worker_fit", _KERAS_20585,
+             callable_with(f"{_TRAINER}:reduce_per_replica", "values", "strategy", "reduction")),
+    Internal(f"{_TRAINER}:TensorFlowTrainer.make_train_function", "multi_worker_fit",
+             "reduce_per_replica is replaced as a module global, so the train function must look it up there",
+             # Keras 3.10 builds the step in make_train_function, later ones in _make_function.
+             looks_up((f"{_TRAINER}:TensorFlowTrainer.make_train_function",
+                       f"{_TRAINER}:TensorFlowTrainer._make_function"), "reduce_per_replica")),
+    Internal(f"{_TRAINER}:TensorFlowTrainer._maybe_symbolic_build", "multi_worker_fit", _KERAS_20585,
+             callable_with(f"{_TRAINER}:TensorFlowTrainer._maybe_symbolic_build", "self", "iterator", "data_batch")),
+    Internal(f"{_TRAINER}:_is_tpu_strategy, _is_per_replica_instance, _is_scalar", "multi_worker_fit",
+             "Keras's own tests for what the patched reduction may change",
+             has_attrs(_TRAINER, "_is_tpu_strategy", "_is_per_replica_instance", "_is_scalar")),
+    # _multi_worker.py: local devices per worker and the bounded join (no constructor argument for either).
+    Internal(f"{_CARS}:CollectiveAllReduceExtended._initialize_local_devices", "multi_worker_strategy",
+             "TF's hook that picks local devices (TODO b/126786766); no argument gives CPUs",
+             callable_with(f"{_CARS}:CollectiveAllReduceExtended._initialize_local_devices",
+                           "self", "cluster_resolver", "worker_device")),
+    Internal(f"{_CARS}:CollectiveAllReduceExtended.__init__", "multi_worker_strategy",
+             "subclassed to pass the local devices",
+             callable_with(f"{_CARS}:CollectiveAllReduceExtended.__init__",
+                           "self", "container_strategy", "cluster_resolver", "communication_options")),
+    Internal(f"{_CARS}:CollectiveAllReduceExtended._in_multi_worker_mode", "multi_worker_strategy",
+             "strategy.in_multi_worker_mode: which strategies get the multi-worker fixes and collectives",
+             callable_with(f"{_CARS}:CollectiveAllReduceExtended._in_multi_worker_mode", "self")),
+    Internal(f"{_CARS}:CollectiveAllReduceStrategy", "multi_worker_strategy",
+             "subclassed so that isinstance(tf.distribute.MultiWorkerMirroredStrategy) holds", _is_mwms),
+    Internal("tensorflow.python.eager.context:Context.configure_coordination_service", "multi_worker_strategy",
+             "no public API configures the coordination service (join timeout, tensorflow#60706)",
+             callable_with("tensorflow.python.eager.context:Context.configure_coordination_service",
+                           "self", "service_type", "service_leader")),
+    Internal("tensorflow.python.eager.context:coordination_config_pb2.CoordinationServiceConfig",
+             "multi_worker_strategy", "the fields keras-sync sets on that config", _coordination_config),
+    Internal(f"{_MW_UTIL}:is_chief, worker_count, normalize_cluster_spec, coordination_leader",
+             "multi_worker_strategy", "TF's own chief rule and cluster maths, reused rather than copied",
+             has_attrs(_MW_UTIL, "is_chief", "worker_count", "normalize_cluster_spec", "coordination_leader")),
+    # callbacks/backup.py: the epoch iterator fit builds, swapped for one that starts mid-epoch.
+    Internal(f"{_TRAINER}:TFEpochIterator", "exact_resume",
+             "Keras's BackupAndRestore restarts an epoch at batch 0; no API starts one mid-way",
+             has_attrs(f"{_TRAINER}:TFEpochIterator", "_enumerate_iterator", "catch_stop_iteration")),
+    Internal(f"{_TRAINER}:TensorFlowTrainer.fit", "exact_resume",
+             "fit must build its iterator from the module global keras-sync swaps",
+             looks_up(f"{_TRAINER}:TensorFlowTrainer.fit", "TFEpochIterator")),
+    # _instrument.py: each replica's loss and local gradients exist only inside train_step.
+    Internal(f"{_TRAINER}:TensorFlowTrainer.train_step", "per_replica_metrics",
+             "the values before the all-reduce exist only inside train_step",
+             looks_up(f"{_TRAINER}:TensorFlowTrainer.train_step", "_compute_loss", "apply_gradients")),
+    Internal("tensorflow.python.ops.gen_resource_variable_ops:read_variable_op", "per_replica_metrics",
+             "a ~4x faster read of the per-replica ring; falls back to the public Variable.numpy()",
+             callable_with("tensorflow.python.ops.gen_resource_variable_ops:read_variable_op", "resource", "dtype"),
+             fallback=True),
+    # cluster.py: the cluster TF already joined, to catch a TF_CONFIG changed afterwards.
+    Internal("tensorflow.python.eager.context:context_safe", "multi_worker_strategy",
+             "tensorflow#60706 check; without it a late TF_CONFIG change is not caught",
+             has_attrs("tensorflow.python.eager.context", "context_safe"), fallback=True),
+    # callbacks/system_metrics.py: MLflow's monitors, sampled at training steps.
+    Internal(f"{_SYSTEM}: CPUMonitor, DiskMonitor, NetworkMonitor", "system_metrics",
+             "MLflow samples system metrics on its own clock only; keras-sync logs them at training steps",
+             _monitors),
+)
+
+
+def check(internal: Internal) -> str | None:
+    """What is missing for ``internal`` on the installed versions, or None if its shape matches."""
+    try:
+        return internal.probe()
+    except (ImportError, AttributeError) as e:
+        return f"`{internal.name}` is gone ({type(e).__name__}: {e})"
+
+
+def versions(internal: Internal) -> str:
+    """``"Keras 3.15.1, TensorFlow 2.21.0"`` (or ``"MLflow 3.17.2"``): the library the internal belongs to."""
+    libraries = (("MLflow", "mlflow"),) if internal.name.startswith("mlflow") else (
+        ("Keras", "keras"), ("TensorFlow", "tensorflow"))
+    return ", ".join(f"{label} {getattr(importlib.import_module(m), '__version__', '?')}" for label, m in libraries)
+
+
+def require(feature: str) -> None:
+    """Raise `CompatibilityError` (one line) if an internal that ``feature`` needs has moved."""
+    what, alternative = FEATURES[feature]
+    for internal in REGISTRY:
+        if internal.feature != feature or internal.fallback:
+            continue
+        missing = check(internal)
+        if missing is not None:
+            raise CompatibilityError(
+                f"{what} cannot work with {versions(internal)}: {missing} (keras-sync needs it for "
+                f"{internal.why}). keras-sync is tested with {TESTED}. Fix: {PIN}, {alternative}."
+            )

@@ -1,0 +1,99 @@
+"""The registry of private Keras/TensorFlow/MLflow internals: every probe holds on this stack, and a
+moved internal ends in a one-line refusal (the versions, what is missing, what to do)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from keras_sync import _internals
+from keras_sync.errors import CompatibilityError, KerasSyncError
+
+
+@pytest.mark.compat
+def test_every_probe_holds_on_the_installed_stack():
+    failed = {i.name: _internals.check(i) for i in _internals.REGISTRY if _internals.check(i) is not None}
+    assert not failed, failed
+
+
+def test_every_feature_has_internals_and_every_internal_a_feature():
+    used = {i.feature for i in _internals.REGISTRY}
+    assert used == set(_internals.FEATURES)
+    for feature in _internals.FEATURES:
+        _internals.require(feature)  # all present here: no refusal
+
+
+def test_a_probe_can_fail():
+    # The probes are not vacuous: each kind reports a shape that does not match.
+    assert "takes" in _internals.callable_with("json:dumps", "not_obj")()
+    assert "no longer uses" in _internals.looks_up("json:dumps", "no_such_name")()
+    assert "has no" in _internals.has_attrs("json", "no_such_attr")()
+    gone = _internals.Internal("json:nope", "exact_resume", "test", _internals.has_attrs("json:nope"))
+    assert _internals.check(gone).startswith("`json:nope` is gone (AttributeError")
+
+
+def _one_line(message: str) -> str:
+    assert "\n" not in message
+    return message
+
+
+def test_moved_keras_internal_refuses_multi_worker_fit_in_one_line(monkeypatch):
+    from keras.src.backend.tensorflow import trainer
+
+    import keras
+    import tensorflow as tf
+
+    monkeypatch.delattr(trainer, "reduce_per_replica")
+    with pytest.raises(CompatibilityError) as info:
+        _internals.require("multi_worker_fit")
+    assert isinstance(info.value, KerasSyncError)
+    assert _one_line(str(info.value)) == (
+        f"`fit` under multi-worker multi_worker_mirrored cannot work with Keras {keras.__version__}, "
+        f"TensorFlow {tf.__version__}: `keras.src.backend.tensorflow.trainer:reduce_per_replica` is gone "
+        "(AttributeError: module 'keras.src.backend.tensorflow.trainer' has no attribute 'reduce_per_replica') "
+        "(keras-sync needs it for keras-team/keras#20585 (Keras 3 fit under MultiWorkerMirroredStrategy)). "
+        "keras-sync is tested with Keras 3.10-3.15, TensorFlow 2.17-2.21, MLflow 2.22-3.17. Fix: pip install "
+        "\"keras>=3.10,<3.16\" \"tensorflow>=2.17,<2.22\" \"mlflow>=2.22,<3.18\", or train on one worker "
+        "(strategy.kind: mirrored)."
+    )
+
+
+def test_changed_signature_is_named(monkeypatch):
+    from keras.src.backend.tensorflow import trainer
+
+    monkeypatch.setattr(trainer.TensorFlowTrainer, "_maybe_symbolic_build", lambda self, data_batch=None: None)
+    with pytest.raises(CompatibilityError, match=re.escape(
+            "`keras.src.backend.tensorflow.trainer:TensorFlowTrainer._maybe_symbolic_build` takes "
+            "['self', 'data_batch'], not ['self', 'iterator', 'data_batch']")):
+        _internals.require("multi_worker_fit")
+
+
+def test_fit_that_no_longer_uses_the_swapped_iterator_refuses_exact_resume(monkeypatch):
+    from keras.src.backend.tensorflow import trainer
+
+    def fit(self, *args, **kwargs):  # a Keras whose fit builds its iterator some other way
+        return None
+
+    monkeypatch.setattr(trainer.TensorFlowTrainer, "fit", fit)
+    with pytest.raises(CompatibilityError, match=r"^exact mid-epoch resume \(fault_tolerance.backup_dir\) cannot .*"
+                       r"`keras.src.backend.tensorflow.trainer:TensorFlowTrainer.fit` no longer uses "
+                       r"\['TFEpochIterator'\].* or remove fault_tolerance.backup_dir\.$"):
+        _internals.require("exact_resume")
+
+
+def test_moved_fallback_internal_refuses_nothing(monkeypatch):
+    from tensorflow.python.ops import gen_resource_variable_ops
+
+    monkeypatch.delattr(gen_resource_variable_ops, "read_variable_op")
+    entry = next(i for i in _internals.REGISTRY if i.name.endswith("read_variable_op"))
+    assert entry.fallback and _internals.check(entry) is not None
+    _internals.require("per_replica_metrics")  # the public read takes over
+
+
+def test_registry_imports_nothing_heavy():
+    code = ("import sys, keras_sync._internals; "
+            "heavy = [m for m in ('tensorflow', 'keras', 'mlflow') if m in sys.modules]; assert not heavy, heavy")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
