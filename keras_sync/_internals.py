@@ -42,7 +42,14 @@ FEATURES: dict[str, tuple[str, str]] = {
                        "or set mlflow.system_metrics: false"),
 }
 TESTED = "Keras 3.10-3.15, TensorFlow 2.17-2.21, MLflow 2.22-3.17"
-PIN = 'pip install "keras>=3.10,<3.16" "tensorflow>=2.17,<2.22" "mlflow>=2.22,<3.18"'
+# The fix for each library. TensorFlow is not named by distribution: "tensorflow" would add a
+# second TensorFlow next to a project's tensorflow-cpu (or the reverse).
+PIN = {
+    "keras": 'pip install "keras>=3.10,<3.16"',
+    "tensorflow": "install TensorFlow 2.17-2.21 of the distribution you use "
+                  '(e.g. pip install "tensorflow-cpu>=2.17,<2.22")',
+    "mlflow": 'pip install "mlflow>=2.22,<3.18"',
+}
 
 
 @dataclass(frozen=True)
@@ -129,14 +136,15 @@ def _is_mwms() -> str | None:
         "`CollectiveAllReduceStrategy` is no longer `tf.distribute.MultiWorkerMirroredStrategy`")
 
 
-def _coordination_config() -> str | None:
-    # The config TF builds in `configure_coordination_service`; keras-sync adds jobs and the barrier.
-    ctx = _get("tensorflow.python.eager.context")
-    pb2 = getattr(ctx, "coordination_config_pb2", None)
-    fields = pb2.CoordinationServiceConfig.DESCRIPTOR.fields_by_name if pb2 else {}
-    missing = [f for f in ("coordinated_job_list", "cluster_register_with_barrier",
-                           "cluster_register_timeout_in_ms") if f not in fields]
-    return None if not missing else f"TensorFlow's coordination service config has no {missing}"
+def _coordination_fields(*names: str) -> Callable[[], str | None]:
+    """Probe: the config TF builds in `configure_coordination_service` has the fields keras-sync sets."""
+
+    def probe() -> str | None:
+        fields = _get(f"{_CONTEXT}:coordination_config_pb2.CoordinationServiceConfig").DESCRIPTOR.fields_by_name
+        missing = [f for f in names if f not in fields]
+        return None if not missing else f"TensorFlow's coordination service config has no {missing}"
+
+    return probe
 
 
 def _monitors() -> str | None:
@@ -149,10 +157,13 @@ def _monitors() -> str | None:
 
 
 _TRAINER = "keras.src.backend.tensorflow.trainer"
+_CONTEXT = "tensorflow.python.eager.context"
 _CARS = "tensorflow.python.distribute.collective_all_reduce_strategy"
 _MW_UTIL = "tensorflow.python.distribute.multi_worker_util"
 _SYSTEM = "mlflow.system_metrics.metrics"
 _KERAS_20585 = "keras-team/keras#20585 (Keras 3 fit under MultiWorkerMirroredStrategy)"
+
+BARRIER = f"{_CONTEXT}:coordination_config_pb2.CoordinationServiceConfig.cluster_register_with_barrier"
 
 REGISTRY: tuple[Internal, ...] = (
     # _keras_compat.py: the two failures of keras-team/keras#20585, patched for multi-worker only.
@@ -186,8 +197,13 @@ REGISTRY: tuple[Internal, ...] = (
              "no public API configures the coordination service (join timeout, tensorflow#60706)",
              callable_with("tensorflow.python.eager.context:Context.configure_coordination_service",
                            "self", "service_type", "service_leader")),
-    Internal("tensorflow.python.eager.context:coordination_config_pb2.CoordinationServiceConfig",
-             "multi_worker_strategy", "the fields keras-sync sets on that config", _coordination_config),
+    Internal(f"{_CONTEXT}:coordination_config_pb2.CoordinationServiceConfig", "multi_worker_strategy",
+             "the join timeout and the jobs that must join",
+             _coordination_fields("coordinated_job_list", "cluster_register_timeout_in_ms")),
+    Internal(BARRIER, "multi_worker_strategy",
+             "every task, not only the chief, to time out at registration (absent in TF 2.17, present in 2.21; "
+             "without it a worker whose chief never starts waits on TensorFlow's own terms)",
+             _coordination_fields("cluster_register_with_barrier"), fallback=True),
     Internal(f"{_MW_UTIL}:is_chief, worker_count, normalize_cluster_spec, coordination_leader",
              "multi_worker_strategy", "TF's own chief rule and cluster maths, reused rather than copied",
              has_attrs(_MW_UTIL, "is_chief", "worker_count", "normalize_cluster_spec", "coordination_leader")),
@@ -232,6 +248,11 @@ def versions(internal: Internal) -> str:
     return ", ".join(f"{label} {getattr(importlib.import_module(m), '__version__', '?')}" for label, m in libraries)
 
 
+def available(name: str) -> bool:
+    """Whether the internal registered as ``name`` has the expected shape here (for a fallback)."""
+    return check(next(i for i in REGISTRY if i.name == name)) is None
+
+
 def require(feature: str) -> None:
     """Raise `CompatibilityError` (one line) if an internal that ``feature`` needs has moved."""
     what, alternative = FEATURES[feature]
@@ -242,5 +263,6 @@ def require(feature: str) -> None:
         if missing is not None:
             raise CompatibilityError(
                 f"{what} cannot work with {versions(internal)}: {missing} (keras-sync needs it for "
-                f"{internal.why}). keras-sync is tested with {TESTED}. Fix: {PIN}, {alternative}."
+                f"{internal.why}). keras-sync is tested with {TESTED}. "
+                f"Fix: {PIN[internal.name.split('.')[0]]}, {alternative}."
             )

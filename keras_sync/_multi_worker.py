@@ -28,6 +28,7 @@ import logging
 import re
 from typing import TYPE_CHECKING, Any
 
+from keras_sync import _internals
 from keras_sync.errors import ConnectTimeoutError, StrategyError
 
 if TYPE_CHECKING:
@@ -234,7 +235,15 @@ def build_multi_worker_strategy(
                 config.coordinated_job_list.add(name=j, num_tasks=spec.num_tasks(j))
         # Without the barrier only the leader waits for the others; with it every task
         # waits, and times out, at registration.
-        config.cluster_register_with_barrier = True
+        if _internals.available(_internals.BARRIER):
+            config.cluster_register_with_barrier = True
+        else:
+            logger.warning(
+                "keras-sync: TensorFlow %s has no coordination-service registration barrier: "
+                "strategy.connect_timeout_s bounds the chief's wait for the others; a worker whose "
+                "chief never starts waits as TensorFlow decides (TensorFlow 2.21 bounds every task).",
+                tf.__version__,
+            )
     else:
         logger.warning(
             "Coordination service already configured or task %s is not a training task; "
