@@ -1,8 +1,9 @@
 """keras-sync installs into a project's environment without bringing a second TensorFlow.
 
 `tensorflow` and `tensorflow-cpu` are two distributions of one `tensorflow` package: a resolver
-that installs both silently replaces one build with the other. These tests resolve real installs
-with pip (`--dry-run`, nothing is written) and check what a user without TensorFlow is told.
+that installs both silently replaces one build with the other. These tests read the declared
+dependencies, resolve a real install into this environment with pip (`--dry-run`, nothing is
+written) and check what a user without TensorFlow is told.
 """
 
 from __future__ import annotations
@@ -44,11 +45,11 @@ def test_each_tensorflow_extra_names_exactly_one_distribution():
     assert {_name(r) for r in extras["and-cuda"]} == {"tensorflow"}
 
 
-def _dry_run(tmp_path: Path, *requirements: str, ignore_installed: bool) -> list[str]:
+def _dry_run(tmp_path: Path, *requirements: str) -> list[str]:
     """Names of the distributions pip would install, as its JSON report lists them."""
     report = tmp_path / "report.json"
     cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--report", str(report),
-           *(["--ignore-installed"] if ignore_installed else []), *requirements]
+           *requirements]
     env = dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1")
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=540, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -57,23 +58,17 @@ def _dry_run(tmp_path: Path, *requirements: str, ignore_installed: bool) -> list
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("tensorflow", ["tensorflow", "tensorflow-cpu"])
-def test_project_with_tensorflow_resolves_to_that_one_tensorflow(tmp_path, tensorflow):
-    # As a fresh environment would: the project's TensorFlow and keras-sync, resolved together.
-    names = _dry_run(tmp_path, f"{tensorflow}>=2.17,<2.22", str(ROOT), ignore_installed=True)
-    assert "keras-sync" in names and "keras" in names
-    assert set(names) & TENSORFLOW_DISTRIBUTIONS == {tensorflow}
-
-
-@pytest.mark.slow
+@pytest.mark.compat
 @pytest.mark.timeout(600)
 def test_install_into_an_environment_with_tensorflow_adds_none(tmp_path):
+    # Run in the main venv (tensorflow-cpu) and in the CI lanes (tensorflow-cpu 2.17 on Python 3.10,
+    # the standard `tensorflow` 2.21 on Python 3.13): pip resolves keras-sync against what is there.
     from importlib import metadata
 
-    installed = {d.metadata["Name"].lower() for d in metadata.distributions()} & TENSORFLOW_DISTRIBUTIONS
+    installed = {d.metadata["Name"].lower().replace("_", "-") for d in metadata.distributions()}
+    installed &= TENSORFLOW_DISTRIBUTIONS
     assert len(installed) == 1, f"this test needs one TensorFlow installed, found {installed}"
-    names = _dry_run(tmp_path, str(ROOT), ignore_installed=False)
+    names = _dry_run(tmp_path, str(ROOT))
     assert "keras-sync" in names
     assert not set(names) & TENSORFLOW_DISTRIBUTIONS
 
