@@ -88,3 +88,11 @@ def test_without_tensorflow_load_says_how_to_install_it_in_one_line():
         "(tensorflow-cpu), \"keras-sync[tensorflow]\" (the standard build; GPU with a system CUDA) or "
         "\"keras-sync[and-cuda]\" (GPU with CUDA from pip)."
     ]
+
+
+def test_every_subpackage_is_in_the_wheel():
+    # An editable install finds any subpackage; a wheel has only those listed (keras_sync.cli was not).
+    listed = set(_pyproject()["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "keras_sync").rglob("__init__.py")}
+    assert found, "no package found: the check would be vacuous"
+    assert found <= listed, f"not in [tool.setuptools] packages: {sorted(found - listed)}"
