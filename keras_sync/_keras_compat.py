@@ -88,7 +88,7 @@ def apply_multi_worker_fixes() -> bool:
                     return strategy.experimental_local_results(x)[0]
                 return x
 
-            for _, _, it in iterator:
+            for *_, it in iterator:  # (step, it) in Keras 3.10, (begin, end, it) later
                 data_batch = tree.map_structure(first_replica, next(it))
                 break
             iterator = None

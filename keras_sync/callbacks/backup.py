@@ -222,14 +222,16 @@ def _resumable_iterator_class() -> type:
             for _ in range(epochs_done):
                 carry_over = self.steps_per_epoch is not None or self._num_batches is None
                 with self.catch_stop_iteration():
-                    for _, _, it in super()._enumerate_iterator():
+                    for *_, it in super()._enumerate_iterator():
                         if carry_over:
                             self._drop(it)
-            for begin, end, it in super()._enumerate_iterator():
+            for item in super()._enumerate_iterator():
+                # Keras 3.10 yields (step, iterator), later ones (begin, end, iterator).
+                end = item[1] if len(item) == 3 else item[0] + self.steps_per_execution - 1
                 if end < step:
-                    self._drop(it)
+                    self._drop(item[-1])
                     continue
-                yield begin, end, it
+                yield item
 
         def _drop(self, it: Any) -> None:
             for _ in range(self.steps_per_execution):
