@@ -39,8 +39,8 @@ class ClusterInfo:
         worker_addresses: "host:port" of the training tasks, chief first.
         flavor: who wrote the cluster description: "kubeflow" (TFJob, also
             Vertex AI: `"environment": "cloud"`), "ray" (Ray Train) or "plain".
-        data_already_sharded: True when the platform shards the data itself
-            (Ray Train datasets), so shard policy `auto` must not shard again.
+            Only shown to people: how the data is sharded is decided by the data
+            (`keras_sync.pipeline`), never by who wrote TF_CONFIG.
     """
 
     source: Literal["tf_config", "slurm", "none"]
@@ -50,7 +50,6 @@ class ClusterInfo:
     is_chief: bool
     worker_addresses: list[str] = field(default_factory=list)
     flavor: Literal["kubeflow", "ray", "plain"] = "plain"
-    data_already_sharded: bool = False
 
 
 SINGLE_PROCESS = ClusterInfo("none", "worker", 0, 1, True)
@@ -242,7 +241,6 @@ def parse_tf_config(raw: str | None, *, env: Mapping[str, str] | None = None) ->
         is_chief=role(cluster, task_type, task_id).is_chief,
         worker_addresses=training,
         flavor=flavor,
-        data_already_sharded=flavor == "ray",
     )
 
 
@@ -373,11 +371,6 @@ def cluster_from_env(env: Mapping[str, str] | None = None) -> ClusterInfo:
     if info.source == "none" and "SLURM_STEP_NUM_TASKS" in env and env["SLURM_STEP_NUM_TASKS"] != "1":
         info = parse_slurm_env(env)
     return info
-
-
-def data_already_sharded(env: Mapping[str, str] | None = None) -> bool:
-    """Whether the platform shards the input itself (Ray Train), so shard policy `auto` must not."""
-    return cluster_from_env(env).data_already_sharded
 
 
 # ------------------------------------------------- TF_CONFIG order (tensorflow#60706)

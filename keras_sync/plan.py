@@ -110,6 +110,7 @@ def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Pl
     else:
         items.append(PlanItem("batch.per_replica", per_replica, src("batch.per_replica")))
         items.append(PlanItem("batch.global", global_batch, "derived", f"{per_replica} x {replicas} replicas"))
+    items += _input_items(config, global_batch, replicas, workers)
     lr = config.learning_rate
     base_batch = lr.base_batch_size or per_replica
     scaled = scaling.scale_learning_rate(lr.base, global_batch_size=global_batch, base_batch_size=base_batch,
@@ -142,6 +143,27 @@ def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Pl
                               "runs with this job id share one MLflow run" if m.job_id else
                               "a new run; a relaunch that restores a backup continues its run"))
     return Plan(config.source, items)
+
+
+def _input_items(config: Config, global_batch: int, replicas: int, workers: int) -> list[PlanItem]:
+    """How training data will be sharded and batched: decided by the data (`keras_sync.pipeline`)."""
+    from keras_sync.pipeline import batch_layout, shard_choice
+
+    policy = config.batch.shard_policy
+    arrays = shard_choice("arrays", configured=policy)
+    datasets = shard_choice("dataset", configured=policy)
+    items = [
+        PlanItem("batch.shard_policy", policy, config.source_of("batch.shard_policy")),
+        PlanItem("input.arrays", f"shard {arrays.policy}", "derived", arrays.reason),
+        PlanItem("input.datasets", f"own policy, else {datasets.policy}", "derived",
+                 f"a tf.data.Dataset whose options set a policy keeps it (Ray Data: off); else {datasets.reason}"),
+        PlanItem("input.batched_datasets", f"rebatched to {global_batch}", "derived",
+                 "a dataset given to fit with another or an unknown batch is rebatched to the global batch"),
+    ]
+    if workers > 1:
+        items.append(PlanItem("batch.per_worker", global_batch // workers, "derived",
+                              batch_layout(global_batch, replicas, workers)))
+    return items
 
 
 def _lr_formula(rule: str, base: float, global_batch: int, base_batch: int) -> str:

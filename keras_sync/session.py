@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 import sys
 import warnings
@@ -135,49 +134,30 @@ class Sync:
                 `tf.data.Dataset` of single examples.
             shuffle: shuffle the examples each epoch, with the same ``seed`` on every worker so
                 that sharding splits one order.
+
+        Arrays are split across workers by example; a dataset keeps a shard policy set in its
+        own options, else gets ``batch.shard_policy`` (see `keras_sync.pipeline`).
         """
-        import tensorflow as tf
+        ds, steps = self._pipeline().distribute(data, shuffle=shuffle, seed=seed)
+        if steps:
+            self._steps_per_epoch = steps
+        return ds
 
-        if isinstance(data, tf.data.Dataset):
-            ds = data
-        else:
-            if isinstance(data, list):
-                data = tuple(data)
-            ds = tf.data.Dataset.from_tensor_slices(data)
-        n = int(ds.cardinality())
-        if n > 0:
-            self._steps_per_epoch = (n // self.global_batch_size) if self._drop_remainder() else math.ceil(n / self.global_batch_size)
-        return self._batched(ds, self.global_batch_size, shuffle=shuffle, seed=seed,
-                             in_memory=not isinstance(data, tf.data.Dataset))
+    def _pipeline(self) -> Any:
+        from keras_sync.pipeline import InputPipeline
 
-    def _batched(self, ds: Any, global_batch: int, *, shuffle: bool, seed: int, in_memory: bool) -> Any:
-        """``ds`` of single examples -> shuffled (one seed for every worker), batched, shard policy set."""
-        import tensorflow as tf
-
-        if shuffle:
-            n = int(ds.cardinality())
-            ds = ds.shuffle(n if n > 0 else 10_000, seed=seed, reshuffle_each_iteration=True)
-        ds = ds.batch(global_batch, drop_remainder=self._drop_remainder())
-        options = tf.data.Options()
-        options.experimental_distribute.auto_shard_policy = self._shard_policy(in_memory=in_memory)
-        return ds.with_options(options)
-
-    def _drop_remainder(self) -> bool:
         value = self.config.batch.drop_remainder
-        return KINDS[self.kind].drop_remainder if value == "auto" else bool(value)
-
-    def _shard_policy(self, *, in_memory: bool) -> Any:
-        import tensorflow as tf
-
-        policy = tf.data.experimental.AutoShardPolicy
-        name = self.config.batch.shard_policy
-        if name == "auto":
-            from keras_sync import cluster
-
-            if self.num_workers > 1 and cluster.data_already_sharded():
-                return policy.OFF  # Ray Train shards the data itself
-            return policy.DATA if in_memory else policy.AUTO
-        return {"data": policy.DATA, "file": policy.FILE, "off": policy.OFF}[name]
+        return InputPipeline(
+            global_batch=self.global_batch_size,
+            num_replicas=self.num_replicas,
+            num_workers=self.num_workers,
+            is_chief=self.is_chief,
+            drop_remainder=KINDS[self.kind].drop_remainder if value == "auto" else bool(value),
+            shard_policy=self.config.batch.shard_policy,
+            multi_worker=KINDS[self.kind].multi_process,
+            replay_order=bool(self.config.fault_tolerance.backup_dir),
+            learning_rate=self.learning_rate,
+        )
 
     # -- Keras -------------------------------------------------------------------------------
 
@@ -214,44 +194,7 @@ class Sync:
         _keras_compat.check_steps_per_execution(model, self.num_replicas)
         kwargs = dict(kwargs)
         per_replica = self._batch_size_argument(kwargs.pop("batch_size", None), method)
-        global_batch = per_replica * self.num_replicas
-        if _is_dataset(x):
-            if method == "fit":
-                # Keras ignores `shuffle` for datasets but warns about its default True on every fit.
-                kwargs.setdefault("shuffle", False)
-            return x, y, kwargs
-        # With a backup, arrays go through our seeded shuffle (Keras' is unseeded), so a resume replays the order.
-        if not KINDS[self.kind].multi_process and not (method == "fit" and self.config.fault_tolerance.backup_dir):
-            kwargs["batch_size"] = global_batch
-            return x, y, kwargs
-        return self._arrays_to_dataset(method, x, y, kwargs, global_batch)
-
-    def _arrays_to_dataset(self, method: str, x: Any, y: Any, kwargs: dict[str, Any], global_batch: int) -> tuple[Any, Any, dict[str, Any]]:
-        import tensorflow as tf
-
-        sample_weight = kwargs.pop("sample_weight", None)
-        shuffle = kwargs.pop("shuffle", True) if method == "fit" else False
-        split = kwargs.pop("validation_split", 0.0) if method == "fit" else 0.0
-        if split and kwargs.get("validation_data") is None:
-            # Same rule as Keras: the last `split` fraction of the arrays, before shuffling.
-            n = len(tf.nest.flatten(x)[0])
-            cut = int(n * (1.0 - split))
-            head = lambda a: tf.nest.map_structure(lambda t: t[:cut], a) if a is not None else None  # noqa: E731
-            tail = lambda a: tf.nest.map_structure(lambda t: t[cut:], a) if a is not None else None  # noqa: E731
-            kwargs["validation_data"] = self._dataset(_parts(tail(x), tail(y), tail(sample_weight)), global_batch, False)
-            x, y, sample_weight = head(x), head(y), head(sample_weight)
-        vd = kwargs.get("validation_data")
-        if isinstance(vd, tuple) and not _is_dataset(vd[0]):
-            kwargs["validation_data"] = self._dataset(vd, global_batch, False)
-        if method == "fit":
-            kwargs["shuffle"] = False  # shuffled above, with one seed for all workers; Keras would only warn
-        return self._dataset(_parts(x, y, sample_weight), global_batch, shuffle), None, kwargs
-
-    def _dataset(self, parts: tuple, global_batch: int, shuffle: bool) -> Any:
-        import tensorflow as tf
-
-        ds = tf.data.Dataset.from_tensor_slices(parts if len(parts) > 1 else parts[0])
-        return self._batched(ds, global_batch, shuffle=shuffle, seed=1337, in_memory=True)
+        return self._pipeline().prepare(method, x, y, kwargs, per_replica * self.num_replicas)
 
     def _batch_size_argument(self, batch_size: int | None, method: str) -> int:
         if batch_size is None:
@@ -289,7 +232,9 @@ class Sync:
     def _resolve_pending_warmup(self, x: Any, kwargs: dict[str, Any]) -> None:
         if not self._schedules:
             return
-        steps = kwargs.get("steps_per_epoch") or _steps_of(x, kwargs.get("batch_size"), kwargs.get("validation_split"))
+        from keras_sync.pipeline import steps_of
+
+        steps = kwargs.get("steps_per_epoch") or steps_of(x, kwargs.get("batch_size"), kwargs.get("validation_split"))
         if not steps:
             raise UsageError(
                 "learning_rate.warmup_epochs needs the number of steps per epoch, and the training data does not "
@@ -307,27 +252,3 @@ def _worker_info(strategy: Any) -> tuple[int, bool, tuple[str | None, int | None
 
     r = strategy_role(strategy)
     return r.num_workers, r.is_chief, (r.task_type, r.task_id)
-
-
-def _parts(x: Any, y: Any, sample_weight: Any) -> tuple:
-    return tuple(p for p in (x, y, sample_weight) if p is not None)
-
-
-def _is_dataset(x: Any) -> bool:
-    import tensorflow as tf
-
-    return isinstance(x, (tf.data.Dataset, tf.distribute.DistributedDataset)) or hasattr(x, "element_spec")
-
-
-def _steps_of(x: Any, batch_size: int | None, validation_split: float | None) -> int | None:
-    if _is_dataset(x):
-        n = int(x.cardinality()) if hasattr(x, "cardinality") else -1
-        return n if n > 0 else None
-    if x is None or batch_size is None:
-        return None
-    import tensorflow as tf
-
-    n = len(tf.nest.flatten(x)[0])
-    if validation_split:
-        n = int(n * (1.0 - validation_split))
-    return math.ceil(n / batch_size)

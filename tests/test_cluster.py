@@ -19,7 +19,6 @@ from keras_sync.cluster import (
     Role,
     check_tf_config_order,
     cluster_from_env,
-    data_already_sharded,
     expand_hostlist,
     expand_tasks_per_node,
     is_chief,
@@ -65,7 +64,6 @@ def test_tfjob_chief_worker_evaluator() -> None:
             "mnist-worker-1.kubeflow.svc:2222",
         ],
         flavor="kubeflow",
-        data_already_sharded=False,
     )
     worker0 = parse_tf_config(tfjob("worker", 0), env={})
     assert (worker0.task_type, worker0.task_id, worker0.is_chief, worker0.num_workers) == ("worker", 0, False, 3)
@@ -74,22 +72,16 @@ def test_tfjob_chief_worker_evaluator() -> None:
     assert (evaluator.task_type, evaluator.is_chief, evaluator.num_workers) == ("evaluator", True, 3)
 
 
-def test_ray_train_worker_list_is_ray_and_already_sharded() -> None:
+def test_ray_train_worker_list_is_ray() -> None:
     info = parse_tf_config(RAY, env=RAY_ENV)
-    assert (info.flavor, info.data_already_sharded, info.task_id, info.is_chief) == ("ray", True, 1, False)
+    assert (info.flavor, info.task_id, info.is_chief) == ("ray", 1, False)
     rank0 = parse_tf_config(RAY.replace('"index": 1', '"index": 0'), env=RAY_ENV)
     assert rank0.is_chief
 
 
-def test_data_already_sharded_only_under_ray() -> None:
-    assert data_already_sharded({"TF_CONFIG": RAY, **RAY_ENV}) is True
-    assert data_already_sharded({"TF_CONFIG": RAY}) is False
-    assert data_already_sharded(RAY_ENV) is False  # Ray without TF_CONFIG: not Ray Train's TensorflowConfig
-
-
 def test_same_worker_list_outside_ray_is_plain() -> None:
     info = parse_tf_config(PLAIN_W0, env={})
-    assert (info.flavor, info.data_already_sharded, info.is_chief, info.num_workers) == ("plain", False, True, 2)
+    assert (info.flavor, info.is_chief, info.num_workers) == ("plain", True, 2)
 
 
 @pytest.mark.parametrize("raw", [None, "", "  ", "{}"])

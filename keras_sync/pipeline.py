@@ -1,0 +1,373 @@
+"""The input pipeline behind `Sync.fit` and `Sync.distribute`: batching, sharding, validation split.
+
+The rules (the README's "Input data" section says the same):
+
+* **Sharding is decided by the data, not by the host.** Arrays are split across workers by
+  example (shard policy ``data``) unless ``batch.shard_policy: off`` says each worker's arrays are
+  its own part. A `tf.data.Dataset` whose own options set a policy other than ``AUTO`` keeps it:
+  Ray's `prepare_dataset_shard` and Ray Data's `DataIterator.to_tf` set ``OFF`` because the shard
+  is already this worker's (``ray/train/tensorflow/train_loop_utils.py``, ``ray/data/iterator.py``).
+  Any other dataset gets ``batch.shard_policy`` (``auto``: TensorFlow's own, by file if it can, else
+  by example).
+* **The global batch is the configured one.** A dataset given to `fit` is batched already (Keras
+  requires it). When its batch is not the configured global batch, or cannot be read, it is
+  rebatched to it (`tf.data.Dataset.rebatch`: same examples, same order), so the learning rate,
+  scaled for the configured batch, matches the batch trained on.
+* **Multi-worker.** TensorFlow reads every worker's dataset as batched by the global batch and
+  gives each worker ``global / workers`` examples of it per step (each replica ``global /
+  replicas``). With shard policy ``off`` (an already-sharded dataset) each worker takes those
+  examples from its own shard, so a step still trains on ``global`` distinct examples.
+
+Pure helpers (`shard_choice`, `batch_layout`) need no TensorFlow; `keras-sync plan` uses them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from keras_sync.errors import UsageError
+
+log = logging.getLogger("keras_sync")
+
+SHARD_POLICIES = ("auto", "data", "file", "off")
+
+
+@dataclass(frozen=True)
+class ShardChoice:
+    """The shard policy one input gets (``auto``, ``data``, ``file`` or ``off``) and why."""
+
+    policy: str
+    reason: str
+
+
+def shard_choice(kind: Literal["arrays", "dataset"], *, configured: str, own: str | None = None) -> ShardChoice:
+    """The shard policy of an input: decided by the data and the config, never by the host.
+
+    Args:
+        kind: ``"arrays"`` (numpy arrays, batched by keras-sync) or ``"dataset"`` (a `tf.data.Dataset`).
+        configured: ``batch.shard_policy``.
+        own: the policy set in the dataset's own options (lower case), None for arrays.
+
+    >>> shard_choice("arrays", configured="auto").policy
+    'data'
+    >>> shard_choice("dataset", configured="auto", own="off").reason
+    "set in the dataset's own options (Ray Data and prepare_dataset_shard set off: already this worker's shard)"
+    >>> shard_choice("dataset", configured="file", own="auto").policy
+    'file'
+    """
+    if kind == "arrays":
+        if configured == "off":
+            return ShardChoice("off", "batch.shard_policy: off (each worker's arrays are its own part)")
+        extra = " (batch.shard_policy: file needs files; arrays have none)" if configured == "file" else ""
+        return ShardChoice("data", f"arrays are split across workers by example{extra}")
+    if own is not None and own != "auto":
+        ray = " (Ray Data and prepare_dataset_shard set off: already this worker's shard)" if own == "off" else ""
+        return ShardChoice(own, f"set in the dataset's own options{ray}")
+    if configured == "auto":
+        return ShardChoice("auto", "batch.shard_policy: auto (TensorFlow shards by file if it can, else by example)")
+    return ShardChoice(configured, f"batch.shard_policy: {configured}")
+
+
+def batch_layout(global_batch: int, num_replicas: int, num_workers: int) -> str:
+    """How one training step's global batch divides over workers and replicas.
+
+    >>> batch_layout(32, 2, 1)
+    'global batch 32 = 16 per replica x 2 replicas'
+    >>> batch_layout(32, 4, 2)
+    'global batch 32 = 16 per worker x 2 workers = 8 per replica x 4 replicas'
+    """
+    per_replica = f"{global_batch // num_replicas} per replica x {num_replicas} replica{'s' * (num_replicas > 1)}"
+    if num_workers <= 1:
+        return f"global batch {global_batch} = {per_replica}"
+    return f"global batch {global_batch} = {global_batch // num_workers} per worker x {num_workers} workers = {per_replica}"
+
+
+@dataclass(frozen=True)
+class InputPipeline:
+    """Turns what a user passes to `fit`/`distribute` into what the strategy trains on.
+
+    Attributes: the session facts it needs: global batch, replica and worker counts, whether
+    this process is the chief, ``drop_remainder`` and ``shard_policy`` from the config, the scaled
+    learning rate (for the messages), and when arrays must become a dataset: always under
+    `multi_worker_mirrored` (Keras requires it), and for `fit` with a backup (its seeded shuffle
+    lets a resumed job replay the order).
+    """
+
+    global_batch: int
+    num_replicas: int
+    num_workers: int
+    is_chief: bool
+    drop_remainder: bool
+    shard_policy: str
+    multi_worker: bool
+    replay_order: bool
+    learning_rate: float = 0.0
+
+    # -- sync.distribute ---------------------------------------------------------------------
+
+    def distribute(self, data: Any, *, shuffle: bool = False, seed: int = 1337) -> tuple[Any, int | None]:
+        """(dataset batched by the global batch, steps per epoch or None) from arrays or examples."""
+        import tensorflow as tf
+
+        is_dataset = isinstance(data, tf.data.Dataset)
+        if is_dataset:
+            ds = data
+        else:
+            ds = tf.data.Dataset.from_tensor_slices(tuple(data) if isinstance(data, list) else data)
+        n = int(ds.cardinality())
+        steps = None
+        if n > 0:
+            steps = n // self.global_batch if self.drop_remainder else math.ceil(n / self.global_batch)
+        choice = self._choice(ds if is_dataset else None)
+        return self._batched(ds, self.global_batch, shuffle=shuffle, seed=seed, choice=choice), steps
+
+    # -- sync.fit / evaluate / predict -------------------------------------------------------
+
+    def prepare(self, method: str, x: Any, y: Any, kwargs: dict[str, Any], global_batch: int) -> tuple[Any, Any, dict[str, Any]]:
+        """(x, y, kwargs) for ``model.<method>``: arrays batched by ``global_batch``, datasets reconciled."""
+        if is_dataset(x):
+            if method == "fit":
+                # Keras ignores `shuffle` for datasets but warns about its default True on every fit.
+                kwargs.setdefault("shuffle", False)
+                x = self.training_dataset(x)
+            return x, y, kwargs
+        if not (self.multi_worker or (method == "fit" and self.replay_order)):
+            kwargs["batch_size"] = global_batch
+            if method == "fit":
+                self._say(f"keras-sync: training data: arrays, batched by keras-sync; "
+                          f"{batch_layout(global_batch, self.num_replicas, self.num_workers)}", loud=False)
+            return x, y, kwargs
+        return self._arrays_to_dataset(method, x, y, kwargs, global_batch)
+
+    def training_dataset(self, ds: Any) -> Any:
+        """A batched dataset given to `fit`: its shard policy settled, rebatched to the global batch."""
+        import tensorflow as tf
+
+        if not isinstance(ds, tf.data.Dataset):  # a DistributedDataset: the user distributed it already
+            self._say("keras-sync: training data: an already distributed dataset, used as given", loud=False)
+            return ds
+        _refuse_unbatched(ds)
+        choice = self._choice(ds)
+        found, how = batch_size_of(ds)
+        note: str
+        loud = self.num_workers > 1
+        if found == self.global_batch:
+            note = f"batched by {found} ({how}) = the global batch"
+        else:
+            ds = _rebatch(ds, self.global_batch, found, self.drop_remainder)
+            loud = True
+            rate = f"; the learning rate {self.learning_rate:g} is scaled for {self.global_batch}" if self.learning_rate else ""
+            if found is None:
+                note = f"batch size unknown ({how}), rebatched to the global batch {self.global_batch}{rate}"
+                warnings.warn(
+                    f"keras-sync: cannot tell the batch size of the dataset given to sync.fit ({how}); it was "
+                    f"rebatched to the configured global batch {self.global_batch}, so each step trains on "
+                    f"{self.global_batch} examples. If its elements are single examples rather than batches, "
+                    "pass it through sync.distribute(...) instead; to silence this, end the pipeline with "
+                    f".batch(n) or .rebatch({self.global_batch}, drop_remainder=True).",
+                    UserWarning,
+                    stacklevel=4,
+                )
+            else:
+                note = f"batched by {found} ({how}), rebatched to the global batch {self.global_batch}{rate}"
+        ds = _with_policy(ds, choice)
+        self._say(f"keras-sync: training data: tf.data.Dataset {note}; shard policy {choice.policy} ({choice.reason}); "
+                  f"{batch_layout(self.global_batch, self.num_replicas, self.num_workers)}", loud=loud)
+        return ds
+
+    def _arrays_to_dataset(self, method: str, x: Any, y: Any, kwargs: dict[str, Any], global_batch: int) -> tuple[Any, Any, dict[str, Any]]:
+        import tensorflow as tf
+
+        sample_weight = kwargs.pop("sample_weight", None)
+        shuffle = kwargs.pop("shuffle", True) if method == "fit" else False
+        split = kwargs.pop("validation_split", 0.0) if method == "fit" else 0.0
+        if split and kwargs.get("validation_data") is None:
+            # Same rule as Keras: the last `split` fraction of the arrays, before shuffling.
+            n = len(tf.nest.flatten(x)[0])
+            cut = int(n * (1.0 - split))
+            head = lambda a: tf.nest.map_structure(lambda t: t[:cut], a) if a is not None else None  # noqa: E731
+            tail = lambda a: tf.nest.map_structure(lambda t: t[cut:], a) if a is not None else None  # noqa: E731
+            kwargs["validation_data"] = self._arrays(_parts(tail(x), tail(y), tail(sample_weight)), global_batch, False)
+            x, y, sample_weight = head(x), head(y), head(sample_weight)
+        vd = kwargs.get("validation_data")
+        if isinstance(vd, tuple) and not is_dataset(vd[0]):
+            kwargs["validation_data"] = self._arrays(vd, global_batch, False)
+        if method == "fit":
+            kwargs["shuffle"] = False  # shuffled here, with one seed for all workers; Keras would only warn
+            choice = self._choice(None)
+            self._say(f"keras-sync: training data: arrays, shard policy {choice.policy} ({choice.reason}); "
+                      f"{batch_layout(global_batch, self.num_replicas, self.num_workers)}", loud=self.num_workers > 1)
+        return self._arrays(_parts(x, y, sample_weight), global_batch, shuffle), None, kwargs
+
+    def _arrays(self, parts: tuple, global_batch: int, shuffle: bool) -> Any:
+        import tensorflow as tf
+
+        ds = tf.data.Dataset.from_tensor_slices(parts if len(parts) > 1 else parts[0])
+        return self._batched(ds, global_batch, shuffle=shuffle, seed=1337, choice=self._choice(None))
+
+    def _batched(self, ds: Any, global_batch: int, *, shuffle: bool, seed: int, choice: ShardChoice) -> Any:
+        """``ds`` of single examples -> shuffled (one seed for every worker), batched, shard policy set."""
+        if shuffle:
+            n = int(ds.cardinality())
+            ds = ds.shuffle(n if n > 0 else 10_000, seed=seed, reshuffle_each_iteration=True)
+        return _with_policy(ds.batch(global_batch, drop_remainder=self.drop_remainder), choice)
+
+    def _choice(self, ds: Any | None) -> ShardChoice:
+        if ds is None:
+            return shard_choice("arrays", configured=self.shard_policy)
+        return shard_choice("dataset", configured=self.shard_policy, own=own_shard_policy(ds))
+
+    def _say(self, line: str, *, loud: bool) -> None:
+        """One line about the input on the chief: printed when it matters (several workers, a
+        changed batch), else only logged."""
+        log.info("%s", line)
+        if loud and self.is_chief:
+            print(line, file=sys.stderr, flush=True)
+
+
+# -- tf.data helpers ---------------------------------------------------------------------------
+
+
+def is_dataset(x: Any) -> bool:
+    """Whether ``x`` is a `tf.data.Dataset` or a distributed dataset (not arrays)."""
+    import tensorflow as tf
+
+    return isinstance(x, (tf.data.Dataset, tf.distribute.DistributedDataset)) or hasattr(x, "element_spec")
+
+
+def own_shard_policy(ds: Any) -> str:
+    """The auto-shard policy in the dataset's own options, lower case (``auto`` when not set)."""
+    policy = ds.options().experimental_distribute.auto_shard_policy
+    return getattr(policy, "name", str(policy)).lower()
+
+
+def _with_policy(ds: Any, choice: ShardChoice) -> Any:
+    import tensorflow as tf
+
+    policies = tf.data.experimental.AutoShardPolicy
+    wanted = {"auto": policies.AUTO, "data": policies.DATA, "file": policies.FILE, "off": policies.OFF,
+              "hint": policies.HINT}[choice.policy]
+    if ds.options().experimental_distribute.auto_shard_policy == wanted:
+        return ds
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = wanted
+    return ds.with_options(options)
+
+
+def batch_size_of(ds: Any) -> tuple[int | None, str]:
+    """(batch size, how it was found) of a batched dataset; (None, why not) when it cannot be told.
+
+    In order: the static first dimension of every component; TensorFlow's own reading of the
+    pipeline (`compute_batch_size`, what `tf.distribute` uses to split batches); the nearest
+    ``batch``/``padded_batch`` op up the pipeline through element-wise steps such as ``map``.
+    """
+    import tensorflow as tf
+
+    dims = {spec.shape[0] for spec in tf.nest.flatten(ds.element_spec) if _rank(spec)}
+    if len(dims) == 1 and None not in dims:
+        return int(dims.pop()), "static shape"
+    try:  # tensorflow/python/distribute/input_lib.py _make_rebatch_fn reads the batch the same way
+        from tensorflow.python.data.experimental.ops.distribute import compute_batch_size
+
+        size = int(compute_batch_size(ds))
+        if size > 0:
+            return size, "its batch op"
+    except Exception:  # noqa: BLE001 - a TensorFlow without it, or a pipeline it cannot read
+        pass
+    op = _batch_op(ds)
+    if op is not None:
+        size = tf.get_static_value(op._batch_size)
+        if size is not None:
+            return int(size), "its batch op"
+    return None, "no static batch dimension and no batch op, e.g. from_generator or Ray Data's to_tf"
+
+
+def _rank(spec: Any) -> int | None:
+    shape = getattr(spec, "shape", None)
+    return None if shape is None or shape.rank is None else shape.rank
+
+
+def _refuse_unbatched(ds: Any) -> None:
+    import tensorflow as tf
+
+    scalars = [spec for spec in tf.nest.flatten(ds.element_spec) if _rank(spec) == 0]
+    if scalars:
+        raise UsageError(
+            "sync.fit received a tf.data.Dataset whose elements are single examples (a component of "
+            f"shape () in element_spec={ds.element_spec}); Keras trains on batches. Fix: pass it through "
+            "sync.distribute(dataset), which batches by the global batch, or end it with .batch(n)."
+        )
+
+
+def _batch_op(ds: Any) -> Any:
+    """The nearest dataset up the pipeline that batches (has a ``_batch_size``), through one-input steps."""
+    for _ in range(200):
+        if getattr(ds, "_batch_size", None) is not None:
+            return ds
+        try:
+            inputs = ds._inputs()
+        except (AttributeError, NotImplementedError):
+            return None
+        if len(inputs) != 1:
+            return None
+        ds = inputs[0]
+    return None
+
+
+def _rebatch(ds: Any, global_batch: int, found: int | None, drop_remainder: bool) -> Any:
+    """``ds`` rebatched to ``global_batch``, keeping a known number of steps when it can be computed."""
+    import tensorflow as tf
+
+    examples = _example_count(ds, found)
+    out = ds.rebatch(global_batch, drop_remainder=drop_remainder)
+    if examples is not None:
+        steps = examples // global_batch if drop_remainder else math.ceil(examples / global_batch)
+        out = out.apply(tf.data.experimental.assert_cardinality(steps))
+    return out
+
+
+def _example_count(ds: Any, found: int | None) -> int | None:
+    """The number of examples in one pass of a batched dataset, when the pipeline tells it exactly."""
+    import tensorflow as tf
+
+    batches = int(ds.cardinality())
+    if batches < 0 or found is None:
+        return None
+    dims = {spec.shape[0] for spec in tf.nest.flatten(ds.element_spec) if _rank(spec)}
+    if dims == {found}:
+        return batches * found  # every batch is full (static batch dimension)
+    op = _batch_op(ds)
+    if op is None or tf.get_static_value(op._batch_size) != found:
+        return None
+    examples = int(op._input_dataset.cardinality())
+    drop = bool(tf.get_static_value(op._drop_remainder))
+    if examples < 0:
+        return None
+    if drop:
+        examples -= examples % found
+    # Only when nothing between the batch op and the end filtered or repeated batches.
+    return examples if math.ceil(examples / found) == batches else None
+
+
+def _parts(x: Any, y: Any, sample_weight: Any) -> tuple:
+    return tuple(p for p in (x, y, sample_weight) if p is not None)
+
+
+def steps_of(x: Any, batch_size: int | None, validation_split: float | None) -> int | None:
+    """Steps in one epoch of what `fit` trains on (a dataset's cardinality, or arrays / batch)."""
+    if is_dataset(x):
+        n = int(x.cardinality()) if hasattr(x, "cardinality") else -1
+        return n if n > 0 else None
+    if x is None or batch_size is None:
+        return None
+    import tensorflow as tf
+
+    n = len(tf.nest.flatten(x)[0])
+    if validation_split:
+        n = int(n * (1.0 - validation_split))
+    return math.ceil(n / batch_size)
