@@ -105,7 +105,7 @@ class BatchConfig:
     shard_policy: str = _f(
         "auto",
         Choice(values=("auto", "data", "file", "off"), bool_aliases=((False, "off"),)),
-        "tf.data auto-shard between workers: auto, data, file or off (auto = off under Ray)",
+        "tf.data auto-shard of datasets without their own policy: auto, data, file or off (arrays: always by example)",
     )
 
 

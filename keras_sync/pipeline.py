@@ -56,20 +56,20 @@ def shard_choice(kind: Literal["arrays", "dataset"], *, configured: str, own: st
     >>> shard_choice("arrays", configured="auto").policy
     'data'
     >>> shard_choice("dataset", configured="auto", own="off").reason
-    "set in the dataset's own options (Ray Data and prepare_dataset_shard set off: already this worker's shard)"
+    "set in the dataset's own options, as Ray Data and prepare_dataset_shard do: it is already this worker's shard"
     >>> shard_choice("dataset", configured="file", own="auto").policy
     'file'
     """
     if kind == "arrays":
         if configured == "off":
             return ShardChoice("off", "batch.shard_policy: off (each worker's arrays are its own part)")
-        extra = " (batch.shard_policy: file needs files; arrays have none)" if configured == "file" else ""
+        extra = "; batch.shard_policy: file needs files, arrays have none" if configured == "file" else ""
         return ShardChoice("data", f"arrays are split across workers by example{extra}")
     if own is not None and own != "auto":
-        ray = " (Ray Data and prepare_dataset_shard set off: already this worker's shard)" if own == "off" else ""
+        ray = ", as Ray Data and prepare_dataset_shard do: it is already this worker's shard" if own == "off" else ""
         return ShardChoice(own, f"set in the dataset's own options{ray}")
     if configured == "auto":
-        return ShardChoice("auto", "batch.shard_policy: auto (TensorFlow shards by file if it can, else by example)")
+        return ShardChoice("auto", "batch.shard_policy: auto, TensorFlow shards by file if it can, else by example")
     return ShardChoice(configured, f"batch.shard_policy: {configured}")
 
 
@@ -154,27 +154,24 @@ class InputPipeline:
         _refuse_unbatched(ds)
         choice = self._choice(ds)
         found, how = batch_size_of(ds)
-        note: str
         loud = self.num_workers > 1
         if found == self.global_batch:
             note = f"batched by {found} ({how}) = the global batch"
         else:
-            ds = _rebatch(ds, self.global_batch, found, self.drop_remainder)
-            loud = True
-            rate = f"; the learning rate {self.learning_rate:g} is scaled for {self.global_batch}" if self.learning_rate else ""
-            if found is None:
-                note = f"batch size unknown ({how}), rebatched to the global batch {self.global_batch}{rate}"
+            ds, loud = _rebatch(ds, self.global_batch, found, self.drop_remainder), True
+            was = f"batched by {found} ({how})" if found else f"batch size unknown ({how})"
+            note = (f"{was}, rebatched to the global batch {self.global_batch}; the learning rate "
+                    f"{self.learning_rate:g} is scaled for {self.global_batch}")
+            if found is None and self.is_chief:
                 warnings.warn(
                     f"keras-sync: cannot tell the batch size of the dataset given to sync.fit ({how}); it was "
                     f"rebatched to the configured global batch {self.global_batch}, so each step trains on "
                     f"{self.global_batch} examples. If its elements are single examples rather than batches, "
-                    "pass it through sync.distribute(...) instead; to silence this, end the pipeline with "
-                    f".batch(n) or .rebatch({self.global_batch}, drop_remainder=True).",
+                    "pass it through sync.distribute(...) instead. To silence this, end the pipeline with "
+                    f".rebatch({self.global_batch}, drop_remainder=True), or give it a fixed batch dimension.",
                     UserWarning,
                     stacklevel=4,
                 )
-            else:
-                note = f"batched by {found} ({how}), rebatched to the global batch {self.global_batch}{rate}"
         ds = _with_policy(ds, choice)
         self._say(f"keras-sync: training data: tf.data.Dataset {note}; shard policy {choice.policy} ({choice.reason}); "
                   f"{batch_layout(self.global_batch, self.num_replicas, self.num_workers)}", loud=loud)
@@ -293,14 +290,17 @@ def _rank(spec: Any) -> int | None:
 
 
 def _refuse_unbatched(ds: Any) -> None:
+    """A batch has a first dimension shared by every component; single examples often do not."""
     import tensorflow as tf
 
-    scalars = [spec for spec in tf.nest.flatten(ds.element_spec) if _rank(spec) == 0]
-    if scalars:
+    ranks = [_rank(spec) for spec in tf.nest.flatten(ds.element_spec)]
+    firsts = {spec.shape[0] for spec, r in zip(tf.nest.flatten(ds.element_spec), ranks) if r}
+    if 0 in ranks or (None not in firsts and len(firsts) > 1):
         raise UsageError(
-            "sync.fit received a tf.data.Dataset whose elements are single examples (a component of "
-            f"shape () in element_spec={ds.element_spec}); Keras trains on batches. Fix: pass it through "
-            "sync.distribute(dataset), which batches by the global batch, or end it with .batch(n)."
+            "sync.fit received a tf.data.Dataset of single examples, not batches (element_spec="
+            f"{ds.element_spec}: no first dimension shared by every component); Keras trains on batches. "
+            "Fix: pass it through sync.distribute(dataset), which batches by the global batch, or end it "
+            "with .batch(n)."
         )
 
 

@@ -165,7 +165,9 @@ class Sync:
         """`model.fit` under this strategy: same arguments, same return value (a `History`).
 
         Arrays are batched by the global batch (``batch_size``, if given, is read as per-replica);
-        under `multi_worker_mirrored` they become a `tf.data.Dataset`, as Keras requires.
+        under `multi_worker_mirrored` they become a `tf.data.Dataset`, as Keras requires. A batched
+        dataset is rebatched to the global batch (see `keras_sync.pipeline`). The MLflow run ends
+        (FINISHED) when fit returns; the next fit of this `Sync` continues it.
         """
         x, y, kwargs = self._prepare(model, "fit", x, y, kwargs)
         self._resolve_pending_warmup(x, kwargs)
@@ -175,7 +177,11 @@ class Sync:
         from keras_sync.callbacks.backup import resumable_fit
 
         with resumable_fit(kwargs["callbacks"]):  # a restored backup resumes mid-epoch, data order included
-            return model.fit(x, y, **kwargs)
+            history = model.fit(x, y, **kwargs)
+        from keras_sync.callbacks._run import end_run_after_fit
+
+        end_run_after_fit(self)  # the run ends with fit, not at exit: Ray Train V2 kills its workers (no atexit)
+        return history
 
     def evaluate(self, model: Any, x: Any = None, y: Any = None, **kwargs: Any) -> Any:
         """`model.evaluate` under this strategy, with the same batching rules as `fit`."""

@@ -9,7 +9,13 @@ One writer per `Sync` object, kept across `fit` calls (one run, steps continue).
   restarts): the run with that job id, created once and shared, also after it finished;
 - else a new run.
 
-The run ends when the process exits (the writer's `atexit` close) or with `close_writer(sync)`.
+`Sync.fit` ends the run (FINISHED, spool delivered) when it returns and MLflow has everything
+(`end_run_after_fit`); a later `fit` of the same `Sync` opens a new writer on the same run id,
+steps continuing. Ending the run at fit's end rather than at exit matters where a worker is
+ended without `atexit`: Ray Train V2 stops its workers with `ray.kill`
+(``ray/train/v2/_internal/execution/worker_group/state.py``, `_shutdown_workers`), which left the
+run RUNNING with its spool behind. Otherwise the run ends when the process exits (the writer's
+`atexit` close) or with `close_writer(sync)`.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import json
 import logging
 import os
 import sys
+import time
 import weakref
 from pathlib import Path
 from typing import Any
@@ -36,7 +43,7 @@ def writer_for(sync: Any) -> Any:
     if not sync.is_chief:
         return None
     writer = _writers.get(sync)
-    if writer is not None:
+    if writer is not None and not writer.closed:
         return writer
     from keras_sync.tracking import MlflowWriter, resolve_tracking_uri
 
@@ -44,13 +51,17 @@ def writer_for(sync: Any) -> Any:
     uri, _ = resolve_tracking_uri(cfg.tracking_uri)
     job_id, explicit, run_id = cfg.job_id, True, None
     restored = restored_run(sync.config.fault_tolerance.backup_dir)
-    if restored is not None:  # wins over a job id: `keras-sync launch` makes a new one per launch
+    ended = writer  # the run an earlier fit of this Sync ended: continue it
+    if ended is not None and ended.run_id is not None:
+        job_id, explicit, run_id = ended.job_id, ended.job_id_explicit, ended.run_id
+    elif restored is not None:  # wins over a job id: `keras-sync launch` makes a new one per launch
         job_id, explicit, run_id = restored["job_id"], bool(restored.get("explicit")), restored.get("run_id")
     writer = MlflowWriter(tracking_uri=uri, experiment=cfg.experiment, run_name=cfg.run_name, job_id=job_id,
                           job_id_explicit=explicit, run_id=run_id, spool_dir=cfg.spool_dir)
     writer.start()
     _writers[sync] = writer
-    announce(writer, sync)
+    if ended is None:
+        announce(writer, sync)
     return writer
 
 
@@ -102,6 +113,27 @@ def record_run(writer: Any, backup_dir: str) -> None:
     tmp.write_text(json.dumps(record))
     os.replace(tmp, path)
     _recorded[writer] = (str(path), record)
+
+
+def end_run_after_fit(sync: Any, stall_s: float = 10.0, limit_s: float = 120.0) -> None:
+    """End the run when `fit` returns, once MLflow has everything; else keep delivering.
+
+    Waits while delivery makes progress (a busy machine or a slow server), at most ``limit_s``;
+    gives up after ``stall_s`` without progress (the server is away). Then the writer stays open
+    and keeps delivering in the background as before, and the run ends at exit or with
+    `close_writer`: closing it here would abandon those records.
+    """
+    writer = _writers.get(sync)
+    if writer is None or writer.closed:
+        return
+    deadline = time.monotonic() + limit_s
+    while True:
+        before = writer.delivered
+        if writer.flush(timeout_s=stall_s):
+            writer.close(timeout_s=stall_s)
+            return
+        if writer.delivered == before or time.monotonic() > deadline:
+            return
 
 
 def close_writer(sync: Any, timeout_s: float = 10.0) -> None:

@@ -1,0 +1,142 @@
+"""Training with user-batched pipelines through sync.fit, for tests/test_pipeline.py.
+
+argv: MODE OUT [CONFIG_JSON]
+  reference  plain Keras on one device at batch 32 and the learning rate keras-sync scales for it
+  replicas   2 simulated replicas (mirrored), one fit per input kind, plus the batch/policy probes
+  workers    under `keras-sync launch` (multi_worker_mirrored), one fit per input kind
+Each writes OUT/<mode>[-w<task>].json: weights per input kind, the chief's input lines, probes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import sys
+import warnings
+
+import numpy as np
+
+N, FEATURES, EPOCHS, BATCH = 512, 8, 2, 32
+BASE_LR = 0.05  # tuned for the per-replica batch 16; linear scaling gives 0.1 for the global batch 32
+USER_BATCH = 64  # the batch the user's own pipeline was written with
+
+
+def data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(N, FEATURES)).astype("float32")
+    y = np.tanh(x @ rng.normal(size=(FEATURES, 1))).astype("float32")
+    return x, y
+
+
+def model(keras, lr, scope=None):
+    keras.utils.set_random_seed(0)
+    with scope or contextlib.nullcontext():
+        m = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)])
+        m.compile(optimizer=keras.optimizers.SGD(lr, momentum=0.9), loss="mse")
+    return m
+
+
+def flat(m) -> list[float]:
+    return np.concatenate([w.ravel() for w in m.get_weights()]).tolist()
+
+
+def inputs(tf, x, y):
+    """The pipelines a user brings, each batched by USER_BATCH, none by keras-sync."""
+    def gen():
+        for i in range(0, N, USER_BATCH):
+            yield x[i:i + USER_BATCH], y[i:i + USER_BATCH]
+
+    spec = (tf.TensorSpec([None, FEATURES], tf.float32), tf.TensorSpec([None, 1], tf.float32))
+    plain = tf.data.Dataset.from_tensor_slices((x, y))
+    return {
+        "batch64": lambda: plain.batch(USER_BATCH),
+        "batch64_map_prefetch": lambda: plain.batch(USER_BATCH).map(lambda a, b: (a * 1.0, b)).prefetch(2),
+        "generator64": lambda: tf.data.Dataset.from_generator(gen, output_signature=spec),
+    }
+
+
+def fit_all(sync, keras, tf, x, y) -> dict:
+    out: dict = {"weights": {}, "lines": {}, "warnings": {}, "steps": {}}
+    kinds = {"arrays": None, **inputs(tf, x, y)}
+    for kind, make in kinds.items():
+        m = model(keras, sync.lr_schedule(), sync.scope())
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if make is None:
+                sync.fit(m, x, y, epochs=EPOCHS, shuffle=False, verbose=0)
+            else:
+                sync.fit(m, make(), epochs=EPOCHS, verbose=0)
+        out["weights"][kind] = flat(m)
+        out["steps"][kind] = int(m.optimizer.iterations.numpy())
+        out["lines"][kind] = [ln for ln in err.getvalue().splitlines() if ln.startswith("keras-sync: training data")]
+        out["warnings"][kind] = [str(w.message) for w in caught if "batch size" in str(w.message)]
+    return out
+
+
+def probes(sync, tf, x, y) -> dict:
+    """What the pipeline reads from datasets and which policy they end with."""
+    from keras_sync.errors import UsageError
+    from keras_sync.pipeline import batch_size_of, own_shard_policy
+
+    plain = tf.data.Dataset.from_tensor_slices((x, y))
+    off = tf.data.Options()
+    off.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    found = {name: list(batch_size_of(ds)) for name, ds in {
+        "static": plain.batch(64, drop_remainder=True),
+        "batch_op": plain.batch(64),
+        "map_after_batch": plain.batch(64).map(lambda a, b: (a, b)),
+        "parallel_batch": plain.batch(64, num_parallel_calls=2),
+        "padded": plain.padded_batch(16),
+        "generator": inputs(tf, x, y)["generator64"](),
+    }.items()}
+    pipe = sync._pipeline()
+    ray_like = pipe.training_dataset(plain.batch(64).with_options(off))
+    distributed = sync.distribute(plain.with_options(off))
+    try:
+        pipe.training_dataset(plain)
+        unbatched = "no error"
+    except UsageError as e:
+        unbatched = str(e)
+    # The rebatched dataset keeps a known size (Keras shows progress, warmup_epochs can use it).
+    return {"found": found, "own_off_kept": own_shard_policy(ray_like), "distribute_off_kept": own_shard_policy(distributed),
+            "arrays_policy": own_shard_policy(sync.distribute((x, y))),
+            "rebatched_cardinality": int(pipe.training_dataset(plain.batch(64)).cardinality()),
+            "unbatched_error": unbatched}
+
+
+def main() -> None:
+    mode, out = sys.argv[1], sys.argv[2]
+    os.makedirs(out, exist_ok=True)
+    x, y = data()
+    if mode == "reference":
+        import keras
+
+        m = model(keras, BASE_LR * BATCH / 16)
+        m.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+        # What the user's pipeline trained on before: batches of 64 at the rate scaled for 32.
+        m64 = model(keras, BASE_LR * BATCH / 16)
+        m64.fit(x, y, batch_size=USER_BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+        result = {"weights": flat(m), "steps": int(m.optimizer.iterations.numpy()), "weights_batch64": flat(m64)}
+        name = "reference"
+    else:
+        import keras_sync
+
+        sync = keras_sync.load(json.loads(sys.argv[3]))
+        import keras
+        import tensorflow as tf
+
+        result = fit_all(sync, keras, tf, x, y)
+        result.update(global_batch=sync.global_batch_size, learning_rate=sync.learning_rate,
+                      replicas=sync.num_replicas, workers=sync.num_workers, is_chief=sync.is_chief)
+        if mode == "replicas":
+            result["probes"] = probes(sync, tf, x, y)
+        name = f"{mode}-w{sync.task[1] or 0}"
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
