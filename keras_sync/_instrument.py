@@ -1,42 +1,40 @@
-"""Measure each replica's own loss and gradient norm inside Keras's default `train_step`.
+"""Measure each replica's own loss and gradient norm inside its `train_step`, at the optimizer.
 
 Keras 3 (TensorFlow backend) runs `train_step` once per replica under `strategy.run`; the
-values we want exist only there, before the all-reduce. We wrap the model's `train_step`:
-while it is *traced*, `model._compute_loss` and `optimizer.apply_gradients` are shadowed on
-the instances by pass-through functions that only remember the tensors they see (the loss,
-the local gradients). No op of the step is changed or reordered, so training stays
-bit-identical to plain Keras (tests/test_sync_metrics.py checks the weights). The wrapper
-then writes ``[loss, grad_norm, examples_seen, learning_rate, step_count]`` of the replica
-into row ``(step_count - 1) % ring`` of a ``tf.Variable(synchronization=ON_READ,
+values we want exist only there, before the all-reduce. We wrap the model's `train_step`
+(Keras's own or the user's override): while it is *traced*, `_train_step_trace.capture` shims
+the optimizer's ``apply`` (every ``apply_gradients`` goes through it) and the loss functions
+by pass-through functions that only remember the tensors they see. No op of the step is
+changed or reordered, so Keras's own `train_step` stays bit-identical to plain Keras
+(tests/test_sync_metrics.py checks the weights); a custom `train_step` whose loss is not
+divided by the replica count gets its gradients averaged (see `_train_step_trace`).
+
+The wrapper writes ``[loss, grad_norm, examples_seen, learning_rate, step_count, loss_scale]``
+of the replica into row ``(step_count - 1) % ring`` of a ``tf.Variable(synchronization=ON_READ,
 aggregation=NONE)`` (one copy per replica, never all-reduced; its last row holds the step
-count). The callbacks read the whole ring once every few dozen steps, not after every step:
-a read costs ~0.2 ms on the training thread (and is a collective across workers), which at
-one read per step was a measurable part of a 5 ms step.
+count). The variable is int64: counts and examples stay exact past 2^24 steps, and the
+float32 values are stored by their bits (``tf.bitcast``), so nothing we add to the step needs
+float64 (TPUs have none) and the whole ring is one variable: one read, one gather. The
+callbacks read the ring once every few dozen steps, not after every step: a read costs
+~0.2 ms on the training thread (and is a collective across workers).
 
-Scaling (so values compare with a single-device run): Keras divides each replica's loss by
-the number of replicas, so its local gradient is ``1/N`` of the gradient of the replica's own
-mean loss. We report the replica's own mean loss (``loss * N``) and the global norm of the
-gradient of that loss (``||grads|| * N``, also divided by the loss scale of a
-`LossScaleOptimizer`). The gradient the optimizer applies is the mean of the replicas' ones.
-
-A model that overrides `train_step` keeps its own: we only count the examples of each step
-around it (for throughput), and loss and gradient norm are NaN.
+Scaling (so values compare with a single-device run): we report the replica's own mean loss
+and the global norm of the gradient of that loss. When the loss was divided by the replica
+count (Keras's `train_step`, a Keras loss, ...) both are multiplied back by N; the norm is
+also divided by the loss scale of a `LossScaleOptimizer`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import threading
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
+from keras_sync import _train_step_trace as trace
 from keras_sync.strategy import in_multi_worker_mode
-
-log = logging.getLogger("keras_sync")
 
 _MARK = "_keras_sync_instrumented"
 _probes: weakref.WeakKeyDictionary[Any, ReplicaProbe] = weakref.WeakKeyDictionary()
+_announced: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def has_default_train_step(model: Any) -> bool:
@@ -47,32 +45,35 @@ def has_default_train_step(model: Any) -> bool:
 
 
 class ReplicaProbe:
-    """The per-replica values of the last train step, for one model.
+    """The per-replica values of the last train steps, for one model.
 
-    Build it with `instrument(model)`. ``per_replica_supported`` says whether loss and gradient
-    norm are measured (False for a model with its own `train_step`).
+    Build it with `instrument(model)`. ``gradients`` is the `runtime.train_step_gradients`
+    policy for a custom `train_step` (``None``: observe only, Keras's sum).
     """
 
-    #: Columns of a ring row.
-    LOSS, GRAD_NORM, EXAMPLES, LR, COUNT = range(5)
+    #: Columns of a ring row (as returned by `read`).
+    LOSS, GRAD_NORM, EXAMPLES, LR, COUNT, LOSS_SCALE = range(6)
+    _FLOAT_COLUMNS = (0, 1, 3, 5)
 
-    def __init__(self, model: Any, ring: int = 64):
+    def __init__(self, model: Any, ring: int = 64, gradients: str | None = None):
         import tensorflow as tf
 
         self.model = model
         self.strategy = model.distribute_strategy
         self.num_replicas = int(self.strategy.num_replicas_in_sync)
-        self.per_replica_supported = has_default_train_step(model)
-        if self.per_replica_supported:
+        self.custom_step = not has_default_train_step(model)
+        self.gradients = gradients
+        self.per_replica_supported = True
+        if not self.custom_step:
             from keras_sync import _internals
 
-            _internals.require("per_replica_metrics")  # what the shims below shadow must still be called
+            _internals.require("per_replica_metrics")  # what the shims shadow must still be called
         #: Rows of the ring: the steps a reader may fall behind (with room for steps_per_execution).
         self.ring = max(int(ring), 4 * int(getattr(model, "steps_per_execution", 1) or 1))
         with self.strategy.scope():
             # Outside the model: not a weight, never saved in its checkpoints.
             self.var = tf.Variable(
-                tf.zeros([self.ring + 1, 5], tf.float64),
+                tf.zeros([self.ring + 1, 6], tf.int64),
                 trainable=False,
                 synchronization=tf.VariableSynchronization.ON_READ,
                 aggregation=tf.VariableAggregation.NONE,
@@ -81,18 +82,20 @@ class ReplicaProbe:
         self.multi_worker = in_multi_worker_mode(self.strategy)
         self._components = list(self.strategy.experimental_local_results(self.var))
         self._gather_fn: Callable[[], Any] | None = None
+        #: What the last trace of replica 0 saw (scaled_by, factor): for tests and `plan`-like reports.
+        self.last_trace: dict[str, Any] = {}
 
     def read(self) -> list[Any]:
-        """Every replica's ring (a ``(ring + 1, 5)`` float64 array), replica 0 first.
+        """Every replica's ring (a ``(ring + 1, 6)`` float64 numpy array), replica 0 first.
 
-        Row ``(c - 1) % ring`` holds ``[loss, grad_norm, examples_seen, learning_rate, c]`` of
-        the replica's ``c``-th train step since the probe was made (if not yet overwritten); the
-        last row's last column is the count of steps so far. Under a multi-worker strategy this
-        is a collective: every worker must call it at the same step (the callbacks do).
+        Row ``(c - 1) % ring`` holds ``[loss, grad_norm, examples_seen, learning_rate, c,
+        loss_scale]`` of the replica's ``c``-th train step since the probe was made (if not yet
+        overwritten); the last row's ``COUNT`` column is the count of steps so far. Under a
+        multi-worker strategy this is a collective: every worker must call it at the same step.
         """
         if self.multi_worker:
-            return list(self._gather().numpy())
-        return [self._read_local(v) for v in self._components]
+            return [_decode(r) for r in self._gather().numpy()]
+        return [_decode(self._read_local(v)) for v in self._components]
 
     def row(self, rings: list[Any], count: int) -> list[Any] | None:
         """Each replica's row of step ``count`` from `read`'s result; None if it was overwritten."""
@@ -137,53 +140,63 @@ class ReplicaProbe:
         """The instrumented `train_step`: ``original`` plus the writes of this replica's values."""
         import tensorflow as tf
 
-        model, var, n, ring = self.model, self.var, float(self.num_replicas), self.ring
-        capture = self.per_replica_supported
+        model, var, n, ring, probe = self.model, self.var, self.num_replicas, self.ring, self
 
         def train_step(data: Any) -> Any:
             seen: dict[str, Any] = {}
             # Read before the step: the rate this step applies (a schedule at the current
             # iteration); a read only, so the update is unchanged.
             lr = _learning_rate(model.optimizer)
-            with _capture(model, seen) if capture else contextlib.nullcontext():
+            policy = probe.gradients or "sum"
+            with trace.capture(model, seen, custom_step=probe.custom_step, policy=policy, num_replicas=n):
                 logs = original(data)
-            examples = tf.cast(_batch_size(data), tf.float64)
-            loss = seen.get("loss")
-            loss = tf.cast(loss, tf.float64) * n if loss is not None else tf.constant(float("nan"), tf.float64)
-            grads = [g for g in seen.get("grads", ()) if g is not None]
-            if grads:
-                norm = tf.cast(tf.linalg.global_norm([tf.cast(_dense(g), tf.float32) for g in grads]), tf.float64) * n
-                scale = seen.get("loss_scale")
-                if scale is not None:
-                    norm = norm / tf.cast(scale, tf.float64)
-            else:
-                norm = tf.constant(float("nan"), tf.float64)
+            probe._announce(seen)
+            loss, norm, scale = _replica_values(seen, n)
             buf = tf.identity(var)
-            count = buf[ring, 4] + 1.0
-            row = tf.cast(tf.math.floormod(count - 1.0, ring), tf.int32)
-            prev = tf.cast(tf.math.floormod(count - 2.0, ring), tf.int32)  # step count - 1 (zeros at first)
-            zero = tf.constant(0.0, tf.float64)
+            count = buf[ring, ReplicaProbe.COUNT] + 1
+            row = tf.cast(tf.math.floormod(count - 1, ring), tf.int32)
+            prev = tf.cast(tf.math.floormod(count - 2, ring), tf.int32)  # step count - 1 (zeros at first)
+            examples = buf[prev, ReplicaProbe.EXAMPLES] + tf.cast(_batch_size(data), tf.int64)
+            zero = tf.constant(0, tf.int64)
             var.assign(tf.tensor_scatter_nd_update(
                 buf, tf.stack([tf.stack([row]), tf.constant([ring])]),
-                tf.stack([tf.stack([loss, norm, buf[prev, 2] + examples, lr, count]),
-                          tf.stack([zero, zero, zero, zero, count])])))
+                tf.stack([tf.stack([_bits(loss), _bits(norm), examples, _bits(lr), count, _bits(scale)]),
+                          tf.stack([zero, zero, zero, zero, count, zero])])))
             return logs
 
         setattr(train_step, _MARK, True)
         return train_step
 
+    def _announce(self, seen: dict[str, Any]) -> None:
+        if not seen.get("applied"):
+            return
+        self.last_trace = {"scaled_by": seen["scaled_by"], "factor": seen["factor"]}
+        if seen["factor"] != 1.0 and self.gradients == "auto" and self.model not in _announced:
+            _announced.add(self.model)
+            if _is_chief(self.strategy):
+                import sys
 
-def instrument(model: Any) -> ReplicaProbe:
+                print(trace.averaging_message(self.model, self.num_replicas), file=sys.stderr, flush=True)
+
+
+def instrument(model: Any, gradients: str | None = None) -> ReplicaProbe:
     """Install the instrumented `train_step` on ``model`` (once) and return its probe.
 
-    The model keeps it after `fit` (a few cheap ops per step), so a second `fit` does not
-    retrace. Call this before `fit` builds its train function (Keras callbacks' `set_model`
+    ``gradients``: the `runtime.train_step_gradients` policy for a model that overrides
+    `train_step` (``auto``, ``average``, ``sum``); None keeps the current one (or observes only).
+    The model keeps the wrapper after `fit` (a few cheap ops per step), so a second `fit` does
+    not retrace. Call this before `fit` builds its train function (Keras callbacks' `set_model`
     is early enough); a train function built earlier is dropped so that `fit` rebuilds it.
     """
     probe = _probes.get(model)
     if probe is not None and getattr(model.__dict__.get("train_step"), _MARK, False):
+        if gradients is not None and gradients != probe.gradients:
+            probe.gradients = gradients
+            model.train_function = None  # retrace with the new policy
         return probe
-    probe = ReplicaProbe(model)
+    probe = ReplicaProbe(model, gradients=gradients)
+    if probe.custom_step and probe.num_replicas > 1 and gradients == "auto":
+        trace.check_probes()
     original = type(model).train_step.__get__(model)
     # object.__setattr__: a function is not state for Keras's attribute tracker.
     object.__setattr__(model, "train_step", probe.step_fn(original))
@@ -192,68 +205,59 @@ def instrument(model: Any) -> ReplicaProbe:
     return probe
 
 
-# MirroredStrategy traces `train_step` once per replica, each in its own thread, switching
-# threads inside `apply_gradients` (merge_call): the shims are installed while any replica
-# traces, and each thread records into its own dict.
-_lock = threading.Lock()
-_tls = threading.local()
-_installed: dict[int, int] = {}
+def _replica_values(seen: dict[str, Any], n: int) -> tuple[Any, Any, Any]:
+    """(loss, grad norm, loss scale) of this replica as float32, scaled like one device's."""
+    import tensorflow as tf
+
+    nan = tf.constant(float("nan"), tf.float32)
+    # The loss was divided by n (by Keras or the user) unless keras-sync averages the gradients.
+    undo = float(n) if (not seen["custom_step"] or seen["scaled_by"] is not None) else 1.0
+    loss = seen.get("loss") if not seen["custom_step"] else seen.get("tape_loss")
+    loss = tf.cast(loss, tf.float32) * undo if loss is not None else nan
+    grads = [_dense(g) for g in seen["grads"]]
+    scale = seen.get("loss_scale")
+    if grads:
+        norm = tf.linalg.global_norm([tf.cast(g, tf.float32) for g in grads]) * undo
+        if scale is not None:
+            norm = norm / tf.cast(scale, tf.float32)
+    else:
+        norm = nan
+    return loss, norm, (tf.cast(scale, tf.float32) if scale is not None else nan)
 
 
-@contextlib.contextmanager
-def _capture(model: Any, seen: dict[str, Any]) -> Iterator[None]:
-    """While Keras's `train_step` is traced, remember its loss and local gradients."""
-    optimizer = model.optimizer
-    with _lock:
-        if _installed.get(id(model), 0) == 0:
-            _install_shims(model, optimizer)
-        _installed[id(model)] = _installed.get(id(model), 0) + 1
-    _tls.seen = seen
-    try:
-        yield
-    finally:
-        _tls.seen = None
-        with _lock:
-            _installed[id(model)] -= 1
-            if _installed[id(model)] == 0:
-                del _installed[id(model)]
-                object.__delattr__(model, "_compute_loss")
-                object.__delattr__(optimizer, "apply_gradients")
+def _decode(ring: Any) -> Any:
+    """The int64 ring -> float64 numpy (host side): float columns back from their bits."""
+    import numpy as np
+
+    ring = np.asarray(ring, dtype=np.int64)
+    out = ring.astype(np.float64)
+    for col in ReplicaProbe._FLOAT_COLUMNS:
+        out[:, col] = ring[:, col].astype(np.uint32).view(np.float32)
+    return out
 
 
-def _install_shims(model: Any, optimizer: Any) -> None:
-    compute_loss = model._compute_loss
-    apply_gradients = optimizer.apply_gradients
+def _bits(x: Any) -> Any:
+    import tensorflow as tf
 
-    def _compute_loss(*args: Any, **kwargs: Any) -> Any:
-        loss = compute_loss(*args, **kwargs)
-        seen = getattr(_tls, "seen", None)
-        if seen is not None:
-            seen["loss"] = loss
-        return loss
+    return tf.cast(tf.bitcast(tf.cast(x, tf.float32), tf.uint32), tf.int64)
 
-    def _apply_gradients(grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
-        pairs = list(grads_and_vars)
-        seen = getattr(_tls, "seen", None)
-        if seen is not None:
-            seen["grads"] = [g for g, _ in pairs]
-            scale = getattr(optimizer, "dynamic_scale", None)  # LossScaleOptimizer: grads are scaled
-            if scale is not None:
-                seen["loss_scale"] = scale
-        return apply_gradients(pairs, *args, **kwargs)
 
-    # object.__setattr__: plain functions, not state for Keras's attribute tracker.
-    object.__setattr__(model, "_compute_loss", _compute_loss)
-    object.__setattr__(optimizer, "apply_gradients", _apply_gradients)
+def _is_chief(strategy: Any) -> bool:
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None or not in_multi_worker_mode(strategy):
+        return True
+    from keras_sync.cluster import is_chief
+
+    return is_chief(resolver.cluster_spec().as_dict(), resolver.task_type, int(resolver.task_id))
 
 
 def _learning_rate(optimizer: Any) -> Any:
     import tensorflow as tf
 
     try:
-        return tf.cast(optimizer.learning_rate, tf.float64)
+        return tf.cast(optimizer.learning_rate, tf.float32)
     except Exception:  # noqa: BLE001 - an optimizer without a readable rate: no metric
-        return tf.constant(float("nan"), tf.float64)
+        return tf.constant(float("nan"), tf.float32)
 
 
 def _batch_size(data: Any) -> Any:
@@ -269,4 +273,3 @@ def _dense(g: Any) -> Any:
     import tensorflow as tf
 
     return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
-

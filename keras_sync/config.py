@@ -48,9 +48,12 @@ def _f(default: Any, spec: Spec, doc: str, key: str | None = None, kinds: tuple[
     return field(default=default, metadata={"spec": spec, "doc": doc, "key": key, "kinds": kinds})
 
 
-def _sub(cls: type, doc: str, note: str | None = None, kinds: tuple[str, ...] | None = None) -> Any:
-    """A section. `note`: a comment the template prints above the section's keys."""
-    return field(default_factory=cls, metadata={"doc": doc, "key": None, "note": note, "kinds": kinds})
+def _sub(cls: type, doc: str, note: str | None = None, kinds: tuple[str, ...] | None = None,
+         commented: bool = False) -> Any:
+    """A section. `note`: a comment the template prints above the section's keys; `commented`: the
+    template shows the whole section as comments (its defaults change nothing)."""
+    return field(default_factory=cls, metadata={"doc": doc, "key": None, "note": note, "kinds": kinds,
+                                                "commented": commented})
 
 
 _MWM = kinds_where(multi_process=True)
@@ -155,6 +158,18 @@ class FaultToleranceConfig:
 
 
 @dataclass(frozen=True)
+class RuntimeConfig:
+    """How the training step runs, applied to the user's compiled model by `Sync.fit`."""
+
+    train_step_gradients: str = _f(
+        "auto",
+        Choice(values=("auto", "average", "sum")),
+        "a custom train_step: average the replicas' gradients (auto: if nothing divided its loss by the "
+        "replica count) or sum them as Keras does",
+    )
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole keras-sync config. Build it with `load_config`."""
 
@@ -165,6 +180,9 @@ class Config:
     learning_rate: LearningRateConfig = _sub(LearningRateConfig, "learning-rate scaling and warmup")
     mlflow: MlflowConfig = _sub(MlflowConfig, "MLflow tracking")
     fault_tolerance: FaultToleranceConfig = _sub(FaultToleranceConfig, "backup and resume")
+    runtime: RuntimeConfig = _sub(RuntimeConfig, "how the train step runs", commented=True, note=(
+        "Applied by sync.fit to your compiled model; a key left at its default keeps what your "
+        "model.compile(...) set."))
     source: str = field(default="<defaults>", compare=False, metadata={"internal": True})
     text: str | None = field(default=None, compare=False, repr=False, metadata={"internal": True})
     provenance: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False, metadata={"internal": True})

@@ -153,6 +153,8 @@ def config_template() -> str:
         if f.metadata.get("note"):
             lines += _wrap(f.metadata["note"], "  ")
         lines += _section_lines(f.default_factory, _key(f), "  ")  # type: ignore[arg-type]
+        if f.metadata.get("commented"):
+            lines = [f"# {line}" for line in lines]  # uncommenting = removing the first "# " of each line
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks) + "\n"
 

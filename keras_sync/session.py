@@ -174,6 +174,11 @@ class Sync:
         from keras_sync import callbacks as ks_callbacks
 
         kwargs["callbacks"] = ks_callbacks.default_callbacks(self, model, kwargs.get("callbacks"))
+        if self.num_replicas > 1:
+            from keras_sync import _instrument
+
+            if not _instrument.has_default_train_step(model):  # Keras sums its gradients over the replicas
+                _instrument.instrument(model, gradients=self.config.runtime.train_step_gradients)
         from keras_sync.callbacks.backup import resumable_fit
 
         with resumable_fit(kwargs["callbacks"]):  # a restored backup resumes mid-epoch, data order included

@@ -11,9 +11,6 @@ import keras
 from keras_sync.callbacks import _reduce
 from keras_sync.errors import UsageError
 
-#: Metrics that need Keras's default `train_step` (measured inside it, per replica).
-PER_REPLICA_METRICS = ("sync/replica_{i}/loss", "sync/replica_{i}/grad_norm", "sync/grad_norm_spread")
-_warned_classes: set[type] = set()
 #: Longest a logged step waits in the probe's ring before it is read and queued (single worker).
 MAX_HOLD_MS = 500
 
@@ -49,8 +46,9 @@ class SyncMetrics(keras.callbacks.Callback):
     process that dies holds at most that many steps unlogged. (With Keras's own
     `BackupAndRestore` instead of `Sync.fit`'s backup, call `emit()` before it saves.)
 
-    A model that overrides `train_step` keeps it: the per-replica loss, grad norm and spread
-    are then missing (a one-time warning says so), the rest is logged.
+    A model that overrides `train_step` keeps it and gets the same metrics: the gradients are
+    measured where they reach the optimizer (every ``apply_gradients`` passes there) and the loss
+    is the scalar its `GradientTape` differentiates.
 
     Args:
         writer: a started `keras_sync.tracking.MlflowWriter`; None on workers that only take
@@ -92,8 +90,6 @@ class SyncMetrics(keras.callbacks.Callback):
 
         self._probe = _instrument.instrument(model)
         self._num_replicas = self._probe.num_replicas
-        if not self._probe.per_replica_supported:
-            _warn_custom_train_step(model)
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         self.global_step = None
@@ -177,18 +173,3 @@ class SyncMetrics(keras.callbacks.Callback):
         if hasattr(self.writer, "end_of_fit"):
             self.writer.end_of_fit()
 
-
-def _warn_custom_train_step(model: Any) -> None:
-    cls = type(model)
-    if cls in _warned_classes:
-        return
-    _warned_classes.add(cls)
-    warnings.warn(
-        f"keras-sync: {cls.__name__} overrides train_step, so {', '.join(PER_REPLICA_METRICS)} are not logged: "
-        "they are measured inside Keras's default train_step, before the all-reduce. Still logged: "
-        "sync/step_time_ms, sync/examples_per_sec, sync/examples_per_sec_per_replica, sync/learning_rate, "
-        "sync/weight_divergence and the Keras logs. To get them, use Keras's train_step (override "
-        "compute_loss instead).",
-        UserWarning,
-        stacklevel=2,
-    )

@@ -1,0 +1,256 @@
+"""What a replica's `train_step` does while TensorFlow traces it, and the gradient average of a custom one.
+
+Keras sums the replicas' gradients in the optimizer (an all-reduce SUM). Its own `train_step`,
+`Model.compute_loss` and every `keras.losses.Loss` object first divide each replica's loss by the
+replica count (`keras.src.losses.loss.scale_loss_for_distribution`), so the sum is the gradient of
+the mean loss over the global batch, as on one device. A `train_step` written the way the Keras
+guides show -- a `GradientTape`, ``keras.ops.mean`` of a loss function, ``optimizer.apply_gradients``
+-- skips that division and trains at N x the learning rate on N replicas, silently.
+
+While a replica traces its `train_step` (once per replica, in the replica's own thread under
+`MirroredStrategy`), `capture` shims a few functions on the instances, classes and modules that
+step reaches; each shim only remembers what it saw in the tracing thread's dict and calls the
+original. What it remembers: the loss (Keras's ``_compute_loss`` result, or the first scalar a
+`GradientTape` differentiates), the local gradients given to each optimizer's ``apply``, the
+optimizer's loss scale, and whether the loss was divided by the replica count before the first
+``apply``: by Keras (a `Loss` object, ``compute_loss``), by ``tf.nn.compute_average_loss``, or by
+the user's own code reading ``num_replicas_in_sync``.
+
+For a model that overrides `train_step`, under `runtime.train_step_gradients`:
+``auto`` divides the gradients by N at the optimizer when nothing divided the loss (and prints one
+line saying so and how to turn it off); ``average`` always divides; ``sum`` never does (Keras's
+behaviour). The training ops are otherwise untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import threading
+from typing import Any, Iterator
+
+log = logging.getLogger("keras_sync")
+
+POLICIES = ("auto", "average", "sum")
+_lock = threading.Lock()
+_tls = threading.local()
+_active = 0
+_restore: list[Any] = []
+
+
+def optimizers_of(model: Any) -> list[Any]:
+    """The model's optimizer and any other optimizer it holds as an attribute (a GAN's two)."""
+    import keras
+
+    found: dict[int, Any] = {}
+    for value in [getattr(model, "optimizer", None), *vars(model).values()]:
+        if isinstance(value, keras.optimizers.Optimizer):
+            found.setdefault(id(value), value)
+    return list(found.values())
+
+
+def gradient_factor(policy: str, custom_step: bool, scaled_by: str | None, num_replicas: int) -> float:
+    """The factor keras-sync applies to the local gradients of a replica before Keras sums them.
+
+    >>> gradient_factor("auto", True, None, 4)         # a loss mean over the replica's batch
+    0.25
+    >>> gradient_factor("auto", True, "a Keras loss", 4), gradient_factor("sum", True, None, 4)
+    (1.0, 1.0)
+    >>> gradient_factor("average", False, None, 4)     # Keras's own train_step already scales
+    1.0
+    """
+    if not custom_step or num_replicas <= 1 or policy == "sum":
+        return 1.0
+    if policy == "average" or scaled_by is None:
+        return 1.0 / num_replicas
+    return 1.0
+
+
+def averaging_message(model: Any, num_replicas: int) -> str:
+    """The line printed on the chief when keras-sync averages a custom train_step's gradients."""
+    name = type(model).__name__
+    return (f"keras-sync: {name}.train_step does not divide its loss by the replica count (no Keras loss object, "
+            f"compute_loss, tf.nn.compute_average_loss or num_replicas_in_sync in it), and Keras sums the gradients "
+            f"of the {num_replicas} replicas: keras-sync divides them by {num_replicas} at the optimizer so that a "
+            "step equals one device's. If your loss is already divided by the replica count or the global batch, "
+            "set runtime.train_step_gradients: sum.")
+
+
+def check_probes() -> None:
+    """Refuse (one line) when this Keras/TensorFlow no longer has what `capture` shims."""
+    import keras.src.losses.loss as keras_loss
+    import tensorflow as tf
+
+    from keras_sync.errors import UsageError
+
+    missing = [what for what, ok in (
+        ("keras.src.losses.loss.scale_loss_for_distribution", callable(getattr(keras_loss, "scale_loss_for_distribution", None))),
+        ("tf.nn.compute_average_loss", callable(getattr(tf.nn, "compute_average_loss", None))),
+        ("tf.distribute.Strategy.num_replicas_in_sync", _owner(tf.distribute.Strategy, "num_replicas_in_sync") is not None),
+        ("tf.distribute.ReplicaContext.num_replicas_in_sync", _owner(tf.distribute.ReplicaContext, "num_replicas_in_sync") is not None),
+    ) if not ok]
+    if missing:
+        raise UsageError(
+            f"keras-sync cannot tell whether a custom train_step divides its loss by the replica count on this "
+            f"Keras/TensorFlow ({', '.join(missing)} not found). Set runtime.train_step_gradients: average (your loss is "
+            "a mean over the replica's batch) or sum (it is already divided by the replica count or global batch).")
+
+
+def _owner(cls: type, name: str) -> type | None:
+    for klass in cls.__mro__:
+        if isinstance(klass.__dict__.get(name), property):
+            return klass
+    return None
+
+
+def seen() -> dict[str, Any] | None:
+    """The record of the replica tracing in this thread (None outside a `capture`)."""
+    return getattr(_tls, "seen", None)
+
+
+@contextlib.contextmanager
+def capture(model: Any, record: dict[str, Any], *, custom_step: bool, policy: str, num_replicas: int) -> Iterator[None]:
+    """While one replica traces ``model.train_step``: fill ``record``, average a custom step's gradients.
+
+    ``record`` gets ``loss``, ``grads`` (every local gradient given to an optimizer), ``loss_scale``
+    (a `LossScaleOptimizer`'s), ``scaled_by`` (what divided the loss by the replica count, if
+    anything) and ``factor`` (what keras-sync multiplied the gradients by).
+    """
+    global _active
+    record.update(grads=[], scaled_by=None, factor=1.0, custom_step=custom_step, policy=policy, n=num_replicas)
+    with _lock:
+        if _active == 0:
+            _install_global()
+        _active += 1
+        _install_model(model, custom_step)
+    _tls.seen = record
+    try:
+        yield
+    finally:
+        _tls.seen = None
+        with _lock:
+            _active -= 1
+            if _active == 0:
+                _uninstall()
+
+
+def _note_scaled(what: str) -> None:
+    record = seen()
+    if record is not None and record["scaled_by"] is None and not record.get("applied"):
+        record["scaled_by"] = what
+
+
+def _install_global() -> None:
+    """Module/class shims for the loss-scaling detection and the tape's target (all threads; record in ours)."""
+    import keras.src.losses.loss as keras_loss
+    import tensorflow as tf
+
+    scale_fn = keras_loss.scale_loss_for_distribution
+
+    def scale_loss_for_distribution(value: Any) -> Any:
+        _note_scaled("a Keras loss")
+        return scale_fn(value)
+
+    average_fn = tf.nn.compute_average_loss
+
+    def compute_average_loss(*args: Any, **kwargs: Any) -> Any:
+        _note_scaled("tf.nn.compute_average_loss")
+        return average_fn(*args, **kwargs)
+
+    gradient_fn = tf.GradientTape.gradient
+
+    def gradient(tape: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
+        record = seen()
+        if record is not None and "tape_loss" not in record and getattr(target, "shape", None) is not None \
+                and len(target.shape) == 0:
+            record["tape_loss"] = target
+        return gradient_fn(tape, target, *args, **kwargs)
+
+    _restore.extend([(keras_loss, "scale_loss_for_distribution", scale_fn), (tf.nn, "compute_average_loss", average_fn),
+                     (tf.GradientTape, "gradient", gradient_fn)])
+    keras_loss.scale_loss_for_distribution = scale_loss_for_distribution
+    tf.nn.compute_average_loss = compute_average_loss
+    tf.GradientTape.gradient = gradient
+    for cls in (tf.distribute.Strategy, tf.distribute.ReplicaContext):
+        owner = _owner(cls, "num_replicas_in_sync")
+        if owner is None:
+            continue
+        prop = owner.__dict__["num_replicas_in_sync"]
+        _restore.append((owner, "num_replicas_in_sync", prop))
+        setattr(owner, "num_replicas_in_sync", property(_reading(prop)))
+
+
+def _reading(prop: property) -> Any:
+    def num_replicas_in_sync(self: Any) -> Any:
+        if seen() is not None:
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            # TensorFlow and Keras read it for their own bookkeeping; only the user's code counts.
+            if not caller.startswith(("tensorflow", "keras", "tf_keras")):
+                _note_scaled("num_replicas_in_sync")
+        return prop.fget(self)
+
+    return num_replicas_in_sync
+
+
+def _install_model(model: Any, custom_step: bool) -> None:
+    if not custom_step and "_compute_loss" not in vars(model):
+        compute_loss = model._compute_loss
+
+        def _compute_loss(*args: Any, **kwargs: Any) -> Any:
+            loss = compute_loss(*args, **kwargs)
+            record = seen()
+            if record is not None:
+                record["loss"] = loss
+            return loss
+
+        object.__setattr__(model, "_compute_loss", _compute_loss)  # a function, not state for Keras's tracker
+        _restore.append((model, "_compute_loss", None))
+    for optimizer in optimizers_of(model):
+        if "apply" in vars(optimizer):
+            continue
+        object.__setattr__(optimizer, "apply", _applying(optimizer, optimizer.apply))
+        _restore.append((optimizer, "apply", None))
+
+
+def _applying(optimizer: Any, apply: Any) -> Any:
+    def apply_shim(grads: Any, trainable_variables: Any = None) -> Any:
+        record = seen()
+        if record is None or getattr(_tls, "in_apply", False):
+            return apply(grads, trainable_variables)
+        grads = list(grads)
+        record["grads"].extend(g for g in grads if g is not None)
+        scale = getattr(optimizer, "dynamic_scale", None)  # a LossScaleOptimizer's grads are scaled
+        if scale is not None:
+            record["loss_scale"] = scale
+        record["applied"] = True
+        factor = gradient_factor(record["policy"], record["custom_step"], record["scaled_by"], record["n"])
+        record["factor"] = factor
+        if factor != 1.0:
+            grads = [_scaled(g, factor) for g in grads]
+        _tls.in_apply = True
+        try:
+            return apply(grads, trainable_variables)
+        finally:
+            _tls.in_apply = False
+
+    return apply_shim
+
+
+def _scaled(g: Any, factor: float) -> Any:
+    import tensorflow as tf
+
+    if g is None:
+        return None
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(g.values * tf.cast(factor, g.values.dtype), g.indices, g.dense_shape)
+    return g * tf.cast(factor, g.dtype)
+
+
+def _uninstall() -> None:
+    while _restore:
+        target, name, original = _restore.pop()
+        if original is None:
+            object.__delattr__(target, name)
+        else:
+            setattr(target, name, original)
