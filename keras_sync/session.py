@@ -202,7 +202,7 @@ class Sync:
         self._check_model(model, method)
         from keras_sync import _keras_compat
 
-        _keras_compat.check_steps_per_execution(model, self.num_replicas)
+        _keras_compat.check_steps_per_execution(model, self.strategy)
         kwargs = dict(kwargs)
         per_replica = self._batch_size_argument(kwargs.pop("batch_size", None), method)
         return self._pipeline().prepare(method, x, y, kwargs, per_replica * self.num_replicas)

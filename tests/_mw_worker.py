@@ -20,6 +20,7 @@ GLOBAL_BATCH = 32
 EPOCHS = 3
 SAMPLES = 256
 _ORIGINAL_REDUCE = None
+_ORIGINAL_AUTOCONVERT = None
 
 
 def _data():
@@ -55,12 +56,12 @@ def _model(steps_per_execution: int = 1):
     return model
 
 
-def _fit(strategy) -> dict:
+def _fit(strategy, steps_per_execution: int = 1) -> dict:
     if strategy is None:
         model = _model()
     else:
         with strategy.scope():
-            model = _model()
+            model = _model(steps_per_execution)
     history = model.fit(_dataset(), epochs=EPOCHS, verbose=0)
     return {
         "weights": [w.tolist() for w in model.get_weights()],
@@ -68,9 +69,9 @@ def _fit(strategy) -> dict:
     }
 
 
-def _fit_error(strategy) -> str | None:
+def _fit_error(strategy, steps_per_execution: int = 1) -> str | None:
     try:
-        _fit(strategy)
+        _fit(strategy, steps_per_execution)
     except Exception as e:  # the upstream bug, whatever its type
         msg = f"{type(e).__name__}: {e}"
         # Keep the head and the tail: the middle may dump a whole data batch.
@@ -107,8 +108,9 @@ def main() -> int:
     from keras_sync import _keras_compat, _multi_worker
     from keras_sync.errors import KerasSyncError
 
-    global _ORIGINAL_REDUCE
+    global _ORIGINAL_REDUCE, _ORIGINAL_AUTOCONVERT
     _ORIGINAL_REDUCE = trainer.reduce_per_replica
+    _ORIGINAL_AUTOCONVERT = trainer.TensorFlowTrainer._autoconvert_optionals
 
     start = time.monotonic()
     try:
@@ -171,13 +173,17 @@ def main() -> int:
                 result["build_fix_only_error"] = _fit_error(strategy)
                 trainer.reduce_per_replica = patched
             result.update(_fit(strategy))
-            try:
-                with strategy.scope():
-                    model = _model(steps_per_execution=2)
-                _keras_compat.check_steps_per_execution(model, strategy.num_replicas_in_sync)
-                result["spe_error"] = None
-            except KerasSyncError as e:
-                result["spe_error"] = f"{type(e).__name__}: {e}"
+            # steps_per_execution > 1 (keras-team/keras#19246): refused by nothing, trains like 1.
+            with strategy.scope():
+                model = _model(steps_per_execution=2)
+            _keras_compat.check_steps_per_execution(model, strategy)
+            result["spe_weights"] = _fit(strategy, steps_per_execution=2)["weights"]
+            if scenario == "unfixed_then_fixed":
+                # Without fix 3 the upstream failure is still there (a canary for its upstream fix).
+                patched = trainer.TensorFlowTrainer._autoconvert_optionals
+                trainer.TensorFlowTrainer._autoconvert_optionals = _ORIGINAL_AUTOCONVERT
+                result["spe_unfixed_error"] = _fit_error(strategy, steps_per_execution=2)
+                trainer.TensorFlowTrainer._autoconvert_optionals = patched
         else:
             raise SystemExit(f"unknown scenario {scenario!r}")
     except BaseException:
