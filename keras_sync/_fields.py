@@ -61,6 +61,8 @@ class Choice(Spec):
 
     values: tuple[str, ...] = ()
     bool_aliases: tuple[tuple[bool, str], ...] = ()
+    #: (common spelling, value) pairs for the did-you-mean of a value difflib would not match.
+    hints: tuple[tuple[str, str], ...] = ()
 
     def _check(self, value: Any) -> str:
         if isinstance(value, bool):
@@ -78,7 +80,7 @@ class Choice(Spec):
         if normal not in self.values:
             import difflib
 
-            close = difflib.get_close_matches(normal, self.values, n=1)
+            close = [v for k, v in self.hints if k == normal] or difflib.get_close_matches(normal, self.values, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise FieldValueError(f"received {value!r}, expected one of {', '.join(self.values)}{hint}")
         return normal

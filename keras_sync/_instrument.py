@@ -55,7 +55,7 @@ class ReplicaProbe:
     LOSS, GRAD_NORM, EXAMPLES, LR, COUNT, LOSS_SCALE = range(6)
     _FLOAT_COLUMNS = (0, 1, 3, 5)
 
-    def __init__(self, model: Any, ring: int = 64, gradients: str | None = None):
+    def __init__(self, model: Any, ring: int = 64, gradients: str | None = None, accumulator: Any = None):
         import tensorflow as tf
 
         self.model = model
@@ -63,6 +63,8 @@ class ReplicaProbe:
         self.num_replicas = int(self.strategy.num_replicas_in_sync)
         self.custom_step = not has_default_train_step(model)
         self.gradients = gradients
+        #: The `_accumulate.GradientAccumulator` the model optimizer's updates go through (None: none).
+        self.accumulator = accumulator
         self.per_replica_supported = True
         if not self.custom_step:
             from keras_sync import _internals
@@ -148,7 +150,8 @@ class ReplicaProbe:
             # iteration); a read only, so the update is unchanged.
             lr = _learning_rate(model.optimizer)
             policy = probe.gradients or "sum"
-            with trace.capture(model, seen, custom_step=probe.custom_step, policy=policy, num_replicas=n):
+            with trace.capture(model, seen, custom_step=probe.custom_step, policy=policy, num_replicas=n,
+                               accumulator=probe.accumulator):
                 logs = original(data)
             probe._announce(seen)
             loss, norm, scale = _replica_values(seen, n)
@@ -179,11 +182,13 @@ class ReplicaProbe:
                 print(trace.averaging_message(self.model, self.num_replicas), file=sys.stderr, flush=True)
 
 
-def instrument(model: Any, gradients: str | None = None) -> ReplicaProbe:
+def instrument(model: Any, gradients: str | None = None, accumulator: Any = None) -> ReplicaProbe:
     """Install the instrumented `train_step` on ``model`` (once) and return its probe.
 
     ``gradients``: the `runtime.train_step_gradients` policy for a model that overrides
     `train_step` (``auto``, ``average``, ``sum``); None keeps the current one (or observes only).
+    ``accumulator``: a `_accumulate.GradientAccumulator` for the model's optimizer (None keeps
+    the current one).
     The model keeps the wrapper after `fit` (a few cheap ops per step), so a second `fit` does
     not retrace. Call this before `fit` builds its train function (Keras callbacks' `set_model`
     is early enough); a train function built earlier is dropped so that `fit` rebuilds it.
@@ -193,8 +198,11 @@ def instrument(model: Any, gradients: str | None = None) -> ReplicaProbe:
         if gradients is not None and gradients != probe.gradients:
             probe.gradients = gradients
             model.train_function = None  # retrace with the new policy
+        if accumulator is not None and accumulator is not probe.accumulator:
+            probe.accumulator = accumulator
+            model.train_function = None
         return probe
-    probe = ReplicaProbe(model, gradients=gradients)
+    probe = ReplicaProbe(model, gradients=gradients, accumulator=accumulator)
     if probe.custom_step and probe.num_replicas > 1 and gradients == "auto":
         trace.check_probes()
     original = type(model).train_step.__get__(model)

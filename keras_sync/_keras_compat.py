@@ -123,8 +123,14 @@ def multi_step_probe() -> bool:
 
     cls = tf_trainer.TensorFlowTrainer
     make = getattr(cls, "_make_function", None)
-    return callable(getattr(cls, "_autoconvert_optionals", None)) and make is not None and \
-        "_autoconvert_optionals" in make.__code__.co_names and "steps_per_execution" in make.__code__.co_names
+    if not callable(getattr(cls, "_autoconvert_optionals", None)) or make is None:
+        return False
+    names, codes = set(), [make.__code__]
+    while codes:  # the names `_make_function` and its nested functions use
+        code = codes.pop()
+        names.update(code.co_names)
+        codes += [c for c in code.co_consts if hasattr(c, "co_names")]
+    return {"_autoconvert_optionals", "steps_per_execution", "while_loop"} <= names
 
 
 def multi_step_fixed() -> bool:

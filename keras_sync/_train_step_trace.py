@@ -110,15 +110,18 @@ def seen() -> dict[str, Any] | None:
 
 
 @contextlib.contextmanager
-def capture(model: Any, record: dict[str, Any], *, custom_step: bool, policy: str, num_replicas: int) -> Iterator[None]:
+def capture(model: Any, record: dict[str, Any], *, custom_step: bool, policy: str, num_replicas: int,
+            accumulator: Any = None) -> Iterator[None]:
     """While one replica traces ``model.train_step``: fill ``record``, average a custom step's gradients.
 
     ``record`` gets ``loss``, ``grads`` (every local gradient given to an optimizer), ``loss_scale``
     (a `LossScaleOptimizer`'s), ``scaled_by`` (what divided the loss by the replica count, if
-    anything) and ``factor`` (what keras-sync multiplied the gradients by).
+    anything) and ``factor`` (what keras-sync multiplied the gradients by). With an
+    ``accumulator`` (`_accumulate.GradientAccumulator`), the model optimizer's updates go through it.
     """
     global _active
-    record.update(grads=[], scaled_by=None, factor=1.0, custom_step=custom_step, policy=policy, n=num_replicas)
+    record.update(grads=[], scaled_by=None, factor=1.0, custom_step=custom_step, policy=policy, n=num_replicas,
+                  accumulator=accumulator)
     with _lock:
         if _active == 0:
             _install_global()
@@ -228,8 +231,11 @@ def _applying(optimizer: Any, apply: Any) -> Any:
         record["factor"] = factor
         if factor != 1.0:
             grads = [_scaled(g, factor) for g in grads]
+        accumulator = record["accumulator"]
         _tls.in_apply = True
         try:
+            if accumulator is not None and optimizer is accumulator.optimizer:
+                return accumulator.apply(apply, grads, trainable_variables)
             return apply(grads, trainable_variables)
         finally:
             _tls.in_apply = False

@@ -161,11 +161,20 @@ class FaultToleranceConfig:
 class RuntimeConfig:
     """How the training step runs, applied to the user's compiled model by `Sync.fit`."""
 
+    mixed_precision: str = _f(
+        "none", Choice(values=("none", "mixed_float16", "mixed_bfloat16"), bool_aliases=((False, "none"),),
+                       hints=(("fp16", "mixed_float16"), ("float16", "mixed_float16"), ("half", "mixed_float16"),
+                              ("bf16", "mixed_bfloat16"), ("bfloat16", "mixed_bfloat16"))),
+        "dtype policy set by load(): none, mixed_float16 (loss scaling), mixed_bfloat16")
+    jit_compile: str | bool = _f("auto", AutoOrBool(), "XLA for the train step: true, false, or auto (keep compile's)")
+    steps_per_execution: int = _f(1, Int(minimum=1), "train steps per tf.function call")
+    gradient_accumulation_steps: int = _f(
+        1, Int(minimum=1), "one optimizer update every N micro-batches (effective batch = global x N)")
+    sync_batch_norm: bool = _f(False, Bool(), "BatchNormalization statistics over all replicas (synchronized)")
     train_step_gradients: str = _f(
         "auto",
         Choice(values=("auto", "average", "sum")),
-        "a custom train_step: average the replicas' gradients (auto: if nothing divided its loss by the "
-        "replica count) or sum them as Keras does",
+        "custom train_step: average replicas' gradients (auto: if its loss is not divided) or sum",
     )
 
 
@@ -376,6 +385,12 @@ def _check_consistency(cfg: Config, b: _Builder, given: Mapping[str, Any]) -> Co
     if s.simulated_cpu_replicas and not spec.simulated_cpus:
         b.issue("strategy.simulated_cpu_replicas", f"simulated_cpu_replicas does not apply to kind={s.kind}; "
                 "remove it")
+    acc, save_freq = cfg.runtime.gradient_accumulation_steps, cfg.fault_tolerance.save_freq
+    if acc > 1 and isinstance(save_freq, int) and save_freq % acc:
+        # A backup between two optimizer updates would lose the gradients accumulated so far.
+        b.issue("fault_tolerance.save_freq", f"received save_freq={save_freq} with runtime.gradient_accumulation_steps="
+                f"{acc}; back up at optimizer updates: use a multiple of {acc} (e.g. {save_freq - save_freq % acc or acc}) "
+                "or 'epoch'")
     return dataclasses.replace(cfg, batch=batch)
 
 

@@ -111,9 +111,20 @@ def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Pl
         items.append(PlanItem("batch.per_replica", per_replica, src("batch.per_replica")))
         items.append(PlanItem("batch.global", global_batch, "derived", f"{per_replica} x {replicas} replicas"))
     items += _input_items(config, global_batch, replicas, workers)
+    rt = config.runtime
+    acc = rt.gradient_accumulation_steps
+    items.append(PlanItem("runtime.gradient_accumulation_steps", acc, src("runtime.gradient_accumulation_steps")))
+    effective = global_batch * acc
+    items.append(PlanItem("batch.effective", effective, "derived",
+                          f"{global_batch} x {acc} micro-batches per optimizer update"))
+    for key in ("steps_per_execution", "jit_compile", "mixed_precision", "sync_batch_norm", "train_step_gradients"):
+        given = src(f"runtime.{key}") != "default"
+        note = "" if given or key in ("mixed_precision", "sync_batch_norm", "train_step_gradients") else \
+            "default: your model.compile value is kept"
+        items.append(PlanItem(f"runtime.{key}", getattr(rt, key), src(f"runtime.{key}"), note))
     lr = config.learning_rate
     base_batch = lr.base_batch_size or per_replica
-    scaled = scaling.scale_learning_rate(lr.base, global_batch_size=global_batch, base_batch_size=base_batch,
+    scaled = scaling.scale_learning_rate(lr.base, global_batch_size=effective, base_batch_size=base_batch,
                                          rule=lr.scaling)
     items += [
         PlanItem("learning_rate.base", lr.base, src("learning_rate.base")),
@@ -122,7 +133,7 @@ def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Pl
                  src("learning_rate.base_batch_size") if lr.base_batch_size else "derived",
                  "" if lr.base_batch_size else "null = the per-replica batch"),
         PlanItem("learning_rate.scaling", lr.scaling, src("learning_rate.scaling")),
-        PlanItem("learning_rate.scaled", scaled, "derived", _lr_formula(lr.scaling, lr.base, global_batch, base_batch)),
+        PlanItem("learning_rate.scaled", scaled, "derived", _lr_formula(lr.scaling, lr.base, effective, base_batch)),
     ]
     if lr.warmup_epochs:
         items.append(PlanItem("learning_rate.warmup_epochs", lr.warmup_epochs, src("learning_rate.warmup_epochs"),

@@ -51,6 +51,9 @@ def load(
     sync = Sync(cfg, strategy, detection)
     if sync.is_chief:
         print(f"keras-sync: config: {cfg.origin()}", file=sys.stderr)
+    from keras_sync import runtime
+
+    runtime.set_dtype_policy(cfg, is_chief=sync.is_chief)  # before the user builds the model
     return sync
 
 
@@ -59,8 +62,9 @@ class Sync:
 
     Build it with `keras_sync.load`. Attributes: ``config``, ``strategy``, ``kind`` (the kind
     built, after `auto`), ``num_replicas``, ``num_workers``, ``is_chief``,
-    ``per_replica_batch_size``, ``global_batch_size``, ``base_learning_rate``,
-    ``learning_rate`` (the scaled peak).
+    ``per_replica_batch_size``, ``global_batch_size``, ``gradient_accumulation_steps``,
+    ``effective_batch_size`` (examples per optimizer update), ``base_learning_rate``,
+    ``learning_rate`` (the scaled peak, for the effective batch).
     """
 
     def __init__(self, config: Config, strategy: Any, detection: Any):
@@ -73,11 +77,14 @@ class Sync:
         self.per_replica_batch_size, self.global_batch_size = scaling.resolve_batch_sizes(
             config.batch.per_replica, config.batch.global_, self.num_replicas
         )
+        #: Micro-batches per optimizer update, and the examples of one update (global batch x that).
+        self.gradient_accumulation_steps: int = config.runtime.gradient_accumulation_steps
+        self.effective_batch_size: int = self.global_batch_size * self.gradient_accumulation_steps
         lr = config.learning_rate
         self.base_learning_rate = lr.base
         self.base_batch_size = lr.base_batch_size or self.per_replica_batch_size
         self.learning_rate = scaling.scale_learning_rate(
-            lr.base, global_batch_size=self.global_batch_size, base_batch_size=self.base_batch_size, rule=lr.scaling
+            lr.base, global_batch_size=self.effective_batch_size, base_batch_size=self.base_batch_size, rule=lr.scaling
         )
         self._schedules: list[Any] = []
         self._steps_per_epoch: int | None = None
@@ -169,16 +176,16 @@ class Sync:
         dataset is rebatched to the global batch (see `keras_sync.pipeline`). The MLflow run ends
         (FINISHED) when fit returns; the next fit of this `Sync` continues it.
         """
+        from keras_sync import runtime
+
+        runtime.prepare_model(self, model)  # steps_per_execution, jit_compile, sync BatchNorm
         x, y, kwargs = self._prepare(model, "fit", x, y, kwargs)
         self._resolve_pending_warmup(x, kwargs)
         from keras_sync import callbacks as ks_callbacks
 
-        kwargs["callbacks"] = ks_callbacks.default_callbacks(self, model, kwargs.get("callbacks"))
-        if self.num_replicas > 1:
-            from keras_sync import _instrument
-
-            if not _instrument.has_default_train_step(model):  # Keras sums its gradients over the replicas
-                _instrument.instrument(model, gradients=self.config.runtime.train_step_gradients)
+        # First: once fit has built the model, it sets up gradient accumulation and custom train_steps.
+        kwargs["callbacks"] = [runtime.setup_callback(self)] + ks_callbacks.default_callbacks(
+            self, model, kwargs.get("callbacks"))
         from keras_sync.callbacks.backup import resumable_fit
 
         with resumable_fit(kwargs["callbacks"]):  # a restored backup resumes mid-epoch, data order included
@@ -252,6 +259,7 @@ class Sync:
                 "tell it (an infinite or unknown-size dataset). Pass steps_per_epoch to sync.fit, or use "
                 "learning_rate.warmup_steps."
             )
+        steps = math.ceil(steps / self.gradient_accumulation_steps)  # the schedule counts optimizer updates
         self._steps_per_epoch = steps
         for sched in self._schedules:
             sched.warmup_steps = self.warmup_steps(steps)

@@ -1,7 +1,8 @@
 """Training-step scenarios on real strategies, one process per device layout (logical devices are fixed per process).
 
 Usage:
-    python _runtime_scenarios.py replicas N OUT.json      N simulated CPU replicas (1: one device)
+    python _runtime_scenarios.py replicas N [TRACKING_URI] OUT.json
+                                                          N simulated CPU replicas (1: one device)
     keras-sync launch --workers 2 _runtime_scenarios.py workers OUT.json
                                                           2 workers x 1 CPU (MWMS); the chief writes
 Every scenario trains the same model from the same seed on the same global batches and records its
@@ -143,6 +144,129 @@ def custom_steps():
 
 
 record("custom_steps", custom_steps)
+
+
+# -- runtime section (issue 13) --------------------------------------------------------------------
+
+
+def spe(tracking_uri=None):
+    """steps_per_execution 4 from the YAML (the compile line says nothing): same weights as 1."""
+    mlflow = {"enabled": True, "tracking_uri": tracking_uri, "experiment": "spe"} if tracking_uri else {"enabled": False}
+    s = keras_sync.load({**config(steps_per_execution=4), "mlflow": mlflow})
+    model = make(keras.Sequential, s)
+    s.fit(model, X, Y, epochs=2, shuffle=False, verbose=0)
+    out = {"weights": flat(model), "spe": int(model.steps_per_execution), "iterations": int(model.optimizer.iterations)}
+    if tracking_uri:
+        from keras_sync.callbacks._run import _writers, close_writer
+
+        out["run_id"] = _writers[s].run_id
+        close_writer(s, timeout_s=120)
+    return out
+
+
+def accumulation():
+    """gradient_accumulation_steps 2 at per-replica 8 == per-replica 16 without accumulation."""
+    out = {}
+    for opt in ("sgd", "adam"):
+        for name, batch, acc in (("acc", 8, 2), ("ref", 16, 1)):
+            per = {"batch": {"per_replica": batch}, "learning_rate": {"base": 0.01, "base_batch_size": 16,
+                                                                         "scaling": "linear"}}
+            s = keras_sync.load({**config(gradient_accumulation_steps=acc), **per})
+            with s.scope():  # a TensorFlow optimizer belongs to the strategy it is made under
+                optimizer = (keras.optimizers.SGD(s.lr_schedule(), momentum=0.9) if opt == "sgd"
+                             else keras.optimizers.Adam(s.lr_schedule()))
+            model = make(keras.Sequential, s, optimizer=optimizer)
+            s.fit(model, X, Y, epochs=2, shuffle=False, verbose=0)
+            out[f"{opt}_{name}"] = {"weights": flat(model), "lr": s.learning_rate, "effective": s.effective_batch_size,
+                                    "iterations": int(model.optimizer.iterations)}
+    return out
+
+
+def bn_model(s):
+    keras.utils.set_random_seed(0)
+    with s.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.BatchNormalization(),
+                                  keras.layers.ReLU(), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+    return model
+
+
+def sync_bn():
+    out = {}
+    for on in (True, False):
+        s = keras_sync.load(config(sync_batch_norm=on))
+        model = bn_model(s)
+        s.fit(model, X, Y, epochs=2, shuffle=False, verbose=0)
+        out["on" if on else "off"] = {"weights": flat(model), "synchronized": bool(model.layers[1].synchronized)}
+        if MODE == "workers":
+            break
+    return out
+
+
+def mixed():
+    """mixed precision from the YAML on a model built after load(); gradient norms against float32."""
+    from keras_sync import _instrument
+
+    out = {}
+    for policy in ("mixed_bfloat16", "mixed_float16", "none"):
+        s = keras_sync.load(config(mixed_precision=policy))
+        model = make(keras.Sequential, s)
+        probe = _instrument.instrument(model)
+        h = s.fit(model, X, Y, epochs=2, shuffle=False, verbose=0)
+        rings = probe.read()
+        rows = [probe.row(rings, c) for c in range(1, probe.count(rings) + 1)]
+        out[policy] = {"policy": model.layers[0].dtype_policy.name, "compute": model.layers[0].compute_dtype,
+                       "variable": model.layers[0].variable_dtype, "optimizer": type(model.optimizer).__name__,
+                       "loss": h.history["loss"], "grad_norm": [float(r[0][probe.GRAD_NORM]) for r in rows],
+                       "loss_scale": [float(r[0][probe.LOSS_SCALE]) for r in rows]}
+    return out
+
+
+def jit():
+    out = {}
+    for value in (True, False):
+        s = keras_sync.load(config(jit_compile=value))
+        model = make(keras.Sequential, s)
+        s.fit(model, X, Y, epochs=1, shuffle=False, verbose=0)
+        out[str(value)] = {"weights": flat(model), "jit": bool(model.jit_compile)}
+    return out
+
+
+def step_dtypes():
+    """Every dtype in the graph of an instrumented train step (keras-sync adds no float64)."""
+    from keras_sync import _instrument
+
+    model = make(GuideStep)
+    _instrument.instrument(model, gradients="auto")
+    ds = SYNC.strategy.experimental_distribute_dataset(SYNC.distribute((X, Y)))
+    batch = next(iter(ds))
+
+    @tf.function
+    def step(data):
+        return SYNC.strategy.run(model.train_step, args=(data,))
+
+    graph = step.get_concrete_function(batch).graph.as_graph_def()
+    dtypes = set()
+    for node in [*graph.node, *(n for f in graph.library.function for n in f.node_def)]:
+        for key in ("T", "dtype", "DstT", "SrcT", "out_type", "Tout"):
+            if key in node.attr and node.attr[key].type:
+                dtypes.add(tf.dtypes.as_dtype(node.attr[key].type).name)
+    return sorted(dtypes)
+
+
+if MODE == "workers":
+    record("spe", spe)
+    record("accumulation", accumulation)
+    record("sync_bn", sync_bn)
+else:
+    record("spe", lambda: spe(sys.argv[3] if len(sys.argv) > 4 else None))
+    record("accumulation", accumulation)
+    record("sync_bn", sync_bn)
+    if N > 1:
+        record("mixed", mixed)
+        keras.mixed_precision.set_dtype_policy("float32")
+        record("jit", jit)
+        record("dtypes", step_dtypes)
 
 if MODE == "replicas" or SYNC.is_chief:
     results.update(num_replicas=SYNC.num_replicas, num_workers=SYNC.num_workers)

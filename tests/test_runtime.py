@@ -22,6 +22,7 @@ from keras_sync.config import load_config
 from keras_sync.errors import ConfigError
 
 HERE = Path(__file__).parent
+KERAS_SYNC = str(Path(sys.executable).with_name("keras-sync"))
 TOLERANCE = 1e-5
 
 
@@ -49,8 +50,76 @@ def test_train_step_gradients_bad_value_names_file_line_and_close_match(tmp_path
                               "average, sum; did you mean 'average'?")
 
 
-def test_runtime_defaults():
-    assert load_config({}).runtime.train_step_gradients == "auto"
+def test_runtime_defaults_change_nothing():
+    rt = load_config({}).runtime
+    assert (rt.mixed_precision, rt.jit_compile, rt.steps_per_execution, rt.gradient_accumulation_steps,
+            rt.sync_batch_norm, rt.train_step_gradients) == ("none", "auto", 1, 1, False, "auto")
+
+
+@pytest.mark.parametrize("text,line,message", [
+    ("runtime:\n  steps_per_execution: 0\n", 2,
+     "runtime.steps_per_execution: received 0, expected an integer >= 1"),
+    ("runtime:\n  mixed_precision: fp16\n", 2,
+     "runtime.mixed_precision: received 'fp16', expected one of none, mixed_float16, mixed_bfloat16; "
+     "did you mean 'mixed_float16'?"),
+    ("runtime:\n  mixed_precision: bf16\n", 2,
+     "runtime.mixed_precision: received 'bf16', expected one of none, mixed_float16, mixed_bfloat16; "
+     "did you mean 'mixed_bfloat16'?"),
+    ("runtime:\n  gradient_accumulation_steps: -2\n", 2,
+     "runtime.gradient_accumulation_steps: received -2, expected an integer >= 1"),
+    ("runtime:\n  jit_compile: xla\n", 2, "runtime.jit_compile: received 'xla', expected auto, true or false"),
+    ("runtime:\n  sync_batch_norm: yes please\n", 2,
+     "runtime.sync_batch_norm: received 'yes please', expected true or false"),
+    ("runtime: {gradient_accumulation_steps: 4}\nfault_tolerance:\n  save_freq: 10\n", 3,
+     "fault_tolerance.save_freq: received save_freq=10 with runtime.gradient_accumulation_steps=4; back up at "
+     "optimizer updates: use a multiple of 4 (e.g. 8) or 'epoch'"),
+])
+def test_bad_runtime_values_name_file_line_key_and_fix(tmp_path, text, line, message):
+    path = tmp_path / "ks.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as exc:
+        load_config(path)
+    assert str(exc.value) == f"{path}:{line}: {message}"
+
+
+def test_validate_cli_prints_runtime_errors_with_file_and_line(tmp_path):
+    path = tmp_path / "ks.yaml"
+    path.write_text("batch: {per_replica: 8}\nruntime:\n  steps_per_execution: 0\n  mixed_precision: fp16\n")
+    proc = subprocess.run([KERAS_SYNC, "validate", str(path)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2
+    assert f"{path}:3: runtime.steps_per_execution: received 0" in proc.stderr + proc.stdout
+    assert f"{path}:4: runtime.mixed_precision: received 'fp16'" in proc.stderr + proc.stdout
+
+
+def test_template_shows_the_runtime_section_commented():
+    from keras_sync.config_reference import config_template
+
+    text = config_template()
+    section = text[text.index("# runtime:"):]
+    keys = [ln.split(":")[0].strip("# ") for ln in section.splitlines() if ln.startswith("#   ") and
+            not ln.startswith("#   #")]
+    assert keys == ["mixed_precision", "jit_compile", "steps_per_execution", "gradient_accumulation_steps",
+                    "sync_batch_norm", "train_step_gradients"]
+    assert all(ln.startswith("#") for ln in section.splitlines() if ln)
+    # Uncommented, it is the defaults.
+    import yaml
+
+    data = yaml.safe_load("\n".join(ln[2:] for ln in section.splitlines() if ln))
+    assert load_config(data).runtime == load_config({}).runtime
+
+
+def test_plan_prints_the_effective_batch_and_scales_the_rate_from_it(tmp_path):
+    path = tmp_path / "ks.yaml"
+    path.write_text("batch: {per_replica: 8}\nlearning_rate: {base: 0.1, base_batch_size: 8}\n"
+                    "runtime: {gradient_accumulation_steps: 4}\nmlflow: {enabled: false}\n")
+    proc = subprocess.run([KERAS_SYNC, "plan", str(path), "--json"], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "TF_CONFIG": ""})
+    assert proc.returncode == 0, proc.stderr
+    items = json.loads(proc.stdout)["items"]
+    assert items["batch.effective"]["value"] == 32 and items["batch.effective"]["source"] == "derived"
+    assert items["runtime.gradient_accumulation_steps"]["source"] == "file"
+    assert items["learning_rate.scaled"]["value"] == pytest.approx(0.4)  # 0.1 x 32 / 8
 
 
 # ---- real training runs ---------------------------------------------------------------------------
@@ -63,9 +132,10 @@ def runs(tmp_path_factory):
     for k in ("TF_CONFIG", "KERAS_SYNC_CONFIG", "MLFLOW_TRACKING_URI"):
         env.pop(k, None)
     script = str(HERE / "_runtime_scenarios.py")
+    tracking_uri = f"sqlite:///{out / 'mlflow.db'}"
     cmds = {
         "one": [sys.executable, script, "replicas", "1", str(out / "one.json")],
-        "two": [sys.executable, script, "replicas", "2", str(out / "two.json")],
+        "two": [sys.executable, script, "replicas", "2", tracking_uri, str(out / "two.json")],
         "workers": [sys.executable, "-m", "keras_sync.launch", "--workers", "2", script, "workers",
                     str(out / "workers.json")],
     }
@@ -77,6 +147,7 @@ def runs(tmp_path_factory):
         assert proc.returncode == 0, f"{name} failed:\n{logs[name][-5000:]}"
         results[name] = json.loads((out / f"{name}.json").read_text())
     results["logs"] = logs
+    results["tracking_uri"] = tracking_uri
     return results
 
 
@@ -136,3 +207,93 @@ def test_custom_train_steps_get_the_same_per_replica_loss_and_grad_norm_as_keras
         for name in CUSTOM:
             for key in ("loss", "grad_norm"):
                 assert _diff(res[name][key], keras_step[key]) <= 1e-4 * max(1.0, _diff(keras_step[key], 0)), (layout, name, key)
+
+
+# ---- the runtime section on real strategies (issue 13) --------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1600)
+def test_steps_per_execution_4_equals_1_on_two_replicas_and_two_workers(runs):
+    for layout in ("one", "two", "workers"):
+        res = _ok(runs[layout]["spe"])
+        assert res["spe"] == 4 and res["iterations"] == 16
+        ref = runs[layout]["custom_steps"]["keras"]["weights"]  # the same model and data at 1
+        assert _diff(res["weights"], ref) <= TOLERANCE, layout
+    assert _diff(runs["workers"]["spe"]["weights"], runs["one"]["spe"]["weights"]) <= TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1600)
+def test_steps_per_execution_4_logs_a_point_at_every_optimizer_step(runs):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(runs["tracking_uri"])
+    run_id = runs["two"]["spe"]["run_id"]
+    for key in ("sync/replica_0/loss", "sync/replica_1/grad_norm", "sync/learning_rate", "sync/step_time_ms"):
+        steps = sorted(m.step for m in client.get_metric_history(run_id, key))
+        assert steps == list(range(1, 17)), key
+    # The replicas' values differ from step to step (each step its own row, not the execution's last).
+    losses = [m.value for m in sorted(client.get_metric_history(run_id, "sync/replica_0/loss"), key=lambda m: m.step)]
+    assert len(set(losses)) == 16
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1600)
+def test_gradient_accumulation_2_x_8_equals_16_with_sgd_and_adam(runs):
+    for layout in ("one", "two", "workers"):
+        res = _ok(runs[layout]["accumulation"])
+        for opt in ("sgd", "adam"):
+            acc, ref = res[f"{opt}_acc"], res[f"{opt}_ref"]
+            assert acc["effective"] == ref["effective"] and acc["lr"] == ref["lr"], (layout, opt)
+            assert acc["iterations"] == ref["iterations"], (layout, opt)  # updates, not micro-batches
+            assert _diff(acc["weights"], ref["weights"]) <= TOLERANCE, (layout, opt)
+    assert _diff(runs["workers"]["accumulation"]["adam_acc"]["weights"],
+                 runs["one"]["accumulation"]["adam_ref"]["weights"]) <= TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1600)
+def test_sync_batch_norm_on_two_replicas_and_two_workers_equals_one_device(runs):
+    one = _ok(runs["one"]["sync_bn"])["off"]["weights"]
+    for layout in ("two", "workers"):
+        res = _ok(runs[layout]["sync_bn"])
+        assert res["on"]["synchronized"] is True
+        assert _diff(res["on"]["weights"], one) <= TOLERANCE, layout
+    # Without it the replicas' statistics differ from the global batch's, and a line says so.
+    assert _diff(runs["two"]["sync_bn"]["off"]["weights"], one) > 100 * TOLERANCE
+    lines = [ln for ln in runs["logs"]["two"].splitlines() if "BatchNormalization layer(s) with per-replica" in ln]
+    assert len(lines) == 1 and "runtime.sync_batch_norm: true" in lines[0] and "the 32 examples" in lines[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1600)
+def test_mixed_precision_on_two_replicas(runs):
+    res = _ok(runs["two"]["mixed"])
+    f32 = res["none"]
+    for policy, compute in (("mixed_bfloat16", "bfloat16"), ("mixed_float16", "float16")):
+        r = res[policy]
+        assert (r["policy"], r["compute"], r["variable"]) == (policy, compute, "float32")
+        assert all(np.isfinite(r["loss"])) and r["loss"][-1] < r["loss"][0]
+        ratio = np.asarray(r["grad_norm"][:8]) / np.asarray(f32["grad_norm"][:8])
+        assert np.all((ratio > 0.5) & (ratio < 2.0)), (policy, ratio)
+    assert res["mixed_float16"]["optimizer"] == "LossScaleOptimizer"
+    assert all(s >= 1.0 for s in res["mixed_float16"]["loss_scale"])
+    assert res["mixed_bfloat16"]["optimizer"] == "SGD" and np.all(np.isnan(res["mixed_bfloat16"]["loss_scale"]))
+    assert "mixed_float16 on CPU, which has no fast float16" in runs["logs"]["two"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1600)
+def test_jit_compile_true_equals_false_on_two_replicas(runs):
+    res = _ok(runs["two"]["jit"])
+    assert res["True"]["jit"] is True and res["False"]["jit"] is False
+    assert _diff(res["True"]["weights"], res["False"]["weights"]) <= TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1600)
+def test_instrumented_train_step_has_no_float64(runs):
+    dtypes = _ok(runs["two"]["dtypes"])
+    assert "float32" in dtypes and "int64" in dtypes  # the step and the probe's ring
+    assert "float64" not in dtypes, dtypes

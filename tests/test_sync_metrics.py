@@ -21,7 +21,7 @@ import pytest
 from keras_sync.callbacks import _reduce
 from keras_sync.errors import UsageError
 
-pytestmark = pytest.mark.slow  # starts TensorFlow processes; the fast lane is `pytest -m "not slow"`
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # starts TensorFlow processes (8 fits: minutes on a loaded machine)
 
 HERE = Path(__file__).parent
 SECRET_PASSWORD = "pw-Zq81xT"
@@ -116,7 +116,7 @@ def runs(tmp_path_factory, mlflow_server):
     }
     logs = {}
     for name, proc in procs.items():
-        logs[name], _ = proc.communicate(timeout=400)
+        logs[name], _ = proc.communicate(timeout=1500)
         assert proc.returncode == 0, f"{name} scenario failed:\n{logs[name][-5000:]}"
     return {
         "mirrored": json.loads((out / "mirrored.json").read_text()),

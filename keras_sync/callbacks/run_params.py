@@ -19,7 +19,8 @@ class RunParams(keras.callbacks.Callback):
     """Log the training setup once, at the start of the first `fit`.
 
     Params: ``sync.strategy``, ``sync.num_replicas``, ``sync.num_workers``,
-    ``sync.per_replica_batch_size``, ``sync.global_batch_size``, ``sync.base_learning_rate``,
+    ``sync.per_replica_batch_size``, ``sync.global_batch_size``, ``sync.gradient_accumulation_steps``,
+    ``sync.effective_batch_size``, ``sync.base_learning_rate``,
     ``sync.learning_rate``, ``sync.lr_scaling``, ``sync.warmup_steps`` (from ``sync`` when given,
     else what the model's strategy tells), ``sync.tensorflow_version``, ``sync.keras_version``
     and ``sync.devices`` (this worker's replica devices). With a `Sync` built from a YAML file,
@@ -78,6 +79,8 @@ def run_params(model: Any, sync: Any = None) -> dict[str, Any]:
         "sync.num_workers": sync.num_workers,
         "sync.per_replica_batch_size": sync.per_replica_batch_size,
         "sync.global_batch_size": sync.global_batch_size,
+        "sync.gradient_accumulation_steps": sync.gradient_accumulation_steps,
+        "sync.effective_batch_size": sync.effective_batch_size,
         "sync.base_learning_rate": sync.base_learning_rate,
         "sync.learning_rate": sync.learning_rate,
         "sync.lr_scaling": sync.config.learning_rate.scaling,

@@ -33,6 +33,7 @@ class SyncMetrics(keras.callbacks.Callback):
       includes tracing;
     - ``sync/examples_per_sec`` (all replicas) and ``sync/examples_per_sec_per_replica``;
     - ``sync/learning_rate``: the learning rate the optimizer applied in that step;
+    - ``sync/loss_scale``: the dynamic loss scale, with a `LossScaleOptimizer` (mixed_float16);
     - the Keras logs under their Keras names (``loss``, metrics; running means of the epoch),
       and at each epoch's last step the ``val_*`` logs.
 
@@ -98,7 +99,9 @@ class SyncMetrics(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         if self.global_step is None:
             # Read once, after every on_train_begin (BackupAndRestore may have restored it).
-            self.global_step = int(self.model.optimizer.iterations.numpy())
+            # Optimizer updates x micro-batches per update (keras-sync's gradient accumulation).
+            accumulator = getattr(self._probe, "accumulator", None)
+            self.global_step = int(self.model.optimizer.iterations.numpy()) * (accumulator.steps if accumulator else 1)
             rings = self._probe.read()
             self._count = self._probe.count(rings)
             rows = self._probe.row(rings, self._count)
@@ -116,9 +119,18 @@ class SyncMetrics(keras.callbacks.Callback):
         self.global_step = prev + steps
         if _reduce.crossed_log_step(prev, self.global_step, self.every):
             numbers = {k: v for k, v in (logs or {}).items() if isinstance(v, (int, float))}
-            self._pending.append((self.global_step, self._count, numbers, self._busy_s,
-                                  self._steps_since_log, int(time.time() * 1000)))
-            self._busy_s, self._steps_since_log = 0.0, 0
+            now_ms = int(time.time() * 1000)
+            # With steps_per_execution > 1 Keras calls this once per execution: every logged step of
+            # it gets its own point from the ring (the execution's Keras logs go with the last one).
+            logged = [s for s in range(prev + 1, self.global_step + 1) if s % self.every == 0]
+            per_step = self._busy_s / self._steps_since_log
+            since = self.global_step - self._steps_since_log  # the step of the previous point
+            for s in logged:
+                self._pending.append((s, self._count - (self.global_step - s), numbers if s == logged[-1] else {},
+                                      per_step * (s - since), s - since, now_ms))
+                since = s
+            self._busy_s = per_step * (self.global_step - logged[-1])
+            self._steps_since_log = self.global_step - logged[-1]
         if self._pending and (self._count - self._pending[0][1] >= self._probe.ring // 2 or (
                 # Slow steps: do not hold a step's metrics in memory for long (a crash would lose
                 # them). Only without workers: there the read is a collective, and every worker
@@ -153,6 +165,9 @@ class SyncMetrics(keras.callbacks.Callback):
         lr = float(rows[0][p.LR])
         if lr == lr:  # not NaN
             metrics["sync/learning_rate"] = lr
+        scale = float(rows[0][p.LOSS_SCALE])
+        if scale == scale:  # a LossScaleOptimizer's dynamic loss scale (mixed_float16)
+            metrics["sync/loss_scale"] = scale
         metrics.update(logs)  # the step's numeric Keras logs (filtered when the step was recorded)
         self.writer.log_metrics(metrics, step=step, timestamp_ms=ts)
 

@@ -1,0 +1,78 @@
+"""Gradient accumulation that works under every strategy: one optimizer update every N micro-batches.
+
+Keras's own ``optimizer(gradient_accumulation_steps=N)`` puts the update -- an all-reduce, a
+synchronisation point (``merge_call``) -- inside a `tf.cond` in the replica context, which
+`MirroredStrategy` refuses ("merge_call called while defining a new graph", measured on Keras
+3.15.1). Here the condition is taken in the cross-replica context, the way Keras's own
+`LossScaleOptimizer` does it: each replica adds its local gradients to its own sums (variables
+with one copy per replica, never all-reduced); every N-th micro-batch the replicas call the
+optimizer's ``apply`` with their mean over the N micro-batches, and Keras then all-reduces them as
+for any step. The optimizer's ``iterations`` counts updates, so schedules and warmup count
+updates too.
+
+The sums are not in the model's checkpoints: a backup must fall on an update
+(`fault_tolerance.save_freq` a multiple of N, or each epoch with a multiple of N steps).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from keras_sync.errors import UsageError
+
+
+class GradientAccumulator:
+    """Per-replica gradient sums for the variables of ``model``, and the accumulating ``apply``."""
+
+    def __init__(self, model: Any, steps: int):
+        import tensorflow as tf
+
+        self.steps = int(steps)
+        self.optimizer = model.optimizer
+        self._vars = list(model.trainable_variables)
+        self._index = {id(v): i for i, v in enumerate(self._vars)}
+        on_read = dict(trainable=False, synchronization=tf.VariableSynchronization.ON_READ,
+                       aggregation=tf.VariableAggregation.NONE)
+        with model.distribute_strategy.scope():
+            self._sums = [tf.Variable(tf.zeros(tuple(v.shape), v.dtype), name="keras_sync_gradient_sum", **on_read)
+                          for v in self._vars]
+            self._micro = tf.Variable(tf.constant(0, tf.int64), name="keras_sync_micro_batches", **on_read)
+
+    def apply(self, apply_fn: Any, grads: list[Any], trainable_variables: Any) -> None:
+        """Add ``grads`` to this replica's sums; on every N-th call, ``apply_fn`` their mean."""
+        import tensorflow as tf
+        from keras import ops
+
+        tvs = list(trainable_variables) if trainable_variables is not None else self._vars
+        try:
+            idx = [self._index[id(v)] for v in tvs]
+        except KeyError:
+            raise UsageError("runtime.gradient_accumulation_steps: the train step applies gradients to a variable "
+                             "that is not among model.trainable_variables when fit started; keras-sync accumulates "
+                             "the gradients of model.optimizer for the model's own trainable variables only. Fix: "
+                             "set gradient_accumulation_steps: 1 for this model.") from None
+        for i, g in zip(idx, grads):
+            if g is not None:
+                dense = tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+                self._sums[i].assign_add(tf.cast(dense, self._sums[i].dtype))
+        micro = self._micro.assign_add(1)
+        is_update = tf.equal(tf.math.floormod(micro, self.steps), 0)
+        present = [g is not None for g in grads]
+
+        def update() -> None:
+            mean = [self._sums[i] / tf.cast(self.steps, self._sums[i].dtype) if p else None
+                    for i, p in zip(idx, present)]
+            apply_fn(mean, tvs)
+            for i in idx:
+                self._sums[i].assign(tf.zeros_like(self._sums[i]))
+
+        if tf.__internal__.distribute.strategy_supports_no_merge_call():
+            ops.cond(is_update, update, lambda: None)
+            return
+
+        def cross_replica(distribution: Any, is_update: Any) -> None:
+            # Every replica counted the same micro-batches: take the first one's decision.
+            pred = distribution.experimental_local_results(is_update)[0]
+            ops.cond(pred, lambda: distribution.extended.call_for_each_replica(update), lambda: None)
+
+        tf.distribute.get_replica_context().merge_call(cross_replica, args=(is_update,))
