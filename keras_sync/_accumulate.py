@@ -66,7 +66,10 @@ class GradientAccumulator:
             for i in idx:
                 self._sums[i].assign(tf.zeros_like(self._sums[i]))
 
-        if tf.__internal__.distribute.strategy_supports_no_merge_call():
+        # TensorFlow's own test (private; Keras's LossScaleOptimizer uses it): XLA on GPUs runs
+        # without merge_call, so the condition stays in the replica context. Missing: merge_call.
+        no_merge_call = getattr(tf.__internal__.distribute, "strategy_supports_no_merge_call", lambda: False)
+        if no_merge_call():
             ops.cond(is_update, update, lambda: None)
             return
 

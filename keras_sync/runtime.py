@@ -70,6 +70,8 @@ def prepare_model(sync: Any, model: Any) -> None:
             _replacing(sync, model, "steps_per_execution", model.steps_per_execution, rt.steps_per_execution)
         model.steps_per_execution = rt.steps_per_execution
         changed = True
+    if given(config, "jit_compile") and rt.jit_compile is True:
+        _check_xla_devices(sync)
     if given(config, "jit_compile") and rt.jit_compile != "auto" and bool(model.jit_compile) != rt.jit_compile:
         if model.jit_compile:  # on, by the user's compile (or Keras's auto on an accelerator)
             _replacing(sync, model, "jit_compile", model.jit_compile, rt.jit_compile)
@@ -88,6 +90,22 @@ def prepare_model(sync: Any, model: Any) -> None:
                    "runtime.sync_batch_norm: true.")
     if changed:
         model.train_function = None  # Keras builds it again with the new settings
+
+
+def _check_xla_devices(sync: Any) -> None:
+    """Refuse XLA for a step over several replicas on CPUs: measured to fail, so say it before any step runs."""
+    devices = [str(d) for d in getattr(sync.strategy.extended, "worker_devices", ())]
+    if sync.num_replicas > 1 and devices and all("CPU" in d.upper() for d in devices):
+        from keras_sync.errors import UsageError
+
+        # Measured with Keras 3.15.1 / TF 2.21: Keras compiles strategy.run as one XLA cluster. Over
+        # logical CPUs of one process XLA reads variables of CPU:1 from CPU:0 ("Trying to access
+        # resource ... located in device"); across CPU workers it stops with "Collectives are not yet
+        # implemented for CPU devices when compiling with XLA" and the process then aborts.
+        raise UsageError(f"Invalid value for runtime.jit_compile. Received: true with {sync.num_replicas} replicas on "
+                         "CPU devices, where XLA cannot compile a distributed step (no XLA collectives on CPU; "
+                         "variables on several devices). Expected false or auto; XLA works on one device, and on "
+                         "GPUs or TPUs.")
 
 
 def _replacing(sync: Any, model: Any, key: str, old: Any, new: Any) -> None:

@@ -155,7 +155,7 @@ def spe(tracking_uri=None):
     s = keras_sync.load({**config(steps_per_execution=4), "mlflow": mlflow})
     model = make(keras.Sequential, s)
     s.fit(model, X, Y, epochs=2, shuffle=False, verbose=0)
-    out = {"weights": flat(model), "spe": int(model.steps_per_execution), "iterations": int(model.optimizer.iterations)}
+    out = {"weights": flat(model), "spe": int(model.steps_per_execution), "iterations": int(model.optimizer.iterations.numpy())}
     if tracking_uri:
         from keras_sync.callbacks._run import _writers, close_writer
 
@@ -178,7 +178,7 @@ def accumulation():
             model = make(keras.Sequential, s, optimizer=optimizer)
             s.fit(model, X, Y, epochs=2, shuffle=False, verbose=0)
             out[f"{opt}_{name}"] = {"weights": flat(model), "lr": s.learning_rate, "effective": s.effective_batch_size,
-                                    "iterations": int(model.optimizer.iterations)}
+                                    "iterations": int(model.optimizer.iterations.numpy())}
     return out
 
 
@@ -227,7 +227,11 @@ def jit():
     for value in (True, False):
         s = keras_sync.load(config(jit_compile=value))
         model = make(keras.Sequential, s)
-        s.fit(model, X, Y, epochs=1, shuffle=False, verbose=0)
+        try:
+            s.fit(model, X, Y, epochs=1, shuffle=False, verbose=0)
+        except keras_sync.KerasSyncError as exc:
+            out[str(value)] = {"error": f"{type(exc).__name__}: {exc}"}
+            continue
         out[str(value)] = {"weights": flat(model), "jit": bool(model.jit_compile)}
     return out
 
@@ -237,6 +241,8 @@ def step_dtypes():
     from keras_sync import _instrument
 
     model = make(GuideStep)
+    with SYNC.scope():
+        model.optimizer.build(model.trainable_variables)  # its variables exist before the trace
     _instrument.instrument(model, gradients="auto")
     ds = SYNC.strategy.experimental_distribute_dataset(SYNC.distribute((X, Y)))
     batch = next(iter(ds))
@@ -258,14 +264,15 @@ if MODE == "workers":
     record("spe", spe)
     record("accumulation", accumulation)
     record("sync_bn", sync_bn)
+    record("jit", jit)
 else:
     record("spe", lambda: spe(sys.argv[3] if len(sys.argv) > 4 else None))
     record("accumulation", accumulation)
     record("sync_bn", sync_bn)
+    record("jit", jit)
     if N > 1:
         record("mixed", mixed)
         keras.mixed_precision.set_dtype_policy("float32")
-        record("jit", jit)
         record("dtypes", step_dtypes)
 
 if MODE == "replicas" or SYNC.is_chief:

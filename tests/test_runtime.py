@@ -285,10 +285,16 @@ def test_mixed_precision_on_two_replicas(runs):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1600)
-def test_jit_compile_true_equals_false_on_two_replicas(runs):
-    res = _ok(runs["two"]["jit"])
+def test_jit_compile_true_equals_false_on_one_device_and_is_refused_for_replicas_on_cpus(runs):
+    res = _ok(runs["one"]["jit"])
     assert res["True"]["jit"] is True and res["False"]["jit"] is False
     assert _diff(res["True"]["weights"], res["False"]["weights"]) <= TOLERANCE
+    # Replicas on CPUs: XLA has no CPU collectives and cannot span logical devices; refused before training.
+    for layout in ("two", "workers"):
+        res = _ok(runs[layout]["jit"])
+        assert res["True"]["error"].startswith("UsageError: Invalid value for runtime.jit_compile. Received: true with 2 "
+                                               "replicas on CPU devices"), layout
+        assert res["False"]["jit"] is False
 
 
 @pytest.mark.slow
