@@ -44,18 +44,6 @@ def apply_multi_worker_fixes() -> bool:
        with 0 dimensions"). For scalars we reduce across replicas only
        (`axis=None`), which is the mean Keras reports on one machine.
 
-    3. keras-team/keras#19246 under MWMS: with ``steps_per_execution > 1`` the train
-       (and test) function calls the one-step `tf.function` inside a `tf.while_loop`
-       and a `tf.cond`; with the multi-worker collectives in it, running it fails with
-       "You must feed a value for placeholder tensor 'while/.../cond/Placeholder_1'".
-       We give Keras the one-step Python function instead of its nested `tf.function`
-       (`_autoconvert_optionals` receives it), so the step is traced inline into the
-       multi-step function: same ops, no nested function call. Measured: 2 workers,
-       steps_per_execution 4 gives weights identical to 1 (max |dw| 0.0). The nested
-       function only carried `jit_compile`: with XLA on, the multi-step loop of an MWMS
-       model then runs without XLA (a line says so). `MirroredStrategy` is not affected
-       (steps_per_execution 4 == 1 there with plain Keras) and is left alone.
-
     All patches only change behaviour when the strategy is a multi-worker MWMS;
     every other call goes to the original Keras code.
 
@@ -111,67 +99,30 @@ def apply_multi_worker_fixes() -> bool:
     # `make_train_function` looks `reduce_per_replica` up in the module at trace time.
     tf_trainer.reduce_per_replica = reduce_per_replica
     tf_trainer.TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build
-    if multi_step_probe():
-        tf_trainer.TensorFlowTrainer._autoconvert_optionals = _inline_multi_step(
-            tf_trainer.TensorFlowTrainer._autoconvert_optionals)
     return True
 
 
-def multi_step_probe() -> bool:
-    """Whether Keras still hands its one-step `tf.function` to `_autoconvert_optionals` (fix 3's hook)."""
-    from keras.src.backend.tensorflow import trainer as tf_trainer
-
-    cls = tf_trainer.TensorFlowTrainer
-    make = getattr(cls, "_make_function", None)
-    if not callable(getattr(cls, "_autoconvert_optionals", None)) or make is None:
-        return False
-    names, codes = set(), [make.__code__]
-    while codes:  # the names `_make_function` and its nested functions use
-        code = codes.pop()
-        names.update(code.co_names)
-        codes += [c for c in code.co_consts if hasattr(c, "co_names")]
-    return {"_autoconvert_optionals", "steps_per_execution", "while_loop"} <= names
-
-
-def multi_step_fixed() -> bool:
-    """Whether fix 3 (steps_per_execution > 1 under multi-worker MWMS) is active in this process."""
-    from keras.src.backend.tensorflow import trainer as tf_trainer
-
-    return getattr(tf_trainer.TensorFlowTrainer._autoconvert_optionals, _PATCH_MARK, False)
-
-
-def _inline_multi_step(original: Any) -> Any:
-    def _autoconvert_optionals(self: Any, step_func: Any) -> Any:
-        strategy = self._distribute_strategy
-        inner = getattr(step_func, "python_function", None)
-        if inner is not None and int(self.steps_per_execution or 1) > 1 and strategy is not None \
-                and _is_multi_worker(strategy):
-            if self.jit_compile:
-                logger.warning("keras-sync: under multi_worker_mirrored with steps_per_execution=%s the train step "
-                               "runs without XLA (keras-team/keras#19246 workaround)", self.steps_per_execution)
-            step_func = inner
-        return original(self, step_func)
-
-    setattr(_autoconvert_optionals, _PATCH_MARK, True)
-    return _autoconvert_optionals
-
-
 def check_steps_per_execution(model: Any, strategy: Any) -> None:
-    """Refuse `steps_per_execution > 1` where Keras fails and keras-sync has no fix here.
+    """Refuse `steps_per_execution > 1` where Keras is measured to fail: a multi-worker MWMS.
 
-    Only a multi-worker `MultiWorkerMirroredStrategy` fails (keras-team/keras#19246, see
-    fix 3 of `apply_multi_worker_fixes`); with the fix active, or on any other strategy,
-    every value is accepted.
+    keras-team/keras#19246: under `MultiWorkerMirroredStrategy` with several workers Keras's
+    multi-step loop (the one-step `tf.function` called inside a `tf.while_loop` and a `tf.cond`)
+    fails with "You must feed a value for placeholder tensor 'while/.../cond/Placeholder_1'"
+    (Keras 3.15.1, 2 workers, keras-sync's other MWMS fixes on). Tracing the step inline instead
+    (no nested function) trains, but the workers then issue their gradient all-reduces in
+    different orders ("Shape mismatch in the collective instance"), so it is not a fix.
+    `MirroredStrategy` is not affected (steps_per_execution 4 == 1, measured) and is accepted,
+    as is any value on one worker.
 
     Raises:
         UsageError: with the value received and how to fix it.
     """
     steps = int(getattr(model, "steps_per_execution", 1) or 1)
-    if steps <= 1 or not _is_multi_worker(strategy) or multi_step_fixed():
+    if steps <= 1 or not _is_multi_worker(strategy):
         return
     raise UsageError(
         f"Invalid value for runtime.steps_per_execution (or steps_per_execution of model.compile()). Received: "
-        f"{steps} under multi_worker_mirrored with Keras {'.'.join(map(str, _keras_version()))}, where Keras's "
-        "multi-step loop fails (keras-team/keras#19246) and keras-sync's fix is not available for this version "
-        f"(tested: Keras {TESTED_RANGE_TEXT}). Fix: use steps_per_execution 1, or a Keras version in that range."
+        f"{steps} under multi_worker_mirrored with several workers, where Keras's multi-step loop fails "
+        "(keras-team/keras#19246). Expected 1 there; steps_per_execution > 1 works with mirrored, tpu and one "
+        "worker. Fix: set runtime.steps_per_execution: 1 for multi-worker runs."
     )

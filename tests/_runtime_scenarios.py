@@ -154,7 +154,10 @@ def spe(tracking_uri=None):
     mlflow = {"enabled": True, "tracking_uri": tracking_uri, "experiment": "spe"} if tracking_uri else {"enabled": False}
     s = keras_sync.load({**config(steps_per_execution=4), "mlflow": mlflow})
     model = make(keras.Sequential, s)
-    s.fit(model, X, Y, epochs=2, shuffle=False, verbose=0)
+    try:
+        s.fit(model, X, Y, epochs=2, shuffle=False, verbose=0)
+    except keras_sync.KerasSyncError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
     out = {"weights": flat(model), "spe": int(model.steps_per_execution), "iterations": int(model.optimizer.iterations.numpy())}
     if tracking_uri:
         from keras_sync.callbacks._run import _writers, close_writer
