@@ -162,8 +162,9 @@ def spe(tracking_uri=None):
     if tracking_uri:
         from keras_sync.callbacks._run import _writers, close_writer
 
-        out["run_id"] = _writers[s].run_id
-        close_writer(s, timeout_s=120)
+        writer = _writers[s]
+        close_writer(s, timeout_s=300)  # the writer's thread creates the run: its id is known after close
+        out["run_id"] = writer.run_id
     return out
 
 
@@ -179,7 +180,11 @@ def accumulation():
                 optimizer = (keras.optimizers.SGD(s.lr_schedule(), momentum=0.9) if opt == "sgd"
                              else keras.optimizers.Adam(s.lr_schedule()))
             model = make(keras.Sequential, s, optimizer=optimizer)
-            s.fit(model, X, Y, epochs=2, shuffle=False, verbose=0)
+            try:
+                s.fit(model, X, Y, epochs=2, shuffle=False, verbose=0)
+            except keras_sync.KerasSyncError as exc:
+                out[f"{opt}_{name}"] = {"error": f"{type(exc).__name__}: {exc}"}
+                continue
             out[f"{opt}_{name}"] = {"weights": flat(model), "lr": s.learning_rate, "effective": s.effective_batch_size,
                                     "iterations": int(model.optimizer.iterations.numpy())}
     return out
