@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import warnings
 from typing import Any
 
 import keras
