@@ -42,6 +42,22 @@ def config(**runtime):
 
 SYNC = keras_sync.load(config())
 
+
+def load(cfg):
+    """keras_sync.load, except that the workers keep their one MultiWorkerMirroredStrategy.
+
+    (Several MWMS strategies in one process made later fits fail here with collective errors
+    between the workers: "Delete called on non-empty BufRendezvous"; one strategy per process.)
+    """
+    if MODE != "workers":
+        return keras_sync.load(cfg)
+    import types
+
+    from keras_sync.config import load_config
+    from keras_sync.session import Sync
+
+    return Sync(load_config(cfg), SYNC.strategy, types.SimpleNamespace(kind=SYNC.kind, reason=SYNC.kind_reason))
+
 import keras  # noqa: E402  (after load: devices and cluster are set up by then)
 import tensorflow as tf  # noqa: E402
 
@@ -136,7 +152,7 @@ def custom_steps():
                      "loss": [[float(r[probe.LOSS]) for r in rs] for rs in rows],
                      "grad_norm": [[float(r[probe.GRAD_NORM]) for r in rs] for rs in rows]}
     # Keras's behaviour on request: the guide's step with its gradients summed.
-    s = keras_sync.load(config(train_step_gradients="sum"))
+    s = load(config(train_step_gradients="sum"))
     model = make(GuideStep, s)
     s.fit(model, X, Y, epochs=2, shuffle=False, verbose=0)
     out["guide_sum"] = {"weights": flat(model)}
@@ -152,7 +168,7 @@ record("custom_steps", custom_steps)
 def spe(tracking_uri=None):
     """steps_per_execution 4 from the YAML (the compile line says nothing): same weights as 1."""
     mlflow = {"enabled": True, "tracking_uri": tracking_uri, "experiment": "spe"} if tracking_uri else {"enabled": False}
-    s = keras_sync.load({**config(steps_per_execution=4), "mlflow": mlflow})
+    s = load({**config(steps_per_execution=4), "mlflow": mlflow})
     model = make(keras.Sequential, s)
     try:
         s.fit(model, X, Y, epochs=2, shuffle=False, verbose=0)
@@ -175,7 +191,7 @@ def accumulation():
         for name, batch, acc in (("acc", 8, 2), ("ref", 16, 1)):
             per = {"batch": {"per_replica": batch}, "learning_rate": {"base": 0.01, "base_batch_size": 16,
                                                                          "scaling": "linear"}}
-            s = keras_sync.load({**config(gradient_accumulation_steps=acc), **per})
+            s = load({**config(gradient_accumulation_steps=acc), **per})
             with s.scope():  # a TensorFlow optimizer belongs to the strategy it is made under
                 optimizer = (keras.optimizers.SGD(s.lr_schedule(), momentum=0.9) if opt == "sgd"
                              else keras.optimizers.Adam(s.lr_schedule()))
@@ -202,7 +218,7 @@ def bn_model(s):
 def sync_bn():
     out = {}
     for on in (True, False):
-        s = keras_sync.load(config(sync_batch_norm=on))
+        s = load(config(sync_batch_norm=on))
         model = bn_model(s)
         s.fit(model, X, Y, epochs=2, shuffle=False, verbose=0)
         out["on" if on else "off"] = {"weights": flat(model), "synchronized": bool(model.layers[1].synchronized)}
@@ -217,7 +233,7 @@ def mixed():
 
     out = {}
     for policy in ("mixed_bfloat16", "mixed_float16", "none"):
-        s = keras_sync.load(config(mixed_precision=policy))
+        s = load(config(mixed_precision=policy))
         model = make(keras.Sequential, s)
         probe = _instrument.instrument(model)
         h = s.fit(model, X, Y, epochs=2, shuffle=False, verbose=0)
@@ -233,7 +249,7 @@ def mixed():
 def jit():
     out = {}
     for value in (True, False):
-        s = keras_sync.load(config(jit_compile=value))
+        s = load(config(jit_compile=value))
         model = make(keras.Sequential, s)
         try:
             s.fit(model, X, Y, epochs=1, shuffle=False, verbose=0)
