@@ -155,6 +155,11 @@ class FaultToleranceConfig:
     backup_dir: str | None = _f(None, Str(nullable=True), "a directory turns on BackupAndRestore (exact resume "
                                 "after a kill); null = off")
     save_freq: str | int = _f("epoch", EpochOrInt(), "epoch, or back up every N batches")
+    grace_period_s: float = _f(
+        25.0, Float(minimum=0, exclusive=True),
+        "after SIGTERM (preemption): seconds to save a backup on every worker and exit 143; keep it under "
+        "the scheduler's grace",
+    )
 
 
 @dataclass(frozen=True)

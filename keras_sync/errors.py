@@ -67,6 +67,15 @@ class ConnectTimeoutError(ClusterError):
     """Peers did not join the cluster within ``strategy.connect_timeout_s``."""
 
 
+class PeerLostError(ClusterError):
+    """A worker lost contact with a peer mid-training (it stopped, or its host or the network failed).
+
+    A script that does not catch it ends with exit code `exit_code` (75, EX_TEMPFAIL: relaunch).
+    """
+
+    exit_code = 75
+
+
 class ScalingError(KerasSyncError):
     """Batch sizes or learning-rate settings are inconsistent (e.g. a global batch that does not divide)."""
 

@@ -188,7 +188,11 @@ class Sync:
             self, model, kwargs.get("callbacks"))
         from keras_sync.callbacks.backup import resumable_fit
 
-        with resumable_fit(kwargs["callbacks"]):  # a restored backup resumes mid-epoch, data order included
+        from keras_sync._lost_peer import raised_as_peer_lost
+
+        # A restored backup resumes mid-epoch, data order included; a lost peer ends in one line.
+        with raised_as_peer_lost(self.strategy, self.config.fault_tolerance.backup_dir), \
+                resumable_fit(kwargs["callbacks"]):
             history = model.fit(x, y, **kwargs)
         from keras_sync.callbacks._run import end_run_after_fit
 

@@ -1,13 +1,16 @@
 """A keras-sync training script for tests/test_multi_worker.py and tests/test_resume.py.
 
 Usage: python _mwr_train.py CONFIG_JSON OUT_DIR [--kill-at STEP --kill-task I --marker FILE]
-              [--epochs N] [--no-shuffle]
+              [--term-at STEP [--in-collective]] [--epochs N] [--no-shuffle] [--samples N]
 
 CONFIG_JSON is a keras-sync config as JSON text (a dict, as keras_sync.load takes). Runs under
 `keras-sync launch` (TF_CONFIG set) or alone. Prints ``step <optimizer step> epoch <e> batch <b>``
 after every batch; worker I writes OUT_DIR/w<I>.json with the final weights, the replica count,
 the epoch losses and where it resumed. With --kill-at, task I sends itself SIGKILL after that
 optimizer step, once (the marker file records that it happened), as a preemption would.
+With --term-at, task I gets SIGTERM while it trains that step instead (once, same marker): sent
+by itself just before the step, or with --in-collective by a child process 0.5 s later while
+the other workers hold that step back 2 s, so the signal lands inside the step's all-reduce.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import argparse
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -33,6 +37,9 @@ def main() -> int:
     p.add_argument("--kill-at", type=int, default=None)
     p.add_argument("--kill-task", type=int, default=0)
     p.add_argument("--marker", default=None)
+    p.add_argument("--term-at", type=int, default=None)
+    p.add_argument("--in-collective", action="store_true")
+    p.add_argument("--samples", type=int, default=SAMPLES)
     p.add_argument("--no-shuffle", action="store_true")
     ns = p.parse_args()
     started = time.monotonic()
@@ -46,8 +53,8 @@ def main() -> int:
     import numpy as np
 
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(SAMPLES, FEATURES)).astype("float32")
-    y = (x @ rng.normal(size=(FEATURES, 1)) + 0.1 * rng.normal(size=(SAMPLES, 1))).astype("float32")
+    x = rng.normal(size=(ns.samples, FEATURES)).astype("float32")
+    y = (x @ rng.normal(size=(FEATURES, 1)) + 0.1 * rng.normal(size=(ns.samples, 1))).astype("float32")
 
     with sync.scope():
         keras.utils.set_random_seed(0)
@@ -67,6 +74,22 @@ def main() -> int:
             if ns.kill_at == step and task == ns.kill_task and ns.marker and not os.path.exists(ns.marker):
                 open(ns.marker, "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if ns.term_at is None or int(self.model.optimizer.iterations.numpy()) != ns.term_at - 1:
+                return
+            if task != ns.kill_task:
+                if ns.in_collective and ns.marker and not os.path.exists(ns.marker + ".held"):
+                    open(ns.marker + ".held", "w").close()
+                    time.sleep(2.0)  # the signalled worker waits for us inside the step's all-reduce
+                return
+            if ns.marker and not os.path.exists(ns.marker):
+                open(ns.marker, "w").close()
+                print(f"sigterm before step {ns.term_at}", flush=True)
+                if ns.in_collective:
+                    subprocess.Popen(["sh", "-c", f"sleep 0.5; kill -TERM {os.getpid()}"])
+                else:
+                    os.kill(os.getpid(), signal.SIGTERM)
 
         def on_train_begin(self, logs=None):
             # The backup callback runs first: a resumed job shows its restored step here already.

@@ -48,6 +48,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         save_freq: ``"epoch"``, or an integer: save every that many batches.
         delete_checkpoint: delete the backup when training finishes. Defaults to True.
         max_to_keep: checkpoints kept (the newest ones). Defaults to 2.
+        grace_period_s: a SIGTERM during `fit` saves a backup at the current step on every
+            worker, then exits with code 143 (`keras_sync.preemption`); if that cannot happen
+            within this many seconds, the process exits without it. None: SIGTERM is left alone.
+            Defaults to 25 (under Kubernetes' default grace of 30 s).
 
     Example:
         >>> sync = keras_sync.load({"fault_tolerance": {"backup_dir": "/tmp/bk", "save_freq": 50}})  # doctest: +SKIP
@@ -55,7 +59,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     """
 
     def __init__(self, backup_dir: str, save_freq: str | int = "epoch", *, delete_checkpoint: bool = True,
-                 max_to_keep: int = 2, writer: Any = None):
+                 max_to_keep: int = 2, grace_period_s: float | None = 25.0, writer: Any = None):
         super().__init__()
         # The MLflow writer, if any: its queued metrics are put in its spool before each backup, so
         # that after a kill MLflow has every step up to the backup the job resumes from.
@@ -71,6 +75,15 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.backup_dir = os.fspath(backup_dir)
         self._schedule = SaveSchedule(save_freq)
         self.save_freq = save_freq
+        if grace_period_s is not None and (isinstance(grace_period_s, bool) or not isinstance(grace_period_s, (int, float))
+                                           or grace_period_s <= 0):
+            raise ValueError(
+                f"Invalid value for argument `grace_period_s`. Received: grace_period_s={grace_period_s!r}. "
+                "Expected a number of seconds > 0, or None to leave SIGTERM alone."
+            )
+        from keras_sync.preemption import PreemptionSaver
+
+        self._preemption = PreemptionSaver(grace_period_s) if grace_period_s is not None else None
         self.delete_checkpoint = delete_checkpoint
         self.max_to_keep = max_to_keep
         self.restored: ResumePoint | None = None
@@ -95,6 +108,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._manager = tf.train.CheckpointManager(self._ckpt, self._dir, max_to_keep=self.max_to_keep)
         self.restored = None
         self._epoch = self._step = 0
+        if self._preemption is not None:
+            self._preemption.begin(model.distribute_strategy)
         latest = tf.train.latest_checkpoint(self.backup_dir)
         if latest is None:
             return
@@ -139,16 +154,27 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         trained = batch + 1
         done, self._step = trained - self._step, trained
-        if self._schedule.after_batch(max(done, 1)):
+        scheduled = self._schedule.after_batch(max(done, 1))
+        preempted = self._preemption is not None and self._preemption.save_due(self._iterations)
+        if scheduled or preempted:
             self._save()
+        if preempted:
+            self._exit_preempted()
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         self._epoch, self._step = epoch + 1, 0
-        if self._schedule.after_epoch():
+        scheduled = self._schedule.after_epoch()
+        preempted = self._preemption is not None and self._preemption.save_due_at_epoch_end(self._iterations)
+        if scheduled or preempted:
             self._save()
+        if preempted:
+            self._exit_preempted()
 
     def on_train_end(self, logs: Any = None) -> None:
         self.model._initial_epoch = None  # a later fit on this model starts at its own initial_epoch
+        if self._preemption is not None and self._preemption.end() and self._is_chief:
+            print("keras-sync: SIGTERM arrived as training ended; training is complete, so no backup was "
+                  "saved for it", file=sys.stderr, flush=True)
         if self.delete_checkpoint:
             # Every worker saves at the last epoch end; the chief must not delete the backup (with the
             # other workers' temporary directories in it) while one is still writing: seen here as
@@ -166,6 +192,23 @@ class BackupAndRestore(keras.callbacks.Callback):
         strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None)
 
     # -- saving ----------------------------------------------------------------------------
+
+    def _iterations(self) -> int:
+        return int(self.model.optimizer.iterations.numpy())
+
+    def _exit_preempted(self) -> None:
+        """After the coordinated save: every worker waits for the others, then exits with code 143."""
+        from keras_sync.preemption import PREEMPTED_EXIT_CODE, exit_now
+
+        self._barrier()  # no worker leaves while another still takes part in the save
+        assert self._preemption is not None
+        self._preemption.watch.done()
+        message = None
+        if self._is_chief:
+            message = (f"SIGTERM: saved a backup in {self.backup_dir} at epoch {self._epoch + 1}, after batch "
+                       f"{self._step} (optimizer step {self._iterations()}); exiting with code "
+                       f"{PREEMPTED_EXIT_CODE}. Relaunch the job to resume from there.")
+        exit_now(PREEMPTED_EXIT_CODE, message)
 
     def _save(self) -> None:
         for hook in self.before_save:
@@ -255,6 +298,16 @@ def resumable_fit(callbacks: list[Any]) -> Iterator[None]:
 
     # The swap relies on private Keras internals: a Keras that moved them is refused in one line.
     _internals.require("exact_resume")
+    try:
+        with _epoch_iterator_swapped(backup):
+            yield
+    finally:
+        if backup._preemption is not None:  # a fit that raised: SIGTERM gets its previous meaning back
+            backup._preemption.end(clean=False)
+
+
+@contextlib.contextmanager
+def _epoch_iterator_swapped(backup: BackupAndRestore) -> Iterator[None]:
     from keras.src.backend.tensorflow import trainer
 
     original = trainer.TFEpochIterator
@@ -284,7 +337,7 @@ def backup_callbacks(sync: Any) -> list[Any]:
         from keras_sync.callbacks._run import record_run, writer_for
 
         writer = writer_for(sync)
-    backup = BackupAndRestore(ft.backup_dir, ft.save_freq, writer=writer)
+    backup = BackupAndRestore(ft.backup_dir, ft.save_freq, grace_period_s=ft.grace_period_s, writer=writer)
     if writer is not None:  # the run goes with every backup: a relaunch that restores it continues that run
         backup.before_save.append(lambda: record_run(writer, ft.backup_dir))
     return [backup]
