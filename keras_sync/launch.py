@@ -1,6 +1,7 @@
 """Run a training script as N local workers on 127.0.0.1, each with its own TF_CONFIG.
 
-    python -m keras_sync.launch --workers 2 [--config FILE] train.py [ARGS...]
+    keras-sync launch --workers 2 [--config FILE] [--max-restarts N] train.py [ARGS...]
+    python -m keras_sync.launch ...             (the same command line)
 
 Each worker runs `sys.executable SCRIPT ARGS` in its own session (so its own
 process group), with `TF_CONFIG` naming all workers on free ports of 127.0.0.1,
@@ -16,6 +17,13 @@ process group is killed, so no child a worker started outlives the launch
 clean up; its workers then lose their output pipes, and the next line a worker
 prints fails (EPIPE), which ends a Python worker.
 
+Restarts: with `max_restarts` N > 0, a failed try (a worker exited non-zero, the others were
+stopped) is followed by a new try of the whole job on fresh ports, up to N times, with the line
+``[launch] restart k/N after worker i exited with code c``. Every try has the same
+`KERAS_SYNC_JOB_ID` (generated once unless set), so a job with `fault_tolerance.backup_dir`
+resumes where the backup stands and continues its one MLflow run. A signal to the launcher
+is never followed by a restart.
+
 Ports: free ports are found by binding 127.0.0.1:0; the sockets are closed just
 before the workers start, so another process could take a port in that short
 window (the worker then fails to start its server and the launch fails; rerun).
@@ -23,7 +31,6 @@ window (the worker then fails to start its server and the launch fails; rerun).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -32,10 +39,13 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Mapping, Sequence
-from typing import IO, NoReturn
+from typing import IO
 
-from keras_sync.errors import KerasSyncError, UsageError
+from keras_sync.errors import UsageError
+
+JOB_ID_ENV = "KERAS_SYNC_JOB_ID"  # read by `keras_sync.callbacks._reduce.job_id`
 
 _POLL_S = 0.05
 _print_lock = threading.Lock()
@@ -92,7 +102,7 @@ def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _validate(script: str, workers: object, config: str | None, grace_period_s: float) -> None:
+def _validate(script: str, workers: object, config: str | None, grace_period_s: float, max_restarts: object) -> None:
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise UsageError(
             f"Invalid value for argument `workers`. Received: workers={workers!r}. "
@@ -108,6 +118,11 @@ def _validate(script: str, workers: object, config: str | None, grace_period_s: 
             f"Invalid value for argument `config`. Received: config={config!r}, which is not a file. "
             "Expected the path of a keras-sync YAML file. Fix: check the path, or run `keras-sync init`."
         )
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise UsageError(
+            f"Invalid value for argument `max_restarts`. Received: max_restarts={max_restarts!r}. "
+            "Expected an integer >= 0 (0 = no restart). Fix: pass e.g. --max-restarts 3."
+        )
     if grace_period_s < 0:
         raise UsageError(
             f"Invalid value for argument `grace_period_s`. Received: grace_period_s={grace_period_s!r}. "
@@ -122,6 +137,7 @@ def launch(
     workers: int,
     config: str | None = None,
     grace_period_s: float = 5.0,
+    max_restarts: int = 0,
     env: Mapping[str, str] | None = None,
 ) -> int:
     """Runs `script` as `workers` local processes; returns the job's exit code.
@@ -132,26 +148,30 @@ def launch(
         workers: number of worker processes (>= 1).
         config: keras-sync YAML file, passed to workers as `KERAS_SYNC_CONFIG`.
         grace_period_s: time between SIGTERM (or a forwarded SIGINT) and SIGKILL.
+        max_restarts: when a worker fails, stop the others and start the whole job again, up
+            to this many times (0: stop). Every try has the same `KERAS_SYNC_JOB_ID`, so a job
+            with a backup resumes and continues its MLflow run.
         env: extra environment variables for the workers, on top of `os.environ`.
 
     Returns:
-        0 if every worker exits 0; else the exit code of the first worker that
-        failed (128 + N for a death by signal N); 130 after Ctrl-C, 143 after SIGTERM.
+        0 if every worker of a try exits 0; else the exit code of the first worker that
+        failed in the last try (128 + N for a death by signal N); 130 after Ctrl-C, 143 after SIGTERM.
 
     Raises:
         UsageError: a bad argument (workers < 1, a missing script or config).
     """
-    _validate(script, workers, config, grace_period_s)
+    _validate(script, workers, config, grace_period_s, max_restarts)
     base_env = dict(os.environ)
     base_env.pop("TF_CONFIG", None)
     base_env.update(env or {})
     base_env["PYTHONUNBUFFERED"] = "1"
+    # One job identity for every try: the MLflow run is found again by it (`callbacks/_reduce.job_id`).
+    base_env.setdefault(JOB_ID_ENV, f"launch-{uuid.uuid4().hex[:12]}")
     if config is not None:
         base_env["KERAS_SYNC_CONFIG"] = os.path.abspath(config)
 
     stop: dict[str, int] = {}  # "signal" -> the signal the launcher received
     procs: list[subprocess.Popen[bytes]] = []
-    pumps: list[threading.Thread] = []
 
     def on_signal(signum: int, _frame: object) -> None:
         if "signal" in stop:  # a second Ctrl-C: no more patience
@@ -159,11 +179,29 @@ def launch(
         stop.setdefault("signal", signum)
 
     previous: dict[int, object] = {}
-    socks: list[socket.socket] = []
     try:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 previous[sig] = signal.signal(sig, on_signal)
+        for attempt in range(max_restarts + 1):
+            code, failed = _one_try(script, args, workers, base_env, procs, stop, grace_period_s)
+            if code == 0 or "signal" in stop or failed is None or attempt == max_restarts:
+                return code
+            _say(f"restart {attempt + 1}/{max_restarts} after worker {failed} exited with code {code}")
+        return code  # pragma: no cover - the loop always returns
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+
+
+def _one_try(script: str, args: list[str], workers: int, base_env: dict[str, str],
+             procs: list[subprocess.Popen[bytes]], stop: dict[str, int],
+             grace_period_s: float) -> tuple[int, int | None]:
+    """Starts the workers on fresh ports and supervises them: (exit code, index of the failed worker)."""
+    procs.clear()
+    pumps: list[threading.Thread] = []
+    socks: list[socket.socket] = []
+    try:
         socks = _reserve_ports(workers)
         configs = worker_tf_configs([s.getsockname()[1] for s in socks])
         for s in socks:
@@ -191,13 +229,13 @@ def launch(
             p.wait()
         for t in pumps:
             t.join(timeout=2.0)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
 
 
-def _supervise(procs: list[subprocess.Popen[bytes]], stop: dict[str, int], grace_period_s: float) -> int:
-    """Waits for the workers; on a failure or a signal, stops them all. Returns the exit code."""
+def _supervise(procs: list[subprocess.Popen[bytes]], stop: dict[str, int],
+               grace_period_s: float) -> tuple[int, int | None]:
+    """Waits for the workers; on a failure or a signal, stops them all: (exit code, failed worker)."""
     result: int | None = None
+    failed_worker: int | None = None
     kill_at: float | None = None
     while True:
         codes = [p.poll() for p in procs]
@@ -211,14 +249,14 @@ def _supervise(procs: list[subprocess.Popen[bytes]], stop: dict[str, int], grace
             failed = next(((i, c) for i, c in enumerate(codes) if c not in (None, 0)), None)
             if failed is not None:
                 i, code = failed
-                result = _exit_code(code)
+                result, failed_worker = _exit_code(code), i
                 running = sum(c is None for c in codes)
                 if running:
                     _say(f"w{i} exited with code {result}; stopping the other {running} worker(s)")
                     _signal_groups(procs, signal.SIGTERM)
                     kill_at = time.monotonic() + grace_period_s
         if all(c is not None for c in codes):
-            return result if result is not None else 0
+            return (result, failed_worker) if result is not None else (0, None)
         if kill_at is not None and time.monotonic() >= kill_at:
             _say(f"worker(s) still running after {grace_period_s:g} s; sending SIGKILL")
             _signal_groups(procs, signal.SIGKILL)
@@ -226,42 +264,15 @@ def _supervise(procs: list[subprocess.Popen[bytes]], stop: dict[str, int], grace
         time.sleep(_POLL_S)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, no usage block
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}; expected an integer >= 1, e.g. --workers 2")
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `python -m keras_sync.launch`."""
-    parser = _Parser(
-        prog="python -m keras_sync.launch",
-        description="Run a training script as N local workers on 127.0.0.1 with TF_CONFIG set for each.",
-    )
-    parser.add_argument("--workers", type=_positive_int, default=2, help="number of worker processes (default 2)")
-    parser.add_argument("--config", default=None, help="keras-sync YAML file, passed as KERAS_SYNC_CONFIG")
-    parser.add_argument(
-        "--grace-period", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL (default 5)"
-    )
-    parser.add_argument("script", help="the Python script each worker runs")
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
-    ns = parser.parse_args(argv)
+    """Entry point of `python -m keras_sync.launch`: the `keras-sync launch` command line."""
+    from keras_sync.cli.launch import command
+
     try:
-        return launch(
-            ns.script, ns.args, workers=ns.workers, config=ns.config, grace_period_s=ns.grace_period
-        )
-    except KerasSyncError as e:
-        sys.stderr.write(f"{parser.prog}: error: {e}\n")
-        return 2
+        command.main(args=argv, prog_name="python -m keras_sync.launch")  # exits, as click commands do
+    except SystemExit as done:
+        return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    return 0  # pragma: no cover
 
 
 if __name__ == "__main__":

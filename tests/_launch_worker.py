@@ -3,6 +3,8 @@
 print: prints its TF_CONFIG, KERAS_SYNC_CONFIG, PYTHONUNBUFFERED and argv as JSON, one line on stderr.
 fail-or-hang DIR: w1 exits 3 once w0 is ready; w0 ignores SIGTERM/SIGINT and sleeps.
 hang DIR: both sleep; w1 ignores SIGTERM/SIGINT.
+fail-once DIR / fail-always DIR: print `job <KERAS_SYNC_JOB_ID>`; w1 exits 3 (fail-once: only on the
+first try, while DIR/failed does not exist), w0 waits for that or for 1 s, then exits 0.
 In DIR, each worker writes wI.pid and wI.child (the pid of a child it started).
 """
 
@@ -30,6 +32,14 @@ if mode == "print":
     sys.exit(0)
 
 folder = sys.argv[2]
+if mode in ("fail-once", "fail-always"):
+    print(f"job {os.environ.get('KERAS_SYNC_JOB_ID')}", flush=True)
+    marker = os.path.join(folder, "failed")
+    if index == 1 and (mode == "fail-always" or not os.path.exists(marker)):
+        open(marker, "w").close()
+        sys.exit(3)
+    time.sleep(1.0 if index == 0 else 0)
+    sys.exit(0)
 stubborn = (mode == "fail-or-hang" and index == 0) or (mode == "hang" and index == 1)
 if stubborn:  # like a worker blocked in a collective: deaf to SIGTERM and SIGINT
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

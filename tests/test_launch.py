@@ -152,21 +152,59 @@ def test_all_workers_succeed_returns_zero(capsys: pytest.CaptureFixture[str]) ->
     assert launch(WORKER, ["print"], workers=2, grace_period_s=0) == 0
 
 
-def test_cli_rejects_zero_workers_in_one_line() -> None:
+def test_cli_rejects_zero_workers_with_clicks_usage_error() -> None:
     proc = _run_cli("--workers", "0", WORKER, "print")
     assert proc.returncode == 2
     assert proc.stdout == ""
-    assert proc.stderr == (
-        "python -m keras_sync.launch: error: argument --workers: invalid value '0'; "
-        "expected an integer >= 1, e.g. --workers 2 (see --help)\n"
-    )
+    assert proc.stderr.splitlines()[-1] == "Error: Invalid value for '--workers' / '-n': 0 is not in the range x>=1."
+    assert proc.stderr.startswith("Usage: python -m keras_sync.launch [OPTIONS] SCRIPT [ARGS]...")
 
 
 def test_cli_missing_script_is_one_line() -> None:
     proc = _run_cli("--workers", "2", "no_such_train.py")
     assert proc.returncode == 2
-    assert proc.stderr.count("\n") == 1
-    assert "script='no_such_train.py', which is not a file" in proc.stderr
+    assert proc.stderr == (
+        "Invalid value for argument `script`. Received: script='no_such_train.py', which is not a file. Expected "
+        "the path of a Python training script. Fix: check the path (relative to the current directory).\n"
+    )
+
+
+def test_module_and_console_script_are_one_command_line() -> None:
+    """`python -m keras_sync.launch` is the click command of `keras-sync launch`: same options, same help."""
+    module = _run_cli("--help")
+    script = subprocess.run([str(Path(sys.executable).with_name("keras-sync")), "launch", "--help"],
+                            capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert module.returncode == script.returncode == 0
+    assert "--max-restarts" in module.stdout
+    assert module.stdout.replace("python -m keras_sync.launch", "keras-sync launch") == script.stdout
+
+
+def test_max_restarts_starts_the_job_again_with_the_same_job_id(tmp_path: Path) -> None:
+    proc = _run_cli("--workers", "2", "--max-restarts", "2", WORKER, "fail-once", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert "[launch] w1 exited with code 3; stopping the other 1 worker(s)" in proc.stderr
+    assert proc.stderr.count("[launch] restart") == 1
+    assert "[launch] restart 1/2 after worker 1 exited with code 3" in proc.stderr
+    jobs = {line.split()[-1] for line in proc.stdout.splitlines() if " job " in line}
+    assert len(jobs) == 1 and jobs.pop().startswith("launch-")  # 2 workers x 2 tries, one identity
+    assert proc.stdout.count(" job ") == 4
+
+
+def test_max_restarts_exhausted_returns_the_last_failure(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = launch(WORKER, ["fail-always", str(tmp_path)], workers=2, grace_period_s=1, max_restarts=2,
+                  env={"KERAS_SYNC_JOB_ID": "mine"})
+    assert code == 3
+    out, err = capsys.readouterr()
+    assert [l for l in err.splitlines() if "restart" in l] == [
+        "[launch] restart 1/2 after worker 1 exited with code 3",
+        "[launch] restart 2/2 after worker 1 exited with code 3",
+    ]
+    assert {line.split()[-1] for line in out.splitlines() if " job " in line} == {"mine"}  # the user's id is kept
+
+
+def test_zero_max_restarts_is_one_try(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert launch(WORKER, ["fail-once", str(tmp_path)], workers=2, grace_period_s=1) == 3
+    assert "restart" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -176,6 +214,8 @@ def test_cli_missing_script_is_one_line() -> None:
         ({"workers": True}, "Received: workers=True"),
         ({"workers": 2, "config": "missing.yaml"}, "Received: config='missing.yaml', which is not a file"),
         ({"workers": 2, "grace_period_s": -1}, "Received: grace_period_s=-1"),
+        ({"workers": 2, "max_restarts": -1}, "Invalid value for argument `max_restarts`. Received: max_restarts=-1. "
+                                             "Expected an integer >= 0 (0 = no restart). Fix: pass e.g. --max-restarts 3."),
     ],
 )
 def test_launch_rejects_bad_arguments(kwargs: dict, message: str) -> None:
