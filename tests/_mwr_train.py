@@ -1,7 +1,8 @@
 """A keras-sync training script for tests/test_multi_worker.py and tests/test_resume.py.
 
 Usage: python _mwr_train.py CONFIG_JSON OUT_DIR [--kill-at STEP --kill-task I --marker FILE]
-              [--term-at STEP [--in-collective]] [--epochs N] [--no-shuffle] [--samples N]
+              [--term-at STEP [--in-collective]] [--wait-at STEP --wait-for FILE]
+              [--epochs N] [--no-shuffle] [--samples N]
 
 CONFIG_JSON is a keras-sync config as JSON text (a dict, as keras_sync.load takes). Runs under
 `keras-sync launch` (TF_CONFIG set) or alone. Prints ``step <optimizer step> epoch <e> batch <b>``
@@ -11,6 +12,7 @@ optimizer step, once (the marker file records that it happened), as a preemption
 With --term-at, task I gets SIGTERM while it trains that step instead (once, same marker): sent
 by itself just before the step, or with --in-collective by a child process 0.5 s later while
 the other workers hold that step back 2 s, so the signal lands inside the step's all-reduce.
+With --wait-at, every worker waits after that step until FILE exists (a test cuts a link then).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ def main() -> int:
     p.add_argument("--term-at", type=int, default=None)
     p.add_argument("--in-collective", action="store_true")
     p.add_argument("--samples", type=int, default=SAMPLES)
+    p.add_argument("--wait-at", type=int, default=None)
+    p.add_argument("--wait-for", default=None)
     p.add_argument("--no-shuffle", action="store_true")
     ns = p.parse_args()
     started = time.monotonic()
@@ -74,6 +78,9 @@ def main() -> int:
             if ns.kill_at == step and task == ns.kill_task and ns.marker and not os.path.exists(ns.marker):
                 open(ns.marker, "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)
+            if ns.wait_at == step:
+                while not os.path.exists(ns.wait_for):
+                    time.sleep(0.05)
 
         def on_train_batch_begin(self, batch, logs=None):
             if ns.term_at is None or int(self.model.optimizer.iterations.numpy()) != ns.term_at - 1:

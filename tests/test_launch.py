@@ -246,3 +246,50 @@ def test_two_tensorflow_workers_all_reduce_over_the_launchers_tf_config(capsys: 
     assert [results[f"[w{i}]"]["sum"] for i in range(2)] == [3.0, 3.0]  # 1 + 2 across the two workers
     assert [results[f"[w{i}]"]["replicas"] for i in range(2)] == [2, 2]
     assert [(r["is_chief"], r["tf_is_chief"]) for r in (results["[w0]"], results["[w1]"])] == [(True, True), (False, False)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_max_restarts_resumes_a_sigkilled_worker_exactly_in_one_mlflow_run(tmp_path: Path) -> None:
+    """`launch --workers 2 --max-restarts 1`, worker 1 SIGKILLed after step 17 on the first try only."""
+    import numpy as np
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    MlflowClient(uri).search_experiments()  # the store exists before the job, as a tracking server would
+    train = str(ROOT / "tests" / "_mwr_train.py")
+
+    def config(**extra: object) -> str:
+        return json.dumps({"strategy": {"kind": "multi_worker_mirrored", "connect_timeout_s": 90},
+                           "batch": {"global": 32}, "learning_rate": {"base": 0.01, "base_batch_size": 32}, **extra})
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "KERAS_SYNC_CONFIG", "KERAS_SYNC_JOB_ID")}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "keras_sync.launch", "--workers", "2", "--grace-period", "2", *args],
+                              capture_output=True, text=True, timeout=1000, cwd=tmp_path, env=env)
+
+    ref = run(train, config(mlflow={"enabled": False}), str(tmp_path / "ref"))
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    job = run("--max-restarts", "1", train,
+              config(mlflow={"tracking_uri": uri, "experiment": "restarts"},
+                     fault_tolerance={"backup_dir": str(tmp_path / "backup"), "save_freq": 5}),
+              str(tmp_path / "job"), "--kill-at", "17", "--kill-task", "1", "--marker", str(tmp_path / "killed"))
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert "[launch] restart 1/1 after worker 1 exited with code 137" in job.stderr
+    assert "[w0] keras-sync: resumed from the backup" in job.stderr
+    for t in (0, 1):
+        a, b = (json.loads((tmp_path / d / f"w{t}.json").read_text()) for d in ("ref", "job"))
+        assert b["start"] == {"iterations": 15, "epoch": 1}
+        diff = max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a["weights"], b["weights"]))
+        assert diff <= 1e-6
+    for spool in sorted((tmp_path / ".keras_sync_spool").glob("*.spool.jsonl")):  # what exit's bounded wait left
+        done = subprocess.run([str(Path(sys.executable).with_name("keras-sync")), "sync-spool", str(spool)],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("restarts").experiment_id])
+    assert len(runs) == 1  # both tries continued one run: launch gave them one KERAS_SYNC_JOB_ID
+    steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "sync/replica_1/loss")]
+    assert sorted(steps) == list(range(1, 33))  # 4 epochs x 8 steps, steps 16-17 (trained twice) once
