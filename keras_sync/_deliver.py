@@ -90,6 +90,7 @@ class Deliverer:
         self._client: Any = None
         #: Per metric key, the highest step the run has; points at or below it are dropped.
         self.floors: dict[str, int] = {}
+        self._floors_of: str | None = None  # the run whose steps `floors` holds
         self.dropped = 0
         self.start_time_ms: int | None = None
 
@@ -138,9 +139,10 @@ class Deliverer:
         else:
             if run.info.status != "RUNNING":
                 self._call(c.update_run, run.info.run_id, status="RUNNING")
-            if run.info.run_id != before:
+            if run.info.run_id != self._floors_of:  # also a run id an earlier courier of this spool found
                 self.floors = self._logged_steps(run)
         self.run_id, self._checked, self._hint = run.info.run_id, True, None
+        self._floors_of = self.run_id
         self.experiment_id = run.info.experiment_id
         return self.run_id, self.run_id != before
 
