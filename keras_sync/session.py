@@ -48,6 +48,12 @@ def load(
     from keras_sync.strategy import build_strategy
 
     strategy, detection = build_strategy(cfg)
+    from keras_sync.strategy import in_multi_worker_mode
+
+    if in_multi_worker_mode(strategy):
+        from keras_sync import saving
+
+        saving.install()  # model.save / save_weights: the chief writes the user's path, the others a temp copy
     sync = Sync(cfg, strategy, detection)
     if sync.is_chief:
         print(f"keras-sync: config: {cfg.origin()}", file=sys.stderr)
@@ -186,8 +192,10 @@ class Sync:
         # First: once fit has built the model, it sets up gradient accumulation and custom train_steps.
         kwargs["callbacks"] = [runtime.setup_callback(self)] + ks_callbacks.default_callbacks(
             self, model, kwargs.get("callbacks"))
+        from keras_sync import saving
         from keras_sync.callbacks.backup import resumable_fit
 
+        saving.guard_callbacks(self.strategy, kwargs["callbacks"])  # Keras' BackupAndRestore: the chief writes
         from keras_sync._lost_peer import raised_as_peer_lost
 
         # A restored backup resumes mid-epoch, data order included; a lost peer ends in one line.
@@ -198,6 +206,17 @@ class Sync:
 
         end_run_after_fit(self)  # the run ends with fit, not at exit: Ray Train V2 kills its workers (no atexit)
         return history
+
+    def save(self, model: Any, filepath: str | os.PathLike[str], **kwargs: Any) -> None:
+        """Save ``model`` (``.keras``, legacy ``.h5``) or its weights (``*.weights.h5``): call it on
+        every worker; only the chief writes ``filepath``, the others a temporary copy they delete.
+
+        Under a multi-worker strategy ``model.save``/``save_weights`` already behave so (see
+        `keras_sync.saving`); this is the explicit form.
+        """
+        from keras_sync import saving
+
+        saving.save(model, filepath, **kwargs)
 
     def evaluate(self, model: Any, x: Any = None, y: Any = None, **kwargs: Any) -> Any:
         """`model.evaluate` under this strategy, with the same batching rules as `fit`."""

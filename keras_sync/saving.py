@@ -1,0 +1,139 @@
+"""Saving from every worker: the chief writes the user's path, the other workers a temporary copy.
+
+Under `MultiWorkerMirroredStrategy` every worker runs the whole script, so a plain
+``model.save("best.keras")`` or a `ModelCheckpoint` makes every worker open the same path for
+writing; two writers of one zip file left a `.keras` that does not load here
+(``BadZipFile: Bad CRC-32 for file 'config.json'``). TensorFlow's own recipe is that every
+worker saves (reading a variable can be a collective) and only the chief to the real path.
+This module applies that recipe to the user's own calls:
+
+* `install` wraps ``keras.Model.save`` and ``keras.Model.save_weights``: on a model built in a
+  multi-worker scope, a worker that is not the chief writes into a fresh temporary directory
+  (same file name, so Keras' checks on the extension hold) and deletes it at once. The chief
+  and every single-worker strategy write the given path unchanged.
+* `guard_callbacks` makes Keras' own `BackupAndRestore` write its backup on the chief only;
+  all workers still read it when a job resumes. `ModelCheckpoint` needs nothing more: it saves
+  through ``model.save``/``save_weights`` (its decision, e.g. ``save_best_only``, is the same on
+  every worker because the logs it reads are all-reduced).
+* `save` is the explicit form (``sync.save(model, path)``).
+
+The chief is who ``strategy.extended.should_checkpoint`` names (TensorFlow's answer: the
+``chief`` task, else ``worker`` 0). ``keras.saving.save_model(model, ...)``, the function, is
+not wrapped: use ``model.save`` or ``sync.save``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import shutil
+import tempfile
+from typing import Any, Callable, Iterator
+
+from keras_sync.errors import UsageError
+from keras_sync.strategy import in_multi_worker_mode
+
+_WRAPPED_MARK = "_keras_sync_chief_writes"
+TEMP_PREFIX = "keras_sync_worker_save_"
+
+
+def writes_user_paths(strategy: Any) -> bool:
+    """Whether this process writes the paths a user gives: the chief, or any single-worker strategy."""
+    if strategy is None or not in_multi_worker_mode(strategy):
+        return True
+    return bool(strategy.extended.should_checkpoint)
+
+
+@contextlib.contextmanager
+def write_target(filepath: Any, strategy: Any) -> Iterator[Any]:
+    """The path this worker should write ``filepath`` to: itself on the chief, else a temporary
+    file of the same name that is deleted when the block ends."""
+    if writes_user_paths(strategy):
+        yield filepath
+        return
+    tmp = tempfile.mkdtemp(prefix=TEMP_PREFIX)
+    try:
+        yield os.path.join(tmp, os.path.basename(os.fspath(filepath).rstrip("/")) or "model.keras")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _model_strategy(model: Any) -> Any:
+    return getattr(model, "_distribute_strategy", None)
+
+
+def _chief_writes(method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def wrapper(self: Any, filepath: Any, *args: Any, **kwargs: Any) -> Any:
+        with write_target(filepath, _model_strategy(self)) as target:
+            return method(self, target, *args, **kwargs)
+
+    setattr(wrapper, _WRAPPED_MARK, True)
+    return wrapper
+
+
+def install() -> None:
+    """Wrap ``keras.Model.save`` and ``save_weights`` once per process (see the module docstring)."""
+    import keras
+
+    for name in ("save", "save_weights"):
+        method = getattr(keras.Model, name)
+        if not getattr(method, _WRAPPED_MARK, False):
+            setattr(keras.Model, name, _chief_writes(method))
+
+
+def save(model: Any, filepath: Any, **kwargs: Any) -> None:
+    """Save ``model`` to ``filepath`` from every worker; only the chief writes ``filepath``.
+
+    Call it on every worker. ``*.weights.h5`` saves the weights (`model.save_weights`); any
+    other name saves the whole model (`model.save`: ``.keras``, or legacy ``.h5``).
+    """
+    if not hasattr(model, "save") or not hasattr(model, "save_weights"):
+        raise UsageError(
+            f"Invalid value for argument `model` of sync.save. Received: {type(model).__name__}. "
+            "Expected a Keras model."
+        )
+    if not isinstance(filepath, (str, os.PathLike)) or not os.fspath(filepath):
+        raise UsageError(
+            f"Invalid value for argument `filepath` of sync.save. Received: filepath={filepath!r}. "
+            "Expected a path such as 'model.keras' or 'model.weights.h5'."
+        )
+    install()
+    if os.fspath(filepath).endswith(".weights.h5"):
+        model.save_weights(filepath, **kwargs)
+    else:
+        model.save(filepath, **kwargs)
+
+
+def guard_callbacks(strategy: Any, callbacks: list[Any]) -> list[Any]:
+    """Make Keras' `BackupAndRestore` in ``callbacks`` write on the chief only; returns the list.
+
+    On the other workers its save goes through ``model.save_weights`` (so to a temporary file,
+    taking part in any collective), its metadata file is not written, and the backup is not
+    deleted at train end (the chief deletes it). Restoring still reads ``backup_dir``, which
+    must be on storage every worker sees.
+    """
+    if writes_user_paths(strategy):
+        return callbacks
+    import keras
+
+    for cb in callbacks:
+        if type(cb) is keras.callbacks.BackupAndRestore:  # a subclass may save differently: left alone
+            _non_chief_backup(cb)
+    return callbacks
+
+
+def _non_chief_backup(cb: Any) -> None:
+    # Keras 3's BackupAndRestore saves in `_save_model` (weights, then a metadata JSON, after
+    # optional copies to `.bkp`) and deletes `backup_dir` in `on_train_end`.
+    if not callable(getattr(cb, "_save_model", None)) or not hasattr(cb, "_weights_path"):
+        from importlib.metadata import version
+
+        raise UsageError(
+            f"keras.callbacks.BackupAndRestore of Keras {version('keras')} has no `_save_model`/`_weights_path`, "
+            "so keras-sync cannot keep the workers that are not the chief from writing its backup. "
+            "Fix: use keras-sync's backup (fault_tolerance.backup_dir in the config) instead."
+        )
+    cb._save_model = lambda: cb.model.save_weights(cb._weights_path, overwrite=True)
+    cb.on_train_end = lambda logs=None: None

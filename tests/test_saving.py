@@ -1,0 +1,186 @@
+"""Saving from every worker (`keras_sync.saving`): a plain script's `model.save`, `save_weights`,
+`ModelCheckpoint(save_best_only=True)`, Keras' `BackupAndRestore` and `sync.save`.
+
+Two real workers on 127.0.0.1 run tests/_save_train.py, each under strace when it is installed
+(it sees opens made by C code too, such as HDF5's) and with a Python audit hook on `open`: the
+chief writes every path, the other worker opens none of them for writing. The files load in a
+fresh process and predict like the trained model; one worker alone writes the same files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from _ports import free_ports
+from keras_sync import saving
+from keras_sync.errors import UsageError
+
+HERE = Path(__file__).parent
+TRAIN = HERE / "_save_train.py"
+CHECK = HERE / "_save_check.py"
+USER_FILES = ("best.keras", "final.keras", "final.weights.h5", "explicit.keras")
+STRACE = shutil.which("strace")
+_OPEN_FOR_WRITE = re.compile(r'(?:open|openat|openat2|creat)\((?:[^,]*, )?"([^"]+)", ([^)]*)\)')
+
+
+def _env(tf_config: str | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "KERAS_SYNC_CONFIG")}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    if tf_config:
+        env["TF_CONFIG"] = tf_config
+    return env
+
+
+def _start(task: int | None, workers: list[str], save_dir: Path, result_dir: Path, trace: Path) -> subprocess.Popen:
+    tf_config = json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": task}}) if workers else None
+    cmd = [sys.executable, str(TRAIN), str(save_dir), str(result_dir)]
+    if STRACE:
+        cmd = [STRACE, "-f", "-qq", "--seccomp-bpf", "-e", "trace=open,openat,openat2,creat", "-e", "signal=none",
+               "-o", str(trace), *cmd]
+    return subprocess.Popen(cmd, cwd=result_dir, env=_env(tf_config), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _run(procs: list[subprocess.Popen], timeout: float = 420) -> None:
+    try:
+        logs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for i, (p, log) in enumerate(zip(procs, logs)):
+        assert p.returncode == 0, f"worker {i} failed:\n{log[-4000:]}"
+
+
+def _traced_writes(trace: Path, save_dir: Path) -> list[str]:
+    """Paths under ``save_dir`` that the traced process opened for writing (O_WRONLY/O_RDWR/O_CREAT)."""
+    root = str(save_dir)
+    out = []
+    for line in trace.read_text().splitlines():
+        m = _OPEN_FOR_WRITE.search(line)
+        if m and m.group(1).startswith(root) and re.search(r"O_WRONLY|O_RDWR|O_CREAT", m.group(2)):
+            out.append(m.group(1))
+    return out
+
+
+def _check(save_dir: Path) -> dict:
+    r = subprocess.run([sys.executable, str(CHECK), str(save_dir)], env=_env(None), capture_output=True, text=True,
+                       timeout=180)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("save2")
+    save_dir, result_dir = root / "user", root / "results"
+    save_dir.mkdir()
+    result_dir.mkdir()
+    workers = [f"127.0.0.1:{p}" for p in free_ports(2)]
+    procs = [_start(i, workers, save_dir, result_dir, root / f"w{i}.strace") for i in range(2)]
+    _run(procs)
+    out = {"save_dir": save_dir, "root": root, "loaded": _check(save_dir)}
+    for i in range(2):
+        out[f"w{i}"] = json.loads((result_dir / f"w{i}.json").read_text())
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_worker(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("save1")
+    save_dir, result_dir = root / "user", root / "results"
+    save_dir.mkdir()
+    result_dir.mkdir()
+    _run([_start(None, [], save_dir, result_dir, root / "w0.strace")])
+    return {"save_dir": save_dir, "root": root, "loaded": _check(save_dir),
+            "w0": json.loads((result_dir / "w0.json").read_text())}
+
+
+def _close(a: object, b: object) -> float:
+    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_non_chief_never_opens_the_users_paths_for_writing(two_workers: dict) -> None:
+    w0, w1 = two_workers["w0"], two_workers["w1"]
+    assert (w0["is_chief"], w1["is_chief"]) == (True, False) and w0["num_workers"] == 2
+    assert w1["python_opens"] == [], w1["python_opens"]
+    # The chief's record is the control: the same hook sees the writes it made.
+    chief_opened = {os.path.basename(p) for p in w0["python_opens"]}
+    assert {"best.keras", "final.keras", "explicit.keras"} <= chief_opened, chief_opened
+    if STRACE:
+        root = two_workers["root"]
+        assert _traced_writes(root / "w1.strace", two_workers["save_dir"]) == []
+        traced = {os.path.relpath(p, two_workers["save_dir"]) for p in _traced_writes(root / "w0.strace",
+                                                                                       two_workers["save_dir"])}
+        assert set(USER_FILES) <= traced, traced
+        assert "keras_backup/latest.weights.h5" in traced, traced  # Keras' BackupAndRestore, chief only
+    left = sorted(p.name for p in two_workers["save_dir"].iterdir())
+    assert left == sorted(USER_FILES), left  # the backup was deleted at train end, no temporary file left
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_saved_files_load_and_predict_like_the_trained_model(two_workers: dict) -> None:
+    w0, w1, loaded = two_workers["w0"], two_workers["w1"], two_workers["loaded"]
+    assert _close(w0["final"], w1["final"]) <= 1e-6  # both workers hold the same model
+    for name in ("final.keras", "final.weights.h5", "explicit.keras"):
+        assert not isinstance(loaded[name], str), f"{name}: {loaded[name]}"
+        assert _close(loaded[name], w0["final"]) <= 1e-6, name
+    best_epoch = int(np.argmin(w0["loss"]))
+    assert not isinstance(loaded["best.keras"], str), loaded["best.keras"]
+    assert _close(loaded["best.keras"], w0["per_epoch"][best_epoch]) <= 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_one_worker_writes_the_same_files(one_worker: dict, two_workers: dict) -> None:
+    w0 = one_worker["w0"]
+    assert w0["is_chief"] and w0["num_workers"] == 1
+    assert sorted(p.name for p in one_worker["save_dir"].iterdir()) == sorted(USER_FILES)
+    for name in USER_FILES:
+        assert not isinstance(one_worker["loaded"][name], str), one_worker["loaded"][name]
+    # Same global batch and rate: one worker trains the model two workers do.
+    assert _close(one_worker["loaded"]["final.keras"], two_workers["loaded"]["final.keras"]) <= 1e-5
+
+
+class _NotAModel:
+    pass
+
+
+def test_save_rejects_what_is_not_a_model() -> None:
+    with pytest.raises(UsageError, match=r"argument `model` of sync.save. Received: _NotAModel. Expected a Keras model"):
+        saving.save(_NotAModel(), "m.keras")
+
+
+class _Saveable:
+    def save(self, path: str) -> None:  # pragma: no cover - never reached
+        raise AssertionError
+
+    save_weights = save
+
+
+@pytest.mark.parametrize("bad", ["", None, 3])
+def test_save_rejects_a_bad_path(bad: object) -> None:
+    with pytest.raises(UsageError, match=r"argument `filepath` of sync.save. Received: filepath=.*Expected a path"):
+        saving.save(_Saveable(), bad)
+
+
+def test_write_target_is_the_users_path_without_a_multi_worker_strategy(tmp_path: Path) -> None:
+    with saving.write_target(tmp_path / "m.keras", None) as target:
+        assert target == tmp_path / "m.keras"
+
+
+def test_backup_guard_refuses_a_keras_without_the_hooks_it_relies_on() -> None:
+    with pytest.raises(UsageError, match=r"has no `_save_model`/`_weights_path`.*Fix: use keras-sync's backup"):
+        saving._non_chief_backup(object())
