@@ -51,9 +51,11 @@ def load(
     from keras_sync.strategy import in_multi_worker_mode
 
     if in_multi_worker_mode(strategy):
-        from keras_sync import saving
+        from keras_sync import _collective_calls, saving
 
         saving.install()  # model.save / save_weights: the chief writes the user's path, the others a temp copy
+        # fit/evaluate/predict: a worker that calls one alone fails with one line; workers leave together
+        _collective_calls.install(strategy, cfg.strategy.connect_timeout_s)
     sync = Sync(cfg, strategy, detection)
     if sync.is_chief:
         print(f"keras-sync: config: {cfg.origin()}", file=sys.stderr)
@@ -219,12 +221,20 @@ class Sync:
         saving.save(model, filepath, **kwargs)
 
     def evaluate(self, model: Any, x: Any = None, y: Any = None, **kwargs: Any) -> Any:
-        """`model.evaluate` under this strategy, with the same batching rules as `fit`."""
+        """`model.evaluate` under this strategy, with the same batching rules as `fit`.
+
+        Under `multi_worker_mirrored` it is a collective: call it on every worker (a worker that
+        calls it alone fails with one line saying so).
+        """
         x, y, kwargs = self._prepare(model, "evaluate", x, y, kwargs)
         return model.evaluate(x, y, **kwargs)
 
     def predict(self, model: Any, x: Any = None, **kwargs: Any) -> Any:
-        """`model.predict` under this strategy, with the same batching rules as `fit`."""
+        """`model.predict` under this strategy, with the same batching rules as `fit`.
+
+        Under `multi_worker_mirrored` it is a collective: call it on every worker; each gets all
+        the predictions. A worker that calls it alone fails with one line saying so.
+        """
         x, _, kwargs = self._prepare(model, "predict", x, None, kwargs)
         return model.predict(x, **kwargs)
 

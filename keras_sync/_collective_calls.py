@@ -1,0 +1,146 @@
+"""Every worker at the same collective call, or one line saying which worker is elsewhere.
+
+Under `MultiWorkerMirroredStrategy`, ``model.fit``, ``evaluate`` and ``predict`` are collectives:
+a chief that calls ``model.predict`` alone (natural after training) waits for peers that never
+come, then dies with a page of ``UnavailableError`` once they have left. And a worker that ends
+its script while another still runs makes that one print ``StartAbort UNAVAILABLE ... tasks are
+unhealthy`` about the worker that left, even after a successful run.
+
+Both are solved by one check through TensorFlow's coordination service (its key-value store,
+already running for the job): before each top-level ``fit``/``evaluate``/``predict`` on a model
+built in a multi-worker scope, and once at process exit, each worker posts the name of the call
+under its call number and reads every peer's post for that number. Same name: go on. Another
+name (a peer went to ``exit`` while this worker calls ``predict``): a `UsageError` at once, saying
+that every worker must make the call. No post within ``strategy.connect_timeout_s``: the same error.
+The exit post makes workers leave together, so none outlives another by a heartbeat timeout.
+
+A worker skips the exit meeting when it is leaving because of an error (an uncaught exception,
+or a counted call that raised): its peers are then still inside a collective and will not come.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+from keras_sync.errors import UsageError
+from keras_sync.strategy import in_multi_worker_mode
+
+_KEY = "keras_sync/call/{n}/{task}"
+_WRAPPED_MARK = "_keras_sync_meets_peers"
+EXIT = "exit"
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {"count": 0, "failed": False, "strategy": None, "timeout_s": 300.0}
+_local = threading.local()
+
+
+def _task_names(strategy: Any) -> tuple[str, list[str]]:
+    """``("worker:1", ["worker:0", "worker:1"])``: this task and every training task."""
+    resolver = strategy.cluster_resolver
+    spec = resolver.cluster_spec().as_dict()
+    tasks = [f"{job}:{i}" for job in ("chief", "worker") for i in range(len(spec.get(job, [])))]
+    return f"{resolver.task_type}:{resolver.task_id}", tasks
+
+
+def _said(call: str) -> str:
+    return "reached the end of its script" if call == EXIT else f"called {call}"
+
+
+def meet(strategy: Any, call: str, timeout_s: float | None = None) -> None:
+    """Wait until every worker has reached call number N with the same ``call`` name.
+
+    Raises:
+        UsageError: a peer reached another call (or the end of its script) instead, or none
+            within ``timeout_s``.
+    """
+    if not in_multi_worker_mode(strategy):
+        return
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    timeout_s = _state["timeout_s"] if timeout_s is None else timeout_s
+    with _lock:
+        n = _state["count"]
+        _state["count"] += 1
+    me, tasks = _task_names(strategy)
+    ctx = context.context()
+    ctx.set_config_key_value(_KEY.format(n=n, task=me), call)
+    deadline = time.monotonic() + timeout_s
+    fix = (
+        f"Under multi_worker_mirrored {call} is a collective: every worker must call it, in the same order. "
+        "Fix: make the call on every worker (not under `if sync.is_chief:`), and guard only what your own "
+        "code writes; or predict in a separate one-process script from a saved model."
+    )
+    for peer in tasks:
+        if peer == me:
+            continue
+        left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+        try:
+            got = ctx.get_config_key_value(_KEY.format(n=n, task=peer), left_ms)
+        except tf.errors.DeadlineExceededError:
+            raise UsageError(
+                f"{_name(me)} {_said(call)}, but {_name(peer)} did not reach that call within "
+                f"strategy.connect_timeout_s={timeout_s:g} s. {fix}"
+            ) from None
+        except tf.errors.OpError as e:
+            raise UsageError(
+                f"{_name(me)} {_said(call)}, but {_name(peer)} has left the job "
+                f"({type(e).__name__}). {fix}"
+            ) from None
+        if got != call:
+            raise UsageError(f"{_name(me)} {_said(call)}, but {_name(peer)} {_said(got)} instead. {fix}")
+
+
+def _name(task: str) -> str:
+    job, _, index = task.partition(":")
+    return f"{job} {index}"
+
+
+def _meets_peers(method: Callable[..., Any], call: str) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        strategy = getattr(self, "_distribute_strategy", None)
+        if getattr(_local, "depth", 0) or not in_multi_worker_mode(strategy):
+            return method(self, *args, **kwargs)  # nested (fit's validation) or not multi-worker
+        meet(strategy, call)
+        _local.depth = 1
+        try:
+            return method(self, *args, **kwargs)
+        except BaseException:
+            _state["failed"] = True  # peers may still be inside this collective: no exit meeting
+            raise
+        finally:
+            _local.depth = 0
+
+    setattr(wrapper, _WRAPPED_MARK, True)
+    return wrapper
+
+
+def install(strategy: Any, timeout_s: float) -> None:
+    """Check ``fit``/``evaluate``/``predict`` of multi-worker models, and meet at exit (once per process)."""
+    import keras
+
+    with _lock:
+        first = _state["strategy"] is None
+        _state["strategy"], _state["timeout_s"] = strategy, timeout_s
+    for name in ("fit", "evaluate", "predict"):
+        method = getattr(keras.Model, name)
+        if not getattr(method, _WRAPPED_MARK, False):
+            setattr(keras.Model, name, _meets_peers(method, f"model.{name}"))
+    if first:
+        atexit.register(_meet_at_exit)
+
+
+def _meet_at_exit() -> None:
+    if _state["failed"] or getattr(sys, "last_value", None) is not None:
+        return  # leaving because of an error: the peers may be stuck in a collective
+    try:
+        meet(_state["strategy"], EXIT)
+    except UsageError as e:
+        # A peer is in another call: that worker reports it; this one leaves with one line.
+        print(f"keras-sync: {str(e).split('. Under')[0]}.", file=sys.stderr, flush=True)

@@ -1,0 +1,61 @@
+"""Collective calls under multi-worker (`keras_sync._collective_calls`), with 2 real workers.
+
+predict and evaluate run on every worker and give each the whole result; a chief-only
+`model.predict` ends at once with one line saying every worker must call it (instead of a hang
+then a page of UnavailableError); after a successful run in which the chief works on alone for
+longer than TensorFlow's heartbeat timeout, nobody reports an unhealthy task.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+HERE = Path(__file__).parent
+SCRIPT = HERE / "_collective_train.py"
+KERAS_SYNC = Path(sys.executable).with_name("keras-sync")
+NOISE = ("StartAbort", "unhealthy", "Traceback", "UnavailableError")
+
+pytestmark = pytest.mark.slow
+
+
+def _launch(tmp: Path, mode: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "KERAS_SYNC_CONFIG")}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    cmd = [str(KERAS_SYNC), "launch", "--workers", "2", str(SCRIPT), mode, str(tmp / "out")]
+    return subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=480)
+
+
+@pytest.mark.timeout(600)
+def test_predict_and_evaluate_on_every_worker_then_a_clean_end(tmp_path: Path) -> None:
+    r = _launch(tmp_path, "every_worker")
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-4000:]
+    w = [json.loads((tmp_path / "out" / f"w{i}.json").read_text()) for i in range(2)]
+    for result in w:  # each worker gets every prediction, equal to the model applied locally
+        assert np.asarray(result["sync_predict"]).shape == (64, 1)
+        assert np.allclose(result["sync_predict"], result["local"], atol=1e-6)
+        assert np.allclose(result["model_predict"], result["local"], atol=1e-6)
+    assert w[0]["evaluate"] == pytest.approx(w[1]["evaluate"], rel=1e-6)
+    noisy = [line for line in log.splitlines() if any(n in line for n in NOISE)]
+    assert not noisy, "\n".join(noisy[:20])
+
+
+@pytest.mark.timeout(600)
+def test_chief_only_predict_ends_with_one_line(tmp_path: Path) -> None:
+    r = _launch(tmp_path, "chief_only")
+    log = r.stdout + r.stderr
+    assert r.returncode == 2, log[-4000:]
+    lines = [line for line in log.splitlines() if line.startswith("[w0] keras-sync:")]
+    assert len(lines) == 1, log[-4000:]
+    assert ("worker 0 called model.predict, but worker 1 reached the end of its script instead. Under "
+            "multi_worker_mirrored model.predict is a collective: every worker must call it") in lines[0]
+    assert "Traceback" not in log and "UnavailableError" not in log, log[-4000:]
+    w0 = json.loads((tmp_path / "out" / "w0.json").read_text())
+    assert w0["predict_s"] < 60, w0  # told at once, not after a heartbeat timeout or the connect timeout
