@@ -1,4 +1,4 @@
-"""Where this process sits in a training cluster: TF_CONFIG, Slurm, or alone.
+"""Where this process sits in a training cluster: TF_CONFIG, Slurm, a Kubernetes Indexed Job, or alone.
 
 The parsers here are pure (no TensorFlow), so `keras-sync plan` can show the
 cluster without paying for a TensorFlow import. Only `slurm_cluster_resolver`
@@ -31,7 +31,7 @@ class ClusterInfo:
     """This process's place in the cluster, as read from the environment.
 
     Attributes:
-        source: "tf_config", "slurm" or "none" (a single process).
+        source: "tf_config", "slurm", "indexed_job" or "none" (a single process).
         task_type: "chief", "worker" or "evaluator".
         task_id: index of this task within `task_type`.
         num_workers: number of training tasks (chief + workers).
@@ -43,7 +43,7 @@ class ClusterInfo:
             (`keras_sync.pipeline`), never by who wrote TF_CONFIG.
     """
 
-    source: Literal["tf_config", "slurm", "none"]
+    source: Literal["tf_config", "slurm", "indexed_job", "none"]
     task_type: str
     task_id: int
     num_workers: int
@@ -361,6 +361,77 @@ def slurm_cluster_resolver(*, port_base: int = _SLURM_PORT_BASE, env: Mapping[st
     spec = slurm.cluster_spec()
     return resolvers.SimpleClusterResolver(
         spec, task_type=slurm.task_type, task_id=slurm.task_id, num_accelerators={}, rpc_layer="grpc"
+    )
+
+
+# ------------------------------------------------- Kubernetes Indexed Job / JobSet
+
+INDEX_VAR = "JOB_COMPLETION_INDEX"  # set by Kubernetes in every pod of an Indexed Job (JobSet too)
+
+
+def indexed_job_addresses(hosts: str, port: int, workers: int) -> list[str]:
+    """Every worker's ``host:port``: ``hosts`` with ``{index}`` = 0..workers-1, ``:port`` added
+    unless the pattern names a port itself.
+
+    >>> indexed_job_addresses("train-{index}.train", 2222, 2)
+    ['train-0.train:2222', 'train-1.train:2222']
+    >>> indexed_job_addresses("127.0.0.1:2900{index}", 2222, 2)
+    ['127.0.0.1:29000', '127.0.0.1:29001']
+    """
+    out = []
+    for i in range(workers):
+        host = hosts.replace("{index}", str(i))
+        out.append(host if re.search(r":\d+$", host) else f"{host}:{port}")
+    return out
+
+
+def parse_indexed_job(
+    hosts: str | None, port: int, workers: int | None, env: Mapping[str, str] | None = None
+) -> ClusterInfo:
+    """This pod's place in a Kubernetes Indexed Job (or a JobSet's job): worker ``$JOB_COMPLETION_INDEX``
+    of ``workers``, worker 0 the chief, addresses from the ``hosts`` pattern (`strategy.indexed_job`).
+
+    With a headless Service named like the Job's pods' subdomain, pod i of Job ``train`` is
+    ``train-{i}.<service>``; a JobSet pod is ``<jobset>-<replicated job>-<job index>-{i}.<jobset>``.
+    """
+    env = os.environ if env is None else env
+    if not hosts or not workers:
+        raise _error(
+            "strategy.cluster is indexed_job but strategy.indexed_job.hosts or .workers is not set",
+            f"hosts={hosts!r}, workers={workers!r}",
+            "Set strategy.indexed_job.hosts (e.g. train-{index}.train) and .workers (the Job's completions).",
+        )
+    raw = env.get(INDEX_VAR)
+    if raw is None:
+        raise _error(
+            f"strategy.cluster is indexed_job but ${INDEX_VAR} is not set",
+            f"{INDEX_VAR}=None",
+            "Kubernetes sets it in the pods of a Job with `completionMode: Indexed` (JobSet too); run the "
+            "script there, or set it by hand (0 to workers-1) to mimic one.",
+        )
+    if not raw.strip().isdigit() or int(raw) >= workers:
+        raise _error(
+            f"${INDEX_VAR} is not a worker index from 0 to strategy.indexed_job.workers-1={workers - 1}",
+            f"{INDEX_VAR}={raw!r}",
+            "Set strategy.indexed_job.workers to the Job's `completions` (and `parallelism`), the same number.",
+        )
+    index = int(raw)
+    return ClusterInfo("indexed_job", "worker", index, workers, index == 0, indexed_job_addresses(hosts, port, workers))
+
+
+def indexed_job_cluster_resolver(hosts: str | None, port: int, workers: int | None,
+                                 env: Mapping[str, str] | None = None) -> Any:
+    """A TensorFlow `SimpleClusterResolver` for this pod of an Indexed Job (see `parse_indexed_job`)."""
+    info = parse_indexed_job(hosts, port, workers, env)
+    import tensorflow as tf
+
+    gpus = len(tf.config.list_physical_devices("GPU"))
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec({"worker": info.worker_addresses}),
+        task_type="worker",
+        task_id=info.task_id,
+        num_accelerators={"GPU": gpus} if gpus else {},
+        rpc_layer="grpc",
     )
 
 

@@ -69,6 +69,16 @@ class TPUConfig:
 
 
 @dataclass(frozen=True)
+class IndexedJobConfig:
+    """Workers of a Kubernetes Indexed Job or JobSet: worker i is `hosts` with {index} = i."""
+
+    hosts: str | None = _f(None, Str(nullable=True), "worker i's host (or host:port) with {index} = i, e.g. "
+                           "train-{index}.train (<Job>-{index}.<headless Service>)")
+    port: int = _f(2222, Int(minimum=1), "the port every worker listens on (when `hosts` names none)")
+    workers: int | None = _f(None, Int(minimum=1, nullable=True), "number of workers (the Job's completions)")
+
+
+@dataclass(frozen=True)
 class StrategyConfig:
     """Which `tf.distribute` strategy to build, and its options."""
 
@@ -90,11 +100,14 @@ class StrategyConfig:
         "auto", Choice(values=("auto", "ring", "nccl")), "collective implementation: auto, ring or nccl",
         kinds=_MWM,
     )
-    cluster: str = _f("tf_config", Choice(values=("tf_config", "slurm")), "where the workers are: "
-                      "tf_config ($TF_CONFIG) or slurm (srun's environment)", kinds=_MWM)
+    cluster: str = _f("tf_config", Choice(values=("tf_config", "slurm", "indexed_job")), "where the workers are: "
+                      "tf_config ($TF_CONFIG), slurm (srun's environment) or indexed_job (a Kubernetes "
+                      "Indexed Job or JobSet: $JOB_COMPLETION_INDEX and strategy.indexed_job)", kinds=_MWM)
     connect_timeout_s: float = _f(300.0, Float(minimum=0, exclusive=True), "seconds to wait for all workers to "
                                   "join, then fail naming the missing ones", kinds=("auto", *_MWM))
     tpu: TPUConfig = _sub(TPUConfig, "TPU address", kinds=("tpu",))
+    indexed_job: IndexedJobConfig = _sub(IndexedJobConfig, "worker addresses when cluster is indexed_job",
+                                         kinds=_MWM)
 
 
 @dataclass(frozen=True)
@@ -396,6 +409,17 @@ def _check_consistency(cfg: Config, b: _Builder, given: Mapping[str, Any]) -> Co
         b.issue("fault_tolerance.save_freq", f"received save_freq={save_freq} with runtime.gradient_accumulation_steps="
                 f"{acc}; back up at optimizer updates: use a multiple of {acc} (e.g. {save_freq - save_freq % acc or acc}) "
                 "or 'epoch'")
+    if s.cluster == "indexed_job":
+        job = s.indexed_job
+        for key, value in (("hosts", job.hosts), ("workers", job.workers)):
+            if value is None:
+                b.issue(f"strategy.indexed_job.{key}", f"received null with strategy.cluster=indexed_job; set it "
+                        "(hosts: a pattern such as train-{index}.train; workers: the Job's completions)")
+        if job.hosts is not None and "{index}" not in job.hosts:
+            b.issue("strategy.indexed_job.hosts", f"received {job.hosts!r}, which has no {{index}}; expected a pattern "
+                    "that gives each worker its own host, such as train-{index}.train")
+        if job.port > 65535:
+            b.issue("strategy.indexed_job.port", f"received {job.port}, expected a TCP port from 1 to 65535")
     return dataclasses.replace(cfg, batch=batch)
 
 

@@ -64,6 +64,11 @@ def count_workers(config: Config, environ: Mapping[str, str]) -> tuple[int, str]
             return 1, "no Slurm job ($SLURM_PROCID unset)"
         info = cluster.parse_slurm_env(environ)
         return info.num_workers, "Slurm"
+    if config.strategy.cluster == "indexed_job":
+        if cluster.INDEX_VAR not in environ:
+            return 1, f"no Indexed Job (${cluster.INDEX_VAR} unset)"
+        job = config.strategy.indexed_job
+        return cluster.parse_indexed_job(job.hosts, job.port, job.workers, environ).num_workers, "Indexed Job"
     info = cluster.parse_tf_config(environ.get("TF_CONFIG"), env=environ)
     if info.source == "none":
         return 1, "TF_CONFIG unset"
@@ -263,7 +268,12 @@ def _build_multi_worker(config: Config) -> tf.distribute.Strategy:
     # Only a list keras-sync names is passed on; TensorFlow finds its own devices otherwise, so
     # the GPU count (which only names TensorFlow's pick) is not asked for before the cluster forms.
     local = device_layout("multi_worker_mirrored", cfg, gpus=0).explicit_devices
-    resolver = cluster.slurm_cluster_resolver() if cfg.cluster == "slurm" else None
+    resolver = None  # TF_CONFIG, read by TensorFlow
+    if cfg.cluster == "slurm":
+        resolver = cluster.slurm_cluster_resolver()
+    elif cfg.cluster == "indexed_job":
+        resolver = cluster.indexed_job_cluster_resolver(cfg.indexed_job.hosts, cfg.indexed_job.port,
+                                                        cfg.indexed_job.workers)
     strategy = _multi_worker.build_multi_worker_strategy(
         communication=cfg.communication,
         cluster_resolver=resolver,

@@ -289,3 +289,164 @@ def test_two_slurm_tasks_all_reduce_with_the_slurm_resolver(capsys: pytest.Captu
         (0, 3.0, 2, True, True),
         (1, 3.0, 2, False, False),
     ]
+
+
+# ---------------------------------------------------------------- Kubernetes Indexed Job / JobSet
+
+from keras_sync.cluster import INDEX_VAR, indexed_job_addresses, parse_indexed_job  # noqa: E402
+
+
+def test_indexed_job_pod_is_worker_of_its_completion_index() -> None:
+    info = parse_indexed_job("train-{index}.train", 2222, 3, {INDEX_VAR: "1"})
+    assert info == ClusterInfo("indexed_job", "worker", 1, 3, False,
+                               ["train-0.train:2222", "train-1.train:2222", "train-2.train:2222"])
+    assert parse_indexed_job("train-{index}.train", 2222, 3, {INDEX_VAR: "0"}).is_chief
+
+
+def test_indexed_job_pattern_may_name_the_port() -> None:
+    assert indexed_job_addresses("js-workers-0-{index}.js:3000{index}", 2222, 2) == [
+        "js-workers-0-0.js:30000", "js-workers-0-1.js:30001"]
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({}, r"\$JOB_COMPLETION_INDEX is not set. Received: JOB_COMPLETION_INDEX=None. Kubernetes sets it"),
+        ({INDEX_VAR: "2"}, r"not a worker index from 0 to strategy.indexed_job.workers-1=1. Received: "
+                           r"JOB_COMPLETION_INDEX='2'. Set strategy.indexed_job.workers to the Job's `completions`"),
+        ({INDEX_VAR: "x"}, r"Received: JOB_COMPLETION_INDEX='x'"),
+    ],
+)
+def test_bad_indexed_job_env(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ClusterError, match=message):
+        parse_indexed_job("w-{index}", 2222, 2, env)
+
+
+def test_indexed_job_without_hosts_or_workers_says_which_keys() -> None:
+    with pytest.raises(ClusterError, match=r"indexed_job.hosts or .workers is not set. Received: hosts=None, workers=2"):
+        parse_indexed_job(None, 2222, 2, {INDEX_VAR: "0"})
+
+
+@pytest.mark.parametrize(
+    ("indexed_job", "message"),
+    [
+        ({"workers": 2}, r"strategy.indexed_job.hosts: received null with strategy.cluster=indexed_job"),
+        ({"hosts": "w-{index}"}, r"strategy.indexed_job.workers: received null with strategy.cluster=indexed_job"),
+        ({"hosts": "w-0", "workers": 2}, r"strategy.indexed_job.hosts: received 'w-0', which has no \{index\}"),
+        ({"hosts": "w-{index}", "workers": 2, "port": 70000},
+         r"strategy.indexed_job.port: received 70000, expected a TCP port from 1 to 65535"),
+    ],
+)
+def test_indexed_job_config_errors_name_the_key(indexed_job: dict, message: str) -> None:
+    from keras_sync.config import load_config
+    from keras_sync.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        load_config({"strategy": {"cluster": "indexed_job", "indexed_job": indexed_job}})
+
+
+def test_auto_counts_indexed_job_workers_only_inside_a_job() -> None:
+    from keras_sync.config import load_config
+    from keras_sync.strategy import detect
+
+    cfg = load_config({"strategy": {"cluster": "indexed_job", "indexed_job": {"hosts": "w-{index}.w", "workers": 4}}})
+    assert detect(cfg, {INDEX_VAR: "3"}, gpus=0).kind == "multi_worker_mirrored"
+    assert "Indexed Job names 4 workers" in detect(cfg, {INDEX_VAR: "3"}, gpus=0).reason
+    assert detect(cfg, {}, gpus=0).kind == "default"
+
+
+def _consecutive_free_ports() -> str:
+    """A prefix P such that ports P0 and P1 are free on 127.0.0.1 (the pattern "127.0.0.1:P{index}")."""
+    import random
+
+    for _ in range(200):
+        prefix = str(random.randint(2000, 6000))
+        socks = [socket.socket() for _ in range(2)]
+        try:
+            for i, s in enumerate(socks):
+                s.bind(("127.0.0.1", int(f"{prefix}{i}")))
+            return prefix
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no two free consecutive ports found")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_indexed_job_two_local_workers_through_the_pattern_equal_one_process(tmp_path: Path) -> None:
+    import os
+
+    import numpy as np
+
+    train = Path(__file__).parent / "_mwr_train.py"
+    # One process under multi_worker_mirrored too: arrays then take keras-sync's seeded shuffle, as in the job.
+    base = {"strategy": {"kind": "multi_worker_mirrored"}, "batch": {"global": 32},
+            "learning_rate": {"base": 0.01, "base_batch_size": 32}, "mlflow": {"enabled": False}}
+    job = {**base, "strategy": {"kind": "auto", "cluster": "indexed_job", "connect_timeout_s": 120, "indexed_job": {
+        "hosts": f"127.0.0.1:{_consecutive_free_ports()}{{index}}", "workers": 2}}}
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "KERAS_SYNC_CONFIG", INDEX_VAR)}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    procs = [subprocess.Popen([sys.executable, str(train), json.dumps(job), str(tmp_path / "job"), "--epochs", "2"],
+                              env={**env, INDEX_VAR: str(i)}, cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    alone = subprocess.Popen([sys.executable, str(train), json.dumps(base), str(tmp_path / "one"), "--epochs", "2"],
+                             env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        logs = [p.communicate(timeout=480)[0] for p in [*procs, alone]]
+    finally:
+        for p in [*procs, alone]:
+            if p.poll() is None:
+                p.kill()
+    for p, log in zip([*procs, alone], logs):
+        assert p.returncode == 0, log[-4000:]
+    w = [json.loads((tmp_path / "job" / f"w{i}.json").read_text()) for i in range(2)]
+    one = json.loads((tmp_path / "one" / "w0.json").read_text())
+    assert [(r["task"], r["num_workers"], r["num_replicas"]) for r in w] == [(0, 2, 2), (1, 2, 2)]
+    for r in w:
+        diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(r["weights"], one["weights"]))
+        assert diff <= 1e-5, diff
+
+
+def _manifest(name: str) -> list[dict]:
+    import yaml
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "kubernetes" / name
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def _example_config(docs: list[dict], tmp_path: Path):
+    from keras_sync.config import load_config
+
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    path = tmp_path / "keras_sync.yaml"
+    path.write_text(cm["data"]["keras_sync.yaml"])
+    return load_config(path).strategy
+
+
+def test_example_indexed_job_manifest_matches_its_config(tmp_path: Path) -> None:
+    docs = _manifest("indexed-job.yaml")
+    s = _example_config(docs, tmp_path)
+    (job,) = [d for d in docs if d["kind"] == "Job"]
+    (svc,) = [d for d in docs if d["kind"] == "Service"]
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == s.indexed_job.workers
+    assert pod["subdomain"] == svc["metadata"]["name"] and svc["spec"]["clusterIP"] == "None"
+    info = parse_indexed_job(s.indexed_job.hosts, s.indexed_job.port, s.indexed_job.workers, {INDEX_VAR: "1"})
+    name = job["metadata"]["name"]  # Kubernetes names pod i of an Indexed Job <job>-<i>
+    assert info.worker_addresses == [f"{name}-{i}.{pod['subdomain']}:{s.indexed_job.port}" for i in range(2)]
+    assert pod["containers"][0]["ports"][0]["containerPort"] == s.indexed_job.port
+
+
+def test_example_jobset_manifest_matches_its_config(tmp_path: Path) -> None:
+    docs = _manifest("jobset.yaml")
+    s = _example_config(docs, tmp_path)
+    (js,) = [d for d in docs if d["kind"] == "JobSet"]
+    (rjob,) = js["spec"]["replicatedJobs"]
+    spec = rjob["template"]["spec"]
+    assert rjob["replicas"] == 1 and spec["completions"] == spec["parallelism"] == s.indexed_job.workers
+    name = js["metadata"]["name"]  # JobSet: pod i of job 0 is <jobset>-<replicated job>-0-<i>, subdomain <jobset>
+    assert indexed_job_addresses(s.indexed_job.hosts, s.indexed_job.port, 2) == [
+        f"{name}-{rjob['name']}-0-{i}.{name}:{s.indexed_job.port}" for i in range(2)]
