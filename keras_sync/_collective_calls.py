@@ -14,8 +14,10 @@ name (a peer went to ``exit`` while this worker calls ``predict``): a `UsageErro
 that every worker must make the call. No post within ``strategy.connect_timeout_s``: the same error.
 The exit post makes workers leave together, so none outlives another by a heartbeat timeout.
 
-A worker skips the exit meeting when it is leaving because of an error (an uncaught exception,
-or a counted call that raised): its peers are then still inside a collective and will not come.
+A worker meets its peers at exit only after a successful run: at least one counted call
+returned and none raised, and no exception is ending the script. Otherwise (an uncaught
+exception, a call that raised, a `sys.exit` before training) its peers may be inside a collective,
+or still loading data, and it leaves at once, as before.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ _WRAPPED_MARK = "_keras_sync_meets_peers"
 EXIT = "exit"
 
 _lock = threading.Lock()
-_state: dict[str, Any] = {"count": 0, "failed": False, "strategy": None, "timeout_s": 300.0}
+_state: dict[str, Any] = {"count": 0, "returned": 0, "failed": False, "strategy": None, "timeout_s": 300.0}
 _local = threading.local()
 
 
@@ -110,7 +112,9 @@ def _meets_peers(method: Callable[..., Any], call: str) -> Callable[..., Any]:
         meet(strategy, call)
         _local.depth = 1
         try:
-            return method(self, *args, **kwargs)
+            out = method(self, *args, **kwargs)
+            _state["returned"] += 1
+            return out
         except BaseException:
             _state["failed"] = True  # peers may still be inside this collective: no exit meeting
             raise
@@ -137,8 +141,8 @@ def install(strategy: Any, timeout_s: float) -> None:
 
 
 def _meet_at_exit() -> None:
-    if _state["failed"] or getattr(sys, "last_value", None) is not None:
-        return  # leaving because of an error: the peers may be stuck in a collective
+    if not _state["returned"] or _state["failed"] or getattr(sys, "last_value", None) is not None:
+        return  # not after a successful run: the peers may be stuck in a collective, or not there yet
     try:
         meet(_state["strategy"], EXIT)
     except UsageError as e:
