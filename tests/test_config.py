@@ -77,7 +77,7 @@ def test_unknown_key_names_line_and_suggests(tmp_path):
         load_config(path, environ={})
     assert messages(err.value) == [
         f"{path}:3: strategy.devicez: unknown key 'devicez'; did you mean 'devices'? (allowed: kind, devices, "
-        "simulated_cpu_replicas, cross_device_ops, communication, cluster, connect_timeout_s, tpu)"
+        "simulated_cpu_replicas, cross_device_ops, communication, cluster, connect_timeout_s, tpu, indexed_job)"
     ]
     assert err.value.line == 3 and err.value.key_path == "strategy.devicez"
 
