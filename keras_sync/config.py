@@ -73,9 +73,10 @@ class IndexedJobConfig:
     """Workers of a Kubernetes Indexed Job or JobSet: worker i is `hosts` with {index} = i."""
 
     hosts: str | None = _f(None, Str(nullable=True), "worker i's host (or host:port) with {index} = i, e.g. "
-                           "train-{index}.train (<Job>-{index}.<headless Service>)")
-    port: int = _f(2222, Int(minimum=1), "the port every worker listens on (when `hosts` names none)")
-    workers: int | None = _f(None, Int(minimum=1, nullable=True), "number of workers (the Job's completions)")
+                           "train-{index}.train (<Job>-{index}.<headless Service>)", kinds=_MWM)
+    port: int = _f(2222, Int(minimum=1), "the port every worker listens on (when `hosts` names none)", kinds=_MWM)
+    workers: int | None = _f(None, Int(minimum=1, nullable=True), "number of workers (the Job's completions)",
+                             kinds=_MWM)
 
 
 @dataclass(frozen=True)
