@@ -194,11 +194,6 @@ class MlflowWriter:
         return self._spool.path
 
     @property
-    def delivered(self) -> int:
-        """How far delivery has got (a spool offset that only grows): shows progress while waiting."""
-        return self._delivered_end
-
-    @property
     def closed(self) -> bool:
         """Whether `close` was called (a closed writer logs nothing more)."""
         return self._closed

@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import sys
-import time
 import weakref
 from pathlib import Path
 from typing import Any
@@ -51,9 +50,9 @@ def writer_for(sync: Any) -> Any:
     uri, _ = resolve_tracking_uri(cfg.tracking_uri)
     job_id, explicit, run_id = cfg.job_id, True, None
     restored = restored_run(sync.config.fault_tolerance.backup_dir)
-    ended = writer  # the run an earlier fit of this Sync ended: continue it
+    ended = writer  # the run an earlier fit of this Sync ended: this Sync continues it, FINISHED or not
     if ended is not None and ended.run_id is not None:
-        job_id, explicit, run_id = ended.job_id, ended.job_id_explicit, ended.run_id
+        job_id, explicit, run_id = ended.job_id, True, ended.run_id
     elif restored is not None:  # wins over a job id: `keras-sync launch` makes a new one per launch
         job_id, explicit, run_id = restored["job_id"], bool(restored.get("explicit")), restored.get("run_id")
     writer = MlflowWriter(tracking_uri=uri, experiment=cfg.experiment, run_name=cfg.run_name, job_id=job_id,
@@ -115,25 +114,16 @@ def record_run(writer: Any, backup_dir: str) -> None:
     _recorded[writer] = (str(path), record)
 
 
-def end_run_after_fit(sync: Any, stall_s: float = 10.0, limit_s: float = 120.0) -> None:
+def end_run_after_fit(sync: Any, limit_s: float = 120.0) -> None:
     """End the run when `fit` returns, once MLflow has everything; else keep delivering.
 
-    Waits while delivery makes progress (a busy machine or a slow server), at most ``limit_s``;
-    gives up after ``stall_s`` without progress (the server is away). Then the writer stays open
-    and keeps delivering in the background as before, and the run ends at exit or with
-    `close_writer`: closing it here would abandon those records.
+    `MlflowWriter.flush` waits while delivery makes progress (at most ``limit_s``). When MLflow is
+    away or refusing, the writer stays open and keeps delivering in the background as before, and
+    the run ends at exit or with `close_writer`: closing it here would abandon those records.
     """
     writer = _writers.get(sync)
-    if writer is None or writer.closed:
-        return
-    deadline = time.monotonic() + limit_s
-    while True:
-        before = writer.delivered
-        if writer.flush(timeout_s=stall_s):
-            writer.close(timeout_s=stall_s)
-            return
-        if writer.delivered == before or time.monotonic() > deadline:
-            return
+    if writer is not None and not writer.closed and writer.flush(timeout_s=limit_s):
+        writer.close(timeout_s=limit_s)
 
 
 def close_writer(sync: Any, timeout_s: float = 10.0) -> None:

@@ -1,0 +1,50 @@
+"""`sync.fit` ends its MLflow run when it returns (Ray Train V2 kills its workers without atexit),
+and the next `fit` of the same `Sync` continues that run: one run, FINISHED, steps once, no spool."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_fit_ends_the_run_and_the_next_fit_continues_it(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    script = textwrap.dedent(f"""
+        import json, os, numpy as np, keras_sync
+        from mlflow import MlflowClient
+        sync = keras_sync.load({{"strategy": {{"kind": "default"}}, "batch": {{"per_replica": 16}},
+                                 "mlflow": {{"tracking_uri": {uri!r}, "experiment": "e"}}}})
+        import keras
+        with sync.scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+            model.compile(optimizer="sgd", loss="mse")
+        x = np.random.default_rng(0).normal(size=(256, 4)).astype("float32")
+        c = MlflowClient({uri!r})
+        out = {{}}
+        for i in (1, 2):
+            sync.fit(model, x, x[:, :1], epochs=1, verbose=0)
+            runs = c.search_runs([c.get_experiment_by_name("e").experiment_id])
+            out[i] = [(r.info.run_id, r.info.status) for r in runs]
+        out["steps"] = sorted(m.step for m in c.get_metric_history(runs[0].info.run_id, "sync/replica_0/loss"))
+        out["spool"] = os.listdir(".keras_sync_spool") if os.path.isdir(".keras_sync_spool") else []
+        print("RESULT " + json.dumps(out))
+        os._exit(0)  # no atexit, as under Ray Train V2's ray.kill
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID")}
+    r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=dict(env, TF_CPP_MIN_LOG_LEVEL="2"),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    import json
+
+    out = json.loads(r.stdout.split("RESULT ", 1)[1])
+    (first,) = out["1"]
+    assert first[1] == "FINISHED"
+    assert out["2"] == [[first[0], "FINISHED"]]  # the same run, ended again
+    assert out["steps"] == list(range(1, 33))  # 16 steps per fit, each once
+    assert out["spool"] == []
