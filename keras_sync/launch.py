@@ -45,7 +45,7 @@ from typing import IO
 
 from keras_sync.errors import UsageError
 
-JOB_ID_ENV = "KERAS_SYNC_JOB_ID"  # read by `keras_sync.callbacks._reduce.job_id`
+JOB_ID_ENV = "KERAS_SYNC_JOB_ID"  # read by `keras_sync.config` as mlflow.job_id
 
 _POLL_S = 0.05
 _print_lock = threading.Lock()
@@ -165,7 +165,8 @@ def launch(
     base_env.pop("TF_CONFIG", None)
     base_env.update(env or {})
     base_env["PYTHONUNBUFFERED"] = "1"
-    # One job identity for every try: the MLflow run is found again by it (`callbacks/_reduce.job_id`).
+    # One job identity for every try: the MLflow run is found again by it (mlflow.job_id; a restored
+    # backup's recorded run wins, see callbacks/_run.py).
     base_env.setdefault(JOB_ID_ENV, f"launch-{uuid.uuid4().hex[:12]}")
     if config is not None:
         base_env["KERAS_SYNC_CONFIG"] = os.path.abspath(config)
