@@ -94,7 +94,7 @@ def two_workers(tmp_module: Path) -> dict:
 
 
 @pytest.mark.compat
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(900)  # two TF workers twice plus an MLflow import: 200 s was exceeded at load ~30
 def test_two_workers_via_console_script_equal_one_process(one_process: dict, two_workers: dict) -> None:
     assert one_process["num_replicas"] == 1
     for w in ("w0", "w1"):
@@ -103,7 +103,7 @@ def test_two_workers_via_console_script_equal_one_process(one_process: dict, two
     assert two_workers["w0"]["iterations"] == one_process["iterations"] == 4 * STEPS_PER_EPOCH
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(900)  # two TF workers twice plus an MLflow import: 200 s was exceeded at load ~30
 def test_example_two_workers_times_two_simulated_replicas_give_four(tmp_path: Path) -> None:
     alone = _alone(tmp_path, EXAMPLE, "--epochs", "1", "--out", "one.json")
     assert alone.returncode == 0, alone.stderr[-3000:]
@@ -206,7 +206,7 @@ def _assert_exact(resumed: dict, reference: dict, *, epoch: int, iterations: int
         assert np.allclose(r["loss"], reference[w]["loss"][epoch:], rtol=1e-5, atol=0)
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(900)  # two TF workers twice plus an MLflow import: 200 s was exceeded at load ~30
 def test_sigkill_non_chief_mid_epoch_resumes_exactly(tmp_module: Path, two_workers: dict) -> None:
     # Saved every 3 batches: the last backup before step 13 is step 12 = epoch 1, batch 4.
     resumed = _kill_and_resume(tmp_module, "kill_w1", save_freq=3, kill_at=13, kill_task=1)
@@ -216,7 +216,7 @@ def test_sigkill_non_chief_mid_epoch_resumes_exactly(tmp_module: Path, two_worke
 
 
 @pytest.mark.compat
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(900)  # two TF workers twice plus an MLflow import: 200 s was exceeded at load ~30
 def test_sigkill_chief_mid_epoch_resumes_exactly(tmp_module: Path, two_workers: dict) -> None:
     # Saved every 5 batches: step 15 = epoch 1 after 7 of its 8 batches; killed at step 19 (epoch 2).
     uri = f"sqlite:///{tmp_module / 'kill_w0_mlflow.db'}"
@@ -234,7 +234,7 @@ def test_sigkill_chief_mid_epoch_resumes_exactly(tmp_module: Path, two_workers: 
     assert sorted(steps) == list(range(1, resumed["w0"]["iterations"] + 1))
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(900)  # two TF workers twice plus an MLflow import: 200 s was exceeded at load ~30
 def test_sigkill_with_epoch_backups_resumes_exactly(tmp_module: Path, two_workers: dict) -> None:
     # Saved at each epoch end: killed at epoch 2 batch 2, resumes at epoch 2 batch 0.
     resumed = _kill_and_resume(tmp_module, "kill_epoch", save_freq="epoch", kill_at=19, kill_task=1)
