@@ -32,8 +32,11 @@ HERE = Path(__file__).parent
 DRIVER = HERE / "_ray_driver.py"
 SAME = 1e-5
 SCENARIOS = ("arrays", "ray_data", "kill")
-STEPS = {"arrays": 32, "kill": 32}  # 512 examples / 32 x 2 epochs
 RAY_DATA_ROWS, RAY_DATA_EPOCHS = 64, 3  # 32 rows per worker: 2 steps of 16 per worker and epoch
+# Steps trained (and logged): 512 examples / 32 x 2 epochs; Ray Data: 2 x 3 epochs. With the Ray Data
+# shard's unknown size, Keras's optimizer.iterations also counts one end-of-data step per epoch
+# (no update: the weights equal the reference), so it is only checked to be at least this.
+STEPS = {"arrays": 32, "kill": 32, "ray_data": 2 * RAY_DATA_EPOCHS}
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +94,7 @@ def test_trainer_succeeded_on_2_workers(ray_runs, scenario):
     for w in r["w"]:
         assert (w["workers"], w["replicas"], w["global_batch"]) == (2, 2, 32)
         assert w["learning_rate"] == pytest.approx(0.1)
-        assert w["steps"] == STEPS.get(scenario, r["w"][0]["steps"])
+        assert w["steps"] == STEPS[scenario] if scenario != "ray_data" else w["steps"] >= STEPS[scenario]
     assert [w["is_chief"] for w in r["w"]] == [True, False]
 
 
@@ -121,7 +124,7 @@ def test_replicas_train_on_different_examples(ray_runs, scenario):
     client, runs = _run(ray_runs, scenario)
     r0 = {m.step: m.value for m in client.get_metric_history(runs[0].info.run_id, "sync/replica_0/loss")}
     r1 = {m.step: m.value for m in client.get_metric_history(runs[0].info.run_id, "sync/replica_1/loss")}
-    assert r0.keys() == r1.keys() and len(r0) == ray_runs[scenario]["w"][0]["steps"]
+    assert r0.keys() == r1.keys() and len(r0) == STEPS[scenario]
     same = sum(abs(r0[s] - r1[s]) <= 1e-7 for s in r0)
     assert same == 0, f"replica losses equal at {same} of {len(r0)} steps: both workers trained on the same examples"
 
@@ -132,7 +135,7 @@ def test_one_finished_run_every_step_once_nothing_left_in_the_spool(ray_runs, sc
     assert len(runs) == 1
     assert runs[0].info.status == "FINISHED"
     steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "sync/replica_0/loss")]
-    assert sorted(steps) == list(range(min(steps), min(steps) + ray_runs[scenario]["w"][0]["steps"])), steps
+    assert sorted(steps) == list(range(1, 1 + STEPS[scenario])), steps
     spools = list((ray_runs["out"] / scenario).glob(".keras_sync_spool/*.spool.jsonl"))
     assert spools == []
 
