@@ -3,8 +3,8 @@
 print: prints its TF_CONFIG, KERAS_SYNC_CONFIG, PYTHONUNBUFFERED and argv as JSON, one line on stderr.
 fail-or-hang DIR: w1 exits 3 once w0 is ready; w0 ignores SIGTERM/SIGINT and sleeps.
 hang DIR: both sleep; w1 ignores SIGTERM/SIGINT.
-fail-once DIR / fail-always DIR: print `job <KERAS_SYNC_JOB_ID>`; w1 exits 3 (fail-once: only on the
-first try, while DIR/failed does not exist), w0 waits for that or for 1 s, then exits 0.
+fail-once DIR / fail-always DIR: print `job <KERAS_SYNC_JOB_ID>`; w1 exits 3 (fail-once: only on its
+first start, counted in DIR/w1.tries); in a failing try w0 runs until the launcher stops it, else exits 0.
 In DIR, each worker writes wI.pid and wI.child (the pid of a child it started).
 """
 
@@ -34,11 +34,16 @@ if mode == "print":
 folder = sys.argv[2]
 if mode in ("fail-once", "fail-always"):
     print(f"job {os.environ.get('KERAS_SYNC_JOB_ID')}", flush=True)
-    marker = os.path.join(folder, "failed")
-    if index == 1 and (mode == "fail-always" or not os.path.exists(marker)):
-        open(marker, "w").close()
+    # Each worker counts its own starts, so the two agree on which try fails without racing on a file.
+    with open(os.path.join(folder, f"w{index}.tries"), "a+") as f:
+        f.write("x")
+        f.seek(0)
+        attempt = len(f.read())
+    failing_try = mode == "fail-always" or attempt == 1
+    if index == 1 and failing_try:
         sys.exit(3)
-    time.sleep(1.0 if index == 0 else 0)
+    while index == 0 and failing_try:  # stays until the launcher stops it (no race with w1's failure)
+        time.sleep(0.05)
     sys.exit(0)
 stubborn = (mode == "fail-or-hang" and index == 0) or (mode == "hang" and index == 1)
 if stubborn:  # like a worker blocked in a collective: deaf to SIGTERM and SIGINT
