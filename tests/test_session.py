@@ -96,11 +96,11 @@ def test_batch_size_argument_is_explained_as_per_replica(runs):
                                                            "Received: batch_size=0.")
 
 
-def test_steps_per_execution_refused_with_replicas(runs):
-    assert runs[1]["steps_per_execution"] == "trained"
-    r = runs[2]["steps_per_execution"]
-    assert r["error"] == "UsageError" and "steps_per_execution=4 with 2 replicas" in r["message"]
-    assert "keras-team/keras#19246" in r["message"]
+@pytest.mark.parametrize("n", COUNTS)
+def test_steps_per_execution_trains_on_every_replica_count(runs, n):
+    # Once refused with replicas (keras-team/keras#19246); measured equal to spe=1 under
+    # MirroredStrategy (tests/test_runtime.py compares the weights), so any count trains.
+    assert runs[n]["steps_per_execution"] == "trained"
 
 
 @pytest.mark.parametrize("n", COUNTS)
