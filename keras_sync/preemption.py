@@ -49,6 +49,9 @@ def exit_now(code: int, message: str | None = None) -> None:
     """
     if message:
         print(f"keras-sync: {message}", file=sys.stderr, flush=True)
+    tracking = sys.modules.get("keras_sync.tracking")
+    if code != 0 and tracking is not None:
+        tracking.end_runs_at_exit_as("KILLED")  # not FINISHED: the relaunch continues the run
     with contextlib.suppress(BaseException):
         atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):

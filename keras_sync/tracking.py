@@ -95,10 +95,27 @@ _live_writers: weakref.WeakSet[MlflowWriter] = weakref.WeakSet()
 _ATEXIT_TIMEOUT_S = 10.0
 
 
+_exit_status: str | None = None
+
+
+def end_runs_at_exit_as(status: str) -> None:
+    """Make the exit's close of open writers end their runs with ``status`` instead of FINISHED.
+
+    `keras_sync.preemption.exit_now` sets KILLED: a preempted job is not finished, and the
+    relaunch that restores its backup reopens that run (a FINISHED run is only reopened for an
+    explicit job id).
+    """
+    global _exit_status
+    if status not in _RUN_STATUSES:
+        raise TrackingError(f"Invalid value for argument `status`. Received: status={status!r}. "
+                            f"Expected one of {', '.join(_RUN_STATUSES)}.")
+    _exit_status = status
+
+
 @atexit.register
 def _close_at_exit() -> None:
     # An uncaught exception has been printed by now, and left sys.last_type behind.
-    status = "FAILED" if getattr(sys, "last_type", None) is not None else "FINISHED"
+    status = "FAILED" if getattr(sys, "last_type", None) is not None else (_exit_status or "FINISHED")
     for w in list(_live_writers):
         w.close(timeout_s=_ATEXIT_TIMEOUT_S, status=status)
 

@@ -133,8 +133,10 @@ def test_excepthook_turns_an_uncaught_lost_peer_error_into_one_line_exit_75() ->
 # -- one process, real training ------------------------------------------------------------------
 
 
-def _train(tmp: Path, name: str, *extra: str, backup: bool = True) -> subprocess.CompletedProcess[str]:
-    cfg: dict = {"strategy": {"kind": "default"}, "batch": {"global": 32}, "mlflow": {"enabled": False},
+def _train(tmp: Path, name: str, *extra: str, backup: bool = True,
+           mlflow_uri: str | None = None) -> subprocess.CompletedProcess[str]:
+    mlflow = {"tracking_uri": mlflow_uri, "experiment": "preempted"} if mlflow_uri else {"enabled": False}
+    cfg: dict = {"strategy": {"kind": "default"}, "batch": {"global": 32}, "mlflow": mlflow,
                  "learning_rate": {"base": 0.01}}
     if backup:
         cfg["fault_tolerance"] = {"backup_dir": str(tmp / f"{name}_backup"), "save_freq": "epoch"}
@@ -150,16 +152,27 @@ def test_sigterm_at_step_17_saves_there_and_the_relaunch_trains_the_13_left(tmp_
     ref = _train(tmp_path, "ref")
     assert ref.returncode == 0, ref.stderr[-3000:]
     term = ("--term-at", "17", "--marker", str(tmp_path / "term.marker"))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     start = time.monotonic()
-    first = _train(tmp_path, "res", *term)
+    first = _train(tmp_path, "res", *term, mlflow_uri=uri)
     assert first.returncode == PREEMPTED_EXIT_CODE, first.stderr[-3000:]
     assert time.monotonic() - start < 200  # the whole process; the save itself is below
     assert first.stdout.splitlines()[-1] == "sigterm before step 17"
     assert first.stderr.strip().splitlines()[-1] == (
         f"keras-sync: SIGTERM: saved a backup in {tmp_path / 'res_backup'} at epoch 2, after batch 7 (optimizer "
         "step 17); exiting with code 143. Relaunch the job to resume from there.")
-    second = _train(tmp_path, "res", *term)
+    # The preempted run is KILLED, not FINISHED: the relaunch continues it (one run, each step once).
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    exp_id = client.get_experiment_by_name("preempted").experiment_id
+    (run,) = client.search_runs([exp_id])
+    assert run.info.status == "KILLED"
+    second = _train(tmp_path, "res", *term, mlflow_uri=uri)
     assert second.returncode == 0, second.stderr[-3000:]
+    (again,) = client.search_runs([exp_id])
+    assert again.info.run_id == run.info.run_id and again.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == list(range(1, 31))
     trained = [line for line in second.stdout.splitlines() if line.startswith("step ")]
     assert trained[0] == "step 18 epoch 1 batch 7" and len(trained) == 13
     a, b = (json.loads((tmp_path / n / "w0.json").read_text()) for n in ("ref", "res"))

@@ -4,7 +4,8 @@ One writer per `Sync` object, kept across `fit` calls (one run, steps continue).
 
 - when a relaunch restores the backup in ``fault_tolerance.backup_dir``: the run recorded with
   that backup (`record_run` writes it before every save), unless that run is FINISHED (and its
-  job id was not explicit);
+  job id was not explicit); a preempted or failed worker's exit ends it KILLED or FAILED, so
+  the relaunch continues it;
 - else ``mlflow.job_id`` / ``$KERAS_SYNC_JOB_ID`` (set by ``keras-sync launch`` for its
   restarts): the run with that job id, created once and shared, also after it finished;
 - else a new run.
