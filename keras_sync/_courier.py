@@ -137,7 +137,11 @@ class _Scrubbed:
 
 
 def main(argv: list[str]) -> int:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent; it ends us by closing the run
+    # Ctrl-C and SIGTERM are for the training process, which ends us by closing the run: Slurm's
+    # `scancel --signal=TERM` and `--signal=TERM@60` signal every process of a job step (this one
+    # too) while the trainer saves its backup and still has records for us to deliver.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent = int(argv[2])  # not getppid(): the parent may have died before this line
     spool = SpoolDir(argv[1])
     uri = os.environ.pop(URI_ENV, None)

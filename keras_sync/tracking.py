@@ -385,13 +385,10 @@ class MlflowWriter:
         message = None if delivered else self.undelivered_message(final=True)
         if courier is not None and courier.poll() is None:
             # Waiting was given up (or the end was delivered and it is still exiting): after
-            # close nothing runs in the background; the spool keeps what is left.
-            courier.terminate()
-            try:
-                courier.wait(5.0)
-            except subprocess.TimeoutExpired:
-                courier.kill()
-                courier.wait()
+            # close nothing runs in the background; the spool keeps what is left. SIGKILL: the
+            # courier ignores SIGTERM (meant for the trainer when a scheduler signals a whole job step).
+            courier.kill()
+            courier.wait()
         self.run_id  # noqa: B018 - read the run id before the spool that holds it may be removed
         self._spool.close_segment()
         self._spool.unlock("writer")

@@ -2,6 +2,7 @@
 
 Usage: python _mwr_train.py CONFIG_JSON OUT_DIR [--kill-at STEP --kill-task I --marker FILE]
               [--term-at STEP [--in-collective]] [--wait-at STEP --wait-for FILE]
+              [--hold-at STEP --marker FILE]
               [--epochs N] [--no-shuffle] [--samples N]
 
 CONFIG_JSON is a keras-sync config as JSON text (a dict, as keras_sync.load takes). Runs under
@@ -13,6 +14,9 @@ With --term-at, task I gets SIGTERM while it trains that step instead (once, sam
 by itself just before the step, or with --in-collective by a child process 0.5 s later while
 the other workers hold that step back 2 s, so the signal lands inside the step's all-reduce.
 With --wait-at, every worker waits after that step until FILE exists (a test cuts a link then).
+With --hold-at, every worker prints ``holding after step N`` after that step and waits there until
+it has received a SIGTERM from outside (keras-sync's handler recorded it; needs backup_dir), once
+(marker FILE.<task>): a scheduler's signal then lands at a known step however slow its delivery.
 """
 
 from __future__ import annotations
@@ -31,6 +35,20 @@ SAMPLES = 256
 FEATURES = 8
 
 
+def _hold_until_sigterm(step: int, limit_s: float = 900) -> None:
+    # keras-sync's SIGTERM handler (installed by fit with a backup_dir) is a bound method of
+    # keras_sync.preemption.SigtermWatch: its `pending` turns True when the signal has arrived.
+    watch = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
+    if not hasattr(watch, "pending"):
+        raise SystemExit("--hold-at: keras-sync does not handle SIGTERM here (set fault_tolerance.backup_dir)")
+    print(f"holding after step {step}", flush=True)
+    deadline = time.monotonic() + limit_s
+    while not watch.pending:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"--hold-at: no SIGTERM within {limit_s:g} s")
+        time.sleep(0.02)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("config")
@@ -44,6 +62,7 @@ def main() -> int:
     p.add_argument("--samples", type=int, default=SAMPLES)
     p.add_argument("--wait-at", type=int, default=None)
     p.add_argument("--wait-for", default=None)
+    p.add_argument("--hold-at", type=int, default=None)
     p.add_argument("--no-shuffle", action="store_true")
     ns = p.parse_args()
     started = time.monotonic()
@@ -81,6 +100,9 @@ def main() -> int:
             if ns.wait_at == step:
                 while not os.path.exists(ns.wait_for):
                     time.sleep(0.05)
+            if ns.hold_at == step and ns.marker and not os.path.exists(f"{ns.marker}.{task}"):
+                open(f"{ns.marker}.{task}", "w").close()
+                _hold_until_sigterm(step)
 
         def on_train_batch_begin(self, batch, logs=None):
             if ns.term_at is None or int(self.model.optimizer.iterations.numpy()) != ns.term_at - 1:
