@@ -32,6 +32,8 @@ from keras_sync.errors import CompatibilityError
 FEATURES: dict[str, tuple[str, str]] = {
     "multi_worker_fit": ("`fit` under multi-worker multi_worker_mirrored",
                          "or train on one worker (strategy.kind: mirrored)"),
+    "multi_worker_steps_per_execution": ("steps_per_execution > 1 under multi-worker multi_worker_mirrored",
+                                         "or set runtime.steps_per_execution: 1"),
     "multi_worker_strategy": ("multi_worker_mirrored with local devices and strategy.connect_timeout_s",
                               "or train on one worker (strategy.kind: mirrored)"),
     "exact_resume": ("exact mid-epoch resume (fault_tolerance.backup_dir)",
@@ -179,6 +181,15 @@ REGISTRY: tuple[Internal, ...] = (
     Internal(f"{_TRAINER}:_is_tpu_strategy, _is_per_replica_instance, _is_scalar", "multi_worker_fit",
              "Keras's own tests for what the patched reduction may change",
              has_attrs(_TRAINER, "_is_tpu_strategy", "_is_per_replica_instance", "_is_scalar")),
+    # _keras_compat.py fix 3: the one-step tf.function traced inline into the multi-step loop.
+    Internal(f"{_TRAINER}:TensorFlowTrainer._autoconvert_optionals", "multi_worker_steps_per_execution",
+             "keras-team/keras#19246 (steps_per_execution > 1 under MultiWorkerMirroredStrategy): the hook that "
+             "receives the one-step tf.function, replaced by its Python function",
+             callable_with(f"{_TRAINER}:TensorFlowTrainer._autoconvert_optionals", "self", "step_func")),
+    Internal(f"{_TRAINER}:TensorFlowTrainer._make_function", "multi_worker_steps_per_execution",
+             "the multi-step loop must get its one-step function through _autoconvert_optionals",
+             looks_up(f"{_TRAINER}:TensorFlowTrainer._make_function", "_autoconvert_optionals", "function",
+                      "steps_per_execution", "while_loop")),
     # _multi_worker.py: local devices per worker and the bounded join (no constructor argument for either).
     Internal(f"{_CARS}:CollectiveAllReduceExtended._initialize_local_devices", "multi_worker_strategy",
              "TF's hook that picks local devices (TODO b/126786766); no argument gives CPUs",
@@ -253,16 +264,26 @@ def available(name: str) -> bool:
     return check(next(i for i in REGISTRY if i.name == name)) is None
 
 
-def require(feature: str) -> None:
-    """Raise `CompatibilityError` (one line) if an internal that ``feature`` needs has moved."""
-    what, alternative = FEATURES[feature]
+def missing(feature: str) -> tuple[Internal, str] | None:
+    """The first internal (not a fallback) that ``feature`` needs and that has moved, with what is
+    missing; None when every probe of the feature passes."""
     for internal in REGISTRY:
         if internal.feature != feature or internal.fallback:
             continue
-        missing = check(internal)
-        if missing is not None:
-            raise CompatibilityError(
-                f"{what} cannot work with {versions(internal)}: {missing} (keras-sync needs it for "
-                f"{internal.why}). keras-sync is tested with {TESTED}. "
-                f"Fix: {PIN[internal.name.split('.')[0]]}, {alternative}."
-            )
+        what = check(internal)
+        if what is not None:
+            return internal, what
+    return None
+
+
+def require(feature: str) -> None:
+    """Raise `CompatibilityError` (one line) if an internal that ``feature`` needs has moved."""
+    found = missing(feature)
+    if found is not None:
+        internal, what_is_missing = found
+        what, alternative = FEATURES[feature]
+        raise CompatibilityError(
+            f"{what} cannot work with {versions(internal)}: {what_is_missing} (keras-sync needs it for "
+            f"{internal.why}). keras-sync is tested with {TESTED}. "
+            f"Fix: {PIN[internal.name.split('.')[0]]}, {alternative}."
+        )

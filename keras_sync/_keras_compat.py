@@ -12,8 +12,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from keras_sync.errors import UsageError
-
 logger = logging.getLogger(__name__)
 
 # keras-team/keras#20585 is present from Keras 3.0 and still in 3.15.1 (measured here); the
@@ -43,6 +41,18 @@ def apply_multi_worker_fixes() -> bool:
        axis=0)`; the logs are scalars ("Invalid reduction dimension 0 for input
        with 0 dimensions"). For scalars we reduce across replicas only
        (`axis=None`), which is the mean Keras reports on one machine.
+
+    3. keras-team/keras#19246 under MWMS: with ``steps_per_execution > 1`` Keras's
+       multi-step function calls the one-step `tf.function` inside a `tf.while_loop`
+       and a `tf.cond`; with the multi-worker collectives in it, running it fails with
+       "You must feed a value for placeholder tensor 'while/.../cond/Placeholder_1'".
+       We give Keras the one-step Python function instead of its nested `tf.function`
+       (`_autoconvert_optionals` receives it), so the step is traced inline into the
+       multi-step function: the same ops, no nested function call. Measured (Keras
+       3.15.1, one strategy per process, 2 workers): steps_per_execution 4 gives the
+       weights of 1 (max |dw| 0.0). Applied when its probes pass (feature
+       ``multi_worker_steps_per_execution``); `check_steps_per_execution` refuses
+       ``steps_per_execution > 1`` under multi-worker MWMS when they do not.
 
     All patches only change behaviour when the strategy is a multi-worker MWMS;
     every other call goes to the original Keras code.
@@ -99,30 +109,52 @@ def apply_multi_worker_fixes() -> bool:
     # `make_train_function` looks `reduce_per_replica` up in the module at trace time.
     tf_trainer.reduce_per_replica = reduce_per_replica
     tf_trainer.TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build
+    if _internals.missing("multi_worker_steps_per_execution") is None:
+        _apply_multi_step_fix()
     return True
 
 
-def check_steps_per_execution(model: Any, strategy: Any) -> None:
-    """Refuse `steps_per_execution > 1` where Keras is measured to fail: a multi-worker MWMS.
+def _apply_multi_step_fix() -> None:
+    """Fix 3 of `apply_multi_worker_fixes`: the one-step function traced inline into the multi-step loop."""
+    from keras.src.backend.tensorflow import trainer as tf_trainer
 
-    keras-team/keras#19246: under `MultiWorkerMirroredStrategy` with several workers Keras's
-    multi-step loop (the one-step `tf.function` called inside a `tf.while_loop` and a `tf.cond`)
-    fails with "You must feed a value for placeholder tensor 'while/.../cond/Placeholder_1'"
-    (Keras 3.15.1, 2 workers, keras-sync's other MWMS fixes on). Tracing the step inline instead
-    (no nested function) trains, but the workers then issue their gradient all-reduces in
-    different orders ("Shape mismatch in the collective instance"), so it is not a fix.
-    `MirroredStrategy` is not affected (steps_per_execution 4 == 1, measured) and is accepted,
-    as is any value on one worker.
+    cls = tf_trainer.TensorFlowTrainer
+    if getattr(cls._autoconvert_optionals, _PATCH_MARK, False):
+        return
+    original = cls._autoconvert_optionals
+
+    def _autoconvert_optionals(self: Any, step_func: Any) -> Any:
+        strategy = self._distribute_strategy
+        inner = getattr(step_func, "python_function", None)  # the function a `tf.function` wraps
+        if inner is not None and int(self.steps_per_execution or 1) > 1 and strategy is not None \
+                and _is_multi_worker(strategy):
+            if self.jit_compile:
+                # The nested function carried jit_compile; the multi-step function Keras compiles without it.
+                logger.warning("keras-sync: under multi_worker_mirrored with steps_per_execution=%s the train step "
+                               "runs without XLA (keras-team/keras#19246 workaround).", self.steps_per_execution)
+            step_func = inner
+        return original(self, step_func)
+
+    setattr(_autoconvert_optionals, _PATCH_MARK, True)
+    cls._autoconvert_optionals = _autoconvert_optionals
+
+
+def check_steps_per_execution(model: Any, strategy: Any) -> None:
+    """Make sure `steps_per_execution > 1` can run under a multi-worker MWMS, or refuse it in one line.
+
+    keras-team/keras#19246: Keras's multi-step loop fails under a multi-worker
+    `MultiWorkerMirroredStrategy`; fix 3 of `apply_multi_worker_fixes` makes it train. When the
+    Keras internals that fix relies on have moved, ``steps_per_execution > 1`` is refused there.
+    Every other strategy (and one worker) trains any value with plain Keras (measured:
+    `MirroredStrategy` steps_per_execution 4 == 1).
 
     Raises:
-        UsageError: with the value received and how to fix it.
+        CompatibilityError: a multi-worker MWMS, ``steps_per_execution > 1``, and the fix cannot be applied.
     """
     steps = int(getattr(model, "steps_per_execution", 1) or 1)
     if steps <= 1 or not _is_multi_worker(strategy):
         return
-    raise UsageError(
-        f"Invalid value for runtime.steps_per_execution (or steps_per_execution of model.compile()). Received: "
-        f"{steps} under multi_worker_mirrored with several workers, where Keras's multi-step loop fails "
-        "(keras-team/keras#19246). Expected 1 there; steps_per_execution > 1 works with mirrored, tpu and one "
-        "worker. Fix: set runtime.steps_per_execution: 1 for multi-worker runs."
-    )
+    from keras_sync import _internals
+
+    _internals.require("multi_worker_steps_per_execution")
+    _apply_multi_step_fix()  # already on when the strategy came from keras-sync; a user's own MWMS too

@@ -64,17 +64,6 @@ def _fast_float16() -> tuple[bool, str]:
 def prepare_model(sync: Any, model: Any) -> None:
     """Apply jit_compile, steps_per_execution and sync_batch_norm to ``model`` (before `fit`)."""
     config, rt = sync.config, sync.config.runtime
-    if rt.gradient_accumulation_steps > 1 and sync.num_workers > 1:
-        from keras_sync.errors import UsageError
-
-        # Measured (Keras 3.15.1, TF 2.21, 2 CPU workers): the update taken in a cond of the
-        # cross-replica context runs its all-reduces in a different order than the other collectives
-        # of the step on the two workers ("Collective instance ... expected data_type 9 but got 1").
-        raise UsageError(f"Invalid value for runtime.gradient_accumulation_steps. Received: "
-                         f"{rt.gradient_accumulation_steps} with {sync.num_workers} workers, where keras-sync's "
-                         "accumulation is measured to fail (the workers' all-reduces run out of order). Expected 1 "
-                         "for multi-worker runs; accumulation works with mirrored and on one worker. Fix: set "
-                         "runtime.gradient_accumulation_steps: 1 and raise batch.per_replica instead, if memory allows.")
     changed = False
     if given(config, "steps_per_execution") and int(model.steps_per_execution or 1) != rt.steps_per_execution:
         if int(model.steps_per_execution or 1) != 1:  # the user's compile chose a value
