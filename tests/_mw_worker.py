@@ -20,6 +20,7 @@ GLOBAL_BATCH = 32
 EPOCHS = 3
 SAMPLES = 256
 _ORIGINAL_REDUCE = None
+_ORIGINAL_AUTOCONVERT = None
 
 
 def _data():
@@ -107,8 +108,9 @@ def main() -> int:
     from keras_sync import _keras_compat, _multi_worker
     from keras_sync.errors import KerasSyncError
 
-    global _ORIGINAL_REDUCE
+    global _ORIGINAL_REDUCE, _ORIGINAL_AUTOCONVERT
     _ORIGINAL_REDUCE = trainer.reduce_per_replica
+    _ORIGINAL_AUTOCONVERT = trainer.TensorFlowTrainer._autoconvert_optionals
 
     start = time.monotonic()
     try:
@@ -171,17 +173,21 @@ def main() -> int:
                 result["build_fix_only_error"] = _fit_error(strategy)
                 trainer.reduce_per_replica = patched
             result.update(_fit(strategy))
-            # steps_per_execution > 1 (keras-team/keras#19246): refused with one line under multi-worker.
-            try:
-                with strategy.scope():
-                    model = _model(steps_per_execution=2)
-                _keras_compat.check_steps_per_execution(model, strategy)
-                result["spe_error"] = None
-            except KerasSyncError as e:
-                result["spe_error"] = f"{type(e).__name__}: {e}"
+            # steps_per_execution > 1 (keras-team/keras#19246): fix 3 traces the step inline; plain model.fit.
+            with strategy.scope():
+                model = _model(steps_per_execution=2)
+            _keras_compat.check_steps_per_execution(model, strategy)  # accepts it: the fix is on
+            result["spe_fixed"] = getattr(trainer.TensorFlowTrainer._autoconvert_optionals,
+                                          _keras_compat._PATCH_MARK, False)
+            spe = _fit(strategy, steps_per_execution=2)
+            result["spe_weights"], result["spe_loss"] = spe["weights"], spe["loss"]
             if scenario == "unfixed_then_fixed":
-                # The upstream failure behind the refusal (a canary: this passes once Keras fixes it).
+                # The upstream failure without fix 3 (a canary: this passes once Keras fixes it). Last:
+                # a failed step leaves the workers' collectives behind.
+                fixed, trainer.TensorFlowTrainer._autoconvert_optionals = (
+                    trainer.TensorFlowTrainer._autoconvert_optionals, _ORIGINAL_AUTOCONVERT)
                 result["spe_upstream_error"] = _fit_error(strategy, steps_per_execution=2)
+                trainer.TensorFlowTrainer._autoconvert_optionals = fixed
         else:
             raise SystemExit(f"unknown scenario {scenario!r}")
     except BaseException:

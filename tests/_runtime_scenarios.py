@@ -3,10 +3,12 @@
 Usage:
     python _runtime_scenarios.py replicas N [TRACKING_URI] OUT.json
                                                           N simulated CPU replicas (1: one device)
-    keras-sync launch --workers 2 _runtime_scenarios.py workers OUT.json
+    keras-sync launch --workers 2 _runtime_scenarios.py workers [TRACKING_URI] OUT.json
                                                           2 workers x 1 CPU (MWMS); the chief writes
 Every scenario trains the same model from the same seed on the same global batches and records its
 final weights (and what keras-sync saw), so tests/test_runtime.py compares layouts with one device.
+With TRACKING_URI the steps_per_execution scenario logs its sync metrics there.
+The workers build ONE MultiWorkerMirroredStrategy and train every model under it (see `load`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import keras_sync
 
 MODE, OUT = sys.argv[1], sys.argv[-1]
 N = int(sys.argv[2]) if MODE == "replicas" else 0
+_rest = sys.argv[3 if MODE == "replicas" else 2:-1]
+TRACKING_URI = _rest[0] if _rest else None
 GLOBAL_BATCH = 64
 results: dict = {}
 rng = np.random.default_rng(0)
@@ -178,9 +182,9 @@ def spe(tracking_uri=None):
     if tracking_uri:
         from keras_sync.callbacks._run import _writers, close_writer
 
-        writer = _writers[s]
+        writer = _writers.get(s)  # the chief's (only the chief logs)
         close_writer(s, timeout_s=300)  # the writer's thread creates the run: its id is known after close
-        out["run_id"] = writer.run_id
+        out["run_id"] = writer.run_id if writer is not None else None
     return out
 
 
@@ -284,20 +288,14 @@ def step_dtypes():
     return sorted(dtypes)
 
 
-if MODE == "workers":
-    record("spe", spe)
-    record("accumulation", accumulation)
-    record("sync_bn", sync_bn)
-    record("jit", jit)
-else:
-    record("spe", lambda: spe(sys.argv[3] if len(sys.argv) > 4 else None))
-    record("accumulation", accumulation)
-    record("sync_bn", sync_bn)
-    record("jit", jit)
-    if N > 1:
-        record("mixed", mixed)
-        keras.mixed_precision.set_dtype_policy("float32")
-        record("dtypes", step_dtypes)
+record("spe", lambda: spe(TRACKING_URI))
+record("accumulation", accumulation)
+record("sync_bn", sync_bn)
+record("jit", jit)
+if N > 1:
+    record("mixed", mixed)
+    keras.mixed_precision.set_dtype_policy("float32")
+    record("dtypes", step_dtypes)
 
 if MODE == "replicas" or SYNC.is_chief:
     results.update(num_replicas=SYNC.num_replicas, num_workers=SYNC.num_workers)

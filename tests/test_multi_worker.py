@@ -34,7 +34,7 @@ EXACT_RESUME = 1e-6
 STEPS_PER_EPOCH = 8  # 256 samples / global batch 32
 
 
-def _config(mlflow_uri: str | None = None, **fault_tolerance: object) -> str:
+def _config(mlflow_uri: str | None = None, runtime: dict | None = None, **fault_tolerance: object) -> str:
     cfg = {
         "strategy": {"kind": "multi_worker_mirrored", "connect_timeout_s": 60},
         "batch": {"global": 32},
@@ -45,6 +45,8 @@ def _config(mlflow_uri: str | None = None, **fault_tolerance: object) -> str:
         cfg["mlflow"] = {"enabled": True, "tracking_uri": mlflow_uri, "experiment": "resume"}
     if fault_tolerance:
         cfg["fault_tolerance"] = fault_tolerance
+    if runtime:
+        cfg["runtime"] = runtime
     return json.dumps(cfg)
 
 
@@ -176,9 +178,9 @@ def test_worker_alone_fails_after_connect_timeout_naming_missing_task_and_addres
 
 
 def _kill_and_resume(tmp: Path, name: str, *, save_freq: object, kill_at: int, kill_task: int,
-                     mlflow_uri: str | None = None) -> dict:
+                     mlflow_uri: str | None = None, runtime: dict | None = None) -> dict:
     out, marker = tmp / name, tmp / f"{name}.killed"
-    args = [_config(mlflow_uri, backup_dir=str(tmp / f"{name}_backup"), save_freq=save_freq), str(out),
+    args = [_config(mlflow_uri, runtime, backup_dir=str(tmp / f"{name}_backup"), save_freq=save_freq), str(out),
             "--kill-at", str(kill_at), "--kill-task", str(kill_task), "--marker", str(marker)]
     first = _launch(tmp, TRAIN, *args)
     assert marker.exists(), first.stderr[-3000:]
@@ -239,3 +241,16 @@ def test_sigkill_with_epoch_backups_resumes_exactly(tmp_module: Path, two_worker
     # Saved at each epoch end: killed at epoch 2 batch 2, resumes at epoch 2 batch 0.
     resumed = _kill_and_resume(tmp_module, "kill_epoch", save_freq="epoch", kill_at=19, kill_task=1)
     _assert_exact(resumed, two_workers, epoch=2, iterations=16)
+
+
+@pytest.mark.timeout(900)  # two TF workers twice plus an MLflow import: 200 s was exceeded at load ~30
+def test_sigkill_with_steps_per_execution_4_resumes_exactly(tmp_module: Path, two_workers: dict) -> None:
+    # keras-team/keras#19246 fixed under multi-worker: 4 steps per execution, a backup every 4 steps,
+    # the chief killed after step 20 (epoch 2 after 4 of its 8 batches). The reference trained 1 step
+    # per execution: the relaunch ends on the same weights.
+    resumed = _kill_and_resume(tmp_module, "kill_spe4", save_freq=4, kill_at=20, kill_task=0,
+                               runtime={"steps_per_execution": 4})
+    _assert_exact(resumed, two_workers, epoch=2, iterations=20)
+    # Batches are reported once per execution: the first after the resume is step 24, batch 7.
+    steps = re.findall(r"^\[w0\] step (\d+) epoch (\d+) batch (\d+)$", resumed["stdout"], re.M)
+    assert steps[0] == ("24", "2", "7") and [int(s) for s, _, _ in steps] == list(range(24, 33, 4))

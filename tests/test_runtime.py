@@ -132,11 +132,12 @@ def runs(tmp_path_factory):
     for k in ("TF_CONFIG", "KERAS_SYNC_CONFIG", "MLFLOW_TRACKING_URI"):
         env.pop(k, None)
     script = str(HERE / "_runtime_scenarios.py")
-    tracking_uri = f"sqlite:///{out / 'mlflow.db'}"
+    tracking = {layout: f"sqlite:///{out / f'{layout}-mlflow.db'}" for layout in ("two", "workers")}
     cmds = {
         "one": [sys.executable, script, "replicas", "1", str(out / "one.json")],
-        "two": [sys.executable, script, "replicas", "2", tracking_uri, str(out / "two.json")],
-        "workers": [sys.executable, "-m", "keras_sync.launch", "--workers", "2", script, "workers",
+        "two": [sys.executable, script, "replicas", "2", tracking["two"], str(out / "two.json")],
+        # keras-sync launch: 2 workers, ONE MultiWorkerMirroredStrategy each, every scenario trained under it.
+        "workers": [KERAS_SYNC, "launch", "--workers", "2", script, "workers", tracking["workers"],
                     str(out / "workers.json")],
     }
     procs = {name: subprocess.Popen(cmd, cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -147,7 +148,7 @@ def runs(tmp_path_factory):
         assert proc.returncode == 0, f"{name} failed:\n{logs[name][-5000:]}"
         results[name] = json.loads((out / f"{name}.json").read_text())
     results["logs"] = logs
-    results["tracking_uri"] = tracking_uri
+    results["tracking"] = tracking
     return results
 
 
@@ -214,48 +215,53 @@ def test_custom_train_steps_get_the_same_per_replica_loss_and_grad_norm_as_keras
 
 @pytest.mark.slow
 @pytest.mark.timeout(1600)
-def test_steps_per_execution_4_equals_1_on_two_replicas_and_is_refused_on_two_workers(runs):
-    for layout in ("one", "two"):
+def test_steps_per_execution_4_equals_1_on_two_replicas_and_on_two_workers(runs):
+    one_spe_1 = runs["one"]["custom_steps"]["keras"]["weights"]  # the same model and data at 1
+    for layout in ("one", "two", "workers"):
         res = _ok(runs[layout]["spe"])
-        assert res["spe"] == 4 and res["iterations"] == 16
-        ref = runs[layout]["custom_steps"]["keras"]["weights"]  # the same model and data at 1
-        assert _diff(res["weights"], ref) <= TOLERANCE, layout
-    assert _diff(runs["two"]["spe"]["weights"], runs["one"]["custom_steps"]["keras"]["weights"]) <= TOLERANCE
-    # Multi-worker: keras-team/keras#19246, refused with one line before training.
-    assert runs["workers"]["spe"]["error"].startswith("UsageError: Invalid value for runtime.steps_per_execution")
+        assert "error" not in res, (layout, res)
+        assert res["spe"] == 4 and res["iterations"] == 16, layout
+        assert _diff(res["weights"], runs[layout]["custom_steps"]["keras"]["weights"]) <= TOLERANCE, layout
+        assert _diff(res["weights"], one_spe_1) <= TOLERANCE, layout
+    # Multi-worker (keras-team/keras#19246): 2 workers through keras-sync launch, one replica each.
+    assert runs["workers"]["num_workers"] == 2 and runs["workers"]["num_replicas"] == 2
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1600)
-def test_steps_per_execution_4_logs_a_point_at_every_optimizer_step(runs):
+@pytest.mark.parametrize("layout", ["two", "workers"])
+def test_steps_per_execution_4_logs_a_point_at_every_optimizer_step(runs, layout):
     from mlflow import MlflowClient
 
-    client = MlflowClient(runs["tracking_uri"])
-    run_id = runs["two"]["spe"]["run_id"]
+    client = MlflowClient(runs["tracking"][layout])
+    run_id = runs[layout]["spe"]["run_id"]
     for key in ("sync/replica_0/loss", "sync/replica_1/grad_norm", "sync/learning_rate", "sync/step_time_ms"):
         steps = sorted(m.step for m in client.get_metric_history(run_id, key))
         assert steps == list(range(1, 17)), key
     # The replicas' values differ from step to step (each step its own row, not the execution's last).
     losses = [m.value for m in sorted(client.get_metric_history(run_id, "sync/replica_0/loss"), key=lambda m: m.step)]
     assert len(set(losses)) == 16
+    # Keras's own logs come once per execution of 4 steps.
+    assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == [4, 8, 12, 16]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1600)
 def test_gradient_accumulation_2_x_8_equals_16_with_sgd_and_adam(runs):
-    for layout in ("one", "two"):
+    for layout in ("one", "two", "workers"):
         res = _ok(runs[layout]["accumulation"])
         for opt in ("sgd", "adam"):
             acc, ref = res[f"{opt}_acc"], res[f"{opt}_ref"]
+            assert "error" not in acc and "error" not in ref, (layout, opt, acc, ref)
             assert acc["effective"] == ref["effective"] and acc["lr"] == ref["lr"], (layout, opt)
             assert acc["iterations"] == ref["iterations"], (layout, opt)  # updates, not micro-batches
             assert _diff(acc["weights"], ref["weights"]) <= TOLERANCE, (layout, opt)
-    # Multi-worker: measured to fail (all-reduces out of order between workers), refused before training.
-    workers = _ok(runs["workers"]["accumulation"])
-    assert workers["sgd_acc"]["error"].startswith("UsageError: Invalid value for runtime.gradient_accumulation_steps. "
-                                                  "Received: 2 with 2 workers")
-    # ... while the same config without accumulation trains there like on 2 simulated replicas.
-    assert _diff(workers["sgd_ref"]["weights"], runs["two"]["accumulation"]["sgd_ref"]["weights"]) <= TOLERANCE
+    # 2 workers of one replica each train like 2 simulated replicas (same global batches), and the
+    # learning rate was scaled from the effective batch (2 replicas x 16 = 32: 0.01 x 32 / 16).
+    two, workers = runs["two"]["accumulation"], runs["workers"]["accumulation"]
+    for key in ("sgd_acc", "sgd_ref", "adam_acc", "adam_ref"):
+        assert workers[key]["effective"] == 32 and workers[key]["lr"] == pytest.approx(0.02), key
+        assert _diff(workers[key]["weights"], two[key]["weights"]) <= TOLERANCE, key
 
 
 @pytest.mark.slow
