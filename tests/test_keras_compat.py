@@ -208,8 +208,10 @@ def test_missing_peer_raises_connect_timeout_naming_task_and_address(runs, task,
     assert f"missing /job:worker/task:{missing} ({missing_addr})." in msg
     # From the constructor call to the error (the process import time depends on load).
     assert 10 <= res["elapsed_s"] < 30, res["elapsed_s"]
-    # ... and the process really ends: nothing keeps it waiting for the absent peer.
-    assert res["exit_s"] < 20, res["exit_s"]
+    # ... and the process really ends: nothing keeps it waiting for the absent peer (a worker blocked
+    # on it never exits). Its exit competes with the module's 10 other TF processes for 2 cores:
+    # 22-23 s seen at load ~12, so the bound is wide.
+    assert res["exit_s"] < 60, res["exit_s"]
 
 
 @pytest.mark.timeout(120)
