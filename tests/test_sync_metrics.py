@@ -302,9 +302,10 @@ def test_multi_worker_run_is_one_run_with_every_replica(runs):
 def test_server_run_and_no_secret_anywhere(runs):
     r = runs["mirrored"]["server"]
     _ok(r)
+    assert r["run_id"] is not None, runs["logs"]["mirrored"][-4000:]
     c = _client(runs["server"])
     run = c.get_run(r["run_id"])
-    assert [s for s, _ in _history(c, r["run_id"], "sync/replica_1/loss")] == [5, 10]
+    assert [s for s, _ in _history(c, r["run_id"], "sync/replica_1/loss")] == [5, 10], runs["logs"]["mirrored"][-4000:]
     texts = [json.dumps(run.data.params), json.dumps(run.data.tags)]
     local = c.download_artifacts(r["run_id"], "keras_sync/config.yaml")
     texts.append(Path(local).read_text())
