@@ -1,4 +1,4 @@
-"""Shared fixtures: a real `mlflow server` on 127.0.0.1 that tests can stop and restart."""
+"""Shared fixtures: a real `mlflow server` on 127.0.0.1 that tests can stop and restart; `tmp_module`."""
 
 from __future__ import annotations
 
@@ -98,3 +98,9 @@ def restartable_mlflow_server(mlflow_server_control: MlflowServer) -> Iterator[M
         yield mlflow_server_control
     finally:
         mlflow_server_control.start()
+
+
+@pytest.fixture(scope="module")
+def tmp_module(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A temporary directory shared by the tests of one module (their reference runs, their stores)."""
+    return tmp_path_factory.mktemp(request.module.__name__.rpartition(".")[2])

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from _mwr import max_diff, result
 from _ports import free_ports
 
 pytestmark = pytest.mark.slow  # starts TensorFlow processes; the fast lane is `pytest -m "not slow"`
@@ -67,24 +68,11 @@ def _alone(tmp: Path, script: Path, *args: str, timeout: float = 150) -> subproc
                           text=True, timeout=timeout)
 
 
-def _result(out_dir: Path, task: int = 0) -> dict:
-    return json.loads((out_dir / f"w{task}.json").read_text())
-
-
-def _max_diff(a: list, b: list) -> float:
-    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a, b))
-
-
-@pytest.fixture(scope="module")
-def tmp_module(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("mw")
-
-
 @pytest.fixture(scope="module")
 def one_process(tmp_module: Path) -> dict:
     r = _alone(tmp_module, TRAIN, _config(), str(tmp_module / "one"))
     assert r.returncode == 0, r.stderr[-3000:]
-    return _result(tmp_module / "one")
+    return result(tmp_module / "one")
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +80,7 @@ def two_workers(tmp_module: Path) -> dict:
     """An uninterrupted 2-worker run: the reference for every resume test."""
     r = _launch(tmp_module, TRAIN, _config(), str(tmp_module / "two"))
     assert r.returncode == 0, r.stderr[-3000:]
-    return {"w0": _result(tmp_module / "two", 0), "w1": _result(tmp_module / "two", 1)}
+    return {"w0": result(tmp_module / "two", 0), "w1": result(tmp_module / "two", 1)}
 
 
 @pytest.mark.compat
@@ -101,7 +89,7 @@ def test_two_workers_via_console_script_equal_one_process(one_process: dict, two
     assert one_process["num_replicas"] == 1
     for w in ("w0", "w1"):
         assert two_workers[w]["num_workers"] == 2 and two_workers[w]["num_replicas"] == 2
-        assert _max_diff(two_workers[w]["weights"], one_process["weights"]) <= SAME_AS_ONE_PROCESS
+        assert max_diff(two_workers[w]["weights"], one_process["weights"]) <= SAME_AS_ONE_PROCESS
     assert two_workers["w0"]["iterations"] == one_process["iterations"] == 4 * STEPS_PER_EPOCH
 
 
@@ -115,7 +103,7 @@ def test_example_two_workers_times_two_simulated_replicas_give_four(tmp_path: Pa
     assert (one["workers"], one["replicas"]) == (1, 2)
     assert (four["workers"], four["replicas"]) == (2, 4)
     assert "[w0] strategy=multi_worker_mirrored workers=2 replicas=4" in launched.stdout
-    assert _max_diff(four["weights"], one["weights"]) <= SAME_AS_ONE_PROCESS
+    assert max_diff(four["weights"], one["weights"]) <= SAME_AS_ONE_PROCESS
     assert not (tmp_path / "keras_sync_backup").exists()  # the backup is deleted when training ends
 
 
@@ -194,7 +182,7 @@ def _kill_and_resume(tmp: Path, name: str, *, save_freq: object, kill_at: int, k
                       r"\(optimizer step \d+\)$", second.stderr, re.M)
     assert said == ["0"], second.stderr[-3000:]
     assert not (tmp / f"{name}_backup").exists()
-    return {"w0": _result(out, 0), "w1": _result(out, 1), "stdout": second.stdout}
+    return {"w0": result(out, 0), "w1": result(out, 1), "stdout": second.stdout}
 
 
 def _assert_exact(resumed: dict, reference: dict, *, epoch: int, iterations: int) -> None:
@@ -203,7 +191,7 @@ def _assert_exact(resumed: dict, reference: dict, *, epoch: int, iterations: int
         assert r["start"] == {"iterations": iterations, "epoch": epoch}  # restored before other callbacks ran
         assert r["iterations"] == reference[w]["iterations"]
         assert r["epochs_run"] == list(range(epoch, 4))
-        assert _max_diff(r["weights"], reference[w]["weights"]) <= EXACT_RESUME
+        assert max_diff(r["weights"], reference[w]["weights"]) <= EXACT_RESUME
         # The interrupted epoch's mean loss includes the batches trained before the kill.
         assert np.allclose(r["loss"], reference[w]["loss"][epoch:], rtol=1e-5, atol=0)
 

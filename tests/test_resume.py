@@ -6,7 +6,6 @@ The multi-worker kill tests are in tests/test_multi_worker.py.
 from __future__ import annotations
 
 import doctest
-import json
 import os
 import subprocess
 import sys
@@ -15,10 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from _mwr import kill_and_resume, max_diff
 from keras_sync import resume
 from keras_sync.resume import ResumePoint, SaveSchedule, batches_to_skip, write_dir
-
-TRAIN = Path(__file__).with_name("_mwr_train.py")
 
 
 def test_doctests_pass() -> None:
@@ -83,24 +81,10 @@ def test_backup_callback_rejects_empty_backup_dir() -> None:
 @pytest.mark.timeout(150)
 def test_one_process_default_strategy_sigkill_mid_epoch_resumes_exactly(tmp_path: Path) -> None:
     """kind=default with arrays: with a backup, sync.fit shuffles with its own seed so a resume replays it."""
-    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "KERAS_SYNC_CONFIG")}
-
-    def run(name: str, *extra: str) -> subprocess.CompletedProcess[str]:
-        cfg = {"strategy": {"kind": "default"}, "batch": {"global": 32}, "mlflow": {"enabled": False},
-               "learning_rate": {"base": 0.01}, "fault_tolerance": {"backup_dir": str(tmp_path / f"{name}_bk"),
-                                                                    "save_freq": 3}}
-        return subprocess.run([sys.executable, str(TRAIN), json.dumps(cfg), str(tmp_path / name), *extra],
-                              env=env, capture_output=True, text=True, timeout=120)
-
-    ref = run("ref")
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    kill = ("--kill-at", "22", "--marker", str(tmp_path / "killed"))
-    assert run("res", *kill).returncode == -9
-    second = run("res", *kill)
-    assert second.returncode == 0, second.stderr[-3000:]
-    a, b = (json.loads((tmp_path / n / "w0.json").read_text()) for n in ("ref", "res"))
+    cfg = {"strategy": {"kind": "default"}, "batch": {"global": 32}, "mlflow": {"enabled": False},
+           "learning_rate": {"base": 0.01}, "fault_tolerance": {"save_freq": 3}}
+    a, b, second = kill_and_resume(tmp_path, cfg, kill_at=22, timeout=120)
     assert b["start"] == {"iterations": 21, "epoch": 2}  # step 21 = epoch 2 after 5 of 8 batches
     assert second.stdout.splitlines()[0] == "step 22 epoch 2 batch 5"
-    diff = max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a["weights"], b["weights"]))
-    assert diff <= 1e-6
+    assert max_diff(a["weights"], b["weights"]) <= 1e-6
     assert np.allclose(b["loss"], a["loss"][2:], rtol=1e-6, atol=0)

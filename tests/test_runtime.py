@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from _mwr import kill_and_resume, max_diff
 from keras_sync import _train_step_trace
 from keras_sync.config import load_config
 from keras_sync.errors import ConfigError
@@ -321,26 +322,12 @@ def test_instrumented_train_step_has_no_float64(runs):
 @pytest.mark.timeout(900)
 def test_steps_per_execution_4_resumes_exactly_after_sigkill(tmp_path):
     """2 simulated replicas, steps_per_execution 4 from the YAML, a backup every 4 batches, SIGKILL at step 20."""
-    train = HERE / "_mwr_train.py"
-    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "KERAS_SYNC_CONFIG")}
-
-    def run(name, *extra):
-        cfg = {"strategy": {"kind": "mirrored", "simulated_cpu_replicas": 2}, "batch": {"global": 32},
-               "mlflow": {"enabled": False}, "learning_rate": {"base": 0.01}, "runtime": {"steps_per_execution": 4},
-               "fault_tolerance": {"backup_dir": str(tmp_path / f"{name}_bk"), "save_freq": 4}}
-        return subprocess.run([sys.executable, str(train), json.dumps(cfg), str(tmp_path / name), *extra],
-                              env=env, capture_output=True, text=True, timeout=400)
-
-    ref = run("ref")
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    kill = ("--kill-at", "20", "--marker", str(tmp_path / "killed"))
-    assert run("res", *kill).returncode == -9
-    second = run("res", *kill)
-    assert second.returncode == 0, second.stderr[-3000:]
-    a, b = (json.loads((tmp_path / n / "w0.json").read_text()) for n in ("ref", "res"))
+    cfg = {"strategy": {"kind": "mirrored", "simulated_cpu_replicas": 2}, "batch": {"global": 32},
+           "mlflow": {"enabled": False}, "learning_rate": {"base": 0.01}, "runtime": {"steps_per_execution": 4},
+           "fault_tolerance": {"save_freq": 4}}
+    a, b, second = kill_and_resume(tmp_path, cfg, kill_at=20, timeout=400)
     assert a["num_replicas"] == 2
     assert b["start"] == {"iterations": 20, "epoch": 2}  # step 20 = epoch 2 after 4 of 8 batches
     assert second.stdout.splitlines()[0] == "step 24 epoch 2 batch 7"  # one execution of 4 steps later
     assert b["iterations"] == a["iterations"] == 32
-    assert _diff(np.concatenate([np.ravel(w) for w in a["weights"]]),
-                 np.concatenate([np.ravel(w) for w in b["weights"]])) <= 1e-6
+    assert max_diff(a["weights"], b["weights"]) <= 1e-6

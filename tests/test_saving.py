@@ -79,30 +79,26 @@ def _check(save_dir: Path) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="module")
-def two_workers(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    root = tmp_path_factory.mktemp("save2")
+def _save_run(root: Path, tasks: list[int | None], workers: list[str]) -> dict:
+    """Run the save script as ``tasks`` (None: alone), then load what it saved in ROOT/user."""
     save_dir, result_dir = root / "user", root / "results"
     save_dir.mkdir()
     result_dir.mkdir()
-    workers = [f"127.0.0.1:{p}" for p in free_ports(2)]
-    procs = [_start(i, workers, save_dir, result_dir, root / f"w{i}.strace") for i in range(2)]
-    _run(procs)
+    _run([_start(t, workers, save_dir, result_dir, root / f"w{t or 0}.strace") for t in tasks])
     out = {"save_dir": save_dir, "root": root, "loaded": _check(save_dir)}
-    for i in range(2):
+    for i in range(len(tasks)):
         out[f"w{i}"] = json.loads((result_dir / f"w{i}.json").read_text())
     return out
 
 
 @pytest.fixture(scope="module")
+def two_workers(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return _save_run(tmp_path_factory.mktemp("save2"), [0, 1], [f"127.0.0.1:{p}" for p in free_ports(2)])
+
+
+@pytest.fixture(scope="module")
 def one_worker(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    root = tmp_path_factory.mktemp("save1")
-    save_dir, result_dir = root / "user", root / "results"
-    save_dir.mkdir()
-    result_dir.mkdir()
-    _run([_start(None, [], save_dir, result_dir, root / "w0.strace")])
-    return {"save_dir": save_dir, "root": root, "loaded": _check(save_dir),
-            "w0": json.loads((result_dir / "w0.json").read_text())}
+    return _save_run(tmp_path_factory.mktemp("save1"), [None], [])
 
 
 def _close(a: object, b: object) -> float:

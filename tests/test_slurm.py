@@ -3,8 +3,10 @@ slurm-wlm and munge), started in a temporary directory by `.ci/slurm_setup.sh` a
 
 `srun -n 2 python _mwr_train.py` with `strategy.cluster: slurm` trains as 2 workers (task 0 the
 chief), with the weights of one process, and logs one FINISHED MLflow run with both replicas at
-every step. As root the fixture installs the packages if they are missing (about 2 minutes with
-apt here); elsewhere it fails and says how to install them.
+every step. `scancel --signal=TERM` mid-epoch on an `sbatch -n 2` job makes both tasks save a
+backup at one step and exit 143, and the job submitted again resumes there exactly (one MLflow
+run, every step once). As root the fixture installs the packages if they are missing (about 2
+minutes with apt here); elsewhere it fails and says how to install them.
 """
 
 from __future__ import annotations
@@ -19,16 +21,16 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
+
+from _mwr import TRAIN, max_diff, result
+from keras_sync.preemption import PREEMPTED_EXIT_CODE
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 SETUP = ROOT / ".ci" / "slurm_setup.sh"
-TRAIN = Path(__file__).parent / "_mwr_train.py"
 STEPS = 2 * 8  # 2 epochs x 256 samples / global batch 32
-PREEMPTED_EXIT_CODE = 143  # keras_sync.preemption.PREEMPTED_EXIT_CODE
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +48,6 @@ def _env(base: dict[str, str]) -> dict[str, str]:
     env = {k: v for k, v in base.items() if k not in ("TF_CONFIG", "KERAS_SYNC_CONFIG", "MLFLOW_TRACKING_URI")}
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     return env
-
-
-@pytest.fixture(scope="module")
-def tmp_module(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("slurm_jobs")
 
 
 @pytest.fixture(scope="module")
@@ -78,21 +75,17 @@ def _slurm_command(slurm: dict, name: str) -> str:
     return shutil.which(name, path=slurm.get("PATH")) or name
 
 
-def _max_diff(a: list, b: list) -> float:
-    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a, b))
-
-
 @pytest.mark.timeout(900)
 def test_srun_two_tasks_train_as_two_workers_like_one_process(uninterrupted: dict) -> None:
     r, (alone_code, alone_log), tmp = uninterrupted["srun"], uninterrupted["alone"], uninterrupted["dir"]
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert alone_code == 0, alone_log[-3000:]
 
-    w = [json.loads((tmp / "job" / f"w{i}.json").read_text()) for i in range(2)]
-    reference = json.loads((tmp / "one" / "w0.json").read_text())
+    w = [result(tmp / "job", i) for i in range(2)]
+    reference = result(tmp / "one")
     assert [(x["task"], x["num_workers"], x["num_replicas"]) for x in w] == [(0, 2, 2), (1, 2, 2)]
     for x in w:
-        assert _max_diff(x["weights"], reference["weights"]) <= 1e-5
+        assert max_diff(x["weights"], reference["weights"]) <= 1e-5
 
     # What the courier could not deliver before the job step ended (on a loaded machine it runs
     # niced, and srun ends every process of the step) waits in the spool: deliver it the
@@ -132,7 +125,8 @@ class Job:
         self.slurm = slurm
         self.proc = subprocess.Popen([_slurm_command(slurm, "sbatch"), "--parsable", "--wait", "-n", "2",
                                       "-o", str(self.output), str(script)],
-                                     env=_env(slurm), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     env=_env(slurm), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True)
         assert self.proc.stdout is not None
         self.id = self.proc.stdout.readline().strip().split(";")[0]
         assert self.id.isdigit(), self.proc.communicate(timeout=60)
@@ -245,10 +239,10 @@ def test_scancel_signal_term_mid_epoch_saves_on_both_tasks_and_the_resubmitted_j
     assert trained == ["0: step 14 epoch 1 batch 5", "0: step 15 epoch 1 batch 6", "0: step 16 epoch 1 batch 7"]
     reference = uninterrupted["dir"] / "job"
     for t in (0, 1):
-        resumed = json.loads((tmp_path / "job" / f"w{t}.json").read_text())
+        resumed = result(tmp_path / "job", t)
         assert resumed["start"] == {"iterations": 13, "epoch": 1}
         assert resumed["iterations"] == STEPS
-        assert _max_diff(resumed["weights"], json.loads((reference / f"w{t}.json").read_text())["weights"]) <= 1e-6
+        assert max_diff(resumed["weights"], result(reference, t)["weights"]) <= 1e-6
     assert not backup.exists()  # deleted when training ended
     assert _nothing_left(second.id) == []
 

@@ -18,9 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
+from _mwr import max_diff, result
 from _netns import TwoHosts, two_hosts
 
 pytestmark = pytest.mark.slow
@@ -79,25 +79,12 @@ def _run_pair(*args: str) -> list[tuple[int, str, str]]:
         return _finish(_start_pair(hosts, *args))
 
 
-def _result(out_dir: Path, task: int) -> dict:
-    return json.loads((out_dir / f"w{task}.json").read_text())
-
-
-def _max_diff(a: list, b: list) -> float:
-    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a, b))
-
-
-@pytest.fixture(scope="module")
-def tmp_module(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("two_hosts")
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_module: Path) -> dict:
     """The reference: 2 workers on 2 hosts, no interruption."""
     runs = _run_pair(_config(), str(tmp_module / "ref"))
     assert [r[0] for r in runs] == [0, 0], runs[0][2][-3000:] + runs[1][2][-3000:]
-    return {t: _result(tmp_module / "ref", t) for t in (0, 1)}
+    return {t: result(tmp_module / "ref", t) for t in (0, 1)}
 
 
 @pytest.mark.timeout(1200)
@@ -105,11 +92,11 @@ def test_two_hosts_train_like_one_process(tmp_module: Path, uninterrupted: dict)
     alone = subprocess.run([sys.executable, str(TRAIN), _config(), str(tmp_module / "one"), "--epochs", str(EPOCHS),
                             "--samples", str(SAMPLES)], env=_env(), capture_output=True, text=True, timeout=200)
     assert alone.returncode == 0, alone.stderr[-3000:]
-    one = _result(tmp_module / "one", 0)
+    one = result(tmp_module / "one", 0)
     for t in (0, 1):
         assert (uninterrupted[t]["num_workers"], uninterrupted[t]["num_replicas"]) == (2, 2)
         assert uninterrupted[t]["iterations"] == one["iterations"] == EPOCHS * 10
-        assert _max_diff(uninterrupted[t]["weights"], one["weights"]) <= SAME_AS_ONE_PROCESS
+        assert max_diff(uninterrupted[t]["weights"], one["weights"]) <= SAME_AS_ONE_PROCESS
 
 
 @pytest.mark.timeout(1500)
@@ -127,10 +114,10 @@ def test_sigkill_of_the_non_chief_host_resumes_exactly(tmp_module: Path, uninter
     second = _run_pair(*args)
     assert [r[0] for r in second] == [0, 0], second[0][2][-3000:]
     for t in (0, 1):
-        r = _result(out, t)
+        r = result(out, t)
         assert r["start"] == {"iterations": 12, "epoch": 1}
         assert r["iterations"] == uninterrupted[t]["iterations"]
-        assert _max_diff(r["weights"], uninterrupted[t]["weights"]) <= EXACT_RESUME
+        assert max_diff(r["weights"], uninterrupted[t]["weights"]) <= EXACT_RESUME
     assert re.search(r"^step 13 epoch 1 batch 2$", second[0][1], re.M)
 
 
@@ -199,9 +186,9 @@ def test_sigterm_to_one_hosts_worker_inside_a_collective_saves_and_resumes_exact
     trained = [line for line in second[0][1].splitlines() if line.startswith("step ")]
     assert trained[0] == "step 19 epoch 1 batch 8" and len(trained) == EPOCHS * 10 - 18
     for t in (0, 1):
-        r = _result(out, t)
+        r = result(out, t)
         assert r["start"] == {"iterations": 18, "epoch": 1}
-        assert _max_diff(r["weights"], uninterrupted[t]["weights"]) <= EXACT_RESUME
+        assert max_diff(r["weights"], uninterrupted[t]["weights"]) <= EXACT_RESUME
     for spool in sorted((tmp_module / ".keras_sync_spool").glob("*.spool.jsonl")):
         # What the chief had not delivered when it exited (the wait at exit is bounded): delivered
         # now without duplicates, as `keras-sync sync-spool` does for a user.
