@@ -71,13 +71,17 @@ def meet(strategy: Any, call: str, timeout_s: float | None = None) -> None:
         _state["count"] += 1
     me, tasks = _task_names(strategy)
     ctx = context.context()
-    ctx.set_config_key_value(_KEY.format(n=n, task=me), call)
     deadline = time.monotonic() + timeout_s
     fix = (
         f"Under multi_worker_mirrored {call} is a collective: every worker must call it, in the same order. "
         "Fix: make the call on every worker (not under `if sync.is_chief:`), and guard only what your own "
         "code writes; or predict in a separate one-process script from a saved model."
     )
+    try:
+        ctx.set_config_key_value(_KEY.format(n=n, task=me), call)
+    except tf.errors.OpError as e:  # the coordination service's worker (the chief) has exited
+        raise UsageError(f"{_name(me)} {_said(call)}, but the job's coordination service is gone: the worker "
+                         f"that hosts it has left the job. {fix}") from None
     for peer in tasks:
         if peer == me:
             continue

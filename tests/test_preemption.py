@@ -135,7 +135,8 @@ def test_excepthook_turns_an_uncaught_lost_peer_error_into_one_line_exit_75() ->
 
 def _train(tmp: Path, name: str, *extra: str, backup: bool = True,
            mlflow_uri: str | None = None) -> subprocess.CompletedProcess[str]:
-    mlflow = {"tracking_uri": mlflow_uri, "experiment": "preempted"} if mlflow_uri else {"enabled": False}
+    mlflow = ({"tracking_uri": mlflow_uri, "experiment": "preempted", "spool_dir": str(tmp / "spool")}
+              if mlflow_uri else {"enabled": False})
     cfg: dict = {"strategy": {"kind": "default"}, "batch": {"global": 32}, "mlflow": mlflow,
                  "learning_rate": {"base": 0.01}}
     if backup:
@@ -158,20 +159,26 @@ def test_sigterm_at_step_17_saves_there_and_the_relaunch_trains_the_13_left(tmp_
     assert first.returncode == PREEMPTED_EXIT_CODE, first.stderr[-3000:]
     assert time.monotonic() - start < 200  # the whole process; the save itself is below
     assert first.stdout.splitlines()[-1] == "sigterm before step 17"
-    assert first.stderr.strip().splitlines()[-1] == (
+    # The line, not the last one: the exit's MLflow close may warn after it on a busy machine.
+    assert (
         f"keras-sync: SIGTERM: saved a backup in {tmp_path / 'res_backup'} at epoch 2, after batch 7 (optimizer "
-        "step 17); exiting with code 143. Relaunch the job to resume from there.")
-    # The preempted run is KILLED, not FINISHED: the relaunch continues it (one run, each step once).
+        "step 17); exiting with code 143. Relaunch the job to resume from there.\n") in first.stderr
+    second = _train(tmp_path, "res", *term, mlflow_uri=uri)
+    assert second.returncode == 0, second.stderr[-3000:]
+    # The preempted exit ends the run KILLED, not FINISHED, so the relaunch continues it: one run,
+    # each step once (a FINISHED run would not be reopened: a second run). What the first process
+    # had not delivered at exit (a busy machine) is delivered by the relaunch's courier, in order.
+    for spool in sorted((tmp_path / "spool").glob("*")):
+        # What the relaunch had not delivered when it exited (the wait at exit is bounded): delivered
+        # now, as `keras-sync sync-spool` does for a user.
+        done = subprocess.run([str(Path(sys.executable).with_name("keras-sync")), "sync-spool", str(spool)],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
     from mlflow import MlflowClient
 
     client = MlflowClient(uri)
-    exp_id = client.get_experiment_by_name("preempted").experiment_id
-    (run,) = client.search_runs([exp_id])
-    assert run.info.status == "KILLED"
-    second = _train(tmp_path, "res", *term, mlflow_uri=uri)
-    assert second.returncode == 0, second.stderr[-3000:]
-    (again,) = client.search_runs([exp_id])
-    assert again.info.run_id == run.info.run_id and again.info.status == "FINISHED"
+    (run,) = client.search_runs([client.get_experiment_by_name("preempted").experiment_id])
+    assert run.info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == list(range(1, 31))
     trained = [line for line in second.stdout.splitlines() if line.startswith("step ")]
     assert trained[0] == "step 18 epoch 1 batch 7" and len(trained) == 13

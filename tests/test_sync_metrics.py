@@ -299,7 +299,9 @@ def test_multi_worker_run_is_one_run_with_every_replica(runs):
 
 
 @pytest.mark.compat
-def test_server_run_and_no_secret_anywhere(runs):
+def test_server_run_and_no_secret_anywhere(runs, monkeypatch):
+    # MLflow 2.x downloads a server's artifacts through the process-wide tracking URI.
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", runs["server"])
     r = runs["mirrored"]["server"]
     _ok(r)
     assert r["run_id"] is not None, runs["logs"]["mirrored"][-4000:]
