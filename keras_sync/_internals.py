@@ -63,6 +63,28 @@ class Internal:
     why: str
     probe: Callable[[], str | None]  # None when the shape matches, else what is missing
     fallback: bool = False
+    #: The first version of its library that has it (e.g. "3.12" for Keras), when newer than the
+    #: supported floor: older versions refuse only its feature, with this floor in the fix.
+    since: str | None = None
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``"3.10.0"`` -> (3, 10): the major.minor of a version string (pre-release tags ignored)."""
+    return tuple(int("".join(ch for ch in part if ch.isdigit()) or 0) for part in version.split(".")[:2])
+
+
+def _ceiling(library: str) -> str:
+    """The supported upper bound in ``PIN[library]`` ("3.16" of 'keras>=3.10,<3.16')."""
+    return PIN[library].split(",<", 1)[1].split('"', 1)[0]
+
+
+def predates(internal: Internal) -> bool:
+    """Whether the installed library is older than ``internal.since`` (then its absence is expected)."""
+    if internal.since is None:
+        return False
+    module = "mlflow" if internal.name.startswith("mlflow") else "keras"
+    installed = getattr(importlib.import_module(module), "__version__", "0")
+    return _release(installed) < _release(internal.since)
 
 
 def _get(path: str) -> Any:
@@ -185,11 +207,12 @@ REGISTRY: tuple[Internal, ...] = (
     Internal(f"{_TRAINER}:TensorFlowTrainer._autoconvert_optionals", "multi_worker_steps_per_execution",
              "keras-team/keras#19246 (steps_per_execution > 1 under MultiWorkerMirroredStrategy): the hook that "
              "receives the one-step tf.function, replaced by its Python function",
-             callable_with(f"{_TRAINER}:TensorFlowTrainer._autoconvert_optionals", "self", "step_func")),
+             callable_with(f"{_TRAINER}:TensorFlowTrainer._autoconvert_optionals", "self", "step_func"),
+             since="3.12"),
     Internal(f"{_TRAINER}:TensorFlowTrainer._make_function", "multi_worker_steps_per_execution",
              "the multi-step loop must get its one-step function through _autoconvert_optionals",
              looks_up(f"{_TRAINER}:TensorFlowTrainer._make_function", "_autoconvert_optionals", "function",
-                      "steps_per_execution", "while_loop")),
+                      "steps_per_execution", "while_loop"), since="3.12"),
     # _multi_worker.py: local devices per worker and the bounded join (no constructor argument for either).
     Internal(f"{_CARS}:CollectiveAllReduceExtended._initialize_local_devices", "multi_worker_strategy",
              "TF's hook that picks local devices (TODO b/126786766); no argument gives CPUs",
@@ -282,6 +305,13 @@ def require(feature: str) -> None:
     if found is not None:
         internal, what_is_missing = found
         what, alternative = FEATURES[feature]
+        library = internal.name.split(".")[0]
+        if predates(internal):
+            raise CompatibilityError(
+                f"{what} needs {library.capitalize()} >= {internal.since} (found {versions(internal)}: {what_is_missing}; "
+                f"keras-sync needs it for {internal.why}). "
+                f"Fix: pip install \"{library}>={internal.since},<{_ceiling(library)}\", {alternative}."
+            )
         raise CompatibilityError(
             f"{what} cannot work with {versions(internal)}: {what_is_missing} (keras-sync needs it for "
             f"{internal.why}). keras-sync is tested with {TESTED}. "

@@ -17,8 +17,30 @@ from keras_sync.errors import CompatibilityError, KerasSyncError
 def test_every_required_probe_holds_on_the_installed_stack():
     results = {i.name: (i.fallback, _internals.check(i)) for i in _internals.REGISTRY}
     print({name: missing for name, (_, missing) in results.items() if missing})  # fallbacks taken here
-    failed = {name: missing for name, (fallback, missing) in results.items() if missing and not fallback}
+    expected = {i.name for i in _internals.REGISTRY if _internals.predates(i)}  # newer than this stack
+    failed = {name: missing for name, (fallback, missing) in results.items()
+              if missing and not fallback and name not in expected}
     assert not failed, failed
+
+
+def test_an_internal_newer_than_the_installed_library_refuses_its_feature_with_the_floor(monkeypatch):
+    import dataclasses
+
+    import keras
+
+    import tensorflow as tf
+
+    keras_internal = next(i for i in _internals.REGISTRY if i.name.startswith("keras."))
+    newer = dataclasses.replace(keras_internal, feature="multi_worker_steps_per_execution", since="99.1",
+                                probe=lambda: "TensorFlowTrainer has no attribute 'x'")
+    monkeypatch.setattr(_internals, "REGISTRY", [newer])
+    assert _internals.predates(newer)
+    with pytest.raises(CompatibilityError) as e:
+        _internals.require("multi_worker_steps_per_execution")
+    assert str(e.value) == (
+        f"steps_per_execution > 1 under multi-worker multi_worker_mirrored needs Keras >= 99.1 (found Keras "
+        f"{keras.__version__}, TensorFlow {tf.__version__}: TensorFlowTrainer has no attribute 'x'; keras-sync needs "
+        f"it for {newer.why}). Fix: pip install \"keras>=99.1,<3.16\", or set runtime.steps_per_execution: 1.")
 
 
 def test_every_feature_has_internals_and_every_internal_a_feature():
@@ -26,7 +48,12 @@ def test_every_feature_has_internals_and_every_internal_a_feature():
     assert used == set(_internals.FEATURES)
     assert {i.name.split(".")[0] for i in _internals.REGISTRY} <= set(_internals.PIN)
     for feature in _internals.FEATURES:
-        _internals.require(feature)  # all present here: no refusal
+        found = _internals.missing(feature)
+        if found is not None and _internals.predates(found[0]):  # a feature of a newer Keras than this one
+            with pytest.raises(CompatibilityError, match=f"needs Keras >= {found[0].since} "):
+                _internals.require(feature)
+        else:
+            _internals.require(feature)  # all present here: no refusal
 
 
 def test_a_probe_can_fail():
