@@ -228,6 +228,11 @@ class Deliverer:
             elif k == "a":
                 flush()
                 self._call(c.log_text, self.run_id, rec["text"], rec["f"])
+            elif k in ("f", "model"):  # staged files and models: keras_sync._artifacts
+                flush()
+                from keras_sync import _artifacts
+
+                _artifacts.deliver(c, self.run_id, rec, self._call)
             elif k == "end":
                 flush()
                 self._call(c.set_terminated, self.run_id, status=rec["status"], end_time=rec.get("ts"))

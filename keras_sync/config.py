@@ -160,6 +160,11 @@ class MlflowConfig:
     allreduce_probe: bool = _f(False, Bool(), "time one all-reduce of the gradients' size at train start")
     system_metrics: bool = _f(False, Bool(), "MLflow's system metrics (CPU, memory, disk, network, GPU) as "
                               "system/*, every 10 s")
+    log_model: bool = _f(False, Bool(), "log the trained model (MLflow Keras flavour, chief only) at the end of "
+                         "each fit")
+    sync_report: str = _f("end", Choice(values=("end", "epoch", "off"), bool_aliases=((False, "off"),)),
+                          "sync_report.png, replicas overlaid: at the end of each fit, also after every epoch, "
+                          "or off")
 
 
 @dataclass(frozen=True)

@@ -188,21 +188,24 @@ class Sync:
         from keras_sync import runtime
 
         runtime.prepare_model(self, model)  # steps_per_execution, jit_compile, sync BatchNorm
+        per_replica = kwargs.get("batch_size")  # checked by _prepare
         x, y, kwargs = self._prepare(model, "fit", x, y, kwargs)
         self._resolve_pending_warmup(x, kwargs)
         from keras_sync import callbacks as ks_callbacks
 
         # First: once fit has built the model, it sets up gradient accumulation and custom train_steps.
         kwargs["callbacks"] = [runtime.setup_callback(self)] + ks_callbacks.default_callbacks(
-            self, model, kwargs.get("callbacks"))
+            self, model, kwargs.get("callbacks"), per_replica_batch_size=per_replica)
         from keras_sync import saving
+        from keras_sync.callbacks._run import shared_run_for
         from keras_sync.callbacks.backup import resumable_fit
 
         saving.guard_callbacks(self.strategy, kwargs["callbacks"])  # Keras' BackupAndRestore: the chief writes
         from keras_sync._lost_peer import raised_as_peer_lost
 
         # A restored backup resumes mid-epoch, data order included; a lost peer ends in one line.
-        with raised_as_peer_lost(self.strategy, self.config.fault_tolerance.backup_dir), \
+        # With mlflow.keras.autolog() on, autolog logs into keras-sync's run instead of its own.
+        with shared_run_for(self), raised_as_peer_lost(self.strategy, self.config.fault_tolerance.backup_dir), \
                 resumable_fit(kwargs["callbacks"]):
             history = model.fit(x, y, **kwargs)
         from keras_sync.callbacks._run import end_run_after_fit

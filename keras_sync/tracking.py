@@ -276,6 +276,26 @@ class MlflowWriter:
         """Queue a text file to store as the run artifact ``artifact_file``, scrubbed of secrets."""
         self._put({"k": "a", "f": str(artifact_file), "text": str(text)})
 
+    def log_artifact_file(self, local_path: str | os.PathLike[str], artifact_path: str | None = None, *,
+                          as_model: str | None = None, step: int = 0) -> None:
+        """Queue a file or directory to upload to the run under ``artifact_path``.
+
+        It is copied now, beside the spool (`keras_sync._artifacts`), so the caller may change or
+        delete it at once; it is uploaded in order with the metrics and survives an outage like
+        them (not scrubbed: it may be binary). ``as_model="model"``: ``local_path`` is a directory
+        written by an MLflow flavour's ``save_model``; it becomes the run's LoggedModel of that
+        name, at ``step``.
+        """
+        from keras_sync import _artifacts
+
+        if self._closing or self._closed:
+            raise TrackingError("MlflowWriter is closed; create a new writer to log more.")
+        staged = _artifacts.stage(self.spool_path, local_path)
+        if as_model:
+            self._put({"k": "model", "src": str(staged), "name": str(as_model), "step": int(step)})
+        else:
+            self._put({"k": "f", "src": str(staged), "dir": artifact_path})
+
     # ---- waiting ----
     def flush_to_spool(self, timeout_s: float = 10.0) -> bool:
         """Wait up to ``timeout_s`` until everything queued so far is in the spool.
@@ -394,6 +414,9 @@ class MlflowWriter:
         self._spool.unlock("writer")
         if message is None and not self._thread.is_alive() and not self._spool.pending():
             self._spool.remove()  # everything is in MLflow: the spool has done its job
+            from keras_sync import _artifacts
+
+            _artifacts.remove_staging_if_empty(self.spool_path)
         elif message:
             warnings.warn(message, RuntimeWarning, stacklevel=2)
 

@@ -104,3 +104,44 @@ def restartable_mlflow_server(mlflow_server_control: MlflowServer) -> Iterator[M
 def tmp_module(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A temporary directory shared by the tests of one module (their reference runs, their stores)."""
     return tmp_path_factory.mktemp(request.module.__name__.rpartition(".")[2])
+
+
+@pytest.fixture(scope="session")
+def autolog_runs(tmp_path_factory: pytest.TempPathFactory, mlflow_server: str) -> dict:
+    """The runs of tests/_autolog_scenarios.py (model logging, sync report, autolog beside keras-sync).
+
+    Two TensorFlow process groups started together, shared by test_model_logging.py and
+    test_sync_report.py: 2 simulated replicas to a sqlite store, and 2 MWMS workers to the real
+    `mlflow server`. Returns their result dicts, output directory and tracking URIs.
+    """
+    import json
+
+    out = tmp_path_factory.mktemp("autolog")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    for k in ("TF_CONFIG", "MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID", "KERAS_SYNC_CONFIG"):
+        env.pop(k, None)
+    script = str(Path(__file__).parent / "_autolog_scenarios.py")
+    sqlite_uri = f"sqlite:///{out / 'mlflow.db'}"
+    mw_dir = out / "mw"
+    mw_dir.mkdir()
+    (mw_dir / "mw.yaml").write_text(
+        "strategy: {kind: multi_worker_mirrored, connect_timeout_s: 300}\n"
+        "batch: {global: 64}\n"
+        "mlflow:\n"
+        f"  tracking_uri: {mlflow_server}\n"
+        "  experiment: mw-model\n"
+        "  log_model: true\n")
+    procs = {
+        "mirrored": subprocess.Popen([sys.executable, script, "mirrored", str(out), sqlite_uri], cwd=out, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+        "multi_worker": subprocess.Popen([sys.executable, "-m", "keras_sync.launch", "--workers", "2", script,
+                                          "multi_worker", str(out), str(mw_dir / "mw.yaml")], cwd=mw_dir, env=env,
+                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+    }
+    logs = {}
+    for name, proc in procs.items():
+        logs[name], _ = proc.communicate(timeout=1500)
+        assert proc.returncode == 0, f"{name} scenario failed:\n{logs[name][-5000:]}"
+    return {"mirrored": json.loads((out / "mirrored.json").read_text()),
+            "multi_worker": json.loads((out / "multi_worker.json").read_text()),
+            "out": out, "mw_dir": mw_dir, "sqlite": sqlite_uri, "server": mlflow_server, "logs": logs}

@@ -248,7 +248,7 @@ def test_params_and_config_tags(runs):
         "sync.learning_rate": "0.1", "sync.lr_scaling": "linear", "sync.warmup_steps": "4"}
     assert p["sync.tensorflow_version"].startswith("2.") and p["sync.keras_version"].startswith("3.")
     assert p["sync.devices"].endswith("device:CPU:0,/job:localhost/replica:0/task:0/device:CPU:1")
-    assert "log_every_n_steps: 2" in run.data.tags["keras_sync.config"]
+    assert p["config.mlflow.log_every_n_steps"] == "2" and run.data.tags["keras_sync.config_source"] == "<dict>"
     assert run.data.tags["keras_sync.job_id"] == "job-main"
 
 
@@ -311,7 +311,8 @@ def test_server_run_and_no_secret_anywhere(runs, monkeypatch):
     texts = [json.dumps(run.data.params), json.dumps(run.data.tags)]
     local = c.download_artifacts(r["run_id"], "keras_sync/config.yaml")
     texts.append(Path(local).read_text())
-    assert "tracking_uri: http://127.0.0.1:" in run.data.tags["keras_sync.config"]
+    assert "tracking_uri: http://127.0.0.1:" in Path(local).read_text()
+    assert run.data.params["config.mlflow.tracking_uri"].startswith("http://127.0.0.1:")
     for text in texts + [runs["logs"]["mirrored"], runs["logs"]["multi_worker"]]:
         assert SECRET_PASSWORD not in text and SECRET_TOKEN not in text
 

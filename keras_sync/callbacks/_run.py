@@ -127,6 +127,16 @@ def end_run_after_fit(sync: Any, limit_s: float = 120.0) -> None:
         writer.close(timeout_s=limit_s)
 
 
+def shared_run_for(sync: Any) -> Any:
+    """A context manager: ``sync``'s run is MLflow's active run while mlflow.keras.autolog() is on (chief only)."""
+    from keras_sync import _autolog
+    from keras_sync.tracking import resolve_tracking_uri
+
+    writer = _writers.get(sync)
+    uri, _ = resolve_tracking_uri(sync.config.mlflow.tracking_uri)
+    return _autolog.shared_run(writer, uri)
+
+
 def close_writer(sync: Any, timeout_s: float = 10.0) -> None:
     """End the MLflow run of ``sync`` now (FINISHED), waiting at most ``timeout_s`` for delivery."""
     writer = _writers.pop(sync, None)

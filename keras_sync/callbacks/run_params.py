@@ -1,4 +1,4 @@
-"""`RunParams`: once per run, the distributed setup as MLflow params, and the config as tags and artifact."""
+"""`RunParams`: once per run, the distributed setup and the config as MLflow params, the config file as artifact."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import keras
 from keras_sync.callbacks import _reduce
 from keras_sync.tracking import redact_uri
 
-#: Tag holding the config file's text (scrubbed of secrets by the writer as well).
-CONFIG_TAG = "keras_sync.config"
+#: Tag naming where the config came from (a file path, ``<dict>`` or ``<defaults>``).
 CONFIG_SOURCE_TAG = "keras_sync.config_source"
 CONFIG_ARTIFACT = "keras_sync/config.yaml"
+#: Prefix of the params holding the resolved config, one per key: ``config.batch.per_replica``.
+CONFIG_PARAM_PREFIX = "config."
 
 
 class RunParams(keras.callbacks.Callback):
@@ -23,9 +24,10 @@ class RunParams(keras.callbacks.Callback):
     ``sync.effective_batch_size``, ``sync.base_learning_rate``,
     ``sync.learning_rate``, ``sync.lr_scaling``, ``sync.warmup_steps`` (from ``sync`` when given,
     else what the model's strategy tells), ``sync.tensorflow_version``, ``sync.keras_version``
-    and ``sync.devices`` (this worker's replica devices). With a `Sync` built from a YAML file,
-    the file's text becomes the tag ``keras_sync.config`` and the artifact
-    ``keras_sync/config.yaml``, with credentials in URIs replaced by ``***``.
+    and ``sync.devices`` (this worker's replica devices). With a `Sync`, every resolved config
+    value becomes a param ``config.<key path>`` (``config.mlflow.log_every_n_steps``), the file's
+    text the artifact ``keras_sync/config.yaml`` and its path the tag
+    ``keras_sync.config_source``, with credentials in URIs replaced by ``***``.
 
     Args:
         writer: a started `keras_sync.tracking.MlflowWriter` (None: do nothing).
@@ -43,7 +45,7 @@ class RunParams(keras.callbacks.Callback):
         if self.writer is None or self._done:
             return
         self._done = True
-        self.writer.log_params(run_params(self.model, self.sync))
+        self.writer.log_params({**run_params(self.model, self.sync), **config_params(self.sync)})
         tags, text = config_tags(self.sync)
         if tags:
             self.writer.set_tags(tags)
@@ -89,8 +91,26 @@ def run_params(model: Any, sync: Any = None) -> dict[str, Any]:
     return params
 
 
+def config_params(sync: Any) -> dict[str, str]:
+    """The resolved config, one param per key: ``{"config.batch.per_replica": "32", ...}``."""
+    if sync is None:
+        return {}
+
+    def flat(data: dict[str, Any], prefix: str) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for key, value in data.items():
+            if isinstance(value, dict):
+                out.update(flat(value, f"{prefix}{key}."))
+            else:
+                shown = "null" if value is None else ",".join(map(str, value)) if isinstance(value, list) else value
+                out[f"{prefix}{key}"] = redact_uri(str(shown)) or ""
+        return out
+
+    return flat(sync.config.to_dict(), CONFIG_PARAM_PREFIX)
+
+
 def config_tags(sync: Any) -> tuple[dict[str, str], str | None]:
-    """Tags describing the config, and the text to store as artifact (None when there is no file)."""
+    """The tag naming the config's source, and the text to store as artifact (None without a `Sync`)."""
     if sync is None:
         return {}, None
     cfg = sync.config
@@ -100,4 +120,4 @@ def config_tags(sync: Any) -> tuple[dict[str, str], str | None]:
 
         text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
     text = redact_uri(text) or ""
-    return {CONFIG_SOURCE_TAG: str(cfg.source), CONFIG_TAG: text}, text
+    return {CONFIG_SOURCE_TAG: str(cfg.source)}, text

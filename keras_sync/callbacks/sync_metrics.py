@@ -34,7 +34,8 @@ class SyncMetrics(keras.callbacks.Callback):
     - ``sync/learning_rate``: the learning rate the optimizer applied in that step;
     - ``sync/loss_scale``: the dynamic loss scale, with a `LossScaleOptimizer` (mixed_float16);
     - the Keras logs under their Keras names (``loss``, metrics; running means of the epoch),
-      and at each epoch's last step the ``val_*`` logs.
+      and at each epoch's last step the ``val_*`` logs (not while ``mlflow.keras.autolog()`` is
+      on: it logs them itself, per epoch).
 
     ``i`` runs over all replicas of the job: under `multi_worker_mirrored` the values are
     gathered from every worker (a collective, so every worker must run this callback); only
@@ -82,6 +83,7 @@ class SyncMetrics(keras.callbacks.Callback):
         # Logged steps whose per-replica values are still in the probe's ring:
         # (global step, probe count, Keras logs, busy seconds, steps in the interval, timestamp ms).
         self._pending: list[tuple[int, int, dict, float, int, int]] = []
+        self._keras_logs = True
 
     def set_model(self, model: Any) -> None:
         # Runs before `fit` builds its train function: the moment to instrument train_step.
@@ -92,6 +94,11 @@ class SyncMetrics(keras.callbacks.Callback):
         self._num_replicas = self._probe.num_replicas
 
     def on_train_begin(self, logs: dict | None = None) -> None:
+        from keras_sync import _autolog
+
+        # mlflow.keras.autolog() logs the Keras logs itself (per epoch, at step = epoch index):
+        # logged here too, one key would hold two points at some steps.
+        self._keras_logs = not _autolog.keras_autolog_active()
         self.global_step = None
         self._busy_s, self._steps_since_log, self._pending = 0.0, 0, []
 
@@ -167,12 +174,13 @@ class SyncMetrics(keras.callbacks.Callback):
         scale = float(rows[0][p.LOSS_SCALE])
         if scale == scale:  # a LossScaleOptimizer's dynamic loss scale (mixed_float16)
             metrics["sync/loss_scale"] = scale
-        metrics.update(logs)  # the step's numeric Keras logs (filtered when the step was recorded)
+        if self._keras_logs:
+            metrics.update(logs)  # the step's numeric Keras logs (filtered when the step was recorded)
         self.writer.log_metrics(metrics, step=step, timestamp_ms=ts)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         self.emit()
-        if self.writer is None or self.global_step is None:
+        if self.writer is None or self.global_step is None or not self._keras_logs:
             return
         val = {k: v for k, v in (logs or {}).items() if k.startswith("val_") and isinstance(v, (int, float))}
         if val:

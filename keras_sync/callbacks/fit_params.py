@@ -1,0 +1,81 @@
+"""`FitParams`: what `mlflow.keras.autolog()` records about a `fit`, logged through the keras-sync writer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
+from keras_sync import _autolog
+from keras_sync.callbacks import _reduce
+from keras_sync.callbacks._source_tags import source_tags
+
+MODEL_SUMMARY_ARTIFACT = "model_summary.txt"
+#: Params that mlflow.keras.autolog() logs itself (under the same names) when it is on.
+AUTOLOG_PARAMS = ("epochs", "steps_per_epoch", "batch_size")
+
+
+class FitParams(keras.callbacks.Callback):
+    """Log, once per run at the start of the first `fit`, what autolog would.
+
+    - params ``epochs``, ``steps_per_epoch`` (None when the data does not tell), ``batch_size``
+      (the global batch: what Keras's `fit` receives, and what autolog logs) and
+      ``per_replica_batch_size``;
+    - the optimizer: ``optimizer_name`` and every entry of its config as ``optimizer_<key>``
+      (autolog's names);
+    - the artifact ``model_summary.txt`` (``model.summary()``);
+    - the tags MLflow's `start_run` sets: ``mlflow.user``, ``mlflow.source.name``,
+      ``mlflow.source.type`` and, in a git checkout, ``mlflow.source.git.commit``/``branch``/``repoURL``.
+
+    With ``mlflow.keras.autolog()`` on, autolog logs the fit arguments, optimizer and summary
+    into the same run (see `keras_sync.Sync.fit`), so they are left out here; MLflow params are
+    immutable, and autolog records ``steps_per_epoch`` as passed to `fit` (often None).
+
+    Args:
+        writer: a started `keras_sync.tracking.MlflowWriter` (None: do nothing).
+        per_replica_batch_size: examples per replica per step (None: not logged).
+        num_replicas: replicas in sync; default: the model's strategy.
+    """
+
+    def __init__(self, writer: Any = None, *, per_replica_batch_size: int | None = None,
+                 num_replicas: int | None = None):
+        super().__init__()
+        _reduce.check_writer(writer, "log_params")
+        self.writer = writer
+        self.per_replica_batch_size = per_replica_batch_size
+        self.num_replicas = num_replicas
+        self._done = False
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        if self.writer is None or self._done:
+            return
+        self._done = True
+        autolog = _autolog.keras_autolog_active()
+        self.writer.set_tags(source_tags())
+        params: dict[str, Any] = {}
+        if self.per_replica_batch_size is not None:
+            replicas = self.num_replicas or int(self.model.distribute_strategy.num_replicas_in_sync)
+            params["per_replica_batch_size"] = self.per_replica_batch_size
+            params["batch_size"] = self.per_replica_batch_size * replicas
+        params["epochs"] = self.params.get("epochs")
+        params["steps_per_epoch"] = self.params.get("steps")
+        if autolog:
+            params = {k: v for k, v in params.items() if k not in AUTOLOG_PARAMS}
+        else:
+            params.update(optimizer_params(self.model.optimizer))
+            self.writer.log_text_artifact(model_summary(self.model), MODEL_SUMMARY_ARTIFACT)
+        self.writer.log_params(params)
+
+
+def optimizer_params(optimizer: Any) -> dict[str, Any]:
+    """``optimizer_<key>`` for every entry of the optimizer's config (``optimizer_name``, ...)."""
+    if optimizer is None:
+        return {}
+    return {f"optimizer_{k}": v for k, v in optimizer.get_config().items()}
+
+
+def model_summary(model: Any) -> str:
+    """``model.summary()`` as text, line for line as autolog stores it."""
+    lines: list[str] = []
+    model.summary(print_fn=lambda line, *args, **kwargs: lines.append(line))
+    return "\n".join(lines)

@@ -1,0 +1,144 @@
+"""`ModelLogging`: the trained model in MLflow's Keras flavour, logged by the chief at the end of `fit`."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import keras
+
+from keras_sync import _autolog
+from keras_sync.callbacks import _reduce
+
+log = logging.getLogger("keras_sync")
+
+
+class ModelLogging(keras.callbacks.Callback):
+    """At the end of every `fit`, log the model as the run's LoggedModel ``model`` (Keras flavour).
+
+    Loadable as autolog's is: ``mlflow.pyfunc.load_model(f"runs:/{run_id}/model")`` or
+    ``mlflow.keras.load_model(...)``, with a signature from the model's input and output shapes
+    and pinned ``keras`` and ``tensorflow`` requirements. The model is saved (``.keras``
+    format) into a private temporary directory, staged beside the MLflow spool and uploaded by
+    the writer in order with the metrics, so an outage delays it without losing it. At the end
+    of `fit` the callback waits at most ``flush_timeout_s`` for the upload and warns when it is
+    still pending.
+
+    Only the worker given a writer (the chief) saves: Keras 3 writes a ``.keras`` file from the
+    replicas' local copies without any collective (measured under `multi_worker_mirrored` with
+    the other worker gone), so the other workers go on at once and never write anywhere.
+
+    With ``mlflow.keras.autolog()`` logging models into the same run, this callback logs
+    nothing (one model per `fit`, autolog's).
+
+    Args:
+        writer: a started `keras_sync.tracking.MlflowWriter`; None on the other workers.
+        name: the LoggedModel's name (and the path in ``runs:/<run id>/<name>``).
+        flush_timeout_s: longest wait at the end of `fit` for the model to reach MLflow.
+    """
+
+    def __init__(self, writer: Any = None, *, name: str = "model", flush_timeout_s: float = 60.0):
+        super().__init__()
+        _reduce.check_writer(writer, "log_artifact_file")
+        self.writer = writer
+        self.name = name
+        self.flush_timeout_s = float(flush_timeout_s)
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        if self.writer is None:
+            return
+        if _autolog.autolog_logs_models():
+            log.info("keras-sync: mlflow.keras.autolog() logs the model of this fit; mlflow.log_model leaves it to it.")
+            return
+        step = int(self.model.optimizer.iterations.numpy()) if self.model.optimizer is not None else 0
+        tmp = Path(tempfile.mkdtemp(prefix="keras-sync-model-"))
+        try:
+            save_keras_model(self.model, tmp / self.name)
+            self.writer.log_artifact_file(tmp / self.name, as_model=self.name, step=step)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if not self.writer.flush(timeout_s=self.flush_timeout_s):
+            warnings.warn(f"keras-sync: the trained model is not in MLflow yet; it is kept beside "
+                          f"{getattr(self.writer, 'spool_path', 'the spool')} and uploaded in the background "
+                          "while this process lives, or later with `keras-sync sync-spool PATH`.",
+                          UserWarning, stacklevel=2)
+
+
+def save_keras_model(model: Any, path: Path) -> None:
+    """``mlflow.keras.save_model`` with a signature and pinned requirements (no inference subprocess).
+
+    A model compiled with one of keras-sync's own objects (the `GradualWarmup` schedule of
+    ``sync.lr_schedule()``) is saved without its compile state: Keras rebuilds only its own
+    classes from a file, so a compiled copy would load nowhere without ``import keras_sync``
+    (not even in ``mlflow.pyfunc.load_model``). Compile it again to continue training.
+    """
+    import mlflow.keras
+    from mlflow.keras.utils import get_model_signature
+
+    if uses_keras_sync_objects(model.get_compile_config() if model.compiled else None):
+        uncompiled = _uncompiled_copy(model)
+        if uncompiled is not None:
+            log.info("keras-sync: the logged model is saved without its optimizer (it uses keras-sync's "
+                     "GradualWarmup); it loads anywhere Keras does. Compile it again to train on.")
+            model = uncompiled
+
+    try:
+        signature = get_model_signature(model)
+    except Exception as exc:  # noqa: BLE001 - e.g. a subclassed model without known shapes
+        log.info("keras-sync: no model signature (%s); logging the model without one.", exc)
+        signature = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "saving without a signature" when shapes are unknown
+        mlflow.keras.save_model(model, str(path), signature=signature, pip_requirements=requirements())
+
+
+def uses_keras_sync_objects(config: Any) -> bool:
+    """True when a Keras config names a class from keras_sync (e.g. ``keras_sync>GradualWarmup``).
+
+    >>> uses_keras_sync_objects({"optimizer": {"config": {"learning_rate": {"module": "keras_sync.schedules"}}}})
+    True
+    >>> uses_keras_sync_objects({"optimizer": {"module": "keras.optimizers"}}), uses_keras_sync_objects(None)
+    (False, False)
+    """
+    if isinstance(config, dict):
+        module = config.get("module")
+        if isinstance(module, str) and (module == "keras_sync" or module.startswith("keras_sync.")):
+            return True
+        return any(uses_keras_sync_objects(v) for v in config.values())
+    if isinstance(config, (list, tuple)):
+        return any(uses_keras_sync_objects(v) for v in config)
+    return False
+
+
+def _uncompiled_copy(model: Any) -> Any:
+    """The same architecture and weights, not compiled; None when Keras cannot clone the model."""
+    try:
+        copy = keras.models.clone_model(model)
+        copy.set_weights(model.get_weights())
+        return copy
+    except Exception as exc:  # noqa: BLE001 - a subclassed model without get_config: keep it compiled
+        log.warning("keras-sync: the logged model keeps its optimizer, which uses keras-sync's GradualWarmup, so "
+                    "loading it needs `import keras_sync` first (cloning it failed: %s).", exc)
+        return None
+
+
+def requirements() -> list[str]:
+    """Pinned ``keras`` and TensorFlow distribution of this environment (what loading needs).
+
+    MLflow's default infers them by loading the model in a child process, which costs a
+    TensorFlow import at the end of every `fit`.
+    """
+    from importlib import metadata
+
+    out = [f"keras=={keras.__version__}"]
+    for dist in ("tensorflow", "tensorflow-cpu", "tensorflow-gpu"):
+        try:
+            out.append(f"{dist}=={metadata.version(dist)}")
+            break
+        except metadata.PackageNotFoundError:
+            continue
+    return out

@@ -1,0 +1,97 @@
+"""`SyncReport`: one picture of the sync health, the replicas overlaid, as the artifact ``sync_report.png``."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import keras
+
+from keras_sync.callbacks import _reduce
+from keras_sync.callbacks._sync_plot import SyncHistory, render
+from keras_sync.errors import UsageError
+
+log = logging.getLogger("keras_sync")
+ARTIFACT = "sync_report.png"
+WHEN = ("end", "epoch")
+
+
+class SyncReport(keras.callbacks.Callback):
+    """Draw what the sync metrics say into ``sync_report.png``, at train end (and after each epoch).
+
+    Six charts: each replica's loss and gradient norm over the optimizer steps (one line per
+    replica, on the same axes: do the replicas agree?), the grad-norm spread, the distribution
+    of step times, the weight divergence after each epoch, and a summary. The MLflow UI draws
+    one chart per metric key; this puts the replicas side by side without hand-made charts.
+
+    It draws what the other keras-sync callbacks log, seen through `recorder`: give
+    ``report.recorder`` to `SyncMetrics` and `WeightDivergence` as their writer (it passes
+    everything on to ``writer``). Each point is kept in memory, at most ``max_points`` per
+    chart line (long runs are thinned evenly); a restarted process draws the steps it saw.
+    The PNG is drawn on the worker given a writer (the chief) and uploaded through it, like
+    the metrics. Each drawing replaces the previous one.
+
+    Args:
+        writer: a started `keras_sync.tracking.MlflowWriter`; None on the other workers.
+        when: ``"end"`` (at the end of each `fit`) or ``"epoch"`` (also after every epoch).
+        max_points: points kept per line.
+
+    Example:
+        >>> report = SyncReport(writer, when="epoch")  # doctest: +SKIP
+        >>> model.fit(x, y, callbacks=[SyncMetrics(report.recorder), WeightDivergence(report.recorder),
+        ...                             report])  # doctest: +SKIP
+    """
+
+    def __init__(self, writer: Any = None, *, when: str = "end", max_points: int = 2000):
+        super().__init__()
+        _reduce.check_writer(writer, "log_artifact_file")
+        if when not in WHEN:
+            raise UsageError(f"Invalid value for argument `when`. Received: when={when!r}. "
+                             f"Expected one of {', '.join(map(repr, WHEN))}.")
+        if isinstance(max_points, bool) or not isinstance(max_points, int) or max_points < 2:
+            raise UsageError(f"Invalid value for argument `max_points`. Received: max_points={max_points!r}. "
+                             "Expected an integer >= 2.")
+        self.writer = writer
+        self.when = when
+        self.history = SyncHistory(max_points=max_points)
+        #: The writer to hand to the callbacks whose metrics the report draws (None without a writer).
+        self.recorder = None if writer is None else _Recorder(writer, self.history)
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if self.when == "epoch":
+            self.log_report()
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        self.log_report()
+
+    def log_report(self) -> None:
+        """Draw the report now and queue it as the run's ``sync_report.png``."""
+        if self.writer is None or self.history.empty:
+            return
+        tmp = Path(tempfile.mkdtemp(prefix="keras-sync-report-"))
+        try:
+            render(self.history, tmp / ARTIFACT)
+            self.writer.log_artifact_file(tmp / ARTIFACT)
+        except Exception as exc:  # noqa: BLE001 - a picture must never end a training
+            log.warning("keras-sync: could not draw %s (%s: %s); the metrics are logged as usual.",
+                        ARTIFACT, type(exc).__name__, exc)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+class _Recorder:
+    """A writer that keeps the sync metrics for the report and passes every call on to ``writer``."""
+
+    def __init__(self, writer: Any, history: SyncHistory):
+        self._writer = writer
+        self._history = history
+
+    def log_metrics(self, metrics: dict[str, float], step: int, timestamp_ms: int | None = None) -> None:
+        self._history.add(metrics, step)
+        self._writer.log_metrics(metrics, step=step, timestamp_ms=timestamp_ms)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._writer, name)

@@ -1,0 +1,115 @@
+"""`sync_report.png`: the bounded history it draws (no TensorFlow), its drawing, its errors, and the
+artifact of real runs (fixture `autolog_runs` in conftest.py, shared with test_model_logging.py)."""
+
+from __future__ import annotations
+
+import doctest
+import math
+import sys
+
+import pytest
+
+from keras_sync.callbacks import _sync_plot
+from keras_sync.callbacks._sync_plot import Series, SyncHistory, render
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_sync_plot_doctests():
+    assert doctest.testmod(_sync_plot).failed == 0
+
+
+def test_series_stays_bounded_and_evenly_spread_over_a_long_run():
+    s = Series(max_points=100)
+    for step in range(1, 100_001):
+        s.add(step, math.sin(step))
+    assert 50 <= len(s.steps) <= 100
+    gaps = {b - a for a, b in zip(s.steps, s.steps[1:])}
+    assert gaps == {s.stride} and s.steps[0] == 1 and s.steps[-1] > 100_000 - 2 * s.stride
+
+
+def test_history_keeps_only_the_sync_metrics_and_skips_non_finite_values():
+    h = SyncHistory(max_points=10)
+    assert h.empty
+    h.add({"sync/replica_0/loss": 1.0, "sync/replica_1/loss": 2.0, "sync/replica_1/grad_norm": 3.0,
+           "sync/grad_norm_spread": float("nan"), "sync/step_time_ms": 5.0, "loss": 9.0, "sync/learning_rate": 0.1}, 4)
+    h.add({"sync/weight_divergence": 0.0}, 8)
+    assert (h.loss[0].values, h.loss[1].values, h.grad_norm[1].values) == ([1.0], [2.0], [3.0])
+    assert 0 not in h.grad_norm and h.spread.steps == [] and h.step_time_ms.steps == [4]
+    assert h.divergence.steps == [8] and not h.empty
+
+
+def test_render_draws_a_png_without_touching_the_pyplot_backend(tmp_path):
+    h = SyncHistory(max_points=50)
+    for step in range(1, 400):
+        h.add({"sync/replica_0/loss": 1 / step, "sync/replica_1/loss": 1.1 / step, "sync/replica_0/grad_norm": 2.0,
+               "sync/replica_1/grad_norm": 2.5, "sync/grad_norm_spread": 0.22,
+               "sync/step_time_ms": 5000.0 if step == 1 else 10.0 + step % 3}, step)
+    h.add({"sync/weight_divergence": 0.0}, 399)
+    had_pyplot = "matplotlib.pyplot" in sys.modules
+    render(SyncHistory(), tmp_path / "empty.png")  # nothing measured: every chart says so
+    assert ("matplotlib.pyplot" in sys.modules) == had_pyplot  # no pyplot: the user's backend is left alone
+    render(h, tmp_path / "r.png")
+    data = (tmp_path / "r.png").read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 20_000
+    assert (tmp_path / "empty.png").read_bytes().startswith(PNG_MAGIC)
+
+
+# ---- TensorFlow ---------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_sync_report_arguments_are_checked():
+    from keras_sync.callbacks.sync_report import SyncReport
+    from keras_sync.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"^Invalid value for argument `when`\. Received: when='always'\. "
+                                         r"Expected one of 'end', 'epoch'\.$"):
+        SyncReport(None, when="always")
+    with pytest.raises(UsageError, match=r"^Invalid value for argument `max_points`\. Received: max_points=1\. "
+                                         r"Expected an integer >= 2\.$"):
+        SyncReport(None, max_points=1)
+    with pytest.raises(UsageError, match=r"^Invalid value for argument `writer`\. Received: writer='w'\."):
+        SyncReport("w")
+    assert SyncReport(None).recorder is None  # a worker that does not write keeps nothing
+
+
+def _png(client, run_id, dst):
+    from pathlib import Path
+
+    return Path(client.download_artifacts(run_id, "sync_report.png", str(dst))).read_bytes()
+
+
+@pytest.mark.slow
+def test_runs_carry_the_report_as_configured(autolog_runs):
+    from mlflow import MlflowClient
+
+    c = MlflowClient(autolog_runs["sqlite"])
+    logged = autolog_runs["mirrored"]["logged"]["run_id"]
+    png = _png(c, logged, autolog_runs["out"] / "dl-report")
+    assert png.startswith(PNG_MAGIC) and len(png) > 20_000
+    compiled = autolog_runs["mirrored"]["compiled"]["run_id"]  # sync_report: off
+    assert "sync_report.png" not in [a.path for a in c.list_artifacts(compiled)]
+    auto = autolog_runs["mirrored"]["autolog"]["run_id"]  # the default: end
+    assert _png(c, auto, autolog_runs["out"] / "dl-auto").startswith(PNG_MAGIC)
+    server = MlflowClient(autolog_runs["server"])  # multi-worker: the chief drew both workers' replicas
+    assert _png(server, autolog_runs["multi_worker"]["run_id"], autolog_runs["out"] / "dl-mw").startswith(PNG_MAGIC)
+
+
+@pytest.mark.slow
+def test_report_draws_every_replica_of_the_run(autolog_runs, tmp_path):
+    """Redraw the run's report from its MLflow metrics: the PNG the callback logged is the same picture."""
+    from mlflow import MlflowClient
+
+    c = MlflowClient(autolog_runs["sqlite"])
+    run_id = autolog_runs["mirrored"]["logged"]["run_id"]
+    h = SyncHistory()
+    keys = ["sync/replica_0/loss", "sync/replica_1/loss", "sync/replica_0/grad_norm", "sync/replica_1/grad_norm",
+            "sync/grad_norm_spread", "sync/step_time_ms", "sync/weight_divergence"]
+    points = sorted((m.step, k, m.value) for k in keys for m in c.get_metric_history(run_id, k))
+    for step, key, value in points:
+        h.add({key: value}, step)
+    assert sorted(h.loss) == [0, 1] and h.loss[1].steps == list(range(1, 25))
+    assert h.divergence.steps == [8, 16, 24] and set(h.divergence.values) == {0.0}
+    render(h, tmp_path / "again.png")
+    logged = _png(c, run_id, tmp_path / "dl")
+    assert logged == (tmp_path / "again.png").read_bytes()
