@@ -23,6 +23,9 @@ from keras_sync.callbacks import _source_tags
 from keras_sync.config import load_config
 from keras_sync.errors import ConfigError
 
+# The shared TensorFlow runs take 5-15 minutes on a shared 2-core machine (the first test pays for them).
+pytestmark = pytest.mark.timeout(2400)
+
 # ---- no TensorFlow --------------------------------------------------------------------------------
 
 

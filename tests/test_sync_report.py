@@ -12,6 +12,9 @@ import pytest
 from keras_sync.callbacks import _sync_plot
 from keras_sync.callbacks._sync_plot import Series, SyncHistory, render
 
+# The shared TensorFlow runs take 5-15 minutes on a shared 2-core machine (the first test pays for them).
+pytestmark = pytest.mark.timeout(2400)
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
