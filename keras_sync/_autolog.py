@@ -43,14 +43,24 @@ def autolog_logs_models() -> bool:
 
 
 @contextlib.contextmanager
-def shared_run(writer: Any, tracking_uri: str) -> Iterator[None]:
+def shared_run(writer: Any, tracking_uri: str, *, is_chief: bool = True) -> Iterator[None]:
     """Make ``writer``'s run MLflow's active run during the block when autolog is on.
 
-    Does nothing without autolog, on workers without a writer, or when the user has an active
-    run already (autolog then logs there, as the user asked). The run must exist first: this
-    waits (at most `RUN_WAIT_S`) for the writer to create it.
+    Does nothing without autolog, or when the user has an active run already (autolog then
+    logs there, as the user asked). On the other workers of a multi-worker job autolog is off
+    during the block: it would open a run per worker and upload a model from each. The run
+    must exist first: this waits (at most `RUN_WAIT_S`) for the writer to create it.
     """
-    if writer is None or not keras_autolog_active():
+    if not keras_autolog_active():
+        yield
+        return
+    if not is_chief:
+        from mlflow.utils.autologging_utils import disable_autologging
+
+        with disable_autologging():
+            yield
+        return
+    if writer is None:
         yield
         return
     import mlflow

@@ -6,6 +6,8 @@ Usage:
         schedule); a plain compiled model on the default strategy; then mlflow.keras.autolog()
         beside sync.fit.
     python -m keras_sync.launch --workers 2 _autolog_scenarios.py multi_worker OUT_DIR CONFIG.yaml
+        (CONFIG.yaml: multi_worker_mirrored, mlflow.log_model: true), mlflow.keras.autolog(log_models=False)
+        called on both workers.
         one process per worker, log_model on; the other worker exits as soon as its fit returns.
 Writes OUT_DIR/<mode>.json (and predictions as .npy) for tests/test_model_logging.py and
 tests/test_sync_report.py.
@@ -131,6 +133,11 @@ def mirrored(uri: str) -> None:
 def multi_worker(config: str) -> None:
     sync = keras_sync.load(config)
     import keras
+    import mlflow
+
+    # On every worker, as a user's script would: only the chief's fit may log (one run), and the
+    # model is keras-sync's (autolog's own model logging is off here).
+    mlflow.keras.autolog(log_models=False)
 
     ds = sync.distribute((X, Y))
     model = make_model(sync, lambda: keras.optimizers.SGD(0.05))

@@ -107,12 +107,12 @@ def tmp_module(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 
 @pytest.fixture(scope="session")
-def autolog_runs(tmp_path_factory: pytest.TempPathFactory, mlflow_server: str) -> dict:
+def autolog_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The runs of tests/_autolog_scenarios.py (model logging, sync report, autolog beside keras-sync).
 
     Two TensorFlow process groups started together, shared by test_model_logging.py and
-    test_sync_report.py: 2 simulated replicas to a sqlite store, and 2 MWMS workers to the real
-    `mlflow server`. Returns their result dicts, output directory and tracking URIs.
+    test_sync_report.py: 2 simulated replicas, and 2 MWMS workers, each to its own sqlite store.
+    Returns their result dicts, output directory and tracking URIs.
     """
     import json
 
@@ -128,7 +128,7 @@ def autolog_runs(tmp_path_factory: pytest.TempPathFactory, mlflow_server: str) -
         "strategy: {kind: multi_worker_mirrored, connect_timeout_s: 300}\n"
         "batch: {global: 64}\n"
         "mlflow:\n"
-        f"  tracking_uri: {mlflow_server}\n"
+        f"  tracking_uri: sqlite:///{mw_dir / 'mlflow.db'}\n"
         "  experiment: mw-model\n"
         "  log_model: true\n")
     procs = {
@@ -144,4 +144,5 @@ def autolog_runs(tmp_path_factory: pytest.TempPathFactory, mlflow_server: str) -
         assert proc.returncode == 0, f"{name} scenario failed:\n{logs[name][-5000:]}"
     return {"mirrored": json.loads((out / "mirrored.json").read_text()),
             "multi_worker": json.loads((out / "multi_worker.json").read_text()),
-            "out": out, "mw_dir": mw_dir, "sqlite": sqlite_uri, "server": mlflow_server, "logs": logs}
+            "out": out, "mw_dir": mw_dir, "sqlite": sqlite_uri, "mw_sqlite": f"sqlite:///{mw_dir / 'mlflow.db'}",
+            "logs": logs}

@@ -231,13 +231,17 @@ def test_autolog_beside_sync_fit_is_one_run_without_errors(autolog_runs):
 
 
 @pytest.mark.slow
-def test_multi_worker_chief_logs_the_model_to_the_server_and_the_worker_leaves_at_once(autolog_runs):
+def test_multi_worker_chief_logs_the_model_and_the_worker_leaves_at_once(autolog_runs):
+    """Both workers call mlflow.keras.autolog(log_models=False): still one run, one model, the chief's."""
     r = autolog_runs["multi_worker"]
     assert (r["kind"], r["replicas"]) == ("multi_worker_mirrored", 2)
-    c = _client(autolog_runs["server"])
+    c = _client(autolog_runs["mw_sqlite"])
+    assert c.search_runs(["0"]) == []  # no autolog run of a worker in the "Default" experiment either
     exp = c.get_experiment_by_name("mw-model")
-    assert [x.info.run_id for x in c.search_runs([exp.experiment_id])] == [r["run_id"]]
+    runs = c.search_runs([exp.experiment_id])
+    assert [x.info.run_id for x in runs] == [r["run_id"]]
+    assert runs[0].data.params["epochs"] == "2" and runs[0].data.tags["keras_sync.autolog"] == "true"
     assert [m.name for m in c.search_logged_models([exp.experiment_id])] == ["model"]
-    loaded = _load_in_fresh_process(autolog_runs["server"], f"runs:/{r['run_id']}/model")
+    loaded = _load_in_fresh_process(autolog_runs["mw_sqlite"], f"runs:/{r['run_id']}/model")
     np.testing.assert_allclose(loaded, np.load(autolog_runs["out"] / "multi_worker.npy").ravel(), rtol=0, atol=1e-6)
     assert "sync_report.png" in [a.path for a in c.list_artifacts(r["run_id"])]

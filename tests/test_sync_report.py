@@ -94,8 +94,8 @@ def test_runs_carry_the_report_as_configured(autolog_runs):
     assert "sync_report.png" not in [a.path for a in c.list_artifacts(compiled)]
     auto = autolog_runs["mirrored"]["autolog"]["run_id"]  # the default: end
     assert _png(c, auto, autolog_runs["out"] / "dl-auto").startswith(PNG_MAGIC)
-    server = MlflowClient(autolog_runs["server"])  # multi-worker: the chief drew both workers' replicas
-    assert _png(server, autolog_runs["multi_worker"]["run_id"], autolog_runs["out"] / "dl-mw").startswith(PNG_MAGIC)
+    mw = MlflowClient(autolog_runs["mw_sqlite"])  # multi-worker: the chief drew both workers' replicas
+    assert _png(mw, autolog_runs["multi_worker"]["run_id"], autolog_runs["out"] / "dl-mw").startswith(PNG_MAGIC)
 
 
 @pytest.mark.slow

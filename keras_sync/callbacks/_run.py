@@ -134,7 +134,7 @@ def shared_run_for(sync: Any) -> Any:
 
     writer = _writers.get(sync)
     uri, _ = resolve_tracking_uri(sync.config.mlflow.tracking_uri)
-    return _autolog.shared_run(writer, uri)
+    return _autolog.shared_run(writer, uri, is_chief=sync.is_chief)
 
 
 def close_writer(sync: Any, timeout_s: float = 10.0) -> None:
