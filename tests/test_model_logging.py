@@ -178,7 +178,7 @@ def test_fit_params_optimizer_summary_and_source_tags(autolog_runs):
     local = _client(autolog_runs["sqlite"]).download_artifacts(r["run_id"], "model_summary.txt",
                                                                 str(autolog_runs["out"] / "dl-summary"))
     summary = Path(local).read_text()
-    assert "dense" in summary and "Total params: 161" in summary
+    assert "dense" in summary and "Trainable params: 161" in summary  # 8*16+16 + 16+1
 
 
 @pytest.mark.slow
@@ -214,7 +214,7 @@ def test_autolog_beside_sync_fit_is_one_run_without_errors(autolog_runs):
     run = runs[0]
     p = run.data.params
     # autolog's own params (it logs fit() arguments as given) and keras-sync's, side by side.
-    assert p["epochs"] == "2" and p["batch_size"] == "64" and p["optimizer_name"] == "adam"
+    assert p["epochs"] == "2" and p["batch_size"] == "64" and p["optimizer_name"].startswith("adam")
     assert p["shuffle"] == "False" and p["per_replica_batch_size"] == "32" and p["sync.num_replicas"] == "2"
     assert run.data.tags["keras_sync.autolog"] == "true"
     assert {"sync/replica_0/loss", "sync/replica_1/grad_norm", "sync/weight_divergence"} <= set(run.data.metrics)

@@ -116,8 +116,8 @@ def uses_keras_sync_objects(config: Any) -> bool:
 
 def _uncompiled_copy(model: Any) -> Any:
     """The same architecture and weights, not compiled; None when Keras cannot clone the model."""
-    try:
-        copy = keras.models.clone_model(model)
+    try:  # not keras.models.clone_model: it compiles the copy like the original
+        copy = type(model).from_config(model.get_config())
         copy.set_weights(model.get_weights())
         return copy
     except Exception as exc:  # noqa: BLE001 - a subclassed model without get_config: keep it compiled
