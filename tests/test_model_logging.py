@@ -193,12 +193,13 @@ def test_config_is_params_and_an_artifact_not_one_long_tag(autolog_runs):
 
 
 @pytest.mark.slow
-def test_run_starts_when_fit_starts_and_ends_when_the_job_ends(autolog_runs):
+def test_run_starts_when_fit_starts_and_ends_when_fit_returns(autolog_runs):
     r = autolog_runs["mirrored"]["logged"]
     run = _client(autolog_runs["sqlite"]).get_run(r["run_id"])
-    # The writer is made inside fit (before its first step); the end is queued by close().
+    # The writer is made inside fit (before its first step); sync.fit ends the run before it
+    # returns, once MLflow has everything (Ray Train V2 ends workers without atexit).
     assert r["fit_start_ms"] <= run.info.start_time <= r["fit_start_ms"] + 30_000
-    assert r["predicted_ms"] <= run.info.end_time <= r["closed_ms"]
+    assert run.info.start_time < run.info.end_time <= r["fit_end_ms"]
     assert run.info.end_time - run.info.start_time >= r["fit_end_ms"] - r["fit_start_ms"] - 30_000
     assert run.info.status == "FINISHED"
 
