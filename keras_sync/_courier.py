@@ -60,11 +60,6 @@ class Delivery:
         self.uri = tracking_uri or header["tracking_uri"]
         self.secrets = secrets_of(self.uri, os.environ)
         self.shown_uri = redact_text(self.uri, self.secrets)
-        # MLflow 2.x resolves a server-served artifact URI (`mlflow-artifacts:/...`) with the
-        # process-wide tracking URI, not the client's (config.yaml failed to upload on MLflow
-        # 2.22: "the tracking URI must be a valid http or https URI, but it was ... file:///...").
-        # This process only delivers this spool, so the process-wide URI is this one.
-        os.environ["MLFLOW_TRACKING_URI"] = self.uri
         self.deliverer = Deliverer(self.uri, header["experiment"], header.get("run_name"), header.get("job_id"),
                                    explicit=bool(header.get("explicit")), run_id=header.get("run_id"))
         # Found or created by an earlier courier of this spool (checked again before use).

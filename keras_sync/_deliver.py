@@ -39,11 +39,19 @@ JOB_TAG = "keras_sync.job_id"
 
 @contextlib.contextmanager
 def fast_fail_env(tracking_uri: str, timeout_s: int) -> Iterator[None]:
-    """Run MLflow HTTP calls with no retries and a short timeout; restore the user's values after."""
+    """Run MLflow HTTP calls with no retries and a short timeout; restore the user's values after.
+
+    Also ``MLFLOW_TRACKING_URI`` for the call: MLflow 2.x resolves a server-served artifact URI
+    (``mlflow-artifacts:/...``) with the process-wide tracking URI, not the client's (measured on
+    MLflow 2.22: "the tracking URI must be a valid http or https URI, but it was ... file:///...",
+    and the batch with the run's config.yaml, and every metric after it, failed). Set only during
+    the call: the variable would also redirect a later `keras_sync.load()` of this process.
+    """
     if not tracking_uri.startswith(("http://", "https://")):
         yield
         return
-    wanted = dict(_FAST_FAIL_ENV, MLFLOW_HTTP_REQUEST_TIMEOUT=str(max(1, int(timeout_s))))
+    wanted = dict(_FAST_FAIL_ENV, MLFLOW_HTTP_REQUEST_TIMEOUT=str(max(1, int(timeout_s))),
+                  MLFLOW_TRACKING_URI=tracking_uri)
     with _ENV_LOCK:
         saved = {k: os.environ.get(k) for k in wanted}
         os.environ.update(wanted)

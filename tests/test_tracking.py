@@ -766,3 +766,22 @@ def test_run_identity_follows_the_backup_and_the_explicit_job_id(sqlite_uri, tmp
     shared = [_fit(config, tmp_path, f"shared{i}", env={"KERAS_SYNC_JOB_ID": "exp-42"})[0] for i in range(2)]
     assert shared[0] == shared[1] and shared[0] not in (first, second, resumed)
     assert _one_point_per_step(sqlite_uri, shared[0]) == steps
+
+
+def test_calls_to_a_server_see_its_uri_as_the_process_wide_one_and_nothing_leaks(monkeypatch):
+    # MLflow 2.x resolves mlflow-artifacts: URIs with the process-wide tracking URI; setting it for
+    # good in a process that later calls keras_sync.load() (a test, sync-spool, a notebook) would
+    # send that job's metrics to this server (ENV_KEYS: MLFLOW_TRACKING_URI wins over the YAML).
+    import os
+
+    from keras_sync._deliver import fast_fail_env
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///mine.db")
+    with fast_fail_env("http://alice:pw@127.0.0.1:5000", 5):
+        assert os.environ["MLFLOW_TRACKING_URI"] == "http://alice:pw@127.0.0.1:5000"
+        assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "0"
+    assert os.environ["MLFLOW_TRACKING_URI"] == "sqlite:///mine.db"
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    with fast_fail_env("http://127.0.0.1:5000", 5):
+        pass
+    assert "MLFLOW_TRACKING_URI" not in os.environ
