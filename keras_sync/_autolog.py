@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 import warnings
 from collections.abc import Iterator
@@ -75,11 +76,22 @@ def shared_run(writer: Any, tracking_uri: str, *, is_chief: bool = True) -> Iter
         yield
         return
     previous_uri = mlflow.get_tracking_uri()
+    # mlflow.set_tracking_uri also writes $MLFLOW_TRACKING_URI (MLflow 3): put back the user's
+    # value exactly, else a later keras_sync.load() in this process reads it as theirs.
+    previous_env = os.environ.get("MLFLOW_TRACKING_URI")
+
+    def restore() -> None:
+        mlflow.set_tracking_uri(previous_uri)
+        if previous_env is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = previous_env
+
     mlflow.set_tracking_uri(tracking_uri)  # autolog logs through the fluent API: to keras-sync's store
     try:
         mlflow.start_run(run_id=writer.run_id)
     except Exception:
-        mlflow.set_tracking_uri(previous_uri)
+        restore()
         raise
     try:
         yield
@@ -88,4 +100,4 @@ def shared_run(writer: Any, tracking_uri: str, *, is_chief: bool = True) -> Iter
         # with the job's real end time and status, when the job ends.
         with contextlib.suppress(Exception):
             mlflow.end_run()
-        mlflow.set_tracking_uri(previous_uri)
+        restore()

@@ -148,11 +148,14 @@ def test_logged_model_loads_with_pyfunc_and_predicts_like_the_trained_model(auto
 
 
 @pytest.mark.slow
-def test_model_with_plain_keras_objects_keeps_its_optimizer(autolog_runs):
+def test_model_with_plain_keras_objects_keeps_its_optimizer(autolog_runs, monkeypatch):
     import mlflow
 
     r = autolog_runs["mirrored"]["compiled"]
     _ok(r)
+    # mlflow.set_tracking_uri also sets $MLFLOW_TRACKING_URI, which every later test's training
+    # subprocess would inherit (and keras-sync reads it over the YAML): monkeypatch removes it after.
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", autolog_runs["sqlite"])
     mlflow.set_tracking_uri(autolog_runs["sqlite"])
     model = mlflow.keras.load_model(f"runs:/{r['run_id']}/model")
     assert model.compiled and type(model.optimizer).__name__ == "Adam"
