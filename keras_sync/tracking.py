@@ -247,6 +247,9 @@ class MlflowWriter:
     def start(self) -> None:
         """Start the spooling thread and the courier; returns at once."""
         if self._thread is None:
+            # The run starts now, not when the thread gets to write its "begin" record: on a busy
+            # machine that came after close() had stamped the end (start_time > end_time seen).
+            self._started_ms = int(time.time() * 1000)
             self._thread = threading.Thread(target=self._loop, name="keras-sync-mlflow", daemon=True)
             self._thread.start()
 
@@ -485,7 +488,8 @@ class MlflowWriter:
         self._spool.write_header(self._header)
         (self._spool.path / "status.json").unlink(missing_ok=True)  # a predecessor's outcome is not ours
         self._spooled_pos = self._spool.start_segment()
-        self._spooled_pos = self._spool.append([{"k": "begin", "ts": int(time.time() * 1000)}])
+        begin = getattr(self, "_started_ms", None) or int(time.time() * 1000)
+        self._spooled_pos = self._spool.append([{"k": "begin", "ts": begin}])
 
     def _drain_to_spool(self) -> None:
         recs: list[dict[str, Any]] = []
