@@ -82,24 +82,74 @@ def meet(strategy: Any, call: str, timeout_s: float | None = None) -> None:
     except tf.errors.OpError as e:  # the coordination service's worker (the chief) has exited
         raise UsageError(f"{_name(me)} {_said(call)}, but the job's coordination service is gone: the worker "
                          f"that hosts it has left the job. {fix}") from None
+    probe = _Liveness(ctx)
     for peer in tasks:
         if peer == me:
             continue
-        left_ms = max(1, int((deadline - time.monotonic()) * 1000))
-        try:
-            got = ctx.get_config_key_value(_KEY.format(n=n, task=peer), left_ms)
-        except tf.errors.DeadlineExceededError:
-            raise UsageError(
-                f"{_name(me)} {_said(call)}, but {_name(peer)} did not reach that call within "
-                f"strategy.connect_timeout_s={timeout_s:g} s. {fix}"
-            ) from None
-        except tf.errors.OpError as e:
-            raise UsageError(
-                f"{_name(me)} {_said(call)}, but {_name(peer)} has left the job "
-                f"({type(e).__name__}). {fix}"
-            ) from None
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            try:
+                got = ctx.get_config_key_value(_KEY.format(n=n, task=peer), max(1, min(left_ms, _POLL_MS)))
+                break
+            except tf.errors.DeadlineExceededError:
+                if left_ms <= _POLL_MS:
+                    raise UsageError(
+                        f"{_name(me)} {_said(call)}, but {_name(peer)} did not reach that call within "
+                        f"strategy.connect_timeout_s={timeout_s:g} s. {fix}"
+                    ) from None
+            except tf.errors.OpError as e:
+                raise UsageError(
+                    f"{_name(me)} {_said(call)}, but {_name(peer)} has left the job "
+                    f"({type(e).__name__}). {fix}"
+                ) from None
+            if probe.gone(peer):
+                raise UsageError(
+                    f"{_name(me)} {_said(call)}, but {_name(peer)} has left the job (its process no longer "
+                    f"answers). {fix}"
+                ) from None
         if got != call:
             raise UsageError(f"{_name(me)} {_said(call)}, but {_name(peer)} {_said(got)} instead. {fix}")
+
+
+# How often a worker waiting for a peer's post asks whether the job has failed (a peer that exits
+# without posting, e.g. `os._exit` or a crash after training, would otherwise cost the whole timeout).
+_POLL_MS = 2000
+_PROBE_MS = 10_000
+_PROBE_TRIES = 3
+
+
+class _Liveness:
+    """Whether a peer's process is still there, asked of the peer itself.
+
+    ``check_collective_ops_peer_health`` is the probe `MultiWorkerMirroredStrategy`'s own health
+    thread uses: a peer that has exited answers UnavailableError (or FailedPrecondition once
+    restarted). A probe that times out counts as lost only after `_PROBE_TRIES` in a row, so a
+    busy peer is not taken for a gone one. Anything else (a TensorFlow without the probe) turns
+    it off, and the wait falls back to the timeout.
+    """
+
+    def __init__(self, ctx: Any) -> None:
+        self._ctx, self._on = ctx, hasattr(ctx, "check_collective_ops_peer_health")
+        self._slow: dict[str, int] = {}
+
+    def gone(self, peer: str) -> bool:
+        if not self._on:
+            return False
+        import tensorflow as tf
+
+        job, _, index = peer.partition(":")
+        try:
+            self._ctx.check_collective_ops_peer_health(f"/job:{job}/replica:0/task:{index}", _PROBE_MS)
+        except (tf.errors.UnavailableError, tf.errors.FailedPreconditionError):
+            return True
+        except tf.errors.DeadlineExceededError:
+            self._slow[peer] = self._slow.get(peer, 0) + 1
+            return self._slow[peer] >= _PROBE_TRIES
+        except Exception:  # noqa: BLE001 - a TensorFlow whose probe answers otherwise: wait for the timeout
+            self._on = False
+            return False
+        self._slow[peer] = 0
+        return False
 
 
 def _name(task: str) -> str:

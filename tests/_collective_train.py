@@ -3,7 +3,9 @@
 Usage: python _collective_train.py MODE OUT_DIR   (under `keras-sync launch`)
 MODE: ``every_worker`` (sync.predict, model.predict and sync.evaluate on every worker, then the chief
 alone works on for CHIEF_EXTRA_S: longer than TensorFlow's heartbeat timeout, so a worker that
-left at once would be reported unhealthy), or ``chief_only`` (``if sync.is_chief: model.predict``).
+left at once would be reported unhealthy), ``chief_only`` (``if sync.is_chief: model.predict``), or
+``worker_vanishes`` (worker 1 leaves with ``os._exit`` right after fit, skipping its exit meeting;
+the chief records when its script ended).
 Worker i writes OUT_DIR/w<i>.json with what it computed.
 """
 
@@ -47,6 +49,10 @@ def main() -> int:
         out["evaluate"] = float(sync.evaluate(model, x, y, verbose=0))
         if sync.is_chief:
             time.sleep(CHIEF_EXTRA_S)
+    elif mode == "worker_vanishes":
+        if not sync.is_chief:
+            os._exit(0)
+        out["ended"] = time.time()
     elif mode == "chief_only":
         if sync.is_chief:
             started = time.monotonic()

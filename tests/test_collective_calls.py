@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,9 @@ KERAS_SYNC = Path(sys.executable).with_name("keras-sync")
 NOISE = ("StartAbort", "unhealthy", "Traceback", "UnavailableError")
 
 pytestmark = pytest.mark.slow
+
+
+CONNECT_TIMEOUT_S = 120  # the scripts' strategy.connect_timeout_s
 
 
 def _launch(tmp: Path, mode: str) -> subprocess.CompletedProcess[str]:
@@ -60,3 +64,19 @@ def test_chief_only_predict_ends_with_one_line(tmp_path: Path) -> None:
     assert "Traceback" not in log and "UnavailableError" not in log, log[-4000:]
     w0 = json.loads((tmp_path / "out" / "w0.json").read_text())
     assert w0["predict_s"] < 60, w0  # told at once, not after a heartbeat timeout or the connect timeout
+
+
+@pytest.mark.timeout(600)
+def test_a_worker_that_vanished_after_fit_does_not_hold_the_chief_for_the_connect_timeout(tmp_path: Path) -> None:
+    # Worker 1 leaves with os._exit (no exit meeting). The chief's exit meeting asks the peer's
+    # process whether it is there (TensorFlow's collective peer-health probe) every 2 s, instead of
+    # waiting strategy.connect_timeout_s for a post that never comes.
+    r = _launch(tmp_path, "worker_vanishes")
+    returned = time.time()
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-4000:]
+    lines = [line for line in log.splitlines() if line.startswith("[w0] keras-sync: worker 0 reached the end")]
+    assert lines == ["[w0] keras-sync: worker 0 reached the end of its script, but worker 1 has left the job "
+                     "(its process no longer answers)."], log[-4000:]
+    ended = json.loads((tmp_path / "out" / "w0.json").read_text())["ended"]
+    assert returned - ended < CONNECT_TIMEOUT_S - 20, (returned - ended, log[-3000:])
