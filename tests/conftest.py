@@ -72,6 +72,30 @@ class MlflowServer:
         self.start()
 
 
+# Variables keras-sync reads over its YAML (or TensorFlow reads for the cluster): a test that leaves
+# one changed in the pytest process silently redirects every later test's training subprocess
+# (MLflow 3's `set_tracking_uri` writes MLFLOW_TRACKING_URI; CI lost 3 tests to that once).
+_GUARDED_ENV = ("MLFLOW_TRACKING_URI", "TF_CONFIG", "KERAS_SYNC_CONFIG", "KERAS_SYNC_JOB_ID",
+                "CUDA_VISIBLE_DEVICES")
+
+
+@pytest.fixture(autouse=True)
+def _environment_left_as_found(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail the test that changes a guarded variable in this process, and put the value back."""
+    before = {k: os.environ.get(k) for k in _GUARDED_ENV}
+    yield
+    after = {k: os.environ.get(k) for k in _GUARDED_ENV}
+    changed = {k: (before[k], after[k]) for k in _GUARDED_ENV if before[k] != after[k]}
+    for k, (old, _) in changed.items():
+        if old is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = old
+    if changed:
+        pytest.fail(f"{request.node.nodeid} left the pytest process's environment changed (before, after): "
+                    f"{changed}; use monkeypatch.setenv/delenv", pytrace=False)
+
+
 @pytest.fixture(scope="session")
 def mlflow_server_control(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
     """The `MlflowServer` handle (uri, start, stop, restart), started; killed at session end."""
