@@ -43,14 +43,30 @@ FEATURES: dict[str, tuple[str, str]] = {
     "system_metrics": ("MLflow system metrics (mlflow.system_metrics: true)",
                        "or set mlflow.system_metrics: false"),
 }
-TESTED = "Keras 3.10-3.15, TensorFlow 2.17-2.21, MLflow 2.22-3.17"
+#: The supported (tested) releases of each library: (floor, newest tested, first excluded), the
+#: ranges of pyproject.toml (tests/test_internals.py checks they agree).
+RANGES = {
+    "keras": ("3.10", "3.15", "3.16"),
+    "tensorflow": ("2.17", "2.21", "2.22"),
+    "mlflow": ("2.22", "3.17", "3.18"),
+}
+_NAMES = {"keras": "Keras", "tensorflow": "TensorFlow", "mlflow": "MLflow"}
+TESTED = ", ".join(f"{_NAMES[name]} {lo}-{hi}" for name, (lo, hi, _) in RANGES.items())
+
+
+def _spec(library: str, floor: str | None = None) -> str:
+    """``keras>=3.10,<3.16`` (or from ``floor``)."""
+    lo, _, ceiling = RANGES[library]
+    return f"{library}>={floor or lo},<{ceiling}"
+
+
 # The fix for each library. TensorFlow is not named by distribution: "tensorflow" would add a
 # second TensorFlow next to a project's tensorflow-cpu (or the reverse).
 PIN = {
-    "keras": 'pip install "keras>=3.10,<3.16"',
-    "tensorflow": "install TensorFlow 2.17-2.21 of the distribution you use "
-                  '(e.g. pip install "tensorflow-cpu>=2.17,<2.22")',
-    "mlflow": 'pip install "mlflow>=2.22,<3.18"',
+    "keras": f'pip install "{_spec("keras")}"',
+    "tensorflow": f"install TensorFlow {RANGES['tensorflow'][0]}-{RANGES['tensorflow'][1]} of the distribution "
+                  f'you use (e.g. pip install "{_spec("tensorflow").replace("tensorflow", "tensorflow-cpu")}")',
+    "mlflow": f'pip install "{_spec("mlflow")}"',
 }
 
 
@@ -71,11 +87,6 @@ class Internal:
 def _release(version: str) -> tuple[int, ...]:
     """``"3.10.0"`` -> (3, 10): the major.minor of a version string (pre-release tags ignored)."""
     return tuple(int("".join(ch for ch in part if ch.isdigit()) or 0) for part in version.split(".")[:2])
-
-
-def _ceiling(library: str) -> str:
-    """The supported upper bound in ``PIN[library]`` ("3.16" of 'keras>=3.10,<3.16')."""
-    return PIN[library].split(",<", 1)[1].split('"', 1)[0]
 
 
 def predates(internal: Internal) -> bool:
@@ -310,7 +321,7 @@ def require(feature: str) -> None:
             raise CompatibilityError(
                 f"{what} needs {library.capitalize()} >= {internal.since} (found {versions(internal)}: {what_is_missing}; "
                 f"keras-sync needs it for {internal.why}). "
-                f"Fix: pip install \"{library}>={internal.since},<{_ceiling(library)}\", {alternative}."
+                f"Fix: pip install \"{_spec(library, internal.since)}\", {alternative}."
             )
         raise CompatibilityError(
             f"{what} cannot work with {versions(internal)}: {what_is_missing} (keras-sync needs it for "

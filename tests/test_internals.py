@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+from pathlib import Path
+
 import pytest
 
 from keras_sync import _internals
@@ -126,3 +128,11 @@ def test_registry_imports_nothing_heavy():
     code = ("import sys, keras_sync._internals; "
             "heavy = [m for m in ('tensorflow', 'keras', 'mlflow') if m in sys.modules]; assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_the_supported_ranges_are_the_ones_pyproject_declares():
+    # The refusals' fixes and the tested-versions text come from _internals.RANGES: one place.
+    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    for library, (floor, _, ceiling) in _internals.RANGES.items():
+        wanted = "tensorflow-cpu" if library == "tensorflow" else library
+        assert f'"{wanted}>={floor},<{ceiling}"' in text, (library, floor, ceiling)
