@@ -10,8 +10,10 @@ optimizer's ``apply`` with their mean over the N micro-batches, and Keras then a
 for any step. The optimizer's ``iterations`` counts updates, so schedules and warmup count
 updates too.
 
-The sums are not in the model's checkpoints: a backup must fall on an update
-(`fault_tolerance.save_freq` a multiple of N, or each epoch with a multiple of N steps).
+The sums are not in the model's checkpoints, so a backup waits for the next update: keras-sync's
+`BackupAndRestore` asks `pending` and saves a due backup (scheduled, or for a SIGTERM) at the
+first batch end that applied the sums, at most N - 1 micro-batches later. The resume then starts
+with empty sums and a micro-batch count of 0, exactly where the uninterrupted run stands.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class GradientAccumulator:
 
         self.steps = int(steps)
         self.optimizer = model.optimizer
+        self._strategy = model.distribute_strategy
         self._vars = list(model.trainable_variables)
         self._index = {id(v): i for i, v in enumerate(self._vars)}
         on_read = dict(trainable=False, synchronization=tf.VariableSynchronization.ON_READ,
@@ -37,6 +40,11 @@ class GradientAccumulator:
             self._sums = [tf.Variable(tf.zeros(tuple(v.shape), v.dtype), name="keras_sync_gradient_sum", **on_read)
                           for v in self._vars]
             self._micro = tf.Variable(tf.constant(0, tf.int64), name="keras_sync_micro_batches", **on_read)
+
+    def pending(self) -> bool:
+        """True between two updates: micro-batches have been summed but not applied yet."""
+        micro = self._strategy.experimental_local_results(self._micro)[0]  # the same count on every replica
+        return int(micro.numpy()) % self.steps != 0
 
     def apply(self, apply_fn: Any, grads: list[Any], trainable_variables: Any) -> None:
         """Add ``grads`` to this replica's sums; on every N-th call, ``apply_fn`` their mean."""

@@ -134,11 +134,11 @@ def test_excepthook_turns_an_uncaught_lost_peer_error_into_one_line_exit_75() ->
 
 
 def _train(tmp: Path, name: str, *extra: str, backup: bool = True,
-           mlflow_uri: str | None = None) -> subprocess.CompletedProcess[str]:
+           mlflow_uri: str | None = None, accumulate: int = 1) -> subprocess.CompletedProcess[str]:
     mlflow = ({"tracking_uri": mlflow_uri, "experiment": "preempted", "spool_dir": str(tmp / "spool")}
               if mlflow_uri else {"enabled": False})
     cfg: dict = {"strategy": {"kind": "default"}, "batch": {"global": 32}, "mlflow": mlflow,
-                 "learning_rate": {"base": 0.01}}
+                 "learning_rate": {"base": 0.01}, "runtime": {"gradient_accumulation_steps": accumulate}}
     if backup:
         cfg["fault_tolerance"] = {"backup_dir": str(tmp / f"{name}_backup"), "save_freq": "epoch"}
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "KERAS_SYNC_CONFIG")}
@@ -195,3 +195,36 @@ def test_sigterm_without_backup_dir_ends_the_process_at_once(tmp_path: Path) -> 
     r = _train(tmp_path, "plain", "--term-at", "17", "--marker", str(tmp_path / "m"), backup=False)
     assert r.returncode == -signal.SIGTERM
     assert r.stdout.splitlines()[-1] == "sigterm before step 17"
+
+
+def _weights_diff(tmp: Path, a: str, b: str) -> float:
+    x, y = (json.loads((tmp / n / "w0.json").read_text()) for n in (a, b))
+    return max(float(np.max(np.abs(np.asarray(u) - np.asarray(v)))) for u, v in zip(x["weights"], y["weights"]))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_backups_wait_for_the_accumulated_update_so_sigterm_and_sigkill_resume_exactly(tmp_path: Path) -> None:
+    # Gradient accumulation 3 over 10-batch epochs: the optimizer updates after micro-batches 3, 6,
+    # 9, 12, ... The sums are not in the backup, so each save waits for an update: epoch 1 ends
+    # after micro-batch 10, its backup is taken after 12 (epoch 2, batch 2); epoch 2's after 21.
+    ref = _train(tmp_path, "ref", accumulate=3)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    # SIGTERM before update 5 (micro-batch 13): saved after micro-batch 15, the update, not 13.
+    term = ("--term-at", "5", "--marker", str(tmp_path / "term.marker"))
+    first = _train(tmp_path, "term", *term, accumulate=3)
+    assert first.returncode == PREEMPTED_EXIT_CODE, first.stderr[-3000:]
+    assert (f"keras-sync: SIGTERM: saved a backup in {tmp_path / 'term_backup'} at epoch 2, after batch 5 "
+            "(optimizer step 5); exiting with code 143.") in first.stderr
+    second = _train(tmp_path, "term", *term, accumulate=3)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert json.loads((tmp_path / "term" / "w0.json").read_text())["start"] == {"iterations": 5, "epoch": 1}
+    assert _weights_diff(tmp_path, "ref", "term") <= 1e-6
+    # SIGKILL at update 8 (micro-batch 24): the last backup is epoch 2's, taken after micro-batch 21.
+    kill = ("--kill-at", "8", "--marker", str(tmp_path / "kill.marker"))
+    killed = _train(tmp_path, "kill", *kill, accumulate=3)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    resumed = _train(tmp_path, "kill", *kill, accumulate=3)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads((tmp_path / "kill" / "w0.json").read_text())["start"] == {"iterations": 7, "epoch": 2}
+    assert _weights_diff(tmp_path, "ref", "kill") <= 1e-6

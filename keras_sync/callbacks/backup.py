@@ -91,11 +91,14 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._epoch = 0
         self._step = 0
         self._restore_metrics_from: str | None = None
+        self._deferred = False  # a scheduled save waits for gradient accumulation's next update
 
     # -- Keras hooks -----------------------------------------------------------------------
 
     def on_train_begin(self, logs: Any = None) -> None:
         import tensorflow as tf
+
+        self._deferred = False
 
         model = self.model
         if model.optimizer is not None and not model.optimizer.built:
@@ -154,8 +157,12 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         trained = batch + 1
         done, self._step = trained - self._step, trained
-        scheduled = self._schedule.after_batch(max(done, 1))
+        scheduled = self._schedule.after_batch(max(done, 1)) or self._deferred
         preempted = self._preemption is not None and self._preemption.save_due(self._iterations)
+        if (scheduled or preempted) and self._between_updates():
+            self._deferred = scheduled  # a SIGTERM's save stays due (save_due answers True again)
+            return
+        self._deferred = False
         if scheduled or preempted:
             self._save()
         if preempted:
@@ -165,6 +172,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._epoch, self._step = epoch + 1, 0
         scheduled = self._schedule.after_epoch()
         preempted = self._preemption is not None and self._preemption.save_due_at_epoch_end(self._iterations)
+        if (scheduled or preempted) and self._between_updates():
+            # An epoch that ends between two updates: the backup (and a SIGTERM's) moves to the
+            # first batch end of the next epoch that applies the sums.
+            self._deferred = self._deferred or scheduled
+            return
         if scheduled or preempted:
             self._save()
         if preempted:
@@ -192,6 +204,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None)
 
     # -- saving ----------------------------------------------------------------------------
+
+    def _between_updates(self) -> bool:
+        """True while gradient accumulation holds micro-batches not applied yet (a backup would lose them)."""
+        from keras_sync import _instrument
+
+        accumulator = getattr(_instrument._probes.get(self.model), "accumulator", None)
+        return accumulator is not None and accumulator.pending()
 
     def _iterations(self) -> int:
         return int(self.model.optimizer.iterations.numpy())
