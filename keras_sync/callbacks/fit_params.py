@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import keras
-
 from keras_sync import _autolog
-from keras_sync.callbacks import _reduce
+from keras_sync.callbacks._once import OncePerRun
 from keras_sync.callbacks._source_tags import source_tags
 
 MODEL_SUMMARY_ARTIFACT = "model_summary.txt"
@@ -15,7 +13,7 @@ MODEL_SUMMARY_ARTIFACT = "model_summary.txt"
 AUTOLOG_PARAMS = ("epochs", "steps_per_epoch", "batch_size")
 
 
-class FitParams(keras.callbacks.Callback):
+class FitParams(OncePerRun):
     """Log, once per run at the start of the first `fit`, what autolog would.
 
     - params ``epochs``, ``steps_per_epoch`` (None when the data does not tell), ``batch_size``
@@ -39,17 +37,11 @@ class FitParams(keras.callbacks.Callback):
 
     def __init__(self, writer: Any = None, *, per_replica_batch_size: int | None = None,
                  num_replicas: int | None = None):
-        super().__init__()
-        _reduce.check_writer(writer, "log_params")
-        self.writer = writer
+        super().__init__(writer)
         self.per_replica_batch_size = per_replica_batch_size
         self.num_replicas = num_replicas
-        self._done = False
 
-    def on_train_begin(self, logs: dict | None = None) -> None:
-        if self.writer is None or self._done:
-            return
-        self._done = True
+    def log_once(self) -> None:
         autolog = _autolog.keras_autolog_active()
         self.writer.set_tags(source_tags())
         params: dict[str, Any] = {}

@@ -6,7 +6,7 @@ from typing import Any
 
 import keras
 
-from keras_sync.callbacks import _reduce
+from keras_sync.callbacks._once import OncePerRun
 from keras_sync.tracking import redact_uri
 
 #: Tag naming where the config came from (a file path, ``<dict>`` or ``<defaults>``).
@@ -16,7 +16,7 @@ CONFIG_ARTIFACT = "keras_sync/config.yaml"
 CONFIG_PARAM_PREFIX = "config."
 
 
-class RunParams(keras.callbacks.Callback):
+class RunParams(OncePerRun):
     """Log the training setup once, at the start of the first `fit`.
 
     Params: ``sync.strategy``, ``sync.num_replicas``, ``sync.num_workers``,
@@ -35,16 +35,10 @@ class RunParams(keras.callbacks.Callback):
     """
 
     def __init__(self, writer: Any = None, sync: Any = None):
-        super().__init__()
-        _reduce.check_writer(writer, "log_params")
-        self.writer = writer
+        super().__init__(writer)
         self.sync = sync
-        self._done = False
 
-    def on_train_begin(self, logs: dict | None = None) -> None:
-        if self.writer is None or self._done:
-            return
-        self._done = True
+    def log_once(self) -> None:
         self.writer.log_params({**run_params(self.model, self.sync), **config_params(self.sync)})
         tags, text = config_tags(self.sync)
         if tags:
