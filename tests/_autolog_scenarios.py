@@ -15,31 +15,24 @@ tests/test_sync_report.py.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
-import traceback
 import warnings
 from pathlib import Path
 
 import numpy as np
 
 import keras_sync
+from _scenario import Results, close_run, run_mode
 
 MODE, OUT = sys.argv[1], Path(sys.argv[2])
-results: dict = {}
+results = Results()
+record = results.record
 rng = np.random.default_rng(0)
 X = rng.normal(size=(640, 8)).astype("float32")
 Y = (X @ rng.normal(size=(8, 1)) + 0.1 * rng.normal(size=(640, 1))).astype("float32")
 PROBE = X[:32]
-
-
-def record(name, fn):
-    try:
-        results[name] = fn()
-    except Exception as exc:  # keep the traceback for the test's message
-        results[name] = {"unexpected": type(exc).__name__, "message": str(exc), "tb": traceback.format_exc()}
 
 
 def make_model(sync, optimizer):
@@ -53,11 +46,7 @@ def make_model(sync, optimizer):
 
 
 def close(sync):
-    from keras_sync.callbacks._run import _writers, close_writer
-
-    writer = _writers[sync]
-    close_writer(sync, timeout_s=120)
-    return writer.run_id
+    return close_run(sync, timeout_s=120)
 
 
 def fit_and_close(sync, model, name, **kwargs):
@@ -154,11 +143,5 @@ def _local_predict(model):
 
 
 OUT.mkdir(parents=True, exist_ok=True)
-if MODE == "mirrored":
-    mirrored(sys.argv[3])
-elif MODE == "multi_worker":
-    multi_worker(sys.argv[3])
-else:
-    raise SystemExit(f"unknown mode {MODE!r}")
-with open(OUT / f"{MODE}.json", "w") as fh:
-    json.dump(results, fh, indent=1, default=str)
+run_mode({"mirrored": mirrored, "multi_worker": multi_worker}, MODE, *sys.argv[3:])
+results.dump(OUT / f"{MODE}.json")

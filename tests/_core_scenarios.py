@@ -7,28 +7,22 @@ exercises the session API; writes what it saw to OUT.json for tests/test_session
 
 from __future__ import annotations
 
-import json
 import sys
-import traceback
 import warnings
 
 import numpy as np
 
 import keras_sync
+from _scenario import Results
 
 N = int(sys.argv[1])
 OUT = sys.argv[2]
 GLOBAL_BATCH = 64
-results: dict = {"n": N}
+results = Results(n=N)
 
 
 def record(name, fn):
-    try:
-        results[name] = fn()
-    except keras_sync.KerasSyncError as exc:
-        results[name] = {"error": type(exc).__name__, "message": str(exc)}
-    except Exception as exc:  # a non-keras-sync error is a bug: keep the traceback for the test output
-        results[name] = {"unexpected": type(exc).__name__, "message": str(exc), "tb": traceback.format_exc()}
+    results.record(name, fn, expected=(keras_sync.KerasSyncError,))
 
 
 base = {
@@ -170,5 +164,4 @@ else:
     record("too_late", lambda: keras_sync.load({**base, "strategy": {"kind": "mirrored", "simulated_cpu_replicas": 2}}))
     record("tpu", lambda: keras_sync.load({**base, "strategy": {"kind": "tpu", "tpu": {"name": "local"}}}))
 
-with open(OUT, "w") as fh:
-    json.dump(results, fh, indent=1)
+results.dump(OUT)

@@ -14,28 +14,21 @@ Writes what it saw to OUT.json for tests/test_sync_metrics.py.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import traceback
 import warnings
 
 import numpy as np
 
 import keras_sync
+from _scenario import Results, close_run, run_mode
 
 MODE, OUT = sys.argv[1], sys.argv[2]
-results: dict = {}
+results = Results()
+record = results.record
 rng = np.random.default_rng(0)
 X = rng.normal(size=(640, 8)).astype("float32")
 Y = (X @ rng.normal(size=(8, 1)) + 0.1 * rng.normal(size=(640, 1))).astype("float32")
-
-
-def record(name, fn):
-    try:
-        results[name] = fn()
-    except Exception as exc:  # keep the traceback for the test's message
-        results[name] = {"unexpected": type(exc).__name__, "message": str(exc), "tb": traceback.format_exc()}
 
 
 def make_model(sync, cls=None):
@@ -54,12 +47,7 @@ def flat(model):
 
 
 def close(sync):
-    """End the sync's MLflow run and return its id (the writer's thread creates the run lazily)."""
-    from keras_sync.callbacks._run import _writers, close_writer
-
-    writer = _writers[sync]
-    close_writer(sync, timeout_s=60)
-    return writer.run_id
+    return close_run(sync, timeout_s=60)
 
 
 def mirrored(tracking_uri: str, server_config: str) -> None:
@@ -203,15 +191,6 @@ def multi_worker(config: str) -> None:
         results["run_id"] = close(sync)
 
 
-if MODE == "mirrored":
-    mirrored(sys.argv[3], sys.argv[4])
-elif MODE == "single":
-    single(sys.argv[3])
-elif MODE == "multi_worker":
-    multi_worker(sys.argv[3])
-else:
-    raise SystemExit(f"unknown mode {MODE!r}")
-
+run_mode({"mirrored": mirrored, "single": single, "multi_worker": multi_worker}, MODE, *sys.argv[3:])
 if MODE != "multi_worker" or results.get("chief"):
-    with open(OUT, "w") as fh:
-        json.dump(results, fh, indent=1, default=str)
+    results.dump(OUT)

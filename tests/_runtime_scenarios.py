@@ -13,20 +13,20 @@ The workers build ONE MultiWorkerMirroredStrategy and train every model under it
 
 from __future__ import annotations
 
-import json
 import sys
-import traceback
 
 import numpy as np
 
 import keras_sync
+from _scenario import Results
 
 MODE, OUT = sys.argv[1], sys.argv[-1]
 N = int(sys.argv[2]) if MODE == "replicas" else 0
 _rest = sys.argv[3 if MODE == "replicas" else 2:-1]
 TRACKING_URI = _rest[0] if _rest else None
 GLOBAL_BATCH = 64
-results: dict = {}
+results = Results()
+record = results.record
 rng = np.random.default_rng(0)
 X = rng.normal(size=(512, 8)).astype("float32")
 Y = (X @ rng.normal(size=(8, 1)) + 0.1 * rng.normal(size=(512, 1))).astype("float32")
@@ -64,13 +64,6 @@ def load(cfg):
 
 import keras  # noqa: E402  (after load: devices and cluster are set up by then)
 import tensorflow as tf  # noqa: E402
-
-
-def record(name, fn):
-    try:
-        results[name] = fn()
-    except Exception as exc:  # keep the traceback for the test's message
-        results[name] = {"unexpected": type(exc).__name__, "message": str(exc), "tb": traceback.format_exc()}
 
 
 def flat(model):
@@ -299,5 +292,4 @@ if N > 1:
 
 if MODE == "replicas" or SYNC.is_chief:
     results.update(num_replicas=SYNC.num_replicas, num_workers=SYNC.num_workers)
-    with open(OUT, "w") as fh:
-        json.dump(results, fh)
+    results.dump(OUT)
