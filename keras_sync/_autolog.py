@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
+
+from keras_sync._env import environ_restored
 
 log = logging.getLogger("keras_sync")
 
@@ -76,28 +77,18 @@ def shared_run(writer: Any, tracking_uri: str, *, is_chief: bool = True) -> Iter
         yield
         return
     previous_uri = mlflow.get_tracking_uri()
-    # mlflow.set_tracking_uri also writes $MLFLOW_TRACKING_URI (MLflow 3): put back the user's
-    # value exactly, else a later keras_sync.load() in this process reads it as theirs.
-    previous_env = os.environ.get("MLFLOW_TRACKING_URI")
-
-    def restore() -> None:
-        mlflow.set_tracking_uri(previous_uri)
-        if previous_env is None:
-            os.environ.pop("MLFLOW_TRACKING_URI", None)
-        else:
-            os.environ["MLFLOW_TRACKING_URI"] = previous_env
-
-    mlflow.set_tracking_uri(tracking_uri)  # autolog logs through the fluent API: to keras-sync's store
-    try:
-        mlflow.start_run(run_id=writer.run_id)
-    except Exception:
-        restore()
-        raise
-    try:
-        yield
-    finally:
-        # The run is FINISHED until the next fit resumes it; keras-sync's writer ends it again,
-        # with the job's real end time and status, when the job ends.
-        with contextlib.suppress(Exception):
-            mlflow.end_run()
-        restore()
+    # mlflow.set_tracking_uri also writes $MLFLOW_TRACKING_URI (MLflow 3): the user's value is put
+    # back exactly, else a later keras_sync.load() in this process reads it as theirs.
+    with environ_restored("MLFLOW_TRACKING_URI"):
+        mlflow.set_tracking_uri(tracking_uri)  # autolog logs through the fluent API: to keras-sync's store
+        try:
+            mlflow.start_run(run_id=writer.run_id)
+            try:
+                yield
+            finally:
+                # The run is FINISHED until the next fit resumes it; keras-sync's writer ends it
+                # again, with the job's real end time and status, when the job ends.
+                with contextlib.suppress(Exception):
+                    mlflow.end_run()
+        finally:
+            mlflow.set_tracking_uri(previous_uri)

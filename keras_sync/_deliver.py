@@ -22,6 +22,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from keras_sync._env import environ_restored
+
 _log = logging.getLogger("keras_sync.tracking")
 
 # MLflow reads its HTTP retry settings from the environment on every request. Retrying is ours
@@ -52,17 +54,9 @@ def fast_fail_env(tracking_uri: str, timeout_s: int) -> Iterator[None]:
         return
     wanted = dict(_FAST_FAIL_ENV, MLFLOW_HTTP_REQUEST_TIMEOUT=str(max(1, int(timeout_s))),
                   MLFLOW_TRACKING_URI=tracking_uri)
-    with _ENV_LOCK:
-        saved = {k: os.environ.get(k) for k in wanted}
+    with _ENV_LOCK, environ_restored(*wanted):
         os.environ.update(wanted)
-        try:
-            yield
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        yield
 
 
 def is_transient(exc: BaseException) -> bool:
