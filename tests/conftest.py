@@ -72,6 +72,22 @@ class MlflowServer:
         self.start()
 
 
+# Modules that share a session fixture run in one pytest-xdist group (the fixture then runs once).
+_XDIST_GROUPS = {"test_model_logging": "autolog_runs", "test_sync_report": "autolog_runs"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`-n 2 --dist loadgroup`), one worker runs a whole module.
+
+    Module fixtures (one TensorFlow process group per module: the expensive part) then run once,
+    and the modules that share `autolog_runs` stay together. Without xdist this only adds a mark.
+    """
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            module = item.module.__name__.rpartition(".")[2] if item.module else item.nodeid
+            item.add_marker(pytest.mark.xdist_group(_XDIST_GROUPS.get(module, module)))
+
+
 # Variables keras-sync reads over its YAML (or TensorFlow reads for the cluster): a test that leaves
 # one changed in the pytest process silently redirects every later test's training subprocess
 # (MLflow 3's `set_tracking_uri` writes MLFLOW_TRACKING_URI; CI lost 3 tests to that once).

@@ -20,8 +20,9 @@ def test_readme_starts_with_install_and_test_commands():
 
 
 def test_ci_runs_the_readme_test_command():
+    # .ci/run notes the main suite's exit code (the compatibility lanes run beside it) and ends with both.
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
-    assert ci[-1] == bash_blocks()[1].strip()
+    assert f"{bash_blocks()[1].strip()} || main=$?" in ci
 
 
 def test_readme_names_every_public_api_entry():
