@@ -5,6 +5,9 @@ Usage:
                                                           N simulated CPU replicas (1: one device)
     keras-sync launch --workers 2 _runtime_scenarios.py workers [TRACKING_URI] OUT.json
                                                           2 workers x 1 CPU (MWMS); the chief writes
+    keras-sync launch --workers 2 _runtime_scenarios.py workers_x2 OUT.json
+                                                          2 workers x 2 simulated CPU replicas (MWMS over
+                                                          4 replicas): steps_per_execution and accumulation only
 Every scenario trains the same model from the same seed on the same global batches and records its
 final weights (and what keras-sync saw), so tests/test_runtime.py compares layouts with one device.
 With TRACKING_URI the steps_per_execution scenario logs its sync metrics there.
@@ -21,7 +24,8 @@ import keras_sync
 from _scenario import Results
 
 MODE, OUT = sys.argv[1], sys.argv[-1]
-N = int(sys.argv[2]) if MODE == "replicas" else 0
+WORKERS = MODE.startswith("workers")
+N = int(sys.argv[2]) if MODE == "replicas" else 2 if MODE == "workers_x2" else 0
 _rest = sys.argv[3 if MODE == "replicas" else 2:-1]
 TRACKING_URI = _rest[0] if _rest else None
 GLOBAL_BATCH = 64
@@ -33,8 +37,8 @@ Y = (X @ rng.normal(size=(8, 1)) + 0.1 * rng.normal(size=(512, 1))).astype("floa
 
 
 def config(**runtime):
-    if MODE == "workers":
-        strategy = {"kind": "multi_worker_mirrored"}
+    if WORKERS:
+        strategy = {"kind": "multi_worker_mirrored", **({"simulated_cpu_replicas": N} if N else {})}
     elif N > 1:
         strategy = {"kind": "mirrored", "simulated_cpu_replicas": N}
     else:
@@ -53,7 +57,7 @@ def load(cfg):
     (Several MWMS strategies in one process made later fits fail here with collective errors
     between the workers: "Delete called on non-empty BufRendezvous"; one strategy per process.)
     """
-    if MODE != "workers":
+    if not WORKERS:
         return keras_sync.load(cfg)
     import types
 
@@ -156,7 +160,8 @@ def custom_steps():
     return out
 
 
-record("custom_steps", custom_steps)
+if MODE != "workers_x2":
+    record("custom_steps", custom_steps)
 
 
 # -- runtime section (issue 13) --------------------------------------------------------------------
@@ -219,7 +224,7 @@ def sync_bn():
         model = bn_model(s)
         s.fit(model, X, Y, epochs=2, shuffle=False, verbose=0)
         out["on" if on else "off"] = {"weights": flat(model), "synchronized": bool(model.layers[1].synchronized)}
-        if MODE == "workers":
+        if WORKERS:
             break
     return out
 
@@ -283,9 +288,10 @@ def step_dtypes():
 
 record("spe", lambda: spe(TRACKING_URI))
 record("accumulation", accumulation)
-record("sync_bn", sync_bn)
-record("jit", jit)
-if N > 1:
+if MODE != "workers_x2":
+    record("sync_bn", sync_bn)
+    record("jit", jit)
+if N > 1 and not WORKERS:
     record("mixed", mixed)
     keras.mixed_precision.set_dtype_policy("float32")
     record("dtypes", step_dtypes)

@@ -140,6 +140,8 @@ def runs(tmp_path_factory):
         # keras-sync launch: 2 workers, ONE MultiWorkerMirroredStrategy each, every scenario trained under it.
         "workers": [KERAS_SYNC, "launch", "--workers", "2", script, "workers", tracking["workers"],
                     str(out / "workers.json")],
+        # 2 workers x 2 simulated replicas each: 4 replicas over 2 processes (spe and accumulation only).
+        "workers_x2": [KERAS_SYNC, "launch", "--workers", "2", script, "workers_x2", str(out / "workers_x2.json")],
     }
     procs = {name: subprocess.Popen(cmd, cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for name, cmd in cmds.items()}
@@ -224,8 +226,13 @@ def test_steps_per_execution_4_equals_1_on_two_replicas_and_on_two_workers(runs)
         assert res["spe"] == 4 and res["iterations"] == 16, layout
         assert _diff(res["weights"], runs[layout]["custom_steps"]["keras"]["weights"]) <= TOLERANCE, layout
         assert _diff(res["weights"], one_spe_1) <= TOLERANCE, layout
-    # Multi-worker (keras-team/keras#19246): 2 workers through keras-sync launch, one replica each.
+    # Multi-worker (keras-team/keras#19246): 2 workers through keras-sync launch, one replica each,
+    # and 2 workers x 2 simulated replicas (4 replicas in sync, 16 examples each).
     assert runs["workers"]["num_workers"] == 2 and runs["workers"]["num_replicas"] == 2
+    x2 = _ok(runs["workers_x2"]["spe"])
+    assert runs["workers_x2"]["num_workers"] == 2 and runs["workers_x2"]["num_replicas"] == 4
+    assert "error" not in x2 and x2["spe"] == 4 and x2["iterations"] == 16, x2
+    assert _diff(x2["weights"], one_spe_1) <= TOLERANCE
 
 
 @pytest.mark.slow
@@ -249,7 +256,7 @@ def test_steps_per_execution_4_logs_a_point_at_every_optimizer_step(runs, layout
 @pytest.mark.slow
 @pytest.mark.timeout(1600)
 def test_gradient_accumulation_2_x_8_equals_16_with_sgd_and_adam(runs):
-    for layout in ("one", "two", "workers"):
+    for layout in ("one", "two", "workers", "workers_x2"):
         res = _ok(runs[layout]["accumulation"])
         for opt in ("sgd", "adam"):
             acc, ref = res[f"{opt}_acc"], res[f"{opt}_ref"]
