@@ -249,6 +249,7 @@ def test_two_tensorflow_workers_all_reduce_over_the_launchers_tf_config(capsys: 
 
 
 @pytest.mark.slow
+@pytest.mark.compat  # 2 workers through launch, exact resume after SIGKILL, one MLflow run: on every stack
 @pytest.mark.timeout(1500)
 def test_max_restarts_resumes_a_sigkilled_worker_exactly_in_one_mlflow_run(tmp_path: Path) -> None:
     """`launch --workers 2 --max-restarts 1`, worker 1 SIGKILLed after step 17 on the first try only."""

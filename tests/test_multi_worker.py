@@ -83,7 +83,6 @@ def two_workers(tmp_module: Path) -> dict:
     return {"w0": result(tmp_module / "two", 0), "w1": result(tmp_module / "two", 1)}
 
 
-@pytest.mark.compat
 @pytest.mark.timeout(900)  # two TF workers twice plus an MLflow import: 200 s was exceeded at load ~30
 def test_two_workers_via_console_script_equal_one_process(one_process: dict, two_workers: dict) -> None:
     assert one_process["num_replicas"] == 1
@@ -205,7 +204,6 @@ def test_sigkill_non_chief_mid_epoch_resumes_exactly(tmp_module: Path, two_worke
     assert not re.search(r"^\[w0\] step \d+ epoch 1 batch [0-3]$", resumed["stdout"], re.M)
 
 
-@pytest.mark.compat
 @pytest.mark.timeout(900)  # two TF workers twice plus an MLflow import: 200 s was exceeded at load ~30
 def test_sigkill_chief_mid_epoch_resumes_exactly(tmp_module: Path, two_workers: dict) -> None:
     # Saved every 5 batches: step 15 = epoch 1 after 7 of its 8 batches; killed at step 19 (epoch 2).
