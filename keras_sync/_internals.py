@@ -54,10 +54,10 @@ _NAMES = {"keras": "Keras", "tensorflow": "TensorFlow", "mlflow": "MLflow"}
 TESTED = ", ".join(f"{_NAMES[name]} {lo}-{hi}" for name, (lo, hi, _) in RANGES.items())
 
 
-def _spec(library: str, floor: str | None = None) -> str:
-    """``keras>=3.10,<3.16`` (or from ``floor``)."""
+def _spec(library: str, floor: str | None = None, *, distribution: str | None = None) -> str:
+    """``keras>=3.10,<3.16`` (or from ``floor``; ``distribution`` names the pip package, e.g. tensorflow-cpu)."""
     lo, _, ceiling = RANGES[library]
-    return f"{library}>={floor or lo},<{ceiling}"
+    return f"{distribution or library}>={floor or lo},<{ceiling}"
 
 
 # The fix for each library. TensorFlow is not named by distribution: "tensorflow" would add a
@@ -65,7 +65,7 @@ def _spec(library: str, floor: str | None = None) -> str:
 PIN = {
     "keras": f'pip install "{_spec("keras")}"',
     "tensorflow": f"install TensorFlow {RANGES['tensorflow'][0]}-{RANGES['tensorflow'][1]} of the distribution "
-                  f'you use (e.g. pip install "{_spec("tensorflow").replace("tensorflow", "tensorflow-cpu")}")',
+                  f'you use (e.g. pip install "{_spec("tensorflow", distribution="tensorflow-cpu")}")',
     "mlflow": f'pip install "{_spec("mlflow")}"',
 }
 
