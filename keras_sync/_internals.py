@@ -40,6 +40,8 @@ FEATURES: dict[str, tuple[str, str]] = {
                      "or remove fault_tolerance.backup_dir"),
     "per_replica_metrics": ("per-replica loss and gradient norm (sync/replica_*)",
                             "or set mlflow.enabled: false"),
+    "end_of_data": ("one optimizer step per batch on a dataset of unknown length",
+                    "or give the dataset its length (dataset.apply(tf.data.experimental.assert_cardinality(n)))"),
     "system_metrics": ("MLflow system metrics (mlflow.system_metrics: true)",
                        "or set mlflow.system_metrics: false"),
 }
@@ -182,6 +184,21 @@ def _coordination_fields(*names: str) -> Callable[[], str | None]:
     return probe
 
 
+def nested_code(path: str, name: str) -> CodeType | None:
+    """The code of the function ``name`` defined inside the function at ``path`` (None if none)."""
+    for c in inspect.unwrap(_get(path)).__code__.co_consts:
+        if isinstance(c, CodeType) and c.co_name == name:
+            return c
+    return None
+
+
+def _end_of_data() -> str | None:
+    code = nested_code(MAKE_FUNCTION, "function")
+    if code is None or "one_step_on_data" not in code.co_freevars:
+        return f"`{MAKE_FUNCTION}` no longer returns a `function` closing over `one_step_on_data`"
+    return None
+
+
 def _monitors() -> str | None:
     for module, cls in (("cpu", "CPU"), ("disk", "Disk"), ("network", "Network")):
         missing = has_attrs(f"{_SYSTEM}.{module}_monitor:{cls}Monitor",
@@ -198,6 +215,8 @@ _MW_UTIL = "tensorflow.python.distribute.multi_worker_util"
 _SYSTEM = "mlflow.system_metrics.metrics"
 _KERAS_20585 = "keras-team/keras#20585 (Keras 3 fit under MultiWorkerMirroredStrategy)"
 
+MAKE_FUNCTION = f"{_TRAINER}:TensorFlowTrainer._make_function"
+END_OF_DATA = f"{MAKE_FUNCTION}.<locals>.function"
 BARRIER = f"{_CONTEXT}:coordination_config_pb2.CoordinationServiceConfig.cluster_register_with_barrier"
 
 REGISTRY: tuple[Internal, ...] = (
@@ -224,6 +243,11 @@ REGISTRY: tuple[Internal, ...] = (
              "the multi-step loop must get its one-step function through _autoconvert_optionals",
              looks_up(f"{_TRAINER}:TensorFlowTrainer._make_function", "_autoconvert_optionals", "function",
                       "steps_per_execution", "while_loop"), since="3.12"),
+    # _keras_compat.py apply_end_of_data_fix: no extra step past the end of an unknown-cardinality dataset.
+    Internal(END_OF_DATA, "end_of_data",
+             "Keras 3.10-3.15 end an unknown-cardinality epoch by running a step past the end, which moves "
+             "optimizer.iterations (fixed on Keras master, keras-team/keras#23179); the one-step function is "
+             "taken from its closure", _end_of_data, fallback=True),
     # _multi_worker.py: local devices per worker and the bounded join (no constructor argument for either).
     Internal(f"{_CARS}:CollectiveAllReduceExtended._initialize_local_devices", "multi_worker_strategy",
              "TF's hook that picks local devices (TODO b/126786766); no argument gives CPUs",

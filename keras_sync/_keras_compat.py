@@ -9,6 +9,7 @@ Keras import at module import time.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -137,6 +138,84 @@ def _apply_multi_step_fix() -> None:
 
     setattr(_autoconvert_optionals, _PATCH_MARK, True)
     cls._autoconvert_optionals = _autoconvert_optionals
+
+
+_END_OF_DATA_MARK = "_keras_sync_end_of_data_fix"
+
+
+def _closure_value(function: Any, name: str) -> Any:
+    """The value a nested function closes over under ``name`` (None if it does not)."""
+    code = getattr(function, "__code__", None)
+    names = code.co_freevars if code is not None else ()
+    if name not in names or function.__closure__ is None:
+        return None
+    return function.__closure__[names.index(name)].cell_contents
+
+
+def apply_end_of_data_fix() -> bool:
+    """Stop Keras from running a step past the end of an unknown-cardinality dataset.
+
+    With ``steps_per_execution == 1``, Keras 3.10-3.15 (`TensorFlowTrainer._make_function`)
+    learns that a dataset whose length it does not know (``from_generator``, ``rebatch``,
+    ``filter``...) has ended by running one more train step on ``iterator.get_next()`` and
+    catching ``OutOfRangeError``. The ops of that step that do not read the batch still run:
+    ``optimizer.iterations`` and every dropout seed move by one per epoch (measured: 17
+    optimizer steps per 16-batch epoch on the default strategy, plain Keras 3.15.1). The
+    learning-rate schedule, warmup, gradient-accumulation boundaries and the step a backup
+    records all drift from the batches really trained on, silently. Fixed upstream on Keras
+    master (keras-team/keras#23179, July 2026: ``get_next_as_optional`` first, no step at the
+    end); no release had it when this was written.
+
+    We do what that fix does, around Keras's own one-step function (taken from the closure of
+    the function `_make_function` returns, so the step, its tracing and XLA flag are Keras's):
+    ask the iterator for an optional batch, raise StopIteration when there is none, else run
+    the step. A Keras whose function already asks for optionals (the fix) is left alone; one
+    whose closure has moved keeps its own behaviour (probe: ``_internals`` feature
+    ``end_of_data``). Applies to every strategy; under `MultiWorkerMirroredStrategy`
+    ``get_next_as_optional`` agrees on the end across workers, as Keras's multi-step path does.
+
+    Returns:
+        True when the fix is active, False when this Keras does not need it or cannot take it.
+    """
+    from keras_sync import _internals
+
+    if not _internals.available(_internals.END_OF_DATA):
+        logger.info("keras-sync: this Keras's train function has moved; an unknown-cardinality dataset may "
+                    "advance optimizer.iterations once per epoch (keras-team/keras#23179)")
+        return False
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    cls = tf_trainer.TensorFlowTrainer
+    if getattr(cls._make_function, _END_OF_DATA_MARK, False):
+        return True
+    keras_function = _internals.nested_code(_internals.MAKE_FUNCTION, "function")
+    if keras_function is not None and "get_next_as_optional" in keras_function.co_names:
+        return False  # this Keras has the upstream fix
+    original = cls._make_function
+
+    @functools.wraps(original)  # the probes read Keras's code through __wrapped__
+    def _make_function(self: Any, step_function: Any) -> Any:
+        function = original(self, step_function)
+        one_step = _closure_value(function, "one_step_on_data")
+        if one_step is None:
+            return function
+        import tensorflow as tf
+
+        iterators = (tf.data.Iterator, tf.distribute.DistributedIterator)
+
+        def function_stopping_at_end(iterator: Any) -> Any:
+            if int(self.steps_per_execution or 1) != 1 or not isinstance(iterator, iterators):
+                return function(iterator)
+            batch = iterator.get_next_as_optional()
+            if not batch.has_value():
+                raise StopIteration
+            return one_step(batch.get_value())
+
+        return function_stopping_at_end
+
+    setattr(_make_function, _END_OF_DATA_MARK, True)
+    cls._make_function = _make_function
+    return True
 
 
 def check_steps_per_execution(model: Any, strategy: Any) -> None:

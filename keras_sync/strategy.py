@@ -340,4 +340,8 @@ def build_strategy(config: Config, environ: Mapping[str, str] | None = None) -> 
     """Build the configured `tf.distribute.Strategy` (call before any other TensorFlow work)."""
     require_tensorflow()
     detection = detect(config, environ)
-    return BUILDERS[detection.kind](config), detection
+    strategy = BUILDERS[detection.kind](config)
+    from keras_sync import _keras_compat
+
+    _keras_compat.apply_end_of_data_fix()  # every kind: Keras's extra step at the end of unknown-length data
+    return strategy, detection

@@ -25,6 +25,18 @@ def test_every_required_probe_holds_on_the_installed_stack():
     assert not failed, failed
 
 
+@pytest.mark.compat
+def test_the_end_of_data_fix_applies_to_the_installed_keras():
+    # Keras 3.10-3.15 run a step past the end of an unknown-length dataset (keras-team/keras#23179);
+    # the fix must take on every Keras the ranges allow, or that silent extra step is back.
+    from keras_sync import _keras_compat
+
+    assert _internals.available(_internals.END_OF_DATA)
+    assert _keras_compat.apply_end_of_data_fix() is True
+    assert _keras_compat.apply_end_of_data_fix() is True  # once; the probe reads Keras's code through the wrapper
+    assert _internals.available(_internals.END_OF_DATA)
+
+
 def test_an_internal_newer_than_the_installed_library_refuses_its_feature_with_the_floor(monkeypatch):
     import dataclasses
 
