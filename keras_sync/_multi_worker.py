@@ -58,9 +58,7 @@ def local_cpu_devices() -> list[str]:
 
 
 def _normalize_devices(local_devices: list[str]) -> tuple[list[str], str]:
-    """``"/job:localhost/.../device:CPU:1"`` or ``"cpu:1"`` -> ``"CPU:1"``; one device type only."""
-    import tensorflow as tf
-
+    """``"/job:localhost/.../device:CPU:1"`` or ``"cpu:1"`` -> ``"CPU:1"`` (`_devices.canonical`); one device type only."""
     if isinstance(local_devices, str) or not local_devices:
         raise StrategyError(
             "Invalid value for argument `local_devices`. "
@@ -68,21 +66,9 @@ def _normalize_devices(local_devices: list[str]) -> tuple[list[str], str]:
             'Expected a non-empty list of device names such as ["CPU:0", "CPU:1"], '
             "or None for TensorFlow's default (all GPUs, else CPU:0)."
         )
-    names: list[str] = []
-    for d in local_devices:
-        try:
-            spec = tf.DeviceSpec.from_string(d if "/" in d or ":" not in d else f"/device:{d}")
-        except ValueError as e:
-            raise StrategyError(
-                f"Invalid device name in argument `local_devices`. Received: {d!r}. "
-                'Expected names such as "CPU:0" or "/device:GPU:1".'
-            ) from e
-        if not spec.device_type or spec.device_index is None:
-            raise StrategyError(
-                f"Invalid device name in argument `local_devices`. Received: {d!r}. "
-                'Expected a type and an index, such as "CPU:0" or "GPU:1".'
-            )
-        names.append(f"{spec.device_type.upper()}:{spec.device_index}")
+    from keras_sync._devices import canonical
+
+    names = [canonical(d, where="argument `local_devices`") for d in local_devices]
     types = {n.split(":")[0] for n in names}
     if len(types) != 1:
         raise StrategyError(

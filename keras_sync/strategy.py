@@ -215,25 +215,16 @@ def _local_devices(kind: str, cfg: StrategyConfig) -> tuple[DeviceLayout, int]:
         n_gpus = len(tf.config.list_physical_devices("GPU"))
     layout = device_layout(kind, cfg, gpus=n_gpus)
     if layout.source == "strategy.devices":
-        known = {_short(d.name): d.name for d in tf.config.list_logical_devices()}
+        from keras_sync._devices import canonical
+
+        known = {canonical(d.name, where="TensorFlow's devices"): d.name for d in tf.config.list_logical_devices()}
         for dev in layout.devices:
-            if _short(dev) not in known:
+            if canonical(dev, where="strategy.devices") not in known:
                 raise StrategyError(
                     f"Invalid value for strategy.devices. Received: {dev!r}. Expected devices TensorFlow sees "
                     f"here: {', '.join(sorted(known))}."
                 )
     return layout, n_gpus
-
-
-def _short(dev: str) -> str:
-    """'/job:localhost/replica:0/task:0/device:CPU:1', '/cpu:1', 'CPU:1' -> '/cpu:1'."""
-    import tensorflow as tf
-
-    try:
-        spec = tf.DeviceSpec.from_string(dev.strip() if dev.strip().startswith("/") else "/" + dev.strip())
-    except (ValueError, TypeError):
-        return dev.strip().lower()
-    return f"/{(spec.device_type or '').lower()}:{spec.device_index if spec.device_index is not None else 0}"
 
 
 def _build_default(config: Config) -> tf.distribute.Strategy:

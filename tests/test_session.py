@@ -124,7 +124,7 @@ def test_cross_device_ops_reach_tensorflow(runs):
 def test_devices_are_checked(runs):
     assert runs[4]["unknown_device"]["message"] == (
         "Invalid value for strategy.devices. Received: '/gpu:7'. Expected devices TensorFlow sees here: "
-        "/cpu:0, /cpu:1, /cpu:2, /cpu:3.")
+        "CPU:0, CPU:1, CPU:2, CPU:3.")
     assert runs[4]["explicit_devices"] == 2
 
 
