@@ -41,6 +41,13 @@ def test_writer_without_the_logging_method_is_a_usage_error():
         _reduce.check_writer("w", "log_metrics")
 
 
+def test_loss_spread_is_absolute():
+    assert _reduce.loss_spread([0.5, 0.75, 0.25]) == 0.5
+    assert _reduce.loss_spread([0.001, 0.002]) == pytest.approx(0.001)  # a ratio would say 0.67 here
+    assert math.isnan(_reduce.loss_spread([]))
+    assert "sync/loss_spread" not in _reduce.replica_metrics([0.5, float("nan")], [1.0, 2.0])
+
+
 def test_grad_norm_spread():
     assert _reduce.grad_norm_spread([1.0, 3.0]) == 1.0
     assert _reduce.grad_norm_spread([2.0, 2.0]) == 0.0
@@ -142,7 +149,7 @@ def _ok(result):
 
 
 PER_STEP = ["sync/replica_0/loss", "sync/replica_1/loss", "sync/replica_0/grad_norm", "sync/replica_1/grad_norm",
-            "sync/grad_norm_spread", "sync/step_time_ms", "sync/examples_per_sec",
+            "sync/loss_spread", "sync/grad_norm_spread", "sync/step_time_ms", "sync/examples_per_sec",
             "sync/examples_per_sec_per_replica", "sync/learning_rate", "loss", "mae"]
 
 
@@ -172,6 +179,8 @@ def test_per_replica_losses_average_to_keras_loss(runs):
     spread = dict(_history(c, rid, "sync/grad_norm_spread"))
     g0, g1 = dict(_history(c, rid, "sync/replica_0/grad_norm")), dict(_history(c, rid, "sync/replica_1/grad_norm"))
     assert spread[2] == pytest.approx(abs(g0[2] - g1[2]) / ((g0[2] + g1[2]) / 2), rel=1e-6)
+    losses = dict(_history(c, rid, "sync/loss_spread"))
+    assert losses[2] == pytest.approx(abs(r0[2] - r1[2]), rel=1e-5) and losses[2] > 0
 
 
 def test_runs_longer_than_the_probe_ring_log_every_step_with_its_own_values(runs):
@@ -325,5 +334,6 @@ def test_default_strategy_with_xla_is_bit_identical_and_logged(runs):
     for key in ("sync/replica_0/loss", "sync/replica_0/grad_norm", "sync/learning_rate", "sync/step_time_ms"):
         assert [s for s, _ in _history(c, r["run_id"], key)] == list(range(1, 41)), key
     assert set(_history(c, r["run_id"], "sync/grad_norm_spread")) == {(s, 0.0) for s in range(1, 41)}
+    assert set(_history(c, r["run_id"], "sync/loss_spread")) == {(s, 0.0) for s in range(1, 41)}
     assert dict(_history(c, r["run_id"], "sync/learning_rate"))[40] == pytest.approx(0.01)
     assert c.get_run(r["run_id"]).data.params["sync.devices"].endswith("CPU:0")

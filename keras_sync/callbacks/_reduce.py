@@ -45,6 +45,22 @@ def grad_norm_spread(norms: Sequence[float]) -> float:
     return (max(norms) - min(norms)) / mean
 
 
+def loss_spread(losses: Sequence[float]) -> float:
+    """How far apart the replicas' own losses are, in loss units: ``max - min``.
+
+    Absolute, not relative like `grad_norm_spread`: a loss falls towards 0 and a ratio to it
+    would grow without meaning. 0 on one replica or equal shards; NaN without losses.
+
+    >>> loss_spread([0.5, 0.75, 0.25])
+    0.5
+    >>> loss_spread([0.3])
+    0.0
+    """
+    if not losses:
+        return math.nan
+    return max(losses) - min(losses)
+
+
 def crossed_log_step(prev_step: int, step: int, every: int) -> bool:
     """True when the global step moved past a multiple of ``every`` (steps are 1-based).
 
@@ -72,19 +88,22 @@ def throughput(examples: float, seconds: float, num_replicas: int) -> dict[str, 
 
 
 def replica_metrics(losses: Sequence[float], grad_norms: Sequence[float]) -> dict[str, float]:
-    """The per-replica metric names and values, plus the grad-norm spread.
+    """The per-replica metric names and values, plus the loss and grad-norm spreads.
 
     Replica ``i`` is the ``i``-th replica of the whole job (worker 0's replicas first). NaN
     entries (a value that was not measured) are left out.
 
-    >>> replica_metrics([0.5, 0.7], [1.0, 3.0])  # doctest: +NORMALIZE_WHITESPACE
-    {'sync/replica_0/loss': 0.5, 'sync/replica_1/loss': 0.7, 'sync/replica_0/grad_norm': 1.0,
-     'sync/replica_1/grad_norm': 3.0, 'sync/grad_norm_spread': 1.0}
+    >>> replica_metrics([0.5, 0.75], [1.0, 3.0])  # doctest: +NORMALIZE_WHITESPACE
+    {'sync/replica_0/loss': 0.5, 'sync/replica_1/loss': 0.75, 'sync/loss_spread': 0.25,
+     'sync/replica_0/grad_norm': 1.0, 'sync/replica_1/grad_norm': 3.0, 'sync/grad_norm_spread': 1.0}
     """
     out: dict[str, float] = {}
     for i, v in enumerate(losses):
         if not math.isnan(v):
             out[f"sync/replica_{i}/loss"] = float(v)
+    finite_losses = [float(v) for v in losses if not math.isnan(v)]
+    if len(finite_losses) == len(losses) and finite_losses:
+        out["sync/loss_spread"] = loss_spread(finite_losses)
     finite = [float(v) for v in grad_norms if not math.isnan(v)]
     for i, v in enumerate(grad_norms):
         if not math.isnan(v):

@@ -26,6 +26,7 @@ class SyncMetrics(keras.callbacks.Callback):
     - ``sync/replica_{i}/grad_norm``: the global norm of replica ``i``'s local gradient before
       the all-reduce, scaled like the loss (the gradient of the replica's own mean loss; the
       optimizer applies the mean of these gradients);
+    - ``sync/loss_spread``: ``max - min`` of the replicas' losses (loss units);
     - ``sync/grad_norm_spread``: ``(max - min) / mean`` of those norms;
     - ``sync/step_time_ms``: mean wall time per step since the last logged step, from the
       start of the step (including fetching its batch) to its logs; the first step of a `fit`
