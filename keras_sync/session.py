@@ -213,6 +213,59 @@ class Sync:
         end_run_after_fit(self)  # the run ends with fit, not at exit: Ray Train V2 kills its workers (no atexit)
         return history
 
+    def callbacks(self, model: Any, callbacks: Any = None) -> list[Any]:
+        """For a `model.fit` you call yourself: prepare ``model`` as `fit` would and return the
+        callbacks `fit` adds (sync metrics and run params to MLflow on the chief, gradient
+        accumulation, custom `train_step` averaging), followed by ``callbacks``.
+
+        Give the model built and compiled in `scope()`, and data batched by the global batch
+        (`distribute` does it). Keep the returned order. What `fit` does beyond this list is
+        yours to do: end the run with `close()` (else it ends at exit); pass ``steps_per_epoch``
+        to `lr_schedule` for ``learning_rate.warmup_epochs``. ``fault_tolerance.backup_dir`` is
+        refused here: its exact mid-epoch resume replaces Keras's epoch iterator for the length
+        of `fit`, so it needs `fit`.
+
+        Example:
+            >>> model.fit(sync.distribute((x, y)), epochs=3, callbacks=sync.callbacks(model))  # doctest: +SKIP
+            >>> sync.close()  # doctest: +SKIP
+        """
+        if self.config.fault_tolerance.backup_dir:
+            raise UsageError(
+                f"Sync.callbacks cannot resume mid-epoch: fault_tolerance.backup_dir is set "
+                f"({self.config.fault_tolerance.backup_dir!r}), and its exact resume replaces Keras's epoch iterator "
+                "for the length of fit. Use sync.fit(model, ...), or remove fault_tolerance.backup_dir and pass "
+                "keras.callbacks.BackupAndRestore yourself.")
+        from keras_sync import _keras_compat, runtime
+        from keras_sync import callbacks as ks_callbacks
+
+        self._check_model(model, "callbacks")
+        runtime.prepare_model(self, model)
+        _keras_compat.check_steps_per_execution(model, self.strategy)
+        return [runtime.setup_callback(self)] + ks_callbacks.default_callbacks(self, model, callbacks)
+
+    # -- the MLflow run ----------------------------------------------------------------------
+
+    @property
+    def run_id(self) -> str | None:
+        """This job's MLflow run id: on the chief once MLflow has created the run (the first `fit`
+        or `callbacks` starts it); None on other workers, with ``mlflow.enabled: false``, or
+        while MLflow has not answered (the metrics wait in the spool meanwhile)."""
+        from keras_sync.callbacks._run import current_writer
+
+        writer = current_writer(self)
+        return writer.run_id if writer is not None else None
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """End this job's MLflow run now (FINISHED), waiting at most ``timeout_s`` for delivery.
+
+        `fit` already ends it when it returns and MLflow has everything; call this after a
+        `model.fit` of your own (`callbacks`). A later `fit` of this `Sync` continues the run.
+        What MLflow has not received stays in the spool, and a warning says how to deliver it.
+        """
+        from keras_sync.callbacks._run import close_writer
+
+        close_writer(self, timeout_s=timeout_s)
+
     def save(self, model: Any, filepath: str | os.PathLike[str], **kwargs: Any) -> None:
         """Save ``model`` (``.keras``, legacy ``.h5``) or its weights (``*.weights.h5``): call it on
         every worker; only the chief writes ``filepath``, the others a temporary copy they delete.

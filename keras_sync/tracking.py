@@ -30,7 +30,7 @@ import warnings
 import weakref
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from keras_sync import _courier
 from keras_sync._spool import Position, SpoolDir
@@ -127,6 +127,31 @@ def _lower_thread_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 5)
     except (AttributeError, OSError):  # not Linux, or not permitted: run at normal priority
         pass
+
+
+@runtime_checkable
+class Writer(Protocol):
+    """What the keras-sync callbacks write through: `MlflowWriter`, or an object of your own.
+
+    A callback calls only these methods, on the chief only (other workers get ``writer=None``).
+    Each must return quickly: the callbacks call them from the training thread. ``step`` is the
+    global optimizer step (1-based); ``timestamp_ms`` the wall time of that step (milliseconds since
+    the epoch: points are logged in groups, each keeps its own step's time). Two more are used when present: ``flush_to_spool(timeout_s)``
+    (a backup makes the metrics up to its step durable first) and ``end_of_fit()`` (at the end of
+    each `fit`).
+    """
+
+    def log_metrics(self, metrics: dict[str, float], step: int, timestamp_ms: int | None = None) -> None: ...
+
+    def log_params(self, params: dict[str, object]) -> None: ...
+
+    def set_tags(self, tags: dict[str, str]) -> None: ...
+
+    def log_text_artifact(self, text: str, artifact_file: str) -> None: ...
+
+    def log_artifact_file(self, local_path: str | os.PathLike[str], artifact_path: str | None = None) -> None: ...
+
+    def flush(self, timeout_s: float | None = None) -> bool: ...
 
 
 class MlflowWriter:

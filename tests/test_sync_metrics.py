@@ -36,8 +36,9 @@ def test_reduce_doctests():
 
 def test_writer_without_the_logging_method_is_a_usage_error():
     _reduce.check_writer(None, "log_params")  # workers that do not write pass None
-    with pytest.raises(UsageError, match=r"^Invalid value for argument `writer`\. Received: writer='w'\. Expected a "
-                       r"keras_sync\.tracking\.MlflowWriter, or None on workers that do not write\.$"):
+    with pytest.raises(UsageError, match=r"^Invalid value for argument `writer`\. Received: writer='w', which has no "
+                       r"`log_metrics`\. Expected a keras_sync\.tracking\.MlflowWriter or another object with the "
+                       r"methods of keras_sync\.tracking\.Writer, or None on workers that do not write\.$"):
         _reduce.check_writer("w", "log_metrics")
 
 
@@ -59,7 +60,8 @@ def test_replica_metrics_leave_out_unmeasured_values():
     nan = float("nan")
     assert _reduce.replica_metrics([nan, nan], [nan, nan]) == {}
     assert _reduce.replica_metrics([1.0, 2.0], [nan, 1.0]) == {
-        "sync/replica_0/loss": 1.0, "sync/replica_1/loss": 2.0, "sync/replica_1/grad_norm": 1.0}
+        "sync/replica_0/loss": 1.0, "sync/replica_1/loss": 2.0, "sync/loss_spread": 1.0,
+        "sync/replica_1/grad_norm": 1.0}
 
 
 def test_log_steps():

@@ -19,11 +19,12 @@ def check_writer(writer: Any, method: str) -> None:
     >>> check_writer("w", "log_metrics")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    keras_sync.errors.UsageError: Invalid value for argument `writer`. Received: writer='w'. Expected a ...
+    keras_sync.errors.UsageError: Invalid value for argument `writer`. Received: writer='w', which has no ...
     """
     if writer is not None and not hasattr(writer, method):
-        raise UsageError(f"Invalid value for argument `writer`. Received: writer={writer!r}. Expected a "
-                         "keras_sync.tracking.MlflowWriter, or None on workers that do not write.")
+        raise UsageError(f"Invalid value for argument `writer`. Received: writer={writer!r}, which has no "
+                         f"`{method}`. Expected a keras_sync.tracking.MlflowWriter or another object with the "
+                         "methods of keras_sync.tracking.Writer, or None on workers that do not write.")
 
 
 def grad_norm_spread(norms: Sequence[float]) -> float:

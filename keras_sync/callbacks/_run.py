@@ -137,8 +137,16 @@ def shared_run_for(sync: Any) -> Any:
     return _autolog.shared_run(writer, uri, is_chief=sync.is_chief)
 
 
+def current_writer(sync: Any) -> Any:
+    """The writer ``sync`` logs with (open, or closed after its `fit`), or None if it has none."""
+    return _writers.get(sync)
+
+
 def close_writer(sync: Any, timeout_s: float = 10.0) -> None:
-    """End the MLflow run of ``sync`` now (FINISHED), waiting at most ``timeout_s`` for delivery."""
-    writer = _writers.pop(sync, None)
-    if writer is not None:
+    """End the MLflow run of ``sync`` now (FINISHED), waiting at most ``timeout_s`` for delivery.
+
+    The writer is kept (closed): `writer_for` then continues its run, and `Sync.run_id` still names it.
+    """
+    writer = _writers.get(sync)
+    if writer is not None and not writer.closed:
         writer.close(timeout_s=timeout_s)

@@ -232,7 +232,8 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _save(self) -> None:
         for hook in self.before_save:
             hook()
-        if self.writer is not None and not self.writer.flush_to_spool(timeout_s=10.0):
+        durable = getattr(self.writer, "flush_to_spool", None)  # optional in the Writer protocol
+        if durable is not None and not durable(timeout_s=10.0):
             warnings.warn("keras-sync: the MLflow spool did not take the queued metrics within 10 s; "
                           "a crash now may lose the last steps' metrics.", RuntimeWarning, stacklevel=2)
         self._position.assign([self._epoch, self._step])

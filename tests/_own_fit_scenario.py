@@ -1,0 +1,89 @@
+"""A user's own `model.fit` with keras-sync's callbacks, for tests/test_own_fit.py.
+
+argv: OUT_JSON SQLITE_URI. 2 simulated replicas. Writes what the test checks.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+
+import keras_sync
+
+out_path, uri = sys.argv[1], sys.argv[2]
+sync = keras_sync.load({"strategy": {"kind": "mirrored", "simulated_cpu_replicas": 2}, "batch": {"per_replica": 16},
+                        "mlflow": {"tracking_uri": uri, "experiment": "own"}})
+import keras  # noqa: E402
+
+from keras_sync.errors import UsageError  # noqa: E402
+from keras_sync.tracking import Writer  # noqa: E402
+
+x = np.random.default_rng(0).normal(size=(256, 4)).astype("float32")
+y = x @ np.array([[1.0], [-2.0], [0.5], [0.0]], dtype="float32")
+
+
+def model():
+    with sync.scope():
+        m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        m.compile(optimizer=keras.optimizers.SGD(sync.lr_schedule()), loss="mse")
+    return m
+
+
+class ListWriter:
+    """A writer of the user's own: only the methods of the Writer protocol."""
+
+    def __init__(self):
+        self.points: list[tuple[int, dict]] = []
+        self.params: dict = {}
+
+    def log_metrics(self, metrics, step, timestamp_ms=None):
+        self.points.append((step, dict(metrics)))
+
+    def log_params(self, params):
+        self.params.update(params)
+
+    def set_tags(self, tags):
+        pass
+
+    def log_text_artifact(self, text, artifact_file):
+        pass
+
+    def log_artifact_file(self, local_path, artifact_path=None):
+        pass
+
+    def flush(self, timeout_s=None):
+        return True
+
+
+result: dict = {"run_id_before": sync.run_id}
+# 1. The user's own fit with sync.callbacks(): 8 steps per epoch, 2 epochs.
+m = model()
+callbacks = sync.callbacks(m)
+result["callbacks"] = [type(c).__name__ for c in callbacks]
+m.fit(sync.distribute((x, y)), epochs=2, verbose=0, callbacks=callbacks)
+result["run_id"] = sync.run_id
+sync.close()
+result["run_id_after_close"] = sync.run_id
+
+# 2. A standalone SyncMetrics with a writer of the user's own, under plain model.fit.
+own = ListWriter()
+result["is_writer"] = isinstance(own, Writer)
+m2 = model()
+m2.fit(sync.distribute((x, y)), epochs=1, verbose=0,
+       callbacks=[keras_sync.SyncMetrics(own, log_every_n_steps=2), keras_sync.RunParams(own, sync)])
+result["own_steps"] = [s for s, _ in own.points]
+result["own_keys"] = sorted({k for _, d in own.points for k in d})
+result["own_params"] = sorted(own.params)[:5]
+
+# 3. A backup_dir config is refused by callbacks() in one line.
+backed = keras_sync.load({"strategy": {"kind": "default"}, "fault_tolerance": {"backup_dir": "bk"},
+                          "mlflow": {"enabled": False}})
+try:
+    backed.callbacks(keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]))
+    result["backup_refusal"] = None
+except UsageError as e:
+    result["backup_refusal"] = str(e)
+with open(out_path, "w") as f:
+    json.dump(result, f)

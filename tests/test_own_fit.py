@@ -1,0 +1,58 @@
+"""A user who calls `model.fit` themselves: `Sync.callbacks()`, the run handle (`sync.run_id`,
+`sync.close()`), and the public `Writer` protocol with a writer of the user's own.
+
+One subprocess on 2 simulated replicas (tests/_own_fit_scenario.py), a real sqlite MLflow store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow  # a TensorFlow process
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("own_fit")
+    uri = f"sqlite:///{out / 'mlflow.db'}"
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID",
+                                                            "KERAS_SYNC_CONFIG")}
+    r = subprocess.run([sys.executable, str(HERE / "_own_fit_scenario.py"), str(out / "r.json"), uri], cwd=out,
+                       env=dict(env, TF_CPP_MIN_LOG_LEVEL="2"), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return {**json.loads((out / "r.json").read_text()), "uri": uri}
+
+
+def test_own_fit_with_sync_callbacks_logs_one_finished_run(result):
+    from mlflow import MlflowClient
+
+    assert result["run_id_before"] is None
+    assert result["callbacks"][0] == "RuntimeSetup" and "SyncMetrics" in result["callbacks"]
+    c = MlflowClient(result["uri"])
+    (run,) = c.search_runs([c.get_experiment_by_name("own").experiment_id])
+    assert run.info.run_id == result["run_id"] == result["run_id_after_close"]
+    assert run.info.status == "FINISHED"  # sync.close() ended it
+    for key in ("sync/replica_0/loss", "sync/replica_1/loss", "sync/loss_spread", "sync/learning_rate"):
+        assert sorted(m.step for m in c.get_metric_history(run.info.run_id, key)) == list(range(1, 17)), key
+    assert run.data.params["sync.num_replicas"] == "2"
+
+
+def test_a_writer_of_the_users_own_gets_the_sync_metrics(result):
+    assert result["is_writer"] is True
+    assert result["own_steps"] == [2, 4, 6, 8]
+    assert {"sync/replica_0/loss", "sync/replica_1/grad_norm", "sync/grad_norm_spread"} <= set(result["own_keys"])
+    assert result["own_params"]  # RunParams wrote the run's parameters through it
+
+
+def test_callbacks_refuse_a_backup_dir_in_one_line(result):
+    assert result["backup_refusal"].startswith(
+        "Sync.callbacks cannot resume mid-epoch: fault_tolerance.backup_dir is set ('bk')")
+    assert "Use sync.fit(model, ...)" in result["backup_refusal"]
