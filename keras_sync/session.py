@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -206,7 +207,7 @@ class Sync:
         # A restored backup resumes mid-epoch, data order included; a lost peer ends in one line.
         # With mlflow.keras.autolog() on, autolog logs into keras-sync's run instead of its own.
         with shared_run_for(self), raised_as_peer_lost(self.strategy, self.config.fault_tolerance.backup_dir), \
-                resumable_fit(kwargs["callbacks"]):
+                resumable_fit(kwargs["callbacks"]), _quiet_end_of_data(kwargs.get("steps_per_epoch")):
             history = model.fit(x, y, **kwargs)
         from keras_sync.callbacks._run import end_run_after_fit
 
@@ -354,6 +355,20 @@ class Sync:
         for sched in self._schedules:
             sched.warmup_steps = self.warmup_steps(steps)
         self._schedules.clear()
+
+
+@contextlib.contextmanager
+def _quiet_end_of_data(steps_per_epoch: Any) -> Any:
+    """Without ``steps_per_epoch``, data of unknown length ends each epoch by running out; Keras
+    then warns "Your input ran out of data; interrupting training ... use .repeat()", advice that
+    would break the epoch (measured: every from_generator epoch). With ``steps_per_epoch`` running
+    out is a real shortfall and the warning stays."""
+    if steps_per_epoch is not None:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Your input ran out of data", category=UserWarning)
+        yield
 
 
 def _worker_info(strategy: Any) -> tuple[int, bool, tuple[str | None, int | None]]:

@@ -73,6 +73,7 @@ def fit_all(sync, keras, tf, x, y) -> dict:
         out["steps"][kind] = int(m.optimizer.iterations.numpy())
         out["lines"][kind] = [ln for ln in err.getvalue().splitlines() if ln.startswith("keras-sync: training data")]
         out["warnings"][kind] = [str(w.message) for w in caught if "batch size" in str(w.message)]
+        out.setdefault("ran_out", {})[kind] = [str(w.message) for w in caught if "ran out of data" in str(w.message)]
     return out
 
 

@@ -187,6 +187,14 @@ def test_unknown_batch_warns_once_on_the_chief(runs):
 
 
 @pytest.mark.slow
+def test_data_of_unknown_length_ends_its_epochs_without_keras_false_alarm(runs):
+    # Keras warns "Your input ran out of data ... use .repeat()" at every such epoch end (seen in
+    # a user trial); without steps_per_epoch that is how the epoch ends, so sync.fit hides it.
+    for r in (runs["replicas"], runs["w0"], runs["w1"]):
+        assert r["ran_out"]["generator64"] == []
+
+
+@pytest.mark.slow
 def test_batch_size_is_read_from_shape_or_batch_op(runs):
     found = runs["replicas"]["probes"]["found"]
     assert found["static"] == [64, "static shape"]
