@@ -30,12 +30,12 @@ def max_diff(a: list, b: list) -> float:
     return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a, b))
 
 
-def kill_and_resume(tmp: Path, config: dict, *, kill_at: int,
-                    timeout: float) -> tuple[dict, dict, subprocess.CompletedProcess[str]]:
+def kill_and_resume(tmp: Path, config: dict, *, kill_at: int, timeout: float,
+                    args: tuple[str, ...] = ()) -> tuple[dict, dict, subprocess.CompletedProcess[str]]:
     """Train ``config`` alone as 'ref', then as 'res' SIGKILLed after optimizer step ``kill_at`` and relaunched.
 
     Each run gets its own ``fault_tolerance.backup_dir`` (``tmp/<name>_bk``) next to the
-    ``save_freq`` that ``config`` sets. Returns the reference's result, the resumed run's result
+    ``save_freq`` that ``config`` sets; ``args`` go to every run of the script. Returns the reference's result, the resumed run's result
     and the relaunch's completed process (its stdout lists the steps it trained).
     """
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "KERAS_SYNC_CONFIG")}
@@ -43,7 +43,7 @@ def kill_and_resume(tmp: Path, config: dict, *, kill_at: int,
     def run(name: str, *extra: str) -> subprocess.CompletedProcess[str]:
         cfg = {**config, "fault_tolerance": {**config.get("fault_tolerance", {}),
                                              "backup_dir": str(tmp / f"{name}_bk")}}
-        return subprocess.run([sys.executable, str(TRAIN), json.dumps(cfg), str(tmp / name), *extra],
+        return subprocess.run([sys.executable, str(TRAIN), json.dumps(cfg), str(tmp / name), *args, *extra],
                               env=env, capture_output=True, text=True, timeout=timeout)
 
     ref = run("ref")

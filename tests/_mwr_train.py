@@ -64,6 +64,7 @@ def main() -> int:
     p.add_argument("--wait-for", default=None)
     p.add_argument("--hold-at", type=int, default=None)
     p.add_argument("--no-shuffle", action="store_true")
+    p.add_argument("--dropout", type=float, default=0.0, help="a Dropout layer: its seed state must resume too")
     ns = p.parse_args()
     started = time.monotonic()
 
@@ -81,8 +82,9 @@ def main() -> int:
 
     with sync.scope():
         keras.utils.set_random_seed(0)
+        dropout = [keras.layers.Dropout(ns.dropout)] if ns.dropout else []
         model = keras.Sequential(
-            [keras.Input((FEATURES,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)]
+            [keras.Input((FEATURES,)), keras.layers.Dense(16, activation="relu"), *dropout, keras.layers.Dense(1)]
         )
         # Momentum: a resume that lost the optimizer state would show in the weights.
         model.compile(optimizer=keras.optimizers.SGD(sync.learning_rate, momentum=0.9), loss="mse",
