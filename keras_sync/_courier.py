@@ -66,6 +66,7 @@ class Delivery:
         self.deliverer.run_id = spool.run().get("run_id")
         self.max_batch = max_batch
         self.ended = False  # the run's "end" record is delivered and nothing follows it
+        self.failing = False  # the status file says the last attempt failed
 
     def deliver_available(self) -> int:
         """Send everything spooled so far; return the metric points sent. Raises what MLflow raised."""
@@ -84,12 +85,17 @@ class Delivery:
             records = [rec for _, rec in chunk]
             run_before = self.deliverer.run_id
             sent += self.deliverer.send(records)
+            if self.failing:
+                # "ok" before the new position: a writer that sees delivery move must not read the
+                # old failure with it (close() would give up on a server that is back, run left RUNNING).
+                self.report(None)
             if self.deliverer.run_id != run_before:
                 self.spool.set_run(self.deliverer.run_id, self.deliverer.experiment_id)
             self.spool.mark_delivered(chunk[-1][0])
             self.ended = chunk[-1][1]["k"] == "end" and not self.spool.pending()
 
     def report(self, error: BaseException | None, since: float | None = None) -> None:
+        self.failing = error is not None
         if error is None:
             self.spool.set_status({"ok": True, "at": time.time()})
             return

@@ -18,6 +18,9 @@ from keras_sync.errors import TrackingError
 from keras_sync.tracking import MlflowWriter, redact_uri, replay_spool, resolve_tracking_uri
 
 pytestmark = pytest.mark.timeout(900)  # the machine is shared: a courier's start took 60 s at load 40
+#: close() waits while delivery progresses (it returns as soon as MLflow has everything); its 10 s
+#: default is a user's exit, too short for the run's end to reach a server on a loaded CI machine.
+CLOSE_S = 300.0
 slow = pytest.mark.slow  # a courier process imports MLflow (1-5 s); a server takes 6-30 s to start
 HERE = Path(__file__).parent
 
@@ -492,6 +495,31 @@ def test_failing_local_store_is_named_as_such_and_not_waited_for(in_tmp):
     assert w.spool_path.is_dir() and _spooled_steps(w.spool_path) == [0]
 
 
+@slow
+def test_courier_says_ok_before_it_moves_the_delivered_position(tmp_path, sqlite_uri):
+    # After an outage the first successful delivery must clear the failure before the position
+    # moves: a writer that sees the position reach its target and still reads the old failure
+    # gives up in close() on a server that is back (run left RUNNING; seen in CI under load).
+    from keras_sync._courier import Delivery
+    from keras_sync._spool import SpoolDir
+
+    spool = SpoolDir(tmp_path / "spool")
+    spool.path.mkdir()
+    spool.write_header({"v": 2, "experiment": "order", "run_name": None, "job_id": "j", "explicit": False,
+                        "tracking_uri": sqlite_uri, "run_id": None})
+    spool.start_segment()
+    spool.append([{"k": "begin", "ts": 1}, {"k": "m", "s": 1, "ts": 1, "d": {"loss": 0.5}}])
+    spool.close_segment()
+    delivery = Delivery(spool, sqlite_uri)
+    delivery.report(ConnectionError("server away"), since=1.0)
+    seen = []
+    mark = spool.mark_delivered
+    spool.mark_delivered = lambda pos: (seen.append(spool.status()), mark(pos))  # type: ignore[method-assign]
+    delivery.deliver_available()
+    assert seen and all(status["ok"] for status in seen), seen
+    assert spool.status()["ok"] is True
+
+
 # ---- real mlflow server, with outages ----
 
 @slow
@@ -514,7 +542,7 @@ def test_server_down_from_start_buffers_then_delivers(restartable_mlflow_server,
     assert w.run_id is None
     server.start()
     assert _settled(w)  # the courier retries within 30 s
-    w.close()
+    w.close(timeout_s=CLOSE_S)
     assert _history(server.uri, w.run_id) == list(range(500))
     assert _run_of_job(server.uri, exp, "j1").info.status == "FINISHED"
 
@@ -533,7 +561,7 @@ def test_server_killed_mid_run_loses_and_duplicates_nothing(restartable_mlflow_s
     server.start()
     _log_timed(w, range(400, 600))
     assert _settled(w)
-    w.close()
+    w.close(timeout_s=CLOSE_S)
     assert _history(server.uri, w.run_id) == list(range(600))
     assert _history(server.uri, w.run_id, "acc") == list(range(600))
 
@@ -573,7 +601,7 @@ def test_secrets_never_reach_params_tags_artifacts_spool_or_logs(
     w.log_text_artifact(f"uri: {secret_uri}\ntoken: tok123\n", "config.txt")
     w.log_metrics({"loss": 1.0}, step=0)
     assert _settled(w)
-    w.close()
+    w.close(timeout_s=CLOSE_S)
     # A writer to a dead server with the same credentials: its failure logs and warning too.
     dead = MlflowWriter(tracking_uri="http://user:s3cret@127.0.0.1:1/?token=tok123",
                         experiment="x", spool_dir=tmp_path)
@@ -628,7 +656,7 @@ def test_restarted_job_delivers_what_the_crashed_process_spooled(restartable_mlf
     w.start()
     _log_timed(w, range(50, 100))
     assert _settled(w)
-    w.close()
+    w.close(timeout_s=CLOSE_S)
     run = _run_of_job(server.uri, exp, "j3")
     assert run.info.run_id == w.run_id
     assert _history(server.uri, w.run_id) == list(range(100))
@@ -673,7 +701,7 @@ def test_killed_courier_is_restarted_and_nothing_is_lost_or_duplicated(in_tmp, s
     assert max(durations) < 0.05
     assert _wait_for(lambda: _couriers_of(w.spool_path) not in ([], [courier]), 600)
     assert _settled(w)
-    w.close()
+    w.close(timeout_s=CLOSE_S)
     assert "courier process exited (code -9); restarting it" in caplog.text
     assert _history(sqlite_uri, w.run_id) == list(range(400))
     assert _history(sqlite_uri, w.run_id, "acc") == list(range(400))
