@@ -49,6 +49,8 @@ _LAZY = {
     "SyncMetrics": "keras_sync.callbacks.sync_metrics",
     "SystemMetrics": "keras_sync.callbacks.system_metrics",
     "WeightDivergence": "keras_sync.callbacks.weight_divergence",
+    "RunContext": "keras_sync.callbacks._context",
+    "SharedState": "keras_sync.callbacks._context",
 }
 
 __all__ = [
@@ -64,8 +66,10 @@ __all__ = [
     "KerasSyncError",
     "ModelLogging",
     "PeerLostError",
+    "RunContext",
     "RunParams",
     "ScalingError",
+    "SharedState",
     "StrategyError",
     "Sync",
     "SyncMetrics",

@@ -214,6 +214,28 @@ class Sync:
         end_run_after_fit(self)  # the run ends with fit, not at exit: Ray Train V2 kills its workers (no atexit)
         return history
 
+    def context(self, *, per_replica_batch_size: int | None = None) -> Any:
+        """The facts of this run for the callbacks, as a frozen `keras_sync.callbacks.RunContext`.
+
+        ``per_replica_batch_size``: the batch of this `fit` when not the configured one. Steps per
+        epoch (and a warmup given in epochs) are those of the data last given to `fit`/`distribute`.
+        """
+        from keras_sync.callbacks._context import RunContext
+
+        per_replica = per_replica_batch_size or self.per_replica_batch_size
+        try:
+            warmup: int | str = self.warmup_steps(self._steps_per_epoch)
+        except scaling.ScalingError:  # warmup in epochs with an epoch length the data does not tell
+            warmup = "unknown"
+        return RunContext(
+            kind=self.kind, num_replicas=self.num_replicas, num_workers=self.num_workers, is_chief=self.is_chief,
+            per_replica_batch_size=per_replica, global_batch_size=per_replica * self.num_replicas,
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+            effective_batch_size=per_replica * self.num_replicas * self.gradient_accumulation_steps,
+            base_learning_rate=self.base_learning_rate, learning_rate=self.learning_rate,
+            lr_scaling=self.config.learning_rate.scaling, warmup_steps=warmup,
+            steps_per_epoch=self._steps_per_epoch, config=self.config)
+
     def callbacks(self, model: Any, callbacks: Any = None) -> list[Any]:
         """For a `model.fit` you call yourself: prepare ``model`` as `fit` would and return the
         callbacks `fit` adds (sync metrics and run params to MLflow on the chief, gradient

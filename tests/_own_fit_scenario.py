@@ -77,6 +77,28 @@ result["own_steps"] = [s for s, _ in own.points]
 result["own_keys"] = sorted({k for _, d in own.points for k in d})
 result["own_params"] = sorted(own.params)[:5]
 
+# 4. The public callbacks standalone, sharing one SharedState, in two opposite orders: the same
+# points at the same steps; the report draws each epoch's last step (it flushes first) and the
+# weight divergence is logged at the sync metrics' step, whichever runs first.
+def standalone(order):
+    own = ListWriter()
+    shared = keras_sync.SharedState()
+    report = keras_sync.SyncReport(own, when="epoch", shared=shared)
+    drawn = []
+    draw = report.log_report
+    report.log_report = lambda: (drawn.append(max(report.history.loss[0].steps, default=0)
+                                              if 0 in report.history.loss else 0), draw())
+    cbs = [keras_sync.SyncMetrics(own, log_every_n_steps=1, shared=shared), keras_sync.WeightDivergence(own, shared=shared),
+           report, keras_sync.RunParams(own, sync.context())]
+    m = model()
+    m.fit(sync.distribute((x, y)), epochs=2, verbose=0, callbacks=cbs if order == "forward" else cbs[::-1])
+    return {"points": sorted((s, sorted(d)) for s, d in own.points), "drawn": drawn,
+            "divergence_steps": [s for s, d in own.points if "sync/weight_divergence" in d],
+            "params": own.params}
+
+
+result["forward"], result["reversed"] = standalone("forward"), standalone("reversed")
+
 # 3. A backup_dir config is refused by callbacks() in one line.
 backed = keras_sync.load({"strategy": {"kind": "default"}, "fault_tolerance": {"backup_dir": "bk"},
                           "mlflow": {"enabled": False}})

@@ -31,6 +31,7 @@ def test_every_named_file_exists(path: str) -> None:
     ("keras_sync.config", "_check_consistency"), ("keras_sync.config", "_f"), ("keras_sync.kinds", "KindSpec"),
     ("keras_sync.strategy", "detect"), ("keras_sync.strategy", "device_layout"), ("keras_sync.cluster", "role"),
     ("keras_sync.config_reference", "main"), ("keras_sync.cli._base", "UserError"), ("keras_sync.plan", "PlanItem"),
+    ("keras_sync.callbacks._context", "SharedState"), ("keras_sync.callbacks._context", "RunContext"),
 ])
 def test_every_named_function_exists(module: str, name: str) -> None:
     assert f"{name}" in TEXT

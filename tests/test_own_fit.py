@@ -56,3 +56,14 @@ def test_callbacks_refuse_a_backup_dir_in_one_line(result):
     assert result["backup_refusal"].startswith(
         "Sync.callbacks cannot resume mid-epoch: fault_tolerance.backup_dir is set ('bk')")
     assert "Use sync.fit(model, ...)" in result["backup_refusal"]
+
+
+def test_the_public_callbacks_give_the_same_points_in_any_order(result):
+    forward, backward = result["forward"], result["reversed"]
+    assert forward["points"] == backward["points"]
+    steps = sorted({s for s, _ in forward["points"]})
+    assert steps == list(range(1, 17))  # 8 steps per epoch, 2 epochs, every step logged once per key
+    for run in (forward, backward):
+        assert run["divergence_steps"] == [8, 16]  # at the sync metrics' step, not the optimizer's own count
+        assert run["drawn"] == [8, 16, 16]  # each epoch's drawing has its last step (the report flushed first)
+        assert run["params"]["sync.global_batch_size"] == 32 and run["params"]["sync.strategy"] == "mirrored"

@@ -71,7 +71,8 @@ def test_sync_report_arguments_are_checked():
     with pytest.raises(UsageError, match=r"^Invalid value for argument `max_points`\. Received: max_points=1\. "
                                          r"Expected an integer >= 2\.$"):
         SyncReport(None, max_points=1)
-    with pytest.raises(UsageError, match=r"^Invalid value for argument `writer`\. Received: writer='w'\."):
+    with pytest.raises(UsageError, match=r"^Invalid value for argument `writer`\. Received: writer='w', "
+                                         r"which has no `log_artifact_file`\."):
         SyncReport("w")
     assert SyncReport(None).recorder is None  # a worker that does not write keeps nothing
 

@@ -1,8 +1,17 @@
-"""Keras callbacks that keras-sync adds to `Sync.fit`, and the public ones users can add themselves."""
+"""Keras callbacks that keras-sync adds to `Sync.fit`, and the public ones users can add themselves.
+
+Each callback stands alone: it is given a writer (the `keras_sync.tracking.Writer` protocol), the
+facts it needs (a frozen `RunContext`, or plain arguments) and, to share a step counter and
+flushes with the others, one `SharedState`. Given the same `SharedState`, they work in any order.
+"""
 
 from __future__ import annotations
 
 from typing import Any
+
+from keras_sync.callbacks._context import RunContext, SharedState
+
+__all__ = ["RunContext", "SharedState", "default_callbacks", "mlflow_callbacks"]
 
 
 def default_callbacks(sync: Any, model: Any, user_callbacks: Any, *, per_replica_batch_size: int | None = None) -> list[Any]:
@@ -12,17 +21,15 @@ def default_callbacks(sync: Any, model: Any, user_callbacks: Any, *, per_replica
     """
     from keras_sync.callbacks.backup import backup_callbacks
 
-    # Order: the sync metrics log a step before the backup of that step is saved (the backup puts
-    # them in the spool first, so a kill loses no step it will not train again); the backup
-    # restores optimizer.iterations in on_train_begin before the user's callbacks run.
-    ours = mlflow_callbacks(sync, per_replica_batch_size=per_replica_batch_size) if sync.config.mlflow.enabled else []
-    backups = backup_callbacks(sync)
-    for backup in backups:  # the sync metrics still held in the probe's ring go first
-        backup.before_save += [cb.emit for cb in ours if hasattr(cb, "emit")]
-    return ours + backups + list(user_callbacks or [])
+    # One shared state: the backup flushes the held sync metrics into the writer before it saves
+    # (so a kill loses no step it will not train again), whatever the list's order.
+    shared = SharedState()
+    context = sync.context(per_replica_batch_size=per_replica_batch_size)
+    ours = mlflow_callbacks(sync, context=context, shared=shared) if sync.config.mlflow.enabled else []
+    return ours + backup_callbacks(sync, shared=shared) + list(user_callbacks or [])
 
 
-def mlflow_callbacks(sync: Any, *, per_replica_batch_size: int | None = None) -> list[Any]:
+def mlflow_callbacks(sync: Any, *, context: RunContext | None = None, shared: SharedState | None = None) -> list[Any]:
     """The sync-metrics callbacks of ``sync``'s config; every worker runs them, the chief writes."""
     from keras_sync.callbacks._run import writer_for
     from keras_sync.callbacks.allreduce_probe import AllReduceProbe
@@ -32,27 +39,24 @@ def mlflow_callbacks(sync: Any, *, per_replica_batch_size: int | None = None) ->
     from keras_sync.callbacks.weight_divergence import WeightDivergence
 
     cfg = sync.config.mlflow
+    context = context or sync.context()
+    shared = shared or SharedState()
     writer = writer_for(sync)
-    report = None
-    if cfg.sync_report != "off":
-        from keras_sync.callbacks.sync_report import SyncReport
-
-        report = SyncReport(writer, when=cfg.sync_report)
-    drawn = report.recorder if report is not None else writer  # the report sees what these log
-    metrics = SyncMetrics(drawn, log_every_n_steps=cfg.log_every_n_steps)
-    out: list[Any] = [RunParams(writer, sync),
-                      FitParams(writer, per_replica_batch_size=per_replica_batch_size or sync.per_replica_batch_size,
-                                num_replicas=sync.num_replicas)]
+    out: list[Any] = [RunParams(writer, context),
+                      FitParams(writer, per_replica_batch_size=context.per_replica_batch_size,
+                                num_replicas=context.num_replicas)]
     if cfg.allreduce_probe:
         out.append(AllReduceProbe(writer))
-    out += [metrics, WeightDivergence(drawn, step_source=metrics)]
+    out += [SyncMetrics(writer, log_every_n_steps=cfg.log_every_n_steps, shared=shared),
+            WeightDivergence(writer, shared=shared)]
     if cfg.system_metrics:
         from keras_sync.callbacks.system_metrics import SystemMetrics
 
-        out.append(SystemMetrics(writer, step_source=metrics))
-    # After the metrics: at train end they have logged their last steps when these run.
-    if report is not None:
-        out.append(report)
+        out.append(SystemMetrics(writer, shared=shared))
+    if cfg.sync_report != "off":
+        from keras_sync.callbacks.sync_report import SyncReport
+
+        out.append(SyncReport(writer, when=cfg.sync_report, shared=shared))
     if cfg.log_model:
         from keras_sync.callbacks.model_logging import ModelLogging
 

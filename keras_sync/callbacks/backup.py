@@ -52,6 +52,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             worker, then exits with code 143 (`keras_sync.preemption`); if that cannot happen
             within this many seconds, the process exits without it. None: SIGTERM is left alone.
             Defaults to 25 (under Kubernetes' default grace of 30 s).
+        writer: the MLflow writer whose queued metrics go to its spool before each save.
+        shared: the `keras_sync.callbacks.SharedState` of this fit's keras-sync callbacks, flushed
+            before each save (so `SyncMetrics` logs the steps the backup holds first).
 
     Example:
         >>> sync = keras_sync.load({"fault_tolerance": {"backup_dir": "/tmp/bk", "save_freq": 50}})  # doctest: +SKIP
@@ -59,13 +62,19 @@ class BackupAndRestore(keras.callbacks.Callback):
     """
 
     def __init__(self, backup_dir: str, save_freq: str | int = "epoch", *, delete_checkpoint: bool = True,
-                 max_to_keep: int = 2, grace_period_s: float | None = 25.0, writer: Any = None):
+                 max_to_keep: int = 2, grace_period_s: float | None = 25.0, writer: Any = None,
+                 shared: Any = None):
         super().__init__()
+        from keras_sync.callbacks._context import check_shared
+
+        #: Flushed on every worker before each save: the held sync metrics are put in the writer
+        #: (then in its spool) before the backup of their step exists.
+        self.shared = check_shared(shared)
         # The MLflow writer, if any: its queued metrics are put in its spool before each backup, so
         # that after a kill MLflow has every step up to the backup the job resumes from.
         self.writer = writer
-        #: Called on every worker before each save (`Sync.fit` puts `SyncMetrics.emit` here, so
-        #: the steps up to the backup are queued, then spooled, before it exists).
+        #: Called on every worker before each save, after the shared flush (`Sync.fit` records the
+        #: MLflow run id with the backup here).
         self.before_save: list[Any] = []
         if not backup_dir or not isinstance(backup_dir, (str, os.PathLike)):
             raise ValueError(
@@ -230,6 +239,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         exit_now(PREEMPTED_EXIT_CODE, message)
 
     def _save(self) -> None:
+        self.shared.flush()
         for hook in self.before_save:
             hook()
         durable = getattr(self.writer, "flush_to_spool", None)  # optional in the Writer protocol
@@ -360,7 +370,7 @@ def _epoch_iterator_swapped(backup: BackupAndRestore) -> Iterator[None]:
         backup.epoch_iterator = None
 
 
-def backup_callbacks(sync: Any) -> list[Any]:
+def backup_callbacks(sync: Any, *, shared: Any = None) -> list[Any]:
     """The backup callback the config asks for (``fault_tolerance.backup_dir``), or none."""
     ft = sync.config.fault_tolerance
     if not ft.backup_dir:
@@ -370,7 +380,8 @@ def backup_callbacks(sync: Any) -> list[Any]:
         from keras_sync.callbacks._run import record_run, writer_for
 
         writer = writer_for(sync)
-    backup = BackupAndRestore(ft.backup_dir, ft.save_freq, grace_period_s=ft.grace_period_s, writer=writer)
+    backup = BackupAndRestore(ft.backup_dir, ft.save_freq, grace_period_s=ft.grace_period_s, writer=writer,
+                              shared=shared)
     if writer is not None:  # the run goes with every backup: a relaunch that restores it continues that run
         backup.before_save.append(lambda: record_run(writer, ft.backup_dir))
     return [backup]

@@ -6,7 +6,9 @@ from typing import Any
 
 import keras
 
+from keras_sync.callbacks._context import RunContext
 from keras_sync.callbacks._once import OncePerRun
+from keras_sync.errors import UsageError
 from keras_sync.tracking import redact_uri
 
 #: Tag naming where the config came from (a file path, ``<dict>`` or ``<defaults>``).
@@ -22,36 +24,44 @@ class RunParams(OncePerRun):
     Params: ``sync.strategy``, ``sync.num_replicas``, ``sync.num_workers``,
     ``sync.per_replica_batch_size``, ``sync.global_batch_size``, ``sync.gradient_accumulation_steps``,
     ``sync.effective_batch_size``, ``sync.base_learning_rate``,
-    ``sync.learning_rate``, ``sync.lr_scaling``, ``sync.warmup_steps`` (from ``sync`` when given,
+    ``sync.learning_rate``, ``sync.lr_scaling``, ``sync.warmup_steps`` (from the context when given,
     else what the model's strategy tells), ``sync.tensorflow_version``, ``sync.keras_version``
-    and ``sync.devices`` (this worker's replica devices). With a `Sync`, every resolved config
+    and ``sync.devices`` (this worker's replica devices). With a context, every resolved config
     value becomes a param ``config.<key path>`` (``config.mlflow.log_every_n_steps``), the file's
     text the artifact ``keras_sync/config.yaml`` and its path the tag
     ``keras_sync.config_source``, with credentials in URIs replaced by ``***``.
 
     Args:
         writer: a started `keras_sync.tracking.MlflowWriter` (None: do nothing).
-        sync: the `keras_sync.Sync` of this run, or None when calling `model.fit` without one.
+        context: the `keras_sync.callbacks.RunContext` of this run (`Sync.context()`; a `Sync`
+            is read the same way when training starts), or None when calling `model.fit`
+            without keras-sync's config.
     """
 
-    def __init__(self, writer: Any = None, sync: Any = None):
+    def __init__(self, writer: Any = None, context: Any = None):
         super().__init__(writer)
-        self.sync = sync
+        if context is not None and not isinstance(context, RunContext) and not hasattr(context, "context"):
+            raise UsageError(f"Invalid value for argument `context`. Received: context={type(context).__name__}. "
+                             "Expected a keras_sync.callbacks.RunContext (sync.context()), a keras_sync.Sync, or None.")
+        self.context = context
 
     def log_once(self) -> None:
-        self.writer.log_params({**run_params(self.model, self.sync), **config_params(self.sync)})
-        tags, text = config_tags(self.sync)
+        # A Sync is read now: steps_per_epoch and the warmup are known once fit has its data.
+        ctx = self.context.context() if self.context is not None and not isinstance(self.context, RunContext) \
+            else self.context
+        self.writer.log_params({**run_params(self.model, ctx), **config_params(ctx)})
+        tags, text = config_tags(ctx)
         if tags:
             self.writer.set_tags(tags)
         if text is not None:
             self.writer.log_text_artifact(text, CONFIG_ARTIFACT)
 
 
-def run_params(model: Any, sync: Any = None) -> dict[str, Any]:
-    """The ``sync.*`` params of a run, from ``sync`` if given, else from the model's strategy."""
+def run_params(model: Any, context: RunContext | None = None) -> dict[str, Any]:
+    """The ``sync.*`` params of a run, from ``context`` if given, else from the model's strategy."""
     import tensorflow as tf
 
-    strategy = sync.strategy if sync is not None else model.distribute_strategy
+    strategy = model.distribute_strategy
     try:
         devices = list(strategy.extended.worker_devices)
     except (RuntimeError, AttributeError):  # the default strategy has no replica devices
@@ -62,32 +72,16 @@ def run_params(model: Any, sync: Any = None) -> dict[str, Any]:
         "sync.keras_version": keras.version(),
         "sync.devices": ",".join(devices) or "unknown",
     }
-    if sync is None:
+    if context is None:
         params["sync.strategy"] = type(strategy).__name__
         return params
-    steps = getattr(sync, "_steps_per_epoch", None)
-    try:
-        warmup = sync.warmup_steps(steps)
-    except Exception:  # noqa: BLE001 - warmup in epochs with an unknown epoch length
-        warmup = "unknown"
-    params.update({
-        "sync.strategy": sync.kind,
-        "sync.num_workers": sync.num_workers,
-        "sync.per_replica_batch_size": sync.per_replica_batch_size,
-        "sync.global_batch_size": sync.global_batch_size,
-        "sync.gradient_accumulation_steps": sync.gradient_accumulation_steps,
-        "sync.effective_batch_size": sync.effective_batch_size,
-        "sync.base_learning_rate": sync.base_learning_rate,
-        "sync.learning_rate": sync.learning_rate,
-        "sync.lr_scaling": sync.config.learning_rate.scaling,
-        "sync.warmup_steps": warmup,
-    })
+    params.update(context.params())
     return params
 
 
-def config_params(sync: Any) -> dict[str, str]:
+def config_params(context: RunContext | None) -> dict[str, str]:
     """The resolved config, one param per key: ``{"config.batch.per_replica": "32", ...}``."""
-    if sync is None:
+    if context is None or context.config is None:
         return {}
 
     def flat(data: dict[str, Any], prefix: str) -> dict[str, str]:
@@ -100,14 +94,14 @@ def config_params(sync: Any) -> dict[str, str]:
                 out[f"{prefix}{key}"] = redact_uri(str(shown)) or ""
         return out
 
-    return flat(sync.config.to_dict(), CONFIG_PARAM_PREFIX)
+    return flat(context.config.to_dict(), CONFIG_PARAM_PREFIX)
 
 
-def config_tags(sync: Any) -> tuple[dict[str, str], str | None]:
-    """The tag naming the config's source, and the text to store as artifact (None without a `Sync`)."""
-    if sync is None:
+def config_tags(context: RunContext | None) -> tuple[dict[str, str], str | None]:
+    """The tag naming the config's source, and the text to store as artifact (None without a config)."""
+    if context is None or context.config is None:
         return {}, None
-    cfg = sync.config
+    cfg = context.config
     text = cfg.text
     if text is None:  # a dict or the defaults: store the resolved config instead
         import yaml

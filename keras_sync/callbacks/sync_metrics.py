@@ -8,6 +8,7 @@ from typing import Any
 import keras
 
 from keras_sync.callbacks import _reduce
+from keras_sync.callbacks._context import check_shared
 from keras_sync.errors import UsageError
 
 #: Longest a logged step waits in the probe's ring before it is read and queued (single worker).
@@ -56,6 +57,9 @@ class SyncMetrics(keras.callbacks.Callback):
         writer: a started `keras_sync.tracking.MlflowWriter`; None on workers that only take
             part in the gathers.
         log_every_n_steps: log every N optimizer steps (>= 1).
+        shared: the `keras_sync.callbacks.SharedState` of this fit's keras-sync callbacks: this
+            callback keeps its ``step`` current, registers `emit` as a flusher and records every
+            point it logs there. Default: its own.
 
     Example:
         >>> writer = MlflowWriter(tracking_uri="sqlite:///mlflow.db", experiment="demo")  # doctest: +SKIP
@@ -63,9 +67,11 @@ class SyncMetrics(keras.callbacks.Callback):
         >>> model.fit(ds, epochs=3, callbacks=[SyncMetrics(writer, log_every_n_steps=10)])  # doctest: +SKIP
     """
 
-    def __init__(self, writer: Any = None, *, log_every_n_steps: int = 1):
+    def __init__(self, writer: Any = None, *, log_every_n_steps: int = 1, shared: Any = None):
         super().__init__()
         _reduce.check_writer(writer, "log_metrics")
+        self.shared = check_shared(shared)
+        self.shared.add_flusher(self.emit)
         if isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
             raise UsageError(f"Invalid value for argument `log_every_n_steps`. Received: "
                              f"log_every_n_steps={log_every_n_steps!r}. Expected an integer >= 1.")
@@ -100,7 +106,7 @@ class SyncMetrics(keras.callbacks.Callback):
         # mlflow.keras.autolog() logs the Keras logs itself (per epoch, at step = epoch index):
         # logged here too, one key would hold two points at some steps.
         self._keras_logs = not _autolog.keras_autolog_active()
-        self.global_step = None
+        self.global_step = self.shared.step = None
         self._busy_s, self._steps_since_log, self._pending = 0.0, 0, []
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
@@ -109,6 +115,7 @@ class SyncMetrics(keras.callbacks.Callback):
             # Optimizer updates x micro-batches per update (keras-sync's gradient accumulation).
             accumulator = getattr(self._probe, "accumulator", None)
             self.global_step = int(self.model.optimizer.iterations.numpy()) * (accumulator.steps if accumulator else 1)
+            self.shared.step = self.global_step
             rings = self._probe.read()
             self._count = self._probe.count(rings)
             rows = self._probe.row(rings, self._count)
@@ -123,7 +130,7 @@ class SyncMetrics(keras.callbacks.Callback):
         self._steps_since_log += steps
         self._count += steps
         prev = self.global_step or 0
-        self.global_step = prev + steps
+        self.global_step = self.shared.step = prev + steps
         if _reduce.crossed_log_step(prev, self.global_step, self.every):
             numbers = {k: v for k, v in (logs or {}).items() if isinstance(v, (int, float))}
             now_ms = int(time.time() * 1000)
@@ -178,6 +185,7 @@ class SyncMetrics(keras.callbacks.Callback):
         if self._keras_logs:
             metrics.update(logs)  # the step's numeric Keras logs (filtered when the step was recorded)
         self.writer.log_metrics(metrics, step=step, timestamp_ms=ts)
+        self.shared.record(metrics, step)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         self.emit()
@@ -186,6 +194,7 @@ class SyncMetrics(keras.callbacks.Callback):
         val = {k: v for k, v in (logs or {}).items() if k.startswith("val_") and isinstance(v, (int, float))}
         if val:
             self.writer.log_metrics(val, step=self.global_step)
+            self.shared.record(val, self.global_step)
 
     def on_train_end(self, logs: dict | None = None) -> None:
         self.emit()

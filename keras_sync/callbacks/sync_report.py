@@ -11,6 +11,7 @@ from typing import Any
 import keras
 
 from keras_sync.callbacks import _reduce
+from keras_sync.callbacks._context import check_shared
 from keras_sync.callbacks._sync_plot import SyncHistory, render
 from keras_sync.errors import UsageError
 
@@ -27,9 +28,11 @@ class SyncReport(keras.callbacks.Callback):
     of step times, the weight divergence after each epoch, and a summary. The MLflow UI draws
     one chart per metric key; this puts the replicas side by side without hand-made charts.
 
-    It draws what the other keras-sync callbacks log, seen through `recorder`: give
-    ``report.recorder`` to `SyncMetrics` and `WeightDivergence` as their writer (it passes
-    everything on to ``writer``). Each point is kept in memory, at most ``max_points`` per
+    It draws what the other keras-sync callbacks log. Give them all the same
+    `keras_sync.callbacks.SharedState` (``shared=``): they record every point there, and the
+    report flushes the held steps before it draws, whatever the order of the callbacks. (Or give
+    ``report.recorder`` to `SyncMetrics` and `WeightDivergence` as their writer: it passes
+    everything on to ``writer``; then put the report after them.) Each point is kept in memory, at most ``max_points`` per
     chart line (long runs are thinned evenly); a restarted process draws the steps it saw.
     The PNG is drawn on the worker given a writer (the chief) and uploaded through it, like
     the metrics. Each drawing replaces the previous one.
@@ -38,14 +41,16 @@ class SyncReport(keras.callbacks.Callback):
         writer: a started `keras_sync.tracking.MlflowWriter`; None on the other workers.
         when: ``"end"`` (at the end of each `fit`) or ``"epoch"`` (also after every epoch).
         max_points: points kept per line.
+        shared: the `keras_sync.callbacks.SharedState` of this fit's keras-sync callbacks.
 
     Example:
-        >>> report = SyncReport(writer, when="epoch")  # doctest: +SKIP
-        >>> model.fit(x, y, callbacks=[SyncMetrics(report.recorder), WeightDivergence(report.recorder),
-        ...                             report])  # doctest: +SKIP
+        >>> shared = SharedState()  # doctest: +SKIP
+        >>> model.fit(x, y, callbacks=[SyncReport(writer, when="epoch", shared=shared),
+        ...                             SyncMetrics(writer, shared=shared),
+        ...                             WeightDivergence(writer, shared=shared)])  # doctest: +SKIP
     """
 
-    def __init__(self, writer: Any = None, *, when: str = "end", max_points: int = 2000):
+    def __init__(self, writer: Any = None, *, when: str = "end", max_points: int = 2000, shared: Any = None):
         super().__init__()
         _reduce.check_writer(writer, "log_artifact_file")
         if when not in WHEN:
@@ -59,12 +64,17 @@ class SyncReport(keras.callbacks.Callback):
         self.history = SyncHistory(max_points=max_points)
         #: The writer to hand to the callbacks whose metrics the report draws (None without a writer).
         self.recorder = None if writer is None else _Recorder(writer, self.history)
+        self.shared = check_shared(shared)
+        if writer is not None:
+            self.shared.add_listener(self.history.add)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if self.when == "epoch":
+            self.shared.flush()  # every worker (a collective under multi-worker); the chief draws
             self.log_report()
 
     def on_train_end(self, logs: dict | None = None) -> None:
+        self.shared.flush()
         self.log_report()
 
     def log_report(self) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 import keras
 
 from keras_sync.callbacks import _reduce
+from keras_sync.callbacks._context import check_shared
 from keras_sync.callbacks._fingerprints import Divergence, summarize
 
 
@@ -32,29 +33,31 @@ class WeightDivergence(keras.callbacks.Callback):
     Args:
         writer: a started `keras_sync.tracking.MlflowWriter`, or None on a worker that must
             take part without writing.
-        step_source: an object with a ``global_step`` attribute (the `SyncMetrics` callback) to
-            log at the same MLflow step; default: the optimizer's iteration count.
+        shared: the `keras_sync.callbacks.SharedState` of this fit's keras-sync callbacks: logs at
+            its ``step`` (the step `SyncMetrics` logs at) and records its points there. Default:
+            its own, and the optimizer's iteration count as the step.
 
     Example:
         >>> cb = WeightDivergence(writer)  # doctest: +SKIP
         >>> model.fit(x, y, epochs=3, callbacks=[cb])  # doctest: +SKIP
     """
 
-    def __init__(self, writer: Any = None, *, step_source: Any = None):
+    def __init__(self, writer: Any = None, *, shared: Any = None):
         super().__init__()
         _reduce.check_writer(writer, "log_metrics")
         self.writer = writer
-        self.step_source = step_source
+        self.shared = check_shared(shared)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         found = compare(self.model)
         if self.writer is None or found is None:
             return
-        step = getattr(self.step_source, "global_step", None)
+        step = self.shared.step
         if step is None:
             step = int(self.model.optimizer.iterations.numpy())
-        self.writer.log_metrics({"sync/weight_divergence": found.value,
-                                 "sync/diverged_variables": float(found.diverged_variables)}, step=step)
+        metrics = {"sync/weight_divergence": found.value, "sync/diverged_variables": float(found.diverged_variables)}
+        self.writer.log_metrics(metrics, step=step)
+        self.shared.record(metrics, step)
 
 
 def mirrored_variables(model: Any) -> list[Any]:
