@@ -6,7 +6,7 @@
 The model is the issue's: 2 simulated CPU replicas, Dense 8-16-1, per-replica batch 16, one
 epoch of ``--steps`` steps per fit. One process runs every variant, each with its own `Sync` and
 model: metrics off (the baseline, measured in the same process), our metrics every step, every
-50 steps, and with ``log_every_n_steps`` left at its default. One untimed warm-up fit per variant
+50 steps, ``auto``, and with ``log_every_n_steps`` left at its default. One untimed warm-up fit per variant
 takes tracing, run creation and the courier's start out of the timing. Then each round runs every
 variant once in a fresh random order. A fit's time is what the user waits for: from calling
 `sync.fit` to its return, the end-of-fit wait for delivery included. After each fit an untimed
@@ -125,7 +125,7 @@ def main() -> int:
 
     import keras_sync
 
-    def config(enabled: bool, every: int | None) -> dict:
+    def config(enabled: bool, every: int | str | None) -> dict:
         mlflow = {"enabled": enabled, "tracking_uri": uri, "experiment": "bench"}
         if every is not None:
             mlflow["log_every_n_steps"] = every
@@ -133,7 +133,7 @@ def main() -> int:
                 "learning_rate": {"base": 0.01, "scaling": "none"}, "mlflow": mlflow}
 
     variants = {"off": config(False, None), "every_step": config(True, 1), "every_50": config(True, 50),
-                "default": config(True, None)}
+                "auto": config(True, "auto"), "default": config(True, None)}
     syncs = {name: keras_sync.load(cfg) for name, cfg in variants.items()}
     import keras
 

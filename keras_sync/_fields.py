@@ -226,18 +226,21 @@ class AutoOrBool(Spec):
 
 
 @dataclass(frozen=True)
-class EpochOrInt(Spec):
-    """`epoch` or a positive number of batches."""
+class WordOrInt(Spec):
+    """A fixed word (``epoch``, ``auto``) or a positive whole number of ``unit``."""
+
+    word: str = "epoch"
+    unit: str = "batches"
 
     def _check(self, value: Any) -> str | int:
-        if isinstance(value, str) and value.strip().lower() == "epoch":
-            return "epoch"
+        if isinstance(value, str) and value.strip().lower() == self.word:
+            return self.word
         if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
             return value
         raise FieldValueError(f"received {_show(value)}, expected {self.describe()}")
 
     def describe(self) -> str:
-        return "'epoch' or an integer >= 1 (batches)"
+        return f"'{self.word}' or an integer >= 1 ({self.unit})"
 
     def json_schema(self) -> dict[str, Any]:
-        return {"anyOf": [{"const": "epoch"}, {"type": "integer", "minimum": 1}]}
+        return {"anyOf": [{"const": self.word}, {"type": "integer", "minimum": 1}]}

@@ -21,13 +21,13 @@ from keras_sync._fields import (
     AutoOrBool,
     Bool,
     Choice,
-    EpochOrInt,
     FieldValueError,
     Float,
     Int,
     Spec,
     Str,
     StrList,
+    WordOrInt,
 )
 from keras_sync.errors import ConfigError, ConfigIssue
 from keras_sync.kinds import KINDS, STRATEGY_KINDS, kinds_where
@@ -156,7 +156,8 @@ class MlflowConfig:
                             "runs with the same job id share one MLflow run; $KERAS_SYNC_JOB_ID wins over it; "
                             "null = a new run per job (a relaunch that restores a backup continues its run)")
     spool_dir: str = _f(".keras_sync_spool", Str(), "where metrics wait for delivery to MLflow (relative to the cwd)")
-    log_every_n_steps: int = _f(1, Int(minimum=1), "log step metrics every N optimizer steps")
+    log_every_n_steps: int | str = _f(1, WordOrInt(word="auto", unit="steps"), "log step metrics every N optimizer "
+                                      "steps; auto: often enough for 10 points a second at most, and each epoch's last step")
     allreduce_probe: bool = _f(False, Bool(), "time one all-reduce of the gradients' size at train start")
     system_metrics: bool = _f(False, Bool(), "MLflow's system metrics (CPU, memory, disk, network, GPU) as "
                               "system/*, every 10 s")
@@ -173,7 +174,7 @@ class FaultToleranceConfig:
 
     backup_dir: str | None = _f(None, Str(nullable=True), "a directory turns on BackupAndRestore (exact resume "
                                 "after a kill); null = off")
-    save_freq: str | int = _f("epoch", EpochOrInt(), "epoch, or back up every N batches")
+    save_freq: str | int = _f("epoch", WordOrInt(word="epoch", unit="batches"), "epoch, or back up every N batches")
     grace_period_s: float = _f(
         25.0, Float(minimum=0, exclusive=True),
         "after SIGTERM (preemption): seconds to save a backup on every worker and exit 143; keep it under "

@@ -99,6 +99,26 @@ def standalone(order):
 
 result["forward"], result["reversed"] = standalone("forward"), standalone("reversed")
 
+# 5. log_every_n_steps="auto": fast steps are thinned to a round stride, each epoch's last step kept;
+# steps slowed to 0.12 s (a callback sleeping inside the timed part of the step) are all logged.
+class Slow(keras.callbacks.Callback):
+    def on_train_batch_begin(self, batch, logs=None):
+        import time
+
+        time.sleep(0.12)
+
+
+def auto(slow):
+    own = ListWriter()
+    metrics = keras_sync.SyncMetrics(own, log_every_n_steps="auto")
+    m = model()
+    m.fit(sync.distribute((x, y)), epochs=3, verbose=0, callbacks=[metrics] + ([Slow()] if slow else []))
+    return {"steps": [s for s, d in own.points if "sync/replica_0/loss" in d], "stride": metrics.stride,
+            "step_time_ms": [d["sync/step_time_ms"] for s, d in own.points if "sync/step_time_ms" in d]}
+
+
+result["auto_fast"], result["auto_slow"] = auto(False), auto(True)
+
 # 3. A backup_dir config is refused by callbacks() in one line.
 backed = keras_sync.load({"strategy": {"kind": "default"}, "fault_tolerance": {"backup_dir": "bk"},
                           "mlflow": {"enabled": False}})

@@ -67,3 +67,13 @@ def test_the_public_callbacks_give_the_same_points_in_any_order(result):
         assert run["divergence_steps"] == [8, 16]  # at the sync metrics' step, not the optimizer's own count
         assert run["drawn"] == [8, 16, 16]  # each epoch's drawing has its last step (the report flushed first)
         assert run["params"]["sync.global_batch_size"] == 32 and run["params"]["sync.strategy"] == "mirrored"
+
+
+def test_auto_logging_thins_fast_steps_and_keeps_every_slow_one(result):
+    fast, slow = result["auto_fast"], result["auto_slow"]
+    # 3 epochs of 8 steps. Steps of a few ms: a round stride > 1, each epoch's last step kept.
+    assert {8, 16, 24} <= set(fast["steps"]) and len(fast["steps"]) < 24, fast
+    assert fast["stride"] in (2, 5, 10, 20, 50, 100, 200, 500, 1000), fast
+    # Steps of >= 0.12 s: every one logged, and each point's step time covers its own step only.
+    assert slow["steps"] == list(range(1, 25)) and slow["stride"] == 1, slow
+    assert min(slow["step_time_ms"]) >= 120

@@ -42,6 +42,24 @@ def test_writer_without_the_logging_method_is_a_usage_error():
         _reduce.check_writer("w", "log_metrics")
 
 
+def test_auto_stride_follows_the_median_step_time():
+    assert _reduce.auto_stride([0.002] * 10) == 50  # 2-ms steps: a point every 0.1 s
+    assert _reduce.auto_stride([0.3] * 3 + [30.0]) == 1  # slow steps all logged; one stall moves nothing
+    assert _reduce.auto_stride([0.011]) == 10 and _reduce.auto_stride([0.009]) == 20
+    assert _reduce.auto_stride([1e-7]) == _reduce.AUTO_STRIDES[-1]
+
+
+def test_log_every_n_steps_takes_an_integer_or_auto():
+    from keras_sync.config import load_config
+    from keras_sync.errors import ConfigError
+
+    assert load_config({"mlflow": {"log_every_n_steps": "auto"}}).mlflow.log_every_n_steps == "auto"
+    assert load_config({"mlflow": {"log_every_n_steps": 7}}).mlflow.log_every_n_steps == 7
+    with pytest.raises(ConfigError, match=r"mlflow\.log_every_n_steps: received 'often', expected 'auto' or an "
+                                          r"integer >= 1 \(steps\)"):
+        load_config({"mlflow": {"log_every_n_steps": "often"}})
+
+
 def test_loss_spread_is_absolute():
     assert _reduce.loss_spread([0.5, 0.75, 0.25]) == 0.5
     assert _reduce.loss_spread([0.001, 0.002]) == pytest.approx(0.001)  # a ratio would say 0.67 here

@@ -6,6 +6,7 @@ No TensorFlow, Keras, numpy or MLflow here, so it is tested on its own (tests/te
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -74,6 +75,31 @@ def crossed_log_step(prev_step: int, step: int, every: int) -> bool:
     (True, False)
     """
     return step // every > prev_step // every
+
+
+#: ``log_every_n_steps: auto``: the strides it picks from (round numbers keep the charts' steps regular).
+AUTO_STRIDES = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+#: ``log_every_n_steps: auto``: the least time between two logged steps (at most 10 points a second).
+AUTO_INTERVAL_S = 0.1
+
+
+def auto_stride(seconds_per_step: list[float], interval_s: float = AUTO_INTERVAL_S) -> int:
+    """The stride ``log_every_n_steps: auto`` logs at: the smallest of `AUTO_STRIDES` whose steps
+    take at least ``interval_s``, from the median time per step (the first step of a `fit`,
+    which traces, does not move a median).
+
+    >>> auto_stride([0.002] * 31 + [4.0])  # 2-ms steps: 500 a second, logged 10 times a second
+    50
+    >>> auto_stride([0.25, 0.3]), auto_stride([0.03]), auto_stride([])
+    (1, 5, 1)
+    """
+    if not seconds_per_step:
+        return 1
+    t = statistics.median(seconds_per_step)
+    for stride in AUTO_STRIDES:
+        if stride * t >= interval_s:
+            return stride
+    return AUTO_STRIDES[-1]
 
 
 def throughput(examples: float, seconds: float, num_replicas: int) -> dict[str, float]:

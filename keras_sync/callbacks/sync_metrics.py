@@ -56,7 +56,10 @@ class SyncMetrics(keras.callbacks.Callback):
     Args:
         writer: a started `keras_sync.tracking.MlflowWriter`; None on workers that only take
             part in the gathers.
-        log_every_n_steps: log every N optimizer steps (>= 1).
+        log_every_n_steps: log every N optimizer steps (>= 1), or ``"auto"``: every N steps with
+            N picked from 1, 2, 5, 10, 20, 50, ... so that logged steps are at least 0.1 s apart
+            (from the median step time, re-picked each time the probe is read), plus the last
+            step of every epoch. 100-ms steps are all logged; 2-ms steps every 50th.
         shared: the `keras_sync.callbacks.SharedState` of this fit's keras-sync callbacks: this
             callback keeps its ``step`` current, registers `emit` as a flusher and records every
             point it logs there. Default: its own.
@@ -67,16 +70,25 @@ class SyncMetrics(keras.callbacks.Callback):
         >>> model.fit(ds, epochs=3, callbacks=[SyncMetrics(writer, log_every_n_steps=10)])  # doctest: +SKIP
     """
 
-    def __init__(self, writer: Any = None, *, log_every_n_steps: int = 1, shared: Any = None):
+    def __init__(self, writer: Any = None, *, log_every_n_steps: int | str = 1, shared: Any = None):
         super().__init__()
         _reduce.check_writer(writer, "log_metrics")
         self.shared = check_shared(shared)
         self.shared.add_flusher(self.emit)
-        if isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
+        self.auto = log_every_n_steps == "auto"
+        if not self.auto and (isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int)
+                              or log_every_n_steps < 1):
             raise UsageError(f"Invalid value for argument `log_every_n_steps`. Received: "
-                             f"log_every_n_steps={log_every_n_steps!r}. Expected an integer >= 1.")
+                             f"log_every_n_steps={log_every_n_steps!r}. Expected an integer >= 1 or 'auto'.")
         self.writer = writer
-        self.every = log_every_n_steps
+        # auto: every step is recorded and read as with 1 (so every worker reads the probe at the same
+        # steps); the chief alone thins what it writes to `stride`.
+        self.every = 1 if self.auto else int(log_every_n_steps)
+        #: The stride ``log_every_n_steps: auto`` writes at (1 otherwise).
+        self.stride = 1
+        # auto: the last step read but not written, with the time and steps not yet in a written point.
+        self._held: tuple | None = None
+        self._carry_s, self._carry_n = 0.0, 0
         #: The global optimizer step after the last finished step (None before the first one).
         self.global_step: int | None = None
         self._probe: Any = None
@@ -108,6 +120,7 @@ class SyncMetrics(keras.callbacks.Callback):
         self._keras_logs = not _autolog.keras_autolog_active()
         self.global_step = self.shared.step = None
         self._busy_s, self._steps_since_log, self._pending = 0.0, 0, []
+        self._held, self._carry_s, self._carry_n = None, 0.0, 0
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         if self.global_step is None:
@@ -161,14 +174,34 @@ class SyncMetrics(keras.callbacks.Callback):
             return
         rings = self._probe.read()  # a collective under multi-worker: every worker runs it
         pending, self._pending = self._pending, []
+        if self.auto and self.writer is not None:
+            self.stride = _reduce.auto_stride([busy_s / n for _, _, _, busy_s, n, _ in pending if n])
         for step, count, logs, busy_s, n_steps, ts in pending:
             rows = self._probe.row(rings, count)
             if rows is None:  # not expected: the ring is read before it wraps
                 continue
             examples = sum(r[self._probe.EXAMPLES] for r in rows)
-            if self.writer is not None:
-                self._log_step(step, rows, examples - self._examples_at_log, logs, busy_s, n_steps, ts)
-            self._examples_at_log = examples
+            if self.writer is None:
+                continue
+            if self.auto:
+                busy_s, n_steps = busy_s + self._carry_s, n_steps + self._carry_n
+                if step % self.stride:  # not written now: its time goes into the next point
+                    self._held = (step, rows, examples, logs, busy_s, n_steps, ts)
+                    self._carry_s, self._carry_n = busy_s, n_steps
+                    continue
+                self._held, self._carry_s, self._carry_n = None, 0.0, 0
+            self._write(step, rows, examples, logs, busy_s, n_steps, ts)
+
+    def _write(self, step: int, rows: list[Any], examples: float, logs: dict, busy_s: float, n_steps: int,
+               ts: int) -> None:
+        self._log_step(step, rows, examples - self._examples_at_log, logs, busy_s, n_steps, ts)
+        self._examples_at_log = examples
+
+    def _write_held(self) -> None:
+        """auto: write the last step read but not written (each epoch's last step gets a point)."""
+        if self._held is not None:
+            held, self._held, self._carry_s, self._carry_n = self._held, None, 0.0, 0
+            self._write(*held)
 
     def _log_step(self, step: int, rows: list[Any], examples: float, logs: dict, busy_s: float,
                   n_steps: int, ts: int) -> None:
@@ -189,6 +222,7 @@ class SyncMetrics(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         self.emit()
+        self._write_held()
         if self.writer is None or self.global_step is None or not self._keras_logs:
             return
         val = {k: v for k, v in (logs or {}).items() if k.startswith("val_") and isinstance(v, (int, float))}
@@ -198,6 +232,7 @@ class SyncMetrics(keras.callbacks.Callback):
 
     def on_train_end(self, logs: dict | None = None) -> None:
         self.emit()
+        self._write_held()
         if self.writer is None:
             return
         # Metrics are in MLflow when fit returns, unless delivery stops making progress or MLflow is
