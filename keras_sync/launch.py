@@ -252,8 +252,13 @@ def _supervise(procs: list[subprocess.Popen[bytes]], stop: dict[str, int],
                 i, code = failed
                 result, failed_worker = _exit_code(code), i
                 running = sum(c is None for c in codes)
+                # Said even when no worker is left: the others may have ended between two polls
+                # (a peer that lost its chief ends within seconds; seen under load in CI).
+                others = [f"w{j} exited too, with code {_exit_code(c)}" for j, c in enumerate(codes)
+                          if j != i and c not in (None, 0)]
+                _say("; ".join([f"w{i} exited with code {result}", *others]
+                               + ([f"stopping the other {running} worker(s)"] if running else [])))
                 if running:
-                    _say(f"w{i} exited with code {result}; stopping the other {running} worker(s)")
                     _signal_groups(procs, signal.SIGTERM)
                     kill_at = time.monotonic() + grace_period_s
         if all(c is not None for c in codes):

@@ -111,6 +111,23 @@ def test_failed_worker_stops_the_others_and_its_code_is_returned(tmp_path: Path,
     assert "sending SIGKILL" in err  # w0 ignores SIGTERM
 
 
+def test_workers_that_end_between_two_polls_are_all_named(capsys: pytest.CaptureFixture[str]) -> None:
+    # Seen under load in CI: the chief was SIGKILLed and its peer ended before the launcher's next
+    # look, so no worker was left to stop and the launcher used to say nothing about either.
+    from keras_sync import launch as launch_module
+
+    class Ended:
+        def __init__(self, code: int) -> None:
+            self.returncode = code
+
+        def poll(self) -> int:
+            return self.returncode
+
+    code, failed = launch_module._supervise([Ended(-9), Ended(1)], {}, grace_period_s=1.0)
+    assert (code, failed) == (137, 0)
+    assert "[launch] w0 exited with code 137; w1 exited too, with code 1\n" in capsys.readouterr().err
+
+
 def test_sigint_to_launcher_stops_all_workers(tmp_path: Path) -> None:
     launcher = subprocess.Popen(
         [sys.executable, "-m", "keras_sync.launch", "--workers", "2", "--grace-period", "1", WORKER, "hang", str(tmp_path)],
