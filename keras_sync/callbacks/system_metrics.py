@@ -19,9 +19,8 @@ class SystemMetrics(keras.callbacks.Callback):
     (MLflow's CPU, disk, network and GPU monitors; they need ``psutil``) are sampled in a daemon
     thread and their averages go through the keras-sync writer, so they are spooled, never block,
     and are lost by no outage. The MLflow ``step`` is the training step at the time of the sample
-    (the ``step`` of the shared state, which `SyncMetrics` keeps; without one, the optimizer's
-    iteration count at train start plus the batches since), so system and training metrics share
-    an x-axis.
+    (the ``step`` of the shared state, which `SyncMetrics` keeps: give both the same one; without
+    a `SyncMetrics` nothing is logged), so system and training metrics share an x-axis.
 
     Args:
         writer: a started `keras_sync.tracking.MlflowWriter`; None logs nothing.
@@ -40,8 +39,6 @@ class SystemMetrics(keras.callbacks.Callback):
                              "Expected a number of seconds > 0.")
         self.writer = writer
         self.shared = check_shared(shared)
-        self._own_step: int | None = None  # the step without a SyncMetrics keeping shared.step
-        self._first_batch = 0
         self.interval_s = float(interval)
         self._monitors: list[Any] | None = None
         self._stop = threading.Event()
@@ -82,17 +79,7 @@ class SystemMetrics(keras.callbacks.Callback):
         self._thread = threading.Thread(target=self._run, name="keras-sync-system-metrics", daemon=True)
         self._thread.start()
 
-    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
-        self._first_batch = batch
-        if self._own_step is None and self.writer is not None and self.shared.step is None:
-            self._own_step = int(self.model.optimizer.iterations.numpy())
-
-    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        if self._own_step is not None:
-            self._own_step += max(batch - self._first_batch + 1, 1)  # > 1 with steps_per_execution
-
     def on_train_end(self, logs: dict | None = None) -> None:
-        self._own_step = None
         if self._thread is not None:
             self._stop.set()
             self._thread.join(timeout=self.interval_s + 5)
@@ -108,7 +95,7 @@ class SystemMetrics(keras.callbacks.Callback):
                 return
 
     def _log(self) -> None:
-        step = self.shared.step if self.shared.step is not None else self._own_step
+        step = self.shared.step
         if step is None or step == self._last_step:
             return  # before the first step, or no step since the last sample: keep one point per step
         metrics: dict[str, float] = {}
