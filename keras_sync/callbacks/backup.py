@@ -67,6 +67,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         super().__init__()
         from keras_sync.callbacks._context import check_shared
 
+        self._barrier_fn: tuple[Any, Any] | None = None  # (strategy, its traced barrier)
+
         #: Flushed on every worker before each save: the held sync metrics are put in the writer
         #: (then in its spool) before the backup of their step exists.
         self.shared = check_shared(shared)
@@ -208,9 +210,17 @@ class BackupAndRestore(keras.callbacks.Callback):
         strategy = self.model.distribute_strategy
         if not in_multi_worker_mode(strategy):
             return
-        import tensorflow as tf
+        if self._barrier_fn is None or self._barrier_fn[0] is not strategy:
+            import tensorflow as tf
 
-        strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None)
+            # In a tf.function: run eagerly, MWMS warns "Using MultiWorkerMirroredStrategy eagerly has
+            # significant overhead" on every worker at the end of every fit.
+            @tf.function
+            def barrier() -> Any:
+                return strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None)
+
+            self._barrier_fn = (strategy, barrier)
+        self._barrier_fn[1]()
 
     # -- saving ----------------------------------------------------------------------------
 
