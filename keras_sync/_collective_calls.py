@@ -98,10 +98,9 @@ def meet(strategy: Any, call: str, timeout_s: float | None = None) -> None:
                         f"strategy.connect_timeout_s={timeout_s:g} s. {fix}"
                     ) from None
             except tf.errors.OpError as e:
-                raise UsageError(
-                    f"{_name(me)} {_said(call)}, but {_name(peer)} has left the job "
-                    f"({type(e).__name__}). {fix}"
-                ) from None
+                why = ("TensorFlow can no longer reach it" if isinstance(e, tf.errors.UnavailableError)
+                       else f"TensorFlow: {type(e).__name__}")
+                raise UsageError(f"{_name(me)} {_said(call)}, but {_name(peer)} has left the job ({why}). {fix}") from None
             if probe.gone(peer):
                 raise UsageError(
                     f"{_name(me)} {_said(call)}, but {_name(peer)} has left the job (its process no longer "

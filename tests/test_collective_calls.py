@@ -61,7 +61,12 @@ def test_chief_only_predict_ends_with_one_line(tmp_path: Path) -> None:
     assert len(lines) == 1, log[-4000:]
     assert ("worker 0 called model.predict, but worker 1 reached the end of its script instead. Under "
             "multi_worker_mirrored model.predict is a collective: every worker must call it") in lines[0]
-    assert "Traceback" not in log and "UnavailableError" not in log, log[-4000:]
+    # Worker 1 may report worker 0's exit before launch stops it (seen on a loaded machine): in one
+    # keras-sync line of its own, never as TensorFlow's error.
+    noisy = [line for line in log.splitlines() if any(n in line for n in NOISE)]
+    assert not noisy, log[-4000:]
+    w1 = [line for line in log.splitlines() if line.startswith("[w1] keras-sync:")]
+    assert all(line.startswith("[w1] keras-sync: worker 1 reached the end of its script, but worker 0 ") for line in w1), w1
     w0 = json.loads((tmp_path / "out" / "w0.json").read_text())
     assert w0["predict_s"] < 60, w0  # told at once, not after a heartbeat timeout or the connect timeout
 
