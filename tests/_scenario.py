@@ -8,16 +8,36 @@ its traceback, so the test's failure message shows it, and the next case still r
 from __future__ import annotations
 
 import json
+import os
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 
+#: The environment variable a test module's fixture sets to the cases its selected tests read
+#: (comma-separated; unset: every case). See `tests/conftest.py::wanted_scenarios`.
+WANTED_ENV = "KS_SCENARIOS"
+
+
 class Results(dict):
     """The JSON a scenario script writes: one entry per recorded case, plus whatever it adds."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        wanted = os.environ.get(WANTED_ENV)
+        self.wanted = None if wanted is None else set(filter(None, wanted.split(",")))
+
+    def wants(self, name: str) -> bool:
+        """Whether a selected test reads case ``name`` (True when no selection was given)."""
+        return self.wanted is None or name in self.wanted
+
     def record(self, name: str, fn: Callable[[], Any], *, expected: tuple[type[BaseException], ...] = ()) -> None:
-        """``self[name] = fn()``; an ``expected`` error as ``{"error", "message"}``, any other with its traceback."""
+        """``self[name] = fn()``; an ``expected`` error as ``{"error", "message"}``, any other with its traceback.
+
+        A case no selected test reads is not run (see `wants`).
+        """
+        if not self.wants(name):
+            return
         try:
             self[name] = fn()
         except expected as exc:
@@ -44,3 +64,21 @@ def run_mode(modes: dict[str, Callable[..., None]], mode: str, *args: str) -> No
     if mode not in modes:
         raise SystemExit(f"unknown mode {mode!r}; one of {sorted(modes)}")
     modes[mode](*args)
+
+
+def wanted_cases(request: Any, fixture: str, needs: dict[str, set[str]]) -> str | None:
+    """What a module fixture puts in `WANTED_ENV`: the cases its module's selected tests read.
+
+    ``needs`` maps a test function's name to the cases it reads. A selected test that uses
+    ``fixture`` and is not in ``needs`` makes it None (every case runs), so a new test is never
+    starved. The whole suite selects every test; `pytest -m compat` (the CI lanes) or `-k` run less.
+    """
+    cases: set[str] = set()
+    for item in request.session.items:
+        if getattr(item, "module", None) is not request.module or fixture not in getattr(item, "fixturenames", ()):
+            continue
+        name = getattr(item, "originalname", None) or item.name
+        if name not in needs:
+            return None
+        cases |= needs[name]
+    return ",".join(sorted(cases))

@@ -101,12 +101,41 @@ def test_callbacks_package_imports_no_tensorflow():
 
 # ---- real training runs ---------------------------------------------------------------------------
 
+# The scenarios' cases each test reads (tests/_scenario.py::wanted_cases): `pytest -m compat` (the CI
+# lanes) then runs only those. "main" always runs in the mirrored process (the other mirrored cases
+# build on its Sync); "multi_worker" and "single" are processes of their own.
+NEEDS = {
+    "test_every_step_metric_has_one_point_per_logged_step": {"main"},
+    "test_per_replica_losses_average_to_keras_loss": {"main"},
+    "test_runs_longer_than_the_probe_ring_log_every_step_with_its_own_values": {"long"},
+    "test_warmup_is_visible_in_learning_rate": {"main"},
+    "test_throughput_and_step_time_are_sane": {"main"},
+    "test_epoch_metrics_at_the_epochs_last_step": {"main"},
+    "test_allreduce_probe": {"main"},
+    "test_params_and_config_tags": {"main"},
+    "test_restarted_job_continues_the_same_run": {"main", "restart"},
+    "test_instrumented_training_is_bit_identical_to_plain_keras": {"identical"},
+    "test_custom_train_step_gets_every_sync_metric_without_warning": {"custom"},
+    "test_multi_worker_run_is_one_run_with_every_replica": {"multi_worker"},
+    "test_server_run_and_no_secret_anywhere": {"server", "multi_worker"},
+    "test_default_strategy_with_xla_is_bit_identical_and_logged": {"single"},
+}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, mlflow_server):
+def runs(request, tmp_path_factory, mlflow_server):
+    from _scenario import WANTED_ENV, wanted_cases
+
     out = tmp_path_factory.mktemp("metrics")
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KS_TEST_API_TOKEN=SECRET_TOKEN)
-    for k in ("TF_CONFIG", "MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID", "KERAS_SYNC_CONFIG"):
+    for k in ("TF_CONFIG", "MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID", "KERAS_SYNC_CONFIG", WANTED_ENV):
         env.pop(k, None)
+    wanted = wanted_cases(request, "runs", NEEDS)
+    if wanted is not None:
+        env[WANTED_ENV] = wanted
+    processes = {"multi_worker", "single"}
+    runs_process = {name: wanted is None or name in wanted.split(",") for name in processes}
+    runs_process["mirrored"] = wanted is None or bool(set(wanted.split(",")) - processes)
     host = mlflow_server.split("://", 1)[1]
     server_cfg = out / "server.yaml"
     server_cfg.write_text(
@@ -130,25 +159,23 @@ def runs(tmp_path_factory, mlflow_server):
         "  log_every_n_steps: 1\n")
     sqlite_uri = f"sqlite:///{out / 'mlflow.db'}"
     script = str(HERE / "_metrics_scenarios.py")
-    procs = {
-        "mirrored": subprocess.Popen([sys.executable, script, "mirrored", str(out / "mirrored.json"), sqlite_uri,
-                                      str(server_cfg)], cwd=out, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True),
-        "multi_worker": subprocess.Popen([sys.executable, "-m", "keras_sync.launch", "--workers", "2", script,
-                                          "multi_worker", str(mw_dir / "mw.json"), str(mw_cfg)], cwd=mw_dir,
-                                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
-        "single": subprocess.Popen([sys.executable, script, "single", str(out / "single.json"),
-                                    f"sqlite:///{out / 'single.db'}"], cwd=out, env=env, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True),
+    commands = {
+        "mirrored": ([sys.executable, script, "mirrored", str(out / "mirrored.json"), sqlite_uri, str(server_cfg)], out),
+        "multi_worker": ([sys.executable, "-m", "keras_sync.launch", "--workers", "2", script, "multi_worker",
+                          str(mw_dir / "mw.json"), str(mw_cfg)], mw_dir),
+        "single": ([sys.executable, script, "single", str(out / "single.json"), f"sqlite:///{out / 'single.db'}"], out),
     }
+    procs = {name: subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for name, (cmd, cwd) in commands.items() if runs_process[name]}
     logs = {}
     for name, proc in procs.items():
         logs[name], _ = proc.communicate(timeout=1500)
         assert proc.returncode == 0, f"{name} scenario failed:\n{logs[name][-5000:]}"
+    found = {name: path for name, path in (("mirrored", out / "mirrored.json"), ("multi_worker", mw_dir / "mw.json"),
+                                           ("single", out / "single.json")) if name in procs}
     return {
-        "mirrored": json.loads((out / "mirrored.json").read_text()),
-        "multi_worker": json.loads((mw_dir / "mw.json").read_text()),
-        "single": json.loads((out / "single.json").read_text()), "single_sqlite": f"sqlite:///{out / 'single.db'}",
+        **{name: json.loads(path.read_text()) for name, path in found.items()},
+        "single_sqlite": f"sqlite:///{out / 'single.db'}",
         "sqlite": sqlite_uri, "mw_sqlite": f"sqlite:///{mw_dir / 'mlflow.db'}", "server": mlflow_server,
         "logs": logs,
     }
@@ -283,6 +310,7 @@ def test_params_and_config_tags(runs):
 
 def test_restarted_job_continues_the_same_run(runs):
     r = runs["mirrored"]
+    _ok(r["restart"])
     assert r["restart"]["run_id"] == r["main"]["run_id"] and r["restart"]["iterations"] == 24
     c = _client(runs["sqlite"])
     assert len(c.search_runs([c.get_experiment_by_name("metrics").experiment_id])) == 2  # main + identical
