@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import os
 import sys
 import threading
 import time
@@ -107,7 +108,11 @@ def meet(strategy: Any, call: str, timeout_s: float | None = None) -> None:
                     f"answers). {fix}"
                 ) from None
         if got != call:
-            raise UsageError(f"{_name(me)} {_said(call)}, but {_name(peer)} {_said(got)} instead. {fix}")
+            raise PeerElsewhereError(f"{_name(me)} {_said(call)}, but {_name(peer)} {_said(got)} instead. {fix}")
+
+
+class PeerElsewhereError(UsageError):
+    """A peer posted another call than this worker's: the job cannot go on (both workers report it)."""
 
 
 # How often a worker waiting for a peer's post asks whether the job has failed (a peer that exits
@@ -201,3 +206,10 @@ def _meet_at_exit() -> None:
     except UsageError as e:
         # A peer is in another call: that worker reports it; this one leaves with one line.
         print(f"keras-sync: {str(e).split('. Under')[0]}.", file=sys.stderr, flush=True)
+        if isinstance(e, PeerElsewhereError):
+            # That peer fails now, and when it is the chief the coordination service goes with it:
+            # this process's TensorFlow teardown would then print pages of heartbeat errors (seen on a
+            # loaded machine) or wait for a leader that is gone. Leave at once, code 2 (the job's usage
+            # error); atexit handlers registered before keras_sync.load() do not run.
+            sys.stdout.flush()
+            os._exit(2)
