@@ -71,18 +71,16 @@ def mirrored(tracking_uri: str, server_config: str) -> None:
 
     # 2. The same job restarted: a new Sync with the same job id continues the run and the steps.
     # (As BackupAndRestore would, the restarted model resumes at the optimizer step it reached.)
-    def restart():
-        reached = int(model.optimizer.iterations.numpy())
-        sync2 = keras_sync.load(base)
-        model2 = make_model(sync2)
-        model2.set_weights(model.get_weights())
-        with sync2.scope():
-            model2.optimizer.build(model2.trainable_variables)
-            model2.optimizer.iterations.assign(reached)
-        sync2.fit(model2, X, Y, epochs=1, shuffle=False, verbose=0, validation_split=0.2)
-        return {"run_id": close(sync2), "iterations": int(model2.optimizer.iterations.numpy())}
-
-    results["restart"] = restart()  # part of "main": the main run's metric tests count the restart's steps too
+    # Part of "main": the main run's metric tests count the restart's steps too.
+    reached = int(model.optimizer.iterations.numpy())
+    sync2 = keras_sync.load(base)
+    model2 = make_model(sync2)
+    model2.set_weights(model.get_weights())
+    with sync2.scope():
+        model2.optimizer.build(model2.trainable_variables)
+        model2.optimizer.iterations.assign(reached)
+    sync2.fit(model2, X, Y, epochs=1, shuffle=False, verbose=0, validation_split=0.2)
+    results["restart"] = {"run_id": close(sync2), "iterations": int(model2.optimizer.iterations.numpy())}
     del os.environ["KERAS_SYNC_JOB_ID"]
 
     # 3. Instrumented training is bit-identical to plain Keras under the same strategy.

@@ -15,7 +15,7 @@ from typing import Any
 
 
 #: The environment variable a test module's fixture sets to the cases its selected tests read
-#: (comma-separated; unset: every case). See `tests/conftest.py::wanted_scenarios`.
+#: (comma-separated; unset: every case). See `wanted_cases`.
 WANTED_ENV = "KS_SCENARIOS"
 
 

@@ -102,8 +102,9 @@ def test_callbacks_package_imports_no_tensorflow():
 # ---- real training runs ---------------------------------------------------------------------------
 
 # The scenarios' cases each test reads (tests/_scenario.py::wanted_cases): `pytest -m compat` (the CI
-# lanes) then runs only those. "main" always runs in the mirrored process (the other mirrored cases
-# build on its Sync); "multi_worker" and "single" are processes of their own.
+# lanes) then runs only those. "main" (with the restart that continues its run) always runs in the
+# mirrored process (the other mirrored cases build on its Sync); "multi_worker" and "single" are
+# processes of their own.
 NEEDS = {
     "test_every_step_metric_has_one_point_per_logged_step": {"main"},
     "test_per_replica_losses_average_to_keras_loss": {"main"},
@@ -113,7 +114,7 @@ NEEDS = {
     "test_epoch_metrics_at_the_epochs_last_step": {"main"},
     "test_allreduce_probe": {"main"},
     "test_params_and_config_tags": {"main"},
-    "test_restarted_job_continues_the_same_run": {"main", "restart"},
+    "test_restarted_job_continues_the_same_run": {"main"},
     "test_instrumented_training_is_bit_identical_to_plain_keras": {"identical"},
     "test_custom_train_step_gets_every_sync_metric_without_warning": {"custom"},
     "test_multi_worker_run_is_one_run_with_every_replica": {"multi_worker"},
@@ -133,9 +134,10 @@ def runs(request, tmp_path_factory, mlflow_server):
     wanted = wanted_cases(request, "runs", NEEDS)
     if wanted is not None:
         env[WANTED_ENV] = wanted
+    cases = None if wanted is None else set(wanted.split(","))
     processes = {"multi_worker", "single"}
-    runs_process = {name: wanted is None or name in wanted.split(",") for name in processes}
-    runs_process["mirrored"] = wanted is None or bool(set(wanted.split(",")) - processes)
+    runs_process = {name: cases is None or name in cases for name in processes}
+    runs_process["mirrored"] = cases is None or bool(cases - processes)
     host = mlflow_server.split("://", 1)[1]
     server_cfg = out / "server.yaml"
     server_cfg.write_text(
@@ -159,22 +161,23 @@ def runs(request, tmp_path_factory, mlflow_server):
         "  log_every_n_steps: 1\n")
     sqlite_uri = f"sqlite:///{out / 'mlflow.db'}"
     script = str(HERE / "_metrics_scenarios.py")
+    # name: (command, cwd, the JSON it writes)
     commands = {
-        "mirrored": ([sys.executable, script, "mirrored", str(out / "mirrored.json"), sqlite_uri, str(server_cfg)], out),
+        "mirrored": ([sys.executable, script, "mirrored", str(out / "mirrored.json"), sqlite_uri, str(server_cfg)],
+                     out, out / "mirrored.json"),
         "multi_worker": ([sys.executable, "-m", "keras_sync.launch", "--workers", "2", script, "multi_worker",
-                          str(mw_dir / "mw.json"), str(mw_cfg)], mw_dir),
-        "single": ([sys.executable, script, "single", str(out / "single.json"), f"sqlite:///{out / 'single.db'}"], out),
+                          str(mw_dir / "mw.json"), str(mw_cfg)], mw_dir, mw_dir / "mw.json"),
+        "single": ([sys.executable, script, "single", str(out / "single.json"), f"sqlite:///{out / 'single.db'}"],
+                   out, out / "single.json"),
     }
     procs = {name: subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for name, (cmd, cwd) in commands.items() if runs_process[name]}
+             for name, (cmd, cwd, _) in commands.items() if runs_process[name]}
     logs = {}
     for name, proc in procs.items():
         logs[name], _ = proc.communicate(timeout=1500)
         assert proc.returncode == 0, f"{name} scenario failed:\n{logs[name][-5000:]}"
-    found = {name: path for name, path in (("mirrored", out / "mirrored.json"), ("multi_worker", mw_dir / "mw.json"),
-                                           ("single", out / "single.json")) if name in procs}
     return {
-        **{name: json.loads(path.read_text()) for name, path in found.items()},
+        **{name: json.loads(commands[name][2].read_text()) for name in procs},
         "single_sqlite": f"sqlite:///{out / 'single.db'}",
         "sqlite": sqlite_uri, "mw_sqlite": f"sqlite:///{mw_dir / 'mlflow.db'}", "server": mlflow_server,
         "logs": logs,
@@ -310,7 +313,6 @@ def test_params_and_config_tags(runs):
 
 def test_restarted_job_continues_the_same_run(runs):
     r = runs["mirrored"]
-    _ok(r["restart"])
     assert r["restart"]["run_id"] == r["main"]["run_id"] and r["restart"]["iterations"] == 24
     c = _client(runs["sqlite"])
     assert len(c.search_runs([c.get_experiment_by_name("metrics").experiment_id])) == 2  # main + identical
