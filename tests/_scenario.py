@@ -22,8 +22,8 @@ WANTED_ENV = "KS_SCENARIOS"
 class Results(dict):
     """The JSON a scenario script writes: one entry per recorded case, plus whatever it adds."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, **items: Any) -> None:
+        super().__init__(**items)
         wanted = os.environ.get(WANTED_ENV)
         self.wanted = None if wanted is None else set(filter(None, wanted.split(",")))
 
