@@ -8,9 +8,11 @@ SCHED_IDLE a machine whose cores are busy with other work starved it until the t
 
 It talks to the training process through the spool directory only: it polls for new records,
 sends them in batches with `MlflowClient.log_batch`, writes ``delivered``, ``run.json`` and
-``status.json`` and deletes delivered segments. It ends when it has delivered the run's
-``end`` record, or, once its parent has died, after one last attempt to deliver what is left
-(a restarted job or ``keras-sync sync-spool`` delivers the rest). While MLflow is unreachable it
+``status.json`` and deletes delivered segments. One courier serves its writer for the writer's
+whole life (every `fit` of a `Sync`). It ends when it has delivered the writer's last record
+(`keras_sync._spool.is_last_record`), or, once its parent has died, after one last attempt to
+deliver what is left (a restarted job or ``keras-sync sync-spool`` delivers the rest); a spool
+whose run had ended and was all delivered is then removed. While MLflow is unreachable it
 retries with backoff (0.5 s up to 30 s).
 
 Run as ``python -m keras_sync._courier SPOOL_DIR PARENT_PID`` with the tracking URI (credentials
@@ -28,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from keras_sync._deliver import Deliverer, is_transient
-from keras_sync._spool import SpoolDir
+from keras_sync._spool import SpoolDir, is_last_record
 from keras_sync.redact import redact_text, secrets_of
 
 #: Longest wait between two delivery attempts while MLflow is unreachable (seconds).
@@ -65,7 +67,8 @@ class Delivery:
         # Found or created by an earlier courier of this spool (checked again before use).
         self.deliverer.run_id = spool.run().get("run_id")
         self.max_batch = max_batch
-        self.ended = False  # the run's "end" record is delivered and nothing follows it
+        self.ended = False  # the writer's last record is delivered and nothing follows it
+        self.run_ended = False  # the last record delivered ended the run (the writer may go on)
         self.failing = False  # the status file says the last attempt failed
 
     def deliver_available(self) -> int:
@@ -92,7 +95,8 @@ class Delivery:
             if self.deliverer.run_id != run_before:
                 self.spool.set_run(self.deliverer.run_id, self.deliverer.experiment_id)
             self.spool.mark_delivered(chunk[-1][0])
-            self.ended = chunk[-1][1]["k"] == "end" and not self.spool.pending()
+            self.ended = is_last_record(chunk[-1][1]) and not self.spool.pending()
+            self.run_ended = chunk[-1][1]["k"] in ("end", "stop")
 
     def report(self, error: BaseException | None, since: float | None = None) -> None:
         self.failing = error is not None
@@ -124,6 +128,10 @@ class Delivery:
                     retry_at = time.monotonic() + backoff
                 if self.ended and not self.spool.held("writer"):
                     self.spool.remove()  # its writer gave up waiting and left it: nothing is left to keep
+                if orphan and self.run_ended and not self.spool.pending() and not self.spool.held("writer"):
+                    # Its process was killed without atexit (Ray Train V2's ray.kill) after MLflow had
+                    # it all (Sync.fit ends the run and waits for delivery): nothing left to keep.
+                    self.spool.remove()
                 if self.ended or orphan:
                     return
             time.sleep(POLL_S)

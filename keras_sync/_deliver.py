@@ -116,8 +116,12 @@ class Deliverer:
         if self.start_time_ms is None:
             self.start_time_ms = start_time_ms
 
-    def ensure_run(self) -> tuple[str, bool]:
-        """Return (run id, whether it changed now): find, reopen or create the job's run."""
+    def ensure_run(self, reopen: bool = False) -> tuple[str, bool]:
+        """Return (run id, whether it changed now): find, reopen or create the job's run.
+
+        ``reopen``: the writer of this run logs again after ending it (``begin`` with ``reopen``):
+        the run this deliverer was writing is continued even if FINISHED.
+        """
         if self.run_id is not None and self._checked:
             return self.run_id, False
         before = self.run_id
@@ -125,7 +129,7 @@ class Deliverer:
         run = None
         for candidate in (self.run_id, self._hint):
             if candidate is not None:
-                run = self._usable(self._get_run(candidate))
+                run = self._usable(self._get_run(candidate), reopen=reopen and candidate == self.run_id)
                 if run is not None:
                     break
         if run is None and self.job_id is not None:
@@ -157,9 +161,9 @@ class Deliverer:
             return None  # deleted, or another store: look the job up by its tag
         return run if run.info.lifecycle_stage == "active" else None
 
-    def _usable(self, run: Any) -> Any:
-        """The run, unless it is FINISHED and the job id was not given explicitly."""
-        if run is None or (run.info.status == "FINISHED" and not self.explicit):
+    def _usable(self, run: Any, reopen: bool = False) -> Any:
+        """The run, unless it is FINISHED and neither the job id was given explicitly nor ``reopen``."""
+        if run is None or (run.info.status == "FINISHED" and not (self.explicit or reopen)):
             return None
         return run
 
@@ -238,10 +242,12 @@ class Deliverer:
             elif k == "end":
                 flush()
                 self._call(c.set_terminated, self.run_id, status=rec["status"], end_time=rec.get("ts"))
+            elif k == "stop":  # the writer closed after ending the run: nothing to send
+                flush()
             elif k == "begin":
                 flush()
                 self.new_session(rec.get("ts"))
-                self.ensure_run()
+                self.ensure_run(reopen=bool(rec.get("reopen")))
                 floors = dict(self.floors)  # the run may be another one now
         flush()
         self.dropped += dropped

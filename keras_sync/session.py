@@ -198,7 +198,7 @@ class Sync:
         kwargs["callbacks"] = [runtime.setup_callback(self)] + ks_callbacks.default_callbacks(
             self, model, kwargs.get("callbacks"), per_replica_batch_size=per_replica)
         from keras_sync import saving
-        from keras_sync.callbacks._run import shared_run_for
+        from keras_sync.callbacks._run import run_ends_after_fit, shared_run_for
         from keras_sync.callbacks.backup import resumable_fit
 
         saving.guard_callbacks(self.strategy, kwargs["callbacks"])  # Keras' BackupAndRestore: the chief writes
@@ -206,7 +206,7 @@ class Sync:
 
         # A restored backup resumes mid-epoch, data order included; a lost peer ends in one line.
         # With mlflow.keras.autolog() on, autolog logs into keras-sync's run instead of its own.
-        with shared_run_for(self), raised_as_peer_lost(self.strategy, self.config.fault_tolerance.backup_dir), \
+        with shared_run_for(self), run_ends_after_fit(self), raised_as_peer_lost(self.strategy, self.config.fault_tolerance.backup_dir), \
                 resumable_fit(kwargs["callbacks"]), _quiet_end_of_data(kwargs.get("steps_per_epoch")):
             history = model.fit(x, y, **kwargs)
         from keras_sync.callbacks._run import end_run_after_fit

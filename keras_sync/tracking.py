@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from keras_sync import _courier
-from keras_sync._spool import Position, SpoolDir
+from keras_sync._spool import Position, SpoolDir, is_last_record
 from keras_sync.errors import TrackingError
 from keras_sync.redact import redact_text as _redact
 from keras_sync.redact import redact_uri
@@ -137,8 +137,8 @@ class Writer(Protocol):
     Each must return quickly: the callbacks call them from the training thread. ``step`` is the
     global optimizer step (1-based); ``timestamp_ms`` the wall time of that step (milliseconds since
     the epoch: points are logged in groups, each keeps its own step's time). Two more are used when present: ``flush_to_spool(timeout_s)``
-    (a backup makes the metrics up to its step durable first) and ``end_of_fit()`` (at the end of
-    each `fit`).
+    (a backup makes the metrics up to its step durable first), ``end_of_fit()`` (at the end of
+    each `fit`) and ``end_run(status, timeout_s)`` (when `keras_sync.Sync.fit` returns).
     """
 
     def log_metrics(self, metrics: dict[str, float], step: int, timestamp_ms: int | None = None) -> None: ...
@@ -225,6 +225,10 @@ class MlflowWriter:
         self._courier: subprocess.Popen[bytes] | None = None
         self._closing = self._closed = self._dead = self._end_spooled = self._finished = False
         self._warned_fit = False
+        self._run_ended = False  # end_run() was called and nothing was logged since
+        #: Set by `keras_sync.Sync.fit` while its `fit` runs: it ends the run itself when fit
+        #: returns (`end_run`), so `end_of_fit` need not wait for delivery a first time.
+        self.run_ends_after_fit = False
         self._status: dict[str, Any] | None = None
         self._key_cache: dict[str, str] = {}
         self._run: dict[str, Any] = {}
@@ -283,6 +287,10 @@ class MlflowWriter:
             raise TrackingError("MlflowWriter is closed; create a new writer to log more.")
         if self._dead:
             return  # the spool failed and said so once; do not grow memory forever
+        if self._run_ended and rec["k"] not in ("end", "stop"):
+            # Logging after end_run: the run is reopened (RUNNING again), this writer's run only.
+            self._run_ended = False
+            self._queue.append((next(self._seq), {"k": "begin", "ts": int(time.time() * 1000), "reopen": True}))
         seq = next(self._seq)
         self._queue.append((seq, rec))
         self._last_seq = seq
@@ -365,17 +373,45 @@ class MlflowWriter:
         return True
 
     def end_of_fit(self) -> None:
-        """At the end of a `fit`: wait while delivery makes progress; else warn once, naming the cause."""
-        if self.flush():
+        """At the end of a `fit`: wait while delivery makes progress; else warn once, naming the cause.
+
+        Under `keras_sync.Sync.fit` (``run_ends_after_fit``) it returns at once: `end_run` waits after fit.
+        """
+        if self.run_ends_after_fit or self.flush():
             return
+        self._warn_undelivered()
+
+    def _warn_undelivered(self) -> None:
         message = self.undelivered_message(final=False)
         if message and not self._warned_fit:
             self._warned_fit = True
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+    def end_run(self, status: str = "FINISHED", timeout_s: float | None = 120.0) -> bool:
+        """End the run with ``status`` and wait while delivery makes progress; True if MLflow has it all.
+
+        Unlike `close`, the writer stays open, with its spooling thread and courier process: the
+        next record logged reopens the same run (RUNNING, steps continuing), as the next `fit` of a
+        `Sync` does, without starting a courier again. What is not delivered yet (MLflow away) goes
+        on being delivered in the background, and a warning says where it waits.
+        """
+        if status not in _RUN_STATUSES:
+            raise TrackingError(f"Invalid value for argument `status`. Received: status={status!r}. "
+                                f"Expected one of {', '.join(_RUN_STATUSES)}.")
+        if self._closed:
+            return not self._spool.path.is_dir()
+        if not self._run_ended:
+            self._put({"k": "end", "status": status, "ts": int(time.time() * 1000), "last": False})
+            self._run_ended = True
+        self.start()
+        if self.flush(timeout_s=timeout_s):
+            return True
+        self._warn_undelivered()
+        return False
 
     def undelivered_message(self, final: bool = True) -> str | None:
         """Why some records are not in MLflow, and where they are; None if everything arrived."""
-        pending = len(self._queue) + sum(rec["k"] not in ("begin",) for _, rec in
+        pending = len(self._queue) + sum(rec["k"] not in ("begin", "stop") for _, rec in
                                          self._spool.read(self._spool.delivered(), max_records=10**9))
         if pending == 0:
             return None
@@ -417,7 +453,10 @@ class MlflowWriter:
             return
         self._closed = True
         _live_writers.discard(self)
-        self._put({"k": "end", "status": status, "ts": int(time.time() * 1000)})
+        if self._run_ended:  # end_run ended it and nothing came since: only stop the courier
+            self._put({"k": "stop"})
+        else:
+            self._put({"k": "end", "status": status, "ts": int(time.time() * 1000)})
         self.start()
         delivered = self.flush(timeout_s=timeout_s)
         self._closing = True
@@ -525,7 +564,7 @@ class MlflowWriter:
             rec = self._clean(rec)
             if rec is not None:
                 recs.append(rec)
-                self._end_spooled |= rec["k"] == "end"
+                self._end_spooled |= is_last_record(rec)
         if recs:
             self._spooled_pos = self._spool.append(recs)
         if last is not None:

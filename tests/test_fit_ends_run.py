@@ -1,5 +1,6 @@
 """`sync.fit` ends its MLflow run when it returns (Ray Train V2 kills its workers without atexit),
-and the next `fit` of the same `Sync` continues that run: one run, FINISHED, steps once, no spool."""
+and the next `fit` of the same `Sync` continues that run through the same courier process: one
+run, FINISHED, steps once, nothing undelivered; the orphaned courier removes the spool."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
+
+from keras_sync._spool import SpoolDir
 
 pytestmark = pytest.mark.slow
 
@@ -17,6 +21,19 @@ def test_fit_ends_the_run_and_the_next_fit_continues_it(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     script = textwrap.dedent(f"""
         import json, os, numpy as np, keras_sync
+        from keras_sync._spool import SpoolDir
+
+        def couriers():  # this process's courier children
+            me, found = str(os.getpid()), []
+            for pid in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    stat = open(f"/proc/{{pid}}/stat").read().rsplit(")", 1)[1].split()
+                    cmd = open(f"/proc/{{pid}}/cmdline").read()
+                except OSError:
+                    continue
+                if stat[1] == me and "keras_sync._courier" in cmd:
+                    found.append(int(pid))
+            return found
         from mlflow import MlflowClient
         sync = keras_sync.load({{"strategy": {{"kind": "default"}}, "batch": {{"per_replica": 16}},
                                  "mlflow": {{"tracking_uri": {uri!r}, "experiment": "e"}}}})
@@ -31,8 +48,9 @@ def test_fit_ends_the_run_and_the_next_fit_continues_it(tmp_path):
             sync.fit(model, x, x[:, :1], epochs=1, verbose=0)
             runs = c.search_runs([c.get_experiment_by_name("e").experiment_id])
             out[i] = [(r.info.run_id, r.info.status) for r in runs]
+            out[f"couriers{{i}}"] = couriers()
+            out[f"undelivered{{i}}"] = [n for n in os.listdir(".keras_sync_spool") if SpoolDir(os.path.join(".keras_sync_spool", n)).pending()]
         out["steps"] = sorted(m.step for m in c.get_metric_history(runs[0].info.run_id, "sync/replica_0/loss"))
-        out["spool"] = os.listdir(".keras_sync_spool") if os.path.isdir(".keras_sync_spool") else []
         print("RESULT " + json.dumps(out))
         os._exit(0)  # no atexit, as under Ray Train V2's ray.kill
     """)
@@ -47,4 +65,12 @@ def test_fit_ends_the_run_and_the_next_fit_continues_it(tmp_path):
     assert first[1] == "FINISHED"
     assert out["2"] == [[first[0], "FINISHED"]]  # the same run, ended again
     assert out["steps"] == list(range(1, 33))  # 16 steps per fit, each once
-    assert out["spool"] == []
+    assert out["undelivered1"] == out["undelivered2"] == []  # MLflow had everything when fit returned
+    assert len(out["couriers1"]) == 1 and out["couriers2"] == out["couriers1"]  # one courier for both fits
+    # The process ended without atexit: its orphaned courier finds everything delivered and removes the spool.
+    spool_root = tmp_path / ".keras_sync_spool"
+    deadline = time.monotonic() + 120
+    while any(p.is_dir() for p in spool_root.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [p.name for p in spool_root.iterdir() if p.is_dir()]
+    assert left == [], f"spools left after the process ended: {left} (pending: {[SpoolDir(spool_root / n).pending() for n in left]})"

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from _spools import deliver_leftovers
 from keras_sync import _lost_peer, load_config
 from keras_sync.errors import ConfigError, PeerLostError
 from keras_sync.preemption import PREEMPTED_EXIT_CODE
@@ -168,12 +169,9 @@ def test_sigterm_at_step_17_saves_there_and_the_relaunch_trains_the_13_left(tmp_
     # The preempted exit ends the run KILLED, not FINISHED, so the relaunch continues it: one run,
     # each step once (a FINISHED run would not be reopened: a second run). What the first process
     # had not delivered at exit (a busy machine) is delivered by the relaunch's courier, in order.
-    for spool in sorted((tmp_path / "spool").glob("*")):
-        # What the relaunch had not delivered when it exited (the wait at exit is bounded): delivered
-        # now, as `keras-sync sync-spool` does for a user.
-        done = subprocess.run([str(Path(sys.executable).with_name("keras-sync")), "sync-spool", str(spool)],
-                              capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr
+    # What the relaunch had not delivered when it exited (the wait at exit is bounded): delivered
+    # now, as `keras-sync sync-spool` does for a user.
+    deliver_leftovers(tmp_path / "spool")
     from mlflow import MlflowClient
 
     client = MlflowClient(uri)

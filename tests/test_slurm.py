@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from _mwr import TRAIN, max_diff, result
+from _spools import deliver_leftovers
 from keras_sync.preemption import PREEMPTED_EXIT_CODE
 
 pytestmark = pytest.mark.slow
@@ -103,10 +104,7 @@ def test_srun_two_tasks_train_as_two_workers_like_one_process(uninterrupted: dic
 
 
 def _deliver_spools(cwd: Path) -> None:
-    for spool in sorted((cwd / ".keras_sync_spool").glob("*.spool.jsonl")):
-        replay = subprocess.run([str(Path(sys.executable).with_name("keras-sync")), "sync-spool", str(spool)],
-                                capture_output=True, text=True, timeout=300)
-        assert replay.returncode == 0, replay.stdout[-2000:] + replay.stderr[-2000:]
+    deliver_leftovers(cwd / ".keras_sync_spool")
 
 
 # -- scancel --signal=TERM mid-epoch: a coordinated save, exit 143, the resubmitted job resumes --

@@ -22,6 +22,7 @@ import pytest
 
 from _mwr import max_diff, result
 from _netns import TwoHosts, two_hosts
+from _spools import deliver_leftovers
 
 pytestmark = pytest.mark.slow
 
@@ -189,12 +190,9 @@ def test_sigterm_to_one_hosts_worker_inside_a_collective_saves_and_resumes_exact
         r = result(out, t)
         assert r["start"] == {"iterations": 18, "epoch": 1}
         assert max_diff(r["weights"], uninterrupted[t]["weights"]) <= EXACT_RESUME
-    for spool in sorted((tmp_module / ".keras_sync_spool").glob("*.spool.jsonl")):
-        # What the chief had not delivered when it exited (the wait at exit is bounded): delivered
-        # now without duplicates, as `keras-sync sync-spool` does for a user.
-        done = subprocess.run([str(Path(sys.executable).with_name("keras-sync")), "sync-spool", str(spool)],
-                              capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr
+    # What the chief had not delivered when it exited (the wait at exit is bounded): delivered
+    # now without duplicates, as `keras-sync sync-spool` does for a user.
+    deliver_leftovers(tmp_module / ".keras_sync_spool")
     client = MlflowClient(uri)
     runs = client.search_runs([client.get_experiment_by_name("two-hosts").experiment_id])
     assert len(runs) == 1

@@ -10,22 +10,26 @@ One writer per `Sync` object, kept across `fit` calls (one run, steps continue).
   restarts): the run with that job id, created once and shared, also after it finished;
 - else a new run.
 
-`Sync.fit` ends the run (FINISHED, spool delivered) when it returns and MLflow has everything
-(`end_run_after_fit`); a later `fit` of the same `Sync` opens a new writer on the same run id,
-steps continuing. Ending the run at fit's end rather than at exit matters where a worker is
-ended without `atexit`: Ray Train V2 stops its workers with `ray.kill`
-(``ray/train/v2/_internal/execution/worker_group/state.py``, `_shutdown_workers`), which left the
-run RUNNING with its spool behind. Otherwise the run ends when the process exits (the writer's
-`atexit` close) or with `close_writer(sync)`.
+`Sync.fit` ends the run (FINISHED) when it returns and waits while MLflow receives the rest
+(`end_run_after_fit`, `MlflowWriter.end_run`); the writer stays open, and the next `fit` of the
+same `Sync` reopens the same run, steps continuing, through the same courier process (starting
+one per fit cost ~2 s of a core: it imports MLflow). Ending the run at fit's end rather than at
+exit matters where a worker is ended without `atexit`: Ray Train V2 stops its workers with
+`ray.kill` (``ray/train/v2/_internal/execution/worker_group/state.py``, `_shutdown_workers`),
+which left the run RUNNING with its spool behind; now the courier, orphaned, finds everything
+delivered and removes the spool. The writer closes when the process exits (`atexit`) or with
+`close_writer(sync)`; a `fit` after that opens a new writer on the same run id.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import sys
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -116,15 +120,28 @@ def record_run(writer: Any, backup_dir: str) -> None:
 
 
 def end_run_after_fit(sync: Any, limit_s: float = 120.0) -> None:
-    """End the run when `fit` returns, once MLflow has everything; else keep delivering.
+    """End the run when `fit` returns and wait while MLflow receives the rest (at most ``limit_s``).
 
-    `MlflowWriter.flush` waits while delivery makes progress (at most ``limit_s``). When MLflow is
-    away or refusing, the writer stays open and keeps delivering in the background as before, and
-    the run ends at exit or with `close_writer`: closing it here would abandon those records.
+    `MlflowWriter.end_run`: the writer stays open for the next `fit`. When MLflow is away or
+    refusing, a warning says so and delivery goes on in the background (the end included).
     """
     writer = _writers.get(sync)
-    if writer is not None and not writer.closed and writer.flush(timeout_s=limit_s):
-        writer.close(timeout_s=limit_s)
+    if writer is not None and not writer.closed and hasattr(writer, "end_run"):
+        writer.end_run(timeout_s=limit_s)
+
+
+@contextlib.contextmanager
+def run_ends_after_fit(sync: Any) -> Iterator[None]:
+    """While `Sync.fit` runs: the writer's end-of-fit wait is left to `end_run_after_fit` (one wait, not two)."""
+    writer = _writers.get(sync)
+    if writer is None or writer.closed or not hasattr(writer, "run_ends_after_fit"):
+        yield
+        return
+    writer.run_ends_after_fit = True
+    try:
+        yield
+    finally:
+        writer.run_ends_after_fit = False
 
 
 def shared_run_for(sync: Any) -> Any:
