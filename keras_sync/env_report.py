@@ -40,6 +40,9 @@ def _version(dists: tuple[str, ...]) -> str:
 def _devices() -> str:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TF's start-up chatter out of the report
     try:
+        from keras_sync._tf_import import import_tensorflow
+
+        import_tensorflow()
         import tensorflow as tf
 
         physical = tf.config.list_physical_devices()

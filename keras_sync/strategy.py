@@ -316,8 +316,10 @@ def require_tensorflow() -> None:
     """Raise `StrategyError` with the install command when no TensorFlow can be imported."""
     import sys
 
+    from keras_sync._tf_import import import_tensorflow
+
     try:
-        import tensorflow  # noqa: F401
+        import_tensorflow()  # without the early absl INFO lines that ignore TF_CPP_MIN_LOG_LEVEL
     except ModuleNotFoundError as e:
         if e.name != "tensorflow":
             raise  # a broken TensorFlow: its own error says more than ours could

@@ -1,0 +1,73 @@
+"""Import TensorFlow without its C++ start-up INFO lines, which TF_CPP_MIN_LOG_LEVEL does not stop.
+
+TensorFlow 2.21 logs through absl before absl is initialised, and such early lines ignore
+``TF_CPP_MIN_LOG_LEVEL``. On CPUs with AMX/AVX512-VNNI (where oneDNN is on by default) every
+import then prints, twice (two shared libraries)::
+
+    WARNING: All log messages before absl::InitializeLog() is called are written to STDERR
+    I0000 00:00:1796123769.122809    8780 port.cc:153] oneDNN custom operations are on. ...
+    I0000 00:00:1796123769.182773    8780 cpu_feature_guard.cc:227] This TensorFlow binary is ...
+
+(measured on TF 2.21.0, Intel Xeon with amx_bf16; the same TF on a CPU without AMX printed
+nothing). `import_tensorflow` holds file descriptor 2 while TensorFlow is imported and writes back
+every line but those INFO lines and absl's banner, when the log level asks for that (the user's
+``TF_CPP_MIN_LOG_LEVEL``, else keras-sync's default 1). Warnings, errors and a failed import's
+output are written back as they came.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import tempfile
+
+_INFO = re.compile(rb"^I\d{4} \d\d:\d\d:\d+\.\d+ +\d+ [\w.\-]+:\d+\] ")
+_BANNER = b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
+#: An INFO line's continuation (cpu_feature_guard's second line): kept with it.
+_CONTINUATION = re.compile(rb"^(To enable the following instructions|other operations, rebuild)")
+
+
+def quiet_lines(raw: bytes) -> bytes:
+    """``raw`` without TensorFlow's early INFO lines (and their continuation lines) and absl's banner."""
+    out, dropping = [], False
+    for line in raw.splitlines(keepends=True):
+        bare = line.rstrip(b"\r\n")
+        if bare == _BANNER or _INFO.match(bare):
+            dropping = True
+            continue
+        if dropping and _CONTINUATION.match(bare):
+            continue
+        dropping = False
+        out.append(line)
+    return b"".join(out)
+
+
+def import_tensorflow() -> None:
+    """``import tensorflow``, without its start-up INFO lines unless TF_CPP_MIN_LOG_LEVEL is 0."""
+    if "tensorflow" in sys.modules or os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0").strip() in ("", "0"):
+        import tensorflow  # noqa: F401
+        return
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no usable fd 2 (embedded interpreter): import as is
+        import tensorflow  # noqa: F401
+        return
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            import tensorflow  # noqa: F401
+        finally:
+            try:
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            raw = held.read()
+            failed = "tensorflow" not in sys.modules
+            text = raw if failed else quiet_lines(raw)
+            if text:
+                os.write(2, text)
