@@ -68,7 +68,7 @@ class Delivery:
         self.deliverer.run_id = spool.run().get("run_id")
         self.max_batch = max_batch
         self.ended = False  # the writer's last record is delivered and nothing follows it
-        self.run_ended = False  # the last record delivered ended the run (the writer may go on)
+        self.run_ended = False  # the run's end is delivered and no begin since (the writer may go on)
         self.failing = False  # the status file says the last attempt failed
 
     def deliver_available(self) -> int:
@@ -96,7 +96,9 @@ class Delivery:
                 self.spool.set_run(self.deliverer.run_id, self.deliverer.experiment_id)
             self.spool.mark_delivered(chunk[-1][0])
             self.ended = is_last_record(chunk[-1][1]) and not self.spool.pending()
-            self.run_ended = chunk[-1][1]["k"] in ("end", "stop")
+            for _, rec in chunk:  # a report drawn after the run's end leaves it ended
+                if rec["k"] in ("end", "stop", "begin"):
+                    self.run_ended = rec["k"] != "begin"
 
     def report(self, error: BaseException | None, since: float | None = None) -> None:
         self.failing = error is not None

@@ -244,6 +244,9 @@ class Deliverer:
                 self._call(c.set_terminated, self.run_id, status=rec["status"], end_time=rec.get("ts"))
             elif k == "stop":  # the writer closed after ending the run: nothing to send
                 flush()
+            elif k == "report":  # drawn here, not in the training process (~0.7 s of matplotlib)
+                flush()
+                self._deliver_report(rec)
             elif k == "begin":
                 flush()
                 self.new_session(rec.get("ts"))
@@ -252,6 +255,31 @@ class Deliverer:
         flush()
         self.dropped += dropped
         return sent
+
+    def _deliver_report(self, rec: dict[str, Any]) -> None:
+        """Draw a `keras_sync.callbacks.SyncReport` picture from its data and upload it.
+
+        A picture that cannot be drawn is skipped with a warning; an upload that fails raises
+        (retried with the batch, like any other record).
+        """
+        import shutil
+        import tempfile
+        from pathlib import Path
+
+        from keras_sync.callbacks._sync_plot import SyncHistory, render
+
+        tmp = Path(tempfile.mkdtemp(prefix="keras-sync-report-"))
+        try:
+            path = tmp / rec["f"]
+            try:
+                render(SyncHistory.from_dict(rec["h"]), path)
+            except Exception as e:  # noqa: BLE001 - a picture must never stop the delivery
+                _log.warning("keras-sync could not draw %s (%s: %s); the metrics are delivered as usual.",
+                             rec["f"], type(e).__name__, e)
+                return
+            self._call(self.client().log_artifact, self.run_id, str(path), rec.get("dir"))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def _send_batch(self, metrics: list[Any], params: list[Any], tags: list[Any]) -> None:
         c = self.client()

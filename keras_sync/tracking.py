@@ -226,6 +226,7 @@ class MlflowWriter:
         self._closing = self._closed = self._dead = self._end_spooled = self._finished = False
         self._warned_fit = False
         self._run_ended = False  # end_run() was called and nothing was logged since
+        self._deferred_report: dict[str, Any] | None = None  # queued after end_run's wait (log_sync_report)
         #: Set by `keras_sync.Sync.fit` while its `fit` runs: it ends the run itself when fit
         #: returns (`end_run`), so `end_of_fit` need not wait for delivery a first time.
         self.run_ends_after_fit = False
@@ -287,7 +288,7 @@ class MlflowWriter:
             raise TrackingError("MlflowWriter is closed; create a new writer to log more.")
         if self._dead:
             return  # the spool failed and said so once; do not grow memory forever
-        if self._run_ended and rec["k"] not in ("end", "stop"):
+        if self._run_ended and rec["k"] not in ("end", "stop", "report"):
             # Logging after end_run: the run is reopened (RUNNING again), this writer's run only.
             self._run_ended = False
             self._queue.append((next(self._seq), {"k": "begin", "ts": int(time.time() * 1000), "reopen": True}))
@@ -331,6 +332,26 @@ class MlflowWriter:
             self._put({"k": "model", "src": str(staged), "name": str(as_model), "step": int(step)})
         else:
             self._put({"k": "f", "src": str(staged), "dir": artifact_path})
+
+    def log_sync_report(self, history: dict[str, Any], artifact_file: str) -> None:
+        """Queue the data of a sync report; the courier draws it and uploads the PNG as ``artifact_file``.
+
+        ``history`` is `keras_sync.callbacks._sync_plot.SyncHistory.to_dict()`. Drawing takes
+        ~0.7 s of matplotlib: in the courier, training and the end-of-fit wait do not pay it.
+        While `keras_sync.Sync.fit` runs (``run_ends_after_fit``) the report is queued after the
+        run's end, once `end_run` has waited for the metrics: it reaches MLflow just after `fit`
+        returns.
+        """
+        rec = {"k": "report", "f": str(artifact_file), "h": history}
+        if self.run_ends_after_fit:
+            self._deferred_report = rec
+        else:
+            self._put(rec)
+
+    def _put_deferred_report(self) -> None:
+        rec, self._deferred_report = self._deferred_report, None
+        if rec is not None:
+            self._put(rec)
 
     # ---- waiting ----
     def flush_to_spool(self, timeout_s: float = 10.0) -> bool:
@@ -404,10 +425,14 @@ class MlflowWriter:
             self._put({"k": "end", "status": status, "ts": int(time.time() * 1000), "last": False})
             self._run_ended = True
         self.start()
-        if self.flush(timeout_s=timeout_s):
-            return True
-        self._warn_undelivered()
-        return False
+        delivered = self.flush(timeout_s=timeout_s)
+        if self._deferred_report is not None:
+            self._put_deferred_report()
+            # In the spool at once: a process killed right after fit (Ray Train V2) leaves it to its courier.
+            self.flush_to_spool(timeout_s=5.0)
+        if not delivered:
+            self._warn_undelivered()
+        return delivered
 
     def undelivered_message(self, final: bool = True) -> str | None:
         """Why some records are not in MLflow, and where they are; None if everything arrived."""
@@ -453,6 +478,8 @@ class MlflowWriter:
             return
         self._closed = True
         _live_writers.discard(self)
+        if not self._run_ended:
+            self._put_deferred_report()  # a fit that raised before end_run: the report before the end
         if self._run_ended:  # end_run ended it and nothing came since: only stop the courier
             self._put({"k": "stop"})
         else:

@@ -42,6 +42,18 @@ def test_history_keeps_only_the_sync_metrics_and_skips_non_finite_values():
     assert h.divergence.steps == [8] and not h.empty
 
 
+def test_history_goes_through_json_to_the_courier_unchanged():
+    import json
+
+    h = SyncHistory(max_points=4)
+    for step in range(1, 12):
+        h.add({"sync/replica_0/loss": 1 / step, "sync/replica_3/grad_norm": float(step), "sync/step_time_ms": 2.0}, step)
+    h.add({"sync/weight_divergence": 0.5, "sync/grad_norm_spread": 0.1}, 12)
+    back = SyncHistory.from_dict(json.loads(json.dumps(h.to_dict())))
+    assert back == h and back.loss[0].stride == h.loss[0].stride > 1  # thinned state kept: it goes on thinning alike
+    assert SyncHistory.from_dict(SyncHistory().to_dict()).empty
+
+
 def test_render_draws_a_png_without_touching_the_pyplot_backend(tmp_path):
     h = SyncHistory(max_points=50)
     for step in range(1, 400):

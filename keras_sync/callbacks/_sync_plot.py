@@ -11,6 +11,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 _REPLICA_KEY = re.compile(r"^sync/replica_(\d+)/(loss|grad_norm)$")
 SPREAD = "sync/grad_norm_spread"
@@ -81,6 +82,28 @@ class SyncHistory:
     @property
     def empty(self) -> bool:
         return not (self.loss or self.grad_norm or self.step_time_ms.steps or self.divergence.steps)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able copy (the courier draws the report from it: `keras_sync.tracking`)."""
+        def series(x: Series) -> dict[str, Any]:
+            return {"max_points": x.max_points, "steps": list(x.steps), "values": list(x.values),
+                    "stride": x.stride, "offered": x.offered}
+
+        return {"max_points": self.max_points,
+                "loss": {str(r): series(x) for r, x in self.loss.items()},
+                "grad_norm": {str(r): series(x) for r, x in self.grad_norm.items()},
+                "spread": series(self.spread), "step_time_ms": series(self.step_time_ms),
+                "divergence": series(self.divergence)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SyncHistory:
+        """The history `to_dict` gave."""
+        history = cls(max_points=int(data["max_points"]))
+        history.loss = {int(r): Series(**x) for r, x in data["loss"].items()}
+        history.grad_norm = {int(r): Series(**x) for r, x in data["grad_norm"].items()}
+        history.spread, history.step_time_ms, history.divergence = (
+            Series(**data[k]) for k in ("spread", "step_time_ms", "divergence"))
+        return history
 
 
 def render(history: SyncHistory, path: str | os.PathLike[str], *, title: str = "keras-sync: sync health") -> None:
