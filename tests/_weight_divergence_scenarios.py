@@ -97,6 +97,24 @@ writer = Recorder() if sync.is_chief else None
 model.fit(sync.distribute((x, y)), epochs=2, verbose=0, callbacks=[WeightDivergence(writer)])
 result["callback"] = writer.logged if writer else None
 
+if MODE == "mirrored":  # a sweep: several models in one process, each compared once
+    import logging
+
+    warned = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record):
+            warned.append(record.getMessage())
+
+    logging.getLogger("tensorflow").addHandler(_Keep())
+    values = []
+    for i in range(7):
+        with sync.scope():
+            other = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4 + i), keras.layers.Dense(1)])
+            other.compile(optimizer="sgd", loss="mse")
+        values.append(compare(other).value)
+    result["sweep"] = {"values": values, "retracing_warnings": [w for w in warned if "retracing" in w]}
+
 if MODE == "mirrored":
     path = OUT
 else:

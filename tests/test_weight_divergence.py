@@ -80,6 +80,13 @@ def test_one_ulp_and_an_integer_counter_are_found_by_the_checksum(mirrored: dict
 
 
 @pytest.mark.slow
+def test_many_models_in_one_process_compare_without_a_retracing_warning(mirrored: dict) -> None:
+    # One traced function per model is expected; TensorFlow warned after 5 of them (a sweep, a benchmark).
+    assert mirrored["sweep"]["values"] == [0.0] * 7
+    assert mirrored["sweep"]["retracing_warnings"] == []
+
+
+@pytest.mark.slow
 def test_callback_logs_both_metrics_at_each_epoch_end(mirrored: dict) -> None:
     steps = [step for _, step in mirrored["callback"]]
     assert steps == [8, 12]  # 128 examples / global batch 32 = 4 steps per epoch, after the first fit's 4

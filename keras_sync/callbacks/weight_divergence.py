@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import weakref
 from typing import Any
 
@@ -139,9 +141,12 @@ def _gather_fn(model: Any, variables: list[Any]) -> Any:
         local = tf.stack([_fingerprint(tf.identity(v)) for v in variables])  # [variables, 4]
         return tf.distribute.get_replica_context().all_gather(local[None], axis=0)
 
-    @tf.function
-    def fn() -> Any:
+    def gather() -> Any:
         return strategy.experimental_local_results(strategy.run(replica_fn))[0]
 
+    # Through a partial: TensorFlow counts retraces per code object (`_get_key_for_call_stats`), so
+    # with one function per model it warned "5 out of the last 5 calls ... triggered tf.function
+    # retracing" from the 5th model of a process on (a sweep); a partial is its own key.
+    fn = tf.function(functools.partial(gather))
     _fns[model] = fn
     return fn
