@@ -333,17 +333,17 @@ class MlflowWriter:
         else:
             self._put({"k": "f", "src": str(staged), "dir": artifact_path})
 
-    def log_sync_report(self, history: dict[str, Any], artifact_file: str) -> None:
+    def log_sync_report(self, history: dict[str, Any], artifact_file: str, *, fit_end: bool = False) -> None:
         """Queue the data of a sync report; the courier draws it and uploads the PNG as ``artifact_file``.
 
         ``history`` is `keras_sync.callbacks._sync_plot.SyncHistory.to_dict()`. Drawing takes
         ~0.7 s of matplotlib: in the courier, training and the end-of-fit wait do not pay it.
-        While `keras_sync.Sync.fit` runs (``run_ends_after_fit``) the report is queued after the
-        run's end, once `end_run` has waited for the metrics: it reaches MLflow just after `fit`
-        returns.
+        ``fit_end``: the report of a fit's end. Under `keras_sync.Sync.fit` (``run_ends_after_fit``)
+        it is queued after the run's end, once `end_run` has waited for the metrics: it reaches
+        MLflow just after `fit` returns. Others (each epoch's) are queued at once.
         """
         rec = {"k": "report", "f": str(artifact_file), "h": history}
-        if self.run_ends_after_fit:
+        if fit_end and self.run_ends_after_fit:
             self._deferred_report = rec
         else:
             self._put(rec)

@@ -78,14 +78,14 @@ class SyncReport(keras.callbacks.Callback):
 
     def on_train_end(self, logs: dict | None = None) -> None:
         self.shared.flush()
-        self.log_report()
+        self.log_report(fit_end=True)
 
-    def log_report(self) -> None:
+    def log_report(self, *, fit_end: bool = False) -> None:
         """Draw the report now and queue it as the run's ``sync_report.png``."""
         if self.writer is None or self.history.empty:
             return
         if hasattr(self.writer, "log_sync_report"):  # MlflowWriter: its courier process draws it
-            self.writer.log_sync_report(self.history.to_dict(), ARTIFACT)
+            self.writer.log_sync_report(self.history.to_dict(), ARTIFACT, fit_end=fit_end)
             return
         tmp = Path(tempfile.mkdtemp(prefix="keras-sync-report-"))
         try:
