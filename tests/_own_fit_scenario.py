@@ -86,8 +86,8 @@ def standalone(order):
     report = keras_sync.SyncReport(own, when="epoch", shared=shared)
     drawn = []
     draw = report.log_report
-    report.log_report = lambda: (drawn.append(max(report.history.loss[0].steps, default=0)
-                                              if 0 in report.history.loss else 0), draw())
+    report.log_report = lambda **kw: (drawn.append(max(report.history.loss[0].steps, default=0)
+                                                   if 0 in report.history.loss else 0), draw(**kw))
     cbs = [keras_sync.SyncMetrics(own, log_every_n_steps=1, shared=shared), keras_sync.WeightDivergence(own, shared=shared),
            report, keras_sync.RunParams(own, sync.context())]
     m = model()
