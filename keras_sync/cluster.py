@@ -99,6 +99,21 @@ def strategy_role(strategy: Any) -> Role:
     return role(spec, resolver.task_type, resolver.task_id)
 
 
+def in_ray_worker(env: Mapping[str, str] | None = None) -> bool:
+    """True in a process Ray started (its raylet sets ``RAY_RAYLET_PID`` in every worker)."""
+    return "RAY_RAYLET_PID" in (os.environ if env is None else env)
+
+
+def killed_when_training_returns(env: Mapping[str, str] | None = None) -> bool:
+    """True where the job manager kills the process tree as soon as training returns, atexit unrun.
+
+    Ray Train (2.60, V1 and V2) does: it ends each worker, and every process the worker
+    started, once the train function returns. What must reach MLflow is delivered before
+    `Sync.fit` returns there.
+    """
+    return in_ray_worker(env)
+
+
 def is_chief(cluster: Mapping[str, Any], task_type: str, task_id: int) -> bool:
     """The chief rule of TensorFlow's `multi_worker_util.is_chief`.
 
@@ -229,9 +244,8 @@ def parse_tf_config(raw: str | None, *, env: Mapping[str, str] | None = None) ->
     flavor: Literal["kubeflow", "ray", "plain"] = "plain"
     if str(data.get("environment", "")).lower() == "cloud":
         flavor = "kubeflow"
-    elif set(cluster) == {"worker"} and "RAY_RAYLET_PID" in env:
-        # Ray Train's TensorflowConfig writes only a worker list; the raylet sets
-        # RAY_RAYLET_PID in every Ray worker process it starts.
+    elif set(cluster) == {"worker"} and in_ray_worker(env):
+        # Ray Train's TensorflowConfig writes only a worker list.
         flavor = "ray"
     return ClusterInfo(
         source="tf_config",

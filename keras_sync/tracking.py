@@ -408,8 +408,13 @@ class MlflowWriter:
             self._warned_fit = True
             warnings.warn(message, RuntimeWarning, stacklevel=4)
 
-    def end_run(self, status: str = "FINISHED", timeout_s: float | None = 120.0) -> bool:
+    def end_run(self, status: str = "FINISHED", timeout_s: float | None = 120.0, *,
+                wait_for_report: bool = False) -> bool:
         """End the run with ``status`` and wait while delivery makes progress; True if MLflow has it all.
+
+        The fit-end sync report (queued after the end) is waited for only with ``wait_for_report``:
+        where the process is killed as soon as training returns (Ray Train kills a worker's whole
+        process tree, its courier included), it would otherwise be left in the spool.
 
         Unlike `close`, the writer stays open, with its spooling thread and courier process: the
         next record logged reopens the same run (RUNNING, steps continuing), as the next `fit` of a
@@ -428,8 +433,10 @@ class MlflowWriter:
         delivered = self.flush(timeout_s=timeout_s)
         if self._deferred_report is not None:
             self._put_deferred_report()
-            # In the spool at once: a process killed right after fit (Ray Train V2) leaves it to its courier.
-            self.flush_to_spool(timeout_s=5.0)
+            if wait_for_report and delivered:
+                delivered = self.flush(timeout_s=timeout_s)
+            else:  # in the spool at once: a restart or `keras-sync sync-spool` finds it if we are killed
+                self.flush_to_spool(timeout_s=5.0)
         if not delivered:
             self._warn_undelivered()
         return delivered

@@ -450,3 +450,10 @@ def test_example_jobset_manifest_matches_its_config(tmp_path: Path) -> None:
     name = js["metadata"]["name"]  # JobSet: pod i of job 0 is <jobset>-<replicated job>-0-<i>, subdomain <jobset>
     assert indexed_job_addresses(s.indexed_job.hosts, s.indexed_job.port, 2) == [
         f"{name}-{rjob['name']}-0-{i}.{name}:{s.indexed_job.port}" for i in range(2)]
+
+
+def test_only_a_ray_worker_is_killed_when_training_returns():
+    from keras_sync.cluster import killed_when_training_returns
+
+    assert killed_when_training_returns(RAY_ENV)
+    assert not killed_when_training_returns({"TF_CONFIG": "{}", "SLURM_JOB_ID": "7"})

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _spools import undelivered
+from _spools import undelivered, wait_idle
 
 pytestmark = [
     pytest.mark.slow,
@@ -137,7 +137,12 @@ def test_one_finished_run_every_step_once_nothing_left_in_the_spool(ray_runs, sc
     assert runs[0].info.status == "FINISHED"
     steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "sync/replica_0/loss")]
     assert sorted(steps) == list(range(1, 1 + STEPS[scenario])), steps
+    # The fit-end sync report follows the run's end: Ray kills the worker's process group at once,
+    # and the courier (its own session) delivers it as an orphan, then removes the spool.
+    wait_idle(ray_runs["out"] / scenario / ".keras_sync_spool", timeout_s=120)
     assert undelivered(ray_runs["out"] / scenario / ".keras_sync_spool") == []
+    arts = [a.path for a in client.list_artifacts(runs[0].info.run_id)]
+    assert "sync_report.png" in arts, arts
 
 
 def test_killed_chief_was_resumed_from_the_keras_sync_backup(ray_runs):

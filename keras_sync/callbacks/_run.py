@@ -125,9 +125,11 @@ def end_run_after_fit(sync: Any, limit_s: float = 120.0) -> None:
     `MlflowWriter.end_run`: the writer stays open for the next `fit`. When MLflow is away or
     refusing, a warning says so and delivery goes on in the background (the end included).
     """
+    from keras_sync.cluster import killed_when_training_returns
+
     writer = _writers.get(sync)
     if writer is not None and not writer.closed and hasattr(writer, "end_run"):
-        writer.end_run(timeout_s=limit_s)
+        writer.end_run(timeout_s=limit_s, wait_for_report=killed_when_training_returns())
 
 
 @contextlib.contextmanager
