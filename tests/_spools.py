@@ -17,16 +17,6 @@ def _busy(spool: SpoolDir) -> bool:
         return False
 
 
-def wait_idle(root: Path, timeout_s: float = 300.0) -> None:
-    """Wait until no process holds a spool under ``root`` (an orphaned courier making its last
-    delivery: Ray Train kills a worker's process group right after its train function returns)."""
-    deadline = time.monotonic() + timeout_s
-    for path in sorted(p for p in Path(root).glob("*") if p.is_dir()):
-        spool = SpoolDir(path)
-        while path.is_dir() and _busy(spool) and time.monotonic() < deadline:
-            time.sleep(0.1)
-
-
 def undelivered(root: Path) -> list[str]:
     """The spool directories under ``root`` that hold records MLflow has not received."""
     return sorted(p.name for p in Path(root).glob("*") if p.is_dir() and SpoolDir(p).pending())
