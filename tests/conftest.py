@@ -75,17 +75,41 @@ class MlflowServer:
 # Modules that share a session fixture run in one pytest-xdist group (the fixture then runs once).
 _XDIST_GROUPS = {"test_model_logging": "autolog_runs", "test_sync_report": "autolog_runs"}
 
+# The modules that take longest, longest first: seconds of a serial full run on the 2-core CI machine
+# (`--durations`, 2026-12-02). Under `pytest -n 2` each worker takes the next whole module when it
+# is free (`--dist loadgroup --no-loadscope-reorder` in pyproject.toml), so starting with the longest
+# keeps one long module from running alone at the end while the other worker is idle. The numbers
+# only order: a module missing here runs after these, in collection order. Re-measure when a
+# module's fixture grows (`pytest -q --durations=0`, summed per module).
+_LONGEST_FIRST = {
+    "test_tracking": 311, "test_multi_worker": 267, "test_ray": 216, "autolog_runs": 212, "test_runtime": 191,
+    "test_keras_compat": 158, "test_sync_metrics": 149, "test_preemption": 115, "test_slurm": 114,
+    "test_two_hosts": 112, "test_launch": 91, "test_collective_calls": 72, "test_examples": 67, "test_cli": 61,
+    "test_session": 61, "test_own_fit": 55, "test_saving": 49, "test_cluster": 43, "test_pipeline": 42,
+    "test_resume": 34, "test_sqlite_store": 33, "test_fit_ends_run": 30, "test_weight_divergence": 28,
+    "test_system_metrics": 25,
+}
+
+
+def _group(item: pytest.Item) -> str:
+    marker = item.get_closest_marker("xdist_group")
+    if marker is not None:
+        return str(marker.kwargs.get("name", marker.args[0] if marker.args else ""))
+    module = item.module.__name__.rpartition(".")[2] if item.module else item.nodeid
+    return _XDIST_GROUPS.get(module, module)
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`-n 2 --dist loadgroup`), one worker runs a whole module.
+    """Each module is one pytest-xdist group (`pytest -n 2`: one worker runs a whole module), longest first.
 
     Module fixtures (one TensorFlow process group per module: the expensive part) then run once,
-    and the modules that share `autolog_runs` stay together. Without xdist this only adds a mark.
+    and the modules that share `autolog_runs` stay together. The sort is stable: tests keep their
+    order within a module, and a serial run only starts with the longest modules.
     """
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
-            module = item.module.__name__.rpartition(".")[2] if item.module else item.nodeid
-            item.add_marker(pytest.mark.xdist_group(_XDIST_GROUPS.get(module, module)))
+            item.add_marker(pytest.mark.xdist_group(_group(item)))
+    items.sort(key=lambda item: -_LONGEST_FIRST.get(_group(item), 0))
 
 
 # Variables keras-sync reads over its YAML (or TensorFlow reads for the cluster): a test that leaves
