@@ -91,25 +91,38 @@ _LONGEST_FIRST = {
 }
 
 
-def _group(item: pytest.Item) -> str:
-    marker = item.get_closest_marker("xdist_group")
-    if marker is not None:
-        return str(marker.kwargs.get("name", marker.args[0] if marker.args else ""))
-    module = item.module.__name__.rpartition(".")[2] if item.module else item.nodeid
+def _module_group(module: str) -> str:
     return _XDIST_GROUPS.get(module, module)
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Each module is one pytest-xdist group (`pytest -n 2`: one worker runs a whole module), longest first.
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """`--dist loadgroup` (pyproject.toml) here means: one worker runs a whole module (or group).
 
     Module fixtures (one TensorFlow process group per module: the expensive part) then run once,
-    and the modules that share `autolog_runs` stay together. The sort is stable: tests keep their
-    order within a module, and a serial run only starts with the longest modules.
+    and the modules that share `autolog_runs` stay together. pytest-xdist's own loadgroup reads
+    the groups from a suffix it writes into each item's node id; pytest 9.2 no longer lets it do
+    that (node ids moved from `_nodeid` to `_id`), and every test was then scheduled on its own,
+    each module's fixture running on both workers. A scope per module from the node id's file
+    name does not depend on that.
     """
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(_group(item)))
-    items.sort(key=lambda item: -_LONGEST_FIRST.get(_group(item), 0))
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _module_group(nodeid.split("::", 1)[0].rpartition("/")[2].removesuffix(".py"))
+
+    return ModuleScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest modules first (`_LONGEST_FIRST`); tests keep their order within a module."""
+    def cost(item: pytest.Item) -> int:
+        module = item.module.__name__.rpartition(".")[2] if item.module else ""
+        return -_LONGEST_FIRST.get(_module_group(module), 0)
+
+    items.sort(key=cost)
 
 
 # Variables keras-sync reads over its YAML (or TensorFlow reads for the cluster): a test that leaves
