@@ -21,8 +21,9 @@ Restarts: with `max_restarts` N > 0, a failed try (a worker exited non-zero, the
 stopped) is followed by a new try of the whole job on fresh ports, up to N times, with the line
 ``[launch] restart k/N after worker i exited with code c``. Every try has the same
 `KERAS_SYNC_JOB_ID` (generated once unless set), so a job with `fault_tolerance.backup_dir`
-resumes where the backup stands and continues its one MLflow run. A signal to the launcher
-is never followed by a restart.
+resumes where the backup stands and continues its one MLflow run; `KERAS_SYNC_RESTART_COUNT`
+tells the workers which try they are in (0 on the first, as torchrun's
+`TORCHELASTIC_RESTART_COUNT`). A signal to the launcher is never followed by a restart.
 
 Ports: free ports are found by binding 127.0.0.1:0; the sockets are closed just
 before the workers start, so another process could take a port in that short
@@ -46,6 +47,7 @@ from typing import IO
 from keras_sync.errors import UsageError
 
 JOB_ID_ENV = "KERAS_SYNC_JOB_ID"  # read by `keras_sync.config` as mlflow.job_id
+RESTART_COUNT_ENV = "KERAS_SYNC_RESTART_COUNT"  # the try's number (0, 1, ...), for the workers; keras-sync reads none
 
 _POLL_S = 0.05
 _print_lock = threading.Lock()
@@ -185,7 +187,8 @@ def launch(
             for sig in (signal.SIGINT, signal.SIGTERM):
                 previous[sig] = signal.signal(sig, on_signal)
         for attempt in range(max_restarts + 1):
-            code, failed = _one_try(script, args, workers, base_env, procs, stop, grace_period_s)
+            try_env = {**base_env, RESTART_COUNT_ENV: str(attempt)}
+            code, failed = _one_try(script, args, workers, try_env, procs, stop, grace_period_s)
             if code == 0 or "signal" in stop or failed is None or attempt == max_restarts:
                 return code
             _say(f"restart {attempt + 1}/{max_restarts} after worker {failed} exited with code {code}")

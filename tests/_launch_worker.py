@@ -3,8 +3,8 @@
 print: prints its TF_CONFIG, KERAS_SYNC_CONFIG, PYTHONUNBUFFERED and argv as JSON, one line on stderr.
 fail-or-hang DIR: w1 exits 3 once w0 is ready; w0 ignores SIGTERM/SIGINT and sleeps.
 hang DIR: both sleep; w1 ignores SIGTERM/SIGINT.
-fail-once DIR / fail-always DIR: print `job <KERAS_SYNC_JOB_ID>`; w1 exits 3 (fail-once: only on its
-first start, counted in DIR/w1.tries); in a failing try w0 runs until the launcher stops it, else exits 0.
+fail-once DIR / fail-always DIR: print `job <KERAS_SYNC_JOB_ID> try <KERAS_SYNC_RESTART_COUNT>`; w1 exits 3 (fail-once: only on its
+first try, KERAS_SYNC_RESTART_COUNT=0); in a failing try w0 runs until the launcher stops it, else exits 0.
 In DIR, each worker writes wI.pid and wI.child (the pid of a child it started).
 """
 
@@ -33,12 +33,10 @@ if mode == "print":
 
 folder = sys.argv[2]
 if mode in ("fail-once", "fail-always"):
-    print(f"job {os.environ.get('KERAS_SYNC_JOB_ID')}", flush=True)
-    # Each worker counts its own starts, so the two agree on which try fails without racing on a file.
-    with open(os.path.join(folder, f"w{index}.tries"), "a+") as f:
-        f.write("x")
-        f.seek(0)
-        attempt = len(f.read())
+    print(f"job {os.environ.get('KERAS_SYNC_JOB_ID')} try {os.environ['KERAS_SYNC_RESTART_COUNT']}", flush=True)
+    # The launcher numbers the tries: every worker of a try agrees on it, however late it starts
+    # (a worker that counted its own starts could be stopped before it counted: seen in CI).
+    attempt = int(os.environ["KERAS_SYNC_RESTART_COUNT"]) + 1
     failing_try = mode == "fail-always" or attempt == 1
     if index == 1 and failing_try:
         sys.exit(3)
