@@ -165,12 +165,26 @@ class SpoolDir:
         return self._segment, 0
 
     def append(self, records: list[dict[str, Any]]) -> Position:
-        """Append records, flush them to the OS, return the position just past the last one."""
-        if self._fh is None or self._fh.tell() >= SEGMENT_BYTES:
-            self.start_segment()
-        self._fh.write(b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in records))
-        self._fh.flush()
-        return self._segment, self._fh.tell()
+        """Append records, flush them to the OS, return the position just past the last one.
+
+        A big batch is split over segments of about `SEGMENT_BYTES` (a writer that fell behind on
+        a busy machine appends thousands of records at once): the deliverer deletes whole
+        segments, so the spool stays small however the records arrive.
+        """
+        lines = [json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in records]
+        i = 0
+        while True:
+            if self._fh is None or self._fh.tell() >= SEGMENT_BYTES:
+                self.start_segment()
+            room, chunk, size = SEGMENT_BYTES - self._fh.tell(), [], 0
+            while i < len(lines) and (not chunk or size + len(lines[i]) <= room):
+                chunk.append(lines[i])
+                size += len(lines[i])
+                i += 1
+            self._fh.write(b"".join(chunk))
+            self._fh.flush()
+            if i >= len(lines):
+                return self._segment, self._fh.tell()
 
     def written(self) -> Position:
         return (self._segment, self._fh.tell()) if self._fh is not None else (self._segment, 0)

@@ -813,3 +813,19 @@ def test_calls_to_a_server_see_its_uri_as_the_process_wide_one_and_nothing_leaks
     with fast_fail_env("http://127.0.0.1:5000", 5):
         pass
     assert "MLFLOW_TRACKING_URI" not in os.environ
+
+
+def test_a_big_batch_is_split_over_segments_and_read_back_in_order(tmp_path):
+    # A writer that fell behind on a busy machine appends thousands of records at once (CI saw 3
+    # segments and 1.06 MB left for 5,000 steps): the deliverer deletes whole segments only.
+    from keras_sync._spool import SEGMENT_BYTES, SpoolDir
+
+    spool = SpoolDir(tmp_path)
+    spool.start_segment()
+    spool.append([{"k": "m", "v": -1}])
+    end = spool.append([{"k": "m", "v": i, "pad": "x" * 100} for i in range(10_000)])  # ~1.2 MB at once
+    sizes = [p.stat().st_size for p in sorted(tmp_path.glob("*.jsonl"))]
+    assert len(sizes) >= 5 and max(sizes) <= SEGMENT_BYTES + 200, sizes
+    read = spool.read((0, 0), max_records=10**6)
+    assert [r["v"] for _, r in read] == list(range(-1, 10_000))
+    assert read[-1][0] == end
