@@ -33,11 +33,11 @@ if mode == "print":
 
 folder = sys.argv[2]
 if mode in ("fail-once", "fail-always"):
-    print(f"job {os.environ.get('KERAS_SYNC_JOB_ID')} try {os.environ['KERAS_SYNC_RESTART_COUNT']}", flush=True)
     # The launcher numbers the tries: every worker of a try agrees on it, however late it starts
     # (a worker that counted its own starts could be stopped before it counted: seen in CI).
-    attempt = int(os.environ["KERAS_SYNC_RESTART_COUNT"]) + 1
-    failing_try = mode == "fail-always" or attempt == 1
+    restart = os.environ["KERAS_SYNC_RESTART_COUNT"]
+    print(f"job {os.environ.get('KERAS_SYNC_JOB_ID')} try {restart}", flush=True)
+    failing_try = mode == "fail-always" or restart == "0"
     if index == 1 and failing_try:
         sys.exit(3)
     while index == 0 and failing_try:  # stays until the launcher stops it (no race with w1's failure)

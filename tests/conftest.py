@@ -91,7 +91,9 @@ _LONGEST_FIRST = {
 }
 
 
-def _module_group(module: str) -> str:
+def _group_of(nodeid: str) -> str:
+    """The unit of work of a test: its module's name, or the `_XDIST_GROUPS` group it shares."""
+    module = nodeid.split("::", 1)[0].rpartition("/")[2].removesuffix(".py")
     return _XDIST_GROUPS.get(module, module)
 
 
@@ -111,18 +113,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
 
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return _module_group(nodeid.split("::", 1)[0].rpartition("/")[2].removesuffix(".py"))
+            return _group_of(nodeid)
 
     return ModuleScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The longest modules first (`_LONGEST_FIRST`); tests keep their order within a module."""
-    def cost(item: pytest.Item) -> int:
-        module = item.module.__name__.rpartition(".")[2] if item.module else ""
-        return -_LONGEST_FIRST.get(_module_group(module), 0)
-
-    items.sort(key=cost)
+    items.sort(key=lambda item: -_LONGEST_FIRST.get(_group_of(item.nodeid), 0))
 
 
 # Variables keras-sync reads over its YAML (or TensorFlow reads for the cluster): a test that leaves
