@@ -79,21 +79,28 @@ class Delivery:
             chunk, points = [], 0
             for pos, rec in self.spool.read(start, max_records=200):
                 n = len(rec["d"]) if rec["k"] == "m" else 0
-                if chunk and points + n > self.max_batch:
+                # A "begin" (which picks the run) goes alone, and run.json names its run and its
+                # position before anything after it is sent: a courier killed between sending and
+                # moving the delivered position replays records into the run they went to.
+                if chunk and (points + n > self.max_batch or rec["k"] == "begin" or chunk[0][1]["k"] == "begin"):
                     break
                 chunk.append((pos, rec))
                 points += n
             if not chunk:
                 return sent
             records = [rec for _, rec in chunk]
+            begin = chunk[0][0] if records[0]["k"] == "begin" else None
+            known = self.spool.run()
+            if begin is not None and known.get("begin") == list(begin) and known.get("run_id") == self.deliverer.run_id:
+                records = [{**records[0], "replayed": True}]  # delivered before: its run, as it is now
             run_before = self.deliverer.run_id
             sent += self.deliverer.send(records)
             if self.failing:
                 # "ok" before the new position: a writer that sees delivery move must not read the
                 # old failure with it (close() would give up on a server that is back, run left RUNNING).
                 self.report(None)
-            if self.deliverer.run_id != run_before:
-                self.spool.set_run(self.deliverer.run_id, self.deliverer.experiment_id)
+            if self.deliverer.run_id != run_before or begin is not None:
+                self.spool.set_run(self.deliverer.run_id, self.deliverer.experiment_id, begin)
             self.spool.mark_delivered(chunk[-1][0])
             self.ended = is_last_record(chunk[-1][1]) and not self.spool.pending()
             for _, rec in chunk:  # a report drawn after the run's end leaves it ended

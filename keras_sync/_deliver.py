@@ -116,16 +116,27 @@ class Deliverer:
         if self.start_time_ms is None:
             self.start_time_ms = start_time_ms
 
-    def ensure_run(self, reopen: bool = False) -> tuple[str, bool]:
+    def ensure_run(self, reopen: bool = False, continuing: bool = False) -> tuple[str, bool]:
         """Return (run id, whether it changed now): find, reopen or create the job's run.
 
         ``reopen``: the writer of this run logs again after ending it (``begin`` with ``reopen``):
         the run this deliverer was writing is continued even if FINISHED.
+        ``continuing``: the records are the rest of a session whose run an earlier courier of the
+        spool chose (``self.run_id``, from run.json): they go to that run as it is, ended or not,
+        its status untouched (what follows a run's end: a "stop", a report, a replayed batch).
         """
         if self.run_id is not None and self._checked:
             return self.run_id, False
         before = self.run_id
         c = self.client()
+        if continuing and self.run_id is not None:
+            run = self._get_run(self.run_id)
+            if run is not None:
+                if run.info.run_id != self._floors_of:
+                    self.floors = self._logged_steps(run)
+                self._checked, self._hint, self._floors_of = True, None, run.info.run_id
+                self.experiment_id = run.info.experiment_id
+                return self.run_id, False
         run = None
         for candidate in (self.run_id, self._hint):
             if candidate is not None:
@@ -198,7 +209,7 @@ class Deliverer:
         from mlflow.entities import Metric, Param, RunTag
 
         if records and records[0]["k"] != "begin":  # a "begin" sets the start time of a new run first
-            self.ensure_run()
+            self.ensure_run(continuing=True)
         c = self.client()
         metrics: list[Any] = []
         params: list[Any] = []
@@ -250,7 +261,10 @@ class Deliverer:
             elif k == "begin":
                 flush()
                 self.new_session(rec.get("ts"))
-                self.ensure_run(reopen=bool(rec.get("reopen")))
+                if rec.get("replayed"):  # sent before by a courier killed before it moved the position
+                    self.ensure_run(continuing=True)
+                else:
+                    self.ensure_run(reopen=bool(rec.get("reopen")))
                 floors = dict(self.floors)  # the run may be another one now
         flush()
         self.dropped += dropped

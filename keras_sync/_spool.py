@@ -133,8 +133,12 @@ class SpoolDir:
         except (OSError, ValueError):
             return {}
 
-    def set_run(self, run_id: str, experiment_id: str | None) -> None:
-        _atomic_write(self.path / "run.json", json.dumps({"run_id": run_id, "experiment_id": experiment_id}))
+    def set_run(self, run_id: str, experiment_id: str | None, begin: Position | None = None) -> None:
+        """Name the run the records go to; ``begin``: the position of the "begin" record that chose it."""
+        record: dict[str, Any] = {"run_id": run_id, "experiment_id": experiment_id}
+        if begin is not None:
+            record["begin"] = list(begin)
+        _atomic_write(self.path / "run.json", json.dumps(record))
 
     def status(self) -> dict[str, Any] | None:
         try:

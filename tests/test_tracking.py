@@ -375,6 +375,52 @@ def test_replay_after_crash_before_the_position_was_written_duplicates_nothing(i
     assert not spool.exists()  # delivered: removed
 
 
+def _spool_of_ended_run(root: Path, experiment: str, uri: str):
+    """A spool whose records ended their run FINISHED (a job id that came with a backup, not explicit)."""
+    from keras_sync._spool import SpoolDir
+
+    spool = SpoolDir(root)
+    spool.path.mkdir()
+    spool.write_header({"v": 2, "experiment": experiment, "run_name": None, "job_id": "from-backup",
+                        "explicit": False, "tracking_uri": uri, "run_id": None})
+    spool.start_segment()
+    spool.append([{"k": "begin", "ts": 1}] + [{"k": "m", "s": s, "ts": 1, "d": {"loss": 0.5}} for s in (1, 2)]
+                 + [{"k": "end", "status": "FINISHED", "ts": 2, "last": False}])
+    return spool
+
+
+def test_leftovers_of_an_ended_run_go_to_that_run_not_a_new_one(tmp_path, sqlite_uri):
+    # A courier killed after MLflow took the batch that ended the run and before it moved the
+    # delivered position; or one killed (a bounded wait at exit) before it delivered the "stop"
+    # that follows the end. The next courier, or `keras-sync sync-spool`, delivers what is left:
+    # into the spool's own run, FINISHED as it is, never into a second run of the job.
+    import shutil
+
+    from mlflow import MlflowClient
+
+    from keras_sync._courier import Delivery
+
+    exp = _exp()
+    spool = _spool_of_ended_run(tmp_path / "spool", exp, sqlite_uri)
+    before_delivery = tmp_path / "copy"
+    shutil.copytree(spool.path, before_delivery)
+    Delivery(spool, sqlite_uri).deliver_available()
+    run = _run_of_job(sqlite_uri, exp, "from-backup")
+    assert run.info.status == "FINISHED"
+    # The replay: run.json names the run, the delivered position is where it was before the batch.
+    shutil.copy(spool.path / "run.json", before_delivery / "run.json")
+    from keras_sync._spool import SpoolDir
+
+    replay = SpoolDir(before_delivery)
+    assert Delivery(replay, sqlite_uri).deliver_available() == 0  # both steps are in the run already
+    spool.append([{"k": "stop"}])  # the writer closed after ending the run; its courier was killed
+    Delivery(spool, sqlite_uri).deliver_available()
+    assert _run_of_job(sqlite_uri, exp, "from-backup").info.run_id == run.info.run_id
+    after = MlflowClient(sqlite_uri).get_run(run.info.run_id)
+    assert after.info.status == "FINISHED" and after.info.end_time == run.info.end_time
+    assert _history(sqlite_uri, run.info.run_id) == [1, 2]
+
+
 def _couriers_of(spool: Path) -> list[int]:
     import psutil
 
