@@ -90,9 +90,10 @@ class Delivery:
                 return sent
             records = [rec for _, rec in chunk]
             begin = chunk[0][0] if records[0]["k"] == "begin" else None
-            known = self.spool.run()
-            if begin is not None and known.get("begin") == list(begin) and known.get("run_id") == self.deliverer.run_id:
-                records = [{**records[0], "replayed": True}]  # delivered before: its run, as it is now
+            if begin is not None:
+                known = self.spool.run()
+                if known.get("begin") == list(begin) and known.get("run_id") == self.deliverer.run_id:
+                    records = [{**records[0], "replayed": True}]  # delivered before: its run, as it is now
             run_before = self.deliverer.run_id
             sent += self.deliverer.send(records)
             if self.failing:

@@ -129,16 +129,9 @@ class Deliverer:
             return self.run_id, False
         before = self.run_id
         c = self.client()
-        if continuing and self.run_id is not None:
-            run = self._get_run(self.run_id)
-            if run is not None:
-                if run.info.run_id != self._floors_of:
-                    self.floors = self._logged_steps(run)
-                self._checked, self._hint, self._floors_of = True, None, run.info.run_id
-                self.experiment_id = run.info.experiment_id
-                return self.run_id, False
-        run = None
-        for candidate in (self.run_id, self._hint):
+        run = self._get_run(self.run_id) if continuing and self.run_id is not None else None
+        continued = run is not None  # taken as it is: no status change
+        for candidate in (self.run_id, self._hint) if run is None else ():
             if candidate is not None:
                 run = self._usable(self._get_run(candidate), reopen=reopen and candidate == self.run_id)
                 if run is not None:
@@ -154,7 +147,7 @@ class Deliverer:
                              run_name=self.run_name, tags=tags)
             self.floors = {}
         else:
-            if run.info.status != "RUNNING":
+            if run.info.status != "RUNNING" and not continued:
                 self._call(c.update_run, run.info.run_id, status="RUNNING")
             if run.info.run_id != self._floors_of:  # also a run id an earlier courier of this spool found
                 self.floors = self._logged_steps(run)
