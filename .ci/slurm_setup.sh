@@ -52,8 +52,11 @@ start() {
   ctl_port="$(free_port)"
   d_port="$(free_port)"
   while [ "$d_port" = "$ctl_port" ]; do d_port="$(free_port)"; done
+  # Job ids (and so keras-sync's auto worker ports) differ between two controllers on one machine.
+  local first_job_id=$(( (RANDOM % 5000) * 100 + 1 ))
   cat >"$dir/slurm.conf" <<EOF
 ClusterName=kerassync
+FirstJobId=${first_job_id}
 SlurmctldHost=${host}(127.0.0.1)
 SlurmctldPort=${ctl_port}
 SlurmdPort=${d_port}

@@ -23,7 +23,13 @@ from keras_sync.errors import ClusterError
 
 _TRAINING_JOBS = ("chief", "worker")
 _ALLOWED_JOBS = ("chief", "worker", "evaluator", "ps")
-_SLURM_PORT_BASE = 8888  # SlurmClusterResolver's default `port_base`.
+_SLURM_PORT_BASE = 8888  # SlurmClusterResolver's default `port_base`: only without $SLURM_JOB_ID.
+# strategy.slurm.port_base: auto gives each (job, step) a slot of 16 ports in 10000-31775, below
+# Linux's ephemeral range (32768-60999) so an outgoing connection never holds a worker's port.
+# The slot count is a prime: consecutive job ids (and steps) land in different slots.
+_SLURM_AUTO_FIRST_PORT = 10000
+_SLURM_AUTO_SLOTS = 1361
+SLURM_AUTO_PORTS_PER_SLOT = 16
 
 
 @dataclass(frozen=True)
@@ -315,11 +321,37 @@ def expand_tasks_per_node(spec: str) -> list[int]:
     return out
 
 
-def parse_slurm_env(env: Mapping[str, str] | None = None, *, port_base: int = _SLURM_PORT_BASE) -> ClusterInfo:
+def slurm_port_base(env: Mapping[str, str] | None = None) -> int:
+    """The first worker port of this Slurm job step when `strategy.slurm.port_base` is auto.
+
+    TensorFlow's `SlurmClusterResolver` puts every job on ports 8888, 8889, ...: two jobs (or two
+    steps of one job) that share a node then fail with "Could not start gRPC server". Auto gives
+    each (job id, step id) its own slot of 16 ports, so up to 16 tasks per node never collide with
+    a neighbouring job's; the same environment always gives the same ports, on every node.
+
+    >>> slurm_port_base({"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0"})
+    29712
+    >>> slurm_port_base({"SLURM_JOB_ID": "78", "SLURM_STEP_ID": "0"}) - 29712   # the next job
+    256
+    >>> slurm_port_base({"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "1"}) - 29712   # the job's next step
+    16
+    >>> slurm_port_base({})   # no job id (an srun look-alike): TensorFlow's default
+    8888
+    """
+    env = os.environ if env is None else env
+    job, step = env.get("SLURM_JOB_ID", ""), env.get("SLURM_STEP_ID", "0")
+    if not job.isdigit():
+        return _SLURM_PORT_BASE
+    key = int(job) * SLURM_AUTO_PORTS_PER_SLOT + (int(step) if step.isdigit() else 0) % SLURM_AUTO_PORTS_PER_SLOT
+    return _SLURM_AUTO_FIRST_PORT + (key % _SLURM_AUTO_SLOTS) * SLURM_AUTO_PORTS_PER_SLOT
+
+
+def parse_slurm_env(env: Mapping[str, str] | None = None, *, port_base: int | None = None) -> ClusterInfo:
     """Reads a Slurm job step (`srun`) the way `SlurmClusterResolver` does, without TensorFlow.
 
     Every task is a `worker`; task i listens on its node at `port_base + i-th task on
-    that node`; nodes are taken in sorted order (TensorFlow sorts them too).
+    that node`; nodes are taken in sorted order (TensorFlow sorts them too). ``port_base``
+    None: `slurm_port_base` of the environment (the config's auto).
     """
     env = os.environ if env is None else env
     missing = [v for v in _SLURM_VARS if v not in env]
@@ -342,6 +374,8 @@ def parse_slurm_env(env: Mapping[str, str] | None = None, *, port_base: int = _S
             "They are set by srun; do not set them by hand unless you mimic srun exactly.",
         ) from None
     layout = dict(zip(hosts, per_node))
+    if port_base is None:
+        port_base = slurm_port_base(env)
     addresses = [f"{h}:{port_base + i}" for h, n in sorted(layout.items()) for i in range(n)]
     if len(addresses) != num_tasks or not 0 <= rank < num_tasks:
         raise _error(
@@ -353,7 +387,7 @@ def parse_slurm_env(env: Mapping[str, str] | None = None, *, port_base: int = _S
     return ClusterInfo("slurm", "worker", rank, num_tasks, rank == 0, addresses)
 
 
-def slurm_cluster_resolver(*, port_base: int = _SLURM_PORT_BASE, env: Mapping[str, str] | None = None) -> Any:
+def slurm_cluster_resolver(*, port_base: int | None = None, env: Mapping[str, str] | None = None) -> Any:
     """A TensorFlow cluster resolver for the current Slurm job step.
 
     Uses `tf.distribute.cluster_resolver.SlurmClusterResolver`, which reads the
@@ -364,6 +398,8 @@ def slurm_cluster_resolver(*, port_base: int = _SLURM_PORT_BASE, env: Mapping[st
     `SimpleClusterResolver` that reports no accelerators.
     """
     info = parse_slurm_env(env, port_base=port_base)  # clear errors before TensorFlow's RuntimeErrors
+    if port_base is None:
+        port_base = slurm_port_base(env)
     import tensorflow as tf
 
     resolvers = tf.distribute.cluster_resolver

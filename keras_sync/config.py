@@ -80,6 +80,15 @@ class IndexedJobConfig:
 
 
 @dataclass(frozen=True)
+class SlurmConfig:
+    """Ports of a Slurm job step's workers: task i on a node listens on `port_base` + i."""
+
+    port_base: int | str = _f("auto", WordOrInt(word="auto", unit="the first port"), "task i on a node listens on "
+                              "port_base + i; auto: a block of 16 ports in 10000-31775 chosen by $SLURM_JOB_ID and "
+                              "$SLURM_STEP_ID, so jobs and steps that share a node do not collide", kinds=_MWM)
+
+
+@dataclass(frozen=True)
 class StrategyConfig:
     """Which `tf.distribute` strategy to build, and its options."""
 
@@ -109,6 +118,7 @@ class StrategyConfig:
     tpu: TPUConfig = _sub(TPUConfig, "TPU address", kinds=("tpu",))
     indexed_job: IndexedJobConfig = _sub(IndexedJobConfig, "worker addresses when cluster is indexed_job",
                                          kinds=_MWM)
+    slurm: SlurmConfig = _sub(SlurmConfig, "worker ports when cluster is slurm", kinds=_MWM)
 
 
 @dataclass(frozen=True)
@@ -427,6 +437,9 @@ def _check_consistency(cfg: Config, b: _Builder, given: Mapping[str, Any]) -> Co
                     "that gives each worker its own host, such as train-{index}.train")
         if job.port > 65535:
             b.issue("strategy.indexed_job.port", f"received {job.port}, expected a TCP port from 1 to 65535")
+    if isinstance(s.slurm.port_base, int) and s.slurm.port_base > 65535 - 15:
+        b.issue("strategy.slurm.port_base", f"received {s.slurm.port_base}, expected a TCP port from 1 to 65520 (task i "
+                "on a node takes port_base + i) or 'auto'")
     return dataclasses.replace(cfg, batch=batch)
 
 

@@ -164,9 +164,10 @@ def _rows(cls: type, path: str) -> Iterator[tuple[str, str, str, str]]:
         dotted = f"{path}.{_key(f)}" if path else _key(f)
         spec = f.metadata.get("spec")
         if spec is None:  # a section's kinds apply to its keys
+            prefix = describe_key(f, dotted).split(": ")[0] + ": " if f.metadata.get("kinds") else ""
             for key, default, allowed, doc in _rows(f.default_factory, dotted):  # type: ignore[arg-type]
-                yield key, default, allowed, (describe_key(f, dotted).split(": ")[0] + ": " + doc
-                                              if f.metadata.get("kinds") else doc)
+                # A key that names its kinds itself already says them.
+                yield key, default, allowed, doc if doc.startswith(prefix) else prefix + doc
         else:
             yield dotted, yaml_value(f.default), spec.describe(), describe_key(f, dotted)
 

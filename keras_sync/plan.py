@@ -69,6 +69,16 @@ def _show(value: Any) -> str:
     return str(value)
 
 
+def _slurm_ports(config: Config, env: Mapping[str, str]) -> PlanItem:
+    from keras_sync import cluster, strategy
+
+    base = strategy.slurm_port_base(config)
+    if base is not None:
+        return PlanItem("strategy.slurm.port_base", base, config.source_of("strategy.slurm.port_base"))
+    return PlanItem("strategy.slurm.port_base", cluster.slurm_port_base(env), "derived",
+                    f"auto: from $SLURM_JOB_ID={env.get('SLURM_JOB_ID')} and $SLURM_STEP_ID={env.get('SLURM_STEP_ID')}")
+
+
 def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Plan:
     """The plan of a run with `config` in the environment `environ` (default ``os.environ``).
 
@@ -102,6 +112,8 @@ def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Pl
     if spec.layout == LAYOUT_TPU:
         items[-1] = PlanItem("replicas", replicas, "derived", "assumes 8 TPU cores; the real count is known "
                              "when the TPU system starts")
+    if spec.multi_process and config.strategy.cluster == "slurm" and workers > 1:
+        items.append(_slurm_ports(config, env))
     b = config.batch
     per_replica, global_batch = scaling.resolve_batch_sizes(b.per_replica, b.global_, replicas)
     if b.global_ is not None:

@@ -55,6 +55,12 @@ def tpu_hint(environ: Mapping[str, str]) -> str | None:
     return None
 
 
+def slurm_port_base(config: Config) -> int | None:
+    """`strategy.slurm.port_base` as `keras_sync.cluster` takes it: None for auto (from the job's ids)."""
+    base = config.strategy.slurm.port_base
+    return base if isinstance(base, int) else None
+
+
 def count_workers(config: Config, environ: Mapping[str, str]) -> tuple[int, str]:
     """Number of training workers from the cluster source, and where that came from."""
     from keras_sync import cluster
@@ -62,7 +68,7 @@ def count_workers(config: Config, environ: Mapping[str, str]) -> tuple[int, str]
     if config.strategy.cluster == "slurm":
         if "SLURM_PROCID" not in environ:
             return 1, "no Slurm job ($SLURM_PROCID unset)"
-        info = cluster.parse_slurm_env(environ)
+        info = cluster.parse_slurm_env(environ, port_base=slurm_port_base(config))
         return info.num_workers, "Slurm"
     if config.strategy.cluster == "indexed_job":
         if cluster.INDEX_VAR not in environ:
@@ -261,7 +267,7 @@ def _build_multi_worker(config: Config) -> tf.distribute.Strategy:
     local = device_layout("multi_worker_mirrored", cfg, gpus=0).explicit_devices
     resolver = None  # TF_CONFIG, read by TensorFlow
     if cfg.cluster == "slurm":
-        resolver = cluster.slurm_cluster_resolver()
+        resolver = cluster.slurm_cluster_resolver(port_base=slurm_port_base(config))
     elif cfg.cluster == "indexed_job":
         resolver = cluster.indexed_job_cluster_resolver(cfg.indexed_job.hosts, cfg.indexed_job.port,
                                                         cfg.indexed_job.workers)

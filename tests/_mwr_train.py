@@ -141,7 +141,11 @@ def main() -> int:
         "iterations": int(model.optimizer.iterations.numpy()),
         "start": start,
         "elapsed_s": time.monotonic() - started,
+        "env": {k: os.environ.get(k) for k in ("SLURM_JOB_ID", "SLURM_STEP_ID")},
     }
+    resolver = getattr(sync.strategy, "cluster_resolver", None)
+    if resolver is not None:  # the addresses the workers really listened on
+        result["cluster"] = resolver.cluster_spec().as_dict()
     os.makedirs(ns.out_dir, exist_ok=True)
     with open(os.path.join(ns.out_dir, f"w{task}.json"), "w") as f:
         json.dump(result, f)

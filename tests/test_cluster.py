@@ -23,6 +23,7 @@ from keras_sync.cluster import (
     expand_tasks_per_node,
     is_chief,
     parse_slurm_env,
+    slurm_port_base,
     parse_tf_config,
     record_strategy_tf_config,
     role,
@@ -178,6 +179,29 @@ def _slurm_env(procid: int, port_base_hosts: str = "localhost", tasks: str = "2"
 def test_slurm_env_two_tasks_on_one_node() -> None:
     info = parse_slurm_env(_slurm_env(1), port_base=9000)
     assert info == ClusterInfo("slurm", "worker", 1, 2, False, ["localhost:9000", "localhost:9001"])
+
+
+def test_slurm_auto_ports_follow_the_job_and_step_ids() -> None:
+    # port_base None (the config's auto): from SLURM_JOB_ID / SLURM_STEP_ID, not TensorFlow's 8888.
+    info = parse_slurm_env({**_slurm_env(1), "SLURM_STEP_ID": "0"})
+    assert info.worker_addresses == ["localhost:29712", "localhost:29713"]
+    assert parse_slurm_env({**_slurm_env(1), "SLURM_STEP_ID": "0"}, port_base=9000).worker_addresses[0] == \
+        "localhost:9000"
+
+
+def test_slurm_auto_ports_of_neighbouring_jobs_and_steps_do_not_overlap() -> None:
+    # Two jobs (or two steps of one job) on one node, up to 16 tasks per node each: disjoint blocks,
+    # all in 10000-31775 (below Linux's ephemeral ports, 32768 on).
+    def block(job: int, step: int) -> range:
+        base = slurm_port_base({"SLURM_JOB_ID": str(job), "SLURM_STEP_ID": str(step)})
+        return range(base, base + 16)
+
+    for job in range(1, 3000):
+        for a, b in [(block(job, 0), block(job + 1, 0)), (block(job, 0), block(job, 1)),
+                     (block(job, 3), block(job + 7, 3))]:
+            assert not set(a) & set(b), (job, a, b)
+            assert 10000 <= a[0] and b[-1] <= 31775
+    assert block(12345, 4294967294)[0] == block(12345, 4294967294 % 16)[0]  # the batch step's huge id
 
 
 def test_slurm_hostlist_and_tasks_per_node_like_tensorflow() -> None:

@@ -77,7 +77,7 @@ def test_unknown_key_names_line_and_suggests(tmp_path):
         load_config(path, environ={})
     assert messages(err.value) == [
         f"{path}:3: strategy.devicez: unknown key 'devicez'; did you mean 'devices'? (allowed: kind, devices, "
-        "simulated_cpu_replicas, cross_device_ops, communication, cluster, connect_timeout_s, tpu, indexed_job)"
+        "simulated_cpu_replicas, cross_device_ops, communication, cluster, connect_timeout_s, tpu, indexed_job, slurm)"
     ]
     assert err.value.line == 3 and err.value.key_path == "strategy.devicez"
 
@@ -125,6 +125,10 @@ def test_all_errors_reported_at_once_in_line_order(tmp_path):
      "at most 1"),
     ("strategy: {kind: tpu, simulated_cpu_replicas: 2}\n", 1, "simulated_cpu_replicas does not apply to kind=tpu"),
     ("batch: {per_replica: null}\n", 1, "received null for both batch.per_replica and batch.global"),
+    ("strategy:\n  slurm: {port_base: eighty}\n", 2, "strategy.slurm.port_base: received 'eighty', expected 'auto' "
+     "or an integer >= 1 \\(the first port\\)"),
+    ("strategy:\n  slurm: {port_base: 65530}\n", 2, "strategy.slurm.port_base: received 65530, expected a TCP port "
+     "from 1 to 65520 \\(task i on a node takes port_base \\+ i\\) or 'auto'"),
 ])
 def test_each_error_class_has_file_line_and_message(tmp_path, text, line, pattern):
     path = write(tmp_path, text)

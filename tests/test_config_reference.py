@@ -53,6 +53,9 @@ def test_every_key_is_documented_in_the_readme_with_its_doc_and_default() -> Non
         assert row is not None, f"README reference has no row for {dotted}"
         assert f.metadata["doc"] in row.replace("\\|", "|")
         assert f"`{config_reference.yaml_value(f.default)}`" in row
+        kinds = f.metadata.get("kinds")
+        if kinds and set(kinds) != set(STRATEGY_KINDS):  # said once, before the doc (a section's keys too)
+            assert row.count(f"| {', '.join(kinds)}: ") == 1 and row.count(f"{', '.join(kinds)}: ") == 1, row
 
 
 @pytest.mark.parametrize("kind", STRATEGY_KINDS)

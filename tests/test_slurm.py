@@ -16,6 +16,7 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -78,6 +79,7 @@ def _slurm_command(slurm: dict, name: str) -> str:
 
 @pytest.mark.timeout(900)
 def test_srun_two_tasks_train_as_two_workers_like_one_process(uninterrupted: dict) -> None:
+    host = socket.gethostname().split(".")[0]  # SLURM_STEP_NODELIST: the node's short name
     r, (alone_code, alone_log), tmp = uninterrupted["srun"], uninterrupted["alone"], uninterrupted["dir"]
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert alone_code == 0, alone_log[-3000:]
@@ -87,6 +89,12 @@ def test_srun_two_tasks_train_as_two_workers_like_one_process(uninterrupted: dic
     assert [(x["task"], x["num_workers"], x["num_replicas"]) for x in w] == [(0, 2, 2), (1, 2, 2)]
     for x in w:
         assert max_diff(x["weights"], reference["weights"]) <= 1e-5
+    # strategy.slurm.port_base: auto; the step's ports come from its job and step ids, not 8888.
+    from keras_sync.cluster import slurm_port_base
+
+    base = slurm_port_base(w[0]["env"])
+    assert base != 8888 and w[0]["env"]["SLURM_JOB_ID"], w[0]["env"]
+    assert [x["cluster"] for x in w] == [{"worker": [f"{host}:{base}", f"{host}:{base + 1}"]}] * 2
 
     # What the courier could not deliver before the job step ended (on a loaded machine it runs
     # niced, and srun ends every process of the step) waits in the spool: deliver it the

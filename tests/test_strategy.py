@@ -78,3 +78,18 @@ def test_plan_shows_the_device_layout(strategy, devices, replicas, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the plan counts GPUs itself: none, on any machine
     items = make_plan(load_config({"strategy": strategy}, environ={}), environ={}).to_dict()["items"]
     assert (items["devices"]["value"], items["replicas"]["value"]) == (devices, replicas)
+
+
+def test_plan_shows_the_slurm_ports_and_where_they_come_from(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    env = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2",
+           "SLURM_STEP_NODELIST": "node1", "SLURM_STEP_TASKS_PER_NODE": "2"}
+    auto = {"kind": "multi_worker_mirrored", "cluster": "slurm"}
+    items = make_plan(load_config({"strategy": auto}, environ={}), environ=env).to_dict()["items"]
+    assert items["workers"]["value"] == 2
+    assert items["strategy.slurm.port_base"] == {
+        "value": 29712, "source": "derived", "note": "auto: from $SLURM_JOB_ID=77 and $SLURM_STEP_ID=0"}
+    fixed = {**auto, "slurm": {"port_base": 9000}}
+    items = make_plan(load_config({"strategy": fixed}, environ={}), environ=env).to_dict()["items"]
+    assert items["strategy.slurm.port_base"]["value"] == 9000
+    assert items["strategy.slurm.port_base"]["source"] != "derived"
