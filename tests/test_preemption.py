@@ -134,16 +134,18 @@ def test_excepthook_turns_an_uncaught_lost_peer_error_into_one_line_exit_75() ->
 # -- one process, real training ------------------------------------------------------------------
 
 
-def _train(tmp: Path, name: str, *extra: str, backup: bool = True,
-           mlflow_uri: str | None = None, accumulate: int = 1) -> subprocess.CompletedProcess[str]:
+def _train(tmp: Path, name: str, *extra: str, backup: bool = True, mlflow_uri: str | None = None,
+           accumulate: int = 1, job_id: str | None = None) -> subprocess.CompletedProcess[str]:
     mlflow = ({"tracking_uri": mlflow_uri, "experiment": "preempted", "spool_dir": str(tmp / "spool")}
               if mlflow_uri else {"enabled": False})
     cfg: dict = {"strategy": {"kind": "default"}, "batch": {"global": 32}, "mlflow": mlflow,
                  "learning_rate": {"base": 0.01}, "runtime": {"gradient_accumulation_steps": accumulate}}
     if backup:
         cfg["fault_tolerance"] = {"backup_dir": str(tmp / f"{name}_backup"), "save_freq": "epoch"}
-    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "KERAS_SYNC_CONFIG")}
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "KERAS_SYNC_CONFIG", "KERAS_SYNC_JOB_ID")}
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    if job_id is not None:
+        env["KERAS_SYNC_JOB_ID"] = job_id
     return subprocess.run([sys.executable, str(TRAIN), json.dumps(cfg), str(tmp / name), "--epochs", str(EPOCHS),
                            "--samples", str(SAMPLES), *extra], env=env, capture_output=True, text=True, timeout=200)
 
@@ -156,7 +158,8 @@ def test_sigterm_at_step_17_saves_there_and_the_relaunch_trains_the_13_left(tmp_
     term = ("--term-at", "17", "--marker", str(tmp_path / "term.marker"))
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     start = time.monotonic()
-    first = _train(tmp_path, "res", *term, mlflow_uri=uri)
+    # Each try has its own job id, as two `keras-sync launch` commands give: the backup names the run.
+    first = _train(tmp_path, "res", *term, mlflow_uri=uri, job_id="launch-first")
     assert first.returncode == PREEMPTED_EXIT_CODE, first.stderr[-3000:]
     assert time.monotonic() - start < 200  # the whole process; the save itself is below
     assert first.stdout.splitlines()[-1] == "sigterm before step 17"
@@ -164,8 +167,9 @@ def test_sigterm_at_step_17_saves_there_and_the_relaunch_trains_the_13_left(tmp_
     assert (
         f"keras-sync: SIGTERM: saved a backup in {tmp_path / 'res_backup'} at epoch 2, after batch 7 (optimizer "
         "step 17); exiting with code 143. Relaunch the job to resume from there.\n") in first.stderr
-    second = _train(tmp_path, "res", *term, mlflow_uri=uri)
+    second = _train(tmp_path, "res", *term, mlflow_uri=uri, job_id="launch-second")
     assert second.returncode == 0, second.stderr[-3000:]
+    assert "refused param" not in first.stderr + second.stderr, second.stderr[-3000:]
     # The preempted exit ends the run KILLED, not FINISHED, so the relaunch continues it: one run,
     # each step once (a FINISHED run would not be reopened: a second run). What the first process
     # had not delivered at exit (a busy machine) is delivered by the relaunch's courier, in order.
@@ -178,6 +182,8 @@ def test_sigterm_at_step_17_saves_there_and_the_relaunch_trains_the_13_left(tmp_
     (run,) = client.search_runs([client.get_experiment_by_name("preempted").experiment_id])
     assert run.info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == list(range(1, 31))
+    assert run.data.params["config.fault_tolerance.save_freq"] == "epoch"  # the config's params, once
+    assert "config.mlflow.job_id" not in run.data.params
     trained = [line for line in second.stdout.splitlines() if line.startswith("step ")]
     assert trained[0] == "step 18 epoch 1 batch 7" and len(trained) == 13
     a, b = (json.loads((tmp_path / n / "w0.json").read_text()) for n in ("ref", "res"))

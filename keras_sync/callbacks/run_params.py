@@ -16,6 +16,10 @@ CONFIG_SOURCE_TAG = "keras_sync.config_source"
 CONFIG_ARTIFACT = "keras_sync/config.yaml"
 #: Prefix of the params holding the resolved config, one per key: ``config.batch.per_replica``.
 CONFIG_PARAM_PREFIX = "config."
+#: Config keys that name a launch, not a setting: not params, because a relaunch that continues the
+#: run from its backup has another value (`keras-sync launch` sets a new job id per launch) and
+#: MLflow refuses to change a param. The run's tag ``keras_sync.job_id`` names the job.
+_NOT_PARAMS = ("mlflow.job_id",)
 
 
 class RunParams(OncePerRun):
@@ -27,7 +31,8 @@ class RunParams(OncePerRun):
     ``sync.learning_rate``, ``sync.lr_scaling``, ``sync.warmup_steps`` (from the context when given,
     else what the model's strategy tells), ``sync.tensorflow_version``, ``sync.keras_version``
     and ``sync.devices`` (this worker's replica devices). With a context, every resolved config
-    value becomes a param ``config.<key path>`` (``config.mlflow.log_every_n_steps``), the file's
+    value but ``mlflow.job_id`` (the tag ``keras_sync.job_id``) becomes a param ``config.<key path>``
+    (``config.mlflow.log_every_n_steps``), the file's
     text the artifact ``keras_sync/config.yaml`` and its path the tag
     ``keras_sync.config_source``, with credentials in URIs replaced by ``***``.
 
@@ -94,7 +99,10 @@ def config_params(context: RunContext | None) -> dict[str, str]:
                 out[f"{prefix}{key}"] = redact_uri(str(shown)) or ""
         return out
 
-    return flat(context.config.to_dict(), CONFIG_PARAM_PREFIX)
+    params = flat(context.config.to_dict(), CONFIG_PARAM_PREFIX)
+    for key in _NOT_PARAMS:
+        params.pop(CONFIG_PARAM_PREFIX + key, None)
+    return params
 
 
 def config_tags(context: RunContext | None) -> tuple[dict[str, str], str | None]:
