@@ -397,9 +397,9 @@ def slurm_cluster_resolver(*, port_base: int | None = None, env: Mapping[str, st
     it drop every task), so there the result is frozen into a
     `SimpleClusterResolver` that reports no accelerators.
     """
-    info = parse_slurm_env(env, port_base=port_base)  # clear errors before TensorFlow's RuntimeErrors
     if port_base is None:
         port_base = slurm_port_base(env)
+    info = parse_slurm_env(env, port_base=port_base)  # clear errors before TensorFlow's RuntimeErrors
     import tensorflow as tf
 
     resolvers = tf.distribute.cluster_resolver
