@@ -46,3 +46,14 @@ def test_kindspec_fields_in_the_recipe_are_the_real_ones() -> None:
     listed = re.search(r"KindSpec\(name, summary, (.*?)\)", TEXT, re.S).group(1)
     named = {part.split("=")[0].strip() for part in listed.replace("\n", " ").split(",") if "=" in part}
     assert named == {f.name for f in dataclasses.fields(KindSpec)} - {"name", "summary"}
+
+
+def test_value_specs_named_in_the_config_key_recipe_exist() -> None:
+    from keras_sync import _fields
+
+    listed = re.search(r"\(`keras_sync/_fields\.py`: (.*?)\) validates", TEXT, re.S)
+    assert listed, "the config-key recipe no longer lists the value specs of keras_sync/_fields.py"
+    names = re.findall(r"`(\w+)`", listed.group(1))
+    assert len(names) >= 5, names
+    missing = [n for n in names if not isinstance(getattr(_fields, n, None), type)]
+    assert not missing, f"CONTRIBUTING names value specs that keras_sync/_fields.py does not have: {missing}"

@@ -31,3 +31,46 @@ def test_readme_names_every_public_api_entry():
     text = (ROOT / "README.md").read_text()
     missing = [n for n in keras_sync.__all__ if n != "__version__" and n not in text]
     assert not missing, f"README does not mention: {missing}"
+
+
+# The README's tables are the user's map of the code: each test below fails when a command, a
+# strategy kind or a logged metric is added to the code and its README row is not.
+
+def _section(title: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index(f"\n## {title}")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end > 0 else None]
+
+
+def test_command_table_lists_exactly_the_cli_commands():
+    from keras_sync.cli import cli
+
+    table = _section("Command line")
+    listed = set(re.findall(r"^\| `keras-sync ([\w-]+)", table, flags=re.M))
+    assert listed == set(cli.commands), f"README command table {sorted(listed)} vs the CLI {sorted(cli.commands)}"
+
+
+def test_feature_list_names_every_strategy_kind():
+    from keras_sync.kinds import KINDS
+
+    sentence = re.search(r"`strategy\.kind` picks (.*?)\s+with their real options", _section("What keras-sync does for you"), flags=re.S)
+    assert sentence, "README 'What keras-sync does for you' lost its 'strategy.kind picks ...' sentence"
+    listed = set(re.findall(r"`(\w+)`", sentence.group(1)))
+    assert listed == set(KINDS), f"README names kinds {sorted(listed)}; the kinds table has {sorted(KINDS)}"
+
+
+def _logged_metric_names() -> set[str]:
+    names: set[str] = set()
+    for path in (ROOT / "keras_sync").rglob("*.py"):
+        for name in re.findall(r"""f?["'](sync/[\w{}/]+)["']""", path.read_text()):
+            names.add(re.sub(r"replica_\d+", "replica_{i}", re.sub(r"\{\w+\}", "{i}", name)))
+    return names
+
+
+def test_metrics_table_has_a_row_for_every_metric_the_code_logs():
+    table = _section("Sync metrics in MLflow")
+    logged = _logged_metric_names()
+    assert len(logged) >= 10, f"the metric-name scan found too few names to be right: {sorted(logged)}"
+    missing = sorted(n for n in logged if f"`{n}`" not in table)
+    assert not missing, f"metrics logged by keras_sync/ with no row in README's 'Sync metrics in MLflow' table: {missing}"
