@@ -15,6 +15,38 @@ import pytest
 
 from _ports import free_ports
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+_WHERE = ("import importlib.util as u, sys\n"
+          "for m in ('keras_sync', 'keras_sync.templates'):\n"
+          "    print(list(u.find_spec(m).submodule_search_locations)[0])")
+
+
+def _one_keras_sync_for_every_process() -> None:
+    """Stop the suite when its subprocesses would import another keras-sync than the tests do.
+
+    An editable install maps `keras_sync` (and `keras_sync.templates`, shipped from `templates/`) to
+    the checkout it was installed from. Run from a second clone with the first one's venv
+    (`python -m pytest` puts the clone first on the test process's path), the subprocesses (the
+    `keras-sync` console script, scenario scripts) would silently run the other checkout's code and
+    templates. The CI lanes test an installed (non-editable) package: the same check holds there.
+    """
+    import importlib.util
+
+    here = [str(Path(list(importlib.util.find_spec(m).submodule_search_locations)[0]).resolve())
+            for m in ("keras_sync", "keras_sync.templates")]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    child = subprocess.run([sys.executable, "-c", _WHERE], cwd="/", env=env, capture_output=True, text=True, timeout=60)
+    there = [str(Path(line).resolve()) for line in child.stdout.split()]
+    if here != there:
+        pytest.exit(f"tests of {ROOT} import keras_sync from {here[0]} but their subprocesses would import "
+                    f"{there or child.stderr.strip()[-200:]}: install this checkout into the venv that runs them: "
+                    f"{sys.executable} -m pip install -e '{ROOT}[cpu,test]'", returncode=4)
+
+
+_one_keras_sync_for_every_process()
+
 
 class MlflowServer:
     """A real `mlflow server` (sqlite store, one worker) that keeps its port and store across restarts."""
