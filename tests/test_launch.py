@@ -105,7 +105,10 @@ def test_failed_worker_stops_the_others_and_its_code_is_returned(tmp_path: Path,
     code = launch(WORKER, ["fail-or-hang", str(tmp_path)], workers=2, grace_period_s=0.5)
     elapsed = time.monotonic() - start
     assert code == 3
-    assert elapsed < 8, elapsed
+    # w0 hangs for ever and ignores SIGTERM: returning at all means launch killed it. The bound only
+    # turns a launcher that waits for ever into a failure before pytest's timeout; a busy machine
+    # stalls for seconds, so it is far wider than the 0.5 s grace period.
+    assert elapsed < 120, elapsed
     _assert_all_gone(_pids(tmp_path, 2))
     err = capsys.readouterr().err
     assert "[launch] w1 exited with code 3; stopping the other 1 worker(s)" in err
