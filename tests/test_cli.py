@@ -430,3 +430,22 @@ def test_init_on_a_terminal_asks_with_defaults(tmp_path: Path) -> None:
     assert b"Strategy kind" in output and b"Per-replica batch size [32]" in output
     text = (tmp_path / "keras_sync.yaml").read_text()
     assert "kind: mirrored" in text and "per_replica: 32" in text
+
+
+@pytest.mark.parametrize("tracking_uri", [None, "sqlite:///runs/m.db"])
+def test_ui_from_another_folder_finds_the_store_beside_the_config(tmp_path: Path, tracking_uri: str | None) -> None:
+    # Training ran in proj/ (the default store, or a relative one, resolves there); ui runs elsewhere.
+    proj, elsewhere = tmp_path / "proj", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    store = proj / ("mlflow.db" if tracking_uri is None else "runs/m.db")
+    store.parent.mkdir(parents=True)
+    store.touch()
+    (proj / "keras_sync.yaml").write_text("mlflow: {tracking_uri: %s}\n" % (tracking_uri or "null"))
+    with socket.socket() as sock:  # a busy port: ui stops right after it found the store, before serving
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        result = run("ui", str(proj / "keras_sync.yaml"), "--port", str(port), "--no-browser", cwd=elsewhere)
+    assert f"using the one beside {proj / 'keras_sync.yaml'}: {store}" in result.stdout, result.stdout + result.stderr
+    assert "which is in use on 127.0.0.1" in result.stderr
+    assert list(elsewhere.iterdir()) == []

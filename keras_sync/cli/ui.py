@@ -28,16 +28,24 @@ def command(config: str | None, tracking_uri: str | None, port: int, no_browser:
 
     The store is the one training logs to, by the same rule: --tracking-uri, else
     $MLFLOW_TRACKING_URI, else mlflow.tracking_uri in CONFIG, else sqlite:///<cwd>/mlflow.db.
+    When that store does not exist here, the default or a relative store beside CONFIG is used
+    (training ran in CONFIG's folder), so the command works from any folder.
     """
     from keras_sync.config import load_config
     from keras_sync.tracking import redact_uri, resolve_tracking_uri
 
     cfg = load_config(config, overrides={"mlflow.tracking_uri": tracking_uri} if tracking_uri else None)
-    uri, _ = resolve_tracking_uri(cfg.mlflow.tracking_uri)
+    uri, source = resolve_tracking_uri(cfg.mlflow.tracking_uri)
     if uri.startswith(("http://", "https://", "databricks")):
         click.echo(f"The config points at a tracking server already: open {redact_uri(uri)}")
         return
     store = _local_store(uri)
+    beside = _store_beside_config(store, source, cfg.source)
+    if beside is not None:
+        # Training resolves the default (or a relative) store against its own folder, usually the
+        # config's: from another folder the same config finds it there.
+        click.echo(f"No MLflow store at {store}; using the one beside {cfg.source}: {beside}")
+        store, uri = beside, f"sqlite:///{beside}" if uri.startswith("sqlite:") else str(beside)
     if store is not None and not store.exists():
         # mlflow server would create an empty store here and show nothing: say where we looked
         raise UserError(f"No MLflow store at {store} ({redact_uri(uri)}): nothing has been logged there yet. "
@@ -75,6 +83,20 @@ def _local_store(uri: str) -> Path | None:
     if parsed.scheme == "" or len(parsed.scheme) == 1:  # a plain path (or a Windows drive letter)
         return Path(uri)
     return None  # another database or server: mlflow server reports its own errors
+
+
+def _store_beside_config(store: Path | None, source: str, config_file: str) -> Path | None:
+    """The same store resolved against the config file's folder, when the one here does not exist."""
+    if store is None or store.exists() or config_file.startswith("<"):
+        return None
+    if source == "default":
+        relative = Path(store.name)
+    elif not store.is_absolute():
+        relative = store
+    else:
+        return None  # an absolute path in the config means that file, wherever ui runs
+    candidate = (Path(config_file).resolve().parent / relative).resolve()
+    return candidate if candidate.exists() and candidate != store.resolve() else None
 
 
 def _interrupt(signum: int, frame: object) -> None:
