@@ -12,7 +12,11 @@ This module applies that recipe to the user's own calls:
   (same file name, so Keras' checks on the extension hold) and deletes it at once. The chief
   and every single-worker strategy write the given path unchanged.
 * `guard_callbacks` makes Keras' own `BackupAndRestore` write its backup on the chief only;
-  all workers still read it when a job resumes. `ModelCheckpoint` needs nothing more: it saves
+  all workers still read it when a job resumes. Keras' `TensorBoard` and `CSVLogger` (and their
+  subclasses) write the user's ``log_dir``/``filename`` on the chief only: on the other workers
+  they write into a fresh temporary directory, deleted when their `fit` ends (without it every
+  worker wrote its own event files into ``tb/train``, so TensorBoard showed every point once per
+  worker, and both workers opened ``log.csv`` for writing). `ModelCheckpoint` needs nothing more: it saves
   through ``model.save``/``save_weights`` (its decision, e.g. ``save_best_only``, is the same on
   every worker because the logs it reads are all-reduced).
 * `save` is the explicit form (``sync.save(model, path)``).
@@ -106,13 +110,22 @@ def save(model: Any, filepath: Any, **kwargs: Any) -> None:
         model.save(filepath, **kwargs)
 
 
-def guard_callbacks(strategy: Any, callbacks: list[Any]) -> list[Any]:
-    """Make Keras' `BackupAndRestore` in ``callbacks`` write on the chief only; returns the list.
+#: Keras callbacks that write files, and the attribute holding the user's path: on a worker that
+#: is not the chief it is pointed into a temporary directory before `fit` hands the callback the
+#: model (TensorBoard derives its ``train``/``validation`` directories from ``log_dir`` there).
+#: ModelCheckpoint needs no entry: it saves through the wrapped ``model.save``/``save_weights``.
+USER_PATH_ATTRS = (("TensorBoard", "log_dir"), ("CSVLogger", "filename"))
+_USER_PATH_MARK = "_keras_sync_user_path"
 
-    On the other workers its save goes through ``model.save_weights`` (so to a temporary file,
-    taking part in any collective), its metadata file is not written, and the backup is not
-    deleted at train end (the chief deletes it). Restoring still reads ``backup_dir``, which
-    must be on storage every worker sees.
+
+def guard_callbacks(strategy: Any, callbacks: list[Any]) -> list[Any]:
+    """Make Keras' callbacks in ``callbacks`` write the user's paths on the chief only; returns the list.
+
+    `BackupAndRestore`: on the other workers its save goes through ``model.save_weights`` (so to
+    a temporary file, taking part in any collective), its metadata file is not written, and the
+    backup is not deleted at train end (the chief deletes it). Restoring still reads
+    ``backup_dir``, which must be on storage every worker sees. `TensorBoard`, `CSVLogger`: see
+    `USER_PATH_ATTRS`.
     """
     if writes_user_paths(strategy):
         return callbacks
@@ -121,7 +134,27 @@ def guard_callbacks(strategy: Any, callbacks: list[Any]) -> list[Any]:
     for cb in callbacks:
         if type(cb) is keras.callbacks.BackupAndRestore:  # a subclass may save differently: left alone
             _non_chief_backup(cb)
+        for class_name, attr in USER_PATH_ATTRS:
+            if isinstance(cb, getattr(keras.callbacks, class_name)):
+                _write_elsewhere(cb, attr)
     return callbacks
+
+
+def _write_elsewhere(cb: Any, attr: str) -> None:
+    """Point ``cb.<attr>`` into a fresh temporary directory, deleted after the callback's train end."""
+    user_path = getattr(cb, _USER_PATH_MARK, None) or getattr(cb, attr)  # a callback reused by a second fit
+    setattr(cb, _USER_PATH_MARK, user_path)
+    tmp = tempfile.mkdtemp(prefix=TEMP_PREFIX)
+    setattr(cb, attr, os.path.join(tmp, os.path.basename(os.fspath(user_path).rstrip("/")) or "logs"))
+    train_end = type(cb).on_train_end
+
+    def on_train_end(logs: Any = None) -> None:
+        try:
+            train_end(cb, logs)  # closes the file or the event writers first
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    cb.on_train_end = on_train_end
 
 
 def _non_chief_backup(cb: Any) -> None:
