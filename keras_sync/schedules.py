@@ -52,7 +52,16 @@ class GradualWarmup(keras.optimizers.schedules.LearningRateSchedule):
         self.after = after
         self.name = name
 
-    def __call__(self, step: Any) -> Any:
+    def __call__(self, step: Any = None) -> Any:
+        if step is None:
+            # A Keras 2 (tf_keras) optimizer takes a schedule it does not know for a plain callable
+            # and calls it with no step (a TypeError from inside TensorFlow before this).
+            from keras_sync.errors import UsageError
+
+            raise UsageError(
+                "sync.lr_schedule()'s warmup was called without a step, as a Keras 2 optimizer (tf_keras, or tf.keras "
+                "with TF_USE_LEGACY_KERAS=1) does; keras-sync supports Keras 3 only. Fix: build the model and its "
+                "optimizer with `import keras` rather than tf.keras/tf_keras, and unset TF_USE_LEGACY_KERAS.")
         ops = keras.ops
         step = ops.cast(step, "float32")
         warm = ops.convert_to_tensor(float(self.warmup_steps), "float32")
