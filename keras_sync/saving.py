@@ -32,6 +32,7 @@ import contextlib
 import functools
 import os
 import shutil
+import sys
 import tempfile
 from typing import Any, Callable, Iterator
 
@@ -61,6 +62,70 @@ def write_target(filepath: Any, strategy: Any) -> Iterator[Any]:
         yield os.path.join(tmp, os.path.basename(os.fspath(filepath).rstrip("/")) or "model.keras")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# -- the run-time check behind the table: what a worker that is not the chief really wrote -----
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+_watched: set[str] | None = None  # the paths opened for writing during the watched fit, or None
+_hooked = False
+
+
+_NOT_FILES = ("/dev/", "/proc/", "/sys/")
+#: What `tempfile` names by default (``/tmp/tmpab12cd34``): libraries' scratch files, one per worker.
+_TEMPFILES = os.path.join(os.path.realpath(tempfile.gettempdir()), tempfile.gettempprefix())
+
+
+def _audit(event: str, args: tuple[Any, ...]) -> None:
+    """sys.addaudithook hook: note a Python-level open for writing while a fit is watched."""
+    if event != "open" or _watched is None:
+        return
+    try:
+        path, mode, flags = args
+        if not isinstance(path, (str, bytes, os.PathLike)):
+            return
+        writing = any(c in mode for c in "wax+") if mode else bool((flags or 0) & _WRITE_FLAGS)
+        if not writing:
+            return
+        full = os.path.realpath(os.fsdecode(path))
+        if TEMP_PREFIX in full or full.startswith(_NOT_FILES + (_TEMPFILES,)) or f"{os.sep}__pycache__{os.sep}" in full:
+            return  # this worker's own temporary copies, devices, files named by `tempfile` (libraries'), bytecode
+        _watched.add(full)
+    except Exception:  # an audit hook must never make the user's open fail
+        return
+
+
+@contextlib.contextmanager
+def watch_worker_writes(strategy: Any) -> Iterator[None]:
+    """On a worker that is not the chief, warn (one line) after `fit` if Python code opened a file
+    for writing during it, other than the temporary copies keras-sync points its writes to.
+
+    `guard_callbacks` knows Keras's own file-writing callbacks; a callback it does not know (the
+    user's own, another library's) writes the same path on every worker, and two writers of one
+    file leave a corrupt or interleaved one. This is the check of what really happened. Writes
+    from C++ (TensorFlow's file system, HDF5) are not seen.
+    """
+    global _watched, _hooked
+    if writes_user_paths(strategy) or _watched is not None:
+        yield
+        return
+    if not _hooked:
+        sys.addaudithook(_audit)  # cannot be removed: inert outside a watched fit
+        _hooked = True
+    _watched = set()
+    try:
+        yield
+    finally:
+        seen, _watched = sorted(_watched), None
+        if seen:
+            import warnings
+
+            shown = ", ".join(seen[:3]) + (f" and {len(seen) - 3} more" if len(seen) > 3 else "")
+            warnings.warn(
+                f"keras-sync: this worker is not the chief, yet it opened {shown} for writing during fit. Every "
+                "worker runs your script and its callbacks, so a path that is the same on every worker gets two "
+                "writers. Fix: write it only when sync.is_chief, or give each worker its own path.",
+                RuntimeWarning, stacklevel=3)
 
 
 def _model_strategy(model: Any) -> Any:

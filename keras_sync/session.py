@@ -215,8 +215,10 @@ class Sync:
 
         # A restored backup resumes mid-epoch, data order included; a lost peer ends in one line.
         # With mlflow.keras.autolog() on, autolog logs into keras-sync's run instead of its own.
+        # A worker that is not the chief and writes a file anyway (a callback the guard does not know) is told.
         with shared_run_for(self), run_ends_after_fit(self), raised_as_peer_lost(self.strategy, self.config.fault_tolerance.backup_dir), \
-                resumable_fit(kwargs["callbacks"]), _quiet_end_of_data(kwargs.get("steps_per_epoch")):
+                resumable_fit(kwargs["callbacks"]), _quiet_end_of_data(kwargs.get("steps_per_epoch")), \
+                saving.watch_worker_writes(self.strategy):
             history = model.fit(x, y, **kwargs)
         from keras_sync.callbacks._run import end_run_after_fit
 

@@ -214,6 +214,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._exit_preempted()
 
     def on_train_end(self, logs: Any = None) -> None:
+        if self.restored is not None and getattr(self, "_resume_line", None):
+            self._check_restored_state_held()  # restored after the last epoch: no epoch began
         self.model._initial_epoch = None  # a later fit on this model starts at its own initial_epoch
         if self._preemption is not None and self._preemption.end() and self._is_chief:
             print("keras-sync: SIGTERM arrived as training ended; training is complete, so no backup was "
