@@ -44,22 +44,37 @@ FEATURES: dict[str, tuple[str, str]] = {
                     "or give the dataset its length (dataset.apply(tf.data.experimental.assert_cardinality(n)))"),
     "system_metrics": ("MLflow system metrics (mlflow.system_metrics: true)",
                        "or set mlflow.system_metrics: false"),
+    "model_strategy": ("telling which strategy built a model (the sync.scope() check, chief-only saving)",
+                       "no public Keras API tells it"),
+    "keras_backup_guard": ("Keras's BackupAndRestore under multi-worker multi_worker_mirrored (the chief writes it)",
+                           "or use keras-sync's backup (fault_tolerance.backup_dir) instead"),
+    "spool_delivery": ("reading the steps a run already has before delivering a spool",
+                       "the public metric histories are read instead"),
 }
-#: The supported (tested) releases of each library: (floor, newest tested, first excluded), the
-#: ranges of pyproject.toml (tests/test_internals.py checks they agree).
+#: Each library: (floor, newest tested, first excluded). The floor and the cap are pyproject.toml's
+#: ranges (tests/test_internals.py checks they agree); the cap is the next major version, as no
+#: known break sits below it. A newer release inside the range that moves an internal below is
+#: refused by the probes; the fix then pins the newest tested release (`_spec`).
 RANGES = {
-    "keras": ("3.10", "3.15", "3.16"),
-    "tensorflow": ("2.17", "2.21", "2.22"),
-    "mlflow": ("2.22", "3.17", "3.18"),
+    "keras": ("3.10", "3.15", "4"),
+    "tensorflow": ("2.17", "2.21", "3"),
+    "mlflow": ("2.22", "3.17", "4"),
 }
 _NAMES = {"keras": "Keras", "tensorflow": "TensorFlow", "mlflow": "MLflow"}
 TESTED = ", ".join(f"{_NAMES[name]} {lo}-{hi}" for name, (lo, hi, _) in RANGES.items())
 
 
+def _next_minor(version: str) -> str:
+    """``"3.15"`` -> ``"3.16"``."""
+    major, minor = version.split(".")[:2]
+    return f"{major}.{int(minor) + 1}"
+
+
 def _spec(library: str, floor: str | None = None, *, distribution: str | None = None) -> str:
-    """``keras>=3.10,<3.16`` (or from ``floor``; ``distribution`` names the pip package, e.g. tensorflow-cpu)."""
-    lo, _, ceiling = RANGES[library]
-    return f"{distribution or library}>={floor or lo},<{ceiling}"
+    """``keras>=3.10,<3.16``: the tested releases (or from ``floor``; ``distribution`` names the pip
+    package, e.g. tensorflow-cpu), what a refusal's fix installs."""
+    lo, newest, _ = RANGES[library]
+    return f"{distribution or library}>={floor or lo},<{_next_minor(newest)}"
 
 
 # The fix for each library. TensorFlow is not named by distribution: "tensorflow" would add a
@@ -84,6 +99,10 @@ class Internal:
     #: The first version of its library that has it (e.g. "3.12" for Keras), when newer than the
     #: supported floor: older versions refuse only its feature, with this floor in the fix.
     since: str | None = None
+    #: The private attribute names keras-sync reads or sets on the library's objects through this
+    #: entry (``model._initial_epoch``...); tests/test_internals.py checks that every private
+    #: attribute the package uses on an object not its own is listed by some entry.
+    attrs: tuple[str, ...] = ()
 
 
 def _release(version: str) -> tuple[int, ...]:
@@ -232,7 +251,8 @@ REGISTRY: tuple[Internal, ...] = (
              callable_with(f"{_TRAINER}:TensorFlowTrainer._maybe_symbolic_build", "self", "iterator", "data_batch")),
     Internal(f"{_TRAINER}:_is_tpu_strategy, _is_per_replica_instance, _is_scalar", "multi_worker_fit",
              "Keras's own tests for what the patched reduction may change",
-             has_attrs(_TRAINER, "_is_tpu_strategy", "_is_per_replica_instance", "_is_scalar")),
+             has_attrs(_TRAINER, "_is_tpu_strategy", "_is_per_replica_instance", "_is_scalar"),
+             attrs=("_is_tpu_strategy", "_is_per_replica_instance", "_is_scalar")),
     # _keras_compat.py fix 3: the one-step tf.function traced inline into the multi-step loop.
     Internal(f"{_TRAINER}:TensorFlowTrainer._autoconvert_optionals", "multi_worker_steps_per_execution",
              "keras-team/keras#19246 (steps_per_execution > 1 under MultiWorkerMirroredStrategy): the hook that "
@@ -259,7 +279,8 @@ REGISTRY: tuple[Internal, ...] = (
                            "self", "container_strategy", "cluster_resolver", "communication_options")),
     Internal(f"{_CARS}:CollectiveAllReduceExtended._in_multi_worker_mode", "multi_worker_strategy",
              "strategy.in_multi_worker_mode: which strategies get the multi-worker fixes and collectives",
-             callable_with(f"{_CARS}:CollectiveAllReduceExtended._in_multi_worker_mode", "self")),
+             callable_with(f"{_CARS}:CollectiveAllReduceExtended._in_multi_worker_mode", "self"),
+             attrs=("_in_multi_worker_mode",)),
     Internal(f"{_CARS}:CollectiveAllReduceStrategy", "multi_worker_strategy",
              "subclassed so that isinstance(tf.distribute.MultiWorkerMirroredStrategy) holds", _is_mwms),
     Internal("tensorflow.python.eager.context:Context.configure_coordination_service", "multi_worker_strategy",
@@ -279,10 +300,31 @@ REGISTRY: tuple[Internal, ...] = (
     # callbacks/backup.py: the epoch iterator fit builds, swapped for one that starts mid-epoch.
     Internal(f"{_TRAINER}:TFEpochIterator", "exact_resume",
              "Keras's BackupAndRestore restarts an epoch at batch 0; no API starts one mid-way",
-             has_attrs(f"{_TRAINER}:TFEpochIterator", "_enumerate_iterator", "catch_stop_iteration")),
+             has_attrs(f"{_TRAINER}:TFEpochIterator", "_enumerate_iterator", "catch_stop_iteration"),
+             attrs=("_enumerate_iterator",)),
+    Internal("keras.src.trainers.epoch_iterator:EpochIterator.__init__", "exact_resume",
+             "whether the data has a known number of batches (`_num_batches`), to replay the epochs done",
+             looks_up("keras.src.trainers.epoch_iterator:EpochIterator.__init__", "_num_batches"),
+             attrs=("_num_batches",)),
     Internal(f"{_TRAINER}:TensorFlowTrainer.fit", "exact_resume",
              "fit must build its iterator from the module global keras-sync swaps",
              looks_up(f"{_TRAINER}:TensorFlowTrainer.fit", "TFEpochIterator")),
+    Internal(f"{_TRAINER}:TensorFlowTrainer.fit (model._initial_epoch)", "exact_resume",
+             "the restored epoch is handed to fit as `model._initial_epoch`, which fit reads after on_train_begin "
+             "(Keras's own BackupAndRestore does the same)",
+             looks_up(f"{_TRAINER}:TensorFlowTrainer.fit", "_initial_epoch"), attrs=("_initial_epoch",)),
+    # session.py, saving.py, _collective_calls.py: the strategy a model was built under.
+    Internal(f"{_TRAINER}:TensorFlowTrainer.__init__ (model._distribute_strategy)", "model_strategy",
+             "`model.distribute_strategy` falls back to the current strategy, so only `_distribute_strategy` "
+             "tells a model built outside sync.scope()",
+             looks_up(f"{_TRAINER}:TensorFlowTrainer.__init__", "_distribute_strategy"),
+             attrs=("_distribute_strategy",)),
+    # saving.py: Keras's BackupAndRestore writes on the chief only.
+    Internal("keras.src.callbacks.backup_and_restore:BackupAndRestore._save_model, _weights_path",
+             "keras_backup_guard", "its save is replaced on the workers that are not the chief",
+             lambda: has_attrs("keras.src.callbacks.backup_and_restore:BackupAndRestore", "_save_model")()
+             or looks_up("keras.src.callbacks.backup_and_restore:BackupAndRestore.__init__", "_weights_path")(),
+             attrs=("_save_model", "_weights_path")),
     # _instrument.py: each replica's loss and local gradients exist only inside train_step.
     Internal(f"{_TRAINER}:TensorFlowTrainer.train_step", "per_replica_metrics",
              "the values before the all-reduce exist only inside train_step",
@@ -291,14 +333,35 @@ REGISTRY: tuple[Internal, ...] = (
              "a ~4x faster read of the per-replica ring; falls back to the public Variable.numpy()",
              callable_with("tensorflow.python.ops.gen_resource_variable_ops:read_variable_op", "resource", "dtype"),
              fallback=True),
+    # callbacks/weight_divergence.py: each replica's copy of a weight lives in the tf.Variable a Keras
+    # Variable wraps.
+    Internal("keras.src.backend.tensorflow.core:Variable._initialize (variable._value)", "per_replica_metrics",
+             "a Keras variable's per-replica copies are those of the tf.Variable it holds in `_value`",
+             looks_up("keras.src.backend.tensorflow.core:Variable._initialize", "_value"), attrs=("_value",)),
+    # pipeline.py: the examples of one pass of a batched dataset, to give a rebatched one its length.
+    Internal("tensorflow.python.data.ops.batch_op:_BatchDataset", "end_of_data",
+             "a batch op's size, remainder rule and input, read to count the examples exactly; without them "
+             "a rebatched dataset has an unknown length",
+             looks_up("tensorflow.python.data.ops.batch_op:_BatchDataset.__init__", "_batch_size", "_drop_remainder",
+                      "_input_dataset"), fallback=True,
+             attrs=("_batch_size", "_drop_remainder", "_input_dataset", "_inputs")),
     # cluster.py: the cluster TF already joined, to catch a TF_CONFIG changed afterwards.
     Internal("tensorflow.python.eager.context:context_safe", "multi_worker_strategy",
              "tensorflow#60706 check; without it a late TF_CONFIG change is not caught",
              has_attrs("tensorflow.python.eager.context", "context_safe"), fallback=True),
+    Internal(f"{_CONTEXT}:Context.__init__ (_server_def, _collective_ops_server_def)", "multi_worker_strategy",
+             "the cluster TensorFlow joined, for the same check", looks_up(
+                 (f"{_CONTEXT}:Context.__init__", f"{_CONTEXT}:Context.enable_collective_ops"),
+                 "_server_def", "_collective_ops_server_def"),
+             fallback=True, attrs=("_server_def", "_collective_ops_server_def")),
     # callbacks/system_metrics.py: MLflow's monitors, sampled at training steps.
     Internal(f"{_SYSTEM}: CPUMonitor, DiskMonitor, NetworkMonitor", "system_metrics",
              "MLflow samples system metrics on its own clock only; keras-sync logs them at training steps",
              _monitors),
+    # _deliver.py: the latest step of each metric of a run, in one call.
+    Internal("mlflow.entities:RunData.__init__ (run.data._metric_objs)", "spool_delivery",
+             "RunData keeps the latest point of each metric with its step only there",
+             looks_up("mlflow.entities:RunData.__init__", "_metric_objs"), fallback=True, attrs=("_metric_objs",)),
 )
 
 

@@ -17,7 +17,6 @@ from keras_sync import __version__
 
 # (label, distributions that provide it): the first one installed wins.
 _PACKAGES = (
-    ("TensorFlow", ("tensorflow-cpu", "tensorflow", "tensorflow-gpu", "tf-nightly")),
     ("Keras", ("keras",)),
     ("MLflow", ("mlflow", "mlflow-skinny")),
     ("NumPy", ("numpy",)),
@@ -92,7 +91,13 @@ def collect(*, devices: bool = True, environ: Mapping[str, str] | None = None) -
         "Platform": platform.platform(),
         "CPU cores": str(os.cpu_count()),
     }
+    from keras_sync import stack
+
+    # Every distribution of the `tensorflow` package, not the first found: two overwrite each other.
+    report["TensorFlow"] = stack.describe_tensorflow()
     report.update({label: _version(dists) for label, dists in _PACKAGES})
+    backend, source = stack.keras_backend(env)
+    report["Keras backend"] = backend if source == "default" else f"{backend} (from {source})"
     report["GPUs (driver)"] = str(count_gpus_cheaply())
     report["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "unset")
     if devices:

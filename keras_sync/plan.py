@@ -153,6 +153,7 @@ def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Pl
     else:
         items.append(PlanItem("learning_rate.warmup_steps", lr.warmup_steps, src("learning_rate.warmup_steps"),
                               "" if lr.warmup_steps else "no warmup"))
+    items += _stack_items(env)
     m = config.mlflow
     items.append(PlanItem("mlflow.enabled", m.enabled, src("mlflow.enabled")))
     if m.enabled:
@@ -166,6 +167,22 @@ def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Pl
                               "runs with this job id share one MLflow run" if m.job_id else
                               "a new run; a relaunch that restores a backup continues its run"))
     return Plan(config.source, items)
+
+
+def _stack_items(env: Mapping[str, str]) -> list[PlanItem]:
+    """The Keras backend and the TensorFlow distributions installed (keras-sync needs tensorflow and one)."""
+    from keras_sync import stack
+
+    backend, source = stack.keras_backend(env)
+    note = f"from {source}" if source != "default" else "Keras's default"
+    if backend != "tensorflow":
+        note += "; keras-sync needs tensorflow: keras_sync.load() refuses this"
+    dists = stack.tensorflow_distributions()
+    return [
+        PlanItem("keras.backend", backend, "env" if source == "$KERAS_BACKEND" else "detected", note),
+        PlanItem("tensorflow", stack.describe_tensorflow(dists), "detected",
+                 "the one distribution of the tensorflow package" if len(dists) == 1 else ""),
+    ]
 
 
 def _input_items(config: Config, global_batch: int, replicas: int, workers: int) -> list[PlanItem]:

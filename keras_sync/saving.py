@@ -12,7 +12,11 @@ This module applies that recipe to the user's own calls:
   (same file name, so Keras' checks on the extension hold) and deletes it at once. The chief
   and every single-worker strategy write the given path unchanged.
 * `guard_callbacks` makes Keras' own `BackupAndRestore` write its backup on the chief only;
-  all workers still read it when a job resumes. `ModelCheckpoint` needs nothing more: it saves
+  all workers still read it when a job resumes. Keras' `TensorBoard` and `CSVLogger` (and their
+  subclasses) write the user's ``log_dir``/``filename`` on the chief only: on the other workers
+  they write into a fresh temporary directory, deleted when their `fit` ends (without it every
+  worker wrote its own event files into ``tb/train``, so TensorBoard showed every point once per
+  worker, and both workers opened ``log.csv`` for writing). `ModelCheckpoint` needs nothing more: it saves
   through ``model.save``/``save_weights`` (its decision, e.g. ``save_best_only``, is the same on
   every worker because the logs it reads are all-reduced).
 * `save` is the explicit form (``sync.save(model, path)``).
@@ -28,6 +32,7 @@ import contextlib
 import functools
 import os
 import shutil
+import sys
 import tempfile
 from typing import Any, Callable, Iterator
 
@@ -57,6 +62,70 @@ def write_target(filepath: Any, strategy: Any) -> Iterator[Any]:
         yield os.path.join(tmp, os.path.basename(os.fspath(filepath).rstrip("/")) or "model.keras")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# -- the run-time check behind the table: what a worker that is not the chief really wrote -----
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+_watched: set[str] | None = None  # the paths opened for writing during the watched fit, or None
+_hooked = False
+
+
+_NOT_FILES = ("/dev/", "/proc/", "/sys/")
+#: What `tempfile` names by default (``/tmp/tmpab12cd34``): libraries' scratch files, one per worker.
+_TEMPFILES = os.path.join(os.path.realpath(tempfile.gettempdir()), tempfile.gettempprefix())
+
+
+def _audit(event: str, args: tuple[Any, ...]) -> None:
+    """sys.addaudithook hook: note a Python-level open for writing while a fit is watched."""
+    if event != "open" or _watched is None:
+        return
+    try:
+        path, mode, flags = args
+        if not isinstance(path, (str, bytes, os.PathLike)):
+            return
+        writing = any(c in mode for c in "wax+") if mode else bool((flags or 0) & _WRITE_FLAGS)
+        if not writing:
+            return
+        full = os.path.realpath(os.fsdecode(path))
+        if TEMP_PREFIX in full or full.startswith(_NOT_FILES + (_TEMPFILES,)) or f"{os.sep}__pycache__{os.sep}" in full:
+            return  # this worker's own temporary copies, devices, files named by `tempfile` (libraries'), bytecode
+        _watched.add(full)
+    except Exception:  # an audit hook must never make the user's open fail
+        return
+
+
+@contextlib.contextmanager
+def watch_worker_writes(strategy: Any) -> Iterator[None]:
+    """On a worker that is not the chief, warn (one line) after `fit` if Python code opened a file
+    for writing during it, other than the temporary copies keras-sync points its writes to.
+
+    `guard_callbacks` knows Keras's own file-writing callbacks; a callback it does not know (the
+    user's own, another library's) writes the same path on every worker, and two writers of one
+    file leave a corrupt or interleaved one. This is the check of what really happened. Writes
+    from C++ (TensorFlow's file system, HDF5) are not seen.
+    """
+    global _watched, _hooked
+    if writes_user_paths(strategy) or _watched is not None:
+        yield
+        return
+    if not _hooked:
+        sys.addaudithook(_audit)  # cannot be removed: inert outside a watched fit
+        _hooked = True
+    _watched = set()
+    try:
+        yield
+    finally:
+        seen, _watched = sorted(_watched), None
+        if seen:
+            import warnings
+
+            shown = ", ".join(seen[:3]) + (f" and {len(seen) - 3} more" if len(seen) > 3 else "")
+            warnings.warn(
+                f"keras-sync: this worker is not the chief, yet it opened {shown} for writing during fit. Every "
+                "worker runs your script and its callbacks, so a path that is the same on every worker gets two "
+                "writers. Fix: write it only when sync.is_chief, or give each worker its own path.",
+                RuntimeWarning, stacklevel=3)
 
 
 def _model_strategy(model: Any) -> Any:
@@ -106,13 +175,22 @@ def save(model: Any, filepath: Any, **kwargs: Any) -> None:
         model.save(filepath, **kwargs)
 
 
-def guard_callbacks(strategy: Any, callbacks: list[Any]) -> list[Any]:
-    """Make Keras' `BackupAndRestore` in ``callbacks`` write on the chief only; returns the list.
+#: Keras callbacks that write files, and the attribute holding the user's path: on a worker that
+#: is not the chief it is pointed into a temporary directory before `fit` hands the callback the
+#: model (TensorBoard derives its ``train``/``validation`` directories from ``log_dir`` there).
+#: ModelCheckpoint needs no entry: it saves through the wrapped ``model.save``/``save_weights``.
+USER_PATH_ATTRS = (("TensorBoard", "log_dir"), ("CSVLogger", "filename"))
+_USER_PATH_MARK = "_keras_sync_user_path"
 
-    On the other workers its save goes through ``model.save_weights`` (so to a temporary file,
-    taking part in any collective), its metadata file is not written, and the backup is not
-    deleted at train end (the chief deletes it). Restoring still reads ``backup_dir``, which
-    must be on storage every worker sees.
+
+def guard_callbacks(strategy: Any, callbacks: list[Any]) -> list[Any]:
+    """Make Keras' callbacks in ``callbacks`` write the user's paths on the chief only; returns the list.
+
+    `BackupAndRestore`: on the other workers its save goes through ``model.save_weights`` (so to
+    a temporary file, taking part in any collective), its metadata file is not written, and the
+    backup is not deleted at train end (the chief deletes it). Restoring still reads
+    ``backup_dir``, which must be on storage every worker sees. `TensorBoard`, `CSVLogger`: see
+    `USER_PATH_ATTRS`.
     """
     if writes_user_paths(strategy):
         return callbacks
@@ -121,7 +199,27 @@ def guard_callbacks(strategy: Any, callbacks: list[Any]) -> list[Any]:
     for cb in callbacks:
         if type(cb) is keras.callbacks.BackupAndRestore:  # a subclass may save differently: left alone
             _non_chief_backup(cb)
+        for class_name, attr in USER_PATH_ATTRS:
+            if isinstance(cb, getattr(keras.callbacks, class_name)):
+                _write_elsewhere(cb, attr)
     return callbacks
+
+
+def _write_elsewhere(cb: Any, attr: str) -> None:
+    """Point ``cb.<attr>`` into a fresh temporary directory, deleted after the callback's train end."""
+    user_path = getattr(cb, _USER_PATH_MARK, None) or getattr(cb, attr)  # a callback reused by a second fit
+    setattr(cb, _USER_PATH_MARK, user_path)
+    tmp = tempfile.mkdtemp(prefix=TEMP_PREFIX)
+    setattr(cb, attr, os.path.join(tmp, os.path.basename(os.fspath(user_path).rstrip("/")) or "logs"))
+    train_end = type(cb).on_train_end
+
+    def on_train_end(logs: Any = None) -> None:
+        try:
+            train_end(cb, logs)  # closes the file or the event writers first
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    cb.on_train_end = on_train_end
 
 
 def _non_chief_backup(cb: Any) -> None:

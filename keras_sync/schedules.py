@@ -52,7 +52,16 @@ class GradualWarmup(keras.optimizers.schedules.LearningRateSchedule):
         self.after = after
         self.name = name
 
-    def __call__(self, step: Any) -> Any:
+    def __call__(self, step: Any = None) -> Any:
+        if step is None:
+            # A Keras 2 (tf_keras) optimizer takes a schedule it does not know for a plain callable
+            # and calls it with no step (a TypeError from inside TensorFlow before this).
+            from keras_sync.errors import UsageError
+
+            raise UsageError(
+                "sync.lr_schedule()'s warmup was called without a step, as a Keras 2 optimizer (tf_keras, or tf.keras "
+                "with TF_USE_LEGACY_KERAS=1) does; keras-sync supports Keras 3 only. Fix: build the model and its "
+                "optimizer with `import keras` rather than tf.keras/tf_keras, and unset TF_USE_LEGACY_KERAS.")
         ops = keras.ops
         step = ops.cast(step, "float32")
         warm = ops.convert_to_tensor(float(self.warmup_steps), "float32")
@@ -77,3 +86,43 @@ class GradualWarmup(keras.optimizers.schedules.LearningRateSchedule):
         if config.get("after") is not None:
             config["after"] = keras.optimizers.schedules.deserialize(config["after"])
         return cls(**config)
+
+
+#: Keras callbacks that set ``optimizer.learning_rate`` (which Keras refuses on a schedule).
+LR_SETTING_CALLBACKS = ("ReduceLROnPlateau", "LearningRateScheduler")
+
+
+def schedule_name(optimizer: Any) -> str | None:
+    """The class name of ``optimizer``'s learning-rate schedule, or None when its rate is settable
+    (a float/variable). Read from the public `get_config` (a wrapped optimizer: its inner one)."""
+    opt = getattr(optimizer, "inner_optimizer", optimizer)  # LossScaleOptimizer (mixed_float16)
+    try:
+        rate = opt.get_config().get("learning_rate")
+    except Exception:  # an optimizer that cannot describe itself: Keras decides at run time
+        return None
+    if isinstance(rate, dict):
+        return str(rate.get("class_name") or "LearningRateSchedule")
+    return None
+
+
+def check_lr_callbacks(model: Any, callbacks: Any, method: str = "fit") -> None:
+    """Refuse, before training, a callback that sets the learning rate of an optimizer that has a schedule.
+
+    Keras raises "This optimizer was created with a `LearningRateSchedule` ... not settable" at
+    the first epoch end (ReduceLROnPlateau) or begin (LearningRateScheduler), after an epoch of
+    work; ``sync.lr_schedule()`` gives a schedule whenever a warmup is configured.
+    """
+    from keras_sync.errors import UsageError
+
+    setters = [type(cb).__name__ for cb in callbacks or ()
+               if isinstance(cb, tuple(getattr(keras.callbacks, n) for n in LR_SETTING_CALLBACKS))]
+    name = schedule_name(getattr(model, "optimizer", None)) if setters else None
+    if name is None:
+        return
+    ours = " from sync.lr_schedule(), the learning_rate warmup" if name == GradualWarmup.__name__ else ""
+    raise UsageError(
+        f"callbacks of sync.{method}: {setters[0]} sets the optimizer's learning rate, but the optimizer was given a "
+        f"schedule ({name}{ours}), whose rate Keras cannot set (it would stop with a TypeError after the first "
+        f"epoch). Fix: keep {setters[0]} and give the optimizer a float (sync.learning_rate; remove "
+        "learning_rate.warmup_steps/warmup_epochs), or keep the warmup and give the decay as a schedule after it, "
+        f"sync.lr_schedule(after=keras.optimizers.schedules.ExponentialDecay(...)), without {setters[0]}.")

@@ -44,6 +44,9 @@ def load(
 
     _excepthook.install()  # an uncaught keras-sync error ends the script with one line, not a traceback
     cfg = config if isinstance(config, Config) else load_config(config, overrides=overrides)
+    from keras_sync import stack
+
+    stack.check_backend()  # KERAS_BACKEND=jax/torch: one line here, not a false scope error at fit
     # TensorFlow's C++ start-up INFO lines (CPU features, absl's pre-init banner) hide the user's own
     # output; warnings and errors still show, and a value the user set wins.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
@@ -64,6 +67,7 @@ def load(
     from keras_sync import runtime
 
     runtime.set_dtype_policy(cfg, is_chief=sync.is_chief)  # before the user builds the model
+    stack.check_backend()  # what the imported Keras really uses (a keras.json the rule above misread)
     return sync
 
 
@@ -118,21 +122,24 @@ class Sync:
             steps_per_epoch=steps_per_epoch or self._steps_per_epoch,
         )
 
-    def lr_schedule(self, steps_per_epoch: int | None = None) -> Any:
+    def lr_schedule(self, steps_per_epoch: int | None = None, *, after: Any = None) -> Any:
         """The learning rate to give the optimizer: the scaled peak as a float, or a serializable
         `GradualWarmup` schedule from the base rate to the peak when a warmup is configured.
 
         With ``learning_rate.warmup_epochs`` the number of steps is fixed by `fit` from the data,
-        unless ``steps_per_epoch`` is given here.
+        unless ``steps_per_epoch`` is given here. ``after``: a Keras `LearningRateSchedule` that
+        takes over at the end of the warmup (counting from 0 there), e.g. a decay from the scaled
+        rate; without a warmup it is returned as it is. A schedule's rate cannot be set by
+        `ReduceLROnPlateau`/`LearningRateScheduler` (`sync.fit` refuses that pair in one line).
         """
         lr = self.config.learning_rate
         if not lr.warmup_steps and not lr.warmup_epochs:
-            return self.learning_rate
+            return self.learning_rate if after is None else after
         from keras_sync.schedules import GradualWarmup
 
         steps_known = steps_per_epoch or self._steps_per_epoch
         n = self.warmup_steps(steps_known) if (lr.warmup_steps or steps_known) else 1
-        sched = GradualWarmup(self.base_learning_rate, self.learning_rate, warmup_steps=n)
+        sched = GradualWarmup(self.base_learning_rate, self.learning_rate, warmup_steps=n, after=after)
         if lr.warmup_epochs and not steps_known:
             self._schedules.append(sched)  # fit() sets warmup_steps once it knows the steps per epoch
         return sched
@@ -188,6 +195,8 @@ class Sync:
         """
         from keras_sync import runtime
 
+        self._check_model(model, "fit")  # before anything touches it: a Keras 2 model is refused in one line
+        self._check_callbacks(model, kwargs.get("callbacks"), "fit")
         runtime.prepare_model(self, model)  # steps_per_execution, jit_compile, sync BatchNorm
         per_replica = kwargs.get("batch_size")  # checked by _prepare
         x, y, kwargs = self._prepare(model, "fit", x, y, kwargs)
@@ -201,13 +210,15 @@ class Sync:
         from keras_sync.callbacks._run import run_ends_after_fit, shared_run_for
         from keras_sync.callbacks.backup import resumable_fit
 
-        saving.guard_callbacks(self.strategy, kwargs["callbacks"])  # Keras' BackupAndRestore: the chief writes
+        saving.guard_callbacks(self.strategy, kwargs["callbacks"])  # Keras' BackupAndRestore, TensorBoard, CSVLogger: the chief writes
         from keras_sync._lost_peer import raised_as_peer_lost
 
         # A restored backup resumes mid-epoch, data order included; a lost peer ends in one line.
         # With mlflow.keras.autolog() on, autolog logs into keras-sync's run instead of its own.
+        # A worker that is not the chief and writes a file anyway (a callback the guard does not know) is told.
         with shared_run_for(self), run_ends_after_fit(self), raised_as_peer_lost(self.strategy, self.config.fault_tolerance.backup_dir), \
-                resumable_fit(kwargs["callbacks"]), _quiet_end_of_data(kwargs.get("steps_per_epoch")):
+                resumable_fit(kwargs["callbacks"]), _quiet_end_of_data(kwargs.get("steps_per_epoch")), \
+                saving.watch_worker_writes(self.strategy):
             history = model.fit(x, y, **kwargs)
         from keras_sync.callbacks._run import end_run_after_fit
 
@@ -262,9 +273,14 @@ class Sync:
         from keras_sync import callbacks as ks_callbacks
 
         self._check_model(model, "callbacks")
+        self._check_callbacks(model, callbacks, "callbacks")
         runtime.prepare_model(self, model)
         _keras_compat.check_steps_per_execution(model, self.strategy)
-        return [runtime.setup_callback(self)] + ks_callbacks.default_callbacks(self, model, callbacks)
+        from keras_sync import saving
+
+        # Keras' BackupAndRestore, TensorBoard and CSVLogger: the chief writes the user's paths
+        return saving.guard_callbacks(self.strategy, [runtime.setup_callback(self)] + ks_callbacks.default_callbacks(
+            self, model, callbacks))
 
     # -- the MLflow run ----------------------------------------------------------------------
 
@@ -352,13 +368,36 @@ class Sync:
             raise UsageError(
                 f"sync.{method}(model, ...) expects a Keras model as first argument. Received: {type(model).__name__}."
             )
+        import keras
+
+        if not isinstance(model, keras.Model):
+            cls = type(model)
+            where = f"{cls.__module__}.{cls.__qualname__}"
+            if cls.__module__.split(".")[0] in ("tf_keras", "tensorflow", "keras"):  # keras.engine: Keras 2 alone
+                raise UsageError(
+                    f"sync.{method} got a Keras 2 model ({where}: tf_keras, or tf.keras with TF_USE_LEGACY_KERAS=1), "
+                    f"and keras-sync supports Keras 3 only (keras {keras.__version__} is installed). Fix: build the "
+                    "model with `import keras` rather than tf.keras/tf_keras, and unset TF_USE_LEGACY_KERAS.")
+            raise UsageError(
+                f"sync.{method}(model, ...) expects a Keras 3 model (a keras.Model) as first argument. Received: {where}.")
         if not KINDS[self.kind].scoped:
             return
+        from keras_sync import _internals
+
+        _internals.require("model_strategy")  # a Keras that moved it would make every model look unscoped
         if getattr(model, "_distribute_strategy", None) is not self.strategy:
             raise UsageError(
                 f"The model was built outside sync.scope(), so sync.{method} cannot distribute it over "
                 f"{self.num_replicas} replicas. Fix: create and compile the model inside `with sync.scope():`."
             )
+
+    def _check_callbacks(self, model: Any, callbacks: Any, method: str) -> None:
+        """The user's callbacks that cannot work beside this config, refused before training."""
+        from keras_sync.callbacks.backup import refuse_keras_backup
+        from keras_sync.schedules import check_lr_callbacks
+
+        refuse_keras_backup(self.config.fault_tolerance.backup_dir, callbacks, method)
+        check_lr_callbacks(model, callbacks, method)
 
     def _resolve_pending_warmup(self, x: Any, kwargs: dict[str, Any]) -> None:
         if not self._schedules:

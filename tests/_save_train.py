@@ -2,7 +2,8 @@
 
 Usage: python _save_train.py SAVE_DIR RESULT_DIR
 Runs as one worker of a multi-worker job (TF_CONFIG set by the test) or alone. Trains with
-`ModelCheckpoint(save_best_only=True)` and Keras' `BackupAndRestore` passed to `sync.fit`, then
+`ModelCheckpoint(save_best_only=True)`, Keras' `BackupAndRestore`, `TensorBoard` and `CSVLogger`
+passed to `sync.fit` (with validation data, so TensorBoard writes `validation` too), then
 calls `model.save`, `model.save_weights` and `sync.save`, all into SAVE_DIR, on every worker.
 An audit hook records every Python-level open for writing under SAVE_DIR. Writes
 RESULT_DIR/w<task>.json: chief or not, the epoch losses, the model's predictions on a fixed
@@ -69,12 +70,30 @@ def main() -> int:
         def on_epoch_end(self, epoch, logs=None):  # the weights ModelCheckpoint may have just saved
             per_epoch.append(self.model(probe).numpy().tolist())
 
+    class Scribble(keras.callbacks.Callback):  # a user's callback keras-sync does not know: every worker writes
+        def on_train_end(self, logs=None):
+            with open(os.path.join(result_dir, "scribble.txt"), "w") as fh:
+                fh.write("done")
+
+    tensorboard = keras.callbacks.TensorBoard(os.path.join(save_dir, "tb"))
+    csv_logger = keras.callbacks.CSVLogger(os.path.join(save_dir, "log.csv"))
     callbacks = [
         Record(),
         keras.callbacks.ModelCheckpoint(os.path.join(save_dir, "best.keras"), monitor="loss", save_best_only=True),
         keras.callbacks.BackupAndRestore(os.path.join(save_dir, "keras_backup")),
+        tensorboard,
+        csv_logger,
+        Scribble(),
     ]
-    history = sync.fit(model, x, y, epochs=EPOCHS, verbose=0, callbacks=callbacks)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = sync.fit(model, x, y, epochs=EPOCHS, verbose=0, callbacks=callbacks,
+                           validation_data=(x[:64], y[:64]))
+    said = [str(w.message) for w in caught if "opened" in str(w.message)]
+    # Where this worker's TensorBoard and CSVLogger wrote (the user's path on the chief only).
+    wrote = {"tb": tensorboard.log_dir, "csv": csv_logger.filename}
     model.save(os.path.join(save_dir, "final.keras"))
     model.save_weights(os.path.join(save_dir, "final.weights.h5"))
     sync.save(model, os.path.join(save_dir, "explicit.keras"))
@@ -89,6 +108,9 @@ def main() -> int:
             "per_epoch": per_epoch,
             "final": model(probe).numpy().tolist(),
             "python_opens": opens,
+            "callback_paths": wrote,
+            "write_warnings": said,
+            "callback_paths_left": {k: os.path.exists(v) for k, v in wrote.items()},
         }, f)
     return 0
 

@@ -1,5 +1,7 @@
 """Saving from every worker (`keras_sync.saving`): a plain script's `model.save`, `save_weights`,
-`ModelCheckpoint(save_best_only=True)`, Keras' `BackupAndRestore` and `sync.save`.
+`ModelCheckpoint(save_best_only=True)`, Keras' `BackupAndRestore`, `TensorBoard`, `CSVLogger` and
+`sync.save`. (`TensorBoard` needs the `tensorboard` package, which tensorflow-cpu 2.21 does not
+bring: the `test` extra installs it.)
 
 Two real workers on 127.0.0.1 run tests/_save_train.py, each under strace when it is installed
 (it sees opens made by C code too, such as HDF5's) and with a Python audit hook on `open`: the
@@ -21,6 +23,7 @@ import numpy as np
 import pytest
 
 from _ports import free_ports
+
 from keras_sync import saving
 from keras_sync.errors import UsageError
 
@@ -28,6 +31,8 @@ HERE = Path(__file__).parent
 TRAIN = HERE / "_save_train.py"
 CHECK = HERE / "_save_check.py"
 USER_FILES = ("best.keras", "final.keras", "final.weights.h5", "explicit.keras")
+USER_LOGS = ("log.csv", "tb")  # CSVLogger, TensorBoard (tb/train, tb/validation)
+EPOCHS = 4  # as in _save_train.py
 STRACE = shutil.which("strace")
 _OPEN_FOR_WRITE = re.compile(r'(?:open|openat|openat2|creat)\((?:[^,]*, )?"([^"]+)", ([^)]*)\)')
 
@@ -122,7 +127,35 @@ def test_non_chief_never_opens_the_users_paths_for_writing(two_workers: dict) ->
         assert set(USER_FILES) <= traced, traced
         assert "keras_backup/latest.weights.h5" in traced, traced  # Keras' BackupAndRestore, chief only
     left = sorted(p.name for p in two_workers["save_dir"].iterdir())
-    assert left == sorted(USER_FILES), left  # the backup was deleted at train end, no temporary file left
+    assert left == sorted(USER_FILES + USER_LOGS), left  # the backup was deleted at train end, no temporary file left
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_tensorboard_and_csv_logger_write_the_users_paths_on_the_chief_only(two_workers: dict) -> None:
+    # Before: every worker wrote its own event files into tb/train and tb/validation (each point
+    # shown twice) and both opened log.csv for writing.
+    w0, w1, save_dir = two_workers["w0"], two_workers["w1"], two_workers["save_dir"]
+    assert w0["callback_paths"] == {"tb": str(save_dir / "tb"), "csv": str(save_dir / "log.csv")}
+    for path in w1["callback_paths"].values():  # a temporary place, deleted when fit ended
+        assert not path.startswith(str(save_dir)) and saving.TEMP_PREFIX in path, path
+    assert w1["callback_paths_left"] == {"tb": False, "csv": False}
+    assert str(save_dir / "log.csv") in w0["python_opens"]  # the control: the hook sees the chief's writes
+    events = {d: sorted(p.name for p in (save_dir / "tb" / d).iterdir()) for d in ("train", "validation")}
+    assert all(len(files) == 1 and files[0].startswith("events.out.tfevents.") for files in events.values()), events
+    rows = (save_dir / "log.csv").read_text().splitlines()
+    assert rows[0].split(",")[0] == "epoch" and len(rows) == 1 + EPOCHS, rows
+    # The run-time check: a callback keras-sync does not know (it writes results/scribble.txt on every
+    # worker) is named on the other worker, and nothing else there is (the known ones wrote to temp).
+    assert w0["write_warnings"] == [], w0["write_warnings"]
+    assert len(w1["write_warnings"]) == 1 and w1["write_warnings"][0].startswith(
+        "keras-sync: this worker is not the chief, yet it opened "), w1["write_warnings"]
+    assert "scribble.txt for writing during fit" in w1["write_warnings"][0]
+    if STRACE:  # C++ writes too (TensorBoard's event files): the other worker opened none under the user's dir
+        assert _traced_writes(two_workers["root"] / "w1.strace", save_dir) == []
+        traced = {os.path.relpath(p, save_dir).split(os.sep)[0] for p in _traced_writes(two_workers["root"] / "w0.strace",
+                                                                                         save_dir)}
+        assert set(USER_LOGS) <= traced, traced
 
 
 @pytest.mark.slow
@@ -143,7 +176,7 @@ def test_saved_files_load_and_predict_like_the_trained_model(two_workers: dict) 
 def test_one_worker_writes_the_same_files(one_worker: dict, two_workers: dict) -> None:
     w0 = one_worker["w0"]
     assert w0["is_chief"] and w0["num_workers"] == 1
-    assert sorted(p.name for p in one_worker["save_dir"].iterdir()) == sorted(USER_FILES)
+    assert sorted(p.name for p in one_worker["save_dir"].iterdir()) == sorted(USER_FILES + USER_LOGS)
     for name in USER_FILES:
         assert not isinstance(one_worker["loaded"][name], str), one_worker["loaded"][name]
     # Same global batch and rate: one worker trains the model two workers do.
