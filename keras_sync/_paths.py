@@ -14,7 +14,7 @@ from typing import Any
 from keras_sync.errors import UsageError
 
 
-def check_writable(path: str | os.PathLike[str], key: str) -> None:
+def check_writable(path: str | os.PathLike[str], key: str, value: str | None = None) -> None:
     """Create ``path`` if needed and write a file in it; `UsageError` (one line) when this process cannot.
 
     Root ignores permissions, so the test of a read-only directory runs as another user.
@@ -29,9 +29,11 @@ def check_writable(path: str | os.PathLike[str], key: str) -> None:
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        what = "write" if existing == os.path.abspath(path) else f"create it in {existing}"
+        it = "it" if value is None else f"its folder {path}"
+        what = f"write {it}" if existing == os.path.abspath(path) else f"create {it} in {existing}"
+        shown = path if value is None else value
         raise UsageError(
-            f"{key}={path!r}: this process cannot {what} ({e.strerror}). Fix: choose a directory it can write, "
+            f"{key}={shown!r}: this process cannot {what} ({e.strerror}). Fix: choose a directory it can write, "
             "or give it write permission there; nothing was trained.") from None
 
 
@@ -48,4 +50,4 @@ def check_config_paths(config: Any, *, is_chief: bool) -> None:
     if uri.startswith("sqlite:///"):
         db = uri[len("sqlite:///"):].split("?", 1)[0]
         if db and db != ":memory:":
-            check_writable(os.path.dirname(os.path.abspath(db)), "mlflow.tracking_uri")
+            check_writable(os.path.dirname(os.path.abspath(db)), "mlflow.tracking_uri", uri)

@@ -241,27 +241,34 @@ def test_a_second_job_in_a_live_jobs_backup_dir_is_refused_before_training(tmp_p
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_backup_dir_the_process_cannot_write_is_refused_at_load(tmp_path: Path) -> None:
+def test_a_backup_dir_or_local_store_the_process_cannot_write_is_refused_at_load(tmp_path: Path) -> None:
     """Run without the permission override root has (CAP_DAC_OVERRIDE): the directory's modes apply."""
     ro = Path(tempfile.mkdtemp(prefix="ks_ro_"))
     try:
         (ro / "locked").mkdir()
         os.chmod(ro / "locked", 0o555)
-        code = ("import sys, keras_sync\n"
-                "keras_sync.load({'strategy': {'kind': 'default'}, 'mlflow': {'enabled': False}, "
-                "'fault_tolerance': {'backup_dir': sys.argv[1]}})\nprint('trained')")
+        code = ("import json, sys, keras_sync\n"
+                "keras_sync.load(json.loads(sys.argv[1]))\nprint('trained')")
+        store = f"sqlite:///{ro / 'locked' / 'mlflow.db'}"
+        configs = [{"mlflow": {"enabled": False}, "fault_tolerance": {"backup_dir": str(ro / "locked")}},
+                   {"mlflow": {"enabled": False}, "fault_tolerance": {"backup_dir": str(ro / "locked" / "bk")}},
+                   {"mlflow": {"tracking_uri": store, "spool_dir": str(tmp_path / "spool")}}]
         shown = []
-        for backup_dir in (ro / "locked", ro / "locked" / "bk"):
+        for cfg in configs:
+            cfg["strategy"] = {"kind": "default"}
             r = subprocess.run(["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner", sys.executable,
-                                "-c", code, str(backup_dir)], env=_env(), capture_output=True, text=True, timeout=240)
+                                "-c", code, json.dumps(cfg)], env=_env(), capture_output=True, text=True, timeout=240)
             assert r.returncode == 2 and "trained" not in r.stdout, r.stderr[-3000:]
             shown += _keras_sync_lines(r.stderr)
         assert shown == [
-            f"keras-sync: fault_tolerance.backup_dir={str(ro / 'locked')!r}: this process cannot write (Permission "
+            f"keras-sync: fault_tolerance.backup_dir={str(ro / 'locked')!r}: this process cannot write it (Permission "
             "denied). Fix: choose a directory it can write, or give it write permission there; nothing was trained.",
             f"keras-sync: fault_tolerance.backup_dir={str(ro / 'locked' / 'bk')!r}: this process cannot create it in "
             f"{ro / 'locked'} (Permission denied). Fix: choose a directory it can write, or give it write permission "
-            "there; nothing was trained."]
+            "there; nothing was trained.",
+            f"keras-sync: mlflow.tracking_uri={store!r}: this process cannot write its folder {ro / 'locked'} "
+            "(Permission denied). Fix: choose a directory it can write, or give it write permission there; nothing "
+            "was trained."]
     finally:
         os.chmod(ro / "locked", 0o755)
         subprocess.run(["rm", "-rf", str(ro)], check=False)

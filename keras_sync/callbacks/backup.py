@@ -48,7 +48,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         backup_dir: directory for the checkpoints; not shared with anything else.
         save_freq: ``"epoch"``, or an integer: save every that many batches.
         delete_checkpoint: delete the backup when training finishes. Defaults to True.
-        max_to_keep: checkpoints kept (the newest ones). Defaults to 2.
+        max_to_keep: checkpoints kept (the newest ones), at least 2: a damaged newest one is skipped
+            on restore for the one before (each checkpoint's manifest, written last, tells complete
+            from partial; see `keras_sync._backup_files`). Defaults to 2.
         grace_period_s: a SIGTERM during `fit` saves a backup at the current step on every
             worker, then exits with code 143 (`keras_sync.preemption`); if that cannot happen
             within this many seconds, the process exits without it. None: SIGTERM is left alone.
@@ -286,7 +288,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._position.assign([self._epoch, self._step])
         if not self._is_chief:
             os.makedirs(self._dir, exist_ok=True)
-        prefix = self._manager.save(checkpoint_number=int(self.model.optimizer.iterations.numpy()))
+        number = int(self.model.optimizer.iterations.numpy())
+        if self._is_chief:  # a checkpoint of this number from before a fall-back: its manifest no longer holds
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self._dir, f"ckpt-{number}{_backup_files.MANIFEST_SUFFIX}"))
+        prefix = self._manager.save(checkpoint_number=number)
         if not self._is_chief:
             shutil.rmtree(self._dir, ignore_errors=True)
             return
