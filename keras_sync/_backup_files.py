@@ -68,8 +68,9 @@ def write_manifest(prefix: str, record: dict[str, Any] | None = None) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    for name in os.listdir(folder):
-        if name.endswith(MANIFEST_SUFFIX) and not os.path.exists(os.path.join(folder, name[:-len(MANIFEST_SUFFIX)] + ".index")):
+    for name in os.listdir(folder):  # manifests of checkpoints the manager deleted (max_to_keep)
+        stem = name[:-len(MANIFEST_SUFFIX)]
+        if name.endswith(MANIFEST_SUFFIX) and not os.path.exists(os.path.join(folder, stem + ".index")):
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(folder, name))
 

@@ -15,7 +15,8 @@ from keras_sync.errors import UsageError
 
 
 def check_writable(path: str | os.PathLike[str], key: str, value: str | None = None) -> None:
-    """Create ``path`` if needed and write a file in it; `UsageError` (one line) when this process cannot.
+    """Write a file in ``path`` (or, before it exists, a folder where it will be created) and remove it;
+    `UsageError` (one line) when this process cannot.
 
     Root ignores permissions, so the test of a read-only directory runs as another user.
     """
@@ -24,10 +25,16 @@ def check_writable(path: str | os.PathLike[str], key: str, value: str | None = N
     while not os.path.exists(existing) and os.path.dirname(existing) != existing:
         existing = os.path.dirname(existing)
     try:
-        os.makedirs(path, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".keras_sync_write_check_", dir=path)
-        os.close(fd)
-        os.unlink(probe)
+        if existing == os.path.abspath(path):
+            if not os.path.isdir(path):
+                raise NotADirectoryError(20, "Not a directory", path)
+            fd, probe = tempfile.mkstemp(prefix=".keras_sync_write_check_", dir=path)
+            os.close(fd)
+            os.unlink(probe)
+        else:  # created when first written; nothing is left behind by the check
+            if not os.path.isdir(existing):
+                raise NotADirectoryError(20, "Not a directory", existing)
+            os.rmdir(tempfile.mkdtemp(prefix=".keras_sync_write_check_", dir=existing))
     except OSError as e:
         it = "it" if value is None else f"its folder {path}"
         what = f"write {it}" if existing == os.path.abspath(path) else f"create {it} in {existing}"
