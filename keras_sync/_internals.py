@@ -237,6 +237,7 @@ _KERAS_20585 = "keras-team/keras#20585 (Keras 3 fit under MultiWorkerMirroredStr
 MAKE_FUNCTION = f"{_TRAINER}:TensorFlowTrainer._make_function"
 END_OF_DATA = f"{MAKE_FUNCTION}.<locals>.function"
 BARRIER = f"{_CONTEXT}:coordination_config_pb2.CoordinationServiceConfig.cluster_register_with_barrier"
+GLOBAL_SEED = f"{_CONTEXT}:global_seed"
 
 REGISTRY: tuple[Internal, ...] = (
     # _keras_compat.py: the two failures of keras-team/keras#20585, patched for multi-worker only.
@@ -345,6 +346,11 @@ REGISTRY: tuple[Internal, ...] = (
              looks_up("tensorflow.python.data.ops.batch_op:_BatchDataset.__init__", "_batch_size", "_drop_remainder",
                       "_input_dataset"), fallback=True,
              attrs=("_batch_size", "_drop_remainder", "_input_dataset", "_inputs")),
+    # pipeline.py: with a backup, a seeded script's arrays keep Keras's own shuffle (same weights as without).
+    Internal(GLOBAL_SEED, "exact_resume",
+             "no public API tells whether tf.random.set_seed was called; without it arrays with a backup get "
+             "keras-sync's own seeded shuffle, whose order differs from a run without backup",
+             has_attrs(_CONTEXT, "global_seed"), fallback=True),
     # cluster.py: the cluster TF already joined, to catch a TF_CONFIG changed afterwards.
     Internal("tensorflow.python.eager.context:context_safe", "multi_worker_strategy",
              "tensorflow#60706 check; without it a late TF_CONFIG change is not caught",

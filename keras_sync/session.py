@@ -62,6 +62,9 @@ def load(
         # fit/evaluate/predict: a worker that calls one alone fails with one line; workers leave together
         _collective_calls.install(strategy, cfg.strategy.connect_timeout_s)
     sync = Sync(cfg, strategy, detection)
+    from keras_sync import _paths
+
+    _paths.check_config_paths(cfg, is_chief=sync.is_chief)  # now, not at the first save or metric
     if sync.is_chief:
         print(f"keras-sync: config: {cfg.origin()}", file=sys.stderr)
     from keras_sync import runtime

@@ -25,8 +25,10 @@ def default_callbacks(sync: Any, model: Any, user_callbacks: Any, *, per_replica
     # (so a kill loses no step it will not train again), whatever the list's order.
     shared = SharedState()
     context = sync.context(per_replica_batch_size=per_replica_batch_size)
+    # The backup first: a directory owned by another job, or only damaged backups, stop fit before a run is opened.
+    backups = backup_callbacks(sync, shared=shared)
     ours = mlflow_callbacks(sync, context=context, shared=shared) if sync.config.mlflow.enabled else []
-    return ours + backup_callbacks(sync, shared=shared) + list(user_callbacks or [])
+    return ours + backups + list(user_callbacks or [])
 
 
 def mlflow_callbacks(sync: Any, *, context: RunContext | None = None, shared: SharedState | None = None) -> list[Any]:

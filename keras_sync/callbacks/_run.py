@@ -87,28 +87,50 @@ def announce(writer: Any, sync: Any) -> None:
 
 
 def restored_run(backup_dir: str | None) -> dict[str, Any] | None:
-    """The run recorded with the backup in ``backup_dir``, if a relaunch will restore one; else None."""
+    """The run recorded with the backup in ``backup_dir``, if a relaunch will restore one; else None.
+
+    The manifest of the checkpoint to restore names its run (written with it); ``keras_sync_run.json``
+    is the older record, read when the manifest has none. A damaged one is said in one line.
+    """
     if not backup_dir:
         return None
-    import tensorflow as tf  # the backup's own test of "a checkpoint to restore exists"
+    from keras_sync import _backup_files
 
-    if tf.train.latest_checkpoint(backup_dir) is None:
+    latest = _backup_files.chosen(backup_dir).latest
+    if latest is None:
         return None
+    from_backup = _backup_files.manifest_run(latest)
+    path = Path(backup_dir) / RUN_RECORD
+    record: Any = None
     try:
-        record = json.loads((Path(backup_dir) / RUN_RECORD).read_text())
-    except (OSError, ValueError):
-        return None  # a backup from before runs were recorded: a new run
-    return record if isinstance(record, dict) and isinstance(record.get("job_id"), str) else None
+        record = json.loads(path.read_text())
+        damaged = None if isinstance(record, dict) and isinstance(record.get("job_id"), str) else "not a run record"
+    except FileNotFoundError:
+        damaged = None  # a backup from before runs were recorded, or without MLflow
+    except (OSError, ValueError) as e:
+        damaged = type(e).__name__
+    if damaged is not None:
+        record = None
+        found = (f"the run {from_backup.get('run_id') or 'of job ' + from_backup['job_id']} named by the backup "
+                 f"{os.path.basename(latest)} is continued") if from_backup else "a new run is started"
+        print(f"keras-sync: the run record {path} is damaged ({damaged}); {found}", file=sys.stderr, flush=True)
+    return from_backup or record
+
+
+def run_record(writer: Any) -> dict[str, Any]:
+    """What names the run of ``writer``: job id (and whether the user gave it), run id, experiment, store."""
+    return {"job_id": writer.job_id, "explicit": writer.job_id_explicit, "run_id": writer.run_id,
+            "experiment": writer.experiment, "tracking_uri": writer.shown_uri}
 
 
 def record_run(writer: Any, backup_dir: str) -> None:
     """Write the job id and run id of ``writer`` into ``backup_dir``, next to the backup.
 
     `keras_sync.callbacks.backup` calls it before every save (chief only); a relaunch that
-    restores that backup continues the run it names (`restored_run`).
+    restores that backup continues the run it names (`restored_run`). Each checkpoint's manifest
+    holds the same record, so a damaged file still leads to the run.
     """
-    record = {"job_id": writer.job_id, "explicit": writer.job_id_explicit, "run_id": writer.run_id,
-              "experiment": writer.experiment, "tracking_uri": writer.shown_uri}
+    record = run_record(writer)
     path = Path(backup_dir) / RUN_RECORD
     if _recorded.get(writer) == (str(path), record) and path.exists():
         return

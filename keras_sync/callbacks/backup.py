@@ -19,6 +19,7 @@ from typing import Any, Iterator
 
 import keras
 
+from keras_sync import _backup_files
 from keras_sync.resume import ResumePoint, SaveSchedule, batches_to_skip, write_dir
 from keras_sync.strategy import in_multi_worker_mode
 
@@ -47,7 +48,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         backup_dir: directory for the checkpoints; not shared with anything else.
         save_freq: ``"epoch"``, or an integer: save every that many batches.
         delete_checkpoint: delete the backup when training finishes. Defaults to True.
-        max_to_keep: checkpoints kept (the newest ones). Defaults to 2.
+        max_to_keep: checkpoints kept (the newest ones), at least 2: a damaged newest one is skipped
+            on restore for the one before (each checkpoint's manifest, written last, tells complete
+            from partial; see `keras_sync._backup_files`). Defaults to 2.
         grace_period_s: a SIGTERM during `fit` saves a backup at the current step on every
             worker, then exits with code 143 (`keras_sync.preemption`); if that cannot happen
             within this many seconds, the process exits without it. None: SIGTERM is left alone.
@@ -98,6 +101,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.delete_checkpoint = delete_checkpoint
         self.max_to_keep = max_to_keep
         self.restored: ResumePoint | None = None
+        #: The checkpoints a restore may use (`keras_sync._backup_files.choose`), when chosen before fit.
+        self.choice: Any = None
+        #: The `BackupLock` `Sync.fit` holds on ``backup_dir`` for this fit (released at its end).
+        self.lock: Any = None
         self.epoch_iterator: Any = None  # set by `resumable_fit` to fit's training iterator
         self._epoch = 0
         self._step = 0
@@ -119,16 +126,18 @@ class BackupAndRestore(keras.callbacks.Callback):
                                          metrics=list(model.metrics_variables), random=random_states(model))
         self._is_chief, task_id = _chief_and_task(model.distribute_strategy)
         self._dir = write_dir(self.backup_dir, is_chief=self._is_chief, task_id=task_id)
-        self._manager = tf.train.CheckpointManager(self._ckpt, self._dir, max_to_keep=self.max_to_keep)
+        choice, self.choice = self.choice or _backup_files.choose(self.backup_dir), None
+        if self._is_chief:
+            _drop_damaged_state_file(self.backup_dir)
+        self._manager = tf.train.CheckpointManager(self._ckpt, self._dir, max_to_keep=max(self.max_to_keep, 2))
         self.restored = None
         self._resume_line: str | None = None
         self._epoch = self._step = 0
         if self._preemption is not None:
             self._preemption.begin(model.distribute_strategy)
-        latest = tf.train.latest_checkpoint(self.backup_dir)
+        latest = self._restore(choice)
         if latest is None:
             return
-        self._ckpt.restore(latest).assert_existing_objects_matched()
         epoch, step = (int(v) for v in self._position.numpy())
         iterations = int(model.optimizer.iterations.numpy()) if model.optimizer is not None else 0
         point = ResumePoint(epoch=epoch, step=step, iterations=iterations)
@@ -156,6 +165,26 @@ class BackupAndRestore(keras.callbacks.Callback):
         # restored step is seen to hold (a relaunch should say that it continued, once per job).
         self._resume_line = (f"keras-sync: resumed from the backup in {self.backup_dir}: epoch {epoch + 1}, after "
                              f"batch {step} (optimizer step {iterations})")
+
+    def _restore(self, choice: Any) -> str | None:
+        """Restore the newest complete checkpoint that TensorFlow reads back; the path, or None if none."""
+        import tensorflow as tf
+
+        skipped = list(choice.skipped)
+        for prefix in choice.usable:
+            try:
+                self._ckpt.restore(prefix).assert_existing_objects_matched()
+            except (tf.errors.OpError, ValueError, AssertionError) as e:  # the manifest matched, the content did not
+                skipped.append((prefix, f"TensorFlow cannot read it back: {type(e).__name__}"))
+                continue
+            if self._is_chief:
+                _backup_files.say_skipped(_backup_files.Choice([prefix], skipped))
+            return prefix
+        if any(not why.startswith("incomplete") for _, why in skipped):
+            raise _backup_files.no_usable_backup(self.backup_dir, skipped)
+        if skipped and self._is_chief:
+            _backup_files.say_skipped(_backup_files.Choice([], skipped))
+        return None
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         if self.restored is not None and getattr(self, "_resume_line", None):
@@ -281,9 +310,44 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._position.assign([self._epoch, self._step])
         if not self._is_chief:
             os.makedirs(self._dir, exist_ok=True)
-        self._manager.save(checkpoint_number=int(self.model.optimizer.iterations.numpy()))
+        number = int(self.model.optimizer.iterations.numpy())
+        if self._is_chief:  # a checkpoint of this number from before a fall-back: its manifest no longer holds
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self._dir, f"ckpt-{number}{_backup_files.MANIFEST_SUFFIX}"))
+        prefix = self._manager.save(checkpoint_number=number)
         if not self._is_chief:
             shutil.rmtree(self._dir, ignore_errors=True)
+            return
+        from keras_sync.callbacks._run import run_record
+
+        # Last, atomically: a checkpoint without its manifest is a save that was cut off.
+        _backup_files.write_manifest(prefix, run_record(self.writer) if self.writer is not None else None)
+
+    def release(self) -> None:
+        """Give the backup directory back (the lock `Sync.fit` took for this fit)."""
+        lock, self.lock = self.lock, None
+        if lock is not None:
+            lock.release()
+        _backup_files.remember(self.backup_dir, None)
+
+
+def _drop_damaged_state_file(backup_dir: str) -> None:
+    """TensorFlow's ``checkpoint`` state file, if unreadable, is removed: the checkpoints are found by their
+    own files, and `tf.train.CheckpointManager` would refuse the directory ("Invalid checkpoint state")."""
+    import tensorflow as tf
+
+    path = os.path.join(backup_dir, "checkpoint")
+    if not os.path.exists(path):
+        return
+    try:
+        tf.train.get_checkpoint_state(backup_dir)
+        return
+    except (tf.errors.OpError, ValueError) as e:
+        why = type(e).__name__
+    print(f"keras-sync: the checkpoint state file {path} is damaged ({why}); removed, the backups are found by "
+          "their own files", file=sys.stderr, flush=True)
+    with contextlib.suppress(OSError):
+        os.unlink(path)
 
 
 def _chief_and_task(strategy: Any) -> tuple[bool, int | None]:
@@ -377,6 +441,7 @@ def resumable_fit(callbacks: list[Any]) -> Iterator[None]:
         with _epoch_iterator_swapped(backup):
             yield
     finally:
+        backup.release()
         if backup._preemption is not None:  # a fit that raised: SIGTERM gets its previous meaning back
             backup._preemption.end(clean=False)
 
@@ -429,6 +494,10 @@ def backup_callbacks(sync: Any, *, shared: Any = None) -> list[Any]:
     ft = sync.config.fault_tolerance
     if not ft.backup_dir:
         return []
+    # Before any MLflow run is opened: the directory's owner, and the checkpoint a resume would use.
+    choice = _backup_files.choose(ft.backup_dir)
+    lock = _claim(sync, ft.backup_dir)
+    _backup_files.remember(ft.backup_dir, choice)
     writer = None
     if sync.config.mlflow.enabled:
         from keras_sync.callbacks._run import record_run, writer_for
@@ -436,6 +505,30 @@ def backup_callbacks(sync: Any, *, shared: Any = None) -> list[Any]:
         writer = writer_for(sync)
     backup = BackupAndRestore(ft.backup_dir, ft.save_freq, grace_period_s=ft.grace_period_s, writer=writer,
                               shared=shared)
+    backup.choice, backup.lock = choice, lock
     if writer is not None:  # the run goes with every backup: a relaunch that restores it continues that run
         backup.before_save.append(lambda: record_run(writer, ft.backup_dir))
     return [backup]
+
+
+def _claim(sync: Any, backup_dir: str) -> Any:
+    """The chief locks ``backup_dir`` for this fit; every other worker checks that its own job holds it.
+
+    A live lock of another job ends this one before training, in one line naming that job.
+    """
+    import json
+    import socket
+
+    resolver = getattr(sync.strategy, "cluster_resolver", None)
+    cluster = None
+    if resolver is not None and sync.num_workers > 1:
+        cluster = json.dumps(resolver.cluster_spec().as_dict(), sort_keys=True)
+    me = _backup_files.Holder(sync.config.mlflow.job_id, socket.gethostname(), os.getpid(), cluster)
+    if not sync.is_chief:
+        other = _backup_files.live_other(_backup_files.read_lock(backup_dir), me, chief=False)
+        if other is not None:
+            raise _backup_files.refused(backup_dir, other)
+        return None
+    lock = _backup_files.BackupLock(backup_dir, me)
+    lock.acquire()
+    return lock

@@ -1,0 +1,60 @@
+"""Directories keras-sync writes, checked before training: one line naming the key, not a traceback at step 50.
+
+`check_writable` is the one check: `keras_sync.load()` runs it for ``fault_tolerance.backup_dir``
+(every worker writes there), and on the chief for ``mlflow.spool_dir`` and the directory of a
+local sqlite store (``sqlite:///...``). No TensorFlow, Keras or MLflow here.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+from keras_sync.errors import UsageError
+
+
+def check_writable(path: str | os.PathLike[str], key: str, value: str | None = None) -> None:
+    """Write a file in ``path`` (or, before it exists, a folder where it will be created) and remove it;
+    `UsageError` (one line) when this process cannot.
+
+    Root ignores permissions, so the test of a read-only directory runs as another user.
+    """
+    path = os.fspath(path)
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    try:
+        if existing == os.path.abspath(path):
+            if not os.path.isdir(path):
+                raise NotADirectoryError(20, "Not a directory", path)
+            fd, probe = tempfile.mkstemp(prefix=".keras_sync_write_check_", dir=path)
+            os.close(fd)
+            os.unlink(probe)
+        else:  # created when first written; nothing is left behind by the check
+            if not os.path.isdir(existing):
+                raise NotADirectoryError(20, "Not a directory", existing)
+            os.rmdir(tempfile.mkdtemp(prefix=".keras_sync_write_check_", dir=existing))
+    except OSError as e:
+        it = "it" if value is None else f"its folder {path}"
+        what = f"write {it}" if existing == os.path.abspath(path) else f"create {it} in {existing}"
+        shown = path if value is None else value
+        raise UsageError(
+            f"{key}={shown!r}: this process cannot {what} ({e.strerror}). Fix: choose a directory it can write, "
+            "or give it write permission there; nothing was trained.") from None
+
+
+def check_config_paths(config: Any, *, is_chief: bool) -> None:
+    """Every directory training will write, for this process: the backup (all), spool and local store (chief)."""
+    if config.fault_tolerance.backup_dir:
+        check_writable(config.fault_tolerance.backup_dir, "fault_tolerance.backup_dir")
+    if not (is_chief and config.mlflow.enabled):
+        return
+    check_writable(config.mlflow.spool_dir, "mlflow.spool_dir")
+    from keras_sync.tracking import resolve_tracking_uri
+
+    uri, _ = resolve_tracking_uri(config.mlflow.tracking_uri)
+    if uri.startswith("sqlite:///"):
+        db = uri[len("sqlite:///"):].split("?", 1)[0]
+        if db and db != ":memory:":
+            check_writable(os.path.dirname(os.path.abspath(db)), "mlflow.tracking_uri", uri)
