@@ -27,7 +27,7 @@ import logging
 import math
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from keras_sync.errors import UsageError
@@ -88,6 +88,30 @@ def batch_layout(global_batch: int, num_replicas: int, num_workers: int) -> str:
 
 
 @dataclass(frozen=True)
+class InputFacts:
+    """What the pipeline did with the training data of one `fit` (``Sync.input_facts``), for run-time checks.
+
+    Attributes:
+        source: ``arrays``, ``tf.data.Dataset``, ``keras.utils.PyDataset`` or ``distributed dataset``.
+        shard_policy: the policy TensorFlow applies across workers (``data``, ``file``, ``off``);
+            ``off`` with ``own_part`` means each worker trains its own part.
+        own_part: each worker's data is its own part (a ``shard`` op, ``OFF`` in its options,
+            ``batch.shard_policy: off``), distributed by keras-sync without sharding.
+        examples_per_epoch: the examples the job trains per epoch (all workers), when known.
+        worker_examples_per_epoch: this worker's examples per epoch, when known (its part, or
+            its share of a split input when the split is even).
+        steps_per_epoch: optimizer steps per epoch when known (before gradient accumulation).
+    """
+
+    source: str
+    shard_policy: str
+    own_part: bool = False
+    examples_per_epoch: int | None = None
+    worker_examples_per_epoch: int | None = None
+    steps_per_epoch: int | None = None
+
+
+@dataclass(eq=False)
 class InputPipeline:
     """Turns what a user passes to `fit`/`distribute` into what the strategy trains on.
 
@@ -107,6 +131,9 @@ class InputPipeline:
     multi_worker: bool
     replay_order: bool
     learning_rate: float = 0.0
+    strategy: Any = None
+    #: What the last `prepare(method="fit", ...)` did with the training data (None before).
+    facts: InputFacts | None = field(default=None, init=False)
 
     # -- sync.distribute ---------------------------------------------------------------------
 
@@ -130,6 +157,16 @@ class InputPipeline:
 
     def prepare(self, method: str, x: Any, y: Any, kwargs: dict[str, Any], global_batch: int) -> tuple[Any, Any, dict[str, Any]]:
         """(x, y, kwargs) for ``model.<method>``: arrays batched by ``global_batch``, datasets reconciled."""
+        if is_py_dataset(x):
+            ds, found, examples = py_dataset_batches(x)
+            if method == "fit":
+                kwargs.setdefault("shuffle", False)
+                kwargs["callbacks"] = [_PyDatasetEpochs(x)] + list(kwargs.get("callbacks") or [])
+                x = self.training_dataset(ds, found=(found, "its first batch"), examples=examples,
+                                          source="keras.utils.PyDataset", described=_py_dataset_source(x, x.num_batches))
+            else:
+                x = ds  # evaluate/predict: its batches as given, each read once
+            return x, y, kwargs
         if is_dataset(x):
             if method == "fit":
                 # Keras ignores `shuffle` for datasets but warns about its default True on every fit.
@@ -139,30 +176,50 @@ class InputPipeline:
         if not (self.multi_worker or (method == "fit" and self.replay_order)):
             kwargs["batch_size"] = global_batch
             if method == "fit":
+                n = _array_examples(x, kwargs.get("validation_split"))
+                self.facts = InputFacts("arrays", "data", examples_per_epoch=n, steps_per_epoch=_steps(n, global_batch, False))
                 self._say(f"keras-sync: training data: arrays, batched by keras-sync; "
                           f"{batch_layout(global_batch, self.num_replicas, self.num_workers)}", loud=False)
             return x, y, kwargs
         return self._arrays_to_dataset(method, x, y, kwargs, global_batch)
 
-    def training_dataset(self, ds: Any) -> Any:
-        """A batched dataset given to `fit`: its shard policy settled, rebatched to the global batch."""
+    def training_dataset(self, ds: Any, *, found: tuple[int | None, str] | None = None, examples: int | None = None,
+                         source: str = "tf.data.Dataset", described: str | None = None,
+                         choice: ShardChoice | None = None) -> Any:
+        """A batched dataset given to `fit`: its shard policy settled, rebatched to the global batch.
+
+        A dataset that is already each worker's own part (a ``shard`` op in the pipeline, ``OFF``
+        in its options, ``batch.shard_policy: off``) is, on several workers, given to the strategy
+        as each worker's input (`distribute_datasets_from_function`, per-replica batches): TensorFlow
+        neither shards it again nor counts its steps from a global batch it does not hold.
+        """
         import tensorflow as tf
 
         if not isinstance(ds, tf.data.Dataset):  # a DistributedDataset: the user distributed it already
+            self.facts = InputFacts("distributed dataset", "as given")
             self._say("keras-sync: training data: an already distributed dataset, used as given", loud=False)
             return ds
         _refuse_unbatched(ds)
-        choice = self._choice(ds)
-        found, how = batch_size_of(ds)
+        choice = choice or self._choice(ds)
+        shard_op = has_shard_op(ds)
+        own_part = self.num_workers > 1 and (choice.policy == "off" or shard_op)
+        if own_part and choice.policy != "off":
+            choice = ShardChoice("off", "a shard op in the pipeline: it is already this worker's part")
+        found_size, how = found if found is not None else batch_size_of(ds)
+        if examples is None:
+            examples = _example_count(ds, found_size)
+        # Under several workers an own part is read per replica: each worker trains global/workers of it per step.
+        target = self.global_batch // self.num_replicas if own_part else self.global_batch
         loud = self.num_workers > 1
-        if found == self.global_batch:
-            note = f"batched by {found} ({how}) = the global batch"
+        if found_size == self.global_batch and not own_part:
+            note = f"batched by {found_size} ({how}) = the global batch"
         else:
-            ds, loud = _rebatch(ds, self.global_batch, found, self.drop_remainder), True
-            was = f"batched by {found} ({how})" if found else f"batch size unknown ({how})"
-            note = (f"{was}, rebatched to the global batch {self.global_batch}; the learning rate "
-                    f"{self.learning_rate:g} is scaled for {self.global_batch}")
-            if found is None and self.is_chief:
+            ds, loud = _rebatch(ds, target, found_size, self.drop_remainder, examples), True
+            was = f"batched by {found_size} ({how})" if found_size else f"batch size unknown ({how})"
+            to = (f"rebatched to {target} per replica, its worker's share of the global batch {self.global_batch}"
+                  if own_part else f"rebatched to the global batch {self.global_batch}")
+            note = f"{was}, {to}; the learning rate {self.learning_rate:g} is scaled for {self.global_batch}"
+            if found_size is None and self.is_chief:
                 warnings.warn(
                     f"keras-sync: cannot tell the batch size of the dataset given to sync.fit ({how}); it was "
                     f"rebatched to the configured global batch {self.global_batch}, so each step trains on "
@@ -173,9 +230,33 @@ class InputPipeline:
                     stacklevel=4,
                 )
         ds = _with_policy(ds, choice)
-        self._say(f"keras-sync: training data: tf.data.Dataset {note}; shard policy {choice.policy} ({choice.reason}); "
+        workers = self.num_workers
+        if own_part:
+            part = f"; each worker trains {self.global_batch // workers} examples of its own part per step"
+            steps = int(ds.cardinality()) if int(ds.cardinality()) >= 0 else None
+            if steps is not None and self.num_replicas // workers > 1:
+                steps //= self.num_replicas // workers
+            self.facts = InputFacts(source, "off", own_part=True, worker_examples_per_epoch=examples,
+                                    steps_per_epoch=steps)
+            ds = self._per_worker(ds)
+        else:
+            part = ""
+            steps = _steps(examples, self.global_batch, self.drop_remainder)
+            share = examples // workers if examples is not None and examples % (workers * self.global_batch) == 0 else None
+            self.facts = InputFacts(source, choice.policy, examples_per_epoch=examples,
+                                    worker_examples_per_epoch=share if workers > 1 else examples, steps_per_epoch=steps)
+        self._say(f"keras-sync: training data: {described or source} {note}; shard policy {choice.policy} ({choice.reason}){part}; "
                   f"{batch_layout(self.global_batch, self.num_replicas, self.num_workers)}", loud=loud)
         return ds
+
+    def _per_worker(self, ds: Any) -> Any:
+        """This worker's own part, batched per replica, as the strategy's input on this worker."""
+        import tensorflow as tf
+
+        if self.num_replicas // self.num_workers > 1 and int(ds.cardinality()) >= 0:
+            # Keras would count per-replica batches as steps: let the data's end end the epoch instead.
+            ds = ds.filter(lambda *_: True)
+        return self.strategy.distribute_datasets_from_function(lambda _context: ds)
 
     def _arrays_to_dataset(self, method: str, x: Any, y: Any, kwargs: dict[str, Any], global_batch: int) -> tuple[Any, Any, dict[str, Any]]:
         import tensorflow as tf
@@ -197,6 +278,14 @@ class InputPipeline:
         if method == "fit":
             kwargs["shuffle"] = False  # shuffled here, with one seed for all workers; Keras would only warn
             choice = self._choice(None)
+            n = len(tf.nest.flatten(x)[0])
+            if choice.policy == "off" and self.num_workers > 1 and global_batch == self.global_batch:
+                # Each worker's arrays are its own part: read per replica, not sharded, steps from its own length.
+                ds = self._arrays(_parts(x, y, sample_weight), global_batch, shuffle)
+                return self.training_dataset(ds, found=(global_batch, "keras-sync's batch"), examples=n,
+                                             source="arrays", choice=choice), None, kwargs
+            self.facts = InputFacts("arrays", choice.policy, examples_per_epoch=n,
+                                    steps_per_epoch=_steps(n, global_batch, self.drop_remainder))
             self._say(f"keras-sync: training data: arrays, shard policy {choice.policy} ({choice.reason}); "
                       f"{batch_layout(global_batch, self.num_replicas, self.num_workers)}", loud=self.num_workers > 1)
         return self._arrays(_parts(x, y, sample_weight), global_batch, shuffle), None, kwargs
@@ -217,7 +306,23 @@ class InputPipeline:
     def _choice(self, ds: Any | None) -> ShardChoice:
         if ds is None:
             return shard_choice("arrays", configured=self.shard_policy)
-        return shard_choice("dataset", configured=self.shard_policy, own=own_shard_policy(ds))
+        choice = shard_choice("dataset", configured=self.shard_policy, own=own_shard_policy(ds))
+        if self.num_workers <= 1 or choice.policy not in ("auto", "file"):
+            return choice
+        # Decided here, before training: TensorFlow's FILE sharding fails at the first step when the
+        # pipeline reads fewer files than there are workers ("Could not apply FILE based sharding").
+        files = file_count(ds)
+        workers = self.num_workers
+        if files is None:
+            if choice.policy == "file":
+                return ShardChoice("data", "batch.shard_policy: file, but the pipeline reads no files: split by example")
+            return ShardChoice("data", "batch.shard_policy: auto and the pipeline reads no files: TensorFlow splits "
+                                       "it by example")
+        if files < workers:
+            return ShardChoice("data", f"the pipeline reads {files} file{'s' * (files != 1)} for {workers} workers, "
+                                       "too few to shard by file: split by example")
+        return ShardChoice("file", f"batch.shard_policy: {choice.policy} and the pipeline reads {files} files for "
+                                   f"{workers} workers: each worker reads its own files")
 
     def _say(self, line: str, *, loud: bool) -> None:
         """One line about the input on the chief: printed when it matters (several workers, a
@@ -319,11 +424,10 @@ def _batch_op(ds: Any) -> Any:
     return None
 
 
-def _rebatch(ds: Any, global_batch: int, found: int | None, drop_remainder: bool) -> Any:
-    """``ds`` rebatched to ``global_batch``, keeping a known number of steps when it can be computed."""
+def _rebatch(ds: Any, global_batch: int, found: int | None, drop_remainder: bool, examples: int | None) -> Any:
+    """``ds`` rebatched to ``global_batch``, keeping a known number of steps when the examples are known."""
     import tensorflow as tf
 
-    examples = _example_count(ds, found)
     out = ds.rebatch(global_batch, drop_remainder=drop_remainder)
     if examples is not None:
         steps = examples // global_batch if drop_remainder else math.ceil(examples / global_batch)
@@ -354,6 +458,175 @@ def _example_count(ds: Any, found: int | None) -> int | None:
     return examples if math.ceil(examples / found) == batches else None
 
 
+def _steps(examples: int | None, batch: int, drop_remainder: bool) -> int | None:
+    if examples is None:
+        return None
+    return examples // batch if drop_remainder else math.ceil(examples / batch)
+
+
+def _array_examples(x: Any, validation_split: float | None) -> int | None:
+    import tensorflow as tf
+
+    try:
+        n = len(tf.nest.flatten(x)[0])
+    except TypeError:
+        return None
+    return int(n * (1.0 - validation_split)) if validation_split else n
+
+
+def _walk(ds: Any) -> Any:
+    """Every dataset of the pipeline that ends in ``ds`` (each once), through all inputs (zip, concatenate)."""
+    seen: set[int] = set()
+    todo = [ds]
+    while todo and len(seen) < 1000:
+        d = todo.pop()
+        if id(d) in seen:
+            continue
+        seen.add(id(d))
+        yield d
+        try:
+            todo.extend(d._inputs())
+        except (AttributeError, NotImplementedError):
+            pass
+
+
+def has_shard_op(ds: Any) -> bool:
+    """Whether the pipeline contains a ``shard`` op (the user split the data across workers)."""
+    return any(type(d).__name__ in ("_ShardDataset", "ShardDataset") for d in _walk(ds))
+
+
+# The source ops TensorFlow's FILE auto-sharding looks for (tensorflow/core/grappler/optimizers/data/auto_shard.cc).
+_READER_OPS = frozenset({"TFRecordDataset", "TFRecordDatasetV2", "TextLineDataset", "FixedLengthRecordDataset",
+                         "FixedLengthRecordDatasetV2", "ArrayRecordDataset"})
+_READER_CLASSES = frozenset({"TFRecordDatasetV2", "TFRecordDatasetV1", "TextLineDatasetV2", "TextLineDatasetV1",
+                             "FixedLengthRecordDatasetV2", "FixedLengthRecordDatasetV1"})
+
+
+def file_count(ds: Any) -> int | None:
+    """The number of files the pipeline reads (the fewest, if it reads several sets); None when it reads none.
+
+    A reader (`TFRecordDataset`, `TextLineDataset`, `FixedLengthRecordDataset`) made from file
+    names, or an ``interleave``/``flat_map`` whose function makes one: the files are the elements
+    of its input dataset, counted from its cardinality (or by reading the names when unknown).
+    """
+    counts = []
+    for d in _walk(ds):
+        if type(d).__name__ in _READER_CLASSES or _function_reads_files(d):
+            try:
+                names = d._inputs()[0]
+            except (AttributeError, IndexError, NotImplementedError):
+                continue
+            n = int(names.cardinality())
+            if n == -2:  # unknown (e.g. filtered names): count them, file names only
+                n = int(names.reduce(0, lambda c, _: c + 1))
+            if n >= 0:
+                counts.append(n)
+    return min(counts) if counts else None
+
+
+def _function_reads_files(ds: Any) -> bool:
+    func = getattr(getattr(ds, "_map_func", None), "function", None)
+    if func is None:
+        return False
+    try:
+        graph = func.graph.as_graph_def()
+    except Exception:  # noqa: BLE001 - a function TensorFlow cannot serialise: not a file reader we can count
+        return False
+    ops = {n.op for n in graph.node} | {n.op for f in graph.library.function for n in f.node_def}
+    return bool(ops & _READER_OPS)
+
+
+# -- keras.utils.PyDataset ----------------------------------------------------------------------
+
+
+def is_py_dataset(x: Any) -> bool:
+    """Whether ``x`` is a `keras.utils.PyDataset` (or a legacy `keras.utils.Sequence`, the same class)."""
+    return any(c.__name__ == "PyDataset" and c.__module__.startswith("keras") for c in type(x).__mro__)
+
+
+def _standardize(batch: Any) -> Any:
+    """A PyDataset batch as Keras reads it: an array is ``(x,)``, a list a tuple."""
+    import numpy as np
+
+    if isinstance(batch, np.ndarray):
+        return (batch,)
+    if isinstance(batch, list):
+        return tuple(batch)
+    return batch
+
+
+def py_dataset_batches(pyds: Any) -> tuple[Any, int, int | None]:
+    """(a `tf.data.Dataset` of the PyDataset's batches, its first batch's size, its examples per epoch).
+
+    keras-sync reads the PyDataset itself, by index, each batch exactly once per epoch, in order:
+    ``range(len).map(py_function(pyds[i]))``, ``pyds.workers`` batches at a time (threads; the
+    map keeps the order). Keras's own reader is not used: its `OrderedEnqueuer`, stopped while
+    batches are in flight, moves them to ``ready_queue`` (``PyDatasetEnqueuer.stop(drain_queue_and_join=True)``)
+    and the next ``start()`` begins again at index 0, so the next read yields those stale batches,
+    then 0, 1, ... and stops after ``num_batches``: a batch twice and the last ones never (measured
+    with the enqueuer alone: stopped after one read, the next 16 reads were 1..11, 0..4). Under a
+    strategy epoch 0 trains so (keras/src/trainers/data_adapters/py_dataset_adapter.py, Keras 3.15.1).
+
+    The examples per epoch are ``(len - 1) x first + last``: they assume equal middle batches.
+    """
+    import numpy as np
+    import tensorflow as tf
+
+    try:
+        n = pyds.num_batches
+    except NotImplementedError:
+        raise UsageError(
+            f"sync.fit received a keras.utils.PyDataset without a length ({type(pyds).__name__} has neither __len__ "
+            "nor num_batches); keras-sync reads a PyDataset by index, each batch once per epoch. Fix: give it __len__, "
+            "or a num_batches property (None for an endless one, with steps_per_epoch in fit).") from None
+    if n is not None and n < 1:
+        raise UsageError(f"sync.fit received an empty keras.utils.PyDataset ({type(pyds).__name__}, 0 batches). "
+                         "Fix: give it at least one batch.")
+    first = _standardize(pyds[0])
+    last = _standardize(pyds[n - 1]) if n is not None and n > 1 else first
+    flat = [np.asarray(a) for a in tf.nest.flatten(first)]
+    dtypes = [tf.as_dtype(a.dtype) for a in flat]
+    size = lambda b: int(np.shape(tf.nest.flatten(b)[0])[0])  # noqa: E731
+
+    def read(i: Any) -> list[Any]:
+        return [np.asarray(a) for a in tf.nest.flatten(_standardize(pyds[int(i)]))]
+
+    def load(i: Any) -> Any:
+        parts = tf.py_function(read, [i], dtypes)
+        for part, a in zip(parts, flat):
+            part.set_shape((None,) + a.shape[1:])
+        return tf.nest.pack_sequence_as(first, parts)
+
+    workers = max(1, int(getattr(pyds, "workers", 1) or 1))
+    indices = tf.data.Dataset.range(n) if n is not None else tf.data.Dataset.counter()  # None: endless, as in Keras
+    ds = indices.map(load, num_parallel_calls=workers, deterministic=True)
+    return ds, size(first), (n - 1) * size(first) + size(last) if n is not None else None
+
+
+def _py_dataset_source(pyds: Any, n: int | None) -> str:
+    workers = int(getattr(pyds, "workers", 1) or 1)
+    processes = bool(getattr(pyds, "use_multiprocessing", False))
+    how = "one at a time" if workers <= 1 else f"{workers} at a time on threads{' (not processes)' * processes}"
+    length = f"of {n} batches" if n is not None else "without end"
+    return f"keras.utils.PyDataset {length}, read by keras-sync by index, each once per epoch ({how}),"
+
+
+class _PyDatasetEpochs:
+    """Calls the PyDataset's ``on_epoch_begin``/``on_epoch_end`` as Keras's own reader would."""
+
+    def __new__(cls, pyds: Any) -> Any:
+        import keras
+
+        class PyDatasetEpochs(keras.callbacks.Callback):
+            def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+                pyds.on_epoch_begin()
+
+            def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+                pyds.on_epoch_end()
+
+        return PyDatasetEpochs()
+
+
 def _parts(x: Any, y: Any, sample_weight: Any) -> tuple:
     return tuple(p for p in (x, y, sample_weight) if p is not None)
 
@@ -361,7 +634,8 @@ def _parts(x: Any, y: Any, sample_weight: Any) -> tuple:
 def steps_of(x: Any, batch_size: int | None, validation_split: float | None) -> int | None:
     """Steps in one epoch of what `fit` trains on (a dataset's cardinality, or arrays / batch)."""
     if is_dataset(x):
-        n = int(x.cardinality()) if hasattr(x, "cardinality") else -1
+        card = getattr(x, "cardinality", -1)
+        n = int(card() if callable(card) else card)
         return n if n > 0 else None
     if x is None or batch_size is None:
         return None

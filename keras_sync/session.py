@@ -174,6 +174,7 @@ class Sync:
             multi_worker=KINDS[self.kind].multi_process,
             replay_order=bool(self.config.fault_tolerance.backup_dir),
             learning_rate=self.learning_rate,
+            strategy=self.strategy,
         )
 
     # -- Keras -------------------------------------------------------------------------------
@@ -325,7 +326,12 @@ class Sync:
         _keras_compat.check_steps_per_execution(model, self.strategy)
         kwargs = dict(kwargs)
         per_replica = self._batch_size_argument(kwargs.pop("batch_size", None), method)
-        return self._pipeline().prepare(method, x, y, kwargs, per_replica * self.num_replicas)
+        pipeline = self._pipeline()
+        prepared = pipeline.prepare(method, x, y, kwargs, per_replica * self.num_replicas)
+        if method == "fit":
+            #: What the input pipeline did with the last fit's training data (`keras_sync.pipeline.InputFacts`).
+            self.input_facts = pipeline.facts
+        return prepared
 
     def _batch_size_argument(self, batch_size: int | None, method: str) -> int:
         if batch_size is None:
