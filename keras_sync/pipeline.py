@@ -69,7 +69,8 @@ def shard_choice(kind: Literal["arrays", "dataset"], *, configured: str, own: st
         ray = ", as Ray Data and prepare_dataset_shard do: it is already this worker's shard" if own == "off" else ""
         return ShardChoice(own, f"set in the dataset's own options{ray}")
     if configured == "auto":
-        return ShardChoice("auto", "batch.shard_policy: auto, TensorFlow shards by file if it can, else by example")
+        return ShardChoice("auto", "batch.shard_policy: auto, by file when the pipeline reads at least as many files "
+                                   "as there are workers, else by example")
     return ShardChoice(configured, f"batch.shard_policy: {configured}")
 
 

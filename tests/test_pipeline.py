@@ -170,8 +170,8 @@ def test_the_chief_says_what_it_did_with_each_input(runs):
     mirrored, chief, other = runs["replicas"]["lines"], runs["w0"]["lines"], runs["w1"]["lines"]
     assert mirrored["batch64"] == [
         "keras-sync: training data: tf.data.Dataset batched by 64 (its batch op), rebatched to the global batch 32; "
-        "the learning rate 0.1 is scaled for 32; shard policy auto (batch.shard_policy: auto, TensorFlow shards by "
-        "file if it can, else by example); global batch 32 = 16 per replica x 2 replicas"]
+        "the learning rate 0.1 is scaled for 32; shard policy auto (batch.shard_policy: auto, by file when the pipeline "
+        "reads at least as many files as there are workers, else by example); global batch 32 = 16 per replica x 2 replicas"]
     assert mirrored["arrays"] == []  # one process, Keras batches the arrays: nothing to say
     assert chief["arrays"] == [
         "keras-sync: training data: arrays, shard policy data (arrays are split across workers by example); "
