@@ -234,12 +234,18 @@ class InputPipeline:
         workers = self.num_workers
         if own_part:
             part = f"; each worker trains {self.global_batch // workers} examples of its own part per step"
-            steps = int(ds.cardinality()) if int(ds.cardinality()) >= 0 else None
-            if steps is not None and self.num_replicas // workers > 1:
-                steps //= self.num_replicas // workers
-            self.facts = InputFacts(source, "off", own_part=True, worker_examples_per_epoch=examples,
-                                    steps_per_epoch=steps)
-            ds = self._per_worker(ds)
+            batches = int(ds.cardinality())
+            per_worker = self._across_workers(batches, -1 if examples is None else examples)
+            steps = batches // (self.num_replicas // workers) if batches >= 0 else None
+            same = len({b for b, _ in per_worker}) == 1 and batches >= 0
+            if batches >= 0 and not same:
+                part += (f"; the parts differ in length ({', '.join(str(b) for b, _ in per_worker)} batches of "
+                         f"{target}): each epoch ends when every worker's part has")
+                steps = None
+            job = sum(e for _, e in per_worker) if all(e >= 0 for _, e in per_worker) else None
+            self.facts = InputFacts(source, "off", own_part=True, examples_per_epoch=job,
+                                    worker_examples_per_epoch=examples, steps_per_epoch=steps)
+            ds = self._per_worker(ds, known_steps=same)
         else:
             part = ""
             steps = _steps(examples, self.global_batch, self.drop_remainder)
@@ -250,14 +256,25 @@ class InputPipeline:
                   f"{batch_layout(self.global_batch, self.num_replicas, self.num_workers)}", loud=loud)
         return ds
 
-    def _per_worker(self, ds: Any) -> Any:
+    def _per_worker(self, ds: Any, *, known_steps: bool) -> Any:
         """This worker's own part, batched per replica, as the strategy's input on this worker."""
-        import tensorflow as tf
-
-        if self.num_replicas // self.num_workers > 1 and int(ds.cardinality()) >= 0:
-            # Keras would count per-replica batches as steps: let the data's end end the epoch instead.
+        if int(ds.cardinality()) >= 0 and (not known_steps or self.num_replicas // self.num_workers > 1):
+            # Keras takes a known length as the steps of every worker: parts of different lengths would
+            # leave one worker waiting in a collective for the others, and with several replicas per
+            # worker Keras would count per-replica batches. Unknown, the epoch ends when every part has
+            # (TensorFlow agrees across workers that all are out of data).
             ds = ds.filter(lambda *_: True)
         return self.strategy.distribute_datasets_from_function(lambda _context: ds)
+
+    def _across_workers(self, batches: int, examples: int) -> list[tuple[int, int]]:
+        """(batches, examples) of every worker's part, in worker order: one all-gather, on every worker."""
+        import tensorflow as tf
+
+        strategy = self.strategy
+        local = strategy.run(lambda: tf.constant([[batches, examples]], tf.int64))
+        values = strategy.gather(local, axis=0).numpy().tolist()
+        per_replica = self.num_replicas // self.num_workers
+        return [tuple(v) for v in values[::per_replica]]
 
     def _arrays_to_dataset(self, method: str, x: Any, y: Any, kwargs: dict[str, Any], global_batch: int) -> tuple[Any, Any, dict[str, Any]]:
         import tensorflow as tf

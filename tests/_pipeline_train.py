@@ -26,6 +26,7 @@ import numpy as np
 N, FEATURES, EPOCHS, BATCH = 512, 8, 2, 32
 BASE_LR = 0.05  # tuned for the per-replica batch 16; linear scaling gives 0.1 for the global batch 32
 USER_BATCH = 64  # the batch the user's own pipeline was written with
+UNEVEN = 481  # examples of the uneven user-sharded case
 
 
 def data() -> tuple[np.ndarray, np.ndarray]:
@@ -111,6 +112,8 @@ def inputs(tf, x, y, keras=None, workers=1, index=0, out="."):
         "own_off_unknown_length": lambda: tf.data.Dataset.from_generator(gen_mine, output_signature=spec).with_options(off),
         "tfrecord1": lambda: records(1),
         "tfrecord4": lambda: records(4),
+        # 481 = 241 + 240: 16 and 15 batches of 16 per replica, parts of different lengths
+        "user_shard_uneven": lambda: tf.data.Dataset.from_tensor_slices((x[:UNEVEN], y[:UNEVEN])).shard(workers, index).batch(16),
     }
     return {
         "batch64": lambda: plain.batch(USER_BATCH),
@@ -203,7 +206,10 @@ def main() -> None:
         # What the user's pipeline trained on before: batches of 64 at the rate scaled for 32.
         m64 = model(keras, BASE_LR * BATCH / 16)
         m64.fit(x, y, batch_size=USER_BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
-        result = {"weights": flat(m), "steps": int(m.optimizer.iterations.numpy()), "weights_batch64": flat(m64)}
+        m481 = model(keras, BASE_LR * BATCH / 16)
+        m481.fit(x[:UNEVEN], y[:UNEVEN], batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+        result = {"weights": flat(m), "steps": int(m.optimizer.iterations.numpy()), "weights_batch64": flat(m64),
+                  "weights_uneven": flat(m481)}
         name = "reference"
     else:
         import keras_sync

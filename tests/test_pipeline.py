@@ -255,6 +255,7 @@ def test_a_workers_own_part_is_neither_sharded_again_nor_cut_short(runs, kind):
         assert facts["own_part"] is True and facts["shard_policy"] == "off"
         if kind != "own_off_unknown_length":
             assert (facts["worker_examples_per_epoch"], facts["steps_per_epoch"]) == (256, 16)
+            assert facts["examples_per_epoch"] == 512  # the parts' lengths, summed over the workers
     # One worker: nothing to split, the dataset is the whole data.
     assert runs["replicas"]["facts"][kind]["own_part"] is False
 
@@ -275,3 +276,18 @@ def test_py_dataset_without_a_length_is_refused_with_the_fix(runs):
         "sync.fit received a keras.utils.PyDataset without a length (Endless has neither __len__ nor num_batches); "
         "keras-sync reads a PyDataset by index, each batch once per epoch. Fix: give it __len__, or a num_batches "
         "property (None for an endless one, with steps_per_epoch in fit).")
+
+
+@pytest.mark.slow
+def test_own_parts_of_different_lengths_end_their_epochs_together(runs):
+    # ds.shard(2, i) of 481 examples: 241 and 240, 16 and 15 per-replica batches. With those lengths as
+    # Keras's steps worker 0 would wait alone in step 16's all-reduce; unknown, both end when all parts have.
+    chief = runs["w0"]["lines"]["user_shard_uneven"][0]
+    assert "the parts differ in length (16, 15 batches of 16): each epoch ends when every worker's part has" in chief
+    for w in ("w0", "w1"):
+        assert runs[w]["steps"]["user_shard_uneven"] == 32
+        facts = runs[w]["facts"]["user_shard_uneven"]
+        assert (facts["examples_per_epoch"], facts["steps_per_epoch"]) == (481, None)
+    assert runs["w0"]["facts"]["user_shard_uneven"]["worker_examples_per_epoch"] == 241
+    assert runs["w1"]["facts"]["user_shard_uneven"]["worker_examples_per_epoch"] == 240
+    assert runs["w0"]["weights"]["user_shard_uneven"] == runs["w1"]["weights"]["user_shard_uneven"]
