@@ -7,16 +7,23 @@ The rules (the README's "Input data" section says the same):
   its own part. A `tf.data.Dataset` whose own options set a policy other than ``AUTO`` keeps it:
   Ray's `prepare_dataset_shard` and Ray Data's `DataIterator.to_tf` set ``OFF`` because the shard
   is already this worker's (``ray/train/tensorflow/train_loop_utils.py``, ``ray/data/iterator.py``).
-  Any other dataset gets ``batch.shard_policy`` (``auto``: TensorFlow's own, by file if it can, else
-  by example).
+  Any other dataset gets ``batch.shard_policy`` (``auto``: see files, below).
 * **The global batch is the configured one.** A dataset given to `fit` is batched already (Keras
   requires it). When its batch is not the configured global batch, or cannot be read, it is
   rebatched to it (`tf.data.Dataset.rebatch`: same examples, same order), so the learning rate,
   scaled for the configured batch, matches the batch trained on.
+* **Files decide before training.** Under several workers ``auto`` (or ``file``) becomes ``file``
+  when the pipeline reads at least as many files as workers, else ``data``: TensorFlow's FILE
+  sharding would fail at the first step ("Could not apply FILE based sharding").
+* **A worker's own part** (a ``shard`` op in the pipeline, ``OFF`` in its options,
+  ``batch.shard_policy: off``) is, under several workers, rebatched per replica and given to the
+  strategy as this worker's input (`distribute_datasets_from_function`): never sharded again, its
+  steps counted from its own length (unknown when the workers' parts differ in length).
+* **A `keras.utils.PyDataset`** is read by keras-sync by index, each batch once per epoch
+  (`py_dataset_batches`), then handled as a batched dataset.
 * **Multi-worker.** TensorFlow reads every worker's dataset as batched by the global batch and
   gives each worker ``global / workers`` examples of it per step (each replica ``global /
-  replicas``). With shard policy ``off`` (an already-sharded dataset) each worker takes those
-  examples from its own shard, so a step still trains on ``global`` distinct examples.
+  replicas``).
 
 Pure helpers (`shard_choice`, `batch_layout`) need no TensorFlow; `keras-sync plan` uses them.
 """
@@ -30,6 +37,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from keras_sync._dataset_graph import file_count, has_shard_op
+from keras_sync._py_dataset import PyDatasetEpochs, is_py_dataset, py_dataset_batches, py_dataset_source
 from keras_sync.errors import UsageError
 
 log = logging.getLogger("keras_sync")
@@ -120,7 +129,7 @@ class InputPipeline:
     this process is the chief, ``drop_remainder`` and ``shard_policy`` from the config, the scaled
     learning rate (for the messages), and when arrays must become a dataset: always under
     `multi_worker_mirrored` (Keras requires it), and for `fit` with a backup (its seeded shuffle
-    lets a resumed job replay the order).
+    lets a resumed job replay the order); the strategy (a worker's own part becomes its input).
     """
 
     global_batch: int
@@ -162,9 +171,9 @@ class InputPipeline:
             ds, found, examples = py_dataset_batches(x)
             if method == "fit":
                 kwargs.setdefault("shuffle", False)
-                kwargs["callbacks"] = [_PyDatasetEpochs(x)] + list(kwargs.get("callbacks") or [])
+                kwargs["callbacks"] = [PyDatasetEpochs(x)] + list(kwargs.get("callbacks") or [])
                 x = self.training_dataset(ds, found=(found, "its first batch"), examples=examples,
-                                          source="keras.utils.PyDataset", described=_py_dataset_source(x, x.num_batches))
+                                          source="keras.utils.PyDataset", described=py_dataset_source(x, x.num_batches))
             else:
                 x = ds  # evaluate/predict: its batches as given, each read once
             return x, y, kwargs
@@ -271,8 +280,12 @@ class InputPipeline:
         import tensorflow as tf
 
         strategy = self.strategy
-        local = strategy.run(lambda: tf.constant([[batches, examples]], tf.int64))
-        values = strategy.gather(local, axis=0).numpy().tolist()
+
+        @tf.function  # eager, MultiWorkerMirroredStrategy.run warns of its overhead on every worker
+        def gather() -> Any:
+            return strategy.gather(strategy.run(lambda: tf.constant([[batches, examples]], tf.int64)), axis=0)
+
+        values = gather().numpy().tolist()
         per_replica = self.num_replicas // self.num_workers
         return [tuple(v) for v in values[::per_replica]]
 
@@ -490,159 +503,6 @@ def _array_examples(x: Any, validation_split: float | None) -> int | None:
     except TypeError:
         return None
     return int(n * (1.0 - validation_split)) if validation_split else n
-
-
-def _walk(ds: Any) -> Any:
-    """Every dataset of the pipeline that ends in ``ds`` (each once), through all inputs (zip, concatenate)."""
-    seen: set[int] = set()
-    todo = [ds]
-    while todo and len(seen) < 1000:
-        d = todo.pop()
-        if id(d) in seen:
-            continue
-        seen.add(id(d))
-        yield d
-        try:
-            todo.extend(d._inputs())
-        except (AttributeError, NotImplementedError):
-            pass
-
-
-def has_shard_op(ds: Any) -> bool:
-    """Whether the pipeline contains a ``shard`` op (the user split the data across workers)."""
-    return any(type(d).__name__ in ("_ShardDataset", "ShardDataset") for d in _walk(ds))
-
-
-# The source ops TensorFlow's FILE auto-sharding looks for (tensorflow/core/grappler/optimizers/data/auto_shard.cc).
-_READER_OPS = frozenset({"TFRecordDataset", "TFRecordDatasetV2", "TextLineDataset", "FixedLengthRecordDataset",
-                         "FixedLengthRecordDatasetV2", "ArrayRecordDataset"})
-_READER_CLASSES = frozenset({"TFRecordDatasetV2", "TFRecordDatasetV1", "TextLineDatasetV2", "TextLineDatasetV1",
-                             "FixedLengthRecordDatasetV2", "FixedLengthRecordDatasetV1"})
-
-
-def file_count(ds: Any) -> int | None:
-    """The number of files the pipeline reads (the fewest, if it reads several sets); None when it reads none.
-
-    A reader (`TFRecordDataset`, `TextLineDataset`, `FixedLengthRecordDataset`) made from file
-    names, or an ``interleave``/``flat_map`` whose function makes one: the files are the elements
-    of its input dataset, counted from its cardinality (or by reading the names when unknown).
-    """
-    counts = []
-    for d in _walk(ds):
-        if type(d).__name__ in _READER_CLASSES or _function_reads_files(d):
-            try:
-                names = d._inputs()[0]
-            except (AttributeError, IndexError, NotImplementedError):
-                continue
-            n = int(names.cardinality())
-            if n == -2:  # unknown (e.g. filtered names): count them, file names only
-                n = int(names.reduce(0, lambda c, _: c + 1))
-            if n >= 0:
-                counts.append(n)
-    return min(counts) if counts else None
-
-
-def _function_reads_files(ds: Any) -> bool:
-    func = getattr(getattr(ds, "_map_func", None), "function", None)
-    if func is None:
-        return False
-    try:
-        graph = func.graph.as_graph_def()
-    except Exception:  # noqa: BLE001 - a function TensorFlow cannot serialise: not a file reader we can count
-        return False
-    ops = {n.op for n in graph.node} | {n.op for f in graph.library.function for n in f.node_def}
-    return bool(ops & _READER_OPS)
-
-
-# -- keras.utils.PyDataset ----------------------------------------------------------------------
-
-
-def is_py_dataset(x: Any) -> bool:
-    """Whether ``x`` is a `keras.utils.PyDataset` (or a legacy `keras.utils.Sequence`, the same class)."""
-    return any(c.__name__ == "PyDataset" and c.__module__.startswith("keras") for c in type(x).__mro__)
-
-
-def _standardize(batch: Any) -> Any:
-    """A PyDataset batch as Keras reads it: an array is ``(x,)``, a list a tuple."""
-    import numpy as np
-
-    if isinstance(batch, np.ndarray):
-        return (batch,)
-    if isinstance(batch, list):
-        return tuple(batch)
-    return batch
-
-
-def py_dataset_batches(pyds: Any) -> tuple[Any, int, int | None]:
-    """(a `tf.data.Dataset` of the PyDataset's batches, its first batch's size, its examples per epoch).
-
-    keras-sync reads the PyDataset itself, by index, each batch exactly once per epoch, in order:
-    ``range(len).map(py_function(pyds[i]))``, ``pyds.workers`` batches at a time (threads; the
-    map keeps the order). Keras's own reader is not used: its `OrderedEnqueuer`, stopped while
-    batches are in flight, moves them to ``ready_queue`` (``PyDatasetEnqueuer.stop(drain_queue_and_join=True)``)
-    and the next ``start()`` begins again at index 0, so the next read yields those stale batches,
-    then 0, 1, ... and stops after ``num_batches``: a batch twice and the last ones never (measured
-    with the enqueuer alone: stopped after one read, the next 16 reads were 1..11, 0..4). Under a
-    strategy epoch 0 trains so (keras/src/trainers/data_adapters/py_dataset_adapter.py, Keras 3.15.1).
-
-    The examples per epoch are ``(len - 1) x first + last``: they assume equal middle batches.
-    """
-    import numpy as np
-    import tensorflow as tf
-
-    try:
-        n = pyds.num_batches
-    except NotImplementedError:
-        raise UsageError(
-            f"sync.fit received a keras.utils.PyDataset without a length ({type(pyds).__name__} has neither __len__ "
-            "nor num_batches); keras-sync reads a PyDataset by index, each batch once per epoch. Fix: give it __len__, "
-            "or a num_batches property (None for an endless one, with steps_per_epoch in fit).") from None
-    if n is not None and n < 1:
-        raise UsageError(f"sync.fit received an empty keras.utils.PyDataset ({type(pyds).__name__}, 0 batches). "
-                         "Fix: give it at least one batch.")
-    first = _standardize(pyds[0])
-    last = _standardize(pyds[n - 1]) if n is not None and n > 1 else first
-    flat = [np.asarray(a) for a in tf.nest.flatten(first)]
-    dtypes = [tf.as_dtype(a.dtype) for a in flat]
-    size = lambda b: int(np.shape(tf.nest.flatten(b)[0])[0])  # noqa: E731
-
-    def read(i: Any) -> list[Any]:
-        return [np.asarray(a) for a in tf.nest.flatten(_standardize(pyds[int(i)]))]
-
-    def load(i: Any) -> Any:
-        parts = tf.py_function(read, [i], dtypes)
-        for part, a in zip(parts, flat):
-            part.set_shape((None,) + a.shape[1:])
-        return tf.nest.pack_sequence_as(first, parts)
-
-    workers = max(1, int(getattr(pyds, "workers", 1) or 1))
-    indices = tf.data.Dataset.range(n) if n is not None else tf.data.Dataset.counter()  # None: endless, as in Keras
-    ds = indices.map(load, num_parallel_calls=workers, deterministic=True)
-    return ds, size(first), (n - 1) * size(first) + size(last) if n is not None else None
-
-
-def _py_dataset_source(pyds: Any, n: int | None) -> str:
-    workers = int(getattr(pyds, "workers", 1) or 1)
-    processes = bool(getattr(pyds, "use_multiprocessing", False))
-    how = "one at a time" if workers <= 1 else f"{workers} at a time on threads{' (not processes)' * processes}"
-    length = f"of {n} batches" if n is not None else "without end"
-    return f"keras.utils.PyDataset {length}, read by keras-sync by index, each once per epoch ({how}),"
-
-
-class _PyDatasetEpochs:
-    """Calls the PyDataset's ``on_epoch_begin``/``on_epoch_end`` as Keras's own reader would."""
-
-    def __new__(cls, pyds: Any) -> Any:
-        import keras
-
-        class PyDatasetEpochs(keras.callbacks.Callback):
-            def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
-                pyds.on_epoch_begin()
-
-            def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-                pyds.on_epoch_end()
-
-        return PyDatasetEpochs()
 
 
 def _parts(x: Any, y: Any, sample_weight: Any) -> tuple:

@@ -74,7 +74,8 @@ class Sync:
     built, after `auto`), ``num_replicas``, ``num_workers``, ``is_chief``,
     ``per_replica_batch_size``, ``global_batch_size``, ``gradient_accumulation_steps``,
     ``effective_batch_size`` (examples per optimizer update), ``base_learning_rate``,
-    ``learning_rate`` (the scaled peak, for the effective batch).
+    ``learning_rate`` (the scaled peak, for the effective batch), ``input_facts`` (what the input
+    pipeline did with the last `fit`'s data: `keras_sync.pipeline.InputFacts`, None before).
     """
 
     def __init__(self, config: Config, strategy: Any, detection: Any):
@@ -99,6 +100,8 @@ class Sync:
         self._schedules: list[Any] = []
         self._steps_per_epoch: int | None = None
         self._warned_batch_size = False
+        #: What the input pipeline did with the last fit's training data (`keras_sync.pipeline.InputFacts`).
+        self.input_facts: Any = None
 
     def __repr__(self) -> str:
         return (
@@ -329,7 +332,6 @@ class Sync:
         pipeline = self._pipeline()
         prepared = pipeline.prepare(method, x, y, kwargs, per_replica * self.num_replicas)
         if method == "fit":
-            #: What the input pipeline did with the last fit's training data (`keras_sync.pipeline.InputFacts`).
             self.input_facts = pipeline.facts
         return prepared
 

@@ -176,7 +176,7 @@ def probes(sync, tf, x, y) -> dict:
         unbatched = str(e)
     import keras
 
-    from keras_sync.pipeline import py_dataset_batches
+    from keras_sync._py_dataset import py_dataset_batches
 
     class Endless(keras.utils.PyDataset):
         def __getitem__(self, i):
