@@ -5,7 +5,7 @@ argv: MODE OUT [CONFIG_JSON]
   replicas   2 simulated replicas (mirrored), one fit per input kind, plus the batch/policy probes
   workers    under `keras-sync launch` (multi_worker_mirrored), one fit per input kind
 Input kinds: arrays (and each worker's own arrays, batch.shard_policy: off); tf.data pipelines batched by
-64; keras.utils.PyDataset (batches of 16; batches of 32 read by 2 threads); pipelines already split per worker (a shard op; AutoShardPolicy.OFF with a known and an
+64; keras.utils.PyDataset (batches of 16; batches of 32, workers=2, threads or processes); pipelines already split per worker (a shard op; AutoShardPolicy.OFF with a known and an
 unknown length); TFRecord files (1 file: fewer than the workers; 4 files, laid out so that TensorFlow's
 sharding by file trains one device's batch k at step k).
 Each writes OUT/<mode>[-w<task>].json: weights per input kind, the chief's input lines, probes.
@@ -48,7 +48,7 @@ def flat(m) -> list[float]:
     return np.concatenate([w.ravel() for w in m.get_weights()]).tolist()
 
 
-def py_dataset(keras, x, y, batch, workers=1):
+def py_dataset(keras, x, y, batch, workers=1, processes=False):
     class Batches(keras.utils.PyDataset):
         def __len__(self):
             return -(-N // batch)
@@ -56,7 +56,7 @@ def py_dataset(keras, x, y, batch, workers=1):
         def __getitem__(self, i):
             return x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch]
 
-    return Batches(workers=workers)
+    return Batches(workers=workers, use_multiprocessing=processes)
 
 
 def write_records(tf, x, y, files: int, workers: int, out: str) -> list[str]:
@@ -107,6 +107,7 @@ def inputs(tf, x, y, keras=None, workers=1, index=0, out="."):
     extra = {} if keras is None else {
         "pydataset16": lambda: py_dataset(keras, x, y, 16),
         "pydataset32_threads": lambda: py_dataset(keras, x, y, BATCH, workers=2),
+        "pydataset32_processes": lambda: py_dataset(keras, x, y, BATCH, workers=2, processes=True),
         "user_shard": lambda: plain.shard(workers, index).batch(16),
         "own_off": lambda: tf.data.Dataset.from_tensor_slices(mine).batch(16).with_options(off),
         "own_off_unknown_length": lambda: tf.data.Dataset.from_generator(gen_mine, output_signature=spec).with_options(off),

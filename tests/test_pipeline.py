@@ -35,8 +35,8 @@ KINDS = ("arrays", "batch64", "batch64_map_prefetch", "generator64")
 # Issue 22: a keras.utils.PyDataset (batches of 16; batches of 32 read by 2 threads, which Keras's own reader
 # trains twice/never in epoch 0 under a strategy); a pipeline already split per worker (a shard op, or
 # AutoShardPolicy.OFF with a known or an unknown length); TFRecord files, 1 (fewer than the workers) and 4.
-MORE_KINDS = ("arrays_own_part", "pydataset16", "pydataset32_threads", "user_shard", "own_off", "own_off_unknown_length",
-              "tfrecord1", "tfrecord4")
+MORE_KINDS = ("arrays_own_part", "pydataset16", "pydataset32_threads", "pydataset32_processes", "user_shard",
+              "own_off", "own_off_unknown_length", "tfrecord1", "tfrecord4")
 RAY_TF_CONFIG = json.dumps({"cluster": {"worker": ["10.0.0.1:1", "10.0.0.2:1"]}, "task": {"type": "worker", "index": 0}})
 
 
@@ -232,6 +232,7 @@ def test_py_dataset_is_read_by_index_and_rebatched(runs):
     chief = runs["w0"]["lines"]["pydataset16"][0]
     assert chief.startswith(line) and "shard policy data (batch.shard_policy: auto and the pipeline reads no files" in chief
     assert "(2 at a time on threads)" in runs["w0"]["lines"]["pydataset32_threads"][0]
+    assert "(2 at a time on threads (not processes))" in runs["w0"]["lines"]["pydataset32_processes"][0]
     for r in (runs["replicas"], runs["w0"], runs["w1"]):
         assert r["facts"]["pydataset16"]["source"] == "keras.utils.PyDataset"
         assert r["facts"]["pydataset16"]["examples_per_epoch"] == 512
