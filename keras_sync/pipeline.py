@@ -7,16 +7,23 @@ The rules (the README's "Input data" section says the same):
   its own part. A `tf.data.Dataset` whose own options set a policy other than ``AUTO`` keeps it:
   Ray's `prepare_dataset_shard` and Ray Data's `DataIterator.to_tf` set ``OFF`` because the shard
   is already this worker's (``ray/train/tensorflow/train_loop_utils.py``, ``ray/data/iterator.py``).
-  Any other dataset gets ``batch.shard_policy`` (``auto``: TensorFlow's own, by file if it can, else
-  by example).
+  Any other dataset gets ``batch.shard_policy`` (``auto``: see files, below).
 * **The global batch is the configured one.** A dataset given to `fit` is batched already (Keras
   requires it). When its batch is not the configured global batch, or cannot be read, it is
   rebatched to it (`tf.data.Dataset.rebatch`: same examples, same order), so the learning rate,
   scaled for the configured batch, matches the batch trained on.
+* **Files decide before training.** Under several workers ``auto`` (or ``file``) becomes ``file``
+  when the pipeline reads at least as many files as workers, else ``data``: TensorFlow's FILE
+  sharding would fail at the first step ("Could not apply FILE based sharding").
+* **A worker's own part** (a ``shard`` op in the pipeline, ``OFF`` in its options,
+  ``batch.shard_policy: off``) is, under several workers, rebatched per replica and given to the
+  strategy as this worker's input (`distribute_datasets_from_function`): never sharded again, its
+  steps counted from its own length (unknown when the workers' parts differ in length).
+* **A `keras.utils.PyDataset`** is read by keras-sync by index, each batch once per epoch
+  (`py_dataset_batches`), then handled as a batched dataset.
 * **Multi-worker.** TensorFlow reads every worker's dataset as batched by the global batch and
   gives each worker ``global / workers`` examples of it per step (each replica ``global /
-  replicas``). With shard policy ``off`` (an already-sharded dataset) each worker takes those
-  examples from its own shard, so a step still trains on ``global`` distinct examples.
+  replicas``).
 
 Pure helpers (`shard_choice`, `batch_layout`) need no TensorFlow; `keras-sync plan` uses them.
 """
@@ -27,9 +34,11 @@ import logging
 import math
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from keras_sync._dataset_graph import file_count, has_shard_op
+from keras_sync._py_dataset import PyDatasetEpochs, is_py_dataset, py_dataset_batches, py_dataset_source
 from keras_sync.errors import UsageError
 
 log = logging.getLogger("keras_sync")
@@ -69,7 +78,8 @@ def shard_choice(kind: Literal["arrays", "dataset"], *, configured: str, own: st
         ray = ", as Ray Data and prepare_dataset_shard do: it is already this worker's shard" if own == "off" else ""
         return ShardChoice(own, f"set in the dataset's own options{ray}")
     if configured == "auto":
-        return ShardChoice("auto", "batch.shard_policy: auto, TensorFlow shards by file if it can, else by example")
+        return ShardChoice("auto", "batch.shard_policy: auto, by file when the pipeline reads at least as many files "
+                                   "as there are workers, else by example")
     return ShardChoice(configured, f"batch.shard_policy: {configured}")
 
 
@@ -88,6 +98,30 @@ def batch_layout(global_batch: int, num_replicas: int, num_workers: int) -> str:
 
 
 @dataclass(frozen=True)
+class InputFacts:
+    """What the pipeline did with the training data of one `fit` (``Sync.input_facts``), for run-time checks.
+
+    Attributes:
+        source: ``arrays``, ``tf.data.Dataset``, ``keras.utils.PyDataset`` or ``distributed dataset``.
+        shard_policy: the policy TensorFlow applies across workers (``data``, ``file``, ``off``);
+            ``off`` with ``own_part`` means each worker trains its own part.
+        own_part: each worker's data is its own part (a ``shard`` op, ``OFF`` in its options,
+            ``batch.shard_policy: off``), distributed by keras-sync without sharding.
+        examples_per_epoch: the examples the job trains per epoch (all workers), when known.
+        worker_examples_per_epoch: this worker's examples per epoch, when known (its part, or
+            its share of a split input when the split is even).
+        steps_per_epoch: optimizer steps per epoch when known (before gradient accumulation).
+    """
+
+    source: str
+    shard_policy: str
+    own_part: bool = False
+    examples_per_epoch: int | None = None
+    worker_examples_per_epoch: int | None = None
+    steps_per_epoch: int | None = None
+
+
+@dataclass(eq=False)
 class InputPipeline:
     """Turns what a user passes to `fit`/`distribute` into what the strategy trains on.
 
@@ -95,7 +129,8 @@ class InputPipeline:
     this process is the chief, ``drop_remainder`` and ``shard_policy`` from the config, the scaled
     learning rate (for the messages), and when arrays must become a dataset: always under
     `multi_worker_mirrored` (Keras requires it), and for `fit` with a backup in a script that set
-    no TensorFlow seed (its seeded shuffle lets a resumed job replay the order; see `tf_seed_set`).
+    no TensorFlow seed (its seeded shuffle lets a resumed job replay the order; see `tf_seed_set`);
+    the strategy (a worker's own part becomes its input).
     """
 
     global_batch: int
@@ -107,6 +142,9 @@ class InputPipeline:
     multi_worker: bool
     replay_order: bool
     learning_rate: float = 0.0
+    strategy: Any = None
+    #: What the last `prepare(method="fit", ...)` did with the training data (None before).
+    facts: InputFacts | None = field(default=None, init=False)
 
     # -- sync.distribute ---------------------------------------------------------------------
 
@@ -130,6 +168,16 @@ class InputPipeline:
 
     def prepare(self, method: str, x: Any, y: Any, kwargs: dict[str, Any], global_batch: int) -> tuple[Any, Any, dict[str, Any]]:
         """(x, y, kwargs) for ``model.<method>``: arrays batched by ``global_batch``, datasets reconciled."""
+        if is_py_dataset(x):
+            ds, found, examples = py_dataset_batches(x)
+            if method == "fit":
+                kwargs.setdefault("shuffle", False)
+                kwargs["callbacks"] = [PyDatasetEpochs(x)] + list(kwargs.get("callbacks") or [])
+                x = self.training_dataset(ds, found=(found, "its first batch"), examples=examples,
+                                          source="keras.utils.PyDataset", described=py_dataset_source(x, x.num_batches))
+            else:
+                x = ds  # evaluate/predict: its batches as given, each read once
+            return x, y, kwargs
         if is_dataset(x):
             if method == "fit":
                 # Keras ignores `shuffle` for datasets but warns about its default True on every fit.
@@ -139,30 +187,50 @@ class InputPipeline:
         if not (self.multi_worker or (method == "fit" and self.replay_order and not tf_seed_set())):
             kwargs["batch_size"] = global_batch
             if method == "fit":
+                n = _array_examples(x, kwargs.get("validation_split"))
+                self.facts = InputFacts("arrays", "data", examples_per_epoch=n, steps_per_epoch=_steps(n, global_batch, False))
                 self._say(f"keras-sync: training data: arrays, batched by keras-sync; "
                           f"{batch_layout(global_batch, self.num_replicas, self.num_workers)}", loud=False)
             return x, y, kwargs
         return self._arrays_to_dataset(method, x, y, kwargs, global_batch)
 
-    def training_dataset(self, ds: Any) -> Any:
-        """A batched dataset given to `fit`: its shard policy settled, rebatched to the global batch."""
+    def training_dataset(self, ds: Any, *, found: tuple[int | None, str] | None = None, examples: int | None = None,
+                         source: str = "tf.data.Dataset", described: str | None = None,
+                         choice: ShardChoice | None = None) -> Any:
+        """A batched dataset given to `fit`: its shard policy settled, rebatched to the global batch.
+
+        A dataset that is already each worker's own part (a ``shard`` op in the pipeline, ``OFF``
+        in its options, ``batch.shard_policy: off``) is, on several workers, given to the strategy
+        as each worker's input (`distribute_datasets_from_function`, per-replica batches): TensorFlow
+        neither shards it again nor counts its steps from a global batch it does not hold.
+        """
         import tensorflow as tf
 
         if not isinstance(ds, tf.data.Dataset):  # a DistributedDataset: the user distributed it already
+            self.facts = InputFacts("distributed dataset", "as given")
             self._say("keras-sync: training data: an already distributed dataset, used as given", loud=False)
             return ds
         _refuse_unbatched(ds)
-        choice = self._choice(ds)
-        found, how = batch_size_of(ds)
+        choice = choice or self._choice(ds)
+        shard_op = has_shard_op(ds)
+        own_part = self.num_workers > 1 and (choice.policy == "off" or shard_op)
+        if own_part and choice.policy != "off":
+            choice = ShardChoice("off", "a shard op in the pipeline: it is already this worker's part")
+        found_size, how = found if found is not None else batch_size_of(ds)
+        if examples is None:
+            examples = _example_count(ds, found_size)
+        # Under several workers an own part is read per replica: each worker trains global/workers of it per step.
+        target = self.global_batch // self.num_replicas if own_part else self.global_batch
         loud = self.num_workers > 1
-        if found == self.global_batch:
-            note = f"batched by {found} ({how}) = the global batch"
+        if found_size == self.global_batch and not own_part:
+            note = f"batched by {found_size} ({how}) = the global batch"
         else:
-            ds, loud = _rebatch(ds, self.global_batch, found, self.drop_remainder), True
-            was = f"batched by {found} ({how})" if found else f"batch size unknown ({how})"
-            note = (f"{was}, rebatched to the global batch {self.global_batch}; the learning rate "
-                    f"{self.learning_rate:g} is scaled for {self.global_batch}")
-            if found is None and self.is_chief:
+            ds, loud = _rebatch(ds, target, found_size, self.drop_remainder, examples), True
+            was = f"batched by {found_size} ({how})" if found_size else f"batch size unknown ({how})"
+            to = (f"rebatched to {target} per replica, its worker's share of the global batch {self.global_batch}"
+                  if own_part else f"rebatched to the global batch {self.global_batch}")
+            note = f"{was}, {to}; the learning rate {self.learning_rate:g} is scaled for {self.global_batch}"
+            if found_size is None and self.is_chief:
                 warnings.warn(
                     f"keras-sync: cannot tell the batch size of the dataset given to sync.fit ({how}); it was "
                     f"rebatched to the configured global batch {self.global_batch}, so each step trains on "
@@ -173,9 +241,54 @@ class InputPipeline:
                     stacklevel=4,
                 )
         ds = _with_policy(ds, choice)
-        self._say(f"keras-sync: training data: tf.data.Dataset {note}; shard policy {choice.policy} ({choice.reason}); "
+        workers = self.num_workers
+        if own_part:
+            part = f"; each worker trains {self.global_batch // workers} examples of its own part per step"
+            batches = int(ds.cardinality())
+            per_worker = self._across_workers(batches, -1 if examples is None else examples)
+            steps = batches // (self.num_replicas // workers) if batches >= 0 else None
+            same = len({b for b, _ in per_worker}) == 1 and batches >= 0
+            if batches >= 0 and not same:
+                part += (f"; the parts differ in length ({', '.join(str(b) for b, _ in per_worker)} batches of "
+                         f"{target}): each epoch ends when every worker's part has")
+                steps = None
+            job = sum(e for _, e in per_worker) if all(e >= 0 for _, e in per_worker) else None
+            self.facts = InputFacts(source, "off", own_part=True, examples_per_epoch=job,
+                                    worker_examples_per_epoch=examples, steps_per_epoch=steps)
+            ds = self._per_worker(ds, known_steps=same)
+        else:
+            part = ""
+            steps = _steps(examples, self.global_batch, self.drop_remainder)
+            share = examples // workers if examples is not None and examples % (workers * self.global_batch) == 0 else None
+            self.facts = InputFacts(source, choice.policy, examples_per_epoch=examples,
+                                    worker_examples_per_epoch=share if workers > 1 else examples, steps_per_epoch=steps)
+        self._say(f"keras-sync: training data: {described or source} {note}; shard policy {choice.policy} ({choice.reason}){part}; "
                   f"{batch_layout(self.global_batch, self.num_replicas, self.num_workers)}", loud=loud)
         return ds
+
+    def _per_worker(self, ds: Any, *, known_steps: bool) -> Any:
+        """This worker's own part, batched per replica, as the strategy's input on this worker."""
+        if int(ds.cardinality()) >= 0 and (not known_steps or self.num_replicas // self.num_workers > 1):
+            # Keras takes a known length as the steps of every worker: parts of different lengths would
+            # leave one worker waiting in a collective for the others, and with several replicas per
+            # worker Keras would count per-replica batches. Unknown, the epoch ends when every part has
+            # (TensorFlow agrees across workers that all are out of data).
+            ds = ds.filter(lambda *_: True)
+        return self.strategy.distribute_datasets_from_function(lambda _context: ds)
+
+    def _across_workers(self, batches: int, examples: int) -> list[tuple[int, int]]:
+        """(batches, examples) of every worker's part, in worker order: one all-gather, on every worker."""
+        import tensorflow as tf
+
+        strategy = self.strategy
+
+        @tf.function  # eager, MultiWorkerMirroredStrategy.run warns of its overhead on every worker
+        def gather() -> Any:
+            return strategy.gather(strategy.run(lambda: tf.constant([[batches, examples]], tf.int64)), axis=0)
+
+        values = gather().numpy().tolist()
+        per_replica = self.num_replicas // self.num_workers
+        return [tuple(v) for v in values[::per_replica]]
 
     def _arrays_to_dataset(self, method: str, x: Any, y: Any, kwargs: dict[str, Any], global_batch: int) -> tuple[Any, Any, dict[str, Any]]:
         import tensorflow as tf
@@ -197,6 +310,14 @@ class InputPipeline:
         if method == "fit":
             kwargs["shuffle"] = False  # shuffled here, with one seed for all workers; Keras would only warn
             choice = self._choice(None)
+            n = len(tf.nest.flatten(x)[0])
+            if choice.policy == "off" and self.num_workers > 1 and global_batch == self.global_batch:
+                # Each worker's arrays are its own part: read per replica, not sharded, steps from its own length.
+                ds = self._arrays(_parts(x, y, sample_weight), global_batch, shuffle)
+                return self.training_dataset(ds, found=(global_batch, "keras-sync's batch"), examples=n,
+                                             source="arrays", choice=choice), None, kwargs
+            self.facts = InputFacts("arrays", choice.policy, examples_per_epoch=n,
+                                    steps_per_epoch=_steps(n, global_batch, self.drop_remainder))
             self._say(f"keras-sync: training data: arrays, shard policy {choice.policy} ({choice.reason}); "
                       f"{batch_layout(global_batch, self.num_replicas, self.num_workers)}", loud=self.num_workers > 1)
         return self._arrays(_parts(x, y, sample_weight), global_batch, shuffle), None, kwargs
@@ -217,7 +338,23 @@ class InputPipeline:
     def _choice(self, ds: Any | None) -> ShardChoice:
         if ds is None:
             return shard_choice("arrays", configured=self.shard_policy)
-        return shard_choice("dataset", configured=self.shard_policy, own=own_shard_policy(ds))
+        choice = shard_choice("dataset", configured=self.shard_policy, own=own_shard_policy(ds))
+        if self.num_workers <= 1 or choice.policy not in ("auto", "file"):
+            return choice
+        # Decided here, before training: TensorFlow's FILE sharding fails at the first step when the
+        # pipeline reads fewer files than there are workers ("Could not apply FILE based sharding").
+        files = file_count(ds)
+        workers = self.num_workers
+        if files is None:
+            if choice.policy == "file":
+                return ShardChoice("data", "batch.shard_policy: file, but the pipeline reads no files: split by example")
+            return ShardChoice("data", "batch.shard_policy: auto and the pipeline reads no files: TensorFlow splits "
+                                       "it by example")
+        if files < workers:
+            return ShardChoice("data", f"the pipeline reads {files} file{'s' * (files != 1)} for {workers} workers, "
+                                       "too few to shard by file: split by example")
+        return ShardChoice("file", f"batch.shard_policy: {choice.policy} and the pipeline reads {files} files for "
+                                   f"{workers} workers: each worker reads its own files")
 
     def _say(self, line: str, *, loud: bool) -> None:
         """One line about the input on the chief: printed when it matters (several workers, a
@@ -338,11 +475,10 @@ def _batch_op(ds: Any) -> Any:
     return None
 
 
-def _rebatch(ds: Any, global_batch: int, found: int | None, drop_remainder: bool) -> Any:
-    """``ds`` rebatched to ``global_batch``, keeping a known number of steps when it can be computed."""
+def _rebatch(ds: Any, global_batch: int, found: int | None, drop_remainder: bool, examples: int | None) -> Any:
+    """``ds`` rebatched to ``global_batch``, keeping a known number of steps when the examples are known."""
     import tensorflow as tf
 
-    examples = _example_count(ds, found)
     out = ds.rebatch(global_batch, drop_remainder=drop_remainder)
     if examples is not None:
         steps = examples // global_batch if drop_remainder else math.ceil(examples / global_batch)
@@ -373,6 +509,22 @@ def _example_count(ds: Any, found: int | None) -> int | None:
     return examples if math.ceil(examples / found) == batches else None
 
 
+def _steps(examples: int | None, batch: int, drop_remainder: bool) -> int | None:
+    if examples is None:
+        return None
+    return examples // batch if drop_remainder else math.ceil(examples / batch)
+
+
+def _array_examples(x: Any, validation_split: float | None) -> int | None:
+    import tensorflow as tf
+
+    try:
+        n = len(tf.nest.flatten(x)[0])
+    except TypeError:
+        return None
+    return int(n * (1.0 - validation_split)) if validation_split else n
+
+
 def _parts(x: Any, y: Any, sample_weight: Any) -> tuple:
     return tuple(p for p in (x, y, sample_weight) if p is not None)
 
@@ -380,7 +532,8 @@ def _parts(x: Any, y: Any, sample_weight: Any) -> tuple:
 def steps_of(x: Any, batch_size: int | None, validation_split: float | None) -> int | None:
     """Steps in one epoch of what `fit` trains on (a dataset's cardinality, or arrays / batch)."""
     if is_dataset(x):
-        n = int(x.cardinality()) if hasattr(x, "cardinality") else -1
+        card = getattr(x, "cardinality", -1)
+        n = int(card() if callable(card) else card)
         return n if n > 0 else None
     if x is None or batch_size is None:
         return None

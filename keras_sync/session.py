@@ -81,7 +81,8 @@ class Sync:
     built, after `auto`), ``num_replicas``, ``num_workers``, ``is_chief``,
     ``per_replica_batch_size``, ``global_batch_size``, ``gradient_accumulation_steps``,
     ``effective_batch_size`` (examples per optimizer update), ``base_learning_rate``,
-    ``learning_rate`` (the scaled peak, for the effective batch).
+    ``learning_rate`` (the scaled peak, for the effective batch), ``input_facts`` (what the input
+    pipeline did with the last `fit`'s data: `keras_sync.pipeline.InputFacts`, None before).
     """
 
     def __init__(self, config: Config, strategy: Any, detection: Any):
@@ -106,6 +107,8 @@ class Sync:
         self._schedules: list[Any] = []
         self._steps_per_epoch: int | None = None
         self._warned_batch_size = False
+        #: What the input pipeline did with the last fit's training data (`keras_sync.pipeline.InputFacts`).
+        self.input_facts: Any = None
 
     def __repr__(self) -> str:
         return (
@@ -184,6 +187,7 @@ class Sync:
             multi_worker=KINDS[self.kind].multi_process,
             replay_order=bool(self.config.fault_tolerance.backup_dir),
             learning_rate=self.learning_rate,
+            strategy=self.strategy,
         )
 
     # -- Keras -------------------------------------------------------------------------------
@@ -344,7 +348,11 @@ class Sync:
         _keras_compat.check_steps_per_execution(model, self.strategy)
         kwargs = dict(kwargs)
         per_replica = self._batch_size_argument(kwargs.pop("batch_size", None), method)
-        return self._pipeline().prepare(method, x, y, kwargs, per_replica * self.num_replicas)
+        pipeline = self._pipeline()
+        prepared = pipeline.prepare(method, x, y, kwargs, per_replica * self.num_replicas)
+        if method == "fit":
+            self.input_facts = pipeline.facts
+        return prepared
 
     def _batch_size_argument(self, batch_size: int | None, method: str) -> int:
         if batch_size is None:

@@ -32,6 +32,11 @@ SAME = 1e-5
 # measured with plain Keras 3.15.1 on the default strategy; keras-team/keras#23179);
 # `_keras_compat.apply_end_of_data_fix` stops it, and the step counts below fail without it.
 KINDS = ("arrays", "batch64", "batch64_map_prefetch", "generator64")
+# Issue 22: a keras.utils.PyDataset (batches of 16; batches of 32 read by 2 threads, which Keras's own reader
+# trains twice/never in epoch 0 under a strategy); a pipeline already split per worker (a shard op, or
+# AutoShardPolicy.OFF with a known or an unknown length); TFRecord files, 1 (fewer than the workers) and 4.
+MORE_KINDS = ("arrays_own_part", "pydataset16", "pydataset32_threads", "pydataset32_processes", "user_shard",
+              "own_off", "own_off_unknown_length", "tfrecord1", "tfrecord4")
 RAY_TF_CONFIG = json.dumps({"cluster": {"worker": ["10.0.0.1:1", "10.0.0.2:1"]}, "task": {"type": "worker", "index": 0}})
 
 
@@ -136,7 +141,7 @@ def test_the_comparison_can_tell_batch_64_from_batch_32(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + MORE_KINDS)
 def test_user_batched_pipeline_trains_on_the_global_batch_on_2_replicas(runs, kind):
     r = runs["replicas"]
     assert (r["replicas"], r["workers"], r["global_batch"], r["learning_rate"]) == (2, 1, 32, pytest.approx(0.1))
@@ -144,7 +149,7 @@ def test_user_batched_pipeline_trains_on_the_global_batch_on_2_replicas(runs, ki
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + MORE_KINDS)
 def test_user_batched_pipeline_trains_on_the_global_batch_on_2_workers(runs, kind):
     for w in ("w0", "w1"):
         r = runs[w]
@@ -153,7 +158,7 @@ def test_user_batched_pipeline_trains_on_the_global_batch_on_2_workers(runs, kin
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["batch64", "batch64_map_prefetch", "generator64"])
+@pytest.mark.parametrize("kind", ["batch64", "batch64_map_prefetch", "generator64", *MORE_KINDS])
 def test_every_pipeline_takes_one_optimizer_step_per_batch(runs, kind):
     # generator64 included: its length is unknown, and Keras's extra step at the end of each
     # epoch would make this 34 (the learning-rate schedule, warmup and backups count these).
@@ -165,8 +170,8 @@ def test_the_chief_says_what_it_did_with_each_input(runs):
     mirrored, chief, other = runs["replicas"]["lines"], runs["w0"]["lines"], runs["w1"]["lines"]
     assert mirrored["batch64"] == [
         "keras-sync: training data: tf.data.Dataset batched by 64 (its batch op), rebatched to the global batch 32; "
-        "the learning rate 0.1 is scaled for 32; shard policy auto (batch.shard_policy: auto, TensorFlow shards by "
-        "file if it can, else by example); global batch 32 = 16 per replica x 2 replicas"]
+        "the learning rate 0.1 is scaled for 32; shard policy auto (batch.shard_policy: auto, by file when the pipeline "
+        "reads at least as many files as there are workers, else by example); global batch 32 = 16 per replica x 2 replicas"]
     assert mirrored["arrays"] == []  # one process, Keras batches the arrays: nothing to say
     assert chief["arrays"] == [
         "keras-sync: training data: arrays, shard policy data (arrays are split across workers by example); "
@@ -216,3 +221,74 @@ def test_unbatched_dataset_given_to_fit_is_refused_with_the_fix(runs):
     msg = runs["replicas"]["probes"]["unbatched_error"]
     assert msg.startswith("sync.fit received a tf.data.Dataset of single examples, not batches (element_spec=")
     assert "Fix: pass it through sync.distribute(dataset)" in msg
+
+
+@pytest.mark.slow
+def test_py_dataset_is_read_by_index_and_rebatched(runs):
+    line = ("keras-sync: training data: keras.utils.PyDataset of 32 batches, read by keras-sync by index, each once per "
+            "epoch (one at a time), batched by 16 (its first batch), rebatched to the global batch 32; the learning rate "
+            "0.1 is scaled for 32; shard policy ")
+    assert runs["replicas"]["lines"]["pydataset16"][0].startswith(line)
+    chief = runs["w0"]["lines"]["pydataset16"][0]
+    assert chief.startswith(line) and "shard policy data (batch.shard_policy: auto and the pipeline reads no files" in chief
+    assert "(2 at a time on threads)" in runs["w0"]["lines"]["pydataset32_threads"][0]
+    assert "(2 at a time on threads (not processes))" in runs["w0"]["lines"]["pydataset32_processes"][0]
+    for r in (runs["replicas"], runs["w0"], runs["w1"]):
+        assert r["facts"]["pydataset16"]["source"] == "keras.utils.PyDataset"
+        assert r["facts"]["pydataset16"]["examples_per_epoch"] == 512
+        assert r["facts"]["pydataset16"]["steps_per_epoch"] == 16
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["arrays_own_part", "user_shard", "own_off", "own_off_unknown_length"])
+def test_a_workers_own_part_is_neither_sharded_again_nor_cut_short(runs, kind):
+    chief = runs["w0"]["lines"][kind][0]
+    assert "shard policy off (" in chief and "each worker trains 16 examples of its own part per step" in chief
+    if kind != "own_off_unknown_length":
+        assert "rebatched to 16 per replica, its worker's share of the global batch 32" in chief
+    if kind == "user_shard":
+        assert "(a shard op in the pipeline: it is already this worker's part)" in chief
+    if kind == "arrays_own_part":
+        assert chief.startswith("keras-sync: training data: arrays batched by 32 (keras-sync's batch), rebatched to 16 "
+                                "per replica") and "(batch.shard_policy: off (each worker's arrays are its own part))" in chief
+    for w in ("w0", "w1"):
+        facts = runs[w]["facts"][kind]
+        assert facts["own_part"] is True and facts["shard_policy"] == "off"
+        if kind != "own_off_unknown_length":
+            assert (facts["worker_examples_per_epoch"], facts["steps_per_epoch"]) == (256, 16)
+            assert facts["examples_per_epoch"] == 512  # the parts' lengths, summed over the workers
+    # One worker: nothing to split, the dataset is the whole data.
+    assert runs["replicas"]["facts"][kind]["own_part"] is False
+
+
+@pytest.mark.slow
+def test_too_few_files_for_the_workers_are_split_by_example_before_training(runs):
+    one, four = runs["w0"]["lines"]["tfrecord1"][0], runs["w0"]["lines"]["tfrecord4"][0]
+    assert "shard policy data (the pipeline reads 1 file for 2 workers, too few to shard by file: split by example)" in one
+    assert ("shard policy file (batch.shard_policy: auto and the pipeline reads 4 files for 2 workers: each worker reads "
+            "its own files)") in four
+    assert runs["w0"]["facts"]["tfrecord1"]["shard_policy"] == runs["w1"]["facts"]["tfrecord1"]["shard_policy"] == "data"
+    assert runs["w1"]["facts"]["tfrecord4"]["shard_policy"] == "file"
+
+
+@pytest.mark.slow
+def test_py_dataset_without_a_length_is_refused_with_the_fix(runs):
+    assert runs["replicas"]["probes"]["endless_py_dataset_error"] == (
+        "sync.fit received a keras.utils.PyDataset without a length (Endless has neither __len__ nor num_batches); "
+        "keras-sync reads a PyDataset by index, each batch once per epoch. Fix: give it __len__, or a num_batches "
+        "property (None for an endless one, with steps_per_epoch in fit).")
+
+
+@pytest.mark.slow
+def test_own_parts_of_different_lengths_end_their_epochs_together(runs):
+    # ds.shard(2, i) of 481 examples: 241 and 240, 16 and 15 per-replica batches. With those lengths as
+    # Keras's steps worker 0 would wait alone in step 16's all-reduce; unknown, both end when all parts have.
+    chief = runs["w0"]["lines"]["user_shard_uneven"][0]
+    assert "the parts differ in length (16, 15 batches of 16): each epoch ends when every worker's part has" in chief
+    for w in ("w0", "w1"):
+        assert runs[w]["steps"]["user_shard_uneven"] == 32
+        facts = runs[w]["facts"]["user_shard_uneven"]
+        assert (facts["examples_per_epoch"], facts["steps_per_epoch"]) == (481, None)
+    assert runs["w0"]["facts"]["user_shard_uneven"]["worker_examples_per_epoch"] == 241
+    assert runs["w1"]["facts"]["user_shard_uneven"]["worker_examples_per_epoch"] == 240
+    assert runs["w0"]["weights"]["user_shard_uneven"] == runs["w1"]["weights"]["user_shard_uneven"]
