@@ -152,9 +152,8 @@ def setup_callback(sync: Any) -> Any:
             from keras_sync import _instrument
 
             steps = sync.config.runtime.gradient_accumulation_steps
-            # Several replicas: each replica's gradients weigh by its examples (an uneven last batch).
-            if steps <= 1 and sync.num_replicas <= 1:
-                return
+            # Always: several replicas' gradients weigh by their examples (an uneven last batch), and
+            # the run-time checks (`_run_checks`) count the examples of every step from the probe.
             accumulator = None
             if steps > 1:
                 from keras_sync._accumulate import GradientAccumulator

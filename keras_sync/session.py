@@ -59,6 +59,9 @@ def load(
         # fit/evaluate/predict: a worker that calls one alone fails with one line; workers leave together
         _collective_calls.install(strategy, cfg.strategy.connect_timeout_s)
     sync = Sync(cfg, strategy, detection)
+    from keras_sync import _run_checks
+
+    _run_checks.watch_direct_fit(sync)  # model.fit on a model of sync.scope() without keras-sync: one line
     if sync.is_chief:
         print(f"keras-sync: config: {cfg.origin()}", file=sys.stderr)
     from keras_sync import runtime
@@ -181,7 +184,9 @@ class Sync:
     def fit(self, model: Any, x: Any = None, y: Any = None, **kwargs: Any) -> Any:
         """`model.fit` under this strategy: same arguments, same return value (a `History`).
 
-        Arrays are batched by the global batch (``batch_size``, if given, is read as per-replica);
+        Arrays are batched by the global batch (``batch_size``, if given, is the global batch, as
+        Keras reads it under a `tf.distribute` strategy; `fit` refuses one that differs from the
+        configured batch unless ``learning_rate.scaling`` is none, so the rate fits the batch);
         under `multi_worker_mirrored` they become a `tf.data.Dataset`, as Keras requires. A batched
         dataset is rebatched to the global batch (see `keras_sync.pipeline`). The MLflow run ends
         (FINISHED) when fit returns; the next fit of this `Sync` continues it.
@@ -189,14 +194,25 @@ class Sync:
         from keras_sync import runtime
 
         runtime.prepare_model(self, model)  # steps_per_execution, jit_compile, sync BatchNorm
-        per_replica = kwargs.get("batch_size")  # checked by _prepare
+        given = kwargs.get("batch_size")  # the global batch, checked by _prepare
+        data, fit_kwargs = x, dict(kwargs)
         x, y, kwargs = self._prepare(model, "fit", x, y, kwargs)
+        per_replica = given // self.num_replicas if given else None
+        from keras_sync import _run_checks
+
+        pipe = self._pipeline()
+        global_batch = given or self.global_batch_size
+        # drop_remainder applies to a dataset, and to arrays made into one (multi-worker, replay order).
+        drops = pipe.drop_remainder and (pipe.multi_worker or pipe.replay_order or _is_dataset(data))
+        expected = _run_checks.expected_examples(self, data, fit_kwargs, global_batch, drops)
         self._resolve_pending_warmup(x, kwargs)
         from keras_sync import callbacks as ks_callbacks
 
         # First: once fit has built the model, it sets up gradient accumulation and custom train_steps.
         kwargs["callbacks"] = [runtime.setup_callback(self)] + ks_callbacks.default_callbacks(
             self, model, kwargs.get("callbacks"), per_replica_batch_size=per_replica)
+        # Last: it reads what every other callback restored, and checks what really trained.
+        kwargs["callbacks"].append(_run_checks.checks_callback(self, global_batch=global_batch, expected=expected))
         from keras_sync import saving
         from keras_sync.callbacks._run import run_ends_after_fit, shared_run_for
         from keras_sync.callbacks.backup import resumable_fit
@@ -324,24 +340,40 @@ class Sync:
 
         _keras_compat.check_steps_per_execution(model, self.strategy)
         kwargs = dict(kwargs)
-        per_replica = self._batch_size_argument(kwargs.pop("batch_size", None), method)
-        return self._pipeline().prepare(method, x, y, kwargs, per_replica * self.num_replicas)
+        global_batch = self._batch_size_argument(kwargs.pop("batch_size", None), method)
+        return self._pipeline().prepare(method, x, y, kwargs, global_batch)
 
     def _batch_size_argument(self, batch_size: int | None, method: str) -> int:
+        """The global batch of this call: ``batch_size`` as Keras reads it under a `tf.distribute`
+        strategy (the global batch), or the configured one when it is left out."""
         if batch_size is None:
-            return self.per_replica_batch_size
+            return self.global_batch_size
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise UsageError(
                 f"Invalid value for argument `batch_size` of sync.{method}. Received: batch_size={batch_size!r}. "
-                "Expected a per-replica batch size (an integer >= 1), or leave it out to use batch.per_replica."
+                "Expected the global batch size (an integer >= 1, as Keras reads it under a tf.distribute strategy), "
+                "or leave it out to use the configured global batch."
             )
-        if batch_size != self.per_replica_batch_size and not self._warned_batch_size:
+        if batch_size == self.global_batch_size or method != "fit":
+            return batch_size  # evaluate/predict: the batch changes no weight
+        if batch_size % self.num_replicas:
+            raise UsageError(
+                f"Invalid value for argument `batch_size` of sync.fit. Received: batch_size={batch_size}. Expected "
+                f"the global batch, a multiple of the {self.num_replicas} replicas. Fix: leave batch_size out and set "
+                "batch.global (or batch.per_replica) in the config.")
+        if self.config.learning_rate.scaling != "none":
+            raise UsageError(
+                f"sync.fit(batch_size={batch_size}): batch_size is the global batch (as Keras reads it under a "
+                f"tf.distribute strategy), but the learning rate {self.learning_rate:g} was scaled for the configured "
+                f"global batch {self.global_batch_size}. Fix: set batch.global: {batch_size} in the config (the rate "
+                "is then scaled for it), or leave batch_size out.")
+        if not self._warned_batch_size:
             self._warned_batch_size = True
             warnings.warn(
-                f"sync.{method}(batch_size={batch_size}): keras-sync reads batch_size as per-replica, so the global "
-                f"batch is {batch_size} x {self.num_replicas} replicas = {batch_size * self.num_replicas}. The learning "
-                f"rate {self.learning_rate:g} was scaled for the configured global batch {self.global_batch_size}; "
-                "set batch.per_replica in the config instead to keep them consistent.",
+                f"sync.fit(batch_size={batch_size}): the global batch, as Keras reads it under a tf.distribute "
+                f"strategy ({batch_size // self.num_replicas} per replica x {self.num_replicas} replicas), not the "
+                f"configured {self.global_batch_size}; learning_rate.scaling is none, so the rate "
+                f"{self.learning_rate:g} is the same for both.",
                 UserWarning,
                 stacklevel=4,
             )
@@ -391,6 +423,12 @@ def _quiet_end_of_data(steps_per_epoch: Any) -> Any:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Your input ran out of data", category=UserWarning)
         yield
+
+
+def _is_dataset(x: Any) -> bool:
+    from keras_sync.pipeline import is_dataset
+
+    return x is not None and is_dataset(x)
 
 
 def _worker_info(strategy: Any) -> tuple[int, bool, tuple[str | None, int | None]]:

@@ -85,7 +85,7 @@ _LONGEST_FIRST = {
     "test_tracking": 311, "test_multi_worker": 267, "test_ray": 216, "autolog_runs": 212, "test_runtime": 191,
     "test_keras_compat": 158, "test_sync_metrics": 149, "test_preemption": 115, "test_slurm": 114,
     "test_two_hosts": 112, "test_launch": 91, "test_collective_calls": 72, "test_examples": 67, "test_cli": 61,
-    "test_session": 61, "test_epoch": 60, "test_own_fit": 55, "test_saving": 49, "test_cluster": 43, "test_pipeline": 42,
+    "test_session": 61, "test_epoch": 150, "test_own_fit": 55, "test_saving": 49, "test_cluster": 43, "test_pipeline": 42,
     "test_resume": 34, "test_sqlite_store": 33, "test_fit_ends_run": 30, "test_weight_divergence": 28,
     "test_system_metrics": 25,
 }

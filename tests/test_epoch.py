@@ -54,3 +54,74 @@ def test_uneven_last_batch_equals_one_device(runs):
         assert rel(one[key], two[key]) <= 1e-5, (key, one[key], two[key])
     for key in ("loss", "mae"):
         assert rel(one["evaluate"][key], two["evaluate"][key]) <= 1e-5, (key, one["evaluate"], two["evaluate"])
+
+
+def test_no_check_fires_on_a_correct_fit(runs):
+    for n in COUNTS:
+        assert runs[n]["uneven_last_batch"]["checks"] == []
+        assert runs[n]["resume_clean"] == {"checks": [], "resumed": True}
+
+
+def test_batch_size_argument_is_the_global_batch(runs):
+    """batch_size=64 from a plain Keras script: 64 per step on one device and on 2 replicas (32 each)."""
+    one, two = runs[1]["batch_size_global"], runs[2]["batch_size_global"]
+    assert float(np.abs(np.array(one["weights"]) - np.array(two["weights"])).max()) <= 1e-5
+    assert rel(one["loss"], two["loss"]) <= 1e-5
+    assert two["checks"] == []
+    assert two["warnings"] == ["sync.fit(batch_size=64): the global batch, as Keras reads it under a tf.distribute "
+                               "strategy (32 per replica x 2 replicas), not the configured 32; learning_rate.scaling "
+                               "is none, so the rate 0.05 is the same for both."]
+
+
+def test_batch_size_with_a_scaled_rate_is_refused_with_the_fix(runs):
+    assert runs[2]["batch_size_refused"] == {"error": "UsageError", "message": (
+        "sync.fit(batch_size=64): batch_size is the global batch (as Keras reads it under a tf.distribute strategy), "
+        "but the learning rate 0.05 was scaled for the configured global batch 32. Fix: set batch.global: 64 in the "
+        "config (the rate is then scaled for it), or leave batch_size out.")}
+
+
+def test_learning_rate_check_says_the_compile_line_wins(runs):
+    r = runs[2]["learning_rate_warn"]
+    assert r["scaled"] == pytest.approx(0.002)
+    assert r["checks"] == [
+        "keras-sync: check learning_rate failed: the optimizer's learning rate is 0.001, but keras-sync scaled 0.002 "
+        "for the global batch 32 (learning_rate.scaling: linear): the rate of your compile line is used as it is. "
+        "Fix: compile with the optimizer's learning_rate=sync.lr_schedule() (or sync.learning_rate). "
+        "(checks.on_violation: warn)"]
+
+
+def test_on_violation_error_stops_the_fit_with_the_line(runs):
+    r = runs[2]["learning_rate_error"]
+    assert r["error"] == "CheckFailed"
+    assert r["message"].startswith("check learning_rate failed: the optimizer's learning rate is 0.001, but ")
+    assert r["message"].endswith("(checks.on_violation: error)")
+
+
+def test_direct_model_fit_is_said_in_one_line(runs):
+    lines = runs[2]["direct_fit"]["checks"]
+    assert len(lines) == 1 and lines[0].startswith(
+        "keras-sync: check direct_fit failed: model.fit called on Sequential, built in sync.scope(), without "
+        "keras-sync: Keras batches arrays by its own batch_size (32 unless given)")
+
+
+@pytest.mark.parametrize("n", COUNTS)
+def test_examples_per_step_check_fires_on_a_smaller_batch(runs, n):
+    assert runs[n]["examples_per_step"]["checks"] == [
+        "keras-sync: check examples_per_step failed: epoch 1: 21 train steps took 331 examples (15.8 per step), but "
+        "the learning rate was scaled for a global batch of 32. (checks.on_violation: warn)"]
+
+
+def test_resume_check_fires_when_something_restores_over_the_backup(runs):
+    r = runs[2]["resume_tampered"]
+    assert r["resumed"]
+    assert r["checks"] == [
+        "keras-sync: check resume failed: keras-sync restored optimizer step 11 (epoch 2, after batch 0), but "
+        "training continues from step 0: something restored over it (e.g. keras.callbacks.BackupAndRestore next to "
+        "fault_tolerance.backup_dir; keep one). (checks.on_violation: warn)"]
+
+
+def test_a_violation_is_an_mlflow_tag(runs):
+    r = runs[2]["learning_rate_tag"]
+    assert len(r["checks"]) == 1
+    assert r["tags"] == {"keras_sync.check.learning_rate": r["checks"][0].removeprefix(
+        "keras-sync: check learning_rate failed: ").removesuffix(". (checks.on_violation: warn)")}
