@@ -17,7 +17,8 @@ import numpy as np
 import keras_sync
 from _scenario import Results
 
-N = int(sys.argv[1])
+MULTI_WORKER = sys.argv[1] == "mw"  # under `keras-sync launch --workers 2`: 2 workers, one replica each
+N = 2 if MULTI_WORKER else int(sys.argv[1])
 OUT = sys.argv[2]
 results = Results(n=N)
 
@@ -27,8 +28,10 @@ def record(name, fn):
 
 
 def session(**sections):
+    kind = {"kind": "multi_worker_mirrored"} if MULTI_WORKER else \
+        {"kind": "mirrored" if N > 1 else "one_device", "simulated_cpu_replicas": N if N > 1 else 0}
     cfg = {
-        "strategy": {"kind": "mirrored" if N > 1 else "one_device", "simulated_cpu_replicas": N if N > 1 else 0},
+        "strategy": kind,
         "batch": {"global": 32},
         "learning_rate": {"base": 0.05, "scaling": "none"},
         "mlflow": {"enabled": False},
@@ -163,7 +166,33 @@ def resume(tamper):
     return {"checks": checks_said(err), "resumed": "resumed from the backup" in err}
 
 
+def trained_examples(model):
+    """Examples trained so far by every replica of every worker, from keras-sync's replica probe."""
+    from keras_sync import _instrument
+
+    probe = _instrument._probes[model]
+    rings = probe.read()
+    rows = probe.row(rings, probe.count(rings))
+    return int(sum(r[probe.EXAMPLES] for r in rows))
+
+
+def own_parts():
+    """Each worker passes its own part (every other example), batched by the global batch, shard policy OFF."""
+    part = sync.task[1] or 0
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    ds = tf.data.Dataset.from_tensor_slices((x[part::2], y[part::2])).batch(32).with_options(options)
+    model = make_model(sync)
+    _, err = stderr_of(lambda: sync.fit(model, ds, epochs=1, verbose=0))
+    return {"checks": checks_said(err), "trained": trained_examples(model), "data": len(x)}
+
+
 record("uneven_last_batch", uneven_last_batch)
+if MULTI_WORKER:
+    record("own_parts", own_parts)
+    if sync.is_chief:
+        results.dump(OUT)
+    sys.exit(0)
 record("batch_size_global", batch_size_global)
 record("batch_size_refused", batch_size_refused)
 record("learning_rate_warn", lambda: learning_rate_check("warn"))

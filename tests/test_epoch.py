@@ -1,7 +1,8 @@
 """An epoch trained as on one device: an uneven last batch, `batch_size` given to fit, run-time checks.
 
-Logical CPU devices are fixed once per process, so one device and 2 mirrored replicas each run
-tests/_epoch_scenarios.py in their own subprocess (both at once); the tests compare what they recorded.
+Logical CPU devices are fixed once per process, so one device, 2 mirrored replicas and 2 workers
+(`keras-sync launch --workers 2`) each run tests/_epoch_scenarios.py (all at once); the tests
+compare what they recorded.
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ def runs(tmp_path_factory):
     procs = {n: subprocess.Popen([sys.executable, str(HERE / "_epoch_scenarios.py"), str(n), str(out / f"{n}.json")],
                                  cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for n in COUNTS}
+    # 2 workers (one replica each) through the CLI a user runs.
+    keras_sync = Path(sys.executable).with_name("keras-sync")
+    procs["mw"] = subprocess.Popen([str(keras_sync), "launch", "--workers", "2", str(HERE / "_epoch_scenarios.py"), "mw",
+                                    str(out / "mw.json")], cwd=out, env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True)
     results = {}
     for n, proc in procs.items():
         log, _ = proc.communicate(timeout=480)
@@ -45,10 +51,11 @@ def rel(a, b):
     return float((np.abs(a - b) / np.maximum(np.abs(a), 1e-12)).max())
 
 
-def test_uneven_last_batch_equals_one_device(runs):
-    """331 examples at global batch 32: the last batch of 11 splits 6/5 over 2 replicas (Keras alone:
-    weights 1.8e-2 off one device, val_loss 0.28%, evaluate 0.067%)."""
-    one, two = runs[1]["uneven_last_batch"], runs[2]["uneven_last_batch"]
+@pytest.mark.parametrize("n", (2, "mw"))
+def test_uneven_last_batch_equals_one_device(runs, n):
+    """331 examples at global batch 32: the last batch of 11 splits 6/5 over 2 replicas or 2 workers
+    (Keras alone, 2 replicas: weights 1.8e-2 off one device, val_loss 0.28%, evaluate 0.067%)."""
+    one, two = runs[1]["uneven_last_batch"], runs[n]["uneven_last_batch"]
     assert float(np.abs(np.array(one["weights"]) - np.array(two["weights"])).max()) <= 1e-5
     for key in ("loss", "val_loss", "mae"):
         assert rel(one[key], two[key]) <= 1e-5, (key, one[key], two[key])
@@ -57,6 +64,7 @@ def test_uneven_last_batch_equals_one_device(runs):
 
 
 def test_no_check_fires_on_a_correct_fit(runs):
+    assert runs["mw"]["uneven_last_batch"]["checks"] == []
     for n in COUNTS:
         assert runs[n]["uneven_last_batch"]["checks"] == []
         assert runs[n]["resume_clean"] == {"checks": [], "resumed": True}
@@ -125,3 +133,17 @@ def test_a_violation_is_an_mlflow_tag(runs):
     assert len(r["checks"]) == 1
     assert r["tags"] == {"keras_sync.check.learning_rate": r["checks"][0].removeprefix(
         "keras-sync: check learning_rate failed: ").removesuffix(". (checks.on_violation: warn)")}
+
+
+def test_examples_per_epoch_check_fires_when_examples_are_not_trained(runs):
+    """2 workers each pass their own part (shard policy OFF) batched by the global batch: Keras counts
+    the steps from the part's cardinality while each step takes half a global batch per worker
+    (measured: 192 of 331 trained). Either every example trains or the check says how many did not."""
+    r = runs["mw"]["own_parts"]
+    if r["trained"] == r["data"]:
+        assert r["checks"] == []
+    else:
+        assert r["checks"] == [
+            f"keras-sync: check examples_per_epoch failed: epoch 1: the epoch trained {r['trained']} examples (all "
+            f"replicas and workers), but the data has {r['data']}: {r['data'] - r['trained']} were not trained. "
+            "(checks.on_violation: warn)"]
