@@ -281,7 +281,8 @@ def watch_direct_fit(sync: Any) -> None:
 
     @functools.wraps(fit)
     def checked_fit(model: Any, *args: Any, **kwargs: Any) -> Any:
-        session = _sessions.get(getattr(model, "_distribute_strategy", None) or object())
+        strategy = getattr(model, "_distribute_strategy", None)
+        session = _sessions.get(strategy) if strategy is not None else None
         callbacks = kwargs.get("callbacks") or []
         ours = any(type(c).__name__ == "RuntimeSetup" for c in callbacks)
         if session is not None and not ours and model not in _direct_told:

@@ -233,10 +233,10 @@ class Config:
     learning_rate: LearningRateConfig = _sub(LearningRateConfig, "learning-rate scaling and warmup")
     mlflow: MlflowConfig = _sub(MlflowConfig, "MLflow tracking")
     fault_tolerance: FaultToleranceConfig = _sub(FaultToleranceConfig, "backup and resume")
+    checks: ChecksConfig = _sub(ChecksConfig, "run-time checks of every fit")
     runtime: RuntimeConfig = _sub(RuntimeConfig, "how the train step runs", commented=True, note=(
         "Applied by sync.fit to your compiled model; a key left at its default keeps what your "
         "model.compile(...) set."))
-    checks: ChecksConfig = _sub(ChecksConfig, "run-time checks of every fit")
     source: str = field(default="<defaults>", compare=False, metadata={"internal": True})
     text: str | None = field(default=None, compare=False, repr=False, metadata={"internal": True})
     provenance: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False, metadata={"internal": True})
