@@ -255,7 +255,8 @@ class Sync:
     def callbacks(self, model: Any, callbacks: Any = None) -> list[Any]:
         """For a `model.fit` you call yourself: prepare ``model`` as `fit` would and return the
         callbacks `fit` adds (sync metrics and run params to MLflow on the chief, gradient
-        accumulation, custom `train_step` averaging), followed by ``callbacks``.
+        accumulation, custom `train_step` averaging), followed by ``callbacks`` and keras-sync's
+        run-time checks (`keras_sync._run_checks`).
 
         Give the model built and compiled in `scope()`, and data batched by the global batch
         (`distribute` does it). Keep the returned order. What `fit` does beyond this list is
@@ -280,7 +281,11 @@ class Sync:
         self._check_model(model, "callbacks")
         runtime.prepare_model(self, model)
         _keras_compat.check_steps_per_execution(model, self.strategy)
-        return [runtime.setup_callback(self)] + ks_callbacks.default_callbacks(self, model, callbacks)
+        from keras_sync import _run_checks
+
+        # Last: the run-time checks (examples per step, resume, learning rate; the data's length is not known here).
+        return [runtime.setup_callback(self)] + ks_callbacks.default_callbacks(self, model, callbacks) + [
+            _run_checks.checks_callback(self, global_batch=self.global_batch_size, expected=None)]
 
     # -- the MLflow run ----------------------------------------------------------------------
 
