@@ -151,7 +151,7 @@ class ReplicaProbe:
             lr = _learning_rate(model.optimizer)
             policy = probe.gradients or "sum"
             with trace.capture(model, seen, custom_step=probe.custom_step, policy=policy, num_replicas=n,
-                               accumulator=probe.accumulator):
+                               accumulator=probe.accumulator, example_weight=_example_weight(data, n)):
                 logs = original(data)
             probe._announce(seen)
             loss, norm, scale = _replica_values(seen, n)
@@ -231,6 +231,22 @@ def _replica_values(seen: dict[str, Any], n: int) -> tuple[Any, Any, Any]:
     else:
         norm = nan
     return loss, norm, (tf.cast(scale, tf.float32) if scale is not None else nan)
+
+
+def _example_weight(data: Any, n: int) -> Any:
+    """This replica's share of the step's examples times the replica count: 1.0 when the batch
+    splits evenly, else what makes the replicas' summed gradients those of the mean over the
+    global batch (a last batch of 11 on 2 replicas is split 6/5; Keras weighs both means alike).
+
+    One scalar all-reduce per step; None with one replica.
+    """
+    if n <= 1:
+        return None
+    import tensorflow as tf
+
+    local = tf.cast(_batch_size(data), tf.float32)
+    total = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, local)
+    return tf.math.divide_no_nan(local * float(n), total)
 
 
 def _decode(ring: Any) -> Any:

@@ -109,19 +109,37 @@ def seen() -> dict[str, Any] | None:
     return getattr(_tls, "seen", None)
 
 
+def weighs_by_examples(custom_step: bool, scaled_by: str | None) -> bool:
+    """Whether a replica's gradients are weighted by its share of the step's examples.
+
+    Exact when the replica's loss is a mean over its own examples (divided by the replica count):
+    Keras's `train_step`, a Keras loss object, or a custom step keras-sync averages. A step that
+    divides by the global batch itself (``tf.nn.compute_average_loss``, ``num_replicas_in_sync``)
+    is left as written.
+
+    >>> weighs_by_examples(False, "a Keras loss"), weighs_by_examples(True, None)
+    (True, True)
+    >>> weighs_by_examples(True, "tf.nn.compute_average_loss")
+    False
+    """
+    return not custom_step or scaled_by in (None, "a Keras loss")
+
+
 @contextlib.contextmanager
 def capture(model: Any, record: dict[str, Any], *, custom_step: bool, policy: str, num_replicas: int,
-            accumulator: Any = None) -> Iterator[None]:
+            accumulator: Any = None, example_weight: Any = None) -> Iterator[None]:
     """While one replica traces ``model.train_step``: fill ``record``, average a custom step's gradients.
 
     ``record`` gets ``loss``, ``grads`` (every local gradient given to an optimizer), ``loss_scale``
     (a `LossScaleOptimizer`'s), ``scaled_by`` (what divided the loss by the replica count, if
-    anything) and ``factor`` (what keras-sync multiplied the gradients by). With an
+    anything) and ``factor`` (what keras-sync multiplied the gradients by). ``example_weight``
+    (a scalar tensor, see `_instrument._example_weight`) multiplies the gradients too, when
+    `weighs_by_examples`. With an
     ``accumulator`` (`_accumulate.GradientAccumulator`), the model optimizer's updates go through it.
     """
     global _active
     record.update(grads=[], scaled_by=None, factor=1.0, custom_step=custom_step, policy=policy, n=num_replicas,
-                  accumulator=accumulator)
+                  accumulator=accumulator, example_weight=example_weight)
     with _lock:
         if _active == 0:
             _install_global()
@@ -231,6 +249,9 @@ def _applying(optimizer: Any, apply: Any) -> Any:
         record["factor"] = factor
         if factor != 1.0:
             grads = [_scaled(g, factor) for g in grads]
+        weight = record["example_weight"]
+        if weight is not None and weighs_by_examples(record["custom_step"], record["scaled_by"]):
+            grads = [_scaled(g, weight) for g in grads]
         accumulator = record["accumulator"]
         _tls.in_apply = True
         try:

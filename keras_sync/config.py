@@ -214,6 +214,15 @@ class RuntimeConfig:
 
 
 @dataclass(frozen=True)
+class ChecksConfig:
+    """What keras-sync checks of every fit at run time (examples per step and epoch, resume, learning rate)."""
+
+    on_violation: str = _f(
+        "warn", Choice(values=("warn", "error")),
+        "a failed check: warn (one line on the chief + an MLflow tag) or error (stop the fit with that line)")
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole keras-sync config. Build it with `load_config`."""
 
@@ -224,6 +233,7 @@ class Config:
     learning_rate: LearningRateConfig = _sub(LearningRateConfig, "learning-rate scaling and warmup")
     mlflow: MlflowConfig = _sub(MlflowConfig, "MLflow tracking")
     fault_tolerance: FaultToleranceConfig = _sub(FaultToleranceConfig, "backup and resume")
+    checks: ChecksConfig = _sub(ChecksConfig, "run-time checks of every fit")
     runtime: RuntimeConfig = _sub(RuntimeConfig, "how the train step runs", commented=True, note=(
         "Applied by sync.fit to your compiled model; a key left at its default keeps what your "
         "model.compile(...) set."))

@@ -141,7 +141,8 @@ def _is_batch_norm(layer: Any) -> bool:
 
 
 def setup_callback(sync: Any) -> Any:
-    """A Keras callback that, once `fit` has built the model, sets up accumulation and custom-step averaging."""
+    """A Keras callback that, once `fit` has built the model, sets up accumulation, custom-step averaging
+    and the weighting of replicas by their examples (`_instrument._example_weight`)."""
     import keras
 
     class RuntimeSetup(keras.callbacks.Callback):
@@ -151,9 +152,8 @@ def setup_callback(sync: Any) -> Any:
             from keras_sync import _instrument
 
             steps = sync.config.runtime.gradient_accumulation_steps
-            custom = sync.num_replicas > 1 and not _instrument.has_default_train_step(model)
-            if steps <= 1 and not custom:
-                return
+            # Always: several replicas' gradients weigh by their examples (an uneven last batch), and
+            # the run-time checks (`_run_checks`) count the examples of every step from the probe.
             accumulator = None
             if steps > 1:
                 from keras_sync._accumulate import GradientAccumulator

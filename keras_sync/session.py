@@ -62,9 +62,10 @@ def load(
         # fit/evaluate/predict: a worker that calls one alone fails with one line; workers leave together
         _collective_calls.install(strategy, cfg.strategy.connect_timeout_s)
     sync = Sync(cfg, strategy, detection)
-    from keras_sync import _paths
+    from keras_sync import _paths, _run_checks
 
     _paths.check_config_paths(cfg, is_chief=sync.is_chief)  # now, not at the first save or metric
+    _run_checks.watch_direct_fit(sync)  # model.fit on a model of sync.scope() without keras-sync: one line
     if sync.is_chief:
         print(f"keras-sync: config: {cfg.origin()}", file=sys.stderr)
     from keras_sync import runtime
@@ -195,7 +196,9 @@ class Sync:
     def fit(self, model: Any, x: Any = None, y: Any = None, **kwargs: Any) -> Any:
         """`model.fit` under this strategy: same arguments, same return value (a `History`).
 
-        Arrays are batched by the global batch (``batch_size``, if given, is read as per-replica);
+        Arrays are batched by the global batch (``batch_size``, if given, is the global batch, as
+        Keras reads it under a `tf.distribute` strategy; `fit` refuses one that differs from the
+        configured batch unless ``learning_rate.scaling`` is none, so the rate fits the batch);
         under `multi_worker_mirrored` they become a `tf.data.Dataset`, as Keras requires. A batched
         dataset is rebatched to the global batch (see `keras_sync.pipeline`). The MLflow run ends
         (FINISHED) when fit returns; the next fit of this `Sync` continues it.
@@ -205,14 +208,32 @@ class Sync:
         self._check_model(model, "fit")  # before anything touches it: a Keras 2 model is refused in one line
         self._check_callbacks(model, kwargs.get("callbacks"), "fit")
         runtime.prepare_model(self, model)  # steps_per_execution, jit_compile, sync BatchNorm
-        per_replica = kwargs.get("batch_size")  # checked by _prepare
+        given = kwargs.get("batch_size")  # the global batch, checked by _prepare
+        data, fit_kwargs = x, dict(kwargs)
         x, y, kwargs = self._prepare(model, "fit", x, y, kwargs)
+        per_replica = given // self.num_replicas if given else None
+        from keras_sync import _run_checks
+
+        pipe = self._pipeline()
+        global_batch = given or self.global_batch_size
+        # drop_remainder applies to a dataset, and to arrays made into one (multi-worker, replay order).
+        drops = pipe.drop_remainder and (pipe.multi_worker or pipe.replay_order or _is_dataset(data))
+        facts = self.input_facts
+        if facts is not None and (facts.own_part or facts.source == "keras.utils.PyDataset"):
+            # Inputs only the pipeline can count (each worker's own part, summed over the workers; a
+            # PyDataset's batches): its count. A part's remainder is dropped per worker: unknown then.
+            n = facts.examples_per_epoch if fit_kwargs.get("steps_per_epoch") is None else None
+            expected = None if n is None or (drops and facts.own_part) else (n - n % global_batch if drops else n)
+        else:
+            expected = _run_checks.expected_examples(self, data, fit_kwargs, global_batch, drops)
         self._resolve_pending_warmup(x, kwargs)
         from keras_sync import callbacks as ks_callbacks
 
         # First: once fit has built the model, it sets up gradient accumulation and custom train_steps.
         kwargs["callbacks"] = [runtime.setup_callback(self)] + ks_callbacks.default_callbacks(
             self, model, kwargs.get("callbacks"), per_replica_batch_size=per_replica)
+        # Last: it reads what every other callback restored, and checks what really trained.
+        kwargs["callbacks"].append(_run_checks.checks_callback(self, global_batch=global_batch, expected=expected))
         from keras_sync import saving
         from keras_sync.callbacks._run import run_ends_after_fit, shared_run_for
         from keras_sync.callbacks.backup import resumable_fit
@@ -257,7 +278,8 @@ class Sync:
     def callbacks(self, model: Any, callbacks: Any = None) -> list[Any]:
         """For a `model.fit` you call yourself: prepare ``model`` as `fit` would and return the
         callbacks `fit` adds (sync metrics and run params to MLflow on the chief, gradient
-        accumulation, custom `train_step` averaging), followed by ``callbacks``.
+        accumulation, custom `train_step` averaging), followed by ``callbacks`` and keras-sync's
+        run-time checks (`keras_sync._run_checks`).
 
         Give the model built and compiled in `scope()`, and data batched by the global batch
         (`distribute` does it). Keep the returned order. What `fit` does beyond this list is
@@ -283,11 +305,13 @@ class Sync:
         self._check_callbacks(model, callbacks, "callbacks")
         runtime.prepare_model(self, model)
         _keras_compat.check_steps_per_execution(model, self.strategy)
-        from keras_sync import saving
+        from keras_sync import _run_checks, saving
 
-        # Keras' BackupAndRestore, TensorBoard and CSVLogger: the chief writes the user's paths
+        # Keras' BackupAndRestore, TensorBoard and CSVLogger: the chief writes the user's paths.
+        # Last: the run-time checks (examples per step, resume, learning rate; the data's length is not known here).
         return saving.guard_callbacks(self.strategy, [runtime.setup_callback(self)] + ks_callbacks.default_callbacks(
-            self, model, callbacks))
+            self, model, callbacks) + [_run_checks.checks_callback(self, global_batch=self.global_batch_size,
+                                                                   expected=None)])
 
     # -- the MLflow run ----------------------------------------------------------------------
 
@@ -347,28 +371,44 @@ class Sync:
 
         _keras_compat.check_steps_per_execution(model, self.strategy)
         kwargs = dict(kwargs)
-        per_replica = self._batch_size_argument(kwargs.pop("batch_size", None), method)
+        global_batch = self._batch_size_argument(kwargs.pop("batch_size", None), method)
         pipeline = self._pipeline()
-        prepared = pipeline.prepare(method, x, y, kwargs, per_replica * self.num_replicas)
+        prepared = pipeline.prepare(method, x, y, kwargs, global_batch)
         if method == "fit":
             self.input_facts = pipeline.facts
         return prepared
 
     def _batch_size_argument(self, batch_size: int | None, method: str) -> int:
+        """The global batch of this call: ``batch_size`` as Keras reads it under a `tf.distribute`
+        strategy (the global batch), or the configured one when it is left out."""
         if batch_size is None:
-            return self.per_replica_batch_size
+            return self.global_batch_size
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise UsageError(
                 f"Invalid value for argument `batch_size` of sync.{method}. Received: batch_size={batch_size!r}. "
-                "Expected a per-replica batch size (an integer >= 1), or leave it out to use batch.per_replica."
+                "Expected the global batch size (an integer >= 1, as Keras reads it under a tf.distribute strategy), "
+                "or leave it out to use the configured global batch."
             )
-        if batch_size != self.per_replica_batch_size and not self._warned_batch_size:
+        if batch_size == self.global_batch_size or method != "fit":
+            return batch_size  # evaluate/predict: the batch changes no weight
+        if batch_size % self.num_replicas:
+            raise UsageError(
+                f"Invalid value for argument `batch_size` of sync.fit. Received: batch_size={batch_size}. Expected "
+                f"the global batch, a multiple of the {self.num_replicas} replicas. Fix: leave batch_size out and set "
+                "batch.global (or batch.per_replica) in the config.")
+        if self.config.learning_rate.scaling != "none":
+            raise UsageError(
+                f"sync.fit(batch_size={batch_size}): batch_size is the global batch (as Keras reads it under a "
+                f"tf.distribute strategy), but the learning rate {self.learning_rate:g} was scaled for the configured "
+                f"global batch {self.global_batch_size}. Fix: set batch.global: {batch_size} in the config (the rate "
+                "is then scaled for it), or leave batch_size out.")
+        if not self._warned_batch_size:
             self._warned_batch_size = True
             warnings.warn(
-                f"sync.{method}(batch_size={batch_size}): keras-sync reads batch_size as per-replica, so the global "
-                f"batch is {batch_size} x {self.num_replicas} replicas = {batch_size * self.num_replicas}. The learning "
-                f"rate {self.learning_rate:g} was scaled for the configured global batch {self.global_batch_size}; "
-                "set batch.per_replica in the config instead to keep them consistent.",
+                f"sync.fit(batch_size={batch_size}): the global batch, as Keras reads it under a tf.distribute "
+                f"strategy ({batch_size // self.num_replicas} per replica x {self.num_replicas} replicas), not the "
+                f"configured {self.global_batch_size}; learning_rate.scaling is none, so the rate "
+                f"{self.learning_rate:g} is the same for both.",
                 UserWarning,
                 stacklevel=4,
             )
@@ -441,6 +481,12 @@ def _quiet_end_of_data(steps_per_epoch: Any) -> Any:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Your input ran out of data", category=UserWarning)
         yield
+
+
+def _is_dataset(x: Any) -> bool:
+    from keras_sync.pipeline import is_dataset
+
+    return x is not None and is_dataset(x)
 
 
 def _worker_info(strategy: Any) -> tuple[int, bool, tuple[str | None, int | None]]:

@@ -36,6 +36,7 @@ def test_own_fit_with_sync_callbacks_logs_one_finished_run(result):
 
     assert result["run_id_before"] is None
     assert result["callbacks"][0] == "RuntimeSetup" and "SyncMetrics" in result["callbacks"]
+    assert result["callbacks"][-1] == "RunChecks"  # last: it checks what the others set up and restored
     c = MlflowClient(result["uri"])
     (run,) = c.search_runs([c.get_experiment_by_name("own").experiment_id])
     assert run.info.run_id == result["run_id"] == result["run_id_after_close"]

@@ -87,11 +87,12 @@ def test_model_outside_scope_is_refused(runs, n):
     }
 
 
-def test_batch_size_argument_is_explained_as_per_replica(runs):
+def test_batch_size_argument_is_the_global_batch(runs):
+    # As Keras reads it under a tf.distribute strategy; learning_rate.scaling: none here, so it trains.
     r = runs[2]["batch_size_argument"]
     assert len(r["warnings"]) == 1
-    assert r["warnings"][0].startswith("sync.fit(batch_size=8): keras-sync reads batch_size as per-replica, so the "
-                                       "global batch is 8 x 2 replicas = 16.")
+    assert r["warnings"][0].startswith("sync.fit(batch_size=8): the global batch, as Keras reads it under a "
+                                       "tf.distribute strategy (4 per replica x 2 replicas), not the configured 64;")
     assert runs[2]["bad_batch_size"]["message"].startswith("Invalid value for argument `batch_size` of sync.fit. "
                                                            "Received: batch_size=0.")
 

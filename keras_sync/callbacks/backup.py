@@ -142,6 +142,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         iterations = int(model.optimizer.iterations.numpy()) if model.optimizer is not None else 0
         point = ResumePoint(epoch=epoch, step=step, iterations=iterations)
         self.restored = point
+        from keras_sync._run_checks import restored_points
+
+        restored_points[model] = point  # the resume check compares the step training continues from
         model._initial_epoch = epoch  # read by Keras fit right after on_train_begin
         self._epoch, self._step = epoch, step
         if point.mid_epoch:

@@ -1,0 +1,206 @@
+"""Epoch scenarios: an uneven last batch, `batch_size` given to fit, the run-time invariant checks.
+
+Usage: python _epoch_scenarios.py N OUT.json
+N=1: one device; N=2: two mirrored replicas over logical CPUs. Writes what it saw to OUT.json
+for tests/test_epoch.py to compare across the two processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import sys
+import warnings
+
+import numpy as np
+
+import keras_sync
+from _scenario import Results
+
+MULTI_WORKER = sys.argv[1] == "mw"  # under `keras-sync launch --workers 2`: 2 workers, one replica each
+N = 2 if MULTI_WORKER else int(sys.argv[1])
+OUT = sys.argv[2]
+results = Results(n=N)
+
+
+def record(name, fn):
+    results.record(name, fn, expected=(keras_sync.KerasSyncError,))
+
+
+def session(**sections):
+    kind = {"kind": "multi_worker_mirrored"} if MULTI_WORKER else \
+        {"kind": "mirrored" if N > 1 else "one_device", "simulated_cpu_replicas": N if N > 1 else 0}
+    cfg = {
+        "strategy": kind,
+        "batch": {"global": 32},
+        "learning_rate": {"base": 0.05, "scaling": "none"},
+        "mlflow": {"enabled": False},
+    }
+    for key, value in sections.items():
+        cfg[key] = {**cfg.get(key, {}), **value}
+    return keras_sync.load(cfg)
+
+
+sync = session()
+
+import keras  # noqa: E402  (after load: the devices are set up by then)
+import tensorflow as tf  # noqa: E402
+
+rng = np.random.default_rng(0)
+x = rng.normal(size=(331, 8)).astype("float32")
+y = (x @ rng.normal(size=(8, 1)) + 0.1 * rng.normal(size=(331, 1))).astype("float32")
+xv = rng.normal(size=(101, 8)).astype("float32")
+yv = (xv @ rng.normal(size=(8, 1))).astype("float32")
+
+
+def make_model(s, optimizer=None):
+    keras.utils.set_random_seed(0)
+    with s.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)])
+        model.compile(optimizer=optimizer() if optimizer else keras.optimizers.SGD(s.lr_schedule(), momentum=0.9), loss="mse",
+                      metrics=["mae"])
+    return model
+
+
+def flat(model):
+    return np.concatenate([w.ravel() for w in model.get_weights()]).tolist()
+
+
+def stderr_of(fn):
+    buf = io.StringIO()
+    with contextlib.redirect_stderr(buf):
+        out = fn()
+    return out, buf.getvalue()
+
+
+def uneven_last_batch():
+    """331 examples at global batch 32: the last batch of 11 splits 6/5 over 2 replicas."""
+    model = make_model(sync)
+    h, err = stderr_of(lambda: sync.fit(model, x, y, epochs=3, shuffle=False, verbose=0, validation_data=(xv, yv)))
+    ev = sync.evaluate(model, xv, yv, verbose=0, return_dict=True)
+    return {"weights": flat(model), "loss": h.history["loss"], "val_loss": h.history["val_loss"],
+            "mae": h.history["mae"], "evaluate": ev, "checks": checks_said(err)}
+
+
+def checks_said(err):
+    return [line for line in err.splitlines() if line.startswith("keras-sync: check ")]
+
+
+def batch_size_global():
+    """batch_size=64 kept from a plain Keras script: the global batch (learning_rate.scaling: none here)."""
+    model = make_model(sync)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        h, err = stderr_of(lambda: sync.fit(model, x, y, batch_size=64, epochs=2, shuffle=False, verbose=0))
+    return {"weights": flat(model), "loss": h.history["loss"], "checks": checks_said(err),
+            "warnings": [str(w.message) for w in caught if "batch_size" in str(w.message)]}
+
+
+def batch_size_refused():
+    s = session(learning_rate={"base": 0.05, "scaling": "linear", "base_batch_size": 32})
+    return s.fit(make_model(s), x, y, batch_size=64, epochs=1, verbose=0)
+
+
+def learning_rate_check(on_violation, mlflow=False):
+    """A drop-in user keeps their own compile line: Adam(1e-3) while keras-sync scaled 0.002."""
+    tracking = {"enabled": True, "tracking_uri": "sqlite:///checks.db", "system_metrics": False} if mlflow else {}
+    s = session(learning_rate={"base": 0.001, "base_batch_size": 16, "scaling": "linear"},
+                checks={"on_violation": on_violation}, mlflow=tracking)
+    model = make_model(s, optimizer=lambda: keras.optimizers.Adam(1e-3))
+    _, err = stderr_of(lambda: s.fit(model, x, y, epochs=1, verbose=0))
+    out = {"checks": checks_said(err), "scaled": s.learning_rate}
+    if mlflow:
+        from mlflow.tracking import MlflowClient
+
+        from _scenario import close_run
+
+        run_id = close_run(s, 60)
+        tags = MlflowClient("sqlite:///checks.db").get_run(run_id).data.tags
+        out["tags"] = {k: v for k, v in tags.items() if k.startswith("keras_sync.check")}
+    return out
+
+
+def direct_fit():
+    """model.fit out of habit on a model built in sync.scope()."""
+    model = make_model(sync)
+    _, err = stderr_of(lambda: model.fit(x, y, epochs=1, verbose=0))
+    return {"checks": checks_said(err)}
+
+
+def examples_per_step():
+    """A dataset the user distributed: batches of 16 while the rate was scaled for 32."""
+    ds = sync.strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(16))
+    model = make_model(sync)
+    _, err = stderr_of(lambda: sync.fit(model, ds, epochs=1, verbose=0))
+    return {"checks": checks_said(err)}
+
+
+class Stop(Exception):
+    pass
+
+
+class StopAfterFirstEpoch(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 0:
+            raise Stop("interrupted")
+
+
+class RestartOptimizer(keras.callbacks.Callback):
+    """Restores over keras-sync's backup, as keras.callbacks.BackupAndRestore next to it did."""
+
+    def on_train_begin(self, logs=None):
+        self.model.optimizer.iterations.assign(0)
+
+
+def resume(tamper):
+    import tempfile
+
+    s = session(fault_tolerance={"backup_dir": tempfile.mkdtemp(prefix="epoch-backup-")})
+    model = make_model(s)
+    try:
+        s.fit(model, x, y, epochs=2, verbose=0, callbacks=[StopAfterFirstEpoch()])
+    except Stop:
+        pass
+    _, err = stderr_of(lambda: s.fit(model, x, y, epochs=2, verbose=0,
+                                     callbacks=[RestartOptimizer()] if tamper else None))
+    return {"checks": checks_said(err), "resumed": "resumed from the backup" in err}
+
+
+def trained_examples(model):
+    """Examples trained so far by every replica of every worker, from keras-sync's replica probe."""
+    from keras_sync import _instrument
+
+    probe = _instrument._probes[model]
+    rings = probe.read()
+    rows = probe.row(rings, probe.count(rings))
+    return int(sum(r[probe.EXAMPLES] for r in rows))
+
+
+def own_parts():
+    """Each worker passes its own part (every other example), batched by the global batch, shard policy OFF."""
+    part = sync.task[1] or 0
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    ds = tf.data.Dataset.from_tensor_slices((x[part::2], y[part::2])).batch(32).with_options(options)
+    model = make_model(sync)
+    _, err = stderr_of(lambda: sync.fit(model, ds, epochs=1, verbose=0))
+    return {"checks": checks_said(err), "trained": trained_examples(model), "data": len(x)}
+
+
+record("uneven_last_batch", uneven_last_batch)
+if MULTI_WORKER:
+    record("own_parts", own_parts)
+    if sync.is_chief:
+        results.dump(OUT)
+    sys.exit(0)
+record("batch_size_global", batch_size_global)
+record("batch_size_refused", batch_size_refused)
+record("learning_rate_warn", lambda: learning_rate_check("warn"))
+record("learning_rate_error", lambda: learning_rate_check("error"))
+if N > 1:
+    record("learning_rate_tag", lambda: learning_rate_check("warn", mlflow=True))
+record("direct_fit", direct_fit)
+record("examples_per_step", examples_per_step)
+record("resume_clean", lambda: resume(False))
+record("resume_tampered", lambda: resume(True))
+results.dump(OUT)
