@@ -284,8 +284,12 @@ def watch_direct_fit(sync: Any) -> None:
         strategy = getattr(model, "_distribute_strategy", None)
         session = _sessions.get(strategy) if strategy is not None else None
         callbacks = kwargs.get("callbacks") or []
-        ours = any(type(c).__name__ == "RuntimeSetup" for c in callbacks)
-        if session is not None and not ours and model not in _direct_told:
+        # keras-sync's callbacks (sync.callbacks(model), or the public ones alone) mean the user runs
+        # their own fit on purpose, as the README shows; so does data they batched themselves (a
+        # dataset, sync.distribute): only arrays batched by Keras's own batch_size are the habit.
+        ours = any(type(c).__module__.startswith("keras_sync.") for c in callbacks)
+        data = args[0] if args else kwargs.get("x")
+        if session is not None and not ours and not _batched_by_user(data) and model not in _direct_told:
             _direct_told.add(model)
             Reporter(session).violation("direct_fit", (
                 f"model.fit called on {type(model).__name__}, built in sync.scope(), without keras-sync: Keras "
@@ -300,3 +304,10 @@ def watch_direct_fit(sync: Any) -> None:
 
 
 _direct_told: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _batched_by_user(data: Any) -> bool:
+    """Whether ``data`` comes batched (a dataset, a distributed dataset, a PyDataset), not as arrays."""
+    from keras_sync import pipeline
+
+    return data is not None and (pipeline.is_dataset(data) or hasattr(data, "__getitem__") and hasattr(data, "num_batches"))
