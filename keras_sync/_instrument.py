@@ -186,7 +186,7 @@ class ReplicaProbe:
         _announced.add(self.model)
         import sys
 
-        averaged = [a["optimizer"] for a in applies if a["factor"] != 1.0]
+        averaged = [a["optimizer"] for a in applies if a["factor"] != 1.0 or a["scaled_by"] == trace.AT_SCALE_LOSS]
         if averaged and self.gradients == "auto":
             names = averaged if len({a["optimizer"] for a in applies}) > 1 else None
             print(trace.averaging_message(self.model, self.num_replicas, names), file=sys.stderr, flush=True)

@@ -38,6 +38,8 @@ from typing import Any, Iterator
 log = logging.getLogger("keras_sync")
 
 POLICIES = ("auto", "average", "sum")
+#: What marks a loss keras-sync itself divided in a `LossScaleOptimizer.scale_loss` (mixed_float16).
+AT_SCALE_LOSS = "keras-sync, at scale_loss"
 _lock = threading.Lock()
 _tls = threading.local()
 _active = 0
@@ -283,6 +285,32 @@ def _install_model(model: Any, custom_step: bool) -> None:
             continue
         object.__setattr__(optimizer, "apply", _applying(optimizer, optimizer.apply))
         _restore.append((optimizer, "apply", None))
+        if hasattr(optimizer, "dynamic_scale") and "scale_loss" not in vars(optimizer):
+            object.__setattr__(optimizer, "scale_loss", _scaling(optimizer.scale_loss))
+            _restore.append((optimizer, "scale_loss", None))
+
+
+def _scaling(scale_loss: Any) -> Any:
+    """A `LossScaleOptimizer.scale_loss` that divides an undivided loss by N *before* the backward pass.
+
+    Divided only at the optimizer, the float16 gradients of a replica's mean over B/N examples are
+    N x one device's inside the backward pass, and overflow at half the loss scale: more steps are
+    skipped than on one device and the scale falls. Dividing the loss here, as a Keras loss
+    object does, keeps the backward pass at one device's magnitudes.
+    """
+    def scale_loss_shim(loss: Any) -> Any:
+        out = scale_loss(loss)
+        record = seen()
+        if record is None or not record["custom_step"] or record["n"] <= 1 or record["policy"] == "sum":
+            return out
+        what = _upstream_mark([loss], record["marks"]) or ("num_replicas_in_sync" if record["read_n"] else None)
+        if record["policy"] == "auto" and what is not None:
+            return out
+        import tensorflow as tf
+
+        return _mark(out * tf.cast(1.0 / record["n"], out.dtype), AT_SCALE_LOSS)
+
+    return scale_loss_shim
 
 
 def _applying(optimizer: Any, apply: Any) -> Any:
@@ -296,7 +324,8 @@ def _applying(optimizer: Any, apply: Any) -> Any:
         if scale is not None:
             record["loss_scale"] = scale
         scaled_by = scaled_by_for(record, grads)
-        factor = gradient_factor(record["policy"], record["custom_step"], scaled_by, record["n"])
+        factor = 1.0 if scaled_by == AT_SCALE_LOSS else \
+            gradient_factor(record["policy"], record["custom_step"], scaled_by, record["n"])
         if not record.get("applied"):
             record["scaled_by"], record["factor"] = scaled_by, factor
         record["applied"] = True

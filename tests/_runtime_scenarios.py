@@ -320,6 +320,32 @@ def mixed():
     return out
 
 
+class ScaleLossStep(keras.Sequential):
+    """mixed_float16 as Keras asks (issue 23): gradients of `optimizer.scale_loss(loss)`, a manual mean."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean(keras.losses.mean_squared_error(y, self(x, training=True)))
+            scaled = self.optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, self.trainable_weights)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_weights))
+        return {"loss": loss}
+
+
+def mixed_custom():
+    """mixed_float16: Keras's own step and a custom step that scales its loss: updates applied, final scale, weights."""
+    out = {}
+    for name, cls in (("keras", keras.Sequential), ("scale_loss", ScaleLossStep)):
+        s = load(config(mixed_precision="mixed_float16"))
+        model = make(cls, s)
+        s.fit(model, X, Y, epochs=4, shuffle=False, verbose=0)
+        opt = model.optimizer
+        out[name] = {"weights": flat(model), "updates": int(opt.iterations.numpy()),
+                     "scale": float(opt.dynamic_scale.numpy())}
+    return out
+
+
 def jit():
     out = {}
     for value in (True, False):
@@ -363,6 +389,9 @@ record("accumulation", accumulation)
 if MODE != "workers_x2":
     record("sync_bn", sync_bn)
     record("jit", jit)
+if not WORKERS:
+    record("mixed_custom", mixed_custom)
+    keras.mixed_precision.set_dtype_policy("float32")
 if N > 1 and not WORKERS:
     record("mixed", mixed)
     keras.mixed_precision.set_dtype_policy("float32")
