@@ -148,12 +148,15 @@ class ReplicaProbe:
             seen: dict[str, Any] = {}
             # Read before the step: the rate this step applies (a schedule at the current
             # iteration); a read only, so the update is unchanged.
-            lr = _learning_rate(model.optimizer)
+            # Every optimizer's: a custom step may apply others than model.optimizer (a GAN's two).
+            rates = {id(o): _learning_rate(o) for o in trace.optimizers_of(model)}
             policy = probe.gradients or "sum"
             with trace.capture(model, seen, custom_step=probe.custom_step, policy=policy, num_replicas=n,
                                accumulator=probe.accumulator, example_weight=_example_weight(data, n)):
                 logs = original(data)
             probe._announce(seen)
+            applied = seen.get("applied_ids") or [id(model.optimizer)]
+            lr = rates.get(applied[0], _learning_rate(model.optimizer))
             loss, norm, scale = _replica_values(seen, n)
             buf = tf.identity(var)
             count = buf[ring, ReplicaProbe.COUNT] + 1
@@ -173,13 +176,24 @@ class ReplicaProbe:
     def _announce(self, seen: dict[str, Any]) -> None:
         if not seen.get("applied"):
             return
+        applies = seen["applies"]
         self.last_trace = {"scaled_by": seen["scaled_by"], "factor": seen["factor"]}
-        if seen["factor"] != 1.0 and self.gradients == "auto" and self.model not in _announced:
-            _announced.add(self.model)
-            if _is_chief(self.strategy):
-                import sys
+        if len({a["optimizer"] for a in applies}) > 1:
+            self.last_trace["per_optimizer"] = {a["optimizer"]: [a["scaled_by"], a["factor"]] for a in applies}
+        trace.remember_applied(self.model, [a["optimizer"] for a in applies])
+        if self.model in _announced or not _is_chief(self.strategy):
+            return
+        _announced.add(self.model)
+        import sys
 
-                print(trace.averaging_message(self.model, self.num_replicas), file=sys.stderr, flush=True)
+        averaged = [a["optimizer"] for a in applies if a["factor"] != 1.0 or a["scaled_by"] == trace.AT_SCALE_LOSS]
+        if averaged and self.gradients == "auto":
+            names = averaged if len({a["optimizer"] for a in applies}) > 1 else None
+            print(trace.averaging_message(self.model, self.num_replicas, names), file=sys.stderr, flush=True)
+        shares = sorted({a["scaled_by"] for a in applies
+                         if a["scaled_by"] in ("a Keras loss", "tf.nn.compute_average_loss")})
+        if self.custom_step and shares and self.num_replicas > 1:
+            print(trace.share_message(self.model, self.num_replicas, shares[0]), file=sys.stderr, flush=True)
 
 
 def instrument(model: Any, gradients: str | None = None, accumulator: Any = None) -> ReplicaProbe:

@@ -12,12 +12,17 @@ While a replica traces its `train_step` (once per replica, in the replica's own 
 step reaches; each shim only remembers what it saw in the tracing thread's dict and calls the
 original. What it remembers: the loss (Keras's ``_compute_loss`` result, or the first scalar a
 `GradientTape` differentiates), the local gradients given to each optimizer's ``apply``, the
-optimizer's loss scale, and whether the loss was divided by the replica count before the first
-``apply``: by Keras (a `Loss` object, ``compute_loss``), by ``tf.nn.compute_average_loss``, or by
-the user's own code reading ``num_replicas_in_sync``.
+optimizer's loss scale, and, for each ``apply`` (each optimizer of a GAN's step on its own),
+whether the loss those gradients come from needs no division by the replica count: the tensors
+that Keras divided (a `Loss` object, ``compute_loss``, ``add_loss`` terms), that
+``tf.nn.compute_average_loss`` returned, or that a Keras `Loss` with ``reduction="sum"`` returned
+(a sum over the replica's batch: the replicas' sum is one device's sum) are marked, and the
+differentiated target's graph is walked back to them. The user's own code reading
+``num_replicas_in_sync`` before an ``apply`` counts for that ``apply`` (a Python number leaves no
+tensor to follow).
 
 For a model that overrides `train_step`, under `runtime.train_step_gradients`:
-``auto`` divides the gradients by N at the optimizer when nothing divided the loss (and prints one
+``auto`` divides an ``apply``'s gradients by N when nothing divided their loss (and prints one
 line saying so and how to turn it off); ``average`` always divides; ``sum`` never does (Keras's
 behaviour). The training ops are otherwise untouched.
 """
@@ -33,6 +38,8 @@ from typing import Any, Iterator
 log = logging.getLogger("keras_sync")
 
 POLICIES = ("auto", "average", "sum")
+#: What marks a loss keras-sync itself divided in a `LossScaleOptimizer.scale_loss` (mixed_float16).
+AT_SCALE_LOSS = "keras-sync, at scale_loss"
 _lock = threading.Lock()
 _tls = threading.local()
 _active = 0
@@ -67,12 +74,18 @@ def gradient_factor(policy: str, custom_step: bool, scaled_by: str | None, num_r
     return 1.0
 
 
-def averaging_message(model: Any, num_replicas: int) -> str:
-    """The line printed on the chief when keras-sync averages a custom train_step's gradients."""
+def averaging_message(model: Any, num_replicas: int, optimizers: list[str] | None = None) -> str:
+    """The line printed on the chief when keras-sync averages a custom train_step's gradients.
+
+    ``optimizers``: the attributes of the optimizers whose gradients are averaged, when the step
+    applies several (a GAN's).
+    """
     name = type(model).__name__
-    return (f"keras-sync: {name}.train_step does not divide its loss by the replica count (no Keras loss object, "
-            f"compute_loss, tf.nn.compute_average_loss or num_replicas_in_sync in it), and Keras sums the gradients "
-            f"of the {num_replicas} replicas: keras-sync divides them by {num_replicas} at the optimizer so that a "
+    which = f" for {', '.join(optimizers)}" if optimizers else ""
+    return (f"keras-sync: {name}.train_step does not divide its loss{which} by the replica count (that loss comes "
+            f"from no Keras loss object, compute_loss, tf.nn.compute_average_loss or num_replicas_in_sync), and Keras "
+            f"sums the gradients of the {num_replicas} replicas: keras-sync divides them by {num_replicas} at the "
+            "optimizer so that a "
             "step equals one device's. If your loss is already divided by the replica count or the global batch, "
             "set runtime.train_step_gradients: sum.")
 
@@ -86,6 +99,7 @@ def check_probes() -> None:
 
     missing = [what for what, ok in (
         ("keras.src.losses.loss.scale_loss_for_distribution", callable(getattr(keras_loss, "scale_loss_for_distribution", None))),
+        ("keras.src.losses.loss.reduce_values", callable(getattr(keras_loss, "reduce_values", None))),
         ("tf.nn.compute_average_loss", callable(getattr(tf.nn, "compute_average_loss", None))),
         ("tf.distribute.Strategy.num_replicas_in_sync", _owner(tf.distribute.Strategy, "num_replicas_in_sync") is not None),
         ("tf.distribute.ReplicaContext.num_replicas_in_sync", _owner(tf.distribute.ReplicaContext, "num_replicas_in_sync") is not None),
@@ -122,7 +136,7 @@ def weighs_by_examples(custom_step: bool, scaled_by: str | None) -> bool:
     >>> weighs_by_examples(True, "tf.nn.compute_average_loss")
     False
     """
-    return not custom_step or scaled_by in (None, "a Keras loss")
+    return not custom_step or scaled_by in (None, "a Keras loss", AT_SCALE_LOSS)
 
 
 @contextlib.contextmanager
@@ -139,7 +153,8 @@ def capture(model: Any, record: dict[str, Any], *, custom_step: bool, policy: st
     """
     global _active
     record.update(grads=[], scaled_by=None, factor=1.0, custom_step=custom_step, policy=policy, n=num_replicas,
-                  accumulator=accumulator, example_weight=example_weight)
+                  accumulator=accumulator, example_weight=example_weight, marks={}, targets={}, read_n=False,
+                  applies=[], names=_optimizer_names(model))
     with _lock:
         if _active == 0:
             _install_global()
@@ -156,10 +171,56 @@ def capture(model: Any, record: dict[str, Any], *, custom_step: bool, policy: st
                 _uninstall()
 
 
-def _note_scaled(what: str) -> None:
+def _mark(value: Any, what: str) -> Any:
+    """Remember ``value`` as a loss that needs no division by the replica count (``what`` says why)."""
     record = seen()
-    if record is not None and record["scaled_by"] is None and not record.get("applied"):
-        record["scaled_by"] = what
+    if record is not None:
+        try:
+            record["marks"].setdefault(value.ref(), what)
+        except (AttributeError, TypeError):  # not a tensor: nothing to follow
+            pass
+    return value
+
+
+def _optimizer_names(model: Any) -> dict[int, str]:
+    """id(optimizer) -> the model attribute that holds it (``optimizer`` first)."""
+    names: dict[int, str] = {}
+    for name in ["optimizer", *vars(model)]:
+        value = model.__dict__.get(name) if name != "optimizer" else getattr(model, "optimizer", None)
+        if value is not None and hasattr(value, "apply_gradients"):
+            names.setdefault(id(value), name.lstrip("_"))
+    return names
+
+
+def _upstream_mark(targets: list[Any], marks: dict[Any, str]) -> str | None:
+    """The first marked tensor the graph of ``targets`` is computed from (None: none)."""
+    stack, visited = list(targets), set()
+    while stack:
+        t = stack.pop()
+        try:
+            what = marks.get(t.ref())
+            if what is not None:
+                return what
+            op = t.op
+        except (AttributeError, TypeError):
+            continue
+        if op.name in visited:
+            continue
+        visited.add(op.name)
+        stack.extend(op.inputs)
+    return None
+
+
+def scaled_by_for(record: dict[str, Any], grads: list[Any]) -> str | None:
+    """What divided (or summed) the loss these gradients come from; None when nothing did."""
+    targets = {id(t): t for g in grads if g is not None for t in [record["targets"].get(id(g))] if t is not None}
+    if targets:
+        what = _upstream_mark(list(targets.values()), record["marks"])
+    else:  # gradients not from a tape we saw: any mark so far counts
+        what = next(iter(record["marks"].values()), None)
+    if what is None and record["read_n"]:
+        what = "num_replicas_in_sync"
+    return what
 
 
 def _install_global() -> None:
@@ -170,27 +231,37 @@ def _install_global() -> None:
     scale_fn = keras_loss.scale_loss_for_distribution
 
     def scale_loss_for_distribution(value: Any) -> Any:
-        _note_scaled("a Keras loss")
-        return scale_fn(value)
+        return _mark(scale_fn(value), "a Keras loss")
+
+    reduce_fn = keras_loss.reduce_values
+
+    def reduce_values(values: Any, sample_weight: Any = None, reduction: Any = "sum_over_batch_size") -> Any:
+        out = reduce_fn(values, sample_weight, reduction)
+        return _mark(out, "a Keras loss with reduction='sum'") if reduction == "sum" else out
 
     average_fn = tf.nn.compute_average_loss
 
     def compute_average_loss(*args: Any, **kwargs: Any) -> Any:
-        _note_scaled("tf.nn.compute_average_loss")
-        return average_fn(*args, **kwargs)
+        return _mark(average_fn(*args, **kwargs), "tf.nn.compute_average_loss")
 
     gradient_fn = tf.GradientTape.gradient
 
     def gradient(tape: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
         record = seen()
-        if record is not None and "tape_loss" not in record and getattr(target, "shape", None) is not None \
-                and len(target.shape) == 0:
+        scalar = getattr(target, "shape", None) is not None and len(target.shape) == 0
+        if record is not None and "tape_loss" not in record and scalar:
             record["tape_loss"] = target
-        return gradient_fn(tape, target, *args, **kwargs)
+        result = gradient_fn(tape, target, *args, **kwargs)
+        if record is not None and scalar:
+            for g in tf.nest.flatten(result):
+                if g is not None:
+                    record["targets"][id(g)] = target
+        return result
 
-    _restore.extend([(keras_loss, "scale_loss_for_distribution", scale_fn), (tf.nn, "compute_average_loss", average_fn),
-                     (tf.GradientTape, "gradient", gradient_fn)])
+    _restore.extend([(keras_loss, "scale_loss_for_distribution", scale_fn), (keras_loss, "reduce_values", reduce_fn),
+                     (tf.nn, "compute_average_loss", average_fn), (tf.GradientTape, "gradient", gradient_fn)])
     keras_loss.scale_loss_for_distribution = scale_loss_for_distribution
+    keras_loss.reduce_values = reduce_values
     tf.nn.compute_average_loss = compute_average_loss
     tf.GradientTape.gradient = gradient
     for cls in (tf.distribute.Strategy, tf.distribute.ReplicaContext):
@@ -208,7 +279,7 @@ def _reading(prop: property) -> Any:
             caller = sys._getframe(1).f_globals.get("__name__", "")
             # TensorFlow and Keras read it for their own bookkeeping; only the user's code counts.
             if not caller.startswith(("tensorflow", "keras", "tf_keras")):
-                _note_scaled("num_replicas_in_sync")
+                seen()["read_n"] = True
         return prop.fget(self)
 
     return num_replicas_in_sync
@@ -232,6 +303,32 @@ def _install_model(model: Any, custom_step: bool) -> None:
             continue
         object.__setattr__(optimizer, "apply", _applying(optimizer, optimizer.apply))
         _restore.append((optimizer, "apply", None))
+        if hasattr(optimizer, "dynamic_scale") and "scale_loss" not in vars(optimizer):
+            object.__setattr__(optimizer, "scale_loss", _scaling(optimizer.scale_loss))
+            _restore.append((optimizer, "scale_loss", None))
+
+
+def _scaling(scale_loss: Any) -> Any:
+    """A `LossScaleOptimizer.scale_loss` that divides an undivided loss by N *before* the backward pass.
+
+    Divided only at the optimizer, the float16 gradients of a replica's mean over B/N examples are
+    N x one device's inside the backward pass, and overflow at half the loss scale: more steps are
+    skipped than on one device and the scale falls. Dividing the loss here, as a Keras loss
+    object does, keeps the backward pass at one device's magnitudes.
+    """
+    def scale_loss_shim(loss: Any) -> Any:
+        out = scale_loss(loss)
+        record = seen()
+        if record is None or not record["custom_step"] or record["n"] <= 1 or record["policy"] == "sum":
+            return out
+        what = _upstream_mark([loss], record["marks"]) or ("num_replicas_in_sync" if record["read_n"] else None)
+        if record["policy"] == "auto" and what is not None:
+            return out
+        import tensorflow as tf
+
+        return _mark(out * tf.cast(1.0 / record["n"], out.dtype), AT_SCALE_LOSS)
+
+    return scale_loss_shim
 
 
 def _applying(optimizer: Any, apply: Any) -> Any:
@@ -244,13 +341,19 @@ def _applying(optimizer: Any, apply: Any) -> Any:
         scale = getattr(optimizer, "dynamic_scale", None)  # a LossScaleOptimizer's grads are scaled
         if scale is not None:
             record["loss_scale"] = scale
+        scaled_by = scaled_by_for(record, grads)
+        factor = 1.0 if scaled_by == AT_SCALE_LOSS else \
+            gradient_factor(record["policy"], record["custom_step"], scaled_by, record["n"])
+        if not record.get("applied"):
+            record["scaled_by"], record["factor"] = scaled_by, factor
         record["applied"] = True
-        factor = gradient_factor(record["policy"], record["custom_step"], record["scaled_by"], record["n"])
-        record["factor"] = factor
+        record.setdefault("applied_ids", []).append(id(optimizer))
+        record["applies"].append({"optimizer": record["names"].get(id(optimizer), type(optimizer).__name__),
+                                  "scaled_by": scaled_by, "factor": factor})
         if factor != 1.0:
             grads = [_scaled(g, factor) for g in grads]
         weight = record["example_weight"]
-        if weight is not None and weighs_by_examples(record["custom_step"], record["scaled_by"]):
+        if weight is not None and weighs_by_examples(record["custom_step"], scaled_by):  # this apply's rule
             grads = [_scaled(g, weight) for g in grads]
         accumulator = record["accumulator"]
         _tls.in_apply = True
@@ -281,3 +384,39 @@ def _uninstall() -> None:
             object.__delattr__(target, name)
         else:
             setattr(target, name, original)
+
+
+def share_message(model: Any, num_replicas: int, scaled_by: str) -> str:
+    """The line printed on the chief when a custom train_step's loss is one replica's share."""
+    name = type(model).__name__
+    return (f"keras-sync: {name}.train_step's loss is divided by the replica count ({scaled_by}), as Keras needs for "
+            f"the gradient sum, so the loss the step returns or tracks (history, MLflow `loss`) is one replica's share: "
+            f"1/{num_replicas} of the one-device value (sync/replica_<i>/loss are multiplied back to one device's). "
+            "To log the one-device value, track loss * self.distribute_strategy.num_replicas_in_sync.")
+
+
+_applied: Any = None
+
+
+def remember_applied(model: Any, names: list[str]) -> None:
+    """Note the attributes of the optimizers ``model``'s traced step applied (in order, once each)."""
+    global _applied
+    import weakref
+
+    if _applied is None:
+        _applied = weakref.WeakKeyDictionary()
+    if names:
+        _applied[model] = list(dict.fromkeys(names))
+
+
+def applied_optimizers(model: Any) -> list[tuple[str, Any]]:
+    """(attribute, optimizer) of each optimizer ``model``'s train step applies; [] before its first trace."""
+    names = _applied.get(model, []) if _applied is not None else []
+    out = []
+    for name in names:
+        value = getattr(model, name, None)
+        if value is None:
+            value = model.__dict__.get("_" + name)
+        if value is not None and hasattr(value, "apply_gradients"):
+            out.append((name, value))
+    return out

@@ -436,6 +436,7 @@ class Sync:
         from keras_sync import _internals
 
         _internals.require("model_strategy")  # a Keras that moved it would make every model look unscoped
+        _keras_compat_check_call(model, method)
         if getattr(model, "_distribute_strategy", None) is not self.strategy:
             raise UsageError(
                 f"The model was built outside sync.scope(), so sync.{method} cannot distribute it over "
@@ -494,3 +495,16 @@ def _worker_info(strategy: Any) -> tuple[int, bool, tuple[str | None, int | None
 
     r = strategy_role(strategy)
     return r.num_workers, r.is_chief, (r.task_type, r.task_id)
+
+
+def _keras_compat_check_call(model: Any, method: str) -> None:
+    """Refuse a model without `call()` (the keras-io VAE/GAN): Keras builds a model under a strategy by calling it."""
+    import keras
+
+    if getattr(type(model), "call", None) in (keras.Model.call, keras.layers.Layer.call):
+        name = type(model).__name__
+        raise UsageError(
+            f"{name} has no call() method, and under a distribution strategy Keras builds the model by calling it "
+            f"on a batch before sync.{method} trains (it fails with a long traceback inside Keras). Fix: define "
+            f"call(self, inputs) in {name}, returning what the model computes from inputs (e.g. the decoder's or "
+            "generator's output).")

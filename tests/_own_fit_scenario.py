@@ -127,5 +127,54 @@ try:
     result["backup_refusal"] = None
 except UsageError as e:
     result["backup_refusal"] = str(e)
+
+# 6. issue 23: a GAN's own train_step applies two SGD optimizers; compile() made an RMSprop no step uses.
+# And a model without call() (the keras-io VAE as published) is refused before training, with no MLflow run.
+import tensorflow as tf  # noqa: E402
+
+
+class Gan(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.disc = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        self.gen = keras.Sequential([keras.Input((2,)), keras.layers.Dense(4)])
+
+    def compile(self, d_optimizer, g_optimizer):
+        super().compile()
+        self.d_optimizer, self.g_optimizer = d_optimizer, g_optimizer
+
+    def train_step(self, data):
+        x, _ = data
+        with tf.GradientTape() as tape:
+            d_loss = keras.ops.mean(keras.ops.softplus(-self.disc(x)) + keras.ops.softplus(self.disc(self.gen(x[:, :2]))))
+        grads = tape.gradient(d_loss, self.disc.trainable_weights)
+        self.d_optimizer.apply_gradients(zip(grads, self.disc.trainable_weights))
+        with tf.GradientTape() as tape:
+            g_loss = -keras.ops.mean(self.disc(self.gen(x[:, :2])))
+        grads = tape.gradient(g_loss, self.gen.trainable_weights)
+        self.g_optimizer.apply_gradients(zip(grads, self.gen.trainable_weights))
+        return {"d_loss": d_loss, "g_loss": g_loss}
+
+
+class GanWithCall(Gan):
+    def call(self, x):
+        return self.disc(x)
+
+
+gan_sync = keras_sync.load({"strategy": {"kind": "mirrored", "simulated_cpu_replicas": 2}, "batch": {"per_replica": 16},
+                            "mlflow": {"tracking_uri": uri, "experiment": "gan"}})
+with gan_sync.scope():
+    no_call = Gan()
+    no_call.compile(keras.optimizers.SGD(0.02, momentum=0.9), keras.optimizers.SGD(0.02, momentum=0.9))
+try:
+    gan_sync.fit(no_call, x, y, epochs=1, verbose=0)
+    result["no_call"] = None
+except UsageError as e:
+    result["no_call"] = str(e)
+with gan_sync.scope():
+    gan = GanWithCall()
+    gan.compile(keras.optimizers.SGD(0.02, momentum=0.9), keras.optimizers.SGD(0.03, momentum=0.8))
+gan_sync.fit(gan, x, y, epochs=1, verbose=0)
+result["gan_run_id"] = gan_sync.run_id
 with open(out_path, "w") as f:
     json.dump(result, f)

@@ -127,6 +127,60 @@ class AverageLossStep(keras.Sequential):
         return {"loss": loss}
 
 
+class SumLossStep(keras.Sequential):
+    """A Keras loss object with reduction="sum" over the replica's batch, divided by the global batch."""
+
+    sum_loss = keras.losses.MeanSquaredError(reduction="sum")
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.sum_loss(y, self(x, training=True)) / GLOBAL_BATCH
+        grads = tape.gradient(loss, self.trainable_weights)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_weights))
+        return {"loss": loss}
+
+
+class TwoOptimizers(keras.Model):
+    """A GAN's step (issue 23): the discriminator's loss from a loss object, the generator's a manual -mean."""
+
+    def __init__(self):
+        super().__init__()
+        self.disc = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+        self.gen = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8)])
+        self.bce = keras.losses.BinaryCrossentropy(from_logits=True)
+
+    def call(self, x):
+        return self.disc(x)
+
+    def compile(self, d_optimizer, g_optimizer):
+        super().compile()
+        self.d_optimizer, self.g_optimizer = d_optimizer, g_optimizer
+
+    def train_step(self, data):
+        x, _ = data
+        z = x[:, :4]  # the "noise" comes from the data: the same on every layout
+        with tf.GradientTape() as tape:
+            logits = self.disc(keras.ops.concatenate([x, self.gen(z)], 0))
+            labels = keras.ops.concatenate([keras.ops.ones_like(x[:, :1]), keras.ops.zeros_like(x[:, :1])], 0)
+            d_loss = self.bce(labels, logits)
+        grads = tape.gradient(d_loss, self.disc.trainable_weights)
+        self.d_optimizer.apply_gradients(zip(grads, self.disc.trainable_weights))
+        with tf.GradientTape() as tape:
+            g_loss = -keras.ops.mean(self.disc(self.gen(z)))
+        grads = tape.gradient(g_loss, self.gen.trainable_weights)
+        self.g_optimizer.apply_gradients(zip(grads, self.gen.trainable_weights))
+        return {"d_loss": d_loss, "g_loss": g_loss}
+
+
+class ActivitySum(keras.layers.Layer):
+    """add_loss(rate * ops.sum(x)): a sum over the batch (issue 23)."""
+
+    def call(self, x):
+        self.add_loss(1e-3 * keras.ops.sum(x))
+        return x
+
+
 def make(cls, sync=None, optimizer=None, **compile_kwargs):
     sync = sync or SYNC
     keras.utils.set_random_seed(0)
@@ -152,6 +206,24 @@ def custom_steps():
         out[name] = {"weights": flat(model), "trace": probe.last_trace, "steps": steps,
                      "loss": [[float(r[probe.LOSS]) for r in rs] for rs in rows],
                      "grad_norm": [[float(r[probe.GRAD_NORM]) for r in rs] for rs in rows]}
+    model = make(SumLossStep)
+    probe = _instrument.instrument(model)
+    SYNC.fit(model, X, Y, epochs=2, shuffle=False, verbose=0)
+    out["sum_loss"] = {"weights": flat(model), "trace": probe.last_trace}
+    keras.utils.set_random_seed(0)
+    with SYNC.scope():
+        gan = TwoOptimizers()
+        gan.compile(keras.optimizers.SGD(0.02, momentum=0.9), keras.optimizers.SGD(0.02, momentum=0.9))
+    probe = _instrument.instrument(gan)
+    SYNC.fit(gan, X, Y, epochs=2, shuffle=False, verbose=0)
+    out["two_optimizers"] = {"weights": flat(gan), "trace": probe.last_trace}
+    keras.utils.set_random_seed(0)
+    with SYNC.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), ActivitySum(),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+    SYNC.fit(model, X, Y, epochs=2, shuffle=False, verbose=0)
+    out["add_loss_sum"] = {"weights": flat(model)}
     # Keras's behaviour on request: the guide's step with its gradients summed.
     s = load(config(train_step_gradients="sum"))
     model = make(GuideStep, s)
@@ -248,6 +320,32 @@ def mixed():
     return out
 
 
+class ScaleLossStep(keras.Sequential):
+    """mixed_float16 as Keras asks (issue 23): gradients of `optimizer.scale_loss(loss)`, a manual mean."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean(keras.losses.mean_squared_error(y, self(x, training=True)))
+            scaled = self.optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, self.trainable_weights)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_weights))
+        return {"loss": loss}
+
+
+def mixed_custom():
+    """mixed_float16: Keras's own step and a custom step that scales its loss: updates applied, final scale, weights."""
+    out = {}
+    for name, cls in (("keras", keras.Sequential), ("scale_loss", ScaleLossStep)):
+        s = load(config(mixed_precision="mixed_float16"))
+        model = make(cls, s)
+        s.fit(model, X, Y, epochs=4, shuffle=False, verbose=0)
+        opt = model.optimizer
+        out[name] = {"weights": flat(model), "updates": int(opt.iterations.numpy()),
+                     "scale": float(opt.dynamic_scale.numpy())}
+    return out
+
+
 def jit():
     out = {}
     for value in (True, False):
@@ -291,6 +389,9 @@ record("accumulation", accumulation)
 if MODE != "workers_x2":
     record("sync_bn", sync_bn)
     record("jit", jit)
+if not WORKERS:
+    record("mixed_custom", mixed_custom)
+    keras.mixed_precision.set_dtype_policy("float32")
 if N > 1 and not WORKERS:
     record("mixed", mixed)
     keras.mixed_precision.set_dtype_policy("float32")

@@ -78,3 +78,28 @@ def test_auto_logging_thins_fast_steps_and_keeps_every_slow_one(result):
     # Steps of >= 0.12 s: every one logged, and each point's step time covers its own step only.
     assert slow["steps"] == list(range(1, 25)) and slow["stride"] == 1, slow
     assert min(slow["step_time_ms"]) >= 120
+
+
+def test_a_model_without_call_is_refused_before_training_in_one_line(result):
+    from mlflow import MlflowClient
+
+    assert result["no_call"].startswith("Gan has no call() method, and under a distribution strategy Keras builds")
+    assert "Fix: define call(self, inputs) in Gan" in result["no_call"] and "\n" not in result["no_call"]
+    c = MlflowClient(result["uri"])
+    runs = c.search_runs([c.get_experiment_by_name("gan").experiment_id])
+    assert [r.info.status for r in runs] == ["FINISHED"]  # the GAN with call(); no FAILED run of the refused one
+
+
+def test_the_optimizers_a_gan_step_applies_are_logged_not_compiles_rmsprop(result):
+    from mlflow import MlflowClient
+
+    c = MlflowClient(result["uri"])
+    run = c.get_run(result["gan_run_id"])
+    params = run.data.params
+    assert params["d_optimizer_name"].startswith("sgd") and params["g_optimizer_name"].startswith("sgd")
+    assert float(params["d_optimizer_learning_rate"]) == pytest.approx(0.02)
+    assert float(params["g_optimizer_momentum"]) == pytest.approx(0.8)
+    assert not any("rms" in v.lower() for v in params.values() if isinstance(v, str))
+    assert "optimizer_name" not in params
+    lr = [m.value for m in c.get_metric_history(run.info.run_id, "sync/learning_rate")]
+    assert lr and all(v == pytest.approx(0.02) for v in lr)  # d_optimizer's: the first that applies

@@ -20,7 +20,10 @@ class FitParams(OncePerRun):
       (the global batch: what Keras's `fit` receives, and what autolog logs) and
       ``per_replica_batch_size``;
     - the optimizer: ``optimizer_name`` and every entry of its config as ``optimizer_<key>``
-      (autolog's names);
+      (autolog's names). A model whose own `train_step` applies other optimizers than
+      ``model.optimizer`` (a GAN's ``d_optimizer``, ``g_optimizer``) gets those, as
+      ``<attribute>_<key>``, after its first step (when the traced step has shown which apply);
+      the optimizer that `compile()` made and no step uses is not logged;
     - the artifact ``model_summary.txt`` (``model.summary()``);
     - the tags MLflow's `start_run` sets: ``mlflow.user``, ``mlflow.source.name``,
       ``mlflow.source.type`` and, in a git checkout, ``mlflow.source.git.commit``/``branch``/``repoURL``.
@@ -54,9 +57,35 @@ class FitParams(OncePerRun):
         if autolog:
             params = {k: v for k, v in params.items() if k not in AUTOLOG_PARAMS}
         else:
-            params.update(optimizer_params(self.model.optimizer))
+            if has_default_train_step(self.model):
+                params.update(optimizer_params(self.model.optimizer))
+            else:
+                self._optimizers_pending = True
             self.writer.log_text_artifact(model_summary(self.model), MODEL_SUMMARY_ARTIFACT)
         self.writer.log_params(params)
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if not getattr(self, "_optimizers_pending", False):
+            return
+        self._optimizers_pending = False
+        self.writer.log_params(applied_optimizer_params(self.model))
+
+
+def has_default_train_step(model: Any) -> bool:
+    from keras_sync._instrument import has_default_train_step as default
+
+    return default(model)
+
+
+def applied_optimizer_params(model: Any) -> dict[str, Any]:
+    """The params of the optimizers a custom `train_step` applied: ``optimizer_<key>`` for one
+    (``model.optimizer`` when the step was not seen), ``<attribute>_<key>`` for each of several."""
+    from keras_sync._train_step_trace import applied_optimizers
+
+    applied = applied_optimizers(model)
+    if len(applied) <= 1:
+        return optimizer_params(applied[0][1] if applied else model.optimizer)
+    return {f"{name}_{k}": v for name, optimizer in applied for k, v in optimizer.get_config().items()}
 
 
 def optimizer_params(optimizer: Any) -> dict[str, Any]:
