@@ -660,8 +660,8 @@ def replay_spool(spool_path: str | os.PathLike[str], tracking_uri: str | None = 
     except Exception as e:
         raise TrackingError(
             f"Could not deliver spool {path} to MLflow at {delivery.shown_uri}: "
-            f"{_redact(str(e), delivery.secrets)[:500]}. Nothing delivered is sent twice; run "
-            "`keras-sync sync-spool` again when the server is reachable.") from None
+            f"{_redact(str(e), delivery.secrets)[:500].rstrip('.')}. Nothing delivered is sent twice; run "
+            "`keras-sync sync-spool` again once MLflow there can take them (or give --tracking-uri).") from None
     finally:
         spool.unlock("deliver")
         spool.unlock("writer")
