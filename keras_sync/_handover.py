@@ -56,6 +56,7 @@ class Handover:
         self.news: dict[str, Any] = {}
         self._out: int | None = None
         self._buf = bytearray()
+        self._reader: threading.Thread | None = None
 
     def __len__(self) -> int:
         return len(self._held)
@@ -102,9 +103,15 @@ class Handover:
         os.set_blocking(self_out, False)
         self._out = self_out
         self._buf = bytearray(b"".join(self._line(n, rec) for n, rec, _ in self._held))
-        threading.Thread(target=self._read_news, args=(self_in,), name="keras-sync-courier-news",
-                         daemon=True).start()
+        self._reader = threading.Thread(target=self._read_news, args=(self_in,), name="keras-sync-courier-news",
+                                        daemon=True)
+        self._reader.start()
         return records_in, news_out
+
+    def settle(self, timeout_s: float = 2.0) -> None:
+        """After the courier exited: wait until its last news is read (its pipe is at its end)."""
+        if self._reader is not None:
+            self._reader.join(timeout_s)
 
     def disconnect(self) -> None:
         if self._out is not None:

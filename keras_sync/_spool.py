@@ -14,7 +14,14 @@ the segments it has delivered. Nothing else passes between the two:
 ``run.json``       the MLflow run id and experiment id, once the deliverer has the run
 ``status.json``    the deliverer's last outcome: ``{"ok": true}`` or the error and its kind
 ``writer.lock``    held (flock) by the live writer; ``deliver.lock`` by the live deliverer
+``reserve``        16 KB the writer keeps free, for the records that end a run whose spool
+                   filled its disk (`keras_sync._handover`)
 =================  ===========================================================================
+
+A spool whose disk refuses a write (full, over quota) takes nothing more from its writer: the
+rest goes to the live courier over a pipe, from memory (`keras_sync._handover`); the courier keeps
+where delivery stands in memory too and tells the writer over a second pipe, since
+``delivered``, ``run.json`` and ``status.json`` may not be writable then.
 
 Record kinds (``"k"``): ``begin`` (a writer started; ``"reopen": true`` when its writer logs
 again after `end_run`, e.g. the next ``fit``), ``m`` (metrics at one step), ``p`` (params), ``t``

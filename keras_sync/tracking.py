@@ -542,16 +542,19 @@ class MlflowWriter:
         self._handover.pump()  # forget what the courier acknowledged last
         held = bool(self._handover.unacknowledged() or self._handover.dropped)
         message = None if delivered or held else self.undelivered_message(final=True)
+        cause = self._cause()  # while the courier is still there to ask
         if courier is not None and courier.poll() is None:
             # Waiting was given up (or the end was delivered and it is still exiting): after
             # close nothing runs in the background; the spool keeps what is left. SIGKILL: the
             # courier ignores SIGTERM (meant for the trainer when a scheduler signals a whole job step).
             courier.kill()
             courier.wait()
+        self._handover.settle()
+        self._handover.pump()
         self._handover.disconnect()
         self.run_id  # noqa: B018 - read the run id before the spool that holds it may be removed
         if held and not delivered:
-            message = self._spill_held()
+            message = self._spill_held(cause)
         self._spool.close_segment()
         self._spool.unlock("writer")
         if message is None and not self._thread.is_alive() and self._all_delivered():
@@ -574,6 +577,7 @@ class MlflowWriter:
                 self._handover.pump()
                 closing = self._closing
                 if self._courier is not None and self._courier.poll() is not None and not self._finished:
+                    self._handover.settle()  # its last word on the pipe, before judging its exit
                     if self._end_spooled and self._reached((self._spooled_pos, self._handover.last)):
                         self._finished = True  # it delivered the run's end and stopped, as it should
                     elif not closing:
@@ -700,7 +704,7 @@ class MlflowWriter:
         self._put({"k": "t", "d": {LOST_TAG: self._lost_text(steps, others)}})
         return "FAILED"
 
-    def _spill_held(self) -> str | None:
+    def _spill_held(self, cause: str) -> str | None:
         """After the courier stopped: put what MLflow did not take into the spool if the disk has room
         again; else end the spooled run FAILED with a tag naming what is lost. Returns the line to show."""
         records = self._handover.unacknowledged()
@@ -723,7 +727,7 @@ class MlflowWriter:
                      f"the run FAILED with the tag {LOST_TAG}")
         except SpoolFull:
             after = f"nothing more fits in {self.spool_path}: the run stays RUNNING in MLflow"
-        return f"keras-sync: MLflow lost {lost} ({self._cause()}); {after}."
+        return f"keras-sync: MLflow lost {lost} ({cause}); {after}."
 
     def _clean(self, rec: dict[str, Any]) -> dict[str, Any] | None:
         k = rec["k"]
