@@ -1014,3 +1014,27 @@ def test_fit_with_its_spool_on_a_full_disk_delivers_every_step(sqlite_uri, tmp_p
     assert _one_point_per_step(sqlite_uri, run_id) == list(range(1, 41))
     run = MlflowClient(sqlite_uri).get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.params["sync.num_replicas"] == "1"
+
+
+def test_a_refused_append_leaves_whole_records_and_says_how_many(tmp_path):
+    # A full disk cut the spool's last line (every later record was then lost with it); now the
+    # torn line is cut off again, and the writer learns which records are in.
+    from _mounts import tmpfs
+
+    from keras_sync._spool import SpoolDir, SpoolFull
+
+    with tmpfs(tmp_path / "small", size="8k") as small:
+        spool = SpoolDir(small / "s")
+        spool.path.mkdir()
+        spool.start_segment()
+        batches = [[{"k": "m", "s": i, "pad": "x" * 100} for i in range(b, b + 10)] for b in range(0, 300, 10)]
+        with pytest.raises(SpoolFull) as refused:
+            for batch in batches:  # ~36 KB in all, 10 records every 0.2 s as the writer's thread does
+                spool.append(batch)
+        first_refused = batch[0]["s"]
+        assert refused.value.reason == "No space left on device" and 0 < first_refused < 290
+        kept = first_refused + refused.value.done
+        read = spool.read((0, 0), max_records=10**6)
+        assert [r["s"] for _, r in read] == list(range(kept))
+        assert read[-1][0] == refused.value.pos
+        assert (spool.path / "00000001.jsonl").stat().st_size == refused.value.pos[1]
