@@ -56,14 +56,9 @@ def ensure_sqlite_store(uri: str, *, timeout_s: float = 300.0) -> bool:
     if path is None or path.exists():
         return False
     path = path.absolute()
-    if not path.parent.is_dir():
-        raise TrackingError(
-            f"The MLflow store {uri!r} cannot be created: its folder {str(path.parent)!r} does not exist. "
-            "Create the folder, or set mlflow.tracking_uri to a path in an existing folder."
-        )
+    check_creatable(uri)
     _remove_leftovers(path)
     tmp = path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    _probe_writable(uri, tmp)
     try:
         done = subprocess.run([sys.executable, "-c", _BUILD, f"sqlite:///{tmp}"], capture_output=True,
                               text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
@@ -82,6 +77,23 @@ def ensure_sqlite_store(uri: str, *, timeout_s: float = 300.0) -> bool:
                 leftover.unlink()
             except FileNotFoundError:
                 pass
+
+
+def check_creatable(uri: str) -> None:
+    """Raise `TrackingError` with the cause if the sqlite store of ``uri`` is missing and cannot be made.
+
+    Cheap (no MLflow): the writer asks it before its courier starts, so `fit` knows at once.
+    """
+    path = sqlite_path(uri)
+    if path is None or path.exists():
+        return
+    path = path.absolute()
+    if not path.parent.is_dir():
+        raise TrackingError(
+            f"The MLflow store {uri!r} cannot be created: its folder {str(path.parent)!r} does not exist. "
+            "Create the folder, or set mlflow.tracking_uri to a path in an existing folder."
+        )
+    _probe_writable(uri, path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"))
 
 
 def _probe_writable(uri: str, tmp: Path) -> None:

@@ -571,6 +571,7 @@ class MlflowWriter:
         restarts, respawn_at = 0, 0.0
         try:
             self._open_spool()
+            self._check_store()
             while True:
                 self._wake.clear()  # before draining: a flush from now on is not lost
                 self._drain_to_spool()
@@ -599,6 +600,17 @@ class MlflowWriter:
         finally:
             with self._spooled:
                 self._spooled.notify_all()
+
+    def _check_store(self) -> None:
+        """A local sqlite store that cannot be created is known now, not after the courier imported MLflow."""
+        from keras_sync._sqlite_store import check_creatable
+
+        try:
+            check_creatable(self._uri)
+        except TrackingError as e:  # the courier says the same once it tries, and "ok" if it is fixed by then
+            self._handover.news = {**self._handover.news, "status": {
+                "ok": False, "at": time.time(), "error": f"TrackingError: {e}", "cause": "store_failing",
+                "uri": self.shown_uri}}
 
     def _spawn_courier(self) -> None:
         try:
