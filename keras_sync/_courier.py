@@ -21,16 +21,19 @@ included) in ``$KERAS_SYNC_COURIER_URI``, never on the command line or on disk.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from keras_sync._deliver import Deliverer, is_transient
-from keras_sync._spool import SpoolDir, is_last_record
+from keras_sync._spool import Position, SpoolDir, is_last_record
 from keras_sync.redact import redact_text, secrets_of
 
 #: Longest wait between two delivery attempts while MLflow is unreachable (seconds).
@@ -38,34 +41,54 @@ MAX_BACKOFF_S = 30.0
 #: How often the courier looks for new records; what it finds goes in one batch.
 POLL_S = 0.1
 URI_ENV = "KERAS_SYNC_COURIER_URI"
+HEADER_ENV = "KERAS_SYNC_COURIER_HEADER"
+PIPE_ENV = "KERAS_SYNC_COURIER_PIPES"
 
 
-def spawn(spool: SpoolDir, tracking_uri: str) -> subprocess.Popen[bytes]:
-    """Start a courier for ``spool`` (called by the writer, which restarts it if it dies)."""
+def spawn(spool: SpoolDir, tracking_uri: str, header: dict[str, Any] | None = None,
+          pipe_fds: tuple[int, int] | None = None) -> subprocess.Popen[bytes]:
+    """Start a courier for ``spool`` (called by the writer, which restarts it if it dies).
+
+    ``header``: the spool's header, for a spool whose disk refused even that. ``pipe_fds``:
+    (records in, news out), the pipes of a writer whose spool cannot be written (`serve_pipes`).
+    """
     env = dict(os.environ)
     env[URI_ENV] = tracking_uri
+    if header is not None:
+        env[HEADER_ENV] = json.dumps(header)
+    if pipe_fds is not None:
+        env[PIPE_ENV] = f"{pipe_fds[0]},{pipe_fds[1]}"
     # The child must import this very keras_sync, installed or not.
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return subprocess.Popen([sys.executable, "-m", "keras_sync._courier", str(spool.path), str(os.getpid())],
-                            stdin=subprocess.DEVNULL, env=env, close_fds=True)
+                            stdin=subprocess.DEVNULL, env=env, close_fds=True, pass_fds=pipe_fds or ())
 
 
 class Delivery:
     """Deliver a spool in order; used by the courier process and by ``keras-sync sync-spool``."""
 
-    def __init__(self, spool: SpoolDir, tracking_uri: str | None = None, *, max_batch: int = 1000):
-        header = spool.header()
+    def __init__(self, spool: SpoolDir, tracking_uri: str | None = None, *, max_batch: int = 1000,
+                 header: dict[str, Any] | None = None, news: BinaryIO | None = None):
+        header = spool.header() or header
         if header is None:
             raise ValueError(f"{spool.path} has no header.json")
         self.spool = spool
+        # Where delivery stands, kept here: on a full disk the files that record it cannot be written.
+        self.pos: Position = spool.delivered()
+        self.known_run = spool.run()
+        #: Records the writer could not spool (its disk is full), handed over its pipe: (number, record).
+        self.held: deque[tuple[int, dict[str, Any]]] = deque()
+        self.held_done = 0  # every held record numbered up to this one is in MLflow
+        self._news = news
+        self.reported = False
         self.uri = tracking_uri or header["tracking_uri"]
         self.secrets = secrets_of(self.uri, os.environ)
         self.shown_uri = redact_text(self.uri, self.secrets)
         self.deliverer = Deliverer(self.uri, header["experiment"], header.get("run_name"), header.get("job_id"),
                                    explicit=bool(header.get("explicit")), run_id=header.get("run_id"))
         # Found or created by an earlier courier of this spool (checked again before use).
-        self.deliverer.run_id = spool.run().get("run_id")
+        self.deliverer.run_id = self.known_run.get("run_id")
         self.max_batch = max_batch
         self.ended = False  # the writer's last record is delivered and nothing follows it
         self.run_ended = False  # the run's end is delivered and no begin since (the writer may go on)
@@ -75,9 +98,13 @@ class Delivery:
         """Send everything spooled so far; return the metric points sent. Raises what MLflow raised."""
         sent = 0
         while True:
-            start = self.spool.delivered()
-            chunk, points = [], 0
-            for pos, rec in self.spool.read(start, max_records=200):
+            chunk: list[tuple[Any, dict[str, Any]]] = []
+            points = 0
+            # The spool first; what the writer could not spool comes after all of it.
+            source: list[tuple[Any, dict[str, Any]]] = list(self.spool.read(self.pos, max_records=200))
+            if not source:
+                source = [(h, rec) for h, rec in list(self.held)[:200] if h > self.held_done]
+            for pos, rec in source:
                 n = len(rec["d"]) if rec["k"] == "m" else 0
                 # A "begin" (which picks the run) goes alone, and run.json names its run and its
                 # position before anything after it is sent: a courier killed between sending and
@@ -89,9 +116,10 @@ class Delivery:
             if not chunk:
                 return sent
             records = [rec for _, rec in chunk]
-            begin = chunk[0][0] if records[0]["k"] == "begin" else None
+            spooled = isinstance(chunk[-1][0], tuple)
+            begin = chunk[0][0] if records[0]["k"] == "begin" and spooled else None
             if begin is not None:
-                known = self.spool.run()
+                known = self.known_run
                 if known.get("begin") == list(begin) and known.get("run_id") == self.deliverer.run_id:
                     records = [{**records[0], "replayed": True}]  # delivered before: its run, as it is now
             run_before = self.deliverer.run_id
@@ -100,25 +128,78 @@ class Delivery:
                 # "ok" before the new position: a writer that sees delivery move must not read the
                 # old failure with it (close() would give up on a server that is back, run left RUNNING).
                 self.report(None)
-            if self.deliverer.run_id != run_before or begin is not None:
-                self.spool.set_run(self.deliverer.run_id, self.deliverer.experiment_id, begin)
-            self.spool.mark_delivered(chunk[-1][0])
-            self.ended = is_last_record(chunk[-1][1]) and not self.spool.pending()
+            if self.deliverer.run_id != run_before or records[0]["k"] == "begin":
+                self._set_run(begin)
+            if spooled:
+                self.pos = chunk[-1][0]
+                try:
+                    self.spool.mark_delivered(self.pos)
+                except OSError:  # a full disk: the position is kept here and told over the pipe
+                    pass
+            else:
+                self.held_done = chunk[-1][0]
+                while self.held and self.held[0][0] <= self.held_done:
+                    self.held.popleft()
+            self._tell({"pos": list(self.pos), "h": self.held_done})
+            self.ended = is_last_record(chunk[-1][1]) and not self.pending()
             for _, rec in chunk:  # a report drawn after the run's end leaves it ended
                 if rec["k"] in ("end", "stop", "begin"):
                     self.run_ended = rec["k"] != "begin"
 
+    def pending(self) -> bool:
+        """True if spooled or handed-over records are not in MLflow yet."""
+        return bool(self.spool.read(self.pos, max_records=1)) or any(h > self.held_done for h, _ in list(self.held))
+
+    def take(self, number: int, record: dict[str, Any]) -> None:
+        """A record the writer could not spool, numbered in its order (a restarted courier gets them again)."""
+        if number > self.held_done and (not self.held or number > self.held[-1][0]):
+            self.held.append((number, record))
+
+    def _tell(self, news: dict[str, Any]) -> None:
+        """Tell the writer over its pipe (when it has one): the files may not be writable."""
+        if self._news is None:
+            return
+        try:
+            self._news.write(json.dumps(news).encode() + b"\n")
+            self._news.flush()
+        except OSError:  # the writer is gone
+            self._news = None
+
+    def _set_run(self, begin: Position | None) -> None:
+        run_id, exp_id = self.deliverer.run_id, self.deliverer.experiment_id
+        self.known_run = {"run_id": run_id, "experiment_id": exp_id, **({"begin": list(begin)} if begin else {})}
+        try:
+            self.spool.set_run(run_id, exp_id, begin)
+        except OSError:
+            pass
+        self._tell({"run": self.known_run})
+
     def report(self, error: BaseException | None, since: float | None = None) -> None:
         self.failing = error is not None
+        self.reported = True
         if error is None:
-            self.spool.set_status({"ok": True, "at": time.time()})
-            return
-        transient = is_transient(error)
-        local = not self.uri.startswith(("http://", "https://", "databricks"))
-        text = redact_text(f"{type(error).__name__}: {error}", self.secrets)[:500]
-        cause = "store_failing" if local else "unreachable" if transient else "refused"
-        self.spool.set_status({"ok": False, "at": time.time(), "since": since or time.time(), "error": text,
-                               "cause": cause, "uri": self.shown_uri})
+            status: dict[str, Any] = {"ok": True, "at": time.time()}
+        else:
+            transient = is_transient(error)
+            local = not self.uri.startswith(("http://", "https://", "databricks"))
+            text = redact_text(f"{type(error).__name__}: {error}", self.secrets)[:500]
+            cause = "store_failing" if local else "unreachable" if transient else "refused"
+            status = {"ok": False, "at": time.time(), "since": since or time.time(), "error": text,
+                      "cause": cause, "uri": self.shown_uri}
+        try:
+            self.spool.set_status(status)
+        except OSError:
+            pass
+        self._tell({"status": status})
+
+    def read_pipe(self, records: BinaryIO) -> None:
+        """Take the records a writer hands over its pipe until it closes it (a thread of the courier)."""
+        for line in records:
+            try:
+                msg = json.loads(line)
+                self.take(int(msg["h"]), msg["r"])
+            except (ValueError, KeyError, TypeError):
+                continue
 
     def serve(self, parent_pid: int | None) -> None:
         """Deliver until the run's end is delivered, or the parent process is gone."""
@@ -128,7 +209,7 @@ class Delivery:
             if time.monotonic() >= retry_at or orphan:
                 try:
                     self.deliver_available()
-                    if failing_since is not None or self.spool.status() is None:
+                    if failing_since is not None or not self.reported:
                         self.report(None)
                     backoff, failing_since = 0.0, None
                 except Exception as e:  # noqa: BLE001 - anything: keep the data, retry later
@@ -138,7 +219,7 @@ class Delivery:
                     retry_at = time.monotonic() + backoff
                 if self.ended and not self.spool.held("writer"):
                     self.spool.remove()  # its writer gave up waiting and left it: nothing is left to keep
-                if orphan and self.run_ended and not self.spool.pending() and not self.spool.held("writer"):
+                if orphan and self.run_ended and not self.pending() and not self.spool.held("writer"):
                     # Its process was killed without atexit (Ray Train V2's ray.kill) after MLflow had
                     # it all (Sync.fit ends the run and waits for delivery): nothing left to keep.
                     self.spool.remove()
@@ -169,8 +250,14 @@ def main(argv: list[str]) -> int:
     parent = int(argv[2])  # not getppid(): the parent may have died before this line
     spool = SpoolDir(argv[1])
     uri = os.environ.pop(URI_ENV, None)
+    header = json.loads(os.environ.pop(HEADER_ENV, "null"))
+    pipes = os.environ.pop(PIPE_ENV, None)
+    records_in, news_out = (int(fd) for fd in pipes.split(",")) if pipes else (None, None)
     spool.wait_lock("deliver")  # one courier per spool (a crashed job's may still be finishing)
-    delivery = Delivery(spool, uri)
+    news = os.fdopen(news_out, "wb") if news_out is not None else None
+    delivery = Delivery(spool, uri, header=header, news=news)
+    if records_in is not None:
+        threading.Thread(target=delivery.read_pipe, args=(os.fdopen(records_in, "rb"),), daemon=True).start()
     sys.stderr = sys.stdout = _Scrubbed(sys.stderr, delivery.secrets)
     try:  # import MLflow before the first batch arrives
         delivery.deliverer.client()

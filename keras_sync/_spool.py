@@ -14,7 +14,14 @@ the segments it has delivered. Nothing else passes between the two:
 ``run.json``       the MLflow run id and experiment id, once the deliverer has the run
 ``status.json``    the deliverer's last outcome: ``{"ok": true}`` or the error and its kind
 ``writer.lock``    held (flock) by the live writer; ``deliver.lock`` by the live deliverer
+``reserve``        16 KB the writer keeps free, for the records that end a run whose spool
+                   filled its disk (`keras_sync._handover`)
 =================  ===========================================================================
+
+A spool whose disk refuses a write (full, over quota) takes nothing more from its writer: the
+rest goes to the live courier over a pipe, from memory (`keras_sync._handover`); the courier keeps
+where delivery stands in memory too and tells the writer over a second pipe, since
+``delivered``, ``run.json`` and ``status.json`` may not be writable then.
 
 Record kinds (``"k"``): ``begin`` (a writer started; ``"reopen": true`` when its writer logs
 again after `end_run`, e.g. the next ``fit``), ``m`` (metrics at one step), ``p`` (params), ``t``
@@ -61,8 +68,25 @@ def is_last_record(rec: dict[str, Any]) -> bool:
 
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk: leave no empty file behind
+        raise
+
+
+class SpoolFull(OSError):
+    """`SpoolDir.append` could not write (disk full, quota, I/O error): what it did write is whole.
+
+    ``done``: how many of the records are in the spool (a torn line is cut off again);
+    ``pos``: the position just past the last of them. ``reason``: the operating system's words.
+    """
+
+    def __init__(self, error: OSError, done: int, pos: Position):
+        super().__init__(error.errno, error.strerror or str(error))
+        self.reason = error.strerror or str(error)
+        self.done, self.pos = done, pos
 
 
 class SpoolDir:
@@ -164,8 +188,10 @@ class SpoolDir:
         """Begin a new segment after every existing one (a writer never appends to an older one)."""
         self.close_segment()
         existing = self.segments()
-        self._segment = (existing[-1] if existing else 0) + 1
-        self._fh = open(self._segment_path(self._segment), "ab")  # noqa: SIM115 - held while writing
+        n = max(existing[-1] if existing else 0, self._segment) + 1
+        # Unbuffered: a write the disk refuses fails here, not later in a flush at exit.
+        self._fh = open(self._segment_path(n), "ab", buffering=0)  # noqa: SIM115 - held while writing
+        self._segment = n
         return self._segment, 0
 
     def append(self, records: list[dict[str, Any]]) -> Position:
@@ -176,19 +202,31 @@ class SpoolDir:
         segments, so the spool stays small however the records arrive.
         """
         lines = [json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in records]
-        i = 0
+        i = done = 0
+        pos = self.written()
         while True:
-            if self._fh is None or self._fh.tell() >= SEGMENT_BYTES:
-                self.start_segment()
-            room, chunk, size = SEGMENT_BYTES - self._fh.tell(), [], 0
-            while i < len(lines) and (not chunk or size + len(lines[i]) <= room):
-                chunk.append(lines[i])
-                size += len(lines[i])
-                i += 1
-            self._fh.write(b"".join(chunk))
-            self._fh.flush()
+            try:
+                if self._fh is None or self._fh.tell() >= SEGMENT_BYTES:
+                    pos = self.start_segment()
+                room, chunk, size = SEGMENT_BYTES - self._fh.tell(), [], 0
+                while i < len(lines) and (not chunk or size + len(lines[i]) <= room):
+                    chunk.append(lines[i])
+                    size += len(lines[i])
+                    i += 1
+                view = memoryview(b"".join(chunk))
+                while view:
+                    view = view[self._fh.write(view):]
+            except OSError as e:
+                if self._fh is not None:
+                    try:  # cut a torn line off: a later append must not glue a record to it
+                        self._fh.truncate(pos[1])
+                        self._fh.seek(pos[1])
+                    except OSError:
+                        pass
+                raise SpoolFull(e, done, pos) from e
+            done, pos = i, (self._segment, self._fh.tell())
             if i >= len(lines):
-                return self._segment, self._fh.tell()
+                return pos
 
     def written(self) -> Position:
         return (self._segment, self._fh.tell()) if self._fh is not None else (self._segment, 0)
@@ -207,11 +245,17 @@ class SpoolDir:
             return 0, 0
 
     def mark_delivered(self, pos: Position) -> None:
-        """Record that everything before ``pos`` is in MLflow; delete the segments wholly before it."""
-        _atomic_write(self.path / "delivered", f"{pos[0]} {pos[1]}")
-        for n in self.segments():
-            if n < pos[0]:
-                self._segment_path(n).unlink(missing_ok=True)
+        """Record that everything before ``pos`` is in MLflow; delete the segments wholly before it.
+
+        The segments go even when the position cannot be written (a full disk): they are in
+        MLflow, and deleting them is what frees the disk.
+        """
+        try:
+            _atomic_write(self.path / "delivered", f"{pos[0]} {pos[1]}")
+        finally:
+            for n in self.segments():
+                if n < pos[0]:
+                    self._segment_path(n).unlink(missing_ok=True)
 
     def read(self, start: Position, max_records: int = 1000) -> list[tuple[Position, dict[str, Any]]]:
         """Records from ``start`` on, in order, each with the position just past it.

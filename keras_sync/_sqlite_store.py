@@ -10,6 +10,7 @@ process published first.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import subprocess
@@ -23,6 +24,8 @@ from keras_sync.errors import TrackingError
 _log = logging.getLogger("keras_sync.tracking")
 
 _TMP_MARK = ".keras-sync-creating-"
+#: Room a new store needs (a migrated MLflow 3.17 store is ~1.3 MB); checked before MLflow tries.
+_ROOM_BYTES = 2 * 1024 * 1024
 _BUILD = "import sys; from mlflow import MlflowClient; MlflowClient(tracking_uri=sys.argv[1]).search_experiments(max_results=1)"
 
 
@@ -53,11 +56,7 @@ def ensure_sqlite_store(uri: str, *, timeout_s: float = 300.0) -> bool:
     if path is None or path.exists():
         return False
     path = path.absolute()
-    if not path.parent.is_dir():
-        raise TrackingError(
-            f"The MLflow store {uri!r} cannot be created: its folder {str(path.parent)!r} does not exist. "
-            "Create the folder, or set mlflow.tracking_uri to a path in an existing folder."
-        )
+    check_creatable(uri)
     _remove_leftovers(path)
     tmp = path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
@@ -78,6 +77,52 @@ def ensure_sqlite_store(uri: str, *, timeout_s: float = 300.0) -> bool:
                 leftover.unlink()
             except FileNotFoundError:
                 pass
+
+
+def check_creatable(uri: str) -> None:
+    """Raise `TrackingError` with the cause if the sqlite store of ``uri`` is missing and cannot be made.
+
+    Cheap (no MLflow): the writer asks it before its courier starts, so `fit` knows at once.
+    """
+    path = sqlite_path(uri)
+    if path is None or path.exists():
+        return
+    path = path.absolute()
+    if not path.parent.is_dir():
+        raise TrackingError(
+            f"The MLflow store {uri!r} cannot be created: its folder {str(path.parent)!r} does not exist. "
+            "Create the folder, or set mlflow.tracking_uri to a path in an existing folder."
+        )
+    _probe_writable(uri, path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"))
+
+
+def _probe_writable(uri: str, tmp: Path) -> None:
+    """Create the private build file here, so a folder that refuses it fails now, with its cause.
+
+    MLflow's engine retries a store it cannot open for ~110 s before it gives up with a generic
+    error; the operating system says at once why (permission, disk full, read-only filesystem).
+    """
+    try:
+        os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        os.unlink(tmp)  # only the probe: the builder makes the store itself
+        # A full disk lets an empty file be created; the store needs room for its ~60 migrations.
+        probe = tmp.with_name(tmp.name + "-room")
+        with open(probe, "wb") as fh:
+            fh.write(b"\0" * _ROOM_BYTES)
+            fh.flush()
+            os.fsync(fh.fileno())
+        probe.unlink()
+    except OSError as e:
+        for leftover in (tmp, tmp.with_name(tmp.name + "-room")):
+            try:
+                leftover.unlink()
+            except OSError:
+                pass
+        raise TrackingError(
+            f"The MLflow store {uri!r} cannot be created in {str(tmp.parent)!r}: "
+            f"{e.strerror or e} (errno {errno.errorcode.get(e.errno or 0, e.errno)}). Make the folder writable "
+            "by this user (or free disk space there), or set mlflow.tracking_uri to a store it can write."
+        ) from None
 
 
 def _remove_leftovers(path: Path) -> None:

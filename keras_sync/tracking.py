@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from keras_sync import _courier
-from keras_sync._spool import Position, SpoolDir, is_last_record
+from keras_sync._handover import Handover, step_ranges
+from keras_sync._spool import Position, SpoolDir, SpoolFull, is_last_record
 from keras_sync.errors import TrackingError
 from keras_sync.redact import redact_text as _redact
 from keras_sync.redact import redact_uri
@@ -58,6 +59,10 @@ STALL_S = 30.0
 #: ... or, before the courier's first attempt (it imports MLflow, may migrate a fresh store: 2-4 s
 #: on a quiet machine, a minute seen on an overloaded one), this long.
 STARTUP_S = 120.0
+#: Kept free in the spool directory (the file ``reserve``) for the records that end a run whose
+#: spool filled its disk: which steps were lost, and the run's status.
+RESERVE_BYTES = 16 * 1024
+LOST_TAG = "keras_sync.metrics_lost"
 
 
 def resolve_tracking_uri(configured: str | None, *, cwd: str | os.PathLike[str] | None = None) -> tuple[str, str]:
@@ -233,6 +238,8 @@ class MlflowWriter:
         self._status: dict[str, Any] | None = None
         self._key_cache: dict[str, str] = {}
         self._run: dict[str, Any] = {}
+        self._handover = Handover()  # records the spool could not take (disk full), for the courier
+        self._spool_error: str | None = None  # why the spool stopped taking records
         _live_writers.add(self)
 
     @property
@@ -249,7 +256,7 @@ class MlflowWriter:
     def run_id(self) -> str | None:
         """The MLflow run id, once the courier has created or found the run."""
         if not self._run.get("run_id"):
-            self._run = self._spool.run()
+            self._run = self._spool.run() or self._handover.news.get("run", {})
         return self._run.get("run_id")
 
     @property
@@ -270,8 +277,24 @@ class MlflowWriter:
 
     def failure(self) -> dict[str, Any] | None:
         """The courier's last failed attempt (``error``, ``cause``), or None if it last succeeded."""
-        status = self._spool.status()
+        status = self._courier_status()
         return status if status is not None and not status.get("ok") else None
+
+    def _courier_status(self) -> dict[str, Any] | None:
+        """The courier's last outcome: from its pipe when it has one (a full disk keeps the file old)."""
+        return self._handover.news.get("status") or self._spool.status()
+
+    def _progress(self) -> tuple[Position, int]:
+        """How far delivery got: the spool position, and the number of held records MLflow has."""
+        pos = self._spool.delivered()
+        news = self._handover.news
+        if "pos" in news:
+            pos = max(pos, tuple(news["pos"]))  # type: ignore[assignment]
+        return pos, self._handover.acked()
+
+    def _reached(self, target: tuple[Position, int]) -> bool:
+        pos, held = self._progress()
+        return pos >= target[0] and held >= target[1]
 
     # ---- the caller's side: O(1), no I/O ----
     def start(self) -> None:
@@ -376,19 +399,19 @@ class MlflowWriter:
         """
         if not self.flush_to_spool(timeout_s=30.0 if timeout_s is None else timeout_s):
             return False
-        target = self._spooled_pos
+        target = (self._spooled_pos, self._handover.last)
         start = last_move = time.monotonic()
         deadline = start + timeout_s if timeout_s is not None else float("inf")
-        seen = self._spool.delivered()
-        while seen < target:
+        seen = self._progress()
+        while not self._reached(target):
             if self.failure() is not None or self._dead:
                 return False
             now = time.monotonic()
-            first_attempt_pending = self._spool.status() is None
+            first_attempt_pending = self._courier_status() is None
             if now >= deadline or now - last_move > (STARTUP_S if first_attempt_pending else stall_s):
                 return False
             time.sleep(0.02)
-            pos = self._spool.delivered()
+            pos = self._progress()
             if pos != seen:
                 seen, last_move = pos, time.monotonic()
         return True
@@ -427,6 +450,7 @@ class MlflowWriter:
         if self._closed:
             return not self._spool.path.is_dir()
         if not self._run_ended:
+            status = self._mark_losses(status)
             self._put({"k": "end", "status": status, "ts": int(time.time() * 1000), "last": False})
             self._run_ended = True
         self.start()
@@ -441,12 +465,8 @@ class MlflowWriter:
             self._warn_undelivered()
         return delivered
 
-    def undelivered_message(self, final: bool = True) -> str | None:
-        """Why some records are not in MLflow, and where they are; None if everything arrived."""
-        pending = len(self._queue) + sum(rec["k"] not in ("begin", "stop") for _, rec in
-                                         self._spool.read(self._spool.delivered(), max_records=10**9))
-        if pending == 0:
-            return None
+    def _cause(self) -> str:
+        """Why delivery is behind, in words (the courier's last failure, or what it is doing)."""
         failed = self.failure()
         if failed is not None:
             cause = {"unreachable": f"the tracking server {self.shown_uri} is unreachable",
@@ -455,12 +475,27 @@ class MlflowWriter:
             cause += f" ({failed.get('error', '')})"
         elif self._courier is None or self._courier.poll() is not None:
             cause = f"the courier process that delivers to {self.shown_uri} is not running"
-        elif self._spool.status() is None:
+        elif self._courier_status() is None:
             cause = (f"the courier process had not reached {self.shown_uri} yet (it starts by importing "
                      "MLflow: seconds, more on a busy machine)")
         else:
             cause = (f"delivery to {self.shown_uri} made no progress for {STALL_S:g} s (the courier "
                      "process gets no CPU time, or MLflow does not answer)")
+        return cause
+
+    def undelivered_message(self, final: bool = True) -> str | None:
+        """Why some records are not in MLflow, and where they are; None if everything arrived."""
+        held = [rec for rec in self._handover.unacknowledged() if rec["k"] not in ("begin", "stop")]
+        pending = len(self._queue) + len(held) + sum(rec["k"] not in ("begin", "stop") for _, rec in
+                                                     self._spool.read(self._progress()[0], max_records=10**9))
+        if pending == 0:
+            return None
+        cause = self._cause()
+        if held and not final:
+            steps = step_ranges([rec["s"] for rec in held if rec["k"] == "m"]) or "none"
+            return (f"keras-sync: {pending} MLflow record(s) are not delivered yet: {cause}. The spool "
+                    f"{self.spool_path} cannot be written ({self._spool_error}), so {len(held)} of them (steps "
+                    f"{steps}) wait in this process's memory: they are lost if it ends before MLflow takes them.")
         if final:
             where = f"Deliver them with: keras-sync sync-spool {self.spool_path}"
             if self.shown_uri != self._uri:
@@ -490,6 +525,7 @@ class MlflowWriter:
         if self._run_ended:  # end_run ended it and nothing came since: only stop the courier
             self._put({"k": "stop"})
         else:
+            status = self._mark_losses(status)
             self._put({"k": "end", "status": status, "ts": int(time.time() * 1000)})
         self.start()
         delivered = self.flush(timeout_s=timeout_s)
@@ -503,17 +539,25 @@ class MlflowWriter:
                 courier.wait(5.0)
             except subprocess.TimeoutExpired:
                 pass
-        message = None if delivered else self.undelivered_message(final=True)
+        self._handover.pump()  # forget what the courier acknowledged last
+        held = bool(self._handover.unacknowledged() or self._handover.dropped)
+        message = None if delivered or held else self.undelivered_message(final=True)
+        cause = self._cause()  # while the courier is still there to ask
         if courier is not None and courier.poll() is None:
             # Waiting was given up (or the end was delivered and it is still exiting): after
             # close nothing runs in the background; the spool keeps what is left. SIGKILL: the
             # courier ignores SIGTERM (meant for the trainer when a scheduler signals a whole job step).
             courier.kill()
             courier.wait()
+        self._handover.settle()
+        self._handover.pump()
+        self._handover.disconnect()
         self.run_id  # noqa: B018 - read the run id before the spool that holds it may be removed
+        if held and not delivered:
+            message = self._spill_held(cause)
         self._spool.close_segment()
         self._spool.unlock("writer")
-        if message is None and not self._thread.is_alive() and not self._spool.pending():
+        if message is None and not self._thread.is_alive() and self._all_delivered():
             self._spool.remove()  # everything is in MLflow: the spool has done its job
             from keras_sync import _artifacts
 
@@ -527,12 +571,15 @@ class MlflowWriter:
         restarts, respawn_at = 0, 0.0
         try:
             self._open_spool()
+            self._check_store()
             while True:
                 self._wake.clear()  # before draining: a flush from now on is not lost
                 self._drain_to_spool()
+                self._handover.pump()
                 closing = self._closing
                 if self._courier is not None and self._courier.poll() is not None and not self._finished:
-                    if self._end_spooled and self._spool.delivered() >= self._spooled_pos:
+                    self._handover.settle()  # its last word on the pipe, before judging its exit
+                    if self._end_spooled and self._reached((self._spooled_pos, self._handover.last)):
                         self._finished = True  # it delivered the run's end and stopped, as it should
                     elif not closing:
                         restarts += 1
@@ -546,7 +593,7 @@ class MlflowWriter:
                 if closing:
                     return
                 self._wake.wait(SPOOL_INTERVAL_S)
-        except OSError as e:  # the spool itself failed (disk full, directory removed)
+        except OSError as e:  # the spool directory itself failed (removed)
             self._dead = True
             _log.error("keras-sync cannot write its MLflow spool %s (%s); MLflow logging stops "
                        "for this run.", self.spool_path, e)
@@ -554,17 +601,36 @@ class MlflowWriter:
             with self._spooled:
                 self._spooled.notify_all()
 
+    def _check_store(self) -> None:
+        """A local sqlite store that cannot be created is known now, not after the courier imported MLflow."""
+        from keras_sync._sqlite_store import check_creatable
+
+        try:
+            check_creatable(self._uri)
+        except TrackingError as e:  # the courier says the same once it tries, and "ok" if it is fixed by then
+            self._handover.news = {**self._handover.news, "status": {
+                "ok": False, "at": time.time(), "error": f"TrackingError: {e}", "cause": "store_failing",
+                "uri": self.shown_uri}}
+
     def _spawn_courier(self) -> None:
         try:
-            self._courier = _courier.spawn(self._spool, self._uri)
+            ends = self._handover.connect()  # its pipes: records the spool cannot take, and its news
+        except OSError:
+            ends = None
+        try:
+            self._courier = _courier.spawn(self._spool, self._uri, header=self._header, pipe_fds=ends)
         except OSError as e:
             self._courier = None
+            self._handover.disconnect()
             _log.error("keras-sync cannot start its MLflow courier process (%s); records are kept in %s "
                        "(deliver them with: keras-sync sync-spool %s).", e, self.spool_path, self.spool_path)
+        finally:
+            for fd in ends or ():
+                os.close(fd)  # the courier's ends: its copies are its own
 
     def _watch_status(self) -> None:
         """Log the courier's first failure and its recovery (in this process, where logging is set up)."""
-        status = self._spool.status()
+        status = self._courier_status()
         was_ok = self._status is None or self._status.get("ok")
         if status is not None and not status.get("ok") and was_ok:
             _log.warning("keras-sync: MLflow at %s is %s (%s); records are kept in %s, retrying in the background.",
@@ -583,11 +649,17 @@ class MlflowWriter:
             self._spool = SpoolDir(busy.with_name(f"{busy.name}.{os.getpid()}-{id(self):x}"))
             self._spool.lock("writer")
             _log.warning("Spool %s is in use by another writer; this one writes %s.", busy, self.spool_path)
-        self._spool.write_header(self._header)
         (self._spool.path / "status.json").unlink(missing_ok=True)  # a predecessor's outcome is not ours
-        self._spooled_pos = self._spool.start_segment()
         begin = getattr(self, "_started_ms", None) or int(time.time() * 1000)
-        self._spooled_pos = self._spool.append([{"k": "begin", "ts": begin}])
+        try:  # a full disk from the start: the courier has the header from its environment
+            self._spool.write_header(self._header)
+            self._spooled_pos = self._spool.start_segment()
+            reserve = self._spool.path / "reserve"
+            if not reserve.exists():
+                reserve.write_bytes(b"\0" * RESERVE_BYTES)
+        except OSError as e:
+            self._spool_failed(e.strerror or str(e))
+        self._spool_or_hold([{"k": "begin", "ts": begin}])
 
     def _drain_to_spool(self) -> None:
         recs: list[dict[str, Any]] = []
@@ -600,11 +672,74 @@ class MlflowWriter:
                 recs.append(rec)
                 self._end_spooled |= is_last_record(rec)
         if recs:
-            self._spooled_pos = self._spool.append(recs)
+            self._spool_or_hold(recs)
         if last is not None:
             with self._spooled:
                 self._spooled_seq = last
                 self._spooled.notify_all()
+
+    def _spool_or_hold(self, recs: list[dict[str, Any]]) -> None:
+        """Append to the spool; what it refuses, and everything after, goes to the courier from memory."""
+        if self._spool_error is None:
+            try:
+                self._spooled_pos = self._spool.append(recs)
+                return
+            except SpoolFull as e:
+                self._spooled_pos = e.pos
+                recs = recs[e.done:]
+                self._spool_failed(e.reason)
+        for rec in recs:
+            self._handover.hold(rec)
+
+    def _spool_failed(self, reason: str) -> None:
+        if self._spool_error is None:
+            self._spool_error = reason
+            _log.warning("keras-sync cannot write its MLflow spool %s (%s): from here on the records are kept in "
+                         "memory (at most %d MB) and handed to the courier directly; none is lost while MLflow "
+                         "takes them.", self.spool_path, reason, self._handover.max_bytes // 2**20)
+
+    def _all_delivered(self) -> bool:
+        return not self._handover.unacknowledged() and not self._spool.read(self._progress()[0], max_records=1)
+
+    def _lost_text(self, steps: list[int], others: int) -> str:
+        what = f"the points of steps {step_ranges(steps)}" if steps else "no metric points"
+        if others:
+            what += f" and {others} other record(s)"
+        return (f"{what}: the spool {self.spool_path} could not be written ({self._spool_error}) while "
+                f"MLflow did not take them")
+
+    def _mark_losses(self, status: str) -> str:
+        """Before the run's end: records dropped over the memory bound make it FAILED, with a tag naming them."""
+        if not self._handover.dropped:
+            return status
+        steps, others = self._handover.lost_steps([])
+        self._put({"k": "t", "d": {LOST_TAG: self._lost_text(steps, others)}})
+        return "FAILED"
+
+    def _spill_held(self, cause: str) -> str | None:
+        """After the courier stopped: put what MLflow did not take into the spool if the disk has room
+        again; else end the spooled run FAILED with a tag naming what is lost. Returns the line to show."""
+        records = self._handover.unacknowledged()
+        try:
+            self._spooled_pos = self._spool.append(records)
+            records = []
+        except SpoolFull as e:
+            self._spooled_pos = e.pos
+            records = records[e.done:]
+        if not records and not self._handover.dropped:
+            return self.undelivered_message(final=True)  # all of it in the spool after all
+        steps, others = self._handover.lost_steps(records)
+        lost = self._lost_text(steps, others)
+        (self._spool.path / "reserve").unlink(missing_ok=True)  # room for the run's end
+        end = [{"k": "t", "d": {LOST_TAG: lost[:MAX_TAG_VALUE_LENGTH]}},
+               {"k": "end", "status": "FAILED", "ts": int(time.time() * 1000)}]
+        try:
+            self._spooled_pos = self._spool.append(end)
+            after = (f"the rest is in the spool: `keras-sync sync-spool {self.spool_path}` delivers it and ends "
+                     f"the run FAILED with the tag {LOST_TAG}")
+        except SpoolFull:
+            after = f"nothing more fits in {self.spool_path}: the run stays RUNNING in MLflow"
+        return f"keras-sync: MLflow lost {lost} ({cause}); {after}."
 
     def _clean(self, rec: dict[str, Any]) -> dict[str, Any] | None:
         k = rec["k"]
@@ -660,11 +795,11 @@ def replay_spool(spool_path: str | os.PathLike[str], tracking_uri: str | None = 
     except Exception as e:
         raise TrackingError(
             f"Could not deliver spool {path} to MLflow at {delivery.shown_uri}: "
-            f"{_redact(str(e), delivery.secrets)[:500]}. Nothing delivered is sent twice; run "
-            "`keras-sync sync-spool` again when the server is reachable.") from None
+            f"{_redact(str(e), delivery.secrets)[:500].rstrip('.')}. Nothing delivered is sent twice; run "
+            "`keras-sync sync-spool` again once MLflow there can take them (or give --tracking-uri).") from None
     finally:
         spool.unlock("deliver")
         spool.unlock("writer")
-    if not spool.pending():
+    if not delivery.pending():  # not spool.pending(): on a full disk the delivered position may not be on file
         spool.remove()
     return sent

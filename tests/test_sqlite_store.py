@@ -91,3 +91,19 @@ def test_two_creators_at_once_publish_one_store(tmp_path: Path) -> None:
     tables, _ = _schema(target)
     assert "webhooks" in tables
     assert _leftovers(tmp_path) == []
+
+
+def test_a_folder_that_refuses_the_store_is_named_with_its_cause_at_once(tmp_path: Path) -> None:
+    # MLflow's engine retried such a store for ~110 s, then failed without the cause.
+    import time
+
+    from _mounts import tmpfs
+
+    with tmpfs(tmp_path / "ro", read_only=True) as ro, tmpfs(tmp_path / "full", size="8k") as full:
+        t0 = time.monotonic()
+        with pytest.raises(TrackingError, match=r"cannot be created in '.*ro': Read-only file system \(errno EROFS\)"):
+            ensure_sqlite_store(f"sqlite:///{ro}/mlflow.db")
+        with pytest.raises(TrackingError, match=r"cannot be created in '.*full': No space left on device"):
+            ensure_sqlite_store(f"sqlite:///{full}/mlflow.db")
+        assert time.monotonic() - t0 < 10  # no child process, no MLflow: the OS says it at once
+        assert _leftovers(full) == [] and list(full.iterdir()) == []

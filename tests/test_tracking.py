@@ -885,3 +885,156 @@ def test_a_big_batch_is_split_over_segments_and_read_back_in_order(tmp_path):
     read = spool.read((0, 0), max_records=10**6)
     assert [r["v"] for _, r in read] == list(range(-1, 10_000))
     assert read[-1][0] == end
+
+
+# ---- faults of the spool's disk and of the store (issue 24) ----
+
+def _spool_filler(uri: str, experiment: str, spool_dir: Path, *, steps: int, wait_s: float) -> str:
+    """A process that logs ``steps`` steps of 10 metrics (~200 bytes per step: a 64 KB spool fills)
+    and a param, waits up to ``wait_s`` for delivery (or for MLflow to be known away), and exits
+    without closing (atexit does)."""
+    return (
+        "import time\n"
+        "from keras_sync.tracking import MlflowWriter\n"
+        f"w = MlflowWriter(tracking_uri={uri!r}, experiment={experiment!r}, job_id='full',\n"
+        f"                 spool_dir={str(spool_dir)!r})\n"
+        "w.start()\n"
+        "w.log_params({'lr': 0.1})\n"
+        f"for s in range(1, {steps + 1}):\n"
+        "    w.log_metrics({f'm{i}': s / 7 for i in range(9)} | {'loss': 1.0 / s}, step=s)\n"
+        "    if s % 50 == 0: time.sleep(0.05)\n"
+        f"print('flushed', w.flush(timeout_s={wait_s}), flush=True)\n"
+        "while w.failure() is None and w.undelivered_message() is not None: time.sleep(0.05)\n"
+    )
+
+
+@slow
+def test_spool_on_a_full_disk_loses_nothing_while_mlflow_takes_the_records(sqlite_uri, tmp_path):
+    # Before: from the first refused write on no point was kept (the spool's last line cut off),
+    # 166 of 600 points arrived, the run stayed RUNNING, courier and atexit tracebacks.
+    from _mounts import tmpfs
+
+    exp = _exp()
+    with tmpfs(tmp_path / "small", size="64k") as small:
+        out = subprocess.run([sys.executable, "-c", _spool_filler(sqlite_uri, exp, small, steps=600, wait_s=600)],
+                             capture_output=True, text=True, timeout=900, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert "flushed True" in out.stdout, out.stderr[-3000:]
+        assert f"cannot write its MLflow spool {small}/full (No space left on device)" in out.stderr
+        assert "Traceback" not in out.stderr and "Exception ignored" not in out.stderr, out.stderr[-3000:]
+        assert "not delivered" not in out.stderr and "lost" not in out.stderr.replace("none is lost", "")
+        assert list(small.iterdir()) == []  # all in MLflow: the spool is removed
+    run = _run_of_job(sqlite_uri, exp, "full")
+    assert run.info.status == "FINISHED" and "keras_sync.metrics_lost" not in run.data.tags
+    assert _history(sqlite_uri, run.info.run_id) == list(range(1, 601))
+    assert _history(sqlite_uri, run.info.run_id, "m8") == list(range(1, 601))
+    assert run.data.params == {"lr": "0.1"}
+
+
+@slow
+def test_full_spool_and_mlflow_away_name_the_lost_steps_and_sync_spool_ends_the_run(sqlite_uri, tmp_path):
+    # Both fail: one line names the steps lost; what the spool holds is delivered later, and the
+    # run then ends FAILED with a tag naming the loss (before: RUNNING, sync-spool sent 0).
+    import re
+
+    from mlflow import MlflowClient
+
+    from _mounts import tmpfs
+
+    exp = _exp()
+    with tmpfs(tmp_path / "small", size="64k") as small:
+        out = subprocess.run([sys.executable, "-c", _spool_filler("http://127.0.0.1:1", exp, small, steps=600,
+                                                                  wait_s=600)],
+                             capture_output=True, text=True, timeout=900, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert "Traceback" not in out.stderr and "Exception ignored" not in out.stderr, out.stderr[-3000:]
+        (line,) = [x for x in out.stderr.splitlines() if "MLflow lost" in x]
+        first_lost = int(re.search(r"lost the points of steps (\d+)-600 ", line).group(1))
+        assert 1 < first_lost < 600 and "No space left on device" in line
+        assert "the tracking server http://127.0.0.1:1 is unreachable" in line
+        assert f"keras-sync sync-spool {small}/full" in line
+        # sync-spool to a server that is still away: one line, a non-zero exit, no wait.
+        away = _cli("sync-spool", str(small / "full"), cwd=tmp_path)
+        assert away.returncode == 2 and away.stderr.count("\n") == 1 and "Could not deliver" in away.stderr
+        done = _cli("sync-spool", str(small / "full"), "--tracking-uri", sqlite_uri, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert f"sent {10 * (first_lost - 1)} metric point(s)" in done.stdout
+        assert list(small.iterdir()) == []
+    run = _run_of_job(sqlite_uri, exp, "full")
+    assert _history(sqlite_uri, run.info.run_id) == list(range(1, first_lost))
+    assert run.info.status == "FAILED"
+    assert run.data.tags["keras_sync.metrics_lost"].startswith(f"the points of steps {first_lost}-600")
+    assert MlflowClient(sqlite_uri).get_run(run.info.run_id).data.params == {"lr": "0.1"}
+
+
+@slow
+def test_a_store_that_cannot_be_created_is_named_at_once_and_sync_spool_says_so(tmp_path):
+    # Before: fit waited ~110 s (MLflow's engine retries), the line blamed a courier that "had not
+    # reached" the store, and sync-spool then hung without output.
+    from _mounts import tmpfs
+
+    with tmpfs(tmp_path / "ro", read_only=True) as ro:
+        uri = f"sqlite:///{ro}/mlflow.db"
+        w = MlflowWriter(tracking_uri=uri, experiment=_exp(), spool_dir=tmp_path / "spool")
+        w.start()
+        w.log_metrics({"loss": 1.0}, step=1)
+        assert _wait_for(lambda: w.failure() is not None, 600)
+        assert "Read-only file system" in w.failure()["error"]
+        with pytest.warns(RuntimeWarning) as rec:
+            t0 = time.perf_counter()
+            assert w.end_run(timeout_s=600) is False
+            waited = time.perf_counter() - t0
+        assert waited < 30  # no wait on a store that cannot be created (MLflow's retries took ~110 s)
+        (msg,) = [str(r.message) for r in rec]
+        assert f"the local store {uri} fails" in msg and "Read-only file system" in msg
+        assert "had not reached" not in msg
+        with pytest.warns(RuntimeWarning, match="keras-sync sync-spool"):
+            w.close(timeout_s=5)
+        replay = _cli("sync-spool", str(w.spool_path), cwd=tmp_path)
+        assert replay.returncode == 2 and replay.stderr.count("\n") == 1, replay.stderr
+        assert f"cannot be created in '{ro}': Read-only file system" in replay.stderr
+        assert w.spool_path.is_dir() and _spooled_steps(w.spool_path) == [1]
+
+
+@slow
+def test_fit_with_its_spool_on_a_full_disk_delivers_every_step(sqlite_uri, tmp_path):
+    # Through `sync.fit`: the sync metrics, params, config artifact and the fit-end report of a
+    # spool that fills after its first record; every step arrives once and the run is FINISHED.
+    from mlflow import MlflowClient
+
+    from _mounts import tmpfs
+
+    exp = _exp()
+    with tmpfs(tmp_path / "small", size="24k") as small:
+        config = {"strategy": {"kind": "default"},
+                  "mlflow": {"tracking_uri": sqlite_uri, "experiment": exp, "spool_dir": str(small)}}
+        run_id, err = _fit(config, tmp_path, "full")
+        assert "cannot write its MLflow spool" in err
+        assert "Traceback" not in err and "Exception ignored" not in err and "not delivered" not in err, err[-3000:]
+    assert _one_point_per_step(sqlite_uri, run_id) == list(range(1, 41))
+    run = MlflowClient(sqlite_uri).get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.params["sync.num_replicas"] == "1"
+
+
+def test_a_refused_append_leaves_whole_records_and_says_how_many(tmp_path):
+    # A full disk cut the spool's last line (every later record was then lost with it); now the
+    # torn line is cut off again, and the writer learns which records are in.
+    from _mounts import tmpfs
+
+    from keras_sync._spool import SpoolDir, SpoolFull
+
+    with tmpfs(tmp_path / "small", size="8k") as small:
+        spool = SpoolDir(small / "s")
+        spool.path.mkdir()
+        spool.start_segment()
+        batches = [[{"k": "m", "s": i, "pad": "x" * 100} for i in range(b, b + 10)] for b in range(0, 300, 10)]
+        with pytest.raises(SpoolFull) as refused:
+            for batch in batches:  # ~36 KB in all, 10 records every 0.2 s as the writer's thread does
+                spool.append(batch)
+        first_refused = batch[0]["s"]
+        assert refused.value.reason == "No space left on device" and 0 < first_refused < 290
+        kept = first_refused + refused.value.done
+        read = spool.read((0, 0), max_records=10**6)
+        assert [r["s"] for _, r in read] == list(range(kept))
+        assert read[-1][0] == refused.value.pos
+        assert (spool.path / "00000001.jsonl").stat().st_size == refused.value.pos[1]
