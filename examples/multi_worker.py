@@ -56,7 +56,7 @@ def main() -> None:
             keras.layers.Dense(1),
         ])
         model.compile(optimizer=keras.optimizers.SGD(sync.lr_schedule(), momentum=0.9), loss="mse")
-    history = sync.fit(model, x, y, epochs=args.epochs, verbose=2 if sync.is_chief else 0)
+    history = sync.fit(model, x, y, epochs=args.epochs, verbose=2)  # keras-sync shows the chief's progress only
     if sync.is_chief:
         print(f"final: loss={history.history['loss'][-1]:.5f}")
         if args.out:

@@ -371,6 +371,10 @@ class Sync:
 
         _keras_compat.check_steps_per_execution(model, self.strategy)
         kwargs = dict(kwargs)
+        if not self.is_chief:
+            # One progress bar per job, as Lightning and Accelerate show: the chief's. The other
+            # workers' bars interleave with it ([w0]/[w1] lines); their warnings and errors still print.
+            kwargs["verbose"] = 0
         global_batch = self._batch_size_argument(kwargs.pop("batch_size", None), method)
         pipeline = self._pipeline()
         prepared = pipeline.prepare(method, x, y, kwargs, global_batch)
