@@ -50,6 +50,8 @@ FEATURES: dict[str, tuple[str, str]] = {
                            "or use keras-sync's backup (fault_tolerance.backup_dir) instead"),
     "spool_delivery": ("reading the steps a run already has before delivering a spool",
                        "the public metric histories are read instead"),
+    "file_count": ("counting the files a pipeline reads before training (fewer files than workers are split "
+                   "by example, not by file)", "or set batch.shard_policy: data"),
 }
 #: Each library: (floor, newest tested, first excluded). The floor and the cap are pyproject.toml's
 #: ranges (tests/test_internals.py checks they agree); the cap is the next major version, as no
@@ -346,6 +348,16 @@ REGISTRY: tuple[Internal, ...] = (
              looks_up("tensorflow.python.data.ops.batch_op:_BatchDataset.__init__", "_batch_size", "_drop_remainder",
                       "_input_dataset"), fallback=True,
              attrs=("_batch_size", "_drop_remainder", "_input_dataset", "_inputs")),
+    # _dataset_graph.py: the function an interleave/flat_map applies, read for file-reader ops to count
+    # the files a pipeline reads (fewer files than workers: split by example, not by file).
+    Internal("tensorflow.python.data.ops: _InterleaveDataset, _ParallelInterleaveDataset, _FlatMapDataset "
+             "(_map_func)", "file_count",
+             "the function of an interleave or flat_map is only kept there; without it a reader inside one is not "
+             "counted and TensorFlow's own auto-shard applies",
+             looks_up(("tensorflow.python.data.ops.interleave_op:_InterleaveDataset.__init__",
+                       "tensorflow.python.data.ops.interleave_op:_ParallelInterleaveDataset.__init__",
+                       "tensorflow.python.data.ops.flat_map_op:_FlatMapDataset.__init__"), "_map_func"),
+             fallback=True, attrs=("_map_func",)),
     # pipeline.py: with a backup, a seeded script's arrays keep Keras's own shuffle (same weights as without).
     Internal(GLOBAL_SEED, "exact_resume",
              "no public API tells whether tf.random.set_seed was called; without it arrays with a backup get "
