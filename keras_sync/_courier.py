@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -30,7 +31,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Callable
 
 from keras_sync._deliver import Deliverer, is_transient
 from keras_sync._spool import Position, SpoolDir, is_last_record
@@ -63,6 +64,41 @@ def spawn(spool: SpoolDir, tracking_uri: str, header: dict[str, Any] | None = No
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return subprocess.Popen([sys.executable, "-m", "keras_sync._courier", str(spool.path), str(os.getpid())],
                             stdin=subprocess.DEVNULL, env=env, close_fds=True, pass_fds=pipe_fds or ())
+
+
+class Launcher:
+    """Starts couriers from a thread at the priority of the thread that created it (the training thread).
+
+    The writer's spooling thread runs at nice 5, so that moving records to a file never competes
+    with training; a child inherits the nice value of the thread that forks it, and a process may
+    not lower its own. A courier forked there ran at nice 5 (measured: `ps` showed `SN`) and on a
+    busy machine delivered behind every nice-0 neighbour. This thread is made by the writer's
+    ``start()``, on the caller's thread, before anything is niced; the spooling thread asks it to fork.
+    """
+
+    def __init__(self) -> None:
+        self._requests: queue.SimpleQueue[tuple[Callable[[], Any], list[Any], threading.Event]] = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="keras-sync-courier-launcher", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            fn, box, done = self._requests.get()
+            try:
+                box.append((True, fn()))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller, which raises it
+                box.append((False, e))
+            done.set()
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` run on the launcher's thread; its result, or its exception raised here."""
+        box: list[Any] = []
+        done = threading.Event()
+        self._requests.put((fn, box, done))
+        done.wait()
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
 
 
 class Delivery:

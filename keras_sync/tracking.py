@@ -227,6 +227,7 @@ class MlflowWriter:
         self._wake = threading.Event()
         self._spooled = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._launcher: _courier.Launcher | None = None
         self._courier: subprocess.Popen[bytes] | None = None
         self._closing = self._closed = self._dead = self._end_spooled = self._finished = False
         self._warned_fit = False
@@ -303,6 +304,7 @@ class MlflowWriter:
             # The run starts now, not when the thread gets to write its "begin" record: on a busy
             # machine that came after close() had stamped the end (start_time > end_time seen).
             self._started_ms = int(time.time() * 1000)
+            self._launcher = _courier.Launcher()  # on this thread: the courier is not niced with the spooling
             self._thread = threading.Thread(target=self._loop, name="keras-sync-mlflow", daemon=True)
             self._thread.start()
 
@@ -618,7 +620,8 @@ class MlflowWriter:
         except OSError:
             ends = None
         try:
-            self._courier = _courier.spawn(self._spool, self._uri, header=self._header, pipe_fds=ends)
+            self._courier = self._launcher.call(
+                lambda: _courier.spawn(self._spool, self._uri, header=self._header, pipe_fds=ends))
         except OSError as e:
             self._courier = None
             self._handover.disconnect()

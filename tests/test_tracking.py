@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 import subprocess
 import sys
 import tempfile
@@ -257,6 +258,27 @@ def test_close_rejects_unknown_status(in_tmp, sqlite_uri):
     with pytest.raises(TrackingError, match="`status`. Received: status='DONE'. Expected one of FINISHED, FAILED, KILLED"):
         w.close(status="DONE")
     w.close(timeout_s=120)
+
+
+@slow
+def test_the_courier_runs_at_the_trainings_priority_not_the_spooling_threads(in_tmp, sqlite_uri):
+    # The spooling thread nices itself to 5 and a child inherits its forking thread's nice value:
+    # the courier must not (README: "It runs at normal priority").
+    w = MlflowWriter(tracking_uri=sqlite_uri, experiment=_exp(), spool_dir=in_tmp)
+    w.start()
+    w.log_metrics({"loss": 1.0}, step=1)
+    try:
+        assert _wait_for(lambda: w._courier is not None, 120), "no courier started"
+        niced = [t.name for t in Path(f"/proc/{os.getpid()}/task").iterdir() if _nice(t / "stat") == 5]
+        assert niced, "the spooling thread is niced (the reason for this test): it no longer is"
+        assert _nice(Path(f"/proc/{w._courier.pid}/stat")) == os.getpriority(os.PRIO_PROCESS, 0)
+    finally:
+        w.close(timeout_s=120)
+
+
+def _nice(stat: Path) -> int:
+    """The nice value in a /proc/<pid>/stat (or task) file: field 19, counted after the command's ')'."""
+    return int(stat.read_text().rpartition(")")[2].split()[16])
 
 
 # ---- sqlite store ----
