@@ -187,6 +187,21 @@ def own_parts():
     return {"checks": checks_said(err), "trained": trained_examples(model), "data": len(x)}
 
 
+class StopAtThirdStep(keras.callbacks.Callback):
+    """Stops training mid-epoch (as TerminateOnNaN does): the epoch trains 3 of its 11 steps."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 2:
+            self.model.stop_training = True
+
+
+def stopped_mid_epoch():
+    """A broken epoch: 96 of 331 examples trained; the examples-per-epoch check must say so."""
+    model = make_model(sync)
+    _, err = stderr_of(lambda: sync.fit(model, x, y, epochs=1, verbose=0, shuffle=False, callbacks=[StopAtThirdStep()]))
+    return {"checks": checks_said(err), "trained": trained_examples(model), "data": len(x)}
+
+
 record("uneven_last_batch", uneven_last_batch)
 if MULTI_WORKER:
     record("own_parts", own_parts)
@@ -201,6 +216,7 @@ if N > 1:
     record("learning_rate_tag", lambda: learning_rate_check("warn", mlflow=True))
 record("direct_fit", direct_fit)
 record("examples_per_step", examples_per_step)
+record("stopped_mid_epoch", stopped_mid_epoch)
 record("resume_clean", lambda: resume(False))
 record("resume_tampered", lambda: resume(True))
 results.dump(OUT)

@@ -135,6 +135,17 @@ def test_a_violation_is_an_mlflow_tag(runs):
         "keras-sync: check learning_rate failed: ").removesuffix(". (checks.on_violation: warn)")}
 
 
+@pytest.mark.parametrize("n", COUNTS)
+def test_examples_per_epoch_check_fires_on_an_epoch_stopped_early(runs, n):
+    # A deliberately broken epoch (a callback stops it after 3 of 11 steps): the check, not a rule about
+    # the input, must notice that examples of the data were not trained.
+    r = runs[n]["stopped_mid_epoch"]
+    assert r["trained"] == 96
+    assert r["checks"] == [
+        "keras-sync: check examples_per_epoch failed: epoch 1: the epoch trained 96 examples (all replicas and "
+        "workers), but the data has 331: 235 were not trained. (checks.on_violation: warn)"]
+
+
 def test_examples_per_epoch_check_fires_when_examples_are_not_trained(runs):
     """2 workers each pass their own part (shard policy OFF) batched by the global batch: Keras counts
     the steps from the part's cardinality while each step takes half a global batch per worker
