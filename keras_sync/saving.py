@@ -72,8 +72,8 @@ _hooked = False
 
 
 _NOT_FILES = ("/dev/", "/proc/", "/sys/")
-#: What `tempfile` names by default (``/tmp/tmpab12cd34``): libraries' scratch files, one per worker.
-_TEMPFILES = os.path.join(os.path.realpath(tempfile.gettempdir()), tempfile.gettempprefix())
+#: Where `tempfile` puts libraries' scratch files (autograph's, ``/tmp/tmpab12cd34``): not a user path.
+_TEMPDIR = os.path.realpath(tempfile.gettempdir())
 
 
 def _audit(event: str, args: tuple[Any, ...]) -> None:
@@ -88,8 +88,13 @@ def _audit(event: str, args: tuple[Any, ...]) -> None:
         if not writing:
             return
         full = os.path.realpath(os.fsdecode(path))
-        if TEMP_PREFIX in full or full.startswith(_NOT_FILES + (_TEMPFILES,)) or f"{os.sep}__pycache__{os.sep}" in full:
-            return  # this worker's own temporary copies, devices, files named by `tempfile` (libraries'), bytecode
+        if TEMP_PREFIX in full or full.startswith(_NOT_FILES) or full == _TEMPDIR or \
+                os.path.dirname(full) == _TEMPDIR or f"{os.sep}__pycache__{os.sep}" in full:
+            # this worker's own temporary copies; devices; the temp dir itself (an O_TMPFILE open) and
+            # files right in it, where libraries' `tempfile` files go (TensorFlow's autograph writes
+            # /tmp/__autograph_generated_file*.py on every worker); bytecode. A user's path in a folder
+            # under the temp dir is still seen.
+            return
         _watched.add(full)
     except Exception:  # an audit hook must never make the user's open fail
         return
