@@ -180,15 +180,7 @@ def say_skipped(choice: Choice) -> None:
 
 # -- one job per directory ------------------------------------------------------------------------
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+from keras_sync._sqlite_store import _alive  # noqa: E402  (one "is this pid alive" for the store's and the backup's locks)
 
 
 @dataclass(frozen=True)
