@@ -1,7 +1,10 @@
-"""A `keras.utils.PyDataset` read by keras-sync, by index, each batch once per epoch (see `py_dataset_batches`)."""
+"""A `keras.utils.PyDataset` (or a Python generator) read by keras-sync, by index, each batch once
+per epoch (see `py_dataset_batches` and `GeneratorBatches`)."""
 
 from __future__ import annotations
 
+import threading
+import types
 from typing import Any
 
 from keras_sync.errors import UsageError
@@ -67,8 +70,103 @@ def py_dataset_batches(pyds: Any) -> tuple[Any, int, int | None]:
 
     workers = max(1, int(getattr(pyds, "workers", 1) or 1))
     indices = tf.data.Dataset.range(n) if n is not None else tf.data.Dataset.counter()  # None: endless, as in Keras
+    if isinstance(pyds, GeneratorBatches):
+        # A generator ends when it ends: a flag beside each batch, False (and empty parts) past its end.
+        def read_or_end(i: Any) -> list[Any]:
+            batch = pyds.get(int(i))
+            if batch is None:
+                return [np.bool_(False)] + [np.zeros((0,) + a.shape[1:], a.dtype) for a in flat]
+            return [np.bool_(True)] + [np.asarray(a) for a in tf.nest.flatten(_standardize(batch))]
+
+        def load_or_end(i: Any) -> Any:
+            ok, *parts = tf.py_function(read_or_end, [i], [tf.bool] + dtypes)
+            for part, a in zip(parts, flat):
+                part.set_shape((None,) + a.shape[1:])
+            return ok, tf.nest.pack_sequence_as(first, parts)
+
+        ds = indices.map(load_or_end).take_while(lambda ok, _: ok).map(lambda _, batch: batch)
+        return ds, size(first), None
     ds = indices.map(load, num_parallel_calls=workers, deterministic=True)
     return ds, size(first), (n - 1) * size(first) + size(last) if n is not None else None
+
+
+class GeneratorBatches:
+    """A Python generator given to `sync.fit`/`evaluate`/`predict`, read by keras-sync by index.
+
+    Keras wraps a generator so that every iterator made over it first replays the batches it
+    peeked at (``itertools.chain(first_batches, generator)``, `GeneratorDataAdapter`), and under a
+    strategy a first iterator is made and dropped with batches already pulled: measured on 2
+    mirrored replicas (Keras 3.15.1, ``steps_per_epoch=10``), epoch 0 trained batches 0, 1, 6, 7, 8,
+    9, 0, 1, 2, 3: 2-5 never, 0-1 twice. keras-sync numbers the generator's batches in the order it
+    yields them and keeps the last ``keep`` of them, so an iterator that starts again at 0 reads the
+    same batches, never new ones; each batch trains once, in order, as on one device.
+    """
+
+    num_batches = None  # endless to the reader: a generator ends when it ends (see py_dataset_batches)
+    workers = 1
+    use_multiprocessing = False
+
+    def __init__(self, generator: Any, keep: int = 256) -> None:
+        self._generator = generator
+        self._kept: dict[int, Any] = {}
+        self._next = 0
+        self._ended = False
+        self._keep = keep
+        self._lock = threading.Lock()
+
+    def get(self, i: int) -> Any:
+        """Batch ``i`` (numbered from 0 in the generator's order), or None past the generator's end."""
+        with self._lock:
+            while self._next <= i and not self._ended:
+                try:
+                    self._kept[self._next] = next(self._generator)
+                except StopIteration:
+                    self._ended = True
+                    break
+                self._next += 1
+                self._kept.pop(self._next - 1 - self._keep, None)
+            if i in self._kept:
+                return self._kept[i]
+            if i >= self._next:
+                return None
+        raise UsageError(
+            f"keras-sync read batch {i} of a Python generator again after {self._next - i} newer ones (it keeps "
+            f"the last {self._keep}); Keras restarted its reader further back than that. Fix: give the data as a "
+            "keras.utils.PyDataset or a tf.data.Dataset (read by index or made again each epoch).")
+
+    def __getitem__(self, i: int) -> Any:
+        batch = self.get(i)
+        if batch is None:
+            raise UsageError("the Python generator given to keras-sync yielded no batch. Fix: give it at least one.")
+        return batch
+
+    def on_epoch_begin(self) -> None:
+        """Nothing: a generator continues from where the last epoch stopped, as in Keras."""
+
+    def on_epoch_end(self) -> None:
+        """Nothing (see `on_epoch_begin`)."""
+
+
+def is_generator(x: Any) -> bool:
+    """Whether Keras reads ``x`` as a Python generator (`types.GeneratorType`, as its adapters test)."""
+    return isinstance(x, types.GeneratorType)
+
+
+def generator_batches(x: Any, method: str, kwargs: dict[str, Any]) -> GeneratorBatches:
+    """A generator given to ``method``, read by keras-sync; refused in one line where it cannot be exact."""
+    steps = kwargs.get("steps_per_epoch" if method == "fit" else "steps")
+    if method == "fit" and steps is None and int(kwargs.get("epochs", 1)) > 1:
+        raise UsageError(
+            f"sync.fit received a Python generator with epochs={kwargs.get('epochs')} and no steps_per_epoch: "
+            "its first epoch reads it to the end and the next ones have nothing left (Keras replays its first "
+            "2 batches). Fix: pass steps_per_epoch=<batches per epoch> (an endless generator), or give a "
+            "keras.utils.PyDataset or a tf.data.Dataset.")
+    return GeneratorBatches(x)
+
+
+def generator_source(n_steps: Any) -> str:
+    per_epoch = f"{n_steps} batches per epoch (steps_per_epoch)" if n_steps else "read to its end"
+    return f"a Python generator, {per_epoch}, read by keras-sync in order, each batch once,"
 
 
 def py_dataset_source(pyds: Any, n: int | None) -> str:

@@ -38,7 +38,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from keras_sync._dataset_graph import file_count, has_shard_op
-from keras_sync._py_dataset import PyDatasetEpochs, is_py_dataset, py_dataset_batches, py_dataset_source
+from keras_sync._py_dataset import (
+    PyDatasetEpochs, generator_batches, generator_source, is_generator, is_py_dataset, py_dataset_batches,
+    py_dataset_source)
 from keras_sync.errors import UsageError
 
 log = logging.getLogger("keras_sync")
@@ -168,13 +170,20 @@ class InputPipeline:
 
     def prepare(self, method: str, x: Any, y: Any, kwargs: dict[str, Any], global_batch: int) -> tuple[Any, Any, dict[str, Any]]:
         """(x, y, kwargs) for ``model.<method>``: arrays batched by ``global_batch``, datasets reconciled."""
-        if is_py_dataset(x):
+        if method == "fit":
+            kwargs = _validation_input(kwargs)
+        described = None
+        if is_generator(x):
+            described = generator_source(kwargs.get("steps_per_epoch"))
+            x = generator_batches(x, method, kwargs)
+        if is_py_dataset(x) or described:
             ds, found, examples = py_dataset_batches(x)
             if method == "fit":
                 kwargs.setdefault("shuffle", False)
                 kwargs["callbacks"] = [PyDatasetEpochs(x)] + list(kwargs.get("callbacks") or [])
-                x = self.training_dataset(ds, found=(found, "its first batch"), examples=examples,
-                                          source="keras.utils.PyDataset", described=py_dataset_source(x, x.num_batches))
+                source = "Python generator" if described else "keras.utils.PyDataset"
+                x = self.training_dataset(ds, found=(found, "its first batch"), examples=examples, source=source,
+                                          described=described or py_dataset_source(x, x.num_batches))
             else:
                 x = ds  # evaluate/predict: its batches as given, each read once
             return x, y, kwargs
@@ -543,3 +552,17 @@ def steps_of(x: Any, batch_size: int | None, validation_split: float | None) -> 
     if validation_split:
         n = int(n * (1.0 - validation_split))
     return math.ceil(n / batch_size)
+
+
+def _validation_input(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``validation_data`` read as the training data is: a PyDataset by index; a generator refused."""
+    vd = kwargs.get("validation_data")
+    if is_py_dataset(vd):
+        kwargs = dict(kwargs, validation_data=py_dataset_batches(vd)[0])  # each evaluation reads every batch once
+    elif is_generator(vd):
+        raise UsageError(
+            "sync.fit received validation_data as a Python generator: Keras evaluates it again every epoch, "
+            "each time replaying its first 2 batches and then reading new ones, so no two epochs validate on the "
+            "same data (one device or several). Fix: give validation_data as arrays, a keras.utils.PyDataset or a "
+            "tf.data.Dataset.")
+    return kwargs

@@ -99,12 +99,19 @@ def inputs(tf, x, y, keras=None, workers=1, index=0, out="."):
         return v[:FEATURES], v[FEATURES:]
 
     def records(files):
-        here = os.path.join(out, f"records-w{index}")  # each worker its own copy of the same files
+        # each worker its own copy of the same files; the 1-worker run beside the 2-worker job its own too
+        here = os.path.join(out, f"records-{workers}workers-w{index}")
         os.makedirs(here, exist_ok=True)
         names = write_records(tf, x, y, files, workers if files >= workers else 1, here)
         return tf.data.TFRecordDataset(names).map(parse).batch(BATCH)
 
+    def endless():  # a Python generator as Keras scripts write them: endless, steps_per_epoch in fit
+        while True:
+            for i in range(0, N, BATCH):
+                yield x[i:i + BATCH], y[i:i + BATCH]
+
     extra = {} if keras is None else {
+        "python_generator": endless,
         "pydataset16": lambda: py_dataset(keras, x, y, 16),
         "pydataset32_threads": lambda: py_dataset(keras, x, y, BATCH, workers=2),
         "pydataset32_processes": lambda: py_dataset(keras, x, y, BATCH, workers=2, processes=True),
@@ -140,6 +147,8 @@ def fit_all(sync, keras, tf, x, y) -> dict:
                 sync.config = dataclasses.replace(config, batch=dataclasses.replace(config.batch, shard_policy="off"))
                 sync.fit(m, x[index::workers], y[index::workers], epochs=EPOCHS, shuffle=False, verbose=0)
                 sync.config = config
+            elif kind == "python_generator":
+                sync.fit(m, make(), steps_per_epoch=N // BATCH, epochs=EPOCHS, verbose=0)
             else:
                 sync.fit(m, make(), epochs=EPOCHS, verbose=0)
         out["weights"][kind] = flat(m)
@@ -188,11 +197,22 @@ def probes(sync, tf, x, y) -> dict:
         endless = "no error"
     except UsageError as e:
         endless = str(e)
+    refused = {}
+    for name, call in {
+        "generator_epochs_without_steps": lambda m: sync.fit(m, (b for b in [(x[:32], y[:32])] * 4), epochs=2, verbose=0),
+        "validation_generator": lambda m: sync.fit(m, x, y, validation_data=((x[:32], y[:32]) for _ in range(2)), verbose=0),
+    }.items():
+        try:
+            call(model(keras, 0.1, sync.scope()))
+            refused[name] = "no error"
+        except UsageError as e:
+            refused[name] = str(e)
     # The rebatched dataset keeps a known size (Keras shows progress, warmup_epochs can use it).
     return {"found": found, "own_off_kept": own_shard_policy(ray_like), "distribute_off_kept": own_shard_policy(distributed),
             "arrays_policy": own_shard_policy(sync.distribute((x, y))),
             "rebatched_cardinality": int(pipe.training_dataset(plain.batch(64)).cardinality()),
-            "unbatched_error": unbatched, "endless_py_dataset_error": endless}
+            "unbatched_error": unbatched, "endless_py_dataset_error": endless,
+            "refused_generators": refused}
 
 
 def main() -> None:

@@ -34,8 +34,10 @@ SAME = 1e-5
 KINDS = ("arrays", "batch64", "batch64_map_prefetch", "generator64")
 # Issue 22: a keras.utils.PyDataset (batches of 16; batches of 32 read by 2 threads, which Keras's own reader
 # trains twice/never in epoch 0 under a strategy); a pipeline already split per worker (a shard op, or
-# AutoShardPolicy.OFF with a known or an unknown length); TFRecord files, 1 (fewer than the workers) and 4.
-MORE_KINDS = ("arrays_own_part", "pydataset16", "pydataset32_threads", "pydataset32_processes", "user_shard",
+# AutoShardPolicy.OFF with a known or an unknown length); TFRecord files, 1 (fewer than the workers) and 4;
+# an endless Python generator with steps_per_epoch (Keras's own generator reader, under a strategy, trained
+# batches 0, 1, 6, 7, 8, 9, 0, 1, 2, 3 in epoch 0: 0.31 off one device on 2 replicas).
+MORE_KINDS = ("arrays_own_part", "python_generator", "pydataset16", "pydataset32_threads", "pydataset32_processes", "user_shard",
               "own_off", "own_off_unknown_length", "tfrecord1", "tfrecord4")
 RAY_TF_CONFIG = json.dumps({"cluster": {"worker": ["10.0.0.1:1", "10.0.0.2:1"]}, "task": {"type": "worker", "index": 0}})
 
@@ -221,6 +223,26 @@ def test_unbatched_dataset_given_to_fit_is_refused_with_the_fix(runs):
     msg = runs["replicas"]["probes"]["unbatched_error"]
     assert msg.startswith("sync.fit received a tf.data.Dataset of single examples, not batches (element_spec=")
     assert "Fix: pass it through sync.distribute(dataset)" in msg
+
+
+@pytest.mark.slow
+def test_python_generators_it_cannot_read_exactly_are_refused_with_the_fix(runs):
+    refused = runs["replicas"]["probes"]["refused_generators"]
+    assert refused["generator_epochs_without_steps"].startswith(
+        "sync.fit received a Python generator with epochs=2 and no steps_per_epoch: ")
+    assert "Fix: pass steps_per_epoch=<batches per epoch>" in refused["generator_epochs_without_steps"]
+    assert refused["validation_generator"].startswith("sync.fit received validation_data as a Python generator: ")
+    assert "Fix: give validation_data as arrays, a keras.utils.PyDataset or a tf.data.Dataset." in refused["validation_generator"]
+
+
+@pytest.mark.slow
+def test_a_python_generator_is_read_in_order_each_batch_once(runs):
+    # The chief of 2 workers says it (on one worker the line is an INFO log record: nothing was rebatched).
+    assert runs["w0"]["lines"]["python_generator"][0].startswith(
+        "keras-sync: training data: a Python generator, 16 batches per epoch (steps_per_epoch), read by keras-sync "
+        "in order, each batch once, batched by 32 (its first batch) = the global batch")
+    for r in (runs["replicas"], runs["w0"], runs["w1"]):
+        assert r["facts"]["python_generator"]["source"] == "Python generator"
 
 
 @pytest.mark.slow
