@@ -85,6 +85,20 @@ def checkpoints(backup_dir: str) -> list[str]:
     return [os.path.join(backup_dir, stem) for _, stem in sorted(found, reverse=True)]
 
 
+def newest_complete(backup_dir: str) -> int | None:
+    """The optimizer step of the newest checkpoint in ``backup_dir`` whose files match its manifest."""
+    for prefix in checkpoints(backup_dir):
+        if problem(prefix) is None:
+            return int(prefix.rsplit("-", 1)[1])
+    return None
+
+
+def checkpoint_bytes(backup_dir: str, number: int) -> int:
+    """The size of checkpoint ``number``'s files in ``backup_dir``."""
+    prefix = os.path.join(backup_dir, f"ckpt-{number}")
+    return sum(os.path.getsize(os.path.join(backup_dir, n)) for n in _files_of(prefix))
+
+
 def problem(prefix: str) -> str | None:
     """Why the checkpoint at ``prefix`` cannot be trusted, or None when its files match its manifest."""
     try:

@@ -1,7 +1,7 @@
 """A keras-sync training script for tests/test_multi_worker.py and tests/test_resume.py.
 
 Usage: python _mwr_train.py CONFIG_JSON OUT_DIR [--kill-at STEP --kill-task I --marker FILE]
-              [--term-at STEP [--in-collective]] [--wait-at STEP --wait-for FILE]
+              [--term-at STEP [--in-collective]] [--wait-at STEP --wait-for FILE [--step-file FILE]]
               [--hold-at STEP --marker FILE]
               [--epochs N] [--no-shuffle] [--samples N]
 
@@ -62,6 +62,7 @@ def main() -> int:
     p.add_argument("--samples", type=int, default=SAMPLES)
     p.add_argument("--wait-at", type=int, default=None)
     p.add_argument("--wait-for", default=None)
+    p.add_argument("--step-file", default=None, help="with --wait-at: created when that step is reached")
     p.add_argument("--hold-at", type=int, default=None)
     p.add_argument("--no-shuffle", action="store_true")
     p.add_argument("--dropout", type=float, default=0.0, help="a Dropout layer: its seed state must resume too")
@@ -100,6 +101,8 @@ def main() -> int:
                 open(ns.marker, "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)
             if ns.wait_at == step:
+                if ns.step_file:
+                    open(ns.step_file, "w").close()
                 while not os.path.exists(ns.wait_for):
                     time.sleep(0.05)
             if ns.hold_at == step and ns.marker and not os.path.exists(f"{ns.marker}.{task}"):

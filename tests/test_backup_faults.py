@@ -272,3 +272,55 @@ def test_a_backup_dir_or_local_store_the_process_cannot_write_is_refused_at_load
     finally:
         os.chmod(ro / "locked", 0o755)
         subprocess.run(["rm", "-rf", str(ro)], check=False)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_full_backup_disk_is_said_once_training_goes_on_and_the_relaunch_resumes_from_the_last_good_backup(
+        tmp_path: Path) -> None:
+    """backup_dir on a small tmpfs that fills up after step 10 (a file fills it while every worker waits):
+    the saves of steps 12, 15, 18, 21 fail; one line says so, training goes on to the kill after step 22,
+    and the relaunch (the disk freed) resumes from ckpt-9, the newest complete backup, to the weights of
+    the same script without a backup. Before: a 17-line ResourceExhaustedError traceback at step 12, exit 1."""
+    from _mounts import tmpfs
+
+    ref = _train(tmp_path, "ref", _cfg(tmp_path, backup=False))
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    cfg = _cfg(tmp_path)
+    with tmpfs(tmp_path / "bk", size="512k") as bk:
+        go = tmp_path / "disk-full"
+
+        def fill_disk_at_step_10() -> None:
+            while not (tmp_path / "res-step10").exists():
+                threading.Event().wait(0.05)
+            fd = os.open(bk / "filler", os.O_WRONLY | os.O_CREAT)
+            try:
+                while True:
+                    os.write(fd, b"\0" * 4096)
+            except OSError:  # ENOSPC: the disk is full
+                pass
+            finally:
+                os.close(fd)
+                go.touch()
+
+        filler = threading.Thread(target=fill_disk_at_step_10, daemon=True)
+        filler.start()
+        first = subprocess.Popen([sys.executable, str(TRAIN), json.dumps(cfg), str(tmp_path / "res"), "--kill-at", "22",
+                                  "--marker", str(tmp_path / "killed"), "--wait-at", "10", "--wait-for", str(go),
+                                  "--step-file", str(tmp_path / "res-step10")],
+                                 env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        _, stderr = first.communicate(timeout=240)
+        assert first.returncode == -signal.SIGKILL, stderr[-3000:]  # it trained on to step 22
+        assert "Traceback" not in stderr
+        failed = [line for line in _keras_sync_lines(stderr) if "could not be written" in line]
+        assert len(failed) == 1, _keras_sync_lines(stderr)  # said once for the saves of steps 12, 15, 18 and 21
+        assert failed[0].startswith(f"keras-sync: the backup at optimizer step 12 could not be written to {bk} "
+                                    "(No space left on device; ")
+        assert "training goes on, and a relaunch resumes from the newest backup, optimizer step 9." in failed[0]
+        assert not list(bk.glob("*_temp"))  # TensorFlow's half-written checkpoints are removed
+        assert _backup_files.newest_complete(str(bk)) == 9
+        (bk / "filler").unlink()
+        second = _train(tmp_path, "res", cfg)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert result(tmp_path / "res")["start"]["iterations"] == 9
+    assert max_diff(result(tmp_path / "ref")["weights"], result(tmp_path / "res")["weights"]) <= 1e-6

@@ -10,6 +10,7 @@ it already trained, the metric totals of that epoch, and the position of the inp
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
 import os
 import shutil
@@ -108,6 +109,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.epoch_iterator: Any = None  # set by `resumable_fit` to fit's training iterator
         self._epoch = 0
         self._step = 0
+        self._failed_save: str | None = None  # the cause of the last backup the disk refused, until one works
         self._restore_metrics_from: str | None = None
         self._deferred = False  # a scheduled save waits for gradient accumulation's next update
 
@@ -226,10 +228,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._deferred = scheduled  # a SIGTERM's save stays due (save_due answers True again)
             return
         self._deferred = False
-        if scheduled or preempted:
-            self._save()
+        saved = self._save() if scheduled or preempted else False
         if preempted:
-            self._exit_preempted()
+            self._exit_preempted(saved)
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         self._epoch, self._step = epoch + 1, 0
@@ -240,10 +241,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             # first batch end of the next epoch that applies the sums.
             self._deferred = self._deferred or scheduled
             return
-        if scheduled or preempted:
-            self._save()
+        saved = self._save() if scheduled or preempted else False
         if preempted:
-            self._exit_preempted()
+            self._exit_preempted(saved)
 
     def on_train_end(self, logs: Any = None) -> None:
         if self.restored is not None and getattr(self, "_resume_line", None):
@@ -288,7 +288,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _iterations(self) -> int:
         return int(self.model.optimizer.iterations.numpy())
 
-    def _exit_preempted(self) -> None:
+    def _exit_preempted(self, saved: bool = True) -> None:
         """After the coordinated save: every worker waits for the others, then exits with code 143."""
         from keras_sync.preemption import PREEMPTED_EXIT_CODE, exit_now
 
@@ -296,13 +296,20 @@ class BackupAndRestore(keras.callbacks.Callback):
         assert self._preemption is not None
         self._preemption.watch.done()
         message = None
-        if self._is_chief:
+        if self._is_chief and saved:
             message = (f"SIGTERM: saved a backup in {self.backup_dir} at epoch {self._epoch + 1}, after batch "
                        f"{self._step} (optimizer step {self._iterations()}); exiting with code "
                        f"{PREEMPTED_EXIT_CODE}. Relaunch the job to resume from there.")
+        elif self._is_chief:
+            newest = _backup_files.newest_complete(self.backup_dir)
+            where = f"the newest backup, optimizer step {newest}" if newest is not None else "the start (no backup)"
+            message = (f"SIGTERM: the backup at optimizer step {self._iterations()} could not be written to "
+                       f"{self.backup_dir} (said above); exiting with code {PREEMPTED_EXIT_CODE}. A relaunch resumes "
+                       f"from {where}.")
         exit_now(PREEMPTED_EXIT_CODE, message)
 
-    def _save(self) -> None:
+    def _save(self) -> bool:
+        """Back up now; False when the disk refused it (said in one line, see `_save_failed`)."""
         self.shared.flush()
         for hook in self.before_save:
             hook()
@@ -317,14 +324,52 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self._is_chief:  # a checkpoint of this number from before a fall-back: its manifest no longer holds
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(self._dir, f"ckpt-{number}{_backup_files.MANIFEST_SUFFIX}"))
-        prefix = self._manager.save(checkpoint_number=number)
+        import tensorflow as tf
+
+        try:
+            prefix = self._manager.save(checkpoint_number=number)
+            if not self._is_chief:
+                shutil.rmtree(self._dir, ignore_errors=True)
+                return True
+            from keras_sync.callbacks._run import run_record
+
+            # Last, atomically: a checkpoint without its manifest is a save that was cut off.
+            _backup_files.write_manifest(prefix, run_record(self.writer) if self.writer is not None else None)
+        except (tf.errors.OpError, OSError) as e:  # a full or unwritable disk: the older backups still hold
+            self._save_failed(number, e)
+            return False
+        if self._failed_save is not None and self._is_chief:
+            print(f"keras-sync: backups in {self.backup_dir} are written again (optimizer step {number}).",
+                  file=sys.stderr, flush=True)
+        self._failed_save = None
+        return True
+
+    def _save_failed(self, number: int, error: BaseException) -> None:
+        """One line (once per cause) for a backup the disk refused; training goes on with the older backups."""
+        for temp in glob.glob(os.path.join(self._dir, "ckpt-*_temp")):  # TensorFlow's half-written checkpoint
+            shutil.rmtree(temp, ignore_errors=True)
         if not self._is_chief:
             shutil.rmtree(self._dir, ignore_errors=True)
             return
-        from keras_sync.callbacks._run import run_record
-
-        # Last, atomically: a checkpoint without its manifest is a save that was cut off.
-        _backup_files.write_manifest(prefix, run_record(self.writer) if self.writer is not None else None)
+        cause = _disk_error(error)
+        newest = _backup_files.newest_complete(self.backup_dir)
+        self._newest_failed = number
+        if self._failed_save == cause:
+            return
+        self._failed_save = cause
+        free = _free_bytes(self.backup_dir)
+        size = _backup_files.checkpoint_bytes(self.backup_dir, newest) if newest is not None else None
+        room = f"; {_kb(free)} free there" if free is not None else ""
+        room += f", a backup takes {_kb(size)}" if size else ""
+        resume = (f"a relaunch resumes from the newest backup, optimizer step {newest}" if newest is not None
+                  else "there is no backup to resume from yet")
+        message = (f"keras-sync: the backup at optimizer step {number} could not be written to {self.backup_dir} "
+                   f"({cause}{room}); training goes on, and {resume}. Fix: free space there, or set "
+                   "fault_tolerance.backup_dir to a folder this process can write on a disk with room. "
+                   "keras-sync tries again at each save and says when it works.")
+        print(message, file=sys.stderr, flush=True)
+        if self.writer is not None:
+            self.writer.set_tags({"keras_sync.backup_failed": message[:4900]})
 
     def release(self) -> None:
         """Give the backup directory back (the lock `Sync.fit` took for this fit)."""
@@ -332,6 +377,25 @@ class BackupAndRestore(keras.callbacks.Callback):
         if lock is not None:
             lock.release()
         _backup_files.remember(self.backup_dir, None)
+
+
+def _disk_error(error: BaseException) -> str:
+    """What the disk said, from an OSError or TensorFlow's op error ("...; No space left on device [Op:SaveV2]")."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    text = str(getattr(error, "message", error)).split(" [Op:", 1)[0]
+    return text.rsplit("; ", 1)[-1].strip() or type(error).__name__
+
+
+def _free_bytes(path: str) -> int | None:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def _kb(n: int | None) -> str:
+    return f"{(n or 0) / 1024:,.0f} KB" if (n or 0) < 10 << 20 else f"{n / (1 << 20):,.0f} MB"
 
 
 def _drop_damaged_state_file(backup_dir: str) -> None:
