@@ -9,14 +9,23 @@ changed or reordered, so Keras's own `train_step` stays bit-identical to plain K
 (tests/test_sync_metrics.py checks the weights); a custom `train_step` whose loss is not
 divided by the replica count gets its gradients averaged (see `_train_step_trace`).
 
-The wrapper writes ``[loss, grad_norm, examples_seen, learning_rate, step_count, loss_scale]``
-of the replica into row ``(step_count - 1) % ring`` of a ``tf.Variable(synchronization=ON_READ,
+The wrapper writes ``[loss, grad_norm, examples_seen, learning_rate, step_count, loss_scale,
+input_wait_us, compute_us, done_us]`` of the replica into row ``(step_count - 1) % ring`` of a ``tf.Variable(synchronization=ON_READ,
 aggregation=NONE)`` (one copy per replica, never all-reduced; its last row holds the step
 count). The variable is int64: counts and examples stay exact past 2^24 steps, and the
 float32 values are stored by their bits (``tf.bitcast``), so nothing we add to the step needs
 float64 (TPUs have none) and the whole ring is one variable: one read, one gather. The
 callbacks read the ring once every few dozen steps, not after every step: a read costs
 ~0.2 ms on the training thread (and is a collective across workers).
+
+Which worker is slow: three ``tf.timestamp`` ops per step (not under XLA or on a TPU, which have
+no such op) time the replica's own part of the step, in microseconds: ``input_wait_us``, from
+the end of its previous step (``done_us``: its gradient all-reduce and update done) to having
+this step's batch, and ``compute_us``, from the step's first collective (the batch sizes'
+all-reduce, which every worker reaches once it has its batch) to its gradients, where they go to
+the all-reduce. A worker the others wait for has the larger sum. TensorFlow runs the stateful
+ops of a function that take no resource (timestamps, collectives) in the order they were
+created, so each timestamp is created just before the collective it must not wait for.
 
 Scaling (so values compare with a single-device run): we report the replica's own mean loss
 and the global norm of the gradient of that loss. When the loss was divided by the replica
@@ -52,7 +61,8 @@ class ReplicaProbe:
     """
 
     #: Columns of a ring row (as returned by `read`).
-    LOSS, GRAD_NORM, EXAMPLES, LR, COUNT, LOSS_SCALE = range(6)
+    LOSS, GRAD_NORM, EXAMPLES, LR, COUNT, LOSS_SCALE, WAIT_US, COMPUTE_US, DONE_US = range(9)
+    WIDTH = 9
     _FLOAT_COLUMNS = (0, 1, 3, 5)
 
     def __init__(self, model: Any, ring: int = 64, gradients: str | None = None, accumulator: Any = None):
@@ -75,23 +85,27 @@ class ReplicaProbe:
         with self.strategy.scope():
             # Outside the model: not a weight, never saved in its checkpoints.
             self.var = tf.Variable(
-                tf.zeros([self.ring + 1, 6], tf.int64),
+                tf.zeros([self.ring + 1, self.WIDTH], tf.int64),
                 trainable=False,
                 synchronization=tf.VariableSynchronization.ON_READ,
                 aggregation=tf.VariableAggregation.NONE,
                 name="keras_sync_replica_stats",
             )
         self.multi_worker = in_multi_worker_mode(self.strategy)
+        #: Workers (processes) of the job; the gathered replicas are worker 0's first.
+        self.num_workers = _num_workers(self.strategy) if self.multi_worker else 1
+        # tf.timestamp has no XLA kernel and no TPU one.
+        self.timed = "TPU" not in type(self.strategy).__name__
         self._components = list(self.strategy.experimental_local_results(self.var))
         self._gather_fn: Callable[[], Any] | None = None
         #: What the last trace of replica 0 saw (scaled_by, factor): for tests and `plan`-like reports.
         self.last_trace: dict[str, Any] = {}
 
     def read(self) -> list[Any]:
-        """Every replica's ring (a ``(ring + 1, 6)`` float64 numpy array), replica 0 first.
+        """Every replica's ring (a ``(ring + 1, WIDTH)`` float64 numpy array), replica 0 first.
 
         Row ``(c - 1) % ring`` holds ``[loss, grad_norm, examples_seen, learning_rate, c,
-        loss_scale]`` of the replica's ``c``-th train step since the probe was made (if not yet
+        loss_scale, input_wait_us, compute_us, done_us]`` (-1: not timed) of the replica's ``c``-th train step since the probe was made (if not yet
         overwritten); the last row's ``COUNT`` column is the count of steps so far. Under a
         multi-worker strategy this is a collective: every worker must call it at the same step.
         """
@@ -146,13 +160,19 @@ class ReplicaProbe:
 
         def train_step(data: Any) -> Any:
             seen: dict[str, Any] = {}
+            timed = probe.timed and not getattr(model, "jit_compile", False)
+            # Before the batch sizes' all-reduce is created (see the module docstring).
+            t_data = _stamp(tf.nest.flatten(data, expand_composites=True)) if timed else None
+            weight = _example_weight(data, n)
+            t_sync = (_stamp([weight]) if weight is not None else t_data) if timed else None
             # Read before the step: the rate this step applies (a schedule at the current
             # iteration); a read only, so the update is unchanged.
             # Every optimizer's: a custom step may apply others than model.optimizer (a GAN's two).
             rates = {id(o): _learning_rate(o) for o in trace.optimizers_of(model)}
             policy = probe.gradients or "sum"
             with trace.capture(model, seen, custom_step=probe.custom_step, policy=policy, num_replicas=n,
-                               accumulator=probe.accumulator, example_weight=_example_weight(data, n)):
+                               accumulator=probe.accumulator, example_weight=weight,
+                               stamp=_stamp if timed else None):
                 logs = original(data)
             probe._announce(seen)
             applied = seen.get("applied_ids") or [id(model.optimizer)]
@@ -163,11 +183,20 @@ class ReplicaProbe:
             row = tf.cast(tf.math.floormod(count - 1, ring), tf.int32)
             prev = tf.cast(tf.math.floormod(count - 2, ring), tf.int32)  # step count - 1 (zeros at first)
             examples = buf[prev, ReplicaProbe.EXAMPLES] + tf.cast(_batch_size(data), tf.int64)
-            zero = tf.constant(0, tf.int64)
+            zero, unknown = tf.constant(0, tf.int64), tf.constant(-1, tf.int64)
+            wait, compute, done = unknown, unknown, zero
+            if timed and seen.get("reached") is not None:
+                # After the update of a variable the step applied (its reads follow its writes).
+                applied_vars = seen.get("applied_vars") or []
+                done = _micros(_stamp([tf.identity(getattr(v, "value", v)) for v in applied_vars[:1]]))
+                last = buf[prev, ReplicaProbe.DONE_US]  # 0 before the first step
+                wait = tf.where(last > 0, _micros(t_data) - last, unknown)
+                compute = tf.maximum(_micros(seen["reached"]) - _micros(t_sync), zero)
             var.assign(tf.tensor_scatter_nd_update(
                 buf, tf.stack([tf.stack([row]), tf.constant([ring])]),
-                tf.stack([tf.stack([_bits(loss), _bits(norm), examples, _bits(lr), count, _bits(scale)]),
-                          tf.stack([zero, zero, zero, zero, count, zero])])))
+                tf.stack([tf.stack([_bits(loss), _bits(norm), examples, _bits(lr), count, _bits(scale),
+                                    wait, compute, done]),
+                          tf.stack([zero, zero, zero, zero, count, zero, zero, zero, zero])])))
             return logs
 
         setattr(train_step, _MARK, True)
@@ -261,6 +290,29 @@ def _example_weight(data: Any, n: int) -> Any:
     local = tf.cast(_batch_size(data), tf.float32)
     total = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, local)
     return tf.math.divide_no_nan(local * float(n), total)
+
+
+def _stamp(after: list[Any]) -> Any:
+    """``tf.timestamp()`` (seconds, float64) once every tensor of ``after`` is computed."""
+    import tensorflow as tf
+
+    with tf.control_dependencies([t for t in after if t is not None]):
+        return tf.timestamp()
+
+
+def _micros(seconds: Any) -> Any:
+    import tensorflow as tf
+
+    return tf.cast(seconds * 1e6, tf.int64)
+
+
+def _num_workers(strategy: Any) -> int:
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None:
+        return 1
+    from keras_sync.cluster import role
+
+    return role(resolver.cluster_spec().as_dict(), resolver.task_type, int(resolver.task_id)).num_workers
 
 
 def _decode(ring: Any) -> Any:

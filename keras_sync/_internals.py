@@ -38,7 +38,7 @@ FEATURES: dict[str, tuple[str, str]] = {
                               "or train on one worker (strategy.kind: mirrored)"),
     "exact_resume": ("exact mid-epoch resume (fault_tolerance.backup_dir)",
                      "or remove fault_tolerance.backup_dir"),
-    "per_replica_metrics": ("per-replica loss and gradient norm (sync/replica_*)",
+    "per_replica_metrics": ("per-replica loss and gradient norm (sync/loss/replica_*, sync/grad_norm/replica_*)",
                             "or set mlflow.enabled: false"),
     "end_of_data": ("one optimizer step per batch on a dataset of unknown length",
                     "or give the dataset its length (dataset.apply(tf.data.experimental.assert_cardinality(n)))"),

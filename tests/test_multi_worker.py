@@ -221,7 +221,7 @@ def test_sigkill_chief_mid_epoch_resumes_exactly(tmp_module: Path, two_workers: 
     client = MlflowClient(uri)
     runs = client.search_runs([client.get_experiment_by_name("resume").experiment_id])
     assert len(runs) == 1
-    steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "sync/replica_1/loss")]
+    steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "sync/loss/replica_1")]
     assert sorted(steps) == list(range(1, resumed["w0"]["iterations"] + 1))
 
 

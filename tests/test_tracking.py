@@ -497,7 +497,7 @@ def test_uncaught_exception_ends_run_failed_at_exit(sqlite_uri, tmp_path):
 def test_long_run_keeps_little_spool_on_disk(mlflow_server, tmp_path):
     w = MlflowWriter(tracking_uri=mlflow_server, experiment=_exp(), spool_dir=tmp_path)
     w.start()
-    keys = [f"sync/replica_{i}/loss" for i in range(4)] + [f"sync/metric_{i}" for i in range(8)]
+    keys = [f"sync/loss/replica_{i}" for i in range(4)] + [f"sync/metric_{i}" for i in range(8)]
     biggest = 0
     for s in range(5000):
         w.log_metrics({k: 1.0 / (s + 1) for k in keys}, step=s)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
 import keras
 
-from keras_sync.callbacks import _reduce
+from keras_sync.callbacks import _reduce, _slow_worker
 from keras_sync.callbacks._context import check_shared
 from keras_sync.errors import UsageError
 
@@ -21,10 +22,10 @@ class SyncMetrics(keras.callbacks.Callback):
     The MLflow ``step`` is the global optimizer step (1-based, continued across `fit` calls and
     restarts). Every logged step gets:
 
-    - ``sync/replica_{i}/loss``: replica ``i``'s own mean loss on its shard, before the
+    - ``sync/loss/replica_{i}``: replica ``i``'s own mean loss on its shard, before the
       cross-replica mean (comparable to a single-device loss; Keras divides it by the replica
       count internally, we undo that);
-    - ``sync/replica_{i}/grad_norm``: the global norm of replica ``i``'s local gradient before
+    - ``sync/grad_norm/replica_{i}``: the global norm of replica ``i``'s local gradient before
       the all-reduce, scaled like the loss (the gradient of the replica's own mean loss; the
       optimizer applies the mean of these gradients);
     - ``sync/loss_spread``: ``max - min`` of the replicas' losses (loss units);
@@ -35,6 +36,13 @@ class SyncMetrics(keras.callbacks.Callback):
     - ``sync/examples_per_sec`` (all replicas) and ``sync/examples_per_sec_per_replica``;
     - ``sync/learning_rate``: the learning rate the optimizer applied in that step;
     - ``sync/loss_scale``: the dynamic loss scale, with a `LossScaleOptimizer` (mixed_float16);
+    - with 2 or more workers, ``sync/input_wait_ms/worker_{i}`` and ``sync/compute_ms/worker_{i}``:
+      worker ``i``'s own time from the end of its previous step to having its batch, and from the
+      step's first collective to its gradients reaching the all-reduce (the slowest of its
+      replicas; timed inside the step, not under XLA or on a TPU). The others wait for the worker
+      whose sum is the largest. When one worker's sum is above 1.5x the workers' median (and 5 ms
+      more) at every logged step for a minute, one line on the chief names it
+      (`keras_sync.callbacks._slow_worker`);
     - the Keras logs under their Keras names (``loss``, metrics; running means of the epoch),
       and at each epoch's last step the ``val_*`` logs (not while ``mlflow.keras.autolog()`` is
       on: it logs them itself, per epoch).
@@ -103,6 +111,7 @@ class SyncMetrics(keras.callbacks.Callback):
         # (global step, probe count, Keras logs, busy seconds, steps in the interval, timestamp ms).
         self._pending: list[tuple[int, int, dict, float, int, int]] = []
         self._keras_logs = True
+        self._slow = _slow_worker.SlowWorkerWatch()
 
     def set_model(self, model: Any) -> None:
         # Runs before `fit` builds its train function: the moment to instrument train_step.
@@ -215,6 +224,14 @@ class SyncMetrics(keras.callbacks.Callback):
         scale = float(rows[0][p.LOSS_SCALE])
         if scale == scale:  # a LossScaleOptimizer's dynamic loss scale (mixed_float16)
             metrics["sync/loss_scale"] = scale
+        if p.num_workers > 1:
+            times = _slow_worker.worker_times([float(r[p.WAIT_US]) for r in rows],
+                                              [float(r[p.COMPUTE_US]) for r in rows], p.num_workers)
+            metrics.update(times)
+            waits = [times.get(_slow_worker.WAIT_KEY.format(i=w), float("nan")) for w in range(p.num_workers)]
+            line = self._slow.update(_slow_worker.own_times(times, p.num_workers), waits, ts / 1000.0)
+            if line:
+                print(line, file=sys.stderr, flush=True)
         if self._keras_logs:
             metrics.update(logs)  # the step's numeric Keras logs (filtered when the step was recorded)
         self.writer.log_metrics(metrics, step=step, timestamp_ms=ts)
