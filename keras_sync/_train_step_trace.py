@@ -345,7 +345,6 @@ def _applying(optimizer: Any, apply: Any) -> Any:
             # Created before the apply creates its all-reduce: it does not wait for the others.
             record["reached"] = record["stamp"](tf.nest.flatten([g for g in grads if g is not None],
                                                                 expand_composites=True))
-            record["applied_vars"] = list(trainable_variables or [])
         scale = getattr(optimizer, "dynamic_scale", None)  # a LossScaleOptimizer's grads are scaled
         if scale is not None:
             record["loss_scale"] = scale

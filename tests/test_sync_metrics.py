@@ -412,5 +412,5 @@ def test_per_replica_and_per_worker_metrics_of_one_quantity_share_one_mlflow_sec
     assert sections == {"sync/loss": {"replica_0", "replica_1", "replica_2"},
                         "sync/grad_norm": {"replica_0", "replica_1", "replica_2"},
                         "sync": {"loss_spread", "grad_norm_spread"},
-                        "sync/input_wait_ms": {"worker_0", "worker_1", "worker_2"},
+                        "sync/between_steps_ms": {"worker_0", "worker_1", "worker_2"},
                         "sync/compute_ms": {"worker_0", "worker_1", "worker_2"}}

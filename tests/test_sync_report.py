@@ -135,9 +135,9 @@ def test_report_names_the_slowest_worker_and_says_what_the_divergence_number_is(
     h = SyncHistory()
     for step in range(1, 30):
         h.add({"sync/loss/replica_0": 1.0, "sync/loss/replica_1": 1.0, "sync/loss/replica_2": 1.0,
-               "sync/input_wait_ms/worker_0": 1.0, "sync/compute_ms/worker_0": 2.0,
-               "sync/input_wait_ms/worker_1": 201.0, "sync/compute_ms/worker_1": 2.0,
-               "sync/input_wait_ms/worker_2": 1.5, "sync/compute_ms/worker_2": 2.5,
+               "sync/between_steps_ms/worker_0": 1.0, "sync/compute_ms/worker_0": 2.0,
+               "sync/between_steps_ms/worker_1": 201.0, "sync/compute_ms/worker_1": 2.0,
+               "sync/between_steps_ms/worker_2": 1.5, "sync/compute_ms/worker_2": 2.5,
                "sync/step_time_ms": 210.0}, step)
     h.add({"sync/weight_divergence": 0.0}, 29)
     fig = _sync_plot.draw(h)
@@ -147,7 +147,7 @@ def test_report_names_the_slowest_worker_and_says_what_the_divergence_number_is(
     assert ("weight divergence: largest spread of a variable's mean\nor RMS, a lower bound of max |w_i - w_j| "
             "(0 = same bits)") in titles
     summary = "\n".join(t.get_text() for ax in fig.axes for t in ax.texts)
-    assert "slowest worker: 1, 203 ms to the all-reduce\n  (input wait 201 + compute 2;\n  other workers' median 3.5 ms)" \
+    assert "slowest worker: 1, 203 ms to the all-reduce\n  (201 between steps + compute 2;\n  other workers' median 3.5 ms)" \
         in summary, summary
     one = SyncHistory()  # one worker: nothing to name
     one.add({"sync/loss/replica_0": 1.0, "sync/step_time_ms": 3.0}, 1)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _REPLICA_KEY = re.compile(r"^sync/(loss|grad_norm)/replica_(\d+)$")
-_WORKER_KEY = re.compile(r"^sync/(input_wait_ms|compute_ms)/worker_(\d+)$")
+_WORKER_KEY = re.compile(r"^sync/(between_steps_ms|compute_ms)/worker_(\d+)$")
 SPREAD = "sync/grad_norm_spread"
 STEP_TIME = "sync/step_time_ms"
 DIVERGENCE = "sync/weight_divergence"
@@ -63,8 +63,8 @@ class SyncHistory:
     max_points: int = 2000
     loss: dict[int, Series] = field(default_factory=dict)
     grad_norm: dict[int, Series] = field(default_factory=dict)
-    #: Per worker (2 or more): its input wait and compute per step, ms.
-    input_wait: dict[int, Series] = field(default_factory=dict)
+    #: Per worker (2 or more): its time between steps and its compute, ms.
+    between_steps: dict[int, Series] = field(default_factory=dict)
     compute: dict[int, Series] = field(default_factory=dict)
     spread: Series = field(init=False)
     step_time_ms: Series = field(init=False)
@@ -81,7 +81,7 @@ class SyncHistory:
                 target = self.loss if m.group(1) == "loss" else self.grad_norm
                 target.setdefault(int(m.group(2)), Series(self.max_points)).add(step, float(value))
             elif (w := _WORKER_KEY.match(key)) is not None:
-                target = self.input_wait if w.group(1) == "input_wait_ms" else self.compute
+                target = self.between_steps if w.group(1) == "between_steps_ms" else self.compute
                 target.setdefault(int(w.group(2)), Series(self.max_points)).add(step, float(value))
             elif key == SPREAD:
                 self.spread.add(step, float(value))
@@ -103,7 +103,7 @@ class SyncHistory:
         return {"max_points": self.max_points,
                 "loss": {str(r): series(x) for r, x in self.loss.items()},
                 "grad_norm": {str(r): series(x) for r, x in self.grad_norm.items()},
-                "input_wait": {str(w): series(x) for w, x in self.input_wait.items()},
+                "between_steps": {str(w): series(x) for w, x in self.between_steps.items()},
                 "compute": {str(w): series(x) for w, x in self.compute.items()},
                 "spread": series(self.spread), "step_time_ms": series(self.step_time_ms),
                 "divergence": series(self.divergence)}
@@ -114,7 +114,7 @@ class SyncHistory:
         history = cls(max_points=int(data["max_points"]))
         history.loss = {int(r): Series(**x) for r, x in data["loss"].items()}
         history.grad_norm = {int(r): Series(**x) for r, x in data["grad_norm"].items()}
-        history.input_wait = {int(w): Series(**x) for w, x in data.get("input_wait", {}).items()}
+        history.between_steps = {int(w): Series(**x) for w, x in data.get("between_steps", {}).items()}
         history.compute = {int(w): Series(**x) for w, x in data.get("compute", {}).items()}
         history.spread, history.step_time_ms, history.divergence = (
             Series(**data[k]) for k in ("spread", "step_time_ms", "divergence"))
@@ -122,20 +122,20 @@ class SyncHistory:
 
 
     def slowest_worker(self) -> tuple[int, float, float, float] | None:
-        """(worker, its median input wait, its median compute, the other workers' median of the sum),
+        """(worker, its median time between steps, its median compute, the other workers' median of the sum),
         all ms, for the worker with the largest median time to reach the all-reduce; None with < 2 workers.
 
         >>> h = SyncHistory()
         >>> for step in range(1, 4):
-        ...     h.add({"sync/input_wait_ms/worker_0": 1.0, "sync/compute_ms/worker_0": 2.0,
-        ...            "sync/input_wait_ms/worker_1": 200.0, "sync/compute_ms/worker_1": 2.5}, step)
+        ...     h.add({"sync/between_steps_ms/worker_0": 1.0, "sync/compute_ms/worker_0": 2.0,
+        ...            "sync/between_steps_ms/worker_1": 200.0, "sync/compute_ms/worker_1": 2.5}, step)
         >>> h.slowest_worker()
         (1, 200.0, 2.5, 3.0)
         """
-        workers = sorted(set(self.input_wait) & set(self.compute))
+        workers = sorted(set(self.between_steps) & set(self.compute))
         if len(workers) < 2:
             return None
-        parts = {w: (statistics.median(self.input_wait[w].values or [math.nan]),
+        parts = {w: (statistics.median(self.between_steps[w].values or [math.nan]),
                      statistics.median(self.compute[w].values or [math.nan])) for w in workers}
         own = {w: a + b for w, (a, b) in parts.items() if math.isfinite(a + b)}
         if len(own) < 2:
@@ -231,9 +231,9 @@ def _summary(ax, history: SyncHistory, replicas: list[int]) -> None:
         lines.append(f"step time: median {t[len(t) // 2]:.3g} ms, p95 {t[min(len(t) - 1, int(0.95 * len(t)))]:.3g} ms")
     slow = history.slowest_worker()
     if slow is not None:
-        w, wait, compute, others = slow
-        lines.append(f"slowest worker: {w}, {wait + compute:.3g} ms to the all-reduce")
-        lines.append(f"  (input wait {wait:.3g} + compute {compute:.3g};")
+        w, between, compute, others = slow
+        lines.append(f"slowest worker: {w}, {between + compute:.3g} ms to the all-reduce")
+        lines.append(f"  ({between:.3g} between steps + compute {compute:.3g};")
         lines.append(f"  other workers' median {others:.3g} ms)")
     if history.divergence.values:
         worst = max(history.divergence.values)

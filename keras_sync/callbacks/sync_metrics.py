@@ -36,10 +36,11 @@ class SyncMetrics(keras.callbacks.Callback):
     - ``sync/examples_per_sec`` (all replicas) and ``sync/examples_per_sec_per_replica``;
     - ``sync/learning_rate``: the learning rate the optimizer applied in that step;
     - ``sync/loss_scale``: the dynamic loss scale, with a `LossScaleOptimizer` (mixed_float16);
-    - with 2 or more workers, ``sync/input_wait_ms/worker_{i}`` and ``sync/compute_ms/worker_{i}``:
-      worker ``i``'s own time from the end of its previous step to having its batch, and from the
-      step's first collective to its gradients reaching the all-reduce (the slowest of its
-      replicas; timed inside the step, not under XLA or on a TPU). The others wait for the worker
+    - with 2 or more workers, ``sync/between_steps_ms/worker_{i}`` and ``sync/compute_ms/worker_{i}``:
+      worker ``i``'s own time between two steps (host side, from the train function's return to
+      its next call) and from the step's first collective to its gradients reaching the
+      all-reduce (the slowest of its replicas; timed inside the step, not under XLA or on a
+      TPU). The others wait for the worker
       whose sum is the largest. When one worker's sum is above 1.5x the workers' median (and 5 ms
       more) at every logged step for a minute, one line on the chief names it
       (`keras_sync.callbacks._slow_worker`);
@@ -112,6 +113,7 @@ class SyncMetrics(keras.callbacks.Callback):
         self._pending: list[tuple[int, int, dict, float, int, int]] = []
         self._keras_logs = True
         self._slow = _slow_worker.SlowWorkerWatch()
+        self._returned: float | None = None  # when the train function last returned (time.time())
 
     def set_model(self, model: Any) -> None:
         # Runs before `fit` builds its train function: the moment to instrument train_step.
@@ -130,6 +132,26 @@ class SyncMetrics(keras.callbacks.Callback):
         self.global_step = self.shared.step = None
         self._busy_s, self._steps_since_log, self._pending = 0.0, 0, []
         self._held, self._carry_s, self._carry_n = None, 0.0, 0
+        self._returned = None
+        fn = getattr(self.model, "train_function", None)
+        if self._probe.num_workers > 1 and fn is not None and not hasattr(fn, "_keras_sync_timed"):
+            self.model.train_function = self._timed(fn)
+
+    def _timed(self, fn: Any) -> Any:
+        """``fn`` (the train function) noting this worker's time since its last return, for the step it runs."""
+        probe = self._probe
+
+        def train_function(*args: Any, **kwargs: Any) -> Any:
+            now = time.time()
+            if self._returned is not None:
+                probe.note_host(self._count + 1, (now - self._returned) * 1e6)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._returned = time.time()
+
+        train_function._keras_sync_timed = fn  # type: ignore[attr-defined]
+        return train_function
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         if self.global_step is None:
@@ -225,11 +247,11 @@ class SyncMetrics(keras.callbacks.Callback):
         if scale == scale:  # a LossScaleOptimizer's dynamic loss scale (mixed_float16)
             metrics["sync/loss_scale"] = scale
         if p.num_workers > 1:
-            times = _slow_worker.worker_times([float(r[p.WAIT_US]) for r in rows],
+            times = _slow_worker.worker_times([float(r[p.HOST_US]) for r in rows],
                                               [float(r[p.COMPUTE_US]) for r in rows], p.num_workers)
             metrics.update(times)
-            waits = [times.get(_slow_worker.WAIT_KEY.format(i=w), float("nan")) for w in range(p.num_workers)]
-            line = self._slow.update(_slow_worker.own_times(times, p.num_workers), waits, ts / 1000.0)
+            between = [times.get(_slow_worker.BETWEEN_KEY.format(i=w), float("nan")) for w in range(p.num_workers)]
+            line = self._slow.update(_slow_worker.own_times(times, p.num_workers), between, ts / 1000.0)
             if line:
                 print(line, file=sys.stderr, flush=True)
         if self._keras_logs:
@@ -238,6 +260,7 @@ class SyncMetrics(keras.callbacks.Callback):
         self.shared.record(metrics, step)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self._returned = None  # validation and epoch-end work come next: not a worker's step time
         self.emit()
         self._write_held()
         if self.writer is None or self.global_step is None or not self._keras_logs:
@@ -248,6 +271,9 @@ class SyncMetrics(keras.callbacks.Callback):
             self.shared.record(val, self.global_step)
 
     def on_train_end(self, logs: dict | None = None) -> None:
+        original = getattr(getattr(self.model, "train_function", None), "_keras_sync_timed", None)
+        if original is not None:
+            self.model.train_function = original
         self.emit()
         self._write_held()
         if self.writer is None:
