@@ -12,6 +12,8 @@ from keras_sync.callbacks import _reduce, _slow_worker
 from keras_sync.callbacks._context import check_shared
 from keras_sync.errors import UsageError
 
+_TIMED = "_keras_sync_timed"  # on our wrapper of the train function: the function it wraps
+
 #: Longest a logged step waits in the probe's ring before it is read and queued (single worker).
 MAX_HOLD_MS = 500
 
@@ -134,7 +136,7 @@ class SyncMetrics(keras.callbacks.Callback):
         self._held, self._carry_s, self._carry_n = None, 0.0, 0
         self._returned = None
         fn = getattr(self.model, "train_function", None)
-        if self._probe.num_workers > 1 and fn is not None and not hasattr(fn, "_keras_sync_timed"):
+        if self._probe.num_workers > 1 and fn is not None and not hasattr(fn, _TIMED):
             self.model.train_function = self._timed(fn)
 
     def _timed(self, fn: Any) -> Any:
@@ -150,7 +152,7 @@ class SyncMetrics(keras.callbacks.Callback):
             finally:
                 self._returned = time.time()
 
-        train_function._keras_sync_timed = fn  # type: ignore[attr-defined]
+        setattr(train_function, _TIMED, fn)
         return train_function
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
@@ -271,7 +273,7 @@ class SyncMetrics(keras.callbacks.Callback):
             self.shared.record(val, self.global_step)
 
     def on_train_end(self, logs: dict | None = None) -> None:
-        original = getattr(getattr(self.model, "train_function", None), "_keras_sync_timed", None)
+        original = getattr(getattr(self.model, "train_function", None), _TIMED, None)
         if original is not None:
             self.model.train_function = original
         self.emit()
