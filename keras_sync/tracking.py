@@ -832,6 +832,14 @@ def replay_spool(spool_path: str | os.PathLike[str], tracking_uri: str | None = 
     try:
         sent = delivery.deliver_available()
     except Exception as e:
+        from keras_sync._deliver import refused_credentials
+
+        http = refused_credentials(e)
+        if http is not None:  # the status, not the server's page
+            raise TrackingError(
+                f"Could not deliver spool {path}: MLflow at {delivery.shown_uri} refused the credentials (HTTP {http}). "
+                "Set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) and run "
+                "`keras-sync sync-spool` again; nothing delivered is sent twice.") from None
         raise TrackingError(
             f"Could not deliver spool {path} to MLflow at {delivery.shown_uri}: "
             f"{_redact(str(e), delivery.secrets)[:500].rstrip('.')}. Nothing delivered is sent twice; run "

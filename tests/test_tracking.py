@@ -1090,12 +1090,17 @@ def test_refused_credentials_are_said_once_in_one_line_and_training_goes_on(sqli
     try:
         _, err = _fit({"strategy": {"kind": "default"}, "mlflow": {"tracking_uri": uri, "experiment": exp}},
                       tmp_path, "refused")
+        spool = json.loads((tmp_path / "refused.out.json").read_text())["spool"]
+        again = _cli("sync-spool", spool, cwd=tmp_path)  # still refused: one line, the status only
     finally:
         server.shutdown()
+    assert again.returncode != 0 and again.stderr.strip().splitlines()[-1] == (
+        f"Could not deliver spool {spool}: MLflow at {uri} refused the credentials (HTTP 401). Set "
+        "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) and run `keras-sync "
+        "sync-spool` again; nothing delivered is sent twice."), again.stderr
     # Before: the server's page in 4 messages (the first line, a warning, fit's end, exit).
     said = [line for line in err.splitlines() if "401" in line]
     assert len(said) == 1, err[-3000:]
-    spool = json.loads((tmp_path / "refused.out.json").read_text())["spool"]
     assert said[0] == (f"keras-sync: MLflow at {uri} refused the credentials (HTTP 401 Unauthorized); training goes "
                        f"on and the metrics are kept in {spool}. Set MLFLOW_TRACKING_USERNAME and "
                        "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN), then deliver them with: "
@@ -1109,3 +1114,16 @@ def test_refused_credentials_are_said_once_in_one_line_and_training_goes_on(sqli
     c = MlflowClient(sqlite_uri)
     (run,) = c.search_runs([c.get_experiment_by_name(exp).experiment_id])
     assert _history(sqlite_uri, run.info.run_id) == list(range(1, 41))
+
+
+def test_a_refused_credential_is_told_by_its_http_status():
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import INTERNAL_ERROR, PERMISSION_DENIED, UNAUTHENTICATED
+
+    from keras_sync._deliver import is_transient, refused_credentials
+
+    assert refused_credentials(MlflowException("<html>...</html>", error_code=UNAUTHENTICATED)) == 401
+    assert refused_credentials(MlflowException("<html>...</html>", error_code=PERMISSION_DENIED)) == 403
+    assert refused_credentials(MlflowException("busy", error_code=INTERNAL_ERROR)) is None
+    assert refused_credentials(OSError("connection refused")) is None
+    assert not is_transient(MlflowException("x", error_code=UNAUTHENTICATED))  # said, not retried quietly
