@@ -33,7 +33,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
-from keras_sync._deliver import Deliverer, is_transient
+from keras_sync._deliver import Deliverer, is_transient, refused_credentials
 from keras_sync._spool import Position, SpoolDir, is_last_record
 from keras_sync.redact import redact_text, secrets_of
 
@@ -220,6 +220,9 @@ class Delivery:
             local = not self.uri.startswith(("http://", "https://", "databricks"))
             text = redact_text(f"{type(error).__name__}: {error}", self.secrets)[:500]
             cause = "store_failing" if local else "unreachable" if transient else "refused"
+            http = refused_credentials(error)
+            if http is not None:  # the status alone: the body is the server's (or its proxy's) HTML page
+                cause, text = "credentials", f"HTTP {http} {'Unauthorized' if http == 401 else 'Forbidden'}"
             status = {"ok": False, "at": time.time(), "since": since or time.time(), "error": text,
                       "cause": cause, "uri": self.shown_uri}
         try:

@@ -68,6 +68,19 @@ def is_transient(exc: BaseException) -> bool:
                     "DEADLINE_EXCEEDED", "ABORTED", "IO_ERROR"}
 
 
+#: MLflow's error codes of a refused credential, as the HTTP status the server answered.
+_CREDENTIAL_CODES = {"UNAUTHENTICATED": 401, "CUSTOMER_UNAUTHORIZED": 401, "PERMISSION_DENIED": 403}
+
+
+def refused_credentials(exc: BaseException) -> int | None:
+    """401 or 403 when the tracking server refused the credentials (or their absence); else None.
+
+    MLflow raises these with the server's whole response body (an HTML page behind a proxy):
+    the status is all a person needs, so only it is kept.
+    """
+    return _CREDENTIAL_CODES.get(getattr(exc, "error_code", None) or "")
+
+
 class Deliverer:
     """Sends spooled records to one MLflow run through `MlflowClient`.
 

@@ -9,14 +9,26 @@ changed or reordered, so Keras's own `train_step` stays bit-identical to plain K
 (tests/test_sync_metrics.py checks the weights); a custom `train_step` whose loss is not
 divided by the replica count gets its gradients averaged (see `_train_step_trace`).
 
-The wrapper writes ``[loss, grad_norm, examples_seen, learning_rate, step_count, loss_scale]``
-of the replica into row ``(step_count - 1) % ring`` of a ``tf.Variable(synchronization=ON_READ,
+The wrapper writes ``[loss, grad_norm, examples_seen, learning_rate, step_count, loss_scale,
+compute_us]`` of the replica into row ``(step_count - 1) % ring`` of a ``tf.Variable(synchronization=ON_READ,
 aggregation=NONE)`` (one copy per replica, never all-reduced; its last row holds the step
 count). The variable is int64: counts and examples stay exact past 2^24 steps, and the
 float32 values are stored by their bits (``tf.bitcast``), so nothing we add to the step needs
 float64 (TPUs have none) and the whole ring is one variable: one read, one gather. The
 callbacks read the ring once every few dozen steps, not after every step: a read costs
 ~0.2 ms on the training thread (and is a collective across workers).
+
+Which worker is slow: two ``tf.timestamp`` ops per step (not under XLA or on a TPU, which have
+no such op) time ``compute_us``, from the step's first collective in `train_step` (the batch
+sizes' all-reduce) to the replica's gradients, where they go to the all-reduce. TensorFlow runs
+the stateful ops of a function that take no resource (timestamps, collectives) in the order they
+were created, so the second timestamp is created before the gradients' all-reduce: it does not
+wait for the other workers. What happens before the step (the worker's time between two calls
+of the train function: callbacks, the user's code) is timed on the host (`note_host`) and
+gathered with the ring, as its column ``HOST_US``. Under `multi_worker_mirrored` TensorFlow's
+input iterator all-reduces "has data" across the workers before a step sees its batch, so a
+worker whose tf.data pipeline is slow cannot be told apart inside the step: everything after
+that all-reduce starts together.
 
 Scaling (so values compare with a single-device run): we report the replica's own mean loss
 and the global norm of the gradient of that loss. When the loss was divided by the replica
@@ -52,7 +64,8 @@ class ReplicaProbe:
     """
 
     #: Columns of a ring row (as returned by `read`).
-    LOSS, GRAD_NORM, EXAMPLES, LR, COUNT, LOSS_SCALE = range(6)
+    LOSS, GRAD_NORM, EXAMPLES, LR, COUNT, LOSS_SCALE, COMPUTE_US, HOST_US = range(8)
+    _WRITTEN = 7  # columns the train step writes; HOST_US comes from the host
     _FLOAT_COLUMNS = (0, 1, 3, 5)
 
     def __init__(self, model: Any, ring: int = 64, gradients: str | None = None, accumulator: Any = None):
@@ -75,29 +88,44 @@ class ReplicaProbe:
         with self.strategy.scope():
             # Outside the model: not a weight, never saved in its checkpoints.
             self.var = tf.Variable(
-                tf.zeros([self.ring + 1, 6], tf.int64),
+                tf.zeros([self.ring + 1, self._WRITTEN], tf.int64),
                 trainable=False,
                 synchronization=tf.VariableSynchronization.ON_READ,
                 aggregation=tf.VariableAggregation.NONE,
                 name="keras_sync_replica_stats",
             )
         self.multi_worker = in_multi_worker_mode(self.strategy)
+        #: Workers (processes) of the job; the gathered replicas are worker 0's first.
+        self.num_workers = _num_workers(self.strategy) if self.multi_worker else 1
+        # tf.timestamp has no XLA kernel and no TPU one.
+        self.timed = "TPU" not in type(self.strategy).__name__
+        import numpy as np
+
+        #: This worker's host time before each step (us, -1: not measured), by ring row.
+        self.host = np.full((self.ring + 1, 1), -1, np.int64)
         self._components = list(self.strategy.experimental_local_results(self.var))
         self._gather_fn: Callable[[], Any] | None = None
         #: What the last trace of replica 0 saw (scaled_by, factor): for tests and `plan`-like reports.
         self.last_trace: dict[str, Any] = {}
 
     def read(self) -> list[Any]:
-        """Every replica's ring (a ``(ring + 1, 6)`` float64 numpy array), replica 0 first.
+        """Every replica's ring (a ``(ring + 1, 8)`` float64 numpy array), replica 0 first.
 
         Row ``(c - 1) % ring`` holds ``[loss, grad_norm, examples_seen, learning_rate, c,
-        loss_scale]`` of the replica's ``c``-th train step since the probe was made (if not yet
+        loss_scale, compute_us, host_us]`` (-1: not timed; ``host_us`` is its worker's) of the replica's ``c``-th train step since the probe was made (if not yet
         overwritten); the last row's ``COUNT`` column is the count of steps so far. Under a
         multi-worker strategy this is a collective: every worker must call it at the same step.
         """
+        import numpy as np
+
         if self.multi_worker:
-            return [_decode(r) for r in self._gather().numpy()]
-        return [_decode(self._read_local(v)) for v in self._components]
+            return [_decode(r) for r in self._gather(self.host).numpy()]
+        return [_decode(np.concatenate([self._read_local(v), self.host], axis=1)) for v in self._components]
+
+    def note_host(self, count: int, micros: float) -> None:
+        """This worker's time before its ``count``-th train step (host side, microseconds)."""
+        if count > 0:
+            self.host[(count - 1) % self.ring, 0] = int(micros)
 
     def row(self, rings: list[Any], count: int) -> list[Any] | None:
         """Each replica's row of step ``count`` from `read`'s result; None if it was overwritten."""
@@ -121,22 +149,24 @@ class ReplicaProbe:
         except (ImportError, AttributeError):
             return component.numpy()
 
-    def _gather(self) -> Any:
+    def _gather(self, host: Any) -> Any:
         if self._gather_fn is None:
             import tensorflow as tf
 
             var, strategy = self.var, self.strategy
 
-            def replica_fn() -> Any:
+            def replica_fn(host: Any) -> Any:
                 ctx = tf.distribute.get_replica_context()
-                return ctx.all_gather(tf.expand_dims(tf.identity(var), 0), axis=0)
+                return ctx.all_gather(tf.expand_dims(tf.concat([tf.identity(var), host], axis=1), 0), axis=0)
 
             @tf.function
-            def gather() -> Any:
-                return strategy.experimental_local_results(strategy.run(replica_fn))[0]
+            def gather(host: Any) -> Any:
+                return strategy.experimental_local_results(strategy.run(replica_fn, args=(host,)))[0]
 
             self._gather_fn = gather
-        return self._gather_fn()
+        import tensorflow as tf
+
+        return self._gather_fn(tf.constant(host))
 
     def step_fn(self, original: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """The instrumented `train_step`: ``original`` plus the writes of this replica's values."""
@@ -146,13 +176,18 @@ class ReplicaProbe:
 
         def train_step(data: Any) -> Any:
             seen: dict[str, Any] = {}
+            timed = probe.timed and not getattr(model, "jit_compile", False)
+            weight = _example_weight(data, n)  # the step's first collective (n > 1)
+            t_sync = _stamp([weight] if weight is not None else tf.nest.flatten(data, expand_composites=True)) \
+                if timed else None
             # Read before the step: the rate this step applies (a schedule at the current
             # iteration); a read only, so the update is unchanged.
             # Every optimizer's: a custom step may apply others than model.optimizer (a GAN's two).
             rates = {id(o): _learning_rate(o) for o in trace.optimizers_of(model)}
             policy = probe.gradients or "sum"
             with trace.capture(model, seen, custom_step=probe.custom_step, policy=policy, num_replicas=n,
-                               accumulator=probe.accumulator, example_weight=_example_weight(data, n)):
+                               accumulator=probe.accumulator, example_weight=weight,
+                               stamp=_stamp if timed else None):
                 logs = original(data)
             probe._announce(seen)
             applied = seen.get("applied_ids") or [id(model.optimizer)]
@@ -164,10 +199,13 @@ class ReplicaProbe:
             prev = tf.cast(tf.math.floormod(count - 2, ring), tf.int32)  # step count - 1 (zeros at first)
             examples = buf[prev, ReplicaProbe.EXAMPLES] + tf.cast(_batch_size(data), tf.int64)
             zero = tf.constant(0, tf.int64)
+            compute = tf.constant(-1, tf.int64)
+            if timed and seen.get("reached") is not None:
+                compute = tf.maximum(_micros(seen["reached"]) - _micros(t_sync), zero)
             var.assign(tf.tensor_scatter_nd_update(
                 buf, tf.stack([tf.stack([row]), tf.constant([ring])]),
-                tf.stack([tf.stack([_bits(loss), _bits(norm), examples, _bits(lr), count, _bits(scale)]),
-                          tf.stack([zero, zero, zero, zero, count, zero])])))
+                tf.stack([tf.stack([_bits(loss), _bits(norm), examples, _bits(lr), count, _bits(scale), compute]),
+                          tf.stack([zero, zero, zero, zero, count, zero, zero])])))
             return logs
 
         setattr(train_step, _MARK, True)
@@ -261,6 +299,29 @@ def _example_weight(data: Any, n: int) -> Any:
     local = tf.cast(_batch_size(data), tf.float32)
     total = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, local)
     return tf.math.divide_no_nan(local * float(n), total)
+
+
+def _stamp(after: list[Any]) -> Any:
+    """``tf.timestamp()`` (seconds, float64) once every tensor of ``after`` is computed."""
+    import tensorflow as tf
+
+    with tf.control_dependencies([t for t in after if t is not None]):
+        return tf.timestamp()
+
+
+def _micros(seconds: Any) -> Any:
+    import tensorflow as tf
+
+    return tf.cast(seconds * 1e6, tf.int64)
+
+
+def _num_workers(strategy: Any) -> int:
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None:
+        return 1
+    from keras_sync.cluster import role
+
+    return role(resolver.cluster_spec().as_dict(), resolver.task_type, int(resolver.task_id)).num_workers
 
 
 def _decode(ring: Any) -> Any:

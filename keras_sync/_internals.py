@@ -38,7 +38,9 @@ FEATURES: dict[str, tuple[str, str]] = {
                               "or train on one worker (strategy.kind: mirrored)"),
     "exact_resume": ("exact mid-epoch resume (fault_tolerance.backup_dir)",
                      "or remove fault_tolerance.backup_dir"),
-    "per_replica_metrics": ("per-replica loss and gradient norm (sync/replica_*)",
+    "quiet_device_datasets": ("TensorFlow's per-device datasets without the 'will not be optimized' warning",
+                              "or ignore the line"),
+    "per_replica_metrics": ("per-replica loss and gradient norm (sync/loss/replica_*, sync/grad_norm/replica_*)",
                             "or set mlflow.enabled: false"),
     "end_of_data": ("one optimizer step per batch on a dataset of unknown length",
                     "or give the dataset its length (dataset.apply(tf.data.experimental.assert_cardinality(n)))"),
@@ -328,6 +330,17 @@ REGISTRY: tuple[Internal, ...] = (
              lambda: has_attrs("keras.src.callbacks.backup_and_restore:BackupAndRestore", "_save_model")()
              or looks_up("keras.src.callbacks.backup_and_restore:BackupAndRestore.__init__", "_weights_path")(),
              attrs=("_save_model", "_weights_path")),
+    # _tf_import.py: the per-device datasets of TF's MultiDeviceIterator (Mirrored over 2+ devices) warn
+    # "Input of GeneratorDatasetOp::Dataset will not be optimized" once per run; they are made without
+    # the graph rewrites that cannot apply to them.
+    Internal("tensorflow.python.data.ops.multi_device_iterator_ops:_create_device_dataset", "quiet_device_datasets",
+             "the per-device datasets are built there, with default options that ask for rewrites",
+             lambda: callable_with("tensorflow.python.data.ops.multi_device_iterator_ops:_create_device_dataset",
+                                   "prototype_ds", "incarnation_id")()
+             or looks_up(("tensorflow.python.data.ops.multi_device_iterator_ops:MultiDeviceIterator.__init__",
+                          "tensorflow.python.data.ops.multi_device_iterator_ops:OwnedMultiDeviceIterator.__init__"),
+                         "_create_device_dataset")(),
+             fallback=True, attrs=("_create_device_dataset",)),
     # _instrument.py: each replica's loss and local gradients exist only inside train_step.
     Internal(f"{_TRAINER}:TensorFlowTrainer.train_step", "per_replica_metrics",
              "the values before the all-reduce exist only inside train_step",

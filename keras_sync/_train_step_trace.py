@@ -141,20 +141,21 @@ def weighs_by_examples(custom_step: bool, scaled_by: str | None) -> bool:
 
 @contextlib.contextmanager
 def capture(model: Any, record: dict[str, Any], *, custom_step: bool, policy: str, num_replicas: int,
-            accumulator: Any = None, example_weight: Any = None) -> Iterator[None]:
+            accumulator: Any = None, example_weight: Any = None, stamp: Any = None) -> Iterator[None]:
     """While one replica traces ``model.train_step``: fill ``record``, average a custom step's gradients.
 
     ``record`` gets ``loss``, ``grads`` (every local gradient given to an optimizer), ``loss_scale``
     (a `LossScaleOptimizer`'s), ``scaled_by`` (what divided the loss by the replica count, if
     anything) and ``factor`` (what keras-sync multiplied the gradients by). ``example_weight``
     (a scalar tensor, see `_instrument._example_weight`) multiplies the gradients too, when
-    `weighs_by_examples`. With an
+    `weighs_by_examples`. ``stamp`` (a function of tensors -> a timestamp after them), if given,
+    times the first apply's gradients into ``reached``, before the apply's all-reduce. With an
     ``accumulator`` (`_accumulate.GradientAccumulator`), the model optimizer's updates go through it.
     """
     global _active
     record.update(grads=[], scaled_by=None, factor=1.0, custom_step=custom_step, policy=policy, n=num_replicas,
                   accumulator=accumulator, example_weight=example_weight, marks={}, targets={}, read_n=False,
-                  applies=[], names=_optimizer_names(model))
+                  applies=[], names=_optimizer_names(model), stamp=stamp, reached=None)
     with _lock:
         if _active == 0:
             _install_global()
@@ -338,6 +339,12 @@ def _applying(optimizer: Any, apply: Any) -> Any:
             return apply(grads, trainable_variables)
         grads = list(grads)
         record["grads"].extend(g for g in grads if g is not None)
+        if record["stamp"] is not None and record["reached"] is None:
+            import tensorflow as tf
+
+            # Created before the apply creates its all-reduce: it does not wait for the others.
+            record["reached"] = record["stamp"](tf.nest.flatten([g for g in grads if g is not None],
+                                                                expand_composites=True))
         scale = getattr(optimizer, "dynamic_scale", None)  # a LossScaleOptimizer's grads are scaled
         if scale is not None:
             record["loss_scale"] = scale
@@ -391,7 +398,7 @@ def share_message(model: Any, num_replicas: int, scaled_by: str) -> str:
     name = type(model).__name__
     return (f"keras-sync: {name}.train_step's loss is divided by the replica count ({scaled_by}), as Keras needs for "
             f"the gradient sum, so the loss the step returns or tracks (history, MLflow `loss`) is one replica's share: "
-            f"1/{num_replicas} of the one-device value (sync/replica_<i>/loss are multiplied back to one device's). "
+            f"1/{num_replicas} of the one-device value (sync/loss/replica_<i> are multiplied back to one device's). "
             "To log the one-device value, track loss * self.distribute_strategy.num_replicas_in_sync.")
 
 

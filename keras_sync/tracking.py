@@ -231,6 +231,8 @@ class MlflowWriter:
         self._courier: subprocess.Popen[bytes] | None = None
         self._closing = self._closed = self._dead = self._end_spooled = self._finished = False
         self._warned_fit = False
+        self._said_refused = False  # the one line on refused credentials was said
+        self._said_lock = threading.Lock()
         self._run_ended = False  # end_run() was called and nothing was logged since
         self._deferred_report: dict[str, Any] | None = None  # queued after end_run's wait (log_sync_report)
         #: Set by `keras_sync.Sync.fit` while its `fit` runs: it ends the run itself when fit
@@ -280,6 +282,33 @@ class MlflowWriter:
         """The courier's last failed attempt (``error``, ``cause``), or None if it last succeeded."""
         status = self._courier_status()
         return status if status is not None and not status.get("ok") else None
+
+    def refused_credentials(self) -> bool:
+        """True when the tracking server's last answer was HTTP 401 or 403 (credentials refused)."""
+        failed = self.failure()
+        return failed is not None and failed.get("cause") == "credentials"
+
+    def say_refused_once(self) -> bool:
+        """If the credentials were refused, say so in one line (once per writer); True if they were.
+
+        Every later message about undelivered records stays silent then: this line already says
+        where they are kept and how to deliver them, and a refused credential does not fix itself.
+        """
+        failed = self.failure()
+        if failed is None or failed.get("cause") != "credentials":
+            return False
+        with self._said_lock:
+            if self._said_refused:
+                return True
+            self._said_refused = True
+        again = f"keras-sync sync-spool {self.spool_path}"
+        if self.shown_uri != self._uri:
+            again += " --tracking-uri URI"
+        _log.warning("keras-sync: MLflow at %s refused the credentials (%s); training goes on and the metrics "
+                     "are kept in %s. Set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
+                     "MLFLOW_TRACKING_TOKEN), then deliver them with: %s", self.shown_uri, failed.get("error"),
+                     self.spool_path, again)
+        return True
 
     def _courier_status(self) -> dict[str, Any] | None:
         """The courier's last outcome: from its pipe when it has one (a full disk keeps the file old)."""
@@ -428,6 +457,8 @@ class MlflowWriter:
         self._warn_undelivered()
 
     def _warn_undelivered(self) -> None:
+        if self.say_refused_once():
+            return
         message = self.undelivered_message(final=False)
         if message and not self._warned_fit:
             self._warned_fit = True
@@ -473,7 +504,8 @@ class MlflowWriter:
         if failed is not None:
             cause = {"unreachable": f"the tracking server {self.shown_uri} is unreachable",
                      "store_failing": f"the local store {self.shown_uri} fails",
-                     "refused": f"MLflow at {self.shown_uri} refuses them"}.get(failed.get("cause"), "MLflow fails")
+                     "refused": f"MLflow at {self.shown_uri} refuses them",
+                     "credentials": f"MLflow at {self.shown_uri} refused the credentials"}.get(failed.get("cause"), "MLflow fails")
             cause += f" ({failed.get('error', '')})"
         elif self._courier is None or self._courier.poll() is not None:
             cause = f"the courier process that delivers to {self.shown_uri} is not running"
@@ -545,6 +577,8 @@ class MlflowWriter:
         held = bool(self._handover.unacknowledged() or self._handover.dropped)
         message = None if delivered or held else self.undelivered_message(final=True)
         cause = self._cause()  # while the courier is still there to ask
+        if message and self.say_refused_once():
+            message = None  # said in its one line already
         if courier is not None and courier.poll() is None:
             # Waiting was given up (or the end was delivered and it is still exiting): after
             # close nothing runs in the background; the spool keeps what is left. SIGKILL: the
@@ -635,7 +669,9 @@ class MlflowWriter:
         """Log the courier's first failure and its recovery (in this process, where logging is set up)."""
         status = self._courier_status()
         was_ok = self._status is None or self._status.get("ok")
-        if status is not None and not status.get("ok") and was_ok:
+        if status is not None and not status.get("ok") and status.get("cause") == "credentials":
+            self.say_refused_once()
+        elif status is not None and not status.get("ok") and was_ok:
             _log.warning("keras-sync: MLflow at %s is %s (%s); records are kept in %s, retrying in the background.",
                          self.shown_uri, {"unreachable": "unreachable", "store_failing": "failing"}.get(
                              status.get("cause"), "refusing records"), status.get("error"), self.spool_path)
@@ -796,6 +832,14 @@ def replay_spool(spool_path: str | os.PathLike[str], tracking_uri: str | None = 
     try:
         sent = delivery.deliver_available()
     except Exception as e:
+        from keras_sync._deliver import refused_credentials
+
+        http = refused_credentials(e)
+        if http is not None:  # the status, not the server's page
+            raise TrackingError(
+                f"Could not deliver spool {path}: MLflow at {delivery.shown_uri} refused the credentials (HTTP {http}). "
+                "Set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) and run "
+                "`keras-sync sync-spool` again; nothing delivered is sent twice.") from None
         raise TrackingError(
             f"Could not deliver spool {path} to MLflow at {delivery.shown_uri}: "
             f"{_redact(str(e), delivery.secrets)[:500].rstrip('.')}. Nothing delivered is sent twice; run "

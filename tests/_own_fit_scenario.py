@@ -113,7 +113,7 @@ def auto(slow):
     metrics = keras_sync.SyncMetrics(own, log_every_n_steps="auto")
     m = model()
     m.fit(sync.distribute((x, y)), epochs=3, verbose=0, callbacks=[metrics] + ([Slow()] if slow else []))
-    return {"steps": [s for s, d in own.points if "sync/replica_0/loss" in d], "stride": metrics.stride,
+    return {"steps": [s for s, d in own.points if "sync/loss/replica_0" in d], "stride": metrics.stride,
             "step_time_ms": [d["sync/step_time_ms"] for s, d in own.points if "sync/step_time_ms" in d]}
 
 

@@ -114,7 +114,7 @@ _XDIST_GROUPS = {"test_model_logging": "autolog_runs", "test_sync_report": "auto
 # only order: a module missing here runs after these, in collection order. Re-measure when a
 # module's fixture grows (`pytest -q --durations=0`, summed per module).
 _LONGEST_FIRST = {
-    "test_tracking": 580, "test_multi_worker": 267, "test_own_fit": 240, "test_ray": 216, "autolog_runs": 212,
+    "test_tracking": 640, "test_multi_worker": 330, "test_own_fit": 240, "test_ray": 216, "autolog_runs": 212,
     "test_runtime": 191, "test_keras_compat": 158, "test_backup_faults": 150, "test_epoch": 150,
     "test_sync_metrics": 149, "test_pipeline": 137, "test_preemption": 115, "test_slurm": 114, "test_two_hosts": 112,
     "test_launch": 91, "test_collective_calls": 72, "test_examples": 67, "test_cli": 61, "test_session": 61,

@@ -52,7 +52,7 @@ def test_fit_ends_the_run_and_the_next_fit_continues_it(tmp_path):
             out[f"undelivered{{i}}"] = [rec["k"] for n in os.listdir(".keras_sync_spool")
                                         for spool in [SpoolDir(os.path.join(".keras_sync_spool", n))]
                                         for _, rec in spool.read(spool.delivered(), max_records=10**6)]
-        out["steps"] = sorted(m.step for m in c.get_metric_history(runs[0].info.run_id, "sync/replica_0/loss"))
+        out["steps"] = sorted(m.step for m in c.get_metric_history(runs[0].info.run_id, "sync/loss/replica_0"))
         print("RESULT " + json.dumps(out))
         os._exit(0)  # no atexit, as under Ray Train V2's ray.kill
     """)

@@ -315,5 +315,5 @@ def test_max_restarts_resumes_a_sigkilled_worker_exactly_in_one_mlflow_run(tmp_p
     client = MlflowClient(uri)
     runs = client.search_runs([client.get_experiment_by_name("restarts").experiment_id])
     assert len(runs) == 1  # both tries continued one run: launch gave them one KERAS_SYNC_JOB_ID
-    steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "sync/replica_1/loss")]
+    steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "sync/loss/replica_1")]
     assert sorted(steps) == list(range(1, 33))  # 4 epochs x 8 steps, steps 16-17 (trained twice) once

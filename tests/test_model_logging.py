@@ -221,7 +221,7 @@ def test_autolog_beside_sync_fit_is_one_run_without_errors(autolog_runs):
     assert p["epochs"] == "2" and p["batch_size"] == "64" and p["optimizer_name"].startswith("adam")
     assert p["shuffle"] == "False" and p["per_replica_batch_size"] == "32" and p["sync.num_replicas"] == "2"
     assert run.data.tags["keras_sync.autolog"] == "true"
-    assert {"sync/replica_0/loss", "sync/replica_1/grad_norm", "sync/weight_divergence"} <= set(run.data.metrics)
+    assert {"sync/loss/replica_0", "sync/grad_norm/replica_1", "sync/weight_divergence"} <= set(run.data.metrics)
     # The Keras logs come from autolog only (per epoch, step = epoch index): one point per (key, step).
     loss = c.get_metric_history(r["run_id"], "loss")
     assert sorted(m.step for m in loss) == [0, 1]

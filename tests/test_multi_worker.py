@@ -221,7 +221,7 @@ def test_sigkill_chief_mid_epoch_resumes_exactly(tmp_module: Path, two_workers: 
     client = MlflowClient(uri)
     runs = client.search_runs([client.get_experiment_by_name("resume").experiment_id])
     assert len(runs) == 1
-    steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "sync/replica_1/loss")]
+    steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "sync/loss/replica_1")]
     assert sorted(steps) == list(range(1, resumed["w0"]["iterations"] + 1))
 
 
@@ -243,3 +243,40 @@ def test_sigkill_with_steps_per_execution_4_resumes_exactly(tmp_module: Path, tw
     # Batches are reported once per execution: the first after the resume is step 24, batch 7.
     steps = re.findall(r"^\[w0\] step (\d+) epoch (\d+) batch (\d+)$", resumed["stdout"], re.M)
     assert steps[0] == ("24", "2", "7") and [int(s) for s, _, _ in steps] == list(range(24, 33, 4))
+
+
+@pytest.mark.timeout(900)  # three TF workers on 2 shared cores
+def test_the_slow_worker_is_named_by_its_own_times_on_the_chief_and_in_the_report(tmp_path: Path) -> None:
+    # Worker 1 sleeps 0.2 s before each of its 40 batches: the job's step time follows it, and the
+    # per-worker times say which worker it is. The line's hold is 3 s here (60 s by default).
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = {"strategy": {"kind": "multi_worker_mirrored", "connect_timeout_s": 120}, "batch": {"global": 30},
+           "mlflow": {"enabled": True, "tracking_uri": uri, "experiment": "slow", "log_every_n_steps": 1}}
+    r = _launch(tmp_path, HERE / "_slow_worker_train.py", json.dumps(cfg), "1", "3", workers=3, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    said = re.findall(r"^\[w(\d)\] keras-sync: worker (\d) holds the job back: for \d+ s it took (\d+) ms a step "
+                      r"to reach the gradient all-reduce \((\d+) ms between steps, compute -?\d+ ms\) against the "
+                      r"workers' median of (\d+) ms, and the others wait for it\. Its times are "
+                      r"sync/between_steps_ms/worker_1 and sync/compute_ms/worker_1 in MLflow\.$", r.stderr, re.M)
+    assert len(said) == 1, r.stderr[-3000:]  # once, on the chief only
+    chief, worker, took, wait, median = said[0]
+    assert (chief, worker) == ("0", "1") and int(took) >= 150 and int(wait) >= 150 and int(median) < int(took) / 1.5
+
+    from mlflow import MlflowClient
+
+    from keras_sync.callbacks._sync_plot import SyncHistory
+
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("slow").experiment_id])
+    h = SyncHistory()
+    for key in [f"sync/{q}/worker_{w}" for q in ("between_steps_ms", "compute_ms") for w in range(3)]:
+        points = client.get_metric_history(run.info.run_id, key)
+        assert len(points) >= 35, key  # every logged step but the first
+        for m in points:
+            h.add({key: m.value}, m.step)
+    waits = {w: float(np.median(h.between_steps[w].values)) for w in range(3)}
+    assert waits[1] >= 150 and max(waits[0], waits[2]) < waits[1] / 3, waits
+    worst = h.slowest_worker()  # what the report's summary names
+    assert worst is not None and worst[0] == 1, worst
+    step_ms = [m.value for m in client.get_metric_history(run.info.run_id, "sync/step_time_ms")]
+    assert float(np.median(step_ms)) >= 150

@@ -41,7 +41,7 @@ def test_own_fit_with_sync_callbacks_logs_one_finished_run(result):
     (run,) = c.search_runs([c.get_experiment_by_name("own").experiment_id])
     assert run.info.run_id == result["run_id"] == result["run_id_after_close"]
     assert run.info.status == "FINISHED"  # sync.close() ended it
-    for key in ("sync/replica_0/loss", "sync/replica_1/loss", "sync/loss_spread", "sync/learning_rate"):
+    for key in ("sync/loss/replica_0", "sync/loss/replica_1", "sync/loss_spread", "sync/learning_rate"):
         assert sorted(m.step for m in c.get_metric_history(run.info.run_id, key)) == list(range(1, 17)), key
     assert run.data.params["sync.num_replicas"] == "2"
 
@@ -49,7 +49,7 @@ def test_own_fit_with_sync_callbacks_logs_one_finished_run(result):
 def test_a_writer_of_the_users_own_gets_the_sync_metrics(result):
     assert result["is_writer"] is True
     assert result["own_steps"] == [2, 4, 6, 8]
-    assert {"sync/replica_0/loss", "sync/replica_1/grad_norm", "sync/grad_norm_spread"} <= set(result["own_keys"])
+    assert {"sync/loss/replica_0", "sync/grad_norm/replica_1", "sync/grad_norm_spread"} <= set(result["own_keys"])
     assert result["own_params"]  # RunParams wrote the run's parameters through it
 
 

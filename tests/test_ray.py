@@ -123,8 +123,8 @@ def test_the_comparison_can_tell_the_batch_to_tf_gave(ray_runs):
 @pytest.mark.parametrize("scenario", ["arrays", "ray_data"])
 def test_replicas_train_on_different_examples(ray_runs, scenario):
     client, runs = _run(ray_runs, scenario)
-    r0 = {m.step: m.value for m in client.get_metric_history(runs[0].info.run_id, "sync/replica_0/loss")}
-    r1 = {m.step: m.value for m in client.get_metric_history(runs[0].info.run_id, "sync/replica_1/loss")}
+    r0 = {m.step: m.value for m in client.get_metric_history(runs[0].info.run_id, "sync/loss/replica_0")}
+    r1 = {m.step: m.value for m in client.get_metric_history(runs[0].info.run_id, "sync/loss/replica_1")}
     assert r0.keys() == r1.keys() and len(r0) == STEPS[scenario]
     same = sum(abs(r0[s] - r1[s]) <= 1e-7 for s in r0)
     assert same == 0, f"replica losses equal at {same} of {len(r0)} steps: both workers trained on the same examples"
@@ -135,7 +135,7 @@ def test_one_finished_run_every_step_once_nothing_left_in_the_spool(ray_runs, sc
     client, runs = _run(ray_runs, scenario)
     assert len(runs) == 1
     assert runs[0].info.status == "FINISHED"
-    steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "sync/replica_0/loss")]
+    steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "sync/loss/replica_0")]
     assert sorted(steps) == list(range(1, 1 + STEPS[scenario])), steps
     # Ray kills a worker and its children as soon as the train function returns: Sync.fit waits
     # for the fit-end sync report there, so nothing is left for a courier to deliver later.

@@ -64,7 +64,7 @@ def _logged_metric_names() -> set[str]:
     names: set[str] = set()
     for path in (ROOT / "keras_sync").rglob("*.py"):
         for name in re.findall(r"""f?["'](sync/[\w{}/]+)["']""", path.read_text()):
-            names.add(re.sub(r"replica_\d+", "replica_{i}", re.sub(r"\{\w+\}", "{i}", name)))
+            names.add(re.sub(r"(replica|worker)_\d+", r"\1_{i}", re.sub(r"\{\w+\}", "{i}", name)))
     return names
 
 

@@ -254,11 +254,11 @@ def test_steps_per_execution_4_logs_a_point_at_every_optimizer_step(runs, layout
 
     client = MlflowClient(runs["tracking"][layout])
     run_id = runs[layout]["spe"]["run_id"]
-    for key in ("sync/replica_0/loss", "sync/replica_1/grad_norm", "sync/learning_rate", "sync/step_time_ms"):
+    for key in ("sync/loss/replica_0", "sync/grad_norm/replica_1", "sync/learning_rate", "sync/step_time_ms"):
         steps = sorted(m.step for m in client.get_metric_history(run_id, key))
         assert steps == list(range(1, 17)), key
     # The replicas' values differ from step to step (each step its own row, not the execution's last).
-    losses = [m.value for m in sorted(client.get_metric_history(run_id, "sync/replica_0/loss"), key=lambda m: m.step)]
+    losses = [m.value for m in sorted(client.get_metric_history(run_id, "sync/loss/replica_0"), key=lambda m: m.step)]
     assert len(set(losses)) == 16
     # Keras's own logs come once per execution of 4 steps.
     assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == [4, 8, 12, 16]

@@ -106,7 +106,7 @@ def test_srun_two_tasks_train_as_two_workers_like_one_process(uninterrupted: dic
     runs = client.search_runs([client.get_experiment_by_name("slurm").experiment_id])
     assert [run.info.status for run in runs] == ["FINISHED"]  # one run: the chief's (task 0)
     for replica in (0, 1):
-        steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, f"sync/replica_{replica}/loss")]
+        steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, f"sync/loss/replica_{replica}")]
         assert sorted(steps) == list(range(1, STEPS + 1)), (replica, steps)
     assert "Traceback" not in r.stderr and "unhealthy" not in r.stderr, r.stderr[-3000:]
 
@@ -256,5 +256,5 @@ def test_scancel_signal_term_mid_epoch_saves_on_both_tasks_and_the_resubmitted_j
     (again,) = client.search_runs([exp_id])
     assert again.info.run_id == run.info.run_id and again.info.status == "FINISHED"
     for replica in (0, 1):
-        steps = [m.step for m in client.get_metric_history(run.info.run_id, f"sync/replica_{replica}/loss")]
+        steps = [m.step for m in client.get_metric_history(run.info.run_id, f"sync/loss/replica_{replica}")]
         assert sorted(steps) == list(range(1, STEPS + 1)), (replica, steps)

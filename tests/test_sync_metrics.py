@@ -78,8 +78,8 @@ def test_replica_metrics_leave_out_unmeasured_values():
     nan = float("nan")
     assert _reduce.replica_metrics([nan, nan], [nan, nan]) == {}
     assert _reduce.replica_metrics([1.0, 2.0], [nan, 1.0]) == {
-        "sync/replica_0/loss": 1.0, "sync/replica_1/loss": 2.0, "sync/loss_spread": 1.0,
-        "sync/replica_1/grad_norm": 1.0}
+        "sync/loss/replica_0": 1.0, "sync/loss/replica_1": 2.0, "sync/loss_spread": 1.0,
+        "sync/grad_norm/replica_1": 1.0}
 
 
 def test_log_steps():
@@ -198,7 +198,7 @@ def _ok(result):
     assert not (isinstance(result, dict) and "unexpected" in result), result
 
 
-PER_STEP = ["sync/replica_0/loss", "sync/replica_1/loss", "sync/replica_0/grad_norm", "sync/replica_1/grad_norm",
+PER_STEP = ["sync/loss/replica_0", "sync/loss/replica_1", "sync/grad_norm/replica_0", "sync/grad_norm/replica_1",
             "sync/loss_spread", "sync/grad_norm_spread", "sync/step_time_ms", "sync/examples_per_sec",
             "sync/examples_per_sec_per_replica", "sync/learning_rate", "loss", "mae"]
 
@@ -217,8 +217,8 @@ def test_every_step_metric_has_one_point_per_logged_step(runs):
 def test_per_replica_losses_average_to_keras_loss(runs):
     c = _client(runs["sqlite"])
     rid = runs["mirrored"]["main"]["run_id"]
-    r0 = dict(_history(c, rid, "sync/replica_0/loss"))
-    r1 = dict(_history(c, rid, "sync/replica_1/loss"))
+    r0 = dict(_history(c, rid, "sync/loss/replica_0"))
+    r1 = dict(_history(c, rid, "sync/loss/replica_1"))
     keras_loss = dict(_history(c, rid, "loss"))
     # Keras's `loss` is the running mean of the epoch; at the 1st logged step (step 2) it is the
     # mean of steps 1-2. Epoch 1 = steps 1..8. Equal shards: the step loss is the replicas' mean.
@@ -227,7 +227,7 @@ def test_per_replica_losses_average_to_keras_loss(runs):
     assert keras_loss[8] == pytest.approx(sum(step_means[s] for s in (2, 4, 6, 8)) / 4, rel=0.25)
     assert runs["mirrored"]["main"]["history"]["loss"][0] == pytest.approx(keras_loss[8], rel=1e-5)
     spread = dict(_history(c, rid, "sync/grad_norm_spread"))
-    g0, g1 = dict(_history(c, rid, "sync/replica_0/grad_norm")), dict(_history(c, rid, "sync/replica_1/grad_norm"))
+    g0, g1 = dict(_history(c, rid, "sync/grad_norm/replica_0")), dict(_history(c, rid, "sync/grad_norm/replica_1"))
     assert spread[2] == pytest.approx(abs(g0[2] - g1[2]) / ((g0[2] + g1[2]) / 2), rel=1e-6)
     losses = dict(_history(c, rid, "sync/loss_spread"))
     assert losses[2] == pytest.approx(abs(r0[2] - r1[2]), rel=1e-5) and losses[2] > 0
@@ -249,11 +249,11 @@ def test_runs_longer_than_the_probe_ring_log_every_step_with_its_own_values(runs
     eps, ms = dict(_history(c, rid, "sync/examples_per_sec")), dict(_history(c, rid, "sync/step_time_ms"))
     assert [eps[s] * ms[s] / 1000 for s in range(1, 161)] == pytest.approx([8.0] * 160, rel=1e-6)
     # Each point carries the time of its own step, not of the read that queued it.
-    stamps = [m.timestamp for m in sorted(c.get_metric_history(rid, "sync/replica_0/loss"), key=lambda m: m.step)]
+    stamps = [m.timestamp for m in sorted(c.get_metric_history(rid, "sync/loss/replica_0"), key=lambda m: m.step)]
     assert stamps == sorted(stamps) and len(set(stamps)) > 40
     # Logged every 70 steps (more than the ring holds between reads): steps 70 and 140, over 70 steps each.
     rid70 = long["70"]["run_id"]
-    assert [s for s, _ in _history(c, rid70, "sync/replica_1/grad_norm")] == [70, 140]
+    assert [s for s, _ in _history(c, rid70, "sync/grad_norm/replica_1")] == [70, 140]
     eps, ms = dict(_history(c, rid70, "sync/examples_per_sec")), dict(_history(c, rid70, "sync/step_time_ms"))
     assert [eps[s] * ms[s] / 1000 for s in (70, 140)] == pytest.approx([8.0, 8.0], rel=1e-6)
     assert dict(_history(c, rid70, "sync/learning_rate"))[140] == pytest.approx(long["70"]["lr"][139], rel=1e-6)
@@ -333,8 +333,8 @@ def test_custom_train_step_gets_every_sync_metric_without_warning(runs):
     for key in [k for k in PER_STEP if k != "mae"]:  # measured where the gradients reach the optimizer, and the tape's loss
         assert [s for s, _ in _history(c, r["run_id"], key)] == list(range(1, 21)), key
     # OwnStep uses compute_loss (divided by the replicas): its replicas' losses average to its mean loss.
-    losses = [(a + b) / 2 for (_, a), (_, b) in zip(_history(c, r["run_id"], "sync/replica_0/loss"),
-                                                      _history(c, r["run_id"], "sync/replica_1/loss"))]
+    losses = [(a + b) / 2 for (_, a), (_, b) in zip(_history(c, r["run_id"], "sync/loss/replica_0"),
+                                                      _history(c, r["run_id"], "sync/loss/replica_1"))]
     np.testing.assert_allclose(losses, [v * 2 for _, v in _history(c, r["run_id"], "loss")], rtol=1e-5)
     assert _history(c, r["run_id"], "sync/weight_divergence") == [(10, 0.0), (20, 0.0)]
     assert c.get_run(r["run_id"]).data.params["sync.strategy"] == "MirroredStrategy"
@@ -347,10 +347,10 @@ def test_multi_worker_run_is_one_run_with_every_replica(runs):
     c = _client(runs["mw_sqlite"])
     found = c.search_runs([c.get_experiment_by_name("mw").experiment_id])
     assert [x.info.run_id for x in found] == [r["run_id"]]
-    for key in ("sync/replica_0/loss", "sync/replica_1/loss", "sync/replica_0/grad_norm", "sync/replica_1/grad_norm"):
+    for key in ("sync/loss/replica_0", "sync/loss/replica_1", "sync/grad_norm/replica_0", "sync/grad_norm/replica_1"):
         assert [s for s, _ in _history(c, r["run_id"], key)] == list(range(1, 21)), key
-    r0 = dict(_history(c, r["run_id"], "sync/replica_0/loss"))
-    r1 = dict(_history(c, r["run_id"], "sync/replica_1/loss"))
+    r0 = dict(_history(c, r["run_id"], "sync/loss/replica_0"))
+    r1 = dict(_history(c, r["run_id"], "sync/loss/replica_1"))
     keras_loss = dict(_history(c, r["run_id"], "loss"))
     assert keras_loss[1] == pytest.approx((r0[1] + r1[1]) / 2, rel=1e-5)  # step 1: running mean = step mean
     assert _history(c, r["run_id"], "sync/weight_divergence") == [(10, 0.0), (20, 0.0)]
@@ -366,7 +366,7 @@ def test_server_run_and_no_secret_anywhere(runs, monkeypatch):
     assert r["run_id"] is not None, runs["logs"]["mirrored"][-4000:]
     c = _client(runs["server"])
     run = c.get_run(r["run_id"])
-    assert [s for s, _ in _history(c, r["run_id"], "sync/replica_1/loss")] == [5, 10], runs["logs"]["mirrored"][-4000:]
+    assert [s for s, _ in _history(c, r["run_id"], "sync/loss/replica_1")] == [5, 10], runs["logs"]["mirrored"][-4000:]
     texts = [json.dumps(run.data.params), json.dumps(run.data.tags)]
     local = c.download_artifacts(r["run_id"], "keras_sync/config.yaml")
     texts.append(Path(local).read_text())
@@ -381,9 +381,36 @@ def test_default_strategy_with_xla_is_bit_identical_and_logged(runs):
     assert (r["kind"], r["jit"], r["equal"]) == ("default", True, True)
     c = _client(runs["single_sqlite"])
     # 640 / 32 = 20 steps per epoch, 2 epochs, every step; one replica: spread 0, no divergence.
-    for key in ("sync/replica_0/loss", "sync/replica_0/grad_norm", "sync/learning_rate", "sync/step_time_ms"):
+    for key in ("sync/loss/replica_0", "sync/grad_norm/replica_0", "sync/learning_rate", "sync/step_time_ms"):
         assert [s for s, _ in _history(c, r["run_id"], key)] == list(range(1, 41)), key
     assert set(_history(c, r["run_id"], "sync/grad_norm_spread")) == {(s, 0.0) for s in range(1, 41)}
     assert set(_history(c, r["run_id"], "sync/loss_spread")) == {(s, 0.0) for s in range(1, 41)}
     assert dict(_history(c, r["run_id"], "sync/learning_rate"))[40] == pytest.approx(0.01)
     assert c.get_run(r["run_id"]).data.params["sync.devices"].endswith("CPU:0")
+
+
+def test_slow_worker_doctests():
+    from keras_sync.callbacks import _slow_worker
+
+    assert doctest.testmod(_slow_worker).failed == 0
+
+
+def _mlflow_section(key: str) -> str:
+    """The section of MLflow 3.17.2's run page a metric's chart goes to: everything before the last
+    "/" (`extractChartSectionName` in mlflow/server/js, read in its built main.*.js)."""
+    return "/".join(key.split("/")[:-1])
+
+
+def test_per_replica_and_per_worker_metrics_of_one_quantity_share_one_mlflow_section():
+    from keras_sync.callbacks import _slow_worker
+
+    names = list(_reduce.replica_metrics([1.0, 2.0, 3.0], [1.0, 2.0, 3.0]))
+    names += list(_slow_worker.worker_times([1000, 2000, 3000], [1000, 2000, 3000], 3))
+    sections: dict[str, set[str]] = {}
+    for name in names:
+        sections.setdefault(_mlflow_section(name), set()).add(name.rsplit("/", 1)[1])
+    assert sections == {"sync/loss": {"replica_0", "replica_1", "replica_2"},
+                        "sync/grad_norm": {"replica_0", "replica_1", "replica_2"},
+                        "sync": {"loss_spread", "grad_norm_spread"},
+                        "sync/between_steps_ms": {"worker_0", "worker_1", "worker_2"},
+                        "sync/compute_ms": {"worker_0", "worker_1", "worker_2"}}

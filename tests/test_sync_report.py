@@ -34,7 +34,7 @@ def test_series_stays_bounded_and_evenly_spread_over_a_long_run():
 def test_history_keeps_only_the_sync_metrics_and_skips_non_finite_values():
     h = SyncHistory(max_points=10)
     assert h.empty
-    h.add({"sync/replica_0/loss": 1.0, "sync/replica_1/loss": 2.0, "sync/replica_1/grad_norm": 3.0,
+    h.add({"sync/loss/replica_0": 1.0, "sync/loss/replica_1": 2.0, "sync/grad_norm/replica_1": 3.0,
            "sync/grad_norm_spread": float("nan"), "sync/step_time_ms": 5.0, "loss": 9.0, "sync/learning_rate": 0.1}, 4)
     h.add({"sync/weight_divergence": 0.0}, 8)
     assert (h.loss[0].values, h.loss[1].values, h.grad_norm[1].values) == ([1.0], [2.0], [3.0])
@@ -47,7 +47,7 @@ def test_history_goes_through_json_to_the_courier_unchanged():
 
     h = SyncHistory(max_points=4)
     for step in range(1, 12):
-        h.add({"sync/replica_0/loss": 1 / step, "sync/replica_3/grad_norm": float(step), "sync/step_time_ms": 2.0}, step)
+        h.add({"sync/loss/replica_0": 1 / step, "sync/grad_norm/replica_3": float(step), "sync/step_time_ms": 2.0}, step)
     h.add({"sync/weight_divergence": 0.5, "sync/grad_norm_spread": 0.1}, 12)
     back = SyncHistory.from_dict(json.loads(json.dumps(h.to_dict())))
     assert back == h and back.loss[0].stride == h.loss[0].stride > 1  # thinned state kept: it goes on thinning alike
@@ -57,8 +57,8 @@ def test_history_goes_through_json_to_the_courier_unchanged():
 def test_render_draws_a_png_without_touching_the_pyplot_backend(tmp_path):
     h = SyncHistory(max_points=50)
     for step in range(1, 400):
-        h.add({"sync/replica_0/loss": 1 / step, "sync/replica_1/loss": 1.1 / step, "sync/replica_0/grad_norm": 2.0,
-               "sync/replica_1/grad_norm": 2.5, "sync/grad_norm_spread": 0.22,
+        h.add({"sync/loss/replica_0": 1 / step, "sync/loss/replica_1": 1.1 / step, "sync/grad_norm/replica_0": 2.0,
+               "sync/grad_norm/replica_1": 2.5, "sync/grad_norm_spread": 0.22,
                "sync/step_time_ms": 5000.0 if step == 1 else 10.0 + step % 3}, step)
     h.add({"sync/weight_divergence": 0.0}, 399)
     had_pyplot = "matplotlib.pyplot" in sys.modules
@@ -119,7 +119,7 @@ def test_report_draws_every_replica_of_the_run(autolog_runs, tmp_path):
     c = MlflowClient(autolog_runs["sqlite"])
     run_id = autolog_runs["mirrored"]["logged"]["run_id"]
     h = SyncHistory()
-    keys = ["sync/replica_0/loss", "sync/replica_1/loss", "sync/replica_0/grad_norm", "sync/replica_1/grad_norm",
+    keys = ["sync/loss/replica_0", "sync/loss/replica_1", "sync/grad_norm/replica_0", "sync/grad_norm/replica_1",
             "sync/grad_norm_spread", "sync/step_time_ms", "sync/weight_divergence"]
     points = sorted((m.step, k, m.value) for k in keys for m in c.get_metric_history(run_id, k))
     for step, key, value in points:
@@ -129,3 +129,26 @@ def test_report_draws_every_replica_of_the_run(autolog_runs, tmp_path):
     render(h, tmp_path / "again.png")
     logged = _png(c, run_id, tmp_path / "dl")
     assert logged == (tmp_path / "again.png").read_bytes()
+
+
+def test_report_names_the_slowest_worker_and_says_what_the_divergence_number_is():
+    h = SyncHistory()
+    for step in range(1, 30):
+        h.add({"sync/loss/replica_0": 1.0, "sync/loss/replica_1": 1.0, "sync/loss/replica_2": 1.0,
+               "sync/between_steps_ms/worker_0": 1.0, "sync/compute_ms/worker_0": 2.0,
+               "sync/between_steps_ms/worker_1": 201.0, "sync/compute_ms/worker_1": 2.0,
+               "sync/between_steps_ms/worker_2": 1.5, "sync/compute_ms/worker_2": 2.5,
+               "sync/step_time_ms": 210.0}, step)
+    h.add({"sync/weight_divergence": 0.0}, 29)
+    fig = _sync_plot.draw(h)
+    titles = [ax.get_title() for ax in fig.axes]
+    # The number is the largest spread of a variable's mean or RMS (_fingerprints.summarize), not
+    # the largest element-wise difference it bounds from below.
+    assert ("weight divergence: largest spread of a variable's mean\nor RMS, a lower bound of max |w_i - w_j| "
+            "(0 = same bits)") in titles
+    summary = "\n".join(t.get_text() for ax in fig.axes for t in ax.texts)
+    assert "slowest worker: 1, 203 ms to the all-reduce\n  (201 between steps + compute 2;\n  other workers' median 3.5 ms)" \
+        in summary, summary
+    one = SyncHistory()  # one worker: nothing to name
+    one.add({"sync/loss/replica_0": 1.0, "sync/step_time_ms": 3.0}, 1)
+    assert "slowest worker" not in "\n".join(t.get_text() for ax in _sync_plot.draw(one).axes for t in ax.texts)

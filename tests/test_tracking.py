@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import gc
+import http.server
 import json
 import logging
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 import warnings
@@ -495,7 +497,7 @@ def test_uncaught_exception_ends_run_failed_at_exit(sqlite_uri, tmp_path):
 def test_long_run_keeps_little_spool_on_disk(mlflow_server, tmp_path):
     w = MlflowWriter(tracking_uri=mlflow_server, experiment=_exp(), spool_dir=tmp_path)
     w.start()
-    keys = [f"sync/replica_{i}/loss" for i in range(4)] + [f"sync/metric_{i}" for i in range(8)]
+    keys = [f"sync/loss/replica_{i}" for i in range(4)] + [f"sync/metric_{i}" for i in range(8)]
     biggest = 0
     for s in range(5000):
         w.log_metrics({k: 1.0 / (s + 1) for k in keys}, step=s)
@@ -1060,3 +1062,68 @@ def test_a_refused_append_leaves_whole_records_and_says_how_many(tmp_path):
         assert [r["s"] for _, r in read] == list(range(kept))
         assert read[-1][0] == refused.value.pos
         assert (spool.path / "00000001.jsonl").stat().st_size == refused.value.pos[1]
+
+
+class _Refusing(http.server.BaseHTTPRequestHandler):
+    """A tracking server behind an auth check: every request gets 401 and an HTML page."""
+
+    def _refuse(self) -> None:
+        body = b"<html><body><h1>401 Unauthorized</h1>You are not authenticated. Sign in first.</body></html>"
+        self.send_response(401)
+        self.send_header("WWW-Authenticate", 'Basic realm="mlflow"')
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = do_PATCH = do_DELETE = _refuse
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@slow
+def test_refused_credentials_are_said_once_in_one_line_and_training_goes_on(sqlite_uri, tmp_path):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    uri = f"http://127.0.0.1:{server.server_address[1]}"
+    exp = _exp()
+    try:
+        _, err = _fit({"strategy": {"kind": "default"}, "mlflow": {"tracking_uri": uri, "experiment": exp}},
+                      tmp_path, "refused")
+        spool = json.loads((tmp_path / "refused.out.json").read_text())["spool"]
+        again = _cli("sync-spool", spool, cwd=tmp_path)  # still refused: one line, the status only
+    finally:
+        server.shutdown()
+    assert again.returncode != 0 and again.stderr.strip().splitlines()[-1] == (
+        f"Could not deliver spool {spool}: MLflow at {uri} refused the credentials (HTTP 401). Set "
+        "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) and run `keras-sync "
+        "sync-spool` again; nothing delivered is sent twice."), again.stderr
+    # Before: the server's page in 4 messages (the first line, a warning, fit's end, exit).
+    said = [line for line in err.splitlines() if "401" in line]
+    assert len(said) == 1, err[-3000:]
+    assert said[0] == (f"keras-sync: MLflow at {uri} refused the credentials (HTTP 401 Unauthorized); training goes "
+                       f"on and the metrics are kept in {spool}. Set MLFLOW_TRACKING_USERNAME and "
+                       "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN), then deliver them with: "
+                       f"keras-sync sync-spool {spool}")
+    assert "Unauthorized</h1>" not in err and "not delivered yet" not in err
+    # Training went on (the scenario wrote its result after fit), and the spool kept every step.
+    out = _cli("sync-spool", spool, "--tracking-uri", sqlite_uri, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    from mlflow import MlflowClient
+
+    c = MlflowClient(sqlite_uri)
+    (run,) = c.search_runs([c.get_experiment_by_name(exp).experiment_id])
+    assert _history(sqlite_uri, run.info.run_id) == list(range(1, 41))
+
+
+def test_a_refused_credential_is_told_by_its_http_status():
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import INTERNAL_ERROR, PERMISSION_DENIED, UNAUTHENTICATED
+
+    from keras_sync._deliver import is_transient, refused_credentials
+
+    assert refused_credentials(MlflowException("<html>...</html>", error_code=UNAUTHENTICATED)) == 401
+    assert refused_credentials(MlflowException("<html>...</html>", error_code=PERMISSION_DENIED)) == 403
+    assert refused_credentials(MlflowException("busy", error_code=INTERNAL_ERROR)) is None
+    assert refused_credentials(OSError("connection refused")) is None
+    assert not is_transient(MlflowException("x", error_code=UNAUTHENTICATED))  # said, not retried quietly

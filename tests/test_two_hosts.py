@@ -196,5 +196,5 @@ def test_sigterm_to_one_hosts_worker_inside_a_collective_saves_and_resumes_exact
     client = MlflowClient(uri)
     runs = client.search_runs([client.get_experiment_by_name("two-hosts").experiment_id])
     assert len(runs) == 1
-    steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "sync/replica_1/loss")]
+    steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "sync/loss/replica_1")]
     assert sorted(steps) == list(range(1, EPOCHS * 10 + 1))

@@ -121,20 +121,20 @@ def replica_metrics(losses: Sequence[float], grad_norms: Sequence[float]) -> dic
     entries (a value that was not measured) are left out.
 
     >>> replica_metrics([0.5, 0.75], [1.0, 3.0])  # doctest: +NORMALIZE_WHITESPACE
-    {'sync/replica_0/loss': 0.5, 'sync/replica_1/loss': 0.75, 'sync/loss_spread': 0.25,
-     'sync/replica_0/grad_norm': 1.0, 'sync/replica_1/grad_norm': 3.0, 'sync/grad_norm_spread': 1.0}
+    {'sync/loss/replica_0': 0.5, 'sync/loss/replica_1': 0.75, 'sync/loss_spread': 0.25,
+     'sync/grad_norm/replica_0': 1.0, 'sync/grad_norm/replica_1': 3.0, 'sync/grad_norm_spread': 1.0}
     """
     out: dict[str, float] = {}
     for i, v in enumerate(losses):
         if not math.isnan(v):
-            out[f"sync/replica_{i}/loss"] = float(v)
+            out[f"sync/loss/replica_{i}"] = float(v)
     finite_losses = [float(v) for v in losses if not math.isnan(v)]
     if len(finite_losses) == len(losses) and finite_losses:
         out["sync/loss_spread"] = loss_spread(finite_losses)
     finite = [float(v) for v in grad_norms if not math.isnan(v)]
     for i, v in enumerate(grad_norms):
         if not math.isnan(v):
-            out[f"sync/replica_{i}/grad_norm"] = float(v)
+            out[f"sync/grad_norm/replica_{i}"] = float(v)
     if len(finite) == len(grad_norms) and finite:
         out["sync/grad_norm_spread"] = grad_norm_spread(finite)
     return out

@@ -72,6 +72,8 @@ def writer_for(sync: Any) -> Any:
 def announce(writer: Any, sync: Any) -> None:
     """Print one line on where this job's metrics go: URI, experiment, run id, how to open it."""
     run_id = writer.wait_for_run(ANNOUNCE_WAIT_S)
+    if run_id is None and writer.say_refused_once():
+        return  # where the metrics wait and how to deliver them, in its one line
     where = f"MLflow at {writer.shown_uri}, experiment {writer.experiment!r}"
     if run_id is None:
         failed = writer.failure()

@@ -9,14 +9,19 @@ from __future__ import annotations
 import math
 import os
 import re
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-_REPLICA_KEY = re.compile(r"^sync/replica_(\d+)/(loss|grad_norm)$")
+_REPLICA_KEY = re.compile(r"^sync/(loss|grad_norm)/replica_(\d+)$")
+_WORKER_KEY = re.compile(r"^sync/(between_steps_ms|compute_ms)/worker_(\d+)$")
 SPREAD = "sync/grad_norm_spread"
 STEP_TIME = "sync/step_time_ms"
 DIVERGENCE = "sync/weight_divergence"
+#: What `keras_sync.callbacks._fingerprints.summarize` measures: not the largest element-wise difference.
+DIVERGENCE_TITLE = ("weight divergence: largest spread of a variable's mean\n"
+                    "or RMS, a lower bound of max |w_i - w_j| (0 = same bits)")
 
 
 @dataclass
@@ -58,6 +63,9 @@ class SyncHistory:
     max_points: int = 2000
     loss: dict[int, Series] = field(default_factory=dict)
     grad_norm: dict[int, Series] = field(default_factory=dict)
+    #: Per worker (2 or more): its time between steps and its compute, ms.
+    between_steps: dict[int, Series] = field(default_factory=dict)
+    compute: dict[int, Series] = field(default_factory=dict)
     spread: Series = field(init=False)
     step_time_ms: Series = field(init=False)
     divergence: Series = field(init=False)
@@ -70,8 +78,11 @@ class SyncHistory:
         for key, value in metrics.items():
             m = _REPLICA_KEY.match(key)
             if m is not None:
-                target = self.loss if m.group(2) == "loss" else self.grad_norm
-                target.setdefault(int(m.group(1)), Series(self.max_points)).add(step, float(value))
+                target = self.loss if m.group(1) == "loss" else self.grad_norm
+                target.setdefault(int(m.group(2)), Series(self.max_points)).add(step, float(value))
+            elif (w := _WORKER_KEY.match(key)) is not None:
+                target = self.between_steps if w.group(1) == "between_steps_ms" else self.compute
+                target.setdefault(int(w.group(2)), Series(self.max_points)).add(step, float(value))
             elif key == SPREAD:
                 self.spread.add(step, float(value))
             elif key == STEP_TIME:
@@ -92,6 +103,8 @@ class SyncHistory:
         return {"max_points": self.max_points,
                 "loss": {str(r): series(x) for r, x in self.loss.items()},
                 "grad_norm": {str(r): series(x) for r, x in self.grad_norm.items()},
+                "between_steps": {str(w): series(x) for w, x in self.between_steps.items()},
+                "compute": {str(w): series(x) for w, x in self.compute.items()},
                 "spread": series(self.spread), "step_time_ms": series(self.step_time_ms),
                 "divergence": series(self.divergence)}
 
@@ -101,13 +114,44 @@ class SyncHistory:
         history = cls(max_points=int(data["max_points"]))
         history.loss = {int(r): Series(**x) for r, x in data["loss"].items()}
         history.grad_norm = {int(r): Series(**x) for r, x in data["grad_norm"].items()}
+        history.between_steps = {int(w): Series(**x) for w, x in data.get("between_steps", {}).items()}
+        history.compute = {int(w): Series(**x) for w, x in data.get("compute", {}).items()}
         history.spread, history.step_time_ms, history.divergence = (
             Series(**data[k]) for k in ("spread", "step_time_ms", "divergence"))
         return history
 
 
+    def slowest_worker(self) -> tuple[int, float, float, float] | None:
+        """(worker, its median time between steps, its median compute, the other workers' median of the sum),
+        all ms, for the worker with the largest median time to reach the all-reduce; None with < 2 workers.
+
+        >>> h = SyncHistory()
+        >>> for step in range(1, 4):
+        ...     h.add({"sync/between_steps_ms/worker_0": 1.0, "sync/compute_ms/worker_0": 2.0,
+        ...            "sync/between_steps_ms/worker_1": 200.0, "sync/compute_ms/worker_1": 2.5}, step)
+        >>> h.slowest_worker()
+        (1, 200.0, 2.5, 3.0)
+        """
+        workers = sorted(set(self.between_steps) & set(self.compute))
+        if len(workers) < 2:
+            return None
+        parts = {w: (statistics.median(self.between_steps[w].values or [math.nan]),
+                     statistics.median(self.compute[w].values or [math.nan])) for w in workers}
+        own = {w: a + b for w, (a, b) in parts.items() if math.isfinite(a + b)}
+        if len(own) < 2:
+            return None
+        worst = max(own, key=lambda w: own[w])
+        others = statistics.median([t for w, t in own.items() if w != worst])
+        return worst, parts[worst][0], parts[worst][1], others
+
+
 def render(history: SyncHistory, path: str | os.PathLike[str], *, title: str = "keras-sync: sync health") -> None:
     """Draw ``history`` as a 2x3 grid of charts into the PNG file ``path``."""
+    draw(history, title=title).savefig(path, format="png")
+
+
+def draw(history: SyncHistory, *, title: str = "keras-sync: sync health") -> Any:
+    """The report as a matplotlib `Figure` (not saved; no pyplot)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -136,11 +180,10 @@ def render(history: SyncHistory, path: str | os.PathLike[str], *, title: str = "
     ax.set_title("step time distribution")
     ax.set_xlabel("ms per step")
     ax.set_ylabel("logged steps")
-    _line(axes[1][1], history.divergence, "weight divergence (max |w_i - w_j|, 0 = in sync)", "max abs diff",
-          marker="o")
+    _line(axes[1][1], history.divergence, DIVERGENCE_TITLE, "spread (the weights' units)", marker="o")
     _summary(axes[1][2], history, replicas)
     fig.suptitle(title)
-    fig.savefig(path, format="png")
+    return fig
 
 
 def _per_replica(ax, series: Mapping[int, Series], replicas: list[int], title: str, *, log_y: bool) -> None:
@@ -186,6 +229,12 @@ def _summary(ax, history: SyncHistory, replicas: list[int]) -> None:
     if history.step_time_ms.values:
         t = sorted(history.step_time_ms.values)
         lines.append(f"step time: median {t[len(t) // 2]:.3g} ms, p95 {t[min(len(t) - 1, int(0.95 * len(t)))]:.3g} ms")
+    slow = history.slowest_worker()
+    if slow is not None:
+        w, between, compute, others = slow
+        lines.append(f"slowest worker: {w}, {between + compute:.3g} ms to the all-reduce")
+        lines.append(f"  ({between:.3g} between steps + compute {compute:.3g};")
+        lines.append(f"  other workers' median {others:.3g} ms)")
     if history.divergence.values:
         worst = max(history.divergence.values)
         lines.append(f"weight divergence: max {worst:.3g} " + ("(in sync)" if worst == 0 else "(replicas DIFFER)"))

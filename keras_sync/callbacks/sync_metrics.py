@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
 import keras
 
-from keras_sync.callbacks import _reduce
+from keras_sync.callbacks import _reduce, _slow_worker
 from keras_sync.callbacks._context import check_shared
 from keras_sync.errors import UsageError
+
+_TIMED = "_keras_sync_timed"  # on our wrapper of the train function: the function it wraps
 
 #: Longest a logged step waits in the probe's ring before it is read and queued (single worker).
 MAX_HOLD_MS = 500
@@ -21,10 +24,10 @@ class SyncMetrics(keras.callbacks.Callback):
     The MLflow ``step`` is the global optimizer step (1-based, continued across `fit` calls and
     restarts). Every logged step gets:
 
-    - ``sync/replica_{i}/loss``: replica ``i``'s own mean loss on its shard, before the
+    - ``sync/loss/replica_{i}``: replica ``i``'s own mean loss on its shard, before the
       cross-replica mean (comparable to a single-device loss; Keras divides it by the replica
       count internally, we undo that);
-    - ``sync/replica_{i}/grad_norm``: the global norm of replica ``i``'s local gradient before
+    - ``sync/grad_norm/replica_{i}``: the global norm of replica ``i``'s local gradient before
       the all-reduce, scaled like the loss (the gradient of the replica's own mean loss; the
       optimizer applies the mean of these gradients);
     - ``sync/loss_spread``: ``max - min`` of the replicas' losses (loss units);
@@ -35,6 +38,14 @@ class SyncMetrics(keras.callbacks.Callback):
     - ``sync/examples_per_sec`` (all replicas) and ``sync/examples_per_sec_per_replica``;
     - ``sync/learning_rate``: the learning rate the optimizer applied in that step;
     - ``sync/loss_scale``: the dynamic loss scale, with a `LossScaleOptimizer` (mixed_float16);
+    - with 2 or more workers, ``sync/between_steps_ms/worker_{i}`` and ``sync/compute_ms/worker_{i}``:
+      worker ``i``'s own time between two steps (host side, from the train function's return to
+      its next call) and from the step's first collective to its gradients reaching the
+      all-reduce (the slowest of its replicas; timed inside the step, not under XLA or on a
+      TPU). The others wait for the worker
+      whose sum is the largest. When one worker's sum is above 1.5x the workers' median (and 5 ms
+      more) at every logged step for a minute, one line on the chief names it
+      (`keras_sync.callbacks._slow_worker`);
     - the Keras logs under their Keras names (``loss``, metrics; running means of the epoch),
       and at each epoch's last step the ``val_*`` logs (not while ``mlflow.keras.autolog()`` is
       on: it logs them itself, per epoch).
@@ -103,6 +114,8 @@ class SyncMetrics(keras.callbacks.Callback):
         # (global step, probe count, Keras logs, busy seconds, steps in the interval, timestamp ms).
         self._pending: list[tuple[int, int, dict, float, int, int]] = []
         self._keras_logs = True
+        self._slow = _slow_worker.SlowWorkerWatch()
+        self._returned: float | None = None  # when the train function last returned (time.time())
 
     def set_model(self, model: Any) -> None:
         # Runs before `fit` builds its train function: the moment to instrument train_step.
@@ -121,6 +134,26 @@ class SyncMetrics(keras.callbacks.Callback):
         self.global_step = self.shared.step = None
         self._busy_s, self._steps_since_log, self._pending = 0.0, 0, []
         self._held, self._carry_s, self._carry_n = None, 0.0, 0
+        self._returned = None
+        fn = getattr(self.model, "train_function", None)
+        if self._probe.num_workers > 1 and fn is not None and not hasattr(fn, _TIMED):
+            self.model.train_function = self._timed(fn)
+
+    def _timed(self, fn: Any) -> Any:
+        """``fn`` (the train function) noting this worker's time since its last return, for the step it runs."""
+        probe = self._probe
+
+        def train_function(*args: Any, **kwargs: Any) -> Any:
+            now = time.time()
+            if self._returned is not None:
+                probe.note_host(self._count + 1, (now - self._returned) * 1e6)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._returned = time.time()
+
+        setattr(train_function, _TIMED, fn)
+        return train_function
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         if self.global_step is None:
@@ -215,12 +248,21 @@ class SyncMetrics(keras.callbacks.Callback):
         scale = float(rows[0][p.LOSS_SCALE])
         if scale == scale:  # a LossScaleOptimizer's dynamic loss scale (mixed_float16)
             metrics["sync/loss_scale"] = scale
+        if p.num_workers > 1:
+            times = _slow_worker.worker_times([float(r[p.HOST_US]) for r in rows],
+                                              [float(r[p.COMPUTE_US]) for r in rows], p.num_workers)
+            metrics.update(times)
+            between = [times.get(_slow_worker.BETWEEN_KEY.format(i=w), float("nan")) for w in range(p.num_workers)]
+            line = self._slow.update(_slow_worker.own_times(times, p.num_workers), between, ts / 1000.0)
+            if line:
+                print(line, file=sys.stderr, flush=True)
         if self._keras_logs:
             metrics.update(logs)  # the step's numeric Keras logs (filtered when the step was recorded)
         self.writer.log_metrics(metrics, step=step, timestamp_ms=ts)
         self.shared.record(metrics, step)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self._returned = None  # validation and epoch-end work come next: not a worker's step time
         self.emit()
         self._write_held()
         if self.writer is None or self.global_step is None or not self._keras_logs:
@@ -231,6 +273,9 @@ class SyncMetrics(keras.callbacks.Callback):
             self.shared.record(val, self.global_step)
 
     def on_train_end(self, logs: dict | None = None) -> None:
+        original = getattr(getattr(self.model, "train_function", None), _TIMED, None)
+        if original is not None:
+            self.model.train_function = original
         self.emit()
         self._write_held()
         if self.writer is None:

@@ -25,7 +25,8 @@ class SyncReport(keras.callbacks.Callback):
 
     Six charts: each replica's loss and gradient norm over the optimizer steps (one line per
     replica, on the same axes: do the replicas agree?), the grad-norm spread, the distribution
-    of step times, the weight divergence after each epoch, and a summary. The MLflow UI draws
+    of step times, the weight divergence after each epoch, and a summary (with 2 or more workers it
+    names the slowest: `keras_sync.callbacks._slow_worker`). The MLflow UI draws
     one chart per metric key; this puts the replicas side by side without hand-made charts.
 
     It draws what the other keras-sync callbacks log. Give them all the same
