@@ -97,6 +97,9 @@ class SpoolDir:
         self._locks: dict[str, Any] = {}
         self._fh: Any = None
         self._segment = 0
+        self._header: dict[str, Any] | None = None
+        #: Set by `append` when it found the spool deleted under it and made it again (see `_remade`).
+        self.remade: str | None = None
 
     # -- locks: one writer and one deliverer at a time --
     def lock(self, role: str) -> bool:
@@ -141,6 +144,7 @@ class SpoolDir:
 
     # -- the header, the run id and the deliverer's status --
     def write_header(self, header: dict[str, Any]) -> None:
+        self._header = header
         if not (self.path / "header.json").exists():
             _atomic_write(self.path / "header.json", json.dumps(header))
 
@@ -189,8 +193,9 @@ class SpoolDir:
         self.close_segment()
         existing = self.segments()
         n = max(existing[-1] if existing else 0, self._segment) + 1
-        # Unbuffered: a write the disk refuses fails here, not later in a flush at exit.
-        self._fh = open(self._segment_path(n), "ab", buffering=0)  # noqa: SIM115 - held while writing
+        # Unbuffered: a write the disk refuses fails here, not later in a flush at exit. Readable too:
+        # a segment deleted under its writer is copied back from its open file (`_remake`).
+        self._fh = open(self._segment_path(n), "a+b", buffering=0)  # noqa: SIM115 - held while writing
         self._segment = n
         return self._segment, 0
 
@@ -203,6 +208,8 @@ class SpoolDir:
         """
         lines = [json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in records]
         i = done = 0
+        if self._fh is not None and os.fstat(self._fh.fileno()).st_nlink == 0:
+            self._remake()
         pos = self.written()
         while True:
             try:
@@ -227,6 +234,26 @@ class SpoolDir:
             done, pos = i, (self._segment, self._fh.tell())
             if i >= len(lines):
                 return pos
+
+    def _remake(self) -> None:
+        """The open segment was deleted (the spool directory removed by someone while the run logs):
+        make the directory again (header, writer lock) and copy the segment's records back from the
+        open file into a new segment, so the deliverer finds them. Earlier segments not yet delivered
+        are gone with the directory."""
+        size = self._fh.tell()
+        data = os.pread(self._fh.fileno(), size, 0)
+        self.close_segment()
+        self.path.mkdir(parents=True, exist_ok=True)
+        if self._header is not None:
+            _atomic_write(self.path / "header.json", json.dumps(self._header))
+        if "writer" in self._locks:
+            self.unlock("writer")
+            self.lock("writer")
+        self.start_segment()
+        view = memoryview(data)
+        while view:
+            view = view[self._fh.write(view):]
+        self.remade = f"{len(data.splitlines())} record(s) of its open segment were written again"
 
     def written(self) -> Position:
         return (self._segment, self._fh.tell()) if self._fh is not None else (self._segment, 0)

@@ -722,6 +722,13 @@ class MlflowWriter:
         if self._spool_error is None:
             try:
                 self._spooled_pos = self._spool.append(recs)
+                if self._spool.remade is not None:
+                    _log.warning("keras-sync: the MLflow spool %s was deleted while this run logged into it; keras-sync "
+                                 "made it again and %s (the courier sends them again; MLflow keeps one point per step). "
+                                 "Records of earlier segments not yet delivered went with it. Fix: leave "
+                                 "mlflow.spool_dir alone while a job runs, or set it to a folder nothing cleans.",
+                                 self.spool_path, self._spool.remade)
+                    self._spool.remade = None
                 return
             except SpoolFull as e:
                 self._spooled_pos = e.pos
