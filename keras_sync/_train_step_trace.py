@@ -35,6 +35,8 @@ import sys
 import threading
 from typing import Any, Iterator
 
+from keras_sync import _loss_scale
+
 log = logging.getLogger("keras_sync")
 
 POLICIES = ("auto", "average", "sum")
@@ -337,6 +339,12 @@ def _applying(optimizer: Any, apply: Any) -> Any:
         if record is None or getattr(_tls, "in_apply", False):
             return apply(grads, trainable_variables)
         grads = list(grads)
+        apply_fn = apply
+        if _loss_scale.applies_here(optimizer, record["n"]):  # one device's skip decision (see _loss_scale)
+            half = [g is not None and _loss_scale.from_float16(g) for g in grads]
+
+            def apply_fn(grads: Any, trainable_variables: Any = None) -> Any:
+                return _loss_scale.apply(optimizer, apply, list(grads), trainable_variables, half)
         record["grads"].extend(g for g in grads if g is not None)
         scale = getattr(optimizer, "dynamic_scale", None)  # a LossScaleOptimizer's grads are scaled
         if scale is not None:
@@ -359,8 +367,8 @@ def _applying(optimizer: Any, apply: Any) -> Any:
         _tls.in_apply = True
         try:
             if accumulator is not None and optimizer is accumulator.optimizer:
-                return accumulator.apply(apply, grads, trainable_variables)
-            return apply(grads, trainable_variables)
+                return accumulator.apply(apply_fn, grads, trainable_variables)
+            return apply_fn(grads, trainable_variables)
         finally:
             _tls.in_apply = False
 
