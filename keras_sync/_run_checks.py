@@ -10,6 +10,7 @@ written for; these checks look at what happened, so an input nobody tried is lou
 - ``resume``: after a restored backup, the first step trains from the optimizer step restored;
 - ``learning_rate``: the optimizer's learning rate is the one keras-sync scaled (when the config's
   ``learning_rate`` section was written);
+- ``add_loss``: no `add_loss` term sums over the batch on several replicas (`_add_loss_check`);
 - ``direct_fit``: ``model.fit`` called on a model built in ``sync.scope()`` without keras-sync's
   callbacks (Keras's default batch, no scaling, no metrics).
 
@@ -172,8 +173,11 @@ def _summed_over_workers(sync: Any, n: int) -> int:
     return int(total().numpy())
 
 
-def checks_callback(sync: Any, *, global_batch: int, expected: int | None) -> Any:
-    """The Keras callback of these checks for one `fit` (put it last: it reads what the others restored)."""
+def checks_callback(sync: Any, *, global_batch: int, expected: int | None, sample: Any = None) -> Any:
+    """The Keras callback of these checks for one `fit` (put it last: it reads what the others restored).
+
+    ``sample``: a few inputs of the first batch (`_add_loss_check.sample`), for the ``add_loss`` check.
+    """
     import keras
 
     from keras_sync import _instrument
@@ -187,6 +191,11 @@ def checks_callback(sync: Any, *, global_batch: int, expected: int | None) -> An
             self._resumed = restored_points.pop(self.model, None)
             self._skip_epoch = self._resumed is not None and self._resumed.mid_epoch
             self._check_learning_rate()
+            from keras_sync import _add_loss_check
+
+            problem = _add_loss_check.problem(self.model, sample, sync.num_replicas, global_batch)
+            if problem:
+                reporter.violation("add_loss", problem)
             self._probe = _instrument._probes.get(self.model)
             self._last = self._totals() if self._probe is not None else None
 
