@@ -80,7 +80,7 @@ def apply(optimizer: Any, apply_fn: Callable[..., Any], grads: list[Any], traina
         if half[i]:
             skip = tf.logical_or(skip, tf.reduce_any(tf.abs(s) >= tf.cast(FLOAT16_OVERFLOW, s.dtype)))
     inner = optimizer.inner_optimizer
-    passing = callable(getattr(inner, _REDUCE, None))
+    passing = _can_pass()
     first = tf.equal(ctx.replica_id_in_sync_group, 0)
     out = list(grads)
     for i, s in zip(present, summed):
@@ -95,12 +95,26 @@ def apply(optimizer: Any, apply_fn: Callable[..., Any], grads: list[Any], traina
         _leave(inner)
 
 
+def _can_pass() -> bool:
+    """Whether Keras's inner all-reduce is the one keras-sync can pass a sum through (probed, `_internals`)."""
+    from keras_sync import _internals
+
+    global _passes
+    if _passes is None:
+        _passes = _internals.available("keras.src.backend.tensorflow.optimizer:TFOptimizer._all_reduce_sum_gradients")
+    return _passes
+
+
+_passes: bool | None = None
+
+
 def _enter(inner: Any) -> None:
     """Make ``inner``'s all-reduce pass the (already summed) gradients through while replicas trace."""
     with _lock:
         entry = _passing.get(id(inner))
         if entry is None:
             _passing[id(inner)] = [1, vars(inner).get(_REDUCE)]
+            # A function, not state for Keras's tracker (as the other shims on Keras objects).
             object.__setattr__(inner, _REDUCE, lambda grads_and_vars: list(grads_and_vars))
         else:
             entry[0] += 1
