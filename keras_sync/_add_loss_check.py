@@ -97,17 +97,42 @@ def term_values(model: Any, x: Any) -> list[float]:
     return [float(ops.convert_to_numpy(ops.sum(ops.cast(term, "float32")))) for term in losses]
 
 
-def problem(model: Any, x: Any, n: int, global_batch: int) -> str | None:
-    """The check's finding for ``model`` on ``x`` (a `sample` of 2N rows) over ``n`` replicas; None: nothing to say."""
+def _zeros(dataset: Any, rows: int) -> Any:
+    """Zeros shaped as ``rows`` inputs of a batched dataset's elements (None: a shape not known but the batch)."""
     import tensorflow as tf
 
-    if n <= 1 or x is None or not getattr(model, "built", False):
+    spec = dataset.element_spec
+    if isinstance(spec, tuple):
+        spec = spec[0]
+    leaves = tf.nest.flatten(spec)
+    if not leaves or any(not isinstance(s, tf.TensorSpec) or s.shape.rank is None or s.shape.rank == 0
+                         or None in s.shape[1:] for s in leaves):
         return None
+    return tf.nest.map_structure(lambda s: tf.zeros([rows, *s.shape[1:]], s.dtype), spec)
+
+
+def problem(model: Any, data: Any, n: int, global_batch: int) -> str | None:
+    """The check's finding for ``model`` on ``fit``'s ``data`` over ``n`` replicas; None: nothing to say.
+
+    A dataset is read (its first batch) only when the model has `add_loss` terms, which a call on
+    zeros tells; arrays are sliced.
+    """
+    import tensorflow as tf
+
+    if n <= 1 or data is None or not getattr(model, "built", False):
+        return None
+    per = PER_SHARE
     try:
+        if isinstance(data, tf.data.Dataset):
+            zeros = _zeros(data, per * n)
+            if zeros is not None and not term_values(model, zeros):
+                return None  # no add_loss term: the data is not read
+        x = sample(data, per * n)
+        if x is None:
+            return None
         whole = term_values(model, x)
         if not whole:
             return None
-        per = PER_SHARE
         shares = [term_values(model, tf.nest.map_structure(lambda a, r=r: a[r * per:(r + 1) * per], x))
                   for r in range(n)]
     except Exception as exc:  # a check, not the training: a model it cannot call this way is not judged

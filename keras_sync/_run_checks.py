@@ -173,10 +173,10 @@ def _summed_over_workers(sync: Any, n: int) -> int:
     return int(total().numpy())
 
 
-def checks_callback(sync: Any, *, global_batch: int, expected: int | None, sample: Any = None) -> Any:
+def checks_callback(sync: Any, *, global_batch: int, expected: int | None, data: Any = None) -> Any:
     """The Keras callback of these checks for one `fit` (put it last: it reads what the others restored).
 
-    ``sample``: a few inputs of the first batch (`_add_loss_check.sample`), for the ``add_loss`` check.
+    ``data``: `fit`'s ``x``, for the ``add_loss`` check (`_add_loss_check`; None: not checked).
     """
     import keras
 
@@ -191,11 +191,9 @@ def checks_callback(sync: Any, *, global_batch: int, expected: int | None, sampl
             self._resumed = restored_points.pop(self.model, None)
             self._skip_epoch = self._resumed is not None and self._resumed.mid_epoch
             self._check_learning_rate()
-            from keras_sync import _add_loss_check
-
-            problem = _add_loss_check.problem(self.model, sample, sync.num_replicas, global_batch)
-            if problem:
-                reporter.violation("add_loss", problem)
+            self._add_loss_due = data is not None and sync.num_replicas > 1
+            if getattr(self.model, "built", False):  # else once the first step has built it
+                self._check_add_loss()
             self._probe = _instrument._probes.get(self.model)
             self._last = self._totals() if self._probe is not None else None
 
@@ -215,6 +213,19 @@ def checks_callback(sync: Any, *, global_batch: int, expected: int | None, sampl
                                             rule=sync.config.learning_rate.scaling)
             if problem:
                 reporter.violation("learning_rate", problem)
+
+        def _check_add_loss(self) -> None:
+            if not self._add_loss_due:
+                return
+            self._add_loss_due = False
+            from keras_sync import _add_loss_check
+
+            problem = _add_loss_check.problem(self.model, data, sync.num_replicas, global_batch)
+            if problem:
+                reporter.violation("add_loss", problem)
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            self._check_add_loss()
 
         def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
             if not self._first_batch:

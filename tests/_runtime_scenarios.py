@@ -64,7 +64,11 @@ def load(cfg):
     from keras_sync.config import load_config
     from keras_sync.session import Sync
 
-    return Sync(load_config(cfg), SYNC.strategy, types.SimpleNamespace(kind=SYNC.kind, reason=SYNC.kind_reason))
+    from keras_sync import runtime
+
+    config = load_config(cfg)
+    runtime.set_dtype_policy(config, is_chief=SYNC.is_chief)  # what keras_sync.load does (runtime.mixed_precision)
+    return Sync(config, SYNC.strategy, types.SimpleNamespace(kind=SYNC.kind, reason=SYNC.kind_reason))
 
 import keras  # noqa: E402  (after load: devices and cluster are set up by then)
 import tensorflow as tf  # noqa: E402
@@ -413,7 +417,7 @@ def mixed_custom():
         opt = model.optimizer
         out[name] = {"weights": flat(model), "updates": int(opt.iterations.numpy()),
                      "scale": float(opt.dynamic_scale.numpy())}
-    if N > 1:  # without the private pass-through (a Keras that moved it): the sum on the first replica, zeros elsewhere
+    if N > 1 or WORKERS:  # without the private pass-through (a Keras that moved it): the sum on the first replica, zeros elsewhere
         from keras_sync import _loss_scale
 
         _loss_scale._passes = False
@@ -473,7 +477,7 @@ record("accumulation", accumulation)
 if MODE != "workers_x2":
     record("sync_bn", sync_bn)
     record("jit", jit)
-if not WORKERS:
+if MODE != "workers_x2":
     record("mixed_custom", mixed_custom)
     keras.mixed_precision.set_dtype_policy("float32")
 if N > 1 and not WORKERS:
