@@ -76,18 +76,20 @@ def gradient_factor(policy: str, custom_step: bool, scaled_by: str | None, num_r
     return 1.0
 
 
-def averaging_message(model: Any, num_replicas: int, optimizers: list[str] | None = None) -> str:
+def averaging_message(model: Any, num_replicas: int, optimizers: list[str] | None = None, *,
+                      at_scale_loss: bool = False) -> str:
     """The line printed on the chief when keras-sync averages a custom train_step's gradients.
 
     ``optimizers``: the attributes of the optimizers whose gradients are averaged, when the step
-    applies several (a GAN's).
+    applies several (a GAN's). ``at_scale_loss``: the loss is divided in `LossScaleOptimizer.scale_loss`.
     """
     name = type(model).__name__
     which = f" for {', '.join(optimizers)}" if optimizers else ""
+    where = (f"the loss by {num_replicas} in optimizer.scale_loss (before the float16 backward pass)" if at_scale_loss
+             else f"them by {num_replicas} at the optimizer")
     return (f"keras-sync: {name}.train_step does not divide its loss{which} by the replica count (that loss comes "
             f"from no Keras loss object, compute_loss, tf.nn.compute_average_loss or num_replicas_in_sync), and Keras "
-            f"sums the gradients of the {num_replicas} replicas: keras-sync divides them by {num_replicas} at the "
-            "optimizer so that a "
+            f"sums the gradients of the {num_replicas} replicas: keras-sync divides {where} so that a "
             "step equals one device's. If your loss is already divided by the replica count or the global batch, "
             "set runtime.train_step_gradients: sum.")
 

@@ -240,6 +240,9 @@ def test_what_divided_the_loss_is_detected_and_only_an_undivided_loss_is_average
         assert len(lines) == models + 1, (layout, lines)  # + the GAN's g_optimizer
         assert "GuideStep.train_step" in lines[0] and "runtime.train_step_gradients: sum" in lines[0]
         assert [ln for ln in lines if "TwoOptimizers" in ln][0].count("does not divide its loss for g_optimizer by") == 1
+        # mixed_float16: the loss is divided where keras-sync divides it, in scale_loss (the line says so).
+        assert "keras-sync divides the loss by 2 in optimizer.scale_loss (before the float16 backward pass)" in \
+            [ln for ln in lines if "ScaleLossStep" in ln][0]
         # issue 23: a loss divided by Keras is one replica's share in the user's own tracker: said once per model.
         shares = [ln for ln in runs["logs"][layout].splitlines() if "is one replica's share" in ln]
         assert len(shares) == 3 and "1/2 of the one-device value" in shares[0], (layout, shares)
