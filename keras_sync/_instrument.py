@@ -227,7 +227,9 @@ class ReplicaProbe:
         averaged = [a["optimizer"] for a in applies if a["factor"] != 1.0 or a["scaled_by"] == trace.AT_SCALE_LOSS]
         if averaged and self.gradients == "auto":
             names = averaged if len({a["optimizer"] for a in applies}) > 1 else None
-            print(trace.averaging_message(self.model, self.num_replicas, names), file=sys.stderr, flush=True)
+            at_scale_loss = all(a["scaled_by"] == trace.AT_SCALE_LOSS for a in applies if a["optimizer"] in averaged)
+            print(trace.averaging_message(self.model, self.num_replicas, names, at_scale_loss=at_scale_loss),
+                  file=sys.stderr, flush=True)
         shares = sorted({a["scaled_by"] for a in applies
                          if a["scaled_by"] in ("a Keras loss", "tf.nn.compute_average_loss")})
         if self.custom_step and shares and self.num_replicas > 1:

@@ -52,6 +52,8 @@ FEATURES: dict[str, tuple[str, str]] = {
                            "or use keras-sync's backup (fault_tolerance.backup_dir) instead"),
     "spool_delivery": ("reading the steps a run already has before delivering a spool",
                        "the public metric histories are read instead"),
+    "loss_scale_reduce": ("one all-reduce of the gradients per step with mixed_float16 on several replicas (the "
+                          "loss-scale decision of one device)", "the gradients are all-reduced twice instead"),
     "file_count": ("counting the files a pipeline reads before training (fewer files than workers are split "
                    "by example, not by file)", "or set batch.shard_policy: data"),
 }
@@ -236,6 +238,7 @@ _CONTEXT = "tensorflow.python.eager.context"
 _CARS = "tensorflow.python.distribute.collective_all_reduce_strategy"
 _MW_UTIL = "tensorflow.python.distribute.multi_worker_util"
 _SYSTEM = "mlflow.system_metrics.metrics"
+_TF_OPTIMIZER = "keras.src.backend.tensorflow.optimizer"
 _KERAS_20585 = "keras-team/keras#20585 (Keras 3 fit under MultiWorkerMirroredStrategy)"
 
 MAKE_FUNCTION = f"{_TRAINER}:TensorFlowTrainer._make_function"
@@ -385,6 +388,13 @@ REGISTRY: tuple[Internal, ...] = (
                  (f"{_CONTEXT}:Context.__init__", f"{_CONTEXT}:Context.enable_collective_ops"),
                  "_server_def", "_collective_ops_server_def"),
              fallback=True, attrs=("_server_def", "_collective_ops_server_def")),
+    # _loss_scale.py: the gradients keras-sync summed for LossScaleOptimizer's decision, not summed again.
+    Internal(f"{_TF_OPTIMIZER}:TFOptimizer._all_reduce_sum_gradients", "loss_scale_reduce",
+             "Keras all-reduces inside the inner optimizer, after LossScaleOptimizer judged the local gradients; "
+             "keras-sync sums them first, and passes that sum through this all-reduce while its apply traces",
+             lambda: has_attrs(f"{_TF_OPTIMIZER}:TFOptimizer", "_all_reduce_sum_gradients")() or looks_up(
+                 f"{_TF_OPTIMIZER}:TFOptimizer._backend_update_step", "_all_reduce_sum_gradients")(),
+             fallback=True, attrs=("_all_reduce_sum_gradients",)),
     # callbacks/system_metrics.py: MLflow's monitors, sampled at training steps.
     Internal(f"{_SYSTEM}: CPUMonitor, DiskMonitor, NetworkMonitor", "system_metrics",
              "MLflow samples system metrics on its own clock only; keras-sync logs them at training steps",

@@ -10,6 +10,7 @@ written for; these checks look at what happened, so an input nobody tried is lou
 - ``resume``: after a restored backup, the first step trains from the optimizer step restored;
 - ``learning_rate``: the optimizer's learning rate is the one keras-sync scaled (when the config's
   ``learning_rate`` section was written);
+- ``add_loss``: no `add_loss` term sums over the batch on several replicas (`_add_loss_check`);
 - ``direct_fit``: ``model.fit`` called on a model built in ``sync.scope()`` without keras-sync's
   callbacks (Keras's default batch, no scaling, no metrics).
 
@@ -172,8 +173,11 @@ def _summed_over_workers(sync: Any, n: int) -> int:
     return int(total().numpy())
 
 
-def checks_callback(sync: Any, *, global_batch: int, expected: int | None) -> Any:
-    """The Keras callback of these checks for one `fit` (put it last: it reads what the others restored)."""
+def checks_callback(sync: Any, *, global_batch: int, expected: int | None, data: Any = None) -> Any:
+    """The Keras callback of these checks for one `fit` (put it last: it reads what the others restored).
+
+    ``data``: `fit`'s ``x``, for the ``add_loss`` check (`_add_loss_check`; None: not checked).
+    """
     import keras
 
     from keras_sync import _instrument
@@ -187,6 +191,9 @@ def checks_callback(sync: Any, *, global_batch: int, expected: int | None) -> An
             self._resumed = restored_points.pop(self.model, None)
             self._skip_epoch = self._resumed is not None and self._resumed.mid_epoch
             self._check_learning_rate()
+            self._add_loss_due = data is not None and sync.num_replicas > 1
+            if getattr(self.model, "built", False):  # else once the first step has built it
+                self._check_add_loss()
             self._probe = _instrument._probes.get(self.model)
             self._last = self._totals() if self._probe is not None else None
 
@@ -206,6 +213,19 @@ def checks_callback(sync: Any, *, global_batch: int, expected: int | None) -> An
                                             rule=sync.config.learning_rate.scaling)
             if problem:
                 reporter.violation("learning_rate", problem)
+
+        def _check_add_loss(self) -> None:
+            if not self._add_loss_due:
+                return
+            self._add_loss_due = False
+            from keras_sync import _add_loss_check
+
+            problem = _add_loss_check.problem(self.model, data, sync.num_replicas, global_batch)
+            if problem:
+                reporter.violation("add_loss", problem)
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            self._check_add_loss()
 
         def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
             if not self._first_batch:

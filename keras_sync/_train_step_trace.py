@@ -35,6 +35,8 @@ import sys
 import threading
 from typing import Any, Iterator
 
+from keras_sync import _loss_scale
+
 log = logging.getLogger("keras_sync")
 
 POLICIES = ("auto", "average", "sum")
@@ -74,18 +76,20 @@ def gradient_factor(policy: str, custom_step: bool, scaled_by: str | None, num_r
     return 1.0
 
 
-def averaging_message(model: Any, num_replicas: int, optimizers: list[str] | None = None) -> str:
+def averaging_message(model: Any, num_replicas: int, optimizers: list[str] | None = None, *,
+                      at_scale_loss: bool = False) -> str:
     """The line printed on the chief when keras-sync averages a custom train_step's gradients.
 
     ``optimizers``: the attributes of the optimizers whose gradients are averaged, when the step
-    applies several (a GAN's).
+    applies several (a GAN's). ``at_scale_loss``: the loss is divided in `LossScaleOptimizer.scale_loss`.
     """
     name = type(model).__name__
     which = f" for {', '.join(optimizers)}" if optimizers else ""
+    where = (f"the loss by {num_replicas} in optimizer.scale_loss (before the float16 backward pass)" if at_scale_loss
+             else f"them by {num_replicas} at the optimizer")
     return (f"keras-sync: {name}.train_step does not divide its loss{which} by the replica count (that loss comes "
             f"from no Keras loss object, compute_loss, tf.nn.compute_average_loss or num_replicas_in_sync), and Keras "
-            f"sums the gradients of the {num_replicas} replicas: keras-sync divides them by {num_replicas} at the "
-            "optimizer so that a "
+            f"sums the gradients of the {num_replicas} replicas: keras-sync divides {where} so that a "
             "step equals one device's. If your loss is already divided by the replica count or the global batch, "
             "set runtime.train_step_gradients: sum.")
 
@@ -338,6 +342,12 @@ def _applying(optimizer: Any, apply: Any) -> Any:
         if record is None or getattr(_tls, "in_apply", False):
             return apply(grads, trainable_variables)
         grads = list(grads)
+        apply_fn = apply
+        if _loss_scale.applies_here(optimizer, record["n"]):  # one device's skip decision (see _loss_scale)
+            half = [g is not None and _loss_scale.from_float16(g) for g in grads]
+
+            def apply_fn(grads: Any, trainable_variables: Any = None) -> Any:
+                return _loss_scale.apply(optimizer, apply, list(grads), trainable_variables, half)
         record["grads"].extend(g for g in grads if g is not None)
         if record["stamp"] is not None and record["reached"] is None:
             import tensorflow as tf
@@ -366,8 +376,8 @@ def _applying(optimizer: Any, apply: Any) -> Any:
         _tls.in_apply = True
         try:
             if accumulator is not None and optimizer is accumulator.optimizer:
-                return accumulator.apply(apply, grads, trainable_variables)
-            return apply(grads, trainable_variables)
+                return accumulator.apply(apply_fn, grads, trainable_variables)
+            return apply_fn(grads, trainable_variables)
         finally:
             _tls.in_apply = False
 

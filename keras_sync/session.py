@@ -233,7 +233,8 @@ class Sync:
         kwargs["callbacks"] = [runtime.setup_callback(self)] + ks_callbacks.default_callbacks(
             self, model, kwargs.get("callbacks"), per_replica_batch_size=per_replica)
         # Last: it reads what every other callback restored, and checks what really trained.
-        kwargs["callbacks"].append(_run_checks.checks_callback(self, global_batch=global_batch, expected=expected))
+        kwargs["callbacks"].append(_run_checks.checks_callback(self, global_batch=global_batch, expected=expected,
+                                                               data=data))
         from keras_sync import saving
         from keras_sync.callbacks._run import run_ends_after_fit, shared_run_for
         from keras_sync.callbacks.backup import resumable_fit

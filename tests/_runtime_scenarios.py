@@ -64,7 +64,11 @@ def load(cfg):
     from keras_sync.config import load_config
     from keras_sync.session import Sync
 
-    return Sync(load_config(cfg), SYNC.strategy, types.SimpleNamespace(kind=SYNC.kind, reason=SYNC.kind_reason))
+    from keras_sync import runtime
+
+    config = load_config(cfg)
+    runtime.set_dtype_policy(config, is_chief=SYNC.is_chief)  # what keras_sync.load does (runtime.mixed_precision)
+    return Sync(config, SYNC.strategy, types.SimpleNamespace(kind=SYNC.kind, reason=SYNC.kind_reason))
 
 import keras  # noqa: E402  (after load: devices and cluster are set up by then)
 import tensorflow as tf  # noqa: E402
@@ -181,6 +185,46 @@ class ActivitySum(keras.layers.Layer):
         return x
 
 
+class ActivityMean(keras.layers.Layer):
+    """The same term written as a mean times the global batch (what the add_loss check's line advises)."""
+
+    def call(self, x):
+        self.add_loss(1e-3 * GLOBAL_BATCH * keras.ops.mean(keras.ops.sum(x, axis=-1)))
+        return x
+
+
+def add_loss_model(layer, sync=None):
+    keras.utils.set_random_seed(0)
+    with (sync or SYNC).scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), layer(),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+    return model
+
+
+def add_loss_checks(tracking_uri=None):
+    """The add_loss check with an MLflow run (its tag) and with checks.on_violation: error (the fit stops)."""
+    out = {}
+    if tracking_uri:
+        s = load({**config(), "mlflow": {"enabled": True, "tracking_uri": tracking_uri, "experiment": "add_loss"}})
+        model = add_loss_model(ActivitySum, s)
+        s.fit(model, X, Y, epochs=1, shuffle=False, verbose=0)
+        from keras_sync.callbacks._run import _writers, close_writer
+
+        writer = _writers.get(s)
+        close_writer(s, timeout_s=300)
+        out["run_id"] = writer.run_id if writer is not None else None
+    s = load({**config(), "checks": {"on_violation": "error"}})
+    model = add_loss_model(ActivitySum, s)
+    try:
+        s.fit(model, X, Y, epochs=1, shuffle=False, verbose=0)
+        out["error"] = None
+    except keras_sync.KerasSyncError as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out["iterations"] = int(model.optimizer.iterations.numpy())
+    return out
+
+
 def make(cls, sync=None, optimizer=None, **compile_kwargs):
     sync = sync or SYNC
     keras.utils.set_random_seed(0)
@@ -217,13 +261,10 @@ def custom_steps():
     probe = _instrument.instrument(gan)
     SYNC.fit(gan, X, Y, epochs=2, shuffle=False, verbose=0)
     out["two_optimizers"] = {"weights": flat(gan), "trace": probe.last_trace}
-    keras.utils.set_random_seed(0)
-    with SYNC.scope():
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), ActivitySum(),
-                                  keras.layers.Dense(1)])
-        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
-    SYNC.fit(model, X, Y, epochs=2, shuffle=False, verbose=0)
-    out["add_loss_sum"] = {"weights": flat(model)}
+    for name, layer in (("add_loss_sum", ActivitySum), ("add_loss_mean", ActivityMean)):
+        model = add_loss_model(layer)
+        SYNC.fit(model, X, Y, epochs=2, shuffle=False, verbose=0)
+        out[name] = {"weights": flat(model)}
     # Keras's behaviour on request: the guide's step with its gradients summed.
     s = load(config(train_step_gradients="sum"))
     model = make(GuideStep, s)
@@ -333,16 +374,61 @@ class ScaleLossStep(keras.Sequential):
         return {"loss": loss}
 
 
+class HalvesStep(keras.Sequential):
+    """One device, mixed_float16: Keras's step with its float16 gradients computed on the two halves of the batch
+    that 2 replicas get, summed in float32, and one device's skip rule (a sum float16 rounds to inf skips): what
+    the float16 rounding of the replica split alone changes."""
+
+    def train_step(self, data):
+        x, y = data
+        half = GLOBAL_BATCH // 2
+        total = None
+        for part in (slice(0, half), slice(half, None)):
+            with tf.GradientTape() as tape:
+                loss = keras.ops.mean(keras.losses.mean_squared_error(y[part], self(x[part], training=True))) / 2
+                scaled = self.optimizer.scale_loss(loss)
+            grads = tape.gradient(scaled, self.trainable_weights)
+            total = grads if total is None else [a + b for a, b in zip(total, grads)]
+        skip = tf.reduce_any([tf.reduce_any(tf.abs(g) >= 65520.0) for g in total])
+        total = [tf.where(skip, tf.fill(tf.shape(g), float("nan")), g) for g in total]
+        self.optimizer.apply_gradients(zip(total, self.trainable_weights))
+        return {}
+
+
+#: The first batch's second half is float16's inf: only the second replica's gradients are not finite.
+X_OVERFLOW = X.copy()
+X_OVERFLOW[GLOBAL_BATCH // 2:GLOBAL_BATCH] *= 1e5
+
+
 def mixed_custom():
-    """mixed_float16: Keras's own step and a custom step that scales its loss: updates applied, final scale, weights."""
+    """mixed_float16: Keras's own step and a custom step that scales its loss: updates applied, final scale, weights.
+
+    ``second_replica_overflows``: Keras's step on data whose first batch overflows on the second replica only.
+    """
     out = {}
-    for name, cls in (("keras", keras.Sequential), ("scale_loss", ScaleLossStep)):
+    cases = [("keras", keras.Sequential, X), ("scale_loss", ScaleLossStep, X),
+             ("second_replica_overflows", keras.Sequential, X_OVERFLOW)]
+    if N == 1 and not WORKERS:
+        cases.append(("halves", HalvesStep, X))
+    for name, cls, x in cases:
         s = load(config(mixed_precision="mixed_float16"))
         model = make(cls, s)
-        s.fit(model, X, Y, epochs=4, shuffle=False, verbose=0)
+        s.fit(model, x, Y, epochs=4, shuffle=False, verbose=0)
         opt = model.optimizer
         out[name] = {"weights": flat(model), "updates": int(opt.iterations.numpy()),
                      "scale": float(opt.dynamic_scale.numpy())}
+    if N > 1 or WORKERS:  # without the private pass-through (a Keras that moved it): the sum on the first replica, zeros elsewhere
+        from keras_sync import _loss_scale
+
+        _loss_scale._passes = False
+        try:
+            s = load(config(mixed_precision="mixed_float16"))
+            model = make(keras.Sequential, s)
+            s.fit(model, X, Y, epochs=4, shuffle=False, verbose=0)
+            out["keras_reduced_twice"] = {"weights": flat(model), "updates": int(model.optimizer.iterations.numpy()),
+                                          "scale": float(model.optimizer.dynamic_scale.numpy())}
+        finally:
+            _loss_scale._passes = None
     return out
 
 
@@ -385,11 +471,13 @@ def step_dtypes():
 
 
 record("spe", lambda: spe(TRACKING_URI))
+if N > 1 and not WORKERS:
+    record("add_loss_checks", lambda: add_loss_checks(TRACKING_URI))
 record("accumulation", accumulation)
 if MODE != "workers_x2":
     record("sync_bn", sync_bn)
     record("jit", jit)
-if not WORKERS:
+if MODE != "workers_x2":
     record("mixed_custom", mixed_custom)
     keras.mixed_precision.set_dtype_policy("float32")
 if N > 1 and not WORKERS:
