@@ -348,6 +348,10 @@ def _applying(optimizer: Any, apply: Any) -> Any:
 
             def apply_fn(grads: Any, trainable_variables: Any = None) -> Any:
                 return _loss_scale.apply(optimizer, apply, list(grads), trainable_variables, half)
+        elif record["n"] > 1 and _loss_scale.clips(optimizer):  # clip the sum, as one device (see _loss_scale)
+
+            def apply_fn(grads: Any, trainable_variables: Any = None) -> Any:
+                return _loss_scale.apply_summed(optimizer, apply, list(grads), trainable_variables)
         record["grads"].extend(g for g in grads if g is not None)
         if record["stamp"] is not None and record["reached"] is None:
             import tensorflow as tf

@@ -206,6 +206,7 @@ class Sync:
         from keras_sync import runtime
 
         self._check_model(model, "fit")  # before anything touches it: a Keras 2 model is refused in one line
+        self._check_optimizers(model, "fit")
         self._check_callbacks(model, kwargs.get("callbacks"), "fit")
         runtime.prepare_model(self, model)  # steps_per_execution, jit_compile, sync BatchNorm
         given = kwargs.get("batch_size")  # the global batch, checked by _prepare
@@ -303,6 +304,7 @@ class Sync:
         from keras_sync import callbacks as ks_callbacks
 
         self._check_model(model, "callbacks")
+        self._check_optimizers(model, "callbacks")
         self._check_callbacks(model, callbacks, "callbacks")
         runtime.prepare_model(self, model)
         _keras_compat.check_steps_per_execution(model, self.strategy)
@@ -447,6 +449,34 @@ class Sync:
                 f"The model was built outside sync.scope(), so sync.{method} cannot distribute it over "
                 f"{self.num_replicas} replicas. Fix: create and compile the model inside `with sync.scope():`."
             )
+
+    def _check_optimizers(self, model: Any, method: str) -> None:
+        """Keras optimizer options that crash under a tf.distribute strategy, refused in one line with the fix.
+
+        Keras 3 (3.10-3.15 measured) runs ``gradient_accumulation_steps`` and ``use_ema`` in an
+        ``ops.cond`` whose branches all-reduce (``merge_call``), which TensorFlow does not allow: plain
+        `MirroredStrategy` fails with a ~40-line "merge_call called while defining a new graph" traceback.
+        """
+        if not KINDS[self.kind].scoped:
+            return
+        from keras_sync._train_step_trace import optimizers_of
+
+        for opt in optimizers_of(model):
+            inner = getattr(opt, "inner_optimizer", opt)  # a LossScaleOptimizer's options are its inner optimizer's
+            name = type(inner).__name__
+            if getattr(inner, "gradient_accumulation_steps", None):
+                raise UsageError(
+                    f"sync.{method}: the model's optimizer {name}(gradient_accumulation_steps="
+                    f"{inner.gradient_accumulation_steps}) fails under a {self.kind} strategy in Keras (its "
+                    "accumulation runs in a cond that all-reduces: 'merge_call called while defining a new graph'). "
+                    f"Fix: remove it from the optimizer and set runtime.gradient_accumulation_steps: "
+                    f"{inner.gradient_accumulation_steps} in the keras-sync config (same update, on any replica count).")
+            if getattr(inner, "use_ema", False):
+                raise UsageError(
+                    f"sync.{method}: the model's optimizer {name}(use_ema=True) fails under a {self.kind} strategy in "
+                    "Keras (its moving average is updated in a cond that all-reduces: 'merge_call called while "
+                    "defining a new graph'). Fix: remove use_ema (and ema_momentum/ema_overwrite_frequency) from the "
+                    "optimizer; keep an average of the weights in a callback if you need one.")
 
     def _check_callbacks(self, model: Any, callbacks: Any, method: str) -> None:
         """The user's callbacks that cannot work beside this config, refused before training."""

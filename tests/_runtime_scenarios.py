@@ -321,6 +321,27 @@ def accumulation():
     return out
 
 
+def optimizer_options():
+    """Gradient clipping (Keras clips each replica's share before it all-reduces) and the options that crash."""
+    out = {}
+    for name, kwargs in (("none", {}), ("clipnorm", {"clipnorm": 0.05}), ("global_clipnorm", {"global_clipnorm": 0.05}),
+                         ("clipvalue", {"clipvalue": 0.01})):
+        with SYNC.scope():
+            optimizer = keras.optimizers.SGD(SYNC.lr_schedule(), momentum=0.9, **kwargs)
+        model = make(keras.Sequential, optimizer=optimizer)
+        SYNC.fit(model, X, Y, epochs=2, shuffle=False, verbose=0)
+        out[name] = flat(model)
+    for name, kwargs in (("gradient_accumulation_steps", {"gradient_accumulation_steps": 2}), ("use_ema", {"use_ema": True})):
+        with SYNC.scope():
+            optimizer = keras.optimizers.SGD(0.01, **kwargs)
+        try:
+            SYNC.fit(make(keras.Sequential, optimizer=optimizer), X, Y, epochs=1, verbose=0)
+            out[name] = "trained"
+        except keras_sync.KerasSyncError as exc:
+            out[name] = str(exc)
+    return out
+
+
 def bn_model(s):
     keras.utils.set_random_seed(0)
     with s.scope():
@@ -446,14 +467,17 @@ def jit():
     return out
 
 
-def step_dtypes():
-    """Every dtype in the graph of an instrumented train step (keras-sync adds no float64)."""
+def step_dtypes(timed=True):
+    """Every dtype in the graph of an instrumented train step. keras-sync adds no float64 where there is
+    none (a TPU): its only float64 are the slow-worker timestamps (``tf.timestamp``), which it leaves out
+    on a TPU and under XLA (``probe.timed``)."""
     from keras_sync import _instrument
 
     model = make(GuideStep)
     with SYNC.scope():
         model.optimizer.build(model.trainable_variables)  # its variables exist before the trace
     _instrument.instrument(model, gradients="auto")
+    _instrument._probes[model].timed = timed
     ds = SYNC.strategy.experimental_distribute_dataset(SYNC.distribute((X, Y)))
     batch = next(iter(ds))
 
@@ -475,6 +499,8 @@ if N > 1 and not WORKERS:
     record("add_loss_checks", lambda: add_loss_checks(TRACKING_URI))
 record("accumulation", accumulation)
 if MODE != "workers_x2":
+    record("optimizer_options", optimizer_options)
+if MODE != "workers_x2":
     record("sync_bn", sync_bn)
     record("jit", jit)
 if MODE != "workers_x2":
@@ -484,6 +510,7 @@ if N > 1 and not WORKERS:
     record("mixed", mixed)
     keras.mixed_precision.set_dtype_policy("float32")
     record("dtypes", step_dtypes)
+    record("dtypes_untimed", lambda: step_dtypes(timed=False))
 
 if MODE == "replicas" or SYNC.is_chief:
     results.update(num_replicas=SYNC.num_replicas, num_workers=SYNC.num_workers)
