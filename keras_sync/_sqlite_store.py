@@ -15,6 +15,8 @@ import logging
 import os
 import subprocess
 import sys
+import threading
+import time
 import uuid
 from pathlib import Path
 from urllib.parse import unquote
@@ -57,9 +59,14 @@ def ensure_sqlite_store(uri: str, *, timeout_s: float = 300.0) -> bool:
         return False
     path = path.absolute()
     check_creatable(uri)
+    if _wait_for_live_builder(path, timeout_s):
+        return False  # another process (or thread: `build_in_background`) built it meanwhile
     _remove_leftovers(path)
     tmp = path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
+        # Created now, not when MLflow (imported first: seconds) opens it: a courier that starts
+        # meanwhile sees a live builder and waits for it instead of building a second store.
+        os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
         done = subprocess.run([sys.executable, "-c", _BUILD, f"sqlite:///{tmp}"], capture_output=True,
                               text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
         if done.returncode != 0:
@@ -77,6 +84,48 @@ def ensure_sqlite_store(uri: str, *, timeout_s: float = 300.0) -> bool:
                 leftover.unlink()
             except FileNotFoundError:
                 pass
+
+
+def build_in_background(uri: str) -> threading.Thread | None:
+    """Start building the sqlite store of ``uri`` now, in a daemon thread (its child does the work).
+
+    `keras_sync.load` calls it on the chief: a first run's store (1-2 s of migrations, much more on
+    a busy machine) is built while the user builds the model, and the courier that `fit` starts
+    finds it ready, or waits for this builder instead of building a second copy. Errors are left
+    for the courier to report. None when there is nothing to build.
+    """
+    path = sqlite_path(uri)
+    if path is None or path.exists():
+        return None
+
+    def build() -> None:
+        try:
+            ensure_sqlite_store(uri)
+        except Exception as e:  # noqa: BLE001 - the courier tries again and reports it
+            _log.debug("building the MLflow store in the background failed: %s", e)
+
+    thread = threading.Thread(target=build, name="keras-sync-store", daemon=True)
+    thread.start()
+    return thread
+
+
+def _wait_for_live_builder(path: Path, timeout_s: float) -> bool:
+    """Wait while a live process builds ``path``; True if the store exists now."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists():
+            return True
+        builders = [p for p in path.parent.glob(f".{path.name}{_TMP_MARK}*")
+                    if not p.name.endswith(("-journal", "-room")) and _builder_alive(p, path)]
+        if not builders:
+            return path.exists()
+        time.sleep(0.05)
+    return path.exists()
+
+
+def _builder_alive(tmp: Path, path: Path) -> bool:
+    pid_text = tmp.name[len(f".{path.name}{_TMP_MARK}"):].split("-", 1)[0]
+    return pid_text.isdigit() and _alive(int(pid_text))
 
 
 def check_creatable(uri: str) -> None:
@@ -128,8 +177,7 @@ def _probe_writable(uri: str, tmp: Path) -> None:
 def _remove_leftovers(path: Path) -> None:
     """Delete private build files of ``path`` whose builder process is gone."""
     for p in path.parent.glob(f".{path.name}{_TMP_MARK}*"):
-        pid_text = p.name[len(f".{path.name}{_TMP_MARK}"):].split("-", 1)[0]
-        if pid_text.isdigit() and _alive(int(pid_text)):
+        if _builder_alive(p, path):
             continue
         try:
             p.unlink()

@@ -97,7 +97,6 @@ def _clip(value: str, limit: int) -> str:
 
 
 _live_writers: weakref.WeakSet[MlflowWriter] = weakref.WeakSet()
-_ATEXIT_TIMEOUT_S = 10.0
 
 
 _exit_status: str | None = None
@@ -122,7 +121,9 @@ def _close_at_exit() -> None:
     # An uncaught exception has been printed by now, and left sys.last_type behind.
     status = "FAILED" if getattr(sys, "last_type", None) is not None else (_exit_status or "FINISHED")
     for w in list(_live_writers):
-        w.close(timeout_s=_ATEXIT_TIMEOUT_S, status=status)
+        # What `fit` left to deliver in the background is waited for here, while delivery makes
+        # progress, with one line saying what is left and that Ctrl-C leaves it in the spool.
+        w.close(timeout_s=None, status=status, at_exit=True)
 
 
 def _lower_thread_priority() -> None:
@@ -236,6 +237,13 @@ class MlflowWriter:
         #: Set by `keras_sync.Sync.fit` while its `fit` runs: it ends the run itself when fit
         #: returns (`end_run`), so `end_of_fit` need not wait for delivery a first time.
         self.run_ends_after_fit = False
+        #: Whether `end_of_fit` waits for delivery. `keras_sync.callbacks._run.writer_for` sets it only
+        #: where the process is killed as soon as training returns (Ray Train); elsewhere what is left
+        #: is delivered in the background and waited for at exit (`close`).
+        self.wait_at_end_of_fit = True
+        #: Called once, from the spooling thread, when the run id is known or MLflow first fails
+        #: before it is (the line that says where the metrics go); None: nothing to call.
+        self.on_run: Any = None
         self._status: dict[str, Any] | None = None
         self._key_cache: dict[str, str] = {}
         self._run: dict[str, Any] = {}
@@ -392,7 +400,8 @@ class MlflowWriter:
         with self._spooled:
             return self._spooled.wait_for(lambda: self._spooled_seq >= target or self._dead, timeout=timeout_s)
 
-    def flush(self, timeout_s: float | None = None, stall_s: float = STALL_S) -> bool:
+    def flush(self, timeout_s: float | None = None, stall_s: float = STALL_S,
+              progress: Any = None) -> bool:
         """Wait until MLflow has everything queued so far; True if it has.
 
         Waits while delivery makes progress: returns False at once when the courier's last
@@ -416,6 +425,8 @@ class MlflowWriter:
             pos = self._progress()
             if pos != seen:
                 seen, last_move = pos, time.monotonic()
+                if progress is not None:
+                    progress()
         return True
 
     def end_of_fit(self) -> None:
@@ -423,7 +434,7 @@ class MlflowWriter:
 
         Under `keras_sync.Sync.fit` (``run_ends_after_fit``) it returns at once: `end_run` waits after fit.
         """
-        if self.run_ends_after_fit or self.flush():
+        if self.run_ends_after_fit or not self.wait_at_end_of_fit or self.flush():
             return
         self._warn_undelivered()
 
@@ -434,7 +445,7 @@ class MlflowWriter:
             warnings.warn(message, RuntimeWarning, stacklevel=4)
 
     def end_run(self, status: str = "FINISHED", timeout_s: float | None = 120.0, *,
-                wait_for_report: bool = False) -> bool:
+                wait_for_report: bool = False, wait: bool = True) -> bool:
         """End the run with ``status`` and wait while delivery makes progress; True if MLflow has it all.
 
         The fit-end sync report (queued after the end) is waited for only with ``wait_for_report``:
@@ -445,6 +456,9 @@ class MlflowWriter:
         next record logged reopens the same run (RUNNING, steps continuing), as the next `fit` of a
         `Sync` does, without starting a courier again. What is not delivered yet (MLflow away) goes
         on being delivered in the background, and a warning says where it waits.
+
+        ``wait=False``: only queue the end (and the report after it) and return False at once; the
+        courier delivers them after the metrics, so the run is FINISHED only once MLflow has those.
         """
         if status not in _RUN_STATUSES:
             raise TrackingError(f"Invalid value for argument `status`. Received: status={status!r}. "
@@ -456,6 +470,10 @@ class MlflowWriter:
             self._put({"k": "end", "status": status, "ts": int(time.time() * 1000), "last": False})
             self._run_ended = True
         self.start()
+        if not wait:
+            self._put_deferred_report()
+            self._wake.set()
+            return False
         delivered = self.flush(timeout_s=timeout_s)
         if self._deferred_report is not None:
             self._put_deferred_report()
@@ -508,12 +526,13 @@ class MlflowWriter:
         return (f"keras-sync: {pending} MLflow record(s) are not delivered yet: {cause}. They are kept in "
                 f"{self.spool_path}. {where}.")
 
-    def close(self, timeout_s: float = 10.0, status: str = "FINISHED") -> None:
+    def close(self, timeout_s: float | None = 10.0, status: str = "FINISHED", *, at_exit: bool = False) -> None:
         """End the run with ``status``; wait for delivery while it progresses (at most ``timeout_s``).
 
         What could not be delivered stays in the spool and a `RuntimeWarning` says why and how to
         deliver it. At interpreter exit, writers not closed are closed (FAILED after an uncaught
-        exception).
+        exception), ``at_exit``: with no limit but delivery's progress, and one line on stderr
+        while points are left (how many, where, that Ctrl-C leaves them in the spool).
         """
         if status not in _RUN_STATUSES:
             raise TrackingError(f"Invalid value for argument `status`. Received: status={status!r}. "
@@ -530,7 +549,14 @@ class MlflowWriter:
             status = self._mark_losses(status)
             self._put({"k": "end", "status": status, "ts": int(time.time() * 1000)})
         self.start()
-        delivered = self.flush(timeout_s=timeout_s)
+        line = _ExitLine(self) if at_exit else None
+        try:
+            delivered = self.flush(timeout_s=timeout_s, progress=line.update if line else None)
+        except KeyboardInterrupt:  # Ctrl-C at exit: leave the rest in the spool, say how to deliver it
+            delivered = False
+        finally:
+            if line is not None:
+                line.done()
         self._closing = True
         self._wake.set()
         assert self._thread is not None
@@ -567,6 +593,12 @@ class MlflowWriter:
         elif message:
             warnings.warn(message, RuntimeWarning, stacklevel=2)
 
+    def points_left(self) -> int:
+        """Metric points queued, spooled or held that MLflow does not have yet."""
+        recs = [rec for _, rec in self._queue] + self._handover.unacknowledged()
+        recs += [rec for _, rec in self._spool.read(self._progress()[0], max_records=10**9)]
+        return sum(len(rec.get("d", ())) for rec in recs if rec.get("k") == "m")
+
     # ---- the background thread: spool, and look after the courier ----
     def _loop(self) -> None:
         _lower_thread_priority()
@@ -592,6 +624,7 @@ class MlflowWriter:
                 if self._courier is None and not closing and time.monotonic() >= respawn_at:
                     self._spawn_courier()
                 self._watch_status()
+                self._tell_run()
                 if closing:
                     return
                 self._wake.wait(SPOOL_INTERVAL_S)
@@ -630,6 +663,15 @@ class MlflowWriter:
         finally:
             for fd in ends or ():
                 os.close(fd)  # the courier's ends: its copies are its own
+
+    def _tell_run(self) -> None:
+        """Call `on_run` once the run id is known (or MLflow failed before it was)."""
+        if self.on_run is not None and (self.run_id is not None or self.failure() is not None):
+            on_run, self.on_run = self.on_run, None
+            try:
+                on_run(self)
+            except Exception as e:  # noqa: BLE001 - a line not printed never stops the spooling
+                _log.debug("on_run failed: %s", e)
 
     def _watch_status(self) -> None:
         """Log the courier's first failure and its recovery (in this process, where logging is set up)."""
@@ -767,6 +809,38 @@ class MlflowWriter:
         elif k == "a":
             rec["text"] = _redact(rec["text"], self._secrets)
         return rec
+
+
+class _ExitLine:
+    """The one line shown while the exit waits for delivery; on a terminal its count goes down in place."""
+
+    def __init__(self, writer: MlflowWriter):
+        self._w = writer
+        self._shown = False
+        self._tty = bool(getattr(sys.stderr, "isatty", lambda: False)())
+        self._last = 0.0
+        left = writer.points_left()
+        if left or writer._queue:
+            self._show(left)
+
+    def _text(self, left: int) -> str:
+        w = self._w
+        return (f"keras-sync: {left} metric point(s) not in MLflow yet ({w.shown_uri}); delivering them before "
+                f"exit. They are kept in {w.spool_path}: Ctrl-C leaves them there for "
+                f"`keras-sync sync-spool {w.spool_path}`")
+
+    def _show(self, left: int) -> None:
+        self._shown, self._last = True, time.monotonic()
+        end = "" if self._tty else "\n"
+        print(("\r" if self._tty else "") + self._text(left), end=end, file=sys.stderr, flush=True)
+
+    def update(self) -> None:
+        if self._shown and self._tty and time.monotonic() - self._last >= 0.5:
+            self._show(self._w.points_left())
+
+    def done(self) -> None:
+        if self._shown and self._tty:
+            print(file=sys.stderr, flush=True)
 
 
 def replay_spool(spool_path: str | os.PathLike[str], tracking_uri: str | None = None) -> int:

@@ -14,7 +14,7 @@ import keras_sync
 
 out_path, uri = sys.argv[1], sys.argv[2]
 sync = keras_sync.load({"strategy": {"kind": "mirrored", "simulated_cpu_replicas": 2}, "batch": {"per_replica": 16},
-                        "mlflow": {"tracking_uri": uri, "experiment": "own"}})
+                        "mlflow": {"tracking_uri": uri, "experiment": "own", "log_every_n_steps": 1}})
 import keras  # noqa: E402
 
 from keras_sync.errors import UsageError  # noqa: E402
@@ -162,7 +162,7 @@ class GanWithCall(Gan):
 
 
 gan_sync = keras_sync.load({"strategy": {"kind": "mirrored", "simulated_cpu_replicas": 2}, "batch": {"per_replica": 16},
-                            "mlflow": {"tracking_uri": uri, "experiment": "gan"}})
+                            "mlflow": {"tracking_uri": uri, "experiment": "gan", "log_every_n_steps": 1}})
 with gan_sync.scope():
     no_call = Gan()
     no_call.compile(keras.optimizers.SGD(0.02, momentum=0.9), keras.optimizers.SGD(0.02, momentum=0.9))

@@ -1,6 +1,10 @@
-"""`sync.fit` ends its MLflow run when it returns (Ray Train V2 kills its workers without atexit),
-and the next `fit` of the same `Sync` continues that run through the same courier process: one
-run, FINISHED, steps once, nothing undelivered; the orphaned courier removes the spool."""
+"""`sync.fit` ends its MLflow run when it returns, and the next `fit` of the same `Sync` continues
+that run through the same courier process: one run, FINISHED, steps once.
+
+Where the process is killed as soon as training returns (Ray Train V2 kills its workers without
+atexit; `RAY_RAYLET_PID` marks a Ray worker) fit waits until MLflow has everything, and the
+orphaned courier removes the spool. Elsewhere fit returns when training is done; the exit waits
+for what is left, with one line, and MLflow then has every step and a FINISHED run."""
 
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from keras_sync._spool import SpoolDir
 pytestmark = pytest.mark.slow
 
 
-def test_fit_ends_the_run_and_the_next_fit_continues_it(tmp_path):
+def test_fit_ends_the_run_and_the_next_fit_continues_it_where_training_returns_kill_the_process(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     script = textwrap.dedent(f"""
         import json, os, numpy as np, keras_sync
@@ -36,7 +40,7 @@ def test_fit_ends_the_run_and_the_next_fit_continues_it(tmp_path):
             return found
         from mlflow import MlflowClient
         sync = keras_sync.load({{"strategy": {{"kind": "default"}}, "batch": {{"per_replica": 16}},
-                                 "mlflow": {{"tracking_uri": {uri!r}, "experiment": "e"}}}})
+                                 "mlflow": {{"tracking_uri": {uri!r}, "experiment": "e", "log_every_n_steps": 1}}}})
         import keras
         with sync.scope():
             model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
@@ -57,7 +61,8 @@ def test_fit_ends_the_run_and_the_next_fit_continues_it(tmp_path):
         os._exit(0)  # no atexit, as under Ray Train V2's ray.kill
     """)
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID")}
-    r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=dict(env, TF_CPP_MIN_LOG_LEVEL="2"),
+    r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path,
+                       env=dict(env, TF_CPP_MIN_LOG_LEVEL="2", RAY_RAYLET_PID=str(os.getpid())),
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     import json
@@ -81,3 +86,40 @@ def test_fit_ends_the_run_and_the_next_fit_continues_it(tmp_path):
 
     artifacts = [a.path for a in MlflowClient(uri).list_artifacts(first[0])]
     assert "sync_report.png" in artifacts, artifacts  # drawn by the courier, after fit returned
+
+
+def test_fit_returns_before_delivery_and_the_exit_delivers_every_step(tmp_path):
+    """A fresh store, two fits, a normal exit: nothing is lost, the run is FINISHED once MLflow has it all."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    script = textwrap.dedent(f"""
+        import json, numpy as np, keras_sync
+        sync = keras_sync.load({{"strategy": {{"kind": "default"}}, "batch": {{"per_replica": 16}},
+                                 "mlflow": {{"tracking_uri": {uri!r}, "experiment": "e", "log_every_n_steps": 1}}}})
+        import keras
+        with sync.scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+            model.compile(optimizer="sgd", loss="mse")
+        x = np.random.default_rng(0).normal(size=(256, 4)).astype("float32")
+        for i in (1, 2):
+            sync.fit(model, x, x[:, :1], epochs=1, verbose=0)
+        print("FITS DONE", flush=True)
+    """)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TF_CONFIG", "MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID", "RAY_RAYLET_PID")}
+    r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=dict(env, TF_CPP_MIN_LOG_LEVEL="2"),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "FITS DONE" in r.stdout
+    from mlflow import MlflowClient
+
+    c = MlflowClient(uri)
+    (run,) = c.search_runs([c.get_experiment_by_name("e").experiment_id])
+    assert run.info.status == "FINISHED"
+    for key in ("sync/replica_0/loss", "sync/step_time_ms", "loss"):
+        assert sorted(m.step for m in c.get_metric_history(run.info.run_id, key)) == list(range(1, 33)), key
+    # The exit waited: everything is in MLflow, so the spool is gone; at most one line said what was left.
+    assert not [p for p in (tmp_path / ".keras_sync_spool").iterdir() if p.is_dir()]
+    lines = [ln for ln in r.stderr.splitlines() if "not in MLflow yet" in ln]
+    assert len(lines) <= 1, lines
+    if lines:
+        assert "Ctrl-C leaves them there for `keras-sync sync-spool " in lines[0], lines[0]

@@ -844,7 +844,7 @@ def test_run_identity_follows_the_backup_and_the_explicit_job_id(sqlite_uri, tmp
 
     exp = _exp()
     config = {"strategy": {"kind": "default"},
-              "mlflow": {"tracking_uri": sqlite_uri, "experiment": exp, "spool_dir": str(tmp_path / "myspool")},
+              "mlflow": {"tracking_uri": sqlite_uri, "experiment": exp, "spool_dir": str(tmp_path / "myspool"), "log_every_n_steps": 1},
               "fault_tolerance": {"backup_dir": str(tmp_path / "backup"), "save_freq": 5}}
     steps = list(range(1, 41))  # 2 epochs of 20 steps, MLflow step = optimizer step
     # A finished job, run again with the same script and YAML: a new run each time.
@@ -1029,7 +1029,7 @@ def test_fit_with_its_spool_on_a_full_disk_delivers_every_step(sqlite_uri, tmp_p
     exp = _exp()
     with tmpfs(tmp_path / "small", size="24k") as small:
         config = {"strategy": {"kind": "default"},
-                  "mlflow": {"tracking_uri": sqlite_uri, "experiment": exp, "spool_dir": str(small)}}
+                  "mlflow": {"tracking_uri": sqlite_uri, "experiment": exp, "spool_dir": str(small), "log_every_n_steps": 1}}
         run_id, err = _fit(config, tmp_path, "full")
         assert "cannot write its MLflow spool" in err
         assert "Traceback" not in err and "Exception ignored" not in err and "not delivered" not in err, err[-3000:]

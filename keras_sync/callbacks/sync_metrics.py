@@ -33,6 +33,10 @@ class SyncMetrics(keras.callbacks.Callback):
       start of the step (including fetching its batch) to its logs; the first step of a `fit`
       includes tracing;
     - ``sync/examples_per_sec`` (all replicas) and ``sync/examples_per_sec_per_replica``;
+    - ``sync/window_max/loss``, ``.../loss_spread``, ``.../grad_norm``, ``.../grad_norm_spread``:
+      when a point stands for several steps (``log_every_n_steps`` > 1 or ``auto``), the largest
+      replica loss, loss spread, replica gradient norm and gradient-norm spread over those steps
+      (the ones still in the probe's ring), so a spike on a step that is not logged still shows;
     - ``sync/learning_rate``: the learning rate the optimizer applied in that step;
     - ``sync/loss_scale``: the dynamic loss scale, with a `LossScaleOptimizer` (mixed_float16);
     - the Keras logs under their Keras names (``loss``, metrics; running means of the epoch),
@@ -103,6 +107,9 @@ class SyncMetrics(keras.callbacks.Callback):
         # (global step, probe count, Keras logs, busy seconds, steps in the interval, timestamp ms).
         self._pending: list[tuple[int, int, dict, float, int, int]] = []
         self._keras_logs = True
+        # Peaks of the steps since the last written point (`_reduce.window_peaks`), and how many.
+        self._window: dict[str, float] | None = None
+        self._window_steps = 0
 
     def set_model(self, model: Any) -> None:
         # Runs before `fit` builds its train function: the moment to instrument train_step.
@@ -121,6 +128,7 @@ class SyncMetrics(keras.callbacks.Callback):
         self.global_step = self.shared.step = None
         self._busy_s, self._steps_since_log, self._pending = 0.0, 0, []
         self._held, self._carry_s, self._carry_n = None, 0.0, 0
+        self._window, self._window_steps = None, 0
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         if self.global_step is None:
@@ -183,6 +191,7 @@ class SyncMetrics(keras.callbacks.Callback):
             examples = sum(r[self._probe.EXAMPLES] for r in rows)
             if self.writer is None:
                 continue
+            self._fold_window(rings, count, n_steps)
             if self.auto:
                 busy_s, n_steps = busy_s + self._carry_s, n_steps + self._carry_n
                 if step % self.stride:  # not written now: its time goes into the next point
@@ -191,6 +200,16 @@ class SyncMetrics(keras.callbacks.Callback):
                     continue
                 self._held, self._carry_s, self._carry_n = None, 0.0, 0
             self._write(step, rows, examples, logs, busy_s, n_steps, ts)
+
+    def _fold_window(self, rings: list[Any], count: int, n_steps: int) -> None:
+        """Fold the steps of a point's interval (those still in the ring) into the window's peaks."""
+        p = self._probe
+        for c in range(max(count - n_steps + 1, 1), count + 1):
+            rows = p.row(rings, c)
+            if rows is not None:
+                self._window = _reduce.window_peaks(self._window, [float(r[p.LOSS]) for r in rows],
+                                                    [float(r[p.GRAD_NORM]) for r in rows])
+                self._window_steps += 1
 
     def _write(self, step: int, rows: list[Any], examples: float, logs: dict, busy_s: float, n_steps: int,
                ts: int) -> None:
@@ -215,6 +234,9 @@ class SyncMetrics(keras.callbacks.Callback):
         scale = float(rows[0][p.LOSS_SCALE])
         if scale == scale:  # a LossScaleOptimizer's dynamic loss scale (mixed_float16)
             metrics["sync/loss_scale"] = scale
+        if self._window_steps > 1:  # the point stands for several steps: their peaks, so no spike is lost
+            metrics.update(self._window or {})
+        self._window, self._window_steps = None, 0
         if self._keras_logs:
             metrics.update(logs)  # the step's numeric Keras logs (filtered when the step was recorded)
         self.writer.log_metrics(metrics, step=step, timestamp_ms=ts)
