@@ -104,9 +104,10 @@ class Deliverer:
         if self._client is None:
             from mlflow import MlflowClient
 
-            from keras_sync._sqlite_store import ensure_sqlite_store
+            from keras_sync._sqlite_store import BACKGROUND_NICE, ensure_sqlite_store
 
-            ensure_sqlite_store(self.tracking_uri)  # a kill while MLflow builds it would leave it half-built
+            # A kill while MLflow builds it would leave it half-built; niced: behind a training's steps.
+            ensure_sqlite_store(self.tracking_uri, nice=BACKGROUND_NICE)
             self._client = MlflowClient(tracking_uri=self.tracking_uri)
         return self._client
 
@@ -201,6 +202,8 @@ class Deliverer:
         """Deliver records in order; return how many metric points were sent."""
         from mlflow.entities import Metric, Param, RunTag
 
+        if all(rec["k"] == "stop" for rec in records):  # a writer that logged nothing: no run to make
+            return 0
         if records and records[0]["k"] != "begin":  # a "begin" sets the start time of a new run first
             self.ensure_run(continuing=True)
         c = self.client()

@@ -15,7 +15,6 @@ import logging
 import os
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -26,9 +25,13 @@ from keras_sync.errors import TrackingError
 _log = logging.getLogger("keras_sync.tracking")
 
 _TMP_MARK = ".keras-sync-creating-"
+#: The nice value of the courier's store build: on a busy machine it runs behind training (an MLflow
+#: import and ~60 migrations, seconds of CPU); only the first delivery waits for it.
+BACKGROUND_NICE = 10
 #: Room a new store needs (a migrated MLflow 3.17 store is ~1.3 MB); checked before MLflow tries.
 _ROOM_BYTES = 2 * 1024 * 1024
-_BUILD = "import sys; from mlflow import MlflowClient; MlflowClient(tracking_uri=sys.argv[1]).search_experiments(max_results=1)"
+_BUILD = ("import os, sys; os.nice(int(sys.argv[2])); from mlflow import MlflowClient; "
+          "MlflowClient(tracking_uri=sys.argv[1]).search_experiments(max_results=1)")
 
 
 def sqlite_path(uri: str) -> Path | None:
@@ -47,12 +50,13 @@ def sqlite_path(uri: str) -> Path | None:
     return Path(raw)
 
 
-def ensure_sqlite_store(uri: str, *, timeout_s: float = 300.0) -> bool:
+def ensure_sqlite_store(uri: str, *, timeout_s: float = 300.0, nice: int = 0) -> bool:
     """Make sure the sqlite store of ``uri`` exists and is complete; True if this call created it.
 
     Any other URI, or a store file that already exists, is left alone. The schema is built by a
     child process in ``.<name>.keras-sync-creating-<pid>-<id>`` beside the target, then linked
-    into place. Leftovers of builders that were killed are removed.
+    into place. Leftovers of builders that were killed are removed. ``nice``: the builder's nice
+    value (the background build runs behind training on a busy machine).
     """
     path = sqlite_path(uri)
     if path is None or path.exists():
@@ -60,14 +64,14 @@ def ensure_sqlite_store(uri: str, *, timeout_s: float = 300.0) -> bool:
     path = path.absolute()
     check_creatable(uri)
     if _wait_for_live_builder(path, timeout_s):
-        return False  # another process (or thread: `build_in_background`) built it meanwhile
+        return False  # another process built it meanwhile
     _remove_leftovers(path)
     tmp = path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         # Created now, not when MLflow (imported first: seconds) opens it: a courier that starts
         # meanwhile sees a live builder and waits for it instead of building a second store.
         os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-        done = subprocess.run([sys.executable, "-c", _BUILD, f"sqlite:///{tmp}"], capture_output=True,
+        done = subprocess.run([sys.executable, "-c", _BUILD, f"sqlite:///{tmp}", str(nice)], capture_output=True,
                               text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
         if done.returncode != 0:
             tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
@@ -84,29 +88,6 @@ def ensure_sqlite_store(uri: str, *, timeout_s: float = 300.0) -> bool:
                 leftover.unlink()
             except FileNotFoundError:
                 pass
-
-
-def build_in_background(uri: str) -> threading.Thread | None:
-    """Start building the sqlite store of ``uri`` now, in a daemon thread (its child does the work).
-
-    `keras_sync.load` calls it on the chief: a first run's store (1-2 s of migrations, much more on
-    a busy machine) is built while the user builds the model, and the courier that `fit` starts
-    finds it ready, or waits for this builder instead of building a second copy. Errors are left
-    for the courier to report. None when there is nothing to build.
-    """
-    path = sqlite_path(uri)
-    if path is None or path.exists():
-        return None
-
-    def build() -> None:
-        try:
-            ensure_sqlite_store(uri)
-        except Exception as e:  # noqa: BLE001 - the courier tries again and reports it
-            _log.debug("building the MLflow store in the background failed: %s", e)
-
-    thread = threading.Thread(target=build, name="keras-sync-store", daemon=True)
-    thread.start()
-    return thread
 
 
 def _wait_for_live_builder(path: Path, timeout_s: float) -> bool:

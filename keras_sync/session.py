@@ -67,11 +67,11 @@ def load(
     _paths.check_config_paths(cfg, is_chief=sync.is_chief)  # now, not at the first save or metric
     _run_checks.watch_direct_fit(sync)  # model.fit on a model of sync.scope() without keras-sync: one line
     if sync.is_chief and cfg.mlflow.enabled:
-        from keras_sync._sqlite_store import build_in_background
-        from keras_sync.tracking import resolve_tracking_uri
+        from keras_sync.callbacks._run import writer_for
 
-        # A first run's store is built while the user builds the model, not during fit.
-        build_in_background(resolve_tracking_uri(cfg.mlflow.tracking_uri)[0])
+        # The courier starts now (it imports MLflow, builds a first run's store) while the user
+        # builds the model; the run itself is made when the first fit logs.
+        writer_for(sync, early=True)
     if sync.is_chief:
         print(f"keras-sync: config: {cfg.origin()}", file=sys.stderr)
     from keras_sync import runtime

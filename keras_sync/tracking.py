@@ -232,6 +232,7 @@ class MlflowWriter:
         self._courier: subprocess.Popen[bytes] | None = None
         self._closing = self._closed = self._dead = self._end_spooled = self._finished = False
         self._warned_fit = False
+        self._begin_deferred = self._begin_at_open_deferred = False  # start(defer_begin=True)
         self._run_ended = False  # end_run() was called and nothing was logged since
         self._deferred_report: dict[str, Any] | None = None  # queued after end_run's wait (log_sync_report)
         #: Set by `keras_sync.Sync.fit` while its `fit` runs: it ends the run itself when fit
@@ -306,12 +307,18 @@ class MlflowWriter:
         return pos >= target[0] and held >= target[1]
 
     # ---- the caller's side: O(1), no I/O ----
-    def start(self) -> None:
-        """Start the spooling thread and the courier; returns at once."""
+    def start(self, defer_begin: bool = False) -> None:
+        """Start the spooling thread and the courier; returns at once.
+
+        ``defer_begin``: the run is begun (found or created) by the first record logged, not now;
+        a writer that logs nothing makes no run. The courier still starts now: it imports MLflow
+        and builds a first run's store before there is anything to deliver.
+        """
         if self._thread is None:
             # The run starts now, not when the thread gets to write its "begin" record: on a busy
             # machine that came after close() had stamped the end (start_time > end_time seen).
             self._started_ms = int(time.time() * 1000)
+            self._begin_deferred = self._begin_at_open_deferred = defer_begin
             self._launcher = _courier.Launcher()  # on this thread: the courier is not niced with the spooling
             self._thread = threading.Thread(target=self._loop, name="keras-sync-mlflow", daemon=True)
             self._thread.start()
@@ -321,6 +328,10 @@ class MlflowWriter:
             raise TrackingError("MlflowWriter is closed; create a new writer to log more.")
         if self._dead:
             return  # the spool failed and said so once; do not grow memory forever
+        if self._begin_deferred and rec["k"] != "stop":  # the first record begins the run (start(defer_begin))
+            self._begin_deferred = False
+            self._started_ms = int(time.time() * 1000)
+            self._queue.append((next(self._seq), {"k": "begin", "ts": self._started_ms}))
         if self._run_ended and rec["k"] not in ("end", "stop", "report"):
             # Logging after end_run: the run is reopened (RUNNING again), this writer's run only.
             self._run_ended = False
@@ -543,15 +554,16 @@ class MlflowWriter:
         _live_writers.discard(self)
         if not self._run_ended:
             self._put_deferred_report()  # a fit that raised before end_run: the report before the end
-        if self._run_ended:  # end_run ended it and nothing came since: only stop the courier
+        if self._run_ended or self._begin_deferred:  # ended and nothing since, or never begun: only stop the courier
             self._put({"k": "stop"})
         else:
             status = self._mark_losses(status)
             self._put({"k": "end", "status": status, "ts": int(time.time() * 1000)})
         self.start()
-        line = _ExitLine(self) if at_exit else None
+        never_begun = self._begin_deferred  # nothing logged: no run, nothing to deliver; the courier goes
+        line = _ExitLine(self) if at_exit and not never_begun else None
         try:
-            delivered = self.flush(timeout_s=timeout_s, progress=line.update if line else None)
+            delivered = never_begun or self.flush(timeout_s=timeout_s, progress=line.update if line else None)
         except KeyboardInterrupt:  # Ctrl-C at exit: leave the rest in the spool, say how to deliver it
             delivered = False
         finally:
@@ -562,7 +574,7 @@ class MlflowWriter:
         assert self._thread is not None
         self._thread.join(5.0)
         courier = self._courier
-        if delivered and courier is not None:
+        if delivered and courier is not None and not never_begun:
             try:  # it ends once it has delivered the "end" record
                 courier.wait(5.0)
             except subprocess.TimeoutExpired:
@@ -585,7 +597,7 @@ class MlflowWriter:
             message = self._spill_held(cause)
         self._spool.close_segment()
         self._spool.unlock("writer")
-        if message is None and not self._thread.is_alive() and self._all_delivered():
+        if message is None and not self._thread.is_alive() and (never_begun or self._all_delivered()):
             self._spool.remove()  # everything is in MLflow: the spool has done its job
             from keras_sync import _artifacts
 
@@ -704,7 +716,8 @@ class MlflowWriter:
                 reserve.write_bytes(b"\0" * RESERVE_BYTES)
         except OSError as e:
             self._spool_failed(e.strerror or str(e))
-        self._spool_or_hold([{"k": "begin", "ts": begin}])
+        if not self._begin_at_open_deferred:
+            self._spool_or_hold([{"k": "begin", "ts": begin}])
 
     def _drain_to_spool(self) -> None:
         recs: list[dict[str, Any]] = []
@@ -820,7 +833,7 @@ class _ExitLine:
         self._tty = bool(getattr(sys.stderr, "isatty", lambda: False)())
         self._last = 0.0
         left = writer.points_left()
-        if left or writer._queue:
+        if left:
             self._show(left)
 
     def _text(self, left: int) -> str:

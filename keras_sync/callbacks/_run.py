@@ -42,8 +42,12 @@ _recorded: weakref.WeakKeyDictionary[Any, tuple[str, dict[str, Any]]] = weakref.
 RUN_RECORD = "keras_sync_run.json"
 
 
-def writer_for(sync: Any) -> Any:
-    """The started `MlflowWriter` of ``sync`` on the chief; None on other workers."""
+def writer_for(sync: Any, *, early: bool = False) -> Any:
+    """The started `MlflowWriter` of ``sync`` on the chief; None on other workers.
+
+    ``early``: from `keras_sync.load`: the writer and its courier start, but the run is begun
+    only by the first record logged (a `Sync` that never fits makes no run).
+    """
     if not sync.is_chief:
         return None
     writer = _writers.get(sync)
@@ -70,7 +74,7 @@ def writer_for(sync: Any) -> Any:
         # thread: a first run builds its sqlite store and imports MLflow meanwhile, and training
         # does not wait for that.
         writer.on_run = lambda w: announce(w, sync)
-    writer.start()
+    writer.start(defer_begin=early)
     _writers[sync] = writer
     return writer
 
