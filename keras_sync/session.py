@@ -331,12 +331,14 @@ class Sync:
         writer = current_writer(self)
         return writer.run_id if writer is not None else None
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        """End this job's MLflow run now (FINISHED), waiting at most ``timeout_s`` for delivery.
+    def close(self, timeout_s: float | None = None) -> None:
+        """End this job's MLflow run now (FINISHED) and wait for delivery while it makes progress
+        (at most ``timeout_s``, if given), as the process's exit would.
 
-        `fit` already ends it when it returns and MLflow has everything; call this after a
-        `model.fit` of your own (`callbacks`). A later `fit` of this `Sync` continues the run.
-        What MLflow has not received stays in the spool, and a warning says how to deliver it.
+        `fit` already ends the run when it returns (MLflow receives the rest in the background);
+        call this after a `model.fit` of your own (`callbacks`), or to have everything in MLflow
+        before the process goes on. A later `fit` of this `Sync` continues the run. What MLflow
+        has not received stays in the spool, and a warning says how to deliver it.
         """
         from keras_sync.callbacks._run import close_writer
 

@@ -204,8 +204,8 @@ def current_writer(sync: Any) -> Any:
     return _writers.get(sync)
 
 
-def close_writer(sync: Any, timeout_s: float = 10.0) -> None:
-    """End the MLflow run of ``sync`` now (FINISHED), waiting at most ``timeout_s`` for delivery.
+def close_writer(sync: Any, timeout_s: float | None = None) -> None:
+    """End the MLflow run of ``sync`` now (FINISHED), waiting while delivery progresses (at most ``timeout_s``).
 
     The writer is kept (closed): `writer_for` then continues its run, and `Sync.run_id` still names it.
     """
