@@ -89,12 +89,15 @@ def test_fit_ends_the_run_and_the_next_fit_continues_it_where_training_returns_k
 
 
 def test_fit_returns_before_delivery_and_the_exit_delivers_every_step(tmp_path):
-    """A fresh store, two fits, a normal exit: nothing is lost, the run is FINISHED once MLflow has it all."""
+    """A first run (no store yet), two fits, a normal exit: nothing is lost, the run is FINISHED once
+    MLflow has it all, and one line names the run and how to open it."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = tmp_path / "keras_sync.yaml"
+    cfg.write_text(f"strategy: {{kind: default}}\nbatch: {{per_replica: 16}}\n"
+                   f"mlflow: {{tracking_uri: '{uri}', experiment: e, log_every_n_steps: 1}}\n")
     script = textwrap.dedent(f"""
         import json, numpy as np, keras_sync
-        sync = keras_sync.load({{"strategy": {{"kind": "default"}}, "batch": {{"per_replica": 16}},
-                                 "mlflow": {{"tracking_uri": {uri!r}, "experiment": "e", "log_every_n_steps": 1}}}})
+        sync = keras_sync.load({str(cfg)!r})
         import keras
         with sync.scope():
             model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
@@ -119,6 +122,10 @@ def test_fit_returns_before_delivery_and_the_exit_delivers_every_step(tmp_path):
         assert sorted(m.step for m in c.get_metric_history(run.info.run_id, key)) == list(range(1, 33)), key
     # The exit waited: everything is in MLflow, so the spool is gone; at most one line said what was left.
     assert not [p for p in (tmp_path / ".keras_sync_spool").iterdir() if p.is_dir()]
+    # The first run's line names the run and how to open it (the store was being built when fit began).
+    assert (f"keras-sync: metrics go to MLflow at {uri}, experiment 'e', run {run.info.run_id}; "
+            f"view it with: keras-sync ui {cfg}") in r.stderr, r.stderr[-3000:]
+    assert "not created yet" not in r.stderr
     lines = [ln for ln in r.stderr.splitlines() if "not in MLflow yet" in ln]
     assert len(lines) <= 1, lines
     if lines:
