@@ -104,10 +104,9 @@ class Deliverer:
         if self._client is None:
             from mlflow import MlflowClient
 
-            from keras_sync._sqlite_store import BACKGROUND_NICE, ensure_sqlite_store
+            from keras_sync._sqlite_store import ensure_sqlite_store
 
-            # A kill while MLflow builds it would leave it half-built; niced: behind a training's steps.
-            ensure_sqlite_store(self.tracking_uri, nice=BACKGROUND_NICE)
+            ensure_sqlite_store(self.tracking_uri)  # a kill while MLflow builds it would leave it half-built
             self._client = MlflowClient(tracking_uri=self.tracking_uri)
         return self._client
 

@@ -25,13 +25,9 @@ from keras_sync.errors import TrackingError
 _log = logging.getLogger("keras_sync.tracking")
 
 _TMP_MARK = ".keras-sync-creating-"
-#: The nice value of the courier's store build: on a busy machine it runs behind training (an MLflow
-#: import and ~60 migrations, seconds of CPU); only the first delivery waits for it.
-BACKGROUND_NICE = 10
 #: Room a new store needs (a migrated MLflow 3.17 store is ~1.3 MB); checked before MLflow tries.
 _ROOM_BYTES = 2 * 1024 * 1024
-_BUILD = ("import os, sys; os.nice(int(sys.argv[2])); from mlflow import MlflowClient; "
-          "MlflowClient(tracking_uri=sys.argv[1]).search_experiments(max_results=1)")
+_BUILD = "import sys; from mlflow import MlflowClient; MlflowClient(tracking_uri=sys.argv[1]).search_experiments(max_results=1)"
 
 
 def sqlite_path(uri: str) -> Path | None:
@@ -50,13 +46,13 @@ def sqlite_path(uri: str) -> Path | None:
     return Path(raw)
 
 
-def ensure_sqlite_store(uri: str, *, timeout_s: float = 300.0, nice: int = 0) -> bool:
+def ensure_sqlite_store(uri: str, *, timeout_s: float = 300.0) -> bool:
     """Make sure the sqlite store of ``uri`` exists and is complete; True if this call created it.
 
     Any other URI, or a store file that already exists, is left alone. The schema is built by a
     child process in ``.<name>.keras-sync-creating-<pid>-<id>`` beside the target, then linked
-    into place. Leftovers of builders that were killed are removed. ``nice``: the builder's nice
-    value (the background build runs behind training on a busy machine).
+    into place. Leftovers of builders that were killed are removed. A live builder's file (another
+    process building the same store) is waited for instead of building a second copy.
     """
     path = sqlite_path(uri)
     if path is None or path.exists():
@@ -71,7 +67,7 @@ def ensure_sqlite_store(uri: str, *, timeout_s: float = 300.0, nice: int = 0) ->
         # Created now, not when MLflow (imported first: seconds) opens it: a courier that starts
         # meanwhile sees a live builder and waits for it instead of building a second store.
         os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-        done = subprocess.run([sys.executable, "-c", _BUILD, f"sqlite:///{tmp}", str(nice)], capture_output=True,
+        done = subprocess.run([sys.executable, "-c", _BUILD, f"sqlite:///{tmp}"], capture_output=True,
                               text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
         if done.returncode != 0:
             tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
