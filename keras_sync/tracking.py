@@ -561,8 +561,9 @@ class MlflowWriter:
             self._put({"k": "end", "status": status, "ts": int(time.time() * 1000)})
         self.start()
         never_begun = self._begin_deferred  # nothing logged: no run, nothing to deliver; the courier goes
-        line = _ExitLine(self) if at_exit and not never_begun else None
+        line = None
         try:
+            line = _ExitLine(self) if at_exit and not never_begun else None
             delivered = never_begun or self.flush(timeout_s=timeout_s, progress=line.update if line else None)
         except KeyboardInterrupt:  # Ctrl-C at exit: leave the rest in the spool, say how to deliver it
             delivered = False

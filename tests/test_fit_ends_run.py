@@ -130,3 +130,64 @@ def test_fit_returns_before_delivery_and_the_exit_delivers_every_step(tmp_path):
     assert len(lines) <= 1, lines
     if lines:
         assert "Ctrl-C leaves them there for `keras-sync sync-spool " in lines[0], lines[0]
+
+
+def test_ctrl_c_during_the_exit_wait_leaves_the_points_in_the_spool(tmp_path):
+    """The courier is stopped (SIGSTOP) so nothing is delivered; at exit the one line says what is
+    left; Ctrl-C (SIGINT) then ends the wait: the points stay in the spool, and `keras-sync
+    sync-spool` delivers every step and ends the run FINISHED."""
+    import signal
+    import threading
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    script = textwrap.dedent(f"""
+        import os, signal, time, numpy as np, keras_sync
+        from keras_sync.callbacks._run import current_writer
+        sync = keras_sync.load({{"strategy": {{"kind": "default"}}, "batch": {{"per_replica": 16}},
+                                 "mlflow": {{"tracking_uri": {uri!r}, "experiment": "e", "log_every_n_steps": 1}}}})
+        writer = current_writer(sync)
+        while writer._courier is None:  # the spooling thread starts the courier in its first round
+            time.sleep(0.01)
+        os.kill(writer._courier.pid, signal.SIGSTOP)  # it delivers nothing from now on
+        import keras
+        with sync.scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+            model.compile(optimizer="sgd", loss="mse")
+        x = np.random.default_rng(0).normal(size=(256, 4)).astype("float32")
+        sync.fit(model, x, x[:, :1], epochs=1, verbose=0)
+    """)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TF_CONFIG", "MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID", "RAY_RAYLET_PID")}
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, env=dict(env, TF_CPP_MIN_LOG_LEVEL="2"),
+                            stderr=subprocess.PIPE, text=True)
+    watchdog = threading.Timer(600, proc.kill)
+    watchdog.start()
+    try:
+        err = []
+        for line in proc.stderr:
+            err.append(line)
+            if "not in MLflow yet" in line:
+                proc.send_signal(signal.SIGINT)  # Ctrl-C while the exit waits
+                break
+        err += proc.stderr.readlines()
+        proc.wait()
+    finally:
+        watchdog.cancel()
+    text = "".join(err)
+    (line,) = [ln for ln in err if "not in MLflow yet" in ln]
+    spools = [p for p in (tmp_path / ".keras_sync_spool").iterdir() if p.is_dir()]
+    assert len(spools) == 1
+    assert f"They are kept in {spools[0]}: Ctrl-C leaves them there for `keras-sync sync-spool {spools[0]}`" in line
+    assert f"Deliver them with: keras-sync sync-spool {spools[0]}" in text, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    from pathlib import Path
+
+    r = subprocess.run([str(Path(sys.executable).parent / "keras-sync"), "sync-spool", str(spools[0])], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    from mlflow import MlflowClient
+
+    c = MlflowClient(uri)
+    (run,) = c.search_runs([c.get_experiment_by_name("e").experiment_id])
+    assert sorted(m.step for m in c.get_metric_history(run.info.run_id, "sync/replica_0/loss")) == list(range(1, 17))
+    assert run.info.status == "FINISHED"
