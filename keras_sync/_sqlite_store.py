@@ -3,8 +3,8 @@
 MLflow builds its schema (about 60 migrations, 1-2 s) in place the first time a client opens a
 ``sqlite:///`` URI whose file does not exist yet. A process killed during that leaves a
 half-built file, and every later client fails on it ("table webhooks already exists"). keras-sync
-makes sqlite the default store, so it builds a new store in a private file next to the target, in
-a child process, and publishes it with ``os.link``: atomic, and it never replaces a store another
+makes sqlite the default store, so it builds a new store in a private file next to the target
+and publishes it with ``os.link``: atomic, and it never replaces a store another
 process published first.
 """
 
@@ -13,8 +13,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -27,7 +25,6 @@ _log = logging.getLogger("keras_sync.tracking")
 _TMP_MARK = ".keras-sync-creating-"
 #: Room a new store needs (a migrated MLflow 3.17 store is ~1.3 MB); checked before MLflow tries.
 _ROOM_BYTES = 2 * 1024 * 1024
-_BUILD = "import sys; from mlflow import MlflowClient; MlflowClient(tracking_uri=sys.argv[1]).search_experiments(max_results=1)"
 
 
 def sqlite_path(uri: str) -> Path | None:
@@ -49,8 +46,8 @@ def sqlite_path(uri: str) -> Path | None:
 def ensure_sqlite_store(uri: str, *, timeout_s: float = 300.0) -> bool:
     """Make sure the sqlite store of ``uri`` exists and is complete; True if this call created it.
 
-    Any other URI, or a store file that already exists, is left alone. The schema is built by a
-    child process in ``.<name>.keras-sync-creating-<pid>-<id>`` beside the target, then linked
+    Any other URI, or a store file that already exists, is left alone. The schema is built in
+    ``.<name>.keras-sync-creating-<pid>-<id>`` beside the target, then linked
     into place. Leftovers of builders that were killed are removed. A live builder's file (another
     process building the same store) is waited for instead of building a second copy.
     """
@@ -67,11 +64,7 @@ def ensure_sqlite_store(uri: str, *, timeout_s: float = 300.0) -> bool:
         # Created now, not when MLflow (imported first: seconds) opens it: a courier that starts
         # meanwhile sees a live builder and waits for it instead of building a second store.
         os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-        done = subprocess.run([sys.executable, "-c", _BUILD, f"sqlite:///{tmp}"], capture_output=True,
-                              text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
-        if done.returncode != 0:
-            tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-            raise TrackingError(f"Could not create the MLflow store {str(path)!r}: {tail}")
+        _build(tmp, path)
         try:
             os.link(tmp, path)  # atomic; FileExistsError if another process published first
         except FileExistsError:
@@ -103,6 +96,23 @@ def _wait_for_live_builder(path: Path, timeout_s: float) -> bool:
 def _builder_alive(tmp: Path, path: Path) -> bool:
     pid_text = tmp.name[len(f".{path.name}{_TMP_MARK}"):].split("-", 1)[0]
     return pid_text.isdigit() and _alive(int(pid_text))
+
+
+def _build(tmp: Path, path: Path) -> None:
+    """MLflow's schema in ``tmp``, built in this process (the courier imports MLflow anyway: a child
+    process for it cost a second import, ~1.5 s of a core beside the first fit); its engine is
+    closed before ``tmp`` is published, so no connection outlives the private name."""
+    try:
+        from mlflow import MlflowClient
+
+        client = MlflowClient(tracking_uri=f"sqlite:///{tmp}")
+        client.search_experiments(max_results=1)
+        engine = getattr(getattr(client._tracking_client, "store", None), "engine", None)
+        if engine is not None:
+            engine.dispose()
+    except Exception as e:  # noqa: BLE001 - said in one line, with MLflow's own last words
+        tail = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+        raise TrackingError(f"Could not create the MLflow store {str(path)!r}: {tail}") from None
 
 
 def check_creatable(uri: str) -> None:
