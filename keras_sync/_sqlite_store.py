@@ -102,9 +102,13 @@ def _build(tmp: Path, path: Path) -> None:
     """MLflow's schema in ``tmp``, built in this process (the courier imports MLflow anyway: a child
     process for it cost a second import, ~1.5 s of a core beside the first fit); its engine is
     closed before ``tmp`` is published, so no connection outlives the private name."""
+    quiet = [logging.getLogger(name) for name in ("mlflow", "alembic")]
+    levels = [lg.level for lg in quiet]
     try:
         from mlflow import MlflowClient
 
+        for lg in quiet:  # "Creating initial MLflow database tables..." is ours to say, or not
+            lg.setLevel(logging.WARNING)
         client = MlflowClient(tracking_uri=f"sqlite:///{tmp}")
         client.search_experiments(max_results=1)
         engine = getattr(getattr(client._tracking_client, "store", None), "engine", None)
@@ -113,6 +117,9 @@ def _build(tmp: Path, path: Path) -> None:
     except Exception as e:  # noqa: BLE001 - said in one line, with MLflow's own last words
         tail = (str(e).strip().splitlines() or [type(e).__name__])[-1]
         raise TrackingError(f"Could not create the MLflow store {str(path)!r}: {tail}") from None
+    finally:
+        for lg, level in zip(quiet, levels):
+            lg.setLevel(level)
 
 
 def check_creatable(uri: str) -> None:
