@@ -100,6 +100,8 @@ _live_writers: weakref.WeakSet[MlflowWriter] = weakref.WeakSet()
 
 
 _exit_status: str | None = None
+#: The longest a preempted process (its run ending KILLED) waits at exit for delivery (seconds).
+PREEMPTED_EXIT_WAIT_S = 10.0
 
 
 def end_runs_at_exit_as(status: str) -> None:
@@ -120,10 +122,12 @@ def end_runs_at_exit_as(status: str) -> None:
 def _close_at_exit() -> None:
     # An uncaught exception has been printed by now, and left sys.last_type behind.
     status = "FAILED" if getattr(sys, "last_type", None) is not None else (_exit_status or "FINISHED")
+    # What `fit` left to deliver in the background is waited for here, while delivery makes
+    # progress, with one line saying what is left and that Ctrl-C leaves it in the spool. A
+    # preempted job (KILLED) has a grace period to keep: its relaunch delivers what is left.
+    limit = PREEMPTED_EXIT_WAIT_S if status == "KILLED" else None
     for w in list(_live_writers):
-        # What `fit` left to deliver in the background is waited for here, while delivery makes
-        # progress, with one line saying what is left and that Ctrl-C leaves it in the spool.
-        w.close(timeout_s=None, status=status, at_exit=True)
+        w.close(timeout_s=limit, status=status, at_exit=True)
 
 
 def _lower_thread_priority() -> None:
