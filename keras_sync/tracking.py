@@ -683,7 +683,8 @@ class MlflowWriter:
 
     def _tell_run(self) -> None:
         """Call `on_run` once the run id is known (or MLflow failed before it was)."""
-        if self.on_run is not None and (self.run_id is not None or self.failure() is not None):
+        if self.on_run is not None and not self._begin_deferred and (
+                self.run_id is not None or self.failure() is not None):
             on_run, self.on_run = self.on_run, None
             try:
                 on_run(self)
