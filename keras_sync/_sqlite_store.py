@@ -100,8 +100,8 @@ def _builder_alive(tmp: Path, path: Path) -> bool:
 
 def _build(tmp: Path, path: Path) -> None:
     """MLflow's schema in ``tmp``, built in this process (the courier imports MLflow anyway: a child
-    process for it cost a second import, ~1.5 s of a core beside the first fit); its engine is
-    closed before ``tmp`` is published, so no connection outlives the private name."""
+    process for it cost a second import, ~1.5 s of a core beside the first fit). MLflow's pool may
+    keep an idle connection to the private name: no transaction, so no lock, and never used again."""
     quiet = [logging.getLogger(name) for name in ("mlflow", "alembic")]
     levels = [lg.level for lg in quiet]
     try:
@@ -109,11 +109,7 @@ def _build(tmp: Path, path: Path) -> None:
 
         for lg in quiet:  # "Creating initial MLflow database tables..." is ours to say, or not
             lg.setLevel(logging.WARNING)
-        client = MlflowClient(tracking_uri=f"sqlite:///{tmp}")
-        client.search_experiments(max_results=1)
-        engine = getattr(getattr(client._tracking_client, "store", None), "engine", None)
-        if engine is not None:
-            engine.dispose()
+        MlflowClient(tracking_uri=f"sqlite:///{tmp}").search_experiments(max_results=1)
     except Exception as e:  # noqa: BLE001 - said in one line, with MLflow's own last words
         tail = (str(e).strip().splitlines() or [type(e).__name__])[-1]
         raise TrackingError(f"Could not create the MLflow store {str(path)!r}: {tail}") from None
