@@ -1,216 +1,197 @@
-"""What the sync metrics cost a user: whole `sync.fit` calls, the wait at their end included.
+"""What the sync metrics cost a user: whole `sync.fit` calls, as ratios to metrics off in the same run.
 
-    .venv/bin/python benchmarks/bench_sync_metrics.py [--rounds 3] [--steps 1500] [--busy 0|2]
-        [--store sqlite|http|down] [--deliver process|thread]
+    .venv/bin/python benchmarks/bench_sync_metrics.py [--pairs 3] [--cases busy,every_step,default,down]
 
-The model is the issue's: 2 simulated CPU replicas, Dense 8-16-1, per-replica batch 16, one
-epoch of ``--steps`` steps per fit. One process runs every variant, each with its own `Sync` and
-model: metrics off (the baseline, measured in the same process), our metrics every step, every
-50 steps, ``auto``, and with ``log_every_n_steps`` left at its default. One untimed warm-up fit per variant
-takes tracing, run creation and the courier's start out of the timing. Then each round runs every
-variant once in a fresh random order. A fit's time is what the user waits for: from calling
-`sync.fit` to its return, the end-of-fit wait for delivery included. After each fit an untimed
-check records whether MLflow had every metric point when `fit` returned (the sync report, drawn
-by the courier, follows just after).
+Each figure of issue 26's table is measured with process pairs: one process trains with metrics
+off, the other with them on (the order alternates), each a fresh Python process with a fresh
+sqlite store, the model of the issue (2 simulated CPU replicas, Dense 8-16-1, per-replica batch
+16). A fit's time is what the user waits for: from calling `sync.fit` to its return. After each
+process has exited, MLflow is read: the run must be FINISHED and hold every step logged (the
+exit waits for what `fit` left to deliver in the background; that wait is shown apart).
+A case's figure is the median over the pairs of (fit with metrics) / (fit without).
 
-Reported per variant: fastest fit, median fit, and the ratios to the baseline (fastest over
-fastest; median of the per-round ratios). The issue's goals: every step <= 1.10x, every 50 steps
-<= 1.03x on a quiet machine; <= 1.3x with both cores busy (``--busy 2`` starts two busy-loop
-processes) and every step in MLflow at the end; <= 1.5x with the server down (``--store down``).
+Cases (goals from the issue):
 
-``--store http`` starts a real ``mlflow server`` (sqlite behind it, one worker); ``--deliver
-thread`` runs the courier's delivery loop in a thread of the training process instead of a child
-process (the alternative the courier's docstring argues against), to measure both.
+- ``busy``: two CPU-bound busy loops beside training, a fresh store, the first `fit` of the
+  process (200 steps; store creation, MLflow's import and the run's creation all fall in it),
+  every step logged; <= 1.3x and every step in MLflow when the process ends.
+- ``every_step``: quiet machine, every step logged, 1500 steps per fit, after one untimed
+  warm-up fit in the same process, the fastest of 3 timed fits (tf.data adds a 5-20 s wait to
+  some fits' teardown under load, metrics or not: one fit per process made ratios of 0.5x-15x);
+  <= 1.20x.
+- ``default``: quiet machine, nothing set (``log_every_n_steps`` at its default), as
+  ``every_step`` otherwise; <= 1.05x.
+- ``down``: the tracking server is down (nothing listens at its address), default settings,
+  as ``default`` otherwise; the issue keeps 0.95-1.10x.
+
+The machine this runs on may be shared: the load average at the start and end is printed, with
+every raw time.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import random
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.request
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-
-def start_server(root: str) -> tuple[subprocess.Popen[bytes], str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
-    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root}/srv.db",
-                             "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
-    uri = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            with urllib.request.urlopen(f"{uri}/health", timeout=1):
-                return proc, uri
-        except OSError:
-            time.sleep(0.5)
-    raise RuntimeError("mlflow server did not start")
+CASES = {
+    # name: (busy loops, steps, warm-up fit, log_every_n_steps (None: default), store, goal, timed fits)
+    "busy": (2, 200, False, 1, "sqlite", 1.3, 1),
+    "every_step": (0, 1500, True, 1, "sqlite", 1.20, 3),
+    "default": (0, 1500, True, None, "sqlite", 1.05, 3),
+    "down": (0, 1500, True, None, "down", 1.10, 3),
+}
 
 
-class _ThreadCourier:
-    """Stands in for the courier process: the same delivery loop, in a thread of this process."""
+def child(args: argparse.Namespace) -> int:
+    """One process: load, build, (warm up), time one fit; the result goes to ``args.out``."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import warnings
 
-    def __init__(self, spool, uri):
-        from keras_sync._courier import Delivery
-
-        self._stop = False
-        spool.wait_lock("deliver")
-        self._delivery = Delivery(spool, uri)
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-        self.returncode = None
-
-    def _serve(self):
-        from keras_sync import _courier
-
-        d = self._delivery
-        while not self._stop and not d.ended:
-            try:
-                d.deliver_available()
-                d.report(None)
-            except Exception as e:  # noqa: BLE001
-                d.report(e)
-                time.sleep(1.0)
-            time.sleep(_courier.POLL_S)
-        self.returncode = 0
-
-    def poll(self):
-        return self.returncode
-
-    def wait(self, timeout=None):
-        self._thread.join(timeout)
-        return self.returncode
-
-    def terminate(self):
-        self._stop = True
-
-    kill = terminate
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=1500)
-    ap.add_argument("--busy", type=int, default=0, help="busy-loop processes to start beside training")
-    ap.add_argument("--store", choices=("sqlite", "http", "down"), default="sqlite")
-    ap.add_argument("--deliver", choices=("process", "thread"), default="process")
-    args = ap.parse_args()
-
-    tmp = tempfile.mkdtemp(prefix="bench_sync_metrics_")
-    os.chdir(tmp)  # spools and stores stay out of the checkout
-    server = None
-    if args.store == "http":
-        server, uri = start_server(tmp)
-    elif args.store == "down":
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            uri = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens there
-    else:
-        uri = f"sqlite:///{tmp}/ours.db"
-    if args.deliver == "thread":
-        from keras_sync import _courier
-
-        _courier.spawn = lambda spool, u: _ThreadCourier(spool, u)
+    warnings.simplefilter("ignore")  # server down: a warning, expected
     import numpy as np
 
     import keras_sync
 
-    def config(enabled: bool, every: int | str | None, report: str | None = None) -> dict:
-        mlflow = {"enabled": enabled, "tracking_uri": uri, "experiment": "bench"}
-        if every is not None:
-            mlflow["log_every_n_steps"] = every
-        if report is not None:
-            mlflow["sync_report"] = report
-        return {"strategy": {"kind": "mirrored", "simulated_cpu_replicas": 2}, "batch": {"per_replica": 16},
-                "learning_rate": {"base": 0.01, "scaling": "none"}, "mlflow": mlflow}
-
-    variants = {"off": config(False, None), "every_step": config(True, 1), "every_50": config(True, 50),
-                "auto": config(True, "auto"), "default": config(True, None),
-                # the train-end sync_report.png (matplotlib) is a cost per fit, not per step: shown apart
-                "every_50_no_report": config(True, 50, report="off")}
-    syncs = {name: keras_sync.load(cfg) for name, cfg in variants.items()}
+    mlflow: dict = {"enabled": args.metrics == "on", "tracking_uri": args.uri, "experiment": "bench"}
+    if args.every != "default":
+        mlflow["log_every_n_steps"] = int(args.every)
+    sync = keras_sync.load({"strategy": {"kind": "mirrored", "simulated_cpu_replicas": 2}, "batch": {"per_replica": 16},
+                            "learning_rate": {"base": 0.01, "scaling": "none"}, "mlflow": mlflow})
     import keras
 
     rng = np.random.default_rng(0)
     n = 32 * args.steps
     x = rng.normal(size=(n, 8)).astype("float32")
     y = (x @ rng.normal(size=(8, 1))).astype("float32")
-
-    def model_for(sync):
-        keras.utils.set_random_seed(0)
-        with sync.scope():
-            m = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)])
-            m.compile(optimizer=keras.optimizers.SGD(sync.lr_schedule()), loss="mse")
-        return m
-
-    models = {name: model_for(sync) for name, sync in syncs.items()}
-    from keras_sync.callbacks._run import _writers
-
-    complete: dict[str, list[bool]] = {name: [] for name in variants}
-
-    def fit(name: str) -> float:
-        sync = syncs[name]
+    keras.utils.set_random_seed(0)
+    with sync.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(sync.lr_schedule()), loss="mse")
+    if args.warm:
+        sync.fit(model, x, y, epochs=1, shuffle=False, verbose=0)
+    took = []
+    for _ in range(args.repeat):
         t0 = time.perf_counter()
-        sync.fit(models[name], x, y, epochs=1, shuffle=False, verbose=0)
-        took = time.perf_counter() - t0
-        writer = _writers.get(sync)
-        if writer is not None:  # untimed: did MLflow have every metric point when fit returned?
-            from keras_sync._spool import SpoolDir
+        sync.fit(model, x, y, epochs=1, shuffle=False, verbose=0)
+        took.append(time.perf_counter() - t0)
+    with open(args.out, "w") as fh:
+        json.dump({"fit_s": min(took), "fits_s": took, "returned_at": time.time(), "run_id": sync.run_id}, fh)
+    return 0  # the exit waits for what is left to deliver (atexit)
 
-            spool = SpoolDir(writer.spool_path)
-            left = [rec["k"] for _, rec in spool.read(spool.delivered(), max_records=10**6)]
-            # The sync report's data follows the run's end: the courier draws it after fit returns.
-            complete[name].append(not writer._queue and set(left) <= {"report"})
-        return took
 
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
-    try:
-        import warnings
+def run_child(case: str, metrics: str, uri: str, out: str) -> dict:
+    busy, steps, warm, every, _, _, repeat = CASES[case]
+    cmd = [sys.executable, __file__, "--child", "--metrics", metrics, "--uri", uri, "--steps", str(steps),
+           "--repeat", str(repeat),
+           "--every", "default" if every is None else str(every), "--out", out] + (["--warm"] if warm else [])
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID",
+                                                            "KERAS_SYNC_CONFIG", "TF_CONFIG")}
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=os.path.dirname(out), timeout=1800)
+    ended = time.time()
+    if r.returncode != 0:
+        raise RuntimeError(f"{case}/{metrics} failed ({r.returncode}): {r.stderr[-2000:]}")
+    res = json.loads(open(out).read())
+    res["exit_wait_s"] = ended - res["returned_at"]
+    res["stderr"] = r.stderr
+    return res
 
-        warnings.simplefilter("ignore")  # server down: one warning per variant, expected
-        for name in variants:  # warm-up: tracing, run creation, store migration, courier start
-            fit(name)
-        for v in complete.values():
-            v.clear()
-        times: dict[str, list[float]] = {name: [] for name in variants}
-        order_rng = random.Random(0)
-        for r in range(args.rounds):
-            order = list(variants)
-            order_rng.shuffle(order)
-            for name in order:
-                times[name].append(fit(name))
-            print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()),
-                  file=sys.stderr, flush=True)
-    finally:
-        for p in busy:
-            p.kill()
-        if server is not None:
-            server.kill()
 
-    load = os.getloadavg()
-    med = statistics.median
-    paired = {k: med(a / b for a, b in zip(v, times["off"])) for k, v in times.items()}
-    print(f"\nsync.fit, 2 simulated CPU replicas, Dense 8-16-1, per-replica batch 16, {args.steps} steps per fit, "
-          f"{args.rounds} rounds; store {args.store}, delivery in a {args.deliver}, {args.busy} busy-loop "
-          f"process(es); load average {load[0]:.1f} (keras {keras.version()})")
-    print(f"{'variant':<20}{'fastest s':>10}{'median s':>10}{'ratio fastest':>15}{'ratio paired':>14}"
-          f"{'in MLflow at fit end':>22}")
-    for k in variants:
-        done = complete[k]
-        at_end = "-" if not done else f"{sum(done)}/{len(done)}"
-        print(f"{k:<20}{min(times[k]):>10.3f}{med(times[k]):>10.3f}{min(times[k]) / min(times['off']):>15.3f}"
-              f"{paired[k]:>14.3f}{at_end:>22}")
+def check_mlflow(uri: str, case: str) -> str:
+    """After the process ended: FINISHED, and every step logged is there ('ok'), else what is missing."""
+    from mlflow import MlflowClient
+
+    _, steps, warm, every, _, _, repeat = CASES[case]
+    c = MlflowClient(uri)
+    exp = c.get_experiment_by_name("bench")
+    runs = c.search_runs([exp.experiment_id]) if exp else []
+    if len(runs) != 1:
+        return f"{len(runs)} runs"
+    run = runs[0]
+    total = steps * (repeat + (1 if warm else 0))
+    got = sorted(m.step for m in c.get_metric_history(run.info.run_id, "sync/replica_0/loss"))
+    if every == 1 and got != list(range(1, total + 1)):
+        return f"{len(got)}/{total} steps"
+    if every is None and (not got or got[-1] != total):  # auto: each epoch's last step is logged
+        return f"last step {got[-1] if got else None} of {total}"
+    if run.info.status != "FINISHED":
+        return run.info.status
+    return "ok"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--metrics", choices=("on", "off"), help=argparse.SUPPRESS)
+    ap.add_argument("--uri", help=argparse.SUPPRESS)
+    ap.add_argument("--steps", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--every", help=argparse.SUPPRESS)
+    ap.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--repeat", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child(args)
+
+    tmp = tempfile.mkdtemp(prefix="bench_sync_metrics_")
+    load0 = os.getloadavg()[0]
+    rows = []
+    for case in args.cases.split(","):
+        busy_n, steps, warm, every, store, goal, _ = CASES[case]
+        busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy_n)]
+        ratios, on_s, off_s, waits, checks, raw = [], [], [], [], [], {}
+        try:
+            for i in range(args.pairs):
+                times = {}
+                for metrics in (("off", "on") if i % 2 == 0 else ("on", "off")):
+                    d = os.path.join(tmp, f"{case}-{i}-{metrics}")
+                    os.makedirs(d)
+                    if store == "down":
+                        with socket.socket() as s:
+                            s.bind(("127.0.0.1", 0))
+                            uri = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens there
+                    else:
+                        uri = f"sqlite:///{d}/mlflow.db"  # fresh: created by this process
+                    res = run_child(case, metrics, uri, os.path.join(d, "out.json"))
+                    times[metrics] = res["fit_s"]
+                    raw.setdefault(metrics, []).append(res["fits_s"])
+                    if metrics == "on":
+                        waits.append(res["exit_wait_s"])
+                        checks.append(check_mlflow(uri, case) if store != "down" else "-")
+                ratios.append(times["on"] / times["off"])
+                on_s.append(times["on"])
+                off_s.append(times["off"])
+                print(f"{case} pair {i + 1}: off {times['off']:.2f}s, on {times['on']:.2f}s, ratio {ratios[-1]:.3f} "
+                      f"(every fit: off {' '.join(f'{t:.2f}' for t in raw['off'][-1])}, "
+                      f"on {' '.join(f'{t:.2f}' for t in raw['on'][-1])}), "
+                      f"exit wait {waits[-1]:.2f}s, MLflow at exit: {checks[-1]}", file=sys.stderr, flush=True)
+        finally:
+            for p in busy:
+                p.kill()
+                p.wait()
+        rows.append((case, busy_n, steps, warm, every, goal, statistics.median(ratios), off_s, on_s, waits, checks))
+
+    import keras_sync
+
+    print(f"\nsync.fit, 2 simulated CPU replicas, Dense 8-16-1, per-replica batch 16; {args.pairs} process pairs "
+          f"per case (fresh process and sqlite store each); load average {load0:.1f} at start, "
+          f"{os.getloadavg()[0]:.1f} at end (keras-sync {keras_sync.__version__})")
+    print(f"{'case':<12}{'busy':>5}{'steps':>6}{'warm':>5}{'every':>8}{'ratio':>8}{'goal':>7}  "
+          f"{'off s (raw)':<22}{'on s (raw)':<22}{'exit wait s':<20}in MLflow at exit")
+    for case, busy_n, steps, warm, every, goal, ratio, off_s, on_s, waits, checks in rows:
+        fmt = lambda v: " ".join(f"{t:.2f}" for t in v)  # noqa: E731
+        print(f"{case:<12}{busy_n:>5}{steps:>6}{'yes' if warm else 'no':>5}{'default' if every is None else every:>8}"
+              f"{ratio:>7.3f}x{'<=' + format(goal, 'g'):>7}  {fmt(off_s):<22}{fmt(on_s):<22}{fmt(waits):<20}"
+              f"{sum(c == 'ok' for c in checks)}/{len(checks)} ok" + ("" if all(c == "ok" for c in checks) else
+                                                                       f" ({', '.join(checks)})"))
     return 0
 
 

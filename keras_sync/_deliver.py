@@ -214,6 +214,8 @@ class Deliverer:
         """Deliver records in order; return how many metric points were sent."""
         from mlflow.entities import Metric, Param, RunTag
 
+        if all(rec["k"] == "stop" for rec in records):  # a writer that logged nothing: no run to make
+            return 0
         if records and records[0]["k"] != "begin":  # a "begin" sets the start time of a new run first
             self.ensure_run(continuing=True)
         c = self.client()

@@ -3,8 +3,8 @@
 MLflow builds its schema (about 60 migrations, 1-2 s) in place the first time a client opens a
 ``sqlite:///`` URI whose file does not exist yet. A process killed during that leaves a
 half-built file, and every later client fails on it ("table webhooks already exists"). keras-sync
-makes sqlite the default store, so it builds a new store in a private file next to the target, in
-a child process, and publishes it with ``os.link``: atomic, and it never replaces a store another
+makes sqlite the default store, so it builds a new store in a private file next to the target
+and publishes it with ``os.link``: atomic, and it never replaces a store another
 process published first.
 """
 
@@ -13,8 +13,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import subprocess
-import sys
+import time
 import uuid
 from pathlib import Path
 from urllib.parse import unquote
@@ -26,7 +25,6 @@ _log = logging.getLogger("keras_sync.tracking")
 _TMP_MARK = ".keras-sync-creating-"
 #: Room a new store needs (a migrated MLflow 3.17 store is ~1.3 MB); checked before MLflow tries.
 _ROOM_BYTES = 2 * 1024 * 1024
-_BUILD = "import sys; from mlflow import MlflowClient; MlflowClient(tracking_uri=sys.argv[1]).search_experiments(max_results=1)"
 
 
 def sqlite_path(uri: str) -> Path | None:
@@ -48,23 +46,25 @@ def sqlite_path(uri: str) -> Path | None:
 def ensure_sqlite_store(uri: str, *, timeout_s: float = 300.0) -> bool:
     """Make sure the sqlite store of ``uri`` exists and is complete; True if this call created it.
 
-    Any other URI, or a store file that already exists, is left alone. The schema is built by a
-    child process in ``.<name>.keras-sync-creating-<pid>-<id>`` beside the target, then linked
-    into place. Leftovers of builders that were killed are removed.
+    Any other URI, or a store file that already exists, is left alone. The schema is built in
+    ``.<name>.keras-sync-creating-<pid>-<id>`` beside the target, then linked
+    into place. Leftovers of builders that were killed are removed. A live builder's file (another
+    process building the same store) is waited for instead of building a second copy.
     """
     path = sqlite_path(uri)
     if path is None or path.exists():
         return False
     path = path.absolute()
     check_creatable(uri)
+    if _wait_for_live_builder(path, timeout_s):
+        return False  # another process built it meanwhile
     _remove_leftovers(path)
     tmp = path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
-        done = subprocess.run([sys.executable, "-c", _BUILD, f"sqlite:///{tmp}"], capture_output=True,
-                              text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
-        if done.returncode != 0:
-            tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-            raise TrackingError(f"Could not create the MLflow store {str(path)!r}: {tail}")
+        # Created now, not when MLflow (imported first: seconds) opens it: a courier that starts
+        # meanwhile sees a live builder and waits for it instead of building a second store.
+        os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        _build(tmp, path)
         try:
             os.link(tmp, path)  # atomic; FileExistsError if another process published first
         except FileExistsError:
@@ -77,6 +77,45 @@ def ensure_sqlite_store(uri: str, *, timeout_s: float = 300.0) -> bool:
                 leftover.unlink()
             except FileNotFoundError:
                 pass
+
+
+def _wait_for_live_builder(path: Path, timeout_s: float) -> bool:
+    """Wait while a live process builds ``path``; True if the store exists now."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists():
+            return True
+        builders = [p for p in path.parent.glob(f".{path.name}{_TMP_MARK}*")
+                    if not p.name.endswith(("-journal", "-room")) and _builder_alive(p, path)]
+        if not builders:
+            return path.exists()
+        time.sleep(0.05)
+    return path.exists()
+
+
+def _builder_alive(tmp: Path, path: Path) -> bool:
+    pid_text = tmp.name[len(f".{path.name}{_TMP_MARK}"):].split("-", 1)[0]
+    return pid_text.isdigit() and _alive(int(pid_text))
+
+
+def _build(tmp: Path, path: Path) -> None:
+    """MLflow's schema in ``tmp``, built in this process (the courier imports MLflow anyway: a child
+    process for it cost a second import, ~1.5 s of a core beside the first fit). MLflow's pool may
+    keep an idle connection to the private name: no transaction, so no lock, and never used again."""
+    quiet = [logging.getLogger(name) for name in ("mlflow", "alembic")]
+    levels = [lg.level for lg in quiet]
+    try:
+        from mlflow import MlflowClient
+
+        for lg in quiet:  # "Creating initial MLflow database tables..." is ours to say, or not
+            lg.setLevel(logging.WARNING)
+        MlflowClient(tracking_uri=f"sqlite:///{tmp}").search_experiments(max_results=1)
+    except Exception as e:  # noqa: BLE001 - said in one line, with MLflow's own last words
+        tail = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+        raise TrackingError(f"Could not create the MLflow store {str(path)!r}: {tail}") from None
+    finally:
+        for lg, level in zip(quiet, levels):
+            lg.setLevel(level)
 
 
 def check_creatable(uri: str) -> None:
@@ -128,8 +167,7 @@ def _probe_writable(uri: str, tmp: Path) -> None:
 def _remove_leftovers(path: Path) -> None:
     """Delete private build files of ``path`` whose builder process is gone."""
     for p in path.parent.glob(f".{path.name}{_TMP_MARK}*"):
-        pid_text = p.name[len(f".{path.name}{_TMP_MARK}"):].split("-", 1)[0]
-        if pid_text.isdigit() and _alive(int(pid_text)):
+        if _builder_alive(p, path):
             continue
         try:
             p.unlink()

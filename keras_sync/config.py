@@ -166,8 +166,9 @@ class MlflowConfig:
                             "runs with the same job id share one MLflow run; $KERAS_SYNC_JOB_ID wins over it; "
                             "null = a new run per job (a relaunch that restores a backup continues its run)")
     spool_dir: str = _f(".keras_sync_spool", Str(), "where metrics wait for delivery to MLflow (relative to the cwd)")
-    log_every_n_steps: int | str = _f(1, WordOrInt(word="auto", unit="steps"), "log step metrics every N optimizer "
-                                      "steps; auto: often enough for 10 points a second at most, and each epoch's last step")
+    log_every_n_steps: int | str = _f("auto", WordOrInt(word="auto", unit="steps"), "log step metrics every N optimizer "
+                                      "steps; auto: at most 10 points a second, and each epoch's last step; a point "
+                                      "for several steps adds their peaks (sync/window_max/*)")
     allreduce_probe: bool = _f(False, Bool(), "time one all-reduce of the gradients' size at train start")
     system_metrics: bool = _f(False, Bool(), "MLflow's system metrics (CPU, memory, disk, network, GPU) as "
                               "system/*, every 10 s")

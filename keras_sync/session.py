@@ -66,6 +66,12 @@ def load(
 
     _paths.check_config_paths(cfg, is_chief=sync.is_chief)  # now, not at the first save or metric
     _run_checks.watch_direct_fit(sync)  # model.fit on a model of sync.scope() without keras-sync: one line
+    if sync.is_chief and cfg.mlflow.enabled:
+        from keras_sync.callbacks._run import writer_for
+
+        # The courier starts now (it imports MLflow, builds a first run's store) while the user
+        # builds the model; the run itself is made when the first fit logs.
+        writer_for(sync, early=True)
     if sync.is_chief:
         print(f"keras-sync: config: {cfg.origin()}", file=sys.stderr)
     from keras_sync import runtime
@@ -328,12 +334,14 @@ class Sync:
         writer = current_writer(self)
         return writer.run_id if writer is not None else None
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        """End this job's MLflow run now (FINISHED), waiting at most ``timeout_s`` for delivery.
+    def close(self, timeout_s: float | None = None) -> None:
+        """End this job's MLflow run now (FINISHED) and wait for delivery while it makes progress
+        (at most ``timeout_s``, if given), as the process's exit would.
 
-        `fit` already ends it when it returns and MLflow has everything; call this after a
-        `model.fit` of your own (`callbacks`). A later `fit` of this `Sync` continues the run.
-        What MLflow has not received stays in the spool, and a warning says how to deliver it.
+        `fit` already ends the run when it returns (MLflow receives the rest in the background);
+        call this after a `model.fit` of your own (`callbacks`), or to have everything in MLflow
+        before the process goes on. A later `fit` of this `Sync` continues the run. What MLflow
+        has not received stays in the spool, and a warning says how to deliver it.
         """
         from keras_sync.callbacks._run import close_writer
 

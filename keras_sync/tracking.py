@@ -97,10 +97,11 @@ def _clip(value: str, limit: int) -> str:
 
 
 _live_writers: weakref.WeakSet[MlflowWriter] = weakref.WeakSet()
-_ATEXIT_TIMEOUT_S = 10.0
 
 
 _exit_status: str | None = None
+#: The longest a preempted process (its run ending KILLED) waits at exit for delivery (seconds).
+PREEMPTED_EXIT_WAIT_S = 10.0
 
 
 def end_runs_at_exit_as(status: str) -> None:
@@ -121,8 +122,12 @@ def end_runs_at_exit_as(status: str) -> None:
 def _close_at_exit() -> None:
     # An uncaught exception has been printed by now, and left sys.last_type behind.
     status = "FAILED" if getattr(sys, "last_type", None) is not None else (_exit_status or "FINISHED")
+    # What `fit` left to deliver in the background is waited for here, while delivery makes
+    # progress, with one line saying what is left and that Ctrl-C leaves it in the spool. A
+    # preempted job (KILLED) has a grace period to keep: its relaunch delivers what is left.
+    limit = PREEMPTED_EXIT_WAIT_S if status == "KILLED" else None
     for w in list(_live_writers):
-        w.close(timeout_s=_ATEXIT_TIMEOUT_S, status=status)
+        w.close(timeout_s=limit, status=status, at_exit=True)
 
 
 def _lower_thread_priority() -> None:
@@ -233,11 +238,19 @@ class MlflowWriter:
         self._warned_fit = False
         self._said_refused = False  # the one line on refused credentials was said
         self._said_lock = threading.Lock()
+        self._begin_deferred = self._begin_at_open_deferred = False  # start(defer_begin=True)
         self._run_ended = False  # end_run() was called and nothing was logged since
         self._deferred_report: dict[str, Any] | None = None  # queued after end_run's wait (log_sync_report)
         #: Set by `keras_sync.Sync.fit` while its `fit` runs: it ends the run itself when fit
         #: returns (`end_run`), so `end_of_fit` need not wait for delivery a first time.
         self.run_ends_after_fit = False
+        #: Whether `end_of_fit` waits for delivery. `keras_sync.callbacks._run.writer_for` sets it only
+        #: where the process is killed as soon as training returns (Ray Train); elsewhere what is left
+        #: is delivered in the background and waited for at exit (`close`).
+        self.wait_at_end_of_fit = True
+        #: Called once, from the spooling thread, when the run id is known or MLflow first fails
+        #: before it is (the line that says where the metrics go); None: nothing to call.
+        self.on_run: Any = None
         self._status: dict[str, Any] | None = None
         self._key_cache: dict[str, str] = {}
         self._run: dict[str, Any] = {}
@@ -327,12 +340,18 @@ class MlflowWriter:
         return pos >= target[0] and held >= target[1]
 
     # ---- the caller's side: O(1), no I/O ----
-    def start(self) -> None:
-        """Start the spooling thread and the courier; returns at once."""
+    def start(self, defer_begin: bool = False) -> None:
+        """Start the spooling thread and the courier; returns at once.
+
+        ``defer_begin``: the run is begun (found or created) by the first record logged, not now;
+        a writer that logs nothing makes no run. The courier still starts now: it imports MLflow
+        and builds a first run's store before there is anything to deliver.
+        """
         if self._thread is None:
             # The run starts now, not when the thread gets to write its "begin" record: on a busy
             # machine that came after close() had stamped the end (start_time > end_time seen).
             self._started_ms = int(time.time() * 1000)
+            self._begin_deferred = self._begin_at_open_deferred = defer_begin
             self._launcher = _courier.Launcher()  # on this thread: the courier is not niced with the spooling
             self._thread = threading.Thread(target=self._loop, name="keras-sync-mlflow", daemon=True)
             self._thread.start()
@@ -342,6 +361,10 @@ class MlflowWriter:
             raise TrackingError("MlflowWriter is closed; create a new writer to log more.")
         if self._dead:
             return  # the spool failed and said so once; do not grow memory forever
+        if self._begin_deferred and rec["k"] != "stop":  # the first record begins the run (start(defer_begin))
+            self._begin_deferred = False
+            self._started_ms = int(time.time() * 1000)
+            self._queue.append((next(self._seq), {"k": "begin", "ts": self._started_ms}))
         if self._run_ended and rec["k"] not in ("end", "stop", "report"):
             # Logging after end_run: the run is reopened (RUNNING again), this writer's run only.
             self._run_ended = False
@@ -421,7 +444,8 @@ class MlflowWriter:
         with self._spooled:
             return self._spooled.wait_for(lambda: self._spooled_seq >= target or self._dead, timeout=timeout_s)
 
-    def flush(self, timeout_s: float | None = None, stall_s: float = STALL_S) -> bool:
+    def flush(self, timeout_s: float | None = None, stall_s: float = STALL_S,
+              progress: Any = None) -> bool:
         """Wait until MLflow has everything queued so far; True if it has.
 
         Waits while delivery makes progress: returns False at once when the courier's last
@@ -445,6 +469,8 @@ class MlflowWriter:
             pos = self._progress()
             if pos != seen:
                 seen, last_move = pos, time.monotonic()
+                if progress is not None:
+                    progress()
         return True
 
     def end_of_fit(self) -> None:
@@ -452,7 +478,7 @@ class MlflowWriter:
 
         Under `keras_sync.Sync.fit` (``run_ends_after_fit``) it returns at once: `end_run` waits after fit.
         """
-        if self.run_ends_after_fit or self.flush():
+        if self.run_ends_after_fit or not self.wait_at_end_of_fit or self.flush():
             return
         self._warn_undelivered()
 
@@ -465,7 +491,7 @@ class MlflowWriter:
             warnings.warn(message, RuntimeWarning, stacklevel=4)
 
     def end_run(self, status: str = "FINISHED", timeout_s: float | None = 120.0, *,
-                wait_for_report: bool = False) -> bool:
+                wait_for_report: bool = False, wait: bool = True) -> bool:
         """End the run with ``status`` and wait while delivery makes progress; True if MLflow has it all.
 
         The fit-end sync report (queued after the end) is waited for only with ``wait_for_report``:
@@ -476,6 +502,9 @@ class MlflowWriter:
         next record logged reopens the same run (RUNNING, steps continuing), as the next `fit` of a
         `Sync` does, without starting a courier again. What is not delivered yet (MLflow away) goes
         on being delivered in the background, and a warning says where it waits.
+
+        ``wait=False``: only queue the end (and the report after it) and return False at once; the
+        courier delivers them after the metrics, so the run is FINISHED only once MLflow has those.
         """
         if status not in _RUN_STATUSES:
             raise TrackingError(f"Invalid value for argument `status`. Received: status={status!r}. "
@@ -487,6 +516,10 @@ class MlflowWriter:
             self._put({"k": "end", "status": status, "ts": int(time.time() * 1000), "last": False})
             self._run_ended = True
         self.start()
+        if not wait:
+            self._put_deferred_report()
+            self._wake.set()
+            return False
         delivered = self.flush(timeout_s=timeout_s)
         if self._deferred_report is not None:
             self._put_deferred_report()
@@ -540,12 +573,13 @@ class MlflowWriter:
         return (f"keras-sync: {pending} MLflow record(s) are not delivered yet: {cause}. They are kept in "
                 f"{self.spool_path}. {where}.")
 
-    def close(self, timeout_s: float = 10.0, status: str = "FINISHED") -> None:
+    def close(self, timeout_s: float | None = 10.0, status: str = "FINISHED", *, at_exit: bool = False) -> None:
         """End the run with ``status``; wait for delivery while it progresses (at most ``timeout_s``).
 
         What could not be delivered stays in the spool and a `RuntimeWarning` says why and how to
         deliver it. At interpreter exit, writers not closed are closed (FAILED after an uncaught
-        exception).
+        exception), ``at_exit``: with no limit but delivery's progress, and one line on stderr
+        while points are left (how many, where, that Ctrl-C leaves them in the spool).
         """
         if status not in _RUN_STATUSES:
             raise TrackingError(f"Invalid value for argument `status`. Received: status={status!r}. "
@@ -556,19 +590,28 @@ class MlflowWriter:
         _live_writers.discard(self)
         if not self._run_ended:
             self._put_deferred_report()  # a fit that raised before end_run: the report before the end
-        if self._run_ended:  # end_run ended it and nothing came since: only stop the courier
+        if self._run_ended or self._begin_deferred:  # ended and nothing since, or never begun: only stop the courier
             self._put({"k": "stop"})
         else:
             status = self._mark_losses(status)
             self._put({"k": "end", "status": status, "ts": int(time.time() * 1000)})
         self.start()
-        delivered = self.flush(timeout_s=timeout_s)
+        never_begun = self._begin_deferred  # nothing logged: no run, nothing to deliver; the courier goes
+        line = None
+        try:
+            line = _ExitLine(self) if at_exit and not never_begun else None
+            delivered = never_begun or self.flush(timeout_s=timeout_s, progress=line.update if line else None)
+        except KeyboardInterrupt:  # Ctrl-C at exit: leave the rest in the spool, say how to deliver it
+            delivered = False
+        finally:
+            if line is not None:
+                line.done()
         self._closing = True
         self._wake.set()
         assert self._thread is not None
         self._thread.join(5.0)
         courier = self._courier
-        if delivered and courier is not None:
+        if delivered and courier is not None and not never_begun:
             try:  # it ends once it has delivered the "end" record
                 courier.wait(5.0)
             except subprocess.TimeoutExpired:
@@ -593,13 +636,19 @@ class MlflowWriter:
             message = self._spill_held(cause)
         self._spool.close_segment()
         self._spool.unlock("writer")
-        if message is None and not self._thread.is_alive() and self._all_delivered():
+        if message is None and not self._thread.is_alive() and (never_begun or self._all_delivered()):
             self._spool.remove()  # everything is in MLflow: the spool has done its job
             from keras_sync import _artifacts
 
             _artifacts.remove_staging_if_empty(self.spool_path)
         elif message:
             warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+    def points_left(self) -> int:
+        """Metric points queued, spooled or held that MLflow does not have yet."""
+        recs = [rec for _, rec in self._queue] + self._handover.unacknowledged()
+        recs += [rec for _, rec in self._spool.read(self._progress()[0], max_records=10**9)]
+        return sum(len(rec.get("d", ())) for rec in recs if rec.get("k") == "m")
 
     # ---- the background thread: spool, and look after the courier ----
     def _loop(self) -> None:
@@ -626,6 +675,7 @@ class MlflowWriter:
                 if self._courier is None and not closing and time.monotonic() >= respawn_at:
                     self._spawn_courier()
                 self._watch_status()
+                self._tell_run()
                 if closing:
                     return
                 self._wake.wait(SPOOL_INTERVAL_S)
@@ -665,6 +715,16 @@ class MlflowWriter:
             for fd in ends or ():
                 os.close(fd)  # the courier's ends: its copies are its own
 
+    def _tell_run(self) -> None:
+        """Call `on_run` once the run id is known (or MLflow failed before it was)."""
+        if self.on_run is not None and not self._begin_deferred and (
+                self.run_id is not None or self.failure() is not None):
+            on_run, self.on_run = self.on_run, None
+            try:
+                on_run(self)
+            except Exception as e:  # noqa: BLE001 - a line not printed never stops the spooling
+                _log.debug("on_run failed: %s", e)
+
     def _watch_status(self) -> None:
         """Log the courier's first failure and its recovery (in this process, where logging is set up)."""
         status = self._courier_status()
@@ -698,7 +758,8 @@ class MlflowWriter:
                 reserve.write_bytes(b"\0" * RESERVE_BYTES)
         except OSError as e:
             self._spool_failed(e.strerror or str(e))
-        self._spool_or_hold([{"k": "begin", "ts": begin}])
+        if not self._begin_at_open_deferred:
+            self._spool_or_hold([{"k": "begin", "ts": begin}])
 
     def _drain_to_spool(self) -> None:
         recs: list[dict[str, Any]] = []
@@ -810,6 +871,38 @@ class MlflowWriter:
         elif k == "a":
             rec["text"] = _redact(rec["text"], self._secrets)
         return rec
+
+
+class _ExitLine:
+    """The one line shown while the exit waits for delivery; on a terminal its count goes down in place."""
+
+    def __init__(self, writer: MlflowWriter):
+        self._w = writer
+        self._shown = False
+        self._tty = bool(getattr(sys.stderr, "isatty", lambda: False)())
+        self._last = 0.0
+        left = writer.points_left()
+        if left:
+            self._show(left)
+
+    def _text(self, left: int) -> str:
+        w = self._w
+        return (f"keras-sync: {left} metric point(s) not in MLflow yet ({w.shown_uri}); delivering them before "
+                f"exit. They are kept in {w.spool_path}: Ctrl-C leaves them there for "
+                f"`keras-sync sync-spool {w.spool_path}`")
+
+    def _show(self, left: int) -> None:
+        self._shown, self._last = True, time.monotonic()
+        end = "" if self._tty else "\n"
+        print(("\r" if self._tty else "") + self._text(left), end=end, file=sys.stderr, flush=True)
+
+    def update(self) -> None:
+        if self._shown and self._tty and time.monotonic() - self._last >= 0.5:
+            self._show(self._w.points_left())
+
+    def done(self) -> None:
+        if self._shown and self._tty:
+            print(file=sys.stderr, flush=True)
 
 
 def replay_spool(spool_path: str | os.PathLike[str], tracking_uri: str | None = None) -> int:

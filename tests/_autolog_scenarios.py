@@ -73,7 +73,7 @@ def mirrored(uri: str) -> None:
         # 512 examples / 64 = 8 steps per epoch, 3 epochs; warmup: the optimizer holds a GradualWarmup.
         sync = keras_sync.load({**base, "learning_rate": {"base": 0.05, "warmup_steps": 4},
                                 "mlflow": {"tracking_uri": uri, "experiment": "logged", "log_model": True,
-                                           "sync_report": "epoch"}})
+                                           "sync_report": "epoch", "log_every_n_steps": 1}})
         model = make_model(sync, lambda: keras.optimizers.SGD(sync.lr_schedule(), momentum=0.9))
         return fit_and_close(sync, model, "logged", epochs=3, validation_split=0.2)
 

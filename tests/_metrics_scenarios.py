@@ -167,7 +167,7 @@ def single(tracking_uri: str) -> None:
     import keras
 
     sync = keras_sync.load({"batch": {"per_replica": 32},
-                            "mlflow": {"tracking_uri": tracking_uri, "experiment": "single"}})
+                            "mlflow": {"tracking_uri": tracking_uri, "experiment": "single", "log_every_n_steps": 1}})
 
     def build():
         keras.utils.set_random_seed(0)

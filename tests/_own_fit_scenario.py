@@ -14,7 +14,7 @@ import keras_sync
 
 out_path, uri = sys.argv[1], sys.argv[2]
 sync = keras_sync.load({"strategy": {"kind": "mirrored", "simulated_cpu_replicas": 2}, "batch": {"per_replica": 16},
-                        "mlflow": {"tracking_uri": uri, "experiment": "own"}})
+                        "mlflow": {"tracking_uri": uri, "experiment": "own", "log_every_n_steps": 1}})
 import keras  # noqa: E402
 
 from keras_sync.errors import UsageError  # noqa: E402
@@ -63,7 +63,10 @@ m = model()
 callbacks = sync.callbacks(m)
 result["callbacks"] = [type(c).__name__ for c in callbacks]
 m.fit(sync.distribute((x, y)), epochs=2, verbose=0, callbacks=callbacks)
-result["run_id"] = sync.run_id
+# fit does not wait for MLflow (a first run's store may still be being built): the id once the run exists.
+from keras_sync.callbacks._run import current_writer  # noqa: E402
+
+result["run_id"] = current_writer(sync).wait_for_run(300)
 sync.close()
 result["run_id_after_close"] = sync.run_id
 
@@ -162,7 +165,7 @@ class GanWithCall(Gan):
 
 
 gan_sync = keras_sync.load({"strategy": {"kind": "mirrored", "simulated_cpu_replicas": 2}, "batch": {"per_replica": 16},
-                            "mlflow": {"tracking_uri": uri, "experiment": "gan"}})
+                            "mlflow": {"tracking_uri": uri, "experiment": "gan", "log_every_n_steps": 1}})
 with gan_sync.scope():
     no_call = Gan()
     no_call.compile(keras.optimizers.SGD(0.02, momentum=0.9), keras.optimizers.SGD(0.02, momentum=0.9))

@@ -42,7 +42,7 @@ def ks_config(scenario: str, out: str) -> dict:
         # base 0.05 tuned for 16, global 32: linear scaling gives 0.1, on 2 workers and on 1
         "batch": {"global": 32},
         "learning_rate": {"base": 0.05, "base_batch_size": 16},
-        "mlflow": {"tracking_uri": f"sqlite:///{out}/mlflow.db", "experiment": f"ray-{scenario}"},
+        "mlflow": {"tracking_uri": f"sqlite:///{out}/mlflow.db", "experiment": f"ray-{scenario}", "log_every_n_steps": 1},
     }
     if scenario == "kill":
         cfg["fault_tolerance"] = {"backup_dir": os.path.join(out, "kill", "backup"), "save_freq": 4}

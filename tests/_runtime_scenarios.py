@@ -282,7 +282,7 @@ if MODE != "workers_x2":
 
 def spe(tracking_uri=None):
     """steps_per_execution 4 from the YAML (the compile line says nothing): same weights as 1."""
-    mlflow = {"enabled": True, "tracking_uri": tracking_uri, "experiment": "spe"} if tracking_uri else {"enabled": False}
+    mlflow = {"enabled": True, "tracking_uri": tracking_uri, "experiment": "spe", "log_every_n_steps": 1} if tracking_uri else {"enabled": False}
     s = load({**config(steps_per_execution=4), "mlflow": mlflow})
     model = make(keras.Sequential, s)
     try:

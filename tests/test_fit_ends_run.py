@@ -1,6 +1,10 @@
-"""`sync.fit` ends its MLflow run when it returns (Ray Train V2 kills its workers without atexit),
-and the next `fit` of the same `Sync` continues that run through the same courier process: one
-run, FINISHED, steps once, nothing undelivered; the orphaned courier removes the spool."""
+"""`sync.fit` ends its MLflow run when it returns, and the next `fit` of the same `Sync` continues
+that run through the same courier process: one run, FINISHED, steps once.
+
+Where the process is killed as soon as training returns (Ray Train V2 kills its workers without
+atexit; `RAY_RAYLET_PID` marks a Ray worker) fit waits until MLflow has everything, and the
+orphaned courier removes the spool. Elsewhere fit returns when training is done; the exit waits
+for what is left, with one line, and MLflow then has every step and a FINISHED run."""
 
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from keras_sync._spool import SpoolDir
 pytestmark = pytest.mark.slow
 
 
-def test_fit_ends_the_run_and_the_next_fit_continues_it(tmp_path):
+def test_fit_ends_the_run_and_the_next_fit_continues_it_where_training_returns_kill_the_process(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     script = textwrap.dedent(f"""
         import json, os, numpy as np, keras_sync
@@ -36,7 +40,7 @@ def test_fit_ends_the_run_and_the_next_fit_continues_it(tmp_path):
             return found
         from mlflow import MlflowClient
         sync = keras_sync.load({{"strategy": {{"kind": "default"}}, "batch": {{"per_replica": 16}},
-                                 "mlflow": {{"tracking_uri": {uri!r}, "experiment": "e"}}}})
+                                 "mlflow": {{"tracking_uri": {uri!r}, "experiment": "e", "log_every_n_steps": 1}}}})
         import keras
         with sync.scope():
             model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
@@ -57,7 +61,8 @@ def test_fit_ends_the_run_and_the_next_fit_continues_it(tmp_path):
         os._exit(0)  # no atexit, as under Ray Train V2's ray.kill
     """)
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID")}
-    r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=dict(env, TF_CPP_MIN_LOG_LEVEL="2"),
+    r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path,
+                       env=dict(env, TF_CPP_MIN_LOG_LEVEL="2", RAY_RAYLET_PID=str(os.getpid())),
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     import json
@@ -81,3 +86,108 @@ def test_fit_ends_the_run_and_the_next_fit_continues_it(tmp_path):
 
     artifacts = [a.path for a in MlflowClient(uri).list_artifacts(first[0])]
     assert "sync_report.png" in artifacts, artifacts  # drawn by the courier, after fit returned
+
+
+def test_fit_returns_before_delivery_and_the_exit_delivers_every_step(tmp_path):
+    """A first run (no store yet), two fits, a normal exit: nothing is lost, the run is FINISHED once
+    MLflow has it all, and one line names the run and how to open it."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = tmp_path / "keras_sync.yaml"
+    cfg.write_text(f"strategy: {{kind: default}}\nbatch: {{per_replica: 16}}\n"
+                   f"mlflow: {{tracking_uri: '{uri}', experiment: e, log_every_n_steps: 1}}\n")
+    script = textwrap.dedent(f"""
+        import json, numpy as np, keras_sync
+        sync = keras_sync.load({str(cfg)!r})
+        import keras
+        with sync.scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+            model.compile(optimizer="sgd", loss="mse")
+        x = np.random.default_rng(0).normal(size=(256, 4)).astype("float32")
+        for i in (1, 2):
+            sync.fit(model, x, x[:, :1], epochs=1, verbose=0)
+        print("FITS DONE", flush=True)
+    """)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TF_CONFIG", "MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID", "RAY_RAYLET_PID")}
+    r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=dict(env, TF_CPP_MIN_LOG_LEVEL="2"),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "FITS DONE" in r.stdout
+    from mlflow import MlflowClient
+
+    c = MlflowClient(uri)
+    (run,) = c.search_runs([c.get_experiment_by_name("e").experiment_id])
+    assert run.info.status == "FINISHED"
+    for key in ("sync/replica_0/loss", "sync/step_time_ms", "loss"):
+        assert sorted(m.step for m in c.get_metric_history(run.info.run_id, key)) == list(range(1, 33)), key
+    # The exit waited: everything is in MLflow, so the spool is gone; at most one line said what was left.
+    assert not [p for p in (tmp_path / ".keras_sync_spool").iterdir() if p.is_dir()]
+    # The first run's line names the run and how to open it (the store was being built when fit began).
+    assert (f"keras-sync: metrics go to MLflow at {uri}, experiment 'e', run {run.info.run_id}; "
+            f"view it with: keras-sync ui {cfg}") in r.stderr, r.stderr[-3000:]
+    assert "not created yet" not in r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if "not in MLflow yet" in ln]
+    assert len(lines) <= 1, lines
+    if lines:
+        assert "Ctrl-C leaves them there for `keras-sync sync-spool " in lines[0], lines[0]
+
+
+def test_ctrl_c_during_the_exit_wait_leaves_the_points_in_the_spool(tmp_path):
+    """The courier is stopped (SIGSTOP) so nothing is delivered; at exit the one line says what is
+    left; Ctrl-C (SIGINT) then ends the wait: the points stay in the spool, and `keras-sync
+    sync-spool` delivers every step and ends the run FINISHED."""
+    import signal
+    import threading
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    script = textwrap.dedent(f"""
+        import os, signal, time, numpy as np, keras_sync
+        from keras_sync.callbacks._run import current_writer
+        sync = keras_sync.load({{"strategy": {{"kind": "default"}}, "batch": {{"per_replica": 16}},
+                                 "mlflow": {{"tracking_uri": {uri!r}, "experiment": "e", "log_every_n_steps": 1}}}})
+        writer = current_writer(sync)
+        while writer._courier is None:  # the spooling thread starts the courier in its first round
+            time.sleep(0.01)
+        os.kill(writer._courier.pid, signal.SIGSTOP)  # it delivers nothing from now on
+        import keras
+        with sync.scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+            model.compile(optimizer="sgd", loss="mse")
+        x = np.random.default_rng(0).normal(size=(256, 4)).astype("float32")
+        sync.fit(model, x, x[:, :1], epochs=1, verbose=0)
+    """)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TF_CONFIG", "MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID", "RAY_RAYLET_PID")}
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, env=dict(env, TF_CPP_MIN_LOG_LEVEL="2"),
+                            stderr=subprocess.PIPE, text=True)
+    watchdog = threading.Timer(600, proc.kill)
+    watchdog.start()
+    try:
+        err = []
+        for line in proc.stderr:
+            err.append(line)
+            if "not in MLflow yet" in line:
+                proc.send_signal(signal.SIGINT)  # Ctrl-C while the exit waits
+                break
+        err += proc.stderr.readlines()
+        proc.wait()
+    finally:
+        watchdog.cancel()
+    text = "".join(err)
+    (line,) = [ln for ln in err if "not in MLflow yet" in ln]
+    spools = [p for p in (tmp_path / ".keras_sync_spool").iterdir() if p.is_dir()]
+    assert len(spools) == 1
+    assert f"They are kept in {spools[0]}: Ctrl-C leaves them there for `keras-sync sync-spool {spools[0]}`" in line
+    assert f"Deliver them with: keras-sync sync-spool {spools[0]}" in text, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    from pathlib import Path
+
+    r = subprocess.run([str(Path(sys.executable).parent / "keras-sync"), "sync-spool", str(spools[0])], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    from mlflow import MlflowClient
+
+    c = MlflowClient(uri)
+    (run,) = c.search_runs([c.get_experiment_by_name("e").experiment_id])
+    assert sorted(m.step for m in c.get_metric_history(run.info.run_id, "sync/replica_0/loss")) == list(range(1, 17))
+    assert run.info.status == "FINISHED"

@@ -298,7 +298,7 @@ def test_max_restarts_resumes_a_sigkilled_worker_exactly_in_one_mlflow_run(tmp_p
     ref = run(train, config(mlflow={"enabled": False}), str(tmp_path / "ref"))
     assert ref.returncode == 0, ref.stderr[-3000:]
     job = run("--max-restarts", "1", train,
-              config(mlflow={"tracking_uri": uri, "experiment": "restarts"},
+              config(mlflow={"tracking_uri": uri, "experiment": "restarts", "log_every_n_steps": 1},
                      fault_tolerance={"backup_dir": str(tmp_path / "backup"), "save_freq": 5}),
               str(tmp_path / "job"), "--kill-at", "17", "--kill-task", "1", "--marker", str(tmp_path / "killed"))
     assert job.returncode == 0, job.stderr[-3000:]

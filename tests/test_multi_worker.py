@@ -43,7 +43,7 @@ def _config(mlflow_uri: str | None = None, runtime: dict | None = None, **fault_
         "mlflow": {"enabled": False},
     }
     if mlflow_uri:
-        cfg["mlflow"] = {"enabled": True, "tracking_uri": mlflow_uri, "experiment": "resume"}
+        cfg["mlflow"] = {"enabled": True, "tracking_uri": mlflow_uri, "experiment": "resume", "log_every_n_steps": 1}
     if fault_tolerance:
         cfg["fault_tolerance"] = fault_tolerance
     if runtime:

@@ -136,7 +136,7 @@ def test_excepthook_turns_an_uncaught_lost_peer_error_into_one_line_exit_75() ->
 
 def _train(tmp: Path, name: str, *extra: str, backup: bool = True, mlflow_uri: str | None = None,
            accumulate: int = 1, job_id: str | None = None) -> subprocess.CompletedProcess[str]:
-    mlflow = ({"tracking_uri": mlflow_uri, "experiment": "preempted", "spool_dir": str(tmp / "spool")}
+    mlflow = ({"tracking_uri": mlflow_uri, "experiment": "preempted", "log_every_n_steps": 1, "spool_dir": str(tmp / "spool")}
               if mlflow_uri else {"enabled": False})
     cfg: dict = {"strategy": {"kind": "default"}, "batch": {"global": 32}, "mlflow": mlflow,
                  "learning_rate": {"base": 0.01}, "runtime": {"gradient_accumulation_steps": accumulate}}

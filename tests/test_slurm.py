@@ -58,7 +58,7 @@ def uninterrupted(slurm: dict, tmp_module: Path) -> dict:
     uri = f"sqlite:///{tmp_module / 'mlflow.db'}"
     common = {"batch": {"global": 32}, "learning_rate": {"base": 0.01, "base_batch_size": 32}}
     job = {**common, "strategy": {"kind": "auto", "cluster": "slurm", "connect_timeout_s": 120},
-           "mlflow": {"enabled": True, "tracking_uri": uri, "experiment": "slurm"}}
+           "mlflow": {"enabled": True, "tracking_uri": uri, "experiment": "slurm", "log_every_n_steps": 1}}
     one = {**common, "strategy": {"kind": "multi_worker_mirrored"}, "mlflow": {"enabled": False}}
     from mlflow import MlflowClient
 
@@ -203,7 +203,7 @@ def test_scancel_signal_term_mid_epoch_saves_on_both_tasks_and_the_resubmitted_j
     exp_id = client.create_experiment("slurm-preempted")
     cfg = {"batch": {"global": 32}, "learning_rate": {"base": 0.01, "base_batch_size": 32},
            "strategy": {"kind": "auto", "cluster": "slurm", "connect_timeout_s": 120},
-           "mlflow": {"enabled": True, "tracking_uri": uri, "experiment": "slurm-preempted"},
+           "mlflow": {"enabled": True, "tracking_uri": uri, "experiment": "slurm-preempted", "log_every_n_steps": 1},
            "fault_tolerance": {"backup_dir": str(backup), "save_freq": "epoch"}}
     args = [json.dumps(cfg), str(tmp_path / "job"), "--epochs", "2", "--hold-at", str(HOLD_AT),
             "--marker", str(tmp_path / "held")]

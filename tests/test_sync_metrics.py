@@ -414,3 +414,48 @@ def test_per_replica_and_per_worker_metrics_of_one_quantity_share_one_mlflow_sec
                         "sync": {"loss_spread", "grad_norm_spread"},
                         "sync/between_steps_ms": {"worker_0", "worker_1", "worker_2"},
                         "sync/compute_ms": {"worker_0", "worker_1", "worker_2"}}
+def test_window_peaks_fold_nan_out_and_keep_inf():
+    p = _reduce.window_peaks(None, [float("nan"), 0.2], [1.0, float("nan")])
+    assert p == {"sync/window_max/loss": 0.2, "sync/window_max/loss_spread": 0.0, "sync/window_max/grad_norm": 1.0,
+                 "sync/window_max/grad_norm_spread": 0.0}
+    assert _reduce.window_peaks(p, [float("inf"), 0.1], [2.0, 2.0])["sync/window_max/loss"] == math.inf
+
+
+@pytest.mark.slow
+def test_a_spike_on_a_step_that_is_not_logged_shows_in_the_next_point(tmp_path):
+    """Logged every 10 steps; 8 examples of step 5 are 100x too large: step 5 has no point of its own,
+    but the point of step 10 carries the window's peaks (loss, spread, gradient norm) and step 20's does not."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    script = f"""
+import numpy as np, keras_sync
+sync = keras_sync.load({{"strategy": {{"kind": "mirrored", "simulated_cpu_replicas": 2}}, "batch": {{"per_replica": 16}},
+                         "learning_rate": {{"base": 1e-6, "scaling": "none"}},
+                         "mlflow": {{"tracking_uri": {uri!r}, "experiment": "spike", "log_every_n_steps": 10}}}})
+import keras
+x = np.random.default_rng(0).normal(size=(640, 4)).astype("float32")
+y = x @ np.array([[1.0], [-2.0], [0.5], [0.0]], dtype="float32")
+x[136:144] *= 100.0  # 8 examples of step 5 (examples 128..159)
+with sync.scope():
+    m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    m.compile(optimizer=keras.optimizers.SGD(sync.lr_schedule()), loss="mse")
+sync.fit(m, x, y, epochs=1, shuffle=False, verbose=0)
+"""
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID")}
+    r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=dict(env, TF_CPP_MIN_LOG_LEVEL="2"),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    c = _client(uri)
+    (run,) = c.search_runs([c.get_experiment_by_name("spike").experiment_id])
+
+    def points(key):
+        return {m.step: m.value for m in c.get_metric_history(run.info.run_id, key)}
+
+    logged = points("sync/replica_0/loss")
+    assert sorted(logged) == [10, 20]  # step 5 has no point of its own
+    losses = [v for i in (0, 1) for v in points(f"sync/replica_{i}/loss").values()]
+    norms = [v for i in (0, 1) for v in points(f"sync/replica_{i}/grad_norm").values()]
+    peak_loss, peak_norm = points("sync/window_max/loss"), points("sync/window_max/grad_norm")
+    assert peak_loss[10] > 100 * max(losses), (peak_loss, losses)
+    assert peak_norm[10] > 10 * max(norms), (peak_norm, norms)
+    assert points("sync/window_max/loss_spread")[10] > 100 * max(points("sync/loss_spread").values())
+    assert peak_loss[20] < 10 * max(losses)  # steps 11-20 had no spike

@@ -43,7 +43,7 @@ def _config(*, mlflow_uri: str | None = None, **fault_tolerance: object) -> str:
         "mlflow": {"enabled": False},
     }
     if mlflow_uri:
-        cfg["mlflow"] = {"enabled": True, "tracking_uri": mlflow_uri, "experiment": "two-hosts"}
+        cfg["mlflow"] = {"enabled": True, "tracking_uri": mlflow_uri, "experiment": "two-hosts", "log_every_n_steps": 1}
     if fault_tolerance:
         cfg["fault_tolerance"] = fault_tolerance
     return json.dumps(cfg)

@@ -114,6 +114,36 @@ def throughput(examples: float, seconds: float, num_replicas: int) -> dict[str, 
     return {"sync/examples_per_sec": rate, "sync/examples_per_sec_per_replica": rate / num_replicas}
 
 
+#: The keys of `window_peaks`: each the largest value over the steps since the previous logged point.
+WINDOW_KEYS = ("sync/window_max/loss", "sync/window_max/loss_spread", "sync/window_max/grad_norm",
+               "sync/window_max/grad_norm_spread")
+
+
+def window_peaks(peaks: dict[str, float] | None, losses: Sequence[float],
+                 grad_norms: Sequence[float]) -> dict[str, float]:
+    """Fold one step's per-replica values into the peaks of a window of steps (a new dict).
+
+    Between two logged points the steps in between are not logged one by one; their peaks are,
+    so a spike on an unlogged step still shows: the largest replica loss, loss spread, replica
+    gradient norm and gradient-norm spread of the window (NaN values, not measured, are left out;
+    an infinite one is kept).
+
+    >>> p = window_peaks(None, [0.5, 0.7], [1.0, 3.0])
+    >>> p = window_peaks(p, [0.4, 9.0], [1.0, 1.0])  # a spike on replica 1
+    >>> p["sync/window_max/loss"], p["sync/window_max/loss_spread"], p["sync/window_max/grad_norm"]
+    (9.0, 8.6, 3.0)
+    """
+    out = dict(peaks or {})
+    losses = [float(v) for v in losses if not math.isnan(v)]
+    norms = [float(v) for v in grad_norms if not math.isnan(v)]
+    values = zip(WINDOW_KEYS, (max(losses, default=math.nan), loss_spread(losses),
+                               max(norms, default=math.nan), grad_norm_spread(norms)))
+    for key, v in values:
+        if not math.isnan(v):
+            out[key] = max(out.get(key, v), v)
+    return out
+
+
 def replica_metrics(losses: Sequence[float], grad_norms: Sequence[float]) -> dict[str, float]:
     """The per-replica metric names and values, plus the loss and grad-norm spreads.
 

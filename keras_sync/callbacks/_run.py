@@ -10,8 +10,10 @@ One writer per `Sync` object, kept across `fit` calls (one run, steps continue).
   restarts): the run with that job id, created once and shared, also after it finished;
 - else a new run.
 
-`Sync.fit` ends the run (FINISHED) when it returns and waits while MLflow receives the rest
-(`end_run_after_fit`, `MlflowWriter.end_run`); the writer stays open, and the next `fit` of the
+`Sync.fit` ends the run when it returns (`end_run_after_fit`, `MlflowWriter.end_run`): the end is
+queued after the metrics, so the run is FINISHED once MLflow has them all; where the process is
+killed as soon as training returns (Ray Train) fit waits for that, elsewhere the courier delivers in
+the background and the exit waits for what is left, with one line; the writer stays open, and the next `fit` of the
 same `Sync` reopens the same run, steps continuing, through the same courier process (starting
 one per fit cost ~2 s of a core: it imports MLflow). Ending the run at fit's end rather than at
 exit matters where a worker is ended without `atexit`: Ray Train V2 stops its workers with
@@ -38,12 +40,14 @@ _writers: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _recorded: weakref.WeakKeyDictionary[Any, tuple[str, dict[str, Any]]] = weakref.WeakKeyDictionary()
 #: The file in the backup directory that names the job's run (deleted with the backup).
 RUN_RECORD = "keras_sync_run.json"
-#: At the first `fit`, how long to wait for the courier to create the run before saying where it is.
-ANNOUNCE_WAIT_S = 10.0
 
 
-def writer_for(sync: Any) -> Any:
-    """The started `MlflowWriter` of ``sync`` on the chief; None on other workers."""
+def writer_for(sync: Any, *, early: bool = False) -> Any:
+    """The started `MlflowWriter` of ``sync`` on the chief; None on other workers.
+
+    ``early``: from `keras_sync.load`: the writer and its courier start, but the run is begun
+    only by the first record logged (a `Sync` that never fits makes no run).
+    """
     if not sync.is_chief:
         return None
     writer = _writers.get(sync)
@@ -62,16 +66,22 @@ def writer_for(sync: Any) -> Any:
         job_id, explicit, run_id = restored["job_id"], bool(restored.get("explicit")), restored.get("run_id")
     writer = MlflowWriter(tracking_uri=uri, experiment=cfg.experiment, run_name=cfg.run_name, job_id=job_id,
                           job_id_explicit=explicit, run_id=run_id, spool_dir=cfg.spool_dir)
-    writer.start()
-    _writers[sync] = writer
+    from keras_sync.cluster import killed_when_training_returns
+
+    writer.wait_at_end_of_fit = killed_when_training_returns()
     if ended is None:
-        announce(writer, sync)
+        # Said when the courier has created the run (or MLflow failed first), from the writer's
+        # thread: a first run builds its sqlite store and imports MLflow meanwhile, and training
+        # does not wait for that.
+        writer.on_run = lambda w: announce(w, sync)
+    writer.start(defer_begin=early)
+    _writers[sync] = writer
     return writer
 
 
 def announce(writer: Any, sync: Any) -> None:
     """Print one line on where this job's metrics go: URI, experiment, run id, how to open it."""
-    run_id = writer.wait_for_run(ANNOUNCE_WAIT_S)
+    run_id = writer.run_id
     if run_id is None and writer.say_refused_once():
         return  # where the metrics wait and how to deliver them, in its one line
     where = f"MLflow at {writer.shown_uri}, experiment {writer.experiment!r}"
@@ -81,11 +91,19 @@ def announce(writer: Any, sync: Any) -> None:
         line = (f"keras-sync: metrics go to {where}; the run is {why}. They wait in {writer.spool_path} "
                 "and are delivered when MLflow answers.")
     else:
-        url = writer.run_url()
-        config = f" {sync.config.source}" if sync.config.source not in ("<defaults>", "<dict>") else ""
-        how = f"open {url}" if url else f"view it with: keras-sync ui{config}"
-        line = f"keras-sync: metrics go to {where}, run {run_id}; {how}"
+        line = f"keras-sync: metrics go to {where}, run {run_id}; {how_to_open(writer, sync, run_id)}"
     print(line, file=sys.stderr, flush=True)
+
+
+def how_to_open(writer: Any, sync: Any, run_id: str) -> str:
+    """How to see the run: its page on a tracking server, else the command that serves the local store."""
+    url = writer.run_url()
+    if url:
+        return f"open {url}"
+    source = sync.config.source
+    if source not in ("<defaults>", "<dict>"):
+        return f"view it with: keras-sync ui {os.path.abspath(source)}"
+    return f"view it with: mlflow ui --backend-store-uri {writer.shown_uri}"
 
 
 def restored_run(backup_dir: str | None) -> dict[str, Any] | None:
@@ -153,7 +171,10 @@ def end_run_after_fit(sync: Any, limit_s: float = 120.0) -> None:
 
     writer = _writers.get(sync)
     if writer is not None and not writer.closed and hasattr(writer, "end_run"):
-        writer.end_run(timeout_s=limit_s, wait_for_report=killed_when_training_returns())
+        killed = killed_when_training_returns()
+        # Elsewhere fit returns at once: the courier delivers the rest (the run's end after it) in
+        # the background, and the exit waits for what is left (`MlflowWriter.close`).
+        writer.end_run(timeout_s=limit_s, wait_for_report=killed, wait=killed)
 
 
 @contextlib.contextmanager
@@ -185,8 +206,8 @@ def current_writer(sync: Any) -> Any:
     return _writers.get(sync)
 
 
-def close_writer(sync: Any, timeout_s: float = 10.0) -> None:
-    """End the MLflow run of ``sync`` now (FINISHED), waiting at most ``timeout_s`` for delivery.
+def close_writer(sync: Any, timeout_s: float | None = None) -> None:
+    """End the MLflow run of ``sync`` now (FINISHED), waiting while delivery progresses (at most ``timeout_s``).
 
     The writer is kept (closed): `writer_for` then continues its run, and `Sync.run_id` still names it.
     """

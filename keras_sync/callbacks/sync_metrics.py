@@ -36,6 +36,10 @@ class SyncMetrics(keras.callbacks.Callback):
       start of the step (including fetching its batch) to its logs; the first step of a `fit`
       includes tracing;
     - ``sync/examples_per_sec`` (all replicas) and ``sync/examples_per_sec_per_replica``;
+    - ``sync/window_max/loss``, ``.../loss_spread``, ``.../grad_norm``, ``.../grad_norm_spread``:
+      when a point stands for several steps (``log_every_n_steps`` > 1 or ``auto``), the largest
+      replica loss, loss spread, replica gradient norm and gradient-norm spread over those steps
+      (the ones still in the probe's ring), so a spike on a step that is not logged still shows;
     - ``sync/learning_rate``: the learning rate the optimizer applied in that step;
     - ``sync/loss_scale``: the dynamic loss scale, with a `LossScaleOptimizer` (mixed_float16);
     - with 2 or more workers, ``sync/between_steps_ms/worker_{i}`` and ``sync/compute_ms/worker_{i}``:
@@ -116,6 +120,9 @@ class SyncMetrics(keras.callbacks.Callback):
         self._keras_logs = True
         self._slow = _slow_worker.SlowWorkerWatch()
         self._returned: float | None = None  # when the train function last returned (time.time())
+        # Peaks of the steps since the last written point (`_reduce.window_peaks`), and how many.
+        self._window: dict[str, float] | None = None
+        self._window_steps = 0
 
     def set_model(self, model: Any) -> None:
         # Runs before `fit` builds its train function: the moment to instrument train_step.
@@ -154,6 +161,7 @@ class SyncMetrics(keras.callbacks.Callback):
 
         setattr(train_function, _TIMED, fn)
         return train_function
+        self._window, self._window_steps = None, 0
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         if self.global_step is None:
@@ -216,6 +224,7 @@ class SyncMetrics(keras.callbacks.Callback):
             examples = sum(r[self._probe.EXAMPLES] for r in rows)
             if self.writer is None:
                 continue
+            self._fold_window(rings, count, n_steps)
             if self.auto:
                 busy_s, n_steps = busy_s + self._carry_s, n_steps + self._carry_n
                 if step % self.stride:  # not written now: its time goes into the next point
@@ -224,6 +233,16 @@ class SyncMetrics(keras.callbacks.Callback):
                     continue
                 self._held, self._carry_s, self._carry_n = None, 0.0, 0
             self._write(step, rows, examples, logs, busy_s, n_steps, ts)
+
+    def _fold_window(self, rings: list[Any], count: int, n_steps: int) -> None:
+        """Fold the steps of a point's interval (those still in the ring) into the window's peaks."""
+        p = self._probe
+        for c in range(max(count - n_steps + 1, 1), count + 1):
+            rows = p.row(rings, c)
+            if rows is not None:
+                self._window = _reduce.window_peaks(self._window, [float(r[p.LOSS]) for r in rows],
+                                                    [float(r[p.GRAD_NORM]) for r in rows])
+                self._window_steps += 1
 
     def _write(self, step: int, rows: list[Any], examples: float, logs: dict, busy_s: float, n_steps: int,
                ts: int) -> None:
@@ -256,6 +275,9 @@ class SyncMetrics(keras.callbacks.Callback):
             line = self._slow.update(_slow_worker.own_times(times, p.num_workers), between, ts / 1000.0)
             if line:
                 print(line, file=sys.stderr, flush=True)
+        if self._window_steps > 1:  # the point stands for several steps: their peaks, so no spike is lost
+            metrics.update(self._window or {})
+        self._window, self._window_steps = None, 0
         if self._keras_logs:
             metrics.update(logs)  # the step's numeric Keras logs (filtered when the step was recorded)
         self.writer.log_metrics(metrics, step=step, timestamp_ms=ts)
