@@ -116,13 +116,19 @@ def apply_summed(optimizer: Any, apply_fn: Callable[..., Any], grads: list[Any],
 
     ctx = tf.distribute.get_replica_context()
     present = [i for i, g in enumerate(grads) if g is not None]
-    dense = [tf.convert_to_tensor(grads[i]) for i in present]
-    summed = ctx.all_reduce(tf.distribute.ReduceOp.SUM, dense) if dense else []
+    # An IndexedSlices (an embedding's gradient) stays one: its all-reduce gathers every replica's rows,
+    # and Keras clips the rows as one device does (a dense sum would merge repeated rows first).
+    summed = ctx.all_reduce(tf.distribute.ReduceOp.SUM, [grads[i] for i in present]) if present else []
     passing = _can_pass()
     first = tf.equal(ctx.replica_id_in_sync_group, 0)
     out = list(grads)
     for i, s in zip(present, summed):
-        out[i] = s if passing else tf.where(first, s, tf.zeros_like(s))
+        if passing:
+            out[i] = s
+        elif isinstance(s, tf.IndexedSlices):
+            out[i] = tf.IndexedSlices(s.values * tf.cast(first, s.values.dtype), s.indices, s.dense_shape)
+        else:
+            out[i] = tf.where(first, s, tf.zeros_like(s))
     if not passing:
         return apply_fn(out, trainable_variables)
     inner = getattr(optimizer, "inner_optimizer", optimizer)

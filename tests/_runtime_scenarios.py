@@ -331,6 +331,16 @@ def optimizer_options():
         model = make(keras.Sequential, optimizer=optimizer)
         SYNC.fit(model, X, Y, epochs=2, shuffle=False, verbose=0)
         out[name] = flat(model)
+    # An embedding's gradient is an IndexedSlices: one device clips its rows (repeated ids apart).
+    ids = (np.abs(X) * 10).astype("int32") % 50
+    for name, kwargs in (("embedding_none", {}), ("embedding_clipnorm", {"clipnorm": 0.05})):
+        keras.utils.set_random_seed(0)
+        with SYNC.scope():
+            model = keras.Sequential([keras.Input((8,), dtype="int32"), keras.layers.Embedding(50, 4),
+                                      keras.layers.Flatten(), keras.layers.Dense(1)])
+            model.compile(optimizer=keras.optimizers.SGD(SYNC.lr_schedule(), momentum=0.9, **kwargs), loss="mse")
+        SYNC.fit(model, ids, Y, epochs=2, shuffle=False, verbose=0)
+        out[name] = flat(model)
     for name, kwargs in (("gradient_accumulation_steps", {"gradient_accumulation_steps": 2}), ("use_ema", {"use_ema": True})):
         with SYNC.scope():
             optimizer = keras.optimizers.SGD(0.01, **kwargs)

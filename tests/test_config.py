@@ -9,6 +9,7 @@ import pytest
 
 from keras_sync.config import Config, load_config
 from keras_sync.errors import ConfigError
+from keras_sync.kinds import KINDS
 
 
 def write(tmp_path: Path, text: str, name: str = "keras_sync.yaml") -> str:
@@ -98,8 +99,7 @@ def test_all_errors_reported_at_once_in_line_order(tmp_path):
         load_config(path, environ={})
     got = messages(err.value)
     assert got == [
-        f"{path}:1: strategy.kind: received 'mirorred', expected one of auto, default, one_device, mirrored, "
-        "multi_worker_mirrored, tpu; did you mean 'mirrored'?",
+        f"{path}:1: strategy.kind: received 'mirorred', expected one of {', '.join(KINDS)}; did you mean 'mirrored'?",
         f"{path}:1: strategy.simulated_cpu_replicas: received -1, expected an integer >= 0",
         f"{path}:2: batch.global: received batch.per_replica=32 and batch.global=64; give exactly one of them "
         "(set the other to null or remove it)",
