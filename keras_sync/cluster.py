@@ -21,8 +21,9 @@ from typing import Any, Literal
 
 from keras_sync.errors import ClusterError
 
-_TRAINING_JOBS = ("chief", "worker")
-_ALLOWED_JOBS = ("chief", "worker", "evaluator", "ps")
+# The jobs that train together (one all-reduce); `evaluator` and `ps` never join the collectives.
+TRAINING_JOBS = ("chief", "worker")
+_ALLOWED_JOBS = (*TRAINING_JOBS, "evaluator", "ps")
 _SLURM_PORT_BASE = 8888  # SlurmClusterResolver's default `port_base`: only without $SLURM_JOB_ID.
 # strategy.slurm.port_base: auto gives each (job, step) a slot of 16 ports in 10000-31775, below
 # Linux's ephemeral range (32768-60999) so an outgoing connection never holds a worker's port.
@@ -91,7 +92,7 @@ def role(cluster: Mapping[str, Any] | None, task_type: str | None, task_id: int 
     """
     if not cluster or task_type is None:
         return SINGLE
-    workers = sum(len(cluster.get(job) or ()) for job in _TRAINING_JOBS)
+    workers = sum(len(cluster.get(job) or ()) for job in TRAINING_JOBS)
     return Role(is_chief(cluster, task_type, task_id or 0), task_type, task_id, max(workers, 1))
 
 
@@ -191,7 +192,7 @@ def parse_tf_config(raw: str | None, *, env: Mapping[str, str] | None = None) ->
             raise _error(
                 f"TF_CONFIG cluster has an unknown job `{job}`",
                 f"cluster={cluster!r}",
-                f"Expected only {', '.join(_TRAINING_JOBS)} (and evaluator); rename the job.",
+                f"Expected only {', '.join(TRAINING_JOBS)} (and evaluator); rename the job.",
             )
         if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
             raise _error(
@@ -213,7 +214,7 @@ def parse_tf_config(raw: str | None, *, env: Mapping[str, str] | None = None) ->
                 f"cluster.{job}={cluster[job]!r}",
                 f"Fix: set `replicas: 1` for the {job.capitalize()} replica spec.",
             )
-    training = [a for job in _TRAINING_JOBS for a in cluster.get(job, [])]
+    training = [a for job in TRAINING_JOBS for a in cluster.get(job, [])]
     if not training:
         raise _error(
             "TF_CONFIG cluster has no `chief` or `worker` tasks", f"cluster={cluster!r}", "Add a worker list."
@@ -227,7 +228,7 @@ def parse_tf_config(raw: str | None, *, env: Mapping[str, str] | None = None) ->
             'Expected e.g. "task": {"type": "worker", "index": 0}, different on each process.',
         )
     task_type, task_id = task.get("type"), task.get("index")
-    if task_type not in ("chief", "worker", "evaluator"):
+    if task_type not in (*TRAINING_JOBS, "evaluator"):
         raise _error(
             "TF_CONFIG task.type is not a training role",
             f"task.type={task_type!r}",

@@ -21,6 +21,7 @@ from typing import Any, Iterator
 import keras
 
 from keras_sync import _backup_files
+from keras_sync.cluster import strategy_role
 from keras_sync.resume import ResumePoint, SaveSchedule, batches_to_skip, write_dir
 from keras_sync.strategy import in_multi_worker_mode
 
@@ -126,7 +127,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._position = tf.Variable([0, 0], dtype=tf.int64, trainable=False, name="keras_sync_position")
         self._ckpt = tf.train.Checkpoint(model=model, optimizer=model.optimizer, position=self._position,
                                          metrics=list(model.metrics_variables), random=random_states(model))
-        self._is_chief, task_id = _chief_and_task(model.distribute_strategy)
+        role = strategy_role(model.distribute_strategy)
+        self._is_chief, task_id = role.is_chief, role.task_id
         self._dir = write_dir(self.backup_dir, is_chief=self._is_chief, task_id=task_id)
         choice, self.choice = self.choice or _backup_files.choose(self.backup_dir), None
         if self._is_chief:
@@ -415,13 +417,6 @@ def _drop_damaged_state_file(backup_dir: str) -> None:
           "their own files", file=sys.stderr, flush=True)
     with contextlib.suppress(OSError):
         os.unlink(path)
-
-
-def _chief_and_task(strategy: Any) -> tuple[bool, int | None]:
-    from keras_sync.cluster import strategy_role
-
-    r = strategy_role(strategy)
-    return r.is_chief, r.task_id
 
 
 # ---------------------------------------------------------------------------------------------
