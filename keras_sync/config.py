@@ -29,6 +29,7 @@ from keras_sync._fields import (
     StrList,
     WordOrInt,
 )
+from keras_sync.cluster import CLUSTER_SOURCES
 from keras_sync.errors import ConfigError, ConfigIssue
 from keras_sync.kinds import KINDS, STRATEGY_KINDS, kinds_where
 
@@ -110,7 +111,7 @@ class StrategyConfig:
         "auto", Choice(values=("auto", "ring", "nccl")), "collective implementation: auto, ring or nccl",
         kinds=_MWM,
     )
-    cluster: str = _f("tf_config", Choice(values=("tf_config", "slurm", "indexed_job")), "where the workers are: "
+    cluster: str = _f("tf_config", Choice(values=tuple(CLUSTER_SOURCES)), "where the workers are: "
                       "tf_config ($TF_CONFIG), slurm (srun's environment) or indexed_job (a Kubernetes "
                       "Indexed Job or JobSet: $JOB_COMPLETION_INDEX and strategy.indexed_job)", kinds=_MWM)
     connect_timeout_s: float = _f(300.0, Float(minimum=0, exclusive=True), "seconds to wait for all workers to "

@@ -70,9 +70,9 @@ def _show(value: Any) -> str:
 
 
 def _slurm_ports(config: Config, env: Mapping[str, str]) -> PlanItem:
-    from keras_sync import cluster, strategy
+    from keras_sync import cluster
 
-    base = strategy.slurm_port_base(config)
+    base = cluster.fixed_slurm_port_base(config.strategy)
     if base is not None:
         return PlanItem("strategy.slurm.port_base", base, config.source_of("strategy.slurm.port_base"))
     return PlanItem("strategy.slurm.port_base", cluster.slurm_port_base(env), "derived",
