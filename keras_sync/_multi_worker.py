@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from keras_sync import _internals
 from keras_sync.cluster import TRAINING_JOBS
+from keras_sync.config import COMMUNICATIONS
 from keras_sync.errors import ConnectTimeoutError, StrategyError
 
 if TYPE_CHECKING:
@@ -37,7 +38,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-COMMUNICATIONS = ("auto", "ring", "nccl")
 _TASK_RE = re.compile(r"/job:(\w+)/replica:\d+/task:(\d+)")
 
 
@@ -166,11 +166,8 @@ def build_multi_worker_strategy(
     from tensorflow.python.distribute import multi_worker_util
     from tensorflow.python.eager import context
 
-    impls = {
-        "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
-        "ring": tf.distribute.experimental.CommunicationImplementation.RING,
-        "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
-    }
+    impls = {name: getattr(tf.distribute.experimental.CommunicationImplementation, name.upper())
+             for name in COMMUNICATIONS}
     key = communication.lower() if isinstance(communication, str) else communication
     if key not in impls:
         raise StrategyError(

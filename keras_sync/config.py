@@ -58,6 +58,8 @@ def _sub(cls: type, doc: str, note: str | None = None, kinds: tuple[str, ...] | 
 
 
 _MWM = kinds_where(multi_process=True)
+#: `strategy.communication`: tf.distribute.experimental.CommunicationImplementation's names, lower case.
+COMMUNICATIONS = ("auto", "ring", "nccl")
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,7 @@ class StrategyConfig:
         "reduction_to_one (no NCCL on CPU)", kinds=("mirrored",),
     )
     communication: str = _f(
-        "auto", Choice(values=("auto", "ring", "nccl")), "collective implementation: auto, ring or nccl",
+        "auto", Choice(values=COMMUNICATIONS), "collective implementation: auto, ring or nccl",
         kinds=_MWM,
     )
     cluster: str = _f("tf_config", Choice(values=tuple(CLUSTER_SOURCES)), "where the workers are: "
