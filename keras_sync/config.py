@@ -32,6 +32,7 @@ from keras_sync._fields import (
 from keras_sync.cluster import CLUSTER_SOURCES
 from keras_sync.errors import ConfigError, ConfigIssue
 from keras_sync.kinds import KINDS, STRATEGY_KINDS, kinds_where
+from keras_sync.scaling import LR_RULES
 
 DEFAULT_CONFIG_FILE = "keras_sync.yaml"
 CONFIG_ENV = "KERAS_SYNC_CONFIG"
@@ -147,7 +148,7 @@ class LearningRateConfig:
     base_batch_size: int | None = _f(
         None, Int(minimum=1, nullable=True), "the batch `base` was tuned for; null = the per-replica batch"
     )
-    scaling: str = _f("linear", Choice(values=("linear", "sqrt", "none")), "linear (Goyal et al. 2017), sqrt "
+    scaling: str = _f("linear", Choice(values=LR_RULES), "linear (Goyal et al. 2017), sqrt "
                       "or none: how the rate follows the global batch")
     warmup_epochs: float = _f(0.0, Float(minimum=0), "ramp from base to the scaled rate over N epochs (or "
                               "warmup_steps, not both)")
