@@ -103,7 +103,7 @@ class StrategyConfig:
         kinds=tuple(k for k in kinds_where(accepts_devices=True) if k != "auto"))
     simulated_cpu_replicas: int = _f(
         0, Int(minimum=0), "> 0: split the CPU into N logical devices, one replica each (per worker)",
-        kinds=("auto", "mirrored", *_MWM))
+        kinds=kinds_where(simulated_cpus=True))
     cross_device_ops: str = _f(
         "auto",
         Choice(values=("auto", "nccl", "hierarchical_copy", "reduction_to_one")),
@@ -433,7 +433,7 @@ def _check_consistency(cfg: Config, b: _Builder, given: Mapping[str, Any]) -> Co
                 "(simulated replicas make their own logical CPU devices)")
     if s.simulated_cpu_replicas and not spec.simulated_cpus:
         b.issue("strategy.simulated_cpu_replicas", f"simulated_cpu_replicas does not apply to kind={s.kind}; "
-                "remove it")
+                f"remove it (it applies to {', '.join(kinds_where(simulated_cpus=True))})")
     acc, save_freq = cfg.runtime.gradient_accumulation_steps, cfg.fault_tolerance.save_freq
     if acc > 1 and isinstance(save_freq, int) and save_freq % acc:
         # A backup between two optimizer updates would lose the gradients accumulated so far.
