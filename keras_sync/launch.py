@@ -44,6 +44,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import IO
 
+from keras_sync.config import CONFIG_ENV
 from keras_sync.errors import UsageError
 
 JOB_ID_ENV = "KERAS_SYNC_JOB_ID"  # read by `keras_sync.config` as mlflow.job_id
@@ -171,7 +172,7 @@ def launch(
     # backup's recorded run wins, see callbacks/_run.py).
     base_env.setdefault(JOB_ID_ENV, f"launch-{uuid.uuid4().hex[:12]}")
     if config is not None:
-        base_env["KERAS_SYNC_CONFIG"] = os.path.abspath(config)
+        base_env[CONFIG_ENV] = os.path.abspath(config)
 
     stop: dict[str, int] = {}  # "signal" -> the signal the launcher received
     procs: list[subprocess.Popen[bytes]] = []
