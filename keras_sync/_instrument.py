@@ -268,6 +268,12 @@ def instrument(model: Any, gradients: str | None = None, accumulator: Any = None
     return probe
 
 
+def holds_unapplied_gradients(model: Any) -> bool:
+    """True while gradient accumulation on ``model`` holds micro-batches not applied yet."""
+    accumulator = getattr(_probes.get(model), "accumulator", None)
+    return accumulator is not None and accumulator.pending()
+
+
 def _replica_values(seen: dict[str, Any], n: int) -> tuple[Any, Any, Any]:
     """(loss, grad norm, loss scale) of this replica as float32, scaled like one device's."""
     import tensorflow as tf

@@ -73,9 +73,19 @@ def test_resume_module_imports_no_tensorflow() -> None:
 
 def test_backup_callback_rejects_empty_backup_dir() -> None:
     from keras_sync.callbacks.backup import BackupAndRestore
+    from keras_sync.errors import UsageError
 
-    with pytest.raises(ValueError, match=r"Invalid value for argument `backup_dir`\. Received: backup_dir=''\."):
+    with pytest.raises(UsageError, match=r"Invalid value for argument `backup_dir`\. Received: backup_dir=''\."):
         BackupAndRestore("")
+
+
+def test_backup_callback_rejects_a_grace_period_that_is_not_positive() -> None:
+    from keras_sync.callbacks.backup import BackupAndRestore
+    from keras_sync.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"Invalid value for argument `grace_period_s`\. Received: grace_period_s=0\. "
+                                         r"Expected a number of seconds > 0, or None to leave SIGTERM alone\."):
+        BackupAndRestore("/tmp/unused", grace_period_s=0)
 
 
 @pytest.mark.slow
