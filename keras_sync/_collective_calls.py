@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 from keras_sync.cluster import TRAINING_JOBS
 from keras_sync.errors import UsageError
-from keras_sync.strategy import in_multi_worker_mode
+from keras_sync._strategy_facts import in_multi_worker_mode
 
 _KEY = "keras_sync/call/{n}/{task}"
 _WRAPPED_MARK = "_keras_sync_meets_peers"

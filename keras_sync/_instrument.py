@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 from keras_sync import _train_step_trace as trace
 from keras_sync.cluster import strategy_role
-from keras_sync.strategy import in_multi_worker_mode
+from keras_sync._strategy_facts import in_multi_worker_mode
 
 _MARK = "_keras_sync_instrumented"
 _probes: weakref.WeakKeyDictionary[Any, ReplicaProbe] = weakref.WeakKeyDictionary()

@@ -54,7 +54,7 @@ def load(
     from keras_sync.strategy import build_strategy
 
     strategy, detection = build_strategy(cfg)
-    from keras_sync.strategy import in_multi_worker_mode
+    from keras_sync._strategy_facts import in_multi_worker_mode
 
     if in_multi_worker_mode(strategy):
         from keras_sync import _collective_calls, saving

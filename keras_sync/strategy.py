@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+from keras_sync._strategy_facts import in_multi_worker_mode  # also importable from here, as before
 from keras_sync.config import Config, StrategyConfig
 from keras_sync.errors import StrategyError
 from keras_sync.kinds import KINDS, LAYOUT_ONE, LAYOUT_TENSORFLOW, LAYOUT_TPU
@@ -132,12 +133,6 @@ def device_layout(kind: str, cfg: StrategyConfig, *, gpus: int) -> DeviceLayout:
     if spec.layout == LAYOUT_ONE:
         return DeviceLayout(layout.devices[:1], layout.source)
     return layout
-
-
-def in_multi_worker_mode(strategy: Any) -> bool:
-    """Whether ``strategy`` spans several workers (collectives then need every worker to take part)."""
-    check = getattr(getattr(strategy, "extended", None), "_in_multi_worker_mode", None)
-    return bool(check()) if check is not None else False
 
 
 # ---------------------------------------------------------------------------------------------

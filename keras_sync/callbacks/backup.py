@@ -24,7 +24,7 @@ from keras_sync import _backup_files
 from keras_sync.cluster import strategy_role
 from keras_sync.errors import UsageError
 from keras_sync.resume import ResumePoint, SaveSchedule, batches_to_skip, write_dir
-from keras_sync.strategy import in_multi_worker_mode
+from keras_sync._strategy_facts import in_multi_worker_mode
 
 log = logging.getLogger("keras_sync")
 
