@@ -274,16 +274,9 @@ def _supervise(procs: list[subprocess.Popen[bytes]], stop: dict[str, int],
         time.sleep(_POLL_S)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of `python -m keras_sync.launch`: the `keras-sync launch` command line."""
+if __name__ == "__main__":
+    # `python -m keras_sync.launch` is the `keras-sync launch` command line. The import is here, not
+    # in a function of this module, so the library never imports the CLI (the CLI imports `launch`).
     from keras_sync.cli.launch import command
 
-    try:
-        command.main(args=argv, prog_name="python -m keras_sync.launch")  # exits, as click commands do
-    except SystemExit as done:
-        return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
-    return 0  # pragma: no cover
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    command.main(prog_name="python -m keras_sync.launch")  # exits with the command's code, as click does
