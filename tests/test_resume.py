@@ -79,15 +79,6 @@ def test_backup_callback_rejects_empty_backup_dir() -> None:
         BackupAndRestore("")
 
 
-def test_backup_callback_rejects_a_grace_period_that_is_not_positive() -> None:
-    from keras_sync.callbacks.backup import BackupAndRestore
-    from keras_sync.errors import UsageError
-
-    with pytest.raises(UsageError, match=r"Invalid value for argument `grace_period_s`\. Received: grace_period_s=0\. "
-                                         r"Expected a number of seconds > 0, or None to leave SIGTERM alone\."):
-        BackupAndRestore("/tmp/unused", grace_period_s=0)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_one_process_default_strategy_sigkill_mid_epoch_resumes_exactly(tmp_path: Path) -> None:
