@@ -268,9 +268,14 @@ def instrument(model: Any, gradients: str | None = None, accumulator: Any = None
     return probe
 
 
+def probe_of(model: Any) -> ReplicaProbe | None:
+    """The `ReplicaProbe` `instrument` put on ``model``, if any."""
+    return _probes.get(model)
+
+
 def holds_unapplied_gradients(model: Any) -> bool:
     """True while gradient accumulation on ``model`` holds micro-batches not applied yet."""
-    accumulator = getattr(_probes.get(model), "accumulator", None)
+    accumulator = getattr(probe_of(model), "accumulator", None)
     return accumulator is not None and accumulator.pending()
 
 
