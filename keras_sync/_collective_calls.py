@@ -30,8 +30,9 @@ import threading
 import time
 from typing import Any, Callable
 
+from keras_sync.cluster import TRAINING_JOBS
 from keras_sync.errors import UsageError
-from keras_sync.strategy import in_multi_worker_mode
+from keras_sync._strategy_facts import in_multi_worker_mode
 
 _KEY = "keras_sync/call/{n}/{task}"
 _WRAPPED_MARK = "_keras_sync_meets_peers"
@@ -46,7 +47,7 @@ def _task_names(strategy: Any) -> tuple[str, list[str]]:
     """``("worker:1", ["worker:0", "worker:1"])``: this task and every training task."""
     resolver = strategy.cluster_resolver
     spec = resolver.cluster_spec().as_dict()
-    tasks = [f"{job}:{i}" for job in ("chief", "worker") for i in range(len(spec.get(job, [])))]
+    tasks = [f"{job}:{i}" for job in TRAINING_JOBS for i in range(len(spec.get(job, [])))]
     return f"{resolver.task_type}:{resolver.task_id}", tasks
 
 

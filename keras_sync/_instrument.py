@@ -42,7 +42,8 @@ import weakref
 from typing import Any, Callable
 
 from keras_sync import _train_step_trace as trace
-from keras_sync.strategy import in_multi_worker_mode
+from keras_sync.cluster import strategy_role
+from keras_sync._strategy_facts import in_multi_worker_mode
 
 _MARK = "_keras_sync_instrumented"
 _probes: weakref.WeakKeyDictionary[Any, ReplicaProbe] = weakref.WeakKeyDictionary()
@@ -219,7 +220,7 @@ class ReplicaProbe:
         if len({a["optimizer"] for a in applies}) > 1:
             self.last_trace["per_optimizer"] = {a["optimizer"]: [a["scaled_by"], a["factor"]] for a in applies}
         trace.remember_applied(self.model, [a["optimizer"] for a in applies])
-        if self.model in _announced or not _is_chief(self.strategy):
+        if self.model in _announced or not strategy_role(self.strategy).is_chief:
             return
         _announced.add(self.model)
         import sys
@@ -265,6 +266,17 @@ def instrument(model: Any, gradients: str | None = None, accumulator: Any = None
     model.train_function = None
     _probes[model] = probe
     return probe
+
+
+def probe_of(model: Any) -> ReplicaProbe | None:
+    """The `ReplicaProbe` `instrument` put on ``model``, if any."""
+    return _probes.get(model)
+
+
+def holds_unapplied_gradients(model: Any) -> bool:
+    """True while gradient accumulation on ``model`` holds micro-batches not applied yet."""
+    accumulator = getattr(probe_of(model), "accumulator", None)
+    return accumulator is not None and accumulator.pending()
 
 
 def _replica_values(seen: dict[str, Any], n: int) -> tuple[Any, Any, Any]:
@@ -341,15 +353,6 @@ def _bits(x: Any) -> Any:
     import tensorflow as tf
 
     return tf.cast(tf.bitcast(tf.cast(x, tf.float32), tf.uint32), tf.int64)
-
-
-def _is_chief(strategy: Any) -> bool:
-    resolver = getattr(strategy, "cluster_resolver", None)
-    if resolver is None or not in_multi_worker_mode(strategy):
-        return True
-    from keras_sync.cluster import is_chief
-
-    return is_chief(resolver.cluster_spec().as_dict(), resolver.task_type, int(resolver.task_id))
 
 
 def _learning_rate(optimizer: Any) -> Any:

@@ -286,7 +286,7 @@ REGISTRY: tuple[Internal, ...] = (
              callable_with(f"{_CARS}:CollectiveAllReduceExtended.__init__",
                            "self", "container_strategy", "cluster_resolver", "communication_options")),
     Internal(f"{_CARS}:CollectiveAllReduceExtended._in_multi_worker_mode", "multi_worker_strategy",
-             "strategy.in_multi_worker_mode: which strategies get the multi-worker fixes and collectives",
+             "_strategy_facts.in_multi_worker_mode: which strategies get the multi-worker fixes and collectives",
              callable_with(f"{_CARS}:CollectiveAllReduceExtended._in_multi_worker_mode", "self"),
              attrs=("_in_multi_worker_mode",)),
     Internal(f"{_CARS}:CollectiveAllReduceStrategy", "multi_worker_strategy",

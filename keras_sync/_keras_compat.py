@@ -23,7 +23,7 @@ _PATCH_MARK = "_keras_sync_multi_worker_fix"
 def _is_multi_worker(strategy: Any) -> bool:
     import tensorflow as tf
 
-    from keras_sync.strategy import in_multi_worker_mode
+    from keras_sync._strategy_facts import in_multi_worker_mode
 
     return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and in_multi_worker_mode(strategy)
 

@@ -18,6 +18,7 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from keras_sync.cluster import TRAINING_JOBS
 from keras_sync.errors import PeerLostError
 
 # Exit code of a worker that lost a peer: 75 = EX_TEMPFAIL ("temporary failure; retry").
@@ -40,7 +41,7 @@ def is_lost_peer_error(exc: BaseException) -> bool:
 
 def _tasks(cluster: Mapping[str, Sequence[str]]) -> dict[tuple[str, int], str]:
     out: dict[tuple[str, int], str] = {}
-    for job in ("chief", "worker"):
+    for job in TRAINING_JOBS:
         for i, addr in enumerate(cluster.get(job) or []):
             out[(job, i)] = addr
     return out

@@ -29,6 +29,8 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from keras_sync import _internals
+from keras_sync.cluster import TRAINING_JOBS
+from keras_sync.config import COMMUNICATIONS
 from keras_sync.errors import ConnectTimeoutError, StrategyError
 
 if TYPE_CHECKING:
@@ -36,9 +38,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-COMMUNICATIONS = ("auto", "ring", "nccl")
-# Jobs that take part in training; `evaluator` and `ps` never join the collectives.
-_TRAINING_JOBS = ("chief", "worker")
 _TASK_RE = re.compile(r"/job:(\w+)/replica:\d+/task:(\d+)")
 
 
@@ -116,7 +115,7 @@ def _strategy_classes() -> tuple[type, type]:
 def _training_tasks(cluster: dict[str, Any]) -> dict[str, str]:
     """``{"/job:worker/replica:0/task:1": "host:port"}`` for the chief and worker tasks."""
     out: dict[str, str] = {}
-    for job in _TRAINING_JOBS:
+    for job in TRAINING_JOBS:
         tasks = cluster.get(job) or []
         items = tasks.items() if isinstance(tasks, dict) else enumerate(tasks)
         for i, addr in items:
@@ -167,11 +166,8 @@ def build_multi_worker_strategy(
     from tensorflow.python.distribute import multi_worker_util
     from tensorflow.python.eager import context
 
-    impls = {
-        "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
-        "ring": tf.distribute.experimental.CommunicationImplementation.RING,
-        "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
-    }
+    impls = {name: getattr(tf.distribute.experimental.CommunicationImplementation, name.upper())
+             for name in COMMUNICATIONS}
     key = communication.lower() if isinstance(communication, str) else communication
     if key not in impls:
         raise StrategyError(
@@ -205,7 +201,7 @@ def build_multi_worker_strategy(
 
     me = f"/job:{resolver.task_type}/replica:0/task:{resolver.task_id}"
     ctx = context.context()
-    if ctx.coordination_service is None and resolver.task_type in _TRAINING_JOBS:
+    if ctx.coordination_service is None and resolver.task_type in TRAINING_JOBS:
         spec = multi_worker_util.normalize_cluster_spec(resolver.cluster_spec())
         ctx.configure_coordination_service(
             "standalone",
@@ -216,7 +212,7 @@ def build_multi_worker_strategy(
         # The job list is filled on the config TF just made, so no protobuf module is imported:
         # TF moved `coordination_config_pb2` (tensorflow.tsl -> tensorflow.compiler.xla.tsl)
         # between 2.17 and 2.21, and neither path is public.
-        for j in _TRAINING_JOBS:
+        for j in TRAINING_JOBS:
             if j in spec.jobs:
                 config.coordinated_job_list.add(name=j, num_tasks=spec.num_tasks(j))
         # Without the barrier only the leader waits for the others; with it every task

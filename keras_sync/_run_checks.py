@@ -194,7 +194,7 @@ def checks_callback(sync: Any, *, global_batch: int, expected: int | None, data:
             self._add_loss_due = data is not None and sync.num_replicas > 1
             if getattr(self.model, "built", False):  # else once the first step has built it
                 self._check_add_loss()
-            self._probe = _instrument._probes.get(self.model)
+            self._probe = _instrument.probe_of(self.model)
             self._last = self._totals() if self._probe is not None else None
 
         def _check_learning_rate(self) -> None:

@@ -17,12 +17,13 @@ import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from keras_sync.errors import ClusterError
 
-_TRAINING_JOBS = ("chief", "worker")
-_ALLOWED_JOBS = ("chief", "worker", "evaluator", "ps")
+# The jobs that train together (one all-reduce); `evaluator` and `ps` never join the collectives.
+TRAINING_JOBS = ("chief", "worker")
+_ALLOWED_JOBS = (*TRAINING_JOBS, "evaluator", "ps")
 _SLURM_PORT_BASE = 8888  # SlurmClusterResolver's default `port_base`: only without $SLURM_JOB_ID.
 # strategy.slurm.port_base: auto gives each (job, step) a slot of 16 ports in 10000-31775, below
 # Linux's ephemeral range (32768-60999) so an outgoing connection never holds a worker's port.
@@ -91,7 +92,7 @@ def role(cluster: Mapping[str, Any] | None, task_type: str | None, task_id: int 
     """
     if not cluster or task_type is None:
         return SINGLE
-    workers = sum(len(cluster.get(job) or ()) for job in _TRAINING_JOBS)
+    workers = sum(len(cluster.get(job) or ()) for job in TRAINING_JOBS)
     return Role(is_chief(cluster, task_type, task_id or 0), task_type, task_id, max(workers, 1))
 
 
@@ -191,7 +192,7 @@ def parse_tf_config(raw: str | None, *, env: Mapping[str, str] | None = None) ->
             raise _error(
                 f"TF_CONFIG cluster has an unknown job `{job}`",
                 f"cluster={cluster!r}",
-                f"Expected only {', '.join(_TRAINING_JOBS)} (and evaluator); rename the job.",
+                f"Expected only {', '.join(TRAINING_JOBS)} (and evaluator); rename the job.",
             )
         if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
             raise _error(
@@ -213,7 +214,7 @@ def parse_tf_config(raw: str | None, *, env: Mapping[str, str] | None = None) ->
                 f"cluster.{job}={cluster[job]!r}",
                 f"Fix: set `replicas: 1` for the {job.capitalize()} replica spec.",
             )
-    training = [a for job in _TRAINING_JOBS for a in cluster.get(job, [])]
+    training = [a for job in TRAINING_JOBS for a in cluster.get(job, [])]
     if not training:
         raise _error(
             "TF_CONFIG cluster has no `chief` or `worker` tasks", f"cluster={cluster!r}", "Add a worker list."
@@ -227,7 +228,7 @@ def parse_tf_config(raw: str | None, *, env: Mapping[str, str] | None = None) ->
             'Expected e.g. "task": {"type": "worker", "index": 0}, different on each process.',
         )
     task_type, task_id = task.get("type"), task.get("index")
-    if task_type not in ("chief", "worker", "evaluator"):
+    if task_type not in (*TRAINING_JOBS, "evaluator"):
         raise _error(
             "TF_CONFIG task.type is not a training role",
             f"task.type={task_type!r}",
@@ -485,13 +486,72 @@ def indexed_job_cluster_resolver(hosts: str | None, port: int, workers: int | No
     )
 
 
-def cluster_from_env(env: Mapping[str, str] | None = None) -> ClusterInfo:
-    """This process's cluster: TF_CONFIG if set, else a Slurm step with more than one task, else alone."""
-    env = os.environ if env is None else env
+# ------------------------------------------------- The sources `strategy.cluster` names: the one dispatch
+
+
+def fixed_slurm_port_base(strategy_config: Any) -> int | None:
+    """`strategy.slurm.port_base` as set: an int, or None for auto (then `slurm_port_base` of the job's ids)."""
+    base = strategy_config.slurm.port_base
+    return base if isinstance(base, int) else None
+
+
+def _read_tf_config(cfg: Any, env: Mapping[str, str]) -> tuple[ClusterInfo, str]:
     info = parse_tf_config(env.get("TF_CONFIG"), env=env)
-    if info.source == "none" and "SLURM_STEP_NUM_TASKS" in env and env["SLURM_STEP_NUM_TASKS"] != "1":
-        info = parse_slurm_env(env)
-    return info
+    return info, "TF_CONFIG unset" if info.source == "none" else f"TF_CONFIG ({info.flavor})"
+
+
+def _read_slurm(cfg: Any, env: Mapping[str, str]) -> tuple[ClusterInfo, str]:
+    if "SLURM_PROCID" not in env:
+        return SINGLE_PROCESS, "no Slurm job ($SLURM_PROCID unset)"
+    return parse_slurm_env(env, port_base=fixed_slurm_port_base(cfg)), "Slurm"
+
+
+def _read_indexed_job(cfg: Any, env: Mapping[str, str]) -> tuple[ClusterInfo, str]:
+    if INDEX_VAR not in env:
+        return SINGLE_PROCESS, f"no Indexed Job (${INDEX_VAR} unset)"
+    job = cfg.indexed_job
+    return parse_indexed_job(job.hosts, job.port, job.workers, env), "Indexed Job"
+
+
+def _slurm_resolver(cfg: Any) -> Any:
+    return slurm_cluster_resolver(port_base=fixed_slurm_port_base(cfg))
+
+
+def _indexed_job_resolver(cfg: Any) -> Any:
+    return indexed_job_cluster_resolver(cfg.indexed_job.hosts, cfg.indexed_job.port, cfg.indexed_job.workers)
+
+
+@dataclass(frozen=True)
+class ClusterSource:
+    """One value of `strategy.cluster`: how to read it without TensorFlow, and the resolver a strategy gets.
+
+    Attributes:
+        read: (strategy section, environment) -> this process's `ClusterInfo` and, in words, where it
+            came from (`SINGLE_PROCESS` when the source is absent from the environment).
+        resolver: (strategy section) -> a TensorFlow cluster resolver; None lets TensorFlow read
+            TF_CONFIG itself.
+    """
+
+    read: Callable[[Any, Mapping[str, str]], tuple[ClusterInfo, str]]
+    resolver: Callable[[Any], Any]
+
+
+#: The allowed values of `strategy.cluster` (config.py reads the names from here).
+CLUSTER_SOURCES: dict[str, ClusterSource] = {
+    "tf_config": ClusterSource(_read_tf_config, lambda cfg: None),
+    "slurm": ClusterSource(_read_slurm, _slurm_resolver),
+    "indexed_job": ClusterSource(_read_indexed_job, _indexed_job_resolver),
+}
+
+
+def read_cluster(strategy_config: Any, env: Mapping[str, str] | None = None) -> tuple[ClusterInfo, str]:
+    """This process's place in the cluster `strategy.cluster` names, and where that came from. No TensorFlow."""
+    return CLUSTER_SOURCES[strategy_config.cluster].read(strategy_config, os.environ if env is None else env)
+
+
+def cluster_resolver(strategy_config: Any) -> Any:
+    """The TensorFlow cluster resolver for `strategy.cluster` (None: TensorFlow reads TF_CONFIG)."""
+    return CLUSTER_SOURCES[strategy_config.cluster].resolver(strategy_config)
 
 
 # ------------------------------------------------- TF_CONFIG order (tensorflow#60706)

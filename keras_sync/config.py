@@ -29,8 +29,10 @@ from keras_sync._fields import (
     StrList,
     WordOrInt,
 )
+from keras_sync.cluster import CLUSTER_SOURCES
 from keras_sync.errors import ConfigError, ConfigIssue
 from keras_sync.kinds import KINDS, STRATEGY_KINDS, kinds_where
+from keras_sync.scaling import LR_RULES
 
 DEFAULT_CONFIG_FILE = "keras_sync.yaml"
 CONFIG_ENV = "KERAS_SYNC_CONFIG"
@@ -57,6 +59,8 @@ def _sub(cls: type, doc: str, note: str | None = None, kinds: tuple[str, ...] | 
 
 
 _MWM = kinds_where(multi_process=True)
+#: `strategy.communication`: tf.distribute.experimental.CommunicationImplementation's names, lower case.
+COMMUNICATIONS = ("auto", "ring", "nccl")
 
 
 @dataclass(frozen=True)
@@ -99,7 +103,7 @@ class StrategyConfig:
         kinds=tuple(k for k in kinds_where(accepts_devices=True) if k != "auto"))
     simulated_cpu_replicas: int = _f(
         0, Int(minimum=0), "> 0: split the CPU into N logical devices, one replica each (per worker)",
-        kinds=("auto", "mirrored", *_MWM))
+        kinds=kinds_where(simulated_cpus=True))
     cross_device_ops: str = _f(
         "auto",
         Choice(values=("auto", "nccl", "hierarchical_copy", "reduction_to_one")),
@@ -107,10 +111,10 @@ class StrategyConfig:
         "reduction_to_one (no NCCL on CPU)", kinds=("mirrored",),
     )
     communication: str = _f(
-        "auto", Choice(values=("auto", "ring", "nccl")), "collective implementation: auto, ring or nccl",
+        "auto", Choice(values=COMMUNICATIONS), "collective implementation: auto, ring or nccl",
         kinds=_MWM,
     )
-    cluster: str = _f("tf_config", Choice(values=("tf_config", "slurm", "indexed_job")), "where the workers are: "
+    cluster: str = _f("tf_config", Choice(values=tuple(CLUSTER_SOURCES)), "where the workers are: "
                       "tf_config ($TF_CONFIG), slurm (srun's environment) or indexed_job (a Kubernetes "
                       "Indexed Job or JobSet: $JOB_COMPLETION_INDEX and strategy.indexed_job)", kinds=_MWM)
     connect_timeout_s: float = _f(300.0, Float(minimum=0, exclusive=True), "seconds to wait for all workers to "
@@ -144,7 +148,7 @@ class LearningRateConfig:
     base_batch_size: int | None = _f(
         None, Int(minimum=1, nullable=True), "the batch `base` was tuned for; null = the per-replica batch"
     )
-    scaling: str = _f("linear", Choice(values=("linear", "sqrt", "none")), "linear (Goyal et al. 2017), sqrt "
+    scaling: str = _f("linear", Choice(values=LR_RULES), "linear (Goyal et al. 2017), sqrt "
                       "or none: how the rate follows the global batch")
     warmup_epochs: float = _f(0.0, Float(minimum=0), "ramp from base to the scaled rate over N epochs (or "
                               "warmup_steps, not both)")
@@ -430,7 +434,7 @@ def _check_consistency(cfg: Config, b: _Builder, given: Mapping[str, Any]) -> Co
                 "(simulated replicas make their own logical CPU devices)")
     if s.simulated_cpu_replicas and not spec.simulated_cpus:
         b.issue("strategy.simulated_cpu_replicas", f"simulated_cpu_replicas does not apply to kind={s.kind}; "
-                "remove it")
+                f"remove it (it applies to {', '.join(kinds_where(simulated_cpus=True))})")
     acc, save_freq = cfg.runtime.gradient_accumulation_steps, cfg.fault_tolerance.save_freq
     if acc > 1 and isinstance(save_freq, int) and save_freq % acc:
         # A backup between two optimizer updates would lose the gradients accumulated so far.

@@ -14,6 +14,7 @@ from importlib import metadata
 from typing import Any, Mapping
 
 from keras_sync import __version__
+from keras_sync.config import CONFIG_ENV
 
 # (label, distributions that provide it): the first one installed wins.
 _PACKAGES = (
@@ -104,7 +105,7 @@ def collect(*, devices: bool = True, environ: Mapping[str, str] | None = None) -
         report["TensorFlow devices"] = _devices()
     report["TF_CONFIG"] = _cluster(env)
     report["MLFLOW_TRACKING_URI"] = _uri(env)
-    report["KERAS_SYNC_CONFIG"] = env.get("KERAS_SYNC_CONFIG", "unset")
+    report[CONFIG_ENV] = env.get(CONFIG_ENV, "unset")
     return report
 
 

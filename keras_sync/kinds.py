@@ -55,7 +55,7 @@ KINDS: dict[str, KindSpec] = {spec.name: spec for spec in (
                      "several workers; mirrored with several GPUs or simulated CPU replicas; else default.",
              builder=None, layout=LAYOUT_LOCAL, accepts_devices=True),
     KindSpec("default", "default: no distribution, TensorFlow's default device; plain Keras behaviour.",
-             builder="_build_default", layout=LAYOUT_TENSORFLOW, scoped=False),
+             builder="_build_default", layout=LAYOUT_TENSORFLOW, simulated_cpus=False, scoped=False),
     KindSpec("one_device", "one_device: everything on one device (a good baseline to compare replicas against).",
              builder="_build_one_device", layout=LAYOUT_ONE, accepts_devices=True, max_devices=1),
     KindSpec("mirrored", "mirrored: one replica per local device, gradients all-reduced every step.",

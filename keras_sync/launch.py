@@ -44,6 +44,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import IO
 
+from keras_sync.config import CONFIG_ENV
 from keras_sync.errors import UsageError
 
 JOB_ID_ENV = "KERAS_SYNC_JOB_ID"  # read by `keras_sync.config` as mlflow.job_id
@@ -171,7 +172,7 @@ def launch(
     # backup's recorded run wins, see callbacks/_run.py).
     base_env.setdefault(JOB_ID_ENV, f"launch-{uuid.uuid4().hex[:12]}")
     if config is not None:
-        base_env["KERAS_SYNC_CONFIG"] = os.path.abspath(config)
+        base_env[CONFIG_ENV] = os.path.abspath(config)
 
     stop: dict[str, int] = {}  # "signal" -> the signal the launcher received
     procs: list[subprocess.Popen[bytes]] = []
@@ -273,16 +274,9 @@ def _supervise(procs: list[subprocess.Popen[bytes]], stop: dict[str, int],
         time.sleep(_POLL_S)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of `python -m keras_sync.launch`: the `keras-sync launch` command line."""
+if __name__ == "__main__":
+    # `python -m keras_sync.launch` is the `keras-sync launch` command line. The import is here, not
+    # in a function of this module, so the library never imports the CLI (the CLI imports `launch`).
     from keras_sync.cli.launch import command
 
-    try:
-        command.main(args=argv, prog_name="python -m keras_sync.launch")  # exits, as click commands do
-    except SystemExit as done:
-        return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
-    return 0  # pragma: no cover
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    command.main(prog_name="python -m keras_sync.launch")  # exits with the command's code, as click does

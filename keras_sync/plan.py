@@ -70,9 +70,9 @@ def _show(value: Any) -> str:
 
 
 def _slurm_ports(config: Config, env: Mapping[str, str]) -> PlanItem:
-    from keras_sync import cluster, strategy
+    from keras_sync import cluster
 
-    base = strategy.slurm_port_base(config)
+    base = cluster.fixed_slurm_port_base(config.strategy)
     if base is not None:
         return PlanItem("strategy.slurm.port_base", base, config.source_of("strategy.slurm.port_base"))
     return PlanItem("strategy.slurm.port_base", cluster.slurm_port_base(env), "derived",
@@ -145,7 +145,7 @@ def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Pl
                  src("learning_rate.base_batch_size") if lr.base_batch_size else "derived",
                  "" if lr.base_batch_size else "null = the per-replica batch"),
         PlanItem("learning_rate.scaling", lr.scaling, src("learning_rate.scaling")),
-        PlanItem("learning_rate.scaled", scaled, "derived", _lr_formula(lr.scaling, lr.base, effective, base_batch)),
+        PlanItem("learning_rate.scaled", scaled, "derived", scaling.lr_formula(lr.scaling, lr.base, effective, base_batch)),
     ]
     if lr.warmup_epochs:
         items.append(PlanItem("learning_rate.warmup_epochs", lr.warmup_epochs, src("learning_rate.warmup_epochs"),
@@ -204,14 +204,6 @@ def _input_items(config: Config, global_batch: int, replicas: int, workers: int)
         items.append(PlanItem("batch.per_worker", global_batch // workers, "derived",
                               batch_layout(global_batch, replicas, workers)))
     return items
-
-
-def _lr_formula(rule: str, base: float, global_batch: int, base_batch: int) -> str:
-    if rule == "linear":
-        return f"{base:g} x {global_batch}/{base_batch} (Goyal et al. 2017)"
-    if rule == "sqrt":
-        return f"{base:g} x sqrt({global_batch}/{base_batch})"
-    return "not scaled"
 
 
 def config_summary(config: Config) -> str:

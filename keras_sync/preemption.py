@@ -233,7 +233,7 @@ class PreemptionSaver:
         self.agreement = None
         if not self.watch.install():
             return  # not the main thread: SIGTERM keeps its previous meaning
-        from keras_sync.strategy import in_multi_worker_mode
+        from keras_sync._strategy_facts import in_multi_worker_mode
 
         if in_multi_worker_mode(strategy):
             from tensorflow.python.distribute import multi_worker_util

@@ -158,7 +158,7 @@ def setup_callback(sync: Any) -> Any:
             if steps > 1:
                 from keras_sync._accumulate import GradientAccumulator
 
-                probe = _instrument._probes.get(model)
+                probe = _instrument.probe_of(model)
                 accumulator = probe.accumulator if probe is not None and probe.accumulator is not None \
                     and probe.accumulator.steps == steps else GradientAccumulator(model, steps)
             _instrument.instrument(model, gradients=sync.config.runtime.train_step_gradients, accumulator=accumulator)

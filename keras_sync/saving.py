@@ -21,8 +21,8 @@ This module applies that recipe to the user's own calls:
   every worker because the logs it reads are all-reduced).
 * `save` is the explicit form (``sync.save(model, path)``).
 
-The chief is who ``strategy.extended.should_checkpoint`` names (TensorFlow's answer: the
-``chief`` task, else ``worker`` 0). ``keras.saving.save_model(model, ...)``, the function, is
+The chief is who `keras_sync.cluster.strategy_role` names (the ``chief`` task, else ``worker`` 0;
+the rule TensorFlow's ``should_checkpoint`` follows too). ``keras.saving.save_model(model, ...)``, the function, is
 not wrapped: use ``model.save`` or ``sync.save``.
 """
 
@@ -37,7 +37,7 @@ import tempfile
 from typing import Any, Callable, Iterator
 
 from keras_sync.errors import UsageError
-from keras_sync.strategy import in_multi_worker_mode
+from keras_sync.cluster import strategy_role
 
 _WRAPPED_MARK = "_keras_sync_chief_writes"
 TEMP_PREFIX = "keras_sync_worker_save_"
@@ -45,9 +45,7 @@ TEMP_PREFIX = "keras_sync_worker_save_"
 
 def writes_user_paths(strategy: Any) -> bool:
     """Whether this process writes the paths a user gives: the chief, or any single-worker strategy."""
-    if strategy is None or not in_multi_worker_mode(strategy):
-        return True
-    return bool(strategy.extended.should_checkpoint)
+    return strategy is None or strategy_role(strategy).is_chief
 
 
 @contextlib.contextmanager

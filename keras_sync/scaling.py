@@ -13,6 +13,7 @@ import math
 
 from keras_sync.errors import ScalingError
 
+#: The learning-rate rules (`learning_rate.scaling`), as `scale_learning_rate` applies them.
 LR_RULES = ("linear", "sqrt", "none")
 
 
@@ -67,6 +68,19 @@ def resolve_batch_sizes(per_replica: int | None, global_batch: int | None, repli
         return per_replica, global_batch_size(per_replica, replicas)
     assert global_batch is not None  # for the type checker; the check above guarantees it
     return per_replica_batch_size(global_batch, replicas), global_batch
+
+
+def lr_formula(rule: str, base_lr: float, global_batch_size: int, base_batch_size: int) -> str:
+    """`scale_learning_rate`'s formula in words, for `keras-sync plan`.
+
+    >>> lr_formula("sqrt", 0.1, 1024, 256)
+    '0.1 x sqrt(1024/256)'
+    """
+    if rule == "linear":
+        return f"{base_lr:g} x {global_batch_size}/{base_batch_size} (Goyal et al. 2017)"
+    if rule == "sqrt":
+        return f"{base_lr:g} x sqrt({global_batch_size}/{base_batch_size})"
+    return "not scaled"
 
 
 def scale_learning_rate(base_lr: float, *, global_batch_size: int, base_batch_size: int, rule: str) -> float:

@@ -11,6 +11,7 @@ import warnings
 from typing import Any, Mapping
 
 from keras_sync import scaling
+from keras_sync.cluster import strategy_role
 from keras_sync.config import Config, load_config
 from keras_sync.errors import UsageError
 from keras_sync.kinds import KINDS
@@ -53,7 +54,7 @@ def load(
     from keras_sync.strategy import build_strategy
 
     strategy, detection = build_strategy(cfg)
-    from keras_sync.strategy import in_multi_worker_mode
+    from keras_sync._strategy_facts import in_multi_worker_mode
 
     if in_multi_worker_mode(strategy):
         from keras_sync import _collective_calls, saving
@@ -98,7 +99,8 @@ class Sync:
         self.kind: str = detection.kind
         self.kind_reason: str = detection.reason
         self.num_replicas: int = int(strategy.num_replicas_in_sync)
-        self.num_workers, self.is_chief, self.task = _worker_info(strategy)
+        role = strategy_role(strategy)
+        self.num_workers, self.is_chief, self.task = role.num_workers, role.is_chief, (role.task_type, role.task_id)
         self.per_replica_batch_size, self.global_batch_size = scaling.resolve_batch_sizes(
             config.batch.per_replica, config.batch.global_, self.num_replicas
         )
@@ -531,13 +533,6 @@ def _is_dataset(x: Any) -> bool:
     from keras_sync.pipeline import is_dataset
 
     return x is not None and is_dataset(x)
-
-
-def _worker_info(strategy: Any) -> tuple[int, bool, tuple[str | None, int | None]]:
-    from keras_sync.cluster import strategy_role
-
-    r = strategy_role(strategy)
-    return r.num_workers, r.is_chief, (r.task_type, r.task_id)
 
 
 def _keras_compat_check_call(model: Any, method: str) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+from keras_sync._strategy_facts import in_multi_worker_mode  # also importable from here, as before
 from keras_sync.config import Config, StrategyConfig
 from keras_sync.errors import StrategyError
 from keras_sync.kinds import KINDS, LAYOUT_ONE, LAYOUT_TENSORFLOW, LAYOUT_TPU
@@ -55,30 +56,12 @@ def tpu_hint(environ: Mapping[str, str]) -> str | None:
     return None
 
 
-def slurm_port_base(config: Config) -> int | None:
-    """`strategy.slurm.port_base` as `keras_sync.cluster` takes it: None for auto (from the job's ids)."""
-    base = config.strategy.slurm.port_base
-    return base if isinstance(base, int) else None
-
-
 def count_workers(config: Config, environ: Mapping[str, str]) -> tuple[int, str]:
     """Number of training workers from the cluster source, and where that came from."""
     from keras_sync import cluster
 
-    if config.strategy.cluster == "slurm":
-        if "SLURM_PROCID" not in environ:
-            return 1, "no Slurm job ($SLURM_PROCID unset)"
-        info = cluster.parse_slurm_env(environ, port_base=slurm_port_base(config))
-        return info.num_workers, "Slurm"
-    if config.strategy.cluster == "indexed_job":
-        if cluster.INDEX_VAR not in environ:
-            return 1, f"no Indexed Job (${cluster.INDEX_VAR} unset)"
-        job = config.strategy.indexed_job
-        return cluster.parse_indexed_job(job.hosts, job.port, job.workers, environ).num_workers, "Indexed Job"
-    info = cluster.parse_tf_config(environ.get("TF_CONFIG"), env=environ)
-    if info.source == "none":
-        return 1, "TF_CONFIG unset"
-    return info.num_workers, f"TF_CONFIG ({info.flavor})"
+    info, where = cluster.read_cluster(config.strategy, environ)
+    return info.num_workers, where
 
 
 def detect(config: Config, environ: Mapping[str, str] | None = None, *, gpus: int | None = None) -> Detection:
@@ -150,12 +133,6 @@ def device_layout(kind: str, cfg: StrategyConfig, *, gpus: int) -> DeviceLayout:
     if spec.layout == LAYOUT_ONE:
         return DeviceLayout(layout.devices[:1], layout.source)
     return layout
-
-
-def in_multi_worker_mode(strategy: Any) -> bool:
-    """Whether ``strategy`` spans several workers (collectives then need every worker to take part)."""
-    check = getattr(getattr(strategy, "extended", None), "_in_multi_worker_mode", None)
-    return bool(check()) if check is not None else False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,15 +242,9 @@ def _build_multi_worker(config: Config) -> tf.distribute.Strategy:
     # Only a list keras-sync names is passed on; TensorFlow finds its own devices otherwise, so
     # the GPU count (which only names TensorFlow's pick) is not asked for before the cluster forms.
     local = device_layout("multi_worker_mirrored", cfg, gpus=0).explicit_devices
-    resolver = None  # TF_CONFIG, read by TensorFlow
-    if cfg.cluster == "slurm":
-        resolver = cluster.slurm_cluster_resolver(port_base=slurm_port_base(config))
-    elif cfg.cluster == "indexed_job":
-        resolver = cluster.indexed_job_cluster_resolver(cfg.indexed_job.hosts, cfg.indexed_job.port,
-                                                        cfg.indexed_job.workers)
     strategy = _multi_worker.build_multi_worker_strategy(
         communication=cfg.communication,
-        cluster_resolver=resolver,
+        cluster_resolver=cluster.cluster_resolver(cfg),
         local_devices=local,
         connect_timeout_s=cfg.connect_timeout_s,
     )

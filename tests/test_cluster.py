@@ -14,17 +14,19 @@ from _ports import free_ports
 
 from keras_sync.cluster import (
     SINGLE,
+    CLUSTER_SOURCES,
+    INDEX_VAR,
     SINGLE_PROCESS,
     ClusterInfo,
     Role,
     check_tf_config_order,
-    cluster_from_env,
     expand_hostlist,
     expand_tasks_per_node,
     is_chief,
     parse_slurm_env,
     slurm_port_base,
     parse_tf_config,
+    read_cluster,
     record_strategy_tf_config,
     role,
 )
@@ -234,11 +236,22 @@ def test_bad_slurm_env(changes: dict[str, str], message: str) -> None:
         parse_slurm_env({**_slurm_env(0), **changes})
 
 
-def test_cluster_from_env_prefers_tf_config_then_slurm() -> None:
-    assert cluster_from_env({"TF_CONFIG": PLAIN_W0, **_slurm_env(1)}).source == "tf_config"
-    assert cluster_from_env(_slurm_env(1)).source == "slurm"
-    assert cluster_from_env({**_slurm_env(0, tasks="1")}) == SINGLE_PROCESS
-    assert cluster_from_env({}) == SINGLE_PROCESS
+def test_read_cluster_reads_only_the_source_strategy_cluster_names() -> None:
+    from keras_sync.config import load_config
+
+    env = {"TF_CONFIG": PLAIN_W0, **_slurm_env(1), INDEX_VAR: "1"}
+    job = {"hosts": "train-{index}.train", "port": 2222, "workers": 3}
+    for source, expected in [("tf_config", "tf_config"), ("slurm", "slurm"), ("indexed_job", "indexed_job")]:
+        cfg = load_config({"strategy": {"kind": "multi_worker_mirrored", "cluster": source, "indexed_job": job}})
+        info, _where = read_cluster(cfg.strategy, env)
+        assert info.source == expected
+        assert read_cluster(cfg.strategy, {}) == (SINGLE_PROCESS, _where_absent(source))
+    assert set(CLUSTER_SOURCES) == {"tf_config", "slurm", "indexed_job"}
+
+
+def _where_absent(source: str) -> str:
+    return {"tf_config": "TF_CONFIG unset", "slurm": "no Slurm job ($SLURM_PROCID unset)",
+            "indexed_job": f"no Indexed Job (${INDEX_VAR} unset)"}[source]
 
 
 def test_order_check_catches_tf_config_changed_after_strategy() -> None:

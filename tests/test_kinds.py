@@ -45,6 +45,19 @@ def test_config_accepts_simulated_cpus_exactly_where_the_table_says(kind: str) -
             load_config(data, environ={})
 
 
+@pytest.mark.parametrize("kind", STRATEGY_KINDS)
+def test_template_shows_simulated_cpu_replicas_exactly_where_the_config_accepts_it(kind: str) -> None:
+    from pathlib import Path
+
+    template = (Path(__file__).resolve().parents[1] / "templates" / f"strategy_{kind}.yaml").read_text()
+    try:
+        load_config({"strategy": {"kind": kind, "simulated_cpu_replicas": 2}}, environ={})
+        accepted = True
+    except ConfigError:
+        accepted = False
+    assert ("simulated_cpu_replicas:" in template) == accepted == KINDS[kind].simulated_cpus
+
+
 def test_plan_counts_workers_only_for_multi_process_kinds() -> None:
     import json
 

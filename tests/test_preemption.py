@@ -20,7 +20,7 @@ import pytest
 
 from _spools import deliver_leftovers
 from keras_sync import _lost_peer, load_config
-from keras_sync.errors import ConfigError, PeerLostError
+from keras_sync.errors import ConfigError, PeerLostError, UsageError
 from keras_sync.preemption import PREEMPTED_EXIT_CODE
 
 TRAIN = Path(__file__).with_name("_mwr_train.py")
@@ -38,7 +38,7 @@ def test_grace_period_defaults_to_25_s_and_must_be_positive() -> None:
 def test_backup_callback_rejects_bad_grace_period(bad: object) -> None:
     from keras_sync.callbacks.backup import BackupAndRestore
 
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(UsageError) as e:
         BackupAndRestore("/tmp/x", grace_period_s=bad)  # type: ignore[arg-type]
     assert str(e.value) == (f"Invalid value for argument `grace_period_s`. Received: grace_period_s={bad!r}. "
                             "Expected a number of seconds > 0, or None to leave SIGTERM alone.")

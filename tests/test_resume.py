@@ -73,8 +73,9 @@ def test_resume_module_imports_no_tensorflow() -> None:
 
 def test_backup_callback_rejects_empty_backup_dir() -> None:
     from keras_sync.callbacks.backup import BackupAndRestore
+    from keras_sync.errors import UsageError
 
-    with pytest.raises(ValueError, match=r"Invalid value for argument `backup_dir`\. Received: backup_dir=''\."):
+    with pytest.raises(UsageError, match=r"Invalid value for argument `backup_dir`\. Received: backup_dir=''\."):
         BackupAndRestore("")
 
 

@@ -45,3 +45,12 @@ def test_system_metrics_reach_the_run(tmp_path):
     system = {k for k in run.data.metrics if k.startswith("system/")}
     assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= system, system
     assert "sync/step_time_ms" in run.data.metrics
+
+
+def test_interval_that_is_not_positive_is_a_usage_error():
+    from keras_sync.callbacks.system_metrics import SystemMetrics
+    from keras_sync.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"Invalid value for argument `interval_s`\. Received: interval_s=0\. "
+                                         r"Expected a number of seconds > 0\."):
+        SystemMetrics(interval_s=0)

@@ -21,8 +21,10 @@ from typing import Any, Iterator
 import keras
 
 from keras_sync import _backup_files
+from keras_sync.cluster import strategy_role
+from keras_sync.errors import UsageError
 from keras_sync.resume import ResumePoint, SaveSchedule, batches_to_skip, write_dir
-from keras_sync.strategy import in_multi_worker_mode
+from keras_sync._strategy_facts import in_multi_worker_mode
 
 log = logging.getLogger("keras_sync")
 
@@ -83,7 +85,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         #: MLflow run id with the backup here).
         self.before_save: list[Any] = []
         if not backup_dir or not isinstance(backup_dir, (str, os.PathLike)):
-            raise ValueError(
+            raise UsageError(
                 f"Invalid value for argument `backup_dir`. Received: backup_dir={backup_dir!r}. "
                 "Expected the path of a directory used for nothing else."
             )
@@ -92,7 +94,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.save_freq = save_freq
         if grace_period_s is not None and (isinstance(grace_period_s, bool) or not isinstance(grace_period_s, (int, float))
                                            or grace_period_s <= 0):
-            raise ValueError(
+            raise UsageError(
                 f"Invalid value for argument `grace_period_s`. Received: grace_period_s={grace_period_s!r}. "
                 "Expected a number of seconds > 0, or None to leave SIGTERM alone."
             )
@@ -126,7 +128,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._position = tf.Variable([0, 0], dtype=tf.int64, trainable=False, name="keras_sync_position")
         self._ckpt = tf.train.Checkpoint(model=model, optimizer=model.optimizer, position=self._position,
                                          metrics=list(model.metrics_variables), random=random_states(model))
-        self._is_chief, task_id = _chief_and_task(model.distribute_strategy)
+        role = strategy_role(model.distribute_strategy)
+        self._is_chief, task_id = role.is_chief, role.task_id
         self._dir = write_dir(self.backup_dir, is_chief=self._is_chief, task_id=task_id)
         choice, self.choice = self.choice or _backup_files.choose(self.backup_dir), None
         if self._is_chief:
@@ -209,8 +212,6 @@ class BackupAndRestore(keras.callbacks.Callback):
         assert self.restored is not None
         now = self._iterations() if self.model.optimizer is not None else 0
         if now != self.restored.iterations:
-            from keras_sync.errors import UsageError
-
             raise UsageError(
                 f"keras-sync's backup in {self.backup_dir} restored optimizer step {self.restored.iterations}, but another "
                 f"callback changed it to {now} before training resumed (a second backup-and-restore callback?), so the "
@@ -282,8 +283,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         """True while gradient accumulation holds micro-batches not applied yet (a backup would lose them)."""
         from keras_sync import _instrument
 
-        accumulator = getattr(_instrument._probes.get(self.model), "accumulator", None)
-        return accumulator is not None and accumulator.pending()
+        return _instrument.holds_unapplied_gradients(self.model)
 
     def _iterations(self) -> int:
         return int(self.model.optimizer.iterations.numpy())
@@ -417,13 +417,6 @@ def _drop_damaged_state_file(backup_dir: str) -> None:
         os.unlink(path)
 
 
-def _chief_and_task(strategy: Any) -> tuple[bool, int | None]:
-    from keras_sync.cluster import strategy_role
-
-    r = strategy_role(strategy)
-    return r.is_chief, r.task_id
-
-
 # ---------------------------------------------------------------------------------------------
 # The epoch iterator that can start at a saved position
 
@@ -546,8 +539,6 @@ def refuse_keras_backup(backup_dir: str | None, callbacks: Any, method: str = "f
     theirs = next((cb for cb in callbacks or () if isinstance(cb, keras.callbacks.BackupAndRestore)), None)
     if theirs is None:
         return
-    from keras_sync.errors import UsageError
-
     raise UsageError(
         f"callbacks of sync.{method}: keras.callbacks.BackupAndRestore({getattr(theirs, 'backup_dir', '?')!r}) cannot "
         f"run beside keras-sync's own backup (fault_tolerance.backup_dir: {backup_dir!r}): after a relaunch both "

@@ -9,6 +9,7 @@ from typing import Any
 import keras
 
 from keras_sync.callbacks._context import check_shared
+from keras_sync.errors import UsageError
 
 
 class SystemMetrics(keras.callbacks.Callback):
@@ -35,7 +36,7 @@ class SystemMetrics(keras.callbacks.Callback):
 
         interval = interval_s if interval_s is not None else (MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL.get() or 10.0)
         if not interval > 0:
-            raise ValueError(f"Invalid value for argument `interval_s`. Received: interval_s={interval_s!r}. "
+            raise UsageError(f"Invalid value for argument `interval_s`. Received: interval_s={interval_s!r}. "
                              "Expected a number of seconds > 0.")
         self.writer = writer
         self.shared = check_shared(shared)
