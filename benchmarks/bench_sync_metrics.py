@@ -115,7 +115,7 @@ def check_mlflow(uri: str, case: str) -> str:
         return f"{len(runs)} runs"
     run = runs[0]
     total = steps * (repeat + (1 if warm else 0))
-    got = sorted(m.step for m in c.get_metric_history(run.info.run_id, "sync/replica_0/loss"))
+    got = sorted(m.step for m in c.get_metric_history(run.info.run_id, "sync/loss/replica_0"))
     if every == 1 and got != list(range(1, total + 1)):
         return f"{len(got)}/{total} steps"
     if every is None and (not got or got[-1] != total):  # auto: each epoch's last step is logged

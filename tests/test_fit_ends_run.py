@@ -118,7 +118,7 @@ def test_fit_returns_before_delivery_and_the_exit_delivers_every_step(tmp_path):
     c = MlflowClient(uri)
     (run,) = c.search_runs([c.get_experiment_by_name("e").experiment_id])
     assert run.info.status == "FINISHED"
-    for key in ("sync/replica_0/loss", "sync/step_time_ms", "loss"):
+    for key in ("sync/loss/replica_0", "sync/step_time_ms", "loss"):
         assert sorted(m.step for m in c.get_metric_history(run.info.run_id, key)) == list(range(1, 33)), key
     # The exit waited: everything is in MLflow, so the spool is gone; at most one line said what was left.
     assert not [p for p in (tmp_path / ".keras_sync_spool").iterdir() if p.is_dir()]
@@ -189,5 +189,5 @@ def test_ctrl_c_during_the_exit_wait_leaves_the_points_in_the_spool(tmp_path):
 
     c = MlflowClient(uri)
     (run,) = c.search_runs([c.get_experiment_by_name("e").experiment_id])
-    assert sorted(m.step for m in c.get_metric_history(run.info.run_id, "sync/replica_0/loss")) == list(range(1, 17))
+    assert sorted(m.step for m in c.get_metric_history(run.info.run_id, "sync/loss/replica_0")) == list(range(1, 17))
     assert run.info.status == "FINISHED"

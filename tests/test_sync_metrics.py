@@ -450,10 +450,10 @@ sync.fit(m, x, y, epochs=1, shuffle=False, verbose=0)
     def points(key):
         return {m.step: m.value for m in c.get_metric_history(run.info.run_id, key)}
 
-    logged = points("sync/replica_0/loss")
+    logged = points("sync/loss/replica_0")
     assert sorted(logged) == [10, 20]  # step 5 has no point of its own
-    losses = [v for i in (0, 1) for v in points(f"sync/replica_{i}/loss").values()]
-    norms = [v for i in (0, 1) for v in points(f"sync/replica_{i}/grad_norm").values()]
+    losses = [v for i in (0, 1) for v in points(f"sync/loss/replica_{i}").values()]
+    norms = [v for i in (0, 1) for v in points(f"sync/grad_norm/replica_{i}").values()]
     peak_loss, peak_norm = points("sync/window_max/loss"), points("sync/window_max/grad_norm")
     assert peak_loss[10] > 100 * max(losses), (peak_loss, losses)
     assert peak_norm[10] > 10 * max(norms), (peak_norm, norms)
