@@ -234,8 +234,9 @@ def test_what_divided_the_loss_is_detected_and_only_an_undivided_loss_is_average
     assert trace["sum_loss"] == {"scaled_by": "a Keras loss with reduction='sum'", "factor": 1.0}
     assert trace["two_optimizers"]["per_optimizer"] == {"d_optimizer": ["a Keras loss", 1.0], "g_optimizer": [None, 0.5]}
     # One line, on the chief only, before training, for the model keras-sync averages.
-    # both also trace a ScaleLossStep (mixed_float16); "two" a GuideStep for its dtypes
-    for layout, models in (("two", 3), ("workers", 2)):
+    # both also trace a ScaleLossStep (mixed_float16); "two" a GuideStep for its dtypes, twice (with and
+    # without the slow-worker timestamps)
+    for layout, models in (("two", 4), ("workers", 2)):
         lines = [ln for ln in runs["logs"][layout].splitlines() if "does not divide its loss" in ln]
         assert len(lines) == models + 1, (layout, lines)  # + the GAN's g_optimizer
         assert "GuideStep.train_step" in lines[0] and "runtime.train_step_gradients: sum" in lines[0]

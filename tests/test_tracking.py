@@ -1118,7 +1118,8 @@ def test_refused_credentials_are_said_once_in_one_line_and_training_goes_on(sqli
     uri = f"http://127.0.0.1:{server.server_address[1]}"
     exp = _exp()
     try:
-        _, err = _fit({"strategy": {"kind": "default"}, "mlflow": {"tracking_uri": uri, "experiment": exp}},
+        _, err = _fit({"strategy": {"kind": "default"}, "mlflow": {"tracking_uri": uri, "experiment": exp,
+                                                                   "log_every_n_steps": 1}},
                       tmp_path, "refused")
         spool = json.loads((tmp_path / "refused.out.json").read_text())["spool"]
         again = _cli("sync-spool", spool, cwd=tmp_path)  # still refused: one line, the status only
