@@ -86,13 +86,7 @@ def apply(optimizer: Any, apply_fn: Callable[..., Any], grads: list[Any], traina
     for i, s in zip(present, summed):
         mine = s if passing else tf.where(first, s, tf.zeros_like(s))
         out[i] = tf.where(skip, tf.fill(tf.shape(s), tf.constant(float("nan"), s.dtype)), mine)
-    if not passing:
-        return apply_fn(out, trainable_variables)
-    _enter(inner)
-    try:
-        return apply_fn(out, trainable_variables)
-    finally:
-        _leave(inner)
+    return _handed_over(inner, apply_fn, out, trainable_variables)
 
 
 def clips(optimizer: Any) -> bool:
@@ -129,12 +123,17 @@ def apply_summed(optimizer: Any, apply_fn: Callable[..., Any], grads: list[Any],
             out[i] = tf.IndexedSlices(s.values * tf.cast(first, s.values.dtype), s.indices, s.dense_shape)
         else:
             out[i] = tf.where(first, s, tf.zeros_like(s))
-    if not passing:
-        return apply_fn(out, trainable_variables)
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    return _handed_over(getattr(optimizer, "inner_optimizer", optimizer), apply_fn, out, trainable_variables)
+
+
+def _handed_over(inner: Any, apply_fn: Callable[..., Any], sums: list[Any], trainable_variables: Any) -> Any:
+    """``apply_fn(sums, ...)`` with ``inner``'s all-reduce passing the sums through, when Keras has that hook
+    (`_can_pass`); without it the caller put the sums on the first replica only, for Keras to sum back."""
+    if not _can_pass():
+        return apply_fn(sums, trainable_variables)
     _enter(inner)
     try:
-        return apply_fn(out, trainable_variables)
+        return apply_fn(sums, trainable_variables)
     finally:
         _leave(inner)
 
