@@ -212,25 +212,43 @@ class SpoolDir:
             self._remake()
         pos = self.written()
         while True:
+            chunk: list[bytes] = []
+            sent = 0  # bytes of this chunk the disk took
             try:
                 if self._fh is None or self._fh.tell() >= SEGMENT_BYTES:
                     pos = self.start_segment()
-                room, chunk, size = SEGMENT_BYTES - self._fh.tell(), [], 0
+                room, size = SEGMENT_BYTES - self._fh.tell(), 0
                 while i < len(lines) and (not chunk or size + len(lines[i]) <= room):
                     chunk.append(lines[i])
                     size += len(lines[i])
                     i += 1
                 view = memoryview(b"".join(chunk))
                 while view:
-                    view = view[self._fh.write(view):]
+                    n = self._fh.write(view)
+                    sent += n
+                    view = view[n:]
             except OSError as e:
+                # The disk took part of the chunk (a write stops where the disk fills): keep its whole
+                # lines, so a batch that arrives at once loses only what did not fit, and cut the torn
+                # line off, so a later append does not glue a record to it.
+                whole = kept = 0
+                for line in chunk:
+                    if kept + len(line) > sent:
+                        break
+                    kept += len(line)
+                    whole += 1
                 if self._fh is not None:
-                    try:  # cut a torn line off: a later append must not glue a record to it
-                        self._fh.truncate(pos[1])
-                        self._fh.seek(pos[1])
+                    try:
+                        self._fh.truncate(pos[1] + kept)
+                        self._fh.seek(pos[1] + kept)
                     except OSError:
-                        pass
-                raise SpoolFull(e, done, pos) from e
+                        kept, whole = 0, 0
+                        try:
+                            self._fh.truncate(pos[1])
+                            self._fh.seek(pos[1])
+                        except OSError:
+                            pass
+                raise SpoolFull(e, done + whole, (pos[0], pos[1] + kept)) from e
             done, pos = i, (self._segment, self._fh.tell())
             if i >= len(lines):
                 return pos

@@ -1094,6 +1094,29 @@ def test_a_refused_append_leaves_whole_records_and_says_how_many(tmp_path):
         assert (spool.path / "00000001.jsonl").stat().st_size == refused.value.pos[1]
 
 
+def test_one_batch_bigger_than_the_free_room_keeps_the_records_that_fit(tmp_path):
+    # A writer's thread that starts late on a busy machine appends all its queued records at once.
+    # Before, a refused write threw the whole batch out of the spool (kept only in memory, so with
+    # MLflow away every step was lost, from step 1); now the whole lines the disk took stay.
+    from _mounts import tmpfs
+
+    from keras_sync._spool import SpoolDir, SpoolFull
+
+    with tmpfs(tmp_path / "small", size="8k") as small:
+        spool = SpoolDir(small / "s")
+        spool.path.mkdir()
+        spool.start_segment()
+        batch = [{"k": "m", "s": i, "pad": "x" * 100} for i in range(300)]  # ~36 KB in one append
+        with pytest.raises(SpoolFull) as refused:
+            spool.append(batch)
+        done = refused.value.done
+        assert 0 < done < 300
+        read = spool.read((0, 0), max_records=10**6)
+        assert [r["s"] for _, r in read] == list(range(done))
+        assert read[-1][0] == refused.value.pos
+        assert (spool.path / "00000001.jsonl").stat().st_size == refused.value.pos[1]
+
+
 class _Refusing(http.server.BaseHTTPRequestHandler):
     """A tracking server behind an auth check: every request gets 401 and an HTML page."""
 
