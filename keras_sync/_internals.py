@@ -54,6 +54,9 @@ FEATURES: dict[str, tuple[str, str]] = {
                        "the public metric histories are read instead"),
     "loss_scale_reduce": ("one all-reduce of the gradients per step with mixed_float16 on several replicas (the "
                           "loss-scale decision of one device)", "the gradients are all-reduced twice instead"),
+    "iterator_release": ("keeping the iterator Keras drops after reading the first batch's shapes until its threads "
+                         "are done (a process under a strategy can crash under load without it)",
+                         "or train on one device (strategy.kind: default)"),
     "file_count": ("counting the files a pipeline reads before training (fewer files than workers are split "
                    "by example, not by file)", "or set batch.shard_policy: data"),
 }
@@ -245,6 +248,7 @@ MAKE_FUNCTION = f"{_TRAINER}:TensorFlowTrainer._make_function"
 END_OF_DATA = f"{MAKE_FUNCTION}.<locals>.function"
 BARRIER = f"{_CONTEXT}:coordination_config_pb2.CoordinationServiceConfig.cluster_register_with_barrier"
 GLOBAL_SEED = f"{_CONTEXT}:global_seed"
+EPOCH_ITERATOR_RESET = "keras.src.trainers.epoch_iterator:EpochIterator.reset"
 
 REGISTRY: tuple[Internal, ...] = (
     # _keras_compat.py: the two failures of keras-team/keras#20585, patched for multi-worker only.
@@ -276,6 +280,11 @@ REGISTRY: tuple[Internal, ...] = (
              "Keras 3.10-3.15 end an unknown-cardinality epoch by running a step past the end, which moves "
              "optimizer.iterations (fixed on Keras master, keras-team/keras#23179); the one-step function is "
              "taken from its closure", _end_of_data, fallback=True),
+    # _keras_compat.py apply_iterator_release_fix: the iterator `reset` drops is kept until the next reset.
+    Internal(EPOCH_ITERATOR_RESET, "iterator_release",
+             "Keras drops the distributed iterator it made to read the first batch's shapes; destroyed while its "
+             "MultiDeviceIterator thread reads, the process crashes (SIGSEGV / pure virtual method called)",
+             looks_up(EPOCH_ITERATOR_RESET, "_current_iterator"), attrs=("_current_iterator",), fallback=True),
     # _multi_worker.py: local devices per worker and the bounded join (no constructor argument for either).
     Internal(f"{_CARS}:CollectiveAllReduceExtended._initialize_local_devices", "multi_worker_strategy",
              "TF's hook that picks local devices (TODO b/126786766); no argument gives CPUs",

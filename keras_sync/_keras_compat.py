@@ -218,6 +218,54 @@ def apply_end_of_data_fix() -> bool:
     return True
 
 
+_KEPT_MARK = "_keras_sync_keeps_dropped_iterator"
+#: The attribute of a Keras epoch iterator that keeps the distributed iterator its last `reset` dropped.
+KEPT_ITERATOR = "_keras_sync_dropped_iterator"
+
+
+def apply_iterator_release_fix() -> bool:
+    """Keep the distributed iterator an epoch iterator drops alive until its next `reset`.
+
+    Under any `tf.distribute` strategy, Keras 3's `fit`, `evaluate` and `predict` make a
+    distributed iterator only to read the first batch's shapes (`_maybe_symbolic_build`) and
+    drop it at once (`EpochIterator.reset`). Its `MultiDeviceIterator` is then destroyed while
+    its background thread may still be reading the next batch, and that thread calls into the
+    freed pipeline: the process dies with SIGSEGV or "pure virtual method called" (measured on
+    TensorFlow 2.21 / Keras 3.15.1, plain Keras under `OneDeviceStrategy` with validation data,
+    no keras-sync: 2 of 2 processes under load; gdb shows the thread in
+    ``MultiDeviceBuffer::BackgroundThread -> GetNext`` while the main thread destroys the iterator
+    from ``epoch_iterator.py reset``; ``~MultiDeviceBuffer`` skips its wait when that thread has not
+    marked itself started). Kept until the next `reset` of the same epoch iterator (or its end),
+    the dropped iterator's threads have finished their read by the time it is destroyed. Costs one
+    iterator's prefetch buffers per epoch iterator.
+
+    Returns:
+        True when the fix is active (probe: ``_internals`` feature ``iterator_release``).
+    """
+    from keras_sync import _internals
+
+    if not _internals.available(_internals.EPOCH_ITERATOR_RESET):
+        logger.info("keras-sync: this Keras's EpochIterator.reset has moved; the iterator it drops is not kept "
+                    "(a process may crash under load when a strategy's iterator is destroyed mid-read)")
+        return False
+    from keras.src.trainers import epoch_iterator
+
+    cls = epoch_iterator.EpochIterator
+    if getattr(cls.reset, _KEPT_MARK, False):
+        return True
+    original = cls.reset
+
+    @functools.wraps(original)
+    def reset(self: Any) -> Any:
+        # The one kept from the reset before is released now: its threads have long finished.
+        setattr(self, KEPT_ITERATOR, getattr(self, "_current_iterator", None))
+        return original(self)
+
+    setattr(reset, _KEPT_MARK, True)
+    cls.reset = reset
+    return True
+
+
 def check_steps_per_execution(model: Any, strategy: Any) -> None:
     """Make sure `steps_per_execution > 1` can run under a multi-worker MWMS, or refuse it in one line.
 

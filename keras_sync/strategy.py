@@ -314,6 +314,7 @@ def build_strategy(config: Config, environ: Mapping[str, str] | None = None) -> 
     from keras_sync import _keras_compat
 
     _keras_compat.apply_end_of_data_fix()  # every kind: Keras's extra step at the end of unknown-length data
+    _keras_compat.apply_iterator_release_fix()  # every kind: a dropped distributed iterator destroyed mid-read
     from keras_sync._tf_import import quiet_device_datasets
 
     quiet_device_datasets()  # Mirrored over 2+ devices: TF's "will not be optimized" line on every run
