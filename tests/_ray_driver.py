@@ -2,6 +2,8 @@
 
 argv: OUT [SCENARIO ...]   scenarios: arrays, ray_data, kill (default: all three, in one Ray cluster)
       OUT reference         one process, no Ray: the weights the scenarios must equal
+      OUT ray_data_reference  one process, no Ray: the weights the Ray Data scenario must equal (after it ran)
+      OUT references        both references in one process (what tests/test_ray.py runs)
 
 Every scenario is a real local Ray cluster (`ray.init(num_cpus=4)`) running `TensorflowTrainer`
 with 2 CPU workers whose training function calls `keras_sync.load` and `sync.fit`:
@@ -205,6 +207,9 @@ if __name__ == "__main__":
     if sys.argv[2:] == ["reference"]:
         reference(out_dir)
     elif sys.argv[2:] == ["ray_data_reference"]:
+        ray_data_reference(out_dir)
+    elif sys.argv[2:] == ["references"]:  # both, after the scenarios: one TensorFlow process less
+        reference(out_dir)
         ray_data_reference(out_dir)
     else:
         run_scenarios(out_dir, sys.argv[2:] or ["arrays", "ray_data", "kill"])

@@ -21,11 +21,38 @@ HERE = Path(__file__).parent
 COUNTS = (1, 2, 4)
 
 
+# The cases of tests/_core_scenarios.py each test reads (tests/_scenario.py::wanted_cases); the
+# reference fit and the replica facts run always. `pytest -m compat` (the CI lanes, beside the main
+# suite) then trains that one fit per process instead of every case's.
+NEEDS = {
+    "test_replicas_and_batches": set(),
+    "test_mirrored_equals_one_device": set(),
+    "test_training_really_changed_the_weights": set(),
+    "test_distribute_batches_by_global_batch": {"distribute"},
+    "test_evaluate_and_predict": {"evaluate", "predict_shape"},
+    "test_model_outside_scope_is_refused": {"outside_scope"},
+    "test_batch_size_argument_is_the_global_batch": {"batch_size_argument", "bad_batch_size"},
+    "test_steps_per_execution_trains_on_every_replica_count": {"steps_per_execution"},
+    "test_warmup_epochs_resolved_by_fit": {"warmup"},
+    "test_cross_device_ops_reach_tensorflow": {"cross_device_ops", "nccl_on_cpu"},
+    "test_devices_are_checked": {"unknown_device", "explicit_devices"},
+    "test_global_batch_must_divide": {"global_not_divisible"},
+    "test_load_after_tensorflow_started_says_so": {"too_late"},
+    "test_tpu_fails_fast_naming_the_address": {"tpu"},
+}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(request, tmp_path_factory):
+    from _scenario import WANTED_ENV, wanted_cases
+
     out = tmp_path_factory.mktemp("core")
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("TF_CONFIG", None)
+    env.pop(WANTED_ENV, None)
+    wanted = wanted_cases(request, "runs", NEEDS)
+    if wanted is not None:
+        env[WANTED_ENV] = wanted
     procs = {n: subprocess.Popen([sys.executable, str(HERE / "_core_scenarios.py"), str(n), str(out / f"{n}.json")],
                                  cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for n in COUNTS}
