@@ -48,7 +48,7 @@ def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
 def import_graph(package: Path) -> dict[str, set[str]]:
     """Module -> the modules of `package` it imports (anywhere in its file, functions included).
 
-    ``from keras_sync import scaling`` is an edge to ``keras_sync.scaling``; ``from keras_sync.x
+    ``from keras_sync import scaling`` is an edge to ``keras_sync.training.scaling``; ``from keras_sync.x
     import name`` to ``keras_sync.x``. A module's parent packages are not edges unless it names them.
     """
     files = module_files(package)

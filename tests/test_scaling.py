@@ -8,7 +8,7 @@ import math
 import pytest
 
 import keras_sync
-from keras_sync import scaling
+from keras_sync.training import scaling
 from keras_sync.errors import ScalingError
 
 

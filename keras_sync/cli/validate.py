@@ -16,7 +16,7 @@ def command(config: str | None) -> None:
     exits with code 2. Loads no TensorFlow.
     """
     from keras_sync.config import load_config
-    from keras_sync.plan import config_summary
+    from keras_sync.cli.run_plan import config_summary
 
     cfg = load_config(config)
     if cfg.source == "<defaults>":
