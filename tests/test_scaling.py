@@ -26,6 +26,15 @@ def test_rules(rule, expected):
     assert scaling.scale_learning_rate(0.1, global_batch_size=1024, base_batch_size=256, rule=rule) == pytest.approx(expected)
 
 
+def test_every_rule_a_config_accepts_is_applied():
+    # The names live in keras_sync.config (what a user may write), the maths here: a name added there
+    # without its maths fails now, not at a user's first run.
+    from keras_sync.config import LR_RULES
+
+    got = {r: scaling.scale_learning_rate(0.1, global_batch_size=1024, base_batch_size=256, rule=r) for r in LR_RULES}
+    assert got == pytest.approx({"linear": 0.4, "sqrt": 0.2, "none": 0.1})
+
+
 def test_sqrt_of_non_square():
     got = scaling.scale_learning_rate(0.1, global_batch_size=96, base_batch_size=32, rule="sqrt")
     assert got == pytest.approx(0.1 * math.sqrt(3))

@@ -218,7 +218,6 @@ def test_spool_dir_is_a_config_key():
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"job_id": "a'b"}, r"`job_id`. Received: job_id=\"a'b\""),
-    ({"max_batch": 5000}, r"`max_batch`. Received: max_batch=5000. Expected 1..1000"),
     ({"experiment": ""}, r"`experiment`. Received: experiment=''"),
 ])
 def test_invalid_arguments_name_value_and_expectation(tmp_path, kwargs, match):
@@ -289,7 +288,7 @@ def _nice(stat: Path) -> int:
 @slow
 def test_every_point_delivered_exactly_once_with_steps(in_tmp, sqlite_uri):
     uri = sqlite_uri
-    w = MlflowWriter(tracking_uri=uri, experiment=_exp(), spool_dir=in_tmp / "spool", max_batch=300)
+    w = MlflowWriter(tracking_uri=uri, experiment=_exp(), spool_dir=in_tmp / "spool")
     w.start()
     _log_timed(w, range(1200))
     w.log_params({"lr": 0.1, "long": "x" * 10_000})

@@ -32,7 +32,6 @@ from keras_sync.config.specs import (
 from keras_sync.cluster import CLUSTER_SOURCES
 from keras_sync.errors import ConfigError, ConfigIssue
 from keras_sync.config.kinds import KINDS, STRATEGY_KINDS, kinds_where
-from keras_sync.training.scaling import LR_RULES
 
 DEFAULT_CONFIG_FILE = "keras_sync.yaml"
 CONFIG_ENV = "KERAS_SYNC_CONFIG"
@@ -61,6 +60,8 @@ def _sub(cls: type, doc: str, note: str | None = None, kinds: tuple[str, ...] | 
 _MWM = kinds_where(multi_process=True)
 #: `strategy.communication`: tf.distribute.experimental.CommunicationImplementation's names, lower case.
 COMMUNICATIONS = ("auto", "ring", "nccl")
+#: `learning_rate.scaling`: the rules `keras_sync.training.scaling.scale_learning_rate` applies.
+LR_RULES = ("linear", "sqrt", "none")
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,12 @@ from typing import Any, Protocol, runtime_checkable
 
 from keras_sync.tracking import courier as _courier
 from keras_sync.tracking.handover import Handover, step_ranges
-from keras_sync.tracking.spool import Position, SpoolDir, SpoolFull, is_last_record
+from keras_sync.tracking.records import (BEGIN, CREDENTIALS, END, FILE, MAX_KEY_LENGTH, MAX_PARAM_VALUE_LENGTH,
+                                         MAX_TAG_VALUE_LENGTH, METRICS, MODEL, PARAMS, REPORT, STOP, STORE_FAILING,
+                                         TAGS, TEXT, BOOKKEEPING, cause_in_a_word, cause_in_words, is_http,
+                                         is_last_record)
+from keras_sync.tracking.spool import Position, SpoolDir, SpoolFull
+from keras_sync.config import MlflowConfig
 from keras_sync.errors import TrackingError
 from keras_sync.tracking.redact import redact_text as _redact
 from keras_sync.tracking.redact import redact_uri
@@ -43,10 +48,7 @@ from keras_sync.tracking.redact import secrets_of as _secrets_of
 _log = logging.getLogger("keras_sync.tracking")
 
 #: Where spools go when ``spool_dir`` is not given (relative to the working directory).
-DEFAULT_SPOOL_DIR = ".keras_sync_spool"
-MAX_PARAM_VALUE_LENGTH = 6000  # MLflow 3.x; longer values are refused
-MAX_TAG_VALUE_LENGTH = 8000
-MAX_KEY_LENGTH = 250
+DEFAULT_SPOOL_DIR = MlflowConfig().spool_dir  # `mlflow.spool_dir`'s default, declared once
 _TRUNCATED = "...[truncated]"
 
 _RUN_STATUSES = ("FINISHED", "FAILED", "KILLED")
@@ -80,7 +82,7 @@ def resolve_tracking_uri(configured: str | None, *, cwd: str | os.PathLike[str] 
 
 def run_url(tracking_uri: str, experiment_id: str | None, run_id: str) -> str | None:
     """The MLflow UI page of a run on a tracking server (credentials removed); None for a local store."""
-    if not tracking_uri.startswith(("http://", "https://")) or experiment_id is None:
+    if not is_http(tracking_uri) or experiment_id is None:
         return None
     base = redact_uri(tracking_uri).split("?", 1)[0].rstrip("/")
     return f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
@@ -185,8 +187,7 @@ class MlflowWriter:
         job_id: the job's id (see above); also names its spool directory.
         job_id_explicit: whether the user gave ``job_id`` (``$KERAS_SYNC_JOB_ID``, ``mlflow.job_id``).
         run_id: a run to continue (recorded with a backup).
-        spool_dir: parent directory of spools; default ``./.keras_sync_spool``.
-        max_batch: metric points per `log_batch` call (MLflow accepts at most 1000).
+        spool_dir: parent directory of spools; default: that of ``mlflow.spool_dir`` (`DEFAULT_SPOOL_DIR`).
 
     Example:
         >>> w = MlflowWriter(tracking_uri="sqlite:///mlflow.db", experiment="demo")  # doctest: +SKIP
@@ -195,7 +196,7 @@ class MlflowWriter:
 
     def __init__(self, *, tracking_uri: str, experiment: str, run_name: str | None = None,
                  job_id: str | None = None, job_id_explicit: bool = True, run_id: str | None = None,
-                 spool_dir: str | os.PathLike[str] | None = None, max_batch: int = 1000):
+                 spool_dir: str | os.PathLike[str] | None = None):
         if not tracking_uri or not isinstance(tracking_uri, str):
             raise TrackingError(f"Invalid value for argument `tracking_uri`. Received: "
                                 f"tracking_uri={tracking_uri!r}. Expected a non-empty URI string.")
@@ -205,14 +206,10 @@ class MlflowWriter:
         if job_id is not None and not _JOB_ID.match(str(job_id)):
             raise TrackingError(f"Invalid value for argument `job_id`. Received: job_id={job_id!r}. "
                                 "Expected 1-250 letters, digits or `_.:/@+-` (no quotes or spaces).")
-        if not 1 <= int(max_batch) <= 1000:
-            raise TrackingError(f"Invalid value for argument `max_batch`. Received: "
-                                f"max_batch={max_batch!r}. Expected 1..1000 (MLflow's batch limit).")
         self._uri = tracking_uri
         self.shown_uri = redact_uri(tracking_uri)
         self._secrets = _secrets_of(tracking_uri, os.environ)
         self.experiment = experiment
-        self._max_batch = int(max_batch)
         root = Path(spool_dir or DEFAULT_SPOOL_DIR)
         try:
             root.mkdir(parents=True, exist_ok=True)
@@ -299,7 +296,7 @@ class MlflowWriter:
     def refused_credentials(self) -> bool:
         """True when the tracking server's last answer was HTTP 401 or 403 (credentials refused)."""
         failed = self.failure()
-        return failed is not None and failed.get("cause") == "credentials"
+        return failed is not None and failed.get("cause") == CREDENTIALS
 
     def say_refused_once(self) -> bool:
         """If the credentials were refused, say so in one line (once per writer); True if they were.
@@ -308,7 +305,7 @@ class MlflowWriter:
         where they are kept and how to deliver them, and a refused credential does not fix itself.
         """
         failed = self.failure()
-        if failed is None or failed.get("cause") != "credentials":
+        if failed is None or failed.get("cause") != CREDENTIALS:
             return False
         with self._said_lock:
             if self._said_refused:
@@ -361,14 +358,14 @@ class MlflowWriter:
             raise TrackingError("MlflowWriter is closed; create a new writer to log more.")
         if self._dead:
             return  # the spool failed and said so once; do not grow memory forever
-        if self._begin_deferred and rec["k"] != "stop":  # the first record begins the run (start(defer_begin))
+        if self._begin_deferred and rec["k"] != STOP:  # the first record begins the run (start(defer_begin))
             self._begin_deferred = False
             self._started_ms = int(time.time() * 1000)
-            self._queue.append((next(self._seq), {"k": "begin", "ts": self._started_ms}))
-        if self._run_ended and rec["k"] not in ("end", "stop", "report"):
+            self._queue.append((next(self._seq), {"k": BEGIN, "ts": self._started_ms}))
+        if self._run_ended and rec["k"] not in (END, STOP, REPORT):
             # Logging after end_run: the run is reopened (RUNNING again), this writer's run only.
             self._run_ended = False
-            self._queue.append((next(self._seq), {"k": "begin", "ts": int(time.time() * 1000), "reopen": True}))
+            self._queue.append((next(self._seq), {"k": BEGIN, "ts": int(time.time() * 1000), "reopen": True}))
         seq = next(self._seq)
         self._queue.append((seq, rec))
         self._last_seq = seq
@@ -376,19 +373,19 @@ class MlflowWriter:
     def log_metrics(self, metrics: dict[str, float], step: int, timestamp_ms: int | None = None) -> None:
         """Queue metric values at ``step``; keys MLflow would refuse are rewritten (``a@b`` -> ``a_b``)."""
         ts = int(time.time() * 1000) if timestamp_ms is None else int(timestamp_ms)
-        self._put({"k": "m", "s": int(step), "ts": ts, "d": dict(metrics)})
+        self._put({"k": METRICS, "s": int(step), "ts": ts, "d": dict(metrics)})
 
     def log_params(self, params: dict[str, object]) -> None:
         """Queue params; values are stringified, scrubbed of secrets and cut to 6000 characters."""
-        self._put({"k": "p", "d": {str(k): str(v) for k, v in params.items()}})
+        self._put({"k": PARAMS, "d": {str(k): str(v) for k, v in params.items()}})
 
     def set_tags(self, tags: dict[str, str]) -> None:
         """Queue run tags; values are scrubbed of secrets and cut to 8000 characters."""
-        self._put({"k": "t", "d": {str(k): str(v) for k, v in tags.items()}})
+        self._put({"k": TAGS, "d": {str(k): str(v) for k, v in tags.items()}})
 
     def log_text_artifact(self, text: str, artifact_file: str) -> None:
         """Queue a text file to store as the run artifact ``artifact_file``, scrubbed of secrets."""
-        self._put({"k": "a", "f": str(artifact_file), "text": str(text)})
+        self._put({"k": TEXT, "f": str(artifact_file), "text": str(text)})
 
     def log_artifact_file(self, local_path: str | os.PathLike[str], artifact_path: str | None = None, *,
                           as_model: str | None = None, step: int = 0) -> None:
@@ -406,9 +403,9 @@ class MlflowWriter:
             raise TrackingError("MlflowWriter is closed; create a new writer to log more.")
         staged = _artifacts.stage(self.spool_path, local_path)
         if as_model:
-            self._put({"k": "model", "src": str(staged), "name": str(as_model), "step": int(step)})
+            self._put({"k": MODEL, "src": str(staged), "name": str(as_model), "step": int(step)})
         else:
-            self._put({"k": "f", "src": str(staged), "dir": artifact_path})
+            self._put({"k": FILE, "src": str(staged), "dir": artifact_path})
 
     def log_sync_report(self, history: dict[str, Any], artifact_file: str, *, fit_end: bool = False) -> None:
         """Queue the data of a sync report; the courier draws it and uploads the PNG as ``artifact_file``.
@@ -419,7 +416,7 @@ class MlflowWriter:
         it is queued after the run's end, once `end_run` has waited for the metrics: it reaches
         MLflow just after `fit` returns. Others (each epoch's) are queued at once.
         """
-        rec = {"k": "report", "f": str(artifact_file), "h": history}
+        rec = {"k": REPORT, "f": str(artifact_file), "h": history}
         if fit_end and self.run_ends_after_fit:
             self._deferred_report = rec
         else:
@@ -513,7 +510,7 @@ class MlflowWriter:
             return not self._spool.path.is_dir()
         if not self._run_ended:
             status = self._mark_losses(status)
-            self._put({"k": "end", "status": status, "ts": int(time.time() * 1000), "last": False})
+            self._put({"k": END, "status": status, "ts": int(time.time() * 1000), "last": False})
             self._run_ended = True
         self.start()
         if not wait:
@@ -535,10 +532,7 @@ class MlflowWriter:
         """Why delivery is behind, in words (the courier's last failure, or what it is doing)."""
         failed = self.failure()
         if failed is not None:
-            cause = {"unreachable": f"the tracking server {self.shown_uri} is unreachable",
-                     "store_failing": f"the local store {self.shown_uri} fails",
-                     "refused": f"MLflow at {self.shown_uri} refuses them",
-                     "credentials": f"MLflow at {self.shown_uri} refused the credentials"}.get(failed.get("cause"), "MLflow fails")
+            cause = cause_in_words(failed.get("cause"), self.shown_uri)
             cause += f" ({failed.get('error', '')})"
         elif self._courier is None or self._courier.poll() is not None:
             cause = f"the courier process that delivers to {self.shown_uri} is not running"
@@ -552,14 +546,14 @@ class MlflowWriter:
 
     def undelivered_message(self, final: bool = True) -> str | None:
         """Why some records are not in MLflow, and where they are; None if everything arrived."""
-        held = [rec for rec in self._handover.unacknowledged() if rec["k"] not in ("begin", "stop")]
-        pending = len(self._queue) + len(held) + sum(rec["k"] not in ("begin", "stop") for _, rec in
+        held = [rec for rec in self._handover.unacknowledged() if rec["k"] not in BOOKKEEPING]
+        pending = len(self._queue) + len(held) + sum(rec["k"] not in BOOKKEEPING for _, rec in
                                                      self._spool.read(self._progress()[0], max_records=10**9))
         if pending == 0:
             return None
         cause = self._cause()
         if held and not final:
-            steps = step_ranges([rec["s"] for rec in held if rec["k"] == "m"]) or "none"
+            steps = step_ranges([rec["s"] for rec in held if rec["k"] == METRICS]) or "none"
             return (f"keras-sync: {pending} MLflow record(s) are not delivered yet: {cause}. The spool "
                     f"{self.spool_path} cannot be written ({self._spool_error}), so {len(held)} of them (steps "
                     f"{steps}) wait in this process's memory: they are lost if it ends before MLflow takes them.")
@@ -591,10 +585,10 @@ class MlflowWriter:
         if not self._run_ended:
             self._put_deferred_report()  # a fit that raised before end_run: the report before the end
         if self._run_ended or self._begin_deferred:  # ended and nothing since, or never begun: only stop the courier
-            self._put({"k": "stop"})
+            self._put({"k": STOP})
         else:
             status = self._mark_losses(status)
-            self._put({"k": "end", "status": status, "ts": int(time.time() * 1000)})
+            self._put({"k": END, "status": status, "ts": int(time.time() * 1000)})
         self.start()
         never_begun = self._begin_deferred  # nothing logged: no run, nothing to deliver; the courier goes
         line = None
@@ -648,7 +642,7 @@ class MlflowWriter:
         """Metric points queued, spooled or held that MLflow does not have yet."""
         recs = [rec for _, rec in self._queue] + self._handover.unacknowledged()
         recs += [rec for _, rec in self._spool.read(self._progress()[0], max_records=10**9)]
-        return sum(len(rec.get("d", ())) for rec in recs if rec.get("k") == "m")
+        return sum(len(rec.get("d", ())) for rec in recs if rec.get("k") == METRICS)
 
     # ---- the background thread: spool, and look after the courier ----
     def _loop(self) -> None:
@@ -695,7 +689,7 @@ class MlflowWriter:
             check_creatable(self._uri)
         except TrackingError as e:  # the courier says the same once it tries, and "ok" if it is fixed by then
             self._handover.news = {**self._handover.news, "status": {
-                "ok": False, "at": time.time(), "error": f"TrackingError: {e}", "cause": "store_failing",
+                "ok": False, "at": time.time(), "error": f"TrackingError: {e}", "cause": STORE_FAILING,
                 "uri": self.shown_uri}}
 
     def _spawn_courier(self) -> None:
@@ -729,12 +723,11 @@ class MlflowWriter:
         """Log the courier's first failure and its recovery (in this process, where logging is set up)."""
         status = self._courier_status()
         was_ok = self._status is None or self._status.get("ok")
-        if status is not None and not status.get("ok") and status.get("cause") == "credentials":
+        if status is not None and not status.get("ok") and status.get("cause") == CREDENTIALS:
             self.say_refused_once()
         elif status is not None and not status.get("ok") and was_ok:
             _log.warning("keras-sync: MLflow at %s is %s (%s); records are kept in %s, retrying in the background.",
-                         self.shown_uri, {"unreachable": "unreachable", "store_failing": "failing"}.get(
-                             status.get("cause"), "refusing records"), status.get("error"), self.spool_path)
+                         self.shown_uri, cause_in_a_word(status.get("cause")), status.get("error"), self.spool_path)
         elif status is not None and status.get("ok") and not was_ok:
             _log.info("keras-sync: MLflow at %s is reachable again; the spool backlog is being delivered.",
                       self.shown_uri)
@@ -759,7 +752,7 @@ class MlflowWriter:
         except OSError as e:
             self._spool_failed(e.strerror or str(e))
         if not self._begin_at_open_deferred:
-            self._spool_or_hold([{"k": "begin", "ts": begin}])
+            self._spool_or_hold([{"k": BEGIN, "ts": begin}])
 
     def _drain_to_spool(self) -> None:
         recs: list[dict[str, Any]] = []
@@ -820,7 +813,7 @@ class MlflowWriter:
         if not self._handover.dropped:
             return status
         steps, others = self._handover.lost_steps([])
-        self._put({"k": "t", "d": {LOST_TAG: self._lost_text(steps, others)}})
+        self._put({"k": TAGS, "d": {LOST_TAG: self._lost_text(steps, others)}})
         return "FAILED"
 
     def _spill_held(self, cause: str) -> str | None:
@@ -838,8 +831,8 @@ class MlflowWriter:
         steps, others = self._handover.lost_steps(records)
         lost = self._lost_text(steps, others)
         (self._spool.path / "reserve").unlink(missing_ok=True)  # room for the run's end
-        end = [{"k": "t", "d": {LOST_TAG: lost[:MAX_TAG_VALUE_LENGTH]}},
-               {"k": "end", "status": "FAILED", "ts": int(time.time() * 1000)}]
+        end = [{"k": TAGS, "d": {LOST_TAG: lost[:MAX_TAG_VALUE_LENGTH]}},
+               {"k": END, "status": "FAILED", "ts": int(time.time() * 1000)}]
         try:
             self._spooled_pos = self._spool.append(end)
             after = (f"the rest is in the spool: `keras-sync sync-spool {self.spool_path}` delivers it and ends "
@@ -850,7 +843,7 @@ class MlflowWriter:
 
     def _clean(self, rec: dict[str, Any]) -> dict[str, Any] | None:
         k = rec["k"]
-        if k == "m":
+        if k == METRICS:
             out = {}
             for key, v in rec["d"].items():
                 clean = self._key_cache.get(key)
@@ -864,11 +857,11 @@ class MlflowWriter:
                     _log.warning("Metric %r=%r is not a number; dropped.", key, v)
             rec["d"] = out
             return rec if out else None
-        if k in ("p", "t"):
-            limit = MAX_PARAM_VALUE_LENGTH if k == "p" else MAX_TAG_VALUE_LENGTH
+        if k in (PARAMS, TAGS):
+            limit = MAX_PARAM_VALUE_LENGTH if k == PARAMS else MAX_TAG_VALUE_LENGTH
             rec["d"] = {_clip(_redact(key, self._secrets), MAX_KEY_LENGTH):
                         _clip(_redact(v, self._secrets), limit) for key, v in rec["d"].items()}
-        elif k == "a":
+        elif k == TEXT:
             rec["text"] = _redact(rec["text"], self._secrets)
         return rec
 

@@ -6,8 +6,8 @@ The training process copies (or saves) them into a staging directory next to the
 once MLflow has it. So an artifact outlives an outage or a killed process exactly as a metric
 point does, and the caller may change or delete its own file at once.
 
-Records: ``{"k": "f", "src": path, "dir": artifact_dir}`` (a file or a directory of files) and
-``{"k": "model", "src": dir, "name": name, "step": step}`` (a directory written by an MLflow
+Records (`keras_sync.tracking.records`): `FILE` ``{"src": path, "dir": artifact_dir}`` (a file or a
+directory of files) and `MODEL` ``{"src": dir, "name": name, "step": step}`` (a directory written by an MLflow
 flavour's ``save_model``; it becomes a LoggedModel of the run, as ``mlflow.keras.log_model``
 would make it). MLflow is imported by the deliverer only.
 """
@@ -19,6 +19,8 @@ import shutil
 import uuid
 from pathlib import Path
 from typing import Any, Callable
+
+from keras_sync.tracking.records import MODEL
 
 #: Written beside a staged model once MLflow gave it an id, so a retried delivery reuses it.
 _MODEL_ID_SUFFIX = ".model_id"
@@ -68,7 +70,7 @@ def deliver(client: Any, run_id: str, rec: dict[str, Any], call: Callable[..., A
     src = Path(rec["src"])
     if not src.exists():
         return
-    if rec["k"] == "model":
+    if rec["k"] == MODEL:
         _deliver_model(client, run_id, src, rec, call)
     elif src.is_dir():
         call(client.log_artifacts, run_id, str(src), rec.get("dir"))

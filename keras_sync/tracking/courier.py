@@ -10,7 +10,7 @@ It talks to the training process through the spool directory only: it polls for 
 sends them in batches with `MlflowClient.log_batch`, writes ``delivered``, ``run.json`` and
 ``status.json`` and deletes delivered segments. One courier serves its writer for the writer's
 whole life (every `fit` of a `Sync`). It ends when it has delivered the writer's last record
-(`keras_sync.tracking.spool.is_last_record`), or, once its parent has died, after one last attempt to
+(`keras_sync.tracking.records.is_last_record`), or, once its parent has died, after one last attempt to
 deliver what is left (a restarted job or ``keras-sync sync-spool`` delivers the rest); a spool
 whose run had ended and was all delivered is then removed. While MLflow is unreachable it
 retries with backoff (0.5 s up to 30 s).
@@ -34,7 +34,9 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
 from keras_sync.tracking.deliver import Deliverer, is_transient, refused_credentials
-from keras_sync.tracking.spool import Position, SpoolDir, is_last_record
+from keras_sync.tracking.records import (BEGIN, CREDENTIALS, END, MAX_BATCH, METRICS, REFUSED, STOP, STORE_FAILING,
+                                         UNREACHABLE, is_last_record, is_remote)
+from keras_sync.tracking.spool import Position, SpoolDir
 from keras_sync.tracking.redact import redact_text, secrets_of
 
 #: Longest wait between two delivery attempts while MLflow is unreachable (seconds).
@@ -104,7 +106,7 @@ class Launcher:
 class Delivery:
     """Deliver a spool in order; used by the courier process and by ``keras-sync sync-spool``."""
 
-    def __init__(self, spool: SpoolDir, tracking_uri: str | None = None, *, max_batch: int = 1000,
+    def __init__(self, spool: SpoolDir, tracking_uri: str | None = None, *, max_batch: int = MAX_BATCH,
                  header: dict[str, Any] | None = None, news: BinaryIO | None = None):
         header = spool.header() or header
         if header is None:
@@ -141,11 +143,11 @@ class Delivery:
             if not source:
                 source = [(h, rec) for h, rec in list(self.held)[:200] if h > self.held_done]
             for pos, rec in source:
-                n = len(rec["d"]) if rec["k"] == "m" else 0
+                n = len(rec["d"]) if rec["k"] == METRICS else 0
                 # A "begin" (which picks the run) goes alone, and run.json names its run and its
                 # position before anything after it is sent: a courier killed between sending and
                 # moving the delivered position replays records into the run they went to.
-                if chunk and (points + n > self.max_batch or rec["k"] == "begin" or chunk[0][1]["k"] == "begin"):
+                if chunk and (points + n > self.max_batch or rec["k"] == BEGIN or chunk[0][1]["k"] == BEGIN):
                     break
                 chunk.append((pos, rec))
                 points += n
@@ -153,7 +155,7 @@ class Delivery:
                 return sent
             records = [rec for _, rec in chunk]
             spooled = isinstance(chunk[-1][0], tuple)
-            begin = chunk[0][0] if records[0]["k"] == "begin" and spooled else None
+            begin = chunk[0][0] if records[0]["k"] == BEGIN and spooled else None
             if begin is not None:
                 known = self.known_run
                 if known.get("begin") == list(begin) and known.get("run_id") == self.deliverer.run_id:
@@ -164,7 +166,7 @@ class Delivery:
                 # "ok" before the new position: a writer that sees delivery move must not read the
                 # old failure with it (close() would give up on a server that is back, run left RUNNING).
                 self.report(None)
-            if self.deliverer.run_id != run_before or records[0]["k"] == "begin":
+            if self.deliverer.run_id != run_before or records[0]["k"] == BEGIN:
                 self._set_run(begin)
             if spooled:
                 self.pos = chunk[-1][0]
@@ -179,8 +181,8 @@ class Delivery:
             self._tell({"pos": list(self.pos), "h": self.held_done})
             self.ended = is_last_record(chunk[-1][1]) and not self.pending()
             for _, rec in chunk:  # a report drawn after the run's end leaves it ended
-                if rec["k"] in ("end", "stop", "begin"):
-                    self.run_ended = rec["k"] != "begin"
+                if rec["k"] in (END, STOP, BEGIN):
+                    self.run_ended = rec["k"] != BEGIN
 
     def pending(self) -> bool:
         """True if spooled or handed-over records are not in MLflow yet."""
@@ -217,12 +219,12 @@ class Delivery:
             status: dict[str, Any] = {"ok": True, "at": time.time()}
         else:
             transient = is_transient(error)
-            local = not self.uri.startswith(("http://", "https://", "databricks"))
+            local = not is_remote(self.uri)
             text = redact_text(f"{type(error).__name__}: {error}", self.secrets)[:500]
-            cause = "store_failing" if local else "unreachable" if transient else "refused"
+            cause = STORE_FAILING if local else UNREACHABLE if transient else REFUSED
             http = refused_credentials(error)
             if http is not None:  # the status alone: the body is the server's (or its proxy's) HTML page
-                cause, text = "credentials", f"HTTP {http} {'Unauthorized' if http == 401 else 'Forbidden'}"
+                cause, text = CREDENTIALS, f"HTTP {http} {'Unauthorized' if http == 401 else 'Forbidden'}"
             status = {"ok": False, "at": time.time(), "since": since or time.time(), "error": text,
                       "cause": cause, "uri": self.shown_uri}
         try:

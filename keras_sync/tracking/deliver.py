@@ -1,12 +1,9 @@
 """Sending spooled records to one MLflow run: find or create the run, batch, drop repeated steps.
 
-The only keras-sync module that calls MLflow's tracking client. Which run a job writes to:
-
-- the run id recorded with the job's backup (a relaunch that restored it), else the run tagged
-  ``keras_sync.job_id`` with the job id, else a new run with that tag;
-- a FINISHED run is reopened only for a job id given explicitly (``$KERAS_SYNC_JOB_ID``,
-  ``mlflow.job_id``, ``keras-sync launch``); for a job id that came with a backup, a new run is
-  started instead.
+The only keras-sync module that calls MLflow's tracking client. It carries out the rule of which
+run a job writes to (told once, in `keras_sync.training.job_run`): the run id the header names,
+else the run tagged ``keras_sync.job_id`` with the job id, else a new run with that tag; a
+FINISHED run is reopened only when the header says the job id was explicit.
 
 Every metric point at a step that its key already has in the run is dropped, so no run ever
 holds two points at one (key, step): a batch re-sent after a crash, or the steps a restored job
@@ -23,6 +20,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from keras_sync.tracking.environ import environ_restored
+from keras_sync.tracking.records import (BEGIN, END, FILE, MAX_BATCH, MAX_BATCH_PARAMS_AND_TAGS, METRICS, MODEL, PARAMS,
+                                         REPORT, STOP, TAGS, TEXT, is_http)
 
 _log = logging.getLogger("keras_sync.tracking")
 
@@ -49,7 +48,7 @@ def fast_fail_env(tracking_uri: str, timeout_s: int) -> Iterator[None]:
     and the batch with the run's config.yaml, and every metric after it, failed). Set only during
     the call: the variable would also redirect a later `keras_sync.load()` of this process.
     """
-    if not tracking_uri.startswith(("http://", "https://")):
+    if not is_http(tracking_uri):
         yield
         return
     wanted = dict(_FAST_FAIL_ENV, MLFLOW_HTTP_REQUEST_TIMEOUT=str(max(1, int(timeout_s))),
@@ -214,9 +213,9 @@ class Deliverer:
         """Deliver records in order; return how many metric points were sent."""
         from mlflow.entities import Metric, Param, RunTag
 
-        if all(rec["k"] == "stop" for rec in records):  # a writer that logged nothing: no run to make
+        if all(rec["k"] == STOP for rec in records):  # a writer that logged nothing: no run to make
             return 0
-        if records and records[0]["k"] != "begin":  # a "begin" sets the start time of a new run first
+        if records and records[0]["k"] != BEGIN:  # a "begin" sets the start time of a new run first
             self.ensure_run(continuing=True)
         c = self.client()
         metrics: list[Any] = []
@@ -235,8 +234,8 @@ class Deliverer:
 
         for rec in records:
             k = rec["k"]
-            if k == "m":
-                if len(metrics) + len(rec["d"]) + len(params) + len(tags) > 1000:
+            if k == METRICS:
+                if len(metrics) + len(rec["d"]) + len(params) + len(tags) > MAX_BATCH:
                     flush()
                 step = rec["s"]
                 for key, v in rec["d"].items():
@@ -245,28 +244,28 @@ class Deliverer:
                         floors[key] = step
                     else:
                         dropped += 1
-            elif k in ("p", "t"):
-                if len(params) + len(tags) + len(rec["d"]) > 100:
+            elif k in (PARAMS, TAGS):
+                if len(params) + len(tags) + len(rec["d"]) > MAX_BATCH_PARAMS_AND_TAGS:
                     flush()
-                target, cls = (params, Param) if k == "p" else (tags, RunTag)
+                target, cls = (params, Param) if k == PARAMS else (tags, RunTag)
                 target.extend(cls(key, v) for key, v in rec["d"].items())
-            elif k == "a":
+            elif k == TEXT:
                 flush()
                 self._call(c.log_text, self.run_id, rec["text"], rec["f"])
-            elif k in ("f", "model"):  # staged files and models: keras_sync.tracking.artifacts
+            elif k in (FILE, MODEL):  # staged files and models: keras_sync.tracking.artifacts
                 flush()
                 from keras_sync.tracking import artifacts as _artifacts
 
                 _artifacts.deliver(c, self.run_id, rec, self._call)
-            elif k == "end":
+            elif k == END:
                 flush()
                 self._call(c.set_terminated, self.run_id, status=rec["status"], end_time=rec.get("ts"))
-            elif k == "stop":  # the writer closed after ending the run: nothing to send
+            elif k == STOP:  # the writer closed after ending the run: nothing to send
                 flush()
-            elif k == "report":  # drawn here, not in the training process (~0.7 s of matplotlib)
+            elif k == REPORT:  # drawn here, not in the training process (~0.7 s of matplotlib)
                 flush()
                 self._deliver_report(rec)
-            elif k == "begin":
+            elif k == BEGIN:
                 flush()
                 self.new_session(rec.get("ts"))
                 if rec.get("replayed"):  # sent before by a courier killed before it moved the position

@@ -21,9 +21,10 @@ import threading
 from collections import deque
 from typing import Any
 
+from keras_sync.tracking.records import ALWAYS_KEPT, BEGIN, METRICS, STOP
+
 #: Memory for records the spool could not take; beyond it, metric points are dropped (and counted).
 MAX_HELD_BYTES = 64 * 1024 * 1024
-_ALWAYS_KEPT = ("begin", "end", "stop", "t")  # small: the run's end, its status and the tag of what was lost
 
 
 def step_ranges(steps: list[int]) -> str:
@@ -64,7 +65,7 @@ class Handover:
     # -- the writer's thread --
     def hold(self, rec: dict[str, Any]) -> None:
         size = len(json.dumps(rec)) + 32
-        if self.bytes + size > self.max_bytes and rec["k"] not in _ALWAYS_KEPT:
+        if self.bytes + size > self.max_bytes and rec["k"] not in ALWAYS_KEPT:
             self.dropped.append(rec)
             return
         self.last += 1
@@ -148,6 +149,6 @@ class Handover:
     def lost_steps(self, records: list[dict[str, Any]]) -> tuple[list[int], int]:
         """The metric steps of ``records`` and of the records dropped over the bound; and how many others."""
         both = list(records) + self.dropped
-        steps = [rec["s"] for rec in both if rec["k"] == "m"]
-        others = sum(rec["k"] not in ("m", "begin", "stop") for rec in both)
+        steps = [rec["s"] for rec in both if rec["k"] == METRICS]
+        others = sum(rec["k"] not in (METRICS, BEGIN, STOP) for rec in both)
         return steps, others

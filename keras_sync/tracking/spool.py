@@ -23,11 +23,8 @@ rest goes to the live courier over a pipe, from memory (`keras_sync.tracking.han
 where delivery stands in memory too and tells the writer over a second pipe, since
 ``delivered``, ``run.json`` and ``status.json`` may not be writable then.
 
-Record kinds (``"k"``): ``begin`` (a writer started; ``"reopen": true`` when its writer logs
-again after `end_run`, e.g. the next ``fit``), ``m`` (metrics at one step), ``p`` (params), ``t``
-(tags), ``a`` (a text artifact), ``f``/``model`` (a staged file or model), ``end`` (the run ended
-with a status; ``"last": false`` when the writer goes on), ``stop`` (the writer closed; the
-run had ended before). After its writer's last record (`is_last_record`) the courier ends.
+The records in the segments (their kinds and fields), the causes of a failed delivery and
+MLflow's limits are the protocol's other half: `keras_sync.tracking.records`.
 
 The delivered position moves only after MLflow accepted a batch, so a crash in between re-sends
 a batch at worst; the deliverer drops points at steps a metric already has, so a re-send or a
@@ -55,15 +52,6 @@ SEGMENT_BYTES = 256 * 1024
 _SEGMENT = re.compile(r"^(\d{8})\.jsonl$")
 
 Position = tuple[int, int]  # (segment number, byte offset in it)
-
-
-def is_last_record(rec: dict[str, Any]) -> bool:
-    """Whether a spool record is its writer's last: after it the courier ends.
-
-    ``end`` from `MlflowWriter.close` (``last`` absent in spools of earlier versions) or ``stop``;
-    the ``end`` of `MlflowWriter.end_run` ends the MLflow run but not the writer.
-    """
-    return rec["k"] == "stop" or (rec["k"] == "end" and rec.get("last", True))
 
 
 def _atomic_write(path: Path, text: str) -> None:

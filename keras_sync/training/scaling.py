@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import math
 
+from keras_sync.config import LR_RULES  # the names a user may write; the maths of each is below
 from keras_sync.errors import ScalingError
-
-#: The learning-rate rules (`learning_rate.scaling`), as `scale_learning_rate` applies them.
-LR_RULES = ("linear", "sqrt", "none")
 
 
 def global_batch_size(per_replica: int, replicas: int) -> int:
