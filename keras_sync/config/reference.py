@@ -193,7 +193,7 @@ def _with_readme_block(readme: str) -> str:
 
 def source_root() -> Path:
     """The source checkout this module belongs to (where README.md and templates/ are)."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]  # keras_sync/config/reference.py -> the checkout
     if not (root / "README.md").is_file() or not (root / "templates" / "keras_sync.yaml").is_file():
         raise UsageError(f"{root} is not a keras-sync source checkout (no README.md and templates/); run "
                          "`python -m keras_sync.config.reference` from an editable install (pip install -e .)")

@@ -1,6 +1,6 @@
 """Value specs for config fields: check one YAML value, describe it in errors and JSON Schema.
 
-Pure Python; used by `config.py` (validation) and `schema.py` (JSON Schema).
+Pure Python; used by `keras_sync.config` (validation) and `keras_sync.config.schema` (JSON Schema).
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ def spawn(spool: SpoolDir, tracking_uri: str, header: dict[str, Any] | None = No
     if pipe_fds is not None:
         env[PIPE_ENV] = f"{pipe_fds[0]},{pipe_fds[1]}"
     # The child must import this very keras_sync, installed or not.
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])  # keras_sync/tracking/courier.py -> the directory holding keras_sync
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return subprocess.Popen([sys.executable, "-m", "keras_sync.tracking.courier", str(spool.path), str(os.getpid())],
                             stdin=subprocess.DEVNULL, env=env, close_fds=True, pass_fds=pipe_fds or ())

@@ -1,9 +1,8 @@
 """Sending spooled records to one MLflow run: find or create the run, batch, drop repeated steps.
 
-The only keras-sync module that calls MLflow's tracking client. It carries out the rule of which
-run a job writes to (told once, in `keras_sync.training.job_run`): the run id the header names,
-else the run tagged ``keras_sync.job_id`` with the job id, else a new run with that tag; a
-FINISHED run is reopened only when the header says the job id was explicit.
+The only keras-sync module that calls MLflow's tracking client. It carries out the writer's rule
+of which run its records go to (told in `keras_sync.tracking.MlflowWriter`; what a `Sync` gives
+the writer is told in `keras_sync.training.job_run`).
 
 Every metric point at a step that its key already has in the run is dropped, so no run ever
 holds two points at one (key, step): a batch re-sent after a crash, or the steps a restored job

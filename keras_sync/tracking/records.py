@@ -12,7 +12,7 @@ kind            fields, and what the deliverer does with it
 ==============  =============================================================================
 `BEGIN`         ``ts`` (start, ms); ``reopen`` when the writer logs again after ending its run
                 (the next ``fit``); the courier adds ``replayed`` to one it sent before. Picks
-                the run (see `keras_sync.training.job_run` for which one) and always goes alone.
+                the run (`keras_sync.tracking.MlflowWriter` says which one) and always goes alone.
 `METRICS`       ``s`` step, ``ts`` ms, ``d`` {key: value}: metric points at one step; a point at a
                 step its key already has in the run is dropped.
 `PARAMS`        ``d`` {key: text}: MLflow params (immutable: the first value stays).
