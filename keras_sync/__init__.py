@@ -27,7 +27,7 @@ from keras_sync.errors import (
     TrackingError,
     UsageError,
 )
-from keras_sync.scaling import (
+from keras_sync.training.scaling import (
     global_batch_size,
     per_replica_batch_size,
     scale_learning_rate,
@@ -39,7 +39,7 @@ __version__ = "0.1.0"
 
 # Public names whose modules import Keras/TensorFlow: loaded on first attribute access.
 _LAZY = {
-    "GradualWarmup": "keras_sync.schedules",
+    "GradualWarmup": "keras_sync.training.schedules",
     "AllReduceProbe": "keras_sync.callbacks.allreduce_probe",
     "BackupAndRestore": "keras_sync.callbacks.backup",
     "FitParams": "keras_sync.callbacks.fit_params",
@@ -49,8 +49,8 @@ _LAZY = {
     "SyncMetrics": "keras_sync.callbacks.sync_metrics",
     "SystemMetrics": "keras_sync.callbacks.system_metrics",
     "WeightDivergence": "keras_sync.callbacks.weight_divergence",
-    "RunContext": "keras_sync.callbacks._context",
-    "SharedState": "keras_sync.callbacks._context",
+    "RunContext": "keras_sync.training.context",
+    "SharedState": "keras_sync.training.context",
 }
 
 __all__ = [

@@ -169,7 +169,7 @@ def launch(
     base_env.update(env or {})
     base_env["PYTHONUNBUFFERED"] = "1"
     # One job identity for every try: the MLflow run is found again by it (mlflow.job_id; a restored
-    # backup's recorded run wins, see callbacks/_run.py).
+    # backup's recorded run wins, see training/job_run.py).
     base_env.setdefault(JOB_ID_ENV, f"launch-{uuid.uuid4().hex[:12]}")
     if config is not None:
         base_env[CONFIG_ENV] = os.path.abspath(config)

@@ -10,11 +10,11 @@ import sys
 import warnings
 from typing import Any, Mapping
 
-from keras_sync import scaling
+from keras_sync.training import scaling
 from keras_sync.cluster import strategy_role
 from keras_sync.config import Config, load_config
 from keras_sync.errors import UsageError
-from keras_sync.kinds import KINDS
+from keras_sync.config.kinds import KINDS
 
 log = logging.getLogger("keras_sync")
 
@@ -41,11 +41,11 @@ def load(
         ...     model.compile(optimizer=keras.optimizers.SGD(sync.lr_schedule()), loss="mse")
         >>> sync.fit(model, x, y, epochs=3)                        # doctest: +SKIP
     """
-    from keras_sync import _excepthook
+    from keras_sync.training import excepthook as _excepthook
 
     _excepthook.install()  # an uncaught keras-sync error ends the script with one line, not a traceback
     cfg = config if isinstance(config, Config) else load_config(config, overrides=overrides)
-    from keras_sync import stack
+    from keras_sync.upstream import stack
 
     stack.check_backend()  # KERAS_BACKEND=jax/torch: one line here, not a false scope error at fit
     # TensorFlow's C++ start-up INFO lines (CPU features, absl's pre-init banner) hide the user's own
@@ -54,28 +54,29 @@ def load(
     from keras_sync.strategy import build_strategy
 
     strategy, detection = build_strategy(cfg)
-    from keras_sync._strategy_facts import in_multi_worker_mode
+    from keras_sync.upstream.strategy_facts import in_multi_worker_mode
 
     if in_multi_worker_mode(strategy):
-        from keras_sync import _collective_calls, saving
+        from keras_sync.cluster import collective_calls as _collective_calls
+        from keras_sync.training import saving
 
         saving.install()  # model.save / save_weights: the chief writes the user's path, the others a temp copy
         # fit/evaluate/predict: a worker that calls one alone fails with one line; workers leave together
         _collective_calls.install(strategy, cfg.strategy.connect_timeout_s)
     sync = Sync(cfg, strategy, detection)
-    from keras_sync import _paths, _run_checks
+    from keras_sync.training import paths as _paths, run_checks as _run_checks
 
     _paths.check_config_paths(cfg, is_chief=sync.is_chief)  # now, not at the first save or metric
     _run_checks.watch_direct_fit(sync)  # model.fit on a model of sync.scope() without keras-sync: one line
     if sync.is_chief and cfg.mlflow.enabled:
-        from keras_sync.callbacks._run import writer_for
+        from keras_sync.training.job_run import writer_for
 
         # The courier starts now (it imports MLflow, builds a first run's store) while the user
         # builds the model; the run itself is made when the first fit logs.
         writer_for(sync, early=True)
     if sync.is_chief:
         print(f"keras-sync: config: {cfg.origin()}", file=sys.stderr)
-    from keras_sync import runtime
+    from keras_sync.training import runtime
 
     runtime.set_dtype_policy(cfg, is_chief=sync.is_chief)  # before the user builds the model
     stack.check_backend()  # what the imported Keras really uses (a keras.json the rule above misread)
@@ -90,7 +91,7 @@ class Sync:
     ``per_replica_batch_size``, ``global_batch_size``, ``gradient_accumulation_steps``,
     ``effective_batch_size`` (examples per optimizer update), ``base_learning_rate``,
     ``learning_rate`` (the scaled peak, for the effective batch), ``input_facts`` (what the input
-    pipeline did with the last `fit`'s data: `keras_sync.pipeline.InputFacts`, None before).
+    pipeline did with the last `fit`'s data: `keras_sync.training.pipeline.InputFacts`, None before).
     """
 
     def __init__(self, config: Config, strategy: Any, detection: Any):
@@ -116,7 +117,7 @@ class Sync:
         self._schedules: list[Any] = []
         self._steps_per_epoch: int | None = None
         self._warned_batch_size = False
-        #: What the input pipeline did with the last fit's training data (`keras_sync.pipeline.InputFacts`).
+        #: What the input pipeline did with the last fit's training data (`keras_sync.training.pipeline.InputFacts`).
         self.input_facts: Any = None
 
     def __repr__(self) -> str:
@@ -150,7 +151,7 @@ class Sync:
         lr = self.config.learning_rate
         if not lr.warmup_steps and not lr.warmup_epochs:
             return self.learning_rate if after is None else after
-        from keras_sync.schedules import GradualWarmup
+        from keras_sync.training.schedules import GradualWarmup
 
         steps_known = steps_per_epoch or self._steps_per_epoch
         n = self.warmup_steps(steps_known) if (lr.warmup_steps or steps_known) else 1
@@ -175,7 +176,7 @@ class Sync:
                 that sharding splits one order.
 
         Arrays are split across workers by example; a dataset keeps a shard policy set in its
-        own options, else gets ``batch.shard_policy`` (see `keras_sync.pipeline`).
+        own options, else gets ``batch.shard_policy`` (see `keras_sync.training.pipeline`).
         """
         ds, steps = self._pipeline().distribute(data, shuffle=shuffle, seed=seed)
         if steps:
@@ -183,7 +184,7 @@ class Sync:
         return ds
 
     def _pipeline(self) -> Any:
-        from keras_sync.pipeline import InputPipeline
+        from keras_sync.training.pipeline import InputPipeline
 
         value = self.config.batch.drop_remainder
         return InputPipeline(
@@ -208,10 +209,10 @@ class Sync:
         Keras reads it under a `tf.distribute` strategy; `fit` refuses one that differs from the
         configured batch unless ``learning_rate.scaling`` is none, so the rate fits the batch);
         under `multi_worker_mirrored` they become a `tf.data.Dataset`, as Keras requires. A batched
-        dataset is rebatched to the global batch (see `keras_sync.pipeline`). The MLflow run ends
+        dataset is rebatched to the global batch (see `keras_sync.training.pipeline`). The MLflow run ends
         (FINISHED) when fit returns; the next fit of this `Sync` continues it.
         """
-        from keras_sync import runtime
+        from keras_sync.training import runtime
 
         self._check_model(model, "fit")  # before anything touches it: a Keras 2 model is refused in one line
         self._check_optimizers(model, "fit")
@@ -221,7 +222,7 @@ class Sync:
         data, fit_kwargs = x, dict(kwargs)
         x, y, kwargs = self._prepare(model, "fit", x, y, kwargs)
         per_replica = given // self.num_replicas if given else None
-        from keras_sync import _run_checks
+        from keras_sync.training import run_checks as _run_checks
 
         pipe = self._pipeline()
         global_batch = given or self.global_batch_size
@@ -244,12 +245,12 @@ class Sync:
         # Last: it reads what every other callback restored, and checks what really trained.
         kwargs["callbacks"].append(_run_checks.checks_callback(self, global_batch=global_batch, expected=expected,
                                                                data=data))
-        from keras_sync import saving
-        from keras_sync.callbacks._run import run_ends_after_fit, shared_run_for
+        from keras_sync.training import saving
+        from keras_sync.training.job_run import run_ends_after_fit, shared_run_for
         from keras_sync.callbacks.backup import resumable_fit
 
         saving.guard_callbacks(self.strategy, kwargs["callbacks"])  # Keras' BackupAndRestore, TensorBoard, CSVLogger: the chief writes
-        from keras_sync._lost_peer import raised_as_peer_lost
+        from keras_sync.cluster.lost_peer import raised_as_peer_lost
 
         # A restored backup resumes mid-epoch, data order included; a lost peer ends in one line.
         # With mlflow.keras.autolog() on, autolog logs into keras-sync's run instead of its own.
@@ -258,7 +259,7 @@ class Sync:
                 resumable_fit(kwargs["callbacks"]), _quiet_end_of_data(kwargs.get("steps_per_epoch")), \
                 saving.watch_worker_writes(self.strategy):
             history = model.fit(x, y, **kwargs)
-        from keras_sync.callbacks._run import end_run_after_fit
+        from keras_sync.training.job_run import end_run_after_fit
 
         end_run_after_fit(self)  # the run ends with fit, not at exit: Ray Train V2 kills its workers (no atexit)
         return history
@@ -269,7 +270,7 @@ class Sync:
         ``per_replica_batch_size``: the batch of this `fit` when not the configured one. Steps per
         epoch (and a warmup given in epochs) are those of the data last given to `fit`/`distribute`.
         """
-        from keras_sync.callbacks._context import RunContext
+        from keras_sync.training.context import RunContext
 
         per_replica = per_replica_batch_size or self.per_replica_batch_size
         try:
@@ -289,7 +290,7 @@ class Sync:
         """For a `model.fit` you call yourself: prepare ``model`` as `fit` would and return the
         callbacks `fit` adds (sync metrics and run params to MLflow on the chief, gradient
         accumulation, custom `train_step` averaging), followed by ``callbacks`` and keras-sync's
-        run-time checks (`keras_sync._run_checks`).
+        run-time checks (`keras_sync.training.run_checks`).
 
         Give the model built and compiled in `scope()`, and data batched by the global batch
         (`distribute` does it). Keep the returned order. What `fit` does beyond this list is
@@ -308,7 +309,8 @@ class Sync:
                 f"({self.config.fault_tolerance.backup_dir!r}), and its exact resume replaces Keras's epoch iterator "
                 "for the length of fit. Use sync.fit(model, ...), or remove fault_tolerance.backup_dir and pass "
                 "keras.callbacks.BackupAndRestore yourself.")
-        from keras_sync import _keras_compat, runtime
+        from keras_sync.upstream import keras_fixes as _keras_compat
+        from keras_sync.training import runtime
         from keras_sync import callbacks as ks_callbacks
 
         self._check_model(model, "callbacks")
@@ -316,7 +318,7 @@ class Sync:
         self._check_callbacks(model, callbacks, "callbacks")
         runtime.prepare_model(self, model)
         _keras_compat.check_steps_per_execution(model, self.strategy)
-        from keras_sync import _run_checks, saving
+        from keras_sync.training import run_checks as _run_checks, saving
 
         # Keras' BackupAndRestore, TensorBoard and CSVLogger: the chief writes the user's paths.
         # Last: the run-time checks (examples per step, resume, learning rate; the data's length is not known here).
@@ -331,7 +333,7 @@ class Sync:
         """This job's MLflow run id: on the chief once MLflow has created the run (the first `fit`
         or `callbacks` starts it); None on other workers, with ``mlflow.enabled: false``, or
         while MLflow has not answered (the metrics wait in the spool meanwhile)."""
-        from keras_sync.callbacks._run import current_writer
+        from keras_sync.training.job_run import current_writer
 
         writer = current_writer(self)
         return writer.run_id if writer is not None else None
@@ -345,7 +347,7 @@ class Sync:
         before the process goes on. A later `fit` of this `Sync` continues the run. What MLflow
         has not received stays in the spool, and a warning says how to deliver it.
         """
-        from keras_sync.callbacks._run import close_writer
+        from keras_sync.training.job_run import close_writer
 
         close_writer(self, timeout_s=timeout_s)
 
@@ -354,9 +356,9 @@ class Sync:
         every worker; only the chief writes ``filepath``, the others a temporary copy they delete.
 
         Under a multi-worker strategy ``model.save``/``save_weights`` already behave so (see
-        `keras_sync.saving`); this is the explicit form.
+        `keras_sync.training.saving`); this is the explicit form.
         """
-        from keras_sync import saving
+        from keras_sync.training import saving
 
         saving.save(model, filepath, **kwargs)
 
@@ -380,7 +382,7 @@ class Sync:
 
     def _prepare(self, model: Any, method: str, x: Any, y: Any, kwargs: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
         self._check_model(model, method)
-        from keras_sync import _keras_compat
+        from keras_sync.upstream import keras_fixes as _keras_compat
 
         _keras_compat.check_steps_per_execution(model, self.strategy)
         kwargs = dict(kwargs)
@@ -450,7 +452,7 @@ class Sync:
                 f"sync.{method}(model, ...) expects a Keras 3 model (a keras.Model) as first argument. Received: {where}.")
         if not KINDS[self.kind].scoped:
             return
-        from keras_sync import _internals
+        from keras_sync.upstream import internals as _internals
 
         _internals.require("model_strategy")  # a Keras that moved it would make every model look unscoped
         _keras_compat_check_call(model, method)
@@ -469,7 +471,7 @@ class Sync:
         """
         if not KINDS[self.kind].scoped:
             return
-        from keras_sync._train_step_trace import optimizers_of
+        from keras_sync.training.train_step_trace import optimizers_of
 
         for opt in optimizers_of(model):
             inner = getattr(opt, "inner_optimizer", opt)  # a LossScaleOptimizer's options are its inner optimizer's
@@ -491,7 +493,7 @@ class Sync:
     def _check_callbacks(self, model: Any, callbacks: Any, method: str) -> None:
         """The user's callbacks that cannot work beside this config, refused before training."""
         from keras_sync.callbacks.backup import refuse_keras_backup
-        from keras_sync.schedules import check_lr_callbacks
+        from keras_sync.training.schedules import check_lr_callbacks
 
         refuse_keras_backup(self.config.fault_tolerance.backup_dir, callbacks, method)
         check_lr_callbacks(model, callbacks, method)
@@ -499,7 +501,7 @@ class Sync:
     def _resolve_pending_warmup(self, x: Any, kwargs: dict[str, Any]) -> None:
         if not self._schedules:
             return
-        from keras_sync.pipeline import steps_of
+        from keras_sync.training.pipeline import steps_of
 
         steps = kwargs.get("steps_per_epoch") or steps_of(x, kwargs.get("batch_size"), kwargs.get("validation_split"))
         if not steps:
@@ -530,7 +532,7 @@ def _quiet_end_of_data(steps_per_epoch: Any) -> Any:
 
 
 def _is_dataset(x: Any) -> bool:
-    from keras_sync.pipeline import is_dataset
+    from keras_sync.training.pipeline import is_dataset
 
     return x is not None and is_dataset(x)
 

@@ -168,7 +168,7 @@ def resume(tamper):
 
 def trained_examples(model):
     """Examples trained so far by every replica of every worker, from keras-sync's replica probe."""
-    from keras_sync import _instrument
+    from keras_sync.training import instrument as _instrument
 
     probe = _instrument._probes[model]
     rings = probe.read()

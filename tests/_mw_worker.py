@@ -105,7 +105,8 @@ def main() -> int:
 
     from keras.src.backend.tensorflow import trainer
 
-    from keras_sync import _keras_compat, _multi_worker
+    from keras_sync.upstream import keras_fixes as _keras_compat
+    from keras_sync.strategy import multi_worker as _multi_worker
     from keras_sync.errors import KerasSyncError
 
     global _ORIGINAL_REDUCE, _ORIGINAL_AUTOCONVERT

@@ -37,7 +37,7 @@ FEATURES = 8
 
 def _hold_until_sigterm(step: int, limit_s: float = 900) -> None:
     # keras-sync's SIGTERM handler (installed by fit with a backup_dir) is a bound method of
-    # keras_sync.preemption.SigtermWatch: its `pending` turns True when the signal has arrived.
+    # keras_sync.cluster.preemption.SigtermWatch: its `pending` turns True when the signal has arrived.
     watch = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
     if not hasattr(watch, "pending"):
         raise SystemExit("--hold-at: keras-sync does not handle SIGTERM here (set fault_tolerance.backup_dir)")

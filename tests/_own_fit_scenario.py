@@ -64,7 +64,7 @@ callbacks = sync.callbacks(m)
 result["callbacks"] = [type(c).__name__ for c in callbacks]
 m.fit(sync.distribute((x, y)), epochs=2, verbose=0, callbacks=callbacks)
 # fit does not wait for MLflow (a first run's store may still be being built): the id once the run exists.
-from keras_sync.callbacks._run import current_writer  # noqa: E402
+from keras_sync.training.job_run import current_writer  # noqa: E402
 
 result["run_id"] = current_writer(sync).wait_for_run(300)
 sync.close()

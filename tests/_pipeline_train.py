@@ -163,7 +163,7 @@ def fit_all(sync, keras, tf, x, y) -> dict:
 def probes(sync, tf, x, y) -> dict:
     """What the pipeline reads from datasets and which policy they end with."""
     from keras_sync.errors import UsageError
-    from keras_sync.pipeline import batch_size_of, own_shard_policy
+    from keras_sync.training.pipeline import batch_size_of, own_shard_policy
 
     plain = tf.data.Dataset.from_tensor_slices((x, y))
     off = tf.data.Options()
@@ -186,7 +186,7 @@ def probes(sync, tf, x, y) -> dict:
         unbatched = str(e)
     import keras
 
-    from keras_sync._py_dataset import py_dataset_batches
+    from keras_sync.training.py_dataset import py_dataset_batches
 
     class Endless(keras.utils.PyDataset):
         def __getitem__(self, i):

@@ -64,7 +64,7 @@ def load(cfg):
     from keras_sync.config import load_config
     from keras_sync.session import Sync
 
-    from keras_sync import runtime
+    from keras_sync.training import runtime
 
     config = load_config(cfg)
     runtime.set_dtype_policy(config, is_chief=SYNC.is_chief)  # what keras_sync.load does (runtime.mixed_precision)
@@ -209,7 +209,7 @@ def add_loss_checks(tracking_uri=None):
         s = load({**config(), "mlflow": {"enabled": True, "tracking_uri": tracking_uri, "experiment": "add_loss"}})
         model = add_loss_model(ActivitySum, s)
         s.fit(model, X, Y, epochs=1, shuffle=False, verbose=0)
-        from keras_sync.callbacks._run import _writers, close_writer
+        from keras_sync.training.job_run import _writers, close_writer
 
         writer = _writers.get(s)
         close_writer(s, timeout_s=300)
@@ -236,7 +236,7 @@ def make(cls, sync=None, optimizer=None, **compile_kwargs):
 
 
 def custom_steps():
-    from keras_sync import _instrument
+    from keras_sync.training import instrument as _instrument
 
     out = {}
     for name, cls in [("keras", keras.Sequential), ("guide", GuideStep), ("compute_loss", ComputeLossStep),
@@ -291,7 +291,7 @@ def spe(tracking_uri=None):
         return {"error": f"{type(exc).__name__}: {exc}"}
     out = {"weights": flat(model), "spe": int(model.steps_per_execution), "iterations": int(model.optimizer.iterations.numpy())}
     if tracking_uri:
-        from keras_sync.callbacks._run import _writers, close_writer
+        from keras_sync.training.job_run import _writers, close_writer
 
         writer = _writers.get(s)  # the chief's (only the chief logs)
         close_writer(s, timeout_s=300)  # the writer's thread creates the run: its id is known after close
@@ -375,7 +375,7 @@ def sync_bn():
 
 def mixed():
     """mixed precision from the YAML on a model built after load(); gradient norms against float32."""
-    from keras_sync import _instrument
+    from keras_sync.training import instrument as _instrument
 
     out = {}
     for policy in ("mixed_bfloat16", "mixed_float16", "none"):
@@ -449,7 +449,7 @@ def mixed_custom():
         out[name] = {"weights": flat(model), "updates": int(opt.iterations.numpy()),
                      "scale": float(opt.dynamic_scale.numpy())}
     if N > 1 or WORKERS:  # without the private pass-through (a Keras that moved it): the sum on the first replica, zeros elsewhere
-        from keras_sync import _loss_scale
+        from keras_sync.training import loss_scale as _loss_scale
 
         _loss_scale._passes = False
         try:
@@ -481,7 +481,7 @@ def step_dtypes(timed=True):
     """Every dtype in the graph of an instrumented train step. keras-sync adds no float64 where there is
     none (a TPU): its only float64 are the slow-worker timestamps (``tf.timestamp``), which it leaves out
     on a TPU and under XLA (``probe.timed``)."""
-    from keras_sync import _instrument
+    from keras_sync.training import instrument as _instrument
 
     model = make(GuideStep)
     with SYNC.scope():

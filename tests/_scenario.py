@@ -52,7 +52,7 @@ class Results(dict):
 
 def close_run(sync: Any, timeout_s: float) -> str | None:
     """End the sync's MLflow run and return its id (the writer's thread creates the run lazily)."""
-    from keras_sync.callbacks._run import _writers, close_writer
+    from keras_sync.training.job_run import _writers, close_writer
 
     writer = _writers[sync]
     close_writer(sync, timeout_s=timeout_s)

@@ -23,7 +23,7 @@ def main() -> int:
     import numpy as np
 
     import keras_sync
-    from keras_sync.callbacks import _slow_worker
+    from keras_sync.measures import slow_worker as _slow_worker
 
     _slow_worker.HOLD_S = hold_s
     sync = keras_sync.load(config)

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from keras_sync._spool import SpoolDir
+from keras_sync.tracking.spool import SpoolDir
 
 
 def _busy(spool: SpoolDir) -> bool:

@@ -38,13 +38,13 @@ def main() -> None:
     class Crash(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             if CRASH_AT is not None and int(self.model.optimizer.iterations.numpy()) >= CRASH_AT:
-                from keras_sync.callbacks._run import _writers
+                from keras_sync.training.job_run import _writers
 
                 _writers[sync].flush_to_spool()  # what was logged is on disk, as after 0.2 s
                 os._exit(9)
 
     sync.fit(model, x, y, epochs=2, shuffle=False, verbose=0, callbacks=[Crash()])
-    from keras_sync.callbacks._run import _writers, close_writer
+    from keras_sync.training.job_run import _writers, close_writer
 
     writer = _writers[sync]
     close_writer(sync, timeout_s=120)

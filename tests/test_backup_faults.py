@@ -1,5 +1,5 @@
 """Faults of the backup directory, made to happen: damaged backups, a damaged run record, two jobs in
-one directory, a directory the process cannot write (keras_sync._backup_files, keras_sync._paths).
+one directory, a directory the process cannot write (keras_sync.training.backup_files, keras_sync.training.paths).
 
 Training runs tests/_mwr_train.py (one process, kind default, 8 steps per epoch, save every 3 steps:
 a kill after step 22 leaves the backups of steps 18 and 21).
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from _mwr import TRAIN, max_diff, result
-from keras_sync import _backup_files, _paths
+from keras_sync.training import backup_files as _backup_files, paths as _paths
 from keras_sync.errors import UsageError
 
 BASE = {"strategy": {"kind": "default"}, "batch": {"global": 32}, "learning_rate": {"base": 0.01},

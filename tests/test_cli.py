@@ -35,9 +35,9 @@ def run(*args: str, cwd: Path | str | None = None, timeout: float = 120, **env: 
 
 
 def _expected(name: str) -> str:
-    """A fixture's expected output; ``{kinds}`` is the kinds table's names (keras_sync.kinds), so a new kind
+    """A fixture's expected output; ``{kinds}`` is the kinds table's names (keras_sync.config.kinds), so a new kind
     added by the CONTRIBUTING recipe does not need the fixtures edited by hand."""
-    from keras_sync.kinds import KINDS
+    from keras_sync.config.kinds import KINDS
 
     return (BAD_CONFIGS / f"{name}.expected").read_text().replace("{kinds}", ", ".join(KINDS))
 

@@ -1,4 +1,4 @@
-"""Collective calls under multi-worker (`keras_sync._collective_calls`), with 2 real workers.
+"""Collective calls under multi-worker (`keras_sync.cluster.collective_calls`), with 2 real workers.
 
 predict and evaluate run on every worker and give each the whole result; a chief-only
 `model.predict` ends at once with one line saying every worker must call it (instead of a hang

@@ -9,7 +9,7 @@ import pytest
 
 from keras_sync.config import Config, load_config
 from keras_sync.errors import ConfigError
-from keras_sync.kinds import KINDS
+from keras_sync.config.kinds import KINDS
 
 
 def write(tmp_path: Path, text: str, name: str = "keras_sync.yaml") -> str:

@@ -12,16 +12,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from keras_sync import config_reference
-from keras_sync._fields import Int
+from keras_sync.config import reference as config_reference
+from keras_sync.config.specs import Int
 from keras_sync.config import Config, _f, load_config
-from keras_sync.config_reference import README_BEGIN, README_END, drift, source_root
+from keras_sync.config.reference import README_BEGIN, README_END, drift, source_root
 from keras_sync.errors import UsageError
-from keras_sync.kinds import STRATEGY_KINDS
-from keras_sync.scaffold import render_config
+from keras_sync.config.kinds import STRATEGY_KINDS
+from keras_sync.cli.scaffold import render_config
 
 ROOT = Path(__file__).resolve().parents[1]
-REGENERATE = [sys.executable, "-m", "keras_sync.config_reference"]
+REGENERATE = [sys.executable, "-m", "keras_sync.config.reference"]
 
 
 def _leaf_fields(cls: type, path: str = ""):
@@ -41,7 +41,7 @@ def test_doctests_hold() -> None:
 
 def test_templates_and_readme_match_the_config_fields() -> None:
     stale = drift(source_root())
-    assert not stale, ("generated files differ from keras_sync/config.py; run `python -m keras_sync.config_reference`"
+    assert not stale, ("generated files differ from keras_sync/config/__init__.py; run `python -m keras_sync.config.reference`"
                        "\n" + "\n".join(stale.values()))
 
 
@@ -96,7 +96,7 @@ def test_check_fails_on_a_hand_edited_comment_and_regenerating_fixes_it(tmp_path
     check = subprocess.run([*REGENERATE, "--check", "--root", str(root)], capture_output=True, text=True, timeout=60)
     assert check.returncode == 1
     assert "-  # how remote gradients" in check.stdout and "+  # how local gradients" in check.stdout
-    assert "1 file(s) differ from the config fields: run python -m keras_sync.config_reference" in check.stderr
+    assert "1 file(s) differ from the config fields: run python -m keras_sync.config.reference" in check.stderr
     write = subprocess.run([*REGENERATE, "--root", str(root)], capture_output=True, text=True, timeout=60)
     assert write.returncode == 0 and write.stdout.strip() == f"wrote {template}"
     again = subprocess.run([*REGENERATE, "--check", "--root", str(root)], capture_output=True, text=True, timeout=60)
@@ -120,5 +120,5 @@ def test_a_key_without_a_doc_is_refused() -> None:
         undocumented: int = _f(1, Int(), "")
 
     with pytest.raises(UsageError, match="config key 'x.undocumented' has no doc: give its field in "
-                                         "keras_sync/config.py a description"):
+                                         "keras_sync/config/__init__.py a description"):
         config_reference._section_lines(Section, "x", "  ")

@@ -1,4 +1,4 @@
-"""The callbacks' shared state and run facts (keras_sync/callbacks/_context.py): no TensorFlow."""
+"""The callbacks' shared state and run facts (keras_sync/training/context.py): no TensorFlow."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from keras_sync.callbacks import RunContext, SharedState
-from keras_sync.callbacks._context import check_shared
+from keras_sync.training.context import check_shared
 from keras_sync.errors import UsageError
 
 

@@ -18,7 +18,7 @@ def _paths() -> list[str]:
 
 
 def test_recipes_name_at_least_the_modules_they_touch() -> None:
-    for path in ("keras_sync/config.py", "keras_sync/kinds.py", "keras_sync/strategy.py", "keras_sync/cli/__init__.py"):
+    for path in ("keras_sync/config/__init__.py", "keras_sync/config/kinds.py", "keras_sync/strategy/__init__.py", "keras_sync/cli/__init__.py"):
         assert f"`{path}`" in TEXT
 
 
@@ -28,10 +28,10 @@ def test_every_named_file_exists(path: str) -> None:
 
 
 @pytest.mark.parametrize("module, name", [
-    ("keras_sync.config", "_check_consistency"), ("keras_sync.config", "_f"), ("keras_sync.kinds", "KindSpec"),
+    ("keras_sync.config", "_check_consistency"), ("keras_sync.config", "_f"), ("keras_sync.config.kinds", "KindSpec"),
     ("keras_sync.strategy", "detect"), ("keras_sync.strategy", "device_layout"), ("keras_sync.cluster", "role"),
-    ("keras_sync.config_reference", "main"), ("keras_sync.cli._base", "UserError"), ("keras_sync.plan", "PlanItem"),
-    ("keras_sync.callbacks._context", "SharedState"), ("keras_sync.callbacks._context", "RunContext"),
+    ("keras_sync.config.reference", "main"), ("keras_sync.cli._base", "UserError"), ("keras_sync.cli.run_plan", "PlanItem"),
+    ("keras_sync.training.context", "SharedState"), ("keras_sync.training.context", "RunContext"),
 ])
 def test_every_named_function_exists(module: str, name: str) -> None:
     assert f"{name}" in TEXT
@@ -41,7 +41,7 @@ def test_every_named_function_exists(module: str, name: str) -> None:
 def test_kindspec_fields_in_the_recipe_are_the_real_ones() -> None:
     import dataclasses
 
-    from keras_sync.kinds import KindSpec
+    from keras_sync.config.kinds import KindSpec
 
     listed = re.search(r"KindSpec\(name, summary, (.*?)\)", TEXT, re.S).group(1)
     named = {part.split("=")[0].strip() for part in listed.replace("\n", " ").split(",") if "=" in part}
@@ -49,11 +49,11 @@ def test_kindspec_fields_in_the_recipe_are_the_real_ones() -> None:
 
 
 def test_value_specs_named_in_the_config_key_recipe_exist() -> None:
-    from keras_sync import _fields
+    from keras_sync.config import specs as _fields
 
-    listed = re.search(r"\(`keras_sync/_fields\.py`: (.*?)\) validates", TEXT, re.S)
-    assert listed, "the config-key recipe no longer lists the value specs of keras_sync/_fields.py"
+    listed = re.search(r"\(`keras_sync/config/specs\.py`: (.*?)\) validates", TEXT, re.S)
+    assert listed, "the config-key recipe no longer lists the value specs of keras_sync/config/specs.py"
     names = re.findall(r"`(\w+)`", listed.group(1))
     assert len(names) >= 5, names
     missing = [n for n in names if not isinstance(getattr(_fields, n, None), type)]
-    assert not missing, f"CONTRIBUTING names value specs that keras_sync/_fields.py does not have: {missing}"
+    assert not missing, f"CONTRIBUTING names value specs that keras_sync/config/specs.py does not have: {missing}"

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from keras_sync._spool import SpoolDir
+from keras_sync.tracking.spool import SpoolDir
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +25,7 @@ def test_fit_ends_the_run_and_the_next_fit_continues_it_where_training_returns_k
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     script = textwrap.dedent(f"""
         import json, os, numpy as np, keras_sync
-        from keras_sync._spool import SpoolDir
+        from keras_sync.tracking.spool import SpoolDir
 
         def couriers():  # this process's courier children
             me, found = str(os.getpid()), []
@@ -35,7 +35,7 @@ def test_fit_ends_the_run_and_the_next_fit_continues_it_where_training_returns_k
                     cmd = open(f"/proc/{{pid}}/cmdline").read()
                 except OSError:
                     continue
-                if stat[1] == me and "keras_sync._courier" in cmd:
+                if stat[1] == me and "keras_sync.tracking.courier" in cmd:
                     found.append(int(pid))
             return found
         from mlflow import MlflowClient
@@ -142,7 +142,7 @@ def test_ctrl_c_during_the_exit_wait_leaves_the_points_in_the_spool(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     script = textwrap.dedent(f"""
         import os, signal, time, numpy as np, keras_sync
-        from keras_sync.callbacks._run import current_writer
+        from keras_sync.training.job_run import current_writer
         sync = keras_sync.load({{"strategy": {{"kind": "default"}}, "batch": {{"per_replica": 16}},
                                  "mlflow": {{"tracking_uri": {uri!r}, "experiment": "e", "log_every_n_steps": 1}}}})
         writer = current_writer(sync)

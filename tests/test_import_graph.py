@@ -1,4 +1,5 @@
-"""The package's imports flow one way: every module imports, and no modules import each other in a circle."""
+"""The package's imports flow one way: every module imports, no modules import each other in a circle,
+and each part of the package imports only the parts below it (`LAYERS`)."""
 
 from __future__ import annotations
 
@@ -45,10 +46,10 @@ def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
     return found
 
 
-def import_graph(package: Path) -> dict[str, set[str]]:
+def import_graph(package: Path, skip_names: set[str] = frozenset()) -> dict[str, set[str]]:
     """Module -> the modules of `package` it imports (anywhere in its file, functions included).
 
-    ``from keras_sync import scaling`` is an edge to ``keras_sync.scaling``; ``from keras_sync.x
+    ``from keras_sync import errors`` is an edge to ``keras_sync.errors``; ``from keras_sync.x
     import name`` to ``keras_sync.x``. A module's parent packages are not edges unless it names them.
     """
     files = module_files(package)
@@ -65,6 +66,8 @@ def import_graph(package: Path) -> dict[str, set[str]]:
                 parent = here.split(".")[: len(here.split(".")) - (node.level - 1)]
                 base = ".".join(parent + ([node.module] if node.module else []))
             for alias in node.names:
+                if alias.name in skip_names:
+                    continue
                 target = f"{base}.{alias.name}"
                 edges.add(target if target in files else base)
         graph[name] = {m for m in edges if m in files and m != name}
@@ -123,6 +126,78 @@ def test_the_circle_check_finds_a_circle(tmp_path: Path) -> None:
     assert graph["pkg.a"] == {"pkg.sub.b"} and graph["pkg.sub.b"] == {"pkg.a"}
     assert graph["pkg.c"] == set() and graph["pkg.d"] == {"pkg.c"}
     assert circles(graph) == [["pkg.a", "pkg.sub.b"]]
+
+
+#: The parts of keras_sync (a subpackage or a module at the top), lowest first. A module may import
+#: its own part and the parts of lower rows, never a part of its own row or of a higher one: the
+#: data flows YAML -> config -> strategy/cluster -> training -> callbacks -> tracking, and `Sync`
+#: (session) puts them together. "" is the package itself (`keras_sync/__init__.py`, the public API).
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors",),                            # the one base class of every error
+    ("upstream", "measures"),               # Keras/TF internals behind probes; the pure maths of the metrics
+    ("cluster",),                           # where this process sits, its peers, preemption
+    ("config",),                            # YAML -> frozen Config; every value a user may write
+    ("strategy", "tracking"),               # the factory; the writer, the spool protocol and its delivery
+    ("training",),                          # what Sync.fit runs on
+    ("callbacks",),                         # the public Keras callbacks
+    ("session", "launch"),                  # Sync and load(); `python -m keras_sync.launch`
+    ("cli",),                               # the command line
+    ("",),                                  # the public API
+)
+
+
+def part_of(module: str) -> str:
+    """``keras_sync.tracking.spool`` -> ``tracking``; ``keras_sync`` -> ``""``."""
+    return module.split(".")[1] if "." in module else ""
+
+
+def layer_breaches(graph: dict[str, set[str]], layers=LAYERS) -> list[str]:
+    """Every import of a part from the same row or a higher one, as ``"a -> b (part a, row i -> part b, row j)"``.
+
+    ``from keras_sync import __version__`` is no breach: Python runs the package's ``__init__``
+    before any of its modules in any case.
+    """
+    rank = {p: i for i, row in enumerate(layers) for p in row}
+    found = []
+    for a in sorted(graph):
+        for b in sorted(graph[a]):
+            pa, pb = part_of(a), part_of(b)
+            if pa not in rank or pb not in rank:
+                found.append(f"{a} -> {b}: a part missing from LAYERS ({pa if pa not in rank else pb!r})")
+            elif pa != pb and rank[pb] >= rank[pa]:
+                found.append(f"{a} -> {b} ({pa or 'keras_sync'}, row {rank[pa]} -> {pb or 'keras_sync'}, row {rank[pb]})")
+    return found
+
+
+def test_each_part_imports_only_the_parts_below_it() -> None:
+    assert layer_breaches(import_graph(PACKAGE, skip_names={"__version__"})) == []
+
+
+def test_every_part_is_in_the_layers() -> None:
+    parts = {part_of(m) for m in module_files(PACKAGE)}
+    assert parts == {p for row in LAYERS for p in row}
+
+
+def test_a_private_module_is_imported_only_inside_its_part() -> None:
+    graph = import_graph(PACKAGE)
+    outside = [f"{a} -> {b}" for a in sorted(graph) for b in sorted(graph[a])
+               if b.rpartition(".")[2].startswith("_") and part_of(a) != part_of(b)]
+    assert outside == []
+
+
+def test_the_layer_check_finds_an_import_upwards(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    for sub in ("low", "high"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("__version__ = '1'\n")
+    (pkg / "high" / "a.py").write_text("from pkg.low import b\n")
+    (pkg / "low" / "b.py").write_text("from pkg import __version__\ndef f():\n    from pkg.high.a import g\n")
+    (pkg / "low" / "c.py").write_text("from pkg.low import b\n")  # its own part: allowed
+    layers = (("low",), ("high",), ("",))
+    graph = import_graph(pkg, skip_names={"__version__"})
+    assert layer_breaches(graph, layers) == ["pkg.low.b -> pkg.high.a (low, row 0 -> high, row 1)"]
+    assert "pkg" in import_graph(pkg)["pkg.low.b"]  # without skip_names the version import is an edge
 
 
 def test_every_module_imports() -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from keras_sync import _keras_compat
+from keras_sync.upstream import keras_fixes as _keras_compat
 from keras_sync.errors import UsageError
 
 from _ports import free_ports
@@ -284,7 +284,7 @@ def test_multi_step_fix_is_left_out_but_multi_worker_fit_still_fixed_when_only_i
 
 
 def test_fixes_refuse_in_one_line_when_a_patched_internal_moved(monkeypatch):
-    # Decided by probing what is patched, not by the version number (keras_sync/_internals.py).
+    # Decided by probing what is patched, not by the version number (keras_sync/upstream/internals.py).
     from keras.src.backend.tensorflow import trainer
 
     from keras_sync.errors import CompatibilityError
@@ -298,7 +298,7 @@ def test_fixes_refuse_in_one_line_when_a_patched_internal_moved(monkeypatch):
 
 def test_modules_import_no_tensorflow():
     code = (
-        "import sys, keras_sync._keras_compat, keras_sync._multi_worker; "
+        "import sys, keras_sync.upstream.keras_fixes, keras_sync.strategy.multi_worker; "
         "heavy = [m for m in ('tensorflow', 'keras') if m in sys.modules]; "
         "assert not heavy, heavy"
     )

@@ -6,10 +6,10 @@ import doctest
 
 import pytest
 
-from keras_sync import kinds
+from keras_sync.config import kinds
 from keras_sync.config import load_config
 from keras_sync.errors import ConfigError
-from keras_sync.kinds import KINDS, LAYOUTS, STRATEGY_KINDS
+from keras_sync.config.kinds import KINDS, LAYOUTS, STRATEGY_KINDS
 
 
 def test_doctests_hold() -> None:
@@ -61,7 +61,7 @@ def test_template_shows_simulated_cpu_replicas_exactly_where_the_config_accepts_
 def test_plan_counts_workers_only_for_multi_process_kinds() -> None:
     import json
 
-    from keras_sync.plan import make_plan
+    from keras_sync.cli.run_plan import make_plan
 
     two = json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"type": "worker", "index": 0}})
     for kind in ("default", "mirrored", "multi_worker_mirrored"):

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from keras_sync.callbacks import _source_tags
+from keras_sync.tracking import source_tags as _source_tags
 from keras_sync.config import load_config
 from keras_sync.errors import ConfigError
 
@@ -76,7 +76,7 @@ def test_source_tags_name_the_commit_and_hide_credentials(tmp_path):
 def test_writer_uploads_files_in_order_and_the_run_keeps_its_real_start_and_end(tmp_path):
     from mlflow import MlflowClient
 
-    from keras_sync import _artifacts
+    from keras_sync.tracking import artifacts as _artifacts
     from keras_sync.tracking import MlflowWriter
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -264,7 +264,7 @@ def test_the_slow_worker_is_named_by_its_own_times_on_the_chief_and_in_the_repor
 
     from mlflow import MlflowClient
 
-    from keras_sync.callbacks._sync_plot import SyncHistory
+    from keras_sync.tracking.report_plot import SyncHistory
 
     client = MlflowClient(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("slow").experiment_id])

@@ -1,4 +1,4 @@
-"""The input pipeline (`keras_sync.pipeline`): sharding decided by the data, batched datasets reconciled.
+"""The input pipeline (`keras_sync.training.pipeline`): sharding decided by the data, batched datasets reconciled.
 
 Pure rules run here (no TensorFlow). The slow tests train through `sync.fit` on 2 simulated
 replicas and on 2 workers (`keras-sync launch`, with `RAY_RAYLET_PID` set as in a Ray worker, the
@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from keras_sync.config import load_config
-from keras_sync.pipeline import batch_layout, shard_choice
-from keras_sync.plan import make_plan
+from keras_sync.training.pipeline import batch_layout, shard_choice
+from keras_sync.cli.run_plan import make_plan
 
 HERE = Path(__file__).parent
 SCRIPT = HERE / "_pipeline_train.py"

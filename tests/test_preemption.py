@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 
 from _spools import deliver_leftovers
-from keras_sync import _lost_peer, load_config
+from keras_sync.cluster import lost_peer as _lost_peer
+from keras_sync import load_config
 from keras_sync.errors import ConfigError, PeerLostError, UsageError
-from keras_sync.preemption import PREEMPTED_EXIT_CODE
+from keras_sync.cluster.preemption import PREEMPTED_EXIT_CODE
 
 TRAIN = Path(__file__).with_name("_mwr_train.py")
 EPOCHS, SAMPLES = 3, 320  # 10 steps per epoch at global batch 32
@@ -51,7 +52,7 @@ def _python(code: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 def test_sigterm_watch_records_the_signal_and_gives_it_back() -> None:
     r = _python(
         "import os, signal, time\n"
-        "from keras_sync.preemption import SigtermWatch\n"
+        "from keras_sync.cluster.preemption import SigtermWatch\n"
         "w = SigtermWatch(30)\n"
         "assert w.install()\n"
         "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.2)\n"
@@ -68,7 +69,7 @@ def test_watchdog_exits_143_with_a_line_when_no_save_comes_within_the_grace() ->
     start = time.monotonic()
     r = _python(
         "import os, signal, threading\n"
-        "from keras_sync.preemption import SigtermWatch\n"
+        "from keras_sync.cluster.preemption import SigtermWatch\n"
         "SigtermWatch(1.5).install()\n"
         "os.kill(os.getpid(), signal.SIGTERM)\n"
         "threading.Event().wait(60)  # a main thread that never reaches the save\n"
@@ -116,7 +117,7 @@ def test_only_tensorflow_peer_errors_count_as_lost_peers() -> None:
 
 
 def test_excepthook_turns_an_uncaught_lost_peer_error_into_one_line_exit_75() -> None:
-    code = ("import keras_sync._excepthook as h\nh.install()\n"
+    code = ("import keras_sync.training.excepthook as h\nh.install()\n"
             "class UnavailableError(Exception): pass\n"
             f"raise UnavailableError({UNHEALTHY!r})\n")
     env = {**os.environ, "TF_CONFIG": json.dumps({"cluster": CLUSTER, "task": {"type": "worker", "index": 0}})}

@@ -52,7 +52,7 @@ def test_command_table_lists_exactly_the_cli_commands():
 
 
 def test_feature_list_names_every_strategy_kind():
-    from keras_sync.kinds import KINDS
+    from keras_sync.config.kinds import KINDS
 
     sentence = re.search(r"`strategy\.kind` picks (.*?)\s+with their real options", _section("What keras-sync does for you"), flags=re.S)
     assert sentence, "README 'What keras-sync does for you' lost its 'strategy.kind picks ...' sentence"

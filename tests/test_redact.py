@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import doctest
 
-from keras_sync import redact
+from keras_sync.tracking import redact
 
 
 def test_doctests():

@@ -1,4 +1,4 @@
-"""Exact-resume bookkeeping (keras_sync.resume, no TensorFlow) and a one-process kill and resume.
+"""Exact-resume bookkeeping (keras_sync.training.resume, no TensorFlow) and a one-process kill and resume.
 
 The multi-worker kill tests are in tests/test_multi_worker.py.
 """
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from _mwr import TRAIN, kill_and_resume, max_diff, result
-from keras_sync import resume
-from keras_sync.resume import ResumePoint, SaveSchedule, batches_to_skip, write_dir
+from keras_sync.training import resume
+from keras_sync.training.resume import ResumePoint, SaveSchedule, batches_to_skip, write_dir
 
 
 def test_doctests_pass() -> None:
@@ -66,7 +66,7 @@ def test_step_not_multiple_of_steps_per_execution_is_refused_with_fix() -> None:
 
 
 def test_resume_module_imports_no_tensorflow() -> None:
-    code = "import sys, keras_sync.resume; print('tensorflow' in sys.modules, 'keras' in sys.modules)"
+    code = "import sys, keras_sync.training.resume; print('tensorflow' in sys.modules, 'keras' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
 

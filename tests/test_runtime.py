@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from _mwr import kill_and_resume, max_diff
-from keras_sync import _train_step_trace
+from keras_sync.training import train_step_trace as _train_step_trace
 from keras_sync.config import load_config
 from keras_sync.errors import ConfigError
 
@@ -94,7 +94,7 @@ def test_validate_cli_prints_runtime_errors_with_file_and_line(tmp_path):
 
 
 def test_template_shows_the_runtime_section_commented():
-    from keras_sync.config_reference import config_template
+    from keras_sync.config.reference import config_template
 
     text = config_template()
     section = text[text.index("# runtime:"):]

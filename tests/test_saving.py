@@ -1,4 +1,4 @@
-"""Saving from every worker (`keras_sync.saving`): a plain script's `model.save`, `save_weights`,
+"""Saving from every worker (`keras_sync.training.saving`): a plain script's `model.save`, `save_weights`,
 `ModelCheckpoint(save_best_only=True)`, Keras' `BackupAndRestore`, `TensorBoard`, `CSVLogger` and
 `sync.save`. (`TensorBoard` needs the `tensorboard` package, which tensorflow-cpu 2.21 does not
 bring: the `test` extra installs it.)
@@ -24,7 +24,7 @@ import pytest
 
 from _ports import free_ports
 
-from keras_sync import saving
+from keras_sync.training import saving
 from keras_sync.errors import UsageError
 
 HERE = Path(__file__).parent

@@ -8,7 +8,7 @@ import math
 import pytest
 
 import keras_sync
-from keras_sync import scaling
+from keras_sync.training import scaling
 from keras_sync.errors import ScalingError
 
 
@@ -24,6 +24,15 @@ def test_goyal_example_base_256_to_8192():
 @pytest.mark.parametrize("rule, expected", [("linear", 0.4), ("sqrt", 0.2), ("none", 0.1), ("SQRT", 0.2)])
 def test_rules(rule, expected):
     assert scaling.scale_learning_rate(0.1, global_batch_size=1024, base_batch_size=256, rule=rule) == pytest.approx(expected)
+
+
+def test_every_rule_a_config_accepts_is_applied():
+    # The names live in keras_sync.config (what a user may write), the maths here: a name added there
+    # without its maths fails now, not at a user's first run.
+    from keras_sync.config import LR_RULES
+
+    got = {r: scaling.scale_learning_rate(0.1, global_batch_size=1024, base_batch_size=256, rule=r) for r in LR_RULES}
+    assert got == pytest.approx({"linear": 0.4, "sqrt": 0.2, "none": 0.1})
 
 
 def test_sqrt_of_non_square():

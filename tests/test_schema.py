@@ -13,9 +13,9 @@ import yaml
 
 from keras_sync.config import load_config
 from keras_sync.errors import ConfigError
-from keras_sync.kinds import STRATEGY_KINDS
-from keras_sync.scaffold import render_config
-from keras_sync.schema import config_schema
+from keras_sync.config.kinds import STRATEGY_KINDS
+from keras_sync.cli.scaffold import render_config
+from keras_sync.config.schema import config_schema
 
 try:
     import jsonschema

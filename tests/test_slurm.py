@@ -26,7 +26,7 @@ import pytest
 
 from _mwr import TRAIN, max_diff, result
 from _spools import deliver_leftovers
-from keras_sync.preemption import PREEMPTED_EXIT_CODE
+from keras_sync.cluster.preemption import PREEMPTED_EXIT_CODE
 
 pytestmark = pytest.mark.slow
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from keras_sync._sqlite_store import ensure_sqlite_store, sqlite_path
+from keras_sync.tracking.sqlite_store import ensure_sqlite_store, sqlite_path
 from keras_sync.errors import TrackingError
 
-_ENSURE = "import sys; from keras_sync._sqlite_store import ensure_sqlite_store; print(ensure_sqlite_store(sys.argv[1]))"
+_ENSURE = "import sys; from keras_sync.tracking.sqlite_store import ensure_sqlite_store; print(ensure_sqlite_store(sys.argv[1]))"
 
 
 def _schema(path: Path) -> tuple[set[str], str]:

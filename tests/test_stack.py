@@ -1,4 +1,4 @@
-"""The Keras backend and the TensorFlow distributions (`keras_sync.stack`): read without importing
+"""The Keras backend and the TensorFlow distributions (`keras_sync.upstream.stack`): read without importing
 them, refused at `keras_sync.load()` in one line (exit code 2, no MLflow run), shown by
 `keras-sync env` and `keras-sync plan`."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from keras_sync import stack
+from keras_sync.upstream import stack
 from keras_sync.errors import UsageError
 
 KERAS_SYNC = str(Path(sys.executable).with_name("keras-sync"))

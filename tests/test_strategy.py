@@ -8,8 +8,8 @@ import pytest
 
 from keras_sync.config import load_config
 from keras_sync.errors import ClusterError
-from keras_sync.kinds import STRATEGY_KINDS
-from keras_sync.plan import make_plan
+from keras_sync.config.kinds import STRATEGY_KINDS
+from keras_sync.cli.run_plan import make_plan
 from keras_sync.strategy import BUILDERS, detect, device_layout
 
 TWO_WORKERS = json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"type": "worker", "index": 0}})

@@ -2,7 +2,7 @@
 read back from a real MLflow sqlite store and a real `mlflow server` with `MlflowClient`.
 
 The two training processes (tests/_metrics_scenarios.py) start together in a module fixture;
-the pure metric logic (keras_sync/callbacks/_reduce.py) is tested without TensorFlow.
+the pure metric logic (keras_sync/measures/reduce.py) is tested without TensorFlow.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from keras_sync.callbacks import _reduce
+from keras_sync.measures import reduce as _reduce
 from keras_sync.errors import UsageError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # starts TensorFlow processes (8 fits: minutes on a loaded machine)
@@ -93,7 +93,7 @@ def test_throughput():
 
 
 def test_callbacks_package_imports_no_tensorflow():
-    code = ("import sys, keras_sync, keras_sync.callbacks, keras_sync.callbacks._reduce;"
+    code = ("import sys, keras_sync, keras_sync.callbacks, keras_sync.measures.reduce;"
             "heavy = [m for m in ('tensorflow', 'keras', 'mlflow') if m in sys.modules]; print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -390,7 +390,7 @@ def test_default_strategy_with_xla_is_bit_identical_and_logged(runs):
 
 
 def test_slow_worker_doctests():
-    from keras_sync.callbacks import _slow_worker
+    from keras_sync.measures import slow_worker as _slow_worker
 
     assert doctest.testmod(_slow_worker).failed == 0
 
@@ -402,7 +402,7 @@ def _mlflow_section(key: str) -> str:
 
 
 def test_per_replica_and_per_worker_metrics_of_one_quantity_share_one_mlflow_section():
-    from keras_sync.callbacks import _slow_worker
+    from keras_sync.measures import slow_worker as _slow_worker
 
     names = list(_reduce.replica_metrics([1.0, 2.0, 3.0], [1.0, 2.0, 3.0]))
     names += list(_slow_worker.worker_times([1000, 2000, 3000], [1000, 2000, 3000], 3))

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from keras_sync.callbacks import _sync_plot
-from keras_sync.callbacks._sync_plot import Series, SyncHistory, render
+from keras_sync.tracking import report_plot as _sync_plot
+from keras_sync.tracking.report_plot import Series, SyncHistory, render
 
 # The shared TensorFlow runs take 5-15 minutes on a shared 2-core machine (the first test pays for them).
 pytestmark = pytest.mark.timeout(2400)

@@ -19,7 +19,7 @@ def test_system_metrics_reach_the_run(tmp_path):
         sync = keras_sync.load({{"strategy": {{"kind": "default"}}, "batch": {{"per_replica": 16}},
                                  "mlflow": {{"tracking_uri": {uri!r}, "experiment": "sys", "system_metrics": True}}}})
         import keras
-        from keras_sync.callbacks._run import close_writer
+        from keras_sync.training.job_run import close_writer
 
         class Slow(keras.callbacks.Callback):
             def on_train_batch_end(self, batch, logs=None):

@@ -1,4 +1,4 @@
-"""keras_sync._tf_import: TensorFlow's early absl INFO lines (which ignore TF_CPP_MIN_LOG_LEVEL on
+"""keras_sync.upstream.tf_import: TensorFlow's early absl INFO lines (which ignore TF_CPP_MIN_LOG_LEVEL on
 AMX/AVX512-VNNI CPUs) are held back at import; everything else reaches stderr as it came.
 
 A stand-in `tensorflow` package writes the lines TF 2.21 printed here straight to fd 2, so the
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from keras_sync._tf_import import quiet_lines
+from keras_sync.upstream.tf_import import quiet_lines
 
 BANNER = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
 ONEDNN = ("I0000 00:00:1796123769.122809    8780 port.cc:153] oneDNN custom operations are on. You may see "
@@ -52,7 +52,7 @@ def _import(tmp: Path, level: str | None) -> subprocess.CompletedProcess[str]:
     env["PYTHONPATH"] = os.pathsep.join([str(tmp), env.get("PYTHONPATH", "")])
     code = textwrap.dedent("""
         import sys
-        from keras_sync._tf_import import import_tensorflow
+        from keras_sync.upstream.tf_import import import_tensorflow
         print("before", file=sys.stderr, flush=True)
         import_tensorflow()
         print("after", file=sys.stderr)
@@ -122,7 +122,7 @@ def test_the_per_device_dataset_warning_is_gone_and_real_warnings_stay(tmp_path:
         assert "The calling iterator did not fully read the dataset being cached" in r.stderr
     # TensorFlow's MultiDeviceIterator feeds each device through a generator dataset that tf.data
     # cannot rewrite: it said so on every run. At level 0 it still does (a canary: when this fails,
-    # TensorFlow stopped warning and keras_sync._tf_import.quiet_device_datasets can go).
+    # TensorFlow stopped warning and keras_sync.upstream.tf_import.quiet_device_datasets can go).
     assert OPTIMIZED in everything.stderr
     assert OPTIMIZED not in quiet.stderr, quiet.stderr[-3000:]
     # Nothing the model computes changes.

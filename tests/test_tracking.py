@@ -218,7 +218,6 @@ def test_spool_dir_is_a_config_key():
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"job_id": "a'b"}, r"`job_id`. Received: job_id=\"a'b\""),
-    ({"max_batch": 5000}, r"`max_batch`. Received: max_batch=5000. Expected 1..1000"),
     ({"experiment": ""}, r"`experiment`. Received: experiment=''"),
 ])
 def test_invalid_arguments_name_value_and_expectation(tmp_path, kwargs, match):
@@ -289,7 +288,7 @@ def _nice(stat: Path) -> int:
 @slow
 def test_every_point_delivered_exactly_once_with_steps(in_tmp, sqlite_uri):
     uri = sqlite_uri
-    w = MlflowWriter(tracking_uri=uri, experiment=_exp(), spool_dir=in_tmp / "spool", max_batch=300)
+    w = MlflowWriter(tracking_uri=uri, experiment=_exp(), spool_dir=in_tmp / "spool")
     w.start()
     _log_timed(w, range(1200))
     w.log_params({"lr": 0.1, "long": "x" * 10_000})
@@ -439,7 +438,7 @@ def test_replay_after_crash_before_the_position_was_written_duplicates_nothing(i
 
 def _spool_of_ended_run(root: Path, experiment: str, uri: str):
     """A spool whose records ended their run FINISHED (a job id that came with a backup, not explicit)."""
-    from keras_sync._spool import SpoolDir
+    from keras_sync.tracking.spool import SpoolDir
 
     spool = SpoolDir(root)
     spool.path.mkdir()
@@ -460,7 +459,7 @@ def test_leftovers_of_an_ended_run_go_to_that_run_not_a_new_one(tmp_path, sqlite
 
     from mlflow import MlflowClient
 
-    from keras_sync._courier import Delivery
+    from keras_sync.tracking.courier import Delivery
 
     exp = _exp()
     spool = _spool_of_ended_run(tmp_path / "spool", exp, sqlite_uri)
@@ -471,7 +470,7 @@ def test_leftovers_of_an_ended_run_go_to_that_run_not_a_new_one(tmp_path, sqlite
     assert run.info.status == "FINISHED"
     # The replay: run.json names the run, the delivered position is where it was before the batch.
     shutil.copy(spool.path / "run.json", before_delivery / "run.json")
-    from keras_sync._spool import SpoolDir
+    from keras_sync.tracking.spool import SpoolDir
 
     replay = SpoolDir(before_delivery)
     assert Delivery(replay, sqlite_uri).deliver_available() == 0  # both steps are in the run already
@@ -487,7 +486,7 @@ def _couriers_of(spool: Path) -> list[int]:
     import psutil
 
     return [p.pid for p in psutil.process_iter(["cmdline"])
-            if str(spool) in " ".join(p.info["cmdline"] or ()) and "keras_sync._courier" in " ".join(p.info["cmdline"])]
+            if str(spool) in " ".join(p.info["cmdline"] or ()) and "keras_sync.tracking.courier" in " ".join(p.info["cmdline"])]
 
 
 @slow
@@ -611,8 +610,8 @@ def test_courier_says_ok_before_it_moves_the_delivered_position(tmp_path, sqlite
     # After an outage the first successful delivery must clear the failure before the position
     # moves: a writer that sees the position reach its target and still reads the old failure
     # gives up in close() on a server that is back (run left RUNNING; seen in CI under load).
-    from keras_sync._courier import Delivery
-    from keras_sync._spool import SpoolDir
+    from keras_sync.tracking.courier import Delivery
+    from keras_sync.tracking.spool import SpoolDir
 
     spool = SpoolDir(tmp_path / "spool")
     spool.path.mkdir()
@@ -916,7 +915,7 @@ def test_calls_to_a_server_see_its_uri_as_the_process_wide_one_and_nothing_leaks
     # send that job's metrics to this server (ENV_KEYS: MLFLOW_TRACKING_URI wins over the YAML).
     import os
 
-    from keras_sync._deliver import fast_fail_env
+    from keras_sync.tracking.deliver import fast_fail_env
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///mine.db")
     with fast_fail_env("http://alice:pw@127.0.0.1:5000", 5):
@@ -932,7 +931,7 @@ def test_calls_to_a_server_see_its_uri_as_the_process_wide_one_and_nothing_leaks
 def test_a_big_batch_is_split_over_segments_and_read_back_in_order(tmp_path):
     # A writer that fell behind on a busy machine appends thousands of records at once (CI saw 3
     # segments and 1.06 MB left for 5,000 steps): the deliverer deletes whole segments only.
-    from keras_sync._spool import SEGMENT_BYTES, SpoolDir
+    from keras_sync.tracking.spool import SEGMENT_BYTES, SpoolDir
 
     spool = SpoolDir(tmp_path)
     spool.start_segment()
@@ -1079,7 +1078,7 @@ def test_a_refused_append_leaves_whole_records_and_says_how_many(tmp_path):
     # torn line is cut off again, and the writer learns which records are in.
     from _mounts import tmpfs
 
-    from keras_sync._spool import SpoolDir, SpoolFull
+    from keras_sync.tracking.spool import SpoolDir, SpoolFull
 
     with tmpfs(tmp_path / "small", size="8k") as small:
         spool = SpoolDir(small / "s")
@@ -1104,7 +1103,7 @@ def test_one_batch_bigger_than_the_free_room_keeps_the_records_that_fit(tmp_path
     # MLflow away every step was lost, from step 1); now the whole lines the disk took stay.
     from _mounts import tmpfs
 
-    from keras_sync._spool import SpoolDir, SpoolFull
+    from keras_sync.tracking.spool import SpoolDir, SpoolFull
 
     with tmpfs(tmp_path / "small", size="8k") as small:
         spool = SpoolDir(small / "s")
@@ -1178,7 +1177,7 @@ def test_a_refused_credential_is_told_by_its_http_status():
     from mlflow.exceptions import MlflowException
     from mlflow.protos.databricks_pb2 import INTERNAL_ERROR, PERMISSION_DENIED, UNAUTHENTICATED
 
-    from keras_sync._deliver import is_transient, refused_credentials
+    from keras_sync.tracking.deliver import is_transient, refused_credentials
 
     assert refused_credentials(MlflowException("<html>...</html>", error_code=UNAUTHENTICATED)) == 401
     assert refused_credentials(MlflowException("<html>...</html>", error_code=PERMISSION_DENIED)) == 403

@@ -28,7 +28,7 @@ BEFORE_TRAINING = 0
 
 def _tf_keras(where: Path) -> Path:
     """The tf_keras release of the installed TensorFlow, unpacked into ``where/site`` (not installed)."""
-    from keras_sync import stack
+    from keras_sync.upstream import stack
 
     tf_version = next(v for _, v in stack.tensorflow_distributions())
     major_minor = ".".join(tf_version.split(".")[:2])

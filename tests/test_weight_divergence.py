@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from keras_sync.callbacks import _fingerprints
-from keras_sync.callbacks._fingerprints import summarize
+from keras_sync.measures import fingerprints as _fingerprints
+from keras_sync.measures.fingerprints import summarize
 
 HERE = Path(__file__).parent
 SCENARIOS = HERE / "_weight_divergence_scenarios.py"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from keras_sync.callbacks._context import RunContext, SharedState
+from keras_sync.training.context import RunContext, SharedState
 
 __all__ = ["RunContext", "SharedState", "default_callbacks", "mlflow_callbacks"]
 
@@ -33,7 +33,7 @@ def default_callbacks(sync: Any, model: Any, user_callbacks: Any, *, per_replica
 
 def mlflow_callbacks(sync: Any, *, context: RunContext | None = None, shared: SharedState | None = None) -> list[Any]:
     """The sync-metrics callbacks of ``sync``'s config; every worker runs them, the chief writes."""
-    from keras_sync.callbacks._run import writer_for
+    from keras_sync.training.job_run import writer_for
     from keras_sync.callbacks.allreduce_probe import AllReduceProbe
     from keras_sync.callbacks.fit_params import FitParams
     from keras_sync.callbacks.run_params import RunParams

@@ -6,7 +6,7 @@ from typing import Any
 
 import keras
 
-from keras_sync.callbacks import _reduce
+from keras_sync.measures import reduce as _reduce
 
 
 class OncePerRun(keras.callbacks.Callback):

@@ -20,11 +20,11 @@ from typing import Any, Iterator
 
 import keras
 
-from keras_sync import _backup_files
+from keras_sync.training import backup_files as _backup_files
 from keras_sync.cluster import strategy_role
 from keras_sync.errors import UsageError
-from keras_sync.resume import ResumePoint, SaveSchedule, batches_to_skip, write_dir
-from keras_sync._strategy_facts import in_multi_worker_mode
+from keras_sync.training.resume import ResumePoint, SaveSchedule, batches_to_skip, write_dir
+from keras_sync.upstream.strategy_facts import in_multi_worker_mode
 
 log = logging.getLogger("keras_sync")
 
@@ -53,9 +53,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         delete_checkpoint: delete the backup when training finishes. Defaults to True.
         max_to_keep: checkpoints kept (the newest ones), at least 2: a damaged newest one is skipped
             on restore for the one before (each checkpoint's manifest, written last, tells complete
-            from partial; see `keras_sync._backup_files`). Defaults to 2.
+            from partial; see `keras_sync.training.backup_files`). Defaults to 2.
         grace_period_s: a SIGTERM during `fit` saves a backup at the current step on every
-            worker, then exits with code 143 (`keras_sync.preemption`); if that cannot happen
+            worker, then exits with code 143 (`keras_sync.cluster.preemption`); if that cannot happen
             within this many seconds, the process exits without it. None: SIGTERM is left alone.
             Defaults to 25 (under Kubernetes' default grace of 30 s).
         writer: the MLflow writer whose queued metrics go to its spool before each save.
@@ -71,7 +71,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                  max_to_keep: int = 2, grace_period_s: float | None = 25.0, writer: Any = None,
                  shared: Any = None):
         super().__init__()
-        from keras_sync.callbacks._context import check_shared
+        from keras_sync.training.context import check_shared
 
         self._barrier_fn: tuple[Any, Any] | None = None  # (strategy, its traced barrier)
 
@@ -98,13 +98,13 @@ class BackupAndRestore(keras.callbacks.Callback):
                 f"Invalid value for argument `grace_period_s`. Received: grace_period_s={grace_period_s!r}. "
                 "Expected a number of seconds > 0, or None to leave SIGTERM alone."
             )
-        from keras_sync.preemption import PreemptionSaver
+        from keras_sync.cluster.preemption import PreemptionSaver
 
         self._preemption = PreemptionSaver(grace_period_s) if grace_period_s is not None else None
         self.delete_checkpoint = delete_checkpoint
         self.max_to_keep = max_to_keep
         self.restored: ResumePoint | None = None
-        #: The checkpoints a restore may use (`keras_sync._backup_files.choose`), when chosen before fit.
+        #: The checkpoints a restore may use (`keras_sync.training.backup_files.choose`), when chosen before fit.
         self.choice: Any = None
         #: The `BackupLock` `Sync.fit` holds on ``backup_dir`` for this fit (released at its end).
         self.lock: Any = None
@@ -147,7 +147,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         iterations = int(model.optimizer.iterations.numpy()) if model.optimizer is not None else 0
         point = ResumePoint(epoch=epoch, step=step, iterations=iterations)
         self.restored = point
-        from keras_sync._run_checks import restored_points
+        from keras_sync.training.run_checks import restored_points
 
         restored_points[model] = point  # the resume check compares the step training continues from
         model._initial_epoch = epoch  # read by Keras fit right after on_train_begin
@@ -281,7 +281,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _between_updates(self) -> bool:
         """True while gradient accumulation holds micro-batches not applied yet (a backup would lose them)."""
-        from keras_sync import _instrument
+        from keras_sync.training import instrument as _instrument
 
         return _instrument.holds_unapplied_gradients(self.model)
 
@@ -290,7 +290,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _exit_preempted(self, saved: bool = True) -> None:
         """After the coordinated save: every worker waits for the others, then exits with code 143."""
-        from keras_sync.preemption import PREEMPTED_EXIT_CODE, exit_now
+        from keras_sync.cluster.preemption import PREEMPTED_EXIT_CODE, exit_now
 
         self._barrier()  # no worker leaves while another still takes part in the save
         assert self._preemption is not None
@@ -331,7 +331,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             if not self._is_chief:
                 shutil.rmtree(self._dir, ignore_errors=True)
                 return True
-            from keras_sync.callbacks._run import run_record
+            from keras_sync.training.job_run import run_record
 
             # Last, atomically: a checkpoint without its manifest is a save that was cut off.
             _backup_files.write_manifest(prefix, run_record(self.writer) if self.writer is not None else None)
@@ -493,7 +493,7 @@ def resumable_fit(callbacks: list[Any]) -> Iterator[None]:
     if backup is None:
         yield
         return
-    from keras_sync import _internals
+    from keras_sync.upstream import internals as _internals
 
     # The swap relies on private Keras internals: a Keras that moved them is refused in one line.
     _internals.require("exact_resume")
@@ -558,7 +558,7 @@ def backup_callbacks(sync: Any, *, shared: Any = None) -> list[Any]:
     _backup_files.remember(ft.backup_dir, choice)
     writer = None
     if sync.config.mlflow.enabled:
-        from keras_sync.callbacks._run import record_run, writer_for
+        from keras_sync.training.job_run import record_run, writer_for
 
         writer = writer_for(sync)
     backup = BackupAndRestore(ft.backup_dir, ft.save_freq, grace_period_s=ft.grace_period_s, writer=writer,

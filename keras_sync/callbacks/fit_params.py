@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from keras_sync import _autolog
+from keras_sync.tracking import autolog as _autolog
 from keras_sync.callbacks._once import OncePerRun
-from keras_sync.callbacks._source_tags import source_tags
+from keras_sync.tracking.source_tags import source_tags
 
 MODEL_SUMMARY_ARTIFACT = "model_summary.txt"
 #: Params that mlflow.keras.autolog() logs itself (under the same names) when it is on.
@@ -72,7 +72,7 @@ class FitParams(OncePerRun):
 
 
 def has_default_train_step(model: Any) -> bool:
-    from keras_sync._instrument import has_default_train_step as default
+    from keras_sync.training.instrument import has_default_train_step as default
 
     return default(model)
 
@@ -80,7 +80,7 @@ def has_default_train_step(model: Any) -> bool:
 def applied_optimizer_params(model: Any) -> dict[str, Any]:
     """The params of the optimizers a custom `train_step` applied: ``optimizer_<key>`` for one
     (``model.optimizer`` when the step was not seen), ``<attribute>_<key>`` for each of several."""
-    from keras_sync._train_step_trace import applied_optimizers
+    from keras_sync.training.train_step_trace import applied_optimizers
 
     applied = applied_optimizers(model)
     if len(applied) <= 1:

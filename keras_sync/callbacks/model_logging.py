@@ -11,8 +11,8 @@ from typing import Any
 
 import keras
 
-from keras_sync import _autolog
-from keras_sync.callbacks import _reduce
+from keras_sync.tracking import autolog as _autolog
+from keras_sync.measures import reduce as _reduce
 
 log = logging.getLogger("keras_sync")
 
@@ -99,7 +99,7 @@ def save_keras_model(model: Any, path: Path) -> None:
 def uses_keras_sync_objects(config: Any) -> bool:
     """True when a Keras config names a class from keras_sync (e.g. ``keras_sync>GradualWarmup``).
 
-    >>> uses_keras_sync_objects({"optimizer": {"config": {"learning_rate": {"module": "keras_sync.schedules"}}}})
+    >>> uses_keras_sync_objects({"optimizer": {"config": {"learning_rate": {"module": "keras_sync.training.schedules"}}}})
     True
     >>> uses_keras_sync_objects({"optimizer": {"module": "keras.optimizers"}}), uses_keras_sync_objects(None)
     (False, False)

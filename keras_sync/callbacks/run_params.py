@@ -6,7 +6,7 @@ from typing import Any
 
 import keras
 
-from keras_sync.callbacks._context import RunContext
+from keras_sync.training.context import RunContext
 from keras_sync.callbacks._once import OncePerRun
 from keras_sync.errors import UsageError
 from keras_sync.tracking import redact_uri

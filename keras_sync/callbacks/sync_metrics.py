@@ -8,8 +8,8 @@ from typing import Any
 
 import keras
 
-from keras_sync.callbacks import _reduce, _slow_worker
-from keras_sync.callbacks._context import check_shared
+from keras_sync.measures import reduce as _reduce, slow_worker as _slow_worker
+from keras_sync.training.context import check_shared
 from keras_sync.errors import UsageError
 
 _TIMED = "_keras_sync_timed"  # on our wrapper of the train function: the function it wraps
@@ -49,7 +49,7 @@ class SyncMetrics(keras.callbacks.Callback):
       TPU). The others wait for the worker
       whose sum is the largest. When one worker's sum is above 1.5x the workers' median (and 5 ms
       more) at every logged step for a minute, one line on the chief names it
-      (`keras_sync.callbacks._slow_worker`);
+      (`keras_sync.measures.slow_worker`);
     - the Keras logs under their Keras names (``loss``, metrics; running means of the epoch),
       and at each epoch's last step the ``val_*`` logs (not while ``mlflow.keras.autolog()`` is
       on: it logs them itself, per epoch).
@@ -127,13 +127,13 @@ class SyncMetrics(keras.callbacks.Callback):
     def set_model(self, model: Any) -> None:
         # Runs before `fit` builds its train function: the moment to instrument train_step.
         super().set_model(model)
-        from keras_sync import _instrument
+        from keras_sync.training import instrument as _instrument
 
         self._probe = _instrument.instrument(model)
         self._num_replicas = self._probe.num_replicas
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        from keras_sync import _autolog
+        from keras_sync.tracking import autolog as _autolog
 
         # mlflow.keras.autolog() logs the Keras logs itself (per epoch, at step = epoch index):
         # logged here too, one key would hold two points at some steps.

@@ -10,9 +10,9 @@ from typing import Any
 
 import keras
 
-from keras_sync.callbacks import _reduce
-from keras_sync.callbacks._context import check_shared
-from keras_sync.callbacks._sync_plot import SyncHistory, render
+from keras_sync.measures import reduce as _reduce
+from keras_sync.training.context import check_shared
+from keras_sync.tracking.report_plot import SyncHistory, render
 from keras_sync.errors import UsageError
 
 log = logging.getLogger("keras_sync")
@@ -26,7 +26,7 @@ class SyncReport(keras.callbacks.Callback):
     Six charts: each replica's loss and gradient norm over the optimizer steps (one line per
     replica, on the same axes: do the replicas agree?), the grad-norm spread, the distribution
     of step times, the weight divergence after each epoch, and a summary (with 2 or more workers it
-    names the slowest: `keras_sync.callbacks._slow_worker`). The MLflow UI draws
+    names the slowest: `keras_sync.measures.slow_worker`). The MLflow UI draws
     one chart per metric key; this puts the replicas side by side without hand-made charts.
 
     It draws what the other keras-sync callbacks log. Give them all the same

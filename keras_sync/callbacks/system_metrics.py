@@ -8,7 +8,7 @@ from typing import Any
 
 import keras
 
-from keras_sync.callbacks._context import check_shared
+from keras_sync.training.context import check_shared
 from keras_sync.errors import UsageError
 
 
@@ -53,7 +53,7 @@ class SystemMetrics(keras.callbacks.Callback):
             warnings.warn("keras-sync: mlflow.system_metrics is on but psutil is not installed, so no system "
                           "metrics are logged. Fix: pip install psutil", UserWarning, stacklevel=3)
             return []
-        from keras_sync import _internals
+        from keras_sync.upstream import internals as _internals
 
         _internals.require("system_metrics")  # MLflow's private monitor classes, sampled here
         from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor

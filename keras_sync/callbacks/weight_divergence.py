@@ -8,9 +8,9 @@ from typing import Any
 
 import keras
 
-from keras_sync.callbacks import _reduce
-from keras_sync.callbacks._context import check_shared
-from keras_sync.callbacks._fingerprints import Divergence, summarize
+from keras_sync.measures import reduce as _reduce
+from keras_sync.training.context import check_shared
+from keras_sync.measures.fingerprints import Divergence, summarize
 
 
 class WeightDivergence(keras.callbacks.Callback):
@@ -104,7 +104,7 @@ def compare(model: Any) -> Divergence | None:
 
 def _fingerprint(value: Any) -> Any:
     """[checksum_hi, checksum_lo, mean, rms] of one replica's copy, float32, shape [4]
-    (the columns of `keras_sync.callbacks._fingerprints`)."""
+    (the columns of `keras_sync.measures.fingerprints`)."""
     import tensorflow as tf
 
     if value.dtype == tf.bool:

@@ -22,7 +22,7 @@ def command(directory: str, kind: str | None, per_replica_batch: int | None, for
     On a terminal it asks for the strategy and the batch; with --no-input, or when not on a
     terminal, it uses the defaults. Never overwrites a file without --force.
     """
-    from keras_sync.scaffold import init_project
+    from keras_sync.cli.scaffold import init_project
 
     ask = not no_input and sys.stdin.isatty()
     if kind is None:

@@ -36,7 +36,7 @@ def command(config: str | None, as_json: bool, **flags: object) -> None:
     Precedence: flag > environment > file > default.
     """
     from keras_sync.config import load_config
-    from keras_sync.plan import make_plan
+    from keras_sync.cli.run_plan import make_plan
 
     overrides = {_FLAG_KEYS[name]: value for name, value in flags.items() if value is not None}
     if "batch.global" in overrides and "batch.per_replica" not in overrides:

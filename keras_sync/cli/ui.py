@@ -33,10 +33,11 @@ def command(config: str | None, tracking_uri: str | None, port: int, no_browser:
     """
     from keras_sync.config import load_config
     from keras_sync.tracking import redact_uri, resolve_tracking_uri
+    from keras_sync.tracking.records import is_remote
 
     cfg = load_config(config, overrides={"mlflow.tracking_uri": tracking_uri} if tracking_uri else None)
     uri, source = resolve_tracking_uri(cfg.mlflow.tracking_uri)
-    if uri.startswith(("http://", "https://", "databricks")):
+    if is_remote(uri):
         click.echo(f"The config points at a tracking server already: open {redact_uri(uri)}")
         return
     store = _local_store(uri)

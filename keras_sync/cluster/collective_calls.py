@@ -1,0 +1,216 @@
+"""Every worker at the same collective call, or one line saying which worker is elsewhere.
+
+Under `MultiWorkerMirroredStrategy`, ``model.fit``, ``evaluate`` and ``predict`` are collectives:
+a chief that calls ``model.predict`` alone (natural after training) waits for peers that never
+come, then dies with a page of ``UnavailableError`` once they have left. And a worker that ends
+its script while another still runs makes that one print ``StartAbort UNAVAILABLE ... tasks are
+unhealthy`` about the worker that left, even after a successful run.
+
+Both are solved by one check through TensorFlow's coordination service (its key-value store,
+already running for the job): before each top-level ``fit``/``evaluate``/``predict`` on a model
+built in a multi-worker scope, and once at process exit, each worker posts the name of the call
+under its call number and reads every peer's post for that number. Same name: go on. Another
+name (a peer went to ``exit`` while this worker calls ``predict``): a `UsageError` at once, saying
+that every worker must make the call. No post within ``strategy.connect_timeout_s``: the same error.
+The exit post makes workers leave together, so none outlives another by a heartbeat timeout.
+
+A worker meets its peers at exit only after a successful run: at least one counted call
+returned and none raised, and no exception is ending the script. Otherwise (an uncaught
+exception, a call that raised, a `sys.exit` before training) its peers may be inside a collective,
+or still loading data, and it leaves at once, as before.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+from keras_sync.cluster import TRAINING_JOBS
+from keras_sync.errors import UsageError
+from keras_sync.upstream.strategy_facts import in_multi_worker_mode
+
+_KEY = "keras_sync/call/{n}/{task}"
+_WRAPPED_MARK = "_keras_sync_meets_peers"
+EXIT = "exit"
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {"count": 0, "returned": 0, "failed": False, "strategy": None, "timeout_s": 300.0}
+_local = threading.local()
+
+
+def _task_names(strategy: Any) -> tuple[str, list[str]]:
+    """``("worker:1", ["worker:0", "worker:1"])``: this task and every training task."""
+    resolver = strategy.cluster_resolver
+    spec = resolver.cluster_spec().as_dict()
+    tasks = [f"{job}:{i}" for job in TRAINING_JOBS for i in range(len(spec.get(job, [])))]
+    return f"{resolver.task_type}:{resolver.task_id}", tasks
+
+
+def _said(call: str) -> str:
+    return "reached the end of its script" if call == EXIT else f"called {call}"
+
+
+def meet(strategy: Any, call: str, timeout_s: float | None = None) -> None:
+    """Wait until every worker has reached call number N with the same ``call`` name.
+
+    Raises:
+        UsageError: a peer reached another call (or the end of its script) instead, or none
+            within ``timeout_s``.
+    """
+    if not in_multi_worker_mode(strategy):
+        return
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    timeout_s = _state["timeout_s"] if timeout_s is None else timeout_s
+    with _lock:
+        n = _state["count"]
+        _state["count"] += 1
+    me, tasks = _task_names(strategy)
+    ctx = context.context()
+    deadline = time.monotonic() + timeout_s
+    fix = (
+        f"Under multi_worker_mirrored {call} is a collective: every worker must call it, in the same order. "
+        "Fix: make the call on every worker (not under `if sync.is_chief:`), and guard only what your own "
+        "code writes; or predict in a separate one-process script from a saved model."
+    )
+    try:
+        ctx.set_config_key_value(_KEY.format(n=n, task=me), call)
+    except tf.errors.OpError as e:  # the coordination service's worker (the chief) has exited
+        raise UsageError(f"{_name(me)} {_said(call)}, but the job's coordination service is gone: the worker "
+                         f"that hosts it has left the job. {fix}") from None
+    probe = _Liveness(ctx)
+    for peer in tasks:
+        if peer == me:
+            continue
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            try:
+                got = ctx.get_config_key_value(_KEY.format(n=n, task=peer), max(1, min(left_ms, _POLL_MS)))
+                break
+            except tf.errors.DeadlineExceededError:
+                if left_ms <= _POLL_MS:
+                    raise UsageError(
+                        f"{_name(me)} {_said(call)}, but {_name(peer)} did not reach that call within "
+                        f"strategy.connect_timeout_s={timeout_s:g} s. {fix}"
+                    ) from None
+            except tf.errors.OpError as e:
+                why = ("TensorFlow can no longer reach it" if isinstance(e, tf.errors.UnavailableError)
+                       else f"TensorFlow: {type(e).__name__}")
+                raise UsageError(f"{_name(me)} {_said(call)}, but {_name(peer)} has left the job ({why}). {fix}") from None
+            if probe.gone(peer):
+                raise UsageError(
+                    f"{_name(me)} {_said(call)}, but {_name(peer)} has left the job (its process no longer "
+                    f"answers). {fix}"
+                ) from None
+        if got != call:
+            raise PeerElsewhereError(f"{_name(me)} {_said(call)}, but {_name(peer)} {_said(got)} instead. {fix}")
+
+
+class PeerElsewhereError(UsageError):
+    """A peer posted another call than this worker's: the job cannot go on (both workers report it)."""
+
+
+# How often a worker waiting for a peer's post asks whether the job has failed (a peer that exits
+# without posting, e.g. `os._exit` or a crash after training, would otherwise cost the whole timeout).
+_POLL_MS = 2000
+_PROBE_MS = 10_000
+_PROBE_TRIES = 3
+
+
+class _Liveness:
+    """Whether a peer's process is still there, asked of the peer itself.
+
+    ``check_collective_ops_peer_health`` is the probe `MultiWorkerMirroredStrategy`'s own health
+    thread uses: a peer that has exited answers UnavailableError (or FailedPrecondition once
+    restarted). A probe that times out counts as lost only after `_PROBE_TRIES` in a row, so a
+    busy peer is not taken for a gone one. Anything else (a TensorFlow without the probe) turns
+    it off, and the wait falls back to the timeout.
+    """
+
+    def __init__(self, ctx: Any) -> None:
+        self._ctx, self._on = ctx, hasattr(ctx, "check_collective_ops_peer_health")
+        self._slow: dict[str, int] = {}
+
+    def gone(self, peer: str) -> bool:
+        if not self._on:
+            return False
+        import tensorflow as tf
+
+        job, _, index = peer.partition(":")
+        try:
+            self._ctx.check_collective_ops_peer_health(f"/job:{job}/replica:0/task:{index}", _PROBE_MS)
+        except (tf.errors.UnavailableError, tf.errors.FailedPreconditionError):
+            return True
+        except tf.errors.DeadlineExceededError:
+            self._slow[peer] = self._slow.get(peer, 0) + 1
+            return self._slow[peer] >= _PROBE_TRIES
+        except Exception:  # noqa: BLE001 - a TensorFlow whose probe answers otherwise: wait for the timeout
+            self._on = False
+            return False
+        self._slow[peer] = 0
+        return False
+
+
+def _name(task: str) -> str:
+    job, _, index = task.partition(":")
+    return f"{job} {index}"
+
+
+def _meets_peers(method: Callable[..., Any], call: str) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        strategy = getattr(self, "_distribute_strategy", None)
+        if getattr(_local, "depth", 0) or not in_multi_worker_mode(strategy):
+            return method(self, *args, **kwargs)  # nested (fit's validation) or not multi-worker
+        meet(strategy, call)
+        _local.depth = 1
+        try:
+            out = method(self, *args, **kwargs)
+            _state["returned"] += 1
+            return out
+        except BaseException:
+            _state["failed"] = True  # peers may still be inside this collective: no exit meeting
+            raise
+        finally:
+            _local.depth = 0
+
+    setattr(wrapper, _WRAPPED_MARK, True)
+    return wrapper
+
+
+def install(strategy: Any, timeout_s: float) -> None:
+    """Check ``fit``/``evaluate``/``predict`` of multi-worker models, and meet at exit (once per process)."""
+    import keras
+
+    with _lock:
+        first = _state["strategy"] is None
+        _state["strategy"], _state["timeout_s"] = strategy, timeout_s
+    for name in ("fit", "evaluate", "predict"):
+        method = getattr(keras.Model, name)
+        if not getattr(method, _WRAPPED_MARK, False):
+            setattr(keras.Model, name, _meets_peers(method, f"model.{name}"))
+    if first:
+        atexit.register(_meet_at_exit)
+
+
+def _meet_at_exit() -> None:
+    if not _state["returned"] or _state["failed"] or getattr(sys, "last_value", None) is not None:
+        return  # not after a successful run: the peers may be stuck in a collective, or not there yet
+    try:
+        meet(_state["strategy"], EXIT)
+    except UsageError as e:
+        # A peer is in another call: that worker reports it; this one leaves with one line.
+        print(f"keras-sync: {str(e).split('. Under')[0]}.", file=sys.stderr, flush=True)
+        if isinstance(e, PeerElsewhereError):
+            # That peer fails now, and when it is the chief the coordination service goes with it:
+            # this process's TensorFlow teardown would then print pages of heartbeat errors (seen on a
+            # loaded machine) or wait for a leader that is gone. Leave at once, code 2 (the job's usage
+            # error); atexit handlers registered before keras_sync.load() do not run.
+            sys.stdout.flush()
+            os._exit(2)

@@ -1,0 +1,285 @@
+"""SIGTERM = save a backup at the current step on every worker, then exit with code 143.
+
+Kubernetes eviction, Slurm preemption (``--signal``) and spot VMs send SIGTERM, wait a grace
+period, then SIGKILL. With ``fault_tolerance.backup_dir`` set, keras-sync's `BackupAndRestore`
+turns that SIGTERM into a coordinated save:
+
+* **One process** (any single-worker strategy): the handler only sets a flag; the next batch end
+  (or epoch end) saves the backup at that position and exits.
+* **Several workers** (`MultiWorkerMirroredStrategy`): every worker must take part in the save
+  at the same step. The worker that got the signal announces "save after step N+1" (N = the step
+  it just finished) in the coordination service's key-value store and waits until every worker
+  has acknowledged it; each worker learns it from a thread blocked on that key, so no collective
+  and no network call is added to a normal step. Workers differ by at most one step (each step
+  ends with an all-reduce), so none can be past N+1 when the announcement is acknowledged.
+  This is the protocol of TensorFlow's `PreemptionCheckpointHandler`, which Keras 3 dropped.
+
+A SIGTERM that arrives while TensorFlow runs a long C++ call (a collective) is handled when the
+call returns: Python runs signal handlers only between bytecodes of the main thread. If the save
+cannot happen within ``fault_tolerance.grace_period_s`` (a peer stopped answering, a long
+validation pass), a watchdog thread ends the process with the same code and a line that says no
+backup was written, before the scheduler's SIGKILL.
+
+Exit code: `PREEMPTED_EXIT_CODE` (143 = 128 + SIGTERM, TensorFlow's restartable code), after
+flushing what the run logged (the MLflow spool). No TensorFlow import at module import time.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+PREEMPTED_EXIT_CODE = 143
+_KEY = "keras_sync/preemption/{fit}/step"
+_ACK = "keras_sync/preemption/{fit}/ack/{task}"
+_STOP = "stop"  # posted when a fit ends without a preemption, to release the watcher threads
+
+
+def exit_now(code: int, message: str | None = None) -> None:
+    """Print ``keras-sync: <message>``, flush what the run logged (atexit hooks), end the process.
+
+    `os._exit`: interpreter shutdown under a multi-worker strategy can wait on TensorFlow's
+    coordination service for peers that are exiting too.
+    """
+    if message:
+        print(f"keras-sync: {message}", file=sys.stderr, flush=True)
+    tracking = sys.modules.get("keras_sync.tracking")
+    if code != 0 and tracking is not None:
+        tracking.end_runs_at_exit_as("KILLED")  # not FINISHED: the relaunch continues the run
+    with contextlib.suppress(BaseException):
+        atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+class SigtermWatch:
+    """Catches SIGTERM between `install` and `uninstall`: records it instead of dying.
+
+    A watchdog thread, woken by the signal itself (`signal.set_wakeup_fd`, written by the C
+    handler even while the main thread is inside TensorFlow), ends the process with
+    `PREEMPTED_EXIT_CODE` if `done` is not called within ``grace_period_s``.
+    """
+
+    def __init__(self, grace_period_s: float):
+        self.grace_period_s = float(grace_period_s)
+        self.received_at: float | None = None
+        self._previous: Any = None
+        self._installed = False
+        self._done = threading.Event()
+        self._wake_r = self._wake_w = -1
+        self._old_wakeup_fd = -1
+
+    @property
+    def pending(self) -> bool:
+        """True once a SIGTERM has arrived."""
+        return self.received_at is not None
+
+    def deadline(self) -> float:
+        """`time.monotonic()` by which the save must be done."""
+        return (self.received_at or time.monotonic()) + self.grace_period_s
+
+    def install(self) -> bool:
+        """Handle SIGTERM from now on; False (nothing changed) outside the main thread."""
+        if self._installed or threading.current_thread() is not threading.main_thread():
+            return self._installed
+        self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._installed = True
+        try:
+            self._wake_r, self._wake_w = os.pipe()
+            os.set_blocking(self._wake_w, False)
+            self._old_wakeup_fd = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        except (ValueError, OSError):  # pragma: no cover - no pipes, or not the main thread
+            self._wake_r = -1
+        if self._wake_r >= 0:
+            threading.Thread(target=self._watchdog, name="keras-sync-sigterm-watchdog", daemon=True).start()
+        return True
+
+    def uninstall(self) -> None:
+        """Give SIGTERM back to the handler that was there before."""
+        if not self._installed:
+            return
+        self._installed = False
+        signal.signal(signal.SIGTERM, self._previous)
+        if self._wake_r >= 0:
+            signal.set_wakeup_fd(self._old_wakeup_fd)
+            os.close(self._wake_w)  # the watchdog's read returns b"" and it ends
+
+    def done(self) -> None:
+        """The backup is saved (or not needed): the watchdog stands down."""
+        self._done.set()
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if self.received_at is None:
+            self.received_at = time.monotonic()
+
+    def _watchdog(self) -> None:
+        fd = self._wake_r
+        try:
+            while True:
+                data = os.read(fd, 64)
+                if not data:
+                    return
+                if signal.SIGTERM in data:
+                    break
+            if self._done.wait(self.grace_period_s):
+                return
+            exit_now(PREEMPTED_EXIT_CODE,
+                     f"SIGTERM: no backup could be saved within fault_tolerance.grace_period_s="
+                     f"{self.grace_period_s:g} s (TensorFlow did not return to Python: a peer stopped "
+                     "answering, or a long validation pass); exiting without it. Relaunch the job to "
+                     "resume from the last backup.")
+        finally:
+            os.close(fd)
+
+
+class ClusterAgreement:
+    """Agree on the step to save at across workers, through the coordination service's key-value store.
+
+    One instance per `fit` (``fit_index`` counts the fits of this process, the same on every worker).
+    """
+
+    def __init__(self, *, fit_index: int, task_index: int, num_workers: int,
+                 on_error: Callable[[BaseException], None] | None = None):
+        from tensorflow.python.eager import context
+
+        self._ctx = context.context()
+        self._key = _KEY.format(fit=fit_index)
+        self._fit = fit_index
+        self._task = task_index
+        self._num_workers = num_workers
+        self.target: int | None = None  # the optimizer step after which every worker saves
+        self.stopped = False
+        self._on_error = on_error
+        self._thread = threading.Thread(target=self._watch, name="keras-sync-preemption", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        try:
+            value = self._ctx.get_config_key_value(self._key)  # blocks (GIL released) until set
+        except Exception as e:  # the cluster went away: the main thread hears about it too
+            if self._on_error is not None:
+                self._on_error(e)
+            return
+        if value == _STOP:
+            self.stopped = True
+            return
+        self.target = int(value)
+        # Set before acknowledging: the announcing worker trains step `target` only after every ack.
+        with contextlib.suppress(Exception):
+            self._ctx.set_config_key_value(_ACK.format(fit=self._fit, task=self._task), "1")
+
+    def announce(self, step: int, deadline: float) -> int | None:
+        """Ask every worker to save after optimizer step ``step + 1``; wait for their acks.
+
+        Returns the agreed step (another worker's, if it announced first), or None when the fit
+        is ending or the peers did not acknowledge before ``deadline`` (a `time.monotonic()`).
+        """
+        import tensorflow as tf
+
+        try:
+            self._ctx.set_config_key_value(self._key, str(step + 1))
+        except tf.errors.AlreadyExistsError:
+            pass  # another worker announced first: its step is the one
+        value = self._ctx.get_config_key_value(self._key, _ms_left(deadline))
+        if value == _STOP:
+            return None
+        for task in range(self._num_workers):
+            try:
+                self._ctx.get_config_key_value(_ACK.format(fit=self._fit, task=task), _ms_left(deadline))
+            except tf.errors.DeadlineExceededError:
+                return None
+        self.target = int(value)
+        return self.target
+
+    def close(self) -> None:
+        """Release the watcher threads when the fit ends without a preemption."""
+        with contextlib.suppress(Exception):
+            self._ctx.set_config_key_value(self._key, _STOP)
+
+
+def _ms_left(deadline: float) -> int:
+    return max(1, int((deadline - time.monotonic()) * 1000))
+
+
+_fits = 0  # fits started in this process: the same count on every worker, so it names one fit's keys
+
+
+class PreemptionSaver:
+    """Decides, at each batch or epoch end of one `fit`, whether a SIGTERM asks for the save now.
+
+    Used by `keras_sync.callbacks.BackupAndRestore` (``grace_period_s`` argument): `begin` at
+    train begin, `save_due` / `save_due_at_epoch_end` at every batch / epoch end, `end` at train end.
+    """
+
+    def __init__(self, grace_period_s: float):
+        self.grace_period_s = grace_period_s
+        self.watch = SigtermWatch(grace_period_s)
+        self.agreement: ClusterAgreement | None = None
+        self._announced = False
+
+    def begin(self, strategy: Any) -> None:
+        global _fits
+        _fits += 1
+        self.watch = SigtermWatch(self.grace_period_s)
+        self._announced = False
+        self.agreement = None
+        if not self.watch.install():
+            return  # not the main thread: SIGTERM keeps its previous meaning
+        from keras_sync.upstream.strategy_facts import in_multi_worker_mode
+
+        if in_multi_worker_mode(strategy):
+            from tensorflow.python.distribute import multi_worker_util
+
+            resolver = strategy.cluster_resolver
+            spec = resolver.cluster_spec()
+            self.agreement = ClusterAgreement(
+                fit_index=_fits,
+                task_index=multi_worker_util.id_in_cluster(spec, resolver.task_type, resolver.task_id),
+                num_workers=multi_worker_util.worker_count(spec, resolver.task_type),
+            )
+
+    def save_due(self, step: Callable[[], int]) -> bool:
+        """At a batch end: True when every worker saves now. ``step()`` reads the optimizer step."""
+        if self.agreement is None:
+            return self.watch.pending
+        if self.agreement.target is None:
+            if not self.watch.pending or self._announced:
+                return False
+            self._announce(step())
+            return False  # the agreed step is the next one
+        return step() >= self.agreement.target
+
+    def save_due_at_epoch_end(self, step: Callable[[], int]) -> bool:
+        """At an epoch end: True when this process saves now (one process only; workers save at the agreed step)."""
+        if self.agreement is None:
+            return self.watch.pending
+        if self.watch.pending and self.agreement.target is None and not self._announced:
+            self._announce(step())
+        return False
+
+    def _announce(self, step: int) -> None:
+        self._announced = True
+        assert self.agreement is not None
+        target = self.agreement.announce(step, self.watch.deadline())
+        if target is not None:
+            print(f"keras-sync: SIGTERM at optimizer step {step}: every worker saves a backup after step {target}, "
+                  "then exits", file=sys.stderr, flush=True)
+
+    def end(self, *, clean: bool = True) -> bool:
+        """Stand down at train end (idempotent). True when a SIGTERM came but training finished
+        before a save. ``clean=False`` after `fit` raised: the peers may be gone, so no network call."""
+        pending = self.watch.pending
+        self.watch.done()
+        self.watch.uninstall()
+        if self.agreement is not None and clean:
+            self.agreement.close()
+        self.agreement = None
+        return pending

@@ -1,0 +1,82 @@
+"""The strategy kinds keras-sync knows: one entry each, and every question about a kind asks it.
+
+Pure Python (no TensorFlow): `config.py` validates `strategy.*` against this table, `strategy.py`
+finds each kind's builder and device layout here, `plan.py` and `session.py` ask whether a kind
+runs one process per worker and what ``batch.drop_remainder: auto`` means for it, and the config
+reference (`keras_sync.config.reference`) writes each kind's commented ``strategy:`` section of
+the ``keras-sync init`` template from its summary. Which `strategy.*` keys that section shows is
+declared on the keys themselves (the ``kinds`` metadata of the fields in `config.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Where a kind's replicas live on one worker (`keras_sync.strategy.device_layout`).
+LAYOUT_TENSORFLOW = "tensorflow"  # no device list: TensorFlow's default device, no simulated CPUs
+LAYOUT_LOCAL = "local"  # one replica per local device: simulated CPUs, strategy.devices, GPUs or the CPU
+LAYOUT_ONE = "one"  # the first of the local devices
+LAYOUT_TPU = "tpu"  # the TPU system names its cores when it starts
+LAYOUTS = (LAYOUT_TENSORFLOW, LAYOUT_LOCAL, LAYOUT_ONE, LAYOUT_TPU)
+
+
+@dataclass(frozen=True)
+class KindSpec:
+    """One strategy kind.
+
+    Args:
+        name: the value of `strategy.kind`.
+        summary: what the kind does, one or two sentences (the template's comment above it).
+        builder: the name of the function in `keras_sync.strategy` that builds it; None for
+            ``auto``, which `keras_sync.strategy.detect` resolves into another kind first.
+        layout: where its replicas live on one worker, one of `LAYOUTS`.
+        multi_process: one process per worker, joined in a cluster (collectives span processes).
+        accepts_devices: `strategy.devices` may name its devices.
+        max_devices: at most this many `strategy.devices` (None: no limit).
+        simulated_cpus: `strategy.simulated_cpu_replicas` may apply.
+        drop_remainder: what ``batch.drop_remainder: auto`` means (TPUs need static shapes).
+        scoped: a model must be built in `Sync.scope()` (the default strategy is everywhere).
+    """
+
+    name: str
+    summary: str
+    builder: str | None
+    layout: str
+    multi_process: bool = False
+    accepts_devices: bool = False
+    max_devices: int | None = None
+    simulated_cpus: bool = True
+    drop_remainder: bool = False
+    scoped: bool = True
+
+
+KINDS: dict[str, KindSpec] = {spec.name: spec for spec in (
+    KindSpec("auto", "auto: a TPU if one is attached; multi_worker_mirrored when TF_CONFIG (or Slurm) names "
+                     "several workers; mirrored with several GPUs or simulated CPU replicas; else default.",
+             builder=None, layout=LAYOUT_LOCAL, accepts_devices=True),
+    KindSpec("default", "default: no distribution, TensorFlow's default device; plain Keras behaviour.",
+             builder="_build_default", layout=LAYOUT_TENSORFLOW, simulated_cpus=False, scoped=False),
+    KindSpec("one_device", "one_device: everything on one device (a good baseline to compare replicas against).",
+             builder="_build_one_device", layout=LAYOUT_ONE, accepts_devices=True, max_devices=1),
+    KindSpec("mirrored", "mirrored: one replica per local device, gradients all-reduced every step.",
+             builder="_build_mirrored", layout=LAYOUT_LOCAL, accepts_devices=True),
+    KindSpec("multi_worker_mirrored", "multi_worker_mirrored: several processes (machines), each with its local "
+                                      "devices. Try it on one machine: keras-sync launch --workers 2 train.py",
+             builder="_build_multi_worker", layout=LAYOUT_LOCAL, multi_process=True),
+    KindSpec("tpu", "tpu: a Cloud TPU or a TPU VM.",
+             builder="_build_tpu", layout=LAYOUT_TPU, simulated_cpus=False, drop_remainder=True),
+)}
+
+STRATEGY_KINDS: tuple[str, ...] = tuple(KINDS)
+
+
+def kinds_where(**facts: object) -> tuple[str, ...]:
+    """The kinds whose spec has all the given facts, in table order.
+
+    >>> kinds_where(accepts_devices=True)
+    ('auto', 'one_device', 'mirrored')
+    >>> kinds_where(multi_process=True)
+    ('multi_worker_mirrored',)
+    """
+    return tuple(name for name, spec in KINDS.items()
+                 if all(getattr(spec, key) == value for key, value in facts.items()))

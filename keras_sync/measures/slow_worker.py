@@ -1,0 +1,126 @@
+"""Pure logic of "which worker is slow": per-worker times and the rule that names the slowest.
+
+Each worker times its own part of a step (`keras_sync.training.instrument`): its time between two steps,
+on the host (from the train function's return to its next call: Keras callbacks, the user's
+code), and its compute, inside the step (from the step's first collective to its gradients
+reaching the all-reduce; a worker's is the slowest of its replicas'). In synchronous training
+every worker waits for the last one, so the job's step time is the slowest worker's: the
+per-worker times say which one that is, and where its time goes. (A worker's slow tf.data
+pipeline is not told apart: see `keras_sync.training.instrument`.)
+
+No TensorFlow, Keras, numpy or MLflow here (tested on its own, tests/test_sync_metrics.py).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+
+#: A worker holds the job back when its own time to reach the all-reduce is more than RATIO
+#: times the workers' median...
+RATIO = 1.5
+#: ...and at least MIN_EXTRA_MS more (sub-millisecond steps are noise, not a slow worker)...
+MIN_EXTRA_MS = 5.0
+#: ...at every logged step for HOLD_S seconds: then one line on the chief names it (once).
+HOLD_S = 60.0
+
+BETWEEN_KEY = "sync/between_steps_ms/worker_{i}"
+COMPUTE_KEY = "sync/compute_ms/worker_{i}"
+
+
+def worker_times(between_us: Sequence[float], computes_us: Sequence[float], num_workers: int) -> dict[str, float]:
+    """``sync/between_steps_ms/worker_{i}`` and ``sync/compute_ms/worker_{i}`` of one step, from each
+    replica's times in microseconds (replicas of worker 0 first; a negative time was not measured).
+    A worker's value is the largest of its replicas'. Nothing with fewer than 2 workers.
+
+    >>> worker_times([200_500, 900, 1100], [2000, 2500, 1800], 3)  # doctest: +NORMALIZE_WHITESPACE
+    {'sync/between_steps_ms/worker_0': 200.5, 'sync/compute_ms/worker_0': 2.0,
+     'sync/between_steps_ms/worker_1': 0.9, 'sync/compute_ms/worker_1': 2.5,
+     'sync/between_steps_ms/worker_2': 1.1, 'sync/compute_ms/worker_2': 1.8}
+    >>> worker_times([-1, -1], [3000, 4000], 2)  # an epoch's first step: no step before it
+    {'sync/compute_ms/worker_0': 3.0, 'sync/compute_ms/worker_1': 4.0}
+    """
+    out: dict[str, float] = {}
+    if num_workers < 2 or not between_us or len(between_us) % num_workers:
+        return out
+    per = len(between_us) // num_workers
+    for w in range(num_workers):
+        between = [v for v in between_us[w * per:(w + 1) * per] if v >= 0]
+        computes = [v for v in computes_us[w * per:(w + 1) * per] if v >= 0]
+        if between:
+            out[BETWEEN_KEY.format(i=w)] = max(between) / 1000.0
+        if computes:
+            out[COMPUTE_KEY.format(i=w)] = max(computes) / 1000.0
+    return out
+
+
+def own_times(metrics: dict[str, float], num_workers: int) -> list[float]:
+    """Each worker's own time per step (between steps + compute, ms) from `worker_times`
+    (NaN where a part is missing).
+
+    >>> own_times({'sync/between_steps_ms/worker_0': 200.0, 'sync/compute_ms/worker_0': 2.0,
+    ...            'sync/between_steps_ms/worker_1': 1.0, 'sync/compute_ms/worker_1': 2.0}, 2)
+    [202.0, 3.0]
+    """
+    return [metrics.get(BETWEEN_KEY.format(i=w), math.nan) + metrics.get(COMPUTE_KEY.format(i=w), math.nan)
+            for w in range(num_workers)]
+
+
+def slowest(own_ms: Sequence[float]) -> tuple[int, float, float] | None:
+    """(worker, its time, the workers' median) when one worker holds the job back by `RATIO` and
+    `MIN_EXTRA_MS`; else None.
+
+    >>> slowest([3.0, 205.0, 2.5])
+    (1, 205.0, 3.0)
+    >>> slowest([3.0, 4.0, 3.5]), slowest([0.1, 0.9, 0.2]), slowest([5.0])  # even; noise; one worker
+    (None, None, None)
+    """
+    finite = [t for t in own_ms if math.isfinite(t)]
+    if len(own_ms) < 2 or len(finite) != len(own_ms):
+        return None
+    median = statistics.median(own_ms)
+    worst = max(range(len(own_ms)), key=lambda w: own_ms[w])
+    t = own_ms[worst]
+    if t > RATIO * median and t - median >= MIN_EXTRA_MS:
+        return worst, t, median
+    return None
+
+
+class SlowWorkerWatch:
+    """Says once when the same worker has held the job back at every logged step for `HOLD_S` s.
+
+    >>> watch = SlowWorkerWatch(hold_s=60)
+    >>> watch.update([3.0, 205.0, 2.5], [3.0, 203.0, 2.5], 0.0)
+    >>> watch.update([3.0, 3.0, 2.5], [1.0, 1.0, 1.0], 30.0)  # even again: the clock starts over
+    >>> watch.update([3.0, 205.0, 2.5], [1.0, 203.0, 1.0], 40.0)
+    >>> print(watch.update([3.0, 210.0, 2.5], [1.0, 208.0, 1.0], 101.0))  # doctest: +NORMALIZE_WHITESPACE
+    keras-sync: worker 1 holds the job back: for 61 s it took 210 ms a step to reach the gradient
+    all-reduce (208 ms between steps, compute 2 ms) against the workers' median of 3 ms, and the
+    others wait for it. Its times are sync/between_steps_ms/worker_1 and sync/compute_ms/worker_1
+    in MLflow.
+    >>> watch.update([3.0, 210.0, 2.5], [1.0, 208.0, 1.0], 200.0)  # said once
+    """
+
+    def __init__(self, hold_s: float | None = None):
+        self.hold_s = HOLD_S if hold_s is None else hold_s
+        self._worker: int | None = None
+        self._since = 0.0
+        self.said = False
+
+    def update(self, own_ms: Sequence[float], between_ms: Sequence[float], t_s: float) -> str | None:
+        """Feed one logged step (each worker's own time and time between steps, ms; its wall time, s)."""
+        found = slowest(own_ms)
+        if found is None or found[0] != self._worker:
+            self._worker, self._since = (found[0], t_s) if found else (None, t_s)
+            return None
+        if self.said or t_s - self._since < self.hold_s:
+            return None
+        self.said = True
+        w, t, median = found
+        between = between_ms[w]
+        return (f"keras-sync: worker {w} holds the job back: for {t_s - self._since:.0f} s it took {t:.0f} ms a "
+                f"step to reach the gradient all-reduce ({between:.0f} ms between steps, compute "
+                f"{t - between:.0f} ms) "
+                f"against the workers' median of {median:.0f} ms, and the others wait for it. Its times are "
+                f"{BETWEEN_KEY.format(i=w)} and {COMPUTE_KEY.format(i=w)} in MLflow.")

@@ -1,0 +1,323 @@
+"""The strategy factory: one small builder per `strategy.kind`, and what `auto` picks and why.
+
+`detect` and `device_layout` are cheap and import no TensorFlow (used by `keras-sync plan`);
+`build_strategy` imports TensorFlow and builds the real `tf.distribute.Strategy`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from keras_sync.upstream.strategy_facts import in_multi_worker_mode  # also importable from here, as before
+from keras_sync.config import Config, StrategyConfig
+from keras_sync.errors import StrategyError
+from keras_sync.config.kinds import KINDS, LAYOUT_ONE, LAYOUT_TENSORFLOW, LAYOUT_TPU
+
+if TYPE_CHECKING:  # pragma: no cover
+    import tensorflow as tf
+
+# Environment variables that Cloud TPU VMs, Colab and GKE set when a TPU is attached.
+_TPU_ENV_VARS = ("TPU_NAME", "COLAB_TPU_ADDR", "TPU_ACCELERATOR_TYPE", "KUBE_GOOGLE_CLOUD_TPU_ENDPOINTS")
+
+
+@dataclass(frozen=True)
+class Detection:
+    """The strategy kind that will be built, and the reason, in words for `keras-sync plan`."""
+
+    kind: str
+    reason: str
+
+
+def count_gpus_cheaply() -> int:
+    """NVIDIA GPUs visible to the driver, without importing TensorFlow (0 when unknown)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return 0
+    gpus = Path("/proc/driver/nvidia/gpus")
+    try:
+        n = sum(1 for _ in gpus.iterdir()) if gpus.is_dir() else 0
+    except OSError:
+        return 0
+    if visible:
+        n = min(n, len([v for v in visible.split(",") if v.strip()]))
+    return n
+
+
+def tpu_hint(environ: Mapping[str, str]) -> str | None:
+    """Why we believe a TPU is attached (an env var or /dev/accel0), or None."""
+    for var in _TPU_ENV_VARS:
+        if environ.get(var):
+            return f"${var} is set"
+    if Path("/dev/accel0").exists() or Path("/dev/vfio/0").exists():
+        return "a TPU device (/dev/accel0) is present"
+    return None
+
+
+def count_workers(config: Config, environ: Mapping[str, str]) -> tuple[int, str]:
+    """Number of training workers from the cluster source, and where that came from."""
+    from keras_sync import cluster
+
+    info, where = cluster.read_cluster(config.strategy, environ)
+    return info.num_workers, where
+
+
+def detect(config: Config, environ: Mapping[str, str] | None = None, *, gpus: int | None = None) -> Detection:
+    """Resolve `strategy.kind: auto` (other kinds are returned as they are), with the reason.
+
+    Order: a reachable TPU; ``multi_worker_mirrored`` when the cluster names more than one worker;
+    ``mirrored`` with more than one GPU or simulated CPU replicas; else the default strategy.
+    """
+    env = os.environ if environ is None else environ
+    kind = config.strategy.kind
+    if kind != "auto":
+        return Detection(kind, f"strategy.kind is {kind!r} ({config.source_of('strategy.kind')})")
+    hint = tpu_hint(env)
+    if hint:
+        return Detection("tpu", f"auto: {hint}")
+    workers, where = count_workers(config, env)
+    if workers > 1:
+        return Detection("multi_worker_mirrored", f"auto: {where} names {workers} workers")
+    n_gpus = count_gpus_cheaply() if gpus is None else gpus
+    if n_gpus > 1:
+        return Detection("mirrored", f"auto: {n_gpus} GPUs")
+    sim = config.strategy.simulated_cpu_replicas
+    if sim > 1:
+        return Detection("mirrored", f"auto: strategy.simulated_cpu_replicas={sim}")
+    why = "one GPU" if n_gpus == 1 else "no GPU"
+    return Detection("default", f"auto: one worker, {why}, no simulated replicas")
+
+
+@dataclass(frozen=True)
+class DeviceLayout:
+    """The devices one worker trains on, one replica each, as the builders below pick them.
+
+    ``source`` says who names them: ``"simulated"`` (logical CPUs from
+    ``strategy.simulated_cpu_replicas``), ``"strategy.devices"`` (the config's list), or
+    ``"tensorflow"`` (the builder passes no list and TensorFlow takes all GPUs, else the CPU;
+    ``devices`` then shows that pick).
+    """
+
+    devices: tuple[str, ...]
+    source: str
+
+    @property
+    def explicit_devices(self) -> list[str] | None:
+        """The device list a builder hands to TensorFlow; None leaves the choice to TensorFlow."""
+        return None if self.source == "tensorflow" else list(self.devices)
+
+
+def device_layout(kind: str, cfg: StrategyConfig, *, gpus: int) -> DeviceLayout:
+    """The per-worker devices of a ``kind`` strategy, without importing TensorFlow.
+
+    Both the builders and `keras-sync plan` call this, so the plan shows what a run will use.
+    ``gpus`` is the number of GPUs visible (TensorFlow's count in a builder, the driver's in
+    the plan). Not for ``tpu``: the TPU system names its cores when it starts.
+    """
+    spec = KINDS[kind]
+    if spec.builder is None or spec.layout == LAYOUT_TPU:
+        raise ValueError(f"device_layout: no local device layout for kind={kind!r}")
+    tf_default = DeviceLayout(("/gpu:0" if gpus else "/cpu:0",), "tensorflow")
+    if spec.layout == LAYOUT_TENSORFLOW:  # e.g. tf.distribute.get_strategy(): no device list, no simulated CPUs
+        return tf_default
+    if cfg.simulated_cpu_replicas:
+        layout = DeviceLayout(tuple(_simulated_cpu_names(cfg.simulated_cpu_replicas)), "simulated")
+    elif cfg.devices and spec.accepts_devices:
+        layout = DeviceLayout(tuple(cfg.devices), "strategy.devices")
+    elif gpus and spec.layout != LAYOUT_ONE:
+        layout = DeviceLayout(tuple(f"/gpu:{i}" for i in range(gpus)), "tensorflow")
+    else:
+        layout = tf_default
+    if spec.layout == LAYOUT_ONE:
+        return DeviceLayout(layout.devices[:1], layout.source)
+    return layout
+
+
+# ---------------------------------------------------------------------------------------------
+# Builders (import TensorFlow)
+
+
+def configure_simulated_cpus(n: int) -> list[str]:
+    """Split the CPU into ``n`` logical devices; must run before TensorFlow initialises."""
+    import tensorflow as tf
+
+    cpus = tf.config.list_physical_devices("CPU")
+    current = tf.config.get_logical_device_configuration(cpus[0])
+    # Names are built here rather than read from tf.config.list_logical_devices(): listing would
+    # start the TensorFlow runtime, after which MultiWorkerMirroredStrategy can no longer
+    # configure its collectives ("Collective ops must be configured at program startup").
+    names = _simulated_cpu_names(n)
+    if current is not None and len(current) == n:
+        return names
+    try:
+        tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * n)
+    except RuntimeError as exc:
+        raise StrategyError(
+            f"Cannot split the CPU into strategy.simulated_cpu_replicas={n} logical devices: TensorFlow has "
+            "already initialised its devices in this process. Call keras_sync.load() first, before creating "
+            f"any tensor, model or dataset. ({exc})"
+        ) from None
+    return names
+
+
+def _simulated_cpu_names(n: int) -> list[str]:
+    return [f"/cpu:{i}" for i in range(n)]
+
+
+def _cross_device_ops(name: str, n_gpus: int) -> Any:
+    import tensorflow as tf
+
+    if name == "auto":
+        # With GPUs TensorFlow picks (NCCL where it can). On CPU-only hosts we pick
+        # ReductionToOneDevice: TF's own pick there is collective all-reduce, and the collective
+        # instances of two MirroredStrategy objects in one process collide (measured here with 4
+        # logical CPUs: "Shape mismatch in the collective instance 100").
+        return None if n_gpus else tf.distribute.ReductionToOneDevice()
+    if name == "nccl":
+        if n_gpus == 0:
+            raise StrategyError(
+                "strategy.cross_device_ops='nccl' needs GPUs, and TensorFlow sees none here. "
+                "Use 'hierarchical_copy', 'reduction_to_one' or 'auto'."
+            )
+        return tf.distribute.NcclAllReduce()
+    if name == "hierarchical_copy":
+        return tf.distribute.HierarchicalCopyAllReduce()
+    return tf.distribute.ReductionToOneDevice()
+
+
+def _local_devices(kind: str, cfg: StrategyConfig) -> tuple[DeviceLayout, int]:
+    """`device_layout` made real (simulated CPUs split, listed devices checked), and the GPU count."""
+    import tensorflow as tf
+
+    if cfg.simulated_cpu_replicas:
+        configure_simulated_cpus(cfg.simulated_cpu_replicas)
+        n_gpus = 0
+    else:
+        n_gpus = len(tf.config.list_physical_devices("GPU"))
+    layout = device_layout(kind, cfg, gpus=n_gpus)
+    if layout.source == "strategy.devices":
+        from keras_sync.strategy.devices import canonical
+
+        known = {canonical(d.name, where="TensorFlow's devices"): d.name for d in tf.config.list_logical_devices()}
+        for dev in layout.devices:
+            if canonical(dev, where="strategy.devices") not in known:
+                raise StrategyError(
+                    f"Invalid value for strategy.devices. Received: {dev!r}. Expected devices TensorFlow sees "
+                    f"here: {', '.join(sorted(known))}."
+                )
+    return layout, n_gpus
+
+
+def _build_default(config: Config) -> tf.distribute.Strategy:
+    import tensorflow as tf
+
+    return tf.distribute.get_strategy()
+
+
+def _build_one_device(config: Config) -> tf.distribute.Strategy:
+    import tensorflow as tf
+
+    layout, _ = _local_devices("one_device", config.strategy)
+    return tf.distribute.OneDeviceStrategy(layout.devices[0])
+
+
+def _build_mirrored(config: Config) -> tf.distribute.Strategy:
+    import tensorflow as tf
+
+    layout, n_gpus = _local_devices("mirrored", config.strategy)
+    ops = _cross_device_ops(config.strategy.cross_device_ops, n_gpus)
+    return tf.distribute.MirroredStrategy(devices=layout.explicit_devices, cross_device_ops=ops)
+
+
+def _build_multi_worker(config: Config) -> tf.distribute.Strategy:
+    from keras_sync.upstream import internals as _internals, keras_fixes as _keras_compat
+    from keras_sync.strategy import multi_worker as _multi_worker
+    from keras_sync import cluster
+
+    cfg = config.strategy
+    _internals.require("multi_worker_strategy")  # private TF internals the builder subclasses and configures
+    cluster.check_tf_config_order()  # tensorflow#60706: TF_CONFIG must be set before TF joins a cluster
+    if cfg.simulated_cpu_replicas:
+        configure_simulated_cpus(cfg.simulated_cpu_replicas)
+    # Only a list keras-sync names is passed on; TensorFlow finds its own devices otherwise, so
+    # the GPU count (which only names TensorFlow's pick) is not asked for before the cluster forms.
+    local = device_layout("multi_worker_mirrored", cfg, gpus=0).explicit_devices
+    strategy = _multi_worker.build_multi_worker_strategy(
+        communication=cfg.communication,
+        cluster_resolver=cluster.cluster_resolver(cfg),
+        local_devices=local,
+        connect_timeout_s=cfg.connect_timeout_s,
+    )
+    cluster.record_strategy_tf_config(os.environ.get("TF_CONFIG"))
+    if in_multi_worker_mode(strategy):  # the fixes (and their probes) concern multi-worker fit only
+        _keras_compat.apply_multi_worker_fixes()
+    return strategy
+
+
+def _build_tpu(config: Config) -> tf.distribute.Strategy:
+    import tensorflow as tf
+
+    tpu = config.strategy.tpu
+    address = tpu.name or ""
+    try:
+        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=address, zone=tpu.zone, project=tpu.project)
+        if address not in ("", "local"):
+            tf.config.experimental_connect_to_cluster(resolver)
+        tf.tpu.experimental.initialize_tpu_system(resolver)
+        return tf.distribute.TPUStrategy(resolver)
+    except Exception as exc:  # TF raises ValueError, NotFoundError, RuntimeError... all mean "no TPU here"
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        detail = detail.split(". ")[0][:160]
+        raise StrategyError(
+            f"Cannot reach a TPU at strategy.tpu.name={address!r} (zone={tpu.zone}, project={tpu.project}): "
+            f"{type(exc).__name__}: {detail}. Set strategy.tpu.name to your TPU's name or grpc:// address, "
+            "or choose another strategy.kind."
+        ) from None
+
+
+# kind -> builder, from the kinds table (`keras_sync.config.kinds`): a new kind is an entry there and its
+# `_build_<kind>` function here.
+BUILDERS: dict[str, Callable[[Config], "tf.distribute.Strategy"]] = {
+    name: globals()[spec.builder] for name, spec in KINDS.items() if spec.builder is not None
+}
+
+
+# keras-sync depends on no TensorFlow distribution (see pyproject.toml): a project brings its own.
+INSTALL_TENSORFLOW_HINT = (
+    'pip install "keras-sync[cpu]" (tensorflow-cpu), "keras-sync[tensorflow]" (the standard build; '
+    'GPU with a system CUDA) or "keras-sync[and-cuda]" (GPU with CUDA from pip)'
+)
+
+
+def require_tensorflow() -> None:
+    """Raise `StrategyError` with the install command when no TensorFlow can be imported."""
+    import sys
+
+    from keras_sync.upstream.tf_import import import_tensorflow
+
+    try:
+        import_tensorflow()  # without the early absl INFO lines that ignore TF_CPP_MIN_LOG_LEVEL
+    except ModuleNotFoundError as e:
+        if e.name != "tensorflow":
+            raise  # a broken TensorFlow: its own error says more than ours could
+        raise StrategyError(
+            f"TensorFlow is not installed in this environment ({sys.executable}); keras-sync uses the "
+            f"TensorFlow of your project and installs none itself. Fix: {INSTALL_TENSORFLOW_HINT}."
+        ) from None
+
+
+def build_strategy(config: Config, environ: Mapping[str, str] | None = None) -> tuple[tf.distribute.Strategy, Detection]:
+    """Build the configured `tf.distribute.Strategy` (call before any other TensorFlow work)."""
+    require_tensorflow()
+    detection = detect(config, environ)
+    strategy = BUILDERS[detection.kind](config)
+    from keras_sync.upstream import keras_fixes as _keras_compat
+
+    _keras_compat.apply_end_of_data_fix()  # every kind: Keras's extra step at the end of unknown-length data
+    _keras_compat.apply_iterator_release_fix()  # every kind: a dropped distributed iterator destroyed mid-read
+    from keras_sync.upstream.tf_import import quiet_device_datasets
+
+    quiet_device_datasets()  # Mirrored over 2+ devices: TF's "will not be optimized" line on every run
+    return strategy, detection

@@ -1,0 +1,94 @@
+"""Living beside `mlflow.keras.autolog()`: one run for both, no param logged twice with two values.
+
+Autolog patches `keras.Model.fit`: a `fit` without an active MLflow run gets a new run of its
+own. `Sync.fit` therefore makes keras-sync's run the active run (on the chief, for the length of
+`fit`), so autolog logs into it; keras-sync's own callbacks then leave out what autolog logs
+itself (fit arguments, optimizer params, the model summary, and the model when autolog's
+``log_models`` is on). Nothing here imports MLflow unless the user's code already has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+from keras_sync.tracking.environ import environ_restored
+
+log = logging.getLogger("keras_sync")
+
+#: Tag set on a keras-sync run that mlflow.keras.autolog() logged into as well.
+AUTOLOG_TAG = "keras_sync.autolog"
+#: Longest `Sync.fit` waits for keras-sync's run to exist before autolog would make its own.
+RUN_WAIT_S = 120.0
+
+
+def keras_autolog_active() -> bool:
+    """True when ``mlflow.keras.autolog()`` is on in this process (False if MLflow was never imported)."""
+    if "mlflow.keras" not in sys.modules:  # autolog imports it; never import MLflow just to ask
+        return False
+    from mlflow.utils.autologging_utils import autologging_is_disabled
+
+    return not autologging_is_disabled("keras")
+
+
+def autolog_logs_models() -> bool:
+    """True when autolog is on and logs the model at the end of each `fit` (its default)."""
+    if not keras_autolog_active():
+        return False
+    from mlflow.utils.autologging_utils import get_autologging_config
+
+    return bool(get_autologging_config("keras", "log_models", True))
+
+
+@contextlib.contextmanager
+def shared_run(writer: Any, tracking_uri: str, *, is_chief: bool = True) -> Iterator[None]:
+    """Make ``writer``'s run MLflow's active run during the block when autolog is on.
+
+    Does nothing without autolog, or when the user has an active run already (autolog then
+    logs there, as the user asked). On the other workers of a multi-worker job autolog is off
+    during the block: it would open a run per worker and upload a model from each. The run
+    must exist first: this waits (at most `RUN_WAIT_S`) for the writer to create it.
+    """
+    if not keras_autolog_active():
+        yield
+        return
+    if not is_chief:
+        from mlflow.utils.autologging_utils import disable_autologging
+
+        with disable_autologging():
+            yield
+        return
+    if writer is None:
+        yield
+        return
+    import mlflow
+
+    if mlflow.active_run() is not None:
+        yield
+        return
+    writer.set_tags({AUTOLOG_TAG: "true"})  # something to deliver: the courier creates the run for it
+    if not writer.flush(timeout_s=RUN_WAIT_S) or writer.run_id is None:
+        warnings.warn("keras-sync: its MLflow run could not be created in time, so mlflow.keras.autolog() "
+                      "logs this fit to a run of its own.", UserWarning, stacklevel=4)
+        yield
+        return
+    previous_uri = mlflow.get_tracking_uri()
+    # mlflow.set_tracking_uri also writes $MLFLOW_TRACKING_URI (MLflow 3): the user's value is put
+    # back exactly, else a later keras_sync.load() in this process reads it as theirs.
+    with environ_restored("MLFLOW_TRACKING_URI"):
+        mlflow.set_tracking_uri(tracking_uri)  # autolog logs through the fluent API: to keras-sync's store
+        try:
+            mlflow.start_run(run_id=writer.run_id)
+            try:
+                yield
+            finally:
+                # The run is FINISHED until the next fit resumes it; keras-sync's writer ends it
+                # again, with the job's real end time and status, when the job ends.
+                with contextlib.suppress(Exception):
+                    mlflow.end_run()
+        finally:
+            mlflow.set_tracking_uri(previous_uri)

@@ -1,0 +1,316 @@
+"""The courier: a child process that delivers one spool (`keras_sync.tracking.spool`) to MLflow.
+
+Why a process and not a thread: MLflow's SQL store spends ~100 us of Python per metric point
+(SQLAlchemy), and its HTTP client a good part of that; in a thread of the training process that
+time holds the GIL, and the training loop waits for it after every step (measured numbers are in
+benchmarks/bench_sync_metrics.py and the README). The courier runs at normal priority: at
+SCHED_IDLE a machine whose cores are busy with other work starved it until the training ended.
+
+It talks to the training process through the spool directory only: it polls for new records,
+sends them in batches with `MlflowClient.log_batch`, writes ``delivered``, ``run.json`` and
+``status.json`` and deletes delivered segments. One courier serves its writer for the writer's
+whole life (every `fit` of a `Sync`). It ends when it has delivered the writer's last record
+(`keras_sync.tracking.records.is_last_record`), or, once its parent has died, after one last attempt to
+deliver what is left (a restarted job or ``keras-sync sync-spool`` delivers the rest); a spool
+whose run had ended and was all delivered is then removed. While MLflow is unreachable it
+retries with backoff (0.5 s up to 30 s).
+
+Run as ``python -m keras_sync.tracking.courier SPOOL_DIR PARENT_PID`` with the tracking URI (credentials
+included) in ``$KERAS_SYNC_COURIER_URI``, never on the command line or on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, BinaryIO, Callable
+
+from keras_sync.tracking.deliver import Deliverer, is_transient, refused_credentials
+from keras_sync.tracking.records import (BEGIN, CREDENTIALS, END, MAX_BATCH, METRICS, REFUSED, STOP, STORE_FAILING,
+                                         UNREACHABLE, is_last_record, is_remote)
+from keras_sync.tracking.spool import Position, SpoolDir
+from keras_sync.tracking.redact import redact_text, secrets_of
+
+#: Longest wait between two delivery attempts while MLflow is unreachable (seconds).
+MAX_BACKOFF_S = 30.0
+#: How often the courier looks for new records; what it finds goes in one batch.
+POLL_S = 0.1
+URI_ENV = "KERAS_SYNC_COURIER_URI"
+HEADER_ENV = "KERAS_SYNC_COURIER_HEADER"
+PIPE_ENV = "KERAS_SYNC_COURIER_PIPES"
+
+
+def spawn(spool: SpoolDir, tracking_uri: str, header: dict[str, Any] | None = None,
+          pipe_fds: tuple[int, int] | None = None) -> subprocess.Popen[bytes]:
+    """Start a courier for ``spool`` (called by the writer, which restarts it if it dies).
+
+    ``header``: the spool's header, for a spool whose disk refused even that. ``pipe_fds``:
+    (records in, news out), the pipes of a writer whose spool cannot be written (`serve_pipes`).
+    """
+    env = dict(os.environ)
+    env[URI_ENV] = tracking_uri
+    if header is not None:
+        env[HEADER_ENV] = json.dumps(header)
+    if pipe_fds is not None:
+        env[PIPE_ENV] = f"{pipe_fds[0]},{pipe_fds[1]}"
+    # The child must import this very keras_sync, installed or not.
+    root = str(Path(__file__).resolve().parents[2])  # keras_sync/tracking/courier.py -> the directory holding keras_sync
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return subprocess.Popen([sys.executable, "-m", "keras_sync.tracking.courier", str(spool.path), str(os.getpid())],
+                            stdin=subprocess.DEVNULL, env=env, close_fds=True, pass_fds=pipe_fds or ())
+
+
+class Launcher:
+    """Starts couriers from a thread at the priority of the thread that created it (the training thread).
+
+    The writer's spooling thread runs at nice 5, so that moving records to a file never competes
+    with training; a child inherits the nice value of the thread that forks it, and a process may
+    not lower its own. A courier forked there ran at nice 5 (measured: `ps` showed `SN`) and on a
+    busy machine delivered behind every nice-0 neighbour. This thread is made by the writer's
+    ``start()``, on the caller's thread, before anything is niced; the spooling thread asks it to fork.
+    """
+
+    def __init__(self) -> None:
+        self._requests: queue.SimpleQueue[tuple[Callable[[], Any], list[Any], threading.Event]] = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="keras-sync-courier-launcher", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            fn, box, done = self._requests.get()
+            try:
+                box.append((True, fn()))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller, which raises it
+                box.append((False, e))
+            done.set()
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` run on the launcher's thread; its result, or its exception raised here."""
+        box: list[Any] = []
+        done = threading.Event()
+        self._requests.put((fn, box, done))
+        done.wait()
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+
+class Delivery:
+    """Deliver a spool in order; used by the courier process and by ``keras-sync sync-spool``."""
+
+    def __init__(self, spool: SpoolDir, tracking_uri: str | None = None, *, max_batch: int = MAX_BATCH,
+                 header: dict[str, Any] | None = None, news: BinaryIO | None = None):
+        header = spool.header() or header
+        if header is None:
+            raise ValueError(f"{spool.path} has no header.json")
+        self.spool = spool
+        # Where delivery stands, kept here: on a full disk the files that record it cannot be written.
+        self.pos: Position = spool.delivered()
+        self.known_run = spool.run()
+        #: Records the writer could not spool (its disk is full), handed over its pipe: (number, record).
+        self.held: deque[tuple[int, dict[str, Any]]] = deque()
+        self.held_done = 0  # every held record numbered up to this one is in MLflow
+        self._news = news
+        self.reported = False
+        self.uri = tracking_uri or header["tracking_uri"]
+        self.secrets = secrets_of(self.uri, os.environ)
+        self.shown_uri = redact_text(self.uri, self.secrets)
+        self.deliverer = Deliverer(self.uri, header["experiment"], header.get("run_name"), header.get("job_id"),
+                                   explicit=bool(header.get("explicit")), run_id=header.get("run_id"))
+        # Found or created by an earlier courier of this spool (checked again before use).
+        self.deliverer.run_id = self.known_run.get("run_id")
+        self.max_batch = max_batch
+        self.ended = False  # the writer's last record is delivered and nothing follows it
+        self.run_ended = False  # the run's end is delivered and no begin since (the writer may go on)
+        self.failing = False  # the status file says the last attempt failed
+
+    def deliver_available(self) -> int:
+        """Send everything spooled so far; return the metric points sent. Raises what MLflow raised."""
+        sent = 0
+        while True:
+            chunk: list[tuple[Any, dict[str, Any]]] = []
+            points = 0
+            # The spool first; what the writer could not spool comes after all of it.
+            source: list[tuple[Any, dict[str, Any]]] = list(self.spool.read(self.pos, max_records=200))
+            if not source:
+                source = [(h, rec) for h, rec in list(self.held)[:200] if h > self.held_done]
+            for pos, rec in source:
+                n = len(rec["d"]) if rec["k"] == METRICS else 0
+                # A "begin" (which picks the run) goes alone, and run.json names its run and its
+                # position before anything after it is sent: a courier killed between sending and
+                # moving the delivered position replays records into the run they went to.
+                if chunk and (points + n > self.max_batch or rec["k"] == BEGIN or chunk[0][1]["k"] == BEGIN):
+                    break
+                chunk.append((pos, rec))
+                points += n
+            if not chunk:
+                return sent
+            records = [rec for _, rec in chunk]
+            spooled = isinstance(chunk[-1][0], tuple)
+            begin = chunk[0][0] if records[0]["k"] == BEGIN and spooled else None
+            if begin is not None:
+                known = self.known_run
+                if known.get("begin") == list(begin) and known.get("run_id") == self.deliverer.run_id:
+                    records = [{**records[0], "replayed": True}]  # delivered before: its run, as it is now
+            run_before = self.deliverer.run_id
+            sent += self.deliverer.send(records)
+            if self.failing:
+                # "ok" before the new position: a writer that sees delivery move must not read the
+                # old failure with it (close() would give up on a server that is back, run left RUNNING).
+                self.report(None)
+            if self.deliverer.run_id != run_before or records[0]["k"] == BEGIN:
+                self._set_run(begin)
+            if spooled:
+                self.pos = chunk[-1][0]
+                try:
+                    self.spool.mark_delivered(self.pos)
+                except OSError:  # a full disk: the position is kept here and told over the pipe
+                    pass
+            else:
+                self.held_done = chunk[-1][0]
+                while self.held and self.held[0][0] <= self.held_done:
+                    self.held.popleft()
+            self._tell({"pos": list(self.pos), "h": self.held_done})
+            self.ended = is_last_record(chunk[-1][1]) and not self.pending()
+            for _, rec in chunk:  # a report drawn after the run's end leaves it ended
+                if rec["k"] in (END, STOP, BEGIN):
+                    self.run_ended = rec["k"] != BEGIN
+
+    def pending(self) -> bool:
+        """True if spooled or handed-over records are not in MLflow yet."""
+        return bool(self.spool.read(self.pos, max_records=1)) or any(h > self.held_done for h, _ in list(self.held))
+
+    def take(self, number: int, record: dict[str, Any]) -> None:
+        """A record the writer could not spool, numbered in its order (a restarted courier gets them again)."""
+        if number > self.held_done and (not self.held or number > self.held[-1][0]):
+            self.held.append((number, record))
+
+    def _tell(self, news: dict[str, Any]) -> None:
+        """Tell the writer over its pipe (when it has one): the files may not be writable."""
+        if self._news is None:
+            return
+        try:
+            self._news.write(json.dumps(news).encode() + b"\n")
+            self._news.flush()
+        except OSError:  # the writer is gone
+            self._news = None
+
+    def _set_run(self, begin: Position | None) -> None:
+        run_id, exp_id = self.deliverer.run_id, self.deliverer.experiment_id
+        self.known_run = {"run_id": run_id, "experiment_id": exp_id, **({"begin": list(begin)} if begin else {})}
+        try:
+            self.spool.set_run(run_id, exp_id, begin)
+        except OSError:
+            pass
+        self._tell({"run": self.known_run})
+
+    def report(self, error: BaseException | None, since: float | None = None) -> None:
+        self.failing = error is not None
+        self.reported = True
+        if error is None:
+            status: dict[str, Any] = {"ok": True, "at": time.time()}
+        else:
+            transient = is_transient(error)
+            local = not is_remote(self.uri)
+            text = redact_text(f"{type(error).__name__}: {error}", self.secrets)[:500]
+            cause = STORE_FAILING if local else UNREACHABLE if transient else REFUSED
+            http = refused_credentials(error)
+            if http is not None:  # the status alone: the body is the server's (or its proxy's) HTML page
+                cause, text = CREDENTIALS, f"HTTP {http} {'Unauthorized' if http == 401 else 'Forbidden'}"
+            status = {"ok": False, "at": time.time(), "since": since or time.time(), "error": text,
+                      "cause": cause, "uri": self.shown_uri}
+        try:
+            self.spool.set_status(status)
+        except OSError:
+            pass
+        self._tell({"status": status})
+
+    def read_pipe(self, records: BinaryIO) -> None:
+        """Take the records a writer hands over its pipe until it closes it (a thread of the courier)."""
+        for line in records:
+            try:
+                msg = json.loads(line)
+                self.take(int(msg["h"]), msg["r"])
+            except (ValueError, KeyError, TypeError):
+                continue
+
+    def serve(self, parent_pid: int | None) -> None:
+        """Deliver until the run's end is delivered, or the parent process is gone."""
+        retry_at, backoff, failing_since = 0.0, 0.0, None
+        while self.spool.path.is_dir():  # removed: its writer delivered it all, or it was cleaned up
+            orphan = parent_pid is not None and os.getppid() != parent_pid
+            if time.monotonic() >= retry_at or orphan:
+                try:
+                    self.deliver_available()
+                    if failing_since is not None or not self.reported:
+                        self.report(None)
+                    backoff, failing_since = 0.0, None
+                except Exception as e:  # noqa: BLE001 - anything: keep the data, retry later
+                    failing_since = failing_since or time.time()
+                    self.report(e, failing_since)
+                    backoff = min(max(backoff * 2, 0.5), MAX_BACKOFF_S)
+                    retry_at = time.monotonic() + backoff
+                if self.ended and not self.spool.held("writer"):
+                    self.spool.remove()  # its writer gave up waiting and left it: nothing is left to keep
+                if orphan and self.run_ended and not self.pending() and not self.spool.held("writer"):
+                    # Its process was killed without atexit (Ray Train V2's ray.kill) after MLflow had
+                    # it all (Sync.fit ends the run and waits for delivery): nothing left to keep.
+                    self.spool.remove()
+                if self.ended or orphan:
+                    return
+            time.sleep(POLL_S)
+
+
+class _Scrubbed:
+    """A text stream that scrubs secrets from what MLflow or SQLAlchemy print in this process."""
+
+    def __init__(self, stream: Any, secrets: list[str]):
+        self._stream, self._secrets = stream, secrets
+
+    def write(self, text: str) -> int:
+        return self._stream.write(redact_text(text, self._secrets))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def main(argv: list[str]) -> int:
+    # Ctrl-C and SIGTERM are for the training process, which ends us by closing the run: Slurm's
+    # `scancel --signal=TERM` and `--signal=TERM@60` signal every process of a job step (this one
+    # too) while the trainer saves its backup and still has records for us to deliver.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    parent = int(argv[2])  # not getppid(): the parent may have died before this line
+    spool = SpoolDir(argv[1])
+    uri = os.environ.pop(URI_ENV, None)
+    header = json.loads(os.environ.pop(HEADER_ENV, "null"))
+    pipes = os.environ.pop(PIPE_ENV, None)
+    records_in, news_out = (int(fd) for fd in pipes.split(",")) if pipes else (None, None)
+    spool.wait_lock("deliver")  # one courier per spool (a crashed job's may still be finishing)
+    news = os.fdopen(news_out, "wb") if news_out is not None else None
+    delivery = Delivery(spool, uri, header=header, news=news)
+    if records_in is not None:
+        threading.Thread(target=delivery.read_pipe, args=(os.fdopen(records_in, "rb"),), daemon=True).start()
+    sys.stderr = sys.stdout = _Scrubbed(sys.stderr, delivery.secrets)
+    try:  # import MLflow before the first batch arrives
+        delivery.deliverer.client()
+    except Exception:  # noqa: BLE001 - the first delivery reports it
+        pass
+    try:
+        delivery.serve(parent)
+    except OSError:
+        if spool.path.is_dir():
+            raise
+    return 0  # the spool directory went away under us: nothing left to deliver
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,321 @@
+"""Sending spooled records to one MLflow run: find or create the run, batch, drop repeated steps.
+
+The only keras-sync module that calls MLflow's tracking client. It carries out the writer's rule
+of which run its records go to (told in `keras_sync.tracking.MlflowWriter`; what a `Sync` gives
+the writer is told in `keras_sync.training.job_run`).
+
+Every metric point at a step that its key already has in the run is dropped, so no run ever
+holds two points at one (key, step): a batch re-sent after a crash, or the steps a restored job
+trains again after its backup, keep the first point.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from keras_sync.tracking.environ import environ_restored
+from keras_sync.tracking.records import (BEGIN, END, FILE, MAX_BATCH, MAX_BATCH_PARAMS_AND_TAGS, METRICS, MODEL, PARAMS,
+                                         REPORT, STOP, TAGS, TEXT, is_http)
+
+_log = logging.getLogger("keras_sync.tracking")
+
+# MLflow reads its HTTP retry settings from the environment on every request. Retrying is ours
+# to do (with backoff, in the background), so each of our calls runs with retries off and a short
+# timeout; the lock keeps two of our threads from interleaving their save/restore.
+_ENV_LOCK = threading.Lock()
+_FAST_FAIL_ENV = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "0",
+    # set_terminated otherwise prints "View run ... at: <tracking URI>" to stdout, password included.
+    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
+}
+JOB_TAG = "keras_sync.job_id"
+
+
+@contextlib.contextmanager
+def fast_fail_env(tracking_uri: str, timeout_s: int) -> Iterator[None]:
+    """Run MLflow HTTP calls with no retries and a short timeout; restore the user's values after.
+
+    Also ``MLFLOW_TRACKING_URI`` for the call: MLflow 2.x resolves a server-served artifact URI
+    (``mlflow-artifacts:/...``) with the process-wide tracking URI, not the client's (measured on
+    MLflow 2.22: "the tracking URI must be a valid http or https URI, but it was ... file:///...",
+    and the batch with the run's config.yaml, and every metric after it, failed). Set only during
+    the call: the variable would also redirect a later `keras_sync.load()` of this process.
+    """
+    if not is_http(tracking_uri):
+        yield
+        return
+    wanted = dict(_FAST_FAIL_ENV, MLFLOW_HTTP_REQUEST_TIMEOUT=str(max(1, int(timeout_s))),
+                  MLFLOW_TRACKING_URI=tracking_uri)
+    with _ENV_LOCK, environ_restored(*wanted):
+        os.environ.update(wanted)
+        yield
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True if a failed MLflow call may succeed later (server down, overloaded, store locked)."""
+    code = getattr(exc, "error_code", None)
+    if code is None:
+        return True  # OSError, requests errors, sqlite "database is locked": try again
+    return code in {"INTERNAL_ERROR", "TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED",
+                    "DEADLINE_EXCEEDED", "ABORTED", "IO_ERROR"}
+
+
+#: MLflow's error codes of a refused credential, as the HTTP status the server answered.
+_CREDENTIAL_CODES = {"UNAUTHENTICATED": 401, "CUSTOMER_UNAUTHORIZED": 401, "PERMISSION_DENIED": 403}
+
+
+def refused_credentials(exc: BaseException) -> int | None:
+    """401 or 403 when the tracking server refused the credentials (or their absence); else None.
+
+    MLflow raises these with the server's whole response body (an HTML page behind a proxy):
+    the status is all a person needs, so only it is kept.
+    """
+    return _CREDENTIAL_CODES.get(getattr(exc, "error_code", None) or "")
+
+
+class Deliverer:
+    """Sends spooled records to one MLflow run through `MlflowClient`.
+
+    Args:
+        tracking_uri: where to send (credentials included; never written to disk).
+        experiment, run_name: of a run it creates.
+        job_id: the job's id; runs are found by the tag ``keras_sync.job_id``.
+        explicit: the job id was given by the user: a FINISHED run with it is reopened.
+        run_id: a run id recorded with the job's backup, tried first.
+    """
+
+    def __init__(self, tracking_uri: str, experiment: str, run_name: str | None, job_id: str | None,
+                 *, explicit: bool = False, run_id: str | None = None, request_timeout_s: int = 5):
+        self.tracking_uri = tracking_uri
+        self.experiment, self.run_name, self.job_id = experiment, run_name, job_id
+        self.explicit = explicit
+        self.run_id: str | None = None
+        self.experiment_id: str | None = None
+        self._hint = run_id
+        self._checked = False
+        self.request_timeout_s = request_timeout_s
+        self._client: Any = None
+        #: Per metric key, the highest step the run has; points at or below it are dropped.
+        self.floors: dict[str, int] = {}
+        self._floors_of: str | None = None  # the run whose steps `floors` holds
+        self.dropped = 0
+        self.start_time_ms: int | None = None
+
+    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        with fast_fail_env(self.tracking_uri, self.request_timeout_s):
+            return fn(*args, **kwargs)
+
+    def client(self) -> Any:
+        if self._client is None:
+            from mlflow import MlflowClient
+
+            from keras_sync.tracking.sqlite_store import ensure_sqlite_store
+
+            ensure_sqlite_store(self.tracking_uri)  # a kill while MLflow builds it would leave it half-built
+            self._client = MlflowClient(tracking_uri=self.tracking_uri)
+        return self._client
+
+    def new_session(self, start_time_ms: int | None) -> None:
+        """A writer (re)started: check the run again before the next batch (it may have ended)."""
+        self._checked = False
+        if self.start_time_ms is None:
+            self.start_time_ms = start_time_ms
+
+    def ensure_run(self, reopen: bool = False, continuing: bool = False) -> tuple[str, bool]:
+        """Return (run id, whether it changed now): find, reopen or create the job's run.
+
+        ``reopen``: the writer of this run logs again after ending it (``begin`` with ``reopen``):
+        the run this deliverer was writing is continued even if FINISHED.
+        ``continuing``: the records are the rest of a session whose run an earlier courier of the
+        spool chose (``self.run_id``, from run.json): they go to that run as it is, ended or not,
+        its status untouched (what follows a run's end: a "stop", a report, a replayed batch).
+        """
+        if self.run_id is not None and self._checked:
+            return self.run_id, False
+        before = self.run_id
+        c = self.client()
+        run = self._get_run(self.run_id) if continuing and self.run_id is not None else None
+        continued = run is not None  # taken as it is: no status change
+        for candidate in (self.run_id, self._hint) if run is None else ():
+            if candidate is not None:
+                run = self._usable(self._get_run(candidate), reopen=reopen and candidate == self.run_id)
+                if run is not None:
+                    break
+        if run is None and self.job_id is not None:
+            exp_id = self._experiment_id()
+            found = self._call(c.search_runs, [exp_id], filter_string=f"tags.`{JOB_TAG}` = '{self.job_id}'",
+                               max_results=20, order_by=["attributes.start_time DESC"])
+            run = next((r for r in map(self._usable, found) if r is not None), None)
+        if run is None:
+            tags = {JOB_TAG: self.job_id} if self.job_id is not None else None
+            run = self._call(c.create_run, self._experiment_id(), start_time=self.start_time_ms,
+                             run_name=self.run_name, tags=tags)
+            self.floors = {}
+        else:
+            if run.info.status != "RUNNING" and not continued:
+                self._call(c.update_run, run.info.run_id, status="RUNNING")
+            if run.info.run_id != self._floors_of:  # also a run id an earlier courier of this spool found
+                self.floors = self._logged_steps(run)
+        self.run_id, self._checked, self._hint = run.info.run_id, True, None
+        self._floors_of = self.run_id
+        self.experiment_id = run.info.experiment_id
+        return self.run_id, self.run_id != before
+
+    def _get_run(self, run_id: str) -> Any:
+        try:
+            run = self._call(self.client().get_run, run_id)
+        except Exception as e:
+            if is_transient(e):
+                raise
+            return None  # deleted, or another store: look the job up by its tag
+        return run if run.info.lifecycle_stage == "active" else None
+
+    def _usable(self, run: Any, reopen: bool = False) -> Any:
+        """The run, unless it is FINISHED and neither the job id was given explicitly nor ``reopen``."""
+        if run is None or (run.info.status == "FINISHED" and not (self.explicit or reopen)):
+            return None
+        return run
+
+    def _experiment_id(self) -> str:
+        c = self.client()
+        exp = self._call(c.get_experiment_by_name, self.experiment)
+        if exp is not None:
+            return exp.experiment_id
+        try:
+            return self._call(c.create_experiment, self.experiment)
+        except Exception as e:  # another process created it first
+            if getattr(e, "error_code", None) != "RESOURCE_ALREADY_EXISTS":
+                raise
+            return self._call(c.get_experiment_by_name, self.experiment).experiment_id
+
+    def _logged_steps(self, run: Any) -> dict[str, int]:
+        """The highest step of every metric the run has."""
+        # RunData keeps the latest point of each key (MLflow's latest = highest step) with its
+        # step in `_metric_objs`; without that shape, read the histories (slower, same answer).
+        objs = getattr(run.data, "_metric_objs", None)
+        if isinstance(objs, list) and all(hasattr(m, "step") for m in objs):
+            return {m.key: int(m.step) for m in objs}
+        floors: dict[str, int] = {}
+        for key in run.data.metrics:
+            history = self._call(self.client().get_metric_history, run.info.run_id, key)
+            if history:
+                floors[key] = max(m.step for m in history)
+        return floors
+
+    def send(self, records: list[dict[str, Any]]) -> int:
+        """Deliver records in order; return how many metric points were sent."""
+        from mlflow.entities import Metric, Param, RunTag
+
+        if all(rec["k"] == STOP for rec in records):  # a writer that logged nothing: no run to make
+            return 0
+        if records and records[0]["k"] != BEGIN:  # a "begin" sets the start time of a new run first
+            self.ensure_run(continuing=True)
+        c = self.client()
+        metrics: list[Any] = []
+        params: list[Any] = []
+        tags: list[Any] = []
+        floors = dict(self.floors)  # committed only when the batch is accepted
+        sent = dropped = 0
+
+        def flush() -> None:
+            nonlocal sent
+            if metrics or params or tags:
+                self._send_batch(metrics, params, tags)
+                sent += len(metrics)
+                self.floors.update(floors)
+                metrics.clear(), params.clear(), tags.clear()
+
+        for rec in records:
+            k = rec["k"]
+            if k == METRICS:
+                if len(metrics) + len(rec["d"]) + len(params) + len(tags) > MAX_BATCH:
+                    flush()
+                step = rec["s"]
+                for key, v in rec["d"].items():
+                    if step > floors.get(key, step - 1):
+                        metrics.append(Metric(key, v, rec["ts"], step))
+                        floors[key] = step
+                    else:
+                        dropped += 1
+            elif k in (PARAMS, TAGS):
+                if len(params) + len(tags) + len(rec["d"]) > MAX_BATCH_PARAMS_AND_TAGS:
+                    flush()
+                target, cls = (params, Param) if k == PARAMS else (tags, RunTag)
+                target.extend(cls(key, v) for key, v in rec["d"].items())
+            elif k == TEXT:
+                flush()
+                self._call(c.log_text, self.run_id, rec["text"], rec["f"])
+            elif k in (FILE, MODEL):  # staged files and models: keras_sync.tracking.artifacts
+                flush()
+                from keras_sync.tracking import artifacts as _artifacts
+
+                _artifacts.deliver(c, self.run_id, rec, self._call)
+            elif k == END:
+                flush()
+                self._call(c.set_terminated, self.run_id, status=rec["status"], end_time=rec.get("ts"))
+            elif k == STOP:  # the writer closed after ending the run: nothing to send
+                flush()
+            elif k == REPORT:  # drawn here, not in the training process (~0.7 s of matplotlib)
+                flush()
+                self._deliver_report(rec)
+            elif k == BEGIN:
+                flush()
+                self.new_session(rec.get("ts"))
+                if rec.get("replayed"):  # sent before by a courier killed before it moved the position
+                    self.ensure_run(continuing=True)
+                else:
+                    self.ensure_run(reopen=bool(rec.get("reopen")))
+                floors = dict(self.floors)  # the run may be another one now
+        flush()
+        self.dropped += dropped
+        return sent
+
+    def _deliver_report(self, rec: dict[str, Any]) -> None:
+        """Draw a `keras_sync.callbacks.SyncReport` picture from its data and upload it.
+
+        A picture that cannot be drawn is skipped with a warning; an upload that fails raises
+        (retried with the batch, like any other record).
+        """
+        import shutil
+        import tempfile
+        from pathlib import Path
+
+        from keras_sync.tracking.report_plot import SyncHistory, render
+
+        tmp = Path(tempfile.mkdtemp(prefix="keras-sync-report-"))
+        try:
+            path = tmp / rec["f"]
+            try:
+                render(SyncHistory.from_dict(rec["h"]), path)
+            except Exception as e:  # noqa: BLE001 - a picture must never stop the delivery
+                _log.warning("keras-sync could not draw %s (%s: %s); the metrics are delivered as usual.",
+                             rec["f"], type(e).__name__, e)
+                return
+            self._call(self.client().log_artifact, self.run_id, str(path), rec.get("dir"))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _send_batch(self, metrics: list[Any], params: list[Any], tags: list[Any]) -> None:
+        c = self.client()
+        try:
+            self._call(c.log_batch, self.run_id, metrics=metrics, params=params, tags=tags)
+        except Exception as e:
+            if is_transient(e) or not params:
+                raise
+            # A param logged before with another value is refused for good (params are
+            # immutable); send the rest without it rather than retry the batch forever.
+            self._call(c.log_batch, self.run_id, metrics=metrics, params=[], tags=tags)
+            for p in params:
+                try:
+                    self._call(c.log_batch, self.run_id, params=[p])
+                except Exception as pe:
+                    if is_transient(pe):
+                        raise
+                    _log.warning("MLflow refused param %r (logged before with another value?); "
+                                 "it is dropped, the rest of the batch was delivered.", p.key)

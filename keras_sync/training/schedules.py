@@ -1,0 +1,128 @@
+"""Keras learning-rate schedules: gradual warmup to the scaled peak (Goyal et al. 2017).
+
+This module imports Keras; `keras_sync` imports it only when a schedule is asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
+
+@keras.saving.register_keras_serializable(package="keras_sync")
+class GradualWarmup(keras.optimizers.schedules.LearningRateSchedule):
+    """Linear warmup from ``start_lr`` to ``peak_lr`` over ``warmup_steps``, then ``peak_lr``
+    (or ``after``, a schedule that takes over counting from the end of the warmup).
+
+    ``lr(step) = start_lr + (peak_lr - start_lr) * step / warmup_steps`` for ``step < warmup_steps``
+    (Goyal et al. 2017, "Accurate, Large Minibatch SGD", section 2.2, gradual warmup).
+    Same values as `keras_sync.training.scaling.warmup_learning_rate`.
+
+    Args:
+        start_lr: learning rate at step 0 (the unscaled base rate).
+        peak_lr: learning rate reached at ``warmup_steps`` (the scaled rate).
+        warmup_steps: number of optimizer steps of the warmup, >= 1.
+        after: optional schedule applied from the end of the warmup, called with
+            ``step - warmup_steps``.
+
+    Example:
+        >>> sched = GradualWarmup(0.1, 0.4, warmup_steps=3)
+        >>> [round(float(sched(s)), 6) for s in range(5)]
+        [0.1, 0.2, 0.3, 0.4, 0.4]
+    """
+
+    def __init__(
+        self,
+        start_lr: float,
+        peak_lr: float,
+        warmup_steps: int,
+        after: keras.optimizers.schedules.LearningRateSchedule | None = None,
+        name: str = "GradualWarmup",
+    ):
+        super().__init__()
+        if int(warmup_steps) < 1:
+            raise ValueError(
+                f"Invalid value for argument `warmup_steps`. Received: warmup_steps={warmup_steps}. "
+                "Expected an integer >= 1 (use the plain learning rate when there is no warmup)."
+            )
+        self.start_lr = float(start_lr)
+        self.peak_lr = float(peak_lr)
+        self.warmup_steps = int(warmup_steps)
+        self.after = after
+        self.name = name
+
+    def __call__(self, step: Any = None) -> Any:
+        if step is None:
+            # A Keras 2 (tf_keras) optimizer takes a schedule it does not know for a plain callable
+            # and calls it with no step (a TypeError from inside TensorFlow before this).
+            from keras_sync.errors import UsageError
+
+            raise UsageError(
+                "sync.lr_schedule()'s warmup was called without a step, as a Keras 2 optimizer (tf_keras, or tf.keras "
+                "with TF_USE_LEGACY_KERAS=1) does; keras-sync supports Keras 3 only. Fix: build the model and its "
+                "optimizer with `import keras` rather than tf.keras/tf_keras, and unset TF_USE_LEGACY_KERAS.")
+        ops = keras.ops
+        step = ops.cast(step, "float32")
+        warm = ops.convert_to_tensor(float(self.warmup_steps), "float32")
+        frac = ops.minimum(step, warm) / warm
+        warm_lr = self.start_lr + (self.peak_lr - self.start_lr) * frac
+        if self.after is None:
+            return warm_lr
+        return ops.where(step < warm, warm_lr, ops.cast(self.after(step - warm), "float32"))
+
+    def get_config(self) -> dict[str, Any]:
+        return {
+            "start_lr": self.start_lr,
+            "peak_lr": self.peak_lr,
+            "warmup_steps": self.warmup_steps,
+            "after": keras.optimizers.schedules.serialize(self.after) if self.after is not None else None,
+            "name": self.name,
+        }
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> GradualWarmup:
+        config = dict(config)
+        if config.get("after") is not None:
+            config["after"] = keras.optimizers.schedules.deserialize(config["after"])
+        return cls(**config)
+
+
+#: Keras callbacks that set ``optimizer.learning_rate`` (which Keras refuses on a schedule).
+LR_SETTING_CALLBACKS = ("ReduceLROnPlateau", "LearningRateScheduler")
+
+
+def schedule_name(optimizer: Any) -> str | None:
+    """The class name of ``optimizer``'s learning-rate schedule, or None when its rate is settable
+    (a float/variable). Read from the public `get_config` (a wrapped optimizer: its inner one)."""
+    opt = getattr(optimizer, "inner_optimizer", optimizer)  # LossScaleOptimizer (mixed_float16)
+    try:
+        rate = opt.get_config().get("learning_rate")
+    except Exception:  # an optimizer that cannot describe itself: Keras decides at run time
+        return None
+    if isinstance(rate, dict):
+        return str(rate.get("class_name") or "LearningRateSchedule")
+    return None
+
+
+def check_lr_callbacks(model: Any, callbacks: Any, method: str = "fit") -> None:
+    """Refuse, before training, a callback that sets the learning rate of an optimizer that has a schedule.
+
+    Keras raises "This optimizer was created with a `LearningRateSchedule` ... not settable" at
+    the first epoch end (ReduceLROnPlateau) or begin (LearningRateScheduler), after an epoch of
+    work; ``sync.lr_schedule()`` gives a schedule whenever a warmup is configured.
+    """
+    from keras_sync.errors import UsageError
+
+    setters = [type(cb).__name__ for cb in callbacks or ()
+               if isinstance(cb, tuple(getattr(keras.callbacks, n) for n in LR_SETTING_CALLBACKS))]
+    name = schedule_name(getattr(model, "optimizer", None)) if setters else None
+    if name is None:
+        return
+    ours = " from sync.lr_schedule(), the learning_rate warmup" if name == GradualWarmup.__name__ else ""
+    raise UsageError(
+        f"callbacks of sync.{method}: {setters[0]} sets the optimizer's learning rate, but the optimizer was given a "
+        f"schedule ({name}{ours}), whose rate Keras cannot set (it would stop with a TypeError after the first "
+        f"epoch). Fix: keep {setters[0]} and give the optimizer a float (sync.learning_rate; remove "
+        "learning_rate.warmup_steps/warmup_epochs), or keep the warmup and give the decay as a schedule after it, "
+        f"sync.lr_schedule(after=keras.optimizers.schedules.ExponentialDecay(...)), without {setters[0]}.")

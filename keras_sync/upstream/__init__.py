@@ -1,0 +1,1 @@
+"""Private Keras, TensorFlow and MLflow internals behind probes, and the fixes that use them."""

@@ -1,0 +1,287 @@
+"""Fixes for upstream Keras bugs that break distributed `fit`, applied where probes allow.
+
+Each fix cites its upstream issue. Whether it can be applied is decided by probing the
+internals it patches (`keras_sync.upstream.internals`, feature ``multi_worker_fit``), not by the
+Keras version number: a Keras that moved one is refused with one line. Results with the
+fixes equal plain Keras on one device (see tests/test_keras_compat.py). No TensorFlow or
+Keras import at module import time.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# keras-team/keras#20585 is present from Keras 3.0 and still in 3.15.1 (measured here); the
+# canary test (tests/test_keras_compat.py) says when plain Keras stops failing.
+_PATCH_MARK = "_keras_sync_multi_worker_fix"
+
+
+def _is_multi_worker(strategy: Any) -> bool:
+    import tensorflow as tf
+
+    from keras_sync.upstream.strategy_facts import in_multi_worker_mode
+
+    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and in_multi_worker_mode(strategy)
+
+
+def apply_multi_worker_fixes() -> bool:
+    """Make Keras 3 `model.fit` work under a multi-worker `MultiWorkerMirroredStrategy`.
+
+    keras-team/keras#20585 (also tensorflow/tensorflow#72388): under MWMS with more
+    than one worker, `fit` fails twice in `keras/src/backend/tensorflow/trainer.py`:
+
+    1. `TensorFlowTrainer._maybe_symbolic_build` all-reduces the first (tuple)
+       data batch with `strategy.reduce("MEAN", ..., axis=None)` only to learn its
+       shapes, which fails for a nested structure of `PerReplica`. We give it the
+       first local replica's batch instead: same shapes and dtypes, no collective.
+    2. `reduce_per_replica` reduces the logs with `strategy.reduce("MEAN", v,
+       axis=0)`; the logs are scalars ("Invalid reduction dimension 0 for input
+       with 0 dimensions"). For scalars we reduce across replicas only
+       (`axis=None`), which is the mean Keras reports on one machine.
+
+    3. keras-team/keras#19246 under MWMS: with ``steps_per_execution > 1`` Keras's
+       multi-step function calls the one-step `tf.function` inside a `tf.while_loop`
+       and a `tf.cond`; with the multi-worker collectives in it, running it fails with
+       "You must feed a value for placeholder tensor 'while/.../cond/Placeholder_1'".
+       We give Keras the one-step Python function instead of its nested `tf.function`
+       (`_autoconvert_optionals` receives it), so the step is traced inline into the
+       multi-step function: the same ops, no nested function call. Measured (Keras
+       3.15.1, one strategy per process, 2 workers): steps_per_execution 4 gives the
+       weights of 1 (max |dw| 0.0). Applied when its probes pass (feature
+       ``multi_worker_steps_per_execution``); `check_steps_per_execution` refuses
+       ``steps_per_execution > 1`` under multi-worker MWMS when they do not.
+
+    All patches only change behaviour when the strategy is a multi-worker MWMS;
+    every other call goes to the original Keras code.
+
+    Returns:
+        True: the fixes are active (now or from an earlier call).
+
+    Raises:
+        CompatibilityError: the installed Keras no longer has the internals patched here.
+    """
+    from keras_sync.upstream import internals as _internals
+
+    _internals.require("multi_worker_fit")
+    from keras import tree
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    if getattr(tf_trainer.reduce_per_replica, _PATCH_MARK, False):
+        return True
+
+    original_reduce = tf_trainer.reduce_per_replica
+    original_build = tf_trainer.TensorFlowTrainer._maybe_symbolic_build
+
+    def reduce_per_replica(values: Any, strategy: Any, reduction: str) -> Any:
+        tpu = tf_trainer._is_tpu_strategy(strategy)
+        if reduction not in ("auto", "mean") or tpu or not _is_multi_worker(strategy):
+            return original_reduce(values, strategy, reduction)
+
+        def _reduce(v: Any) -> Any:
+            first = v.values[0] if tf_trainer._is_per_replica_instance(v) else v
+            if tf_trainer._is_scalar(first):
+                return strategy.reduce("MEAN", v, axis=None)
+            return original_reduce(v, strategy, reduction)
+
+        return tree.map_structure(_reduce, values)
+
+    def _maybe_symbolic_build(self: Any, iterator: Any = None, data_batch: Any = None) -> Any:
+        strategy = self._distribute_strategy
+        if iterator is not None and strategy is not None and _is_multi_worker(strategy):
+            import tensorflow as tf
+
+            def first_replica(x: Any) -> Any:
+                if isinstance(x, tf.distribute.DistributedValues):
+                    return strategy.experimental_local_results(x)[0]
+                return x
+
+            for *_, it in iterator:  # (step, it) in Keras 3.10, (begin, end, it) later
+                data_batch = tree.map_structure(first_replica, next(it))
+                break
+            iterator = None
+        return original_build(self, iterator=iterator, data_batch=data_batch)
+
+    setattr(reduce_per_replica, _PATCH_MARK, True)
+    setattr(_maybe_symbolic_build, _PATCH_MARK, True)
+    # `make_train_function` looks `reduce_per_replica` up in the module at trace time.
+    tf_trainer.reduce_per_replica = reduce_per_replica
+    tf_trainer.TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build
+    if _internals.missing("multi_worker_steps_per_execution") is None:
+        _apply_multi_step_fix()
+    return True
+
+
+def _apply_multi_step_fix() -> None:
+    """Fix 3 of `apply_multi_worker_fixes`: the one-step function traced inline into the multi-step loop."""
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    cls = tf_trainer.TensorFlowTrainer
+    if getattr(cls._autoconvert_optionals, _PATCH_MARK, False):
+        return
+    original = cls._autoconvert_optionals
+
+    def _autoconvert_optionals(self: Any, step_func: Any) -> Any:
+        strategy = self._distribute_strategy
+        inner = getattr(step_func, "python_function", None)  # the function a `tf.function` wraps
+        if inner is not None and int(self.steps_per_execution or 1) > 1 and strategy is not None \
+                and _is_multi_worker(strategy):
+            if self.jit_compile:
+                # The nested function carried jit_compile; the multi-step function Keras compiles without it.
+                logger.warning("keras-sync: under multi_worker_mirrored with steps_per_execution=%s the train step "
+                               "runs without XLA (keras-team/keras#19246 workaround).", self.steps_per_execution)
+            step_func = inner
+        return original(self, step_func)
+
+    setattr(_autoconvert_optionals, _PATCH_MARK, True)
+    cls._autoconvert_optionals = _autoconvert_optionals
+
+
+_END_OF_DATA_MARK = "_keras_sync_end_of_data_fix"
+
+
+def _closure_value(function: Any, name: str) -> Any:
+    """The value a nested function closes over under ``name`` (None if it does not)."""
+    code = getattr(function, "__code__", None)
+    names = code.co_freevars if code is not None else ()
+    if name not in names or function.__closure__ is None:
+        return None
+    return function.__closure__[names.index(name)].cell_contents
+
+
+def apply_end_of_data_fix() -> bool:
+    """Stop Keras from running a step past the end of an unknown-cardinality dataset.
+
+    With ``steps_per_execution == 1``, Keras 3.10-3.15 (`TensorFlowTrainer._make_function`)
+    learns that a dataset whose length it does not know (``from_generator``, ``rebatch``,
+    ``filter``...) has ended by running one more train step on ``iterator.get_next()`` and
+    catching ``OutOfRangeError``. The ops of that step that do not read the batch still run:
+    ``optimizer.iterations`` and every dropout seed move by one per epoch (measured: 17
+    optimizer steps per 16-batch epoch on the default strategy, plain Keras 3.15.1). The
+    learning-rate schedule, warmup, gradient-accumulation boundaries and the step a backup
+    records all drift from the batches really trained on, silently. Fixed upstream on Keras
+    master (keras-team/keras#23179, July 2026: ``get_next_as_optional`` first, no step at the
+    end); no release had it when this was written.
+
+    We do what that fix does, around Keras's own one-step function (taken from the closure of
+    the function `_make_function` returns, so the step, its tracing and XLA flag are Keras's):
+    ask the iterator for an optional batch, raise StopIteration when there is none, else run
+    the step. A Keras whose function already asks for optionals (the fix) is left alone; one
+    whose closure has moved keeps its own behaviour (probe: ``_internals`` feature
+    ``end_of_data``). Applies to every strategy; under `MultiWorkerMirroredStrategy`
+    ``get_next_as_optional`` agrees on the end across workers, as Keras's multi-step path does.
+
+    Returns:
+        True when the fix is active, False when this Keras does not need it or cannot take it.
+    """
+    from keras_sync.upstream import internals as _internals
+
+    if not _internals.available(_internals.END_OF_DATA):
+        logger.info("keras-sync: this Keras's train function has moved; an unknown-cardinality dataset may "
+                    "advance optimizer.iterations once per epoch (keras-team/keras#23179)")
+        return False
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    cls = tf_trainer.TensorFlowTrainer
+    if getattr(cls._make_function, _END_OF_DATA_MARK, False):
+        return True
+    keras_function = _internals.nested_code(_internals.MAKE_FUNCTION, "function")
+    if keras_function is not None and "get_next_as_optional" in keras_function.co_names:
+        return False  # this Keras has the upstream fix
+    original = cls._make_function
+
+    @functools.wraps(original)  # the probes read Keras's code through __wrapped__
+    def _make_function(self: Any, step_function: Any) -> Any:
+        function = original(self, step_function)
+        one_step = _closure_value(function, "one_step_on_data")
+        if one_step is None:
+            return function
+        import tensorflow as tf
+
+        iterators = (tf.data.Iterator, tf.distribute.DistributedIterator)
+
+        def function_stopping_at_end(iterator: Any) -> Any:
+            if int(self.steps_per_execution or 1) != 1 or not isinstance(iterator, iterators):
+                return function(iterator)
+            batch = iterator.get_next_as_optional()
+            if not batch.has_value():
+                raise StopIteration
+            return one_step(batch.get_value())
+
+        return function_stopping_at_end
+
+    setattr(_make_function, _END_OF_DATA_MARK, True)
+    cls._make_function = _make_function
+    return True
+
+
+_KEPT_MARK = "_keras_sync_keeps_dropped_iterator"
+#: The attribute of a Keras epoch iterator that keeps the distributed iterator its last `reset` dropped.
+KEPT_ITERATOR = "_keras_sync_dropped_iterator"
+
+
+def apply_iterator_release_fix() -> bool:
+    """Keep the distributed iterator an epoch iterator drops alive until its next `reset`.
+
+    Under any `tf.distribute` strategy, Keras 3's `fit`, `evaluate` and `predict` make a
+    distributed iterator only to read the first batch's shapes (`_maybe_symbolic_build`) and
+    drop it at once (`EpochIterator.reset`). Its `MultiDeviceIterator` is then destroyed while
+    its background thread may still be reading the next batch, and that thread calls into the
+    freed pipeline: the process dies with SIGSEGV or "pure virtual method called" (measured on
+    TensorFlow 2.21 / Keras 3.15.1, plain Keras under `OneDeviceStrategy` with validation data,
+    no keras-sync: 2 of 2 processes under load; gdb shows the thread in
+    ``MultiDeviceBuffer::BackgroundThread -> GetNext`` while the main thread destroys the iterator
+    from ``epoch_iterator.py reset``; ``~MultiDeviceBuffer`` skips its wait when that thread has not
+    marked itself started). Kept until the next `reset` of the same epoch iterator (or its end),
+    the dropped iterator's threads have finished their read by the time it is destroyed. Costs one
+    iterator's prefetch buffers per epoch iterator.
+
+    Returns:
+        True when the fix is active (probe: ``_internals`` feature ``iterator_release``).
+    """
+    from keras_sync import _internals
+
+    if not _internals.available(_internals.EPOCH_ITERATOR_RESET):
+        logger.info("keras-sync: this Keras's EpochIterator.reset has moved; the iterator it drops is not kept "
+                    "(a process may crash under load when a strategy's iterator is destroyed mid-read)")
+        return False
+    from keras.src.trainers import epoch_iterator
+
+    cls = epoch_iterator.EpochIterator
+    if getattr(cls.reset, _KEPT_MARK, False):
+        return True
+    original = cls.reset
+
+    @functools.wraps(original)
+    def reset(self: Any) -> Any:
+        # The one kept from the reset before is released now: its threads have long finished.
+        setattr(self, KEPT_ITERATOR, getattr(self, "_current_iterator", None))
+        return original(self)
+
+    setattr(reset, _KEPT_MARK, True)
+    cls.reset = reset
+    return True
+
+
+def check_steps_per_execution(model: Any, strategy: Any) -> None:
+    """Make sure `steps_per_execution > 1` can run under a multi-worker MWMS, or refuse it in one line.
+
+    keras-team/keras#19246: Keras's multi-step loop fails under a multi-worker
+    `MultiWorkerMirroredStrategy`; fix 3 of `apply_multi_worker_fixes` makes it train. When the
+    Keras internals that fix relies on have moved, ``steps_per_execution > 1`` is refused there.
+    Every other strategy (and one worker) trains any value with plain Keras (measured:
+    `MirroredStrategy` steps_per_execution 4 == 1).
+
+    Raises:
+        CompatibilityError: a multi-worker MWMS, ``steps_per_execution > 1``, and the fix cannot be applied.
+    """
+    steps = int(getattr(model, "steps_per_execution", 1) or 1)
+    if steps <= 1 or not _is_multi_worker(strategy):
+        return
+    from keras_sync.upstream import internals as _internals
+
+    _internals.require("multi_worker_steps_per_execution")
+    _apply_multi_step_fix()  # already on when the strategy came from keras-sync; a user's own MWMS too
