@@ -333,14 +333,11 @@ def test_fits_and_evaluates_under_a_strategy_survive_a_busy_machine(tmp_path):
     # Measured before the fix, under load: plain Keras under OneDeviceStrategy, 8 fits with
     # validation, 4 of 6 processes died; this script without the fix died in 1 of 2; CI lost the
     # whole test_epoch module to it once. Two busy loops beside the process make the race likely.
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
-    try:
+    from _busy import busy_loops
+
+    with busy_loops(2):
         r = subprocess.run([sys.executable, "-c", _MANY_EVALUATES], cwd=tmp_path,
                            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), capture_output=True, text=True,
                            timeout=840)
-    finally:
-        for p in busy:
-            p.kill()
-            p.wait()
     assert r.returncode == 0, f"exit {r.returncode}:\n{r.stderr[-3000:]}"
     assert r.stdout.split() == ["done"]

@@ -566,8 +566,9 @@ def test_busy_cores_do_not_stop_delivery(in_tmp, sqlite_uri):
     w.start()
     w.log_metrics({"m0": 0.0}, step=-1)
     assert _settled(w)  # the courier is up
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
-    try:
+    from _busy import busy_loops
+
+    with busy_loops(2):
         for s in range(1000):
             w.log_metrics({f"m{i}": float(s) for i in range(10)}, step=s)
             if s % 100 == 0:
@@ -576,10 +577,6 @@ def test_busy_cores_do_not_stop_delivery(in_tmp, sqlite_uri):
             warnings.simplefilter("always")
             w.end_of_fit()
         assert not warned and w.undelivered_message() is None, [str(x.message) for x in warned]
-    finally:
-        for p in busy:
-            p.kill()
-            p.wait()
     assert _history(sqlite_uri, w.run_id, "m3") == list(range(1000))
     w.close()
 

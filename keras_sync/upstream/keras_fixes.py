@@ -242,7 +242,7 @@ def apply_iterator_release_fix() -> bool:
     Returns:
         True when the fix is active (probe: ``_internals`` feature ``iterator_release``).
     """
-    from keras_sync import _internals
+    from keras_sync.upstream import internals as _internals
 
     if not _internals.available(_internals.EPOCH_ITERATOR_RESET):
         logger.info("keras-sync: this Keras's EpochIterator.reset has moved; the iterator it drops is not kept "
