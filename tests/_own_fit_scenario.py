@@ -178,6 +178,8 @@ with gan_sync.scope():
     gan = GanWithCall()
     gan.compile(keras.optimizers.SGD(0.02, momentum=0.9), keras.optimizers.SGD(0.03, momentum=0.8))
 gan_sync.fit(gan, x, y, epochs=1, verbose=0)
-result["gan_run_id"] = gan_sync.run_id
+# fit returns before MLflow has created the run on a busy machine (run_id is None until then): wait for it.
+result["gan_run_id"] = current_writer(gan_sync).wait_for_run(300)
+gan_sync.close()
 with open(out_path, "w") as f:
     json.dump(result, f)
