@@ -136,18 +136,19 @@ class SpoolDir:
         if not (self.path / "header.json").exists():
             _atomic_write(self.path / "header.json", json.dumps(header))
 
-    def header(self) -> dict[str, Any] | None:
+    def _read_json(self, name: str, missing: Any) -> Any:
+        """The JSON file ``name`` of the spool, or ``missing`` when it is absent or half-written."""
         try:
-            return json.loads((self.path / "header.json").read_text())
+            return json.loads((self.path / name).read_text())
         except (OSError, ValueError):
-            return None
+            return missing
+
+    def header(self) -> dict[str, Any] | None:
+        return self._read_json("header.json", None)
 
     def run(self) -> dict[str, Any]:
         """``{"run_id": ..., "experiment_id": ...}`` once the deliverer knows the run, else ``{}``."""
-        try:
-            return json.loads((self.path / "run.json").read_text())
-        except (OSError, ValueError):
-            return {}
+        return self._read_json("run.json", {})
 
     def set_run(self, run_id: str, experiment_id: str | None, begin: Position | None = None) -> None:
         """Name the run the records go to; ``begin``: the position of the "begin" record that chose it."""
@@ -157,10 +158,7 @@ class SpoolDir:
         _atomic_write(self.path / "run.json", json.dumps(record))
 
     def status(self) -> dict[str, Any] | None:
-        try:
-            return json.loads((self.path / "status.json").read_text())
-        except (OSError, ValueError):
-            return None
+        return self._read_json("status.json", None)
 
     def set_status(self, status: dict[str, Any]) -> None:
         _atomic_write(self.path / "status.json", json.dumps(status))
