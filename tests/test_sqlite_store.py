@@ -43,6 +43,7 @@ def test_missing_folder_is_one_clear_error(tmp_path: Path) -> None:
 def test_existing_file_is_left_alone(tmp_path: Path) -> None:
     db = tmp_path / "mlflow.db"
     db.write_bytes(b"")
+    os.utime(db, (0, 0))  # not being written (a file that changes is waited for: see the in-place test)
     assert ensure_sqlite_store(f"sqlite:///{db}") is False
     assert db.read_bytes() == b""
 
@@ -107,3 +108,45 @@ def test_a_folder_that_refuses_the_store_is_named_with_its_cause_at_once(tmp_pat
             ensure_sqlite_store(f"sqlite:///{full}/mlflow.db")
         assert time.monotonic() - t0 < 10  # no child process, no MLflow: the OS says it at once
         assert _leftovers(full) == [] and list(full.iterdir()) == []
+
+
+_MLFLOW_BUILDS_IN_PLACE = """
+import sys
+from mlflow import MlflowClient
+MlflowClient(tracking_uri=sys.argv[1]).search_experiments(max_results=1)
+print("built", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_store_mlflow_builds_in_place_meanwhile_is_waited_for_not_migrated_twice(tmp_path: Path) -> None:
+    """A user's own MlflowClient (made before fit, as scripts do) builds the store in place, in ~60
+    migrations, while the courier opens it: the courier waits for the schema's last migration instead
+    of running the migrations a second time beside it (CI: "table _alembic_tmp_model_version_tags
+    already exists", the run lost)."""
+    import time
+
+    from mlflow import MlflowClient
+
+    target = tmp_path / "mlflow.db"
+    uri = f"sqlite:///{target}"
+    user = subprocess.Popen([sys.executable, "-c", _MLFLOW_BUILDS_IN_PLACE, uri], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not target.exists() and user.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert target.exists() and user.poll() is None, "the user's client did not start building"
+        assert ensure_sqlite_store(uri) is False  # not ours to build: it waits for the one being built
+        experiments = MlflowClient(tracking_uri=uri).search_experiments()
+        assert [e.name for e in experiments] == ["Default"]
+    finally:
+        out, err = user.communicate(timeout=300)
+    assert user.returncode == 0 and out.strip() == "built", err[-2000:]
+    assert _schema(target)[1] == _schema_head()
+
+
+def _schema_head() -> str:
+    from mlflow.store.db.utils import _get_latest_schema_revision
+
+    return _get_latest_schema_revision()

@@ -52,7 +52,10 @@ def ensure_sqlite_store(uri: str, *, timeout_s: float = 300.0) -> bool:
     process building the same store) is waited for instead of building a second copy.
     """
     path = sqlite_path(uri)
-    if path is None or path.exists():
+    if path is None:
+        return False
+    if path.exists():
+        _wait_while_built_in_place(path.absolute(), timeout_s)
         return False
     path = path.absolute()
     check_creatable(uri)
@@ -77,6 +80,58 @@ def ensure_sqlite_store(uri: str, *, timeout_s: float = 300.0) -> bool:
                 leftover.unlink()
             except FileNotFoundError:
                 pass
+
+
+#: A store below its schema's head whose file has not changed for this long is not being built.
+_SETTLED_S = 10.0
+
+
+def _wait_while_built_in_place(path: Path, timeout_s: float) -> None:
+    """Wait while another client (a user's own ``MlflowClient``, an ``mlflow server``) builds ``path``.
+
+    MLflow builds a store in place, one migration after another; a second client that opens it
+    meanwhile finds tables missing and runs the migrations again beside the first: both fail
+    ("table ... already exists"). A store at its schema's head is used at once (one small read);
+    any other is waited for while it changes. One that stays below the head without changing (an old
+    MLflow's store, or one whose builder was killed) is left to MLflow, which names what it finds.
+    """
+    head = _schema_head()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        version = _schema_version(path)
+        if head is None or version == head:
+            return
+        journal = path.with_name(path.name + "-journal")
+        try:
+            quiet_s = time.time() - max(p.stat().st_mtime for p in (path, journal) if p.exists())
+        except (OSError, ValueError):
+            quiet_s = 0.0
+        if (quiet_s >= _SETTLED_S and not journal.exists()) or time.monotonic() >= deadline:
+            return
+        time.sleep(0.05)
+
+
+def _schema_head() -> str | None:
+    """The schema revision this MLflow builds stores at, or None when MLflow does not say."""
+    try:
+        from mlflow.store.db.utils import _get_latest_schema_revision
+
+        return _get_latest_schema_revision()
+    except Exception:  # noqa: BLE001 - a private MLflow helper: without it, nothing is waited for
+        return None
+
+
+def _schema_version(path: Path) -> str | None:
+    """The store's alembic revision, read only; None while it has none (or is locked, or not sqlite)."""
+    import sqlite3
+    from contextlib import closing
+
+    try:
+        with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=1.0)) as db:
+            row = db.execute("SELECT version_num FROM alembic_version").fetchone()
+    except sqlite3.Error:
+        return None
+    return row[0] if row else None
 
 
 def _wait_for_live_builder(path: Path, timeout_s: float) -> bool:
