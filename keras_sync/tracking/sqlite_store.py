@@ -49,7 +49,8 @@ def ensure_sqlite_store(uri: str, *, timeout_s: float = 300.0) -> bool:
     Any other URI, or a store file that already exists, is left alone. The schema is built in
     ``.<name>.keras-sync-creating-<pid>-<id>`` beside the target, then linked
     into place. Leftovers of builders that were killed are removed. A live builder's file (another
-    process building the same store) is waited for instead of building a second copy.
+    process building the same store) is waited for instead of building a second copy, and so is a
+    store that MLflow itself builds in place (a user's own client): until its last migration.
     """
     path = sqlite_path(uri)
     if path is None:
@@ -60,6 +61,7 @@ def ensure_sqlite_store(uri: str, *, timeout_s: float = 300.0) -> bool:
     path = path.absolute()
     check_creatable(uri)
     if _wait_for_live_builder(path, timeout_s):
+        _wait_while_built_in_place(path, timeout_s)  # it may be MLflow's own, still being built
         return False  # another process built it meanwhile
     _remove_leftovers(path)
     tmp = path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
@@ -70,7 +72,8 @@ def ensure_sqlite_store(uri: str, *, timeout_s: float = 300.0) -> bool:
         _build(tmp, path)
         try:
             os.link(tmp, path)  # atomic; FileExistsError if another process published first
-        except FileExistsError:
+        except FileExistsError:  # published meanwhile: by a builder like this one, or in place by MLflow
+            _wait_while_built_in_place(path, timeout_s)
             return False
         _log.debug("created the MLflow sqlite store %s", path)
         return True
