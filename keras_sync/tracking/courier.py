@@ -15,7 +15,7 @@ deliver what is left (a restarted job or ``keras-sync sync-spool`` delivers the 
 whose run had ended and was all delivered is then removed. While MLflow is unreachable it
 retries with backoff (0.5 s up to 30 s).
 
-Run as ``python -m keras_sync.tracking.courier SPOOL_DIR PARENT_PID`` with the tracking URI (credentials
+Run as ``python -m keras_sync.tracking.courier_main SPOOL_DIR PARENT_PID`` with the tracking URI (credentials
 included) in ``$KERAS_SYNC_COURIER_URI``, never on the command line or on disk.
 """
 
@@ -43,6 +43,8 @@ from keras_sync.tracking.redact import redact_text, secrets_of
 MAX_BACKOFF_S = 30.0
 #: How often the courier looks for new records; what it finds goes in one batch.
 POLL_S = 0.1
+#: What the courier runs as (``python -m``): its own module, which the package does not import.
+ENTRY_MODULE = "keras_sync.tracking.courier_main"
 URI_ENV = "KERAS_SYNC_COURIER_URI"
 HEADER_ENV = "KERAS_SYNC_COURIER_HEADER"
 PIPE_ENV = "KERAS_SYNC_COURIER_PIPES"
@@ -64,7 +66,7 @@ def spawn(spool: SpoolDir, tracking_uri: str, header: dict[str, Any] | None = No
     # The child must import this very keras_sync, installed or not.
     root = str(Path(__file__).resolve().parents[2])  # keras_sync/tracking/courier.py -> the directory holding keras_sync
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    return subprocess.Popen([sys.executable, "-m", "keras_sync.tracking.courier", str(spool.path), str(os.getpid())],
+    return subprocess.Popen([sys.executable, "-m", ENTRY_MODULE, str(spool.path), str(os.getpid())],
                             stdin=subprocess.DEVNULL, env=env, close_fds=True, pass_fds=pipe_fds or ())
 
 
@@ -311,6 +313,3 @@ def main(argv: list[str]) -> int:
             raise
     return 0  # the spool directory went away under us: nothing left to deliver
 
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv))
