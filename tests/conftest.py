@@ -259,3 +259,28 @@ def autolog_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
             "multi_worker": json.loads((out / "multi_worker.json").read_text()),
             "out": out, "mw_dir": mw_dir, "sqlite": sqlite_uri, "mw_sqlite": f"sqlite:///{mw_dir / 'mlflow.db'}",
             "logs": logs}
+
+
+# CPU seconds per test, the figure to compare a speed change by on a shared machine (the wall clock
+# follows the load): KERAS_SYNC_TEST_CPU=FILE appends one line per test phase, "<user+sys s> <phase>
+# <node id>", counting this process and the children it waited for (a scenario's TensorFlow
+# process; not an orphaned courier). `sort -rn FILE | head` lists the costliest.
+_CPU_LOG = os.environ.get("KERAS_SYNC_TEST_CPU")
+
+
+def _cpu_now() -> float:
+    import resource
+
+    return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                   resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    if not _CPU_LOG:
+        yield
+        return
+    start = _cpu_now()
+    yield
+    with open(_CPU_LOG, "a") as fh:
+        fh.write(f"{_cpu_now() - start:.1f} test {item.nodeid}\n")
