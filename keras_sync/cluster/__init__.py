@@ -136,6 +136,15 @@ def is_chief(cluster: Mapping[str, Any], task_type: str, task_id: int) -> bool:
     return "chief" not in cluster and task_type == "worker" and task_id == 0
 
 
+def chief_task(cluster: Mapping[str, Any]) -> tuple[str, int]:
+    """The task `is_chief` names among the training jobs; TensorFlow's coordination service runs there too.
+
+    >>> chief_task({"chief": ["a:1"], "worker": ["b:1"]}), chief_task({"worker": ["a:1", "b:1"]})
+    (('chief', 0), ('worker', 0))
+    """
+    return ("chief", 0) if cluster.get("chief") else ("worker", 0)
+
+
 def _error(what: str, received: Any, fix: str) -> ClusterError:
     shown = received if len(str(received)) < 300 else str(received)[:300] + "..."
     return ClusterError(f"{what}. Received: {shown}. {fix}")

@@ -18,7 +18,7 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from keras_sync.cluster import TRAINING_JOBS
+from keras_sync.cluster import TRAINING_JOBS, chief_task
 from keras_sync.errors import PeerLostError
 
 # Exit code of a worker that lost a peer: 75 = EX_TEMPFAIL ("temporary failure; retry").
@@ -64,7 +64,7 @@ def lost_peers(text: str, cluster: Mapping[str, Sequence[str]], me: tuple[str, i
     peers = [t for t in dict.fromkeys((j, int(i)) for j, i in named) if t in tasks and t != me]
     if peers:
         return peers
-    leader = ("chief", 0) if ("chief", 0) in tasks else ("worker", 0)
+    leader = chief_task(cluster)  # the coordination service's host
     if me != leader and leader in tasks:
         return [leader]
     return [t for t in tasks if t != me]
