@@ -930,7 +930,7 @@ def test_calls_to_a_server_see_its_uri_as_the_process_wide_one_and_nothing_leaks
 
 def test_a_big_batch_is_split_over_segments_and_read_back_in_order(tmp_path):
     # A writer that fell behind on a busy machine appends thousands of records at once (CI saw 3
-    # segments and 1.06 MB left for 5,000 steps): the deliverer deletes whole segments only.
+    # segments and 1.06 MB left for 5,000 steps): the courier deletes whole segments only.
     from keras_sync.tracking.spool import SEGMENT_BYTES, SpoolDir
 
     spool = SpoolDir(tmp_path)

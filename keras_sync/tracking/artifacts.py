@@ -1,7 +1,7 @@
 """Artifact files and models that travel through the MLflow spool.
 
 The training process copies (or saves) them into a staging directory next to the spool,
-``<name>.files/``, and queues a record naming the staged path; the deliverer (the courier, or
+``<name>.files/``, and queues a record naming the staged path; the courier process (or
 ``keras-sync sync-spool``) uploads them in order with the metrics and removes each staged copy
 once MLflow has it. So an artifact outlives an outage or a killed process exactly as a metric
 point does, and the caller may change or delete its own file at once.
@@ -9,7 +9,7 @@ point does, and the caller may change or delete its own file at once.
 Records (`keras_sync.tracking.records`): `FILE` ``{"src": path, "dir": artifact_dir}`` (a file or a
 directory of files) and `MODEL` ``{"src": dir, "name": name, "step": step}`` (a directory written by an MLflow
 flavour's ``save_model``; it becomes a LoggedModel of the run, as ``mlflow.keras.log_model``
-would make it). MLflow is imported by the deliverer only.
+would make it). MLflow is imported by the courier only.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def remove_staging_if_empty(spool_path: str | os.PathLike[str]) -> None:
 def deliver(client: Any, run_id: str, rec: dict[str, Any], call: Callable[..., Any]) -> None:
     """Upload one staged record to the run, then remove its staged copy.
 
-    ``call(fn, *args)`` wraps every MLflow call (the deliverer's fast-fail settings). A staged
+    ``call(fn, *args)`` wraps every MLflow call (the courier's fast-fail settings). A staged
     path that no longer exists was delivered by an earlier attempt that stopped before it could
     record so: nothing is sent again.
     """

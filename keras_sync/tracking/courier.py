@@ -33,7 +33,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
-from keras_sync.tracking.deliver import Deliverer, is_transient, refused_credentials
+from keras_sync.tracking.deliver import RunSender, is_transient, refused_credentials
 from keras_sync.tracking.records import (BEGIN, CREDENTIALS, END, MAX_BATCH, METRICS, REFUSED, STOP, STORE_FAILING,
                                          UNREACHABLE, is_last_record, is_remote)
 from keras_sync.tracking.spool import Position, SpoolDir
@@ -125,10 +125,10 @@ class Delivery:
         self.uri = tracking_uri or header["tracking_uri"]
         self.secrets = secrets_of(self.uri, os.environ)
         self.shown_uri = redact_text(self.uri, self.secrets)
-        self.deliverer = Deliverer(self.uri, header["experiment"], header.get("run_name"), header.get("job_id"),
+        self.sender = RunSender(self.uri, header["experiment"], header.get("run_name"), header.get("job_id"),
                                    explicit=bool(header.get("explicit")), run_id=header.get("run_id"))
         # Found or created by an earlier courier of this spool (checked again before use).
-        self.deliverer.run_id = self.known_run.get("run_id")
+        self.sender.run_id = self.known_run.get("run_id")
         self.max_batch = max_batch
         self.ended = False  # the writer's last record is delivered and nothing follows it
         self.run_ended = False  # the run's end is delivered and no begin since (the writer may go on)
@@ -160,15 +160,15 @@ class Delivery:
             begin = chunk[0][0] if records[0]["k"] == BEGIN and spooled else None
             if begin is not None:
                 known = self.known_run
-                if known.get("begin") == list(begin) and known.get("run_id") == self.deliverer.run_id:
+                if known.get("begin") == list(begin) and known.get("run_id") == self.sender.run_id:
                     records = [{**records[0], "replayed": True}]  # delivered before: its run, as it is now
-            run_before = self.deliverer.run_id
-            sent += self.deliverer.send(records)
+            run_before = self.sender.run_id
+            sent += self.sender.send(records)
             if self.failing:
                 # "ok" before the new position: a writer that sees delivery move must not read the
                 # old failure with it (close() would give up on a server that is back, run left RUNNING).
                 self.report(None)
-            if self.deliverer.run_id != run_before or records[0]["k"] == BEGIN:
+            if self.sender.run_id != run_before or records[0]["k"] == BEGIN:
                 self._set_run(begin)
             if spooled:
                 self.pos = chunk[-1][0]
@@ -206,7 +206,7 @@ class Delivery:
             self._news = None
 
     def _set_run(self, begin: Position | None) -> None:
-        run_id, exp_id = self.deliverer.run_id, self.deliverer.experiment_id
+        run_id, exp_id = self.sender.run_id, self.sender.experiment_id
         self.known_run = {"run_id": run_id, "experiment_id": exp_id, **({"begin": list(begin)} if begin else {})}
         try:
             self.spool.set_run(run_id, exp_id, begin)
@@ -303,7 +303,7 @@ def main(argv: list[str]) -> int:
         threading.Thread(target=delivery.read_pipe, args=(os.fdopen(records_in, "rb"),), daemon=True).start()
     sys.stderr = sys.stdout = _Scrubbed(sys.stderr, delivery.secrets)
     try:  # import MLflow before the first batch arrives
-        delivery.deliverer.client()
+        delivery.sender.client()
     except Exception:  # noqa: BLE001 - the first delivery reports it
         pass
     try:

@@ -79,7 +79,7 @@ def refused_credentials(exc: BaseException) -> int | None:
     return _CREDENTIAL_CODES.get(getattr(exc, "error_code", None) or "")
 
 
-class Deliverer:
+class RunSender:
     """Sends spooled records to one MLflow run through `MlflowClient`.
 
     Args:
@@ -131,7 +131,7 @@ class Deliverer:
         """Return (run id, whether it changed now): find, reopen or create the job's run.
 
         ``reopen``: the writer of this run logs again after ending it (``begin`` with ``reopen``):
-        the run this deliverer was writing is continued even if FINISHED.
+        the run this sender was writing is continued even if FINISHED.
         ``continuing``: the records are the rest of a session whose run an earlier courier of the
         spool chose (``self.run_id``, from run.json): they go to that run as it is, ended or not,
         its status untouched (what follows a run's end: a "stop", a report, a replayed batch).

@@ -2,13 +2,13 @@
 
 The writer (`keras_sync.tracking.MlflowWriter`) appends records to the spool
 (`keras_sync.tracking.spool`, its files); the courier (`keras_sync.tracking.courier`) reads them in
-order and the deliverer (`keras_sync.tracking.deliver`) sends them to one MLflow run. A record is one
+order and its `RunSender` (`keras_sync.tracking.deliver`) sends them to one MLflow run. A record is one
 JSON object per line whose ``"k"`` is its kind. The kinds keep their short spellings on disk (a spool
 left by an earlier version is still delivered by ``keras-sync sync-spool``); code names them by the
 constants below, never by the letter.
 
 ==============  =============================================================================
-kind            fields, and what the deliverer does with it
+kind            fields, and what the courier does with it
 ==============  =============================================================================
 `BEGIN`         ``ts`` (start, ms); ``reopen`` when the writer logs again after ending its run
                 (the next ``fit``); the courier adds ``replayed`` to one it sent before. Picks

@@ -1,7 +1,7 @@
-"""The spool: the one interface between a training process and the deliverer of its metrics.
+"""The spool: the one interface between a training process and the courier of its metrics.
 
 A spool is a directory per run, ``<spool_dir>/<job id>/``. The training process appends
-records to numbered segment files and never waits for MLflow; the deliverer
+records to numbered segment files and never waits for MLflow; the courier
 (`keras_sync.tracking.courier`) reads them in order, sends them, records how far it got and deletes
 the segments it has delivered. Nothing else passes between the two:
 
@@ -11,9 +11,9 @@ the segments it has delivered. Nothing else passes between the two:
 ``NNNNNNNN.jsonl`` segments, one JSON record per line; a segment is complete once a later one
                    exists (a writer starts a new one every `SEGMENT_BYTES` and at each start)
 ``delivered``      ``"<segment> <offset>"``: every record before it is in MLflow
-``run.json``       the MLflow run id and experiment id, once the deliverer has the run
-``status.json``    the deliverer's last outcome: ``{"ok": true}`` or the error and its kind
-``writer.lock``    held (flock) by the live writer; ``deliver.lock`` by the live deliverer
+``run.json``       the MLflow run id and experiment id, once the courier has the run
+``status.json``    the courier's last outcome: ``{"ok": true}`` or the error and its kind
+``writer.lock``    held (flock) by the live writer; ``deliver.lock`` by the live courier
 ``reserve``        16 KB the writer keeps free, for the records that end a run whose spool
                    filled its disk (`keras_sync.tracking.handover`)
 =================  ===========================================================================
@@ -27,7 +27,7 @@ The records in the segments (their kinds and fields), the causes of a failed del
 MLflow's limits are the protocol's other half: `keras_sync.tracking.records`.
 
 The delivered position moves only after MLflow accepted a batch, so a crash in between re-sends
-a batch at worst; the deliverer drops points at steps a metric already has, so a re-send or a
+a batch at worst; the courier drops points at steps a metric already has, so a re-send or a
 job that trains steps again after a restore never puts two points at one (key, step).
 
 Nothing here imports MLflow at import time.
@@ -78,7 +78,7 @@ class SpoolFull(OSError):
 
 
 class SpoolDir:
-    """One run's spool directory: segments written by the writer, read and pruned by the deliverer."""
+    """One run's spool directory: segments written by the writer, read and pruned by the courier."""
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
@@ -89,7 +89,7 @@ class SpoolDir:
         #: Set by `append` when it found the spool deleted under it and made it again (see `_remade`).
         self.remade: str | None = None
 
-    # -- locks: one writer and one deliverer at a time --
+    # -- locks: one writer and one courier at a time --
     def lock(self, role: str) -> bool:
         """Take ``writer.lock`` or ``deliver.lock`` until `unlock`; False if a live process holds it."""
         if fcntl is None or role in self._locks:
@@ -105,7 +105,7 @@ class SpoolDir:
         return True
 
     def wait_lock(self, role: str) -> None:
-        """Take the lock, waiting for its holder (a deliverer left by a crashed process) to end."""
+        """Take the lock, waiting for its holder (a courier left by a crashed process) to end."""
         if fcntl is None or role in self._locks:
             return
         self.path.mkdir(parents=True, exist_ok=True)
@@ -130,7 +130,7 @@ class SpoolDir:
         if fh is not None:
             fh.close()
 
-    # -- the header, the run id and the deliverer's status --
+    # -- the header, the run id and the courier's status --
     def write_header(self, header: dict[str, Any]) -> None:
         self._header = header
         if not (self.path / "header.json").exists():
@@ -147,7 +147,7 @@ class SpoolDir:
         return self._read_json("header.json", None)
 
     def run(self) -> dict[str, Any]:
-        """``{"run_id": ..., "experiment_id": ...}`` once the deliverer knows the run, else ``{}``."""
+        """``{"run_id": ..., "experiment_id": ...}`` once the courier knows the run, else ``{}``."""
         return self._read_json("run.json", {})
 
     def set_run(self, run_id: str, experiment_id: str | None, begin: Position | None = None) -> None:
@@ -189,7 +189,7 @@ class SpoolDir:
         """Append records, flush them to the OS, return the position just past the last one.
 
         A big batch is split over segments of about `SEGMENT_BYTES` (a writer that fell behind on
-        a busy machine appends thousands of records at once): the deliverer deletes whole
+        a busy machine appends thousands of records at once): the courier deletes whole
         segments, so the spool stays small however the records arrive.
         """
         lines = [json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in records]
@@ -242,7 +242,7 @@ class SpoolDir:
     def _remake(self) -> None:
         """The open segment was deleted (the spool directory removed by someone while the run logs):
         make the directory again (header, writer lock) and copy the segment's records back from the
-        open file into a new segment, so the deliverer finds them. Earlier segments not yet delivered
+        open file into a new segment, so the courier finds them. Earlier segments not yet delivered
         are gone with the directory."""
         size = self._fh.tell()
         data = os.pread(self._fh.fileno(), size, 0)
@@ -267,7 +267,7 @@ class SpoolDir:
             self._fh.close()
             self._fh = None
 
-    # -- reading and pruning (the deliverer only) --
+    # -- reading and pruning (the courier only) --
     def delivered(self) -> Position:
         try:
             seg, off = (self.path / "delivered").read_text().split()
