@@ -888,24 +888,23 @@ def test_run_identity_follows_the_backup_and_the_explicit_job_id(sqlite_uri, tmp
     assert f"keras-sync: metrics go to MLflow at {sqlite_uri}, experiment {exp!r}, run {first}; " \
            f"view it with: mlflow ui --backend-store-uri {sqlite_uri}" in err, err
     assert "not created yet" not in err
-    second, _ = _fit(config, tmp_path, "second")
-    assert second != first
-    for run_id in (first, second):
-        assert _one_point_per_step(sqlite_uri, run_id) == steps
-        assert MlflowClient(sqlite_uri).get_run(run_id).info.status == "FINISHED"
-    # Killed after step 13 (last backup after step 10): the relaunch restores it and continues that run.
+    assert _one_point_per_step(sqlite_uri, first) == steps
+    assert MlflowClient(sqlite_uri).get_run(first).info.status == "FINISHED"
+    # The same job again, killed after step 13 (last backup after step 10): a new run (the first
+    # is finished), and the relaunch restores the backup and continues that new run.
     _, err = _fit(config, tmp_path, "crashed", crash_at=13)
     record = json.loads((tmp_path / "backup" / "keras_sync_run.json").read_text())
     assert record["job_id"] and (tmp_path / "myspool").is_dir()
+    assert record["run_id"] != first
     resumed, err = _fit(config, tmp_path, "resumed")
     assert "resumed from the backup" in err
-    assert resumed not in (first, second) and (record["run_id"] in (None, resumed))
+    assert resumed != first and (record["run_id"] in (None, resumed))
     assert _one_point_per_step(sqlite_uri, resumed) == steps
     assert MlflowClient(sqlite_uri).get_run(resumed).info.status == "FINISHED"
     assert not (tmp_path / "backup").exists()
     # The explicit job id: two jobs share one run (and still one point per step).
     shared = [_fit(config, tmp_path, f"shared{i}", env={"KERAS_SYNC_JOB_ID": "exp-42"})[0] for i in range(2)]
-    assert shared[0] == shared[1] and shared[0] not in (first, second, resumed)
+    assert shared[0] == shared[1] and shared[0] not in (first, resumed)
     assert _one_point_per_step(sqlite_uri, shared[0]) == steps
 
 
