@@ -8,7 +8,11 @@ sqlite store, the model of the issue (2 simulated CPU replicas, Dense 8-16-1, pe
 16). A fit's time is what the user waits for: from calling `sync.fit` to its return. After each
 process has exited, MLflow is read: the run must be FINISHED and hold every step logged (the
 exit waits for what `fit` left to deliver in the background; that wait is shown apart).
-A case's figure is the median over the pairs of (fit with metrics) / (fit without).
+A case's figure is the median over the pairs of (fit with metrics) / (fit without). Beside it,
+``cpu``: the same median of CPU seconds (the training process's threads and its courier, the least
+over the timed fits), which a shared machine's load moves far less than wall time: on a busy
+machine tf.data adds a 5-20 s wait to a fit's teardown, metrics or not, so wall ratios there
+swing from 0.5x to 2x between pairs.
 
 Cases (goals from the issue):
 
@@ -76,14 +80,32 @@ def child(args: argparse.Namespace) -> int:
         model.compile(optimizer=keras.optimizers.SGD(sync.lr_schedule()), loss="mse")
     if args.warm:
         sync.fit(model, x, y, epochs=1, shuffle=False, verbose=0)
-    took = []
+    took, cpu = [], []
     for _ in range(args.repeat):
+        c0 = _cpu_s()
         t0 = time.perf_counter()
         sync.fit(model, x, y, epochs=1, shuffle=False, verbose=0)
         took.append(time.perf_counter() - t0)
+        cpu.append(_cpu_s() - c0)
     with open(args.out, "w") as fh:
-        json.dump({"fit_s": min(took), "fits_s": took, "returned_at": time.time(), "run_id": sync.run_id}, fh)
+        json.dump({"fit_s": min(took), "fits_s": took, "cpu_s": min(cpu), "returned_at": time.time(),
+                   "run_id": sync.run_id}, fh)
     return 0  # the exit waits for what is left to deliver (atexit)
+
+
+def _cpu_s() -> float:
+    """CPU seconds used so far by this process (every thread) and its running children (the courier)."""
+    t = os.times()
+    total = t.user + t.system
+    me, tick = str(os.getpid()), os.sysconf("SC_CLK_TCK")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if stat[1] == me:
+            total += (int(stat[11]) + int(stat[12])) / tick
+    return total
 
 
 def run_child(case: str, metrics: str, uri: str, out: str) -> dict:
@@ -147,10 +169,10 @@ def main() -> int:
     for case in args.cases.split(","):
         busy_n, steps, warm, every, store, goal, _ = CASES[case]
         busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy_n)]
-        ratios, on_s, off_s, waits, checks, raw = [], [], [], [], [], {}
+        ratios, on_s, off_s, waits, checks, raw, cpu_ratios = [], [], [], [], [], {}, []
         try:
             for i in range(args.pairs):
-                times = {}
+                times, cpus = {}, {}
                 for metrics in (("off", "on") if i % 2 == 0 else ("on", "off")):
                     d = os.path.join(tmp, f"{case}-{i}-{metrics}")
                     os.makedirs(d)
@@ -162,22 +184,27 @@ def main() -> int:
                         uri = f"sqlite:///{d}/mlflow.db"  # fresh: created by this process
                     res = run_child(case, metrics, uri, os.path.join(d, "out.json"))
                     times[metrics] = res["fit_s"]
+                    cpus[metrics] = res["cpu_s"]
                     raw.setdefault(metrics, []).append(res["fits_s"])
                     if metrics == "on":
                         waits.append(res["exit_wait_s"])
                         checks.append(check_mlflow(uri, case) if store != "down" else "-")
                 ratios.append(times["on"] / times["off"])
+                cpu_ratios.append(cpus["on"] / cpus["off"])
                 on_s.append(times["on"])
                 off_s.append(times["off"])
                 print(f"{case} pair {i + 1}: off {times['off']:.2f}s, on {times['on']:.2f}s, ratio {ratios[-1]:.3f} "
                       f"(every fit: off {' '.join(f'{t:.2f}' for t in raw['off'][-1])}, "
                       f"on {' '.join(f'{t:.2f}' for t in raw['on'][-1])}), "
-                      f"exit wait {waits[-1]:.2f}s, MLflow at exit: {checks[-1]}", file=sys.stderr, flush=True)
+                      f"exit wait {waits[-1]:.2f}s, MLflow at exit: {checks[-1]}; CPU s (process + courier, least of "
+                      f"the timed fits) off {cpus['off']:.2f}, on {cpus['on']:.2f}, ratio {cpu_ratios[-1]:.3f}",
+                      file=sys.stderr, flush=True)
         finally:
             for p in busy:
                 p.kill()
                 p.wait()
-        rows.append((case, busy_n, steps, warm, every, goal, statistics.median(ratios), off_s, on_s, waits, checks))
+        rows.append((case, busy_n, steps, warm, every, goal, statistics.median(ratios), off_s, on_s, waits, checks,
+                     statistics.median(cpu_ratios)))
 
     import keras_sync
 
@@ -185,11 +212,11 @@ def main() -> int:
           f"per case (fresh process and sqlite store each); load average {load0:.1f} at start, "
           f"{os.getloadavg()[0]:.1f} at end (keras-sync {keras_sync.__version__})")
     print(f"{'case':<12}{'busy':>5}{'steps':>6}{'warm':>5}{'every':>8}{'ratio':>8}{'goal':>7}  "
-          f"{'off s (raw)':<22}{'on s (raw)':<22}{'exit wait s':<20}in MLflow at exit")
-    for case, busy_n, steps, warm, every, goal, ratio, off_s, on_s, waits, checks in rows:
+          f"{'cpu':>7}  {'off s (raw)':<22}{'on s (raw)':<22}{'exit wait s':<20}in MLflow at exit")
+    for case, busy_n, steps, warm, every, goal, ratio, off_s, on_s, waits, checks, cpu_ratio in rows:
         fmt = lambda v: " ".join(f"{t:.2f}" for t in v)  # noqa: E731
         print(f"{case:<12}{busy_n:>5}{steps:>6}{'yes' if warm else 'no':>5}{'default' if every is None else every:>8}"
-              f"{ratio:>7.3f}x{'<=' + format(goal, 'g'):>7}  {fmt(off_s):<22}{fmt(on_s):<22}{fmt(waits):<20}"
+              f"{ratio:>7.3f}x{'<=' + format(goal, 'g'):>7}{cpu_ratio:>6.3f}x  {fmt(off_s):<22}{fmt(on_s):<22}{fmt(waits):<20}"
               f"{sum(c == 'ok' for c in checks)}/{len(checks)} ok" + ("" if all(c == "ok" for c in checks) else
                                                                        f" ({', '.join(checks)})"))
     return 0
