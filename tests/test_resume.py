@@ -18,6 +18,7 @@ import pytest
 from _mwr import TRAIN, kill_and_resume, max_diff, result
 from keras_sync.training import resume
 from keras_sync.training.resume import ResumePoint, SaveSchedule, batches_to_skip, write_dir
+from keras_sync.errors import UsageError
 
 
 def test_doctests_pass() -> None:
@@ -39,7 +40,7 @@ def test_epoch_save_freq_saves_only_at_epoch_end() -> None:
 
 @pytest.mark.parametrize("bad", [0, -3, "batch", 2.5, True, None])
 def test_invalid_save_freq_names_value_and_expected(bad: object) -> None:
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(UsageError) as e:  # a KerasSyncError: one line, exit 2
         SaveSchedule(bad)  # type: ignore[arg-type]
     assert str(e.value) == (
         f"Invalid value for argument `save_freq`. Received: save_freq={bad!r}. "
@@ -60,7 +61,7 @@ def test_resume_point_mid_epoch() -> None:
 
 def test_step_not_multiple_of_steps_per_execution_is_refused_with_fix() -> None:
     assert batches_to_skip(ResumePoint(1, 4, 12), steps_per_execution=2) == 4
-    with pytest.raises(ValueError, match=r"taken at step 3 of epoch 1, which is not a multiple of "
+    with pytest.raises(UsageError, match=r"taken at step 3 of epoch 1, which is not a multiple of "
                                          r"steps_per_execution=2\. Resume with the steps_per_execution"):
         batches_to_skip(ResumePoint(1, 3, 11), steps_per_execution=2)
 

@@ -77,3 +77,11 @@ def test_warmup_steps_from_epochs():
         scaling.warmup_steps_from(warmup_epochs=1)
     with pytest.raises(ScalingError, match="Expected one of them"):
         scaling.warmup_steps_from(warmup_epochs=1, warmup_steps=2, steps_per_epoch=3)
+
+
+def test_a_warmup_of_no_steps_is_a_keras_sync_error_naming_the_value() -> None:
+    from keras_sync.errors import UsageError
+    from keras_sync.training.schedules import GradualWarmup
+
+    with pytest.raises(UsageError, match=r"Received: warmup_steps=0\. Expected an integer >= 1"):
+        GradualWarmup(0.1, 0.4, warmup_steps=0)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from keras_sync.errors import UsageError
+
 # Non-chief workers write their share of every checkpoint here (under MultiWorkerMirroredStrategy
 # each worker must take part in a save), then delete it: only the chief's copy is read back.
 WORKER_TMP_PREFIX = ".worker_tmp_"
@@ -45,7 +47,7 @@ class SaveSchedule:
 
     def __init__(self, save_freq: str | int):
         if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1):
-            raise ValueError(
+            raise UsageError(
                 f"Invalid value for argument `save_freq`. Received: save_freq={save_freq!r}. "
                 "Expected 'epoch' or an integer number of batches >= 1."
             )
@@ -90,7 +92,7 @@ def batches_to_skip(point: ResumePoint, steps_per_execution: int = 1) -> int:
     6
     """
     if point.step % steps_per_execution:
-        raise ValueError(
+        raise UsageError(
             f"The backup was taken at step {point.step} of epoch {point.epoch}, which is not a multiple of "
             f"steps_per_execution={steps_per_execution}. Resume with the steps_per_execution it was saved "
             "with, or delete the backup directory to start over."

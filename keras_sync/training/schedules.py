@@ -9,6 +9,8 @@ from typing import Any
 
 import keras
 
+from keras_sync.errors import UsageError
+
 
 @keras.saving.register_keras_serializable(package="keras_sync")
 class GradualWarmup(keras.optimizers.schedules.LearningRateSchedule):
@@ -42,7 +44,7 @@ class GradualWarmup(keras.optimizers.schedules.LearningRateSchedule):
     ):
         super().__init__()
         if int(warmup_steps) < 1:
-            raise ValueError(
+            raise UsageError(
                 f"Invalid value for argument `warmup_steps`. Received: warmup_steps={warmup_steps}. "
                 "Expected an integer >= 1 (use the plain learning rate when there is no warmup)."
             )
