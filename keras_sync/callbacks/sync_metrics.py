@@ -120,7 +120,7 @@ class SyncMetrics(keras.callbacks.Callback):
         self._keras_logs = True
         self._slow = _slow_worker.SlowWorkerWatch()
         self._returned: float | None = None  # when the train function last returned (time.time())
-        # Peaks of the steps since the last written point (`_reduce.window_peaks`), and how many.
+        # Peaks of the steps since the last written point (`keras_sync.measures.reduce.window_peaks`), and how many.
         self._window: dict[str, float] | None = None
         self._window_steps = 0
 
