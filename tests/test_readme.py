@@ -88,3 +88,12 @@ def test_sync_metrics_docstring_names_every_step_metric():
     assert len(logged) >= 10, f"the metric-name scan found too few names to be right: {sorted(logged)}"
     missing = sorted(n for n in logged if f"``{n}``" not in doc)
     assert not missing, f"metrics SyncMetrics logs that its docstring does not name: {missing}"
+
+
+def test_metrics_table_names_only_metrics_the_code_logs():
+    # The other direction: a metric renamed or removed in the code leaves no stale row behind.
+    rows = [line.split("|")[1] for line in _section("Sync metrics in MLflow").splitlines() if line.startswith("| `")]
+    listed = {n for cell in rows for n in re.findall(r"`(sync/[\w{}/]+)`", cell)}
+    assert len(listed) >= 10, f"the README metric rows scan found too few names to be right: {sorted(listed)}"
+    stale = sorted(listed - _logged_metric_names())
+    assert not stale, f"README's 'Sync metrics in MLflow' table names metrics keras_sync/ does not log: {stale}"
