@@ -108,6 +108,18 @@ def test_every_keras_sync_file_path_in_the_docs_exists():
     assert not missing, "the docs name files that do not exist (moved? renamed?):\n" + "\n".join(sorted(missing))
 
 
+def test_every_path_inside_a_part_in_the_docs_exists():
+    """`callbacks/sync_metrics.py`, `cli/run_plan.py`: a path that starts at one of the package's parts (paths into
+    TensorFlow, Keras or Ray sources, which docstrings cite, start elsewhere)."""
+    parts = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    missing = []
+    for where, text in _texts().items():
+        for path in set(re.findall(r"(?<![\w/.])((?:\w+/)+\w+\.py)\b", text)):
+            if path.split("/")[0] in parts and not (PACKAGE / path).exists():
+                missing.append(f"{where}: {path}")
+    assert not missing, "the docs name files of a part that do not exist (moved? renamed?):\n" + "\n".join(sorted(missing))
+
+
 def test_every_dotted_keras_sync_name_in_the_docs_exists():
     # Only literals that are no module: "keras_sync.tracking" (a module the code names in a string) must not
     # let every `keras_sync.tracking.<anything>` pass.
