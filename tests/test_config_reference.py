@@ -122,3 +122,23 @@ def test_a_key_without_a_doc_is_refused() -> None:
     with pytest.raises(UsageError, match="config key 'x.undocumented' has no doc: give its field in "
                                          "keras_sync/config/__init__.py a description"):
         config_reference._section_lines(Section, "x", "  ")
+
+
+def test_every_environment_variable_that_sets_a_key_is_named_where_precedence_is_told() -> None:
+    # ENV_KEYS is the one list of environment variables that set a config key. The key's own description
+    # (README reference row, template comment, errors), the template's header and README's precedence
+    # sentence are written by hand around it: a variable added to ENV_KEYS fails here until all say so.
+    import re
+
+    from keras_sync.config import ENV_KEYS
+    from keras_sync.config.reference import config_template
+
+    readme = (ROOT / "README.md").read_text()
+    precedence = re.search(r"^Precedence, shown by `keras-sync plan`:(.*?)> YAML file > default\.", readme, re.S | re.M)
+    assert precedence, "README lost its 'Precedence, shown by `keras-sync plan`: ...' sentence"
+    header = next(line for line in config_template().splitlines() if line.startswith("# Precedence:"))
+    for variable, key in ENV_KEYS.items():
+        row = next(line for line in readme.splitlines() if line.startswith(f"| `{key}` |"))
+        assert f"${variable}" in row, f"{key}'s description does not say ${variable} sets it: {row}"
+        assert f"`{variable}`" in precedence.group(1), f"README's precedence sentence does not name {variable}"
+        assert variable in header, f"the template's precedence line does not name {variable}: {header}"

@@ -57,3 +57,15 @@ def test_value_specs_named_in_the_config_key_recipe_exist() -> None:
     assert len(names) >= 5, names
     missing = [n for n in names if not isinstance(getattr(_fields, n, None), type)]
     assert not missing, f"CONTRIBUTING names value specs that keras_sync/config/specs.py does not have: {missing}"
+
+
+def test_layout_table_rows_are_the_import_layers_top_down() -> None:
+    # The table a newcomer reads first and `LAYERS`, the rule test_import_graph.py enforces, name the same parts
+    # in the same order: a part added, moved or renamed in one fails here until the other says so.
+    from test_import_graph import LAYERS
+
+    table = TEXT[TEXT.index("| part | what it holds | imports |"):].split("\n\n")[0]
+    rows = [line.split("|")[1] for line in table.splitlines()[2:]]
+    parts = [{re.sub(r"^keras_sync/__init__\.py$", "", name).removesuffix("/").removesuffix(".py")
+              for name in re.findall(r"`([^`]+)`", row)} for row in rows]
+    assert parts == [set(layer) for layer in reversed(LAYERS)], f"CONTRIBUTING layout rows {parts} vs LAYERS {LAYERS}"

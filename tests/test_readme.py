@@ -60,9 +60,9 @@ def test_feature_list_names_every_strategy_kind():
     assert listed == set(KINDS), f"README names kinds {sorted(listed)}; the kinds table has {sorted(KINDS)}"
 
 
-def _logged_metric_names() -> set[str]:
+def _logged_metric_names(paths=None) -> set[str]:
     names: set[str] = set()
-    for path in (ROOT / "keras_sync").rglob("*.py"):
+    for path in paths or (ROOT / "keras_sync").rglob("*.py"):
         for name in re.findall(r"""f?["'](sync/[\w{}/]+)["']""", path.read_text()):
             names.add(re.sub(r"(replica|worker)_\d+", r"\1_{i}", re.sub(r"\{\w+\}", "{i}", name)))
     return names
@@ -74,3 +74,26 @@ def test_metrics_table_has_a_row_for_every_metric_the_code_logs():
     assert len(logged) >= 10, f"the metric-name scan found too few names to be right: {sorted(logged)}"
     missing = sorted(n for n in logged if f"`{n}`" not in table)
     assert not missing, f"metrics logged by keras_sync/ with no row in README's 'Sync metrics in MLflow' table: {missing}"
+
+
+def test_sync_metrics_docstring_names_every_step_metric():
+    # SyncMetrics's class docstring lists its metrics for `help()` readers: a per-step metric added to it (or
+    # to the reductions it logs) without a line there fails here, as a README row does above.
+    import ast
+
+    source = ROOT / "keras_sync" / "callbacks" / "sync_metrics.py"
+    tree = ast.parse(source.read_text())
+    doc = next(ast.get_docstring(n) for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SyncMetrics")
+    logged = _logged_metric_names([source, *(ROOT / "keras_sync" / "measures").glob("*.py")])
+    assert len(logged) >= 10, f"the metric-name scan found too few names to be right: {sorted(logged)}"
+    missing = sorted(n for n in logged if f"``{n}``" not in doc)
+    assert not missing, f"metrics SyncMetrics logs that its docstring does not name: {missing}"
+
+
+def test_metrics_table_names_only_metrics_the_code_logs():
+    # The other direction: a metric renamed or removed in the code leaves no stale row behind.
+    rows = [line.split("|")[1] for line in _section("Sync metrics in MLflow").splitlines() if line.startswith("| `")]
+    listed = {n for cell in rows for n in re.findall(r"`(sync/[\w{}/]+)`", cell)}
+    assert len(listed) >= 10, f"the README metric rows scan found too few names to be right: {sorted(listed)}"
+    stale = sorted(listed - _logged_metric_names())
+    assert not stale, f"README's 'Sync metrics in MLflow' table names metrics keras_sync/ does not log: {stale}"

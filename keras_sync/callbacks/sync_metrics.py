@@ -36,10 +36,11 @@ class SyncMetrics(keras.callbacks.Callback):
       start of the step (including fetching its batch) to its logs; the first step of a `fit`
       includes tracing;
     - ``sync/examples_per_sec`` (all replicas) and ``sync/examples_per_sec_per_replica``;
-    - ``sync/window_max/loss``, ``.../loss_spread``, ``.../grad_norm``, ``.../grad_norm_spread``:
-      when a point stands for several steps (``log_every_n_steps`` > 1 or ``auto``), the largest
-      replica loss, loss spread, replica gradient norm and gradient-norm spread over those steps
-      (the ones still in the probe's ring), so a spike on a step that is not logged still shows;
+    - ``sync/window_max/loss``, ``sync/window_max/loss_spread``, ``sync/window_max/grad_norm``,
+      ``sync/window_max/grad_norm_spread``: when a point stands for several steps (``log_every_n_steps``
+      > 1 or ``auto``), the largest replica loss, loss spread, replica gradient norm and gradient-norm
+      spread over those steps (the ones still in the probe's ring), so a spike on a step that is not
+      logged still shows;
     - ``sync/learning_rate``: the learning rate the optimizer applied in that step;
     - ``sync/loss_scale``: the dynamic loss scale, with a `LossScaleOptimizer` (mixed_float16);
     - with 2 or more workers, ``sync/between_steps_ms/worker_{i}`` and ``sync/compute_ms/worker_{i}``:
@@ -120,7 +121,7 @@ class SyncMetrics(keras.callbacks.Callback):
         self._keras_logs = True
         self._slow = _slow_worker.SlowWorkerWatch()
         self._returned: float | None = None  # when the train function last returned (time.time())
-        # Peaks of the steps since the last written point (`_reduce.window_peaks`), and how many.
+        # Peaks of the steps since the last written point (`keras_sync.measures.reduce.window_peaks`), and how many.
         self._window: dict[str, float] | None = None
         self._window_steps = 0
 

@@ -545,7 +545,7 @@ class ClusterSource:
     resolver: Callable[[Any], Any]
 
 
-#: The allowed values of `strategy.cluster` (config.py reads the names from here).
+#: The allowed values of `strategy.cluster` (`keras_sync.config` reads the names from here).
 CLUSTER_SOURCES: dict[str, ClusterSource] = {
     "tf_config": ClusterSource(_read_tf_config, lambda cfg: None),
     "slurm": ClusterSource(_read_slurm, _slurm_resolver),

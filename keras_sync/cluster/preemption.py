@@ -215,7 +215,7 @@ _fits = 0  # fits started in this process: the same count on every worker, so it
 class PreemptionSaver:
     """Decides, at each batch or epoch end of one `fit`, whether a SIGTERM asks for the save now.
 
-    Used by `keras_sync.callbacks.BackupAndRestore` (``grace_period_s`` argument): `begin` at
+    Used by `keras_sync.BackupAndRestore` (``grace_period_s`` argument): `begin` at
     train begin, `save_due` / `save_due_at_epoch_end` at every batch / epoch end, `end` at train end.
     """
 

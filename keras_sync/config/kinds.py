@@ -1,11 +1,12 @@
 """The strategy kinds keras-sync knows: one entry each, and every question about a kind asks it.
 
-Pure Python (no TensorFlow): `config.py` validates `strategy.*` against this table, `strategy.py`
-finds each kind's builder and device layout here, `plan.py` and `session.py` ask whether a kind
-runs one process per worker and what ``batch.drop_remainder: auto`` means for it, and the config
-reference (`keras_sync.config.reference`) writes each kind's commented ``strategy:`` section of
-the ``keras-sync init`` template from its summary. Which `strategy.*` keys that section shows is
-declared on the keys themselves (the ``kinds`` metadata of the fields in `config.py`).
+Pure Python (no TensorFlow): `keras_sync.config` validates `strategy.*` against this table,
+`keras_sync.strategy` finds each kind's builder and device layout here, `keras_sync.cli.run_plan`
+and `keras_sync.session` ask whether a kind runs one process per worker and what
+``batch.drop_remainder: auto`` means for it, and the config reference (`keras_sync.config.reference`)
+writes each kind's commented ``strategy:`` section of the ``keras-sync init`` template from its
+summary. Which `strategy.*` keys that section shows is declared on the keys themselves (the ``kinds``
+metadata of the fields in `keras_sync/config/__init__.py`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 ``"cpu:1"`` and ``"CPU:1"`` all name ``"CPU:1"``.
 
 Used where a user's device list meets TensorFlow's (`strategy.devices`, checked against the
-logical devices; `_multi_worker.build_multi_worker_strategy(local_devices=...)`). TensorFlow is
+logical devices; `keras_sync.strategy.multi_worker.build_multi_worker_strategy(local_devices=...)`). TensorFlow is
 imported when a name is read, not at module import.
 """
 

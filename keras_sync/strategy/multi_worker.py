@@ -57,7 +57,10 @@ def local_cpu_devices() -> list[str]:
 
 
 def _normalize_devices(local_devices: list[str]) -> tuple[list[str], str]:
-    """``"/job:localhost/.../device:CPU:1"`` or ``"cpu:1"`` -> ``"CPU:1"`` (`_devices.canonical`); one device type only."""
+    """``"/job:localhost/.../device:CPU:1"`` or ``"cpu:1"`` -> ``"CPU:1"``; one device type only.
+
+    Each name is read by `keras_sync.strategy.devices.canonical`.
+    """
     if isinstance(local_devices, str) or not local_devices:
         raise StrategyError(
             "Invalid value for argument `local_devices`. "

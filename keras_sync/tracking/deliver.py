@@ -277,7 +277,7 @@ class RunSender:
         return sent
 
     def _deliver_report(self, rec: dict[str, Any]) -> None:
-        """Draw a `keras_sync.callbacks.SyncReport` picture from its data and upload it.
+        """Draw a `keras_sync.SyncReport` picture from its data and upload it.
 
         A picture that cannot be drawn is skipped with a warning; an upload that fails raises
         (retried with the batch, like any other record).

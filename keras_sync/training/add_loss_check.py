@@ -13,7 +13,7 @@ mean, ``ops.mean(x) * batch`` a sum), so it is measured once per `fit`, before t
 the terms are evaluated (`Layer.stateless_call`, inference mode, no state changes) on a few
 examples of the first batch and on the N equal shares the replicas would get. A term whose value
 on the whole equals the sum of its values on the shares, not their mean, sums over the batch:
-the check says so in one line (`_run_checks.Reporter`: MLflow tag ``keras_sync.check.add_loss``,
+the check says so in one line (`keras_sync.training.run_checks.Reporter`: MLflow tag ``keras_sync.check.add_loss``,
 ``checks.on_violation: error`` stops the fit). Cost: two forward passes of 2N examples.
 """
 

@@ -2,12 +2,12 @@
 
 Keras 3 (TensorFlow backend) runs `train_step` once per replica under `strategy.run`; the
 values we want exist only there, before the all-reduce. We wrap the model's `train_step`
-(Keras's own or the user's override): while it is *traced*, `_train_step_trace.capture` shims
+(Keras's own or the user's override): while it is *traced*, `keras_sync.training.train_step_trace.capture` shims
 the optimizer's ``apply`` (every ``apply_gradients`` goes through it) and the loss functions
 by pass-through functions that only remember the tensors they see. No op of the step is
 changed or reordered, so Keras's own `train_step` stays bit-identical to plain Keras
 (tests/test_sync_metrics.py checks the weights); a custom `train_step` whose loss is not
-divided by the replica count gets its gradients averaged (see `_train_step_trace`).
+divided by the replica count gets its gradients averaged (see `keras_sync.training.train_step_trace`).
 
 The wrapper writes ``[loss, grad_norm, examples_seen, learning_rate, step_count, loss_scale,
 compute_us]`` of the replica into row ``(step_count - 1) % ring`` of a ``tf.Variable(synchronization=ON_READ,
@@ -77,7 +77,8 @@ class ReplicaProbe:
         self.num_replicas = int(self.strategy.num_replicas_in_sync)
         self.custom_step = not has_default_train_step(model)
         self.gradients = gradients
-        #: The `_accumulate.GradientAccumulator` the model optimizer's updates go through (None: none).
+        #: The `keras_sync.training.accumulate.GradientAccumulator` the model optimizer's updates go
+        #: through (None: none).
         self.accumulator = accumulator
         self.per_replica_supported = True
         if not self.custom_step:
@@ -242,7 +243,7 @@ def instrument(model: Any, gradients: str | None = None, accumulator: Any = None
 
     ``gradients``: the `runtime.train_step_gradients` policy for a model that overrides
     `train_step` (``auto``, ``average``, ``sum``); None keeps the current one (or observes only).
-    ``accumulator``: a `_accumulate.GradientAccumulator` for the model's optimizer (None keeps
+    ``accumulator``: a `keras_sync.training.accumulate.GradientAccumulator` for the model's optimizer (None keeps
     the current one).
     The model keeps the wrapper after `fit` (a few cheap ops per step), so a second `fit` does
     not retrace. Call this before `fit` builds its train function (Keras callbacks' `set_model`

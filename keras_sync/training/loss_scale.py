@@ -139,7 +139,10 @@ def _handed_over(inner: Any, apply_fn: Callable[..., Any], sums: list[Any], trai
 
 
 def _can_pass() -> bool:
-    """Whether Keras's inner all-reduce is the one keras-sync can pass a sum through (probed, `_internals`)."""
+    """Whether Keras's inner all-reduce is the one keras-sync can pass a sum through.
+
+    Probed by `keras_sync.upstream.internals`.
+    """
     from keras_sync.upstream import internals as _internals
 
     global _passes

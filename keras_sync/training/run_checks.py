@@ -10,11 +10,11 @@ written for; these checks look at what happened, so an input nobody tried is lou
 - ``resume``: after a restored backup, the first step trains from the optimizer step restored;
 - ``learning_rate``: the optimizer's learning rate is the one keras-sync scaled (when the config's
   ``learning_rate`` section was written);
-- ``add_loss``: no `add_loss` term sums over the batch on several replicas (`_add_loss_check`);
+- ``add_loss``: no `add_loss` term sums over the batch on several replicas (`keras_sync.training.add_loss_check`);
 - ``direct_fit``: ``model.fit`` called on a model built in ``sync.scope()`` without keras-sync's
   callbacks (Keras's default batch, no scaling, no metrics).
 
-The counts come from the replica probe (`_instrument`, already written every step), read once per
+The counts come from the replica probe (`keras_sync.training.instrument`, already written every step), read once per
 epoch. A violation is one line on the chief and the MLflow tag ``keras_sync.check.<name>``; with
 ``checks.on_violation: error`` the fit stops with that line (`CheckFailed`).
 """
@@ -176,7 +176,7 @@ def _summed_over_workers(sync: Any, n: int) -> int:
 def checks_callback(sync: Any, *, global_batch: int, expected: int | None, data: Any = None) -> Any:
     """The Keras callback of these checks for one `fit` (put it last: it reads what the others restored).
 
-    ``data``: `fit`'s ``x``, for the ``add_loss`` check (`_add_loss_check`; None: not checked).
+    ``data``: `fit`'s ``x``, for the ``add_loss`` check (`keras_sync.training.add_loss_check`; None: not checked).
     """
     import keras
 

@@ -142,7 +142,7 @@ def _is_batch_norm(layer: Any) -> bool:
 
 def setup_callback(sync: Any) -> Any:
     """A Keras callback that, once `fit` has built the model, sets up accumulation, custom-step averaging
-    and the weighting of replicas by their examples (`_instrument._example_weight`)."""
+    and the weighting of replicas by their examples (`keras_sync.training.instrument._example_weight`)."""
     import keras
 
     class RuntimeSetup(keras.callbacks.Callback):
@@ -153,7 +153,7 @@ def setup_callback(sync: Any) -> Any:
 
             steps = sync.config.runtime.gradient_accumulation_steps
             # Always: several replicas' gradients weigh by their examples (an uneven last batch), and
-            # the run-time checks (`_run_checks`) count the examples of every step from the probe.
+            # the run-time checks (`keras_sync.training.run_checks`) count the examples of every step from the probe.
             accumulator = None
             if steps > 1:
                 from keras_sync.training.accumulate import GradientAccumulator

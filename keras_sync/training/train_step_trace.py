@@ -151,10 +151,10 @@ def capture(model: Any, record: dict[str, Any], *, custom_step: bool, policy: st
     ``record`` gets ``loss``, ``grads`` (every local gradient given to an optimizer), ``loss_scale``
     (a `LossScaleOptimizer`'s), ``scaled_by`` (what divided the loss by the replica count, if
     anything) and ``factor`` (what keras-sync multiplied the gradients by). ``example_weight``
-    (a scalar tensor, see `_instrument._example_weight`) multiplies the gradients too, when
+    (a scalar tensor, see `keras_sync.training.instrument._example_weight`) multiplies the gradients too, when
     `weighs_by_examples`. ``stamp`` (a function of tensors -> a timestamp after them), if given,
     times the first apply's gradients into ``reached``, before the apply's all-reduce. With an
-    ``accumulator`` (`_accumulate.GradientAccumulator`), the model optimizer's updates go through it.
+    ``accumulator`` (`keras_sync.training.accumulate.GradientAccumulator`), the model optimizer's updates go through it.
     """
     global _active
     record.update(grads=[], scaled_by=None, factor=1.0, custom_step=custom_step, policy=policy, n=num_replicas,

@@ -388,7 +388,7 @@ REGISTRY: tuple[Internal, ...] = (
              "no public API tells whether tf.random.set_seed was called; without it arrays with a backup get "
              "keras-sync's own seeded shuffle, whose order differs from a run without backup",
              has_attrs(_CONTEXT, "global_seed"), fallback=True),
-    # cluster.py: the cluster TF already joined, to catch a TF_CONFIG changed afterwards.
+    # keras_sync.cluster: the cluster TF already joined, to catch a TF_CONFIG changed afterwards.
     Internal("tensorflow.python.eager.context:context_safe", "multi_worker_strategy",
              "tensorflow#60706 check; without it a late TF_CONFIG change is not caught",
              has_attrs("tensorflow.python.eager.context", "context_safe"), fallback=True),

@@ -170,7 +170,7 @@ def apply_end_of_data_fix() -> bool:
     the function `_make_function` returns, so the step, its tracing and XLA flag are Keras's):
     ask the iterator for an optional batch, raise StopIteration when there is none, else run
     the step. A Keras whose function already asks for optionals (the fix) is left alone; one
-    whose closure has moved keeps its own behaviour (probe: ``_internals`` feature
+    whose closure has moved keeps its own behaviour (probe: ``keras_sync.upstream.internals`` feature
     ``end_of_data``). Applies to every strategy; under `MultiWorkerMirroredStrategy`
     ``get_next_as_optional`` agrees on the end across workers, as Keras's multi-step path does.
 
@@ -241,7 +241,7 @@ def apply_iterator_release_fix() -> bool:
     iterator's prefetch buffers per epoch iterator.
 
     Returns:
-        True when the fix is active (probe: ``_internals`` feature ``iterator_release``).
+        True when the fix is active (probe: ``keras_sync.upstream.internals`` feature ``iterator_release``).
     """
     from keras_sync.upstream import internals as _internals
 
