@@ -150,3 +150,21 @@ def _schema_head() -> str:
     from mlflow.store.db.utils import _get_latest_schema_revision
 
     return _get_latest_schema_revision()
+
+
+def test_a_store_below_the_head_that_nobody_writes_is_left_to_mlflow_at_once(tmp_path: Path) -> None:
+    """An older MLflow's store (or a half-built one whose builder died) is not waited for: MLflow
+    then names what it finds ("out-of-date database schema"), without keras-sync's wait before it."""
+    import time
+
+    from keras_sync.tracking import sqlite_store
+
+    db = tmp_path / "mlflow.db"
+    with sqlite3.connect(db) as con:
+        con.execute("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL)")
+        con.execute("INSERT INTO alembic_version VALUES ('0123456789ab')")
+    os.utime(db, (time.time() - 3600, time.time() - 3600))
+    t0 = time.monotonic()
+    assert ensure_sqlite_store(f"sqlite:///{db}") is False
+    assert time.monotonic() - t0 < sqlite_store._SETTLED_S * 0.75  # not the wait for a store being built
+    assert _schema(db)[1] == "0123456789ab"  # left as it was

@@ -85,8 +85,8 @@ def ensure_sqlite_store(uri: str, *, timeout_s: float = 300.0) -> bool:
                 pass
 
 
-#: A store below its schema's head whose file has not changed for this long is not being built.
-_SETTLED_S = 10.0
+#: A store below its schema's head whose schema has not moved for this long is not being built.
+_SETTLED_S = 20.0
 
 
 def _wait_while_built_in_place(path: Path, timeout_s: float) -> None:
@@ -94,22 +94,30 @@ def _wait_while_built_in_place(path: Path, timeout_s: float) -> None:
 
     MLflow builds a store in place, one migration after another; a second client that opens it
     meanwhile finds tables missing and runs the migrations again beside the first: both fail
-    ("table ... already exists"). A store at its schema's head is used at once (one small read);
-    any other is waited for while it changes. One that stays below the head without changing (an old
-    MLflow's store, or one whose builder was killed) is left to MLflow, which names what it finds.
+    ("table ... already exists"). A store at its schema's head is used at once (one small read), and
+    so is one whose file nobody has written for `_SETTLED_S`. Any other is waited for while its
+    schema moves (its revision or its tables); one that stays below the head without moving for
+    `_SETTLED_S` (an older MLflow's store in use, one whose builder was killed) is left to MLflow,
+    which names what it finds.
     """
     head = _schema_head()
+    if head is None:
+        return
     deadline = time.monotonic() + timeout_s
+    last, moved_at = None, time.monotonic()
     while True:
-        version = _schema_version(path)
-        if head is None or version == head:
+        state = _schema_state(path)
+        if state[0] == head:
             return
+        if state != last:
+            last, moved_at = state, time.monotonic()
         journal = path.with_name(path.name + "-journal")
         try:
-            quiet_s = time.time() - max(p.stat().st_mtime for p in (path, journal) if p.exists())
+            idle_s = time.time() - max(p.stat().st_mtime for p in (path, journal) if p.exists())
         except (OSError, ValueError):
-            quiet_s = 0.0
-        if (quiet_s >= _SETTLED_S and not journal.exists()) or time.monotonic() >= deadline:
+            idle_s = 0.0
+        if (idle_s >= _SETTLED_S and not journal.exists()) or time.monotonic() - moved_at >= _SETTLED_S \
+                or time.monotonic() >= deadline:
             return
         time.sleep(0.05)
 
@@ -124,17 +132,21 @@ def _schema_head() -> str | None:
         return None
 
 
-def _schema_version(path: Path) -> str | None:
-    """The store's alembic revision, read only; None while it has none (or is locked, or not sqlite)."""
+def _schema_state(path: Path) -> tuple[str | None, int]:
+    """The store's alembic revision (None while it has none) and its number of tables, read only."""
     import sqlite3
     from contextlib import closing
 
     try:
         with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=1.0)) as db:
-            row = db.execute("SELECT version_num FROM alembic_version").fetchone()
-    except sqlite3.Error:
-        return None
-    return row[0] if row else None
+            tables = db.execute("SELECT count(*) FROM sqlite_master WHERE type='table'").fetchone()[0]
+            try:
+                row = db.execute("SELECT version_num FROM alembic_version").fetchone()
+            except sqlite3.Error:
+                row = None
+    except sqlite3.Error:  # locked by the builder, or not sqlite
+        return None, -1
+    return (row[0] if row else None), int(tables)
 
 
 def _wait_for_live_builder(path: Path, timeout_s: float) -> bool:
