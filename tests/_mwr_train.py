@@ -1,6 +1,6 @@
 """A keras-sync training script for tests/test_multi_worker.py and tests/test_resume.py.
 
-Usage: python _mwr_train.py CONFIG_JSON OUT_DIR [--kill-at STEP --kill-task I --marker FILE]
+Usage: python _mwr_train.py CONFIG_JSON OUT_DIR [--kill-at STEP --kill-task I ... --marker FILE]
               [--term-at STEP [--in-collective]] [--wait-at STEP --wait-for FILE [--step-file FILE]]
               [--hold-at STEP --marker FILE]
               [--epochs N] [--no-shuffle] [--samples N]
@@ -9,7 +9,9 @@ CONFIG_JSON is a keras-sync config as JSON text (a dict, as keras_sync.load take
 `keras-sync launch` (TF_CONFIG set) or alone. Prints ``step <optimizer step> epoch <e> batch <b>``
 after every batch; worker I writes OUT_DIR/w<I>.json with the final weights, the replica count,
 the epoch losses and where it resumed. With --kill-at, task I sends itself SIGKILL after that
-optimizer step, once (the marker file records that it happened), as a preemption would.
+optimizer step, once (the marker file records that it happened), as a preemption would. Both may
+be repeated (the k-th --kill-at goes with the k-th --kill-task, task 0 when not given; marker
+FILE for the first, FILE.<k> for the others): one job killed again after each relaunch.
 With --term-at, task I gets SIGTERM while it trains that step instead (once, same marker): sent
 by itself just before the step, or with --in-collective by a child process 0.5 s later while
 the other workers hold that step back 2 s, so the signal lands inside the step's all-reduce.
@@ -54,8 +56,8 @@ def main() -> int:
     p.add_argument("config")
     p.add_argument("out_dir")
     p.add_argument("--epochs", type=int, default=4)
-    p.add_argument("--kill-at", type=int, default=None)
-    p.add_argument("--kill-task", type=int, default=0)
+    p.add_argument("--kill-at", type=int, action="append", default=[])
+    p.add_argument("--kill-task", type=int, action="append", default=[])
     p.add_argument("--marker", default=None)
     p.add_argument("--term-at", type=int, default=None)
     p.add_argument("--in-collective", action="store_true")
@@ -67,6 +69,9 @@ def main() -> int:
     p.add_argument("--no-shuffle", action="store_true")
     p.add_argument("--dropout", type=float, default=0.0, help="a Dropout layer: its seed state must resume too")
     ns = p.parse_args()
+    kills = [(at, ns.kill_task[k] if k < len(ns.kill_task) else 0, ns.marker if k == 0 else f"{ns.marker}.{k}")
+             for k, at in enumerate(ns.kill_at)]
+    ns.kill_task = ns.kill_task[0] if ns.kill_task else 0  # the task --term-at signals
     started = time.monotonic()
 
     import keras_sync
@@ -97,9 +102,10 @@ def main() -> int:
         def on_train_batch_end(self, batch, logs=None):
             step = int(self.model.optimizer.iterations.numpy())
             print(f"step {step} epoch {self._epoch} batch {batch}", flush=True)
-            if ns.kill_at == step and task == ns.kill_task and ns.marker and not os.path.exists(ns.marker):
-                open(ns.marker, "w").close()
-                os.kill(os.getpid(), signal.SIGKILL)
+            for at, victim, marker in kills:
+                if at == step and task == victim and ns.marker and not os.path.exists(marker):
+                    open(marker, "w").close()
+                    os.kill(os.getpid(), signal.SIGKILL)
             if ns.wait_at == step:
                 if ns.step_file:
                     open(ns.step_file, "w").close()

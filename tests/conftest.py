@@ -119,10 +119,10 @@ _XDIST_GROUPS = {"test_model_logging": "autolog_runs", "test_sync_report": "auto
 # test_keras_compat is the 12-02 figure scaled by its CPU ratio after/before (0.94); test_tracking
 # lost its busy-core test's measured saving (25 s of 63 s at load 20, halved to this scale).
 _LONGEST_FIRST = {
-    "test_tracking": 628, "test_multi_worker": 330, "test_own_fit": 240, "test_ray": 216, "autolog_runs": 212,
-    "test_runtime": 191, "test_keras_compat": 148, "test_backup_faults": 150, "test_epoch": 150,
+    "test_tracking": 628, "test_multi_worker": 300, "test_own_fit": 240, "test_ray": 216, "autolog_runs": 212,
+    "test_runtime": 191, "test_keras_compat": 148, "test_backup_faults": 150, "test_epoch": 135,
     "test_sync_metrics": 149, "test_pipeline": 137, "test_preemption": 115, "test_slurm": 114, "test_two_hosts": 112,
-    "test_launch": 91, "test_collective_calls": 72, "test_examples": 67, "test_cli": 61, "test_session": 61,
+    "test_launch": 91, "test_collective_calls": 72, "test_examples": 67, "test_cli": 61, "test_session": 45,
     "test_saving": 49, "test_cluster": 43,
     "test_resume": 34, "test_sqlite_store": 33, "test_fit_ends_run": 30, "test_weight_divergence": 28,
     "test_system_metrics": 25, "test_user_callbacks": 40,

@@ -1,8 +1,8 @@
 """An epoch trained as on one device: an uneven last batch, `batch_size` given to fit, run-time checks.
 
-Logical CPU devices are fixed once per process, so one device, 2 mirrored replicas and 2 workers
-(`keras-sync launch --workers 2`) each run tests/_epoch_scenarios.py (all at once); the tests
-compare what they recorded.
+Logical CPU devices are fixed once per process, so 2 mirrored replicas (then one device, on CPU:0
+of the same process) and 2 workers (`keras-sync launch --workers 2`) each run
+tests/_epoch_scenarios.py (both at once); the tests compare what they recorded.
 """
 
 from __future__ import annotations
@@ -27,19 +27,17 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("epoch")
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("TF_CONFIG", None)
-    procs = {n: subprocess.Popen([sys.executable, str(HERE / "_epoch_scenarios.py"), str(n), str(out / f"{n}.json")],
-                                 cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for n in COUNTS}
+    procs = {"devices": subprocess.Popen([sys.executable, str(HERE / "_epoch_scenarios.py"), "devices", str(out)],
+                                         cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)}
     # 2 workers (one replica each) through the CLI a user runs.
     keras_sync = Path(sys.executable).with_name("keras-sync")
     procs["mw"] = subprocess.Popen([str(keras_sync), "launch", "--workers", "2", str(HERE / "_epoch_scenarios.py"), "mw",
-                                    str(out / "mw.json")], cwd=out, env=env, stdout=subprocess.PIPE,
+                                    str(out)], cwd=out, env=env, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True)
-    results = {}
-    for n, proc in procs.items():
+    for name, proc in procs.items():
         log, _ = proc.communicate(timeout=480)
-        assert proc.returncode == 0, f"scenario process {n} failed:\n{log[-4000:]}"
-        results[n] = json.loads((out / f"{n}.json").read_text())
+        assert proc.returncode == 0, f"scenario process {name} failed:\n{log[-4000:]}"
+    results = {n: json.loads((out / f"{n}.json").read_text()) for n in (*COUNTS, "mw")}
     for n, r in results.items():
         bad = {k: v for k, v in r.items() if isinstance(v, dict) and "unexpected" in v}
         assert not bad, f"{n}: " + json.dumps(bad, indent=1)
@@ -130,7 +128,7 @@ def test_a_restore_over_the_backup_stops_the_fit_without_a_resume_line(runs):
 
 
 def test_a_violation_is_an_mlflow_tag(runs):
-    r = runs[2]["learning_rate_tag"]
+    r = runs[2]["learning_rate_warn"]  # the fit of test_learning_rate_check_says_the_compile_line_wins
     assert len(r["checks"]) == 1
     assert r["tags"] == {"keras_sync.check.learning_rate": r["checks"][0].removeprefix(
         "keras-sync: check learning_rate failed: ").removesuffix(". (checks.on_violation: warn)")}

@@ -1,7 +1,8 @@
 """`load()` and `Sync` on real strategies: MirroredStrategy over 2 and 4 simulated CPU replicas vs one device.
 
-Logical CPU devices are fixed once per process, so each replica count runs tests/_core_scenarios.py
-in its own subprocess (all three at once); the tests read what each process recorded.
+Logical CPU devices are fixed once per process, so each device split runs tests/_core_scenarios.py
+in its own subprocess (both at once): 4 replicas, and 2 replicas followed by one device (CPU:0 of
+the same process: one device needs no split); the tests read what each pass recorded.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ NEEDS = {
     "test_distribute_batches_by_global_batch": {"distribute"},
     "test_evaluate_and_predict": {"evaluate", "predict_shape"},
     "test_model_outside_scope_is_refused": {"outside_scope"},
-    "test_batch_size_argument_is_the_global_batch": {"batch_size_argument", "bad_batch_size"},
+    "test_batch_size_zero_is_refused": {"bad_batch_size"},
     "test_steps_per_execution_trains_on_every_replica_count": {"steps_per_execution"},
     "test_warmup_epochs_resolved_by_fit": {"warmup"},
     "test_cross_device_ops_reach_tensorflow": {"cross_device_ops", "nccl_on_cpu"},
@@ -53,13 +54,14 @@ def runs(request, tmp_path_factory):
     wanted = wanted_cases(request, "runs", NEEDS)
     if wanted is not None:
         env[WANTED_ENV] = wanted
-    procs = {n: subprocess.Popen([sys.executable, str(HERE / "_core_scenarios.py"), str(n), str(out / f"{n}.json")],
+    procs = {n: subprocess.Popen([sys.executable, str(HERE / "_core_scenarios.py"), str(n), str(out)],
                                  cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for n in COUNTS}
-    results = {}
+             for n in (2, 4)}  # the 2-replica process runs the one-device pass after its own
     for n, proc in procs.items():
         log, _ = proc.communicate(timeout=480)
         assert proc.returncode == 0, f"scenario process {n} failed:\n{log[-4000:]}"
+    results = {}
+    for n in COUNTS:
         results[n] = json.loads((out / f"{n}.json").read_text())
         results[n]["weights"] = np.load(out / f"{n}.json.weights.npy")
     return results
@@ -114,12 +116,10 @@ def test_model_outside_scope_is_refused(runs, n):
     }
 
 
-def test_batch_size_argument_is_the_global_batch(runs):
-    # As Keras reads it under a tf.distribute strategy; learning_rate.scaling: none here, so it trains.
-    r = runs[2]["batch_size_argument"]
-    assert len(r["warnings"]) == 1
-    assert r["warnings"][0].startswith("sync.fit(batch_size=8): the global batch, as Keras reads it under a "
-                                       "tf.distribute strategy (4 per replica x 2 replicas), not the configured 64;")
+def test_batch_size_zero_is_refused(runs):
+    # A valid batch_size (the global batch, as Keras reads it under a tf.distribute strategy, with its
+    # warning) is tests/test_epoch.py::test_batch_size_argument_is_the_global_batch, which also
+    # compares the weights with one device's.
     assert runs[2]["bad_batch_size"]["message"].startswith("Invalid value for argument `batch_size` of sync.fit. "
                                                            "Received: batch_size=0.")
 
