@@ -47,6 +47,8 @@ POLL_S = 0.1
 #: besides ~90 us per value on sqlite: sent one step at a time, the calls cost as much as the values).
 #: Any other record (a run's start or end, params, a report) goes at once, with the points before it.
 BATCH_S = 1.0
+#: Records read from the spool (or the handed-over records) per pass of `Delivery.deliver_available`.
+READ_RECORDS = 200
 #: What the courier runs as (``python -m``): its own module, which the package does not import.
 ENTRY_MODULE = "keras_sync.tracking.courier_main"
 URI_ENV = "KERAS_SYNC_COURIER_URI"
@@ -149,10 +151,10 @@ class Delivery:
             chunk: list[tuple[Any, dict[str, Any]]] = []
             points = 0
             # The spool first; what the writer could not spool comes after all of it.
-            source: list[tuple[Any, dict[str, Any]]] = list(self.spool.read(self.pos, max_records=200))
+            source: list[tuple[Any, dict[str, Any]]] = list(self.spool.read(self.pos, max_records=READ_RECORDS))
             if not source:
-                source = [(h, rec) for h, rec in list(self.held)[:200] if h > self.held_done]
-            if hold_metrics and not sent and len(source) < 200 and all(rec["k"] == METRICS for _, rec in source) \
+                source = [(h, rec) for h, rec in list(self.held)[:READ_RECORDS] if h > self.held_done]
+            if hold_metrics and not sent and len(source) < READ_RECORDS and all(rec["k"] == METRICS for _, rec in source) \
                     and sum(len(rec["d"]) for _, rec in source) < self.max_batch:
                 return 0
             for pos, rec in source:
