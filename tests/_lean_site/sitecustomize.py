@@ -10,3 +10,20 @@ as "not installed". A test that needed scikit-learn would fail loudly with that 
 import sys
 
 sys.modules.setdefault("sklearn", None)
+
+# KERAS_SYNC_TEST_PROCS=FILE: every process appends "<cpu s> <tf> <argv>" at exit (which processes the
+# suite starts and what each costs; `tf` = 1 when it imported TensorFlow).
+if __import__("os").environ.get("KERAS_SYNC_TEST_PROCS"):
+    import atexit as _atexit
+
+    def _log_process() -> None:
+        import os
+        import resource
+
+        u = resource.getrusage(resource.RUSAGE_SELF)
+        line = (f"{u.ru_utime + u.ru_stime:.1f} {int('tensorflow' in sys.modules)} {os.getpid()} "
+                f"{os.getcwd()[-40:]} {' '.join(sys.argv)[:200]}\n")
+        with open(os.environ["KERAS_SYNC_TEST_PROCS"], "a") as fh:
+            fh.write(line)
+
+    _atexit.register(_log_process)
