@@ -98,6 +98,38 @@ def cross_device_ops():
     return out
 
 
+def iterator_release():
+    """`fit` returns before the tf.data iterators it dropped are destroyed (that can take seconds).
+
+    The source is an endless Python generator (`steps_per_epoch` ends the epochs; a `take` would
+    destroy its iterator as soon as it is done): its `finally` runs only when its iterator is
+    destroyed, and there it waits for `fit` to have returned (30 s at most). Destroyed on the
+    training thread (before the fix), `fit` cannot return meanwhile: the wait times out.
+    """
+    import threading
+
+    from keras_sync.upstream.keras_fixes import RELEASER
+
+    returned = threading.Event()
+    waited = []
+
+    def endless():
+        try:
+            i = 0
+            while True:
+                yield x[i % len(x)], y[i % len(y)]
+                i += 1
+        finally:
+            waited.append(returned.wait(30))
+
+    spec = (tf.TensorSpec((8,), tf.float32), tf.TensorSpec((1,), tf.float32))
+    ds = tf.data.Dataset.from_generator(endless, output_signature=spec).batch(GLOBAL_BATCH)
+    m = make_model(sync)
+    sync.fit(m, ds, epochs=2, steps_per_epoch=4, verbose=0)
+    returned.set()
+    return {"waited": waited, "released": RELEASER.wait(60), "iterations": int(m.optimizer.iterations.numpy())}
+
+
 for N in PASSES:  # rebinds the module's N, results, base, sync and reference fit that the cases read
     results = Results(n=N)
     base = {
@@ -140,6 +172,7 @@ for N in PASSES:  # rebinds the module's N, results, base, sync and reference fi
     record("steps_per_execution", steps_per_execution)
     record("warmup", warmup_schedule)
     if N == 2:
+        record("iterator_release", iterator_release)
         record("cross_device_ops", cross_device_ops)
         record("nccl_on_cpu", lambda: keras_sync.load({**base, "strategy": {**base["strategy"],
                                                                              "cross_device_ops": "nccl"}}))

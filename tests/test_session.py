@@ -36,6 +36,7 @@ NEEDS = {
     "test_steps_per_execution_trains_on_every_replica_count": {"steps_per_execution"},
     "test_warmup_epochs_resolved_by_fit": {"warmup"},
     "test_cross_device_ops_reach_tensorflow": {"cross_device_ops", "nccl_on_cpu"},
+    "test_fit_does_not_wait_for_the_iterators_it_drops": {"iterator_release"},
     "test_devices_are_checked": {"unknown_device", "explicit_devices"},
     "test_global_batch_must_divide": {"global_not_divisible"},
     "test_load_after_tensorflow_started_says_so": {"too_late"},
@@ -147,6 +148,14 @@ def test_cross_device_ops_reach_tensorflow(runs):
     assert ops["auto"]["ops"] == "ReductionToOneDevice"  # CPU-only host: see strategy._cross_device_ops
     assert all(v["max_diff"] <= 1e-5 for v in ops.values())
     assert runs[2]["nccl_on_cpu"]["message"].startswith("strategy.cross_device_ops='nccl' needs GPUs")
+
+
+def test_fit_does_not_wait_for_the_iterators_it_drops(runs):
+    # The generator behind the fit's iterator is closed when that iterator is destroyed, and waits
+    # there until fit has returned: True only when the destruction is off the training thread
+    # (keras_fixes.RELEASER). Before: fit blocked there for the wait's 30 s, and each wait was False.
+    r = runs[2]["iterator_release"]
+    assert r["waited"] and all(r["waited"]) and r["released"] and r["iterations"] == 8, r
 
 
 def test_devices_are_checked(runs):

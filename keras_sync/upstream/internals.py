@@ -280,11 +280,13 @@ REGISTRY: tuple[Internal, ...] = (
              "Keras 3.10-3.15 end an unknown-cardinality epoch by running a step past the end, which moves "
              "optimizer.iterations (fixed on Keras master, keras-team/keras#23179); the one-step function is "
              "taken from its closure", _end_of_data, fallback=True),
-    # upstream/keras_fixes.py apply_iterator_release_fix: the iterator `reset` drops is kept until the next reset.
+    # upstream/keras_fixes.py apply_iterator_release_fix: the iterator `reset` drops is kept until the next reset,
+    # and every iterator the epoch iterator holds (these two attributes) is destroyed off the training thread.
     Internal(EPOCH_ITERATOR_RESET, "iterator_release",
              "Keras drops the distributed iterator it made to read the first batch's shapes; destroyed while its "
              "MultiDeviceIterator thread reads, the process crashes (SIGSEGV / pure virtual method called)",
-             looks_up(EPOCH_ITERATOR_RESET, "_current_iterator"), attrs=("_current_iterator",), fallback=True),
+             looks_up(EPOCH_ITERATOR_RESET, "_current_iterator", "_epoch_iterator"),
+             attrs=("_current_iterator", "_epoch_iterator"), fallback=True),
     # strategy/multi_worker.py: local devices per worker and the bounded join (no constructor argument for either).
     Internal(f"{_CARS}:CollectiveAllReduceExtended._initialize_local_devices", "multi_worker_strategy",
              "TF's hook that picks local devices (TODO b/126786766); no argument gives CPUs",
