@@ -237,7 +237,7 @@ class _IteratorReleaser:
     (``CancellationManager::StartCancel`` runs the callbacks first and sets ``is_cancelled_`` after;
     the thread reads it in between and waits again). So a destruction sometimes takes 5-60 s and no
     CPU; under load often. Measured (TensorFlow 2.21, `MirroredStrategy` over 2 CPUs, 12 small fits,
-    a busy machine): 5 of 12 fits stalled, 4.3-15.1 s instead of 1.2-2.8 s, the main thread in
+    a busy machine): 5 of 12 fits stalled, 8.1-26.1 s instead of 2.7-4.1 s, the main thread in
     ``~LogicalThreadWrapper`` under ``~RootDataset::Iterator`` from the end of `fit`; one thread
     releasing them one after another took 80-556 s, so each gets a thread of its own. The threads
     are not daemons: the interpreter waits for them at exit (a daemon thread still inside TensorFlow

@@ -7,17 +7,17 @@ a few hundred. `None` in `sys.modules` makes `import sklearn` raise ImportError,
 as "not installed". A test that needed scikit-learn would fail loudly with that ImportError.
 """
 
+import os
 import sys
 
 sys.modules.setdefault("sklearn", None)
 
 # KERAS_SYNC_TEST_PROCS=FILE: every process appends "<cpu s> <tf> <argv>" at exit (which processes the
 # suite starts and what each costs; `tf` = 1 when it imported TensorFlow).
-if __import__("os").environ.get("KERAS_SYNC_TEST_PROCS"):
+if os.environ.get("KERAS_SYNC_TEST_PROCS"):
     import atexit as _atexit
 
     def _log_process() -> None:
-        import os
         import resource
 
         u = resource.getrusage(resource.RUSAGE_SELF)
