@@ -436,7 +436,10 @@ x = np.random.default_rng(0).normal(size=(640, 4)).astype("float32")
 y = x @ np.array([[1.0], [-2.0], [0.5], [0.0]], dtype="float32")
 x[136:144] *= 100.0  # 8 examples of step 5 (examples 128..159)
 with sync.scope():
-    m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    # Fixed weights (ones), so the spike's size does not depend on a random start: with a random start
+    # the peak was once only 57x the largest logged loss (CI of stop 29). With ones, measured: peak
+    # loss 7264 vs logged <= 14.6, peak grad norm 7366 vs <= 10.4, peak spread 7255 vs <= 4.0.
+    m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, kernel_initializer="ones")])
     m.compile(optimizer=keras.optimizers.SGD(sync.lr_schedule()), loss="mse")
 sync.fit(m, x, y, epochs=1, shuffle=False, verbose=0)
 """
@@ -458,4 +461,4 @@ sync.fit(m, x, y, epochs=1, shuffle=False, verbose=0)
     assert peak_loss[10] > 100 * max(losses), (peak_loss, losses)
     assert peak_norm[10] > 10 * max(norms), (peak_norm, norms)
     assert points("sync/window_max/loss_spread")[10] > 100 * max(points("sync/loss_spread").values())
-    assert peak_loss[20] < 10 * max(losses)  # steps 11-20 had no spike
+    assert peak_loss[20] < 10 * max(losses), (peak_loss, losses)  # steps 11-20 had no spike
