@@ -122,12 +122,35 @@ def iterator_release():
         finally:
             waited.append(returned.wait(30))
 
-    spec = (tf.TensorSpec((8,), tf.float32), tf.TensorSpec((1,), tf.float32))
-    ds = tf.data.Dataset.from_generator(endless, output_signature=spec).batch(GLOBAL_BATCH)
-    m = make_model(sync)
-    sync.fit(m, ds, epochs=2, steps_per_epoch=4, verbose=0)
-    returned.set()
-    return {"waited": waited, "released": RELEASER.wait(60), "iterations": int(m.optimizer.iterations.numpy())}
+    # Which thread drops each distributed iterator's last reference (where TensorFlow destroys it):
+    # fit's own loop keeps the current one in a local, so handing the epoch iterator's reference
+    # to a thread alone left the last one to the training thread at fit's return.
+    import weakref
+
+    from tensorflow.python.distribute import input_lib
+
+    destroyed_on: list[str] = []
+    made = input_lib.DistributedDataset.__iter__
+
+    def watched_iter(self):
+        iterator = made(self)
+        weakref.finalize(iterator, lambda: destroyed_on.append(threading.current_thread().name))
+        return iterator
+
+    input_lib.DistributedDataset.__iter__ = watched_iter
+    try:
+        spec = (tf.TensorSpec((8,), tf.float32), tf.TensorSpec((1,), tf.float32))
+        ds = tf.data.Dataset.from_generator(endless, output_signature=spec).batch(GLOBAL_BATCH)
+        m = make_model(sync)
+        sync.fit(m, ds, epochs=2, steps_per_epoch=4, verbose=0)
+        returned.set()
+        # Arrays (a known number of batches): each epoch's end makes the next epoch's iterator while
+        # fit's loop still holds the one it ends.
+        sync.fit(m, x, y, epochs=2, verbose=0)
+    finally:
+        input_lib.DistributedDataset.__iter__ = made
+    return {"waited": waited, "released": RELEASER.wait(60), "iterations": int(m.optimizer.iterations.numpy()),
+            "destroyed_on": destroyed_on}
 
 
 for N in PASSES:  # rebinds the module's N, results, base, sync and reference fit that the cases read
