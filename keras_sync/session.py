@@ -51,8 +51,32 @@ def load(
     # TensorFlow's C++ start-up INFO lines (CPU features, absl's pre-init banner) hide the user's own
     # output; warnings and errors still show, and a value the user set wins.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
-    from keras_sync.strategy import build_strategy
+    from keras_sync.strategy import ONE_PROCESS_KINDS, build_strategy, detect
 
+    early_writer = None
+    if cfg.mlflow.enabled and detect(cfg).kind in ONE_PROCESS_KINDS:
+        from keras_sync.training.job_run import start_writer
+
+        # Surely the chief: its courier imports MLflow (~2 s of a core) while TensorFlow is imported
+        # below, not while the first fit trains (measured on a busy machine: it competed with training).
+        early_writer = start_writer(cfg)
+    try:
+        sync = _build(cfg, build_strategy, early_writer)
+    except BaseException:
+        if early_writer is not None:
+            _drop_early_writer(early_writer)
+        raise
+    if sync.is_chief:
+        print(f"keras-sync: config: {cfg.origin()}", file=sys.stderr)
+    from keras_sync.training import runtime
+
+    runtime.set_dtype_policy(cfg, is_chief=sync.is_chief)  # before the user builds the model
+    stack.check_backend()  # what the imported Keras really uses (a keras.json the rule above misread)
+    return sync
+
+
+def _build(cfg: Config, build_strategy: Any, early_writer: Any) -> Sync:
+    """The strategy, the `Sync` and what its process installs; ``early_writer`` becomes its writer."""
     strategy, detection = build_strategy(cfg)
     from keras_sync.upstream.strategy_facts import in_multi_worker_mode
 
@@ -71,16 +95,21 @@ def load(
     if sync.is_chief and cfg.mlflow.enabled:
         from keras_sync.training.job_run import writer_for
 
-        # The courier starts now (it imports MLflow, builds a first run's store) while the user
-        # builds the model; the run itself is made when the first fit logs.
-        writer_for(sync, early=True)
-    if sync.is_chief:
-        print(f"keras-sync: config: {cfg.origin()}", file=sys.stderr)
-    from keras_sync.training import runtime
-
-    runtime.set_dtype_policy(cfg, is_chief=sync.is_chief)  # before the user builds the model
-    stack.check_backend()  # what the imported Keras really uses (a keras.json the rule above misread)
+        # The courier starts now if it did not above (it imports MLflow) while the user builds the
+        # model; the run itself (and a first run's store) is made when the first fit logs.
+        writer_for(sync, early=True, started=early_writer)
+    elif early_writer is not None:
+        _drop_early_writer(early_writer)
     return sync
+
+
+def _drop_early_writer(writer: Any) -> None:
+    """Close a writer that logged nothing (no run, no store) and leave no empty spool folder behind."""
+    writer.close()
+    try:
+        os.rmdir(os.path.dirname(os.path.abspath(writer.spool_path)))
+    except OSError:  # not empty (other runs' spools), or gone
+        pass
 
 
 class Sync:

@@ -93,3 +93,68 @@ def test_env_and_plan_show_the_backend_and_every_tensorflow_distribution(tmp_pat
     lines = {line.split()[0]: line for line in plan.stdout.splitlines()[1:]}
     assert "jax" in lines["keras.backend"] and "keras_sync.load() refuses this" in lines["keras.backend"]
     assert "2 distributions of one `tensorflow` package" in lines["tensorflow"]
+
+
+_EARLY_COURIER = r"""
+import os, sys
+import keras_sync.strategy as strategy_module
+
+built = strategy_module.build_strategy
+
+
+def couriers():
+    out = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid() and b"keras_sync.tracking.courier_main" in argv:
+            out.append(int(pid))
+    return out
+
+
+def watched(cfg, *args, **kwargs):
+    import time
+
+    tf_before = "tensorflow" in sys.modules
+    deadline = time.monotonic() + 60  # the writer's thread starts it: give it time on a busy machine
+    while not couriers() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    print("courier before the strategy:", bool(couriers()), "tensorflow imported:", tf_before, flush=True)
+    return built(cfg, *args, **kwargs)
+
+
+strategy_module.build_strategy = watched
+import keras_sync
+devices = sys.argv[1:]
+config = {"strategy": {"kind": "mirrored", "simulated_cpu_replicas": 2}, "mlflow": {"tracking_uri": "sqlite:///ks.db"}}
+if devices:
+    config["strategy"] = {"kind": "mirrored", "devices": devices}
+keras_sync.load(config)
+print("loaded", flush=True)
+"""
+
+
+def test_a_one_process_job_starts_its_courier_before_tensorflow_and_a_failed_load_leaves_nothing(
+        tmp_path: Path) -> None:
+    """The courier imports MLflow (~2 s of a core) while TensorFlow is imported, not during the first fit
+    (measured with two busy loops beside a 200-step fit: the import competed with training). A load that
+    fails after it started leaves no store, no spool folder and no run."""
+    ok = subprocess.run([sys.executable, "-c", _EARLY_COURIER], cwd=tmp_path, env=_env(TF_CPP_MIN_LOG_LEVEL="2"),
+                        capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert ok.stdout.splitlines() == ["courier before the strategy: True tensorflow imported: False", "loaded"]
+    assert not (tmp_path / "ks.db").exists()  # nothing logged yet: the store is made with the run
+
+    failed = tmp_path / "failed"
+    failed.mkdir()
+    bad = subprocess.run([sys.executable, "-c", _EARLY_COURIER, "/gpu:7"], cwd=failed,
+                         env=_env(TF_CPP_MIN_LOG_LEVEL="2"), capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2, bad.stderr[-3000:]
+    assert bad.stdout.splitlines() == ["courier before the strategy: True tensorflow imported: False"]
+    assert bad.stderr.startswith("keras-sync: Invalid value for strategy.devices. Received: '/gpu:7'."), bad.stderr
+    assert sorted(p.name for p in failed.iterdir()) == []

@@ -64,6 +64,10 @@ def count_workers(config: Config, environ: Mapping[str, str]) -> tuple[int, str]
     return info.num_workers, where
 
 
+#: Kinds whose job is one process, which is then its chief.
+ONE_PROCESS_KINDS = ("mirrored", "one_device", "default")
+
+
 def detect(config: Config, environ: Mapping[str, str] | None = None, *, gpus: int | None = None) -> Detection:
     """Resolve `strategy.kind: auto` (other kinds are returned as they are), with the reason.
 

@@ -316,8 +316,12 @@ def main(argv: list[str]) -> int:
     if records_in is not None:
         threading.Thread(target=delivery.read_pipe, args=(os.fdopen(records_in, "rb"),), daemon=True).start()
     sys.stderr = sys.stdout = _Scrubbed(sys.stderr, delivery.secrets)
-    try:  # import MLflow before the first batch arrives
-        delivery.sender.client()
+    try:  # import MLflow before the first batch arrives; the store is opened (made) by the first delivery:
+        # a writer started early by `keras_sync.load` may be closed unused (a load that fails), and
+        # then no store is left behind.
+        from keras_sync.tracking.sqlite_store import warm_up
+
+        warm_up(uri)
     except Exception:  # noqa: BLE001 - the first delivery reports it
         pass
     try:

@@ -27,6 +27,14 @@ _TMP_MARK = ".keras-sync-creating-"
 _ROOM_BYTES = 2 * 1024 * 1024
 
 
+def warm_up(uri: str | None) -> None:
+    """Import what opening ``uri`` needs (MLflow; for a sqlite store its schema tools too), touching no file."""
+    from mlflow import MlflowClient  # noqa: F401
+
+    if uri is not None and sqlite_path(uri) is not None:
+        _schema_head()
+
+
 def sqlite_path(uri: str) -> Path | None:
     """The file of a ``sqlite:///`` tracking URI, or None for any other URI or an in-memory one.
 

@@ -42,26 +42,51 @@ _recorded: weakref.WeakKeyDictionary[Any, tuple[str, dict[str, Any]]] = weakref.
 RUN_RECORD = "keras_sync_run.json"
 
 
-def writer_for(sync: Any, *, early: bool = False) -> Any:
+def writer_for(sync: Any, *, early: bool = False, started: Any = None) -> Any:
     """The started `MlflowWriter` of ``sync`` on the chief; None on other workers.
 
     ``early``: from `keras_sync.load`: the writer and its courier start, but the run is begun
-    only by the first record logged (a `Sync` that never fits makes no run).
+    only by the first record logged (a `Sync` that never fits makes no run). ``started``: a writer
+    `start_writer` made for this `Sync`'s config before the `Sync` existed; it becomes the `Sync`'s.
     """
     if not sync.is_chief:
         return None
     writer = _writers.get(sync)
     if writer is not None and not writer.closed:
         return writer
+    ended = writer  # the run an earlier fit of this Sync ended: this Sync continues it, FINISHED or not
+    if ended is None and started is not None and not started.closed:
+        writer = started
+    elif ended is not None and ended.run_id is not None:
+        writer = start_writer(sync.config, early=early, continue_run=(ended.job_id, ended.run_id))
+    else:
+        writer = start_writer(sync.config, early=early)
+    if ended is None:
+        # Said when the courier has created the run (or MLflow failed first), from the writer's
+        # thread: a first run builds its sqlite store and imports MLflow meanwhile, and training
+        # does not wait for that. (A writer started early has begun no run yet: nothing said before this.)
+        writer.on_run = lambda w: announce(w, sync)
+    _writers[sync] = writer
+    return writer
+
+
+def start_writer(config: Any, *, early: bool = True, continue_run: tuple[str, str] | None = None) -> Any:
+    """A started `MlflowWriter` for ``config`` (the job's run rule above), from the config alone.
+
+    `keras_sync.load` calls it before building the strategy when the process is surely the chief
+    (one process: ``mirrored``, ``one_device``, ``default``), so that the courier imports MLflow
+    while TensorFlow is imported rather than while the first `fit` trains; `writer_for` adopts it.
+    ``early``: the run is begun only by the first record logged (nothing logged, no run).
+    ``continue_run``: (job id, run id) of the run an earlier `fit` of the same `Sync` ended.
+    """
     from keras_sync.tracking import MlflowWriter, resolve_tracking_uri
 
-    cfg = sync.config.mlflow
+    cfg = config.mlflow
     uri, _ = resolve_tracking_uri(cfg.tracking_uri)
     job_id, explicit, run_id = cfg.job_id, True, None
-    restored = restored_run(sync.config.fault_tolerance.backup_dir)
-    ended = writer  # the run an earlier fit of this Sync ended: this Sync continues it, FINISHED or not
-    if ended is not None and ended.run_id is not None:
-        job_id, explicit, run_id = ended.job_id, True, ended.run_id
+    restored = restored_run(config.fault_tolerance.backup_dir)
+    if continue_run is not None:
+        (job_id, run_id), explicit = continue_run, True
     elif restored is not None:  # wins over a job id: `keras-sync launch` makes a new one per launch
         job_id, explicit, run_id = restored["job_id"], bool(restored.get("explicit")), restored.get("run_id")
     writer = MlflowWriter(tracking_uri=uri, experiment=cfg.experiment, run_name=cfg.run_name, job_id=job_id,
@@ -69,13 +94,7 @@ def writer_for(sync: Any, *, early: bool = False) -> Any:
     from keras_sync.cluster import killed_when_training_returns
 
     writer.wait_at_end_of_fit = killed_when_training_returns()
-    if ended is None:
-        # Said when the courier has created the run (or MLflow failed first), from the writer's
-        # thread: a first run builds its sqlite store and imports MLflow meanwhile, and training
-        # does not wait for that.
-        writer.on_run = lambda w: announce(w, sync)
     writer.start(defer_begin=early)
-    _writers[sync] = writer
     return writer
 
 
