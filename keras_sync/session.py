@@ -55,8 +55,10 @@ def load(
 
     early_writer = None
     if cfg.mlflow.enabled and detect(cfg).kind in ONE_PROCESS_KINDS:
+        from keras_sync.training import paths as _paths
         from keras_sync.training.job_run import start_writer
 
+        _paths.check_config_paths(cfg, is_chief=True)  # a path it cannot write: its one line, before any writer
         # Surely the chief: its courier imports MLflow (~2 s of a core) while TensorFlow is imported
         # below, not while the first fit trains (measured on a busy machine: it competed with training).
         early_writer = start_writer(cfg)
