@@ -51,7 +51,7 @@ def load(
     # TensorFlow's C++ start-up INFO lines (CPU features, absl's pre-init banner) hide the user's own
     # output; warnings and errors still show, and a value the user set wins.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
-    from keras_sync.strategy import ONE_PROCESS_KINDS, build_strategy, detect
+    from keras_sync.strategy import ONE_PROCESS_KINDS, detect
 
     early_writer = None
     if cfg.mlflow.enabled and detect(cfg).kind in ONE_PROCESS_KINDS:
@@ -63,7 +63,7 @@ def load(
         # below, not while the first fit trains (measured on a busy machine: it competed with training).
         early_writer = start_writer(cfg)
     try:
-        sync = _build(cfg, build_strategy, early_writer)
+        sync = _build(cfg, early_writer)
     except BaseException:
         if early_writer is not None:
             _drop_early_writer(early_writer)
@@ -77,8 +77,11 @@ def load(
     return sync
 
 
-def _build(cfg: Config, build_strategy: Any, early_writer: Any) -> Sync:
-    """The strategy, the `Sync` and what its process installs; ``early_writer`` becomes its writer."""
+def _build(cfg: Config, early_writer: Any) -> Sync:
+    """The strategy, the `Sync` and what its process installs; ``early_writer`` (whose paths `load` checked
+    before starting it) becomes its writer."""
+    from keras_sync.strategy import build_strategy
+
     strategy, detection = build_strategy(cfg)
     from keras_sync.upstream.strategy_facts import in_multi_worker_mode
 
@@ -92,7 +95,8 @@ def _build(cfg: Config, build_strategy: Any, early_writer: Any) -> Sync:
     sync = Sync(cfg, strategy, detection)
     from keras_sync.training import paths as _paths, run_checks as _run_checks
 
-    _paths.check_config_paths(cfg, is_chief=sync.is_chief)  # now, not at the first save or metric
+    if early_writer is None:  # checked before the early writer started, else
+        _paths.check_config_paths(cfg, is_chief=sync.is_chief)  # now, not at the first save or metric
     _run_checks.watch_direct_fit(sync)  # model.fit on a model of sync.scope() without keras-sync: one line
     if sync.is_chief and cfg.mlflow.enabled:
         from keras_sync.training.job_run import writer_for

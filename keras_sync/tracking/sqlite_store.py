@@ -11,6 +11,7 @@ process published first.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import time
@@ -130,8 +131,10 @@ def _wait_while_built_in_place(path: Path, timeout_s: float) -> None:
         time.sleep(0.05)
 
 
+@functools.lru_cache(maxsize=1)
 def _schema_head() -> str | None:
-    """The schema revision this MLflow builds stores at, or None when MLflow does not say."""
+    """The schema revision this MLflow builds stores at, or None when MLflow does not say (read once per
+    process: it reads MLflow's migration scripts, and a new store asks up to four times)."""
     try:
         from mlflow.store.db.utils import _get_latest_schema_revision
 
