@@ -29,11 +29,27 @@ _ROOM_BYTES = 2 * 1024 * 1024
 
 
 def warm_up(uri: str | None) -> None:
-    """Import what opening ``uri`` needs (MLflow; for a sqlite store its schema tools too), touching no file."""
+    """Do what opening ``uri`` costs before it is opened, touching no file: import MLflow, and for a
+    SQL store (``sqlite:``, ``postgresql:``, ...) MLflow's SQL store module, its SQLAlchemy mappers
+    configured (measured: 0.37 + 0.32 s of CPU that MLflow otherwise spends at the first query, while
+    the first `fit` trains) and, for sqlite, the schema's head revision."""
     from mlflow import MlflowClient  # noqa: F401
 
-    if uri is not None and sqlite_path(uri) is not None:
+    if uri is None or "://" not in uri or uri.split(":", 1)[0].split("+", 1)[0] not in _SQL_SCHEMES:
+        return
+    try:
+        import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
+        from sqlalchemy.orm import configure_mappers
+
+        configure_mappers()
+    except Exception:  # noqa: BLE001 - only a head start: opening the store says what is wrong
+        pass
+    if sqlite_path(uri) is not None:
         _schema_head()
+
+
+#: The URI schemes MLflow serves with its SQL store (``mysql+pymysql://`` counts as ``mysql``).
+_SQL_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
 
 
 def sqlite_path(uri: str) -> Path | None:
