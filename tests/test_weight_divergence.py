@@ -87,6 +87,15 @@ def test_many_models_in_one_process_compare_without_a_retracing_warning(mirrored
 
 
 @pytest.mark.slow
+def test_the_comparison_adds_few_ops_per_variable(mirrored: dict) -> None:
+    # TensorFlow traces, places and optimizes every op of the comparison at the first epoch end: 64 ops
+    # per variable (2 replicas) took 15.7 s of CPU for a model of 248 variables; 26 took 6.7 s.
+    found = mirrored["ops_per_variable"]
+    assert found["variables"] == [10, 50], found
+    assert 0 < found["per_variable"] <= 28, found
+
+
+@pytest.mark.slow
 def test_callback_logs_both_metrics_at_each_epoch_end(mirrored: dict) -> None:
     steps = [step for _, step in mirrored["callback"]]
     assert steps == [8, 12]  # 128 examples / global batch 32 = 4 steps per epoch, after the first fit's 4
