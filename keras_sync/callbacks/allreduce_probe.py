@@ -64,7 +64,7 @@ def time_allreduce(model: Any, repeats: int = 5) -> tuple[float | None, int]:
         ctx = tf.distribute.get_replica_context()
         return ctx.all_reduce(tf.distribute.ReduceOp.SUM, make())
 
-    @tf.function
+    @tf.function(autograph=False)
     def step() -> Any:
         return strategy.experimental_local_results(strategy.run(reduce))[0][0]
 

@@ -270,7 +270,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
             # In a tf.function: run eagerly, MWMS warns "Using MultiWorkerMirroredStrategy eagerly has
             # significant overhead" on every worker at the end of every fit.
-            @tf.function
+            @tf.function(autograph=False)
             def barrier() -> Any:
                 return strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None)
 

@@ -161,7 +161,7 @@ class ReplicaProbe:
                 ctx = tf.distribute.get_replica_context()
                 return ctx.all_gather(tf.expand_dims(tf.concat([tf.identity(var), host], axis=1), 0), axis=0)
 
-            @tf.function
+            @tf.function(autograph=False)  # no tensor-dependent Python: AutoGraph would only cost
             def gather(host: Any) -> Any:
                 return strategy.experimental_local_results(strategy.run(replica_fn, args=(host,)))[0]
 

@@ -291,7 +291,8 @@ class InputPipeline:
 
         strategy = self.strategy
 
-        @tf.function  # eager, MultiWorkerMirroredStrategy.run warns of its overhead on every worker
+        # In a tf.function: eager, MultiWorkerMirroredStrategy.run warns of its overhead on every worker.
+        @tf.function(autograph=False)
         def gather() -> Any:
             return strategy.gather(strategy.run(lambda: tf.constant([[batches, examples]], tf.int64)), axis=0)
 

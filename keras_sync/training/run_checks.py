@@ -166,7 +166,7 @@ def _summed_over_workers(sync: Any, n: int) -> int:
         first = tf.equal(tf.math.floormod(ctx.replica_id_in_sync_group, local), 0)
         return tf.where(first, tf.constant(n, tf.int64), tf.constant(0, tf.int64))
 
-    @tf.function
+    @tf.function(autograph=False)  # no tensor-dependent Python: AutoGraph would only cost
     def total() -> Any:
         return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(replica_fn), axis=None)
 
