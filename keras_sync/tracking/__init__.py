@@ -422,10 +422,12 @@ class MlflowWriter:
         else:
             self._put(rec)
 
-    def _put_deferred_report(self) -> None:
+    def _put_deferred_report(self, now: bool = False) -> None:
+        """Queue the fit-end report; ``now``: the courier draws it at once instead of holding it until the
+        spool is idle (`keras_sync.tracking.deliver.RunSender.hold_reports`)."""
         rec, self._deferred_report = self._deferred_report, None
         if rec is not None:
-            self._put(rec)
+            self._put({**rec, "now": True} if now else rec)
 
     # ---- waiting ----
     def flush_to_spool(self, timeout_s: float = 10.0) -> bool:
@@ -519,7 +521,7 @@ class MlflowWriter:
             return False
         delivered = self.flush(timeout_s=timeout_s)
         if self._deferred_report is not None:
-            self._put_deferred_report()
+            self._put_deferred_report(now=wait_for_report)
             if wait_for_report and delivered:
                 delivered = self.flush(timeout_s=timeout_s)
             else:  # in the spool at once: a restart or `keras-sync sync-spool` finds it if we are killed
@@ -924,6 +926,7 @@ def replay_spool(spool_path: str | os.PathLike[str], tracking_uri: str | None = 
     delivery = _courier.Delivery(spool, tracking_uri)
     try:
         sent = delivery.deliver_available()
+        delivery.sender.release_report()  # one a courier held when its process ended
     except Exception as e:
         from keras_sync.tracking.deliver import refused_credentials
 

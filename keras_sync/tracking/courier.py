@@ -47,6 +47,9 @@ POLL_S = 0.1
 #: besides ~90 us per value on sqlite: sent one step at a time, the calls cost as much as the values).
 #: Any other record (a run's start or end, params, a report) goes at once, with the points before it.
 BATCH_S = 1.0
+#: A held report (`keras_sync.tracking.deliver.RunSender.hold_reports`) is drawn once no record came for
+#: this long: the fit that logged it ended and no other runs (a loop of fits draws only the last one).
+REPORT_QUIET_S = 2.0
 #: Records read from the spool (or the handed-over records) per pass of `Delivery.deliver_available`.
 READ_RECORDS = 200
 #: What the courier runs as (``python -m``): its own module, which the package does not import.
@@ -135,6 +138,11 @@ class Delivery:
                                    explicit=bool(header.get("explicit")), run_id=header.get("run_id"))
         # Found or created by an earlier courier of this spool (checked again before use).
         self.sender.run_id = self.known_run.get("run_id")
+        held = spool.held_report()  # a report an earlier courier of this spool held, not drawn yet
+        if isinstance(held, dict) and held.get("run_id") and isinstance(held.get("rec"), dict):
+            self.sender.held_report = (held["run_id"], held["rec"])
+        self.sender.on_held = lambda h: spool.set_held_report(None if h is None else {"run_id": h[0], "rec": h[1]})
+        self.last_record_at = time.monotonic()  # when records were last sent (a held report waits for quiet)
         self.max_batch = max_batch
         self.ended = False  # the writer's last record is delivered and nothing follows it
         self.last_sent_at = 0.0  # monotonic time of the last call to MLflow (`BATCH_S`)
@@ -168,6 +176,7 @@ class Delivery:
                 points += n
             if not chunk:
                 return sent
+            self.last_record_at = time.monotonic()
             records = [rec for _, rec in chunk]
             spooled = isinstance(chunk[-1][0], tuple)
             begin = chunk[0][0] if records[0]["k"] == BEGIN and spooled else None
@@ -266,6 +275,9 @@ class Delivery:
             if time.monotonic() >= retry_at or orphan:
                 try:
                     self.deliver_available(hold_metrics=not orphan and time.monotonic() - self.last_sent_at < BATCH_S)
+                    if self.sender.held_report is not None and (self.ended or orphan or (
+                            time.monotonic() - self.last_record_at >= REPORT_QUIET_S and not self.pending())):
+                        self.sender.release_report()
                     if failing_since is not None or not self.reported:
                         self.report(None)
                     backoff, failing_since = 0.0, None
@@ -274,9 +286,11 @@ class Delivery:
                     self.report(e, failing_since)
                     backoff = min(max(backoff * 2, 0.5), MAX_BACKOFF_S)
                     retry_at = time.monotonic() + backoff
-                if self.ended and not self.spool.held("writer"):
+                if self.sender.held_report is not None:
+                    pass  # not drawn yet (MLflow away): the spool keeps it
+                elif self.ended and not self.spool.held("writer"):
                     self.spool.remove()  # its writer gave up waiting and left it: nothing is left to keep
-                if orphan and self.run_ended and not self.pending() and not self.spool.held("writer"):
+                elif orphan and self.run_ended and not self.pending() and not self.spool.held("writer"):
                     # Its process was killed without atexit (Ray Train V2's ray.kill) after MLflow had
                     # it all (Sync.fit ends the run and waits for delivery): nothing left to keep.
                     self.spool.remove()
@@ -313,6 +327,7 @@ def main(argv: list[str]) -> int:
     spool.wait_lock("deliver")  # one courier per spool (a crashed job's may still be finishing)
     news = os.fdopen(news_out, "wb") if news_out is not None else None
     delivery = Delivery(spool, uri, header=header, news=news)
+    delivery.sender.hold_reports = True
     if records_in is not None:
         threading.Thread(target=delivery.read_pipe, args=(os.fdopen(records_in, "rb"),), daemon=True).start()
     sys.stderr = sys.stdout = _Scrubbed(sys.stderr, delivery.secrets)

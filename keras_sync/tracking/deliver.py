@@ -20,7 +20,7 @@ from typing import Any
 
 from keras_sync.tracking.environ import environ_restored
 from keras_sync.tracking.records import (BEGIN, END, FILE, MAX_BATCH, MAX_BATCH_PARAMS_AND_TAGS, METRICS, MODEL, PARAMS,
-                                         REPORT, STOP, TAGS, TEXT, is_http)
+                                         REPORT, STOP, TAGS, TEXT, is_http, is_last_record)
 
 _log = logging.getLogger("keras_sync.tracking")
 
@@ -106,6 +106,16 @@ class RunSender:
         self._floors_of: str | None = None  # the run whose steps `floors` holds
         self.dropped = 0
         self.start_time_ms: int | None = None
+        #: Hold a `REPORT` (drawing it costs ~0.7 s of CPU, that a fit started meanwhile would share the
+        #: cores with) instead of drawing it at once: the courier draws the held one when the spool is
+        #: idle, at the writer's last record, or never when a newer report of the run comes first (each
+        #: holds the whole run's history). A report marked ``now`` (the process is killed as soon as
+        #: `fit` returns) is drawn at once. ``keras-sync sync-spool`` does not hold.
+        self.hold_reports = False
+        #: (run id, record) of the held report; ``on_held`` is told of every change before the
+        #: position moves past the record (the courier keeps it in the spool's ``report.json``).
+        self.held_report: tuple[str, dict[str, Any]] | None = None
+        self.on_held: Any = None
 
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         with fast_fail_env(self.tracking_uri, self.request_timeout_s):
@@ -213,6 +223,7 @@ class RunSender:
         from mlflow.entities import Metric, Param, RunTag
 
         if all(rec["k"] == STOP for rec in records):  # a writer that logged nothing: no run to make
+            self.release_report()  # (or one whose last report is held)
             return 0
         if records and records[0]["k"] != BEGIN:  # a "begin" sets the start time of a new run first
             self.ensure_run(continuing=True)
@@ -258,12 +269,19 @@ class RunSender:
                 _artifacts.deliver(c, self.run_id, rec, self._call)
             elif k == END:
                 flush()
+                if is_last_record(rec):
+                    self.release_report()
                 self._call(c.set_terminated, self.run_id, status=rec["status"], end_time=rec.get("ts"))
             elif k == STOP:  # the writer closed after ending the run: nothing to send
                 flush()
+                self.release_report()
             elif k == REPORT:  # drawn here, not in the training process (~0.7 s of matplotlib)
                 flush()
+                if self.hold_reports and not rec.get("now") and self._hold_report(rec):
+                    continue
                 self._deliver_report(rec)
+                if self.held_report is not None and self._same_picture(rec):
+                    self._set_held(None)  # the newer picture went: the held one is older
             elif k == BEGIN:
                 flush()
                 self.new_session(rec.get("ts"))
@@ -276,8 +294,40 @@ class RunSender:
         self.dropped += dropped
         return sent
 
-    def _deliver_report(self, rec: dict[str, Any]) -> None:
-        """Draw a `keras_sync.SyncReport` picture from its data and upload it.
+    def _hold_report(self, rec: dict[str, Any]) -> bool:
+        """Hold ``rec`` instead of drawing it now (see `hold_reports`); False if it cannot be kept."""
+        if self.held_report is not None and not self._same_picture(rec):
+            self.release_report()  # another run's, or another file: drawn first
+        try:
+            self._set_held((str(self.run_id), rec))
+        except OSError:  # the spool's disk refuses report.json: drawn now, as without holding
+            return False
+        return True
+
+    def _same_picture(self, rec: dict[str, Any]) -> bool:
+        """Whether ``rec`` draws the held report's file of the same run (a newer one: the history is the run's)."""
+        held = self.held_report
+        return held is not None and held[0] == self.run_id and (held[1].get("f"), held[1].get("dir")) == (
+            rec.get("f"), rec.get("dir"))
+
+    def _set_held(self, held: tuple[str, dict[str, Any]] | None) -> None:
+        if self.on_held is not None:
+            self.on_held(held)
+        self.held_report = held
+
+    def release_report(self) -> None:
+        """Draw and upload the held report into its run, if any; raises what the upload raised (kept held)."""
+        if self.held_report is None:
+            return
+        run_id, rec = self.held_report
+        self._deliver_report(rec, run_id)
+        try:
+            self._set_held(None)
+        except OSError:  # report.json stays: a later courier draws it once more, into the same file
+            self.held_report = None
+
+    def _deliver_report(self, rec: dict[str, Any], run_id: str | None = None) -> None:
+        """Draw a `keras_sync.SyncReport` picture from its data and upload it (to ``run_id``, default the run).
 
         A picture that cannot be drawn is skipped with a warning; an upload that fails raises
         (retried with the batch, like any other record).
@@ -297,7 +347,7 @@ class RunSender:
                 _log.warning("keras-sync could not draw %s (%s: %s); the metrics are delivered as usual.",
                              rec["f"], type(e).__name__, e)
                 return
-            self._call(self.client().log_artifact, self.run_id, str(path), rec.get("dir"))
+            self._call(self.client().log_artifact, run_id or self.run_id, str(path), rec.get("dir"))
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 

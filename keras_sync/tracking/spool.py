@@ -160,6 +160,18 @@ class SpoolDir:
     def status(self) -> dict[str, Any] | None:
         return self._read_json("status.json", None)
 
+    def held_report(self) -> dict[str, Any] | None:
+        """``{"run_id": ..., "rec": <report record>}``: a report the courier holds (delivered past it, not
+        drawn yet; `keras_sync.tracking.deliver.RunSender.hold_reports`), or None."""
+        return self._read_json("report.json", None)
+
+    def set_held_report(self, held: dict[str, Any] | None) -> None:
+        """Keep ``held`` (see `held_report`) in ``report.json``; None removes it. Raises OSError."""
+        if held is None:
+            (self.path / "report.json").unlink(missing_ok=True)
+        else:
+            _atomic_write(self.path / "report.json", json.dumps(held))
+
     def set_status(self, status: dict[str, Any]) -> None:
         _atomic_write(self.path / "status.json", json.dumps(status))
 
