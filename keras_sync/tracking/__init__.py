@@ -420,7 +420,8 @@ class MlflowWriter:
         if fit_end and self.run_ends_after_fit:
             self._deferred_report = rec
         else:
-            self._put(rec)
+            # Each epoch's (`sync_report: epoch`) is drawn at once, as asked, not held by the courier.
+            self._put(rec if fit_end else {**rec, "now": True})
 
     def _put_deferred_report(self, now: bool = False) -> None:
         """Queue the fit-end report; ``now``: the courier draws it at once instead of holding it until the

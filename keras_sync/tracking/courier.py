@@ -50,6 +50,8 @@ BATCH_S = 1.0
 #: A held report (`keras_sync.tracking.deliver.RunSender.hold_reports`) is drawn once no record came for
 #: this long: the fit that logged it ended and no other runs (a loop of fits draws only the last one).
 REPORT_QUIET_S = 2.0
+#: ... and at the latest after this long held: the picture of a long loop of fits is not older than this.
+REPORT_MAX_HOLD_S = 120.0
 #: Records read from the spool (or the handed-over records) per pass of `Delivery.deliver_available`.
 READ_RECORDS = 200
 #: What the courier runs as (``python -m``): its own module, which the package does not import.
@@ -270,13 +272,19 @@ class Delivery:
     def serve(self, parent_pid: int | None) -> None:
         """Deliver until the run's end is delivered, or the parent process is gone."""
         retry_at, backoff, failing_since = 0.0, 0.0, None
+        held_since: float | None = None  # when the report held now was first seen held
         while self.spool.path.is_dir():  # removed: its writer delivered it all, or it was cleaned up
             orphan = parent_pid is not None and os.getppid() != parent_pid
             if time.monotonic() >= retry_at or orphan:
                 try:
                     self.deliver_available(hold_metrics=not orphan and time.monotonic() - self.last_sent_at < BATCH_S)
-                    if self.sender.held_report is not None and (self.ended or orphan or (
-                            time.monotonic() - self.last_record_at >= REPORT_QUIET_S and not self.pending())):
+                    now = time.monotonic()
+                    if self.sender.held_report is None:
+                        held_since = None
+                    elif held_since is None:
+                        held_since = now
+                    if held_since is not None and (self.ended or orphan or now - held_since >= REPORT_MAX_HOLD_S or (
+                            now - self.last_record_at >= REPORT_QUIET_S and not self.pending())):
                         self.sender.release_report()
                     if failing_since is not None or not self.reported:
                         self.report(None)

@@ -23,8 +23,9 @@ kind            fields, and what the courier does with it
 `MODEL`         ``src`` staged directory, ``name``, ``step``: a model in MLflow's Keras flavour.
 `REPORT`        ``f`` artifact file, ``h`` history: the sync report, drawn by the courier
                 (`keras_sync.tracking.report_plot`), not in the training process. The courier
-                holds it (in the spool's ``report.json``) until no record came for a while, the
-                writer's last record, or a newer one of the same file; ``now``: drawn at once.
+                holds it (in the spool's ``report.json``) until no record came for a while (2 s,
+                at most 120 s held), the writer's last record, or a newer one of the same file;
+                ``now`` (an epoch's, or one the writer waits for): drawn at once.
 `END`           ``status``, ``ts``: the run ended; ``last: false`` when the writer goes on.
 `STOP`          the writer closed; its run had ended before.
 ==============  =============================================================================
