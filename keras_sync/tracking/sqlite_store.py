@@ -35,7 +35,12 @@ def warm_up(uri: str | None) -> None:
     the first `fit` trains) and, for sqlite, the schema's head revision."""
     from mlflow import MlflowClient  # noqa: F401
 
-    if uri is None or "://" not in uri or uri.split(":", 1)[0].split("+", 1)[0] not in _SQL_SCHEMES:
+    try:
+        # The schemes MLflow itself serves with its SQL store (``mysql+pymysql://`` counts as ``mysql``).
+        from mlflow.store.db.db_types import DATABASE_ENGINES
+    except ImportError:  # moved in a newer MLflow: no head start, opening the store works as before
+        return
+    if uri is None or "://" not in uri or uri.split(":", 1)[0].split("+", 1)[0] not in DATABASE_ENGINES:
         return
     try:
         import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
@@ -46,10 +51,6 @@ def warm_up(uri: str | None) -> None:
         pass
     if sqlite_path(uri) is not None:
         _schema_head()
-
-
-#: The URI schemes MLflow serves with its SQL store (``mysql+pymysql://`` counts as ``mysql``).
-_SQL_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
 
 
 def sqlite_path(uri: str) -> Path | None:
