@@ -10,12 +10,14 @@ process published first.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
 import os
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import unquote
 
@@ -60,6 +62,24 @@ def warm_up(uri: str | None) -> list[str]:
     return done
 
 
+@contextlib.contextmanager
+def _quiet_mlflow() -> Iterator[None]:
+    """MLflow's and alembic's INFO lines kept out of the user's output meanwhile (warnings still said)."""
+    quiet = [logging.getLogger(name) for name in ("mlflow", "alembic")]
+    levels = [lg.level for lg in quiet]
+    try:
+        for lg in quiet:
+            lg.setLevel(logging.WARNING)
+        yield
+    finally:
+        for lg, level in zip(quiet, levels):
+            lg.setLevel(level)
+
+
+#: MLflow's setting of its SQL store's connection pool (read when a store's engine is made).
+_POOL_ENV = "MLFLOW_SQLALCHEMYSTORE_POOLCLASS"
+
+
 def _rehearse() -> bool:
     """Open a throwaway copy of the kept empty store (`_template`) in a private temporary folder and do
     once what a run does first (an experiment, a run, its parameters, tags and a metric, its end);
@@ -85,16 +105,23 @@ def _rehearse() -> bool:
         from mlflow import MlflowClient
         from mlflow.entities import Metric, Param, RunTag
 
-        client = MlflowClient(tracking_uri=f"sqlite:///{tmp}")
+        # Unpooled: each session's connection is closed with it, so no open handle keeps the removed
+        # file's space (MLflow keeps the store object of a URI for the process's life).
+        pool = os.environ.get(_POOL_ENV)
+        os.environ[_POOL_ENV] = "NullPool"
         try:
-            run = client.create_run(client.create_experiment("rehearsal"))
+            with _quiet_mlflow():  # MLflow says which pool it made the engine with
+                client = MlflowClient(tracking_uri=f"sqlite:///{tmp}")
+                run = client.create_run(client.create_experiment("rehearsal"))
+        finally:
+            if pool is None:
+                os.environ.pop(_POOL_ENV, None)
+            else:
+                os.environ[_POOL_ENV] = pool
+        with _quiet_mlflow():
             client.log_batch(run.info.run_id, metrics=[Metric("m", 1.0, 0, 1)], params=[Param("p", "1")],
                              tags=[RunTag("t", "1")])
             client.set_terminated(run.info.run_id)
-        finally:
-            engine = getattr(getattr(client._tracking_client, "store", None), "engine", None)
-            if engine is not None:
-                engine.dispose()  # its pooled connection to the throwaway file
         return True
     except Exception:  # noqa: BLE001 - only a head start
         return False
@@ -257,20 +284,14 @@ def _build(tmp: Path, path: Path) -> None:
     template = _template()
     if template is not None and _copy_template(template, tmp):
         return
-    quiet = [logging.getLogger(name) for name in ("mlflow", "alembic")]
-    levels = [lg.level for lg in quiet]
     try:
         from mlflow import MlflowClient
 
-        for lg in quiet:  # "Creating initial MLflow database tables..." is ours to say, or not
-            lg.setLevel(logging.WARNING)
-        MlflowClient(tracking_uri=f"sqlite:///{tmp}").search_experiments(max_results=1)
+        with _quiet_mlflow():  # "Creating initial MLflow database tables..." is ours to say, or not
+            MlflowClient(tracking_uri=f"sqlite:///{tmp}").search_experiments(max_results=1)
     except Exception as e:  # noqa: BLE001 - said in one line, with MLflow's own last words
         tail = (str(e).strip().splitlines() or [type(e).__name__])[-1]
         raise TrackingError(f"Could not create the MLflow store {str(path)!r}: {tail}") from None
-    finally:
-        for lg, level in zip(quiet, levels):
-            lg.setLevel(level)
     if template is not None:
         _keep_template(tmp, template)
 
