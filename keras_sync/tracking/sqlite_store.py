@@ -76,8 +76,25 @@ def _quiet_mlflow() -> Iterator[None]:
             lg.setLevel(level)
 
 
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """``values`` set in ``os.environ`` meanwhile, then each variable as it was (or unset)."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 #: MLflow's setting of its SQL store's connection pool (read when a store's engine is made).
 _POOL_ENV = "MLFLOW_SQLALCHEMYSTORE_POOLCLASS"
+#: MLflow's switch for its usage telemetry (MLflow 3; read at each call).
+_TELEMETRY_ENV = "MLFLOW_DISABLE_TELEMETRY"
 
 
 def _rehearse() -> bool:
@@ -106,19 +123,12 @@ def _rehearse() -> bool:
         from mlflow.entities import Metric, Param, RunTag
 
         # Unpooled: each session's connection is closed with it, so no open handle keeps the removed
-        # file's space (MLflow keeps the store object of a URI for the process's life).
-        pool = os.environ.get(_POOL_ENV)
-        os.environ[_POOL_ENV] = "NullPool"
-        try:
-            with _quiet_mlflow():  # MLflow says which pool it made the engine with
-                client = MlflowClient(tracking_uri=f"sqlite:///{tmp}")
-                run = client.create_run(client.create_experiment("rehearsal"))
-        finally:
-            if pool is None:
-                os.environ.pop(_POOL_ENV, None)
-            else:
-                os.environ[_POOL_ENV] = pool
-        with _quiet_mlflow():
+        # file's space (MLflow keeps the store object of a URI for the process's life). No usage
+        # events of MLflow's telemetry (when on) for this throwaway run. MLflow's INFO lines (the
+        # pool it made the engine with) are kept out of the user's output.
+        with _environ({_POOL_ENV: "NullPool", _TELEMETRY_ENV: "true"}), _quiet_mlflow():
+            client = MlflowClient(tracking_uri=f"sqlite:///{tmp}")
+            run = client.create_run(client.create_experiment("rehearsal"))
             client.log_batch(run.info.run_id, metrics=[Metric("m", 1.0, 0, 1)], params=[Param("p", "1")],
                              tags=[RunTag("t", "1")])
             client.set_terminated(run.info.run_id)
