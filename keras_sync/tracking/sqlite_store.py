@@ -22,6 +22,7 @@ from pathlib import Path
 from urllib.parse import unquote
 
 from keras_sync.errors import TrackingError
+from keras_sync.tracking.environ import environ_restored
 
 _log = logging.getLogger("keras_sync.tracking")
 
@@ -76,21 +77,6 @@ def _quiet_mlflow() -> Iterator[None]:
             lg.setLevel(level)
 
 
-@contextlib.contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    """``values`` set in ``os.environ`` meanwhile, then each variable as it was (or unset)."""
-    before = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 #: MLflow's setting of its SQL store's connection pool (read when a store's engine is made).
 _POOL_ENV = "MLFLOW_SQLALCHEMYSTORE_POOLCLASS"
 #: MLflow's switch for its usage telemetry (MLflow 3; read at each call).
@@ -126,7 +112,8 @@ def _rehearse() -> bool:
         # file's space (MLflow keeps the store object of a URI for the process's life). No usage
         # events of MLflow's telemetry (when on) for this throwaway run. MLflow's INFO lines (the
         # pool it made the engine with) are kept out of the user's output.
-        with _environ({_POOL_ENV: "NullPool", _TELEMETRY_ENV: "true"}), _quiet_mlflow():
+        with environ_restored(_POOL_ENV, _TELEMETRY_ENV), _quiet_mlflow():
+            os.environ.update({_POOL_ENV: "NullPool", _TELEMETRY_ENV: "true"})
             client = MlflowClient(tracking_uri=f"sqlite:///{tmp}")
             run = client.create_run(client.create_experiment("rehearsal"))
             client.log_batch(run.info.run_id, metrics=[Metric("m", 1.0, 0, 1)], params=[Param("p", "1")],
