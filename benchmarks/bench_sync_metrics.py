@@ -3,16 +3,22 @@
     .venv/bin/python benchmarks/bench_sync_metrics.py [--pairs 3] [--cases busy,every_step,default,down]
 
 Each figure of issue 26's table is measured with process pairs: one process trains with metrics
-off, the other with them on (the order alternates), each a fresh Python process with a fresh
-sqlite store, the model of the issue (2 simulated CPU replicas, Dense 8-16-1, per-replica batch
-16). A fit's time is what the user waits for: from calling `sync.fit` to its return. After each
-process has exited, MLflow is read: the run must be FINISHED and hold every step logged (the
-exit waits for what `fit` left to deliver in the background; that wait is shown apart).
-A case's figure is the median over the pairs of (fit with metrics) / (fit without). Beside it,
-``cpu``: the same median of CPU seconds (the training process's threads and its courier, the least
-over the timed fits), which a shared machine's load moves far less than wall time: on a busy
-machine tf.data adds a 5-20 s wait to a fit's teardown, metrics or not, so wall ratios there
-swing from 0.5x to 2x between pairs.
+off, the other with them on, each a fresh Python process with a fresh sqlite store, the model of
+the issue (2 simulated CPU replicas, Dense 8-16-1, per-replica batch 16). A fit's time is what
+the user waits for: from calling `sync.fit` to its return. After each process has exited, MLflow
+is read: the run must be FINISHED and hold every step logged (the exit waits for what `fit` left
+to deliver in the background; that wait is shown apart). A case's figure is the median over the
+pairs of (fit with metrics) / (fit without).
+
+The cases with a warm-up fit run the two processes of a pair side by side, fitting in turn
+(off, on, on, off: 4 rounds), each fit started once the other process is quiet (its courier
+done), so the two fits of a round are seconds apart and see the same machine: on this shared
+machine the same metrics-off fit took 4.8-6.5 s in six fresh processes run one after the other,
+and drifted 6.9 -> 5.7 s inside one process, so fits a minute apart (a process each) moved a
+pair's ratio by +-0.15. A pair's figure is the median of its rounds. ``cpu``: the same median of
+CPU seconds (the training process's threads and its courier), each fit's counted from its start
+until its process is quiet again, so delivery that goes on after `fit` returned is counted too.
+The ``busy`` case runs its processes one after the other (its fit is the first of the process).
 
 Cases (goals from the issue):
 
@@ -20,9 +26,8 @@ Cases (goals from the issue):
   process (200 steps; store creation, MLflow's import and the run's creation all fall in it),
   every step logged; <= 1.3x and every step in MLflow when the process ends.
 - ``every_step``: quiet machine, every step logged, 1500 steps per fit, after one untimed
-  warm-up fit in the same process, the fastest of 3 timed fits (tf.data adds a 5-20 s wait to
-  some fits' teardown under load, metrics or not: one fit per process made ratios of 0.5x-15x);
-  <= 1.20x.
+  warm-up fit in the same process, 4 timed rounds (tf.data adds a 5-20 s wait to some fits'
+  teardown under load, metrics or not: one fit per process made ratios of 0.5x-15x); <= 1.20x.
 - ``default``: quiet machine, nothing set (``log_every_n_steps`` at its default), as
   ``every_step`` otherwise; <= 1.05x.
 - ``down``: the tracking server is down (nothing listens at its address), default settings,
@@ -47,9 +52,9 @@ import time
 CASES = {
     # name: (busy loops, steps, warm-up fit, log_every_n_steps (None: default), store, goal, timed fits)
     "busy": (2, 200, False, 1, "sqlite", 1.3, 1),
-    "every_step": (0, 1500, True, 1, "sqlite", 1.20, 3),
-    "default": (0, 1500, True, None, "sqlite", 1.05, 3),
-    "down": (0, 1500, True, None, "down", 1.10, 3),
+    "every_step": (0, 1500, True, 1, "sqlite", 1.20, 4),
+    "default": (0, 1500, True, None, "sqlite", 1.05, 4),
+    "down": (0, 1500, True, None, "down", 1.10, 4),
 }
 
 
@@ -80,6 +85,8 @@ def child(args: argparse.Namespace) -> int:
         model.compile(optimizer=keras.optimizers.SGD(sync.lr_schedule()), loss="mse")
     if args.warm:
         sync.fit(model, x, y, epochs=1, shuffle=False, verbose=0)
+    if args.lockstep:
+        return _lockstep(sync, model, x, y)
     took, cpu = [], []
     for _ in range(args.repeat):
         c0 = _cpu_s()
@@ -90,6 +97,21 @@ def child(args: argparse.Namespace) -> int:
     with open(args.out, "w") as fh:
         json.dump({"fit_s": min(took), "fits_s": took, "cpu_s": min(cpu), "returned_at": time.time(),
                    "run_id": sync.run_id}, fh)
+    return 0  # the exit waits for what is left to deliver (atexit)
+
+
+def _lockstep(sync: object, model: object, x: object, y: object) -> int:
+    """Fit once per ``go`` line on stdin, answering each with one JSON line; ``stop`` ends (see `run_lockstep`)."""
+    print("@bench ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "go":
+            break
+        c0 = _cpu_s()
+        t0 = time.perf_counter()
+        sync.fit(model, x, y, epochs=1, shuffle=False, verbose=0)
+        took = time.perf_counter() - t0
+        print("@bench " + json.dumps({"fit_s": took, "cpu_s": _cpu_s() - c0}), flush=True)
+    print("@bench " + json.dumps({"returned_at": time.time(), "run_id": sync.run_id}), flush=True)
     return 0  # the exit waits for what is left to deliver (atexit)
 
 
@@ -125,6 +147,100 @@ def run_child(case: str, metrics: str, uri: str, out: str) -> dict:
     return res
 
 
+def _tree_cpu(pid: int) -> float:
+    """CPU seconds of process ``pid`` and its children (the courier), from /proc."""
+    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if p == str(pid) or stat[1] == str(pid):
+            total += (int(stat[11]) + int(stat[12])) / tick
+    return total
+
+
+def _wait_quiet(pid: int, limit_s: float = 30.0) -> float:
+    """Wait until ``pid``'s tree uses under 5% of a core over 0.3 s (its background work done); seconds waited."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < limit_s:
+        c0 = _tree_cpu(pid)
+        time.sleep(0.3)
+        if _tree_cpu(pid) - c0 < 0.015:
+            break
+    return time.perf_counter() - t0
+
+
+def run_lockstep(case: str, uris: dict, outs: dict) -> dict:
+    """One off and one on process, started together, fitting in turn (off, on, on, off, ...).
+
+    Each fit starts once the other process is quiet (its courier done), so neither fit shares the
+    cores with the other process; the two fits of a round are seconds apart, so the machine's
+    drift (the same fit took 4.5-10 s over a day here) falls on both. Each fit's CPU is counted
+    from its start until its process is quiet again: what delivery does after `fit` returned
+    is in the ``cpu`` figure, not hidden in the other process's turn.
+    """
+    busy, steps, warm, every, _, _, repeat = CASES[case]
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID",
+                                                            "KERAS_SYNC_CONFIG", "TF_CONFIG")}
+    procs = {}
+    for metrics in ("off", "on"):
+        cmd = [sys.executable, __file__, "--child", "--lockstep", "--metrics", metrics, "--uri", uris[metrics],
+               "--steps", str(steps), "--every", "default" if every is None else str(every), "--out", outs[metrics]]
+        cmd += ["--warm"] if warm else []
+        err = open(outs[metrics] + ".stderr", "w")
+        procs[metrics] = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                          stderr=err, text=True, cwd=os.path.dirname(outs[metrics]))
+        err.close()
+
+    def answer(metrics: str) -> object:
+        """The child's next protocol line (other stdout lines are the user's: skipped)."""
+        for line in procs[metrics].stdout:
+            if line.startswith("@bench "):
+                return line[len("@bench "):].strip()
+        stderr = open(outs[metrics] + ".stderr").read()[-2000:]
+        raise RuntimeError(f"{case}/{metrics} ended ({procs[metrics].wait()}): {stderr}")
+
+    try:
+        for metrics in procs:
+            answer(metrics)  # "ready": imported, built, warmed up
+        fits: dict = {"off": [], "on": []}
+        cycle_cpu: dict = {"off": [], "on": []}
+        rounds = []
+        for k in range(repeat):
+            order = ("off", "on") if k % 2 == 0 else ("on", "off")
+            got = {}
+            for metrics in order:
+                other = procs["on" if metrics == "off" else "off"]
+                _wait_quiet(other.pid)
+                _wait_quiet(procs[metrics].pid)
+                c0 = _tree_cpu(procs[metrics].pid)
+                procs[metrics].stdin.write("go\n")
+                procs[metrics].stdin.flush()
+                res = json.loads(answer(metrics))
+                _wait_quiet(procs[metrics].pid)
+                got[metrics] = res["fit_s"]
+                fits[metrics].append(res["fit_s"])
+                cycle_cpu[metrics].append(_tree_cpu(procs[metrics].pid) - c0)
+            rounds.append(got["on"] / got["off"])
+        result = {"rounds": rounds, "fits": fits, "cycle_cpu": cycle_cpu}
+        for metrics, p in procs.items():
+            p.stdin.write("stop\n")
+            p.stdin.close()
+            result[metrics] = json.loads(answer(metrics))
+        for metrics, p in procs.items():
+            if p.wait(timeout=1800) != 0:
+                stderr = open(outs[metrics] + ".stderr").read()[-2000:]
+                raise RuntimeError(f"{case}/{metrics} failed ({p.returncode}): {stderr}")
+            result[metrics]["ended"] = time.time()
+        return result
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def check_mlflow(uri: str, case: str) -> str:
     """After the process ended: FINISHED, and every step logged is there ('ok'), else what is missing."""
     from mlflow import MlflowClient
@@ -157,6 +273,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--every", help=argparse.SUPPRESS)
     ap.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--lockstep", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--repeat", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -172,32 +289,49 @@ def main() -> int:
         ratios, on_s, off_s, waits, checks, raw, cpu_ratios = [], [], [], [], [], {}, []
         try:
             for i in range(args.pairs):
-                times, cpus = {}, {}
-                for metrics in (("off", "on") if i % 2 == 0 else ("on", "off")):
+                uris, outs = {}, {}
+                for metrics in ("off", "on"):
                     d = os.path.join(tmp, f"{case}-{i}-{metrics}")
                     os.makedirs(d)
                     if store == "down":
                         with socket.socket() as s:
                             s.bind(("127.0.0.1", 0))
-                            uri = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens there
+                            uris[metrics] = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens there
                     else:
-                        uri = f"sqlite:///{d}/mlflow.db"  # fresh: created by this process
-                    res = run_child(case, metrics, uri, os.path.join(d, "out.json"))
-                    times[metrics] = res["fit_s"]
-                    cpus[metrics] = res["cpu_s"]
-                    raw.setdefault(metrics, []).append(res["fits_s"])
-                    if metrics == "on":
-                        waits.append(res["exit_wait_s"])
-                        checks.append(check_mlflow(uri, case) if store != "down" else "-")
-                ratios.append(times["on"] / times["off"])
-                cpu_ratios.append(cpus["on"] / cpus["off"])
+                        uris[metrics] = f"sqlite:///{d}/mlflow.db"  # fresh: created by this process
+                    outs[metrics] = os.path.join(d, "out.json")
+                if warm:
+                    res = run_lockstep(case, uris, outs)
+                    ratios.append(statistics.median(res["rounds"]))
+                    cpu_ratios.append(statistics.median(
+                        [a / b for a, b in zip(res["cycle_cpu"]["on"], res["cycle_cpu"]["off"])]))
+                    times = {m: min(res["fits"][m]) for m in ("off", "on")}
+                    waits.append(res["on"]["ended"] - res["on"]["returned_at"])
+                    for m in ("off", "on"):
+                        raw.setdefault(m, []).append(res["fits"][m])
+                    detail = (f"rounds (on/off, fits seconds apart) {' '.join(f'{r:.3f}' for r in res['rounds'])}; "
+                              f"CPU s per fit until its process was quiet again: off "
+                              f"{' '.join(f'{c:.2f}' for c in res['cycle_cpu']['off'])}, on "
+                              f"{' '.join(f'{c:.2f}' for c in res['cycle_cpu']['on'])}, ratio {cpu_ratios[-1]:.3f}")
+                else:
+                    times, cpus = {}, {}
+                    for metrics in (("off", "on") if i % 2 == 0 else ("on", "off")):
+                        one = run_child(case, metrics, uris[metrics], outs[metrics])
+                        times[metrics], cpus[metrics] = one["fit_s"], one["cpu_s"]
+                        raw.setdefault(metrics, []).append(one["fits_s"])
+                        if metrics == "on":
+                            waits.append(one["exit_wait_s"])
+                    ratios.append(times["on"] / times["off"])
+                    cpu_ratios.append(cpus["on"] / cpus["off"])
+                    detail = (f"CPU s (process + courier, the fit) off {cpus['off']:.2f}, on {cpus['on']:.2f}, "
+                              f"ratio {cpu_ratios[-1]:.3f}")
+                checks.append(check_mlflow(uris["on"], case) if store != "down" else "-")
                 on_s.append(times["on"])
                 off_s.append(times["off"])
                 print(f"{case} pair {i + 1}: off {times['off']:.2f}s, on {times['on']:.2f}s, ratio {ratios[-1]:.3f} "
                       f"(every fit: off {' '.join(f'{t:.2f}' for t in raw['off'][-1])}, "
                       f"on {' '.join(f'{t:.2f}' for t in raw['on'][-1])}), "
-                      f"exit wait {waits[-1]:.2f}s, MLflow at exit: {checks[-1]}; CPU s (process + courier, least of "
-                      f"the timed fits) off {cpus['off']:.2f}, on {cpus['on']:.2f}, ratio {cpu_ratios[-1]:.3f}",
+                      f"exit wait {waits[-1]:.2f}s, MLflow at exit: {checks[-1]}; {detail}",
                       file=sys.stderr, flush=True)
         finally:
             for p in busy:

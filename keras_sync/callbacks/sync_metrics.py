@@ -143,6 +143,7 @@ class SyncMetrics(keras.callbacks.Callback):
         self._busy_s, self._steps_since_log, self._pending = 0.0, 0, []
         self._held, self._carry_s, self._carry_n = None, 0.0, 0
         self._returned = None
+        self._window, self._window_steps = None, 0  # a fit that raised may have left peaks unwritten
         fn = getattr(self.model, "train_function", None)
         if self._probe.num_workers > 1 and fn is not None and not hasattr(fn, _TIMED):
             self.model.train_function = self._timed(fn)
@@ -162,7 +163,6 @@ class SyncMetrics(keras.callbacks.Callback):
 
         setattr(train_function, _TIMED, fn)
         return train_function
-        self._window, self._window_steps = None, 0
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         if self.global_step is None:
