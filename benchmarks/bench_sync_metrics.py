@@ -351,8 +351,9 @@ def main() -> int:
         fmt = lambda v: " ".join(f"{t:.2f}" for t in v)  # noqa: E731
         print(f"{case:<12}{busy_n:>5}{steps:>6}{'yes' if warm else 'no':>5}{'default' if every is None else every:>8}"
               f"{ratio:>7.3f}x{'<=' + format(goal, 'g'):>7}{cpu_ratio:>6.3f}x  {fmt(off_s):<21} {fmt(on_s):<21} {fmt(waits):<19} "
-              f"{sum(c == 'ok' for c in checks)}/{len(checks)} ok" + ("" if all(c == "ok" for c in checks) else
-                                                                       f" ({', '.join(checks)})"))
+              + ("- (no server to read)" if all(c == "-" for c in checks) else
+                 f"{sum(c == 'ok' for c in checks)}/{len(checks)} ok" + ("" if all(c == "ok" for c in checks) else
+                                                                          f" ({', '.join(checks)})")))
     return 0
 
 
