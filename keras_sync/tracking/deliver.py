@@ -101,6 +101,7 @@ class RunSender:
         self._checked = False
         self.request_timeout_s = request_timeout_s
         self._client: Any = None
+        self._sql: Any = False  # not looked at yet; then a SqliteMetrics or None
         #: Per metric key, the highest step the run has; points at or below it are dropped.
         self.floors: dict[str, int] = {}
         self._floors_of: str | None = None  # the run whose steps `floors` holds
@@ -120,6 +121,15 @@ class RunSender:
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         with fast_fail_env(self.tracking_uri, self.request_timeout_s):
             return fn(*args, **kwargs)
+
+    def _sql_metrics(self, client: Any) -> Any:
+        """The one-statement metric writer of a sqlite store (None for any other store)."""
+        if self._sql is False:
+            from keras_sync.tracking.sql_metrics import SqliteMetrics, sqlite_store_of
+
+            store = sqlite_store_of(client)
+            self._sql = SqliteMetrics(store) if store is not None else None
+        return self._sql
 
     def client(self) -> Any:
         if self._client is None:
@@ -353,6 +363,8 @@ class RunSender:
 
     def _send_batch(self, metrics: list[Any], params: list[Any], tags: list[Any]) -> None:
         c = self.client()
+        if not params and not tags and self._sql_metrics(c) is not None and self._sql.log(self.run_id, metrics):
+            return  # ~10 us a point instead of MLflow's ~60-130 (keras_sync.tracking.sql_metrics)
         try:
             self._call(c.log_batch, self.run_id, metrics=metrics, params=params, tags=tags)
         except Exception as e:
