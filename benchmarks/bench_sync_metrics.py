@@ -120,14 +120,22 @@ def _cpu_s() -> float:
     return _tree_cpu(os.getpid())
 
 
+def _child_cmd(case: str, metrics: str, uri: str, out: str, *extra: str) -> list[str]:
+    """The command of one benchmark process of ``case``."""
+    _, steps, warm, every, _, _, _ = CASES[case]
+    return [sys.executable, __file__, "--child", "--metrics", metrics, "--uri", uri, "--steps", str(steps),
+            "--every", "default" if every is None else str(every), "--out", out, *extra] + (["--warm"] if warm else [])
+
+
+def _child_env() -> dict:
+    """This environment without what would send a benchmark process's run elsewhere."""
+    return {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID",
+                                                             "KERAS_SYNC_CONFIG", "TF_CONFIG")}
+
+
 def run_child(case: str, metrics: str, uri: str, out: str) -> dict:
-    busy, steps, warm, every, _, _, repeat = CASES[case]
-    cmd = [sys.executable, __file__, "--child", "--metrics", metrics, "--uri", uri, "--steps", str(steps),
-           "--repeat", str(repeat),
-           "--every", "default" if every is None else str(every), "--out", out] + (["--warm"] if warm else [])
-    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID",
-                                                            "KERAS_SYNC_CONFIG", "TF_CONFIG")}
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=os.path.dirname(out), timeout=1800)
+    cmd = _child_cmd(case, metrics, uri, out, "--repeat", str(CASES[case][6]))
+    r = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True, cwd=os.path.dirname(out), timeout=1800)
     ended = time.time()
     if r.returncode != 0:
         raise RuntimeError(f"{case}/{metrics} failed ({r.returncode}): {r.stderr[-2000:]}")
@@ -178,16 +186,12 @@ def run_lockstep(case: str, uris: dict, outs: dict) -> dict:
     from its start until its process is quiet again: what delivery does after `fit` returned
     is in the ``cpu`` figure, not hidden in the other process's turn.
     """
-    busy, steps, warm, every, _, _, repeat = CASES[case]
-    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID",
-                                                            "KERAS_SYNC_CONFIG", "TF_CONFIG")}
+    repeat = CASES[case][6]
     procs = {}
     for metrics in ("off", "on"):
-        cmd = [sys.executable, __file__, "--child", "--lockstep", "--metrics", metrics, "--uri", uris[metrics],
-               "--steps", str(steps), "--every", "default" if every is None else str(every), "--out", outs[metrics]]
-        cmd += ["--warm"] if warm else []
+        cmd = _child_cmd(case, metrics, uris[metrics], outs[metrics], "--lockstep")
         err = open(outs[metrics] + ".stderr", "w")
-        procs[metrics] = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        procs[metrics] = subprocess.Popen(cmd, env=_child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                           stderr=err, text=True, cwd=os.path.dirname(outs[metrics]))
         err.close()
 
