@@ -4,8 +4,8 @@ Usage: python _collective_train.py MODE OUT_DIR   (under `keras-sync launch`)
 MODE: ``every_worker`` (sync.predict, model.predict and sync.evaluate on every worker, then the chief
 alone works on for CHIEF_EXTRA_S: longer than TensorFlow's heartbeat timeout, so a worker that
 left at once would be reported unhealthy), ``chief_only`` (``if sync.is_chief: model.predict``), or
-``worker_vanishes`` (worker 1 leaves with ``os._exit`` right after fit, skipping its exit meeting;
-the chief records when its script ended).
+``worker_vanishes`` (worker 1 leaves with ``os._exit`` once the chief's fit returned, skipping its
+exit meeting; the chief records when its script ended).
 Worker i writes OUT_DIR/w<i>.json with what it computed.
 """
 
@@ -50,8 +50,17 @@ def main() -> int:
         if sync.is_chief:
             time.sleep(CHIEF_EXTRA_S)
     elif mode == "worker_vanishes":
+        # Worker 1 leaves once the chief's fit has returned: fit's last collective is done on worker 1
+        # before the chief has pulled worker 1's part of it, so leaving at once could break the chief's
+        # last collective (CI saw "lost contact" once): a worker that crashed, not one that left after fit.
+        done = os.path.join(out_dir, "chief_fit_returned")
         if not sync.is_chief:
-            os._exit(0)
+            deadline = time.monotonic() + 300
+            while not os.path.exists(done) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            os._exit(0 if os.path.exists(done) else 3)
+        os.makedirs(out_dir, exist_ok=True)
+        open(done, "w").close()
         out["ended"] = time.time()
     elif mode == "chief_only":
         if sync.is_chief:
