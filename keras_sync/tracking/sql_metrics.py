@@ -13,7 +13,7 @@ after MLflow's own validation of the batch; it relies on MLflow internals that h
 since MLflow 1.x (`SqlMetric`, `SqlLatestMetric`, the store's session maker). Whatever it cannot
 do (a row that is already there, a store of another kind, an MLflow whose internals moved)
 returns ``False`` with nothing written, and the caller sends the batch with `log_batch`. A test
-compares the rows both ways on the oldest and newest supported MLflow (``tests/test_tracking.py``).
+compares the rows both ways on the oldest and newest supported MLflow (``tests/test_sql_metrics.py``).
 """
 
 from __future__ import annotations
