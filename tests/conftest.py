@@ -271,8 +271,8 @@ def autolog_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 # CPU seconds per test, the figure to compare a speed change by on a shared machine (the wall clock
-# follows the load): KERAS_SYNC_TEST_CPU=FILE appends one line per test phase, "<user+sys s> <phase>
-# <node id>", counting this process and the children it waited for (a scenario's TensorFlow
+# follows the load): KERAS_SYNC_TEST_CPU=FILE appends one line per test, "<user+sys s> test <node id>
+# <xdist worker> <wall start> <wall end>" (unix seconds: which worker was busy when), counting this process and the children it waited for (a scenario's TensorFlow
 # process; not an orphaned courier). `sort -rn FILE | head` lists the costliest.
 _CPU_LOG = os.environ.get("KERAS_SYNC_TEST_CPU")
 
@@ -289,7 +289,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     if not _CPU_LOG:
         yield
         return
-    start = _cpu_now()
+    start, began = _cpu_now(), time.time()
     yield
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "-")
     with open(_CPU_LOG, "a") as fh:
-        fh.write(f"{_cpu_now() - start:.1f} test {item.nodeid}\n")
+        fh.write(f"{_cpu_now() - start:.1f} test {item.nodeid} {worker} {began:.1f} {time.time():.1f}\n")
