@@ -272,8 +272,9 @@ def autolog_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 # CPU seconds per test, the figure to compare a speed change by on a shared machine (the wall clock
 # follows the load): KERAS_SYNC_TEST_CPU=FILE appends one line per test, "<user+sys s> test <node id>
-# <xdist worker> <wall start> <wall end>" (unix seconds: which worker was busy when), counting this process and the children it waited for (a scenario's TensorFlow
-# process; not an orphaned courier). `sort -rn FILE | head` lists the costliest.
+# <xdist worker> <wall start> <wall end>" (unix seconds: which worker was busy when), counting this
+# process and the children it waited for (a scenario's TensorFlow process; not an orphaned courier).
+# `sort -rn FILE | head` lists the costliest.
 _CPU_LOG = os.environ.get("KERAS_SYNC_TEST_CPU")
 
 
