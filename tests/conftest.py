@@ -49,12 +49,17 @@ _one_keras_sync_for_every_process()
 
 
 # Every process the suite starts (scenario scripts, workers, couriers, the CLI, mlflow server) runs
-# tests/_lean_site/sitecustomize.py first: Keras then does not import scikit-learn, ~1.3 of the ~6 CPU-s
-# each TensorFlow process spends starting (its docstring tells why that is safe). The pytest process
-# itself the same, for the tests that import Keras here.
+# tests/_lean_site/sitecustomize.py first: Keras then does not import scikit-learn, pandas and matplotlib, ~2
+# of the ~6 CPU-s each TensorFlow process spends starting (its docstring tells why that is safe). The pytest
+# process itself the same, for the tests that import Keras here.
 LEAN_SITE = Path(__file__).resolve().parent / "_lean_site"
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(LEAN_SITE), os.environ.get("PYTHONPATH")) if p)
-sys.modules.setdefault("sklearn", None)  # type: ignore[assignment]
+if not any(type(f).__name__ == "_NotForKeras" for f in sys.meta_path):  # this process too (started before PYTHONPATH)
+    import importlib.util as _util
+
+    _spec = _util.spec_from_file_location("_keras_sync_lean_site", LEAN_SITE / "sitecustomize.py")
+    sys.modules[_spec.name] = _util.module_from_spec(_spec)
+    _spec.loader.exec_module(sys.modules[_spec.name])
 
 
 class MlflowServer:

@@ -170,7 +170,10 @@ def runs(request, tmp_path_factory, mlflow_server):
         "single": ([sys.executable, script, "single", str(out / "single.json"), f"sqlite:///{out / 'single.db'}"],
                    out, out / "single.json"),
     }
-    procs = {name: subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # The XLA scenario logs each XLA compilation (TensorFlow's device_compiler: "Compilation of XLA executable").
+    envs = {"single": dict(env, TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="device_compiler=1")}
+    procs = {name: subprocess.Popen(cmd, cwd=cwd, env=envs.get(name, env), stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
              for name, (cmd, cwd, _) in commands.items() if runs_process[name]}
     logs = {}
     for name, proc in procs.items():
@@ -387,6 +390,11 @@ def test_default_strategy_with_xla_is_bit_identical_and_logged(runs):
     assert set(_history(c, r["run_id"], "sync/loss_spread")) == {(s, 0.0) for s in range(1, 41)}
     assert dict(_history(c, r["run_id"], "sync/learning_rate"))[40] == pytest.approx(0.01)
     assert c.get_run(r["run_id"]).data.params["sync.devices"].endswith("CPU:0")
+    # XLA compiled each model's step once (plain Keras, then keras-sync's instrumented step), not at
+    # every step: the probe's ring once slid into the compiled step as a constant (a strided slice at a
+    # computed row), so each of the 40 steps compiled again (20x the CPU of the whole fit).
+    compiles = runs["logs"]["single"].count("Compilation of XLA executable")
+    assert 2 <= compiles <= 4, f"{compiles} XLA compilations for 2 fits of 40 steps"
 
 
 def test_slow_worker_doctests():

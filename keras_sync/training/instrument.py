@@ -199,7 +199,10 @@ class ReplicaProbe:
             count = buf[ring, ReplicaProbe.COUNT] + 1
             row = tf.cast(tf.math.floormod(count - 1, ring), tf.int32)
             prev = tf.cast(tf.math.floormod(count - 2, ring), tf.int32)  # step count - 1 (zeros at first)
-            examples = buf[prev, ReplicaProbe.EXAMPLES] + tf.cast(_batch_size(data), tf.int64)
+            # A gather, not `buf[prev, ...]`: XLA needs a strided slice's bounds at compile time, so a
+            # slice at a computed row made the ring's value a constant input of the compiled step, and
+            # XLA (jit_compile, a TPU) compiled the step again at every step (tests/test_runtime.py).
+            examples = tf.gather(buf[:, ReplicaProbe.EXAMPLES], prev) + tf.cast(_batch_size(data), tf.int64)
             zero = tf.constant(0, tf.int64)
             compute = tf.constant(-1, tf.int64)
             if timed and seen.get("reached") is not None:
