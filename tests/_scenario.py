@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -38,12 +41,17 @@ class Results(dict):
         """
         if not self.wants(name):
             return
+        began = time.process_time()
         try:
             self[name] = fn()
         except expected as exc:
             self[name] = {"error": type(exc).__name__, "message": str(exc)}
         except Exception as exc:  # a bug: keep the traceback for the test's message
             self[name] = {"unexpected": type(exc).__name__, "message": str(exc), "tb": traceback.format_exc()}
+        if os.environ.get("KERAS_SYNC_TEST_CPU"):  # the suite's CPU log (tests/conftest.py): what each case costs
+            with open(os.environ["KERAS_SYNC_TEST_CPU"], "a") as fh:
+                fh.write(f"{time.process_time() - began:.1f} case {Path(sys.argv[0]).name}:{name} "
+                         f"{' '.join(sys.argv[1:2])} {time.time():.1f}\n")
 
     def dump(self, path: Any) -> None:
         with open(path, "w") as fh:
