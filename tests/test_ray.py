@@ -106,11 +106,14 @@ def test_weights_equal_one_process_at_the_same_global_batch(ray_runs, scenario, 
 def test_each_worker_trained_on_its_own_half_of_the_ray_dataset(ray_runs):
     seen = [w["seen"] for w in ray_runs["ray_data"]["w"]]
     per_epoch = RAY_DATA_ROWS // 2
-    # Whole passes over the shard: one per epoch, and one TensorFlow reads before training.
-    assert [len(s) % per_epoch for s in seen] == [0, 0] and len(seen[0]) >= per_epoch * RAY_DATA_EPOCHS
-    for e in range(len(seen[0]) // per_epoch):
-        a, b = (set(s[e * per_epoch:(e + 1) * per_epoch]) for s in seen)
-        assert not a & b and a | b == set(range(RAY_DATA_ROWS))
+    trained = per_epoch * RAY_DATA_EPOCHS
+    # One pass over the shard per epoch, last; before them, what TensorFlow reads ahead while it builds
+    # the distributed iterator: up to one pass, and how much of it depends on timing (CI saw 16 and 24
+    # rows, and a whole pass). The one-process reference takes the last passes too (_ray_driver.py).
+    assert all(trained <= len(s) <= trained + per_epoch for s in seen), [len(s) for s in seen]
+    for e in range(RAY_DATA_EPOCHS):
+        a, b = (set(s[len(s) - trained + e * per_epoch:][:per_epoch]) for s in seen)
+        assert not a & b and a | b == set(range(RAY_DATA_ROWS)), e
 
 
 def test_the_comparison_can_tell_the_batch_to_tf_gave(ray_runs):
