@@ -279,6 +279,7 @@ def autolog_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
 # follows the load): KERAS_SYNC_TEST_CPU=FILE appends one line per test, "<user+sys s> test <node id>
 # <xdist worker> <wall start> <wall end>" (unix seconds: which worker was busy when), counting this
 # process and the children it waited for (a scenario's TensorFlow process; not an orphaned courier).
+# Scenario scripts add "<cpu s> case <script>:<case> <mode> <unix s>" per recorded case (tests/_scenario.py).
 # `sort -rn FILE | head` lists the costliest.
 _CPU_LOG = os.environ.get("KERAS_SYNC_TEST_CPU")
 
