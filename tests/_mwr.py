@@ -39,6 +39,7 @@ def kill_and_resume(tmp: Path, config: dict, *, kill_at: int, timeout: float,
     and the relaunch's completed process (its stdout lists the steps it trained).
     """
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "KERAS_SYNC_CONFIG")}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"  # the script sets 2 itself; given, the suite's zygote can start it
 
     def run(name: str, *extra: str) -> subprocess.CompletedProcess[str]:
         cfg = {**config, "fault_tolerance": {**config.get("fault_tolerance", {}),

@@ -215,7 +215,9 @@ def test_a_second_job_in_a_live_jobs_backup_dir_is_refused_before_training(tmp_p
     cfg = _cfg(tmp_path)
     go = tmp_path / "go"
     first = subprocess.Popen([sys.executable, str(TRAIN), json.dumps(cfg), str(tmp_path / "a"), "--wait-at", "5",
-                              "--wait-for", str(go)], env={**_env(), "KERAS_SYNC_JOB_ID": "job-a"},
+                              "--wait-for", str(go)],
+                             # its pid is in the message: this process's own (not started by the suite's zygote)
+                             env={**_env(), "KERAS_SYNC_JOB_ID": "job-a", "KERAS_SYNC_TEST_ZYGOTE": ""},
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     err: list[str] = []
     threading.Thread(target=lambda: err.append(first.stderr.read()), daemon=True).start()

@@ -47,6 +47,7 @@ class Runs:
     def start(self, name: str, scenario: str, *, cpus: int = 1, tf_config: dict | None = None,
               late_tf_config: dict | None = None) -> None:
         env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+        env["TF_CPP_MIN_LOG_LEVEL"] = "2"  # what the worker sets first; given here, the suite's zygote can start it
         if tf_config is not None:
             env["TF_CONFIG"] = json.dumps(tf_config)
             self.configs[name] = tf_config

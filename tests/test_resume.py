@@ -100,6 +100,7 @@ def test_one_process_default_strategy_sigkill_mid_epoch_resumes_exactly(tmp_path
     # backup_dir trains the same weights (0.13 apart when a backup reshuffled the arrays itself).
     plain = {k: v for k, v in cfg.items() if k != "fault_tolerance"}
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "KERAS_SYNC_CONFIG")}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     r = subprocess.run([sys.executable, str(TRAIN), json.dumps(plain), str(tmp_path / "plain"), "--dropout", "0.25"],
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -60,3 +60,10 @@ if os.environ.get("KERAS_SYNC_TEST_PROCS"):
             fh.write(line)
 
     _atexit.register(_log_process)
+
+# KERAS_SYNC_TEST_ZYGOTE (set by tests/conftest.py): a script that names keras or tensorflow runs in a child
+# of a process that has imported both already (_zygote.py's docstring); this call does not return then.
+if os.environ.get("KERAS_SYNC_TEST_ZYGOTE"):
+    import _zygote
+
+    _zygote.delegate()
