@@ -64,10 +64,10 @@ if not any(type(f).__name__ == "_NotForKeras" for f in sys.meta_path):  # this p
 
 
 def _start_zygotes() -> None:
-    """Two processes that import TensorFlow and Keras once, for every script the suite starts to fork from.
+    """Processes that import TensorFlow and Keras (two) or MLflow (one, for couriers) once, to fork from.
 
     tests/_lean_site/_zygote.py tells how and when (~4.6 CPU-s saved per TensorFlow process, ~200 of
-    them). Started once per run (xdist's workers inherit the variable), with TF_CPP_MIN_LOG_LEVEL=2 as
+    them; ~2.5 per courier, ~80). Started once per run (xdist's workers inherit the variable), with TF_CPP_MIN_LOG_LEVEL=2 as
     nearly every test starts its scripts (a process whose import-time environment differs runs as
     usual). They exit when this process does (the pipe's write end closes).
     KERAS_SYNC_TEST_ZYGOTE= (empty) before pytest runs the suite without them.
@@ -84,7 +84,7 @@ def _start_zygotes() -> None:
     finally:
         sys.path.remove(str(LEAN_SITE))
     where = tempfile.mkdtemp(prefix="ks-zygote-")
-    started = [_zygote.start(os.path.join(where, f"z{i}"), TF_CPP_MIN_LOG_LEVEL="2") for i in range(2)]
+    started = _zygote.start(where, TF_CPP_MIN_LOG_LEVEL="2")
 
     def stop() -> None:
         for proc, control in started:
@@ -98,7 +98,7 @@ def _start_zygotes() -> None:
             shutil.rmtree(where, ignore_errors=True)
 
     atexit.register(stop)
-    os.environ[_ZYGOTE_VAR] = os.pathsep.join(os.path.join(where, f"z{i}") for i in range(2))
+    os.environ[_ZYGOTE_VAR] = where
 
 
 _ZYGOTE_VAR = "KERAS_SYNC_TEST_ZYGOTE"

@@ -158,8 +158,10 @@ def test_ctrl_c_during_the_exit_wait_leaves_the_points_in_the_spool(tmp_path):
     """)
     env = {k: v for k, v in os.environ.items()
            if k not in ("TF_CONFIG", "MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID", "RAY_RAYLET_PID")}
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, env=dict(env, TF_CPP_MIN_LOG_LEVEL="2"),
-                            stderr=subprocess.PIPE, text=True)
+    # KERAS_SYNC_TEST_ZYGOTE="": the courier is a process of its own (SIGSTOP would stop only the stand-in of
+    # a courier started by the suite's zygote, tests/_lean_site/_zygote.py)
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, stderr=subprocess.PIPE, text=True,
+                            env=dict(env, TF_CPP_MIN_LOG_LEVEL="2", KERAS_SYNC_TEST_ZYGOTE=""))
     watchdog = threading.Timer(600, proc.kill)
     watchdog.start()
     try:

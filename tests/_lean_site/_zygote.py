@@ -20,7 +20,13 @@ The process the test started (the *proxy*) stays as the child's stand-in for its
 
 The child is not the proxy: `os.getpid()` differs from the Popen's pid (a script that writes its own
 pid, and a test that signals that pid, reach the child directly), and SIGSTOP to the proxy stops only
-the proxy. What runs inside the child is the real script with the real TensorFlow.
+the proxy. `os.getppid()` in the child answers the proxy's parent (what a plain process would see,
+the courier's orphan check included), and the child runs at the proxy's nice value. What runs inside
+the child is the real script with the real TensorFlow.
+
+keras-sync's courier (`python -m keras_sync.tracking.courier_main`, ~80 per run, ~4 CPU-s each) is
+started the same way from a third zygote, which has imported MLflow's client and SQL store and the
+report's matplotlib (~2.5 of those CPU-s).
 
 A process runs as usual (no zygote) whenever anything that matters before a script's first line
 differs from the zygote's: the interpreter or its options (`-X importtime`, `-I`, ...), `-c`/`-m`, the
@@ -46,18 +52,24 @@ import sys
 
 ENV_VAR = "KERAS_SYNC_TEST_ZYGOTE"
 _FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM")
-_ENV_PREFIXES = ("TF_", "KERAS_", "PYTHON", "XLA_", "CUDA", "OMP_", "MKL", "OPENBLAS", "GRPC_", "LD_", "LANG",
-                 "LC_", "HOME")
+#: The zygotes, by kind: what each imports before it forks, and the environment variables read then.
+#: `tf` serves scripts that name keras or tensorflow (two of them: see the docstring); `mlflow` serves
+#: keras-sync's courier (`python -m keras_sync.tracking.courier_main`, MLflow's client and SQL store).
+_COMMON = ("PYTHON", "OMP_", "MKL", "OPENBLAS", "LD_", "LANG", "LC_", "HOME")
+KINDS = {"tf": 2, "mlflow": 1}
+_ENV_PREFIXES = {"tf": _COMMON + ("TF_", "KERAS_", "XLA_", "CUDA", "GRPC_"),
+                 "mlflow": _COMMON + ("MLFLOW_LOGGING", "MLFLOW_CONFIGURE_LOGGING", "SQLALCHEMY", "MPL")}
 _ENV_RUNTIME = ("TF_CONFIG", "KERAS_SYNC_")  # read when the script asks, after the zygote's imports
+COURIER = "keras_sync.tracking.courier_main"
 _HIGH_FD = 900
 
 
-def _import_env(env: dict[str, str]) -> dict[str, str]:
+def _import_env(env: dict[str, str], kind: str) -> dict[str, str]:
     return {k: v for k, v in env.items()  # PYTHONPATH: compared as the sys.path it makes
-            if k.startswith(_ENV_PREFIXES) and not k.startswith(_ENV_RUNTIME) and k not in (ENV_VAR, "PYTHONPATH")}
+            if k.startswith(_ENV_PREFIXES[kind]) and not k.startswith(_ENV_RUNTIME) and k not in (ENV_VAR, "PYTHONPATH")}
 
 
-def _where(path: list[str]) -> dict[str, object]:
+def _where(path: list[str], kind: str) -> dict[str, object]:
     """What a process is that the zygote cannot change in its child (`path`: sys.path without the script's folder)."""
     def link(p: str) -> str:
         try:
@@ -70,7 +82,7 @@ def _where(path: list[str]) -> dict[str, object]:
             "flags": repr(sys.flags), "uid": os.getuid(), "gid": os.getgid(),
             "euid": os.geteuid(), "groups": sorted(os.getgroups()), "cgroup": cgroup,
             "ns": {n: link(f"/proc/self/ns/{n}") for n in ("net", "mnt", "pid", "ipc", "uts", "user")},
-            "env": _import_env(dict(os.environ))}
+            "env": _import_env(dict(os.environ), kind)}
 
 
 def _send(sock: socket.socket, obj: object, fds: list[int] | None = None) -> None:
@@ -109,26 +121,29 @@ def _recv(sock: socket.socket, with_fds: bool = False) -> tuple[object, list[int
 
 def delegate() -> None:
     """Run this process's script in a child of a zygote, or return (run as usual)."""
-    paths = [p for p in os.environ.get(ENV_VAR, "").split(os.pathsep) if p]
+    where = os.environ.get(ENV_VAR, "")
     argv = list(getattr(sys, "orig_argv", ()))
-    if not paths or len(argv) < 2 or argv[1].startswith("-") or not argv[1].endswith(".py"):
+    if not where or len(argv) < 2:
         return
-    script = argv[1]
-    if "site-packages" in os.path.realpath(script):  # a library's own process (Ray's workers): as usual
-        return
+    if argv[1:3] == ["-m", COURIER]:
+        kind = "mlflow"
+    elif argv[1].startswith("-") or not argv[1].endswith(".py") or "site-packages" in os.path.realpath(argv[1]):
+        return  # interpreter options, -c, or a library's own process (Ray's workers): as usual
+    else:
+        try:
+            with open(argv[1], "rb") as fh:
+                source = fh.read()
+        except OSError:
+            return
+        if b"keras" not in source and b"tensorflow" not in source:
+            return
+        kind = "tf"
     with open("/proc/self/status") as fh:  # under strace (ptrace): the child would not be traced
         if any(line.startswith("TracerPid:") and line.split()[1] != "0" for line in fh):
             return
-    try:
-        with open(script, "rb") as fh:
-            source = fh.read()
-    except OSError:
-        return
-    if b"keras" not in source and b"tensorflow" not in source:
-        return
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.connect(paths[os.getpid() % len(paths)])
+        sock.connect(os.path.join(where, f"{kind}{os.getpid() % KINDS[kind]}"))
     except OSError:
         sock.close()
         return
@@ -168,8 +183,10 @@ def delegate() -> None:
         else:
             signal.signal(sig, forward)
     ignored += [int(s) for s in (signal.SIGPIPE, signal.SIGXFSZ) if signal.getsignal(s) == signal.SIG_IGN]
-    # sitecustomize runs before Python puts the script's folder first on sys.path
-    request = dict(_where(sys.path), argv=argv[1:], cwd=os.getcwd(), environ=dict(os.environ), umask=umask,
+    # sitecustomize runs before Python puts a script's folder first on sys.path (with -m: after)
+    module = argv[1] == "-m"
+    request = dict(_where(sys.path[1:] if module else sys.path, kind), path0=sys.path[0] if module else None, argv=argv[1:], cwd=os.getcwd(), environ=dict(os.environ), umask=umask,
+                   proxy=os.getpid(), nice=os.getpriority(os.PRIO_PROCESS, 0),
                    fds=[[fd, os.get_inheritable(fd)] for fd in fds], ignored=ignored,
                    blocked=sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])))
     try:
@@ -219,7 +236,31 @@ def _end_as(sock: socket.socket, child: int) -> None:
 
 # --- the zygote ------------------------------------------------------------------------------------
 
-def _serve(path: str, control_fd: int) -> dict | None:
+def _preload(kind: str) -> None:
+    """What makes a zygote worth having: imports paid once instead of once per process."""
+    if kind == "tf":  # ~4.6 CPU-s
+        import keras  # noqa: F401
+        import tensorflow  # noqa: F401
+        return
+    # the courier's start (~2.5 of its ~4 CPU-s): MLflow's client and SQL store, the report's matplotlib
+    import importlib
+
+    for name in ("mlflow", "mlflow.store.tracking.sqlalchemy_store", "mlflow.store.db.utils", "matplotlib.figure",
+                 "matplotlib.backends.backend_agg", "keras_sync.tracking.courier", "keras_sync.tracking.sqlite_store",
+                 "keras_sync.tracking.sql_metrics", "keras_sync.tracking.report_plot", "keras_sync.tracking.artifacts"):
+        try:
+            importlib.import_module(name)
+        except ImportError:  # another MLflow's layout: that part is imported by the courier itself
+            pass
+    try:
+        from sqlalchemy.orm import configure_mappers
+
+        configure_mappers()
+    except Exception:  # noqa: BLE001 - only a head start
+        pass
+
+
+def _serve(path: str, control_fd: int, kind: str) -> dict | None:
     """Accept requests until the control pipe closes; in a forked child, return its request."""
     import selectors
 
@@ -230,13 +271,11 @@ def _serve(path: str, control_fd: int) -> dict | None:
         pass
     listener.bind(path)
     listener.listen(64)
-    # What makes the zygote worth having: ~4.6 CPU-s paid once instead of once per process.
-    import keras  # noqa: F401
-    import tensorflow  # noqa: F401
+    _preload(kind)
     import gc
     gc.collect()
     gc.freeze()  # the imported objects stay out of every child's garbage collections (and copy-on-write)
-    mine = _where(sys.path[1:])  # without the "" of `-c`
+    mine = _where(sys.path[1:], kind)  # without the "" of `-c`
     held = {int(n) for n in os.listdir("/proc/self/fd")} - {listener.fileno(), control_fd}
     rfd, wfd = os.pipe()
     os.set_blocking(wfd, False)
@@ -324,7 +363,8 @@ def _refuse(request: dict, mine: dict, held: set[int]) -> str:
 def _diff(request: dict, mine: dict) -> str:
     env, own = request.get("env", {}), mine["env"]
     keys = sorted(k for k in set(env) | set(own) if env.get(k) != own.get(k))
-    return " ".join(f"{k}={env.get(k)!r}/{own.get(k)!r}" for k in keys)
+    path = "" if request.get("path") == mine["path"] else f" sys.path {request.get('path')} / {mine['path']}"
+    return " ".join(f"{k}={env.get(k)!r}/{own.get(k)!r}" for k in keys) + path
 
 
 def _become(request: dict) -> int:
@@ -370,23 +410,31 @@ def _become(request: dict) -> int:
     numpy.random.seed()  # fresh entropy, as a new process would have (Python's random reseeds at fork)
     threading.Thread(target=watch, name="zygote-proxy-watch", daemon=True).start()
 
-    argv = request["argv"]
-    script = argv[0]
-    path = script if os.path.isabs(script) else request["cwd"].rstrip("/") + "/" + script
-    sys.argv = list(argv)
-    sys.path[0] = os.path.dirname(os.path.realpath(script))
-    import builtins
-    import importlib.machinery
+    proxy = int(request["proxy"])
 
-    main = sys.modules["__main__"]
-    main.__dict__.clear()
-    main.__dict__.update(__name__="__main__", __doc__=None, __package__=None, __spec__=None, __file__=path,
-                         __cached__=None, __builtins__=builtins,
-                         __loader__=importlib.machinery.SourceFileLoader("__main__", path))
+    def getppid() -> int:  # the proxy's parent: the process that started it (1 once that one has died)
+        try:
+            with open(f"/proc/{proxy}/stat") as fh:
+                return int(fh.read().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            return 1
+
+    os.getppid = getppid
     try:
-        with open(script, "rb") as fh:
-            code = compile(fh.read(), path, "exec", dont_inherit=True)
-        exec(code, main.__dict__)
+        os.setpriority(os.PRIO_PROCESS, 0, int(request["nice"]))
+    except OSError:
+        pass
+
+    argv = request["argv"]
+    try:
+        if argv[0] == "-m":  # python -m MODULE ARGS: sys.path[0] is the working directory
+            import runpy
+
+            sys.argv = ["-m", *argv[2:]]
+            sys.path[0] = request["path0"]
+            runpy._run_module_as_main(argv[1])  # sets sys.argv[0] to the module's file, as `-m` does
+        else:
+            _run_script(argv, request["cwd"])
     except SystemExit as stop:
         if stop.code is None:
             return 0
@@ -396,37 +444,65 @@ def _become(request: dict) -> int:
         return 1
     except BaseException:
         kind, value, tb = sys.exc_info()
-        if tb is not None and value is not None:
-            tb = value.__traceback__ = tb.tb_next  # from the script's frame on, as Python prints it
+        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+            tb = tb.tb_next  # from the script's frame on, as Python prints it
+        if value is not None:
+            value.__traceback__ = tb
         sys.excepthook(kind, value, tb)
         return 130 if kind is KeyboardInterrupt else 1
     return 0
 
 
+def _run_script(argv: list[str], cwd: str) -> None:
+    import builtins
+    import importlib.machinery
+
+    script = argv[0]
+    path = script if os.path.isabs(script) else cwd.rstrip("/") + "/" + script
+    sys.argv = list(argv)
+    sys.path[0] = os.path.dirname(os.path.realpath(script))
+    main = sys.modules["__main__"]
+    main.__dict__.clear()
+    main.__dict__.update(__name__="__main__", __doc__=None, __package__=None, __spec__=None, __file__=path,
+                         __cached__=None, __builtins__=builtins,
+                         __loader__=importlib.machinery.SourceFileLoader("__main__", path))
+    with open(script, "rb") as fh:
+        code = compile(fh.read(), path, "exec", dont_inherit=True)
+    exec(code, main.__dict__)
+
+
 def main() -> None:
-    path, control_fd = sys.argv[1], int(sys.argv[2])
-    request = _serve(path, control_fd)
+    path, control_fd, kind = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    request = _serve(path, control_fd, kind)
     if request is not None:
         code = _become(request)
         sys.exit(code)
 
 
-def start(path: str, **env_overrides: str) -> tuple[object, int]:
-    """Start a zygote listening on `path`; it exits when the returned descriptor is closed (or its owner ends)."""
+def start(where: str, **env_overrides: str) -> list[tuple[object, int]]:
+    """Start the zygotes of every kind, listening in the folder `where` (the value of KERAS_SYNC_TEST_ZYGOTE).
+
+    Each exits when its returned descriptor is closed (or the process that holds it ends); its log
+    (`where`/KIND.log: TensorFlow's start-up lines, one line per child started or process refused).
+    """
     import subprocess
 
-    rfd, wfd = os.pipe()
-    os.set_inheritable(wfd, False)
-    env = dict(os.environ, **env_overrides)
-    env.pop("PYTHONHASHSEED", None)
-    env[ENV_VAR] = ""
-    log = open(path + ".log", "ab")
-    proc = subprocess.Popen([sys.executable, "-c", "import _zygote; _zygote.main()", path, str(rfd)],
-                            pass_fds=(rfd,), stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd="/",
-                            env=env, start_new_session=True)
-    log.close()
-    os.close(rfd)
-    return proc, wfd
+    started = []
+    for kind, count in KINDS.items():
+        for i in range(count):
+            rfd, wfd = os.pipe()
+            os.set_inheritable(wfd, False)
+            env = dict(os.environ, **env_overrides)
+            env.pop("PYTHONHASHSEED", None)  # each its own string hash seed
+            env[ENV_VAR] = ""
+            path = os.path.join(where, f"{kind}{i}")
+            with open(path + ".log", "ab") as log:
+                proc = subprocess.Popen([sys.executable, "-c", "import _zygote; _zygote.main()", path, str(rfd), kind],
+                                        pass_fds=(rfd,), stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd="/",
+                                        env=env, start_new_session=True)
+            os.close(rfd)
+            started.append((proc, wfd))
+    return started
 
 
 if __name__ == "__main__":
