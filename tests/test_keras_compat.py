@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -342,3 +343,19 @@ def test_fits_and_evaluates_under_a_strategy_survive_a_busy_machine(tmp_path):
                            timeout=840)
     assert r.returncode == 0, f"exit {r.returncode}:\n{r.stderr[-3000:]}"
     assert r.stdout.split() == ["done"]
+
+
+@pytest.mark.compat  # the lanes' Pythons (3.10, 3.13): each finalises threads its own way
+@pytest.mark.timeout(600)
+def test_no_thread_starts_at_interpreter_exit_while_dropped_iterators_are_still_referenced():
+    # Python 3.12 refuses a thread started once the main thread is done ("Exception in thread
+    # keras-sync-iterator-watch: ... RuntimeError: can't create new thread at interpreter
+    # shutdown", a traceback at every exit of the quickstart). Before the fix the releaser started
+    # one thread per iterator it still held at exit (11 "thread started at exit" lines on 3.11).
+    r = subprocess.run([sys.executable, str(Path(__file__).with_name("_exit_threads_train.py"))],
+                       env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), capture_output=True, text=True, timeout=540)
+    lines = [line for line in r.stderr.splitlines() if not line.startswith(("WARNING:", "I0000", "W0000"))]
+    assert r.returncode == 0, f"exit {r.returncode}:\n{r.stderr[-3000:]}"
+    assert "thread started at exit" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert lines[0] == "keras-sync: config: a dict passed to keras_sync.load() (no file)", r.stderr[-3000:]
+    assert len(lines) == 2 and re.fullmatch(r"fit returned; [1-9]\d* iterators kept", lines[1]), r.stderr[-3000:]

@@ -255,6 +255,12 @@ class _IteratorReleaser:
     thread until nothing but the watcher refers to it; then it goes to a thread of its own to be
     destroyed. The watcher stops waiting at interpreter exit or after `HOLD_S` (someone else keeps
     the iterator) and then only drops its own references, as Keras would have.
+
+    At interpreter exit (the main thread is done) no thread is started, neither the watcher nor a
+    destroying one: Python 3.12 refuses it ("can't create new thread at interpreter shutdown", its
+    finalizer blocks new threads before it joins the running ones, while `sys.is_finalizing()` is
+    still False), so the watcher drops what it holds itself and a late `release` leaves the value
+    to its caller.
     """
 
     #: The longest an iterator is held waiting for the other references to it to go.
@@ -271,7 +277,9 @@ class _IteratorReleaser:
 
     def release(self, box: list[Any]) -> None:
         """Take what ``box`` holds (the caller keeps no other reference) and destroy it off this thread."""
-        if sys.is_finalizing() or not any(v is not None for v in box):  # at exit: no new thread; the caller drops it
+        if not any(v is not None for v in box):
+            return
+        if _at_exit():  # no new thread: the caller drops it
             return
         with self._lock:
             while box:
@@ -287,16 +295,27 @@ class _IteratorReleaser:
             with self._lock:
                 _open_generators(self._held, self._since)
                 # At exit the main thread is marked done before the interpreter joins this thread.
-                alone = self._take_alone(force=not threading.main_thread().is_alive())
+                exiting = _at_exit()
+                alone = self._take_alone(force=exiting)
                 if not self._held and not alone:
                     self._watcher = None
                     self._threads.discard(threading.current_thread())
                     return
             while alone:
-                thread = threading.Thread(target=self._drop, args=(alone.pop(),), name="keras-sync-iterator-release")
+                if exiting or _at_exit():
+                    alone.pop().clear()  # no new thread at exit: dropped here, one after another
+                    continue
+                box = alone.pop()
+                thread = threading.Thread(target=self._drop, args=(box,), name="keras-sync-iterator-release")
                 with self._lock:
                     self._threads.add(thread)
-                thread.start()
+                try:
+                    thread.start()
+                except RuntimeError:  # 3.12: the exit began between the check above and here
+                    with self._lock:
+                        self._threads.discard(thread)
+                    box.clear()
+                del box, thread
             pause = min(pause * 2, 0.1) if self._held else 0.005
             time.sleep(pause)
 
@@ -334,6 +353,11 @@ class _IteratorReleaser:
 
 
 RELEASER = _IteratorReleaser()
+
+
+def _at_exit() -> bool:
+    """The interpreter is exiting: the main thread is done (its non-daemon threads are being joined) or later."""
+    return sys.is_finalizing() or not threading.main_thread().is_alive()
 
 
 def _hold(held: list[Any], since: list[float], value: Any) -> None:
