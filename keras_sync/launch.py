@@ -133,6 +133,27 @@ def _validate(script: str, workers: object, config: str | None, grace_period_s: 
         )
 
 
+def _refuse_one_process_kind(script: str, workers: int, config: str | None, environ: Mapping[str, str]) -> None:
+    """Several workers of a one-process kind (`mirrored`, ...) would be as many jobs: refused before any starts.
+
+    Checks the config the workers will load by `keras_sync.load()`'s rule (``config``, else
+    ``$KERAS_SYNC_CONFIG``, else ``./keras_sync.yaml``); a script that loads another one is refused
+    by each worker's `keras_sync.load` instead. A config that does not load is left to the workers.
+    """
+    from keras_sync.config import load_config
+    from keras_sync.errors import KerasSyncError
+    from keras_sync.strategy import refuse_one_process_kind
+
+    if workers <= 1:
+        return
+    try:
+        cfg = load_config(config, environ=environ)
+    except KerasSyncError:
+        return  # each worker's keras_sync.load says what is wrong with it
+    refuse_one_process_kind(cfg, workers, f"keras-sync launch --workers {workers} starts {workers} workers",
+                            f"run it as one process: python {script}")
+
+
 def launch(
     script: str,
     args: list[str],
@@ -161,9 +182,11 @@ def launch(
         failed in the last try (128 + N for a death by signal N); 130 after Ctrl-C, 143 after SIGTERM.
 
     Raises:
-        UsageError: a bad argument (workers < 1, a missing script or config).
+        UsageError: a bad argument (workers < 1, a missing script or config), or a config whose
+            strategy kind runs in one process (`mirrored`, ...) under several workers.
     """
     _validate(script, workers, config, grace_period_s, max_restarts)
+    _refuse_one_process_kind(script, workers, config, {**os.environ, **(env or {})})
     base_env = dict(os.environ)
     base_env.pop("TF_CONFIG", None)
     base_env.update(env or {})

@@ -51,8 +51,9 @@ def load(
     # TensorFlow's C++ start-up INFO lines (CPU features, absl's pre-init banner) hide the user's own
     # output; warnings and errors still show, and a value the user set wins.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
-    from keras_sync.strategy import ONE_PROCESS_KINDS, detect
+    from keras_sync.strategy import ONE_PROCESS_KINDS, check_one_process, detect
 
+    check_one_process(cfg)  # `mirrored` under a TF_CONFIG of 2 workers: 2 jobs, not one; refused before TensorFlow
     early_writer = None
     if cfg.mlflow.enabled and detect(cfg).kind in ONE_PROCESS_KINDS:
         from keras_sync.training import paths as _paths

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from _ports import free_ports
 
+from keras_sync.config.kinds import kinds_where
+
 KERAS_SYNC = str(Path(sys.executable).with_name("keras-sync"))
 BAD_CONFIGS = Path(__file__).parent / "fixtures" / "bad_configs"
 _SETTINGS_ENV = ("KERAS_SYNC_CONFIG", "MLFLOW_TRACKING_URI", "TF_CONFIG")
@@ -337,6 +339,28 @@ def test_launch_missing_script_is_a_usage_error(tmp_path: Path) -> None:
     result = run("launch", "--workers", "2", "nope.py", "--epochs", "1", cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.startswith("Invalid value for argument `script`. Received: script='nope.py'")
+
+
+@pytest.mark.parametrize("kind", kinds_where(one_process=True))  # default, one_device, mirrored
+def test_launch_refuses_a_one_process_kind_in_one_line_before_any_worker_starts(tmp_path: Path, kind: str) -> None:
+    (tmp_path / "train.py").write_text("open('started', 'a').write('x')\n")
+    run("init", str(tmp_path / "p"), "--strategy", kind, "--no-input")
+    (tmp_path / "p" / "train.py").write_text("open('started', 'a').write('x')\n")
+    result = run("launch", "-n", "2", "train.py", cwd=tmp_path / "p")
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == (
+        f"keras-sync launch --workers 2 starts 2 workers, but strategy.kind is '{kind}' in "
+        f"{(tmp_path / 'p' / 'keras_sync.yaml').resolve()}, a kind that runs in one process: each worker would "
+        "train on its own. Fix: set strategy.kind: auto or multi_worker_mirrored, or run it as one process: "
+        "python train.py.\n")
+    assert not (tmp_path / "p" / "started").exists()
+    # The same with --config and with $KERAS_SYNC_CONFIG, from another folder.
+    for how in (("--config", "p/keras_sync.yaml"), ()):
+        env = {} if how else {"KERAS_SYNC_CONFIG": str(tmp_path / "p" / "keras_sync.yaml")}
+        result = run("launch", "-n", "2", *how, "train.py", cwd=tmp_path, **env)
+        assert result.returncode == 2 and result.stderr.startswith("keras-sync launch --workers 2 starts 2 "
+                                                                    "workers, but strategy.kind is "), result.stderr
+    assert not (tmp_path / "started").exists()
 
 
 @pytest.mark.slow

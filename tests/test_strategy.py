@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 from keras_sync.config import load_config
-from keras_sync.errors import ClusterError
-from keras_sync.config.kinds import STRATEGY_KINDS
+from keras_sync.errors import ClusterError, UsageError
+from keras_sync.config.kinds import KINDS, STRATEGY_KINDS
 from keras_sync.cli.run_plan import make_plan
-from keras_sync.strategy import BUILDERS, detect, device_layout
+from keras_sync.strategy import BUILDERS, check_one_process, detect, device_layout
 
 TWO_WORKERS = json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"type": "worker", "index": 0}})
 
@@ -93,3 +96,32 @@ def test_plan_shows_the_slurm_ports_and_where_they_come_from(monkeypatch):
     items = make_plan(load_config({"strategy": fixed}, environ={}), environ=env).to_dict()["items"]
     assert items["strategy.slurm.port_base"]["value"] == 9000
     assert items["strategy.slurm.port_base"]["source"] != "derived"
+
+
+@pytest.mark.parametrize("kind", STRATEGY_KINDS)
+def test_a_one_process_kind_under_a_cluster_of_two_workers_is_refused_with_the_fix(kind):
+    cfg = load_config({"strategy": {"kind": kind}}, environ={})
+    if not KINDS[kind].one_process:
+        check_one_process(cfg, {"TF_CONFIG": TWO_WORKERS})  # auto picks multi_worker_mirrored; the others join
+        return
+    check_one_process(cfg, {})  # one process: nothing to refuse
+    with pytest.raises(UsageError) as raised:
+        check_one_process(cfg, {"TF_CONFIG": TWO_WORKERS})
+    assert str(raised.value) == (
+        f"TF_CONFIG (plain) names 2 workers, but strategy.kind is '{kind}' in a dict passed to keras_sync.load() "
+        "(no file), a kind that runs in one process: each worker would train on its own. Fix: set strategy.kind: "
+        "auto or multi_worker_mirrored, or start one process only.")
+
+
+def test_load_refuses_mirrored_under_a_two_worker_tf_config_in_one_line_before_tensorflow(tmp_path):
+    (tmp_path / "keras_sync.yaml").write_text("strategy:\n  kind: mirrored\n")
+    code = ("import sys, keras_sync\n"
+            "try:\n    keras_sync.load()\nfinally:\n    print('tensorflow' in sys.modules, file=sys.stderr)\n")
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_SYNC_CONFIG"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={**env, "TF_CONFIG": TWO_WORKERS},
+                       capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stdout) == (2, "")
+    assert r.stderr.splitlines() == ["False", (
+        f"keras-sync: TF_CONFIG (plain) names 2 workers, but strategy.kind is 'mirrored' in "
+        f"{(tmp_path / 'keras_sync.yaml').resolve()}, a kind that runs in one process: each worker would train "
+        "on its own. Fix: set strategy.kind: auto or multi_worker_mirrored, or start one process only.")]

@@ -32,6 +32,8 @@ class KindSpec:
             ``auto``, which `keras_sync.strategy.detect` resolves into another kind first.
         layout: where its replicas live on one worker, one of `LAYOUTS`.
         multi_process: one process per worker, joined in a cluster (collectives span processes).
+        one_process: the whole job is one process; several workers (``keras-sync launch``, a
+            TF_CONFIG naming several) would each train on their own, so keras-sync refuses them.
         accepts_devices: `strategy.devices` may name its devices.
         max_devices: at most this many `strategy.devices` (None: no limit).
         simulated_cpus: `strategy.simulated_cpu_replicas` may apply.
@@ -44,6 +46,7 @@ class KindSpec:
     builder: str | None
     layout: str
     multi_process: bool = False
+    one_process: bool = False
     accepts_devices: bool = False
     max_devices: int | None = None
     simulated_cpus: bool = True
@@ -56,11 +59,11 @@ KINDS: dict[str, KindSpec] = {spec.name: spec for spec in (
                      "several workers; mirrored with several GPUs or simulated CPU replicas; else default.",
              builder=None, layout=LAYOUT_LOCAL, accepts_devices=True),
     KindSpec("default", "default: no distribution, TensorFlow's default device; plain Keras behaviour.",
-             builder="_build_default", layout=LAYOUT_TENSORFLOW, simulated_cpus=False, scoped=False),
+             builder="_build_default", layout=LAYOUT_TENSORFLOW, one_process=True, simulated_cpus=False, scoped=False),
     KindSpec("one_device", "one_device: everything on one device (a good baseline to compare replicas against).",
-             builder="_build_one_device", layout=LAYOUT_ONE, accepts_devices=True, max_devices=1),
+             builder="_build_one_device", layout=LAYOUT_ONE, one_process=True, accepts_devices=True, max_devices=1),
     KindSpec("mirrored", "mirrored: one replica per local device, gradients all-reduced every step.",
-             builder="_build_mirrored", layout=LAYOUT_LOCAL, accepts_devices=True),
+             builder="_build_mirrored", layout=LAYOUT_LOCAL, one_process=True, accepts_devices=True),
     KindSpec("multi_worker_mirrored", "multi_worker_mirrored: several processes (machines), each with its local "
                                       "devices. Try it on one machine: keras-sync launch --workers 2 train.py",
              builder="_build_multi_worker", layout=LAYOUT_LOCAL, multi_process=True),
@@ -78,6 +81,8 @@ def kinds_where(**facts: object) -> tuple[str, ...]:
     ('auto', 'one_device', 'mirrored')
     >>> kinds_where(multi_process=True)
     ('multi_worker_mirrored',)
+    >>> kinds_where(one_process=True)
+    ('default', 'one_device', 'mirrored')
     """
     return tuple(name for name, spec in KINDS.items()
                  if all(getattr(spec, key) == value for key, value in facts.items()))

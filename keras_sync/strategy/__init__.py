@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from keras_sync.upstream.strategy_facts import in_multi_worker_mode  # also importable from here, as before
 from keras_sync.config import Config, StrategyConfig
-from keras_sync.errors import StrategyError
-from keras_sync.config.kinds import KINDS, LAYOUT_ONE, LAYOUT_TENSORFLOW, LAYOUT_TPU
+from keras_sync.errors import KerasSyncError, StrategyError, UsageError
+from keras_sync.config.kinds import KINDS, LAYOUT_ONE, LAYOUT_TENSORFLOW, LAYOUT_TPU, kinds_where
 
 if TYPE_CHECKING:  # pragma: no cover
     import tensorflow as tf
@@ -65,8 +65,42 @@ def count_workers(config: Config, environ: Mapping[str, str]) -> tuple[int, str]
 
 
 #: Kinds whose job is one process, which is then its chief.
-ONE_PROCESS_KINDS = ("mirrored", "one_device", "default")
+ONE_PROCESS_KINDS = kinds_where(one_process=True)
 
+
+def refuse_one_process_kind(config: Config, workers: int, started_by: str, alone: str) -> None:
+    """Refuse, in one line, to run a one-process kind (`mirrored`, ...) as ``workers`` > 1 processes.
+
+    Each process would build its own strategy and train on its own: several jobs with the same
+    data and id, not one (their MLflow runs collide). ``started_by`` says what names the workers
+    (``TF_CONFIG (plain) names 2 workers``); ``alone`` how to run the script as one process.
+
+    Raises:
+        UsageError: the config's kind runs in one process and ``workers`` > 1.
+    """
+    kind = config.strategy.kind
+    if workers <= 1 or not KINDS[kind].one_process:
+        return
+    joined = " or ".join(kinds_where(builder=None) + kinds_where(multi_process=True))  # auto picks one that joins
+    raise UsageError(
+        f"{started_by}, but strategy.kind is {kind!r} in {config.origin()}, a kind that runs in one process: each "
+        f"worker would train on its own. Fix: set strategy.kind: {joined}, or {alone}."
+    )
+
+
+def check_one_process(config: Config, environ: Mapping[str, str] | None = None) -> None:
+    """`refuse_one_process_kind` for the cluster this process was started in (TF_CONFIG, Slurm, ...).
+
+    Raises:
+        UsageError: the config's kind runs in one process and the cluster names several workers.
+    """
+    if not KINDS[config.strategy.kind].one_process:
+        return
+    try:
+        workers, where = count_workers(config, os.environ if environ is None else environ)
+    except KerasSyncError:  # a cluster description a one-process kind never reads
+        return
+    refuse_one_process_kind(config, workers, f"{where} names {workers} workers", "start one process only")
 
 def detect(config: Config, environ: Mapping[str, str] | None = None, *, gpus: int | None = None) -> Detection:
     """Resolve `strategy.kind: auto` (other kinds are returned as they are), with the reason.
