@@ -251,6 +251,7 @@ class Sync:
         from keras_sync.training import runtime
 
         self._check_model(model, "fit")  # before anything touches it: a Keras 2 model is refused in one line
+        self._check_variables(model, "fit")
         self._check_optimizers(model, "fit")
         self._check_callbacks(model, kwargs.get("callbacks"), "fit")
         runtime.prepare_model(self, model)  # steps_per_execution, jit_compile, sync BatchNorm
@@ -350,6 +351,7 @@ class Sync:
         from keras_sync import callbacks as ks_callbacks
 
         self._check_model(model, "callbacks")
+        self._check_variables(model, "callbacks")
         self._check_optimizers(model, "callbacks")
         self._check_callbacks(model, callbacks, "callbacks")
         runtime.prepare_model(self, model)
@@ -497,6 +499,32 @@ class Sync:
                 f"The model was built outside sync.scope(), so sync.{method} cannot distribute it over "
                 f"{self.num_replicas} replicas. Fix: create and compile the model inside `with sync.scope():`."
             )
+
+    def _check_variables(self, model: Any, method: str) -> None:
+        """Layers built outside the scope of a model assembled inside it, refused in one line with the fix.
+
+        A functional model's ``keras.Input``/``Dense`` lines left above ``with sync.scope():`` build
+        those layers' variables outside the strategy; Keras then fails in `fit` with a ~45-line
+        "colocate_vars_with must only be passed a variable created in this tf.distribute.Strategy.scope()".
+        """
+        if not KINDS[self.kind].scoped:
+            return
+        import tensorflow as tf
+
+        extended = self.strategy.extended
+        owners: dict[str, None] = {}
+        for v in model.variables:
+            value = getattr(v, "value", v)
+            if isinstance(value, tf.Variable) and not extended.variable_created_in_scope(value):
+                owners.setdefault(v.path.rpartition("/")[0] or v.path, None)
+        if owners:
+            names = list(owners)
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            raise UsageError(
+                f"sync.{method}: layers of {type(model).__name__} were built outside sync.scope() ({shown}), only the "
+                f"model was assembled inside: their variables are not the {self.kind} strategy's, and Keras cannot "
+                "train them under it. Fix: build the whole model (every layer, from keras.Input on) inside "
+                "`with sync.scope():`.")
 
     def _check_optimizers(self, model: Any, method: str) -> None:
         """Keras optimizer options that crash under a tf.distribute strategy, refused in one line with the fix.

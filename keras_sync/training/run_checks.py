@@ -8,8 +8,9 @@ written for; these checks look at what happened, so an input nobody tried is lou
 - ``examples_per_epoch``: the examples trained in an epoch, summed over replicas and workers, equal
   the data's length when it is known before training (arrays, a dataset of known cardinality);
 - ``resume``: after a restored backup, the first step trains from the optimizer step restored;
-- ``learning_rate``: the optimizer's learning rate is the one keras-sync scaled (when the config's
-  ``learning_rate`` section was written);
+- ``learning_rate``: the learning rate of each optimizer the train step applies is the one keras-sync
+  scaled (when the config's ``learning_rate`` section was written); a custom `train_step`'s optimizers
+  (a GAN's two, not the unused one of its ``super().compile()``) are known once its first step is traced;
 - ``add_loss``: no `add_loss` term sums over the batch on several replicas (`keras_sync.training.add_loss_check`);
 - ``direct_fit``: ``model.fit`` called on a model built in ``sync.scope()`` without keras-sync's
   callbacks (Keras's default batch, no scaling, no metrics).
@@ -74,18 +75,27 @@ def epoch_problem(examples: int, expected: int) -> str | None:
     return f"the epoch trained {examples} examples (all replicas and workers), but the data has {expected}: {what}"
 
 
-def learning_rate_problem(applied: float, scaled: float, *, global_batch: int, rule: str) -> str | None:
-    """What is wrong when the optimizer applies ``applied`` and keras-sync scaled ``scaled``.
+def learning_rate_problem(applied: float, scaled: float, *, global_batch: int, rule: str,
+                          optimizer: str | None = None) -> str | None:
+    """What is wrong when an optimizer applies ``applied`` and keras-sync scaled ``scaled``.
+
+    ``optimizer``: the model attribute that holds it, when a custom `train_step` applies other
+    optimizers than ``model.optimizer`` (a GAN's ``d_optimizer``); None: the compiled optimizer.
 
     >>> learning_rate_problem(0.002, 0.002, global_batch=64, rule="linear") is None
     True
     >>> learning_rate_problem(0.001, 0.002, global_batch=64, rule="linear")[:67]
     "the optimizer's learning rate is 0.001, but keras-sync scaled 0.002"
+    >>> learning_rate_problem(0.001, 0.002, global_batch=64, rule="linear", optimizer="g_optimizer").split(". ")[-1]
+    'Fix: create g_optimizer with learning_rate=sync.lr_schedule() (or sync.learning_rate)'
     """
     if math.isclose(applied, scaled, rel_tol=1e-6):
         return None
-    return (f"the optimizer's learning rate is {applied:g}, but keras-sync scaled {scaled:g} for the global batch "
-            f"{global_batch} (learning_rate.scaling: {rule}): the rate of your compile line is used as it is. "
+    why = f"but keras-sync scaled {scaled:g} for the global batch {global_batch} (learning_rate.scaling: {rule})"
+    if optimizer is not None:
+        return (f"{optimizer}'s learning rate is {applied:g}, {why}: the rate your script gives it is used as it is. "
+                f"Fix: create {optimizer} with learning_rate=sync.lr_schedule() (or sync.learning_rate)")
+    return (f"the optimizer's learning rate is {applied:g}, {why}: the rate of your compile line is used as it is. "
             "Fix: compile with the optimizer's learning_rate=sync.lr_schedule() (or sync.learning_rate)")
 
 
@@ -190,7 +200,10 @@ def checks_callback(sync: Any, *, global_batch: int, expected: int | None, data:
             self._first_batch = True
             self._resumed = restored_points.pop(self.model, None)
             self._skip_epoch = self._resumed is not None and self._resumed.mid_epoch
-            self._check_learning_rate()
+            # Keras's own train_step applies model.optimizer; a custom one's optimizers are known once traced.
+            self._rates_due = True
+            if _instrument.has_default_train_step(self.model):
+                self._check_learning_rate()
             self._add_loss_due = data is not None and sync.num_replicas > 1
             if getattr(self.model, "built", False):  # else once the first step has built it
                 self._check_add_loss()
@@ -198,21 +211,30 @@ def checks_callback(sync: Any, *, global_batch: int, expected: int | None, data:
             self._last = self._totals() if self._probe is not None else None
 
         def _check_learning_rate(self) -> None:
+            self._rates_due = False
             if not any(sync.config.source_of(f"learning_rate.{k}") != "default"
                        for k in ("base", "scaling", "base_batch_size")):
                 return
-            optimizer = getattr(self.model, "optimizer", None)
-            rate = getattr(getattr(optimizer, "inner_optimizer", optimizer), "_learning_rate", None)
-            if rate is None or isinstance(rate, keras.optimizers.schedules.LearningRateSchedule) or callable(rate):
-                return  # a schedule: keras-sync's warmup, or the user's own (read as the user wrote it)
-            try:
-                applied = float(keras.ops.convert_to_numpy(rate))
-            except (TypeError, ValueError):
-                return
-            problem = learning_rate_problem(applied, sync.learning_rate, global_batch=sync.effective_batch_size,
-                                            rule=sync.config.learning_rate.scaling)
-            if problem:
-                reporter.violation("learning_rate", problem)
+            from keras_sync.training.train_step_trace import applied_optimizers
+
+            # What the traced step applied, each on its own; model.optimizer only when nothing is known.
+            applied = applied_optimizers(self.model) or [("optimizer", getattr(self.model, "optimizer", None))]
+            problems = []
+            for name, optimizer in applied:
+                rate = getattr(getattr(optimizer, "inner_optimizer", optimizer), "_learning_rate", None)
+                if rate is None or isinstance(rate, keras.optimizers.schedules.LearningRateSchedule) or callable(rate):
+                    continue  # a schedule: keras-sync's warmup, or the user's own (read as the user wrote it)
+                try:
+                    rate = float(keras.ops.convert_to_numpy(rate))
+                except (TypeError, ValueError):
+                    continue
+                problem = learning_rate_problem(rate, sync.learning_rate, global_batch=sync.effective_batch_size,
+                                                rule=sync.config.learning_rate.scaling,
+                                                optimizer=None if name == "optimizer" else name)
+                if problem:
+                    problems.append(problem)
+            if problems:
+                reporter.violation("learning_rate", "; ".join(problems))
 
         def _check_add_loss(self) -> None:
             if not self._add_loss_due:
@@ -225,6 +247,8 @@ def checks_callback(sync: Any, *, global_batch: int, expected: int | None, data:
                 reporter.violation("add_loss", problem)
 
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            if self._rates_due:  # a custom train_step: its first step has been traced
+                self._check_learning_rate()
             self._check_add_loss()
 
         def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:

@@ -6,7 +6,9 @@
 - ``jit_compile``, ``steps_per_execution``: set on the compiled model by `Sync.fit` before Keras
   builds its train function. The rule when the user's compile set them too: a key written in
   the YAML (or given as a flag) wins; a key left at its default keeps what compile set. When the
-  YAML replaces a different compile value, one line on the chief says so.
+  YAML replaces a different compile value, one line on the chief says so. XLA cannot compile a
+  step over several replicas on CPU devices: ``runtime.jit_compile: true`` is refused there, and a
+  compile's own ``jit_compile=True`` (a script written for a GPU) is turned off with one line.
 - ``gradient_accumulation_steps``: see `keras_sync.training.accumulate`.
 - ``sync_batch_norm``: every `BatchNormalization` layer of the model computes its statistics over
   all replicas (Keras's ``synchronized=True``). Off with several replicas: one line on the chief
@@ -72,6 +74,15 @@ def prepare_model(sync: Any, model: Any) -> None:
         changed = True
     if given(config, "jit_compile") and rt.jit_compile is True:
         _check_xla_devices(sync)
+    elif rt.jit_compile == "auto" and model.jit_compile is True and _xla_fails(sync):
+        # compile(jit_compile=True) itself: Keras's "auto" is False under a strategy, so only an explicit True.
+        if _once("xla", model):
+            _say(sync, f"jit_compile=True of {type(model).__name__}'s compile is not applied: XLA cannot compile a "
+                       f"step over {sync.num_replicas} replicas on CPU devices (no XLA collectives on CPU; variables "
+                       "on several devices), so the model trains without XLA. XLA works on one device, and on GPUs "
+                       "or TPUs.")
+        model.jit_compile = False
+        changed = True
     if given(config, "jit_compile") and rt.jit_compile != "auto" and bool(model.jit_compile) != rt.jit_compile:
         if model.jit_compile:  # on, by the user's compile (or Keras's auto on an accelerator)
             _replacing(sync, model, "jit_compile", model.jit_compile, rt.jit_compile)
@@ -92,10 +103,15 @@ def prepare_model(sync: Any, model: Any) -> None:
         model.train_function = None  # Keras builds it again with the new settings
 
 
+def _xla_fails(sync: Any) -> bool:
+    """Whether XLA cannot compile this run's step: several replicas, all on CPU devices."""
+    devices = [str(d) for d in getattr(sync.strategy.extended, "worker_devices", ())]
+    return sync.num_replicas > 1 and bool(devices) and all("CPU" in d.upper() for d in devices)
+
+
 def _check_xla_devices(sync: Any) -> None:
     """Refuse XLA for a step over several replicas on CPUs: measured to fail, so say it before any step runs."""
-    devices = [str(d) for d in getattr(sync.strategy.extended, "worker_devices", ())]
-    if sync.num_replicas > 1 and devices and all("CPU" in d.upper() for d in devices):
+    if _xla_fails(sync):
         from keras_sync.errors import UsageError
 
         # Measured with Keras 3.15.1 / TF 2.21: Keras compiles strategy.run as one XLA cluster. Over
