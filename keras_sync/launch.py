@@ -143,6 +143,7 @@ def _refuse_one_process_kind(script: str, workers: int, config: str | None, envi
     from keras_sync.config import load_config
     from keras_sync.errors import KerasSyncError
     from keras_sync.strategy import refuse_one_process_kind
+    from keras_sync.tracking.shell_hint import python_command
 
     if workers <= 1:
         return
@@ -151,7 +152,7 @@ def _refuse_one_process_kind(script: str, workers: int, config: str | None, envi
     except KerasSyncError:
         return  # each worker's keras_sync.load says what is wrong with it
     refuse_one_process_kind(cfg, workers, f"keras-sync launch --workers {workers} starts {workers} workers",
-                            f"run it as one process: python {script}")
+                            f"run it as one process: {python_command()} {script}")
 
 
 def launch(

@@ -91,6 +91,15 @@ def test_validate_non_utf8_names_line_and_byte(tmp_path: Path) -> None:
                              "save the file as UTF-8 YAML\n")
 
 
+def test_validate_refuses_a_50_mb_value_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "big.yaml").write_text("mlflow:\n  run_name: " + "r" * 50_000_000 + "\n")
+    result = run("validate", "big.yaml", cwd=tmp_path)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == ("big.yaml: the file is 50,000,021 bytes, over the limit of 1,048,576 bytes (1 MiB) for a "
+                             "config file; a keras-sync config is a few kilobytes: check that this is the file you "
+                             "meant\n")
+
+
 def test_validate_without_any_config_file_says_how_to_make_one(tmp_path: Path) -> None:
     result = run("validate", cwd=tmp_path)
     assert result.returncode == 2
@@ -248,6 +257,16 @@ def test_train_script_with_a_bad_config_fails_before_importing_tensorflow(tmp_pa
     assert not {"tensorflow", "keras", "mlflow"} & imported
 
 
+def test_train_script_with_a_300_deep_config_fails_in_one_line(tmp_path: Path) -> None:
+    assert run("init", "--no-input", cwd=tmp_path).returncode == 0
+    (tmp_path / "keras_sync.yaml").write_bytes((BAD_CONFIGS / "too_deep.yaml").read_bytes())
+    result = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                            env=_env())
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == ["keras-sync: " + _expected("too_deep").rstrip("\n").replace(
+        "too_deep.yaml", "keras_sync.yaml")]
+
+
 def _line_of(path: Path, text: str) -> int:
     return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if text in line)
 
@@ -346,13 +365,13 @@ def test_launch_refuses_a_one_process_kind_in_one_line_before_any_worker_starts(
     (tmp_path / "train.py").write_text("open('started', 'a').write('x')\n")
     run("init", str(tmp_path / "p"), "--strategy", kind, "--no-input")
     (tmp_path / "p" / "train.py").write_text("open('started', 'a').write('x')\n")
-    result = run("launch", "-n", "2", "train.py", cwd=tmp_path / "p")
+    result = run("launch", "-n", "2", "train.py", cwd=tmp_path / "p", PATH=_path_without_this_venv())
     assert (result.returncode, result.stdout) == (2, "")
     assert result.stderr == (
         f"keras-sync launch --workers 2 starts 2 workers, but strategy.kind is '{kind}' in "
         f"{(tmp_path / 'p' / 'keras_sync.yaml').resolve()}, a kind that runs in one process: each worker would "
         "train on its own. Fix: set strategy.kind: auto or multi_worker_mirrored, or run it as one process: "
-        "python train.py.\n")
+        f"{Path(KERAS_SYNC).with_name('python')} train.py.\n")
     assert not (tmp_path / "p" / "started").exists()
     # The same with --config and with $KERAS_SYNC_CONFIG, from another folder.
     for how in (("--config", "p/keras_sync.yaml"), ()):
@@ -481,3 +500,36 @@ def test_ui_from_another_folder_finds_the_store_beside_the_config(tmp_path: Path
     assert f"using the one beside {proj / 'keras_sync.yaml'}: {store}" in result.stdout, result.stdout + result.stderr
     assert "which is in use on 127.0.0.1" in result.stderr
     assert list(elsewhere.iterdir()) == []
+
+
+def _path_without_this_venv() -> str:
+    here = os.path.dirname(os.path.abspath(KERAS_SYNC))
+    return os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
+                           if p and os.path.abspath(p) != here)
+
+
+def test_init_next_line_runs_as_printed_without_the_venv_on_the_path(tmp_path: Path) -> None:
+    bin_dir = Path(KERAS_SYNC).parent
+    result = run("init", "proj", "--no-input", cwd=tmp_path, PATH=_path_without_this_venv())
+    assert result.returncode == 0, result.stderr
+    # Not activated (the README never activates the venv): the full paths, which run as printed.
+    line = result.stdout.splitlines()[-1]
+    assert line == f"next: cd proj && {bin_dir / 'keras-sync'} plan && {bin_dir / 'python'} train.py"
+    cd_and_plan = " && ".join(line[len("next: "):].split(" && ")[:2])
+    plan = subprocess.run(["bash", "-c", cd_and_plan], cwd=tmp_path, env=_env(PATH=_path_without_this_venv()),
+                          capture_output=True, text=True, timeout=120)
+    assert plan.returncode == 0 and "strategy.kind" in plan.stdout, plan.stderr
+    # Activated: the bare names.
+    result = run("init", "proj2", "--no-input", cwd=tmp_path, PATH=f"{bin_dir}{os.pathsep}{_path_without_this_venv()}")
+    assert result.stdout.splitlines()[-1] == "next: cd proj2 && keras-sync plan && python train.py"
+
+
+def test_init_without_a_gpu_says_how_to_get_replicas_on_the_cpu(tmp_path: Path) -> None:
+    result = run("init", "proj", "--no-input", cwd=tmp_path, CUDA_VISIBLE_DEVICES="")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[2] == (
+        f"no GPU here, so 1 replica per process; for 2 on the CPU, set strategy.simulated_cpu_replicas: 2 in "
+        f"{Path('proj', 'keras_sync.yaml')}")
+    # one_device keeps one replica whatever the CPU split: no such line
+    result = run("init", "one", "--no-input", "--strategy", "one_device", cwd=tmp_path, CUDA_VISIBLE_DEVICES="")
+    assert [ln for ln in result.stdout.splitlines() if "GPU" in ln] == []

@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from keras_sync.tracking.shell_hint import console_command
 from keras_sync.tracking.spool import SpoolDir
 
 pytestmark = pytest.mark.slow
@@ -124,7 +125,7 @@ def test_fit_returns_before_delivery_and_the_exit_delivers_every_step(tmp_path):
     assert not [p for p in (tmp_path / ".keras_sync_spool").iterdir() if p.is_dir()]
     # The first run's line names the run and how to open it (the store was being built when fit began).
     assert (f"keras-sync: metrics go to MLflow at {uri}, experiment 'e', run {run.info.run_id}; "
-            f"view it with: keras-sync ui {cfg}") in r.stderr, r.stderr[-3000:]
+            f"view it with: {console_command()} ui {cfg}") in r.stderr, r.stderr[-3000:]
     assert "not created yet" not in r.stderr
     lines = [ln for ln in r.stderr.splitlines() if "not in MLflow yet" in ln]
     assert len(lines) <= 1, lines

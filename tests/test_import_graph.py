@@ -142,7 +142,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("callbacks",),                         # the public Keras callbacks
     ("session", "launch"),                  # Sync and load(); `python -m keras_sync.launch`
     ("cli",),                               # the command line
-    ("",),                                  # the public API
+    ("", "__main__"),                       # the public API; `python -m keras_sync` (the command line)
 )
 
 

@@ -22,6 +22,7 @@ import pytest
 
 from keras_sync.errors import TrackingError
 from keras_sync.tracking import MlflowWriter, redact_uri, replay_spool, resolve_tracking_uri
+from keras_sync.tracking.shell_hint import console_command
 
 pytestmark = pytest.mark.timeout(900)  # the machine is shared: a courier's start took 60 s at load 40
 #: close() waits while delivery progresses (it returns as soon as MLflow has everything); its 10 s
@@ -920,7 +921,7 @@ def test_run_identity_follows_the_backup_and_the_explicit_job_id(sqlite_uri, tmp
     # courier has created the run (training does not wait for that).
     # (the scenario passes its config as a dict: no file for `keras-sync ui`, so MLflow's own command)
     assert f"keras-sync: metrics go to MLflow at {sqlite_uri}, experiment {exp!r}, run {first}; " \
-           f"view it with: mlflow ui --backend-store-uri {sqlite_uri}" in err, err
+           f"view it with: {console_command('mlflow', 'mlflow')} ui --backend-store-uri {sqlite_uri}" in err, err
     assert "not created yet" not in err
     assert _one_point_per_step(sqlite_uri, first) == steps
     assert MlflowClient(sqlite_uri).get_run(first).info.status == "FINISHED"

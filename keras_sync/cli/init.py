@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 
 import click
@@ -22,7 +23,9 @@ def command(directory: str, kind: str | None, per_replica_batch: int | None, for
     On a terminal it asks for the strategy and the batch; with --no-input, or when not on a
     terminal, it uses the defaults. Never overwrites a file without --force.
     """
-    from keras_sync.cli.scaffold import init_project
+    from keras_sync.cli.scaffold import cpu_replicas_hint, init_project
+    from keras_sync.strategy import count_gpus_cheaply
+    from keras_sync.tracking.shell_hint import console_command, python_command
 
     ask = not no_input and sys.stdin.isatty()
     if kind is None:
@@ -33,4 +36,7 @@ def command(directory: str, kind: str | None, per_replica_batch: int | None, for
     written = init_project(directory, kind=kind.lower(), per_replica_batch=per_replica_batch, force=force)
     for path in written:
         click.echo(f"wrote {path}")
-    click.echo(f"next: cd {directory} && keras-sync plan && python train.py")
+    hint = cpu_replicas_hint(kind.lower(), written[0], gpus=count_gpus_cheaply())
+    if hint:
+        click.echo(hint)
+    click.echo(f"next: cd {shlex.quote(directory)} && {console_command()} plan && {python_command()} train.py")

@@ -11,6 +11,7 @@ from importlib import resources
 from pathlib import Path
 
 from keras_sync.config import DEFAULT_CONFIG_FILE, STRATEGY_KINDS
+from keras_sync.config.kinds import KINDS, LAYOUT_LOCAL
 from keras_sync.errors import UsageError
 
 TRAIN_SCRIPT = "train.py"
@@ -42,6 +43,21 @@ def render_config(kind: str = "auto", per_replica_batch: int = 32) -> str:
 def render_train_script() -> str:
     """The text of ``train.py``: a small Keras model on generated data, three keras-sync lines."""
     return _template(TRAIN_SCRIPT)
+
+
+def cpu_replicas_hint(kind: str, config_path: str | Path, *, gpus: int) -> str | None:
+    """How to get several replicas on the CPU, for a machine without a GPU; None where it does not apply.
+
+    >>> print(cpu_replicas_hint("auto", "keras_sync.yaml", gpus=0))
+    no GPU here, so 1 replica per process; for 2 on the CPU, set strategy.simulated_cpu_replicas: 2 in keras_sync.yaml
+    >>> cpu_replicas_hint("one_device", "keras_sync.yaml", gpus=0) is None
+    True
+    """
+    spec = KINDS[kind]
+    if gpus or not spec.simulated_cpus or spec.layout != LAYOUT_LOCAL:  # one_device keeps one replica anyway
+        return None
+    return (f"no GPU here, so 1 replica per process; for 2 on the CPU, set strategy.simulated_cpu_replicas: 2 "
+            f"in {config_path}")
 
 
 def init_project(directory: str | Path = ".", *, kind: str = "auto", per_replica_batch: int = 32,

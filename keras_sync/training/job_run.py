@@ -29,6 +29,7 @@ import contextlib
 import json
 import logging
 import os
+import shlex
 import sys
 import weakref
 from collections.abc import Iterator
@@ -119,10 +120,13 @@ def how_to_open(writer: Any, sync: Any, run_id: str) -> str:
     url = writer.run_url()
     if url:
         return f"open {url}"
+    from keras_sync.tracking.shell_hint import console_command
+
     source = sync.config.source
     if source not in ("<defaults>", "<dict>"):
-        return f"view it with: keras-sync ui {os.path.abspath(source)}"
-    return f"view it with: mlflow ui --backend-store-uri {writer.shown_uri}"
+        return f"view it with: {console_command()} ui {shlex.quote(os.path.abspath(source))}"
+    mlflow = console_command("mlflow", "mlflow")
+    return f"view it with: {mlflow} ui --backend-store-uri {shlex.quote(writer.shown_uri)}"
 
 
 def restored_run(backup_dir: str | None) -> dict[str, Any] | None:
