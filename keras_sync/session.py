@@ -294,7 +294,7 @@ class Sync:
         # A worker that is not the chief and writes a file anyway (a callback the guard does not know) is told.
         with shared_run_for(self), run_ends_after_fit(self), raised_as_peer_lost(self.strategy, self.config.fault_tolerance.backup_dir), \
                 resumable_fit(kwargs["callbacks"]), _quiet_end_of_data(kwargs.get("steps_per_epoch")), \
-                saving.watch_worker_writes(self.strategy):
+                saving.watch_worker_writes(self.strategy), self._eval_losses(model):
             history = model.fit(x, y, **kwargs)
         from keras_sync.training.job_run import end_run_after_fit
 
@@ -407,7 +407,16 @@ class Sync:
         calls it alone fails with one line saying so).
         """
         x, y, kwargs = self._prepare(model, "evaluate", x, y, kwargs)
-        return model.evaluate(x, y, **kwargs)
+        with self._eval_losses(model):
+            return model.evaluate(x, y, **kwargs)
+
+    def _eval_losses(self, model: Any) -> Any:
+        """For `fit` and `evaluate`: the loss a test step tracks is one device's (`keras_sync.upstream.eval_loss`)."""
+        if self.num_replicas <= 1:
+            return contextlib.nullcontext()
+        from keras_sync.upstream.eval_loss import unscaled_eval_losses
+
+        return unscaled_eval_losses(model)
 
     def predict(self, model: Any, x: Any = None, **kwargs: Any) -> Any:
         """`model.predict` under this strategy, with the same batching rules as `fit`.

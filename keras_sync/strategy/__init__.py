@@ -355,6 +355,7 @@ def build_strategy(config: Config, environ: Mapping[str, str] | None = None) -> 
 
     _keras_compat.apply_end_of_data_fix()  # every kind: Keras's extra step at the end of unknown-length data
     _keras_compat.apply_iterator_release_fix()  # every kind: a dropped distributed iterator destroyed mid-read
+    _keras_compat.apply_same_data_order_fix()  # every kind: no extra pass of the data to read its shapes
     from keras_sync.upstream.tf_import import quiet_device_datasets
 
     quiet_device_datasets()  # Mirrored over 2+ devices: TF's "will not be optimized" line on every run

@@ -166,8 +166,11 @@ def capture(model: Any, record: dict[str, Any], *, custom_step: bool, policy: st
         _active += 1
         _install_model(model, custom_step)
     _tls.seen = record
+    from keras_sync.upstream.replica_seeds import per_replica_seeds
+
     try:
-        yield
+        with per_replica_seeds():  # Keras random ops draw per replica (see keras_sync.upstream.replica_seeds)
+            yield
     finally:
         _tls.seen = None
         with _lock:
@@ -303,6 +306,13 @@ def _install_model(model: Any, custom_step: bool) -> None:
 
         object.__setattr__(model, "_compute_loss", _compute_loss)  # a function, not state for Keras's tracker
         _restore.append((model, "_compute_loss", None))
+    from keras_sync.training.sparse_rows import merging_update_step, with_inner
+
+    for optimizer in with_inner(optimizers_of(model)):
+        # Each row of a sparse gradient once, after the all-reduce (see keras_sync.training.sparse_rows).
+        if "update_step" not in vars(optimizer):
+            object.__setattr__(optimizer, "update_step", merging_update_step(optimizer.update_step))
+            _restore.append((optimizer, "update_step", None))
     for optimizer in optimizers_of(model):
         if "apply" in vars(optimizer):
             continue

@@ -59,6 +59,12 @@ FEATURES: dict[str, tuple[str, str]] = {
     "iterator_release": ("keeping the iterator Keras drops after reading the first batch's shapes until its threads "
                          "are done (a process under a strategy can crash under load without it)",
                          "or train on one device (strategy.kind: default)"),
+    "replica_random_streams": ("independent random draws on each replica (keras.random in a train step, Dropout, "
+                               "random augmentation)", "or train on one replica (strategy.kind: default)"),
+    "evaluate_loss": ("the loss a custom test_step reports under several replicas (one device's, not a share)",
+                      "or multiply the loss your test_step tracks by the replica count"),
+    "same_data_order": ("the data order of one device (Keras reads a batch for its shapes first, which starts an "
+                        "extra pass of a reshuffling dataset)", "the batches differ from one device's"),
     "file_count": ("counting the files a pipeline reads before training (fewer files than workers are split "
                    "by example, not by file)", "or set batch.shard_policy: data"),
 }
@@ -252,6 +258,7 @@ BARRIER = f"{_CONTEXT}:coordination_config_pb2.CoordinationServiceConfig.cluster
 GLOBAL_SEED = f"{_CONTEXT}:global_seed"
 SQLITE_METRICS = "mlflow.store.tracking.sqlalchemy_store:SqlAlchemyStore._get_run (one INSERT of metric rows)"
 EPOCH_ITERATOR_RESET = "keras.src.trainers.epoch_iterator:EpochIterator.reset"
+SAME_DATA_ORDER = f"{_TRAINER}:TFEpochIterator._distributed_dataset"
 
 REGISTRY: tuple[Internal, ...] = (
     # upstream/keras_fixes.py: the two failures of keras-team/keras#20585, patched for multi-worker only.
@@ -358,6 +365,27 @@ REGISTRY: tuple[Internal, ...] = (
                           "tensorflow.python.data.ops.multi_device_iterator_ops:OwnedMultiDeviceIterator.__init__"),
                          "_create_device_dataset")(),
              fallback=True, attrs=("_create_device_dataset",)),
+    # upstream/replica_seeds.py: the seed of each Keras random op, folded with the replica id while a train step traces.
+    Internal("keras.src.backend.tensorflow.random:_cast_seed", "replica_random_streams",
+             "every Keras random op turns its seed into TensorFlow's there; no public hook gives each replica its own",
+             looks_up(tuple(f"keras.src.backend.tensorflow.random:{name}" for name in
+                            ("normal", "uniform", "dropout", "randint", "truncated_normal", "categorical")),
+                      "_cast_seed")),
+    # upstream/eval_loss.py: a custom test_step's compute_loss is not divided by the replica count while it traces.
+    Internal("keras.src.losses.loss:scale_loss_for_distribution, unscale_loss_for_distribution", "evaluate_loss",
+             "Keras divides every loss by the replica count for the gradient sum, in test_step too, where no "
+             "gradient is taken; the two functions are made identities while a test step traces",
+             lambda: has_attrs("keras.src.losses.loss", "scale_loss_for_distribution",
+                               "unscale_loss_for_distribution")()
+             or looks_up("keras.src.losses.loss:reduce_values", "scale_loss_for_distribution")()),
+    # upstream/keras_fixes.py: shapes from a dataset's element_spec, not from a batch of an extra iterator.
+    Internal(SAME_DATA_ORDER, "same_data_order",
+             "under a strategy Keras iterates the dataset once to read the first batch's shapes, which starts a pass "
+             "of a reshuffling dataset; keras-sync gives it the dataset's element_spec instead",
+             lambda: callable_with(f"{_TRAINER}:TensorFlowTrainer._maybe_symbolic_build", "self", "iterator",
+                                   "data_batch")() or looks_up(f"{_TRAINER}:TFEpochIterator.__init__",
+                                                               "_distributed_dataset")(),
+             fallback=True, attrs=("_distributed_dataset",)),
     # training/instrument.py: each replica's loss and local gradients exist only inside train_step.
     Internal(f"{_TRAINER}:TensorFlowTrainer.train_step", "per_replica_metrics",
              "the values before the all-reduce exist only inside train_step",

@@ -96,6 +96,9 @@ def apply_multi_worker_fixes() -> bool:
     def _maybe_symbolic_build(self: Any, iterator: Any = None, data_batch: Any = None) -> Any:
         strategy = self._distribute_strategy
         if iterator is not None and strategy is not None and _is_multi_worker(strategy):
+            spec = _first_batch_spec(iterator) if _internals.available(_internals.SAME_DATA_ORDER) else None
+            if spec is not None:  # shapes without reading a batch (apply_same_data_order_fix)
+                return original_build(self, iterator=None, data_batch=spec)
             import tensorflow as tf
 
             def first_replica(x: Any) -> Any:
@@ -222,6 +225,71 @@ def apply_end_of_data_fix() -> bool:
     return True
 
 
+_SPEC_BUILD_MARK = "_keras_sync_builds_from_element_spec"
+
+
+def _first_batch_spec(epoch_iterator: Any) -> Any:
+    """The specs of a batch of the epoch iterator's distributed dataset (one replica's), or None.
+
+    None when the iterator holds no distributed dataset or an element is not plain tensors (an
+    optional, sparse or ragged input): Keras then reads a batch as it always did.
+    """
+    import tensorflow as tf
+
+    dataset = getattr(epoch_iterator, "_distributed_dataset", None)
+    spec = getattr(dataset, "element_spec", None)
+    if spec is None:
+        return None
+
+    def one_replica(leaf: Any) -> Any:
+        if type(leaf).__name__ == "PerReplicaSpec":  # the same spec once per replica
+            leaf = tf.nest.flatten(leaf, expand_composites=True)[0]
+        return leaf if isinstance(leaf, tf.TensorSpec) else None
+
+    specs = tf.nest.map_structure(one_replica, spec)
+    return None if any(leaf is None for leaf in tf.nest.flatten(specs)) else specs
+
+
+def apply_same_data_order_fix() -> bool:
+    """Build the model from the dataset's element spec instead of reading a batch of an extra iterator.
+
+    Under any `tf.distribute` strategy, Keras 3's `fit`, `evaluate` and `predict` start an
+    iterator over the data only to learn the first batch's shapes (`_maybe_symbolic_build`).
+    That starts a pass of the dataset: a ``shuffle`` that reshuffles each iteration (tf.data's
+    default) then trains every epoch on the order one device sees one epoch later, and a Python
+    generator loses the batches read ahead. Only shapes and dtypes are needed, and the
+    distributed dataset's ``element_spec`` has them: Keras's `_symbolic_build` is given those.
+    Elements that are not plain tensors keep Keras's way.
+
+    Returns:
+        True when the fix is active (probe: ``keras_sync.upstream.internals`` feature ``same_data_order``).
+    """
+    from keras_sync.upstream import internals as _internals
+
+    if not _internals.available(_internals.SAME_DATA_ORDER):
+        logger.info("keras-sync: this Keras builds the model from a batch of the data; a reshuffling dataset "
+                    "trains in another order than on one device")
+        return False
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    cls = tf_trainer.TensorFlowTrainer
+    if getattr(cls._maybe_symbolic_build, _SPEC_BUILD_MARK, False):
+        return True
+    original = cls._maybe_symbolic_build
+
+    def _maybe_symbolic_build(self: Any, iterator: Any = None, data_batch: Any = None) -> Any:
+        if iterator is not None and self._distribute_strategy is not None:
+            spec = _first_batch_spec(iterator)
+            if spec is not None:
+                iterator, data_batch = None, spec
+        return original(self, iterator=iterator, data_batch=data_batch)
+
+    setattr(_maybe_symbolic_build, _SPEC_BUILD_MARK, True)
+    setattr(_maybe_symbolic_build, _PATCH_MARK, getattr(original, _PATCH_MARK, False))
+    cls._maybe_symbolic_build = _maybe_symbolic_build
+    return True
+
+
 _KEPT_MARK = "_keras_sync_keeps_dropped_iterator"
 #: The attribute of a Keras epoch iterator that keeps the distributed iterator its last `reset` dropped.
 KEPT_ITERATOR = "_keras_sync_dropped_iterator"
@@ -287,7 +355,13 @@ class _IteratorReleaser:
             if self._watcher is None:
                 self._watcher = threading.Thread(target=self._watch, name="keras-sync-iterator-watch")
                 self._threads.add(self._watcher)
-                self._watcher.start()
+                try:
+                    self._watcher.start()
+                except RuntimeError:  # 3.12: the exit began after the check above; let go, as Keras would
+                    self._threads.discard(self._watcher)
+                    self._watcher = None
+                    self._held.clear()
+                    self._since.clear()
 
     def _watch(self) -> None:
         pause = 0.005

@@ -1,0 +1,86 @@
+"""`evaluate` reports one device's loss under N replicas, for Keras's `test_step` and a custom one alike.
+
+Keras sums the replicas' gradients, so every loss it computes under a `tf.distribute` strategy is
+divided by the replica count (``keras.src.losses.loss.scale_loss_for_distribution``: a `Loss`
+object, `Model.compute_loss`, ``add_loss`` terms). Its own `test_step` multiplies the loss back
+before tracking it (``unscale_loss_for_distribution``); a `test_step` written as the Keras guides
+show (``self.compute_loss(...)`` into a `Mean` tracker) does not, and reports 1/N of one device's
+loss. A test step takes no gradient, so no division is needed there: while a model's test step
+traces, `unscaled_eval_losses` makes both functions identities. Keras's own step then tracks the
+same value as before, and a custom one tracks one device's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import threading
+from typing import Any, Iterator
+
+MODULE = "keras.src.losses.loss"
+_lock = threading.Lock()
+_tls = threading.local()
+_depth = 0
+_originals: dict[str, Any] = {}
+
+
+def _identity_in_test_step(name: str, original: Any) -> Any:
+    def scale(value: Any) -> Any:
+        return value if getattr(_tls, "testing", False) else original(value)
+
+    scale.__name__ = name
+    return scale
+
+
+@contextlib.contextmanager
+def _tracing_test_step() -> Iterator[None]:
+    global _depth
+    module = importlib.import_module(MODULE)
+    with _lock:
+        if _depth == 0:
+            for name in ("scale_loss_for_distribution", "unscale_loss_for_distribution"):
+                _originals[name] = getattr(module, name)
+                setattr(module, name, _identity_in_test_step(name, _originals[name]))
+        _depth += 1
+    was, _tls.testing = getattr(_tls, "testing", False), True
+    try:
+        yield
+    finally:
+        _tls.testing = was
+        with _lock:
+            _depth -= 1
+            if _depth == 0:
+                for name, original in _originals.items():
+                    setattr(module, name, original)
+                _originals.clear()
+
+
+@contextlib.contextmanager
+def unscaled_eval_losses(model: Any) -> Iterator[None]:
+    """For this span, ``model``'s test step tracks losses not divided by the replica count.
+
+    The step is wrapped on the instance (not its class) and unwrapped on exit; the test function
+    traced inside keeps the behaviour. One traced before without it is dropped so Keras traces again.
+    """
+    from keras_sync.upstream import internals as _internals
+
+    _internals.require("evaluate_loss")
+    if getattr(model.__dict__.get("test_step"), "unscales_losses", False):
+        yield
+        return
+    step = model.test_step
+
+    def test_step(data: Any) -> Any:
+        object.__setattr__(model, "_keras_sync_eval_unscaled", True)
+        with _tracing_test_step():
+            return step(data)
+
+    test_step.unscales_losses = True  # type: ignore[attr-defined]
+    if getattr(model, "test_function", None) is not None and not model.__dict__.get("_keras_sync_eval_unscaled"):
+        model.test_function = None
+    object.__setattr__(model, "test_step", test_step)  # a function, not state for Keras's tracker
+    try:
+        yield
+    finally:
+        if model.__dict__.get("test_step") is test_step:
+            object.__delattr__(model, "test_step")
