@@ -29,7 +29,8 @@ def command(config: str | None, tracking_uri: str | None, port: int, no_browser:
     The store is the one training logs to, by the same rule: --tracking-uri, else
     $MLFLOW_TRACKING_URI, else mlflow.tracking_uri in CONFIG, else sqlite:///<cwd>/mlflow.db.
     When that store does not exist here, the default or a relative store beside CONFIG is used
-    (training ran in CONFIG's folder), so the command works from any folder.
+    (training ran in CONFIG's folder), so the command works from any folder. The server's own
+    output goes to a log file whose path it prints.
     """
     from keras_sync.config import load_config
     from keras_sync.tracking import redact_uri, resolve_tracking_uri
@@ -54,8 +55,10 @@ def command(config: str | None, tracking_uri: str | None, port: int, no_browser:
                         f"in, pass that run's config, or set MLFLOW_TRACKING_URI to its store.")
     _check_port_free(port)
     url = f"http://127.0.0.1:{port}"
-    server = _start_server(uri, port)
+    log = _server_log(port)
+    server = _start_server(uri, port, log)
     click.echo(f"MLflow UI for {redact_uri(uri)} at {url} (Ctrl-C to stop)")
+    click.echo(f"MLflow's own output goes to {log}")
     # Stop the server on Ctrl-C and SIGTERM, also when started with SIGINT ignored (a background
     # job of a non-interactive shell inherits that: seen in CI, where Ctrl-C then did nothing).
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -66,7 +69,7 @@ def command(config: str | None, tracking_uri: str | None, port: int, no_browser:
 
             webbrowser.open(url)
         code = server.wait()
-        raise UserError(f"mlflow server exited with code {code} (see its output above)")
+        raise UserError(f"mlflow server exited with code {code}: {_last_line(log)} (all of its output: {log})")
     except KeyboardInterrupt:
         _stop(server)
         click.echo("MLflow UI stopped.")
@@ -113,13 +116,32 @@ def _check_port_free(port: int) -> None:
                             "Expected a free port; pass another, e.g. --port 5001.") from None
 
 
-def _start_server(uri: str, port: int) -> subprocess.Popen[bytes]:
+def _server_log(port: int) -> Path:
+    """A new file for the server's output (its own advice, e.g. `--host 0.0.0.0`, fits `mlflow server`, not us)."""
+    import tempfile
+
+    fd, path = tempfile.mkstemp(prefix=f"keras-sync-ui-{port}-", suffix=".log")
+    os.close(fd)
+    return Path(path)
+
+
+def _last_line(log: Path) -> str:
+    try:
+        lines = [ln.strip() for ln in log.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "no output"
+    return lines[-1] if lines else "no output"
+
+
+def _start_server(uri: str, port: int, log: Path) -> subprocess.Popen[bytes]:
     # One worker and no job runner: ready in ~6 s instead of ~12 s (FACTS.md).
     env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
     cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri,
            "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
     # Its own process group, so stopping it also stops the web workers it forks.
-    return subprocess.Popen(cmd, env=env, start_new_session=True)
+    with open(log, "ab") as out:
+        return subprocess.Popen(cmd, env=env, start_new_session=True, stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT)
 
 
 def _wait_ready(url: str, server: subprocess.Popen[bytes]) -> bool:
