@@ -312,6 +312,20 @@ def test_every_point_delivered_exactly_once_with_steps(in_tmp, sqlite_uri):
 
 
 @slow
+def test_a_run_name_longer_than_a_command_line_argument_reaches_the_courier(in_tmp, sqlite_uri):
+    # Linux takes at most 128 KiB per argument or environment variable: the header in the
+    # courier's environment failed with "[Errno 7] Argument list too long" at every start.
+    w = MlflowWriter(tracking_uri=sqlite_uri, experiment=_exp(), run_name="r" * 140_000, spool_dir=in_tmp)
+    w.start()
+    w.log_metrics({"loss": 1.0}, step=1)
+    w.close(timeout_s=120)
+    from mlflow import MlflowClient
+
+    run = MlflowClient(sqlite_uri).get_run(w.run_id)
+    assert (run.info.status, run.info.run_name, run.data.metrics) == ("FINISHED", "r" * 140_000, {"loss": 1.0})
+
+
+@slow
 def test_a_spool_deleted_while_the_run_logs_is_made_again_and_nothing_is_lost(in_tmp, sqlite_uri, caplog):
     """An operator (or a cleanup job) removes the spool directory mid-run. Before: the writer kept appending
     to its deleted segment (a file no one can read): 94 of 600 steps and no params reached MLflow, the

@@ -299,12 +299,10 @@ def expand_hostlist(hostlist: str) -> list[str]:
     ['n1', 'n2', 'm5', 'o08', 'o09', 'o10']
     """
     hosts: list[str] = []
-    for part in re.findall(r"[^,\[]*(?:\[[^\]]*\])?", hostlist):
-        if not part:
-            continue
+    for part in _hostlist_parts(hostlist):
         m = re.fullmatch(r"([^\[\]]*)(?:\[([^\]]+)\])?", part)
         if m is None or (not m.group(1) and m.group(2) is None):
-            raise ValueError(f"bad part {part!r}")
+            raise ValueError(f"bad part {part[:80]!r}")
         prefix, ranges = m.group(1), m.group(2)
         if ranges is None:
             hosts.append(prefix)
@@ -314,6 +312,21 @@ def expand_hostlist(hostlist: str) -> list[str]:
             for i in range(int(lo), int(hi or lo) + 1):
                 hosts.append(prefix + str(i).zfill(len(lo)))
     return hosts
+
+
+def _hostlist_parts(hostlist: str) -> list[str]:
+    """The comma-separated parts of a hostlist, a comma inside [...] not separating (one pass: a
+    regex that retried at every '[' took time quadratic in the text)."""
+    parts: list[str] = []
+    start, inside = 0, False
+    for i, ch in enumerate(hostlist):
+        if ch in "[]":
+            inside = ch == "["
+        elif ch == "," and not inside:
+            parts.append(hostlist[start:i])
+            start = i + 1
+    parts.append(hostlist[start:])
+    return [p for p in parts if p]
 
 
 def expand_tasks_per_node(spec: str) -> list[int]:

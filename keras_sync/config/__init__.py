@@ -32,6 +32,7 @@ from keras_sync.config.specs import (
 from keras_sync.cluster import CLUSTER_SOURCES
 from keras_sync.errors import ConfigError, ConfigIssue
 from keras_sync.config.kinds import KINDS, STRATEGY_KINDS, kinds_where
+from keras_sync.config.limits import MAX_FILE_BYTES, SizeCounter, check_data, file_size_issue
 
 DEFAULT_CONFIG_FILE = "keras_sync.yaml"
 CONFIG_ENV = "KERAS_SYNC_CONFIG"
@@ -299,6 +300,8 @@ def _parse_yaml(text: str, file: str) -> tuple[Any, dict[str, int]]:
     import yaml
 
     lines: dict[str, int] = {}
+    sizes = SizeCounter(file)
+    paths: list[str] = []  # the key path of each node being composed: the ancestors of the next one
 
     class _Loader(yaml.SafeLoader):
         def compose_node(self, parent: Any, index: Any) -> Any:
@@ -309,7 +312,26 @@ def _parse_yaml(text: str, file: str) -> tuple[Any, dict[str, int]]:
                 raise ConfigError(ConfigIssue(file, event.start_mark.line + 1, "", (
                     f"YAML alias *{event.anchor} not allowed; keras-sync reads plain YAML only: write the value "
                     f"out instead of *{event.anchor} (and drop the anchor &{event.anchor})")))
-            return super().compose_node(parent, index)
+            # Sizes are checked before a node is composed: the composer recurses once per level, and
+            # 300 levels (600 bytes) ended in a RecursionError.
+            event = self.peek_event()
+            path, key = paths[-1] if paths else "", None
+            if isinstance(parent, yaml.MappingNode):
+                name = index.value if isinstance(index, yaml.ScalarNode) else "?"
+                if index is None:  # this node is a key
+                    name = key = event.value if isinstance(event, yaml.ScalarEvent) else "?"
+                path = f"{path}.{name}" if path else name
+            elif isinstance(parent, yaml.SequenceNode):
+                path = f"{path}[{index}]"
+            is_collection = isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent))
+            sizes.node(path, len(paths) + is_collection, event.start_mark.line + 1, collection=is_collection,
+                       entry=key is not None or isinstance(parent, yaml.SequenceNode), key=key,
+                       string=event.value if isinstance(event, yaml.ScalarEvent) and key is None else None)
+            paths.append(path)
+            try:
+                return super().compose_node(parent, index)
+            finally:
+                paths.pop()
 
     def construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
         return {"__line__": node.start_mark.line + 1, "__items__": [
@@ -317,7 +339,16 @@ def _parse_yaml(text: str, file: str) -> tuple[Any, dict[str, int]]:
             for k, v in node.value
         ]}
 
+    def construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+        try:
+            return yaml.SafeLoader.construct_yaml_int(loader, node)
+        except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits())
+            raise ConfigError(ConfigIssue(file, node.start_mark.line + 1, "", (
+                f"a number of {len(node.value):,} digits, more than Python reads; the config's numbers are "
+                "small: shorten it"))) from None
+
     _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
+    _Loader.add_constructor("tag:yaml.org,2002:int", construct_int)
     try:
         raw = yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader derives from SafeLoader
     except yaml.constructor.ConstructorError as exc:
@@ -470,7 +501,7 @@ def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _unflatten_into(data: dict[str, Any], dotted: str, value: Any) -> None:
+def _unflatten_into(data: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
     parts = dotted.split(".")
     node = data
     for part in parts[:-1]:
@@ -480,6 +511,7 @@ def _unflatten_into(data: dict[str, Any], dotted: str, value: Any) -> None:
             node[part] = nxt
         node = nxt
     node[parts[-1]] = value
+    return data
 
 
 def load_config(
@@ -513,6 +545,7 @@ def load_config(
     if source is None:
         file, data, lines, origin = "<defaults>", {}, {}, "default"
     elif isinstance(source, Mapping):
+        check_data(source, "<dict>")
         file, data, lines = "<dict>", _plain(source), {}
     else:
         file = str(source)
@@ -530,9 +563,11 @@ def load_config(
     for name, dotted in ENV_KEYS.items():
         value = env.get(name, "").strip()
         if value:
+            check_data(_unflatten_into({}, dotted, value), f"${name}")
             _unflatten_into(data, dotted, value)
             provenance[dotted] = "env"
     for dotted, value in (overrides or {}).items():
+        check_data(_unflatten_into({}, dotted, value), "<overrides>")
         _unflatten_into(data, dotted, value)
         provenance[dotted] = "flag"
     given = _flatten(data)
@@ -560,7 +595,15 @@ def _read_text(path: Path) -> str:
         raise ConfigError(ConfigIssue(file, None, "", "is a directory, expected a YAML file "
                                       f"(e.g. {path / DEFAULT_CONFIG_FILE})"))
     try:
-        raw = path.read_bytes()
+        size_issue = file_size_issue(file, path.stat().st_size)
+        if size_issue is not None:
+            raise ConfigError(size_issue)
+        with path.open("rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)  # a pipe or /proc file says size 0
+        size_issue = file_size_issue(file, len(raw))
+        if size_issue is not None:
+            raise ConfigError(ConfigIssue(file, None, "", f"the file is over the limit of {MAX_FILE_BYTES:,} "
+                                          "bytes (1 MiB) for a config file; check that this is the file you meant"))
     except OSError as exc:
         raise ConfigError(ConfigIssue(file, None, "", f"cannot read the file: {exc.strerror}")) from None
     try:

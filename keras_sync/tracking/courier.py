@@ -16,7 +16,7 @@ whose run had ended and was all delivered is then removed. While MLflow is unrea
 retries with backoff (0.5 s up to 30 s).
 
 Run as ``python -m keras_sync.tracking.courier_main SPOOL_DIR PARENT_PID`` with the tracking URI (credentials
-included) in ``$KERAS_SYNC_COURIER_URI``, never on the command line or on disk.
+included) and the spool's header on its stdin, never on the command line or on disk.
 """
 
 from __future__ import annotations
@@ -56,8 +56,6 @@ REPORT_MAX_HOLD_S = 120.0
 READ_RECORDS = 200
 #: What the courier runs as (``python -m``): its own module, which the package does not import.
 ENTRY_MODULE = "keras_sync.tracking.courier_main"
-URI_ENV = "KERAS_SYNC_COURIER_URI"
-HEADER_ENV = "KERAS_SYNC_COURIER_HEADER"
 PIPE_ENV = "KERAS_SYNC_COURIER_PIPES"
 
 
@@ -69,16 +67,32 @@ def spawn(spool: SpoolDir, tracking_uri: str, header: dict[str, Any] | None = No
     (records in, news out), the pipes of a writer whose spool cannot be written (`serve_pipes`).
     """
     env = dict(os.environ)
-    env[URI_ENV] = tracking_uri
-    if header is not None:
-        env[HEADER_ENV] = json.dumps(header)
     if pipe_fds is not None:
         env[PIPE_ENV] = f"{pipe_fds[0]},{pipe_fds[1]}"
     # The child must import this very keras_sync, installed or not.
     root = str(Path(__file__).resolve().parents[2])  # keras_sync/tracking/courier.py -> the directory holding keras_sync
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    return subprocess.Popen([sys.executable, "-m", ENTRY_MODULE, str(spool.path), str(os.getpid())],
-                            stdin=subprocess.DEVNULL, env=env, close_fds=True, pass_fds=pipe_fds or ())
+    proc = subprocess.Popen([sys.executable, "-m", ENTRY_MODULE, str(spool.path), str(os.getpid())],
+                            stdin=subprocess.PIPE, env=env, close_fds=True, pass_fds=pipe_fds or ())
+    # On stdin, not in the environment or on the command line: `ps` shows the command line, and Linux
+    # takes at most 128 KiB per argument or variable (a long run name in the header failed with E2BIG).
+    # From a thread: more than a pipe's 64 KiB waits until the courier has started and reads it.
+    handoff = json.dumps({"uri": tracking_uri, "header": header}).encode()
+    threading.Thread(target=_hand_over, args=(proc.stdin, handoff), name="keras-sync-courier-stdin",
+                     daemon=True).start()
+    return proc
+
+
+def _hand_over(stdin: BinaryIO, data: bytes) -> None:
+    try:
+        stdin.write(data)
+    except OSError:
+        pass  # the courier died before reading it: the writer sees it gone and starts another
+    finally:
+        try:
+            stdin.close()
+        except OSError:
+            pass
 
 
 class Launcher:
@@ -328,8 +342,8 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent = int(argv[2])  # not getppid(): the parent may have died before this line
     spool = SpoolDir(argv[1])
-    uri = os.environ.pop(URI_ENV, None)
-    header = json.loads(os.environ.pop(HEADER_ENV, "null"))
+    handoff = json.loads(sys.stdin.buffer.read() or b"{}")  # written by `spawn`
+    uri, header = handoff.get("uri"), handoff.get("header")
     pipes = os.environ.pop(PIPE_ENV, None)
     records_in, news_out = (int(fd) for fd in pipes.split(",")) if pipes else (None, None)
     spool.wait_lock("deliver")  # one courier per spool (a crashed job's may still be finishing)

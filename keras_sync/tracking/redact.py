@@ -1,23 +1,93 @@
 """Keep secrets out of everything keras-sync logs: URI credentials and secret-looking env values.
 
 Used for every param, tag, artifact and log line the MLflow writer produces, and wherever a
-tracking URI is shown (`keras-sync plan`, `env`, `ui`).
+tracking URI is shown (`keras-sync plan`, `env`, `ui`). The values are the user's (a run name, a
+param, an error message), of any length: every scan here takes time linear in the text. A regex
+that starts a match at every letter and looks ahead for ``://`` (or at every ``?`` for ``=``) is
+quadratic, and hung a fit on a long value; so each scan finds its fixed anchor first (``://``,
+a separator) and looks around it by a bounded amount.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+import string
+from collections.abc import Iterator, Mapping
 
 _REDACTED = "***"
 
-_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)[^/?#@\s]*@")
-_SECRET_QUERY = re.compile(
-    r"(?P<key>[?&;][^=&#\s]*(?:token|password|passwd|secret|key|sig|signature|credential|auth)"
-    r"[^=&#\s]*=)[^&#;\s]*", re.IGNORECASE)
+_LETTERS = frozenset(string.ascii_letters)
+_SCHEME_CHARS = _LETTERS | frozenset(string.digits + "+.-")
+#: What may follow ``scheme://`` up to the ``@`` of credentials (RFC 3986 userinfo, loosely).
+_USERINFO_END = re.compile(r"[^/?#@\s]*@")
+_QUERY_SEPARATOR = re.compile(r"[?&;]")
+_QUERY_KEY_END = re.compile(r"[=&#\s]")
+_QUERY_VALUE_END = re.compile(r"[&#;\s]")
+_SECRET_WORD = re.compile(r"token|password|passwd|secret|key|sig|signature|credential|auth", re.IGNORECASE)
 _SECRET_ENV_NAME = re.compile(r"TOKEN|PASSWORD|PASSWD|SECRET|API_?KEY|PRIVATE_KEY|CREDENTIAL",
                               re.IGNORECASE)
 _NOT_SECRET_VALUES = {"", "0", "1", "true", "false", "none", "null", "yes", "no"}
+
+
+def _userinfo_spans(text: str) -> Iterator[tuple[int, int]]:
+    """(start, end) of each ``user:password@`` that follows a ``scheme://`` in ``text``.
+
+    The same matches as ``([A-Za-z][A-Za-z0-9+.-]*://)[^/?#@\\s]*@``, found from each ``://``: a
+    scheme is read backwards from it (never past the previous match or ``/``), the userinfo
+    forwards up to the next ``/``, so no character is read more than a few times.
+    """
+    done = 0
+    colon = text.find("://")
+    while colon != -1:
+        start = colon
+        while start > done and text[start - 1] in _SCHEME_CHARS:
+            start -= 1
+        while start < colon and text[start] not in _LETTERS:
+            start += 1  # a scheme begins with a letter
+        m = _USERINFO_END.match(text, colon + 3) if start < colon else None
+        if m is None:
+            colon = text.find("://", colon + 1)
+            continue
+        yield colon + 3, m.end()
+        done = m.end()
+        colon = text.find("://", done)
+
+
+def _secret_query_spans(text: str) -> Iterator[tuple[int, int]]:
+    """(start, end) of each value of a query parameter named like a secret (``?token=...``).
+
+    The same values as ``[?&;][^=&#\\s]*(token|password|...)[^=&#\\s]*=([^&#;\\s]*)``: from a
+    separator, the key runs to the first ``=&#`` or space; it names a secret if any of its text
+    after the separator does (the first separator of the run sees the most of it).
+    """
+    pos = 0
+    while True:
+        sep = _QUERY_SEPARATOR.search(text, pos)
+        if sep is None:
+            return
+        key_start = sep.end()
+        end = _QUERY_KEY_END.search(text, key_start)
+        if end is None:
+            return
+        key_end = end.start()
+        if text[key_end] != "=" or _SECRET_WORD.search(text, key_start, key_end) is None:
+            pos = key_end if text[key_end] != "=" else key_end + 1
+            continue
+        value_end = _QUERY_VALUE_END.search(text, key_end + 1)
+        stop = value_end.start() if value_end else len(text)
+        yield key_end + 1, stop
+        pos = stop
+
+
+def _replace_spans(text: str, spans: Iterator[tuple[int, int]], by: str) -> str:
+    out: list[str] = []
+    kept = 0
+    for start, end in spans:
+        out.append(text[kept:start])
+        out.append(by)
+        kept = end
+    out.append(text[kept:])
+    return "".join(out)
 
 
 def redact_uri(uri: str | None) -> str | None:
@@ -28,8 +98,8 @@ def redact_uri(uri: str | None) -> str | None:
     """
     if uri is None:
         return None
-    uri = _USERINFO.sub(lambda m: m.group("scheme"), uri)
-    return _SECRET_QUERY.sub(lambda m: m.group("key") + _REDACTED, uri)
+    uri = _replace_spans(uri, _userinfo_spans(uri), "")
+    return _replace_spans(uri, _secret_query_spans(uri), _REDACTED)
 
 
 def secrets_of(tracking_uri: str | None, environ: Mapping[str, str]) -> list[str]:
@@ -43,8 +113,7 @@ def secrets_of(tracking_uri: str | None, environ: Mapping[str, str]) -> list[str
         m = re.match(r"[A-Za-z][A-Za-z0-9+.\-]*://([^/?#@\s]*)@", tracking_uri)
         if m:
             found.update(p for p in m.group(1).split(":")[1:] if p)
-        for q in _SECRET_QUERY.finditer(tracking_uri):
-            found.add(tracking_uri[q.end("key"):q.end()])
+        found.update(tracking_uri[start:end] for start, end in _secret_query_spans(tracking_uri))
     found = {s for s in found if len(s) >= 3}
     return sorted(found, key=len, reverse=True)  # longest first: one secret may contain another
 
