@@ -1,4 +1,4 @@
-"""The commented template and the README reference are written from the config fields, and stay so."""
+"""The commented template and the docs' config reference are written from the config fields, and stay so."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import yaml
 from keras_sync.config import reference as config_reference
 from keras_sync.config.specs import Int
 from keras_sync.config import Config, _f, load_config
-from keras_sync.config.reference import README_BEGIN, README_END, drift, source_root
+from keras_sync.config.reference import REFERENCE_BEGIN, REFERENCE_END, REFERENCE_PAGE, drift, source_root
 from keras_sync.errors import UsageError
 from keras_sync.config.kinds import STRATEGY_KINDS
 from keras_sync.cli.scaffold import render_config
@@ -39,18 +39,18 @@ def test_doctests_hold() -> None:
     assert doctest.testmod(config_reference).failed == 0
 
 
-def test_templates_and_readme_match_the_config_fields() -> None:
+def test_templates_and_the_docs_reference_match_the_config_fields() -> None:
     stale = drift(source_root())
     assert not stale, ("generated files differ from keras_sync/config/__init__.py; run `python -m keras_sync.config.reference`"
                        "\n" + "\n".join(stale.values()))
 
 
-def test_every_key_is_documented_in_the_readme_with_its_doc_and_default() -> None:
-    readme = (ROOT / "README.md").read_text()
-    block = readme[readme.index(README_BEGIN):readme.index(README_END)]
+def test_every_key_is_documented_in_the_docs_reference_with_its_doc_and_default() -> None:
+    page = (ROOT / REFERENCE_PAGE).read_text()
+    block = page[page.index(REFERENCE_BEGIN):page.index(REFERENCE_END)]
     for dotted, f in _leaf_fields(Config):
         row = next((line for line in block.splitlines() if line.startswith(f"| `{dotted}` |")), None)
-        assert row is not None, f"README reference has no row for {dotted}"
+        assert row is not None, f"{REFERENCE_PAGE} has no row for {dotted}"
         assert f.metadata["doc"] in row.replace("\\|", "|")
         assert f"`{config_reference.yaml_value(f.default)}`" in row
         kinds = f.metadata.get("kinds")
@@ -85,7 +85,8 @@ def test_each_kind_template_shows_the_keys_that_apply_with_their_docs(kind: str,
 def _copy_checkout(tmp_path: Path) -> Path:
     root = tmp_path / "checkout"
     shutil.copytree(ROOT / "templates", root / "templates")
-    shutil.copy(ROOT / "README.md", root / "README.md")
+    (root / REFERENCE_PAGE).parent.mkdir(parents=True)
+    shutil.copy(ROOT / REFERENCE_PAGE, root / REFERENCE_PAGE)
     return root
 
 
@@ -104,14 +105,14 @@ def test_check_fails_on_a_hand_edited_comment_and_regenerating_fixes_it(tmp_path
     assert template.read_text() == (ROOT / "templates" / "strategy_mirrored.yaml").read_text()
 
 
-def test_readme_without_the_markers_is_an_error_naming_them(tmp_path: Path) -> None:
+def test_a_reference_page_without_the_markers_is_an_error_naming_them(tmp_path: Path) -> None:
     root = _copy_checkout(tmp_path)
-    readme = root / "README.md"
-    readme.write_text(readme.read_text().replace(README_END, ""))
+    page = root / REFERENCE_PAGE
+    page.write_text(page.read_text().replace(REFERENCE_END, ""))
     result = subprocess.run([*REGENERATE, "--check", "--root", str(root)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
-    assert "README.md has no generated config reference block: put the lines" in result.stderr
-    assert README_END in result.stderr
+    assert f"{REFERENCE_PAGE} has no generated config reference block: put the lines" in result.stderr
+    assert REFERENCE_END in result.stderr
 
 
 def test_a_key_without_a_doc_is_refused() -> None:
@@ -126,19 +127,19 @@ def test_a_key_without_a_doc_is_refused() -> None:
 
 def test_every_environment_variable_that_sets_a_key_is_named_where_precedence_is_told() -> None:
     # ENV_KEYS is the one list of environment variables that set a config key. The key's own description
-    # (README reference row, template comment, errors), the template's header and README's precedence
+    # (the docs' reference row, template comment, errors), the template's header and the docs' precedence
     # sentence are written by hand around it: a variable added to ENV_KEYS fails here until all say so.
     import re
 
     from keras_sync.config import ENV_KEYS
     from keras_sync.config.reference import config_template
 
-    readme = (ROOT / "README.md").read_text()
-    precedence = re.search(r"^Precedence, shown by `keras-sync plan`:(.*?)> YAML file > default\.", readme, re.S | re.M)
-    assert precedence, "README lost its 'Precedence, shown by `keras-sync plan`: ...' sentence"
+    page = (ROOT / REFERENCE_PAGE).read_text()
+    precedence = re.search(r"^Precedence, shown by `keras-sync plan`:(.*?)> YAML file > default\.", page, re.S | re.M)
+    assert precedence, f"{REFERENCE_PAGE} lost its 'Precedence, shown by `keras-sync plan`: ...' sentence"
     header = next(line for line in config_template().splitlines() if line.startswith("# Precedence:"))
     for variable, key in ENV_KEYS.items():
-        row = next(line for line in readme.splitlines() if line.startswith(f"| `{key}` |"))
+        row = next(line for line in page.splitlines() if line.startswith(f"| `{key}` |"))
         assert f"${variable}" in row, f"{key}'s description does not say ${variable} sets it: {row}"
-        assert f"`{variable}`" in precedence.group(1), f"README's precedence sentence does not name {variable}"
+        assert f"`{variable}`" in precedence.group(1), f"{REFERENCE_PAGE}'s precedence sentence does not name {variable}"
         assert variable in header, f"the template's precedence line does not name {variable}: {header}"

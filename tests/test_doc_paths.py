@@ -1,4 +1,4 @@
-"""Every module the docs name exists: README.md, CONTRIBUTING.md and the package's own docstrings and
+"""Every module the docs name exists: README.md, CONTRIBUTING.md, the pages of docs/ and the package's own docstrings and
 comments name files (`keras_sync/tracking/spool.py`) and modules (`keras_sync.training.instrument`),
 and a move of modules leaves the old names behind without a test failing unless these fail.
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "keras_sync"
-DOCS = ("README.md", "CONTRIBUTING.md")
+DOCS = ("README.md", "CONTRIBUTING.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md")))
 
 # Files of other projects that docstrings cite (Keras sources read to explain a fix): not ours to check.
 UPSTREAM_FILES = {"py_dataset_adapter.py", "epoch_iterator.py"}

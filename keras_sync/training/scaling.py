@@ -150,8 +150,9 @@ def warmup_learning_rate(step: int, *, start_lr: float, peak_lr: float, warmup_s
         lr(step) = start_lr + (peak_lr - start_lr) * step / warmup_steps   for step < warmup_steps
         lr(step) = peak_lr                                                  otherwise
 
-    >>> [warmup_learning_rate(s, start_lr=0.1, peak_lr=0.5, warmup_steps=4) for s in range(6)]
-    [0.1, 0.2, 0.3, 0.4, 0.5, 0.5]
+    Examples:
+        >>> [warmup_learning_rate(s, start_lr=0.1, peak_lr=0.5, warmup_steps=4) for s in range(6)]
+        [0.1, 0.2, 0.3, 0.4, 0.5, 0.5]
     """
     if warmup_steps <= 0 or step >= warmup_steps:
         return float(peak_lr)

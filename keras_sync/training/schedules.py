@@ -28,7 +28,7 @@ class GradualWarmup(keras.optimizers.schedules.LearningRateSchedule):
         after: optional schedule applied from the end of the warmup, called with
             ``step - warmup_steps``.
 
-    Example:
+    Examples:
         >>> sched = GradualWarmup(0.1, 0.4, warmup_steps=3)
         >>> [round(float(sched(s)), 6) for s in range(5)]
         [0.1, 0.2, 0.3, 0.4, 0.4]
