@@ -71,3 +71,48 @@ def test_importing_the_callbacks_package_loads_no_tensorflow():
     code = "import keras_sync.callbacks, sys; print('tensorflow' in sys.modules, 'keras' in sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.stdout.split() == ["False", "False"], r.stderr
+
+
+def test_each_fit_of_a_job_continues_after_the_last_step_of_the_fit_before():
+    from keras_sync.training.context import JobState
+
+    job = JobState()
+    first = job.next_fit()
+    assert (first.fit, first.job_step(0)) == (1, 0)
+    first.step = 16  # 16 steps trained
+    again = job.next_fit()  # the same model fitted again: its own count continues
+    assert (again.fit, again.job_step(16)) == (2, 16)
+    again.step = 32
+    new = job.next_fit()  # a new model: after step 32
+    assert (new.fit, new.job_step(0), new.job_step(7)) == (3, 32, 39)
+    resumed = job.next_fit()
+    resumed.step_offset = 16  # a backup restore fixed it: the model's step 10 is the job's 26
+    assert resumed.job_step(10) == 26
+
+
+def test_a_later_fit_sends_only_changed_params_under_its_fit_number():
+    from keras_sync.training.context import JobState
+
+    job = JobState()
+    assert job.next_fit().params_to_log({"epochs": 1, "optimizer_name": "sgd", "steps_per_epoch": None}) == {
+        "epochs": "1", "optimizer_name": "sgd", "steps_per_epoch": "None"}
+    assert job.next_fit().params_to_log({"epochs": 1, "optimizer_name": "sgd_1"}) == {"fit_2.optimizer_name": "sgd_1"}
+    third = job.next_fit()
+    assert third.params_to_log({"epochs": 2, "optimizer_name": "sgd", "new": 5}) == {"fit_3.epochs": "2", "new": "5"}
+    assert third.params_to_log({"epochs": 2}) == {}  # logged already in this fit
+
+
+def test_syncs_of_one_explicit_job_id_share_their_job_state_and_others_do_not(monkeypatch):
+    from keras_sync.config import load_config
+
+    monkeypatch.delenv("KERAS_SYNC_JOB_ID", raising=False)
+    from keras_sync.training.job_run import job_state
+
+    class FakeSync:  # what job_state reads of a Sync
+        def __init__(self, job_id=None):
+            self.config = load_config({"mlflow": {"job_id": job_id}} if job_id else {})
+
+    a, b = FakeSync("job-7"), FakeSync("job-7")
+    assert job_state(a) is job_state(b) and job_state(a) is job_state(a)
+    c, d = FakeSync(), FakeSync()
+    assert job_state(c) is not job_state(d) and job_state(c) is not job_state(a)

@@ -194,3 +194,100 @@ def test_ctrl_c_during_the_exit_wait_leaves_the_points_in_the_spool(tmp_path):
     (run,) = c.search_runs([c.get_experiment_by_name("e").experiment_id])
     assert sorted(m.step for m in c.get_metric_history(run.info.run_id, "sync/loss/replica_0")) == list(range(1, 17))
     assert run.info.status == "FINISHED"
+
+
+THREE_FITS = os.path.join(os.path.dirname(__file__), "_three_fits.py")
+
+
+def _three_fits_config(uri: str) -> str:
+    import json
+
+    return json.dumps({"strategy": {"kind": "default"}, "batch": {"global": 16},
+                       "mlflow": {"tracking_uri": uri, "experiment": "e", "log_every_n_steps": 1}})
+
+
+def _the_run_holds_every_fit(uri: str, output: str) -> None:
+    """One FINISHED run with steps 1-64 (fits of 16, 16 and 32 steps), each once; the third fit's
+    other ``epochs`` under its own key; no refused param said."""
+    from mlflow import MlflowClient
+
+    c = MlflowClient(uri)
+    (run,) = c.search_runs([c.get_experiment_by_name("e").experiment_id])
+    assert run.info.status == "FINISHED"
+    for key in ("loss", "sync/loss/replica_0"):
+        steps = [m.step for m in c.get_metric_history(run.info.run_id, key)]
+        assert sorted(steps) == list(range(1, 65)), (key, sorted(steps))
+    params = run.data.params
+    assert (params["epochs"], params["fit_3.epochs"]) == ("1", "2"), params
+    # Keras numbers the name of each new optimizer (sgd, sgd_1, ...): fit 2 changed nothing else,
+    # and what did not change was not sent again.
+    assert {k: v for k, v in params.items() if k.startswith("fit_")} == {
+        "fit_2.optimizer_name": "sgd_1", "fit_3.optimizer_name": "sgd_2", "fit_3.epochs": "2"}, params
+    assert "refused param" not in output, output[-3000:]
+
+
+def test_three_fits_of_new_models_in_one_process_each_reach_the_run(tmp_path):
+    """The keras-io "distributed training" guide calls `run_training()` three times in one process,
+    a new model each time: every fit's steps reach the job's run, continuing after the last fit's."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TF_CONFIG", "MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID", "RAY_RAYLET_PID")}
+    r = subprocess.run([sys.executable, THREE_FITS, _three_fits_config(uri)], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "FITS DONE" in r.stdout, r.stderr[-3000:]
+    _the_run_holds_every_fit(uri, r.stdout + r.stderr)
+
+
+@pytest.mark.timeout(900)  # two TensorFlow workers, three fits each, on a shared machine
+def test_three_fits_under_two_workers_with_a_new_load_each_reach_the_job_run(tmp_path):
+    """The keras-io "distributed training" guide's `run_training()` three times under `keras-sync launch
+    -n 2`, each calling `keras_sync.load()` again: the Syncs of one job id continue one run's steps."""
+    import json
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = json.loads(_three_fits_config(uri))
+    cfg["strategy"] = {"kind": "multi_worker_mirrored", "connect_timeout_s": 60}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TF_CONFIG", "MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID", "RAY_RAYLET_PID")}
+    keras_sync_cli = os.path.join(os.path.dirname(sys.executable), "keras-sync")
+    r = subprocess.run([keras_sync_cli, "launch", "--workers", "2", "--grace-period", "2", THREE_FITS,
+                        json.dumps(cfg), "--new-sync"], cwd=tmp_path, env=dict(env, TF_CPP_MIN_LOG_LEVEL="2"),
+                       capture_output=True, text=True, timeout=800)
+    assert r.returncode == 0 and "[w0] FITS DONE" in r.stdout, r.stderr[-3000:]
+    _the_run_holds_every_fit(uri, r.stdout + r.stderr)
+
+
+def test_a_fit_resumed_from_its_backup_logs_at_the_steps_it_trains_again(tmp_path):
+    """The guide's three fits with a backup: the second is killed after step 13 of its model (job step
+    29; backup at 10), the relaunch resumes it from the backup and runs the third. Each job step is in
+    the run once, the steps trained twice (27-29) keep their first point, and the third fit continues."""
+    import json
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = json.loads(_three_fits_config(uri))
+    cfg["fault_tolerance"] = {"backup_dir": str(tmp_path / "backup"), "save_freq": 5}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TF_CONFIG", "MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID", "RAY_RAYLET_PID")}
+    crashed = subprocess.run([sys.executable, THREE_FITS, json.dumps(cfg), "--crash-at", "13"], cwd=tmp_path,
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=600)
+    assert crashed.returncode == 9, crashed.stderr[-3000:]
+    from mlflow import MlflowClient
+
+    c = MlflowClient(uri)
+    (run,) = c.search_runs([c.get_experiment_by_name("e").experiment_id])
+    deadline = time.monotonic() + 120  # the crashed process's courier delivers what it spooled
+    while len(c.get_metric_history(run.info.run_id, "loss")) < 29 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    before = {m.step: m.value for m in c.get_metric_history(run.info.run_id, "loss")}
+    assert sorted(before) == list(range(1, 30)), sorted(before)
+    resumed = subprocess.run([sys.executable, THREE_FITS, json.dumps(cfg), "--from-fit", "2"], cwd=tmp_path,
+                             env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0 and "FITS DONE" in resumed.stdout, resumed.stderr[-3000:]
+    assert "resumed from the backup" in resumed.stderr and "optimizer step 10" in resumed.stderr, resumed.stderr
+    (run,) = c.search_runs([c.get_experiment_by_name("e").experiment_id])
+    assert run.info.status == "FINISHED"
+    after = {m.step: m.value for m in c.get_metric_history(run.info.run_id, "loss")}
+    steps = [m.step for m in c.get_metric_history(run.info.run_id, "loss")]
+    assert sorted(steps) == list(range(1, 65)), sorted(steps)
+    assert all(after[s] == before[s] for s in before)  # steps 27-29, trained again, hold the points they had
+    assert "refused param" not in resumed.stderr, resumed.stderr[-3000:]

@@ -20,10 +20,12 @@ def default_callbacks(sync: Any, model: Any, user_callbacks: Any, *, per_replica
     ``per_replica_batch_size``: the batch this `fit` uses, when not the configured one.
     """
     from keras_sync.callbacks.backup import backup_callbacks
+    from keras_sync.training.job_run import job_state
 
     # One shared state: the backup flushes the held sync metrics into the writer before it saves
-    # (so a kill loses no step it will not train again), whatever the list's order.
-    shared = SharedState()
+    # (so a kill loses no step it will not train again), whatever the list's order. The job's next
+    # one: this fit's steps continue after the job's earlier fits, its params are checked against theirs.
+    shared = job_state(sync).next_fit()
     context = sync.context(per_replica_batch_size=per_replica_batch_size)
     # The backup first: a directory owned by another job, or only damaged backups, stop fit before a run is opened.
     backups = backup_callbacks(sync, shared=shared)
@@ -44,11 +46,11 @@ def mlflow_callbacks(sync: Any, *, context: RunContext | None = None, shared: Sh
     context = context or sync.context()
     shared = shared or SharedState()
     writer = writer_for(sync)
-    out: list[Any] = [RunParams(writer, context),
+    out: list[Any] = [RunParams(writer, context, shared=shared),
                       FitParams(writer, per_replica_batch_size=context.per_replica_batch_size,
-                                num_replicas=context.num_replicas)]
+                                num_replicas=context.num_replicas, shared=shared)]
     if cfg.allreduce_probe:
-        out.append(AllReduceProbe(writer))
+        out.append(AllReduceProbe(writer, shared=shared))
     out += [SyncMetrics(writer, log_every_n_steps=cfg.log_every_n_steps, shared=shared),
             WeightDivergence(writer, shared=shared)]
     if cfg.system_metrics:

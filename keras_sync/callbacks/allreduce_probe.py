@@ -16,7 +16,8 @@ class AllReduceProbe(keras.callbacks.Callback):
 
     The probe all-reduces (sum) a float32 tensor with as many elements as the model has
     trainable parameters, the volume of one step's gradient all-reduce: one warm-up call, then
-    ``repeats`` timed calls; the median is logged at the current global step.
+    ``repeats`` timed calls; the median is logged when the fit's first batch ends, at the job's
+    step then (``shared.step``: a later fit of the job logs its own point, at its own steps).
     ``sync/allreduce_gbps`` is the algorithm bandwidth, ``bytes * 8 / seconds / 1e9``
     (gigabits per second of gradient data reduced). It is a collective: every worker runs it.
     Off by default (``mlflow.allreduce_probe: true``); it costs ``repeats + 1`` all-reduces.
@@ -24,10 +25,16 @@ class AllReduceProbe(keras.callbacks.Callback):
     Args:
         writer: a started `keras_sync.tracking.MlflowWriter`, or None on non-writing workers.
         repeats: timed all-reduces (>= 1).
+        shared: the `keras_sync.callbacks.SharedState` of this fit (default: its own; the step is
+            then the optimizer's).
     """
 
-    def __init__(self, writer: Any = None, *, repeats: int = 5):
+    def __init__(self, writer: Any = None, *, repeats: int = 5, shared: Any = None):
         super().__init__()
+        from keras_sync.training.context import check_shared
+
+        self.shared = check_shared(shared)
+        self._measured: tuple[float, int] | None = None
         if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
             raise UsageError(f"Invalid value for argument `repeats`. Received: repeats={repeats!r}. "
                              "Expected an integer >= 1.")
@@ -40,9 +47,15 @@ class AllReduceProbe(keras.callbacks.Callback):
             return
         self._done = True
         ms, nbytes = time_allreduce(self.model, self.repeats)
-        if self.writer is None or ms is None:
+        if self.writer is not None and ms is not None:
+            self._measured = (ms, nbytes)
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        # Logged here, not at train begin: the job's step is known once its first step has begun.
+        if self._measured is None:
             return
-        step = int(self.model.optimizer.iterations.numpy())
+        (ms, nbytes), self._measured = self._measured, None
+        step = self.shared.step if self.shared.step is not None else int(self.model.optimizer.iterations.numpy())
         self.writer.log_metrics({"sync/allreduce_ms": ms,
                                  "sync/allreduce_gbps": nbytes * 8 / (ms / 1000.0) / 1e9 if ms > 0 else 0.0},
                                 step=step)

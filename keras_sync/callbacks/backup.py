@@ -126,15 +126,21 @@ class BackupAndRestore(keras.callbacks.Callback):
         if model.optimizer is not None and not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)  # its variables must exist to be restored
         self._position = tf.Variable([0, 0], dtype=tf.int64, trainable=False, name="keras_sync_position")
-        self._ckpt = tf.train.Checkpoint(model=model, optimizer=model.optimizer, position=self._position,
-                                         metrics=list(model.metrics_variables), random=random_states(model))
+        # The job's step minus the model's (`SharedState.job_step`): a resumed fit logs at the steps it
+        # logged before. Saved, but restored on its own (`_restore_step_offset`): a backup written before
+        # it existed must still restore.
+        self._step_offset = tf.Variable(-1, dtype=tf.int64, trainable=False, name="keras_sync_step_offset")
+        state = dict(model=model, optimizer=model.optimizer, position=self._position,
+                     metrics=list(model.metrics_variables), random=random_states(model))
+        self._ckpt = tf.train.Checkpoint(**state)
+        self._saved = tf.train.Checkpoint(**state, step_offset=self._step_offset)
         role = strategy_role(model.distribute_strategy)
         self._is_chief, task_id = role.is_chief, role.task_id
         self._dir = write_dir(self.backup_dir, is_chief=self._is_chief, task_id=task_id)
         choice, self.choice = self.choice or _backup_files.choose(self.backup_dir), None
         if self._is_chief:
             _drop_damaged_state_file(self.backup_dir)
-        self._manager = tf.train.CheckpointManager(self._ckpt, self._dir, max_to_keep=max(self.max_to_keep, 2))
+        self._manager = tf.train.CheckpointManager(self._saved, self._dir, max_to_keep=max(self.max_to_keep, 2))
         self.restored = None
         self._resume_line: str | None = None
         self._epoch = self._step = 0
@@ -187,12 +193,21 @@ class BackupAndRestore(keras.callbacks.Callback):
                 continue
             if self._is_chief:
                 _backup_files.say_skipped(_backup_files.Choice([prefix], skipped))
+            self._restore_step_offset(prefix)
             return prefix
         if any(not why.startswith("incomplete") for _, why in skipped):
             raise _backup_files.no_usable_backup(self.backup_dir, skipped)
         if skipped and self._is_chief:
             _backup_files.say_skipped(_backup_files.Choice([], skipped))
         return None
+
+    def _restore_step_offset(self, prefix: str) -> None:
+        """The job's step offset saved with ``prefix`` becomes this fit's; none saved (an older backup): 0."""
+        import tensorflow as tf
+
+        self._step_offset.assign(-1)
+        tf.train.Checkpoint(step_offset=self._step_offset).read(prefix).expect_partial()
+        self.shared.step_offset = max(int(self._step_offset.numpy()), 0)
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         if self.restored is not None and getattr(self, "_resume_line", None):
@@ -318,6 +333,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             warnings.warn("keras-sync: the MLflow spool did not take the queued metrics within 10 s; "
                           "a crash now may lose the last steps' metrics.", RuntimeWarning, stacklevel=2)
         self._position.assign([self._epoch, self._step])
+        self._step_offset.assign(self.shared.step_offset or 0)  # fixed by SyncMetrics' first step (else 0)
         if not self._is_chief:
             os.makedirs(self._dir, exist_ok=True)
         number = int(self.model.optimizer.iterations.numpy())

@@ -14,7 +14,7 @@ AUTOLOG_PARAMS = ("epochs", "steps_per_epoch", "batch_size")
 
 
 class FitParams(OncePerRun):
-    """Log, once per run at the start of the first `fit`, what autolog would.
+    """Log, at the start of a `fit`, what autolog would.
 
     - params ``epochs``, ``steps_per_epoch`` (None when the data does not tell), ``batch_size``
       (the global batch: what Keras's `fit` receives, and what autolog logs) and
@@ -36,11 +36,13 @@ class FitParams(OncePerRun):
         writer: a started `keras_sync.tracking.MlflowWriter` (None: do nothing).
         per_replica_batch_size: examples per replica per step (None: not logged).
         num_replicas: replicas in sync; default: the model's strategy.
+        shared: the `keras_sync.callbacks.SharedState` of this fit: a later fit of the job sends
+            only the params that changed, as ``fit_<n>.<key>`` (default: its own, a first fit).
     """
 
     def __init__(self, writer: Any = None, *, per_replica_batch_size: int | None = None,
-                 num_replicas: int | None = None):
-        super().__init__(writer)
+                 num_replicas: int | None = None, shared: Any = None):
+        super().__init__(writer, shared=shared)
         self.per_replica_batch_size = per_replica_batch_size
         self.num_replicas = num_replicas
 
@@ -62,13 +64,13 @@ class FitParams(OncePerRun):
             else:
                 self._optimizers_pending = True
             self.writer.log_text_artifact(model_summary(self.model), MODEL_SUMMARY_ARTIFACT)
-        self.writer.log_params(params)
+        self.log_params(params)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         if not getattr(self, "_optimizers_pending", False):
             return
         self._optimizers_pending = False
-        self.writer.log_params(applied_optimizer_params(self.model))
+        self.log_params(applied_optimizer_params(self.model))
 
 
 def has_default_train_step(model: Any) -> bool:

@@ -1,4 +1,4 @@
-"""`RunParams`: once per run, the distributed setup and the config as MLflow params, the config file as artifact."""
+"""`RunParams`: at a fit's start, the distributed setup and the config as MLflow params, the config file as artifact."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ _NOT_PARAMS = ("mlflow.job_id",)
 
 
 class RunParams(OncePerRun):
-    """Log the training setup once, at the start of the first `fit`.
+    """Log the training setup once, at the start of the first `fit` this callback sees.
 
     Params: ``sync.strategy``, ``sync.num_replicas``, ``sync.num_workers``,
     ``sync.per_replica_batch_size``, ``sync.global_batch_size``, ``sync.gradient_accumulation_steps``,
@@ -41,10 +41,12 @@ class RunParams(OncePerRun):
         context: the `keras_sync.callbacks.RunContext` of this run (`Sync.context()`; a `Sync`
             is read the same way when training starts), or None when calling `model.fit`
             without keras-sync's config.
+        shared: the `keras_sync.callbacks.SharedState` of this fit: a later fit of the job sends
+            only the params that changed, as ``fit_<n>.<key>`` (default: its own, a first fit).
     """
 
-    def __init__(self, writer: Any = None, context: Any = None):
-        super().__init__(writer)
+    def __init__(self, writer: Any = None, context: Any = None, *, shared: Any = None):
+        super().__init__(writer, shared=shared)
         if context is not None and not isinstance(context, RunContext) and not hasattr(context, "context"):
             raise UsageError(f"Invalid value for argument `context`. Received: context={type(context).__name__}. "
                              "Expected a keras_sync.callbacks.RunContext (sync.context()), a keras_sync.Sync, or None.")
@@ -54,7 +56,7 @@ class RunParams(OncePerRun):
         # A Sync is read now: steps_per_epoch and the warmup are known once fit has its data.
         ctx = self.context.context() if self.context is not None and not isinstance(self.context, RunContext) \
             else self.context
-        self.writer.log_params({**run_params(self.model, ctx), **config_params(ctx)})
+        self.log_params({**run_params(self.model, ctx), **config_params(ctx)})
         tags, text = config_tags(ctx)
         if tags:
             self.writer.set_tags(tags)

@@ -21,8 +21,9 @@ MAX_HOLD_MS = 500
 class SyncMetrics(keras.callbacks.Callback):
     """Log what synchronous data-parallel training is doing, every ``log_every_n_steps`` steps.
 
-    The MLflow ``step`` is the global optimizer step (1-based, continued across `fit` calls and
-    restarts). Every logged step gets:
+    The MLflow ``step`` is the job's step: the global optimizer step (1-based), continued across
+    the fits of a job and its restarts; a new model's first fit continues after the last step of
+    the job's fit before it (`keras_sync.callbacks.SharedState.job_step`). Every logged step gets:
 
     - ``sync/loss/replica_{i}``: replica ``i``'s own mean loss on its shard, before the
       cross-replica mean (comparable to a single-device loss; Keras divides it by the replica
@@ -169,7 +170,8 @@ class SyncMetrics(keras.callbacks.Callback):
             # Read once, after every on_train_begin (BackupAndRestore may have restored it).
             # Optimizer updates x micro-batches per update (keras-sync's gradient accumulation).
             accumulator = getattr(self._probe, "accumulator", None)
-            self.global_step = int(self.model.optimizer.iterations.numpy()) * (accumulator.steps if accumulator else 1)
+            model_step = int(self.model.optimizer.iterations.numpy()) * (accumulator.steps if accumulator else 1)
+            self.global_step = self.shared.job_step(model_step)
             self.shared.step = self.global_step
             rings = self._probe.read()
             self._count = self._probe.count(rings)

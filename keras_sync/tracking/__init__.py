@@ -147,8 +147,9 @@ class Writer(Protocol):
 
     A callback calls only these methods, on the chief only (other workers get ``writer=None``).
     Each must return quickly: the callbacks call them from the training thread. ``step`` is the
-    global optimizer step (1-based); ``timestamp_ms`` the wall time of that step (milliseconds since
-    the epoch: points are logged in groups, each keeps its own step's time). Two more are used when present: ``flush_to_spool(timeout_s)``
+    global optimizer step (1-based, continued across the fits of a job); ``timestamp_ms`` the wall
+    time of that step (milliseconds since the epoch: points are logged in groups, each keeps its own
+    step's time). Two more are used when present: ``flush_to_spool(timeout_s)``
     (a backup makes the metrics up to its step durable first), ``end_of_fit()`` (at the end of
     each `fit`) and ``end_run(status, timeout_s)`` (when `keras_sync.Sync.fit` returns).
     """

@@ -10,6 +10,16 @@ One writer per `Sync` object, kept across `fit` calls (one run, steps continue).
   restarts): the run with that job id, created once and shared, also after it finished;
 - else a new run.
 
+The fits of a job write one run, their steps continuing: a fit's first step follows the last step
+of the fit before it, whether it trains the same model further or a new one (the keras-io
+distributed-training guide fits a new model in each `run_training()`). Without that, a new
+model's steps 1, 2, ... would be taken for steps the run already has and dropped. The job's
+`keras_sync.training.context.JobState` (`job_state`) holds that last step, and the params its
+fits logged: one with the same value is not sent again, one whose value changed goes under
+``fit_<n>.<key>``. A resumed fit continues at the step saved with its backup, so what it trains
+again is what MLflow drops. The fits of a job are those of one `Sync`, or of every `Sync` of this
+process with the same explicit job id (``mlflow.job_id``, ``$KERAS_SYNC_JOB_ID``: they write one run).
+
 `Sync.fit` ends the run when it returns (`end_run_after_fit`, `MlflowWriter.end_run`): the end is
 queued after the metrics, so the run is FINISHED once MLflow has them all; where the process is
 killed as soon as training returns (Ray Train) fit waits for that, elsewhere the courier delivers in
@@ -39,6 +49,8 @@ from typing import Any
 log = logging.getLogger("keras_sync")
 _writers: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _recorded: weakref.WeakKeyDictionary[Any, tuple[str, dict[str, Any]]] = weakref.WeakKeyDictionary()
+_jobs: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # Sync -> its JobState
+_named_jobs: dict[tuple[Any, ...], Any] = {}  # (job id, tracking URI, experiment) -> the JobState of that run
 #: The file in the backup directory that names the job's run (deleted with the backup).
 RUN_RECORD = "keras_sync_run.json"
 
@@ -69,6 +81,25 @@ def writer_for(sync: Any, *, early: bool = False, started: Any = None) -> Any:
         writer.on_run = lambda w: announce(w, sync)
     _writers[sync] = writer
     return writer
+
+
+def job_state(sync: Any) -> Any:
+    """The `JobState` of ``sync``'s job: its own, or the one of every `Sync` of its explicit job id.
+
+    Every worker keeps the same (the steps a worker logs decide its collective reads), so it is
+    decided from the config alone.
+    """
+    state = _jobs.get(sync)
+    if state is None:
+        from keras_sync.training.context import JobState
+
+        cfg = sync.config.mlflow
+        if cfg.job_id:
+            state = _named_jobs.setdefault((cfg.job_id, cfg.tracking_uri, cfg.experiment), JobState())
+        else:
+            state = JobState()
+        _jobs[sync] = state
+    return state
 
 
 def start_writer(config: Any, *, early: bool = True, continue_run: tuple[str, str] | None = None) -> Any:
