@@ -74,6 +74,10 @@ def load(
     from keras_sync.training import runtime
 
     runtime.set_dtype_policy(cfg, is_chief=sync.is_chief)  # before the user builds the model
+    if cfg.verify is not None:  # `keras-sync verify`: the same initial weights and data on both runs
+        from keras_sync.training.verify_record import seed_everything
+
+        seed_everything()
     stack.check_backend()  # what the imported Keras really uses (a keras.json the rule above misread)
     return sync
 
@@ -282,6 +286,10 @@ class Sync:
         # Last: it reads what every other callback restored, and checks what really trained.
         kwargs["callbacks"].append(_run_checks.checks_callback(self, global_batch=global_batch, expected=expected,
                                                                data=data))
+        if self.config.verify is not None:
+            from keras_sync.training import verify_record
+
+            kwargs["callbacks"].append(verify_record.callback(self))
         from keras_sync.training import saving
         from keras_sync.training.job_run import run_ends_after_fit, shared_run_for
         from keras_sync.callbacks.backup import resumable_fit
@@ -299,6 +307,10 @@ class Sync:
         from keras_sync.training.job_run import end_run_after_fit
 
         end_run_after_fit(self)  # the run ends with fit, not at exit: Ray Train V2 kills its workers (no atexit)
+        if self.config.verify is not None:
+            from keras_sync.training import verify_record
+
+            verify_record.end_script(self)  # the recorded steps are all verify needs
         return history
 
     def context(self, *, per_replica_batch_size: int | None = None) -> Any:

@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 from keras_sync import __version__
-from keras_sync.cli import env, init, launch, plan, schema, sync_spool, ui, validate
+from keras_sync.cli import env, init, launch, plan, schema, sync_spool, ui, validate, verify
 from keras_sync.cli._base import SyncGroup
 
 
@@ -27,7 +27,7 @@ def cli() -> None:
     """
 
 
-for _module in (init, validate, plan, env, ui, schema, launch, sync_spool):
+for _module in (init, validate, plan, env, ui, schema, launch, sync_spool, verify):
     cli.add_command(_module.command)
 
 

@@ -39,6 +39,24 @@ CONFIG_ENV = "KERAS_SYNC_CONFIG"
 
 #: Environment variables that set a config key (they win over the file, lose to a flag).
 ENV_KEYS = {"MLFLOW_TRACKING_URI": "mlflow.tracking_uri", "KERAS_SYNC_JOB_ID": "mlflow.job_id"}
+#: `keras-sync verify` (`keras_sync.training.verify_record`): a folder that `sync.fit` records its first
+#: steps to; the recording a reference run replays on one device; how many optimizer steps.
+VERIFY_RECORD_ENV, VERIFY_REPLAY_ENV, VERIFY_STEPS_ENV = (
+    "KERAS_SYNC_VERIFY_RECORD", "KERAS_SYNC_VERIFY_REPLAY", "KERAS_SYNC_VERIFY_STEPS")
+#: The file of a recording that holds the reference run's config overrides (dotted keys).
+VERIFY_OVERRIDES_FILE = "reference.json"
+
+
+@dataclass(frozen=True)
+class VerifyRequest:
+    """What `keras-sync verify` asked of this process: record the first ``steps`` optimizer steps of
+    `sync.fit` to ``record_dir``; with ``replay_dir``, as the one-device reference of that recording."""
+
+    record_dir: str
+    steps: int = 20
+    replay_dir: str | None = None
+    #: The config's own mlflow.enabled (a verify run logs nothing itself; the command logs the comparison).
+    mlflow: bool = True
 
 
 def _f(default: Any, spec: Spec, doc: str, key: str | None = None, kinds: tuple[str, ...] | None = None) -> Any:
@@ -247,6 +265,8 @@ class Config:
     source: str = field(default="<defaults>", compare=False, metadata={"internal": True})
     text: str | None = field(default=None, compare=False, repr=False, metadata={"internal": True})
     provenance: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False, metadata={"internal": True})
+    #: Set by ``$KERAS_SYNC_VERIFY_RECORD`` (`keras-sync verify`); None for a normal run.
+    verify: VerifyRequest | None = field(default=None, compare=False, repr=False, metadata={"internal": True})
 
     def source_of(self, key_path: str) -> str:
         """Where a value came from: ``flag``, ``env``, ``file``, ``dict`` or ``default``."""
@@ -566,6 +586,12 @@ def load_config(
             check_data(_unflatten_into({}, dotted, value), f"${name}")
             _unflatten_into(data, dotted, value)
             provenance[dotted] = "env"
+    verify = _verify_request(env)
+    if verify is not None:
+        verify = dataclasses.replace(verify, mlflow=given.get("mlflow.enabled", True) is not False)
+        for dotted, value in _verify_overrides(verify).items():
+            _unflatten_into(data, dotted, value)
+            provenance[dotted] = "env"
     for dotted, value in (overrides or {}).items():
         check_data(_unflatten_into({}, dotted, value), "<overrides>")
         _unflatten_into(data, dotted, value)
@@ -579,7 +605,36 @@ def load_config(
         issues = [ConfigIssue(f"${from_env[i.key_path]}", None, i.key_path, f"{i.message}; fix or unset "
                               f"${from_env[i.key_path]}") if i.key_path in from_env else i for i in b.issues]
         raise ConfigError(sorted(issues, key=lambda i: i.line or 0))  # stable: file order within a line
-    return dataclasses.replace(cfg, source=file, text=text, provenance=provenance)
+    return dataclasses.replace(cfg, source=file, text=text, provenance=provenance, verify=verify)
+
+
+def _verify_request(env: Mapping[str, str]) -> VerifyRequest | None:
+    """`keras-sync verify`'s request from the environment (its variables are read here only)."""
+    record = env.get(VERIFY_RECORD_ENV, "").strip()
+    if not record:
+        return None
+    raw = env.get(VERIFY_STEPS_ENV, "").strip() or "20"
+    if not raw.isdigit() or int(raw) < 1:
+        raise ConfigError(ConfigIssue(f"${VERIFY_STEPS_ENV}", None, "", f"received {raw!r}, expected a number of "
+                                      f"optimizer steps >= 1 (e.g. 20); fix or unset ${VERIFY_STEPS_ENV}"))
+    return VerifyRequest(record, int(raw), env.get(VERIFY_REPLAY_ENV, "").strip() or None)
+
+
+def _verify_overrides(verify: VerifyRequest) -> dict[str, Any]:
+    """The keys a verify run sets: no MLflow run of its own (verify logs the comparison), and for the
+    reference the one-device settings its recording chose (`keras_sync.training.verify_record`)."""
+    out: dict[str, Any] = {"mlflow.enabled": False}
+    if verify.replay_dir is None:
+        return out
+    path = Path(verify.replay_dir) / VERIFY_OVERRIDES_FILE
+    import json
+
+    try:
+        out.update(json.loads(path.read_text()))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(ConfigIssue(f"${VERIFY_REPLAY_ENV}", None, "", f"cannot read the recording's {path} "
+                                      f"({exc}); expected a folder written by a run with ${VERIFY_RECORD_ENV}")) from None
+    return out
 
 
 def _plain(mapping: Mapping[str, Any]) -> dict[str, Any]:
