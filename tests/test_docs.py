@@ -176,20 +176,27 @@ def test_config_blocks_are_valid_configs(block: Block, tmp_path: Path) -> None:
     load_config(path, environ={})
 
 
+def stale_diff_lines(diff: str) -> list[str]:
+    """The lines of a hand-written diff of examples/existing_project/ that its files no longer hold (code before a
+    two-space comment; `[...]` stands for the rest of a line)."""
+    example = ROOT / "examples" / "existing_project"
+    plain, ours = (example / "plain_keras.py").read_text(), (example / "keras_sync_version.py").read_text()
+    files = {"+": ours, "-": plain, " ": plain}
+    stale = []
+    for line in diff.splitlines():
+        sign, code = line[:1], line[1:].split("  #")[0].strip().split("[...]")[0]
+        if code and code not in files[sign]:
+            stale.append(line)
+    return stale
+
+
 def test_the_existing_script_diff_shows_lines_of_the_two_example_files() -> None:
     # The diff on the "existing script" page is written by hand: each of its lines must still be in the file it
     # comes from (a line renamed in examples/existing_project/ fails here until the page says so).
-    example = ROOT / "examples" / "existing_project"
-    files = {"+": (example / "keras_sync_version.py").read_text(), "-": (example / "plain_keras.py").read_text(),
-             " ": (example / "plain_keras.py").read_text()}
     (diff,) = [b for b in BLOCKS if b.lang == "diff" and b.page.endswith("existing-script.md")]
-    stale = []
-    for line in diff.code.splitlines():
-        sign, code = line[:1], line[1:].split("  #")[0].strip()
-        code = code.split("[...]")[0]
-        if code and code not in files[sign]:
-            stale.append(line)
+    stale = stale_diff_lines(diff.code)
     assert not stale, f"lines of the diff in docs/getting-started/existing-script.md not in the examples: {stale}"
+    assert stale_diff_lines("+import keras_sync\n+sync = keras_sync.load_it()") == ["+sync = keras_sync.load_it()"]
 
 
 # -- troubleshooting --------------------------------------------------------------------------------
@@ -204,13 +211,24 @@ def error_classes(source: str) -> list[str]:
 
 
 def exit_codes(package: Path = ROOT / "keras_sync") -> set[int]:
-    """Every exit code the package sets: `*EXIT* = N`, `exit_code = N`, `exit(N)`, `_exit(N)`, and the codes the
-    launcher documents for a signal (`130 after Ctrl-C`)."""
+    """Every exit code the package sets: a constant named `*EXIT`/`*EXIT_CODE`/`exit_code` (also in a tuple
+    assignment), `exit(N)`/`_exit(N)`, and the codes the launcher documents for a signal (`130 after Ctrl-C`)."""
     codes: set[int] = set()
     for path in package.rglob("*.py"):
         text = path.read_text()
-        codes |= {int(c) for c in re.findall(r"\b(?:\w*EXIT(?:_CODE)?|exit_code)\s*=\s*(\d+)\b(?!\.)", text)}
-        codes |= {int(c) for c in re.findall(r"\b_?exit\((\d+)\)", text)}
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    pairs = (zip(target.elts, node.value.elts) if isinstance(target, ast.Tuple)
+                             and isinstance(node.value, ast.Tuple) else [(target, node.value)])
+                    for name, value in pairs:
+                        name = name.id if isinstance(name, ast.Name) else getattr(name, "attr", "")
+                        if (re.search(r"EXIT(_CODE)?$", name) or name == "exit_code") and isinstance(value, ast.Constant) \
+                                and type(value.value) is int:
+                            codes.add(value.value)
+            elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in ("exit", "_exit"):
+                codes |= {a.value for a in node.args[:1] if isinstance(a, ast.Constant) and type(a.value) is int}
         codes |= {int(c) for c in re.findall(r"\b(\d{3}) after (?:Ctrl-C|SIG[A-Z]+)", text)}
     return codes - {0}
 

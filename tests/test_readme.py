@@ -1,4 +1,5 @@
-"""The README's first two commands are the ones CI and a new user run: keep them true."""
+"""The README's first two commands are the ones CI and a new user run: keep them true. The README stays short (a
+user's first page; the rest is the docs site), and its tables and the docs' follow the code."""
 
 from __future__ import annotations
 
@@ -25,19 +26,13 @@ def test_ci_runs_the_readme_test_command():
     assert f"{bash_blocks()[1].strip()} || main=$?" in ci
 
 
-def test_readme_names_every_public_api_entry():
-    import keras_sync
+# The README's command table and the docs' kinds sentence and metrics table are the user's map of the code: each
+# test below fails when a command, a strategy kind or a logged metric is added to the code and its row is not.
+KINDS_PAGE = "docs/concepts/scaling.md"
+METRICS_PAGE = "docs/reference/metrics.md"
 
-    text = (ROOT / "README.md").read_text()
-    missing = [n for n in keras_sync.__all__ if n != "__version__" and n not in text]
-    assert not missing, f"README does not mention: {missing}"
-
-
-# The README's tables are the user's map of the code: each test below fails when a command, a
-# strategy kind or a logged metric is added to the code and its README row is not.
-
-def _section(title: str) -> str:
-    text = (ROOT / "README.md").read_text()
+def _section(title: str, page: str = "README.md") -> str:
+    text = (ROOT / page).read_text()
     start = text.index(f"\n## {title}")
     end = text.find("\n## ", start + 1)
     return text[start:end if end > 0 else None]
@@ -54,10 +49,10 @@ def test_command_table_lists_exactly_the_cli_commands():
 def test_feature_list_names_every_strategy_kind():
     from keras_sync.config.kinds import KINDS
 
-    sentence = re.search(r"`strategy\.kind` picks (.*?)\s+with their real options", _section("What keras-sync does for you"), flags=re.S)
-    assert sentence, "README 'What keras-sync does for you' lost its 'strategy.kind picks ...' sentence"
+    sentence = re.search(r"`strategy\.kind` picks (.*?)\s+with their real options", _section("Strategy kinds", KINDS_PAGE), flags=re.S)
+    assert sentence, f"{KINDS_PAGE} 'Strategy kinds' lost its 'strategy.kind picks ...' sentence"
     listed = set(re.findall(r"`(\w+)`", sentence.group(1)))
-    assert listed == set(KINDS), f"README names kinds {sorted(listed)}; the kinds table has {sorted(KINDS)}"
+    assert listed == set(KINDS), f"{KINDS_PAGE} names kinds {sorted(listed)}; the kinds table has {sorted(KINDS)}"
 
 
 def _logged_metric_names(paths=None) -> set[str]:
@@ -69,16 +64,16 @@ def _logged_metric_names(paths=None) -> set[str]:
 
 
 def test_metrics_table_has_a_row_for_every_metric_the_code_logs():
-    table = _section("Sync metrics in MLflow")
+    table = _section("Sync metrics in MLflow", METRICS_PAGE)
     logged = _logged_metric_names()
     assert len(logged) >= 10, f"the metric-name scan found too few names to be right: {sorted(logged)}"
     missing = sorted(n for n in logged if f"`{n}`" not in table)
-    assert not missing, f"metrics logged by keras_sync/ with no row in README's 'Sync metrics in MLflow' table: {missing}"
+    assert not missing, f"metrics logged by keras_sync/ with no row in {METRICS_PAGE}'s 'Sync metrics in MLflow' table: {missing}"
 
 
 def test_sync_metrics_docstring_names_every_step_metric():
     # SyncMetrics's class docstring lists its metrics for `help()` readers: a per-step metric added to it (or
-    # to the reductions it logs) without a line there fails here, as a README row does above.
+    # to the reductions it logs) without a line there fails here, as a metrics-page row does above.
     import ast
 
     source = ROOT / "keras_sync" / "callbacks" / "sync_metrics.py"
@@ -92,8 +87,42 @@ def test_sync_metrics_docstring_names_every_step_metric():
 
 def test_metrics_table_names_only_metrics_the_code_logs():
     # The other direction: a metric renamed or removed in the code leaves no stale row behind.
-    rows = [line.split("|")[1] for line in _section("Sync metrics in MLflow").splitlines() if line.startswith("| `")]
+    rows = [line.split("|")[1] for line in _section("Sync metrics in MLflow", METRICS_PAGE).splitlines() if line.startswith("| `")]
     listed = {n for cell in rows for n in re.findall(r"`(sync/[\w{}/]+)`", cell)}
-    assert len(listed) >= 10, f"the README metric rows scan found too few names to be right: {sorted(listed)}"
+    assert len(listed) >= 10, f"the {METRICS_PAGE} metric rows scan found too few names to be right: {sorted(listed)}"
     stale = sorted(listed - _logged_metric_names())
-    assert not stale, f"README's 'Sync metrics in MLflow' table names metrics keras_sync/ does not log: {stale}"
+    assert not stale, f"{METRICS_PAGE}'s 'Sync metrics in MLflow' table names metrics keras_sync/ does not log: {stale}"
+
+
+def test_readme_is_short_and_reads_as_documentation():
+    # What a user reads first: at most 250 lines of at most 160 characters, without measured figures, timings
+    # or issue numbers (those go to the docs' benchmarks, the changelog and commit messages).
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines; move detail to docs/ (at most 250)"
+    long = [f"{i}: {len(line)}" for i, line in enumerate(lines, 1) if len(line) > 160]
+    assert not long, f"README.md lines over 160 characters (line: length): {long}"
+    text = re.sub(r"```.*?```", "", "\n".join(lines), flags=re.S)  # prose: code (`Adam(1e-3)`) is no figure
+    figures = re.findall(r"\b\d+(?:\.\d+)?e-\d+\b|\b\d+(?:\.\d+)?x\b|\b\d+(?:\.\d+)?\s?(?:ms|us|%)(?!\w)"
+                         r"|\b\d+\.\d+\s?s\b", text)
+    assert not figures, f"README.md has measured figures (say it, and name the test, in docs/): {figures}"
+    assert not re.search(r"\bmeasured\b", text, re.I), "README.md says 'measured': the figure belongs in docs/benchmarks.md"
+    issues = re.findall(r"(?i)\bissue\s+\d+|[\w/-]*#\d+", text)
+    assert not issues, f"README.md names issue numbers: {issues}"
+
+
+def test_readme_change_to_a_plain_script_matches_the_example():
+    # The three lines are shown as a diff of examples/existing_project/: each line must be in the file it comes from.
+    from test_docs import stale_diff_lines
+
+    (diff,) = re.findall(r"```diff\n(.*?)\n```", (ROOT / "README.md").read_text(), flags=re.S)
+    assert not stale_diff_lines(diff), f"README's diff has lines not in the examples: {stale_diff_lines(diff)}"
+
+
+def test_readme_config_is_a_valid_config(tmp_path):
+    from keras_sync import load_config
+
+    blocks = re.findall(r"```yaml\n(.*?)\n```", (ROOT / "README.md").read_text(), flags=re.S)
+    assert blocks, "README.md lost its YAML example"
+    for block in blocks:
+        (tmp_path / "keras_sync.yaml").write_text(block)
+        load_config(tmp_path / "keras_sync.yaml", environ={})
