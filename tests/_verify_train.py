@@ -1,6 +1,6 @@
 """A user's training script with keras-sync's three lines, for `keras-sync verify` (tests/test_verify.py).
 
-Usage: python _verify_train.py CASE   (the config: $KERAS_SYNC_CONFIG)
+Usage: python _verify_train.py CASE [noshuffle]   (the config: $KERAS_SYNC_CONFIG)
 
 CASE: dense (arrays), dataset (a batched tf.data pipeline), custom_sum (a custom train_step whose
 loss is not divided), batchnorm, dropout, add_loss (a term that sums over the batch), mobilenet
@@ -75,5 +75,5 @@ if CASE == "dataset":
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
     sync.fit(model, data, epochs=3, verbose=0)
 else:
-    sync.fit(model, x, y, epochs=3, verbose=0)
+    sync.fit(model, x, y, epochs=3, verbose=0, shuffle="noshuffle" not in sys.argv[2:])
 print("the script went on after fit", flush=True)

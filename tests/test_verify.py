@@ -88,3 +88,140 @@ def test_a_reference_run_takes_the_recordings_one_device_settings(tmp_path: Path
     assert (cfg.strategy.kind, cfg.batch.global_, cfg.runtime.gradient_accumulation_steps) == ("default", 4, 2)
     assert (cfg.verify.steps, cfg.verify.mlflow, cfg.mlflow.enabled) == (20, True, False)
     assert cfg.source_of("strategy.kind") == "env"
+
+
+# -- real runs: 2 simulated CPU replicas and 2 local workers --------------------------------------
+
+CONFIGS = {
+    "mirrored": {"strategy": {"kind": "mirrored", "simulated_cpu_replicas": 2}},
+    "workers": {"strategy": {"kind": "multi_worker_mirrored"}},
+}
+#: (name, config, extra keys, script args, -n 2?)
+CASES = [
+    (f"{where}-{case}", where, extra, (case,), where == "workers")
+    for where in CONFIGS
+    for case, extra in (("dense", {}), ("dataset", {}), ("custom_sum", {"runtime": {"train_step_gradients": "sum"}}),
+                        ("batchnorm", {}), ("syncbn", {"runtime": {"sync_batch_norm": True}}), ("dropout", {}),
+                        ("add_loss", {}))
+]
+
+
+def _config(tmp: Path, name: str, where: str, extra: dict, mlflow: bool = False) -> Path:
+    import yaml
+
+    data = {**CONFIGS[where], "batch": {"per_replica": 4}, "learning_rate": {"base": 0.05},
+            "mlflow": {"enabled": mlflow}, **extra}
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture(scope="module")
+def verified(tmp_path_factory):
+    """Every case through `keras-sync verify`, two at a time; the two-phase form; one with MLflow on."""
+    tmp = tmp_path_factory.mktemp("verify")
+    jobs = {}
+    for name, where, extra, args, workers in CASES:
+        args = ("batchnorm",) if args == ("syncbn",) else args
+        if workers:
+            # sync.fit's own shuffle of arrays under multi_worker_mirrored trains another order than one device
+            # (verify says: the first loss differs, the batches differ): an open finding, not this command's.
+            args = (*args, "noshuffle")
+        cmd = ["verify", "--steps", STEPS, "--config", str(_config(tmp, name, where, extra)), "--keep", str(tmp / name)]
+        jobs[name] = (cmd + (["-n", "2"] if workers else []) + [str(SCRIPT), *args], {})
+    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    jobs["mlflow"] = (["verify", "--steps", STEPS, "--config", str(_config(tmp, "mlflow", "mirrored", {}, mlflow=True)),
+                       str(SCRIPT), "dense"], {"MLFLOW_TRACKING_URI": uri})
+
+    def two_phase():
+        config = str(_config(tmp, "two_phase", "workers", {}))
+        rec = tmp / "recorded"
+        launched = subprocess.run([KERAS_SYNC, "launch", "-n", "2", "--config", config, str(SCRIPT), "dense", "noshuffle"],
+                                  env=_env(KERAS_SYNC_VERIFY_RECORD=str(rec), KERAS_SYNC_VERIFY_STEPS=STEPS),
+                                  capture_output=True, text=True, timeout=1200)
+        assert launched.returncode == 0, launched.stdout + launched.stderr
+        return run("verify", "--compare", str(rec), "--config", config, str(SCRIPT), "dense", "noshuffle", cwd=tmp)
+
+    with ThreadPoolExecutor(2) as pool:
+        futures = {name: pool.submit(run, *cmd, cwd=tmp, **env) for name, (cmd, env) in jobs.items()}
+        futures["two_phase"] = pool.submit(two_phase)
+        results = {name: f.result() for name, f in futures.items()}
+    return tmp, uri, results
+
+
+def _last(result: subprocess.CompletedProcess[str]) -> str:
+    assert "Traceback" not in result.stderr, result.stderr
+    return result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr
+
+
+WHERE = ["mirrored", "workers"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("case", ["dense", "dataset"])
+def test_a_plain_model_is_the_same_as_one_device(verified, where: str, case: str) -> None:
+    result = verified[2][f"{where}-{case}"]
+    assert _last(result).startswith("verify: same as one device ("), result.stdout + result.stderr
+    assert result.returncode == 0
+    assert "every step alike" in result.stdout and "2 micro-batches of 4 accumulated" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", WHERE)
+def test_an_undivided_custom_train_step_names_the_gradient_scale(verified, where: str) -> None:
+    result = verified[2][f"{where}-custom_sum"]
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert _last(result).startswith("verify: different from one device: the gradient is 2 times too large (the "
+                                    "custom train_step's loss is not divided")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", WHERE)
+def test_batch_norm_per_replica_is_named_and_sync_batch_norm_is_the_same(verified, where: str) -> None:
+    result = verified[2][f"{where}-batchnorm"]
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert _last(result).startswith("verify: different from one device: BatchNorm batch statistics")
+    assert "the full global batch of 8 (BatchNorm depend(s) on the batch)" in result.stdout
+    synced = verified[2][f"{where}-syncbn"]
+    assert _last(synced).startswith("verify: same as one device ("), synced.stdout + synced.stderr
+    assert synced.returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", WHERE)
+def test_dropout_is_named_as_random_ops(verified, where: str) -> None:
+    result = verified[2][f"{where}-dropout"]
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert _last(result).startswith("verify: different from one device: random ops draw different numbers on each "
+                                    "replica (dropout: ")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", WHERE)
+def test_an_add_loss_sum_over_the_batch_is_named(verified, where: str) -> None:
+    result = verified[2][f"{where}-add_loss"]
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert _last(result).startswith("verify: different from one device: an add_loss term that sums over the batch")
+
+
+@pytest.mark.slow
+def test_a_recording_made_under_launch_is_compared_on_one_node(verified) -> None:
+    result = verified[2]["two_phase"]
+    assert _last(result).startswith("verify: same as one device ("), result.stdout + result.stderr
+    assert result.returncode == 0
+    assert "2 replicas on 2 workers (multi_worker_mirrored)" in result.stdout
+
+
+@pytest.mark.slow
+def test_the_verify_run_in_mlflow_holds_the_comparison_and_its_picture(verified) -> None:
+    from mlflow.tracking import MlflowClient
+
+    _, uri, results = verified
+    assert _last(results["mlflow"]).startswith("verify: same as one device ("), results["mlflow"].stderr
+    client = MlflowClient(uri)
+    [run] = client.search_runs([client.get_experiment_by_name("keras-sync").experiment_id],
+                               "tags.keras_sync.verify = 'same'")
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"verify.png", "verify.json"}
+    assert len(client.get_metric_history(run.info.run_id, "verify/distributed/loss")) == int(STEPS)
+    assert run.data.tags["keras_sync.verify.line"] == _last(results["mlflow"])

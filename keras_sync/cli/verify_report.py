@@ -58,12 +58,19 @@ def describe(subject: Mapping[str, Any]) -> str:
 
 def table(verdict: Verdict, subject: Mapping[str, Any], reference: Mapping[str, Any]) -> list[str]:
     """The short table: the first steps where the runs part, the layers with the largest difference."""
+    from keras_sync.training.verify_record import depends_on_batch
+
     lines = []
     micro = reference["facts"].get("accumulation", 1) // max(1, subject["facts"].get("accumulation", 1))
     how = (f"{micro} micro-batches of {reference['global_batch']} accumulated (one replica's memory)" if micro > 1
            else f"the full global batch of {subject['global_batch']}"
-           + (" (BatchNorm depends on the batch)" if subject["facts"].get("batch_norm") else ""))
+           + (f" ({' and '.join(depends_on_batch(subject['facts']))} depend(s) on the batch)"
+              if depends_on_batch(subject["facts"]) else ""))
     lines.append(f"distributed: {describe(subject)}; reference: one device, {how}")
+    if subject.get("peak_rss_mb") and reference.get("peak_rss_mb"):
+        per = "the chief's process" if subject.get("workers", 1) > 1 else "one process"
+        lines.append(f"peak memory: distributed {subject['peak_rss_mb']:.0f} MB ({per}), one device "
+                     f"{reference['peak_rss_mb']:.0f} MB")
     lines.append(f"tolerance: {verdict.tolerance:.1e} relative ({subject['facts'].get('precision', 'float32')} "
                  f"rounding over {verdict.steps} steps)")
     if verdict.partings:

@@ -134,7 +134,7 @@ class _Recording:
         record = {"replicas": self.sync.num_replicas, "workers": self.sync.num_workers, "kind": self.sync.kind,
                   "global_batch": self.sync.global_batch_size, "steps": self.steps, "facts": facts,
                   "weights": [v.path for v in self.model.weights],
-                  "mlflow": _mlflow_settings(self.sync.config)}
+                  "mlflow": _mlflow_settings(self.sync.config), "peak_rss_mb": _peak_rss_mb()}
         _write_json(folder / RECORD_FILE, record)
         if self.request.replay_dir is None:
             from keras_sync.config import VERIFY_OVERRIDES_FILE
@@ -145,11 +145,17 @@ class _Recording:
 def reference_overrides(sync: Any, facts: dict[str, Any]) -> dict[str, Any]:
     """The config keys of the one-device reference of this run (see the module docstring)."""
     n, acc = sync.num_replicas, sync.gradient_accumulation_steps
-    micro = n if not facts["batch_norm"] and sync.global_batch_size % n == 0 else 1
+    # BatchNorm (training) and add_loss terms see the whole batch a step computes on: no micro-batches then.
+    micro = n if not depends_on_batch(facts) and sync.global_batch_size % n == 0 else 1
     return {"strategy.kind": "default", "strategy.simulated_cpu_replicas": 0, "strategy.devices": [],
             "batch.per_replica": None, "batch.global": sync.global_batch_size // micro,
             "runtime.gradient_accumulation_steps": acc * micro,
             "learning_rate.base_batch_size": sync.base_batch_size}
+
+
+def depends_on_batch(facts: dict[str, Any]) -> list[str]:
+    """What in the model computes over the batch a step sees (then the reference trains the full batch)."""
+    return [what for what, key in (("BatchNorm", "batch_norm"), ("add_loss", "add_loss")) if facts.get(key)]
 
 
 def model_facts(sync: Any, model: Any) -> dict[str, Any]:
@@ -185,6 +191,14 @@ def _add_loss_terms(model: Any) -> int:
         return len(term_values(model, inputs))
     except Exception:  # noqa: BLE001 - a model that cannot be called on a sample: count what it holds
         return len(getattr(model, "losses", []) or [])
+
+
+def _peak_rss_mb() -> float:
+    """This process's peak resident memory so far (MB; Linux counts ru_maxrss in KiB, macOS in bytes)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / (2 ** 20 if sys.platform == "darwin" else 2 ** 10), 1)
 
 
 def _learning_rate(optimizer: Any) -> float:
