@@ -115,7 +115,8 @@ def draw(path: str | os.PathLike[str], verdict: Verdict, subject: Mapping[str, A
     right.axvline(verdict.tolerance, color="red", linestyle=":", label="tolerance")
     right.set(title="largest |weight difference| per layer", xscale="log")
     right.legend()
-    fig.suptitle(last_line(verdict)[:110], fontsize=9)
+    fig.suptitle("verify: same as one device" if verdict.same else
+                 f"verify: different from one device: {(verdict.cause or '').split(':')[0].split(' (')[0]}")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
