@@ -11,7 +11,9 @@ Output lines come back prefixed `[w0]`, `[w1]`, ...
 Stopping: when a worker exits non-zero the others get SIGTERM and, after
 `grace_period_s`, SIGKILL (a worker waiting in a collective for a dead peer
 ignores SIGTERM and SIGINT). Ctrl-C (SIGINT) or SIGTERM to the launcher is
-forwarded to every worker with the same escalation. At the end every worker's
+forwarded to every worker with the same escalation, and a second one kills them at once; keras-sync
+workers end either in one line (the chief's), after a backup at one step when
+`fault_tolerance.backup_dir` is set (`keras_sync.cluster.preemption`). At the end every worker's
 process group is killed, so no child a worker started outlives the launch
 (unless it left the group with setsid). A launcher killed with SIGKILL cannot
 clean up; its workers then lose their output pipes, and the next line a worker
@@ -271,7 +273,10 @@ def _supervise(procs: list[subprocess.Popen[bytes]], stop: dict[str, int],
         if result is None and "signal" in stop:
             sig = stop["signal"]
             result = 128 + sig
-            _say(f"got {signal.Signals(sig).name}; stopping {len(procs)} worker(s)")
+            if sig == signal.SIGINT:
+                _say(f"Ctrl-C: stopping {len(procs)} worker(s); Ctrl-C again to kill them at once")
+            else:
+                _say(f"got {signal.Signals(sig).name}; stopping {len(procs)} worker(s)")
             _signal_groups(procs, sig)
             kill_at = time.monotonic() + grace_period_s
         if result is None:

@@ -295,12 +295,15 @@ class Sync:
         from keras_sync.callbacks.backup import resumable_fit
 
         saving.guard_callbacks(self.strategy, kwargs["callbacks"])  # Keras' BackupAndRestore, TensorBoard, CSVLogger: the chief writes
+        from keras_sync.cluster.interrupt import ctrl_c_ends_fit
         from keras_sync.cluster.lost_peer import raised_as_peer_lost
 
-        # A restored backup resumes mid-epoch, data order included; a lost peer ends in one line.
+        # A restored backup resumes mid-epoch, data order included; a lost peer ends in one line, and
+        # Ctrl-C too (outermost: every other context has closed before the process exits).
         # With mlflow.keras.autolog() on, autolog logs into keras-sync's run instead of its own.
         # A worker that is not the chief and writes a file anyway (a callback the guard does not know) is told.
-        with shared_run_for(self), run_ends_after_fit(self), raised_as_peer_lost(self.strategy, self.config.fault_tolerance.backup_dir), \
+        with ctrl_c_ends_fit(model, is_chief=self.is_chief, backup_dir=self.config.fault_tolerance.backup_dir), \
+                shared_run_for(self), run_ends_after_fit(self), raised_as_peer_lost(self.strategy, self.config.fault_tolerance.backup_dir), \
                 resumable_fit(kwargs["callbacks"]), _quiet_end_of_data(kwargs.get("steps_per_epoch")), \
                 saving.watch_worker_writes(self.strategy), self._eval_losses(model):
             history = model.fit(x, y, **kwargs)

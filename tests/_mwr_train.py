@@ -17,8 +17,9 @@ by itself just before the step, or with --in-collective by a child process 0.5 s
 the other workers hold that step back 2 s, so the signal lands inside the step's all-reduce.
 With --wait-at, every worker waits after that step until FILE exists (a test cuts a link then).
 With --hold-at, every worker prints ``holding after step N`` after that step and waits there until
-it has received a SIGTERM from outside (keras-sync's handler recorded it; needs backup_dir), once
-(marker FILE.<task>): a scheduler's signal then lands at a known step however slow its delivery.
+it has received a SIGTERM or SIGINT from outside (keras-sync's handler recorded it; without a
+backup_dir, until SIGINT's KeyboardInterrupt), once (marker FILE.<task>): a scheduler's signal or
+a Ctrl-C then lands at a known step however slow its delivery.
 """
 
 from __future__ import annotations
@@ -37,15 +38,13 @@ SAMPLES = 256
 FEATURES = 8
 
 
-def _hold_until_sigterm(step: int, limit_s: float = 900) -> None:
-    # keras-sync's SIGTERM handler (installed by fit with a backup_dir) is a bound method of
-    # keras_sync.cluster.preemption.SigtermWatch: its `pending` turns True when the signal has arrived.
+def _hold_until_signal(step: int, limit_s: float = 900) -> None:
+    # keras-sync's SIGTERM/SIGINT handler (installed by fit with a backup_dir) is a bound method of
+    # keras_sync.cluster.preemption.StopSignalWatch: its `pending` turns True when a signal has arrived.
     watch = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
-    if not hasattr(watch, "pending"):
-        raise SystemExit("--hold-at: keras-sync does not handle SIGTERM here (set fault_tolerance.backup_dir)")
     print(f"holding after step {step}", flush=True)
     deadline = time.monotonic() + limit_s
-    while not watch.pending:
+    while not getattr(watch, "pending", False):  # without the handler, SIGINT raises KeyboardInterrupt here
         if time.monotonic() > deadline:
             raise SystemExit(f"--hold-at: no SIGTERM within {limit_s:g} s")
         time.sleep(0.02)
@@ -113,7 +112,7 @@ def main() -> int:
                     time.sleep(0.05)
             if ns.hold_at == step and ns.marker and not os.path.exists(f"{ns.marker}.{task}"):
                 open(f"{ns.marker}.{task}", "w").close()
-                _hold_until_sigterm(step)
+                _hold_until_signal(step)
 
         def on_train_batch_begin(self, batch, logs=None):
             if ns.term_at is None or int(self.model.optimizer.iterations.numpy()) != ns.term_at - 1:

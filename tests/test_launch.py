@@ -147,7 +147,7 @@ def test_sigint_to_launcher_stops_all_workers(tmp_path: Path) -> None:
     finally:
         launcher.kill()
     assert launcher.returncode == 130, err
-    assert "[launch] got SIGINT; stopping 2 worker(s)" in err
+    assert "[launch] Ctrl-C: stopping 2 worker(s); Ctrl-C again to kill them at once\n" in err
     assert "[w0] KeyboardInterrupt" in err  # w0 got the forwarded SIGINT
     _assert_all_gone(pids)
 

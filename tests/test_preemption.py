@@ -6,6 +6,7 @@ lost-peer lines are tested here as pure functions and end to end in tests/test_t
 
 from __future__ import annotations
 
+import contextlib
 import doctest
 import json
 import os
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,6 +27,7 @@ from keras_sync.errors import ConfigError, PeerLostError, UsageError
 from keras_sync.cluster.preemption import PREEMPTED_EXIT_CODE
 
 TRAIN = Path(__file__).with_name("_mwr_train.py")
+KERAS_SYNC = Path(sys.executable).with_name("keras-sync")  # the real console script of this venv
 EPOCHS, SAMPLES = 3, 320  # 10 steps per epoch at global batch 32
 
 
@@ -49,19 +52,21 @@ def _python(code: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
 
 
-def test_sigterm_watch_records_the_signal_and_gives_it_back() -> None:
+def test_stop_signal_watch_records_sigterm_and_sigint_and_gives_them_back() -> None:
     r = _python(
         "import os, signal, time\n"
-        "from keras_sync.cluster.preemption import SigtermWatch\n"
-        "w = SigtermWatch(30)\n"
-        "assert w.install()\n"
-        "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.2)\n"
-        "print('pending', w.pending)\n"
-        "w.done(); w.uninstall()\n"
-        "print('handler restored', signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)\n"
+        "from keras_sync.cluster.preemption import StopSignalWatch\n"
+        "for sig in (signal.SIGTERM, signal.SIGINT):\n"
+        "    w = StopSignalWatch(30)\n"
+        "    assert w.install()\n"
+        "    os.kill(os.getpid(), sig); time.sleep(0.2)\n"
+        "    print('pending', w.pending, w.signum == sig)\n"
+        "    w.done(); w.uninstall()\n"
+        "print('handlers restored', signal.getsignal(signal.SIGTERM) is signal.SIG_DFL,\n"
+        "      signal.getsignal(signal.SIGINT) is signal.default_int_handler)\n"
         "os.kill(os.getpid(), signal.SIGTERM); time.sleep(5); print('not reached')\n"
     )
-    assert r.stdout.split("\n")[:2] == ["pending True", "handler restored True"]
+    assert r.stdout.split("\n")[:3] == ["pending True True", "pending True True", "handlers restored True True"]
     assert r.returncode == -signal.SIGTERM
 
 
@@ -69,8 +74,8 @@ def test_watchdog_exits_143_with_a_line_when_no_save_comes_within_the_grace() ->
     start = time.monotonic()
     r = _python(
         "import os, signal, threading\n"
-        "from keras_sync.cluster.preemption import SigtermWatch\n"
-        "SigtermWatch(1.5).install()\n"
+        "from keras_sync.cluster.preemption import StopSignalWatch\n"
+        "StopSignalWatch(1.5).install()\n"
         "os.kill(os.getpid(), signal.SIGTERM)\n"
         "threading.Event().wait(60)  # a main thread that never reaches the save\n"
     )
@@ -80,6 +85,22 @@ def test_watchdog_exits_143_with_a_line_when_no_save_comes_within_the_grace() ->
         "keras-sync: SIGTERM: no backup could be saved within fault_tolerance.grace_period_s=1.5 s (TensorFlow did "
         "not return to Python: a peer stopped answering, or a long validation pass); exiting without it. Relaunch "
         "the job to resume from the last backup.\n")
+
+
+def test_a_second_ctrl_c_exits_130_at_once_while_the_first_waits_for_its_save() -> None:
+    # The main thread never returns to Python (as inside a TensorFlow call): the watchdog thread,
+    # woken by the signal itself, ends the process on the second Ctrl-C, long before the grace.
+    r = _python(
+        "import os, signal, threading, time\n"
+        "from keras_sync.cluster.preemption import StopSignalWatch\n"
+        "StopSignalWatch(600).install()\n"
+        "os.kill(os.getpid(), signal.SIGINT); time.sleep(0.3)\n"
+        "print('first Ctrl-C recorded', flush=True)\n"
+        "threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
+        "threading.Event().wait(300)\n", timeout=120)
+    assert r.returncode == 130, r.stderr
+    assert r.stdout == "first Ctrl-C recorded\n"
+    assert r.stderr == "keras-sync: Ctrl-C again: exiting at once, without a backup at this step\n"
 
 
 def test_lost_peer_doctests_pass() -> None:
@@ -135,27 +156,43 @@ def test_excepthook_turns_an_uncaught_lost_peer_error_into_one_line_exit_75() ->
 # -- one process, real training ------------------------------------------------------------------
 
 
-def _train(tmp: Path, name: str, *extra: str, backup: bool = True, mlflow_uri: str | None = None,
-           accumulate: int = 1, job_id: str | None = None) -> subprocess.CompletedProcess[str]:
+def _command(tmp: Path, name: str, *extra: str, backup: bool = True, mlflow_uri: str | None = None,
+             accumulate: int = 1, job_id: str | None = None, workers: int = 0) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of one training run: alone, or under `keras-sync launch -n workers`."""
     mlflow = ({"tracking_uri": mlflow_uri, "experiment": "preempted", "log_every_n_steps": 1, "spool_dir": str(tmp / "spool")}
               if mlflow_uri else {"enabled": False})
-    cfg: dict = {"strategy": {"kind": "default"}, "batch": {"global": 32}, "mlflow": mlflow,
-                 "learning_rate": {"base": 0.01}, "runtime": {"gradient_accumulation_steps": accumulate}}
+    strategy = {"kind": "multi_worker_mirrored", "connect_timeout_s": 120} if workers else {"kind": "default"}
+    cfg: dict = {"strategy": strategy, "batch": {"global": 32}, "mlflow": mlflow,
+                 "learning_rate": {"base": 0.01, "base_batch_size": 32},
+                 "runtime": {"gradient_accumulation_steps": accumulate}}
     if backup:
         cfg["fault_tolerance"] = {"backup_dir": str(tmp / f"{name}_backup"), "save_freq": "epoch"}
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "KERAS_SYNC_CONFIG", "KERAS_SYNC_JOB_ID")}
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     if job_id is not None:
         env["KERAS_SYNC_JOB_ID"] = job_id
-    return subprocess.run([sys.executable, str(TRAIN), json.dumps(cfg), str(tmp / name), "--epochs", str(EPOCHS),
-                           "--samples", str(SAMPLES), *extra], env=env, capture_output=True, text=True, timeout=200)
+    script = [str(TRAIN), json.dumps(cfg), str(tmp / name), "--epochs", str(EPOCHS), "--samples", str(SAMPLES), *extra]
+    if workers:
+        return [str(KERAS_SYNC), "launch", "-n", str(workers), "--grace-period", "120", *script], env
+    return [sys.executable, *script], env
+
+
+def _train(tmp: Path, name: str, *extra: str, **options: Any) -> subprocess.CompletedProcess[str]:
+    cmd, env = _command(tmp, name, *extra, **options)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_module: Path) -> Path:
+    """One uninterrupted fit in one process (3 epochs of 10 steps): what every resume must equal."""
+    ref = _train(tmp_module, "ref")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    return tmp_module
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_sigterm_at_step_17_saves_there_and_the_relaunch_trains_the_13_left(tmp_path: Path) -> None:
-    ref = _train(tmp_path, "ref")
-    assert ref.returncode == 0, ref.stderr[-3000:]
+def test_sigterm_at_step_17_saves_there_and_the_relaunch_trains_the_13_left(tmp_path: Path, reference: Path) -> None:
     term = ("--term-at", "17", "--marker", str(tmp_path / "term.marker"))
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     start = time.monotonic()
@@ -187,7 +224,7 @@ def test_sigterm_at_step_17_saves_there_and_the_relaunch_trains_the_13_left(tmp_
     assert "config.mlflow.job_id" not in run.data.params
     trained = [line for line in second.stdout.splitlines() if line.startswith("step ")]
     assert trained[0] == "step 18 epoch 1 batch 7" and len(trained) == 13
-    a, b = (json.loads((tmp_path / n / "w0.json").read_text()) for n in ("ref", "res"))
+    a, b = (json.loads((d / "w0.json").read_text()) for d in (reference / "ref", tmp_path / "res"))
     assert b["start"] == {"iterations": 17, "epoch": 1}
     diff = max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a["weights"], b["weights"]))
     assert diff <= 1e-6
@@ -233,3 +270,114 @@ def test_backups_wait_for_the_accumulated_update_so_sigterm_and_sigkill_resume_e
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert json.loads((tmp_path / "kill" / "w0.json").read_text())["start"] == {"iterations": 7, "epoch": 2}
     assert _weights_diff(tmp_path, "ref", "kill") <= 1e-6
+
+
+# -- Ctrl-C: a person stopping the job -----------------------------------------------------------
+
+
+class Running:
+    """A training command started in a session of its own, as a terminal's foreground job; output to files."""
+
+    def __init__(self, tmp: Path, name: str, cmd: list[str], env: dict[str, str]):
+        self.out, self.err = tmp / f"{name}.out", tmp / f"{name}.err"
+        with self.out.open("w") as out, self.err.open("w") as err:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+
+    def wait_for_lines(self, lines: set[str], limit_s: float = 600) -> None:
+        deadline = time.monotonic() + limit_s
+        while not lines <= set(self.out.read_text().splitlines()):
+            assert self.proc.poll() is None, self.err.read_text()[-3000:]
+            assert time.monotonic() < deadline, self.out.read_text()[-3000:]
+            time.sleep(0.1)
+
+    def ctrl_c(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGINT)  # what a terminal sends its foreground process group
+
+    def finish(self, limit_s: float = 300) -> tuple[int, str, str]:
+        try:
+            code = self.proc.wait(timeout=limit_s)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        return code, self.out.read_text(), self.err.read_text()
+
+
+def _run_status(uri: str) -> tuple[str, list[int]]:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("preempted").experiment_id])
+    return run.info.status, [m.step for m in client.get_metric_history(run.info.run_id, "loss")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ctrl_c_mid_fit_saves_at_the_step_exits_130_in_one_line_and_the_relaunch_resumes_exactly(
+        tmp_path: Path, reference: Path) -> None:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    hold = ("--hold-at", "17", "--marker", str(tmp_path / "held"))
+    first = Running(tmp_path, "first", *_command(tmp_path, "res", *hold, mlflow_uri=uri, job_id="ctrl-c-first"))
+    first.wait_for_lines({"holding after step 17"})
+    first.ctrl_c()
+    code, _, err = first.finish()
+    assert code == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    # Held after step 17 (its batch end saw no signal yet): the save comes at the next batch end.
+    assert [line for line in err.splitlines() if "Ctrl-C" in line and "sync-spool" not in line] == [
+        f"keras-sync: Ctrl-C: saved a backup in {tmp_path / 'res_backup'} at epoch 2, after batch 8 (optimizer step "
+        "18); exiting with code 130. Relaunch the job to resume from there."], err[-3000:]
+    assert _run_status(uri)[0] == "KILLED"
+    second = _train(tmp_path, "res", *hold, mlflow_uri=uri, job_id="ctrl-c-second")
+    assert second.returncode == 0, second.stderr[-3000:]
+    deliver_leftovers(tmp_path / "spool")
+    assert _run_status(uri) == ("FINISHED", list(range(1, 31)))
+    assert json.loads((tmp_path / "res" / "w0.json").read_text())["start"] == {"iterations": 18, "epoch": 1}
+    assert _weights_diff(tmp_path, str(reference / "ref"), "res") == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ctrl_c_without_backup_dir_is_one_line_and_exit_130(tmp_path: Path) -> None:
+    hold = ("--hold-at", "3", "--marker", str(tmp_path / "held"))
+    run = Running(tmp_path, "plain", *_command(tmp_path, "plain", *hold, backup=False))
+    run.wait_for_lines({"holding after step 3"})
+    run.ctrl_c()
+    code, _, err = run.finish()
+    assert code == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert [line for line in err.splitlines() if "Ctrl-C" in line] == [
+        "keras-sync: Ctrl-C: training stopped at optimizer step 3; exiting with code 130. Set "
+        "fault_tolerance.backup_dir to save a backup at the step Ctrl-C stops and resume from it."], err[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)  # three launches of two TensorFlow workers on 2 shared cores
+def test_ctrl_c_to_launch_saves_on_both_workers_in_one_line_each_side_and_the_relaunch_resumes_exactly(
+        tmp_path: Path) -> None:
+    ref = _train(tmp_path, "ref2", workers=2)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    hold = ("--hold-at", "12", "--marker", str(tmp_path / "held"))
+    first = Running(tmp_path, "first", *_command(tmp_path, "res2", *hold, mlflow_uri=uri, workers=2))
+    first.wait_for_lines({"[w0] holding after step 12", "[w1] holding after step 12"})
+    first.ctrl_c()
+    code, _, err = first.finish()
+    assert code == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    # Both held after step 12: the first to see its Ctrl-C at a batch end (13) announces step 14 to all.
+    # The launcher says it stops the job, the chief what it saved; worker 1 says nothing.
+    assert [line for line in err.splitlines() if "Ctrl-C" in line and "sync-spool" not in line] == [
+        "[launch] Ctrl-C: stopping 2 worker(s); Ctrl-C again to kill them at once",
+        f"[w0] keras-sync: Ctrl-C: saved a backup in {tmp_path / 'res2_backup'} at epoch 2, after batch 4 (optimizer "
+        "step 14); exiting with code 130. Relaunch the job to resume from there."], err[-3000:]
+    assert not [line for line in err.splitlines() if line.startswith("[w1] keras-sync:")], err[-3000:]
+    assert _run_status(uri)[0] == "KILLED"
+    second = _train(tmp_path, "res2", *hold, mlflow_uri=uri, workers=2)
+    assert second.returncode == 0, second.stderr[-3000:]
+    deliver_leftovers(tmp_path / "spool")
+    assert _run_status(uri) == ("FINISHED", list(range(1, 31)))
+    for task in (0, 1):
+        a, b = (json.loads((tmp_path / n / f"w{task}.json").read_text()) for n in ("ref2", "res2"))
+        assert b["start"] == {"iterations": 14, "epoch": 1}
+        assert max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a["weights"], b["weights"])) == 0.0

@@ -54,9 +54,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         max_to_keep: checkpoints kept (the newest ones), at least 2: a damaged newest one is skipped
             on restore for the one before (each checkpoint's manifest, written last, tells complete
             from partial; see `keras_sync.training.backup_files`). Defaults to 2.
-        grace_period_s: a SIGTERM during `fit` saves a backup at the current step on every
-            worker, then exits with code 143 (`keras_sync.cluster.preemption`); if that cannot happen
-            within this many seconds, the process exits without it. None: SIGTERM is left alone.
+        grace_period_s: a SIGTERM (or Ctrl-C) during `fit` saves a backup at the current step on every
+            worker, then exits with code 143 (130) (`keras_sync.cluster.preemption`); if that cannot happen
+            within this many seconds, the process exits without it. None: both signals are left alone.
             Defaults to 25 (under Kubernetes' default grace of 30 s).
         writer: the MLflow writer whose queued metrics go to its spool before each save.
         shared: the `keras_sync.callbacks.SharedState` of this fit's keras-sync callbacks, flushed
@@ -265,9 +265,12 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self.restored is not None and getattr(self, "_resume_line", None):
             self._check_restored_state_held()  # restored after the last epoch: no epoch began
         self.model._initial_epoch = None  # a later fit on this model starts at its own initial_epoch
-        if self._preemption is not None and self._preemption.end() and self._is_chief:
-            print("keras-sync: SIGTERM arrived as training ended; training is complete, so no backup was "
-                  "saved for it", file=sys.stderr, flush=True)
+        if self._preemption is not None:
+            from keras_sync.cluster.preemption import signal_name
+
+            if self._preemption.end() and self._is_chief:
+                print(f"keras-sync: {signal_name(self._preemption.signum)} arrived as training ended; training is "
+                      "complete, so no backup was saved for it", file=sys.stderr, flush=True)
         if self.delete_checkpoint:
             # Every worker saves at the last epoch end; the chief must not delete the backup (with the
             # other workers' temporary directories in it) while one is still writing: seen here as
@@ -304,24 +307,26 @@ class BackupAndRestore(keras.callbacks.Callback):
         return int(self.model.optimizer.iterations.numpy())
 
     def _exit_preempted(self, saved: bool = True) -> None:
-        """After the coordinated save: every worker waits for the others, then exits with code 143."""
-        from keras_sync.cluster.preemption import PREEMPTED_EXIT_CODE, exit_now
+        """After the coordinated save: every worker waits for the others, then exits with code 143 (SIGTERM)
+        or 130 (Ctrl-C)."""
+        from keras_sync.cluster.preemption import exit_code, exit_now, signal_name
 
         self._barrier()  # no worker leaves while another still takes part in the save
         assert self._preemption is not None
         self._preemption.watch.done()
+        name, code = signal_name(self._preemption.signum), exit_code(self._preemption.signum)
         message = None
         if self._is_chief and saved:
-            message = (f"SIGTERM: saved a backup in {self.backup_dir} at epoch {self._epoch + 1}, after batch "
+            message = (f"{name}: saved a backup in {self.backup_dir} at epoch {self._epoch + 1}, after batch "
                        f"{self._step} (optimizer step {self._iterations()}); exiting with code "
-                       f"{PREEMPTED_EXIT_CODE}. Relaunch the job to resume from there.")
+                       f"{code}. Relaunch the job to resume from there.")
         elif self._is_chief:
             newest = _backup_files.newest_complete(self.backup_dir)
             where = f"the newest backup, optimizer step {newest}" if newest is not None else "the start (no backup)"
-            message = (f"SIGTERM: the backup at optimizer step {self._iterations()} could not be written to "
-                       f"{self.backup_dir} (said above); exiting with code {PREEMPTED_EXIT_CODE}. A relaunch resumes "
+            message = (f"{name}: the backup at optimizer step {self._iterations()} could not be written to "
+                       f"{self.backup_dir} (said above); exiting with code {code}. A relaunch resumes "
                        f"from {where}.")
-        exit_now(PREEMPTED_EXIT_CODE, message)
+        exit_now(code, message)
 
     def _save(self) -> bool:
         """Back up now; False when the disk refused it (said in one line, see `_save_failed`)."""
@@ -518,7 +523,7 @@ def resumable_fit(callbacks: list[Any]) -> Iterator[None]:
             yield
     finally:
         backup.release()
-        if backup._preemption is not None:  # a fit that raised: SIGTERM gets its previous meaning back
+        if backup._preemption is not None:  # a fit that raised: SIGTERM and SIGINT get their previous meaning back
             backup._preemption.end(clean=False)
 
 

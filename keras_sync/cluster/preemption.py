@@ -1,8 +1,9 @@
-"""SIGTERM = save a backup at the current step on every worker, then exit with code 143.
+"""SIGTERM or Ctrl-C = save a backup at the current step on every worker, then exit with code 143 or 130.
 
 Kubernetes eviction, Slurm preemption (``--signal``) and spot VMs send SIGTERM, wait a grace
-period, then SIGKILL. With ``fault_tolerance.backup_dir`` set, keras-sync's `BackupAndRestore`
-turns that SIGTERM into a coordinated save:
+period, then SIGKILL; a person stops a job with Ctrl-C (SIGINT; `keras-sync launch` forwards it
+to every worker). With ``fault_tolerance.backup_dir`` set, keras-sync's `BackupAndRestore`
+turns either signal into a coordinated save (a second Ctrl-C exits at once, without it):
 
 * **One process** (any single-worker strategy): the handler only sets a flag; the next batch end
   (or epoch end) saves the backup at that position and exits.
@@ -20,8 +21,10 @@ cannot happen within ``fault_tolerance.grace_period_s`` (a peer stopped answerin
 validation pass), a watchdog thread ends the process with the same code and a line that says no
 backup was written, before the scheduler's SIGKILL.
 
-Exit code: `PREEMPTED_EXIT_CODE` (143 = 128 + SIGTERM, TensorFlow's restartable code), after
-flushing what the run logged (the MLflow spool). No TensorFlow import at module import time.
+Exit code: `PREEMPTED_EXIT_CODE` (143 = 128 + SIGTERM, TensorFlow's restartable code) or
+`INTERRUPTED_EXIT_CODE` (130 = 128 + SIGINT), after flushing what the run logged (the MLflow
+spool; the run ends KILLED). The handlers exist only between `PreemptionSaver.begin` and `end`,
+inside `Sync.fit`. No TensorFlow import at module import time.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import select
 import signal
 import sys
 import threading
@@ -36,9 +40,21 @@ import time
 from typing import Any, Callable
 
 PREEMPTED_EXIT_CODE = 143
+INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT: a person stopped the job (Ctrl-C)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _KEY = "keras_sync/preemption/{fit}/step"
 _ACK = "keras_sync/preemption/{fit}/ack/{task}"
 _STOP = "stop"  # posted when a fit ends without a preemption, to release the watcher threads
+
+
+def signal_name(signum: int | None) -> str:
+    """How the lines name a stop signal: ``Ctrl-C`` for SIGINT, else ``SIGTERM``."""
+    return "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+
+
+def exit_code(signum: int | None) -> int:
+    """The exit code after a stop signal: 130 for SIGINT, else 143."""
+    return INTERRUPTED_EXIT_CODE if signum == signal.SIGINT else PREEMPTED_EXIT_CODE
 
 
 def exit_now(code: int, message: str | None = None) -> None:
@@ -60,18 +76,19 @@ def exit_now(code: int, message: str | None = None) -> None:
     os._exit(code)
 
 
-class SigtermWatch:
-    """Catches SIGTERM between `install` and `uninstall`: records it instead of dying.
+class StopSignalWatch:
+    """Catches SIGTERM and SIGINT between `install` and `uninstall`: records the first instead of dying.
 
-    A watchdog thread, woken by the signal itself (`signal.set_wakeup_fd`, written by the C
-    handler even while the main thread is inside TensorFlow), ends the process with
-    `PREEMPTED_EXIT_CODE` if `done` is not called within ``grace_period_s``.
+    A watchdog thread, woken by the signals themselves (`signal.set_wakeup_fd`, written by the C
+    handler even while the main thread is inside TensorFlow), ends the process with the signal's
+    exit code if `done` is not called within ``grace_period_s``, and at once on a second Ctrl-C.
     """
 
     def __init__(self, grace_period_s: float):
         self.grace_period_s = float(grace_period_s)
         self.received_at: float | None = None
-        self._previous: Any = None
+        self.signum: int | None = None  # the first stop signal received
+        self._previous: dict[int, Any] = {}
         self._installed = False
         self._done = threading.Event()
         self._wake_r = self._wake_w = -1
@@ -79,7 +96,7 @@ class SigtermWatch:
 
     @property
     def pending(self) -> bool:
-        """True once a SIGTERM has arrived."""
+        """True once SIGTERM or SIGINT has arrived."""
         return self.received_at is not None
 
     def deadline(self) -> float:
@@ -87,10 +104,10 @@ class SigtermWatch:
         return (self.received_at or time.monotonic()) + self.grace_period_s
 
     def install(self) -> bool:
-        """Handle SIGTERM from now on; False (nothing changed) outside the main thread."""
+        """Handle SIGTERM and SIGINT from now on; False (nothing changed) outside the main thread."""
         if self._installed or threading.current_thread() is not threading.main_thread():
             return self._installed
-        self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
         self._installed = True
         try:
             self._wake_r, self._wake_w = os.pipe()
@@ -99,43 +116,55 @@ class SigtermWatch:
         except (ValueError, OSError):  # pragma: no cover - no pipes, or not the main thread
             self._wake_r = -1
         if self._wake_r >= 0:
-            threading.Thread(target=self._watchdog, name="keras-sync-sigterm-watchdog", daemon=True).start()
+            threading.Thread(target=self._watchdog, name="keras-sync-stop-signal-watchdog", daemon=True).start()
         return True
 
     def uninstall(self) -> None:
-        """Give SIGTERM back to the handler that was there before."""
+        """Give SIGTERM and SIGINT back to the handlers that were there before."""
         if not self._installed:
             return
         self._installed = False
-        signal.signal(signal.SIGTERM, self._previous)
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
         if self._wake_r >= 0:
             signal.set_wakeup_fd(self._old_wakeup_fd)
             os.close(self._wake_w)  # the watchdog's read returns b"" and it ends
 
     def done(self) -> None:
-        """The backup is saved (or not needed): the watchdog stands down."""
+        """The backup is saved (or not needed): the watchdog stands down (a second Ctrl-C still exits at once)."""
         self._done.set()
 
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
+    def _on_signal(self, signum: int, frame: Any) -> None:
         if self.received_at is None:
+            self.signum = signum
             self.received_at = time.monotonic()
 
     def _watchdog(self) -> None:
         fd = self._wake_r
+        deadline: float | None = None
+        first: int | None = None
         try:
             while True:
+                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not select.select([fd], [], [], timeout)[0]:  # the grace period is over
+                    deadline = None
+                    if not self._done.is_set():
+                        exit_now(exit_code(first), f"{signal_name(first)}: no backup could be saved within "
+                                 f"fault_tolerance.grace_period_s={self.grace_period_s:g} s (TensorFlow did not "
+                                 "return to Python: a peer stopped answering, or a long validation pass); exiting "
+                                 "without it. Relaunch the job to resume from the last backup.")
+                    continue
                 data = os.read(fd, 64)
                 if not data:
                     return
-                if signal.SIGTERM in data:
-                    break
-            if self._done.wait(self.grace_period_s):
-                return
-            exit_now(PREEMPTED_EXIT_CODE,
-                     f"SIGTERM: no backup could be saved within fault_tolerance.grace_period_s="
-                     f"{self.grace_period_s:g} s (TensorFlow did not return to Python: a peer stopped "
-                     "answering, or a long validation pass); exiting without it. Relaunch the job to "
-                     "resume from the last backup.")
+                for sig in (b for b in data if b in STOP_SIGNALS):
+                    if first is None:
+                        first, deadline = sig, time.monotonic() + self.grace_period_s
+                    elif sig == signal.SIGINT:  # a person who pressed Ctrl-C again does not wait
+                        with contextlib.suppress(Exception):
+                            print("keras-sync: Ctrl-C again: exiting at once, without a backup at this step",
+                                  file=sys.stderr, flush=True)
+                        os._exit(INTERRUPTED_EXIT_CODE)
         finally:
             os.close(fd)
 
@@ -156,6 +185,7 @@ class ClusterAgreement:
         self._task = task_index
         self._num_workers = num_workers
         self.target: int | None = None  # the optimizer step after which every worker saves
+        self.signum: int | None = None  # the stop signal of the worker that announced it
         self.stopped = False
         self._on_error = on_error
         self._thread = threading.Thread(target=self._watch, name="keras-sync-preemption", daemon=True)
@@ -171,12 +201,17 @@ class ClusterAgreement:
         if value == _STOP:
             self.stopped = True
             return
-        self.target = int(value)
+        self._take(value)
         # Set before acknowledging: the announcing worker trains step `target` only after every ack.
         with contextlib.suppress(Exception):
             self._ctx.set_config_key_value(_ACK.format(fit=self._fit, task=self._task), "1")
 
-    def announce(self, step: int, deadline: float) -> int | None:
+    def _take(self, value: str) -> None:
+        step, _, signum = value.partition(":")  # "<step>:<signal number>"
+        self.signum = int(signum) if signum else None
+        self.target = int(step)
+
+    def announce(self, step: int, deadline: float, signum: int | None = None) -> int | None:
         """Ask every worker to save after optimizer step ``step + 1``; wait for their acks.
 
         Returns the agreed step (another worker's, if it announced first), or None when the fit
@@ -185,7 +220,7 @@ class ClusterAgreement:
         import tensorflow as tf
 
         try:
-            self._ctx.set_config_key_value(self._key, str(step + 1))
+            self._ctx.set_config_key_value(self._key, f"{step + 1}:{int(signum or signal.SIGTERM)}")
         except tf.errors.AlreadyExistsError:
             pass  # another worker announced first: its step is the one
         value = self._ctx.get_config_key_value(self._key, _ms_left(deadline))
@@ -196,7 +231,7 @@ class ClusterAgreement:
                 self._ctx.get_config_key_value(_ACK.format(fit=self._fit, task=task), _ms_left(deadline))
             except tf.errors.DeadlineExceededError:
                 return None
-        self.target = int(value)
+        self._take(value)
         return self.target
 
     def close(self) -> None:
@@ -213,7 +248,7 @@ _fits = 0  # fits started in this process: the same count on every worker, so it
 
 
 class PreemptionSaver:
-    """Decides, at each batch or epoch end of one `fit`, whether a SIGTERM asks for the save now.
+    """Decides, at each batch or epoch end of one `fit`, whether a SIGTERM or Ctrl-C asks for the save now.
 
     Used by `keras_sync.BackupAndRestore` (``grace_period_s`` argument): `begin` at
     train begin, `save_due` / `save_due_at_epoch_end` at every batch / epoch end, `end` at train end.
@@ -221,18 +256,18 @@ class PreemptionSaver:
 
     def __init__(self, grace_period_s: float):
         self.grace_period_s = grace_period_s
-        self.watch = SigtermWatch(grace_period_s)
+        self.watch = StopSignalWatch(grace_period_s)
         self.agreement: ClusterAgreement | None = None
         self._announced = False
 
     def begin(self, strategy: Any) -> None:
         global _fits
         _fits += 1
-        self.watch = SigtermWatch(self.grace_period_s)
+        self.watch = StopSignalWatch(self.grace_period_s)
         self._announced = False
         self.agreement = None
         if not self.watch.install():
-            return  # not the main thread: SIGTERM keeps its previous meaning
+            return  # not the main thread: SIGTERM and SIGINT keep their previous meaning
         from keras_sync.upstream.strategy_facts import in_multi_worker_mode
 
         if in_multi_worker_mode(strategy):
@@ -245,6 +280,13 @@ class PreemptionSaver:
                 task_index=multi_worker_util.id_in_cluster(spec, resolver.task_type, resolver.task_id),
                 num_workers=multi_worker_util.worker_count(spec, resolver.task_type),
             )
+
+    @property
+    def signum(self) -> int | None:
+        """The stop signal this process exits for: its own, else the one the announcing worker got."""
+        if self.watch.signum is not None:
+            return self.watch.signum
+        return self.agreement.signum if self.agreement is not None else None
 
     def save_due(self, step: Callable[[], int]) -> bool:
         """At a batch end: True when every worker saves now. ``step()`` reads the optimizer step."""
@@ -268,13 +310,14 @@ class PreemptionSaver:
     def _announce(self, step: int) -> None:
         self._announced = True
         assert self.agreement is not None
-        target = self.agreement.announce(step, self.watch.deadline())
-        if target is not None:
+        target = self.agreement.announce(step, self.watch.deadline(), self.watch.signum)
+        # Ctrl-C reaches every worker (the launcher forwards it): the chief's closing line is enough.
+        if target is not None and self.watch.signum != signal.SIGINT:
             print(f"keras-sync: SIGTERM at optimizer step {step}: every worker saves a backup after step {target}, "
                   "then exits", file=sys.stderr, flush=True)
 
     def end(self, *, clean: bool = True) -> bool:
-        """Stand down at train end (idempotent). True when a SIGTERM came but training finished
+        """Stand down at train end (idempotent). True when a stop signal came but training finished
         before a save. ``clean=False`` after `fit` raised: the peers may be gone, so no network call."""
         pending = self.watch.pending
         self.watch.done()
