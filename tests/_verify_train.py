@@ -1,6 +1,6 @@
 """A user's training script with keras-sync's three lines, for `keras-sync verify` (tests/test_verify.py).
 
-Usage: python _verify_train.py CASE [noshuffle]   (the config: $KERAS_SYNC_CONFIG)
+Usage: python _verify_train.py CASE [noshuffle] [frozen_bn]   (the config: $KERAS_SYNC_CONFIG)
 
 CASE: dense (arrays), dataset (a batched tf.data pipeline), custom_sum (a custom train_step whose
 loss is not divided), batchnorm, dropout, add_loss (a term that sums over the batch), mobilenet
@@ -65,6 +65,10 @@ def build():
 with sync.scope():
     if CASE == "mobilenet":
         model = keras.applications.MobileNetV2(weights=None, input_shape=(32, 32, 3), classes=10)
+        if "frozen_bn" in sys.argv[2:]:  # BatchNorm in inference mode: no layer depends on the batch
+            for layer in model.layers:
+                if isinstance(layer, keras.layers.BatchNormalization):
+                    layer.trainable = False
         model.compile(optimizer=keras.optimizers.SGD(sync.lr_schedule()), loss="sparse_categorical_crossentropy")
     else:
         model = build()

@@ -165,6 +165,9 @@ def test_a_plain_model_is_the_same_as_one_device(verified, where: str, case: str
     assert _last(result).startswith("verify: same as one device ("), result.stdout + result.stderr
     assert result.returncode == 0
     assert "every step alike" in result.stdout and "2 micro-batches of 4 accumulated" in result.stdout
+    assert (verified[0] / f"{where}-{case}" / "verify.png").is_file()  # --keep: the picture without MLflow
+    assert "determinism: seeds (Python, NumPy, Keras), initial weights and keras-sync's data order fixed; nothing " \
+           "left that verify knows of (input: " in result.stdout
 
 
 @pytest.mark.slow

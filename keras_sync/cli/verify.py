@@ -90,6 +90,8 @@ def command(steps: int, workers: int | None, config: str | None, recording: str 
         if subject["mlflow"].get("enabled"):
             run_id = report.log_run(folder, result, subject, reference)
             click.echo(f"MLflow: the comparison is run {run_id} (tag keras_sync.verify)")
+        elif keep:
+            report.save(folder, result, subject, reference)
         click.echo(report.last_line(result))
     except KerasSyncError as exc:
         raise UserError(str(exc)) from None

@@ -56,6 +56,19 @@ def describe(subject: Mapping[str, Any]) -> str:
     return f"{subject['replicas']} replicas{workers} ({subject['kind']}), global batch {subject['global_batch']}"
 
 
+def determinism(source: str | None) -> str:
+    """The one line on what verify made deterministic, and what it could not (by the training input's kind).
+
+    >>> determinism("Python generator")[-62:]
+    "not deterministic: a Python generator's own randomness, if any"
+    """
+    fixed = "determinism: seeds (Python, NumPy, Keras), initial weights and keras-sync's data order fixed"
+    if source in ("Python generator", "keras.utils.PyDataset"):
+        kind = "Python generator" if source == "Python generator" else "PyDataset"
+        return f"{fixed}; not deterministic: a {kind}'s own randomness, if any"
+    return f"{fixed}; nothing left that verify knows of (input: {source or 'unknown'})"
+
+
 def table(verdict: Verdict, subject: Mapping[str, Any], reference: Mapping[str, Any]) -> list[str]:
     """The short table: the first steps where the runs part, the layers with the largest difference."""
     from keras_sync.training.verify_record import depends_on_batch
@@ -71,6 +84,7 @@ def table(verdict: Verdict, subject: Mapping[str, Any], reference: Mapping[str, 
         per = "the chief's process" if subject.get("workers", 1) > 1 else "one process"
         lines.append(f"peak memory: distributed {subject['peak_rss_mb']:.0f} MB ({per}), one device "
                      f"{reference['peak_rss_mb']:.0f} MB")
+    lines.append(determinism(subject.get("input")))
     lines.append(f"tolerance: {verdict.tolerance:.1e} relative ({subject['facts'].get('precision', 'float32')} "
                  f"rounding over {verdict.steps} steps)")
     if verdict.partings:
@@ -122,6 +136,17 @@ def draw(path: str | os.PathLike[str], verdict: Verdict, subject: Mapping[str, A
     plt.close(fig)
 
 
+def save(folder: str | os.PathLike[str], verdict: Verdict, subject: Mapping[str, Any],
+         reference: Mapping[str, Any]) -> tuple[str, str]:
+    """Write ``verify.png`` (the picture) and ``verify.json`` (the comparison) into ``folder``; their names."""
+    draw(Path(folder) / "verify.png", verdict, subject, reference)
+    (Path(folder) / "verify.json").write_text(json.dumps(
+        {"same": verdict.same, "cause": verdict.cause, "tolerance": verdict.tolerance,
+         "partings": [p.__dict__ for p in verdict.partings], "layers": verdict.layers,
+         "table": table(verdict, subject, reference), "last_line": last_line(verdict)}, indent=1))
+    return "verify.png", "verify.json"
+
+
 def log_run(folder: str | os.PathLike[str], verdict: Verdict, subject: Mapping[str, Any],
             reference: Mapping[str, Any]) -> str:
     """Log the comparison to an MLflow run of its own (tag ``keras_sync.verify``); return its id."""
@@ -153,14 +178,7 @@ def log_run(folder: str | os.PathLike[str], verdict: Verdict, subject: Mapping[s
                      tags=[RunTag("keras_sync.verify.line", last_line(verdict)[:5000])])
     for start in range(1000, len(metrics), 1000):
         client.log_batch(rid, metrics=metrics[start:start + 1000])
-    picture = Path(folder) / "verify.png"
-    draw(picture, verdict, subject, reference)
-    comparison = Path(folder) / "verify.json"
-    comparison.write_text(json.dumps({"same": verdict.same, "cause": verdict.cause, "tolerance": verdict.tolerance,
-                                      "partings": [p.__dict__ for p in verdict.partings],
-                                      "layers": verdict.layers, "table": table(verdict, subject, reference)},
-                                     indent=1))
-    client.log_artifact(rid, str(picture))
-    client.log_artifact(rid, str(comparison))
+    for name in save(folder, verdict, subject, reference):
+        client.log_artifact(rid, str(Path(folder) / name))
     client.set_terminated(rid, "FINISHED")
     return rid

@@ -134,7 +134,8 @@ class _Recording:
         record = {"replicas": self.sync.num_replicas, "workers": self.sync.num_workers, "kind": self.sync.kind,
                   "global_batch": self.sync.global_batch_size, "steps": self.steps, "facts": facts,
                   "weights": [v.path for v in self.model.weights],
-                  "mlflow": _mlflow_settings(self.sync.config), "peak_rss_mb": _peak_rss_mb()}
+                  "mlflow": _mlflow_settings(self.sync.config), "peak_rss_mb": _peak_rss_mb(),
+                  "input": getattr(self.sync.input_facts, "source", None)}
         _write_json(folder / RECORD_FILE, record)
         if self.request.replay_dir is None:
             from keras_sync.config import VERIFY_OVERRIDES_FILE
