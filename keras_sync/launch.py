@@ -27,7 +27,11 @@ resumes where the backup stands and continues its one MLflow run; `KERAS_SYNC_RE
 tells the workers which try they are in (0 on the first, as torchrun's
 `TORCHELASTIC_RESTART_COUNT`). A signal to the launcher is never followed by a restart.
 
-Ports: free ports are found by binding 127.0.0.1:0; the sockets are closed just
+Exposure: the workers' TF_CONFIG names 127.0.0.1, but TensorFlow's gRPC server listens on
+0.0.0.0 whatever the address, so other hosts can reach the workers' ports while they run.
+`private_network` runs them in a network namespace of their own (`keras_sync.cluster.netns`).
+
+Ports: free ports are found by binding 127.0.0.1:0 (the kernel picks them from its ephemeral range); the sockets are closed just
 before the workers start, so another process could take a port in that short
 window (the worker then fails to start its server and the launch fails; rerun).
 """
@@ -166,6 +170,7 @@ def launch(
     grace_period_s: float = 5.0,
     max_restarts: int = 0,
     env: Mapping[str, str] | None = None,
+    private_network: bool = False,
 ) -> int:
     """Runs `script` as `workers` local processes; returns the job's exit code.
 
@@ -179,14 +184,19 @@ def launch(
             to this many times (0: stop). Every try has the same `KERAS_SYNC_JOB_ID`, so a job
             with a backup resumes and continues its MLflow run.
         env: extra environment variables for the workers, on top of `os.environ`.
+        private_network: run the workers in a network namespace of their own, so no other host
+            can reach their ports (TensorFlow's servers listen on every interface and run what a
+            client sends); Linux as root, and the workers reach no network but their loopback
+            (`keras_sync.cluster.netns`).
 
     Returns:
         0 if every worker of a try exits 0; else the exit code of the first worker that
         failed in the last try (128 + N for a death by signal N); 130 after Ctrl-C, 143 after SIGTERM.
 
     Raises:
-        UsageError: a bad argument (workers < 1, a missing script or config), or a config whose
-            strategy kind runs in one process (`mirrored`, ...) under several workers.
+        UsageError: a bad argument (workers < 1, a missing script or config), a config whose
+            strategy kind runs in one process (`mirrored`, ...) under several workers, or
+            ``private_network`` where no network namespace can be made.
     """
     _validate(script, workers, config, grace_period_s, max_restarts)
     _refuse_one_process_kind(script, workers, config, {**os.environ, **(env or {})})
@@ -209,13 +219,20 @@ def launch(
         stop.setdefault("signal", signum)
 
     previous: dict[int, object] = {}
+    network = None
+    if private_network:
+        from keras_sync.cluster.netns import PrivateNetwork
+
+        network = PrivateNetwork()
+    wrap = network.wrap if network is not None else list
     try:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 previous[sig] = signal.signal(sig, on_signal)
         for attempt in range(max_restarts + 1):
             try_env = {**base_env, RESTART_COUNT_ENV: str(attempt)}
-            code, failed = _one_try(script, args, workers, try_env, procs, stop, grace_period_s)
+            code, failed = _one_try(wrap([sys.executable, script, *args]), workers, try_env, procs, stop,
+                                    grace_period_s)
             if code == 0 or "signal" in stop or failed is None or attempt == max_restarts:
                 return code
             _say(f"restart {attempt + 1}/{max_restarts} after worker {failed} exited with code {code}")
@@ -223,9 +240,11 @@ def launch(
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
+        if network is not None:
+            network.close()
 
 
-def _one_try(script: str, args: list[str], workers: int, base_env: dict[str, str],
+def _one_try(command: list[str], workers: int, base_env: dict[str, str],
              procs: list[subprocess.Popen[bytes]], stop: dict[str, int],
              grace_period_s: float) -> tuple[int, int | None]:
     """Starts the workers on fresh ports and supervises them: (exit code, index of the failed worker)."""
@@ -239,7 +258,7 @@ def _one_try(script: str, args: list[str], workers: int, base_env: dict[str, str
             s.close()
         for i, tf_config in enumerate(configs):
             p = subprocess.Popen(
-                [sys.executable, script, *args],
+                command,
                 env={**base_env, "TF_CONFIG": tf_config},
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,

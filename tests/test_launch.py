@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -317,3 +318,106 @@ def test_max_restarts_resumes_a_sigkilled_worker_exactly_in_one_mlflow_run(tmp_p
     assert len(runs) == 1  # both tries continued one run: launch gave them one KERAS_SYNC_JOB_ID
     steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "sync/loss/replica_1")]
     assert sorted(steps) == list(range(1, 33))  # 4 epochs x 8 steps, steps 16-17 (trained twice) once
+
+
+# -- who can reach the workers --------------------------------------------------------------------
+
+LISTEN = str(Path(__file__).with_name("_listen_worker.py"))
+
+
+def _listening(pids: set[int], netns_of: int | None = None) -> list[str]:
+    """``ss -ltnp``'s local addresses of the sockets of ``pids``, on the host or in ``netns_of``'s network namespace."""
+    cmd = ["ss", "-ltnpH"]
+    if netns_of is not None:
+        cmd = ["nsenter", f"--net=/proc/{netns_of}/ns/net", *cmd]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=30).stdout
+    return sorted(line.split()[3] for line in out.splitlines() if any(f"pid={p}," in line for p in pids))
+
+
+def _listening_job(tmp_path: Path, *flags: str) -> tuple[list[str], list[str], list[str]]:
+    """Launch 2 TensorFlow workers that hold once their servers listen: (host addresses, namespace
+    addresses, the namespace's interfaces) of their listening sockets."""
+    release = tmp_path / "release"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "keras_sync.launch", "-n", "2", *flags, LISTEN, str(release)], cwd=ROOT,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert launcher.stdout is not None
+        pids = {int(next(launcher.stdout).split()[-1]) for _ in range(2)}  # "[wI] listening PID"
+        host = _listening(pids)
+        inside = _listening(pids, netns_of=min(pids))
+        links = subprocess.run(["nsenter", f"--net=/proc/{min(pids)}/ns/net", "ip", "-o", "link"],
+                               capture_output=True, text=True, check=True, timeout=30).stdout
+        release.touch()
+        assert launcher.wait(timeout=120) == 0
+    finally:
+        launcher.kill()
+    return host, inside, sorted(line.split(":")[1].strip() for line in links.splitlines())
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="network namespaces need root")
+def test_private_network_leaves_no_worker_port_on_the_host_while_by_default_they_listen_on_every_interface(
+        tmp_path: Path) -> None:
+    # By default TensorFlow's servers listen on every interface ("*": 0.0.0.0 and [::]), though
+    # TF_CONFIG says 127.0.0.1: what launch --help warns of. (A TensorFlow that binds the address
+    # it is given would fail here: then launch no longer needs the namespace.)
+    host, inside, _ = _listening_job(tmp_path)
+    assert len(host) == 2 and all(addr.startswith("*:") for addr in host), host
+    assert inside == host  # the host's namespace
+    # --private-network: nothing of theirs on the host; in their namespace, only a loopback exists.
+    host, inside, links = _listening_job(tmp_path, "--private-network")
+    assert host == []
+    assert len(inside) == 2 and all(addr.startswith("*:") for addr in inside), inside
+    assert links == ["lo"]
+
+
+def test_private_network_refused_in_one_line_where_no_namespace_can_be_made() -> None:
+    code = ("import os, sys\nos.geteuid = lambda: 1000\nfrom keras_sync.cluster import netns\n"
+            "try:\n    netns.refuse_unless_possible()\nexcept Exception as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
+    assert out == (
+        "Invalid value for argument `private_network`. Received: private_network=True, but creating a network "
+        "namespace needs root or CAP_SYS_ADMIN (running as uid 1000). Fix: run launch as root on Linux, or drop "
+        "--private-network and keep the workers' ports behind a firewall or on a trusted network.\n")
+
+
+def _worker_addresses(launcher_pid: int) -> list[str]:
+    """The cluster the launcher's workers were given (read from a worker's environment)."""
+    children = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split()
+    environ = Path(f"/proc/{children[0]}/environ").read_bytes().split(b"\0")
+    tf_config = next(v for v in environ if v.startswith(b"TF_CONFIG=")).split(b"=", 1)[1]
+    return json.loads(tf_config)["cluster"]["worker"]
+
+
+@pytest.mark.timeout(600)
+def test_a_foreign_client_reaches_a_worker_and_the_job_ends_with_the_lost_peer_line_not_a_traceback(
+        tmp_path: Path) -> None:
+    # Loopback only: the client stands for any host that reaches the workers' ports.
+    cfg = {"strategy": {"kind": "multi_worker_mirrored", "connect_timeout_s": 120}, "batch": {"global": 32},
+           "learning_rate": {"base": 0.01, "base_batch_size": 32}, "mlflow": {"enabled": False}}
+    go, out, err = tmp_path / "go", tmp_path / "out", tmp_path / "err"
+    with out.open("w") as o, err.open("w") as e:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "keras_sync.launch", "-n", "2", str(ROOT / "tests" / "_mwr_train.py"),
+             json.dumps(cfg), str(tmp_path / "job"), "--epochs", "3", "--wait-at", "5", "--wait-for", str(go)],
+            cwd=ROOT, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}, stdout=o, stderr=e, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not {"[w0] step 5 epoch 0 batch 4", "[w1] step 5 epoch 0 batch 4"} <= set(out.read_text().splitlines()):
+            assert launcher.poll() is None and time.monotonic() < deadline, err.read_text()[-3000:]
+            time.sleep(0.1)
+        chief = _worker_addresses(launcher.pid)[0]
+        client = subprocess.run([sys.executable, str(ROOT / "tests" / "_foreign_client.py"), chief,
+                                 str(tmp_path / "written")], capture_output=True, text=True, timeout=300)
+        go.touch()
+        code = launcher.wait(timeout=300)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+    # What launch --help warns of: the client ran ops on worker 0 (it wrote a file there).
+    assert client.stdout == "written by a client that is not in the job\n", client.stderr[-3000:]
+    log = err.read_text()
+    assert code != 0, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
+    assert f"[w1] keras-sync: /job:worker/task:1 lost contact with /job:worker/task:0 ({chief}): " in log, log[-3000:]

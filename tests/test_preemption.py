@@ -137,6 +137,20 @@ def test_only_tensorflow_peer_errors_count_as_lost_peers() -> None:
     assert not _lost_peer.is_lost_peer_error(RuntimeError(UNHEALTHY))
 
 
+def test_a_peer_failing_its_preconditions_after_a_foreign_request_is_a_lost_peer() -> None:
+    # A client from any host can run ops on a worker (TensorFlow's server has no authentication); the
+    # worker it disturbed then fails its peers' calls instead of answering them.
+    class FailedPreconditionError(Exception):
+        pass
+
+    text = ("Additional GRPC error information from remote target /job:worker/replica:0/task:0 while calling "
+            "/tensorflow.WorkerService/CompleteInstance: Device incarnation mismatch")
+    assert _lost_peer.is_lost_peer_error(FailedPreconditionError(text))
+    assert _lost_peer.lost_peer_message(text, CLUSTER, ("worker", 1)).startswith(
+        "/job:worker/task:1 lost contact with /job:worker/task:0 (10.203.7.1:20000): ")
+    assert not _lost_peer.is_lost_peer_error(FailedPreconditionError("Attempting to use uninitialized value w"))
+
+
 def test_excepthook_turns_an_uncaught_lost_peer_error_into_one_line_exit_75() -> None:
     code = ("import keras_sync.training.excepthook as h\nh.install()\n"
             "class UnavailableError(Exception): pass\n"

@@ -19,21 +19,34 @@ from keras_sync.errors import KerasSyncError
               help="Seconds between SIGTERM and SIGKILL when a worker fails or on Ctrl-C.")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
               help="When a worker fails, stop the others and start the whole job again, up to N times.")
+@click.option("--private-network", is_flag=True,
+              help="Run the workers in a network namespace of their own (Linux, as root): no other host can reach "
+                   "them, and they reach no network but their own loopback (use a sqlite or file tracking URI).")
 @click.argument("script", type=click.Path(path_type=str))
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def command(workers: int, config: str | None, grace_period: float, max_restarts: int, script: str,
-            args: tuple[str, ...]) -> None:
+def command(workers: int, config: str | None, grace_period: float, max_restarts: int, private_network: bool,
+            script: str, args: tuple[str, ...]) -> None:
     """Run SCRIPT [ARGS...] as --workers processes on 127.0.0.1, each with its own TF_CONFIG.
 
     Output lines come back prefixed [w0], [w1], ...; the exit code is the first failing
     worker's in the last try (0 when all succeed). Every try keeps the same $KERAS_SYNC_JOB_ID,
     so with fault_tolerance.backup_dir a restart resumes and continues its MLflow run.
+    Ctrl-C stops every worker (with a backup_dir, after a backup at one step) and exits 130;
+    a second Ctrl-C kills them at once.
+
+    \b
+    Who can reach the workers: TensorFlow's servers listen on every interface
+    (0.0.0.0), not on 127.0.0.1, and run whatever a client sends them, without
+    authentication. Any host that can reach this machine's ports can reach the
+    workers while they run. Keep them behind a firewall or on a trusted network,
+    or pass --private-network. On a cluster, limit the workers' ports to the
+    job's own hosts (on Kubernetes, a NetworkPolicy).
     """
     from keras_sync.launch import launch
 
     try:
         code = launch(script, list(args), workers=workers, config=config, grace_period_s=grace_period,
-                      max_restarts=max_restarts)
+                      max_restarts=max_restarts, private_network=private_network)
     except KerasSyncError as exc:
         raise UserError(str(exc)) from None
     sys.exit(code)

@@ -24,9 +24,13 @@ from keras_sync.errors import PeerLostError
 # Exit code of a worker that lost a peer: 75 = EX_TEMPFAIL ("temporary failure; retry").
 PEER_LOST_EXIT_CODE = PeerLostError.exit_code
 
-_ERROR_CLASSES = ("UnavailableError", "DeadlineExceededError", "AbortedError", "CancelledError", "InternalError")
+# FailedPreconditionError: what a peer answers once a foreign client (any host that reaches its port:
+# TensorFlow's server has no authentication) has reset its eager context or device incarnations.
+_ERROR_CLASSES = ("UnavailableError", "DeadlineExceededError", "AbortedError", "CancelledError", "InternalError",
+                  "FailedPreconditionError")
 _SIGNS = ("unhealthy", "heartbeat", "collective ops is aborted", "coordination service", "socket closed",
-          "connection reset", "failed to connect", "stopped sending", "has crashed", "have crashed")
+          "connection reset", "failed to connect", "stopped sending", "has crashed", "have crashed",
+          "from remote target", "incarnation")
 _TASK_RE = re.compile(r"/job:(\w+)(?:/replica:\d+)?/task:(\d+)")
 _UNHEALTHY_RE = re.compile(r"unhealthy[^:]*:\s*((?:\s*/job:\w+/replica:\d+/task:\d+,?)+)", re.I)
 
