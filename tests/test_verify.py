@@ -129,6 +129,8 @@ def verified(tmp_path_factory):
             args = (*args, "noshuffle")
         cmd = ["verify", "--steps", STEPS, "--config", str(_config(tmp, name, where, extra)), "--keep", str(tmp / name)]
         jobs[name] = (cmd + (["-n", "2"] if workers else []) + [str(SCRIPT), *args], {})
+    jobs["mobilenet"] = (["verify", "--steps", "2", "--config", str(_config(tmp, "mobilenet", "mirrored", {})),
+                          str(SCRIPT), "mobilenet", "frozen_bn"], {})
     uri = f"sqlite:///{tmp / 'mlflow.db'}"
     jobs["mlflow"] = (["verify", "--steps", STEPS, "--config", str(_config(tmp, "mlflow", "mirrored", {}, mlflow=True)),
                        str(SCRIPT), "dense"], {"MLFLOW_TRACKING_URI": uri})
@@ -228,3 +230,11 @@ def test_the_verify_run_in_mlflow_holds_the_comparison_and_its_picture(verified)
     assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"verify.png", "verify.json"}
     assert len(client.get_metric_history(run.info.run_id, "verify/distributed/loss")) == int(STEPS)
     assert run.data.tags["keras_sync.verify.line"] == _last(results["mlflow"])
+
+
+@pytest.mark.slow
+def test_a_mobilenet_sized_reference_trains_one_replicas_micro_batches(verified) -> None:
+    result = verified[2]["mobilenet"]
+    assert _last(result).startswith("verify: same as one device ("), result.stdout + result.stderr
+    assert "reference: one device, 2 micro-batches of 4 accumulated (one replica's memory)" in result.stdout
+    assert "peak memory: distributed " in result.stdout
