@@ -150,6 +150,9 @@ def main() -> int:
         "start": start,
         "elapsed_s": time.monotonic() - started,
         "env": {k: os.environ.get(k) for k in ("SLURM_JOB_ID", "SLURM_STEP_ID")},
+        # keras-sync handles SIGTERM and SIGINT only while fit runs: afterwards, Python's own handlers.
+        "signals_restored": signal.getsignal(signal.SIGINT) is signal.default_int_handler
+                            and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None),
     }
     resolver = getattr(sync.strategy, "cluster_resolver", None)
     if resolver is not None:  # the addresses the workers really listened on

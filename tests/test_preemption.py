@@ -346,7 +346,9 @@ def test_ctrl_c_mid_fit_saves_at_the_step_exits_130_in_one_line_and_the_relaunch
     assert second.returncode == 0, second.stderr[-3000:]
     deliver_leftovers(tmp_path / "spool")
     assert _run_status(uri) == ("FINISHED", list(range(1, 31)))
-    assert json.loads((tmp_path / "res" / "w0.json").read_text())["start"] == {"iterations": 18, "epoch": 1}
+    resumed = json.loads((tmp_path / "res" / "w0.json").read_text())
+    assert resumed["start"] == {"iterations": 18, "epoch": 1}
+    assert resumed["signals_restored"]  # the handlers lived as long as fit, no longer
     assert _weights_diff(tmp_path, str(reference / "ref"), "res") == 0.0
 
 
