@@ -103,6 +103,26 @@ def test_a_second_ctrl_c_exits_130_at_once_while_the_first_waits_for_its_save() 
     assert r.stderr == "keras-sync: Ctrl-C again: exiting at once, without a backup at this step\n"
 
 
+def test_ctrl_c_out_of_fit_without_a_backup_is_one_line_and_a_second_one_skips_the_exit_wait() -> None:
+    # An exit hook that waits (as the MLflow delivery at exit does): the second Ctrl-C ends it at once.
+    code = ("import atexit, threading\n"
+            "from keras_sync.cluster.interrupt import ctrl_c_ends_fit\n"
+            "atexit.register(lambda: (print('exit waits', flush=True), threading.Event().wait(300)))\n"
+            "with ctrl_c_ends_fit(None, is_chief=True, backup_dir=None):\n"
+            "    raise KeyboardInterrupt\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "exit waits\n"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    assert err == ("keras-sync: Ctrl-C: training stopped; exiting with code 130. Set fault_tolerance.backup_dir to "
+                   "save a backup at the step Ctrl-C stops and resume from it.\n"
+                   "keras-sync: Ctrl-C again: exiting at once, without a backup at this step\n")
+
+
 def test_lost_peer_doctests_pass() -> None:
     assert doctest.testmod(_lost_peer).failed == 0
 

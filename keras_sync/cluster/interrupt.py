@@ -6,17 +6,19 @@ exits with code 130. Without it, Python's own handler raises `KeyboardInterrupt`
 main thread is, and `ctrl_c_ends_fit` turns it into the same exit without a backup, instead of a
 traceback (one per worker under `keras-sync launch`). Only the chief prints the line.
 
-Nothing is installed: the context manager only catches what `fit` raises, for the length of `fit`.
-Pure Python; no TensorFlow import.
+Nothing is installed while `fit` runs: the context manager only catches what `fit` raises. Once
+it has caught a Ctrl-C, the process is ending: a second Ctrl-C then exits at once (the exit's wait
+for MLflow delivery is skipped; what is left stays in the spool). Pure Python; no TensorFlow import.
 """
 
 from __future__ import annotations
 
 import contextlib
+import signal
 from collections.abc import Iterator
 from typing import Any
 
-from keras_sync.cluster.preemption import INTERRUPTED_EXIT_CODE, exit_now
+from keras_sync.cluster.preemption import INTERRUPTED_EXIT_CODE, exit_at_once, exit_now
 
 
 def interrupted_message(step: int | None, backup_dir: str | None) -> str:
@@ -42,6 +44,8 @@ def ctrl_c_ends_fit(model: Any, *, is_chief: bool, backup_dir: str | None) -> It
     try:
         yield
     except KeyboardInterrupt:
+        with contextlib.suppress(ValueError):  # ValueError: not the main thread, which Ctrl-C never reaches
+            signal.signal(signal.SIGINT, exit_at_once)
         step = None
         with contextlib.suppress(Exception):
             step = int(model.optimizer.iterations.numpy())

@@ -76,6 +76,13 @@ def exit_now(code: int, message: str | None = None) -> None:
     os._exit(code)
 
 
+def exit_at_once(*_: Any) -> None:
+    """A second Ctrl-C: say so and end the process now, with code 130 (no backup, no wait for delivery)."""
+    with contextlib.suppress(Exception):
+        print("keras-sync: Ctrl-C again: exiting at once, without a backup at this step", file=sys.stderr, flush=True)
+    os._exit(INTERRUPTED_EXIT_CODE)
+
+
 class StopSignalWatch:
     """Catches SIGTERM and SIGINT between `install` and `uninstall`: records the first instead of dying.
 
@@ -161,10 +168,7 @@ class StopSignalWatch:
                     if first is None:
                         first, deadline = sig, time.monotonic() + self.grace_period_s
                     elif sig == signal.SIGINT:  # a person who pressed Ctrl-C again does not wait
-                        with contextlib.suppress(Exception):
-                            print("keras-sync: Ctrl-C again: exiting at once, without a backup at this step",
-                                  file=sys.stderr, flush=True)
-                        os._exit(INTERRUPTED_EXIT_CODE)
+                        exit_at_once()
         finally:
             os.close(fd)
 
