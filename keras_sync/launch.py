@@ -161,6 +161,26 @@ def _refuse_one_process_kind(script: str, workers: int, config: str | None, envi
                             f"run it as one process: {python_command()} {script}")
 
 
+def _refuse_http_tracking(config: str | None, environ: Mapping[str, str]) -> None:
+    """Under ``private_network`` the workers reach no tracking server over HTTP: refused before any starts."""
+    from keras_sync.config import load_config
+    from keras_sync.errors import KerasSyncError
+
+    try:
+        cfg = load_config(config, environ=environ)
+    except KerasSyncError:
+        return  # each worker's keras_sync.load says what is wrong with it
+    uri = cfg.mlflow.tracking_uri or ""
+    if cfg.mlflow.enabled and uri.lower().startswith(("http://", "https://")):
+        from keras_sync.tracking.redact import redact_uri
+
+        raise UsageError(
+            f"Invalid value for argument `private_network`. Received: private_network=True with mlflow.tracking_uri="
+            f"{redact_uri(uri)!r}: in their own network namespace the workers reach no network but their loopback, "
+            "so not that server. Fix: use a sqlite or file store (e.g. sqlite:///mlflow.db) and deliver it later, set "
+            "mlflow.enabled: false, or drop --private-network and keep the ports behind a firewall.")
+
+
 def launch(
     script: str,
     args: list[str],
@@ -200,6 +220,8 @@ def launch(
     """
     _validate(script, workers, config, grace_period_s, max_restarts)
     _refuse_one_process_kind(script, workers, config, {**os.environ, **(env or {})})
+    if private_network:
+        _refuse_http_tracking(config, {**os.environ, **(env or {})})
     base_env = dict(os.environ)
     base_env.pop("TF_CONFIG", None)
     base_env.update(env or {})

@@ -421,3 +421,15 @@ def test_a_foreign_client_reaches_a_worker_and_the_job_ends_with_the_lost_peer_l
     assert code != 0, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
     assert f"[w1] keras-sync: /job:worker/task:1 lost contact with /job:worker/task:0 ({chief}): " in log, log[-3000:]
+
+
+def test_private_network_refuses_an_http_tracking_server_before_any_worker_starts(tmp_path: Path) -> None:
+    with pytest.raises(UsageError) as e:
+        launch(WORKER, ["hang", str(tmp_path)], workers=2, private_network=True,
+               env={"MLFLOW_TRACKING_URI": "http://alice:secret@10.0.0.1:5000"})
+    assert str(e.value) == (
+        "Invalid value for argument `private_network`. Received: private_network=True with mlflow.tracking_uri="
+        "'http://10.0.0.1:5000': in their own network namespace the workers reach no network but their loopback, "
+        "so not that server. Fix: use a sqlite or file store (e.g. sqlite:///mlflow.db) and deliver it later, set "
+        "mlflow.enabled: false, or drop --private-network and keep the ports behind a firewall.")
+    assert not list(tmp_path.iterdir())  # no worker started; the password is in no message
