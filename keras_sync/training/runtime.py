@@ -105,8 +105,10 @@ def prepare_model(sync: Any, model: Any) -> None:
 
 def _xla_fails(sync: Any) -> bool:
     """Whether XLA cannot compile this run's step: several replicas, all on CPU devices."""
+    if sync.num_replicas <= 1:  # the default strategy has no worker_devices (it raises RuntimeError)
+        return False
     devices = [str(d) for d in getattr(sync.strategy.extended, "worker_devices", ())]
-    return sync.num_replicas > 1 and bool(devices) and all("CPU" in d.upper() for d in devices)
+    return bool(devices) and all("CPU" in d.upper() for d in devices)
 
 
 def _check_xla_devices(sync: Any) -> None:
