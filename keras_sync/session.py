@@ -238,6 +238,7 @@ class Sync:
             replay_order=bool(self.config.fault_tolerance.backup_dir),
             learning_rate=self.learning_rate,
             strategy=self.strategy,
+            arrays_as_dataset=self.config.verify is not None and _verify_record().arrays_as_dataset(self.config),
         )
 
     # -- Keras -------------------------------------------------------------------------------
@@ -617,6 +618,12 @@ def _quiet_end_of_data(steps_per_epoch: Any) -> Any:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Your input ran out of data", category=UserWarning)
         yield
+
+
+def _verify_record() -> Any:
+    from keras_sync.training import verify_record
+
+    return verify_record
 
 
 def _is_dataset(x: Any) -> bool:

@@ -145,6 +145,9 @@ class InputPipeline:
     replay_order: bool
     learning_rate: float = 0.0
     strategy: Any = None
+    #: Arrays become a dataset as under `multi_worker_mirrored`: a `keras-sync verify` reference of a
+    #: multi-worker recording trains the batches in its order (`keras_sync.training.verify_record`).
+    arrays_as_dataset: bool = False
     #: What the last `prepare(method="fit", ...)` did with the training data (None before).
     facts: InputFacts | None = field(default=None, init=False)
 
@@ -193,7 +196,8 @@ class InputPipeline:
                 kwargs.setdefault("shuffle", False)
                 x = self.training_dataset(x)
             return x, y, kwargs
-        if not (self.multi_worker or (method == "fit" and self.replay_order and not tf_seed_set())):
+        if not (self.multi_worker or (method == "fit" and (self.arrays_as_dataset or self.replay_order
+                                                            and not tf_seed_set()))):
             kwargs["batch_size"] = global_batch
             if method == "fit":
                 n = _array_examples(x, kwargs.get("validation_split"))

@@ -30,6 +30,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from keras_sync.config.kinds import KINDS
+
 #: The seed `load` gives Python, NumPy and Keras in a verify run.
 SEED = 1337
 RECORD_FILE, INITIAL_FILE, FINAL_FILE = "record.json", "initial.npz", "final.npz"
@@ -135,12 +137,25 @@ class _Recording:
                   "global_batch": self.sync.global_batch_size, "steps": self.steps, "facts": facts,
                   "weights": [v.path for v in self.model.weights],
                   "mlflow": _mlflow_settings(self.sync.config), "peak_rss_mb": _peak_rss_mb(),
-                  "input": getattr(self.sync.input_facts, "source", None)}
+                  "input": getattr(self.sync.input_facts, "source", None),
+                  "arrays_as_dataset": KINDS[self.sync.kind].multi_process}
         _write_json(folder / RECORD_FILE, record)
         if self.request.replay_dir is None:
             from keras_sync.config import VERIFY_OVERRIDES_FILE
 
             _write_json(folder / VERIFY_OVERRIDES_FILE, reference_overrides(self.sync, facts))
+
+
+def arrays_as_dataset(config: Any) -> bool:
+    """Whether this reference run replays a multi-worker recording, whose arrays became a tf.data dataset
+    (shuffled by keras-sync with its seed): the reference's arrays then do too, for the same batches."""
+    replay = config.verify.replay_dir if config.verify is not None else None
+    if replay is None:
+        return False
+    try:
+        return bool(json.loads((Path(replay) / RECORD_FILE).read_text()).get("arrays_as_dataset"))
+    except (OSError, ValueError):
+        return False
 
 
 def reference_overrides(sync: Any, facts: dict[str, Any]) -> dict[str, Any]:
