@@ -54,8 +54,11 @@ def load(
     from keras_sync.strategy import ONE_PROCESS_KINDS, check_one_process, detect
 
     check_one_process(cfg)  # `mirrored` under a TF_CONFIG of 2 workers: 2 jobs, not one; refused before TensorFlow
+    kind = detect(cfg).kind
+    if _chief_before_tensorflow(cfg):  # TensorFlow's start takes seconds (10-25 on a busy machine): say so first
+        print(f"keras-sync: config: {cfg.origin()}; {_starting_line(cfg, kind)}", file=sys.stderr, flush=True)
     early_writer = None
-    if cfg.mlflow.enabled and detect(cfg).kind in ONE_PROCESS_KINDS:
+    if cfg.mlflow.enabled and kind in ONE_PROCESS_KINDS:
         from keras_sync.training import paths as _paths
         from keras_sync.training.job_run import start_writer
 
@@ -69,8 +72,6 @@ def load(
         if early_writer is not None:
             _drop_early_writer(early_writer)
         raise
-    if sync.is_chief:
-        print(f"keras-sync: config: {cfg.origin()}", file=sys.stderr)
     from keras_sync.training import runtime
 
     runtime.set_dtype_policy(cfg, is_chief=sync.is_chief)  # before the user builds the model
@@ -80,6 +81,34 @@ def load(
         seed_everything()
     stack.check_backend()  # what the imported Keras really uses (a keras.json the rule above misread)
     return sync
+
+
+def _chief_before_tensorflow(cfg: Config) -> bool:
+    """Whether this process is the job's chief, read from the cluster's description (no TensorFlow)."""
+    from keras_sync.cluster import read_cluster
+    from keras_sync.errors import KerasSyncError
+
+    try:
+        info, _ = read_cluster(cfg.strategy)
+    except KerasSyncError:  # building the strategy says what is wrong; the config line helps read it
+        return True
+    return info.is_chief
+
+
+def _starting_line(cfg: Config, kind: str) -> str:
+    """What the seconds after the config line are spent on, for the first line a user sees."""
+    what = f"starting TensorFlow and the {kind} strategy"
+    if KINDS[kind].multi_process:
+        from keras_sync.cluster import read_cluster
+        from keras_sync.errors import KerasSyncError
+
+        try:
+            workers = read_cluster(cfg.strategy)[0].num_workers
+        except KerasSyncError:
+            workers = 0
+        if workers > 1:
+            what += f", then waiting for its {workers} workers to join (at most {cfg.strategy.connect_timeout_s:g} s)"
+    return what
 
 
 def _build(cfg: Config, early_writer: Any) -> Sync:

@@ -222,7 +222,8 @@ def test_init_then_train_script_trains_and_says_which_config(tmp_path: Path) -> 
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Sync(kind='default', replicas=1" in result.stdout
     assert "116/116" in result.stdout and "val_accuracy" in result.stdout  # 4096 x 0.9 / 32 steps
-    assert f"keras-sync: config: {tmp_path.resolve() / 'keras_sync.yaml'}\n" in result.stderr
+    assert (f"keras-sync: config: {tmp_path.resolve() / 'keras_sync.yaml'}; starting TensorFlow and the default "
+            "strategy\n") in result.stderr
     # TensorFlow's start-up INFO noise is off unless the user asks for it
     assert "cpu_feature_guard" not in result.stderr and "absl::InitializeLog" not in result.stderr
 
@@ -237,7 +238,8 @@ def test_train_script_from_another_directory_says_it_uses_the_defaults(tmp_path:
                             timeout=300, env=_env())
     assert result.returncode == 0, result.stderr[-3000:]
     assert (f"keras-sync: config: no keras_sync.yaml found in {elsewhere.resolve()} and $KERAS_SYNC_CONFIG is "
-            "unset: built-in defaults (pass a path to keras_sync.load(), or run from the directory of the file)\n"
+            "unset: built-in defaults (pass a path to keras_sync.load(), or run from the directory of the file); "
+            "starting TensorFlow and the default strategy\n"
             ) in result.stderr
 
 

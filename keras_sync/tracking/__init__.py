@@ -470,8 +470,8 @@ class MlflowWriter:
             pos = self._progress()
             if pos != seen:
                 seen, last_move = pos, time.monotonic()
-                if progress is not None:
-                    progress()
+            if progress is not None:  # also while nothing moves: the exit's line says what it waits for
+                progress()
         return True
 
     def end_of_fit(self) -> None:
@@ -871,21 +871,29 @@ class MlflowWriter:
 
 
 class _ExitLine:
-    """The one line shown while the exit waits for delivery; on a terminal its count goes down in place."""
+    """The one line shown while the exit waits for delivery; on a terminal its count goes down in place.
+
+    Shown at once when metric points are left, else once the wait passes `EXIT_QUIET_S` (the sync
+    report being drawn, the run's end on a slow server): a short wait stays quiet, a long one says why.
+    """
 
     def __init__(self, writer: MlflowWriter):
         self._w = writer
         self._shown = False
         self._tty = bool(getattr(sys.stderr, "isatty", lambda: False)())
-        self._last = 0.0
+        self._start = self._last = time.monotonic()
         left = writer.points_left()
         if left:
             self._show(left)
 
     def _text(self, left: int) -> str:
         w = self._w
-        return (f"keras-sync: {left} metric point(s) not in MLflow yet ({w.shown_uri}); delivering them before "
-                f"exit. They are kept in {w.spool_path}: Ctrl-C leaves them there for "
+        if left:
+            what = f"{left} metric point(s) not in MLflow yet ({w.shown_uri}); delivering them before exit"
+        else:
+            what = (f"waiting for MLflow ({w.shown_uri}) to receive the run's last records (the sync report "
+                    "picture, drawn now, and the run's end) before exit")
+        return (f"keras-sync: {what}. They are kept in {w.spool_path}: Ctrl-C leaves them there for "
                 f"`keras-sync sync-spool {w.spool_path}`")
 
     def _show(self, left: int) -> None:
@@ -894,13 +902,19 @@ class _ExitLine:
         print(("\r" if self._tty else "") + self._text(left), end=end, file=sys.stderr, flush=True)
 
     def update(self) -> None:
-        if self._shown and self._tty and time.monotonic() - self._last >= 0.5:
+        now = time.monotonic()
+        if not self._shown and now - self._start >= EXIT_QUIET_S:
+            self._show(self._w.points_left())
+        elif self._shown and self._tty and now - self._last >= 0.5:
             self._show(self._w.points_left())
 
     def done(self) -> None:
         if self._shown and self._tty:
             print(file=sys.stderr, flush=True)
 
+
+#: How long the exit waits for delivery before a line says what it waits for (seconds).
+EXIT_QUIET_S = 2.0
 
 def replay_spool(spool_path: str | os.PathLike[str], tracking_uri: str | None = None) -> int:
     """Deliver what a spool directory holds; return the metric points sent.
