@@ -1,8 +1,8 @@
 """A 3-worker job in which one worker is slow, for tests/test_multi_worker.py.
 
-Usage (under `keras-sync launch --workers 3`): python _slow_worker_train.py CONFIG_JSON SLOW_TASK HOLD_S
+Usage (under `keras-sync launch --workers 3`): python _slow_worker_train.py CONFIG_JSON SLOW_TASK HOLD_S [SLEEP_S]
 
-Worker SLOW_TASK sleeps 0.2 s before every batch (its input arrives late), as a slow input
+Worker SLOW_TASK (-1: none) sleeps SLEEP_S (default 0.2) s before every batch (its input arrives late), as a slow input
 pipeline or a busy host would make it. The slow-worker line's hold time is HOLD_S instead of a
 minute, so a short job shows it.
 """
@@ -19,6 +19,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 def main() -> int:
     config, slow_task, hold_s = json.loads(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+    sleep_s = float(sys.argv[4]) if len(sys.argv) > 4 else 0.2
     import keras
     import numpy as np
 
@@ -32,7 +33,7 @@ def main() -> int:
     class Slow(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
             if task == slow_task:
-                time.sleep(0.2)
+                time.sleep(sleep_s)
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(40 * 30, 8)).astype("float32")

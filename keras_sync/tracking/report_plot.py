@@ -123,7 +123,8 @@ class SyncHistory:
 
     def slowest_worker(self) -> tuple[int, float, float, float] | None:
         """(worker, its median time between steps, its median compute, the other workers' median of the sum),
-        all ms, for the worker with the largest median time to reach the all-reduce; None with < 2 workers.
+        all ms, for a worker that holds the job back by the rule of `keras_sync.measures.slow_worker.slowest`
+        (over 1.5x the others' median and at least 5 ms more); None when no worker does, or with < 2 workers.
 
         >>> h = SyncHistory()
         >>> for step in range(1, 4):
@@ -131,7 +132,14 @@ class SyncHistory:
         ...            "sync/between_steps_ms/worker_1": 200.0, "sync/compute_ms/worker_1": 2.5}, step)
         >>> h.slowest_worker()
         (1, 200.0, 2.5, 3.0)
+        >>> even = SyncHistory()
+        >>> even.add({"sync/between_steps_ms/worker_0": 1.0, "sync/compute_ms/worker_0": 2.0,
+        ...           "sync/between_steps_ms/worker_1": 1.1, "sync/compute_ms/worker_1": 2.0}, 1)
+        >>> print(even.slowest_worker())  # 3.1 ms against 3.0: noise, not a slow worker
+        None
         """
+        from keras_sync.measures.slow_worker import slowest
+
         workers = sorted(set(self.between_steps) & set(self.compute))
         if len(workers) < 2:
             return None
@@ -140,9 +148,16 @@ class SyncHistory:
         own = {w: a + b for w, (a, b) in parts.items() if math.isfinite(a + b)}
         if len(own) < 2:
             return None
-        worst = max(own, key=lambda w: own[w])
-        others = statistics.median([t for w, t in own.items() if w != worst])
-        return worst, parts[worst][0], parts[worst][1], others
+        order = list(own)
+        found = slowest([own[w] for w in order])
+        if found is None:
+            return None
+        worst = order[found[0]]
+        return worst, parts[worst][0], parts[worst][1], found[2]
+
+    def has_worker_times(self) -> bool:
+        """Whether two or more workers' times were logged (then the summary says which is slow, or that none is)."""
+        return len(set(self.between_steps) & set(self.compute)) >= 2
 
 
 def render(history: SyncHistory, path: str | os.PathLike[str], *, title: str = "keras-sync: sync health") -> None:
@@ -229,14 +244,34 @@ def _summary(ax, history: SyncHistory, replicas: list[int]) -> None:
     if history.step_time_ms.values:
         t = sorted(history.step_time_ms.values)
         lines.append(f"step time: median {t[len(t) // 2]:.3g} ms, p95 {t[min(len(t) - 1, int(0.95 * len(t)))]:.3g} ms")
-    slow = history.slowest_worker()
-    if slow is not None:
-        w, between, compute, others = slow
-        lines.append(f"slowest worker: {w}, {between + compute:.3g} ms to the all-reduce")
-        lines.append(f"  ({between:.3g} between steps + compute {compute:.3g};")
-        lines.append(f"  other workers' median {others:.3g} ms)")
+    lines += slow_worker_lines(history)
     if history.divergence.values:
         worst = max(history.divergence.values)
         lines.append(f"weight divergence: max {worst:.3g} " + ("(in sync)" if worst == 0 else "(replicas DIFFER)"))
     ax.text(0.0, 1.0, "\n".join(lines), va="top", ha="left", family="monospace", fontsize="medium",
             transform=ax.transAxes)
+
+
+def slow_worker_lines(history: SyncHistory) -> list[str]:
+    """The summary's lines on the workers' times: the slow worker, or that none is, with the rule.
+
+    >>> h = SyncHistory()
+    >>> h.add({"sync/between_steps_ms/worker_0": 0.1, "sync/compute_ms/worker_0": 0.048,
+    ...        "sync/between_steps_ms/worker_1": 0.1, "sync/compute_ms/worker_1": 0.052}, 1)
+    >>> print("\\n".join(slow_worker_lines(h)))
+    no worker is slow: none took over 1.5x
+      the other workers' median and 5 ms more
+      to reach the all-reduce
+    """
+    from keras_sync.measures.slow_worker import MIN_EXTRA_MS, RATIO
+
+    if not history.has_worker_times():
+        return []
+    slow = history.slowest_worker()
+    if slow is None:
+        return [f"no worker is slow: none took over {RATIO:g}x",
+                f"  the other workers' median and {MIN_EXTRA_MS:g} ms more", "  to reach the all-reduce"]
+    w, between, compute, others = slow
+    return [f"slowest worker: {w}, {between + compute:.3g} ms to the all-reduce",
+            f"  ({between:.3g} between steps + compute {compute:.3g};",
+            f"  other workers' median {others:.3g} ms)"]
