@@ -322,3 +322,14 @@ def test_report_names_a_slow_worker_only_above_the_threshold(tmp_path: Path, slo
         assert lines.startswith("no worker is slow: none took over 1.5x"), lines
     else:
         assert lines.startswith("slowest worker: 1, "), lines
+
+
+@pytest.mark.timeout(600)
+def test_the_chief_says_what_it_waits_for_at_exit(tmp_path: Path) -> None:
+    # Issue 41 item 3: the workers leave together, and the chief's wait for a late one was silent.
+    r = _launch(tmp_path, HERE / "_late_exit_train.py", "6", timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    said = re.findall(r"^\[w(\d)\] keras-sync: waiting for worker 1 to finish its script \(the workers leave together; "
+                      r"closing TensorFlow's input pipeline can take seconds\)$", r.stderr, re.M)
+    assert said == ["0"], r.stderr[-3000:]  # once, on the chief only
+

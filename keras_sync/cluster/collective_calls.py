@@ -55,8 +55,11 @@ def _said(call: str) -> str:
     return "reached the end of its script" if call == EXIT else f"called {call}"
 
 
-def meet(strategy: Any, call: str, timeout_s: float | None = None) -> None:
+def meet(strategy: Any, call: str, timeout_s: float | None = None, *,
+         on_wait: Callable[[str], None] | None = None) -> None:
     """Wait until every worker has reached call number N with the same ``call`` name.
+
+    ``on_wait(peer)`` is called once if a peer has not posted within the first poll (`_POLL_MS`).
 
     Raises:
         UsageError: a peer reached another call (or the end of its script) instead, or none
@@ -94,6 +97,9 @@ def meet(strategy: Any, call: str, timeout_s: float | None = None) -> None:
                 got = ctx.get_config_key_value(_KEY.format(n=n, task=peer), max(1, min(left_ms, _POLL_MS)))
                 break
             except tf.errors.DeadlineExceededError:
+                if on_wait is not None:
+                    on_wait(_name(peer))
+                    on_wait = None
                 if left_ms <= _POLL_MS:
                     raise UsageError(
                         f"{_name(me)} {_said(call)}, but {_name(peer)} did not reach that call within "
@@ -202,8 +208,14 @@ def install(strategy: Any, timeout_s: float) -> None:
 def _meet_at_exit() -> None:
     if not _state["returned"] or _state["failed"] or getattr(sys, "last_value", None) is not None:
         return  # not after a successful run: the peers may be stuck in a collective, or not there yet
+    from keras_sync.cluster import strategy_role
+
+    def say(peer: str) -> None:
+        print(f"keras-sync: waiting for {peer} to finish its script (the workers leave together; closing "
+              "TensorFlow's input pipeline can take seconds)", file=sys.stderr, flush=True)
+
     try:
-        meet(_state["strategy"], EXIT)
+        meet(_state["strategy"], EXIT, on_wait=say if strategy_role(_state["strategy"]).is_chief else None)
     except UsageError as e:
         # A peer is in another call: that worker reports it; this one leaves with one line.
         print(f"keras-sync: {str(e).split('. Under')[0]}.", file=sys.stderr, flush=True)
