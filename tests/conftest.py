@@ -182,7 +182,7 @@ _LONGEST_FIRST = {
     "test_launch": 91, "test_collective_calls": 72, "test_examples": 67, "test_cli": 61, "test_session": 45,
     "test_saving": 49, "test_cluster": 43,
     "test_resume": 34, "test_sqlite_store": 33, "test_fit_ends_run": 300, "test_weight_divergence": 28,
-    "test_system_metrics": 25, "test_user_callbacks": 40, "test_verify": 194,
+    "test_system_metrics": 25, "test_user_callbacks": 40, "test_verify": 194, "test_flaky_server": 110,
 }
 
 

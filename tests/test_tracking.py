@@ -250,8 +250,9 @@ def test_replay_failure_is_one_clean_error(tmp_path):
                                        '"tracking_uri":"http://127.0.0.1:1"}')
     (spool / "00000001.jsonl").write_text('{"k":"m","s":0,"ts":1,"d":{"loss":1.0}}\n')
     with pytest.raises(TrackingError, match=r"Could not deliver spool .* run `keras-sync sync-spool` again") as err:
-        replay_spool(spool, tracking_uri="http://user:s3cret@127.0.0.1:1")
+        replay_spool(spool, tracking_uri="http://user:s3cret@127.0.0.1:1", timeout_s=0)  # each request once
     assert "s3cret" not in str(err.value)
+    assert "1 of 1 requests failed with connection refused" in str(err.value)
     assert not (spool / "delivered").exists()  # nothing marked delivered
     assert (spool / "00000001.jsonl").exists()
 
@@ -1058,8 +1059,8 @@ def test_full_spool_and_mlflow_away_name_the_lost_steps_and_sync_spool_ends_the_
         assert 1 < first_lost < 600 and "No space left on device" in line
         assert "the tracking server http://127.0.0.1:1 is unreachable" in line
         assert f"keras-sync sync-spool {small}/full" in line
-        # sync-spool to a server that is still away: one line, a non-zero exit, no wait.
-        away = _cli("sync-spool", str(small / "full"), cwd=tmp_path)
+        # sync-spool to a server that is still away, with no time to retry: one line, a non-zero exit, no wait.
+        away = _cli("sync-spool", str(small / "full"), "--timeout", "0", cwd=tmp_path)
         assert away.returncode == 2 and away.stderr.count("\n") == 1 and "Could not deliver" in away.stderr
         done = _cli("sync-spool", str(small / "full"), "--tracking-uri", sqlite_uri, cwd=tmp_path)
         assert done.returncode == 0, done.stderr

@@ -2,20 +2,55 @@
 
 from __future__ import annotations
 
+import sys
+import time
+
 import click
+
+#: At most one progress line per this many seconds (a terminal's line is rewritten in place instead).
+_EVERY_S = 5.0
+
+
+class _Progress:
+    """Prints how far delivery got: points sent of the spool's, and what failed, in words."""
+
+    def __init__(self, path: str):
+        self.path, self._last, self._said = path, 0.0, ""
+        self._tty = sys.stdout.isatty()
+
+    def __call__(self, sent: int, total: int, failures: str) -> None:
+        line = f"{self.path}: {sent} of {total} metric point(s) sent" + (f"; {failures} (each retried)" if failures else "")
+        now = time.monotonic()
+        if line == self._said or (not self._tty and now - self._last < _EVERY_S):
+            return
+        self._said, self._last = line, now
+        click.echo(("\r" + line) if self._tty else line, nl=not self._tty)
+
+    def done(self) -> None:
+        if self._tty and self._said:
+            click.echo()
 
 
 @click.command("sync-spool")
 @click.argument("path", type=click.Path(path_type=str))
 @click.option("--tracking-uri", help="Where to send them (default: the URI recorded in the spool, "
               "which is kept without credentials).")
-def command(path: str, tracking_uri: str | None) -> None:
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0), default=600.0, show_default=True,
+              help="Seconds to retry requests that fail (no answer, HTTP 5xx) before giving up; what is left "
+                   "stays in the spool. 0: try each request once.")
+def command(path: str, tracking_uri: str | None, timeout_s: float) -> None:
     """Deliver the spool directory PATH to MLflow; safe to run again (nothing is sent twice).
 
     A training process leaves a spool when MLflow was unreachable at its end; its warning names
     PATH (under mlflow.spool_dir, default .keras_sync_spool). A delivered spool is removed.
+    Each request that fails is retried on its own, with a backoff any success resets, until the
+    spool is delivered or --timeout has passed; a line every few seconds shows the progress.
     """
     from keras_sync.tracking import replay_spool
 
-    sent = replay_spool(path, tracking_uri=tracking_uri)
+    progress = _Progress(path)
+    try:
+        sent = replay_spool(path, tracking_uri=tracking_uri, timeout_s=timeout_s, progress=progress)
+    finally:
+        progress.done()
     click.echo(f"{path}: sent {sent} metric point(s) to MLflow")

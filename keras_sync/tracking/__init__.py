@@ -294,6 +294,11 @@ class MlflowWriter:
         status = self._courier_status()
         return status if status is not None and not status.get("ok") else None
 
+    def _answering(self, failed: dict[str, Any] | None, within_s: float = STALL_S) -> bool:
+        """Whether MLflow, though some requests fail, answered one within ``within_s`` (delivery goes on)."""
+        at = failed.get("answered_at") if failed is not None else None
+        return isinstance(at, (int, float)) and time.time() - at < within_s
+
     def refused_credentials(self) -> bool:
         """True when the tracking server's last answer was HTTP 401 or 403 (credentials refused)."""
         failed = self.failure()
@@ -450,8 +455,9 @@ class MlflowWriter:
         """Wait until MLflow has everything queued so far; True if it has.
 
         Waits while delivery makes progress: returns False at once when the courier's last
-        attempt failed (MLflow known to be away or refusing), after ``stall_s`` without progress,
-        or after ``timeout_s`` (None: no limit besides those).
+        attempt failed and MLflow answered nothing for ``stall_s`` (known to be away or refusing;
+        a server that fails some requests and answers others is waited for), after ``stall_s``
+        without progress, or after ``timeout_s`` (None: no limit besides those).
         """
         if not self.flush_to_spool(timeout_s=30.0 if timeout_s is None else timeout_s):
             return False
@@ -460,7 +466,8 @@ class MlflowWriter:
         deadline = start + timeout_s if timeout_s is not None else float("inf")
         seen = self._progress()
         while not self._reached(target):
-            if self.failure() is not None or self._dead:
+            failed = self.failure()
+            if (failed is not None and not self._answering(failed, stall_s)) or self._dead:
                 return False
             now = time.monotonic()
             first_attempt_pending = self._courier_status() is None
@@ -561,6 +568,8 @@ class MlflowWriter:
             return (f"keras-sync: {pending} MLflow record(s) are not delivered yet: {cause}. The spool "
                     f"{self.spool_path} cannot be written ({self._spool_error}), so {len(held)} of them (steps "
                     f"{steps}) wait in this process's memory: they are lost if it ends before MLflow takes them.")
+        points = self.points_left()
+        what = f"{pending} MLflow record(s)" + (f" ({points} metric point(s))" if points else "")
         if final:
             where = f"Deliver them with: keras-sync sync-spool {self.spool_path}"
             if self.shown_uri != self._uri:
@@ -568,7 +577,7 @@ class MlflowWriter:
         else:
             where = (f"Delivery goes on in the background while this process runs; what is left at exit "
                      f"stays there for `keras-sync sync-spool {self.spool_path}`")
-        return (f"keras-sync: {pending} MLflow record(s) are not delivered yet: {cause}. They are kept in "
+        return (f"keras-sync: {what} are not delivered yet: {cause}. They are kept in "
                 f"{self.spool_path}. {where}.")
 
     def close(self, timeout_s: float | None = 10.0, status: str = "FINISHED", *, at_exit: bool = False) -> None:
@@ -715,8 +724,9 @@ class MlflowWriter:
 
     def _tell_run(self) -> None:
         """Call `on_run` once the run id is known (or MLflow failed before it was)."""
+        failed = self.failure()
         if self.on_run is not None and not self._begin_deferred and (
-                self.run_id is not None or self.failure() is not None):
+                self.run_id is not None or (failed is not None and not self._answering(failed))):
             on_run, self.on_run = self.on_run, None
             try:
                 on_run(self)
@@ -916,13 +926,25 @@ class _ExitLine:
 #: How long the exit waits for delivery before a line says what it waits for (seconds).
 EXIT_QUIET_S = 2.0
 
-def replay_spool(spool_path: str | os.PathLike[str], tracking_uri: str | None = None) -> int:
+
+#: How long ``keras-sync sync-spool`` retries failing requests before it gives up (seconds).
+REPLAY_TIMEOUT_S = 600.0
+
+
+def replay_spool(spool_path: str | os.PathLike[str], tracking_uri: str | None = None, *,
+                 timeout_s: float = REPLAY_TIMEOUT_S, progress: Any = None) -> int:
     """Deliver what a spool directory holds; return the metric points sent.
 
     Idempotent: the delivered position moves after every batch, and a step a metric already has
     is not sent again. ``tracking_uri`` defaults to the one in the spool (kept without
     credentials: pass it again if the server needs them). A fully delivered spool is removed.
     Backs ``keras-sync sync-spool DIR``.
+
+    Each request that fails (no answer, HTTP 503) is retried on its own as the courier does
+    (`keras_sync.tracking.retry`) until ``timeout_s`` has passed (0: each request is tried once);
+    a refusal (a bad request, refused credentials) stops at once. ``progress(sent, total, failures)``
+    is called after each request that failed or delivered points: metric points sent, points the
+    spool held, and what failed in words ("7 of 40 requests failed with HTTP 503", or "").
     """
     path = Path(spool_path)
     if path.is_file():  # a file of the spool (its header, a segment) names the spool too
@@ -940,6 +962,11 @@ def replay_spool(spool_path: str | os.PathLike[str], tracking_uri: str | None = 
         raise TrackingError(f"Spool {path} is in use by a running keras-sync writer, which delivers it itself; "
                             "replay it after that process has ended.")
     delivery = _courier.Delivery(spool, tracking_uri)
+    deadline = time.monotonic() + max(0.0, timeout_s)
+    delivery.give_up = lambda: time.monotonic() >= deadline
+    total = sum(len(rec["d"]) for _, rec in spool.read(delivery.pos, max_records=10**9) if rec["k"] == METRICS)
+    if progress is not None:
+        delivery.on_progress = lambda: progress(delivery.sender.points_sent, total, delivery.sender.retrier.summary())
     try:
         sent = delivery.deliver_available()
         delivery.sender.release_report()  # one a courier held when its process ended
@@ -952,6 +979,15 @@ def replay_spool(spool_path: str | os.PathLike[str], tracking_uri: str | None = 
                 f"Could not deliver spool {path}: MLflow at {delivery.shown_uri} refused the credentials (HTTP {http}). "
                 "Set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) and run "
                 "`keras-sync sync-spool` again; nothing delivered is sent twice.") from None
+        from keras_sync.tracking.deliver import is_transient
+
+        failures = delivery.sender.retrier.summary()
+        if is_transient(e) and failures:  # retried until the time was up: what happened, not the last error
+            left = total - delivery.sender.points_sent
+            raise TrackingError(
+                f"Could not deliver spool {path} to MLflow at {delivery.shown_uri} within {timeout_s:g} s: "
+                f"{failures}; {left} of {total} metric point(s) are left in it. Nothing delivered is sent twice; "
+                "run `keras-sync sync-spool` again (a longer --timeout waits longer).") from None
         raise TrackingError(
             f"Could not deliver spool {path} to MLflow at {delivery.shown_uri}: "
             f"{_redact(str(e), delivery.secrets)[:500].rstrip('.')}. Nothing delivered is sent twice; run "

@@ -11,9 +11,10 @@ sends them in batches with `MlflowClient.log_batch`, writes ``delivered``, ``run
 ``status.json`` and deletes delivered segments. One courier serves its writer for the writer's
 whole life (every `fit` of a `Sync`). It ends when it has delivered the writer's last record
 (`keras_sync.tracking.records.is_last_record`), or, once its parent has died, after one last attempt to
-deliver what is left (a restarted job or ``keras-sync sync-spool`` delivers the rest); a spool
-whose run had ended and was all delivered is then removed. While MLflow is unreachable it
-retries with backoff (0.5 s up to 30 s).
+deliver what is left while the server answers (a restarted job or ``keras-sync sync-spool``
+delivers the rest); a spool whose run had ended and was all delivered is then removed. Each
+MLflow request that fails is retried on its own (`keras_sync.tracking.retry`: 0.5 s doubling up
+to 30 s, reset by any success), so a server that fails some requests still gets the others.
 
 Run as ``python -m keras_sync.tracking.courier_main SPOOL_DIR PARENT_PID`` with the tracking URI (credentials
 included) and the spool's header on its stdin, never on the command line or on disk.
@@ -34,13 +35,17 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
 from keras_sync.tracking.deliver import RunSender, is_transient, refused_credentials
-from keras_sync.tracking.records import (BEGIN, CREDENTIALS, END, MAX_BATCH, METRICS, REFUSED, STOP, STORE_FAILING,
-                                         UNREACHABLE, is_last_record, is_remote)
+from keras_sync.tracking.records import (BEGIN, CREDENTIALS, END, FAILING_REQUESTS, MAX_BATCH, METRICS, REFUSED, STOP,
+                                         STORE_FAILING, UNREACHABLE, is_last_record, is_remote)
+from keras_sync.tracking.retry import Retrier
 from keras_sync.tracking.spool import Position, SpoolDir
 from keras_sync.tracking.redact import redact_text, secrets_of
 
-#: Longest wait between two delivery attempts while MLflow is unreachable (seconds).
+#: Longest wait between two delivery attempts after MLflow refused a record (seconds); a request
+#: that fails for a while (no answer, HTTP 503) is retried on its own (`keras_sync.tracking.retry`).
 MAX_BACKOFF_S = 30.0
+#: A courier whose process died keeps delivering while the server answered within this long (seconds).
+ORPHAN_PATIENCE_S = 30.0
 #: How often the courier looks for new records; what it finds goes in one batch.
 POLL_S = 0.1
 #: Metric points wait up to this long to go in one `log_batch` (a call costs ~6 ms of MLflow's CPU
@@ -164,6 +169,13 @@ class Delivery:
         self.last_sent_at = 0.0  # monotonic time of the last call to MLflow (`BATCH_S`)
         self.run_ended = False  # the run's end is delivered and no begin since (the writer may go on)
         self.failing = False  # the status file says the last attempt failed
+        #: Asked between tries of a failing request: True ends the retries (the failure is raised).
+        self.give_up: Callable[[], bool] = lambda: False
+        #: Called after each request that failed or delivered metric points (``keras-sync sync-spool``'s progress).
+        self.on_progress: Callable[[], None] | None = None
+        self._answer_told = 0.0  # monotonic time the status last told of an answer while requests fail
+        self.sender.retrier = Retrier(is_transient, give_up=lambda: self.give_up() or not self.spool.path.is_dir(),
+                                      on_change=self._requests_changed)
 
     def deliver_available(self, hold_metrics: bool = False) -> int:
         """Send everything spooled so far; return the metric points sent. Raises what MLflow raised.
@@ -201,29 +213,43 @@ class Delivery:
                 if known.get("begin") == list(begin) and known.get("run_id") == self.sender.run_id:
                     records = [{**records[0], "replayed": True}]  # delivered before: its run, as it is now
             run_before = self.sender.run_id
-            sent += self.sender.send(records)
+            # The position moves after each request MLflow took, not only after the whole chunk: what a
+            # later try (a restarted courier, sync-spool) sends again starts after the last request that got through.
+            done = None if begin is not None or records[0]["k"] == BEGIN else (
+                lambda i: self._move(chunk[i][0], run_before, None))
+            sent += self.sender.send(records, done=done)
             self.last_sent_at = time.monotonic()
-            if self.failing:
-                # "ok" before the new position: a writer that sees delivery move must not read the
-                # old failure with it (close() would give up on a server that is back, run left RUNNING).
-                self.report(None)
-            if self.sender.run_id != run_before or records[0]["k"] == BEGIN:
-                self._set_run(begin)
-            if spooled:
-                self.pos = chunk[-1][0]
-                try:
-                    self.spool.mark_delivered(self.pos)
-                except OSError:  # a full disk: the position is kept here and told over the pipe
-                    pass
-            else:
-                self.held_done = chunk[-1][0]
-                while self.held and self.held[0][0] <= self.held_done:
-                    self.held.popleft()
-            self._tell({"pos": list(self.pos), "h": self.held_done})
+            self._move(chunk[-1][0], run_before, begin, force_run=records[0]["k"] == BEGIN)
             self.ended = is_last_record(chunk[-1][1]) and not self.pending()
             for _, rec in chunk:  # a report drawn after the run's end leaves it ended
                 if rec["k"] in (END, STOP, BEGIN):
                     self.run_ended = rec["k"] != BEGIN
+
+    def _move(self, upto: Any, run_before: str | None, begin: Position | None, force_run: bool = False) -> None:
+        """MLflow has every record up to ``upto`` (a spool position, or a held record's number): say so."""
+        if self.failing and not self.sender.retrier.failing:
+            # "ok" before the new position: a writer that sees delivery move must not read the
+            # old failure with it (close() would give up on a server that is back, run left RUNNING).
+            self.report(None)
+        if self.sender.run_id != run_before and self.known_run.get("run_id") != self.sender.run_id or force_run:
+            self._set_run(begin)
+        if isinstance(upto, tuple):
+            if upto <= self.pos:
+                return
+            self.pos = upto
+            try:
+                self.spool.mark_delivered(self.pos)
+            except OSError:  # a full disk: the position is kept here and told over the pipe
+                pass
+        else:
+            if upto <= self.held_done:
+                return
+            self.held_done = upto
+            while self.held and self.held[0][0] <= self.held_done:
+                self.held.popleft()
+        self._tell({"pos": list(self.pos), "h": self.held_done})
+        if self.on_progress is not None:
+            self.on_progress()
 
     def pending(self) -> bool:
         """True if spooled or handed-over records are not in MLflow yet."""
@@ -253,21 +279,36 @@ class Delivery:
             pass
         self._tell({"run": self.known_run})
 
+    def _requests_changed(self, retrier: Retrier) -> None:
+        """A request failed or was answered while others fail, or the server is healthy again: the
+        status says what happened (an answer at most once a second: the writer waits while MLflow answers)."""
+        answered = retrier.failing and retrier.succeeded_in_a_row > 0
+        if answered and time.monotonic() - self._answer_told < 1.0:
+            return
+        self._answer_told = time.monotonic() if answered else 0.0
+        self.report(retrier.last_error if retrier.failing else None)
+        if self.on_progress is not None:
+            self.on_progress()
+
     def report(self, error: BaseException | None, since: float | None = None) -> None:
         self.failing = error is not None
         self.reported = True
+        retrier = self.sender.retrier
         if error is None:
             status: dict[str, Any] = {"ok": True, "at": time.time()}
         else:
             transient = is_transient(error)
             local = not is_remote(self.uri)
             text = redact_text(f"{type(error).__name__}: {error}", self.secrets)[:500]
-            cause = STORE_FAILING if local else UNREACHABLE if transient else REFUSED
+            cause = STORE_FAILING if local else REFUSED
+            if transient and not local:  # named from what happened to the requests, not from the last one
+                cause = UNREACHABLE if retrier.unreachable() or not retrier.failing else FAILING_REQUESTS
+                text = retrier.summary() or text
             http = refused_credentials(error)
             if http is not None:  # the status alone: the body is the server's (or its proxy's) HTML page
                 cause, text = CREDENTIALS, f"HTTP {http} {'Unauthorized' if http == 401 else 'Forbidden'}"
-            status = {"ok": False, "at": time.time(), "since": since or time.time(), "error": text,
-                      "cause": cause, "uri": self.shown_uri}
+            status = {"ok": False, "at": time.time(), "since": since or retrier.failing_since or time.time(),
+                      "error": text, "cause": cause, "uri": self.shown_uri, "answered_at": retrier.answered_at}
         try:
             self.spool.set_status(status)
         except OSError:
@@ -287,6 +328,14 @@ class Delivery:
         """Deliver until the run's end is delivered, or the parent process is gone."""
         retry_at, backoff, failing_since = 0.0, 0.0, None
         held_since: float | None = None  # when the report held now was first seen held
+        retrier = self.sender.retrier
+
+        def orphan_gives_up() -> bool:  # a dead parent's courier delivers while the server answers
+            answered = retrier.answered_at
+            return (parent_pid is not None and os.getppid() != parent_pid
+                    and (answered is None or time.time() - answered > ORPHAN_PATIENCE_S))
+
+        self.give_up = orphan_gives_up
         while self.spool.path.is_dir():  # removed: its writer delivered it all, or it was cleaned up
             orphan = parent_pid is not None and os.getppid() != parent_pid
             if time.monotonic() >= retry_at or orphan:
@@ -300,7 +349,7 @@ class Delivery:
                     if held_since is not None and (self.ended or orphan or now - held_since >= REPORT_MAX_HOLD_S or (
                             now - self.last_record_at >= REPORT_QUIET_S and not self.pending())):
                         self.sender.release_report()
-                    if failing_since is not None or not self.reported:
+                    if (failing_since is not None or not self.reported) and not retrier.failing:
                         self.report(None)
                     backoff, failing_since = 0.0, None
                 except Exception as e:  # noqa: BLE001 - anything: keep the data, retry later

@@ -15,18 +15,21 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from keras_sync.tracking.environ import environ_restored
 from keras_sync.tracking.records import (BEGIN, END, FILE, MAX_BATCH, MAX_BATCH_PARAMS_AND_TAGS, METRICS, MODEL, PARAMS,
                                          REPORT, STOP, TAGS, TEXT, is_http, is_last_record)
+from keras_sync.tracking.retry import Retrier
 
 _log = logging.getLogger("keras_sync.tracking")
 
 # MLflow reads its HTTP retry settings from the environment on every request. Retrying is ours
-# to do (with backoff, in the background), so each of our calls runs with retries off and a short
-# timeout; the lock keeps two of our threads from interleaving their save/restore.
+# to do (per request, with a backoff any success resets: keras_sync.tracking.retry), so each of our
+# calls runs with MLflow's retries off and a short timeout (MLflow's own, ~246 s per call against a
+# dead server, would hold every other request behind one); the lock keeps two of our threads from
+# interleaving their save/restore.
 _ENV_LOCK = threading.Lock()
 _FAST_FAIL_ENV = {
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
@@ -117,8 +120,16 @@ class RunSender:
         #: position moves past the record (the courier keeps it in the spool's ``report.json``).
         self.held_report: tuple[str, dict[str, Any]] | None = None
         self.on_held: Any = None
+        #: Retries each MLflow call on its own until it succeeds (or its ``give_up`` says stop).
+        self.retrier = Retrier(is_transient)
+        #: Metric points MLflow has taken from this sender, request by request (a caller's progress).
+        self.points_sent = 0
 
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """One MLflow call, retried alone on a transient failure (`retrier`)."""
+        return self.retrier.call(self._call_once, fn, *args, **kwargs)
+
+    def _call_once(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         with fast_fail_env(self.tracking_uri, self.request_timeout_s):
             return fn(*args, **kwargs)
 
@@ -173,9 +184,7 @@ class RunSender:
                                max_results=20, order_by=["attributes.start_time DESC"])
             run = next((r for r in map(self._usable, found) if r is not None), None)
         if run is None:
-            tags = {JOB_TAG: self.job_id} if self.job_id is not None else None
-            run = self._call(c.create_run, self._experiment_id(), start_time=self.start_time_ms,
-                             run_name=self.run_name, tags=tags)
+            run = self._create_run(self._experiment_id())
             self.floors = {}
         else:
             if run.info.status != "RUNNING" and not continued:
@@ -186,6 +195,29 @@ class RunSender:
         self._floors_of = self.run_id
         self.experiment_id = run.info.experiment_id
         return self.run_id, self.run_id != before
+
+    def _create_run(self, exp_id: str) -> Any:
+        """Create the job's run; a retry first looks for the run a failed try may have made after all.
+
+        A gateway can lose the answer to a request the server carried out (a 502 or a timeout after
+        the run was made): sending ``create_run`` again would make a second run of the job.
+        """
+        c = self.client()
+        tags = {JOB_TAG: self.job_id} if self.job_id is not None else None
+        tried = False
+
+        def attempt() -> Any:
+            nonlocal tried
+            if tried and self.job_id is not None:
+                found = c.search_runs([exp_id], filter_string=f"tags.`{JOB_TAG}` = '{self.job_id}'",
+                                      max_results=20, order_by=["attributes.start_time DESC"])
+                made = next((r for r in map(self._usable, found) if r is not None), None)
+                if made is not None:
+                    return made
+            tried = True
+            return c.create_run(exp_id, start_time=self.start_time_ms, run_name=self.run_name, tags=tags)
+
+        return self._call(attempt)
 
     def _get_run(self, run_id: str) -> Any:
         try:
@@ -228,8 +260,11 @@ class RunSender:
                 floors[key] = max(m.step for m in history)
         return floors
 
-    def send(self, records: list[dict[str, Any]]) -> int:
-        """Deliver records in order; return how many metric points were sent."""
+    def send(self, records: list[dict[str, Any]], done: Callable[[int], None] | None = None) -> int:
+        """Deliver records in order; return how many metric points were sent.
+
+        ``done(i)``: called after each request MLflow took, with the index of the last record it now has whole.
+        """
         from mlflow.entities import Metric, Param, RunTag
 
         if all(rec["k"] == STOP for rec in records):  # a writer that logged nothing: no run to make
@@ -243,20 +278,30 @@ class RunSender:
         tags: list[Any] = []
         floors = dict(self.floors)  # committed only when the batch is accepted
         sent = dropped = 0
+        had = -1  # the last record MLflow has whole (told to ``done``)
 
-        def flush() -> None:
+        def took(i: int) -> None:
+            nonlocal had
+            if done is not None and i > had:
+                had = i
+                done(i)
+
+        def flush(upto: int) -> None:  # the batch holds records up to ``upto``
             nonlocal sent
             if metrics or params or tags:
                 self._send_batch(metrics, params, tags)
                 sent += len(metrics)
+                self.points_sent += len(metrics)
                 self.floors.update(floors)
                 metrics.clear(), params.clear(), tags.clear()
+                took(upto)
 
-        for rec in records:
+        for i, rec in enumerate(records):
             k = rec["k"]
+            flush_upto = i - 1
             if k == METRICS:
                 if len(metrics) + len(rec["d"]) + len(params) + len(tags) > MAX_BATCH:
-                    flush()
+                    flush(flush_upto)
                 step = rec["s"]
                 for key, v in rec["d"].items():
                     if step > floors.get(key, step - 1):
@@ -266,41 +311,45 @@ class RunSender:
                         dropped += 1
             elif k in (PARAMS, TAGS):
                 if len(params) + len(tags) + len(rec["d"]) > MAX_BATCH_PARAMS_AND_TAGS:
-                    flush()
+                    flush(flush_upto)
                 target, cls = (params, Param) if k == PARAMS else (tags, RunTag)
                 target.extend(cls(key, v) for key, v in rec["d"].items())
             elif k == TEXT:
-                flush()
+                flush(flush_upto)
                 self._call(c.log_text, self.run_id, rec["text"], rec["f"])
+                took(i)
             elif k in (FILE, MODEL):  # staged files and models: keras_sync.tracking.artifacts
-                flush()
+                flush(flush_upto)
                 from keras_sync.tracking import artifacts as _artifacts
 
                 _artifacts.deliver(c, self.run_id, rec, self._call)
+                took(i)
             elif k == END:
-                flush()
+                flush(flush_upto)
                 if is_last_record(rec):
                     self.release_report()
                 self._call(c.set_terminated, self.run_id, status=rec["status"], end_time=rec.get("ts"))
+                took(i)
             elif k == STOP:  # the writer closed after ending the run: nothing to send
-                flush()
+                flush(flush_upto)
                 self.release_report()
             elif k == REPORT:  # drawn here, not in the training process (~0.7 s of matplotlib)
-                flush()
+                flush(flush_upto)
                 if self.hold_reports and not rec.get("now") and self._hold_report(rec):
                     continue
                 self._deliver_report(rec)
                 if self.held_report is not None and self._same_picture(rec):
                     self._set_held(None)  # the newer picture went: the held one is older
+                took(i)
             elif k == BEGIN:
-                flush()
+                flush(flush_upto)
                 self.new_session(rec.get("ts"))
                 if rec.get("replayed"):  # sent before by a courier killed before it moved the position
                     self.ensure_run(continuing=True)
                 else:
                     self.ensure_run(reopen=bool(rec.get("reopen")))
                 floors = dict(self.floors)  # the run may be another one now
-        flush()
+        flush(len(records) - 1)
         self.dropped += dropped
         return sent
 

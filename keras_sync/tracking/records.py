@@ -58,11 +58,13 @@ ALWAYS_KEPT = (BEGIN, END, STOP, TAGS)
 #: Why the courier's last delivery failed (``status.json``'s ``cause``), and how a person is told:
 #: the words of the warning once behind, and the word of the one-line log when it first happens.
 UNREACHABLE = "unreachable"  # a tracking server that does not answer (transient errors)
+FAILING_REQUESTS = "failing_requests"  # a tracking server that answers some requests with errors (HTTP 503)
 STORE_FAILING = "store_failing"  # a local store (sqlite, files) that raises
 REFUSED = "refused"  # a server that answers with an error
 CREDENTIALS = "credentials"  # HTTP 401/403: it does not fix itself
 CAUSES: dict[str, tuple[str, str]] = {
     UNREACHABLE: ("the tracking server {uri} is unreachable", "unreachable"),
+    FAILING_REQUESTS: ("the tracking server {uri} fails requests", "failing requests"),
     STORE_FAILING: ("the local store {uri} fails", "failing"),
     REFUSED: ("MLflow at {uri} refuses them", "refusing records"),
     CREDENTIALS: ("MLflow at {uri} refused the credentials", "refusing the credentials"),
