@@ -662,7 +662,8 @@ def test_metric_points_wait_for_a_batch_and_anything_else_takes_them_along(tmp_p
     delivery = Delivery(spool, sqlite_uri)
     calls = []
     send = delivery.sender.send
-    delivery.sender.send = lambda records: (calls.append([r["k"] for r in records]), send(records))[1]  # type: ignore[method-assign]
+    delivery.sender.send = lambda records, done=None: (  # type: ignore[method-assign]
+        calls.append([r["k"] for r in records]), send(records, done=done))[1]
     assert delivery.deliver_available(hold_metrics=True) == 0 and calls == [["begin"]]  # not a metric: at once
     spool.append([{"k": "m", "s": s, "ts": 1, "d": {"loss": 1.0 / s}} for s in range(1, 6)])
     assert delivery.deliver_available(hold_metrics=True) == 0 and len(calls) == 1  # held for a batch
