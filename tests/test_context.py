@@ -95,10 +95,10 @@ def test_a_later_fit_sends_only_changed_params_under_its_fit_number():
 
     job = JobState()
     assert job.next_fit().params_to_log({"epochs": 1, "optimizer_name": "sgd", "steps_per_epoch": None}) == {
-        "epochs": "1", "optimizer_name": "sgd", "steps_per_epoch": "None"}
+        "epochs": 1, "optimizer_name": "sgd", "steps_per_epoch": None}  # values as given; compared as MLflow's text
     assert job.next_fit().params_to_log({"epochs": 1, "optimizer_name": "sgd_1"}) == {"fit_2.optimizer_name": "sgd_1"}
     third = job.next_fit()
-    assert third.params_to_log({"epochs": 2, "optimizer_name": "sgd", "new": 5}) == {"fit_3.epochs": "2", "new": "5"}
+    assert third.params_to_log({"epochs": 2, "optimizer_name": "sgd", "new": 5}) == {"fit_3.epochs": 2, "new": 5}
     assert third.params_to_log({"epochs": 2}) == {}  # logged already in this fit
 
 

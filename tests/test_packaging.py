@@ -83,6 +83,8 @@ def test_without_tensorflow_load_says_how_to_install_it_in_one_line():
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == [
+        "keras-sync: config: a dict passed to keras_sync.load() (no file); starting TensorFlow and the default "
+        "strategy",  # the first line comes before TensorFlow is imported
         f"keras-sync: TensorFlow is not installed in this environment ({sys.executable}); keras-sync uses the "
         "TensorFlow of your project and installs none itself. Fix: pip install \"keras-sync[cpu]\" "
         "(tensorflow-cpu), \"keras-sync[tensorflow]\" (the standard build; GPU with a system CUDA) or "

@@ -156,5 +156,9 @@ def test_a_one_process_job_starts_its_courier_before_tensorflow_and_a_failed_loa
                          env=_env(TF_CPP_MIN_LOG_LEVEL="2"), capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2, bad.stderr[-3000:]
     assert bad.stdout.splitlines() == ["courier before the strategy: True tensorflow imported: False"]
-    assert bad.stderr.startswith("keras-sync: Invalid value for strategy.devices. Received: '/gpu:7'."), bad.stderr
+    # The first line comes before TensorFlow starts; the refusal is the line after it.
+    assert bad.stderr.splitlines()[0].startswith("keras-sync: config: "), bad.stderr
+    assert bad.stderr.splitlines()[1].startswith(
+        "keras-sync: Invalid value for strategy.devices. Received: '/gpu:7'."), bad.stderr
+    assert len(bad.stderr.splitlines()) == 2, bad.stderr
     assert sorted(p.name for p in failed.iterdir()) == []

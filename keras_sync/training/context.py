@@ -107,19 +107,20 @@ class SharedState:
             self.step_offset = max(0, self.steps_before - model_step)
         return self.step_offset + model_step
 
-    def params_to_log(self, params: dict[str, Any]) -> dict[str, str]:
+    def params_to_log(self, params: dict[str, Any]) -> dict[str, Any]:
         """Of ``params``, those to send: new keys as they are, changed values as ``fit_<n>.<key>``.
 
-        A param an earlier fit of the job logged with the same value is not sent again.
+        A param an earlier fit of the job logged with the same value (as MLflow stores it: its text)
+        is not sent again. Values are returned as given.
 
         >>> first, third = SharedState(), SharedState(fit=3)
         >>> third._params = first._params
         >>> first.params_to_log({"epochs": 1, "optimizer_name": "SGD"})
-        {'epochs': '1', 'optimizer_name': 'SGD'}
+        {'epochs': 1, 'optimizer_name': 'SGD'}
         >>> third.params_to_log({"epochs": 2, "optimizer_name": "SGD"})
-        {'fit_3.epochs': '2'}
+        {'fit_3.epochs': 2}
         """
-        out: dict[str, str] = {}
+        out: dict[str, Any] = {}
         for key, value in params.items():
             text = str(value)
             had = self._params.get(key)
@@ -127,7 +128,8 @@ class SharedState:
                 key = f"fit_{self.fit}.{key}"
                 had = self._params.get(key)
             if had is None:
-                self._params[key] = out[key] = text
+                self._params[key] = text
+                out[key] = value
         return out
 
     def add_flusher(self, fn: Callable[[], None]) -> None:
