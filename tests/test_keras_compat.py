@@ -354,7 +354,10 @@ def test_no_thread_starts_at_interpreter_exit_while_dropped_iterators_are_still_
     # one thread per iterator it still held at exit (11 "thread started at exit" lines on 3.11).
     r = subprocess.run([sys.executable, str(Path(__file__).with_name("_exit_threads_train.py"))],
                        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), capture_output=True, text=True, timeout=540)
-    lines = [line for line in r.stderr.splitlines() if not line.startswith(("WARNING:", "I0000", "W0000"))]
+    # TensorFlow's own C++ log lines (absl's "E0000 00:00:..." prefix: the standard build's "failed call to cuInit"
+    # on a machine without a GPU, in the newest lane) are not keras-sync's.
+    lines = [line for line in r.stderr.splitlines()
+             if not line.startswith("WARNING:") and not re.match(r"[IWEF]\d{4} \d\d:\d\d:", line)]
     assert r.returncode == 0, f"exit {r.returncode}:\n{r.stderr[-3000:]}"
     assert "thread started at exit" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert lines[0].startswith("keras-sync: config: a dict passed to keras_sync.load() (no file); starting TensorFlow"), \
