@@ -23,9 +23,15 @@ def main() -> int:
 
     import keras_sync
 
-    base = {"strategy": {"kind": "mirrored", "simulated_cpu_replicas": 2}, "batch": {"per_replica": 16},
-            "learning_rate": {"base": 0.01, "scaling": "none"}, "mlflow": {"enabled": False}}
-    syncs = {spe: keras_sync.load({**base, "runtime": {"steps_per_execution": spe}}) for spe in (1, 8)}
+    base = {
+        "strategy": {"kind": "mirrored", "simulated_cpu_replicas": 2},
+        "batch": {"per_replica": 16},
+        "learning_rate": {"base": 0.01, "scaling": "none"},
+        "mlflow": {"enabled": False},
+    }
+    syncs = {
+        spe: keras_sync.load({**base, "runtime": {"steps_per_execution": spe}}) for spe in (1, 8)
+    }
     import keras
     import numpy as np
 
@@ -44,8 +50,13 @@ def main() -> int:
     for _ in range(args.rounds):
         for spe, sync in syncs.items():
             with sync.scope():
-                model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(32, activation="relu"),
-                                          keras.layers.Dense(1)])
+                model = keras.Sequential(
+                    [
+                        keras.Input((8,)),
+                        keras.layers.Dense(32, activation="relu"),
+                        keras.layers.Dense(1),
+                    ]
+                )
                 model.compile(optimizer=keras.optimizers.SGD(sync.lr_schedule()), loss="mse")
             clock = Clock()
             # Epoch 1 traces; epoch 2 is timed from its first callback to its last.
@@ -53,7 +64,9 @@ def main() -> int:
             (b0, t0), (b1, t1) = clock.marks[0], clock.marks[-1]
             best[spe] = max(best.get(spe, 0.0), (b1 - b0) / (t1 - t0))
     for spe in sorted(best):
-        print(f"steps_per_execution {spe}: {best[spe]:8.1f} steps/s (best of {args.rounds} rounds, 2 replicas)")
+        print(
+            f"steps_per_execution {spe}: {best[spe]:8.1f} steps/s (best of {args.rounds} rounds, 2 replicas)"
+        )
     print(f"ratio spe 8 / spe 1: {best[8] / best[1]:.2f}x")
     return 0
 

@@ -68,11 +68,21 @@ def child(args: argparse.Namespace) -> int:
 
     import keras_sync
 
-    mlflow: dict = {"enabled": args.metrics == "on", "tracking_uri": args.uri, "experiment": "bench"}
+    mlflow: dict = {
+        "enabled": args.metrics == "on",
+        "tracking_uri": args.uri,
+        "experiment": "bench",
+    }
     if args.every != "default":
         mlflow["log_every_n_steps"] = int(args.every)
-    sync = keras_sync.load({"strategy": {"kind": "mirrored", "simulated_cpu_replicas": 2}, "batch": {"per_replica": 16},
-                            "learning_rate": {"base": 0.01, "scaling": "none"}, "mlflow": mlflow})
+    sync = keras_sync.load(
+        {
+            "strategy": {"kind": "mirrored", "simulated_cpu_replicas": 2},
+            "batch": {"per_replica": 16},
+            "learning_rate": {"base": 0.01, "scaling": "none"},
+            "mlflow": mlflow,
+        }
+    )
     import keras
 
     rng = np.random.default_rng(0)
@@ -81,7 +91,9 @@ def child(args: argparse.Namespace) -> int:
     y = (x @ rng.normal(size=(8, 1))).astype("float32")
     keras.utils.set_random_seed(0)
     with sync.scope():
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)])
+        model = keras.Sequential(
+            [keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)]
+        )
         model.compile(optimizer=keras.optimizers.SGD(sync.lr_schedule()), loss="mse")
     if args.warm:
         sync.fit(model, x, y, epochs=1, shuffle=False, verbose=0)
@@ -95,8 +107,16 @@ def child(args: argparse.Namespace) -> int:
         took.append(time.perf_counter() - t0)
         cpu.append(_cpu_s() - c0)
     with open(args.out, "w") as fh:
-        json.dump({"fit_s": min(took), "fits_s": took, "cpu_s": min(cpu), "returned_at": time.time(),
-                   "run_id": sync.run_id}, fh)
+        json.dump(
+            {
+                "fit_s": min(took),
+                "fits_s": took,
+                "cpu_s": min(cpu),
+                "returned_at": time.time(),
+                "run_id": sync.run_id,
+            },
+            fh,
+        )
     return 0  # the exit waits for what is left to deliver (atexit)
 
 
@@ -123,19 +143,43 @@ def _cpu_s() -> float:
 def _child_cmd(case: str, metrics: str, uri: str, out: str, *extra: str) -> list[str]:
     """The command of one benchmark process of ``case``."""
     _, steps, warm, every, _, _, _ = CASES[case]
-    return [sys.executable, __file__, "--child", "--metrics", metrics, "--uri", uri, "--steps", str(steps),
-            "--every", "default" if every is None else str(every), "--out", out, *extra] + (["--warm"] if warm else [])
+    return [
+        sys.executable,
+        __file__,
+        "--child",
+        "--metrics",
+        metrics,
+        "--uri",
+        uri,
+        "--steps",
+        str(steps),
+        "--every",
+        "default" if every is None else str(every),
+        "--out",
+        out,
+        *extra,
+    ] + (["--warm"] if warm else [])
 
 
 def _child_env() -> dict:
     """This environment without what would send a benchmark process's run elsewhere."""
-    return {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID",
-                                                             "KERAS_SYNC_CONFIG", "TF_CONFIG")}
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID", "KERAS_SYNC_CONFIG", "TF_CONFIG")
+    }
 
 
 def run_child(case: str, metrics: str, uri: str, out: str) -> dict:
     cmd = _child_cmd(case, metrics, uri, out, "--repeat", str(CASES[case][6]))
-    r = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True, cwd=os.path.dirname(out), timeout=1800)
+    r = subprocess.run(
+        cmd,
+        env=_child_env(),
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(out),
+        timeout=1800,
+    )
     ended = time.time()
     if r.returncode != 0:
         raise RuntimeError(f"{case}/{metrics} failed ({r.returncode}): {r.stderr[-2000:]}")
@@ -191,15 +235,22 @@ def run_lockstep(case: str, uris: dict, outs: dict) -> dict:
     for metrics in ("off", "on"):
         cmd = _child_cmd(case, metrics, uris[metrics], outs[metrics], "--lockstep")
         err = open(outs[metrics] + ".stderr", "w")
-        procs[metrics] = subprocess.Popen(cmd, env=_child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                          stderr=err, text=True, cwd=os.path.dirname(outs[metrics]))
+        procs[metrics] = subprocess.Popen(
+            cmd,
+            env=_child_env(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            cwd=os.path.dirname(outs[metrics]),
+        )
         err.close()
 
     def answer(metrics: str) -> object:
         """The child's next protocol line (other stdout lines are the user's: skipped)."""
         for line in procs[metrics].stdout:
             if line.startswith("@bench "):
-                return line[len("@bench "):].strip()
+                return line[len("@bench ") :].strip()
         stderr = open(outs[metrics] + ".stderr").read()[-2000:]
         raise RuntimeError(f"{case}/{metrics} ended ({procs[metrics].wait()}): {stderr}")
 
@@ -298,26 +349,33 @@ def main() -> int:
                     if store == "down":
                         with socket.socket() as s:
                             s.bind(("127.0.0.1", 0))
-                            uris[metrics] = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens there
+                            uris[metrics] = (
+                                f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens there
+                            )
                     else:
                         uris[metrics] = f"sqlite:///{d}/mlflow.db"  # fresh: created by this process
                     outs[metrics] = os.path.join(d, "out.json")
                 if warm:
                     res = run_lockstep(case, uris, outs)
                     ratios.append(statistics.median(res["rounds"]))
-                    cpu_ratios.append(statistics.median(
-                        [a / b for a, b in zip(res["cycle_cpu"]["on"], res["cycle_cpu"]["off"])]))
+                    cpu_ratios.append(
+                        statistics.median(
+                            [a / b for a, b in zip(res["cycle_cpu"]["on"], res["cycle_cpu"]["off"])]
+                        )
+                    )
                     times = {m: min(res["fits"][m]) for m in ("off", "on")}
                     waits.append(res["on"]["ended"] - res["on"]["returned_at"])
                     for m in ("off", "on"):
                         raw.setdefault(m, []).append(res["fits"][m])
-                    detail = (f"rounds (on/off, fits seconds apart) {' '.join(f'{r:.3f}' for r in res['rounds'])}; "
-                              f"CPU s per fit until its process was quiet again: off "
-                              f"{' '.join(f'{c:.2f}' for c in res['cycle_cpu']['off'])}, on "
-                              f"{' '.join(f'{c:.2f}' for c in res['cycle_cpu']['on'])}, ratio {cpu_ratios[-1]:.3f}")
+                    detail = (
+                        f"rounds (on/off, fits seconds apart) {' '.join(f'{r:.3f}' for r in res['rounds'])}; "
+                        f"CPU s per fit until its process was quiet again: off "
+                        f"{' '.join(f'{c:.2f}' for c in res['cycle_cpu']['off'])}, on "
+                        f"{' '.join(f'{c:.2f}' for c in res['cycle_cpu']['on'])}, ratio {cpu_ratios[-1]:.3f}"
+                    )
                 else:
                     times, cpus = {}, {}
-                    for metrics in (("off", "on") if i % 2 == 0 else ("on", "off")):
+                    for metrics in ("off", "on") if i % 2 == 0 else ("on", "off"):
                         one = run_child(case, metrics, uris[metrics], outs[metrics])
                         times[metrics], cpus[metrics] = one["fit_s"], one["cpu_s"]
                         raw.setdefault(metrics, []).append(one["fits_s"])
@@ -325,37 +383,78 @@ def main() -> int:
                             waits.append(one["exit_wait_s"])
                     ratios.append(times["on"] / times["off"])
                     cpu_ratios.append(cpus["on"] / cpus["off"])
-                    detail = (f"CPU s (process + courier, the fit) off {cpus['off']:.2f}, on {cpus['on']:.2f}, "
-                              f"ratio {cpu_ratios[-1]:.3f}")
+                    detail = (
+                        f"CPU s (process + courier, the fit) off {cpus['off']:.2f}, on {cpus['on']:.2f}, "
+                        f"ratio {cpu_ratios[-1]:.3f}"
+                    )
                 checks.append(check_mlflow(uris["on"], case) if store != "down" else "-")
                 on_s.append(times["on"])
                 off_s.append(times["off"])
-                print(f"{case} pair {i + 1}: off {times['off']:.2f}s, on {times['on']:.2f}s, ratio {ratios[-1]:.3f} "
-                      f"(every fit: off {' '.join(f'{t:.2f}' for t in raw['off'][-1])}, "
-                      f"on {' '.join(f'{t:.2f}' for t in raw['on'][-1])}), "
-                      f"exit wait {waits[-1]:.2f}s, MLflow at exit: {checks[-1]}; {detail}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"{case} pair {i + 1}: off {times['off']:.2f}s, on {times['on']:.2f}s, ratio {ratios[-1]:.3f} "
+                    f"(every fit: off {' '.join(f'{t:.2f}' for t in raw['off'][-1])}, "
+                    f"on {' '.join(f'{t:.2f}' for t in raw['on'][-1])}), "
+                    f"exit wait {waits[-1]:.2f}s, MLflow at exit: {checks[-1]}; {detail}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         finally:
             for p in busy:
                 p.kill()
                 p.wait()
-        rows.append((case, busy_n, steps, warm, every, goal, statistics.median(ratios), off_s, on_s, waits, checks,
-                     statistics.median(cpu_ratios)))
+        rows.append(
+            (
+                case,
+                busy_n,
+                steps,
+                warm,
+                every,
+                goal,
+                statistics.median(ratios),
+                off_s,
+                on_s,
+                waits,
+                checks,
+                statistics.median(cpu_ratios),
+            )
+        )
 
     import keras_sync
 
-    print(f"\nsync.fit, 2 simulated CPU replicas, Dense 8-16-1, per-replica batch 16; {args.pairs} process pairs "
-          f"per case (fresh process and sqlite store each); load average {load0:.1f} at start, "
-          f"{os.getloadavg()[0]:.1f} at end (keras-sync {keras_sync.__version__})")
-    print(f"{'case':<12}{'busy':>5}{'steps':>6}{'warm':>5}{'every':>8}{'ratio':>8}{'goal':>7}  "
-          f"{'cpu':>7}  {'off s (raw)':<22}{'on s (raw)':<22}{'exit wait s':<20}in MLflow at exit")
-    for case, busy_n, steps, warm, every, goal, ratio, off_s, on_s, waits, checks, cpu_ratio in rows:
+    print(
+        f"\nsync.fit, 2 simulated CPU replicas, Dense 8-16-1, per-replica batch 16; {args.pairs} process pairs "
+        f"per case (fresh process and sqlite store each); load average {load0:.1f} at start, "
+        f"{os.getloadavg()[0]:.1f} at end (keras-sync {keras_sync.__version__})"
+    )
+    print(
+        f"{'case':<12}{'busy':>5}{'steps':>6}{'warm':>5}{'every':>8}{'ratio':>8}{'goal':>7}  "
+        f"{'cpu':>7}  {'off s (raw)':<22}{'on s (raw)':<22}{'exit wait s':<20}in MLflow at exit"
+    )
+    for (
+        case,
+        busy_n,
+        steps,
+        warm,
+        every,
+        goal,
+        ratio,
+        off_s,
+        on_s,
+        waits,
+        checks,
+        cpu_ratio,
+    ) in rows:
         fmt = lambda v: " ".join(f"{t:.2f}" for t in v)  # noqa: E731
-        print(f"{case:<12}{busy_n:>5}{steps:>6}{'yes' if warm else 'no':>5}{'default' if every is None else every:>8}"
-              f"{ratio:>7.3f}x{'<=' + format(goal, 'g'):>7}{cpu_ratio:>6.3f}x  {fmt(off_s):<21} {fmt(on_s):<21} {fmt(waits):<19} "
-              + ("- (no server to read)" if all(c == "-" for c in checks) else
-                 f"{sum(c == 'ok' for c in checks)}/{len(checks)} ok" + ("" if all(c == "ok" for c in checks) else
-                                                                          f" ({', '.join(checks)})")))
+        print(
+            f"{case:<12}{busy_n:>5}{steps:>6}{'yes' if warm else 'no':>5}{'default' if every is None else every:>8}"
+            f"{ratio:>7.3f}x{'<=' + format(goal, 'g'):>7}{cpu_ratio:>6.3f}x  {fmt(off_s):<21} {fmt(on_s):<21} {fmt(waits):<19} "
+            + (
+                "- (no server to read)"
+                if all(c == "-" for c in checks)
+                else f"{sum(c == 'ok' for c in checks)}/{len(checks)} ok"
+                + ("" if all(c == "ok" for c in checks) else f" ({', '.join(checks)})")
+            )
+        )
     return 0
 
 

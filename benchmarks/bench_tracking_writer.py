@@ -23,8 +23,12 @@ def _percentile(xs: list[float], q: float) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=300, help="calls of mlflow.log_metric (slow side)")
-    ap.add_argument("--writer-calls", type=int, default=20_000, help="calls of MlflowWriter.log_metrics")
-    ap.add_argument("--tracking-uri", default=None, help="default: a fresh sqlite file in a temp dir")
+    ap.add_argument(
+        "--writer-calls", type=int, default=20_000, help="calls of MlflowWriter.log_metrics"
+    )
+    ap.add_argument(
+        "--tracking-uri", default=None, help="default: a fresh sqlite file in a temp dir"
+    )
     args = ap.parse_args()
 
     tmp = tempfile.mkdtemp(prefix="bench_tracking_")
@@ -65,18 +69,28 @@ def main() -> None:
 
     f_mean, o_mean = statistics.mean(fluent), statistics.mean(ours)
     print(f"store: {uri.split('://')[0]}   (mlflow {mlflow.__version__})")
-    print(f"mlflow.log_metric        : {args.calls:6d} calls  mean {f_mean * 1e6:9.1f} us  "
-          f"p99 {_percentile(fluent, 0.99) * 1e6:9.1f} us  max {max(fluent) * 1e3:7.2f} ms")
-    print(f"MlflowWriter.log_metrics : {args.writer_calls:6d} calls  mean {o_mean * 1e6:9.1f} us  "
-          f"p99 {_percentile(ours, 0.99) * 1e6:9.1f} us  max {max(ours) * 1e3:7.2f} ms")
-    print(f"ratio (log_metric / MlflowWriter.log_metrics, mean per call): {f_mean / o_mean:,.0f}x; "
-          f"median per call: {statistics.median(fluent) / statistics.median(ours):,.0f}x")
-    print("note: a writer call's max is a full gc collection of the MLflow-sized heap landing in "
-          "the caller, not the writer; gc.freeze() after imports removes it")
-    print(f"writer: {args.writer_calls} points queued in {t_logged - t_all:.3f} s, all delivered "
-          f"{t_flushed - t_logged:.3f} s later (delivered={delivered}); "
-          f"end-to-end {(t_flushed - t_all) / args.writer_calls * 1e6:.1f} us/point vs "
-          f"{f_mean * 1e6:.1f} us/point synchronous")
+    print(
+        f"mlflow.log_metric        : {args.calls:6d} calls  mean {f_mean * 1e6:9.1f} us  "
+        f"p99 {_percentile(fluent, 0.99) * 1e6:9.1f} us  max {max(fluent) * 1e3:7.2f} ms"
+    )
+    print(
+        f"MlflowWriter.log_metrics : {args.writer_calls:6d} calls  mean {o_mean * 1e6:9.1f} us  "
+        f"p99 {_percentile(ours, 0.99) * 1e6:9.1f} us  max {max(ours) * 1e3:7.2f} ms"
+    )
+    print(
+        f"ratio (log_metric / MlflowWriter.log_metrics, mean per call): {f_mean / o_mean:,.0f}x; "
+        f"median per call: {statistics.median(fluent) / statistics.median(ours):,.0f}x"
+    )
+    print(
+        "note: a writer call's max is a full gc collection of the MLflow-sized heap landing in "
+        "the caller, not the writer; gc.freeze() after imports removes it"
+    )
+    print(
+        f"writer: {args.writer_calls} points queued in {t_logged - t_all:.3f} s, all delivered "
+        f"{t_flushed - t_logged:.3f} s later (delivered={delivered}); "
+        f"end-to-end {(t_flushed - t_all) / args.writer_calls * 1e6:.1f} us/point vs "
+        f"{f_mean * 1e6:.1f} us/point synchronous"
+    )
 
 
 if __name__ == "__main__":

@@ -32,7 +32,9 @@ def old_allgather_fn(strategy, variables):
         for v in variables:
             local = tf.cast(tf.reshape(tf.identity(v), [1, -1]), tf.float64)
             copies = ctx.all_gather(local, axis=0)
-            worst = tf.maximum(worst, tf.reduce_max(tf.reduce_max(copies, 0) - tf.reduce_min(copies, 0)))
+            worst = tf.maximum(
+                worst, tf.reduce_max(tf.reduce_max(copies, 0) - tf.reduce_min(copies, 0))
+            )
         return worst
 
     @tf.function
@@ -48,7 +50,9 @@ def old_numpy(strategy, variables):
 
     worst = 0.0
     for v in variables:
-        copies = [np.asarray(c.numpy(), dtype=np.float64) for c in strategy.experimental_local_results(v)]
+        copies = [
+            np.asarray(c.numpy(), dtype=np.float64) for c in strategy.experimental_local_results(v)
+        ]
         stacked = np.stack(copies)
         worst = max(worst, float(np.max(stacked.max(axis=0) - stacked.min(axis=0), initial=0.0)))
     return worst
@@ -67,13 +71,20 @@ def timed(fn, repeats: int) -> tuple[float, float, object]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--width", type=int, default=4096, help="hidden width (4096: ~25M parameters)")
+    parser.add_argument(
+        "--width", type=int, default=4096, help="hidden width (4096: ~25M parameters)"
+    )
     args = parser.parse_args()
 
     import keras_sync
 
-    sync = keras_sync.load({"strategy": {"kind": "mirrored", "simulated_cpu_replicas": 2},
-                            "batch": {"global": 8}, "mlflow": {"enabled": False}})
+    sync = keras_sync.load(
+        {
+            "strategy": {"kind": "mirrored", "simulated_cpu_replicas": 2},
+            "batch": {"global": 8},
+            "mlflow": {"enabled": False},
+        }
+    )
     import keras
     import numpy as np
 
@@ -81,8 +92,14 @@ def main() -> int:
 
     w = args.width
     with sync.scope():
-        model = keras.Sequential([keras.Input((2048,)), keras.layers.Dense(w, activation="relu"),
-                                  keras.layers.Dense(w, activation="relu"), keras.layers.Dense(10)])
+        model = keras.Sequential(
+            [
+                keras.Input((2048,)),
+                keras.layers.Dense(w, activation="relu"),
+                keras.layers.Dense(w, activation="relu"),
+                keras.layers.Dense(10),
+            ]
+        )
         model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9), loss="mse")
     x = np.zeros((8, 2048), "float32")
     y = np.zeros((8, 10), "float32")
@@ -90,8 +107,10 @@ def main() -> int:
     variables = mirrored_variables(model)
     floats = sum(int(v.shape.num_elements()) for v in variables)
     replicas = sync.num_replicas
-    print(f"model: {model.count_params() / 1e6:.1f}M parameters; {len(variables)} mirrored variables, "
-          f"{floats / 1e6:.1f}M floats per replica; {replicas} replicas")
+    print(
+        f"model: {model.count_params() / 1e6:.1f}M parameters; {len(variables)} mirrored variables, "
+        f"{floats / 1e6:.1f}M floats per replica; {replicas} replicas"
+    )
 
     rows = [
         ("fingerprints", lambda: compare(model).value, replicas * len(variables) * 4 * 4),
@@ -102,11 +121,17 @@ def main() -> int:
     for name, fn, moved in rows:
         best, median, value = timed(fn, args.repeats)
         results[name] = best
-        print(f"{name:15s} fastest {best * 1000:9.1f} ms  median {median * 1000:9.1f} ms  "
-              f"gathers {moved:>13,} bytes  value {value}")
+        print(
+            f"{name:15s} fastest {best * 1000:9.1f} ms  median {median * 1000:9.1f} ms  "
+            f"gathers {moved:>13,} bytes  value {value}"
+        )
     new = results["fingerprints"]
-    print(f"ratio fingerprints / all_gather f64 (the multi-worker path): {new / results['all_gather f64']:.3f}")
-    print(f"ratio fingerprints / numpy f64 (the single-process path):    {new / results['numpy f64']:.3f}")
+    print(
+        f"ratio fingerprints / all_gather f64 (the multi-worker path): {new / results['all_gather f64']:.3f}"
+    )
+    print(
+        f"ratio fingerprints / numpy f64 (the single-process path):    {new / results['numpy f64']:.3f}"
+    )
     return 0
 
 

@@ -27,13 +27,13 @@ from keras_sync.errors import (
     TrackingError,
     UsageError,
 )
+from keras_sync.session import Sync, load
 from keras_sync.training.scaling import (
     global_batch_size,
     per_replica_batch_size,
     scale_learning_rate,
     warmup_learning_rate,
 )
-from keras_sync.session import Sync, load
 
 __version__ = "0.1.0"
 

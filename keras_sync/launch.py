@@ -111,7 +111,9 @@ def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _validate(script: str, workers: object, config: str | None, grace_period_s: float, max_restarts: object) -> None:
+def _validate(
+    script: str, workers: object, config: str | None, grace_period_s: float, max_restarts: object
+) -> None:
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise UsageError(
             f"Invalid value for argument `workers`. Received: workers={workers!r}. "
@@ -139,7 +141,9 @@ def _validate(script: str, workers: object, config: str | None, grace_period_s: 
         )
 
 
-def _refuse_one_process_kind(script: str, workers: int, config: str | None, environ: Mapping[str, str]) -> None:
+def _refuse_one_process_kind(
+    script: str, workers: int, config: str | None, environ: Mapping[str, str]
+) -> None:
     """Several workers of a one-process kind (`mirrored`, ...) would be as many jobs: refused before any starts.
 
     Checks the config the workers will load by `keras_sync.load()`'s rule (``config``, else
@@ -157,8 +161,12 @@ def _refuse_one_process_kind(script: str, workers: int, config: str | None, envi
         cfg = load_config(config, environ=environ)
     except KerasSyncError:
         return  # each worker's keras_sync.load says what is wrong with it
-    refuse_one_process_kind(cfg, workers, f"keras-sync launch --workers {workers} starts {workers} workers",
-                            f"run it as one process: {python_command()} {script}")
+    refuse_one_process_kind(
+        cfg,
+        workers,
+        f"keras-sync launch --workers {workers} starts {workers} workers",
+        f"run it as one process: {python_command()} {script}",
+    )
 
 
 def _refuse_http_tracking(config: str | None, environ: Mapping[str, str]) -> None:
@@ -178,7 +186,8 @@ def _refuse_http_tracking(config: str | None, environ: Mapping[str, str]) -> Non
             f"Invalid value for argument `private_network`. Received: private_network=True with mlflow.tracking_uri="
             f"{redact_uri(uri)!r}: in their own network namespace the workers reach no network but their loopback, "
             "so not that server. Fix: use a sqlite or file store (e.g. sqlite:///mlflow.db) and deliver it later, set "
-            "mlflow.enabled: false, or drop --private-network and keep the ports behind a firewall.")
+            "mlflow.enabled: false, or drop --private-network and keep the ports behind a firewall."
+        )
 
 
 def launch(
@@ -253,11 +262,14 @@ def launch(
                 previous[sig] = signal.signal(sig, on_signal)
         for attempt in range(max_restarts + 1):
             try_env = {**base_env, RESTART_COUNT_ENV: str(attempt)}
-            code, failed = _one_try(wrap([sys.executable, script, *args]), workers, try_env, procs, stop,
-                                    grace_period_s)
+            code, failed = _one_try(
+                wrap([sys.executable, script, *args]), workers, try_env, procs, stop, grace_period_s
+            )
             if code == 0 or "signal" in stop or failed is None or attempt == max_restarts:
                 return code
-            _say(f"restart {attempt + 1}/{max_restarts} after worker {failed} exited with code {code}")
+            _say(
+                f"restart {attempt + 1}/{max_restarts} after worker {failed} exited with code {code}"
+            )
         return code  # pragma: no cover - the loop always returns
     finally:
         for sig, handler in previous.items():
@@ -266,9 +278,14 @@ def launch(
             network.close()
 
 
-def _one_try(command: list[str], workers: int, base_env: dict[str, str],
-             procs: list[subprocess.Popen[bytes]], stop: dict[str, int],
-             grace_period_s: float) -> tuple[int, int | None]:
+def _one_try(
+    command: list[str],
+    workers: int,
+    base_env: dict[str, str],
+    procs: list[subprocess.Popen[bytes]],
+    stop: dict[str, int],
+    grace_period_s: float,
+) -> tuple[int, int | None]:
     """Starts the workers on fresh ports and supervises them: (exit code, index of the failed worker)."""
     procs.clear()
     pumps: list[threading.Thread] = []
@@ -296,15 +313,18 @@ def _one_try(command: list[str], workers: int, base_env: dict[str, str],
     finally:
         for s in socks:
             s.close()
-        _signal_groups(procs, signal.SIGKILL)  # leftovers of workers that exited, or of a crash here
+        _signal_groups(
+            procs, signal.SIGKILL
+        )  # leftovers of workers that exited, or of a crash here
         for p in procs:
             p.wait()
         for t in pumps:
             t.join(timeout=2.0)
 
 
-def _supervise(procs: list[subprocess.Popen[bytes]], stop: dict[str, int],
-               grace_period_s: float) -> tuple[int, int | None]:
+def _supervise(
+    procs: list[subprocess.Popen[bytes]], stop: dict[str, int], grace_period_s: float
+) -> tuple[int, int | None]:
     """Waits for the workers; on a failure or a signal, stops them all: (exit code, failed worker)."""
     result: int | None = None
     failed_worker: int | None = None
@@ -328,10 +348,17 @@ def _supervise(procs: list[subprocess.Popen[bytes]], stop: dict[str, int],
                 running = sum(c is None for c in codes)
                 # Said even when no worker is left: the others may have ended between two polls
                 # (a peer that lost its chief ends within seconds; seen under load in CI).
-                others = [f"w{j} exited too, with code {_exit_code(c)}" for j, c in enumerate(codes)
-                          if j != i and c not in (None, 0)]
-                _say("; ".join([f"w{i} exited with code {result}", *others]
-                               + ([f"stopping the other {running} worker(s)"] if running else [])))
+                others = [
+                    f"w{j} exited too, with code {_exit_code(c)}"
+                    for j, c in enumerate(codes)
+                    if j != i and c not in (None, 0)
+                ]
+                _say(
+                    "; ".join(
+                        [f"w{i} exited with code {result}", *others]
+                        + ([f"stopping the other {running} worker(s)"] if running else [])
+                    )
+                )
                 if running:
                     _signal_groups(procs, signal.SIGTERM)
                     kill_at = time.monotonic() + grace_period_s
@@ -349,4 +376,6 @@ if __name__ == "__main__":
     # in a function of this module, so the library never imports the CLI (the CLI imports `launch`).
     from keras_sync.cli.launch import command
 
-    command.main(prog_name="python -m keras_sync.launch")  # exits with the command's code, as click does
+    command.main(
+        prog_name="python -m keras_sync.launch"
+    )  # exits with the command's code, as click does

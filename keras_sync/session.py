@@ -8,13 +8,14 @@ import math
 import os
 import sys
 import warnings
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-from keras_sync.training import scaling
 from keras_sync.cluster import strategy_role
 from keras_sync.config import Config, load_config
-from keras_sync.errors import UsageError
 from keras_sync.config.kinds import KINDS
+from keras_sync.errors import UsageError
+from keras_sync.training import scaling
 
 log = logging.getLogger("keras_sync")
 
@@ -53,16 +54,26 @@ def load(
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     from keras_sync.strategy import ONE_PROCESS_KINDS, check_one_process, detect
 
-    check_one_process(cfg)  # `mirrored` under a TF_CONFIG of 2 workers: 2 jobs, not one; refused before TensorFlow
+    check_one_process(
+        cfg
+    )  # `mirrored` under a TF_CONFIG of 2 workers: 2 jobs, not one; refused before TensorFlow
     kind = detect(cfg).kind
-    if _chief_before_tensorflow(cfg):  # TensorFlow's start takes seconds (10-25 on a busy machine): say so first
-        print(f"keras-sync: config: {cfg.origin()}; {_starting_line(cfg, kind)}", file=sys.stderr, flush=True)
+    if _chief_before_tensorflow(
+        cfg
+    ):  # TensorFlow's start takes seconds (10-25 on a busy machine): say so first
+        print(
+            f"keras-sync: config: {cfg.origin()}; {_starting_line(cfg, kind)}",
+            file=sys.stderr,
+            flush=True,
+        )
     early_writer = None
     if cfg.mlflow.enabled and kind in ONE_PROCESS_KINDS:
         from keras_sync.training import paths as _paths
         from keras_sync.training.job_run import start_writer
 
-        _paths.check_config_paths(cfg, is_chief=True)  # a path it cannot write: its one line, before any writer
+        _paths.check_config_paths(
+            cfg, is_chief=True
+        )  # a path it cannot write: its one line, before any writer
         # Surely the chief: its courier imports MLflow (~2 s of a core) while TensorFlow is imported
         # below, not while the first fit trains (measured on a busy machine: it competed with training).
         early_writer = start_writer(cfg)
@@ -75,7 +86,9 @@ def load(
     from keras_sync.training import runtime
 
     runtime.set_dtype_policy(cfg, is_chief=sync.is_chief)  # before the user builds the model
-    if cfg.verify is not None:  # `keras-sync verify`: the same initial weights and data on both runs
+    if (
+        cfg.verify is not None
+    ):  # `keras-sync verify`: the same initial weights and data on both runs
         from keras_sync.training.verify_record import seed_everything
 
         seed_everything()
@@ -90,7 +103,9 @@ def _chief_before_tensorflow(cfg: Config) -> bool:
 
     try:
         info, _ = read_cluster(cfg.strategy)
-    except KerasSyncError:  # building the strategy says what is wrong; the config line helps read it
+    except (
+        KerasSyncError
+    ):  # building the strategy says what is wrong; the config line helps read it
         return True
     return info.is_chief
 
@@ -127,11 +142,16 @@ def _build(cfg: Config, early_writer: Any) -> Sync:
         # fit/evaluate/predict: a worker that calls one alone fails with one line; workers leave together
         _collective_calls.install(strategy, cfg.strategy.connect_timeout_s)
     sync = Sync(cfg, strategy, detection)
-    from keras_sync.training import paths as _paths, run_checks as _run_checks
+    from keras_sync.training import paths as _paths
+    from keras_sync.training import run_checks as _run_checks
 
     if early_writer is None:  # checked before the early writer started, else
-        _paths.check_config_paths(cfg, is_chief=sync.is_chief)  # now, not at the first save or metric
-    _run_checks.watch_direct_fit(sync)  # model.fit on a model of sync.scope() without keras-sync: one line
+        _paths.check_config_paths(
+            cfg, is_chief=sync.is_chief
+        )  # now, not at the first save or metric
+    _run_checks.watch_direct_fit(
+        sync
+    )  # model.fit on a model of sync.scope() without keras-sync: one line
     if sync.is_chief and cfg.mlflow.enabled:
         from keras_sync.training.job_run import writer_for
 
@@ -170,7 +190,11 @@ class Sync:
         self.kind_reason: str = detection.reason
         self.num_replicas: int = int(strategy.num_replicas_in_sync)
         role = strategy_role(strategy)
-        self.num_workers, self.is_chief, self.task = role.num_workers, role.is_chief, (role.task_type, role.task_id)
+        self.num_workers, self.is_chief, self.task = (
+            role.num_workers,
+            role.is_chief,
+            (role.task_type, role.task_id),
+        )
         self.per_replica_batch_size, self.global_batch_size = scaling.resolve_batch_sizes(
             config.batch.per_replica, config.batch.global_, self.num_replicas
         )
@@ -181,7 +205,10 @@ class Sync:
         self.base_learning_rate = lr.base
         self.base_batch_size = lr.base_batch_size or self.per_replica_batch_size
         self.learning_rate = scaling.scale_learning_rate(
-            lr.base, global_batch_size=self.effective_batch_size, base_batch_size=self.base_batch_size, rule=lr.scaling
+            lr.base,
+            global_batch_size=self.effective_batch_size,
+            base_batch_size=self.base_batch_size,
+            rule=lr.scaling,
         )
         self._schedules: list[Any] = []
         self._steps_per_epoch: int | None = None
@@ -224,9 +251,13 @@ class Sync:
 
         steps_known = steps_per_epoch or self._steps_per_epoch
         n = self.warmup_steps(steps_known) if (lr.warmup_steps or steps_known) else 1
-        sched = GradualWarmup(self.base_learning_rate, self.learning_rate, warmup_steps=n, after=after)
+        sched = GradualWarmup(
+            self.base_learning_rate, self.learning_rate, warmup_steps=n, after=after
+        )
         if lr.warmup_epochs and not steps_known:
-            self._schedules.append(sched)  # fit() sets warmup_steps once it knows the steps per epoch
+            self._schedules.append(
+                sched
+            )  # fit() sets warmup_steps once it knows the steps per epoch
         return sched
 
     # -- strategy ----------------------------------------------------------------------------
@@ -267,7 +298,8 @@ class Sync:
             replay_order=bool(self.config.fault_tolerance.backup_dir),
             learning_rate=self.learning_rate,
             strategy=self.strategy,
-            arrays_as_dataset=self.config.verify is not None and _verify_record().arrays_as_dataset(self.config),
+            arrays_as_dataset=self.config.verify is not None
+            and _verify_record().arrays_as_dataset(self.config),
         )
 
     # -- Keras -------------------------------------------------------------------------------
@@ -284,7 +316,9 @@ class Sync:
         """
         from keras_sync.training import runtime
 
-        self._check_model(model, "fit")  # before anything touches it: a Keras 2 model is refused in one line
+        self._check_model(
+            model, "fit"
+        )  # before anything touches it: a Keras 2 model is refused in one line
         self._check_variables(model, "fit")
         self._check_optimizers(model, "fit")
         self._check_callbacks(model, kwargs.get("callbacks"), "fit")
@@ -298,13 +332,19 @@ class Sync:
         pipe = self._pipeline()
         global_batch = given or self.global_batch_size
         # drop_remainder applies to a dataset, and to arrays made into one (multi-worker, replay order).
-        drops = pipe.drop_remainder and (pipe.multi_worker or pipe.replay_order or _is_dataset(data))
+        drops = pipe.drop_remainder and (
+            pipe.multi_worker or pipe.replay_order or _is_dataset(data)
+        )
         facts = self.input_facts
         if facts is not None and (facts.own_part or facts.source == "keras.utils.PyDataset"):
             # Inputs only the pipeline can count (each worker's own part, summed over the workers; a
             # PyDataset's batches): its count. A part's remainder is dropped per worker: unknown then.
             n = facts.examples_per_epoch if fit_kwargs.get("steps_per_epoch") is None else None
-            expected = None if n is None or (drops and facts.own_part) else (n - n % global_batch if drops else n)
+            expected = (
+                None
+                if n is None or (drops and facts.own_part)
+                else (n - n % global_batch if drops else n)
+            )
         else:
             expected = _run_checks.expected_examples(self, data, fit_kwargs, global_batch, drops)
         self._resolve_pending_warmup(x, kwargs)
@@ -312,19 +352,25 @@ class Sync:
 
         # First: once fit has built the model, it sets up gradient accumulation and custom train_steps.
         kwargs["callbacks"] = [runtime.setup_callback(self)] + ks_callbacks.default_callbacks(
-            self, model, kwargs.get("callbacks"), per_replica_batch_size=per_replica)
+            self, model, kwargs.get("callbacks"), per_replica_batch_size=per_replica
+        )
         # Last: it reads what every other callback restored, and checks what really trained.
-        kwargs["callbacks"].append(_run_checks.checks_callback(self, global_batch=global_batch, expected=expected,
-                                                               data=data))
+        kwargs["callbacks"].append(
+            _run_checks.checks_callback(
+                self, global_batch=global_batch, expected=expected, data=data
+            )
+        )
         if self.config.verify is not None:
             from keras_sync.training import verify_record
 
             kwargs["callbacks"].append(verify_record.callback(self))
+        from keras_sync.callbacks.backup import resumable_fit
         from keras_sync.training import saving
         from keras_sync.training.job_run import run_ends_after_fit, shared_run_for
-        from keras_sync.callbacks.backup import resumable_fit
 
-        saving.guard_callbacks(self.strategy, kwargs["callbacks"])  # Keras' BackupAndRestore, TensorBoard, CSVLogger: the chief writes
+        saving.guard_callbacks(
+            self.strategy, kwargs["callbacks"]
+        )  # Keras' BackupAndRestore, TensorBoard, CSVLogger: the chief writes
         from keras_sync.cluster.interrupt import ctrl_c_ends_fit
         from keras_sync.cluster.lost_peer import raised_as_peer_lost
 
@@ -332,14 +378,24 @@ class Sync:
         # Ctrl-C too (outermost: every other context has closed before the process exits).
         # With mlflow.keras.autolog() on, autolog logs into keras-sync's run instead of its own.
         # A worker that is not the chief and writes a file anyway (a callback the guard does not know) is told.
-        with ctrl_c_ends_fit(model, is_chief=self.is_chief, backup_dir=self.config.fault_tolerance.backup_dir), \
-                shared_run_for(self), run_ends_after_fit(self), raised_as_peer_lost(self.strategy, self.config.fault_tolerance.backup_dir), \
-                resumable_fit(kwargs["callbacks"]), _quiet_end_of_data(kwargs.get("steps_per_epoch")), \
-                saving.watch_worker_writes(self.strategy), self._eval_losses(model):
+        with (
+            ctrl_c_ends_fit(
+                model, is_chief=self.is_chief, backup_dir=self.config.fault_tolerance.backup_dir
+            ),
+            shared_run_for(self),
+            run_ends_after_fit(self),
+            raised_as_peer_lost(self.strategy, self.config.fault_tolerance.backup_dir),
+            resumable_fit(kwargs["callbacks"]),
+            _quiet_end_of_data(kwargs.get("steps_per_epoch")),
+            saving.watch_worker_writes(self.strategy),
+            self._eval_losses(model),
+        ):
             history = model.fit(x, y, **kwargs)
         from keras_sync.training.job_run import end_run_after_fit
 
-        end_run_after_fit(self)  # the run ends with fit, not at exit: Ray Train V2 kills its workers (no atexit)
+        end_run_after_fit(
+            self
+        )  # the run ends with fit, not at exit: Ray Train V2 kills its workers (no atexit)
         if self.config.verify is not None:
             from keras_sync.training import verify_record
 
@@ -360,13 +416,21 @@ class Sync:
         except scaling.ScalingError:  # warmup in epochs with an epoch length the data does not tell
             warmup = "unknown"
         return RunContext(
-            kind=self.kind, num_replicas=self.num_replicas, num_workers=self.num_workers, is_chief=self.is_chief,
-            per_replica_batch_size=per_replica, global_batch_size=per_replica * self.num_replicas,
+            kind=self.kind,
+            num_replicas=self.num_replicas,
+            num_workers=self.num_workers,
+            is_chief=self.is_chief,
+            per_replica_batch_size=per_replica,
+            global_batch_size=per_replica * self.num_replicas,
             gradient_accumulation_steps=self.gradient_accumulation_steps,
             effective_batch_size=per_replica * self.num_replicas * self.gradient_accumulation_steps,
-            base_learning_rate=self.base_learning_rate, learning_rate=self.learning_rate,
-            lr_scaling=self.config.learning_rate.scaling, warmup_steps=warmup,
-            steps_per_epoch=self._steps_per_epoch, config=self.config)
+            base_learning_rate=self.base_learning_rate,
+            learning_rate=self.learning_rate,
+            lr_scaling=self.config.learning_rate.scaling,
+            warmup_steps=warmup,
+            steps_per_epoch=self._steps_per_epoch,
+            config=self.config,
+        )
 
     def callbacks(self, model: Any, callbacks: Any = None) -> list[Any]:
         """For a `model.fit` you call yourself: prepare ``model`` as `fit` would and return the
@@ -390,10 +454,11 @@ class Sync:
                 f"Sync.callbacks cannot resume mid-epoch: fault_tolerance.backup_dir is set "
                 f"({self.config.fault_tolerance.backup_dir!r}), and its exact resume replaces Keras's epoch iterator "
                 "for the length of fit. Use sync.fit(model, ...), or remove fault_tolerance.backup_dir and pass "
-                "keras.callbacks.BackupAndRestore yourself.")
-        from keras_sync.upstream import keras_fixes as _keras_compat
-        from keras_sync.training import runtime
+                "keras.callbacks.BackupAndRestore yourself."
+            )
         from keras_sync import callbacks as ks_callbacks
+        from keras_sync.training import runtime
+        from keras_sync.upstream import keras_fixes as _keras_compat
 
         self._check_model(model, "callbacks")
         self._check_variables(model, "callbacks")
@@ -401,13 +466,21 @@ class Sync:
         self._check_callbacks(model, callbacks, "callbacks")
         runtime.prepare_model(self, model)
         _keras_compat.check_steps_per_execution(model, self.strategy)
-        from keras_sync.training import run_checks as _run_checks, saving
+        from keras_sync.training import run_checks as _run_checks
+        from keras_sync.training import saving
 
         # Keras' BackupAndRestore, TensorBoard and CSVLogger: the chief writes the user's paths.
         # Last: the run-time checks (examples per step, resume, learning rate; the data's length is not known here).
-        return saving.guard_callbacks(self.strategy, [runtime.setup_callback(self)] + ks_callbacks.default_callbacks(
-            self, model, callbacks) + [_run_checks.checks_callback(self, global_batch=self.global_batch_size,
-                                                                   expected=None)])
+        return saving.guard_callbacks(
+            self.strategy,
+            [runtime.setup_callback(self)]
+            + ks_callbacks.default_callbacks(self, model, callbacks)
+            + [
+                _run_checks.checks_callback(
+                    self, global_batch=self.global_batch_size, expected=None
+                )
+            ],
+        )
 
     # -- the MLflow run ----------------------------------------------------------------------
 
@@ -472,7 +545,9 @@ class Sync:
         x, _, kwargs = self._prepare(model, "predict", x, None, kwargs)
         return model.predict(x, **kwargs)
 
-    def _prepare(self, model: Any, method: str, x: Any, y: Any, kwargs: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
+    def _prepare(
+        self, model: Any, method: str, x: Any, y: Any, kwargs: dict[str, Any]
+    ) -> tuple[Any, Any, dict[str, Any]]:
         self._check_model(model, method)
         from keras_sync.upstream import keras_fixes as _keras_compat
 
@@ -506,13 +581,15 @@ class Sync:
             raise UsageError(
                 f"Invalid value for argument `batch_size` of sync.fit. Received: batch_size={batch_size}. Expected "
                 f"the global batch, a multiple of the {self.num_replicas} replicas. Fix: leave batch_size out and set "
-                "batch.global (or batch.per_replica) in the config.")
+                "batch.global (or batch.per_replica) in the config."
+            )
         if self.config.learning_rate.scaling != "none":
             raise UsageError(
                 f"sync.fit(batch_size={batch_size}): batch_size is the global batch (as Keras reads it under a "
                 f"tf.distribute strategy), but the learning rate {self.learning_rate:g} was scaled for the configured "
                 f"global batch {self.global_batch_size}. Fix: set batch.global: {batch_size} in the config (the rate "
-                "is then scaled for it), or leave batch_size out.")
+                "is then scaled for it), or leave batch_size out."
+            )
         if not self._warned_batch_size:
             self._warned_batch_size = True
             warnings.warn(
@@ -535,18 +612,26 @@ class Sync:
         if not isinstance(model, keras.Model):
             cls = type(model)
             where = f"{cls.__module__}.{cls.__qualname__}"
-            if cls.__module__.split(".")[0] in ("tf_keras", "tensorflow", "keras"):  # keras.engine: Keras 2 alone
+            if cls.__module__.split(".")[0] in (
+                "tf_keras",
+                "tensorflow",
+                "keras",
+            ):  # keras.engine: Keras 2 alone
                 raise UsageError(
                     f"sync.{method} got a Keras 2 model ({where}: tf_keras, or tf.keras with TF_USE_LEGACY_KERAS=1), "
                     f"and keras-sync supports Keras 3 only (keras {keras.__version__} is installed). Fix: build the "
-                    "model with `import keras` rather than tf.keras/tf_keras, and unset TF_USE_LEGACY_KERAS.")
+                    "model with `import keras` rather than tf.keras/tf_keras, and unset TF_USE_LEGACY_KERAS."
+                )
             raise UsageError(
-                f"sync.{method}(model, ...) expects a Keras 3 model (a keras.Model) as first argument. Received: {where}.")
+                f"sync.{method}(model, ...) expects a Keras 3 model (a keras.Model) as first argument. Received: {where}."
+            )
         if not KINDS[self.kind].scoped:
             return
         from keras_sync.upstream import internals as _internals
 
-        _internals.require("model_strategy")  # a Keras that moved it would make every model look unscoped
+        _internals.require(
+            "model_strategy"
+        )  # a Keras that moved it would make every model look unscoped
         _keras_compat_check_call(model, method)
         if getattr(model, "_distribute_strategy", None) is not self.strategy:
             raise UsageError(
@@ -578,7 +663,8 @@ class Sync:
                 f"sync.{method}: layers of {type(model).__name__} were built outside sync.scope() ({shown}), only the "
                 f"model was assembled inside: their variables are not the {self.kind} strategy's, and Keras cannot "
                 "train them under it. Fix: build the whole model (every layer, from keras.Input on) inside "
-                "`with sync.scope():`.")
+                "`with sync.scope():`."
+            )
 
     def _check_optimizers(self, model: Any, method: str) -> None:
         """Keras optimizer options that crash under a tf.distribute strategy, refused in one line with the fix.
@@ -592,7 +678,9 @@ class Sync:
         from keras_sync.training.train_step_trace import optimizers_of
 
         for opt in optimizers_of(model):
-            inner = getattr(opt, "inner_optimizer", opt)  # a LossScaleOptimizer's options are its inner optimizer's
+            inner = getattr(
+                opt, "inner_optimizer", opt
+            )  # a LossScaleOptimizer's options are its inner optimizer's
             name = type(inner).__name__
             if getattr(inner, "gradient_accumulation_steps", None):
                 raise UsageError(
@@ -600,13 +688,15 @@ class Sync:
                     f"{inner.gradient_accumulation_steps}) fails under a {self.kind} strategy in Keras (its "
                     "accumulation runs in a cond that all-reduces: 'merge_call called while defining a new graph'). "
                     f"Fix: remove it from the optimizer and set runtime.gradient_accumulation_steps: "
-                    f"{inner.gradient_accumulation_steps} in the keras-sync config (same update, on any replica count).")
+                    f"{inner.gradient_accumulation_steps} in the keras-sync config (same update, on any replica count)."
+                )
             if getattr(inner, "use_ema", False):
                 raise UsageError(
                     f"sync.{method}: the model's optimizer {name}(use_ema=True) fails under a {self.kind} strategy in "
                     "Keras (its moving average is updated in a cond that all-reduces: 'merge_call called while "
                     "defining a new graph'). Fix: remove use_ema (and ema_momentum/ema_overwrite_frequency) from the "
-                    "optimizer; keep an average of the weights in a callback if you need one.")
+                    "optimizer; keep an average of the weights in a callback if you need one."
+                )
 
     def _check_callbacks(self, model: Any, callbacks: Any, method: str) -> None:
         """The user's callbacks that cannot work beside this config, refused before training."""
@@ -621,14 +711,18 @@ class Sync:
             return
         from keras_sync.training.pipeline import steps_of
 
-        steps = kwargs.get("steps_per_epoch") or steps_of(x, kwargs.get("batch_size"), kwargs.get("validation_split"))
+        steps = kwargs.get("steps_per_epoch") or steps_of(
+            x, kwargs.get("batch_size"), kwargs.get("validation_split")
+        )
         if not steps:
             raise UsageError(
                 "learning_rate.warmup_epochs needs the number of steps per epoch, and the training data does not "
                 "tell it (an infinite or unknown-size dataset). Pass steps_per_epoch to sync.fit, or use "
                 "learning_rate.warmup_steps."
             )
-        steps = math.ceil(steps / self.gradient_accumulation_steps)  # the schedule counts optimizer updates
+        steps = math.ceil(
+            steps / self.gradient_accumulation_steps
+        )  # the schedule counts optimizer updates
         self._steps_per_epoch = steps
         for sched in self._schedules:
             sched.warmup_steps = self.warmup_steps(steps)
@@ -645,7 +739,9 @@ def _quiet_end_of_data(steps_per_epoch: Any) -> Any:
         yield
         return
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Your input ran out of data", category=UserWarning)
+        warnings.filterwarnings(
+            "ignore", message="Your input ran out of data", category=UserWarning
+        )
         yield
 
 
@@ -671,4 +767,5 @@ def _keras_compat_check_call(model: Any, method: str) -> None:
             f"{name} has no call() method, and under a distribution strategy Keras builds the model by calling it "
             f"on a batch before sync.{method} trains (it fails with a long traceback inside Keras). Fix: define "
             f"call(self, inputs) in {name}, returning what the model computes from inputs (e.g. the decoder's or "
-            "generator's output).")
+            "generator's output)."
+        )

@@ -22,9 +22,9 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+from _scenario import Results, close_run, run_mode
 
 import keras_sync
-from _scenario import Results, close_run, run_mode
 
 MODE, OUT = sys.argv[1], Path(sys.argv[2])
 results = Results()
@@ -40,7 +40,9 @@ def make_model(sync, optimizer):
 
     keras.utils.set_random_seed(0)
     with sync.scope():
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)])
+        model = keras.Sequential(
+            [keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)]
+        )
         model.compile(optimizer=optimizer(), loss="mse", metrics=["mae"])
     return model
 
@@ -58,10 +60,15 @@ def fit_and_close(sync, model, name, **kwargs):
     np.save(OUT / f"{name}.npy", model.predict(PROBE, verbose=0))
     t2 = time.time()
     run_id = close(sync)
-    return {"run_id": run_id, "fit_start_ms": int(t0 * 1000), "fit_end_ms": int(t1 * 1000),
-            "closed_ms": int(time.time() * 1000), "predicted_ms": int(t2 * 1000),
-            "iterations": int(model.optimizer.iterations.numpy()),
-            "warnings": [f"{w.category.__name__}: {w.message}" for w in caught]}
+    return {
+        "run_id": run_id,
+        "fit_start_ms": int(t0 * 1000),
+        "fit_end_ms": int(t1 * 1000),
+        "closed_ms": int(time.time() * 1000),
+        "predicted_ms": int(t2 * 1000),
+        "iterations": int(model.optimizer.iterations.numpy()),
+        "warnings": [f"{w.category.__name__}: {w.message}" for w in caught],
+    }
 
 
 def mirrored(uri: str) -> None:
@@ -71,9 +78,19 @@ def mirrored(uri: str) -> None:
 
     def logged():
         # 512 examples / 64 = 8 steps per epoch, 3 epochs; warmup: the optimizer holds a GradualWarmup.
-        sync = keras_sync.load({**base, "learning_rate": {"base": 0.05, "warmup_steps": 4},
-                                "mlflow": {"tracking_uri": uri, "experiment": "logged", "log_model": True,
-                                           "sync_report": "epoch", "log_every_n_steps": 1}})
+        sync = keras_sync.load(
+            {
+                **base,
+                "learning_rate": {"base": 0.05, "warmup_steps": 4},
+                "mlflow": {
+                    "tracking_uri": uri,
+                    "experiment": "logged",
+                    "log_model": True,
+                    "sync_report": "epoch",
+                    "log_every_n_steps": 1,
+                },
+            }
+        )
         model = make_model(sync, lambda: keras.optimizers.SGD(sync.lr_schedule(), momentum=0.9))
         return fit_and_close(sync, model, "logged", epochs=3, validation_split=0.2)
 
@@ -81,9 +98,18 @@ def mirrored(uri: str) -> None:
 
     def compiled():
         # Plain Keras objects only: the logged model keeps its optimizer. No report.
-        sync = keras_sync.load({"strategy": {"kind": "default"}, "batch": {"per_replica": 64},
-                                "mlflow": {"tracking_uri": uri, "experiment": "compiled", "log_model": True,
-                                           "sync_report": "off"}})
+        sync = keras_sync.load(
+            {
+                "strategy": {"kind": "default"},
+                "batch": {"per_replica": 64},
+                "mlflow": {
+                    "tracking_uri": uri,
+                    "experiment": "compiled",
+                    "log_model": True,
+                    "sync_report": "off",
+                },
+            }
+        )
         model = make_model(sync, lambda: keras.optimizers.Adam(0.01))
         return fit_and_close(sync, model, "compiled", epochs=1)
 
@@ -105,8 +131,13 @@ def mirrored(uri: str) -> None:
         handler = Errors()
         logging.getLogger("mlflow").addHandler(handler)
         try:
-            sync = keras_sync.load({**base, "learning_rate": {"base": 0.05},
-                                    "mlflow": {"tracking_uri": uri, "experiment": "autolog", "log_model": True}})
+            sync = keras_sync.load(
+                {
+                    **base,
+                    "learning_rate": {"base": 0.05},
+                    "mlflow": {"tracking_uri": uri, "experiment": "autolog", "log_model": True},
+                }
+            )
             model = make_model(sync, lambda: keras.optimizers.Adam(0.01))
             out = fit_and_close(sync, model, "autolog", epochs=2)
         finally:
@@ -132,7 +163,9 @@ def multi_worker(config: str) -> None:
     model = make_model(sync, lambda: keras.optimizers.SGD(0.05))
     sync.fit(model, ds, epochs=2, verbose=0)
     if not sync.is_chief:
-        os._exit(0)  # gone at once: a collective in the chief's model logging would now fail or hang
+        os._exit(
+            0
+        )  # gone at once: a collective in the chief's model logging would now fail or hang
     np.save(OUT / "multi_worker.npy", _local_predict(model))
     results.update(kind=sync.kind, replicas=sync.num_replicas, run_id=close(sync))
 

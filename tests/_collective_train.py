@@ -24,11 +24,13 @@ def main() -> int:
     mode, out_dir = sys.argv[1], sys.argv[2]
     import keras_sync
 
-    sync = keras_sync.load({
-        "strategy": {"kind": "multi_worker_mirrored", "connect_timeout_s": 120},
-        "batch": {"global": 32},
-        "mlflow": {"enabled": False},
-    })
+    sync = keras_sync.load(
+        {
+            "strategy": {"kind": "multi_worker_mirrored", "connect_timeout_s": 120},
+            "batch": {"global": 32},
+            "mlflow": {"enabled": False},
+        }
+    )
     import keras
     import numpy as np
 
@@ -62,14 +64,13 @@ def main() -> int:
         os.makedirs(out_dir, exist_ok=True)
         open(done, "w").close()
         out["ended"] = time.time()
-    elif mode == "chief_only":
-        if sync.is_chief:
-            started = time.monotonic()
-            try:
-                model.predict(x[:64], verbose=0)
-            finally:
-                out["predict_s"] = time.monotonic() - started
-                _write(out_dir, task, out)
+    elif mode == "chief_only" and sync.is_chief:
+        started = time.monotonic()
+        try:
+            model.predict(x[:64], verbose=0)
+        finally:
+            out["predict_s"] = time.monotonic() - started
+            _write(out_dir, task, out)
     _write(out_dir, task, out)
     print(f"worker {task} done", flush=True)
     return 0

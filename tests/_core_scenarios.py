@@ -12,9 +12,9 @@ from __future__ import annotations
 import sys
 
 import numpy as np
+from _scenario import Results
 
 import keras_sync
-from _scenario import Results
 
 OUT_DIR = sys.argv[2]
 GLOBAL_BATCH = 64
@@ -33,7 +33,9 @@ y = (x @ rng.normal(size=(8, 1)) + 0.1 * rng.normal(size=(640, 1))).astype("floa
 def make_model(s):
     keras.utils.set_random_seed(0)
     with s.scope():
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)])
+        model = keras.Sequential(
+            [keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)]
+        )
         model.compile(optimizer=keras.optimizers.SGD(s.lr_schedule(), momentum=0.9), loss="mse")
     return model
 
@@ -51,8 +53,12 @@ def via_distribute():
     first = next(iter(ds))
     h = m.fit(ds, epochs=3, verbose=0)
     w = np.concatenate([v.ravel() for v in m.get_weights()])
-    return {"batch_shape": list(first[0].shape), "max_diff_vs_arrays": float(np.abs(w - weights).max()),
-            "cardinality": int(ds.cardinality()), "loss": h.history["loss"]}
+    return {
+        "batch_shape": list(first[0].shape),
+        "max_diff_vs_arrays": float(np.abs(w - weights).max()),
+        "cardinality": int(ds.cardinality()),
+        "loss": h.history["loss"],
+    }
 
 
 def outside_scope():
@@ -72,8 +78,17 @@ def steps_per_execution():
 
 
 def warmup_schedule():
-    s = keras_sync.load({**base, "learning_rate": {"base": 0.1, "scaling": "linear", "base_batch_size": 32,
-                                                   "warmup_epochs": 1}})
+    s = keras_sync.load(
+        {
+            **base,
+            "learning_rate": {
+                "base": 0.1,
+                "scaling": "linear",
+                "base_batch_size": 32,
+                "warmup_epochs": 1,
+            },
+        }
+    )
     sched = s.lr_schedule()  # warmup_epochs: the step count is fixed by fit from the data
     keras.utils.set_random_seed(0)
     with s.scope():
@@ -83,18 +98,27 @@ def warmup_schedule():
     values = [float(sched(i)) for i in range(0, 12)]
     config = keras.optimizers.schedules.serialize(sched)
     back = keras.optimizers.schedules.deserialize(config)
-    return {"peak": s.learning_rate, "warmup_steps": sched.warmup_steps, "values": values,
-            "roundtrip": [float(back(i)) for i in (0, 5, 10, 20)], "iterations": int(m.optimizer.iterations.numpy())}
+    return {
+        "peak": s.learning_rate,
+        "warmup_steps": sched.warmup_steps,
+        "values": values,
+        "roundtrip": [float(back(i)) for i in (0, 5, 10, 20)],
+        "iterations": int(m.optimizer.iterations.numpy()),
+    }
 
 
 def cross_device_ops():
     out = {}
     for name in ("hierarchical_copy", "reduction_to_one", "auto"):
-        s = keras_sync.load({**base, "strategy": {**base["strategy"], "kind": "mirrored", "cross_device_ops": name}})
+        s = keras_sync.load(
+            {**base, "strategy": {**base["strategy"], "kind": "mirrored", "cross_device_ops": name}}
+        )
         ops = getattr(s.strategy.extended, "_cross_device_ops", None)
         _, _, w = train(s)
-        out[name] = {"ops": type(ops).__name__ if ops is not None else None,
-                     "max_diff": float(np.abs(w - weights).max())}
+        out[name] = {
+            "ops": type(ops).__name__ if ops is not None else None,
+            "max_diff": float(np.abs(w - weights).max()),
+        }
     return out
 
 
@@ -149,21 +173,30 @@ def iterator_release():
         sync.fit(m, x, y, epochs=2, verbose=0)
     finally:
         input_lib.DistributedDataset.__iter__ = made
-    return {"waited": waited, "released": RELEASER.wait(60), "iterations": int(m.optimizer.iterations.numpy()),
-            "destroyed_on": destroyed_on}
+    return {
+        "waited": waited,
+        "released": RELEASER.wait(60),
+        "iterations": int(m.optimizer.iterations.numpy()),
+        "destroyed_on": destroyed_on,
+    }
 
 
-for N in PASSES:  # rebinds the module's N, results, base, sync and reference fit that the cases read
+for (
+    N
+) in PASSES:  # rebinds the module's N, results, base, sync and reference fit that the cases read
     results = Results(n=N)
     base = {
-        "strategy": {"kind": "mirrored" if N > 1 else "one_device", "simulated_cpu_replicas": N if N > 1 else 0},
+        "strategy": {
+            "kind": "mirrored" if N > 1 else "one_device",
+            "simulated_cpu_replicas": N if N > 1 else 0,
+        },
         "batch": {"global": GLOBAL_BATCH},
         "learning_rate": {"base": 0.05, "scaling": "none"},
         "mlflow": {"enabled": False},
     }
     sync = keras_sync.load(base)
-    import keras  # noqa: E402  (after the first load: the devices are set up by then)
-    import tensorflow as tf  # noqa: E402
+    import keras
+    import tensorflow as tf
 
     results["num_replicas"] = sync.num_replicas
     results["per_replica"] = sync.per_replica_batch_size
@@ -191,23 +224,49 @@ for N in PASSES:  # rebinds the module's N, results, base, sync and reference fi
     # A valid batch_size given to fit (the global batch, with its warning) is tests/test_epoch.py's
     # test_batch_size_argument_is_the_global_batch, which also compares the weights with one device's.
     if N == 2:
-        record("bad_batch_size", lambda: sync.fit(make_model(sync), x, y, batch_size=0, epochs=1, verbose=0))
+        record(
+            "bad_batch_size",
+            lambda: sync.fit(make_model(sync), x, y, batch_size=0, epochs=1, verbose=0),
+        )
     record("steps_per_execution", steps_per_execution)
     record("warmup", warmup_schedule)
     if N == 2:
         record("iterator_release", iterator_release)
         record("cross_device_ops", cross_device_ops)
-        record("nccl_on_cpu", lambda: keras_sync.load({**base, "strategy": {**base["strategy"],
-                                                                             "cross_device_ops": "nccl"}}))
+        record(
+            "nccl_on_cpu",
+            lambda: keras_sync.load(
+                {**base, "strategy": {**base["strategy"], "cross_device_ops": "nccl"}}
+            ),
+        )
     if N == 4:
-        record("unknown_device", lambda: keras_sync.load({**base, "strategy": {"kind": "mirrored",
-                                                                                "devices": ["/cpu:0", "/gpu:7"]}}))
-        record("explicit_devices", lambda: keras_sync.load({**base, "strategy": {"kind": "mirrored", "devices": [
-            "/cpu:0", "CPU:1"]}}).num_replicas)
+        record(
+            "unknown_device",
+            lambda: keras_sync.load(
+                {**base, "strategy": {"kind": "mirrored", "devices": ["/cpu:0", "/gpu:7"]}}
+            ),
+        )
+        record(
+            "explicit_devices",
+            lambda: (
+                keras_sync.load(
+                    {**base, "strategy": {"kind": "mirrored", "devices": ["/cpu:0", "CPU:1"]}}
+                ).num_replicas
+            ),
+        )
         record("global_not_divisible", lambda: keras_sync.load({**base, "batch": {"global": 63}}))
     if N == 1:
         # Too late: TensorFlow has initialised its devices (split in 2 by the pass before) in this process.
-        record("too_late", lambda: keras_sync.load({**base, "strategy": {"kind": "mirrored",
-                                                                          "simulated_cpu_replicas": 4}}))
-        record("tpu", lambda: keras_sync.load({**base, "strategy": {"kind": "tpu", "tpu": {"name": "local"}}}))
+        record(
+            "too_late",
+            lambda: keras_sync.load(
+                {**base, "strategy": {"kind": "mirrored", "simulated_cpu_replicas": 4}}
+            ),
+        )
+        record(
+            "tpu",
+            lambda: keras_sync.load(
+                {**base, "strategy": {"kind": "tpu", "tpu": {"name": "local"}}}
+            ),
+        )
     results.dump(f"{OUT_DIR}/{N}.json")

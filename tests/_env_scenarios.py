@@ -16,9 +16,9 @@ import os
 import sys
 
 import numpy as np
+from _scenario import Results
 
 import keras_sync
-from _scenario import Results
 from keras_sync.errors import KerasSyncError
 
 MODE, OUT = sys.argv[1], sys.argv[-1]
@@ -27,13 +27,21 @@ results = Results()
 rng = np.random.default_rng(0)
 X = rng.normal(size=(256, 8)).astype("float32")
 Y = (X @ rng.normal(size=(8, 1))).astype("float32")
-STRATEGY = {"kind": "multi_worker_mirrored", "connect_timeout_s": 120} if WORKERS else \
-    {"kind": "mirrored", "simulated_cpu_replicas": 2}
+STRATEGY = (
+    {"kind": "multi_worker_mirrored", "connect_timeout_s": 120}
+    if WORKERS
+    else {"kind": "mirrored", "simulated_cpu_replicas": 2}
+)
 
 
 def config(**sections):
-    return {"strategy": STRATEGY, "batch": {"global": 32}, "mlflow": {"enabled": False},
-            "learning_rate": {"base": 0.05, "scaling": "none"}, **sections}
+    return {
+        "strategy": STRATEGY,
+        "batch": {"global": 32},
+        "mlflow": {"enabled": False},
+        "learning_rate": {"base": 0.05, "scaling": "none"},
+        **sections,
+    }
 
 
 SYNC = keras_sync.load(config())
@@ -75,7 +83,11 @@ def refused(sync, model, callbacks, **fit):
         sync.fit(model, X, Y, epochs=2, verbose=0, callbacks=[counter, *callbacks], **fit)
     except KerasSyncError as e:
         return {"error": type(e).__name__, "message": str(e), "batches": counter.n}
-    return {"trained": True, "batches": counter.n, "lr": float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))}
+    return {
+        "trained": True,
+        "batches": counter.n,
+        "lr": float(keras.ops.convert_to_numpy(model.optimizer.learning_rate)),
+    }
 
 
 def lr_callback_with_warmup(callback):
@@ -84,8 +96,12 @@ def lr_callback_with_warmup(callback):
 
 
 def warmup_then_decay():
-    sync = sync_with(learning_rate={"base": 0.05, "base_batch_size": 16, "warmup_steps": 4})  # peak 0.1
-    decay = keras.optimizers.schedules.ExponentialDecay(sync.learning_rate, decay_steps=8, decay_rate=0.5)
+    sync = sync_with(
+        learning_rate={"base": 0.05, "base_batch_size": 16, "warmup_steps": 4}
+    )  # peak 0.1
+    decay = keras.optimizers.schedules.ExponentialDecay(
+        sync.learning_rate, decay_steps=8, decay_rate=0.5
+    )
     schedule = sync.lr_schedule(after=decay)
     model = model_of(sync, schedule)
     out = refused(sync, model, [])
@@ -96,7 +112,9 @@ def warmup_then_decay():
 
 def keras_backup_beside_ours(tmp):
     sync = sync_with(fault_tolerance={"backup_dir": os.path.join(tmp, "ours")})
-    return refused(sync, model_of(sync, 0.05), [keras.callbacks.BackupAndRestore(os.path.join(tmp, "keras"))])
+    return refused(
+        sync, model_of(sync, 0.05), [keras.callbacks.BackupAndRestore(os.path.join(tmp, "keras"))]
+    )
 
 
 class StopAt(keras.callbacks.Callback):
@@ -126,8 +144,10 @@ def keras2(warmup):
     sys.path.insert(0, os.environ["KS_TF_KERAS"])
     import tf_keras
 
-    sync = sync_with(learning_rate={"base": 0.05, "scaling": "none", "warmup_steps": 4 if warmup else 0},
-                     mlflow={"enabled": True, "tracking_uri": "sqlite:///" + os.path.join(TMP, "k2.db")})
+    sync = sync_with(
+        learning_rate={"base": 0.05, "scaling": "none", "warmup_steps": 4 if warmup else 0},
+        mlflow={"enabled": True, "tracking_uri": "sqlite:///" + os.path.join(TMP, "k2.db")},
+    )
     try:
         with sync.scope():
             model = tf_keras.Sequential([tf_keras.Input((8,)), tf_keras.layers.Dense(1)])
@@ -141,14 +161,31 @@ def keras2(warmup):
 
 TMP = os.path.dirname(os.path.abspath(OUT))
 record = results.record
-record("rlrop_warmup", lambda: lr_callback_with_warmup(keras.callbacks.ReduceLROnPlateau(monitor="loss", patience=0)))
-record("scheduler_warmup", lambda: lr_callback_with_warmup(keras.callbacks.LearningRateScheduler(lambda e, lr: lr * 0.5)))
-record("rlrop_no_warmup", lambda: refused(SYNC, model_of(SYNC, SYNC.lr_schedule()), [
-    keras.callbacks.LearningRateScheduler(lambda e, lr: lr * 0.5)]))
+record(
+    "rlrop_warmup",
+    lambda: lr_callback_with_warmup(keras.callbacks.ReduceLROnPlateau(monitor="loss", patience=0)),
+)
+record(
+    "scheduler_warmup",
+    lambda: lr_callback_with_warmup(keras.callbacks.LearningRateScheduler(lambda e, lr: lr * 0.5)),
+)
+record(
+    "rlrop_no_warmup",
+    lambda: refused(
+        SYNC,
+        model_of(SYNC, SYNC.lr_schedule()),
+        [keras.callbacks.LearningRateScheduler(lambda e, lr: lr * 0.5)],
+    ),
+)
 record("warmup_then_decay", warmup_then_decay)
-record("keras_backup_pair", lambda: keras_backup_beside_ours(os.path.join(TMP, f"kb{SYNC.task[1] or 0}")))
+record(
+    "keras_backup_pair",
+    lambda: keras_backup_beside_ours(os.path.join(TMP, f"kb{SYNC.task[1] or 0}")),
+)
 if not WORKERS:
-    record("restored_state_overwritten", lambda: restored_state_overwritten(os.path.join(TMP, "rs")))
+    record(
+        "restored_state_overwritten", lambda: restored_state_overwritten(os.path.join(TMP, "rs"))
+    )
     if os.environ.get("KS_TF_KERAS"):
         record("keras2_fit", lambda: keras2(False))
         record("keras2_warmup", lambda: keras2(True))

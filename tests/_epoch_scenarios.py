@@ -15,11 +15,13 @@ import sys
 import warnings
 
 import numpy as np
-
-import keras_sync
 from _scenario import Results
 
-MULTI_WORKER = sys.argv[1] == "mw"  # under `keras-sync launch --workers 2`: 2 workers, one replica each
+import keras_sync
+
+MULTI_WORKER = (
+    sys.argv[1] == "mw"
+)  # under `keras-sync launch --workers 2`: 2 workers, one replica each
 if not MULTI_WORKER and sys.argv[1] != "devices":
     raise SystemExit(f"unknown mode {sys.argv[1]!r}; one of devices, mw")
 N = 2  # the first pass; "devices" then runs N=1 (see the end)
@@ -32,8 +34,14 @@ def record(name, fn):
 
 
 def session(**sections):
-    kind = {"kind": "multi_worker_mirrored"} if MULTI_WORKER else \
-        {"kind": "mirrored" if N > 1 else "one_device", "simulated_cpu_replicas": N if N > 1 else 0}
+    kind = (
+        {"kind": "multi_worker_mirrored"}
+        if MULTI_WORKER
+        else {
+            "kind": "mirrored" if N > 1 else "one_device",
+            "simulated_cpu_replicas": N if N > 1 else 0,
+        }
+    )
     cfg = {
         "strategy": kind,
         "batch": {"global": 32},
@@ -60,9 +68,16 @@ yv = (xv @ rng.normal(size=(8, 1))).astype("float32")
 def make_model(s, optimizer=None):
     keras.utils.set_random_seed(0)
     with s.scope():
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)])
-        model.compile(optimizer=optimizer() if optimizer else keras.optimizers.SGD(s.lr_schedule(), momentum=0.9), loss="mse",
-                      metrics=["mae"])
+        model = keras.Sequential(
+            [keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)]
+        )
+        model.compile(
+            optimizer=optimizer()
+            if optimizer
+            else keras.optimizers.SGD(s.lr_schedule(), momentum=0.9),
+            loss="mse",
+            metrics=["mae"],
+        )
     return model
 
 
@@ -80,10 +95,18 @@ def stderr_of(fn):
 def uneven_last_batch():
     """331 examples at global batch 32: the last batch of 11 splits 6/5 over 2 replicas."""
     model = make_model(sync)
-    h, err = stderr_of(lambda: sync.fit(model, x, y, epochs=3, shuffle=False, verbose=0, validation_data=(xv, yv)))
+    h, err = stderr_of(
+        lambda: sync.fit(model, x, y, epochs=3, shuffle=False, verbose=0, validation_data=(xv, yv))
+    )
     ev = sync.evaluate(model, xv, yv, verbose=0, return_dict=True)
-    return {"weights": flat(model), "loss": h.history["loss"], "val_loss": h.history["val_loss"],
-            "mae": h.history["mae"], "evaluate": ev, "checks": checks_said(err)}
+    return {
+        "weights": flat(model),
+        "loss": h.history["loss"],
+        "val_loss": h.history["val_loss"],
+        "mae": h.history["mae"],
+        "evaluate": ev,
+        "checks": checks_said(err),
+    }
 
 
 def checks_said(err):
@@ -95,9 +118,15 @@ def batch_size_global():
     model = make_model(sync)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        h, err = stderr_of(lambda: sync.fit(model, x, y, batch_size=64, epochs=2, shuffle=False, verbose=0))
-    return {"weights": flat(model), "loss": h.history["loss"], "checks": checks_said(err),
-            "warnings": [str(w.message) for w in caught if "batch_size" in str(w.message)]}
+        h, err = stderr_of(
+            lambda: sync.fit(model, x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+        )
+    return {
+        "weights": flat(model),
+        "loss": h.history["loss"],
+        "checks": checks_said(err),
+        "warnings": [str(w.message) for w in caught if "batch_size" in str(w.message)],
+    }
 
 
 def batch_size_refused():
@@ -107,16 +136,22 @@ def batch_size_refused():
 
 def learning_rate_check(on_violation, mlflow=False):
     """A drop-in user keeps their own compile line: Adam(1e-3) while keras-sync scaled 0.002."""
-    tracking = {"enabled": True, "tracking_uri": "sqlite:///checks.db", "system_metrics": False} if mlflow else {}
-    s = session(learning_rate={"base": 0.001, "base_batch_size": 16, "scaling": "linear"},
-                checks={"on_violation": on_violation}, mlflow=tracking)
+    tracking = (
+        {"enabled": True, "tracking_uri": "sqlite:///checks.db", "system_metrics": False}
+        if mlflow
+        else {}
+    )
+    s = session(
+        learning_rate={"base": 0.001, "base_batch_size": 16, "scaling": "linear"},
+        checks={"on_violation": on_violation},
+        mlflow=tracking,
+    )
     model = make_model(s, optimizer=lambda: keras.optimizers.Adam(1e-3))
     _, err = stderr_of(lambda: s.fit(model, x, y, epochs=1, verbose=0))
     out = {"checks": checks_said(err), "scaled": s.learning_rate}
     if mlflow:
-        from mlflow.tracking import MlflowClient
-
         from _scenario import close_run
+        from mlflow.tracking import MlflowClient
 
         run_id = close_run(s, 60)
         tags = MlflowClient("sqlite:///checks.db").get_run(run_id).data.tags
@@ -133,7 +168,9 @@ def direct_fit():
 
 def examples_per_step():
     """A dataset the user distributed: batches of 16 while the rate was scaled for 32."""
-    ds = sync.strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(16))
+    ds = sync.strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    )
     model = make_model(sync)
     _, err = stderr_of(lambda: sync.fit(model, ds, epochs=1, verbose=0))
     return {"checks": checks_said(err)}
@@ -165,8 +202,11 @@ def resume(tamper):
         s.fit(model, x, y, epochs=2, verbose=0, callbacks=[StopAfterFirstEpoch()])
     except Stop:
         pass
-    _, err = stderr_of(lambda: s.fit(model, x, y, epochs=2, verbose=0,
-                                     callbacks=[RestartOptimizer()] if tamper else None))
+    _, err = stderr_of(
+        lambda: s.fit(
+            model, x, y, epochs=2, verbose=0, callbacks=[RestartOptimizer()] if tamper else None
+        )
+    )
     return {"checks": checks_said(err), "resumed": "resumed from the backup" in err}
 
 
@@ -185,7 +225,9 @@ def own_parts():
     part = sync.task[1] or 0
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-    ds = tf.data.Dataset.from_tensor_slices((x[part::2], y[part::2])).batch(32).with_options(options)
+    ds = (
+        tf.data.Dataset.from_tensor_slices((x[part::2], y[part::2])).batch(32).with_options(options)
+    )
     model = make_model(sync)
     _, err = stderr_of(lambda: sync.fit(model, ds, epochs=1, verbose=0))
     return {"checks": checks_said(err), "trained": trained_examples(model), "data": len(x)}
@@ -202,7 +244,11 @@ class StopAtThirdStep(keras.callbacks.Callback):
 def stopped_mid_epoch():
     """A broken epoch: 96 of 331 examples trained; the examples-per-epoch check must say so."""
     model = make_model(sync)
-    _, err = stderr_of(lambda: sync.fit(model, x, y, epochs=1, verbose=0, shuffle=False, callbacks=[StopAtThirdStep()]))
+    _, err = stderr_of(
+        lambda: sync.fit(
+            model, x, y, epochs=1, verbose=0, shuffle=False, callbacks=[StopAtThirdStep()]
+        )
+    )
     return {"checks": checks_said(err), "trained": trained_examples(model), "data": len(x)}
 
 

@@ -24,7 +24,9 @@ import numpy as np  # noqa: E402
 
 import keras_sync  # noqa: E402
 
-sync = keras_sync.load({"strategy": {"kind": "mirrored", "simulated_cpu_replicas": 2}, "mlflow": {"enabled": False}})
+sync = keras_sync.load(
+    {"strategy": {"kind": "mirrored", "simulated_cpu_replicas": 2}, "mlflow": {"enabled": False}}
+)
 import keras  # noqa: E402
 from tensorflow.python.distribute import input_lib  # noqa: E402
 

@@ -14,12 +14,26 @@ import threading
 import time
 from collections import Counter
 
-_HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "content-length",
-               "proxy-connection"}
+_HOP_BY_HOP = {
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "te",
+    "trailer",
+    "upgrade",
+    "content-length",
+    "proxy-connection",
+}
 
 
 class FlakyProxy:
-    def __init__(self, upstream_port: int, fail: float, delay_s: tuple[float, float] = (0.5, 2.0), seed: int = 0):
+    def __init__(
+        self,
+        upstream_port: int,
+        fail: float,
+        delay_s: tuple[float, float] = (0.5, 2.0),
+        seed: int = 0,
+    ):
         self.upstream_port, self.fail, self.delay_s = upstream_port, fail, delay_s
         self._rng = random.Random(seed)
         self._lock = threading.Lock()

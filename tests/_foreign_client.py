@@ -9,7 +9,7 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tensorflow as tf  # noqa: E402
+import tensorflow as tf
 
 address, path = sys.argv[1:3]
 tf.config.experimental_connect_to_host(address, job_name="worker")

@@ -20,9 +20,9 @@ import io
 import sys
 
 import numpy as np
+from _scenario import Results
 
 import keras_sync
-from _scenario import Results
 
 OUT = sys.argv[1]
 GLOBAL_BATCH = 64
@@ -30,8 +30,11 @@ results = Results()
 
 
 def config(**sections):
-    cfg = {"strategy": {"kind": "mirrored", "simulated_cpu_replicas": 2}, "batch": {"global": GLOBAL_BATCH},
-           "mlflow": {"enabled": False}}
+    cfg = {
+        "strategy": {"kind": "mirrored", "simulated_cpu_replicas": 2},
+        "batch": {"global": GLOBAL_BATCH},
+        "mlflow": {"enabled": False},
+    }
     cfg.update(sections)
     return cfg
 
@@ -84,17 +87,23 @@ class GAN(keras.Model):
         if isinstance(real_images, tuple):
             real_images = real_images[0]
         batch_size = tf.shape(real_images)[0]
-        random_latent_vectors = keras.random.normal(shape=(batch_size, self.latent_dim), seed=self.seed_generator)
+        random_latent_vectors = keras.random.normal(
+            shape=(batch_size, self.latent_dim), seed=self.seed_generator
+        )
         generated_images = self.generator(random_latent_vectors)
         combined_images = tf.concat([generated_images, real_images], axis=0)
-        labels = tf.concat([tf.ones((batch_size, 1)), tf.zeros((tf.shape(real_images)[0], 1))], axis=0)
+        labels = tf.concat(
+            [tf.ones((batch_size, 1)), tf.zeros((tf.shape(real_images)[0], 1))], axis=0
+        )
         labels += 0.05 * keras.random.uniform(tf.shape(labels), seed=self.seed_generator)
         with tf.GradientTape() as tape:
             predictions = self.discriminator(combined_images)
             d_loss = self.loss_fn(labels, predictions)
         grads = tape.gradient(d_loss, self.discriminator.trainable_weights)
         self.d_optimizer.apply_gradients(zip(grads, self.discriminator.trainable_weights))
-        random_latent_vectors = keras.random.normal(shape=(batch_size, self.latent_dim), seed=self.seed_generator)
+        random_latent_vectors = keras.random.normal(
+            shape=(batch_size, self.latent_dim), seed=self.seed_generator
+        )
         misleading_labels = tf.zeros((batch_size, 1))
         with tf.GradientTape() as tape:
             predictions = self.discriminator(self.generator(random_latent_vectors))
@@ -114,19 +123,35 @@ def gan_fit(s, g_rate):
     keras.utils.set_random_seed(0)
     latent_dim = 4
     with s.scope():
-        discriminator = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(),
-                                          keras.layers.Dense(16, activation="leaky_relu"), keras.layers.Dense(1)])
-        generator = keras.Sequential([keras.Input((latent_dim,)), keras.layers.Dense(64, activation="sigmoid"),
-                                      keras.layers.Reshape((8, 8, 1))])
+        discriminator = keras.Sequential(
+            [
+                keras.Input((8, 8, 1)),
+                keras.layers.Flatten(),
+                keras.layers.Dense(16, activation="leaky_relu"),
+                keras.layers.Dense(1),
+            ]
+        )
+        generator = keras.Sequential(
+            [
+                keras.Input((latent_dim,)),
+                keras.layers.Dense(64, activation="sigmoid"),
+                keras.layers.Reshape((8, 8, 1)),
+            ]
+        )
         gan = GAN(discriminator=discriminator, generator=generator, latent_dim=latent_dim)
-        gan.compile(d_optimizer=keras.optimizers.Adam(learning_rate=s.learning_rate),
-                    g_optimizer=keras.optimizers.Adam(learning_rate=g_rate),
-                    loss_fn=keras.losses.BinaryCrossentropy(from_logits=True))
+        gan.compile(
+            d_optimizer=keras.optimizers.Adam(learning_rate=s.learning_rate),
+            g_optimizer=keras.optimizers.Adam(learning_rate=g_rate),
+            loss_fn=keras.losses.BinaryCrossentropy(from_logits=True),
+        )
     dataset = tf.data.Dataset.from_tensor_slices(IMAGES).batch(GLOBAL_BATCH)
     _, err = stderr_of(lambda: s.fit(gan, dataset, epochs=1, verbose=0))
-    return {"said": said(err), "scaled": s.learning_rate,
-            "unused_default": float(keras.ops.convert_to_numpy(gan.optimizer.learning_rate)),
-            "steps": [int(gan.d_optimizer.iterations.numpy()), int(gan.g_optimizer.iterations.numpy())]}
+    return {
+        "said": said(err),
+        "scaled": s.learning_rate,
+        "unused_default": float(keras.ops.convert_to_numpy(gan.optimizer.learning_rate)),
+        "steps": [int(gan.d_optimizer.iterations.numpy()), int(gan.g_optimizer.iterations.numpy())],
+    }
 
 
 GAN_RATES = {"base": 0.0003, "scaling": "linear", "base_batch_size": GLOBAL_BATCH}
@@ -134,12 +159,20 @@ GAN_RATES = {"base": 0.0003, "scaling": "linear", "base_batch_size": GLOBAL_BATC
 
 def gan():
     """Both optimizers at the scaled rate; the default RMSprop of super().compile() trains nothing."""
-    s = keras_sync.load(config(learning_rate=GAN_RATES, mlflow={"enabled": True, "tracking_uri": "sqlite:///gan.db",
-                                                                "experiment": "gan", "system_metrics": False}))
+    s = keras_sync.load(
+        config(
+            learning_rate=GAN_RATES,
+            mlflow={
+                "enabled": True,
+                "tracking_uri": "sqlite:///gan.db",
+                "experiment": "gan",
+                "system_metrics": False,
+            },
+        )
+    )
     out = gan_fit(s, s.learning_rate)
-    from mlflow.tracking import MlflowClient
-
     from _scenario import close_run
+    from mlflow.tracking import MlflowClient
 
     run_id = close_run(s, 120)
     tags = MlflowClient("sqlite:///gan.db").get_run(run_id).data.tags
@@ -162,15 +195,24 @@ def image_classifier(jit_compile):
         x = keras.layers.GlobalAveragePooling2D()(x)
         model = keras.Model(inputs, keras.layers.Dense(1)(x))
         extra = {} if jit_compile is None else {"jit_compile": jit_compile}
-        model.compile(optimizer=keras.optimizers.Adam(3e-4), loss=keras.losses.BinaryCrossentropy(from_logits=True),
-                      metrics=[keras.metrics.BinaryAccuracy(name="acc")], **extra)
+        model.compile(
+            optimizer=keras.optimizers.Adam(3e-4),
+            loss=keras.losses.BinaryCrossentropy(from_logits=True),
+            metrics=[keras.metrics.BinaryAccuracy(name="acc")],
+            **extra,
+        )
     images = rng.uniform(0, 255, size=(128, 16, 16, 3)).astype("float32")
     labels = rng.integers(0, 2, size=(128, 1)).astype("float32")
     before = [w.copy() for w in model.get_weights()]
     h, err = stderr_of(lambda: sync.fit(model, images, labels, epochs=1, verbose=0))
     moved = max(float(np.abs(a - b).max()) for a, b in zip(before, model.get_weights()))
-    return {"said": said(err), "traceback": "Traceback" in err, "jit_compile": model.jit_compile,
-            "loss": h.history["loss"], "moved": moved}
+    return {
+        "said": said(err),
+        "traceback": "Traceback" in err,
+        "jit_compile": model.jit_compile,
+        "loss": h.history["loss"],
+        "moved": moved,
+    }
 
 
 results.record("gan", gan)
@@ -188,7 +230,16 @@ x = keras.layers.Dense(256, activation="relu")(x)
 outputs = keras.layers.Dense(10)(x)
 with sync.scope():
     model = keras.Model(inputs, outputs)
-    model.compile(optimizer=keras.optimizers.Adam(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=[keras.metrics.SparseCategoricalAccuracy()])
-sync.fit(model, rng.uniform(size=(128, 784)).astype("float32"), rng.integers(0, 10, size=(128,)), epochs=1, verbose=0)
+    model.compile(
+        optimizer=keras.optimizers.Adam(),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=[keras.metrics.SparseCategoricalAccuracy()],
+    )
+sync.fit(
+    model,
+    rng.uniform(size=(128, 784)).astype("float32"),
+    rng.integers(0, 10, size=(128,)),
+    epochs=1,
+    verbose=0,
+)
 print("the guide's model trained")

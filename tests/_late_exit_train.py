@@ -16,8 +16,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 def main() -> int:
     import keras_sync
 
-    sync = keras_sync.load({"strategy": {"kind": "multi_worker_mirrored", "connect_timeout_s": 120},
-                            "batch": {"global": 16}, "mlflow": {"enabled": False}})
+    sync = keras_sync.load(
+        {
+            "strategy": {"kind": "multi_worker_mirrored", "connect_timeout_s": 120},
+            "batch": {"global": 16},
+            "mlflow": {"enabled": False},
+        }
+    )
     import keras
     import numpy as np
 

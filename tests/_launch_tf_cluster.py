@@ -48,14 +48,19 @@ os.environ.update(saved)
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
-first = json.dumps({"cluster": {"worker": [f"127.0.0.1:{port}"]}, "task": {"type": "worker", "index": 0}})
+first = json.dumps(
+    {"cluster": {"worker": [f"127.0.0.1:{port}"]}, "task": {"type": "worker", "index": 0}}
+)
 os.environ["TF_CONFIG"] = first
 strategy = tf.distribute.MultiWorkerMirroredStrategy()
 cluster.record_strategy_tf_config(first)
 cluster.check_tf_config_order()  # unchanged: fine
 out["order"]["replicas"] = strategy.num_replicas_in_sync
 os.environ["TF_CONFIG"] = json.dumps(
-    {"cluster": {"worker": [f"127.0.0.1:{port}", "127.0.0.1:1"]}, "task": {"type": "worker", "index": 0}}
+    {
+        "cluster": {"worker": [f"127.0.0.1:{port}", "127.0.0.1:1"]},
+        "task": {"type": "worker", "index": 0},
+    }
 )
 for name in ("recorded", "tf_context"):
     if name == "tf_context":

@@ -45,7 +45,8 @@ print(
             "sum": float(total),
             "replicas": strategy.num_replicas_in_sync,
             "is_chief": info.is_chief,
-            "tf_is_chief": strategy.extended._in_multi_worker_mode() and strategy.extended.should_checkpoint,
+            "tf_is_chief": strategy.extended._in_multi_worker_mode()
+            and strategy.extended.should_checkpoint,
         }
     ),
     flush=True,

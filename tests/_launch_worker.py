@@ -40,7 +40,9 @@ if mode in ("fail-once", "fail-always"):
     failing_try = mode == "fail-always" or restart == "0"
     if index == 1 and failing_try:
         sys.exit(3)
-    while index == 0 and failing_try:  # stays until the launcher stops it (no race with w1's failure)
+    while (
+        index == 0 and failing_try
+    ):  # stays until the launcher stops it (no race with w1's failure)
         time.sleep(0.05)
     sys.exit(0)
 stubborn = (mode == "fail-or-hang" and index == 0) or (mode == "hang" and index == 1)

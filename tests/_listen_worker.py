@@ -10,7 +10,7 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tensorflow as tf  # noqa: E402
+import tensorflow as tf
 
 tf.distribute.MultiWorkerMirroredStrategy()
 print(f"listening {os.getpid()}", flush=True)

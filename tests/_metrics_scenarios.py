@@ -19,9 +19,9 @@ import sys
 import warnings
 
 import numpy as np
+from _scenario import Results, close_run, run_mode
 
 import keras_sync
-from _scenario import Results, close_run, run_mode
 
 MODE, OUT = sys.argv[1], sys.argv[2]
 results = Results()
@@ -36,9 +36,17 @@ def make_model(sync, cls=None):
 
     keras.utils.set_random_seed(0)
     with sync.scope():
-        layers = [keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)]
+        layers = [
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation="tanh"),
+            keras.layers.Dense(1),
+        ]
         model = (cls or keras.Sequential)(layers)
-        model.compile(optimizer=keras.optimizers.SGD(sync.lr_schedule(), momentum=0.9), loss="mse", metrics=["mae"])
+        model.compile(
+            optimizer=keras.optimizers.SGD(sync.lr_schedule(), momentum=0.9),
+            loss="mse",
+            metrics=["mae"],
+        )
     return model
 
 
@@ -55,9 +63,18 @@ def mirrored(tracking_uri: str, server_config: str) -> None:
         "strategy": {"kind": "mirrored", "simulated_cpu_replicas": 2},
         "batch": {"global": 64},
         # base 0.05 tuned at 32, global 64 -> linear peak 0.1, reached after 4 warmup steps
-        "learning_rate": {"base": 0.05, "base_batch_size": 32, "scaling": "linear", "warmup_steps": 4},
-        "mlflow": {"tracking_uri": tracking_uri, "experiment": "metrics", "log_every_n_steps": 2,
-                   "allreduce_probe": True},
+        "learning_rate": {
+            "base": 0.05,
+            "base_batch_size": 32,
+            "scaling": "linear",
+            "warmup_steps": 4,
+        },
+        "mlflow": {
+            "tracking_uri": tracking_uri,
+            "experiment": "metrics",
+            "log_every_n_steps": 2,
+            "allreduce_probe": True,
+        },
     }
     os.environ["KERAS_SYNC_JOB_ID"] = "job-main"
     sync = keras_sync.load(base)
@@ -80,21 +97,28 @@ def mirrored(tracking_uri: str, server_config: str) -> None:
         model2.optimizer.build(model2.trainable_variables)
         model2.optimizer.iterations.assign(reached)
     sync2.fit(model2, X, Y, epochs=1, shuffle=False, verbose=0, validation_split=0.2)
-    results["restart"] = {"run_id": close(sync2), "iterations": int(model2.optimizer.iterations.numpy())}
+    results["restart"] = {
+        "run_id": close(sync2),
+        "iterations": int(model2.optimizer.iterations.numpy()),
+    }
     del os.environ["KERAS_SYNC_JOB_ID"]
 
     # 3. Instrumented training is bit-identical to plain Keras under the same strategy.
     def identical():
         plain = make_model(first)
         plain.fit(X, Y, batch_size=64, epochs=2, shuffle=False, verbose=0)
-        s = keras_sync.load({**base, "mlflow": {**base["mlflow"], "log_every_n_steps": 1,
-                                                 "allreduce_probe": False}})
+        s = keras_sync.load(
+            {**base, "mlflow": {**base["mlflow"], "log_every_n_steps": 1, "allreduce_probe": False}}
+        )
         ours = make_model(s)
         s.fit(ours, X, Y, epochs=2, shuffle=False, verbose=0)
         close(s)
         a, b = flat(plain), flat(ours)
-        return {"equal": bool(np.array_equal(a, b)), "max_diff": float(np.abs(a - b).max()),
-                "trained": float(np.abs(a - flat(make_model(first))).max())}
+        return {
+            "equal": bool(np.array_equal(a, b)),
+            "max_diff": float(np.abs(a - b).max()),
+            "trained": float(np.abs(a - flat(make_model(first))).max()),
+        }
 
     record("identical", identical)
 
@@ -116,14 +140,20 @@ def mirrored(tracking_uri: str, server_config: str) -> None:
         writer = MlflowWriter(tracking_uri=tracking_uri, experiment="custom")
         writer.start()
         model = make_model(first, OwnStep)
-        cbs = [keras_sync.RunParams(writer), keras_sync.SyncMetrics(writer, log_every_n_steps=1),
-               keras_sync.WeightDivergence(writer)]
+        cbs = [
+            keras_sync.RunParams(writer),
+            keras_sync.SyncMetrics(writer, log_every_n_steps=1),
+            keras_sync.WeightDivergence(writer),
+        ]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             model.fit(X, Y, batch_size=64, epochs=2, shuffle=False, verbose=0, callbacks=cbs)
         writer.close(timeout_s=60)
-        return {"run_id": writer.run_id, "steps": 20,
-                "warnings": [str(w.message) for w in caught if "train_step" in str(w.message)]}
+        return {
+            "run_id": writer.run_id,
+            "steps": 20,
+            "warnings": [str(w.message) for w in caught if "train_step" in str(w.message)],
+        }
 
     record("custom", custom_train_step)
 
@@ -141,16 +171,26 @@ def mirrored(tracking_uri: str, server_config: str) -> None:
     def long_run():
         out = {}
         for every in (1, 70):
-            s = keras_sync.load({"strategy": {"kind": "mirrored", "simulated_cpu_replicas": 2},
-                                 "batch": {"global": 8},
-                                 "learning_rate": {"base": 0.01, "scaling": "none", "warmup_steps": 120},
-                                 "mlflow": {"tracking_uri": tracking_uri, "experiment": f"long-{every}",
-                                            "log_every_n_steps": every}})
+            s = keras_sync.load(
+                {
+                    "strategy": {"kind": "mirrored", "simulated_cpu_replicas": 2},
+                    "batch": {"global": 8},
+                    "learning_rate": {"base": 0.01, "scaling": "none", "warmup_steps": 120},
+                    "mlflow": {
+                        "tracking_uri": tracking_uri,
+                        "experiment": f"long-{every}",
+                        "log_every_n_steps": every,
+                    },
+                }
+            )
             m = make_model(s)
             s.fit(m, X, Y, epochs=2, shuffle=False, verbose=0)
             schedule = s.lr_schedule()
-            out[str(every)] = {"run_id": close(s), "ring": _probe_ring(m),
-                               "lr": [float(schedule(step)) for step in range(160)]}
+            out[str(every)] = {
+                "run_id": close(s),
+                "ring": _probe_ring(m),
+                "lr": [float(schedule(step)) for step in range(160)],
+            }
         return out
 
     record("long", long_run)
@@ -166,20 +206,34 @@ def single(tracking_uri: str) -> None:
     """The default strategy (one device, XLA-compiled step, Adam): still bit-identical, still logged."""
     import keras
 
-    sync = keras_sync.load({"batch": {"per_replica": 32},
-                            "mlflow": {"tracking_uri": tracking_uri, "experiment": "single", "log_every_n_steps": 1}})
+    sync = keras_sync.load(
+        {
+            "batch": {"per_replica": 32},
+            "mlflow": {
+                "tracking_uri": tracking_uri,
+                "experiment": "single",
+                "log_every_n_steps": 1,
+            },
+        }
+    )
 
     def build():
         keras.utils.set_random_seed(0)
-        m = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)])
+        m = keras.Sequential(
+            [keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)]
+        )
         m.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", jit_compile=True)
         return m
 
     plain, ours = build(), build()
     plain.fit(X, Y, batch_size=32, epochs=2, shuffle=False, verbose=0)
     sync.fit(ours, X, Y, epochs=2, shuffle=False, verbose=0)
-    results.update(kind=sync.kind, jit=bool(ours.jit_compile), equal=bool(np.array_equal(flat(plain), flat(ours))),
-                   run_id=close(sync))
+    results.update(
+        kind=sync.kind,
+        jit=bool(ours.jit_compile),
+        equal=bool(np.array_equal(flat(plain), flat(ours))),
+        run_id=close(sync),
+    )
 
 
 def multi_worker(config: str) -> None:
@@ -187,11 +241,15 @@ def multi_worker(config: str) -> None:
     ds = sync.distribute((X, Y))
     model = make_model(sync)
     sync.fit(model, ds, epochs=2, verbose=0)
-    results.update(kind=sync.kind, replicas=sync.num_replicas, workers=sync.num_workers, chief=sync.is_chief)
+    results.update(
+        kind=sync.kind, replicas=sync.num_replicas, workers=sync.num_workers, chief=sync.is_chief
+    )
     if sync.is_chief:
         results["run_id"] = close(sync)
 
 
-run_mode({"mirrored": mirrored, "single": single, "multi_worker": multi_worker}, MODE, *sys.argv[3:])
+run_mode(
+    {"mirrored": mirrored, "single": single, "multi_worker": multi_worker}, MODE, *sys.argv[3:]
+)
 if MODE != "multi_worker" or results.get("chief"):
     results.dump(OUT)

@@ -17,7 +17,9 @@ def tmpfs(path: Path, *, size: str = "64k", read_only: bool = False) -> Iterator
     """Mount a tmpfs of ``size`` at ``path`` (created) for the block; unmounted after it."""
     path.mkdir(parents=True, exist_ok=True)
     options = f"size={size}" + (",ro" if read_only else "")
-    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=True, capture_output=True)
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=True, capture_output=True
+    )
     try:
         yield path
     finally:

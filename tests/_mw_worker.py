@@ -46,7 +46,9 @@ def _model(steps_per_execution: int = 1):
     import keras
 
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)])
+    model = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)]
+    )
     model.compile(
         optimizer=keras.optimizers.SGD(0.05),
         loss="mse",
@@ -94,7 +96,9 @@ def _configure_cpus(n: int) -> None:
 
     if n > 1:
         cpu = tf.config.list_physical_devices("CPU")[0]
-        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * n)
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * n
+        )
 
 
 def main() -> int:
@@ -105,9 +109,9 @@ def main() -> int:
 
     from keras.src.backend.tensorflow import trainer
 
-    from keras_sync.upstream import keras_fixes as _keras_compat
-    from keras_sync.strategy import multi_worker as _multi_worker
     from keras_sync.errors import KerasSyncError
+    from keras_sync.strategy import multi_worker as _multi_worker
+    from keras_sync.upstream import keras_fixes as _keras_compat
 
     global _ORIGINAL_REDUCE, _ORIGINAL_AUTOCONVERT
     _ORIGINAL_REDUCE = trainer.reduce_per_replica
@@ -122,15 +126,23 @@ def main() -> int:
             late = os.environ.get("KS_LATE_TF_CONFIG")
             if late:
                 os.environ["TF_CONFIG"] = late
-                result["late_error"] = _error(lambda: _multi_worker.build_multi_worker_strategy(connect_timeout_s=5))
+                result["late_error"] = _error(
+                    lambda: _multi_worker.build_multi_worker_strategy(connect_timeout_s=5)
+                )
         elif scenario == "single":
             # No TF_CONFIG: one worker over this process's logical CPUs.
             result["bad_args"] = [
                 _error(lambda: _multi_worker.build_multi_worker_strategy(communication="mpi")),
-                _error(lambda: _multi_worker.build_multi_worker_strategy(local_devices=["CPU:0", "GPU:0"])),
+                _error(
+                    lambda: _multi_worker.build_multi_worker_strategy(
+                        local_devices=["CPU:0", "GPU:0"]
+                    )
+                ),
                 _error(lambda: _multi_worker.build_multi_worker_strategy(local_devices=["banana"])),
             ]
-            strategy = _multi_worker.build_multi_worker_strategy(local_devices=_multi_worker.local_cpu_devices())
+            strategy = _multi_worker.build_multi_worker_strategy(
+                local_devices=_multi_worker.local_cpu_devices()
+            )
             result["num_replicas"] = strategy.num_replicas_in_sync
             result["num_workers"] = strategy.extended._num_workers
             result.update(_fit(strategy))
@@ -161,7 +173,9 @@ def main() -> int:
                 result["error"] = str(e)
         elif scenario in ("unfixed_then_fixed", "fixed"):
             devices = _multi_worker.local_cpu_devices() if cpus > 1 else None
-            strategy = _multi_worker.build_multi_worker_strategy(local_devices=devices, connect_timeout_s=60)
+            strategy = _multi_worker.build_multi_worker_strategy(
+                local_devices=devices, connect_timeout_s=60
+            )
             result["num_replicas"] = strategy.num_replicas_in_sync
             if scenario == "unfixed_then_fixed":
                 result["unfixed_error"] = _fit_error(strategy)
@@ -179,15 +193,18 @@ def main() -> int:
             with strategy.scope():
                 model = _model(steps_per_execution=2)
             _keras_compat.check_steps_per_execution(model, strategy)  # accepts it: the fix is on
-            result["spe_fixed"] = getattr(trainer.TensorFlowTrainer._autoconvert_optionals,
-                                          _keras_compat._PATCH_MARK, False)
+            result["spe_fixed"] = getattr(
+                trainer.TensorFlowTrainer._autoconvert_optionals, _keras_compat._PATCH_MARK, False
+            )
             spe = _fit(strategy, steps_per_execution=2)
             result["spe_weights"], result["spe_loss"] = spe["weights"], spe["loss"]
             if scenario == "unfixed_then_fixed":
                 # The upstream failure without fix 3 (a canary: this passes once Keras fixes it). Last:
                 # a failed step leaves the workers' collectives behind.
                 fixed, trainer.TensorFlowTrainer._autoconvert_optionals = (
-                    trainer.TensorFlowTrainer._autoconvert_optionals, _ORIGINAL_AUTOCONVERT)
+                    trainer.TensorFlowTrainer._autoconvert_optionals,
+                    _ORIGINAL_AUTOCONVERT,
+                )
                 result["spe_upstream_error"] = _fit_error(strategy, steps_per_execution=2)
                 trainer.TensorFlowTrainer._autoconvert_optionals = fixed
         else:

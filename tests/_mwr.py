@@ -30,8 +30,9 @@ def max_diff(a: list, b: list) -> float:
     return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a, b))
 
 
-def kill_and_resume(tmp: Path, config: dict, *, kill_at: int, timeout: float,
-                    args: tuple[str, ...] = ()) -> tuple[dict, dict, subprocess.CompletedProcess[str]]:
+def kill_and_resume(
+    tmp: Path, config: dict, *, kill_at: int, timeout: float, args: tuple[str, ...] = ()
+) -> tuple[dict, dict, subprocess.CompletedProcess[str]]:
     """Train ``config`` alone as 'ref', then as 'res' SIGKILLed after optimizer step ``kill_at`` and relaunched.
 
     Each run gets its own ``fault_tolerance.backup_dir`` (``tmp/<name>_bk``) next to the
@@ -39,13 +40,25 @@ def kill_and_resume(tmp: Path, config: dict, *, kill_at: int, timeout: float,
     and the relaunch's completed process (its stdout lists the steps it trained).
     """
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "KERAS_SYNC_CONFIG")}
-    env["TF_CPP_MIN_LOG_LEVEL"] = "2"  # the script sets 2 itself; given, the suite's zygote can start it
+    env["TF_CPP_MIN_LOG_LEVEL"] = (
+        "2"  # the script sets 2 itself; given, the suite's zygote can start it
+    )
 
     def run(name: str, *extra: str) -> subprocess.CompletedProcess[str]:
-        cfg = {**config, "fault_tolerance": {**config.get("fault_tolerance", {}),
-                                             "backup_dir": str(tmp / f"{name}_bk")}}
-        return subprocess.run([sys.executable, str(TRAIN), json.dumps(cfg), str(tmp / name), *args, *extra],
-                              env=env, capture_output=True, text=True, timeout=timeout)
+        cfg = {
+            **config,
+            "fault_tolerance": {
+                **config.get("fault_tolerance", {}),
+                "backup_dir": str(tmp / f"{name}_bk"),
+            },
+        }
+        return subprocess.run(
+            [sys.executable, str(TRAIN), json.dumps(cfg), str(tmp / name), *args, *extra],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     ref = run("ref")
     assert ref.returncode == 0, ref.stderr[-3000:]

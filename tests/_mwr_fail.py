@@ -13,8 +13,13 @@ print(f"pid {os.getpid()}", flush=True)
 
 import keras_sync  # noqa: E402
 
-sync = keras_sync.load({"strategy": {"kind": "multi_worker_mirrored", "connect_timeout_s": 60},
-                        "batch": {"global": 32}, "mlflow": {"enabled": False}})
+sync = keras_sync.load(
+    {
+        "strategy": {"kind": "multi_worker_mirrored", "connect_timeout_s": 60},
+        "batch": {"global": 32},
+        "mlflow": {"enabled": False},
+    }
+)
 if sync.task[1] == 1:
     print(f"failing at {time.time():.3f}", flush=True)
     sys.exit("worker 1: simulated failure")

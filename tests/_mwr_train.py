@@ -44,7 +44,9 @@ def _hold_until_signal(step: int, limit_s: float = 900) -> None:
     watch = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
     print(f"holding after step {step}", flush=True)
     deadline = time.monotonic() + limit_s
-    while not getattr(watch, "pending", False):  # without the handler, SIGINT raises KeyboardInterrupt here
+    while not getattr(
+        watch, "pending", False
+    ):  # without the handler, SIGINT raises KeyboardInterrupt here
         if time.monotonic() > deadline:
             raise SystemExit(f"--hold-at: no SIGTERM within {limit_s:g} s")
         time.sleep(0.02)
@@ -63,13 +65,23 @@ def main() -> int:
     p.add_argument("--samples", type=int, default=SAMPLES)
     p.add_argument("--wait-at", type=int, default=None)
     p.add_argument("--wait-for", default=None)
-    p.add_argument("--step-file", default=None, help="with --wait-at: created when that step is reached")
+    p.add_argument(
+        "--step-file", default=None, help="with --wait-at: created when that step is reached"
+    )
     p.add_argument("--hold-at", type=int, default=None)
     p.add_argument("--no-shuffle", action="store_true")
-    p.add_argument("--dropout", type=float, default=0.0, help="a Dropout layer: its seed state must resume too")
+    p.add_argument(
+        "--dropout", type=float, default=0.0, help="a Dropout layer: its seed state must resume too"
+    )
     ns = p.parse_args()
-    kills = [(at, ns.kill_task[k] if k < len(ns.kill_task) else 0, ns.marker if k == 0 else f"{ns.marker}.{k}")
-             for k, at in enumerate(ns.kill_at)]
+    kills = [
+        (
+            at,
+            ns.kill_task[k] if k < len(ns.kill_task) else 0,
+            ns.marker if k == 0 else f"{ns.marker}.{k}",
+        )
+        for k, at in enumerate(ns.kill_at)
+    ]
     ns.kill_task = ns.kill_task[0] if ns.kill_task else 0  # the task --term-at signals
     started = time.monotonic()
 
@@ -83,17 +95,27 @@ def main() -> int:
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(ns.samples, FEATURES)).astype("float32")
-    y = (x @ rng.normal(size=(FEATURES, 1)) + 0.1 * rng.normal(size=(ns.samples, 1))).astype("float32")
+    y = (x @ rng.normal(size=(FEATURES, 1)) + 0.1 * rng.normal(size=(ns.samples, 1))).astype(
+        "float32"
+    )
 
     with sync.scope():
         keras.utils.set_random_seed(0)
         dropout = [keras.layers.Dropout(ns.dropout)] if ns.dropout else []
         model = keras.Sequential(
-            [keras.Input((FEATURES,)), keras.layers.Dense(16, activation="relu"), *dropout, keras.layers.Dense(1)]
+            [
+                keras.Input((FEATURES,)),
+                keras.layers.Dense(16, activation="relu"),
+                *dropout,
+                keras.layers.Dense(1),
+            ]
         )
         # Momentum: a resume that lost the optimizer state would show in the weights.
-        model.compile(optimizer=keras.optimizers.SGD(sync.learning_rate, momentum=0.9), loss="mse",
-                      metrics=["mae"])
+        model.compile(
+            optimizer=keras.optimizers.SGD(sync.learning_rate, momentum=0.9),
+            loss="mse",
+            metrics=["mae"],
+        )
 
     start: dict = {}
 
@@ -120,7 +142,9 @@ def main() -> int:
             if task != ns.kill_task:
                 if ns.in_collective and ns.marker and not os.path.exists(ns.marker + ".held"):
                     open(ns.marker + ".held", "w").close()
-                    time.sleep(2.0)  # the signalled worker waits for us inside the step's all-reduce
+                    time.sleep(
+                        2.0
+                    )  # the signalled worker waits for us inside the step's all-reduce
                 return
             if ns.marker and not os.path.exists(ns.marker):
                 open(ns.marker, "w").close()
@@ -138,7 +162,9 @@ def main() -> int:
             self._epoch = epoch
             start.setdefault("epoch", epoch)
 
-    history = sync.fit(model, x, y, epochs=ns.epochs, shuffle=not ns.no_shuffle, verbose=0, callbacks=[Report()])
+    history = sync.fit(
+        model, x, y, epochs=ns.epochs, shuffle=not ns.no_shuffle, verbose=0, callbacks=[Report()]
+    )
     result = {
         "task": task,
         "num_replicas": sync.num_replicas,
@@ -152,7 +178,7 @@ def main() -> int:
         "env": {k: os.environ.get(k) for k in ("SLURM_JOB_ID", "SLURM_STEP_ID")},
         # keras-sync handles SIGTERM and SIGINT only while fit runs: afterwards, Python's own handlers.
         "signals_restored": signal.getsignal(signal.SIGINT) is signal.default_int_handler
-                            and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None),
+        and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None),
     }
     resolver = getattr(sync.strategy, "cluster_resolver", None)
     if resolver is not None:  # the addresses the workers really listened on

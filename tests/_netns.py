@@ -67,10 +67,19 @@ class TwoHosts:
             _ip("-n", name, "link", "set", name, "up")
             _ip("-n", name, "link", "set", "lo", "up")
 
-    def start(self, host: int, argv: Sequence[str], *, env: Mapping[str, str], cwd: str | None = None) -> subprocess.Popen[str]:
+    def start(
+        self, host: int, argv: Sequence[str], *, env: Mapping[str, str], cwd: str | None = None
+    ) -> subprocess.Popen[str]:
         """Start ``argv`` on ``host`` (its pid is the program's: `ip netns exec` execs it)."""
-        p = subprocess.Popen(["ip", "netns", "exec", self.names[host], *argv], env=dict(env), cwd=cwd,
-                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        p = subprocess.Popen(
+            ["ip", "netns", "exec", self.names[host], *argv],
+            env=dict(env),
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.procs.append(p)
         return p
 

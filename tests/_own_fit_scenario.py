@@ -13,8 +13,13 @@ import numpy as np
 import keras_sync
 
 out_path, uri = sys.argv[1], sys.argv[2]
-sync = keras_sync.load({"strategy": {"kind": "mirrored", "simulated_cpu_replicas": 2}, "batch": {"per_replica": 16},
-                        "mlflow": {"tracking_uri": uri, "experiment": "own", "log_every_n_steps": 1}})
+sync = keras_sync.load(
+    {
+        "strategy": {"kind": "mirrored", "simulated_cpu_replicas": 2},
+        "batch": {"per_replica": 16},
+        "mlflow": {"tracking_uri": uri, "experiment": "own", "log_every_n_steps": 1},
+    }
+)
 import keras  # noqa: E402
 
 from keras_sync.errors import UsageError  # noqa: E402
@@ -74,11 +79,16 @@ result["run_id_after_close"] = sync.run_id
 own = ListWriter()
 result["is_writer"] = isinstance(own, Writer)
 m2 = model()
-m2.fit(sync.distribute((x, y)), epochs=1, verbose=0,
-       callbacks=[keras_sync.SyncMetrics(own, log_every_n_steps=2), keras_sync.RunParams(own, sync)])
+m2.fit(
+    sync.distribute((x, y)),
+    epochs=1,
+    verbose=0,
+    callbacks=[keras_sync.SyncMetrics(own, log_every_n_steps=2), keras_sync.RunParams(own, sync)],
+)
 result["own_steps"] = [s for s, _ in own.points]
 result["own_keys"] = sorted({k for _, d in own.points for k in d})
 result["own_params"] = sorted(own.params)[:5]
+
 
 # 4. The public callbacks standalone, sharing one SharedState, in two opposite orders: the same
 # points at the same steps; the report draws each epoch's last step (it flushes first) and the
@@ -89,18 +99,35 @@ def standalone(order):
     report = keras_sync.SyncReport(own, when="epoch", shared=shared)
     drawn = []
     draw = report.log_report
-    report.log_report = lambda **kw: (drawn.append(max(report.history.loss[0].steps, default=0)
-                                                   if 0 in report.history.loss else 0), draw(**kw))
-    cbs = [keras_sync.SyncMetrics(own, log_every_n_steps=1, shared=shared), keras_sync.WeightDivergence(own, shared=shared),
-           report, keras_sync.RunParams(own, sync.context())]
+    report.log_report = lambda **kw: (
+        drawn.append(
+            max(report.history.loss[0].steps, default=0) if 0 in report.history.loss else 0
+        ),
+        draw(**kw),
+    )
+    cbs = [
+        keras_sync.SyncMetrics(own, log_every_n_steps=1, shared=shared),
+        keras_sync.WeightDivergence(own, shared=shared),
+        report,
+        keras_sync.RunParams(own, sync.context()),
+    ]
     m = model()
-    m.fit(sync.distribute((x, y)), epochs=2, verbose=0, callbacks=cbs if order == "forward" else cbs[::-1])
-    return {"points": sorted((s, sorted(d)) for s, d in own.points), "drawn": drawn,
-            "divergence_steps": [s for s, d in own.points if "sync/weight_divergence" in d],
-            "params": own.params}
+    m.fit(
+        sync.distribute((x, y)),
+        epochs=2,
+        verbose=0,
+        callbacks=cbs if order == "forward" else cbs[::-1],
+    )
+    return {
+        "points": sorted((s, sorted(d)) for s, d in own.points),
+        "drawn": drawn,
+        "divergence_steps": [s for s, d in own.points if "sync/weight_divergence" in d],
+        "params": own.params,
+    }
 
 
 result["forward"], result["reversed"] = standalone("forward"), standalone("reversed")
+
 
 # 5. log_every_n_steps="auto": fast steps are thinned to a round stride, each epoch's last step kept;
 # steps slowed to 0.12 s (a callback sleeping inside the timed part of the step) are all logged.
@@ -115,16 +142,29 @@ def auto(slow):
     own = ListWriter()
     metrics = keras_sync.SyncMetrics(own, log_every_n_steps="auto")
     m = model()
-    m.fit(sync.distribute((x, y)), epochs=3, verbose=0, callbacks=[metrics] + ([Slow()] if slow else []))
-    return {"steps": [s for s, d in own.points if "sync/loss/replica_0" in d], "stride": metrics.stride,
-            "step_time_ms": [d["sync/step_time_ms"] for s, d in own.points if "sync/step_time_ms" in d]}
+    m.fit(
+        sync.distribute((x, y)),
+        epochs=3,
+        verbose=0,
+        callbacks=[metrics] + ([Slow()] if slow else []),
+    )
+    return {
+        "steps": [s for s, d in own.points if "sync/loss/replica_0" in d],
+        "stride": metrics.stride,
+        "step_time_ms": [d["sync/step_time_ms"] for s, d in own.points if "sync/step_time_ms" in d],
+    }
 
 
 result["auto_fast"], result["auto_slow"] = auto(False), auto(True)
 
 # 3. A backup_dir config is refused by callbacks() in one line.
-backed = keras_sync.load({"strategy": {"kind": "default"}, "fault_tolerance": {"backup_dir": "bk"},
-                          "mlflow": {"enabled": False}})
+backed = keras_sync.load(
+    {
+        "strategy": {"kind": "default"},
+        "fault_tolerance": {"backup_dir": "bk"},
+        "mlflow": {"enabled": False},
+    }
+)
 try:
     backed.callbacks(keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]))
     result["backup_refusal"] = None
@@ -149,7 +189,10 @@ class Gan(keras.Model):
     def train_step(self, data):
         x, _ = data
         with tf.GradientTape() as tape:
-            d_loss = keras.ops.mean(keras.ops.softplus(-self.disc(x)) + keras.ops.softplus(self.disc(self.gen(x[:, :2]))))
+            d_loss = keras.ops.mean(
+                keras.ops.softplus(-self.disc(x))
+                + keras.ops.softplus(self.disc(self.gen(x[:, :2])))
+            )
         grads = tape.gradient(d_loss, self.disc.trainable_weights)
         self.d_optimizer.apply_gradients(zip(grads, self.disc.trainable_weights))
         with tf.GradientTape() as tape:
@@ -164,11 +207,18 @@ class GanWithCall(Gan):
         return self.disc(x)
 
 
-gan_sync = keras_sync.load({"strategy": {"kind": "mirrored", "simulated_cpu_replicas": 2}, "batch": {"per_replica": 16},
-                            "mlflow": {"tracking_uri": uri, "experiment": "gan", "log_every_n_steps": 1}})
+gan_sync = keras_sync.load(
+    {
+        "strategy": {"kind": "mirrored", "simulated_cpu_replicas": 2},
+        "batch": {"per_replica": 16},
+        "mlflow": {"tracking_uri": uri, "experiment": "gan", "log_every_n_steps": 1},
+    }
+)
 with gan_sync.scope():
     no_call = Gan()
-    no_call.compile(keras.optimizers.SGD(0.02, momentum=0.9), keras.optimizers.SGD(0.02, momentum=0.9))
+    no_call.compile(
+        keras.optimizers.SGD(0.02, momentum=0.9), keras.optimizers.SGD(0.02, momentum=0.9)
+    )
 try:
     gan_sync.fit(no_call, x, y, epochs=1, verbose=0)
     result["no_call"] = None

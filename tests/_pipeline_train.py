@@ -24,7 +24,9 @@ import warnings
 import numpy as np
 
 N, FEATURES, EPOCHS, BATCH = 512, 8, 2, 32
-BASE_LR = 0.05  # tuned for the per-replica batch 16; linear scaling gives 0.1 for the global batch 32
+BASE_LR = (
+    0.05  # tuned for the per-replica batch 16; linear scaling gives 0.1 for the global batch 32
+)
 USER_BATCH = 64  # the batch the user's own pipeline was written with
 UNEVEN = 481  # examples of the uneven user-sharded case
 
@@ -39,7 +41,13 @@ def data() -> tuple[np.ndarray, np.ndarray]:
 def model(keras, lr, scope=None):
     keras.utils.set_random_seed(0)
     with scope or contextlib.nullcontext():
-        m = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)])
+        m = keras.Sequential(
+            [
+                keras.Input((FEATURES,)),
+                keras.layers.Dense(16, activation="tanh"),
+                keras.layers.Dense(1),
+            ]
+        )
         m.compile(optimizer=keras.optimizers.SGD(lr, momentum=0.9), loss="mse")
     return m
 
@@ -54,7 +62,7 @@ def py_dataset(keras, x, y, batch, workers=1, processes=False):
             return -(-N // batch)
 
         def __getitem__(self, i):
-            return x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch]
+            return x[i * batch : (i + 1) * batch], y[i * batch : (i + 1) * batch]
 
     return Batches(workers=workers, use_multiprocessing=processes)
 
@@ -65,7 +73,10 @@ def write_records(tf, x, y, files: int, workers: int, out: str) -> list[str]:
     global batch (one file per worker: examples in order)."""
     rows = np.concatenate([x, y], axis=1)
     per_worker = BATCH // workers
-    order = [rows[np.arange(N).reshape(-1, BATCH)[:, w * per_worker:(w + 1) * per_worker].ravel()] for w in range(workers)]
+    order = [
+        rows[np.arange(N).reshape(-1, BATCH)[:, w * per_worker : (w + 1) * per_worker].ravel()]
+        for w in range(workers)
+    ]
     names = []
     for f in range(files):
         w, part = f % workers, f // workers
@@ -80,19 +91,23 @@ def write_records(tf, x, y, files: int, workers: int, out: str) -> list[str]:
 
 def inputs(tf, x, y, keras=None, workers=1, index=0, out="."):
     """The pipelines a user brings, each batched by USER_BATCH, none by keras-sync."""
+
     def gen():
         for i in range(0, N, USER_BATCH):
-            yield x[i:i + USER_BATCH], y[i:i + USER_BATCH]
+            yield x[i : i + USER_BATCH], y[i : i + USER_BATCH]
 
     spec = (tf.TensorSpec([None, FEATURES], tf.float32), tf.TensorSpec([None, 1], tf.float32))
     plain = tf.data.Dataset.from_tensor_slices((x, y))
     off = tf.data.Options()
     off.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-    mine = (x[index::workers], y[index::workers])  # this worker's part, as a user (or Ray) splits it
+    mine = (
+        x[index::workers],
+        y[index::workers],
+    )  # this worker's part, as a user (or Ray) splits it
 
     def gen_mine():
         for i in range(0, len(mine[0]), 16):
-            yield mine[0][i:i + 16], mine[1][i:i + 16]
+            yield mine[0][i : i + 16], mine[1][i : i + 16]
 
     def parse(r):
         v = tf.io.decode_raw(r, tf.float32)
@@ -108,24 +123,38 @@ def inputs(tf, x, y, keras=None, workers=1, index=0, out="."):
     def endless():  # a Python generator as Keras scripts write them: endless, steps_per_epoch in fit
         while True:
             for i in range(0, N, BATCH):
-                yield x[i:i + BATCH], y[i:i + BATCH]
+                yield x[i : i + BATCH], y[i : i + BATCH]
 
-    extra = {} if keras is None else {
-        "python_generator": endless,
-        "pydataset16": lambda: py_dataset(keras, x, y, 16),
-        "pydataset32_threads": lambda: py_dataset(keras, x, y, BATCH, workers=2),
-        "pydataset32_processes": lambda: py_dataset(keras, x, y, BATCH, workers=2, processes=True),
-        "user_shard": lambda: plain.shard(workers, index).batch(16),
-        "own_off": lambda: tf.data.Dataset.from_tensor_slices(mine).batch(16).with_options(off),
-        "own_off_unknown_length": lambda: tf.data.Dataset.from_generator(gen_mine, output_signature=spec).with_options(off),
-        "tfrecord1": lambda: records(1),
-        "tfrecord4": lambda: records(4),
-        # 481 = 241 + 240: 16 and 15 batches of 16 per replica, parts of different lengths
-        "user_shard_uneven": lambda: tf.data.Dataset.from_tensor_slices((x[:UNEVEN], y[:UNEVEN])).shard(workers, index).batch(16),
-    }
+    extra = (
+        {}
+        if keras is None
+        else {
+            "python_generator": endless,
+            "pydataset16": lambda: py_dataset(keras, x, y, 16),
+            "pydataset32_threads": lambda: py_dataset(keras, x, y, BATCH, workers=2),
+            "pydataset32_processes": lambda: py_dataset(
+                keras, x, y, BATCH, workers=2, processes=True
+            ),
+            "user_shard": lambda: plain.shard(workers, index).batch(16),
+            "own_off": lambda: tf.data.Dataset.from_tensor_slices(mine).batch(16).with_options(off),
+            "own_off_unknown_length": lambda: tf.data.Dataset.from_generator(
+                gen_mine, output_signature=spec
+            ).with_options(off),
+            "tfrecord1": lambda: records(1),
+            "tfrecord4": lambda: records(4),
+            # 481 = 241 + 240: 16 and 15 batches of 16 per replica, parts of different lengths
+            "user_shard_uneven": lambda: (
+                tf.data.Dataset.from_tensor_slices((x[:UNEVEN], y[:UNEVEN]))
+                .shard(workers, index)
+                .batch(16)
+            ),
+        }
+    )
     return {
         "batch64": lambda: plain.batch(USER_BATCH),
-        "batch64_map_prefetch": lambda: plain.batch(USER_BATCH).map(lambda a, b: (a * 1.0, b)).prefetch(2),
+        "batch64_map_prefetch": lambda: (
+            plain.batch(USER_BATCH).map(lambda a, b: (a * 1.0, b)).prefetch(2)
+        ),
         "generator64": lambda: tf.data.Dataset.from_generator(gen, output_signature=spec),
         **extra,
     }
@@ -134,7 +163,11 @@ def inputs(tf, x, y, keras=None, workers=1, index=0, out="."):
 def fit_all(sync, keras, tf, x, y) -> dict:
     out: dict = {"weights": {}, "lines": {}, "warnings": {}, "steps": {}, "facts": {}}
     workers, index = sync.num_workers, sync.task[1] or 0
-    kinds = {"arrays": None, "arrays_own_part": "own_arrays", **inputs(tf, x, y, keras, workers, index, os.getcwd())}
+    kinds = {
+        "arrays": None,
+        "arrays_own_part": "own_arrays",
+        **inputs(tf, x, y, keras, workers, index, os.getcwd()),
+    }
     for kind, make in kinds.items():
         m = model(keras, sync.lr_schedule(), sync.scope())
         err = io.StringIO()
@@ -144,19 +177,29 @@ def fit_all(sync, keras, tf, x, y) -> dict:
                 sync.fit(m, x, y, epochs=EPOCHS, shuffle=False, verbose=0)
             elif make == "own_arrays":  # batch.shard_policy: off, each worker loaded its own part
                 config = sync.config
-                sync.config = dataclasses.replace(config, batch=dataclasses.replace(config.batch, shard_policy="off"))
-                sync.fit(m, x[index::workers], y[index::workers], epochs=EPOCHS, shuffle=False, verbose=0)
+                sync.config = dataclasses.replace(
+                    config, batch=dataclasses.replace(config.batch, shard_policy="off")
+                )
+                sync.fit(
+                    m, x[index::workers], y[index::workers], epochs=EPOCHS, shuffle=False, verbose=0
+                )
                 sync.config = config
             elif kind == "python_generator":
                 sync.fit(m, make(), steps_per_epoch=N // BATCH, epochs=EPOCHS, verbose=0)
             else:
                 sync.fit(m, make(), epochs=EPOCHS, verbose=0)
         out["weights"][kind] = flat(m)
-        out["facts"][kind] = dict(vars(sync.input_facts)) if getattr(sync, "input_facts", None) else None
+        out["facts"][kind] = (
+            dict(vars(sync.input_facts)) if getattr(sync, "input_facts", None) else None
+        )
         out["steps"][kind] = int(m.optimizer.iterations.numpy())
-        out["lines"][kind] = [ln for ln in err.getvalue().splitlines() if ln.startswith("keras-sync: training data")]
+        out["lines"][kind] = [
+            ln for ln in err.getvalue().splitlines() if ln.startswith("keras-sync: training data")
+        ]
         out["warnings"][kind] = [str(w.message) for w in caught if "batch size" in str(w.message)]
-        out.setdefault("ran_out", {})[kind] = [str(w.message) for w in caught if "ran out of data" in str(w.message)]
+        out.setdefault("ran_out", {})[kind] = [
+            str(w.message) for w in caught if "ran out of data" in str(w.message)
+        ]
     return out
 
 
@@ -168,14 +211,17 @@ def probes(sync, tf, x, y) -> dict:
     plain = tf.data.Dataset.from_tensor_slices((x, y))
     off = tf.data.Options()
     off.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-    found = {name: list(batch_size_of(ds)) for name, ds in {
-        "static": plain.batch(64, drop_remainder=True),
-        "batch_op": plain.batch(64),
-        "map_after_batch": plain.batch(64).map(lambda a, b: (a, b)),
-        "parallel_batch": plain.batch(64, num_parallel_calls=2),
-        "padded": plain.padded_batch(16),
-        "generator": inputs(tf, x, y)["generator64"](),
-    }.items()}
+    found = {
+        name: list(batch_size_of(ds))
+        for name, ds in {
+            "static": plain.batch(64, drop_remainder=True),
+            "batch_op": plain.batch(64),
+            "map_after_batch": plain.batch(64).map(lambda a, b: (a, b)),
+            "parallel_batch": plain.batch(64, num_parallel_calls=2),
+            "padded": plain.padded_batch(16),
+            "generator": inputs(tf, x, y)["generator64"](),
+        }.items()
+    }
     pipe = sync._pipeline()
     ray_like = pipe.training_dataset(plain.batch(64).with_options(off))
     distributed = sync.distribute(plain.with_options(off))
@@ -199,8 +245,12 @@ def probes(sync, tf, x, y) -> dict:
         endless = str(e)
     refused = {}
     for name, call in {
-        "generator_epochs_without_steps": lambda m: sync.fit(m, (b for b in [(x[:32], y[:32])] * 4), epochs=2, verbose=0),
-        "validation_generator": lambda m: sync.fit(m, x, y, validation_data=((x[:32], y[:32]) for _ in range(2)), verbose=0),
+        "generator_epochs_without_steps": lambda m: sync.fit(
+            m, (b for b in [(x[:32], y[:32])] * 4), epochs=2, verbose=0
+        ),
+        "validation_generator": lambda m: sync.fit(
+            m, x, y, validation_data=((x[:32], y[:32]) for _ in range(2)), verbose=0
+        ),
     }.items():
         try:
             call(model(keras, 0.1, sync.scope()))
@@ -208,11 +258,16 @@ def probes(sync, tf, x, y) -> dict:
         except UsageError as e:
             refused[name] = str(e)
     # The rebatched dataset keeps a known size (Keras shows progress, warmup_epochs can use it).
-    return {"found": found, "own_off_kept": own_shard_policy(ray_like), "distribute_off_kept": own_shard_policy(distributed),
-            "arrays_policy": own_shard_policy(sync.distribute((x, y))),
-            "rebatched_cardinality": int(pipe.training_dataset(plain.batch(64)).cardinality()),
-            "unbatched_error": unbatched, "endless_py_dataset_error": endless,
-            "refused_generators": refused}
+    return {
+        "found": found,
+        "own_off_kept": own_shard_policy(ray_like),
+        "distribute_off_kept": own_shard_policy(distributed),
+        "arrays_policy": own_shard_policy(sync.distribute((x, y))),
+        "rebatched_cardinality": int(pipe.training_dataset(plain.batch(64)).cardinality()),
+        "unbatched_error": unbatched,
+        "endless_py_dataset_error": endless,
+        "refused_generators": refused,
+    }
 
 
 def main() -> None:
@@ -229,8 +284,12 @@ def main() -> None:
         m64.fit(x, y, batch_size=USER_BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
         m481 = model(keras, BASE_LR * BATCH / 16)
         m481.fit(x[:UNEVEN], y[:UNEVEN], batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
-        result = {"weights": flat(m), "steps": int(m.optimizer.iterations.numpy()), "weights_batch64": flat(m64),
-                  "weights_uneven": flat(m481)}
+        result = {
+            "weights": flat(m),
+            "steps": int(m.optimizer.iterations.numpy()),
+            "weights_batch64": flat(m64),
+            "weights_uneven": flat(m481),
+        }
         name = "reference"
     else:
         import keras_sync
@@ -240,8 +299,13 @@ def main() -> None:
         import tensorflow as tf
 
         result = fit_all(sync, keras, tf, x, y)
-        result.update(global_batch=sync.global_batch_size, learning_rate=sync.learning_rate,
-                      replicas=sync.num_replicas, workers=sync.num_workers, is_chief=sync.is_chief)
+        result.update(
+            global_batch=sync.global_batch_size,
+            learning_rate=sync.learning_rate,
+            replicas=sync.num_replicas,
+            workers=sync.num_workers,
+            is_chief=sync.is_chief,
+        )
         if mode == "replicas":
             result["probes"] = probes(sync, tf, x, y)
         name = f"{mode}-w{sync.task[1] or 0}"

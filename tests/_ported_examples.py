@@ -9,13 +9,12 @@ run of several replicas with the one-device run that the `replicas` mode also wr
 
 from __future__ import annotations
 
-import os
 import sys
 
 import numpy as np
+from _scenario import Results
 
 import keras_sync
-from _scenario import Results
 
 MODE, OUT = sys.argv[1], sys.argv[2]
 GLOBAL = 8
@@ -24,8 +23,13 @@ results = Results(mode=MODE)
 
 
 def load(kind: str, replicas: int = 0) -> keras_sync.Sync:
-    return keras_sync.load({"strategy": {"kind": kind, "simulated_cpu_replicas": replicas},
-                            "batch": {"global": GLOBAL}, "mlflow": {"enabled": False}})
+    return keras_sync.load(
+        {
+            "strategy": {"kind": kind, "simulated_cpu_replicas": replicas},
+            "batch": {"global": GLOBAL},
+            "mlflow": {"enabled": False},
+        }
+    )
 
 
 # The first load sets up the devices (2 logical CPUs, or the worker's cluster) before TensorFlow starts.
@@ -39,6 +43,7 @@ def weights(model) -> list:
 
 
 # -- 1. sparse gradients: the text-classification transformer's position table -------------------
+
 
 def position_table(sync):
     """One Adam step on a 4-row position table looked up with arange (each row once per replica)."""
@@ -116,15 +121,20 @@ def transformer(sync):
         inputs = keras.Input((LENGTH,), dtype="int32")
         h = TokenAndPosition()(inputs)
         h = keras.layers.LayerNormalization()(h + keras.layers.MultiHeadAttention(2, WIDTH)(h, h))
-        h = keras.layers.LayerNormalization()(h + keras.layers.Dense(WIDTH)(keras.layers.Dense(16, "relu")(h)))
+        h = keras.layers.LayerNormalization()(
+            h + keras.layers.Dense(WIDTH)(keras.layers.Dense(16, "relu")(h))
+        )
         out = keras.layers.Dense(1, "sigmoid")(keras.layers.GlobalAveragePooling1D()(h))
         model = keras.Model(inputs, out)
         model.compile(optimizer=keras.optimizers.Adam(0.01), loss="binary_crossentropy")
-    history = sync.fit(model, x[:48], y[:48], epochs=2, verbose=0, shuffle=False, validation_data=(x[48:], y[48:]))
+    history = sync.fit(
+        model, x[:48], y[:48], epochs=2, verbose=0, shuffle=False, validation_data=(x[48:], y[48:])
+    )
     return {"weights": weights(model), "val_loss": history.history["val_loss"]}
 
 
 # -- 2. random streams: the GAN of "customizing what happens in fit", Dropout --------------------
+
 
 class LatentGAN(keras.Model):
     """The guide's GAN step, cut to what the test reads: latents drawn with the model's seed generator."""
@@ -147,7 +157,10 @@ class LatentGAN(keras.Model):
         self.optimizer.apply_gradients(zip(grads, self.generator.trainable_weights))
         seen = tf.distribute.get_replica_context().all_gather(fake, axis=0)
         distinct = tf.size(tf.unique(tf.reshape(seen[:, 0], [-1]))[0])
-        return {"distinct": tf.cast(distinct, "float32"), "generated": tf.cast(tf.shape(seen)[0], "float32")}
+        return {
+            "distinct": tf.cast(distinct, "float32"),
+            "generated": tf.cast(tf.shape(seen)[0], "float32"),
+        }
 
 
 class DropoutSeen(keras.Model):
@@ -170,7 +183,11 @@ class DropoutSeen(keras.Model):
 
 def random_streams(sync):
     logs = []
-    keep = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs=None, seen=logs: seen.append({k: float(v) for k, v in (logs or {}).items()}))
+    keep = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs=None, seen=logs: seen.append(
+            {k: float(v) for k, v in (logs or {}).items()}
+        )
+    )
     x = np.zeros((4 * GLOBAL, 4), "float32")
     with sync.scope():
         gan = LatentGAN()
@@ -181,14 +198,23 @@ def random_streams(sync):
     with sync.scope():
         drop = DropoutSeen()
         drop.compile(optimizer="sgd", loss="mse")
-    sync.fit(drop, np.ones((4 * GLOBAL, 16), "float32"), x[:, :1], epochs=1, verbose=0, callbacks=[keep], shuffle=False)
+    sync.fit(
+        drop,
+        np.ones((4 * GLOBAL, 16), "float32"),
+        x[:, :1],
+        epochs=1,
+        verbose=0,
+        callbacks=[keep],
+        shuffle=False,
+    )
     return {"gan": gan_logs, "dropout": list(logs)}
 
 
 # -- 3. test_step: the guide's custom evaluation ---------------------------------------------------
 
+
 class GuideTestStep(keras.Model):
-    """"Customizing what happens in fit": the `test_step` with `compute_loss`, a loss tracker and MAE."""
+    """ "Customizing what happens in fit": the `test_step` with `compute_loss`, a loss tracker and MAE."""
 
     def __init__(self):
         super().__init__()
@@ -225,6 +251,7 @@ def custom_test_step(sync):
 
 # -- 7. data order: a seeded dataset that reshuffles each epoch (the weather / image examples) -----
 
+
 def reshuffled_dataset(sync):
     rng = np.random.default_rng(4)
     x = rng.normal(size=(64, 3)).astype("float32")
@@ -232,14 +259,22 @@ def reshuffled_dataset(sync):
     ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(64, seed=5).batch(GLOBAL)
     keras.utils.set_random_seed(6)
     with sync.scope():
-        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, "tanh"), keras.layers.Dense(1)])
+        model = keras.Sequential(
+            [keras.Input((3,)), keras.layers.Dense(4, "tanh"), keras.layers.Dense(1)]
+        )
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     sync.fit(model, ds, epochs=3, verbose=0)
     return {"weights": weights(model)}
 
 
-CASES = {"position_table": position_table, "repeated_tokens": repeated_tokens, "transformer": transformer,
-         "random_streams": random_streams, "test_step": custom_test_step, "reshuffle": reshuffled_dataset}
+CASES = {
+    "position_table": position_table,
+    "repeated_tokens": repeated_tokens,
+    "transformer": transformer,
+    "random_streams": random_streams,
+    "test_step": custom_test_step,
+    "reshuffle": reshuffled_dataset,
+}
 WORKER_CASES = ("position_table", "transformer", "random_streams", "test_step", "reshuffle")
 
 

@@ -44,7 +44,11 @@ def ks_config(scenario: str, out: str) -> dict:
         # base 0.05 tuned for 16, global 32: linear scaling gives 0.1, on 2 workers and on 1
         "batch": {"global": 32},
         "learning_rate": {"base": 0.05, "base_batch_size": 16},
-        "mlflow": {"tracking_uri": f"sqlite:///{out}/mlflow.db", "experiment": f"ray-{scenario}", "log_every_n_steps": 1},
+        "mlflow": {
+            "tracking_uri": f"sqlite:///{out}/mlflow.db",
+            "experiment": f"ray-{scenario}",
+            "log_every_n_steps": 1,
+        },
     }
     if scenario == "kill":
         cfg["fault_tolerance"] = {"backup_dir": os.path.join(out, "kill", "backup"), "save_freq": 4}
@@ -54,7 +58,13 @@ def ks_config(scenario: str, out: str) -> dict:
 def make_model(keras, lr, scope):
     keras.utils.set_random_seed(0)
     with scope:
-        m = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)])
+        m = keras.Sequential(
+            [
+                keras.Input((FEATURES,)),
+                keras.layers.Dense(16, activation="tanh"),
+                keras.layers.Dense(1),
+            ]
+        )
         m.compile(optimizer=keras.optimizers.SGD(lr, momentum=0.9), loss="mse")
     return m
 
@@ -77,9 +87,15 @@ def train_fn(config: dict) -> None:
 
         class KillChiefOnce(keras.callbacks.Callback):
             def on_train_batch_end(self, batch, logs=None):
-                if rank == 0 and int(model.optimizer.iterations.numpy()) == 22 and not os.path.exists(marker):
+                if (
+                    rank == 0
+                    and int(model.optimizer.iterations.numpy()) == 22
+                    and not os.path.exists(marker)
+                ):
                     open(marker, "w").close()
-                    os.kill(os.getpid(), signal.SIGKILL)  # mid-epoch 2, 2 steps after the backup at step 20
+                    os.kill(
+                        os.getpid(), signal.SIGKILL
+                    )  # mid-epoch 2, 2 steps after the backup at step 20
 
         callbacks.append(KillChiefOnce())
     seen: list[int] = []
@@ -97,26 +113,35 @@ def train_fn(config: dict) -> None:
                 return tf.identity(features["x"]), y
 
         shard = ray.train.get_dataset_shard("train")
-        ds = shard.to_tf(feature_columns=["x", "id"], label_columns="y", batch_size=TO_TF_BATCH).map(drop_id)
+        ds = shard.to_tf(
+            feature_columns=["x", "id"], label_columns="y", batch_size=TO_TF_BATCH
+        ).map(drop_id)
         history = sync.fit(model, ds, epochs=EPOCHS[scenario], verbose=0, callbacks=callbacks)
     else:
         x, y = data(N_ARRAYS)
-        history = sync.fit(model, x, y, epochs=EPOCHS[scenario], shuffle=False, verbose=0, callbacks=callbacks)
-    result = {"weights": np.concatenate([w.ravel() for w in model.get_weights()]).tolist(),
-              "steps": int(model.optimizer.iterations.numpy()), "loss": history.history["loss"],
-              "workers": sync.num_workers, "replicas": sync.num_replicas, "is_chief": sync.is_chief,
-              "global_batch": sync.global_batch_size, "learning_rate": sync.learning_rate,
-              "seen": seen}
+        history = sync.fit(
+            model, x, y, epochs=EPOCHS[scenario], shuffle=False, verbose=0, callbacks=callbacks
+        )
+    result = {
+        "weights": np.concatenate([w.ravel() for w in model.get_weights()]).tolist(),
+        "steps": int(model.optimizer.iterations.numpy()),
+        "loss": history.history["loss"],
+        "workers": sync.num_workers,
+        "replicas": sync.num_replicas,
+        "is_chief": sync.is_chief,
+        "global_batch": sync.global_batch_size,
+        "learning_rate": sync.learning_rate,
+        "seen": seen,
+    }
     with open(os.path.join(workdir, f"w{rank}.json"), "w") as f:
         json.dump(result, f)
 
 
 def run_scenarios(out: str, scenarios: list[str]) -> None:
     import ray
+    from mlflow.tracking import MlflowClient
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.tensorflow import TensorflowTrainer
-
-    from mlflow.tracking import MlflowClient
 
     # The store and experiments exist before training, as in a real deployment: a fresh sqlite
     # store's migration on a machine this busy can outlast the delivery wait at the end of fit.
@@ -126,10 +151,13 @@ def run_scenarios(out: str, scenarios: list[str]) -> None:
     t0 = time.monotonic()
     for attempt in range(4):
         try:
-            ray.init(num_cpus=4, include_dashboard=False,
-                     runtime_env={"env_vars": {"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}})
+            ray.init(
+                num_cpus=4,
+                include_dashboard=False,
+                runtime_env={"env_vars": {"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}},
+            )
             break
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             # Ray waits a fixed 30 s for its raylet to register (ray/_private/node.py,
             # raylet_start_wait_time_s); a machine busy with other TensorFlow jobs can take longer.
             if "timed out during startup" not in str(e) or attempt == 3:
@@ -143,20 +171,31 @@ def run_scenarios(out: str, scenarios: list[str]) -> None:
             datasets = {}
             if scenario == "ray_data":
                 x, y = data(N_RAY_DATA)
-                datasets["train"] = ray.data.from_items([{"x": x[i], "y": y[i], "id": i} for i in range(N_RAY_DATA)])
+                datasets["train"] = ray.data.from_items(
+                    [{"x": x[i], "y": y[i], "id": i} for i in range(N_RAY_DATA)]
+                )
             t = time.monotonic()
             trainer = TensorflowTrainer(
                 train_fn,
                 train_loop_config={"scenario": scenario, "out": out},
                 scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
-                run_config=RunConfig(storage_path=os.path.join(out, "ray_results"), name=scenario,
-                                     failure_config=FailureConfig(max_failures=1 if scenario == "kill" else 0)),
+                run_config=RunConfig(
+                    storage_path=os.path.join(out, "ray_results"),
+                    name=scenario,
+                    failure_config=FailureConfig(max_failures=1 if scenario == "kill" else 0),
+                ),
                 datasets=datasets,
             )
             result = trainer.fit()
             with open(os.path.join(out, scenario, "driver.json"), "w") as f:
-                json.dump({"error": repr(result.error) if result.error else None, "seconds": time.monotonic() - t,
-                           "ray_init_seconds": started}, f)
+                json.dump(
+                    {
+                        "error": repr(result.error) if result.error else None,
+                        "seconds": time.monotonic() - t,
+                        "ray_init_seconds": started,
+                    },
+                    f,
+                )
     finally:
         ray.shutdown()
 
@@ -165,7 +204,13 @@ def reference(out: str) -> None:
     """One process, no Ray, same global batch and learning rate: what each scenario must equal."""
     import keras_sync
 
-    sync = keras_sync.load({**ks_config("reference", out), "strategy": {"kind": "default"}, "mlflow": {"enabled": False}})
+    sync = keras_sync.load(
+        {
+            **ks_config("reference", out),
+            "strategy": {"kind": "default"},
+            "mlflow": {"enabled": False},
+        }
+    )
     import keras
 
     x, y = data(N_ARRAYS)
@@ -183,18 +228,29 @@ def ray_data_reference(out: str) -> None:
     to_tf gave (what the workers trained on before), to show the comparison can tell them apart."""
     import keras_sync
 
-    sync = keras_sync.load({**ks_config("reference", out), "strategy": {"kind": "default"}, "mlflow": {"enabled": False}})
+    sync = keras_sync.load(
+        {
+            **ks_config("reference", out),
+            "strategy": {"kind": "default"},
+            "mlflow": {"enabled": False},
+        }
+    )
     import keras
 
     # The passes trained are the last EPOCHS ones: TensorFlow reads the generator once more
     # before training starts (to build the distributed iterator), and nothing of it is trained.
     keep = EPOCHS["ray_data"] * N_RAY_DATA // 2
-    streams = [json.load(open(os.path.join(out, "ray_data", f"w{r}.json")))["seen"][-keep:] for r in (0, 1)]
+    streams = [
+        json.load(open(os.path.join(out, "ray_data", f"w{r}.json")))["seen"][-keep:] for r in (0, 1)
+    ]
     half = sync.global_batch_size // 2
-    order = [i for k in range(0, len(streams[0]), half) for s in streams for i in s[k:k + half]]
+    order = [i for k in range(0, len(streams[0]), half) for s in streams for i in s[k : k + half]]
     x, y = data(N_RAY_DATA)
     results = {"order": order}
-    for name, batch in (("ray_data", sync.global_batch_size), ("ray_data_at_to_tf_batch", TO_TF_BATCH)):
+    for name, batch in (
+        ("ray_data", sync.global_batch_size),
+        ("ray_data_at_to_tf_batch", TO_TF_BATCH),
+    ):
         model = make_model(keras, sync.lr_schedule(), sync.scope())
         model.fit(x[order], y[order], batch_size=batch, epochs=1, shuffle=False, verbose=0)
         results[name] = np.concatenate([w.ravel() for w in model.get_weights()]).tolist()

@@ -19,14 +19,14 @@ from __future__ import annotations
 import sys
 
 import numpy as np
+from _scenario import Results
 
 import keras_sync
-from _scenario import Results
 
 MODE, OUT = sys.argv[1], sys.argv[-1]
 WORKERS = MODE.startswith("workers")
 N = int(sys.argv[2]) if MODE == "replicas" else 2 if MODE == "workers_x2" else 0
-_rest = sys.argv[3 if MODE == "replicas" else 2:-1]
+_rest = sys.argv[3 if MODE == "replicas" else 2 : -1]
 TRACKING_URI = _rest[0] if _rest else None
 GLOBAL_BATCH = 64
 results = Results()
@@ -43,9 +43,13 @@ def config(**runtime):
         strategy = {"kind": "mirrored", "simulated_cpu_replicas": N}
     else:
         strategy = {"kind": "one_device"}
-    return {"strategy": strategy, "batch": {"global": GLOBAL_BATCH},
-            "learning_rate": {"base": 0.05, "scaling": "none"}, "mlflow": {"enabled": False},
-            "runtime": runtime}
+    return {
+        "strategy": strategy,
+        "batch": {"global": GLOBAL_BATCH},
+        "learning_rate": {"base": 0.05, "scaling": "none"},
+        "mlflow": {"enabled": False},
+        "runtime": runtime,
+    }
 
 
 SYNC = keras_sync.load(config())
@@ -63,12 +67,16 @@ def load(cfg):
 
     from keras_sync.config import load_config
     from keras_sync.session import Sync
-
     from keras_sync.training import runtime
 
     config = load_config(cfg)
-    runtime.set_dtype_policy(config, is_chief=SYNC.is_chief)  # what keras_sync.load does (runtime.mixed_precision)
-    return Sync(config, SYNC.strategy, types.SimpleNamespace(kind=SYNC.kind, reason=SYNC.kind_reason))
+    runtime.set_dtype_policy(
+        config, is_chief=SYNC.is_chief
+    )  # what keras_sync.load does (runtime.mixed_precision)
+    return Sync(
+        config, SYNC.strategy, types.SimpleNamespace(kind=SYNC.kind, reason=SYNC.kind_reason)
+    )
+
 
 import keras  # noqa: E402  (after load: devices and cluster are set up by then)
 import tensorflow as tf  # noqa: E402
@@ -150,7 +158,9 @@ class TwoOptimizers(keras.Model):
 
     def __init__(self):
         super().__init__()
-        self.disc = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+        self.disc = keras.Sequential(
+            [keras.Input((8,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)]
+        )
         self.gen = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8)])
         self.bce = keras.losses.BinaryCrossentropy(from_logits=True)
 
@@ -166,7 +176,9 @@ class TwoOptimizers(keras.Model):
         z = x[:, :4]  # the "noise" comes from the data: the same on every layout
         with tf.GradientTape() as tape:
             logits = self.disc(keras.ops.concatenate([x, self.gen(z)], 0))
-            labels = keras.ops.concatenate([keras.ops.ones_like(x[:, :1]), keras.ops.zeros_like(x[:, :1])], 0)
+            labels = keras.ops.concatenate(
+                [keras.ops.ones_like(x[:, :1]), keras.ops.zeros_like(x[:, :1])], 0
+            )
             d_loss = self.bce(labels, logits)
         grads = tape.gradient(d_loss, self.disc.trainable_weights)
         self.d_optimizer.apply_gradients(zip(grads, self.disc.trainable_weights))
@@ -196,8 +208,14 @@ class ActivityMean(keras.layers.Layer):
 def add_loss_model(layer, sync=None):
     keras.utils.set_random_seed(0)
     with (sync or SYNC).scope():
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), layer(),
-                                  keras.layers.Dense(1)])
+        model = keras.Sequential(
+            [
+                keras.Input((8,)),
+                keras.layers.Dense(16, activation="tanh"),
+                layer(),
+                keras.layers.Dense(1),
+            ]
+        )
         model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
     return model
 
@@ -206,7 +224,12 @@ def add_loss_checks(tracking_uri=None):
     """The add_loss check with an MLflow run (its tag) and with checks.on_violation: error (the fit stops)."""
     out = {}
     if tracking_uri:
-        s = load({**config(), "mlflow": {"enabled": True, "tracking_uri": tracking_uri, "experiment": "add_loss"}})
+        s = load(
+            {
+                **config(),
+                "mlflow": {"enabled": True, "tracking_uri": tracking_uri, "experiment": "add_loss"},
+            }
+        )
         model = add_loss_model(ActivitySum, s)
         s.fit(model, X, Y, epochs=1, shuffle=False, verbose=0)
         from keras_sync.training.job_run import _writers, close_writer
@@ -229,9 +252,14 @@ def make(cls, sync=None, optimizer=None, **compile_kwargs):
     sync = sync or SYNC
     keras.utils.set_random_seed(0)
     with sync.scope():
-        model = cls([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)])
-        model.compile(optimizer=optimizer or keras.optimizers.SGD(sync.lr_schedule(), momentum=0.9), loss="mse",
-                      **compile_kwargs)
+        model = cls(
+            [keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)]
+        )
+        model.compile(
+            optimizer=optimizer or keras.optimizers.SGD(sync.lr_schedule(), momentum=0.9),
+            loss="mse",
+            **compile_kwargs,
+        )
     return model
 
 
@@ -239,17 +267,28 @@ def custom_steps():
     from keras_sync.training import instrument as _instrument
 
     out = {}
-    for name, cls in [("keras", keras.Sequential), ("guide", GuideStep), ("compute_loss", ComputeLossStep),
-                      ("divided", DividedStep), ("average_loss", AverageLossStep)]:
+    for name, cls in [
+        ("keras", keras.Sequential),
+        ("guide", GuideStep),
+        ("compute_loss", ComputeLossStep),
+        ("divided", DividedStep),
+        ("average_loss", AverageLossStep),
+    ]:
         model = make(cls)
-        probe = _instrument.instrument(model)  # the per-replica values of every step (the default step too)
+        probe = _instrument.instrument(
+            model
+        )  # the per-replica values of every step (the default step too)
         SYNC.fit(model, X, Y, epochs=2, shuffle=False, verbose=0)
         rings = probe.read()
         steps = probe.count(rings)
         rows = [probe.row(rings, c) for c in range(max(1, steps - probe.ring + 1), steps + 1)]
-        out[name] = {"weights": flat(model), "trace": probe.last_trace, "steps": steps,
-                     "loss": [[float(r[probe.LOSS]) for r in rs] for rs in rows],
-                     "grad_norm": [[float(r[probe.GRAD_NORM]) for r in rs] for rs in rows]}
+        out[name] = {
+            "weights": flat(model),
+            "trace": probe.last_trace,
+            "steps": steps,
+            "loss": [[float(r[probe.LOSS]) for r in rs] for rs in rows],
+            "grad_norm": [[float(r[probe.GRAD_NORM]) for r in rs] for rs in rows],
+        }
     model = make(SumLossStep)
     probe = _instrument.instrument(model)
     SYNC.fit(model, X, Y, epochs=2, shuffle=False, verbose=0)
@@ -257,7 +296,9 @@ def custom_steps():
     keras.utils.set_random_seed(0)
     with SYNC.scope():
         gan = TwoOptimizers()
-        gan.compile(keras.optimizers.SGD(0.02, momentum=0.9), keras.optimizers.SGD(0.02, momentum=0.9))
+        gan.compile(
+            keras.optimizers.SGD(0.02, momentum=0.9), keras.optimizers.SGD(0.02, momentum=0.9)
+        )
     probe = _instrument.instrument(gan)
     SYNC.fit(gan, X, Y, epochs=2, shuffle=False, verbose=0)
     out["two_optimizers"] = {"weights": flat(gan), "trace": probe.last_trace}
@@ -282,19 +323,29 @@ if MODE != "workers_x2":
 
 def spe(tracking_uri=None):
     """steps_per_execution 4 from the YAML (the compile line says nothing): same weights as 1."""
-    mlflow = {"enabled": True, "tracking_uri": tracking_uri, "experiment": "spe", "log_every_n_steps": 1} if tracking_uri else {"enabled": False}
+    mlflow = (
+        {"enabled": True, "tracking_uri": tracking_uri, "experiment": "spe", "log_every_n_steps": 1}
+        if tracking_uri
+        else {"enabled": False}
+    )
     s = load({**config(steps_per_execution=4), "mlflow": mlflow})
     model = make(keras.Sequential, s)
     try:
         s.fit(model, X, Y, epochs=2, shuffle=False, verbose=0)
     except keras_sync.KerasSyncError as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
-    out = {"weights": flat(model), "spe": int(model.steps_per_execution), "iterations": int(model.optimizer.iterations.numpy())}
+    out = {
+        "weights": flat(model),
+        "spe": int(model.steps_per_execution),
+        "iterations": int(model.optimizer.iterations.numpy()),
+    }
     if tracking_uri:
         from keras_sync.training.job_run import _writers, close_writer
 
         writer = _writers.get(s)  # the chief's (only the chief logs)
-        close_writer(s, timeout_s=300)  # the writer's thread creates the run: its id is known after close
+        close_writer(
+            s, timeout_s=300
+        )  # the writer's thread creates the run: its id is known after close
         out["run_id"] = writer.run_id if writer is not None else None
     return out
 
@@ -304,28 +355,41 @@ def accumulation():
     out = {}
     for opt in ("sgd", "adam"):
         for name, batch, acc in (("acc", 8, 2), ("ref", 16, 1)):
-            per = {"batch": {"per_replica": batch}, "learning_rate": {"base": 0.01, "base_batch_size": 16,
-                                                                         "scaling": "linear"}}
+            per = {
+                "batch": {"per_replica": batch},
+                "learning_rate": {"base": 0.01, "base_batch_size": 16, "scaling": "linear"},
+            }
             s = load({**config(gradient_accumulation_steps=acc), **per})
             with s.scope():  # a TensorFlow optimizer belongs to the strategy it is made under
-                optimizer = (keras.optimizers.SGD(s.lr_schedule(), momentum=0.9) if opt == "sgd"
-                             else keras.optimizers.Adam(s.lr_schedule()))
+                optimizer = (
+                    keras.optimizers.SGD(s.lr_schedule(), momentum=0.9)
+                    if opt == "sgd"
+                    else keras.optimizers.Adam(s.lr_schedule())
+                )
             model = make(keras.Sequential, s, optimizer=optimizer)
             try:
                 s.fit(model, X, Y, epochs=2, shuffle=False, verbose=0)
             except keras_sync.KerasSyncError as exc:
                 out[f"{opt}_{name}"] = {"error": f"{type(exc).__name__}: {exc}"}
                 continue
-            out[f"{opt}_{name}"] = {"weights": flat(model), "lr": s.learning_rate, "effective": s.effective_batch_size,
-                                    "iterations": int(model.optimizer.iterations.numpy())}
+            out[f"{opt}_{name}"] = {
+                "weights": flat(model),
+                "lr": s.learning_rate,
+                "effective": s.effective_batch_size,
+                "iterations": int(model.optimizer.iterations.numpy()),
+            }
     return out
 
 
 def optimizer_options():
     """Gradient clipping (Keras clips each replica's share before it all-reduces) and the options that crash."""
     out = {}
-    for name, kwargs in (("none", {}), ("clipnorm", {"clipnorm": 0.05}), ("global_clipnorm", {"global_clipnorm": 0.05}),
-                         ("clipvalue", {"clipvalue": 0.01})):
+    for name, kwargs in (
+        ("none", {}),
+        ("clipnorm", {"clipnorm": 0.05}),
+        ("global_clipnorm", {"global_clipnorm": 0.05}),
+        ("clipvalue", {"clipvalue": 0.01}),
+    ):
         with SYNC.scope():
             optimizer = keras.optimizers.SGD(SYNC.lr_schedule(), momentum=0.9, **kwargs)
         model = make(keras.Sequential, optimizer=optimizer)
@@ -336,12 +400,24 @@ def optimizer_options():
     for name, kwargs in (("embedding_none", {}), ("embedding_clipnorm", {"clipnorm": 0.05})):
         keras.utils.set_random_seed(0)
         with SYNC.scope():
-            model = keras.Sequential([keras.Input((8,), dtype="int32"), keras.layers.Embedding(50, 4),
-                                      keras.layers.Flatten(), keras.layers.Dense(1)])
-            model.compile(optimizer=keras.optimizers.SGD(SYNC.lr_schedule(), momentum=0.9, **kwargs), loss="mse")
+            model = keras.Sequential(
+                [
+                    keras.Input((8,), dtype="int32"),
+                    keras.layers.Embedding(50, 4),
+                    keras.layers.Flatten(),
+                    keras.layers.Dense(1),
+                ]
+            )
+            model.compile(
+                optimizer=keras.optimizers.SGD(SYNC.lr_schedule(), momentum=0.9, **kwargs),
+                loss="mse",
+            )
         SYNC.fit(model, ids, Y, epochs=2, shuffle=False, verbose=0)
         out[name] = flat(model)
-    for name, kwargs in (("gradient_accumulation_steps", {"gradient_accumulation_steps": 2}), ("use_ema", {"use_ema": True})):
+    for name, kwargs in (
+        ("gradient_accumulation_steps", {"gradient_accumulation_steps": 2}),
+        ("use_ema", {"use_ema": True}),
+    ):
         with SYNC.scope():
             optimizer = keras.optimizers.SGD(0.01, **kwargs)
         try:
@@ -355,8 +431,15 @@ def optimizer_options():
 def bn_model(s):
     keras.utils.set_random_seed(0)
     with s.scope():
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.BatchNormalization(),
-                                  keras.layers.ReLU(), keras.layers.Dense(1)])
+        model = keras.Sequential(
+            [
+                keras.Input((8,)),
+                keras.layers.Dense(16),
+                keras.layers.BatchNormalization(),
+                keras.layers.ReLU(),
+                keras.layers.Dense(1),
+            ]
+        )
         model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
     return model
 
@@ -367,7 +450,10 @@ def sync_bn():
         s = load(config(sync_batch_norm=on))
         model = bn_model(s)
         s.fit(model, X, Y, epochs=2, shuffle=False, verbose=0)
-        out["on" if on else "off"] = {"weights": flat(model), "synchronized": bool(model.layers[1].synchronized)}
+        out["on" if on else "off"] = {
+            "weights": flat(model),
+            "synchronized": bool(model.layers[1].synchronized),
+        }
         if WORKERS:
             break
     return out
@@ -385,10 +471,15 @@ def mixed():
         h = s.fit(model, X, Y, epochs=2, shuffle=False, verbose=0)
         rings = probe.read()
         rows = [probe.row(rings, c) for c in range(1, probe.count(rings) + 1)]
-        out[policy] = {"policy": model.layers[0].dtype_policy.name, "compute": model.layers[0].compute_dtype,
-                       "variable": model.layers[0].variable_dtype, "optimizer": type(model.optimizer).__name__,
-                       "loss": h.history["loss"], "grad_norm": [float(r[0][probe.GRAD_NORM]) for r in rows],
-                       "loss_scale": [float(r[0][probe.LOSS_SCALE]) for r in rows]}
+        out[policy] = {
+            "policy": model.layers[0].dtype_policy.name,
+            "compute": model.layers[0].compute_dtype,
+            "variable": model.layers[0].variable_dtype,
+            "optimizer": type(model.optimizer).__name__,
+            "loss": h.history["loss"],
+            "grad_norm": [float(r[0][probe.GRAD_NORM]) for r in rows],
+            "loss_scale": [float(r[0][probe.LOSS_SCALE]) for r in rows],
+        }
     return out
 
 
@@ -416,7 +507,12 @@ class HalvesStep(keras.Sequential):
         total = None
         for part in (slice(0, half), slice(half, None)):
             with tf.GradientTape() as tape:
-                loss = keras.ops.mean(keras.losses.mean_squared_error(y[part], self(x[part], training=True))) / 2
+                loss = (
+                    keras.ops.mean(
+                        keras.losses.mean_squared_error(y[part], self(x[part], training=True))
+                    )
+                    / 2
+                )
                 scaled = self.optimizer.scale_loss(loss)
             grads = tape.gradient(scaled, self.trainable_weights)
             total = grads if total is None else [a + b for a, b in zip(total, grads)]
@@ -428,7 +524,7 @@ class HalvesStep(keras.Sequential):
 
 #: The first batch's second half is float16's inf: only the second replica's gradients are not finite.
 X_OVERFLOW = X.copy()
-X_OVERFLOW[GLOBAL_BATCH // 2:GLOBAL_BATCH] *= 1e5
+X_OVERFLOW[GLOBAL_BATCH // 2 : GLOBAL_BATCH] *= 1e5
 
 
 def mixed_custom():
@@ -437,8 +533,11 @@ def mixed_custom():
     ``second_replica_overflows``: Keras's step on data whose first batch overflows on the second replica only.
     """
     out = {}
-    cases = [("keras", keras.Sequential, X), ("scale_loss", ScaleLossStep, X),
-             ("second_replica_overflows", keras.Sequential, X_OVERFLOW)]
+    cases = [
+        ("keras", keras.Sequential, X),
+        ("scale_loss", ScaleLossStep, X),
+        ("second_replica_overflows", keras.Sequential, X_OVERFLOW),
+    ]
     if N == 1 and not WORKERS:
         cases.append(("halves", HalvesStep, X))
     for name, cls, x in cases:
@@ -446,9 +545,14 @@ def mixed_custom():
         model = make(cls, s)
         s.fit(model, x, Y, epochs=4, shuffle=False, verbose=0)
         opt = model.optimizer
-        out[name] = {"weights": flat(model), "updates": int(opt.iterations.numpy()),
-                     "scale": float(opt.dynamic_scale.numpy())}
-    if N > 1 or WORKERS:  # without the private pass-through (a Keras that moved it): the sum on the first replica, zeros elsewhere
+        out[name] = {
+            "weights": flat(model),
+            "updates": int(opt.iterations.numpy()),
+            "scale": float(opt.dynamic_scale.numpy()),
+        }
+    if (
+        N > 1 or WORKERS
+    ):  # without the private pass-through (a Keras that moved it): the sum on the first replica, zeros elsewhere
         from keras_sync.training import loss_scale as _loss_scale
 
         _loss_scale._passes = False
@@ -456,8 +560,11 @@ def mixed_custom():
             s = load(config(mixed_precision="mixed_float16"))
             model = make(keras.Sequential, s)
             s.fit(model, X, Y, epochs=4, shuffle=False, verbose=0)
-            out["keras_reduced_twice"] = {"weights": flat(model), "updates": int(model.optimizer.iterations.numpy()),
-                                          "scale": float(model.optimizer.dynamic_scale.numpy())}
+            out["keras_reduced_twice"] = {
+                "weights": flat(model),
+                "updates": int(model.optimizer.iterations.numpy()),
+                "scale": float(model.optimizer.dynamic_scale.numpy()),
+            }
         finally:
             _loss_scale._passes = None
     return out

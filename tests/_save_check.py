@@ -24,8 +24,13 @@ def main() -> int:
         path = os.path.join(save_dir, name)
         try:
             if name.endswith(".weights.h5"):
-                model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-                                          keras.layers.Dense(1)])
+                model = keras.Sequential(
+                    [
+                        keras.Input((8,)),
+                        keras.layers.Dense(16, activation="relu"),
+                        keras.layers.Dense(1),
+                    ]
+                )
                 model.load_weights(path)
             else:
                 model = keras.saving.load_model(path)

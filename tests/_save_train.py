@@ -29,7 +29,9 @@ def _audit_writes(root: str, seen: list[str]) -> None:
         if event != "open" or not isinstance(args[0], (str, bytes, os.PathLike)):
             return
         path, mode, flags = args
-        writing = any(c in (mode or "") for c in "wax+") if mode else bool((flags or 0) & _WRITE_FLAGS)
+        writing = (
+            any(c in (mode or "") for c in "wax+") if mode else bool((flags or 0) & _WRITE_FLAGS)
+        )
         full = os.path.realpath(os.fsdecode(path))
         if writing and (full == root or full.startswith(root + os.sep)):
             seen.append(full)
@@ -41,12 +43,14 @@ def main() -> int:
     save_dir, result_dir = sys.argv[1], sys.argv[2]
     import keras_sync
 
-    sync = keras_sync.load({
-        "strategy": {"kind": "multi_worker_mirrored", "connect_timeout_s": 120},
-        "batch": {"global": 32},
-        "learning_rate": {"base": 0.01, "base_batch_size": 32},
-        "mlflow": {"enabled": False},
-    })
+    sync = keras_sync.load(
+        {
+            "strategy": {"kind": "multi_worker_mirrored", "connect_timeout_s": 120},
+            "batch": {"global": 32},
+            "learning_rate": {"base": 0.01, "base_batch_size": 32},
+            "mlflow": {"enabled": False},
+        }
+    )
     opens: list[str] = []
     _audit_writes(save_dir, opens)
 
@@ -59,10 +63,18 @@ def main() -> int:
     probe = x[:16]
     with sync.scope():
         keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(16, activation="relu"),
-                                  keras.layers.Dense(1)])
-        model.compile(optimizer=keras.optimizers.SGD(sync.learning_rate, momentum=0.9), loss="mse",
-                      metrics=["mae"])
+        model = keras.Sequential(
+            [
+                keras.Input((FEATURES,)),
+                keras.layers.Dense(16, activation="relu"),
+                keras.layers.Dense(1),
+            ]
+        )
+        model.compile(
+            optimizer=keras.optimizers.SGD(sync.learning_rate, momentum=0.9),
+            loss="mse",
+            metrics=["mae"],
+        )
 
     per_epoch: list = []
 
@@ -70,7 +82,9 @@ def main() -> int:
         def on_epoch_end(self, epoch, logs=None):  # the weights ModelCheckpoint may have just saved
             per_epoch.append(self.model(probe).numpy().tolist())
 
-    class Scribble(keras.callbacks.Callback):  # a user's callback keras-sync does not know: every worker writes
+    class Scribble(
+        keras.callbacks.Callback
+    ):  # a user's callback keras-sync does not know: every worker writes
         def on_train_end(self, logs=None):
             with open(os.path.join(result_dir, "scribble.txt"), "w") as fh:
                 fh.write("done")
@@ -79,7 +93,9 @@ def main() -> int:
     csv_logger = keras.callbacks.CSVLogger(os.path.join(save_dir, "log.csv"))
     callbacks = [
         Record(),
-        keras.callbacks.ModelCheckpoint(os.path.join(save_dir, "best.keras"), monitor="loss", save_best_only=True),
+        keras.callbacks.ModelCheckpoint(
+            os.path.join(save_dir, "best.keras"), monitor="loss", save_best_only=True
+        ),
         keras.callbacks.BackupAndRestore(os.path.join(save_dir, "keras_backup")),
         tensorboard,
         csv_logger,
@@ -89,8 +105,15 @@ def main() -> int:
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        history = sync.fit(model, x, y, epochs=EPOCHS, verbose=0, callbacks=callbacks,
-                           validation_data=(x[:64], y[:64]))
+        history = sync.fit(
+            model,
+            x,
+            y,
+            epochs=EPOCHS,
+            verbose=0,
+            callbacks=callbacks,
+            validation_data=(x[:64], y[:64]),
+        )
     said = [str(w.message) for w in caught if "opened" in str(w.message)]
     # Where this worker's TensorBoard and CSVLogger wrote (the user's path on the chief only).
     wrote = {"tb": tensorboard.log_dir, "csv": csv_logger.filename}
@@ -100,18 +123,21 @@ def main() -> int:
     task = sync.task[1] or 0
     os.makedirs(result_dir, exist_ok=True)
     with open(os.path.join(result_dir, f"w{task}.json"), "w") as f:
-        json.dump({
-            "task": task,
-            "is_chief": sync.is_chief,
-            "num_workers": sync.num_workers,
-            "loss": [float(v) for v in history.history["loss"]],
-            "per_epoch": per_epoch,
-            "final": model(probe).numpy().tolist(),
-            "python_opens": opens,
-            "callback_paths": wrote,
-            "write_warnings": said,
-            "callback_paths_left": {k: os.path.exists(v) for k, v in wrote.items()},
-        }, f)
+        json.dump(
+            {
+                "task": task,
+                "is_chief": sync.is_chief,
+                "num_workers": sync.num_workers,
+                "loss": [float(v) for v in history.history["loss"]],
+                "per_epoch": per_epoch,
+                "final": model(probe).numpy().tolist(),
+                "python_opens": opens,
+                "callback_paths": wrote,
+                "write_warnings": said,
+                "callback_paths_left": {k: os.path.exists(v) for k, v in wrote.items()},
+            },
+            f,
+        )
     return 0
 
 

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-
 #: The environment variable a test module's fixture sets to the cases its selected tests read
 #: (comma-separated; unset: every case). See `wanted_cases`.
 WANTED_ENV = "KS_SCENARIOS"
@@ -34,7 +33,9 @@ class Results(dict):
         """Whether a selected test reads case ``name`` (True when no selection was given)."""
         return self.wanted is None or name in self.wanted
 
-    def record(self, name: str, fn: Callable[[], Any], *, expected: tuple[type[BaseException], ...] = ()) -> None:
+    def record(
+        self, name: str, fn: Callable[[], Any], *, expected: tuple[type[BaseException], ...] = ()
+    ) -> None:
         """``self[name] = fn()``; an ``expected`` error as ``{"error", "message"}``, any other with its traceback.
 
         A case no selected test reads is not run (see `wants`).
@@ -47,11 +48,19 @@ class Results(dict):
         except expected as exc:
             self[name] = {"error": type(exc).__name__, "message": str(exc)}
         except Exception as exc:  # a bug: keep the traceback for the test's message
-            self[name] = {"unexpected": type(exc).__name__, "message": str(exc), "tb": traceback.format_exc()}
-        if os.environ.get("KERAS_SYNC_TEST_CPU"):  # the suite's CPU log (tests/conftest.py): what each case costs
+            self[name] = {
+                "unexpected": type(exc).__name__,
+                "message": str(exc),
+                "tb": traceback.format_exc(),
+            }
+        if os.environ.get(
+            "KERAS_SYNC_TEST_CPU"
+        ):  # the suite's CPU log (tests/conftest.py): what each case costs
             with open(os.environ["KERAS_SYNC_TEST_CPU"], "a") as fh:
-                fh.write(f"{time.process_time() - began:.1f} case {Path(sys.argv[0]).name}:{name} "
-                         f"{' '.join(sys.argv[1:2])} {time.time():.1f}\n")
+                fh.write(
+                    f"{time.process_time() - began:.1f} case {Path(sys.argv[0]).name}:{name} "
+                    f"{' '.join(sys.argv[1:2])} {time.time():.1f}\n"
+                )
 
     def dump(self, path: Any) -> None:
         with open(path, "w") as fh:
@@ -83,7 +92,9 @@ def wanted_cases(request: Any, fixture: str, needs: dict[str, set[str]]) -> str 
     """
     cases: set[str] = set()
     for item in request.session.items:
-        if getattr(item, "module", None) is not request.module or fixture not in getattr(item, "fixturenames", ()):
+        if getattr(item, "module", None) is not request.module or fixture not in getattr(
+            item, "fixturenames", ()
+        ):
             continue
         name = getattr(item, "originalname", None) or item.name
         if name not in needs:

@@ -40,7 +40,9 @@ def main() -> int:
     y = (x @ rng.normal(size=(8, 1))).astype("float32")
     keras.utils.set_random_seed(0)
     with sync.scope():
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)])
+        model = keras.Sequential(
+            [keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)]
+        )
         model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
     sync.fit(model, x, y, epochs=1, shuffle=False, verbose=0, callbacks=[Slow()])
     return 0

@@ -33,8 +33,12 @@ def deliver_leftovers(root: Path, timeout_s: float = 300.0) -> list[str]:
             time.sleep(0.1)
         if not path.is_dir() or not spool.pending():
             continue
-        replay = subprocess.run([str(Path(sys.executable).with_name("keras-sync")), "sync-spool", str(path)],
-                                capture_output=True, text=True, timeout=timeout_s)
+        replay = subprocess.run(
+            [str(Path(sys.executable).with_name("keras-sync")), "sync-spool", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
         assert replay.returncode == 0, replay.stdout[-2000:] + replay.stderr[-2000:]
         done.append(path.name)
     return done

@@ -42,7 +42,9 @@ def main() -> None:
     class Crash(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             step = int(self.model.optimizer.iterations.numpy())
-            if step == CRASH_AT - 1:  # SyncMetrics logs the steps it holds once they are 0.5 s old: at the next
+            if (
+                step == CRASH_AT - 1
+            ):  # SyncMetrics logs the steps it holds once they are 0.5 s old: at the next
                 time.sleep(0.6)
             if step >= CRASH_AT:
                 from keras_sync.training.job_run import current_writer
@@ -55,10 +57,19 @@ def main() -> None:
         if NEW_SYNC:
             sync = keras_sync.load(CONFIG)
         with sync.scope():
-            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"),
-                                      keras.layers.Dense(1)])
+            model = keras.Sequential(
+                [keras.Input((4,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)]
+            )
             model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
-        sync.fit(model, x, y, epochs=epochs, shuffle=False, verbose=0, callbacks=[Crash()] if crash else [])
+        sync.fit(
+            model,
+            x,
+            y,
+            epochs=epochs,
+            shuffle=False,
+            verbose=0,
+            callbacks=[Crash()] if crash else [],
+        )
 
     for fit, epochs in enumerate((1, 1, 2), 1):
         if fit >= FROM_FIT:

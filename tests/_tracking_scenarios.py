@@ -32,7 +32,9 @@ def main() -> None:
     y = (x @ rng.normal(size=(4, 1))).astype("float32")
     keras.utils.set_random_seed(0)
     with sync.scope():
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+        model = keras.Sequential(
+            [keras.Input((4,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)]
+        )
         model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
 
     class Crash(keras.callbacks.Callback):

@@ -65,11 +65,16 @@ def build():
 with sync.scope():
     if CASE == "mobilenet":
         model = keras.applications.MobileNetV2(weights=None, input_shape=(32, 32, 3), classes=10)
-        if "frozen_bn" in sys.argv[2:]:  # BatchNorm in inference mode: no layer depends on the batch
+        if (
+            "frozen_bn" in sys.argv[2:]
+        ):  # BatchNorm in inference mode: no layer depends on the batch
             for layer in model.layers:
                 if isinstance(layer, keras.layers.BatchNormalization):
                     layer.trainable = False
-        model.compile(optimizer=keras.optimizers.SGD(sync.lr_schedule()), loss="sparse_categorical_crossentropy")
+        model.compile(
+            optimizer=keras.optimizers.SGD(sync.lr_schedule()),
+            loss="sparse_categorical_crossentropy",
+        )
     else:
         model = build()
         model.compile(optimizer=keras.optimizers.SGD(sync.lr_schedule()), loss="mse")

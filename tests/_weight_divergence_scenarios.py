@@ -17,9 +17,14 @@ MODE, OUT = sys.argv[1], sys.argv[2]
 
 import keras_sync  # noqa: E402
 
-strategy_cfg = ({"kind": "mirrored", "simulated_cpu_replicas": 2} if MODE == "mirrored"
-                else {"kind": "multi_worker_mirrored", "connect_timeout_s": 120})
-sync = keras_sync.load({"strategy": strategy_cfg, "batch": {"global": 32}, "mlflow": {"enabled": False}})
+strategy_cfg = (
+    {"kind": "mirrored", "simulated_cpu_replicas": 2}
+    if MODE == "mirrored"
+    else {"kind": "multi_worker_mirrored", "connect_timeout_s": 120}
+)
+sync = keras_sync.load(
+    {"strategy": strategy_cfg, "batch": {"global": 32}, "mlflow": {"enabled": False}}
+)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -33,13 +38,19 @@ x = rng.normal(size=(128, 8)).astype("float32")
 y = (x @ rng.normal(size=(8, 1))).astype("float32")
 with sync.scope():
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)])
+    model = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)]
+    )
     model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9), loss="mse")
 model.fit(sync.distribute((x, y)), epochs=1, verbose=0)
 
 
 def as_dict(found):
-    return {"value": found.value, "diverged": found.diverged_variables, "variables": found.variables}
+    return {
+        "value": found.value,
+        "diverged": found.diverged_variables,
+        "variables": found.variables,
+    }
 
 
 def local_copy(var, index):
@@ -51,12 +62,21 @@ def exact_max_difference():
     """The previous metric, for comparison: max over variables of the element-wise spread (Mirrored only)."""
     worst = 0.0
     for v in mirrored_variables(model):
-        copies = np.stack([np.asarray(c.numpy(), dtype=np.float64) for c in strategy.experimental_local_results(v)])
+        copies = np.stack(
+            [
+                np.asarray(c.numpy(), dtype=np.float64)
+                for c in strategy.experimental_local_results(v)
+            ]
+        )
         worst = max(worst, float(np.max(copies.max(axis=0) - copies.min(axis=0), initial=0.0)))
     return worst
 
 
-result: dict = {"task": task, "replicas": sync.num_replicas, "names": [v.name for v in mirrored_variables(model)]}
+result: dict = {
+    "task": task,
+    "replicas": sync.num_replicas,
+    "names": [v.name for v in mirrored_variables(model)],
+}
 result["healthy"] = as_dict(compare(model))
 kernel = model.layers[0].kernel.value  # the tf.Variable behind the Keras variable
 iterations = model.optimizer.iterations.value
@@ -110,26 +130,39 @@ if MODE == "mirrored":  # a sweep: several models in one process, each compared 
     values = []
     for i in range(7):
         with sync.scope():
-            other = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4 + i), keras.layers.Dense(1)])
+            other = keras.Sequential(
+                [keras.Input((8,)), keras.layers.Dense(4 + i), keras.layers.Dense(1)]
+            )
             other.compile(optimizer="sgd", loss="mse")
         values.append(compare(other).value)
-    result["sweep"] = {"values": values, "retracing_warnings": [w for w in warned if "retracing" in w]}
+    result["sweep"] = {
+        "values": values,
+        "retracing_warnings": [w for w in warned if "retracing" in w],
+    }
 
     # What the first epoch end costs grows with the ops of the traced comparison: ops per variable,
     # from two models of 10 and 50 mirrored variables (traced only).
-    from keras_sync.callbacks.weight_divergence import _gather_fn  # noqa: E402
+    from keras_sync.callbacks.weight_divergence import _gather_fn
 
     ops = {}
     for layers in (1, 11):
         with sync.scope():
-            deep = keras.Sequential([keras.Input((8,))] + [keras.layers.Dense(4) for _ in range(layers)]
-                                    + [keras.layers.Dense(1)])
+            deep = keras.Sequential(
+                [keras.Input((8,))]
+                + [keras.layers.Dense(4) for _ in range(layers)]
+                + [keras.layers.Dense(1)]
+            )
             deep.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
             deep.optimizer.build(deep.trainable_variables)
         deep_vars = mirrored_variables(deep)
-        ops[len(deep_vars)] = len(_gather_fn(deep, deep_vars).get_concrete_function().graph.get_operations())
+        ops[len(deep_vars)] = len(
+            _gather_fn(deep, deep_vars).get_concrete_function().graph.get_operations()
+        )
     (few, few_ops), (many, many_ops) = sorted(ops.items())
-    result["ops_per_variable"] = {"variables": [few, many], "per_variable": (many_ops - few_ops) / (many - few)}
+    result["ops_per_variable"] = {
+        "variables": [few, many],
+        "per_variable": (many_ops - few_ops) / (many - few),
+    }
 
 if MODE == "mirrored":
     path = OUT

@@ -12,15 +12,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from _ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-_WHERE = ("import importlib.util as u, sys\n"
-          "for m in ('keras_sync', 'keras_sync.templates'):\n"
-          "    print(list(u.find_spec(m).submodule_search_locations)[0])")
+_WHERE = (
+    "import importlib.util as u, sys\n"
+    "for m in ('keras_sync', 'keras_sync.templates'):\n"
+    "    print(list(u.find_spec(m).submodule_search_locations)[0])"
+)
 
 
 def _one_keras_sync_for_every_process() -> None:
@@ -34,15 +35,22 @@ def _one_keras_sync_for_every_process() -> None:
     """
     import importlib.util
 
-    here = [str(Path(list(importlib.util.find_spec(m).submodule_search_locations)[0]).resolve())
-            for m in ("keras_sync", "keras_sync.templates")]
+    here = [
+        str(Path(list(importlib.util.find_spec(m).submodule_search_locations)[0]).resolve())
+        for m in ("keras_sync", "keras_sync.templates")
+    ]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    child = subprocess.run([sys.executable, "-c", _WHERE], cwd="/", env=env, capture_output=True, text=True, timeout=60)
+    child = subprocess.run(
+        [sys.executable, "-c", _WHERE], cwd="/", env=env, capture_output=True, text=True, timeout=60
+    )
     there = [str(Path(line).resolve()) for line in child.stdout.split()]
     if here != there:
-        pytest.exit(f"tests of {ROOT} import keras_sync from {here[0]} but their subprocesses would import "
-                    f"{there or child.stderr.strip()[-200:]}: install this checkout into the venv that runs them: "
-                    f"{sys.executable} -m pip install -e '{ROOT}[cpu,test]'", returncode=4)
+        pytest.exit(
+            f"tests of {ROOT} import keras_sync from {here[0]} but their subprocesses would import "
+            f"{there or child.stderr.strip()[-200:]}: install this checkout into the venv that runs them: "
+            f"{sys.executable} -m pip install -e '{ROOT}[cpu,test]'",
+            returncode=4,
+        )
 
 
 _one_keras_sync_for_every_process()
@@ -53,9 +61,15 @@ _one_keras_sync_for_every_process()
 # of the ~6 CPU-s each TensorFlow process spends starting (its docstring tells why that is safe). The pytest
 # process itself the same, for the tests that import Keras here.
 LEAN_SITE = Path(__file__).resolve().parent / "_lean_site"
-if str(LEAN_SITE) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):  # xdist's workers: there already
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(LEAN_SITE), os.environ.get("PYTHONPATH")) if p)
-if not any(type(f).__name__ == "_NotForKeras" for f in sys.meta_path):  # this process too (started before PYTHONPATH)
+if str(LEAN_SITE) not in os.environ.get("PYTHONPATH", "").split(
+    os.pathsep
+):  # xdist's workers: there already
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(LEAN_SITE), os.environ.get("PYTHONPATH")) if p
+    )
+if not any(
+    type(f).__name__ == "_NotForKeras" for f in sys.meta_path
+):  # this process too (started before PYTHONPATH)
     import importlib.util as _util
 
     _spec = _util.spec_from_file_location("_keras_sync_lean_site", LEAN_SITE / "sitecustomize.py")
@@ -87,14 +101,16 @@ def _start_zygotes() -> None:
     started = _zygote.start(where, TF_CPP_MIN_LOG_LEVEL="2")
 
     def stop() -> None:
-        for proc, control in started:
+        for _proc, control in started:
             os.close(control)
         for proc, _ in started:
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        if not os.environ.get("KERAS_SYNC_TEST_PROCS"):  # kept with the process log: which scripts it started
+        if not os.environ.get(
+            "KERAS_SYNC_TEST_PROCS"
+        ):  # kept with the process log: which scripts it started
             shutil.rmtree(where, ignore_errors=True)
 
     atexit.register(stop)
@@ -120,22 +136,44 @@ class MlflowServer:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
-    def start(self, timeout_s: float = 300.0) -> None:  # ~6 s alone; 105 s seen with 8 test runs on 2 cores
+    def start(
+        self, timeout_s: float = 300.0
+    ) -> None:  # ~6 s alone; 105 s seen with 8 test runs on 2 cores
         """Start the server and wait until /health answers."""
         if self.running:
             return
         env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
         env.pop("MLFLOW_TRACKING_URI", None)
-        cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", self.store_uri,
-               "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--backend-store-uri",
+            self.store_uri,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--workers",
+            "1",
+        ]
         with open(self._log, "ab") as log:
             # Own process group: `mlflow server` runs uvicorn as a child, and a stop must end both.
-            self._proc = subprocess.Popen(cmd, cwd=self.root, env=env, stdout=log,
-                                          stderr=subprocess.STDOUT, start_new_session=True)
+            self._proc = subprocess.Popen(
+                cmd,
+                cwd=self.root,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                raise RuntimeError(f"mlflow server exited with {self._proc.returncode}; see {self._log}")
+                raise RuntimeError(
+                    f"mlflow server exited with {self._proc.returncode}; see {self._log}"
+                )
             try:
                 with urllib.request.urlopen(f"{self.uri}/health", timeout=1) as r:
                     if r.status == 200:
@@ -176,13 +214,35 @@ _XDIST_GROUPS = {"test_model_logging": "autolog_runs", "test_sync_report": "auto
 # test_keras_compat is the 12-02 figure scaled by its CPU ratio after/before (0.94); test_tracking
 # lost its busy-core test's measured saving (25 s of 63 s at load 20, halved to this scale).
 _LONGEST_FIRST = {
-    "test_tracking": 628, "test_multi_worker": 300, "test_own_fit": 240, "test_ray": 216, "autolog_runs": 212,
-    "test_runtime": 191, "test_keras_compat": 148, "test_backup_faults": 150, "test_epoch": 135,
-    "test_sync_metrics": 149, "test_pipeline": 137, "test_preemption": 115, "test_slurm": 114, "test_two_hosts": 112,
-    "test_launch": 91, "test_collective_calls": 72, "test_examples": 67, "test_cli": 61, "test_session": 45,
-    "test_saving": 49, "test_cluster": 43,
-    "test_resume": 34, "test_sqlite_store": 33, "test_fit_ends_run": 300, "test_weight_divergence": 28,
-    "test_system_metrics": 25, "test_user_callbacks": 40, "test_verify": 194, "test_flaky_server": 110,
+    "test_tracking": 628,
+    "test_multi_worker": 300,
+    "test_own_fit": 240,
+    "test_ray": 216,
+    "autolog_runs": 212,
+    "test_runtime": 191,
+    "test_keras_compat": 148,
+    "test_backup_faults": 150,
+    "test_epoch": 135,
+    "test_sync_metrics": 149,
+    "test_pipeline": 137,
+    "test_preemption": 115,
+    "test_slurm": 114,
+    "test_two_hosts": 112,
+    "test_launch": 91,
+    "test_collective_calls": 72,
+    "test_examples": 67,
+    "test_cli": 61,
+    "test_session": 45,
+    "test_saving": 49,
+    "test_cluster": 43,
+    "test_resume": 34,
+    "test_sqlite_store": 33,
+    "test_fit_ends_run": 300,
+    "test_weight_divergence": 28,
+    "test_system_metrics": 25,
+    "test_user_callbacks": 40,
+    "test_verify": 194,
+    "test_flaky_server": 110,
 }
 
 
@@ -221,8 +281,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # Variables keras-sync reads over its YAML (or TensorFlow reads for the cluster): a test that leaves
 # one changed in the pytest process silently redirects every later test's training subprocess
 # (MLflow 3's `set_tracking_uri` writes MLFLOW_TRACKING_URI; CI lost 3 tests to that once).
-_GUARDED_ENV = ("MLFLOW_TRACKING_URI", "TF_CONFIG", "KERAS_SYNC_CONFIG", "KERAS_SYNC_JOB_ID",
-                "CUDA_VISIBLE_DEVICES")
+_GUARDED_ENV = (
+    "MLFLOW_TRACKING_URI",
+    "TF_CONFIG",
+    "KERAS_SYNC_CONFIG",
+    "KERAS_SYNC_JOB_ID",
+    "CUDA_VISIBLE_DEVICES",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -238,8 +303,11 @@ def _environment_left_as_found(request: pytest.FixtureRequest) -> Iterator[None]
         else:
             os.environ[k] = old
     if changed:
-        pytest.fail(f"{request.node.nodeid} left the pytest process's environment changed (before, after): "
-                    f"{changed}; use monkeypatch.setenv/delenv", pytrace=False)
+        pytest.fail(
+            f"{request.node.nodeid} left the pytest process's environment changed (before, after): "
+            f"{changed}; use monkeypatch.setenv/delenv",
+            pytrace=False,
+        )
 
 
 @pytest.fixture(scope="session")
@@ -300,22 +368,49 @@ def autolog_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "mlflow:\n"
         f"  tracking_uri: sqlite:///{mw_dir / 'mlflow.db'}\n"
         "  experiment: mw-model\n"
-        "  log_model: true\n")
+        "  log_model: true\n"
+    )
     procs = {
-        "mirrored": subprocess.Popen([sys.executable, script, "mirrored", str(out), sqlite_uri], cwd=out, env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
-        "multi_worker": subprocess.Popen([sys.executable, "-m", "keras_sync.launch", "--workers", "2", script,
-                                          "multi_worker", str(out), str(mw_dir / "mw.yaml")], cwd=mw_dir, env=env,
-                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+        "mirrored": subprocess.Popen(
+            [sys.executable, script, "mirrored", str(out), sqlite_uri],
+            cwd=out,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        ),
+        "multi_worker": subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "keras_sync.launch",
+                "--workers",
+                "2",
+                script,
+                "multi_worker",
+                str(out),
+                str(mw_dir / "mw.yaml"),
+            ],
+            cwd=mw_dir,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        ),
     }
     logs = {}
     for name, proc in procs.items():
         logs[name], _ = proc.communicate(timeout=1500)
         assert proc.returncode == 0, f"{name} scenario failed:\n{logs[name][-5000:]}"
-    return {"mirrored": json.loads((out / "mirrored.json").read_text()),
-            "multi_worker": json.loads((out / "multi_worker.json").read_text()),
-            "out": out, "mw_dir": mw_dir, "sqlite": sqlite_uri, "mw_sqlite": f"sqlite:///{mw_dir / 'mlflow.db'}",
-            "logs": logs}
+    return {
+        "mirrored": json.loads((out / "mirrored.json").read_text()),
+        "multi_worker": json.loads((out / "multi_worker.json").read_text()),
+        "out": out,
+        "mw_dir": mw_dir,
+        "sqlite": sqlite_uri,
+        "mw_sqlite": f"sqlite:///{mw_dir / 'mlflow.db'}",
+        "logs": logs,
+    }
 
 
 # CPU seconds per test, the figure to compare a speed change by on a shared machine (the wall clock
@@ -330,8 +425,13 @@ _CPU_LOG = os.environ.get("KERAS_SYNC_TEST_CPU")
 def _cpu_now() -> float:
     import resource
 
-    return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
-                                                   resource.getrusage(resource.RUSAGE_CHILDREN)))
+    return sum(
+        u.ru_utime + u.ru_stime
+        for u in (
+            resource.getrusage(resource.RUSAGE_SELF),
+            resource.getrusage(resource.RUSAGE_CHILDREN),
+        )
+    )
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -343,4 +443,6 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     yield
     worker = os.environ.get("PYTEST_XDIST_WORKER", "-")
     with open(_CPU_LOG, "a") as fh:
-        fh.write(f"{_cpu_now() - start:.1f} test {item.nodeid} {worker} {began:.1f} {time.time():.1f}\n")
+        fh.write(
+            f"{_cpu_now() - start:.1f} test {item.nodeid} {worker} {began:.1f} {time.time():.1f}\n"
+        )

@@ -17,17 +17,26 @@ import threading
 from pathlib import Path
 
 import pytest
-
 from _mwr import TRAIN, max_diff, result
-from keras_sync.training import backup_files as _backup_files, paths as _paths
-from keras_sync.errors import UsageError
 
-BASE = {"strategy": {"kind": "default"}, "batch": {"global": 32}, "learning_rate": {"base": 0.01},
-        "mlflow": {"enabled": False}}
+from keras_sync.errors import UsageError
+from keras_sync.training import backup_files as _backup_files
+from keras_sync.training import paths as _paths
+
+BASE = {
+    "strategy": {"kind": "default"},
+    "batch": {"global": 32},
+    "learning_rate": {"base": 0.01},
+    "mlflow": {"enabled": False},
+}
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "KERAS_SYNC_CONFIG", "KERAS_SYNC_JOB_ID")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TF_CONFIG", "KERAS_SYNC_CONFIG", "KERAS_SYNC_JOB_ID")
+    }
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     return env
 
@@ -37,25 +46,40 @@ def _cfg(tmp: Path, *, backup: bool = True, mlflow: bool = False) -> dict:
     if backup:
         cfg["fault_tolerance"] = {"backup_dir": str(tmp / "bk"), "save_freq": 3}
     if mlflow:
-        cfg["mlflow"] = {"tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}", "experiment": "faults",
-                         "spool_dir": str(tmp / "spool")}
+        cfg["mlflow"] = {
+            "tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}",
+            "experiment": "faults",
+            "spool_dir": str(tmp / "spool"),
+        }
     return cfg
 
 
 def _train(tmp: Path, name: str, cfg: dict, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(TRAIN), json.dumps(cfg), str(tmp / name), *extra], env=_env(),
-                          capture_output=True, text=True, timeout=240)
+    return subprocess.run(
+        [sys.executable, str(TRAIN), json.dumps(cfg), str(tmp / name), *extra],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 def _killed_at_22(tmp: Path, cfg: dict) -> None:
     r = _train(tmp, "res", cfg, "--kill-at", "22", "--marker", str(tmp / "killed"))
     assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
-    assert [Path(p).name for p in _backup_files.checkpoints(str(tmp / "bk"))] == ["ckpt-21", "ckpt-18"]
+    assert [Path(p).name for p in _backup_files.checkpoints(str(tmp / "bk"))] == [
+        "ckpt-21",
+        "ckpt-18",
+    ]
     assert all(_backup_files.problem(p) is None for p in _backup_files.checkpoints(str(tmp / "bk")))
 
 
 def _keras_sync_lines(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if line.startswith("keras-sync: ") and "config:" not in line]
+    return [
+        line
+        for line in stderr.splitlines()
+        if line.startswith("keras-sync: ") and "config:" not in line
+    ]
 
 
 # -- pure: manifests, choice, lock ------------------------------------------------------------------
@@ -83,7 +107,9 @@ def test_a_checkpoint_is_trusted_only_when_its_files_match_its_manifest(tmp_path
     assert _backup_files.manifest_run(old) == {"job_id": "j"}
 
 
-def test_only_damaged_checkpoints_are_refused_in_one_line_naming_the_directory(tmp_path: Path) -> None:
+def test_only_damaged_checkpoints_are_refused_in_one_line_naming_the_directory(
+    tmp_path: Path,
+) -> None:
     prefix = _fake_checkpoint(tmp_path, 21)
     _backup_files.write_manifest(prefix)
     Path(prefix + ".index").write_bytes(b"garbled!")
@@ -91,7 +117,8 @@ def test_only_damaged_checkpoints_are_refused_in_one_line_naming_the_directory(t
         _backup_files.choose(str(tmp_path))
     assert str(e.value) == (
         f"fault_tolerance.backup_dir: no usable backup in {tmp_path} (ckpt-21: ckpt-21.index has 8 of 20 bytes). "
-        "Fix: restore that directory from a copy, or delete it to train from the start; nothing was trained.")
+        "Fix: restore that directory from a copy, or delete it to train from the start; nothing was trained."
+    )
 
 
 def test_a_save_cut_off_before_its_manifest_is_no_backup(tmp_path: Path) -> None:
@@ -103,8 +130,12 @@ def test_a_second_job_is_refused_while_the_first_holds_the_lock(tmp_path: Path) 
     first = _backup_files.Holder("job-a", "hostx", os.getpid(), None)
     lock = _backup_files.BackupLock(str(tmp_path), first)
     lock.acquire()
-    second = _backup_files.BackupLock(str(tmp_path), _backup_files.Holder("job-b", "hostx", os.getpid() + 1, None))
-    with pytest.raises(UsageError, match=r"is in use by job job-a \(pid \d+ on hostx\), which is training"):
+    second = _backup_files.BackupLock(
+        str(tmp_path), _backup_files.Holder("job-b", "hostx", os.getpid() + 1, None)
+    )
+    with pytest.raises(
+        UsageError, match=r"is in use by job job-a \(pid \d+ on hostx\), which is training"
+    ):
         second.acquire()
     lock.release()
     assert not (tmp_path / _backup_files.LOCK_FILE).exists()
@@ -112,11 +143,17 @@ def test_a_second_job_is_refused_while_the_first_holds_the_lock(tmp_path: Path) 
     second.release()
 
 
-def test_a_lock_of_a_dead_process_is_stale_and_a_worker_accepts_its_own_chief(tmp_path: Path) -> None:
+def test_a_lock_of_a_dead_process_is_stale_and_a_worker_accepts_its_own_chief(
+    tmp_path: Path,
+) -> None:
     import socket
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True, check=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     host = socket.gethostname()
     stale = _backup_files.Holder(None, host, int(dead.stdout), None)
     me = _backup_files.Holder(None, host, os.getpid(), None)
@@ -139,7 +176,8 @@ def test_an_unwritable_directory_is_named_with_the_key(tmp_path: Path) -> None:
         _paths.check_writable(target / "bk", "fault_tolerance.backup_dir")
     assert str(e.value) == (
         f"fault_tolerance.backup_dir={str(target / 'bk')!r}: this process cannot create it in {target} (Not a "
-        "directory). Fix: choose a directory it can write, or give it write permission there; nothing was trained.")
+        "directory). Fix: choose a directory it can write, or give it write permission there; nothing was trained."
+    )
 
 
 # -- real training, real kills ---------------------------------------------------------------------
@@ -164,16 +202,27 @@ def test_damaged_newest_backup_is_skipped_and_the_run_record_is_recovered(tmp_pa
     second = _train(tmp_path, "res", cfg, "--kill-at", "22", "--marker", str(tmp_path / "killed"))
     assert second.returncode == 0, second.stderr[-3000:]
     lines = _keras_sync_lines(second.stderr)
-    assert f"keras-sync: the checkpoint state file {bk / 'checkpoint'} is damaged (ValueError); removed, the " \
-           "backups are found by their own files" in lines, "\n".join(lines)  # (every line: pytest shortens them)
-    assert (f"keras-sync: skipped the backup {bk / 'ckpt-21'} (ckpt-21.data-00000-of-00001 has {size // 2} of "
-            f"{size} bytes); using ckpt-18") in lines
-    assert any(line.startswith(f"keras-sync: the run record {bk / 'keras_sync_run.json'} is damaged (JSONDecodeError); "
-                               "the run ") and line.endswith("named by the backup ckpt-18 is continued")
-               for line in lines), lines
+    assert (
+        f"keras-sync: the checkpoint state file {bk / 'checkpoint'} is damaged (ValueError); removed, the "
+        "backups are found by their own files" in lines
+    ), "\n".join(lines)  # (every line: pytest shortens them)
+    assert (
+        f"keras-sync: skipped the backup {bk / 'ckpt-21'} (ckpt-21.data-00000-of-00001 has {size // 2} of "
+        f"{size} bytes); using ckpt-18"
+    ) in lines
+    assert any(
+        line.startswith(
+            f"keras-sync: the run record {bk / 'keras_sync_run.json'} is damaged (JSONDecodeError); "
+            "the run "
+        )
+        and line.endswith("named by the backup ckpt-18 is continued")
+        for line in lines
+    ), lines
     assert "Traceback" not in second.stderr
     assert result(tmp_path / "res")["start"] == {"iterations": 18, "epoch": 2}
-    assert max_diff(result(tmp_path / "ref")["weights"], result(tmp_path / "res")["weights"]) <= 1e-6
+    assert (
+        max_diff(result(tmp_path / "ref")["weights"], result(tmp_path / "res")["weights"]) <= 1e-6
+    )
     from _spools import deliver_leftovers
     from mlflow import MlflowClient
 
@@ -200,12 +249,17 @@ def test_no_usable_backup_ends_in_one_line_exit_2_and_the_run_is_not_failed(tmp_
         f"{json.loads((bk / 'ckpt-21.manifest.json').read_text())['files']['ckpt-21.index']['size']} bytes; "
         f"ckpt-18: ckpt-18.data-00000-of-00001 has 0 of "
         f"{json.loads((bk / 'ckpt-18.manifest.json').read_text())['files'][old.name]['size']} bytes). Fix: restore "
-        "that directory from a copy, or delete it to train from the start; nothing was trained."]
+        "that directory from a copy, or delete it to train from the start; nothing was trained."
+    ]
     from mlflow import MlflowClient
 
     client = MlflowClient(cfg["mlflow"]["tracking_uri"])
     experiment = client.get_experiment_by_name("faults")
-    statuses = [r.info.status for r in client.search_runs([experiment.experiment_id])] if experiment else []
+    statuses = (
+        [r.info.status for r in client.search_runs([experiment.experiment_id])]
+        if experiment
+        else []
+    )
     assert "FAILED" not in statuses
 
 
@@ -214,20 +268,38 @@ def test_no_usable_backup_ends_in_one_line_exit_2_and_the_run_is_not_failed(tmp_
 def test_a_second_job_in_a_live_jobs_backup_dir_is_refused_before_training(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path)
     go = tmp_path / "go"
-    first = subprocess.Popen([sys.executable, str(TRAIN), json.dumps(cfg), str(tmp_path / "a"), "--wait-at", "5",
-                              "--wait-for", str(go)],
-                             # its pid is in the message: this process's own (not started by the suite's zygote)
-                             env={**_env(), "KERAS_SYNC_JOB_ID": "job-a", "KERAS_SYNC_TEST_ZYGOTE": ""},
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        [
+            sys.executable,
+            str(TRAIN),
+            json.dumps(cfg),
+            str(tmp_path / "a"),
+            "--wait-at",
+            "5",
+            "--wait-for",
+            str(go),
+        ],
+        # its pid is in the message: this process's own (not started by the suite's zygote)
+        env={**_env(), "KERAS_SYNC_JOB_ID": "job-a", "KERAS_SYNC_TEST_ZYGOTE": ""},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     err: list[str] = []
     threading.Thread(target=lambda: err.append(first.stderr.read()), daemon=True).start()
     try:
-        for line in first.stdout:  # job a holds the directory: it has saved after step 3, waits after 5
+        for (
+            line
+        ) in first.stdout:  # job a holds the directory: it has saved after step 3, waits after 5
             if line.startswith("step 5 "):
                 break
-        second = subprocess.run([sys.executable, str(TRAIN), json.dumps(cfg), str(tmp_path / "b")],
-                                env={**_env(), "KERAS_SYNC_JOB_ID": "job-b"}, capture_output=True, text=True,
-                                timeout=240)
+        second = subprocess.run(
+            [sys.executable, str(TRAIN), json.dumps(cfg), str(tmp_path / "b")],
+            env={**_env(), "KERAS_SYNC_JOB_ID": "job-b"},
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
     finally:
         go.touch()
     assert first.wait(timeout=240) == 0, err
@@ -236,30 +308,52 @@ def test_a_second_job_in_a_live_jobs_backup_dir_is_refused_before_training(tmp_p
         f"keras-sync: fault_tolerance.backup_dir: {tmp_path / 'bk'} is in use by job job-a (pid {first.pid} on "
         f"{os.uname().nodename}), which is training into it now; two jobs in one backup directory would resume "
         f"from each other's backups. Fix: give this job its own backup_dir, or wait for that job to end (if it is "
-        f"gone, delete {tmp_path / 'bk' / _backup_files.LOCK_FILE}); nothing was trained."]
+        f"gone, delete {tmp_path / 'bk' / _backup_files.LOCK_FILE}); nothing was trained."
+    ]
     assert "step " not in second.stdout
     assert result(tmp_path / "a")["start"] == {"iterations": 0, "epoch": 0}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_backup_dir_or_local_store_the_process_cannot_write_is_refused_at_load(tmp_path: Path) -> None:
+def test_a_backup_dir_or_local_store_the_process_cannot_write_is_refused_at_load(
+    tmp_path: Path,
+) -> None:
     """Run without the permission override root has (CAP_DAC_OVERRIDE): the directory's modes apply."""
     ro = Path(tempfile.mkdtemp(prefix="ks_ro_"))
     try:
         (ro / "locked").mkdir()
         os.chmod(ro / "locked", 0o555)
-        code = ("import json, sys, keras_sync\n"
-                "keras_sync.load(json.loads(sys.argv[1]))\nprint('trained')")
+        code = (
+            "import json, sys, keras_sync\n"
+            "keras_sync.load(json.loads(sys.argv[1]))\nprint('trained')"
+        )
         store = f"sqlite:///{ro / 'locked' / 'mlflow.db'}"
-        configs = [{"mlflow": {"enabled": False}, "fault_tolerance": {"backup_dir": str(ro / "locked")}},
-                   {"mlflow": {"enabled": False}, "fault_tolerance": {"backup_dir": str(ro / "locked" / "bk")}},
-                   {"mlflow": {"tracking_uri": store, "spool_dir": str(tmp_path / "spool")}}]
+        configs = [
+            {"mlflow": {"enabled": False}, "fault_tolerance": {"backup_dir": str(ro / "locked")}},
+            {
+                "mlflow": {"enabled": False},
+                "fault_tolerance": {"backup_dir": str(ro / "locked" / "bk")},
+            },
+            {"mlflow": {"tracking_uri": store, "spool_dir": str(tmp_path / "spool")}},
+        ]
         shown = []
         for cfg in configs:
             cfg["strategy"] = {"kind": "default"}
-            r = subprocess.run(["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner", sys.executable,
-                                "-c", code, json.dumps(cfg)], env=_env(), capture_output=True, text=True, timeout=240)
+            r = subprocess.run(
+                [
+                    "setpriv",
+                    "--bounding-set=-dac_override,-dac_read_search,-fowner",
+                    sys.executable,
+                    "-c",
+                    code,
+                    json.dumps(cfg),
+                ],
+                env=_env(),
+                capture_output=True,
+                text=True,
+                timeout=240,
+            )
             assert r.returncode == 2 and "trained" not in r.stdout, r.stderr[-3000:]
             shown += _keras_sync_lines(r.stderr)
         assert shown == [
@@ -270,7 +364,8 @@ def test_a_backup_dir_or_local_store_the_process_cannot_write_is_refused_at_load
             "there; nothing was trained.",
             f"keras-sync: mlflow.tracking_uri={store!r}: this process cannot write its folder {ro / 'locked'} "
             "(Permission denied). Fix: choose a directory it can write, or give it write permission there; nothing "
-            "was trained."]
+            "was trained.",
+        ]
     finally:
         os.chmod(ro / "locked", 0o755)
         subprocess.run(["rm", "-rf", str(ro)], check=False)
@@ -279,7 +374,8 @@ def test_a_backup_dir_or_local_store_the_process_cannot_write_is_refused_at_load
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_full_backup_disk_is_said_once_training_goes_on_and_the_relaunch_resumes_from_the_last_good_backup(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """backup_dir on a small tmpfs that fills up after step 10 (a file fills it while every worker waits):
     the saves of steps 12, 15, 18, 21 fail; one line says so, training goes on to the kill after step 22,
     and the relaunch (the disk freed) resumes from ckpt-9, the newest complete backup, to the weights of
@@ -307,27 +403,56 @@ def test_a_full_backup_disk_is_said_once_training_goes_on_and_the_relaunch_resum
 
         filler = threading.Thread(target=fill_disk_at_step_10, daemon=True)
         filler.start()
-        first = subprocess.Popen([sys.executable, str(TRAIN), json.dumps(cfg), str(tmp_path / "res"), "--kill-at", "22",
-                                  "--marker", str(tmp_path / "killed"), "--wait-at", "10", "--wait-for", str(go),
-                                  "--step-file", str(tmp_path / "res-step10")],
-                                 env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        first = subprocess.Popen(
+            [
+                sys.executable,
+                str(TRAIN),
+                json.dumps(cfg),
+                str(tmp_path / "res"),
+                "--kill-at",
+                "22",
+                "--marker",
+                str(tmp_path / "killed"),
+                "--wait-at",
+                "10",
+                "--wait-for",
+                str(go),
+                "--step-file",
+                str(tmp_path / "res-step10"),
+            ],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             _, stderr = first.communicate(timeout=240)
         finally:
-            if first.poll() is None:  # it waits at step 10 for a disk that was never filled: no stray process
+            if (
+                first.poll() is None
+            ):  # it waits at step 10 for a disk that was never filled: no stray process
                 first.kill()
                 first.wait()
         assert first.returncode == -signal.SIGKILL, stderr[-3000:]  # it trained on to step 22
         assert "Traceback" not in stderr
         failed = [line for line in _keras_sync_lines(stderr) if "could not be written" in line]
-        assert len(failed) == 1, _keras_sync_lines(stderr)  # said once for the saves of steps 12, 15, 18 and 21
-        assert failed[0].startswith(f"keras-sync: the backup at optimizer step 12 could not be written to {bk} "
-                                    "(No space left on device; ")
-        assert "training goes on, and a relaunch resumes from the newest backup, optimizer step 9." in failed[0]
+        assert len(failed) == 1, _keras_sync_lines(
+            stderr
+        )  # said once for the saves of steps 12, 15, 18 and 21
+        assert failed[0].startswith(
+            f"keras-sync: the backup at optimizer step 12 could not be written to {bk} "
+            "(No space left on device; "
+        )
+        assert (
+            "training goes on, and a relaunch resumes from the newest backup, optimizer step 9."
+            in failed[0]
+        )
         assert not list(bk.glob("*_temp"))  # TensorFlow's half-written checkpoints are removed
         assert _backup_files.newest_complete(str(bk)) == 9
         (bk / "filler").unlink()
         second = _train(tmp_path, "res", cfg)
     assert second.returncode == 0, second.stderr[-3000:]
     assert result(tmp_path / "res")["start"]["iterations"] == 9
-    assert max_diff(result(tmp_path / "ref")["weights"], result(tmp_path / "res")["weights"]) <= 1e-6
+    assert (
+        max_diff(result(tmp_path / "ref")["weights"], result(tmp_path / "res")["weights"]) <= 1e-6
+    )

@@ -57,26 +57,38 @@ def test_chief_only_predict_ends_with_one_line(tmp_path: Path) -> None:
     log = r.stdout + r.stderr
     assert r.returncode == 2, log[-4000:]
     # load() and fit print their own "keras-sync:" lines on the chief; the error is one line of its own.
-    lines = [line for line in log.splitlines() if line.startswith("[w0] keras-sync:") and "model.predict" in line]
+    lines = [
+        line
+        for line in log.splitlines()
+        if line.startswith("[w0] keras-sync:") and "model.predict" in line
+    ]
     assert len(lines) == 1, log[-4000:]
-    assert ("worker 0 called model.predict, but worker 1 reached the end of its script instead. Under "
-            "multi_worker_mirrored model.predict is a collective: every worker must call it") in lines[0]
+    assert (
+        "worker 0 called model.predict, but worker 1 reached the end of its script instead. Under "
+        "multi_worker_mirrored model.predict is a collective: every worker must call it"
+    ) in lines[0]
     # Worker 1 may report worker 0's exit before launch stops it (seen on a loaded machine): in one
     # keras-sync line of its own, never as TensorFlow's error.
     noisy = [line for line in log.splitlines() if any(n in line for n in NOISE)]
     assert not noisy, log[-4000:]
     # Worker 0 hosts the coordination service: when it has already exited, worker 1 says that instead.
-    said = ("[w1] keras-sync: worker 1 reached the end of its script, but worker 0 ",
-            "[w1] keras-sync: worker 1 reached the end of its script, but the job's coordination service is gone: "
-            "the worker that hosts it has left the job.")
+    said = (
+        "[w1] keras-sync: worker 1 reached the end of its script, but worker 0 ",
+        "[w1] keras-sync: worker 1 reached the end of its script, but the job's coordination service is gone: "
+        "the worker that hosts it has left the job.",
+    )
     w1 = [line for line in log.splitlines() if line.startswith("[w1] keras-sync:")]
     assert all(line.startswith(said) for line in w1), w1
     w0 = json.loads((tmp_path / "out" / "w0.json").read_text())
-    assert w0["predict_s"] < 60, w0  # told at once, not after a heartbeat timeout or the connect timeout
+    assert w0["predict_s"] < 60, (
+        w0
+    )  # told at once, not after a heartbeat timeout or the connect timeout
 
 
 @pytest.mark.timeout(600)
-def test_a_worker_that_vanished_after_fit_does_not_hold_the_chief_for_the_connect_timeout(tmp_path: Path) -> None:
+def test_a_worker_that_vanished_after_fit_does_not_hold_the_chief_for_the_connect_timeout(
+    tmp_path: Path,
+) -> None:
     # Worker 1 leaves with os._exit (no exit meeting). The chief's exit meeting asks the peer's
     # process whether it is there (TensorFlow's collective peer-health probe) every 2 s, instead of
     # waiting strategy.connect_timeout_s for a post that never comes.
@@ -84,8 +96,14 @@ def test_a_worker_that_vanished_after_fit_does_not_hold_the_chief_for_the_connec
     returned = time.time()
     log = r.stdout + r.stderr
     assert r.returncode == 0, log[-4000:]
-    lines = [line for line in log.splitlines() if line.startswith("[w0] keras-sync: worker 0 reached the end")]
-    assert lines == ["[w0] keras-sync: worker 0 reached the end of its script, but worker 1 has left the job "
-                     "(its process no longer answers)."], log[-4000:]
+    lines = [
+        line
+        for line in log.splitlines()
+        if line.startswith("[w0] keras-sync: worker 0 reached the end")
+    ]
+    assert lines == [
+        "[w0] keras-sync: worker 0 reached the end of its script, but worker 1 has left the job "
+        "(its process no longer answers)."
+    ], log[-4000:]
     ended = json.loads((tmp_path / "out" / "w0.json").read_text())["ended"]
     assert returned - ended < CONNECT_TIMEOUT_S - 20, (returned - ended, log[-3000:])

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 from pathlib import Path
 
 import pytest
 
 from keras_sync.config import Config, load_config
-from keras_sync.errors import ConfigError
 from keras_sync.config.kinds import KINDS
+from keras_sync.errors import ConfigError
 
 
 def write(tmp_path: Path, text: str, name: str = "keras_sync.yaml") -> str:
@@ -27,7 +28,11 @@ def test_defaults_when_no_file(tmp_path, monkeypatch):
     monkeypatch.delenv("KERAS_SYNC_CONFIG", raising=False)
     cfg = load_config(environ={})
     assert cfg == Config()
-    assert cfg.strategy.kind == "auto" and cfg.batch.per_replica == 32 and cfg.learning_rate.scaling == "linear"
+    assert (
+        cfg.strategy.kind == "auto"
+        and cfg.batch.per_replica == 32
+        and cfg.learning_rate.scaling == "linear"
+    )
     assert cfg.source == "<defaults>" and cfg.source_of("batch.per_replica") == "default"
 
 
@@ -40,7 +45,9 @@ def test_reads_keras_sync_yaml_in_cwd_then_env_var(tmp_path, monkeypatch):
 
 
 def test_full_file_round_trips(tmp_path):
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         strategy:
           kind: Multi-Worker-Mirrored
           communication: RING
@@ -51,24 +58,38 @@ def test_full_file_round_trips(tmp_path):
         learning_rate: {base: 0.1, base_batch_size: 256, scaling: sqrt, warmup_epochs: 2.5}
         mlflow: {enabled: false, experiment: e, run_name: r, log_every_n_steps: 50}
         fault_tolerance: {backup_dir: /tmp/b, save_freq: 100}
-    """)
+    """,
+    )
     cfg = load_config(path, environ={})
     assert cfg.strategy.kind == "multi_worker_mirrored" and cfg.strategy.communication == "ring"
     assert cfg.batch.global_ == 512 and cfg.batch.per_replica is None
-    assert cfg.batch.shard_policy == "off", "YAML 1.1 reads off as false; it is a valid shard policy"
+    assert cfg.batch.shard_policy == "off", (
+        "YAML 1.1 reads off as false; it is a valid shard policy"
+    )
     assert cfg.learning_rate.warmup_epochs == 2.5 and cfg.fault_tolerance.save_freq == 100
     assert cfg.to_dict()["batch"]["global"] == 512
-    assert cfg.source_of("strategy.kind") == "file" and cfg.source_of("strategy.devices") == "default"
+    assert (
+        cfg.source_of("strategy.kind") == "file" and cfg.source_of("strategy.devices") == "default"
+    )
     assert load_config(cfg.to_dict(), environ={}) == cfg
 
 
 def test_precedence_flag_over_env_over_file(tmp_path):
     path = write(tmp_path, "mlflow: {tracking_uri: sqlite:///file.db}\nbatch: {per_replica: 8}\n")
     cfg = load_config(path, environ={"MLFLOW_TRACKING_URI": "http://127.0.0.1:5000"})
-    assert cfg.mlflow.tracking_uri == "http://127.0.0.1:5000" and cfg.source_of("mlflow.tracking_uri") == "env"
-    cfg = load_config(path, environ={"MLFLOW_TRACKING_URI": "http://127.0.0.1:5000"},
-                      overrides={"mlflow.tracking_uri": "sqlite:///flag.db", "batch.per_replica": 4})
-    assert cfg.mlflow.tracking_uri == "sqlite:///flag.db" and cfg.source_of("mlflow.tracking_uri") == "flag"
+    assert (
+        cfg.mlflow.tracking_uri == "http://127.0.0.1:5000"
+        and cfg.source_of("mlflow.tracking_uri") == "env"
+    )
+    cfg = load_config(
+        path,
+        environ={"MLFLOW_TRACKING_URI": "http://127.0.0.1:5000"},
+        overrides={"mlflow.tracking_uri": "sqlite:///flag.db", "batch.per_replica": 4},
+    )
+    assert (
+        cfg.mlflow.tracking_uri == "sqlite:///flag.db"
+        and cfg.source_of("mlflow.tracking_uri") == "flag"
+    )
     assert cfg.batch.per_replica == 4 and cfg.source_of("batch.per_replica") == "flag"
 
 
@@ -85,16 +106,21 @@ def test_unknown_key_names_line_and_suggests(tmp_path):
 
 def test_yaml_boolean_kind_gets_quote_hint(tmp_path):
     path = write(tmp_path, "strategy:\n  kind: off\n")
-    with pytest.raises(ConfigError, match=r":2: strategy.kind: received false, expected one of .*quote the value"):
+    with pytest.raises(
+        ConfigError, match=r":2: strategy.kind: received false, expected one of .*quote the value"
+    ):
         load_config(path, environ={})
 
 
 def test_all_errors_reported_at_once_in_line_order(tmp_path):
-    path = write(tmp_path, """\
+    path = write(
+        tmp_path,
+        """\
         strategy: {kind: mirorred, simulated_cpu_replicas: -1}
         batch: {per_replica: 32, global: 64}
         learning_rate: {base: "fast", warmup_epochs: 1, warmup_steps: 3}
-    """)
+    """,
+    )
     with pytest.raises(ConfigError) as err:
         load_config(path, environ={})
     got = messages(err.value)
@@ -109,27 +135,73 @@ def test_all_errors_reported_at_once_in_line_order(tmp_path):
     ]
 
 
-@pytest.mark.parametrize("text, line, pattern", [
-    ("", 1, "the file is empty"),
-    ("- a\n- b\n", 1, "received a list at the top level, expected a mapping"),
-    ("strategy: !!python/object/apply:os.system ['echo hi']\n", 1, "YAML tag not allowed"),
-    ("strategy:\n  kind: [\n", 3, "YAML syntax error"),
-    ("batch: {per_replica: 8}\nbatch: {per_replica: 9}\n", 2, "duplicate key 'batch' \\(first at line 1\\)"),
-    ("strategy: mirrored\n", 1, "strategy: received str 'mirrored' at the strategy, expected a mapping"),
-    ("batch: {per_replica: 8.5}\n", 1, "batch.per_replica: received 8.5, expected an integer >= 1 or null"),
-    ("mlflow: {enabled: 'yes'}\n", 1, "mlflow.enabled: received 'yes', expected true or false"),
-    ("fault_tolerance: {save_freq: 0}\n", 1, "fault_tolerance.save_freq: received 0, expected 'epoch' or an integer"),
-    ("strategy: {kind: tpu, devices: [/cpu:0]}\n", 1, "devices applies to one_device and mirrored only"),
-    ("strategy: {kind: default, devices: [/cpu:0]}\n", 1, "devices=\\['/cpu:0'\\] with kind=default; devices applies"),
-    ("strategy: {kind: one_device, devices: [/cpu:0, /cpu:1]}\n", 1, "received 2 devices for kind=one_device; give "
-     "at most 1"),
-    ("strategy: {kind: tpu, simulated_cpu_replicas: 2}\n", 1, "simulated_cpu_replicas does not apply to kind=tpu"),
-    ("batch: {per_replica: null}\n", 1, "received null for both batch.per_replica and batch.global"),
-    ("strategy:\n  slurm: {port_base: eighty}\n", 2, "strategy.slurm.port_base: received 'eighty', expected 'auto' "
-     "or an integer >= 1 \\(the first port\\)"),
-    ("strategy:\n  slurm: {port_base: 65530}\n", 2, "strategy.slurm.port_base: received 65530, expected a TCP port "
-     "from 1 to 65520 \\(task i on a node takes port_base \\+ i\\) or 'auto'"),
-])
+@pytest.mark.parametrize(
+    "text, line, pattern",
+    [
+        ("", 1, "the file is empty"),
+        ("- a\n- b\n", 1, "received a list at the top level, expected a mapping"),
+        ("strategy: !!python/object/apply:os.system ['echo hi']\n", 1, "YAML tag not allowed"),
+        ("strategy:\n  kind: [\n", 3, "YAML syntax error"),
+        (
+            "batch: {per_replica: 8}\nbatch: {per_replica: 9}\n",
+            2,
+            "duplicate key 'batch' \\(first at line 1\\)",
+        ),
+        (
+            "strategy: mirrored\n",
+            1,
+            "strategy: received str 'mirrored' at the strategy, expected a mapping",
+        ),
+        (
+            "batch: {per_replica: 8.5}\n",
+            1,
+            "batch.per_replica: received 8.5, expected an integer >= 1 or null",
+        ),
+        ("mlflow: {enabled: 'yes'}\n", 1, "mlflow.enabled: received 'yes', expected true or false"),
+        (
+            "fault_tolerance: {save_freq: 0}\n",
+            1,
+            "fault_tolerance.save_freq: received 0, expected 'epoch' or an integer",
+        ),
+        (
+            "strategy: {kind: tpu, devices: [/cpu:0]}\n",
+            1,
+            "devices applies to one_device and mirrored only",
+        ),
+        (
+            "strategy: {kind: default, devices: [/cpu:0]}\n",
+            1,
+            "devices=\\['/cpu:0'\\] with kind=default; devices applies",
+        ),
+        (
+            "strategy: {kind: one_device, devices: [/cpu:0, /cpu:1]}\n",
+            1,
+            "received 2 devices for kind=one_device; give at most 1",
+        ),
+        (
+            "strategy: {kind: tpu, simulated_cpu_replicas: 2}\n",
+            1,
+            "simulated_cpu_replicas does not apply to kind=tpu",
+        ),
+        (
+            "batch: {per_replica: null}\n",
+            1,
+            "received null for both batch.per_replica and batch.global",
+        ),
+        (
+            "strategy:\n  slurm: {port_base: eighty}\n",
+            2,
+            "strategy.slurm.port_base: received 'eighty', expected 'auto' "
+            "or an integer >= 1 \\(the first port\\)",
+        ),
+        (
+            "strategy:\n  slurm: {port_base: 65530}\n",
+            2,
+            "strategy.slurm.port_base: received 65530, expected a TCP port "
+            "from 1 to 65520 \\(task i on a node takes port_base \\+ i\\) or 'auto'",
+        ),
+    ],
+)
 def test_each_error_class_has_file_line_and_message(tmp_path, text, line, pattern):
     path = write(tmp_path, text)
     with pytest.raises(ConfigError) as err:
@@ -153,12 +225,14 @@ def test_file_problems(tmp_path):
 def test_dict_source_errors_name_dict(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config({"batch": {"per_replicas": 3}}, environ={})
-    assert str(err.value).startswith("<dict>: batch.per_replicas: unknown key 'per_replicas'; did you mean 'per_replica'?")
+    assert str(err.value).startswith(
+        "<dict>: batch.per_replicas: unknown key 'per_replicas'; did you mean 'per_replica'?"
+    )
 
 
 def test_config_is_frozen():
     cfg = load_config({}, environ={})
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.batch.per_replica = 3  # type: ignore[misc]
 
 
@@ -169,8 +243,10 @@ def test_a_value_over_the_string_limit_names_line_and_key(tmp_path):
     path = write(tmp_path, "mlflow:\n  experiment: e\n  run_name: " + "é" * 40_000 + "\n")
     with pytest.raises(ConfigError) as err:
         load_config(path, environ={})
-    assert messages(err.value) == [f"{path}:3: mlflow.run_name: a string of 80,000 bytes, over the limit of 65,536 "
-                                   "bytes (64 KiB) for a config value; names, paths and URIs are shorter: shorten it"]
+    assert messages(err.value) == [
+        f"{path}:3: mlflow.run_name: a string of 80,000 bytes, over the limit of 65,536 "
+        "bytes (64 KiB) for a config value; names, paths and URIs are shorter: shorten it"
+    ]
 
 
 def test_a_value_at_the_string_limit_is_read(tmp_path):
@@ -182,44 +258,54 @@ def test_a_file_over_the_size_limit_is_refused_before_it_is_read(tmp_path):
     path = write(tmp_path, "mlflow:\n  run_name: " + "r" * (1024 * 1024) + "\n")
     with pytest.raises(ConfigError) as err:
         load_config(path, environ={})
-    assert messages(err.value) == [f"{path}: the file is 1,048,597 bytes, over the limit of 1,048,576 bytes (1 MiB) "
-                                   "for a config file; a keras-sync config is a few kilobytes: check that this is "
-                                   "the file you meant"]
+    assert messages(err.value) == [
+        f"{path}: the file is 1,048,597 bytes, over the limit of 1,048,576 bytes (1 MiB) "
+        "for a config file; a keras-sync config is a few kilobytes: check that this is "
+        "the file you meant"
+    ]
 
 
 def test_more_keys_than_the_limit_names_the_first_one_over(tmp_path):
     path = write(tmp_path, "strategy:\n  devices:\n" + "    - /cpu:0\n" * 10_001)
     with pytest.raises(ConfigError) as err:
         load_config(path, environ={})
-    assert messages(err.value) == [f"{path}:10001: strategy.devices[9998]: more than 10,000 keys and list items, the "
-                                   "limit for a config; a keras-sync config has about 40: check that this is the "
-                                   "file you meant"]
+    assert messages(err.value) == [
+        f"{path}:10001: strategy.devices[9998]: more than 10,000 keys and list items, the "
+        "limit for a config; a keras-sync config has about 40: check that this is the "
+        "file you meant"
+    ]
 
 
 def test_a_long_key_name_is_refused_and_shown_by_its_ends(tmp_path):
     path = write(tmp_path, "mlflow:\n  " + "k" * 300 + ": 1\n")
     with pytest.raises(ConfigError) as err:
         load_config(path, environ={})
-    assert messages(err.value) == [f"{path}:2: mlflow.{'k' * 53}...{'k' * 60}: a key of 300 characters, over the "
-                                   "limit of 256 for a key name; the config's keys are words such as run_name "
-                                   "(keras-sync schema lists them)"]
+    assert messages(err.value) == [
+        f"{path}:2: mlflow.{'k' * 53}...{'k' * 60}: a key of 300 characters, over the "
+        "limit of 256 for a key name; the config's keys are words such as run_name "
+        "(keras-sync schema lists them)"
+    ]
 
 
 def test_a_number_too_long_for_python_names_its_line(tmp_path):
     path = write(tmp_path, "batch:\n  per_replica: " + "1" * 5_000 + "\n")
     with pytest.raises(ConfigError) as err:
         load_config(path, environ={})
-    assert messages(err.value) == [f"{path}:2: a number of 5,000 digits, more than Python reads; the config's "
-                                   "numbers are small: shorten it"]
+    assert messages(err.value) == [
+        f"{path}:2: a number of 5,000 digits, more than Python reads; the config's "
+        "numbers are small: shorten it"
+    ]
 
 
 def test_a_nested_mapping_300_deep_is_refused_at_the_limit(tmp_path):
     path = write(tmp_path, "".join("  " * i + f"k{i}:\n" for i in range(300)))
     with pytest.raises(ConfigError) as err:
         load_config(path, environ={})
-    assert messages(err.value) == [f"{path}:33: {'.'.join(f'k{i}' for i in range(32))}: nested more than 32 levels "
-                                   "deep, the limit for a config; its sections nest 3 levels (keras-sync schema "
-                                   "shows them)"]
+    assert messages(err.value) == [
+        f"{path}:33: {'.'.join(f'k{i}' for i in range(32))}: nested more than 32 levels "
+        "deep, the limit for a config; its sections nest 3 levels (keras-sync schema "
+        "shows them)"
+    ]
 
 
 def test_a_dict_over_the_limits_is_refused_without_recursion():
@@ -230,17 +316,26 @@ def test_a_dict_over_the_limits_is_refused_without_recursion():
         node = node["a"]
     with pytest.raises(ConfigError, match=r"^<dict>: a\.a\.a.*: nested more than 32 levels deep"):
         load_config(deep, environ={})
-    with pytest.raises(ConfigError, match=r"^<dict>: mlflow\.run_name: a string of 50,000,000 bytes, over the limit"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^<dict>: mlflow\.run_name: a string of 50,000,000 bytes, over the limit",
+    ):
         load_config({"mlflow": {"run_name": "r" * 50_000_000}}, environ={})
 
 
 def test_environment_and_overrides_are_held_to_the_limits():
     with pytest.raises(ConfigError) as err:
         load_config({}, environ={"MLFLOW_TRACKING_URI": "http://h/" + "p" * 70_000})
-    assert messages(err.value) == ["$MLFLOW_TRACKING_URI: mlflow.tracking_uri: a string of 70,009 bytes, over the "
-                                   "limit of 65,536 bytes (64 KiB) for a config value; names, paths and URIs are "
-                                   "shorter: shorten it"]
-    with pytest.raises(ConfigError, match=r"^<overrides>: mlflow\.run_name: a string of 70,000 bytes"):
+    assert messages(err.value) == [
+        "$MLFLOW_TRACKING_URI: mlflow.tracking_uri: a string of 70,009 bytes, over the "
+        "limit of 65,536 bytes (64 KiB) for a config value; names, paths and URIs are "
+        "shorter: shorten it"
+    ]
+    with pytest.raises(
+        ConfigError, match=r"^<overrides>: mlflow\.run_name: a string of 70,000 bytes"
+    ):
         load_config({}, overrides={"mlflow.run_name": "r" * 70_000}, environ={})
-    with pytest.raises(ConfigError, match=r"^<overrides>: a\.a\.a.*: nested more than 32 levels deep"):
+    with pytest.raises(
+        ConfigError, match=r"^<overrides>: a\.a\.a.*: nested more than 32 levels deep"
+    ):
         load_config({}, overrides={".".join(["a"] * 2_000): 1}, environ={})

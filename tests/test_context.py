@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from keras_sync.callbacks import RunContext, SharedState
-from keras_sync.training.context import check_shared
 from keras_sync.errors import UsageError
+from keras_sync.training.context import check_shared
 
 
 def test_a_flush_runs_every_flusher_once_in_the_order_given():
@@ -41,13 +41,23 @@ def test_check_shared_makes_one_for_none_and_refuses_anything_else():
     assert isinstance(check_shared(None), SharedState)
     s = SharedState()
     assert check_shared(s) is s
-    with pytest.raises(UsageError, match=r"Invalid value for argument `shared`. Received: shared=dict"):
+    with pytest.raises(
+        UsageError, match=r"Invalid value for argument `shared`. Received: shared=dict"
+    ):
         check_shared({})
 
 
 def test_the_run_context_is_frozen_and_gives_the_sync_params():
-    ctx = RunContext(kind="mirrored", num_replicas=2, per_replica_batch_size=16, global_batch_size=32,
-                     effective_batch_size=32, base_learning_rate=0.1, learning_rate=0.2, lr_scaling="linear")
+    ctx = RunContext(
+        kind="mirrored",
+        num_replicas=2,
+        per_replica_batch_size=16,
+        global_batch_size=32,
+        effective_batch_size=32,
+        base_learning_rate=0.1,
+        learning_rate=0.2,
+        lr_scaling="linear",
+    )
     with pytest.raises(dataclasses.FrozenInstanceError):
         ctx.num_replicas = 4  # type: ignore[misc]
     params = ctx.params()
@@ -58,8 +68,14 @@ def test_the_run_context_is_frozen_and_gives_the_sync_params():
 def test_the_context_of_a_sync_follows_its_batch_and_data():
     import keras_sync
 
-    sync = keras_sync.load({"strategy": {"kind": "default"}, "batch": {"per_replica": 8},
-                            "learning_rate": {"base": 0.1, "warmup_epochs": 1}, "mlflow": {"enabled": False}})
+    sync = keras_sync.load(
+        {
+            "strategy": {"kind": "default"},
+            "batch": {"per_replica": 8},
+            "learning_rate": {"base": 0.1, "warmup_epochs": 1},
+            "mlflow": {"enabled": False},
+        }
+    )
     ctx = sync.context()
     assert (ctx.kind, ctx.num_replicas, ctx.global_batch_size) == ("default", 1, 8)
     assert ctx.warmup_steps == "unknown" and ctx.steps_per_epoch is None  # no data seen yet
@@ -94,11 +110,21 @@ def test_a_later_fit_sends_only_changed_params_under_its_fit_number():
     from keras_sync.training.context import JobState
 
     job = JobState()
-    assert job.next_fit().params_to_log({"epochs": 1, "optimizer_name": "sgd", "steps_per_epoch": None}) == {
-        "epochs": 1, "optimizer_name": "sgd", "steps_per_epoch": None}  # values as given; compared as MLflow's text
-    assert job.next_fit().params_to_log({"epochs": 1, "optimizer_name": "sgd_1"}) == {"fit_2.optimizer_name": "sgd_1"}
+    assert job.next_fit().params_to_log(
+        {"epochs": 1, "optimizer_name": "sgd", "steps_per_epoch": None}
+    ) == {
+        "epochs": 1,
+        "optimizer_name": "sgd",
+        "steps_per_epoch": None,
+    }  # values as given; compared as MLflow's text
+    assert job.next_fit().params_to_log({"epochs": 1, "optimizer_name": "sgd_1"}) == {
+        "fit_2.optimizer_name": "sgd_1"
+    }
     third = job.next_fit()
-    assert third.params_to_log({"epochs": 2, "optimizer_name": "sgd", "new": 5}) == {"fit_3.epochs": 2, "new": 5}
+    assert third.params_to_log({"epochs": 2, "optimizer_name": "sgd", "new": 5}) == {
+        "fit_3.epochs": 2,
+        "new": 5,
+    }
     assert third.params_to_log({"epochs": 2}) == {}  # logged already in this fit
 
 

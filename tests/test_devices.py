@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import pytest
 
-from keras_sync.strategy.devices import canonical
 from keras_sync.errors import StrategyError
+from keras_sync.strategy.devices import canonical
 
 
-@pytest.mark.parametrize("name", ["CPU:1", "cpu:1", "/cpu:1", "/device:CPU:1", " CPU:1 ",
-                                  "/job:localhost/replica:0/task:0/device:CPU:1",
-                                  "/job:worker/replica:0/task:3/device:CPU:1"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "CPU:1",
+        "cpu:1",
+        "/cpu:1",
+        "/device:CPU:1",
+        " CPU:1 ",
+        "/job:localhost/replica:0/task:0/device:CPU:1",
+        "/job:worker/replica:0/task:3/device:CPU:1",
+    ],
+)
 def test_every_spelling_of_one_device_reads_the_same(name):
     assert canonical(name, where="strategy.devices") == "CPU:1"
 
@@ -20,12 +29,21 @@ def test_gpu_names_keep_their_type():
     assert canonical("GPU:3", where="strategy.devices") == "GPU:3"
 
 
-@pytest.mark.parametrize("name, expected", [
-    ("banana", 'Invalid device name in strategy.devices. Received: \'banana\'. Expected names such as "CPU:0" '
-               'or "/device:GPU:1".'),
-    ("/job:worker", 'Invalid device name in strategy.devices. Received: \'/job:worker\'. Expected a type and an '
-                    'index, such as "CPU:0" or "GPU:1".'),
-])
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        (
+            "banana",
+            "Invalid device name in strategy.devices. Received: 'banana'. Expected names such as \"CPU:0\" "
+            'or "/device:GPU:1".',
+        ),
+        (
+            "/job:worker",
+            "Invalid device name in strategy.devices. Received: '/job:worker'. Expected a type and an "
+            'index, such as "CPU:0" or "GPU:1".',
+        ),
+    ],
+)
 def test_a_bad_name_is_refused_naming_the_key_and_the_value(name, expected):
     with pytest.raises(StrategyError) as e:
         canonical(name, where="strategy.devices")

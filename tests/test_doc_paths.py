@@ -14,7 +14,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "keras_sync"
-DOCS = ("README.md", "CONTRIBUTING.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md")))
+DOCS = (
+    "README.md",
+    "CONTRIBUTING.md",
+    *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md")),
+)
 
 # Files of other projects that docstrings cite (Keras sources read to explain a fix): not ours to check.
 UPSTREAM_FILES = {"py_dataset_adapter.py", "epoch_iterator.py"}
@@ -25,10 +29,16 @@ def _package_prose() -> dict[str, str]:
     prose = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         source = path.read_text()
-        parts = [node.value for node in ast.walk(ast.parse(source))
-                 if isinstance(node, ast.Constant) and isinstance(node.value, str)]
-        parts += [tok.string for tok in tokenize.generate_tokens(io.StringIO(source).readline)
-                  if tok.type == tokenize.COMMENT]
+        parts = [
+            node.value
+            for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+        ]
+        parts += [
+            tok.string
+            for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+            if tok.type == tokenize.COMMENT
+        ]
         prose[str(path.relative_to(ROOT))] = "\n".join(parts)
     return prose
 
@@ -48,7 +58,9 @@ def _top_level_names(module_file: Path) -> set[str]:
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             names |= {(a.asname or a.name).split(".")[0] for a in node.names}
     if module_file.name == "__init__.py":
-        names |= {p.stem for p in module_file.parent.glob("*.py")} | {p.parent.name for p in module_file.parent.glob("*/__init__.py")}
+        names |= {p.stem for p in module_file.parent.glob("*.py")} | {
+            p.parent.name for p in module_file.parent.glob("*/__init__.py")
+        }
         lazy = re.search(r"^_LAZY = \{(.*?)^\}", module_file.read_text(), flags=re.S | re.M)
         if lazy:
             names |= set(re.findall(r'"(\w+)":', lazy.group(1)))
@@ -83,7 +95,10 @@ def unresolved_dotted_name(name: str, data_names: set[str]) -> str | None:
     """
     if name in {"keras_sync.yaml", "keras_sync.templates"} or name.startswith("keras_sync.schema"):
         return None
-    if any(name == d or name.startswith(d.rstrip(".") + ".") or d.startswith(name + ".") for d in data_names):
+    if any(
+        name == d or name.startswith(d.rstrip(".") + ".") or d.startswith(name + ".")
+        for d in data_names
+    ):
         return None
     parts = name.split(".")
     for cut in range(len(parts), 0, -1):
@@ -99,13 +114,22 @@ def unresolved_dotted_name(name: str, data_names: set[str]) -> str | None:
 
 
 def test_every_keras_sync_file_path_in_the_docs_exists():
-    artifacts = _string_literals_of_the_package(r"^keras_sync/[\w/.]+$")  # MLflow artifact paths, e.g. keras_sync/config.yaml
+    artifacts = _string_literals_of_the_package(
+        r"^keras_sync/[\w/.]+$"
+    )  # MLflow artifact paths, e.g. keras_sync/config.yaml
     missing = []
     for where, text in _texts().items():
-        for path in set(re.findall(r"\b((?:keras_sync|tests|templates|benchmarks|examples)/[\w/]+\.(?:py|yaml))\b", text)):
+        for path in set(
+            re.findall(
+                r"\b((?:keras_sync|tests|templates|benchmarks|examples)/[\w/]+\.(?:py|yaml))\b",
+                text,
+            )
+        ):
             if not (ROOT / path).exists() and path not in artifacts:
                 missing.append(f"{where}: {path}")
-    assert not missing, "the docs name files that do not exist (moved? renamed?):\n" + "\n".join(sorted(missing))
+    assert not missing, "the docs name files that do not exist (moved? renamed?):\n" + "\n".join(
+        sorted(missing)
+    )
 
 
 def test_every_path_inside_a_part_in_the_docs_exists():
@@ -117,13 +141,20 @@ def test_every_path_inside_a_part_in_the_docs_exists():
         for path in set(re.findall(r"(?<![\w/.])((?:\w+/)+\w+\.py)\b", text)):
             if path.split("/")[0] in parts and not (PACKAGE / path).exists():
                 missing.append(f"{where}: {path}")
-    assert not missing, "the docs name files of a part that do not exist (moved? renamed?):\n" + "\n".join(sorted(missing))
+    assert not missing, (
+        "the docs name files of a part that do not exist (moved? renamed?):\n"
+        + "\n".join(sorted(missing))
+    )
 
 
 def test_every_dotted_keras_sync_name_in_the_docs_exists():
     # Only literals that are no module: "keras_sync.tracking" (a module the code names in a string) must not
     # let every `keras_sync.tracking.<anything>` pass.
-    data_names = {d for d in _string_literals_of_the_package() if _module_file(d.rstrip(".").split(".")) is None}
+    data_names = {
+        d
+        for d in _string_literals_of_the_package()
+        if _module_file(d.rstrip(".").split(".")) is None
+    }
     bad = []
     for where, text in _texts().items():
         for name in sorted(set(re.findall(r"\bkeras_sync(?:\.\w+)+", text))):
@@ -131,20 +162,27 @@ def test_every_dotted_keras_sync_name_in_the_docs_exists():
             why = unresolved_dotted_name(name, data_names)
             if why:
                 bad.append(f"{where}: {name}: {why}")
-    assert not bad, "the docs name modules or names that do not exist (moved? renamed?):\n" + "\n".join(bad)
+    assert not bad, (
+        "the docs name modules or names that do not exist (moved? renamed?):\n" + "\n".join(bad)
+    )
 
 
 def test_every_bare_module_file_name_in_the_docs_exists():
     """`config.py`, `_spool.py`: a file name alone must still be the name of one of the repository's files."""
-    ours = {p.name for d in ("keras_sync", "tests", "templates", "benchmarks", "examples", "docs")
-            for p in (ROOT / d).rglob("*.py")} | {p.name for p in ROOT.glob("*.py")}
+    ours = {
+        p.name
+        for d in ("keras_sync", "tests", "templates", "benchmarks", "examples", "docs")
+        for p in (ROOT / d).rglob("*.py")
+    } | {p.name for p in ROOT.glob("*.py")}
     missing = []
     for where, text in _texts().items():
         for name in set(re.findall(r"(?<![\w/.*])(\w+\.py)\b", text)):
             if name not in ours and name not in UPSTREAM_FILES:
                 missing.append(f"{where}: {name}")
-    assert not missing, ("the docs name module files that no longer exist (say the new path, e.g. "
-                         "keras_sync/config/__init__.py):\n" + "\n".join(sorted(missing)))
+    assert not missing, (
+        "the docs name module files that no longer exist (say the new path, e.g. "
+        "keras_sync/config/__init__.py):\n" + "\n".join(sorted(missing))
+    )
 
 
 def test_private_aliases_are_not_used_as_module_names_in_prose():
@@ -156,4 +194,6 @@ def test_private_aliases_are_not_used_as_module_names_in_prose():
         for alias in set(re.findall(r"`_(\w+)[.`]", text)):
             if alias in modules and not any(PACKAGE.rglob(f"_{alias}.py")):
                 bad.append(f"{where}: _{alias}")
-    assert not bad, "docstrings name modules by their private import alias:\n" + "\n".join(sorted(bad))
+    assert not bad, "docstrings name modules by their private import alias:\n" + "\n".join(
+        sorted(bad)
+    )

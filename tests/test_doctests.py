@@ -13,8 +13,11 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "keras_sync"
-MODULES = sorted(".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
-                 for p in PACKAGE.rglob("*.py") if ">>>" in p.read_text())
+MODULES = sorted(
+    ".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+    for p in PACKAGE.rglob("*.py")
+    if ">>>" in p.read_text()
+)
 
 
 def test_the_package_has_examples() -> None:
@@ -25,4 +28,6 @@ def test_the_package_has_examples() -> None:
 def test_docstring_examples_hold(name: str) -> None:
     module = importlib.import_module(name)
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS, verbose=False)
-    assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed in {name} (run: python -m doctest -v)"
+    assert result.failed == 0, (
+        f"{result.failed} of {result.attempted} examples failed in {name} (run: python -m doctest -v)"
+    )

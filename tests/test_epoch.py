@@ -16,7 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.slow  # starts TensorFlow processes; the fast lane is `pytest -m "not slow"`
+pytestmark = (
+    pytest.mark.slow
+)  # starts TensorFlow processes; the fast lane is `pytest -m "not slow"`
 
 HERE = Path(__file__).parent
 COUNTS = (1, 2)
@@ -27,13 +29,34 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("epoch")
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("TF_CONFIG", None)
-    procs = {"devices": subprocess.Popen([sys.executable, str(HERE / "_epoch_scenarios.py"), "devices", str(out)],
-                                         cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)}
+    procs = {
+        "devices": subprocess.Popen(
+            [sys.executable, str(HERE / "_epoch_scenarios.py"), "devices", str(out)],
+            cwd=out,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    }
     # 2 workers (one replica each) through the CLI a user runs.
     keras_sync = Path(sys.executable).with_name("keras-sync")
-    procs["mw"] = subprocess.Popen([str(keras_sync), "launch", "--workers", "2", str(HERE / "_epoch_scenarios.py"), "mw",
-                                    str(out)], cwd=out, env=env, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True)
+    procs["mw"] = subprocess.Popen(
+        [
+            str(keras_sync),
+            "launch",
+            "--workers",
+            "2",
+            str(HERE / "_epoch_scenarios.py"),
+            "mw",
+            str(out),
+        ],
+        cwd=out,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     for name, proc in procs.items():
         log, _ = proc.communicate(timeout=480)
         assert proc.returncode == 0, f"scenario process {name} failed:\n{log[-4000:]}"
@@ -58,7 +81,11 @@ def test_uneven_last_batch_equals_one_device(runs, n):
     for key in ("loss", "val_loss", "mae"):
         assert rel(one[key], two[key]) <= 1e-5, (key, one[key], two[key])
     for key in ("loss", "mae"):
-        assert rel(one["evaluate"][key], two["evaluate"][key]) <= 1e-5, (key, one["evaluate"], two["evaluate"])
+        assert rel(one["evaluate"][key], two["evaluate"][key]) <= 1e-5, (
+            key,
+            one["evaluate"],
+            two["evaluate"],
+        )
 
 
 def test_no_check_fires_on_a_correct_fit(runs):
@@ -74,16 +101,22 @@ def test_batch_size_argument_is_the_global_batch(runs):
     assert float(np.abs(np.array(one["weights"]) - np.array(two["weights"])).max()) <= 1e-5
     assert rel(one["loss"], two["loss"]) <= 1e-5
     assert two["checks"] == []
-    assert two["warnings"] == ["sync.fit(batch_size=64): the global batch, as Keras reads it under a tf.distribute "
-                               "strategy (32 per replica x 2 replicas), not the configured 32; learning_rate.scaling "
-                               "is none, so the rate 0.05 is the same for both."]
+    assert two["warnings"] == [
+        "sync.fit(batch_size=64): the global batch, as Keras reads it under a tf.distribute "
+        "strategy (32 per replica x 2 replicas), not the configured 32; learning_rate.scaling "
+        "is none, so the rate 0.05 is the same for both."
+    ]
 
 
 def test_batch_size_with_a_scaled_rate_is_refused_with_the_fix(runs):
-    assert runs[2]["batch_size_refused"] == {"error": "UsageError", "message": (
-        "sync.fit(batch_size=64): batch_size is the global batch (as Keras reads it under a tf.distribute strategy), "
-        "but the learning rate 0.05 was scaled for the configured global batch 32. Fix: set batch.global: 64 in the "
-        "config (the rate is then scaled for it), or leave batch_size out.")}
+    assert runs[2]["batch_size_refused"] == {
+        "error": "UsageError",
+        "message": (
+            "sync.fit(batch_size=64): batch_size is the global batch (as Keras reads it under a tf.distribute strategy), "
+            "but the learning rate 0.05 was scaled for the configured global batch 32. Fix: set batch.global: 64 in the "
+            "config (the rate is then scaled for it), or leave batch_size out."
+        ),
+    }
 
 
 def test_learning_rate_check_says_the_compile_line_wins(runs):
@@ -93,13 +126,16 @@ def test_learning_rate_check_says_the_compile_line_wins(runs):
         "keras-sync: check learning_rate failed: the optimizer's learning rate is 0.001, but keras-sync scaled 0.002 "
         "for the global batch 32 (learning_rate.scaling: linear): the rate of your compile line is used as it is. "
         "Fix: compile with the optimizer's learning_rate=sync.lr_schedule() (or sync.learning_rate). "
-        "(checks.on_violation: warn)"]
+        "(checks.on_violation: warn)"
+    ]
 
 
 def test_on_violation_error_stops_the_fit_with_the_line(runs):
     r = runs[2]["learning_rate_error"]
     assert r["error"] == "CheckFailed"
-    assert r["message"].startswith("check learning_rate failed: the optimizer's learning rate is 0.001, but ")
+    assert r["message"].startswith(
+        "check learning_rate failed: the optimizer's learning rate is 0.001, but "
+    )
     assert r["message"].endswith("(checks.on_violation: error)")
 
 
@@ -107,14 +143,16 @@ def test_direct_model_fit_is_said_in_one_line(runs):
     lines = runs[2]["direct_fit"]["checks"]
     assert len(lines) == 1 and lines[0].startswith(
         "keras-sync: check direct_fit failed: model.fit called on Sequential, built in sync.scope(), without "
-        "keras-sync: Keras batches arrays by its own batch_size (32 unless given)")
+        "keras-sync: Keras batches arrays by its own batch_size (32 unless given)"
+    )
 
 
 @pytest.mark.parametrize("n", COUNTS)
 def test_examples_per_step_check_fires_on_a_smaller_batch(runs, n):
     assert runs[n]["examples_per_step"]["checks"] == [
         "keras-sync: check examples_per_step failed: epoch 1: 21 train steps took 331 examples (15.8 per step), but "
-        "the learning rate was scaled for a global batch of 32. (checks.on_violation: warn)"]
+        "the learning rate was scaled for a global batch of 32. (checks.on_violation: warn)"
+    ]
 
 
 def test_a_restore_over_the_backup_stops_the_fit_without_a_resume_line(runs):
@@ -123,15 +161,25 @@ def test_a_restore_over_the_backup_stops_the_fit_without_a_resume_line(runs):
     # resume line is printed (so checks.on_violation does not apply: a false resume is never trained).
     r = runs[2]["resume_tampered"]
     assert r["error"] == "UsageError", r
-    assert r["message"].startswith("keras-sync's backup in ") and (
-        "restored optimizer step 11, but another callback changed it to 0 before training resumed") in r["message"]
+    assert (
+        r["message"].startswith("keras-sync's backup in ")
+        and (
+            "restored optimizer step 11, but another callback changed it to 0 before training resumed"
+        )
+        in r["message"]
+    )
 
 
 def test_a_violation_is_an_mlflow_tag(runs):
-    r = runs[2]["learning_rate_warn"]  # the fit of test_learning_rate_check_says_the_compile_line_wins
+    r = runs[2][
+        "learning_rate_warn"
+    ]  # the fit of test_learning_rate_check_says_the_compile_line_wins
     assert len(r["checks"]) == 1
-    assert r["tags"] == {"keras_sync.check.learning_rate": r["checks"][0].removeprefix(
-        "keras-sync: check learning_rate failed: ").removesuffix(". (checks.on_violation: warn)")}
+    assert r["tags"] == {
+        "keras_sync.check.learning_rate": r["checks"][0]
+        .removeprefix("keras-sync: check learning_rate failed: ")
+        .removesuffix(". (checks.on_violation: warn)")
+    }
 
 
 @pytest.mark.parametrize("n", COUNTS)
@@ -142,7 +190,8 @@ def test_examples_per_epoch_check_fires_on_an_epoch_stopped_early(runs, n):
     assert r["trained"] == 96
     assert r["checks"] == [
         "keras-sync: check examples_per_epoch failed: epoch 1: the epoch trained 96 examples (all replicas and "
-        "workers), but the data has 331: 235 were not trained. (checks.on_violation: warn)"]
+        "workers), but the data has 331: 235 were not trained. (checks.on_violation: warn)"
+    ]
 
 
 def test_examples_per_epoch_check_fires_when_examples_are_not_trained(runs):
@@ -156,4 +205,5 @@ def test_examples_per_epoch_check_fires_when_examples_are_not_trained(runs):
         assert r["checks"] == [
             f"keras-sync: check examples_per_epoch failed: epoch 1: the epoch trained {r['trained']} examples (all "
             f"replicas and workers), but the data has {r['data']}: {r['data'] - r['trained']} were not trained. "
-            "(checks.on_violation: warn)"]
+            "(checks.on_violation: warn)"
+        ]

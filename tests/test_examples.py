@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # starts TensorFlow processes; the fast lane is `pytest -m "not slow"`
+pytestmark = (
+    pytest.mark.slow
+)  # starts TensorFlow processes; the fast lane is `pytest -m "not slow"`
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -25,7 +27,16 @@ def outputs(tmp_path_factory):
     shutil.copytree(EXAMPLES / "existing_project", project)
     runs = {
         "quickstart": ([str(EXAMPLES / "quickstart.py"), "--epochs", "2"], root / "q"),
-        "tfdata": ([str(EXAMPLES / "tfdata_pipeline.py"), "--epochs", "2", "--data-dir", str(root / "data")], root / "t"),
+        "tfdata": (
+            [
+                str(EXAMPLES / "tfdata_pipeline.py"),
+                "--epochs",
+                "2",
+                "--data-dir",
+                str(root / "data"),
+            ],
+            root / "t",
+        ),
         "plain": ([str(project / "plain_keras.py"), "--epochs", "2"], project),
         "synced": ([str(project / "keras_sync_version.py"), "--epochs", "2"], project),
     }
@@ -35,8 +46,14 @@ def outputs(tmp_path_factory):
     procs = {}
     for name, (args, cwd) in runs.items():
         cwd.mkdir(exist_ok=True)
-        procs[name] = subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, text=True,
-                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        procs[name] = subprocess.Popen(
+            [sys.executable, *args],
+            cwd=cwd,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
     out = {}
     for name, proc in procs.items():
         text, _ = proc.communicate(timeout=600)
@@ -53,7 +70,9 @@ def test_quickstart_prints_replicas_batch_and_scaled_lr(outputs):
     assert "learning rate: base=0.05 scaled=0.1 (linear) warmup_steps=20" in text
     loss = float(re.search(r"final: loss=([0-9.]+)", text).group(1))
     assert loss < 0.69, "two epochs should beat chance (ln 2) on the spirals"
-    assert (outputs["root"] / "q" / "mlflow.db").exists(), "mlflow.enabled: the default sqlite store is used"
+    assert (outputs["root"] / "q" / "mlflow.db").exists(), (
+        "mlflow.enabled: the default sqlite store is used"
+    )
 
 
 def test_tfdata_example_trains_from_tfrecord_shards(outputs):
@@ -79,5 +98,6 @@ def test_existing_project_diff_is_the_promised_lines():
     # ... the rest of the difference is the model block indented under `with sync.scope():`.
     unmarked = [l[2:] for l in added if "# keras-sync" not in l and l[2:].strip()]
     indented = {l.strip() for l in unmarked}
-    assert indented <= {l.strip() for l in plain} | {"Compare with plain_keras.py: the difference is the few lines "
-                                                   "marked `# keras-sync` here."}, unmarked
+    assert indented <= {l.strip() for l in plain} | {
+        "Compare with plain_keras.py: the difference is the few lines marked `# keras-sync` here."
+    }, unmarked

@@ -9,22 +9,37 @@ import sys
 def run(code: str, **env: str) -> subprocess.CompletedProcess:
     import os
 
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **env})
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **env},
+    )
 
 
 def test_config_error_in_script_is_one_line_exit_2():
-    r = run("import keras_sync\nkeras_sync.load({'batch': {'per_replica': 0}})\nprint('not reached')")
+    r = run(
+        "import keras_sync\nkeras_sync.load({'batch': {'per_replica': 0}})\nprint('not reached')"
+    )
     assert r.returncode == 2
-    assert r.stderr == "keras-sync: <dict>: batch.per_replica: received 0, expected an integer >= 1 or null\n"
+    assert (
+        r.stderr
+        == "keras-sync: <dict>: batch.per_replica: received 0, expected an integer >= 1 or null\n"
+    )
     assert r.stdout == ""
 
 
 def test_other_errors_keep_their_traceback():
-    r = run("import keras_sync\nkeras_sync.load({'strategy': {'kind': 'default'}})\nraise ValueError('mine')")
+    r = run(
+        "import keras_sync\nkeras_sync.load({'strategy': {'kind': 'default'}})\nraise ValueError('mine')"
+    )
     assert r.returncode == 1 and "Traceback" in r.stderr and "ValueError: mine" in r.stderr
 
 
 def test_traceback_on_request():
-    r = run("import keras_sync\nkeras_sync.load({'batch': {'per_replica': 0}})", KERAS_SYNC_TRACEBACK="1")
+    r = run(
+        "import keras_sync\nkeras_sync.load({'batch': {'per_replica': 0}})",
+        KERAS_SYNC_TRACEBACK="1",
+    )
     assert r.returncode == 1 and "Traceback" in r.stderr and "ConfigError" in r.stderr

@@ -22,7 +22,9 @@ from keras_sync.tracking.spool import SpoolDir
 pytestmark = pytest.mark.slow
 
 
-def test_fit_ends_the_run_and_the_next_fit_continues_it_where_training_returns_kill_the_process(tmp_path):
+def test_fit_ends_the_run_and_the_next_fit_continues_it_where_training_returns_kill_the_process(
+    tmp_path,
+):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     script = textwrap.dedent(f"""
         import json, os, numpy as np, keras_sync
@@ -61,10 +63,19 @@ def test_fit_ends_the_run_and_the_next_fit_continues_it_where_training_returns_k
         print("RESULT " + json.dumps(out))
         os._exit(0)  # no atexit, as under Ray Train V2's ray.kill
     """)
-    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID")}
-    r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path,
-                       env=dict(env, TF_CPP_MIN_LOG_LEVEL="2", RAY_RAYLET_PID=str(os.getpid())),
-                       capture_output=True, text=True, timeout=600)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TF_CONFIG", "MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID")
+    }
+    r = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env=dict(env, TF_CPP_MIN_LOG_LEVEL="2", RAY_RAYLET_PID=str(os.getpid())),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     import json
 
@@ -75,14 +86,18 @@ def test_fit_ends_the_run_and_the_next_fit_continues_it_where_training_returns_k
     assert out["steps"] == list(range(1, 33))  # 16 steps per fit, each once
     # MLflow had everything when fit returned but the report's data, which the courier draws after.
     assert set(out["undelivered1"]) <= {"report"} and set(out["undelivered2"]) <= {"report"}
-    assert len(out["couriers1"]) == 1 and out["couriers2"] == out["couriers1"]  # one courier for both fits
+    assert (
+        len(out["couriers1"]) == 1 and out["couriers2"] == out["couriers1"]
+    )  # one courier for both fits
     # The process ended without atexit: its orphaned courier finds everything delivered and removes the spool.
     spool_root = tmp_path / ".keras_sync_spool"
     deadline = time.monotonic() + 120
     while any(p.is_dir() for p in spool_root.iterdir()) and time.monotonic() < deadline:
         time.sleep(0.2)
     left = [p.name for p in spool_root.iterdir() if p.is_dir()]
-    assert left == [], f"spools left after the process ended: {left} (pending: {[SpoolDir(spool_root / n).pending() for n in left]})"
+    assert left == [], (
+        f"spools left after the process ended: {left} (pending: {[SpoolDir(spool_root / n).pending() for n in left]})"
+    )
     from mlflow import MlflowClient
 
     artifacts = [a.path for a in MlflowClient(uri).list_artifacts(first[0])]
@@ -94,8 +109,10 @@ def test_fit_returns_before_delivery_and_the_exit_delivers_every_step(tmp_path):
     MLflow has it all, and one line names the run and how to open it."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     cfg = tmp_path / "keras_sync.yaml"
-    cfg.write_text(f"strategy: {{kind: default}}\nbatch: {{per_replica: 16}}\n"
-                   f"mlflow: {{tracking_uri: '{uri}', experiment: e, log_every_n_steps: 1}}\n")
+    cfg.write_text(
+        f"strategy: {{kind: default}}\nbatch: {{per_replica: 16}}\n"
+        f"mlflow: {{tracking_uri: '{uri}', experiment: e, log_every_n_steps: 1}}\n"
+    )
     script = textwrap.dedent(f"""
         import json, numpy as np, keras_sync
         sync = keras_sync.load({str(cfg)!r})
@@ -108,10 +125,19 @@ def test_fit_returns_before_delivery_and_the_exit_delivers_every_step(tmp_path):
             sync.fit(model, x, x[:, :1], epochs=1, verbose=0)
         print("FITS DONE", flush=True)
     """)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("TF_CONFIG", "MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID", "RAY_RAYLET_PID")}
-    r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=dict(env, TF_CPP_MIN_LOG_LEVEL="2"),
-                       capture_output=True, text=True, timeout=600)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TF_CONFIG", "MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID", "RAY_RAYLET_PID")
+    }
+    r = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env=dict(env, TF_CPP_MIN_LOG_LEVEL="2"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "FITS DONE" in r.stdout
     from mlflow import MlflowClient
@@ -120,12 +146,16 @@ def test_fit_returns_before_delivery_and_the_exit_delivers_every_step(tmp_path):
     (run,) = c.search_runs([c.get_experiment_by_name("e").experiment_id])
     assert run.info.status == "FINISHED"
     for key in ("sync/loss/replica_0", "sync/step_time_ms", "loss"):
-        assert sorted(m.step for m in c.get_metric_history(run.info.run_id, key)) == list(range(1, 33)), key
+        assert sorted(m.step for m in c.get_metric_history(run.info.run_id, key)) == list(
+            range(1, 33)
+        ), key
     # The exit waited: everything is in MLflow, so the spool is gone; at most one line said what was left.
     assert not [p for p in (tmp_path / ".keras_sync_spool").iterdir() if p.is_dir()]
     # The first run's line names the run and how to open it (the store was being built when fit began).
-    assert (f"keras-sync: metrics go to MLflow at {uri}, experiment 'e', run {run.info.run_id}; "
-            f"view it with: {console_command()} ui {cfg}") in r.stderr, r.stderr[-3000:]
+    assert (
+        f"keras-sync: metrics go to MLflow at {uri}, experiment 'e', run {run.info.run_id}; "
+        f"view it with: {console_command()} ui {cfg}"
+    ) in r.stderr, r.stderr[-3000:]
     assert "not created yet" not in r.stderr
     lines = [ln for ln in r.stderr.splitlines() if "not in MLflow yet" in ln]
     assert len(lines) <= 1, lines
@@ -157,12 +187,20 @@ def test_ctrl_c_during_the_exit_wait_leaves_the_points_in_the_spool(tmp_path):
         x = np.random.default_rng(0).normal(size=(256, 4)).astype("float32")
         sync.fit(model, x, x[:, :1], epochs=1, verbose=0)
     """)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("TF_CONFIG", "MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID", "RAY_RAYLET_PID")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TF_CONFIG", "MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID", "RAY_RAYLET_PID")
+    }
     # KERAS_SYNC_TEST_ZYGOTE="": the courier is a process of its own (SIGSTOP would stop only the stand-in of
     # a courier started by the suite's zygote, tests/_lean_site/_zygote.py)
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, stderr=subprocess.PIPE, text=True,
-                            env=dict(env, TF_CPP_MIN_LOG_LEVEL="2", KERAS_SYNC_TEST_ZYGOTE=""))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(env, TF_CPP_MIN_LOG_LEVEL="2", KERAS_SYNC_TEST_ZYGOTE=""),
+    )
     watchdog = threading.Timer(600, proc.kill)
     watchdog.start()
     try:
@@ -180,19 +218,30 @@ def test_ctrl_c_during_the_exit_wait_leaves_the_points_in_the_spool(tmp_path):
     (line,) = [ln for ln in err if "not in MLflow yet" in ln]
     spools = [p for p in (tmp_path / ".keras_sync_spool").iterdir() if p.is_dir()]
     assert len(spools) == 1
-    assert f"They are kept in {spools[0]}: Ctrl-C leaves them there for `keras-sync sync-spool {spools[0]}`" in line
+    assert (
+        f"They are kept in {spools[0]}: Ctrl-C leaves them there for `keras-sync sync-spool {spools[0]}`"
+        in line
+    )
     assert f"Deliver them with: keras-sync sync-spool {spools[0]}" in text, text[-3000:]
     assert "Traceback" not in text, text[-3000:]
     from pathlib import Path
 
-    r = subprocess.run([str(Path(sys.executable).parent / "keras-sync"), "sync-spool", str(spools[0])], cwd=tmp_path,
-                       env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [str(Path(sys.executable).parent / "keras-sync"), "sync-spool", str(spools[0])],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     from mlflow import MlflowClient
 
     c = MlflowClient(uri)
     (run,) = c.search_runs([c.get_experiment_by_name("e").experiment_id])
-    assert sorted(m.step for m in c.get_metric_history(run.info.run_id, "sync/loss/replica_0")) == list(range(1, 17))
+    assert sorted(
+        m.step for m in c.get_metric_history(run.info.run_id, "sync/loss/replica_0")
+    ) == list(range(1, 17))
     assert run.info.status == "FINISHED"
 
 
@@ -202,8 +251,13 @@ THREE_FITS = os.path.join(os.path.dirname(__file__), "_three_fits.py")
 def _three_fits_config(uri: str) -> str:
     import json
 
-    return json.dumps({"strategy": {"kind": "default"}, "batch": {"global": 16},
-                       "mlflow": {"tracking_uri": uri, "experiment": "e", "log_every_n_steps": 1}})
+    return json.dumps(
+        {
+            "strategy": {"kind": "default"},
+            "batch": {"global": 16},
+            "mlflow": {"tracking_uri": uri, "experiment": "e", "log_every_n_steps": 1},
+        }
+    )
 
 
 def _the_run_holds_every_fit(uri: str, output: str) -> None:
@@ -222,7 +276,10 @@ def _the_run_holds_every_fit(uri: str, output: str) -> None:
     # Keras numbers the name of each new optimizer (sgd, sgd_1, ...): fit 2 changed nothing else,
     # and what did not change was not sent again.
     assert {k: v for k, v in params.items() if k.startswith("fit_")} == {
-        "fit_2.optimizer_name": "sgd_1", "fit_3.optimizer_name": "sgd_2", "fit_3.epochs": "2"}, params
+        "fit_2.optimizer_name": "sgd_1",
+        "fit_3.optimizer_name": "sgd_2",
+        "fit_3.epochs": "2",
+    }, params
     assert "refused param" not in output, output[-3000:]
 
 
@@ -230,10 +287,19 @@ def test_three_fits_of_new_models_in_one_process_each_reach_the_run(tmp_path):
     """The keras-io "distributed training" guide calls `run_training()` three times in one process,
     a new model each time: every fit's steps reach the job's run, continuing after the last fit's."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("TF_CONFIG", "MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID", "RAY_RAYLET_PID")}
-    r = subprocess.run([sys.executable, THREE_FITS, _three_fits_config(uri)], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=600)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TF_CONFIG", "MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID", "RAY_RAYLET_PID")
+    }
+    r = subprocess.run(
+        [sys.executable, THREE_FITS, _three_fits_config(uri)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0 and "FITS DONE" in r.stdout, r.stderr[-3000:]
     _the_run_holds_every_fit(uri, r.stdout + r.stderr)
 
@@ -249,12 +315,29 @@ def test_three_fits_under_two_workers_reach_the_job_run(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     cfg = json.loads(_three_fits_config(uri))
     cfg["strategy"] = {"kind": "multi_worker_mirrored", "connect_timeout_s": 60}
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("TF_CONFIG", "MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID", "RAY_RAYLET_PID")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TF_CONFIG", "MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID", "RAY_RAYLET_PID")
+    }
     keras_sync_cli = os.path.join(os.path.dirname(sys.executable), "keras-sync")
-    r = subprocess.run([keras_sync_cli, "launch", "--workers", "2", "--grace-period", "2", THREE_FITS,
-                        json.dumps(cfg)], cwd=tmp_path, env=dict(env, TF_CPP_MIN_LOG_LEVEL="2"),
-                       capture_output=True, text=True, timeout=800)
+    r = subprocess.run(
+        [
+            keras_sync_cli,
+            "launch",
+            "--workers",
+            "2",
+            "--grace-period",
+            "2",
+            THREE_FITS,
+            json.dumps(cfg),
+        ],
+        cwd=tmp_path,
+        env=dict(env, TF_CPP_MIN_LOG_LEVEL="2"),
+        capture_output=True,
+        text=True,
+        timeout=800,
+    )
     assert r.returncode == 0 and "[w0] FITS DONE" in r.stdout, r.stderr[-3000:]
     _the_run_holds_every_fit(uri, r.stdout + r.stderr)
 
@@ -268,10 +351,20 @@ def test_a_fit_resumed_from_its_backup_logs_at_the_steps_it_trains_again(tmp_pat
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     cfg = json.loads(_three_fits_config(uri))
     cfg["fault_tolerance"] = {"backup_dir": str(tmp_path / "backup"), "save_freq": 5}
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("TF_CONFIG", "MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID", "RAY_RAYLET_PID")}
-    crashed = subprocess.run([sys.executable, THREE_FITS, json.dumps(cfg), "--crash-at", "13"], cwd=tmp_path,
-                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=600)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TF_CONFIG", "MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID", "RAY_RAYLET_PID")
+    }
+    crashed = subprocess.run(
+        [sys.executable, THREE_FITS, json.dumps(cfg), "--crash-at", "13"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=600,
+    )
     assert crashed.returncode == 9, crashed.stderr[-3000:]
     from mlflow import MlflowClient
 
@@ -282,14 +375,24 @@ def test_a_fit_resumed_from_its_backup_logs_at_the_steps_it_trains_again(tmp_pat
         time.sleep(0.2)
     before = {m.step: m.value for m in c.get_metric_history(run.info.run_id, "loss")}
     assert sorted(before) == list(range(1, 30)), sorted(before)
-    resumed = subprocess.run([sys.executable, THREE_FITS, json.dumps(cfg), "--from-fit", "2"], cwd=tmp_path,
-                             env=env, capture_output=True, text=True, timeout=600)
+    resumed = subprocess.run(
+        [sys.executable, THREE_FITS, json.dumps(cfg), "--from-fit", "2"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert resumed.returncode == 0 and "FITS DONE" in resumed.stdout, resumed.stderr[-3000:]
-    assert "resumed from the backup" in resumed.stderr and "optimizer step 10" in resumed.stderr, resumed.stderr
+    assert "resumed from the backup" in resumed.stderr and "optimizer step 10" in resumed.stderr, (
+        resumed.stderr
+    )
     (run,) = c.search_runs([c.get_experiment_by_name("e").experiment_id])
     assert run.info.status == "FINISHED"
     after = {m.step: m.value for m in c.get_metric_history(run.info.run_id, "loss")}
     steps = [m.step for m in c.get_metric_history(run.info.run_id, "loss")]
     assert sorted(steps) == list(range(1, 65)), sorted(steps)
-    assert all(after[s] == before[s] for s in before)  # steps 27-29, trained again, hold the points they had
+    assert all(
+        after[s] == before[s] for s in before
+    )  # steps 27-29, trained again, hold the points they had
     assert "refused param" not in resumed.stderr, resumed.stderr[-3000:]

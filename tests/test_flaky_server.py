@@ -15,7 +15,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from _flaky_proxy import FlakyProxy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -24,7 +23,11 @@ DELAY_S = (0.5, 2.0)
 
 
 def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID")}
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TF_CONFIG", "MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID")
+    }
 
 
 def _steps(uri: str, run_id: str, key: str) -> list[int]:
@@ -55,7 +58,9 @@ def flaky(mlflow_server_control):
         p.close()
 
 
-def test_a_run_behind_a_server_failing_30_percent_has_every_step_and_is_finished(flaky, mlflow_server, tmp_path):
+def test_a_run_behind_a_server_failing_30_percent_has_every_step_and_is_finished(
+    flaky, mlflow_server, tmp_path
+):
     proxy = flaky(0.3, seed=42)
     exp = f"flaky-{uuid.uuid4().hex[:6]}"
     script = textwrap.dedent(f"""
@@ -69,8 +74,14 @@ def test_a_run_behind_a_server_failing_30_percent_has_every_step_and_is_finished
         x = np.random.default_rng(0).normal(size=(300 * 8, 4)).astype("float32")
         sync.fit(model, x, x[:, :1], epochs=1, verbose=0)
     """)
-    r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=dict(_env(), TF_CPP_MIN_LOG_LEVEL="2"),
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env=dict(_env(), TF_CPP_MIN_LOG_LEVEL="2"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     exited = time.monotonic()
     assert r.returncode == 0, r.stderr[-3000:]
     done = None
@@ -88,11 +99,15 @@ def test_a_run_behind_a_server_failing_30_percent_has_every_step_and_is_finished
     assert "unreachable" not in r.stderr
 
 
-def test_sync_spool_run_once_delivers_everything_through_40_percent_failures(flaky, mlflow_server, tmp_path):
+def test_sync_spool_run_once_delivers_everything_through_40_percent_failures(
+    flaky, mlflow_server, tmp_path
+):
     from keras_sync.tracking import MlflowWriter
 
     exp = f"flaky-spool-{uuid.uuid4().hex[:6]}"
-    w = MlflowWriter(tracking_uri="http://127.0.0.1:1", experiment=exp, job_id="flaky-j", spool_dir=tmp_path)
+    w = MlflowWriter(
+        tracking_uri="http://127.0.0.1:1", experiment=exp, job_id="flaky-j", spool_dir=tmp_path
+    )
     w.start()
     w.log_params({"lr": 0.1, "epochs": 3})
     w.log_text_artifact("a: 1\n", "config.yaml")
@@ -103,8 +118,14 @@ def test_sync_spool_run_once_delivers_everything_through_40_percent_failures(fla
         w.close(timeout_s=30)
     proxy = flaky(0.4, seed=7)
     keras_sync_cli = str(Path(sys.executable).with_name("keras-sync"))
-    r = subprocess.run([keras_sync_cli, "sync-spool", str(w.spool_path), "--tracking-uri", proxy.uri],
-                       capture_output=True, text=True, cwd=tmp_path, env=_env(), timeout=600)
+    r = subprocess.run(
+        [keras_sync_cli, "sync-spool", str(w.spool_path), "--tracking-uri", proxy.uri],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=_env(),
+        timeout=600,
+    )
     print(f"proxy answered {dict(proxy.outcomes)}; stdout:\n{r.stdout}\nstderr:\n{r.stderr}")
     assert r.returncode == 0, r.stderr
     assert "sent 1200 metric point(s)" in r.stdout

@@ -13,13 +13,20 @@ def loaded_after(code: str) -> list[str]:
         f"{code}\nimport sys\n"
         f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {set(HEAVY)!r}))"
     )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
+    )
     return eval(out.stdout.strip().splitlines()[-1])
 
 
 def test_import_keras_sync_loads_no_tensorflow_keras_mlflow():
-    assert loaded_after("import keras_sync; keras_sync.load_config({}); keras_sync.scale_learning_rate("
-                        "0.1, global_batch_size=64, base_batch_size=32, rule='linear')") == []
+    assert (
+        loaded_after(
+            "import keras_sync; keras_sync.load_config({}); keras_sync.scale_learning_rate("
+            "0.1, global_batch_size=64, base_batch_size=32, rule='linear')"
+        )
+        == []
+    )
 
 
 def test_the_probe_can_fail():
@@ -33,15 +40,43 @@ def test_public_api_is_listed():
     for name in keras_sync.__all__:
         if name != "GradualWarmup":
             assert hasattr(keras_sync, name), name
-    assert {"load", "Sync", "scale_learning_rate", "ConfigError", "KerasSyncError"} <= set(keras_sync.__all__)
+    assert {"load", "Sync", "scale_learning_rate", "ConfigError", "KerasSyncError"} <= set(
+        keras_sync.__all__
+    )
 
 
 PUBLIC_API = [
-    "AllReduceProbe", "BackupAndRestore", "ClusterError", "CompatibilityError", "Config", "ConfigError",
-    "ConnectTimeoutError", "FitParams", "GradualWarmup", "KerasSyncError", "ModelLogging", "PeerLostError",
-    "RunContext", "RunParams", "ScalingError", "SharedState", "StrategyError", "Sync", "SyncMetrics", "SyncReport",
-    "SystemMetrics", "TrackingError", "UsageError", "WeightDivergence", "__version__", "global_batch_size", "load",
-    "load_config", "per_replica_batch_size", "scale_learning_rate", "warmup_learning_rate",
+    "AllReduceProbe",
+    "BackupAndRestore",
+    "ClusterError",
+    "CompatibilityError",
+    "Config",
+    "ConfigError",
+    "ConnectTimeoutError",
+    "FitParams",
+    "GradualWarmup",
+    "KerasSyncError",
+    "ModelLogging",
+    "PeerLostError",
+    "RunContext",
+    "RunParams",
+    "ScalingError",
+    "SharedState",
+    "StrategyError",
+    "Sync",
+    "SyncMetrics",
+    "SyncReport",
+    "SystemMetrics",
+    "TrackingError",
+    "UsageError",
+    "WeightDivergence",
+    "__version__",
+    "global_batch_size",
+    "load",
+    "load_config",
+    "per_replica_batch_size",
+    "scale_learning_rate",
+    "warmup_learning_rate",
 ]
 
 
@@ -56,5 +91,7 @@ def test_public_api_is_pinned():
 def test_the_writer_protocol_keeps_its_documented_path():
     # README's API table names keras_sync.tracking.Writer and keras_sync.tracking.MlflowWriter.
     code = "from keras_sync.tracking import MlflowWriter, Writer; print(MlflowWriter.__module__)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
     assert out.stdout.strip() == "keras_sync.tracking"

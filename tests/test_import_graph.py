@@ -108,8 +108,12 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_two_modules_import_each_other_in_a_circle() -> None:
     graph = import_graph(PACKAGE)
-    shown = [" <-> ".join(g) + ": " + "; ".join(f"{a} -> {', '.join(sorted(graph[a] & set(g)))}" for a in g)
-             for g in circles(graph)]
+    shown = [
+        " <-> ".join(g)
+        + ": "
+        + "; ".join(f"{a} -> {', '.join(sorted(graph[a] & set(g)))}" for a in g)
+        for g in circles(graph)
+    ]
     assert shown == []
 
 
@@ -119,8 +123,12 @@ def test_the_circle_check_finds_a_circle(tmp_path: Path) -> None:
     (pkg / "__init__.py").write_text("")
     (pkg / "sub" / "__init__.py").write_text("")
     (pkg / "a.py").write_text("from pkg.sub import b\n")
-    (pkg / "sub" / "b.py").write_text("def f():\n    from ..a import g\n")  # a deferred import still closes it
-    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import a\n")
+    (pkg / "sub" / "b.py").write_text(
+        "def f():\n    from ..a import g\n"
+    )  # a deferred import still closes it
+    (pkg / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import a\n"
+    )
     (pkg / "d.py").write_text("import pkg.c\nif __name__ == '__main__':\n    import pkg.d\n")
     graph = import_graph(pkg)
     assert graph["pkg.a"] == {"pkg.sub.b"} and graph["pkg.sub.b"] == {"pkg.a"}
@@ -133,16 +141,16 @@ def test_the_circle_check_finds_a_circle(tmp_path: Path) -> None:
 #: data flows YAML -> config -> strategy/cluster -> training -> callbacks -> tracking, and `Sync`
 #: (session) puts them together. "" is the package itself (`keras_sync/__init__.py`, the public API).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors",),                            # the one base class of every error
-    ("upstream", "measures"),               # Keras/TF internals behind probes; the pure maths of the metrics
-    ("cluster",),                           # where this process sits, its peers, preemption
-    ("config",),                            # YAML -> frozen Config; every value a user may write
-    ("strategy", "tracking"),               # the factory; the writer, the spool protocol and its delivery
-    ("training",),                          # what Sync.fit runs on
-    ("callbacks",),                         # the public Keras callbacks
-    ("session", "launch"),                  # Sync and load(); `python -m keras_sync.launch`
-    ("cli",),                               # the command line
-    ("", "__main__"),                       # the public API; `python -m keras_sync` (the command line)
+    ("errors",),  # the one base class of every error
+    ("upstream", "measures"),  # Keras/TF internals behind probes; the pure maths of the metrics
+    ("cluster",),  # where this process sits, its peers, preemption
+    ("config",),  # YAML -> frozen Config; every value a user may write
+    ("strategy", "tracking"),  # the factory; the writer, the spool protocol and its delivery
+    ("training",),  # what Sync.fit runs on
+    ("callbacks",),  # the public Keras callbacks
+    ("session", "launch"),  # Sync and load(); `python -m keras_sync.launch`
+    ("cli",),  # the command line
+    ("", "__main__"),  # the public API; `python -m keras_sync` (the command line)
 )
 
 
@@ -163,9 +171,13 @@ def layer_breaches(graph: dict[str, set[str]], layers=LAYERS) -> list[str]:
         for b in sorted(graph[a]):
             pa, pb = part_of(a), part_of(b)
             if pa not in rank or pb not in rank:
-                found.append(f"{a} -> {b}: a part missing from LAYERS ({pa if pa not in rank else pb!r})")
+                found.append(
+                    f"{a} -> {b}: a part missing from LAYERS ({pa if pa not in rank else pb!r})"
+                )
             elif pa != pb and rank[pb] >= rank[pa]:
-                found.append(f"{a} -> {b} ({pa or 'keras_sync'}, row {rank[pa]} -> {pb or 'keras_sync'}, row {rank[pb]})")
+                found.append(
+                    f"{a} -> {b} ({pa or 'keras_sync'}, row {rank[pa]} -> {pb or 'keras_sync'}, row {rank[pb]})"
+                )
     return found
 
 
@@ -180,8 +192,12 @@ def test_every_part_is_in_the_layers() -> None:
 
 def test_a_private_module_is_imported_only_inside_its_part() -> None:
     graph = import_graph(PACKAGE)
-    outside = [f"{a} -> {b}" for a in sorted(graph) for b in sorted(graph[a])
-               if b.rpartition(".")[2].startswith("_") and part_of(a) != part_of(b)]
+    outside = [
+        f"{a} -> {b}"
+        for a in sorted(graph)
+        for b in sorted(graph[a])
+        if b.rpartition(".")[2].startswith("_") and part_of(a) != part_of(b)
+    ]
     assert outside == []
 
 
@@ -192,12 +208,16 @@ def test_the_layer_check_finds_an_import_upwards(tmp_path: Path) -> None:
         (pkg / sub / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text("__version__ = '1'\n")
     (pkg / "high" / "a.py").write_text("from pkg.low import b\n")
-    (pkg / "low" / "b.py").write_text("from pkg import __version__\ndef f():\n    from pkg.high.a import g\n")
+    (pkg / "low" / "b.py").write_text(
+        "from pkg import __version__\ndef f():\n    from pkg.high.a import g\n"
+    )
     (pkg / "low" / "c.py").write_text("from pkg.low import b\n")  # its own part: allowed
     layers = (("low",), ("high",), ("",))
     graph = import_graph(pkg, skip_names={"__version__"})
     assert layer_breaches(graph, layers) == ["pkg.low.b -> pkg.high.a (low, row 0 -> high, row 1)"]
-    assert "pkg" in import_graph(pkg)["pkg.low.b"]  # without skip_names the version import is an edge
+    assert (
+        "pkg" in import_graph(pkg)["pkg.low.b"]
+    )  # without skip_names the version import is an edge
 
 
 def test_every_module_imports() -> None:

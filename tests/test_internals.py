@@ -6,22 +6,28 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-
 from pathlib import Path
 
 import pytest
 
-from keras_sync.upstream import internals as _internals
 from keras_sync.errors import CompatibilityError, KerasSyncError
+from keras_sync.upstream import internals as _internals
 
 
 @pytest.mark.compat
 def test_every_required_probe_holds_on_the_installed_stack():
     results = {i.name: (i.fallback, _internals.check(i)) for i in _internals.REGISTRY}
-    print({name: missing for name, (_, missing) in results.items() if missing})  # fallbacks taken here
-    expected = {i.name for i in _internals.REGISTRY if _internals.predates(i)}  # newer than this stack
-    failed = {name: missing for name, (fallback, missing) in results.items()
-              if missing and not fallback and name not in expected}
+    print(
+        {name: missing for name, (_, missing) in results.items() if missing}
+    )  # fallbacks taken here
+    expected = {
+        i.name for i in _internals.REGISTRY if _internals.predates(i)
+    }  # newer than this stack
+    failed = {
+        name: missing
+        for name, (fallback, missing) in results.items()
+        if missing and not fallback and name not in expected
+    }
     assert not failed, failed
 
 
@@ -33,20 +39,27 @@ def test_the_end_of_data_fix_applies_to_the_installed_keras():
 
     assert _internals.available(_internals.END_OF_DATA)
     assert _keras_compat.apply_end_of_data_fix() is True
-    assert _keras_compat.apply_end_of_data_fix() is True  # once; the probe reads Keras's code through the wrapper
+    assert (
+        _keras_compat.apply_end_of_data_fix() is True
+    )  # once; the probe reads Keras's code through the wrapper
     assert _internals.available(_internals.END_OF_DATA)
 
 
-def test_an_internal_newer_than_the_installed_library_refuses_its_feature_with_the_floor(monkeypatch):
+def test_an_internal_newer_than_the_installed_library_refuses_its_feature_with_the_floor(
+    monkeypatch,
+):
     import dataclasses
 
     import keras
-
     import tensorflow as tf
 
     keras_internal = next(i for i in _internals.REGISTRY if i.name.startswith("keras."))
-    newer = dataclasses.replace(keras_internal, feature="multi_worker_steps_per_execution", since="99.1",
-                                probe=lambda: "TensorFlowTrainer has no attribute 'x'")
+    newer = dataclasses.replace(
+        keras_internal,
+        feature="multi_worker_steps_per_execution",
+        since="99.1",
+        probe=lambda: "TensorFlowTrainer has no attribute 'x'",
+    )
     monkeypatch.setattr(_internals, "REGISTRY", [newer])
     assert _internals.predates(newer)
     with pytest.raises(CompatibilityError) as e:
@@ -54,7 +67,8 @@ def test_an_internal_newer_than_the_installed_library_refuses_its_feature_with_t
     assert str(e.value) == (
         f"steps_per_execution > 1 under multi-worker multi_worker_mirrored needs Keras >= 99.1 (found Keras "
         f"{keras.__version__}, TensorFlow {tf.__version__}: TensorFlowTrainer has no attribute 'x'; keras-sync needs "
-        f"it for {newer.why}). Fix: pip install \"keras>=99.1,<3.16\", or set runtime.steps_per_execution: 1.")
+        f'it for {newer.why}). Fix: pip install "keras>=99.1,<3.16", or set runtime.steps_per_execution: 1.'
+    )
 
 
 def test_every_feature_has_internals_and_every_internal_a_feature():
@@ -63,7 +77,9 @@ def test_every_feature_has_internals_and_every_internal_a_feature():
     assert {i.name.split(".")[0] for i in _internals.REGISTRY} <= set(_internals.PIN)
     for feature in _internals.FEATURES:
         found = _internals.missing(feature)
-        if found is not None and _internals.predates(found[0]):  # a feature of a newer Keras than this one
+        if found is not None and _internals.predates(
+            found[0]
+        ):  # a feature of a newer Keras than this one
             with pytest.raises(CompatibilityError, match=f"needs Keras >= {found[0].since} "):
                 _internals.require(feature)
         else:
@@ -75,7 +91,9 @@ def test_a_probe_can_fail():
     assert "takes" in _internals.callable_with("json:dumps", "not_obj")()
     assert "no longer uses" in _internals.looks_up("json:dumps", "no_such_name")()
     assert "has no" in _internals.has_attrs("json", "no_such_attr")()
-    gone = _internals.Internal("json:nope", "exact_resume", "test", _internals.has_attrs("json:nope"))
+    gone = _internals.Internal(
+        "json:nope", "exact_resume", "test", _internals.has_attrs("json:nope")
+    )
     assert _internals.check(gone).startswith("`json:nope` is gone (AttributeError")
 
 
@@ -85,10 +103,9 @@ def _one_line(message: str) -> str:
 
 
 def test_moved_keras_internal_refuses_multi_worker_fit_in_one_line(monkeypatch):
-    from keras.src.backend.tensorflow import trainer
-
     import keras
     import tensorflow as tf
+    from keras.src.backend.tensorflow import trainer
 
     monkeypatch.delattr(trainer, "reduce_per_replica")
     with pytest.raises(CompatibilityError) as info:
@@ -100,17 +117,23 @@ def test_moved_keras_internal_refuses_multi_worker_fit_in_one_line(monkeypatch):
         "(AttributeError: module 'keras.src.backend.tensorflow.trainer' has no attribute 'reduce_per_replica') "
         "(keras-sync needs it for keras-team/keras#20585 (Keras 3 fit under MultiWorkerMirroredStrategy)). "
         "keras-sync is tested with Keras 3.10-3.15, TensorFlow 2.17-2.21, MLflow 2.22-3.17. Fix: pip install "
-        "\"keras>=3.10,<3.16\", or train on one worker (strategy.kind: mirrored)."
+        '"keras>=3.10,<3.16", or train on one worker (strategy.kind: mirrored).'
     )
 
 
 def test_changed_signature_is_named(monkeypatch):
     from keras.src.backend.tensorflow import trainer
 
-    monkeypatch.setattr(trainer.TensorFlowTrainer, "_maybe_symbolic_build", lambda self, data_batch=None: None)
-    with pytest.raises(CompatibilityError, match=re.escape(
+    monkeypatch.setattr(
+        trainer.TensorFlowTrainer, "_maybe_symbolic_build", lambda self, data_batch=None: None
+    )
+    with pytest.raises(
+        CompatibilityError,
+        match=re.escape(
             "`keras.src.backend.tensorflow.trainer:TensorFlowTrainer._maybe_symbolic_build` takes "
-            "['self', 'data_batch'], not ['self', 'iterator', 'data_batch']")):
+            "['self', 'data_batch'], not ['self', 'iterator', 'data_batch']"
+        ),
+    ):
         _internals.require("multi_worker_fit")
 
 
@@ -121,9 +144,12 @@ def test_fit_that_no_longer_uses_the_swapped_iterator_refuses_exact_resume(monke
         return None
 
     monkeypatch.setattr(trainer.TensorFlowTrainer, "fit", fit)
-    with pytest.raises(CompatibilityError, match=r"^exact mid-epoch resume \(fault_tolerance.backup_dir\) cannot .*"
-                       r"`keras.src.backend.tensorflow.trainer:TensorFlowTrainer.fit` no longer uses "
-                       r"\['TFEpochIterator'\].* or remove fault_tolerance.backup_dir\.$"):
+    with pytest.raises(
+        CompatibilityError,
+        match=r"^exact mid-epoch resume \(fault_tolerance.backup_dir\) cannot .*"
+        r"`keras.src.backend.tensorflow.trainer:TensorFlowTrainer.fit` no longer uses "
+        r"\['TFEpochIterator'\].* or remove fault_tolerance.backup_dir\.$",
+    ):
         _internals.require("exact_resume")
 
 
@@ -137,8 +163,10 @@ def test_moved_fallback_internal_refuses_nothing(monkeypatch):
 
 
 def test_registry_imports_nothing_heavy():
-    code = ("import sys, keras_sync.upstream.internals; "
-            "heavy = [m for m in ('tensorflow', 'keras', 'mlflow') if m in sys.modules]; assert not heavy, heavy")
+    code = (
+        "import sys, keras_sync.upstream.internals; "
+        "heavy = [m for m in ('tensorflow', 'keras', 'mlflow') if m in sys.modules]; assert not heavy, heavy"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
@@ -160,7 +188,10 @@ def test_the_ranges_cap_at_the_next_major_version_unless_a_break_is_written_besi
             cap = re.search(r"<([0-9.]+)", line).group(1)
             assert cap.isdigit() or "break" in line, line  # "<4", or "<3.18  # break: ..."
     for library, (_, newest, ceiling) in _internals.RANGES.items():
-        assert ceiling.isdigit() and int(ceiling) == int(newest.split(".")[0]) + 1, (library, ceiling)
+        assert ceiling.isdigit() and int(ceiling) == int(newest.split(".")[0]) + 1, (
+            library,
+            ceiling,
+        )
     # The refusals' fix still pins the newest tested release, not the open range.
     assert _internals.PIN["keras"] == 'pip install "keras>=3.10,<3.16"'
 
@@ -171,12 +202,17 @@ def test_the_newest_ci_lane_installs_unpinned_releases_and_records_them():
     newest = re.search(r"compat_lane install newest [^\n]*\\\n([^>]*)>", run).group(1).split()
     assert newest == ["tensorflow", "keras", "mlflow"], newest
     lane = (root / ".ci" / "compat_lane").read_text()
-    assert 'say "installed in' in lane and "$(stack" in lane  # the log line names the versions it got
+    assert (
+        'say "installed in' in lane and "$(stack" in lane
+    )  # the log line names the versions it got
 
 
 # Private names of the standard library, documented there: not a Keras/TF/MLflow internal.
-_STDLIB_PRIVATE = {"_exit": "os._exit", "_getframe": "sys._getframe",
-                   "_run_exitfuncs": "atexit._run_exitfuncs (run the exit handlers before os._exit)"}
+_STDLIB_PRIVATE = {
+    "_exit": "os._exit",
+    "_getframe": "sys._getframe",
+    "_run_exitfuncs": "atexit._run_exitfuncs (run the exit handlers before os._exit)",
+}
 
 
 def _private_uses(package: Path) -> dict[str, list[str]]:
@@ -202,8 +238,12 @@ def _private_uses(package: Path) -> dict[str, list[str]]:
                 pass
             elif isinstance(node, ast.alias):
                 own.add((node.asname or node.name).split(".")[-1])
-            elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
-                  and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            elif (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in ("self", "cls")
+            ):
                 own.add(node.attr)
         for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
             for node in cls.body:
@@ -214,16 +254,26 @@ def _private_uses(package: Path) -> dict[str, list[str]]:
     for path, tree in trees.items():
         for node in ast.walk(tree):
             name = None
-            if isinstance(node, ast.Attribute) and private(node.attr) and not (
-                    isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            if (
+                isinstance(node, ast.Attribute)
+                and private(node.attr)
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+            ):
                 name = node.attr
-            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                  and node.func.id in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) > 1
-                  and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
-                  and private(node.args[1].value)):
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr", "setattr", "delattr")
+                and len(node.args) > 1
+                and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str)
+                and private(node.args[1].value)
+            ):
                 name = node.args[1].value
             if name is not None and name not in own:
-                uses.setdefault(name, []).append(f"{path.relative_to(package.parent)}:{node.lineno}")
+                uses.setdefault(name, []).append(
+                    f"{path.relative_to(package.parent)}:{node.lineno}"
+                )
     return uses
 
 
@@ -236,12 +286,20 @@ def test_every_private_attribute_the_package_uses_is_listed_with_a_probe():
     uses = _private_uses(package)
     assert "_initial_epoch" in uses and "_distribute_strategy" in uses  # the scan finds real uses
     listed = {a for i in _internals.REGISTRY for a in i.attrs}
-    unlisted = {name: where for name, where in uses.items() if name not in listed and name not in _STDLIB_PRIVATE}
-    assert not unlisted, f"private attributes used but not in keras_sync/upstream/internals.py REGISTRY attrs: {unlisted}"
+    unlisted = {
+        name: where
+        for name, where in uses.items()
+        if name not in listed and name not in _STDLIB_PRIVATE
+    }
+    assert not unlisted, (
+        f"private attributes used but not in keras_sync/upstream/internals.py REGISTRY attrs: {unlisted}"
+    )
 
 
 def test_the_private_attribute_scan_can_fail(tmp_path):
     pkg = tmp_path / "pkg"
     pkg.mkdir()
-    (pkg / "mod.py").write_text("def f(model):\n    return model._made_up_private + getattr(model, '_another')\n")
+    (pkg / "mod.py").write_text(
+        "def f(model):\n    return model._made_up_private + getattr(model, '_another')\n"
+    )
     assert set(_private_uses(pkg)) == {"_made_up_private", "_another"}

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from keras_sync.upstream import keras_fixes as _keras_compat
-from keras_sync.errors import UsageError
-
 from _ports import free_ports
 
-pytestmark = pytest.mark.slow  # starts TensorFlow processes; the fast lane is `pytest -m "not slow"`
+from keras_sync.upstream import keras_fixes as _keras_compat
+
+pytestmark = (
+    pytest.mark.slow
+)  # starts TensorFlow processes; the fast lane is `pytest -m "not slow"`
 
 WORKER = Path(__file__).with_name("_mw_worker.py")
 TOLERANCE = 1e-5
@@ -45,10 +45,19 @@ class Runs:
         self.ended: dict[str, float] = {}
         self.ended_wall: dict[str, float] = {}
 
-    def start(self, name: str, scenario: str, *, cpus: int = 1, tf_config: dict | None = None,
-              late_tf_config: dict | None = None) -> None:
+    def start(
+        self,
+        name: str,
+        scenario: str,
+        *,
+        cpus: int = 1,
+        tf_config: dict | None = None,
+        late_tf_config: dict | None = None,
+    ) -> None:
         env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
-        env["TF_CPP_MIN_LOG_LEVEL"] = "2"  # what the worker sets first; given here, the suite's zygote can start it
+        env["TF_CPP_MIN_LOG_LEVEL"] = (
+            "2"  # what the worker sets first; given here, the suite's zygote can start it
+        )
         if tf_config is not None:
             env["TF_CONFIG"] = json.dumps(tf_config)
             self.configs[name] = tf_config
@@ -106,19 +115,31 @@ def runs(tmp_path_factory):
     for i in range(2):
         # Task i waits for the other task, which never starts (its port is unused).
         addrs = [f"127.0.0.1:{p}" for p in free_ports(2)]
-        r.start(f"timeout{i}", "timeout", tf_config={"cluster": {"worker": addrs}, "task": {"type": "worker", "index": i}})
+        r.start(
+            f"timeout{i}",
+            "timeout",
+            tf_config={"cluster": {"worker": addrs}, "task": {"type": "worker", "index": i}},
+        )
     # The one-process reference; after its fit (TensorFlow initialised) it builds the multi-worker
     # strategy too late, with this TF_CONFIG.
     addrs = [f"127.0.0.1:{p}" for p in free_ports(2)]
-    r.start("reference", "reference",
-            late_tf_config={"cluster": {"worker": addrs}, "task": {"type": "worker", "index": 0}})
+    r.start(
+        "reference",
+        "reference",
+        late_tf_config={"cluster": {"worker": addrs}, "task": {"type": "worker", "index": 0}},
+    )
     r.start_cluster("two", "unfixed_then_fixed")
     r.start("single", "single", cpus=2)
     r.start_cluster("four", "fixed", cpus=2)
     r.start_cluster("load", "load")
     yield r
     r.stop()
-    print({name: round(r.ended.get(name, float("nan")) - start, 1) for name, (_, start) in r.procs.items()})
+    print(
+        {
+            name: round(r.ended.get(name, float("nan")) - start, 1)
+            for name, (_, start) in r.procs.items()
+        }
+    )
 
 
 def _max_diff(a: list, b: list) -> float:
@@ -185,7 +206,9 @@ def test_bad_builder_arguments_name_argument_value_and_allowed_values(runs):
     )
     assert mixed.startswith("StrategyError: Invalid value for argument `local_devices`.")
     assert "mixes ['CPU', 'GPU']" in mixed
-    assert garbage.startswith("StrategyError: Invalid device name in argument `local_devices`. Received: 'banana'.")
+    assert garbage.startswith(
+        "StrategyError: Invalid device name in argument `local_devices`. Received: 'banana'."
+    )
 
 
 @pytest.mark.timeout(WAIT_S)
@@ -195,12 +218,16 @@ def test_steps_per_execution_2_trains_like_1_on_real_multi_worker_models(runs):
     for name in ("two0", "two1", "four0", "four1"):
         res = runs.result(name)
         assert res["spe_fixed"] is True
-        assert _max_diff(res["spe_weights"], res["weights"]) <= TOLERANCE, name  # == steps_per_execution 1
+        assert _max_diff(res["spe_weights"], res["weights"]) <= TOLERANCE, (
+            name
+        )  # == steps_per_execution 1
         assert _max_diff(res["spe_weights"], ref["weights"]) <= TOLERANCE, name  # == one process
         np.testing.assert_allclose(res["spe_loss"], ref["loss"], rtol=1e-5)
     # The upstream failure the fix works around is still there (this fails once Keras fixes it:
     # then fix 3 can go).
-    assert "You must feed a value for placeholder tensor" in (runs.result("two0")["spe_upstream_error"] or "")
+    assert "You must feed a value for placeholder tensor" in (
+        runs.result("two0")["spe_upstream_error"] or ""
+    )
 
 
 @pytest.mark.timeout(120)
@@ -236,7 +263,9 @@ def test_steps_per_execution_is_accepted_outside_multi_worker():
     _keras_compat.check_steps_per_execution(types.SimpleNamespace(steps_per_execution=1), object())
 
 
-def test_steps_per_execution_under_multi_worker_is_refused_in_one_line_when_the_fix_cannot_apply(monkeypatch):
+def test_steps_per_execution_under_multi_worker_is_refused_in_one_line_when_the_fix_cannot_apply(
+    monkeypatch,
+):
     import keras
     import tensorflow as tf
     from keras.src.backend.tensorflow import trainer
@@ -244,10 +273,14 @@ def test_steps_per_execution_under_multi_worker_is_refused_in_one_line_when_the_
     from keras_sync.errors import CompatibilityError
 
     monkeypatch.setattr(_keras_compat, "_is_multi_worker", lambda strategy: True)
-    monkeypatch.delattr(trainer.TensorFlowTrainer, "_autoconvert_optionals")  # a Keras that moved fix 3's hook
+    monkeypatch.delattr(
+        trainer.TensorFlowTrainer, "_autoconvert_optionals"
+    )  # a Keras that moved fix 3's hook
     _keras_compat.check_steps_per_execution(types.SimpleNamespace(steps_per_execution=1), object())
     with pytest.raises(CompatibilityError) as info:
-        _keras_compat.check_steps_per_execution(types.SimpleNamespace(steps_per_execution=4), object())
+        _keras_compat.check_steps_per_execution(
+            types.SimpleNamespace(steps_per_execution=4), object()
+        )
     assert str(info.value) == (
         f"steps_per_execution > 1 under multi-worker multi_worker_mirrored cannot work with Keras "
         f"{keras.__version__}, TensorFlow {tf.__version__}: `keras.src.backend.tensorflow.trainer:"
@@ -255,11 +288,13 @@ def test_steps_per_execution_under_multi_worker_is_refused_in_one_line_when_the_
         "attribute '_autoconvert_optionals') (keras-sync needs it for keras-team/keras#19246 (steps_per_execution "
         "> 1 under MultiWorkerMirroredStrategy): the hook that receives the one-step tf.function, replaced by its "
         "Python function). keras-sync is tested with Keras 3.10-3.15, TensorFlow 2.17-2.21, MLflow 2.22-3.17. "
-        "Fix: pip install \"keras>=3.10,<3.16\", or set runtime.steps_per_execution: 1."
+        'Fix: pip install "keras>=3.10,<3.16", or set runtime.steps_per_execution: 1.'
     )
 
 
-def test_multi_step_fix_is_left_out_but_multi_worker_fit_still_fixed_when_only_its_loop_moved(monkeypatch):
+def test_multi_step_fix_is_left_out_but_multi_worker_fit_still_fixed_when_only_its_loop_moved(
+    monkeypatch,
+):
     from keras.src.backend.tensorflow import trainer
 
     # Unpatched stand-ins (monkeypatch restores Keras's own afterwards), and a Keras whose multi-step
@@ -276,13 +311,16 @@ def test_multi_step_fix_is_left_out_but_multi_worker_fit_still_fixed_when_only_i
     monkeypatch.setattr(trainer, "reduce_per_replica", reduce_per_replica)
     monkeypatch.setattr(trainer.TensorFlowTrainer, "_maybe_symbolic_build", _maybe_symbolic_build)
     monkeypatch.setattr(trainer.TensorFlowTrainer, "_autoconvert_optionals", _autoconvert_optionals)
+
     def _make_function(self, step_function):  # still reduces through the module global, no hook
         return trainer.reduce_per_replica(step_function, None, "auto")
 
     monkeypatch.setattr(trainer.TensorFlowTrainer, "_make_function", _make_function)
     assert _keras_compat.apply_multi_worker_fixes() is True
     assert getattr(trainer.reduce_per_replica, _keras_compat._PATCH_MARK, False)  # fixes 1 and 2
-    assert trainer.TensorFlowTrainer._autoconvert_optionals is _autoconvert_optionals  # fix 3 left out
+    assert (
+        trainer.TensorFlowTrainer._autoconvert_optionals is _autoconvert_optionals
+    )  # fix 3 left out
 
 
 def test_fixes_refuse_in_one_line_when_a_patched_internal_moved(monkeypatch):
@@ -292,10 +330,15 @@ def test_fixes_refuse_in_one_line_when_a_patched_internal_moved(monkeypatch):
     from keras_sync.errors import CompatibilityError
 
     monkeypatch.delattr(trainer.TensorFlowTrainer, "_maybe_symbolic_build")
-    with pytest.raises(CompatibilityError, match=r"^`fit` under multi-worker multi_worker_mirrored cannot work with Keras .*"
-                       r"TensorFlowTrainer._maybe_symbolic_build` is gone .*Fix: pip install .*\.$"):
+    with pytest.raises(
+        CompatibilityError,
+        match=r"^`fit` under multi-worker multi_worker_mirrored cannot work with Keras .*"
+        r"TensorFlowTrainer._maybe_symbolic_build` is gone .*Fix: pip install .*\.$",
+    ):
         _keras_compat.apply_multi_worker_fixes()
-    assert not getattr(trainer.reduce_per_replica, _keras_compat._PATCH_MARK, False)  # nothing was patched
+    assert not getattr(
+        trainer.reduce_per_replica, _keras_compat._PATCH_MARK, False
+    )  # nothing was patched
 
 
 def test_modules_import_no_tensorflow():
@@ -305,7 +348,6 @@ def test_modules_import_no_tensorflow():
         "assert not heavy, heavy"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
-
 
 
 _MANY_EVALUATES = """
@@ -338,9 +380,14 @@ def test_fits_and_evaluates_under_a_strategy_survive_a_busy_machine(tmp_path):
     from _busy import busy_loops
 
     with busy_loops(2):
-        r = subprocess.run([sys.executable, "-c", _MANY_EVALUATES], cwd=tmp_path,
-                           env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), capture_output=True, text=True,
-                           timeout=840)
+        r = subprocess.run(
+            [sys.executable, "-c", _MANY_EVALUATES],
+            cwd=tmp_path,
+            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+            capture_output=True,
+            text=True,
+            timeout=840,
+        )
     assert r.returncode == 0, f"exit {r.returncode}:\n{r.stderr[-3000:]}"
     assert r.stdout.split() == ["done"]
 
@@ -352,14 +399,27 @@ def test_no_thread_starts_at_interpreter_exit_while_dropped_iterators_are_still_
     # keras-sync-iterator-watch: ... RuntimeError: can't create new thread at interpreter
     # shutdown", a traceback at every exit of the quickstart). Before the fix the releaser started
     # one thread per iterator it still held at exit (11 "thread started at exit" lines on 3.11).
-    r = subprocess.run([sys.executable, str(Path(__file__).with_name("_exit_threads_train.py"))],
-                       env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), capture_output=True, text=True, timeout=540)
+    r = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("_exit_threads_train.py"))],
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     # TensorFlow's own C++ log lines (absl's "E0000 00:00:..." prefix: the standard build's "failed call to cuInit"
     # on a machine without a GPU, in the newest lane) are not keras-sync's.
-    lines = [line for line in r.stderr.splitlines()
-             if not line.startswith("WARNING:") and not re.match(r"[IWEF]\d{4} \d\d:\d\d:", line)]
+    lines = [
+        line
+        for line in r.stderr.splitlines()
+        if not line.startswith("WARNING:") and not re.match(r"[IWEF]\d{4} \d\d:\d\d:", line)
+    ]
     assert r.returncode == 0, f"exit {r.returncode}:\n{r.stderr[-3000:]}"
-    assert "thread started at exit" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
-    assert lines[0].startswith("keras-sync: config: a dict passed to keras_sync.load() (no file); starting TensorFlow"), \
+    assert "thread started at exit" not in r.stderr and "Traceback" not in r.stderr, r.stderr[
+        -3000:
+    ]
+    assert lines[0].startswith(
+        "keras-sync: config: a dict passed to keras_sync.load() (no file); starting TensorFlow"
+    ), r.stderr[-3000:]
+    assert len(lines) == 2 and re.fullmatch(r"fit returned; [1-9]\d* iterators kept", lines[1]), (
         r.stderr[-3000:]
-    assert len(lines) == 2 and re.fullmatch(r"fit returned; [1-9]\d* iterators kept", lines[1]), r.stderr[-3000:]
+    )

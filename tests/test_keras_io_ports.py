@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # starts a TensorFlow process; the fast lane is `pytest -m "not slow"`
+pytestmark = (
+    pytest.mark.slow
+)  # starts a TensorFlow process; the fast lane is `pytest -m "not slow"`
 
 HERE = Path(__file__).parent
 GUIDE_FOLLOWS = "keras-io scenarios: the guide's model follows"
@@ -30,8 +32,14 @@ def run(tmp_path_factory):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     for var in ("TF_CONFIG", "KERAS_SYNC_CONFIG", "MLFLOW_TRACKING_URI", "KERAS_SYNC_TRACEBACK"):
         env.pop(var, None)
-    proc = subprocess.run([sys.executable, str(HERE / "_keras_io_scenarios.py"), str(out / "out.json")], cwd=out,
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "_keras_io_scenarios.py"), str(out / "out.json")],
+        cwd=out,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     return collect(out / "out.json", proc.returncode, proc.stdout, proc.stderr)
 
 
@@ -40,8 +48,12 @@ def collect(path, returncode, stdout, stderr):
     assert path.exists(), f"the scenarios wrote no results (exit {returncode}):\n{stderr[-4000:]}"
     cases = json.loads(path.read_text())
     assert GUIDE_FOLLOWS in stderr, stderr[-4000:]
-    return {"cases": cases, "returncode": returncode, "stdout": stdout,
-            "guide": stderr.split(GUIDE_FOLLOWS, 1)[1].strip()}
+    return {
+        "cases": cases,
+        "returncode": returncode,
+        "stdout": stdout,
+        "guide": stderr.split(GUIDE_FOLLOWS, 1)[1].strip(),
+    }
 
 
 def case(run, name):
@@ -74,7 +86,8 @@ def test_gan_optimizer_at_its_own_rate_is_named(run):
         "keras-sync: check learning_rate failed: g_optimizer's learning rate is 0.002, but keras-sync scaled 0.0003 "
         "for the global batch 64 (learning_rate.scaling: linear): the rate your script gives it is used as it is. "
         "Fix: create g_optimizer with learning_rate=sync.lr_schedule() (or sync.learning_rate). "
-        "(checks.on_violation: warn)"]
+        "(checks.on_violation: warn)"
+    ]
 
 
 def test_compile_jit_compile_true_on_cpu_replicas_trains_without_xla_in_one_line(run):
@@ -87,7 +100,8 @@ def test_compile_jit_compile_true_on_cpu_replicas_trains_without_xla_in_one_line
     assert r["said"] == [
         "keras-sync: jit_compile=True of Functional's compile is not applied: XLA cannot compile a step over 2 "
         "replicas on CPU devices (no XLA collectives on CPU; variables on several devices), so the model trains "
-        "without XLA. XLA works on one device, and on GPUs or TPUs."]
+        "without XLA. XLA works on one device, and on GPUs or TPUs."
+    ]
     assert not r["traceback"] and r["jit_compile"] is False
     assert math.isfinite(r["loss"][0]) and r["moved"] > 0
 
@@ -108,4 +122,6 @@ def test_layers_built_outside_the_scope_end_the_script_in_one_line(run):
         r"keras-sync: sync\.fit: layers of Functional were built outside sync\.scope\(\) \(dense_\d+, dense_\d+, "
         r"dense_\d+\), only the model was assembled inside: their variables are not the mirrored strategy's, and "
         r"Keras cannot train them under it\. Fix: build the whole model \(every layer, from keras\.Input on\) inside "
-        r"`with sync\.scope\(\):`\.", run["guide"]), run["guide"][-4000:]
+        r"`with sync\.scope\(\):`\.",
+        run["guide"],
+    ), run["guide"][-4000:]

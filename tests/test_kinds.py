@@ -6,10 +6,9 @@ import doctest
 
 import pytest
 
-from keras_sync.config import kinds
-from keras_sync.config import load_config
-from keras_sync.errors import ConfigError
+from keras_sync.config import kinds, load_config
 from keras_sync.config.kinds import KINDS, LAYOUTS, STRATEGY_KINDS
+from keras_sync.errors import ConfigError
 
 
 def test_doctests_hold() -> None:
@@ -31,7 +30,9 @@ def test_config_accepts_devices_exactly_where_the_table_says(kind: str) -> None:
     if KINDS[kind].accepts_devices:
         assert load_config(data, environ={}).strategy.devices == ("/cpu:0",)
     else:
-        with pytest.raises(ConfigError, match=f"with kind={kind}; devices applies to one_device and mirrored only"):
+        with pytest.raises(
+            ConfigError, match=f"with kind={kind}; devices applies to one_device and mirrored only"
+        ):
             load_config(data, environ={})
 
 
@@ -41,15 +42,21 @@ def test_config_accepts_simulated_cpus_exactly_where_the_table_says(kind: str) -
     if KINDS[kind].simulated_cpus:
         assert load_config(data, environ={}).strategy.simulated_cpu_replicas == 2
     else:
-        with pytest.raises(ConfigError, match=f"simulated_cpu_replicas does not apply to kind={kind}; remove it"):
+        with pytest.raises(
+            ConfigError, match=f"simulated_cpu_replicas does not apply to kind={kind}; remove it"
+        ):
             load_config(data, environ={})
 
 
 @pytest.mark.parametrize("kind", STRATEGY_KINDS)
-def test_template_shows_simulated_cpu_replicas_exactly_where_the_config_accepts_it(kind: str) -> None:
+def test_template_shows_simulated_cpu_replicas_exactly_where_the_config_accepts_it(
+    kind: str,
+) -> None:
     from pathlib import Path
 
-    template = (Path(__file__).resolve().parents[1] / "templates" / f"strategy_{kind}.yaml").read_text()
+    template = (
+        Path(__file__).resolve().parents[1] / "templates" / f"strategy_{kind}.yaml"
+    ).read_text()
     try:
         load_config({"strategy": {"kind": kind, "simulated_cpu_replicas": 2}}, environ={})
         accepted = True
@@ -63,8 +70,15 @@ def test_plan_counts_workers_only_for_multi_process_kinds() -> None:
 
     from keras_sync.cli.run_plan import make_plan
 
-    two = json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"type": "worker", "index": 0}})
+    two = json.dumps(
+        {
+            "cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
+            "task": {"type": "worker", "index": 0},
+        }
+    )
     for kind in ("default", "mirrored", "multi_worker_mirrored"):
-        plan = make_plan(load_config({"strategy": {"kind": kind}}, environ={}), environ={"TF_CONFIG": two})
+        plan = make_plan(
+            load_config({"strategy": {"kind": kind}}, environ={}), environ={"TF_CONFIG": two}
+        )
         workers = next(i.value for i in plan.items if i.key == "workers")
         assert workers == (2 if KINDS[kind].multi_process else 1), kind

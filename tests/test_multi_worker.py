@@ -19,11 +19,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from _mwr import max_diff, result
 from _ports import free_ports
 
-pytestmark = pytest.mark.slow  # starts TensorFlow processes; the fast lane is `pytest -m "not slow"`
+pytestmark = (
+    pytest.mark.slow
+)  # starts TensorFlow processes; the fast lane is `pytest -m "not slow"`
 
 HERE = Path(__file__).parent
 TRAIN = HERE / "_mwr_train.py"
@@ -35,7 +36,9 @@ EXACT_RESUME = 1e-6
 STEPS_PER_EPOCH = 8  # 256 samples / global batch 32
 
 
-def _config(mlflow_uri: str | None = None, runtime: dict | None = None, **fault_tolerance: object) -> str:
+def _config(
+    mlflow_uri: str | None = None, runtime: dict | None = None, **fault_tolerance: object
+) -> str:
     cfg = {
         "strategy": {"kind": "multi_worker_mirrored", "connect_timeout_s": 60},
         "batch": {"global": 32},
@@ -43,7 +46,12 @@ def _config(mlflow_uri: str | None = None, runtime: dict | None = None, **fault_
         "mlflow": {"enabled": False},
     }
     if mlflow_uri:
-        cfg["mlflow"] = {"enabled": True, "tracking_uri": mlflow_uri, "experiment": "resume", "log_every_n_steps": 1}
+        cfg["mlflow"] = {
+            "enabled": True,
+            "tracking_uri": mlflow_uri,
+            "experiment": "resume",
+            "log_every_n_steps": 1,
+        }
     if fault_tolerance:
         cfg["fault_tolerance"] = fault_tolerance
     if runtime:
@@ -57,15 +65,33 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _launch(tmp: Path, script: Path, *args: str, workers: int = 2, timeout: float = 150,
-            grace: float = 2.0) -> subprocess.CompletedProcess[str]:
-    cmd = [str(KERAS_SYNC), "launch", "--workers", str(workers), "--grace-period", str(grace), str(script), *args]
+def _launch(
+    tmp: Path, script: Path, *args: str, workers: int = 2, timeout: float = 150, grace: float = 2.0
+) -> subprocess.CompletedProcess[str]:
+    cmd = [
+        str(KERAS_SYNC),
+        "launch",
+        "--workers",
+        str(workers),
+        "--grace-period",
+        str(grace),
+        str(script),
+        *args,
+    ]
     return subprocess.run(cmd, cwd=tmp, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
-def _alone(tmp: Path, script: Path, *args: str, timeout: float = 150) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(script), *args], cwd=tmp, env=_env(), capture_output=True,
-                          text=True, timeout=timeout)
+def _alone(
+    tmp: Path, script: Path, *args: str, timeout: float = 150
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(script), *args],
+        cwd=tmp,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -76,24 +102,33 @@ def two_workers(tmp_module: Path) -> dict:
     return {"w0": result(tmp_module / "two", 0), "w1": result(tmp_module / "two", 1)}
 
 
-@pytest.mark.timeout(900)  # two TF workers twice plus an MLflow import: 200 s was exceeded at load ~30
+@pytest.mark.timeout(
+    900
+)  # two TF workers twice plus an MLflow import: 200 s was exceeded at load ~30
 def test_two_workers_via_console_script_train_every_step_on_both(two_workers: dict) -> None:
     # That workers train as one process does (the same weights) is the next test's, with 2 replicas in
     # each worker and in the one process: a reference fit of its own here proved it a second time.
     for w in ("w0", "w1"):
         assert two_workers[w]["num_workers"] == 2 and two_workers[w]["num_replicas"] == 2
         assert two_workers[w]["iterations"] == 4 * STEPS_PER_EPOCH
-    assert max_diff(two_workers["w0"]["weights"], two_workers["w1"]["weights"]) <= EXACT_RESUME  # one model, mirrored
+    assert (
+        max_diff(two_workers["w0"]["weights"], two_workers["w1"]["weights"]) <= EXACT_RESUME
+    )  # one model, mirrored
 
 
-@pytest.mark.timeout(900)  # two TF workers twice plus an MLflow import: 200 s was exceeded at load ~30
+@pytest.mark.timeout(
+    900
+)  # two TF workers twice plus an MLflow import: 200 s was exceeded at load ~30
 def test_example_two_workers_times_two_simulated_replicas_give_four(tmp_path: Path) -> None:
     alone = _alone(tmp_path, EXAMPLE, "--epochs", "1", "--out", "one.json")
     assert alone.returncode == 0, alone.stderr[-3000:]
     launched = _launch(tmp_path, EXAMPLE, "--epochs", "1", "--out", "four.json")
     assert launched.returncode == 0, launched.stderr[-3000:]
     one, four = (json.loads((tmp_path / f).read_text()) for f in ("one.json", "four.json"))
-    assert (one["workers"], one["replicas"]) == (1, 2)  # multi_worker_mirrored without TF_CONFIG: one worker
+    assert (one["workers"], one["replicas"]) == (
+        1,
+        2,
+    )  # multi_worker_mirrored without TF_CONFIG: one worker
     assert (four["workers"], four["replicas"]) == (2, 4)
     assert "[w0] strategy=multi_worker_mirrored workers=2 replicas=4" in launched.stdout
     # The example asks for verbose=2 on every worker: one job, one progress report (the chief's).
@@ -130,15 +165,24 @@ def _listening(addr: str) -> bool:
 
 
 @pytest.mark.timeout(480)
-def test_worker_alone_fails_after_connect_timeout_naming_missing_task_and_address(tmp_path: Path) -> None:
+def test_worker_alone_fails_after_connect_timeout_naming_missing_task_and_address(
+    tmp_path: Path,
+) -> None:
     addrs = [f"127.0.0.1:{p}" for p in free_ports(2)]
     env = _env()
-    env["TF_CONFIG"] = json.dumps({"cluster": {"worker": addrs}, "task": {"type": "worker", "index": 0}})
+    env["TF_CONFIG"] = json.dumps(
+        {"cluster": {"worker": addrs}, "task": {"type": "worker", "index": 0}}
+    )
     cfg = json.loads(_config())
     cfg["strategy"]["connect_timeout_s"] = 10
     start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, str(TRAIN), json.dumps(cfg), str(tmp_path)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(TRAIN), json.dumps(cfg), str(tmp_path)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     # Clock the wait from when worker 0's server listens (the TensorFlow import before it takes
     # 4 s to minutes on this shared machine), polling rather than sleeping a guessed time.
     while proc.poll() is None and not _listening(addrs[0]):
@@ -161,14 +205,24 @@ def test_worker_alone_fails_after_connect_timeout_naming_missing_task_and_addres
     assert waited < 150, f"failed {waited:.0f} s after listening, expected about 10-15 s"
 
 
-def _kill_and_resume(tmp: Path, name: str, *, save_freq: object, kills: list[tuple[int, int]],
-                     mlflow_uri: str | None = None, runtime: dict | None = None) -> dict:
+def _kill_and_resume(
+    tmp: Path,
+    name: str,
+    *,
+    save_freq: object,
+    kills: list[tuple[int, int]],
+    mlflow_uri: str | None = None,
+    runtime: dict | None = None,
+) -> dict:
     """Launch the job, SIGKILL task I after step N for each (N, I) of ``kills`` (one per launch), relaunch.
 
     Returns the last launch's results and the stdout and stderr of every relaunch (``relaunches``).
     """
     out, marker = tmp / name, tmp / f"{name}.killed"
-    args = [_config(mlflow_uri, runtime, backup_dir=str(tmp / f"{name}_backup"), save_freq=save_freq), str(out)]
+    args = [
+        _config(mlflow_uri, runtime, backup_dir=str(tmp / f"{name}_backup"), save_freq=save_freq),
+        str(out),
+    ]
     for kill_at, kill_task in kills:
         args += ["--kill-at", str(kill_at), "--kill-task", str(kill_task)]
     args += ["--marker", str(marker)]
@@ -186,17 +240,29 @@ def _kill_and_resume(tmp: Path, name: str, *, save_freq: object, kills: list[tup
     relaunches.append(last)
     for r in relaunches:
         # The chief says once that the job continued; the other worker stays quiet.
-        said = re.findall(r"^\[w(\d)\] keras-sync: resumed from the backup in .*: epoch \d+, after batch \d+ "
-                          r"\(optimizer step \d+\)$", r.stderr, re.M)
+        said = re.findall(
+            r"^\[w(\d)\] keras-sync: resumed from the backup in .*: epoch \d+, after batch \d+ "
+            r"\(optimizer step \d+\)$",
+            r.stderr,
+            re.M,
+        )
         assert said == ["0"], r.stderr[-3000:]
     assert not (tmp / f"{name}_backup").exists()
-    return {"w0": result(out, 0), "w1": result(out, 1), "stdout": last.stdout, "relaunches": relaunches}
+    return {
+        "w0": result(out, 0),
+        "w1": result(out, 1),
+        "stdout": last.stdout,
+        "relaunches": relaunches,
+    }
 
 
 def _assert_exact(resumed: dict, reference: dict, *, epoch: int, iterations: int) -> None:
     for w in ("w0", "w1"):
         r = resumed[w]
-        assert r["start"] == {"iterations": iterations, "epoch": epoch}  # restored before other callbacks ran
+        assert r["start"] == {
+            "iterations": iterations,
+            "epoch": epoch,
+        }  # restored before other callbacks ran
         assert r["iterations"] == reference[w]["iterations"]
         assert r["epochs_run"] == list(range(epoch, 4))
         assert max_diff(r["weights"], reference[w]["weights"]) <= EXACT_RESUME
@@ -205,19 +271,28 @@ def _assert_exact(resumed: dict, reference: dict, *, epoch: int, iterations: int
 
 
 @pytest.mark.timeout(1200)  # three launches of two TF workers, MLflow in each
-def test_sigkill_non_chief_then_chief_mid_epoch_resumes_exactly_each_time(tmp_module: Path, two_workers: dict) -> None:
+def test_sigkill_non_chief_then_chief_mid_epoch_resumes_exactly_each_time(
+    tmp_module: Path, two_workers: dict
+) -> None:
     # One job, a backup every 3 batches, killed twice (one launch fewer than two jobs killed once):
     # - w1 (not the chief) after step 13: the last backup, step 12, is epoch 1 after 4 of its 8 batches;
     # - on the relaunch, the chief after step 17 (epoch 2, batch 0): the last backup, step 15, is in the
     #   epoch before (after 7 of its 8 batches), so the second relaunch goes back across the epoch end.
     uri = f"sqlite:///{tmp_module / 'kill_twice_mlflow.db'}"
-    resumed = _kill_and_resume(tmp_module, "kill_twice", save_freq=3, kills=[(13, 1), (17, 0)], mlflow_uri=uri)
+    resumed = _kill_and_resume(
+        tmp_module, "kill_twice", save_freq=3, kills=[(13, 1), (17, 0)], mlflow_uri=uri
+    )
     first_resume, second_resume = resumed["relaunches"]
-    assert re.search(r"^\[w0\] keras-sync: resumed from the backup in .*: epoch 2, after batch 4 \(optimizer step 12\)$",
-                     first_resume.stderr, re.M), first_resume.stderr[-3000:]
+    assert re.search(
+        r"^\[w0\] keras-sync: resumed from the backup in .*: epoch 2, after batch 4 \(optimizer step 12\)$",
+        first_resume.stderr,
+        re.M,
+    ), first_resume.stderr[-3000:]
     assert re.search(r"^\[w0\] step 13 epoch 1 batch 4$", first_resume.stdout, re.M)
     assert not re.search(r"^\[w0\] step \d+ epoch 1 batch [0-3]$", first_resume.stdout, re.M)
-    assert re.search(r"^\[w0\] step 17 epoch 2 batch 0$", first_resume.stdout, re.M)  # where the chief died
+    assert re.search(
+        r"^\[w0\] step 17 epoch 2 batch 0$", first_resume.stdout, re.M
+    )  # where the chief died
     # Exact after both: the interrupted epoch 1's mean loss includes batches of all three launches.
     _assert_exact(resumed, two_workers, epoch=1, iterations=15)
     assert re.search(r"^\[w0\] step 16 epoch 1 batch 7$", resumed["stdout"], re.M)
@@ -233,20 +308,27 @@ def test_sigkill_non_chief_then_chief_mid_epoch_resumes_exactly_each_time(tmp_mo
     assert sorted(steps) == list(range(1, resumed["w0"]["iterations"] + 1))
 
 
-@pytest.mark.timeout(900)  # two TF workers twice plus an MLflow import: 200 s was exceeded at load ~30
+@pytest.mark.timeout(
+    900
+)  # two TF workers twice plus an MLflow import: 200 s was exceeded at load ~30
 def test_sigkill_with_epoch_backups_resumes_exactly(tmp_module: Path, two_workers: dict) -> None:
     # Saved at each epoch end: killed at epoch 2 batch 2, resumes at epoch 2 batch 0.
     resumed = _kill_and_resume(tmp_module, "kill_epoch", save_freq="epoch", kills=[(19, 1)])
     _assert_exact(resumed, two_workers, epoch=2, iterations=16)
 
 
-@pytest.mark.timeout(900)  # two TF workers twice plus an MLflow import: 200 s was exceeded at load ~30
-def test_sigkill_with_steps_per_execution_4_resumes_exactly(tmp_module: Path, two_workers: dict) -> None:
+@pytest.mark.timeout(
+    900
+)  # two TF workers twice plus an MLflow import: 200 s was exceeded at load ~30
+def test_sigkill_with_steps_per_execution_4_resumes_exactly(
+    tmp_module: Path, two_workers: dict
+) -> None:
     # keras-team/keras#19246 fixed under multi-worker: 4 steps per execution, a backup every 4 steps,
     # the chief killed after step 20 (epoch 2 after 4 of its 8 batches). The reference trained 1 step
     # per execution: the relaunch ends on the same weights.
-    resumed = _kill_and_resume(tmp_module, "kill_spe4", save_freq=4, kills=[(20, 0)],
-                               runtime={"steps_per_execution": 4})
+    resumed = _kill_and_resume(
+        tmp_module, "kill_spe4", save_freq=4, kills=[(20, 0)], runtime={"steps_per_execution": 4}
+    )
     _assert_exact(resumed, two_workers, epoch=2, iterations=20)
     # Batches are reported once per execution: the first after the resume is step 24, batch 7.
     steps = re.findall(r"^\[w0\] step (\d+) epoch (\d+) batch (\d+)$", resumed["stdout"], re.M)
@@ -254,21 +336,42 @@ def test_sigkill_with_steps_per_execution_4_resumes_exactly(tmp_module: Path, tw
 
 
 @pytest.mark.timeout(900)  # three TF workers on 2 shared cores
-def test_the_slow_worker_is_named_by_its_own_times_on_the_chief_and_in_the_report(tmp_path: Path) -> None:
+def test_the_slow_worker_is_named_by_its_own_times_on_the_chief_and_in_the_report(
+    tmp_path: Path,
+) -> None:
     # Worker 1 sleeps 0.2 s before each of its 40 batches: the job's step time follows it, and the
     # per-worker times say which worker it is. The line's hold is 3 s here (60 s by default).
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    cfg = {"strategy": {"kind": "multi_worker_mirrored", "connect_timeout_s": 120}, "batch": {"global": 30},
-           "mlflow": {"enabled": True, "tracking_uri": uri, "experiment": "slow", "log_every_n_steps": 1}}
-    r = _launch(tmp_path, HERE / "_slow_worker_train.py", json.dumps(cfg), "1", "3", workers=3, timeout=600)
+    cfg = {
+        "strategy": {"kind": "multi_worker_mirrored", "connect_timeout_s": 120},
+        "batch": {"global": 30},
+        "mlflow": {
+            "enabled": True,
+            "tracking_uri": uri,
+            "experiment": "slow",
+            "log_every_n_steps": 1,
+        },
+    }
+    r = _launch(
+        tmp_path, HERE / "_slow_worker_train.py", json.dumps(cfg), "1", "3", workers=3, timeout=600
+    )
     assert r.returncode == 0, r.stderr[-3000:]
-    said = re.findall(r"^\[w(\d)\] keras-sync: worker (\d) holds the job back: for \d+ s it took (\d+) ms a step "
-                      r"to reach the gradient all-reduce \((\d+) ms between steps, compute -?\d+ ms\) against the "
-                      r"other workers' median of (\d+) ms, and they wait for it\. Its times are "
-                      r"sync/between_steps_ms/worker_1 and sync/compute_ms/worker_1 in MLflow\.$", r.stderr, re.M)
+    said = re.findall(
+        r"^\[w(\d)\] keras-sync: worker (\d) holds the job back: for \d+ s it took (\d+) ms a step "
+        r"to reach the gradient all-reduce \((\d+) ms between steps, compute -?\d+ ms\) against the "
+        r"other workers' median of (\d+) ms, and they wait for it\. Its times are "
+        r"sync/between_steps_ms/worker_1 and sync/compute_ms/worker_1 in MLflow\.$",
+        r.stderr,
+        re.M,
+    )
     assert len(said) == 1, r.stderr[-3000:]  # once, on the chief only
     chief, worker, took, wait, median = said[0]
-    assert (chief, worker) == ("0", "1") and int(took) >= 150 and int(wait) >= 150 and int(median) < int(took) / 1.5
+    assert (
+        (chief, worker) == ("0", "1")
+        and int(took) >= 150
+        and int(wait) >= 150
+        and int(median) < int(took) / 1.5
+    )
 
     from mlflow import MlflowClient
 
@@ -277,7 +380,9 @@ def test_the_slow_worker_is_named_by_its_own_times_on_the_chief_and_in_the_repor
     client = MlflowClient(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("slow").experiment_id])
     h = SyncHistory()
-    for key in [f"sync/{q}/worker_{w}" for q in ("between_steps_ms", "compute_ms") for w in range(3)]:
+    for key in [
+        f"sync/{q}/worker_{w}" for q in ("between_steps_ms", "compute_ms") for w in range(3)
+    ]:
         points = client.get_metric_history(run.info.run_id, key)
         assert len(points) >= 35, key  # every logged step but the first
         for m in points:
@@ -299,7 +404,9 @@ def _worker_history(uri: str, experiment: str, workers: int) -> object:
     client = MlflowClient(uri)
     (run,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
     h = SyncHistory()
-    for key in [f"sync/{q}/worker_{w}" for q in ("between_steps_ms", "compute_ms") for w in range(workers)]:
+    for key in [
+        f"sync/{q}/worker_{w}" for q in ("between_steps_ms", "compute_ms") for w in range(workers)
+    ]:
         for m in client.get_metric_history(run.info.run_id, key):
             h.add({key: m.value}, m.step)
     return h
@@ -307,15 +414,33 @@ def _worker_history(uri: str, experiment: str, workers: int) -> object:
 
 @pytest.mark.timeout(900)  # two TF workers, twice, on 2 shared cores
 @pytest.mark.parametrize("slow_task", [-1, 1], ids=["none_slow", "worker_1_sleeps_0.1s"])
-def test_report_names_a_slow_worker_only_above_the_threshold(tmp_path: Path, slow_task: int) -> None:
+def test_report_names_a_slow_worker_only_above_the_threshold(
+    tmp_path: Path, slow_task: int
+) -> None:
     # Issue 41 item 7: the report named "slowest worker: 1, 0.152 ms ... median 0.148 ms" on an even run.
     from keras_sync.tracking.report_plot import slow_worker_lines
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    cfg = {"strategy": {"kind": "multi_worker_mirrored", "connect_timeout_s": 120}, "batch": {"global": 30},
-           "mlflow": {"enabled": True, "tracking_uri": uri, "experiment": "even", "log_every_n_steps": 1}}
-    r = _launch(tmp_path, HERE / "_slow_worker_train.py", json.dumps(cfg), str(slow_task), "600", "0.1", workers=2,
-                timeout=600)
+    cfg = {
+        "strategy": {"kind": "multi_worker_mirrored", "connect_timeout_s": 120},
+        "batch": {"global": 30},
+        "mlflow": {
+            "enabled": True,
+            "tracking_uri": uri,
+            "experiment": "even",
+            "log_every_n_steps": 1,
+        },
+    }
+    r = _launch(
+        tmp_path,
+        HERE / "_slow_worker_train.py",
+        json.dumps(cfg),
+        str(slow_task),
+        "600",
+        "0.1",
+        workers=2,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     lines = "\n".join(slow_worker_lines(_worker_history(uri, "even", 2)))
     if slow_task < 0:
@@ -329,7 +454,10 @@ def test_the_chief_says_what_it_waits_for_at_exit(tmp_path: Path) -> None:
     # Issue 41 item 3: the workers leave together, and the chief's wait for a late one was silent.
     r = _launch(tmp_path, HERE / "_late_exit_train.py", "6", timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
-    said = re.findall(r"^\[w(\d)\] keras-sync: waiting for worker 1 to finish its script \(the workers leave together; "
-                      r"closing TensorFlow's input pipeline can take seconds\)$", r.stderr, re.M)
+    said = re.findall(
+        r"^\[w(\d)\] keras-sync: waiting for worker 1 to finish its script \(the workers leave together; "
+        r"closing TensorFlow's input pipeline can take seconds\)$",
+        r.stderr,
+        re.M,
+    )
     assert said == ["0"], r.stderr[-3000:]  # once, on the chief only
-

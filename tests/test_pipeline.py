@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from keras_sync.cli.run_plan import make_plan
 from keras_sync.config import load_config
 from keras_sync.training.pipeline import batch_layout, shard_choice
-from keras_sync.cli.run_plan import make_plan
 
 HERE = Path(__file__).parent
 SCRIPT = HERE / "_pipeline_train.py"
@@ -37,9 +37,21 @@ KINDS = ("arrays", "batch64", "batch64_map_prefetch", "generator64")
 # AutoShardPolicy.OFF with a known or an unknown length); TFRecord files, 1 (fewer than the workers) and 4;
 # an endless Python generator with steps_per_epoch (Keras's own generator reader, under a strategy, trained
 # batches 0, 1, 6, 7, 8, 9, 0, 1, 2, 3 in epoch 0: 0.31 off one device on 2 replicas).
-MORE_KINDS = ("arrays_own_part", "python_generator", "pydataset16", "pydataset32_threads", "pydataset32_processes", "user_shard",
-              "own_off", "own_off_unknown_length", "tfrecord1", "tfrecord4")
-RAY_TF_CONFIG = json.dumps({"cluster": {"worker": ["10.0.0.1:1", "10.0.0.2:1"]}, "task": {"type": "worker", "index": 0}})
+MORE_KINDS = (
+    "arrays_own_part",
+    "python_generator",
+    "pydataset16",
+    "pydataset32_threads",
+    "pydataset32_processes",
+    "user_shard",
+    "own_off",
+    "own_off_unknown_length",
+    "tfrecord1",
+    "tfrecord4",
+)
+RAY_TF_CONFIG = json.dumps(
+    {"cluster": {"worker": ["10.0.0.1:1", "10.0.0.2:1"]}, "task": {"type": "worker", "index": 0}}
+)
 
 
 # -- the rules, without TensorFlow ---------------------------------------------------------------
@@ -67,14 +79,20 @@ def test_a_dataset_without_its_own_policy_gets_the_configured_one(configured):
 
 
 def test_batch_layout_spells_out_worker_and_replica_shares():
-    assert batch_layout(64, 4, 2) == "global batch 64 = 32 per worker x 2 workers = 16 per replica x 4 replicas"
+    assert (
+        batch_layout(64, 4, 2)
+        == "global batch 64 = 32 per worker x 2 workers = 16 per replica x 4 replicas"
+    )
     assert batch_layout(64, 1, 1) == "global batch 64 = 64 per replica x 1 replica"
 
 
 def test_plan_under_ray_splits_arrays_and_shows_the_per_worker_batch():
     # The environment of a Ray Train worker: the old code turned sharding off here.
     env = {"TF_CONFIG": RAY_TF_CONFIG, "RAY_RAYLET_PID": "1"}
-    cfg = load_config({"strategy": {"kind": "auto"}, "batch": {"global": 32}, "mlflow": {"enabled": False}}, environ=env)
+    cfg = load_config(
+        {"strategy": {"kind": "auto"}, "batch": {"global": 32}, "mlflow": {"enabled": False}},
+        environ=env,
+    )
     items = make_plan(cfg, environ=env).to_dict()["items"]
     assert items["input.arrays"]["value"] == "shard data"
     assert items["input.arrays"]["note"] == "arrays are split across workers by example"
@@ -82,13 +100,22 @@ def test_plan_under_ray_splits_arrays_and_shows_the_per_worker_batch():
     assert "(Ray Data: off)" in items["input.datasets"]["note"]
     assert items["input.batched_datasets"]["value"] == "rebatched to 32"
     assert items["batch.per_worker"] == {
-        "value": 16, "source": "derived", "note": "global batch 32 = 16 per worker x 2 workers = 16 per replica x 2 replicas"}
+        "value": 16,
+        "source": "derived",
+        "note": "global batch 32 = 16 per worker x 2 workers = 16 per replica x 2 replicas",
+    }
 
 
 def test_plan_command_prints_the_input_rules(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "KERAS_SYNC_CONFIG")}
-    r = subprocess.run([str(KERAS_SYNC), "plan", "--global-batch", "48"], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [str(KERAS_SYNC), "plan", "--global-batch", "48"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     assert "input.arrays" in r.stdout and "shard data" in r.stdout
     assert "rebatched to 48" in r.stdout
@@ -104,31 +131,70 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _config(kind: str) -> str:
-    strategy = {"kind": "mirrored", "simulated_cpu_replicas": 2} if kind == "mirrored" else \
-        {"kind": "multi_worker_mirrored", "connect_timeout_s": 120}
+    strategy = (
+        {"kind": "mirrored", "simulated_cpu_replicas": 2}
+        if kind == "mirrored"
+        else {"kind": "multi_worker_mirrored", "connect_timeout_s": 120}
+    )
     # per-replica 16 on 2 replicas: global 32, learning rate 0.05 x 32/16 = 0.1
-    return json.dumps({"strategy": strategy, "batch": {"per_replica": 16}, "learning_rate": {"base": 0.05},
-                       "mlflow": {"enabled": False}})
+    return json.dumps(
+        {
+            "strategy": strategy,
+            "batch": {"per_replica": 16},
+            "learning_rate": {"base": 0.05},
+            "mlflow": {"enabled": False},
+        }
+    )
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("pipeline")
     procs = {
-        "reference": subprocess.Popen([sys.executable, str(SCRIPT), "reference", str(out)], env=_env(), cwd=out,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
-        "replicas": subprocess.Popen([sys.executable, str(SCRIPT), "replicas", str(out), _config("mirrored")],
-                                     env=_env(), cwd=out, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
-        "workers": subprocess.Popen([str(KERAS_SYNC), "launch", "--workers", "2", str(SCRIPT), "workers", str(out),
-                                     _config("mwms")], env=_env(RAY_RAYLET_PID="1"), cwd=out,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+        "reference": subprocess.Popen(
+            [sys.executable, str(SCRIPT), "reference", str(out)],
+            env=_env(),
+            cwd=out,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        ),
+        "replicas": subprocess.Popen(
+            [sys.executable, str(SCRIPT), "replicas", str(out), _config("mirrored")],
+            env=_env(),
+            cwd=out,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        ),
+        "workers": subprocess.Popen(
+            [
+                str(KERAS_SYNC),
+                "launch",
+                "--workers",
+                "2",
+                str(SCRIPT),
+                "workers",
+                str(out),
+                _config("mwms"),
+            ],
+            env=_env(RAY_RAYLET_PID="1"),
+            cwd=out,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        ),
     }
     for name, proc in procs.items():
         log, _ = proc.communicate(timeout=900)
         assert proc.returncode == 0, f"{name} failed:\n{log[-4000:]}"
     read = lambda name: json.loads((out / f"{name}.json").read_text())  # noqa: E731
-    return {"reference": read("reference"), "replicas": read("replicas-w0"), "w0": read("workers-w0"),
-            "w1": read("workers-w1")}
+    return {
+        "reference": read("reference"),
+        "replicas": read("replicas-w0"),
+        "w0": read("workers-w0"),
+        "w1": read("workers-w1"),
+    }
 
 
 def _diff(a, b) -> float:
@@ -146,7 +212,12 @@ def test_the_comparison_can_tell_batch_64_from_batch_32(runs):
 @pytest.mark.parametrize("kind", KINDS + MORE_KINDS)
 def test_user_batched_pipeline_trains_on_the_global_batch_on_2_replicas(runs, kind):
     r = runs["replicas"]
-    assert (r["replicas"], r["workers"], r["global_batch"], r["learning_rate"]) == (2, 1, 32, pytest.approx(0.1))
+    assert (r["replicas"], r["workers"], r["global_batch"], r["learning_rate"]) == (
+        2,
+        1,
+        32,
+        pytest.approx(0.1),
+    )
     assert _diff(r["weights"][kind], runs["reference"]["weights"]) <= SAME
 
 
@@ -164,7 +235,12 @@ def test_user_batched_pipeline_trains_on_the_global_batch_on_2_workers(runs, kin
 def test_every_pipeline_takes_one_optimizer_step_per_batch(runs, kind):
     # generator64 included: its length is unknown, and Keras's extra step at the end of each
     # epoch would make this 34 (the learning-rate schedule, warmup and backups count these).
-    assert runs["replicas"]["steps"][kind] == runs["w0"]["steps"][kind] == runs["w1"]["steps"][kind] == 32
+    assert (
+        runs["replicas"]["steps"][kind]
+        == runs["w0"]["steps"][kind]
+        == runs["w1"]["steps"][kind]
+        == 32
+    )
 
 
 @pytest.mark.slow
@@ -173,12 +249,17 @@ def test_the_chief_says_what_it_did_with_each_input(runs):
     assert mirrored["batch64"] == [
         "keras-sync: training data: tf.data.Dataset batched by 64 (its batch op), rebatched to the global batch 32; "
         "the learning rate 0.1 is scaled for 32; shard policy auto (batch.shard_policy: auto, by file when the pipeline "
-        "reads at least as many files as there are workers, else by example); global batch 32 = 16 per replica x 2 replicas"]
+        "reads at least as many files as there are workers, else by example); global batch 32 = 16 per replica x 2 replicas"
+    ]
     assert mirrored["arrays"] == []  # one process, Keras batches the arrays: nothing to say
     assert chief["arrays"] == [
         "keras-sync: training data: arrays, shard policy data (arrays are split across workers by example); "
-        "global batch 32 = 16 per worker x 2 workers = 16 per replica x 2 replicas"]
-    assert "16 per worker x 2 workers" in chief["batch64"][0] and "rebatched to the global batch 32" in chief["batch64"][0]
+        "global batch 32 = 16 per worker x 2 workers = 16 per replica x 2 replicas"
+    ]
+    assert (
+        "16 per worker x 2 workers" in chief["batch64"][0]
+        and "rebatched to the global batch 32" in chief["batch64"][0]
+    )
     assert all(lines == [] for lines in other.values())  # only the chief prints
 
 
@@ -186,9 +267,11 @@ def test_the_chief_says_what_it_did_with_each_input(runs):
 def test_unknown_batch_warns_once_on_the_chief(runs):
     for r in (runs["replicas"], runs["w0"]):
         (warning,) = r["warnings"]["generator64"]
-        assert warning.startswith("keras-sync: cannot tell the batch size of the dataset given to sync.fit (no static "
-                                  "batch dimension and no batch op, e.g. from_generator or Ray Data's to_tf); it was "
-                                  "rebatched to the configured global batch 32")
+        assert warning.startswith(
+            "keras-sync: cannot tell the batch size of the dataset given to sync.fit (no static "
+            "batch dimension and no batch op, e.g. from_generator or Ray Data's to_tf); it was "
+            "rebatched to the configured global batch 32"
+        )
         assert r["warnings"]["batch64"] == [] and r["warnings"]["arrays"] == []
     assert runs["w1"]["warnings"]["generator64"] == []
 
@@ -205,7 +288,12 @@ def test_data_of_unknown_length_ends_its_epochs_without_keras_false_alarm(runs):
 def test_batch_size_is_read_from_shape_or_batch_op(runs):
     found = runs["replicas"]["probes"]["found"]
     assert found["static"] == [64, "static shape"]
-    assert found["batch_op"] == found["map_after_batch"] == found["parallel_batch"] == [64, "its batch op"]
+    assert (
+        found["batch_op"]
+        == found["map_after_batch"]
+        == found["parallel_batch"]
+        == [64, "its batch op"]
+    )
     assert found["padded"] == [16, "its batch op"]
     assert found["generator"][0] is None
 
@@ -221,7 +309,9 @@ def test_own_policy_is_kept_and_arrays_are_sharded_by_data(runs):
 @pytest.mark.slow
 def test_unbatched_dataset_given_to_fit_is_refused_with_the_fix(runs):
     msg = runs["replicas"]["probes"]["unbatched_error"]
-    assert msg.startswith("sync.fit received a tf.data.Dataset of single examples, not batches (element_spec=")
+    assert msg.startswith(
+        "sync.fit received a tf.data.Dataset of single examples, not batches (element_spec="
+    )
     assert "Fix: pass it through sync.distribute(dataset)" in msg
 
 
@@ -229,10 +319,18 @@ def test_unbatched_dataset_given_to_fit_is_refused_with_the_fix(runs):
 def test_python_generators_it_cannot_read_exactly_are_refused_with_the_fix(runs):
     refused = runs["replicas"]["probes"]["refused_generators"]
     assert refused["generator_epochs_without_steps"].startswith(
-        "sync.fit received a Python generator with epochs=2 and no steps_per_epoch: ")
-    assert "Fix: pass steps_per_epoch=<batches per epoch>" in refused["generator_epochs_without_steps"]
-    assert refused["validation_generator"].startswith("sync.fit received validation_data as a Python generator: ")
-    assert "Fix: give validation_data as arrays, a keras.utils.PyDataset or a tf.data.Dataset." in refused["validation_generator"]
+        "sync.fit received a Python generator with epochs=2 and no steps_per_epoch: "
+    )
+    assert (
+        "Fix: pass steps_per_epoch=<batches per epoch>" in refused["generator_epochs_without_steps"]
+    )
+    assert refused["validation_generator"].startswith(
+        "sync.fit received validation_data as a Python generator: "
+    )
+    assert (
+        "Fix: give validation_data as arrays, a keras.utils.PyDataset or a tf.data.Dataset."
+        in refused["validation_generator"]
+    )
 
 
 @pytest.mark.slow
@@ -240,21 +338,30 @@ def test_a_python_generator_is_read_in_order_each_batch_once(runs):
     # The chief of 2 workers says it (on one worker the line is an INFO log record: nothing was rebatched).
     assert runs["w0"]["lines"]["python_generator"][0].startswith(
         "keras-sync: training data: a Python generator, 16 batches per epoch (steps_per_epoch), read by keras-sync "
-        "in order, each batch once, batched by 32 (its first batch) = the global batch")
+        "in order, each batch once, batched by 32 (its first batch) = the global batch"
+    )
     for r in (runs["replicas"], runs["w0"], runs["w1"]):
         assert r["facts"]["python_generator"]["source"] == "Python generator"
 
 
 @pytest.mark.slow
 def test_py_dataset_is_read_by_index_and_rebatched(runs):
-    line = ("keras-sync: training data: keras.utils.PyDataset of 32 batches, read by keras-sync by index, each once per "
-            "epoch (one at a time), batched by 16 (its first batch), rebatched to the global batch 32; the learning rate "
-            "0.1 is scaled for 32; shard policy ")
+    line = (
+        "keras-sync: training data: keras.utils.PyDataset of 32 batches, read by keras-sync by index, each once per "
+        "epoch (one at a time), batched by 16 (its first batch), rebatched to the global batch 32; the learning rate "
+        "0.1 is scaled for 32; shard policy "
+    )
     assert runs["replicas"]["lines"]["pydataset16"][0].startswith(line)
     chief = runs["w0"]["lines"]["pydataset16"][0]
-    assert chief.startswith(line) and "shard policy data (batch.shard_policy: auto and the pipeline reads no files" in chief
+    assert (
+        chief.startswith(line)
+        and "shard policy data (batch.shard_policy: auto and the pipeline reads no files" in chief
+    )
     assert "(2 at a time on threads)" in runs["w0"]["lines"]["pydataset32_threads"][0]
-    assert "(2 at a time on threads (not processes))" in runs["w0"]["lines"]["pydataset32_processes"][0]
+    assert (
+        "(2 at a time on threads (not processes))"
+        in runs["w0"]["lines"]["pydataset32_processes"][0]
+    )
     for r in (runs["replicas"], runs["w0"], runs["w1"]):
         assert r["facts"]["pydataset16"]["source"] == "keras.utils.PyDataset"
         assert r["facts"]["pydataset16"]["examples_per_epoch"] == 512
@@ -262,17 +369,27 @@ def test_py_dataset_is_read_by_index_and_rebatched(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["arrays_own_part", "user_shard", "own_off", "own_off_unknown_length"])
+@pytest.mark.parametrize(
+    "kind", ["arrays_own_part", "user_shard", "own_off", "own_off_unknown_length"]
+)
 def test_a_workers_own_part_is_neither_sharded_again_nor_cut_short(runs, kind):
     chief = runs["w0"]["lines"][kind][0]
-    assert "shard policy off (" in chief and "each worker trains 16 examples of its own part per step" in chief
+    assert (
+        "shard policy off (" in chief
+        and "each worker trains 16 examples of its own part per step" in chief
+    )
     if kind != "own_off_unknown_length":
         assert "rebatched to 16 per replica, its worker's share of the global batch 32" in chief
     if kind == "user_shard":
         assert "(a shard op in the pipeline: it is already this worker's part)" in chief
     if kind == "arrays_own_part":
-        assert chief.startswith("keras-sync: training data: arrays batched by 32 (keras-sync's batch), rebatched to 16 "
-                                "per replica") and "(batch.shard_policy: off (each worker's arrays are its own part))" in chief
+        assert (
+            chief.startswith(
+                "keras-sync: training data: arrays batched by 32 (keras-sync's batch), rebatched to 16 "
+                "per replica"
+            )
+            and "(batch.shard_policy: off (each worker's arrays are its own part))" in chief
+        )
     for w in ("w0", "w1"):
         facts = runs[w]["facts"][kind]
         assert facts["own_part"] is True and facts["shard_policy"] == "off"
@@ -286,10 +403,19 @@ def test_a_workers_own_part_is_neither_sharded_again_nor_cut_short(runs, kind):
 @pytest.mark.slow
 def test_too_few_files_for_the_workers_are_split_by_example_before_training(runs):
     one, four = runs["w0"]["lines"]["tfrecord1"][0], runs["w0"]["lines"]["tfrecord4"][0]
-    assert "shard policy data (the pipeline reads 1 file for 2 workers, too few to shard by file: split by example)" in one
-    assert ("shard policy file (batch.shard_policy: auto and the pipeline reads 4 files for 2 workers: each worker reads "
-            "its own files)") in four
-    assert runs["w0"]["facts"]["tfrecord1"]["shard_policy"] == runs["w1"]["facts"]["tfrecord1"]["shard_policy"] == "data"
+    assert (
+        "shard policy data (the pipeline reads 1 file for 2 workers, too few to shard by file: split by example)"
+        in one
+    )
+    assert (
+        "shard policy file (batch.shard_policy: auto and the pipeline reads 4 files for 2 workers: each worker reads "
+        "its own files)"
+    ) in four
+    assert (
+        runs["w0"]["facts"]["tfrecord1"]["shard_policy"]
+        == runs["w1"]["facts"]["tfrecord1"]["shard_policy"]
+        == "data"
+    )
     assert runs["w1"]["facts"]["tfrecord4"]["shard_policy"] == "file"
 
 
@@ -298,7 +424,8 @@ def test_py_dataset_without_a_length_is_refused_with_the_fix(runs):
     assert runs["replicas"]["probes"]["endless_py_dataset_error"] == (
         "sync.fit received a keras.utils.PyDataset without a length (Endless has neither __len__ nor num_batches); "
         "keras-sync reads a PyDataset by index, each batch once per epoch. Fix: give it __len__, or a num_batches "
-        "property (None for an endless one, with steps_per_epoch in fit).")
+        "property (None for an endless one, with steps_per_epoch in fit)."
+    )
 
 
 @pytest.mark.slow
@@ -306,7 +433,10 @@ def test_own_parts_of_different_lengths_end_their_epochs_together(runs):
     # ds.shard(2, i) of 481 examples: 241 and 240, 16 and 15 per-replica batches. With those lengths as
     # Keras's steps worker 0 would wait alone in step 16's all-reduce; unknown, both end when all parts have.
     chief = runs["w0"]["lines"]["user_shard_uneven"][0]
-    assert "the parts differ in length (16, 15 batches of 16): each epoch ends when every worker's part has" in chief
+    assert (
+        "the parts differ in length (16, 15 batches of 16): each epoch ends when every worker's part has"
+        in chief
+    )
     for w in ("w0", "w1"):
         assert runs[w]["steps"]["user_shard_uneven"] == 32
         facts = runs[w]["facts"]["user_shard_uneven"]

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from _ports import free_ports
 
 pytestmark = pytest.mark.slow  # starts TensorFlow processes
@@ -39,14 +38,26 @@ def runs(tmp_path_factory):
 
     def start(name: str, mode: str, extra: dict[str, str]) -> None:
         log = open(tmp / f"{name}.log", "w")
-        procs[name] = subprocess.Popen([sys.executable, str(SCRIPT), mode, str(tmp / f"{name}.json")],
-                                       cwd=SCRIPT.parent, env={**env, **extra}, stdout=log, stderr=subprocess.STDOUT)
+        procs[name] = subprocess.Popen(
+            [sys.executable, str(SCRIPT), mode, str(tmp / f"{name}.json")],
+            cwd=SCRIPT.parent,
+            env={**env, **extra},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
 
     start("replicas", "replicas", {})
     addrs = [f"127.0.0.1:{p}" for p in free_ports(2)]
     for i in range(2):
-        start(f"worker{i}", "worker",
-              {"TF_CONFIG": json.dumps({"cluster": {"worker": addrs}, "task": {"type": "worker", "index": i}})})
+        start(
+            f"worker{i}",
+            "worker",
+            {
+                "TF_CONFIG": json.dumps(
+                    {"cluster": {"worker": addrs}, "task": {"type": "worker", "index": i}}
+                )
+            },
+        )
     cache: dict[str, dict] = {}
 
     def result(name: str) -> dict:
@@ -58,7 +69,9 @@ def runs(tmp_path_factory):
                 proc.kill()
             log = (tmp / f"{name}.log").read_text()
             out = tmp / f"{name}.json"
-            assert proc.returncode == 0 and out.exists(), f"{name} exited {proc.returncode}:\n{log[-4000:]}"
+            assert proc.returncode == 0 and out.exists(), (
+                f"{name} exited {proc.returncode}:\n{log[-4000:]}"
+            )
             cache[name] = json.loads(out.read_text())
             cache[name]["log"] = log
         return cache[name]
@@ -111,24 +124,31 @@ def test_transformer_block_with_adam_equals_one_device(runs, run, prefix):
     one = case(runs("replicas"), "one_device/transformer")
     got = case(runs(run), prefix + "transformer")
     assert max_diff(got["weights"], one["weights"]) < TOLERANCE
-    assert np.allclose(got["val_loss"], one["val_loss"], rtol=1e-4), (got["val_loss"], one["val_loss"])
+    assert np.allclose(got["val_loss"], one["val_loss"], rtol=1e-4), (
+        got["val_loss"],
+        one["val_loss"],
+    )
 
 
 @pytest.mark.parametrize("run,prefix", RUNS)
 def test_gan_latents_and_dropout_masks_differ_between_replicas(runs, run, prefix):
-    """"Customizing what happens in fit", the GAN: latents drawn with the model's `SeedGenerator` in
+    """ "Customizing what happens in fit", the GAN: latents drawn with the model's `SeedGenerator` in
     `train_step`. Each replica draws its own: the generated global batch holds no duplicate, as on one
     device (before: each latent twice). Dropout masks differ between the replicas too."""
     streams = case(runs(run), prefix + "random_streams")
     one = case(runs("replicas"), "one_device/random_streams")
-    assert streams["gan"] and all(step["distinct"] == step["generated"] == 8 for step in streams["gan"]), streams
+    assert streams["gan"] and all(
+        step["distinct"] == step["generated"] == 8 for step in streams["gan"]
+    ), streams
     assert all(step["distinct"] == step["generated"] for step in one["gan"]), one
-    assert streams["dropout"] and all(step["halves_equal"] == 0 for step in streams["dropout"]), streams
+    assert streams["dropout"] and all(step["halves_equal"] == 0 for step in streams["dropout"]), (
+        streams
+    )
 
 
 @pytest.mark.parametrize("run,prefix", RUNS)
 def test_custom_test_step_reports_one_devices_loss(runs, run, prefix):
-    """"Customizing what happens in fit": the guide's `test_step` (`compute_loss` into a `Mean` tracker, MAE).
+    """ "Customizing what happens in fit": the guide's `test_step` (`compute_loss` into a `Mean` tracker, MAE).
     `sync.evaluate` returns one device's loss (before: half of it on 2 replicas; MAE was right)."""
     one = case(runs("replicas"), "one_device/test_step")
     got = case(runs(run), prefix + "test_step")

@@ -26,7 +26,10 @@ from _spools import undelivered
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason='ray is not installed: pip install -e ".[ray]"'),
+    pytest.mark.skipif(
+        importlib.util.find_spec("ray") is None,
+        reason='ray is not installed: pip install -e ".[ray]"',
+    ),
 ]
 
 HERE = Path(__file__).parent
@@ -43,12 +46,22 @@ STEPS = {"arrays": 32, "kill": 32, "ray_data": 2 * RAY_DATA_EPOCHS}
 @pytest.fixture(scope="module")
 def ray_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("ray")
-    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "KERAS_SYNC_CONFIG", "MLFLOW_TRACKING_URI")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TF_CONFIG", "KERAS_SYNC_CONFIG", "MLFLOW_TRACKING_URI")
+    }
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     t0 = time.monotonic()
     with open(out / "driver.log", "w") as drv_log:
-        drv = subprocess.Popen([sys.executable, str(DRIVER), str(out)], env=env, cwd=out, stdout=drv_log,
-                               stderr=subprocess.STDOUT, start_new_session=True)
+        drv = subprocess.Popen(
+            [sys.executable, str(DRIVER), str(out)],
+            env=env,
+            cwd=out,
+            stdout=drv_log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             code = drv.wait(timeout=2700)
         except subprocess.TimeoutExpired:
@@ -58,19 +71,37 @@ def ray_runs(tmp_path_factory):
     assert code == 0, log[-6000:]
     # The one-process references, in one TensorFlow process after the scenarios: the Ray Data one
     # needs the order each worker's shard yielded its rows.
-    r = subprocess.run([sys.executable, str(DRIVER), str(out), "references"], env=env, cwd=out,
-                       capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [sys.executable, str(DRIVER), str(out), "references"],
+        env=env,
+        cwd=out,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    runs = {"out": out, "log": log, "seconds": time.monotonic() - t0,
-            "reference": {**json.loads((out / "reference.json").read_text()),
-                          **json.loads((out / "ray_data_reference.json").read_text())}}
+    runs = {
+        "out": out,
+        "log": log,
+        "seconds": time.monotonic() - t0,
+        "reference": {
+            **json.loads((out / "reference.json").read_text()),
+            **json.loads((out / "ray_data_reference.json").read_text()),
+        },
+    }
     for s in SCENARIOS:
-        runs[s] = {"driver": json.loads((out / s / "driver.json").read_text()),
-                   "w": [json.loads((out / s / f"w{r}.json").read_text()) for r in (0, 1)]}
-    (out / "timings.json").write_text(json.dumps({s: runs[s]["driver"] for s in SCENARIOS} | {"total": runs["seconds"]}))
-    print(f"Ray tests: {runs['seconds']:.0f} s in all; " +
-          ", ".join(f"{s} {runs[s]['driver']['seconds']:.0f} s" for s in SCENARIOS) +
-          f"; ray.init {runs['arrays']['driver']['ray_init_seconds']:.0f} s")
+        runs[s] = {
+            "driver": json.loads((out / s / "driver.json").read_text()),
+            "w": [json.loads((out / s / f"w{r}.json").read_text()) for r in (0, 1)],
+        }
+    (out / "timings.json").write_text(
+        json.dumps({s: runs[s]["driver"] for s in SCENARIOS} | {"total": runs["seconds"]})
+    )
+    print(
+        f"Ray tests: {runs['seconds']:.0f} s in all; "
+        + ", ".join(f"{s} {runs[s]['driver']['seconds']:.0f} s" for s in SCENARIOS)
+        + f"; ray.init {runs['arrays']['driver']['ray_init_seconds']:.0f} s"
+    )
     return runs
 
 
@@ -97,7 +128,9 @@ def test_trainer_succeeded_on_2_workers(ray_runs, scenario):
     assert [w["is_chief"] for w in r["w"]] == [True, False]
 
 
-@pytest.mark.parametrize("scenario, reference", [("arrays", "arrays"), ("ray_data", "ray_data"), ("kill", "arrays")])
+@pytest.mark.parametrize(
+    "scenario, reference", [("arrays", "arrays"), ("ray_data", "ray_data"), ("kill", "arrays")]
+)
 def test_weights_equal_one_process_at_the_same_global_batch(ray_runs, scenario, reference):
     for w in ray_runs[scenario]["w"]:
         assert _diff(w["weights"], ray_runs["reference"][reference]) <= SAME
@@ -112,7 +145,7 @@ def test_each_worker_trained_on_its_own_half_of_the_ray_dataset(ray_runs):
     # rows, and a whole pass). The one-process reference takes the last passes too (_ray_driver.py).
     assert all(trained <= len(s) <= trained + per_epoch for s in seen), [len(s) for s in seen]
     for e in range(RAY_DATA_EPOCHS):
-        a, b = (set(s[len(s) - trained + e * per_epoch:][:per_epoch]) for s in seen)
+        a, b = (set(s[len(s) - trained + e * per_epoch :][:per_epoch]) for s in seen)
         assert not a & b and a | b == set(range(RAY_DATA_ROWS)), e
 
 
@@ -124,11 +157,19 @@ def test_the_comparison_can_tell_the_batch_to_tf_gave(ray_runs):
 @pytest.mark.parametrize("scenario", ["arrays", "ray_data"])
 def test_replicas_train_on_different_examples(ray_runs, scenario):
     client, runs = _run(ray_runs, scenario)
-    r0 = {m.step: m.value for m in client.get_metric_history(runs[0].info.run_id, "sync/loss/replica_0")}
-    r1 = {m.step: m.value for m in client.get_metric_history(runs[0].info.run_id, "sync/loss/replica_1")}
+    r0 = {
+        m.step: m.value
+        for m in client.get_metric_history(runs[0].info.run_id, "sync/loss/replica_0")
+    }
+    r1 = {
+        m.step: m.value
+        for m in client.get_metric_history(runs[0].info.run_id, "sync/loss/replica_1")
+    }
     assert r0.keys() == r1.keys() and len(r0) == STEPS[scenario]
     same = sum(abs(r0[s] - r1[s]) <= 1e-7 for s in r0)
-    assert same == 0, f"replica losses equal at {same} of {len(r0)} steps: both workers trained on the same examples"
+    assert same == 0, (
+        f"replica losses equal at {same} of {len(r0)} steps: both workers trained on the same examples"
+    )
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)

@@ -17,9 +17,15 @@ def test_doctests():
 
 
 def test_secrets_from_uri_and_env_longest_first():
-    got = redact.secrets_of("http://alice:pa55word@127.0.0.1:5000/?token=tok-123",
-                            {"MLFLOW_TRACKING_TOKEN": "abcdef", "HOME": "/root", "MY_API_KEY": "k3y-long-value",
-                             "SOME_PASSWORD": "true"})
+    got = redact.secrets_of(
+        "http://alice:pa55word@127.0.0.1:5000/?token=tok-123",
+        {
+            "MLFLOW_TRACKING_TOKEN": "abcdef",
+            "HOME": "/root",
+            "MY_API_KEY": "k3y-long-value",
+            "SOME_PASSWORD": "true",
+        },
+    )
     assert got == ["k3y-long-value", "pa55word", "tok-123", "abcdef"]
 
 
@@ -34,7 +40,9 @@ def test_redact_text_scrubs_every_secret_and_credentials():
 _USERINFO_REGEX = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)[^/?#@\s]*@")
 _SECRET_QUERY_REGEX = re.compile(
     r"(?P<key>[?&;][^=&#\s]*(?:token|password|passwd|secret|key|sig|signature|credential|auth)"
-    r"[^=&#\s]*=)[^&#;\s]*", re.IGNORECASE)
+    r"[^=&#\s]*=)[^&#;\s]*",
+    re.IGNORECASE,
+)
 
 
 def _redact_by_regex(uri: str) -> str:
@@ -43,23 +51,51 @@ def _redact_by_regex(uri: str) -> str:
 
 
 def test_redact_uri_matches_what_the_regexes_define():
-    parts = ["a", "Z", "1", "+", ".", "-", ":", "/", "://", "@", "?", "&", ";", "=", "#", " ", "\n",
-             "TOKEN", "key", "sig", "é", "x:p@"]
+    parts = [
+        "a",
+        "Z",
+        "1",
+        "+",
+        ".",
+        "-",
+        ":",
+        "/",
+        "://",
+        "@",
+        "?",
+        "&",
+        ";",
+        "=",
+        "#",
+        " ",
+        "\n",
+        "TOKEN",
+        "key",
+        "sig",
+        "é",
+        "x:p@",
+    ]
     rng = random.Random(42)
     for _ in range(20_000):
         text = "".join(rng.choice(parts) for _ in range(rng.randint(0, 14)))
         assert redact.redact_uri(text) == _redact_by_regex(text), text
-        want = {text[q.end("key"):q.end()] for q in _SECRET_QUERY_REGEX.finditer(text)}
-        assert {s for s in redact.secrets_of(text, {}) if s in want} == {s for s in want if len(s) >= 3}, text
+        want = {text[q.end("key") : q.end()] for q in _SECRET_QUERY_REGEX.finditer(text)}
+        assert {s for s in redact.secrets_of(text, {}) if s in want} == {
+            s for s in want if len(s) >= 3
+        }, text
 
 
-@pytest.mark.parametrize("text", [
-    "a" * 200_000,                      # a scheme that never ends in ://
-    "?" * 200_000,                      # a query key that never ends in =
-    ";token" * 33_000,                  # a secret word that is never a key
-    "a://" * 50_000,                    # a scheme with no credentials, many times
-    "a" * 100_000 + "://" + "b" * 100_000,
-], ids=["letters", "question_marks", "secret_words", "schemes", "one_long_uri"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "a" * 200_000,  # a scheme that never ends in ://
+        "?" * 200_000,  # a query key that never ends in =
+        ";token" * 33_000,  # a secret word that is never a key
+        "a://" * 50_000,  # a scheme with no credentials, many times
+        "a" * 100_000 + "://" + "b" * 100_000,
+    ],
+    ids=["letters", "question_marks", "secret_words", "schemes", "one_long_uri"],
+)
 def test_redact_takes_linear_time_on_long_values(text):
     # A user's value (run name, param, error message) goes through redact_uri; the regexes above
     # took 84 s for 200,000 letters on this machine. 1 s is ~30 times the time taken now.

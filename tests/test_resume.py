@@ -14,11 +14,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from _mwr import TRAIN, kill_and_resume, max_diff, result
+
+from keras_sync.errors import UsageError
 from keras_sync.training import resume
 from keras_sync.training.resume import ResumePoint, SaveSchedule, batches_to_skip, write_dir
-from keras_sync.errors import UsageError
 
 
 def test_doctests_pass() -> None:
@@ -61,14 +61,19 @@ def test_resume_point_mid_epoch() -> None:
 
 def test_step_not_multiple_of_steps_per_execution_is_refused_with_fix() -> None:
     assert batches_to_skip(ResumePoint(1, 4, 12), steps_per_execution=2) == 4
-    with pytest.raises(UsageError, match=r"taken at step 3 of epoch 1, which is not a multiple of "
-                                         r"steps_per_execution=2\. Resume with the steps_per_execution"):
+    with pytest.raises(
+        UsageError,
+        match=r"taken at step 3 of epoch 1, which is not a multiple of "
+        r"steps_per_execution=2\. Resume with the steps_per_execution",
+    ):
         batches_to_skip(ResumePoint(1, 3, 11), steps_per_execution=2)
 
 
 def test_resume_module_imports_no_tensorflow() -> None:
     code = "import sys, keras_sync.training.resume; print('tensorflow' in sys.modules, 'keras' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
     assert out.split() == ["False", "False"]
 
 
@@ -76,7 +81,9 @@ def test_backup_callback_rejects_empty_backup_dir() -> None:
     from keras_sync.callbacks.backup import BackupAndRestore
     from keras_sync.errors import UsageError
 
-    with pytest.raises(UsageError, match=r"Invalid value for argument `backup_dir`\. Received: backup_dir=''\."):
+    with pytest.raises(
+        UsageError, match=r"Invalid value for argument `backup_dir`\. Received: backup_dir=''\."
+    ):
         BackupAndRestore("")
 
 
@@ -89,9 +96,16 @@ def test_one_process_default_strategy_sigkill_mid_epoch_resumes_exactly(tmp_path
     The model has a Dropout layer: its seed state is in the backup too, so the resumed run draws
     the masks the uninterrupted one drew (without it: weights far apart, seen in a user trial).
     """
-    cfg = {"strategy": {"kind": "default"}, "batch": {"global": 32}, "mlflow": {"enabled": False},
-           "learning_rate": {"base": 0.01}, "fault_tolerance": {"save_freq": 3}}
-    a, b, second = kill_and_resume(tmp_path, cfg, kill_at=22, timeout=120, args=("--dropout", "0.25"))
+    cfg = {
+        "strategy": {"kind": "default"},
+        "batch": {"global": 32},
+        "mlflow": {"enabled": False},
+        "learning_rate": {"base": 0.01},
+        "fault_tolerance": {"save_freq": 3},
+    }
+    a, b, second = kill_and_resume(
+        tmp_path, cfg, kill_at=22, timeout=120, args=("--dropout", "0.25")
+    )
     assert b["start"] == {"iterations": 21, "epoch": 2}  # step 21 = epoch 2 after 5 of 8 batches
     assert second.stdout.splitlines()[0] == "step 22 epoch 2 batch 5"
     assert max_diff(a["weights"], b["weights"]) <= 1e-6
@@ -101,7 +115,19 @@ def test_one_process_default_strategy_sigkill_mid_epoch_resumes_exactly(tmp_path
     plain = {k: v for k, v in cfg.items() if k != "fault_tolerance"}
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "KERAS_SYNC_CONFIG")}
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    r = subprocess.run([sys.executable, str(TRAIN), json.dumps(plain), str(tmp_path / "plain"), "--dropout", "0.25"],
-                       env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(TRAIN),
+            json.dumps(plain),
+            str(tmp_path / "plain"),
+            "--dropout",
+            "0.25",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert max_diff(a["weights"], result(tmp_path / "plain")["weights"]) == 0.0

@@ -6,10 +6,19 @@ from collections import Counter
 
 import pytest
 
-from keras_sync.tracking.retry import FIRST_BACKOFF_S, HEALTHY_AFTER, MAX_BACKOFF_S, Retrier, failure_kind, in_words
+from keras_sync.tracking.retry import (
+    FIRST_BACKOFF_S,
+    HEALTHY_AFTER,
+    MAX_BACKOFF_S,
+    Retrier,
+    failure_kind,
+    in_words,
+)
 
-_503 = ("API request to http://h/api/2.0/mlflow/runs/log-batch failed with exception HTTPConnectionPool(host='h', "
-        "port=80): Max retries exceeded with url: /api (Caused by ResponseError('too many 503 error responses'))")
+_503 = (
+    "API request to http://h/api/2.0/mlflow/runs/log-batch failed with exception HTTPConnectionPool(host='h', "
+    "port=80): Max retries exceeded with url: /api (Caused by ResponseError('too many 503 error responses'))"
+)
 
 
 class _Server:
@@ -32,14 +41,33 @@ def _retrier(**kw) -> tuple[Retrier, list[float]]:
     return Retrier(lambda e: not isinstance(e, ValueError), sleep=slept.append, **kw), slept
 
 
-@pytest.mark.parametrize("error, kind", [
-    (Exception(_503), "HTTP 503"),
-    (Exception("API request to endpoint /x failed with error code 500 != 200. Response body: 'oops'"), "HTTP 500"),
-    (Exception("Failed to establish a new connection: [Errno 111] Connection refused"), "connection refused"),
-    (Exception("API request to http://h failed with timeout exception Read timed out."), "a timeout"),
-    (Exception("('Connection aborted.', RemoteDisconnected('Remote end closed connection'))"), "a dropped connection"),
-    (OSError("disk I/O error"), "OSError"),
-])
+@pytest.mark.parametrize(
+    "error, kind",
+    [
+        (Exception(_503), "HTTP 503"),
+        (
+            Exception(
+                "API request to endpoint /x failed with error code 500 != 200. Response body: 'oops'"
+            ),
+            "HTTP 500",
+        ),
+        (
+            Exception("Failed to establish a new connection: [Errno 111] Connection refused"),
+            "connection refused",
+        ),
+        (
+            Exception("API request to http://h failed with timeout exception Read timed out."),
+            "a timeout",
+        ),
+        (
+            Exception(
+                "('Connection aborted.', RemoteDisconnected('Remote end closed connection'))"
+            ),
+            "a dropped connection",
+        ),
+        (OSError("disk I/O error"), "OSError"),
+    ],
+)
 def test_failure_kind_names_what_the_request_met(error, kind):
     assert failure_kind(error) == kind
 
@@ -104,4 +132,7 @@ def test_the_server_is_healthy_again_after_a_run_of_successes_and_the_counts_res
 
 
 def test_in_words_lists_kinds_most_first():
-    assert in_words(40, Counter({"HTTP 500": 5, "HTTP 503": 7})) == "12 of 40 requests failed: HTTP 503 (7), HTTP 500 (5)"
+    assert (
+        in_words(40, Counter({"HTTP 500": 5, "HTTP 503": 7}))
+        == "12 of 40 requests failed: HTTP 503 (7), HTTP 500 (5)"
+    )

@@ -21,11 +21,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from _ports import free_ports
 
-from keras_sync.training import saving
 from keras_sync.errors import UsageError
+from keras_sync.training import saving
 
 HERE = Path(__file__).parent
 TRAIN = HERE / "_save_train.py"
@@ -45,14 +44,37 @@ def _env(tf_config: str | None) -> dict[str, str]:
     return env
 
 
-def _start(task: int | None, workers: list[str], save_dir: Path, result_dir: Path, trace: Path) -> subprocess.Popen:
-    tf_config = json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": task}}) if workers else None
+def _start(
+    task: int | None, workers: list[str], save_dir: Path, result_dir: Path, trace: Path
+) -> subprocess.Popen:
+    tf_config = (
+        json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": task}})
+        if workers
+        else None
+    )
     cmd = [sys.executable, str(TRAIN), str(save_dir), str(result_dir)]
     if STRACE:
-        cmd = [STRACE, "-f", "-qq", "--seccomp-bpf", "-e", "trace=open,openat,openat2,creat", "-e", "signal=none",
-               "-o", str(trace), *cmd]
-    return subprocess.Popen(cmd, cwd=result_dir, env=_env(tf_config), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+        cmd = [
+            STRACE,
+            "-f",
+            "-qq",
+            "--seccomp-bpf",
+            "-e",
+            "trace=open,openat,openat2,creat",
+            "-e",
+            "signal=none",
+            "-o",
+            str(trace),
+            *cmd,
+        ]
+    return subprocess.Popen(
+        cmd,
+        cwd=result_dir,
+        env=_env(tf_config),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _run(procs: list[subprocess.Popen], timeout: float = 420) -> None:
@@ -78,8 +100,13 @@ def _traced_writes(trace: Path, save_dir: Path) -> list[str]:
 
 
 def _check(save_dir: Path) -> dict:
-    r = subprocess.run([sys.executable, str(CHECK), str(save_dir)], env=_env(None), capture_output=True, text=True,
-                       timeout=180)
+    r = subprocess.run(
+        [sys.executable, str(CHECK), str(save_dir)],
+        env=_env(None),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -98,7 +125,9 @@ def _save_run(root: Path, tasks: list[int | None], workers: list[str]) -> dict:
 
 @pytest.fixture(scope="module")
 def two_workers(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return _save_run(tmp_path_factory.mktemp("save2"), [0, 1], [f"127.0.0.1:{p}" for p in free_ports(2)])
+    return _save_run(
+        tmp_path_factory.mktemp("save2"), [0, 1], [f"127.0.0.1:{p}" for p in free_ports(2)]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -122,17 +151,25 @@ def test_non_chief_never_opens_the_users_paths_for_writing(two_workers: dict) ->
     if STRACE:
         root = two_workers["root"]
         assert _traced_writes(root / "w1.strace", two_workers["save_dir"]) == []
-        traced = {os.path.relpath(p, two_workers["save_dir"]) for p in _traced_writes(root / "w0.strace",
-                                                                                       two_workers["save_dir"])}
+        traced = {
+            os.path.relpath(p, two_workers["save_dir"])
+            for p in _traced_writes(root / "w0.strace", two_workers["save_dir"])
+        }
         assert set(USER_FILES) <= traced, traced
-        assert "keras_backup/latest.weights.h5" in traced, traced  # Keras' BackupAndRestore, chief only
+        assert "keras_backup/latest.weights.h5" in traced, (
+            traced
+        )  # Keras' BackupAndRestore, chief only
     left = sorted(p.name for p in two_workers["save_dir"].iterdir())
-    assert left == sorted(USER_FILES + USER_LOGS), left  # the backup was deleted at train end, no temporary file left
+    assert left == sorted(USER_FILES + USER_LOGS), (
+        left
+    )  # the backup was deleted at train end, no temporary file left
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_tensorboard_and_csv_logger_write_the_users_paths_on_the_chief_only(two_workers: dict) -> None:
+def test_tensorboard_and_csv_logger_write_the_users_paths_on_the_chief_only(
+    two_workers: dict,
+) -> None:
     # Before: every worker wrote its own event files into tb/train and tb/validation (each point
     # shown twice) and both opened log.csv for writing.
     w0, w1, save_dir = two_workers["w0"], two_workers["w1"], two_workers["save_dir"]
@@ -140,21 +177,30 @@ def test_tensorboard_and_csv_logger_write_the_users_paths_on_the_chief_only(two_
     for path in w1["callback_paths"].values():  # a temporary place, deleted when fit ended
         assert not path.startswith(str(save_dir)) and saving.TEMP_PREFIX in path, path
     assert w1["callback_paths_left"] == {"tb": False, "csv": False}
-    assert str(save_dir / "log.csv") in w0["python_opens"]  # the control: the hook sees the chief's writes
-    events = {d: sorted(p.name for p in (save_dir / "tb" / d).iterdir()) for d in ("train", "validation")}
-    assert all(len(files) == 1 and files[0].startswith("events.out.tfevents.") for files in events.values()), events
+    assert (
+        str(save_dir / "log.csv") in w0["python_opens"]
+    )  # the control: the hook sees the chief's writes
+    events = {
+        d: sorted(p.name for p in (save_dir / "tb" / d).iterdir()) for d in ("train", "validation")
+    }
+    assert all(
+        len(files) == 1 and files[0].startswith("events.out.tfevents.") for files in events.values()
+    ), events
     rows = (save_dir / "log.csv").read_text().splitlines()
     assert rows[0].split(",")[0] == "epoch" and len(rows) == 1 + EPOCHS, rows
     # The run-time check: a callback keras-sync does not know (it writes results/scribble.txt on every
     # worker) is named on the other worker, and nothing else there is (the known ones wrote to temp).
     assert w0["write_warnings"] == [], w0["write_warnings"]
     assert len(w1["write_warnings"]) == 1 and w1["write_warnings"][0].startswith(
-        "keras-sync: this worker is not the chief, yet it opened "), w1["write_warnings"]
+        "keras-sync: this worker is not the chief, yet it opened "
+    ), w1["write_warnings"]
     assert "scribble.txt for writing during fit" in w1["write_warnings"][0]
     if STRACE:  # C++ writes too (TensorBoard's event files): the other worker opened none under the user's dir
         assert _traced_writes(two_workers["root"] / "w1.strace", save_dir) == []
-        traced = {os.path.relpath(p, save_dir).split(os.sep)[0] for p in _traced_writes(two_workers["root"] / "w0.strace",
-                                                                                         save_dir)}
+        traced = {
+            os.path.relpath(p, save_dir).split(os.sep)[0]
+            for p in _traced_writes(two_workers["root"] / "w0.strace", save_dir)
+        }
         assert set(USER_LOGS) <= traced, traced
 
 
@@ -176,7 +222,9 @@ def test_saved_files_load_and_predict_like_the_trained_model(two_workers: dict) 
 def test_one_worker_writes_the_same_files(one_worker: dict, two_workers: dict) -> None:
     w0 = one_worker["w0"]
     assert w0["is_chief"] and w0["num_workers"] == 1
-    assert sorted(p.name for p in one_worker["save_dir"].iterdir()) == sorted(USER_FILES + USER_LOGS)
+    assert sorted(p.name for p in one_worker["save_dir"].iterdir()) == sorted(
+        USER_FILES + USER_LOGS
+    )
     for name in USER_FILES:
         assert not isinstance(one_worker["loaded"][name], str), one_worker["loaded"][name]
     # Same global batch and rate: one worker trains the model two workers do.
@@ -188,7 +236,10 @@ class _NotAModel:
 
 
 def test_save_rejects_what_is_not_a_model() -> None:
-    with pytest.raises(UsageError, match=r"argument `model` of sync.save. Received: _NotAModel. Expected a Keras model"):
+    with pytest.raises(
+        UsageError,
+        match=r"argument `model` of sync.save. Received: _NotAModel. Expected a Keras model",
+    ):
         saving.save(_NotAModel(), "m.keras")
 
 
@@ -201,7 +252,9 @@ class _Saveable:
 
 @pytest.mark.parametrize("bad", ["", None, 3])
 def test_save_rejects_a_bad_path(bad: object) -> None:
-    with pytest.raises(UsageError, match=r"argument `filepath` of sync.save. Received: filepath=.*Expected a path"):
+    with pytest.raises(
+        UsageError, match=r"argument `filepath` of sync.save. Received: filepath=.*Expected a path"
+    ):
         saving.save(_Saveable(), bad)
 
 
@@ -211,5 +264,7 @@ def test_write_target_is_the_users_path_without_a_multi_worker_strategy(tmp_path
 
 
 def test_backup_guard_refuses_a_keras_without_the_hooks_it_relies_on() -> None:
-    with pytest.raises(UsageError, match=r"has no `_save_model`/`_weights_path`.*Fix: use keras-sync's backup"):
+    with pytest.raises(
+        UsageError, match=r"has no `_save_model`/`_weights_path`.*Fix: use keras-sync's backup"
+    ):
         saving._non_chief_backup(object())

@@ -8,8 +8,8 @@ import math
 import pytest
 
 import keras_sync
-from keras_sync.training import scaling
 from keras_sync.errors import ScalingError
+from keras_sync.training import scaling
 
 
 def test_doctests_hold():
@@ -18,12 +18,21 @@ def test_doctests_hold():
 
 
 def test_goyal_example_base_256_to_8192():
-    assert keras_sync.scale_learning_rate(0.1, global_batch_size=8192, base_batch_size=256, rule="linear") == 3.2
+    assert (
+        keras_sync.scale_learning_rate(
+            0.1, global_batch_size=8192, base_batch_size=256, rule="linear"
+        )
+        == 3.2
+    )
 
 
-@pytest.mark.parametrize("rule, expected", [("linear", 0.4), ("sqrt", 0.2), ("none", 0.1), ("SQRT", 0.2)])
+@pytest.mark.parametrize(
+    "rule, expected", [("linear", 0.4), ("sqrt", 0.2), ("none", 0.1), ("SQRT", 0.2)]
+)
 def test_rules(rule, expected):
-    assert scaling.scale_learning_rate(0.1, global_batch_size=1024, base_batch_size=256, rule=rule) == pytest.approx(expected)
+    assert scaling.scale_learning_rate(
+        0.1, global_batch_size=1024, base_batch_size=256, rule=rule
+    ) == pytest.approx(expected)
 
 
 def test_every_rule_a_config_accepts_is_applied():
@@ -31,7 +40,10 @@ def test_every_rule_a_config_accepts_is_applied():
     # without its maths fails now, not at a user's first run.
     from keras_sync.config import LR_RULES
 
-    got = {r: scaling.scale_learning_rate(0.1, global_batch_size=1024, base_batch_size=256, rule=r) for r in LR_RULES}
+    got = {
+        r: scaling.scale_learning_rate(0.1, global_batch_size=1024, base_batch_size=256, rule=r)
+        for r in LR_RULES
+    }
     assert got == pytest.approx({"linear": 0.4, "sqrt": 0.2, "none": 0.1})
 
 
@@ -46,26 +58,46 @@ def test_batch_sizes_both_ways():
 
 
 def test_global_not_divisible_names_key_and_fix():
-    with pytest.raises(ScalingError, match=r"batch.global. Received: global=100 with 3 replicas. Expected a "
-                                           r"multiple of 3 .* use 99 or 102"):
+    with pytest.raises(
+        ScalingError,
+        match=r"batch.global. Received: global=100 with 3 replicas. Expected a "
+        r"multiple of 3 .* use 99 or 102",
+    ):
         scaling.per_replica_batch_size(100, 3)
     with pytest.raises(ScalingError, match="use 4"):
         scaling.per_replica_batch_size(2, 4)
 
 
-@pytest.mark.parametrize("kwargs, pattern", [
-    (dict(base_lr=0, global_batch_size=8, base_batch_size=8, rule="linear"), "Received: base_lr=0"),
-    (dict(base_lr=float("nan"), global_batch_size=8, base_batch_size=8, rule="linear"), "base_lr=nan"),
-    (dict(base_lr=0.1, global_batch_size=0, base_batch_size=8, rule="linear"), "global_batch_size=0"),
-    (dict(base_lr=0.1, global_batch_size=8, base_batch_size=8, rule="cubic"), "rule='cubic'. Expected one of linear, sqrt, none"),
-])
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        (
+            dict(base_lr=0, global_batch_size=8, base_batch_size=8, rule="linear"),
+            "Received: base_lr=0",
+        ),
+        (
+            dict(base_lr=float("nan"), global_batch_size=8, base_batch_size=8, rule="linear"),
+            "base_lr=nan",
+        ),
+        (
+            dict(base_lr=0.1, global_batch_size=0, base_batch_size=8, rule="linear"),
+            "global_batch_size=0",
+        ),
+        (
+            dict(base_lr=0.1, global_batch_size=8, base_batch_size=8, rule="cubic"),
+            "rule='cubic'. Expected one of linear, sqrt, none",
+        ),
+    ],
+)
 def test_bad_arguments(kwargs, pattern):
     with pytest.raises(ScalingError, match=pattern):
         scaling.scale_learning_rate(kwargs.pop("base_lr"), **kwargs)
 
 
 def test_warmup_equal_increments_then_peak():
-    lrs = [scaling.warmup_learning_rate(s, start_lr=0.1, peak_lr=3.2, warmup_steps=5) for s in range(8)]
+    lrs = [
+        scaling.warmup_learning_rate(s, start_lr=0.1, peak_lr=3.2, warmup_steps=5) for s in range(8)
+    ]
     steps = [b - a for a, b in zip(lrs, lrs[1:6])]
     assert lrs[0] == 0.1 and lrs[5:] == [3.2, 3.2, 3.2]
     assert all(d == pytest.approx((3.2 - 0.1) / 5) for d in steps)

@@ -11,16 +11,18 @@ from typing import Any
 import pytest
 import yaml
 
-from keras_sync.config import load_config
-from keras_sync.errors import ConfigError
-from keras_sync.config.kinds import STRATEGY_KINDS
 from keras_sync.cli.scaffold import render_config
+from keras_sync.config import load_config
+from keras_sync.config.kinds import STRATEGY_KINDS
 from keras_sync.config.schema import config_schema
+from keras_sync.errors import ConfigError
 
 try:
     import jsonschema
 except ImportError:  # pragma: no cover - an old venv
-    raise ImportError("tests/test_schema.py needs jsonschema, in the test extra: pip install -e '.[test]'") from None
+    raise ImportError(
+        "tests/test_schema.py needs jsonschema, in the test extra: pip install -e '.[test]'"
+    ) from None
 
 KERAS_SYNC = str(Path(sys.executable).with_name("keras-sync"))
 BAD_CONFIGS = Path(__file__).parent / "fixtures" / "bad_configs"
@@ -42,7 +44,9 @@ def validator(schema: dict[str, Any]) -> jsonschema.Draft202012Validator:
 
 
 def _errors(validator: jsonschema.Draft202012Validator, data: Any) -> list[str]:
-    return sorted(f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(data))
+    return sorted(
+        f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(data)
+    )
 
 
 def test_schema_is_a_valid_draft_2020_12_schema(schema: dict[str, Any]) -> None:
@@ -71,10 +75,20 @@ def test_every_template_is_valid(validator: jsonschema.Draft202012Validator, kin
     assert _errors(validator, yaml.safe_load(render_config(kind, 64))) == []
 
 
-@pytest.mark.parametrize("text", ["batch: {shard_policy: off}", "batch: {drop_remainder: false}",
-                                  "fault_tolerance: {save_freq: 100}", "strategy: {devices: ['/cpu:0']}",
-                                  "learning_rate: {warmup_epochs: 0.5}", "mlflow: null"])
-def test_values_the_loader_accepts_are_valid(validator: jsonschema.Draft202012Validator, text: str) -> None:
+@pytest.mark.parametrize(
+    "text",
+    [
+        "batch: {shard_policy: off}",
+        "batch: {drop_remainder: false}",
+        "fault_tolerance: {save_freq: 100}",
+        "strategy: {devices: ['/cpu:0']}",
+        "learning_rate: {warmup_epochs: 0.5}",
+        "mlflow: null",
+    ],
+)
+def test_values_the_loader_accepts_are_valid(
+    validator: jsonschema.Draft202012Validator, text: str
+) -> None:
     data = yaml.safe_load(text)
     load_config(data, environ={})
     assert _errors(validator, data) == []
@@ -82,7 +96,8 @@ def test_values_the_loader_accepts_are_valid(validator: jsonschema.Draft202012Va
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in BAD_CONFIGS.glob("*.yaml")))
 def test_bad_fixtures_are_rejected_by_the_loader_and_by_the_schema_where_it_can_see(
-        validator: jsonschema.Draft202012Validator, name: str) -> None:
+    validator: jsonschema.Draft202012Validator, name: str
+) -> None:
     path = BAD_CONFIGS / f"{name}.yaml"
     with pytest.raises(ConfigError):
         load_config(path, environ={})
@@ -92,14 +107,24 @@ def test_bad_fixtures_are_rejected_by_the_loader_and_by_the_schema_where_it_can_
         assert name in LOADER_ONLY  # no YAML data for an editor to check
         return
     if name in LOADER_ONLY:
-        assert data is None or _errors(validator, data) == [], "the schema now sees it: move it out of LOADER_ONLY"
+        assert data is None or _errors(validator, data) == [], (
+            "the schema now sees it: move it out of LOADER_ONLY"
+        )
     else:
         assert _errors(validator, data) != []
 
 
 def test_each_bad_key_is_one_schema_error(validator: jsonschema.Draft202012Validator) -> None:
-    errors = _errors(validator, {"strategy": {"kind": "gpu", "simulated_cpu_replicas": "two"},
-                                 "batch": {"per_replca": 64}, "learning_rate": {"base": 0}})
+    errors = _errors(
+        validator,
+        {
+            "strategy": {"kind": "gpu", "simulated_cpu_replicas": "two"},
+            "batch": {"per_replca": 64},
+            "learning_rate": {"base": 0},
+        },
+    )
     assert len(errors) == 4, errors
-    assert any(e.startswith("batch: Additional properties are not allowed ('per_replca'") for e in errors)
+    assert any(
+        e.startswith("batch: Additional properties are not allowed ('per_replca'") for e in errors
+    )
     assert any(e.startswith("strategy.kind: 'gpu' is not one of") for e in errors)

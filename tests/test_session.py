@@ -16,7 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.slow  # starts TensorFlow processes; the fast lane is `pytest -m "not slow"`
+pytestmark = (
+    pytest.mark.slow
+)  # starts TensorFlow processes; the fast lane is `pytest -m "not slow"`
 
 HERE = Path(__file__).parent
 COUNTS = (1, 2, 4)
@@ -55,9 +57,17 @@ def runs(request, tmp_path_factory):
     wanted = wanted_cases(request, "runs", NEEDS)
     if wanted is not None:
         env[WANTED_ENV] = wanted
-    procs = {n: subprocess.Popen([sys.executable, str(HERE / "_core_scenarios.py"), str(n), str(out)],
-                                 cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for n in (2, 4)}  # the 2-replica process runs the one-device pass after its own
+    procs = {
+        n: subprocess.Popen(
+            [sys.executable, str(HERE / "_core_scenarios.py"), str(n), str(out)],
+            cwd=out,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for n in (2, 4)
+    }  # the 2-replica process runs the one-device pass after its own
     for n, proc in procs.items():
         log, _ = proc.communicate(timeout=480)
         assert proc.returncode == 0, f"scenario process {n} failed:\n{log[-4000:]}"
@@ -113,7 +123,7 @@ def test_model_outside_scope_is_refused(runs, n):
     assert runs[n]["outside_scope"] == {
         "error": "UsageError",
         "message": f"The model was built outside sync.scope(), so sync.fit cannot distribute it over {n} replicas. "
-                   "Fix: create and compile the model inside `with sync.scope():`.",
+        "Fix: create and compile the model inside `with sync.scope():`.",
     }
 
 
@@ -121,8 +131,9 @@ def test_batch_size_zero_is_refused(runs):
     # A valid batch_size (the global batch, as Keras reads it under a tf.distribute strategy, with its
     # warning) is tests/test_epoch.py::test_batch_size_argument_is_the_global_batch, which also
     # compares the weights with one device's.
-    assert runs[2]["bad_batch_size"]["message"].startswith("Invalid value for argument `batch_size` of sync.fit. "
-                                                           "Received: batch_size=0.")
+    assert runs[2]["bad_batch_size"]["message"].startswith(
+        "Invalid value for argument `batch_size` of sync.fit. Received: batch_size=0."
+    )
 
 
 @pytest.mark.parametrize("n", COUNTS)
@@ -145,9 +156,13 @@ def test_cross_device_ops_reach_tensorflow(runs):
     ops = runs[2]["cross_device_ops"]
     assert ops["hierarchical_copy"]["ops"] == "HierarchicalCopyAllReduce"
     assert ops["reduction_to_one"]["ops"] == "ReductionToOneDevice"
-    assert ops["auto"]["ops"] == "ReductionToOneDevice"  # CPU-only host: see strategy._cross_device_ops
+    assert (
+        ops["auto"]["ops"] == "ReductionToOneDevice"
+    )  # CPU-only host: see strategy._cross_device_ops
     assert all(v["max_diff"] <= 1e-5 for v in ops.values())
-    assert runs[2]["nccl_on_cpu"]["message"].startswith("strategy.cross_device_ops='nccl' needs GPUs")
+    assert runs[2]["nccl_on_cpu"]["message"].startswith(
+        "strategy.cross_device_ops='nccl' needs GPUs"
+    )
 
 
 def test_fit_does_not_wait_for_the_iterators_it_drops(runs):
@@ -156,7 +171,9 @@ def test_fit_does_not_wait_for_the_iterators_it_drops(runs):
     # (keras_fixes.RELEASER). Before: fit blocked there for the wait's 30 s, and each wait was False.
     r = runs[2]["iterator_release"]
     assert "waited" in r, r
-    assert r["waited"] and all(r["waited"]) and r["released"] and r["iterations"] == 8 + 2 * 640 // 64, r
+    assert (
+        r["waited"] and all(r["waited"]) and r["released"] and r["iterations"] == 8 + 2 * 640 // 64
+    ), r
     # Every distributed iterator fit made is destroyed, none on the training thread (the one
     # fit's loop kept in a local was, before: destroyed_on ended with "MainThread").
     assert len(r["destroyed_on"]) >= 2 and "MainThread" not in r["destroyed_on"], r
@@ -165,19 +182,24 @@ def test_fit_does_not_wait_for_the_iterators_it_drops(runs):
 def test_devices_are_checked(runs):
     assert runs[4]["unknown_device"]["message"] == (
         "Invalid value for strategy.devices. Received: '/gpu:7'. Expected devices TensorFlow sees here: "
-        "CPU:0, CPU:1, CPU:2, CPU:3.")
+        "CPU:0, CPU:1, CPU:2, CPU:3."
+    )
     assert runs[4]["explicit_devices"] == 2
 
 
 def test_global_batch_must_divide(runs):
     assert runs[4]["global_not_divisible"]["message"].startswith(
-        "Invalid value for batch.global. Received: global=63 with 4 replicas.")
+        "Invalid value for batch.global. Received: global=63 with 4 replicas."
+    )
 
 
 def test_load_after_tensorflow_started_says_so(runs):
     r = runs[1]["too_late"]
     assert r["error"] == "StrategyError"
-    assert "TensorFlow has already initialised its devices in this process. Call keras_sync.load() first" in r["message"]
+    assert (
+        "TensorFlow has already initialised its devices in this process. Call keras_sync.load() first"
+        in r["message"]
+    )
 
 
 def test_tpu_fails_fast_naming_the_address(runs):

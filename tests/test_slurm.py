@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 
 import pytest
-
 from _mwr import TRAIN, max_diff, result
 from _spools import deliver_leftovers
+
 from keras_sync.cluster.preemption import PREEMPTED_EXIT_CODE
 
 pytestmark = pytest.mark.slow
@@ -38,7 +38,9 @@ STEPS = 2 * 8  # 2 epochs x 256 samples / global batch 32
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory: pytest.TempPathFactory):
     d = tmp_path_factory.mktemp("slurm")
-    r = subprocess.run(["bash", str(SETUP), "start", str(d)], capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        ["bash", str(SETUP), "start", str(d)], capture_output=True, text=True, timeout=600
+    )
     try:
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
         yield {**os.environ, "SLURM_CONF": str(d / "slurm.conf")}
@@ -47,7 +49,11 @@ def slurm(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _env(base: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in base.items() if k not in ("TF_CONFIG", "KERAS_SYNC_CONFIG", "MLFLOW_TRACKING_URI")}
+    env = {
+        k: v
+        for k, v in base.items()
+        if k not in ("TF_CONFIG", "KERAS_SYNC_CONFIG", "MLFLOW_TRACKING_URI")
+    }
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     return env
 
@@ -57,18 +63,45 @@ def uninterrupted(slurm: dict, tmp_module: Path) -> dict:
     """`srun -n 2` of the training script (MLflow on), and one process alone beside it."""
     uri = f"sqlite:///{tmp_module / 'mlflow.db'}"
     common = {"batch": {"global": 32}, "learning_rate": {"base": 0.01, "base_batch_size": 32}}
-    job = {**common, "strategy": {"kind": "auto", "cluster": "slurm", "connect_timeout_s": 120},
-           "mlflow": {"enabled": True, "tracking_uri": uri, "experiment": "slurm", "log_every_n_steps": 1}}
+    job = {
+        **common,
+        "strategy": {"kind": "auto", "cluster": "slurm", "connect_timeout_s": 120},
+        "mlflow": {
+            "enabled": True,
+            "tracking_uri": uri,
+            "experiment": "slurm",
+            "log_every_n_steps": 1,
+        },
+    }
     one = {**common, "strategy": {"kind": "multi_worker_mirrored"}, "mlflow": {"enabled": False}}
     from mlflow import MlflowClient
 
-    MlflowClient(uri).create_experiment("slurm")  # the store exists before the job, as a tracking server would
-    alone = subprocess.Popen([sys.executable, str(TRAIN), json.dumps(one), str(tmp_module / "one"), "--epochs", "2"],
-                             env=_env(dict(os.environ)), cwd=tmp_module, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
-    srun = [_slurm_command(slurm, "srun"), "-n", "2", "--kill-on-bad-exit=1",
-            sys.executable, str(TRAIN), json.dumps(job), str(tmp_module / "job"), "--epochs", "2"]
-    r = subprocess.run(srun, env=_env(slurm), cwd=tmp_module, capture_output=True, text=True, timeout=600)
+    MlflowClient(uri).create_experiment(
+        "slurm"
+    )  # the store exists before the job, as a tracking server would
+    alone = subprocess.Popen(
+        [sys.executable, str(TRAIN), json.dumps(one), str(tmp_module / "one"), "--epochs", "2"],
+        env=_env(dict(os.environ)),
+        cwd=tmp_module,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    srun = [
+        _slurm_command(slurm, "srun"),
+        "-n",
+        "2",
+        "--kill-on-bad-exit=1",
+        sys.executable,
+        str(TRAIN),
+        json.dumps(job),
+        str(tmp_module / "job"),
+        "--epochs",
+        "2",
+    ]
+    r = subprocess.run(
+        srun, env=_env(slurm), cwd=tmp_module, capture_output=True, text=True, timeout=600
+    )
     alone_log = alone.communicate(timeout=600)[0]
     return {"srun": r, "alone": (alone.returncode, alone_log), "uri": uri, "dir": tmp_module}
 
@@ -80,7 +113,11 @@ def _slurm_command(slurm: dict, name: str) -> str:
 @pytest.mark.timeout(900)
 def test_srun_two_tasks_train_as_two_workers_like_one_process(uninterrupted: dict) -> None:
     host = socket.gethostname().split(".")[0]  # SLURM_STEP_NODELIST: the node's short name
-    r, (alone_code, alone_log), tmp = uninterrupted["srun"], uninterrupted["alone"], uninterrupted["dir"]
+    r, (alone_code, alone_log), tmp = (
+        uninterrupted["srun"],
+        uninterrupted["alone"],
+        uninterrupted["dir"],
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert alone_code == 0, alone_log[-3000:]
 
@@ -106,7 +143,10 @@ def test_srun_two_tasks_train_as_two_workers_like_one_process(uninterrupted: dic
     runs = client.search_runs([client.get_experiment_by_name("slurm").experiment_id])
     assert [run.info.status for run in runs] == ["FINISHED"]  # one run: the chief's (task 0)
     for replica in (0, 1):
-        steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, f"sync/loss/replica_{replica}")]
+        steps = [
+            m.step
+            for m in client.get_metric_history(runs[0].info.run_id, f"sync/loss/replica_{replica}")
+        ]
         assert sorted(steps) == list(range(1, STEPS + 1)), (replica, steps)
     assert "Traceback" not in r.stderr and "unhealthy" not in r.stderr, r.stderr[-3000:]
 
@@ -126,13 +166,30 @@ class Job:
 
     def __init__(self, slurm: dict, cwd: Path, name: str, train_args: list[str]):
         script = cwd / f"{name}.sh"
-        script.write_text("#!/bin/bash\n" + shlex.join(["srun", "-l", sys.executable, str(TRAIN), *train_args]) + "\n")
+        script.write_text(
+            "#!/bin/bash\n"
+            + shlex.join(["srun", "-l", sys.executable, str(TRAIN), *train_args])
+            + "\n"
+        )
         self.output = cwd / f"{name}.out"
         self.slurm = slurm
-        self.proc = subprocess.Popen([_slurm_command(slurm, "sbatch"), "--parsable", "--wait", "-n", "2",
-                                      "-o", str(self.output), str(script)],
-                                     env=_env(slurm), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True)
+        self.proc = subprocess.Popen(
+            [
+                _slurm_command(slurm, "sbatch"),
+                "--parsable",
+                "--wait",
+                "-n",
+                "2",
+                "-o",
+                str(self.output),
+                str(script),
+            ],
+            env=_env(slurm),
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         assert self.proc.stdout is not None
         self.id = self.proc.stdout.readline().strip().split(";")[0]
         assert self.id.isdigit(), self.proc.communicate(timeout=60)
@@ -144,8 +201,12 @@ class Job:
         """Until every line of ``lines`` is in the job's output (polled: Slurm writes it to a file)."""
         deadline = time.monotonic() + timeout
         while not lines <= set(self.log().splitlines()):
-            assert self.proc.poll() is None, f"the job ended ({self.proc.returncode}) first:\n{self.log()[-3000:]}"
-            assert time.monotonic() < deadline, f"no {sorted(lines)} within {timeout:g} s:\n{self.log()[-3000:]}"
+            assert self.proc.poll() is None, (
+                f"the job ended ({self.proc.returncode}) first:\n{self.log()[-3000:]}"
+            )
+            assert time.monotonic() < deadline, (
+                f"no {sorted(lines)} within {timeout:g} s:\n{self.log()[-3000:]}"
+            )
             time.sleep(0.1)
 
     def wait(self, timeout: float = 600) -> int:
@@ -154,14 +215,18 @@ class Job:
 
     def cancel(self) -> None:
         if self.proc.poll() is None:
-            subprocess.run([_slurm_command(self.slurm, "scancel"), self.id], env=_env(self.slurm), timeout=60)
+            subprocess.run(
+                [_slurm_command(self.slurm, "scancel"), self.id], env=_env(self.slurm), timeout=60
+            )
             self.proc.communicate(timeout=120)
 
 
 def _task_exit_codes(log: str) -> dict[int, int]:
     """srun's own report: `srun: error: NODE: tasks 0-1: Exited with exit code 143` (or one line per task)."""
     codes = {}
-    for tasks, code in re.findall(r"^srun: error: \S+: tasks? ([\d,-]+): Exited with exit code (\d+)$", log, re.M):
+    for tasks, code in re.findall(
+        r"^srun: error: \S+: tasks? ([\d,-]+): Exited with exit code (\d+)$", log, re.M
+    ):
         for part in tasks.split(","):
             lo, _, hi = part.partition("-")
             codes.update({t: int(code) for t in range(int(lo), int(hi or lo) + 1)})
@@ -177,7 +242,9 @@ def _processes_of_job(job_id: str) -> list[str]:
         try:
             environ = (entry / "environ").read_bytes().split(b"\0")
             if f"SLURM_JOB_ID={job_id}".encode() in environ:
-                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                cmdline = (
+                    (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                )
                 found.append(f"{entry.name}: {cmdline[:200]}")
         except OSError:  # it ended while we looked
             continue
@@ -194,19 +261,36 @@ def _nothing_left(job_id: str, timeout: float = 60) -> list[str]:
 
 @pytest.mark.timeout(1500)
 def test_scancel_signal_term_mid_epoch_saves_on_both_tasks_and_the_resubmitted_job_resumes_exactly(
-        slurm: dict, tmp_module: Path, uninterrupted: dict, tmp_path: Path) -> None:
+    slurm: dict, tmp_module: Path, uninterrupted: dict, tmp_path: Path
+) -> None:
     assert uninterrupted["srun"].returncode == 0, uninterrupted["srun"].stderr[-3000:]
     uri, backup = f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "backup"
     from mlflow import MlflowClient
 
     client = MlflowClient(uri)
     exp_id = client.create_experiment("slurm-preempted")
-    cfg = {"batch": {"global": 32}, "learning_rate": {"base": 0.01, "base_batch_size": 32},
-           "strategy": {"kind": "auto", "cluster": "slurm", "connect_timeout_s": 120},
-           "mlflow": {"enabled": True, "tracking_uri": uri, "experiment": "slurm-preempted", "log_every_n_steps": 1},
-           "fault_tolerance": {"backup_dir": str(backup), "save_freq": "epoch"}}
-    args = [json.dumps(cfg), str(tmp_path / "job"), "--epochs", "2", "--hold-at", str(HOLD_AT),
-            "--marker", str(tmp_path / "held")]
+    cfg = {
+        "batch": {"global": 32},
+        "learning_rate": {"base": 0.01, "base_batch_size": 32},
+        "strategy": {"kind": "auto", "cluster": "slurm", "connect_timeout_s": 120},
+        "mlflow": {
+            "enabled": True,
+            "tracking_uri": uri,
+            "experiment": "slurm-preempted",
+            "log_every_n_steps": 1,
+        },
+        "fault_tolerance": {"backup_dir": str(backup), "save_freq": "epoch"},
+    }
+    args = [
+        json.dumps(cfg),
+        str(tmp_path / "job"),
+        "--epochs",
+        "2",
+        "--hold-at",
+        str(HOLD_AT),
+        "--marker",
+        str(tmp_path / "held"),
+    ]
 
     first = Job(slurm, tmp_path, "first", args)
     try:
@@ -214,8 +298,12 @@ def test_scancel_signal_term_mid_epoch_saves_on_both_tasks_and_the_resubmitted_j
         # No --full/--batch: the signal goes to every process of the job's steps (both tasks and
         # the chief's MLflow courier), not to the batch shell or srun (see the README's Slurm part).
         signalled = time.monotonic()
-        subprocess.run([_slurm_command(slurm, "scancel"), "--signal=TERM", first.id], env=_env(slurm),
-                       check=True, timeout=60)
+        subprocess.run(
+            [_slurm_command(slurm, "scancel"), "--signal=TERM", first.id],
+            env=_env(slurm),
+            check=True,
+            timeout=60,
+        )
         code = first.wait()
         took = time.monotonic() - signalled
     finally:
@@ -224,10 +312,14 @@ def test_scancel_signal_term_mid_epoch_saves_on_both_tasks_and_the_resubmitted_j
     assert code == PREEMPTED_EXIT_CODE, log[-4000:]  # the batch script's code: srun's, the tasks'
     assert _task_exit_codes(log) == {0: PREEMPTED_EXIT_CODE, 1: PREEMPTED_EXIT_CODE}, log[-4000:]
     # Both tasks had the signal before step 12: they agree on saving after step 13 (epoch 2, batch 5).
-    assert f"0: keras-sync: SIGTERM: saved a backup in {backup} at epoch 2, after batch 5 (optimizer step 13); " \
-           "exiting with code 143. Relaunch the job to resume from there." in log.splitlines(), log[-4000:]
+    assert (
+        f"0: keras-sync: SIGTERM: saved a backup in {backup} at epoch 2, after batch 5 (optimizer step 13); "
+        "exiting with code 143. Relaunch the job to resume from there." in log.splitlines()
+    ), log[-4000:]
     assert "Traceback" not in log and "courier process exited" not in log, log[-4000:]
-    assert took < 300, took  # the whole job's end as sbatch --wait sees it (it polls the controller)
+    assert took < 300, (
+        took
+    )  # the whole job's end as sbatch --wait sees it (it polls the controller)
     assert _nothing_left(first.id) == []
     (run,) = client.search_runs([exp_id])
     assert run.info.status == "KILLED"  # preempted: the relaunch continues this run
@@ -239,10 +331,16 @@ def test_scancel_signal_term_mid_epoch_saves_on_both_tasks_and_the_resubmitted_j
         second.cancel()
     log = second.log()
     assert code == 0, log[-4000:]
-    assert (f"0: keras-sync: resumed from the backup in {backup}: epoch 2, after batch 5 (optimizer step 13)"
-            in log.splitlines()), log[-4000:]
+    assert (
+        f"0: keras-sync: resumed from the backup in {backup}: epoch 2, after batch 5 (optimizer step 13)"
+        in log.splitlines()
+    ), log[-4000:]
     trained = [line for line in log.splitlines() if line.startswith("0: step ")]
-    assert trained == ["0: step 14 epoch 1 batch 5", "0: step 15 epoch 1 batch 6", "0: step 16 epoch 1 batch 7"]
+    assert trained == [
+        "0: step 14 epoch 1 batch 5",
+        "0: step 15 epoch 1 batch 6",
+        "0: step 16 epoch 1 batch 7",
+    ]
     reference = uninterrupted["dir"] / "job"
     for t in (0, 1):
         resumed = result(tmp_path / "job", t)
@@ -256,5 +354,8 @@ def test_scancel_signal_term_mid_epoch_saves_on_both_tasks_and_the_resubmitted_j
     (again,) = client.search_runs([exp_id])
     assert again.info.run_id == run.info.run_id and again.info.status == "FINISHED"
     for replica in (0, 1):
-        steps = [m.step for m in client.get_metric_history(run.info.run_id, f"sync/loss/replica_{replica}")]
+        steps = [
+            m.step
+            for m in client.get_metric_history(run.info.run_id, f"sync/loss/replica_{replica}")
+        ]
         assert sorted(steps) == list(range(1, STEPS + 1)), (replica, steps)

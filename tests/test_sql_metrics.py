@@ -29,8 +29,10 @@ def _new_run(tmp_path, name):
 def _rows(db):
     with sqlite3.connect(db) as con:
         cols = "key, value, timestamp, step, is_nan"
-        return (sorted(con.execute(f"SELECT {cols} FROM metrics")),
-                sorted(con.execute(f"SELECT {cols} FROM latest_metrics")))
+        return (
+            sorted(con.execute(f"SELECT {cols} FROM metrics")),
+            sorted(con.execute(f"SELECT {cols} FROM latest_metrics")),
+        )
 
 
 def _batches():
@@ -43,17 +45,25 @@ def _batches():
         batch = []
         for s in range(40):
             step = b * 40 + s
-            batch.append(Metric("sync/loss/replica_0", 0.5 - step * 1e-3, 1_700_000_000_000 + step, step))
+            batch.append(
+                Metric("sync/loss/replica_0", 0.5 - step * 1e-3, 1_700_000_000_000 + step, step)
+            )
             batch.append(Metric("odd", special[step % 5], 1_700_000_000_000 + step, step))
             # steps that go back down: the latest is the greatest step, not the last point sent
             batch.append(Metric("back", float(step), 1_700_000_000_000 + step, 500 - step))
             # one step, many timestamps and values (repeated within a batch, stored once): ties broken by
             # timestamp, then by value
-            batch.append(Metric("same_step", float(step % 7), 1_700_000_000_000 + b * 3 + step % 3, 7))
-            batch.append(Metric("user metric-1.x/y", float(step), 1_700_000_000_000, step))  # MLflow allows these
+            batch.append(
+                Metric("same_step", float(step % 7), 1_700_000_000_000 + b * 3 + step % 3, 7)
+            )
+            batch.append(
+                Metric("user metric-1.x/y", float(step), 1_700_000_000_000, step)
+            )  # MLflow allows these
         out.append(batch)
     # A batch whose points are all older than the latest held: the latest rows must not move.
-    out.append([Metric("back", -5.0, 1_600_000_000_000, 0), Metric("sync/loss/replica_0", 9.0, 1, 3)])
+    out.append(
+        [Metric("back", -5.0, 1_600_000_000_000, 0), Metric("sync/loss/replica_0", 9.0, 1, 3)]
+    )
     return out
 
 
@@ -65,13 +75,19 @@ def test_rows_and_latest_values_are_those_of_mlflows_log_batch(tmp_path):
         assert fast.log(mine_run, batch), "the one-statement path refused a valid batch"
         theirs.log_batch(theirs_run, metrics=batch)
     assert _rows(mine_db) == _rows(theirs_db)
-    assert fast.points == len(_rows(mine_db)[0]) < sum(len(b) for b in _batches())  # repeats stored once
+    assert (
+        fast.points == len(_rows(mine_db)[0]) < sum(len(b) for b in _batches())
+    )  # repeats stored once
     # And MLflow reads them back as its own: history and the run's latest values agree too.
     for key in ("odd", "back", "same_step", "user metric-1.x/y"):
         a = [(m.step, m.timestamp, repr(m.value)) for m in mine.get_metric_history(mine_run, key)]
-        b = [(m.step, m.timestamp, repr(m.value)) for m in theirs.get_metric_history(theirs_run, key)]
+        b = [
+            (m.step, m.timestamp, repr(m.value)) for m in theirs.get_metric_history(theirs_run, key)
+        ]
         assert sorted(a) == sorted(b), key  # repr: NaN is not equal to itself
-    assert repr(mine.get_run(mine_run).data.metrics) == repr(theirs.get_run(theirs_run).data.metrics)
+    assert repr(mine.get_run(mine_run).data.metrics) == repr(
+        theirs.get_run(theirs_run).data.metrics
+    )
 
 
 def test_what_it_cannot_write_is_left_to_log_batch_with_nothing_written(tmp_path):
@@ -100,14 +116,16 @@ def test_moved_internals_make_it_step_aside_for_good(tmp_path):
     client, run_id, db = _new_run(tmp_path, "s")
     store = sqlite_store_of(client)
     fast = SqliteMetrics(store)
-    fast.store = type("Moved", (), {"sanitize_metric_value": store.sanitize_metric_value})()  # no _get_run
+    fast.store = type(
+        "Moved", (), {"sanitize_metric_value": store.sanitize_metric_value}
+    )()  # no _get_run
     assert not fast.log(run_id, [Metric("a", 1.0, 1, 1)]) and not fast.usable
     assert _rows(db) == ([], [])
 
 
 def test_only_a_sqlite_store_gets_it():
     class Http:
-        class _tracking_client:  # noqa: N801 - the shape of MlflowClient
+        class _tracking_client:
             store = object()
 
     assert sqlite_store_of(Http()) is None and sqlite_store_of(object()) is None
@@ -115,8 +133,15 @@ def test_only_a_sqlite_store_gets_it():
 
 def test_the_courier_sends_metric_batches_this_way_and_the_rest_through_mlflow(tmp_path):
     sender = RunSender(f"sqlite:///{tmp_path / 'c.db'}", "exp", None, "job-1")
-    points = [{"k": METRICS, "s": s, "ts": 1_700_000_000_000 + s, "d": {"loss": 1.0 / (s + 1), "acc": s / 10}}
-              for s in range(30)]
+    points = [
+        {
+            "k": METRICS,
+            "s": s,
+            "ts": 1_700_000_000_000 + s,
+            "d": {"loss": 1.0 / (s + 1), "acc": s / 10},
+        }
+        for s in range(30)
+    ]
     assert sender.send([{"k": BEGIN, "ts": 1_700_000_000_000}, *points]) == 60
     assert sender._sql is not None and sender._sql.points == 60
     # Params ride in the same batch as the points beside them: that batch goes through log_batch.
@@ -124,4 +149,6 @@ def test_the_courier_sends_metric_batches_this_way_and_the_rest_through_mlflow(t
     assert sender.send([{"k": PARAMS, "d": {"lr": "0.1"}}, last]) == 1 and sender._sql.points == 60
     run = sender.client().get_run(sender.run_id)
     assert run.data.params == {"lr": "0.1"} and run.data.metrics == {"loss": 0.1, "acc": 2.9}
-    assert [m.step for m in sender.client().get_metric_history(sender.run_id, "acc")] == list(range(30))
+    assert [m.step for m in sender.client().get_metric_history(sender.run_id, "acc")] == list(
+        range(30)
+    )

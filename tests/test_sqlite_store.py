@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from keras_sync.errors import TrackingError
 from keras_sync.tracking import sqlite_store
 from keras_sync.tracking.sqlite_store import ensure_sqlite_store, sqlite_path
-from keras_sync.errors import TrackingError
 
 _ENSURE = "import sys; from keras_sync.tracking.sqlite_store import ensure_sqlite_store; print(ensure_sqlite_store(sys.argv[1]))"
 
@@ -37,14 +37,18 @@ def test_sqlite_path_of_uris(tmp_path: Path) -> None:
 
 def test_missing_folder_is_one_clear_error(tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path}/nope/mlflow.db"
-    with pytest.raises(TrackingError, match=r"its folder '.*nope' does not exist. Create the folder"):
+    with pytest.raises(
+        TrackingError, match=r"its folder '.*nope' does not exist. Create the folder"
+    ):
         ensure_sqlite_store(uri)
 
 
 def test_existing_file_is_left_alone(tmp_path: Path) -> None:
     db = tmp_path / "mlflow.db"
     db.write_bytes(b"")
-    os.utime(db, (0, 0))  # not being written (a file that changes is waited for: see the in-place test)
+    os.utime(
+        db, (0, 0)
+    )  # not being written (a file that changes is waited for: see the in-place test)
     assert ensure_sqlite_store(f"sqlite:///{db}") is False
     assert db.read_bytes() == b""
 
@@ -59,8 +63,9 @@ def _own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("template", ["0", "1"], ids=["built", "copied"])
-def test_kill_at_any_moment_leaves_no_store_or_a_whole_one(tmp_path: Path, template: str,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kill_at_any_moment_leaves_no_store_or_a_whole_one(
+    tmp_path: Path, template: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv(sqlite_store.TEMPLATE_ENV, template)
     reference = tmp_path / "reference.db"
     assert ensure_sqlite_store(f"sqlite:///{reference}") is True
@@ -73,8 +78,13 @@ def test_kill_at_any_moment_leaves_no_store_or_a_whole_one(tmp_path: Path, templ
     outcomes = []
     # Kill the creator and its builder (the whole process group) across the build window.
     for delay_s in (0.2, 0.6, 1.0, 1.5, 2.2, 3.0, 4.5):
-        proc = subprocess.Popen([sys.executable, "-c", _ENSURE, f"sqlite:///{target}"], start_new_session=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _ENSURE, f"sqlite:///{target}"],
+            start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             proc.wait(timeout=delay_s)
         except subprocess.TimeoutExpired:
@@ -97,8 +107,15 @@ def test_kill_at_any_moment_leaves_no_store_or_a_whole_one(tmp_path: Path, templ
 @pytest.mark.slow
 def test_two_creators_at_once_publish_one_store(tmp_path: Path) -> None:
     target = tmp_path / "mlflow.db"
-    procs = [subprocess.Popen([sys.executable, "-c", _ENSURE, f"sqlite:///{target}"], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _ENSURE, f"sqlite:///{target}"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     results = sorted(p.communicate(timeout=300)[0].strip() for p in procs)
     assert results == ["False", "True"]
     tables, _ = _schema(target)
@@ -114,9 +131,14 @@ def test_a_folder_that_refuses_the_store_is_named_with_its_cause_at_once(tmp_pat
 
     with tmpfs(tmp_path / "ro", read_only=True) as ro, tmpfs(tmp_path / "full", size="8k") as full:
         t0 = time.monotonic()
-        with pytest.raises(TrackingError, match=r"cannot be created in '.*ro': Read-only file system \(errno EROFS\)"):
+        with pytest.raises(
+            TrackingError,
+            match=r"cannot be created in '.*ro': Read-only file system \(errno EROFS\)",
+        ):
             ensure_sqlite_store(f"sqlite:///{ro}/mlflow.db")
-        with pytest.raises(TrackingError, match=r"cannot be created in '.*full': No space left on device"):
+        with pytest.raises(
+            TrackingError, match=r"cannot be created in '.*full': No space left on device"
+        ):
             ensure_sqlite_store(f"sqlite:///{full}/mlflow.db")
         assert time.monotonic() - t0 < 10  # no child process, no MLflow: the OS says it at once
         assert _leftovers(full) == [] and list(full.iterdir()) == []
@@ -131,7 +153,9 @@ print("built", flush=True)
 
 
 @pytest.mark.slow
-def test_a_store_mlflow_builds_in_place_meanwhile_is_waited_for_not_migrated_twice(tmp_path: Path) -> None:
+def test_a_store_mlflow_builds_in_place_meanwhile_is_waited_for_not_migrated_twice(
+    tmp_path: Path,
+) -> None:
     """A user's own MlflowClient (made before fit, as scripts do) builds the store in place, in ~60
     migrations, while the courier opens it: the courier waits for the schema's last migration instead
     of running the migrations a second time beside it (CI: "table _alembic_tmp_model_version_tags
@@ -142,14 +166,20 @@ def test_a_store_mlflow_builds_in_place_meanwhile_is_waited_for_not_migrated_twi
 
     target = tmp_path / "mlflow.db"
     uri = f"sqlite:///{target}"
-    user = subprocess.Popen([sys.executable, "-c", _MLFLOW_BUILDS_IN_PLACE, uri], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    user = subprocess.Popen(
+        [sys.executable, "-c", _MLFLOW_BUILDS_IN_PLACE, uri],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not target.exists() and user.poll() is None and time.monotonic() < deadline:
             time.sleep(0.005)
         assert target.exists() and user.poll() is None, "the user's client did not start building"
-        assert ensure_sqlite_store(uri) is False  # not ours to build: it waits for the one being built
+        assert (
+            ensure_sqlite_store(uri) is False
+        )  # not ours to build: it waits for the one being built
         experiments = MlflowClient(tracking_uri=uri).search_experiments()
         assert [e.name for e in experiments] == ["Default"]
     finally:
@@ -164,7 +194,9 @@ def _schema_head() -> str:
     return _get_latest_schema_revision()
 
 
-def test_a_store_below_the_head_that_nobody_writes_is_left_to_mlflow_at_once(tmp_path: Path) -> None:
+def test_a_store_below_the_head_that_nobody_writes_is_left_to_mlflow_at_once(
+    tmp_path: Path,
+) -> None:
     """An older MLflow's store (or a half-built one whose builder died) is not waited for: MLflow
     then names what it finds ("out-of-date database schema"), without keras-sync's wait before it."""
     import time
@@ -178,7 +210,9 @@ def test_a_store_below_the_head_that_nobody_writes_is_left_to_mlflow_at_once(tmp
     os.utime(db, (time.time() - 3600, time.time() - 3600))
     t0 = time.monotonic()
     assert ensure_sqlite_store(f"sqlite:///{db}") is False
-    assert time.monotonic() - t0 < sqlite_store._SETTLED_S * 0.75  # not the wait for a store being built
+    assert (
+        time.monotonic() - t0 < sqlite_store._SETTLED_S * 0.75
+    )  # not the wait for a store being built
     assert _schema(db)[1] == "0123456789ab"  # left as it was
 
 
@@ -190,7 +224,8 @@ def _tables_and_rows(path: Path) -> dict[str, int]:
 
 @pytest.mark.slow
 def test_a_new_store_is_a_copy_of_the_kept_empty_one_and_mlflow_uses_it_like_a_built_one(
-        tmp_path: Path, _own_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, _own_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The first store runs MLflow's migrations and keeps an empty copy (no experiment) in the user's
     cache; the next is that copy (1.4 s of CPU less), and MLflow adds its Default experiment, at the new
     store's place, on first open, as for a built one. A damaged copy is built over; an unwritable cache
@@ -203,7 +238,9 @@ def test_a_new_store_is_a_copy_of_the_kept_empty_one_and_mlflow_uses_it_like_a_b
     monkeypatch.chdir(first.parent)
     assert ensure_sqlite_store(f"sqlite:///{first}") is True
     (template,) = (_own_cache / "keras-sync").iterdir()
-    assert template.name.startswith("empty-store-mlflow-") and template.name.endswith(f"-{_schema_head()}.db")
+    assert template.name.startswith("empty-store-mlflow-") and template.name.endswith(
+        f"-{_schema_head()}.db"
+    )
     rows = _tables_and_rows(template)
     assert rows["experiments"] == 0 and _schema(template) == _schema(first)
 
@@ -215,11 +252,15 @@ def test_a_new_store_is_a_copy_of_the_kept_empty_one_and_mlflow_uses_it_like_a_b
     client = MlflowClient(tracking_uri=f"sqlite:///{second}")
     (default,) = client.search_experiments()
     assert (default.experiment_id, default.name) == ("0", "Default")
-    assert default.artifact_location == str(second.parent / "mlruns" / "0")  # where MLflow puts it for this store
+    assert default.artifact_location == str(
+        second.parent / "mlruns" / "0"
+    )  # where MLflow puts it for this store
     exp = client.create_experiment("x")
     run = client.create_run(exp)
     client.log_metric(run.info.run_id, "loss", 0.5, step=3)
-    assert exp == "1" and [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")] == [(3, 0.5)]
+    assert exp == "1" and [
+        (m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")
+    ] == [(3, 0.5)]
     # The same rows as a store MLflow built, but for the runs above.
     built = _tables_and_rows(first)
     MlflowClient(tracking_uri=f"sqlite:///{first}").search_experiments()
@@ -240,7 +281,6 @@ def test_a_new_store_is_a_copy_of_the_kept_empty_one_and_mlflow_uses_it_like_a_b
     assert _schema(fourth) == _schema(first) and _leftovers(tmp_path) == []
 
 
-
 _WARM = """
 import json, os, sys
 from keras_sync.tracking.sqlite_store import warm_up
@@ -258,7 +298,9 @@ print(json.dumps(out))
 """
 
 
-def test_the_warm_up_does_a_sql_stores_first_open_costs_before_it_and_touches_no_file(tmp_path: Path) -> None:
+def test_the_warm_up_does_a_sql_stores_first_open_costs_before_it_and_touches_no_file(
+    tmp_path: Path,
+) -> None:
     # The courier warms up while TensorFlow is imported; the first delivery is left the store's own
     # work. Measured (MLflow 3.17): opening a new sqlite store and creating a run took 0.05-0.07 s of
     # CPU after the warm-up, 0.3-0.5 s without it (MLflow's SQL store module, SQLAlchemy's mappers);
@@ -270,24 +312,60 @@ def test_the_warm_up_does_a_sql_stores_first_open_costs_before_it_and_touches_no
     env.pop(sqlite_store.TEMPLATE_ENV, None)
     sqlite = f"sqlite:///{folder}/mlflow.db"
     # No store built yet on this machine (an empty cache): nothing to rehearse on, and nothing built for it.
-    cases = [(sqlite, True, ["mlflow", "sql store", "schema head"]),
-             ("mysql+pymysql://u:pw@127.0.0.1:9/db", True, ["mlflow", "sql store"]),
-             ("http://127.0.0.1:9", False, ["mlflow"]),
-             ("build", None, None),
-             (sqlite, True, ["mlflow", "sql store", "schema head", "rehearsal"])]
+    cases = [
+        (sqlite, True, ["mlflow", "sql store", "schema head"]),
+        ("mysql+pymysql://u:pw@127.0.0.1:9/db", True, ["mlflow", "sql store"]),
+        ("http://127.0.0.1:9", False, ["mlflow"]),
+        ("build", None, None),
+        (sqlite, True, ["mlflow", "sql store", "schema head", "rehearsal"]),
+    ]
     for uri, sql, done in cases:
         if uri == "build":  # a store made elsewhere keeps the empty one in the cache
-            got = subprocess.run([sys.executable, "-c", "import sys; from keras_sync.tracking.sqlite_store import "
-                                  "ensure_sqlite_store as e; assert e(sys.argv[1])", f"sqlite:///{tmp_path}/other.db"],
-                                 env=env, capture_output=True, text=True, timeout=300)
-            assert got.returncode == 0 and len(os.listdir(cache / "keras-sync")) == 1, got.stderr[-2000:]
+            got = subprocess.run(
+                [
+                    sys.executable,
+                    "-c",
+                    "import sys; from keras_sync.tracking.sqlite_store import "
+                    "ensure_sqlite_store as e; assert e(sys.argv[1])",
+                    f"sqlite:///{tmp_path}/other.db",
+                ],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            assert got.returncode == 0 and len(os.listdir(cache / "keras-sync")) == 1, got.stderr[
+                -2000:
+            ]
             continue
         kept = cache / "keras-sync"
-        got = subprocess.run([sys.executable, "-c", _WARM, uri, str(folder), str(kept if kept.is_dir() else cache),
-                              str(tmp)], env=env, capture_output=True, text=True, timeout=300)
+        got = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                _WARM,
+                uri,
+                str(folder),
+                str(kept if kept.is_dir() else cache),
+                str(tmp),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert got.returncode == 0, (uri, got.stderr[-2000:])
         out = __import__("json").loads(got.stdout.strip().splitlines()[-1])
         # The rehearsal's throwaway store lived in TMPDIR and is gone, no file of it held open; the kept one
         # was only read; the settings it made for itself (no pool, no telemetry) are undone.
-        assert out == {"touched": [], "done": done, "sql_store": sql, "mapped": sql, "open": [], "env": []}, (uri, out)
-        assert "INFO" not in got.stderr, got.stderr[-2000:]  # e.g. MLflow's "Create SQLAlchemy engine with ..."
+        assert out == {
+            "touched": [],
+            "done": done,
+            "sql_store": sql,
+            "mapped": sql,
+            "open": [],
+            "env": [],
+        }, (uri, out)
+        assert "INFO" not in got.stderr, got.stderr[
+            -2000:
+        ]  # e.g. MLflow's "Create SQLAlchemy engine with ..."

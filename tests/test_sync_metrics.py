@@ -18,10 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from keras_sync.measures import reduce as _reduce
 from keras_sync.errors import UsageError
+from keras_sync.measures import reduce as _reduce
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # starts TensorFlow processes (8 fits: minutes on a loaded machine)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(1800),
+]  # starts TensorFlow processes (8 fits: minutes on a loaded machine)
 
 HERE = Path(__file__).parent
 SECRET_PASSWORD = "pw-Zq81xT"
@@ -30,21 +33,27 @@ SECRET_TOKEN = "tok-9f3kQ7vLm2"
 
 # ---- pure logic, no TensorFlow ------------------------------------------------------------------
 
+
 def test_reduce_doctests():
     assert doctest.testmod(_reduce).failed == 0
 
 
 def test_writer_without_the_logging_method_is_a_usage_error():
     _reduce.check_writer(None, "log_params")  # workers that do not write pass None
-    with pytest.raises(UsageError, match=r"^Invalid value for argument `writer`\. Received: writer='w', which has no "
-                       r"`log_metrics`\. Expected a keras_sync\.tracking\.MlflowWriter or another object with the "
-                       r"methods of keras_sync\.tracking\.Writer, or None on workers that do not write\.$"):
+    with pytest.raises(
+        UsageError,
+        match=r"^Invalid value for argument `writer`\. Received: writer='w', which has no "
+        r"`log_metrics`\. Expected a keras_sync\.tracking\.MlflowWriter or another object with the "
+        r"methods of keras_sync\.tracking\.Writer, or None on workers that do not write\.$",
+    ):
         _reduce.check_writer("w", "log_metrics")
 
 
 def test_auto_stride_follows_the_median_step_time():
     assert _reduce.auto_stride([0.002] * 10) == 50  # 2-ms steps: a point every 0.1 s
-    assert _reduce.auto_stride([0.3] * 3 + [30.0]) == 1  # slow steps all logged; one stall moves nothing
+    assert (
+        _reduce.auto_stride([0.3] * 3 + [30.0]) == 1
+    )  # slow steps all logged; one stall moves nothing
     assert _reduce.auto_stride([0.011]) == 10 and _reduce.auto_stride([0.009]) == 20
     assert _reduce.auto_stride([1e-7]) == _reduce.AUTO_STRIDES[-1]
 
@@ -55,14 +64,19 @@ def test_log_every_n_steps_takes_an_integer_or_auto():
 
     assert load_config({"mlflow": {"log_every_n_steps": "auto"}}).mlflow.log_every_n_steps == "auto"
     assert load_config({"mlflow": {"log_every_n_steps": 7}}).mlflow.log_every_n_steps == 7
-    with pytest.raises(ConfigError, match=r"mlflow\.log_every_n_steps: received 'often', expected 'auto' or an "
-                                          r"integer >= 1 \(steps\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"mlflow\.log_every_n_steps: received 'often', expected 'auto' or an "
+        r"integer >= 1 \(steps\)",
+    ):
         load_config({"mlflow": {"log_every_n_steps": "often"}})
 
 
 def test_loss_spread_is_absolute():
     assert _reduce.loss_spread([0.5, 0.75, 0.25]) == 0.5
-    assert _reduce.loss_spread([0.001, 0.002]) == pytest.approx(0.001)  # a ratio would say 0.67 here
+    assert _reduce.loss_spread([0.001, 0.002]) == pytest.approx(
+        0.001
+    )  # a ratio would say 0.67 here
     assert math.isnan(_reduce.loss_spread([]))
     assert "sync/loss_spread" not in _reduce.replica_metrics([0.5, float("nan")], [1.0, 2.0])
 
@@ -78,8 +92,11 @@ def test_replica_metrics_leave_out_unmeasured_values():
     nan = float("nan")
     assert _reduce.replica_metrics([nan, nan], [nan, nan]) == {}
     assert _reduce.replica_metrics([1.0, 2.0], [nan, 1.0]) == {
-        "sync/loss/replica_0": 1.0, "sync/loss/replica_1": 2.0, "sync/loss_spread": 1.0,
-        "sync/grad_norm/replica_1": 1.0}
+        "sync/loss/replica_0": 1.0,
+        "sync/loss/replica_1": 2.0,
+        "sync/loss_spread": 1.0,
+        "sync/grad_norm/replica_1": 1.0,
+    }
 
 
 def test_log_steps():
@@ -93,9 +110,13 @@ def test_throughput():
 
 
 def test_callbacks_package_imports_no_tensorflow():
-    code = ("import sys, keras_sync, keras_sync.callbacks, keras_sync.measures.reduce;"
-            "heavy = [m for m in ('tensorflow', 'keras', 'mlflow') if m in sys.modules]; print(heavy)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    code = (
+        "import sys, keras_sync, keras_sync.callbacks, keras_sync.measures.reduce;"
+        "heavy = [m for m in ('tensorflow', 'keras', 'mlflow') if m in sys.modules]; print(heavy)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
     assert out.strip() == "[]"
 
 
@@ -129,7 +150,13 @@ def runs(request, tmp_path_factory, mlflow_server):
 
     out = tmp_path_factory.mktemp("metrics")
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KS_TEST_API_TOKEN=SECRET_TOKEN)
-    for k in ("TF_CONFIG", "MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID", "KERAS_SYNC_CONFIG", WANTED_ENV):
+    for k in (
+        "TF_CONFIG",
+        "MLFLOW_TRACKING_URI",
+        "KERAS_SYNC_JOB_ID",
+        "KERAS_SYNC_CONFIG",
+        WANTED_ENV,
+    ):
         env.pop(k, None)
     wanted = wanted_cases(request, "runs", NEEDS)
     if wanted is not None:
@@ -147,7 +174,8 @@ def runs(request, tmp_path_factory, mlflow_server):
         "mlflow:\n"
         f"  tracking_uri: http://alice:{SECRET_PASSWORD}@{host}\n"
         "  experiment: server-metrics\n"
-        "  log_every_n_steps: 5\n")
+        "  log_every_n_steps: 5\n"
+    )
     mw_dir = out / "mw"
     mw_dir.mkdir()
     mw_cfg = mw_dir / "mw.yaml"
@@ -158,23 +186,65 @@ def runs(request, tmp_path_factory, mlflow_server):
         "mlflow:\n"
         f"  tracking_uri: sqlite:///{mw_dir / 'mlflow.db'}\n"
         "  experiment: mw\n"
-        "  log_every_n_steps: 1\n")
+        "  log_every_n_steps: 1\n"
+    )
     sqlite_uri = f"sqlite:///{out / 'mlflow.db'}"
     script = str(HERE / "_metrics_scenarios.py")
     # name: (command, cwd, the JSON it writes)
     commands = {
-        "mirrored": ([sys.executable, script, "mirrored", str(out / "mirrored.json"), sqlite_uri, str(server_cfg)],
-                     out, out / "mirrored.json"),
-        "multi_worker": ([sys.executable, "-m", "keras_sync.launch", "--workers", "2", script, "multi_worker",
-                          str(mw_dir / "mw.json"), str(mw_cfg)], mw_dir, mw_dir / "mw.json"),
-        "single": ([sys.executable, script, "single", str(out / "single.json"), f"sqlite:///{out / 'single.db'}"],
-                   out, out / "single.json"),
+        "mirrored": (
+            [
+                sys.executable,
+                script,
+                "mirrored",
+                str(out / "mirrored.json"),
+                sqlite_uri,
+                str(server_cfg),
+            ],
+            out,
+            out / "mirrored.json",
+        ),
+        "multi_worker": (
+            [
+                sys.executable,
+                "-m",
+                "keras_sync.launch",
+                "--workers",
+                "2",
+                script,
+                "multi_worker",
+                str(mw_dir / "mw.json"),
+                str(mw_cfg),
+            ],
+            mw_dir,
+            mw_dir / "mw.json",
+        ),
+        "single": (
+            [
+                sys.executable,
+                script,
+                "single",
+                str(out / "single.json"),
+                f"sqlite:///{out / 'single.db'}",
+            ],
+            out,
+            out / "single.json",
+        ),
     }
     # The XLA scenario logs each XLA compilation (TensorFlow's device_compiler: "Compilation of XLA executable").
     envs = {"single": dict(env, TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="device_compiler=1")}
-    procs = {name: subprocess.Popen(cmd, cwd=cwd, env=envs.get(name, env), stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True)
-             for name, (cmd, cwd, _) in commands.items() if runs_process[name]}
+    procs = {
+        name: subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            env=envs.get(name, env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for name, (cmd, cwd, _) in commands.items()
+        if runs_process[name]
+    }
     logs = {}
     for name, proc in procs.items():
         logs[name], _ = proc.communicate(timeout=1500)
@@ -182,7 +252,9 @@ def runs(request, tmp_path_factory, mlflow_server):
     return {
         **{name: json.loads(commands[name][2].read_text()) for name in procs},
         "single_sqlite": f"sqlite:///{out / 'single.db'}",
-        "sqlite": sqlite_uri, "mw_sqlite": f"sqlite:///{mw_dir / 'mlflow.db'}", "server": mlflow_server,
+        "sqlite": sqlite_uri,
+        "mw_sqlite": f"sqlite:///{mw_dir / 'mlflow.db'}",
+        "server": mlflow_server,
         "logs": logs,
     }
 
@@ -194,16 +266,27 @@ def _client(uri):
 
 
 def _history(client, run_id, key):
-    return sorted(((m.step, m.value) for m in client.get_metric_history(run_id, key)))
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
 
 
 def _ok(result):
     assert not (isinstance(result, dict) and "unexpected" in result), result
 
 
-PER_STEP = ["sync/loss/replica_0", "sync/loss/replica_1", "sync/grad_norm/replica_0", "sync/grad_norm/replica_1",
-            "sync/loss_spread", "sync/grad_norm_spread", "sync/step_time_ms", "sync/examples_per_sec",
-            "sync/examples_per_sec_per_replica", "sync/learning_rate", "loss", "mae"]
+PER_STEP = [
+    "sync/loss/replica_0",
+    "sync/loss/replica_1",
+    "sync/grad_norm/replica_0",
+    "sync/grad_norm/replica_1",
+    "sync/loss_spread",
+    "sync/grad_norm_spread",
+    "sync/step_time_ms",
+    "sync/examples_per_sec",
+    "sync/examples_per_sec_per_replica",
+    "sync/learning_rate",
+    "loss",
+    "mae",
+]
 
 
 @pytest.mark.compat
@@ -230,7 +313,10 @@ def test_per_replica_losses_average_to_keras_loss(runs):
     assert keras_loss[8] == pytest.approx(sum(step_means[s] for s in (2, 4, 6, 8)) / 4, rel=0.25)
     assert runs["mirrored"]["main"]["history"]["loss"][0] == pytest.approx(keras_loss[8], rel=1e-5)
     spread = dict(_history(c, rid, "sync/grad_norm_spread"))
-    g0, g1 = dict(_history(c, rid, "sync/grad_norm/replica_0")), dict(_history(c, rid, "sync/grad_norm/replica_1"))
+    g0, g1 = (
+        dict(_history(c, rid, "sync/grad_norm/replica_0")),
+        dict(_history(c, rid, "sync/grad_norm/replica_1")),
+    )
     assert spread[2] == pytest.approx(abs(g0[2] - g1[2]) / ((g0[2] + g1[2]) / 2), rel=1e-6)
     losses = dict(_history(c, rid, "sync/loss_spread"))
     assert losses[2] == pytest.approx(abs(r0[2] - r1[2]), rel=1e-5) and losses[2] > 0
@@ -249,24 +335,39 @@ def test_runs_longer_than_the_probe_ring_log_every_step_with_its_own_values(runs
     # examples per step (examples/s x s/step) is the global batch, 8.
     lr = dict(_history(c, rid, "sync/learning_rate"))
     assert [lr[s] for s in range(1, 161)] == pytest.approx(every1["lr"], rel=1e-6)
-    eps, ms = dict(_history(c, rid, "sync/examples_per_sec")), dict(_history(c, rid, "sync/step_time_ms"))
+    eps, ms = (
+        dict(_history(c, rid, "sync/examples_per_sec")),
+        dict(_history(c, rid, "sync/step_time_ms")),
+    )
     assert [eps[s] * ms[s] / 1000 for s in range(1, 161)] == pytest.approx([8.0] * 160, rel=1e-6)
     # Each point carries the time of its own step, not of the read that queued it.
-    stamps = [m.timestamp for m in sorted(c.get_metric_history(rid, "sync/loss/replica_0"), key=lambda m: m.step)]
+    stamps = [
+        m.timestamp
+        for m in sorted(c.get_metric_history(rid, "sync/loss/replica_0"), key=lambda m: m.step)
+    ]
     assert stamps == sorted(stamps) and len(set(stamps)) > 40
     # Logged every 70 steps (more than the ring holds between reads): steps 70 and 140, over 70 steps each.
     rid70 = long["70"]["run_id"]
     assert [s for s, _ in _history(c, rid70, "sync/grad_norm/replica_1")] == [70, 140]
-    eps, ms = dict(_history(c, rid70, "sync/examples_per_sec")), dict(_history(c, rid70, "sync/step_time_ms"))
+    eps, ms = (
+        dict(_history(c, rid70, "sync/examples_per_sec")),
+        dict(_history(c, rid70, "sync/step_time_ms")),
+    )
     assert [eps[s] * ms[s] / 1000 for s in (70, 140)] == pytest.approx([8.0, 8.0], rel=1e-6)
-    assert dict(_history(c, rid70, "sync/learning_rate"))[140] == pytest.approx(long["70"]["lr"][139], rel=1e-6)
+    assert dict(_history(c, rid70, "sync/learning_rate"))[140] == pytest.approx(
+        long["70"]["lr"][139], rel=1e-6
+    )
 
 
 def test_warmup_is_visible_in_learning_rate(runs):
     c = _client(runs["sqlite"])
     lr = dict(_history(c, runs["mirrored"]["main"]["run_id"], "sync/learning_rate"))
     # base 0.05 -> peak 0.1 over 4 steps; step s applied schedule(s - 1).
-    assert lr[2] == pytest.approx(0.0625) and lr[4] == pytest.approx(0.0875) and lr[6] == pytest.approx(0.1)
+    assert (
+        lr[2] == pytest.approx(0.0625)
+        and lr[4] == pytest.approx(0.0875)
+        and lr[6] == pytest.approx(0.1)
+    )
 
 
 def test_throughput_and_step_time_are_sane(runs):
@@ -292,25 +393,50 @@ def test_epoch_metrics_at_the_epochs_last_step(runs):
 def test_allreduce_probe(runs):
     c = _client(runs["sqlite"])
     rid = runs["mirrored"]["main"]["run_id"]
-    (step, ms), = _history(c, rid, "sync/allreduce_ms")[:1]
-    (_, gbps), = _history(c, rid, "sync/allreduce_gbps")[:1]
+    ((step, ms),) = _history(c, rid, "sync/allreduce_ms")[:1]
+    ((_, gbps),) = _history(c, rid, "sync/allreduce_gbps")[:1]
     params = 8 * 16 + 16 + 16 + 1
-    assert step == 0 and ms > 0 and gbps == pytest.approx(params * 4 * 8 / (ms / 1000) / 1e9, rel=1e-6)
+    assert (
+        step == 0 and ms > 0 and gbps == pytest.approx(params * 4 * 8 / (ms / 1000) / 1e9, rel=1e-6)
+    )
 
 
 def test_params_and_config_tags(runs):
     c = _client(runs["sqlite"])
     run = c.get_run(runs["mirrored"]["main"]["run_id"])
     p = run.data.params
-    assert {k: p[k] for k in ("sync.strategy", "sync.num_replicas", "sync.num_workers", "sync.per_replica_batch_size",
-                              "sync.global_batch_size", "sync.base_learning_rate", "sync.learning_rate",
-                              "sync.lr_scaling", "sync.warmup_steps")} == {
-        "sync.strategy": "mirrored", "sync.num_replicas": "2", "sync.num_workers": "1",
-        "sync.per_replica_batch_size": "32", "sync.global_batch_size": "64", "sync.base_learning_rate": "0.05",
-        "sync.learning_rate": "0.1", "sync.lr_scaling": "linear", "sync.warmup_steps": "4"}
-    assert p["sync.tensorflow_version"].startswith("2.") and p["sync.keras_version"].startswith("3.")
+    assert {
+        k: p[k]
+        for k in (
+            "sync.strategy",
+            "sync.num_replicas",
+            "sync.num_workers",
+            "sync.per_replica_batch_size",
+            "sync.global_batch_size",
+            "sync.base_learning_rate",
+            "sync.learning_rate",
+            "sync.lr_scaling",
+            "sync.warmup_steps",
+        )
+    } == {
+        "sync.strategy": "mirrored",
+        "sync.num_replicas": "2",
+        "sync.num_workers": "1",
+        "sync.per_replica_batch_size": "32",
+        "sync.global_batch_size": "64",
+        "sync.base_learning_rate": "0.05",
+        "sync.learning_rate": "0.1",
+        "sync.lr_scaling": "linear",
+        "sync.warmup_steps": "4",
+    }
+    assert p["sync.tensorflow_version"].startswith("2.") and p["sync.keras_version"].startswith(
+        "3."
+    )
     assert p["sync.devices"].endswith("device:CPU:0,/job:localhost/replica:0/task:0/device:CPU:1")
-    assert p["config.mlflow.log_every_n_steps"] == "2" and run.data.tags["keras_sync.config_source"] == "<dict>"
+    assert (
+        p["config.mlflow.log_every_n_steps"] == "2"
+        and run.data.tags["keras_sync.config_source"] == "<dict>"
+    )
     assert run.data.tags["keras_sync.job_id"] == "job-main"
 
 
@@ -318,7 +444,9 @@ def test_restarted_job_continues_the_same_run(runs):
     r = runs["mirrored"]
     assert r["restart"]["run_id"] == r["main"]["run_id"] and r["restart"]["iterations"] == 24
     c = _client(runs["sqlite"])
-    assert len(c.search_runs([c.get_experiment_by_name("metrics").experiment_id])) == 2  # main + identical
+    assert (
+        len(c.search_runs([c.get_experiment_by_name("metrics").experiment_id])) == 2
+    )  # main + identical
 
 
 def test_instrumented_training_is_bit_identical_to_plain_keras(runs):
@@ -333,12 +461,21 @@ def test_custom_train_step_gets_every_sync_metric_without_warning(runs):
     _ok(r)
     assert r["warnings"] == []
     c = _client(runs["sqlite"])
-    for key in [k for k in PER_STEP if k != "mae"]:  # measured where the gradients reach the optimizer, and the tape's loss
+    for key in [
+        k for k in PER_STEP if k != "mae"
+    ]:  # measured where the gradients reach the optimizer, and the tape's loss
         assert [s for s, _ in _history(c, r["run_id"], key)] == list(range(1, 21)), key
     # OwnStep uses compute_loss (divided by the replicas): its replicas' losses average to its mean loss.
-    losses = [(a + b) / 2 for (_, a), (_, b) in zip(_history(c, r["run_id"], "sync/loss/replica_0"),
-                                                      _history(c, r["run_id"], "sync/loss/replica_1"))]
-    np.testing.assert_allclose(losses, [v * 2 for _, v in _history(c, r["run_id"], "loss")], rtol=1e-5)
+    losses = [
+        (a + b) / 2
+        for (_, a), (_, b) in zip(
+            _history(c, r["run_id"], "sync/loss/replica_0"),
+            _history(c, r["run_id"], "sync/loss/replica_1"),
+        )
+    ]
+    np.testing.assert_allclose(
+        losses, [v * 2 for _, v in _history(c, r["run_id"], "loss")], rtol=1e-5
+    )
     assert _history(c, r["run_id"], "sync/weight_divergence") == [(10, 0.0), (20, 0.0)]
     assert c.get_run(r["run_id"]).data.params["sync.strategy"] == "MirroredStrategy"
 
@@ -350,12 +487,19 @@ def test_multi_worker_run_is_one_run_with_every_replica(runs):
     c = _client(runs["mw_sqlite"])
     found = c.search_runs([c.get_experiment_by_name("mw").experiment_id])
     assert [x.info.run_id for x in found] == [r["run_id"]]
-    for key in ("sync/loss/replica_0", "sync/loss/replica_1", "sync/grad_norm/replica_0", "sync/grad_norm/replica_1"):
+    for key in (
+        "sync/loss/replica_0",
+        "sync/loss/replica_1",
+        "sync/grad_norm/replica_0",
+        "sync/grad_norm/replica_1",
+    ):
         assert [s for s, _ in _history(c, r["run_id"], key)] == list(range(1, 21)), key
     r0 = dict(_history(c, r["run_id"], "sync/loss/replica_0"))
     r1 = dict(_history(c, r["run_id"], "sync/loss/replica_1"))
     keras_loss = dict(_history(c, r["run_id"], "loss"))
-    assert keras_loss[1] == pytest.approx((r0[1] + r1[1]) / 2, rel=1e-5)  # step 1: running mean = step mean
+    assert keras_loss[1] == pytest.approx(
+        (r0[1] + r1[1]) / 2, rel=1e-5
+    )  # step 1: running mean = step mean
     assert _history(c, r["run_id"], "sync/weight_divergence") == [(10, 0.0), (20, 0.0)]
     assert found[0].data.params["sync.num_workers"] == "2"
 
@@ -369,7 +513,9 @@ def test_server_run_and_no_secret_anywhere(runs, monkeypatch):
     assert r["run_id"] is not None, runs["logs"]["mirrored"][-4000:]
     c = _client(runs["server"])
     run = c.get_run(r["run_id"])
-    assert [s for s, _ in _history(c, r["run_id"], "sync/loss/replica_1")] == [5, 10], runs["logs"]["mirrored"][-4000:]
+    assert [s for s, _ in _history(c, r["run_id"], "sync/loss/replica_1")] == [5, 10], runs["logs"][
+        "mirrored"
+    ][-4000:]
     texts = [json.dumps(run.data.params), json.dumps(run.data.tags)]
     local = c.download_artifacts(r["run_id"], "keras_sync/config.yaml")
     texts.append(Path(local).read_text())
@@ -384,9 +530,16 @@ def test_default_strategy_with_xla_is_bit_identical_and_logged(runs):
     assert (r["kind"], r["jit"], r["equal"]) == ("default", True, True)
     c = _client(runs["single_sqlite"])
     # 640 / 32 = 20 steps per epoch, 2 epochs, every step; one replica: spread 0, no divergence.
-    for key in ("sync/loss/replica_0", "sync/grad_norm/replica_0", "sync/learning_rate", "sync/step_time_ms"):
+    for key in (
+        "sync/loss/replica_0",
+        "sync/grad_norm/replica_0",
+        "sync/learning_rate",
+        "sync/step_time_ms",
+    ):
         assert [s for s, _ in _history(c, r["run_id"], key)] == list(range(1, 41)), key
-    assert set(_history(c, r["run_id"], "sync/grad_norm_spread")) == {(s, 0.0) for s in range(1, 41)}
+    assert set(_history(c, r["run_id"], "sync/grad_norm_spread")) == {
+        (s, 0.0) for s in range(1, 41)
+    }
     assert set(_history(c, r["run_id"], "sync/loss_spread")) == {(s, 0.0) for s in range(1, 41)}
     assert dict(_history(c, r["run_id"], "sync/learning_rate"))[40] == pytest.approx(0.01)
     assert c.get_run(r["run_id"]).data.params["sync.devices"].endswith("CPU:0")
@@ -417,16 +570,26 @@ def test_per_replica_and_per_worker_metrics_of_one_quantity_share_one_mlflow_sec
     sections: dict[str, set[str]] = {}
     for name in names:
         sections.setdefault(_mlflow_section(name), set()).add(name.rsplit("/", 1)[1])
-    assert sections == {"sync/loss": {"replica_0", "replica_1", "replica_2"},
-                        "sync/grad_norm": {"replica_0", "replica_1", "replica_2"},
-                        "sync": {"loss_spread", "grad_norm_spread"},
-                        "sync/between_steps_ms": {"worker_0", "worker_1", "worker_2"},
-                        "sync/compute_ms": {"worker_0", "worker_1", "worker_2"}}
+    assert sections == {
+        "sync/loss": {"replica_0", "replica_1", "replica_2"},
+        "sync/grad_norm": {"replica_0", "replica_1", "replica_2"},
+        "sync": {"loss_spread", "grad_norm_spread"},
+        "sync/between_steps_ms": {"worker_0", "worker_1", "worker_2"},
+        "sync/compute_ms": {"worker_0", "worker_1", "worker_2"},
+    }
+
+
 def test_window_peaks_fold_nan_out_and_keep_inf():
     p = _reduce.window_peaks(None, [float("nan"), 0.2], [1.0, float("nan")])
-    assert p == {"sync/window_max/loss": 0.2, "sync/window_max/loss_spread": 0.0, "sync/window_max/grad_norm": 1.0,
-                 "sync/window_max/grad_norm_spread": 0.0}
-    assert _reduce.window_peaks(p, [float("inf"), 0.1], [2.0, 2.0])["sync/window_max/loss"] == math.inf
+    assert p == {
+        "sync/window_max/loss": 0.2,
+        "sync/window_max/loss_spread": 0.0,
+        "sync/window_max/grad_norm": 1.0,
+        "sync/window_max/grad_norm_spread": 0.0,
+    }
+    assert (
+        _reduce.window_peaks(p, [float("inf"), 0.1], [2.0, 2.0])["sync/window_max/loss"] == math.inf
+    )
 
 
 @pytest.mark.slow
@@ -451,9 +614,19 @@ with sync.scope():
     m.compile(optimizer=keras.optimizers.SGD(sync.lr_schedule()), loss="mse")
 sync.fit(m, x, y, epochs=1, shuffle=False, verbose=0)
 """
-    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID")}
-    r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=dict(env, TF_CPP_MIN_LOG_LEVEL="2"),
-                       capture_output=True, text=True, timeout=600)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TF_CONFIG", "MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID")
+    }
+    r = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env=dict(env, TF_CPP_MIN_LOG_LEVEL="2"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     c = _client(uri)
     (run,) = c.search_runs([c.get_experiment_by_name("spike").experiment_id])
@@ -468,5 +641,7 @@ sync.fit(m, x, y, epochs=1, shuffle=False, verbose=0)
     peak_loss, peak_norm = points("sync/window_max/loss"), points("sync/window_max/grad_norm")
     assert peak_loss[10] > 100 * max(losses), (peak_loss, losses)
     assert peak_norm[10] > 10 * max(norms), (peak_norm, norms)
-    assert points("sync/window_max/loss_spread")[10] > 100 * max(points("sync/loss_spread").values())
+    assert points("sync/window_max/loss_spread")[10] > 100 * max(
+        points("sync/loss_spread").values()
+    )
     assert peak_loss[20] < 10 * max(losses), (peak_loss, losses)  # steps 11-20 had no spike

@@ -9,7 +9,9 @@ import textwrap
 
 import pytest
 
-pytestmark = pytest.mark.slow  # starts TensorFlow processes; the fast lane is `pytest -m "not slow"`
+pytestmark = (
+    pytest.mark.slow
+)  # starts TensorFlow processes; the fast lane is `pytest -m "not slow"`
 
 
 def test_system_metrics_reach_the_run(tmp_path):
@@ -32,18 +34,31 @@ def test_system_metrics_reach_the_run(tmp_path):
         sync.fit(model, x, x[:, :1], epochs=1, verbose=0, callbacks=[Slow()])  # ~3 s
         close_writer(sync)
     """)
-    env = dict(os.environ, MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="0.5",
-               MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING="1", TF_CPP_MIN_LOG_LEVEL="2")
+    env = dict(
+        os.environ,
+        MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="0.5",
+        MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING="1",
+        TF_CPP_MIN_LOG_LEVEL="2",
+    )
     env.pop("MLFLOW_TRACKING_URI", None)
-    r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     from mlflow import MlflowClient
 
     client = MlflowClient(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("sys").experiment_id])
     system = {k for k in run.data.metrics if k.startswith("system/")}
-    assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= system, system
+    assert {
+        "system/cpu_utilization_percentage",
+        "system/system_memory_usage_megabytes",
+    } <= system, system
     assert "sync/step_time_ms" in run.data.metrics
 
 
@@ -51,6 +66,9 @@ def test_interval_that_is_not_positive_is_a_usage_error():
     from keras_sync.callbacks.system_metrics import SystemMetrics
     from keras_sync.errors import UsageError
 
-    with pytest.raises(UsageError, match=r"Invalid value for argument `interval_s`\. Received: interval_s=0\. "
-                                         r"Expected a number of seconds > 0\."):
+    with pytest.raises(
+        UsageError,
+        match=r"Invalid value for argument `interval_s`\. Received: interval_s=0\. "
+        r"Expected a number of seconds > 0\.",
+    ):
         SystemMetrics(interval_s=0)

@@ -17,11 +17,15 @@ import pytest
 from keras_sync.upstream.tf_import import quiet_lines
 
 BANNER = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
-ONEDNN = ("I0000 00:00:1796123769.122809    8780 port.cc:153] oneDNN custom operations are on. You may see "
-          "slightly different numerical results due to floating-point round-off errors from different computation "
-          "orders. To turn them off, set the environment variable `TF_ENABLE_ONEDNN_OPTS=0`.")
-GUARD = ("I0000 00:00:1796123769.182773    8780 cpu_feature_guard.cc:227] This TensorFlow binary is optimized to use "
-         "available CPU instructions in performance-critical operations.")
+ONEDNN = (
+    "I0000 00:00:1796123769.122809    8780 port.cc:153] oneDNN custom operations are on. You may see "
+    "slightly different numerical results due to floating-point round-off errors from different computation "
+    "orders. To turn them off, set the environment variable `TF_ENABLE_ONEDNN_OPTS=0`."
+)
+GUARD = (
+    "I0000 00:00:1796123769.182773    8780 cpu_feature_guard.cc:227] This TensorFlow binary is optimized to use "
+    "available CPU instructions in performance-critical operations."
+)
 GUARD2 = "To enable the following instructions: AVX2 AVX512F AMX_TILE, in other operations, rebuild TensorFlow."
 WARN = "W0000 00:00:1796123769.2    8780 gpu_device.cc:2342] Cannot dlopen some GPU libraries."
 EARLY = [BANNER, ONEDNN, GUARD, GUARD2, WARN, "a line of the user's own", BANNER, ONEDNN]
@@ -37,10 +41,14 @@ def test_quiet_lines_drops_info_and_the_banner_keeps_the_rest() -> None:
 def _fake_tf(tmp: Path, *, fail: bool = False) -> Path:
     pkg = tmp / "tensorflow"
     pkg.mkdir()
-    body = "import os\n" + "".join(f"os.write(2, {(line + chr(10)).encode()!r})\n" for line in EARLY)
+    body = "import os\n" + "".join(
+        f"os.write(2, {(line + chr(10)).encode()!r})\n" for line in EARLY
+    )
     body += "import sys\nprint('python-level warning', file=sys.stderr)\n"
     if fail:
-        body += "raise ImportError('libtensorflow_framework.so.2: cannot open shared object file')\n"
+        body += (
+            "raise ImportError('libtensorflow_framework.so.2: cannot open shared object file')\n"
+        )
     (pkg / "__init__.py").write_text(body)
     return tmp
 
@@ -57,7 +65,9 @@ def _import(tmp: Path, level: str | None) -> subprocess.CompletedProcess[str]:
         import_tensorflow()
         print("after", file=sys.stderr)
     """)
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_import_holds_back_info_lines_at_level_1(tmp_path: Path) -> None:
@@ -78,7 +88,7 @@ def test_failed_import_shows_everything_and_raises(tmp_path: Path) -> None:
     r = _import(_fake_tf(tmp_path, fail=True), "1")
     assert r.returncode == 1
     lines = r.stderr.splitlines()
-    assert lines[:len(EARLY) + 2] == ["before", *EARLY, "python-level warning"]
+    assert lines[: len(EARLY) + 2] == ["before", *EARLY, "python-level warning"]
     assert "ImportError: libtensorflow_framework.so.2" in r.stderr and "after" not in lines
 
 
@@ -104,7 +114,9 @@ _FIT = textwrap.dedent("""
     next(it)
     del it
 """)
-OPTIMIZED = "will not be optimized because the dataset does not implement the AsGraphDefInternal() method"
+OPTIMIZED = (
+    "will not be optimized because the dataset does not implement the AsGraphDefInternal() method"
+)
 
 
 @pytest.mark.slow
@@ -113,8 +125,14 @@ def test_the_per_device_dataset_warning_is_gone_and_real_warnings_stay(tmp_path:
         env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
         if level is not None:
             env["TF_CPP_MIN_LOG_LEVEL"] = level
-        return subprocess.run([sys.executable, "-c", _FIT], env=env, capture_output=True, text=True, timeout=600,
-                              cwd=tmp_path)
+        return subprocess.run(
+            [sys.executable, "-c", _FIT],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=tmp_path,
+        )
 
     quiet, everything = run(None), run("0")
     for r in (quiet, everything):
@@ -127,4 +145,6 @@ def test_the_per_device_dataset_warning_is_gone_and_real_warnings_stay(tmp_path:
     assert OPTIMIZED not in quiet.stderr, quiet.stderr[-3000:]
     # Nothing the model computes changes.
     loss = [line for line in quiet.stderr.splitlines() if line.startswith("loss ")]
-    assert loss and loss == [line for line in everything.stderr.splitlines() if line.startswith("loss ")]
+    assert loss and loss == [
+        line for line in everything.stderr.splitlines() if line.startswith("loss ")
+    ]

@@ -24,7 +24,9 @@ from keras_sync.errors import TrackingError
 from keras_sync.tracking import MlflowWriter, redact_uri, replay_spool, resolve_tracking_uri
 from keras_sync.tracking.shell_hint import console_command
 
-pytestmark = pytest.mark.timeout(900)  # the machine is shared: a courier's start took 60 s at load 40
+pytestmark = pytest.mark.timeout(
+    900
+)  # the machine is shared: a courier's start took 60 s at load 40
 #: close() waits while delivery progresses (it returns as soon as MLflow has everything); its 10 s
 #: default is a user's exit, too short for the run's end to reach a server on a loaded CI machine.
 CLOSE_S = 300.0
@@ -57,7 +59,9 @@ def _run_of_job(uri: str, experiment: str, job_id: str):
 
     c = MlflowClient(uri)
     exp = c.get_experiment_by_name(experiment)
-    runs = c.search_runs([exp.experiment_id], filter_string=f"tags.`keras_sync.job_id` = '{job_id}'")
+    runs = c.search_runs(
+        [exp.experiment_id], filter_string=f"tags.`keras_sync.job_id` = '{job_id}'"
+    )
     assert len(runs) == 1
     return runs[0]
 
@@ -89,8 +93,16 @@ def _log_timed(w: MlflowWriter, steps: range) -> list[float]:
     return durations
 
 
-def _crash_after_spooling(uri: str, experiment: str, job_id: str, spool_dir: Path, *, steps: int,
-                          timeout_s: float, value: float = 1.0) -> None:
+def _crash_after_spooling(
+    uri: str,
+    experiment: str,
+    job_id: str,
+    spool_dir: Path,
+    *,
+    steps: int,
+    timeout_s: float,
+    value: float = 1.0,
+) -> None:
     """A process logs ``steps`` steps of loss and acc, waits until they are in its spool, and dies
     (no atexit, no close: a crash)."""
     crash = (
@@ -107,7 +119,9 @@ def _crash_after_spooling(uri: str, experiment: str, job_id: str, spool_dir: Pat
     # stderr and, orphaned, makes its last delivery attempt after the crash (CI with two suites on
     # 2 cores: the process had exited 9, the courier held the pipe past the 120 s).
     with tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen([sys.executable, "-c", crash], stdout=subprocess.DEVNULL, stderr=err)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", crash], stdout=subprocess.DEVNULL, stderr=err
+        )
         try:
             code = proc.wait(timeout=timeout_s)
         finally:
@@ -137,26 +151,37 @@ def in_tmp(tmp_path, monkeypatch, sqlite_uri):
     return tmp_path
 
 
-
 def _cli(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     import os
 
-    full = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID")}
+    full = {
+        k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID")
+    }
     keras_sync_cli = str(Path(sys.executable).with_name("keras-sync"))
-    return subprocess.run([keras_sync_cli, *args], capture_output=True, text=True,
-                          cwd=cwd, env=full | (env or {}), timeout=120)
+    return subprocess.run(
+        [keras_sync_cli, *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=full | (env or {}),
+        timeout=120,
+    )
 
 
 # ---- pure functions, and the one precedence rule for the tracking URI ----
 
-@pytest.mark.parametrize("uri, expected", [
-    ("http://user:s3cret@127.0.0.1:5000", "http://127.0.0.1:5000"),
-    ("https://tok@host/path?x=1", "https://host/path?x=1"),
-    ("http://h/?access_token=abc&run=2", "http://h/?access_token=***&run=2"),
-    ("http://h/?sig=zz;password=pp", "http://h/?sig=***;password=***"),
-    ("sqlite:////tmp/a@b/mlflow.db", "sqlite:////tmp/a@b/mlflow.db"),
-    (None, None),
-])
+
+@pytest.mark.parametrize(
+    "uri, expected",
+    [
+        ("http://user:s3cret@127.0.0.1:5000", "http://127.0.0.1:5000"),
+        ("https://tok@host/path?x=1", "https://host/path?x=1"),
+        ("http://h/?access_token=abc&run=2", "http://h/?access_token=***&run=2"),
+        ("http://h/?sig=zz;password=pp", "http://h/?sig=***;password=***"),
+        ("sqlite:////tmp/a@b/mlflow.db", "sqlite:////tmp/a@b/mlflow.db"),
+        (None, None),
+    ],
+)
 def test_redact_uri_strips_credentials(uri, expected):
     assert redact_uri(uri) == expected
 
@@ -164,7 +189,10 @@ def test_redact_uri_strips_credentials(uri, expected):
 def test_resolve_tracking_uri_only_fills_in_the_default(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://env:5000")  # applied by load_config, not here
     assert resolve_tracking_uri("http://cfg:5000") == ("http://cfg:5000", "config")
-    assert resolve_tracking_uri(None, cwd=tmp_path) == (f"sqlite:///{tmp_path.resolve()}/mlflow.db", "default")
+    assert resolve_tracking_uri(None, cwd=tmp_path) == (
+        f"sqlite:///{tmp_path.resolve()}/mlflow.db",
+        "default",
+    )
 
 
 def test_tracking_uri_flag_beats_env_beats_file_beats_default(tmp_path):
@@ -173,29 +201,49 @@ def test_tracking_uri_flag_beats_env_beats_file_beats_default(tmp_path):
     (tmp_path / "k.yaml").write_text("mlflow: {tracking_uri: 'http://file:1'}\n")
     env = {"MLFLOW_TRACKING_URI": "http://env:2"}
     flag = {"mlflow.tracking_uri": "http://flag:3"}
-    cases = [(flag, env, "http://flag:3", "flag"), (None, env, "http://env:2", "env"),
-             (None, {}, "http://file:1", "file")]
+    cases = [
+        (flag, env, "http://flag:3", "flag"),
+        (None, env, "http://env:2", "env"),
+        (None, {}, "http://file:1", "file"),
+    ]
     for overrides, environ, uri, source in cases:
         cfg = load_config(tmp_path / "k.yaml", overrides=overrides, environ=environ)
         assert (cfg.mlflow.tracking_uri, cfg.source_of("mlflow.tracking_uri")) == (uri, source)
-    assert load_config({}, environ={}).mlflow.tracking_uri is None  # then resolve_tracking_uri's default
+    assert (
+        load_config({}, environ={}).mlflow.tracking_uri is None
+    )  # then resolve_tracking_uri's default
 
 
 def test_ui_and_plan_follow_the_same_rule(tmp_path):
     (tmp_path / "k.yaml").write_text("mlflow: {tracking_uri: 'http://file:1'}\n")
     out = _cli("ui", "k.yaml", cwd=tmp_path, env={"MLFLOW_TRACKING_URI": "http://u:pw@env:2"})
     assert out.returncode == 0 and out.stdout.strip().endswith("open http://env:2"), out.stderr
-    out = _cli("ui", "k.yaml", "--tracking-uri", "http://flag:3", cwd=tmp_path,
-               env={"MLFLOW_TRACKING_URI": "http://env:2"})
+    out = _cli(
+        "ui",
+        "k.yaml",
+        "--tracking-uri",
+        "http://flag:3",
+        cwd=tmp_path,
+        env={"MLFLOW_TRACKING_URI": "http://env:2"},
+    )
     assert out.stdout.strip().endswith("open http://flag:3"), out.stderr
     out = _cli("ui", "k.yaml", cwd=tmp_path)
     assert out.stdout.strip().endswith("open http://file:1"), out.stderr
     assert "--tracking-uri, else $MLFLOW_TRACKING_URI, else mlflow.tracking_uri" in " ".join(
-        _cli("ui", "--help", cwd=tmp_path).stdout.split())
-    plan = _cli("plan", "k.yaml", "--json", cwd=tmp_path,
-                env={"MLFLOW_TRACKING_URI": "http://env:2", "KERAS_SYNC_JOB_ID": "job-9"})
+        _cli("ui", "--help", cwd=tmp_path).stdout.split()
+    )
+    plan = _cli(
+        "plan",
+        "k.yaml",
+        "--json",
+        cwd=tmp_path,
+        env={"MLFLOW_TRACKING_URI": "http://env:2", "KERAS_SYNC_JOB_ID": "job-9"},
+    )
     items = json.loads(plan.stdout)["items"]
-    assert (items["mlflow.tracking_uri"]["value"], items["mlflow.tracking_uri"]["source"]) == ("http://env:2", "env")
+    assert (items["mlflow.tracking_uri"]["value"], items["mlflow.tracking_uri"]["source"]) == (
+        "http://env:2",
+        "env",
+    )
     assert (items["mlflow.job_id"]["value"], items["mlflow.job_id"]["source"]) == ("job-9", "env")
 
 
@@ -203,9 +251,15 @@ def test_job_id_from_env_is_validated_by_the_config_loader():
     from keras_sync.config import load_config
     from keras_sync.errors import ConfigError
 
-    assert load_config({"mlflow": {"job_id": "a"}}, environ={"KERAS_SYNC_JOB_ID": "b-7"}).mlflow.job_id == "b-7"
-    with pytest.raises(ConfigError, match=r"\$KERAS_SYNC_JOB_ID: mlflow.job_id: received \"a'b\", expected "
-                                          r"1-250 letters, digits or _.:/@\+- or null; fix or unset"):
+    assert (
+        load_config({"mlflow": {"job_id": "a"}}, environ={"KERAS_SYNC_JOB_ID": "b-7"}).mlflow.job_id
+        == "b-7"
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"\$KERAS_SYNC_JOB_ID: mlflow.job_id: received \"a'b\", expected "
+        r"1-250 letters, digits or _.:/@\+- or null; fix or unset",
+    ):
         load_config({}, environ={"KERAS_SYNC_JOB_ID": "a'b"})
     with pytest.raises(ConfigError, match="mlflow.job_id: received 'a b'"):
         load_config({"mlflow": {"job_id": "a b"}}, environ={})
@@ -215,13 +269,19 @@ def test_spool_dir_is_a_config_key():
     from keras_sync.config import load_config
 
     assert load_config({}, environ={}).mlflow.spool_dir == ".keras_sync_spool"
-    assert load_config({"mlflow": {"spool_dir": "/data/spool"}}, environ={}).mlflow.spool_dir == "/data/spool"
+    assert (
+        load_config({"mlflow": {"spool_dir": "/data/spool"}}, environ={}).mlflow.spool_dir
+        == "/data/spool"
+    )
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"job_id": "a'b"}, r"`job_id`. Received: job_id=\"a'b\""),
-    ({"experiment": ""}, r"`experiment`. Received: experiment=''"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"job_id": "a'b"}, r"`job_id`. Received: job_id=\"a'b\""),
+        ({"experiment": ""}, r"`experiment`. Received: experiment=''"),
+    ],
+)
 def test_invalid_arguments_name_value_and_expectation(tmp_path, kwargs, match):
     args = {"tracking_uri": "sqlite:///x.db", "experiment": "e", "spool_dir": tmp_path} | kwargs
     with pytest.raises(TrackingError, match=match):
@@ -246,11 +306,17 @@ def test_replay_rejects_what_is_not_a_spool(tmp_path):
 def test_replay_failure_is_one_clean_error(tmp_path):
     spool = tmp_path / "j"
     spool.mkdir()
-    (spool / "header.json").write_text('{"v":2,"experiment":"e","run_name":null,"job_id":"j","explicit":true,'
-                                       '"tracking_uri":"http://127.0.0.1:1"}')
+    (spool / "header.json").write_text(
+        '{"v":2,"experiment":"e","run_name":null,"job_id":"j","explicit":true,'
+        '"tracking_uri":"http://127.0.0.1:1"}'
+    )
     (spool / "00000001.jsonl").write_text('{"k":"m","s":0,"ts":1,"d":{"loss":1.0}}\n')
-    with pytest.raises(TrackingError, match=r"Could not deliver spool .* run `keras-sync sync-spool` again") as err:
-        replay_spool(spool, tracking_uri="http://user:s3cret@127.0.0.1:1", timeout_s=0)  # each request once
+    with pytest.raises(
+        TrackingError, match=r"Could not deliver spool .* run `keras-sync sync-spool` again"
+    ) as err:
+        replay_spool(
+            spool, tracking_uri="http://user:s3cret@127.0.0.1:1", timeout_s=0
+        )  # each request once
     assert "s3cret" not in str(err.value)
     assert "1 of 1 requests failed with connection refused" in str(err.value)
     assert not (spool / "delivered").exists()  # nothing marked delivered
@@ -260,7 +326,10 @@ def test_replay_failure_is_one_clean_error(tmp_path):
 @slow
 def test_close_rejects_unknown_status(in_tmp, sqlite_uri):
     w = MlflowWriter(tracking_uri=sqlite_uri, experiment=_exp(), spool_dir=in_tmp)
-    with pytest.raises(TrackingError, match="`status`. Received: status='DONE'. Expected one of FINISHED, FAILED, KILLED"):
+    with pytest.raises(
+        TrackingError,
+        match="`status`. Received: status='DONE'. Expected one of FINISHED, FAILED, KILLED",
+    ):
         w.close(status="DONE")
     w.close(timeout_s=120)
 
@@ -274,7 +343,9 @@ def test_the_courier_runs_at_the_trainings_priority_not_the_spooling_threads(in_
     w.log_metrics({"loss": 1.0}, step=1)
     try:
         assert _wait_for(lambda: w._courier is not None, 120), "no courier started"
-        niced = [t.name for t in Path(f"/proc/{os.getpid()}/task").iterdir() if _nice(t / "stat") == 5]
+        niced = [
+            t.name for t in Path(f"/proc/{os.getpid()}/task").iterdir() if _nice(t / "stat") == 5
+        ]
         assert niced, "the spooling thread is niced (the reason for this test): it no longer is"
         assert _nice(Path(f"/proc/{w._courier.pid}/stat")) == os.getpriority(os.PRIO_PROCESS, 0)
     finally:
@@ -287,6 +358,7 @@ def _nice(stat: Path) -> int:
 
 
 # ---- sqlite store ----
+
 
 @slow
 def test_every_point_delivered_exactly_once_with_steps(in_tmp, sqlite_uri):
@@ -308,7 +380,12 @@ def test_every_point_delivered_exactly_once_with_steps(in_tmp, sqlite_uri):
     assert run.data.params["lr"] == "0.1"
     assert len(run.data.params["long"]) == 6000 and run.data.params["long"].endswith("[truncated]")
     assert run.data.tags["team"] == "ml"
-    assert Path(MlflowClient(uri).download_artifacts(w.run_id, "notes/hello.txt", str(in_tmp))).read_text() == "hello"
+    assert (
+        Path(
+            MlflowClient(uri).download_artifacts(w.run_id, "notes/hello.txt", str(in_tmp))
+        ).read_text()
+        == "hello"
+    )
     assert not w.spool_path.exists()  # all delivered: the spool is removed
 
 
@@ -316,18 +393,26 @@ def test_every_point_delivered_exactly_once_with_steps(in_tmp, sqlite_uri):
 def test_a_run_name_longer_than_a_command_line_argument_reaches_the_courier(in_tmp, sqlite_uri):
     # Linux takes at most 128 KiB per argument or environment variable: the header in the
     # courier's environment failed with "[Errno 7] Argument list too long" at every start.
-    w = MlflowWriter(tracking_uri=sqlite_uri, experiment=_exp(), run_name="r" * 140_000, spool_dir=in_tmp)
+    w = MlflowWriter(
+        tracking_uri=sqlite_uri, experiment=_exp(), run_name="r" * 140_000, spool_dir=in_tmp
+    )
     w.start()
     w.log_metrics({"loss": 1.0}, step=1)
     w.close(timeout_s=120)
     from mlflow import MlflowClient
 
     run = MlflowClient(sqlite_uri).get_run(w.run_id)
-    assert (run.info.status, run.info.run_name, run.data.metrics) == ("FINISHED", "r" * 140_000, {"loss": 1.0})
+    assert (run.info.status, run.info.run_name, run.data.metrics) == (
+        "FINISHED",
+        "r" * 140_000,
+        {"loss": 1.0},
+    )
 
 
 @slow
-def test_a_spool_deleted_while_the_run_logs_is_made_again_and_nothing_is_lost(in_tmp, sqlite_uri, caplog):
+def test_a_spool_deleted_while_the_run_logs_is_made_again_and_nothing_is_lost(
+    in_tmp, sqlite_uri, caplog
+):
     """An operator (or a cleanup job) removes the spool directory mid-run. Before: the writer kept appending
     to its deleted segment (a file no one can read): 94 of 600 steps and no params reached MLflow, the
     run FINISHED, and nothing said why. Now the writer sees the segment unlinked, makes the spool again
@@ -342,15 +427,23 @@ def test_a_spool_deleted_while_the_run_logs_is_made_again_and_nothing_is_lost(in
     for s in range(300, 600):
         w.log_metrics({"loss": 1.0 / (s + 1)}, step=s)
     w.log_params({"lr": 0.1})
-    assert _settled(w, timeout_s=120)  # without the fix: never (the records after 299 are in a deleted file)
+    assert _settled(
+        w, timeout_s=120
+    )  # without the fix: never (the records after 299 are in a deleted file)
     w.close()
     from mlflow import MlflowClient
 
     run = MlflowClient(uri).get_run(w.run_id)
     assert _history(uri, w.run_id) == list(range(600))
     assert run.data.params["lr"] == "0.1" and run.info.status == "FINISHED"
-    said = [r.getMessage() for r in caplog.records if "was deleted while this run logged" in r.getMessage()]
-    assert len(said) == 1 and said[0].startswith(f"keras-sync: the MLflow spool {w.spool_path} was deleted")
+    said = [
+        r.getMessage()
+        for r in caplog.records
+        if "was deleted while this run logged" in r.getMessage()
+    ]
+    assert len(said) == 1 and said[0].startswith(
+        f"keras-sync: the MLflow spool {w.spool_path} was deleted"
+    )
 
 
 @slow
@@ -371,7 +464,9 @@ def test_explicit_job_id_shares_one_run_even_after_it_finished(in_tmp, sqlite_ur
     uri, exp = sqlite_uri, _exp()
     ids = []
     for attempt in range(2):
-        w = MlflowWriter(tracking_uri=uri, experiment=exp, job_id="job-7", spool_dir=in_tmp / "spool")
+        w = MlflowWriter(
+            tracking_uri=uri, experiment=exp, job_id="job-7", spool_dir=in_tmp / "spool"
+        )
         w.start()
         w.log_metrics({"loss": 1.0}, step=attempt)
         w.close(timeout_s=120)
@@ -383,12 +478,20 @@ def test_explicit_job_id_shares_one_run_even_after_it_finished(in_tmp, sqlite_ur
 @slow
 def test_a_finished_run_is_not_reopened_for_a_job_id_that_came_with_a_backup(in_tmp, sqlite_uri):
     uri, exp = sqlite_uri, _exp()
-    first = MlflowWriter(tracking_uri=uri, experiment=exp, job_id="bk-1", job_id_explicit=False, spool_dir=in_tmp)
+    first = MlflowWriter(
+        tracking_uri=uri, experiment=exp, job_id="bk-1", job_id_explicit=False, spool_dir=in_tmp
+    )
     first.start()
     first.log_metrics({"loss": 1.0}, step=1)
     first.close(timeout_s=120)
-    again = MlflowWriter(tracking_uri=uri, experiment=exp, job_id="bk-1", job_id_explicit=False,
-                         run_id=first.run_id, spool_dir=in_tmp)
+    again = MlflowWriter(
+        tracking_uri=uri,
+        experiment=exp,
+        job_id="bk-1",
+        job_id_explicit=False,
+        run_id=first.run_id,
+        spool_dir=in_tmp,
+    )
     again.start()
     again.log_metrics({"loss": 2.0}, step=1)
     again.close(timeout_s=120)
@@ -438,7 +541,9 @@ def test_replay_after_crash_before_the_position_was_written_duplicates_nothing(i
     exp = _exp()
     _crash_after_spooling(uri, exp, "crash", in_tmp, steps=100, timeout_s=120)
     spool = in_tmp / "crash"
-    assert _wait_for(lambda: not _couriers_of(spool), 600)  # its courier (if it got to start) has ended
+    assert _wait_for(
+        lambda: not _couriers_of(spool), 600
+    )  # its courier (if it got to start) has ended
     import shutil
 
     shutil.copytree(spool, in_tmp / "copy", ignore=shutil.ignore_patterns("*.lock"))
@@ -459,11 +564,23 @@ def _spool_of_ended_run(root: Path, experiment: str, uri: str):
 
     spool = SpoolDir(root)
     spool.path.mkdir()
-    spool.write_header({"v": 2, "experiment": experiment, "run_name": None, "job_id": "from-backup",
-                        "explicit": False, "tracking_uri": uri, "run_id": None})
+    spool.write_header(
+        {
+            "v": 2,
+            "experiment": experiment,
+            "run_name": None,
+            "job_id": "from-backup",
+            "explicit": False,
+            "tracking_uri": uri,
+            "run_id": None,
+        }
+    )
     spool.start_segment()
-    spool.append([{"k": "begin", "ts": 1}] + [{"k": "m", "s": s, "ts": 1, "d": {"loss": 0.5}} for s in (1, 2)]
-                 + [{"k": "end", "status": "FINISHED", "ts": 2, "last": False}])
+    spool.append(
+        [{"k": "begin", "ts": 1}]
+        + [{"k": "m", "s": s, "ts": 1, "d": {"loss": 0.5}} for s in (1, 2)]
+        + [{"k": "end", "status": "FINISHED", "ts": 2, "last": False}]
+    )
     return spool
 
 
@@ -490,7 +607,9 @@ def test_leftovers_of_an_ended_run_go_to_that_run_not_a_new_one(tmp_path, sqlite
     from keras_sync.tracking.spool import SpoolDir
 
     replay = SpoolDir(before_delivery)
-    assert Delivery(replay, sqlite_uri).deliver_available() == 0  # both steps are in the run already
+    assert (
+        Delivery(replay, sqlite_uri).deliver_available() == 0
+    )  # both steps are in the run already
     spool.append([{"k": "stop"}])  # the writer closed after ending the run; its courier was killed
     Delivery(spool, sqlite_uri).deliver_available()
     assert _run_of_job(sqlite_uri, exp, "from-backup").info.run_id == run.info.run_id
@@ -502,8 +621,12 @@ def test_leftovers_of_an_ended_run_go_to_that_run_not_a_new_one(tmp_path, sqlite
 def _couriers_of(spool: Path) -> list[int]:
     import psutil
 
-    return [p.pid for p in psutil.process_iter(["cmdline"])
-            if str(spool) in " ".join(p.info["cmdline"] or ()) and "keras_sync.tracking.courier" in " ".join(p.info["cmdline"])]
+    return [
+        p.pid
+        for p in psutil.process_iter(["cmdline"])
+        if str(spool) in " ".join(p.info["cmdline"] or ())
+        and "keras_sync.tracking.courier" in " ".join(p.info["cmdline"])
+    ]
 
 
 @slow
@@ -528,14 +651,16 @@ def test_uncaught_exception_ends_run_failed_at_exit(sqlite_uri, tmp_path):
         "while w.run_id is None: time.sleep(0.05)\n"
         "raise ValueError('boom')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                         cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=tmp_path
+    )
     assert "ValueError: boom" in out.stderr
     run = _run_of_job(sqlite_uri, exp, "boom")
     assert run.info.status == "FAILED" and run.data.metrics == {"loss": 1.0}
 
 
 # ---- the spool: the only interface, small on disk ----
+
 
 @slow
 def test_long_run_keeps_little_spool_on_disk(mlflow_server, tmp_path):
@@ -547,7 +672,9 @@ def test_long_run_keeps_little_spool_on_disk(mlflow_server, tmp_path):
         w.log_metrics({k: 1.0 / (s + 1) for k in keys}, step=s)
         if s % 500 == 499:
             time.sleep(0.3)  # a 5,000-step run takes a while; the spool is measured along the way
-            biggest = max(biggest, sum(p.stat().st_size for p in w.spool_path.glob("*") if p.is_file()))
+            biggest = max(
+                biggest, sum(p.stat().st_size for p in w.spool_path.glob("*") if p.is_file())
+            )
     assert _settled(w)
     size = sum(p.stat().st_size for p in w.spool_path.glob("*") if p.is_file())
     written = w._spooled_pos[0]  # segments written (256 KB each): > 1 MB went through the spool
@@ -566,7 +693,9 @@ def test_delivery_runs_in_a_child_process_at_normal_priority(in_tmp, sqlite_uri)
     w.log_metrics({"loss": 1.0}, step=0)
     assert _settled(w)
     (courier,) = _couriers_of(w.spool_path)
-    assert os.sched_getscheduler(courier) == os.SCHED_OTHER  # not SCHED_IDLE: a busy machine starved it
+    assert (
+        os.sched_getscheduler(courier) == os.SCHED_OTHER
+    )  # not SCHED_IDLE: a busy machine starved it
     assert os.getpriority(os.PRIO_PROCESS, courier) <= 5
     w.close()
     assert _gone(courier) and _couriers_of(w.spool_path) == []
@@ -600,7 +729,9 @@ def test_busy_cores_do_not_stop_delivery(in_tmp, sqlite_uri):
 
 @slow
 def test_failing_local_store_is_named_as_such_and_not_waited_for(in_tmp):
-    (in_tmp / "blocker").write_text("")  # a file where the store's directory should be (MLflow makes missing dirs)
+    (in_tmp / "blocker").write_text(
+        ""
+    )  # a file where the store's directory should be (MLflow makes missing dirs)
     uri = f"sqlite:///{in_tmp}/blocker/mlflow.db"
     w = MlflowWriter(tracking_uri=uri, experiment=_exp(), spool_dir=in_tmp / "spool")
     w.start()
@@ -629,8 +760,17 @@ def test_courier_says_ok_before_it_moves_the_delivered_position(tmp_path, sqlite
 
     spool = SpoolDir(tmp_path / "spool")
     spool.path.mkdir()
-    spool.write_header({"v": 2, "experiment": "order", "run_name": None, "job_id": "j", "explicit": False,
-                        "tracking_uri": sqlite_uri, "run_id": None})
+    spool.write_header(
+        {
+            "v": 2,
+            "experiment": "order",
+            "run_name": None,
+            "job_id": "j",
+            "explicit": False,
+            "tracking_uri": sqlite_uri,
+            "run_id": None,
+        }
+    )
     spool.start_segment()
     spool.append([{"k": "begin", "ts": 1}, {"k": "m", "s": 1, "ts": 1, "d": {"loss": 0.5}}])
     spool.close_segment()
@@ -655,19 +795,36 @@ def test_metric_points_wait_for_a_batch_and_anything_else_takes_them_along(tmp_p
 
     spool = SpoolDir(tmp_path / "spool")
     spool.path.mkdir()
-    spool.write_header({"v": 2, "experiment": _exp(), "run_name": None, "job_id": "batch", "explicit": False,
-                        "tracking_uri": sqlite_uri, "run_id": None})
+    spool.write_header(
+        {
+            "v": 2,
+            "experiment": _exp(),
+            "run_name": None,
+            "job_id": "batch",
+            "explicit": False,
+            "tracking_uri": sqlite_uri,
+            "run_id": None,
+        }
+    )
     spool.start_segment()
     spool.append([{"k": "begin", "ts": 1}])
     delivery = Delivery(spool, sqlite_uri)
     calls = []
     send = delivery.sender.send
     delivery.sender.send = lambda records, done=None: (  # type: ignore[method-assign]
-        calls.append([r["k"] for r in records]), send(records, done=done))[1]
-    assert delivery.deliver_available(hold_metrics=True) == 0 and calls == [["begin"]]  # not a metric: at once
+        calls.append([r["k"] for r in records]),
+        send(records, done=done),
+    )[1]
+    assert delivery.deliver_available(hold_metrics=True) == 0 and calls == [
+        ["begin"]
+    ]  # not a metric: at once
     spool.append([{"k": "m", "s": s, "ts": 1, "d": {"loss": 1.0 / s}} for s in range(1, 6)])
-    assert delivery.deliver_available(hold_metrics=True) == 0 and len(calls) == 1  # held for a batch
-    spool.append([{"k": "m", "s": 6, "ts": 1, "d": {"loss": 0.1}}, {"k": "end", "status": "FINISHED"}])
+    assert (
+        delivery.deliver_available(hold_metrics=True) == 0 and len(calls) == 1
+    )  # held for a batch
+    spool.append(
+        [{"k": "m", "s": 6, "ts": 1, "d": {"loss": 0.1}}, {"k": "end", "status": "FINISHED"}]
+    )
     assert delivery.deliver_available(hold_metrics=True) == 6  # the end takes the held points along
     assert calls[1:] == [["m"] * 6 + ["end"]]
     c = MlflowClient(sqlite_uri)
@@ -679,6 +836,7 @@ def test_metric_points_wait_for_a_batch_and_anything_else_takes_them_along(tmp_p
 
 
 # ---- real mlflow server, with outages ----
+
 
 @slow
 def test_server_down_from_start_buffers_then_delivers(restartable_mlflow_server, tmp_path):
@@ -695,7 +853,9 @@ def test_server_down_from_start_buffers_then_delivers(restartable_mlflow_server,
     assert _wait_for(lambda: len(_spooled_steps(w.spool_path)) == 500, 60)
     assert _wait_for(lambda: w.failure() is not None, 600)
     t0 = time.perf_counter()
-    with pytest.warns(RuntimeWarning, match="the tracking server http://127.0.0.1:.* is unreachable") as rec:
+    with pytest.warns(
+        RuntimeWarning, match="the tracking server http://127.0.0.1:.* is unreachable"
+    ) as rec:
         w.end_of_fit()  # known away: no wait
     assert time.perf_counter() - t0 < 5.0 and str(w.spool_path) in str(rec[0].message)
     assert w.run_id is None
@@ -709,7 +869,9 @@ def test_server_down_from_start_buffers_then_delivers(restartable_mlflow_server,
 @slow
 def test_server_killed_mid_run_loses_and_duplicates_nothing(restartable_mlflow_server, tmp_path):
     server = restartable_mlflow_server
-    w = MlflowWriter(tracking_uri=server.uri, experiment=f"kill-{uuid.uuid4().hex[:6]}", spool_dir=tmp_path)
+    w = MlflowWriter(
+        tracking_uri=server.uri, experiment=f"kill-{uuid.uuid4().hex[:6]}", spool_dir=tmp_path
+    )
     w.start()
     _log_timed(w, range(0, 200))
     assert _settled(w)
@@ -739,7 +901,9 @@ def test_close_with_server_down_warns_and_replay_delivers_once(restartable_mlflo
     assert _couriers_of(w.spool_path) == []  # after close nothing runs in the background
     server.start()
     out = _cli("sync-spool", str(w.spool_path), cwd=tmp_path)
-    assert out.returncode == 0 and "sent 100 metric point(s)" in out.stdout, out.stderr  # 50 steps x 2 keys
+    assert out.returncode == 0 and "sent 100 metric point(s)" in out.stdout, (
+        out.stderr
+    )  # 50 steps x 2 keys
     assert not w.spool_path.exists()
     run = _run_of_job(server.uri, exp, "j2")
     assert _history(server.uri, run.info.run_id) == list(range(50))
@@ -748,12 +912,15 @@ def test_close_with_server_down_warns_and_replay_delivers_once(restartable_mlflo
 
 @slow
 def test_secrets_never_reach_params_tags_artifacts_spool_or_logs(
-        mlflow_server, tmp_path, monkeypatch, caplog, capfd):
+    mlflow_server, tmp_path, monkeypatch, caplog, capfd
+):
     monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", "tok123")
     caplog.set_level(logging.DEBUG)
     port = mlflow_server.rsplit(":", 1)[1]
     secret_uri = f"http://user:s3cret@127.0.0.1:{port}"
-    w = MlflowWriter(tracking_uri=secret_uri, experiment=f"red-{uuid.uuid4().hex[:6]}", spool_dir=tmp_path)
+    w = MlflowWriter(
+        tracking_uri=secret_uri, experiment=f"red-{uuid.uuid4().hex[:6]}", spool_dir=tmp_path
+    )
     w.start()
     w.log_params({"tracking_uri": secret_uri, "token": "tok123", "cmd": "train --password s3cret"})
     w.set_tags({"env": "MLFLOW_TRACKING_TOKEN=tok123", "uri": secret_uri})
@@ -762,8 +929,11 @@ def test_secrets_never_reach_params_tags_artifacts_spool_or_logs(
     assert _settled(w)
     w.close(timeout_s=CLOSE_S)
     # A writer to a dead server with the same credentials: its failure logs and warning too.
-    dead = MlflowWriter(tracking_uri="http://user:s3cret@127.0.0.1:1/?token=tok123",
-                        experiment="x", spool_dir=tmp_path)
+    dead = MlflowWriter(
+        tracking_uri="http://user:s3cret@127.0.0.1:1/?token=tok123",
+        experiment="x",
+        spool_dir=tmp_path,
+    )
     dead.start()
     dead.log_params({"u": secret_uri})
     assert _wait_for(lambda: "unreachable" in caplog.text, 600)
@@ -777,10 +947,21 @@ def test_secrets_never_reach_params_tags_artifacts_spool_or_logs(
     artifact = Path(client.download_artifacts(w.run_id, "config.txt", str(tmp_path))).read_text()
     assert run.data.params["tracking_uri"] == f"http://127.0.0.1:{port}"
     assert run.data.params["token"] == "***"
-    everything = "\n".join([
-        json.dumps(run.data.params), json.dumps(run.data.tags), artifact, caplog.text,
-        *[str(x.message) for x in warned], *capfd.readouterr(),
-        *[p.read_text() for p in tmp_path.rglob("*") if p.is_file() and not p.name.endswith(".lock")]])
+    everything = "\n".join(
+        [
+            json.dumps(run.data.params),
+            json.dumps(run.data.tags),
+            artifact,
+            caplog.text,
+            *[str(x.message) for x in warned],
+            *capfd.readouterr(),
+            *[
+                p.read_text()
+                for p in tmp_path.rglob("*")
+                if p.is_file() and not p.name.endswith(".lock")
+            ],
+        ]
+    )
     assert "unreachable" in caplog.text and warned  # the failure paths did run
     assert "s3cret" not in everything and "tok123" not in everything
 
@@ -801,11 +982,15 @@ def test_process_exit_with_server_down_is_bounded_and_warns(tmp_path):
     assert out.returncode == 0
     assert "the tracking server http://127.0.0.1:1 is unreachable" in out.stderr
     assert "keras-sync sync-spool" in out.stderr
-    assert exit_took < 10  # MLflow known to be away: no wait at exit (a stopped courier, interpreter teardown)
+    assert (
+        exit_took < 10
+    )  # MLflow known to be away: no wait at exit (a stopped courier, interpreter teardown)
 
 
 @slow
-def test_restarted_job_delivers_what_the_crashed_process_spooled(restartable_mlflow_server, tmp_path):
+def test_restarted_job_delivers_what_the_crashed_process_spooled(
+    restartable_mlflow_server, tmp_path
+):
     server = restartable_mlflow_server
     server.stop()
     exp = f"restart-{uuid.uuid4().hex[:6]}"
@@ -824,7 +1009,9 @@ def test_restarted_job_delivers_what_the_crashed_process_spooled(restartable_mlf
 
 @slow
 def test_replay_refuses_a_spool_a_live_writer_holds(tmp_path):
-    w = MlflowWriter(tracking_uri="http://127.0.0.1:1", experiment=_exp(), job_id="busy", spool_dir=tmp_path)
+    w = MlflowWriter(
+        tracking_uri="http://127.0.0.1:1", experiment=_exp(), job_id="busy", spool_dir=tmp_path
+    )
     w.start()
     w.log_metrics({"loss": 1.0}, step=0)
     assert _wait_for(lambda: _spooled_steps(w.spool_path) == [0], 60)
@@ -835,6 +1022,7 @@ def test_replay_refuses_a_spool_a_live_writer_holds(tmp_path):
 
 
 # ---- the courier process that delivers ----
+
 
 def _gone(pid: int) -> bool:
     import psutil
@@ -881,7 +1069,9 @@ def test_crashed_process_leaves_no_courier_behind(sqlite_uri, tmp_path):
         "print([p.pid for p in psutil.Process().children()], w.run_id, flush=True)\n"
         "os._exit(9)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=800, cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=800, cwd=tmp_path
+    )
     assert out.returncode == 9, out.stderr
     # Nothing but MLflow's own lines from the courier (its stderr is the user's): once, `-m` on a
     # module its package imports printed a RuntimeWarning at every courier's start.
@@ -895,16 +1085,27 @@ def test_crashed_process_leaves_no_courier_behind(sqlite_uri, tmp_path):
 
 # ---- which run a `sync.fit` job writes to ----
 
-def _fit(config: dict, tmp_path: Path, name: str, crash_at: int | None = None, env: dict | None = None):
+
+def _fit(
+    config: dict, tmp_path: Path, name: str, crash_at: int | None = None, env: dict | None = None
+):
     import os
 
     cfg_path, out_path = tmp_path / f"{name}.json", tmp_path / f"{name}.out.json"
     cfg_path.write_text(json.dumps(config))
-    full = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID")}
+    full = {
+        k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID")
+    }
     full |= {"TF_CPP_MIN_LOG_LEVEL": "2"} | (env or {})
     args = [sys.executable, str(HERE / "_tracking_scenarios.py"), str(cfg_path), str(out_path)]
-    out = subprocess.run(args + ([str(crash_at)] if crash_at else []), capture_output=True, text=True,
-                         timeout=600, cwd=tmp_path, env=full)
+    out = subprocess.run(
+        args + ([str(crash_at)] if crash_at else []),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env=full,
+    )
     if crash_at:
         assert out.returncode == 9, out.stderr[-3000:]
         return None, out.stderr
@@ -927,17 +1128,27 @@ def test_run_identity_follows_the_backup_and_the_explicit_job_id(sqlite_uri, tmp
     from mlflow import MlflowClient
 
     exp = _exp()
-    config = {"strategy": {"kind": "default"},
-              "mlflow": {"tracking_uri": sqlite_uri, "experiment": exp, "spool_dir": str(tmp_path / "myspool"), "log_every_n_steps": 1},
-              "fault_tolerance": {"backup_dir": str(tmp_path / "backup"), "save_freq": 5}}
+    config = {
+        "strategy": {"kind": "default"},
+        "mlflow": {
+            "tracking_uri": sqlite_uri,
+            "experiment": exp,
+            "spool_dir": str(tmp_path / "myspool"),
+            "log_every_n_steps": 1,
+        },
+        "fault_tolerance": {"backup_dir": str(tmp_path / "backup"), "save_freq": 5},
+    }
     steps = list(range(1, 41))  # 2 epochs of 20 steps, MLflow step = optimizer step
     # A finished job, run again with the same script and YAML: a new run each time.
     first, err = _fit(config, tmp_path, "first")
     # One line says where the metrics go, with the run id: the writer's thread prints it once the
     # courier has created the run (training does not wait for that).
     # (the scenario passes its config as a dict: no file for `keras-sync ui`, so MLflow's own command)
-    assert f"keras-sync: metrics go to MLflow at {sqlite_uri}, experiment {exp!r}, run {first}; " \
-           f"view it with: {console_command('mlflow', 'mlflow')} ui --backend-store-uri {sqlite_uri}" in err, err
+    assert (
+        f"keras-sync: metrics go to MLflow at {sqlite_uri}, experiment {exp!r}, run {first}; "
+        f"view it with: {console_command('mlflow', 'mlflow')} ui --backend-store-uri {sqlite_uri}"
+        in err
+    ), err
     assert "not created yet" not in err
     assert _one_point_per_step(sqlite_uri, first) == steps
     assert MlflowClient(sqlite_uri).get_run(first).info.status == "FINISHED"
@@ -954,7 +1165,10 @@ def test_run_identity_follows_the_backup_and_the_explicit_job_id(sqlite_uri, tmp
     assert MlflowClient(sqlite_uri).get_run(resumed).info.status == "FINISHED"
     assert not (tmp_path / "backup").exists()
     # The explicit job id: two jobs share one run (and still one point per step).
-    shared = [_fit(config, tmp_path, f"shared{i}", env={"KERAS_SYNC_JOB_ID": "exp-42"})[0] for i in range(2)]
+    shared = [
+        _fit(config, tmp_path, f"shared{i}", env={"KERAS_SYNC_JOB_ID": "exp-42"})[0]
+        for i in range(2)
+    ]
     assert shared[0] == shared[1] and shared[0] not in (first, resumed)
     assert _one_point_per_step(sqlite_uri, shared[0]) == steps
 
@@ -986,7 +1200,9 @@ def test_a_big_batch_is_split_over_segments_and_read_back_in_order(tmp_path):
     spool = SpoolDir(tmp_path)
     spool.start_segment()
     spool.append([{"k": "m", "v": -1}])
-    end = spool.append([{"k": "m", "v": i, "pad": "x" * 100} for i in range(10_000)])  # ~1.2 MB at once
+    end = spool.append(
+        [{"k": "m", "v": i, "pad": "x" * 100} for i in range(10_000)]
+    )  # ~1.2 MB at once
     sizes = [p.stat().st_size for p in sorted(tmp_path.glob("*.jsonl"))]
     assert len(sizes) >= 5 and max(sizes) <= SEGMENT_BYTES + 200, sizes
     read = spool.read((0, 0), max_records=10**6)
@@ -995,6 +1211,7 @@ def test_a_big_batch_is_split_over_segments_and_read_back_in_order(tmp_path):
 
 
 # ---- faults of the spool's disk and of the store (issue 24) ----
+
 
 def _spool_filler(uri: str, experiment: str, spool_dir: Path, *, steps: int, wait_s: float) -> str:
     """A process that logs ``steps`` steps of 10 metrics (~200 bytes per step: a 64 KB spool fills)
@@ -1023,13 +1240,22 @@ def test_spool_on_a_full_disk_loses_nothing_while_mlflow_takes_the_records(sqlit
 
     exp = _exp()
     with tmpfs(tmp_path / "small", size="64k") as small:
-        out = subprocess.run([sys.executable, "-c", _spool_filler(sqlite_uri, exp, small, steps=600, wait_s=600)],
-                             capture_output=True, text=True, timeout=900, cwd=tmp_path)
+        out = subprocess.run(
+            [sys.executable, "-c", _spool_filler(sqlite_uri, exp, small, steps=600, wait_s=600)],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            cwd=tmp_path,
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         assert "flushed True" in out.stdout, out.stderr[-3000:]
         assert f"cannot write its MLflow spool {small}/full (No space left on device)" in out.stderr
-        assert "Traceback" not in out.stderr and "Exception ignored" not in out.stderr, out.stderr[-3000:]
-        assert "not delivered" not in out.stderr and "lost" not in out.stderr.replace("none is lost", "")
+        assert "Traceback" not in out.stderr and "Exception ignored" not in out.stderr, out.stderr[
+            -3000:
+        ]
+        assert "not delivered" not in out.stderr and "lost" not in out.stderr.replace(
+            "none is lost", ""
+        )
         assert list(small.iterdir()) == []  # all in MLflow: the spool is removed
     run = _run_of_job(sqlite_uri, exp, "full")
     assert run.info.status == "FINISHED" and "keras_sync.metrics_lost" not in run.data.tags
@@ -1039,22 +1265,33 @@ def test_spool_on_a_full_disk_loses_nothing_while_mlflow_takes_the_records(sqlit
 
 
 @slow
-def test_full_spool_and_mlflow_away_name_the_lost_steps_and_sync_spool_ends_the_run(sqlite_uri, tmp_path):
+def test_full_spool_and_mlflow_away_name_the_lost_steps_and_sync_spool_ends_the_run(
+    sqlite_uri, tmp_path
+):
     # Both fail: one line names the steps lost; what the spool holds is delivered later, and the
     # run then ends FAILED with a tag naming the loss (before: RUNNING, sync-spool sent 0).
     import re
 
-    from mlflow import MlflowClient
-
     from _mounts import tmpfs
+    from mlflow import MlflowClient
 
     exp = _exp()
     with tmpfs(tmp_path / "small", size="64k") as small:
-        out = subprocess.run([sys.executable, "-c", _spool_filler("http://127.0.0.1:1", exp, small, steps=600,
-                                                                  wait_s=600)],
-                             capture_output=True, text=True, timeout=900, cwd=tmp_path)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                _spool_filler("http://127.0.0.1:1", exp, small, steps=600, wait_s=600),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            cwd=tmp_path,
+        )
         assert out.returncode == 0, out.stderr[-3000:]
-        assert "Traceback" not in out.stderr and "Exception ignored" not in out.stderr, out.stderr[-3000:]
+        assert "Traceback" not in out.stderr and "Exception ignored" not in out.stderr, out.stderr[
+            -3000:
+        ]
         (line,) = [x for x in out.stderr.splitlines() if "MLflow lost" in x]
         first_lost = int(re.search(r"lost the points of steps (\d+)-600 ", line).group(1))
         assert 1 < first_lost < 600 and "No space left on device" in line
@@ -1062,7 +1299,11 @@ def test_full_spool_and_mlflow_away_name_the_lost_steps_and_sync_spool_ends_the_
         assert f"keras-sync sync-spool {small}/full" in line
         # sync-spool to a server that is still away, with no time to retry: one line, a non-zero exit, no wait.
         away = _cli("sync-spool", str(small / "full"), "--timeout", "0", cwd=tmp_path)
-        assert away.returncode == 2 and away.stderr.count("\n") == 1 and "Could not deliver" in away.stderr
+        assert (
+            away.returncode == 2
+            and away.stderr.count("\n") == 1
+            and "Could not deliver" in away.stderr
+        )
         done = _cli("sync-spool", str(small / "full"), "--tracking-uri", sqlite_uri, cwd=tmp_path)
         assert done.returncode == 0, done.stderr
         assert f"sent {10 * (first_lost - 1)} metric point(s)" in done.stdout
@@ -1070,7 +1311,9 @@ def test_full_spool_and_mlflow_away_name_the_lost_steps_and_sync_spool_ends_the_
     run = _run_of_job(sqlite_uri, exp, "full")
     assert _history(sqlite_uri, run.info.run_id) == list(range(1, first_lost))
     assert run.info.status == "FAILED"
-    assert run.data.tags["keras_sync.metrics_lost"].startswith(f"the points of steps {first_lost}-600")
+    assert run.data.tags["keras_sync.metrics_lost"].startswith(
+        f"the points of steps {first_lost}-600"
+    )
     assert MlflowClient(sqlite_uri).get_run(run.info.run_id).data.params == {"lr": "0.1"}
 
 
@@ -1091,7 +1334,9 @@ def test_a_store_that_cannot_be_created_is_named_at_once_and_sync_spool_says_so(
             t0 = time.perf_counter()
             assert w.end_run(timeout_s=600) is False
             waited = time.perf_counter() - t0
-        assert waited < 30  # no wait on a store that cannot be created (MLflow's retries took ~110 s)
+        assert (
+            waited < 30
+        )  # no wait on a store that cannot be created (MLflow's retries took ~110 s)
         (msg,) = [str(r.message) for r in rec]
         assert f"the local store {uri} fails" in msg and "Read-only file system" in msg
         assert "had not reached" not in msg
@@ -1107,17 +1352,25 @@ def test_a_store_that_cannot_be_created_is_named_at_once_and_sync_spool_says_so(
 def test_fit_with_its_spool_on_a_full_disk_delivers_every_step(sqlite_uri, tmp_path):
     # Through `sync.fit`: the sync metrics, params, config artifact and the fit-end report of a
     # spool that fills after its first record; every step arrives once and the run is FINISHED.
-    from mlflow import MlflowClient
-
     from _mounts import tmpfs
+    from mlflow import MlflowClient
 
     exp = _exp()
     with tmpfs(tmp_path / "small", size="24k") as small:
-        config = {"strategy": {"kind": "default"},
-                  "mlflow": {"tracking_uri": sqlite_uri, "experiment": exp, "spool_dir": str(small), "log_every_n_steps": 1}}
+        config = {
+            "strategy": {"kind": "default"},
+            "mlflow": {
+                "tracking_uri": sqlite_uri,
+                "experiment": exp,
+                "spool_dir": str(small),
+                "log_every_n_steps": 1,
+            },
+        }
         run_id, err = _fit(config, tmp_path, "full")
         assert "cannot write its MLflow spool" in err
-        assert "Traceback" not in err and "Exception ignored" not in err and "not delivered" not in err, err[-3000:]
+        assert (
+            "Traceback" not in err and "Exception ignored" not in err and "not delivered" not in err
+        ), err[-3000:]
     assert _one_point_per_step(sqlite_uri, run_id) == list(range(1, 41))
     run = MlflowClient(sqlite_uri).get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.params["sync.num_replicas"] == "1"
@@ -1134,9 +1387,14 @@ def test_a_refused_append_leaves_whole_records_and_says_how_many(tmp_path):
         spool = SpoolDir(small / "s")
         spool.path.mkdir()
         spool.start_segment()
-        batches = [[{"k": "m", "s": i, "pad": "x" * 100} for i in range(b, b + 10)] for b in range(0, 300, 10)]
+        batches = [
+            [{"k": "m", "s": i, "pad": "x" * 100} for i in range(b, b + 10)]
+            for b in range(0, 300, 10)
+        ]
         with pytest.raises(SpoolFull) as refused:
-            for batch in batches:  # ~36 KB in all, 10 records every 0.2 s as the writer's thread does
+            for (
+                batch
+            ) in batches:  # ~36 KB in all, 10 records every 0.2 s as the writer's thread does
                 spool.append(batch)
         first_refused = batch[0]["s"]
         assert refused.value.reason == "No space left on device" and 0 < first_refused < 290
@@ -1194,9 +1452,14 @@ def test_refused_credentials_are_said_once_in_one_line_and_training_goes_on(sqli
     uri = f"http://127.0.0.1:{server.server_address[1]}"
     exp = _exp()
     try:
-        _, err = _fit({"strategy": {"kind": "default"}, "mlflow": {"tracking_uri": uri, "experiment": exp,
-                                                                   "log_every_n_steps": 1}},
-                      tmp_path, "refused")
+        _, err = _fit(
+            {
+                "strategy": {"kind": "default"},
+                "mlflow": {"tracking_uri": uri, "experiment": exp, "log_every_n_steps": 1},
+            },
+            tmp_path,
+            "refused",
+        )
         spool = json.loads((tmp_path / "refused.out.json").read_text())["spool"]
         again = _cli("sync-spool", spool, cwd=tmp_path)  # still refused: one line, the status only
     finally:
@@ -1204,17 +1467,23 @@ def test_refused_credentials_are_said_once_in_one_line_and_training_goes_on(sqli
     assert again.returncode != 0 and again.stderr.strip().splitlines()[-1] == (
         f"Could not deliver spool {spool}: MLflow at {uri} refused the credentials (HTTP 401). Set "
         "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) and run `keras-sync "
-        "sync-spool` again; nothing delivered is sent twice."), again.stderr
+        "sync-spool` again; nothing delivered is sent twice."
+    ), again.stderr
     # Before: the server's page in 4 messages (the first line, a warning, fit's end, exit).
     # Lines that speak of the refusal (not "401" alone: TensorFlow's start-up lines carry a timestamp and a pid whose
     # digits can hold "401", which failed CI once).
-    said = [line for line in err.splitlines()
-            if re.search(r"HTTP 401|Unauthori[sz]ed|not authenticated|refused", line)]
+    said = [
+        line
+        for line in err.splitlines()
+        if re.search(r"HTTP 401|Unauthori[sz]ed|not authenticated|refused", line)
+    ]
     assert len(said) == 1, err[-3000:]
-    assert said[0] == (f"keras-sync: MLflow at {uri} refused the credentials (HTTP 401 Unauthorized); training goes "
-                       f"on and the metrics are kept in {spool}. Set MLFLOW_TRACKING_USERNAME and "
-                       "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN), then deliver them with: "
-                       f"keras-sync sync-spool {spool}")
+    assert said[0] == (
+        f"keras-sync: MLflow at {uri} refused the credentials (HTTP 401 Unauthorized); training goes "
+        f"on and the metrics are kept in {spool}. Set MLFLOW_TRACKING_USERNAME and "
+        "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN), then deliver them with: "
+        f"keras-sync sync-spool {spool}"
+    )
     assert "Unauthorized</h1>" not in err and "not delivered yet" not in err
     # Training went on (the scenario wrote its result after fit), and the spool kept every step.
     out = _cli("sync-spool", spool, "--tracking-uri", sqlite_uri, cwd=tmp_path)
@@ -1232,20 +1501,36 @@ def test_a_refused_credential_is_told_by_its_http_status():
 
     from keras_sync.tracking.deliver import is_transient, refused_credentials
 
-    assert refused_credentials(MlflowException("<html>...</html>", error_code=UNAUTHENTICATED)) == 401
-    assert refused_credentials(MlflowException("<html>...</html>", error_code=PERMISSION_DENIED)) == 403
+    assert (
+        refused_credentials(MlflowException("<html>...</html>", error_code=UNAUTHENTICATED)) == 401
+    )
+    assert (
+        refused_credentials(MlflowException("<html>...</html>", error_code=PERMISSION_DENIED))
+        == 403
+    )
     assert refused_credentials(MlflowException("busy", error_code=INTERNAL_ERROR)) is None
     assert refused_credentials(OSError("connection refused")) is None
-    assert not is_transient(MlflowException("x", error_code=UNAUTHENTICATED))  # said, not retried quietly
+    assert not is_transient(
+        MlflowException("x", error_code=UNAUTHENTICATED)
+    )  # said, not retried quietly
 
 
-def _report_spool(tmp_path: Path, uri: str, job: str) -> "SpoolDir":  # noqa: F821
+def _report_spool(tmp_path: Path, uri: str, job: str) -> SpoolDir:  # noqa: F821
     from keras_sync.tracking.spool import SpoolDir
 
     spool = SpoolDir(tmp_path / f"spool-{job}")
     spool.path.mkdir()
-    spool.write_header({"v": 2, "experiment": _exp(), "run_name": None, "job_id": job, "explicit": False,
-                        "tracking_uri": uri, "run_id": None})
+    spool.write_header(
+        {
+            "v": 2,
+            "experiment": _exp(),
+            "run_name": None,
+            "job_id": job,
+            "explicit": False,
+            "tracking_uri": uri,
+            "run_id": None,
+        }
+    )
     spool.start_segment()
     return spool
 
@@ -1264,8 +1549,9 @@ def _artifacts(uri: str, run_id: str) -> list[str]:
     return [a.path for a in MlflowClient(uri).list_artifacts(run_id)]
 
 
-def test_a_report_is_held_a_newer_one_replaces_it_and_a_new_courier_draws_the_held_one(tmp_path, sqlite_uri,
-                                                                                       monkeypatch):
+def test_a_report_is_held_a_newer_one_replaces_it_and_a_new_courier_draws_the_held_one(
+    tmp_path, sqlite_uri, monkeypatch
+):
     # Drawing a report costs the courier ~0.7 s of CPU; in a loop of fits each fit's report was drawn
     # while the next fit trained (2 cores shared). The courier holds it instead: a newer report of the
     # same picture replaces it, the writer's last record draws it, and a courier that ends before (killed)
@@ -1275,19 +1561,32 @@ def test_a_report_is_held_a_newer_one_replaces_it_and_a_new_courier_draws_the_he
 
     drawn: list[list[float]] = []
     render = report_plot.render
-    monkeypatch.setattr(report_plot, "render", lambda h, path, **kw: (drawn.append(list(h.step_time_ms.values)),
-                                                                      render(h, path, **kw))[1])
+    monkeypatch.setattr(
+        report_plot,
+        "render",
+        lambda h, path, **kw: (drawn.append(list(h.step_time_ms.values)), render(h, path, **kw))[1],
+    )
     spool = _report_spool(tmp_path, sqlite_uri, "held")
-    spool.append([{"k": "begin", "ts": 1}, {"k": "m", "s": 1, "ts": 1, "d": {"loss": 1.0}},
-                  {"k": "end", "status": "FINISHED", "last": False}, _report_of(11.0),
-                  {"k": "begin", "ts": 2, "reopen": True}, {"k": "m", "s": 2, "ts": 2, "d": {"loss": 0.5}},
-                  {"k": "end", "status": "FINISHED", "last": False}, _report_of(22.0)])
+    spool.append(
+        [
+            {"k": "begin", "ts": 1},
+            {"k": "m", "s": 1, "ts": 1, "d": {"loss": 1.0}},
+            {"k": "end", "status": "FINISHED", "last": False},
+            _report_of(11.0),
+            {"k": "begin", "ts": 2, "reopen": True},
+            {"k": "m", "s": 2, "ts": 2, "d": {"loss": 0.5}},
+            {"k": "end", "status": "FINISHED", "last": False},
+            _report_of(22.0),
+        ]
+    )
     first = Delivery(spool, sqlite_uri)
     first.sender.hold_reports = True
     first.deliver_available()
     run_id = first.sender.run_id
     assert drawn == [] and _artifacts(sqlite_uri, run_id) == []
-    assert not first.pending() and spool.held_report()["rec"]["h"]["step_time_ms"]["values"] == [22.0]
+    assert not first.pending() and spool.held_report()["rec"]["h"]["step_time_ms"]["values"] == [
+        22.0
+    ]
     # The courier is killed here; the next one finds the held report and draws it at the writer's last record.
     second = Delivery(spool, sqlite_uri)
     second.sender.hold_reports = True
@@ -1298,16 +1597,24 @@ def test_a_report_is_held_a_newer_one_replaces_it_and_a_new_courier_draws_the_he
     assert _artifacts(sqlite_uri, run_id) == ["sync_report.png"] and spool.held_report() is None
     # A report marked `now` (the process is killed when `fit` returns) is drawn at once.
     now = _report_spool(tmp_path, sqlite_uri, "now")
-    now.append([{"k": "begin", "ts": 1}, {"k": "end", "status": "FINISHED", "last": False},
-                {**_report_of(33.0), "now": True}])
+    now.append(
+        [
+            {"k": "begin", "ts": 1},
+            {"k": "end", "status": "FINISHED", "last": False},
+            {**_report_of(33.0), "now": True},
+        ]
+    )
     third = Delivery(now, sqlite_uri)
     third.sender.hold_reports = True
     third.deliver_available()
-    assert drawn == [[22.0], [33.0]] and _artifacts(sqlite_uri, third.sender.run_id) == ["sync_report.png"]
+    assert drawn == [[22.0], [33.0]] and _artifacts(sqlite_uri, third.sender.run_id) == [
+        "sync_report.png"
+    ]
 
 
-def test_a_held_report_is_drawn_once_the_spool_is_quiet_and_sync_spool_draws_a_left_one(tmp_path, sqlite_uri,
-                                                                                       monkeypatch):
+def test_a_held_report_is_drawn_once_the_spool_is_quiet_and_sync_spool_draws_a_left_one(
+    tmp_path, sqlite_uri, monkeypatch
+):
     import threading
 
     from keras_sync.tracking import courier, report_plot
@@ -1315,24 +1622,45 @@ def test_a_held_report_is_drawn_once_the_spool_is_quiet_and_sync_spool_draws_a_l
 
     done, released = threading.Event(), threading.Event()
     render = report_plot.render
-    monkeypatch.setattr(report_plot, "render", lambda h, path, **kw: (render(h, path, **kw), done.set())[0])
+    monkeypatch.setattr(
+        report_plot, "render", lambda h, path, **kw: (render(h, path, **kw), done.set())[0]
+    )
     monkeypatch.setattr(courier, "REPORT_QUIET_S", 0.2)
     spool = _report_spool(tmp_path, sqlite_uri, "quiet")
-    spool.append([{"k": "begin", "ts": 1}, {"k": "end", "status": "FINISHED", "last": False}, _report_of(5.0)])
+    spool.append(
+        [
+            {"k": "begin", "ts": 1},
+            {"k": "end", "status": "FINISHED", "last": False},
+            _report_of(5.0),
+        ]
+    )
     delivery = Delivery(spool, sqlite_uri)
     delivery.sender.hold_reports = True
     keep = delivery.sender.on_held
     delivery.sender.on_held = lambda held: (keep(held), held is None and released.set())
-    serving = threading.Thread(target=delivery.serve, args=(os.getppid(),), daemon=True)  # its parent: ours
+    serving = threading.Thread(
+        target=delivery.serve, args=(os.getppid(),), daemon=True
+    )  # its parent: ours
     serving.start()
-    assert released.wait(120) and done.is_set(), "the held report was not drawn once the spool was quiet"
-    assert _artifacts(sqlite_uri, delivery.sender.run_id) == ["sync_report.png"] and spool.held_report() is None
+    assert released.wait(120) and done.is_set(), (
+        "the held report was not drawn once the spool was quiet"
+    )
+    assert (
+        _artifacts(sqlite_uri, delivery.sender.run_id) == ["sync_report.png"]
+        and spool.held_report() is None
+    )
     spool.append([{"k": "stop"}])
     serving.join(120)
     assert not serving.is_alive()
     # A courier that held a report and ended without drawing it (killed): sync-spool draws it.
     left = _report_spool(tmp_path, sqlite_uri, "left")
-    left.append([{"k": "begin", "ts": 1}, {"k": "end", "status": "FINISHED", "last": False}, _report_of(6.0)])
+    left.append(
+        [
+            {"k": "begin", "ts": 1},
+            {"k": "end", "status": "FINISHED", "last": False},
+            _report_of(6.0),
+        ]
+    )
     killed = Delivery(left, sqlite_uri)
     killed.sender.hold_reports = True
     killed.deliver_available()

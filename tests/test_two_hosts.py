@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from _mwr import max_diff, result
 from _netns import TwoHosts, two_hosts
 from _spools import deliver_leftovers
@@ -43,14 +42,23 @@ def _config(*, mlflow_uri: str | None = None, **fault_tolerance: object) -> str:
         "mlflow": {"enabled": False},
     }
     if mlflow_uri:
-        cfg["mlflow"] = {"enabled": True, "tracking_uri": mlflow_uri, "experiment": "two-hosts", "log_every_n_steps": 1}
+        cfg["mlflow"] = {
+            "enabled": True,
+            "tracking_uri": mlflow_uri,
+            "experiment": "two-hosts",
+            "log_every_n_steps": 1,
+        }
     if fault_tolerance:
         cfg["fault_tolerance"] = fault_tolerance
     return json.dumps(cfg)
 
 
 def _env(tf_config: dict | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "KERAS_SYNC_CONFIG", "KERAS_SYNC_JOB_ID")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TF_CONFIG", "KERAS_SYNC_CONFIG", "KERAS_SYNC_JOB_ID")
+    }
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     env["PYTHONUNBUFFERED"] = "1"
     if tf_config is not None:
@@ -62,8 +70,15 @@ def _start_pair(hosts: TwoHosts, *args: str) -> list:
     """One worker per host, TF_CONFIG naming both hosts' addresses; the output directory is the cwd."""
     workers = [f"{a}:{PORT}" for a in hosts.addresses]
     cmd = [sys.executable, str(TRAIN), *args, "--epochs", str(EPOCHS), "--samples", str(SAMPLES)]
-    return [hosts.start(i, cmd, env=_env({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}),
-                        cwd=str(Path(args[1]).parent)) for i in range(2)]
+    return [
+        hosts.start(
+            i,
+            cmd,
+            env=_env({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}),
+            cwd=str(Path(args[1]).parent),
+        )
+        for i in range(2)
+    ]
 
 
 # A pair of TensorFlow workers takes 60-240 s here when the shared machine is busy.
@@ -90,8 +105,22 @@ def uninterrupted(tmp_module: Path) -> dict:
 
 @pytest.mark.timeout(1200)
 def test_two_hosts_train_like_one_process(tmp_module: Path, uninterrupted: dict) -> None:
-    alone = subprocess.run([sys.executable, str(TRAIN), _config(), str(tmp_module / "one"), "--epochs", str(EPOCHS),
-                            "--samples", str(SAMPLES)], env=_env(), capture_output=True, text=True, timeout=200)
+    alone = subprocess.run(
+        [
+            sys.executable,
+            str(TRAIN),
+            _config(),
+            str(tmp_module / "one"),
+            "--epochs",
+            str(EPOCHS),
+            "--samples",
+            str(SAMPLES),
+        ],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
     assert alone.returncode == 0, alone.stderr[-3000:]
     one = result(tmp_module / "one", 0)
     for t in (0, 1):
@@ -101,15 +130,27 @@ def test_two_hosts_train_like_one_process(tmp_module: Path, uninterrupted: dict)
 
 
 @pytest.mark.timeout(1500)
-def test_sigkill_of_the_non_chief_host_resumes_exactly(tmp_module: Path, uninterrupted: dict) -> None:
+def test_sigkill_of_the_non_chief_host_resumes_exactly(
+    tmp_module: Path, uninterrupted: dict
+) -> None:
     # Backups every 3 steps: killed after step 13, the relaunch resumes at step 12 (epoch 1, batch 2).
     out = tmp_module / "killed"
-    args = [_config(backup_dir=str(tmp_module / "killed_backup"), save_freq=3), str(out), "--kill-at", "13",
-            "--kill-task", "1", "--marker", str(tmp_module / "killed.marker")]
+    args = [
+        _config(backup_dir=str(tmp_module / "killed_backup"), save_freq=3),
+        str(out),
+        "--kill-at",
+        "13",
+        "--kill-task",
+        "1",
+        "--marker",
+        str(tmp_module / "killed.marker"),
+    ]
     with two_hosts() as hosts:
         procs = _start_pair(hosts, *args)
         w1_code = procs[1].wait(timeout=500)
-        procs[0].kill()  # the chief would wait for its peer until the heartbeat timeout: stop it as a launcher would
+        procs[
+            0
+        ].kill()  # the chief would wait for its peer until the heartbeat timeout: stop it as a launcher would
         _finish(procs)
     assert w1_code == -9
     second = _run_pair(*args)
@@ -126,7 +167,9 @@ def test_sigkill_of_the_non_chief_host_resumes_exactly(tmp_module: Path, uninter
 def test_cut_link_ends_both_workers_with_one_line_naming_the_lost_peer(tmp_module: Path) -> None:
     cut = tmp_module / "cut"
     with two_hosts() as hosts:
-        procs = _start_pair(hosts, _config(), str(tmp_module / "cut_out"), "--wait-at", "17", "--wait-for", str(cut))
+        procs = _start_pair(
+            hosts, _config(), str(tmp_module / "cut_out"), "--wait-at", "17", "--wait-for", str(cut)
+        )
         for p in procs:  # both have trained step 17 and wait: cut the link there
             for line in p.stdout:
                 if line.startswith("step 17 "):
@@ -147,14 +190,18 @@ def test_cut_link_ends_both_workers_with_one_line_naming_the_lost_peer(tmp_modul
         assert ours == [err.strip().splitlines()[-1]]  # one line, the last one
         assert ours[0].startswith(
             f"keras-sync: /job:worker/task:{me} lost contact with /job:worker/task:{peer} "
-            f"({hosts.addresses[peer]}:{PORT}): the worker stopped, or its host or the network failed (TensorFlow: ")
-        assert ours[0].endswith("Relaunch every worker to continue; set fault_tolerance.backup_dir to resume where "
-                                "it stopped instead of from the start.")
+            f"({hosts.addresses[peer]}:{PORT}): the worker stopped, or its host or the network failed (TensorFlow: "
+        )
+        assert ours[0].endswith(
+            "Relaunch every worker to continue; set fault_tolerance.backup_dir to resume where "
+            "it stopped instead of from the start."
+        )
 
 
 @pytest.mark.timeout(1800)
 def test_sigterm_to_one_hosts_worker_inside_a_collective_saves_and_resumes_exactly(
-        tmp_module: Path, uninterrupted: dict) -> None:
+    tmp_module: Path, uninterrupted: dict
+) -> None:
     uri = f"sqlite:///{tmp_module / 'term_mlflow.db'}"
     from mlflow import MlflowClient
 
@@ -162,8 +209,17 @@ def test_sigterm_to_one_hosts_worker_inside_a_collective_saves_and_resumes_exact
     # by the first writer, and a writer ended mid-migration leaves it unusable.
     MlflowClient(uri).search_experiments()
     out, backup = tmp_module / "term", tmp_module / "term_backup"
-    args = [_config(mlflow_uri=uri, backup_dir=str(backup), save_freq="epoch"), str(out), "--term-at", "17",
-            "--kill-task", "1", "--in-collective", "--marker", str(tmp_module / "term.marker")]
+    args = [
+        _config(mlflow_uri=uri, backup_dir=str(backup), save_freq="epoch"),
+        str(out),
+        "--term-at",
+        "17",
+        "--kill-task",
+        "1",
+        "--in-collective",
+        "--marker",
+        str(tmp_module / "term.marker"),
+    ]
     with two_hosts() as hosts:
         procs = _start_pair(hosts, *args)
         for line in procs[1].stdout:
@@ -173,13 +229,20 @@ def test_sigterm_to_one_hosts_worker_inside_a_collective_saves_and_resumes_exact
         first = _finish(procs)
         took = time.monotonic() - signalled
         left = hosts.pids(0) + hosts.pids(1)
-    assert [r[0] for r in first] == [PREEMPTED_EXIT_CODE, PREEMPTED_EXIT_CODE], first[0][2][-3000:] + first[1][2][-3000:]
+    assert [r[0] for r in first] == [PREEMPTED_EXIT_CODE, PREEMPTED_EXIT_CODE], (
+        first[0][2][-3000:] + first[1][2][-3000:]
+    )
     assert took < 30 + 0.5, f"stopped {took:.0f} s after the SIGTERM"
     assert left == []
     # Worker 1 saw the signal after step 17 (it arrived inside that step's all-reduce): all save after 18.
-    assert "keras-sync: SIGTERM at optimizer step 17: every worker saves a backup after step 18, then exits" in first[1][2]
-    assert (f"keras-sync: SIGTERM: saved a backup in {backup} at epoch 2, after batch 8 (optimizer step 18); "
-            "exiting with code 143. Relaunch the job to resume from there.") in first[0][2]
+    assert (
+        "keras-sync: SIGTERM at optimizer step 17: every worker saves a backup after step 18, then exits"
+        in first[1][2]
+    )
+    assert (
+        f"keras-sync: SIGTERM: saved a backup in {backup} at epoch 2, after batch 8 (optimizer step 18); "
+        "exiting with code 143. Relaunch the job to resume from there."
+    ) in first[0][2]
     assert "Traceback" not in first[0][2] + first[1][2]
 
     second = _run_pair(*args)

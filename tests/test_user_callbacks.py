@@ -32,8 +32,21 @@ def _tf_keras(where: Path) -> Path:
 
     tf_version = next(v for _, v in stack.tensorflow_distributions())
     major_minor = ".".join(tf_version.split(".")[:2])
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(where),
-                    f"tf_keras=={major_minor}.*"], check=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "-q",
+            "-d",
+            str(where),
+            f"tf_keras=={major_minor}.*",
+        ],
+        check=True,
+        timeout=300,
+    )
     zipfile.ZipFile(next(where.glob("tf_keras-*.whl"))).extractall(where / "site")
     return where / "site"
 
@@ -45,10 +58,24 @@ def scenarios(tmp_path_factory):
     for k in ("TF_CONFIG", "KERAS_SYNC_CONFIG", "MLFLOW_TRACKING_URI"):
         env.pop(k, None)
     script = str(HERE / "_env_scenarios.py")
-    cmds = {"replicas": [sys.executable, script, "replicas", str(out / "replicas.json")],
-            "workers": [KERAS_SYNC, "launch", "--workers", "2", script, "workers", str(out / "workers")]}
-    procs = {name: subprocess.Popen(cmd, cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for name, cmd in cmds.items()}
+    cmds = {
+        "replicas": [sys.executable, script, "replicas", str(out / "replicas.json")],
+        "workers": [
+            KERAS_SYNC,
+            "launch",
+            "--workers",
+            "2",
+            script,
+            "workers",
+            str(out / "workers"),
+        ],
+    }
+    procs = {
+        name: subprocess.Popen(
+            cmd, cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for name, cmd in cmds.items()
+    }
     results = {}
     for name, proc in procs.items():
         log, _ = proc.communicate(timeout=900)
@@ -73,25 +100,41 @@ LAYOUTS = ("replicas", "w0", "w1")
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_lr_changing_callbacks_with_the_warmup_schedule_are_refused_before_training(scenarios, layout):
+def test_lr_changing_callbacks_with_the_warmup_schedule_are_refused_before_training(
+    scenarios, layout
+):
     r = scenarios[layout]
-    message = _refused(r["rlrop_warmup"], "callbacks of sync.fit: ReduceLROnPlateau sets the optimizer's learning rate")
+    message = _refused(
+        r["rlrop_warmup"],
+        "callbacks of sync.fit: ReduceLROnPlateau sets the optimizer's learning rate",
+    )
     assert "(GradualWarmup from sync.lr_schedule(), the learning_rate warmup)" in message
     assert "Fix: keep ReduceLROnPlateau and give the optimizer a float" in message
-    _refused(r["scheduler_warmup"], "callbacks of sync.fit: LearningRateScheduler sets the optimizer's learning rate")
+    _refused(
+        r["scheduler_warmup"],
+        "callbacks of sync.fit: LearningRateScheduler sets the optimizer's learning rate",
+    )
     # Without a warmup the rate is a float and Keras sets it: 0.05 halved at each of 2 epochs.
     assert r["rlrop_no_warmup"]["trained"] and abs(r["rlrop_no_warmup"]["lr"] - 0.0125) < 1e-7
     # The composable way: a decay that takes over after the warmup (peak 0.1 at step 4).
     decay = r["warmup_then_decay"]
     assert decay["trained"] and decay["steps"] == 16
-    assert {int(k): round(v, 6) for k, v in decay["lr_at"].items()} == {0: 0.05, 2: 0.075, 4: 0.1, 12: 0.05}
+    assert {int(k): round(v, 6) for k, v in decay["lr_at"].items()} == {
+        0: 0.05,
+        2: 0.075,
+        4: 0.1,
+        12: 0.05,
+    }
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_keras_backup_and_restore_beside_ours_is_refused_before_training(scenarios, layout):
-    message = _refused(scenarios[layout]["keras_backup_pair"], "callbacks of sync.fit: keras.callbacks.BackupAndRestore(")
+    message = _refused(
+        scenarios[layout]["keras_backup_pair"],
+        "callbacks of sync.fit: keras.callbacks.BackupAndRestore(",
+    )
     assert "cannot run beside keras-sync's own backup (fault_tolerance.backup_dir: " in message
     assert message.endswith("or remove fault_tolerance.backup_dir to keep Keras's.")
 
@@ -102,7 +145,10 @@ def test_a_restore_overwritten_by_another_callback_stops_without_a_resume_line(s
     # The run-time check behind the refusal: any callback that moves the restored step is caught.
     r = scenarios["replicas"]["restored_state_overwritten"]
     message = _refused(r, "keras-sync's backup in ")
-    assert "restored optimizer step 4, but another callback changed it to 0 before training resumed" in message
+    assert (
+        "restored optimizer step 4, but another callback changed it to 0 before training resumed"
+        in message
+    )
     assert "resumed from the backup" not in r["stderr"]
 
 
@@ -110,9 +156,14 @@ def test_a_restore_overwritten_by_another_callback_stops_without_a_resume_line(s
 @pytest.mark.timeout(900)
 def test_a_keras_2_model_is_refused_in_one_line_without_an_mlflow_run(scenarios):
     r = scenarios["replicas"]
-    fit = _refused(r["keras2_fit"], "sync.fit got a Keras 2 model (tf_keras.src.engine.sequential.Sequential: ")
+    fit = _refused(
+        r["keras2_fit"], "sync.fit got a Keras 2 model (tf_keras.src.engine.sequential.Sequential: "
+    )
     assert "keras-sync supports Keras 3 only" in fit and "built outside sync.scope()" not in fit
     warm = r["keras2_warmup"]
     assert warm["at"] == "compile" and warm["message"].startswith(
-        "sync.lr_schedule()'s warmup was called without a step, as a Keras 2 optimizer")
-    assert not r["keras2_fit"]["mlflow_store"] and not warm["mlflow_store"]  # no MLflow run, not even a store
+        "sync.lr_schedule()'s warmup was called without a step, as a Keras 2 optimizer"
+    )
+    assert (
+        not r["keras2_fit"]["mlflow_store"] and not warm["mlflow_store"]
+    )  # no MLflow run, not even a store

@@ -18,8 +18,14 @@ import pytest
 KERAS_SYNC = str(Path(sys.executable).with_name("keras-sync"))
 SCRIPT = Path(__file__).with_name("_verify_train.py")
 STEPS = "6"
-_SETTINGS_ENV = ("KERAS_SYNC_CONFIG", "MLFLOW_TRACKING_URI", "TF_CONFIG", "KERAS_SYNC_VERIFY_RECORD",
-                 "KERAS_SYNC_VERIFY_REPLAY", "KERAS_SYNC_VERIFY_STEPS")
+_SETTINGS_ENV = (
+    "KERAS_SYNC_CONFIG",
+    "MLFLOW_TRACKING_URI",
+    "TF_CONFIG",
+    "KERAS_SYNC_VERIFY_RECORD",
+    "KERAS_SYNC_VERIFY_REPLAY",
+    "KERAS_SYNC_VERIFY_STEPS",
+)
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -29,9 +35,17 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run(*args: str, cwd: Path | str | None = None, timeout: float = 1200, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([KERAS_SYNC, *args], cwd=cwd, env=_env(**env), capture_output=True, text=True,
-                          timeout=timeout)
+def run(
+    *args: str, cwd: Path | str | None = None, timeout: float = 1200, **env: str
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [KERAS_SYNC, *args],
+        cwd=cwd,
+        env=_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 # -- usage errors (no TensorFlow) ---------------------------------------------------------------
@@ -40,15 +54,20 @@ def run(*args: str, cwd: Path | str | None = None, timeout: float = 1200, **env:
 def test_a_missing_script_is_a_usage_error(tmp_path: Path) -> None:
     result = run("verify", "nope.py", cwd=tmp_path)
     assert (result.returncode, result.stdout) == (2, "")
-    assert result.stderr == "verify: no such script: nope.py. Expected the training script to check (a Python file).\n"
+    assert (
+        result.stderr
+        == "verify: no such script: nope.py. Expected the training script to check (a Python file).\n"
+    )
 
 
 def test_compare_with_workers_is_a_usage_error(tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text("")
     result = run("verify", "--compare", "rec", "-n", "2", "train.py", cwd=tmp_path)
     assert result.returncode == 2
-    assert result.stderr == ("verify: --compare FOLDER takes the recording as it is; -n/--workers applies only to a "
-                             "run verify starts. Remove one of them.\n")
+    assert result.stderr == (
+        "verify: --compare FOLDER takes the recording as it is; -n/--workers applies only to a "
+        "run verify starts. Remove one of them.\n"
+    )
 
 
 def test_compare_of_a_folder_without_a_recording_names_it(tmp_path: Path) -> None:
@@ -56,8 +75,10 @@ def test_compare_of_a_folder_without_a_recording_names_it(tmp_path: Path) -> Non
     (tmp_path / "rec").mkdir()
     result = run("verify", "--compare", "rec", "train.py", cwd=tmp_path)
     assert result.returncode == 2
-    assert result.stderr.startswith("verify: the distributed run (rec) wrote no recording (rec/record.json: "
-                                    "No such file or directory). Expected a script that calls sync.fit")
+    assert result.stderr.startswith(
+        "verify: the distributed run (rec) wrote no recording (rec/record.json: "
+        "No such file or directory). Expected a script that calls sync.fit"
+    )
     assert "Traceback" not in result.stderr
 
 
@@ -65,27 +86,52 @@ def test_a_script_that_fails_is_a_usage_error_with_its_last_lines(tmp_path: Path
     (tmp_path / "train.py").write_text("raise SystemExit('no data here')\n")
     result = run("verify", "train.py", cwd=tmp_path)
     assert result.returncode == 2
-    assert result.stderr.splitlines()[1:] == ["verify: the distributed run failed (exit 1); its last lines:",
-                                              "no data here"]
+    assert result.stderr.splitlines()[1:] == [
+        "verify: the distributed run failed (exit 1); its last lines:",
+        "no data here",
+    ]
 
 
 def test_a_bad_steps_variable_names_it() -> None:
     from keras_sync.config import load_config
     from keras_sync.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"\$KERAS_SYNC_VERIFY_STEPS: received 'x', expected a number of optimizer "
-                                          r"steps >= 1"):
-        load_config({}, environ={"KERAS_SYNC_VERIFY_RECORD": "/tmp/r", "KERAS_SYNC_VERIFY_STEPS": "x"})
+    with pytest.raises(
+        ConfigError,
+        match=r"\$KERAS_SYNC_VERIFY_STEPS: received 'x', expected a number of optimizer "
+        r"steps >= 1",
+    ):
+        load_config(
+            {}, environ={"KERAS_SYNC_VERIFY_RECORD": "/tmp/r", "KERAS_SYNC_VERIFY_STEPS": "x"}
+        )
 
 
 def test_a_reference_run_takes_the_recordings_one_device_settings(tmp_path: Path) -> None:
     from keras_sync.config import load_config
 
-    (tmp_path / "reference.json").write_text(json.dumps({"strategy.kind": "default", "strategy.simulated_cpu_replicas": 0, "batch.per_replica": None,
-                                                         "batch.global": 4, "runtime.gradient_accumulation_steps": 2}))
-    cfg = load_config({"strategy": {"kind": "mirrored", "simulated_cpu_replicas": 2}, "batch": {"per_replica": 4}},
-                      environ={"KERAS_SYNC_VERIFY_RECORD": "/tmp/r", "KERAS_SYNC_VERIFY_REPLAY": str(tmp_path)})
-    assert (cfg.strategy.kind, cfg.batch.global_, cfg.runtime.gradient_accumulation_steps) == ("default", 4, 2)
+    (tmp_path / "reference.json").write_text(
+        json.dumps(
+            {
+                "strategy.kind": "default",
+                "strategy.simulated_cpu_replicas": 0,
+                "batch.per_replica": None,
+                "batch.global": 4,
+                "runtime.gradient_accumulation_steps": 2,
+            }
+        )
+    )
+    cfg = load_config(
+        {
+            "strategy": {"kind": "mirrored", "simulated_cpu_replicas": 2},
+            "batch": {"per_replica": 4},
+        },
+        environ={"KERAS_SYNC_VERIFY_RECORD": "/tmp/r", "KERAS_SYNC_VERIFY_REPLAY": str(tmp_path)},
+    )
+    assert (cfg.strategy.kind, cfg.batch.global_, cfg.runtime.gradient_accumulation_steps) == (
+        "default",
+        4,
+        2,
+    )
     assert (cfg.verify.steps, cfg.verify.mlflow, cfg.mlflow.enabled) == (20, True, False)
     assert cfg.source_of("strategy.kind") == "env"
 
@@ -100,17 +146,28 @@ CONFIGS = {
 CASES = [
     (f"{where}-{case}", where, extra, (case,), where == "workers")
     for where in CONFIGS
-    for case, extra in (("dense", {}), ("dataset", {}), ("custom_sum", {"runtime": {"train_step_gradients": "sum"}}),
-                        ("batchnorm", {}), ("syncbn", {"runtime": {"sync_batch_norm": True}}), ("dropout", {}),
-                        ("add_loss", {}))
+    for case, extra in (
+        ("dense", {}),
+        ("dataset", {}),
+        ("custom_sum", {"runtime": {"train_step_gradients": "sum"}}),
+        ("batchnorm", {}),
+        ("syncbn", {"runtime": {"sync_batch_norm": True}}),
+        ("dropout", {}),
+        ("add_loss", {}),
+    )
 ]
 
 
 def _config(tmp: Path, name: str, where: str, extra: dict, mlflow: bool = False) -> Path:
     import yaml
 
-    data = {**CONFIGS[where], "batch": {"per_replica": 4}, "learning_rate": {"base": 0.05},
-            "mlflow": {"enabled": mlflow}, **extra}
+    data = {
+        **CONFIGS[where],
+        "batch": {"per_replica": 4},
+        "learning_rate": {"base": 0.05},
+        "mlflow": {"enabled": mlflow},
+        **extra,
+    }
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -123,25 +180,62 @@ def verified(tmp_path_factory):
     jobs = {}
     for name, where, extra, args, workers in CASES:
         args = ("batchnorm",) if args == ("syncbn",) else args
-        cmd = ["verify", "--steps", STEPS, "--config", str(_config(tmp, name, where, extra)), "--keep", str(tmp / name)]
+        cmd = [
+            "verify",
+            "--steps",
+            STEPS,
+            "--config",
+            str(_config(tmp, name, where, extra)),
+            "--keep",
+            str(tmp / name),
+        ]
         jobs[name] = (cmd + (["-n", "2"] if workers else []) + [str(SCRIPT), *args], {})
-    jobs["mobilenet"] = (["verify", "--steps", "2", "--config", str(_config(tmp, "mobilenet", "mirrored", {})),
-                          str(SCRIPT), "mobilenet", "frozen_bn"], {})
+    jobs["mobilenet"] = (
+        [
+            "verify",
+            "--steps",
+            "2",
+            "--config",
+            str(_config(tmp, "mobilenet", "mirrored", {})),
+            str(SCRIPT),
+            "mobilenet",
+            "frozen_bn",
+        ],
+        {},
+    )
     uri = f"sqlite:///{tmp / 'mlflow.db'}"
-    jobs["mlflow"] = (["verify", "--steps", STEPS, "--config", str(_config(tmp, "mlflow", "mirrored", {}, mlflow=True)),
-                       str(SCRIPT), "dense"], {"MLFLOW_TRACKING_URI": uri})
+    jobs["mlflow"] = (
+        [
+            "verify",
+            "--steps",
+            STEPS,
+            "--config",
+            str(_config(tmp, "mlflow", "mirrored", {}, mlflow=True)),
+            str(SCRIPT),
+            "dense",
+        ],
+        {"MLFLOW_TRACKING_URI": uri},
+    )
 
     def two_phase():
         config = str(_config(tmp, "two_phase", "workers", {}))
         rec = tmp / "recorded"
-        launched = subprocess.run([KERAS_SYNC, "launch", "-n", "2", "--config", config, str(SCRIPT), "dense"],
-                                  env=_env(KERAS_SYNC_VERIFY_RECORD=str(rec), KERAS_SYNC_VERIFY_STEPS=STEPS),
-                                  capture_output=True, text=True, timeout=1200)
+        launched = subprocess.run(
+            [KERAS_SYNC, "launch", "-n", "2", "--config", config, str(SCRIPT), "dense"],
+            env=_env(KERAS_SYNC_VERIFY_RECORD=str(rec), KERAS_SYNC_VERIFY_STEPS=STEPS),
+            capture_output=True,
+            text=True,
+            timeout=1200,
+        )
         assert launched.returncode == 0, launched.stdout + launched.stderr
-        return run("verify", "--compare", str(rec), "--config", config, str(SCRIPT), "dense", cwd=tmp)
+        return run(
+            "verify", "--compare", str(rec), "--config", config, str(SCRIPT), "dense", cwd=tmp
+        )
 
     with ThreadPoolExecutor(2) as pool:
-        futures = {name: pool.submit(run, *cmd, cwd=tmp, **env) for name, (cmd, env) in jobs.items()}
+        futures = {
+            name: pool.submit(run, *cmd, cwd=tmp, **env) for name, (cmd, env) in jobs.items()
+        }
         futures["two_phase"] = pool.submit(two_phase)
         results = {name: f.result() for name, f in futures.items()}
     return tmp, uri, results
@@ -162,10 +256,16 @@ def test_a_plain_model_is_the_same_as_one_device(verified, where: str, case: str
     result = verified[2][f"{where}-{case}"]
     assert _last(result).startswith("verify: same as one device ("), result.stdout + result.stderr
     assert result.returncode == 0
-    assert "every step alike" in result.stdout and "2 micro-batches of 4 accumulated" in result.stdout
-    assert (verified[0] / f"{where}-{case}" / "verify.png").is_file()  # --keep: the picture without MLflow
-    assert "determinism: seeds (Python, NumPy, Keras), initial weights and keras-sync's data order fixed; nothing " \
-           "left that verify knows of (input: " in result.stdout
+    assert (
+        "every step alike" in result.stdout and "2 micro-batches of 4 accumulated" in result.stdout
+    )
+    assert (
+        verified[0] / f"{where}-{case}" / "verify.png"
+    ).is_file()  # --keep: the picture without MLflow
+    assert (
+        "determinism: seeds (Python, NumPy, Keras), initial weights and keras-sync's data order fixed; nothing "
+        "left that verify knows of (input: " in result.stdout
+    )
 
 
 @pytest.mark.slow
@@ -173,13 +273,17 @@ def test_a_plain_model_is_the_same_as_one_device(verified, where: str, case: str
 def test_an_undivided_custom_train_step_names_the_gradient_scale(verified, where: str) -> None:
     result = verified[2][f"{where}-custom_sum"]
     assert result.returncode == 1, result.stdout + result.stderr
-    assert _last(result).startswith("verify: different from one device: the gradient is 2 times too large (the "
-                                    "custom train_step's loss is not divided")
+    assert _last(result).startswith(
+        "verify: different from one device: the gradient is 2 times too large (the "
+        "custom train_step's loss is not divided"
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("where", WHERE)
-def test_batch_norm_per_replica_is_named_and_sync_batch_norm_is_the_same(verified, where: str) -> None:
+def test_batch_norm_per_replica_is_named_and_sync_batch_norm_is_the_same(
+    verified, where: str
+) -> None:
     result = verified[2][f"{where}-batchnorm"]
     assert result.returncode == 1, result.stdout + result.stderr
     assert _last(result).startswith("verify: different from one device: BatchNorm batch statistics")
@@ -194,8 +298,10 @@ def test_batch_norm_per_replica_is_named_and_sync_batch_norm_is_the_same(verifie
 def test_dropout_is_named_as_random_ops(verified, where: str) -> None:
     result = verified[2][f"{where}-dropout"]
     assert result.returncode == 1, result.stdout + result.stderr
-    assert _last(result).startswith("verify: different from one device: random ops draw different numbers on each "
-                                    "replica (dropout: ")
+    assert _last(result).startswith(
+        "verify: different from one device: random ops draw different numbers on each "
+        "replica (dropout: "
+    )
 
 
 @pytest.mark.slow
@@ -203,7 +309,9 @@ def test_dropout_is_named_as_random_ops(verified, where: str) -> None:
 def test_an_add_loss_sum_over_the_batch_is_named(verified, where: str) -> None:
     result = verified[2][f"{where}-add_loss"]
     assert result.returncode == 1, result.stdout + result.stderr
-    assert _last(result).startswith("verify: different from one device: an add_loss term that sums over the batch")
+    assert _last(result).startswith(
+        "verify: different from one device: an add_loss term that sums over the batch"
+    )
 
 
 @pytest.mark.slow
@@ -219,10 +327,14 @@ def test_the_verify_run_in_mlflow_holds_the_comparison_and_its_picture(verified)
     from mlflow.tracking import MlflowClient
 
     _, uri, results = verified
-    assert _last(results["mlflow"]).startswith("verify: same as one device ("), results["mlflow"].stderr
+    assert _last(results["mlflow"]).startswith("verify: same as one device ("), results[
+        "mlflow"
+    ].stderr
     client = MlflowClient(uri)
-    [run] = client.search_runs([client.get_experiment_by_name("keras-sync").experiment_id],
-                               "tags.keras_sync.verify = 'same'")
+    [run] = client.search_runs(
+        [client.get_experiment_by_name("keras-sync").experiment_id],
+        "tags.keras_sync.verify = 'same'",
+    )
     assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"verify.png", "verify.json"}
     assert len(client.get_metric_history(run.info.run_id, "verify/distributed/loss")) == int(STEPS)
     assert run.data.tags["keras_sync.verify.line"] == _last(results["mlflow"])
@@ -232,5 +344,8 @@ def test_the_verify_run_in_mlflow_holds_the_comparison_and_its_picture(verified)
 def test_a_mobilenet_sized_reference_trains_one_replicas_micro_batches(verified) -> None:
     result = verified[2]["mobilenet"]
     assert _last(result).startswith("verify: same as one device ("), result.stdout + result.stderr
-    assert "reference: one device, 2 micro-batches of 4 accumulated (one replica's memory)" in result.stdout
+    assert (
+        "reference: one device, 2 micro-batches of 4 accumulated (one replica's memory)"
+        in result.stdout
+    )
     assert "peak memory: distributed " in result.stdout

@@ -32,13 +32,27 @@ print("replicas", sync.num_replicas, "tensorflow imported:", "tensorflow" in sys
 def test_config_line_comes_before_tensorflow_is_imported(tmp_path: Path) -> None:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("TF_CONFIG", None)
-    r = subprocess.run([sys.executable, "-c", _FIRST_LINE], cwd=tmp_path, env=env, capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", _FIRST_LINE],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.split() == ["replicas", "2", "tensorflow", "imported:", "True"]  # load() did start it
+    assert r.stdout.split() == [
+        "replicas",
+        "2",
+        "tensorflow",
+        "imported:",
+        "True",
+    ]  # load() did start it
     first = r.stderr.splitlines()[0]
-    assert first == ("[tensorflow not in sys.modules] keras-sync: config: a dict passed to keras_sync.load() "
-                     "(no file); starting TensorFlow and the mirrored strategy"), r.stderr[-3000:]
+    assert first == (
+        "[tensorflow not in sys.modules] keras-sync: config: a dict passed to keras_sync.load() "
+        "(no file); starting TensorFlow and the mirrored strategy"
+    ), r.stderr[-3000:]
 
 
 _SLOW_END = r"""
@@ -94,10 +108,26 @@ def test_exit_says_what_it_waits_for_when_the_server_is_slow(tmp_path: Path) -> 
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
-    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
-                               f"sqlite:///{tmp_path / 'mlflow.db'}", "--host", "127.0.0.1", "--port", str(port),
-                               "--workers", "1"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--backend-store-uri",
+            f"sqlite:///{tmp_path / 'mlflow.db'}",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -105,16 +135,32 @@ def test_exit_says_what_it_waits_for_when_the_server_is_slow(tmp_path: Path) -> 
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
                 break
             except OSError:
-                assert time.monotonic() < deadline and server.poll() is None, "mlflow server did not start"
+                assert time.monotonic() < deadline and server.poll() is None, (
+                    "mlflow server did not start"
+                )
                 time.sleep(0.5)
         delay = tmp_path / "slow"
         proxy = _slow_proxy(port, delay)
-        r = subprocess.run([sys.executable, "-c", _SLOW_END, f"http://127.0.0.1:{proxy}", str(tmp_path / "spool"),
-                            str(delay)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                _SLOW_END,
+                f"http://127.0.0.1:{proxy}",
+                str(tmp_path / "spool"),
+                str(delay),
+            ],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     finally:
         server.kill()
         server.wait()
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split() == ["delivered"]
-    assert (f"keras-sync: waiting for MLflow (http://127.0.0.1:{proxy}) to receive the run's last records (the "
-            "sync report picture, drawn now, and the run's end) before exit.") in r.stderr, r.stderr[-3000:]
+    assert (
+        f"keras-sync: waiting for MLflow (http://127.0.0.1:{proxy}) to receive the run's last records (the "
+        "sync report picture, drawn now, and the run's end) before exit."
+    ) in r.stderr, r.stderr[-3000:]

@@ -20,7 +20,11 @@ KERAS_SYNC = Path(sys.executable).with_name("keras-sync")
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "KERAS_SYNC_CONFIG", "MLFLOW_TRACKING_URI")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TF_CONFIG", "KERAS_SYNC_CONFIG", "MLFLOW_TRACKING_URI")
+    }
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     return env
 
@@ -36,7 +40,13 @@ def test_equal_checksums_are_zero_even_when_the_statistics_are_not() -> None:
 
 
 def test_a_checksum_difference_counts_even_with_equal_statistics() -> None:
-    found = summarize([[[3, 4, 0.1, 0.2], [1, 1, 1, 1]], [[3, 5, 0.1, 0.2], [1, 1, 1, 1]], [[3, 4, 0.1, 0.2], [1, 1, 1, 1]]])
+    found = summarize(
+        [
+            [[3, 4, 0.1, 0.2], [1, 1, 1, 1]],
+            [[3, 5, 0.1, 0.2], [1, 1, 1, 1]],
+            [[3, 4, 0.1, 0.2], [1, 1, 1, 1]],
+        ]
+    )
     assert (found.value, found.diverged_variables, found.variables) == (0.0, 1, 2)
 
 
@@ -47,8 +57,13 @@ def test_no_replicas_is_no_divergence() -> None:
 @pytest.fixture(scope="module")
 def mirrored(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("wd") / "mirrored.json"
-    r = subprocess.run([sys.executable, str(SCENARIOS), "mirrored", str(out)], env=_env(), capture_output=True,
-                       text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, str(SCENARIOS), "mirrored", str(out)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -98,7 +113,10 @@ def test_the_comparison_adds_few_ops_per_variable(mirrored: dict) -> None:
 @pytest.mark.slow
 def test_callback_logs_both_metrics_at_each_epoch_end(mirrored: dict) -> None:
     steps = [step for _, step in mirrored["callback"]]
-    assert steps == [8, 12]  # 128 examples / global batch 32 = 4 steps per epoch, after the first fit's 4
+    assert steps == [
+        8,
+        12,
+    ]  # 128 examples / global batch 32 = 4 steps per epoch, after the first fit's 4
     for metrics, _ in mirrored["callback"]:
         assert metrics == {"sync/weight_divergence": 0.0, "sync/diverged_variables": 0.0}
 
@@ -106,8 +124,14 @@ def test_callback_logs_both_metrics_at_each_epoch_end(mirrored: dict) -> None:
 @pytest.mark.slow
 def test_multi_worker_sees_a_copy_that_differs_on_the_other_worker(tmp_path: Path) -> None:
     out = tmp_path / "mw"
-    r = subprocess.run([str(KERAS_SYNC), "launch", "--workers", "2", str(SCENARIOS), "multi_worker", str(out)],
-                       cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [str(KERAS_SYNC), "launch", "--workers", "2", str(SCENARIOS), "multi_worker", str(out)],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     workers = [json.loads((out / f"w{i}.json").read_text()) for i in (0, 1)]
     for w in workers:
@@ -116,5 +140,8 @@ def test_multi_worker_sees_a_copy_that_differs_on_the_other_worker(tmp_path: Pat
         assert w["one_element"]["diverged"] == 1 and 0 < w["one_element"]["value"] <= 0.5
     assert workers[0]["one_element"] == workers[1]["one_element"]  # every worker sees every copy
     chief = workers[0]["callback"]
-    assert [m["sync/diverged_variables"] for m, _ in chief] == [1.0, 1.0]  # fit keeps the copies apart
+    assert [m["sync/diverged_variables"] for m, _ in chief] == [
+        1.0,
+        1.0,
+    ]  # fit keeps the copies apart
     assert workers[1]["callback"] is None

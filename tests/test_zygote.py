@@ -24,7 +24,7 @@ import _zygote  # noqa: E402
 
 sys.path.remove(str(LEAN_SITE))
 
-PROBE = r'''# a probe for tests/test_zygote.py (it names keras so that it is delegated)
+PROBE = r"""# a probe for tests/test_zygote.py (it names keras so that it is delegated)
 import json, os, signal, sys, time
 report = {
     "tf": "tensorflow" in sys.modules, "argv": sys.argv, "file": __file__, "name": __name__,
@@ -53,7 +53,7 @@ if mode in ("term", "sleep"):
     time.sleep(120)
 if mode == "killself":
     os.kill(os.getpid(), signal.SIGKILL)
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -64,20 +64,33 @@ def zygote(tmp_path_factory: pytest.TempPathFactory):
     for _, control in started:
         os.close(control)
     for proc, _ in started:
-        assert proc.wait(timeout=60) == 0, "".join(p.read_text()[-2000:] for p in where.glob("*.log"))
+        assert proc.wait(timeout=60) == 0, "".join(
+            p.read_text()[-2000:] for p in where.glob("*.log")
+        )
 
 
 def _env(tmp: Path, sock: str, **extra: str) -> dict[str, str]:
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PROBE_VAR="value", PROBE_READY=str(tmp / "ready"))
+    env = dict(
+        os.environ, TF_CPP_MIN_LOG_LEVEL="2", PROBE_VAR="value", PROBE_READY=str(tmp / "ready")
+    )
     env.update(extra)
     env["KERAS_SYNC_TEST_ZYGOTE"] = sock
     return env
 
 
-def _run(tmp: Path, env: dict[str, str], *args: str, **kw: object) -> subprocess.CompletedProcess[str]:
+def _run(
+    tmp: Path, env: dict[str, str], *args: str, **kw: object
+) -> subprocess.CompletedProcess[str]:
     (tmp / "probe.py").write_text(PROBE)
-    return subprocess.run([sys.executable, "probe.py", *args], cwd=tmp, env=env, capture_output=True, text=True,
-                          timeout=300, **kw)
+    return subprocess.run(
+        [sys.executable, "probe.py", *args],
+        cwd=tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        **kw,
+    )
 
 
 def _report(out: str) -> dict:
@@ -90,25 +103,44 @@ def test_a_delegated_script_sees_what_a_plain_process_sees(zygote: str, tmp_path
     through_env = _env(tmp_path, zygote)
     for mode in ("plain", "exit", "exit-text", "raise"):
         plain = _run(tmp_path, plain_env, mode, input="from stdin", preexec_fn=lambda: os.nice(3))
-        through = _run(tmp_path, through_env, mode, input="from stdin", preexec_fn=lambda: os.nice(3))
+        through = _run(
+            tmp_path, through_env, mode, input="from stdin", preexec_fn=lambda: os.nice(3)
+        )
         a, b = _report(plain.stdout), _report(through.stdout)
-        assert (a.pop("tf"), b.pop("tf")) == (False, True), "the second run did not go through the zygote"
+        assert (a.pop("tf"), b.pop("tf")) == (False, True), (
+            "the second run did not go through the zygote"
+        )
         assert a == b
         assert plain.returncode == through.returncode, mode
-        assert plain.stderr == through.stderr, mode  # the traceback starts at the script's frame, as Python's
-    assert b["stdin"] == "from stdin" and b["env"] == "value" and b["file"] == str(tmp_path / "probe.py")
+        assert plain.stderr == through.stderr, (
+            mode
+        )  # the traceback starts at the script's frame, as Python's
+    assert (
+        b["stdin"] == "from stdin"
+        and b["env"] == "value"
+        and b["file"] == str(tmp_path / "probe.py")
+    )
     assert b["ppid"] == os.getpid() and b["nice"] == os.getpriority(os.PRIO_PROCESS, 0) + 3
 
 
 @pytest.mark.slow
-def test_inherited_descriptors_and_ignored_signals_reach_the_script(zygote: str, tmp_path: Path) -> None:
+def test_inherited_descriptors_and_ignored_signals_reach_the_script(
+    zygote: str, tmp_path: Path
+) -> None:
     r, w = os.pipe()
     os.write(w, b"through the pipe")
     os.close(w)
     (tmp_path / "probe.py").write_text(PROBE)
-    res = subprocess.run([sys.executable, "probe.py", "plain", str(r)], cwd=tmp_path, env=_env(tmp_path, zygote),
-                         pass_fds=(r,), capture_output=True, text=True, timeout=300,
-                         preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    res = subprocess.run(
+        [sys.executable, "probe.py", "plain", str(r)],
+        cwd=tmp_path,
+        env=_env(tmp_path, zygote),
+        pass_fds=(r,),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),
+    )
     os.close(r)
     report = _report(res.stdout)
     assert report["tf"] and report["extra_fd"] == "through the pipe" and report["ignored_hup"]
@@ -123,12 +155,20 @@ def _wait_ready(tmp: Path, proc: subprocess.Popen[str]) -> int:
 
 
 @pytest.mark.slow
-def test_signals_reach_the_script_and_the_proxy_ends_as_it_does(zygote: str, tmp_path: Path) -> None:
+def test_signals_reach_the_script_and_the_proxy_ends_as_it_does(
+    zygote: str, tmp_path: Path
+) -> None:
     (tmp_path / "probe.py").write_text(PROBE)
     env = _env(tmp_path, zygote)
     # SIGTERM to the group of a proxy that leads its own session, as `keras-sync launch` stops workers
-    proc = subprocess.Popen([sys.executable, "probe.py", "term"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "probe.py", "term"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     child = _wait_ready(tmp_path, proc)
     assert child != proc.pid
     os.killpg(proc.pid, signal.SIGTERM)
@@ -139,23 +179,40 @@ def test_signals_reach_the_script_and_the_proxy_ends_as_it_does(zygote: str, tmp
     assert res.returncode == -signal.SIGKILL and _report(res.stdout)["tf"]
     # a proxy killed with SIGKILL takes its child with it
     (tmp_path / "ready").unlink()
-    proc = subprocess.Popen([sys.executable, "probe.py", "sleep"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "probe.py", "sleep"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     child = _wait_ready(tmp_path, proc)
     proc.kill()
     assert proc.wait(timeout=60) == -signal.SIGKILL
     deadline = time.monotonic() + 60
-    while Path(f"/proc/{child}").exists() and Path(f"/proc/{child}/stat").read_text().split()[2] != "Z":
+    while (
+        Path(f"/proc/{child}").exists()
+        and Path(f"/proc/{child}/stat").read_text().split()[2] != "Z"
+    ):
         assert time.monotonic() < deadline, "the child outlived its proxy"
         time.sleep(0.05)
 
 
 @pytest.mark.slow
 def test_a_process_whose_start_up_differs_runs_as_usual(zygote: str, tmp_path: Path) -> None:
-    for env in (_env(tmp_path, zygote, TF_CPP_MIN_LOG_LEVEL="0"), _env(tmp_path, zygote, KERAS_BACKEND="jax")):
+    for env in (
+        _env(tmp_path, zygote, TF_CPP_MIN_LOG_LEVEL="0"),
+        _env(tmp_path, zygote, KERAS_BACKEND="jax"),
+    ):
         assert not _report(_run(tmp_path, env, "plain").stdout)["tf"]
     (tmp_path / "probe.py").write_text(PROBE)
-    res = subprocess.run([sys.executable, "-X", "importtime", "probe.py", "plain"], cwd=tmp_path,
-                         env=_env(tmp_path, zygote), capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-X", "importtime", "probe.py", "plain"],
+        cwd=tmp_path,
+        env=_env(tmp_path, zygote),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert not _report(res.stdout)["tf"]
     assert "refused (env differs)" in "".join(p.read_text() for p in Path(zygote).glob("tf*.log"))

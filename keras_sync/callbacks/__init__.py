@@ -14,7 +14,9 @@ from keras_sync.training.context import RunContext, SharedState
 __all__ = ["RunContext", "SharedState", "default_callbacks", "mlflow_callbacks"]
 
 
-def default_callbacks(sync: Any, model: Any, user_callbacks: Any, *, per_replica_batch_size: int | None = None) -> list[Any]:
+def default_callbacks(
+    sync: Any, model: Any, user_callbacks: Any, *, per_replica_batch_size: int | None = None
+) -> list[Any]:
     """The user's callbacks plus the ones the config asks for (sync metrics, backup and restore).
 
     ``per_replica_batch_size``: the batch this `fit` uses, when not the configured one.
@@ -29,30 +31,42 @@ def default_callbacks(sync: Any, model: Any, user_callbacks: Any, *, per_replica
     context = sync.context(per_replica_batch_size=per_replica_batch_size)
     # The backup first: a directory owned by another job, or only damaged backups, stop fit before a run is opened.
     backups = backup_callbacks(sync, shared=shared)
-    ours = mlflow_callbacks(sync, context=context, shared=shared) if sync.config.mlflow.enabled else []
+    ours = (
+        mlflow_callbacks(sync, context=context, shared=shared) if sync.config.mlflow.enabled else []
+    )
     return ours + backups + list(user_callbacks or [])
 
 
-def mlflow_callbacks(sync: Any, *, context: RunContext | None = None, shared: SharedState | None = None) -> list[Any]:
+def mlflow_callbacks(
+    sync: Any, *, context: RunContext | None = None, shared: SharedState | None = None
+) -> list[Any]:
     """The sync-metrics callbacks of ``sync``'s config; every worker runs them, the chief writes."""
-    from keras_sync.training.job_run import writer_for
     from keras_sync.callbacks.allreduce_probe import AllReduceProbe
     from keras_sync.callbacks.fit_params import FitParams
     from keras_sync.callbacks.run_params import RunParams
     from keras_sync.callbacks.sync_metrics import SyncMetrics
     from keras_sync.callbacks.weight_divergence import WeightDivergence
+    from keras_sync.training.job_run import writer_for
 
     cfg = sync.config.mlflow
     context = context or sync.context()
     shared = shared or SharedState()
     writer = writer_for(sync)
-    out: list[Any] = [RunParams(writer, context, shared=shared),
-                      FitParams(writer, per_replica_batch_size=context.per_replica_batch_size,
-                                num_replicas=context.num_replicas, shared=shared)]
+    out: list[Any] = [
+        RunParams(writer, context, shared=shared),
+        FitParams(
+            writer,
+            per_replica_batch_size=context.per_replica_batch_size,
+            num_replicas=context.num_replicas,
+            shared=shared,
+        ),
+    ]
     if cfg.allreduce_probe:
         out.append(AllReduceProbe(writer, shared=shared))
-    out += [SyncMetrics(writer, log_every_n_steps=cfg.log_every_n_steps, shared=shared),
-            WeightDivergence(writer, shared=shared)]
+    out += [
+        SyncMetrics(writer, log_every_n_steps=cfg.log_every_n_steps, shared=shared),
+        WeightDivergence(writer, shared=shared),
+    ]
     if cfg.system_metrics:
         from keras_sync.callbacks.system_metrics import SystemMetrics
 

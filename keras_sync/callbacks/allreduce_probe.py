@@ -36,8 +36,10 @@ class AllReduceProbe(keras.callbacks.Callback):
         self.shared = check_shared(shared)
         self._measured: tuple[float, int] | None = None
         if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-            raise UsageError(f"Invalid value for argument `repeats`. Received: repeats={repeats!r}. "
-                             "Expected an integer >= 1.")
+            raise UsageError(
+                f"Invalid value for argument `repeats`. Received: repeats={repeats!r}. "
+                "Expected an integer >= 1."
+            )
         self.writer = writer
         self.repeats = repeats
         self._done = False
@@ -55,10 +57,18 @@ class AllReduceProbe(keras.callbacks.Callback):
         if self._measured is None:
             return
         (ms, nbytes), self._measured = self._measured, None
-        step = self.shared.step if self.shared.step is not None else int(self.model.optimizer.iterations.numpy())
-        self.writer.log_metrics({"sync/allreduce_ms": ms,
-                                 "sync/allreduce_gbps": nbytes * 8 / (ms / 1000.0) / 1e9 if ms > 0 else 0.0},
-                                step=step)
+        step = (
+            self.shared.step
+            if self.shared.step is not None
+            else int(self.model.optimizer.iterations.numpy())
+        )
+        self.writer.log_metrics(
+            {
+                "sync/allreduce_ms": ms,
+                "sync/allreduce_gbps": nbytes * 8 / (ms / 1000.0) / 1e9 if ms > 0 else 0.0,
+            },
+            step=step,
+        )
 
 
 def time_allreduce(model: Any, repeats: int = 5) -> tuple[float | None, int]:

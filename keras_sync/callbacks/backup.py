@@ -16,13 +16,14 @@ import os
 import shutil
 import sys
 import warnings
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import keras
 
-from keras_sync.training import backup_files as _backup_files
 from keras_sync.cluster import strategy_role
 from keras_sync.errors import UsageError
+from keras_sync.training import backup_files as _backup_files
 from keras_sync.training.resume import ResumePoint, SaveSchedule, batches_to_skip, write_dir
 from keras_sync.upstream.strategy_facts import in_multi_worker_mode
 
@@ -67,9 +68,17 @@ class BackupAndRestore(keras.callbacks.Callback):
         >>> sync.fit(model, x, y, epochs=5)   # adds this callback; rerun after a kill to resume  # doctest: +SKIP
     """
 
-    def __init__(self, backup_dir: str, save_freq: str | int = "epoch", *, delete_checkpoint: bool = True,
-                 max_to_keep: int = 2, grace_period_s: float | None = 25.0, writer: Any = None,
-                 shared: Any = None):
+    def __init__(
+        self,
+        backup_dir: str,
+        save_freq: str | int = "epoch",
+        *,
+        delete_checkpoint: bool = True,
+        max_to_keep: int = 2,
+        grace_period_s: float | None = 25.0,
+        writer: Any = None,
+        shared: Any = None,
+    ):
         super().__init__()
         from keras_sync.training.context import check_shared
 
@@ -92,8 +101,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.backup_dir = os.fspath(backup_dir)
         self._schedule = SaveSchedule(save_freq)
         self.save_freq = save_freq
-        if grace_period_s is not None and (isinstance(grace_period_s, bool) or not isinstance(grace_period_s, (int, float))
-                                           or grace_period_s <= 0):
+        if grace_period_s is not None and (
+            isinstance(grace_period_s, bool)
+            or not isinstance(grace_period_s, (int, float))
+            or grace_period_s <= 0
+        ):
             raise UsageError(
                 f"Invalid value for argument `grace_period_s`. Received: grace_period_s={grace_period_s!r}. "
                 "Expected a number of seconds > 0, or None to leave SIGTERM alone."
@@ -111,7 +123,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.epoch_iterator: Any = None  # set by `resumable_fit` to fit's training iterator
         self._epoch = 0
         self._step = 0
-        self._failed_save: str | None = None  # the cause of the last backup the disk refused, until one works
+        self._failed_save: str | None = (
+            None  # the cause of the last backup the disk refused, until one works
+        )
         self._restore_metrics_from: str | None = None
         self._deferred = False  # a scheduled save waits for gradient accumulation's next update
 
@@ -124,14 +138,25 @@ class BackupAndRestore(keras.callbacks.Callback):
 
         model = self.model
         if model.optimizer is not None and not model.optimizer.built:
-            model.optimizer.build(model.trainable_variables)  # its variables must exist to be restored
-        self._position = tf.Variable([0, 0], dtype=tf.int64, trainable=False, name="keras_sync_position")
+            model.optimizer.build(
+                model.trainable_variables
+            )  # its variables must exist to be restored
+        self._position = tf.Variable(
+            [0, 0], dtype=tf.int64, trainable=False, name="keras_sync_position"
+        )
         # The job's step minus the model's (`SharedState.job_step`): a resumed fit logs at the steps it
         # logged before. Saved, but restored on its own (`_restore_step_offset`): a backup written before
         # it existed must still restore.
-        self._step_offset = tf.Variable(-1, dtype=tf.int64, trainable=False, name="keras_sync_step_offset")
-        state = dict(model=model, optimizer=model.optimizer, position=self._position,
-                     metrics=list(model.metrics_variables), random=random_states(model))
+        self._step_offset = tf.Variable(
+            -1, dtype=tf.int64, trainable=False, name="keras_sync_step_offset"
+        )
+        state = dict(
+            model=model,
+            optimizer=model.optimizer,
+            position=self._position,
+            metrics=list(model.metrics_variables),
+            random=random_states(model),
+        )
         self._ckpt = tf.train.Checkpoint(**state)
         self._saved = tf.train.Checkpoint(**state, step_offset=self._step_offset)
         role = strategy_role(model.distribute_strategy)
@@ -140,7 +165,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         choice, self.choice = self.choice or _backup_files.choose(self.backup_dir), None
         if self._is_chief:
             _drop_damaged_state_file(self.backup_dir)
-        self._manager = tf.train.CheckpointManager(self._saved, self._dir, max_to_keep=max(self.max_to_keep, 2))
+        self._manager = tf.train.CheckpointManager(
+            self._saved, self._dir, max_to_keep=max(self.max_to_keep, 2)
+        )
         self.restored = None
         self._resume_line: str | None = None
         self._epoch = self._step = 0
@@ -173,12 +200,19 @@ class BackupAndRestore(keras.callbacks.Callback):
                 )
         elif self.epoch_iterator is not None:
             self.epoch_iterator.resume_at(epoch, 0)
-        log.info("keras-sync: resumed from %s at epoch %d, batch %d (optimizer step %d)", latest, epoch, step,
-                 iterations)
+        log.info(
+            "keras-sync: resumed from %s at epoch %d, batch %d (optimizer step %d)",
+            latest,
+            epoch,
+            step,
+            iterations,
+        )
         # Said at the first epoch begin, once every callback's on_train_begin has run and the
         # restored step is seen to hold (a relaunch should say that it continued, once per job).
-        self._resume_line = (f"keras-sync: resumed from the backup in {self.backup_dir}: epoch {epoch + 1}, after "
-                             f"batch {step} (optimizer step {iterations})")
+        self._resume_line = (
+            f"keras-sync: resumed from the backup in {self.backup_dir}: epoch {epoch + 1}, after "
+            f"batch {step} (optimizer step {iterations})"
+        )
 
     def _restore(self, choice: Any) -> str | None:
         """Restore the newest complete checkpoint that TensorFlow reads back; the path, or None if none."""
@@ -188,7 +222,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         for prefix in choice.usable:
             try:
                 self._ckpt.restore(prefix).assert_existing_objects_matched()
-            except (tf.errors.OpError, ValueError, AssertionError) as e:  # the manifest matched, the content did not
+            except (
+                tf.errors.OpError,
+                ValueError,
+                AssertionError,
+            ) as e:  # the manifest matched, the content did not
                 skipped.append((prefix, f"TensorFlow cannot read it back: {type(e).__name__}"))
                 continue
             if self._is_chief:
@@ -218,7 +256,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             # trained before the interruption so the epoch's logs equal an uninterrupted run's.
             import tensorflow as tf
 
-            tf.train.Checkpoint(metrics=list(self.model.metrics_variables)).read(self._restore_metrics_from).expect_partial()
+            tf.train.Checkpoint(metrics=list(self.model.metrics_variables)).read(
+                self._restore_metrics_from
+            ).expect_partial()
             self._restore_metrics_from = None
 
     def _check_restored_state_held(self) -> None:
@@ -231,7 +271,8 @@ class BackupAndRestore(keras.callbacks.Callback):
                 f"keras-sync's backup in {self.backup_dir} restored optimizer step {self.restored.iterations}, but another "
                 f"callback changed it to {now} before training resumed (a second backup-and-restore callback?), so the "
                 "data position and the weights would not match. Fix: keep one backup: remove that callback, or remove "
-                "fault_tolerance.backup_dir.")
+                "fault_tolerance.backup_dir."
+            )
         if self._is_chief:
             print(line, file=sys.stderr, flush=True)
 
@@ -251,7 +292,9 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         self._epoch, self._step = epoch + 1, 0
         scheduled = self._schedule.after_epoch()
-        preempted = self._preemption is not None and self._preemption.save_due_at_epoch_end(self._iterations)
+        preempted = self._preemption is not None and self._preemption.save_due_at_epoch_end(
+            self._iterations
+        )
         if (scheduled or preempted) and self._between_updates():
             # An epoch that ends between two updates: the backup (and a SIGTERM's) moves to the
             # first batch end of the next epoch that applies the sums.
@@ -264,13 +307,19 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_train_end(self, logs: Any = None) -> None:
         if self.restored is not None and getattr(self, "_resume_line", None):
             self._check_restored_state_held()  # restored after the last epoch: no epoch began
-        self.model._initial_epoch = None  # a later fit on this model starts at its own initial_epoch
+        self.model._initial_epoch = (
+            None  # a later fit on this model starts at its own initial_epoch
+        )
         if self._preemption is not None:
             from keras_sync.cluster.preemption import signal_name
 
             if self._preemption.end() and self._is_chief:
-                print(f"keras-sync: {signal_name(self._preemption.signum)} arrived as training ended; training is "
-                      "complete, so no backup was saved for it", file=sys.stderr, flush=True)
+                print(
+                    f"keras-sync: {signal_name(self._preemption.signum)} arrived as training ended; training is "
+                    "complete, so no backup was saved for it",
+                    file=sys.stderr,
+                    flush=True,
+                )
         if self.delete_checkpoint:
             # Every worker saves at the last epoch end; the chief must not delete the backup (with the
             # other workers' temporary directories in it) while one is still writing: seen here as
@@ -317,15 +366,23 @@ class BackupAndRestore(keras.callbacks.Callback):
         name, code = signal_name(self._preemption.signum), exit_code(self._preemption.signum)
         message = None
         if self._is_chief and saved:
-            message = (f"{name}: saved a backup in {self.backup_dir} at epoch {self._epoch + 1}, after batch "
-                       f"{self._step} (optimizer step {self._iterations()}); exiting with code "
-                       f"{code}. Relaunch the job to resume from there.")
+            message = (
+                f"{name}: saved a backup in {self.backup_dir} at epoch {self._epoch + 1}, after batch "
+                f"{self._step} (optimizer step {self._iterations()}); exiting with code "
+                f"{code}. Relaunch the job to resume from there."
+            )
         elif self._is_chief:
             newest = _backup_files.newest_complete(self.backup_dir)
-            where = f"the newest backup, optimizer step {newest}" if newest is not None else "the start (no backup)"
-            message = (f"{name}: the backup at optimizer step {self._iterations()} could not be written to "
-                       f"{self.backup_dir} (said above); exiting with code {code}. A relaunch resumes "
-                       f"from {where}.")
+            where = (
+                f"the newest backup, optimizer step {newest}"
+                if newest is not None
+                else "the start (no backup)"
+            )
+            message = (
+                f"{name}: the backup at optimizer step {self._iterations()} could not be written to "
+                f"{self.backup_dir} (said above); exiting with code {code}. A relaunch resumes "
+                f"from {where}."
+            )
         exit_now(code, message)
 
     def _save(self) -> bool:
@@ -335,14 +392,22 @@ class BackupAndRestore(keras.callbacks.Callback):
             hook()
         durable = getattr(self.writer, "flush_to_spool", None)  # optional in the Writer protocol
         if durable is not None and not durable(timeout_s=10.0):
-            warnings.warn("keras-sync: the MLflow spool did not take the queued metrics within 10 s; "
-                          "a crash now may lose the last steps' metrics.", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                "keras-sync: the MLflow spool did not take the queued metrics within 10 s; "
+                "a crash now may lose the last steps' metrics.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         self._position.assign([self._epoch, self._step])
-        self._step_offset.assign(self.shared.step_offset or 0)  # fixed by SyncMetrics' first step (else 0)
+        self._step_offset.assign(
+            self.shared.step_offset or 0
+        )  # fixed by SyncMetrics' first step (else 0)
         if not self._is_chief:
             os.makedirs(self._dir, exist_ok=True)
         number = int(self.model.optimizer.iterations.numpy())
-        if self._is_chief:  # a checkpoint of this number from before a fall-back: its manifest no longer holds
+        if (
+            self._is_chief
+        ):  # a checkpoint of this number from before a fall-back: its manifest no longer holds
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(self._dir, f"ckpt-{number}{_backup_files.MANIFEST_SUFFIX}"))
         import tensorflow as tf
@@ -355,19 +420,29 @@ class BackupAndRestore(keras.callbacks.Callback):
             from keras_sync.training.job_run import run_record
 
             # Last, atomically: a checkpoint without its manifest is a save that was cut off.
-            _backup_files.write_manifest(prefix, run_record(self.writer) if self.writer is not None else None)
-        except (tf.errors.OpError, OSError) as e:  # a full or unwritable disk: the older backups still hold
+            _backup_files.write_manifest(
+                prefix, run_record(self.writer) if self.writer is not None else None
+            )
+        except (
+            tf.errors.OpError,
+            OSError,
+        ) as e:  # a full or unwritable disk: the older backups still hold
             self._save_failed(number, e)
             return False
         if self._failed_save is not None and self._is_chief:
-            print(f"keras-sync: backups in {self.backup_dir} are written again (optimizer step {number}).",
-                  file=sys.stderr, flush=True)
+            print(
+                f"keras-sync: backups in {self.backup_dir} are written again (optimizer step {number}).",
+                file=sys.stderr,
+                flush=True,
+            )
         self._failed_save = None
         return True
 
     def _save_failed(self, number: int, error: BaseException) -> None:
         """One line (once per cause) for a backup the disk refused; training goes on with the older backups."""
-        for temp in glob.glob(os.path.join(self._dir, "ckpt-*_temp")):  # TensorFlow's half-written checkpoint
+        for temp in glob.glob(
+            os.path.join(self._dir, "ckpt-*_temp")
+        ):  # TensorFlow's half-written checkpoint
             shutil.rmtree(temp, ignore_errors=True)
         if not self._is_chief:
             shutil.rmtree(self._dir, ignore_errors=True)
@@ -379,15 +454,22 @@ class BackupAndRestore(keras.callbacks.Callback):
             return
         self._failed_save = cause
         free = _free_bytes(self.backup_dir)
-        size = _backup_files.checkpoint_bytes(self.backup_dir, newest) if newest is not None else None
+        size = (
+            _backup_files.checkpoint_bytes(self.backup_dir, newest) if newest is not None else None
+        )
         room = f"; {_kb(free)} free there" if free is not None else ""
         room += f", a backup takes {_kb(size)}" if size else ""
-        resume = (f"a relaunch resumes from the newest backup, optimizer step {newest}" if newest is not None
-                  else "there is no backup to resume from yet")
-        message = (f"keras-sync: the backup at optimizer step {number} could not be written to {self.backup_dir} "
-                   f"({cause}{room}); training goes on, and {resume}. Fix: free space there, or set "
-                   "fault_tolerance.backup_dir to a folder this process can write on a disk with room. "
-                   "keras-sync tries again at each save and says when it works.")
+        resume = (
+            f"a relaunch resumes from the newest backup, optimizer step {newest}"
+            if newest is not None
+            else "there is no backup to resume from yet"
+        )
+        message = (
+            f"keras-sync: the backup at optimizer step {number} could not be written to {self.backup_dir} "
+            f"({cause}{room}); training goes on, and {resume}. Fix: free space there, or set "
+            "fault_tolerance.backup_dir to a folder this process can write on a disk with room. "
+            "keras-sync tries again at each save and says when it works."
+        )
         print(message, file=sys.stderr, flush=True)
         if self.writer is not None:
             self.writer.set_tags({"keras_sync.backup_failed": message[:4900]})
@@ -432,8 +514,12 @@ def _drop_damaged_state_file(backup_dir: str) -> None:
         return
     except (tf.errors.OpError, ValueError) as e:
         why = type(e).__name__
-    print(f"keras-sync: the checkpoint state file {path} is damaged ({why}); removed, the backups are found by "
-          "their own files", file=sys.stderr, flush=True)
+    print(
+        f"keras-sync: the checkpoint state file {path} is damaged ({why}); removed, the backups are found by "
+        "their own files",
+        file=sys.stderr,
+        flush=True,
+    )
     with contextlib.suppress(OSError):
         os.unlink(path)
 
@@ -523,7 +609,9 @@ def resumable_fit(callbacks: list[Any]) -> Iterator[None]:
             yield
     finally:
         backup.release()
-        if backup._preemption is not None:  # a fit that raised: SIGTERM and SIGINT get their previous meaning back
+        if (
+            backup._preemption is not None
+        ):  # a fit that raised: SIGTERM and SIGINT get their previous meaning back
             backup._preemption.end(clean=False)
 
 
@@ -536,7 +624,9 @@ def _epoch_iterator_swapped(backup: BackupAndRestore) -> Iterator[None]:
 
     def make_iterator(*args: Any, **kwargs: Any) -> Any:
         it = cls(*args, **kwargs)
-        if backup.epoch_iterator is None:  # fit builds its training iterator first, then validation's
+        if (
+            backup.epoch_iterator is None
+        ):  # fit builds its training iterator first, then validation's
             backup.epoch_iterator = it
         return it
 
@@ -557,7 +647,9 @@ def refuse_keras_backup(backup_dir: str | None, callbacks: Any, method: str = "f
     """
     if not backup_dir:
         return
-    theirs = next((cb for cb in callbacks or () if isinstance(cb, keras.callbacks.BackupAndRestore)), None)
+    theirs = next(
+        (cb for cb in callbacks or () if isinstance(cb, keras.callbacks.BackupAndRestore)), None
+    )
     if theirs is None:
         return
     raise UsageError(
@@ -565,7 +657,8 @@ def refuse_keras_backup(backup_dir: str | None, callbacks: Any, method: str = "f
         f"run beside keras-sync's own backup (fault_tolerance.backup_dir: {backup_dir!r}): after a relaunch both "
         "would restore, Keras's state over keras-sync's, and training would continue from neither. Fix: remove "
         "keras.callbacks.BackupAndRestore from callbacks (keras-sync's backup resumes mid-epoch exactly), or remove "
-        "fault_tolerance.backup_dir to keep Keras's.")
+        "fault_tolerance.backup_dir to keep Keras's."
+    )
 
 
 def backup_callbacks(sync: Any, *, shared: Any = None) -> list[Any]:
@@ -582,10 +675,13 @@ def backup_callbacks(sync: Any, *, shared: Any = None) -> list[Any]:
         from keras_sync.training.job_run import record_run, writer_for
 
         writer = writer_for(sync)
-    backup = BackupAndRestore(ft.backup_dir, ft.save_freq, grace_period_s=ft.grace_period_s, writer=writer,
-                              shared=shared)
+    backup = BackupAndRestore(
+        ft.backup_dir, ft.save_freq, grace_period_s=ft.grace_period_s, writer=writer, shared=shared
+    )
     backup.choice, backup.lock = choice, lock
-    if writer is not None:  # the run goes with every backup: a relaunch that restores it continues that run
+    if (
+        writer is not None
+    ):  # the run goes with every backup: a relaunch that restores it continues that run
         backup.before_save.append(lambda: record_run(writer, ft.backup_dir))
     return [backup]
 

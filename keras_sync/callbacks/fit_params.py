@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from keras_sync.tracking import autolog as _autolog
 from keras_sync.callbacks._once import OncePerRun
+from keras_sync.tracking import autolog as _autolog
 from keras_sync.tracking.source_tags import source_tags
 
 MODEL_SUMMARY_ARTIFACT = "model_summary.txt"
@@ -40,8 +40,14 @@ class FitParams(OncePerRun):
             only the params that changed, as ``fit_<n>.<key>`` (default: its own, a first fit).
     """
 
-    def __init__(self, writer: Any = None, *, per_replica_batch_size: int | None = None,
-                 num_replicas: int | None = None, shared: Any = None):
+    def __init__(
+        self,
+        writer: Any = None,
+        *,
+        per_replica_batch_size: int | None = None,
+        num_replicas: int | None = None,
+        shared: Any = None,
+    ):
         super().__init__(writer, shared=shared)
         self.per_replica_batch_size = per_replica_batch_size
         self.num_replicas = num_replicas
@@ -87,7 +93,9 @@ def applied_optimizer_params(model: Any) -> dict[str, Any]:
     applied = applied_optimizers(model)
     if len(applied) <= 1:
         return optimizer_params(applied[0][1] if applied else model.optimizer)
-    return {f"{name}_{k}": v for name, optimizer in applied for k, v in optimizer.get_config().items()}
+    return {
+        f"{name}_{k}": v for name, optimizer in applied for k, v in optimizer.get_config().items()
+    }
 
 
 def optimizer_params(optimizer: Any) -> dict[str, Any]:

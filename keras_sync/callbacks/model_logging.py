@@ -11,8 +11,8 @@ from typing import Any
 
 import keras
 
-from keras_sync.tracking import autolog as _autolog
 from keras_sync.measures import reduce as _reduce
+from keras_sync.tracking import autolog as _autolog
 
 log = logging.getLogger("keras_sync")
 
@@ -52,9 +52,13 @@ class ModelLogging(keras.callbacks.Callback):
         if self.writer is None:
             return
         if _autolog.autolog_logs_models():
-            log.info("keras-sync: mlflow.keras.autolog() logs the model of this fit; mlflow.log_model leaves it to it.")
+            log.info(
+                "keras-sync: mlflow.keras.autolog() logs the model of this fit; mlflow.log_model leaves it to it."
+            )
             return
-        step = int(self.model.optimizer.iterations.numpy()) if self.model.optimizer is not None else 0
+        step = (
+            int(self.model.optimizer.iterations.numpy()) if self.model.optimizer is not None else 0
+        )
         tmp = Path(tempfile.mkdtemp(prefix="keras-sync-model-"))
         try:
             save_keras_model(self.model, tmp / self.name)
@@ -62,10 +66,13 @@ class ModelLogging(keras.callbacks.Callback):
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         if not self.writer.flush(timeout_s=self.flush_timeout_s):
-            warnings.warn(f"keras-sync: the trained model is not in MLflow yet; it is kept beside "
-                          f"{getattr(self.writer, 'spool_path', 'the spool')} and uploaded in the background "
-                          "while this process lives, or later with `keras-sync sync-spool PATH`.",
-                          UserWarning, stacklevel=2)
+            warnings.warn(
+                f"keras-sync: the trained model is not in MLflow yet; it is kept beside "
+                f"{getattr(self.writer, 'spool_path', 'the spool')} and uploaded in the background "
+                "while this process lives, or later with `keras-sync sync-spool PATH`.",
+                UserWarning,
+                stacklevel=2,
+            )
 
 
 def save_keras_model(model: Any, path: Path) -> None:
@@ -82,18 +89,22 @@ def save_keras_model(model: Any, path: Path) -> None:
     if uses_keras_sync_objects(model.get_compile_config() if model.compiled else None):
         uncompiled = _uncompiled_copy(model)
         if uncompiled is not None:
-            log.info("keras-sync: the logged model is saved without its optimizer (it uses keras-sync's "
-                     "GradualWarmup); it loads anywhere Keras does. Compile it again to train on.")
+            log.info(
+                "keras-sync: the logged model is saved without its optimizer (it uses keras-sync's "
+                "GradualWarmup); it loads anywhere Keras does. Compile it again to train on."
+            )
             model = uncompiled
 
     try:
         signature = get_model_signature(model)
-    except Exception as exc:  # noqa: BLE001 - e.g. a subclassed model without known shapes
+    except Exception as exc:
         log.info("keras-sync: no model signature (%s); logging the model without one.", exc)
         signature = None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "saving without a signature" when shapes are unknown
-        mlflow.keras.save_model(model, str(path), signature=signature, pip_requirements=requirements())
+        mlflow.keras.save_model(
+            model, str(path), signature=signature, pip_requirements=requirements()
+        )
 
 
 def uses_keras_sync_objects(config: Any) -> bool:
@@ -120,9 +131,12 @@ def _uncompiled_copy(model: Any) -> Any:
         copy = type(model).from_config(model.get_config())
         copy.set_weights(model.get_weights())
         return copy
-    except Exception as exc:  # noqa: BLE001 - a subclassed model without get_config: keep it compiled
-        log.warning("keras-sync: the logged model keeps its optimizer, which uses keras-sync's GradualWarmup, so "
-                    "loading it needs `import keras_sync` first (cloning it failed: %s).", exc)
+    except Exception as exc:
+        log.warning(
+            "keras-sync: the logged model keeps its optimizer, which uses keras-sync's GradualWarmup, so "
+            "loading it needs `import keras_sync` first (cloning it failed: %s).",
+            exc,
+        )
         return None
 
 

@@ -6,10 +6,10 @@ from typing import Any
 
 import keras
 
-from keras_sync.training.context import RunContext
 from keras_sync.callbacks._once import OncePerRun
 from keras_sync.errors import UsageError
 from keras_sync.tracking import redact_uri
+from keras_sync.training.context import RunContext
 
 #: Tag naming where the config came from (a file path, ``<dict>`` or ``<defaults>``).
 CONFIG_SOURCE_TAG = "keras_sync.config_source"
@@ -47,15 +47,24 @@ class RunParams(OncePerRun):
 
     def __init__(self, writer: Any = None, context: Any = None, *, shared: Any = None):
         super().__init__(writer, shared=shared)
-        if context is not None and not isinstance(context, RunContext) and not hasattr(context, "context"):
-            raise UsageError(f"Invalid value for argument `context`. Received: context={type(context).__name__}. "
-                             "Expected a keras_sync.callbacks.RunContext (sync.context()), a keras_sync.Sync, or None.")
+        if (
+            context is not None
+            and not isinstance(context, RunContext)
+            and not hasattr(context, "context")
+        ):
+            raise UsageError(
+                f"Invalid value for argument `context`. Received: context={type(context).__name__}. "
+                "Expected a keras_sync.callbacks.RunContext (sync.context()), a keras_sync.Sync, or None."
+            )
         self.context = context
 
     def log_once(self) -> None:
         # A Sync is read now: steps_per_epoch and the warmup are known once fit has its data.
-        ctx = self.context.context() if self.context is not None and not isinstance(self.context, RunContext) \
+        ctx = (
+            self.context.context()
+            if self.context is not None and not isinstance(self.context, RunContext)
             else self.context
+        )
         self.log_params({**run_params(self.model, ctx), **config_params(ctx)})
         tags, text = config_tags(ctx)
         if tags:
@@ -72,7 +81,11 @@ def run_params(model: Any, context: RunContext | None = None) -> dict[str, Any]:
     try:
         devices = list(strategy.extended.worker_devices)
     except (RuntimeError, AttributeError):  # the default strategy has no replica devices
-        devices = [d.name for d in tf.config.list_logical_devices() if d.device_type in ("CPU", "GPU", "TPU")][:1]
+        devices = [
+            d.name
+            for d in tf.config.list_logical_devices()
+            if d.device_type in ("CPU", "GPU", "TPU")
+        ][:1]
     params: dict[str, Any] = {
         "sync.num_replicas": int(strategy.num_replicas_in_sync),
         "sync.tensorflow_version": tf.version.VERSION,
@@ -97,7 +110,13 @@ def config_params(context: RunContext | None) -> dict[str, str]:
             if isinstance(value, dict):
                 out.update(flat(value, f"{prefix}{key}."))
             else:
-                shown = "null" if value is None else ",".join(map(str, value)) if isinstance(value, list) else value
+                shown = (
+                    "null"
+                    if value is None
+                    else ",".join(map(str, value))
+                    if isinstance(value, list)
+                    else value
+                )
                 out[f"{prefix}{key}"] = redact_uri(str(shown)) or ""
         return out
 

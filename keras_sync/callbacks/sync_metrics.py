@@ -8,9 +8,10 @@ from typing import Any
 
 import keras
 
-from keras_sync.measures import reduce as _reduce, slow_worker as _slow_worker
-from keras_sync.training.context import check_shared
 from keras_sync.errors import UsageError
+from keras_sync.measures import reduce as _reduce
+from keras_sync.measures import slow_worker as _slow_worker
+from keras_sync.training.context import check_shared
 
 _TIMED = "_keras_sync_timed"  # on our wrapper of the train function: the function it wraps
 
@@ -93,10 +94,15 @@ class SyncMetrics(keras.callbacks.Callback):
         self.shared = check_shared(shared)
         self.shared.add_flusher(self.emit)
         self.auto = log_every_n_steps == "auto"
-        if not self.auto and (isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int)
-                              or log_every_n_steps < 1):
-            raise UsageError(f"Invalid value for argument `log_every_n_steps`. Received: "
-                             f"log_every_n_steps={log_every_n_steps!r}. Expected an integer >= 1 or 'auto'.")
+        if not self.auto and (
+            isinstance(log_every_n_steps, bool)
+            or not isinstance(log_every_n_steps, int)
+            or log_every_n_steps < 1
+        ):
+            raise UsageError(
+                f"Invalid value for argument `log_every_n_steps`. Received: "
+                f"log_every_n_steps={log_every_n_steps!r}. Expected an integer >= 1 or 'auto'."
+            )
         self.writer = writer
         # auto: every step is recorded and read as with 1 (so every worker reads the probe at the same
         # steps); the chief alone thins what it writes to `stride`.
@@ -144,7 +150,10 @@ class SyncMetrics(keras.callbacks.Callback):
         self._busy_s, self._steps_since_log, self._pending = 0.0, 0, []
         self._held, self._carry_s, self._carry_n = None, 0.0, 0
         self._returned = None
-        self._window, self._window_steps = None, 0  # a fit that raised may have left peaks unwritten
+        self._window, self._window_steps = (
+            None,
+            0,
+        )  # a fit that raised may have left peaks unwritten
         fn = getattr(self.model, "train_function", None)
         if self._probe.num_workers > 1 and fn is not None and not hasattr(fn, _TIMED):
             self.model.train_function = self._timed(fn)
@@ -170,7 +179,9 @@ class SyncMetrics(keras.callbacks.Callback):
             # Read once, after every on_train_begin (BackupAndRestore may have restored it).
             # Optimizer updates x micro-batches per update (keras-sync's gradient accumulation).
             accumulator = getattr(self._probe, "accumulator", None)
-            model_step = int(self.model.optimizer.iterations.numpy()) * (accumulator.steps if accumulator else 1)
+            model_step = int(self.model.optimizer.iterations.numpy()) * (
+                accumulator.steps if accumulator else 1
+            )
             self.global_step = self.shared.job_step(model_step)
             self.shared.step = self.global_step
             rings = self._probe.read()
@@ -197,16 +208,29 @@ class SyncMetrics(keras.callbacks.Callback):
             per_step = self._busy_s / self._steps_since_log
             since = self.global_step - self._steps_since_log  # the step of the previous point
             for s in logged:
-                self._pending.append((s, self._count - (self.global_step - s), numbers if s == logged[-1] else {},
-                                      per_step * (s - since), s - since, now_ms))
+                self._pending.append(
+                    (
+                        s,
+                        self._count - (self.global_step - s),
+                        numbers if s == logged[-1] else {},
+                        per_step * (s - since),
+                        s - since,
+                        now_ms,
+                    )
+                )
                 since = s
             self._busy_s = per_step * (self.global_step - logged[-1])
             self._steps_since_log = self.global_step - logged[-1]
-        if self._pending and (self._count - self._pending[0][1] >= self._probe.ring // 2 or (
+        if self._pending and (
+            self._count - self._pending[0][1] >= self._probe.ring // 2
+            or (
                 # Slow steps: do not hold a step's metrics in memory for long (a crash would lose
                 # them). Only without workers: there the read is a collective, and every worker
                 # must take the same decision, which a clock does not give.
-                not self._probe.multi_worker and time.time() * 1000 - self._pending[0][5] >= MAX_HOLD_MS)):
+                not self._probe.multi_worker
+                and time.time() * 1000 - self._pending[0][5] >= MAX_HOLD_MS
+            )
+        ):
             self.emit()
 
     def emit(self) -> None:
@@ -219,7 +243,9 @@ class SyncMetrics(keras.callbacks.Callback):
         rings = self._probe.read()  # a collective under multi-worker: every worker runs it
         pending, self._pending = self._pending, []
         if self.auto and self.writer is not None:
-            self.stride = _reduce.auto_stride([busy_s / n for _, _, _, busy_s, n, _ in pending if n])
+            self.stride = _reduce.auto_stride(
+                [busy_s / n for _, _, _, busy_s, n, _ in pending if n]
+            )
         for step, count, logs, busy_s, n_steps, ts in pending:
             rows = self._probe.row(rings, count)
             if rows is None:  # not expected: the ring is read before it wraps
@@ -243,12 +269,23 @@ class SyncMetrics(keras.callbacks.Callback):
         for c in range(max(count - n_steps + 1, 1), count + 1):
             rows = p.row(rings, c)
             if rows is not None:
-                self._window = _reduce.window_peaks(self._window, [float(r[p.LOSS]) for r in rows],
-                                                    [float(r[p.GRAD_NORM]) for r in rows])
+                self._window = _reduce.window_peaks(
+                    self._window,
+                    [float(r[p.LOSS]) for r in rows],
+                    [float(r[p.GRAD_NORM]) for r in rows],
+                )
                 self._window_steps += 1
 
-    def _write(self, step: int, rows: list[Any], examples: float, logs: dict, busy_s: float, n_steps: int,
-               ts: int) -> None:
+    def _write(
+        self,
+        step: int,
+        rows: list[Any],
+        examples: float,
+        logs: dict,
+        busy_s: float,
+        n_steps: int,
+        ts: int,
+    ) -> None:
         self._log_step(step, rows, examples - self._examples_at_log, logs, busy_s, n_steps, ts)
         self._examples_at_log = examples
 
@@ -258,10 +295,20 @@ class SyncMetrics(keras.callbacks.Callback):
             held, self._held, self._carry_s, self._carry_n = self._held, None, 0.0, 0
             self._write(*held)
 
-    def _log_step(self, step: int, rows: list[Any], examples: float, logs: dict, busy_s: float,
-                  n_steps: int, ts: int) -> None:
+    def _log_step(
+        self,
+        step: int,
+        rows: list[Any],
+        examples: float,
+        logs: dict,
+        busy_s: float,
+        n_steps: int,
+        ts: int,
+    ) -> None:
         p = self._probe
-        metrics = _reduce.replica_metrics([float(r[p.LOSS]) for r in rows], [float(r[p.GRAD_NORM]) for r in rows])
+        metrics = _reduce.replica_metrics(
+            [float(r[p.LOSS]) for r in rows], [float(r[p.GRAD_NORM]) for r in rows]
+        )
         metrics["sync/step_time_ms"] = 1000.0 * busy_s / n_steps
         metrics.update(_reduce.throughput(float(examples), busy_s, self._num_replicas))
         lr = float(rows[0][p.LR])
@@ -271,18 +318,30 @@ class SyncMetrics(keras.callbacks.Callback):
         if scale == scale:  # a LossScaleOptimizer's dynamic loss scale (mixed_float16)
             metrics["sync/loss_scale"] = scale
         if p.num_workers > 1:
-            times = _slow_worker.worker_times([float(r[p.HOST_US]) for r in rows],
-                                              [float(r[p.COMPUTE_US]) for r in rows], p.num_workers)
+            times = _slow_worker.worker_times(
+                [float(r[p.HOST_US]) for r in rows],
+                [float(r[p.COMPUTE_US]) for r in rows],
+                p.num_workers,
+            )
             metrics.update(times)
-            between = [times.get(_slow_worker.BETWEEN_KEY.format(i=w), float("nan")) for w in range(p.num_workers)]
-            line = self._slow.update(_slow_worker.own_times(times, p.num_workers), between, ts / 1000.0)
+            between = [
+                times.get(_slow_worker.BETWEEN_KEY.format(i=w), float("nan"))
+                for w in range(p.num_workers)
+            ]
+            line = self._slow.update(
+                _slow_worker.own_times(times, p.num_workers), between, ts / 1000.0
+            )
             if line:
                 print(line, file=sys.stderr, flush=True)
-        if self._window_steps > 1:  # the point stands for several steps: their peaks, so no spike is lost
+        if (
+            self._window_steps > 1
+        ):  # the point stands for several steps: their peaks, so no spike is lost
             metrics.update(self._window or {})
         self._window, self._window_steps = None, 0
         if self._keras_logs:
-            metrics.update(logs)  # the step's numeric Keras logs (filtered when the step was recorded)
+            metrics.update(
+                logs
+            )  # the step's numeric Keras logs (filtered when the step was recorded)
         self.writer.log_metrics(metrics, step=step, timestamp_ms=ts)
         self.shared.record(metrics, step)
 
@@ -292,7 +351,11 @@ class SyncMetrics(keras.callbacks.Callback):
         self._write_held()
         if self.writer is None or self.global_step is None or not self._keras_logs:
             return
-        val = {k: v for k, v in (logs or {}).items() if k.startswith("val_") and isinstance(v, (int, float))}
+        val = {
+            k: v
+            for k, v in (logs or {}).items()
+            if k.startswith("val_") and isinstance(v, (int, float))
+        }
         if val:
             self.writer.log_metrics(val, step=self.global_step)
             self.shared.record(val, self.global_step)
@@ -309,4 +372,3 @@ class SyncMetrics(keras.callbacks.Callback):
         # known to be away: then one warning names the cause and the spool, and fit returns.
         if hasattr(self.writer, "end_of_fit"):
             self.writer.end_of_fit()
-

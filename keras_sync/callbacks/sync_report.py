@@ -10,10 +10,10 @@ from typing import Any
 
 import keras
 
-from keras_sync.measures import reduce as _reduce
-from keras_sync.training.context import check_shared
-from keras_sync.tracking.report_plot import SyncHistory, render
 from keras_sync.errors import UsageError
+from keras_sync.measures import reduce as _reduce
+from keras_sync.tracking.report_plot import SyncHistory, render
+from keras_sync.training.context import check_shared
 
 log = logging.getLogger("keras_sync")
 ARTIFACT = "sync_report.png"
@@ -54,15 +54,21 @@ class SyncReport(keras.callbacks.Callback):
         ...                             WeightDivergence(writer, shared=shared)])  # doctest: +SKIP
     """
 
-    def __init__(self, writer: Any = None, *, when: str = "end", max_points: int = 2000, shared: Any = None):
+    def __init__(
+        self, writer: Any = None, *, when: str = "end", max_points: int = 2000, shared: Any = None
+    ):
         super().__init__()
         _reduce.check_writer(writer, "log_artifact_file")
         if when not in WHEN:
-            raise UsageError(f"Invalid value for argument `when`. Received: when={when!r}. "
-                             f"Expected one of {', '.join(map(repr, WHEN))}.")
+            raise UsageError(
+                f"Invalid value for argument `when`. Received: when={when!r}. "
+                f"Expected one of {', '.join(map(repr, WHEN))}."
+            )
         if isinstance(max_points, bool) or not isinstance(max_points, int) or max_points < 2:
-            raise UsageError(f"Invalid value for argument `max_points`. Received: max_points={max_points!r}. "
-                             "Expected an integer >= 2.")
+            raise UsageError(
+                f"Invalid value for argument `max_points`. Received: max_points={max_points!r}. "
+                "Expected an integer >= 2."
+            )
         self.writer = writer
         self.when = when
         self.history = SyncHistory(max_points=max_points)
@@ -92,9 +98,13 @@ class SyncReport(keras.callbacks.Callback):
         try:
             render(self.history, tmp / ARTIFACT)
             self.writer.log_artifact_file(tmp / ARTIFACT)
-        except Exception as exc:  # noqa: BLE001 - a picture must never end a training
-            log.warning("keras-sync: could not draw %s (%s: %s); the metrics are logged as usual.",
-                        ARTIFACT, type(exc).__name__, exc)
+        except Exception as exc:
+            log.warning(
+                "keras-sync: could not draw %s (%s: %s); the metrics are logged as usual.",
+                ARTIFACT,
+                type(exc).__name__,
+                exc,
+            )
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
@@ -106,7 +116,9 @@ class _Recorder:
         self._writer = writer
         self._history = history
 
-    def log_metrics(self, metrics: dict[str, float], step: int, timestamp_ms: int | None = None) -> None:
+    def log_metrics(
+        self, metrics: dict[str, float], step: int, timestamp_ms: int | None = None
+    ) -> None:
         self._history.add(metrics, step)
         self._writer.log_metrics(metrics, step=step, timestamp_ms=timestamp_ms)
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import keras
 
-from keras_sync.training.context import check_shared
 from keras_sync.errors import UsageError
+from keras_sync.training.context import check_shared
 
 
 class SystemMetrics(keras.callbacks.Callback):
@@ -34,10 +34,16 @@ class SystemMetrics(keras.callbacks.Callback):
         super().__init__()
         from mlflow.environment_variables import MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL
 
-        interval = interval_s if interval_s is not None else (MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL.get() or 10.0)
+        interval = (
+            interval_s
+            if interval_s is not None
+            else (MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL.get() or 10.0)
+        )
         if not interval > 0:
-            raise UsageError(f"Invalid value for argument `interval_s`. Received: interval_s={interval_s!r}. "
-                             "Expected a number of seconds > 0.")
+            raise UsageError(
+                f"Invalid value for argument `interval_s`. Received: interval_s={interval_s!r}. "
+                "Expected a number of seconds > 0."
+            )
         self.writer = writer
         self.shared = check_shared(shared)
         self.interval_s = float(interval)
@@ -50,8 +56,12 @@ class SystemMetrics(keras.callbacks.Callback):
         try:
             import psutil  # noqa: F401 - what MLflow's monitors need
         except ImportError:
-            warnings.warn("keras-sync: mlflow.system_metrics is on but psutil is not installed, so no system "
-                          "metrics are logged. Fix: pip install psutil", UserWarning, stacklevel=3)
+            warnings.warn(
+                "keras-sync: mlflow.system_metrics is on but psutil is not installed, so no system "
+                "metrics are logged. Fix: pip install psutil",
+                UserWarning,
+                stacklevel=3,
+            )
             return []
         from keras_sync.upstream import internals as _internals
 
@@ -65,7 +75,7 @@ class SystemMetrics(keras.callbacks.Callback):
             from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor
 
             monitors.append(GPUMonitor())
-        except Exception:  # noqa: BLE001 - no NVIDIA GPU or no pynvml: nothing to monitor there
+        except Exception:
             pass
         return monitors
 
@@ -77,7 +87,9 @@ class SystemMetrics(keras.callbacks.Callback):
         if not self._monitors:
             return
         self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="keras-sync-system-metrics", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name="keras-sync-system-metrics", daemon=True
+        )
         self._thread.start()
 
     def on_train_end(self, logs: dict | None = None) -> None:

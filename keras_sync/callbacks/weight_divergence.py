@@ -9,8 +9,8 @@ from typing import Any
 import keras
 
 from keras_sync.measures import reduce as _reduce
-from keras_sync.training.context import check_shared
 from keras_sync.measures.fingerprints import Divergence, summarize
+from keras_sync.training.context import check_shared
 
 
 class WeightDivergence(keras.callbacks.Callback):
@@ -56,7 +56,10 @@ class WeightDivergence(keras.callbacks.Callback):
         step = self.shared.step
         if step is None:
             step = int(self.model.optimizer.iterations.numpy())
-        metrics = {"sync/weight_divergence": found.value, "sync/diverged_variables": float(found.diverged_variables)}
+        metrics = {
+            "sync/weight_divergence": found.value,
+            "sync/diverged_variables": float(found.diverged_variables),
+        }
         self.writer.log_metrics(metrics, step=step)
         self.shared.record(metrics, step)
 

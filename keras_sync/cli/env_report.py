@@ -10,8 +10,9 @@ from __future__ import annotations
 import os
 import platform
 import sys
+from collections.abc import Mapping
 from importlib import metadata
-from typing import Any, Mapping
+from typing import Any
 
 from keras_sync import __version__
 from keras_sync.config import CONFIG_ENV
@@ -38,7 +39,9 @@ def _version(dists: tuple[str, ...]) -> str:
 
 
 def _devices() -> str:
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TF's start-up chatter out of the report
+    os.environ.setdefault(
+        "TF_CPP_MIN_LOG_LEVEL", "2"
+    )  # keep TF's start-up chatter out of the report
     try:
         from keras_sync.upstream.tf_import import import_tensorflow
 
@@ -68,8 +71,10 @@ def _cluster(environ: Mapping[str, str]) -> str:
         return f"invalid ({exc})"
     role = "chief" if info.is_chief else "not chief"
     addresses = ", ".join(_redact_address(a) for a in info.worker_addresses)
-    return (f"{info.num_workers} worker(s) [{addresses}], this task {info.task_type}:{info.task_id} "
-            f"({role}), written by {info.flavor}")
+    return (
+        f"{info.num_workers} worker(s) [{addresses}], this task {info.task_type}:{info.task_id} "
+        f"({role}), written by {info.flavor}"
+    )
 
 
 def _uri(environ: Mapping[str, str]) -> str:

@@ -11,13 +11,27 @@ from keras_sync.config import STRATEGY_KINDS
 
 
 @click.command("init")
-@click.argument("directory", required=False, default=".", type=click.Path(file_okay=False, path_type=str))
-@click.option("--strategy", "kind", type=click.Choice(STRATEGY_KINDS, case_sensitive=False),
-              help="Strategy kind (default: auto).")
-@click.option("--per-replica-batch", type=click.IntRange(min=1), help="Examples per replica per step (default: 32).")
+@click.argument(
+    "directory", required=False, default=".", type=click.Path(file_okay=False, path_type=str)
+)
+@click.option(
+    "--strategy",
+    "kind",
+    type=click.Choice(STRATEGY_KINDS, case_sensitive=False),
+    help="Strategy kind (default: auto).",
+)
+@click.option(
+    "--per-replica-batch",
+    type=click.IntRange(min=1),
+    help="Examples per replica per step (default: 32).",
+)
 @click.option("--force", is_flag=True, help="Overwrite keras_sync.yaml and train.py if they exist.")
-@click.option("--no-input", is_flag=True, help="Ask nothing; use the defaults for what is not given.")
-def command(directory: str, kind: str | None, per_replica_batch: int | None, force: bool, no_input: bool) -> None:
+@click.option(
+    "--no-input", is_flag=True, help="Ask nothing; use the defaults for what is not given."
+)
+def command(
+    directory: str, kind: str | None, per_replica_batch: int | None, force: bool, no_input: bool
+) -> None:
     """Write keras_sync.yaml and train.py into DIRECTORY (default: here).
 
     On a terminal it asks for the strategy and the batch; with --no-input, or when not on a
@@ -29,14 +43,25 @@ def command(directory: str, kind: str | None, per_replica_batch: int | None, for
 
     ask = not no_input and sys.stdin.isatty()
     if kind is None:
-        kind = click.prompt("Strategy kind", default="auto", type=click.Choice(STRATEGY_KINDS)) if ask else "auto"
+        kind = (
+            click.prompt("Strategy kind", default="auto", type=click.Choice(STRATEGY_KINDS))
+            if ask
+            else "auto"
+        )
     if per_replica_batch is None:
-        per_replica_batch = (click.prompt("Per-replica batch size", default=32, type=click.IntRange(min=1))
-                             if ask else 32)
-    written = init_project(directory, kind=kind.lower(), per_replica_batch=per_replica_batch, force=force)
+        per_replica_batch = (
+            click.prompt("Per-replica batch size", default=32, type=click.IntRange(min=1))
+            if ask
+            else 32
+        )
+    written = init_project(
+        directory, kind=kind.lower(), per_replica_batch=per_replica_batch, force=force
+    )
     for path in written:
         click.echo(f"wrote {path}")
     hint = cpu_replicas_hint(kind.lower(), written[0], gpus=count_gpus_cheaply())
     if hint:
         click.echo(hint)
-    click.echo(f"next: cd {shlex.quote(directory)} && {console_command()} plan && {python_command()} train.py")
+    click.echo(
+        f"next: cd {shlex.quote(directory)} && {console_command()} plan && {python_command()} train.py"
+    )

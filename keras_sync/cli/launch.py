@@ -10,22 +10,58 @@ from keras_sync.cli._base import UserError
 from keras_sync.errors import KerasSyncError
 
 
-@click.command("launch", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False,
-                                           "help_option_names": ["-h", "--help"]})
-@click.option("--workers", "-n", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Number of worker processes.")
-@click.option("--config", type=click.Path(path_type=str), help="keras-sync YAML file (sets $KERAS_SYNC_CONFIG).")
-@click.option("--grace-period", type=click.FloatRange(min=0), default=5.0, show_default=True,
-              help="Seconds between SIGTERM and SIGKILL when a worker fails or on Ctrl-C.")
-@click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
-              help="When a worker fails, stop the others and start the whole job again, up to N times.")
-@click.option("--private-network", is_flag=True,
-              help="Run the workers in a network namespace of their own (Linux, as root): no other host can reach "
-                   "them, and they reach no network but their own loopback (use a sqlite or file tracking URI).")
+@click.command(
+    "launch",
+    context_settings={
+        "ignore_unknown_options": True,
+        "allow_interspersed_args": False,
+        "help_option_names": ["-h", "--help"],
+    },
+)
+@click.option(
+    "--workers",
+    "-n",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="Number of worker processes.",
+)
+@click.option(
+    "--config",
+    type=click.Path(path_type=str),
+    help="keras-sync YAML file (sets $KERAS_SYNC_CONFIG).",
+)
+@click.option(
+    "--grace-period",
+    type=click.FloatRange(min=0),
+    default=5.0,
+    show_default=True,
+    help="Seconds between SIGTERM and SIGKILL when a worker fails or on Ctrl-C.",
+)
+@click.option(
+    "--max-restarts",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="When a worker fails, stop the others and start the whole job again, up to N times.",
+)
+@click.option(
+    "--private-network",
+    is_flag=True,
+    help="Run the workers in a network namespace of their own (Linux, as root): no other host can reach "
+    "them, and they reach no network but their own loopback (use a sqlite or file tracking URI).",
+)
 @click.argument("script", type=click.Path(path_type=str))
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def command(workers: int, config: str | None, grace_period: float, max_restarts: int, private_network: bool,
-            script: str, args: tuple[str, ...]) -> None:
+def command(
+    workers: int,
+    config: str | None,
+    grace_period: float,
+    max_restarts: int,
+    private_network: bool,
+    script: str,
+    args: tuple[str, ...],
+) -> None:
     """Run SCRIPT [ARGS...] as --workers processes on 127.0.0.1, each with its own TF_CONFIG.
 
     Output lines come back prefixed [w0], [w1], ...; the exit code is the first failing
@@ -45,8 +81,15 @@ def command(workers: int, config: str | None, grace_period: float, max_restarts:
     from keras_sync.launch import launch
 
     try:
-        code = launch(script, list(args), workers=workers, config=config, grace_period_s=grace_period,
-                      max_restarts=max_restarts, private_network=private_network)
+        code = launch(
+            script,
+            list(args),
+            workers=workers,
+            config=config,
+            grace_period_s=grace_period,
+            max_restarts=max_restarts,
+            private_network=private_network,
+        )
     except KerasSyncError as exc:
         raise UserError(str(exc)) from None
     sys.exit(code)

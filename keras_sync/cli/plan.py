@@ -22,11 +22,19 @@ _FLAG_KEYS = {
 @click.command("plan")
 @click.argument("config", required=False, type=click.Path(path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON: every value with its source.")
-@click.option("--strategy", type=click.Choice(STRATEGY_KINDS, case_sensitive=False), help="Override strategy.kind.")
+@click.option(
+    "--strategy",
+    type=click.Choice(STRATEGY_KINDS, case_sensitive=False),
+    help="Override strategy.kind.",
+)
 @click.option("--per-replica-batch", type=click.IntRange(min=1), help="Override batch.per_replica.")
 @click.option("--global-batch", type=click.IntRange(min=1), help="Override batch.global.")
 @click.option("--base-lr", type=float, help="Override learning_rate.base.")
-@click.option("--simulated-cpu-replicas", type=click.IntRange(min=0), help="Override strategy.simulated_cpu_replicas.")
+@click.option(
+    "--simulated-cpu-replicas",
+    type=click.IntRange(min=0),
+    help="Override strategy.simulated_cpu_replicas.",
+)
 @click.option("--tracking-uri", help="Override mlflow.tracking_uri.")
 def command(config: str | None, as_json: bool, **flags: object) -> None:
     """Show what a run with CONFIG would use, and where each value came from.
@@ -35,12 +43,14 @@ def command(config: str | None, as_json: bool, **flags: object) -> None:
     batch, scaled learning rate and warmup, and the MLflow target (credentials redacted).
     Precedence: flag > environment > file > default.
     """
-    from keras_sync.config import load_config
     from keras_sync.cli.run_plan import make_plan
+    from keras_sync.config import load_config
 
     overrides = {_FLAG_KEYS[name]: value for name, value in flags.items() if value is not None}
     if "batch.global" in overrides and "batch.per_replica" not in overrides:
-        overrides["batch.per_replica"] = None  # --global-batch replaces a per-replica batch from the file
+        overrides["batch.per_replica"] = (
+            None  # --global-batch replaces a per-replica batch from the file
+        )
     elif "batch.per_replica" in overrides and "batch.global" not in overrides:
         overrides["batch.global"] = None
     plan = make_plan(load_config(config, overrides=overrides))

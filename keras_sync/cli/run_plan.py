@@ -13,8 +13,9 @@ devices come from `strategy.device_layout`, the function the strategy builders u
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from keras_sync.config import Config
 from keras_sync.config.kinds import KINDS, LAYOUT_TPU
@@ -41,7 +42,9 @@ class Plan:
         """JSON-able: ``{"config": file, "items": {key: {"value", "source", "note"}}}``."""
         return {
             "config": self.config_file,
-            "items": {i.key: {"value": i.value, "source": i.source, "note": i.note} for i in self.items},
+            "items": {
+                i.key: {"value": i.value, "source": i.source, "note": i.note} for i in self.items
+            },
         }
 
     def format(self) -> str:
@@ -74,9 +77,15 @@ def _slurm_ports(config: Config, env: Mapping[str, str]) -> PlanItem:
 
     base = cluster.fixed_slurm_port_base(config.strategy)
     if base is not None:
-        return PlanItem("strategy.slurm.port_base", base, config.source_of("strategy.slurm.port_base"))
-    return PlanItem("strategy.slurm.port_base", cluster.slurm_port_base(env), "derived",
-                    f"auto: from $SLURM_JOB_ID={env.get('SLURM_JOB_ID')} and $SLURM_STEP_ID={env.get('SLURM_STEP_ID')}")
+        return PlanItem(
+            "strategy.slurm.port_base", base, config.source_of("strategy.slurm.port_base")
+        )
+    return PlanItem(
+        "strategy.slurm.port_base",
+        cluster.slurm_port_base(env),
+        "derived",
+        f"auto: from $SLURM_JOB_ID={env.get('SLURM_JOB_ID')} and $SLURM_STEP_ID={env.get('SLURM_STEP_ID')}",
+    )
 
 
 def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Plan:
@@ -86,8 +95,8 @@ def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Pl
         KerasSyncError: when the values do not fit together (e.g. a global batch that does not
             divide by the replica count, or a malformed TF_CONFIG).
     """
-    from keras_sync.training import scaling
     from keras_sync import strategy, tracking
+    from keras_sync.training import scaling
 
     src = config.source_of
     env = os.environ if environ is None else environ
@@ -99,7 +108,9 @@ def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Pl
     if spec.layout == LAYOUT_TPU:
         devices, per_worker = [f"TPU {config.strategy.tpu.name}"], 8
     else:
-        layout = strategy.device_layout(det.kind, config.strategy, gpus=strategy.count_gpus_cheaply())
+        layout = strategy.device_layout(
+            det.kind, config.strategy, gpus=strategy.count_gpus_cheaply()
+        )
         logical = " (logical)" if layout.source == "simulated" else ""
         devices, per_worker = [f"{d}{logical}" for d in layout.devices], len(layout.devices)
     replicas = workers * per_worker
@@ -111,49 +122,101 @@ def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Pl
         PlanItem("replicas", replicas, "derived", f"{workers} worker(s) x {per_worker} device(s)"),
     ]
     if spec.layout == LAYOUT_TPU:
-        items[-1] = PlanItem("replicas", replicas, "derived", "assumes 8 TPU cores; the real count is known "
-                             "when the TPU system starts")
+        items[-1] = PlanItem(
+            "replicas",
+            replicas,
+            "derived",
+            "assumes 8 TPU cores; the real count is known when the TPU system starts",
+        )
     if spec.multi_process and config.strategy.cluster == "slurm" and workers > 1:
         items.append(_slurm_ports(config, env))
     b = config.batch
     per_replica, global_batch = scaling.resolve_batch_sizes(b.per_replica, b.global_, replicas)
     if b.global_ is not None:
         items.append(PlanItem("batch.global", global_batch, src("batch.global")))
-        items.append(PlanItem("batch.per_replica", per_replica, "derived", f"{global_batch} / {replicas} replicas"))
+        items.append(
+            PlanItem(
+                "batch.per_replica", per_replica, "derived", f"{global_batch} / {replicas} replicas"
+            )
+        )
     else:
         items.append(PlanItem("batch.per_replica", per_replica, src("batch.per_replica")))
-        items.append(PlanItem("batch.global", global_batch, "derived", f"{per_replica} x {replicas} replicas"))
+        items.append(
+            PlanItem(
+                "batch.global", global_batch, "derived", f"{per_replica} x {replicas} replicas"
+            )
+        )
     items += _input_items(config, global_batch, replicas, workers)
     rt = config.runtime
     acc = rt.gradient_accumulation_steps
-    items.append(PlanItem("runtime.gradient_accumulation_steps", acc, src("runtime.gradient_accumulation_steps")))
+    items.append(
+        PlanItem(
+            "runtime.gradient_accumulation_steps", acc, src("runtime.gradient_accumulation_steps")
+        )
+    )
     effective = global_batch * acc
-    items.append(PlanItem("batch.effective", effective, "derived",
-                          f"{global_batch} x {acc} micro-batches per optimizer update"))
-    for key in ("steps_per_execution", "jit_compile", "mixed_precision", "sync_batch_norm", "train_step_gradients"):
+    items.append(
+        PlanItem(
+            "batch.effective",
+            effective,
+            "derived",
+            f"{global_batch} x {acc} micro-batches per optimizer update",
+        )
+    )
+    for key in (
+        "steps_per_execution",
+        "jit_compile",
+        "mixed_precision",
+        "sync_batch_norm",
+        "train_step_gradients",
+    ):
         given = src(f"runtime.{key}") != "default"
-        note = "" if given or key in ("mixed_precision", "sync_batch_norm", "train_step_gradients") else \
-            "default: your model.compile value is kept"
+        note = (
+            ""
+            if given or key in ("mixed_precision", "sync_batch_norm", "train_step_gradients")
+            else "default: your model.compile value is kept"
+        )
         items.append(PlanItem(f"runtime.{key}", getattr(rt, key), src(f"runtime.{key}"), note))
     lr = config.learning_rate
     base_batch = lr.base_batch_size or per_replica
-    scaled = scaling.scale_learning_rate(lr.base, global_batch_size=effective, base_batch_size=base_batch,
-                                         rule=lr.scaling)
+    scaled = scaling.scale_learning_rate(
+        lr.base, global_batch_size=effective, base_batch_size=base_batch, rule=lr.scaling
+    )
     items += [
         PlanItem("learning_rate.base", lr.base, src("learning_rate.base")),
         # null (in the file or by default) means "the per-replica batch": the number shown is derived
-        PlanItem("learning_rate.base_batch_size", base_batch,
-                 src("learning_rate.base_batch_size") if lr.base_batch_size else "derived",
-                 "" if lr.base_batch_size else "null = the per-replica batch"),
+        PlanItem(
+            "learning_rate.base_batch_size",
+            base_batch,
+            src("learning_rate.base_batch_size") if lr.base_batch_size else "derived",
+            "" if lr.base_batch_size else "null = the per-replica batch",
+        ),
         PlanItem("learning_rate.scaling", lr.scaling, src("learning_rate.scaling")),
-        PlanItem("learning_rate.scaled", scaled, "derived", scaling.lr_formula(lr.scaling, lr.base, effective, base_batch)),
+        PlanItem(
+            "learning_rate.scaled",
+            scaled,
+            "derived",
+            scaling.lr_formula(lr.scaling, lr.base, effective, base_batch),
+        ),
     ]
     if lr.warmup_epochs:
-        items.append(PlanItem("learning_rate.warmup_epochs", lr.warmup_epochs, src("learning_rate.warmup_epochs"),
-                              "steps = ceil(epochs x steps per epoch), known at fit"))
+        items.append(
+            PlanItem(
+                "learning_rate.warmup_epochs",
+                lr.warmup_epochs,
+                src("learning_rate.warmup_epochs"),
+                "steps = ceil(epochs x steps per epoch), known at fit",
+            )
+        )
     else:
-        items.append(PlanItem("learning_rate.warmup_steps", lr.warmup_steps, src("learning_rate.warmup_steps"),
-                              "" if lr.warmup_steps else "no warmup"))
+        items.append(
+            PlanItem(
+                "learning_rate.warmup_steps",
+                lr.warmup_steps,
+                src("learning_rate.warmup_steps"),
+                "" if lr.warmup_steps else "no warmup",
+            )
+        )
     items += _stack_items(env)
     m = config.mlflow
     items.append(PlanItem("mlflow.enabled", m.enabled, src("mlflow.enabled")))
@@ -161,12 +224,25 @@ def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Pl
         # load_config applied flag > env > file; only the default is left to fill in.
         uri, _ = tracking.resolve_tracking_uri(m.tracking_uri)
         uri_source = src("mlflow.tracking_uri") if m.tracking_uri else "default"
-        items.append(PlanItem("mlflow.tracking_uri", tracking.redact_uri(uri), uri_source,
-                              "flag > $MLFLOW_TRACKING_URI > file > default"))
+        items.append(
+            PlanItem(
+                "mlflow.tracking_uri",
+                tracking.redact_uri(uri),
+                uri_source,
+                "flag > $MLFLOW_TRACKING_URI > file > default",
+            )
+        )
         items.append(PlanItem("mlflow.experiment", m.experiment, src("mlflow.experiment")))
-        items.append(PlanItem("mlflow.job_id", m.job_id, src("mlflow.job_id"),
-                              "runs with this job id share one MLflow run" if m.job_id else
-                              "a new run; a relaunch that restores a backup continues its run"))
+        items.append(
+            PlanItem(
+                "mlflow.job_id",
+                m.job_id,
+                src("mlflow.job_id"),
+                "runs with this job id share one MLflow run"
+                if m.job_id
+                else "a new run; a relaunch that restores a backup continues its run",
+            )
+        )
     return Plan(config.source, items)
 
 
@@ -180,9 +256,15 @@ def _stack_items(env: Mapping[str, str]) -> list[PlanItem]:
         note += "; keras-sync needs tensorflow: keras_sync.load() refuses this"
     dists = stack.tensorflow_distributions()
     return [
-        PlanItem("keras.backend", backend, "env" if source == "$KERAS_BACKEND" else "detected", note),
-        PlanItem("tensorflow", stack.describe_tensorflow(dists), "detected",
-                 "the one distribution of the tensorflow package" if len(dists) == 1 else ""),
+        PlanItem(
+            "keras.backend", backend, "env" if source == "$KERAS_BACKEND" else "detected", note
+        ),
+        PlanItem(
+            "tensorflow",
+            stack.describe_tensorflow(dists),
+            "detected",
+            "the one distribution of the tensorflow package" if len(dists) == 1 else "",
+        ),
     ]
 
 
@@ -196,23 +278,43 @@ def _input_items(config: Config, global_batch: int, replicas: int, workers: int)
     items = [
         PlanItem("batch.shard_policy", policy, config.source_of("batch.shard_policy")),
         PlanItem("input.arrays", f"shard {arrays.policy}", "derived", arrays.reason),
-        PlanItem("input.datasets", f"own policy, else {datasets.policy}", "derived",
-                 f"a tf.data.Dataset whose options set a policy keeps it (Ray Data: off); else {datasets.reason}"),
-        PlanItem("input.batched_datasets", f"rebatched to {global_batch}", "derived",
-                 "a dataset given to fit with another or an unknown batch is rebatched to the global batch"),
+        PlanItem(
+            "input.datasets",
+            f"own policy, else {datasets.policy}",
+            "derived",
+            f"a tf.data.Dataset whose options set a policy keeps it (Ray Data: off); else {datasets.reason}",
+        ),
+        PlanItem(
+            "input.batched_datasets",
+            f"rebatched to {global_batch}",
+            "derived",
+            "a dataset given to fit with another or an unknown batch is rebatched to the global batch",
+        ),
     ]
     if workers > 1:
-        items.append(PlanItem("batch.per_worker", global_batch // workers, "derived",
-                              batch_layout(global_batch, replicas, workers)))
+        items.append(
+            PlanItem(
+                "batch.per_worker",
+                global_batch // workers,
+                "derived",
+                batch_layout(global_batch, replicas, workers),
+            )
+        )
     return items
 
 
 def config_summary(config: Config) -> str:
     """One line on a valid config, for `keras-sync validate` (no detection, no TensorFlow)."""
     b, lr, m = config.batch, config.learning_rate, config.mlflow
-    batch = f"global batch {b.global_}" if b.global_ is not None else f"per-replica batch {b.per_replica}"
+    batch = (
+        f"global batch {b.global_}"
+        if b.global_ is not None
+        else f"per-replica batch {b.per_replica}"
+    )
     target = "mlflow off"
     if m.enabled:
         target = f"mlflow experiment {m.experiment!r}"
-    return (f"{config.source}: OK (strategy {config.strategy.kind}, {batch}, "
-            f"learning rate {lr.base:g} scaled {lr.scaling}, {target})")
+    return (
+        f"{config.source}: OK (strategy {config.strategy.kind}, {batch}, "
+        f"learning rate {lr.base:g} scaled {lr.scaling}, {target})"
+    )

@@ -29,15 +29,24 @@ def render_config(kind: str = "auto", per_replica_batch: int = 32) -> str:
     True
     """
     if kind not in STRATEGY_KINDS:
-        raise UsageError(f"Invalid value for argument `kind`. Received: kind={kind!r}. "
-                         f"Expected one of {', '.join(STRATEGY_KINDS)}.")
-    if isinstance(per_replica_batch, bool) or not isinstance(per_replica_batch, int) or per_replica_batch < 1:
-        raise UsageError(f"Invalid value for argument `per_replica_batch`. Received: "
-                         f"per_replica_batch={per_replica_batch!r}. Expected an integer >= 1.")
+        raise UsageError(
+            f"Invalid value for argument `kind`. Received: kind={kind!r}. "
+            f"Expected one of {', '.join(STRATEGY_KINDS)}."
+        )
+    if (
+        isinstance(per_replica_batch, bool)
+        or not isinstance(per_replica_batch, int)
+        or per_replica_batch < 1
+    ):
+        raise UsageError(
+            f"Invalid value for argument `per_replica_batch`. Received: "
+            f"per_replica_batch={per_replica_batch!r}. Expected an integer >= 1."
+        )
     # Plain replacement, not string.Template: the comments mention $MLFLOW_TRACKING_URI and friends.
     text = _template(DEFAULT_CONFIG_FILE)
     return text.replace("${strategy}", _template(f"strategy_{kind}.yaml").rstrip("\n")).replace(
-        "${per_replica}", str(per_replica_batch))
+        "${per_replica}", str(per_replica_batch)
+    )
 
 
 def render_train_script() -> str:
@@ -54,14 +63,23 @@ def cpu_replicas_hint(kind: str, config_path: str | Path, *, gpus: int) -> str |
     True
     """
     spec = KINDS[kind]
-    if gpus or not spec.simulated_cpus or spec.layout != LAYOUT_LOCAL:  # one_device keeps one replica anyway
+    if (
+        gpus or not spec.simulated_cpus or spec.layout != LAYOUT_LOCAL
+    ):  # one_device keeps one replica anyway
         return None
-    return (f"no GPU here, so 1 replica per process; for 2 on the CPU, set strategy.simulated_cpu_replicas: 2 "
-            f"in {config_path}")
+    return (
+        f"no GPU here, so 1 replica per process; for 2 on the CPU, set strategy.simulated_cpu_replicas: 2 "
+        f"in {config_path}"
+    )
 
 
-def init_project(directory: str | Path = ".", *, kind: str = "auto", per_replica_batch: int = 32,
-                 force: bool = False) -> list[Path]:
+def init_project(
+    directory: str | Path = ".",
+    *,
+    kind: str = "auto",
+    per_replica_batch: int = 32,
+    force: bool = False,
+) -> list[Path]:
     """Write ``keras_sync.yaml`` and ``train.py`` into `directory` (created if needed); return their paths.
 
     Raises:
@@ -69,22 +87,30 @@ def init_project(directory: str | Path = ".", *, kind: str = "auto", per_replica
         KerasSyncError: the directory cannot be created or written.
     """
     root = Path(directory)
-    contents = {root / DEFAULT_CONFIG_FILE: render_config(kind, per_replica_batch),
-                root / TRAIN_SCRIPT: render_train_script()}
+    contents = {
+        root / DEFAULT_CONFIG_FILE: render_config(kind, per_replica_batch),
+        root / TRAIN_SCRIPT: render_train_script(),
+    }
     if root.exists() and not root.is_dir():
-        raise UsageError(f"Invalid value for argument `directory`. Received: {str(root)!r}, which is a file. "
-                         "Expected a directory (it is created if missing).")
+        raise UsageError(
+            f"Invalid value for argument `directory`. Received: {str(root)!r}, which is a file. "
+            "Expected a directory (it is created if missing)."
+        )
     existing = [p for p in contents if p.exists()]
     if existing and not force:
         names = " and ".join(str(p) for p in existing)
         exist = "it exists" if len(existing) == 1 else "they exist"
-        raise UsageError(f"Refusing to overwrite {names}: {exist}, so nothing was written. "
-                         "Pass --force to overwrite, or choose another directory.")
+        raise UsageError(
+            f"Refusing to overwrite {names}: {exist}, so nothing was written. "
+            "Pass --force to overwrite, or choose another directory."
+        )
     try:
         root.mkdir(parents=True, exist_ok=True)
         for path, text in contents.items():
             path.write_text(text, encoding="utf-8")
     except OSError as exc:
-        raise UsageError(f"Cannot write into {str(root)!r}: {exc.strerror or exc}. "
-                         "Expected a writable directory; choose another one.") from None
+        raise UsageError(
+            f"Cannot write into {str(root)!r}: {exc.strerror or exc}. "
+            "Expected a writable directory; choose another one."
+        ) from None
     return list(contents)

@@ -19,7 +19,9 @@ class _Progress:
         self._tty = sys.stdout.isatty()
 
     def __call__(self, sent: int, total: int, failures: str) -> None:
-        line = f"{self.path}: {sent} of {total} metric point(s) sent" + (f"; {failures} (each retried)" if failures else "")
+        line = f"{self.path}: {sent} of {total} metric point(s) sent" + (
+            f"; {failures} (each retried)" if failures else ""
+        )
         now = time.monotonic()
         if line == self._said or (not self._tty and now - self._last < _EVERY_S):
             return
@@ -33,11 +35,20 @@ class _Progress:
 
 @click.command("sync-spool")
 @click.argument("path", type=click.Path(path_type=str))
-@click.option("--tracking-uri", help="Where to send them (default: the URI recorded in the spool, "
-              "which is kept without credentials).")
-@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0), default=600.0, show_default=True,
-              help="Seconds to retry requests that fail (no answer, HTTP 5xx) before giving up; what is left "
-                   "stays in the spool. 0: try each request once.")
+@click.option(
+    "--tracking-uri",
+    help="Where to send them (default: the URI recorded in the spool, "
+    "which is kept without credentials).",
+)
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(min=0),
+    default=600.0,
+    show_default=True,
+    help="Seconds to retry requests that fail (no answer, HTTP 5xx) before giving up; what is left "
+    "stays in the spool. 0: try each request once.",
+)
 def command(path: str, tracking_uri: str | None, timeout_s: float) -> None:
     """Deliver the spool directory PATH to MLflow; safe to run again (nothing is sent twice).
 

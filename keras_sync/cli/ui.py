@@ -20,8 +20,16 @@ _STOP_TIMEOUT_S = 10.0
 
 @click.command("ui")
 @click.argument("config", required=False, type=click.Path(path_type=str))
-@click.option("--tracking-uri", help="The store to show; wins over $MLFLOW_TRACKING_URI and the config.")
-@click.option("--port", type=click.IntRange(1, 65535), default=5000, show_default=True, help="Port on 127.0.0.1.")
+@click.option(
+    "--tracking-uri", help="The store to show; wins over $MLFLOW_TRACKING_URI and the config."
+)
+@click.option(
+    "--port",
+    type=click.IntRange(1, 65535),
+    default=5000,
+    show_default=True,
+    help="Port on 127.0.0.1.",
+)
 @click.option("--no-browser", is_flag=True, help="Do not open a browser.")
 def command(config: str | None, tracking_uri: str | None, port: int, no_browser: bool) -> None:
     """Serve the MLflow UI for CONFIG's tracking store on 127.0.0.1 until Ctrl-C.
@@ -36,7 +44,9 @@ def command(config: str | None, tracking_uri: str | None, port: int, no_browser:
     from keras_sync.tracking import redact_uri, resolve_tracking_uri
     from keras_sync.tracking.records import is_remote
 
-    cfg = load_config(config, overrides={"mlflow.tracking_uri": tracking_uri} if tracking_uri else None)
+    cfg = load_config(
+        config, overrides={"mlflow.tracking_uri": tracking_uri} if tracking_uri else None
+    )
     uri, source = resolve_tracking_uri(cfg.mlflow.tracking_uri)
     if is_remote(uri):
         click.echo(f"The config points at a tracking server already: open {redact_uri(uri)}")
@@ -50,9 +60,11 @@ def command(config: str | None, tracking_uri: str | None, port: int, no_browser:
         store, uri = beside, f"sqlite:///{beside}" if uri.startswith("sqlite:") else str(beside)
     if store is not None and not store.exists():
         # mlflow server would create an empty store here and show nothing: say where we looked
-        raise UserError(f"No MLflow store at {store} ({redact_uri(uri)}): nothing has been logged there yet. "
-                        f"Expected the store of a training run: run keras-sync ui in the directory you trained "
-                        f"in, pass that run's config, or set MLFLOW_TRACKING_URI to its store.")
+        raise UserError(
+            f"No MLflow store at {store} ({redact_uri(uri)}): nothing has been logged there yet. "
+            f"Expected the store of a training run: run keras-sync ui in the directory you trained "
+            f"in, pass that run's config, or set MLFLOW_TRACKING_URI to its store."
+        )
     _check_port_free(port)
     url = f"http://127.0.0.1:{port}"
     log = _server_log(port)
@@ -69,7 +81,9 @@ def command(config: str | None, tracking_uri: str | None, port: int, no_browser:
 
             webbrowser.open(url)
         code = server.wait()
-        raise UserError(f"mlflow server exited with code {code}: {_last_line(log)} (all of its output: {log})")
+        raise UserError(
+            f"mlflow server exited with code {code}: {_last_line(log)} (all of its output: {log})"
+        )
     except KeyboardInterrupt:
         _stop(server)
         click.echo("MLflow UI stopped.")
@@ -80,7 +94,11 @@ def _local_store(uri: str) -> Path | None:
     from urllib.parse import unquote, urlparse
 
     if uri.startswith("sqlite:///"):
-        return Path(unquote(uri[len("sqlite:///"):].split("?")[0])) if uri != "sqlite:///:memory:" else None
+        return (
+            Path(unquote(uri[len("sqlite:///") :].split("?")[0]))
+            if uri != "sqlite:///:memory:"
+            else None
+        )
     parsed = urlparse(uri)
     if parsed.scheme == "file":
         return Path(unquote(parsed.path))
@@ -112,8 +130,10 @@ def _check_port_free(port: int) -> None:
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:
-            raise UserError(f"Invalid value for --port. Received: {port}, which is in use on 127.0.0.1. "
-                            "Expected a free port; pass another, e.g. --port 5001.") from None
+            raise UserError(
+                f"Invalid value for --port. Received: {port}, which is in use on 127.0.0.1. "
+                "Expected a free port; pass another, e.g. --port 5001."
+            ) from None
 
 
 def _server_log(port: int) -> Path:
@@ -127,7 +147,11 @@ def _server_log(port: int) -> Path:
 
 def _last_line(log: Path) -> str:
     try:
-        lines = [ln.strip() for ln in log.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
+        lines = [
+            ln.strip()
+            for ln in log.read_text(encoding="utf-8", errors="replace").splitlines()
+            if ln.strip()
+        ]
     except OSError:
         return "no output"
     return lines[-1] if lines else "no output"
@@ -136,12 +160,30 @@ def _last_line(log: Path) -> str:
 def _start_server(uri: str, port: int, log: Path) -> subprocess.Popen[bytes]:
     # One worker and no job runner: ready in ~6 s instead of ~12 s (FACTS.md).
     env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
-    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri,
-           "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--backend-store-uri",
+        uri,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+    ]
     # Its own process group, so stopping it also stops the web workers it forks.
     with open(log, "ab") as out:
-        return subprocess.Popen(cmd, env=env, start_new_session=True, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            cmd,
+            env=env,
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def _wait_ready(url: str, server: subprocess.Popen[bytes]) -> bool:

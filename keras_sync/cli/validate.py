@@ -15,11 +15,13 @@ def command(config: str | None) -> None:
     Prints a one-line summary, or every problem as FILE:LINE: key.path: message and
     exits with code 2. Loads no TensorFlow.
     """
-    from keras_sync.config import CONFIG_ENV, DEFAULT_CONFIG_FILE, load_config
     from keras_sync.cli.run_plan import config_summary
+    from keras_sync.config import CONFIG_ENV, DEFAULT_CONFIG_FILE, load_config
 
     cfg = load_config(config)
     if cfg.source == "<defaults>":
-        raise UserError(f"no config file: ./{DEFAULT_CONFIG_FILE} does not exist and ${CONFIG_ENV} is unset; "
-                        "pass a path, or create one with 'keras-sync init'")
+        raise UserError(
+            f"no config file: ./{DEFAULT_CONFIG_FILE} does not exist and ${CONFIG_ENV} is unset; "
+            "pass a path, or create one with 'keras-sync init'"
+        )
     click.echo(config_summary(cfg))

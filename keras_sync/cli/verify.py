@@ -18,23 +18,59 @@ from keras_sync.errors import KerasSyncError
 SAME_EXIT, DIFFERENT_EXIT = 0, 1
 
 
-@click.command("verify", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False,
-                                           "help_option_names": ["-h", "--help"]})
-@click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True,
-              help="Optimizer steps to train and compare.")
-@click.option("--workers", "-n", type=click.IntRange(min=2), default=None,
-              help="Run the distributed half as N local workers, started as `keras-sync launch -n N` starts them "
-                   "(default: one process, as the config says).")
-@click.option("--config", type=click.Path(path_type=str), help="keras-sync YAML file (sets $KERAS_SYNC_CONFIG).")
-@click.option("--compare", "recording", type=click.Path(path_type=str), metavar="FOLDER",
-              help="Do not run the distributed half: compare FOLDER, recorded under your own launcher with "
-                   "KERAS_SYNC_VERIFY_RECORD=FOLDER, with the one-device reference run here.")
-@click.option("--keep", type=click.Path(path_type=str), metavar="FOLDER",
-              help="Keep both recordings, the runs' output and the picture in FOLDER (default: a temporary folder).")
+@click.command(
+    "verify",
+    context_settings={
+        "ignore_unknown_options": True,
+        "allow_interspersed_args": False,
+        "help_option_names": ["-h", "--help"],
+    },
+)
+@click.option(
+    "--steps",
+    type=click.IntRange(min=1),
+    default=20,
+    show_default=True,
+    help="Optimizer steps to train and compare.",
+)
+@click.option(
+    "--workers",
+    "-n",
+    type=click.IntRange(min=2),
+    default=None,
+    help="Run the distributed half as N local workers, started as `keras-sync launch -n N` starts them "
+    "(default: one process, as the config says).",
+)
+@click.option(
+    "--config",
+    type=click.Path(path_type=str),
+    help="keras-sync YAML file (sets $KERAS_SYNC_CONFIG).",
+)
+@click.option(
+    "--compare",
+    "recording",
+    type=click.Path(path_type=str),
+    metavar="FOLDER",
+    help="Do not run the distributed half: compare FOLDER, recorded under your own launcher with "
+    "KERAS_SYNC_VERIFY_RECORD=FOLDER, with the one-device reference run here.",
+)
+@click.option(
+    "--keep",
+    type=click.Path(path_type=str),
+    metavar="FOLDER",
+    help="Keep both recordings, the runs' output and the picture in FOLDER (default: a temporary folder).",
+)
 @click.argument("script", type=click.Path(path_type=str))
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def command(steps: int, workers: int | None, config: str | None, recording: str | None, keep: str | None,
-            script: str, args: tuple[str, ...]) -> None:
+def command(
+    steps: int,
+    workers: int | None,
+    config: str | None,
+    recording: str | None,
+    keep: str | None,
+    script: str,
+    args: tuple[str, ...],
+) -> None:
     """Check that distributed training equals one device: run SCRIPT [ARGS...] for a few steps both ways and compare.
 
     \b
@@ -58,10 +94,14 @@ def command(steps: int, workers: int | None, config: str | None, recording: str 
     from keras_sync.measures.verify_compare import verdict as compare
 
     if not Path(script).is_file():
-        raise UserError(f"verify: no such script: {script}. Expected the training script to check (a Python file).")
+        raise UserError(
+            f"verify: no such script: {script}. Expected the training script to check (a Python file)."
+        )
     if recording is not None and workers is not None:
-        raise UserError("verify: --compare FOLDER takes the recording as it is; -n/--workers applies only to a run "
-                        "verify starts. Remove one of them.")
+        raise UserError(
+            "verify: --compare FOLDER takes the recording as it is; -n/--workers applies only to a run "
+            "verify starts. Remove one of them."
+        )
     folder = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="keras-sync-verify-"))
     folder.mkdir(parents=True, exist_ok=True)
     try:
@@ -71,20 +111,41 @@ def command(steps: int, workers: int | None, config: str | None, recording: str 
         if recording is None:
             subject_dir = folder / "distributed"
             shutil.rmtree(subject_dir, ignore_errors=True)
-            head = [sys.executable, "-m", "keras_sync.launch", "-n", str(workers)] if workers else [sys.executable]
-            _run("distributed run", head + [script, *args], folder / "distributed.log",
-                 {**env, VERIFY_RECORD_ENV: str(subject_dir), VERIFY_STEPS_ENV: str(steps)})
+            head = (
+                [sys.executable, "-m", "keras_sync.launch", "-n", str(workers)]
+                if workers
+                else [sys.executable]
+            )
+            _run(
+                "distributed run",
+                head + [script, *args],
+                folder / "distributed.log",
+                {**env, VERIFY_RECORD_ENV: str(subject_dir), VERIFY_STEPS_ENV: str(steps)},
+            )
         else:
             subject_dir = Path(recording)
         subject = report.load_recording(subject_dir, f"the distributed run ({subject_dir})")
         reference_dir = folder / "one_device"
         shutil.rmtree(reference_dir, ignore_errors=True)
-        _run("one-device reference", [sys.executable, script, *args], folder / "one_device.log",
-             {**env, VERIFY_RECORD_ENV: str(reference_dir), VERIFY_STEPS_ENV: str(len(subject["steps"])),
-              VERIFY_REPLAY_ENV: str(subject_dir.resolve())})
+        _run(
+            "one-device reference",
+            [sys.executable, script, *args],
+            folder / "one_device.log",
+            {
+                **env,
+                VERIFY_RECORD_ENV: str(reference_dir),
+                VERIFY_STEPS_ENV: str(len(subject["steps"])),
+                VERIFY_REPLAY_ENV: str(subject_dir.resolve()),
+            },
+        )
         reference = report.load_recording(reference_dir, "the one-device reference")
-        result = compare(subject["steps"], reference["steps"], report.layer_differences(subject_dir, reference_dir),
-                         subject["facts"], subject["replicas"])
+        result = compare(
+            subject["steps"],
+            reference["steps"],
+            report.layer_differences(subject_dir, reference_dir),
+            subject["facts"],
+            subject["replicas"],
+        )
         for line in report.table(result, subject, reference):
             click.echo(line)
         if subject["mlflow"].get("enabled"):
@@ -105,7 +166,9 @@ def _run(what: str, argv: list[str], log: Path, env: dict[str, str]) -> None:
     """Run one half with its output in ``log``; a failure is a one-line error with the log's last lines."""
     click.echo(f"verify: {what}: {' '.join(argv[1:])}", err=True)
     with log.open("w") as out:
-        code = subprocess.call(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        code = subprocess.call(
+            argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
     if code != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
         raise UserError(f"verify: the {what} failed (exit {code}); its last lines:\n{tail}")

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from keras_sync.errors import UsageError
 from keras_sync.measures.verify_compare import Verdict
@@ -22,22 +23,31 @@ def load_recording(folder: str | os.PathLike[str], what: str) -> dict[str, Any]:
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise UsageError(f"verify: {what} wrote no recording ({path}: {getattr(exc, 'strerror', None) or exc}). "
-                         "Expected a script that calls sync.fit (keras-sync's three lines) under "
-                         "$KERAS_SYNC_VERIFY_RECORD.") from None
+        raise UsageError(
+            f"verify: {what} wrote no recording ({path}: {getattr(exc, 'strerror', None) or exc}). "
+            "Expected a script that calls sync.fit (keras-sync's three lines) under "
+            "$KERAS_SYNC_VERIFY_RECORD."
+        ) from None
     if not record.get("steps"):
-        raise UsageError(f"verify: {what} recorded no optimizer step ({path}); expected sync.fit to train at least one")
+        raise UsageError(
+            f"verify: {what} recorded no optimizer step ({path}); expected sync.fit to train at least one"
+        )
     return record
 
 
-def layer_differences(subject_dir: str | os.PathLike[str], reference_dir: str | os.PathLike[str]) -> dict[str, tuple[float, float]]:
+def layer_differences(
+    subject_dir: str | os.PathLike[str], reference_dir: str | os.PathLike[str]
+) -> dict[str, tuple[float, float]]:
     """Each layer's largest |final weight difference| and largest |weight| (weights grouped by their layer path)."""
     import numpy as np
 
     from keras_sync.training.verify_record import FINAL_FILE
 
     out: dict[str, tuple[float, float]] = {}
-    with np.load(Path(subject_dir) / FINAL_FILE) as a, np.load(Path(reference_dir) / FINAL_FILE) as b:
+    with (
+        np.load(Path(subject_dir) / FINAL_FILE) as a,
+        np.load(Path(reference_dir) / FINAL_FILE) as b,
+    ):
         for key in sorted(set(a.files) & set(b.files)):
             x, y = a[key].astype(np.float64), b[key].astype(np.float64)
             if x.shape != y.shape:
@@ -74,19 +84,31 @@ def table(verdict: Verdict, subject: Mapping[str, Any], reference: Mapping[str, 
     from keras_sync.training.verify_record import depends_on_batch
 
     lines = []
-    micro = reference["facts"].get("accumulation", 1) // max(1, subject["facts"].get("accumulation", 1))
-    how = (f"{micro} micro-batches of {reference['global_batch']} accumulated (one replica's memory)" if micro > 1
-           else f"the full global batch of {subject['global_batch']}"
-           + (f" ({' and '.join(depends_on_batch(subject['facts']))} depend(s) on the batch)"
-              if depends_on_batch(subject["facts"]) else ""))
+    micro = reference["facts"].get("accumulation", 1) // max(
+        1, subject["facts"].get("accumulation", 1)
+    )
+    how = (
+        f"{micro} micro-batches of {reference['global_batch']} accumulated (one replica's memory)"
+        if micro > 1
+        else f"the full global batch of {subject['global_batch']}"
+        + (
+            f" ({' and '.join(depends_on_batch(subject['facts']))} depend(s) on the batch)"
+            if depends_on_batch(subject["facts"])
+            else ""
+        )
+    )
     lines.append(f"distributed: {describe(subject)}; reference: one device, {how}")
     if subject.get("peak_rss_mb") and reference.get("peak_rss_mb"):
         per = "the chief's process" if subject.get("workers", 1) > 1 else "one process"
-        lines.append(f"peak memory: distributed {subject['peak_rss_mb']:.0f} MB ({per}), one device "
-                     f"{reference['peak_rss_mb']:.0f} MB")
+        lines.append(
+            f"peak memory: distributed {subject['peak_rss_mb']:.0f} MB ({per}), one device "
+            f"{reference['peak_rss_mb']:.0f} MB"
+        )
     lines.append(determinism(subject.get("input")))
-    lines.append(f"tolerance: {verdict.tolerance:.1e} relative ({subject['facts'].get('precision', 'float32')} "
-                 f"rounding over {verdict.steps} steps)")
+    lines.append(
+        f"tolerance: {verdict.tolerance:.1e} relative ({subject['facts'].get('precision', 'float32')} "
+        f"rounding over {verdict.steps} steps)"
+    )
     if verdict.partings:
         lines.append(f"{'step':>5}  {'quantity':<9} {'distributed':>13} {'one device':>13}")
         for p in verdict.partings[:ROWS]:
@@ -94,7 +116,9 @@ def table(verdict: Verdict, subject: Mapping[str, Any], reference: Mapping[str, 
         if len(verdict.partings) > ROWS:
             lines.append(f"       ... {len(verdict.partings) - ROWS} more")
     else:
-        lines.append(f"every step alike: loss, update norm, learning rate, examples ({verdict.steps} steps)")
+        lines.append(
+            f"every step alike: loss, update norm, learning rate, examples ({verdict.steps} steps)"
+        )
     lines.append(f"{'layer':<28} {'max |weight diff|':>18}")
     for name, diff in verdict.layers[:ROWS]:
         lines.append(f"{name[:28]:<28} {diff:>18.3g}")
@@ -110,7 +134,12 @@ def last_line(verdict: Verdict) -> str:
     return f"verify: different from one device: {verdict.cause} ({figures})"
 
 
-def draw(path: str | os.PathLike[str], verdict: Verdict, subject: Mapping[str, Any], reference: Mapping[str, Any]) -> None:
+def draw(
+    path: str | os.PathLike[str],
+    verdict: Verdict,
+    subject: Mapping[str, Any],
+    reference: Mapping[str, Any],
+) -> None:
     """The picture: both loss curves, and each layer's largest weight difference."""
     import matplotlib
 
@@ -118,8 +147,10 @@ def draw(path: str | os.PathLike[str], verdict: Verdict, subject: Mapping[str, A
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for run, label, style in ((subject, f"distributed ({subject['replicas']} replicas)", "-"),
-                              (reference, "one device", "--")):
+    for run, label, style in (
+        (subject, f"distributed ({subject['replicas']} replicas)", "-"),
+        (reference, "one device", "--"),
+    ):
         left.plot([s["loss"] for s in run["steps"]], style, label=label)
     left.set(title="loss per optimizer step", xlabel="step", ylabel="loss")
     left.legend()
@@ -129,26 +160,47 @@ def draw(path: str | os.PathLike[str], verdict: Verdict, subject: Mapping[str, A
     right.axvline(verdict.tolerance, color="red", linestyle=":", label="tolerance")
     right.set(title="largest |weight difference| per layer", xscale="log")
     right.legend()
-    fig.suptitle("verify: same as one device" if verdict.same else
-                 f"verify: different from one device: {(verdict.cause or '').split(':')[0].split(' (')[0]}")
+    fig.suptitle(
+        "verify: same as one device"
+        if verdict.same
+        else f"verify: different from one device: {(verdict.cause or '').split(':')[0].split(' (')[0]}"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
-def save(folder: str | os.PathLike[str], verdict: Verdict, subject: Mapping[str, Any],
-         reference: Mapping[str, Any]) -> tuple[str, str]:
+def save(
+    folder: str | os.PathLike[str],
+    verdict: Verdict,
+    subject: Mapping[str, Any],
+    reference: Mapping[str, Any],
+) -> tuple[str, str]:
     """Write ``verify.png`` (the picture) and ``verify.json`` (the comparison) into ``folder``; their names."""
     draw(Path(folder) / "verify.png", verdict, subject, reference)
-    (Path(folder) / "verify.json").write_text(json.dumps(
-        {"same": verdict.same, "cause": verdict.cause, "tolerance": verdict.tolerance,
-         "partings": [p.__dict__ for p in verdict.partings], "layers": verdict.layers,
-         "table": table(verdict, subject, reference), "last_line": last_line(verdict)}, indent=1))
+    (Path(folder) / "verify.json").write_text(
+        json.dumps(
+            {
+                "same": verdict.same,
+                "cause": verdict.cause,
+                "tolerance": verdict.tolerance,
+                "partings": [p.__dict__ for p in verdict.partings],
+                "layers": verdict.layers,
+                "table": table(verdict, subject, reference),
+                "last_line": last_line(verdict),
+            },
+            indent=1,
+        )
+    )
     return "verify.png", "verify.json"
 
 
-def log_run(folder: str | os.PathLike[str], verdict: Verdict, subject: Mapping[str, Any],
-            reference: Mapping[str, Any]) -> str:
+def log_run(
+    folder: str | os.PathLike[str],
+    verdict: Verdict,
+    subject: Mapping[str, Any],
+    reference: Mapping[str, Any],
+) -> str:
     """Log the comparison to an MLflow run of its own (tag ``keras_sync.verify``); return its id."""
     from mlflow.entities import Metric, Param, RunTag
     from mlflow.tracking import MlflowClient
@@ -161,23 +213,38 @@ def log_run(folder: str | os.PathLike[str], verdict: Verdict, subject: Mapping[s
     ensure_sqlite_store(uri)
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name(settings["experiment"])
-    experiment_id = experiment.experiment_id if experiment else client.create_experiment(settings["experiment"])
-    run = client.create_run(experiment_id, run_name=f"verify {subject['kind']} x{subject['replicas']}",
-                            tags={"keras_sync.verify": "same" if verdict.same else "different",
-                                  "keras_sync.verify.cause": (verdict.cause or "")[:5000]})
+    experiment_id = (
+        experiment.experiment_id if experiment else client.create_experiment(settings["experiment"])
+    )
+    run = client.create_run(
+        experiment_id,
+        run_name=f"verify {subject['kind']} x{subject['replicas']}",
+        tags={
+            "keras_sync.verify": "same" if verdict.same else "different",
+            "keras_sync.verify.cause": (verdict.cause or "")[:5000],
+        },
+    )
     rid = run.info.run_id
     metrics = []
     for name, run_ in (("distributed", subject), ("one_device", reference)):
-        for i, s in enumerate(run_["steps"][:verdict.steps]):
+        for i, s in enumerate(run_["steps"][: verdict.steps]):
             for q in ("loss", "update", "lr", "examples"):
                 metrics.append(Metric(f"verify/{name}/{q}", float(s[q]), 0, i))
-    params = [Param("replicas", str(subject["replicas"])), Param("kind", subject["kind"]),
-              Param("global_batch", str(subject["global_batch"])), Param("steps", str(verdict.steps)),
-              Param("tolerance", f"{verdict.tolerance:.3g}")]
-    client.log_batch(rid, metrics=metrics[:1000], params=params,
-                     tags=[RunTag("keras_sync.verify.line", last_line(verdict)[:5000])])
+    params = [
+        Param("replicas", str(subject["replicas"])),
+        Param("kind", subject["kind"]),
+        Param("global_batch", str(subject["global_batch"])),
+        Param("steps", str(verdict.steps)),
+        Param("tolerance", f"{verdict.tolerance:.3g}"),
+    ]
+    client.log_batch(
+        rid,
+        metrics=metrics[:1000],
+        params=params,
+        tags=[RunTag("keras_sync.verify.line", last_line(verdict)[:5000])],
+    )
     for start in range(1000, len(metrics), 1000):
-        client.log_batch(rid, metrics=metrics[start:start + 1000])
+        client.log_batch(rid, metrics=metrics[start : start + 1000])
     for name in save(folder, verdict, subject, reference):
         client.log_artifact(rid, str(Path(folder) / name))
     client.set_terminated(rid, "FINISHED")

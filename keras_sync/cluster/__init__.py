@@ -15,9 +15,9 @@ import json
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 from keras_sync.errors import ClusterError
 
@@ -102,7 +102,9 @@ def strategy_role(strategy: Any) -> Role:
     resolver = getattr(strategy, "cluster_resolver", None)
     if resolver is None:
         return SINGLE
-    spec = resolver.cluster_spec().as_dict()  # {job: [addresses]} (or {job: {index: address}} when sparse)
+    spec = (
+        resolver.cluster_spec().as_dict()
+    )  # {job: [addresses]} (or {job: {index: address}} when sparse)
     return role(spec, resolver.task_type, resolver.task_id)
 
 
@@ -162,7 +164,11 @@ def _load_tf_config(raw: str) -> dict[str, Any]:
             "fix the quoting where TF_CONFIG is set (shell quotes, the job spec).",
         ) from None
     if not isinstance(data, dict):
-        raise _error("TF_CONFIG must be a JSON object", f"TF_CONFIG={raw!r}", 'Expected {"cluster": ..., "task": ...}.')
+        raise _error(
+            "TF_CONFIG must be a JSON object",
+            f"TF_CONFIG={raw!r}",
+            'Expected {"cluster": ..., "task": ...}.',
+        )
     return data
 
 
@@ -226,7 +232,9 @@ def parse_tf_config(raw: str | None, *, env: Mapping[str, str] | None = None) ->
     training = [a for job in TRAINING_JOBS for a in cluster.get(job, [])]
     if not training:
         raise _error(
-            "TF_CONFIG cluster has no `chief` or `worker` tasks", f"cluster={cluster!r}", "Add a worker list."
+            "TF_CONFIG cluster has no `chief` or `worker` tasks",
+            f"cluster={cluster!r}",
+            "Add a worker list.",
         )
 
     task = data.get("task")
@@ -246,7 +254,11 @@ def parse_tf_config(raw: str | None, *, env: Mapping[str, str] | None = None) ->
     if isinstance(task_id, str) and task_id.isdigit():
         task_id = int(task_id)  # TFConfigClusterResolver does int(index) too
     if isinstance(task_id, bool) or not isinstance(task_id, int) or task_id < 0:
-        raise _error("TF_CONFIG task.index must be an integer >= 0", f"task.index={task_id!r}", "Fix the task index.")
+        raise _error(
+            "TF_CONFIG task.index must be an integer >= 0",
+            f"task.index={task_id!r}",
+            "Fix the task index.",
+        )
     if task_type != "evaluator" or task_type in cluster:
         count = len(cluster.get(task_type, []))
         if task_id >= count:
@@ -289,7 +301,12 @@ def tf_config_cluster_resolver(env: Mapping[str, str] | None = None) -> Any:
 
 # ---------------------------------------------------------------- Slurm
 
-_SLURM_VARS = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE")
+_SLURM_VARS = (
+    "SLURM_PROCID",
+    "SLURM_STEP_NUM_TASKS",
+    "SLURM_STEP_NODELIST",
+    "SLURM_STEP_TASKS_PER_NODE",
+)
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
@@ -365,11 +382,16 @@ def slurm_port_base(env: Mapping[str, str] | None = None) -> int:
     job, step = env.get("SLURM_JOB_ID", ""), env.get("SLURM_STEP_ID", "0")
     if not job.isdigit():
         return _SLURM_PORT_BASE
-    key = int(job) * SLURM_AUTO_PORTS_PER_SLOT + (int(step) if step.isdigit() else 0) % SLURM_AUTO_PORTS_PER_SLOT
+    key = (
+        int(job) * SLURM_AUTO_PORTS_PER_SLOT
+        + (int(step) if step.isdigit() else 0) % SLURM_AUTO_PORTS_PER_SLOT
+    )
     return _SLURM_AUTO_FIRST_PORT + (key % _SLURM_AUTO_SLOTS) * SLURM_AUTO_PORTS_PER_SLOT
 
 
-def parse_slurm_env(env: Mapping[str, str] | None = None, *, port_base: int | None = None) -> ClusterInfo:
+def parse_slurm_env(
+    env: Mapping[str, str] | None = None, *, port_base: int | None = None
+) -> ClusterInfo:
     """Reads a Slurm job step (`srun`) the way `SlurmClusterResolver` does, without TensorFlow.
 
     Every task is a `worker`; task i listens on its node at `port_base + i-th task on
@@ -410,7 +432,9 @@ def parse_slurm_env(env: Mapping[str, str] | None = None, *, port_base: int | No
     return ClusterInfo("slurm", "worker", rank, num_tasks, rank == 0, addresses)
 
 
-def slurm_cluster_resolver(*, port_base: int | None = None, env: Mapping[str, str] | None = None) -> Any:
+def slurm_cluster_resolver(
+    *, port_base: int | None = None, env: Mapping[str, str] | None = None
+) -> Any:
     """A TensorFlow cluster resolver for the current Slurm job step.
 
     Uses `tf.distribute.cluster_resolver.SlurmClusterResolver`, which reads the
@@ -422,7 +446,9 @@ def slurm_cluster_resolver(*, port_base: int | None = None, env: Mapping[str, st
     """
     if port_base is None:
         port_base = slurm_port_base(env)
-    info = parse_slurm_env(env, port_base=port_base)  # clear errors before TensorFlow's RuntimeErrors
+    info = parse_slurm_env(
+        env, port_base=port_base
+    )  # clear errors before TensorFlow's RuntimeErrors
     import tensorflow as tf
 
     resolvers = tf.distribute.cluster_resolver
@@ -433,7 +459,11 @@ def slurm_cluster_resolver(*, port_base: int | None = None, env: Mapping[str, st
     )
     spec = slurm.cluster_spec()
     return resolvers.SimpleClusterResolver(
-        spec, task_type=slurm.task_type, task_id=slurm.task_id, num_accelerators={}, rpc_layer="grpc"
+        spec,
+        task_type=slurm.task_type,
+        task_id=slurm.task_id,
+        num_accelerators={},
+        rpc_layer="grpc",
     )
 
 
@@ -489,11 +519,19 @@ def parse_indexed_job(
             "Set strategy.indexed_job.workers to the Job's `completions` (and `parallelism`), the same number.",
         )
     index = int(raw)
-    return ClusterInfo("indexed_job", "worker", index, workers, index == 0, indexed_job_addresses(hosts, port, workers))
+    return ClusterInfo(
+        "indexed_job",
+        "worker",
+        index,
+        workers,
+        index == 0,
+        indexed_job_addresses(hosts, port, workers),
+    )
 
 
-def indexed_job_cluster_resolver(hosts: str | None, port: int, workers: int | None,
-                                 env: Mapping[str, str] | None = None) -> Any:
+def indexed_job_cluster_resolver(
+    hosts: str | None, port: int, workers: int | None, env: Mapping[str, str] | None = None
+) -> Any:
     """A TensorFlow `SimpleClusterResolver` for this pod of an Indexed Job (see `parse_indexed_job`)."""
     info = parse_indexed_job(hosts, port, workers, env)
     import tensorflow as tf
@@ -540,7 +578,9 @@ def _slurm_resolver(cfg: Any) -> Any:
 
 
 def _indexed_job_resolver(cfg: Any) -> Any:
-    return indexed_job_cluster_resolver(cfg.indexed_job.hosts, cfg.indexed_job.port, cfg.indexed_job.workers)
+    return indexed_job_cluster_resolver(
+        cfg.indexed_job.hosts, cfg.indexed_job.port, cfg.indexed_job.workers
+    )
 
 
 @dataclass(frozen=True)
@@ -566,9 +606,13 @@ CLUSTER_SOURCES: dict[str, ClusterSource] = {
 }
 
 
-def read_cluster(strategy_config: Any, env: Mapping[str, str] | None = None) -> tuple[ClusterInfo, str]:
+def read_cluster(
+    strategy_config: Any, env: Mapping[str, str] | None = None
+) -> tuple[ClusterInfo, str]:
     """This process's place in the cluster `strategy.cluster` names, and where that came from. No TensorFlow."""
-    return CLUSTER_SOURCES[strategy_config.cluster].read(strategy_config, os.environ if env is None else env)
+    return CLUSTER_SOURCES[strategy_config.cluster].read(
+        strategy_config, os.environ if env is None else env
+    )
 
 
 def cluster_resolver(strategy_config: Any) -> Any:
@@ -605,7 +649,9 @@ def _tf_context_cluster() -> tuple[Any, ...] | None:
     from tensorflow.python.eager import context
 
     ctx = context.context_safe()
-    server_def = ctx and (getattr(ctx, "_collective_ops_server_def", None) or getattr(ctx, "_server_def", None))
+    server_def = ctx and (
+        getattr(ctx, "_collective_ops_server_def", None) or getattr(ctx, "_server_def", None)
+    )
     if not server_def:
         return None
     cluster = {j.name: [j.tasks[i] for i in sorted(j.tasks)] for j in server_def.cluster.job}

@@ -28,7 +28,8 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from keras_sync.cluster import TRAINING_JOBS
 from keras_sync.errors import UsageError
@@ -39,7 +40,13 @@ _WRAPPED_MARK = "_keras_sync_meets_peers"
 EXIT = "exit"
 
 _lock = threading.Lock()
-_state: dict[str, Any] = {"count": 0, "returned": 0, "failed": False, "strategy": None, "timeout_s": 300.0}
+_state: dict[str, Any] = {
+    "count": 0,
+    "returned": 0,
+    "failed": False,
+    "strategy": None,
+    "timeout_s": 300.0,
+}
 _local = threading.local()
 
 
@@ -55,8 +62,13 @@ def _said(call: str) -> str:
     return "reached the end of its script" if call == EXIT else f"called {call}"
 
 
-def meet(strategy: Any, call: str, timeout_s: float | None = None, *,
-         on_wait: Callable[[str], None] | None = None) -> None:
+def meet(
+    strategy: Any,
+    call: str,
+    timeout_s: float | None = None,
+    *,
+    on_wait: Callable[[str], None] | None = None,
+) -> None:
     """Wait until every worker has reached call number N with the same ``call`` name.
 
     ``on_wait(peer)`` is called once if a peer has not posted within the first poll (`_POLL_MS`).
@@ -84,9 +96,11 @@ def meet(strategy: Any, call: str, timeout_s: float | None = None, *,
     )
     try:
         ctx.set_config_key_value(_KEY.format(n=n, task=me), call)
-    except tf.errors.OpError as e:  # the coordination service's worker (the chief) has exited
-        raise UsageError(f"{_name(me)} {_said(call)}, but the job's coordination service is gone: the worker "
-                         f"that hosts it has left the job. {fix}") from None
+    except tf.errors.OpError:  # the coordination service's worker (the chief) has exited
+        raise UsageError(
+            f"{_name(me)} {_said(call)}, but the job's coordination service is gone: the worker "
+            f"that hosts it has left the job. {fix}"
+        ) from None
     probe = _Liveness(ctx)
     for peer in tasks:
         if peer == me:
@@ -94,7 +108,9 @@ def meet(strategy: Any, call: str, timeout_s: float | None = None, *,
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)
             try:
-                got = ctx.get_config_key_value(_KEY.format(n=n, task=peer), max(1, min(left_ms, _POLL_MS)))
+                got = ctx.get_config_key_value(
+                    _KEY.format(n=n, task=peer), max(1, min(left_ms, _POLL_MS))
+                )
                 break
             except tf.errors.DeadlineExceededError:
                 if on_wait is not None:
@@ -106,16 +122,23 @@ def meet(strategy: Any, call: str, timeout_s: float | None = None, *,
                         f"strategy.connect_timeout_s={timeout_s:g} s. {fix}"
                     ) from None
             except tf.errors.OpError as e:
-                why = ("TensorFlow can no longer reach it" if isinstance(e, tf.errors.UnavailableError)
-                       else f"TensorFlow: {type(e).__name__}")
-                raise UsageError(f"{_name(me)} {_said(call)}, but {_name(peer)} has left the job ({why}). {fix}") from None
+                why = (
+                    "TensorFlow can no longer reach it"
+                    if isinstance(e, tf.errors.UnavailableError)
+                    else f"TensorFlow: {type(e).__name__}"
+                )
+                raise UsageError(
+                    f"{_name(me)} {_said(call)}, but {_name(peer)} has left the job ({why}). {fix}"
+                ) from None
             if probe.gone(peer):
                 raise UsageError(
                     f"{_name(me)} {_said(call)}, but {_name(peer)} has left the job (its process no longer "
                     f"answers). {fix}"
                 ) from None
         if got != call:
-            raise PeerElsewhereError(f"{_name(me)} {_said(call)}, but {_name(peer)} {_said(got)} instead. {fix}")
+            raise PeerElsewhereError(
+                f"{_name(me)} {_said(call)}, but {_name(peer)} {_said(got)} instead. {fix}"
+            )
 
 
 class PeerElsewhereError(UsageError):
@@ -150,13 +173,15 @@ class _Liveness:
 
         job, _, index = peer.partition(":")
         try:
-            self._ctx.check_collective_ops_peer_health(f"/job:{job}/replica:0/task:{index}", _PROBE_MS)
+            self._ctx.check_collective_ops_peer_health(
+                f"/job:{job}/replica:0/task:{index}", _PROBE_MS
+            )
         except (tf.errors.UnavailableError, tf.errors.FailedPreconditionError):
             return True
         except tf.errors.DeadlineExceededError:
             self._slow[peer] = self._slow.get(peer, 0) + 1
             return self._slow[peer] >= _PROBE_TRIES
-        except Exception:  # noqa: BLE001 - a TensorFlow whose probe answers otherwise: wait for the timeout
+        except Exception:
             self._on = False
             return False
         self._slow[peer] = 0
@@ -211,11 +236,19 @@ def _meet_at_exit() -> None:
     from keras_sync.cluster import strategy_role
 
     def say(peer: str) -> None:
-        print(f"keras-sync: waiting for {peer} to finish its script (the workers leave together; closing "
-              "TensorFlow's input pipeline can take seconds)", file=sys.stderr, flush=True)
+        print(
+            f"keras-sync: waiting for {peer} to finish its script (the workers leave together; closing "
+            "TensorFlow's input pipeline can take seconds)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     try:
-        meet(_state["strategy"], EXIT, on_wait=say if strategy_role(_state["strategy"]).is_chief else None)
+        meet(
+            _state["strategy"],
+            EXIT,
+            on_wait=say if strategy_role(_state["strategy"]).is_chief else None,
+        )
     except UsageError as e:
         # A peer is in another call: that worker reports it; this one leaves with one line.
         print(f"keras-sync: {str(e).split('. Under')[0]}.", file=sys.stderr, flush=True)

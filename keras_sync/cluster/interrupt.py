@@ -31,11 +31,15 @@ def interrupted_message(step: int | None, backup_dir: str | None) -> str:
     """
     at = f" at optimizer step {step}" if step is not None else ""
     if backup_dir:
-        return (f"Ctrl-C: training stopped{at} before keras-sync could save a backup at this step; exiting with "
-                f"code {INTERRUPTED_EXIT_CODE}. A relaunch resumes from the newest backup in {backup_dir}, if there "
-                "is one.")
-    return (f"Ctrl-C: training stopped{at}; exiting with code {INTERRUPTED_EXIT_CODE}. Set "
-            "fault_tolerance.backup_dir to save a backup at the step Ctrl-C stops and resume from it.")
+        return (
+            f"Ctrl-C: training stopped{at} before keras-sync could save a backup at this step; exiting with "
+            f"code {INTERRUPTED_EXIT_CODE}. A relaunch resumes from the newest backup in {backup_dir}, if there "
+            "is one."
+        )
+    return (
+        f"Ctrl-C: training stopped{at}; exiting with code {INTERRUPTED_EXIT_CODE}. Set "
+        "fault_tolerance.backup_dir to save a backup at the step Ctrl-C stops and resume from it."
+    )
 
 
 @contextlib.contextmanager
@@ -44,7 +48,9 @@ def ctrl_c_ends_fit(model: Any, *, is_chief: bool, backup_dir: str | None) -> It
     try:
         yield
     except KeyboardInterrupt:
-        with contextlib.suppress(ValueError):  # ValueError: not the main thread, which Ctrl-C never reaches
+        with contextlib.suppress(
+            ValueError
+        ):  # ValueError: not the main thread, which Ctrl-C never reaches
             signal.signal(signal.SIGINT, exit_at_once)
         step = None
         with contextlib.suppress(Exception):

@@ -26,11 +26,28 @@ PEER_LOST_EXIT_CODE = PeerLostError.exit_code
 
 # FailedPreconditionError: what a peer answers once a foreign client (any host that reaches its port:
 # TensorFlow's server has no authentication) has reset its eager context or device incarnations.
-_ERROR_CLASSES = ("UnavailableError", "DeadlineExceededError", "AbortedError", "CancelledError", "InternalError",
-                  "FailedPreconditionError")
-_SIGNS = ("unhealthy", "heartbeat", "collective ops is aborted", "coordination service", "socket closed",
-          "connection reset", "failed to connect", "stopped sending", "has crashed", "have crashed",
-          "from remote target", "incarnation")
+_ERROR_CLASSES = (
+    "UnavailableError",
+    "DeadlineExceededError",
+    "AbortedError",
+    "CancelledError",
+    "InternalError",
+    "FailedPreconditionError",
+)
+_SIGNS = (
+    "unhealthy",
+    "heartbeat",
+    "collective ops is aborted",
+    "coordination service",
+    "socket closed",
+    "connection reset",
+    "failed to connect",
+    "stopped sending",
+    "has crashed",
+    "have crashed",
+    "from remote target",
+    "incarnation",
+)
 _TASK_RE = re.compile(r"/job:(\w+)(?:/replica:\d+)?/task:(\d+)")
 _UNHEALTHY_RE = re.compile(r"unhealthy[^:]*:\s*((?:\s*/job:\w+/replica:\d+/task:\d+,?)+)", re.I)
 
@@ -51,7 +68,9 @@ def _tasks(cluster: Mapping[str, Sequence[str]]) -> dict[tuple[str, int], str]:
     return out
 
 
-def lost_peers(text: str, cluster: Mapping[str, Sequence[str]], me: tuple[str, int]) -> list[tuple[str, int]]:
+def lost_peers(
+    text: str, cluster: Mapping[str, Sequence[str]], me: tuple[str, int]
+) -> list[tuple[str, int]]:
     """The tasks this worker lost, from an error's text.
 
     >>> c = {"worker": ["10.0.0.1:1", "10.0.0.2:2", "10.0.0.3:3"]}
@@ -74,8 +93,14 @@ def lost_peers(text: str, cluster: Mapping[str, Sequence[str]], me: tuple[str, i
     return [t for t in tasks if t != me]
 
 
-def lost_peer_message(text: str, cluster: Mapping[str, Sequence[str]], me: tuple[str, int], *,
-                      backup_dir: str | None = None, backup_known: bool = True) -> str:
+def lost_peer_message(
+    text: str,
+    cluster: Mapping[str, Sequence[str]],
+    me: tuple[str, int],
+    *,
+    backup_dir: str | None = None,
+    backup_known: bool = True,
+) -> str:
     """The one line a worker ends with after losing a peer (without the ``keras-sync:`` prefix)."""
     tasks = _tasks(cluster)
     peers = lost_peers(text, cluster, me)
@@ -83,11 +108,15 @@ def lost_peer_message(text: str, cluster: Mapping[str, Sequence[str]], me: tuple
     if backup_dir:
         resume = f"with fault_tolerance.backup_dir={backup_dir} it resumes from the last backup"
     elif backup_known:
-        resume = "set fault_tolerance.backup_dir to resume where it stopped instead of from the start"
+        resume = (
+            "set fault_tolerance.backup_dir to resume where it stopped instead of from the start"
+        )
     else:
         resume = "with fault_tolerance.backup_dir set it resumes from the last backup"
-    return (f"/job:{me[0]}/task:{me[1]} lost contact with {who}: the worker stopped, or its host or the network "
-            f"failed (TensorFlow: {_reason(text)}). Relaunch every worker to continue; {resume}.")
+    return (
+        f"/job:{me[0]}/task:{me[1]} lost contact with {who}: the worker stopped, or its host or the network "
+        f"failed (TensorFlow: {_reason(text)}). Relaunch every worker to continue; {resume}."
+    )
 
 
 def _reason(text: str) -> str:
@@ -124,10 +153,14 @@ def raised_as_peer_lost(strategy: Any, backup_dir: str | None) -> Iterator[None]
         if resolver is None or not is_lost_peer_error(e):
             raise
         try:
-            cluster = {job: list(tasks.values()) if isinstance(tasks, dict) else list(tasks)
-                       for job, tasks in resolver.cluster_spec().as_dict().items()}
+            cluster = {
+                job: list(tasks.values()) if isinstance(tasks, dict) else list(tasks)
+                for job, tasks in resolver.cluster_spec().as_dict().items()
+            }
             me = (str(resolver.task_type), int(resolver.task_id))
-        except Exception:  # pragma: no cover - a resolver without a cluster: keep TensorFlow's error
+        except (
+            Exception
+        ):  # pragma: no cover - a resolver without a cluster: keep TensorFlow's error
             raise e from None
         if len(_tasks(cluster)) < 2:
             raise

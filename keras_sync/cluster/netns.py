@@ -48,7 +48,8 @@ def refuse_unless_possible() -> None:
         raise UsageError(
             f"Invalid value for argument `private_network`. Received: private_network=True, but {why}. Fix: run "
             "launch as root on Linux, or drop --private-network and keep the workers' ports behind a firewall or "
-            "on a trusted network.")
+            "on a trusted network."
+        )
 
 
 class PrivateNetwork:
@@ -56,15 +57,20 @@ class PrivateNetwork:
 
     def __init__(self) -> None:
         refuse_unless_possible()
-        self._holder = subprocess.Popen(["unshare", "--net", "--", sys.executable, "-c", _HOLDER],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
+        self._holder = subprocess.Popen(
+            ["unshare", "--net", "--", sys.executable, "-c", _HOLDER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            start_new_session=True,
+        )
         assert self._holder.stdout is not None
         if self._holder.stdout.readline().strip() != b"ready":
             code = self._holder.wait()
             raise UsageError(
                 f"Invalid value for argument `private_network`. Received: private_network=True, but `unshare --net` "
                 f"failed (exit code {code}; said above). Fix: drop --private-network, or allow network namespaces "
-                "here (a container needs CAP_SYS_ADMIN).")
+                "here (a container needs CAP_SYS_ADMIN)."
+            )
 
     def wrap(self, command: Sequence[str]) -> list[str]:
         """``command`` run inside the namespace."""

@@ -37,7 +37,8 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 PREEMPTED_EXIT_CODE = 143
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT: a person stopped the job (Ctrl-C)
@@ -79,7 +80,11 @@ def exit_now(code: int, message: str | None = None) -> None:
 def exit_at_once(*_: Any) -> None:
     """A second Ctrl-C: say so and end the process now, with code 130 (no backup, no wait for delivery)."""
     with contextlib.suppress(Exception):
-        print("keras-sync: Ctrl-C again: exiting at once, without a backup at this step", file=sys.stderr, flush=True)
+        print(
+            "keras-sync: Ctrl-C again: exiting at once, without a backup at this step",
+            file=sys.stderr,
+            flush=True,
+        )
     os._exit(INTERRUPTED_EXIT_CODE)
 
 
@@ -123,7 +128,9 @@ class StopSignalWatch:
         except (ValueError, OSError):  # pragma: no cover - no pipes, or not the main thread
             self._wake_r = -1
         if self._wake_r >= 0:
-            threading.Thread(target=self._watchdog, name="keras-sync-stop-signal-watchdog", daemon=True).start()
+            threading.Thread(
+                target=self._watchdog, name="keras-sync-stop-signal-watchdog", daemon=True
+            ).start()
         return True
 
     def uninstall(self) -> None:
@@ -156,10 +163,13 @@ class StopSignalWatch:
                 if not select.select([fd], [], [], timeout)[0]:  # the grace period is over
                     deadline = None
                     if not self._done.is_set():
-                        exit_now(exit_code(first), f"{signal_name(first)}: no backup could be saved within "
-                                 f"fault_tolerance.grace_period_s={self.grace_period_s:g} s (TensorFlow did not "
-                                 "return to Python: a peer stopped answering, or a long validation pass); exiting "
-                                 "without it. Relaunch the job to resume from the last backup.")
+                        exit_now(
+                            exit_code(first),
+                            f"{signal_name(first)}: no backup could be saved within "
+                            f"fault_tolerance.grace_period_s={self.grace_period_s:g} s (TensorFlow did not "
+                            "return to Python: a peer stopped answering, or a long validation pass); exiting "
+                            "without it. Relaunch the job to resume from the last backup.",
+                        )
                     continue
                 data = os.read(fd, 64)
                 if not data:
@@ -179,8 +189,14 @@ class ClusterAgreement:
     One instance per `fit` (``fit_index`` counts the fits of this process, the same on every worker).
     """
 
-    def __init__(self, *, fit_index: int, task_index: int, num_workers: int,
-                 on_error: Callable[[BaseException], None] | None = None):
+    def __init__(
+        self,
+        *,
+        fit_index: int,
+        task_index: int,
+        num_workers: int,
+        on_error: Callable[[BaseException], None] | None = None,
+    ):
         from tensorflow.python.eager import context
 
         self._ctx = context.context()
@@ -192,7 +208,9 @@ class ClusterAgreement:
         self.signum: int | None = None  # the stop signal of the worker that announced it
         self.stopped = False
         self._on_error = on_error
-        self._thread = threading.Thread(target=self._watch, name="keras-sync-preemption", daemon=True)
+        self._thread = threading.Thread(
+            target=self._watch, name="keras-sync-preemption", daemon=True
+        )
         self._thread.start()
 
     def _watch(self) -> None:
@@ -232,7 +250,9 @@ class ClusterAgreement:
             return None
         for task in range(self._num_workers):
             try:
-                self._ctx.get_config_key_value(_ACK.format(fit=self._fit, task=task), _ms_left(deadline))
+                self._ctx.get_config_key_value(
+                    _ACK.format(fit=self._fit, task=task), _ms_left(deadline)
+                )
             except tf.errors.DeadlineExceededError:
                 return None
         self._take(value)
@@ -248,7 +268,9 @@ def _ms_left(deadline: float) -> int:
     return max(1, int((deadline - time.monotonic()) * 1000))
 
 
-_fits = 0  # fits started in this process: the same count on every worker, so it names one fit's keys
+_fits = (
+    0  # fits started in this process: the same count on every worker, so it names one fit's keys
+)
 
 
 class PreemptionSaver:
@@ -281,7 +303,9 @@ class PreemptionSaver:
             spec = resolver.cluster_spec()
             self.agreement = ClusterAgreement(
                 fit_index=_fits,
-                task_index=multi_worker_util.id_in_cluster(spec, resolver.task_type, resolver.task_id),
+                task_index=multi_worker_util.id_in_cluster(
+                    spec, resolver.task_type, resolver.task_id
+                ),
                 num_workers=multi_worker_util.worker_count(spec, resolver.task_type),
             )
 
@@ -317,8 +341,12 @@ class PreemptionSaver:
         target = self.agreement.announce(step, self.watch.deadline(), self.watch.signum)
         # Ctrl-C reaches every worker (the launcher forwards it): the chief's closing line is enough.
         if target is not None and self.watch.signum != signal.SIGINT:
-            print(f"keras-sync: SIGTERM at optimizer step {step}: every worker saves a backup after step {target}, "
-                  "then exits", file=sys.stderr, flush=True)
+            print(
+                f"keras-sync: SIGTERM at optimizer step {step}: every worker saves a backup after step {target}, "
+                "then exits",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def end(self, *, clean: bool = True) -> bool:
         """Stand down at train end (idempotent). True when a stop signal came but training finished

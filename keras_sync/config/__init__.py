@@ -13,10 +13,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
+from keras_sync.cluster import CLUSTER_SOURCES
+from keras_sync.config.kinds import KINDS, STRATEGY_KINDS, kinds_where
+from keras_sync.config.limits import MAX_FILE_BYTES, SizeCounter, check_data, file_size_issue
 from keras_sync.config.specs import (
     AutoOrBool,
     Bool,
@@ -29,10 +33,7 @@ from keras_sync.config.specs import (
     StrList,
     WordOrInt,
 )
-from keras_sync.cluster import CLUSTER_SOURCES
 from keras_sync.errors import ConfigError, ConfigIssue
-from keras_sync.config.kinds import KINDS, STRATEGY_KINDS, kinds_where
-from keras_sync.config.limits import MAX_FILE_BYTES, SizeCounter, check_data, file_size_issue
 
 DEFAULT_CONFIG_FILE = "keras_sync.yaml"
 CONFIG_ENV = "KERAS_SYNC_CONFIG"
@@ -42,7 +43,10 @@ ENV_KEYS = {"MLFLOW_TRACKING_URI": "mlflow.tracking_uri", "KERAS_SYNC_JOB_ID": "
 #: `keras-sync verify` (`keras_sync.training.verify_record`): a folder that `sync.fit` records its first
 #: steps to; the recording a reference run replays on one device; how many optimizer steps.
 VERIFY_RECORD_ENV, VERIFY_REPLAY_ENV, VERIFY_STEPS_ENV = (
-    "KERAS_SYNC_VERIFY_RECORD", "KERAS_SYNC_VERIFY_REPLAY", "KERAS_SYNC_VERIFY_STEPS")
+    "KERAS_SYNC_VERIFY_RECORD",
+    "KERAS_SYNC_VERIFY_REPLAY",
+    "KERAS_SYNC_VERIFY_STEPS",
+)
 #: The file of a recording that holds the reference run's config overrides (dotted keys).
 VERIFY_OVERRIDES_FILE = "reference.json"
 
@@ -59,7 +63,9 @@ class VerifyRequest:
     mlflow: bool = True
 
 
-def _f(default: Any, spec: Spec, doc: str, key: str | None = None, kinds: tuple[str, ...] | None = None) -> Any:
+def _f(
+    default: Any, spec: Spec, doc: str, key: str | None = None, kinds: tuple[str, ...] | None = None
+) -> Any:
     """A config key. `doc` is its one description: validation errors, the JSON Schema, the commented
     template and the README reference all show it (`keras_sync.config.reference` writes the last two).
     `kinds`: the strategy kinds a `strategy.*` key applies to (their template sections show it)."""
@@ -68,12 +74,19 @@ def _f(default: Any, spec: Spec, doc: str, key: str | None = None, kinds: tuple[
     return field(default=default, metadata={"spec": spec, "doc": doc, "key": key, "kinds": kinds})
 
 
-def _sub(cls: type, doc: str, note: str | None = None, kinds: tuple[str, ...] | None = None,
-         commented: bool = False) -> Any:
+def _sub(
+    cls: type,
+    doc: str,
+    note: str | None = None,
+    kinds: tuple[str, ...] | None = None,
+    commented: bool = False,
+) -> Any:
     """A section. `note`: a comment the template prints above the section's keys; `commented`: the
     template shows the whole section as comments (its defaults change nothing)."""
-    return field(default_factory=cls, metadata={"doc": doc, "key": None, "note": note, "kinds": kinds,
-                                                "commented": commented})
+    return field(
+        default_factory=cls,
+        metadata={"doc": doc, "key": None, "note": note, "kinds": kinds, "commented": commented},
+    )
 
 
 _MWM = kinds_where(multi_process=True)
@@ -87,7 +100,9 @@ LR_RULES = ("linear", "sqrt", "none")
 class TPUConfig:
     """Where the TPU is: a name or grpc:// address (`local` for a TPU VM), zone and project."""
 
-    name: str | None = _f("local", Str(nullable=True), "'local' on a TPU VM, else the TPU's name or grpc:// address")
+    name: str | None = _f(
+        "local", Str(nullable=True), "'local' on a TPU VM, else the TPU's name or grpc:// address"
+    )
     zone: str | None = _f(None, Str(nullable=True), "GCE zone of the TPU (Cloud TPU only)")
     project: str | None = _f(None, Str(nullable=True), "GCP project of the TPU (Cloud TPU only)")
 
@@ -96,52 +111,91 @@ class TPUConfig:
 class IndexedJobConfig:
     """Workers of a Kubernetes Indexed Job or JobSet: worker i is `hosts` with {index} = i."""
 
-    hosts: str | None = _f(None, Str(nullable=True), "worker i's host (or host:port) with {index} = i, e.g. "
-                           "train-{index}.train (<Job>-{index}.<headless Service>)", kinds=_MWM)
-    port: int = _f(2222, Int(minimum=1), "the port every worker listens on (when `hosts` names none)", kinds=_MWM)
-    workers: int | None = _f(None, Int(minimum=1, nullable=True), "number of workers (the Job's completions)",
-                             kinds=_MWM)
+    hosts: str | None = _f(
+        None,
+        Str(nullable=True),
+        "worker i's host (or host:port) with {index} = i, e.g. "
+        "train-{index}.train (<Job>-{index}.<headless Service>)",
+        kinds=_MWM,
+    )
+    port: int = _f(
+        2222,
+        Int(minimum=1),
+        "the port every worker listens on (when `hosts` names none)",
+        kinds=_MWM,
+    )
+    workers: int | None = _f(
+        None, Int(minimum=1, nullable=True), "number of workers (the Job's completions)", kinds=_MWM
+    )
 
 
 @dataclass(frozen=True)
 class SlurmConfig:
     """Ports of a Slurm job step's workers: task i on a node listens on `port_base` + i."""
 
-    port_base: int | str = _f("auto", WordOrInt(word="auto", unit="the first port"), "task i on a node listens on "
-                              "port_base + i; auto: a block of 16 ports in 10000-31775 chosen by $SLURM_JOB_ID and "
-                              "$SLURM_STEP_ID, so jobs and steps that share a node do not collide", kinds=_MWM)
+    port_base: int | str = _f(
+        "auto",
+        WordOrInt(word="auto", unit="the first port"),
+        "task i on a node listens on "
+        "port_base + i; auto: a block of 16 ports in 10000-31775 chosen by $SLURM_JOB_ID and "
+        "$SLURM_STEP_ID, so jobs and steps that share a node do not collide",
+        kinds=_MWM,
+    )
 
 
 @dataclass(frozen=True)
 class StrategyConfig:
     """Which `tf.distribute` strategy to build, and its options."""
 
-    kind: str = _f("auto", Choice(values=STRATEGY_KINDS), "which strategy; auto picks by the hardware and TF_CONFIG",
-                   kinds=STRATEGY_KINDS)
+    kind: str = _f(
+        "auto",
+        Choice(values=STRATEGY_KINDS),
+        "which strategy; auto picks by the hardware and TF_CONFIG",
+        kinds=STRATEGY_KINDS,
+    )
     devices: tuple[str, ...] = _f(
-        (), StrList(), "e.g. ['/gpu:0', '/gpu:1']; empty = all GPUs (one_device: the first), else the CPU",
-        kinds=tuple(k for k in kinds_where(accepts_devices=True) if k != "auto"))
+        (),
+        StrList(),
+        "e.g. ['/gpu:0', '/gpu:1']; empty = all GPUs (one_device: the first), else the CPU",
+        kinds=tuple(k for k in kinds_where(accepts_devices=True) if k != "auto"),
+    )
     simulated_cpu_replicas: int = _f(
-        0, Int(minimum=0), "> 0: split the CPU into N logical devices, one replica each (per worker)",
-        kinds=kinds_where(simulated_cpus=True))
+        0,
+        Int(minimum=0),
+        "> 0: split the CPU into N logical devices, one replica each (per worker)",
+        kinds=kinds_where(simulated_cpus=True),
+    )
     cross_device_ops: str = _f(
         "auto",
         Choice(values=("auto", "nccl", "hierarchical_copy", "reduction_to_one")),
         "how local gradients are all-reduced: auto, nccl, hierarchical_copy or "
-        "reduction_to_one (no NCCL on CPU)", kinds=("mirrored",),
+        "reduction_to_one (no NCCL on CPU)",
+        kinds=("mirrored",),
     )
     communication: str = _f(
-        "auto", Choice(values=COMMUNICATIONS), "collective implementation: auto, ring or nccl",
+        "auto",
+        Choice(values=COMMUNICATIONS),
+        "collective implementation: auto, ring or nccl",
         kinds=_MWM,
     )
-    cluster: str = _f("tf_config", Choice(values=tuple(CLUSTER_SOURCES)), "where the workers are: "
-                      "tf_config ($TF_CONFIG), slurm (srun's environment) or indexed_job (a Kubernetes "
-                      "Indexed Job or JobSet: $JOB_COMPLETION_INDEX and strategy.indexed_job)", kinds=_MWM)
-    connect_timeout_s: float = _f(300.0, Float(minimum=0, exclusive=True), "seconds to wait for all workers to "
-                                  "join, then fail naming the missing ones", kinds=("auto", *_MWM))
+    cluster: str = _f(
+        "tf_config",
+        Choice(values=tuple(CLUSTER_SOURCES)),
+        "where the workers are: "
+        "tf_config ($TF_CONFIG), slurm (srun's environment) or indexed_job (a Kubernetes "
+        "Indexed Job or JobSet: $JOB_COMPLETION_INDEX and strategy.indexed_job)",
+        kinds=_MWM,
+    )
+    connect_timeout_s: float = _f(
+        300.0,
+        Float(minimum=0, exclusive=True),
+        "seconds to wait for all workers to join, then fail naming the missing ones",
+        kinds=("auto", *_MWM),
+    )
     tpu: TPUConfig = _sub(TPUConfig, "TPU address", kinds=("tpu",))
-    indexed_job: IndexedJobConfig = _sub(IndexedJobConfig, "worker addresses when cluster is indexed_job",
-                                         kinds=_MWM)
+    indexed_job: IndexedJobConfig = _sub(
+        IndexedJobConfig, "worker addresses when cluster is indexed_job", kinds=_MWM
+    )
     slurm: SlurmConfig = _sub(SlurmConfig, "worker ports when cluster is slurm", kinds=_MWM)
 
 
@@ -150,9 +204,14 @@ class BatchConfig:
     """Batch size, given per replica or globally (exactly one), and how data is split."""
 
     per_replica: int | None = _f(32, Int(minimum=1, nullable=True), "examples per replica per step")
-    global_: int | None = _f(None, Int(minimum=1, nullable=True), "examples per step over all replicas", key="global")
-    drop_remainder: str | bool = _f("auto", AutoOrBool(), "drop the last partial batch; auto = true on TPU "
-                                    "(static shapes), false elsewhere")
+    global_: int | None = _f(
+        None, Int(minimum=1, nullable=True), "examples per step over all replicas", key="global"
+    )
+    drop_remainder: str | bool = _f(
+        "auto",
+        AutoOrBool(),
+        "drop the last partial batch; auto = true on TPU (static shapes), false elsewhere",
+    )
     shard_policy: str = _f(
         "auto",
         Choice(values=("auto", "data", "file", "off"), bool_aliases=((False, "off"),)),
@@ -164,16 +223,29 @@ class BatchConfig:
 class LearningRateConfig:
     """The base learning rate and how it scales with the global batch."""
 
-    base: float = _f(0.1, Float(minimum=0, exclusive=True), "the learning rate tuned for base_batch_size")
-    base_batch_size: int | None = _f(
-        None, Int(minimum=1, nullable=True), "the batch `base` was tuned for; null = the per-replica batch"
+    base: float = _f(
+        0.1, Float(minimum=0, exclusive=True), "the learning rate tuned for base_batch_size"
     )
-    scaling: str = _f("linear", Choice(values=LR_RULES), "linear (Goyal et al. 2017), sqrt "
-                      "or none: how the rate follows the global batch")
-    warmup_epochs: float = _f(0.0, Float(minimum=0), "ramp from base to the scaled rate over N epochs (or "
-                              "warmup_steps, not both)")
-    warmup_steps: int = _f(0, Int(minimum=0), "ramp from base to the scaled rate over N optimizer steps (or "
-                             "warmup_epochs)")
+    base_batch_size: int | None = _f(
+        None,
+        Int(minimum=1, nullable=True),
+        "the batch `base` was tuned for; null = the per-replica batch",
+    )
+    scaling: str = _f(
+        "linear",
+        Choice(values=LR_RULES),
+        "linear (Goyal et al. 2017), sqrt or none: how the rate follows the global batch",
+    )
+    warmup_epochs: float = _f(
+        0.0,
+        Float(minimum=0),
+        "ramp from base to the scaled rate over N epochs (or warmup_steps, not both)",
+    )
+    warmup_steps: int = _f(
+        0,
+        Int(minimum=0),
+        "ramp from base to the scaled rate over N optimizer steps (or warmup_epochs)",
+    )
 
 
 @dataclass(frozen=True)
@@ -181,37 +253,71 @@ class MlflowConfig:
     """Where sync metrics go."""
 
     enabled: bool = _f(True, Bool(), "log sync metrics to MLflow (only the chief writes)")
-    tracking_uri: str | None = _f(None, Str(nullable=True),
-                                  "MLflow tracking URI; $MLFLOW_TRACKING_URI wins over it; null = sqlite:///<cwd>/mlflow.db")
+    tracking_uri: str | None = _f(
+        None,
+        Str(nullable=True),
+        "MLflow tracking URI; $MLFLOW_TRACKING_URI wins over it; null = sqlite:///<cwd>/mlflow.db",
+    )
     experiment: str = _f("keras-sync", Str(), "MLflow experiment name")
     run_name: str | None = _f(None, Str(nullable=True), "MLflow run name; null = generated")
-    job_id: str | None = _f(None, Str(nullable=True, pattern=r"[\w.:/@+\-]{1,250}",
-                                      pattern_doc="1-250 letters, digits or _.:/@+-"),
-                            "runs with the same job id share one MLflow run; $KERAS_SYNC_JOB_ID wins over it; "
-                            "null = a new run per job (a relaunch that restores a backup continues its run)")
-    spool_dir: str = _f(".keras_sync_spool", Str(), "where metrics wait for delivery to MLflow (relative to the cwd)")
-    log_every_n_steps: int | str = _f("auto", WordOrInt(word="auto", unit="steps"), "log step metrics every N optimizer "
-                                      "steps; auto: at most 10 points a second, and each epoch's last step; a point "
-                                      "for several steps adds their peaks (sync/window_max/*)")
-    allreduce_probe: bool = _f(False, Bool(), "time one all-reduce of the gradients' size at train start")
-    system_metrics: bool = _f(False, Bool(), "MLflow's system metrics (CPU, memory, disk, network, GPU) as "
-                              "system/*, every 10 s")
-    log_model: bool = _f(False, Bool(), "log the trained model (MLflow Keras flavour, chief only) at the end of "
-                         "each fit")
-    sync_report: str = _f("end", Choice(values=("end", "epoch", "off"), bool_aliases=((False, "off"),)),
-                          "sync_report.png, replicas overlaid: at the end of each fit, also after every epoch, "
-                          "or off")
+    job_id: str | None = _f(
+        None,
+        Str(
+            nullable=True,
+            pattern=r"[\w.:/@+\-]{1,250}",
+            pattern_doc="1-250 letters, digits or _.:/@+-",
+        ),
+        "runs with the same job id share one MLflow run; $KERAS_SYNC_JOB_ID wins over it; "
+        "null = a new run per job (a relaunch that restores a backup continues its run)",
+    )
+    spool_dir: str = _f(
+        ".keras_sync_spool",
+        Str(),
+        "where metrics wait for delivery to MLflow (relative to the cwd)",
+    )
+    log_every_n_steps: int | str = _f(
+        "auto",
+        WordOrInt(word="auto", unit="steps"),
+        "log step metrics every N optimizer "
+        "steps; auto: at most 10 points a second, and each epoch's last step; a point "
+        "for several steps adds their peaks (sync/window_max/*)",
+    )
+    allreduce_probe: bool = _f(
+        False, Bool(), "time one all-reduce of the gradients' size at train start"
+    )
+    system_metrics: bool = _f(
+        False,
+        Bool(),
+        "MLflow's system metrics (CPU, memory, disk, network, GPU) as system/*, every 10 s",
+    )
+    log_model: bool = _f(
+        False,
+        Bool(),
+        "log the trained model (MLflow Keras flavour, chief only) at the end of each fit",
+    )
+    sync_report: str = _f(
+        "end",
+        Choice(values=("end", "epoch", "off"), bool_aliases=((False, "off"),)),
+        "sync_report.png, replicas overlaid: at the end of each fit, also after every epoch, "
+        "or off",
+    )
 
 
 @dataclass(frozen=True)
 class FaultToleranceConfig:
     """Backup and exact resume after a worker is killed."""
 
-    backup_dir: str | None = _f(None, Str(nullable=True), "a directory turns on BackupAndRestore (exact resume "
-                                "after a kill); null = off")
-    save_freq: str | int = _f("epoch", WordOrInt(word="epoch", unit="batches"), "epoch, or back up every N batches")
+    backup_dir: str | None = _f(
+        None,
+        Str(nullable=True),
+        "a directory turns on BackupAndRestore (exact resume after a kill); null = off",
+    )
+    save_freq: str | int = _f(
+        "epoch", WordOrInt(word="epoch", unit="batches"), "epoch, or back up every N batches"
+    )
     grace_period_s: float = _f(
-        25.0, Float(minimum=0, exclusive=True),
+        25.0,
+        Float(minimum=0, exclusive=True),
         "after SIGTERM (preemption): seconds to save a backup on every worker and exit 143; keep it under "
         "the scheduler's grace",
     )
@@ -222,15 +328,32 @@ class RuntimeConfig:
     """How the training step runs, applied to the user's compiled model by `Sync.fit`."""
 
     mixed_precision: str = _f(
-        "none", Choice(values=("none", "mixed_float16", "mixed_bfloat16"), bool_aliases=((False, "none"),),
-                       hints=(("fp16", "mixed_float16"), ("float16", "mixed_float16"), ("half", "mixed_float16"),
-                              ("bf16", "mixed_bfloat16"), ("bfloat16", "mixed_bfloat16"))),
-        "dtype policy set by load(): none, mixed_float16 (loss scaling), mixed_bfloat16")
-    jit_compile: str | bool = _f("auto", AutoOrBool(), "XLA for the train step: true, false, or auto (keep compile's)")
+        "none",
+        Choice(
+            values=("none", "mixed_float16", "mixed_bfloat16"),
+            bool_aliases=((False, "none"),),
+            hints=(
+                ("fp16", "mixed_float16"),
+                ("float16", "mixed_float16"),
+                ("half", "mixed_float16"),
+                ("bf16", "mixed_bfloat16"),
+                ("bfloat16", "mixed_bfloat16"),
+            ),
+        ),
+        "dtype policy set by load(): none, mixed_float16 (loss scaling), mixed_bfloat16",
+    )
+    jit_compile: str | bool = _f(
+        "auto", AutoOrBool(), "XLA for the train step: true, false, or auto (keep compile's)"
+    )
     steps_per_execution: int = _f(1, Int(minimum=1), "train steps per tf.function call")
     gradient_accumulation_steps: int = _f(
-        1, Int(minimum=1), "one optimizer update every N micro-batches (effective batch = global x N)")
-    sync_batch_norm: bool = _f(False, Bool(), "BatchNormalization statistics over all replicas (synchronized)")
+        1,
+        Int(minimum=1),
+        "one optimizer update every N micro-batches (effective batch = global x N)",
+    )
+    sync_batch_norm: bool = _f(
+        False, Bool(), "BatchNormalization statistics over all replicas (synchronized)"
+    )
     train_step_gradients: str = _f(
         "auto",
         Choice(values=("auto", "average", "sum")),
@@ -243,8 +366,10 @@ class ChecksConfig:
     """What keras-sync checks of every fit at run time (examples per step and epoch, resume, learning rate)."""
 
     on_violation: str = _f(
-        "warn", Choice(values=("warn", "error")),
-        "a failed check: warn (one line on the chief + an MLflow tag) or error (stop the fit with that line)")
+        "warn",
+        Choice(values=("warn", "error")),
+        "a failed check: warn (one line on the chief + an MLflow tag) or error (stop the fit with that line)",
+    )
 
 
 @dataclass(frozen=True)
@@ -252,21 +377,36 @@ class Config:
     """The whole keras-sync config. Build it with `load_config`."""
 
     strategy: StrategyConfig = _sub(StrategyConfig, "distribution strategy")
-    batch: BatchConfig = _sub(BatchConfig, "batch sizes", note=(
-        "Give exactly one of per_replica / global (the other null); keras-sync derives the other from the "
-        "replica count: global = per_replica x replicas."))
+    batch: BatchConfig = _sub(
+        BatchConfig,
+        "batch sizes",
+        note=(
+            "Give exactly one of per_replica / global (the other null); keras-sync derives the other from the "
+            "replica count: global = per_replica x replicas."
+        ),
+    )
     learning_rate: LearningRateConfig = _sub(LearningRateConfig, "learning-rate scaling and warmup")
     mlflow: MlflowConfig = _sub(MlflowConfig, "MLflow tracking")
     fault_tolerance: FaultToleranceConfig = _sub(FaultToleranceConfig, "backup and resume")
     checks: ChecksConfig = _sub(ChecksConfig, "run-time checks of every fit")
-    runtime: RuntimeConfig = _sub(RuntimeConfig, "how the train step runs", commented=True, note=(
-        "Applied by sync.fit to your compiled model; a key left at its default keeps what your "
-        "model.compile(...) set."))
+    runtime: RuntimeConfig = _sub(
+        RuntimeConfig,
+        "how the train step runs",
+        commented=True,
+        note=(
+            "Applied by sync.fit to your compiled model; a key left at its default keeps what your "
+            "model.compile(...) set."
+        ),
+    )
     source: str = field(default="<defaults>", compare=False, metadata={"internal": True})
     text: str | None = field(default=None, compare=False, repr=False, metadata={"internal": True})
-    provenance: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False, metadata={"internal": True})
+    provenance: Mapping[str, str] = field(
+        default_factory=dict, compare=False, repr=False, metadata={"internal": True}
+    )
     #: Set by ``$KERAS_SYNC_VERIFY_RECORD`` (`keras-sync verify`); None for a normal run.
-    verify: VerifyRequest | None = field(default=None, compare=False, repr=False, metadata={"internal": True})
+    verify: VerifyRequest | None = field(
+        default=None, compare=False, repr=False, metadata={"internal": True}
+    )
 
     def source_of(self, key_path: str) -> str:
         """Where a value came from: ``flag``, ``env``, ``file``, ``dict`` or ``default``."""
@@ -283,8 +423,10 @@ class Config:
         says that it found no ``keras_sync.yaml`` instead of silently training with the defaults.
         """
         if self.source == "<defaults>":
-            return (f"no {DEFAULT_CONFIG_FILE} found in {Path.cwd()} and ${CONFIG_ENV} is unset: built-in "
-                    "defaults (pass a path to keras_sync.load(), or run from the directory of the file)")
+            return (
+                f"no {DEFAULT_CONFIG_FILE} found in {Path.cwd()} and ${CONFIG_ENV} is unset: built-in "
+                "defaults (pass a path to keras_sync.load(), or run from the directory of the file)"
+            )
         if self.source == "<dict>":
             return "a dict passed to keras_sync.load() (no file)"
         return str(Path(self.source).resolve())
@@ -329,9 +471,17 @@ def _parse_yaml(text: str, file: str) -> tuple[Any, dict[str, int]]:
             # file of a few hundred bytes) expand exponentially when read into plain data.
             if self.check_event(yaml.AliasEvent):
                 event = self.peek_event()
-                raise ConfigError(ConfigIssue(file, event.start_mark.line + 1, "", (
-                    f"YAML alias *{event.anchor} not allowed; keras-sync reads plain YAML only: write the value "
-                    f"out instead of *{event.anchor} (and drop the anchor &{event.anchor})")))
+                raise ConfigError(
+                    ConfigIssue(
+                        file,
+                        event.start_mark.line + 1,
+                        "",
+                        (
+                            f"YAML alias *{event.anchor} not allowed; keras-sync reads plain YAML only: write the value "
+                            f"out instead of *{event.anchor} (and drop the anchor &{event.anchor})"
+                        ),
+                    )
+                )
             # Sizes are checked before a node is composed: the composer recurses once per level, and
             # 300 levels (600 bytes) ended in a RecursionError.
             event = self.peek_event()
@@ -344,38 +494,68 @@ def _parse_yaml(text: str, file: str) -> tuple[Any, dict[str, int]]:
             elif isinstance(parent, yaml.SequenceNode):
                 path = f"{path}[{index}]"
             is_collection = isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent))
-            sizes.node(path, len(paths) + is_collection, event.start_mark.line + 1, collection=is_collection,
-                       entry=key is not None or isinstance(parent, yaml.SequenceNode), key=key,
-                       string=event.value if isinstance(event, yaml.ScalarEvent) and key is None else None)
+            sizes.node(
+                path,
+                len(paths) + is_collection,
+                event.start_mark.line + 1,
+                collection=is_collection,
+                entry=key is not None or isinstance(parent, yaml.SequenceNode),
+                key=key,
+                string=event.value if isinstance(event, yaml.ScalarEvent) and key is None else None,
+            )
             paths.append(path)
             try:
                 return super().compose_node(parent, index)
             finally:
                 paths.pop()
 
-    def construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-        return {"__line__": node.start_mark.line + 1, "__items__": [
-            (loader.construct_object(k, deep=True), loader.construct_object(v, deep=True), k.start_mark.line + 1)
-            for k, v in node.value
-        ]}
+    def construct_mapping(
+        loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False
+    ) -> dict:
+        return {
+            "__line__": node.start_mark.line + 1,
+            "__items__": [
+                (
+                    loader.construct_object(k, deep=True),
+                    loader.construct_object(v, deep=True),
+                    k.start_mark.line + 1,
+                )
+                for k, v in node.value
+            ],
+        }
 
     def construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
         try:
             return yaml.SafeLoader.construct_yaml_int(loader, node)
         except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits())
-            raise ConfigError(ConfigIssue(file, node.start_mark.line + 1, "", (
-                f"a number of {len(node.value):,} digits, more than Python reads; the config's numbers are "
-                "small: shorten it"))) from None
+            raise ConfigError(
+                ConfigIssue(
+                    file,
+                    node.start_mark.line + 1,
+                    "",
+                    (
+                        f"a number of {len(node.value):,} digits, more than Python reads; the config's numbers are "
+                        "small: shorten it"
+                    ),
+                )
+            ) from None
 
     _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
     _Loader.add_constructor("tag:yaml.org,2002:int", construct_int)
     try:
-        raw = yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader derives from SafeLoader
+        raw = yaml.load(text, Loader=_Loader)
     except yaml.constructor.ConstructorError as exc:
         mark = exc.problem_mark
         line = mark.line + 1 if mark else None
-        raise ConfigError(ConfigIssue(file, line, "", f"YAML tag not allowed ({exc.problem}); "
-                                      "keras-sync reads plain YAML only: remove the '!!' tag")) from None
+        raise ConfigError(
+            ConfigIssue(
+                file,
+                line,
+                "",
+                f"YAML tag not allowed ({exc.problem}); "
+                "keras-sync reads plain YAML only: remove the '!!' tag",
+            )
+        ) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = mark.line + 1 if mark else None
@@ -389,8 +569,15 @@ def _parse_yaml(text: str, file: str) -> tuple[Any, dict[str, int]]:
             for k, v, line in node["__items__"]:
                 key_path = f"{path}.{k}" if path else str(k)
                 if k in out:
-                    dups.append(ConfigIssue(file, line, key_path, f"duplicate key {k!r} (first at line "
-                                            f"{lines[key_path]}); keep one of them"))
+                    dups.append(
+                        ConfigIssue(
+                            file,
+                            line,
+                            key_path,
+                            f"duplicate key {k!r} (first at line "
+                            f"{lines[key_path]}); keep one of them",
+                        )
+                    )
                 lines.setdefault(key_path, line)
                 out[k] = unwrap(v, key_path)
             return out
@@ -430,7 +617,10 @@ class _Builder:
             return cls()
         if not isinstance(data, dict):
             where = path or "top level"
-            self.issue(path, f"received {type(data).__name__} {data!r} at the {where}, expected a mapping of keys")
+            self.issue(
+                path,
+                f"received {type(data).__name__} {data!r} at the {where}, expected a mapping of keys",
+            )
             return cls()
         by_key = {_yaml_key(f): f for f in _public_fields(cls)}
         kwargs: dict[str, Any] = {}
@@ -462,51 +652,86 @@ def _check_consistency(cfg: Config, b: _Builder, given: Mapping[str, Any]) -> Co
     per_given = "batch.per_replica" in given and given["batch.per_replica"] is not None
     global_given = "batch.global" in given and given["batch.global"] is not None
     if per_given and global_given:
-        b.issue("batch.global", f"received batch.per_replica={batch.per_replica} and batch.global={batch.global_}; "
-                "give exactly one of them (set the other to null or remove it)")
+        b.issue(
+            "batch.global",
+            f"received batch.per_replica={batch.per_replica} and batch.global={batch.global_}; "
+            "give exactly one of them (set the other to null or remove it)",
+        )
     elif global_given:
         batch = dataclasses.replace(batch, per_replica=None)
     elif batch.per_replica is None:
-        b.issue("batch.per_replica", "received null for both batch.per_replica and batch.global; give exactly one")
+        b.issue(
+            "batch.per_replica",
+            "received null for both batch.per_replica and batch.global; give exactly one",
+        )
     lr = cfg.learning_rate
     if lr.warmup_epochs and lr.warmup_steps:
-        b.issue("learning_rate.warmup_steps", f"received warmup_epochs={lr.warmup_epochs:g} and "
-                f"warmup_steps={lr.warmup_steps}; give one of them (set the other to 0)")
+        b.issue(
+            "learning_rate.warmup_steps",
+            f"received warmup_epochs={lr.warmup_epochs:g} and "
+            f"warmup_steps={lr.warmup_steps}; give one of them (set the other to 0)",
+        )
     s = cfg.strategy
     spec = KINDS[s.kind]
     if s.devices and not spec.accepts_devices:
         named = " and ".join(k for k in kinds_where(accepts_devices=True) if k != "auto")
-        b.issue("strategy.devices", f"received devices={list(s.devices)} with kind={s.kind}; devices applies to "
-                f"{named} only (remove it, or use simulated_cpu_replicas)")
+        b.issue(
+            "strategy.devices",
+            f"received devices={list(s.devices)} with kind={s.kind}; devices applies to "
+            f"{named} only (remove it, or use simulated_cpu_replicas)",
+        )
     if spec.max_devices is not None and len(s.devices) > spec.max_devices:
-        b.issue("strategy.devices", f"received {len(s.devices)} devices for kind={s.kind}; give at most "
-                f"{spec.max_devices}")
+        b.issue(
+            "strategy.devices",
+            f"received {len(s.devices)} devices for kind={s.kind}; give at most {spec.max_devices}",
+        )
     if s.devices and s.simulated_cpu_replicas:
-        b.issue("strategy.simulated_cpu_replicas", "received both devices and simulated_cpu_replicas; give one "
-                "(simulated replicas make their own logical CPU devices)")
+        b.issue(
+            "strategy.simulated_cpu_replicas",
+            "received both devices and simulated_cpu_replicas; give one "
+            "(simulated replicas make their own logical CPU devices)",
+        )
     if s.simulated_cpu_replicas and not spec.simulated_cpus:
-        b.issue("strategy.simulated_cpu_replicas", f"simulated_cpu_replicas does not apply to kind={s.kind}; "
-                f"remove it (it applies to {', '.join(kinds_where(simulated_cpus=True))})")
+        b.issue(
+            "strategy.simulated_cpu_replicas",
+            f"simulated_cpu_replicas does not apply to kind={s.kind}; "
+            f"remove it (it applies to {', '.join(kinds_where(simulated_cpus=True))})",
+        )
     acc, save_freq = cfg.runtime.gradient_accumulation_steps, cfg.fault_tolerance.save_freq
     if acc > 1 and isinstance(save_freq, int) and save_freq % acc:
         # A backup between two optimizer updates would lose the gradients accumulated so far.
-        b.issue("fault_tolerance.save_freq", f"received save_freq={save_freq} with runtime.gradient_accumulation_steps="
-                f"{acc}; back up at optimizer updates: use a multiple of {acc} (e.g. {save_freq - save_freq % acc or acc}) "
-                "or 'epoch'")
+        b.issue(
+            "fault_tolerance.save_freq",
+            f"received save_freq={save_freq} with runtime.gradient_accumulation_steps="
+            f"{acc}; back up at optimizer updates: use a multiple of {acc} (e.g. {save_freq - save_freq % acc or acc}) "
+            "or 'epoch'",
+        )
     if s.cluster == "indexed_job":
         job = s.indexed_job
         for key, value in (("hosts", job.hosts), ("workers", job.workers)):
             if value is None:
-                b.issue(f"strategy.indexed_job.{key}", f"received null with strategy.cluster=indexed_job; set it "
-                        "(hosts: a pattern such as train-{index}.train; workers: the Job's completions)")
+                b.issue(
+                    f"strategy.indexed_job.{key}",
+                    "received null with strategy.cluster=indexed_job; set it "
+                    "(hosts: a pattern such as train-{index}.train; workers: the Job's completions)",
+                )
         if job.hosts is not None and "{index}" not in job.hosts:
-            b.issue("strategy.indexed_job.hosts", f"received {job.hosts!r}, which has no {{index}}; expected a pattern "
-                    "that gives each worker its own host, such as train-{index}.train")
+            b.issue(
+                "strategy.indexed_job.hosts",
+                f"received {job.hosts!r}, which has no {{index}}; expected a pattern "
+                "that gives each worker its own host, such as train-{index}.train",
+            )
         if job.port > 65535:
-            b.issue("strategy.indexed_job.port", f"received {job.port}, expected a TCP port from 1 to 65535")
+            b.issue(
+                "strategy.indexed_job.port",
+                f"received {job.port}, expected a TCP port from 1 to 65535",
+            )
     if isinstance(s.slurm.port_base, int) and s.slurm.port_base > 65535 - 15:
-        b.issue("strategy.slurm.port_base", f"received {s.slurm.port_base}, expected a TCP port from 1 to 65520 (task i "
-                "on a node takes port_base + i) or 'auto'")
+        b.issue(
+            "strategy.slurm.port_base",
+            f"received {s.slurm.port_base}, expected a TCP port from 1 to 65520 (task i "
+            "on a node takes port_base + i) or 'auto'",
+        )
     return dataclasses.replace(cfg, batch=batch)
 
 
@@ -573,11 +798,25 @@ def load_config(
         data, lines = _parse_yaml(text, file)
         origin = "file"
         if data is None:
-            raise ConfigError(ConfigIssue(file, 1, "", "the file is empty; write at least one key, e.g. "
-                                          "'strategy: {kind: mirrored}', or delete the file to use the defaults"))
+            raise ConfigError(
+                ConfigIssue(
+                    file,
+                    1,
+                    "",
+                    "the file is empty; write at least one key, e.g. "
+                    "'strategy: {kind: mirrored}', or delete the file to use the defaults",
+                )
+            )
     if not isinstance(data, dict):
-        raise ConfigError(ConfigIssue(file, lines.get("", 1), "", f"received a {type(data).__name__} at the top "
-                                      "level, expected a mapping with keys such as strategy, batch, learning_rate"))
+        raise ConfigError(
+            ConfigIssue(
+                file,
+                lines.get("", 1),
+                "",
+                f"received a {type(data).__name__} at the top "
+                "level, expected a mapping with keys such as strategy, batch, learning_rate",
+            )
+        )
     given = _flatten(data)
     provenance = {k: origin for k in given}
     for name, dotted in ENV_KEYS.items():
@@ -601,10 +840,23 @@ def load_config(
     cfg = b.build(Config, data, "")
     cfg = _check_consistency(cfg, b, given)
     if b.issues:
-        from_env = {dotted: name for name, dotted in ENV_KEYS.items() if provenance.get(dotted) == "env"}
-        issues = [ConfigIssue(f"${from_env[i.key_path]}", None, i.key_path, f"{i.message}; fix or unset "
-                              f"${from_env[i.key_path]}") if i.key_path in from_env else i for i in b.issues]
-        raise ConfigError(sorted(issues, key=lambda i: i.line or 0))  # stable: file order within a line
+        from_env = {
+            dotted: name for name, dotted in ENV_KEYS.items() if provenance.get(dotted) == "env"
+        }
+        issues = [
+            ConfigIssue(
+                f"${from_env[i.key_path]}",
+                None,
+                i.key_path,
+                f"{i.message}; fix or unset ${from_env[i.key_path]}",
+            )
+            if i.key_path in from_env
+            else i
+            for i in b.issues
+        ]
+        raise ConfigError(
+            sorted(issues, key=lambda i: i.line or 0)
+        )  # stable: file order within a line
     return dataclasses.replace(cfg, source=file, text=text, provenance=provenance, verify=verify)
 
 
@@ -615,8 +867,15 @@ def _verify_request(env: Mapping[str, str]) -> VerifyRequest | None:
         return None
     raw = env.get(VERIFY_STEPS_ENV, "").strip() or "20"
     if not raw.isdigit() or int(raw) < 1:
-        raise ConfigError(ConfigIssue(f"${VERIFY_STEPS_ENV}", None, "", f"received {raw!r}, expected a number of "
-                                      f"optimizer steps >= 1 (e.g. 20); fix or unset ${VERIFY_STEPS_ENV}"))
+        raise ConfigError(
+            ConfigIssue(
+                f"${VERIFY_STEPS_ENV}",
+                None,
+                "",
+                f"received {raw!r}, expected a number of "
+                f"optimizer steps >= 1 (e.g. 20); fix or unset ${VERIFY_STEPS_ENV}",
+            )
+        )
     return VerifyRequest(record, int(raw), env.get(VERIFY_REPLAY_ENV, "").strip() or None)
 
 
@@ -632,8 +891,15 @@ def _verify_overrides(verify: VerifyRequest) -> dict[str, Any]:
     try:
         out.update(json.loads(path.read_text()))
     except (OSError, ValueError) as exc:
-        raise ConfigError(ConfigIssue(f"${VERIFY_REPLAY_ENV}", None, "", f"cannot read the recording's {path} "
-                                      f"({exc}); expected a folder written by a run with ${VERIFY_RECORD_ENV}")) from None
+        raise ConfigError(
+            ConfigIssue(
+                f"${VERIFY_REPLAY_ENV}",
+                None,
+                "",
+                f"cannot read the recording's {path} "
+                f"({exc}); expected a folder written by a run with ${VERIFY_RECORD_ENV}",
+            )
+        ) from None
     return out
 
 
@@ -644,11 +910,23 @@ def _plain(mapping: Mapping[str, Any]) -> dict[str, Any]:
 def _read_text(path: Path) -> str:
     file = str(path)
     if not path.exists():
-        raise ConfigError(ConfigIssue(file, None, "", "no such file; create one with 'keras-sync init' "
-                                      "or pass the right path"))
+        raise ConfigError(
+            ConfigIssue(
+                file,
+                None,
+                "",
+                "no such file; create one with 'keras-sync init' or pass the right path",
+            )
+        )
     if path.is_dir():
-        raise ConfigError(ConfigIssue(file, None, "", "is a directory, expected a YAML file "
-                                      f"(e.g. {path / DEFAULT_CONFIG_FILE})"))
+        raise ConfigError(
+            ConfigIssue(
+                file,
+                None,
+                "",
+                f"is a directory, expected a YAML file (e.g. {path / DEFAULT_CONFIG_FILE})",
+            )
+        )
     try:
         size_issue = file_size_issue(file, path.stat().st_size)
         if size_issue is not None:
@@ -657,13 +935,29 @@ def _read_text(path: Path) -> str:
             raw = f.read(MAX_FILE_BYTES + 1)  # a pipe or /proc file says size 0
         size_issue = file_size_issue(file, len(raw))
         if size_issue is not None:
-            raise ConfigError(ConfigIssue(file, None, "", f"the file is over the limit of {MAX_FILE_BYTES:,} "
-                                          "bytes (1 MiB) for a config file; check that this is the file you meant"))
+            raise ConfigError(
+                ConfigIssue(
+                    file,
+                    None,
+                    "",
+                    f"the file is over the limit of {MAX_FILE_BYTES:,} "
+                    "bytes (1 MiB) for a config file; check that this is the file you meant",
+                )
+            )
     except OSError as exc:
-        raise ConfigError(ConfigIssue(file, None, "", f"cannot read the file: {exc.strerror}")) from None
+        raise ConfigError(
+            ConfigIssue(file, None, "", f"cannot read the file: {exc.strerror}")
+        ) from None
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = raw[: exc.start].count(b"\n") + 1
-        raise ConfigError(ConfigIssue(file, line, "", f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset "
-                                      f"{exc.start}); save the file as UTF-8 YAML")) from None
+        raise ConfigError(
+            ConfigIssue(
+                file,
+                line,
+                "",
+                f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset "
+                f"{exc.start}); save the file as UTF-8 YAML",
+            )
+        ) from None

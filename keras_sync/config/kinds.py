@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 # Where a kind's replicas live on one worker (`keras_sync.strategy.device_layout`).
 LAYOUT_TENSORFLOW = "tensorflow"  # no device list: TensorFlow's default device, no simulated CPUs
-LAYOUT_LOCAL = "local"  # one replica per local device: simulated CPUs, strategy.devices, GPUs or the CPU
+LAYOUT_LOCAL = (
+    "local"  # one replica per local device: simulated CPUs, strategy.devices, GPUs or the CPU
+)
 LAYOUT_ONE = "one"  # the first of the local devices
 LAYOUT_TPU = "tpu"  # the TPU system names its cores when it starts
 LAYOUTS = (LAYOUT_TENSORFLOW, LAYOUT_LOCAL, LAYOUT_ONE, LAYOUT_TPU)
@@ -54,22 +56,61 @@ class KindSpec:
     scoped: bool = True
 
 
-KINDS: dict[str, KindSpec] = {spec.name: spec for spec in (
-    KindSpec("auto", "auto: a TPU if one is attached; multi_worker_mirrored when TF_CONFIG (or Slurm) names "
-                     "several workers; mirrored with several GPUs or simulated CPU replicas; else default.",
-             builder=None, layout=LAYOUT_LOCAL, accepts_devices=True),
-    KindSpec("default", "default: no distribution, TensorFlow's default device; plain Keras behaviour.",
-             builder="_build_default", layout=LAYOUT_TENSORFLOW, one_process=True, simulated_cpus=False, scoped=False),
-    KindSpec("one_device", "one_device: everything on one device (a good baseline to compare replicas against).",
-             builder="_build_one_device", layout=LAYOUT_ONE, one_process=True, accepts_devices=True, max_devices=1),
-    KindSpec("mirrored", "mirrored: one replica per local device, gradients all-reduced every step.",
-             builder="_build_mirrored", layout=LAYOUT_LOCAL, one_process=True, accepts_devices=True),
-    KindSpec("multi_worker_mirrored", "multi_worker_mirrored: several processes (machines), each with its local "
-                                      "devices. Try it on one machine: keras-sync launch --workers 2 train.py",
-             builder="_build_multi_worker", layout=LAYOUT_LOCAL, multi_process=True),
-    KindSpec("tpu", "tpu: a Cloud TPU or a TPU VM.",
-             builder="_build_tpu", layout=LAYOUT_TPU, simulated_cpus=False, drop_remainder=True),
-)}
+KINDS: dict[str, KindSpec] = {
+    spec.name: spec
+    for spec in (
+        KindSpec(
+            "auto",
+            "auto: a TPU if one is attached; multi_worker_mirrored when TF_CONFIG (or Slurm) names "
+            "several workers; mirrored with several GPUs or simulated CPU replicas; else default.",
+            builder=None,
+            layout=LAYOUT_LOCAL,
+            accepts_devices=True,
+        ),
+        KindSpec(
+            "default",
+            "default: no distribution, TensorFlow's default device; plain Keras behaviour.",
+            builder="_build_default",
+            layout=LAYOUT_TENSORFLOW,
+            one_process=True,
+            simulated_cpus=False,
+            scoped=False,
+        ),
+        KindSpec(
+            "one_device",
+            "one_device: everything on one device (a good baseline to compare replicas against).",
+            builder="_build_one_device",
+            layout=LAYOUT_ONE,
+            one_process=True,
+            accepts_devices=True,
+            max_devices=1,
+        ),
+        KindSpec(
+            "mirrored",
+            "mirrored: one replica per local device, gradients all-reduced every step.",
+            builder="_build_mirrored",
+            layout=LAYOUT_LOCAL,
+            one_process=True,
+            accepts_devices=True,
+        ),
+        KindSpec(
+            "multi_worker_mirrored",
+            "multi_worker_mirrored: several processes (machines), each with its local "
+            "devices. Try it on one machine: keras-sync launch --workers 2 train.py",
+            builder="_build_multi_worker",
+            layout=LAYOUT_LOCAL,
+            multi_process=True,
+        ),
+        KindSpec(
+            "tpu",
+            "tpu: a Cloud TPU or a TPU VM.",
+            builder="_build_tpu",
+            layout=LAYOUT_TPU,
+            simulated_cpus=False,
+            drop_remainder=True,
+        ),
+    )
+}
 
 STRATEGY_KINDS: tuple[str, ...] = tuple(KINDS)
 
@@ -84,5 +125,8 @@ def kinds_where(**facts: object) -> tuple[str, ...]:
     >>> kinds_where(one_process=True)
     ('default', 'one_device', 'mirrored')
     """
-    return tuple(name for name, spec in KINDS.items()
-                 if all(getattr(spec, key) == value for key, value in facts.items()))
+    return tuple(
+        name
+        for name, spec in KINDS.items()
+        if all(getattr(spec, key) == value for key, value in facts.items())
+    )

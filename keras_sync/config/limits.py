@@ -41,9 +41,14 @@ def file_size_issue(file: str, size: int) -> ConfigIssue | None:
     """The issue of a config file of ``size`` bytes, or None when it is within the limit."""
     if size <= MAX_FILE_BYTES:
         return None
-    return ConfigIssue(file, None, "", f"the file is {size:,} bytes, over the limit of {MAX_FILE_BYTES:,} bytes "
-                       "(1 MiB) for a config file; a keras-sync config is a few kilobytes: check that this is "
-                       "the file you meant")
+    return ConfigIssue(
+        file,
+        None,
+        "",
+        f"the file is {size:,} bytes, over the limit of {MAX_FILE_BYTES:,} bytes "
+        "(1 MiB) for a config file; a keras-sync config is a few kilobytes: check that this is "
+        "the file you meant",
+    )
 
 
 class SizeCounter:
@@ -57,8 +62,17 @@ class SizeCounter:
         self.file = file
         self.keys = 0
 
-    def node(self, path: str, depth: int, line: int | None, *, entry: bool = False, collection: bool = False,
-             key: str | None = None, string: str | None = None) -> None:
+    def node(
+        self,
+        path: str,
+        depth: int,
+        line: int | None,
+        *,
+        entry: bool = False,
+        collection: bool = False,
+        key: str | None = None,
+        string: str | None = None,
+    ) -> None:
         """One value at ``path``, ``depth`` collections deep (counting itself if it is one).
 
         ``entry``: it is a mapping key or a list item; ``key``: it is a mapping key of this name;
@@ -67,19 +81,37 @@ class SizeCounter:
         if entry:
             self.keys += 1
             if self.keys > MAX_KEYS:
-                self._refuse(path, line, f"more than {MAX_KEYS:,} keys and list items, the limit for a config; "
-                             "a keras-sync config has about 40: check that this is the file you meant")
+                self._refuse(
+                    path,
+                    line,
+                    f"more than {MAX_KEYS:,} keys and list items, the limit for a config; "
+                    "a keras-sync config has about 40: check that this is the file you meant",
+                )
         if key is not None and len(key) > MAX_KEY_CHARS:
-            self._refuse(path, line, f"a key of {len(key):,} characters, over the limit of {MAX_KEY_CHARS} for a "
-                         "key name; the config's keys are words such as run_name (keras-sync schema lists them)")
+            self._refuse(
+                path,
+                line,
+                f"a key of {len(key):,} characters, over the limit of {MAX_KEY_CHARS} for a "
+                "key name; the config's keys are words such as run_name (keras-sync schema lists them)",
+            )
         if collection and depth > MAX_DEPTH:
-            self._refuse(path, line, f"nested more than {MAX_DEPTH} levels deep, the limit for a config; its "
-                         "sections nest 3 levels (keras-sync schema shows them)")
-        if string is not None and len(string) * 4 > MAX_STRING_BYTES:  # at most 4 UTF-8 bytes a character
+            self._refuse(
+                path,
+                line,
+                f"nested more than {MAX_DEPTH} levels deep, the limit for a config; its "
+                "sections nest 3 levels (keras-sync schema shows them)",
+            )
+        if (
+            string is not None and len(string) * 4 > MAX_STRING_BYTES
+        ):  # at most 4 UTF-8 bytes a character
             size = len(string.encode("utf-8", "surrogatepass"))
             if size > MAX_STRING_BYTES:
-                self._refuse(path, line, f"a string of {size:,} bytes, over the limit of {MAX_STRING_BYTES:,} "
-                             "bytes (64 KiB) for a config value; names, paths and URIs are shorter: shorten it")
+                self._refuse(
+                    path,
+                    line,
+                    f"a string of {size:,} bytes, over the limit of {MAX_STRING_BYTES:,} "
+                    "bytes (64 KiB) for a config value; names, paths and URIs are shorter: shorten it",
+                )
 
     def _refuse(self, path: str, line: int | None, message: str) -> None:
         raise ConfigError(ConfigIssue(self.file, line, shown_path(path), message))
@@ -107,8 +139,14 @@ def check_data(data: Any, file: str) -> None:
             counter.node(path, depth, None, entry=True, key=key)
             entry = False
         is_collection = isinstance(value, (Mapping, list, tuple))
-        counter.node(path, depth + is_collection, None, entry=entry, collection=is_collection,
-                     string=value if isinstance(value, str) else None)
+        counter.node(
+            path,
+            depth + is_collection,
+            None,
+            entry=entry,
+            collection=is_collection,
+            string=value if isinstance(value, str) else None,
+        )
         if is_collection and counter.keys + len(value) > MAX_KEYS:
             counter.keys += len(value)
             counter.node(path, depth, None, entry=True)  # refuses: no need to walk them one by one
@@ -125,6 +163,6 @@ def _key_name(key: Any) -> str:
     if isinstance(key, str):
         return key
     try:
-        return repr(key)[:MAX_KEY_CHARS + 1]
+        return repr(key)[: MAX_KEY_CHARS + 1]
     except ValueError:  # an int of more than 4,300 digits
         return f"<{type(key).__name__}>"

@@ -72,17 +72,23 @@ class Choice(Spec):
             raise FieldValueError(
                 f"received {_show(value)}, expected one of {', '.join(self.values)}. "
                 f"YAML 1.1 reads the bare words {_YAML11_BOOL_WORDS} as booleans: "
-                f"quote the value, e.g. \"off\""
+                f'quote the value, e.g. "off"'
             )
         if not isinstance(value, str):
-            raise FieldValueError(f"received {_show(value)}, expected one of {', '.join(self.values)}")
+            raise FieldValueError(
+                f"received {_show(value)}, expected one of {', '.join(self.values)}"
+            )
         normal = value.strip().lower().replace("-", "_")
         if normal not in self.values:
             import difflib
 
-            close = [v for k, v in self.hints if k == normal] or difflib.get_close_matches(normal, self.values, n=1)
+            close = [v for k, v in self.hints if k == normal] or difflib.get_close_matches(
+                normal, self.values, n=1
+            )
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise FieldValueError(f"received {value!r}, expected one of {', '.join(self.values)}{hint}")
+            raise FieldValueError(
+                f"received {value!r}, expected one of {', '.join(self.values)}{hint}"
+            )
         return normal
 
     def describe(self) -> str:

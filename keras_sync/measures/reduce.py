@@ -23,9 +23,11 @@ def check_writer(writer: Any, method: str) -> None:
     keras_sync.errors.UsageError: Invalid value for argument `writer`. Received: writer='w', which has no ...
     """
     if writer is not None and not hasattr(writer, method):
-        raise UsageError(f"Invalid value for argument `writer`. Received: writer={writer!r}, which has no "
-                         f"`{method}`. Expected a keras_sync.tracking.MlflowWriter or another object with the "
-                         "methods of keras_sync.tracking.Writer, or None on workers that do not write.")
+        raise UsageError(
+            f"Invalid value for argument `writer`. Received: writer={writer!r}, which has no "
+            f"`{method}`. Expected a keras_sync.tracking.MlflowWriter or another object with the "
+            "methods of keras_sync.tracking.Writer, or None on workers that do not write."
+        )
 
 
 def grad_norm_spread(norms: Sequence[float]) -> float:
@@ -115,12 +117,17 @@ def throughput(examples: float, seconds: float, num_replicas: int) -> dict[str, 
 
 
 #: The keys of `window_peaks`: each the largest value over the steps since the previous logged point.
-WINDOW_KEYS = ("sync/window_max/loss", "sync/window_max/loss_spread", "sync/window_max/grad_norm",
-               "sync/window_max/grad_norm_spread")
+WINDOW_KEYS = (
+    "sync/window_max/loss",
+    "sync/window_max/loss_spread",
+    "sync/window_max/grad_norm",
+    "sync/window_max/grad_norm_spread",
+)
 
 
-def window_peaks(peaks: dict[str, float] | None, losses: Sequence[float],
-                 grad_norms: Sequence[float]) -> dict[str, float]:
+def window_peaks(
+    peaks: dict[str, float] | None, losses: Sequence[float], grad_norms: Sequence[float]
+) -> dict[str, float]:
     """Fold one step's per-replica values into the peaks of a window of steps (a new dict).
 
     Between two logged points the steps in between are not logged one by one; their peaks are,
@@ -136,8 +143,15 @@ def window_peaks(peaks: dict[str, float] | None, losses: Sequence[float],
     out = dict(peaks or {})
     losses = [float(v) for v in losses if not math.isnan(v)]
     norms = [float(v) for v in grad_norms if not math.isnan(v)]
-    values = zip(WINDOW_KEYS, (max(losses, default=math.nan), loss_spread(losses),
-                               max(norms, default=math.nan), grad_norm_spread(norms)))
+    values = zip(
+        WINDOW_KEYS,
+        (
+            max(losses, default=math.nan),
+            loss_spread(losses),
+            max(norms, default=math.nan),
+            grad_norm_spread(norms),
+        ),
+    )
     for key, v in values:
         if not math.isnan(v):
             out[key] = max(out.get(key, v), v)

@@ -29,7 +29,9 @@ BETWEEN_KEY = "sync/between_steps_ms/worker_{i}"
 COMPUTE_KEY = "sync/compute_ms/worker_{i}"
 
 
-def worker_times(between_us: Sequence[float], computes_us: Sequence[float], num_workers: int) -> dict[str, float]:
+def worker_times(
+    between_us: Sequence[float], computes_us: Sequence[float], num_workers: int
+) -> dict[str, float]:
     """``sync/between_steps_ms/worker_{i}`` and ``sync/compute_ms/worker_{i}`` of one step, from each
     replica's times in microseconds (replicas of worker 0 first; a negative time was not measured).
     A worker's value is the largest of its replicas'. Nothing with fewer than 2 workers.
@@ -46,8 +48,8 @@ def worker_times(between_us: Sequence[float], computes_us: Sequence[float], num_
         return out
     per = len(between_us) // num_workers
     for w in range(num_workers):
-        between = [v for v in between_us[w * per:(w + 1) * per] if v >= 0]
-        computes = [v for v in computes_us[w * per:(w + 1) * per] if v >= 0]
+        between = [v for v in between_us[w * per : (w + 1) * per] if v >= 0]
+        computes = [v for v in computes_us[w * per : (w + 1) * per] if v >= 0]
         if between:
             out[BETWEEN_KEY.format(i=w)] = max(between) / 1000.0
         if computes:
@@ -63,8 +65,11 @@ def own_times(metrics: dict[str, float], num_workers: int) -> list[float]:
     ...            'sync/between_steps_ms/worker_1': 1.0, 'sync/compute_ms/worker_1': 2.0}, 2)
     [202.0, 3.0]
     """
-    return [metrics.get(BETWEEN_KEY.format(i=w), math.nan) + metrics.get(COMPUTE_KEY.format(i=w), math.nan)
-            for w in range(num_workers)]
+    return [
+        metrics.get(BETWEEN_KEY.format(i=w), math.nan)
+        + metrics.get(COMPUTE_KEY.format(i=w), math.nan)
+        for w in range(num_workers)
+    ]
 
 
 def slowest(own_ms: Sequence[float]) -> tuple[int, float, float] | None:
@@ -108,7 +113,9 @@ class SlowWorkerWatch:
         self._since = 0.0
         self.said = False
 
-    def update(self, own_ms: Sequence[float], between_ms: Sequence[float], t_s: float) -> str | None:
+    def update(
+        self, own_ms: Sequence[float], between_ms: Sequence[float], t_s: float
+    ) -> str | None:
         """Feed one logged step (each worker's own time and time between steps, ms; its wall time, s)."""
         found = slowest(own_ms)
         if found is None or found[0] != self._worker:
@@ -119,8 +126,10 @@ class SlowWorkerWatch:
         self.said = True
         w, t, median = found
         between = between_ms[w]
-        return (f"keras-sync: worker {w} holds the job back: for {t_s - self._since:.0f} s it took {t:.0f} ms a "
-                f"step to reach the gradient all-reduce ({between:.0f} ms between steps, compute "
-                f"{t - between:.0f} ms) "
-                f"against the other workers' median of {median:.0f} ms, and they wait for it. Its times are "
-                f"{BETWEEN_KEY.format(i=w)} and {COMPUTE_KEY.format(i=w)} in MLflow.")
+        return (
+            f"keras-sync: worker {w} holds the job back: for {t_s - self._since:.0f} s it took {t:.0f} ms a "
+            f"step to reach the gradient all-reduce ({between:.0f} ms between steps, compute "
+            f"{t - between:.0f} ms) "
+            f"against the other workers' median of {median:.0f} ms, and they wait for it. Its times are "
+            f"{BETWEEN_KEY.format(i=w)} and {COMPUTE_KEY.format(i=w)} in MLflow."
+        )

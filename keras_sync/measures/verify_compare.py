@@ -12,11 +12,12 @@ their norms; the update the optimizer applied is the same quantity in both runs.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 #: Unit roundoff of the formats a step may compute in (IEEE float32, float16; bfloat16).
-EPS = {"float32": 2.0 ** -23, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}
+EPS = {"float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}
 #: The quantities compared at every step, in the order a cause is looked for.
 QUANTITIES = ("examples", "lr", "loss", "update")
 
@@ -84,8 +85,9 @@ class Verdict:
     steps: int = 0
 
 
-def partings(subject: Sequence[Mapping[str, float]], reference: Sequence[Mapping[str, float]],
-             tol: float) -> list[Parting]:
+def partings(
+    subject: Sequence[Mapping[str, float]], reference: Sequence[Mapping[str, float]], tol: float
+) -> list[Parting]:
     """Every (step, quantity) where the two runs differ beyond ``tol``, step by step.
 
     >>> a = [{"examples": 8, "lr": 0.1, "loss": 1.0, "update": 0.5}] * 2
@@ -101,8 +103,10 @@ def partings(subject: Sequence[Mapping[str, float]], reference: Sequence[Mapping
     return out
 
 
-def gradient_scale(subject: Mapping[str, float], reference: Mapping[str, float], replicas: int) -> str | None:
-    """"N times too large" / "N times too small" when the first updates' norms differ by the replica count.
+def gradient_scale(
+    subject: Mapping[str, float], reference: Mapping[str, float], replicas: int
+) -> str | None:
+    """ "N times too large" / "N times too small" when the first updates' norms differ by the replica count.
 
     A custom `train_step` whose loss is not divided by the replicas, summed by the all-reduce, gives N
     times one device's gradient; with plain SGD the update is N times as large (adaptive optimizers
@@ -126,8 +130,13 @@ def gradient_scale(subject: Mapping[str, float], reference: Mapping[str, float],
     return None
 
 
-def likely_cause(first: Sequence[Parting], subject: Sequence[Mapping[str, float]],
-                 reference: Sequence[Mapping[str, float]], facts: Mapping[str, Any], replicas: int) -> str:
+def likely_cause(
+    first: Sequence[Parting],
+    subject: Sequence[Mapping[str, float]],
+    reference: Sequence[Mapping[str, float]],
+    facts: Mapping[str, Any],
+    replicas: int,
+) -> str:
     """The likely cause of a difference, from what the runs measured first and what the model holds.
 
     ``facts`` (the recording's): ``batch_norm`` (layers), ``sync_batch_norm``, ``random_layers``
@@ -145,43 +154,66 @@ def likely_cause(first: Sequence[Parting], subject: Sequence[Mapping[str, float]
     quantities = {p.quantity for p in first}
     if "examples" in quantities:
         p = next(p for p in first if p.quantity == "examples")
-        return (f"examples per step differ: {p.subject:g} distributed, {p.reference:g} on one device at step "
-                f"{p.step} (data sharded twice, a dataset's own batch, or an uneven last batch)")
+        return (
+            f"examples per step differ: {p.subject:g} distributed, {p.reference:g} on one device at step "
+            f"{p.step} (data sharded twice, a dataset's own batch, or an uneven last batch)"
+        )
     if "lr" in quantities:
         p = next(p for p in first if p.quantity == "lr")
-        return (f"the learning rate applied differs: {p.subject:g} distributed, {p.reference:g} on one device at "
-                f"step {p.step} (a schedule or rate set outside keras-sync's scaling)")
+        return (
+            f"the learning rate applied differs: {p.subject:g} distributed, {p.reference:g} on one device at "
+            f"step {p.step} (a schedule or rate set outside keras-sync's scaling)"
+        )
     scale = gradient_scale(subject[0], reference[0], replicas) if subject and reference else None
     causes = []
     if scale is not None:
-        why = ("the custom train_step's loss is not divided by the replica count and "
-               f"runtime.train_step_gradients is {facts.get('train_step_gradients', 'sum')}, so the replicas' "
-               "gradients are summed" if facts.get("custom_train_step") else
-               "a loss reduction of sum, or a custom train_step, sums the replicas' gradients")
+        why = (
+            "the custom train_step's loss is not divided by the replica count and "
+            f"runtime.train_step_gradients is {facts.get('train_step_gradients', 'sum')}, so the replicas' "
+            "gradients are summed"
+            if facts.get("custom_train_step")
+            else "a loss reduction of sum, or a custom train_step, sums the replicas' gradients"
+        )
         causes.append(f"the gradient is {scale} ({why})")
     if facts.get("batch_norm") and not facts.get("sync_batch_norm"):
-        causes.append(f"BatchNorm batch statistics: {facts['batch_norm']} BatchNormalization layer(s) normalise "
-                      "each replica's share of the batch, not the global batch (set runtime.sync_batch_norm: true)")
+        causes.append(
+            f"BatchNorm batch statistics: {facts['batch_norm']} BatchNormalization layer(s) normalise "
+            "each replica's share of the batch, not the global batch (set runtime.sync_batch_norm: true)"
+        )
     if facts.get("random_layers"):
-        causes.append(f"random ops draw different numbers on each replica ({', '.join(facts['random_layers'])}: "
-                      "Dropout, random augmentation), so the runs are equal in distribution, not in value")
+        causes.append(
+            f"random ops draw different numbers on each replica ({', '.join(facts['random_layers'])}: "
+            "Dropout, random augmentation), so the runs are equal in distribution, not in value"
+        )
     if facts.get("add_loss"):
-        causes.append(f"an add_loss term that sums over the batch ({facts['add_loss']} term(s)): each replica's "
-                      "share is divided by the replica count again, so it counts 1/N of one device's")
+        causes.append(
+            f"an add_loss term that sums over the batch ({facts['add_loss']} term(s)): each replica's "
+            "share is divided by the replica count again, so it counts 1/N of one device's"
+        )
     if facts.get("precision", "float32") != "float32":
         causes.append(f"mixed-precision ops ({facts['precision']}) beyond their tolerance")
     if causes:
-        return causes[0] + (f" (also possible: {'; '.join(c.split(':')[0].split(' (')[0] for c in causes[1:])})"
-                            if len(causes) > 1 else "")
+        return causes[0] + (
+            f" (also possible: {'; '.join(c.split(':')[0].split(' (')[0] for c in causes[1:])})"
+            if len(causes) > 1
+            else ""
+        )
     if first and first[0].step == 0 and first[0].quantity == "loss":
-        return ("the first loss differs before any update, from the same weights: the batches differ (a data "
-                "order or generator that verify could not make deterministic) or a non-deterministic op")
+        return (
+            "the first loss differs before any update, from the same weights: the batches differ (a data "
+            "order or generator that verify could not make deterministic) or a non-deterministic op"
+        )
     shown = ", ".join(f"{p.quantity} at step {p.step}" for p in first[:3]) or "the final weights"
     return f"no known cause fits; what differed: {shown}"
 
 
-def verdict(subject: Sequence[Mapping[str, float]], reference: Sequence[Mapping[str, float]],
-            layers: Mapping[str, tuple[float, float]], facts: Mapping[str, Any], replicas: int) -> Verdict:
+def verdict(
+    subject: Sequence[Mapping[str, float]],
+    reference: Sequence[Mapping[str, float]],
+    layers: Mapping[str, tuple[float, float]],
+    facts: Mapping[str, Any],
+    replicas: int,
+) -> Verdict:
     """Compare two recordings. ``layers``: layer -> (largest |weight difference|, largest |weight|).
 
     >>> run = [{"examples": 8, "lr": 0.1, "loss": 1.0, "update": 0.5}] * 3

@@ -7,20 +7,28 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
-from keras_sync.upstream.strategy_facts import in_multi_worker_mode  # also importable from here, as before
 from keras_sync.config import Config, StrategyConfig
-from keras_sync.errors import KerasSyncError, StrategyError, UsageError
 from keras_sync.config.kinds import KINDS, LAYOUT_ONE, LAYOUT_TENSORFLOW, LAYOUT_TPU, kinds_where
+from keras_sync.errors import KerasSyncError, StrategyError, UsageError
+from keras_sync.upstream.strategy_facts import (
+    in_multi_worker_mode,
+)  # also importable from here, as before
 
 if TYPE_CHECKING:  # pragma: no cover
     import tensorflow as tf
 
 # Environment variables that Cloud TPU VMs, Colab and GKE set when a TPU is attached.
-_TPU_ENV_VARS = ("TPU_NAME", "COLAB_TPU_ADDR", "TPU_ACCELERATOR_TYPE", "KUBE_GOOGLE_CLOUD_TPU_ENDPOINTS")
+_TPU_ENV_VARS = (
+    "TPU_NAME",
+    "COLAB_TPU_ADDR",
+    "TPU_ACCELERATOR_TYPE",
+    "KUBE_GOOGLE_CLOUD_TPU_ENDPOINTS",
+)
 
 
 @dataclass(frozen=True)
@@ -81,7 +89,9 @@ def refuse_one_process_kind(config: Config, workers: int, started_by: str, alone
     kind = config.strategy.kind
     if workers <= 1 or not KINDS[kind].one_process:
         return
-    joined = " or ".join(kinds_where(builder=None) + kinds_where(multi_process=True))  # auto picks one that joins
+    joined = " or ".join(
+        kinds_where(builder=None) + kinds_where(multi_process=True)
+    )  # auto picks one that joins
     raise UsageError(
         f"{started_by}, but strategy.kind is {kind!r} in {config.origin()}, a kind that runs in one process: each "
         f"worker would train on its own. Fix: set strategy.kind: {joined}, or {alone}."
@@ -100,9 +110,14 @@ def check_one_process(config: Config, environ: Mapping[str, str] | None = None) 
         workers, where = count_workers(config, os.environ if environ is None else environ)
     except KerasSyncError:  # a cluster description a one-process kind never reads
         return
-    refuse_one_process_kind(config, workers, f"{where} names {workers} workers", "start one process only")
+    refuse_one_process_kind(
+        config, workers, f"{where} names {workers} workers", "start one process only"
+    )
 
-def detect(config: Config, environ: Mapping[str, str] | None = None, *, gpus: int | None = None) -> Detection:
+
+def detect(
+    config: Config, environ: Mapping[str, str] | None = None, *, gpus: int | None = None
+) -> Detection:
     """Resolve `strategy.kind: auto` (other kinds are returned as they are), with the reason.
 
     Order: a reachable TPU; ``multi_worker_mirrored`` when the cluster names more than one worker;
@@ -158,7 +173,9 @@ def device_layout(kind: str, cfg: StrategyConfig, *, gpus: int) -> DeviceLayout:
     if spec.builder is None or spec.layout == LAYOUT_TPU:
         raise ValueError(f"device_layout: no local device layout for kind={kind!r}")
     tf_default = DeviceLayout(("/gpu:0" if gpus else "/cpu:0",), "tensorflow")
-    if spec.layout == LAYOUT_TENSORFLOW:  # e.g. tf.distribute.get_strategy(): no device list, no simulated CPUs
+    if (
+        spec.layout == LAYOUT_TENSORFLOW
+    ):  # e.g. tf.distribute.get_strategy(): no device list, no simulated CPUs
         return tf_default
     if cfg.simulated_cpu_replicas:
         layout = DeviceLayout(tuple(_simulated_cpu_names(cfg.simulated_cpu_replicas)), "simulated")
@@ -190,7 +207,9 @@ def configure_simulated_cpus(n: int) -> list[str]:
     if current is not None and len(current) == n:
         return names
     try:
-        tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * n)
+        tf.config.set_logical_device_configuration(
+            cpus[0], [tf.config.LogicalDeviceConfiguration()] * n
+        )
     except RuntimeError as exc:
         raise StrategyError(
             f"Cannot split the CPU into strategy.simulated_cpu_replicas={n} logical devices: TensorFlow has "
@@ -238,7 +257,10 @@ def _local_devices(kind: str, cfg: StrategyConfig) -> tuple[DeviceLayout, int]:
     if layout.source == "strategy.devices":
         from keras_sync.strategy.devices import canonical
 
-        known = {canonical(d.name, where="TensorFlow's devices"): d.name for d in tf.config.list_logical_devices()}
+        known = {
+            canonical(d.name, where="TensorFlow's devices"): d.name
+            for d in tf.config.list_logical_devices()
+        }
         for dev in layout.devices:
             if canonical(dev, where="strategy.devices") not in known:
                 raise StrategyError(
@@ -270,12 +292,15 @@ def _build_mirrored(config: Config) -> tf.distribute.Strategy:
 
 
 def _build_multi_worker(config: Config) -> tf.distribute.Strategy:
-    from keras_sync.upstream import internals as _internals, keras_fixes as _keras_compat
-    from keras_sync.strategy import multi_worker as _multi_worker
     from keras_sync import cluster
+    from keras_sync.strategy import multi_worker as _multi_worker
+    from keras_sync.upstream import internals as _internals
+    from keras_sync.upstream import keras_fixes as _keras_compat
 
     cfg = config.strategy
-    _internals.require("multi_worker_strategy")  # private TF internals the builder subclasses and configures
+    _internals.require(
+        "multi_worker_strategy"
+    )  # private TF internals the builder subclasses and configures
     cluster.check_tf_config_order()  # tensorflow#60706: TF_CONFIG must be set before TF joins a cluster
     if cfg.simulated_cpu_replicas:
         configure_simulated_cpus(cfg.simulated_cpu_replicas)
@@ -300,12 +325,16 @@ def _build_tpu(config: Config) -> tf.distribute.Strategy:
     tpu = config.strategy.tpu
     address = tpu.name or ""
     try:
-        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=address, zone=tpu.zone, project=tpu.project)
+        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(
+            tpu=address, zone=tpu.zone, project=tpu.project
+        )
         if address not in ("", "local"):
             tf.config.experimental_connect_to_cluster(resolver)
         tf.tpu.experimental.initialize_tpu_system(resolver)
         return tf.distribute.TPUStrategy(resolver)
-    except Exception as exc:  # TF raises ValueError, NotFoundError, RuntimeError... all mean "no TPU here"
+    except (
+        Exception
+    ) as exc:  # TF raises ValueError, NotFoundError, RuntimeError... all mean "no TPU here"
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         detail = detail.split(". ")[0][:160]
         raise StrategyError(
@@ -317,7 +346,7 @@ def _build_tpu(config: Config) -> tf.distribute.Strategy:
 
 # kind -> builder, from the kinds table (`keras_sync.config.kinds`): a new kind is an entry there and its
 # `_build_<kind>` function here.
-BUILDERS: dict[str, Callable[[Config], "tf.distribute.Strategy"]] = {
+BUILDERS: dict[str, Callable[[Config], tf.distribute.Strategy]] = {
     name: globals()[spec.builder] for name, spec in KINDS.items() if spec.builder is not None
 }
 
@@ -346,7 +375,9 @@ def require_tensorflow() -> None:
         ) from None
 
 
-def build_strategy(config: Config, environ: Mapping[str, str] | None = None) -> tuple[tf.distribute.Strategy, Detection]:
+def build_strategy(
+    config: Config, environ: Mapping[str, str] | None = None
+) -> tuple[tf.distribute.Strategy, Detection]:
     """Build the configured `tf.distribute.Strategy` (call before any other TensorFlow work)."""
     require_tensorflow()
     detection = detect(config, environ)

@@ -28,10 +28,10 @@ import logging
 import re
 from typing import TYPE_CHECKING, Any
 
-from keras_sync.upstream import internals as _internals
 from keras_sync.cluster import TRAINING_JOBS
 from keras_sync.config import COMMUNICATIONS
 from keras_sync.errors import ConnectTimeoutError, StrategyError
+from keras_sync.upstream import internals as _internals
 
 if TYPE_CHECKING:
     import tensorflow as tf
@@ -89,6 +89,7 @@ def _normalize_devices(local_devices: list[str]) -> tuple[list[str], str]:
 def _strategy_classes() -> tuple[type, type]:
     """The strategy subclass and its extended object, defined on first use (TF is heavy)."""
     import tensorflow as tf
+
     # Private (no public subclassing point); probed in keras_sync/upstream/internals.py.
     from tensorflow.python.distribute import collective_all_reduce_strategy as cars
 
@@ -169,8 +170,10 @@ def build_multi_worker_strategy(
     from tensorflow.python.distribute import multi_worker_util
     from tensorflow.python.eager import context
 
-    impls = {name: getattr(tf.distribute.experimental.CommunicationImplementation, name.upper())
-             for name in COMMUNICATIONS}
+    impls = {
+        name: getattr(tf.distribute.experimental.CommunicationImplementation, name.upper())
+        for name in COMMUNICATIONS
+    }
     key = communication.lower() if isinstance(communication, str) else communication
     if key not in impls:
         raise StrategyError(
@@ -193,7 +196,10 @@ def build_multi_worker_strategy(
     if len(tasks) <= 1:
         # No TF_CONFIG, or one training task: TF would still start a gRPC server on the
         # task's port and a coordination service; one worker needs neither.
-        logger.info("MultiWorkerMirroredStrategy as a single worker: cluster has %d training task(s)", len(tasks))
+        logger.info(
+            "MultiWorkerMirroredStrategy as a single worker: cluster has %d training task(s)",
+            len(tasks),
+        )
         local = tf.distribute.cluster_resolver.SimpleClusterResolver(
             tf.train.ClusterSpec({}),
             task_type=resolver.task_type,

@@ -32,18 +32,36 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from keras_sync.tracking import courier as _courier
-from keras_sync.tracking.handover import Handover, step_ranges
-from keras_sync.tracking.records import (BEGIN, CREDENTIALS, END, FILE, MAX_KEY_LENGTH, MAX_PARAM_VALUE_LENGTH,
-                                         MAX_TAG_VALUE_LENGTH, METRICS, MODEL, PARAMS, REPORT, STOP, STORE_FAILING,
-                                         TAGS, TEXT, BOOKKEEPING, cause_in_a_word, cause_in_words, is_http,
-                                         is_last_record)
-from keras_sync.tracking.spool import Position, SpoolDir, SpoolFull
 from keras_sync.config import MlflowConfig
 from keras_sync.errors import TrackingError
+from keras_sync.tracking import courier as _courier
+from keras_sync.tracking.handover import Handover, step_ranges
+from keras_sync.tracking.records import (
+    BEGIN,
+    BOOKKEEPING,
+    CREDENTIALS,
+    END,
+    FILE,
+    MAX_KEY_LENGTH,
+    MAX_PARAM_VALUE_LENGTH,
+    MAX_TAG_VALUE_LENGTH,
+    METRICS,
+    MODEL,
+    PARAMS,
+    REPORT,
+    STOP,
+    STORE_FAILING,
+    TAGS,
+    TEXT,
+    cause_in_a_word,
+    cause_in_words,
+    is_http,
+    is_last_record,
+)
 from keras_sync.tracking.redact import redact_text as _redact
 from keras_sync.tracking.redact import redact_uri
 from keras_sync.tracking.redact import secrets_of as _secrets_of
+from keras_sync.tracking.spool import Position, SpoolDir, SpoolFull
 
 _log = logging.getLogger("keras_sync.tracking")
 
@@ -67,7 +85,9 @@ RESERVE_BYTES = 16 * 1024
 LOST_TAG = "keras_sync.metrics_lost"
 
 
-def resolve_tracking_uri(configured: str | None, *, cwd: str | os.PathLike[str] | None = None) -> tuple[str, str]:
+def resolve_tracking_uri(
+    configured: str | None, *, cwd: str | os.PathLike[str] | None = None
+) -> tuple[str, str]:
     """Fill in MLflow's default tracking URI when the config has none.
 
     The one precedence rule (flag > ``$MLFLOW_TRACKING_URI`` > YAML > default) is applied by
@@ -115,15 +135,19 @@ def end_runs_at_exit_as(status: str) -> None:
     """
     global _exit_status
     if status not in _RUN_STATUSES:
-        raise TrackingError(f"Invalid value for argument `status`. Received: status={status!r}. "
-                            f"Expected one of {', '.join(_RUN_STATUSES)}.")
+        raise TrackingError(
+            f"Invalid value for argument `status`. Received: status={status!r}. "
+            f"Expected one of {', '.join(_RUN_STATUSES)}."
+        )
     _exit_status = status
 
 
 @atexit.register
 def _close_at_exit() -> None:
     # An uncaught exception has been printed by now, and left sys.last_type behind.
-    status = "FAILED" if getattr(sys, "last_type", None) is not None else (_exit_status or "FINISHED")
+    status = (
+        "FAILED" if getattr(sys, "last_type", None) is not None else (_exit_status or "FINISHED")
+    )
     # What `fit` left to deliver in the background is waited for here, while delivery makes
     # progress, with one line saying what is left and that Ctrl-C leaves it in the spool. A
     # preempted job (KILLED) has a grace period to keep: its relaunch delivers what is left.
@@ -154,7 +178,9 @@ class Writer(Protocol):
     each `fit`) and ``end_run(status, timeout_s)`` (when `keras_sync.Sync.fit` returns).
     """
 
-    def log_metrics(self, metrics: dict[str, float], step: int, timestamp_ms: int | None = None) -> None: ...
+    def log_metrics(
+        self, metrics: dict[str, float], step: int, timestamp_ms: int | None = None
+    ) -> None: ...
 
     def log_params(self, params: dict[str, object]) -> None: ...
 
@@ -162,7 +188,9 @@ class Writer(Protocol):
 
     def log_text_artifact(self, text: str, artifact_file: str) -> None: ...
 
-    def log_artifact_file(self, local_path: str | os.PathLike[str], artifact_path: str | None = None) -> None: ...
+    def log_artifact_file(
+        self, local_path: str | os.PathLike[str], artifact_path: str | None = None
+    ) -> None: ...
 
     def flush(self, timeout_s: float | None = None) -> bool: ...
 
@@ -195,18 +223,32 @@ class MlflowWriter:
         >>> w.start(); w.log_metrics({"loss": 0.3}, step=1); w.close()  # doctest: +SKIP
     """
 
-    def __init__(self, *, tracking_uri: str, experiment: str, run_name: str | None = None,
-                 job_id: str | None = None, job_id_explicit: bool = True, run_id: str | None = None,
-                 spool_dir: str | os.PathLike[str] | None = None):
+    def __init__(
+        self,
+        *,
+        tracking_uri: str,
+        experiment: str,
+        run_name: str | None = None,
+        job_id: str | None = None,
+        job_id_explicit: bool = True,
+        run_id: str | None = None,
+        spool_dir: str | os.PathLike[str] | None = None,
+    ):
         if not tracking_uri or not isinstance(tracking_uri, str):
-            raise TrackingError(f"Invalid value for argument `tracking_uri`. Received: "
-                                f"tracking_uri={tracking_uri!r}. Expected a non-empty URI string.")
+            raise TrackingError(
+                f"Invalid value for argument `tracking_uri`. Received: "
+                f"tracking_uri={tracking_uri!r}. Expected a non-empty URI string."
+            )
         if not experiment or not isinstance(experiment, str):
-            raise TrackingError(f"Invalid value for argument `experiment`. Received: "
-                                f"experiment={experiment!r}. Expected a non-empty name.")
+            raise TrackingError(
+                f"Invalid value for argument `experiment`. Received: "
+                f"experiment={experiment!r}. Expected a non-empty name."
+            )
         if job_id is not None and not _JOB_ID.match(str(job_id)):
-            raise TrackingError(f"Invalid value for argument `job_id`. Received: job_id={job_id!r}. "
-                                "Expected 1-250 letters, digits or `_.:/@+-` (no quotes or spaces).")
+            raise TrackingError(
+                f"Invalid value for argument `job_id`. Received: job_id={job_id!r}. "
+                "Expected 1-250 letters, digits or `_.:/@+-` (no quotes or spaces)."
+            )
         self._uri = tracking_uri
         self.shown_uri = redact_uri(tracking_uri)
         self._secrets = _secrets_of(tracking_uri, os.environ)
@@ -215,13 +257,21 @@ class MlflowWriter:
         try:
             root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise TrackingError(f"Invalid value for argument `spool_dir`. Received: spool_dir={str(root)!r}, "
-                                f"which cannot be created ({e.strerror}). Expected a writable directory.") from None
+            raise TrackingError(
+                f"Invalid value for argument `spool_dir`. Received: spool_dir={str(root)!r}, "
+                f"which cannot be created ({e.strerror}). Expected a writable directory."
+            ) from None
         self.job_id = job_id or f"run-{uuid.uuid4().hex[:12]}"
         self.job_id_explicit = bool(job_id and job_id_explicit)
-        self._header = {"v": 2, "experiment": experiment, "run_name": run_name, "job_id": self.job_id,
-                        "explicit": self.job_id_explicit, "tracking_uri": self.shown_uri,
-                        "run_id": run_id}
+        self._header = {
+            "v": 2,
+            "experiment": experiment,
+            "run_name": run_name,
+            "job_id": self.job_id,
+            "explicit": self.job_id_explicit,
+            "tracking_uri": self.shown_uri,
+            "run_id": run_id,
+        }
         self._spool = SpoolDir(root.resolve() / re.sub(r"[^\w.\-]", "_", self.job_id))
         self._queue: deque[tuple[int, dict[str, Any]]] = deque()
         self._seq = itertools.count(1)
@@ -238,7 +288,9 @@ class MlflowWriter:
         self._said_lock = threading.Lock()
         self._begin_deferred = self._begin_at_open_deferred = False  # start(defer_begin=True)
         self._run_ended = False  # end_run() was called and nothing was logged since
-        self._deferred_report: dict[str, Any] | None = None  # queued after end_run's wait (log_sync_report)
+        self._deferred_report: dict[str, Any] | None = (
+            None  # queued after end_run's wait (log_sync_report)
+        )
         #: Set by `keras_sync.Sync.fit` while its `fit` runs: it ends the run itself when fit
         #: returns (`end_run`), so `end_of_fit` need not wait for delivery a first time.
         self.run_ends_after_fit = False
@@ -320,10 +372,15 @@ class MlflowWriter:
         again = f"keras-sync sync-spool {self.spool_path}"
         if self.shown_uri != self._uri:
             again += " --tracking-uri URI"
-        _log.warning("keras-sync: MLflow at %s refused the credentials (%s); training goes on and the metrics "
-                     "are kept in %s. Set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
-                     "MLFLOW_TRACKING_TOKEN), then deliver them with: %s", self.shown_uri, failed.get("error"),
-                     self.spool_path, again)
+        _log.warning(
+            "keras-sync: MLflow at %s refused the credentials (%s); training goes on and the metrics "
+            "are kept in %s. Set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
+            "MLFLOW_TRACKING_TOKEN), then deliver them with: %s",
+            self.shown_uri,
+            failed.get("error"),
+            self.spool_path,
+            again,
+        )
         return True
 
     def _courier_status(self) -> dict[str, Any] | None:
@@ -355,8 +412,12 @@ class MlflowWriter:
             # machine that came after close() had stamped the end (start_time > end_time seen).
             self._started_ms = int(time.time() * 1000)
             self._begin_deferred = self._begin_at_open_deferred = defer_begin
-            self._launcher = _courier.Launcher()  # on this thread: the courier is not niced with the spooling
-            self._thread = threading.Thread(target=self._loop, name="keras-sync-mlflow", daemon=True)
+            self._launcher = (
+                _courier.Launcher()
+            )  # on this thread: the courier is not niced with the spooling
+            self._thread = threading.Thread(
+                target=self._loop, name="keras-sync-mlflow", daemon=True
+            )
             self._thread.start()
 
     def _put(self, rec: dict[str, Any]) -> None:
@@ -364,19 +425,25 @@ class MlflowWriter:
             raise TrackingError("MlflowWriter is closed; create a new writer to log more.")
         if self._dead:
             return  # the spool failed and said so once; do not grow memory forever
-        if self._begin_deferred and rec["k"] != STOP:  # the first record begins the run (start(defer_begin))
+        if (
+            self._begin_deferred and rec["k"] != STOP
+        ):  # the first record begins the run (start(defer_begin))
             self._begin_deferred = False
             self._started_ms = int(time.time() * 1000)
             self._queue.append((next(self._seq), {"k": BEGIN, "ts": self._started_ms}))
         if self._run_ended and rec["k"] not in (END, STOP, REPORT):
             # Logging after end_run: the run is reopened (RUNNING again), this writer's run only.
             self._run_ended = False
-            self._queue.append((next(self._seq), {"k": BEGIN, "ts": int(time.time() * 1000), "reopen": True}))
+            self._queue.append(
+                (next(self._seq), {"k": BEGIN, "ts": int(time.time() * 1000), "reopen": True})
+            )
         seq = next(self._seq)
         self._queue.append((seq, rec))
         self._last_seq = seq
 
-    def log_metrics(self, metrics: dict[str, float], step: int, timestamp_ms: int | None = None) -> None:
+    def log_metrics(
+        self, metrics: dict[str, float], step: int, timestamp_ms: int | None = None
+    ) -> None:
         """Queue metric values at ``step``; keys MLflow would refuse are rewritten (``a@b`` -> ``a_b``)."""
         ts = int(time.time() * 1000) if timestamp_ms is None else int(timestamp_ms)
         self._put({"k": METRICS, "s": int(step), "ts": ts, "d": dict(metrics)})
@@ -393,8 +460,14 @@ class MlflowWriter:
         """Queue a text file to store as the run artifact ``artifact_file``, scrubbed of secrets."""
         self._put({"k": TEXT, "f": str(artifact_file), "text": str(text)})
 
-    def log_artifact_file(self, local_path: str | os.PathLike[str], artifact_path: str | None = None, *,
-                          as_model: str | None = None, step: int = 0) -> None:
+    def log_artifact_file(
+        self,
+        local_path: str | os.PathLike[str],
+        artifact_path: str | None = None,
+        *,
+        as_model: str | None = None,
+        step: int = 0,
+    ) -> None:
         """Queue a file or directory to upload to the run under ``artifact_path``.
 
         It is copied now, beside the spool (`keras_sync.tracking.artifacts`), so the caller may change or
@@ -413,7 +486,9 @@ class MlflowWriter:
         else:
             self._put({"k": FILE, "src": str(staged), "dir": artifact_path})
 
-    def log_sync_report(self, history: dict[str, Any], artifact_file: str, *, fit_end: bool = False) -> None:
+    def log_sync_report(
+        self, history: dict[str, Any], artifact_file: str, *, fit_end: bool = False
+    ) -> None:
         """Queue the data of a sync report; the courier draws it and uploads the PNG as ``artifact_file``.
 
         ``history`` is `keras_sync.tracking.report_plot.SyncHistory.to_dict()`. Drawing takes
@@ -448,10 +523,13 @@ class MlflowWriter:
             return not self._queue
         self._wake.set()
         with self._spooled:
-            return self._spooled.wait_for(lambda: self._spooled_seq >= target or self._dead, timeout=timeout_s)
+            return self._spooled.wait_for(
+                lambda: self._spooled_seq >= target or self._dead, timeout=timeout_s
+            )
 
-    def flush(self, timeout_s: float | None = None, stall_s: float = STALL_S,
-              progress: Any = None) -> bool:
+    def flush(
+        self, timeout_s: float | None = None, stall_s: float = STALL_S, progress: Any = None
+    ) -> bool:
         """Wait until MLflow has everything queued so far; True if it has.
 
         Waits while delivery makes progress: returns False at once when the courier's last
@@ -471,13 +549,17 @@ class MlflowWriter:
                 return False
             now = time.monotonic()
             first_attempt_pending = self._courier_status() is None
-            if now >= deadline or now - last_move > (STARTUP_S if first_attempt_pending else stall_s):
+            if now >= deadline or now - last_move > (
+                STARTUP_S if first_attempt_pending else stall_s
+            ):
                 return False
             time.sleep(0.02)
             pos = self._progress()
             if pos != seen:
                 seen, last_move = pos, time.monotonic()
-            if progress is not None:  # also while nothing moves: the exit's line says what it waits for
+            if (
+                progress is not None
+            ):  # also while nothing moves: the exit's line says what it waits for
                 progress()
         return True
 
@@ -498,8 +580,14 @@ class MlflowWriter:
             self._warned_fit = True
             warnings.warn(message, RuntimeWarning, stacklevel=4)
 
-    def end_run(self, status: str = "FINISHED", timeout_s: float | None = 120.0, *,
-                wait_for_report: bool = False, wait: bool = True) -> bool:
+    def end_run(
+        self,
+        status: str = "FINISHED",
+        timeout_s: float | None = 120.0,
+        *,
+        wait_for_report: bool = False,
+        wait: bool = True,
+    ) -> bool:
         """End the run with ``status`` and wait while delivery makes progress; True if MLflow has it all.
 
         The fit-end sync report (queued after the end) is waited for only with ``wait_for_report``:
@@ -515,8 +603,10 @@ class MlflowWriter:
         courier delivers them after the metrics, so the run is FINISHED only once MLflow has those.
         """
         if status not in _RUN_STATUSES:
-            raise TrackingError(f"Invalid value for argument `status`. Received: status={status!r}. "
-                                f"Expected one of {', '.join(_RUN_STATUSES)}.")
+            raise TrackingError(
+                f"Invalid value for argument `status`. Received: status={status!r}. "
+                f"Expected one of {', '.join(_RUN_STATUSES)}."
+            )
         if self._closed:
             return not self._spool.path.is_dir()
         if not self._run_ended:
@@ -548,26 +638,38 @@ class MlflowWriter:
         elif self._courier is None or self._courier.poll() is not None:
             cause = f"the courier process that delivers to {self.shown_uri} is not running"
         elif self._courier_status() is None:
-            cause = (f"the courier process had not reached {self.shown_uri} yet (it starts by importing "
-                     "MLflow: seconds, more on a busy machine)")
+            cause = (
+                f"the courier process had not reached {self.shown_uri} yet (it starts by importing "
+                "MLflow: seconds, more on a busy machine)"
+            )
         else:
-            cause = (f"delivery to {self.shown_uri} made no progress for {STALL_S:g} s (the courier "
-                     "process gets no CPU time, or MLflow does not answer)")
+            cause = (
+                f"delivery to {self.shown_uri} made no progress for {STALL_S:g} s (the courier "
+                "process gets no CPU time, or MLflow does not answer)"
+            )
         return cause
 
     def undelivered_message(self, final: bool = True) -> str | None:
         """Why some records are not in MLflow, and where they are; None if everything arrived."""
         held = [rec for rec in self._handover.unacknowledged() if rec["k"] not in BOOKKEEPING]
-        pending = len(self._queue) + len(held) + sum(rec["k"] not in BOOKKEEPING for _, rec in
-                                                     self._spool.read(self._progress()[0], max_records=10**9))
+        pending = (
+            len(self._queue)
+            + len(held)
+            + sum(
+                rec["k"] not in BOOKKEEPING
+                for _, rec in self._spool.read(self._progress()[0], max_records=10**9)
+            )
+        )
         if pending == 0:
             return None
         cause = self._cause()
         if held and not final:
             steps = step_ranges([rec["s"] for rec in held if rec["k"] == METRICS]) or "none"
-            return (f"keras-sync: {pending} MLflow record(s) are not delivered yet: {cause}. The spool "
-                    f"{self.spool_path} cannot be written ({self._spool_error}), so {len(held)} of them (steps "
-                    f"{steps}) wait in this process's memory: they are lost if it ends before MLflow takes them.")
+            return (
+                f"keras-sync: {pending} MLflow record(s) are not delivered yet: {cause}. The spool "
+                f"{self.spool_path} cannot be written ({self._spool_error}), so {len(held)} of them (steps "
+                f"{steps}) wait in this process's memory: they are lost if it ends before MLflow takes them."
+            )
         points = self.points_left()
         what = f"{pending} MLflow record(s)" + (f" ({points} metric point(s))" if points else "")
         if final:
@@ -575,12 +677,18 @@ class MlflowWriter:
             if self.shown_uri != self._uri:
                 where += " --tracking-uri URI (the spool keeps the URI without its credentials)"
         else:
-            where = (f"Delivery goes on in the background while this process runs; what is left at exit "
-                     f"stays there for `keras-sync sync-spool {self.spool_path}`")
-        return (f"keras-sync: {what} are not delivered yet: {cause}. They are kept in "
-                f"{self.spool_path}. {where}.")
+            where = (
+                f"Delivery goes on in the background while this process runs; what is left at exit "
+                f"stays there for `keras-sync sync-spool {self.spool_path}`"
+            )
+        return (
+            f"keras-sync: {what} are not delivered yet: {cause}. They are kept in "
+            f"{self.spool_path}. {where}."
+        )
 
-    def close(self, timeout_s: float | None = 10.0, status: str = "FINISHED", *, at_exit: bool = False) -> None:
+    def close(
+        self, timeout_s: float | None = 10.0, status: str = "FINISHED", *, at_exit: bool = False
+    ) -> None:
         """End the run with ``status``; wait for delivery while it progresses (at most ``timeout_s``).
 
         What could not be delivered stays in the spool and a `RuntimeWarning` says why and how to
@@ -589,26 +697,36 @@ class MlflowWriter:
         while points are left (how many, where, that Ctrl-C leaves them in the spool).
         """
         if status not in _RUN_STATUSES:
-            raise TrackingError(f"Invalid value for argument `status`. Received: status={status!r}. "
-                                f"Expected one of {', '.join(_RUN_STATUSES)}.")
+            raise TrackingError(
+                f"Invalid value for argument `status`. Received: status={status!r}. "
+                f"Expected one of {', '.join(_RUN_STATUSES)}."
+            )
         if self._closed:
             return
         self._closed = True
         _live_writers.discard(self)
         if not self._run_ended:
             self._put_deferred_report()  # a fit that raised before end_run: the report before the end
-        if self._run_ended or self._begin_deferred:  # ended and nothing since, or never begun: only stop the courier
+        if (
+            self._run_ended or self._begin_deferred
+        ):  # ended and nothing since, or never begun: only stop the courier
             self._put({"k": STOP})
         else:
             status = self._mark_losses(status)
             self._put({"k": END, "status": status, "ts": int(time.time() * 1000)})
         self.start()
-        never_begun = self._begin_deferred  # nothing logged: no run, nothing to deliver; the courier goes
+        never_begun = (
+            self._begin_deferred
+        )  # nothing logged: no run, nothing to deliver; the courier goes
         line = None
         try:
             line = _ExitLine(self) if at_exit and not never_begun else None
-            delivered = never_begun or self.flush(timeout_s=timeout_s, progress=line.update if line else None)
-        except KeyboardInterrupt:  # Ctrl-C at exit: leave the rest in the spool, say how to deliver it
+            delivered = never_begun or self.flush(
+                timeout_s=timeout_s, progress=line.update if line else None
+            )
+        except (
+            KeyboardInterrupt
+        ):  # Ctrl-C at exit: leave the rest in the spool, say how to deliver it
             delivered = False
         finally:
             if line is not None:
@@ -643,7 +761,11 @@ class MlflowWriter:
             message = self._spill_held(cause)
         self._spool.close_segment()
         self._spool.unlock("writer")
-        if message is None and not self._thread.is_alive() and (never_begun or self._all_delivered()):
+        if (
+            message is None
+            and not self._thread.is_alive()
+            and (never_begun or self._all_delivered())
+        ):
             self._spool.remove()  # everything is in MLflow: the spool has done its job
             from keras_sync.tracking import artifacts as _artifacts
 
@@ -669,15 +791,27 @@ class MlflowWriter:
                 self._drain_to_spool()
                 self._handover.pump()
                 closing = self._closing
-                if self._courier is not None and self._courier.poll() is not None and not self._finished:
+                if (
+                    self._courier is not None
+                    and self._courier.poll() is not None
+                    and not self._finished
+                ):
                     self._handover.settle()  # its last word on the pipe, before judging its exit
-                    if self._end_spooled and self._reached((self._spooled_pos, self._handover.last)):
-                        self._finished = True  # it delivered the run's end and stopped, as it should
+                    if self._end_spooled and self._reached(
+                        (self._spooled_pos, self._handover.last)
+                    ):
+                        self._finished = (
+                            True  # it delivered the run's end and stopped, as it should
+                        )
                     elif not closing:
                         restarts += 1
-                        _log.warning("keras-sync's MLflow courier process exited (code %s); restarting it "
-                                     "(records are kept in %s).", self._courier.returncode, self.spool_path)
-                        respawn_at = time.monotonic() + min(0.5 * 2 ** restarts, 30.0)
+                        _log.warning(
+                            "keras-sync's MLflow courier process exited (code %s); restarting it "
+                            "(records are kept in %s).",
+                            self._courier.returncode,
+                            self.spool_path,
+                        )
+                        respawn_at = time.monotonic() + min(0.5 * 2**restarts, 30.0)
                         self._courier = None
                 if self._courier is None and not closing and time.monotonic() >= respawn_at:
                     self._spawn_courier()
@@ -688,8 +822,12 @@ class MlflowWriter:
                 self._wake.wait(SPOOL_INTERVAL_S)
         except OSError as e:  # the spool directory itself failed (removed)
             self._dead = True
-            _log.error("keras-sync cannot write its MLflow spool %s (%s); MLflow logging stops "
-                       "for this run.", self.spool_path, e)
+            _log.error(
+                "keras-sync cannot write its MLflow spool %s (%s); MLflow logging stops "
+                "for this run.",
+                self.spool_path,
+                e,
+            )
         finally:
             with self._spooled:
                 self._spooled.notify_all()
@@ -700,24 +838,41 @@ class MlflowWriter:
 
         try:
             check_creatable(self._uri)
-        except TrackingError as e:  # the courier says the same once it tries, and "ok" if it is fixed by then
-            self._handover.news = {**self._handover.news, "status": {
-                "ok": False, "at": time.time(), "error": f"TrackingError: {e}", "cause": STORE_FAILING,
-                "uri": self.shown_uri}}
+        except (
+            TrackingError
+        ) as e:  # the courier says the same once it tries, and "ok" if it is fixed by then
+            self._handover.news = {
+                **self._handover.news,
+                "status": {
+                    "ok": False,
+                    "at": time.time(),
+                    "error": f"TrackingError: {e}",
+                    "cause": STORE_FAILING,
+                    "uri": self.shown_uri,
+                },
+            }
 
     def _spawn_courier(self) -> None:
         try:
-            ends = self._handover.connect()  # its pipes: records the spool cannot take, and its news
+            ends = (
+                self._handover.connect()
+            )  # its pipes: records the spool cannot take, and its news
         except OSError:
             ends = None
         try:
             self._courier = self._launcher.call(
-                lambda: _courier.spawn(self._spool, self._uri, header=self._header, pipe_fds=ends))
+                lambda: _courier.spawn(self._spool, self._uri, header=self._header, pipe_fds=ends)
+            )
         except OSError as e:
             self._courier = None
             self._handover.disconnect()
-            _log.error("keras-sync cannot start its MLflow courier process (%s); records are kept in %s "
-                       "(deliver them with: keras-sync sync-spool %s).", e, self.spool_path, self.spool_path)
+            _log.error(
+                "keras-sync cannot start its MLflow courier process (%s); records are kept in %s "
+                "(deliver them with: keras-sync sync-spool %s).",
+                e,
+                self.spool_path,
+                self.spool_path,
+            )
         finally:
             for fd in ends or ():
                 os.close(fd)  # the courier's ends: its copies are its own
@@ -725,12 +880,15 @@ class MlflowWriter:
     def _tell_run(self) -> None:
         """Call `on_run` once the run id is known (or MLflow failed before it was)."""
         failed = self.failure()
-        if self.on_run is not None and not self._begin_deferred and (
-                self.run_id is not None or (failed is not None and not self._answering(failed))):
+        if (
+            self.on_run is not None
+            and not self._begin_deferred
+            and (self.run_id is not None or (failed is not None and not self._answering(failed)))
+        ):
             on_run, self.on_run = self.on_run, None
             try:
                 on_run(self)
-            except Exception as e:  # noqa: BLE001 - a line not printed never stops the spooling
+            except Exception as e:
                 _log.debug("on_run failed: %s", e)
 
     def _watch_status(self) -> None:
@@ -740,11 +898,18 @@ class MlflowWriter:
         if status is not None and not status.get("ok") and status.get("cause") == CREDENTIALS:
             self.say_refused_once()
         elif status is not None and not status.get("ok") and was_ok:
-            _log.warning("keras-sync: MLflow at %s is %s (%s); records are kept in %s, retrying in the background.",
-                         self.shown_uri, cause_in_a_word(status.get("cause")), status.get("error"), self.spool_path)
+            _log.warning(
+                "keras-sync: MLflow at %s is %s (%s); records are kept in %s, retrying in the background.",
+                self.shown_uri,
+                cause_in_a_word(status.get("cause")),
+                status.get("error"),
+                self.spool_path,
+            )
         elif status is not None and status.get("ok") and not was_ok:
-            _log.info("keras-sync: MLflow at %s is reachable again; the spool backlog is being delivered.",
-                      self.shown_uri)
+            _log.info(
+                "keras-sync: MLflow at %s is reachable again; the spool backlog is being delivered.",
+                self.shown_uri,
+            )
         self._status = status
 
     def _open_spool(self) -> None:
@@ -754,8 +919,12 @@ class MlflowWriter:
             busy = self._spool.path
             self._spool = SpoolDir(busy.with_name(f"{busy.name}.{os.getpid()}-{id(self):x}"))
             self._spool.lock("writer")
-            _log.warning("Spool %s is in use by another writer; this one writes %s.", busy, self.spool_path)
-        (self._spool.path / "status.json").unlink(missing_ok=True)  # a predecessor's outcome is not ours
+            _log.warning(
+                "Spool %s is in use by another writer; this one writes %s.", busy, self.spool_path
+            )
+        (self._spool.path / "status.json").unlink(
+            missing_ok=True
+        )  # a predecessor's outcome is not ours
         begin = getattr(self, "_started_ms", None) or int(time.time() * 1000)
         try:  # a full disk from the start: the courier has the header from its environment
             self._spool.write_header(self._header)
@@ -791,16 +960,19 @@ class MlflowWriter:
             try:
                 self._spooled_pos = self._spool.append(recs)
                 if self._spool.remade is not None:
-                    _log.warning("keras-sync: the MLflow spool %s was deleted while this run logged into it; keras-sync "
-                                 "made it again and %s (the courier sends them again; MLflow keeps one point per step). "
-                                 "Records of earlier segments not yet delivered went with it. Fix: leave "
-                                 "mlflow.spool_dir alone while a job runs, or set it to a folder nothing cleans.",
-                                 self.spool_path, self._spool.remade)
+                    _log.warning(
+                        "keras-sync: the MLflow spool %s was deleted while this run logged into it; keras-sync "
+                        "made it again and %s (the courier sends them again; MLflow keeps one point per step). "
+                        "Records of earlier segments not yet delivered went with it. Fix: leave "
+                        "mlflow.spool_dir alone while a job runs, or set it to a folder nothing cleans.",
+                        self.spool_path,
+                        self._spool.remade,
+                    )
                     self._spool.remade = None
                 return
             except SpoolFull as e:
                 self._spooled_pos = e.pos
-                recs = recs[e.done:]
+                recs = recs[e.done :]
                 self._spool_failed(e.reason)
         for rec in recs:
             self._handover.hold(rec)
@@ -808,19 +980,28 @@ class MlflowWriter:
     def _spool_failed(self, reason: str) -> None:
         if self._spool_error is None:
             self._spool_error = reason
-            _log.warning("keras-sync cannot write its MLflow spool %s (%s): from here on the records are kept in "
-                         "memory (at most %d MB) and handed to the courier directly; none is lost while MLflow "
-                         "takes them.", self.spool_path, reason, self._handover.max_bytes // 2**20)
+            _log.warning(
+                "keras-sync cannot write its MLflow spool %s (%s): from here on the records are kept in "
+                "memory (at most %d MB) and handed to the courier directly; none is lost while MLflow "
+                "takes them.",
+                self.spool_path,
+                reason,
+                self._handover.max_bytes // 2**20,
+            )
 
     def _all_delivered(self) -> bool:
-        return not self._handover.unacknowledged() and not self._spool.read(self._progress()[0], max_records=1)
+        return not self._handover.unacknowledged() and not self._spool.read(
+            self._progress()[0], max_records=1
+        )
 
     def _lost_text(self, steps: list[int], others: int) -> str:
         what = f"the points of steps {step_ranges(steps)}" if steps else "no metric points"
         if others:
             what += f" and {others} other record(s)"
-        return (f"{what}: the spool {self.spool_path} could not be written ({self._spool_error}) while "
-                f"MLflow did not take them")
+        return (
+            f"{what}: the spool {self.spool_path} could not be written ({self._spool_error}) while "
+            f"MLflow did not take them"
+        )
 
     def _mark_losses(self, status: str) -> str:
         """Before the run's end: records dropped over the memory bound make it FAILED, with a tag naming them."""
@@ -839,18 +1020,22 @@ class MlflowWriter:
             records = []
         except SpoolFull as e:
             self._spooled_pos = e.pos
-            records = records[e.done:]
+            records = records[e.done :]
         if not records and not self._handover.dropped:
             return self.undelivered_message(final=True)  # all of it in the spool after all
         steps, others = self._handover.lost_steps(records)
         lost = self._lost_text(steps, others)
         (self._spool.path / "reserve").unlink(missing_ok=True)  # room for the run's end
-        end = [{"k": TAGS, "d": {LOST_TAG: lost[:MAX_TAG_VALUE_LENGTH]}},
-               {"k": END, "status": "FAILED", "ts": int(time.time() * 1000)}]
+        end = [
+            {"k": TAGS, "d": {LOST_TAG: lost[:MAX_TAG_VALUE_LENGTH]}},
+            {"k": END, "status": "FAILED", "ts": int(time.time() * 1000)},
+        ]
         try:
             self._spooled_pos = self._spool.append(end)
-            after = (f"the rest is in the spool: `keras-sync sync-spool {self.spool_path}` delivers it and ends "
-                     f"the run FAILED with the tag {LOST_TAG}")
+            after = (
+                f"the rest is in the spool: `keras-sync sync-spool {self.spool_path}` delivers it and ends "
+                f"the run FAILED with the tag {LOST_TAG}"
+            )
         except SpoolFull:
             after = f"nothing more fits in {self.spool_path}: the run stays RUNNING in MLflow"
         return f"keras-sync: MLflow lost {lost} ({cause}); {after}."
@@ -864,7 +1049,9 @@ class MlflowWriter:
                 if clean is None:
                     clean = self._key_cache[key] = _metric_key(key)
                     if clean != key:
-                        _log.warning("Metric key %r is not valid in MLflow; logged as %r.", key, clean)
+                        _log.warning(
+                            "Metric key %r is not valid in MLflow; logged as %r.", key, clean
+                        )
                 try:
                     out[clean] = float(v)
                 except (TypeError, ValueError):
@@ -873,8 +1060,12 @@ class MlflowWriter:
             return rec if out else None
         if k in (PARAMS, TAGS):
             limit = MAX_PARAM_VALUE_LENGTH if k == PARAMS else MAX_TAG_VALUE_LENGTH
-            rec["d"] = {_clip(_redact(key, self._secrets), MAX_KEY_LENGTH):
-                        _clip(_redact(v, self._secrets), limit) for key, v in rec["d"].items()}
+            rec["d"] = {
+                _clip(_redact(key, self._secrets), MAX_KEY_LENGTH): _clip(
+                    _redact(v, self._secrets), limit
+                )
+                for key, v in rec["d"].items()
+            }
         elif k == TEXT:
             rec["text"] = _redact(rec["text"], self._secrets)
         return rec
@@ -901,10 +1092,14 @@ class _ExitLine:
         if left:
             what = f"{left} metric point(s) not in MLflow yet ({w.shown_uri}); delivering them before exit"
         else:
-            what = (f"waiting for MLflow ({w.shown_uri}) to receive the run's last records (the sync report "
-                    "picture, drawn now, and the run's end) before exit")
-        return (f"keras-sync: {what}. They are kept in {w.spool_path}: Ctrl-C leaves them there for "
-                f"`keras-sync sync-spool {w.spool_path}`")
+            what = (
+                f"waiting for MLflow ({w.shown_uri}) to receive the run's last records (the sync report "
+                "picture, drawn now, and the run's end) before exit"
+            )
+        return (
+            f"keras-sync: {what}. They are kept in {w.spool_path}: Ctrl-C leaves them there for "
+            f"`keras-sync sync-spool {w.spool_path}`"
+        )
 
     def _show(self, left: int) -> None:
         self._shown, self._last = True, time.monotonic()
@@ -913,9 +1108,13 @@ class _ExitLine:
 
     def update(self) -> None:
         now = time.monotonic()
-        if not self._shown and now - self._start >= EXIT_QUIET_S:
-            self._show(self._w.points_left())
-        elif self._shown and self._tty and now - self._last >= 0.5:
+        if (
+            not self._shown
+            and now - self._start >= EXIT_QUIET_S
+            or self._shown
+            and self._tty
+            and now - self._last >= 0.5
+        ):
             self._show(self._w.points_left())
 
     def done(self) -> None:
@@ -931,8 +1130,13 @@ EXIT_QUIET_S = 2.0
 REPLAY_TIMEOUT_S = 600.0
 
 
-def replay_spool(spool_path: str | os.PathLike[str], tracking_uri: str | None = None, *,
-                 timeout_s: float = REPLAY_TIMEOUT_S, progress: Any = None) -> int:
+def replay_spool(
+    spool_path: str | os.PathLike[str],
+    tracking_uri: str | None = None,
+    *,
+    timeout_s: float = REPLAY_TIMEOUT_S,
+    progress: Any = None,
+) -> int:
     """Deliver what a spool directory holds; return the metric points sent.
 
     Idempotent: the delivered position moves after every batch, and a step a metric already has
@@ -951,22 +1155,34 @@ def replay_spool(spool_path: str | os.PathLike[str], tracking_uri: str | None = 
         path = path.parent
     spool = SpoolDir(path)
     if not path.is_dir():
-        raise TrackingError(f"Invalid value for argument `spool_path`. Received: spool_path={str(spool_path)!r}, "
-                            "which does not exist. Expected a spool directory left by a writer (a fully "
-                            "delivered spool is removed, so there is nothing left to send).")
+        raise TrackingError(
+            f"Invalid value for argument `spool_path`. Received: spool_path={str(spool_path)!r}, "
+            "which does not exist. Expected a spool directory left by a writer (a fully "
+            "delivered spool is removed, so there is nothing left to send)."
+        )
     if spool.header() is None:
-        raise TrackingError(f"Invalid value for argument `spool_path`. Received: spool_path={str(spool_path)!r}. "
-                            "Expected a keras-sync spool directory (it holds header.json and *.jsonl segments).")
+        raise TrackingError(
+            f"Invalid value for argument `spool_path`. Received: spool_path={str(spool_path)!r}. "
+            "Expected a keras-sync spool directory (it holds header.json and *.jsonl segments)."
+        )
     if not spool.lock("writer") or not spool.lock("deliver"):
         spool.unlock("writer")
-        raise TrackingError(f"Spool {path} is in use by a running keras-sync writer, which delivers it itself; "
-                            "replay it after that process has ended.")
+        raise TrackingError(
+            f"Spool {path} is in use by a running keras-sync writer, which delivers it itself; "
+            "replay it after that process has ended."
+        )
     delivery = _courier.Delivery(spool, tracking_uri)
     deadline = time.monotonic() + max(0.0, timeout_s)
     delivery.give_up = lambda: time.monotonic() >= deadline
-    total = sum(len(rec["d"]) for _, rec in spool.read(delivery.pos, max_records=10**9) if rec["k"] == METRICS)
+    total = sum(
+        len(rec["d"])
+        for _, rec in spool.read(delivery.pos, max_records=10**9)
+        if rec["k"] == METRICS
+    )
     if progress is not None:
-        delivery.on_progress = lambda: progress(delivery.sender.points_sent, total, delivery.sender.retrier.summary())
+        delivery.on_progress = lambda: progress(
+            delivery.sender.points_sent, total, delivery.sender.retrier.summary()
+        )
     try:
         sent = delivery.deliver_available()
         delivery.sender.release_report()  # one a courier held when its process ended
@@ -978,23 +1194,30 @@ def replay_spool(spool_path: str | os.PathLike[str], tracking_uri: str | None = 
             raise TrackingError(
                 f"Could not deliver spool {path}: MLflow at {delivery.shown_uri} refused the credentials (HTTP {http}). "
                 "Set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) and run "
-                "`keras-sync sync-spool` again; nothing delivered is sent twice.") from None
+                "`keras-sync sync-spool` again; nothing delivered is sent twice."
+            ) from None
         from keras_sync.tracking.deliver import is_transient
 
         failures = delivery.sender.retrier.summary()
-        if is_transient(e) and failures:  # retried until the time was up: what happened, not the last error
+        if (
+            is_transient(e) and failures
+        ):  # retried until the time was up: what happened, not the last error
             left = total - delivery.sender.points_sent
             raise TrackingError(
                 f"Could not deliver spool {path} to MLflow at {delivery.shown_uri} within {timeout_s:g} s: "
                 f"{failures}; {left} of {total} metric point(s) are left in it. Nothing delivered is sent twice; "
-                "run `keras-sync sync-spool` again (a longer --timeout waits longer).") from None
+                "run `keras-sync sync-spool` again (a longer --timeout waits longer)."
+            ) from None
         raise TrackingError(
             f"Could not deliver spool {path} to MLflow at {delivery.shown_uri}: "
             f"{_redact(str(e), delivery.secrets)[:500].rstrip('.')}. Nothing delivered is sent twice; run "
-            "`keras-sync sync-spool` again once MLflow there can take them (or give --tracking-uri).") from None
+            "`keras-sync sync-spool` again once MLflow there can take them (or give --tracking-uri)."
+        ) from None
     finally:
         spool.unlock("deliver")
         spool.unlock("writer")
-    if not delivery.pending():  # not spool.pending(): on a full disk the delivered position may not be on file
+    if (
+        not delivery.pending()
+    ):  # not spool.pending(): on a full disk the delivered position may not be on file
         spool.remove()
     return sent

@@ -17,8 +17,9 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from keras_sync.tracking.records import MODEL
 
@@ -84,7 +85,9 @@ def deliver(client: Any, run_id: str, rec: dict[str, Any], call: Callable[..., A
         pass
 
 
-def _deliver_model(client: Any, run_id: str, src: Path, rec: dict[str, Any], call: Callable[..., Any]) -> None:
+def _deliver_model(
+    client: Any, run_id: str, src: Path, rec: dict[str, Any], call: Callable[..., Any]
+) -> None:
     """The steps of ``mlflow.models.Model.log``, for a model saved earlier in another process."""
     from mlflow.entities import LoggedModelOutput, LoggedModelStatus
     from mlflow.models import Model
@@ -93,11 +96,18 @@ def _deliver_model(client: Any, run_id: str, src: Path, rec: dict[str, Any], cal
     model_id = id_file.read_text().strip() if id_file.exists() else None
     if model_id is None:
         experiment_id = call(client.get_run, run_id).info.experiment_id
-        logged = call(client.create_logged_model, experiment_id, name=rec.get("name", "model"),
-                      source_run_id=run_id, tags={"mlflow.source.type": "LOCAL"})
+        logged = call(
+            client.create_logged_model,
+            experiment_id,
+            name=rec.get("name", "model"),
+            source_run_id=run_id,
+            tags={"mlflow.source.type": "LOCAL"},
+        )
         model_id = logged.model_id
         id_file.write_text(model_id)
-        call(client.log_outputs, run_id, [LoggedModelOutput(model_id, step=int(rec.get("step", 0)))])
+        call(
+            client.log_outputs, run_id, [LoggedModelOutput(model_id, step=int(rec.get("step", 0)))]
+        )
     logged = call(client.get_logged_model, model_id)
     # save_model ran before MLflow knew the model; record its identity as Model.log does.
     mlmodel = Model.load(str(src / "MLmodel"))

@@ -70,17 +70,25 @@ def shared_run(writer: Any, tracking_uri: str, *, is_chief: bool = True) -> Iter
     if mlflow.active_run() is not None:
         yield
         return
-    writer.set_tags({AUTOLOG_TAG: "true"})  # something to deliver: the courier creates the run for it
+    writer.set_tags(
+        {AUTOLOG_TAG: "true"}
+    )  # something to deliver: the courier creates the run for it
     if not writer.flush(timeout_s=RUN_WAIT_S) or writer.run_id is None:
-        warnings.warn("keras-sync: its MLflow run could not be created in time, so mlflow.keras.autolog() "
-                      "logs this fit to a run of its own.", UserWarning, stacklevel=4)
+        warnings.warn(
+            "keras-sync: its MLflow run could not be created in time, so mlflow.keras.autolog() "
+            "logs this fit to a run of its own.",
+            UserWarning,
+            stacklevel=4,
+        )
         yield
         return
     previous_uri = mlflow.get_tracking_uri()
     # mlflow.set_tracking_uri also writes $MLFLOW_TRACKING_URI (MLflow 3): the user's value is put
     # back exactly, else a later keras_sync.load() in this process reads it as theirs.
     with environ_restored("MLFLOW_TRACKING_URI"):
-        mlflow.set_tracking_uri(tracking_uri)  # autolog logs through the fluent API: to keras-sync's store
+        mlflow.set_tracking_uri(
+            tracking_uri
+        )  # autolog logs through the fluent API: to keras-sync's store
         try:
             mlflow.start_run(run_id=writer.run_id)
             try:

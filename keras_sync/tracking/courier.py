@@ -31,15 +31,28 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO
 
 from keras_sync.tracking.deliver import RunSender, is_transient, refused_credentials
-from keras_sync.tracking.records import (BEGIN, CREDENTIALS, END, FAILING_REQUESTS, MAX_BATCH, METRICS, REFUSED, STOP,
-                                         STORE_FAILING, UNREACHABLE, is_last_record, is_remote)
+from keras_sync.tracking.records import (
+    BEGIN,
+    CREDENTIALS,
+    END,
+    FAILING_REQUESTS,
+    MAX_BATCH,
+    METRICS,
+    REFUSED,
+    STOP,
+    STORE_FAILING,
+    UNREACHABLE,
+    is_last_record,
+    is_remote,
+)
+from keras_sync.tracking.redact import redact_text, secrets_of
 from keras_sync.tracking.retry import Retrier
 from keras_sync.tracking.spool import Position, SpoolDir
-from keras_sync.tracking.redact import redact_text, secrets_of
 
 #: Longest wait between two delivery attempts after MLflow refused a record (seconds); a request
 #: that fails for a while (no answer, HTTP 503) is retried on its own (`keras_sync.tracking.retry`).
@@ -64,8 +77,12 @@ ENTRY_MODULE = "keras_sync.tracking.courier_main"
 PIPE_ENV = "KERAS_SYNC_COURIER_PIPES"
 
 
-def spawn(spool: SpoolDir, tracking_uri: str, header: dict[str, Any] | None = None,
-          pipe_fds: tuple[int, int] | None = None) -> subprocess.Popen[bytes]:
+def spawn(
+    spool: SpoolDir,
+    tracking_uri: str,
+    header: dict[str, Any] | None = None,
+    pipe_fds: tuple[int, int] | None = None,
+) -> subprocess.Popen[bytes]:
     """Start a courier for ``spool`` (called by the writer, which restarts it if it dies).
 
     ``header``: the spool's header, for a spool whose disk refused even that. ``pipe_fds``:
@@ -75,16 +92,24 @@ def spawn(spool: SpoolDir, tracking_uri: str, header: dict[str, Any] | None = No
     if pipe_fds is not None:
         env[PIPE_ENV] = f"{pipe_fds[0]},{pipe_fds[1]}"
     # The child must import this very keras_sync, installed or not.
-    root = str(Path(__file__).resolve().parents[2])  # keras_sync/tracking/courier.py -> the directory holding keras_sync
+    root = str(
+        Path(__file__).resolve().parents[2]
+    )  # keras_sync/tracking/courier.py -> the directory holding keras_sync
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    proc = subprocess.Popen([sys.executable, "-m", ENTRY_MODULE, str(spool.path), str(os.getpid())],
-                            stdin=subprocess.PIPE, env=env, close_fds=True, pass_fds=pipe_fds or ())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", ENTRY_MODULE, str(spool.path), str(os.getpid())],
+        stdin=subprocess.PIPE,
+        env=env,
+        close_fds=True,
+        pass_fds=pipe_fds or (),
+    )
     # On stdin, not in the environment or on the command line: `ps` shows the command line, and Linux
     # takes at most 128 KiB per argument or variable (a long run name in the header failed with E2BIG).
     # From a thread: more than a pipe's 64 KiB waits until the courier has started and reads it.
     handoff = json.dumps({"uri": tracking_uri, "header": header}).encode()
-    threading.Thread(target=_hand_over, args=(proc.stdin, handoff), name="keras-sync-courier-stdin",
-                     daemon=True).start()
+    threading.Thread(
+        target=_hand_over, args=(proc.stdin, handoff), name="keras-sync-courier-stdin", daemon=True
+    ).start()
     return proc
 
 
@@ -111,15 +136,19 @@ class Launcher:
     """
 
     def __init__(self) -> None:
-        self._requests: queue.SimpleQueue[tuple[Callable[[], Any], list[Any], threading.Event]] = queue.SimpleQueue()
-        threading.Thread(target=self._serve, name="keras-sync-courier-launcher", daemon=True).start()
+        self._requests: queue.SimpleQueue[tuple[Callable[[], Any], list[Any], threading.Event]] = (
+            queue.SimpleQueue()
+        )
+        threading.Thread(
+            target=self._serve, name="keras-sync-courier-launcher", daemon=True
+        ).start()
 
     def _serve(self) -> None:
         while True:
             fn, box, done = self._requests.get()
             try:
                 box.append((True, fn()))
-            except BaseException as e:  # noqa: BLE001 - handed to the caller, which raises it
+            except BaseException as e:
                 box.append((False, e))
             done.set()
 
@@ -138,8 +167,15 @@ class Launcher:
 class Delivery:
     """Deliver a spool in order; used by the courier process and by ``keras-sync sync-spool``."""
 
-    def __init__(self, spool: SpoolDir, tracking_uri: str | None = None, *, max_batch: int = MAX_BATCH,
-                 header: dict[str, Any] | None = None, news: BinaryIO | None = None):
+    def __init__(
+        self,
+        spool: SpoolDir,
+        tracking_uri: str | None = None,
+        *,
+        max_batch: int = MAX_BATCH,
+        header: dict[str, Any] | None = None,
+        news: BinaryIO | None = None,
+    ):
         header = spool.header() or header
         if header is None:
             raise ValueError(f"{spool.path} has no header.json")
@@ -155,27 +191,44 @@ class Delivery:
         self.uri = tracking_uri or header["tracking_uri"]
         self.secrets = secrets_of(self.uri, os.environ)
         self.shown_uri = redact_text(self.uri, self.secrets)
-        self.sender = RunSender(self.uri, header["experiment"], header.get("run_name"), header.get("job_id"),
-                                   explicit=bool(header.get("explicit")), run_id=header.get("run_id"))
+        self.sender = RunSender(
+            self.uri,
+            header["experiment"],
+            header.get("run_name"),
+            header.get("job_id"),
+            explicit=bool(header.get("explicit")),
+            run_id=header.get("run_id"),
+        )
         # Found or created by an earlier courier of this spool (checked again before use).
         self.sender.run_id = self.known_run.get("run_id")
         held = spool.held_report()  # a report an earlier courier of this spool held, not drawn yet
         if isinstance(held, dict) and held.get("run_id") and isinstance(held.get("rec"), dict):
             self.sender.held_report = (held["run_id"], held["rec"])
-        self.sender.on_held = lambda h: spool.set_held_report(None if h is None else {"run_id": h[0], "rec": h[1]})
-        self.last_record_at = time.monotonic()  # when records were last sent (a held report waits for quiet)
+        self.sender.on_held = lambda h: spool.set_held_report(
+            None if h is None else {"run_id": h[0], "rec": h[1]}
+        )
+        self.last_record_at = (
+            time.monotonic()
+        )  # when records were last sent (a held report waits for quiet)
         self.max_batch = max_batch
         self.ended = False  # the writer's last record is delivered and nothing follows it
         self.last_sent_at = 0.0  # monotonic time of the last call to MLflow (`BATCH_S`)
-        self.run_ended = False  # the run's end is delivered and no begin since (the writer may go on)
+        self.run_ended = (
+            False  # the run's end is delivered and no begin since (the writer may go on)
+        )
         self.failing = False  # the status file says the last attempt failed
         #: Asked between tries of a failing request: True ends the retries (the failure is raised).
         self.give_up: Callable[[], bool] = lambda: False
         #: Called after each request that failed or delivered metric points (``keras-sync sync-spool``'s progress).
         self.on_progress: Callable[[], None] | None = None
-        self._answer_told = 0.0  # monotonic time the status last told of an answer while requests fail
-        self.sender.retrier = Retrier(is_transient, give_up=lambda: self.give_up() or not self.spool.path.is_dir(),
-                                      on_change=self._requests_changed)
+        self._answer_told = (
+            0.0  # monotonic time the status last told of an answer while requests fail
+        )
+        self.sender.retrier = Retrier(
+            is_transient,
+            give_up=lambda: self.give_up() or not self.spool.path.is_dir(),
+            on_change=self._requests_changed,
+        )
 
     def deliver_available(self, hold_metrics: bool = False) -> int:
         """Send everything spooled so far; return the metric points sent. Raises what MLflow raised.
@@ -187,18 +240,29 @@ class Delivery:
             chunk: list[tuple[Any, dict[str, Any]]] = []
             points = 0
             # The spool first; what the writer could not spool comes after all of it.
-            source: list[tuple[Any, dict[str, Any]]] = list(self.spool.read(self.pos, max_records=READ_RECORDS))
+            source: list[tuple[Any, dict[str, Any]]] = list(
+                self.spool.read(self.pos, max_records=READ_RECORDS)
+            )
             if not source:
-                source = [(h, rec) for h, rec in list(self.held)[:READ_RECORDS] if h > self.held_done]
-            if hold_metrics and not sent and len(source) < READ_RECORDS and all(rec["k"] == METRICS for _, rec in source) \
-                    and sum(len(rec["d"]) for _, rec in source) < self.max_batch:
+                source = [
+                    (h, rec) for h, rec in list(self.held)[:READ_RECORDS] if h > self.held_done
+                ]
+            if (
+                hold_metrics
+                and not sent
+                and len(source) < READ_RECORDS
+                and all(rec["k"] == METRICS for _, rec in source)
+                and sum(len(rec["d"]) for _, rec in source) < self.max_batch
+            ):
                 return 0
             for pos, rec in source:
                 n = len(rec["d"]) if rec["k"] == METRICS else 0
                 # A "begin" (which picks the run) goes alone, and run.json names its run and its
                 # position before anything after it is sent: a courier killed between sending and
                 # moving the delivered position replays records into the run they went to.
-                if chunk and (points + n > self.max_batch or rec["k"] == BEGIN or chunk[0][1]["k"] == BEGIN):
+                if chunk and (
+                    points + n > self.max_batch or rec["k"] == BEGIN or chunk[0][1]["k"] == BEGIN
+                ):
                     break
                 chunk.append((pos, rec))
                 points += n
@@ -211,12 +275,17 @@ class Delivery:
             if begin is not None:
                 known = self.known_run
                 if known.get("begin") == list(begin) and known.get("run_id") == self.sender.run_id:
-                    records = [{**records[0], "replayed": True}]  # delivered before: its run, as it is now
+                    records = [
+                        {**records[0], "replayed": True}
+                    ]  # delivered before: its run, as it is now
             run_before = self.sender.run_id
             # The position moves after each request MLflow took, not only after the whole chunk: what a
             # later try (a restarted courier, sync-spool) sends again starts after the last request that got through.
-            done = None if begin is not None or records[0]["k"] == BEGIN else (
-                lambda i: self._move(chunk[i][0], run_before, None))
+            done = (
+                None
+                if begin is not None or records[0]["k"] == BEGIN
+                else (lambda i: self._move(chunk[i][0], run_before, None))
+            )
             sent += self.sender.send(records, done=done)
             self.last_sent_at = time.monotonic()
             self._move(chunk[-1][0], run_before, begin, force_run=records[0]["k"] == BEGIN)
@@ -225,13 +294,19 @@ class Delivery:
                 if rec["k"] in (END, STOP, BEGIN):
                     self.run_ended = rec["k"] != BEGIN
 
-    def _move(self, upto: Any, run_before: str | None, begin: Position | None, force_run: bool = False) -> None:
+    def _move(
+        self, upto: Any, run_before: str | None, begin: Position | None, force_run: bool = False
+    ) -> None:
         """MLflow has every record up to ``upto`` (a spool position, or a held record's number): say so."""
         if self.failing and not self.sender.retrier.failing:
             # "ok" before the new position: a writer that sees delivery move must not read the
             # old failure with it (close() would give up on a server that is back, run left RUNNING).
             self.report(None)
-        if self.sender.run_id != run_before and self.known_run.get("run_id") != self.sender.run_id or force_run:
+        if (
+            self.sender.run_id != run_before
+            and self.known_run.get("run_id") != self.sender.run_id
+            or force_run
+        ):
             self._set_run(begin)
         if isinstance(upto, tuple):
             if upto <= self.pos:
@@ -253,7 +328,9 @@ class Delivery:
 
     def pending(self) -> bool:
         """True if spooled or handed-over records are not in MLflow yet."""
-        return bool(self.spool.read(self.pos, max_records=1)) or any(h > self.held_done for h, _ in list(self.held))
+        return bool(self.spool.read(self.pos, max_records=1)) or any(
+            h > self.held_done for h, _ in list(self.held)
+        )
 
     def take(self, number: int, record: dict[str, Any]) -> None:
         """A record the writer could not spool, numbered in its order (a restarted courier gets them again)."""
@@ -272,7 +349,11 @@ class Delivery:
 
     def _set_run(self, begin: Position | None) -> None:
         run_id, exp_id = self.sender.run_id, self.sender.experiment_id
-        self.known_run = {"run_id": run_id, "experiment_id": exp_id, **({"begin": list(begin)} if begin else {})}
+        self.known_run = {
+            "run_id": run_id,
+            "experiment_id": exp_id,
+            **({"begin": list(begin)} if begin else {}),
+        }
         try:
             self.spool.set_run(run_id, exp_id, begin)
         except OSError:
@@ -301,14 +382,32 @@ class Delivery:
             local = not is_remote(self.uri)
             text = redact_text(f"{type(error).__name__}: {error}", self.secrets)[:500]
             cause = STORE_FAILING if local else REFUSED
-            if transient and not local:  # named from what happened to the requests, not from the last one
-                cause = UNREACHABLE if retrier.unreachable() or not retrier.failing else FAILING_REQUESTS
+            if (
+                transient and not local
+            ):  # named from what happened to the requests, not from the last one
+                cause = (
+                    UNREACHABLE
+                    if retrier.unreachable() or not retrier.failing
+                    else FAILING_REQUESTS
+                )
                 text = retrier.summary() or text
             http = refused_credentials(error)
-            if http is not None:  # the status alone: the body is the server's (or its proxy's) HTML page
-                cause, text = CREDENTIALS, f"HTTP {http} {'Unauthorized' if http == 401 else 'Forbidden'}"
-            status = {"ok": False, "at": time.time(), "since": since or retrier.failing_since or time.time(),
-                      "error": text, "cause": cause, "uri": self.shown_uri, "answered_at": retrier.answered_at}
+            if (
+                http is not None
+            ):  # the status alone: the body is the server's (or its proxy's) HTML page
+                cause, text = (
+                    CREDENTIALS,
+                    f"HTTP {http} {'Unauthorized' if http == 401 else 'Forbidden'}",
+                )
+            status = {
+                "ok": False,
+                "at": time.time(),
+                "since": since or retrier.failing_since or time.time(),
+                "error": text,
+                "cause": cause,
+                "uri": self.shown_uri,
+                "answered_at": retrier.answered_at,
+            }
         try:
             self.spool.set_status(status)
         except OSError:
@@ -332,27 +431,38 @@ class Delivery:
 
         def orphan_gives_up() -> bool:  # a dead parent's courier delivers while the server answers
             answered = retrier.answered_at
-            return (parent_pid is not None and os.getppid() != parent_pid
-                    and (answered is None or time.time() - answered > ORPHAN_PATIENCE_S))
+            return (
+                parent_pid is not None
+                and os.getppid() != parent_pid
+                and (answered is None or time.time() - answered > ORPHAN_PATIENCE_S)
+            )
 
         self.give_up = orphan_gives_up
-        while self.spool.path.is_dir():  # removed: its writer delivered it all, or it was cleaned up
+        while (
+            self.spool.path.is_dir()
+        ):  # removed: its writer delivered it all, or it was cleaned up
             orphan = parent_pid is not None and os.getppid() != parent_pid
             if time.monotonic() >= retry_at or orphan:
                 try:
-                    self.deliver_available(hold_metrics=not orphan and time.monotonic() - self.last_sent_at < BATCH_S)
+                    self.deliver_available(
+                        hold_metrics=not orphan and time.monotonic() - self.last_sent_at < BATCH_S
+                    )
                     now = time.monotonic()
                     if self.sender.held_report is None:
                         held_since = None
                     elif held_since is None:
                         held_since = now
-                    if held_since is not None and (self.ended or orphan or now - held_since >= REPORT_MAX_HOLD_S or (
-                            now - self.last_record_at >= REPORT_QUIET_S and not self.pending())):
+                    if held_since is not None and (
+                        self.ended
+                        or orphan
+                        or now - held_since >= REPORT_MAX_HOLD_S
+                        or (now - self.last_record_at >= REPORT_QUIET_S and not self.pending())
+                    ):
                         self.sender.release_report()
                     if (failing_since is not None or not self.reported) and not retrier.failing:
                         self.report(None)
                     backoff, failing_since = 0.0, None
-                except Exception as e:  # noqa: BLE001 - anything: keep the data, retry later
+                except Exception as e:
                     failing_since = failing_since or time.time()
                     self.report(e, failing_since)
                     backoff = min(max(backoff * 2, 0.5), MAX_BACKOFF_S)
@@ -361,7 +471,12 @@ class Delivery:
                     pass  # not drawn yet (MLflow away): the spool keeps it
                 elif self.ended and not self.spool.held("writer"):
                     self.spool.remove()  # its writer gave up waiting and left it: nothing is left to keep
-                elif orphan and self.run_ended and not self.pending() and not self.spool.held("writer"):
+                elif (
+                    orphan
+                    and self.run_ended
+                    and not self.pending()
+                    and not self.spool.held("writer")
+                ):
                     # Its process was killed without atexit (Ray Train V2's ray.kill) after MLflow had
                     # it all (Sync.fit ends the run and waits for delivery): nothing left to keep.
                     self.spool.remove()
@@ -400,7 +515,9 @@ def main(argv: list[str]) -> int:
     delivery = Delivery(spool, uri, header=header, news=news)
     delivery.sender.hold_reports = True
     if records_in is not None:
-        threading.Thread(target=delivery.read_pipe, args=(os.fdopen(records_in, "rb"),), daemon=True).start()
+        threading.Thread(
+            target=delivery.read_pipe, args=(os.fdopen(records_in, "rb"),), daemon=True
+        ).start()
     sys.stderr = sys.stdout = _Scrubbed(sys.stderr, delivery.secrets)
     try:  # import MLflow before the first batch arrives; the store is opened (made) by the first delivery:
         # a writer started early by `keras_sync.load` may be closed unused (a load that fails), and
@@ -408,7 +525,7 @@ def main(argv: list[str]) -> int:
         from keras_sync.tracking.sqlite_store import warm_up
 
         warm_up(uri)
-    except Exception:  # noqa: BLE001 - the first delivery reports it
+    except Exception:
         pass
     try:
         delivery.serve(parent)
@@ -416,4 +533,3 @@ def main(argv: list[str]) -> int:
         if spool.path.is_dir():
             raise
     return 0  # the spool directory went away under us: nothing left to deliver
-

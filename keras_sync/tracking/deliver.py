@@ -19,8 +19,22 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from keras_sync.tracking.environ import environ_restored
-from keras_sync.tracking.records import (BEGIN, END, FILE, MAX_BATCH, MAX_BATCH_PARAMS_AND_TAGS, METRICS, MODEL, PARAMS,
-                                         REPORT, STOP, TAGS, TEXT, is_http, is_last_record)
+from keras_sync.tracking.records import (
+    BEGIN,
+    END,
+    FILE,
+    MAX_BATCH,
+    MAX_BATCH_PARAMS_AND_TAGS,
+    METRICS,
+    MODEL,
+    PARAMS,
+    REPORT,
+    STOP,
+    TAGS,
+    TEXT,
+    is_http,
+    is_last_record,
+)
 from keras_sync.tracking.retry import Retrier
 
 _log = logging.getLogger("keras_sync.tracking")
@@ -53,8 +67,11 @@ def fast_fail_env(tracking_uri: str, timeout_s: int) -> Iterator[None]:
     if not is_http(tracking_uri):
         yield
         return
-    wanted = dict(_FAST_FAIL_ENV, MLFLOW_HTTP_REQUEST_TIMEOUT=str(max(1, int(timeout_s))),
-                  MLFLOW_TRACKING_URI=tracking_uri)
+    wanted = dict(
+        _FAST_FAIL_ENV,
+        MLFLOW_HTTP_REQUEST_TIMEOUT=str(max(1, int(timeout_s))),
+        MLFLOW_TRACKING_URI=tracking_uri,
+    )
     with _ENV_LOCK, environ_restored(*wanted):
         os.environ.update(wanted)
         yield
@@ -65,8 +82,14 @@ def is_transient(exc: BaseException) -> bool:
     code = getattr(exc, "error_code", None)
     if code is None:
         return True  # OSError, requests errors, sqlite "database is locked": try again
-    return code in {"INTERNAL_ERROR", "TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED",
-                    "DEADLINE_EXCEEDED", "ABORTED", "IO_ERROR"}
+    return code in {
+        "INTERNAL_ERROR",
+        "TEMPORARILY_UNAVAILABLE",
+        "REQUEST_LIMIT_EXCEEDED",
+        "DEADLINE_EXCEEDED",
+        "ABORTED",
+        "IO_ERROR",
+    }
 
 
 #: MLflow's error codes of a refused credential, as the HTTP status the server answered.
@@ -93,8 +116,17 @@ class RunSender:
         run_id: a run id recorded with the job's backup, tried first.
     """
 
-    def __init__(self, tracking_uri: str, experiment: str, run_name: str | None, job_id: str | None,
-                 *, explicit: bool = False, run_id: str | None = None, request_timeout_s: int = 5):
+    def __init__(
+        self,
+        tracking_uri: str,
+        experiment: str,
+        run_name: str | None,
+        job_id: str | None,
+        *,
+        explicit: bool = False,
+        run_id: str | None = None,
+        request_timeout_s: int = 5,
+    ):
         self.tracking_uri = tracking_uri
         self.experiment, self.run_name, self.job_id = experiment, run_name, job_id
         self.explicit = explicit
@@ -148,7 +180,9 @@ class RunSender:
 
             from keras_sync.tracking.sqlite_store import ensure_sqlite_store
 
-            ensure_sqlite_store(self.tracking_uri)  # a kill while MLflow builds it would leave it half-built
+            ensure_sqlite_store(
+                self.tracking_uri
+            )  # a kill while MLflow builds it would leave it half-built
             self._client = MlflowClient(tracking_uri=self.tracking_uri)
         return self._client
 
@@ -175,13 +209,20 @@ class RunSender:
         continued = run is not None  # taken as it is: no status change
         for candidate in (self.run_id, self._hint) if run is None else ():
             if candidate is not None:
-                run = self._usable(self._get_run(candidate), reopen=reopen and candidate == self.run_id)
+                run = self._usable(
+                    self._get_run(candidate), reopen=reopen and candidate == self.run_id
+                )
                 if run is not None:
                     break
         if run is None and self.job_id is not None:
             exp_id = self._experiment_id()
-            found = self._call(c.search_runs, [exp_id], filter_string=f"tags.`{JOB_TAG}` = '{self.job_id}'",
-                               max_results=20, order_by=["attributes.start_time DESC"])
+            found = self._call(
+                c.search_runs,
+                [exp_id],
+                filter_string=f"tags.`{JOB_TAG}` = '{self.job_id}'",
+                max_results=20,
+                order_by=["attributes.start_time DESC"],
+            )
             run = next((r for r in map(self._usable, found) if r is not None), None)
         if run is None:
             run = self._create_run(self._experiment_id())
@@ -189,7 +230,9 @@ class RunSender:
         else:
             if run.info.status != "RUNNING" and not continued:
                 self._call(c.update_run, run.info.run_id, status="RUNNING")
-            if run.info.run_id != self._floors_of:  # also a run id an earlier courier of this spool found
+            if (
+                run.info.run_id != self._floors_of
+            ):  # also a run id an earlier courier of this spool found
                 self.floors = self._logged_steps(run)
         self.run_id, self._checked, self._hint = run.info.run_id, True, None
         self._floors_of = self.run_id
@@ -209,13 +252,19 @@ class RunSender:
         def attempt() -> Any:
             nonlocal tried
             if tried and self.job_id is not None:
-                found = c.search_runs([exp_id], filter_string=f"tags.`{JOB_TAG}` = '{self.job_id}'",
-                                      max_results=20, order_by=["attributes.start_time DESC"])
+                found = c.search_runs(
+                    [exp_id],
+                    filter_string=f"tags.`{JOB_TAG}` = '{self.job_id}'",
+                    max_results=20,
+                    order_by=["attributes.start_time DESC"],
+                )
                 made = next((r for r in map(self._usable, found) if r is not None), None)
                 if made is not None:
                     return made
             tried = True
-            return c.create_run(exp_id, start_time=self.start_time_ms, run_name=self.run_name, tags=tags)
+            return c.create_run(
+                exp_id, start_time=self.start_time_ms, run_name=self.run_name, tags=tags
+            )
 
         return self._call(attempt)
 
@@ -328,7 +377,9 @@ class RunSender:
                 flush(flush_upto)
                 if is_last_record(rec):
                     self.release_report()
-                self._call(c.set_terminated, self.run_id, status=rec["status"], end_time=rec.get("ts"))
+                self._call(
+                    c.set_terminated, self.run_id, status=rec["status"], end_time=rec.get("ts")
+                )
                 took(i)
             elif k == STOP:  # the writer closed after ending the run: nothing to send
                 flush(flush_upto)
@@ -344,7 +395,9 @@ class RunSender:
             elif k == BEGIN:
                 flush(flush_upto)
                 self.new_session(rec.get("ts"))
-                if rec.get("replayed"):  # sent before by a courier killed before it moved the position
+                if rec.get(
+                    "replayed"
+                ):  # sent before by a courier killed before it moved the position
                     self.ensure_run(continuing=True)
                 else:
                     self.ensure_run(reopen=bool(rec.get("reopen")))
@@ -366,8 +419,11 @@ class RunSender:
     def _same_picture(self, rec: dict[str, Any]) -> bool:
         """Whether ``rec`` draws the held report's file of the same run (a newer one: the history is the run's)."""
         held = self.held_report
-        return held is not None and held[0] == self.run_id and (held[1].get("f"), held[1].get("dir")) == (
-            rec.get("f"), rec.get("dir"))
+        return (
+            held is not None
+            and held[0] == self.run_id
+            and (held[1].get("f"), held[1].get("dir")) == (rec.get("f"), rec.get("dir"))
+        )
 
     def _set_held(self, held: tuple[str, dict[str, Any]] | None) -> None:
         if self.on_held is not None:
@@ -402,9 +458,13 @@ class RunSender:
             path = tmp / rec["f"]
             try:
                 render(SyncHistory.from_dict(rec["h"]), path)
-            except Exception as e:  # noqa: BLE001 - a picture must never stop the delivery
-                _log.warning("keras-sync could not draw %s (%s: %s); the metrics are delivered as usual.",
-                             rec["f"], type(e).__name__, e)
+            except Exception as e:
+                _log.warning(
+                    "keras-sync could not draw %s (%s: %s); the metrics are delivered as usual.",
+                    rec["f"],
+                    type(e).__name__,
+                    e,
+                )
                 return
             self._call(self.client().log_artifact, run_id or self.run_id, str(path), rec.get("dir"))
         finally:
@@ -412,7 +472,12 @@ class RunSender:
 
     def _send_batch(self, metrics: list[Any], params: list[Any], tags: list[Any]) -> None:
         c = self.client()
-        if not params and not tags and (sql := self._sql_metrics(c)) is not None and sql.log(self.run_id, metrics):
+        if (
+            not params
+            and not tags
+            and (sql := self._sql_metrics(c)) is not None
+            and sql.log(self.run_id, metrics)
+        ):
             return  # ~10 us a point instead of MLflow's ~60-130 (keras_sync.tracking.sql_metrics)
         try:
             self._call(c.log_batch, self.run_id, metrics=metrics, params=params, tags=tags)
@@ -428,5 +493,8 @@ class RunSender:
                 except Exception as pe:
                     if is_transient(pe):
                         raise
-                    _log.warning("MLflow refused param %r (logged before with another value?); "
-                                 "it is dropped, the rest of the batch was delivered.", p.key)
+                    _log.warning(
+                        "MLflow refused param %r (logged before with another value?); "
+                        "it is dropped, the rest of the batch was delivered.",
+                        p.key,
+                    )

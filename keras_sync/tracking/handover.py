@@ -104,8 +104,9 @@ class Handover:
         os.set_blocking(self_out, False)
         self._out = self_out
         self._buf = bytearray(b"".join(self._line(n, rec) for n, rec, _ in self._held))
-        self._reader = threading.Thread(target=self._read_news, args=(self_in,), name="keras-sync-courier-news",
-                                        daemon=True)
+        self._reader = threading.Thread(
+            target=self._read_news, args=(self_in,), name="keras-sync-courier-news", daemon=True
+        )
         self._reader.start()
         return records_in, news_out
 

@@ -58,7 +58,9 @@ ALWAYS_KEPT = (BEGIN, END, STOP, TAGS)
 #: Why the courier's last delivery failed (``status.json``'s ``cause``), and how a person is told:
 #: the words of the warning once behind, and the word of the one-line log when it first happens.
 UNREACHABLE = "unreachable"  # a tracking server that does not answer (transient errors)
-FAILING_REQUESTS = "failing_requests"  # a tracking server that answers some requests with errors (HTTP 503)
+FAILING_REQUESTS = (
+    "failing_requests"  # a tracking server that answers some requests with errors (HTTP 503)
+)
 STORE_FAILING = "store_failing"  # a local store (sqlite, files) that raises
 REFUSED = "refused"  # a server that answers with an error
 CREDENTIALS = "credentials"  # HTTP 401/403: it does not fix itself

@@ -23,9 +23,12 @@ _USERINFO_END = re.compile(r"[^/?#@\s]*@")
 _QUERY_SEPARATOR = re.compile(r"[?&;]")
 _QUERY_KEY_END = re.compile(r"[=&#\s]")
 _QUERY_VALUE_END = re.compile(r"[&#;\s]")
-_SECRET_WORD = re.compile(r"token|password|passwd|secret|key|sig|signature|credential|auth", re.IGNORECASE)
-_SECRET_ENV_NAME = re.compile(r"TOKEN|PASSWORD|PASSWD|SECRET|API_?KEY|PRIVATE_KEY|CREDENTIAL",
-                              re.IGNORECASE)
+_SECRET_WORD = re.compile(
+    r"token|password|passwd|secret|key|sig|signature|credential|auth", re.IGNORECASE
+)
+_SECRET_ENV_NAME = re.compile(
+    r"TOKEN|PASSWORD|PASSWD|SECRET|API_?KEY|PRIVATE_KEY|CREDENTIAL", re.IGNORECASE
+)
 _NOT_SECRET_VALUES = {"", "0", "1", "true", "false", "none", "null", "yes", "no"}
 
 

@@ -20,8 +20,10 @@ SPREAD = "sync/grad_norm_spread"
 STEP_TIME = "sync/step_time_ms"
 DIVERGENCE = "sync/weight_divergence"
 #: What `keras_sync.measures.fingerprints.summarize` measures: not the largest element-wise difference.
-DIVERGENCE_TITLE = ("weight divergence: largest spread of a variable's mean\n"
-                    "or RMS, a lower bound of max |w_i - w_j| (0 = same bits)")
+DIVERGENCE_TITLE = (
+    "weight divergence: largest spread of a variable's mean\n"
+    "or RMS, a lower bound of max |w_i - w_j| (0 = same bits)"
+)
 
 
 @dataclass
@@ -71,7 +73,9 @@ class SyncHistory:
     divergence: Series = field(init=False)
 
     def __post_init__(self) -> None:
-        self.spread, self.step_time_ms, self.divergence = (Series(self.max_points) for _ in range(3))
+        self.spread, self.step_time_ms, self.divergence = (
+            Series(self.max_points) for _ in range(3)
+        )
 
     def add(self, metrics: Mapping[str, float], step: int) -> None:
         """Keep the sync metrics of one logged step (other keys are ignored)."""
@@ -96,17 +100,26 @@ class SyncHistory:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able copy (the courier draws the report from it: `keras_sync.tracking`)."""
-        def series(x: Series) -> dict[str, Any]:
-            return {"max_points": x.max_points, "steps": list(x.steps), "values": list(x.values),
-                    "stride": x.stride, "offered": x.offered}
 
-        return {"max_points": self.max_points,
-                "loss": {str(r): series(x) for r, x in self.loss.items()},
-                "grad_norm": {str(r): series(x) for r, x in self.grad_norm.items()},
-                "between_steps": {str(w): series(x) for w, x in self.between_steps.items()},
-                "compute": {str(w): series(x) for w, x in self.compute.items()},
-                "spread": series(self.spread), "step_time_ms": series(self.step_time_ms),
-                "divergence": series(self.divergence)}
+        def series(x: Series) -> dict[str, Any]:
+            return {
+                "max_points": x.max_points,
+                "steps": list(x.steps),
+                "values": list(x.values),
+                "stride": x.stride,
+                "offered": x.offered,
+            }
+
+        return {
+            "max_points": self.max_points,
+            "loss": {str(r): series(x) for r, x in self.loss.items()},
+            "grad_norm": {str(r): series(x) for r, x in self.grad_norm.items()},
+            "between_steps": {str(w): series(x) for w, x in self.between_steps.items()},
+            "compute": {str(w): series(x) for w, x in self.compute.items()},
+            "spread": series(self.spread),
+            "step_time_ms": series(self.step_time_ms),
+            "divergence": series(self.divergence),
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SyncHistory:
@@ -114,12 +127,14 @@ class SyncHistory:
         history = cls(max_points=int(data["max_points"]))
         history.loss = {int(r): Series(**x) for r, x in data["loss"].items()}
         history.grad_norm = {int(r): Series(**x) for r, x in data["grad_norm"].items()}
-        history.between_steps = {int(w): Series(**x) for w, x in data.get("between_steps", {}).items()}
+        history.between_steps = {
+            int(w): Series(**x) for w, x in data.get("between_steps", {}).items()
+        }
         history.compute = {int(w): Series(**x) for w, x in data.get("compute", {}).items()}
         history.spread, history.step_time_ms, history.divergence = (
-            Series(**data[k]) for k in ("spread", "step_time_ms", "divergence"))
+            Series(**data[k]) for k in ("spread", "step_time_ms", "divergence")
+        )
         return history
-
 
     def slowest_worker(self) -> tuple[int, float, float, float] | None:
         """(worker, its median time between steps, its median compute, the other workers' median of the sum),
@@ -143,8 +158,13 @@ class SyncHistory:
         workers = sorted(set(self.between_steps) & set(self.compute))
         if len(workers) < 2:
             return None
-        parts = {w: (statistics.median(self.between_steps[w].values or [math.nan]),
-                     statistics.median(self.compute[w].values or [math.nan])) for w in workers}
+        parts = {
+            w: (
+                statistics.median(self.between_steps[w].values or [math.nan]),
+                statistics.median(self.compute[w].values or [math.nan]),
+            )
+            for w in workers
+        }
         own = {w: a + b for w, (a, b) in parts.items() if math.isfinite(a + b)}
         if len(own) < 2:
             return None
@@ -160,7 +180,9 @@ class SyncHistory:
         return len(set(self.between_steps) & set(self.compute)) >= 2
 
 
-def render(history: SyncHistory, path: str | os.PathLike[str], *, title: str = "keras-sync: sync health") -> None:
+def render(
+    history: SyncHistory, path: str | os.PathLike[str], *, title: str = "keras-sync: sync health"
+) -> None:
     """Draw ``history`` as a 2x3 grid of charts into the PNG file ``path``."""
     draw(history, title=title).savefig(path, format="png")
 
@@ -173,9 +195,13 @@ def draw(history: SyncHistory, *, title: str = "keras-sync: sync health") -> Any
     fig = Figure(figsize=(15, 8.5), dpi=100)
     FigureCanvasAgg(fig)
     axes = fig.subplots(2, 3)
-    fig.subplots_adjust(left=0.05, right=0.98, bottom=0.07, top=0.91, wspace=0.25, hspace=0.35)  # fixed: cheap
+    fig.subplots_adjust(
+        left=0.05, right=0.98, bottom=0.07, top=0.91, wspace=0.25, hspace=0.35
+    )  # fixed: cheap
     replicas = sorted(set(history.loss) | set(history.grad_norm))
-    _per_replica(axes[0][0], history.loss, replicas, "loss per replica (before the all-reduce)", log_y=False)
+    _per_replica(
+        axes[0][0], history.loss, replicas, "loss per replica (before the all-reduce)", log_y=False
+    )
     _per_replica(axes[0][1], history.grad_norm, replicas, "gradient norm per replica", log_y=True)
     _line(axes[0][2], history.spread, "grad-norm spread: (max - min) / mean", "spread")
     ax = axes[1][0]
@@ -188,20 +214,29 @@ def draw(history: SyncHistory, *, title: str = "keras-sync: sync health") -> Any
         ax.hist(usual, bins=min(50, max(5, len(usual) // 4)), color="tab:blue", alpha=0.8)
         ax.axvline(median, color="black", linestyle="--", label=f"median {median:.3g} ms")
         if slow:
-            ax.plot([], [], " ", label=f"{len(slow)} step(s) > 10x median not drawn (max {max(slow):.4g} ms)")
+            ax.plot(
+                [],
+                [],
+                " ",
+                label=f"{len(slow)} step(s) > 10x median not drawn (max {max(slow):.4g} ms)",
+            )
         ax.legend(loc="upper right", fontsize="small")
     else:
         _no_data(ax)
     ax.set_title("step time distribution")
     ax.set_xlabel("ms per step")
     ax.set_ylabel("logged steps")
-    _line(axes[1][1], history.divergence, DIVERGENCE_TITLE, "spread (the weights' units)", marker="o")
+    _line(
+        axes[1][1], history.divergence, DIVERGENCE_TITLE, "spread (the weights' units)", marker="o"
+    )
     _summary(axes[1][2], history, replicas)
     fig.suptitle(title)
     return fig
 
 
-def _per_replica(ax, series: Mapping[int, Series], replicas: list[int], title: str, *, log_y: bool) -> None:
+def _per_replica(
+    ax, series: Mapping[int, Series], replicas: list[int], title: str, *, log_y: bool
+) -> None:
     shown = [(r, series[r]) for r in replicas if r in series and series[r].steps]
     for r, s in shown:
         ax.plot(s.steps, s.values, label=f"replica {r}", linewidth=1.0, alpha=0.75)
@@ -226,30 +261,49 @@ def _line(ax, s: Series, title: str, ylabel: str, *, marker: str | None = None) 
 
 
 def _no_data(ax) -> None:
-    ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes, color="gray")
+    ax.text(
+        0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes, color="gray"
+    )
 
 
 def _summary(ax, history: SyncHistory, replicas: list[int]) -> None:
     ax.axis("off")
     lines = [f"replicas: {len(replicas) or 'unknown'}"]
-    steps = [s.steps[-1] for s in history.loss.values() if s.steps] + history.step_time_ms.steps[-1:]
+    steps = [s.steps[-1] for s in history.loss.values() if s.steps] + history.step_time_ms.steps[
+        -1:
+    ]
     if steps:
         lines.append(f"last logged step: {max(steps)}")
     strides = {s.stride for s in (*history.loss.values(), history.step_time_ms) if s.steps}
     if strides and max(strides) > 1:
         lines.append(f"downsampled: 1 logged step in {max(strides)} drawn")
     if history.spread.values:
-        lines.append(f"grad-norm spread: median {sorted(history.spread.values)[len(history.spread.values) // 2]:.3g}, "
-                     f"max {max(history.spread.values):.3g}")
+        lines.append(
+            f"grad-norm spread: median {sorted(history.spread.values)[len(history.spread.values) // 2]:.3g}, "
+            f"max {max(history.spread.values):.3g}"
+        )
     if history.step_time_ms.values:
         t = sorted(history.step_time_ms.values)
-        lines.append(f"step time: median {t[len(t) // 2]:.3g} ms, p95 {t[min(len(t) - 1, int(0.95 * len(t)))]:.3g} ms")
+        lines.append(
+            f"step time: median {t[len(t) // 2]:.3g} ms, p95 {t[min(len(t) - 1, int(0.95 * len(t)))]:.3g} ms"
+        )
     lines += slow_worker_lines(history)
     if history.divergence.values:
         worst = max(history.divergence.values)
-        lines.append(f"weight divergence: max {worst:.3g} " + ("(in sync)" if worst == 0 else "(replicas DIFFER)"))
-    ax.text(0.0, 1.0, "\n".join(lines), va="top", ha="left", family="monospace", fontsize="medium",
-            transform=ax.transAxes)
+        lines.append(
+            f"weight divergence: max {worst:.3g} "
+            + ("(in sync)" if worst == 0 else "(replicas DIFFER)")
+        )
+    ax.text(
+        0.0,
+        1.0,
+        "\n".join(lines),
+        va="top",
+        ha="left",
+        family="monospace",
+        fontsize="medium",
+        transform=ax.transAxes,
+    )
 
 
 def slow_worker_lines(history: SyncHistory) -> list[str]:
@@ -269,9 +323,14 @@ def slow_worker_lines(history: SyncHistory) -> list[str]:
         return []
     slow = history.slowest_worker()
     if slow is None:
-        return [f"no worker is slow: none took over {RATIO:g}x",
-                f"  the other workers' median and {MIN_EXTRA_MS:g} ms more", "  to reach the all-reduce"]
+        return [
+            f"no worker is slow: none took over {RATIO:g}x",
+            f"  the other workers' median and {MIN_EXTRA_MS:g} ms more",
+            "  to reach the all-reduce",
+        ]
     w, between, compute, others = slow
-    return [f"slowest worker: {w}, {between + compute:.3g} ms to the all-reduce",
-            f"  ({between:.3g} between steps + compute {compute:.3g};",
-            f"  other workers' median {others:.3g} ms)"]
+    return [
+        f"slowest worker: {w}, {between + compute:.3g} ms to the all-reduce",
+        f"  ({between:.3g} between steps + compute {compute:.3g};",
+        f"  other workers' median {others:.3g} ms)",
+    ]

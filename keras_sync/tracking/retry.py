@@ -16,7 +16,8 @@ from __future__ import annotations
 import re
 import time
 from collections import Counter
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -29,8 +30,11 @@ HEALTHY_AFTER = 20
 #: Kinds of failure that mean the server did not answer at all.
 NO_ANSWER = ("connection refused", "a timeout", "a dropped connection")
 
-_HTTP = (re.compile(r"too many (\d{3}) error responses"), re.compile(r"failed with error code (\d{3})"),
-         re.compile(r"\bHTTP (\d{3})\b"))
+_HTTP = (
+    re.compile(r"too many (\d{3}) error responses"),
+    re.compile(r"failed with error code (\d{3})"),
+    re.compile(r"\bHTTP (\d{3})\b"),
+)
 
 
 def failure_kind(exc: BaseException) -> str:
@@ -83,9 +87,20 @@ class Retrier:
             time of the last answer changed), and when the server is healthy again (`HEALTHY_AFTER`).
     """
 
-    def __init__(self, transient: Callable[[BaseException], bool], *, give_up: Callable[[], bool] = lambda: False,
-                 on_change: Callable[[Retrier], None] | None = None, sleep: Callable[[float], None] = time.sleep):
-        self.transient, self.give_up, self.on_change, self._sleep = transient, give_up, on_change, sleep
+    def __init__(
+        self,
+        transient: Callable[[BaseException], bool],
+        *,
+        give_up: Callable[[], bool] = lambda: False,
+        on_change: Callable[[Retrier], None] | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
+        self.transient, self.give_up, self.on_change, self._sleep = (
+            transient,
+            give_up,
+            on_change,
+            sleep,
+        )
         self.backoff = 0.0
         self.requests = 0  # since the first failure of this episode (or since the start)
         self.failures: Counter[str] = Counter()
@@ -102,7 +117,11 @@ class Retrier:
 
     def unreachable(self) -> bool:
         """Whether every request of this episode failed without an answer from the server."""
-        return self.failing and set(self.failures) <= set(NO_ANSWER) and self.requests == sum(self.failures.values())
+        return (
+            self.failing
+            and set(self.failures) <= set(NO_ANSWER)
+            and self.requests == sum(self.failures.values())
+        )
 
     def summary(self) -> str:
         """What happened to the requests since they started failing, in words ("" while healthy)."""

@@ -35,8 +35,11 @@ def python_command() -> str:
     # Beside this interpreter (a venv's bin/python next to its bin/python3.11) and the same program.
     # Not by the resolved path alone: a venv's python links to the base interpreter, which runs
     # without the venv's packages.
-    if found is not None and os.path.dirname(os.path.abspath(found)) == os.path.dirname(os.path.abspath(ours)) \
-            and _same_file(found, ours):
+    if (
+        found is not None
+        and os.path.dirname(os.path.abspath(found)) == os.path.dirname(os.path.abspath(ours))
+        and _same_file(found, ours)
+    ):
         return "python"
     sibling = ours.with_name("python")  # the venv's bin/python reads better than its bin/python3.11
     return shlex.quote(str(sibling if _same_file(sibling, ours) else ours))

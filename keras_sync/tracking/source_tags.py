@@ -60,8 +60,13 @@ def _user() -> str:
 
 def _git(cwd: str, args: list[str], timeout_s: float) -> str | None:
     try:
-        out = subprocess.run(["git", "-C", cwd, *args], capture_output=True, text=True, timeout=timeout_s,
-                             env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
+        out = subprocess.run(
+            ["git", "-C", cwd, *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env={**os.environ, "GIT_TERMINAL_PROMPT": "0"},
+        )
     except (OSError, subprocess.SubprocessError):  # no git, or it hung
         return None
     return out.stdout.strip() or None if out.returncode == 0 else None

@@ -95,7 +95,7 @@ class SpoolDir:
         if fcntl is None or role in self._locks:
             return True
         self.path.mkdir(parents=True, exist_ok=True)
-        fh = open(self.path / f"{role}.lock", "ab")  # noqa: SIM115 - held for the role's life
+        fh = open(self.path / f"{role}.lock", "ab")
         try:
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -109,7 +109,7 @@ class SpoolDir:
         if fcntl is None or role in self._locks:
             return
         self.path.mkdir(parents=True, exist_ok=True)
-        fh = open(self.path / f"{role}.lock", "ab")  # noqa: SIM115
+        fh = open(self.path / f"{role}.lock", "ab")
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
         self._locks[role] = fh
 
@@ -150,7 +150,9 @@ class SpoolDir:
         """``{"run_id": ..., "experiment_id": ...}`` once the courier knows the run, else ``{}``."""
         return self._read_json("run.json", {})
 
-    def set_run(self, run_id: str, experiment_id: str | None, begin: Position | None = None) -> None:
+    def set_run(
+        self, run_id: str, experiment_id: str | None, begin: Position | None = None
+    ) -> None:
         """Name the run the records go to; ``begin``: the position of the "begin" record that chose it."""
         record: dict[str, Any] = {"run_id": run_id, "experiment_id": experiment_id}
         if begin is not None:
@@ -193,7 +195,7 @@ class SpoolDir:
         n = max(existing[-1] if existing else 0, self._segment) + 1
         # Unbuffered: a write the disk refuses fails here, not later in a flush at exit. Readable too:
         # a segment deleted under its writer is copied back from its open file (`_remake`).
-        self._fh = open(self._segment_path(n), "a+b", buffering=0)  # noqa: SIM115 - held while writing
+        self._fh = open(self._segment_path(n), "a+b", buffering=0)
         self._segment = n
         return self._segment, 0
 
@@ -268,7 +270,7 @@ class SpoolDir:
         self.start_segment()
         view = memoryview(data)
         while view:
-            view = view[self._fh.write(view):]
+            view = view[self._fh.write(view) :]
         self.remade = f"{len(data.splitlines())} record(s) of its open segment were written again"
 
     def written(self) -> Position:
@@ -300,7 +302,9 @@ class SpoolDir:
                 if n < pos[0]:
                     self._segment_path(n).unlink(missing_ok=True)
 
-    def read(self, start: Position, max_records: int = 1000) -> list[tuple[Position, dict[str, Any]]]:
+    def read(
+        self, start: Position, max_records: int = 1000
+    ) -> list[tuple[Position, dict[str, Any]]]:
         """Records from ``start`` on, in order, each with the position just past it.
 
         A line without its newline is skipped: in the newest segment it is still being written;

@@ -44,7 +44,9 @@ class SqliteMetrics:
         from keras_sync.upstream import internals
 
         self.store = store
-        self.usable = internals.available(internals.SQLITE_METRICS)  # probed once: the shapes relied on
+        self.usable = internals.available(
+            internals.SQLITE_METRICS
+        )  # probed once: the shapes relied on
         self.points = 0  # written by this path (tests read it)
 
     def log(self, run_id: str, metrics: list[Any]) -> bool:
@@ -55,39 +57,66 @@ class SqliteMetrics:
             from mlflow.utils.validation import _validate_batch_log_data
 
             _validate_batch_log_data(metrics, [], [])  # MLflow's own checks of keys, values, steps
-        except Exception as e:  # noqa: BLE001 - a bad point or moved internals: log_batch says or does it
+        except Exception as e:
             return self._fall_back(e)
         rows: list[dict[str, Any]] = []
         latest: dict[str, dict[str, Any]] = {}
         sanitize = self.store.sanitize_metric_value  # NaN -> (True, 0); +-inf -> +-max float
         seen: set[Any] = set()
         for m in metrics:
-            if m in seen:  # a point sent twice in one batch is stored once, as MLflow does (Metric's ==)
+            if (
+                m in seen
+            ):  # a point sent twice in one batch is stored once, as MLflow does (Metric's ==)
                 continue
             seen.add(m)
             is_nan, value = sanitize(m.value)
-            row = {"run_uuid": run_id, "key": m.key, "value": value, "timestamp": m.timestamp, "step": m.step,
-                   "is_nan": is_nan}
+            row = {
+                "run_uuid": run_id,
+                "key": m.key,
+                "value": value,
+                "timestamp": m.timestamp,
+                "step": m.step,
+                "is_nan": is_nan,
+            }
             rows.append(row)
             now = latest.get(m.key)
-            if now is None or (m.step, m.timestamp, value) > (now["step"], now["timestamp"], now["value"]):
+            if now is None or (m.step, m.timestamp, value) > (
+                now["step"],
+                now["timestamp"],
+                now["value"],
+            ):
                 latest[m.key] = row
         try:
             with self._session() as session:
                 run = self.store._get_run(run_uuid=run_id, session=session)
-                self.store._check_run_is_active(run)  # a deleted or finished-and-locked run refuses, as in MLflow
+                self.store._check_run_is_active(
+                    run
+                )  # a deleted or finished-and-locked run refuses, as in MLflow
                 session.execute(SqlMetric.__table__.insert(), rows)
-                held = {m.key: m for m in session.query(SqlLatestMetric)
-                        .filter(SqlLatestMetric.run_uuid == run_id, SqlLatestMetric.key.in_(sorted(latest)))
-                        .with_for_update()}
+                held = {
+                    m.key: m
+                    for m in session.query(SqlLatestMetric)
+                    .filter(
+                        SqlLatestMetric.run_uuid == run_id, SqlLatestMetric.key.in_(sorted(latest))
+                    )
+                    .with_for_update()
+                }
                 for key, row in latest.items():
                     old = held.get(key)
                     if old is None:
                         session.add(SqlLatestMetric(**row))
-                    elif (row["step"], row["timestamp"], row["value"]) > (old.step, old.timestamp, old.value):
-                        old.value, old.step, old.timestamp, old.is_nan = (row["value"], row["step"], row["timestamp"],
-                                                                          row["is_nan"])
-        except Exception as e:  # noqa: BLE001 - rolled back: log_batch sends the batch (or raises what is wrong)
+                    elif (row["step"], row["timestamp"], row["value"]) > (
+                        old.step,
+                        old.timestamp,
+                        old.value,
+                    ):
+                        old.value, old.step, old.timestamp, old.is_nan = (
+                            row["value"],
+                            row["step"],
+                            row["timestamp"],
+                            row["is_nan"],
+                        )
+        except Exception as e:
             return self._fall_back(e)
         self.points += len(rows)
         return True
@@ -95,7 +124,11 @@ class SqliteMetrics:
     def _fall_back(self, e: BaseException) -> bool:
         """Nothing was written: the caller uses log_batch. If MLflow's internals moved (an error of
         Python, not of the data or the store), stop trying for the rest of the process."""
-        chain = [e, e.__cause__, e.__context__]  # MLflow's session wraps what it caught in an MlflowException
+        chain = [
+            e,
+            e.__cause__,
+            e.__context__,
+        ]  # MLflow's session wraps what it caught in an MlflowException
         if any(isinstance(x, (AttributeError, TypeError, ImportError, NameError)) for x in chain):
             self.usable = False
         _log.debug("keras-sync: metric points go through MLflow's log_batch: %r", e)
@@ -103,6 +136,8 @@ class SqliteMetrics:
 
     def _session(self) -> Any:
         try:
-            return self.store.ManagedSessionMaker(read_only=False)  # MLflow 3: sessions are read-only by default
+            return self.store.ManagedSessionMaker(
+                read_only=False
+            )  # MLflow 3: sessions are read-only by default
         except TypeError:  # MLflow 2: no such argument
             return self.store.ManagedSessionMaker()

@@ -46,7 +46,11 @@ def warm_up(uri: str | None) -> list[str]:
         from mlflow.store.db.db_types import DATABASE_ENGINES
     except ImportError:  # moved in a newer MLflow: no head start, opening the store works as before
         return done
-    if uri is None or "://" not in uri or uri.split(":", 1)[0].split("+", 1)[0] not in DATABASE_ENGINES:
+    if (
+        uri is None
+        or "://" not in uri
+        or uri.split(":", 1)[0].split("+", 1)[0] not in DATABASE_ENGINES
+    ):
         return done
     try:
         import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
@@ -54,7 +58,7 @@ def warm_up(uri: str | None) -> list[str]:
 
         configure_mappers()
         done.append("sql store")
-    except Exception:  # noqa: BLE001 - only a head start: opening the store says what is wrong
+    except Exception:
         return done
     if sqlite_path(uri) is not None and _schema_head() is not None:
         done.append("schema head")
@@ -116,11 +120,15 @@ def _rehearse() -> bool:
             os.environ.update({_POOL_ENV: "NullPool", _TELEMETRY_ENV: "true"})
             client = MlflowClient(tracking_uri=f"sqlite:///{tmp}")
             run = client.create_run(client.create_experiment("rehearsal"))
-            client.log_batch(run.info.run_id, metrics=[Metric("m", 1.0, 0, 1)], params=[Param("p", "1")],
-                             tags=[RunTag("t", "1")])
+            client.log_batch(
+                run.info.run_id,
+                metrics=[Metric("m", 1.0, 0, 1)],
+                params=[Param("p", "1")],
+                tags=[RunTag("t", "1")],
+            )
             client.set_terminated(run.info.run_id)
         return True
-    except Exception:  # noqa: BLE001 - only a head start
+    except Exception:
         return False
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -136,7 +144,7 @@ def sqlite_path(uri: str) -> Path | None:
     """
     if not uri.startswith("sqlite:///"):
         return None
-    raw = unquote(uri[len("sqlite:///"):].split("?", 1)[0])
+    raw = unquote(uri[len("sqlite:///") :].split("?", 1)[0])
     if raw in ("", ":memory:"):
         return None
     return Path(raw)
@@ -171,7 +179,9 @@ def ensure_sqlite_store(uri: str, *, timeout_s: float = 300.0) -> bool:
         _build(tmp, path)
         try:
             os.link(tmp, path)  # atomic; FileExistsError if another process published first
-        except FileExistsError:  # published meanwhile: by a builder like this one, or in place by MLflow
+        except (
+            FileExistsError
+        ):  # published meanwhile: by a builder like this one, or in place by MLflow
             _wait_while_built_in_place(path, timeout_s)
             return False
         _log.debug("created the MLflow sqlite store %s", path)
@@ -215,8 +225,11 @@ def _wait_while_built_in_place(path: Path, timeout_s: float) -> None:
             idle_s = time.time() - max(p.stat().st_mtime for p in (path, journal) if p.exists())
         except (OSError, ValueError):
             idle_s = 0.0
-        if (idle_s >= _SETTLED_S and not journal.exists()) or time.monotonic() - moved_at >= _SETTLED_S \
-                or time.monotonic() >= deadline:
+        if (
+            (idle_s >= _SETTLED_S and not journal.exists())
+            or time.monotonic() - moved_at >= _SETTLED_S
+            or time.monotonic() >= deadline
+        ):
             return
         time.sleep(0.05)
 
@@ -229,7 +242,7 @@ def _schema_head() -> str | None:
         from mlflow.store.db.utils import _get_latest_schema_revision
 
         return _get_latest_schema_revision()
-    except Exception:  # noqa: BLE001 - a private MLflow helper: without it, nothing is waited for
+    except Exception:
         return None
 
 
@@ -240,7 +253,9 @@ def _schema_state(path: Path) -> tuple[str | None, int]:
 
     try:
         with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=1.0)) as db:
-            tables = db.execute("SELECT count(*) FROM sqlite_master WHERE type='table'").fetchone()[0]
+            tables = db.execute("SELECT count(*) FROM sqlite_master WHERE type='table'").fetchone()[
+                0
+            ]
             try:
                 row = db.execute("SELECT version_num FROM alembic_version").fetchone()
             except sqlite3.Error:
@@ -256,8 +271,11 @@ def _wait_for_live_builder(path: Path, timeout_s: float) -> bool:
     while time.monotonic() < deadline:
         if path.exists():
             return True
-        builders = [p for p in path.parent.glob(f".{path.name}{_TMP_MARK}*")
-                    if not p.name.endswith(("-journal", "-room")) and _builder_alive(p, path)]
+        builders = [
+            p
+            for p in path.parent.glob(f".{path.name}{_TMP_MARK}*")
+            if not p.name.endswith(("-journal", "-room")) and _builder_alive(p, path)
+        ]
         if not builders:
             return path.exists()
         time.sleep(0.05)
@@ -265,7 +283,7 @@ def _wait_for_live_builder(path: Path, timeout_s: float) -> bool:
 
 
 def _builder_alive(tmp: Path, path: Path) -> bool:
-    pid_text = tmp.name[len(f".{path.name}{_TMP_MARK}"):].split("-", 1)[0]
+    pid_text = tmp.name[len(f".{path.name}{_TMP_MARK}") :].split("-", 1)[0]
     return pid_text.isdigit() and _alive(int(pid_text))
 
 
@@ -286,7 +304,7 @@ def _build(tmp: Path, path: Path) -> None:
 
         with _quiet_mlflow():  # "Creating initial MLflow database tables..." is ours to say, or not
             MlflowClient(tracking_uri=f"sqlite:///{tmp}").search_experiments(max_results=1)
-    except Exception as e:  # noqa: BLE001 - said in one line, with MLflow's own last words
+    except Exception as e:
         tail = (str(e).strip().splitlines() or [type(e).__name__])[-1]
         raise TrackingError(f"Could not create the MLflow store {str(path)!r}: {tail}") from None
     if template is not None:
@@ -311,7 +329,7 @@ def _template() -> Path | None:
         import sqlalchemy
 
         versions = f"mlflow-{mlflow.__version__}-sqlalchemy-{sqlalchemy.__version__}-{head}"
-    except Exception:  # noqa: BLE001 - no versions, no template
+    except Exception:
         return None
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(cache) / "keras-sync" / f"empty-store-{versions}.db"
@@ -345,10 +363,9 @@ def _keep_template(built: Path, template: Path) -> None:
     try:
         template.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(built, part)
-        with closing(sqlite3.connect(part)) as db:
-            with db:
-                db.execute("DELETE FROM experiment_tags WHERE experiment_id = 0")
-                db.execute("DELETE FROM experiments WHERE experiment_id = 0")
+        with closing(sqlite3.connect(part)) as db, db:
+            db.execute("DELETE FROM experiment_tags WHERE experiment_id = 0")
+            db.execute("DELETE FROM experiments WHERE experiment_id = 0")
         os.replace(part, template)
     except (OSError, sqlite3.Error) as e:
         _log.debug("could not keep the empty MLflow store in %s: %s", template, e)
@@ -373,7 +390,9 @@ def check_creatable(uri: str) -> None:
             f"The MLflow store {uri!r} cannot be created: its folder {str(path.parent)!r} does not exist. "
             "Create the folder, or set mlflow.tracking_uri to a path in an existing folder."
         )
-    _probe_writable(uri, path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"))
+    _probe_writable(
+        uri, path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    )
 
 
 def _probe_writable(uri: str, tmp: Path) -> None:

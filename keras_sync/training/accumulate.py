@@ -34,16 +34,27 @@ class GradientAccumulator:
         self._strategy = model.distribute_strategy
         self._vars = list(model.trainable_variables)
         self._index = {id(v): i for i, v in enumerate(self._vars)}
-        on_read = dict(trainable=False, synchronization=tf.VariableSynchronization.ON_READ,
-                       aggregation=tf.VariableAggregation.NONE)
+        on_read = dict(
+            trainable=False,
+            synchronization=tf.VariableSynchronization.ON_READ,
+            aggregation=tf.VariableAggregation.NONE,
+        )
         with model.distribute_strategy.scope():
-            self._sums = [tf.Variable(tf.zeros(tuple(v.shape), v.dtype), name="keras_sync_gradient_sum", **on_read)
-                          for v in self._vars]
-            self._micro = tf.Variable(tf.constant(0, tf.int64), name="keras_sync_micro_batches", **on_read)
+            self._sums = [
+                tf.Variable(
+                    tf.zeros(tuple(v.shape), v.dtype), name="keras_sync_gradient_sum", **on_read
+                )
+                for v in self._vars
+            ]
+            self._micro = tf.Variable(
+                tf.constant(0, tf.int64), name="keras_sync_micro_batches", **on_read
+            )
 
     def pending(self) -> bool:
         """True between two updates: micro-batches have been summed but not applied yet."""
-        micro = self._strategy.experimental_local_results(self._micro)[0]  # the same count on every replica
+        micro = self._strategy.experimental_local_results(self._micro)[
+            0
+        ]  # the same count on every replica
         return int(micro.numpy()) % self.steps != 0
 
     def apply(self, apply_fn: Any, grads: list[Any], trainable_variables: Any) -> None:
@@ -55,10 +66,12 @@ class GradientAccumulator:
         try:
             idx = [self._index[id(v)] for v in tvs]
         except KeyError:
-            raise UsageError("runtime.gradient_accumulation_steps: the train step applies gradients to a variable "
-                             "that is not among model.trainable_variables when fit started; keras-sync accumulates "
-                             "the gradients of model.optimizer for the model's own trainable variables only. Fix: "
-                             "set gradient_accumulation_steps: 1 for this model.") from None
+            raise UsageError(
+                "runtime.gradient_accumulation_steps: the train step applies gradients to a variable "
+                "that is not among model.trainable_variables when fit started; keras-sync accumulates "
+                "the gradients of model.optimizer for the model's own trainable variables only. Fix: "
+                "set gradient_accumulation_steps: 1 for this model."
+            ) from None
         for i, g in zip(idx, grads):
             if g is not None:
                 dense = tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
@@ -68,15 +81,19 @@ class GradientAccumulator:
         present = [g is not None for g in grads]
 
         def update() -> None:
-            mean = [self._sums[i] / tf.cast(self.steps, self._sums[i].dtype) if p else None
-                    for i, p in zip(idx, present)]
+            mean = [
+                self._sums[i] / tf.cast(self.steps, self._sums[i].dtype) if p else None
+                for i, p in zip(idx, present)
+            ]
             apply_fn(mean, tvs)
             for i in idx:
                 self._sums[i].assign(tf.zeros_like(self._sums[i]))
 
         # TensorFlow's own test (private; Keras's LossScaleOptimizer uses it): XLA on GPUs runs
         # without merge_call, so the condition stays in the replica context. Missing: merge_call.
-        no_merge_call = getattr(tf.__internal__.distribute, "strategy_supports_no_merge_call", lambda: False)
+        no_merge_call = getattr(
+            tf.__internal__.distribute, "strategy_supports_no_merge_call", lambda: False
+        )
         if no_merge_call():
             ops.cond(is_update, update, lambda: None)
             return
@@ -84,6 +101,8 @@ class GradientAccumulator:
         def cross_replica(distribution: Any, is_update: Any) -> None:
             # Every replica counted the same micro-batches: take the first one's decision.
             pred = distribution.experimental_local_results(is_update)[0]
-            ops.cond(pred, lambda: distribution.extended.call_for_each_replica(update), lambda: None)
+            ops.cond(
+                pred, lambda: distribution.extended.call_for_each_replica(update), lambda: None
+            )
 
         tf.distribute.get_replica_context().merge_call(cross_replica, args=(is_update,))

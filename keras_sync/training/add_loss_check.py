@@ -49,12 +49,14 @@ def sums_over_batch(whole: float, shares: list[float]) -> bool:
 def message(found: list[int], terms: int, n: int, global_batch: int) -> str:
     """The check's line (after ``check add_loss failed: ``) for the terms ``found`` (0-based)."""
     which = ", ".join(str(i + 1) for i in found)
-    return (f"add_loss term {which} of {terms} (in the order of model.losses) sums over the batch (its value on "
-            f"{PER_SHARE * n} examples is the sum, not the mean, of its values on the {n} replicas' shares), and each "
-            f"replica's add_loss terms are divided by the replica count (Keras's compute_loss; right for a mean or a "
-            f"weight penalty): on {n} replicas it counts 1/{n} of one device's. Fix: write it as a mean times the "
-            f"global batch, e.g. add_loss(rate * {global_batch} * ops.mean(ops.sum(x, axis=-1))), which equals one "
-            "device")
+    return (
+        f"add_loss term {which} of {terms} (in the order of model.losses) sums over the batch (its value on "
+        f"{PER_SHARE * n} examples is the sum, not the mean, of its values on the {n} replicas' shares), and each "
+        f"replica's add_loss terms are divided by the replica count (Keras's compute_loss; right for a mean or a "
+        f"weight penalty): on {n} replicas it counts 1/{n} of one device's. Fix: write it as a mean times the "
+        f"global batch, e.g. add_loss(rate * {global_batch} * ops.mean(ops.sum(x, axis=-1))), which equals one "
+        "device"
+    )
 
 
 def sample(x: Any, rows: int) -> Any:
@@ -74,13 +76,19 @@ def sample(x: Any, rows: int) -> Any:
             return None
         if isinstance(element, tuple):  # (x, y[, sample_weight])
             element = element[0]
-    elif hasattr(x, "__getitem__") and not isinstance(x, (list, tuple, dict)) and not hasattr(x, "shape"):
+    elif (
+        hasattr(x, "__getitem__")
+        and not isinstance(x, (list, tuple, dict))
+        and not hasattr(x, "shape")
+    ):
         return None  # a PyDataset / Sequence
     else:
         element = x
     leaves = tf.nest.flatten(element)
-    if not leaves or any(len(getattr(leaf, "shape", ())) == 0 or leaf.shape[0] is None or leaf.shape[0] < rows
-                         for leaf in leaves):
+    if not leaves or any(
+        len(getattr(leaf, "shape", ())) == 0 or leaf.shape[0] is None or leaf.shape[0] < rows
+        for leaf in leaves
+    ):
         return None
     return tf.nest.map_structure(lambda a: tf.convert_to_tensor(a[:rows]), element)
 
@@ -105,8 +113,13 @@ def _zeros(dataset: Any, rows: int) -> Any:
     if isinstance(spec, tuple):
         spec = spec[0]
     leaves = tf.nest.flatten(spec)
-    if not leaves or any(not isinstance(s, tf.TensorSpec) or s.shape.rank is None or s.shape.rank == 0
-                         or None in s.shape[1:] for s in leaves):
+    if not leaves or any(
+        not isinstance(s, tf.TensorSpec)
+        or s.shape.rank is None
+        or s.shape.rank == 0
+        or None in s.shape[1:]
+        for s in leaves
+    ):
         return None
     return tf.nest.map_structure(lambda s: tf.zeros([rows, *s.shape[1:]], s.dtype), spec)
 
@@ -133,9 +146,13 @@ def problem(model: Any, data: Any, n: int, global_batch: int) -> str | None:
         whole = term_values(model, x)
         if not whole:
             return None
-        shares = [term_values(model, tf.nest.map_structure(lambda a, r=r: a[r * per:(r + 1) * per], x))
-                  for r in range(n)]
-    except Exception as exc:  # a check, not the training: a model it cannot call this way is not judged
+        shares = [
+            term_values(model, tf.nest.map_structure(lambda a, r=r: a[r * per : (r + 1) * per], x))
+            for r in range(n)
+        ]
+    except (
+        Exception
+    ) as exc:  # a check, not the training: a model it cannot call this way is not judged
         log.debug("keras-sync: check add_loss skipped: %s: %s", type(exc).__name__, exc)
         return None
     if any(len(s) != len(whole) for s in shares):

@@ -42,8 +42,11 @@ _CKPT = re.compile(r"^ckpt-(\d+)\.index$")
 
 def _files_of(prefix: str) -> list[str]:
     folder, stem = os.path.split(prefix)
-    return sorted(n for n in os.listdir(folder or ".")
-                  if n == f"{stem}.index" or n.startswith(f"{stem}.data-"))
+    return sorted(
+        n
+        for n in os.listdir(folder or ".")
+        if n == f"{stem}.index" or n.startswith(f"{stem}.data-")
+    )
 
 
 def _crc(path: str) -> int:
@@ -57,10 +60,21 @@ def _crc(path: str) -> int:
 def write_manifest(prefix: str, record: dict[str, Any] | None = None) -> None:
     """Record the files of the checkpoint at ``prefix`` (``DIR/ckpt-N``) as complete; drop manifests of deleted ones."""
     folder = os.path.dirname(prefix)
-    files = {n: {"size": os.path.getsize(os.path.join(folder, n)), "crc32": _crc(os.path.join(folder, n))}
-             for n in _files_of(prefix)}
-    body = {"v": 1, "files": files, "written": time.time(), "host": socket.gethostname(), "pid": os.getpid(),
-            "run": record}
+    files = {
+        n: {
+            "size": os.path.getsize(os.path.join(folder, n)),
+            "crc32": _crc(os.path.join(folder, n)),
+        }
+        for n in _files_of(prefix)
+    }
+    body = {
+        "v": 1,
+        "files": files,
+        "written": time.time(),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "run": record,
+    }
     path = prefix + MANIFEST_SUFFIX
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
@@ -69,8 +83,10 @@ def write_manifest(prefix: str, record: dict[str, Any] | None = None) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     for name in os.listdir(folder):  # manifests of checkpoints the manager deleted (max_to_keep)
-        stem = name[:-len(MANIFEST_SUFFIX)]
-        if name.endswith(MANIFEST_SUFFIX) and not os.path.exists(os.path.join(folder, stem + ".index")):
+        stem = name[: -len(MANIFEST_SUFFIX)]
+        if name.endswith(MANIFEST_SUFFIX) and not os.path.exists(
+            os.path.join(folder, stem + ".index")
+        ):
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(folder, name))
 
@@ -81,7 +97,7 @@ def checkpoints(backup_dir: str) -> list[str]:
         names = os.listdir(backup_dir)
     except OSError:
         return []
-    found = [(int(m.group(1)), m.group(0)[:-len(".index")]) for m in map(_CKPT.match, names) if m]
+    found = [(int(m.group(1)), m.group(0)[: -len(".index")]) for m in map(_CKPT.match, names) if m]
     return [os.path.join(backup_dir, stem) for _, stem in sorted(found, reverse=True)]
 
 
@@ -182,14 +198,23 @@ def no_usable_backup(backup_dir: str, skipped: list[tuple[str, str]]) -> UsageEr
     what = "; ".join(f"{os.path.basename(p)}: {why}" for p, why in skipped)
     return UsageError(
         f"fault_tolerance.backup_dir: no usable backup in {backup_dir} ({what}). Fix: restore that directory "
-        f"from a copy, or delete it to train from the start; nothing was trained.")
+        f"from a copy, or delete it to train from the start; nothing was trained."
+    )
 
 
 def say_skipped(choice: Choice) -> None:
     """One line per newer checkpoint a restore leaves out, naming it and what is wrong (chief only)."""
     for prefix, why in choice.skipped:
-        instead = f"using {os.path.basename(choice.latest)}" if choice.latest else "no earlier complete backup"
-        print(f"keras-sync: skipped the backup {prefix} ({why}); {instead}", file=sys.stderr, flush=True)
+        instead = (
+            f"using {os.path.basename(choice.latest)}"
+            if choice.latest
+            else "no earlier complete backup"
+        )
+        print(
+            f"keras-sync: skipped the backup {prefix} ({why}); {instead}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 # -- one job per directory ------------------------------------------------------------------------
@@ -240,7 +265,11 @@ def live_other(found: tuple[Holder, float] | None, me: Holder, *, chief: bool) -
     if age > STALE_S:
         return None
     same_job = (holder.job_id is not None and holder.job_id == me.job_id) or (
-        holder.job_id is None and me.job_id is None and holder.cluster is not None and holder.cluster == me.cluster)
+        holder.job_id is None
+        and me.job_id is None
+        and holder.cluster is not None
+        and holder.cluster == me.cluster
+    )
     if chief:
         return None if same_job and holder.host != me.host else holder
     return None if same_job else holder
@@ -251,7 +280,8 @@ def refused(backup_dir: str, other: Holder) -> UsageError:
         f"fault_tolerance.backup_dir: {backup_dir} is in use by {other.describe()}, which is training into it "
         f"now; two jobs in one backup directory would resume from each other's backups. Fix: give this job its "
         f"own backup_dir, or wait for that job to end (if it is gone, delete {os.path.join(backup_dir, LOCK_FILE)}); "
-        "nothing was trained.")
+        "nothing was trained."
+    )
 
 
 class BackupLock:
@@ -278,9 +308,19 @@ class BackupLock:
                     os.unlink(self.path)
                 continue
             with os.fdopen(fd, "w") as f:
-                json.dump({"job_id": self.me.job_id, "host": self.me.host, "pid": self.me.pid,
-                           "cluster": self.me.cluster, "since": time.time()}, f)
-            self._thread = threading.Thread(target=self._beat, name="keras-sync-backup-lock", daemon=True)
+                json.dump(
+                    {
+                        "job_id": self.me.job_id,
+                        "host": self.me.host,
+                        "pid": self.me.pid,
+                        "cluster": self.me.cluster,
+                        "since": time.time(),
+                    },
+                    f,
+                )
+            self._thread = threading.Thread(
+                target=self._beat, name="keras-sync-backup-lock", daemon=True
+            )
             self._thread.start()
             return
         raise refused(self.backup_dir, self.me)  # three races in a row: another job keeps taking it

@@ -16,7 +16,8 @@ No TensorFlow, Keras or MLflow here (tests/test_context.py tests it on its own).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +84,9 @@ class SharedState:
       `SyncReport`) see every point whatever the callbacks' order.
     """
 
-    def __init__(self, *, fit: int = 1, steps_before: int = 0, params: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, *, fit: int = 1, steps_before: int = 0, params: dict[str, str] | None = None
+    ) -> None:
         self.step: int | None = None
         #: This fit's number in its job (1 for the first), the last step the job trained before it.
         self.fit, self.steps_before = fit, steps_before
@@ -186,7 +189,9 @@ def check_shared(shared: Any) -> SharedState:
     if not isinstance(shared, SharedState):
         from keras_sync.errors import UsageError
 
-        raise UsageError(f"Invalid value for argument `shared`. Received: shared={type(shared).__name__}. "
-                         "Expected a keras_sync.callbacks.SharedState (the same one for all keras-sync callbacks "
-                         "of a fit), or None.")
+        raise UsageError(
+            f"Invalid value for argument `shared`. Received: shared={type(shared).__name__}. "
+            "Expected a keras_sync.callbacks.SharedState (the same one for all keras-sync callbacks "
+            "of a fit), or None."
+        )
     return shared

@@ -30,10 +30,26 @@ def has_shard_op(ds: Any) -> bool:
 
 
 # The source ops TensorFlow's FILE auto-sharding looks for (tensorflow/core/grappler/optimizers/data/auto_shard.cc).
-_READER_OPS = frozenset({"TFRecordDataset", "TFRecordDatasetV2", "TextLineDataset", "FixedLengthRecordDataset",
-                         "FixedLengthRecordDatasetV2", "ArrayRecordDataset"})
-_READER_CLASSES = frozenset({"TFRecordDatasetV2", "TFRecordDatasetV1", "TextLineDatasetV2", "TextLineDatasetV1",
-                             "FixedLengthRecordDatasetV2", "FixedLengthRecordDatasetV1"})
+_READER_OPS = frozenset(
+    {
+        "TFRecordDataset",
+        "TFRecordDatasetV2",
+        "TextLineDataset",
+        "FixedLengthRecordDataset",
+        "FixedLengthRecordDatasetV2",
+        "ArrayRecordDataset",
+    }
+)
+_READER_CLASSES = frozenset(
+    {
+        "TFRecordDatasetV2",
+        "TFRecordDatasetV1",
+        "TextLineDatasetV2",
+        "TextLineDatasetV1",
+        "FixedLengthRecordDatasetV2",
+        "FixedLengthRecordDatasetV1",
+    }
+)
 
 
 def file_count(ds: Any) -> int | None:
@@ -64,7 +80,7 @@ def _function_reads_files(ds: Any) -> bool:
         return False
     try:
         graph = func.graph.as_graph_def()
-    except Exception:  # noqa: BLE001 - a function TensorFlow cannot serialise: not a file reader we can count
+    except Exception:
         return False
     ops = {n.op for n in graph.node} | {n.op for f in graph.library.function for n in f.node_def}
     return bool(ops & _READER_OPS)

@@ -39,10 +39,11 @@ also divided by the loss scale of a `LossScaleOptimizer`.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from keras_sync.training import train_step_trace as trace
 from keras_sync.cluster import strategy_role
+from keras_sync.training import train_step_trace as trace
 from keras_sync.upstream.strategy_facts import in_multi_worker_mode
 
 _MARK = "_keras_sync_instrumented"
@@ -69,7 +70,9 @@ class ReplicaProbe:
     _WRITTEN = 7  # columns the train step writes; HOST_US comes from the host
     _FLOAT_COLUMNS = (0, 1, 3, 5)
 
-    def __init__(self, model: Any, ring: int = 64, gradients: str | None = None, accumulator: Any = None):
+    def __init__(
+        self, model: Any, ring: int = 64, gradients: str | None = None, accumulator: Any = None
+    ):
         import tensorflow as tf
 
         self.model = model
@@ -122,7 +125,10 @@ class ReplicaProbe:
 
         if self.multi_worker:
             return [_decode(r) for r in self._gather(self.host).numpy()]
-        return [_decode(np.concatenate([self._read_local(v), self.host], axis=1)) for v in self._components]
+        return [
+            _decode(np.concatenate([self._read_local(v), self.host], axis=1))
+            for v in self._components
+        ]
 
     def note_host(self, count: int, micros: float) -> None:
         """This worker's time before its ``count``-th train step (host side, microseconds)."""
@@ -147,7 +153,9 @@ class ReplicaProbe:
         try:
             from tensorflow.python.ops import gen_resource_variable_ops
 
-            return gen_resource_variable_ops.read_variable_op(component.handle, component.dtype).numpy()
+            return gen_resource_variable_ops.read_variable_op(
+                component.handle, component.dtype
+            ).numpy()
         except (ImportError, AttributeError):
             return component.numpy()
 
@@ -159,11 +167,15 @@ class ReplicaProbe:
 
             def replica_fn(host: Any) -> Any:
                 ctx = tf.distribute.get_replica_context()
-                return ctx.all_gather(tf.expand_dims(tf.concat([tf.identity(var), host], axis=1), 0), axis=0)
+                return ctx.all_gather(
+                    tf.expand_dims(tf.concat([tf.identity(var), host], axis=1), 0), axis=0
+                )
 
             @tf.function(autograph=False)  # no tensor-dependent Python: AutoGraph would only cost
             def gather(host: Any) -> Any:
-                return strategy.experimental_local_results(strategy.run(replica_fn, args=(host,)))[0]
+                return strategy.experimental_local_results(strategy.run(replica_fn, args=(host,)))[
+                    0
+                ]
 
             self._gather_fn = gather
         import tensorflow as tf
@@ -180,16 +192,30 @@ class ReplicaProbe:
             seen: dict[str, Any] = {}
             timed = probe.timed and not getattr(model, "jit_compile", False)
             weight = _example_weight(data, n)  # the step's first collective (n > 1)
-            t_sync = _stamp([weight] if weight is not None else tf.nest.flatten(data, expand_composites=True)) \
-                if timed else None
+            t_sync = (
+                _stamp(
+                    [weight]
+                    if weight is not None
+                    else tf.nest.flatten(data, expand_composites=True)
+                )
+                if timed
+                else None
+            )
             # Read before the step: the rate this step applies (a schedule at the current
             # iteration); a read only, so the update is unchanged.
             # Every optimizer's: a custom step may apply others than model.optimizer (a GAN's two).
             rates = {id(o): _learning_rate(o) for o in trace.optimizers_of(model)}
             policy = probe.gradients or "sum"
-            with trace.capture(model, seen, custom_step=probe.custom_step, policy=policy, num_replicas=n,
-                               accumulator=probe.accumulator, example_weight=weight,
-                               stamp=_stamp if timed else None):
+            with trace.capture(
+                model,
+                seen,
+                custom_step=probe.custom_step,
+                policy=policy,
+                num_replicas=n,
+                accumulator=probe.accumulator,
+                example_weight=weight,
+                stamp=_stamp if timed else None,
+            ):
                 logs = original(data)
             probe._announce(seen)
             applied = seen.get("applied_ids") or [id(model.optimizer)]
@@ -198,19 +224,41 @@ class ReplicaProbe:
             buf = tf.identity(var)
             count = buf[ring, ReplicaProbe.COUNT] + 1
             row = tf.cast(tf.math.floormod(count - 1, ring), tf.int32)
-            prev = tf.cast(tf.math.floormod(count - 2, ring), tf.int32)  # step count - 1 (zeros at first)
+            prev = tf.cast(
+                tf.math.floormod(count - 2, ring), tf.int32
+            )  # step count - 1 (zeros at first)
             # A gather, not `buf[prev, ...]`: XLA needs a strided slice's bounds at compile time, so a
             # slice at a computed row made the ring's value a constant input of the compiled step, and
             # XLA (jit_compile, a TPU) compiled the step again at every step (tests/test_runtime.py).
-            examples = tf.gather(buf[:, ReplicaProbe.EXAMPLES], prev) + tf.cast(_batch_size(data), tf.int64)
+            examples = tf.gather(buf[:, ReplicaProbe.EXAMPLES], prev) + tf.cast(
+                _batch_size(data), tf.int64
+            )
             zero = tf.constant(0, tf.int64)
             compute = tf.constant(-1, tf.int64)
             if timed and seen.get("reached") is not None:
                 compute = tf.maximum(_micros(seen["reached"]) - _micros(t_sync), zero)
-            var.assign(tf.tensor_scatter_nd_update(
-                buf, tf.stack([tf.stack([row]), tf.constant([ring])]),
-                tf.stack([tf.stack([_bits(loss), _bits(norm), examples, _bits(lr), count, _bits(scale), compute]),
-                          tf.stack([zero, zero, zero, zero, count, zero, zero])])))
+            var.assign(
+                tf.tensor_scatter_nd_update(
+                    buf,
+                    tf.stack([tf.stack([row]), tf.constant([ring])]),
+                    tf.stack(
+                        [
+                            tf.stack(
+                                [
+                                    _bits(loss),
+                                    _bits(norm),
+                                    examples,
+                                    _bits(lr),
+                                    count,
+                                    _bits(scale),
+                                    compute,
+                                ]
+                            ),
+                            tf.stack([zero, zero, zero, zero, count, zero, zero]),
+                        ]
+                    ),
+                )
+            )
             return logs
 
         setattr(train_step, _MARK, True)
@@ -222,23 +270,45 @@ class ReplicaProbe:
         applies = seen["applies"]
         self.last_trace = {"scaled_by": seen["scaled_by"], "factor": seen["factor"]}
         if len({a["optimizer"] for a in applies}) > 1:
-            self.last_trace["per_optimizer"] = {a["optimizer"]: [a["scaled_by"], a["factor"]] for a in applies}
+            self.last_trace["per_optimizer"] = {
+                a["optimizer"]: [a["scaled_by"], a["factor"]] for a in applies
+            }
         trace.remember_applied(self.model, [a["optimizer"] for a in applies])
         if self.model in _announced or not strategy_role(self.strategy).is_chief:
             return
         _announced.add(self.model)
         import sys
 
-        averaged = [a["optimizer"] for a in applies if a["factor"] != 1.0 or a["scaled_by"] == trace.AT_SCALE_LOSS]
+        averaged = [
+            a["optimizer"]
+            for a in applies
+            if a["factor"] != 1.0 or a["scaled_by"] == trace.AT_SCALE_LOSS
+        ]
         if averaged and self.gradients == "auto":
             names = averaged if len({a["optimizer"] for a in applies}) > 1 else None
-            at_scale_loss = all(a["scaled_by"] == trace.AT_SCALE_LOSS for a in applies if a["optimizer"] in averaged)
-            print(trace.averaging_message(self.model, self.num_replicas, names, at_scale_loss=at_scale_loss),
-                  file=sys.stderr, flush=True)
-        shares = sorted({a["scaled_by"] for a in applies
-                         if a["scaled_by"] in ("a Keras loss", "tf.nn.compute_average_loss")})
+            at_scale_loss = all(
+                a["scaled_by"] == trace.AT_SCALE_LOSS for a in applies if a["optimizer"] in averaged
+            )
+            print(
+                trace.averaging_message(
+                    self.model, self.num_replicas, names, at_scale_loss=at_scale_loss
+                ),
+                file=sys.stderr,
+                flush=True,
+            )
+        shares = sorted(
+            {
+                a["scaled_by"]
+                for a in applies
+                if a["scaled_by"] in ("a Keras loss", "tf.nn.compute_average_loss")
+            }
+        )
         if self.custom_step and shares and self.num_replicas > 1:
-            print(trace.share_message(self.model, self.num_replicas, shares[0]), file=sys.stderr, flush=True)
+            print(
+                trace.share_message(self.model, self.num_replicas, shares[0]),
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def instrument(model: Any, gradients: str | None = None, accumulator: Any = None) -> ReplicaProbe:
@@ -339,7 +409,9 @@ def _num_workers(strategy: Any) -> int:
         return 1
     from keras_sync.cluster import role
 
-    return role(resolver.cluster_spec().as_dict(), resolver.task_type, int(resolver.task_id)).num_workers
+    return role(
+        resolver.cluster_spec().as_dict(), resolver.task_type, int(resolver.task_id)
+    ).num_workers
 
 
 def _decode(ring: Any) -> Any:
@@ -364,7 +436,7 @@ def _learning_rate(optimizer: Any) -> Any:
 
     try:
         return tf.cast(optimizer.learning_rate, tf.float32)
-    except Exception:  # noqa: BLE001 - an optimizer without a readable rate: no metric
+    except Exception:
         return tf.constant(float("nan"), tf.float32)
 
 

@@ -50,7 +50,9 @@ log = logging.getLogger("keras_sync")
 _writers: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _recorded: weakref.WeakKeyDictionary[Any, tuple[str, dict[str, Any]]] = weakref.WeakKeyDictionary()
 _jobs: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # Sync -> its JobState
-_named_jobs: dict[tuple[Any, ...], Any] = {}  # (job id, tracking URI, experiment) -> the JobState of that run
+_named_jobs: dict[
+    tuple[Any, ...], Any
+] = {}  # (job id, tracking URI, experiment) -> the JobState of that run
 #: The file in the backup directory that names the job's run (deleted with the backup).
 RUN_RECORD = "keras_sync_run.json"
 
@@ -67,7 +69,9 @@ def writer_for(sync: Any, *, early: bool = False, started: Any = None) -> Any:
     writer = _writers.get(sync)
     if writer is not None and not writer.closed:
         return writer
-    ended = writer  # the run an earlier fit of this Sync ended: this Sync continues it, FINISHED or not
+    ended = (
+        writer  # the run an earlier fit of this Sync ended: this Sync continues it, FINISHED or not
+    )
     if ended is None and started is not None and not started.closed:
         writer = started
     elif ended is not None and ended.run_id is not None:
@@ -95,14 +99,18 @@ def job_state(sync: Any) -> Any:
 
         cfg = sync.config.mlflow
         if cfg.job_id:
-            state = _named_jobs.setdefault((cfg.job_id, cfg.tracking_uri, cfg.experiment), JobState())
+            state = _named_jobs.setdefault(
+                (cfg.job_id, cfg.tracking_uri, cfg.experiment), JobState()
+            )
         else:
             state = JobState()
         _jobs[sync] = state
     return state
 
 
-def start_writer(config: Any, *, early: bool = True, continue_run: tuple[str, str] | None = None) -> Any:
+def start_writer(
+    config: Any, *, early: bool = True, continue_run: tuple[str, str] | None = None
+) -> Any:
     """A started `MlflowWriter` for ``config`` (the job's run rule above), from the config alone.
 
     `keras_sync.load` calls it before building the strategy when the process is surely the chief
@@ -120,9 +128,20 @@ def start_writer(config: Any, *, early: bool = True, continue_run: tuple[str, st
     if continue_run is not None:
         (job_id, run_id), explicit = continue_run, True
     elif restored is not None:  # wins over a job id: `keras-sync launch` makes a new one per launch
-        job_id, explicit, run_id = restored["job_id"], bool(restored.get("explicit")), restored.get("run_id")
-    writer = MlflowWriter(tracking_uri=uri, experiment=cfg.experiment, run_name=cfg.run_name, job_id=job_id,
-                          job_id_explicit=explicit, run_id=run_id, spool_dir=cfg.spool_dir)
+        job_id, explicit, run_id = (
+            restored["job_id"],
+            bool(restored.get("explicit")),
+            restored.get("run_id"),
+        )
+    writer = MlflowWriter(
+        tracking_uri=uri,
+        experiment=cfg.experiment,
+        run_name=cfg.run_name,
+        job_id=job_id,
+        job_id_explicit=explicit,
+        run_id=run_id,
+        spool_dir=cfg.spool_dir,
+    )
     from keras_sync.cluster import killed_when_training_returns
 
     writer.wait_at_end_of_fit = killed_when_training_returns()
@@ -139,10 +158,14 @@ def announce(writer: Any, sync: Any) -> None:
     if run_id is None:
         failed = writer.failure()
         why = f"not reachable yet ({failed['error']})" if failed else "not created yet"
-        line = (f"keras-sync: metrics go to {where}; the run is {why}. They wait in {writer.spool_path} "
-                "and are delivered when MLflow answers.")
+        line = (
+            f"keras-sync: metrics go to {where}; the run is {why}. They wait in {writer.spool_path} "
+            "and are delivered when MLflow answers."
+        )
     else:
-        line = f"keras-sync: metrics go to {where}, run {run_id}; {how_to_open(writer, sync, run_id)}"
+        line = (
+            f"keras-sync: metrics go to {where}, run {run_id}; {how_to_open(writer, sync, run_id)}"
+        )
     print(line, file=sys.stderr, flush=True)
 
 
@@ -178,23 +201,42 @@ def restored_run(backup_dir: str | None) -> dict[str, Any] | None:
     record: Any = None
     try:
         record = json.loads(path.read_text())
-        damaged = None if isinstance(record, dict) and isinstance(record.get("job_id"), str) else "not a run record"
+        damaged = (
+            None
+            if isinstance(record, dict) and isinstance(record.get("job_id"), str)
+            else "not a run record"
+        )
     except FileNotFoundError:
         damaged = None  # a backup from before runs were recorded, or without MLflow
     except (OSError, ValueError) as e:
         damaged = type(e).__name__
     if damaged is not None:
         record = None
-        found = (f"the run {from_backup.get('run_id') or 'of job ' + from_backup['job_id']} named by the backup "
-                 f"{os.path.basename(latest)} is continued") if from_backup else "a new run is started"
-        print(f"keras-sync: the run record {path} is damaged ({damaged}); {found}", file=sys.stderr, flush=True)
+        found = (
+            (
+                f"the run {from_backup.get('run_id') or 'of job ' + from_backup['job_id']} named by the backup "
+                f"{os.path.basename(latest)} is continued"
+            )
+            if from_backup
+            else "a new run is started"
+        )
+        print(
+            f"keras-sync: the run record {path} is damaged ({damaged}); {found}",
+            file=sys.stderr,
+            flush=True,
+        )
     return from_backup or record
 
 
 def run_record(writer: Any) -> dict[str, Any]:
     """What names the run of ``writer``: job id (and whether the user gave it), run id, experiment, store."""
-    return {"job_id": writer.job_id, "explicit": writer.job_id_explicit, "run_id": writer.run_id,
-            "experiment": writer.experiment, "tracking_uri": writer.shown_uri}
+    return {
+        "job_id": writer.job_id,
+        "explicit": writer.job_id_explicit,
+        "run_id": writer.run_id,
+        "experiment": writer.experiment,
+        "tracking_uri": writer.shown_uri,
+    }
 
 
 def record_run(writer: Any, backup_dir: str) -> None:

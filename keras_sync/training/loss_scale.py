@@ -25,13 +25,16 @@ others, which Keras's all-reduce sums back exactly, at the cost of a second all-
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 #: The smallest magnitude float16 rounds to inf: its largest finite value 65504 plus half a step (16).
 FLOAT16_OVERFLOW = 65520.0
 _REDUCE = "_all_reduce_sum_gradients"
 _lock = threading.Lock()
-_passing: dict[int, list[Any]] = {}  # id(inner optimizer) -> [count of replicas inside apply, original attr]
+_passing: dict[
+    int, list[Any]
+] = {}  # id(inner optimizer) -> [count of replicas inside apply, original attr]
 
 
 def from_float16(grad: Any) -> bool:
@@ -54,16 +57,27 @@ def applies_here(optimizer: Any, num_replicas: int) -> bool:
     """Whether ``optimizer`` is a LossScaleOptimizer whose finite decision needs the summed gradients."""
     import tensorflow as tf
 
-    if num_replicas <= 1 or not hasattr(optimizer, "dynamic_scale") or not hasattr(optimizer, "inner_optimizer"):
+    if (
+        num_replicas <= 1
+        or not hasattr(optimizer, "dynamic_scale")
+        or not hasattr(optimizer, "inner_optimizer")
+    ):
         return False
     # TensorFlow's own test (Keras's LossScaleOptimizer reads it too): without merge_call Keras
     # takes each replica's decision on its own, a path this module does not change.
-    no_merge_call = getattr(tf.__internal__.distribute, "strategy_supports_no_merge_call", lambda: False)
+    no_merge_call = getattr(
+        tf.__internal__.distribute, "strategy_supports_no_merge_call", lambda: False
+    )
     return tf.distribute.has_strategy() and not no_merge_call()
 
 
-def apply(optimizer: Any, apply_fn: Callable[..., Any], grads: list[Any], trainable_variables: Any,
-          half: list[bool]) -> Any:
+def apply(
+    optimizer: Any,
+    apply_fn: Callable[..., Any],
+    grads: list[Any],
+    trainable_variables: Any,
+    half: list[bool],
+) -> Any:
     """``apply_fn(grads, ...)`` of a LossScaleOptimizer, with one device's finite decision (see the module).
 
     ``half[i]``: whether ``grads[i]`` was computed in float16 (`from_float16` of the tape's gradient).
@@ -72,13 +86,17 @@ def apply(optimizer: Any, apply_fn: Callable[..., Any], grads: list[Any], traina
 
     ctx = tf.distribute.get_replica_context()
     present = [i for i, g in enumerate(grads) if g is not None]
-    dense = [tf.convert_to_tensor(grads[i]) for i in present]  # an IndexedSlices as one device's dense sum
+    dense = [
+        tf.convert_to_tensor(grads[i]) for i in present
+    ]  # an IndexedSlices as one device's dense sum
     summed = ctx.all_reduce(tf.distribute.ReduceOp.SUM, dense) if dense else []
     skip = tf.constant(False)
     for i, s in zip(present, summed):
         skip = tf.logical_or(skip, tf.logical_not(tf.reduce_all(tf.math.is_finite(s))))
         if half[i]:
-            skip = tf.logical_or(skip, tf.reduce_any(tf.abs(s) >= tf.cast(FLOAT16_OVERFLOW, s.dtype)))
+            skip = tf.logical_or(
+                skip, tf.reduce_any(tf.abs(s) >= tf.cast(FLOAT16_OVERFLOW, s.dtype))
+            )
     inner = optimizer.inner_optimizer
     passing = _can_pass()
     first = tf.equal(ctx.replica_id_in_sync_group, 0)
@@ -92,10 +110,14 @@ def apply(optimizer: Any, apply_fn: Callable[..., Any], grads: list[Any], traina
 def clips(optimizer: Any) -> bool:
     """Whether ``optimizer`` clips its gradients (``clipnorm``, ``global_clipnorm``, ``clipvalue``)."""
     inner = getattr(optimizer, "inner_optimizer", optimizer)
-    return any((getattr(inner, k, None) or 0) > 0 for k in ("clipnorm", "global_clipnorm", "clipvalue"))
+    return any(
+        (getattr(inner, k, None) or 0) > 0 for k in ("clipnorm", "global_clipnorm", "clipvalue")
+    )
 
 
-def apply_summed(optimizer: Any, apply_fn: Callable[..., Any], grads: list[Any], trainable_variables: Any) -> Any:
+def apply_summed(
+    optimizer: Any, apply_fn: Callable[..., Any], grads: list[Any], trainable_variables: Any
+) -> Any:
     """``apply_fn`` on the gradients summed over the replicas, so the optimizer clips what one device clips.
 
     Keras clips in ``optimizer.apply`` (`BaseOptimizer._clip_gradients`) *before* its TensorFlow
@@ -112,7 +134,9 @@ def apply_summed(optimizer: Any, apply_fn: Callable[..., Any], grads: list[Any],
     present = [i for i, g in enumerate(grads) if g is not None]
     # An IndexedSlices (an embedding's gradient) stays one: its all-reduce gathers every replica's rows,
     # and Keras clips the rows as one device does (a dense sum would merge repeated rows first).
-    summed = ctx.all_reduce(tf.distribute.ReduceOp.SUM, [grads[i] for i in present]) if present else []
+    summed = (
+        ctx.all_reduce(tf.distribute.ReduceOp.SUM, [grads[i] for i in present]) if present else []
+    )
     passing = _can_pass()
     first = tf.equal(ctx.replica_id_in_sync_group, 0)
     out = list(grads)
@@ -120,13 +144,19 @@ def apply_summed(optimizer: Any, apply_fn: Callable[..., Any], grads: list[Any],
         if passing:
             out[i] = s
         elif isinstance(s, tf.IndexedSlices):
-            out[i] = tf.IndexedSlices(s.values * tf.cast(first, s.values.dtype), s.indices, s.dense_shape)
+            out[i] = tf.IndexedSlices(
+                s.values * tf.cast(first, s.values.dtype), s.indices, s.dense_shape
+            )
         else:
             out[i] = tf.where(first, s, tf.zeros_like(s))
-    return _handed_over(getattr(optimizer, "inner_optimizer", optimizer), apply_fn, out, trainable_variables)
+    return _handed_over(
+        getattr(optimizer, "inner_optimizer", optimizer), apply_fn, out, trainable_variables
+    )
 
 
-def _handed_over(inner: Any, apply_fn: Callable[..., Any], sums: list[Any], trainable_variables: Any) -> Any:
+def _handed_over(
+    inner: Any, apply_fn: Callable[..., Any], sums: list[Any], trainable_variables: Any
+) -> Any:
     """``apply_fn(sums, ...)`` with ``inner``'s all-reduce passing the sums through, when Keras has that hook
     (`_can_pass`); without it the caller put the sums on the first replica only, for Keras to sum back."""
     if not _can_pass():
@@ -147,7 +177,9 @@ def _can_pass() -> bool:
 
     global _passes
     if _passes is None:
-        _passes = _internals.available("keras.src.backend.tensorflow.optimizer:TFOptimizer._all_reduce_sum_gradients")
+        _passes = _internals.available(
+            "keras.src.backend.tensorflow.optimizer:TFOptimizer._all_reduce_sum_gradients"
+        )
     return _passes
 
 

@@ -41,7 +41,8 @@ def check_writable(path: str | os.PathLike[str], key: str, value: str | None = N
         shown = path if value is None else value
         raise UsageError(
             f"{key}={shown!r}: this process cannot {what} ({e.strerror}). Fix: choose a directory it can write, "
-            "or give it write permission there; nothing was trained.") from None
+            "or give it write permission there; nothing was trained."
+        ) from None
 
 
 def check_config_paths(config: Any, *, is_chief: bool) -> None:
@@ -55,6 +56,6 @@ def check_config_paths(config: Any, *, is_chief: bool) -> None:
 
     uri, _ = resolve_tracking_uri(config.mlflow.tracking_uri)
     if uri.startswith("sqlite:///"):
-        db = uri[len("sqlite:///"):].split("?", 1)[0]
+        db = uri[len("sqlite:///") :].split("?", 1)[0]
         if db and db != ":memory:":
             check_writable(os.path.dirname(os.path.abspath(db)), "mlflow.tracking_uri", uri)

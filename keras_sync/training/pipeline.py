@@ -37,11 +37,17 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from keras_sync.errors import UsageError
 from keras_sync.training.dataset_graph import file_count, has_shard_op
 from keras_sync.training.py_dataset import (
-    PyDatasetEpochs, generator_batches, generator_source, is_generator, is_py_dataset, py_dataset_batches,
-    py_dataset_source)
-from keras_sync.errors import UsageError
+    PyDatasetEpochs,
+    generator_batches,
+    generator_source,
+    is_generator,
+    is_py_dataset,
+    py_dataset_batches,
+    py_dataset_source,
+)
 
 log = logging.getLogger("keras_sync")
 
@@ -56,7 +62,9 @@ class ShardChoice:
     reason: str
 
 
-def shard_choice(kind: Literal["arrays", "dataset"], *, configured: str, own: str | None = None) -> ShardChoice:
+def shard_choice(
+    kind: Literal["arrays", "dataset"], *, configured: str, own: str | None = None
+) -> ShardChoice:
     """The shard policy of an input: decided by the data and the config, never by the host.
 
     Args:
@@ -73,15 +81,28 @@ def shard_choice(kind: Literal["arrays", "dataset"], *, configured: str, own: st
     """
     if kind == "arrays":
         if configured == "off":
-            return ShardChoice("off", "batch.shard_policy: off (each worker's arrays are its own part)")
-        extra = "; batch.shard_policy: file needs files, arrays have none" if configured == "file" else ""
+            return ShardChoice(
+                "off", "batch.shard_policy: off (each worker's arrays are its own part)"
+            )
+        extra = (
+            "; batch.shard_policy: file needs files, arrays have none"
+            if configured == "file"
+            else ""
+        )
         return ShardChoice("data", f"arrays are split across workers by example{extra}")
     if own is not None and own != "auto":
-        ray = ", as Ray Data and prepare_dataset_shard do: it is already this worker's shard" if own == "off" else ""
+        ray = (
+            ", as Ray Data and prepare_dataset_shard do: it is already this worker's shard"
+            if own == "off"
+            else ""
+        )
         return ShardChoice(own, f"set in the dataset's own options{ray}")
     if configured == "auto":
-        return ShardChoice("auto", "batch.shard_policy: auto, by file when the pipeline reads at least as many files "
-                                   "as there are workers, else by example")
+        return ShardChoice(
+            "auto",
+            "batch.shard_policy: auto, by file when the pipeline reads at least as many files "
+            "as there are workers, else by example",
+        )
     return ShardChoice(configured, f"batch.shard_policy: {configured}")
 
 
@@ -153,7 +174,9 @@ class InputPipeline:
 
     # -- sync.distribute ---------------------------------------------------------------------
 
-    def distribute(self, data: Any, *, shuffle: bool = False, seed: int = 1337) -> tuple[Any, int | None]:
+    def distribute(
+        self, data: Any, *, shuffle: bool = False, seed: int = 1337
+    ) -> tuple[Any, int | None]:
         """(dataset batched by the global batch, steps per epoch or None) from arrays or examples."""
         import tensorflow as tf
 
@@ -165,13 +188,19 @@ class InputPipeline:
         n = int(ds.cardinality())
         steps = None
         if n > 0:
-            steps = n // self.global_batch if self.drop_remainder else math.ceil(n / self.global_batch)
+            steps = (
+                n // self.global_batch if self.drop_remainder else math.ceil(n / self.global_batch)
+            )
         choice = self._choice(ds if is_dataset else None)
-        return self._batched(ds, self.global_batch, shuffle=shuffle, seed=seed, choice=choice), steps
+        return self._batched(
+            ds, self.global_batch, shuffle=shuffle, seed=seed, choice=choice
+        ), steps
 
     # -- sync.fit / evaluate / predict -------------------------------------------------------
 
-    def prepare(self, method: str, x: Any, y: Any, kwargs: dict[str, Any], global_batch: int) -> tuple[Any, Any, dict[str, Any]]:
+    def prepare(
+        self, method: str, x: Any, y: Any, kwargs: dict[str, Any], global_batch: int
+    ) -> tuple[Any, Any, dict[str, Any]]:
         """(x, y, kwargs) for ``model.<method>``: arrays batched by ``global_batch``, datasets reconciled."""
         if method == "fit":
             kwargs = _validation_input(kwargs)
@@ -185,8 +214,13 @@ class InputPipeline:
                 kwargs.setdefault("shuffle", False)
                 kwargs["callbacks"] = [PyDatasetEpochs(x)] + list(kwargs.get("callbacks") or [])
                 source = "Python generator" if described else "keras.utils.PyDataset"
-                x = self.training_dataset(ds, found=(found, "its first batch"), examples=examples, source=source,
-                                          described=described or py_dataset_source(x, x.num_batches))
+                x = self.training_dataset(
+                    ds,
+                    found=(found, "its first batch"),
+                    examples=examples,
+                    source=source,
+                    described=described or py_dataset_source(x, x.num_batches),
+                )
             else:
                 x = ds  # evaluate/predict: its batches as given, each read once
             return x, y, kwargs
@@ -196,20 +230,40 @@ class InputPipeline:
                 kwargs.setdefault("shuffle", False)
                 x = self.training_dataset(x)
             return x, y, kwargs
-        if not (self.multi_worker or (method == "fit" and (self.arrays_as_dataset or self.replay_order
-                                                            and not tf_seed_set()))):
+        if not (
+            self.multi_worker
+            or (
+                method == "fit"
+                and (self.arrays_as_dataset or self.replay_order and not tf_seed_set())
+            )
+        ):
             kwargs["batch_size"] = global_batch
             if method == "fit":
                 n = _array_examples(x, kwargs.get("validation_split"))
-                self.facts = InputFacts("arrays", "data", examples_per_epoch=n, steps_per_epoch=_steps(n, global_batch, False))
-                self._say(f"keras-sync: training data: arrays, batched by keras-sync; "
-                          f"{batch_layout(global_batch, self.num_replicas, self.num_workers)}", loud=False)
+                self.facts = InputFacts(
+                    "arrays",
+                    "data",
+                    examples_per_epoch=n,
+                    steps_per_epoch=_steps(n, global_batch, False),
+                )
+                self._say(
+                    f"keras-sync: training data: arrays, batched by keras-sync; "
+                    f"{batch_layout(global_batch, self.num_replicas, self.num_workers)}",
+                    loud=False,
+                )
             return x, y, kwargs
         return self._arrays_to_dataset(method, x, y, kwargs, global_batch)
 
-    def training_dataset(self, ds: Any, *, found: tuple[int | None, str] | None = None, examples: int | None = None,
-                         source: str = "tf.data.Dataset", described: str | None = None,
-                         choice: ShardChoice | None = None) -> Any:
+    def training_dataset(
+        self,
+        ds: Any,
+        *,
+        found: tuple[int | None, str] | None = None,
+        examples: int | None = None,
+        source: str = "tf.data.Dataset",
+        described: str | None = None,
+        choice: ShardChoice | None = None,
+    ) -> Any:
         """A batched dataset given to `fit`: its shard policy settled, rebatched to the global batch.
 
         A dataset that is already each worker's own part (a ``shard`` op in the pipeline, ``OFF``
@@ -219,16 +273,23 @@ class InputPipeline:
         """
         import tensorflow as tf
 
-        if not isinstance(ds, tf.data.Dataset):  # a DistributedDataset: the user distributed it already
+        if not isinstance(
+            ds, tf.data.Dataset
+        ):  # a DistributedDataset: the user distributed it already
             self.facts = InputFacts("distributed dataset", "as given")
-            self._say("keras-sync: training data: an already distributed dataset, used as given", loud=False)
+            self._say(
+                "keras-sync: training data: an already distributed dataset, used as given",
+                loud=False,
+            )
             return ds
         _refuse_unbatched(ds)
         choice = choice or self._choice(ds)
         shard_op = has_shard_op(ds)
         own_part = self.num_workers > 1 and (choice.policy == "off" or shard_op)
         if own_part and choice.policy != "off":
-            choice = ShardChoice("off", "a shard op in the pipeline: it is already this worker's part")
+            choice = ShardChoice(
+                "off", "a shard op in the pipeline: it is already this worker's part"
+            )
         found_size, how = found if found is not None else batch_size_of(ds)
         if examples is None:
             examples = _example_count(ds, found_size)
@@ -239,9 +300,14 @@ class InputPipeline:
             note = f"batched by {found_size} ({how}) = the global batch"
         else:
             ds, loud = _rebatch(ds, target, found_size, self.drop_remainder, examples), True
-            was = f"batched by {found_size} ({how})" if found_size else f"batch size unknown ({how})"
-            to = (f"rebatched to {target} per replica, its worker's share of the global batch {self.global_batch}"
-                  if own_part else f"rebatched to the global batch {self.global_batch}")
+            was = (
+                f"batched by {found_size} ({how})" if found_size else f"batch size unknown ({how})"
+            )
+            to = (
+                f"rebatched to {target} per replica, its worker's share of the global batch {self.global_batch}"
+                if own_part
+                else f"rebatched to the global batch {self.global_batch}"
+            )
             note = f"{was}, {to}; the learning rate {self.learning_rate:g} is scaled for {self.global_batch}"
             if found_size is None and self.is_chief:
                 warnings.warn(
@@ -262,26 +328,48 @@ class InputPipeline:
             steps = batches // (self.num_replicas // workers) if batches >= 0 else None
             same = len({b for b, _ in per_worker}) == 1 and batches >= 0
             if batches >= 0 and not same:
-                part += (f"; the parts differ in length ({', '.join(str(b) for b, _ in per_worker)} batches of "
-                         f"{target}): each epoch ends when every worker's part has")
+                part += (
+                    f"; the parts differ in length ({', '.join(str(b) for b, _ in per_worker)} batches of "
+                    f"{target}): each epoch ends when every worker's part has"
+                )
                 steps = None
             job = sum(e for _, e in per_worker) if all(e >= 0 for _, e in per_worker) else None
-            self.facts = InputFacts(source, "off", own_part=True, examples_per_epoch=job,
-                                    worker_examples_per_epoch=examples, steps_per_epoch=steps)
+            self.facts = InputFacts(
+                source,
+                "off",
+                own_part=True,
+                examples_per_epoch=job,
+                worker_examples_per_epoch=examples,
+                steps_per_epoch=steps,
+            )
             ds = self._per_worker(ds, known_steps=same)
         else:
             part = ""
             steps = _steps(examples, self.global_batch, self.drop_remainder)
-            share = examples // workers if examples is not None and examples % (workers * self.global_batch) == 0 else None
-            self.facts = InputFacts(source, choice.policy, examples_per_epoch=examples,
-                                    worker_examples_per_epoch=share if workers > 1 else examples, steps_per_epoch=steps)
-        self._say(f"keras-sync: training data: {described or source} {note}; shard policy {choice.policy} ({choice.reason}){part}; "
-                  f"{batch_layout(self.global_batch, self.num_replicas, self.num_workers)}", loud=loud)
+            share = (
+                examples // workers
+                if examples is not None and examples % (workers * self.global_batch) == 0
+                else None
+            )
+            self.facts = InputFacts(
+                source,
+                choice.policy,
+                examples_per_epoch=examples,
+                worker_examples_per_epoch=share if workers > 1 else examples,
+                steps_per_epoch=steps,
+            )
+        self._say(
+            f"keras-sync: training data: {described or source} {note}; shard policy {choice.policy} ({choice.reason}){part}; "
+            f"{batch_layout(self.global_batch, self.num_replicas, self.num_workers)}",
+            loud=loud,
+        )
         return ds
 
     def _per_worker(self, ds: Any, *, known_steps: bool) -> Any:
         """This worker's own part, batched per replica, as the strategy's input on this worker."""
-        if int(ds.cardinality()) >= 0 and (not known_steps or self.num_replicas // self.num_workers > 1):
+        if int(ds.cardinality()) >= 0 and (
+            not known_steps or self.num_replicas // self.num_workers > 1
+        ):
             # Keras takes a known length as the steps of every worker: parts of different lengths would
             # leave one worker waiting in a collective for the others, and with several replicas per
             # worker Keras would count per-replica batches. Unknown, the epoch ends when every part has
@@ -298,13 +386,17 @@ class InputPipeline:
         # In a tf.function: eager, MultiWorkerMirroredStrategy.run warns of its overhead on every worker.
         @tf.function(autograph=False)
         def gather() -> Any:
-            return strategy.gather(strategy.run(lambda: tf.constant([[batches, examples]], tf.int64)), axis=0)
+            return strategy.gather(
+                strategy.run(lambda: tf.constant([[batches, examples]], tf.int64)), axis=0
+            )
 
         values = gather().numpy().tolist()
         per_replica = self.num_replicas // self.num_workers
         return [tuple(v) for v in values[::per_replica]]
 
-    def _arrays_to_dataset(self, method: str, x: Any, y: Any, kwargs: dict[str, Any], global_batch: int) -> tuple[Any, Any, dict[str, Any]]:
+    def _arrays_to_dataset(
+        self, method: str, x: Any, y: Any, kwargs: dict[str, Any], global_batch: int
+    ) -> tuple[Any, Any, dict[str, Any]]:
         import tensorflow as tf
 
         sample_weight = kwargs.pop("sample_weight", None)
@@ -316,33 +408,61 @@ class InputPipeline:
             cut = int(n * (1.0 - split))
             head = lambda a: tf.nest.map_structure(lambda t: t[:cut], a) if a is not None else None  # noqa: E731
             tail = lambda a: tf.nest.map_structure(lambda t: t[cut:], a) if a is not None else None  # noqa: E731
-            kwargs["validation_data"] = self._arrays(_parts(tail(x), tail(y), tail(sample_weight)), global_batch, False)
+            kwargs["validation_data"] = self._arrays(
+                _parts(tail(x), tail(y), tail(sample_weight)), global_batch, False
+            )
             x, y, sample_weight = head(x), head(y), head(sample_weight)
         vd = kwargs.get("validation_data")
         if isinstance(vd, tuple) and not is_dataset(vd[0]):
             kwargs["validation_data"] = self._arrays(vd, global_batch, False)
         if method == "fit":
-            kwargs["shuffle"] = False  # shuffled here, with one seed for all workers; Keras would only warn
+            kwargs["shuffle"] = (
+                False  # shuffled here, with one seed for all workers; Keras would only warn
+            )
             choice = self._choice(None)
             n = len(tf.nest.flatten(x)[0])
-            if choice.policy == "off" and self.num_workers > 1 and global_batch == self.global_batch:
+            if (
+                choice.policy == "off"
+                and self.num_workers > 1
+                and global_batch == self.global_batch
+            ):
                 # Each worker's arrays are its own part: read per replica, not sharded, steps from its own length.
                 ds = self._arrays(_parts(x, y, sample_weight), global_batch, shuffle)
-                return self.training_dataset(ds, found=(global_batch, "keras-sync's batch"), examples=n,
-                                             source="arrays", choice=choice), None, kwargs
-            self.facts = InputFacts("arrays", choice.policy, examples_per_epoch=n,
-                                    steps_per_epoch=_steps(n, global_batch, self.drop_remainder))
-            self._say(f"keras-sync: training data: arrays, shard policy {choice.policy} ({choice.reason}); "
-                      f"{batch_layout(global_batch, self.num_replicas, self.num_workers)}", loud=self.num_workers > 1)
+                return (
+                    self.training_dataset(
+                        ds,
+                        found=(global_batch, "keras-sync's batch"),
+                        examples=n,
+                        source="arrays",
+                        choice=choice,
+                    ),
+                    None,
+                    kwargs,
+                )
+            self.facts = InputFacts(
+                "arrays",
+                choice.policy,
+                examples_per_epoch=n,
+                steps_per_epoch=_steps(n, global_batch, self.drop_remainder),
+            )
+            self._say(
+                f"keras-sync: training data: arrays, shard policy {choice.policy} ({choice.reason}); "
+                f"{batch_layout(global_batch, self.num_replicas, self.num_workers)}",
+                loud=self.num_workers > 1,
+            )
         return self._arrays(_parts(x, y, sample_weight), global_batch, shuffle), None, kwargs
 
     def _arrays(self, parts: tuple, global_batch: int, shuffle: bool) -> Any:
         import tensorflow as tf
 
         ds = tf.data.Dataset.from_tensor_slices(parts if len(parts) > 1 else parts[0])
-        return self._batched(ds, global_batch, shuffle=shuffle, seed=1337, choice=self._choice(None))
+        return self._batched(
+            ds, global_batch, shuffle=shuffle, seed=1337, choice=self._choice(None)
+        )
 
-    def _batched(self, ds: Any, global_batch: int, *, shuffle: bool, seed: int, choice: ShardChoice) -> Any:
+    def _batched(
+        self, ds: Any, global_batch: int, *, shuffle: bool, seed: int, choice: ShardChoice
+    ) -> Any:
         """``ds`` of single examples -> shuffled (one seed for every worker), batched, shard policy set."""
         if shuffle:
             n = int(ds.cardinality())
@@ -361,14 +481,26 @@ class InputPipeline:
         workers = self.num_workers
         if files is None:
             if choice.policy == "file":
-                return ShardChoice("data", "batch.shard_policy: file, but the pipeline reads no files: split by example")
-            return ShardChoice("data", "batch.shard_policy: auto and the pipeline reads no files: TensorFlow splits "
-                                       "it by example")
+                return ShardChoice(
+                    "data",
+                    "batch.shard_policy: file, but the pipeline reads no files: split by example",
+                )
+            return ShardChoice(
+                "data",
+                "batch.shard_policy: auto and the pipeline reads no files: TensorFlow splits "
+                "it by example",
+            )
         if files < workers:
-            return ShardChoice("data", f"the pipeline reads {files} file{'s' * (files != 1)} for {workers} workers, "
-                                       "too few to shard by file: split by example")
-        return ShardChoice("file", f"batch.shard_policy: {choice.policy} and the pipeline reads {files} files for "
-                                   f"{workers} workers: each worker reads its own files")
+            return ShardChoice(
+                "data",
+                f"the pipeline reads {files} file{'s' * (files != 1)} for {workers} workers, "
+                "too few to shard by file: split by example",
+            )
+        return ShardChoice(
+            "file",
+            f"batch.shard_policy: {choice.policy} and the pipeline reads {files} files for "
+            f"{workers} workers: each worker reads its own files",
+        )
 
     def _say(self, line: str, *, loud: bool) -> None:
         """One line about the input on the chief: printed when it matters (several workers, a
@@ -399,12 +531,13 @@ def tf_seed_set() -> bool:
     return context.global_seed() is not None
 
 
-
 def is_dataset(x: Any) -> bool:
     """Whether ``x`` is a `tf.data.Dataset` or a distributed dataset (not arrays)."""
     import tensorflow as tf
 
-    return isinstance(x, (tf.data.Dataset, tf.distribute.DistributedDataset)) or hasattr(x, "element_spec")
+    return isinstance(x, (tf.data.Dataset, tf.distribute.DistributedDataset)) or hasattr(
+        x, "element_spec"
+    )
 
 
 def own_shard_policy(ds: Any) -> str:
@@ -417,8 +550,13 @@ def _with_policy(ds: Any, choice: ShardChoice) -> Any:
     import tensorflow as tf
 
     policies = tf.data.experimental.AutoShardPolicy
-    wanted = {"auto": policies.AUTO, "data": policies.DATA, "file": policies.FILE, "off": policies.OFF,
-              "hint": policies.HINT}[choice.policy]
+    wanted = {
+        "auto": policies.AUTO,
+        "data": policies.DATA,
+        "file": policies.FILE,
+        "off": policies.OFF,
+        "hint": policies.HINT,
+    }[choice.policy]
     if ds.options().experimental_distribute.auto_shard_policy == wanted:
         return ds
     options = tf.data.Options()
@@ -444,14 +582,17 @@ def batch_size_of(ds: Any) -> tuple[int | None, str]:
         size = int(compute_batch_size(ds))
         if size > 0:
             return size, "its batch op"
-    except Exception:  # noqa: BLE001 - a TensorFlow without it, or a pipeline it cannot read
+    except Exception:
         pass
     op = _batch_op(ds)
     if op is not None:
         size = tf.get_static_value(op._batch_size)
         if size is not None:
             return int(size), "its batch op"
-    return None, "no static batch dimension and no batch op, e.g. from_generator or Ray Data's to_tf"
+    return (
+        None,
+        "no static batch dimension and no batch op, e.g. from_generator or Ray Data's to_tf",
+    )
 
 
 def _rank(spec: Any) -> int | None:
@@ -489,7 +630,9 @@ def _batch_op(ds: Any) -> Any:
     return None
 
 
-def _rebatch(ds: Any, global_batch: int, found: int | None, drop_remainder: bool, examples: int | None) -> Any:
+def _rebatch(
+    ds: Any, global_batch: int, found: int | None, drop_remainder: bool, examples: int | None
+) -> Any:
     """``ds`` rebatched to ``global_batch``, keeping a known number of steps when the examples are known."""
     import tensorflow as tf
 
@@ -563,11 +706,14 @@ def _validation_input(kwargs: dict[str, Any]) -> dict[str, Any]:
     """``validation_data`` read as the training data is: a PyDataset by index; a generator refused."""
     vd = kwargs.get("validation_data")
     if is_py_dataset(vd):
-        kwargs = dict(kwargs, validation_data=py_dataset_batches(vd)[0])  # each evaluation reads every batch once
+        kwargs = dict(
+            kwargs, validation_data=py_dataset_batches(vd)[0]
+        )  # each evaluation reads every batch once
     elif is_generator(vd):
         raise UsageError(
             "sync.fit received validation_data as a Python generator: Keras evaluates it again every epoch, "
             "each time replaying its first 2 batches and then reading new ones, so no two epochs validate on the "
             "same data (one device or several). Fix: give validation_data as arrays, a keras.utils.PyDataset or a "
-            "tf.data.Dataset.")
+            "tf.data.Dataset."
+        )
     return kwargs

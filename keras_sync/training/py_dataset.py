@@ -12,7 +12,9 @@ from keras_sync.errors import UsageError
 
 def is_py_dataset(x: Any) -> bool:
     """Whether ``x`` is a `keras.utils.PyDataset` (or a legacy `keras.utils.Sequence`, the same class)."""
-    return any(c.__name__ == "PyDataset" and c.__module__.startswith("keras") for c in type(x).__mro__)
+    return any(
+        c.__name__ == "PyDataset" and c.__module__.startswith("keras") for c in type(x).__mro__
+    )
 
 
 def _standardize(batch: Any) -> Any:
@@ -49,10 +51,13 @@ def py_dataset_batches(pyds: Any) -> tuple[Any, int, int | None]:
         raise UsageError(
             f"sync.fit received a keras.utils.PyDataset without a length ({type(pyds).__name__} has neither __len__ "
             "nor num_batches); keras-sync reads a PyDataset by index, each batch once per epoch. Fix: give it __len__, "
-            "or a num_batches property (None for an endless one, with steps_per_epoch in fit).") from None
+            "or a num_batches property (None for an endless one, with steps_per_epoch in fit)."
+        ) from None
     if n is not None and n < 1:
-        raise UsageError(f"sync.fit received an empty keras.utils.PyDataset ({type(pyds).__name__}, 0 batches). "
-                         "Fix: give it at least one batch.")
+        raise UsageError(
+            f"sync.fit received an empty keras.utils.PyDataset ({type(pyds).__name__}, 0 batches). "
+            "Fix: give it at least one batch."
+        )
     first = _standardize(pyds[0])
     last = _standardize(pyds[n - 1]) if n is not None and n > 1 else first
     flat = [np.asarray(a) for a in tf.nest.flatten(first)]
@@ -69,7 +74,9 @@ def py_dataset_batches(pyds: Any) -> tuple[Any, int, int | None]:
         return tf.nest.pack_sequence_as(first, parts)
 
     workers = max(1, int(getattr(pyds, "workers", 1) or 1))
-    indices = tf.data.Dataset.range(n) if n is not None else tf.data.Dataset.counter()  # None: endless, as in Keras
+    indices = (
+        tf.data.Dataset.range(n) if n is not None else tf.data.Dataset.counter()
+    )  # None: endless, as in Keras
     if isinstance(pyds, GeneratorBatches):
         # A generator ends when it ends: a flag beside each batch, False (and empty parts) past its end.
         def read_or_end(i: Any) -> list[Any]:
@@ -102,7 +109,9 @@ class GeneratorBatches:
     same batches, never new ones; each batch trains once, in order, as on one device.
     """
 
-    num_batches = None  # endless to the reader: a generator ends when it ends (see py_dataset_batches)
+    num_batches = (
+        None  # endless to the reader: a generator ends when it ends (see py_dataset_batches)
+    )
     workers = 1
     use_multiprocessing = False
 
@@ -132,12 +141,15 @@ class GeneratorBatches:
         raise UsageError(
             f"keras-sync read batch {i} of a Python generator again after {self._next - i} newer ones (it keeps "
             f"the last {self._keep}); Keras restarted its reader further back than that. Fix: give the data as a "
-            "keras.utils.PyDataset or a tf.data.Dataset (read by index or made again each epoch).")
+            "keras.utils.PyDataset or a tf.data.Dataset (read by index or made again each epoch)."
+        )
 
     def __getitem__(self, i: int) -> Any:
         batch = self.get(i)
         if batch is None:
-            raise UsageError("the Python generator given to keras-sync yielded no batch. Fix: give it at least one.")
+            raise UsageError(
+                "the Python generator given to keras-sync yielded no batch. Fix: give it at least one."
+            )
         return batch
 
     def on_epoch_begin(self) -> None:
@@ -160,7 +172,8 @@ def generator_batches(x: Any, method: str, kwargs: dict[str, Any]) -> GeneratorB
             f"sync.fit received a Python generator with epochs={kwargs.get('epochs')} and no steps_per_epoch: "
             "its first epoch reads it to the end and the next ones have nothing left (Keras replays its first "
             "2 batches). Fix: pass steps_per_epoch=<batches per epoch> (an endless generator), or give a "
-            "keras.utils.PyDataset or a tf.data.Dataset.")
+            "keras.utils.PyDataset or a tf.data.Dataset."
+        )
     return GeneratorBatches(x)
 
 
@@ -172,9 +185,15 @@ def generator_source(n_steps: Any) -> str:
 def py_dataset_source(pyds: Any, n: int | None) -> str:
     workers = int(getattr(pyds, "workers", 1) or 1)
     processes = bool(getattr(pyds, "use_multiprocessing", False))
-    how = "one at a time" if workers <= 1 else f"{workers} at a time on threads{' (not processes)' * processes}"
+    how = (
+        "one at a time"
+        if workers <= 1
+        else f"{workers} at a time on threads{' (not processes)' * processes}"
+    )
     length = f"of {n} batches" if n is not None else "without end"
-    return f"keras.utils.PyDataset {length}, read by keras-sync by index, each once per epoch ({how}),"
+    return (
+        f"keras.utils.PyDataset {length}, read by keras-sync by index, each once per epoch ({how}),"
+    )
 
 
 class PyDatasetEpochs:

@@ -56,8 +56,10 @@ def step_problem(examples: int, steps: int, global_batch: int) -> str | None:
         return None
     per = examples / steps
     per_text = f"{per:g}" if per == int(per) else f"{per:.1f}"
-    return (f"{steps} train steps took {examples} examples ({per_text} per step), but the learning rate was scaled "
-            f"for a global batch of {global_batch}")
+    return (
+        f"{steps} train steps took {examples} examples ({per_text} per step), but the learning rate was scaled "
+        f"for a global batch of {global_batch}"
+    )
 
 
 def epoch_problem(examples: int, expected: int) -> str | None:
@@ -70,13 +72,17 @@ def epoch_problem(examples: int, expected: int) -> str | None:
     """
     if examples == expected:
         return None
-    what = f"{expected - examples} were not trained" if examples < expected else \
-        f"{examples - expected} more than the data (some trained twice)"
+    what = (
+        f"{expected - examples} were not trained"
+        if examples < expected
+        else f"{examples - expected} more than the data (some trained twice)"
+    )
     return f"the epoch trained {examples} examples (all replicas and workers), but the data has {expected}: {what}"
 
 
-def learning_rate_problem(applied: float, scaled: float, *, global_batch: int, rule: str,
-                          optimizer: str | None = None) -> str | None:
+def learning_rate_problem(
+    applied: float, scaled: float, *, global_batch: int, rule: str, optimizer: str | None = None
+) -> str | None:
     """What is wrong when an optimizer applies ``applied`` and keras-sync scaled ``scaled``.
 
     ``optimizer``: the model attribute that holds it, when a custom `train_step` applies other
@@ -93,10 +99,14 @@ def learning_rate_problem(applied: float, scaled: float, *, global_batch: int, r
         return None
     why = f"but keras-sync scaled {scaled:g} for the global batch {global_batch} (learning_rate.scaling: {rule})"
     if optimizer is not None:
-        return (f"{optimizer}'s learning rate is {applied:g}, {why}: the rate your script gives it is used as it is. "
-                f"Fix: create {optimizer} with learning_rate=sync.lr_schedule() (or sync.learning_rate)")
-    return (f"the optimizer's learning rate is {applied:g}, {why}: the rate of your compile line is used as it is. "
-            "Fix: compile with the optimizer's learning_rate=sync.lr_schedule() (or sync.learning_rate)")
+        return (
+            f"{optimizer}'s learning rate is {applied:g}, {why}: the rate your script gives it is used as it is. "
+            f"Fix: create {optimizer} with learning_rate=sync.lr_schedule() (or sync.learning_rate)"
+        )
+    return (
+        f"the optimizer's learning rate is {applied:g}, {why}: the rate of your compile line is used as it is. "
+        "Fix: compile with the optimizer's learning_rate=sync.lr_schedule() (or sync.learning_rate)"
+    )
 
 
 class Reporter:
@@ -125,7 +135,9 @@ class Reporter:
                 writer.set_tags({f"keras_sync.check.{name}": message[:4900]})
 
 
-def expected_examples(sync: Any, x: Any, kwargs: dict[str, Any], global_batch: int, drop_remainder: bool) -> int | None:
+def expected_examples(
+    sync: Any, x: Any, kwargs: dict[str, Any], global_batch: int, drop_remainder: bool
+) -> int | None:
     """The examples one epoch of `fit` trains over all workers, when known before training (None: unknown).
 
     Arrays: their length (less a ``validation_split``); a `tf.data.Dataset`: its examples when its
@@ -150,7 +162,11 @@ def expected_examples(sync: Any, x: Any, kwargs: dict[str, Any], global_batch: i
         if sync.num_workers > 1 and pipeline.own_shard_policy(x) == "off":
             return _summed_over_workers(sync, n)  # each worker's dataset is its own part
         return n
-    if hasattr(x, "__getitem__") and not isinstance(x, (list, tuple, dict)) and not hasattr(x, "shape"):
+    if (
+        hasattr(x, "__getitem__")
+        and not isinstance(x, (list, tuple, dict))
+        and not hasattr(x, "shape")
+    ):
         return None  # a PyDataset / Sequence: its length is in batches, not examples
     import tensorflow as tf
 
@@ -212,25 +228,39 @@ def checks_callback(sync: Any, *, global_batch: int, expected: int | None, data:
 
         def _check_learning_rate(self) -> None:
             self._rates_due = False
-            if not any(sync.config.source_of(f"learning_rate.{k}") != "default"
-                       for k in ("base", "scaling", "base_batch_size")):
+            if not any(
+                sync.config.source_of(f"learning_rate.{k}") != "default"
+                for k in ("base", "scaling", "base_batch_size")
+            ):
                 return
             from keras_sync.training.train_step_trace import applied_optimizers
 
             # What the traced step applied, each on its own; model.optimizer only when nothing is known.
-            applied = applied_optimizers(self.model) or [("optimizer", getattr(self.model, "optimizer", None))]
+            applied = applied_optimizers(self.model) or [
+                ("optimizer", getattr(self.model, "optimizer", None))
+            ]
             problems = []
             for name, optimizer in applied:
-                rate = getattr(getattr(optimizer, "inner_optimizer", optimizer), "_learning_rate", None)
-                if rate is None or isinstance(rate, keras.optimizers.schedules.LearningRateSchedule) or callable(rate):
+                rate = getattr(
+                    getattr(optimizer, "inner_optimizer", optimizer), "_learning_rate", None
+                )
+                if (
+                    rate is None
+                    or isinstance(rate, keras.optimizers.schedules.LearningRateSchedule)
+                    or callable(rate)
+                ):
                     continue  # a schedule: keras-sync's warmup, or the user's own (read as the user wrote it)
                 try:
                     rate = float(keras.ops.convert_to_numpy(rate))
                 except (TypeError, ValueError):
                     continue
-                problem = learning_rate_problem(rate, sync.learning_rate, global_batch=sync.effective_batch_size,
-                                                rule=sync.config.learning_rate.scaling,
-                                                optimizer=None if name == "optimizer" else name)
+                problem = learning_rate_problem(
+                    rate,
+                    sync.learning_rate,
+                    global_batch=sync.effective_batch_size,
+                    rule=sync.config.learning_rate.scaling,
+                    optimizer=None if name == "optimizer" else name,
+                )
                 if problem:
                     problems.append(problem)
             if problems:
@@ -261,20 +291,28 @@ def checks_callback(sync: Any, *, global_batch: int, expected: int | None, data:
                 return
             now = int(optimizer.iterations.numpy())
             if now != point.iterations:
-                reporter.violation("resume", f"keras-sync restored optimizer step {point.iterations} (epoch "
-                                   f"{point.epoch + 1}, after batch {point.step}), but training continues from "
-                                   f"step {now}: something restored over it (e.g. keras.callbacks.BackupAndRestore "
-                                   "next to fault_tolerance.backup_dir; keep one)")
+                reporter.violation(
+                    "resume",
+                    f"keras-sync restored optimizer step {point.iterations} (epoch "
+                    f"{point.epoch + 1}, after batch {point.step}), but training continues from "
+                    f"step {now}: something restored over it (e.g. keras.callbacks.BackupAndRestore "
+                    "next to fault_tolerance.backup_dir; keep one)",
+                )
 
         def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
             point = self._resumed
             if point is not None and self._first_batch and epoch != point.epoch:
-                reporter.violation("resume", f"keras-sync restored epoch {point.epoch + 1}, but training continues "
-                                   f"at epoch {epoch + 1}: something restored over it (e.g. "
-                                   "keras.callbacks.BackupAndRestore next to fault_tolerance.backup_dir; keep one)")
+                reporter.violation(
+                    "resume",
+                    f"keras-sync restored epoch {point.epoch + 1}, but training continues "
+                    f"at epoch {epoch + 1}: something restored over it (e.g. "
+                    "keras.callbacks.BackupAndRestore next to fault_tolerance.backup_dir; keep one)",
+                )
 
         def _totals(self) -> tuple[int, int]:
-            self._rings = rings = self._probe.read()  # a collective under multi-worker: every worker is here
+            self._rings = rings = (
+                self._probe.read()
+            )  # a collective under multi-worker: every worker is here
             count = ReplicaProbe.count(rings)
             return count, self._examples_at(count)
 
@@ -301,12 +339,16 @@ def checks_callback(sync: Any, *, global_batch: int, expected: int | None, data:
             for c in range(first, count):
                 now = self._examples_at(c)
                 if problem is None and before >= 0 and now >= 0 and now - before != global_batch:
-                    problem = (f"train step {c - count0} took {now - before} examples, but the learning rate was "
-                               f"scaled for a global batch of {global_batch} (only an epoch's last step may be short)")
+                    problem = (
+                        f"train step {c - count0} took {now - before} examples, but the learning rate was "
+                        f"scaled for a global batch of {global_batch} (only an epoch's last step may be short)"
+                    )
                 before = now
             if problem:
                 reporter.violation("examples_per_step", f"epoch {epoch + 1}: {problem}")
-            if expected is not None and not skip and sync.config.verify is None:  # verify stops mid-epoch
+            if (
+                expected is not None and not skip and sync.config.verify is None
+            ):  # verify stops mid-epoch
                 problem = epoch_problem(trained, expected)
                 if problem:
                     reporter.violation("examples_per_epoch", f"epoch {epoch + 1}: {problem}")
@@ -333,14 +375,23 @@ def watch_direct_fit(sync: Any) -> None:
         # dataset, sync.distribute): only arrays batched by Keras's own batch_size are the habit.
         ours = any(type(c).__module__.startswith("keras_sync.") for c in callbacks)
         data = args[0] if args else kwargs.get("x")
-        if session is not None and not ours and not _batched_by_user(data) and model not in _direct_told:
+        if (
+            session is not None
+            and not ours
+            and not _batched_by_user(data)
+            and model not in _direct_told
+        ):
             _direct_told.add(model)
-            Reporter(session).violation("direct_fit", (
-                f"model.fit called on {type(model).__name__}, built in sync.scope(), without keras-sync: Keras "
-                f"batches arrays by its own batch_size (32 unless given), not by the configured global batch "
-                f"{session.global_batch_size} that the learning rate {session.learning_rate:g} was scaled for, and no "
-                "metrics go to MLflow. Fix: sync.fit(model, ...) with the same arguments, or "
-                "model.fit(sync.distribute(...), callbacks=sync.callbacks(model))"))
+            Reporter(session).violation(
+                "direct_fit",
+                (
+                    f"model.fit called on {type(model).__name__}, built in sync.scope(), without keras-sync: Keras "
+                    f"batches arrays by its own batch_size (32 unless given), not by the configured global batch "
+                    f"{session.global_batch_size} that the learning rate {session.learning_rate:g} was scaled for, and no "
+                    "metrics go to MLflow. Fix: sync.fit(model, ...) with the same arguments, or "
+                    "model.fit(sync.distribute(...), callbacks=sync.callbacks(model))"
+                ),
+            )
         return fit(model, *args, **kwargs)
 
     setattr(checked_fit, _FIT_MARK, True)
@@ -354,4 +405,6 @@ def _batched_by_user(data: Any) -> bool:
     """Whether ``data`` comes batched (a dataset, a distributed dataset, a PyDataset), not as arrays."""
     from keras_sync.training import pipeline
 
-    return data is not None and (pipeline.is_dataset(data) or hasattr(data, "__getitem__") and hasattr(data, "num_batches"))
+    return data is not None and (
+        pipeline.is_dataset(data) or hasattr(data, "__getitem__") and hasattr(data, "num_batches")
+    )

@@ -45,9 +45,12 @@ def set_dtype_policy(config: Any, *, is_chief: bool) -> None:
     if name == "mixed_float16" and is_chief:
         fast, where = _fast_float16()
         if not fast:
-            print(f"keras-sync: runtime.mixed_precision: mixed_float16 on {where}, which has no fast float16: "
-                  "training may be slower than float32; mixed_bfloat16 is the usual choice on CPU and TPU.",
-                  file=sys.stderr, flush=True)
+            print(
+                f"keras-sync: runtime.mixed_precision: mixed_float16 on {where}, which has no fast float16: "
+                "training may be slower than float32; mixed_bfloat16 is the usual choice on CPU and TPU.",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def _fast_float16() -> tuple[bool, str]:
@@ -67,9 +70,18 @@ def prepare_model(sync: Any, model: Any) -> None:
     """Apply jit_compile, steps_per_execution and sync_batch_norm to ``model`` (before `fit`)."""
     config, rt = sync.config, sync.config.runtime
     changed = False
-    if given(config, "steps_per_execution") and int(model.steps_per_execution or 1) != rt.steps_per_execution:
+    if (
+        given(config, "steps_per_execution")
+        and int(model.steps_per_execution or 1) != rt.steps_per_execution
+    ):
         if int(model.steps_per_execution or 1) != 1:  # the user's compile chose a value
-            _replacing(sync, model, "steps_per_execution", model.steps_per_execution, rt.steps_per_execution)
+            _replacing(
+                sync,
+                model,
+                "steps_per_execution",
+                model.steps_per_execution,
+                rt.steps_per_execution,
+            )
         model.steps_per_execution = rt.steps_per_execution
         changed = True
     if given(config, "jit_compile") and rt.jit_compile is True:
@@ -77,13 +89,20 @@ def prepare_model(sync: Any, model: Any) -> None:
     elif rt.jit_compile == "auto" and model.jit_compile is True and _xla_fails(sync):
         # compile(jit_compile=True) itself: Keras's "auto" is False under a strategy, so only an explicit True.
         if _once("xla", model):
-            _say(sync, f"jit_compile=True of {type(model).__name__}'s compile is not applied: XLA cannot compile a "
-                       f"step over {sync.num_replicas} replicas on CPU devices (no XLA collectives on CPU; variables "
-                       "on several devices), so the model trains without XLA. XLA works on one device, and on GPUs "
-                       "or TPUs.")
+            _say(
+                sync,
+                f"jit_compile=True of {type(model).__name__}'s compile is not applied: XLA cannot compile a "
+                f"step over {sync.num_replicas} replicas on CPU devices (no XLA collectives on CPU; variables "
+                "on several devices), so the model trains without XLA. XLA works on one device, and on GPUs "
+                "or TPUs.",
+            )
         model.jit_compile = False
         changed = True
-    if given(config, "jit_compile") and rt.jit_compile != "auto" and bool(model.jit_compile) != rt.jit_compile:
+    if (
+        given(config, "jit_compile")
+        and rt.jit_compile != "auto"
+        and bool(model.jit_compile) != rt.jit_compile
+    ):
         if model.jit_compile:  # on, by the user's compile (or Keras's auto on an accelerator)
             _replacing(sync, model, "jit_compile", model.jit_compile, rt.jit_compile)
         model.jit_compile = rt.jit_compile
@@ -92,20 +111,31 @@ def prepare_model(sync: Any, model: Any) -> None:
     if rt.sync_batch_norm:
         for layer in layers:
             if not layer.synchronized:
-                layer.synchronized = True  # read in BatchNormalization.call: the traced step uses it
+                layer.synchronized = (
+                    True  # read in BatchNormalization.call: the traced step uses it
+                )
                 changed = True
-    elif sync.num_replicas > 1 and any(not layer.synchronized for layer in layers) and _once("bn", model):
-        _say(sync, f"{type(model).__name__} has {len(layers)} BatchNormalization layer(s) with per-replica "
-                   f"statistics: each uses the {sync.per_replica_batch_size} examples of its replica, not the "
-                   f"global batch of {sync.global_batch_size}. For statistics over all replicas set "
-                   "runtime.sync_batch_norm: true.")
+    elif (
+        sync.num_replicas > 1
+        and any(not layer.synchronized for layer in layers)
+        and _once("bn", model)
+    ):
+        _say(
+            sync,
+            f"{type(model).__name__} has {len(layers)} BatchNormalization layer(s) with per-replica "
+            f"statistics: each uses the {sync.per_replica_batch_size} examples of its replica, not the "
+            f"global batch of {sync.global_batch_size}. For statistics over all replicas set "
+            "runtime.sync_batch_norm: true.",
+        )
     if changed:
         model.train_function = None  # Keras builds it again with the new settings
 
 
 def _xla_fails(sync: Any) -> bool:
     """Whether XLA cannot compile this run's step: several replicas, all on CPU devices."""
-    if sync.num_replicas <= 1:  # the default strategy has no worker_devices (it raises RuntimeError)
+    if (
+        sync.num_replicas <= 1
+    ):  # the default strategy has no worker_devices (it raises RuntimeError)
         return False
     devices = [str(d) for d in getattr(sync.strategy.extended, "worker_devices", ())]
     return bool(devices) and all("CPU" in d.upper() for d in devices)
@@ -120,16 +150,21 @@ def _check_xla_devices(sync: Any) -> None:
         # logical CPUs of one process XLA reads variables of CPU:1 from CPU:0 ("Trying to access
         # resource ... located in device"); across CPU workers it stops with "Collectives are not yet
         # implemented for CPU devices when compiling with XLA" and the process then aborts.
-        raise UsageError(f"Invalid value for runtime.jit_compile. Received: true with {sync.num_replicas} replicas on "
-                         "CPU devices, where XLA cannot compile a distributed step (no XLA collectives on CPU; "
-                         "variables on several devices). Expected false or auto; XLA works on one device, and on "
-                         "GPUs or TPUs.")
+        raise UsageError(
+            f"Invalid value for runtime.jit_compile. Received: true with {sync.num_replicas} replicas on "
+            "CPU devices, where XLA cannot compile a distributed step (no XLA collectives on CPU; "
+            "variables on several devices). Expected false or auto; XLA works on one device, and on "
+            "GPUs or TPUs."
+        )
 
 
 def _replacing(sync: Any, model: Any, key: str, old: Any, new: Any) -> None:
     if _once(key, model):
-        _say(sync, f"runtime.{key}: {new} (from {sync.config.source}) replaces {key}={old} of "
-                   f"{type(model).__name__}'s compile (a key written in the config wins over compile).")
+        _say(
+            sync,
+            f"runtime.{key}: {new} (from {sync.config.source}) replaces {key}={old} of "
+            f"{type(model).__name__}'s compile (a key written in the config wins over compile).",
+        )
 
 
 def _once(what: str, model: Any) -> bool:
@@ -177,8 +212,15 @@ def setup_callback(sync: Any) -> Any:
                 from keras_sync.training.accumulate import GradientAccumulator
 
                 probe = _instrument.probe_of(model)
-                accumulator = probe.accumulator if probe is not None and probe.accumulator is not None \
-                    and probe.accumulator.steps == steps else GradientAccumulator(model, steps)
-            _instrument.instrument(model, gradients=sync.config.runtime.train_step_gradients, accumulator=accumulator)
+                accumulator = (
+                    probe.accumulator
+                    if probe is not None
+                    and probe.accumulator is not None
+                    and probe.accumulator.steps == steps
+                    else GradientAccumulator(model, steps)
+                )
+            _instrument.instrument(
+                model, gradients=sync.config.runtime.train_step_gradients, accumulator=accumulator
+            )
 
     return RuntimeSetup()

@@ -34,10 +34,11 @@ import os
 import shutil
 import sys
 import tempfile
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
-from keras_sync.errors import UsageError
 from keras_sync.cluster import strategy_role
+from keras_sync.errors import UsageError
 
 _WRAPPED_MARK = "_keras_sync_chief_writes"
 TEMP_PREFIX = "keras_sync_worker_save_"
@@ -86,8 +87,13 @@ def _audit(event: str, args: tuple[Any, ...]) -> None:
         if not writing:
             return
         full = os.path.realpath(os.fsdecode(path))
-        if TEMP_PREFIX in full or full.startswith(_NOT_FILES) or full == _TEMPDIR or \
-                os.path.dirname(full) == _TEMPDIR or f"{os.sep}__pycache__{os.sep}" in full:
+        if (
+            TEMP_PREFIX in full
+            or full.startswith(_NOT_FILES)
+            or full == _TEMPDIR
+            or os.path.dirname(full) == _TEMPDIR
+            or f"{os.sep}__pycache__{os.sep}" in full
+        ):
             # this worker's own temporary copies; devices; the temp dir itself (an O_TMPFILE open) and
             # files right in it, where libraries' `tempfile` files go (TensorFlow's autograph writes
             # /tmp/__autograph_generated_file*.py on every worker); bytecode. A user's path in a folder
@@ -128,7 +134,9 @@ def watch_worker_writes(strategy: Any) -> Iterator[None]:
                 f"keras-sync: this worker is not the chief, yet it opened {shown} for writing during fit. Every "
                 "worker runs your script and its callbacks, so a path that is the same on every worker gets two "
                 "writers. Fix: write it only when sync.is_chief, or give each worker its own path.",
-                RuntimeWarning, stacklevel=3)
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
 
 def _model_strategy(model: Any) -> Any:
@@ -200,7 +208,9 @@ def guard_callbacks(strategy: Any, callbacks: list[Any]) -> list[Any]:
     import keras
 
     for cb in callbacks:
-        if type(cb) is keras.callbacks.BackupAndRestore:  # a subclass may save differently: left alone
+        if (
+            type(cb) is keras.callbacks.BackupAndRestore
+        ):  # a subclass may save differently: left alone
             _non_chief_backup(cb)
         for class_name, attr in USER_PATH_ATTRS:
             if isinstance(cb, getattr(keras.callbacks, class_name)):
@@ -210,10 +220,14 @@ def guard_callbacks(strategy: Any, callbacks: list[Any]) -> list[Any]:
 
 def _write_elsewhere(cb: Any, attr: str) -> None:
     """Point ``cb.<attr>`` into a fresh temporary directory, deleted after the callback's train end."""
-    user_path = getattr(cb, _USER_PATH_MARK, None) or getattr(cb, attr)  # a callback reused by a second fit
+    user_path = getattr(cb, _USER_PATH_MARK, None) or getattr(
+        cb, attr
+    )  # a callback reused by a second fit
     setattr(cb, _USER_PATH_MARK, user_path)
     tmp = tempfile.mkdtemp(prefix=TEMP_PREFIX)
-    setattr(cb, attr, os.path.join(tmp, os.path.basename(os.fspath(user_path).rstrip("/")) or "logs"))
+    setattr(
+        cb, attr, os.path.join(tmp, os.path.basename(os.fspath(user_path).rstrip("/")) or "logs")
+    )
     train_end = type(cb).on_train_end
 
     def on_train_end(logs: Any = None) -> None:

@@ -49,7 +49,9 @@ def per_replica_batch_size(global_batch: int, replicas: int) -> int:
     return global_batch // replicas
 
 
-def resolve_batch_sizes(per_replica: int | None, global_batch: int | None, replicas: int) -> tuple[int, int]:
+def resolve_batch_sizes(
+    per_replica: int | None, global_batch: int | None, replicas: int
+) -> tuple[int, int]:
     """(per-replica, global) from exactly one of the two.
 
     >>> resolve_batch_sizes(32, None, 4)
@@ -81,7 +83,9 @@ def lr_formula(rule: str, base_lr: float, global_batch_size: int, base_batch_siz
     return "not scaled"
 
 
-def scale_learning_rate(base_lr: float, *, global_batch_size: int, base_batch_size: int, rule: str) -> float:
+def scale_learning_rate(
+    base_lr: float, *, global_batch_size: int, base_batch_size: int, rule: str
+) -> float:
     """The peak learning rate for a global batch, scaled from one tuned at ``base_batch_size``.
 
     Rules (``k = global_batch_size / base_batch_size``):
@@ -96,7 +100,12 @@ def scale_learning_rate(base_lr: float, *, global_batch_size: int, base_batch_si
     >>> scale_learning_rate(0.1, global_batch_size=1024, base_batch_size=256, rule="none")
     0.1
     """
-    if isinstance(base_lr, bool) or not isinstance(base_lr, (int, float)) or not base_lr > 0 or not math.isfinite(base_lr):
+    if (
+        isinstance(base_lr, bool)
+        or not isinstance(base_lr, (int, float))
+        or not base_lr > 0
+        or not math.isfinite(base_lr)
+    ):
         raise ScalingError(
             f"Invalid value for argument `base_lr` (learning_rate.base). Received: base_lr={base_lr!r}. "
             "Expected a finite number > 0."
@@ -117,7 +126,9 @@ def scale_learning_rate(base_lr: float, *, global_batch_size: int, base_batch_si
     )
 
 
-def warmup_steps_from(*, warmup_steps: int = 0, warmup_epochs: float = 0.0, steps_per_epoch: int | None = None) -> int:
+def warmup_steps_from(
+    *, warmup_steps: int = 0, warmup_epochs: float = 0.0, steps_per_epoch: int | None = None
+) -> int:
     """The warmup length in optimizer steps: given directly, or ``ceil(warmup_epochs x steps_per_epoch)``.
 
     >>> warmup_steps_from(warmup_epochs=5, steps_per_epoch=100)

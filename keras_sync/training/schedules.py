@@ -63,7 +63,8 @@ class GradualWarmup(keras.optimizers.schedules.LearningRateSchedule):
             raise UsageError(
                 "sync.lr_schedule()'s warmup was called without a step, as a Keras 2 optimizer (tf_keras, or tf.keras "
                 "with TF_USE_LEGACY_KERAS=1) does; keras-sync supports Keras 3 only. Fix: build the model and its "
-                "optimizer with `import keras` rather than tf.keras/tf_keras, and unset TF_USE_LEGACY_KERAS.")
+                "optimizer with `import keras` rather than tf.keras/tf_keras, and unset TF_USE_LEGACY_KERAS."
+            )
         ops = keras.ops
         step = ops.cast(step, "float32")
         warm = ops.convert_to_tensor(float(self.warmup_steps), "float32")
@@ -78,7 +79,9 @@ class GradualWarmup(keras.optimizers.schedules.LearningRateSchedule):
             "start_lr": self.start_lr,
             "peak_lr": self.peak_lr,
             "warmup_steps": self.warmup_steps,
-            "after": keras.optimizers.schedules.serialize(self.after) if self.after is not None else None,
+            "after": keras.optimizers.schedules.serialize(self.after)
+            if self.after is not None
+            else None,
             "name": self.name,
         }
 
@@ -116,15 +119,23 @@ def check_lr_callbacks(model: Any, callbacks: Any, method: str = "fit") -> None:
     """
     from keras_sync.errors import UsageError
 
-    setters = [type(cb).__name__ for cb in callbacks or ()
-               if isinstance(cb, tuple(getattr(keras.callbacks, n) for n in LR_SETTING_CALLBACKS))]
+    setters = [
+        type(cb).__name__
+        for cb in callbacks or ()
+        if isinstance(cb, tuple(getattr(keras.callbacks, n) for n in LR_SETTING_CALLBACKS))
+    ]
     name = schedule_name(getattr(model, "optimizer", None)) if setters else None
     if name is None:
         return
-    ours = " from sync.lr_schedule(), the learning_rate warmup" if name == GradualWarmup.__name__ else ""
+    ours = (
+        " from sync.lr_schedule(), the learning_rate warmup"
+        if name == GradualWarmup.__name__
+        else ""
+    )
     raise UsageError(
         f"callbacks of sync.{method}: {setters[0]} sets the optimizer's learning rate, but the optimizer was given a "
         f"schedule ({name}{ours}), whose rate Keras cannot set (it would stop with a TypeError after the first "
         f"epoch). Fix: keep {setters[0]} and give the optimizer a float (sync.learning_rate; remove "
         "learning_rate.warmup_steps/warmup_epochs), or keep the warmup and give the decay as a schedule after it, "
-        f"sync.lr_schedule(after=keras.optimizers.schedules.ExponentialDecay(...)), without {setters[0]}.")
+        f"sync.lr_schedule(after=keras.optimizers.schedules.ExponentialDecay(...)), without {setters[0]}."
+    )

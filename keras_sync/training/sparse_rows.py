@@ -17,7 +17,8 @@ passes through with the same values, so a step that had none trains bit for bit 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def merge_duplicate_rows(gradient: Any) -> Any:

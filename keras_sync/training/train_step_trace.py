@@ -33,7 +33,8 @@ import contextlib
 import logging
 import sys
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from keras_sync.training import loss_scale as _loss_scale
 
@@ -59,7 +60,9 @@ def optimizers_of(model: Any) -> list[Any]:
     return list(found.values())
 
 
-def gradient_factor(policy: str, custom_step: bool, scaled_by: str | None, num_replicas: int) -> float:
+def gradient_factor(
+    policy: str, custom_step: bool, scaled_by: str | None, num_replicas: int
+) -> float:
     """The factor keras-sync applies to the local gradients of a replica before Keras sums them.
 
     >>> gradient_factor("auto", True, None, 4)         # a loss mean over the replica's batch
@@ -76,8 +79,13 @@ def gradient_factor(policy: str, custom_step: bool, scaled_by: str | None, num_r
     return 1.0
 
 
-def averaging_message(model: Any, num_replicas: int, optimizers: list[str] | None = None, *,
-                      at_scale_loss: bool = False) -> str:
+def averaging_message(
+    model: Any,
+    num_replicas: int,
+    optimizers: list[str] | None = None,
+    *,
+    at_scale_loss: bool = False,
+) -> str:
     """The line printed on the chief when keras-sync averages a custom train_step's gradients.
 
     ``optimizers``: the attributes of the optimizers whose gradients are averaged, when the step
@@ -85,13 +93,18 @@ def averaging_message(model: Any, num_replicas: int, optimizers: list[str] | Non
     """
     name = type(model).__name__
     which = f" for {', '.join(optimizers)}" if optimizers else ""
-    where = (f"the loss by {num_replicas} in optimizer.scale_loss (before the float16 backward pass)" if at_scale_loss
-             else f"them by {num_replicas} at the optimizer")
-    return (f"keras-sync: {name}.train_step does not divide its loss{which} by the replica count (that loss comes "
-            f"from no Keras loss object, compute_loss, tf.nn.compute_average_loss or num_replicas_in_sync), and Keras "
-            f"sums the gradients of the {num_replicas} replicas: keras-sync divides {where} so that a "
-            "step equals one device's. If your loss is already divided by the replica count or the global batch, "
-            "set runtime.train_step_gradients: sum.")
+    where = (
+        f"the loss by {num_replicas} in optimizer.scale_loss (before the float16 backward pass)"
+        if at_scale_loss
+        else f"them by {num_replicas} at the optimizer"
+    )
+    return (
+        f"keras-sync: {name}.train_step does not divide its loss{which} by the replica count (that loss comes "
+        f"from no Keras loss object, compute_loss, tf.nn.compute_average_loss or num_replicas_in_sync), and Keras "
+        f"sums the gradients of the {num_replicas} replicas: keras-sync divides {where} so that a "
+        "step equals one device's. If your loss is already divided by the replica count or the global batch, "
+        "set runtime.train_step_gradients: sum."
+    )
 
 
 def check_probes() -> None:
@@ -101,18 +114,35 @@ def check_probes() -> None:
 
     from keras_sync.errors import UsageError
 
-    missing = [what for what, ok in (
-        ("keras.src.losses.loss.scale_loss_for_distribution", callable(getattr(keras_loss, "scale_loss_for_distribution", None))),
-        ("keras.src.losses.loss.reduce_values", callable(getattr(keras_loss, "reduce_values", None))),
-        ("tf.nn.compute_average_loss", callable(getattr(tf.nn, "compute_average_loss", None))),
-        ("tf.distribute.Strategy.num_replicas_in_sync", _owner(tf.distribute.Strategy, "num_replicas_in_sync") is not None),
-        ("tf.distribute.ReplicaContext.num_replicas_in_sync", _owner(tf.distribute.ReplicaContext, "num_replicas_in_sync") is not None),
-    ) if not ok]
+    missing = [
+        what
+        for what, ok in (
+            (
+                "keras.src.losses.loss.scale_loss_for_distribution",
+                callable(getattr(keras_loss, "scale_loss_for_distribution", None)),
+            ),
+            (
+                "keras.src.losses.loss.reduce_values",
+                callable(getattr(keras_loss, "reduce_values", None)),
+            ),
+            ("tf.nn.compute_average_loss", callable(getattr(tf.nn, "compute_average_loss", None))),
+            (
+                "tf.distribute.Strategy.num_replicas_in_sync",
+                _owner(tf.distribute.Strategy, "num_replicas_in_sync") is not None,
+            ),
+            (
+                "tf.distribute.ReplicaContext.num_replicas_in_sync",
+                _owner(tf.distribute.ReplicaContext, "num_replicas_in_sync") is not None,
+            ),
+        )
+        if not ok
+    ]
     if missing:
         raise UsageError(
             f"keras-sync cannot tell whether a custom train_step divides its loss by the replica count on this "
             f"Keras/TensorFlow ({', '.join(missing)} not found). Set runtime.train_step_gradients: average (your loss is "
-            "a mean over the replica's batch) or sum (it is already divided by the replica count or global batch).")
+            "a mean over the replica's batch) or sum (it is already divided by the replica count or global batch)."
+        )
 
 
 def _owner(cls: type, name: str) -> type | None:
@@ -144,8 +174,17 @@ def weighs_by_examples(custom_step: bool, scaled_by: str | None) -> bool:
 
 
 @contextlib.contextmanager
-def capture(model: Any, record: dict[str, Any], *, custom_step: bool, policy: str, num_replicas: int,
-            accumulator: Any = None, example_weight: Any = None, stamp: Any = None) -> Iterator[None]:
+def capture(
+    model: Any,
+    record: dict[str, Any],
+    *,
+    custom_step: bool,
+    policy: str,
+    num_replicas: int,
+    accumulator: Any = None,
+    example_weight: Any = None,
+    stamp: Any = None,
+) -> Iterator[None]:
     """While one replica traces ``model.train_step``: fill ``record``, average a custom step's gradients.
 
     ``record`` gets ``loss``, ``grads`` (every local gradient given to an optimizer), ``loss_scale``
@@ -157,9 +196,23 @@ def capture(model: Any, record: dict[str, Any], *, custom_step: bool, policy: st
     ``accumulator`` (`keras_sync.training.accumulate.GradientAccumulator`), the model optimizer's updates go through it.
     """
     global _active
-    record.update(grads=[], scaled_by=None, factor=1.0, custom_step=custom_step, policy=policy, n=num_replicas,
-                  accumulator=accumulator, example_weight=example_weight, marks={}, targets={}, read_n=False,
-                  applies=[], names=_optimizer_names(model), stamp=stamp, reached=None)
+    record.update(
+        grads=[],
+        scaled_by=None,
+        factor=1.0,
+        custom_step=custom_step,
+        policy=policy,
+        n=num_replicas,
+        accumulator=accumulator,
+        example_weight=example_weight,
+        marks={},
+        targets={},
+        read_n=False,
+        applies=[],
+        names=_optimizer_names(model),
+        stamp=stamp,
+        reached=None,
+    )
     with _lock:
         if _active == 0:
             _install_global()
@@ -169,7 +222,9 @@ def capture(model: Any, record: dict[str, Any], *, custom_step: bool, policy: st
     from keras_sync.upstream.replica_seeds import per_replica_seeds
 
     try:
-        with per_replica_seeds():  # Keras random ops draw per replica (see keras_sync.upstream.replica_seeds)
+        with (
+            per_replica_seeds()
+        ):  # Keras random ops draw per replica (see keras_sync.upstream.replica_seeds)
             yield
     finally:
         _tls.seen = None
@@ -194,7 +249,9 @@ def _optimizer_names(model: Any) -> dict[int, str]:
     """id(optimizer) -> the model attribute that holds it (``optimizer`` first)."""
     names: dict[int, str] = {}
     for name in ["optimizer", *vars(model)]:
-        value = model.__dict__.get(name) if name != "optimizer" else getattr(model, "optimizer", None)
+        value = (
+            model.__dict__.get(name) if name != "optimizer" else getattr(model, "optimizer", None)
+        )
         if value is not None and hasattr(value, "apply_gradients"):
             names.setdefault(id(value), name.lstrip("_"))
     return names
@@ -221,7 +278,13 @@ def _upstream_mark(targets: list[Any], marks: dict[Any, str]) -> str | None:
 
 def scaled_by_for(record: dict[str, Any], grads: list[Any]) -> str | None:
     """What divided (or summed) the loss these gradients come from; None when nothing did."""
-    targets = {id(t): t for g in grads if g is not None for t in [record["targets"].get(id(g))] if t is not None}
+    targets = {
+        id(t): t
+        for g in grads
+        if g is not None
+        for t in [record["targets"].get(id(g))]
+        if t is not None
+    }
     if targets:
         what = _upstream_mark(list(targets.values()), record["marks"])
     else:  # gradients not from a tape we saw: any mark so far counts
@@ -243,7 +306,9 @@ def _install_global() -> None:
 
     reduce_fn = keras_loss.reduce_values
 
-    def reduce_values(values: Any, sample_weight: Any = None, reduction: Any = "sum_over_batch_size") -> Any:
+    def reduce_values(
+        values: Any, sample_weight: Any = None, reduction: Any = "sum_over_batch_size"
+    ) -> Any:
         out = reduce_fn(values, sample_weight, reduction)
         return _mark(out, "a Keras loss with reduction='sum'") if reduction == "sum" else out
 
@@ -266,8 +331,14 @@ def _install_global() -> None:
                     record["targets"][id(g)] = target
         return result
 
-    _restore.extend([(keras_loss, "scale_loss_for_distribution", scale_fn), (keras_loss, "reduce_values", reduce_fn),
-                     (tf.nn, "compute_average_loss", average_fn), (tf.GradientTape, "gradient", gradient_fn)])
+    _restore.extend(
+        [
+            (keras_loss, "scale_loss_for_distribution", scale_fn),
+            (keras_loss, "reduce_values", reduce_fn),
+            (tf.nn, "compute_average_loss", average_fn),
+            (tf.GradientTape, "gradient", gradient_fn),
+        ]
+    )
     keras_loss.scale_loss_for_distribution = scale_loss_for_distribution
     keras_loss.reduce_values = reduce_values
     tf.nn.compute_average_loss = compute_average_loss
@@ -278,7 +349,7 @@ def _install_global() -> None:
             continue
         prop = owner.__dict__["num_replicas_in_sync"]
         _restore.append((owner, "num_replicas_in_sync", prop))
-        setattr(owner, "num_replicas_in_sync", property(_reading(prop)))
+        owner.num_replicas_in_sync = property(_reading(prop))
 
 
 def _reading(prop: property) -> Any:
@@ -304,7 +375,9 @@ def _install_model(model: Any, custom_step: bool) -> None:
                 record["loss"] = loss
             return loss
 
-        object.__setattr__(model, "_compute_loss", _compute_loss)  # a function, not state for Keras's tracker
+        object.__setattr__(
+            model, "_compute_loss", _compute_loss
+        )  # a function, not state for Keras's tracker
         _restore.append((model, "_compute_loss", None))
     from keras_sync.training.sparse_rows import merging_update_step, with_inner
 
@@ -331,12 +404,20 @@ def _scaling(scale_loss: Any) -> Any:
     skipped than on one device and the scale falls. Dividing the loss here, as a Keras loss
     object does, keeps the backward pass at one device's magnitudes.
     """
+
     def scale_loss_shim(loss: Any) -> Any:
         out = scale_loss(loss)
         record = seen()
-        if record is None or not record["custom_step"] or record["n"] <= 1 or record["policy"] == "sum":
+        if (
+            record is None
+            or not record["custom_step"]
+            or record["n"] <= 1
+            or record["policy"] == "sum"
+        ):
             return out
-        what = _upstream_mark([loss], record["marks"]) or ("num_replicas_in_sync" if record["read_n"] else None)
+        what = _upstream_mark([loss], record["marks"]) or (
+            "num_replicas_in_sync" if record["read_n"] else None
+        )
         if record["policy"] == "auto" and what is not None:
             return out
         import tensorflow as tf
@@ -353,38 +434,54 @@ def _applying(optimizer: Any, apply: Any) -> Any:
             return apply(grads, trainable_variables)
         grads = list(grads)
         apply_fn = apply
-        if _loss_scale.applies_here(optimizer, record["n"]):  # one device's skip decision (see _loss_scale)
+        if _loss_scale.applies_here(
+            optimizer, record["n"]
+        ):  # one device's skip decision (see _loss_scale)
             half = [g is not None and _loss_scale.from_float16(g) for g in grads]
 
             def apply_fn(grads: Any, trainable_variables: Any = None) -> Any:
                 return _loss_scale.apply(optimizer, apply, list(grads), trainable_variables, half)
-        elif record["n"] > 1 and _loss_scale.clips(optimizer):  # clip the sum, as one device (see _loss_scale)
+        elif record["n"] > 1 and _loss_scale.clips(
+            optimizer
+        ):  # clip the sum, as one device (see _loss_scale)
 
             def apply_fn(grads: Any, trainable_variables: Any = None) -> Any:
                 return _loss_scale.apply_summed(optimizer, apply, list(grads), trainable_variables)
+
         record["grads"].extend(g for g in grads if g is not None)
         if record["stamp"] is not None and record["reached"] is None:
             import tensorflow as tf
 
             # Created before the apply creates its all-reduce: it does not wait for the others.
-            record["reached"] = record["stamp"](tf.nest.flatten([g for g in grads if g is not None],
-                                                                expand_composites=True))
+            record["reached"] = record["stamp"](
+                tf.nest.flatten([g for g in grads if g is not None], expand_composites=True)
+            )
         scale = getattr(optimizer, "dynamic_scale", None)  # a LossScaleOptimizer's grads are scaled
         if scale is not None:
             record["loss_scale"] = scale
         scaled_by = scaled_by_for(record, grads)
-        factor = 1.0 if scaled_by == AT_SCALE_LOSS else \
-            gradient_factor(record["policy"], record["custom_step"], scaled_by, record["n"])
+        factor = (
+            1.0
+            if scaled_by == AT_SCALE_LOSS
+            else gradient_factor(record["policy"], record["custom_step"], scaled_by, record["n"])
+        )
         if not record.get("applied"):
             record["scaled_by"], record["factor"] = scaled_by, factor
         record["applied"] = True
         record.setdefault("applied_ids", []).append(id(optimizer))
-        record["applies"].append({"optimizer": record["names"].get(id(optimizer), type(optimizer).__name__),
-                                  "scaled_by": scaled_by, "factor": factor})
+        record["applies"].append(
+            {
+                "optimizer": record["names"].get(id(optimizer), type(optimizer).__name__),
+                "scaled_by": scaled_by,
+                "factor": factor,
+            }
+        )
         if factor != 1.0:
             grads = [_scaled(g, factor) for g in grads]
         weight = record["example_weight"]
-        if weight is not None and weighs_by_examples(record["custom_step"], scaled_by):  # this apply's rule
+        if weight is not None and weighs_by_examples(
+            record["custom_step"], scaled_by
+        ):  # this apply's rule
             grads = [_scaled(g, weight) for g in grads]
         accumulator = record["accumulator"]
         _tls.in_apply = True
@@ -404,7 +501,9 @@ def _scaled(g: Any, factor: float) -> Any:
     if g is None:
         return None
     if isinstance(g, tf.IndexedSlices):
-        return tf.IndexedSlices(g.values * tf.cast(factor, g.values.dtype), g.indices, g.dense_shape)
+        return tf.IndexedSlices(
+            g.values * tf.cast(factor, g.values.dtype), g.indices, g.dense_shape
+        )
     return g * tf.cast(factor, g.dtype)
 
 
@@ -420,10 +519,12 @@ def _uninstall() -> None:
 def share_message(model: Any, num_replicas: int, scaled_by: str) -> str:
     """The line printed on the chief when a custom train_step's loss is one replica's share."""
     name = type(model).__name__
-    return (f"keras-sync: {name}.train_step's loss is divided by the replica count ({scaled_by}), as Keras needs for "
-            f"the gradient sum, so the loss the step returns or tracks (history, MLflow `loss`) is one replica's share: "
-            f"1/{num_replicas} of the one-device value (sync/loss/replica_<i> are multiplied back to one device's). "
-            "To log the one-device value, track loss * self.distribute_strategy.num_replicas_in_sync.")
+    return (
+        f"keras-sync: {name}.train_step's loss is divided by the replica count ({scaled_by}), as Keras needs for "
+        f"the gradient sum, so the loss the step returns or tracks (history, MLflow `loss`) is one replica's share: "
+        f"1/{num_replicas} of the one-device value (sync/loss/replica_<i> are multiplied back to one device's). "
+        "To log the one-device value, track loss * self.distribute_strategy.num_replicas_in_sync."
+    )
 
 
 _applied: Any = None

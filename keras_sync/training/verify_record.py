@@ -68,8 +68,11 @@ def callback(sync: Any) -> Any:
 def end_script(sync: Any) -> None:
     """After the recorded fit: the script ends here (exit 0), every worker alike."""
     if sync.is_chief:
-        print(f"keras-sync: verify: recorded {sync.config.verify.record_dir}; the script stops here",
-              file=sys.stderr, flush=True)
+        print(
+            f"keras-sync: verify: recorded {sync.config.verify.record_dir}; the script stops here",
+            file=sys.stderr,
+            flush=True,
+        )
     sys.stdout.flush()
     raise SystemExit(0)
 
@@ -89,7 +92,9 @@ class _Recording:
         self.iterations = int(model.optimizer.iterations.numpy())
         self.examples_seen: list[float] | None = None
         self.steps: list[dict[str, float]] = []
-        self.micro: list[tuple[float, float]] = []  # (loss, examples) of the micro-batches of this update
+        self.micro: list[
+            tuple[float, float]
+        ] = []  # (loss, examples) of the micro-batches of this update
         self.lr = math.nan
 
     def batch_begin(self) -> None:
@@ -100,7 +105,9 @@ class _Recording:
         """Note a micro-batch; True when the requested steps are recorded."""
         import numpy as np
 
-        rings = self.probe.read()  # a collective under multi_worker_mirrored: every worker reads here
+        rings = (
+            self.probe.read()
+        )  # a collective under multi_worker_mirrored: every worker reads here
         row = self.probe.row(rings, self.probe.count(rings))
         seen = [float(r[self.probe.EXAMPLES]) for r in row] if row else [math.nan]
         before = self.examples_seen or [0.0] * len(seen)
@@ -119,7 +126,9 @@ class _Recording:
         self.previous = now
         examples = sum(e for _, e in self.micro)
         mean_loss = sum(l * e for l, e in self.micro) / examples if examples > 0 else math.nan
-        self.steps.append({"loss": mean_loss, "update": update, "lr": self.lr, "examples": examples})
+        self.steps.append(
+            {"loss": mean_loss, "update": update, "lr": self.lr, "examples": examples}
+        )
         self.micro = []
         return len(self.steps) >= self.request.steps
 
@@ -131,14 +140,23 @@ class _Recording:
         folder = Path(self.request.record_dir)
         folder.mkdir(parents=True, exist_ok=True)
         np.savez(folder / INITIAL_FILE, **_keyed(self.initial))
-        np.savez(folder / FINAL_FILE, **_keyed({v.path: np.array(v.numpy()) for v in self.model.weights}))
+        np.savez(
+            folder / FINAL_FILE, **_keyed({v.path: np.array(v.numpy()) for v in self.model.weights})
+        )
         facts = model_facts(self.sync, self.model)
-        record = {"replicas": self.sync.num_replicas, "workers": self.sync.num_workers, "kind": self.sync.kind,
-                  "global_batch": self.sync.global_batch_size, "steps": self.steps, "facts": facts,
-                  "weights": [v.path for v in self.model.weights],
-                  "mlflow": _mlflow_settings(self.sync.config), "peak_rss_mb": _peak_rss_mb(),
-                  "input": getattr(self.sync.input_facts, "source", None),
-                  "arrays_as_dataset": KINDS[self.sync.kind].multi_process}
+        record = {
+            "replicas": self.sync.num_replicas,
+            "workers": self.sync.num_workers,
+            "kind": self.sync.kind,
+            "global_batch": self.sync.global_batch_size,
+            "steps": self.steps,
+            "facts": facts,
+            "weights": [v.path for v in self.model.weights],
+            "mlflow": _mlflow_settings(self.sync.config),
+            "peak_rss_mb": _peak_rss_mb(),
+            "input": getattr(self.sync.input_facts, "source", None),
+            "arrays_as_dataset": KINDS[self.sync.kind].multi_process,
+        }
         _write_json(folder / RECORD_FILE, record)
         if self.request.replay_dir is None:
             from keras_sync.config import VERIFY_OVERRIDES_FILE
@@ -163,15 +181,24 @@ def reference_overrides(sync: Any, facts: dict[str, Any]) -> dict[str, Any]:
     n, acc = sync.num_replicas, sync.gradient_accumulation_steps
     # BatchNorm (training) and add_loss terms see the whole batch a step computes on: no micro-batches then.
     micro = n if not depends_on_batch(facts) and sync.global_batch_size % n == 0 else 1
-    return {"strategy.kind": "default", "strategy.simulated_cpu_replicas": 0, "strategy.devices": [],
-            "batch.per_replica": None, "batch.global": sync.global_batch_size // micro,
-            "runtime.gradient_accumulation_steps": acc * micro,
-            "learning_rate.base_batch_size": sync.base_batch_size}
+    return {
+        "strategy.kind": "default",
+        "strategy.simulated_cpu_replicas": 0,
+        "strategy.devices": [],
+        "batch.per_replica": None,
+        "batch.global": sync.global_batch_size // micro,
+        "runtime.gradient_accumulation_steps": acc * micro,
+        "learning_rate.base_batch_size": sync.base_batch_size,
+    }
 
 
 def depends_on_batch(facts: dict[str, Any]) -> list[str]:
     """What in the model computes over the batch a step sees (then the reference trains the full batch)."""
-    return [what for what, key in (("BatchNorm", "batch_norm"), ("add_loss", "add_loss")) if facts.get(key)]
+    return [
+        what
+        for what, key in (("BatchNorm", "batch_norm"), ("add_loss", "add_loss"))
+        if facts.get(key)
+    ]
 
 
 def model_facts(sync: Any, model: Any) -> dict[str, Any]:
@@ -183,17 +210,32 @@ def model_facts(sync: Any, model: Any) -> dict[str, Any]:
     from keras_sync.training.runtime import _all_layers
 
     layers = _all_layers(model)
-    norms = [layer for layer in layers if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable]
-    random_types = (keras.layers.Dropout, keras.layers.GaussianNoise, keras.layers.GaussianDropout,
-                    keras.layers.AlphaDropout)
-    randoms = [layer.name for layer in layers
-               if isinstance(layer, random_types) or type(layer).__name__.startswith("Random")]
-    return {"batch_norm": len(norms), "sync_batch_norm": bool(norms) and all(l.synchronized for l in norms),
-            "random_layers": randoms, "add_loss": _add_loss_terms(model),
-            "custom_train_step": not has_default_train_step(model),
-            "train_step_gradients": sync.config.runtime.train_step_gradients,
-            "precision": precision_of(keras.config.dtype_policy().name),
-            "accumulation": sync.gradient_accumulation_steps}
+    norms = [
+        layer
+        for layer in layers
+        if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
+    ]
+    random_types = (
+        keras.layers.Dropout,
+        keras.layers.GaussianNoise,
+        keras.layers.GaussianDropout,
+        keras.layers.AlphaDropout,
+    )
+    randoms = [
+        layer.name
+        for layer in layers
+        if isinstance(layer, random_types) or type(layer).__name__.startswith("Random")
+    ]
+    return {
+        "batch_norm": len(norms),
+        "sync_batch_norm": bool(norms) and all(l.synchronized for l in norms),
+        "random_layers": randoms,
+        "add_loss": _add_loss_terms(model),
+        "custom_train_step": not has_default_train_step(model),
+        "train_step_gradients": sync.config.runtime.train_step_gradients,
+        "precision": precision_of(keras.config.dtype_policy().name),
+        "accumulation": sync.gradient_accumulation_steps,
+    }
 
 
 def _add_loss_terms(model: Any) -> int:
@@ -206,14 +248,17 @@ def _peak_rss_mb() -> float:
     import resource
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return round(peak / (2 ** 20 if sys.platform == "darwin" else 2 ** 10), 1)
+    return round(peak / (2**20 if sys.platform == "darwin" else 2**10), 1)
 
 
 def _learning_rate(optimizer: Any) -> float:
     try:
-        return float(optimizer.learning_rate.numpy() if hasattr(optimizer.learning_rate, "numpy")
-                     else optimizer.learning_rate)
-    except Exception:  # noqa: BLE001 - an optimizer without a readable rate
+        return float(
+            optimizer.learning_rate.numpy()
+            if hasattr(optimizer.learning_rate, "numpy")
+            else optimizer.learning_rate
+        )
+    except Exception:
         return math.nan
 
 
@@ -225,9 +270,13 @@ def _load_weights(model: Any, path: Path) -> None:
     with np.load(path) as saved:
         values = [saved[k] for k in sorted(saved.files)]
     weights = model.weights
-    if len(values) != len(weights) or any(tuple(v.shape) != a.shape for v, a in zip(weights, values)):
-        raise UsageError(f"verify: the reference's model ({len(weights)} weights) is not the recorded one "
-                         f"({len(values)} weights in {path}); expected the same script and model on both runs")
+    if len(values) != len(weights) or any(
+        tuple(v.shape) != a.shape for v, a in zip(weights, values)
+    ):
+        raise UsageError(
+            f"verify: the reference's model ({len(weights)} weights) is not the recorded one "
+            f"({len(values)} weights in {path}); expected the same script and model on both runs"
+        )
     for v, a in zip(weights, values):
         v.assign(a)
 
@@ -239,7 +288,11 @@ def _keyed(weights: dict[str, Any]) -> dict[str, Any]:
 
 def _mlflow_settings(config: Any) -> dict[str, Any]:
     m = config.mlflow
-    return {"enabled": config.verify.mlflow, "tracking_uri": m.tracking_uri, "experiment": m.experiment}
+    return {
+        "enabled": config.verify.mlflow,
+        "tracking_uri": m.tracking_uri,
+        "experiment": m.experiment,
+    }
 
 
 def _write_json(path: Path, data: Any) -> None:

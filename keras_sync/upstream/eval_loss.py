@@ -15,7 +15,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 MODULE = "keras.src.losses.loss"
 _lock = threading.Lock()
@@ -76,7 +77,9 @@ def unscaled_eval_losses(model: Any) -> Iterator[None]:
             return step(data)
 
     test_step.unscales_losses = True  # type: ignore[attr-defined]
-    if getattr(model, "test_function", None) is not None and not model.__dict__.get("_keras_sync_eval_unscaled"):
+    if getattr(model, "test_function", None) is not None and not model.__dict__.get(
+        "_keras_sync_eval_unscaled"
+    ):
         model.test_function = None
     object.__setattr__(model, "test_step", test_step)  # a function, not state for Keras's tracker
     try:

@@ -29,7 +29,9 @@ def _is_multi_worker(strategy: Any) -> bool:
 
     from keras_sync.upstream.strategy_facts import in_multi_worker_mode
 
-    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and in_multi_worker_mode(strategy)
+    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and in_multi_worker_mode(
+        strategy
+    )
 
 
 def apply_multi_worker_fixes() -> bool:
@@ -96,7 +98,11 @@ def apply_multi_worker_fixes() -> bool:
     def _maybe_symbolic_build(self: Any, iterator: Any = None, data_batch: Any = None) -> Any:
         strategy = self._distribute_strategy
         if iterator is not None and strategy is not None and _is_multi_worker(strategy):
-            spec = _first_batch_spec(iterator) if _internals.available(_internals.SAME_DATA_ORDER) else None
+            spec = (
+                _first_batch_spec(iterator)
+                if _internals.available(_internals.SAME_DATA_ORDER)
+                else None
+            )
             if spec is not None:  # shapes without reading a batch (apply_same_data_order_fix)
                 return original_build(self, iterator=None, data_batch=spec)
             import tensorflow as tf
@@ -134,12 +140,19 @@ def _apply_multi_step_fix() -> None:
     def _autoconvert_optionals(self: Any, step_func: Any) -> Any:
         strategy = self._distribute_strategy
         inner = getattr(step_func, "python_function", None)  # the function a `tf.function` wraps
-        if inner is not None and int(self.steps_per_execution or 1) > 1 and strategy is not None \
-                and _is_multi_worker(strategy):
+        if (
+            inner is not None
+            and int(self.steps_per_execution or 1) > 1
+            and strategy is not None
+            and _is_multi_worker(strategy)
+        ):
             if self.jit_compile:
                 # The nested function carried jit_compile; the multi-step function Keras compiles without it.
-                logger.warning("keras-sync: under multi_worker_mirrored with steps_per_execution=%s the train step "
-                               "runs without XLA (keras-team/keras#19246 workaround).", self.steps_per_execution)
+                logger.warning(
+                    "keras-sync: under multi_worker_mirrored with steps_per_execution=%s the train step "
+                    "runs without XLA (keras-team/keras#19246 workaround).",
+                    self.steps_per_execution,
+                )
             step_func = inner
         return original(self, step_func)
 
@@ -187,8 +200,10 @@ def apply_end_of_data_fix() -> bool:
     from keras_sync.upstream import internals as _internals
 
     if not _internals.available(_internals.END_OF_DATA):
-        logger.info("keras-sync: this Keras's train function has moved; an unknown-cardinality dataset may "
-                    "advance optimizer.iterations once per epoch (keras-team/keras#23179)")
+        logger.info(
+            "keras-sync: this Keras's train function has moved; an unknown-cardinality dataset may "
+            "advance optimizer.iterations once per epoch (keras-team/keras#23179)"
+        )
         return False
     from keras.src.backend.tensorflow import trainer as tf_trainer
 
@@ -267,8 +282,10 @@ def apply_same_data_order_fix() -> bool:
     from keras_sync.upstream import internals as _internals
 
     if not _internals.available(_internals.SAME_DATA_ORDER):
-        logger.info("keras-sync: this Keras builds the model from a batch of the data; a reshuffling dataset "
-                    "trains in another order than on one device")
+        logger.info(
+            "keras-sync: this Keras builds the model from a batch of the data; a reshuffling dataset "
+            "trains in another order than on one device"
+        )
         return False
     from keras.src.backend.tensorflow import trainer as tf_trainer
 
@@ -353,11 +370,15 @@ class _IteratorReleaser:
             while box:
                 _hold(self._held, self._since, box.pop())
             if self._watcher is None:
-                self._watcher = threading.Thread(target=self._watch, name="keras-sync-iterator-watch")
+                self._watcher = threading.Thread(
+                    target=self._watch, name="keras-sync-iterator-watch"
+                )
                 self._threads.add(self._watcher)
                 try:
                     self._watcher.start()
-                except RuntimeError:  # 3.12: the exit began after the check above; let go, as Keras would
+                except (
+                    RuntimeError
+                ):  # 3.12: the exit began after the check above; let go, as Keras would
                     self._threads.discard(self._watcher)
                     self._watcher = None
                     self._held.clear()
@@ -380,7 +401,9 @@ class _IteratorReleaser:
                     alone.pop().clear()  # no new thread at exit: dropped here, one after another
                     continue
                 box = alone.pop()
-                thread = threading.Thread(target=self._drop, args=(box,), name="keras-sync-iterator-release")
+                thread = threading.Thread(
+                    target=self._drop, args=(box,), name="keras-sync-iterator-release"
+                )
                 with self._lock:
                     self._threads.add(thread)
                 try:
@@ -448,11 +471,15 @@ def _open_generators(held: list[Any], since: list[float]) -> None:
             generator = held.pop(i)
             since.pop(i)
             frame = generator.gi_frame
-            inner = [] if frame is None else [v for v in dict(frame.f_locals).values() if _is_tensorflow(v)]
+            inner = (
+                []
+                if frame is None
+                else [v for v in dict(frame.f_locals).values() if _is_tensorflow(v)]
+            )
             del frame
             try:
                 generator.close()
-            except Exception:  # noqa: BLE001 - a generator's own cleanup failing (or running) is not ours to raise
+            except Exception:
                 pass
             del generator
             while inner:
@@ -511,8 +538,10 @@ def apply_iterator_release_fix() -> bool:
     from keras_sync.upstream import internals as _internals
 
     if not _internals.available(_internals.EPOCH_ITERATOR_RESET):
-        logger.info("keras-sync: this Keras's EpochIterator.reset has moved; the iterator it drops is not kept "
-                    "(a process may crash under load when a strategy's iterator is destroyed mid-read)")
+        logger.info(
+            "keras-sync: this Keras's EpochIterator.reset has moved; the iterator it drops is not kept "
+            "(a process may crash under load when a strategy's iterator is destroyed mid-read)"
+        )
         return False
     from keras.src.trainers import epoch_iterator
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 #: The module whose ``_cast_seed`` every Keras TensorFlow random op calls on its seed.
 MODULE = "keras.src.backend.tensorflow.random"

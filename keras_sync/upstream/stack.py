@@ -14,14 +14,17 @@ import json
 import os
 import re
 import sys
+from collections.abc import Mapping
 from importlib import metadata
-from typing import Mapping
 
 from keras_sync.errors import UsageError
 
 #: Distributions that install the ``tensorflow`` package (the names pip and PyPI use).
-_TF_DIST = re.compile(r"^(tensorflow|tensorflow[-_](cpu|gpu|intel|macos|aarch64|rocm)|tf[-_]nightly([-_](cpu|gpu))?|"
-                      r"intel[-_]tensorflow)$", re.IGNORECASE)
+_TF_DIST = re.compile(
+    r"^(tensorflow|tensorflow[-_](cpu|gpu|intel|macos|aarch64|rocm)|tf[-_]nightly([-_](cpu|gpu))?|"
+    r"intel[-_]tensorflow)$",
+    re.IGNORECASE,
+)
 
 
 def keras_backend(environ: Mapping[str, str] | None = None) -> tuple[str, str]:
@@ -64,8 +67,10 @@ def describe_tensorflow(dists: list[tuple[str, str]] | None = None) -> str:
         return "not installed"
     text = ", ".join(f"{name} {version}" for name, version in dists)
     if len(dists) > 1:
-        text += (f" ({len(dists)} distributions of one `tensorflow` package: they overwrite each other's files; "
-                 f"keep one, e.g. pip uninstall {' '.join(n for n, _ in dists[1:])})")
+        text += (
+            f" ({len(dists)} distributions of one `tensorflow` package: they overwrite each other's files; "
+            f"keep one, e.g. pip uninstall {' '.join(n for n, _ in dists[1:])})"
+        )
     return text
 
 
@@ -74,9 +79,13 @@ def check_backend(environ: Mapping[str, str] | None = None) -> None:
     backend, source = keras_backend(environ)
     if backend == "tensorflow":
         return
-    where = {"$KERAS_BACKEND": f"KERAS_BACKEND={backend}", "keras.backend.backend()": f"keras.backend.backend() is "
-             f"{backend!r}", "default": backend}.get(source, f'"backend": "{backend}" in {source}')
+    where = {
+        "$KERAS_BACKEND": f"KERAS_BACKEND={backend}",
+        "keras.backend.backend()": f"keras.backend.backend() is {backend!r}",
+        "default": backend,
+    }.get(source, f'"backend": "{backend}" in {source}')
     raise UsageError(
         f"Keras uses the {backend} backend ({where}), and keras-sync distributes training with TensorFlow "
         "strategies, which need Keras's tensorflow backend. Fix: set KERAS_BACKEND=tensorflow (or unset it) before "
-        "Keras is imported.")
+        "Keras is imported."
+    )

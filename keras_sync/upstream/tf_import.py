@@ -90,14 +90,19 @@ def quiet_device_datasets() -> bool:
 
 def import_tensorflow() -> None:
     """``import tensorflow``, without its start-up INFO lines unless TF_CPP_MIN_LOG_LEVEL is 0."""
-    if "tensorflow" in sys.modules or os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0").strip() in ("", "0"):
-        import tensorflow  # noqa: F401
+    if "tensorflow" in sys.modules or os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0").strip() in (
+        "",
+        "0",
+    ):
+        import tensorflow
+
         return
     try:
         sys.stderr.flush()
         saved = os.dup(2)
     except (OSError, ValueError):  # no usable fd 2 (embedded interpreter): import as is
-        import tensorflow  # noqa: F401
+        import tensorflow
+
         return
     with tempfile.TemporaryFile() as held:
         os.dup2(held.fileno(), 2)

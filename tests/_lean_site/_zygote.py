@@ -57,32 +57,49 @@ _FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "S
 #: keras-sync's courier (`python -m keras_sync.tracking.courier_main`, MLflow's client and SQL store).
 _COMMON = ("PYTHON", "OMP_", "MKL", "OPENBLAS", "LD_", "LANG", "LC_", "HOME")
 KINDS = {"tf": 2, "mlflow": 1}
-_ENV_PREFIXES = {"tf": _COMMON + ("TF_", "KERAS_", "XLA_", "CUDA", "GRPC_"),
-                 "mlflow": _COMMON + ("MLFLOW_LOGGING", "MLFLOW_CONFIGURE_LOGGING", "SQLALCHEMY", "MPL")}
+_ENV_PREFIXES = {
+    "tf": _COMMON + ("TF_", "KERAS_", "XLA_", "CUDA", "GRPC_"),
+    "mlflow": _COMMON + ("MLFLOW_LOGGING", "MLFLOW_CONFIGURE_LOGGING", "SQLALCHEMY", "MPL"),
+}
 _ENV_RUNTIME = ("TF_CONFIG", "KERAS_SYNC_")  # read when the script asks, after the zygote's imports
 COURIER = "keras_sync.tracking.courier_main"
 _HIGH_FD = 900
 
 
 def _import_env(env: dict[str, str], kind: str) -> dict[str, str]:
-    return {k: v for k, v in env.items()  # PYTHONPATH: compared as the sys.path it makes
-            if k.startswith(_ENV_PREFIXES[kind]) and not k.startswith(_ENV_RUNTIME) and k not in (ENV_VAR, "PYTHONPATH")}
+    return {
+        k: v
+        for k, v in env.items()  # PYTHONPATH: compared as the sys.path it makes
+        if k.startswith(_ENV_PREFIXES[kind])
+        and not k.startswith(_ENV_RUNTIME)
+        and k not in (ENV_VAR, "PYTHONPATH")
+    }
 
 
 def _where(path: list[str], kind: str) -> dict[str, object]:
     """What a process is that the zygote cannot change in its child (`path`: sys.path without the script's folder)."""
+
     def link(p: str) -> str:
         try:
             return os.readlink(p)
         except OSError:
             return ""
+
     with open("/proc/self/cgroup") as fh:
         cgroup = fh.read()
-    return {"executable": os.path.realpath(sys.executable), "prefix": sys.prefix, "path": path,
-            "flags": repr(sys.flags), "uid": os.getuid(), "gid": os.getgid(),
-            "euid": os.geteuid(), "groups": sorted(os.getgroups()), "cgroup": cgroup,
-            "ns": {n: link(f"/proc/self/ns/{n}") for n in ("net", "mnt", "pid", "ipc", "uts", "user")},
-            "env": _import_env(dict(os.environ), kind)}
+    return {
+        "executable": os.path.realpath(sys.executable),
+        "prefix": sys.prefix,
+        "path": path,
+        "flags": repr(sys.flags),
+        "uid": os.getuid(),
+        "gid": os.getgid(),
+        "euid": os.geteuid(),
+        "groups": sorted(os.getgroups()),
+        "cgroup": cgroup,
+        "ns": {n: link(f"/proc/self/ns/{n}") for n in ("net", "mnt", "pid", "ipc", "uts", "user")},
+        "env": _import_env(dict(os.environ), kind),
+    }
 
 
 def _send(sock: socket.socket, obj: object, fds: list[int] | None = None) -> None:
@@ -119,6 +136,7 @@ def _recv(sock: socket.socket, with_fds: bool = False) -> tuple[object, list[int
 
 # --- the proxy: the process a test started ---------------------------------------------------------
 
+
 def delegate() -> None:
     """Run this process's script in a child of a zygote, or return (run as usual)."""
     where = os.environ.get(ENV_VAR, "")
@@ -127,7 +145,11 @@ def delegate() -> None:
         return
     if argv[1:3] == ["-m", COURIER]:
         kind = "mlflow"
-    elif argv[1].startswith("-") or not argv[1].endswith(".py") or "site-packages" in os.path.realpath(argv[1]):
+    elif (
+        argv[1].startswith("-")
+        or not argv[1].endswith(".py")
+        or "site-packages" in os.path.realpath(argv[1])
+    ):
         return  # interpreter options, -c, or a library's own process (Ray's workers): as usual
     else:
         try:
@@ -182,13 +204,24 @@ def delegate() -> None:
             ignored.append(int(sig))
         else:
             signal.signal(sig, forward)
-    ignored += [int(s) for s in (signal.SIGPIPE, signal.SIGXFSZ) if signal.getsignal(s) == signal.SIG_IGN]
+    ignored += [
+        int(s) for s in (signal.SIGPIPE, signal.SIGXFSZ) if signal.getsignal(s) == signal.SIG_IGN
+    ]
     # sitecustomize runs before Python puts a script's folder first on sys.path (with -m: after)
     module = argv[1] == "-m"
-    request = dict(_where(sys.path[1:] if module else sys.path, kind), path0=sys.path[0] if module else None, argv=argv[1:], cwd=os.getcwd(), environ=dict(os.environ), umask=umask,
-                   proxy=os.getpid(), nice=os.getpriority(os.PRIO_PROCESS, 0),
-                   fds=[[fd, os.get_inheritable(fd)] for fd in fds], ignored=ignored,
-                   blocked=sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])))
+    request = dict(
+        _where(sys.path[1:] if module else sys.path, kind),
+        path0=sys.path[0] if module else None,
+        argv=argv[1:],
+        cwd=os.getcwd(),
+        environ=dict(os.environ),
+        umask=umask,
+        proxy=os.getpid(),
+        nice=os.getpriority(os.PRIO_PROCESS, 0),
+        fds=[[fd, os.get_inheritable(fd)] for fd in fds],
+        ignored=ignored,
+        blocked=sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
+    )
     try:
         _send(sock, request, fds)
         reply, _ = _recv(sock)
@@ -199,7 +232,9 @@ def delegate() -> None:
         for name in _FORWARDED:
             sig = getattr(signal, name)
             if int(sig) not in ignored:
-                signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+                signal.signal(
+                    sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+                )
         for signum in pending:
             os.kill(os.getpid(), signum)
         return
@@ -218,7 +253,10 @@ def _end_as(sock: socket.socket, child: int) -> None:
         status, _ = _recv(sock)
         code = int(status["status"])
     except (OSError, EOFError, KeyError, ValueError, TypeError):
-        os.write(2, b"keras-sync tests: the zygote went away before its child ended (tests/_lean_site/_zygote.py)\n")
+        os.write(
+            2,
+            b"keras-sync tests: the zygote went away before its child ended (tests/_lean_site/_zygote.py)\n",
+        )
         try:
             os.kill(child, signal.SIGKILL)
         except ProcessLookupError:
@@ -236,18 +274,29 @@ def _end_as(sock: socket.socket, child: int) -> None:
 
 # --- the zygote ------------------------------------------------------------------------------------
 
+
 def _preload(kind: str) -> None:
     """What makes a zygote worth having: imports paid once instead of once per process."""
     if kind == "tf":  # ~4.6 CPU-s
         import keras  # noqa: F401
         import tensorflow  # noqa: F401
+
         return
     # the courier's start (~2.5 of its ~4 CPU-s): MLflow's client and SQL store, the report's matplotlib
     import importlib
 
-    for name in ("mlflow", "mlflow.store.tracking.sqlalchemy_store", "mlflow.store.db.utils", "matplotlib.figure",
-                 "matplotlib.backends.backend_agg", "keras_sync.tracking.courier", "keras_sync.tracking.sqlite_store",
-                 "keras_sync.tracking.sql_metrics", "keras_sync.tracking.report_plot", "keras_sync.tracking.artifacts"):
+    for name in (
+        "mlflow",
+        "mlflow.store.tracking.sqlalchemy_store",
+        "mlflow.store.db.utils",
+        "matplotlib.figure",
+        "matplotlib.backends.backend_agg",
+        "keras_sync.tracking.courier",
+        "keras_sync.tracking.sqlite_store",
+        "keras_sync.tracking.sql_metrics",
+        "keras_sync.tracking.report_plot",
+        "keras_sync.tracking.artifacts",
+    ):
         try:
             importlib.import_module(name)
         except ImportError:  # another MLflow's layout: that part is imported by the courier itself
@@ -256,7 +305,7 @@ def _preload(kind: str) -> None:
         from sqlalchemy.orm import configure_mappers
 
         configure_mappers()
-    except Exception:  # noqa: BLE001 - only a head start
+    except Exception:
         pass
 
 
@@ -273,6 +322,7 @@ def _serve(path: str, control_fd: int, kind: str) -> dict | None:
     listener.listen(64)
     _preload(kind)
     import gc
+
     gc.collect()
     gc.freeze()  # the imported objects stay out of every child's garbage collections (and copy-on-write)
     mine = _where(sys.path[1:], kind)  # without the "" of `-c`
@@ -317,7 +367,9 @@ def _serve(path: str, control_fd: int, kind: str) -> dict | None:
                     continue
                 why = _refuse(request, mine, held)
                 if why:
-                    print(f"refused ({why}): {request.get('argv')} {_diff(request, mine)}", flush=True)
+                    print(
+                        f"refused ({why}): {request.get('argv')} {_diff(request, mine)}", flush=True
+                    )
                     for fd in fds:
                         os.close(fd)
                     try:
@@ -352,7 +404,19 @@ def _serve(path: str, control_fd: int, kind: str) -> dict | None:
 
 
 def _refuse(request: dict, mine: dict, held: set[int]) -> str:
-    for key in ("executable", "prefix", "path", "flags", "uid", "gid", "euid", "groups", "cgroup", "ns", "env"):
+    for key in (
+        "executable",
+        "prefix",
+        "path",
+        "flags",
+        "uid",
+        "gid",
+        "euid",
+        "groups",
+        "cgroup",
+        "ns",
+        "env",
+    ):
         if request.get(key) != mine[key]:
             return f"{key} differs"
     if any(fd in held or fd >= _HIGH_FD - 1 for fd, _ in request["fds"] if fd > 2):
@@ -363,18 +427,23 @@ def _refuse(request: dict, mine: dict, held: set[int]) -> str:
 def _diff(request: dict, mine: dict) -> str:
     env, own = request.get("env", {}), mine["env"]
     keys = sorted(k for k in set(env) | set(own) if env.get(k) != own.get(k))
-    path = "" if request.get("path") == mine["path"] else f" sys.path {request.get('path')} / {mine['path']}"
+    path = (
+        ""
+        if request.get("path") == mine["path"]
+        else f" sys.path {request.get('path')} / {mine['path']}"
+    )
     return " ".join(f"{k}={env.get(k)!r}/{own.get(k)!r}" for k in keys) + path
 
 
 def _become(request: dict) -> int:
     """In the forked child: become the proxy's process, run its script, return the exit code."""
+    import fcntl
     import threading
 
-    import fcntl
-
     os.setsid()
-    conn_fd = fcntl.fcntl(request["_conn"], fcntl.F_DUPFD_CLOEXEC, _HIGH_FD - 1)  # out of the way of the fds below
+    conn_fd = fcntl.fcntl(
+        request["_conn"], fcntl.F_DUPFD_CLOEXEC, _HIGH_FD - 1
+    )  # out of the way of the fds below
     os.close(request["_conn"])
     received = request["_fds"]
     high = [os.dup2(fd, _HIGH_FD + i, inheritable=False) for i, fd in enumerate(received)]
@@ -412,7 +481,9 @@ def _become(request: dict) -> int:
 
     proxy = int(request["proxy"])
 
-    def getppid() -> int:  # the proxy's parent: the process that started it (1 once that one has died)
+    def getppid() -> (
+        int
+    ):  # the proxy's parent: the process that started it (1 once that one has died)
         try:
             with open(f"/proc/{proxy}/stat") as fh:
                 return int(fh.read().rpartition(")")[2].split()[1])
@@ -432,7 +503,9 @@ def _become(request: dict) -> int:
 
             sys.argv = ["-m", *argv[2:]]
             sys.path[0] = request["path0"]
-            runpy._run_module_as_main(argv[1])  # sets sys.argv[0] to the module's file, as `-m` does
+            runpy._run_module_as_main(
+                argv[1]
+            )  # sets sys.argv[0] to the module's file, as `-m` does
         else:
             _run_script(argv, request["cwd"])
     except SystemExit as stop:
@@ -463,9 +536,16 @@ def _run_script(argv: list[str], cwd: str) -> None:
     sys.path[0] = os.path.dirname(os.path.realpath(script))
     main = sys.modules["__main__"]
     main.__dict__.clear()
-    main.__dict__.update(__name__="__main__", __doc__=None, __package__=None, __spec__=None, __file__=path,
-                         __cached__=None, __builtins__=builtins,
-                         __loader__=importlib.machinery.SourceFileLoader("__main__", path))
+    main.__dict__.update(
+        __name__="__main__",
+        __doc__=None,
+        __package__=None,
+        __spec__=None,
+        __file__=path,
+        __cached__=None,
+        __builtins__=builtins,
+        __loader__=importlib.machinery.SourceFileLoader("__main__", path),
+    )
     with open(script, "rb") as fh:
         code = compile(fh.read(), path, "exec", dont_inherit=True)
     exec(code, main.__dict__)
@@ -497,9 +577,16 @@ def start(where: str, **env_overrides: str) -> list[tuple[object, int]]:
             env[ENV_VAR] = ""
             path = os.path.join(where, f"{kind}{i}")
             with open(path + ".log", "ab") as log:
-                proc = subprocess.Popen([sys.executable, "-c", "import _zygote; _zygote.main()", path, str(rfd), kind],
-                                        pass_fds=(rfd,), stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd="/",
-                                        env=env, start_new_session=True)
+                proc = subprocess.Popen(
+                    [sys.executable, "-c", "import _zygote; _zygote.main()", path, str(rfd), kind],
+                    pass_fds=(rfd,),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=log,
+                    cwd="/",
+                    env=env,
+                    start_new_session=True,
+                )
             os.close(rfd)
             started.append((proc, wfd))
     return started

@@ -22,7 +22,10 @@ sys.modules.setdefault("sklearn", None)
 
 #: The Keras packages whose imports of pandas and matplotlib are refused (see the docstring): the
 #: array adapter (`import pandas`) and the image/bounding-box galleries (`matplotlib.pyplot`, `patches`).
-_KERAS_IMPORTERS = {"keras.src.trainers.data_adapters.": "pandas", "keras.src.visualization.": "matplotlib"}
+_KERAS_IMPORTERS = {
+    "keras.src.trainers.data_adapters.": "pandas",
+    "keras.src.visualization.": "matplotlib",
+}
 
 
 class _NotForKeras:
@@ -37,9 +40,15 @@ class _NotForKeras:
         while frame is not None and frame.f_globals.get("__name__", "").startswith("importlib"):
             frame = frame.f_back  # the import machinery's own frames
         importer = (frame.f_globals.get("__name__") or "") if frame is not None else ""
-        if any(importer.startswith(prefix) and top == refused for prefix, refused in _KERAS_IMPORTERS.items()):
-            raise ModuleNotFoundError(f"{name} is left out for Keras in keras-sync's test processes "
-                                      "(tests/_lean_site/sitecustomize.py)", name=name)
+        if any(
+            importer.startswith(prefix) and top == refused
+            for prefix, refused in _KERAS_IMPORTERS.items()
+        ):
+            raise ModuleNotFoundError(
+                f"{name} is left out for Keras in keras-sync's test processes "
+                "(tests/_lean_site/sitecustomize.py)",
+                name=name,
+            )
         return None
 
 
@@ -54,8 +63,10 @@ if os.environ.get("KERAS_SYNC_TEST_PROCS"):
         import resource
 
         u = resource.getrusage(resource.RUSAGE_SELF)
-        line = (f"{u.ru_utime + u.ru_stime:.1f} {int('tensorflow' in sys.modules)} {os.getpid()} "
-                f"{os.getcwd()[-40:]} {' '.join(sys.argv)[:200]}\n")
+        line = (
+            f"{u.ru_utime + u.ru_stime:.1f} {int('tensorflow' in sys.modules)} {os.getpid()} "
+            f"{os.getcwd()[-40:]} {' '.join(sys.argv)[:200]}\n"
+        )
         with open(os.environ["KERAS_SYNC_TEST_PROCS"], "a") as fh:
             fh.write(line)
 
