@@ -1,16 +1,9 @@
 """What keras-sync's callbacks know about a run: a frozen `RunContext` and one `SharedState`.
 
-No callback reads another callback or a `Sync`'s private state. Each is given:
-
-- a `RunContext`: the facts of the run, fixed when `fit` starts (strategy, replicas, batch sizes,
-  learning rate, steps per epoch, the config);
-- a `SharedState`: the little that changes during `fit` and more than one callback needs (the
-  global step, the hooks that put held metrics in the writer, who listens to logged metrics);
-  `Sync.fit` takes a new one for each fit from the job's `JobState` (the fits of one job share
-  their steps and params through it).
-
-With one `SharedState` given to all of them they work in any order in the callbacks list.
-No TensorFlow, Keras or MLflow here (tests/test_context.py tests it on its own).
+No callback reads another callback or a `Sync`'s private state: each gets the run's facts (a
+`RunContext`, fixed when `fit` starts) and, to share a step counter and flushes with the others,
+one `SharedState` per fit (taken from the job's `JobState`). Given the same `SharedState`, they
+work in any order. No TensorFlow, Keras or MLflow here.
 """
 
 from __future__ import annotations
@@ -45,43 +38,23 @@ class RunContext:
     config: Any = None
 
     def params(self) -> dict[str, Any]:
-        """The ``sync.*`` MLflow params of these facts (the TensorFlow/Keras versions and devices
-        are added by `RunParams`)."""
-        return {
-            "sync.strategy": self.kind,
-            "sync.num_replicas": self.num_replicas,
-            "sync.num_workers": self.num_workers,
-            "sync.per_replica_batch_size": self.per_replica_batch_size,
-            "sync.global_batch_size": self.global_batch_size,
-            "sync.gradient_accumulation_steps": self.gradient_accumulation_steps,
-            "sync.effective_batch_size": self.effective_batch_size,
-            "sync.base_learning_rate": self.base_learning_rate,
-            "sync.learning_rate": self.learning_rate,
-            "sync.lr_scaling": self.lr_scaling,
-            "sync.warmup_steps": self.warmup_steps,
-        }
+        """The ``sync.*`` MLflow params of these facts (`RunParams` adds versions and devices)."""
+        names = ("num_replicas", "num_workers", "per_replica_batch_size", "global_batch_size")
+        names += ("gradient_accumulation_steps", "effective_batch_size", "base_learning_rate")
+        names += ("learning_rate", "lr_scaling", "warmup_steps")
+        return {"sync.strategy": self.kind, **{f"sync.{n}": getattr(self, n) for n in names}}
 
 
 class SharedState:
     """The state keras-sync's callbacks share during one `fit`; give the same one to all of them.
 
-    - ``step``: the job's step after the last finished train step, set by `SyncMetrics`; None
-      before the first step. It is the model's optimizer step (micro-batches with gradient
-      accumulation) plus ``step_offset`` (see `job_step`). Callbacks that log at other moments
-      (`WeightDivergence`, `SystemMetrics`) log at this step so that every chart shares one x-axis.
-    - `job_step(model_step)`: that step for a model's optimizer step. The fits of one job
-      continue each other's steps: the first fit of a new model (optimizer step 0) starts after
-      the last step an earlier fit of the job trained (``steps_before``), a model fitted again
-      continues its own count. A backup restore sets ``step_offset`` to the one saved with it, so
-      a resumed fit logs the steps it trains again at the same steps (MLflow keeps the first point).
-    - `params_to_log(params)`: the params of this fit that the job's run lacks; a value that
-      differs from an earlier fit's goes under ``fit_<n>.<key>`` (MLflow params are immutable).
-    - `flush()`: runs the registered flushers (`SyncMetrics` registers the one that reads its
-      probe's ring and logs the held steps). A backup calls it before saving, a report before
-      drawing. Under `multi_worker_mirrored` a flush is a collective: every worker calls it at
-      the same point, which holds when every worker runs the same callbacks.
-    - `record(metrics, step)`: callbacks that log metrics pass them here too; listeners (the
-      `SyncReport`) see every point whatever the callbacks' order.
+    - ``step``: the job's step after the last finished train step (set by `SyncMetrics`; None
+      before the first). Callbacks that log at other moments log at it: one x-axis for all.
+    - `job_step`: that step for a model's optimizer step (see there).
+    - `params_to_log`: the params of this fit that the job's run lacks.
+    - `flush`: runs the registered flushers (`SyncMetrics` logs its held steps), before a backup
+      is saved or a report drawn. A collective under `multi_worker_mirrored`.
+    - `record`: callbacks pass every point they log here; listeners (`SyncReport`) see them all.
     """
 
     def __init__(
@@ -90,15 +63,18 @@ class SharedState:
         self.step: int | None = None
         #: This fit's number in its job (1 for the first), the last step the job trained before it.
         self.fit, self.steps_before = fit, steps_before
-        #: Added to the model's optimizer step to make the job's step; fixed by the first `job_step`
-        #: of the fit, or by a backup restore before it.
+        #: Added to the model's optimizer step to make the job's step (set by the first `job_step`
+        #: of the fit, or by a backup restore before it).
         self.step_offset: int | None = None
         self._params = {} if params is None else params  # the job's: shared by its fits
         self._flushers: list[Callable[[], None]] = []
         self._listeners: list[Callable[[dict[str, float], int], None]] = []
 
     def job_step(self, model_step: int) -> int:
-        """The job's step for the model's optimizer step ``model_step`` (the offset is fixed at the first call).
+        """The job's step for the model's optimizer step ``model_step``.
+
+        The first fit of a new model (step 0) continues after the job's earlier fits; a model
+        fitted again continues its own count. A restore sets ``step_offset`` to the saved one.
 
         >>> shared = SharedState(fit=2, steps_before=16)
         >>> shared.job_step(0), shared.job_step(5)     # a new model: after the 16 steps of fit 1
@@ -111,10 +87,9 @@ class SharedState:
         return self.step_offset + model_step
 
     def params_to_log(self, params: dict[str, Any]) -> dict[str, Any]:
-        """Of ``params``, those to send: new keys as they are, changed values as ``fit_<n>.<key>``.
+        """Of ``params``, those to send: new keys as given, changed values as ``fit_<n>.<key>``.
 
-        A param an earlier fit of the job logged with the same value (as MLflow stores it: its text)
-        is not sent again. Values are returned as given.
+        MLflow params are immutable; values are compared as MLflow stores them (their text).
 
         >>> first, third = SharedState(), SharedState(fit=3)
         >>> third._params = first._params
@@ -125,13 +100,12 @@ class SharedState:
         """
         out: dict[str, Any] = {}
         for key, value in params.items():
-            text = str(value)
             had = self._params.get(key)
-            if had is not None and had != text:
+            if had is not None and had != str(value):
                 key = f"fit_{self.fit}.{key}"
                 had = self._params.get(key)
             if had is None:
-                self._params[key] = text
+                self._params[key] = str(value)
                 out[key] = value
         return out
 
@@ -144,7 +118,6 @@ class SharedState:
             self._listeners.append(fn)
 
     def flush(self) -> None:
-        """Log every metric still held by a callback now (a collective under multi-worker)."""
         for fn in self._flushers:
             fn()
 
@@ -155,10 +128,6 @@ class SharedState:
 
 class JobState:
     """What the fits of one job in this process share: the last step trained, the params logged.
-
-    `next_fit` gives each `fit` its `SharedState`: its steps continue after the last step of the
-    fits before it (`SharedState.job_step`), and its params are checked against theirs
-    (`SharedState.params_to_log`). `keras_sync.training.job_run.job_state` keeps one per job.
 
     >>> job = JobState()
     >>> first = job.next_fit(); first.step = first.job_step(0) + 16   # 16 steps of a new model
