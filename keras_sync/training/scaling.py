@@ -64,9 +64,9 @@ def resolve_batch_sizes(
             f"Received batch.per_replica={per_replica} and batch.global={global_batch}. "
             "Expected exactly one of them; set the other to null."
         )
-    if per_replica is not None:
+    if global_batch is None:
+        assert per_replica is not None  # the check above guarantees it
         return per_replica, global_batch_size(per_replica, replicas)
-    assert global_batch is not None  # for the type checker; the check above guarantees it
     return per_replica_batch_size(global_batch, replicas), global_batch
 
 
@@ -103,8 +103,7 @@ def scale_learning_rate(
     if (
         isinstance(base_lr, bool)
         or not isinstance(base_lr, (int, float))
-        or not base_lr > 0
-        or not math.isfinite(base_lr)
+        or not 0 < base_lr < math.inf
     ):
         raise ScalingError(
             f"Invalid value for argument `base_lr` (learning_rate.base). Received: base_lr={base_lr!r}. "
@@ -112,13 +111,11 @@ def scale_learning_rate(
         )
     _check_positive_int("global_batch_size", global_batch_size, "batch")
     _check_positive_int("base_batch_size", base_batch_size, "learning_rate.base_batch_size")
-    rule_name = rule.lower() if isinstance(rule, str) else rule
     k = global_batch_size / base_batch_size
-    if rule_name == "linear":
-        return _clean(base_lr * k)
-    if rule_name == "sqrt":
-        return _clean(base_lr * math.sqrt(k))
-    if rule_name == "none":
+    name = str(rule).lower()
+    if name in ("linear", "sqrt"):
+        return _clean(base_lr * (k if name == "linear" else math.sqrt(k)))
+    if name == "none":
         return float(base_lr)
     raise ScalingError(
         f"Invalid value for argument `rule` (learning_rate.scaling). Received: rule={rule!r}. "
@@ -155,15 +152,11 @@ def warmup_steps_from(
 def warmup_learning_rate(step: int, *, start_lr: float, peak_lr: float, warmup_steps: int) -> float:
     """The learning rate at ``step`` (0-based) under gradual warmup (Goyal et al. 2017, section 2.2).
 
-    From ``start_lr`` at step 0 up to ``peak_lr`` in equal increments
-    ``(peak_lr - start_lr) / warmup_steps`` per step, then ``peak_lr``:
+    ``lr(step) = start_lr + (peak_lr - start_lr) * step / warmup_steps`` below ``warmup_steps``,
+    then ``peak_lr``.
 
-        lr(step) = start_lr + (peak_lr - start_lr) * step / warmup_steps   for step < warmup_steps
-        lr(step) = peak_lr                                                  otherwise
-
-    Examples:
-        >>> [warmup_learning_rate(s, start_lr=0.1, peak_lr=0.5, warmup_steps=4) for s in range(6)]
-        [0.1, 0.2, 0.3, 0.4, 0.5, 0.5]
+    >>> [warmup_learning_rate(s, start_lr=0.1, peak_lr=0.5, warmup_steps=4) for s in range(6)]
+    [0.1, 0.2, 0.3, 0.4, 0.5, 0.5]
     """
     if warmup_steps <= 0 or step >= warmup_steps:
         return float(peak_lr)
