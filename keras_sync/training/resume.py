@@ -1,11 +1,9 @@
 """Pure bookkeeping for exact resume: where training stands, when to save, where each worker writes.
 
-No TensorFlow here; the Keras glue is `keras_sync.callbacks.backup`.
-
 A position is ``(epoch, step)``: the epoch in progress and the number of its batches already
-trained. ``(2, 0)`` means "epoch 2 not started"; ``(1, steps)`` means every batch of epoch 1 is
-trained but its end (validation, ``on_epoch_end`` callbacks) has not run yet, so a resume runs
-only that end.
+trained. ``(2, 0)``: epoch 2 not started; ``(1, steps)``: every batch of epoch 1 trained but not
+its end (validation, ``on_epoch_end``), so a resume runs only that end. No TensorFlow here; the
+Keras glue is `keras_sync.callbacks.backup`.
 """
 
 from __future__ import annotations
@@ -15,14 +13,14 @@ from dataclasses import dataclass
 
 from keras_sync.errors import UsageError
 
-# Non-chief workers write their share of every checkpoint here (under MultiWorkerMirroredStrategy
-# each worker must take part in a save), then delete it: only the chief's copy is read back.
+# Under MultiWorkerMirroredStrategy every worker takes part in a save: the others write their share
+# here, deleted after it; only the chief's copy is read back.
 WORKER_TMP_PREFIX = ".worker_tmp_"
 
 
 @dataclass(frozen=True)
 class ResumePoint:
-    """Where a restored job continues: the epoch, the batches of it already trained, and the
+    """Where a restored job continues: the epoch, its batches already trained, and the
     optimizer step count (``model.optimizer.iterations``) at that point."""
 
     epoch: int
@@ -31,7 +29,6 @@ class ResumePoint:
 
     @property
     def mid_epoch(self) -> bool:
-        """True when the restored epoch was interrupted after some of its batches."""
         return self.step > 0
 
 
@@ -58,37 +55,31 @@ class SaveSchedule:
 
     def after_batch(self, batches: int = 1) -> bool:
         """Count ``batches`` trained; True when a save is due now."""
-        if self.save_freq == "epoch":
+        if not isinstance(self.save_freq, int):
             return False
         self._since_save += batches
-        if self._since_save >= self.save_freq:
-            self._since_save = 0
-            return True
-        return False
+        if self._since_save < self.save_freq:
+            return False
+        self._since_save = 0
+        return True
 
     def after_epoch(self) -> bool:
-        """True when a save is due at the end of an epoch."""
         return self.save_freq == "epoch"
 
 
 def write_dir(backup_dir: str, *, is_chief: bool, task_id: int | None) -> str:
-    """The directory this worker writes checkpoints to: the chief writes ``backup_dir``,
-    worker N a temporary ``backup_dir/.worker_tmp_N`` that is deleted after each save.
+    """Where this worker writes checkpoints: the chief ``backup_dir``, worker N ``.worker_tmp_N`` in it.
 
-    >>> write_dir("/b", is_chief=True, task_id=0)
-    '/b'
-    >>> write_dir("/b", is_chief=False, task_id=1)
-    '/b/.worker_tmp_1'
+    >>> write_dir("/b", is_chief=True, task_id=0), write_dir("/b", is_chief=False, task_id=1)
+    ('/b', '/b/.worker_tmp_1')
     """
     if is_chief:
         return backup_dir
-    return os.path.join(backup_dir, f"{WORKER_TMP_PREFIX}{task_id if task_id is not None else 0}")
+    return os.path.join(backup_dir, f"{WORKER_TMP_PREFIX}{task_id or 0}")
 
 
 def batches_to_skip(point: ResumePoint, steps_per_execution: int = 1) -> int:
-    """Batches of the resumed epoch to leave out: the ones trained before the interruption.
-
-    Saves happen at the end of an execution, so the step is a multiple of it.
+    """Batches of the resumed epoch trained before the interruption (saves end an execution).
 
     >>> batches_to_skip(ResumePoint(epoch=1, step=6, iterations=14))
     6
