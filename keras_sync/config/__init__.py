@@ -1,11 +1,9 @@
 """The keras-sync config: a tree of frozen dataclasses and the one loader that builds it.
 
-The YAML file is read here and nowhere else (``yaml.safe_load`` semantics, node marks kept
-for line numbers). Precedence, printed by ``keras-sync plan``:
-command-line flag > environment (``MLFLOW_TRACKING_URI``, ``KERAS_SYNC_JOB_ID``) > YAML file > default.
-This is the only place that rule is applied; everything else reads the resulting `Config`.
-Every problem becomes a `ConfigIssue` with ``file:line``, the key path, the value received
-and what is allowed; all problems of one file are reported together in one `ConfigError`.
+The YAML file is read here and nowhere else, keeping node marks for line numbers. Precedence
+(printed by ``keras-sync plan``): flag > environment (`ENV_KEYS`) > YAML file > default. Every
+problem becomes a `ConfigIssue` (``file:line``, key path, value, what is allowed); all problems
+of one file are raised together in one `ConfigError`.
 """
 
 from __future__ import annotations
@@ -40,13 +38,11 @@ CONFIG_ENV = "KERAS_SYNC_CONFIG"
 
 #: Environment variables that set a config key (they win over the file, lose to a flag).
 ENV_KEYS = {"MLFLOW_TRACKING_URI": "mlflow.tracking_uri", "KERAS_SYNC_JOB_ID": "mlflow.job_id"}
-#: `keras-sync verify` (`keras_sync.training.verify_record`): a folder that `sync.fit` records its first
-#: steps to; the recording a reference run replays on one device; how many optimizer steps.
-VERIFY_RECORD_ENV, VERIFY_REPLAY_ENV, VERIFY_STEPS_ENV = (
-    "KERAS_SYNC_VERIFY_RECORD",
-    "KERAS_SYNC_VERIFY_REPLAY",
-    "KERAS_SYNC_VERIFY_STEPS",
-)
+#: `keras-sync verify`: the folder `sync.fit` records its first steps to, the recording a
+#: one-device reference replays, and how many optimizer steps.
+VERIFY_RECORD_ENV = "KERAS_SYNC_VERIFY_RECORD"
+VERIFY_REPLAY_ENV = "KERAS_SYNC_VERIFY_REPLAY"
+VERIFY_STEPS_ENV = "KERAS_SYNC_VERIFY_STEPS"
 #: The file of a recording that holds the reference run's config overrides (dotted keys).
 VERIFY_OVERRIDES_FILE = "reference.json"
 
@@ -63,30 +59,24 @@ class VerifyRequest:
     mlflow: bool = True
 
 
-def _f(
-    default: Any, spec: Spec, doc: str, key: str | None = None, kinds: tuple[str, ...] | None = None
-) -> Any:
-    """A config key. `doc` is its one description: validation errors, the JSON Schema, the commented
-    template and the README reference all show it (`keras_sync.config.reference` writes the last two).
-    `kinds`: the strategy kinds a `strategy.*` key applies to (their template sections show it)."""
-    if isinstance(default, (list, dict)):
-        raise TypeError("mutable default")  # pragma: no cover - programming error
+def _f(default: Any, spec: Spec, doc: str, key: str | None = None, kinds: Any = None) -> Any:
+    """A config key. `doc` is its one description, shown by errors, schema, template and reference;
+    `kinds`: the strategy kinds a `strategy.*` key applies to."""
     return field(default=default, metadata={"spec": spec, "doc": doc, "key": key, "kinds": kinds})
 
 
 def _sub(
-    cls: type,
-    doc: str,
-    note: str | None = None,
-    kinds: tuple[str, ...] | None = None,
-    commented: bool = False,
+    cls: type, doc: str, note: str | None = None, kinds: Any = None, commented: bool = False
 ) -> Any:
-    """A section. `note`: a comment the template prints above the section's keys; `commented`: the
-    template shows the whole section as comments (its defaults change nothing)."""
-    return field(
-        default_factory=cls,
-        metadata={"doc": doc, "key": None, "note": note, "kinds": kinds, "commented": commented},
-    )
+    """A section. `note`: a comment the template prints above its keys; `commented`: the template
+    shows the whole section as comments (its defaults change nothing)."""
+    meta = {"doc": doc, "key": None, "note": note, "kinds": kinds, "commented": commented}
+    return field(default_factory=cls, metadata=meta)
+
+
+def _internal(repr: bool = False, **kw: Any) -> Any:
+    """A field of the built config that no file sets (where it came from, the verify request)."""
+    return field(compare=False, repr=repr, metadata={"internal": True}, **kw)
 
 
 _MWM = kinds_where(multi_process=True)
@@ -94,6 +84,8 @@ _MWM = kinds_where(multi_process=True)
 COMMUNICATIONS = ("auto", "ring", "nccl")
 #: `learning_rate.scaling`: the rules `keras_sync.training.scaling.scale_learning_rate` applies.
 LR_RULES = ("linear", "sqrt", "none")
+_OPT_STR = Str(nullable=True)
+_OPT_COUNT = Int(minimum=1, nullable=True)
 
 
 @dataclass(frozen=True)
@@ -101,10 +93,10 @@ class TPUConfig:
     """Where the TPU is: a name or grpc:// address (`local` for a TPU VM), zone and project."""
 
     name: str | None = _f(
-        "local", Str(nullable=True), "'local' on a TPU VM, else the TPU's name or grpc:// address"
+        "local", _OPT_STR, "'local' on a TPU VM, else the TPU's name or grpc:// address"
     )
-    zone: str | None = _f(None, Str(nullable=True), "GCE zone of the TPU (Cloud TPU only)")
-    project: str | None = _f(None, Str(nullable=True), "GCP project of the TPU (Cloud TPU only)")
+    zone: str | None = _f(None, _OPT_STR, "GCE zone of the TPU (Cloud TPU only)")
+    project: str | None = _f(None, _OPT_STR, "GCP project of the TPU (Cloud TPU only)")
 
 
 @dataclass(frozen=True)
@@ -113,7 +105,7 @@ class IndexedJobConfig:
 
     hosts: str | None = _f(
         None,
-        Str(nullable=True),
+        _OPT_STR,
         "worker i's host (or host:port) with {index} = i, e.g. "
         "train-{index}.train (<Job>-{index}.<headless Service>)",
         kinds=_MWM,
@@ -125,7 +117,7 @@ class IndexedJobConfig:
         kinds=_MWM,
     )
     workers: int | None = _f(
-        None, Int(minimum=1, nullable=True), "number of workers (the Job's completions)", kinds=_MWM
+        None, _OPT_COUNT, "number of workers (the Job's completions)", kinds=_MWM
     )
 
 
@@ -203,10 +195,8 @@ class StrategyConfig:
 class BatchConfig:
     """Batch size, given per replica or globally (exactly one), and how data is split."""
 
-    per_replica: int | None = _f(32, Int(minimum=1, nullable=True), "examples per replica per step")
-    global_: int | None = _f(
-        None, Int(minimum=1, nullable=True), "examples per step over all replicas", key="global"
-    )
+    per_replica: int | None = _f(32, _OPT_COUNT, "examples per replica per step")
+    global_: int | None = _f(None, _OPT_COUNT, "examples per step over all replicas", key="global")
     drop_remainder: str | bool = _f(
         "auto",
         AutoOrBool(),
@@ -228,7 +218,7 @@ class LearningRateConfig:
     )
     base_batch_size: int | None = _f(
         None,
-        Int(minimum=1, nullable=True),
+        _OPT_COUNT,
         "the batch `base` was tuned for; null = the per-replica batch",
     )
     scaling: str = _f(
@@ -255,11 +245,11 @@ class MlflowConfig:
     enabled: bool = _f(True, Bool(), "log sync metrics to MLflow (only the chief writes)")
     tracking_uri: str | None = _f(
         None,
-        Str(nullable=True),
+        _OPT_STR,
         "MLflow tracking URI; $MLFLOW_TRACKING_URI wins over it; null = sqlite:///<cwd>/mlflow.db",
     )
     experiment: str = _f("keras-sync", Str(), "MLflow experiment name")
-    run_name: str | None = _f(None, Str(nullable=True), "MLflow run name; null = generated")
+    run_name: str | None = _f(None, _OPT_STR, "MLflow run name; null = generated")
     job_id: str | None = _f(
         None,
         Str(
@@ -309,7 +299,7 @@ class FaultToleranceConfig:
 
     backup_dir: str | None = _f(
         None,
-        Str(nullable=True),
+        _OPT_STR,
         "a directory turns on BackupAndRestore (exact resume after a kill); null = off",
     )
     save_freq: str | int = _f(
@@ -398,15 +388,11 @@ class Config:
             "model.compile(...) set."
         ),
     )
-    source: str = field(default="<defaults>", compare=False, metadata={"internal": True})
-    text: str | None = field(default=None, compare=False, repr=False, metadata={"internal": True})
-    provenance: Mapping[str, str] = field(
-        default_factory=dict, compare=False, repr=False, metadata={"internal": True}
-    )
+    source: str = _internal(default="<defaults>", repr=True)
+    text: str | None = _internal(default=None)
+    provenance: Mapping[str, str] = _internal(default_factory=dict)
     #: Set by ``$KERAS_SYNC_VERIFY_RECORD`` (`keras-sync verify`); None for a normal run.
-    verify: VerifyRequest | None = field(
-        default=None, compare=False, repr=False, metadata={"internal": True}
-    )
+    verify: VerifyRequest | None = _internal(default=None)
 
     def source_of(self, key_path: str) -> str:
         """Where a value came from: ``flag``, ``env``, ``file``, ``dict`` or ``default``."""
@@ -445,15 +431,15 @@ def _to_dict(obj: Any) -> dict[str, Any]:
     for f in _public_fields(type(obj)):
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):
-            out[_yaml_key(f)] = _to_dict(value)
-        elif isinstance(value, tuple):
-            out[_yaml_key(f)] = list(value)
-        else:
-            out[_yaml_key(f)] = value
+            value = _to_dict(value)
+        out[_yaml_key(f)] = list(value) if isinstance(value, tuple) else value
     return out
 
 
-# ---------------------------------------------------------------------------------------------
+def _error(file: str, line: int | None, message: str, key_path: str = "") -> ConfigError:
+    return ConfigError(ConfigIssue(file, line, key_path, message))
+
+
 # Reading: YAML text -> (data, line of every key path)
 
 
@@ -467,24 +453,17 @@ def _parse_yaml(text: str, file: str) -> tuple[Any, dict[str, int]]:
 
     class _Loader(yaml.SafeLoader):
         def compose_node(self, parent: Any, index: Any) -> Any:
-            # Refuse aliases: a config has no use for them, and nested ones (a "billion laughs"
-            # file of a few hundred bytes) expand exponentially when read into plain data.
-            if self.check_event(yaml.AliasEvent):
-                event = self.peek_event()
-                raise ConfigError(
-                    ConfigIssue(
-                        file,
-                        event.start_mark.line + 1,
-                        "",
-                        (
-                            f"YAML alias *{event.anchor} not allowed; keras-sync reads plain YAML only: write the value "
-                            f"out instead of *{event.anchor} (and drop the anchor &{event.anchor})"
-                        ),
-                    )
-                )
-            # Sizes are checked before a node is composed: the composer recurses once per level, and
-            # 300 levels (600 bytes) ended in a RecursionError.
             event = self.peek_event()
+            # Aliases are refused: nested ones (a "billion laughs" file) expand exponentially.
+            if isinstance(event, yaml.AliasEvent):
+                a = event.anchor
+                raise _error(
+                    file,
+                    event.start_mark.line + 1,  # type: ignore[union-attr]
+                    f"YAML alias *{a} not allowed; keras-sync reads plain YAML only: write the value "
+                    f"out instead of *{a} (and drop the anchor &{a})",
+                )
+            # Sizes are checked before a node is composed: the composer recurses once per level.
             path, key = paths[-1] if paths else "", None
             if isinstance(parent, yaml.MappingNode):
                 name = index.value if isinstance(index, yaml.ScalarNode) else "?"
@@ -509,107 +488,75 @@ def _parse_yaml(text: str, file: str) -> tuple[Any, dict[str, int]]:
             finally:
                 paths.pop()
 
-    def construct_mapping(
-        loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False
-    ) -> dict:
-        return {
-            "__line__": node.start_mark.line + 1,
-            "__items__": [
-                (
-                    loader.construct_object(k, deep=True),
-                    loader.construct_object(v, deep=True),
-                    k.start_mark.line + 1,
-                )
-                for k, v in node.value
-            ],
-        }
+    def construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False):
+        items = [
+            (loader.construct_object(k, deep=True), loader.construct_object(v, deep=True), k)
+            for k, v in node.value
+        ]
+        return {"__line__": node.start_mark.line + 1, "__items__": items}
 
     def construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
         try:
             return yaml.SafeLoader.construct_yaml_int(loader, node)
         except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits())
-            raise ConfigError(
-                ConfigIssue(
-                    file,
-                    node.start_mark.line + 1,
-                    "",
-                    (
-                        f"a number of {len(node.value):,} digits, more than Python reads; the config's numbers are "
-                        "small: shorten it"
-                    ),
-                )
+            raise _error(
+                file,
+                node.start_mark.line + 1,
+                f"a number of {len(node.value):,} digits, more than Python reads; the config's "
+                "numbers are small: shorten it",
             ) from None
 
     _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
     _Loader.add_constructor("tag:yaml.org,2002:int", construct_int)
     try:
         raw = yaml.load(text, Loader=_Loader)
-    except yaml.constructor.ConstructorError as exc:
-        mark = exc.problem_mark
-        line = mark.line + 1 if mark else None
-        raise ConfigError(
-            ConfigIssue(
-                file,
-                line,
-                "",
-                f"YAML tag not allowed ({exc.problem}); "
-                "keras-sync reads plain YAML only: remove the '!!' tag",
-            )
-        ) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = mark.line + 1 if mark else None
+        if isinstance(exc, yaml.constructor.ConstructorError):
+            msg = f"YAML tag not allowed ({exc.problem}); keras-sync reads plain YAML only: remove the '!!' tag"
+            raise _error(file, line, msg) from None
         problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(ConfigIssue(file, line, "", f"YAML syntax error: {problem}")) from None
-
-    def unwrap(node: Any, path: str) -> Any:
-        if isinstance(node, dict) and "__items__" in node:
-            lines.setdefault(path, node["__line__"])
-            out: dict[Any, Any] = {}
-            for k, v, line in node["__items__"]:
-                key_path = f"{path}.{k}" if path else str(k)
-                if k in out:
-                    dups.append(
-                        ConfigIssue(
-                            file,
-                            line,
-                            key_path,
-                            f"duplicate key {k!r} (first at line "
-                            f"{lines[key_path]}); keep one of them",
-                        )
-                    )
-                lines.setdefault(key_path, line)
-                out[k] = unwrap(v, key_path)
-            return out
-        if isinstance(node, list):
-            return [unwrap(v, f"{path}[{i}]") for i, v in enumerate(node)]
-        return node
+        raise _error(file, line, f"YAML syntax error: {problem}") from None
 
     dups: list[ConfigIssue] = []
+
+    def unwrap(node: Any, path: str) -> Any:
+        if isinstance(node, list):
+            return [unwrap(v, f"{path}[{i}]") for i, v in enumerate(node)]
+        if not (isinstance(node, dict) and "__items__" in node):
+            return node
+        lines.setdefault(path, node["__line__"])
+        out: dict[Any, Any] = {}
+        for k, v, key_node in node["__items__"]:
+            key_path, line = f"{path}.{k}" if path else str(k), key_node.start_mark.line + 1
+            if k in out:
+                msg = f"duplicate key {k!r} (first at line {lines[key_path]}); keep one of them"
+                dups.append(ConfigIssue(file, line, key_path, msg))
+            lines.setdefault(key_path, line)
+            out[k] = unwrap(v, key_path)
+        return out
+
     data = unwrap(raw, "")
     if dups:
         raise ConfigError(dups)
     return data, lines
 
 
-# ---------------------------------------------------------------------------------------------
 # Validation: data -> dataclasses, collecting every issue
 
 
 class _Builder:
     def __init__(self, file: str, lines: Mapping[str, int]):
-        self.file = file
-        self.lines = lines
+        self.file, self.lines = file, lines
         self.issues: list[ConfigIssue] = []
 
     def issue(self, key_path: str, message: str) -> None:
-        line = self.lines.get(key_path)
+        """Record an issue at the line of ``key_path``, else of its nearest parent in the file."""
         parent = key_path
-        while line is None and "." in parent:
+        while parent not in self.lines and "." in parent:
             parent = parent.rsplit(".", 1)[0]
-            line = self.lines.get(parent)
-        if line is None:
-            line = self.lines.get("")
+        line = self.lines.get(parent, self.lines.get(""))
         self.issues.append(ConfigIssue(self.file, line, key_path, message))
 
     def build(self, cls: type, data: Any, path: str) -> Any:
@@ -617,10 +564,8 @@ class _Builder:
             return cls()
         if not isinstance(data, dict):
             where = path or "top level"
-            self.issue(
-                path,
-                f"received {type(data).__name__} {data!r} at the {where}, expected a mapping of keys",
-            )
+            msg = f"received {type(data).__name__} {data!r} at the {where}, expected a mapping of keys"
+            self.issue(path, msg)
             return cls()
         by_key = {_yaml_key(f): f for f in _public_fields(cls)}
         kwargs: dict[str, Any] = {}
@@ -631,26 +576,21 @@ class _Builder:
                 close = difflib.get_close_matches(str(key), list(by_key), n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
                 self.issue(key_path, f"unknown key {key!r}{hint} (allowed: {', '.join(by_key)})")
-                continue
-            spec = f.metadata.get("spec")
-            if spec is None:
-                kwargs[f.name] = self.build(_sub_type(cls, f), value, key_path)
-                continue
-            try:
-                kwargs[f.name] = spec.check(value)
-            except FieldValueError as exc:
-                self.issue(key_path, str(exc))
+            elif (spec := f.metadata.get("spec")) is None:  # a section: its class is the factory
+                kwargs[f.name] = self.build(f.default_factory, value, key_path)  # type: ignore[arg-type]
+            else:
+                try:
+                    kwargs[f.name] = spec.check(value)
+                except FieldValueError as exc:
+                    self.issue(key_path, str(exc))
         return cls(**kwargs)
 
 
-def _sub_type(cls: type, f: dataclasses.Field) -> type:
-    return f.default_factory  # type: ignore[return-value]  # _sub stores the class as factory
-
-
 def _check_consistency(cfg: Config, b: _Builder, given: Mapping[str, Any]) -> Config:
+    """The rules between keys; returns the config with per_replica cleared when global is given."""
     batch = cfg.batch
-    per_given = "batch.per_replica" in given and given["batch.per_replica"] is not None
-    global_given = "batch.global" in given and given["batch.global"] is not None
+    per_given = given.get("batch.per_replica") is not None
+    global_given = given.get("batch.global") is not None
     if per_given and global_given:
         b.issue(
             "batch.global",
@@ -668,8 +608,8 @@ def _check_consistency(cfg: Config, b: _Builder, given: Mapping[str, Any]) -> Co
     if lr.warmup_epochs and lr.warmup_steps:
         b.issue(
             "learning_rate.warmup_steps",
-            f"received warmup_epochs={lr.warmup_epochs:g} and "
-            f"warmup_steps={lr.warmup_steps}; give one of them (set the other to 0)",
+            f"received warmup_epochs={lr.warmup_epochs:g} and warmup_steps={lr.warmup_steps}; "
+            "give one of them (set the other to 0)",
         )
     s = cfg.strategy
     spec = KINDS[s.kind]
@@ -702,12 +642,12 @@ def _check_consistency(cfg: Config, b: _Builder, given: Mapping[str, Any]) -> Co
         # A backup between two optimizer updates would lose the gradients accumulated so far.
         b.issue(
             "fault_tolerance.save_freq",
-            f"received save_freq={save_freq} with runtime.gradient_accumulation_steps="
-            f"{acc}; back up at optimizer updates: use a multiple of {acc} (e.g. {save_freq - save_freq % acc or acc}) "
-            "or 'epoch'",
+            f"received save_freq={save_freq} with runtime.gradient_accumulation_steps={acc}; "
+            f"back up at optimizer updates: use a multiple of {acc} "
+            f"(e.g. {save_freq - save_freq % acc or acc}) or 'epoch'",
         )
+    job = s.indexed_job
     if s.cluster == "indexed_job":
-        job = s.indexed_job
         for key, value in (("hosts", job.hosts), ("workers", job.workers)):
             if value is None:
                 b.issue(
@@ -722,10 +662,8 @@ def _check_consistency(cfg: Config, b: _Builder, given: Mapping[str, Any]) -> Co
                 "that gives each worker its own host, such as train-{index}.train",
             )
         if job.port > 65535:
-            b.issue(
-                "strategy.indexed_job.port",
-                f"received {job.port}, expected a TCP port from 1 to 65535",
-            )
+            msg = f"received {job.port}, expected a TCP port from 1 to 65535"
+            b.issue("strategy.indexed_job.port", msg)
     if isinstance(s.slurm.port_base, int) and s.slurm.port_base > 65535 - 15:
         b.issue(
             "strategy.slurm.port_base",
@@ -737,25 +675,22 @@ def _check_consistency(cfg: Config, b: _Builder, given: Mapping[str, Any]) -> Co
 
 def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
-    if isinstance(data, dict):
-        for k, v in data.items():
-            path = f"{prefix}.{k}" if prefix else str(k)
-            if isinstance(v, dict):
-                out.update(_flatten(v, path))
-            out[path] = v
+    for k, v in data.items() if isinstance(data, dict) else ():
+        path = f"{prefix}.{k}" if prefix else str(k)
+        out.update(_flatten(v, path))
+        out[path] = v
     return out
 
 
-def _unflatten_into(data: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
-    parts = dotted.split(".")
+def _set(data: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
+    """Set a dotted key path in nested dicts (made where missing); returns ``data``."""
+    *parents, last = dotted.split(".")
     node = data
-    for part in parts[:-1]:
-        nxt = node.get(part)
-        if not isinstance(nxt, dict):
-            nxt = {}
-            node[part] = nxt
-        node = nxt
-    node[parts[-1]] = value
+    for part in parents:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    node[last] = value
     return data
 
 
@@ -772,91 +707,69 @@ def load_config(
             else ``./keras_sync.yaml`` if it exists, else the defaults.
         overrides: dotted key paths (``{"batch.per_replica": 64}``), e.g. from command-line flags;
             they win over everything else.
-        environ: the environment to read (default ``os.environ``): ``MLFLOW_TRACKING_URI`` and
-            ``KERAS_SYNC_JOB_ID`` override ``mlflow.tracking_uri`` and ``mlflow.job_id`` (`ENV_KEYS`).
+        environ: the environment to read (default ``os.environ``), for `ENV_KEYS`.
 
     Raises:
         ConfigError: with every issue found, each naming file, line, key path, value and fix.
     """
     env = os.environ if environ is None else environ
     text: str | None = None
-    origin = "dict"
+    lines: dict[str, int]
     if source is None:
-        env_path = env.get(CONFIG_ENV)
-        if env_path:
-            source = env_path
-        elif Path(DEFAULT_CONFIG_FILE).is_file():
-            source = DEFAULT_CONFIG_FILE
+        source = env.get(CONFIG_ENV) or (
+            DEFAULT_CONFIG_FILE if Path(DEFAULT_CONFIG_FILE).is_file() else None
+        )
     if source is None:
         file, data, lines, origin = "<defaults>", {}, {}, "default"
     elif isinstance(source, Mapping):
         check_data(source, "<dict>")
-        file, data, lines = "<dict>", _plain(source), {}
+        file, data, lines, origin = "<dict>", _plain(source), {}, "dict"
     else:
-        file = str(source)
+        file, origin = str(source), "file"
         text = _read_text(Path(source))
         data, lines = _parse_yaml(text, file)
-        origin = "file"
         if data is None:
-            raise ConfigError(
-                ConfigIssue(
-                    file,
-                    1,
-                    "",
-                    "the file is empty; write at least one key, e.g. "
-                    "'strategy: {kind: mirrored}', or delete the file to use the defaults",
-                )
+            raise _error(
+                file,
+                1,
+                "the file is empty; write at least one key, e.g. "
+                "'strategy: {kind: mirrored}', or delete the file to use the defaults",
             )
     if not isinstance(data, dict):
-        raise ConfigError(
-            ConfigIssue(
-                file,
-                lines.get("", 1),
-                "",
-                f"received a {type(data).__name__} at the top "
-                "level, expected a mapping with keys such as strategy, batch, learning_rate",
-            )
+        raise _error(
+            file,
+            lines.get("", 1),
+            f"received a {type(data).__name__} at the top level, expected a mapping with keys "
+            "such as strategy, batch, learning_rate",
         )
     given = _flatten(data)
     provenance = {k: origin for k in given}
     for name, dotted in ENV_KEYS.items():
-        value = env.get(name, "").strip()
-        if value:
-            check_data(_unflatten_into({}, dotted, value), f"${name}")
-            _unflatten_into(data, dotted, value)
+        if value := env.get(name, "").strip():
+            check_data(_set({}, dotted, value), f"${name}")
+            _set(data, dotted, value)
             provenance[dotted] = "env"
     verify = _verify_request(env)
     if verify is not None:
         verify = dataclasses.replace(verify, mlflow=given.get("mlflow.enabled", True) is not False)
         for dotted, value in _verify_overrides(verify).items():
-            _unflatten_into(data, dotted, value)
+            _set(data, dotted, value)
             provenance[dotted] = "env"
     for dotted, value in (overrides or {}).items():
-        check_data(_unflatten_into({}, dotted, value), "<overrides>")
-        _unflatten_into(data, dotted, value)
+        check_data(_set({}, dotted, value), "<overrides>")
+        _set(data, dotted, value)
         provenance[dotted] = "flag"
-    given = _flatten(data)
     b = _Builder(file, lines)
-    cfg = b.build(Config, data, "")
-    cfg = _check_consistency(cfg, b, given)
+    cfg = _check_consistency(b.build(Config, data, ""), b, _flatten(data))
     if b.issues:
-        from_env = {
-            dotted: name for name, dotted in ENV_KEYS.items() if provenance.get(dotted) == "env"
-        }
+        from_env = {d: n for n, d in ENV_KEYS.items() if provenance.get(d) == "env"}
         issues = [
-            ConfigIssue(
-                f"${from_env[i.key_path]}",
-                None,
-                i.key_path,
-                f"{i.message}; fix or unset ${from_env[i.key_path]}",
-            )
-            if i.key_path in from_env
+            ConfigIssue(f"${var}", None, i.key_path, f"{i.message}; fix or unset ${var}")
+            if (var := from_env.get(i.key_path))
             else i
             for i in b.issues
         ]
-        raise ConfigError(
-            sorted(issues, key=lambda i: i.line or 0)
-        )  # stable: file order within a line
+        raise ConfigError(sorted(issues, key=lambda i: i.line or 0))  # stable: file order in a line
     return dataclasses.replace(cfg, source=file, text=text, provenance=provenance, verify=verify)
 
 
@@ -867,14 +780,11 @@ def _verify_request(env: Mapping[str, str]) -> VerifyRequest | None:
         return None
     raw = env.get(VERIFY_STEPS_ENV, "").strip() or "20"
     if not raw.isdigit() or int(raw) < 1:
-        raise ConfigError(
-            ConfigIssue(
-                f"${VERIFY_STEPS_ENV}",
-                None,
-                "",
-                f"received {raw!r}, expected a number of "
-                f"optimizer steps >= 1 (e.g. 20); fix or unset ${VERIFY_STEPS_ENV}",
-            )
+        raise _error(
+            f"${VERIFY_STEPS_ENV}",
+            None,
+            f"received {raw!r}, expected a number of optimizer steps >= 1 (e.g. 20); "
+            f"fix or unset ${VERIFY_STEPS_ENV}",
         )
     return VerifyRequest(record, int(raw), env.get(VERIFY_REPLAY_ENV, "").strip() or None)
 
@@ -882,23 +792,20 @@ def _verify_request(env: Mapping[str, str]) -> VerifyRequest | None:
 def _verify_overrides(verify: VerifyRequest) -> dict[str, Any]:
     """The keys a verify run sets: no MLflow run of its own (verify logs the comparison), and for the
     reference the one-device settings its recording chose (`keras_sync.training.verify_record`)."""
+    import json
+
     out: dict[str, Any] = {"mlflow.enabled": False}
     if verify.replay_dir is None:
         return out
     path = Path(verify.replay_dir) / VERIFY_OVERRIDES_FILE
-    import json
-
     try:
         out.update(json.loads(path.read_text()))
     except (OSError, ValueError) as exc:
-        raise ConfigError(
-            ConfigIssue(
-                f"${VERIFY_REPLAY_ENV}",
-                None,
-                "",
-                f"cannot read the recording's {path} "
-                f"({exc}); expected a folder written by a run with ${VERIFY_RECORD_ENV}",
-            )
+        raise _error(
+            f"${VERIFY_REPLAY_ENV}",
+            None,
+            f"cannot read the recording's {path} ({exc}); expected a folder written by a run "
+            f"with ${VERIFY_RECORD_ENV}",
         ) from None
     return out
 
@@ -910,54 +817,31 @@ def _plain(mapping: Mapping[str, Any]) -> dict[str, Any]:
 def _read_text(path: Path) -> str:
     file = str(path)
     if not path.exists():
-        raise ConfigError(
-            ConfigIssue(
-                file,
-                None,
-                "",
-                "no such file; create one with 'keras-sync init' or pass the right path",
-            )
-        )
+        msg = "no such file; create one with 'keras-sync init' or pass the right path"
+        raise _error(file, None, msg)
     if path.is_dir():
-        raise ConfigError(
-            ConfigIssue(
-                file,
-                None,
-                "",
-                f"is a directory, expected a YAML file (e.g. {path / DEFAULT_CONFIG_FILE})",
-            )
-        )
+        msg = f"is a directory, expected a YAML file (e.g. {path / DEFAULT_CONFIG_FILE})"
+        raise _error(file, None, msg)
     try:
-        size_issue = file_size_issue(file, path.stat().st_size)
-        if size_issue is not None:
+        if (size_issue := file_size_issue(file, path.stat().st_size)) is not None:
             raise ConfigError(size_issue)
         with path.open("rb") as f:
             raw = f.read(MAX_FILE_BYTES + 1)  # a pipe or /proc file says size 0
-        size_issue = file_size_issue(file, len(raw))
-        if size_issue is not None:
-            raise ConfigError(
-                ConfigIssue(
-                    file,
-                    None,
-                    "",
-                    f"the file is over the limit of {MAX_FILE_BYTES:,} "
-                    "bytes (1 MiB) for a config file; check that this is the file you meant",
-                )
-            )
     except OSError as exc:
-        raise ConfigError(
-            ConfigIssue(file, None, "", f"cannot read the file: {exc.strerror}")
-        ) from None
+        raise _error(file, None, f"cannot read the file: {exc.strerror}") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise _error(
+            file,
+            None,
+            f"the file is over the limit of {MAX_FILE_BYTES:,} bytes (1 MiB) for a config file; "
+            "check that this is the file you meant",
+        )
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        line = raw[: exc.start].count(b"\n") + 1
-        raise ConfigError(
-            ConfigIssue(
-                file,
-                line,
-                "",
-                f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset "
-                f"{exc.start}); save the file as UTF-8 YAML",
-            )
+        raise _error(
+            file,
+            raw[: exc.start].count(b"\n") + 1,
+            f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
+            "save the file as UTF-8 YAML",
         ) from None

@@ -1,12 +1,8 @@
 """The strategy kinds keras-sync knows: one entry each, and every question about a kind asks it.
 
-Pure Python (no TensorFlow): `keras_sync.config` validates `strategy.*` against this table,
-`keras_sync.strategy` finds each kind's builder and device layout here, `keras_sync.cli.run_plan`
-and `keras_sync.session` ask whether a kind runs one process per worker and what
-``batch.drop_remainder: auto`` means for it, and the config reference (`keras_sync.config.reference`)
-writes each kind's commented ``strategy:`` section of the ``keras-sync init`` template from its
-summary. Which `strategy.*` keys that section shows is declared on the keys themselves (the ``kinds``
-metadata of the fields in `keras_sync/config/__init__.py`).
+Pure Python: the config validates `strategy.*` against this table, `keras_sync.strategy` finds
+each kind's builder and device layout here, and the config reference writes each kind's
+``strategy:`` template section from its summary (which keys it shows: the fields' ``kinds``).
 """
 
 from __future__ import annotations
@@ -15,9 +11,7 @@ from dataclasses import dataclass
 
 # Where a kind's replicas live on one worker (`keras_sync.strategy.device_layout`).
 LAYOUT_TENSORFLOW = "tensorflow"  # no device list: TensorFlow's default device, no simulated CPUs
-LAYOUT_LOCAL = (
-    "local"  # one replica per local device: simulated CPUs, strategy.devices, GPUs or the CPU
-)
+LAYOUT_LOCAL = "local"  # one replica per local device: simulated CPUs, devices, GPUs or the CPU
 LAYOUT_ONE = "one"  # the first of the local devices
 LAYOUT_TPU = "tpu"  # the TPU system names its cores when it starts
 LAYOUTS = (LAYOUT_TENSORFLOW, LAYOUT_LOCAL, LAYOUT_ONE, LAYOUT_TPU)
@@ -30,12 +24,10 @@ class KindSpec:
     Args:
         name: the value of `strategy.kind`.
         summary: what the kind does, one or two sentences (the template's comment above it).
-        builder: the name of the function in `keras_sync.strategy` that builds it; None for
-            ``auto``, which `keras_sync.strategy.detect` resolves into another kind first.
+        builder: the name of its builder in `keras_sync.strategy`; None for ``auto`` (resolved first).
         layout: where its replicas live on one worker, one of `LAYOUTS`.
         multi_process: one process per worker, joined in a cluster (collectives span processes).
-        one_process: the whole job is one process; several workers (``keras-sync launch``, a
-            TF_CONFIG naming several) would each train on their own, so keras-sync refuses them.
+        one_process: the job is one process; several workers would each train alone (refused).
         accepts_devices: `strategy.devices` may name its devices.
         max_devices: at most this many `strategy.devices` (None: no limit).
         simulated_cpus: `strategy.simulated_cpu_replicas` may apply.

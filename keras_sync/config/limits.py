@@ -1,24 +1,9 @@
 """The sizes a config may have, checked before any work is done with it.
 
-A keras-sync config is a few kilobytes of names, numbers, paths and URIs. These limits are
-hundreds of times above that, and low enough that reading a config always takes well under a
-second: a file of 50 MB, a value of 50 MB or a YAML nested 300 levels deep is refused with one
-line that names the limit and where it was passed, instead of running out of time, memory or
-Python's recursion limit (the YAML composer recurses once per level), and no single value is too
-long to pass to a child process (Linux takes at most 128 KiB per argument or variable).
-
-==================  ============  ==============================================================
-Limit               Value         Counts
-==================  ============  ==============================================================
-file size           1 MiB         the bytes of the YAML file
-nesting depth       32            mappings and lists inside each other (the config uses 3)
-keys                10,000        mapping keys and list items, in total
-key name            256           characters of one key
-string value        64 KiB        UTF-8 bytes of one string value (a name, path or URI)
-==================  ============  ==============================================================
-
-They apply to every source of values: the file (checked while it is read, with ``file:line``
-and the key path), a dict given to `keras_sync.load`, overrides and environment variables.
+A config is a few kilobytes; these limits are far above that, and low enough that reading one
+never runs out of time, memory or recursion (the YAML composer recurses once per level), and
+no value is too long to pass to a child process. They apply to every source of values: the
+file (with ``file:line`` and the key path), a dict, overrides and environment variables.
 """
 
 from __future__ import annotations
@@ -38,7 +23,7 @@ _SHOWN_PATH_CHARS = 120  # a key path longer than this is shown by its two ends
 
 
 def file_size_issue(file: str, size: int) -> ConfigIssue | None:
-    """The issue of a config file of ``size`` bytes, or None when it is within the limit."""
+    """The issue of a config file of ``size`` bytes; None within the limit."""
     if size <= MAX_FILE_BYTES:
         return None
     return ConfigIssue(
@@ -52,10 +37,11 @@ def file_size_issue(file: str, size: int) -> ConfigIssue | None:
 
 
 class SizeCounter:
-    """Counts the values of one source of config values and refuses the first one over a limit.
+    """Counts the values of one source and refuses the first one over a limit.
 
-    `node` is called for every value before it is built: by the YAML composer (with its line) and
-    by `check_data`'s walk over a dict.
+    `node` is called for every value before it is built, by the YAML composer and `check_data`:
+    ``depth`` counts the collections around it (and itself if it is one); ``entry``: a mapping
+    key or list item; ``key``: a mapping key of this name; ``string``: this string value.
     """
 
     def __init__(self, file: str):
@@ -73,11 +59,6 @@ class SizeCounter:
         key: str | None = None,
         string: str | None = None,
     ) -> None:
-        """One value at ``path``, ``depth`` collections deep (counting itself if it is one).
-
-        ``entry``: it is a mapping key or a list item; ``key``: it is a mapping key of this name;
-        ``string``: it is this string value.
-        """
         if entry:
             self.keys += 1
             if self.keys > MAX_KEYS:
@@ -91,8 +72,8 @@ class SizeCounter:
             self._refuse(
                 path,
                 line,
-                f"a key of {len(key):,} characters, over the limit of {MAX_KEY_CHARS} for a "
-                "key name; the config's keys are words such as run_name (keras-sync schema lists them)",
+                f"a key of {len(key):,} characters, over the limit of {MAX_KEY_CHARS} for a key "
+                "name; the config's keys are words such as run_name (keras-sync schema lists them)",
             )
         if collection and depth > MAX_DEPTH:
             self._refuse(
@@ -101,36 +82,27 @@ class SizeCounter:
                 f"nested more than {MAX_DEPTH} levels deep, the limit for a config; its "
                 "sections nest 3 levels (keras-sync schema shows them)",
             )
-        if (
-            string is not None and len(string) * 4 > MAX_STRING_BYTES
-        ):  # at most 4 UTF-8 bytes a character
+        # At most 4 UTF-8 bytes a character: encode only a string that could be over.
+        if string is not None and len(string) * 4 > MAX_STRING_BYTES:
             size = len(string.encode("utf-8", "surrogatepass"))
             if size > MAX_STRING_BYTES:
                 self._refuse(
                     path,
                     line,
-                    f"a string of {size:,} bytes, over the limit of {MAX_STRING_BYTES:,} "
-                    "bytes (64 KiB) for a config value; names, paths and URIs are shorter: shorten it",
+                    f"a string of {size:,} bytes, over the limit of {MAX_STRING_BYTES:,} bytes "
+                    "(64 KiB) for a config value; names, paths and URIs are shorter: shorten it",
                 )
 
     def _refuse(self, path: str, line: int | None, message: str) -> None:
-        raise ConfigError(ConfigIssue(self.file, line, shown_path(path), message))
-
-
-def shown_path(path: str) -> str:
-    """``path`` as an error shows it: whole, or its two ends when it is long."""
-    if len(path) <= _SHOWN_PATH_CHARS:
-        return path
-    half = _SHOWN_PATH_CHARS // 2
-    return f"{path[:half]}...{path[-half:]}"
+        # A long key path is shown by its two ends.
+        half = _SHOWN_PATH_CHARS // 2
+        shown = path if len(path) <= _SHOWN_PATH_CHARS else f"{path[:half]}...{path[-half:]}"
+        raise ConfigError(ConfigIssue(self.file, line, shown, message))
 
 
 def check_data(data: Any, file: str) -> None:
-    """Refuse ``data`` (a dict of config values) if it passes a limit; a walk without recursion.
-
-    Raises:
-        ConfigError: one issue, naming ``file``, the key path and the limit.
-    """
+    """Refuse ``data`` (a dict of config values) with a `ConfigError` if it passes a limit
+    (a walk without recursion)."""
     counter = SizeCounter(file)
     stack: list[tuple[Any, str, int, bool, str | None]] = [(data, "", 0, False, None)]
     while stack:

@@ -1,17 +1,10 @@
-"""The config reference, written from the field declarations in `keras_sync.config`.
-
-Each config key is declared once (its default, its value spec and one ``doc`` line); from that
-declaration come validation errors, the JSON Schema (`keras_sync.config.schema`), and, from this module,
-the commented ``keras_sync.yaml`` that ``keras-sync init`` writes (``templates/keras_sync.yaml``
-and one ``templates/strategy_<kind>.yaml`` per strategy kind) and the config reference table of the
-docs site (``docs/reference/config.md``). A test fails when the files on disk differ from what this module writes.
-
-After adding or changing a config key, regenerate in a source checkout::
+"""The config reference, written from the field declarations in `keras_sync.config`: the commented
+``keras_sync.yaml`` that ``keras-sync init`` writes (``templates/keras_sync.yaml`` and one
+``templates/strategy_<kind>.yaml`` per kind) and the table of ``docs/reference/config.md``.
+A test fails when the files on disk differ. After changing a config key, in a source checkout::
 
     python -m keras_sync.config.reference          # rewrite the files
     python -m keras_sync.config.reference --check  # exit 1 and show a diff if they drifted
-
-Pure Python: imports no TensorFlow.
 """
 
 from __future__ import annotations
@@ -25,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from keras_sync.config import ENV_KEYS, Config, StrategyConfig
+from keras_sync.config import ENV_KEYS, Config, StrategyConfig, _public_fields, _yaml_key
 from keras_sync.config.kinds import KINDS
 from keras_sync.config.specs import Choice, Spec
 from keras_sync.errors import UsageError
@@ -50,14 +43,6 @@ TEMPLATE_HEADER = f"""\
 # Placeholders that `keras_sync.cli.scaffold.render_config` fills in.
 STRATEGY_PLACEHOLDER = "${strategy}"
 TEMPLATE_VALUES = {"batch.per_replica": "${per_replica}"}
-
-
-def _public(cls: type) -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
-
-
-def _key(f: dataclasses.Field) -> str:
-    return f.metadata.get("key") or f.name
 
 
 def _doc(f: dataclasses.Field, path: str) -> str:
@@ -93,10 +78,7 @@ def yaml_value(value: Any) -> str:
 
 
 def describe_key(f: dataclasses.Field, path: str) -> str:
-    """A key's description outside its kind's template section: the doc, after the kinds it applies to.
-
-    Used by the docs' config reference and the JSON Schema (`keras_sync.config.schema`).
-    """
+    """A key's description outside its kind's template section: the kinds it applies to, then the doc."""
     doc = _doc(f, path)
     kinds = f.metadata.get("kinds")
     if kinds and set(kinds) != set(KINDS):
@@ -126,11 +108,11 @@ def _key_lines(indent: str, key: str, value: str, comment: str) -> list[str]:
 
 def _section_lines(cls: type, path: str, indent: str, kind: str | None = None) -> list[str]:
     lines: list[str] = []
-    for f in _public(cls):
+    for f in _public_fields(cls):
         kinds = f.metadata.get("kinds")
         if kind is not None and kinds is not None and kind not in kinds:
             continue
-        key = _key(f)
+        key = _yaml_key(f)
         dotted = f"{path}.{key}"
         doc = _doc(f, dotted)
         spec = f.metadata.get("spec")
@@ -158,24 +140,22 @@ def strategy_section(kind: str) -> str:
 def config_template() -> str:
     """The commented ``keras_sync.yaml`` (``templates/keras_sync.yaml``), with its placeholders."""
     blocks = [TEMPLATE_HEADER + "\n" + STRATEGY_PLACEHOLDER]
-    for f in _public(Config):
+    for f in _public_fields(Config):
         if f.type in (StrategyConfig, "StrategyConfig"):
             continue
-        lines = [f"{_key(f)}:"]
+        lines = [f"{_yaml_key(f)}:"]
         if f.metadata.get("note"):
             lines += _wrap(f.metadata["note"], "  ")
-        lines += _section_lines(f.default_factory, _key(f), "  ")  # type: ignore[arg-type]
-        if f.metadata.get("commented"):
-            lines = [
-                f"# {line}" for line in lines
-            ]  # uncommenting = removing the first "# " of each line
+        lines += _section_lines(f.default_factory, _yaml_key(f), "  ")  # type: ignore[arg-type]
+        if f.metadata.get("commented"):  # uncommenting = removing the first "# " of each line
+            lines = [f"# {line}" for line in lines]
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks) + "\n"
 
 
 def _rows(cls: type, path: str) -> Iterator[tuple[str, str, str, str]]:
-    for f in _public(cls):
-        dotted = f"{path}.{_key(f)}" if path else _key(f)
+    for f in _public_fields(cls):
+        dotted = f"{path}.{_yaml_key(f)}" if path else _yaml_key(f)
         spec = f.metadata.get("spec")
         if spec is None:  # a section's kinds apply to its keys
             prefix = (
@@ -212,11 +192,8 @@ def _with_reference_block(page: str) -> str:
 
 def source_root() -> Path:
     """The source checkout this module belongs to (where docs/ and templates/ are)."""
-    root = Path(__file__).resolve().parents[2]  # keras_sync/config/reference.py -> the checkout
-    if (
-        not (root / REFERENCE_PAGE).is_file()
-        or not (root / "templates" / "keras_sync.yaml").is_file()
-    ):
+    root = Path(__file__).resolve().parents[2]
+    if not (root / REFERENCE_PAGE).is_file() or not (root / "templates/keras_sync.yaml").is_file():
         raise UsageError(
             f"{root} is not a keras-sync source checkout (no {REFERENCE_PAGE} and templates/); run "
             "`python -m keras_sync.config.reference` from an editable install (pip install -e .)"
@@ -240,28 +217,21 @@ def drift(root: Path) -> dict[Path, str]:
     for path, text in generated_files(root).items():
         old = path.read_text(encoding="utf-8") if path.exists() else ""
         if old != text:
-            out[path] = "".join(
-                difflib.unified_diff(
-                    old.splitlines(True),
-                    text.splitlines(True),
-                    f"{path} (on disk)",
-                    f"{path} (generated)",
-                )
+            diff = difflib.unified_diff(
+                old.splitlines(True),
+                text.splitlines(True),
+                f"{path} (on disk)",
+                f"{path} (generated)",
             )
+            out[path] = "".join(diff)
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m keras_sync.config.reference [--check] [--root DIR]``."""
-    parser = argparse.ArgumentParser(
-        prog="python -m keras_sync.config.reference", description=__doc__.split("\n")[0]
-    )
-    parser.add_argument(
-        "--check", action="store_true", help="change nothing; exit 1 with a diff if files drifted"
-    )
-    parser.add_argument(
-        "--root", type=Path, default=None, help="the source checkout (default: this module's)"
-    )
+    parser = argparse.ArgumentParser(prog="python -m keras_sync.config.reference")
+    parser.add_argument("--check", action="store_true", help="exit 1 with a diff if files drifted")
+    parser.add_argument("--root", type=Path, help="the source checkout (default: this module's)")
     args = parser.parse_args(argv)
     try:
         root = args.root or source_root()
@@ -270,11 +240,11 @@ def main(argv: list[str] | None = None) -> int:
         print(exc, file=sys.stderr)
         return 2
     if args.check:
-        for diff in stale.values():
-            sys.stdout.write(diff)
+        sys.stdout.write("".join(stale.values()))
         if stale:
             print(
-                f"{len(stale)} file(s) differ from the config fields: run python -m keras_sync.config.reference",
+                f"{len(stale)} file(s) differ from the config fields: run python -m "
+                "keras_sync.config.reference",
                 file=sys.stderr,
             )
         return 1 if stale else 0
