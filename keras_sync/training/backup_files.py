@@ -1,16 +1,13 @@
 """The files of a backup directory: which checkpoint is complete, and which job owns the directory.
 
-No TensorFlow here; `keras_sync.callbacks.backup` writes and restores the checkpoints.
-
-- **Complete or partial.** After each save the chief writes ``ckpt-N.manifest.json`` (atomically,
-  last): the size and CRC-32 of every file of checkpoint N, and the job that wrote it. A reader
-  trusts a checkpoint only when its files match its manifest; `choose` takes the newest that does,
-  naming each newer one it skips (a truncated ``.data``, a garbled ``.index``, a save cut off
-  before its manifest), and refuses in one line when checkpoints exist but none is usable.
+- **Complete or partial.** After each save the chief writes ``ckpt-N.manifest.json`` last: the
+  size and CRC-32 of every file of checkpoint N, and the run that wrote it. Only a checkpoint whose
+  files match its manifest is trusted; `choose` takes the newest, naming each newer one it skips.
 - **One job per directory.** `BackupLock` (``keras_sync_lock.json``) names the job training into
-  the directory (job id, host, pid, cluster) while its `fit` runs; a second, live job of another
-  identity is refused before training. A lock of a dead process (same host, pid gone) or not
-  refreshed for `STALE_S` is stale: a relaunch takes the directory over.
+  the directory while its `fit` runs; another live job is refused before training. A lock of a dead
+  process (same host) or not refreshed for `STALE_S` is stale: a relaunch takes it over.
+
+No TensorFlow here; `keras_sync.callbacks.backup` writes and restores the checkpoints.
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ import sys
 import threading
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from keras_sync.errors import UsageError
@@ -35,9 +32,6 @@ LOCK_FILE = "keras_sync_lock.json"
 STALE_S = 30.0
 HEARTBEAT_S = 5.0
 _CKPT = re.compile(r"^ckpt-(\d+)\.index$")
-
-
-# -- complete or partial ------------------------------------------------------------------------
 
 
 def _files_of(prefix: str) -> list[str]:
@@ -58,23 +52,12 @@ def _crc(path: str) -> int:
 
 
 def write_manifest(prefix: str, record: dict[str, Any] | None = None) -> None:
-    """Record the files of the checkpoint at ``prefix`` (``DIR/ckpt-N``) as complete; drop manifests of deleted ones."""
+    """Record the checkpoint at ``prefix`` (``DIR/ckpt-N``) as complete; drop manifests of deleted ones."""
     folder = os.path.dirname(prefix)
-    files = {
-        n: {
-            "size": os.path.getsize(os.path.join(folder, n)),
-            "crc32": _crc(os.path.join(folder, n)),
-        }
-        for n in _files_of(prefix)
-    }
-    body = {
-        "v": 1,
-        "files": files,
-        "written": time.time(),
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "run": record,
-    }
+    paths = {n: os.path.join(folder, n) for n in _files_of(prefix)}
+    files = {n: {"size": os.path.getsize(p), "crc32": _crc(p)} for n, p in paths.items()}
+    body = dict(v=1, files=files, written=time.time(), host=socket.gethostname(), pid=os.getpid())
+    body["run"] = record
     path = prefix + MANIFEST_SUFFIX
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
@@ -83,16 +66,14 @@ def write_manifest(prefix: str, record: dict[str, Any] | None = None) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     for name in os.listdir(folder):  # manifests of checkpoints the manager deleted (max_to_keep)
-        stem = name[: -len(MANIFEST_SUFFIX)]
-        if name.endswith(MANIFEST_SUFFIX) and not os.path.exists(
-            os.path.join(folder, stem + ".index")
-        ):
+        index = os.path.join(folder, name[: -len(MANIFEST_SUFFIX)] + ".index")
+        if name.endswith(MANIFEST_SUFFIX) and not os.path.exists(index):
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(folder, name))
 
 
 def checkpoints(backup_dir: str) -> list[str]:
-    """The checkpoint prefixes in ``backup_dir`` (``DIR/ckpt-N``, by their ``.index`` file), newest first."""
+    """The checkpoint prefixes in ``backup_dir`` (``DIR/ckpt-N``, by their ``.index``), newest first."""
     try:
         names = os.listdir(backup_dir)
     except OSError:
@@ -110,7 +91,6 @@ def newest_complete(backup_dir: str) -> int | None:
 
 
 def checkpoint_bytes(backup_dir: str, number: int) -> int:
-    """The size of checkpoint ``number``'s files in ``backup_dir``."""
     prefix = os.path.join(backup_dir, f"ckpt-{number}")
     return sum(os.path.getsize(os.path.join(backup_dir, n)) for n in _files_of(prefix))
 
@@ -150,7 +130,7 @@ def manifest_run(prefix: str) -> dict[str, Any] | None:
 
 @dataclass
 class Choice:
-    """What a restore may use: the complete checkpoints newest first, and the newer ones skipped (with why)."""
+    """What a restore may use: the complete checkpoints newest first, and those skipped (with why)."""
 
     usable: list[str] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
@@ -161,10 +141,10 @@ class Choice:
 
 
 def choose(backup_dir: str) -> Choice:
-    """The checkpoints of ``backup_dir`` a restore may use; `UsageError` when there are some and none is usable.
+    """The checkpoints of ``backup_dir`` a restore may use; `UsageError` when all are damaged.
 
-    A directory holding only saves cut off before their manifest has no backup (training starts
-    over); one whose checkpoints are all damaged is refused: resuming is what the user asked for.
+    Saves cut off before their manifest are no backup (training starts over); damaged ones are
+    refused: resuming is what the user asked for.
     """
     choice = Choice()
     for prefix in checkpoints(backup_dir):
@@ -187,10 +167,9 @@ def chosen(backup_dir: str) -> Choice:
 
 
 def remember(backup_dir: str, choice: Choice | None) -> None:
-    """Keep (or with None, forget) the choice of this `fit`, so the run lookup and the restore agree."""
-    if choice is None:
-        _chosen.pop(os.path.abspath(backup_dir), None)
-    else:
+    """Keep (or with None, forget) the choice of this `fit`: the run lookup and the restore agree."""
+    _chosen.pop(os.path.abspath(backup_dir), None)
+    if choice is not None:
         _chosen[os.path.abspath(backup_dir)] = choice
 
 
@@ -204,12 +183,9 @@ def no_usable_backup(backup_dir: str, skipped: list[tuple[str, str]]) -> UsageEr
 
 def say_skipped(choice: Choice) -> None:
     """One line per newer checkpoint a restore leaves out, naming it and what is wrong (chief only)."""
+    latest = choice.latest
+    instead = f"using {os.path.basename(latest)}" if latest else "no earlier complete backup"
     for prefix, why in choice.skipped:
-        instead = (
-            f"using {os.path.basename(choice.latest)}"
-            if choice.latest
-            else "no earlier complete backup"
-        )
         print(
             f"keras-sync: skipped the backup {prefix} ({why}); {instead}",
             file=sys.stderr,
@@ -217,14 +193,19 @@ def say_skipped(choice: Choice) -> None:
         )
 
 
-# -- one job per directory ------------------------------------------------------------------------
-
-from keras_sync.tracking.sqlite_store import _alive  # noqa: E402  (one "is this pid alive" for the store's and the backup's locks)
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 @dataclass(frozen=True)
 class Holder:
-    """Who trains into a backup directory: job id (None: none given), host, pid, cluster (multi-worker)."""
+    """Who trains into a backup directory: job id (None: none given), host, pid, cluster."""
 
     job_id: str | None
     host: str
@@ -237,7 +218,7 @@ class Holder:
 
 
 def read_lock(backup_dir: str) -> tuple[Holder, float] | None:
-    """The holder of ``backup_dir``'s lock and the lock's age in seconds, or None (no lock, or unreadable)."""
+    """The holder of ``backup_dir``'s lock and its age in seconds; None: no lock, or unreadable."""
     path = os.path.join(backup_dir, LOCK_FILE)
     try:
         with open(path) as f:
@@ -249,20 +230,16 @@ def read_lock(backup_dir: str) -> tuple[Holder, float] | None:
 
 
 def live_other(found: tuple[Holder, float] | None, me: Holder, *, chief: bool) -> Holder | None:
-    """The holder of a lock when it is another live job that ``me`` must not share the directory with.
+    """The lock's holder when it is another live job that ``me`` must not share the directory with.
 
-    Stale: its process is gone (same host), or it was not refreshed for `STALE_S`. The chief takes
-    over a lock of its own job id held on another host (a relaunch); a worker that is not the chief
-    accepts its own job's chief (same job id, or same cluster).
+    The chief takes over a lock of its own job id held on another host (a relaunch); another
+    worker accepts its own job's chief (same job id, or same cluster).
     """
     if found is None:
         return None
     holder, age = found
-    if holder.host == me.host and holder.pid == me.pid:
-        return None
-    if holder.host == me.host and not _alive(holder.pid):
-        return None
-    if age > STALE_S:
+    here = holder.host == me.host
+    if (here and (holder.pid == me.pid or not _alive(holder.pid))) or age > STALE_S:
         return None
     same_job = (holder.job_id is not None and holder.job_id == me.job_id) or (
         holder.job_id is None
@@ -308,16 +285,7 @@ class BackupLock:
                     os.unlink(self.path)
                 continue
             with os.fdopen(fd, "w") as f:
-                json.dump(
-                    {
-                        "job_id": self.me.job_id,
-                        "host": self.me.host,
-                        "pid": self.me.pid,
-                        "cluster": self.me.cluster,
-                        "since": time.time(),
-                    },
-                    f,
-                )
+                json.dump({**asdict(self.me), "since": time.time()}, f)
             self._thread = threading.Thread(
                 target=self._beat, name="keras-sync-backup-lock", daemon=True
             )
