@@ -15,9 +15,6 @@ from typing import TYPE_CHECKING, Any
 from keras_sync.config import Config, StrategyConfig
 from keras_sync.config.kinds import KINDS, LAYOUT_ONE, LAYOUT_TENSORFLOW, LAYOUT_TPU, kinds_where
 from keras_sync.errors import KerasSyncError, StrategyError, UsageError
-from keras_sync.upstream.strategy_facts import (
-    in_multi_worker_mode,
-)  # also importable from here, as before
 
 if TYPE_CHECKING:  # pragma: no cover
     import tensorflow as tf
@@ -29,6 +26,8 @@ _TPU_ENV_VARS = (
     "TPU_ACCELERATOR_TYPE",
     "KUBE_GOOGLE_CLOUD_TPU_ENDPOINTS",
 )
+#: Kinds whose job is one process, which is then its chief.
+ONE_PROCESS_KINDS = kinds_where(one_process=True)
 
 
 @dataclass(frozen=True)
@@ -49,19 +48,7 @@ def count_gpus_cheaply() -> int:
         n = sum(1 for _ in gpus.iterdir()) if gpus.is_dir() else 0
     except OSError:
         return 0
-    if visible:
-        n = min(n, len([v for v in visible.split(",") if v.strip()]))
-    return n
-
-
-def tpu_hint(environ: Mapping[str, str]) -> str | None:
-    """Why we believe a TPU is attached (an env var or /dev/accel0), or None."""
-    for var in _TPU_ENV_VARS:
-        if environ.get(var):
-            return f"${var} is set"
-    if Path("/dev/accel0").exists() or Path("/dev/vfio/0").exists():
-        return "a TPU device (/dev/accel0) is present"
-    return None
+    return min(n, len([v for v in visible.split(",") if v.strip()])) if visible else n
 
 
 def count_workers(config: Config, environ: Mapping[str, str]) -> tuple[int, str]:
@@ -72,47 +59,32 @@ def count_workers(config: Config, environ: Mapping[str, str]) -> tuple[int, str]
     return info.num_workers, where
 
 
-#: Kinds whose job is one process, which is then its chief.
-ONE_PROCESS_KINDS = kinds_where(one_process=True)
-
-
 def refuse_one_process_kind(config: Config, workers: int, started_by: str, alone: str) -> None:
-    """Refuse, in one line, to run a one-process kind (`mirrored`, ...) as ``workers`` > 1 processes.
+    """Raise `UsageError` when a one-process kind (`mirrored`, ...) is run as ``workers`` > 1
+    processes: each would train on its own, several jobs with one id instead of one.
 
-    Each process would build its own strategy and train on its own: several jobs with the same
-    data and id, not one (their MLflow runs collide). ``started_by`` says what names the workers
-    (``TF_CONFIG (plain) names 2 workers``); ``alone`` how to run the script as one process.
-
-    Raises:
-        UsageError: the config's kind runs in one process and ``workers`` > 1.
+    ``started_by`` says what names the workers; ``alone`` how to run the script as one process.
     """
     kind = config.strategy.kind
     if workers <= 1 or not KINDS[kind].one_process:
         return
-    joined = " or ".join(
-        kinds_where(builder=None) + kinds_where(multi_process=True)
-    )  # auto picks one that joins
+    joined = " or ".join(kinds_where(builder=None) + kinds_where(multi_process=True))
     raise UsageError(
-        f"{started_by}, but strategy.kind is {kind!r} in {config.origin()}, a kind that runs in one process: each "
-        f"worker would train on its own. Fix: set strategy.kind: {joined}, or {alone}."
+        f"{started_by}, but strategy.kind is {kind!r} in {config.origin()}, a kind that runs in one "
+        f"process: each worker would train on its own. Fix: set strategy.kind: {joined}, or {alone}."
     )
 
 
 def check_one_process(config: Config, environ: Mapping[str, str] | None = None) -> None:
-    """`refuse_one_process_kind` for the cluster this process was started in (TF_CONFIG, Slurm, ...).
-
-    Raises:
-        UsageError: the config's kind runs in one process and the cluster names several workers.
-    """
+    """`refuse_one_process_kind` for the cluster this process was started in (TF_CONFIG, Slurm, ...)."""
     if not KINDS[config.strategy.kind].one_process:
         return
     try:
         workers, where = count_workers(config, os.environ if environ is None else environ)
     except KerasSyncError:  # a cluster description a one-process kind never reads
         return
-    refuse_one_process_kind(
-        config, workers, f"{where} names {workers} workers", "start one process only"
-    )
+    started_by = f"{where} names {workers} workers"
+    refuse_one_process_kind(config, workers, started_by, "start one process only")
 
 
 def detect(
@@ -127,9 +99,10 @@ def detect(
     kind = config.strategy.kind
     if kind != "auto":
         return Detection(kind, f"strategy.kind is {kind!r} ({config.source_of('strategy.kind')})")
-    hint = tpu_hint(env)
-    if hint:
-        return Detection("tpu", f"auto: {hint}")
+    if var := next((v for v in _TPU_ENV_VARS if env.get(v)), None):
+        return Detection("tpu", f"auto: ${var} is set")
+    if Path("/dev/accel0").exists() or Path("/dev/vfio/0").exists():
+        return Detection("tpu", "auto: a TPU device (/dev/accel0) is present")
     workers, where = count_workers(config, env)
     if workers > 1:
         return Detection("multi_worker_mirrored", f"auto: {where} names {workers} workers")
@@ -145,13 +118,9 @@ def detect(
 
 @dataclass(frozen=True)
 class DeviceLayout:
-    """The devices one worker trains on, one replica each, as the builders below pick them.
-
-    ``source`` says who names them: ``"simulated"`` (logical CPUs from
-    ``strategy.simulated_cpu_replicas``), ``"strategy.devices"`` (the config's list), or
-    ``"tensorflow"`` (the builder passes no list and TensorFlow takes all GPUs, else the CPU;
-    ``devices`` then shows that pick).
-    """
+    """The devices one worker trains on, one replica each, and who names them: ``"simulated"``
+    (logical CPUs), ``"strategy.devices"`` (the config's list) or ``"tensorflow"`` (no list is
+    passed: TensorFlow takes all GPUs, else the CPU, and ``devices`` shows that pick)."""
 
     devices: tuple[str, ...]
     source: str
@@ -165,20 +134,18 @@ class DeviceLayout:
 def device_layout(kind: str, cfg: StrategyConfig, *, gpus: int) -> DeviceLayout:
     """The per-worker devices of a ``kind`` strategy, without importing TensorFlow.
 
-    Both the builders and `keras-sync plan` call this, so the plan shows what a run will use.
-    ``gpus`` is the number of GPUs visible (TensorFlow's count in a builder, the driver's in
-    the plan). Not for ``tpu``: the TPU system names its cores when it starts.
+    The builders and `keras-sync plan` both call it, so the plan shows what a run will use.
+    ``gpus``: the GPUs visible (TensorFlow's count in a builder, the driver's in the plan).
+    Not for ``tpu``: the TPU system names its cores when it starts.
     """
     spec = KINDS[kind]
     if spec.builder is None or spec.layout == LAYOUT_TPU:
         raise ValueError(f"device_layout: no local device layout for kind={kind!r}")
     tf_default = DeviceLayout(("/gpu:0" if gpus else "/cpu:0",), "tensorflow")
-    if (
-        spec.layout == LAYOUT_TENSORFLOW
-    ):  # e.g. tf.distribute.get_strategy(): no device list, no simulated CPUs
+    if spec.layout == LAYOUT_TENSORFLOW:  # no device list, no simulated CPUs
         return tf_default
     if cfg.simulated_cpu_replicas:
-        layout = DeviceLayout(tuple(_simulated_cpu_names(cfg.simulated_cpu_replicas)), "simulated")
+        layout = DeviceLayout(tuple(_cpu_names(cfg.simulated_cpu_replicas)), "simulated")
     elif cfg.devices and spec.accepts_devices:
         layout = DeviceLayout(tuple(cfg.devices), "strategy.devices")
     elif gpus and spec.layout != LAYOUT_ONE:
@@ -190,7 +157,10 @@ def device_layout(kind: str, cfg: StrategyConfig, *, gpus: int) -> DeviceLayout:
     return layout
 
 
-# ---------------------------------------------------------------------------------------------
+def _cpu_names(n: int) -> list[str]:
+    return [f"/cpu:{i}" for i in range(n)]
+
+
 # Builders (import TensorFlow)
 
 
@@ -200,37 +170,29 @@ def configure_simulated_cpus(n: int) -> list[str]:
 
     cpus = tf.config.list_physical_devices("CPU")
     current = tf.config.get_logical_device_configuration(cpus[0])
-    # Names are built here rather than read from tf.config.list_logical_devices(): listing would
-    # start the TensorFlow runtime, after which MultiWorkerMirroredStrategy can no longer
-    # configure its collectives ("Collective ops must be configured at program startup").
-    names = _simulated_cpu_names(n)
+    # Names are built, not listed: listing starts the runtime, after which
+    # MultiWorkerMirroredStrategy can no longer configure its collectives.
     if current is not None and len(current) == n:
-        return names
+        return _cpu_names(n)
     try:
         tf.config.set_logical_device_configuration(
             cpus[0], [tf.config.LogicalDeviceConfiguration()] * n
         )
     except RuntimeError as exc:
         raise StrategyError(
-            f"Cannot split the CPU into strategy.simulated_cpu_replicas={n} logical devices: TensorFlow has "
-            "already initialised its devices in this process. Call keras_sync.load() first, before creating "
-            f"any tensor, model or dataset. ({exc})"
+            f"Cannot split the CPU into strategy.simulated_cpu_replicas={n} logical devices: "
+            "TensorFlow has already initialised its devices in this process. Call keras_sync.load() "
+            f"first, before creating any tensor, model or dataset. ({exc})"
         ) from None
-    return names
-
-
-def _simulated_cpu_names(n: int) -> list[str]:
-    return [f"/cpu:{i}" for i in range(n)]
+    return _cpu_names(n)
 
 
 def _cross_device_ops(name: str, n_gpus: int) -> Any:
     import tensorflow as tf
 
     if name == "auto":
-        # With GPUs TensorFlow picks (NCCL where it can). On CPU-only hosts we pick
-        # ReductionToOneDevice: TF's own pick there is collective all-reduce, and the collective
-        # instances of two MirroredStrategy objects in one process collide (measured here with 4
-        # logical CPUs: "Shape mismatch in the collective instance 100").
+        # With GPUs TensorFlow picks. On CPU its pick is collective all-reduce, whose instances
+        # collide between two MirroredStrategy objects in one process: ReductionToOneDevice.
         return None if n_gpus else tf.distribute.ReductionToOneDevice()
     if name == "nccl":
         if n_gpus == 0:
@@ -248,24 +210,22 @@ def _local_devices(kind: str, cfg: StrategyConfig) -> tuple[DeviceLayout, int]:
     """`device_layout` made real (simulated CPUs split, listed devices checked), and the GPU count."""
     import tensorflow as tf
 
+    from keras_sync.strategy.devices import canonical
+
     if cfg.simulated_cpu_replicas:
         configure_simulated_cpus(cfg.simulated_cpu_replicas)
-        n_gpus = 0
-    else:
-        n_gpus = len(tf.config.list_physical_devices("GPU"))
+    n_gpus = 0 if cfg.simulated_cpu_replicas else len(tf.config.list_physical_devices("GPU"))
     layout = device_layout(kind, cfg, gpus=n_gpus)
     if layout.source == "strategy.devices":
-        from keras_sync.strategy.devices import canonical
-
         known = {
-            canonical(d.name, where="TensorFlow's devices"): d.name
+            canonical(d.name, where="TensorFlow's devices")
             for d in tf.config.list_logical_devices()
         }
         for dev in layout.devices:
             if canonical(dev, where="strategy.devices") not in known:
                 raise StrategyError(
-                    f"Invalid value for strategy.devices. Received: {dev!r}. Expected devices TensorFlow sees "
-                    f"here: {', '.join(sorted(known))}."
+                    f"Invalid value for strategy.devices. Received: {dev!r}. Expected devices "
+                    f"TensorFlow sees here: {', '.join(sorted(known))}."
                 )
     return layout, n_gpus
 
@@ -293,29 +253,26 @@ def _build_mirrored(config: Config) -> tf.distribute.Strategy:
 
 def _build_multi_worker(config: Config) -> tf.distribute.Strategy:
     from keras_sync import cluster
-    from keras_sync.strategy import multi_worker as _multi_worker
-    from keras_sync.upstream import internals as _internals
-    from keras_sync.upstream import keras_fixes as _keras_compat
+    from keras_sync.strategy.multi_worker import build_multi_worker_strategy
+    from keras_sync.upstream import internals, keras_fixes
+    from keras_sync.upstream.strategy_facts import in_multi_worker_mode
 
     cfg = config.strategy
-    _internals.require(
-        "multi_worker_strategy"
-    )  # private TF internals the builder subclasses and configures
-    cluster.check_tf_config_order()  # tensorflow#60706: TF_CONFIG must be set before TF joins a cluster
+    internals.require("multi_worker_strategy")  # the private TF internals the builder uses
+    cluster.check_tf_config_order()  # tensorflow#60706: TF_CONFIG must be set before TF joins
     if cfg.simulated_cpu_replicas:
         configure_simulated_cpus(cfg.simulated_cpu_replicas)
-    # Only a list keras-sync names is passed on; TensorFlow finds its own devices otherwise, so
-    # the GPU count (which only names TensorFlow's pick) is not asked for before the cluster forms.
-    local = device_layout("multi_worker_mirrored", cfg, gpus=0).explicit_devices
-    strategy = _multi_worker.build_multi_worker_strategy(
+    # Only a list keras-sync names is passed on; the GPU count is not asked for before the
+    # cluster forms (it would start TensorFlow's runtime).
+    strategy = build_multi_worker_strategy(
         communication=cfg.communication,
         cluster_resolver=cluster.cluster_resolver(cfg),
-        local_devices=local,
+        local_devices=device_layout("multi_worker_mirrored", cfg, gpus=0).explicit_devices,
         connect_timeout_s=cfg.connect_timeout_s,
     )
     cluster.record_strategy_tf_config(os.environ.get("TF_CONFIG"))
     if in_multi_worker_mode(strategy):  # the fixes (and their probes) concern multi-worker fit only
-        _keras_compat.apply_multi_worker_fixes()
+        keras_fixes.apply_multi_worker_fixes()
     return strategy
 
 
@@ -332,26 +289,21 @@ def _build_tpu(config: Config) -> tf.distribute.Strategy:
             tf.config.experimental_connect_to_cluster(resolver)
         tf.tpu.experimental.initialize_tpu_system(resolver)
         return tf.distribute.TPUStrategy(resolver)
-    except (
-        Exception
-    ) as exc:  # TF raises ValueError, NotFoundError, RuntimeError... all mean "no TPU here"
-        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        detail = detail.split(". ")[0][:160]
+    except Exception as exc:  # ValueError, NotFoundError, RuntimeError...: all mean "no TPU here"
+        detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0].split(". ")[0][:160]
         raise StrategyError(
-            f"Cannot reach a TPU at strategy.tpu.name={address!r} (zone={tpu.zone}, project={tpu.project}): "
-            f"{type(exc).__name__}: {detail}. Set strategy.tpu.name to your TPU's name or grpc:// address, "
-            "or choose another strategy.kind."
+            f"Cannot reach a TPU at strategy.tpu.name={address!r} (zone={tpu.zone}, project="
+            f"{tpu.project}): {type(exc).__name__}: {detail}. Set strategy.tpu.name to your TPU's "
+            "name or grpc:// address, or choose another strategy.kind."
         ) from None
 
 
-# kind -> builder, from the kinds table (`keras_sync.config.kinds`): a new kind is an entry there and its
-# `_build_<kind>` function here.
+# kind -> builder, from the kinds table: a new kind is an entry there and its builder here.
 BUILDERS: dict[str, Callable[[Config], tf.distribute.Strategy]] = {
     name: globals()[spec.builder] for name, spec in KINDS.items() if spec.builder is not None
 }
 
-
-# keras-sync depends on no TensorFlow distribution (see pyproject.toml): a project brings its own.
+# keras-sync depends on no TensorFlow distribution: a project brings its own.
 INSTALL_TENSORFLOW_HINT = (
     'pip install "keras-sync[cpu]" (tensorflow-cpu), "keras-sync[tensorflow]" (the standard build; '
     'GPU with a system CUDA) or "keras-sync[and-cuda]" (GPU with CUDA from pip)'
@@ -370,8 +322,8 @@ def require_tensorflow() -> None:
         if e.name != "tensorflow":
             raise  # a broken TensorFlow: its own error says more than ours could
         raise StrategyError(
-            f"TensorFlow is not installed in this environment ({sys.executable}); keras-sync uses the "
-            f"TensorFlow of your project and installs none itself. Fix: {INSTALL_TENSORFLOW_HINT}."
+            f"TensorFlow is not installed in this environment ({sys.executable}); keras-sync uses "
+            f"the TensorFlow of your project and installs none itself. Fix: {INSTALL_TENSORFLOW_HINT}."
         ) from None
 
 
@@ -382,12 +334,13 @@ def build_strategy(
     require_tensorflow()
     detection = detect(config, environ)
     strategy = BUILDERS[detection.kind](config)
-    from keras_sync.upstream import keras_fixes as _keras_compat
-
-    _keras_compat.apply_end_of_data_fix()  # every kind: Keras's extra step at the end of unknown-length data
-    _keras_compat.apply_iterator_release_fix()  # every kind: a dropped distributed iterator destroyed mid-read
-    _keras_compat.apply_same_data_order_fix()  # every kind: no extra pass of the data to read its shapes
+    from keras_sync.upstream import keras_fixes
     from keras_sync.upstream.tf_import import quiet_device_datasets
 
-    quiet_device_datasets()  # Mirrored over 2+ devices: TF's "will not be optimized" line on every run
+    # Every kind: Keras's extra step at the end of unknown-length data, a dropped distributed
+    # iterator destroyed mid-read, an extra pass of the data to read its shapes.
+    keras_fixes.apply_end_of_data_fix()
+    keras_fixes.apply_iterator_release_fix()
+    keras_fixes.apply_same_data_order_fix()
+    quiet_device_datasets()  # Mirrored over 2+ devices: TF's "will not be optimized" line
     return strategy, detection
