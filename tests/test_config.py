@@ -239,73 +239,57 @@ def test_config_is_frozen():
 # -- sizes: every limit refused in one line, before any work (keras_sync.config.limits) ----------
 
 
-def test_a_value_over_the_string_limit_names_line_and_key(tmp_path):
-    path = write(tmp_path, "mlflow:\n  experiment: e\n  run_name: " + "é" * 40_000 + "\n")
+#: case -> (file text, the one message after the file's path); each limit, refused in one line.
+LIMITS = {
+    "string": (
+        "mlflow:\n  experiment: e\n  run_name: " + "é" * 40_000 + "\n",
+        ":3: mlflow.run_name: a string of 80,000 bytes, over the limit of 65,536 "
+        "bytes (64 KiB) for a config value; names, paths and URIs are shorter: shorten it",
+    ),
+    "file_size": (
+        "mlflow:\n  run_name: " + "r" * (1024 * 1024) + "\n",
+        ": the file is 1,048,597 bytes, over the limit of 1,048,576 bytes (1 MiB) "
+        "for a config file; a keras-sync config is a few kilobytes: check that this is "
+        "the file you meant",
+    ),
+    "keys": (
+        "strategy:\n  devices:\n" + "    - /cpu:0\n" * 10_001,
+        ":10001: strategy.devices[9998]: more than 10,000 keys and list items, the "
+        "limit for a config; a keras-sync config has about 40: check that this is the "
+        "file you meant",
+    ),
+    "key_name": (
+        "mlflow:\n  " + "k" * 300 + ": 1\n",
+        f":2: mlflow.{'k' * 53}...{'k' * 60}: a key of 300 characters, over the "
+        "limit of 256 for a key name; the config's keys are words such as run_name "
+        "(keras-sync schema lists them)",
+    ),
+    "digits": (
+        "batch:\n  per_replica: " + "1" * 5_000 + "\n",
+        ":2: a number of 5,000 digits, more than Python reads; the config's "
+        "numbers are small: shorten it",
+    ),
+    "depth": (
+        "".join("  " * i + f"k{i}:\n" for i in range(300)),
+        f":33: {'.'.join(f'k{i}' for i in range(32))}: nested more than 32 levels "
+        "deep, the limit for a config; its sections nest 3 levels (keras-sync schema "
+        "shows them)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", LIMITS)
+def test_a_file_over_a_limit_is_refused_in_one_line(tmp_path, case):
+    text, message = LIMITS[case]
+    path = write(tmp_path, text)
     with pytest.raises(ConfigError) as err:
         load_config(path, environ={})
-    assert messages(err.value) == [
-        f"{path}:3: mlflow.run_name: a string of 80,000 bytes, over the limit of 65,536 "
-        "bytes (64 KiB) for a config value; names, paths and URIs are shorter: shorten it"
-    ]
+    assert messages(err.value) == [f"{path}{message}"]
 
 
 def test_a_value_at_the_string_limit_is_read(tmp_path):
     path = write(tmp_path, "mlflow:\n  run_name: " + "r" * 65_536 + "\n")
     assert len(load_config(path, environ={}).mlflow.run_name) == 65_536
-
-
-def test_a_file_over_the_size_limit_is_refused_before_it_is_read(tmp_path):
-    path = write(tmp_path, "mlflow:\n  run_name: " + "r" * (1024 * 1024) + "\n")
-    with pytest.raises(ConfigError) as err:
-        load_config(path, environ={})
-    assert messages(err.value) == [
-        f"{path}: the file is 1,048,597 bytes, over the limit of 1,048,576 bytes (1 MiB) "
-        "for a config file; a keras-sync config is a few kilobytes: check that this is "
-        "the file you meant"
-    ]
-
-
-def test_more_keys_than_the_limit_names_the_first_one_over(tmp_path):
-    path = write(tmp_path, "strategy:\n  devices:\n" + "    - /cpu:0\n" * 10_001)
-    with pytest.raises(ConfigError) as err:
-        load_config(path, environ={})
-    assert messages(err.value) == [
-        f"{path}:10001: strategy.devices[9998]: more than 10,000 keys and list items, the "
-        "limit for a config; a keras-sync config has about 40: check that this is the "
-        "file you meant"
-    ]
-
-
-def test_a_long_key_name_is_refused_and_shown_by_its_ends(tmp_path):
-    path = write(tmp_path, "mlflow:\n  " + "k" * 300 + ": 1\n")
-    with pytest.raises(ConfigError) as err:
-        load_config(path, environ={})
-    assert messages(err.value) == [
-        f"{path}:2: mlflow.{'k' * 53}...{'k' * 60}: a key of 300 characters, over the "
-        "limit of 256 for a key name; the config's keys are words such as run_name "
-        "(keras-sync schema lists them)"
-    ]
-
-
-def test_a_number_too_long_for_python_names_its_line(tmp_path):
-    path = write(tmp_path, "batch:\n  per_replica: " + "1" * 5_000 + "\n")
-    with pytest.raises(ConfigError) as err:
-        load_config(path, environ={})
-    assert messages(err.value) == [
-        f"{path}:2: a number of 5,000 digits, more than Python reads; the config's "
-        "numbers are small: shorten it"
-    ]
-
-
-def test_a_nested_mapping_300_deep_is_refused_at_the_limit(tmp_path):
-    path = write(tmp_path, "".join("  " * i + f"k{i}:\n" for i in range(300)))
-    with pytest.raises(ConfigError) as err:
-        load_config(path, environ={})
-    assert messages(err.value) == [
-        f"{path}:33: {'.'.join(f'k{i}' for i in range(32))}: nested more than 32 levels "
-        "deep, the limit for a config; its sections nest 3 levels (keras-sync schema "
-        "shows them)"
-    ]
 
 
 def test_a_dict_over_the_limits_is_refused_without_recursion():

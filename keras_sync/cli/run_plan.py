@@ -1,13 +1,8 @@
-"""What a training run would do with this config, computed without training.
+"""What a training run would do with this config, computed without training or TensorFlow.
 
-`make_plan` answers, before any TensorFlow starts: which strategy ``auto`` picks and why,
-the devices, workers and replicas, the per-replica and global batch, the scaled learning
-rate and warmup, and where MLflow writes (credentials redacted). Every value says where
-it came from: ``flag``, ``env``, ``file``, ``default``, or ``detected``/``derived`` when
-keras-sync worked it out from the others.
-
-Pure: no TensorFlow import (device detection is the cheap one in `keras_sync.strategy`, and the
-devices come from `strategy.device_layout`, the function the strategy builders use).
+Which strategy ``auto`` picks and why, the devices, workers and replicas, the batch sizes, the
+scaled learning rate and warmup, and where MLflow writes (credentials redacted). Every value says
+where it came from: ``flag``, ``env``, ``file``, ``default``, or ``detected``/``derived``.
 """
 
 from __future__ import annotations
@@ -40,12 +35,8 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able: ``{"config": file, "items": {key: {"value", "source", "note"}}}``."""
-        return {
-            "config": self.config_file,
-            "items": {
-                i.key: {"value": i.value, "source": i.source, "note": i.note} for i in self.items
-            },
-        }
+        items = {i.key: {"value": i.value, "source": i.source, "note": i.note} for i in self.items}
+        return {"config": self.config_file, "items": items}
 
     def format(self) -> str:
         """An aligned text table: key, value, source, note."""
@@ -67,25 +58,7 @@ def _show(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, (list, tuple)):
         return ", ".join(str(v) for v in value) or "-"
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    return str(value)
-
-
-def _slurm_ports(config: Config, env: Mapping[str, str]) -> PlanItem:
-    from keras_sync import cluster
-
-    base = cluster.fixed_slurm_port_base(config.strategy)
-    if base is not None:
-        return PlanItem(
-            "strategy.slurm.port_base", base, config.source_of("strategy.slurm.port_base")
-        )
-    return PlanItem(
-        "strategy.slurm.port_base",
-        cluster.slurm_port_base(env),
-        "derived",
-        f"auto: from $SLURM_JOB_ID={env.get('SLURM_JOB_ID')} and $SLURM_STEP_ID={env.get('SLURM_STEP_ID')}",
-    )
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
 def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Plan:
@@ -95,11 +68,16 @@ def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Pl
         KerasSyncError: when the values do not fit together (e.g. a global batch that does not
             divide by the replica count, or a malformed TF_CONFIG).
     """
-    from keras_sync import strategy, tracking
+    from keras_sync import cluster, strategy, tracking
     from keras_sync.training import scaling
 
     src = config.source_of
     env = os.environ if environ is None else environ
+    items: list[PlanItem] = []
+
+    def add(key: str, value: Any, source: str | None = None, note: str = "") -> None:
+        items.append(PlanItem(key, value, src(key) if source is None else source, note))
+
     det = strategy.detect(config, environ=env)
     spec = KINDS[det.kind]
     workers, where = strategy.count_workers(config, env)
@@ -108,141 +86,91 @@ def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Pl
     if spec.layout == LAYOUT_TPU:
         devices, per_worker = [f"TPU {config.strategy.tpu.name}"], 8
     else:
-        layout = strategy.device_layout(
-            det.kind, config.strategy, gpus=strategy.count_gpus_cheaply()
-        )
+        gpus = strategy.count_gpus_cheaply()
+        layout = strategy.device_layout(det.kind, config.strategy, gpus=gpus)
         logical = " (logical)" if layout.source == "simulated" else ""
         devices, per_worker = [f"{d}{logical}" for d in layout.devices], len(layout.devices)
     replicas = workers * per_worker
-    items = [
-        PlanItem("strategy.kind", config.strategy.kind, src("strategy.kind")),
-        PlanItem("strategy.chosen", det.kind, "detected", det.reason),
-        PlanItem("devices", devices, "detected", "per worker"),
-        PlanItem("workers", workers, "env" if workers > 1 else "default", where),
-        PlanItem("replicas", replicas, "derived", f"{workers} worker(s) x {per_worker} device(s)"),
-    ]
+    add("strategy.kind", config.strategy.kind)
+    add("strategy.chosen", det.kind, "detected", det.reason)
+    add("devices", devices, "detected", "per worker")
+    add("workers", workers, "env" if workers > 1 else "default", where)
     if spec.layout == LAYOUT_TPU:
-        items[-1] = PlanItem(
-            "replicas",
-            replicas,
-            "derived",
-            "assumes 8 TPU cores; the real count is known when the TPU system starts",
-        )
+        note = "assumes 8 TPU cores; the real count is known when the TPU system starts"
+    else:
+        note = f"{workers} worker(s) x {per_worker} device(s)"
+    add("replicas", replicas, "derived", note)
     if spec.multi_process and config.strategy.cluster == "slurm" and workers > 1:
-        items.append(_slurm_ports(config, env))
+        base = cluster.fixed_slurm_port_base(config.strategy)
+        if base is not None:
+            add("strategy.slurm.port_base", base)
+        else:
+            job, step = env.get("SLURM_JOB_ID"), env.get("SLURM_STEP_ID")
+            note = f"auto: from $SLURM_JOB_ID={job} and $SLURM_STEP_ID={step}"
+            add("strategy.slurm.port_base", cluster.slurm_port_base(env), "derived", note)
     b = config.batch
     per_replica, global_batch = scaling.resolve_batch_sizes(b.per_replica, b.global_, replicas)
     if b.global_ is not None:
-        items.append(PlanItem("batch.global", global_batch, src("batch.global")))
-        items.append(
-            PlanItem(
-                "batch.per_replica", per_replica, "derived", f"{global_batch} / {replicas} replicas"
-            )
-        )
+        add("batch.global", global_batch)
+        add("batch.per_replica", per_replica, "derived", f"{global_batch} / {replicas} replicas")
     else:
-        items.append(PlanItem("batch.per_replica", per_replica, src("batch.per_replica")))
-        items.append(
-            PlanItem(
-                "batch.global", global_batch, "derived", f"{per_replica} x {replicas} replicas"
-            )
-        )
+        add("batch.per_replica", per_replica)
+        add("batch.global", global_batch, "derived", f"{per_replica} x {replicas} replicas")
     items += _input_items(config, global_batch, replicas, workers)
     rt = config.runtime
     acc = rt.gradient_accumulation_steps
-    items.append(
-        PlanItem(
-            "runtime.gradient_accumulation_steps", acc, src("runtime.gradient_accumulation_steps")
-        )
-    )
+    add("runtime.gradient_accumulation_steps", acc)
     effective = global_batch * acc
-    items.append(
-        PlanItem(
-            "batch.effective",
-            effective,
-            "derived",
-            f"{global_batch} x {acc} micro-batches per optimizer update",
+    note = f"{global_batch} x {acc} micro-batches per optimizer update"
+    add("batch.effective", effective, "derived", note)
+    for key in ("steps_per_execution", "jit_compile"):
+        kept = src(f"runtime.{key}") == "default"
+        add(
+            f"runtime.{key}",
+            getattr(rt, key),
+            None,
+            "default: your model.compile value is kept" if kept else "",
         )
-    )
-    for key in (
-        "steps_per_execution",
-        "jit_compile",
-        "mixed_precision",
-        "sync_batch_norm",
-        "train_step_gradients",
-    ):
-        given = src(f"runtime.{key}") != "default"
-        note = (
-            ""
-            if given or key in ("mixed_precision", "sync_batch_norm", "train_step_gradients")
-            else "default: your model.compile value is kept"
-        )
-        items.append(PlanItem(f"runtime.{key}", getattr(rt, key), src(f"runtime.{key}"), note))
+    for key in ("mixed_precision", "sync_batch_norm", "train_step_gradients"):
+        add(f"runtime.{key}", getattr(rt, key))
     lr = config.learning_rate
     base_batch = lr.base_batch_size or per_replica
     scaled = scaling.scale_learning_rate(
         lr.base, global_batch_size=effective, base_batch_size=base_batch, rule=lr.scaling
     )
-    items += [
-        PlanItem("learning_rate.base", lr.base, src("learning_rate.base")),
-        # null (in the file or by default) means "the per-replica batch": the number shown is derived
-        PlanItem(
-            "learning_rate.base_batch_size",
-            base_batch,
-            src("learning_rate.base_batch_size") if lr.base_batch_size else "derived",
-            "" if lr.base_batch_size else "null = the per-replica batch",
-        ),
-        PlanItem("learning_rate.scaling", lr.scaling, src("learning_rate.scaling")),
-        PlanItem(
-            "learning_rate.scaled",
-            scaled,
-            "derived",
-            scaling.lr_formula(lr.scaling, lr.base, effective, base_batch),
-        ),
-    ]
+    add("learning_rate.base", lr.base)
+    if lr.base_batch_size:
+        add("learning_rate.base_batch_size", base_batch)
+    else:  # null (in the file or by default) means "the per-replica batch": the number is derived
+        add("learning_rate.base_batch_size", base_batch, "derived", "null = the per-replica batch")
+    add("learning_rate.scaling", lr.scaling)
+    formula = scaling.lr_formula(lr.scaling, lr.base, effective, base_batch)
+    add("learning_rate.scaled", scaled, "derived", formula)
     if lr.warmup_epochs:
-        items.append(
-            PlanItem(
-                "learning_rate.warmup_epochs",
-                lr.warmup_epochs,
-                src("learning_rate.warmup_epochs"),
-                "steps = ceil(epochs x steps per epoch), known at fit",
-            )
-        )
+        note = "steps = ceil(epochs x steps per epoch), known at fit"
+        add("learning_rate.warmup_epochs", lr.warmup_epochs, None, note)
     else:
-        items.append(
-            PlanItem(
-                "learning_rate.warmup_steps",
-                lr.warmup_steps,
-                src("learning_rate.warmup_steps"),
-                "" if lr.warmup_steps else "no warmup",
-            )
+        add(
+            "learning_rate.warmup_steps",
+            lr.warmup_steps,
+            None,
+            "" if lr.warmup_steps else "no warmup",
         )
     items += _stack_items(env)
     m = config.mlflow
-    items.append(PlanItem("mlflow.enabled", m.enabled, src("mlflow.enabled")))
+    add("mlflow.enabled", m.enabled)
     if m.enabled:
         # load_config applied flag > env > file; only the default is left to fill in.
         uri, _ = tracking.resolve_tracking_uri(m.tracking_uri)
         uri_source = src("mlflow.tracking_uri") if m.tracking_uri else "default"
-        items.append(
-            PlanItem(
-                "mlflow.tracking_uri",
-                tracking.redact_uri(uri),
-                uri_source,
-                "flag > $MLFLOW_TRACKING_URI > file > default",
-            )
-        )
-        items.append(PlanItem("mlflow.experiment", m.experiment, src("mlflow.experiment")))
-        items.append(
-            PlanItem(
-                "mlflow.job_id",
-                m.job_id,
-                src("mlflow.job_id"),
-                "runs with this job id share one MLflow run"
-                if m.job_id
-                else "a new run; a relaunch that restores a backup continues its run",
-            )
-        )
+        note = "flag > $MLFLOW_TRACKING_URI > file > default"
+        add("mlflow.tracking_uri", tracking.redact_uri(uri), uri_source, note)
+        add("mlflow.experiment", m.experiment)
+        if m.job_id:
+            add("mlflow.job_id", m.job_id, None, "runs with this job id share one MLflow run")
+        else:
+            note = "a new run; a relaunch that restores a backup continues its run"
+            add("mlflow.job_id", m.job_id, None, note)
     return Plan(config.source, items)
 
 
@@ -255,21 +183,17 @@ def _stack_items(env: Mapping[str, str]) -> list[PlanItem]:
     if backend != "tensorflow":
         note += "; keras-sync needs tensorflow: keras_sync.load() refuses this"
     dists = stack.tensorflow_distributions()
+    one = "the one distribution of the tensorflow package" if len(dists) == 1 else ""
     return [
         PlanItem(
             "keras.backend", backend, "env" if source == "$KERAS_BACKEND" else "detected", note
         ),
-        PlanItem(
-            "tensorflow",
-            stack.describe_tensorflow(dists),
-            "detected",
-            "the one distribution of the tensorflow package" if len(dists) == 1 else "",
-        ),
+        PlanItem("tensorflow", stack.describe_tensorflow(dists), "detected", one),
     ]
 
 
 def _input_items(config: Config, global_batch: int, replicas: int, workers: int) -> list[PlanItem]:
-    """How training data will be sharded and batched: decided by the data (`keras_sync.training.pipeline`)."""
+    """How training data will be sharded and batched (decided by the data, `keras_sync.training.pipeline`)."""
     from keras_sync.training.pipeline import batch_layout, shard_choice
 
     policy = config.batch.shard_policy
@@ -282,7 +206,8 @@ def _input_items(config: Config, global_batch: int, replicas: int, workers: int)
             "input.datasets",
             f"own policy, else {datasets.policy}",
             "derived",
-            f"a tf.data.Dataset whose options set a policy keeps it (Ray Data: off); else {datasets.reason}",
+            "a tf.data.Dataset whose options set a policy keeps it (Ray Data: off); "
+            f"else {datasets.reason}",
         ),
         PlanItem(
             "input.batched_datasets",
@@ -292,14 +217,8 @@ def _input_items(config: Config, global_batch: int, replicas: int, workers: int)
         ),
     ]
     if workers > 1:
-        items.append(
-            PlanItem(
-                "batch.per_worker",
-                global_batch // workers,
-                "derived",
-                batch_layout(global_batch, replicas, workers),
-            )
-        )
+        layout = batch_layout(global_batch, replicas, workers)
+        items.append(PlanItem("batch.per_worker", global_batch // workers, "derived", layout))
     return items
 
 
@@ -311,9 +230,7 @@ def config_summary(config: Config) -> str:
         if b.global_ is not None
         else f"per-replica batch {b.per_replica}"
     )
-    target = "mlflow off"
-    if m.enabled:
-        target = f"mlflow experiment {m.experiment!r}"
+    target = f"mlflow experiment {m.experiment!r}" if m.enabled else "mlflow off"
     return (
         f"{config.source}: OK (strategy {config.strategy.kind}, {batch}, "
         f"learning rate {lr.base:g} scaled {lr.scaling}, {target})"

@@ -1,10 +1,5 @@
-"""Device names, read one way: ``"/job:localhost/replica:0/task:0/device:CPU:1"``, ``"/cpu:1"``,
-``"cpu:1"`` and ``"CPU:1"`` all name ``"CPU:1"``.
-
-Used where a user's device list meets TensorFlow's (`strategy.devices`, checked against the
-logical devices; `keras_sync.strategy.multi_worker.build_multi_worker_strategy(local_devices=...)`). TensorFlow is
-imported when a name is read, not at module import.
-"""
+"""Device names read one way: ``"/job:localhost/replica:0/task:0/device:CPU:1"``, ``"/cpu:1"``,
+``"cpu:1"`` and ``"CPU:1"`` all name ``"CPU:1"`` (where a user's device list meets TensorFlow's)."""
 
 from __future__ import annotations
 
@@ -12,11 +7,8 @@ from keras_sync.errors import StrategyError
 
 
 def canonical(name: str, *, where: str) -> str:
-    """``"TYPE:index"`` for any spelling TensorFlow accepts; `StrategyError` naming ``where`` otherwise.
-
-    ``where`` is the key or argument the name came from, e.g. ``"strategy.devices"`` or
-    ``"argument `local_devices`"``.
-    """
+    """``"TYPE:index"`` for any spelling TensorFlow accepts; else `StrategyError` naming ``where``,
+    the key or argument the name came from (``"strategy.devices"``)."""
     import tensorflow as tf
 
     text = name.strip() if isinstance(name, str) else name
