@@ -154,12 +154,15 @@ def test_fit_that_no_longer_uses_the_swapped_iterator_refuses_exact_resume(monke
 
 
 def test_moved_fallback_internal_refuses_nothing(monkeypatch):
-    from tensorflow.python.ops import gen_resource_variable_ops
+    from tensorflow.python.eager import context
 
-    monkeypatch.delattr(gen_resource_variable_ops, "read_variable_op")
-    entry = next(i for i in _internals.REGISTRY if i.name.endswith("read_variable_op"))
+    from keras_sync.upstream.tf_runtime import global_seed_set
+
+    monkeypatch.delattr(context, "global_seed")
+    entry = next(i for i in _internals.REGISTRY if i.name == _internals.GLOBAL_SEED)
     assert entry.fallback and _internals.check(entry) is not None
-    _internals.require("per_replica_metrics")  # the public read takes over
+    assert global_seed_set() is False  # the public path takes over
+    _internals.require("exact_resume")
 
 
 def test_registry_imports_nothing_heavy():

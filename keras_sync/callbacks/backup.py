@@ -498,7 +498,8 @@ def _free_bytes(path: str) -> int | None:
 
 
 def _kb(n: int | None) -> str:
-    return f"{(n or 0) / 1024:,.0f} KB" if (n or 0) < 10 << 20 else f"{n / (1 << 20):,.0f} MB"
+    n = n or 0
+    return f"{n / 1024:,.0f} KB" if n < 10 << 20 else f"{n / (1 << 20):,.0f} MB"
 
 
 def _drop_damaged_state_file(backup_dir: str) -> None:
@@ -522,58 +523,6 @@ def _drop_damaged_state_file(backup_dir: str) -> None:
     )
     with contextlib.suppress(OSError):
         os.unlink(path)
-
-
-# ---------------------------------------------------------------------------------------------
-# The epoch iterator that can start at a saved position
-
-
-def _resumable_iterator_class() -> type:
-    from keras.src.backend.tensorflow import trainer
-
-    base = trainer.TFEpochIterator
-
-    class ResumableEpochIterator(base):  # type: ignore[misc, valid-type]
-        """Keras' epoch iterator, plus `resume_at(epoch, step)` for the first epoch it runs.
-
-        Resuming replays Keras' own iterator logic for the epochs already done, so the dataset
-        sees the same sequence of `iter()` calls (each one reshuffles a seeded shuffle) and of
-        reads as in the interrupted run; batches are read only where the pipeline carries over
-        from one epoch to the next (``steps_per_epoch`` given, or an unknown size). Then it reads
-        and drops the batches of the resumed epoch already trained, and yields the rest with
-        their real step numbers, so callbacks see batches ``step..end``.
-        """
-
-        _ks_resume: tuple[int, int] | None = None
-
-        def resume_at(self, epoch: int, step: int) -> None:
-            self._ks_resume = (epoch, step)
-
-        def _enumerate_iterator(self) -> Iterator[tuple[int, int, Any]]:
-            point, self._ks_resume = self._ks_resume, None
-            if point is None:
-                yield from super()._enumerate_iterator()
-                return
-            epochs_done, step = point
-            for _ in range(epochs_done):
-                carry_over = self.steps_per_epoch is not None or self._num_batches is None
-                with self.catch_stop_iteration():
-                    for *_, it in super()._enumerate_iterator():
-                        if carry_over:
-                            self._drop(it)
-            for item in super()._enumerate_iterator():
-                # Keras 3.10 yields (step, iterator), later ones (begin, end, iterator).
-                end = item[1] if len(item) == 3 else item[0] + self.steps_per_execution - 1
-                if end < step:
-                    self._drop(item[-1])
-                    continue
-                yield item
-
-        def _drop(self, it: Any) -> None:
-            for _ in range(self.steps_per_execution):
-                next(it)
-
-    return ResumableEpochIterator
 
 
 def random_states(model: Any) -> list[Any]:
@@ -600,42 +549,24 @@ def resumable_fit(callbacks: list[Any]) -> Iterator[None]:
     if backup is None:
         yield
         return
-    from keras_sync.upstream import internals as _internals
+    from keras_sync.upstream.epoch_iterator import resumable_epoch_iterators
 
-    # The swap relies on private Keras internals: a Keras that moved them is refused in one line.
-    _internals.require("exact_resume")
+    def made(iterator: Any) -> None:
+        if (
+            backup.epoch_iterator is None
+        ):  # fit builds its training iterator first, then validation's
+            backup.epoch_iterator = iterator
+
     try:
-        with _epoch_iterator_swapped(backup):
+        with resumable_epoch_iterators(made):
             yield
     finally:
+        backup.epoch_iterator = None
         backup.release()
         if (
             backup._preemption is not None
         ):  # a fit that raised: SIGTERM and SIGINT get their previous meaning back
             backup._preemption.end(clean=False)
-
-
-@contextlib.contextmanager
-def _epoch_iterator_swapped(backup: BackupAndRestore) -> Iterator[None]:
-    from keras.src.backend.tensorflow import trainer
-
-    original = trainer.TFEpochIterator
-    cls = _resumable_iterator_class()
-
-    def make_iterator(*args: Any, **kwargs: Any) -> Any:
-        it = cls(*args, **kwargs)
-        if (
-            backup.epoch_iterator is None
-        ):  # fit builds its training iterator first, then validation's
-            backup.epoch_iterator = it
-        return it
-
-    trainer.TFEpochIterator = make_iterator
-    try:
-        yield
-    finally:
-        trainer.TFEpochIterator = original
-        backup.epoch_iterator = None
 
 
 def refuse_keras_backup(backup_dir: str | None, callbacks: Any, method: str = "fit") -> None:

@@ -4,7 +4,7 @@ The parsers here are pure (no TensorFlow), so `keras-sync plan` can show the
 cluster without paying for a TensorFlow import. Only `slurm_cluster_resolver`
 and the TensorFlow half of `check_tf_config_order` touch TensorFlow, lazily.
 
-Chief rule (as `tensorflow/python/distribute/multi_worker_util.py` `is_chief`):
+Chief rule (TensorFlow's own, `multi_worker_util.is_chief`):
 the `chief` task if the cluster has one, else `worker` 0; an `evaluator` is
 not part of the training cluster and is a chief of its own.
 """
@@ -646,17 +646,13 @@ def _tf_context_cluster() -> tuple[Any, ...] | None:
     """The cluster TensorFlow's eager context already joined, if TensorFlow is loaded."""
     if "tensorflow" not in sys.modules:
         return None
-    from tensorflow.python.eager import context
+    from keras_sync.upstream.multi_worker import joined_cluster
 
-    ctx = context.context_safe()
-    server_def = ctx and (
-        getattr(ctx, "_collective_ops_server_def", None) or getattr(ctx, "_server_def", None)
-    )
-    if not server_def:
+    joined = joined_cluster()
+    if joined is None:
         return None
-    cluster = {j.name: [j.tasks[i] for i in sorted(j.tasks)] for j in server_def.cluster.job}
-    cluster = {k: v for k, v in sorted(cluster.items()) if v}
-    return (json.dumps(cluster, sort_keys=True), server_def.job_name, server_def.task_index)
+    cluster = {k: v for k, v in sorted(joined[0].items()) if v}
+    return (json.dumps(cluster, sort_keys=True), joined[1], joined[2])
 
 
 def check_tf_config_order(raw: str | None = None, *, env: Mapping[str, str] | None = None) -> None:

@@ -80,14 +80,14 @@ def meet(
     if not in_multi_worker_mode(strategy):
         return
     import tensorflow as tf
-    from tensorflow.python.eager import context
+
+    from keras_sync.upstream import multi_worker as _mw
 
     timeout_s = _state["timeout_s"] if timeout_s is None else timeout_s
     with _lock:
         n = _state["count"]
         _state["count"] += 1
     me, tasks = _task_names(strategy)
-    ctx = context.context()
     deadline = time.monotonic() + timeout_s
     fix = (
         f"Under multi_worker_mirrored {call} is a collective: every worker must call it, in the same order. "
@@ -95,22 +95,20 @@ def meet(
         "code writes; or predict in a separate one-process script from a saved model."
     )
     try:
-        ctx.set_config_key_value(_KEY.format(n=n, task=me), call)
+        _mw.set_key(_KEY.format(n=n, task=me), call)
     except tf.errors.OpError:  # the coordination service's worker (the chief) has exited
         raise UsageError(
             f"{_name(me)} {_said(call)}, but the job's coordination service is gone: the worker "
             f"that hosts it has left the job. {fix}"
         ) from None
-    probe = _Liveness(ctx)
+    probe = _Liveness()
     for peer in tasks:
         if peer == me:
             continue
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)
             try:
-                got = ctx.get_config_key_value(
-                    _KEY.format(n=n, task=peer), max(1, min(left_ms, _POLL_MS))
-                )
+                got = _mw.get_key(_KEY.format(n=n, task=peer), max(1, min(left_ms, _POLL_MS)))
                 break
             except tf.errors.DeadlineExceededError:
                 if on_wait is not None:
@@ -162,8 +160,8 @@ class _Liveness:
     it off, and the wait falls back to the timeout.
     """
 
-    def __init__(self, ctx: Any) -> None:
-        self._ctx, self._on = ctx, hasattr(ctx, "check_collective_ops_peer_health")
+    def __init__(self) -> None:
+        self._on = True
         self._slow: dict[str, int] = {}
 
     def gone(self, peer: str) -> bool:
@@ -171,11 +169,11 @@ class _Liveness:
             return False
         import tensorflow as tf
 
+        from keras_sync.upstream.multi_worker import peer_health
+
         job, _, index = peer.partition(":")
         try:
-            self._ctx.check_collective_ops_peer_health(
-                f"/job:{job}/replica:0/task:{index}", _PROBE_MS
-            )
+            self._on = peer_health(f"/job:{job}/replica:0/task:{index}", _PROBE_MS)
         except (tf.errors.UnavailableError, tf.errors.FailedPreconditionError):
             return True
         except tf.errors.DeadlineExceededError:

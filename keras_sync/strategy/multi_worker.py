@@ -1,25 +1,10 @@
 """Build `tf.distribute.MultiWorkerMirroredStrategy` with local devices and a join timeout.
 
-Two things the stock constructor (TF 2.21) does not give:
-
-* **Several local devices per worker on CPU.** `CollectiveAllReduceExtended.
-  _initialize_local_devices` picks all GPUs (or the TPUs a non-TF_CONFIG resolver
-  reports) and otherwise exactly one `CPU:0`; no constructor argument or
-  `cluster_resolver.num_accelerators()` value changes that for CPUs. The only
-  supported entry for an explicit device list is `_from_local_devices`, and it
-  forces single-worker mode. We subclass the extended object and override that one
-  hook, which TF itself documents as the place where local devices are decided
-  (see its TODO b/126786766), so workers x local devices replicas take part in
-  every all-reduce. Everything else (server start, collective keys, input
-  pipeline) stays TF's code.
-* **A bounded wait for peers.** A worker whose peer never starts blocks forever in
-  the constructor and ignores SIGTERM/SIGINT. TF only configures the coordination
-  service itself when none is configured yet, so we configure it first, with
-  `cluster_register_timeout_in_ms` and `cluster_register_with_barrier`; the
-  constructor then raises `DeadlineExceededError` naming the missing task, which
-  we turn into `ConnectTimeoutError` with the task's address from the cluster spec.
-
-No TensorFlow import happens at module import time.
+Two things the stock constructor does not give: several local devices per worker on CPU (so
+workers x local devices replicas take part in every all-reduce), and a bounded wait for peers (a
+worker whose peer never starts blocks forever and ignores SIGTERM). Both need TensorFlow internals
+(`keras_sync.upstream.multi_worker`); a peer that does not join ends in `ConnectTimeoutError`
+naming its address.
 """
 
 from __future__ import annotations
@@ -31,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 from keras_sync.cluster import TRAINING_JOBS
 from keras_sync.config import COMMUNICATIONS
 from keras_sync.errors import ConnectTimeoutError, StrategyError
-from keras_sync.upstream import internals as _internals
 
 if TYPE_CHECKING:
     import tensorflow as tf
@@ -86,36 +70,6 @@ def _normalize_devices(local_devices: list[str]) -> tuple[list[str], str]:
     return names, types.pop()
 
 
-def _strategy_classes() -> tuple[type, type]:
-    """The strategy subclass and its extended object, defined on first use (TF is heavy)."""
-    import tensorflow as tf
-
-    # Private (no public subclassing point); probed in keras_sync/upstream/internals.py.
-    from tensorflow.python.distribute import collective_all_reduce_strategy as cars
-
-    class _LocalDevicesExtended(cars.CollectiveAllReduceExtended):
-        def __init__(self, container, cluster_resolver, communication_options, local_devices):
-            self._ks_local_devices = local_devices
-            super().__init__(container, cluster_resolver, communication_options)
-
-        def _initialize_local_devices(self, cluster_resolver, worker_device):
-            if self._ks_local_devices is None:
-                return super()._initialize_local_devices(cluster_resolver, worker_device)
-            names, device_type = self._ks_local_devices
-            return tuple(f"{worker_device}/device:{n}" for n in names), device_type
-
-    class MultiWorkerMirroredStrategy(cars.CollectiveAllReduceStrategy):
-        # Same class as `tf.distribute.MultiWorkerMirroredStrategy` for isinstance checks
-        # (Keras, tf.data); only the extended object differs.
-        def __init__(self, cluster_resolver, communication_options, local_devices):
-            tf.distribute.Strategy.__init__(
-                self,
-                _LocalDevicesExtended(self, cluster_resolver, communication_options, local_devices),
-            )
-
-    return MultiWorkerMirroredStrategy, _LocalDevicesExtended
-
-
 def _training_tasks(cluster: dict[str, Any]) -> dict[str, str]:
     """``{"/job:worker/replica:0/task:1": "host:port"}`` for the chief and worker tasks."""
     out: dict[str, str] = {}
@@ -167,8 +121,8 @@ def build_multi_worker_strategy(
     TensorFlow requires for every multi-worker strategy.
     """
     import tensorflow as tf
-    from tensorflow.python.distribute import multi_worker_util
-    from tensorflow.python.eager import context
+
+    from keras_sync.upstream import multi_worker as _mw
 
     impls = {
         name: getattr(tf.distribute.experimental.CommunicationImplementation, name.upper())
@@ -191,7 +145,7 @@ def build_multi_worker_strategy(
     resolver = cluster_resolver or tf.distribute.cluster_resolver.TFConfigClusterResolver()
     cluster = resolver.cluster_spec().as_dict()
     tasks = _training_tasks(cluster)
-    strategy_cls, _ = _strategy_classes()
+    strategy_cls = _mw.strategy_class()
 
     if len(tasks) <= 1:
         # No TF_CONFIG, or one training task: TF would still start a gRPC server on the
@@ -209,37 +163,25 @@ def build_multi_worker_strategy(
         return strategy_cls(local, options, devices)
 
     me = f"/job:{resolver.task_type}/replica:0/task:{resolver.task_id}"
-    ctx = context.context()
-    if ctx.coordination_service is None and resolver.task_type in TRAINING_JOBS:
-        spec = multi_worker_util.normalize_cluster_spec(resolver.cluster_spec())
-        ctx.configure_coordination_service(
-            "standalone",
-            service_leader=multi_worker_util.coordination_leader(spec),
-            cluster_register_timeout_in_ms=int(connect_timeout_s * 1000),
+    configured, barrier = (
+        _mw.configure_coordination(
+            resolver.cluster_spec(), int(connect_timeout_s * 1000), TRAINING_JOBS
         )
-        config = ctx.coordination_service
-        # The job list is filled on the config TF just made, so no protobuf module is imported:
-        # TF moved `coordination_config_pb2` (tensorflow.tsl -> tensorflow.compiler.xla.tsl)
-        # between 2.17 and 2.21, and neither path is public.
-        for j in TRAINING_JOBS:
-            if j in spec.jobs:
-                config.coordinated_job_list.add(name=j, num_tasks=spec.num_tasks(j))
-        # Without the barrier only the leader waits for the others; with it every task
-        # waits, and times out, at registration.
-        if _internals.available(_internals.BARRIER):
-            config.cluster_register_with_barrier = True
-        else:
-            logger.warning(
-                "keras-sync: TensorFlow %s has no coordination-service registration barrier: "
-                "strategy.connect_timeout_s bounds the chief's wait for the others; a worker whose "
-                "chief never starts waits as TensorFlow decides (TensorFlow 2.21 bounds every task).",
-                tf.__version__,
-            )
-    else:
+        if resolver.task_type in TRAINING_JOBS
+        else (False, False)
+    )
+    if not configured:
         logger.warning(
             "Coordination service already configured or task %s is not a training task; "
             "strategy.connect_timeout_s is not applied",
             me,
+        )
+    elif not barrier:
+        logger.warning(
+            "keras-sync: TensorFlow %s has no coordination-service registration barrier: "
+            "strategy.connect_timeout_s bounds the chief's wait for the others; a worker whose "
+            "chief never starts waits as TensorFlow decides.",
+            tf.__version__,
         )
     try:
         return strategy_cls(resolver, options, devices)

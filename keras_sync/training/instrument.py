@@ -53,9 +53,9 @@ _announced: weakref.WeakSet[Any] = weakref.WeakSet()
 
 def has_default_train_step(model: Any) -> bool:
     """True when the model uses Keras's own TensorFlow `train_step` (no override)."""
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    import keras
 
-    return getattr(type(model), "train_step", None) is TensorFlowTrainer.train_step
+    return getattr(type(model), "train_step", None) is keras.Model.train_step
 
 
 class ReplicaProbe:
@@ -107,9 +107,9 @@ class ReplicaProbe:
         import numpy as np
 
         #: This worker's host time before each step (us, -1: not measured), by ring row.
-        self.host = np.full((self.ring + 1, 1), -1, np.int64)
+        self.host: Any = np.full((self.ring + 1, 1), -1, np.int64)
         self._components = list(self.strategy.experimental_local_results(self.var))
-        self._gather_fn: Callable[[], Any] | None = None
+        self._gather_fn: Callable[[Any], Any] | None = None
         #: What the last trace of replica 0 saw (scaled_by, factor): for tests and `plan`-like reports.
         self.last_trace: dict[str, Any] = {}
 
@@ -147,17 +147,11 @@ class ReplicaProbe:
 
     @staticmethod
     def _read_local(component: Any) -> Any:
-        # The raw read op of the per-device component: ~4x faster than `.numpy()` through the
-        # distributed variable (measured here: ~120 us vs ~500 us), and this runs on every
-        # logged step. Falls back to the public read if TensorFlow moves the op.
-        try:
-            from tensorflow.python.ops import gen_resource_variable_ops
+        # The raw read op of the per-device component: ~3x faster than `.numpy()` through the
+        # distributed variable, on every logged step.
+        import tensorflow as tf
 
-            return gen_resource_variable_ops.read_variable_op(
-                component.handle, component.dtype
-            ).numpy()
-        except (ImportError, AttributeError):
-            return component.numpy()
+        return tf.raw_ops.ReadVariableOp(resource=component.handle, dtype=component.dtype).numpy()
 
     def _gather(self, host: Any) -> Any:
         if self._gather_fn is None:

@@ -177,9 +177,7 @@ def _can_pass() -> bool:
 
     global _passes
     if _passes is None:
-        _passes = _internals.available(
-            "keras.src.backend.tensorflow.optimizer:TFOptimizer._all_reduce_sum_gradients"
-        )
+        _passes = _internals.available(_internals.LOSS_SCALE_REDUCE)
     return _passes
 
 

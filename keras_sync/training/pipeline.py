@@ -522,13 +522,9 @@ def tf_seed_set() -> bool:
     keras-sync reshuffled them with its own seed). Unseeded, Keras's order is new in every process,
     so a resume could not replay it; keras-sync then shuffles with its own seed (1337).
     """
-    from keras_sync.upstream import internals as _internals
+    from keras_sync.upstream.tf_runtime import global_seed_set
 
-    if not _internals.available(_internals.GLOBAL_SEED):
-        return False
-    from tensorflow.python.eager import context
-
-    return context.global_seed() is not None
+    return global_seed_set()
 
 
 def is_dataset(x: Any) -> bool:
@@ -576,14 +572,11 @@ def batch_size_of(ds: Any) -> tuple[int | None, str]:
     dims = {spec.shape[0] for spec in tf.nest.flatten(ds.element_spec) if _rank(spec)}
     if len(dims) == 1 and None not in dims:
         return int(dims.pop()), "static shape"
-    try:  # tensorflow/python/distribute/input_lib.py _make_rebatch_fn reads the batch the same way
-        from tensorflow.python.data.experimental.ops.distribute import compute_batch_size
+    from keras_sync.upstream.tf_runtime import pipeline_batch_size
 
-        size = int(compute_batch_size(ds))
-        if size > 0:
-            return size, "its batch op"
-    except Exception:
-        pass
+    size = pipeline_batch_size(ds)
+    if size is not None:
+        return size, "its batch op"
     op = _batch_op(ds)
     if op is not None:
         size = tf.get_static_value(op._batch_size)

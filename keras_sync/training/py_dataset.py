@@ -34,11 +34,8 @@ def py_dataset_batches(pyds: Any) -> tuple[Any, int, int | None]:
     keras-sync reads the PyDataset itself, by index, each batch exactly once per epoch, in order:
     ``range(len).map(py_function(pyds[i]))``, ``pyds.workers`` batches at a time (threads; the
     map keeps the order). Keras's own reader is not used: its `OrderedEnqueuer`, stopped while
-    batches are in flight, moves them to ``ready_queue`` (``PyDatasetEnqueuer.stop(drain_queue_and_join=True)``)
-    and the next ``start()`` begins again at index 0, so the next read yields those stale batches,
-    then 0, 1, ... and stops after ``num_batches``: a batch twice and the last ones never (measured
-    with the enqueuer alone: stopped after one read, the next 16 reads were 1..11, 0..4). Under a
-    strategy epoch 0 trains so (keras/src/trainers/data_adapters/py_dataset_adapter.py, Keras 3.15.1).
+    batches are in flight, keeps them and yields them first after the next ``start()``, which
+    begins again at index 0: under a strategy epoch 0 trains a batch twice and the last ones never.
 
     The examples per epoch are ``(len - 1) x first + last``: they assume equal middle batches.
     """

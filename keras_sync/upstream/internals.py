@@ -317,6 +317,8 @@ GLOBAL_SEED = f"{_CONTEXT}:global_seed"
 SQLITE_METRICS = (
     "mlflow.store.tracking.sqlalchemy_store:SqlAlchemyStore._get_run (one INSERT of metric rows)"
 )
+PIPELINE_BATCH_SIZE = "tensorflow.python.data.experimental.ops.distribute:compute_batch_size"
+LOSS_SCALE_REDUCE = f"{_TF_OPTIMIZER}:TFOptimizer._all_reduce_sum_gradients"
 EPOCH_ITERATOR_RESET = "keras.src.trainers.epoch_iterator:EpochIterator.reset"
 SAME_DATA_ORDER = f"{_TRAINER}:TFEpochIterator._distributed_dataset"
 
@@ -604,15 +606,6 @@ REGISTRY: tuple[Internal, ...] = (
         "the values before the all-reduce exist only inside train_step",
         looks_up(f"{_TRAINER}:TensorFlowTrainer.train_step", "_compute_loss", "apply_gradients"),
     ),
-    Internal(
-        "tensorflow.python.ops.gen_resource_variable_ops:read_variable_op",
-        "per_replica_metrics",
-        "a ~4x faster read of the per-replica ring; falls back to the public Variable.numpy()",
-        callable_with(
-            "tensorflow.python.ops.gen_resource_variable_ops:read_variable_op", "resource", "dtype"
-        ),
-        fallback=True,
-    ),
     # callbacks/weight_divergence.py: each replica's copy of a weight lives in the tf.Variable a Keras
     # Variable wraps.
     Internal(
@@ -636,6 +629,14 @@ REGISTRY: tuple[Internal, ...] = (
         ),
         fallback=True,
         attrs=("_batch_size", "_drop_remainder", "_input_dataset", "_inputs"),
+    ),
+    Internal(
+        PIPELINE_BATCH_SIZE,
+        "end_of_data",
+        "TensorFlow's own reading of a pipeline's batch size (what tf.distribute splits batches by); "
+        "without it the batch op is read instead",
+        callable_with(PIPELINE_BATCH_SIZE, "dataset"),
+        fallback=True,
     ),
     # training/dataset_graph.py: the function an interleave/flat_map applies, read for file-reader ops to count
     # the files a pipeline reads (fewer files than workers: split by example, not by file).
@@ -687,7 +688,7 @@ REGISTRY: tuple[Internal, ...] = (
     ),
     # training/loss_scale.py: the gradients keras-sync summed for LossScaleOptimizer's decision, not summed again.
     Internal(
-        f"{_TF_OPTIMIZER}:TFOptimizer._all_reduce_sum_gradients",
+        LOSS_SCALE_REDUCE,
         "loss_scale_reduce",
         "Keras all-reduces inside the inner optimizer, after LossScaleOptimizer judged the local gradients; "
         "keras-sync sums them first, and passes that sum through this all-reduce while its apply traces",

@@ -54,7 +54,7 @@ def tensorflow_distributions() -> list[tuple[str, str]]:
     """Every installed distribution of the ``tensorflow`` package, as (name, version), sorted."""
     found = {}
     for dist in metadata.distributions():
-        name = dist.metadata.get("Name") or ""
+        name = dist.metadata["Name"] or ""
         if _TF_DIST.match(name):
             found[name.lower().replace("_", "-")] = dist.version
     return sorted(found.items())

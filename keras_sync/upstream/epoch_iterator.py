@@ -1,0 +1,84 @@
+"""Keras's epoch iterator, able to start an epoch at a saved step (exact mid-epoch resume).
+
+Keras's `BackupAndRestore` restarts an interrupted epoch at batch 0, and no public API starts one
+mid-way. Keras 3 `fit` builds its iterator from the module global ``TFEpochIterator``;
+`resumable_epoch_iterators` swaps it, for the length of one `fit`, for a subclass with
+`resume_at(epoch, step)`. The internals are probed as feature ``exact_resume``
+(`keras_sync.upstream.internals`), refused in one line when they moved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from keras_sync.upstream import internals as _internals
+
+_TRAINER = "keras.src.backend.tensorflow.trainer"
+
+
+def _resumable_class(base: type) -> type:
+    class ResumableEpochIterator(base):
+        """Keras's epoch iterator, plus `resume_at(epoch, step)` for the first epoch it runs.
+
+        Resuming replays Keras's own iterator logic for the epochs already done, so the dataset
+        sees the same sequence of `iter()` calls (each reshuffles a seeded shuffle) and reads as
+        in the interrupted run; batches are read only where the pipeline carries over from one
+        epoch to the next (``steps_per_epoch`` given, or an unknown size). Then it drops the
+        batches of the resumed epoch already trained and yields the rest with their real step
+        numbers, so callbacks see batches ``step..end``.
+        """
+
+        _ks_resume: tuple[int, int] | None = None
+
+        def resume_at(self, epoch: int, step: int) -> None:
+            self._ks_resume = (epoch, step)
+
+        def _enumerate_iterator(self) -> Iterator[tuple[int, int, Any]]:
+            point, self._ks_resume = self._ks_resume, None
+            if point is None:
+                yield from super()._enumerate_iterator()
+                return
+            epochs_done, step = point
+            for _ in range(epochs_done):
+                carry_over = self.steps_per_epoch is not None or self._num_batches is None
+                with self.catch_stop_iteration():
+                    for *_, it in super()._enumerate_iterator():
+                        if carry_over:
+                            self._drop(it)
+            for item in super()._enumerate_iterator():
+                # Keras 3.10 yields (step, iterator), later ones (begin, end, iterator).
+                end = item[1] if len(item) == 3 else item[0] + self.steps_per_execution - 1
+                if end < step:
+                    self._drop(item[-1])
+                    continue
+                yield item
+
+        def _drop(self, it: Any) -> None:
+            for _ in range(self.steps_per_execution):
+                next(it)
+
+    return ResumableEpochIterator
+
+
+@contextlib.contextmanager
+def resumable_epoch_iterators(made: Callable[[Any], None]) -> Iterator[None]:
+    """For this span, every epoch iterator `fit` builds can `resume_at(epoch, step)`; ``made`` is
+    called with each one built (training's first, then validation's)."""
+    _internals.require("exact_resume")
+    trainer: Any = importlib.import_module(_TRAINER)
+    original = trainer.TFEpochIterator
+    cls = _resumable_class(original)
+
+    def make_iterator(*args: Any, **kwargs: Any) -> Any:
+        iterator = cls(*args, **kwargs)
+        made(iterator)
+        return iterator
+
+    trainer.TFEpochIterator = make_iterator
+    try:
+        yield
+    finally:
+        trainer.TFEpochIterator = original
