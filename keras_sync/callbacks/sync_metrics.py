@@ -22,69 +22,33 @@ MAX_HOLD_MS = 500
 class SyncMetrics(keras.callbacks.Callback):
     """Log what synchronous data-parallel training is doing, every ``log_every_n_steps`` steps.
 
-    The MLflow ``step`` is the job's step: the global optimizer step (1-based), continued across
-    the fits of a job and its restarts; a new model's first fit continues after the last step of
-    the job's fit before it (`keras_sync.callbacks.SharedState.job_step`). Every logged step gets:
+    Each logged step gets ``sync/loss/replica_{i}`` and ``sync/grad_norm/replica_{i}`` (replica
+    ``i``'s own mean loss and local gradient norm, before the cross-replica mean), their spreads,
+    ``sync/step_time_ms``, ``sync/examples_per_sec[_per_replica]``, ``sync/learning_rate``,
+    ``sync/loss_scale`` (mixed_float16), ``sync/window_max/*`` (the peaks of the steps a point
+    stands for), ``sync/between_steps_ms/worker_{i}`` and ``sync/compute_ms/worker_{i}`` (2 or
+    more workers; a worker slow for a minute is named in one line), and the Keras logs under
+    their own names (``val_*`` at each epoch's end; not while ``mlflow.keras.autolog()`` logs
+    them). docs/reference/metrics.md defines each one.
 
-    - ``sync/loss/replica_{i}``: replica ``i``'s own mean loss on its shard, before the
-      cross-replica mean (comparable to a single-device loss; Keras divides it by the replica
-      count internally, we undo that);
-    - ``sync/grad_norm/replica_{i}``: the global norm of replica ``i``'s local gradient before
-      the all-reduce, scaled like the loss (the gradient of the replica's own mean loss; the
-      optimizer applies the mean of these gradients);
-    - ``sync/loss_spread``: ``max - min`` of the replicas' losses (loss units);
-    - ``sync/grad_norm_spread``: ``(max - min) / mean`` of those norms;
-    - ``sync/step_time_ms``: mean wall time per step since the last logged step, from the
-      start of the step (including fetching its batch) to its logs; the first step of a `fit`
-      includes tracing;
-    - ``sync/examples_per_sec`` (all replicas) and ``sync/examples_per_sec_per_replica``;
-    - ``sync/window_max/loss``, ``sync/window_max/loss_spread``, ``sync/window_max/grad_norm``,
-      ``sync/window_max/grad_norm_spread``: when a point stands for several steps (``log_every_n_steps``
-      > 1 or ``auto``), the largest replica loss, loss spread, replica gradient norm and gradient-norm
-      spread over those steps (the ones still in the probe's ring), so a spike on a step that is not
-      logged still shows;
-    - ``sync/learning_rate``: the learning rate the optimizer applied in that step;
-    - ``sync/loss_scale``: the dynamic loss scale, with a `LossScaleOptimizer` (mixed_float16);
-    - with 2 or more workers, ``sync/between_steps_ms/worker_{i}`` and ``sync/compute_ms/worker_{i}``:
-      worker ``i``'s own time between two steps (host side, from the train function's return to
-      its next call) and from the step's first collective to its gradients reaching the
-      all-reduce (the slowest of its replicas; timed inside the step, not under XLA or on a
-      TPU). The others wait for the worker
-      whose sum is the largest. When one worker's sum is above 1.5x the workers' median (and 5 ms
-      more) at every logged step for a minute, one line on the chief names it
-      (`keras_sync.measures.slow_worker`);
-    - the Keras logs under their Keras names (``loss``, metrics; running means of the epoch),
-      and at each epoch's last step the ``val_*`` logs (not while ``mlflow.keras.autolog()`` is
-      on: it logs them itself, per epoch).
-
+    The MLflow ``step`` is the job's step (`keras_sync.callbacks.SharedState.job_step`).
     ``i`` runs over all replicas of the job: under `multi_worker_mirrored` the values are
-    gathered from every worker (a collective, so every worker must run this callback); only
-    the worker given a ``writer`` writes.
-
-    The per-replica values wait in a ring inside the train step and are read every 32 steps
-    (and at 0.5 s at most with one worker), at each epoch's end, at train end and before a
-    keras-sync backup is saved; each point keeps the wall-clock time of its own step. A
-    process that dies holds at most that many steps unlogged. (With Keras's own
-    `BackupAndRestore` instead of `Sync.fit`'s backup, call `emit()` before it saves.)
-
-    A model that overrides `train_step` keeps it and gets the same metrics: the gradients are
-    measured where they reach the optimizer (every ``apply_gradients`` passes there) and the loss
-    is the scalar its `GradientTape` differentiates.
+    gathered from every worker (a collective: every worker runs this callback; the one given a
+    ``writer`` writes). The values wait in a ring inside the train step and are read every 32
+    steps (0.5 s at most with one worker), at each epoch's end, at train end and before a
+    keras-sync backup is saved (with Keras's own `BackupAndRestore`, call `emit()` before it
+    saves). A model that overrides `train_step` gets the same metrics: the gradients are measured
+    where they reach the optimizer, the loss is what its `GradientTape` differentiates.
 
     Args:
         writer: a started `keras_sync.tracking.MlflowWriter`; None on workers that only take
             part in the gathers.
-        log_every_n_steps: log every N optimizer steps (>= 1), or ``"auto"``: every N steps with
-            N picked from 1, 2, 5, 10, 20, 50, ... so that logged steps are at least 0.1 s apart
-            (from the median step time, re-picked each time the probe is read), plus the last
-            step of every epoch. 100-ms steps are all logged; 2-ms steps every 50th.
+        log_every_n_steps: log every N optimizer steps (>= 1), or ``"auto"``: N from 1, 2, 5,
+            10, 20, 50, ... so that logged steps are at least 0.1 s apart, plus each epoch's last.
         shared: the `keras_sync.callbacks.SharedState` of this fit's keras-sync callbacks: this
-            callback keeps its ``step`` current, registers `emit` as a flusher and records every
-            point it logs there. Default: its own.
+            callback keeps its ``step``, registers `emit` as a flusher and records every point.
 
     Example:
-        >>> writer = MlflowWriter(tracking_uri="sqlite:///mlflow.db", experiment="demo")  # doctest: +SKIP
-        >>> writer.start()  # doctest: +SKIP
         >>> model.fit(ds, epochs=3, callbacks=[SyncMetrics(writer, log_every_n_steps=10)])  # doctest: +SKIP
     """
 
@@ -104,31 +68,32 @@ class SyncMetrics(keras.callbacks.Callback):
                 f"log_every_n_steps={log_every_n_steps!r}. Expected an integer >= 1 or 'auto'."
             )
         self.writer = writer
-        # auto: every step is recorded and read as with 1 (so every worker reads the probe at the same
+        # auto: every step is recorded and read as with 1 (every worker reads the probe at the same
         # steps); the chief alone thins what it writes to `stride`.
         self.every = 1 if self.auto else int(log_every_n_steps)
-        #: The stride ``log_every_n_steps: auto`` writes at (1 otherwise).
         self.stride = 1
-        # auto: the last step read but not written, with the time and steps not yet in a written point.
-        self._held: tuple | None = None
-        self._carry_s, self._carry_n = 0.0, 0
-        #: The global optimizer step after the last finished step (None before the first one).
-        self.global_step: int | None = None
         self._probe: Any = None
         self._num_replicas = 1
-        self._busy_s = 0.0
         self._t0 = 0.0
         self._examples_at_log = 0.0
-        self._steps_since_log = 0
         self._first_batch = 0
         self._count = 0  # train steps the probe has counted, as of the last finished batch
+        self._keras_logs = True
+        self._slow = _slow_worker.SlowWorkerWatch()
+        self._reset()
+
+    def _reset(self) -> None:
+        #: The job's step after the last finished step (None before the first one).
+        self.global_step: int | None = None
+        self._busy_s, self._steps_since_log = 0.0, 0
         # Logged steps whose per-replica values are still in the probe's ring:
         # (global step, probe count, Keras logs, busy seconds, steps in the interval, timestamp ms).
         self._pending: list[tuple[int, int, dict, float, int, int]] = []
-        self._keras_logs = True
-        self._slow = _slow_worker.SlowWorkerWatch()
-        self._returned: float | None = None  # when the train function last returned (time.time())
-        # Peaks of the steps since the last written point (`keras_sync.measures.reduce.window_peaks`), and how many.
+        # auto: the last step read but not written, with the time and steps not yet in a point.
+        self._held: tuple | None = None
+        self._carry_s, self._carry_n = 0.0, 0
+        self._returned: float | None = None  # when the train function last returned
+        # Peaks of the steps since the last written point, and how many.
         self._window: dict[str, float] | None = None
         self._window_steps = 0
 
@@ -146,20 +111,14 @@ class SyncMetrics(keras.callbacks.Callback):
         # mlflow.keras.autolog() logs the Keras logs itself (per epoch, at step = epoch index):
         # logged here too, one key would hold two points at some steps.
         self._keras_logs = not _autolog.keras_autolog_active()
-        self.global_step = self.shared.step = None
-        self._busy_s, self._steps_since_log, self._pending = 0.0, 0, []
-        self._held, self._carry_s, self._carry_n = None, 0.0, 0
-        self._returned = None
-        self._window, self._window_steps = (
-            None,
-            0,
-        )  # a fit that raised may have left peaks unwritten
+        self._reset()  # a fit that raised may have left steps and peaks unwritten
+        self.shared.step = None
         fn = getattr(self.model, "train_function", None)
         if self._probe.num_workers > 1 and fn is not None and not hasattr(fn, _TIMED):
             self.model.train_function = self._timed(fn)
 
     def _timed(self, fn: Any) -> Any:
-        """``fn`` (the train function) noting this worker's time since its last return, for the step it runs."""
+        """The train function, noting this worker's time since its last return for the step it runs."""
         probe = self._probe
 
         def train_function(*args: Any, **kwargs: Any) -> Any:
@@ -176,12 +135,11 @@ class SyncMetrics(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         if self.global_step is None:
-            # Read once, after every on_train_begin (BackupAndRestore may have restored it).
-            # Optimizer updates x micro-batches per update (keras-sync's gradient accumulation).
+            # Read once, after every on_train_begin (BackupAndRestore may have restored it), in
+            # micro-batches (keras-sync's gradient accumulation).
             accumulator = getattr(self._probe, "accumulator", None)
-            model_step = int(self.model.optimizer.iterations.numpy()) * (
-                accumulator.steps if accumulator else 1
-            )
+            updates = int(self.model.optimizer.iterations.numpy())
+            model_step = updates * (accumulator.steps if accumulator else 1)
             self.global_step = self.shared.job_step(model_step)
             self.shared.step = self.global_step
             rings = self._probe.read()
@@ -234,10 +192,7 @@ class SyncMetrics(keras.callbacks.Callback):
             self.emit()
 
     def emit(self) -> None:
-        """Log the logged steps still held in the probe's ring (every worker must call it at the same step).
-
-        Called every ring/2 steps, at each epoch's end, at train end and before a backup is saved.
-        """
+        """Log the steps still held in the probe's ring (every worker calls it at the same step)."""
         if not self._pending:
             return
         rings = self._probe.read()  # a collective under multi-worker: every worker runs it
@@ -248,11 +203,9 @@ class SyncMetrics(keras.callbacks.Callback):
             )
         for step, count, logs, busy_s, n_steps, ts in pending:
             rows = self._probe.row(rings, count)
-            if rows is None:  # not expected: the ring is read before it wraps
+            if rows is None or self.writer is None:  # rows: the ring is read before it wraps
                 continue
             examples = sum(r[self._probe.EXAMPLES] for r in rows)
-            if self.writer is None:
-                continue
             self._fold_window(rings, count, n_steps)
             if self.auto:
                 busy_s, n_steps = busy_s + self._carry_s, n_steps + self._carry_n
@@ -276,41 +229,23 @@ class SyncMetrics(keras.callbacks.Callback):
                 )
                 self._window_steps += 1
 
-    def _write(
-        self,
-        step: int,
-        rows: list[Any],
-        examples: float,
-        logs: dict,
-        busy_s: float,
-        n_steps: int,
-        ts: int,
-    ) -> None:
-        self._log_step(step, rows, examples - self._examples_at_log, logs, busy_s, n_steps, ts)
-        self._examples_at_log = examples
-
     def _write_held(self) -> None:
         """auto: write the last step read but not written (each epoch's last step gets a point)."""
         if self._held is not None:
             held, self._held, self._carry_s, self._carry_n = self._held, None, 0.0, 0
             self._write(*held)
 
-    def _log_step(
-        self,
-        step: int,
-        rows: list[Any],
-        examples: float,
-        logs: dict,
-        busy_s: float,
-        n_steps: int,
-        ts: int,
+    def _write(
+        self, step: int, rows: list, examples: float, logs: dict, busy_s: float, n: int, ts: int
     ) -> None:
         p = self._probe
         metrics = _reduce.replica_metrics(
             [float(r[p.LOSS]) for r in rows], [float(r[p.GRAD_NORM]) for r in rows]
         )
-        metrics["sync/step_time_ms"] = 1000.0 * busy_s / n_steps
-        metrics.update(_reduce.throughput(float(examples), busy_s, self._num_replicas))
+        metrics["sync/step_time_ms"] = 1000.0 * busy_s / n
+        since = float(examples - self._examples_at_log)
+        self._examples_at_log = examples
+        metrics.update(_reduce.throughput(since, busy_s, self._num_replicas))
         lr = float(rows[0][p.LR])
         if lr == lr:  # not NaN
             metrics["sync/learning_rate"] = lr
@@ -333,15 +268,11 @@ class SyncMetrics(keras.callbacks.Callback):
             )
             if line:
                 print(line, file=sys.stderr, flush=True)
-        if (
-            self._window_steps > 1
-        ):  # the point stands for several steps: their peaks, so no spike is lost
+        if self._window_steps > 1:  # a point for several steps: their peaks, so no spike is lost
             metrics.update(self._window or {})
         self._window, self._window_steps = None, 0
         if self._keras_logs:
-            metrics.update(
-                logs
-            )  # the step's numeric Keras logs (filtered when the step was recorded)
+            metrics.update(logs)  # the step's numeric Keras logs
         self.writer.log_metrics(metrics, step=step, timestamp_ms=ts)
         self.shared.record(metrics, step)
 
@@ -368,7 +299,7 @@ class SyncMetrics(keras.callbacks.Callback):
         self._write_held()
         if self.writer is None:
             return
-        # Metrics are in MLflow when fit returns, unless delivery stops making progress or MLflow is
-        # known to be away: then one warning names the cause and the spool, and fit returns.
+        # Metrics are in MLflow when fit returns, unless delivery stalls or MLflow is away: then
+        # one warning names the cause and the spool.
         if hasattr(self.writer, "end_of_fit"):
             self.writer.end_of_fit()
