@@ -53,20 +53,8 @@ def test_existing_file_is_left_alone(tmp_path: Path) -> None:
     assert db.read_bytes() == b""
 
 
-@pytest.fixture(autouse=True)
-def _own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Each test's kept empty store is its own (this process and the creators it starts)."""
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
-    return cache
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("template", ["0", "1"], ids=["built", "copied"])
-def test_kill_at_any_moment_leaves_no_store_or_a_whole_one(
-    tmp_path: Path, template: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv(sqlite_store.TEMPLATE_ENV, template)
+def test_kill_at_any_moment_leaves_no_store_or_a_whole_one(tmp_path: Path) -> None:
     reference = tmp_path / "reference.db"
     assert ensure_sqlite_store(f"sqlite:///{reference}") is True
     want = _schema(reference)
@@ -201,8 +189,6 @@ def test_a_store_below_the_head_that_nobody_writes_is_left_to_mlflow_at_once(
     then names what it finds ("out-of-date database schema"), without keras-sync's wait before it."""
     import time
 
-    from keras_sync.tracking import sqlite_store
-
     db = tmp_path / "mlflow.db"
     with sqlite3.connect(db) as con:
         con.execute("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL)")
@@ -222,32 +208,20 @@ def _tables_and_rows(path: Path) -> dict[str, int]:
         return {n: db.execute(f'SELECT count(*) FROM "{n}"').fetchone()[0] for n in names}
 
 
-@pytest.mark.slow
-def test_a_new_store_is_a_copy_of_the_kept_empty_one_and_mlflow_uses_it_like_a_built_one(
-    tmp_path: Path, _own_cache: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_created_store_is_used_by_mlflow_like_one_it_built_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The first store runs MLflow's migrations and keeps an empty copy (no experiment) in the user's
-    cache; the next is that copy (1.4 s of CPU less), and MLflow adds its Default experiment, at the new
-    store's place, on first open, as for a built one. A damaged copy is built over; an unwritable cache
-    only means no copy."""
+    """The store MLflow's client built under a private name and linked into place: its Default
+    experiment lies where MLflow puts it for a store opened from there, and runs work in it."""
     from mlflow import MlflowClient
 
     first, second = tmp_path / "a" / "mlflow.db", tmp_path / "b" / "mlflow.db"
     first.parent.mkdir()
     second.parent.mkdir()
     monkeypatch.chdir(first.parent)
-    assert ensure_sqlite_store(f"sqlite:///{first}") is True
-    (template,) = (_own_cache / "keras-sync").iterdir()
-    assert template.name.startswith("empty-store-mlflow-") and template.name.endswith(
-        f"-{_schema_head()}.db"
-    )
-    rows = _tables_and_rows(template)
-    assert rows["experiments"] == 0 and _schema(template) == _schema(first)
-
+    MlflowClient(tracking_uri=f"sqlite:///{first}").search_experiments()  # MLflow's own, in place
     monkeypatch.chdir(second.parent)
-    stamp = template.stat().st_mtime_ns
     assert ensure_sqlite_store(f"sqlite:///{second}") is True
-    assert template.stat().st_mtime_ns == stamp  # copied, not built and kept again
     assert _schema(second) == _schema(first)
     client = MlflowClient(tracking_uri=f"sqlite:///{second}")
     (default,) = client.search_experiments()
@@ -261,24 +235,8 @@ def test_a_new_store_is_a_copy_of_the_kept_empty_one_and_mlflow_uses_it_like_a_b
     assert exp == "1" and [
         (m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")
     ] == [(3, 0.5)]
-    # The same rows as a store MLflow built, but for the runs above.
-    built = _tables_and_rows(first)
-    MlflowClient(tracking_uri=f"sqlite:///{first}").search_experiments()
-    assert set(_tables_and_rows(second)) == set(built)
-
-    # A damaged copy (a disk that lost its end) is not copied: the store is built and the copy made whole.
-    template.write_bytes(template.read_bytes()[:4096])
-    third = tmp_path / "c.db"
-    assert ensure_sqlite_store(f"sqlite:///{third}") is True
-    assert _schema(third) == _schema(first) and _tables_and_rows(template)["experiments"] == 0
-
-    # A cache that cannot be written: the store is built, nothing said, nothing left.
-    blocker = tmp_path / "not-a-folder"
-    blocker.write_text("")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
-    fourth = tmp_path / "d.db"
-    assert ensure_sqlite_store(f"sqlite:///{fourth}") is True
-    assert _schema(fourth) == _schema(first) and _leftovers(tmp_path) == []
+    assert set(_tables_and_rows(second)) == set(_tables_and_rows(first))
+    assert _leftovers(second.parent) == []
 
 
 _WARM = """
@@ -292,7 +250,7 @@ out = {"touched": [d for d in watched if sorted(os.listdir(d)) != before[d]], "d
 from mlflow.store.tracking.dbmodels.models import SqlMetric  # the models only, not the store module
 out["mapped"] = bool(SqlMetric.__mapper__.configured)
 fds = [os.path.join("/proc/self/fd", fd) for fd in os.listdir("/proc/self/fd")]
-out["open"] = [p for p in map(lambda f: os.readlink(f) if os.path.islink(f) else "", fds) if "rehearsal" in p]
+out["open"] = [p for p in map(lambda f: os.readlink(f) if os.path.islink(f) else "", fds) if "keras-sync" in p]
 out["env"] = [k for k in ("MLFLOW_SQLALCHEMYSTORE_POOLCLASS", "MLFLOW_DISABLE_TELEMETRY") if k in os.environ]
 print(json.dumps(out))
 """
@@ -302,53 +260,20 @@ def test_the_warm_up_does_a_sql_stores_first_open_costs_before_it_and_touches_no
     tmp_path: Path,
 ) -> None:
     # The courier warms up while TensorFlow is imported; the first delivery is left the store's own
-    # work. Measured (MLflow 3.17): opening a new sqlite store and creating a run took 0.05-0.07 s of
-    # CPU after the warm-up, 0.3-0.5 s without it (MLflow's SQL store module, SQLAlchemy's mappers);
-    # a run's first parameters 0.12-0.13 s without the rehearsal, 0.01 s after it.
+    # work (MLflow's SQL store module and SQLAlchemy's mappers are ready by then).
     folder, cache, tmp = tmp_path / "store", tmp_path / "cache", tmp_path / "tmp"
     for d in (folder, cache, tmp):
         d.mkdir()
     env = {**os.environ, "XDG_CACHE_HOME": str(cache), "TMPDIR": str(tmp)}
-    env.pop(sqlite_store.TEMPLATE_ENV, None)
     sqlite = f"sqlite:///{folder}/mlflow.db"
-    # No store built yet on this machine (an empty cache): nothing to rehearse on, and nothing built for it.
     cases = [
         (sqlite, True, ["mlflow", "sql store", "schema head"]),
         ("mysql+pymysql://u:pw@127.0.0.1:9/db", True, ["mlflow", "sql store"]),
         ("http://127.0.0.1:9", False, ["mlflow"]),
-        ("build", None, None),
-        (sqlite, True, ["mlflow", "sql store", "schema head", "rehearsal"]),
     ]
     for uri, sql, done in cases:
-        if uri == "build":  # a store made elsewhere keeps the empty one in the cache
-            got = subprocess.run(
-                [
-                    sys.executable,
-                    "-c",
-                    "import sys; from keras_sync.tracking.sqlite_store import "
-                    "ensure_sqlite_store as e; assert e(sys.argv[1])",
-                    f"sqlite:///{tmp_path}/other.db",
-                ],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
-            assert got.returncode == 0 and len(os.listdir(cache / "keras-sync")) == 1, got.stderr[
-                -2000:
-            ]
-            continue
-        kept = cache / "keras-sync"
         got = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                _WARM,
-                uri,
-                str(folder),
-                str(kept if kept.is_dir() else cache),
-                str(tmp),
-            ],
+            [sys.executable, "-c", _WARM, uri, str(folder), str(cache), str(tmp)],
             env=env,
             capture_output=True,
             text=True,
@@ -356,8 +281,7 @@ def test_the_warm_up_does_a_sql_stores_first_open_costs_before_it_and_touches_no
         )
         assert got.returncode == 0, (uri, got.stderr[-2000:])
         out = __import__("json").loads(got.stdout.strip().splitlines()[-1])
-        # The rehearsal's throwaway store lived in TMPDIR and is gone, no file of it held open; the kept one
-        # was only read; the settings it made for itself (no pool, no telemetry) are undone.
+        # No file made or held open, no setting of MLflow's left in the environment.
         assert out == {
             "touched": [],
             "done": done,

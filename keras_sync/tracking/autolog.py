@@ -30,18 +30,18 @@ def keras_autolog_active() -> bool:
     """True when ``mlflow.keras.autolog()`` is on in this process (False if MLflow was never imported)."""
     if "mlflow.keras" not in sys.modules:  # autolog imports it; never import MLflow just to ask
         return False
-    from mlflow.utils.autologging_utils import autologging_is_disabled
+    from keras_sync.upstream.mlflow_internals import autologging
 
-    return not autologging_is_disabled("keras")
+    return not autologging().autologging_is_disabled("keras")
 
 
 def autolog_logs_models() -> bool:
     """True when autolog is on and logs the model at the end of each `fit` (its default)."""
     if not keras_autolog_active():
         return False
-    from mlflow.utils.autologging_utils import get_autologging_config
+    from keras_sync.upstream.mlflow_internals import autologging
 
-    return bool(get_autologging_config("keras", "log_models", True))
+    return bool(autologging().get_autologging_config("keras", "log_models", True))
 
 
 @contextlib.contextmanager
@@ -57,9 +57,9 @@ def shared_run(writer: Any, tracking_uri: str, *, is_chief: bool = True) -> Iter
         yield
         return
     if not is_chief:
-        from mlflow.utils.autologging_utils import disable_autologging
+        from keras_sync.upstream.mlflow_internals import autologging
 
-        with disable_autologging():
+        with autologging().disable_autologging():
             yield
         return
     if writer is None:

@@ -355,7 +355,7 @@ class Delivery:
             **({"begin": list(begin)} if begin else {}),
         }
         try:
-            self.spool.set_run(run_id, exp_id, begin)
+            self.spool.set_run(str(run_id), exp_id, begin)
         except OSError:
             pass
         self._tell({"run": self.known_run})

@@ -136,7 +136,6 @@ class RunSender:
         self._checked = False
         self.request_timeout_s = request_timeout_s
         self._client: Any = None
-        self._sql: Any = False  # not looked at yet; then a SqliteMetrics or None
         #: Per metric key, the highest step the run has; points at or below it are dropped.
         self.floors: dict[str, int] = {}
         self._floors_of: str | None = None  # the run whose steps `floors` holds
@@ -164,15 +163,6 @@ class RunSender:
     def _call_once(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         with fast_fail_env(self.tracking_uri, self.request_timeout_s):
             return fn(*args, **kwargs)
-
-    def _sql_metrics(self, client: Any) -> Any:
-        """The one-statement metric writer of a sqlite store (None for any other store)."""
-        if self._sql is False:
-            from keras_sync.tracking.sql_metrics import SqliteMetrics, sqlite_store_of
-
-            store = sqlite_store_of(client)
-            self._sql = SqliteMetrics(store) if store is not None else None
-        return self._sql
 
     def client(self) -> Any:
         if self._client is None:
@@ -296,12 +286,7 @@ class RunSender:
             return self._call(c.get_experiment_by_name, self.experiment).experiment_id
 
     def _logged_steps(self, run: Any) -> dict[str, int]:
-        """The highest step of every metric the run has."""
-        # RunData keeps the latest point of each key (MLflow's latest = highest step) with its
-        # step in `_metric_objs`; without that shape, read the histories (slower, same answer).
-        objs = getattr(run.data, "_metric_objs", None)
-        if isinstance(objs, list) and all(hasattr(m, "step") for m in objs):
-            return {m.key: int(m.step) for m in objs}
+        """The highest step of every metric the run has (MLflow's public metric histories)."""
         floors: dict[str, int] = {}
         for key in run.data.metrics:
             history = self._call(self.client().get_metric_history, run.info.run_id, key)
@@ -342,7 +327,9 @@ class RunSender:
                 sent += len(metrics)
                 self.points_sent += len(metrics)
                 self.floors.update(floors)
-                metrics.clear(), params.clear(), tags.clear()
+                metrics.clear()
+                params.clear()
+                tags.clear()
                 took(upto)
 
         for i, rec in enumerate(records):
@@ -371,7 +358,7 @@ class RunSender:
                 flush(flush_upto)
                 from keras_sync.tracking import artifacts as _artifacts
 
-                _artifacts.deliver(c, self.run_id, rec, self._call)
+                _artifacts.deliver(c, str(self.run_id), rec, self._call)
                 took(i)
             elif k == END:
                 flush(flush_upto)
@@ -472,13 +459,6 @@ class RunSender:
 
     def _send_batch(self, metrics: list[Any], params: list[Any], tags: list[Any]) -> None:
         c = self.client()
-        if (
-            not params
-            and not tags
-            and (sql := self._sql_metrics(c)) is not None
-            and sql.log(self.run_id, metrics)
-        ):
-            return  # ~10 us a point instead of MLflow's ~60-130 (keras_sync.tracking.sql_metrics)
         try:
             self._call(c.log_batch, self.run_id, metrics=metrics, params=params, tags=tags)
         except Exception as e:
