@@ -1,7 +1,5 @@
-"""What a `tf.data` pipeline is made of, read from its graph: a ``shard`` op, the files it reads.
-
-`keras_sync.training.pipeline` decides sharding from these before training (no TensorFlow at import).
-"""
+"""What a `tf.data` pipeline is made of, read from its graph: a ``shard`` op, the files it reads
+(`keras_sync.training.pipeline` decides sharding from these)."""
 
 from __future__ import annotations
 
@@ -30,34 +28,18 @@ def has_shard_op(ds: Any) -> bool:
 
 
 # The source ops TensorFlow's FILE auto-sharding looks for (tensorflow/core/grappler/optimizers/data/auto_shard.cc).
+_READERS = ("TFRecordDataset", "TextLineDataset", "FixedLengthRecordDataset")
 _READER_OPS = frozenset(
-    {
-        "TFRecordDataset",
-        "TFRecordDatasetV2",
-        "TextLineDataset",
-        "FixedLengthRecordDataset",
-        "FixedLengthRecordDatasetV2",
-        "ArrayRecordDataset",
-    }
+    {*_READERS, "TFRecordDatasetV2", "FixedLengthRecordDatasetV2", "ArrayRecordDataset"}
 )
-_READER_CLASSES = frozenset(
-    {
-        "TFRecordDatasetV2",
-        "TFRecordDatasetV1",
-        "TextLineDatasetV2",
-        "TextLineDatasetV1",
-        "FixedLengthRecordDatasetV2",
-        "FixedLengthRecordDatasetV1",
-    }
-)
+_READER_CLASSES = frozenset(f"{name}V{v}" for name in _READERS for v in (1, 2))
 
 
 def file_count(ds: Any) -> int | None:
-    """The number of files the pipeline reads (the fewest, if it reads several sets); None when it reads none.
+    """The number of files the pipeline reads (the fewest, if it reads several sets); None: none.
 
-    A reader (`TFRecordDataset`, `TextLineDataset`, `FixedLengthRecordDataset`) made from file
-    names, or an ``interleave``/``flat_map`` whose function makes one: the files are the elements
-    of its input dataset, counted from its cardinality (or by reading the names when unknown).
+    A reader made from file names, or an ``interleave``/``flat_map`` whose function makes one:
+    the files are the elements of its input dataset, counted from its cardinality (or read).
     """
     counts = []
     for d in _walk(ds):

@@ -1,9 +1,5 @@
-"""Directories keras-sync writes, checked before training: one line naming the key, not a traceback at step 50.
-
-`check_writable` is the one check: `keras_sync.load()` runs it for ``fault_tolerance.backup_dir``
-(every worker writes there), and on the chief for ``mlflow.spool_dir`` and the directory of a
-local sqlite store (``sqlite:///...``). No TensorFlow, Keras or MLflow here.
-"""
+"""Directories keras-sync writes, checked before training: one line naming the key, not a traceback
+at step 50. No TensorFlow, Keras or MLflow here."""
 
 from __future__ import annotations
 
@@ -15,11 +11,8 @@ from keras_sync.errors import UsageError
 
 
 def check_writable(path: str | os.PathLike[str], key: str, value: str | None = None) -> None:
-    """Write a file in ``path`` (or, before it exists, a folder where it will be created) and remove it;
-    `UsageError` (one line) when this process cannot.
-
-    Root ignores permissions, so the test of a read-only directory runs as another user.
-    """
+    """Write a file in ``path`` (or, before it exists, a folder where it will be created) and
+    remove it; `UsageError` (one line) when this process cannot."""
     path = os.fspath(path)
     existing = os.path.abspath(path)
     while not os.path.exists(existing) and os.path.dirname(existing) != existing:
@@ -46,7 +39,7 @@ def check_writable(path: str | os.PathLike[str], key: str, value: str | None = N
 
 
 def check_config_paths(config: Any, *, is_chief: bool) -> None:
-    """Every directory training will write, for this process: the backup (all), spool and local store (chief)."""
+    """Every directory training will write: the backup (all), spool and local store (chief)."""
     if config.fault_tolerance.backup_dir:
         check_writable(config.fault_tolerance.backup_dir, "fault_tolerance.backup_dir")
     if not (is_chief and config.mlflow.enabled):
