@@ -23,17 +23,16 @@ def module_files(package: Path) -> dict[str, Path]:
 
 
 def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    """Every import statement that can run when the module is imported or its functions are called.
-
-    Skipped: ``if TYPE_CHECKING:`` (never runs) and ``if __name__ == "__main__":`` (runs only when
-    the file is the program, as another module object, ``__main__``).
+    """Every import statement that can run when the module is imported, its functions are called,
+    or it runs as a program (``if __name__ == "__main__":`` counts). Skipped: ``if TYPE_CHECKING:``
+    (never runs).
     """
     found: list[ast.Import | ast.ImportFrom] = []
 
     def visit(node: ast.AST) -> None:
         if isinstance(node, ast.If):
             text = ast.unparse(node.test)
-            if text.endswith("TYPE_CHECKING") or text.replace("'", '"') == '__name__ == "__main__"':
+            if text.endswith("TYPE_CHECKING"):
                 for child in node.orelse:
                     visit(child)
                 return
@@ -129,10 +128,10 @@ def test_the_circle_check_finds_a_circle(tmp_path: Path) -> None:
     (pkg / "c.py").write_text(
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import a\n"
     )
-    (pkg / "d.py").write_text("import pkg.c\nif __name__ == '__main__':\n    import pkg.d\n")
+    (pkg / "d.py").write_text("import pkg.c\nif __name__ == '__main__':\n    import pkg.a\n")
     graph = import_graph(pkg)
     assert graph["pkg.a"] == {"pkg.sub.b"} and graph["pkg.sub.b"] == {"pkg.a"}
-    assert graph["pkg.c"] == set() and graph["pkg.d"] == {"pkg.c"}
+    assert graph["pkg.c"] == set() and graph["pkg.d"] == {"pkg.c", "pkg.a"}
     assert circles(graph) == [["pkg.a", "pkg.sub.b"]]
 
 
@@ -148,14 +147,17 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("strategy", "tracking"),  # the factory; the writer, the spool protocol and its delivery
     ("training",),  # what Sync.fit runs on
     ("callbacks",),  # the public Keras callbacks
-    ("session", "launch"),  # Sync and load(); `python -m keras_sync.launch`
+    ("session", "launch"),  # Sync and load(); the local launcher
     ("cli",),  # the command line
-    ("", "__main__"),  # the public API; `python -m keras_sync` (the command line)
+    ("", "__main__"),  # the public API; `python -m keras_sync` and `python -m keras_sync.launch`
 )
 
 
 def part_of(module: str) -> str:
-    """``keras_sync.tracking.spool`` -> ``tracking``; ``keras_sync`` -> ``""``."""
+    """``keras_sync.tracking.spool`` -> ``tracking``; ``keras_sync`` -> ``""``; every
+    ``....__main__`` (an entry point of ``python -m``) -> ``__main__``."""
+    if module.endswith(".__main__"):
+        return "__main__"
     return module.split(".")[1] if "." in module else ""
 
 

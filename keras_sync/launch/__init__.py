@@ -272,8 +272,8 @@ def launch(
             )
         return code  # pragma: no cover - the loop always returns
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
+        for number, handler in previous.items():
+            signal.signal(number, handler)  # type: ignore[arg-type]
         if network is not None:
             network.close()
 
@@ -370,12 +370,3 @@ def _supervise(
             kill_at = float("inf")
         time.sleep(_POLL_S)
 
-
-if __name__ == "__main__":
-    # `python -m keras_sync.launch` is the `keras-sync launch` command line. The import is here, not
-    # in a function of this module, so the library never imports the CLI (the CLI imports `launch`).
-    from keras_sync.cli.launch import command
-
-    command.main(
-        prog_name="python -m keras_sync.launch"
-    )  # exits with the command's code, as click does
