@@ -1,11 +1,9 @@
-"""Value specs for config fields: check one YAML value, describe it in errors and JSON Schema.
-
-Pure Python; used by `keras_sync.config` (validation) and `keras_sync.config.schema` (JSON Schema).
-"""
+"""Value specs for config fields: check one YAML value, describe it in errors and JSON Schema."""
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,41 +16,42 @@ class FieldValueError(ValueError):
 
 
 def _show(value: Any) -> str:
-    if isinstance(value, str):
-        return repr(value)
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
     return repr(value)
 
 
 @dataclass(frozen=True)
 class Spec:
-    """Base of all value specs."""
+    """Base of all value specs: `check` a value, `describe` it in words, give its JSON Schema."""
 
     nullable: bool = False
 
     def check(self, value: Any) -> Any:
-        if value is None:
-            if self.nullable:
-                return None
-            raise FieldValueError(f"received null, expected {self.describe()}")
-        return self._check(value)
+        if value is not None:
+            return self._check(value)
+        if self.nullable:
+            return None
+        raise FieldValueError(f"received null, expected {self.describe()}")
+
+    def describe(self) -> str:
+        return self._describe() + (" or null" if self.nullable else "")
+
+    def json_schema(self) -> dict[str, Any]:
+        schema = self._schema()
+        return {"anyOf": [schema, {"type": "null"}]} if self.nullable else schema
+
+    def _fail(self, value: Any) -> FieldValueError:
+        return FieldValueError(f"received {_show(value)}, expected {self.describe()}")
 
     def _check(self, value: Any) -> Any:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def describe(self) -> str:  # pragma: no cover - abstract
+    def _describe(self) -> str:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def json_schema(self) -> dict[str, Any]:  # pragma: no cover - abstract
+    def _schema(self) -> dict[str, Any]:  # pragma: no cover - abstract
         raise NotImplementedError
-
-    def _nullable_schema(self, schema: dict[str, Any]) -> dict[str, Any]:
-        if self.nullable:
-            return {"anyOf": [schema, {"type": "null"}]}
-        return schema
 
 
 @dataclass(frozen=True)
@@ -70,14 +69,11 @@ class Choice(Spec):
                 if value is flag:
                     return name
             raise FieldValueError(
-                f"received {_show(value)}, expected one of {', '.join(self.values)}. "
-                f"YAML 1.1 reads the bare words {_YAML11_BOOL_WORDS} as booleans: "
-                f'quote the value, e.g. "off"'
+                f"received {_show(value)}, expected {self.describe()}. YAML 1.1 reads the bare "
+                f'words {_YAML11_BOOL_WORDS} as booleans: quote the value, e.g. "off"'
             )
         if not isinstance(value, str):
-            raise FieldValueError(
-                f"received {_show(value)}, expected one of {', '.join(self.values)}"
-            )
+            raise self._fail(value)
         normal = value.strip().lower().replace("-", "_")
         if normal not in self.values:
             import difflib
@@ -86,19 +82,17 @@ class Choice(Spec):
                 normal, self.values, n=1
             )
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise FieldValueError(
-                f"received {value!r}, expected one of {', '.join(self.values)}{hint}"
-            )
+            raise FieldValueError(f"received {value!r}, expected {self.describe()}{hint}")
         return normal
 
-    def describe(self) -> str:
+    def _describe(self) -> str:
         return "one of " + ", ".join(self.values)
 
-    def json_schema(self) -> dict[str, Any]:
+    def _schema(self) -> dict[str, Any]:
         schema: dict[str, Any] = {"type": "string", "enum": list(self.values)}
         if self.bool_aliases:  # e.g. bare `off`, which YAML 1.1 reads as false and `check` accepts
             schema = {"anyOf": [schema, *({"const": flag} for flag, _ in self.bool_aliases)]}
-        return self._nullable_schema(schema)
+        return schema
 
 
 @dataclass(frozen=True)
@@ -108,21 +102,17 @@ class Int(Spec):
     minimum: int = 0
 
     def _check(self, value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
-                value = int(value)
-            else:
-                raise FieldValueError(f"received {_show(value)}, expected {self.describe()}")
-        if value < self.minimum:
-            raise FieldValueError(f"received {value}, expected {self.describe()}")
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < self.minimum:
+            raise self._fail(value)
         return int(value)
 
-    def describe(self) -> str:
-        base = f"an integer >= {self.minimum}"
-        return base + " or null" if self.nullable else base
+    def _describe(self) -> str:
+        return f"an integer >= {self.minimum}"
 
-    def json_schema(self) -> dict[str, Any]:
-        return self._nullable_schema({"type": "integer", "minimum": self.minimum})
+    def _schema(self) -> dict[str, Any]:
+        return {"type": "integer", "minimum": self.minimum}
 
 
 @dataclass(frozen=True)
@@ -134,21 +124,18 @@ class Float(Spec):
 
     def _check(self, value: Any) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise FieldValueError(f"received {_show(value)}, expected {self.describe()}")
+            raise self._fail(value)
         if not math.isfinite(value):
             raise FieldValueError(f"received {value}, expected a finite number")
         if value < self.minimum or (self.exclusive and value == self.minimum):
-            raise FieldValueError(f"received {value}, expected {self.describe()}")
+            raise self._fail(value)
         return float(value)
 
-    def describe(self) -> str:
-        op = ">" if self.exclusive else ">="
-        base = f"a number {op} {self.minimum:g}"
-        return base + " or null" if self.nullable else base
+    def _describe(self) -> str:
+        return f"a number {'>' if self.exclusive else '>='} {self.minimum:g}"
 
-    def json_schema(self) -> dict[str, Any]:
-        key = "exclusiveMinimum" if self.exclusive else "minimum"
-        return self._nullable_schema({"type": "number", key: self.minimum})
+    def _schema(self) -> dict[str, Any]:
+        return {"type": "number", "exclusiveMinimum" if self.exclusive else "minimum": self.minimum}
 
 
 @dataclass(frozen=True)
@@ -157,14 +144,14 @@ class Bool(Spec):
 
     def _check(self, value: Any) -> bool:
         if not isinstance(value, bool):
-            raise FieldValueError(f"received {_show(value)}, expected true or false")
+            raise self._fail(value)
         return value
 
-    def describe(self) -> str:
+    def _describe(self) -> str:
         return "true or false"
 
-    def json_schema(self) -> dict[str, Any]:
-        return self._nullable_schema({"type": "boolean"})
+    def _schema(self) -> dict[str, Any]:
+        return {"type": "boolean"}
 
 
 @dataclass(frozen=True)
@@ -176,23 +163,19 @@ class Str(Spec):
 
     def _check(self, value: Any) -> str:
         if not isinstance(value, str) or not value.strip():
-            raise FieldValueError(f"received {_show(value)}, expected {self.describe()}")
-        if self.pattern is not None:
-            import re
-
-            if not re.fullmatch(self.pattern, value):
-                raise FieldValueError(f"received {_show(value)}, expected {self.describe()}")
+            raise self._fail(value)
+        if self.pattern is not None and not re.fullmatch(self.pattern, value):
+            raise self._fail(value)
         return value
 
-    def describe(self) -> str:
-        what = self.pattern_doc or "a non-empty string"
-        return what + (" or null" if self.nullable else "")
+    def _describe(self) -> str:
+        return self.pattern_doc or "a non-empty string"
 
-    def json_schema(self) -> dict[str, Any]:
+    def _schema(self) -> dict[str, Any]:
         schema: dict[str, Any] = {"type": "string", "minLength": 1}
         if self.pattern is not None:
             schema["pattern"] = f"^(?:{self.pattern})$"
-        return self._nullable_schema(schema)
+        return schema
 
 
 @dataclass(frozen=True)
@@ -203,13 +186,13 @@ class StrList(Spec):
         if isinstance(value, str):
             value = [value]
         if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
-            raise FieldValueError(f"received {_show(value)}, expected {self.describe()}")
+            raise self._fail(value)
         return tuple(v.strip() for v in value)
 
-    def describe(self) -> str:
+    def _describe(self) -> str:
         return "a list of device names such as ['/gpu:0', '/gpu:1']"
 
-    def json_schema(self) -> dict[str, Any]:
+    def _schema(self) -> dict[str, Any]:
         return {"type": "array", "items": {"type": "string", "minLength": 1}}
 
 
@@ -222,12 +205,12 @@ class AutoOrBool(Spec):
             return value
         if isinstance(value, str) and value.strip().lower() == "auto":
             return "auto"
-        raise FieldValueError(f"received {_show(value)}, expected {self.describe()}")
+        raise self._fail(value)
 
-    def describe(self) -> str:
+    def _describe(self) -> str:
         return "auto, true or false"
 
-    def json_schema(self) -> dict[str, Any]:
+    def _schema(self) -> dict[str, Any]:
         return {"anyOf": [{"type": "boolean"}, {"const": "auto"}]}
 
 
@@ -243,10 +226,10 @@ class WordOrInt(Spec):
             return self.word
         if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
             return value
-        raise FieldValueError(f"received {_show(value)}, expected {self.describe()}")
+        raise self._fail(value)
 
-    def describe(self) -> str:
+    def _describe(self) -> str:
         return f"'{self.word}' or an integer >= 1 ({self.unit})"
 
-    def json_schema(self) -> dict[str, Any]:
+    def _schema(self) -> dict[str, Any]:
         return {"anyOf": [{"const": self.word}, {"type": "integer", "minimum": 1}]}

@@ -1,8 +1,7 @@
 """Pure logic of `WeightDivergence`: compare the replicas' fingerprints of each mirrored variable.
 
-A fingerprint is what one replica computes from its copy of one variable (see
-`keras_sync.callbacks.weight_divergence`): a 32-bit checksum of the bits, as two exact 16-bit
-halves, then the mean and the root mean square. No TensorFlow or numpy here.
+A fingerprint is what one replica computes from its copy of a variable: a 32-bit checksum of the
+bits as two exact 16-bit halves, then the mean and the root mean square.
 """
 
 from __future__ import annotations
@@ -19,12 +18,9 @@ class Divergence:
     """How far the replicas' copies of the mirrored variables are apart.
 
     Attributes:
-        value: ``sync/weight_divergence``: 0.0 when every replica's copy of every variable has
-            the same checksum; else the largest spread between replicas of a diverged variable's
-            mean or root mean square. Both spreads are at most the largest element-wise
-            difference between two copies (|mean(a) - mean(b)| <= max|a - b|, and
-            |rms(a) - rms(b)| <= rms(a - b) <= max|a - b|), so this is a lower bound of it, in the
-            weights' units.
+        value: ``sync/weight_divergence``: 0.0 when every copy of every variable has the same
+            checksum; else the largest spread between replicas of a diverged variable's mean or
+            RMS, a lower bound of the largest element-wise difference (in the weights' units).
         diverged_variables: ``sync/diverged_variables``: how many variables' copies differ.
         variables: how many variables were compared.
     """

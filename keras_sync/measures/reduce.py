@@ -1,7 +1,4 @@
-"""Pure logic for the sync callbacks: spread, throughput, when to log, the writer check.
-
-No TensorFlow, Keras, numpy or MLflow here, so it is tested on its own (tests/test_sync_metrics.py).
-"""
+"""Pure logic for the sync callbacks: spread, throughput, when to log, the writer check."""
 
 from __future__ import annotations
 
@@ -31,10 +28,8 @@ def check_writer(writer: Any, method: str) -> None:
 
 
 def grad_norm_spread(norms: Sequence[float]) -> float:
-    """How unequal the replicas' local gradient norms are: ``(max - min) / mean``.
-
-    0 when every replica sees the same gradient size; large when one shard dominates.
-    NaN when there are no norms or their mean is 0.
+    """How unequal the replicas' local gradient norms are: ``(max - min) / mean`` (NaN without
+    norms or with a mean of 0).
 
     >>> grad_norm_spread([1.0, 3.0])
     1.0
@@ -50,10 +45,8 @@ def grad_norm_spread(norms: Sequence[float]) -> float:
 
 
 def loss_spread(losses: Sequence[float]) -> float:
-    """How far apart the replicas' own losses are, in loss units: ``max - min``.
-
-    Absolute, not relative like `grad_norm_spread`: a loss falls towards 0 and a ratio to it
-    would grow without meaning. 0 on one replica or equal shards; NaN without losses.
+    """How far apart the replicas' own losses are: ``max - min`` (absolute: a loss falls towards 0,
+    a ratio to it would mean nothing). NaN without losses.
 
     >>> loss_spread([0.5, 0.75, 0.25])
     0.5
@@ -66,10 +59,7 @@ def loss_spread(losses: Sequence[float]) -> float:
 
 
 def crossed_log_step(prev_step: int, step: int, every: int) -> bool:
-    """True when the global step moved past a multiple of ``every`` (steps are 1-based).
-
-    With one optimizer step per call this is ``step % every == 0``; with several steps per
-    call (``steps_per_execution``) a multiple inside the interval counts too.
+    """True when the global step moved past a multiple of ``every`` (several steps per call too).
 
     >>> [s for s in range(1, 11) if crossed_log_step(s - 1, s, 5)]
     [5, 10]
@@ -128,12 +118,8 @@ WINDOW_KEYS = (
 def window_peaks(
     peaks: dict[str, float] | None, losses: Sequence[float], grad_norms: Sequence[float]
 ) -> dict[str, float]:
-    """Fold one step's per-replica values into the peaks of a window of steps (a new dict).
-
-    Between two logged points the steps in between are not logged one by one; their peaks are,
-    so a spike on an unlogged step still shows: the largest replica loss, loss spread, replica
-    gradient norm and gradient-norm spread of the window (NaN values, not measured, are left out;
-    an infinite one is kept).
+    """Fold one step's per-replica values into the peaks of a window of unlogged steps (a new dict),
+    so a spike between two logged points still shows (NaN, not measured, is left out).
 
     >>> p = window_peaks(None, [0.5, 0.7], [1.0, 3.0])
     >>> p = window_peaks(p, [0.4, 9.0], [1.0, 1.0])  # a spike on replica 1
@@ -159,26 +145,26 @@ def window_peaks(
 
 
 def replica_metrics(losses: Sequence[float], grad_norms: Sequence[float]) -> dict[str, float]:
-    """The per-replica metric names and values, plus the loss and grad-norm spreads.
-
-    Replica ``i`` is the ``i``-th replica of the whole job (worker 0's replicas first). NaN
-    entries (a value that was not measured) are left out.
+    """The per-replica metrics (replica ``i`` of the whole job, worker 0's first; NaN left out),
+    plus the loss and grad-norm spreads when every replica measured them.
 
     >>> replica_metrics([0.5, 0.75], [1.0, 3.0])  # doctest: +NORMALIZE_WHITESPACE
     {'sync/loss/replica_0': 0.5, 'sync/loss/replica_1': 0.75, 'sync/loss_spread': 0.25,
      'sync/grad_norm/replica_0': 1.0, 'sync/grad_norm/replica_1': 3.0, 'sync/grad_norm_spread': 1.0}
     """
     out: dict[str, float] = {}
-    for i, v in enumerate(losses):
-        if not math.isnan(v):
-            out[f"sync/loss/replica_{i}"] = float(v)
-    finite_losses = [float(v) for v in losses if not math.isnan(v)]
-    if len(finite_losses) == len(losses) and finite_losses:
-        out["sync/loss_spread"] = loss_spread(finite_losses)
-    finite = [float(v) for v in grad_norms if not math.isnan(v)]
-    for i, v in enumerate(grad_norms):
-        if not math.isnan(v):
-            out[f"sync/grad_norm/replica_{i}"] = float(v)
-    if len(finite) == len(grad_norms) and finite:
-        out["sync/grad_norm_spread"] = grad_norm_spread(finite)
+    for name, values, spread in (
+        ("loss", losses, loss_spread),
+        ("grad_norm", grad_norms, grad_norm_spread),
+    ):
+        finite = [float(v) for v in values if not math.isnan(v)]
+        out.update(
+            {
+                f"sync/{name}/replica_{i}": float(v)
+                for i, v in enumerate(values)
+                if not math.isnan(v)
+            }
+        )
+        if finite and len(finite) == len(values):
+            out[f"sync/{name}_spread"] = spread(finite)
     return out

@@ -1,14 +1,9 @@
-"""Pure logic of "which worker is slow": per-worker times and the rule that names the slowest.
+"""Which worker is slow: per-worker times and the rule that names the slowest.
 
-Each worker times its own part of a step (`keras_sync.training.instrument`): its time between two steps,
-on the host (from the train function's return to its next call: Keras callbacks, the user's
-code), and its compute, inside the step (from the step's first collective to its gradients
-reaching the all-reduce; a worker's is the slowest of its replicas'). In synchronous training
-every worker waits for the last one, so the job's step time is the slowest worker's: the
-per-worker times say which one that is, and where its time goes. (A worker's slow tf.data
-pipeline is not told apart: see `keras_sync.training.instrument`.)
-
-No TensorFlow, Keras, numpy or MLflow here (tested on its own, tests/test_sync_metrics.py).
+Each worker times its own part of a step (`keras_sync.training.instrument`): between two steps, on
+the host (callbacks, the user's code), and its compute, inside the step up to the all-reduce. In
+synchronous training every worker waits for the last one, so these say which one that is and
+where its time goes. Pure Python, tested on its own.
 """
 
 from __future__ import annotations
@@ -32,9 +27,8 @@ COMPUTE_KEY = "sync/compute_ms/worker_{i}"
 def worker_times(
     between_us: Sequence[float], computes_us: Sequence[float], num_workers: int
 ) -> dict[str, float]:
-    """``sync/between_steps_ms/worker_{i}`` and ``sync/compute_ms/worker_{i}`` of one step, from each
-    replica's times in microseconds (replicas of worker 0 first; a negative time was not measured).
-    A worker's value is the largest of its replicas'. Nothing with fewer than 2 workers.
+    """`BETWEEN_KEY` and `COMPUTE_KEY` of one step per worker, the largest of its replicas' times in
+    microseconds (worker 0's replicas first; negative: not measured). Nothing under 2 workers.
 
     >>> worker_times([200_500, 900, 1100], [2000, 2500, 1800], 3)  # doctest: +NORMALIZE_WHITESPACE
     {'sync/between_steps_ms/worker_0': 200.5, 'sync/compute_ms/worker_0': 2.0,

@@ -1,12 +1,8 @@
-"""The maths of `keras-sync verify`: do a distributed run and its one-device reference train alike, and if not, why.
+"""The maths of `keras-sync verify`: do a distributed run and its one-device reference train alike,
+and if not, why. Pure functions on the two recordings (`keras_sync.training.verify_record`).
 
-Pure functions on what the two recordings hold (`keras_sync.training.verify_record`): per optimizer
-step the loss, the update's norm ``|w_t+1 - w_t|``, the learning rate applied and the examples;
-at the end each layer's largest weight difference. No TensorFlow here.
-
-Why the update's norm and not the replicas' gradient norms: each replica's gradient is that of its
-own share of the batch, and the norm of their mean (what one device computes) is not the mean of
-their norms; the update the optimizer applied is the same quantity in both runs.
+The update's norm ``|w_t+1 - w_t|`` is compared, not the replicas' gradient norms: each replica's
+gradient is that of its share of the batch, and the norm of their mean is not the mean of norms.
 """
 
 from __future__ import annotations
@@ -25,10 +21,9 @@ QUANTITIES = ("examples", "lr", "loss", "update")
 def tolerance(steps: int, precision: str = "float32") -> float:
     """The relative difference two correct runs may show after ``steps`` steps: ``64 * eps * (steps + 1)``.
 
-    A sum of n float32 terms in another order differs by up to ~n * eps (Higham 2002, sec. 4.2); the
-    replicas' all-reduce reorders the batch's sum once per step and the error carries over the steps,
-    so the bound grows with them. 64 covers the sums inside a step (measured here: 2 and 4 replicas
-    vs one device, 1.2e-7 after a few steps). Mixed precision computes in float16 or bfloat16.
+    A sum of n terms in another order differs by up to ~n * eps (Higham 2002, sec. 4.2); the
+    all-reduce reorders the batch's sum every step and the error carries over, so the bound grows
+    with the steps; 64 covers the sums inside a step.
 
     >>> f"{tolerance(20):.1e}"
     '1.6e-04'
@@ -106,11 +101,8 @@ def partings(
 def gradient_scale(
     subject: Mapping[str, float], reference: Mapping[str, float], replicas: int
 ) -> str | None:
-    """ "N times too large" / "N times too small" when the first updates' norms differ by the replica count.
-
-    A custom `train_step` whose loss is not divided by the replicas, summed by the all-reduce, gives N
-    times one device's gradient; with plain SGD the update is N times as large (adaptive optimizers
-    such as Adam divide the scale out).
+    """ "N times too large" / "N times too small" when the first updates' norms differ by the replica
+    count: a loss not divided by the replicas, summed by the all-reduce (plain SGD; Adam divides it out).
 
     >>> gradient_scale({"update": 2.0, "lr": 0.1}, {"update": 1.0, "lr": 0.1}, 2)
     '2 times too large'
@@ -137,10 +129,8 @@ def likely_cause(
     facts: Mapping[str, Any],
     replicas: int,
 ) -> str:
-    """The likely cause of a difference, from what the runs measured first and what the model holds.
-
-    ``facts`` (the recording's): ``batch_norm`` (layers), ``sync_batch_norm``, ``random_layers``
-    (names), ``add_loss`` (terms), ``custom_train_step``, ``train_step_gradients``, ``precision``.
+    """The likely cause of a difference, from what the runs measured first and the recording's
+    ``facts`` about the model (batch_norm, random_layers, add_loss, custom_train_step, precision...).
 
     >>> p = [Parting(0, "examples", 16, 8)]
     >>> likely_cause(p, [], [], {}, 2)[:26]
@@ -151,15 +141,13 @@ def likely_cause(
     >>> likely_cause([Parting(0, "loss", 1.0, 1.1)], s, s, {"random_layers": ["dropout"]}, 2)[:23]
     'random ops draw differe'
     """
-    quantities = {p.quantity for p in first}
-    if "examples" in quantities:
-        p = next(p for p in first if p.quantity == "examples")
+    by_quantity = {p.quantity: p for p in reversed(first)}  # the first of each
+    if p := by_quantity.get("examples"):
         return (
             f"examples per step differ: {p.subject:g} distributed, {p.reference:g} on one device at step "
             f"{p.step} (data sharded twice, a dataset's own batch, or an uneven last batch)"
         )
-    if "lr" in quantities:
-        p = next(p for p in first if p.quantity == "lr")
+    if p := by_quantity.get("lr"):
         return (
             f"the learning rate applied differs: {p.subject:g} distributed, {p.reference:g} on one device at "
             f"step {p.step} (a schedule or rate set outside keras-sync's scaling)"
@@ -192,12 +180,11 @@ def likely_cause(
         )
     if facts.get("precision", "float32") != "float32":
         causes.append(f"mixed-precision ops ({facts['precision']}) beyond their tolerance")
+    if len(causes) > 1:
+        others = "; ".join(c.split(":")[0].split(" (")[0] for c in causes[1:])
+        return f"{causes[0]} (also possible: {others})"
     if causes:
-        return causes[0] + (
-            f" (also possible: {'; '.join(c.split(':')[0].split(' (')[0] for c in causes[1:])})"
-            if len(causes) > 1
-            else ""
-        )
+        return causes[0]
     if first and first[0].step == 0 and first[0].quantity == "loss":
         return (
             "the first loss differs before any update, from the same weights: the batches differ (a data "
