@@ -241,15 +241,11 @@ def live_other(found: tuple[Holder, float] | None, me: Holder, *, chief: bool) -
     here = holder.host == me.host
     if (here and (holder.pid == me.pid or not _alive(holder.pid))) or age > STALE_S:
         return None
-    same_job = (holder.job_id is not None and holder.job_id == me.job_id) or (
-        holder.job_id is None
-        and me.job_id is None
-        and holder.cluster is not None
-        and holder.cluster == me.cluster
-    )
-    if chief:
-        return None if same_job and holder.host != me.host else holder
-    return None if same_job else holder
+    if holder.job_id is not None:
+        same_job = holder.job_id == me.job_id
+    else:
+        same_job = me.job_id is None and holder.cluster is not None and holder.cluster == me.cluster
+    return None if same_job and not (chief and here) else holder
 
 
 def refused(backup_dir: str, other: Holder) -> UsageError:
