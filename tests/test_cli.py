@@ -14,32 +14,13 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from _cli_run import KERAS_SYNC, run
+from _cli_run import cli_env as _env
 from _ports import free_ports
 
 from keras_sync.config.kinds import kinds_where
 
-KERAS_SYNC = str(Path(sys.executable).with_name("keras-sync"))
 BAD_CONFIGS = Path(__file__).parent / "fixtures" / "bad_configs"
-_SETTINGS_ENV = ("KERAS_SYNC_CONFIG", "MLFLOW_TRACKING_URI", "TF_CONFIG")
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _SETTINGS_ENV}
-    env.update(extra)
-    return env
-
-
-def run(
-    *args: str, cwd: Path | str | None = None, timeout: float = 120, **env: str
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [KERAS_SYNC, *args],
-        cwd=cwd,
-        env=_env(**env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 # -- validate -----------------------------------------------------------------------------------

@@ -6,46 +6,20 @@ verify` on 2 simulated CPU replicas (`mirrored`) and as 2 local workers (`-n 2`)
 
 from __future__ import annotations
 
+import functools
 import json
-import os
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import _cli_run
 import pytest
+from _cli_run import KERAS_SYNC, cli_env
 
-KERAS_SYNC = str(Path(sys.executable).with_name("keras-sync"))
 SCRIPT = Path(__file__).with_name("_verify_train.py")
 STEPS = "6"
-_SETTINGS_ENV = (
-    "KERAS_SYNC_CONFIG",
-    "MLFLOW_TRACKING_URI",
-    "TF_CONFIG",
-    "KERAS_SYNC_VERIFY_RECORD",
-    "KERAS_SYNC_VERIFY_REPLAY",
-    "KERAS_SYNC_VERIFY_STEPS",
-)
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _SETTINGS_ENV}
-    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    env.update(extra)
-    return env
-
-
-def run(
-    *args: str, cwd: Path | str | None = None, timeout: float = 1200, **env: str
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [KERAS_SYNC, *args],
-        cwd=cwd,
-        env=_env(**env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+_env = functools.partial(cli_env, TF_CPP_MIN_LOG_LEVEL="2")
+run = functools.partial(_cli_run.run, timeout=1200, TF_CPP_MIN_LOG_LEVEL="2")
 
 
 # -- usage errors (no TensorFlow) ---------------------------------------------------------------
@@ -177,43 +151,25 @@ def _config(tmp: Path, name: str, where: str, extra: dict, mlflow: bool = False)
 def verified(tmp_path_factory):
     """Every case through `keras-sync verify`, two at a time; the two-phase form; one with MLflow on."""
     tmp = tmp_path_factory.mktemp("verify")
+    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+
+    def verify(
+        name: str, *args: str, where: str = "mirrored", extra=None, mlflow=False, steps=STEPS
+    ):
+        config = _config(tmp, name, where, extra or {}, mlflow=mlflow)
+        return ["verify", "--steps", steps, "--config", str(config), *args]
+
     jobs = {}
     for name, where, extra, args, workers in CASES:
         args = ("batchnorm",) if args == ("syncbn",) else args
-        cmd = [
-            "verify",
-            "--steps",
-            STEPS,
-            "--config",
-            str(_config(tmp, name, where, extra)),
-            "--keep",
-            str(tmp / name),
-        ]
-        jobs[name] = (cmd + (["-n", "2"] if workers else []) + [str(SCRIPT), *args], {})
-    jobs["mobilenet"] = (
-        [
-            "verify",
-            "--steps",
-            "2",
-            "--config",
-            str(_config(tmp, "mobilenet", "mirrored", {})),
-            str(SCRIPT),
-            "mobilenet",
-            "frozen_bn",
-        ],
-        {},
-    )
-    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+        n = ["-n", "2"] if workers else []
+        cmd = verify(
+            name, "--keep", str(tmp / name), *n, str(SCRIPT), *args, where=where, extra=extra
+        )
+        jobs[name] = (cmd, {})
+    jobs["mobilenet"] = (verify("mobilenet", str(SCRIPT), "mobilenet", "frozen_bn", steps="2"), {})
     jobs["mlflow"] = (
-        [
-            "verify",
-            "--steps",
-            STEPS,
-            "--config",
-            str(_config(tmp, "mlflow", "mirrored", {}, mlflow=True)),
-            str(SCRIPT),
-            "dense",
-        ],
+        verify("mlflow", str(SCRIPT), "dense", mlflow=True),
         {"MLFLOW_TRACKING_URI": uri},
     )
 
@@ -268,15 +224,21 @@ def test_a_plain_model_is_the_same_as_one_device(verified, where: str, case: str
     )
 
 
+#: case -> how the last line names its cause.
+CAUSES = {
+    "custom_sum": "the gradient is 2 times too large (the custom train_step's loss is not divided",
+    "dropout": "random ops draw different numbers on each replica (dropout: ",
+    "add_loss": "an add_loss term that sums over the batch",
+}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("where", WHERE)
-def test_an_undivided_custom_train_step_names_the_gradient_scale(verified, where: str) -> None:
-    result = verified[2][f"{where}-custom_sum"]
+@pytest.mark.parametrize("case", CAUSES)
+def test_a_difference_is_named_by_its_cause(verified, where: str, case: str) -> None:
+    result = verified[2][f"{where}-{case}"]
     assert result.returncode == 1, result.stdout + result.stderr
-    assert _last(result).startswith(
-        "verify: different from one device: the gradient is 2 times too large (the "
-        "custom train_step's loss is not divided"
-    )
+    assert _last(result).startswith(f"verify: different from one device: {CAUSES[case]}")
 
 
 @pytest.mark.slow
@@ -291,27 +253,6 @@ def test_batch_norm_per_replica_is_named_and_sync_batch_norm_is_the_same(
     synced = verified[2][f"{where}-syncbn"]
     assert _last(synced).startswith("verify: same as one device ("), synced.stdout + synced.stderr
     assert synced.returncode == 0
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("where", WHERE)
-def test_dropout_is_named_as_random_ops(verified, where: str) -> None:
-    result = verified[2][f"{where}-dropout"]
-    assert result.returncode == 1, result.stdout + result.stderr
-    assert _last(result).startswith(
-        "verify: different from one device: random ops draw different numbers on each "
-        "replica (dropout: "
-    )
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("where", WHERE)
-def test_an_add_loss_sum_over_the_batch_is_named(verified, where: str) -> None:
-    result = verified[2][f"{where}-add_loss"]
-    assert result.returncode == 1, result.stdout + result.stderr
-    assert _last(result).startswith(
-        "verify: different from one device: an add_loss term that sums over the batch"
-    )
 
 
 @pytest.mark.slow

@@ -1,8 +1,6 @@
-"""The ``keras-sync`` command line.
+"""The ``keras-sync`` command line: this module registers the commands, one module each.
 
-This module only registers the commands, one module each; they translate between the user
-and the library and hold no logic of their own. Nothing heavy is imported here: ``--help``,
-``validate`` and ``schema`` never load TensorFlow, Keras or MLflow.
+Nothing heavy is imported here: ``--help``, ``validate`` and ``schema`` load no TensorFlow.
 """
 
 from __future__ import annotations

@@ -25,11 +25,8 @@ class SyncGroup(click.Group):
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         """List the commands with their whole first sentence, wrapped (click cuts it with "...")."""
-        rows = []
-        for name in self.list_commands(ctx):
-            cmd = self.get_command(ctx, name)
-            if cmd is not None and not cmd.hidden:
-                rows.append((name, cmd.get_short_help_str(limit=10_000)))
+        commands = [(name, self.get_command(ctx, name)) for name in self.list_commands(ctx)]
+        rows = [(n, c.get_short_help_str(limit=10_000)) for n, c in commands if c and not c.hidden]
         if rows:
             with formatter.section("Commands"):
                 formatter.write_dl(rows)

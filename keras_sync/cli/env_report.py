@@ -1,8 +1,7 @@
 """The environment as a block to paste into a bug report (``keras-sync env``).
 
-Versions come from package metadata, so they cost no import; only the device list imports
-TensorFlow. Addresses in TF_CONFIG and credentials in MLflow URIs are redacted: a report
-is meant to be posted in public.
+Versions come from package metadata (no import); only the device list imports TensorFlow.
+TF_CONFIG addresses and MLflow credentials are redacted: a report is posted in public.
 """
 
 from __future__ import annotations
@@ -39,9 +38,7 @@ def _version(dists: tuple[str, ...]) -> str:
 
 
 def _devices() -> str:
-    os.environ.setdefault(
-        "TF_CPP_MIN_LOG_LEVEL", "2"
-    )  # keep TF's start-up chatter out of the report
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TF's start-up chatter out of the report
     try:
         from keras_sync.upstream.tf_import import import_tensorflow
 
@@ -77,28 +74,19 @@ def _cluster(environ: Mapping[str, str]) -> str:
     )
 
 
-def _uri(environ: Mapping[str, str]) -> str:
-    uri = environ.get("MLFLOW_TRACKING_URI")
-    if not uri:
-        return "unset"
-    from keras_sync.tracking import redact_uri
-
-    return redact_uri(uri)
-
-
 def collect(*, devices: bool = True, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The report's entries, label -> value, in print order."""
-    env = os.environ if environ is None else environ
     from keras_sync.strategy import count_gpus_cheaply
+    from keras_sync.tracking import redact_uri
+    from keras_sync.upstream import stack
 
+    env = os.environ if environ is None else environ
     report: dict[str, Any] = {
         "keras-sync": __version__,
         "Python": f"{platform.python_version()} ({platform.python_implementation()}, {sys.executable})",
         "Platform": platform.platform(),
         "CPU cores": str(os.cpu_count()),
     }
-    from keras_sync.upstream import stack
-
     # Every distribution of the `tensorflow` package, not the first found: two overwrite each other.
     report["TensorFlow"] = stack.describe_tensorflow()
     report.update({label: _version(dists) for label, dists in _PACKAGES})
@@ -109,7 +97,7 @@ def collect(*, devices: bool = True, environ: Mapping[str, str] | None = None) -
     if devices:
         report["TensorFlow devices"] = _devices()
     report["TF_CONFIG"] = _cluster(env)
-    report["MLFLOW_TRACKING_URI"] = _uri(env)
+    report["MLFLOW_TRACKING_URI"] = redact_uri(env.get("MLFLOW_TRACKING_URI")) or "unset"
     report[CONFIG_ENV] = env.get(CONFIG_ENV, "unset")
     return report
 

@@ -42,25 +42,17 @@ def command(
     from keras_sync.tracking.shell_hint import console_command, python_command
 
     ask = not no_input and sys.stdin.isatty()
-    if kind is None:
-        kind = (
-            click.prompt("Strategy kind", default="auto", type=click.Choice(STRATEGY_KINDS))
-            if ask
-            else "auto"
-        )
-    if per_replica_batch is None:
-        per_replica_batch = (
-            click.prompt("Per-replica batch size", default=32, type=click.IntRange(min=1))
-            if ask
-            else 32
-        )
-    written = init_project(
-        directory, kind=kind.lower(), per_replica_batch=per_replica_batch, force=force
-    )
+    if kind is None and ask:
+        kind = click.prompt("Strategy kind", default="auto", type=click.Choice(STRATEGY_KINDS))
+    if per_replica_batch is None and ask:
+        batch = click.IntRange(min=1)
+        per_replica_batch = click.prompt("Per-replica batch size", default=32, type=batch)
+    kind = (kind or "auto").lower()
+    per_replica_batch = per_replica_batch or 32
+    written = init_project(directory, kind=kind, per_replica_batch=per_replica_batch, force=force)
     for path in written:
         click.echo(f"wrote {path}")
-    hint = cpu_replicas_hint(kind.lower(), written[0], gpus=count_gpus_cheaply())
-    if hint:
+    if hint := cpu_replicas_hint(kind, written[0], gpus=count_gpus_cheaply()):
         click.echo(hint)
     click.echo(
         f"next: cd {shlex.quote(directory)} && {console_command()} plan && {python_command()} train.py"

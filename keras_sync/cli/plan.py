@@ -47,11 +47,12 @@ def command(config: str | None, as_json: bool, **flags: object) -> None:
     from keras_sync.config import load_config
 
     overrides = {_FLAG_KEYS[name]: value for name, value in flags.items() if value is not None}
-    if "batch.global" in overrides and "batch.per_replica" not in overrides:
-        overrides["batch.per_replica"] = (
-            None  # --global-batch replaces a per-replica batch from the file
-        )
-    elif "batch.per_replica" in overrides and "batch.global" not in overrides:
-        overrides["batch.global"] = None
+    # One batch flag replaces either batch of the file (both flags: load_config names the clash).
+    for given, other in (
+        ("batch.global", "batch.per_replica"),
+        ("batch.per_replica", "batch.global"),
+    ):
+        if given in overrides and other not in overrides:
+            overrides[other] = None
     plan = make_plan(load_config(config, overrides=overrides))
     click.echo(json.dumps(plan.to_dict(), indent=2) if as_json else plan.format())

@@ -1,9 +1,5 @@
-"""What `keras-sync init` writes: a commented ``keras_sync.yaml`` and a ``train.py`` that runs as is.
-
-The files come from the templates shipped in the package (``keras_sync.templates``): one main
-config template, one commented ``strategy:`` section per strategy kind, and the training script.
-Nothing is overwritten unless asked: every target is checked before any is written.
-"""
+"""What `keras-sync init` writes: a commented ``keras_sync.yaml`` and a ``train.py`` that runs as is,
+from the templates shipped in the package. Every target is checked before any is written."""
 
 from __future__ import annotations
 
@@ -15,7 +11,6 @@ from keras_sync.config.kinds import KINDS, LAYOUT_LOCAL
 from keras_sync.errors import UsageError
 
 TRAIN_SCRIPT = "train.py"
-TARGETS = (DEFAULT_CONFIG_FILE, TRAIN_SCRIPT)
 
 
 def _template(name: str) -> str:
@@ -33,11 +28,7 @@ def render_config(kind: str = "auto", per_replica_batch: int = 32) -> str:
             f"Invalid value for argument `kind`. Received: kind={kind!r}. "
             f"Expected one of {', '.join(STRATEGY_KINDS)}."
         )
-    if (
-        isinstance(per_replica_batch, bool)
-        or not isinstance(per_replica_batch, int)
-        or per_replica_batch < 1
-    ):
+    if type(per_replica_batch) is not int or per_replica_batch < 1:
         raise UsageError(
             f"Invalid value for argument `per_replica_batch`. Received: "
             f"per_replica_batch={per_replica_batch!r}. Expected an integer >= 1."
@@ -49,11 +40,6 @@ def render_config(kind: str = "auto", per_replica_batch: int = 32) -> str:
     )
 
 
-def render_train_script() -> str:
-    """The text of ``train.py``: a small Keras model on generated data, three keras-sync lines."""
-    return _template(TRAIN_SCRIPT)
-
-
 def cpu_replicas_hint(kind: str, config_path: str | Path, *, gpus: int) -> str | None:
     """How to get several replicas on the CPU, for a machine without a GPU; None where it does not apply.
 
@@ -63,13 +49,11 @@ def cpu_replicas_hint(kind: str, config_path: str | Path, *, gpus: int) -> str |
     True
     """
     spec = KINDS[kind]
-    if (
-        gpus or not spec.simulated_cpus or spec.layout != LAYOUT_LOCAL
-    ):  # one_device keeps one replica anyway
+    if gpus or not spec.simulated_cpus or spec.layout != LAYOUT_LOCAL:  # one_device: one replica
         return None
     return (
-        f"no GPU here, so 1 replica per process; for 2 on the CPU, set strategy.simulated_cpu_replicas: 2 "
-        f"in {config_path}"
+        "no GPU here, so 1 replica per process; for 2 on the CPU, set "
+        f"strategy.simulated_cpu_replicas: 2 in {config_path}"
     )
 
 
@@ -80,16 +64,16 @@ def init_project(
     per_replica_batch: int = 32,
     force: bool = False,
 ) -> list[Path]:
-    """Write ``keras_sync.yaml`` and ``train.py`` into `directory` (created if needed); return their paths.
+    """Write ``keras_sync.yaml`` and ``train.py`` into `directory` (created if needed); their paths.
 
     Raises:
-        UsageError: a target exists and `force` is false (nothing is written then), or a bad argument.
-        KerasSyncError: the directory cannot be created or written.
+        UsageError: a bad argument, a target exists without `force` (nothing is written), or the
+            directory cannot be written.
     """
     root = Path(directory)
     contents = {
         root / DEFAULT_CONFIG_FILE: render_config(kind, per_replica_batch),
-        root / TRAIN_SCRIPT: render_train_script(),
+        root / TRAIN_SCRIPT: _template(TRAIN_SCRIPT),
     }
     if root.exists() and not root.is_dir():
         raise UsageError(

@@ -13,9 +13,12 @@ from keras_sync.measures.verify_compare import Verdict
 
 #: How many parting steps and layers the table shows.
 ROWS = 5
+#: A recording's ``record.json`` (`keras_sync.training.verify_record`).
+Run = Mapping[str, Any]
+Folder = str | os.PathLike[str]
 
 
-def load_recording(folder: str | os.PathLike[str], what: str) -> dict[str, Any]:
+def load_recording(folder: Folder, what: str) -> dict[str, Any]:
     """A recording's ``record.json``, or a one-line error naming the folder."""
     from keras_sync.training.verify_record import RECORD_FILE
 
@@ -35,9 +38,7 @@ def load_recording(folder: str | os.PathLike[str], what: str) -> dict[str, Any]:
     return record
 
 
-def layer_differences(
-    subject_dir: str | os.PathLike[str], reference_dir: str | os.PathLike[str]
-) -> dict[str, tuple[float, float]]:
+def layer_differences(subject_dir: Folder, reference_dir: Folder) -> dict[str, tuple[float, float]]:
     """Each layer's largest |final weight difference| and largest |weight| (weights grouped by their layer path)."""
     import numpy as np
 
@@ -60,12 +61,6 @@ def layer_differences(
     return out
 
 
-def describe(subject: Mapping[str, Any]) -> str:
-    """The distributed run in words: ``2 replicas (mirrored), global batch 8``."""
-    workers = f" on {subject['workers']} workers" if subject.get("workers", 1) > 1 else ""
-    return f"{subject['replicas']} replicas{workers} ({subject['kind']}), global batch {subject['global_batch']}"
-
-
 def determinism(source: str | None) -> str:
     """The one line on what verify made deterministic, and what it could not (by the training input's kind).
 
@@ -79,25 +74,21 @@ def determinism(source: str | None) -> str:
     return f"{fixed}; nothing left that verify knows of (input: {source or 'unknown'})"
 
 
-def table(verdict: Verdict, subject: Mapping[str, Any], reference: Mapping[str, Any]) -> list[str]:
+def table(verdict: Verdict, subject: Run, reference: Run) -> list[str]:
     """The short table: the first steps where the runs part, the layers with the largest difference."""
     from keras_sync.training.verify_record import depends_on_batch
 
-    lines = []
-    micro = reference["facts"].get("accumulation", 1) // max(
-        1, subject["facts"].get("accumulation", 1)
-    )
-    how = (
-        f"{micro} micro-batches of {reference['global_batch']} accumulated (one replica's memory)"
-        if micro > 1
-        else f"the full global batch of {subject['global_batch']}"
-        + (
-            f" ({' and '.join(depends_on_batch(subject['facts']))} depend(s) on the batch)"
-            if depends_on_batch(subject["facts"])
-            else ""
-        )
-    )
-    lines.append(f"distributed: {describe(subject)}; reference: one device, {how}")
+    accumulation = subject["facts"].get("accumulation", 1)
+    micro = reference["facts"].get("accumulation", 1) // max(1, accumulation)
+    if micro > 1:
+        how = f"{micro} micro-batches of {reference['global_batch']} accumulated (one replica's memory)"
+    else:
+        how = f"the full global batch of {subject['global_batch']}"
+        if depends := depends_on_batch(subject["facts"]):
+            how += f" ({' and '.join(depends)} depend(s) on the batch)"
+    on = f" on {subject['workers']} workers" if subject.get("workers", 1) > 1 else ""
+    run = f"{subject['replicas']} replicas{on} ({subject['kind']}), global batch {subject['global_batch']}"
+    lines = [f"distributed: {run}; reference: one device, {how}"]
     if subject.get("peak_rss_mb") and reference.get("peak_rss_mb"):
         per = "the chief's process" if subject.get("workers", 1) > 1 else "one process"
         lines.append(
@@ -116,9 +107,8 @@ def table(verdict: Verdict, subject: Mapping[str, Any], reference: Mapping[str, 
         if len(verdict.partings) > ROWS:
             lines.append(f"       ... {len(verdict.partings) - ROWS} more")
     else:
-        lines.append(
-            f"every step alike: loss, update norm, learning rate, examples ({verdict.steps} steps)"
-        )
+        alike = "every step alike: loss, update norm, learning rate, examples"
+        lines.append(f"{alike} ({verdict.steps} steps)")
     lines.append(f"{'layer':<28} {'max |weight diff|':>18}")
     for name, diff in verdict.layers[:ROWS]:
         lines.append(f"{name[:28]:<28} {diff:>18.3g}")
@@ -134,12 +124,7 @@ def last_line(verdict: Verdict) -> str:
     return f"verify: different from one device: {verdict.cause} ({figures})"
 
 
-def draw(
-    path: str | os.PathLike[str],
-    verdict: Verdict,
-    subject: Mapping[str, Any],
-    reference: Mapping[str, Any],
-) -> None:
+def draw(path: Folder, verdict: Verdict, subject: Run, reference: Run) -> None:
     """The picture: both loss curves, and each layer's largest weight difference."""
     import matplotlib
 
@@ -160,47 +145,30 @@ def draw(
     right.axvline(verdict.tolerance, color="red", linestyle=":", label="tolerance")
     right.set(title="largest |weight difference| per layer", xscale="log")
     right.legend()
-    fig.suptitle(
-        "verify: same as one device"
-        if verdict.same
-        else f"verify: different from one device: {(verdict.cause or '').split(':')[0].split(' (')[0]}"
-    )
+    title = f"different from one device: {(verdict.cause or '').split(':')[0].split(' (')[0]}"
+    fig.suptitle(f"verify: {'same as one device' if verdict.same else title}")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
-def save(
-    folder: str | os.PathLike[str],
-    verdict: Verdict,
-    subject: Mapping[str, Any],
-    reference: Mapping[str, Any],
-) -> tuple[str, str]:
+def save(folder: Folder, verdict: Verdict, subject: Run, reference: Run) -> tuple[str, str]:
     """Write ``verify.png`` (the picture) and ``verify.json`` (the comparison) into ``folder``; their names."""
     draw(Path(folder) / "verify.png", verdict, subject, reference)
-    (Path(folder) / "verify.json").write_text(
-        json.dumps(
-            {
-                "same": verdict.same,
-                "cause": verdict.cause,
-                "tolerance": verdict.tolerance,
-                "partings": [p.__dict__ for p in verdict.partings],
-                "layers": verdict.layers,
-                "table": table(verdict, subject, reference),
-                "last_line": last_line(verdict),
-            },
-            indent=1,
-        )
-    )
+    comparison = {
+        "same": verdict.same,
+        "cause": verdict.cause,
+        "tolerance": verdict.tolerance,
+        "partings": [p.__dict__ for p in verdict.partings],
+        "layers": verdict.layers,
+        "table": table(verdict, subject, reference),
+        "last_line": last_line(verdict),
+    }
+    (Path(folder) / "verify.json").write_text(json.dumps(comparison, indent=1))
     return "verify.png", "verify.json"
 
 
-def log_run(
-    folder: str | os.PathLike[str],
-    verdict: Verdict,
-    subject: Mapping[str, Any],
-    reference: Mapping[str, Any],
-) -> str:
+def log_run(folder: Folder, verdict: Verdict, subject: Run, reference: Run) -> str:
     """Log the comparison to an MLflow run of its own (tag ``keras_sync.verify``); return its id."""
     from mlflow.entities import Metric, Param, RunTag
     from mlflow.tracking import MlflowClient
