@@ -331,22 +331,7 @@ class Sync:
 
         pipe = self._pipeline()
         global_batch = given or self.global_batch_size
-        # drop_remainder applies to a dataset, and to arrays made into one (multi-worker, replay order).
-        drops = pipe.drop_remainder and (
-            pipe.multi_worker or pipe.replay_order or _is_dataset(data)
-        )
-        facts = self.input_facts
-        if facts is not None and (facts.own_part or facts.source == "keras.utils.PyDataset"):
-            # Inputs only the pipeline can count (each worker's own part, summed over the workers; a
-            # PyDataset's batches): its count. A part's remainder is dropped per worker: unknown then.
-            n = facts.examples_per_epoch if fit_kwargs.get("steps_per_epoch") is None else None
-            expected = (
-                None
-                if n is None or (drops and facts.own_part)
-                else (n - n % global_batch if drops else n)
-            )
-        else:
-            expected = _run_checks.expected_examples(self, data, fit_kwargs, global_batch, drops)
+        expected = pipe.expected_examples(self.input_facts, data, fit_kwargs, global_batch)
         self._resolve_pending_warmup(x, kwargs)
         from keras_sync import callbacks as ks_callbacks
 
@@ -749,12 +734,6 @@ def _verify_record() -> Any:
     from keras_sync.training import verify_record
 
     return verify_record
-
-
-def _is_dataset(x: Any) -> bool:
-    from keras_sync.training.pipeline import is_dataset
-
-    return x is not None and is_dataset(x)
 
 
 def _keras_compat_check_call(model: Any, method: str) -> None:

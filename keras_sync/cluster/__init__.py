@@ -15,7 +15,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -116,9 +116,8 @@ def in_ray_worker(env: Mapping[str, str] | None = None) -> bool:
 def killed_when_training_returns(env: Mapping[str, str] | None = None) -> bool:
     """True where the job manager kills the process tree as soon as training returns, atexit unrun.
 
-    Ray Train does (measured with 2.60's default Train V2: a child of the worker died with it, even
-    in its own session): it ends each worker, and every process the worker started, once the
-    train function returns. What must reach MLflow is delivered before `Sync.fit` returns there.
+    Ray Train ends each worker, and every process the worker started, once the train function
+    returns. What must reach MLflow is delivered before `Sync.fit` returns there.
     """
     return in_ray_worker(env)
 
@@ -546,7 +545,7 @@ def indexed_job_cluster_resolver(
     )
 
 
-# ------------------------------------------------- The sources `strategy.cluster` names: the one dispatch
+# ------------------------------------------------- One class per value of `strategy.cluster`
 
 
 def fixed_slurm_port_base(strategy_config: Any) -> int | None:
@@ -555,54 +554,100 @@ def fixed_slurm_port_base(strategy_config: Any) -> int | None:
     return base if isinstance(base, int) else None
 
 
-def _read_tf_config(cfg: Any, env: Mapping[str, str]) -> tuple[ClusterInfo, str]:
-    info = parse_tf_config(env.get("TF_CONFIG"), env=env)
-    return info, "TF_CONFIG unset" if info.source == "none" else f"TF_CONFIG ({info.flavor})"
+class ClusterEnvironment:
+    """Where this process sits in one kind of cluster: detected and read without TensorFlow.
 
-
-def _read_slurm(cfg: Any, env: Mapping[str, str]) -> tuple[ClusterInfo, str]:
-    if "SLURM_PROCID" not in env:
-        return SINGLE_PROCESS, "no Slurm job ($SLURM_PROCID unset)"
-    return parse_slurm_env(env, port_base=fixed_slurm_port_base(cfg)), "Slurm"
-
-
-def _read_indexed_job(cfg: Any, env: Mapping[str, str]) -> tuple[ClusterInfo, str]:
-    if INDEX_VAR not in env:
-        return SINGLE_PROCESS, f"no Indexed Job (${INDEX_VAR} unset)"
-    job = cfg.indexed_job
-    return parse_indexed_job(job.hosts, job.port, job.workers, env), "Indexed Job"
-
-
-def _slurm_resolver(cfg: Any) -> Any:
-    return slurm_cluster_resolver(port_base=fixed_slurm_port_base(cfg))
-
-
-def _indexed_job_resolver(cfg: Any) -> Any:
-    return indexed_job_cluster_resolver(
-        cfg.indexed_job.hosts, cfg.indexed_job.port, cfg.indexed_job.workers
-    )
-
-
-@dataclass(frozen=True)
-class ClusterSource:
-    """One value of `strategy.cluster`: how to read it without TensorFlow, and the resolver a strategy gets.
-
-    Attributes:
-        read: (strategy section, environment) -> this process's `ClusterInfo` and, in words, where it
-            came from (`SINGLE_PROCESS` when the source is absent from the environment).
-        resolver: (strategy section) -> a TensorFlow cluster resolver; None lets TensorFlow read
-            TF_CONFIG itself.
+    Args:
+        strategy_config: the config's `strategy` section (``slurm``, ``indexed_job`` settings).
+        env: the environment (default `os.environ`).
     """
 
-    read: Callable[[Any, Mapping[str, str]], tuple[ClusterInfo, str]]
-    resolver: Callable[[Any], Any]
+    name = "alone"
+    #: Where the place came from when `detect` is False, in words for `keras-sync plan`.
+    absent = "one process"
+
+    def __init__(self, strategy_config: Any = None, env: Mapping[str, str] | None = None):
+        self.config = strategy_config
+        self.env = os.environ if env is None else env
+
+    def detect(self) -> bool:
+        """Whether this process runs in such a cluster (its variables are set)."""
+        return True
+
+    def info(self) -> ClusterInfo:
+        """This process's place; raises `ClusterError` naming what to fix when it is inconsistent."""
+        return SINGLE_PROCESS
+
+    def describe(self, info: ClusterInfo) -> str:
+        return self.absent
+
+    def world_size(self) -> int:
+        return self.info().num_workers
+
+    def rank(self) -> int:
+        return self.info().task_id
+
+    def resolver(self) -> Any:
+        """The TensorFlow cluster resolver a strategy gets (None: TensorFlow reads TF_CONFIG)."""
+        return None
+
+
+class TFConfigEnvironment(ClusterEnvironment):
+    """``TF_CONFIG``: Kubeflow TFJob, Ray Train, Vertex AI or hand-written."""
+
+    name, absent = "tf_config", "TF_CONFIG unset"
+
+    def detect(self) -> bool:
+        return self.info().source != "none"
+
+    def info(self) -> ClusterInfo:
+        return parse_tf_config(self.env.get("TF_CONFIG"), env=self.env)
+
+    def describe(self, info: ClusterInfo) -> str:
+        return f"TF_CONFIG ({info.flavor})"
+
+
+class SlurmEnvironment(ClusterEnvironment):
+    """A Slurm job step (``srun``): every task a worker, ports from `strategy.slurm.port_base`."""
+
+    name, absent = "slurm", "no Slurm job ($SLURM_PROCID unset)"
+
+    def detect(self) -> bool:
+        return "SLURM_PROCID" in self.env
+
+    def info(self) -> ClusterInfo:
+        return parse_slurm_env(self.env, port_base=fixed_slurm_port_base(self.config))
+
+    def describe(self, info: ClusterInfo) -> str:
+        return "Slurm"
+
+    def resolver(self) -> Any:
+        return slurm_cluster_resolver(port_base=fixed_slurm_port_base(self.config))
+
+
+class IndexedJobEnvironment(ClusterEnvironment):
+    """A pod of a Kubernetes Indexed Job or JobSet (`strategy.indexed_job`)."""
+
+    name, absent = "indexed_job", f"no Indexed Job (${INDEX_VAR} unset)"
+
+    def detect(self) -> bool:
+        return INDEX_VAR in self.env
+
+    def info(self) -> ClusterInfo:
+        job = self.config.indexed_job
+        return parse_indexed_job(job.hosts, job.port, job.workers, self.env)
+
+    def describe(self, info: ClusterInfo) -> str:
+        return "Indexed Job"
+
+    def resolver(self) -> Any:
+        job = self.config.indexed_job
+        return indexed_job_cluster_resolver(job.hosts, job.port, job.workers)
 
 
 #: The allowed values of `strategy.cluster` (`keras_sync.config` reads the names from here).
-CLUSTER_SOURCES: dict[str, ClusterSource] = {
-    "tf_config": ClusterSource(_read_tf_config, lambda cfg: None),
-    "slurm": ClusterSource(_read_slurm, _slurm_resolver),
-    "indexed_job": ClusterSource(_read_indexed_job, _indexed_job_resolver),
+CLUSTER_SOURCES: dict[str, type[ClusterEnvironment]] = {
+    c.name: c for c in (TFConfigEnvironment, SlurmEnvironment, IndexedJobEnvironment)
 }
 
 
@@ -610,14 +655,16 @@ def read_cluster(
     strategy_config: Any, env: Mapping[str, str] | None = None
 ) -> tuple[ClusterInfo, str]:
     """This process's place in the cluster `strategy.cluster` names, and where that came from. No TensorFlow."""
-    return CLUSTER_SOURCES[strategy_config.cluster].read(
-        strategy_config, os.environ if env is None else env
-    )
+    source = CLUSTER_SOURCES[strategy_config.cluster](strategy_config, env)
+    if not source.detect():
+        return SINGLE_PROCESS, source.absent
+    info = source.info()
+    return info, source.describe(info)
 
 
 def cluster_resolver(strategy_config: Any) -> Any:
     """The TensorFlow cluster resolver for `strategy.cluster` (None: TensorFlow reads TF_CONFIG)."""
-    return CLUSTER_SOURCES[strategy_config.cluster].resolver(strategy_config)
+    return CLUSTER_SOURCES[strategy_config.cluster](strategy_config).resolver()
 
 
 # ------------------------------------------------- TF_CONFIG order (tensorflow#60706)

@@ -1,39 +1,23 @@
 """Measure each replica's own loss and gradient norm inside its `train_step`, at the optimizer.
 
-Keras 3 (TensorFlow backend) runs `train_step` once per replica under `strategy.run`; the
-values we want exist only there, before the all-reduce. We wrap the model's `train_step`
-(Keras's own or the user's override): while it is *traced*, `keras_sync.training.train_step_trace.capture` shims
-the optimizer's ``apply`` (every ``apply_gradients`` goes through it) and the loss functions
-by pass-through functions that only remember the tensors they see. No op of the step is
-changed or reordered, so Keras's own `train_step` stays bit-identical to plain Keras
-(tests/test_sync_metrics.py checks the weights); a custom `train_step` whose loss is not
-divided by the replica count gets its gradients averaged (see `keras_sync.training.train_step_trace`).
+Keras runs `train_step` once per replica under `strategy.run`; the values wanted exist only there,
+before the all-reduce. The model's `train_step` (Keras's or the user's) is wrapped: while it traces,
+`keras_sync.training.train_step_trace.capture` shims the optimizer's ``apply`` and the loss
+functions with pass-through functions that only remember the tensors they see, so Keras's own
+step stays bit-identical to plain Keras.
 
-The wrapper writes ``[loss, grad_norm, examples_seen, learning_rate, step_count, loss_scale,
-compute_us]`` of the replica into row ``(step_count - 1) % ring`` of a ``tf.Variable(synchronization=ON_READ,
-aggregation=NONE)`` (one copy per replica, never all-reduced; its last row holds the step
-count). The variable is int64: counts and examples stay exact past 2^24 steps, and the
-float32 values are stored by their bits (``tf.bitcast``), so nothing we add to the step needs
-float64 (TPUs have none) and the whole ring is one variable: one read, one gather. The
-callbacks read the ring once every few dozen steps, not after every step: a read costs
-~0.2 ms on the training thread (and is a collective across workers).
+Each replica writes ``[loss, grad_norm, examples_seen, learning_rate, step_count, loss_scale,
+compute_us]`` into row ``(step_count - 1) % ring`` of an int64 ``tf.Variable(synchronization=ON_READ,
+aggregation=NONE)`` (one copy per replica, never all-reduced; float32 values stored by their bits,
+so counts stay exact and nothing needs float64). The callbacks read the ring every few dozen
+steps; under several workers a read is a collective.
 
-Which worker is slow: two ``tf.timestamp`` ops per step (not under XLA or on a TPU, which have
-no such op) time ``compute_us``, from the step's first collective in `train_step` (the batch
-sizes' all-reduce) to the replica's gradients, where they go to the all-reduce. TensorFlow runs
-the stateful ops of a function that take no resource (timestamps, collectives) in the order they
-were created, so the second timestamp is created before the gradients' all-reduce: it does not
-wait for the other workers. What happens before the step (the worker's time between two calls
-of the train function: callbacks, the user's code) is timed on the host (`note_host`) and
-gathered with the ring, as its column ``HOST_US``. Under `multi_worker_mirrored` TensorFlow's
-input iterator all-reduces "has data" across the workers before a step sees its batch, so a
-worker whose tf.data pipeline is slow cannot be told apart inside the step: everything after
-that all-reduce starts together.
+``compute_us`` is timed by two ``tf.timestamp`` ops (not under XLA or on a TPU), from the step's
+first collective to the replica's gradients; the host's time between two steps is noted by
+`note_host` and gathered with the ring as column ``HOST_US``.
 
-Scaling (so values compare with a single-device run): we report the replica's own mean loss
-and the global norm of the gradient of that loss. When the loss was divided by the replica
-count (Keras's `train_step`, a Keras loss, ...) both are multiplied back by N; the norm is
-also divided by the loss scale of a `LossScaleOptimizer`.
+Values are scaled to compare with one device: when the loss was divided by the replica count,
+loss and norm are multiplied back by N; the norm is also divided by a `LossScaleOptimizer`'s scale.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """`mixed_float16` on several replicas: the loss-scale decision of one device, taken on the summed gradients.
 
 Keras's `LossScaleOptimizer` (TensorFlow backend, under a strategy that uses ``merge_call``)
-decides whether a step's gradients are finite from the *first replica's local* gradients
-("each replica computed the same value, since grads is all-reduced" -- they are not: Keras 3
-all-reduces inside the inner optimizer, afterwards). Two consequences, measured on 2 CPU replicas:
-
-- a replica other than the first whose float16 gradients overflowed is not seen: its inf is
-  summed into the update and the weights become inf (issue 23's custom step);
-- one device's float16 gradient of a weight is a sum over the whole batch, a replica's over its
-  share: a sum that overflows float16 on one device (inf, the step skipped, the scale halved) is
-  finite on every replica (Keras's own step: 32 of 32 updates applied vs 31 of 32 on one device,
-  the scale ending 2x higher, weights 0.375 apart after 32 steps).
+decides whether a step's gradients are finite from the *first replica's local* gradients (Keras 3
+all-reduces inside the inner optimizer, afterwards). So a replica other than the first whose
+float16 gradients overflowed is not seen (its inf reaches the weights), and a sum that overflows
+float16 on one device (the step skipped, the scale halved) is finite on every replica's share.
 
 `apply` takes the decision on the summed gradients, as one device does: it all-reduces the
 gradients itself, and a step is skipped when a sum is not finite or when a gradient that the
@@ -122,8 +116,7 @@ def apply_summed(
 
     Keras clips in ``optimizer.apply`` (`BaseOptimizer._clip_gradients`) *before* its TensorFlow
     backend all-reduces (``_backend_update_step``): each replica clips its own share, and the sum of
-    clipped shares is not the clipped sum (measured, 2 replicas, plain `MirroredStrategy` too:
-    clipnorm 0.69, global_clipnorm 0.72, clipvalue 0.47 off one device after 20 steps). Here the
+    clipped shares is not the clipped sum (plain `MirroredStrategy` too). Here the
     gradients are all-reduced first and the optimizer's own all-reduce passes the sum through, as
     in `apply` (without that private hook: the sum on the first replica, zeros on the others; the
     clipping of a zero is zero, so Keras's all-reduce still sums to the clipped sum).

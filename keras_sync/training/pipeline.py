@@ -51,8 +51,6 @@ from keras_sync.training.py_dataset import (
 
 log = logging.getLogger("keras_sync")
 
-SHARD_POLICIES = ("auto", "data", "file", "off")
-
 
 @dataclass(frozen=True)
 class ShardChoice:
@@ -365,6 +363,55 @@ class InputPipeline:
         )
         return ds
 
+    def expected_examples(
+        self, facts: InputFacts | None, x: Any, kwargs: dict[str, Any], global_batch: int
+    ) -> int | None:
+        """The examples one epoch of `fit` trains over all workers, when known before training.
+
+        ``facts``: what `prepare` found (a worker's own part is summed over the workers there; a
+        PyDataset counted by its batches). Otherwise arrays count their length (less a
+        ``validation_split``) and a `tf.data.Dataset` its examples when its pipeline tells them.
+        None when unknown, and with ``steps_per_epoch`` (an epoch is then that many steps). With
+        ``drop_remainder`` the last partial global batch is not counted; an own part drops its
+        remainder per worker, so its count is then unknown.
+        """
+        if kwargs.get("steps_per_epoch") is not None or x is None:
+            return None
+        drops = self.drop_remainder and (self.multi_worker or self.replay_order or is_dataset(x))
+        if facts is not None and (facts.own_part or facts.source == "keras.utils.PyDataset"):
+            n = facts.examples_per_epoch
+            if n is None or (drops and facts.own_part):
+                return None
+            return n - n % global_batch if drops else n
+        import tensorflow as tf
+
+        if is_dataset(x):
+            if not isinstance(x, tf.data.Dataset):
+                return None
+            found, _ = batch_size_of(x)
+            n = _example_count(x, found)
+            if n is None:
+                return None
+            if found != global_batch and drops:
+                n -= n % global_batch
+            if self.num_workers > 1 and own_shard_policy(x) == "off":
+                return sum(e for _, e in self._across_workers(0, n))  # each worker's own part
+            return n
+        if (
+            hasattr(x, "__getitem__")
+            and not isinstance(x, (list, tuple, dict))
+            and not hasattr(x, "shape")
+        ):
+            return None  # a PyDataset / Sequence: its length is in batches, not examples
+        try:
+            n = len(tf.nest.flatten(x)[0])
+        except TypeError:
+            return None
+        split = kwargs.get("validation_split")
+        if split and kwargs.get("validation_data") is None:
+            n = int(n * (1.0 - split))
+        return n - n % global_batch if drops else n
+
     def _per_worker(self, ds: Any, *, known_steps: bool) -> Any:
         """This worker's own part, batched per replica, as the strategy's input on this worker."""
         if int(ds.cardinality()) >= 0 and (
@@ -516,11 +563,9 @@ class InputPipeline:
 def tf_seed_set() -> bool:
     """Whether the script set TensorFlow's global seed (`keras.utils.set_random_seed`, `tf.random.set_seed`).
 
-    Then Keras's own shuffle of arrays draws the same order in every run of the script, and a
-    resume replays it: with a backup, arrays are left to Keras, so the same seeded script trains
-    the same weights with and without ``fault_tolerance.backup_dir`` (measured: 0.13 apart when
-    keras-sync reshuffled them with its own seed). Unseeded, Keras's order is new in every process,
-    so a resume could not replay it; keras-sync then shuffles with its own seed (1337).
+    Then Keras's own shuffle of arrays draws the same order in every run, and a resume replays it:
+    with a backup, arrays are left to Keras, so a seeded script trains the same weights with and
+    without ``fault_tolerance.backup_dir``. Unseeded, keras-sync shuffles with its own seed.
     """
     from keras_sync.upstream.tf_runtime import global_seed_set
 
@@ -545,14 +590,7 @@ def own_shard_policy(ds: Any) -> str:
 def _with_policy(ds: Any, choice: ShardChoice) -> Any:
     import tensorflow as tf
 
-    policies = tf.data.experimental.AutoShardPolicy
-    wanted = {
-        "auto": policies.AUTO,
-        "data": policies.DATA,
-        "file": policies.FILE,
-        "off": policies.OFF,
-        "hint": policies.HINT,
-    }[choice.policy]
+    wanted = getattr(tf.data.experimental.AutoShardPolicy, choice.policy.upper())
     if ds.options().experimental_distribute.auto_shard_policy == wanted:
         return ds
     options = tf.data.Options()

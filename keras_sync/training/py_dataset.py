@@ -98,10 +98,8 @@ class GeneratorBatches:
     """A Python generator given to `sync.fit`/`evaluate`/`predict`, read by keras-sync by index.
 
     Keras wraps a generator so that every iterator made over it first replays the batches it
-    peeked at (``itertools.chain(first_batches, generator)``, `GeneratorDataAdapter`), and under a
-    strategy a first iterator is made and dropped with batches already pulled: measured on 2
-    mirrored replicas (Keras 3.15.1, ``steps_per_epoch=10``), epoch 0 trained batches 0, 1, 6, 7, 8,
-    9, 0, 1, 2, 3: 2-5 never, 0-1 twice. keras-sync numbers the generator's batches in the order it
+    peeked at (`GeneratorDataAdapter`), and under a strategy a first iterator is made and dropped
+    with batches already pulled: some batches train twice, others never. keras-sync numbers the generator's batches in the order it
     yields them and keeps the last ``keep`` of them, so an iterator that starts again at 0 reads the
     same batches, never new ones; each batch trains once, in order, as on one device.
     """

@@ -1,19 +1,10 @@
 """Every private Keras, TensorFlow and MLflow internal keras-sync relies on, each with a probe.
 
-Keras 3 has no public hook for what keras-sync fixes or measures: its `fit` under a
-multi-worker `MultiWorkerMirroredStrategy` (keras-team/keras#20585), each replica's own loss
-and gradients, an epoch that starts mid-way. Where no public API exists keras-sync reaches
-into the library, and this table is the one list of those places. Each entry names the
-internal, the feature that needs it, the upstream issue or the reason, and a probe that
-checks the internal still has the shape keras-sync patches or calls (the attribute exists,
-the signature matches, the caller still looks it up where we replace it).
-
-`require(feature)` runs the probes of one feature and raises `CompatibilityError` with one
-line (the Keras and TensorFlow versions, what is missing, what to do) when one fails: a
-moved internal ends in a clear refusal, never in a silent skip that leads back to the
-upstream crash, nor in a traceback from inside Keras. Probes are chosen by shape, not by
-version number. An entry with ``fallback`` has a public path keras-sync takes instead, so a
-failed probe costs speed or a safety check, not the feature.
+Where Keras 3 has no public hook for what keras-sync fixes or measures, keras-sync reaches into
+the library; this table is the one list of those places. Each entry names the internal, the
+feature that needs it, the upstream issue or the reason, and a probe of the shape relied on.
+`require(feature)` raises `CompatibilityError` in one line (versions, what is missing, the fix)
+when a probe of the feature fails. An entry with ``fallback`` has a public path taken instead.
 
 No TensorFlow, Keras or MLflow import at module import time; a probe imports what it checks.
 """
@@ -76,7 +67,7 @@ FEATURES: dict[str, tuple[str, str]] = {
         "the public metric histories are read instead",
     ),
     "sqlite_metrics": (
-        "metric points into a sqlite store in one statement (~10 us a point, not MLflow's ~60-130)",
+        "metric points into a sqlite store in one statement",
         "MLflow's log_batch is used instead",
     ),
     "loss_scale_reduce": (
@@ -384,9 +375,8 @@ REGISTRY: tuple[Internal, ...] = (
     Internal(
         END_OF_DATA,
         "end_of_data",
-        "Keras 3.10-3.15 end an unknown-cardinality epoch by running a step past the end, which moves "
-        "optimizer.iterations (fixed on Keras master, keras-team/keras#23179); the one-step function is "
-        "taken from its closure",
+        "Keras ends an unknown-cardinality epoch by running a step past the end, which moves "
+        "optimizer.iterations (keras-team/keras#23179); the one-step function is taken from its closure",
         _end_of_data,
         fallback=True,
     ),
@@ -401,7 +391,7 @@ REGISTRY: tuple[Internal, ...] = (
         attrs=("_current_iterator", "_epoch_iterator"),
         fallback=True,
     ),
-    # strategy/multi_worker.py: local devices per worker and the bounded join (no constructor argument for either).
+    # upstream/multi_worker.py: local devices per worker and the bounded join (no constructor argument for either).
     Internal(
         f"{_CARS}:CollectiveAllReduceExtended._initialize_local_devices",
         "multi_worker_strategy",
@@ -458,8 +448,8 @@ REGISTRY: tuple[Internal, ...] = (
     Internal(
         BARRIER,
         "multi_worker_strategy",
-        "every task, not only the chief, to time out at registration (absent in TF 2.17, present in 2.21; "
-        "without it a worker whose chief never starts waits on TensorFlow's own terms)",
+        "every task, not only the chief, to time out at registration (without it a worker whose "
+        "chief never starts waits on TensorFlow's own terms)",
         _coordination_fields("cluster_register_with_barrier"),
         fallback=True,
     ),
@@ -471,7 +461,7 @@ REGISTRY: tuple[Internal, ...] = (
             _MW_UTIL, "is_chief", "worker_count", "normalize_cluster_spec", "coordination_leader"
         ),
     ),
-    # callbacks/backup.py: the epoch iterator fit builds, swapped for one that starts mid-epoch.
+    # upstream/epoch_iterator.py: the epoch iterator fit builds, swapped for one that starts mid-epoch.
     Internal(
         f"{_TRAINER}:TFEpochIterator",
         "exact_resume",
@@ -657,7 +647,7 @@ REGISTRY: tuple[Internal, ...] = (
         fallback=True,
         attrs=("_map_func",),
     ),
-    # pipeline.py: with a backup, a seeded script's arrays keep Keras's own shuffle (same weights as without).
+    # upstream/tf_runtime.py: with a backup, a seeded script's arrays keep Keras's own shuffle (same weights as without).
     Internal(
         GLOBAL_SEED,
         "exact_resume",
@@ -666,7 +656,7 @@ REGISTRY: tuple[Internal, ...] = (
         has_attrs(_CONTEXT, "global_seed"),
         fallback=True,
     ),
-    # keras_sync.cluster: the cluster TF already joined, to catch a TF_CONFIG changed afterwards.
+    # upstream/multi_worker.py: the cluster TF already joined, to catch a TF_CONFIG changed afterwards.
     Internal(
         "tensorflow.python.eager.context:context_safe",
         "multi_worker_strategy",
@@ -721,7 +711,7 @@ REGISTRY: tuple[Internal, ...] = (
     Internal(
         SQLITE_METRICS,
         "sqlite_metrics",
-        "MLflow's SQL store costs 60-130 us of CPU a metric point; one INSERT of MLflow's own rows costs ~10",
+        "MLflow's SQL store writes a batch's points one ORM object at a time; one INSERT is cheaper",
         lambda: (
             has_attrs(
                 "mlflow.store.tracking.sqlalchemy_store:SqlAlchemyStore",
