@@ -3,37 +3,25 @@
     keras-sync launch --workers 2 [--config FILE] [--max-restarts N] train.py [ARGS...]
     python -m keras_sync.launch ...             (the same command line)
 
-Each worker runs `sys.executable SCRIPT ARGS` in its own session (so its own
-process group), with `TF_CONFIG` naming all workers on free ports of 127.0.0.1,
-`KERAS_SYNC_CONFIG` set to the config file if given, and `PYTHONUNBUFFERED=1`.
-Output lines come back prefixed `[w0]`, `[w1]`, ...
+Each worker runs `sys.executable SCRIPT ARGS` in its own session (its own process group), with
+`TF_CONFIG` naming all workers on free ports of 127.0.0.1, `KERAS_SYNC_CONFIG` set to the config
+file if given, and `PYTHONUNBUFFERED=1`. Output lines come back prefixed `[w0]`, `[w1]`, ...
 
-Stopping: when a worker exits non-zero the others get SIGTERM and, after
-`grace_period_s`, SIGKILL (a worker waiting in a collective for a dead peer
-ignores SIGTERM and SIGINT). Ctrl-C (SIGINT) or SIGTERM to the launcher is
-forwarded to every worker with the same escalation, and a second one kills them at once; keras-sync
-workers end either in one line (the chief's), after a backup at one step when
-`fault_tolerance.backup_dir` is set (`keras_sync.cluster.preemption`). At the end every worker's
-process group is killed, so no child a worker started outlives the launch
-(unless it left the group with setsid). A launcher killed with SIGKILL cannot
-clean up; its workers then lose their output pipes, and the next line a worker
-prints fails (EPIPE), which ends a Python worker.
+Stopping: when a worker exits non-zero the others get SIGTERM and, after `grace_period_s`, SIGKILL
+(a worker waiting in a collective for a dead peer ignores SIGTERM). Ctrl-C or SIGTERM to the
+launcher is forwarded the same way; a second one kills at once. At the end every worker's process
+group is killed, so no child a worker started outlives the launch.
 
-Restarts: with `max_restarts` N > 0, a failed try (a worker exited non-zero, the others were
-stopped) is followed by a new try of the whole job on fresh ports, up to N times, with the line
-``[launch] restart k/N after worker i exited with code c``. Every try has the same
-`KERAS_SYNC_JOB_ID` (generated once unless set), so a job with `fault_tolerance.backup_dir`
-resumes where the backup stands and continues its one MLflow run; `KERAS_SYNC_RESTART_COUNT`
-tells the workers which try they are in (0 on the first, as torchrun's
-`TORCHELASTIC_RESTART_COUNT`). A signal to the launcher is never followed by a restart.
+Restarts: with `max_restarts` N > 0 a failed try is followed by a new try of the whole job on fresh
+ports, up to N times. Every try has the same `KERAS_SYNC_JOB_ID`, so a job with a backup resumes
+and continues its one MLflow run; `KERAS_SYNC_RESTART_COUNT` tells the workers which try they are
+in (as torchrun's `TORCHELASTIC_RESTART_COUNT`). A signal to the launcher is never followed by a
+restart.
 
-Exposure: the workers' TF_CONFIG names 127.0.0.1, but TensorFlow's gRPC server listens on
-0.0.0.0 whatever the address, so other hosts can reach the workers' ports while they run.
-`private_network` runs them in a network namespace of their own (`keras_sync.cluster.netns`).
-
-Ports: free ports are found by binding 127.0.0.1:0 (the kernel picks them from its ephemeral range); the sockets are closed just
-before the workers start, so another process could take a port in that short
-window (the worker then fails to start its server and the launch fails; rerun).
+Exposure: TensorFlow's gRPC server listens on 0.0.0.0 whatever TF_CONFIG says, so other hosts can
+reach the workers' ports; `private_network` runs them in a network namespace of their own
+(`keras_sync.cluster.netns`). Ports are found by binding 127.0.0.1:0 and closed just before the
+workers start, so another process could take one in between (the launch then fails; rerun).
 """
 
 from __future__ import annotations
@@ -141,45 +129,37 @@ def _validate(
         )
 
 
-def _refuse_one_process_kind(
-    script: str, workers: int, config: str | None, environ: Mapping[str, str]
+def _refuse_config(
+    script: str, workers: int, config: str | None, environ: Mapping[str, str], private: bool
 ) -> None:
-    """Several workers of a one-process kind (`mirrored`, ...) would be as many jobs: refused before any starts.
+    """Refuse, before any worker starts, what the workers' config cannot do here: a one-process
+    kind (`mirrored`, ...) under several workers (as many jobs), or an HTTP tracking server under
+    ``private_network`` (unreachable from the namespace).
 
-    Checks the config the workers will load by `keras_sync.load()`'s rule (``config``, else
-    ``$KERAS_SYNC_CONFIG``, else ``./keras_sync.yaml``); a script that loads another one is refused
-    by each worker's `keras_sync.load` instead. A config that does not load is left to the workers.
+    Reads the config by `keras_sync.load()`'s rule (``config``, else ``$KERAS_SYNC_CONFIG``, else
+    ``./keras_sync.yaml``); a config that does not load is left to the workers' own `load`.
     """
     from keras_sync.config import load_config
     from keras_sync.errors import KerasSyncError
-    from keras_sync.strategy import refuse_one_process_kind
-    from keras_sync.tracking.shell_hint import python_command
 
-    if workers <= 1:
+    if workers <= 1 and not private:
         return
     try:
         cfg = load_config(config, environ=environ)
     except KerasSyncError:
-        return  # each worker's keras_sync.load says what is wrong with it
-    refuse_one_process_kind(
-        cfg,
-        workers,
-        f"keras-sync launch --workers {workers} starts {workers} workers",
-        f"run it as one process: {python_command()} {script}",
-    )
+        return
+    if workers > 1:
+        from keras_sync.strategy import refuse_one_process_kind
+        from keras_sync.tracking.shell_hint import python_command
 
-
-def _refuse_http_tracking(config: str | None, environ: Mapping[str, str]) -> None:
-    """Under ``private_network`` the workers reach no tracking server over HTTP: refused before any starts."""
-    from keras_sync.config import load_config
-    from keras_sync.errors import KerasSyncError
-
-    try:
-        cfg = load_config(config, environ=environ)
-    except KerasSyncError:
-        return  # each worker's keras_sync.load says what is wrong with it
+        refuse_one_process_kind(
+            cfg,
+            workers,
+            f"keras-sync launch --workers {workers} starts {workers} workers",
+            f"run it as one process: {python_command()} {script}",
+        )
     uri = cfg.mlflow.tracking_uri or ""
-    if cfg.mlflow.enabled and uri.lower().startswith(("http://", "https://")):
+    if private and cfg.mlflow.enabled and uri.lower().startswith(("http://", "https://")):
         from keras_sync.tracking.redact import redact_uri
 
         raise UsageError(
@@ -228,9 +208,7 @@ def launch(
             ``private_network`` where no network namespace can be made.
     """
     _validate(script, workers, config, grace_period_s, max_restarts)
-    _refuse_one_process_kind(script, workers, config, {**os.environ, **(env or {})})
-    if private_network:
-        _refuse_http_tracking(config, {**os.environ, **(env or {})})
+    _refuse_config(script, workers, config, {**os.environ, **(env or {})}, private_network)
     base_env = dict(os.environ)
     base_env.pop("TF_CONFIG", None)
     base_env.update(env or {})
@@ -369,4 +347,3 @@ def _supervise(
             _signal_groups(procs, signal.SIGKILL)
             kill_at = float("inf")
         time.sleep(_POLL_S)
-
