@@ -403,11 +403,8 @@ class Config:
         return _to_dict(self)
 
     def origin(self) -> str:
-        """Which config this is, in words: the file's absolute path, or why the defaults are used.
-
-        `keras_sync.load` prints it once on the chief, so a script started from another directory
-        says that it found no ``keras_sync.yaml`` instead of silently training with the defaults.
-        """
+        """Which config this is, in words: the file's absolute path, or why the defaults are used
+        (`keras_sync.load` prints it, so a script run from elsewhere does not use them silently)."""
         if self.source == "<defaults>":
             return (
                 f"no {DEFAULT_CONFIG_FILE} found in {Path.cwd()} and ${CONFIG_ENV} is unset: built-in "
