@@ -7,14 +7,14 @@ from typing import Any
 import keras
 
 from keras_sync.measures import reduce as _reduce
+from keras_sync.training.context import check_shared
 
 
 class OncePerRun(keras.callbacks.Callback):
     """Call `log_once` at the start of the first `fit` this callback sees; never again.
 
-    `Sync.fit` makes these callbacks anew for each fit, with the fit's `SharedState`: params go
-    through `log_params`, which sends only what the job's earlier fits did not log, and a value
-    that changed under ``fit_<n>.<key>`` (MLflow params are immutable: MLflow would refuse it).
+    Params go through `log_params`: only what the job's earlier fits did not log, and a changed
+    value under ``fit_<n>.<key>`` (`keras_sync.callbacks.SharedState.params_to_log`).
 
     Args:
         writer: a started writer with a ``log_params`` method (None: do nothing).
@@ -23,15 +23,12 @@ class OncePerRun(keras.callbacks.Callback):
 
     def __init__(self, writer: Any = None, *, shared: Any = None):
         super().__init__()
-        from keras_sync.training.context import check_shared
-
         _reduce.check_writer(writer, "log_params")
         self.writer = writer
         self.shared = check_shared(shared)
         self._done = False
 
     def log_params(self, params: dict[str, Any]) -> None:
-        """Log the params that the job's run lacks (`keras_sync.callbacks.SharedState.params_to_log`)."""
         new = self.shared.params_to_log(params)
         if new:
             self.writer.log_params(new)

@@ -9,18 +9,17 @@ from typing import Any
 import keras
 
 from keras_sync.errors import UsageError
+from keras_sync.training.context import check_shared
 
 
 class AllReduceProbe(keras.callbacks.Callback):
     """At the start of the first `fit`, log ``sync/allreduce_ms`` and ``sync/allreduce_gbps``.
 
-    The probe all-reduces (sum) a float32 tensor with as many elements as the model has
-    trainable parameters, the volume of one step's gradient all-reduce: one warm-up call, then
-    ``repeats`` timed calls; the median is logged when the fit's first batch ends, at the job's
-    step then (``shared.step``: a later fit of the job logs its own point, at its own steps).
-    ``sync/allreduce_gbps`` is the algorithm bandwidth, ``bytes * 8 / seconds / 1e9``
-    (gigabits per second of gradient data reduced). It is a collective: every worker runs it.
-    Off by default (``mlflow.allreduce_probe: true``); it costs ``repeats + 1`` all-reduces.
+    It all-reduces (sum) a float32 tensor with as many elements as the model has trainable
+    parameters: one warm-up call, then ``repeats`` timed calls; the median is logged at the job's
+    step when the fit's first batch ends. ``sync/allreduce_gbps`` is the algorithm bandwidth,
+    ``bytes * 8 / seconds / 1e9``. A collective: every worker runs it. Off by default
+    (``mlflow.allreduce_probe: true``).
 
     Args:
         writer: a started `keras_sync.tracking.MlflowWriter`, or None on non-writing workers.
@@ -31,8 +30,6 @@ class AllReduceProbe(keras.callbacks.Callback):
 
     def __init__(self, writer: Any = None, *, repeats: int = 5, shared: Any = None):
         super().__init__()
-        from keras_sync.training.context import check_shared
-
         self.shared = check_shared(shared)
         self._measured: tuple[float, int] | None = None
         if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
@@ -57,18 +54,11 @@ class AllReduceProbe(keras.callbacks.Callback):
         if self._measured is None:
             return
         (ms, nbytes), self._measured = self._measured, None
-        step = (
-            self.shared.step
-            if self.shared.step is not None
-            else int(self.model.optimizer.iterations.numpy())
-        )
-        self.writer.log_metrics(
-            {
-                "sync/allreduce_ms": ms,
-                "sync/allreduce_gbps": nbytes * 8 / (ms / 1000.0) / 1e9 if ms > 0 else 0.0,
-            },
-            step=step,
-        )
+        step = self.shared.step
+        if step is None:
+            step = int(self.model.optimizer.iterations.numpy())
+        gbps = nbytes * 8 / (ms / 1000.0) / 1e9 if ms > 0 else 0.0
+        self.writer.log_metrics({"sync/allreduce_ms": ms, "sync/allreduce_gbps": gbps}, step=step)
 
 
 def time_allreduce(model: Any, repeats: int = 5) -> tuple[float | None, int]:
@@ -80,12 +70,9 @@ def time_allreduce(model: Any, repeats: int = 5) -> tuple[float | None, int]:
     if size == 0:
         return None, 0
 
-    def make() -> Any:
-        return tf.zeros([size], tf.float32)
-
     def reduce() -> Any:
         ctx = tf.distribute.get_replica_context()
-        return ctx.all_reduce(tf.distribute.ReduceOp.SUM, make())
+        return ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.zeros([size], tf.float32))
 
     @tf.function(autograph=False)
     def step() -> Any:

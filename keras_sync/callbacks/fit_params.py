@@ -17,20 +17,15 @@ class FitParams(OncePerRun):
     """Log, at the start of a `fit`, what autolog would.
 
     - params ``epochs``, ``steps_per_epoch`` (None when the data does not tell), ``batch_size``
-      (the global batch: what Keras's `fit` receives, and what autolog logs) and
-      ``per_replica_batch_size``;
-    - the optimizer: ``optimizer_name`` and every entry of its config as ``optimizer_<key>``
-      (autolog's names). A model whose own `train_step` applies other optimizers than
-      ``model.optimizer`` (a GAN's ``d_optimizer``, ``g_optimizer``) gets those, as
-      ``<attribute>_<key>``, after its first step (when the traced step has shown which apply);
-      the optimizer that `compile()` made and no step uses is not logged;
-    - the artifact ``model_summary.txt`` (``model.summary()``);
-    - the tags MLflow's `start_run` sets: ``mlflow.user``, ``mlflow.source.name``,
-      ``mlflow.source.type`` and, in a git checkout, ``mlflow.source.git.commit``/``branch``/``repoURL``.
+      (the global batch, as autolog logs it) and ``per_replica_batch_size``;
+    - ``optimizer_name`` and every entry of the optimizer's config as ``optimizer_<key>``. A
+      custom `train_step` that applies other optimizers (a GAN's ``d_optimizer``) gets those, as
+      ``<attribute>_<key>``, after its first step (when the trace has shown which apply);
+    - the artifact ``model_summary.txt``;
+    - the tags MLflow's `start_run` sets (``mlflow.user``, ``mlflow.source.*``).
 
     With ``mlflow.keras.autolog()`` on, autolog logs the fit arguments, optimizer and summary
-    into the same run (see `keras_sync.Sync.fit`), so they are left out here; MLflow params are
-    immutable, and autolog records ``steps_per_epoch`` as passed to `fit` (often None).
+    into the same run, so they are left out here (MLflow params are immutable).
 
     Args:
         writer: a started `keras_sync.tracking.MlflowWriter` (None: do nothing).
@@ -65,6 +60,8 @@ class FitParams(OncePerRun):
         if autolog:
             params = {k: v for k, v in params.items() if k not in AUTOLOG_PARAMS}
         else:
+            from keras_sync.training.instrument import has_default_train_step
+
             if has_default_train_step(self.model):
                 params.update(optimizer_params(self.model.optimizer))
             else:
@@ -79,15 +76,9 @@ class FitParams(OncePerRun):
         self.log_params(applied_optimizer_params(self.model))
 
 
-def has_default_train_step(model: Any) -> bool:
-    from keras_sync.training.instrument import has_default_train_step as default
-
-    return default(model)
-
-
 def applied_optimizer_params(model: Any) -> dict[str, Any]:
-    """The params of the optimizers a custom `train_step` applied: ``optimizer_<key>`` for one
-    (``model.optimizer`` when the step was not seen), ``<attribute>_<key>`` for each of several."""
+    """``optimizer_<key>`` for the one optimizer a custom `train_step` applied (``model.optimizer``
+    when the step was not seen), ``<attribute>_<key>`` for each of several."""
     from keras_sync.training.train_step_trace import applied_optimizers
 
     applied = applied_optimizers(model)

@@ -16,25 +16,19 @@ CONFIG_SOURCE_TAG = "keras_sync.config_source"
 CONFIG_ARTIFACT = "keras_sync/config.yaml"
 #: Prefix of the params holding the resolved config, one per key: ``config.batch.per_replica``.
 CONFIG_PARAM_PREFIX = "config."
-#: Config keys that name a launch, not a setting: not params, because a relaunch that continues the
-#: run from its backup has another value (`keras-sync launch` sets a new job id per launch) and
-#: MLflow refuses to change a param. The run's tag ``keras_sync.job_id`` names the job.
+#: Config keys that name a launch, not a setting: a relaunch continuing the run has another value,
+#: and MLflow refuses to change a param. The tag ``keras_sync.job_id`` names the job.
 _NOT_PARAMS = ("mlflow.job_id",)
 
 
 class RunParams(OncePerRun):
     """Log the training setup once, at the start of the first `fit` this callback sees.
 
-    Params: ``sync.strategy``, ``sync.num_replicas``, ``sync.num_workers``,
-    ``sync.per_replica_batch_size``, ``sync.global_batch_size``, ``sync.gradient_accumulation_steps``,
-    ``sync.effective_batch_size``, ``sync.base_learning_rate``,
-    ``sync.learning_rate``, ``sync.lr_scaling``, ``sync.warmup_steps`` (from the context when given,
-    else what the model's strategy tells), ``sync.tensorflow_version``, ``sync.keras_version``
-    and ``sync.devices`` (this worker's replica devices). With a context, every resolved config
-    value but ``mlflow.job_id`` (the tag ``keras_sync.job_id``) becomes a param ``config.<key path>``
-    (``config.mlflow.log_every_n_steps``), the file's
-    text the artifact ``keras_sync/config.yaml`` and its path the tag
-    ``keras_sync.config_source``, with credentials in URIs replaced by ``***``.
+    Params: the ``sync.*`` facts of the context (`keras_sync.callbacks.RunContext.params`; without
+    one, what the model's strategy tells), ``sync.tensorflow_version``, ``sync.keras_version`` and
+    ``sync.devices``. With a context, every resolved config value but ``mlflow.job_id`` becomes a
+    param ``config.<key path>``, the file's text the artifact ``keras_sync/config.yaml`` and its
+    path the tag ``keras_sync.config_source``, with credentials in URIs replaced by ``***``.
 
     Args:
         writer: a started `keras_sync.tracking.MlflowWriter` (None: do nothing).
@@ -47,11 +41,7 @@ class RunParams(OncePerRun):
 
     def __init__(self, writer: Any = None, context: Any = None, *, shared: Any = None):
         super().__init__(writer, shared=shared)
-        if (
-            context is not None
-            and not isinstance(context, RunContext)
-            and not hasattr(context, "context")
-        ):
+        if not (context is None or isinstance(context, RunContext) or hasattr(context, "context")):
             raise UsageError(
                 f"Invalid value for argument `context`. Received: context={type(context).__name__}. "
                 "Expected a keras_sync.callbacks.RunContext (sync.context()), a keras_sync.Sync, or None."
@@ -60,11 +50,9 @@ class RunParams(OncePerRun):
 
     def log_once(self) -> None:
         # A Sync is read now: steps_per_epoch and the warmup are known once fit has its data.
-        ctx = (
-            self.context.context()
-            if self.context is not None and not isinstance(self.context, RunContext)
-            else self.context
-        )
+        ctx = self.context
+        if ctx is not None and not isinstance(ctx, RunContext):
+            ctx = ctx.context()
         self.log_params({**run_params(self.model, ctx), **config_params(ctx)})
         tags, text = config_tags(ctx)
         if tags:
@@ -93,10 +81,8 @@ def run_params(model: Any, context: RunContext | None = None) -> dict[str, Any]:
         "sync.devices": ",".join(devices) or "unknown",
     }
     if context is None:
-        params["sync.strategy"] = type(strategy).__name__
-        return params
-    params.update(context.params())
-    return params
+        return {**params, "sync.strategy": type(strategy).__name__}
+    return {**params, **context.params()}
 
 
 def config_params(context: RunContext | None) -> dict[str, str]:
@@ -109,15 +95,10 @@ def config_params(context: RunContext | None) -> dict[str, str]:
         for key, value in data.items():
             if isinstance(value, dict):
                 out.update(flat(value, f"{prefix}{key}."))
-            else:
-                shown = (
-                    "null"
-                    if value is None
-                    else ",".join(map(str, value))
-                    if isinstance(value, list)
-                    else value
-                )
-                out[f"{prefix}{key}"] = redact_uri(str(shown)) or ""
+                continue
+            if isinstance(value, list):
+                value = ",".join(map(str, value))
+            out[f"{prefix}{key}"] = redact_uri("null" if value is None else str(value)) or ""
         return out
 
     params = flat(context.config.to_dict(), CONFIG_PARAM_PREFIX)

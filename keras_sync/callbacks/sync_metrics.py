@@ -166,28 +166,19 @@ class SyncMetrics(keras.callbacks.Callback):
             per_step = self._busy_s / self._steps_since_log
             since = self.global_step - self._steps_since_log  # the step of the previous point
             for s in logged:
-                self._pending.append(
-                    (
-                        s,
-                        self._count - (self.global_step - s),
-                        numbers if s == logged[-1] else {},
-                        per_step * (s - since),
-                        s - since,
-                        now_ms,
-                    )
-                )
+                last = numbers if s == logged[-1] else {}
+                count = self._count - (self.global_step - s)
+                self._pending.append((s, count, last, per_step * (s - since), s - since, now_ms))
                 since = s
             self._busy_s = per_step * (self.global_step - logged[-1])
             self._steps_since_log = self.global_step - logged[-1]
-        if self._pending and (
-            self._count - self._pending[0][1] >= self._probe.ring // 2
-            or (
-                # Slow steps: do not hold a step's metrics in memory for long (a crash would lose
-                # them). Only without workers: there the read is a collective, and every worker
-                # must take the same decision, which a clock does not give.
-                not self._probe.multi_worker
-                and time.time() * 1000 - self._pending[0][5] >= MAX_HOLD_MS
-            )
+        if not self._pending:
+            return
+        # Slow steps: a crash would lose held steps, so hold them MAX_HOLD_MS at most. Only without
+        # workers: there the read is a collective, and a clock gives no two workers the same decision.
+        late = time.time() * 1000 - self._pending[0][5] >= MAX_HOLD_MS
+        if self._count - self._pending[0][1] >= self._probe.ring // 2 or (
+            late and not self._probe.multi_worker
         ):
             self.emit()
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -23,23 +22,17 @@ WHEN = ("end", "epoch")
 class SyncReport(keras.callbacks.Callback):
     """Draw what the sync metrics say into ``sync_report.png``, at train end (and after each epoch).
 
-    Six charts: each replica's loss and gradient norm over the optimizer steps (one line per
-    replica, on the same axes: do the replicas agree?), the grad-norm spread, the distribution
-    of step times, the weight divergence after each epoch, and a summary (with 2 or more workers it
-    names the slowest: `keras_sync.measures.slow_worker`). The MLflow UI draws
-    one chart per metric key; this puts the replicas side by side without hand-made charts.
+    Six charts: each replica's loss and gradient norm over the optimizer steps (the replicas on
+    the same axes), the grad-norm spread, the step times, the weight divergence after each epoch,
+    and a summary that names a slow worker (`keras_sync.measures.slow_worker`).
 
-    It draws what the other keras-sync callbacks log. Give them all the same
-    `keras_sync.callbacks.SharedState` (``shared=``): they record every point there, and the
-    report flushes the held steps before it draws, whatever the order of the callbacks. (Or give
-    ``report.recorder`` to `SyncMetrics` and `WeightDivergence` as their writer: it passes
-    everything on to ``writer``; then put the report after them.) Each point is kept in memory, at most ``max_points`` per
-    chart line (long runs are thinned evenly); a restarted process draws the steps it saw.
-    The PNG is drawn for the worker given a writer (the chief) and uploaded through it, like
-    the metrics: by the courier process of a `keras_sync.tracking.MlflowWriter` (drawing costs
-    ~0.7 s of matplotlib; under `keras_sync.Sync.fit` the end-of-fit report reaches MLflow just
-    after `fit` returns), in the training process for a writer of your own. Each drawing
-    replaces the previous one.
+    It draws what the other keras-sync callbacks log: give them all the same
+    `keras_sync.callbacks.SharedState` (they record every point there; the report flushes the
+    held steps before it draws), or give ``report.recorder`` to `SyncMetrics` and
+    `WeightDivergence` as their writer and put the report after them. At most ``max_points``
+    points per line are kept (long runs are thinned evenly). The worker given a writer (the
+    chief) draws; a `keras_sync.tracking.MlflowWriter` draws in its courier process. Each
+    drawing replaces the previous one.
 
     Args:
         writer: a started `keras_sync.tracking.MlflowWriter`; None on the other workers.
@@ -72,7 +65,7 @@ class SyncReport(keras.callbacks.Callback):
         self.writer = writer
         self.when = when
         self.history = SyncHistory(max_points=max_points)
-        #: The writer to hand to the callbacks whose metrics the report draws (None without a writer).
+        #: The writer to hand to the callbacks whose metrics it draws (None without a writer).
         self.recorder = None if writer is None else _Recorder(writer, self.history)
         self.shared = check_shared(shared)
         if writer is not None:
@@ -94,19 +87,19 @@ class SyncReport(keras.callbacks.Callback):
         if hasattr(self.writer, "log_sync_report"):  # MlflowWriter: its courier process draws it
             self.writer.log_sync_report(self.history.to_dict(), ARTIFACT, fit_end=fit_end)
             return
-        tmp = Path(tempfile.mkdtemp(prefix="keras-sync-report-"))
         try:
-            render(self.history, tmp / ARTIFACT)
-            self.writer.log_artifact_file(tmp / ARTIFACT)
+            with tempfile.TemporaryDirectory(
+                prefix="keras-sync-report-", ignore_cleanup_errors=True
+            ) as tmp:
+                render(self.history, Path(tmp) / ARTIFACT)
+                self.writer.log_artifact_file(Path(tmp) / ARTIFACT)
         except Exception as exc:
+            what = f"{type(exc).__name__}: {exc}"
             log.warning(
-                "keras-sync: could not draw %s (%s: %s); the metrics are logged as usual.",
+                "keras-sync: could not draw %s (%s); the metrics are logged as usual.",
                 ARTIFACT,
-                type(exc).__name__,
-                exc,
+                what,
             )
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 class _Recorder:

@@ -16,12 +16,10 @@ class SystemMetrics(keras.callbacks.Callback):
     """Sample MLflow's system monitors during `fit` and log them as ``system/*`` metrics.
 
     MLflow's own `SystemMetricsMonitor` logs synchronously through its client (retrying for
-    minutes when the server is away) and only flushes when it is stopped. Here the same monitors
-    (MLflow's CPU, disk, network and GPU monitors; they need ``psutil``) are sampled in a daemon
-    thread and their averages go through the keras-sync writer, so they are spooled, never block,
-    and are lost by no outage. The MLflow ``step`` is the training step at the time of the sample
-    (the ``step`` of the shared state, which `SyncMetrics` keeps: give both the same one; without
-    a `SyncMetrics` nothing is logged), so system and training metrics share an x-axis.
+    minutes while the server is away). Here the same monitors (CPU, disk, network, GPU; they need
+    ``psutil``) are sampled in a daemon thread and their averages go through the keras-sync
+    writer: spooled, never blocking. The MLflow ``step`` is the training step of the sample (the
+    shared state's ``step``, which `SyncMetrics` keeps: without it nothing is logged).
 
     Args:
         writer: a started `keras_sync.tracking.MlflowWriter`; None logs nothing.
@@ -34,11 +32,9 @@ class SystemMetrics(keras.callbacks.Callback):
         super().__init__()
         from mlflow.environment_variables import MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL
 
-        interval = (
-            interval_s
-            if interval_s is not None
-            else (MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL.get() or 10.0)
-        )
+        interval = interval_s
+        if interval is None:
+            interval = MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL.get() or 10.0
         if not interval > 0:
             raise UsageError(
                 f"Invalid value for argument `interval_s`. Received: interval_s={interval_s!r}. "
@@ -87,9 +83,8 @@ class SystemMetrics(keras.callbacks.Callback):
         if not self._monitors:
             return
         self._stop.clear()
-        self._thread = threading.Thread(
-            target=self._run, name="keras-sync-system-metrics", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, name="keras-sync-system-metrics")
+        self._thread.daemon = True
         self._thread.start()
 
     def on_train_end(self, logs: dict | None = None) -> None:

@@ -22,21 +22,18 @@ class WeightDivergence(keras.callbacks.Callback):
     accumulators, ON_READ variables) is left out.
 
     Each replica reduces each of its copies to a fingerprint: a 32-bit checksum of the bits
-    (wrap-around sum, so the same bits give the same checksum in any summation order), the mean
-    and the root mean square. Only these 4 numbers per variable and replica are gathered, in one
-    ``all_gather``: about 16 bytes per variable instead of every weight (the cost does not grow
-    with the model's size on the wire; `benchmarks/bench_weight_divergence.py` measures it).
-    A change that keeps a copy's checksum, mean and RMS (two elements swapped) is not seen.
-
-    Under `multi_worker_mirrored` every worker must run this callback (it is a collective), and
-    only the one given a ``writer`` writes.
+    (wrap-around sum: the same in any summation order), the mean and the root mean square; only
+    these 4 numbers per variable and replica are gathered, in one ``all_gather``. A change that
+    keeps a copy's checksum, mean and RMS (two elements swapped) is not seen. Under
+    `multi_worker_mirrored` every worker runs this callback (a collective); the one given a
+    ``writer`` writes.
 
     Args:
         writer: a started `keras_sync.tracking.MlflowWriter`, or None on a worker that must
             take part without writing.
         shared: the `keras_sync.callbacks.SharedState` of this fit's keras-sync callbacks: logs at
-            its ``step`` (the step `SyncMetrics` logs at) and records its points there. Default:
-            its own, and the optimizer's iteration count as the step.
+            its ``step`` and records its points there. Default: its own, and the optimizer's
+            iteration count as the step.
 
     Example:
         >>> cb = WeightDivergence(writer)  # doctest: +SKIP
@@ -87,12 +84,6 @@ def mirrored_variables(model: Any) -> list[Any]:
     return out
 
 
-def divergence(model: Any) -> float | None:
-    """``sync/weight_divergence`` of ``model`` now (None without replicated variables)."""
-    found = compare(model)
-    return None if found is None else found.value
-
-
 def compare(model: Any) -> Divergence | None:
     """Compare the replicas' copies of ``model``'s mirrored variables now (None if there are none).
 
@@ -106,15 +97,11 @@ def compare(model: Any) -> Divergence | None:
 
 
 def _fingerprints(values: list[Any]) -> Any:
-    """[checksum_hi, checksum_lo, mean, rms] of each of one replica's copies, float32, shape [len(values), 4]
-    (the columns of `keras_sync.measures.fingerprints`).
+    """[checksum_hi, checksum_lo, mean, rms] of each of one replica's copies, float32, shape
+    [len(values), 4] (the columns of `keras_sync.measures.fingerprints`).
 
-    Few ops per variable and replica (7: its flat view, its bits, two sums, one contraction);
-    everything else is done once on the stacked vectors. TensorFlow traces, places and optimizes every
-    op of this function at the first epoch end, per replica. Measured on 2 replicas, first call: a
-    41-layer Dense model with Adam (248 variables) spent 15.7 s of CPU with ~32 ops per variable and
-    replica, 2.4 s with 7; per epoch after that (`benchmarks/bench_weight_divergence.py`, 25M
-    parameters) 123 ms instead of 157 ms.
+    7 ops per variable and replica (its flat view, its bits, two sums, one contraction); the rest
+    runs once on the stacked vectors: TensorFlow traces and places every op at the first epoch end.
     """
     import tensorflow as tf
 
@@ -165,11 +152,9 @@ def _gather_fn(model: Any, variables: list[Any]) -> Any:
     def gather() -> Any:
         return strategy.experimental_local_results(strategy.run(replica_fn))[0]
 
-    # Through a partial: TensorFlow counts retraces per code object (`_get_key_for_call_stats`), so
-    # with one function per model it warned "5 out of the last 5 calls ... triggered tf.function
-    # retracing" from the 5th model of a process on (a sweep); a partial is its own key.
-    # autograph=False: the loops are over Python lists; converting their source cost ~0.3 s of the
-    # first epoch end (measured: 0.46 s for a model of 8 variables, most of it AutoGraph).
+    # Through a partial: TensorFlow counts retraces per code object, so one function per model
+    # warned of "retracing" from the 5th model of a process on; a partial is its own key.
+    # autograph=False: the loops are over Python lists, converting them is costly.
     fn = tf.function(functools.partial(gather), autograph=False)
     _fns[model] = fn
     return fn
