@@ -177,9 +177,9 @@ def test_ctrl_c_during_the_exit_wait_leaves_the_points_in_the_spool(tmp_path):
         sync = keras_sync.load({{"strategy": {{"kind": "default"}}, "batch": {{"per_replica": 16}},
                                  "mlflow": {{"tracking_uri": {uri!r}, "experiment": "e", "log_every_n_steps": 1}}}})
         writer = current_writer(sync)
-        while writer._courier is None:  # the spooling thread starts the courier in its first round
+        while writer._sp.courier is None:  # the spooling thread starts the courier in its first round
             time.sleep(0.01)
-        os.kill(writer._courier.pid, signal.SIGSTOP)  # it delivers nothing from now on
+        os.kill(writer._sp.courier.pid, signal.SIGSTOP)  # it delivers nothing from now on
         import keras
         with sync.scope():
             model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])

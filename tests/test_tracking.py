@@ -342,12 +342,12 @@ def test_the_courier_runs_at_the_trainings_priority_not_the_spooling_threads(in_
     w.start()
     w.log_metrics({"loss": 1.0}, step=1)
     try:
-        assert _wait_for(lambda: w._courier is not None, 120), "no courier started"
+        assert _wait_for(lambda: w._sp.courier is not None, 120), "no courier started"
         niced = [
             t.name for t in Path(f"/proc/{os.getpid()}/task").iterdir() if _nice(t / "stat") == 5
         ]
         assert niced, "the spooling thread is niced (the reason for this test): it no longer is"
-        assert _nice(Path(f"/proc/{w._courier.pid}/stat")) == os.getpriority(os.PRIO_PROCESS, 0)
+        assert _nice(Path(f"/proc/{w._sp.courier.pid}/stat")) == os.getpriority(os.PRIO_PROCESS, 0)
     finally:
         w.close(timeout_s=120)
 
@@ -677,7 +677,7 @@ def test_long_run_keeps_little_spool_on_disk(mlflow_server, tmp_path):
             )
     assert _settled(w)
     size = sum(p.stat().st_size for p in w.spool_path.glob("*") if p.is_file())
-    written = w._spooled_pos[0]  # segments written (256 KB each): > 1 MB went through the spool
+    written = w._sp.spooled_pos[0]  # segments written (256 KB each): > 1 MB went through the spool
     assert written >= 5 and size < 1_000_000, (written, size)
     w.close()
     assert _history(mlflow_server, w.run_id, keys[0]) == list(range(5000))

@@ -1,10 +1,9 @@
 """The courier: a child process that delivers one spool (`keras_sync.tracking.spool`) to MLflow.
 
-Why a process and not a thread: MLflow's SQL store spends ~100 us of Python per metric point
-(SQLAlchemy), and its HTTP client a good part of that; in a thread of the training process that
-time holds the GIL, and the training loop waits for it after every step (measured numbers are in
-benchmarks/bench_sync_metrics.py and the README). The courier runs at normal priority: at
-SCHED_IDLE a machine whose cores are busy with other work starved it until the training ended.
+Why a process and not a thread: MLflow's SQL store and HTTP client spend Python time on every
+metric point; in a thread of the training process that time holds the GIL, and the training loop
+waits for it after every step. The courier runs at normal priority: at a lower one, a machine
+whose cores are busy with other work starves it until the training ends.
 
 It talks to the training process through the spool directory only: it polls for new records,
 sends them in batches with `MlflowClient.log_batch`, writes ``delivered``, ``run.json`` and
@@ -13,8 +12,8 @@ whole life (every `fit` of a `Sync`). It ends when it has delivered the writer's
 (`keras_sync.tracking.records.is_last_record`), or, once its parent has died, after one last attempt to
 deliver what is left while the server answers (a restarted job or ``keras-sync sync-spool``
 delivers the rest); a spool whose run had ended and was all delivered is then removed. Each
-MLflow request that fails is retried on its own (`keras_sync.tracking.retry`: 0.5 s doubling up
-to 30 s, reset by any success), so a server that fails some requests still gets the others.
+MLflow request that fails is retried on its own (`keras_sync.tracking.retry`), so a server that
+fails some requests still gets the others.
 
 Run as ``python -m keras_sync.tracking.courier_main SPOOL_DIR PARENT_PID`` with the tracking URI (credentials
 included) and the spool's header on its stdin, never on the command line or on disk.
@@ -61,8 +60,8 @@ MAX_BACKOFF_S = 30.0
 ORPHAN_PATIENCE_S = 30.0
 #: How often the courier looks for new records; what it finds goes in one batch.
 POLL_S = 0.1
-#: Metric points wait up to this long to go in one `log_batch` (a call costs ~6 ms of MLflow's CPU
-#: besides ~90 us per value on sqlite: sent one step at a time, the calls cost as much as the values).
+#: Metric points wait up to this long to go in one `log_batch` (each call has a fixed cost: sent one
+#: step at a time, the calls cost as much as the values).
 #: Any other record (a run's start or end, params, a report) goes at once, with the points before it.
 BATCH_S = 1.0
 #: A held report (`keras_sync.tracking.deliver.RunSender.hold_reports`) is drawn once no record came for
@@ -128,11 +127,10 @@ def _hand_over(stdin: BinaryIO, data: bytes) -> None:
 class Launcher:
     """Starts couriers from a thread at the priority of the thread that created it (the training thread).
 
-    The writer's spooling thread runs at nice 5, so that moving records to a file never competes
-    with training; a child inherits the nice value of the thread that forks it, and a process may
-    not lower its own. A courier forked there ran at nice 5 (measured: `ps` showed `SN`) and on a
-    busy machine delivered behind every nice-0 neighbour. This thread is made by the writer's
-    ``start()``, on the caller's thread, before anything is niced; the spooling thread asks it to fork.
+    The writer's spooling thread runs niced, so that moving records to a file never competes with
+    training; a child inherits the nice value of the thread that forks it, and a process may not
+    lower its own. This thread is made by the writer's ``start()``, on the caller's thread, before
+    anything is niced; the spooling thread asks it to fork.
     """
 
     def __init__(self) -> None:

@@ -41,7 +41,7 @@ _log = logging.getLogger("keras_sync.tracking")
 
 # MLflow reads its HTTP retry settings from the environment on every request. Retrying is ours
 # to do (per request, with a backoff any success resets: keras_sync.tracking.retry), so each of our
-# calls runs with MLflow's retries off and a short timeout (MLflow's own, ~246 s per call against a
+# calls runs with MLflow's retries off and a short timeout (MLflow's own, minutes per call against a
 # dead server, would hold every other request behind one); the lock keeps two of our threads from
 # interleaving their save/restore.
 _ENV_LOCK = threading.Lock()
@@ -59,10 +59,8 @@ def fast_fail_env(tracking_uri: str, timeout_s: int) -> Iterator[None]:
     """Run MLflow HTTP calls with no retries and a short timeout; restore the user's values after.
 
     Also ``MLFLOW_TRACKING_URI`` for the call: MLflow 2.x resolves a server-served artifact URI
-    (``mlflow-artifacts:/...``) with the process-wide tracking URI, not the client's (measured on
-    MLflow 2.22: "the tracking URI must be a valid http or https URI, but it was ... file:///...",
-    and the batch with the run's config.yaml, and every metric after it, failed). Set only during
-    the call: the variable would also redirect a later `keras_sync.load()` of this process.
+    (``mlflow-artifacts:/...``) with the process-wide tracking URI, not the client's. Set only
+    during the call: the variable would also redirect a later `keras_sync.load()` of this process.
     """
     if not is_http(tracking_uri):
         yield
@@ -141,7 +139,7 @@ class RunSender:
         self._floors_of: str | None = None  # the run whose steps `floors` holds
         self.dropped = 0
         self.start_time_ms: int | None = None
-        #: Hold a `REPORT` (drawing it costs ~0.7 s of CPU, that a fit started meanwhile would share the
+        #: Hold a `REPORT` (drawing it costs CPU time, that a fit started meanwhile would share the
         #: cores with) instead of drawing it at once: the courier draws the held one when the spool is
         #: idle, at the writer's last record, or never when a newer report of the run comes first (each
         #: holds the whole run's history). A report marked ``now`` (the process is killed as soon as
@@ -205,15 +203,7 @@ class RunSender:
                 if run is not None:
                     break
         if run is None and self.job_id is not None:
-            exp_id = self._experiment_id()
-            found = self._call(
-                c.search_runs,
-                [exp_id],
-                filter_string=f"tags.`{JOB_TAG}` = '{self.job_id}'",
-                max_results=20,
-                order_by=["attributes.start_time DESC"],
-            )
-            run = next((r for r in map(self._usable, found) if r is not None), None)
+            run = self._call(self._find_job_run, self._experiment_id())
         if run is None:
             run = self._create_run(self._experiment_id())
             self.floors = {}
@@ -241,22 +231,25 @@ class RunSender:
 
         def attempt() -> Any:
             nonlocal tried
-            if tried and self.job_id is not None:
-                found = c.search_runs(
-                    [exp_id],
-                    filter_string=f"tags.`{JOB_TAG}` = '{self.job_id}'",
-                    max_results=20,
-                    order_by=["attributes.start_time DESC"],
-                )
-                made = next((r for r in map(self._usable, found) if r is not None), None)
-                if made is not None:
-                    return made
+            made = self._find_job_run(exp_id) if tried and self.job_id is not None else None
+            if made is not None:
+                return made
             tried = True
             return c.create_run(
                 exp_id, start_time=self.start_time_ms, run_name=self.run_name, tags=tags
             )
 
         return self._call(attempt)
+
+    def _find_job_run(self, exp_id: str) -> Any:
+        """The newest usable run tagged with the job's id, or None."""
+        found = self.client().search_runs(
+            [exp_id],
+            filter_string=f"tags.`{JOB_TAG}` = '{self.job_id}'",
+            max_results=20,
+            order_by=["attributes.start_time DESC"],
+        )
+        return next((r for r in map(self._usable, found) if r is not None), None)
 
     def _get_run(self, run_id: str) -> Any:
         try:
@@ -371,7 +364,7 @@ class RunSender:
             elif k == STOP:  # the writer closed after ending the run: nothing to send
                 flush(flush_upto)
                 self.release_report()
-            elif k == REPORT:  # drawn here, not in the training process (~0.7 s of matplotlib)
+            elif k == REPORT:  # drawn here, not in the training process
                 flush(flush_upto)
                 if self.hold_reports and not rec.get("now") and self._hold_report(rec):
                     continue

@@ -21,14 +21,12 @@ again is what MLflow drops. The fits of a job are those of one `Sync`, or of eve
 process with the same explicit job id (``mlflow.job_id``, ``$KERAS_SYNC_JOB_ID``: they write one run).
 
 `Sync.fit` ends the run when it returns (`end_run_after_fit`, `MlflowWriter.end_run`): the end is
-queued after the metrics, so the run is FINISHED once MLflow has them all; where the process is
-killed as soon as training returns (Ray Train) fit waits for that, elsewhere the courier delivers in
-the background and the exit waits for what is left, with one line; the writer stays open, and the next `fit` of the
-same `Sync` reopens the same run, steps continuing, through the same courier process (starting
-one per fit cost ~2 s of a core: it imports MLflow). Ending the run at fit's end rather than at
-exit matters where a worker is ended without `atexit`: Ray Train V2 stops its workers with
-`ray.kill` (``ray/train/v2/_internal/execution/worker_group/state.py``, `_shutdown_workers`),
-which left the run RUNNING with its spool behind; now the courier, orphaned, finds everything
+queued after the metrics, so the run is FINISHED once MLflow has them all. Where the process is
+killed as soon as training returns (Ray Train) fit waits for that; elsewhere the courier delivers in
+the background and the exit waits for what is left, with one line. The writer stays open, and the
+next `fit` of the same `Sync` reopens the same run, steps continuing, through the same courier.
+Ending the run at fit's end rather than at exit matters where a worker is ended without `atexit`
+(Ray Train V2 stops its workers with `ray.kill`): the orphaned courier then finds everything
 delivered and removes the spool. The writer closes when the process exits (`atexit`) or with
 `close_writer(sync)`; a `fit` after that opens a new writer on the same run id.
 """
@@ -82,7 +80,7 @@ def writer_for(sync: Any, *, early: bool = False, started: Any = None) -> Any:
         # Said when the courier has created the run (or MLflow failed first), from the writer's
         # thread: a first run builds its sqlite store and imports MLflow meanwhile, and training
         # does not wait for that. (A writer started early has begun no run yet: nothing said before this.)
-        writer.on_run = lambda w: announce(w, sync)
+        writer.when_run_known(lambda w: announce(w, sync))
     _writers[sync] = writer
     return writer
 
@@ -119,6 +117,7 @@ def start_writer(
     ``early``: the run is begun only by the first record logged (nothing logged, no run).
     ``continue_run``: (job id, run id) of the run an earlier `fit` of the same `Sync` ended.
     """
+    from keras_sync.cluster import killed_when_training_returns
     from keras_sync.tracking import MlflowWriter, resolve_tracking_uri
 
     cfg = config.mlflow
@@ -141,10 +140,8 @@ def start_writer(
         job_id_explicit=explicit,
         run_id=run_id,
         spool_dir=cfg.spool_dir,
+        wait_at_end_of_fit=killed_when_training_returns(),
     )
-    from keras_sync.cluster import killed_when_training_returns
-
-    writer.wait_at_end_of_fit = killed_when_training_returns()
     writer.start(defer_begin=early)
     return writer
 
@@ -277,14 +274,11 @@ def end_run_after_fit(sync: Any, limit_s: float = 120.0) -> None:
 def run_ends_after_fit(sync: Any) -> Iterator[None]:
     """While `Sync.fit` runs: the writer's end-of-fit wait is left to `end_run_after_fit` (one wait, not two)."""
     writer = _writers.get(sync)
-    if writer is None or writer.closed or not hasattr(writer, "run_ends_after_fit"):
+    if writer is None or writer.closed or not hasattr(writer, "fit_ends_run"):
         yield
         return
-    writer.run_ends_after_fit = True
-    try:
+    with writer.fit_ends_run():
         yield
-    finally:
-        writer.run_ends_after_fit = False
 
 
 def shared_run_for(sync: Any) -> Any:
