@@ -351,6 +351,25 @@ def test_read_cluster_reads_only_the_source_strategy_cluster_names() -> None:
     assert set(CLUSTER_SOURCES) == {"tf_config", "slurm", "indexed_job"}
 
 
+def test_each_cluster_environment_detects_its_variables_and_tells_world_size_and_rank() -> None:
+    from keras_sync.cluster import ClusterEnvironment
+    from keras_sync.config import load_config
+
+    env = {"TF_CONFIG": PLAIN_W0, **_slurm_env(1), INDEX_VAR: "2"}
+    job = {"hosts": "train-{index}.train", "port": 2222, "workers": 3}
+    expected = {"tf_config": (2, 0), "slurm": (2, 1), "indexed_job": (3, 2)}
+    for name, cls in CLUSTER_SOURCES.items():
+        cfg = load_config(
+            {"strategy": {"kind": "multi_worker_mirrored", "cluster": name, "indexed_job": job}}
+        )
+        assert issubclass(cls, ClusterEnvironment) and cls.name == name
+        here, absent = cls(cfg.strategy, env), cls(cfg.strategy, {})
+        assert here.detect() and not absent.detect()
+        assert (here.world_size(), here.rank()) == expected[name]
+    alone = ClusterEnvironment()
+    assert alone.detect() and (alone.world_size(), alone.rank(), alone.resolver()) == (1, 0, None)
+
+
 def _where_absent(source: str) -> str:
     return {
         "tf_config": "TF_CONFIG unset",

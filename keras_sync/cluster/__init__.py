@@ -102,9 +102,8 @@ def strategy_role(strategy: Any) -> Role:
     resolver = getattr(strategy, "cluster_resolver", None)
     if resolver is None:
         return SINGLE
-    spec = (
-        resolver.cluster_spec().as_dict()
-    )  # {job: [addresses]} (or {job: {index: address}} when sparse)
+    # {job: [addresses]} (or {job: {index: address}} when sparse)
+    spec = resolver.cluster_spec().as_dict()
     return role(spec, resolver.task_type, resolver.task_id)
 
 
@@ -445,9 +444,8 @@ def slurm_cluster_resolver(
     """
     if port_base is None:
         port_base = slurm_port_base(env)
-    info = parse_slurm_env(
-        env, port_base=port_base
-    )  # clear errors before TensorFlow's RuntimeErrors
+    # clear errors before TensorFlow's RuntimeErrors
+    info = parse_slurm_env(env, port_base=port_base)
     import tensorflow as tf
 
     resolvers = tf.distribute.cluster_resolver

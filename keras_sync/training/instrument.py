@@ -202,9 +202,8 @@ class ReplicaProbe:
             buf = tf.identity(var)
             count = buf[ring, ReplicaProbe.COUNT] + 1
             row = tf.cast(tf.math.floormod(count - 1, ring), tf.int32)
-            prev = tf.cast(
-                tf.math.floormod(count - 2, ring), tf.int32
-            )  # step count - 1 (zeros at first)
+            # step count - 1 (zeros at first)
+            prev = tf.cast(tf.math.floormod(count - 2, ring), tf.int32)
             # A gather, not `buf[prev, ...]`: XLA needs a strided slice's bounds at compile time, so a
             # slice at a computed row made the ring's value a constant input of the compiled step, and
             # XLA (jit_compile, a TPU) compiled the step again at every step (tests/test_runtime.py).

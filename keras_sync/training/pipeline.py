@@ -3,27 +3,20 @@
 The rules (the README's "Input data" section says the same):
 
 * **Sharding is decided by the data, not by the host.** Arrays are split across workers by
-  example (shard policy ``data``) unless ``batch.shard_policy: off`` says each worker's arrays are
-  its own part. A `tf.data.Dataset` whose own options set a policy other than ``AUTO`` keeps it:
-  Ray's `prepare_dataset_shard` and Ray Data's `DataIterator.to_tf` set ``OFF`` because the shard
-  is already this worker's (``ray/train/tensorflow/train_loop_utils.py``, ``ray/data/iterator.py``).
-  Any other dataset gets ``batch.shard_policy`` (``auto``: see files, below).
-* **The global batch is the configured one.** A dataset given to `fit` is batched already (Keras
-  requires it). When its batch is not the configured global batch, or cannot be read, it is
-  rebatched to it (`tf.data.Dataset.rebatch`: same examples, same order), so the learning rate,
-  scaled for the configured batch, matches the batch trained on.
+  example (``data``) unless ``batch.shard_policy: off``. A `tf.data.Dataset` whose own options set
+  a policy other than ``AUTO`` keeps it (Ray Data and Ray's `prepare_dataset_shard` set ``OFF``:
+  the shard is already this worker's); any other dataset gets ``batch.shard_policy``.
+* **The global batch is the configured one.** A batched dataset whose batch is not the
+  configured global batch, or cannot be read, is rebatched to it (same examples, same order), so
+  the scaled learning rate matches the batch trained on.
 * **Files decide before training.** Under several workers ``auto`` (or ``file``) becomes ``file``
-  when the pipeline reads at least as many files as workers, else ``data``: TensorFlow's FILE
-  sharding would fail at the first step ("Could not apply FILE based sharding").
-* **A worker's own part** (a ``shard`` op in the pipeline, ``OFF`` in its options,
-  ``batch.shard_policy: off``) is, under several workers, rebatched per replica and given to the
-  strategy as this worker's input (`distribute_datasets_from_function`): never sharded again, its
-  steps counted from its own length (unknown when the workers' parts differ in length).
-* **A `keras.utils.PyDataset`** is read by keras-sync by index, each batch once per epoch
-  (`py_dataset_batches`), then handled as a batched dataset.
-* **Multi-worker.** TensorFlow reads every worker's dataset as batched by the global batch and
-  gives each worker ``global / workers`` examples of it per step (each replica ``global /
-  replicas``).
+  when the pipeline reads at least as many files as workers, else ``data`` (TensorFlow's FILE
+  sharding would fail at the first step).
+* **A worker's own part** (a ``shard`` op, ``OFF`` in its options, ``batch.shard_policy: off``)
+  is, under several workers, rebatched per replica and given to the strategy as this worker's
+  input: never sharded again, its steps counted from its own length.
+* **A `keras.utils.PyDataset`** is read by index, each batch once per epoch, then handled as a
+  batched dataset.
 
 Pure helpers (`shard_choice`, `batch_layout`) need no TensorFlow; `keras-sync plan` uses them.
 """
@@ -184,11 +177,7 @@ class InputPipeline:
         else:
             ds = tf.data.Dataset.from_tensor_slices(tuple(data) if isinstance(data, list) else data)
         n = int(ds.cardinality())
-        steps = None
-        if n > 0:
-            steps = (
-                n // self.global_batch if self.drop_remainder else math.ceil(n / self.global_batch)
-            )
+        steps = _steps(n, self.global_batch, self.drop_remainder) if n > 0 else None
         choice = self._choice(ds if is_dataset else None)
         return self._batched(
             ds, self.global_batch, shuffle=shuffle, seed=seed, choice=choice
@@ -271,9 +260,8 @@ class InputPipeline:
         """
         import tensorflow as tf
 
-        if not isinstance(
-            ds, tf.data.Dataset
-        ):  # a DistributedDataset: the user distributed it already
+        # a DistributedDataset: the user distributed it already
+        if not isinstance(ds, tf.data.Dataset):
             self.facts = InputFacts("distributed dataset", "as given")
             self._say(
                 "keras-sync: training data: an already distributed dataset, used as given",
@@ -463,9 +451,8 @@ class InputPipeline:
         if isinstance(vd, tuple) and not is_dataset(vd[0]):
             kwargs["validation_data"] = self._arrays(vd, global_batch, False)
         if method == "fit":
-            kwargs["shuffle"] = (
-                False  # shuffled here, with one seed for all workers; Keras would only warn
-            )
+            # shuffled here, with one seed for all workers; Keras would only warn
+            kwargs["shuffle"] = False
             choice = self._choice(None)
             n = len(tf.nest.flatten(x)[0])
             if (
@@ -668,10 +655,8 @@ def _rebatch(
     import tensorflow as tf
 
     out = ds.rebatch(global_batch, drop_remainder=drop_remainder)
-    if examples is not None:
-        steps = examples // global_batch if drop_remainder else math.ceil(examples / global_batch)
-        out = out.apply(tf.data.experimental.assert_cardinality(steps))
-    return out
+    steps = _steps(examples, global_batch, drop_remainder)
+    return out if steps is None else out.apply(tf.data.experimental.assert_cardinality(steps))
 
 
 def _example_count(ds: Any, found: int | None) -> int | None:
@@ -725,21 +710,15 @@ def steps_of(x: Any, batch_size: int | None, validation_split: float | None) -> 
         return n if n > 0 else None
     if x is None or batch_size is None:
         return None
-    import tensorflow as tf
-
-    n = len(tf.nest.flatten(x)[0])
-    if validation_split:
-        n = int(n * (1.0 - validation_split))
-    return math.ceil(n / batch_size)
+    return _steps(_array_examples(x, validation_split), batch_size, False)
 
 
 def _validation_input(kwargs: dict[str, Any]) -> dict[str, Any]:
     """``validation_data`` read as the training data is: a PyDataset by index; a generator refused."""
     vd = kwargs.get("validation_data")
     if is_py_dataset(vd):
-        kwargs = dict(
-            kwargs, validation_data=py_dataset_batches(vd)[0]
-        )  # each evaluation reads every batch once
+        # each evaluation reads every batch once
+        kwargs = dict(kwargs, validation_data=py_dataset_batches(vd)[0])
     elif is_generator(vd):
         raise UsageError(
             "sync.fit received validation_data as a Python generator: Keras evaluates it again every epoch, "

@@ -71,9 +71,8 @@ def py_dataset_batches(pyds: Any) -> tuple[Any, int, int | None]:
         return tf.nest.pack_sequence_as(first, parts)
 
     workers = max(1, int(getattr(pyds, "workers", 1) or 1))
-    indices = (
-        tf.data.Dataset.range(n) if n is not None else tf.data.Dataset.counter()
-    )  # None: endless, as in Keras
+    # None: endless, as in Keras
+    indices = tf.data.Dataset.range(n) if n is not None else tf.data.Dataset.counter()
     if isinstance(pyds, GeneratorBatches):
         # A generator ends when it ends: a flag beside each batch, False (and empty parts) past its end.
         def read_or_end(i: Any) -> list[Any]:
@@ -104,9 +103,8 @@ class GeneratorBatches:
     same batches, never new ones; each batch trains once, in order, as on one device.
     """
 
-    num_batches = (
-        None  # endless to the reader: a generator ends when it ends (see py_dataset_batches)
-    )
+    # endless to the reader: a generator ends when it ends (see py_dataset_batches)
+    num_batches = None
     workers = 1
     use_multiprocessing = False
 

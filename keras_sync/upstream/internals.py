@@ -62,14 +62,6 @@ FEATURES: dict[str, tuple[str, str]] = {
         "Keras's BackupAndRestore under multi-worker multi_worker_mirrored (the chief writes it)",
         "or use keras-sync's backup (fault_tolerance.backup_dir) instead",
     ),
-    "spool_delivery": (
-        "reading the steps a run already has before delivering a spool",
-        "the public metric histories are read instead",
-    ),
-    "sqlite_metrics": (
-        "metric points into a sqlite store in one statement",
-        "MLflow's log_batch is used instead",
-    ),
     "loss_scale_reduce": (
         "one all-reduce of the gradients per step with mixed_float16 on several replicas (the "
         "loss-scale decision of one device)",
@@ -305,9 +297,6 @@ BARRIER = (
     f"{_CONTEXT}:coordination_config_pb2.CoordinationServiceConfig.cluster_register_with_barrier"
 )
 GLOBAL_SEED = f"{_CONTEXT}:global_seed"
-SQLITE_METRICS = (
-    "mlflow.store.tracking.sqlalchemy_store:SqlAlchemyStore._get_run (one INSERT of metric rows)"
-)
 PIPELINE_BATCH_SIZE = "tensorflow.python.data.experimental.ops.distribute:compute_batch_size"
 LOSS_SCALE_REDUCE = f"{_TF_OPTIMIZER}:TFOptimizer._all_reduce_sum_gradients"
 EPOCH_ITERATOR_RESET = "keras.src.trainers.epoch_iterator:EpochIterator.reset"
@@ -697,36 +686,6 @@ REGISTRY: tuple[Internal, ...] = (
         "system_metrics",
         "MLflow samples system metrics on its own clock only; keras-sync logs them at training steps",
         _monitors,
-    ),
-    # tracking/deliver.py: the latest step of each metric of a run, in one call.
-    Internal(
-        "mlflow.entities:RunData.__init__ (run.data._metric_objs)",
-        "spool_delivery",
-        "RunData keeps the latest point of each metric with its step only there",
-        looks_up("mlflow.entities:RunData.__init__", "_metric_objs"),
-        fallback=True,
-        attrs=("_metric_objs",),
-    ),
-    # tracking/sql_metrics.py: MLflow's SQL store writes a batch's points as ORM objects one by one.
-    Internal(
-        SQLITE_METRICS,
-        "sqlite_metrics",
-        "MLflow's SQL store writes a batch's points one ORM object at a time; one INSERT is cheaper",
-        lambda: (
-            has_attrs(
-                "mlflow.store.tracking.sqlalchemy_store:SqlAlchemyStore",
-                "_get_run",
-                "_check_run_is_active",
-                "sanitize_metric_value",
-            )()
-            or has_attrs("mlflow.store.tracking.dbmodels.models", "SqlMetric", "SqlLatestMetric")()
-            or callable_with(
-                "mlflow.utils.validation:_validate_batch_log_data", "metrics", "params", "tags"
-            )()
-            or looks_up("mlflow.tracking.client:MlflowClient.__init__", "_tracking_client")()
-        ),
-        fallback=True,
-        attrs=("_tracking_client", "_check_run_is_active", "_get_run"),
     ),
 )
 
