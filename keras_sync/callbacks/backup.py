@@ -123,9 +123,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.epoch_iterator: Any = None  # set by `resumable_fit` to fit's training iterator
         self._epoch = 0
         self._step = 0
-        self._failed_save: str | None = (
-            None  # the cause of the last backup the disk refused, until one works
-        )
+        # the cause of the last backup the disk refused, until one works
+        self._failed_save: str | None = None
         self._restore_metrics_from: str | None = None
         self._deferred = False  # a scheduled save waits for gradient accumulation's next update
 
@@ -138,9 +137,8 @@ class BackupAndRestore(keras.callbacks.Callback):
 
         model = self.model
         if model.optimizer is not None and not model.optimizer.built:
-            model.optimizer.build(
-                model.trainable_variables
-            )  # its variables must exist to be restored
+            # its variables must exist to be restored
+            model.optimizer.build(model.trainable_variables)
         self._position = tf.Variable(
             [0, 0], dtype=tf.int64, trainable=False, name="keras_sync_position"
         )
@@ -307,9 +305,8 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_train_end(self, logs: Any = None) -> None:
         if self.restored is not None and getattr(self, "_resume_line", None):
             self._check_restored_state_held()  # restored after the last epoch: no epoch began
-        self.model._initial_epoch = (
-            None  # a later fit on this model starts at its own initial_epoch
-        )
+        # a later fit on this model starts at its own initial_epoch
+        self.model._initial_epoch = None
         if self._preemption is not None:
             from keras_sync.cluster.preemption import signal_name
 
@@ -398,15 +395,13 @@ class BackupAndRestore(keras.callbacks.Callback):
                 stacklevel=2,
             )
         self._position.assign([self._epoch, self._step])
-        self._step_offset.assign(
-            self.shared.step_offset or 0
-        )  # fixed by SyncMetrics' first step (else 0)
+        # fixed by SyncMetrics' first step (else 0)
+        self._step_offset.assign(self.shared.step_offset or 0)
         if not self._is_chief:
             os.makedirs(self._dir, exist_ok=True)
         number = int(self.model.optimizer.iterations.numpy())
-        if (
-            self._is_chief
-        ):  # a checkpoint of this number from before a fall-back: its manifest no longer holds
+        # a checkpoint of this number from before a fall-back: its manifest no longer holds
+        if self._is_chief:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(self._dir, f"ckpt-{number}{_backup_files.MANIFEST_SUFFIX}"))
         import tensorflow as tf
@@ -439,9 +434,8 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _save_failed(self, number: int, error: BaseException) -> None:
         """One line (once per cause) for a backup the disk refused; training goes on with the older backups."""
-        for temp in glob.glob(
-            os.path.join(self._dir, "ckpt-*_temp")
-        ):  # TensorFlow's half-written checkpoint
+        # TensorFlow's half-written checkpoint
+        for temp in glob.glob(os.path.join(self._dir, "ckpt-*_temp")):
             shutil.rmtree(temp, ignore_errors=True)
         if not self._is_chief:
             shutil.rmtree(self._dir, ignore_errors=True)
@@ -550,9 +544,8 @@ def resumable_fit(callbacks: list[Any]) -> Iterator[None]:
     from keras_sync.upstream.epoch_iterator import resumable_epoch_iterators
 
     def made(iterator: Any) -> None:
-        if (
-            backup.epoch_iterator is None
-        ):  # fit builds its training iterator first, then validation's
+        # fit builds its training iterator first, then validation's
+        if backup.epoch_iterator is None:
             backup.epoch_iterator = iterator
 
     try:
@@ -561,9 +554,8 @@ def resumable_fit(callbacks: list[Any]) -> Iterator[None]:
     finally:
         backup.epoch_iterator = None
         backup.release()
-        if (
-            backup._preemption is not None
-        ):  # a fit that raised: SIGTERM and SIGINT get their previous meaning back
+        # a fit that raised: SIGTERM and SIGINT get their previous meaning back
+        if backup._preemption is not None:
             backup._preemption.end(clean=False)
 
 
@@ -608,9 +600,8 @@ def backup_callbacks(sync: Any, *, shared: Any = None) -> list[Any]:
         ft.backup_dir, ft.save_freq, grace_period_s=ft.grace_period_s, writer=writer, shared=shared
     )
     backup.choice, backup.lock = choice, lock
-    if (
-        writer is not None
-    ):  # the run goes with every backup: a relaunch that restores it continues that run
+    # the run goes with every backup: a relaunch that restores it continues that run
+    if writer is not None:
         backup.before_save.append(lambda: record_run(writer, ft.backup_dir))
     return [backup]
 
