@@ -29,7 +29,8 @@ the training process (`time.process_time`) plus its child processes (keras-sync'
 delivers to MLflow) over the same steps, read with psutil at both ends of the timed steps; what a
 process spends outside them (imports, tracing, the run's end, the exit) is left out, and shown
 apart as the whole process's CPU (``resource.RUSAGE_CHILDREN`` of this script after the process
-ended: the process and the descendants it waited for).
+ended: the process and the descendants it waited for). Each process's line also gives the main
+thread's CPU per step (`time.thread_time`), where keras-sync's Python work per step shows.
 
 A round runs every variant of a model once; a variant's figure is the median over the rounds of
 its ratio to plain Keras in the same round, with the range (min-max) over the rounds. On a shared
@@ -168,7 +169,7 @@ def child(args: argparse.Namespace) -> int:
             now = time.perf_counter()
             ends.append(now)
             if batch in (first, last):
-                marks[batch] = (now, time.process_time(), children_cpu())
+                marks[batch] = (now, time.process_time(), children_cpu(), time.thread_time())
 
     keras.utils.set_random_seed(0)
     with scope():
@@ -183,7 +184,7 @@ def child(args: argparse.Namespace) -> int:
         model.fit(x, y, batch_size=PER_REPLICA * REPLICAS, **fit_kwargs)
     else:
         sync.fit(model, x, y, **fit_kwargs)
-    (t0, p0, c0), (t1, p1, c1) = marks[first], marks[last]
+    (t0, p0, c0, m0), (t1, p1, c1, m1) = marks[first], marks[last]
     steps = ends[first + 1 : last + 1]
     gaps = [b - a for a, b in zip(ends[first:last], steps)]
     with open(args.out, "w") as fh:
@@ -193,6 +194,7 @@ def child(args: argparse.Namespace) -> int:
                 "median_step_s": statistics.median(gaps),
                 "cpu_s": (p1 - p0 + c1 - c0) / args.steps,
                 "courier_cpu_s": (c1 - c0) / args.steps,
+                "main_thread_cpu_s": (m1 - m0) / args.steps,
                 "to_timed_s": t0 - started,
                 "run_id": getattr(sync, "run_id", None) if sync is not None else None,
             },
@@ -244,6 +246,40 @@ def _spread(values: list) -> str:
     return f"{min(values):.3f}-{max(values):.3f}"
 
 
+def _table(got: dict, models: list, variants: list, quick_steps: int | None) -> str:
+    """The ratios to plain Keras over the rounds run so far: median (min-max)."""
+    lines = [
+        "ratios to plain Keras in the same round: median (min-max over rounds); CPU = the training "
+        "process's threads + its courier over the timed steps",
+        f"{'model':<14}{'variant':<13}{'steps':>6}{'step ms':>9}{'CPU ms':>8}  "
+        f"{'step ratio':<23}{'CPU ratio':<23}{'process CPU-s':>13}",
+    ]
+    for m in models:
+        base = got[m, "keras"]
+        for v in variants:
+            rows = got[m, v][: len(base)]
+            if not rows:
+                continue
+            step = [row["step_s"] / b["step_s"] for row, b in zip(rows, base)]
+            cpu = [row["cpu_s"] / b["cpu_s"] for row, b in zip(rows, base)]
+            ms = statistics.median(x["step_s"] for x in rows) * 1e3
+            cms = statistics.median(x["cpu_s"] for x in rows) * 1e3
+            pcpu = statistics.median(x["process_cpu_s"] for x in rows)
+            ratios = ("-", "-")
+            if v != "keras":
+                ratios = (
+                    f"{statistics.median(step):.3f}x ({_spread(step)})",
+                    f"{statistics.median(cpu):.3f}x ({_spread(cpu)})",
+                )
+            steps = quick_steps or MODELS[m][1]
+            lines.append(
+                f"{m:<14}{v:<13}{steps:>6}{ms:>9.1f}{cms:>8.1f}  {ratios[0]:<23}{ratios[1]:<23}"
+                f"{pcpu:>13.1f}"
+            )
+    lines.append("goal (issue 39): default at most 1.03x CPU per step on both models")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -276,13 +312,16 @@ def main() -> int:
                 print(
                     f"round {r + 1} {m:<13}{v:<12} step {res['step_s'] * 1e3:7.1f} ms "
                     f"(median {res['median_step_s'] * 1e3:.1f}), CPU {res['cpu_s'] * 1e3:7.1f} ms/step "
-                    f"(courier {res['courier_cpu_s'] * 1e3:.1f}); process {res['process_s']:.0f} s "
+                    f"(courier {res['courier_cpu_s'] * 1e3:.1f}, main thread "
+                    f"{res['main_thread_cpu_s'] * 1e3:.1f}); process {res['process_s']:.0f} s "
                     f"({res['to_timed_s']:.0f} s to the timed steps), "
                     f"{res['process_cpu_s']:.0f} CPU-s"
                     + (f"; {res['points']} points in MLflow" if "points" in res else ""),
                     file=sys.stderr,
                     flush=True,
                 )
+        if r + 1 < rounds:  # a long run on a busy machine: the figures so far
+            print(_table(got, models, variants, None), file=sys.stderr, flush=True)
 
     import keras_sync
 
@@ -292,38 +331,7 @@ def main() -> int:
         f"{os.getloadavg()[0]:.1f} at end; {(time.time() - started) / 60:.1f} min "
         f"(keras-sync {keras_sync.__version__})"
     )
-    print(
-        "ratios to plain Keras in the same round: median (min-max over rounds); CPU = the training "
-        "process's threads + its courier over the timed steps"
-    )
-    print(
-        f"{'model':<14}{'variant':<13}{'steps':>6}{'step ms':>9}{'CPU ms':>8}  "
-        f"{'step ratio':<23}{'CPU ratio':<23}{'process CPU-s':>13}"
-    )
-    for m in models:
-        base = got[m, "keras"]
-        n = len(base)
-        for v in variants:
-            rows = got[m, v]
-            step = [rows[i]["step_s"] / base[i]["step_s"] for i in range(n)]
-            cpu = [rows[i]["cpu_s"] / base[i]["cpu_s"] for i in range(n)]
-            ms = statistics.median(x["step_s"] for x in rows) * 1e3
-            cms = statistics.median(x["cpu_s"] for x in rows) * 1e3
-            pcpu = statistics.median(x["process_cpu_s"] for x in rows)
-            ratios = (
-                ("-", "-")
-                if v == "keras"
-                else (
-                    f"{statistics.median(step):.3f}x ({_spread(step)})",
-                    f"{statistics.median(cpu):.3f}x ({_spread(cpu)})",
-                )
-            )
-            steps = 10 if args.quick else MODELS[m][1]
-            print(
-                f"{m:<14}{v:<13}{steps:>6}{ms:>9.1f}{cms:>8.1f}  {ratios[0]:<23}{ratios[1]:<23}"
-                f"{pcpu:>13.1f}"
-            )
-    print("goal (issue 39): default at most 1.03x CPU per step on both models")
+    print(_table(got, models, variants, 10 if args.quick else None))
     return 0
 
 
