@@ -291,9 +291,8 @@ def _one_try(
     finally:
         for s in socks:
             s.close()
-        _signal_groups(
-            procs, signal.SIGKILL
-        )  # leftovers of workers that exited, or of a crash here
+        # leftovers of workers that exited, or of a crash here
+        _signal_groups(procs, signal.SIGKILL)
         for p in procs:
             p.wait()
         for t in pumps:
