@@ -153,18 +153,16 @@ def replica_metrics(losses: Sequence[float], grad_norms: Sequence[float]) -> dic
      'sync/grad_norm/replica_0': 1.0, 'sync/grad_norm/replica_1': 3.0, 'sync/grad_norm_spread': 1.0}
     """
     out: dict[str, float] = {}
-    for name, values, spread in (
-        ("loss", losses, loss_spread),
-        ("grad_norm", grad_norms, grad_norm_spread),
-    ):
-        finite = [float(v) for v in values if not math.isnan(v)]
-        out.update(
-            {
-                f"sync/{name}/replica_{i}": float(v)
-                for i, v in enumerate(values)
-                if not math.isnan(v)
-            }
-        )
-        if finite and len(finite) == len(values):
-            out[f"sync/{name}_spread"] = spread(finite)
+    for i, v in enumerate(losses):
+        if not math.isnan(v):
+            out[f"sync/loss/replica_{i}"] = float(v)
+    finite_losses = [float(v) for v in losses if not math.isnan(v)]
+    if len(finite_losses) == len(losses) and finite_losses:
+        out["sync/loss_spread"] = loss_spread(finite_losses)
+    finite = [float(v) for v in grad_norms if not math.isnan(v)]
+    for i, v in enumerate(grad_norms):
+        if not math.isnan(v):
+            out[f"sync/grad_norm/replica_{i}"] = float(v)
+    if len(finite) == len(grad_norms) and finite:
+        out["sync/grad_norm_spread"] = grad_norm_spread(finite)
     return out
