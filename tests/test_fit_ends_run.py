@@ -368,9 +368,15 @@ def test_a_fit_resumed_from_its_backup_logs_at_the_steps_it_trains_again(tmp_pat
     assert crashed.returncode == 9, crashed.stderr[-3000:]
     from mlflow import MlflowClient
 
+    # The crashed process's courier delivers what it spooled; on a busy machine it may still be
+    # building the store (MLflow's migrations) and creating the run: not opened here before that.
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "mlflow.db").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
     c = MlflowClient(uri)
+    while c.get_experiment_by_name("e") is None and time.monotonic() < deadline:
+        time.sleep(0.2)
     (run,) = c.search_runs([c.get_experiment_by_name("e").experiment_id])
-    deadline = time.monotonic() + 120  # the crashed process's courier delivers what it spooled
     while len(c.get_metric_history(run.info.run_id, "loss")) < 29 and time.monotonic() < deadline:
         time.sleep(0.2)
     before = {m.step: m.value for m in c.get_metric_history(run.info.run_id, "loss")}
