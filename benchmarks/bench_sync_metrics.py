@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_sync_metrics.py [--pairs 3] [--cases busy,every_step,default,down]
 
-Each figure of issue 26's table is measured with process pairs: one process trains with metrics
+Each figure is measured with process pairs: one process trains with metrics
 off, the other with them on, each a fresh Python process with a fresh sqlite store, the model of
 the issue (2 simulated CPU replicas, Dense 8-16-1, per-replica batch 16). A fit's time is what
 the user waits for: from calling `sync.fit` to its return. After each process has exited, MLflow
@@ -12,10 +12,8 @@ pairs of (fit with metrics) / (fit without).
 
 The cases with a warm-up fit run the two processes of a pair side by side, fitting in turn
 (off, on, on, off: 4 rounds), each fit started once the other process is quiet (its courier
-done), so the two fits of a round are seconds apart and see the same machine: on this shared
-machine the same metrics-off fit took 4.8-6.5 s in six fresh processes run one after the other,
-and drifted 6.9 -> 5.7 s inside one process, so fits a minute apart (a process each) moved a
-pair's ratio by +-0.15. A pair's figure is the median of its rounds. ``cpu``: the same median of
+done), so the two fits of a round are seconds apart and see the same machine (on a shared machine
+the same fit's time drifts from process to process and within one). A pair's figure is the median of its rounds. ``cpu``: the same median of
 CPU seconds (the training process's threads and its courier), each fit's counted from its start
 until its process is quiet again, so delivery that goes on after `fit` returned is counted too.
 The ``busy`` case runs its processes one after the other (its fit is the first of the process).
@@ -26,8 +24,8 @@ Cases (goals from the issue):
   process (200 steps; store creation, MLflow's import and the run's creation all fall in it),
   every step logged; <= 1.3x and every step in MLflow when the process ends.
 - ``every_step``: quiet machine, every step logged, 1500 steps per fit, after one untimed
-  warm-up fit in the same process, 4 timed rounds (tf.data adds a 5-20 s wait to some fits'
-  teardown under load, metrics or not: one fit per process made ratios of 0.5x-15x); <= 1.20x.
+  warm-up fit in the same process, 4 timed rounds (tf.data adds a wait to some fits' teardown
+  under load, metrics or not, so one fit per process is no measure); <= 1.20x.
 - ``default``: quiet machine, nothing set (``log_every_n_steps`` at its default), as
   ``every_step`` otherwise; <= 1.05x.
 - ``down``: the tracking server is down (nothing listens at its address), default settings,

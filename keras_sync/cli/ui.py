@@ -14,7 +14,7 @@ import click
 
 from keras_sync.cli._base import UserError
 
-_READY_TIMEOUT_S = 60.0  # a fresh sqlite store migrates in 1-2 s; the server starts in ~6 s here
+_READY_TIMEOUT_S = 60.0  # a fresh store's migrations and the server's start, on a busy machine
 _STOP_TIMEOUT_S = 10.0
 
 
@@ -72,7 +72,7 @@ def command(config: str | None, tracking_uri: str | None, port: int, no_browser:
     click.echo(f"MLflow UI for {redact_uri(uri)} at {url} (Ctrl-C to stop)")
     click.echo(f"MLflow's own output goes to {log}")
     # Stop the server on Ctrl-C and SIGTERM, also when started with SIGINT ignored (a background
-    # job of a non-interactive shell inherits that: seen in CI, where Ctrl-C then did nothing).
+    # job of a non-interactive shell inherits that, and Ctrl-C would then do nothing).
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupt)
     try:
@@ -158,7 +158,7 @@ def _last_line(log: Path) -> str:
 
 
 def _start_server(uri: str, port: int, log: Path) -> subprocess.Popen[bytes]:
-    # One worker and no job runner: ready in ~6 s instead of ~12 s (FACTS.md).
+    # One worker and no job runner: the server is ready in about half the time.
     env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
     cmd = [
         sys.executable,
@@ -187,7 +187,7 @@ def _start_server(uri: str, port: int, log: Path) -> subprocess.Popen[bytes]:
 
 
 def _wait_ready(url: str, server: subprocess.Popen[bytes]) -> bool:
-    import urllib.request  # 25 ms: not on the path of `keras-sync --help`
+    import urllib.request  # not on the path of `keras-sync --help`
 
     deadline = time.monotonic() + _READY_TIMEOUT_S
     while time.monotonic() < deadline and server.poll() is None:
