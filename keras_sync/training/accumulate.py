@@ -1,19 +1,15 @@
 """Gradient accumulation that works under every strategy: one optimizer update every N micro-batches.
 
-Keras's own ``optimizer(gradient_accumulation_steps=N)`` puts the update -- an all-reduce, a
-synchronisation point (``merge_call``) -- inside a `tf.cond` in the replica context, which
-`MirroredStrategy` refuses ("merge_call called while defining a new graph", measured on Keras
-3.15.1). Here the condition is taken in the cross-replica context, the way Keras's own
-`LossScaleOptimizer` does it: each replica adds its local gradients to its own sums (variables
-with one copy per replica, never all-reduced); every N-th micro-batch the replicas call the
-optimizer's ``apply`` with their mean over the N micro-batches, and Keras then all-reduces them as
-for any step. The optimizer's ``iterations`` counts updates, so schedules and warmup count
-updates too.
+Keras's own ``optimizer(gradient_accumulation_steps=N)`` puts the update (an all-reduce,
+``merge_call``) inside a `tf.cond` in the replica context, which `MirroredStrategy` refuses. Here
+the condition is taken in the cross-replica context, as Keras's `LossScaleOptimizer` does: each
+replica adds its local gradients to its own sums (one copy per replica, never all-reduced); every
+N-th micro-batch the replicas apply their mean, which Keras all-reduces as for any step. The
+optimizer's ``iterations`` counts updates, so schedules and warmup count updates too.
 
-The sums are not in the model's checkpoints, so a backup waits for the next update: keras-sync's
-`BackupAndRestore` asks `pending` and saves a due backup (scheduled, or for a SIGTERM) at the
-first batch end that applied the sums, at most N - 1 micro-batches later. The resume then starts
-with empty sums and a micro-batch count of 0, exactly where the uninterrupted run stands.
+The sums are not in the checkpoints: keras-sync's `BackupAndRestore` asks `pending` and saves a
+due backup at the first batch end that applied them, so a resume starts with empty sums exactly
+where the uninterrupted run stands.
 """
 
 from __future__ import annotations
@@ -52,9 +48,7 @@ class GradientAccumulator:
 
     def pending(self) -> bool:
         """True between two updates: micro-batches have been summed but not applied yet."""
-        micro = self._strategy.experimental_local_results(self._micro)[
-            0
-        ]  # the same count on every replica
+        micro = self._strategy.experimental_local_results(self._micro)[0]  # the same everywhere
         return int(micro.numpy()) % self.steps != 0
 
     def apply(self, apply_fn: Any, grads: list[Any], trainable_variables: Any) -> None:
@@ -89,8 +83,8 @@ class GradientAccumulator:
             for i in idx:
                 self._sums[i].assign(tf.zeros_like(self._sums[i]))
 
-        # TensorFlow's own test (private; Keras's LossScaleOptimizer uses it): XLA on GPUs runs
-        # without merge_call, so the condition stays in the replica context. Missing: merge_call.
+        # TensorFlow's own test (Keras's LossScaleOptimizer uses it): XLA on GPUs runs without
+        # merge_call, so the condition stays in the replica context.
         no_merge_call = getattr(
             tf.__internal__.distribute, "strategy_supports_no_merge_call", lambda: False
         )

@@ -1,20 +1,15 @@
 """The run-time check ``add_loss``: an `add_loss` term that sums over the batch, on several replicas.
 
-Keras (`TensorFlowTrainer._aggregate_additional_loss`) divides each `model.losses` term by the
-replica count, like the main loss: right for a term that does not grow with the batch (a mean
-over the batch, a weight penalty, an activity regularizer, which Keras divides by the batch),
-since the replicas' gradients are summed. A term that sums over the batch
-(``add_loss(rate * ops.sum(x))``) is already one share of one device's sum on each replica, so
-divided again it counts 1/N of one device's (measured: 0.109 max |weights diff| after 2 epochs on
-2 replicas, plain Keras under `MirroredStrategy` the same).
+Keras divides each `model.losses` term by the replica count, like the main loss: right for a
+term that does not grow with the batch (a mean, a weight penalty). A term that sums over the
+batch (``add_loss(rate * ops.sum(x))``) is already one share of one device's sum on each
+replica, so divided again it counts 1/N of one device's.
 
-Whether a term grows with the batch is not written in the graph (``ops.sum(x) / batch`` is a
-mean, ``ops.mean(x) * batch`` a sum), so it is measured once per `fit`, before the first step:
-the terms are evaluated (`Layer.stateless_call`, inference mode, no state changes) on a few
-examples of the first batch and on the N equal shares the replicas would get. A term whose value
-on the whole equals the sum of its values on the shares, not their mean, sums over the batch:
-the check says so in one line (`keras_sync.training.run_checks.Reporter`: MLflow tag ``keras_sync.check.add_loss``,
-``checks.on_violation: error`` stops the fit). Cost: two forward passes of 2N examples.
+The graph does not tell which a term is, so it is measured once per `fit`, before the first
+step: the terms are evaluated (`Layer.stateless_call`, inference mode) on a few examples of the
+first batch and on the N equal shares the replicas would get. A term whose value on the whole is
+the sum of its values on the shares, not their mean, sums over the batch; the check says so in
+one line (`keras_sync.training.run_checks`).
 """
 
 from __future__ import annotations
@@ -60,11 +55,8 @@ def message(found: list[int], terms: int, n: int, global_batch: int) -> str:
 
 
 def sample(x: Any, rows: int) -> Any:
-    """The first ``rows`` inputs of ``fit``'s ``x`` (arrays, or a batched `tf.data.Dataset`); None when not at hand.
-
-    A dataset gives its first element (one batch); other inputs (a `PyDataset`, a distributed
-    dataset) are not read twice.
-    """
+    """The first ``rows`` inputs of ``fit``'s ``x`` (arrays, or a batched dataset's first batch);
+    None for other inputs (a `PyDataset`, a distributed dataset: not read twice)."""
     import tensorflow as tf
 
     if x is None:
@@ -78,8 +70,8 @@ def sample(x: Any, rows: int) -> Any:
             element = element[0]
     elif (
         hasattr(x, "__getitem__")
-        and not isinstance(x, (list, tuple, dict))
         and not hasattr(x, "shape")
+        and not isinstance(x, (list, tuple, dict))
     ):
         return None  # a PyDataset / Sequence
     else:
@@ -106,7 +98,7 @@ def term_values(model: Any, x: Any) -> list[float]:
 
 
 def _zeros(dataset: Any, rows: int) -> Any:
-    """Zeros shaped as ``rows`` inputs of a batched dataset's elements (None: a shape not known but the batch)."""
+    """Zeros shaped as ``rows`` inputs of a batched dataset's elements (None: a shape not known)."""
     import tensorflow as tf
 
     spec = dataset.element_spec
@@ -125,11 +117,8 @@ def _zeros(dataset: Any, rows: int) -> Any:
 
 
 def problem(model: Any, data: Any, n: int, global_batch: int) -> str | None:
-    """The check's finding for ``model`` on ``fit``'s ``data`` over ``n`` replicas; None: nothing to say.
-
-    A dataset is read (its first batch) only when the model has `add_loss` terms, which a call on
-    zeros tells; arrays are sliced.
-    """
+    """The check's finding for ``model`` on ``fit``'s ``data`` over ``n`` replicas; None: nothing
+    to say. A dataset is read only when a call on zeros shows `add_loss` terms."""
     import tensorflow as tf
 
     if n <= 1 or data is None or not getattr(model, "built", False):
@@ -150,9 +139,7 @@ def problem(model: Any, data: Any, n: int, global_batch: int) -> str | None:
             term_values(model, tf.nest.map_structure(lambda a, r=r: a[r * per : (r + 1) * per], x))
             for r in range(n)
         ]
-    except (
-        Exception
-    ) as exc:  # a check, not the training: a model it cannot call this way is not judged
+    except Exception as exc:  # a check: a model it cannot call this way is not judged
         log.debug("keras-sync: check add_loss skipped: %s: %s", type(exc).__name__, exc)
         return None
     if any(len(s) != len(whole) for s in shares):

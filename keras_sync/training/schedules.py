@@ -1,7 +1,4 @@
-"""Keras learning-rate schedules: gradual warmup to the scaled peak (Goyal et al. 2017).
-
-This module imports Keras; `keras_sync` imports it only when a schedule is asked for.
-"""
+"""Keras learning-rate schedules: gradual warmup to the scaled peak (Goyal et al. 2017)."""
 
 from __future__ import annotations
 
@@ -15,11 +12,8 @@ from keras_sync.errors import UsageError
 @keras.saving.register_keras_serializable(package="keras_sync")
 class GradualWarmup(keras.optimizers.schedules.LearningRateSchedule):
     """Linear warmup from ``start_lr`` to ``peak_lr`` over ``warmup_steps``, then ``peak_lr``
-    (or ``after``, a schedule that takes over counting from the end of the warmup).
-
-    ``lr(step) = start_lr + (peak_lr - start_lr) * step / warmup_steps`` for ``step < warmup_steps``
-    (Goyal et al. 2017, "Accurate, Large Minibatch SGD", section 2.2, gradual warmup).
-    Same values as `keras_sync.training.scaling.warmup_learning_rate`.
+    (or ``after``, a schedule that counts from the end of the warmup); the values of
+    `keras_sync.training.scaling.warmup_learning_rate` (Goyal et al. 2017, section 2.2).
 
     Args:
         start_lr: learning rate at step 0 (the unscaled base rate).
@@ -55,11 +49,7 @@ class GradualWarmup(keras.optimizers.schedules.LearningRateSchedule):
         self.name = name
 
     def __call__(self, step: Any = None) -> Any:
-        if step is None:
-            # A Keras 2 (tf_keras) optimizer takes a schedule it does not know for a plain callable
-            # and calls it with no step (a TypeError from inside TensorFlow before this).
-            from keras_sync.errors import UsageError
-
+        if step is None:  # a Keras 2 (tf_keras) optimizer calls an unknown schedule without a step
             raise UsageError(
                 "sync.lr_schedule()'s warmup was called without a step, as a Keras 2 optimizer (tf_keras, or tf.keras "
                 "with TF_USE_LEGACY_KERAS=1) does; keras-sync supports Keras 3 only. Fix: build the model and its "
@@ -75,15 +65,14 @@ class GradualWarmup(keras.optimizers.schedules.LearningRateSchedule):
         return ops.where(step < warm, warm_lr, ops.cast(self.after(step - warm), "float32"))
 
     def get_config(self) -> dict[str, Any]:
-        return {
-            "start_lr": self.start_lr,
-            "peak_lr": self.peak_lr,
-            "warmup_steps": self.warmup_steps,
-            "after": keras.optimizers.schedules.serialize(self.after)
-            if self.after is not None
-            else None,
-            "name": self.name,
-        }
+        after = self.after and keras.optimizers.schedules.serialize(self.after)
+        return dict(
+            start_lr=self.start_lr,
+            peak_lr=self.peak_lr,
+            warmup_steps=self.warmup_steps,
+            after=after,
+            name=self.name,
+        )
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> GradualWarmup:
@@ -98,8 +87,7 @@ LR_SETTING_CALLBACKS = ("ReduceLROnPlateau", "LearningRateScheduler")
 
 
 def schedule_name(optimizer: Any) -> str | None:
-    """The class name of ``optimizer``'s learning-rate schedule, or None when its rate is settable
-    (a float/variable). Read from the public `get_config` (a wrapped optimizer: its inner one)."""
+    """The class name of ``optimizer``'s learning-rate schedule; None when its rate is settable."""
     opt = getattr(optimizer, "inner_optimizer", optimizer)  # LossScaleOptimizer (mixed_float16)
     try:
         rate = opt.get_config().get("learning_rate")
@@ -111,14 +99,8 @@ def schedule_name(optimizer: Any) -> str | None:
 
 
 def check_lr_callbacks(model: Any, callbacks: Any, method: str = "fit") -> None:
-    """Refuse, before training, a callback that sets the learning rate of an optimizer that has a schedule.
-
-    Keras raises "This optimizer was created with a `LearningRateSchedule` ... not settable" at
-    the first epoch end (ReduceLROnPlateau) or begin (LearningRateScheduler), after an epoch of
-    work; ``sync.lr_schedule()`` gives a schedule whenever a warmup is configured.
-    """
-    from keras_sync.errors import UsageError
-
+    """Refuse, before training, a callback that sets the learning rate of an optimizer that has a
+    schedule (Keras would raise at the first epoch's end or begin)."""
     setters = [
         type(cb).__name__
         for cb in callbacks or ()
