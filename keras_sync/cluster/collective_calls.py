@@ -1,23 +1,17 @@
 """Every worker at the same collective call, or one line saying which worker is elsewhere.
 
-Under `MultiWorkerMirroredStrategy`, ``model.fit``, ``evaluate`` and ``predict`` are collectives:
-a chief that calls ``model.predict`` alone (natural after training) waits for peers that never
-come, then dies with a page of ``UnavailableError`` once they have left. And a worker that ends
-its script while another still runs makes that one print ``StartAbort UNAVAILABLE ... tasks are
-unhealthy`` about the worker that left, even after a successful run.
+Under `MultiWorkerMirroredStrategy`, ``model.fit``, ``evaluate`` and ``predict`` are collectives: a
+chief that calls ``model.predict`` alone waits for peers that never come, then dies with a page of
+``UnavailableError``; a worker that ends its script while another still runs makes that one print
+``tasks are unhealthy`` even after a successful run.
 
-Both are solved by one check through TensorFlow's coordination service (its key-value store,
-already running for the job): before each top-level ``fit``/``evaluate``/``predict`` on a model
-built in a multi-worker scope, and once at process exit, each worker posts the name of the call
-under its call number and reads every peer's post for that number. Same name: go on. Another
-name (a peer went to ``exit`` while this worker calls ``predict``): a `UsageError` at once, saying
-that every worker must make the call. No post within ``strategy.connect_timeout_s``: the same error.
-The exit post makes workers leave together, so none outlives another by a heartbeat timeout.
-
-A worker meets its peers at exit only after a successful run: at least one counted call
-returned and none raised, and no exception is ending the script. Otherwise (an uncaught
-exception, a call that raised, a `sys.exit` before training) its peers may be inside a collective,
-or still loading data, and it leaves at once, as before.
+Before each top-level ``fit``/``evaluate``/``predict`` on a model built in a multi-worker scope,
+and once at process exit, each worker posts the call's name under its call number in TensorFlow's
+coordination service and reads every peer's post. Another name, or none within
+``strategy.connect_timeout_s``: a `UsageError` saying that every worker must make the call. The
+exit post makes workers leave together. A worker meets its peers at exit only after a successful
+run (a counted call returned, none raised, no exception ending the script); otherwise it leaves
+at once.
 """
 
 from __future__ import annotations
