@@ -1,16 +1,75 @@
 """Errors raised by keras-sync.
 
-Every error a user can cause derives from `KerasSyncError`; the CLI turns it
-into a one-line message and exit code 2, never a traceback.
+Every error a user can cause derives from `KerasSyncError`; the CLI turns it into a one-line
+message and exit code 2, never a traceback. So does a script that does not catch it: the error is
+also a `SystemExit`, which Python ends the process with, printing no traceback.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 
 
-class KerasSyncError(Exception):
-    """Base class of every error keras-sync raises for a user's mistake or environment."""
+class _QuietExit(Exception, SystemExit):
+    """An exception that also ends the script as a `SystemExit` when nobody catches it."""
+
+
+#: ``KERAS_SYNC_TRACEBACK=1`` (read at import): keras-sync errors are plain exceptions, with a traceback.
+_BASE: type = Exception if os.environ.get("KERAS_SYNC_TRACEBACK") == "1" else _QuietExit
+
+
+class KerasSyncError(_BASE):
+    """Base class of every error keras-sync raises for a user's mistake or environment.
+
+    ``except Exception`` and ``except KerasSyncError`` catch it as usual. Uncaught, it ends the
+    script as a `SystemExit`: Python reads `code`, which writes ``keras-sync: <message>`` on
+    stderr (once) and gives `exit_code`. With ``KERAS_SYNC_TRACEBACK=1`` in the environment it is
+    a plain exception: Python prints its traceback (exit code 1). No hook is installed:
+    `sys.excepthook` stays Python's own.
+    """
+
+    #: The process's exit code when the error ends it: 2, bad usage (as the CLI's).
+    exit_code = 2
+
+    @property
+    def code(self) -> int:
+        """What Python's exit reads: the message line(s) on the first read, then `exit_code`."""
+        return _ending(self)
+
+
+def _ending(error: KerasSyncError) -> int:
+    """Say ``error`` once on stderr and give the exit code; a cluster error ends the process here.
+
+    A connect timeout or a lost peer ends with `os._exit` (after the atexit handlers that flush
+    what the run logged, for a lost peer): TensorFlow's cluster teardown would otherwise print
+    pages about the missing peers, or wait for them. So does any error read by Python's top-level
+    exit handling (no Python frame left), as a normal exit could wait on TensorFlow's coordination
+    service for peers that are exiting too.
+    """
+    if not error.__dict__.get("_keras_sync_said"):
+        error.__dict__["_keras_sync_said"] = True
+        for line in str(error).splitlines() or [type(error).__name__]:
+            print(f"keras-sync: {line}", file=sys.stderr)
+    cluster = isinstance(error, (ConnectTimeoutError, PeerLostError))
+    try:
+        sys._getframe(2)  # the property's caller: none when Python's exit handling reads it
+        top_level = False
+    except ValueError:
+        top_level = True
+    if cluster or top_level:
+        if not isinstance(error, ConnectTimeoutError):  # nothing ran yet after a connect timeout
+            import atexit
+
+            atexit._run_exitfuncs()
+        for stream in (sys.stderr, sys.stdout):
+            try:
+                stream.flush()
+            except Exception:  # a closed stream: nothing left to flush
+                pass
+        os._exit(error.exit_code)
+    return error.exit_code
 
 
 @dataclass(frozen=True)

@@ -42,9 +42,6 @@ def load(
         ...     model.compile(optimizer=keras.optimizers.SGD(sync.lr_schedule()), loss="mse")
         >>> sync.fit(model, x, y, epochs=3)                        # doctest: +SKIP
     """
-    from keras_sync.training import excepthook as _excepthook
-
-    _excepthook.install()  # an uncaught keras-sync error ends the script with one line, not a traceback
     cfg = config if isinstance(config, Config) else load_config(config, overrides=overrides)
     from keras_sync.upstream import stack
 
@@ -136,22 +133,16 @@ def _build(cfg: Config, early_writer: Any) -> Sync:
 
     if in_multi_worker_mode(strategy):
         from keras_sync.cluster import collective_calls as _collective_calls
-        from keras_sync.training import saving
 
-        saving.install()  # model.save / save_weights: the chief writes the user's path, the others a temp copy
         # fit/evaluate/predict: a worker that calls one alone fails with one line; workers leave together
         _collective_calls.install(strategy, cfg.strategy.connect_timeout_s)
     sync = Sync(cfg, strategy, detection)
     from keras_sync.training import paths as _paths
-    from keras_sync.training import run_checks as _run_checks
 
     if early_writer is None:  # checked before the early writer started, else
         _paths.check_config_paths(
             cfg, is_chief=sync.is_chief
         )  # now, not at the first save or metric
-    _run_checks.watch_direct_fit(
-        sync
-    )  # model.fit on a model of sync.scope() without keras-sync: one line
     if sync.is_chief and cfg.mlflow.enabled:
         from keras_sync.training.job_run import writer_for
 
@@ -263,8 +254,14 @@ class Sync:
     # -- strategy ----------------------------------------------------------------------------
 
     def scope(self) -> Any:
-        """The strategy's scope: build and compile the model inside it."""
-        return self.strategy.scope()
+        """The strategy's scope: build and compile the model inside it.
+
+        A model compiled in it says (once, in one line) when a plain ``model.fit`` trains it without
+        keras-sync (`keras_sync.training.run_checks`, check ``direct_fit``).
+        """
+        from keras_sync.training.run_checks import scope_guarding_fit
+
+        return scope_guarding_fit(self)
 
     def distribute(self, data: Any, *, shuffle: bool = False, seed: int = 1337) -> Any:
         """A `tf.data.Dataset` batched by the global batch, from arrays or a dataset of examples.
@@ -353,16 +350,17 @@ class Sync:
         from keras_sync.training import saving
         from keras_sync.training.job_run import run_ends_after_fit, shared_run_for
 
-        saving.guard_callbacks(
-            self.strategy, kwargs["callbacks"]
-        )  # Keras' BackupAndRestore, TensorBoard, CSVLogger: the chief writes
+        # Keras' BackupAndRestore, TensorBoard, CSVLogger, ModelCheckpoint: the chief writes.
+        saving.guard_callbacks(self.strategy, kwargs["callbacks"])
+        if self.num_workers > 1:
+            saving.chief_writes_on(model)
         from keras_sync.cluster.interrupt import ctrl_c_ends_fit
         from keras_sync.cluster.lost_peer import raised_as_peer_lost
+        from keras_sync.upstream.keras_fixes import fixed_keras
 
         # A restored backup resumes mid-epoch, data order included; a lost peer ends in one line, and
         # Ctrl-C too (outermost: every other context has closed before the process exits).
         # With mlflow.keras.autolog() on, autolog logs into keras-sync's run instead of its own.
-        # A worker that is not the chief and writes a file anyway (a callback the guard does not know) is told.
         with (
             ctrl_c_ends_fit(
                 model, is_chief=self.is_chief, backup_dir=self.config.fault_tolerance.backup_dir
@@ -370,12 +368,12 @@ class Sync:
             shared_run_for(self),
             run_ends_after_fit(self),
             raised_as_peer_lost(self.strategy, self.config.fault_tolerance.backup_dir),
+            fixed_keras(self.strategy),  # before resumable_fit: its probes read Keras's own classes
             resumable_fit(kwargs["callbacks"]),
             _quiet_end_of_data(kwargs.get("steps_per_epoch")),
-            saving.watch_worker_writes(self.strategy),
             self._eval_losses(model),
         ):
-            history = model.fit(x, y, **kwargs)
+            history = type(model).fit(model, x, y, **kwargs)  # past the scope's direct_fit guard
         from keras_sync.training.job_run import end_run_after_fit
 
         end_run_after_fit(
@@ -428,7 +426,8 @@ class Sync:
         yours to do: end the run with `close()` (else it ends at exit); pass ``steps_per_epoch``
         to `lr_schedule` for ``learning_rate.warmup_epochs``. ``fault_tolerance.backup_dir`` is
         refused here: its exact mid-epoch resume replaces Keras's epoch iterator for the length
-        of `fit`, so it needs `fit`.
+        of `fit`, so it needs `fit`. Your `model.fit` is Keras's own: the fixes of
+        `keras_sync.upstream.keras_fixes` apply for the length of `sync.fit`, `evaluate` and `predict` only.
 
         Example:
             >>> model.fit(sync.distribute((x, y)), epochs=3, callbacks=sync.callbacks(model))  # doctest: +SKIP
@@ -454,6 +453,8 @@ class Sync:
         from keras_sync.training import run_checks as _run_checks
         from keras_sync.training import saving
 
+        if self.num_workers > 1:  # model.save/save_weights, ModelCheckpoint: the chief writes
+            saving.chief_writes_on(model)
         # Keras' BackupAndRestore, TensorBoard and CSVLogger: the chief writes the user's paths.
         # Last: the run-time checks (examples per step, resume, learning rate; the data's length is not known here).
         return saving.guard_callbacks(
@@ -510,8 +511,21 @@ class Sync:
         calls it alone fails with one line saying so).
         """
         x, y, kwargs = self._prepare(model, "evaluate", x, y, kwargs)
-        with self._eval_losses(model):
+        with self._keras_call(), self._eval_losses(model):
             return model.evaluate(x, y, **kwargs)
+
+    def _keras_call(self) -> Any:
+        """Around Keras's `fit`, `evaluate` and `predict`: Keras fixed for this strategy, and a lost
+        peer as `PeerLostError` (one line, exit code 75, when the script does not catch it)."""
+        from keras_sync.cluster.lost_peer import raised_as_peer_lost
+        from keras_sync.upstream.keras_fixes import fixed_keras
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(
+            raised_as_peer_lost(self.strategy, self.config.fault_tolerance.backup_dir)
+        )
+        stack.enter_context(fixed_keras(self.strategy))
+        return stack
 
     def _eval_losses(self, model: Any) -> Any:
         """For `fit` and `evaluate`: the loss a test step tracks is one device's (`keras_sync.upstream.eval_loss`)."""
@@ -528,7 +542,8 @@ class Sync:
         the predictions. A worker that calls it alone fails with one line saying so.
         """
         x, _, kwargs = self._prepare(model, "predict", x, None, kwargs)
-        return model.predict(x, **kwargs)
+        with self._keras_call():
+            return model.predict(x, **kwargs)
 
     def _prepare(
         self, model: Any, method: str, x: Any, y: Any, kwargs: dict[str, Any]

@@ -179,34 +179,37 @@ def main() -> int:
             result["num_replicas"] = strategy.num_replicas_in_sync
             if scenario == "unfixed_then_fixed":
                 result["unfixed_error"] = _fit_error(strategy)
-            result["patched"] = _keras_compat.apply_multi_worker_fixes()
-            result["patched_again"] = _keras_compat.apply_multi_worker_fixes()
-            if scenario == "unfixed_then_fixed":
-                # Only the symbolic-build fix: shows the second upstream failure is real too.
-                from keras.src.backend.tensorflow import trainer
+            from keras_sync.upstream.patching import patched
 
-                patched, trainer.reduce_per_replica = trainer.reduce_per_replica, _ORIGINAL_REDUCE
-                result["build_fix_only_error"] = _fit_error(strategy)
-                trainer.reduce_per_replica = patched
-            result.update(_fit(strategy))
-            # steps_per_execution > 1 (keras-team/keras#19246): fix 3 traces the step inline; plain model.fit.
-            with strategy.scope():
-                model = _model(steps_per_execution=2)
-            _keras_compat.check_steps_per_execution(model, strategy)  # accepts it: the fix is on
-            result["spe_fixed"] = getattr(
-                trainer.TensorFlowTrainer._autoconvert_optionals, _keras_compat._PATCH_MARK, False
-            )
-            spe = _fit(strategy, steps_per_execution=2)
-            result["spe_weights"], result["spe_loss"] = spe["weights"], spe["loss"]
-            if scenario == "unfixed_then_fixed":
-                # The upstream failure without fix 3 (a canary: this passes once Keras fixes it). Last:
-                # a failed step leaves the workers' collectives behind.
-                fixed, trainer.TensorFlowTrainer._autoconvert_optionals = (
-                    trainer.TensorFlowTrainer._autoconvert_optionals,
-                    _ORIGINAL_AUTOCONVERT,
-                )
-                result["spe_upstream_error"] = _fit_error(strategy, steps_per_execution=2)
-                trainer.TensorFlowTrainer._autoconvert_optionals = fixed
+            # The fixes as sync.fit applies them: for the length of the fits below only.
+            patches = _keras_compat.multi_worker_patches()
+            with patched(patches):
+                result["patched"] = trainer.reduce_per_replica is patches[0][2]
+                with patched(_keras_compat.multi_worker_patches()):  # nested: the first stays
+                    result["patched_again"] = trainer.reduce_per_replica is patches[0][2]
+                if scenario == "unfixed_then_fixed":
+                    # Only the symbolic-build fix: shows the second upstream failure is real too.
+                    trainer.reduce_per_replica = _ORIGINAL_REDUCE
+                    result["build_fix_only_error"] = _fit_error(strategy)
+                    trainer.reduce_per_replica = patches[0][2]
+                result.update(_fit(strategy))
+                # steps_per_execution > 1 (keras-team/keras#19246): fix 3 traces the step inline.
+                with strategy.scope():
+                    model = _model(steps_per_execution=2)
+                _keras_compat.check_steps_per_execution(
+                    model, strategy
+                )  # accepts it: the fix is on
+                autoconvert = trainer.TensorFlowTrainer._autoconvert_optionals
+                result["spe_fixed"] = autoconvert is not _ORIGINAL_AUTOCONVERT
+                spe = _fit(strategy, steps_per_execution=2)
+                result["spe_weights"], result["spe_loss"] = spe["weights"], spe["loss"]
+                if scenario == "unfixed_then_fixed":
+                    # The upstream failure without fix 3 (a canary: this passes once Keras fixes
+                    # it). Last: a failed step leaves the workers' collectives behind.
+                    trainer.TensorFlowTrainer._autoconvert_optionals = _ORIGINAL_AUTOCONVERT
+                    result["spe_upstream_error"] = _fit_error(strategy, steps_per_execution=2)
+                    trainer.TensorFlowTrainer._autoconvert_optionals = autoconvert
+            result["restored"] = trainer.reduce_per_replica is _ORIGINAL_REDUCE
         else:
             raise SystemExit(f"unknown scenario {scenario!r}")
     except BaseException:

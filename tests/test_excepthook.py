@@ -43,3 +43,13 @@ def test_traceback_on_request():
         KERAS_SYNC_TRACEBACK="1",
     )
     assert r.returncode == 1 and "Traceback" in r.stderr and "ConfigError" in r.stderr
+
+
+def test_a_caught_error_lets_the_script_go_on_and_python_keeps_its_own_hook():
+    r = run(
+        "import sys, keras_sync\n"
+        "try:\n    keras_sync.load({'batch': {'per_replica': 0}})\n"
+        "except Exception as e:\n    print(type(e).__name__)\n"
+        "print(sys.excepthook is sys.__excepthook__)"
+    )
+    assert (r.returncode, r.stdout, r.stderr) == (0, "ConfigError\nTrue\n", "")

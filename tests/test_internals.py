@@ -36,13 +36,13 @@ def test_the_end_of_data_fix_applies_to_the_installed_keras():
     # Keras 3.10-3.15 run a step past the end of an unknown-length dataset (keras-team/keras#23179);
     # the fix must take on every Keras the ranges allow, or that silent extra step is back.
     from keras_sync.upstream import keras_fixes as _keras_compat
+    from keras_sync.upstream.patching import patched
 
     assert _internals.available(_internals.END_OF_DATA)
-    assert _keras_compat.apply_end_of_data_fix() is True
-    assert (
-        _keras_compat.apply_end_of_data_fix() is True
-    )  # once; the probe reads Keras's code through the wrapper
-    assert _internals.available(_internals.END_OF_DATA)
+    patches = _keras_compat.end_of_data_patches()
+    assert [name for _, name, _ in patches] == ["_make_function"]
+    with patched(patches):  # as in sync.fit; the probe reads Keras's code through the wrapper
+        assert _internals.available(_internals.END_OF_DATA)
 
 
 def test_an_internal_newer_than_the_installed_library_refuses_its_feature_with_the_floor(

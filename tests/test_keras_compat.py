@@ -22,6 +22,7 @@ import pytest
 from _ports import free_ports
 
 from keras_sync.upstream import keras_fixes as _keras_compat
+from keras_sync.upstream.patching import patched
 
 pytestmark = (
     pytest.mark.slow
@@ -164,6 +165,7 @@ def test_two_workers_match_one_process(runs):
     for name in ("two0", "two1"):
         res = runs.result(name)
         assert res["patched"] is True and res["patched_again"] is True
+        assert res["restored"] is True  # Keras's own again after the fits
         assert res["num_replicas"] == 2
         assert _max_diff(res["weights"], ref["weights"]) <= TOLERANCE
         np.testing.assert_allclose(res["loss"], ref["loss"], rtol=1e-5)
@@ -316,11 +318,34 @@ def test_multi_step_fix_is_left_out_but_multi_worker_fit_still_fixed_when_only_i
         return trainer.reduce_per_replica(step_function, None, "auto")
 
     monkeypatch.setattr(trainer.TensorFlowTrainer, "_make_function", _make_function)
-    assert _keras_compat.apply_multi_worker_fixes() is True
-    assert getattr(trainer.reduce_per_replica, _keras_compat._PATCH_MARK, False)  # fixes 1 and 2
-    assert (
-        trainer.TensorFlowTrainer._autoconvert_optionals is _autoconvert_optionals
-    )  # fix 3 left out
+    patches = _keras_compat.multi_worker_patches()
+    assert [name for _, name, _ in patches] == [
+        "reduce_per_replica",
+        "_maybe_symbolic_build",
+    ]  # fixes 1 and 2; fix 3 left out
+    with patched(patches):
+        assert trainer.reduce_per_replica is not reduce_per_replica
+        assert trainer.TensorFlowTrainer._autoconvert_optionals is _autoconvert_optionals
+    assert trainer.reduce_per_replica is reduce_per_replica  # restored after the span
+
+
+def test_every_fix_is_restored_after_its_span_even_when_it_raised():
+    # What Sync.fit/evaluate/predict run Keras inside: nothing outlives the call (nested spans too).
+    from keras.src.backend.tensorflow import trainer
+    from keras.src.trainers import epoch_iterator
+
+    owners = (trainer, trainer.TensorFlowTrainer, epoch_iterator.EpochIterator)
+    before = [dict(vars(o)) for o in owners]
+    with pytest.raises(RuntimeError, match="in fit"), _keras_compat.fixed_keras(None):
+        assert epoch_iterator.EpochIterator.reset is not before[2]["reset"]
+        make_function = trainer.TensorFlowTrainer._make_function
+        with _keras_compat.fixed_keras(None):  # nested: the first replacement stays
+            assert trainer.TensorFlowTrainer._make_function is make_function
+        assert trainer.TensorFlowTrainer._make_function is make_function
+        raise RuntimeError("in fit")
+    after = [dict(vars(o)) for o in owners]
+    for b, a in zip(before, after):
+        assert b.keys() == a.keys() and all(a[k] is v for k, v in b.items())
 
 
 def test_fixes_refuse_in_one_line_when_a_patched_internal_moved(monkeypatch):
@@ -335,10 +360,7 @@ def test_fixes_refuse_in_one_line_when_a_patched_internal_moved(monkeypatch):
         match=r"^`fit` under multi-worker multi_worker_mirrored cannot work with Keras .*"
         r"TensorFlowTrainer._maybe_symbolic_build` is gone .*Fix: pip install .*\.$",
     ):
-        _keras_compat.apply_multi_worker_fixes()
-    assert not getattr(
-        trainer.reduce_per_replica, _keras_compat._PATCH_MARK, False
-    )  # nothing was patched
+        _keras_compat.multi_worker_patches()
 
 
 def test_modules_import_no_tensorflow():

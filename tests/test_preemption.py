@@ -211,11 +211,13 @@ def test_a_peer_failing_its_preconditions_after_a_foreign_request_is_a_lost_peer
     )
 
 
-def test_excepthook_turns_an_uncaught_lost_peer_error_into_one_line_exit_75() -> None:
+def test_an_uncaught_lost_peer_error_out_of_a_keras_sync_call_is_one_line_exit_75() -> None:
+    # sync.fit/evaluate/predict run Keras inside raised_as_peer_lost; no sys.excepthook is involved.
     code = (
-        "import keras_sync.training.excepthook as h\nh.install()\n"
+        "import sys\nfrom keras_sync.cluster.lost_peer import raised_as_peer_lost\n"
         "class UnavailableError(Exception): pass\n"
-        f"raise UnavailableError({UNHEALTHY!r})\n"
+        "with raised_as_peer_lost(None, None):\n"
+        f"    raise UnavailableError({UNHEALTHY!r})\n"
     )
     env = {
         **os.environ,

@@ -145,13 +145,19 @@ def from_tf_config(text: str, environ: Mapping[str, str] | None = None) -> str |
 
 @contextlib.contextmanager
 def raised_as_peer_lost(strategy: Any, backup_dir: str | None) -> Iterator[None]:
-    """Around `fit`: a lost-peer TensorFlow error becomes `PeerLostError` with the one-line message."""
+    """Around `fit`, `evaluate`, `predict`: a lost-peer TensorFlow error becomes `PeerLostError`
+    with the one-line message (the cluster from the strategy, else from ``$TF_CONFIG``)."""
     try:
         yield
     except Exception as e:
-        resolver = getattr(strategy, "cluster_resolver", None)
-        if resolver is None or not is_lost_peer_error(e):
+        if isinstance(e, PeerLostError) or not is_lost_peer_error(e):
             raise
+        resolver = getattr(strategy, "cluster_resolver", None)
+        if resolver is None:
+            message = from_tf_config(str(e))
+            if message is None:
+                raise
+            raise PeerLostError(message) from e
         try:
             cluster = {
                 job: list(tasks.values()) if isinstance(tasks, dict) else list(tasks)

@@ -254,7 +254,7 @@ def _build_mirrored(config: Config) -> tf.distribute.Strategy:
 def _build_multi_worker(config: Config) -> tf.distribute.Strategy:
     from keras_sync import cluster
     from keras_sync.strategy.multi_worker import build_multi_worker_strategy
-    from keras_sync.upstream import internals, keras_fixes
+    from keras_sync.upstream import internals
     from keras_sync.upstream.strategy_facts import in_multi_worker_mode
 
     cfg = config.strategy
@@ -271,8 +271,8 @@ def _build_multi_worker(config: Config) -> tf.distribute.Strategy:
         connect_timeout_s=cfg.connect_timeout_s,
     )
     cluster.record_strategy_tf_config(os.environ.get("TF_CONFIG"))
-    if in_multi_worker_mode(strategy):  # the fixes (and their probes) concern multi-worker fit only
-        keras_fixes.apply_multi_worker_fixes()
+    if in_multi_worker_mode(strategy):  # keras_fixes' multi-worker fixes: refused now if missing
+        internals.require("multi_worker_fit")
     return strategy
 
 
@@ -334,13 +334,4 @@ def build_strategy(
     require_tensorflow()
     detection = detect(config, environ)
     strategy = BUILDERS[detection.kind](config)
-    from keras_sync.upstream import keras_fixes
-    from keras_sync.upstream.tf_import import quiet_device_datasets
-
-    # Every kind: Keras's extra step at the end of unknown-length data, a dropped distributed
-    # iterator destroyed mid-read, an extra pass of the data to read its shapes.
-    keras_fixes.apply_end_of_data_fix()
-    keras_fixes.apply_iterator_release_fix()
-    keras_fixes.apply_same_data_order_fix()
-    quiet_device_datasets()  # Mirrored over 2+ devices: TF's "will not be optimized" line
     return strategy, detection

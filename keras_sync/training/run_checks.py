@@ -12,8 +12,8 @@ written for; these checks look at what happened, so an input nobody tried is lou
   scaled (when the config's ``learning_rate`` section was written); a custom `train_step`'s optimizers
   (a GAN's two, not the unused one of its ``super().compile()``) are known once its first step is traced;
 - ``add_loss``: no `add_loss` term sums over the batch on several replicas (`keras_sync.training.add_loss_check`);
-- ``direct_fit``: ``model.fit`` called on a model built in ``sync.scope()`` without keras-sync's
-  callbacks (Keras's default batch, no scaling, no metrics).
+- ``direct_fit``: ``model.fit`` called on a model compiled in ``sync.scope()`` without keras-sync's
+  callbacks (Keras's default batch, no scaling, no metrics): a guard on that model only.
 
 The counts come from the replica probe (`keras_sync.training.instrument`, already written every step), read once per
 epoch. A violation is one line on the chief and the MLflow tag ``keras_sync.check.<name>``; with
@@ -22,19 +22,18 @@ epoch. A violation is one line on the chief and the MLflow tag ``keras_sync.chec
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import sys
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 from keras_sync.errors import KerasSyncError
 
 #: Models whose fit restored a backup: the point restored (see `callbacks.backup`).
 restored_points: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-#: Strategies of live `Sync` objects, for the `model.fit` check (strategy -> Sync).
-_sessions: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-_FIT_MARK = "_keras_sync_direct_fit_check"
 
 
 class CheckFailed(KerasSyncError):
@@ -135,70 +134,6 @@ class Reporter:
                 writer.set_tags({f"keras_sync.check.{name}": message[:4900]})
 
 
-def expected_examples(
-    sync: Any, x: Any, kwargs: dict[str, Any], global_batch: int, drop_remainder: bool
-) -> int | None:
-    """The examples one epoch of `fit` trains over all workers, when known before training (None: unknown).
-
-    Arrays: their length (less a ``validation_split``); a `tf.data.Dataset`: its examples when its
-    pipeline tells them (`pipeline._example_count`). None with ``steps_per_epoch`` (an epoch is then
-    that many steps, not a pass over the data).
-    """
-    if kwargs.get("steps_per_epoch") is not None or x is None:
-        return None
-    from keras_sync.training import pipeline
-
-    if pipeline.is_dataset(x):
-        import tensorflow as tf
-
-        if not isinstance(x, tf.data.Dataset):
-            return None
-        found, _ = pipeline.batch_size_of(x)
-        n = pipeline._example_count(x, found)
-        if n is None:
-            return None
-        if found != global_batch and drop_remainder:
-            n -= n % global_batch
-        if sync.num_workers > 1 and pipeline.own_shard_policy(x) == "off":
-            return _summed_over_workers(sync, n)  # each worker's dataset is its own part
-        return n
-    if (
-        hasattr(x, "__getitem__")
-        and not isinstance(x, (list, tuple, dict))
-        and not hasattr(x, "shape")
-    ):
-        return None  # a PyDataset / Sequence: its length is in batches, not examples
-    import tensorflow as tf
-
-    try:
-        n = len(tf.nest.flatten(x)[0])
-    except TypeError:
-        return None
-    split = kwargs.get("validation_split")
-    if split and kwargs.get("validation_data") is None:
-        n = int(n * (1.0 - split))
-    return n - n % global_batch if drop_remainder else n
-
-
-def _summed_over_workers(sync: Any, n: int) -> int:
-    """``n`` summed over the workers (a collective: every worker calls it with its own ``n``)."""
-    import tensorflow as tf
-
-    strategy = sync.strategy
-    local = max(1, sync.num_replicas // max(sync.num_workers, 1))
-
-    def replica_fn() -> Any:
-        ctx = tf.distribute.get_replica_context()
-        first = tf.equal(tf.math.floormod(ctx.replica_id_in_sync_group, local), 0)
-        return tf.where(first, tf.constant(n, tf.int64), tf.constant(0, tf.int64))
-
-    @tf.function(autograph=False)  # no tensor-dependent Python: AutoGraph would only cost
-    def total() -> Any:
-        return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(replica_fn), axis=None)
-
-    return int(total().numpy())
-
-
 def checks_callback(sync: Any, *, global_batch: int, expected: int | None, data: Any = None) -> Any:
     """The Keras callback of these checks for one `fit` (put it last: it reads what the others restored).
 
@@ -223,7 +158,7 @@ def checks_callback(sync: Any, *, global_batch: int, expected: int | None, data:
             self._add_loss_due = data is not None and sync.num_replicas > 1
             if getattr(self.model, "built", False):  # else once the first step has built it
                 self._check_add_loss()
-            self._probe = _instrument.probe_of(self.model)
+            self._probe: Any = _instrument.probe_of(self.model)
             self._last = self._totals() if self._probe is not None else None
 
         def _check_learning_rate(self) -> None:
@@ -356,49 +291,62 @@ def checks_callback(sync: Any, *, global_batch: int, expected: int | None, data:
     return RunChecks()
 
 
-def watch_direct_fit(sync: Any) -> None:
-    """Make ``model.fit`` on a model built in ``sync.scope()`` without keras-sync's callbacks loud."""
+@contextlib.contextmanager
+def scope_guarding_fit(sync: Any) -> Iterator[Any]:
+    """`Sync.scope`: the strategy's scope, in which each model compiled gets a ``direct_fit`` guard.
+
+    For the length of the block `keras.Model.compile` also puts the guard on the compiled model
+    itself (an instance attribute, not Keras's class): its plain ``model.fit`` then says, once,
+    that it runs without keras-sync. `Sync.fit` calls the class's `fit`, past the guard. Under
+    several workers the model also gets the chief-only ``save`` (`saving.chief_writes_on`).
+    """
     import keras
 
-    _sessions[sync.strategy] = sync
-    fit = keras.Model.fit
-    if getattr(fit, _FIT_MARK, False):
-        return
+    from keras_sync.upstream.patching import original, patched
 
-    @functools.wraps(fit)
-    def checked_fit(model: Any, *args: Any, **kwargs: Any) -> Any:
-        strategy = getattr(model, "_distribute_strategy", None)
-        session = _sessions.get(strategy) if strategy is not None else None
+    keras_compile = original(keras.Model, "compile")
+
+    @functools.wraps(keras_compile)
+    def compile(model: Any, *args: Any, **kwargs: Any) -> Any:
+        result = keras_compile(model, *args, **kwargs)
+        if getattr(model, "_distribute_strategy", None) is sync.strategy:
+            object.__setattr__(model, "fit", _guarded_fit(sync, weakref.ref(model)))
+            if sync.num_workers > 1:  # model.save/save_weights: the chief writes the user's path
+                from keras_sync.training.saving import chief_writes_on
+
+                chief_writes_on(model)
+        return result
+
+    with sync.strategy.scope() as strategy, patched([(keras.Model, "compile", compile)]):
+        yield strategy
+
+
+def _guarded_fit(sync: Any, model_ref: Any) -> Any:
+    """A model's own `fit`: says once when it runs without keras-sync, then runs the class's `fit`."""
+    told = False
+
+    def fit(*args: Any, **kwargs: Any) -> Any:
+        nonlocal told
+        model = model_ref()
         callbacks = kwargs.get("callbacks") or []
         # keras-sync's callbacks (sync.callbacks(model), or the public ones alone) mean the user runs
         # their own fit on purpose, as the README shows; so does data they batched themselves (a
         # dataset, sync.distribute): only arrays batched by Keras's own batch_size are the habit.
         ours = any(type(c).__module__.startswith("keras_sync.") for c in callbacks)
         data = args[0] if args else kwargs.get("x")
-        if (
-            session is not None
-            and not ours
-            and not _batched_by_user(data)
-            and model not in _direct_told
-        ):
-            _direct_told.add(model)
-            Reporter(session).violation(
+        if not ours and not told and not _batched_by_user(data):
+            told = True
+            Reporter(sync).violation(
                 "direct_fit",
-                (
-                    f"model.fit called on {type(model).__name__}, built in sync.scope(), without keras-sync: Keras "
-                    f"batches arrays by its own batch_size (32 unless given), not by the configured global batch "
-                    f"{session.global_batch_size} that the learning rate {session.learning_rate:g} was scaled for, and no "
-                    "metrics go to MLflow. Fix: sync.fit(model, ...) with the same arguments, or "
-                    "model.fit(sync.distribute(...), callbacks=sync.callbacks(model))"
-                ),
+                f"model.fit called on {type(model).__name__}, built in sync.scope(), without keras-sync: Keras "
+                f"batches arrays by its own batch_size (32 unless given), not by the configured global batch "
+                f"{sync.global_batch_size} that the learning rate {sync.learning_rate:g} was scaled for, and no "
+                "metrics go to MLflow. Fix: sync.fit(model, ...) with the same arguments, or "
+                "model.fit(sync.distribute(...), callbacks=sync.callbacks(model))",
             )
-        return fit(model, *args, **kwargs)
+        return type(model).fit(model, *args, **kwargs)
 
-    setattr(checked_fit, _FIT_MARK, True)
-    keras.Model.fit = checked_fit
-
-
-_direct_told: weakref.WeakSet[Any] = weakref.WeakSet()
+    return fit
 
 
 def _batched_by_user(data: Any) -> bool:

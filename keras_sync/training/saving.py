@@ -7,23 +7,25 @@ writing; two writers of one zip file left a `.keras` that does not load here
 worker saves (reading a variable can be a collective) and only the chief to the real path.
 This module applies that recipe to the user's own calls:
 
-* `install` wraps ``keras.Model.save`` and ``keras.Model.save_weights``: on a model built in a
-  multi-worker scope, a worker that is not the chief writes into a fresh temporary directory
-  (same file name, so Keras' checks on the extension hold) and deletes it at once. The chief
-  and every single-worker strategy write the given path unchanged.
+* Each model compiled in ``sync.scope()`` (and each model `Sync.fit` trains) under a multi-worker
+  strategy gets its own ``save`` and ``save_weights`` (`chief_writes_on`; Keras's classes are not
+  touched): a worker that is not the chief writes into a fresh temporary directory (same file
+  name, so Keras' checks on the extension hold) and deletes it at once. The chief and every
+  single-worker strategy write the given path unchanged.
 * `guard_callbacks` makes Keras' own `BackupAndRestore` write its backup on the chief only;
   all workers still read it when a job resumes. Keras' `TensorBoard` and `CSVLogger` (and their
   subclasses) write the user's ``log_dir``/``filename`` on the chief only: on the other workers
   they write into a fresh temporary directory, deleted when their `fit` ends (without it every
   worker wrote its own event files into ``tb/train``, so TensorBoard showed every point once per
-  worker, and both workers opened ``log.csv`` for writing). `ModelCheckpoint` needs nothing more: it saves
-  through ``model.save``/``save_weights`` (its decision, e.g. ``save_best_only``, is the same on
-  every worker because the logs it reads are all-reduced).
+  worker, and both workers opened ``log.csv`` for writing). `ModelCheckpoint` needs nothing more:
+  it saves through the model's ``save``/``save_weights`` (its decision, e.g. ``save_best_only``,
+  is the same on every worker because the logs it reads are all-reduced).
 * `save` is the explicit form (``sync.save(model, path)``).
 
 The chief is who `keras_sync.cluster.strategy_role` names (the ``chief`` task, else ``worker`` 0;
 the rule TensorFlow's ``should_checkpoint`` follows too). ``keras.saving.save_model(model, ...)``, the function, is
-not wrapped: use ``model.save`` or ``sync.save``.
+not wrapped: use ``model.save`` or ``sync.save``. A callback keras-sync does not know writes its
+path on every worker: guard it with ``sync.is_chief`` (docs/how-to/saving.md).
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ import contextlib
 import functools
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -40,7 +41,6 @@ from typing import Any
 from keras_sync.cluster import strategy_role
 from keras_sync.errors import UsageError
 
-_WRAPPED_MARK = "_keras_sync_chief_writes"
 TEMP_PREFIX = "keras_sync_worker_save_"
 
 
@@ -63,104 +63,21 @@ def write_target(filepath: Any, strategy: Any) -> Iterator[Any]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-# -- the run-time check behind the table: what a worker that is not the chief really wrote -----
-
-_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-_watched: set[str] | None = None  # the paths opened for writing during the watched fit, or None
-_hooked = False
-
-
-_NOT_FILES = ("/dev/", "/proc/", "/sys/")
-#: Where `tempfile` puts libraries' scratch files (autograph's, ``/tmp/tmpab12cd34``): not a user path.
-_TEMPDIR = os.path.realpath(tempfile.gettempdir())
-
-
-def _audit(event: str, args: tuple[Any, ...]) -> None:
-    """sys.addaudithook hook: note a Python-level open for writing while a fit is watched."""
-    if event != "open" or _watched is None:
-        return
-    try:
-        path, mode, flags = args
-        if not isinstance(path, (str, bytes, os.PathLike)):
-            return
-        writing = any(c in mode for c in "wax+") if mode else bool((flags or 0) & _WRITE_FLAGS)
-        if not writing:
-            return
-        full = os.path.realpath(os.fsdecode(path))
-        if (
-            TEMP_PREFIX in full
-            or full.startswith(_NOT_FILES)
-            or full == _TEMPDIR
-            or os.path.dirname(full) == _TEMPDIR
-            or f"{os.sep}__pycache__{os.sep}" in full
-        ):
-            # this worker's own temporary copies; devices; the temp dir itself (an O_TMPFILE open) and
-            # files right in it, where libraries' `tempfile` files go (TensorFlow's autograph writes
-            # /tmp/__autograph_generated_file*.py on every worker); bytecode. A user's path in a folder
-            # under the temp dir is still seen.
-            return
-        _watched.add(full)
-    except Exception:  # an audit hook must never make the user's open fail
-        return
-
-
-@contextlib.contextmanager
-def watch_worker_writes(strategy: Any) -> Iterator[None]:
-    """On a worker that is not the chief, warn (one line) after `fit` if Python code opened a file
-    for writing during it, other than the temporary copies keras-sync points its writes to.
-
-    `guard_callbacks` knows Keras's own file-writing callbacks; a callback it does not know (the
-    user's own, another library's) writes the same path on every worker, and two writers of one
-    file leave a corrupt or interleaved one. This is the check of what really happened. Writes
-    from C++ (TensorFlow's file system, HDF5) are not seen.
-    """
-    global _watched, _hooked
-    if writes_user_paths(strategy) or _watched is not None:
-        yield
-        return
-    if not _hooked:
-        sys.addaudithook(_audit)  # cannot be removed: inert outside a watched fit
-        _hooked = True
-    _watched = set()
-    try:
-        yield
-    finally:
-        seen, _watched = sorted(_watched), None
-        if seen:
-            import warnings
-
-            shown = ", ".join(seen[:3]) + (f" and {len(seen) - 3} more" if len(seen) > 3 else "")
-            warnings.warn(
-                f"keras-sync: this worker is not the chief, yet it opened {shown} for writing during fit. Every "
-                "worker runs your script and its callbacks, so a path that is the same on every worker gets two "
-                "writers. Fix: write it only when sync.is_chief, or give each worker its own path.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-
-
-def _model_strategy(model: Any) -> Any:
-    return getattr(model, "_distribute_strategy", None)
-
-
-def _chief_writes(method: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(method)
-    def wrapper(self: Any, filepath: Any, *args: Any, **kwargs: Any) -> Any:
-        with write_target(filepath, _model_strategy(self)) as target:
-            return method(self, target, *args, **kwargs)
-
-    setattr(wrapper, _WRAPPED_MARK, True)
-    return wrapper
-
-
-def install() -> None:
-    """Wrap ``keras.Model.save`` and ``save_weights`` once per process (see the module docstring)."""
-    import keras
-
+def chief_writes_on(model: Any) -> None:
+    """Give ``model`` its own ``save`` and ``save_weights``: the chief writes the user's path, the
+    other workers a temporary copy (see the module docstring). Keras's classes are left as they are."""
     for name in ("save", "save_weights"):
-        method = getattr(keras.Model, name)
-        if not getattr(method, _WRAPPED_MARK, False):
-            setattr(keras.Model, name, _chief_writes(method))
+        if name not in vars(model):
+            object.__setattr__(model, name, _chief_writes(model, getattr(type(model), name)))
+
+
+def _chief_writes(model: Any, method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def wrapper(filepath: Any, *args: Any, **kwargs: Any) -> Any:
+        with write_target(filepath, getattr(model, "_distribute_strategy", None)) as target:
+            return method(model, target, *args, **kwargs)
+
+    return wrapper
 
 
 def save(model: Any, filepath: Any, **kwargs: Any) -> None:
@@ -179,17 +96,15 @@ def save(model: Any, filepath: Any, **kwargs: Any) -> None:
             f"Invalid value for argument `filepath` of sync.save. Received: filepath={filepath!r}. "
             "Expected a path such as 'model.keras' or 'model.weights.h5'."
         )
-    install()
-    if os.fspath(filepath).endswith(".weights.h5"):
-        model.save_weights(filepath, **kwargs)
-    else:
-        model.save(filepath, **kwargs)
+    name = "save_weights" if os.fspath(filepath).endswith(".weights.h5") else "save"
+    with write_target(filepath, getattr(model, "_distribute_strategy", None)) as target:
+        getattr(type(model), name)(model, target, **kwargs)
 
 
 #: Keras callbacks that write files, and the attribute holding the user's path: on a worker that
 #: is not the chief it is pointed into a temporary directory before `fit` hands the callback the
 #: model (TensorBoard derives its ``train``/``validation`` directories from ``log_dir`` there).
-#: ModelCheckpoint needs no entry: it saves through the wrapped ``model.save``/``save_weights``.
+#: ModelCheckpoint needs no entry: it saves through the model's ``save``/``save_weights``.
 USER_PATH_ATTRS = (("TensorBoard", "log_dir"), ("CSVLogger", "filename"))
 _USER_PATH_MARK = "_keras_sync_user_path"
 

@@ -43,10 +43,7 @@ log = logging.getLogger("keras_sync")
 POLICIES = ("auto", "average", "sum")
 #: What marks a loss keras-sync itself divided in a `LossScaleOptimizer.scale_loss` (mixed_float16).
 AT_SCALE_LOSS = "keras-sync, at scale_loss"
-_lock = threading.Lock()
 _tls = threading.local()
-_active = 0
-_restore: list[Any] = []
 
 
 def optimizers_of(model: Any) -> list[Any]:
@@ -195,7 +192,6 @@ def capture(
     times the first apply's gradients into ``reached``, before the apply's all-reduce. With an
     ``accumulator`` (`keras_sync.training.accumulate.GradientAccumulator`), the model optimizer's updates go through it.
     """
-    global _active
     record.update(
         grads=[],
         scaled_by=None,
@@ -213,25 +209,16 @@ def capture(
         stamp=stamp,
         reached=None,
     )
-    with _lock:
-        if _active == 0:
-            _install_global()
-        _active += 1
-        _install_model(model, custom_step)
-    _tls.seen = record
+    from keras_sync.upstream.patching import patched
     from keras_sync.upstream.replica_seeds import per_replica_seeds
 
+    _tls.seen = record
     try:
-        with (
-            per_replica_seeds()
-        ):  # Keras random ops draw per replica (see keras_sync.upstream.replica_seeds)
+        # Keras random ops draw per replica too (see keras_sync.upstream.replica_seeds).
+        with patched(_global_patches() + _model_patches(model, custom_step)), per_replica_seeds():
             yield
     finally:
         _tls.seen = None
-        with _lock:
-            _active -= 1
-            if _active == 0:
-                _uninstall()
 
 
 def _mark(value: Any, what: str) -> Any:
@@ -294,17 +281,19 @@ def scaled_by_for(record: dict[str, Any], grads: list[Any]) -> str | None:
     return what
 
 
-def _install_global() -> None:
+def _global_patches() -> list[Any]:
     """Module/class shims for the loss-scaling detection and the tape's target (all threads; record in ours)."""
     import keras.src.losses.loss as keras_loss
     import tensorflow as tf
 
-    scale_fn = keras_loss.scale_loss_for_distribution
+    from keras_sync.upstream.patching import original
+
+    scale_fn = original(keras_loss, "scale_loss_for_distribution")
 
     def scale_loss_for_distribution(value: Any) -> Any:
         return _mark(scale_fn(value), "a Keras loss")
 
-    reduce_fn = keras_loss.reduce_values
+    reduce_fn = original(keras_loss, "reduce_values")
 
     def reduce_values(
         values: Any, sample_weight: Any = None, reduction: Any = "sum_over_batch_size"
@@ -312,12 +301,12 @@ def _install_global() -> None:
         out = reduce_fn(values, sample_weight, reduction)
         return _mark(out, "a Keras loss with reduction='sum'") if reduction == "sum" else out
 
-    average_fn = tf.nn.compute_average_loss
+    average_fn = original(tf.nn, "compute_average_loss")
 
     def compute_average_loss(*args: Any, **kwargs: Any) -> Any:
         return _mark(average_fn(*args, **kwargs), "tf.nn.compute_average_loss")
 
-    gradient_fn = tf.GradientTape.gradient
+    gradient_fn = original(tf.GradientTape, "gradient")
 
     def gradient(tape: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
         record = seen()
@@ -331,42 +320,43 @@ def _install_global() -> None:
                     record["targets"][id(g)] = target
         return result
 
-    _restore.extend(
-        [
-            (keras_loss, "scale_loss_for_distribution", scale_fn),
-            (keras_loss, "reduce_values", reduce_fn),
-            (tf.nn, "compute_average_loss", average_fn),
-            (tf.GradientTape, "gradient", gradient_fn),
-        ]
-    )
-    keras_loss.scale_loss_for_distribution = scale_loss_for_distribution
-    keras_loss.reduce_values = reduce_values
-    tf.nn.compute_average_loss = compute_average_loss
-    tf.GradientTape.gradient = gradient
+    patches: list[tuple[Any, str, Any]] = [
+        (keras_loss, "scale_loss_for_distribution", scale_loss_for_distribution),
+        (keras_loss, "reduce_values", reduce_values),
+        (tf.nn, "compute_average_loss", compute_average_loss),
+        (tf.GradientTape, "gradient", gradient),
+    ]
     for cls in (tf.distribute.Strategy, tf.distribute.ReplicaContext):
         owner = _owner(cls, "num_replicas_in_sync")
-        if owner is None:
-            continue
-        prop = owner.__dict__["num_replicas_in_sync"]
-        _restore.append((owner, "num_replicas_in_sync", prop))
-        owner.num_replicas_in_sync = property(_reading(prop))
+        if owner is not None:
+            prop = original(owner, "num_replicas_in_sync")
+            patches.append((owner, "num_replicas_in_sync", property(_reading(prop))))
+    return patches
 
 
 def _reading(prop: property) -> Any:
+    getter: Any = prop.fget
+
     def num_replicas_in_sync(self: Any) -> Any:
-        if seen() is not None:
+        record = seen()
+        if record is not None:
             caller = sys._getframe(1).f_globals.get("__name__", "")
             # TensorFlow and Keras read it for their own bookkeeping; only the user's code counts.
             if not caller.startswith(("tensorflow", "keras", "tf_keras")):
-                seen()["read_n"] = True
-        return prop.fget(self)
+                record["read_n"] = True
+        return getter(self)
 
     return num_replicas_in_sync
 
 
-def _install_model(model: Any, custom_step: bool) -> None:
-    if not custom_step and "_compute_loss" not in vars(model):
-        compute_loss = model._compute_loss
+def _model_patches(model: Any, custom_step: bool) -> list[Any]:
+    """Instance shims on ``model`` and its optimizers for one trace."""
+    from keras_sync.training.sparse_rows import merging_update_step, with_inner
+    from keras_sync.upstream.patching import original
+
+    patches = []
+    if not custom_step:
+        compute_loss = original(model, "_compute_loss")
 
         def _compute_loss(*args: Any, **kwargs: Any) -> Any:
             loss = compute_loss(*args, **kwargs)
@@ -375,25 +365,17 @@ def _install_model(model: Any, custom_step: bool) -> None:
                 record["loss"] = loss
             return loss
 
-        object.__setattr__(
-            model, "_compute_loss", _compute_loss
-        )  # a function, not state for Keras's tracker
-        _restore.append((model, "_compute_loss", None))
-    from keras_sync.training.sparse_rows import merging_update_step, with_inner
-
+        patches.append((model, "_compute_loss", _compute_loss))
     for optimizer in with_inner(optimizers_of(model)):
         # Each row of a sparse gradient once, after the all-reduce (see keras_sync.training.sparse_rows).
-        if "update_step" not in vars(optimizer):
-            object.__setattr__(optimizer, "update_step", merging_update_step(optimizer.update_step))
-            _restore.append((optimizer, "update_step", None))
+        update_step = merging_update_step(original(optimizer, "update_step"))
+        patches.append((optimizer, "update_step", update_step))
     for optimizer in optimizers_of(model):
-        if "apply" in vars(optimizer):
-            continue
-        object.__setattr__(optimizer, "apply", _applying(optimizer, optimizer.apply))
-        _restore.append((optimizer, "apply", None))
-        if hasattr(optimizer, "dynamic_scale") and "scale_loss" not in vars(optimizer):
-            object.__setattr__(optimizer, "scale_loss", _scaling(optimizer.scale_loss))
-            _restore.append((optimizer, "scale_loss", None))
+        patches.append((optimizer, "apply", _applying(optimizer, original(optimizer, "apply"))))
+        if hasattr(optimizer, "dynamic_scale"):
+            scale_loss = _scaling(original(optimizer, "scale_loss"))
+            patches.append((optimizer, "scale_loss", scale_loss))
+    return patches
 
 
 def _scaling(scale_loss: Any) -> Any:
@@ -505,15 +487,6 @@ def _scaled(g: Any, factor: float) -> Any:
             g.values * tf.cast(factor, g.values.dtype), g.indices, g.dense_shape
         )
     return g * tf.cast(factor, g.dtype)
-
-
-def _uninstall() -> None:
-    while _restore:
-        target, name, original = _restore.pop()
-        if original is None:
-            object.__delattr__(target, name)
-        else:
-            setattr(target, name, original)
 
 
 def share_message(model: Any, num_replicas: int, scaled_by: str) -> str:

@@ -18,16 +18,16 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from keras_sync.upstream.patching import original, patched
+
 MODULE = "keras.src.losses.loss"
-_lock = threading.Lock()
+_NAMES = ("scale_loss_for_distribution", "unscale_loss_for_distribution")
 _tls = threading.local()
-_depth = 0
-_originals: dict[str, Any] = {}
 
 
-def _identity_in_test_step(name: str, original: Any) -> Any:
+def _identity_in_test_step(name: str, keras_own: Any) -> Any:
     def scale(value: Any) -> Any:
-        return value if getattr(_tls, "testing", False) else original(value)
+        return value if getattr(_tls, "testing", False) else keras_own(value)
 
     scale.__name__ = name
     return scale
@@ -35,25 +35,14 @@ def _identity_in_test_step(name: str, original: Any) -> Any:
 
 @contextlib.contextmanager
 def _tracing_test_step() -> Iterator[None]:
-    global _depth
     module = importlib.import_module(MODULE)
-    with _lock:
-        if _depth == 0:
-            for name in ("scale_loss_for_distribution", "unscale_loss_for_distribution"):
-                _originals[name] = getattr(module, name)
-                setattr(module, name, _identity_in_test_step(name, _originals[name]))
-        _depth += 1
+    patches = [(module, n, _identity_in_test_step(n, original(module, n))) for n in _NAMES]
     was, _tls.testing = getattr(_tls, "testing", False), True
     try:
-        yield
+        with patched(patches):
+            yield
     finally:
         _tls.testing = was
-        with _lock:
-            _depth -= 1
-            if _depth == 0:
-                for name, original in _originals.items():
-                    setattr(module, name, original)
-                _originals.clear()
 
 
 @contextlib.contextmanager
@@ -81,9 +70,5 @@ def unscaled_eval_losses(model: Any) -> Iterator[None]:
         "_keras_sync_eval_unscaled"
     ):
         model.test_function = None
-    object.__setattr__(model, "test_step", test_step)  # a function, not state for Keras's tracker
-    try:
+    with patched([(model, "test_step", test_step)]):
         yield
-    finally:
-        if model.__dict__.get("test_step") is test_step:
-            object.__delattr__(model, "test_step")

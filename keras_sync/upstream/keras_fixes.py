@@ -1,14 +1,15 @@
-"""Fixes for upstream Keras bugs that break distributed `fit`, applied where probes allow.
+"""Fixes for upstream Keras bugs that break distributed `fit`, as patches for one `Sync` call.
 
-Each fix cites its upstream issue. Whether it can be applied is decided by probing the
-internals it patches (`keras_sync.upstream.internals`, feature ``multi_worker_fit``), not by the
-Keras version number: a Keras that moved one is refused with one line. Results with the
-fixes equal plain Keras on one device (see tests/test_keras_compat.py). No TensorFlow or
-Keras import at module import time.
+Each fix cites its upstream issue and is decided by probing the internals it replaces
+(`keras_sync.upstream.internals`), not by the Keras version number: a Keras that moved one is
+refused with one line, or keeps its own behaviour where a fix has a fallback. `fixed_keras` applies
+the fixes a strategy needs for the length of one `Sync.fit`, `evaluate` or `predict`
+(`keras_sync.upstream.patching`). No TensorFlow or Keras import at module import time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -17,11 +18,17 @@ import threading
 import time
 from typing import Any
 
+from keras_sync.upstream.patching import Patch, original, patched
+
 logger = logging.getLogger(__name__)
 
-# keras-team/keras#20585 is present from Keras 3.0 and still in 3.15.1 (measured here); the
-# canary test (tests/test_keras_compat.py) says when plain Keras stops failing.
-_PATCH_MARK = "_keras_sync_multi_worker_fix"
+_TRAINER = "keras.src.backend.tensorflow.trainer"
+
+
+def _trainer() -> Any:
+    import importlib
+
+    return importlib.import_module(_TRAINER)
 
 
 def _is_multi_worker(strategy: Any) -> bool:
@@ -34,38 +41,43 @@ def _is_multi_worker(strategy: Any) -> bool:
     )
 
 
-def apply_multi_worker_fixes() -> bool:
+def fixes_for(strategy: Any) -> list[Patch]:
+    """The patches one `fit`, `evaluate` or `predict` under ``strategy`` needs."""
+    patches = end_of_data_patches() + iterator_release_patches() + device_dataset_patches()
+    if strategy is not None and _is_multi_worker(strategy):
+        return patches + multi_worker_patches()
+    return patches + same_data_order_patches()
+
+
+@contextlib.contextmanager
+def fixed_keras(strategy: Any) -> Any:
+    """For the length of the block, Keras runs with the fixes ``strategy`` needs; restored after."""
+    with patched(fixes_for(strategy)):
+        yield
+
+
+def multi_worker_patches() -> list[Patch]:
     """Make Keras 3 `model.fit` work under a multi-worker `MultiWorkerMirroredStrategy`.
 
-    keras-team/keras#20585 (also tensorflow/tensorflow#72388): under MWMS with more
-    than one worker, `fit` fails twice in `keras/src/backend/tensorflow/trainer.py`:
+    keras-team/keras#20585 (also tensorflow/tensorflow#72388): under MWMS with more than one
+    worker, `fit` fails twice in `keras/src/backend/tensorflow/trainer.py`:
 
-    1. `TensorFlowTrainer._maybe_symbolic_build` all-reduces the first (tuple)
-       data batch with `strategy.reduce("MEAN", ..., axis=None)` only to learn its
-       shapes, which fails for a nested structure of `PerReplica`. We give it the
-       first local replica's batch instead: same shapes and dtypes, no collective.
-    2. `reduce_per_replica` reduces the logs with `strategy.reduce("MEAN", v,
-       axis=0)`; the logs are scalars ("Invalid reduction dimension 0 for input
-       with 0 dimensions"). For scalars we reduce across replicas only
-       (`axis=None`), which is the mean Keras reports on one machine.
+    1. `TensorFlowTrainer._maybe_symbolic_build` all-reduces the first (tuple) data batch with
+       `strategy.reduce("MEAN", ..., axis=None)` only to learn its shapes, which fails for a
+       nested structure of `PerReplica`. It gets the dataset's element spec (as
+       `same_data_order_patches`), else the first local replica's batch: same shapes, no collective.
+    2. `reduce_per_replica` reduces the logs with `strategy.reduce("MEAN", v, axis=0)`; the logs
+       are scalars ("Invalid reduction dimension 0 for input with 0 dimensions"). Scalars are
+       reduced across replicas only (`axis=None`), the mean Keras reports on one machine.
+    3. keras-team/keras#19246: with ``steps_per_execution > 1`` Keras's multi-step function calls
+       the one-step `tf.function` inside a `tf.while_loop` and a `tf.cond`; with the multi-worker
+       collectives in it, running it fails with "You must feed a value for placeholder tensor
+       'while/.../cond/Placeholder_1'". Keras gets the one-step Python function instead of its
+       nested `tf.function` (`_autoconvert_optionals` receives it), traced inline into the
+       multi-step function. Only when its probes pass (feature ``multi_worker_steps_per_execution``);
+       `check_steps_per_execution` refuses ``steps_per_execution > 1`` when they do not.
 
-    3. keras-team/keras#19246 under MWMS: with ``steps_per_execution > 1`` Keras's
-       multi-step function calls the one-step `tf.function` inside a `tf.while_loop`
-       and a `tf.cond`; with the multi-worker collectives in it, running it fails with
-       "You must feed a value for placeholder tensor 'while/.../cond/Placeholder_1'".
-       We give Keras the one-step Python function instead of its nested `tf.function`
-       (`_autoconvert_optionals` receives it), so the step is traced inline into the
-       multi-step function: the same ops, no nested function call. Measured (Keras
-       3.15.1, one strategy per process, 2 workers): steps_per_execution 4 gives the
-       weights of 1 (max |dw| 0.0). Applied when its probes pass (feature
-       ``multi_worker_steps_per_execution``); `check_steps_per_execution` refuses
-       ``steps_per_execution > 1`` under multi-worker MWMS when they do not.
-
-    All patches only change behaviour when the strategy is a multi-worker MWMS;
-    every other call goes to the original Keras code.
-
-    Returns:
-        True: the fixes are active (now or from an earlier call).
+    Every patched function passes calls that are not under a multi-worker MWMS to Keras's own.
 
     Raises:
         CompatibilityError: the installed Keras no longer has the internals patched here.
@@ -74,13 +86,11 @@ def apply_multi_worker_fixes() -> bool:
 
     _internals.require("multi_worker_fit")
     from keras import tree
-    from keras.src.backend.tensorflow import trainer as tf_trainer
 
-    if getattr(tf_trainer.reduce_per_replica, _PATCH_MARK, False):
-        return True
-
-    original_reduce = tf_trainer.reduce_per_replica
-    original_build = tf_trainer.TensorFlowTrainer._maybe_symbolic_build
+    tf_trainer = _trainer()
+    cls = tf_trainer.TensorFlowTrainer
+    original_reduce = original(tf_trainer, "reduce_per_replica")
+    original_build = original(cls, "_maybe_symbolic_build")
 
     def reduce_per_replica(values: Any, strategy: Any, reduction: str) -> Any:
         tpu = tf_trainer._is_tpu_strategy(strategy)
@@ -103,7 +113,7 @@ def apply_multi_worker_fixes() -> bool:
                 if _internals.available(_internals.SAME_DATA_ORDER)
                 else None
             )
-            if spec is not None:  # shapes without reading a batch (apply_same_data_order_fix)
+            if spec is not None:
                 return original_build(self, iterator=None, data_batch=spec)
             import tensorflow as tf
 
@@ -118,24 +128,20 @@ def apply_multi_worker_fixes() -> bool:
             iterator = None
         return original_build(self, iterator=iterator, data_batch=data_batch)
 
-    setattr(reduce_per_replica, _PATCH_MARK, True)
-    setattr(_maybe_symbolic_build, _PATCH_MARK, True)
     # `make_train_function` looks `reduce_per_replica` up in the module at trace time.
-    tf_trainer.reduce_per_replica = reduce_per_replica
-    tf_trainer.TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build
+    patches: list[Patch] = [
+        (tf_trainer, "reduce_per_replica", reduce_per_replica),
+        (cls, "_maybe_symbolic_build", _maybe_symbolic_build),
+    ]
     if _internals.missing("multi_worker_steps_per_execution") is None:
-        _apply_multi_step_fix()
-    return True
+        patches.append(_multi_step_patch())
+    return patches
 
 
-def _apply_multi_step_fix() -> None:
-    """Fix 3 of `apply_multi_worker_fixes`: the one-step function traced inline into the multi-step loop."""
-    from keras.src.backend.tensorflow import trainer as tf_trainer
-
-    cls = tf_trainer.TensorFlowTrainer
-    if getattr(cls._autoconvert_optionals, _PATCH_MARK, False):
-        return
-    original = cls._autoconvert_optionals
+def _multi_step_patch() -> Patch:
+    """Fix 3 of `multi_worker_patches`: the one-step function traced inline into the multi-step loop."""
+    cls = _trainer().TensorFlowTrainer
+    keras_own = original(cls, "_autoconvert_optionals")
 
     def _autoconvert_optionals(self: Any, step_func: Any) -> Any:
         strategy = self._distribute_strategy
@@ -154,13 +160,9 @@ def _apply_multi_step_fix() -> None:
                     self.steps_per_execution,
                 )
             step_func = inner
-        return original(self, step_func)
+        return keras_own(self, step_func)
 
-    setattr(_autoconvert_optionals, _PATCH_MARK, True)
-    cls._autoconvert_optionals = _autoconvert_optionals
-
-
-_END_OF_DATA_MARK = "_keras_sync_end_of_data_fix"
+    return (cls, "_autoconvert_optionals", _autoconvert_optionals)
 
 
 def _closure_value(function: Any, name: str) -> Any:
@@ -172,30 +174,22 @@ def _closure_value(function: Any, name: str) -> Any:
     return function.__closure__[names.index(name)].cell_contents
 
 
-def apply_end_of_data_fix() -> bool:
+def end_of_data_patches() -> list[Patch]:
     """Stop Keras from running a step past the end of an unknown-cardinality dataset.
 
     With ``steps_per_execution == 1``, Keras 3.10-3.15 (`TensorFlowTrainer._make_function`)
-    learns that a dataset whose length it does not know (``from_generator``, ``rebatch``,
-    ``filter``...) has ended by running one more train step on ``iterator.get_next()`` and
-    catching ``OutOfRangeError``. The ops of that step that do not read the batch still run:
-    ``optimizer.iterations`` and every dropout seed move by one per epoch (measured: 17
-    optimizer steps per 16-batch epoch on the default strategy, plain Keras 3.15.1). The
-    learning-rate schedule, warmup, gradient-accumulation boundaries and the step a backup
-    records all drift from the batches really trained on, silently. Fixed upstream on Keras
-    master (keras-team/keras#23179, July 2026: ``get_next_as_optional`` first, no step at the
-    end); no release had it when this was written.
+    learns that a dataset of unknown length (``from_generator``, ``rebatch``, ``filter``...) has
+    ended by running one more train step on ``iterator.get_next()`` and catching
+    ``OutOfRangeError``. The ops of that step that do not read the batch still run:
+    ``optimizer.iterations`` and every dropout seed move by one per epoch, so the learning-rate
+    schedule, warmup, accumulation boundaries and the step a backup records drift from the batches
+    trained, silently. Fixed on Keras master (keras-team/keras#23179: ``get_next_as_optional``
+    first, no step at the end).
 
-    We do what that fix does, around Keras's own one-step function (taken from the closure of
-    the function `_make_function` returns, so the step, its tracing and XLA flag are Keras's):
-    ask the iterator for an optional batch, raise StopIteration when there is none, else run
-    the step. A Keras whose function already asks for optionals (the fix) is left alone; one
-    whose closure has moved keeps its own behaviour (probe: ``keras_sync.upstream.internals`` feature
-    ``end_of_data``). Applies to every strategy; under `MultiWorkerMirroredStrategy`
-    ``get_next_as_optional`` agrees on the end across workers, as Keras's multi-step path does.
-
-    Returns:
-        True when the fix is active, False when this Keras does not need it or cannot take it.
+    The patch does what that fix does, around Keras's own one-step function (taken from the
+    closure of the function `_make_function` returns): ask the iterator for an optional batch,
+    raise StopIteration when there is none, else run the step. [] when this Keras already asks
+    for optionals, or its closure moved (probe: feature ``end_of_data``; it keeps its behaviour).
     """
     from keras_sync.upstream import internals as _internals
 
@@ -204,20 +198,16 @@ def apply_end_of_data_fix() -> bool:
             "keras-sync: this Keras's train function has moved; an unknown-cardinality dataset may "
             "advance optimizer.iterations once per epoch (keras-team/keras#23179)"
         )
-        return False
-    from keras.src.backend.tensorflow import trainer as tf_trainer
-
-    cls = tf_trainer.TensorFlowTrainer
-    if getattr(cls._make_function, _END_OF_DATA_MARK, False):
-        return True
+        return []
     keras_function = _internals.nested_code(_internals.MAKE_FUNCTION, "function")
     if keras_function is not None and "get_next_as_optional" in keras_function.co_names:
-        return False  # this Keras has the upstream fix
-    original = cls._make_function
+        return []  # this Keras has the upstream fix
+    cls = _trainer().TensorFlowTrainer
+    keras_own = original(cls, "_make_function")
 
-    @functools.wraps(original)  # the probes read Keras's code through __wrapped__
+    @functools.wraps(keras_own)  # the probes read Keras's code through __wrapped__
     def _make_function(self: Any, step_function: Any) -> Any:
-        function = original(self, step_function)
+        function = keras_own(self, step_function)
         one_step = _closure_value(function, "one_step_on_data")
         if one_step is None:
             return function
@@ -235,12 +225,7 @@ def apply_end_of_data_fix() -> bool:
 
         return function_stopping_at_end
 
-    setattr(_make_function, _END_OF_DATA_MARK, True)
-    cls._make_function = _make_function
-    return True
-
-
-_SPEC_BUILD_MARK = "_keras_sync_builds_from_element_spec"
+    return [(cls, "_make_function", _make_function)]
 
 
 def _first_batch_spec(epoch_iterator: Any) -> Any:
@@ -265,19 +250,16 @@ def _first_batch_spec(epoch_iterator: Any) -> Any:
     return None if any(leaf is None for leaf in tf.nest.flatten(specs)) else specs
 
 
-def apply_same_data_order_fix() -> bool:
+def same_data_order_patches() -> list[Patch]:
     """Build the model from the dataset's element spec instead of reading a batch of an extra iterator.
 
     Under any `tf.distribute` strategy, Keras 3's `fit`, `evaluate` and `predict` start an
     iterator over the data only to learn the first batch's shapes (`_maybe_symbolic_build`).
-    That starts a pass of the dataset: a ``shuffle`` that reshuffles each iteration (tf.data's
-    default) then trains every epoch on the order one device sees one epoch later, and a Python
-    generator loses the batches read ahead. Only shapes and dtypes are needed, and the
-    distributed dataset's ``element_spec`` has them: Keras's `_symbolic_build` is given those.
-    Elements that are not plain tensors keep Keras's way.
-
-    Returns:
-        True when the fix is active (probe: ``keras_sync.upstream.internals`` feature ``same_data_order``).
+    That starts a pass of the dataset: a ``shuffle`` that reshuffles each iteration then trains
+    every epoch on the order one device sees one epoch later, and a Python generator loses the
+    batches read ahead. The distributed dataset's ``element_spec`` has the shapes and dtypes;
+    elements that are not plain tensors keep Keras's way. [] when the probe fails (feature
+    ``same_data_order``).
     """
     from keras_sync.upstream import internals as _internals
 
@@ -286,28 +268,20 @@ def apply_same_data_order_fix() -> bool:
             "keras-sync: this Keras builds the model from a batch of the data; a reshuffling dataset "
             "trains in another order than on one device"
         )
-        return False
-    from keras.src.backend.tensorflow import trainer as tf_trainer
-
-    cls = tf_trainer.TensorFlowTrainer
-    if getattr(cls._maybe_symbolic_build, _SPEC_BUILD_MARK, False):
-        return True
-    original = cls._maybe_symbolic_build
+        return []
+    cls = _trainer().TensorFlowTrainer
+    keras_own = original(cls, "_maybe_symbolic_build")
 
     def _maybe_symbolic_build(self: Any, iterator: Any = None, data_batch: Any = None) -> Any:
         if iterator is not None and self._distribute_strategy is not None:
             spec = _first_batch_spec(iterator)
             if spec is not None:
                 iterator, data_batch = None, spec
-        return original(self, iterator=iterator, data_batch=data_batch)
+        return keras_own(self, iterator=iterator, data_batch=data_batch)
 
-    setattr(_maybe_symbolic_build, _SPEC_BUILD_MARK, True)
-    setattr(_maybe_symbolic_build, _PATCH_MARK, getattr(original, _PATCH_MARK, False))
-    cls._maybe_symbolic_build = _maybe_symbolic_build
-    return True
+    return [(cls, "_maybe_symbolic_build", _maybe_symbolic_build)]
 
 
-_KEPT_MARK = "_keras_sync_keeps_dropped_iterator"
 #: The attribute of a Keras epoch iterator that keeps the distributed iterator its last `reset` dropped.
 KEPT_ITERATOR = "_keras_sync_dropped_iterator"
 #: The epoch iterator's attributes that hold a tf.data iterator (or the generator that holds one).
@@ -317,35 +291,21 @@ _ITERATOR_ATTRS = ("_current_iterator", "_epoch_iterator", KEPT_ITERATOR)
 class _IteratorReleaser:
     """Destroys the tf.data iterators Keras drops on threads of their own, so `fit` does not wait for them.
 
-    Destroying a tf.data iterator (``RootDataset::Iterator``) joins its autotuning thread
-    (``Model::OptimizeLoop``). That thread waits out its optimisation period (it doubles up to 60 s)
-    when it wakes from the cancellation before TensorFlow marks the cancellation done
-    (``CancellationManager::StartCancel`` runs the callbacks first and sets ``is_cancelled_`` after;
-    the thread reads it in between and waits again). So a destruction sometimes takes 5-60 s and no
-    CPU; under load often. Measured (TensorFlow 2.21, `MirroredStrategy` over 2 CPUs, 12 small fits,
-    a busy machine): 5 of 12 fits stalled, 8.1-26.1 s instead of 2.7-4.1 s, the main thread in
-    ``~LogicalThreadWrapper`` under ``~RootDataset::Iterator`` from the end of `fit`; one thread
-    releasing them one after another took 80-556 s, so each gets a thread of its own. The threads
-    are not daemons: the interpreter waits for them at exit (a daemon thread still inside TensorFlow
-    when the interpreter finalises is unwound there: "terminate called ... FATAL: exception not
-    rethrown", SIGABRT, seen in 2 of 4 runs of tests/test_session.py's scenarios with daemons).
+    Destroying a tf.data iterator joins its autotuning thread, which can wait out its optimisation
+    period (up to 60 s) when it wakes from the cancellation before TensorFlow marks it done; under
+    load that happens often, with the training thread blocked and no CPU used. Each iterator gets
+    a thread of its own (one after another adds the waits up). The threads are not daemons: a
+    daemon thread still inside TensorFlow when the interpreter finalises aborts the process.
 
-    Handing the epoch iterator's reference over is not enough: `fit`, `evaluate` and `predict` keep
-    the iterator of the step they run in a local (``for begin_step, end_step, iterator in
-    epoch_iterator``), which still holds it when the epoch iterator lets go, so the training thread
-    dropped it on the next epoch or on return after all (measured: one process fitting 1500 steps 10
-    times, 5.7-6.1 s or 10.5 s for the same CPU, the main thread in ``~RootDataset::Iterator`` under
-    `fit`'s return). So what is handed over is held (a dropped generator is closed and its frame's
-    TensorFlow locals held instead: Keras's epoch generator keeps its iterator there) by one watcher
-    thread until nothing but the watcher refers to it; then it goes to a thread of its own to be
-    destroyed. The watcher stops waiting at interpreter exit or after `HOLD_S` (someone else keeps
-    the iterator) and then only drops its own references, as Keras would have.
+    `fit`, `evaluate` and `predict` keep the iterator of the step they run in a local, which still
+    holds it when the epoch iterator lets go. So what is handed over (a dropped generator is closed
+    and its frame's TensorFlow locals held instead) is held by one watcher thread until nothing
+    else refers to it, then destroyed on a thread of its own. The watcher stops waiting at
+    interpreter exit or after `HOLD_S`, and then only drops its own references, as Keras would.
 
-    At interpreter exit (the main thread is done) no thread is started, neither the watcher nor a
-    destroying one: Python 3.12 refuses it ("can't create new thread at interpreter shutdown", its
-    finalizer blocks new threads before it joins the running ones, while `sys.is_finalizing()` is
-    still False), so the watcher drops what it holds itself and a late `release` leaves the value
-    to its caller.
+    At interpreter exit no thread is started (Python 3.12 refuses it, "can't create new thread at
+    interpreter shutdown", while `sys.is_finalizing()` is still False): the watcher drops what it
+    holds itself and a late `release` leaves the value to its caller.
     """
 
     #: The longest an iterator is held waiting for the other references to it to go.
@@ -511,29 +471,18 @@ class _ReleasedOffThread:
         RELEASER.release(box)
 
 
-def apply_iterator_release_fix() -> bool:
+def iterator_release_patches() -> list[Patch]:
     """Keep the distributed iterator an epoch iterator drops alive until its next `reset`.
 
     Under any `tf.distribute` strategy, Keras 3's `fit`, `evaluate` and `predict` make a
-    distributed iterator only to read the first batch's shapes (`_maybe_symbolic_build`) and
-    drop it at once (`EpochIterator.reset`). Its `MultiDeviceIterator` is then destroyed while
-    its background thread may still be reading the next batch, and that thread calls into the
-    freed pipeline: the process dies with SIGSEGV or "pure virtual method called" (measured on
-    TensorFlow 2.21 / Keras 3.15.1, plain Keras under `OneDeviceStrategy` with validation data,
-    no keras-sync: 4 of 6 processes under load, 0 of 10 with this fix; gdb shows the thread in
-    ``MultiDeviceBuffer::BackgroundThread -> GetNext`` while the main thread destroys the iterator
-    from ``epoch_iterator.py reset``; one way, read in ``multi_device_iterator_ops.cc``:
-    ``~MultiDeviceBuffer`` skips its wait when that thread has not yet marked itself started).
-    Kept until the next `reset` of the same epoch iterator (or its end),
-    the dropped iterator's threads have finished their read by the time it is destroyed. Costs one
-    iterator's prefetch buffers per epoch iterator.
-
-    Every iterator an epoch iterator replaces or leaves behind (each epoch's, the kept one, all of
-    them when `fit`, `evaluate` or `predict` returns) is destroyed by `RELEASER` off the training
-    thread: a destruction can take seconds (`_IteratorReleaser`).
-
-    Returns:
-        True when the fix is active (probe: ``keras_sync.upstream.internals`` feature ``iterator_release``).
+    distributed iterator only to read the first batch's shapes and drop it at once
+    (`EpochIterator.reset`). Its `MultiDeviceIterator` is then destroyed while its background
+    thread may still be reading the next batch, and that thread calls into the freed pipeline:
+    the process dies with SIGSEGV or "pure virtual method called" (plain Keras too). Kept until the
+    next `reset` of the same epoch iterator (or its end), the dropped iterator's threads have
+    finished their read when it is destroyed. Every iterator an epoch iterator replaces or leaves
+    behind is destroyed by `RELEASER`, off the training thread. [] when the probe fails (feature
+    ``iterator_release``).
     """
     from keras_sync.upstream import internals as _internals
 
@@ -542,33 +491,59 @@ def apply_iterator_release_fix() -> bool:
             "keras-sync: this Keras's EpochIterator.reset has moved; the iterator it drops is not kept "
             "(a process may crash under load when a strategy's iterator is destroyed mid-read)"
         )
-        return False
-    from keras.src.trainers import epoch_iterator
+        return []
+    import importlib
 
-    cls = epoch_iterator.EpochIterator
-    if getattr(cls.reset, _KEPT_MARK, False):
-        return True
-    original = cls.reset
+    cls = importlib.import_module("keras.src.trainers.epoch_iterator").EpochIterator
+    keras_reset = original(cls, "reset")
+    keras_del = vars(cls).get("__del__")
 
-    @functools.wraps(original)
+    @functools.wraps(keras_reset)
     def reset(self: Any) -> Any:
         # The one kept from the reset before is released now: its threads have long finished.
         setattr(self, KEPT_ITERATOR, getattr(self, "_current_iterator", None))
-        return original(self)
-
-    original_del = getattr(cls, "__del__", None)
+        return keras_reset(self)
 
     def __del__(self: Any) -> None:
         RELEASER.release([self.__dict__.pop(name, None) for name in _ITERATOR_ATTRS])
-        if original_del is not None:
-            original_del(self)
+        if keras_del is not None:
+            keras_del(self)
 
-    for name in _ITERATOR_ATTRS:
-        setattr(cls, name, _ReleasedOffThread(name))
-    cls.__del__ = __del__
-    setattr(reset, _KEPT_MARK, True)
-    cls.reset = reset
-    return True
+    return [(cls, name, _ReleasedOffThread(name)) for name in _ITERATOR_ATTRS] + [
+        (cls, "__del__", __del__),
+        (cls, "reset", reset),
+    ]
+
+
+def device_dataset_patches() -> list[Patch]:
+    """Build TensorFlow's per-device datasets without the graph rewrites that cannot apply there.
+
+    `MirroredStrategy` over 2+ devices makes TensorFlow warn on every run that the per-device
+    datasets "will not be optimized"; their default optimizations are turned off instead. [] when
+    TF_CPP_MIN_LOG_LEVEL is 0 (every line asked for) or the internal moved (the line then shows).
+    """
+    import os
+
+    if os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0").strip() in ("", "0"):
+        return []
+    from keras_sync.upstream import internals as _internals
+
+    name = "tensorflow.python.data.ops.multi_device_iterator_ops:_create_device_dataset"
+    if not _internals.available(name):
+        return []
+    import importlib
+
+    import tensorflow as tf
+
+    module = importlib.import_module(name.partition(":")[0])
+    tf_own = original(module, "_create_device_dataset")
+
+    def _create_device_dataset(*args: object, **kwargs: object) -> object:
+        options = tf.data.Options()
+        options.experimental_optimization.apply_default_optimizations = False
+        return tf_own(*args, **kwargs).with_options(options)
+
+    return [(module, "_create_device_dataset", _create_device_dataset)]
 
 
 def check_steps_per_execution(model: Any, strategy: Any) -> None:
@@ -589,4 +564,3 @@ def check_steps_per_execution(model: Any, strategy: Any) -> None:
     from keras_sync.upstream import internals as _internals
 
     _internals.require("multi_worker_steps_per_execution")
-    _apply_multi_step_fix()  # already on when the strategy came from keras-sync; a user's own MWMS too

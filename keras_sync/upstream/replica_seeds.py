@@ -19,15 +19,14 @@ are untouched.
 from __future__ import annotations
 
 import contextlib
-import threading
+import importlib
 from collections.abc import Iterator
 from typing import Any
 
+from keras_sync.upstream.patching import original, patched
+
 #: The module whose ``_cast_seed`` every Keras TensorFlow random op calls on its seed.
 MODULE = "keras.src.backend.tensorflow.random"
-_lock = threading.Lock()
-_depth = 0
-_original: Any = None
 
 
 def _folded(cast_seed: Any) -> Any:
@@ -52,23 +51,9 @@ def per_replica_seeds() -> Iterator[None]:
     Re-entrant and safe from several threads (`MirroredStrategy` traces its replicas in threads of
     their own); Keras's own function is back once the last one leaves.
     """
-    global _depth, _original
     from keras_sync.upstream import internals as _internals
 
     _internals.require("replica_random_streams")
-    import importlib
-
     module = importlib.import_module(MODULE)
-    with _lock:
-        if _depth == 0:
-            _original = module._cast_seed
-            module._cast_seed = _folded(_original)
-        _depth += 1
-    try:
+    with patched([(module, "_cast_seed", _folded(original(module, "_cast_seed")))]):
         yield
-    finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0:
-                module._cast_seed = _original
-                _original = None

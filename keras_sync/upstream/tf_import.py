@@ -13,18 +13,6 @@ nothing). `import_tensorflow` holds file descriptor 2 while TensorFlow is import
 every line but those INFO lines and absl's banner, when the log level asks for that (the user's
 ``TF_CPP_MIN_LOG_LEVEL``, else keras-sync's default 1). Warnings, errors and a failed import's
 output are written back as they came.
-
-`quiet_device_datasets` removes the cause of one warning TensorFlow prints on every run over 2+
-local devices (Mirrored), later, when `fit` makes its input iterator::
-
-    W0000 00:00:1796302045.168537   24163 dataset.cc:997] Input of GeneratorDatasetOp::Dataset will
-    not be optimized because the dataset does not implement the AsGraphDefInternal() method needed
-    to apply optimizations.
-
-TensorFlow's `MultiDeviceIterator` feeds each device from a generator dataset (plus a prefetch),
-and tf.data tries its default graph rewrites on it, which need a graph the generator cannot give:
-nothing is rewritten, and it says so. Those per-device datasets are made with the default rewrites
-off, which changes nothing they do; the user's own pipeline, and every other line, is untouched.
 """
 
 from __future__ import annotations
@@ -53,39 +41,6 @@ def quiet_lines(raw: bytes) -> bytes:
         dropping = False
         out.append(line)
     return b"".join(out)
-
-
-_QUIET_MARK = "_keras_sync_quiet"
-
-
-def quiet_device_datasets() -> bool:
-    """Build TensorFlow's per-device datasets without the rewrites that cannot apply (and warn).
-
-    Not when TF_CPP_MIN_LOG_LEVEL is 0 (every line asked for), nor when the internal moved
-    (`keras_sync.upstream.internals`: then the line shows, nothing else changes). True when in place.
-    """
-    if os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0").strip() in ("", "0"):
-        return False
-    from keras_sync.upstream import internals as _internals
-
-    name = "tensorflow.python.data.ops.multi_device_iterator_ops:_create_device_dataset"
-    if not _internals.available(name):
-        return False
-    import tensorflow as tf
-    from tensorflow.python.data.ops import multi_device_iterator_ops as m
-
-    original = m._create_device_dataset
-    if getattr(original, _QUIET_MARK, False):
-        return True
-
-    def _create_device_dataset(*args: object, **kwargs: object) -> object:
-        options = tf.data.Options()
-        options.experimental_optimization.apply_default_optimizations = False
-        return original(*args, **kwargs).with_options(options)
-
-    setattr(_create_device_dataset, _QUIET_MARK, True)
-    m._create_device_dataset = _create_device_dataset
-    return True
 
 
 def import_tensorflow() -> None:
