@@ -70,6 +70,7 @@ def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Pl
     """
     from keras_sync import cluster, strategy, tracking
     from keras_sync.training import scaling
+    from keras_sync.upstream import stack
 
     src = config.source_of
     env = os.environ if environ is None else environ
@@ -156,7 +157,14 @@ def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Pl
             None,
             "" if lr.warmup_steps else "no warmup",
         )
-    items += _stack_items(env)
+    backend, source = stack.keras_backend(env)
+    note = f"from {source}" if source != "default" else "Keras's default"
+    if backend != "tensorflow":
+        note += "; keras-sync needs tensorflow: keras_sync.load() refuses this"
+    add("keras.backend", backend, "env" if source == "$KERAS_BACKEND" else "detected", note)
+    dists = stack.tensorflow_distributions()
+    one = "the one distribution of the tensorflow package" if len(dists) == 1 else ""
+    add("tensorflow", stack.describe_tensorflow(dists), "detected", one)
     m = config.mlflow
     add("mlflow.enabled", m.enabled)
     if m.enabled:
@@ -172,24 +180,6 @@ def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Pl
             note = "a new run; a relaunch that restores a backup continues its run"
             add("mlflow.job_id", m.job_id, None, note)
     return Plan(config.source, items)
-
-
-def _stack_items(env: Mapping[str, str]) -> list[PlanItem]:
-    """The Keras backend and the TensorFlow distributions installed (keras-sync needs tensorflow and one)."""
-    from keras_sync.upstream import stack
-
-    backend, source = stack.keras_backend(env)
-    note = f"from {source}" if source != "default" else "Keras's default"
-    if backend != "tensorflow":
-        note += "; keras-sync needs tensorflow: keras_sync.load() refuses this"
-    dists = stack.tensorflow_distributions()
-    one = "the one distribution of the tensorflow package" if len(dists) == 1 else ""
-    return [
-        PlanItem(
-            "keras.backend", backend, "env" if source == "$KERAS_BACKEND" else "detected", note
-        ),
-        PlanItem("tensorflow", stack.describe_tensorflow(dists), "detected", one),
-    ]
 
 
 def _input_items(config: Config, global_batch: int, replicas: int, workers: int) -> list[PlanItem]:
