@@ -319,33 +319,26 @@ class Sync:
         self._check_variables(model, "fit")
         self._check_optimizers(model, "fit")
         self._check_callbacks(model, kwargs.get("callbacks"), "fit")
-        runtime.prepare_model(self, model)  # steps_per_execution, jit_compile, sync BatchNorm
+        runtime.prepare_model(self.context(), model)  # steps_per_execution, jit_compile, BatchNorm
         given = kwargs.get("batch_size")  # the global batch, checked by _prepare
         data, fit_kwargs = x, dict(kwargs)
         x, y, kwargs = self._prepare(model, "fit", x, y, kwargs)
         per_replica = given // self.num_replicas if given else None
-        from keras_sync.training import run_checks as _run_checks
-
         pipe = self._pipeline()
         global_batch = given or self.global_batch_size
         expected = pipe.expected_examples(self.input_facts, data, fit_kwargs, global_batch)
         self._resolve_pending_warmup(x, kwargs)
         from keras_sync import callbacks as ks_callbacks
 
-        # First: once fit has built the model, it sets up gradient accumulation and custom train_steps.
-        kwargs["callbacks"] = [runtime.setup_callback(self)] + ks_callbacks.default_callbacks(
-            self, model, kwargs.get("callbacks"), per_replica_batch_size=per_replica
+        kwargs["callbacks"] = ks_callbacks.fit_callbacks(
+            self,
+            kwargs.get("callbacks"),
+            global_batch=global_batch,
+            expected=expected,
+            data=data,
+            per_replica_batch_size=per_replica,
+            record=True,
         )
-        # Last: it reads what every other callback restored, and checks what really trained.
-        kwargs["callbacks"].append(
-            _run_checks.checks_callback(
-                self, global_batch=global_batch, expected=expected, data=data
-            )
-        )
-        if self.config.verify is not None:
-            from keras_sync.training import verify_record
-
-            kwargs["callbacks"].append(verify_record.callback(self))
         from keras_sync.callbacks.backup import resumable_fit
         from keras_sync.training import saving
         from keras_sync.training.job_run import run_ends_after_fit, shared_run_for
@@ -382,7 +375,7 @@ class Sync:
         if self.config.verify is not None:
             from keras_sync.training import verify_record
 
-            verify_record.end_script(self)  # the recorded steps are all verify needs
+            verify_record.end_script(self.config, is_chief=self.is_chief)  # all verify needs
         return history
 
     def context(self, *, per_replica_batch_size: int | None = None) -> Any:
@@ -448,24 +441,16 @@ class Sync:
         self._check_variables(model, "callbacks")
         self._check_optimizers(model, "callbacks")
         self._check_callbacks(model, callbacks, "callbacks")
-        runtime.prepare_model(self, model)
+        runtime.prepare_model(self.context(), model)
         _keras_compat.check_steps_per_execution(model, self.strategy)
-        from keras_sync.training import run_checks as _run_checks
         from keras_sync.training import saving
 
         if self.num_workers > 1:  # model.save/save_weights, ModelCheckpoint: the chief writes
             saving.chief_writes_on(model)
         # Keras' BackupAndRestore, TensorBoard and CSVLogger: the chief writes the user's paths.
-        # Last: the run-time checks (examples per step, resume, learning rate; the data's length is not known here).
         return saving.guard_callbacks(
             self.strategy,
-            [runtime.setup_callback(self)]
-            + ks_callbacks.default_callbacks(self, model, callbacks)
-            + [
-                _run_checks.checks_callback(
-                    self, global_batch=self.global_batch_size, expected=None
-                )
-            ],
+            ks_callbacks.fit_callbacks(self, callbacks, global_batch=self.global_batch_size),
         )
 
     # -- the MLflow run ----------------------------------------------------------------------

@@ -3,42 +3,73 @@
 Each callback stands alone: it is given a writer (the `keras_sync.tracking.Writer` protocol), the
 facts it needs (a frozen `RunContext`, or plain arguments) and, to share a step counter and
 flushes with the others, one `SharedState`. Given the same `SharedState`, they work in any order.
+`fit_callbacks` is the one place that builds the list `Sync.fit` and `Sync.callbacks` run.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from keras_sync.training.context import RunContext, SharedState
 
-__all__ = ["RunContext", "SharedState", "default_callbacks", "mlflow_callbacks"]
+if TYPE_CHECKING:
+    from keras_sync.session import Sync
+
+__all__ = ["RunContext", "SharedState", "fit_callbacks", "mlflow_callbacks"]
 
 
-def default_callbacks(
-    sync: Any, model: Any, user_callbacks: Any, *, per_replica_batch_size: int | None = None
+def fit_callbacks(
+    sync: Sync,
+    user_callbacks: Any,
+    *,
+    global_batch: int,
+    expected: int | None = None,
+    data: Any = None,
+    per_replica_batch_size: int | None = None,
+    record: bool = False,
 ) -> list[Any]:
-    """The user's callbacks plus the ones the config asks for (sync metrics, backup and restore).
+    """The callbacks of one `fit` of ``sync``, in their order.
 
-    ``per_replica_batch_size``: the batch this `fit` uses, when not the configured one.
+    The runtime setup first (once `fit` has built the model: gradient accumulation, custom
+    train steps), then the config's sync-metrics and backup callbacks, the user's, the run-time
+    checks (`keras_sync.training.run_checks`: they read what the others restored) and, with
+    ``record`` in a verify run, the recorder. ``per_replica_batch_size``: this fit's batch when
+    not the configured one.
     """
     from keras_sync.callbacks.backup import backup_callbacks
+    from keras_sync.training import run_checks, runtime
     from keras_sync.training.job_run import job_state
 
-    # One shared state: the backup flushes the held sync metrics into the writer before it saves
-    # (so a kill loses no step it will not train again), whatever the list's order. The job's next
-    # one: this fit's steps continue after the job's earlier fits, its params are checked against theirs.
-    shared = job_state(sync).next_fit()
     context = sync.context(per_replica_batch_size=per_replica_batch_size)
-    # The backup first: a directory owned by another job, or only damaged backups, stop fit before a run is opened.
+    out = [runtime.setup_callback(sync.config.runtime)]
+    # One shared state: the backup flushes the held sync metrics before it saves, whatever the
+    # order. The job's next one: this fit's steps and params continue the job's earlier fits'.
+    shared = job_state(sync).next_fit()
+    # The backup first: a directory owned by another job, or only damaged backups, stop fit
+    # before a run is opened.
     backups = backup_callbacks(sync, shared=shared)
-    ours = (
-        mlflow_callbacks(sync, context=context, shared=shared) if sync.config.mlflow.enabled else []
+    if sync.config.mlflow.enabled:
+        out += mlflow_callbacks(sync, context=context, shared=shared)
+    out += backups + list(user_callbacks or [])
+    out.append(
+        run_checks.checks_callback(sync, global_batch=global_batch, expected=expected, data=data)
     )
-    return ours + backups + list(user_callbacks or [])
+    if record and sync.config.verify is not None:
+        from keras_sync.training import verify_record
+
+        facts = sync.input_facts
+        out.append(
+            verify_record.callback(
+                sync.context(),
+                input_source=getattr(facts, "source", None),
+                base_batch_size=sync.base_batch_size,
+            )
+        )
+    return out
 
 
 def mlflow_callbacks(
-    sync: Any, *, context: RunContext | None = None, shared: SharedState | None = None
+    sync: Sync, *, context: RunContext | None = None, shared: SharedState | None = None
 ) -> list[Any]:
     """The sync-metrics callbacks of ``sync``'s config; every worker runs them, the chief writes."""
     from keras_sync.callbacks.allreduce_probe import AllReduceProbe
