@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import shutil
 import tempfile
 import warnings
 from pathlib import Path
@@ -20,20 +19,13 @@ log = logging.getLogger("keras_sync")
 class ModelLogging(keras.callbacks.Callback):
     """At the end of every `fit`, log the model as the run's LoggedModel ``model`` (Keras flavour).
 
-    Loadable as autolog's is: ``mlflow.pyfunc.load_model(f"runs:/{run_id}/model")`` or
-    ``mlflow.keras.load_model(...)``, with a signature from the model's input and output shapes
-    and pinned ``keras`` and ``tensorflow`` requirements. The model is saved (``.keras``
-    format) into a private temporary directory, staged beside the MLflow spool and uploaded by
-    the writer in order with the metrics, so an outage delays it without losing it. At the end
-    of `fit` the callback waits at most ``flush_timeout_s`` for the upload and warns when it is
-    still pending.
-
-    Only the worker given a writer (the chief) saves: Keras 3 writes a ``.keras`` file from the
-    replicas' local copies without any collective (measured under `multi_worker_mirrored` with
-    the other worker gone), so the other workers go on at once and never write anywhere.
-
-    With ``mlflow.keras.autolog()`` logging models into the same run, this callback logs
-    nothing (one model per `fit`, autolog's).
+    Loadable as autolog's is (``mlflow.pyfunc.load_model(f"runs:/{run_id}/model")``), with a
+    signature and pinned ``keras`` and ``tensorflow`` requirements. The ``.keras`` file is staged
+    beside the MLflow spool and uploaded in order with the metrics, so an outage delays it without
+    losing it; `fit` waits at most ``flush_timeout_s`` for it and warns when it is still pending.
+    Only the worker given a writer (the chief) saves: Keras writes a ``.keras`` file from the
+    local copies, without a collective. With ``mlflow.keras.autolog()`` logging models into the
+    same run, this callback logs nothing.
 
     Args:
         writer: a started `keras_sync.tracking.MlflowWriter`; None on the other workers.
@@ -56,15 +48,13 @@ class ModelLogging(keras.callbacks.Callback):
                 "keras-sync: mlflow.keras.autolog() logs the model of this fit; mlflow.log_model leaves it to it."
             )
             return
-        step = (
-            int(self.model.optimizer.iterations.numpy()) if self.model.optimizer is not None else 0
-        )
-        tmp = Path(tempfile.mkdtemp(prefix="keras-sync-model-"))
-        try:
-            save_keras_model(self.model, tmp / self.name)
-            self.writer.log_artifact_file(tmp / self.name, as_model=self.name, step=step)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        optimizer = self.model.optimizer
+        step = int(optimizer.iterations.numpy()) if optimizer is not None else 0
+        with tempfile.TemporaryDirectory(
+            prefix="keras-sync-model-", ignore_cleanup_errors=True
+        ) as tmp:
+            save_keras_model(self.model, Path(tmp) / self.name)
+            self.writer.log_artifact_file(Path(tmp) / self.name, as_model=self.name, step=step)
         if not self.writer.flush(timeout_s=self.flush_timeout_s):
             warnings.warn(
                 f"keras-sync: the trained model is not in MLflow yet; it is kept beside "
@@ -76,12 +66,10 @@ class ModelLogging(keras.callbacks.Callback):
 
 
 def save_keras_model(model: Any, path: Path) -> None:
-    """``mlflow.keras.save_model`` with a signature and pinned requirements (no inference subprocess).
+    """``mlflow.keras.save_model`` with a signature and pinned requirements.
 
-    A model compiled with one of keras-sync's own objects (the `GradualWarmup` schedule of
-    ``sync.lr_schedule()``) is saved without its compile state: Keras rebuilds only its own
-    classes from a file, so a compiled copy would load nowhere without ``import keras_sync``
-    (not even in ``mlflow.pyfunc.load_model``). Compile it again to continue training.
+    A model compiled with keras-sync's `GradualWarmup` is saved without its compile state: it
+    would load nowhere without ``import keras_sync``. Compile it again to continue training.
     """
     import mlflow.keras
     from mlflow.keras.utils import get_model_signature
@@ -141,11 +129,8 @@ def _uncompiled_copy(model: Any) -> Any:
 
 
 def requirements() -> list[str]:
-    """Pinned ``keras`` and TensorFlow distribution of this environment (what loading needs).
-
-    MLflow's default infers them by loading the model in a child process, which costs a
-    TensorFlow import at the end of every `fit`.
-    """
+    """Pinned ``keras`` and TensorFlow distribution of this environment (MLflow's default infers
+    them in a child process, a TensorFlow import at the end of every `fit`)."""
     from importlib import metadata
 
     out = [f"keras=={keras.__version__}"]
