@@ -90,8 +90,11 @@ def set_key(key: str, value: str) -> None:
     _context().set_config_key_value(key, value)
 
 
-def get_key(key: str, timeout_ms: int) -> str:
-    """The value posted under ``key``; raises `tf.errors.DeadlineExceededError` after ``timeout_ms``."""
+def get_key(key: str, timeout_ms: int | None = None) -> str:
+    """The value posted under ``key``, waiting for it; raises `tf.errors.DeadlineExceededError`
+    after ``timeout_ms`` (None: waits as long as TensorFlow does)."""
+    if timeout_ms is None:
+        return _context().get_config_key_value(key)
     return _context().get_config_key_value(key, timeout_ms)
 
 
