@@ -23,13 +23,15 @@ class SyncMetrics(keras.callbacks.Callback):
     """Log what synchronous data-parallel training is doing, every ``log_every_n_steps`` steps.
 
     Each logged step gets ``sync/loss/replica_{i}`` and ``sync/grad_norm/replica_{i}`` (replica
-    ``i``'s own mean loss and local gradient norm, before the cross-replica mean), their spreads,
-    ``sync/step_time_ms``, ``sync/examples_per_sec[_per_replica]``, ``sync/learning_rate``,
-    ``sync/loss_scale`` (mixed_float16), ``sync/window_max/*`` (the peaks of the steps a point
-    stands for), ``sync/between_steps_ms/worker_{i}`` and ``sync/compute_ms/worker_{i}`` (2 or
-    more workers; a worker slow for a minute is named in one line), and the Keras logs under
-    their own names (``val_*`` at each epoch's end; not while ``mlflow.keras.autolog()`` logs
-    them). docs/reference/metrics.md defines each one.
+    ``i``'s own mean loss and local gradient norm, before the cross-replica mean),
+    ``sync/loss_spread``, ``sync/grad_norm_spread``, ``sync/step_time_ms``,
+    ``sync/examples_per_sec``, ``sync/examples_per_sec_per_replica``, ``sync/learning_rate``,
+    ``sync/loss_scale`` (mixed_float16); for a point that stands for several steps, their peaks
+    ``sync/window_max/loss``, ``sync/window_max/loss_spread``, ``sync/window_max/grad_norm`` and
+    ``sync/window_max/grad_norm_spread``; with 2 or more workers ``sync/between_steps_ms/worker_{i}``
+    and ``sync/compute_ms/worker_{i}`` (a worker slow for a minute is named in one line); and the
+    Keras logs under their own names (``val_*`` at each epoch's end; not while
+    ``mlflow.keras.autolog()`` logs them). docs/reference/metrics.md defines each one.
 
     The MLflow ``step`` is the job's step (`keras_sync.callbacks.SharedState.job_step`).
     ``i`` runs over all replicas of the job: under `multi_worker_mirrored` the values are
