@@ -57,7 +57,7 @@ def load(
     kind = detect(cfg).kind
     if _chief_before_tensorflow(
         cfg
-    ):  # TensorFlow's start takes seconds (10-25 on a busy machine): say so first
+    ):  # TensorFlow's start takes seconds: say so first
         print(
             f"keras-sync: config: {cfg.origin()}; {_starting_line(cfg, kind)}",
             file=sys.stderr,
@@ -71,8 +71,8 @@ def load(
         _paths.check_config_paths(
             cfg, is_chief=True
         )  # a path it cannot write: its one line, before any writer
-        # Surely the chief: its courier imports MLflow (~2 s of a core) while TensorFlow is imported
-        # below, not while the first fit trains (measured on a busy machine: it competed with training).
+        # Surely the chief: its courier imports MLflow while TensorFlow is imported below, not while
+        # the first fit trains (where it would compete with training).
         early_writer = start_writer(cfg)
     try:
         sync = _build(cfg, early_writer)
@@ -654,7 +654,7 @@ class Sync:
     def _check_optimizers(self, model: Any, method: str) -> None:
         """Keras optimizer options that crash under a tf.distribute strategy, refused in one line with the fix.
 
-        Keras 3 (3.10-3.15 measured) runs ``gradient_accumulation_steps`` and ``use_ema`` in an
+        Keras 3 runs ``gradient_accumulation_steps`` and ``use_ema`` in an
         ``ops.cond`` whose branches all-reduce (``merge_call``), which TensorFlow does not allow: plain
         `MirroredStrategy` fails with a ~40-line "merge_call called while defining a new graph" traceback.
         """
@@ -718,7 +718,7 @@ class Sync:
 def _quiet_end_of_data(steps_per_epoch: Any) -> Any:
     """Without ``steps_per_epoch``, data of unknown length ends each epoch by running out; Keras
     then warns "Your input ran out of data; interrupting training ... use .repeat()", advice that
-    would break the epoch (measured: every from_generator epoch). With ``steps_per_epoch`` running
+    would break the epoch (every from_generator epoch). With ``steps_per_epoch`` running
     out is a real shortfall and the warning stays."""
     if steps_per_epoch is not None:
         yield

@@ -45,6 +45,7 @@ INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT: a person stopped the job (Ctrl-C)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _KEY = "keras_sync/preemption/{fit}/step"
 _ACK = "keras_sync/preemption/{fit}/ack/{task}"
+_NO_DEADLINE_MS = 2**31 - 1  # the watcher waits for the fit's end or a stop signal, however long
 _STOP = "stop"  # posted when a fit ends without a preemption, to release the watcher threads
 
 
@@ -197,9 +198,9 @@ class ClusterAgreement:
         num_workers: int,
         on_error: Callable[[BaseException], None] | None = None,
     ):
-        from tensorflow.python.eager import context
+        from keras_sync.upstream import multi_worker as _multi_worker
 
-        self._ctx = context.context()
+        self._kv = _multi_worker  # the coordination service's key-value store (set_key, get_key)
         self._key = _KEY.format(fit=fit_index)
         self._fit = fit_index
         self._task = task_index
@@ -215,7 +216,7 @@ class ClusterAgreement:
 
     def _watch(self) -> None:
         try:
-            value = self._ctx.get_config_key_value(self._key)  # blocks (GIL released) until set
+            value = self._kv.get_key(self._key, _NO_DEADLINE_MS)  # blocks (GIL released) until set
         except Exception as e:  # the cluster went away: the main thread hears about it too
             if self._on_error is not None:
                 self._on_error(e)
@@ -226,7 +227,7 @@ class ClusterAgreement:
         self._take(value)
         # Set before acknowledging: the announcing worker trains step `target` only after every ack.
         with contextlib.suppress(Exception):
-            self._ctx.set_config_key_value(_ACK.format(fit=self._fit, task=self._task), "1")
+            self._kv.set_key(_ACK.format(fit=self._fit, task=self._task), "1")
 
     def _take(self, value: str) -> None:
         step, _, signum = value.partition(":")  # "<step>:<signal number>"
@@ -242,17 +243,15 @@ class ClusterAgreement:
         import tensorflow as tf
 
         try:
-            self._ctx.set_config_key_value(self._key, f"{step + 1}:{int(signum or signal.SIGTERM)}")
+            self._kv.set_key(self._key, f"{step + 1}:{int(signum or signal.SIGTERM)}")
         except tf.errors.AlreadyExistsError:
             pass  # another worker announced first: its step is the one
-        value = self._ctx.get_config_key_value(self._key, _ms_left(deadline))
+        value = self._kv.get_key(self._key, _ms_left(deadline))
         if value == _STOP:
             return None
         for task in range(self._num_workers):
             try:
-                self._ctx.get_config_key_value(
-                    _ACK.format(fit=self._fit, task=task), _ms_left(deadline)
-                )
+                self._kv.get_key(_ACK.format(fit=self._fit, task=task), _ms_left(deadline))
             except tf.errors.DeadlineExceededError:
                 return None
         self._take(value)
@@ -261,7 +260,20 @@ class ClusterAgreement:
     def close(self) -> None:
         """Release the watcher threads when the fit ends without a preemption."""
         with contextlib.suppress(Exception):
-            self._ctx.set_config_key_value(self._key, _STOP)
+            self._kv.set_key(self._key, _STOP)
+
+
+def training_task(cluster: dict[str, Any], task_type: str, task_id: int) -> tuple[int, int]:
+    """(this task's index among the training tasks, their count): the chief first, then the workers.
+
+    >>> training_task({"chief": ["a:1"], "worker": ["b:1", "c:1"], "ps": ["d:1"]}, "worker", 1)
+    (2, 3)
+    >>> training_task({"worker": ["b:1", "c:1"]}, "worker", 0)
+    (0, 2)
+    """
+    chiefs = len(cluster.get("chief") or [])
+    workers = len(cluster.get("worker") or [])
+    return (int(task_id) + (chiefs if task_type == "worker" else 0), chiefs + workers)
 
 
 def _ms_left(deadline: float) -> int:
@@ -297,16 +309,12 @@ class PreemptionSaver:
         from keras_sync.upstream.strategy_facts import in_multi_worker_mode
 
         if in_multi_worker_mode(strategy):
-            from tensorflow.python.distribute import multi_worker_util
-
             resolver = strategy.cluster_resolver
-            spec = resolver.cluster_spec()
+            task_index, num_workers = training_task(
+                resolver.cluster_spec().as_dict(), resolver.task_type, resolver.task_id
+            )
             self.agreement = ClusterAgreement(
-                fit_index=_fits,
-                task_index=multi_worker_util.id_in_cluster(
-                    spec, resolver.task_type, resolver.task_id
-                ),
-                num_workers=multi_worker_util.worker_count(spec, resolver.task_type),
+                fit_index=_fits, task_index=task_index, num_workers=num_workers
             )
 
     @property

@@ -2,7 +2,7 @@
 
 Keras sums the replicas' gradients in the optimizer (an all-reduce SUM). Its own `train_step`,
 `Model.compute_loss` and every `keras.losses.Loss` object first divide each replica's loss by the
-replica count (`keras.src.losses.loss.scale_loss_for_distribution`), so the sum is the gradient of
+replica count (Keras's ``scale_loss_for_distribution``, `keras_sync.upstream.keras_losses`), so the sum is the gradient of
 the mean loss over the global batch, as on one device. A `train_step` written the way the Keras
 guides show -- a `GradientTape`, ``keras.ops.mean`` of a loss function, ``optimizer.apply_gradients``
 -- skips that division and trains at N x the learning rate on N replicas, silently.
@@ -106,22 +106,14 @@ def averaging_message(
 
 def check_probes() -> None:
     """Refuse (one line) when this Keras/TensorFlow no longer has what `capture` shims."""
-    import keras.src.losses.loss as keras_loss
     import tensorflow as tf
 
     from keras_sync.errors import UsageError
+    from keras_sync.upstream import keras_losses
 
-    missing = [
+    missing = keras_losses.missing() + [
         what
         for what, ok in (
-            (
-                "keras.src.losses.loss.scale_loss_for_distribution",
-                callable(getattr(keras_loss, "scale_loss_for_distribution", None)),
-            ),
-            (
-                "keras.src.losses.loss.reduce_values",
-                callable(getattr(keras_loss, "reduce_values", None)),
-            ),
             ("tf.nn.compute_average_loss", callable(getattr(tf.nn, "compute_average_loss", None))),
             (
                 "tf.distribute.Strategy.num_replicas_in_sync",
@@ -137,7 +129,8 @@ def check_probes() -> None:
     if missing:
         raise UsageError(
             f"keras-sync cannot tell whether a custom train_step divides its loss by the replica count on this "
-            f"Keras/TensorFlow ({', '.join(missing)} not found). Set runtime.train_step_gradients: average (your loss is "
+            f"Keras/TensorFlow ({', '.join(missing)} not found; {keras_losses.UPSTREAM_ISSUE}). Set "
+            "runtime.train_step_gradients: average (your loss is "
             "a mean over the replica's batch) or sum (it is already divided by the replica count or global batch)."
         )
 
@@ -283,10 +276,12 @@ def scaled_by_for(record: dict[str, Any], grads: list[Any]) -> str | None:
 
 def _global_patches() -> list[Any]:
     """Module/class shims for the loss-scaling detection and the tape's target (all threads; record in ours)."""
-    import keras.src.losses.loss as keras_loss
     import tensorflow as tf
 
+    from keras_sync.upstream import keras_losses
     from keras_sync.upstream.patching import original
+
+    keras_loss = keras_losses.module()
 
     scale_fn = original(keras_loss, "scale_loss_for_distribution")
 

@@ -550,10 +550,9 @@ def check_steps_per_execution(model: Any, strategy: Any) -> None:
     """Make sure `steps_per_execution > 1` can run under a multi-worker MWMS, or refuse it in one line.
 
     keras-team/keras#19246: Keras's multi-step loop fails under a multi-worker
-    `MultiWorkerMirroredStrategy`; fix 3 of `apply_multi_worker_fixes` makes it train. When the
+    `MultiWorkerMirroredStrategy`; fix 3 of `multi_worker_patches` makes it train. When the
     Keras internals that fix relies on have moved, ``steps_per_execution > 1`` is refused there.
-    Every other strategy (and one worker) trains any value with plain Keras (measured:
-    `MirroredStrategy` steps_per_execution 4 == 1).
+    Every other strategy (and one worker) trains any value with plain Keras.
 
     Raises:
         CompatibilityError: a multi-worker MWMS, ``steps_per_execution > 1``, and the fix cannot be applied.
