@@ -229,3 +229,65 @@ def test_every_module_imports() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == str(len(names))
+
+
+#: Modules of Keras, TensorFlow and MLflow that are not their public API; only `keras_sync.upstream`
+#: imports them, each behind a probe (`keras_sync.upstream.internals`).
+PRIVATE_PREFIXES = (
+    "keras.src",
+    "tensorflow.python",
+    "tensorflow.compiler",
+    "mlflow.store",
+    "mlflow.utils",
+)
+
+
+def private_imports(package: Path) -> list[str]:
+    """``"keras_sync/x.py:12 keras.src.foo"`` for every private import outside ``upstream/``
+    (imports inside functions included; ``mlflow.tracking._*`` counts as private)."""
+
+    def private(name: str) -> bool:
+        return name.startswith(tuple(p + "." for p in PRIVATE_PREFIXES)) or (
+            name in PRIVATE_PREFIXES or name.startswith("mlflow.tracking._")
+        )
+
+    found = []
+    for name, path in module_files(package).items():
+        if name.split(".")[1:2] == ["upstream"]:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            for imported in names:
+                if private(imported):
+                    found.append(f"{path.relative_to(package.parent)}:{node.lineno} {imported}")
+                    break
+    return found
+
+
+def test_only_upstream_imports_private_keras_tensorflow_or_mlflow_modules() -> None:
+    found = private_imports(PACKAGE)
+    assert found == [], "private modules imported outside keras_sync/upstream/:\n" + "\n".join(
+        found
+    )
+
+
+def test_the_private_import_check_finds_one_in_a_function(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    (pkg / "upstream").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "upstream" / "__init__.py").write_text("import keras.src.trainers\n")  # allowed there
+    (pkg / "a.py").write_text("def f():\n    from tensorflow.python.eager import context\n")
+    (pkg / "b.py").write_text("from mlflow.tracking import _tracking_service\nimport keras\n")
+    (pkg / "c.py").write_text(
+        "import mlflow.store.db.utils as u\nfrom mlflow import MlflowClient\n"
+    )
+    assert private_imports(pkg) == [
+        "pkg/a.py:2 tensorflow.python.eager",
+        "pkg/b.py:1 mlflow.tracking._tracking_service",
+        "pkg/c.py:1 mlflow.store.db.utils",
+    ]
