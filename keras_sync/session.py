@@ -135,7 +135,7 @@ def _build(cfg: Config, early_writer: Any) -> Sync:
         from keras_sync.cluster import collective_calls as _collective_calls
 
         # fit/evaluate/predict: a worker that calls one alone fails with one line; workers leave together
-        _collective_calls.install(strategy, cfg.strategy.connect_timeout_s)
+        _collective_calls.configure(strategy, cfg.strategy.connect_timeout_s)
     sync = Sync(cfg, strategy, detection)
     from keras_sync.training import paths as _paths
 
@@ -347,6 +347,7 @@ class Sync:
         saving.guard_callbacks(self.strategy, kwargs["callbacks"])
         if self.num_workers > 1:
             saving.chief_writes_on(model)
+        from keras_sync.cluster.collective_calls import collective
         from keras_sync.cluster.interrupt import ctrl_c_ends_fit
         from keras_sync.cluster.lost_peer import raised_as_peer_lost
         from keras_sync.upstream.keras_fixes import fixed_keras
@@ -365,6 +366,7 @@ class Sync:
             resumable_fit(kwargs["callbacks"]),
             _quiet_end_of_data(kwargs.get("steps_per_epoch")),
             self._eval_losses(model),
+            collective(model, "model.fit"),  # every worker at this fit, or one line
         ):
             history = type(model).fit(model, x, y, **kwargs)  # past the scope's direct_fit guard
         from keras_sync.training.job_run import end_run_after_fit
@@ -447,6 +449,9 @@ class Sync:
 
         if self.num_workers > 1:  # model.save/save_weights, ModelCheckpoint: the chief writes
             saving.chief_writes_on(model)
+            from keras_sync.cluster.collective_calls import meets_peers
+
+            meets_peers(model)  # its model.fit/evaluate/predict: every worker, or one line
         # Keras' BackupAndRestore, TensorBoard and CSVLogger: the chief writes the user's paths.
         return saving.guard_callbacks(
             self.strategy,
@@ -534,6 +539,10 @@ class Sync:
         self, model: Any, method: str, x: Any, y: Any, kwargs: dict[str, Any]
     ) -> tuple[Any, Any, dict[str, Any]]:
         self._check_model(model, method)
+        if self.num_workers > 1:  # its model.fit/evaluate/predict: every worker, or one line
+            from keras_sync.cluster.collective_calls import meets_peers
+
+            meets_peers(model)
         from keras_sync.upstream import keras_fixes as _keras_compat
 
         _keras_compat.check_steps_per_execution(model, self.strategy)

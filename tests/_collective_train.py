@@ -1,7 +1,8 @@
 """A 2-worker script for tests/test_collective_calls.py: predict/evaluate after training.
 
 Usage: python _collective_train.py MODE OUT_DIR   (under `keras-sync launch`)
-MODE: ``every_worker`` (sync.predict, model.predict and sync.evaluate on every worker, then the chief
+MODE: ``every_worker`` (sync.predict, model.predict and sync.evaluate on every worker, a record of
+keras.Model's fit/evaluate/predict, then the chief
 alone works on for CHIEF_EXTRA_S: longer than TensorFlow's heartbeat timeout, so a worker that
 left at once would be reported unhealthy), ``chief_only`` (``if sync.is_chief: model.predict``), or
 ``worker_vanishes`` (worker 1 leaves with ``os._exit`` once the chief's fit returned, skipping its
@@ -49,6 +50,11 @@ def main() -> int:
         out["model_predict"] = model.predict(x[:64], verbose=0).tolist()
         out["local"] = model(x[:64]).numpy().tolist()
         out["evaluate"] = float(sync.evaluate(model, x, y, verbose=0))
+        # Checked per model: keras.Model's fit/evaluate/predict stay Keras's own after load() and fit.
+        out["keras_model_methods"] = {
+            name: [name in vars(keras.Model), getattr(keras.Model, name).__code__.co_filename]
+            for name in ("fit", "evaluate", "predict")
+        }
         if sync.is_chief:
             time.sleep(CHIEF_EXTRA_S)
     elif mode == "worker_vanishes":

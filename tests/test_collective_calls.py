@@ -47,6 +47,12 @@ def test_predict_and_evaluate_on_every_worker_then_a_clean_end(tmp_path: Path) -
         assert np.allclose(result["sync_predict"], result["local"], atol=1e-6)
         assert np.allclose(result["model_predict"], result["local"], atol=1e-6)
     assert w[0]["evaluate"] == pytest.approx(w[1]["evaluate"], rel=1e-6)
+    # Nothing process-wide (issue 39): keras.Model.fit/evaluate/predict are Keras's own on each worker.
+    keras_src = os.path.join("keras", "src", "")
+    for result in w:
+        for name, (on_model_class, source) in result["keras_model_methods"].items():
+            assert not on_model_class, (name, result["keras_model_methods"])
+            assert keras_src in source and "keras_sync" not in source, (name, source)
     noisy = [line for line in log.splitlines() if any(n in line for n in NOISE)]
     assert not noisy, "\n".join(noisy[:20])
 

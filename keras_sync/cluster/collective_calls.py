@@ -5,24 +5,30 @@ chief that calls ``model.predict`` alone waits for peers that never come, then d
 ``UnavailableError``; a worker that ends its script while another still runs makes that one print
 ``tasks are unhealthy`` even after a successful run.
 
-Before each top-level ``fit``/``evaluate``/``predict`` on a model built in a multi-worker scope,
-and once at process exit, each worker posts the call's name under its call number in TensorFlow's
+Before each top-level ``fit``/``evaluate``/``predict`` of a multi-worker model, and once at
+process exit, each worker posts the call's name under its call number in TensorFlow's
 coordination service and reads every peer's post. Another name, or none within
 ``strategy.connect_timeout_s``: a `UsageError` saying that every worker must make the call. The
 exit post makes workers leave together. A worker meets its peers at exit only after a successful
 run (a counted call returned, none raised, no exception ending the script); otherwise it leaves
 at once.
+
+Keras's classes are left as they are: a model compiled in ``sync.scope()``, or given to
+``sync.fit``/``evaluate``/``predict``/``callbacks``, gets its own checked methods (`meets_peers`);
+``sync.fit``, which calls the class's ``fit``, checks its call with `collective`.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from keras_sync.cluster import TRAINING_JOBS
@@ -185,39 +191,58 @@ def _name(task: str) -> str:
     return f"{job} {index}"
 
 
-def _meets_peers(method: Callable[..., Any], call: str) -> Callable[..., Any]:
-    @functools.wraps(method)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        strategy = getattr(self, "_distribute_strategy", None)
-        if getattr(_local, "depth", 0) or not in_multi_worker_mode(strategy):
-            return method(self, *args, **kwargs)  # nested (fit's validation) or not multi-worker
-        meet(strategy, call)
-        _local.depth = 1
-        try:
-            out = method(self, *args, **kwargs)
-            _state["returned"] += 1
-            return out
-        except BaseException:
-            _state["failed"] = True  # peers may still be inside this collective: no exit meeting
-            raise
-        finally:
-            _local.depth = 0
+@contextlib.contextmanager
+def collective(model: Any, call: str) -> Iterator[None]:
+    """Around one top-level ``call`` of ``model``: meet the peers first, count the call after it.
 
+    Nested calls (fit's validation ``evaluate``) and models not under a multi-worker strategy pass.
+    """
+    strategy = getattr(model, "_distribute_strategy", None)
+    if getattr(_local, "depth", 0) or not in_multi_worker_mode(strategy):
+        yield
+        return
+    meet(strategy, call)
+    _local.depth = 1
+    try:
+        yield
+        _state["returned"] += 1
+    except BaseException:
+        _state["failed"] = True  # peers may still be inside this collective: no exit meeting
+        raise
+    finally:
+        _local.depth = 0
+
+
+def meets_peers(model: Any) -> None:
+    """Give ``model`` its own ``fit``, ``evaluate`` and ``predict`` that meet the peers first.
+
+    Instance attributes, as `saving.chief_writes_on`: a method the model already has of its own
+    (the scope's ``fit`` guard) is wrapped, else the class's. Keras's classes are not changed.
+    """
+    ref = weakref.ref(model)
+    for name in ("fit", "evaluate", "predict"):
+        own = vars(model).get(name)
+        if not getattr(own, _WRAPPED_MARK, False):
+            object.__setattr__(model, name, _meets_peers(ref, name, own))
+
+
+def _meets_peers(ref: Any, name: str, own: Callable[..., Any] | None) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        model = ref()
+        method = own if own is not None else getattr(type(model), name).__get__(model)
+        with collective(model, f"model.{name}"):
+            return method(*args, **kwargs)
+
+    functools.update_wrapper(wrapper, own if own is not None else getattr(type(ref()), name))
     setattr(wrapper, _WRAPPED_MARK, True)
     return wrapper
 
 
-def install(strategy: Any, timeout_s: float) -> None:
-    """Check ``fit``/``evaluate``/``predict`` of multi-worker models, and meet at exit (once per process)."""
-    import keras
-
+def configure(strategy: Any, timeout_s: float) -> None:
+    """The job's strategy and wait for `meet`; the exit meeting is registered once per process."""
     with _lock:
         first = _state["strategy"] is None
         _state["strategy"], _state["timeout_s"] = strategy, timeout_s
-    for name in ("fit", "evaluate", "predict"):
-        method = getattr(keras.Model, name)
-        if not getattr(method, _WRAPPED_MARK, False):
-            setattr(keras.Model, name, _meets_peers(method, f"model.{name}"))
     if first:
         atexit.register(_meet_at_exit)
 

@@ -298,7 +298,8 @@ def scope_guarding_fit(sync: Any) -> Iterator[Any]:
     For the length of the block `keras.Model.compile` also puts the guard on the compiled model
     itself (an instance attribute, not Keras's class): its plain ``model.fit`` then says, once,
     that it runs without keras-sync. `Sync.fit` calls the class's `fit`, past the guard. Under
-    several workers the model also gets the chief-only ``save`` (`saving.chief_writes_on`).
+    several workers the model also gets the chief-only ``save`` (`saving.chief_writes_on`) and
+    ``fit``/``evaluate``/``predict`` that every worker must call (`collective_calls.meets_peers`).
     """
     import keras
 
@@ -312,9 +313,11 @@ def scope_guarding_fit(sync: Any) -> Iterator[Any]:
         if getattr(model, "_distribute_strategy", None) is sync.strategy:
             object.__setattr__(model, "fit", _guarded_fit(sync, weakref.ref(model)))
             if sync.num_workers > 1:  # model.save/save_weights: the chief writes the user's path
+                from keras_sync.cluster.collective_calls import meets_peers
                 from keras_sync.training.saving import chief_writes_on
 
                 chief_writes_on(model)
+                meets_peers(model)  # its fit/evaluate/predict: every worker, or one line
         return result
 
     with sync.strategy.scope() as strategy, patched([(keras.Model, "compile", compile)]):
