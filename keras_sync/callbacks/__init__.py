@@ -36,7 +36,7 @@ def fit_callbacks(
     ``record`` in a verify run, the recorder. ``per_replica_batch_size``: this fit's batch when
     not the configured one.
     """
-    from keras_sync.callbacks.backup import backup_callbacks
+    from keras_sync.callbacks.backup import BackupAndRestore, backup_callbacks
     from keras_sync.training import run_checks, runtime
     from keras_sync.training.job_run import job_state
 
@@ -52,7 +52,13 @@ def fit_callbacks(
         out += mlflow_callbacks(sync, context=context, shared=shared)
     out += backups + list(user_callbacks or [])
     out.append(
-        run_checks.checks_callback(sync, global_batch=global_batch, expected=expected, data=data)
+        run_checks.checks_callback(
+            sync,
+            global_batch=global_batch,
+            expected=expected,
+            data=data,
+            backups=[c for c in out if isinstance(c, BackupAndRestore)],
+        )
     )
     if record and sync.config.verify is not None:
         from keras_sync.training import verify_record

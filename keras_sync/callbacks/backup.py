@@ -177,10 +177,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         epoch, step = (int(v) for v in self._position.numpy())
         iterations = int(model.optimizer.iterations.numpy()) if model.optimizer is not None else 0
         point = ResumePoint(epoch=epoch, step=step, iterations=iterations)
-        self.restored = point
-        from keras_sync.training.run_checks import restored_points
-
-        restored_points[model] = point  # the resume check compares the step training continues from
+        self.restored = point  # the resume check compares the step training continues from
         model._initial_epoch = epoch  # read by Keras fit right after on_train_begin
         self._epoch, self._step = epoch, step
         if point.mid_epoch:

@@ -27,13 +27,10 @@ import functools
 import math
 import sys
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from keras_sync.errors import KerasSyncError
-
-#: Models whose fit restored a backup: the point restored (see `callbacks.backup`).
-restored_points: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 class CheckFailed(KerasSyncError):
@@ -134,10 +131,19 @@ class Reporter:
                 writer.set_tags({f"keras_sync.check.{name}": message[:4900]})
 
 
-def checks_callback(sync: Any, *, global_batch: int, expected: int | None, data: Any = None) -> Any:
+def checks_callback(
+    sync: Any,
+    *,
+    global_batch: int,
+    expected: int | None,
+    data: Any = None,
+    backups: Sequence[Any] = (),
+) -> Any:
     """The Keras callback of these checks for one `fit` (put it last: it reads what the others restored).
 
     ``data``: `fit`'s ``x``, for the ``add_loss`` check (`keras_sync.training.add_loss_check`; None: not checked).
+    ``backups``: this fit's keras-sync `BackupAndRestore` callbacks, whose ``restored`` point the
+    resume check compares with the step training continues from.
     """
     import keras
 
@@ -149,7 +155,7 @@ def checks_callback(sync: Any, *, global_batch: int, expected: int | None, data:
     class RunChecks(keras.callbacks.Callback):
         def on_train_begin(self, logs: Any = None) -> None:
             self._first_batch = True
-            self._resumed = restored_points.pop(self.model, None)
+            self._resumed = next((b.restored for b in backups if b.restored is not None), None)
             self._skip_epoch = self._resumed is not None and self._resumed.mid_epoch
             # Keras's own train_step applies model.optimizer; a custom one's optimizers are known once traced.
             self._rates_due = True
