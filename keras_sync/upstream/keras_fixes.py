@@ -91,6 +91,8 @@ def multi_worker_patches() -> list[Patch]:
     cls = tf_trainer.TensorFlowTrainer
     original_reduce = original(tf_trainer, "reduce_per_replica")
     original_build = original(cls, "_maybe_symbolic_build")
+    # Probed here, outside the span: inside it the probe would read this patch, not Keras's code.
+    with_spec = _internals.available(_internals.SAME_DATA_ORDER)
 
     def reduce_per_replica(values: Any, strategy: Any, reduction: str) -> Any:
         tpu = tf_trainer._is_tpu_strategy(strategy)
@@ -108,11 +110,7 @@ def multi_worker_patches() -> list[Patch]:
     def _maybe_symbolic_build(self: Any, iterator: Any = None, data_batch: Any = None) -> Any:
         strategy = self._distribute_strategy
         if iterator is not None and strategy is not None and _is_multi_worker(strategy):
-            spec = (
-                _first_batch_spec(iterator)
-                if _internals.available(_internals.SAME_DATA_ORDER)
-                else None
-            )
+            spec = _first_batch_spec(iterator) if with_spec else None
             if spec is not None:
                 return original_build(self, iterator=None, data_batch=spec)
             import tensorflow as tf
