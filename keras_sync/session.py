@@ -55,9 +55,7 @@ def load(
         cfg
     )  # `mirrored` under a TF_CONFIG of 2 workers: 2 jobs, not one; refused before TensorFlow
     kind = detect(cfg).kind
-    if _chief_before_tensorflow(
-        cfg
-    ):  # TensorFlow's start takes seconds: say so first
+    if _chief_before_tensorflow(cfg):  # TensorFlow's start takes seconds: say so first
         print(
             f"keras-sync: config: {cfg.origin()}; {_starting_line(cfg, kind)}",
             file=sys.stderr,

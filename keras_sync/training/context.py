@@ -39,10 +39,18 @@ class RunContext:
 
     def params(self) -> dict[str, Any]:
         """The ``sync.*`` MLflow params of these facts (`RunParams` adds versions and devices)."""
-        names = (
-            "num_replicas num_workers per_replica_batch_size global_batch_size gradient_accumulation_steps"
-            " effective_batch_size base_learning_rate learning_rate lr_scaling warmup_steps"
-        ).split()
+        names = [
+            "num_replicas",
+            "num_workers",
+            "per_replica_batch_size",
+            "global_batch_size",
+            "gradient_accumulation_steps",
+            "effective_batch_size",
+            "base_learning_rate",
+            "learning_rate",
+            "lr_scaling",
+            "warmup_steps",
+        ]
         return {"sync.strategy": self.kind, **{f"sync.{n}": getattr(self, n) for n in names}}
 
 
