@@ -303,7 +303,9 @@ def scope_guarding_fit(sync: Any) -> Iterator[Any]:
 
     For the length of the block `keras.Model.compile` also puts the guard on the compiled model
     itself (an instance attribute, not Keras's class): its plain ``model.fit`` then says, once,
-    that it runs without keras-sync. `Sync.fit` calls the class's `fit`, past the guard. Under
+    that it runs without keras-sync. `Sync.fit` calls the class's `fit`, past the guard. The
+    model's own ``fit``, ``evaluate`` and ``predict`` run with Keras fixed for the strategy
+    (`keras_fixes.fixed_keras`), as `Sync.fit` does, for the length of each call. Under
     several workers the model also gets the chief-only ``save`` (`saving.chief_writes_on`) and
     ``fit``/``evaluate``/``predict`` that every worker must call (`collective_calls.meets_peers`).
     """
@@ -317,7 +319,10 @@ def scope_guarding_fit(sync: Any) -> Iterator[Any]:
     def compile(model: Any, *args: Any, **kwargs: Any) -> Any:
         result = keras_compile(model, *args, **kwargs)
         if getattr(model, "_distribute_strategy", None) is sync.strategy:
-            object.__setattr__(model, "fit", _guarded_fit(sync, weakref.ref(model)))
+            ref = weakref.ref(model)
+            object.__setattr__(model, "fit", _guarded_fit(sync, ref))
+            for name in ("evaluate", "predict"):
+                object.__setattr__(model, name, _fixed_call(sync, ref, name))
             if sync.num_workers > 1:  # model.save/save_weights: the chief writes the user's path
                 from keras_sync.cluster.collective_calls import meets_peers
                 from keras_sync.training.saving import chief_writes_on
@@ -353,9 +358,26 @@ def _guarded_fit(sync: Any, model_ref: Any) -> Any:
                 "metrics go to MLflow. Fix: sync.fit(model, ...) with the same arguments, or "
                 "model.fit(sync.distribute(...), callbacks=sync.callbacks(model))",
             )
-        return type(model).fit(model, *args, **kwargs)
+        from keras_sync.upstream.keras_fixes import fixed_keras
+
+        with fixed_keras(sync.strategy):
+            return type(model).fit(model, *args, **kwargs)
 
     return fit
+
+
+def _fixed_call(sync: Any, model_ref: Any, name: str) -> Any:
+    """A model's own ``evaluate`` or ``predict``: the class's, with Keras fixed for the strategy."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        from keras_sync.upstream.keras_fixes import fixed_keras
+
+        model = model_ref()
+        with fixed_keras(sync.strategy):
+            return getattr(type(model), name)(model, *args, **kwargs)
+
+    call.__name__ = call.__qualname__ = name
+    return call
 
 
 def _batched_by_user(data: Any) -> bool:
