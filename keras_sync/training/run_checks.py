@@ -338,6 +338,7 @@ def scope_guarding_fit(sync: Any) -> Iterator[Any]:
 def _guarded_fit(sync: Any, model_ref: Any) -> Any:
     """A model's own `fit`: says once when it runs without keras-sync, then runs the class's `fit`."""
     told = False
+    fixed_fit = _fixed_call(sync, model_ref, "fit")
 
     def fit(*args: Any, **kwargs: Any) -> Any:
         nonlocal told
@@ -358,10 +359,7 @@ def _guarded_fit(sync: Any, model_ref: Any) -> Any:
                 "metrics go to MLflow. Fix: sync.fit(model, ...) with the same arguments, or "
                 "model.fit(sync.distribute(...), callbacks=sync.callbacks(model))",
             )
-        from keras_sync.upstream.keras_fixes import fixed_keras
-
-        with fixed_keras(sync.strategy):
-            return type(model).fit(model, *args, **kwargs)
+        return fixed_fit(*args, **kwargs)
 
     return fit
 
