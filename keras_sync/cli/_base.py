@@ -8,13 +8,11 @@ import click
 
 from keras_sync.errors import KerasSyncError
 
-USAGE_EXIT = 2
-
 
 class UserError(click.ClickException):
-    """A `KerasSyncError` on its way to the terminal: printed as is (no 'Error:' prefix)."""
+    """A user's mistake on its way to the terminal: printed as is (no 'Error:' prefix), exit 2."""
 
-    exit_code = USAGE_EXIT
+    exit_code = 2
 
     def show(self, file: IO[Any] | None = None) -> None:
         click.echo(self.format_message(), err=True, file=file)
@@ -24,12 +22,14 @@ class SyncGroup(click.Group):
     """A click group that turns `KerasSyncError` into `UserError` (never a traceback)."""
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        """List the commands with their whole first sentence, wrapped (click cuts it with "...")."""
-        commands = [(name, self.get_command(ctx, name)) for name in self.list_commands(ctx)]
-        rows = [(n, c.get_short_help_str(limit=10_000)) for n, c in commands if c and not c.hidden]
-        if rows:
-            with formatter.section("Commands"):
-                formatter.write_dl(rows)
+        """List the commands with their whole first sentence (click would cut it with "...")."""
+        with formatter.section("Commands"):
+            formatter.write_dl(
+                [
+                    (n, self.commands[n].get_short_help_str(limit=10_000))
+                    for n in self.list_commands(ctx)
+                ]
+            )
 
     def invoke(self, ctx: click.Context) -> Any:
         try:

@@ -1,8 +1,31 @@
-"""``keras-sync env``: versions, devices and cluster, as a block to paste into a bug report."""
+"""``keras-sync env``: versions, devices and cluster, as a block to paste into a bug report.
+
+Versions come from package metadata (no import); only the device list imports TensorFlow.
+TF_CONFIG addresses and MLflow credentials are redacted: a report is posted in public.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import platform
+import sys
+from collections.abc import Mapping
+from importlib import metadata
+
 import click
+
+from keras_sync import __version__
+from keras_sync.config import CONFIG_ENV
+
+#: label -> the distributions that provide it: the first one installed wins.
+_PACKAGES = {
+    "Keras": ("keras",),
+    "MLflow": ("mlflow", "mlflow-skinny"),
+    "NumPy": ("numpy",),
+    "PyYAML": ("pyyaml",),
+    "click": ("click",),
+}
 
 
 @click.command("env")
@@ -11,6 +34,73 @@ import click
 )
 def command(no_devices: bool) -> None:
     """Print versions, devices and the TF_CONFIG summary (redacted) for a bug report."""
-    from keras_sync.cli.env_report import collect, format_report
+    from keras_sync.strategy import count_gpus_cheaply
+    from keras_sync.tracking import redact_uri
+    from keras_sync.upstream import stack
 
-    click.echo(format_report(collect(devices=not no_devices)))
+    env = os.environ
+    backend, source = stack.keras_backend(env)
+    report = {
+        "keras-sync": __version__,
+        "Python": f"{platform.python_version()} ({platform.python_implementation()}, {sys.executable})",
+        "Platform": platform.platform(),
+        "CPU cores": str(os.cpu_count()),
+        # Every distribution of the `tensorflow` package, not the first found: two overwrite each other.
+        "TensorFlow": stack.describe_tensorflow(),
+        **{label: _version(dists) for label, dists in _PACKAGES.items()},
+        "Keras backend": backend if source == "default" else f"{backend} (from {source})",
+        "GPUs (driver)": str(count_gpus_cheaply()),
+        "CUDA_VISIBLE_DEVICES": env.get("CUDA_VISIBLE_DEVICES", "unset"),
+        "TensorFlow devices": None if no_devices else _devices(),
+        "TF_CONFIG": _cluster(env),
+        "MLFLOW_TRACKING_URI": redact_uri(env.get("MLFLOW_TRACKING_URI")) or "unset",
+        CONFIG_ENV: env.get(CONFIG_ENV, "unset"),
+    }
+    click.echo("Copy-and-paste the text below into your bug report.\n")
+    click.echo(
+        "\n".join(f"- {label}: {value}" for label, value in report.items() if value is not None)
+    )
+
+
+def _version(dists: tuple[str, ...]) -> str:
+    for dist in dists:
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            version = metadata.version(dist)
+            return version if dist == dists[0] else f"{version} ({dist})"
+    return "not installed"
+
+
+def _devices() -> str:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TF's start-up chatter out of the report
+    try:
+        from keras_sync.upstream.tf_import import import_tensorflow
+
+        import_tensorflow()
+        import tensorflow as tf
+
+        physical = tf.config.list_physical_devices()
+    except Exception as exc:  # a broken TF install is exactly what a bug report must show
+        return f"unavailable ({type(exc).__name__}: {exc})"
+    return ", ".join(d.name.replace("/physical_device:", "") for d in physical) or "none"
+
+
+def _cluster(env: Mapping[str, str]) -> str:
+    """TF_CONFIG in words, with every address but a local one redacted."""
+    from keras_sync.cluster import parse_tf_config
+
+    if not env.get("TF_CONFIG"):
+        return "unset"
+    try:
+        info = parse_tf_config(env["TF_CONFIG"], env=env)
+    except Exception as exc:  # report it, do not fail: the bad TF_CONFIG may be the bug
+        return f"invalid ({exc})"
+    local = ("127.0.0.1", "localhost", "[::1]")
+    addresses = ", ".join(
+        a if a.rpartition(":")[0] in local else "<host>:" + a.rpartition(":")[2]
+        for a in info.worker_addresses
+    )
+    role = "chief" if info.is_chief else "not chief"
+    return (
+        f"{info.num_workers} worker(s) [{addresses}], this task {info.task_type}:{info.task_id} "
+        f"({role}), written by {info.flavor}"
+    )

@@ -45,13 +45,14 @@ def command(
     if kind is None and ask:
         kind = click.prompt("Strategy kind", default="auto", type=click.Choice(STRATEGY_KINDS))
     if per_replica_batch is None and ask:
-        batch = click.IntRange(min=1)
-        per_replica_batch = click.prompt("Per-replica batch size", default=32, type=batch)
+        per_replica_batch = click.prompt(
+            "Per-replica batch size", default=32, type=click.IntRange(min=1)
+        )
     kind = (kind or "auto").lower()
-    per_replica_batch = per_replica_batch or 32
-    written = init_project(directory, kind=kind, per_replica_batch=per_replica_batch, force=force)
-    for path in written:
-        click.echo(f"wrote {path}")
+    written = init_project(
+        directory, kind=kind, per_replica_batch=per_replica_batch or 32, force=force
+    )
+    click.echo("\n".join(f"wrote {path}" for path in written))
     if hint := cpu_replicas_hint(kind, written[0], gpus=count_gpus_cheaply()):
         click.echo(hint)
     click.echo(

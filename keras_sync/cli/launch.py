@@ -1,8 +1,9 @@
-"""``keras-sync launch`` (also ``python -m keras_sync.launch``): run a training script as N local workers."""
+"""``keras-sync launch`` (also ``python -m keras_sync.launch``): a script as N local workers."""
 
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import click
 
@@ -33,6 +34,7 @@ from keras_sync.errors import KerasSyncError
 )
 @click.option(
     "--grace-period",
+    "grace_period_s",
     type=click.FloatRange(min=0),
     default=5.0,
     show_default=True,
@@ -53,15 +55,7 @@ from keras_sync.errors import KerasSyncError
 )
 @click.argument("script", type=click.Path(path_type=str))
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def command(
-    workers: int,
-    config: str | None,
-    grace_period: float,
-    max_restarts: int,
-    private_network: bool,
-    script: str,
-    args: tuple[str, ...],
-) -> None:
+def command(script: str, args: tuple[str, ...], **options: Any) -> None:
     """Run SCRIPT [ARGS...] as --workers processes on 127.0.0.1, each with its own TF_CONFIG.
 
     Output lines come back prefixed [w0], [w1], ...; the exit code is the first failing
@@ -80,16 +74,8 @@ def command(
     """
     from keras_sync.launch import launch
 
-    try:
-        code = launch(
-            script,
-            list(args),
-            workers=workers,
-            config=config,
-            grace_period_s=grace_period,
-            max_restarts=max_restarts,
-            private_network=private_network,
-        )
+    try:  # also run outside the group, as `python -m keras_sync.launch`
+        code = launch(script, list(args), **options)
     except KerasSyncError as exc:
         raise UserError(str(exc)) from None
     sys.exit(code)

@@ -1,15 +1,14 @@
 """What a training run would do with this config, computed without training or TensorFlow.
 
-Which strategy ``auto`` picks and why, the devices, workers and replicas, the batch sizes, the
-scaled learning rate and warmup, and where MLflow writes (credentials redacted). Every value says
-where it came from: ``flag``, ``env``, ``file``, ``default``, or ``detected``/``derived``.
+Every value says where it came from: ``flag``, ``env``, ``file``, ``default``, or
+``detected``/``derived`` (with a note on how).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from keras_sync.config import Config
@@ -31,7 +30,7 @@ class Plan:
     """The values a run would use, in the order a user reads them."""
 
     config_file: str
-    items: list[PlanItem] = field(default_factory=list)
+    items: list[PlanItem]
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able: ``{"config": file, "items": {key: {"value", "source", "note"}}}``."""
@@ -45,9 +44,7 @@ class Plan:
         lines = [f"config: {self.config_file}"]
         for key, value, source, note in rows:
             line = f"  {key:<{widths[0]}}  {value:<{widths[1]}}  [{source}]"
-            if note:
-                line = f"{line:<{widths[0] + widths[1] + widths[2] + 8}}  {note}"
-            lines.append(line.rstrip())
+            lines.append(f"{line:<{sum(widths) + 8}}  {note}".rstrip() if note else line)
         return "\n".join(lines)
 
 
@@ -55,8 +52,8 @@ def _show(value: Any) -> str:
     if value is None:
         return "null"
     if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (list, tuple)):
+        return str(value).lower()
+    if isinstance(value, list):
         return ", ".join(str(v) for v in value) or "-"
     return f"{value:.6g}" if isinstance(value, float) else str(value)
 
@@ -70,14 +67,14 @@ def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Pl
     """
     from keras_sync import cluster, strategy, tracking
     from keras_sync.training import scaling
+    from keras_sync.training.pipeline import batch_layout, shard_choice
     from keras_sync.upstream import stack
 
-    src = config.source_of
     env = os.environ if environ is None else environ
     items: list[PlanItem] = []
 
     def add(key: str, value: Any, source: str | None = None, note: str = "") -> None:
-        items.append(PlanItem(key, value, src(key) if source is None else source, note))
+        items.append(PlanItem(key, value, source or config.source_of(key), note))
 
     det = strategy.detect(config, environ=env)
     spec = KINDS[det.kind]
@@ -86,29 +83,28 @@ def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Pl
         workers, where = 1, f"{det.kind} runs in one process"
     if spec.layout == LAYOUT_TPU:
         devices, per_worker = [f"TPU {config.strategy.tpu.name}"], 8
+        note = "assumes 8 TPU cores; the real count is known when the TPU system starts"
     else:
-        gpus = strategy.count_gpus_cheaply()
-        layout = strategy.device_layout(det.kind, config.strategy, gpus=gpus)
+        layout = strategy.device_layout(
+            det.kind, config.strategy, gpus=strategy.count_gpus_cheaply()
+        )
         logical = " (logical)" if layout.source == "simulated" else ""
         devices, per_worker = [f"{d}{logical}" for d in layout.devices], len(layout.devices)
+        note = f"{workers} worker(s) x {per_worker} device(s)"
     replicas = workers * per_worker
     add("strategy.kind", config.strategy.kind)
     add("strategy.chosen", det.kind, "detected", det.reason)
     add("devices", devices, "detected", "per worker")
     add("workers", workers, "env" if workers > 1 else "default", where)
-    if spec.layout == LAYOUT_TPU:
-        note = "assumes 8 TPU cores; the real count is known when the TPU system starts"
-    else:
-        note = f"{workers} worker(s) x {per_worker} device(s)"
     add("replicas", replicas, "derived", note)
     if spec.multi_process and config.strategy.cluster == "slurm" and workers > 1:
-        base = cluster.fixed_slurm_port_base(config.strategy)
-        if base is not None:
+        if (base := cluster.fixed_slurm_port_base(config.strategy)) is not None:
             add("strategy.slurm.port_base", base)
         else:
             job, step = env.get("SLURM_JOB_ID"), env.get("SLURM_STEP_ID")
             note = f"auto: from $SLURM_JOB_ID={job} and $SLURM_STEP_ID={step}"
             add("strategy.slurm.port_base", cluster.slurm_port_base(env), "derived", note)
+
     b = config.batch
     per_replica, global_batch = scaling.resolve_batch_sizes(b.per_replica, b.global_, replicas)
     if b.global_ is not None:
@@ -117,7 +113,21 @@ def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Pl
     else:
         add("batch.per_replica", per_replica)
         add("batch.global", global_batch, "derived", f"{per_replica} x {replicas} replicas")
-    items += _input_items(config, global_batch, replicas, workers)
+    # How training data will be sharded and batched (decided by the data, in training.pipeline).
+    arrays = shard_choice("arrays", configured=b.shard_policy)
+    datasets = shard_choice("dataset", configured=b.shard_policy)
+    add("batch.shard_policy", b.shard_policy)
+    add("input.arrays", f"shard {arrays.policy}", "derived", arrays.reason)
+    note = "a tf.data.Dataset whose options set a policy keeps it (Ray Data: off); else "
+    add("input.datasets", f"own policy, else {datasets.policy}", "derived", note + datasets.reason)
+    note = (
+        "a dataset given to fit with another or an unknown batch is rebatched to the global batch"
+    )
+    add("input.batched_datasets", f"rebatched to {global_batch}", "derived", note)
+    if workers > 1:
+        layout_note = batch_layout(global_batch, replicas, workers)
+        add("batch.per_worker", global_batch // workers, "derived", layout_note)
+
     rt = config.runtime
     acc = rt.gradient_accumulation_steps
     add("runtime.gradient_accumulation_steps", acc)
@@ -125,15 +135,12 @@ def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Pl
     note = f"{global_batch} x {acc} micro-batches per optimizer update"
     add("batch.effective", effective, "derived", note)
     for key in ("steps_per_execution", "jit_compile"):
-        kept = src(f"runtime.{key}") == "default"
-        add(
-            f"runtime.{key}",
-            getattr(rt, key),
-            None,
-            "default: your model.compile value is kept" if kept else "",
-        )
+        kept = config.source_of(f"runtime.{key}") == "default"
+        note = "default: your model.compile value is kept" if kept else ""
+        add(f"runtime.{key}", getattr(rt, key), None, note)
     for key in ("mixed_precision", "sync_batch_norm", "train_step_gradients"):
         add(f"runtime.{key}", getattr(rt, key))
+
     lr = config.learning_rate
     base_batch = lr.base_batch_size or per_replica
     scaled = scaling.scale_learning_rate(
@@ -151,12 +158,9 @@ def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Pl
         note = "steps = ceil(epochs x steps per epoch), known at fit"
         add("learning_rate.warmup_epochs", lr.warmup_epochs, None, note)
     else:
-        add(
-            "learning_rate.warmup_steps",
-            lr.warmup_steps,
-            None,
-            "" if lr.warmup_steps else "no warmup",
-        )
+        note = "" if lr.warmup_steps else "no warmup"
+        add("learning_rate.warmup_steps", lr.warmup_steps, None, note)
+
     backend, source = stack.keras_backend(env)
     note = f"from {source}" if source != "default" else "Keras's default"
     if backend != "tensorflow":
@@ -165,63 +169,19 @@ def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Pl
     dists = stack.tensorflow_distributions()
     one = "the one distribution of the tensorflow package" if len(dists) == 1 else ""
     add("tensorflow", stack.describe_tensorflow(dists), "detected", one)
+
     m = config.mlflow
     add("mlflow.enabled", m.enabled)
     if m.enabled:
         # load_config applied flag > env > file; only the default is left to fill in.
         uri, _ = tracking.resolve_tracking_uri(m.tracking_uri)
-        uri_source = src("mlflow.tracking_uri") if m.tracking_uri else "default"
+        uri_source = config.source_of("mlflow.tracking_uri") if m.tracking_uri else "default"
         note = "flag > $MLFLOW_TRACKING_URI > file > default"
         add("mlflow.tracking_uri", tracking.redact_uri(uri), uri_source, note)
         add("mlflow.experiment", m.experiment)
         if m.job_id:
-            add("mlflow.job_id", m.job_id, None, "runs with this job id share one MLflow run")
+            note = "runs with this job id share one MLflow run"
         else:
             note = "a new run; a relaunch that restores a backup continues its run"
-            add("mlflow.job_id", m.job_id, None, note)
+        add("mlflow.job_id", m.job_id, None, note)
     return Plan(config.source, items)
-
-
-def _input_items(config: Config, global_batch: int, replicas: int, workers: int) -> list[PlanItem]:
-    """How training data will be sharded and batched (decided by the data, `keras_sync.training.pipeline`)."""
-    from keras_sync.training.pipeline import batch_layout, shard_choice
-
-    policy = config.batch.shard_policy
-    arrays = shard_choice("arrays", configured=policy)
-    datasets = shard_choice("dataset", configured=policy)
-    items = [
-        PlanItem("batch.shard_policy", policy, config.source_of("batch.shard_policy")),
-        PlanItem("input.arrays", f"shard {arrays.policy}", "derived", arrays.reason),
-        PlanItem(
-            "input.datasets",
-            f"own policy, else {datasets.policy}",
-            "derived",
-            "a tf.data.Dataset whose options set a policy keeps it (Ray Data: off); "
-            f"else {datasets.reason}",
-        ),
-        PlanItem(
-            "input.batched_datasets",
-            f"rebatched to {global_batch}",
-            "derived",
-            "a dataset given to fit with another or an unknown batch is rebatched to the global batch",
-        ),
-    ]
-    if workers > 1:
-        layout = batch_layout(global_batch, replicas, workers)
-        items.append(PlanItem("batch.per_worker", global_batch // workers, "derived", layout))
-    return items
-
-
-def config_summary(config: Config) -> str:
-    """One line on a valid config, for `keras-sync validate` (no detection, no TensorFlow)."""
-    b, lr, m = config.batch, config.learning_rate, config.mlflow
-    batch = (
-        f"global batch {b.global_}"
-        if b.global_ is not None
-        else f"per-replica batch {b.per_replica}"
-    )
-    target = f"mlflow experiment {m.experiment!r}" if m.enabled else "mlflow off"
-    return (
-        f"{config.source}: OK (strategy {config.strategy.kind}, {batch}, "
-        f"learning rate {lr.base:g} scaled {lr.scaling}, {target})"
-    )

@@ -11,28 +11,6 @@ import click
 _EVERY_S = 5.0
 
 
-class _Progress:
-    """Prints how far delivery got: points sent of the spool's, and what failed, in words."""
-
-    def __init__(self, path: str):
-        self.path, self._last, self._said = path, 0.0, ""
-        self._tty = sys.stdout.isatty()
-
-    def __call__(self, sent: int, total: int, failures: str) -> None:
-        line = f"{self.path}: {sent} of {total} metric point(s) sent" + (
-            f"; {failures} (each retried)" if failures else ""
-        )
-        now = time.monotonic()
-        if line == self._said or (not self._tty and now - self._last < _EVERY_S):
-            return
-        self._said, self._last = line, now
-        click.echo(("\r" + line) if self._tty else line, nl=not self._tty)
-
-    def done(self) -> None:
-        if self._tty and self._said:
-            click.echo()
-
-
 @click.command("sync-spool")
 @click.argument("path", type=click.Path(path_type=str))
 @click.option(
@@ -59,9 +37,19 @@ def command(path: str, tracking_uri: str | None, timeout_s: float) -> None:
     """
     from keras_sync.tracking import replay_spool
 
-    progress = _Progress(path)
+    tty, said, last = sys.stdout.isatty(), "", 0.0
+
+    def progress(sent: int, total: int, failures: str) -> None:
+        nonlocal said, last
+        line = f"{path}: {sent} of {total} metric point(s) sent"
+        line += f"; {failures} (each retried)" if failures else ""
+        if line != said and (tty or time.monotonic() - last >= _EVERY_S):
+            said, last = line, time.monotonic()
+            click.echo("\r" + line if tty else line, nl=not tty)
+
     try:
         sent = replay_spool(path, tracking_uri=tracking_uri, timeout_s=timeout_s, progress=progress)
     finally:
-        progress.done()
+        if tty and said:
+            click.echo()
     click.echo(f"{path}: sent {sent} metric point(s) to MLflow")

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
 import click
 
@@ -44,31 +47,35 @@ def command(config: str | None, tracking_uri: str | None, port: int, no_browser:
     from keras_sync.tracking import redact_uri, resolve_tracking_uri
     from keras_sync.tracking.records import is_remote
 
-    cfg = load_config(
-        config, overrides={"mlflow.tracking_uri": tracking_uri} if tracking_uri else None
-    )
+    overrides = {"mlflow.tracking_uri": tracking_uri} if tracking_uri else None
+    cfg = load_config(config, overrides=overrides)
     uri, source = resolve_tracking_uri(cfg.mlflow.tracking_uri)
     if is_remote(uri):
         click.echo(f"The config points at a tracking server already: open {redact_uri(uri)}")
         return
     store = _local_store(uri)
-    beside = _store_beside_config(store, source, cfg.source)
-    if beside is not None:
+    if store is not None and not store.exists():
         # Training resolves the default (or a relative) store against its own folder, usually the
         # config's: from another folder the same config finds it there.
+        beside = _store_beside_config(store, source, cfg.source)
+        if beside is None:  # mlflow server would create an empty store and show nothing
+            raise UserError(
+                f"No MLflow store at {store} ({redact_uri(uri)}): nothing has been logged there yet. "
+                "Expected the store of a training run: run keras-sync ui in the directory you trained "
+                "in, pass that run's config, or set MLFLOW_TRACKING_URI to its store."
+            )
         click.echo(f"No MLflow store at {store}; using the one beside {cfg.source}: {beside}")
-        store, uri = beside, f"sqlite:///{beside}" if uri.startswith("sqlite:") else str(beside)
-    if store is not None and not store.exists():
-        # mlflow server would create an empty store here and show nothing: say where we looked
-        raise UserError(
-            f"No MLflow store at {store} ({redact_uri(uri)}): nothing has been logged there yet. "
-            f"Expected the store of a training run: run keras-sync ui in the directory you trained "
-            f"in, pass that run's config, or set MLFLOW_TRACKING_URI to its store."
-        )
-    _check_port_free(port)
+        uri = f"sqlite:///{beside}" if uri.startswith("sqlite:") else str(beside)
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            raise UserError(
+                f"Invalid value for --port. Received: {port}, which is in use on 127.0.0.1. "
+                "Expected a free port; pass another, e.g. --port 5001."
+            ) from None
     url = f"http://127.0.0.1:{port}"
-    log = _server_log(port)
-    server = _start_server(uri, port, log)
+    server, log = _start_server(uri, port)
     click.echo(f"MLflow UI for {redact_uri(uri)} at {url} (Ctrl-C to stop)")
     click.echo(f"MLflow's own output goes to {log}")
     # Stop the server on Ctrl-C and SIGTERM, also when started with SIGINT ignored (a background
@@ -81,42 +88,39 @@ def command(config: str | None, tracking_uri: str | None, port: int, no_browser:
 
             webbrowser.open(url)
         code = server.wait()
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
         raise UserError(
-            f"mlflow server exited with code {code}: {_last_line(log)} (all of its output: {log})"
+            f"mlflow server exited with code {code}: {(lines or ['no output'])[-1]} "
+            f"(all of its output: {log})"
         )
     except KeyboardInterrupt:
-        _stop(server)
+        # SIGTERM to its process group (its web workers too), not SIGINT: it may ignore that.
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):
+                os.killpg(server.pid, sig)
+                server.wait(timeout=_STOP_TIMEOUT_S)
+                break
         click.echo("MLflow UI stopped.")
 
 
 def _local_store(uri: str) -> Path | None:
     """The file or directory of a local store (sqlite:///x.db, file:///dir, a plain path), else None."""
-    from urllib.parse import unquote, urlparse
-
-    if uri.startswith("sqlite:///"):
-        return (
-            Path(unquote(uri[len("sqlite:///") :].split("?")[0]))
-            if uri != "sqlite:///:memory:"
-            else None
-        )
     parsed = urlparse(uri)
+    if parsed.scheme == "sqlite":
+        path = unquote(uri.removeprefix("sqlite:///").split("?")[0])
+        return Path(path) if uri.startswith("sqlite:///") and path != ":memory:" else None
     if parsed.scheme == "file":
         return Path(unquote(parsed.path))
-    if parsed.scheme == "" or len(parsed.scheme) == 1:  # a plain path (or a Windows drive letter)
-        return Path(uri)
-    return None  # another database or server: mlflow server reports its own errors
+    # a plain path (or a Windows drive letter); else another database or server, which
+    # mlflow server reports on itself
+    return Path(uri) if len(parsed.scheme) < 2 else None
 
 
-def _store_beside_config(store: Path | None, source: str, config_file: str) -> Path | None:
-    """The same store resolved against the config file's folder, when the one here does not exist."""
-    if store is None or store.exists() or config_file.startswith("<"):
-        return None
-    if source == "default":
-        relative = Path(store.name)
-    elif not store.is_absolute():
-        relative = store
-    else:
-        return None  # an absolute path in the config means that file, wherever ui runs
+def _store_beside_config(store: Path, source: str, config_file: str) -> Path | None:
+    """The same store resolved against the config file's folder, if it exists there."""
+    if config_file.startswith("<") or (source != "default" and store.is_absolute()):
+        return None  # no file; or an absolute path in the config means that file, wherever ui runs
+    relative = Path(store.name) if source == "default" else store
     candidate = (Path(config_file).resolve().parent / relative).resolve()
     return candidate if candidate.exists() and candidate != store.resolve() else None
 
@@ -125,58 +129,16 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def _check_port_free(port: int) -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            raise UserError(
-                f"Invalid value for --port. Received: {port}, which is in use on 127.0.0.1. "
-                "Expected a free port; pass another, e.g. --port 5001."
-            ) from None
-
-
-def _server_log(port: int) -> Path:
-    """A new file for the server's output (its own advice, e.g. `--host 0.0.0.0`, fits `mlflow server`, not us)."""
-    import tempfile
-
-    fd, path = tempfile.mkstemp(prefix=f"keras-sync-ui-{port}-", suffix=".log")
-    os.close(fd)
-    return Path(path)
-
-
-def _last_line(log: Path) -> str:
-    try:
-        lines = [
-            ln.strip()
-            for ln in log.read_text(encoding="utf-8", errors="replace").splitlines()
-            if ln.strip()
-        ]
-    except OSError:
-        return "no output"
-    return lines[-1] if lines else "no output"
-
-
-def _start_server(uri: str, port: int, log: Path) -> subprocess.Popen[bytes]:
+def _start_server(uri: str, port: int) -> tuple[subprocess.Popen[bytes], Path]:
+    """``mlflow server`` on 127.0.0.1 in its own process group, its output in a new log file
+    (its advice, e.g. ``--host 0.0.0.0``, fits `mlflow server`, not us)."""
+    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
     # One worker and no job runner: the server is ready in about half the time.
     env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
-    cmd = [
-        sys.executable,
-        "-m",
-        "mlflow",
-        "server",
-        "--backend-store-uri",
-        uri,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--workers",
-        "1",
-    ]
-    # Its own process group, so stopping it also stops the web workers it forks.
-    with open(log, "ab") as out:
-        return subprocess.Popen(
+    prefix = f"keras-sync-ui-{port}-"
+    with tempfile.NamedTemporaryFile(prefix=prefix, suffix=".log", delete=False) as out:
+        server = subprocess.Popen(
             cmd,
             env=env,
             start_new_session=True,
@@ -184,9 +146,11 @@ def _start_server(uri: str, port: int, log: Path) -> subprocess.Popen[bytes]:
             stdout=out,
             stderr=subprocess.STDOUT,
         )
+    return server, Path(out.name)
 
 
 def _wait_ready(url: str, server: subprocess.Popen[bytes]) -> bool:
+    """Poll the server's health page until it answers (then say "ready"), exits, or times out."""
     import urllib.request  # not on the path of `keras-sync --help`
 
     deadline = time.monotonic() + _READY_TIMEOUT_S
@@ -199,17 +163,3 @@ def _wait_ready(url: str, server: subprocess.Popen[bytes]) -> bool:
         except OSError:
             time.sleep(0.25)
     return False
-
-
-def _stop(server: subprocess.Popen[bytes]) -> None:
-    # SIGTERM, not SIGINT: the server may have inherited SIGINT ignored from us.
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(server.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            server.wait(timeout=_STOP_TIMEOUT_S)
-            return
-        except subprocess.TimeoutExpired:
-            continue

@@ -15,7 +15,6 @@ def command(config: str | None) -> None:
     Prints a one-line summary, or every problem as FILE:LINE: key.path: message and
     exits with code 2. Loads no TensorFlow.
     """
-    from keras_sync.cli.run_plan import config_summary
     from keras_sync.config import CONFIG_ENV, DEFAULT_CONFIG_FILE, load_config
 
     cfg = load_config(config)
@@ -24,4 +23,14 @@ def command(config: str | None) -> None:
             f"no config file: ./{DEFAULT_CONFIG_FILE} does not exist and ${CONFIG_ENV} is unset; "
             "pass a path, or create one with 'keras-sync init'"
         )
-    click.echo(config_summary(cfg))
+    b, lr, m = cfg.batch, cfg.learning_rate, cfg.mlflow
+    batch = (
+        f"global batch {b.global_}"
+        if b.global_ is not None
+        else f"per-replica batch {b.per_replica}"
+    )
+    target = f"mlflow experiment {m.experiment!r}" if m.enabled else "mlflow off"
+    click.echo(
+        f"{cfg.source}: OK (strategy {cfg.strategy.kind}, {batch}, "
+        f"learning rate {lr.base:g} scaled {lr.scaling}, {target})"
+    )

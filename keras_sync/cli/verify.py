@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from keras_sync.cli._base import UserError
+from keras_sync.config import VERIFY_RECORD_ENV, VERIFY_REPLAY_ENV, VERIFY_STEPS_ENV
 
 
 @click.command(
@@ -80,8 +81,7 @@ def command(
       keras-sync verify --compare /shared/rec train.py [ARGS...]
     """
     from keras_sync.cli import verify_report as report
-    from keras_sync.config import VERIFY_RECORD_ENV, VERIFY_REPLAY_ENV, VERIFY_STEPS_ENV
-    from keras_sync.measures.verify_compare import verdict as compare
+    from keras_sync.measures.verify_compare import verdict
 
     if not Path(script).is_file():
         raise UserError(
@@ -92,64 +92,54 @@ def command(
             "verify: --compare FOLDER takes the recording as it is; -n/--workers applies only to a run "
             "verify starts. Remove one of them."
         )
-    folder = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="keras-sync-verify-"))
+    folder = Path(keep or tempfile.mkdtemp(prefix="keras-sync-verify-"))
     folder.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in (VERIFY_REPLAY_ENV, "TF_CONFIG")}
     if config:
         env["KERAS_SYNC_CONFIG"] = config
+    subject_dir, reference_dir = Path(recording or folder / "distributed"), folder / "one_device"
     try:  # a KerasSyncError becomes a one-line error in the group; the folder goes either way
-        subject_dir = Path(recording) if recording else folder / "distributed"
         if recording is None:
-            shutil.rmtree(subject_dir, ignore_errors=True)
             launch = ["-m", "keras_sync.launch", "-n", str(workers)] if workers else []
-            _run(
-                "distributed run",
-                [sys.executable, *launch, script, *args],
-                folder / "distributed.log",
-                {**env, VERIFY_RECORD_ENV: str(subject_dir), VERIFY_STEPS_ENV: str(steps)},
-            )
+            record = {VERIFY_RECORD_ENV: str(subject_dir), VERIFY_STEPS_ENV: str(steps)}
+            _run("distributed run", [*launch, script, *args], folder, {**env, **record})
         subject = report.load_recording(subject_dir, f"the distributed run ({subject_dir})")
-        reference_dir = folder / "one_device"
-        shutil.rmtree(reference_dir, ignore_errors=True)
-        _run(
-            "one-device reference",
-            [sys.executable, script, *args],
-            folder / "one_device.log",
-            {
-                **env,
-                VERIFY_RECORD_ENV: str(reference_dir),
-                VERIFY_STEPS_ENV: str(len(subject["steps"])),
-                VERIFY_REPLAY_ENV: str(subject_dir.resolve()),
-            },
-        )
+        record = {
+            VERIFY_RECORD_ENV: str(reference_dir),
+            VERIFY_STEPS_ENV: str(len(subject["steps"])),
+            VERIFY_REPLAY_ENV: str(subject_dir.resolve()),
+        }
+        _run("one-device reference", [script, *args], folder, {**env, **record})
         reference = report.load_recording(reference_dir, "the one-device reference")
-        result = compare(
-            subject["steps"],
-            reference["steps"],
-            report.layer_differences(subject_dir, reference_dir),
-            subject["facts"],
-            subject["replicas"],
+        layers = report.layer_differences(subject_dir, reference_dir)
+        result = verdict(
+            subject["steps"], reference["steps"], layers, subject["facts"], subject["replicas"]
         )
-        for line in report.table(result, subject, reference):
-            click.echo(line)
+        click.echo("\n".join(report.table(result, subject, reference)))
         if subject["mlflow"].get("enabled"):
             run_id = report.log_run(folder, result, subject, reference)
             click.echo(f"MLflow: the comparison is run {run_id} (tag keras_sync.verify)")
         elif keep:
             report.save(folder, result, subject, reference)
-        click.echo(report.last_line(result))
+        click.echo(result.last_line)
     finally:
         if not keep:
             shutil.rmtree(folder, ignore_errors=True)
     sys.exit(0 if result.same else 1)
 
 
-def _run(what: str, argv: list[str], log: Path, env: dict[str, str]) -> None:
-    """Run one half with its output in ``log``; a failure is an error with the log's last lines."""
-    click.echo(f"verify: {what}: {' '.join(argv[1:])}", err=True)
+def _run(what: str, args: list[str], folder: Path, env: dict[str, str]) -> None:
+    """Run one half into a fresh recording, its output in a log; a failure shows the log's end."""
+    shutil.rmtree(env[VERIFY_RECORD_ENV], ignore_errors=True)
+    click.echo(f"verify: {what}: {' '.join(args)}", err=True)
+    log = folder / f"{what.split()[0].replace('-', '_')}.log"  # distributed.log, one_device.log
     with log.open("w") as out:
         code = subprocess.call(
-            argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            [sys.executable, *args],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
         )
     if code != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])

@@ -33,21 +33,17 @@ class Divergence:
 def summarize(gathered: Sequence[Sequence[Sequence[float]]]) -> Divergence:
     """The `Divergence` of gathered fingerprints, indexed ``[replica][variable][column]``.
 
-    >>> summarize([[[1, 2, 0.5, 1.0]], [[1, 2, 0.5, 1.0]]])
-    Divergence(value=0.0, diverged_variables=0, variables=1)
     >>> summarize([[[1, 2, 0.5, 1.0], [0, 7, 0.1, 0.2]], [[1, 3, 0.25, 1.5], [0, 7, 0.1, 0.2]]])
     Divergence(value=0.5, diverged_variables=1, variables=2)
     """
-    replicas = [list(r) for r in gathered]
-    if not replicas:
+    if not gathered:
         return Divergence(0.0, 0, 0)
     value, diverged = 0.0, 0
-    for v in range(len(replicas[0])):
-        rows = [r[v] for r in replicas]
-        if len({(row[CHECK_HI], row[CHECK_LO]) for row in rows}) == 1:
-            continue  # same checksum everywhere: the copies are equal (up to a 2**-32 collision)
-        diverged += 1
-        for col in (MEAN, RMS):
-            column = [float(row[col]) for row in rows]
-            value = max(value, max(column) - min(column))
-    return Divergence(value=value, diverged_variables=diverged, variables=len(replicas[0]))
+    for rows in zip(*gathered):  # one variable: its row on every replica
+        if (
+            len({(row[CHECK_HI], row[CHECK_LO]) for row in rows}) > 1
+        ):  # else equal (2**-32 collision)
+            diverged += 1
+            for col in (MEAN, RMS):
+                value = max(value, max(row[col] for row in rows) - min(row[col] for row in rows))
+    return Divergence(float(value), diverged, len(gathered[0]))

@@ -1,9 +1,8 @@
 """Which worker is slow: per-worker times and the rule that names the slowest.
 
 Each worker times its own part of a step (`keras_sync.training.instrument`): between two steps, on
-the host (callbacks, the user's code), and its compute, inside the step up to the all-reduce. In
-synchronous training every worker waits for the last one, so these say which one that is and
-where its time goes. Pure Python, tested on its own.
+the host (callbacks, the user's code), and its compute up to the all-reduce. In synchronous
+training every worker waits for the last one; these say which one that is and where its time goes.
 """
 
 from __future__ import annotations
@@ -12,12 +11,11 @@ import math
 import statistics
 from collections.abc import Sequence
 
-#: A worker holds the job back when its own time to reach the all-reduce is more than RATIO
-#: times the other workers' median...
+#: A worker holds the job back when its own time to reach the all-reduce is more than RATIO times
+#: the other workers' median and at least MIN_EXTRA_MS more (sub-millisecond gaps are noise), at
+#: every logged step for HOLD_S seconds: then one line on the chief names it, once.
 RATIO = 1.5
-#: ...and at least MIN_EXTRA_MS more (sub-millisecond steps are noise, not a slow worker)...
 MIN_EXTRA_MS = 5.0
-#: ...at every logged step for HOLD_S seconds: then one line on the chief names it (once).
 HOLD_S = 60.0
 
 BETWEEN_KEY = "sync/between_steps_ms/worker_{i}"
@@ -27,13 +25,9 @@ COMPUTE_KEY = "sync/compute_ms/worker_{i}"
 def worker_times(
     between_us: Sequence[float], computes_us: Sequence[float], num_workers: int
 ) -> dict[str, float]:
-    """`BETWEEN_KEY` and `COMPUTE_KEY` of one step per worker, the largest of its replicas' times in
-    microseconds (worker 0's replicas first; negative: not measured). Nothing under 2 workers.
+    """`BETWEEN_KEY` and `COMPUTE_KEY` of one step per worker: the largest of its replicas' times,
+    given in microseconds (worker 0's replicas first; negative: not measured). None under 2 workers.
 
-    >>> worker_times([200_500, 900, 1100], [2000, 2500, 1800], 3)  # doctest: +NORMALIZE_WHITESPACE
-    {'sync/between_steps_ms/worker_0': 200.5, 'sync/compute_ms/worker_0': 2.0,
-     'sync/between_steps_ms/worker_1': 0.9, 'sync/compute_ms/worker_1': 2.5,
-     'sync/between_steps_ms/worker_2': 1.1, 'sync/compute_ms/worker_2': 1.8}
     >>> worker_times([-1, -1], [3000, 4000], 2)  # an epoch's first step: no step before it
     {'sync/compute_ms/worker_0': 3.0, 'sync/compute_ms/worker_1': 4.0}
     """
@@ -42,23 +36,15 @@ def worker_times(
         return out
     per = len(between_us) // num_workers
     for w in range(num_workers):
-        between = [v for v in between_us[w * per : (w + 1) * per] if v >= 0]
-        computes = [v for v in computes_us[w * per : (w + 1) * per] if v >= 0]
-        if between:
-            out[BETWEEN_KEY.format(i=w)] = max(between) / 1000.0
-        if computes:
-            out[COMPUTE_KEY.format(i=w)] = max(computes) / 1000.0
+        for key, times in ((BETWEEN_KEY, between_us), (COMPUTE_KEY, computes_us)):
+            measured = [v for v in times[w * per : (w + 1) * per] if v >= 0]
+            if measured:
+                out[key.format(i=w)] = max(measured) / 1000.0
     return out
 
 
 def own_times(metrics: dict[str, float], num_workers: int) -> list[float]:
-    """Each worker's own time per step (between steps + compute, ms) from `worker_times`
-    (NaN where a part is missing).
-
-    >>> own_times({'sync/between_steps_ms/worker_0': 200.0, 'sync/compute_ms/worker_0': 2.0,
-    ...            'sync/between_steps_ms/worker_1': 1.0, 'sync/compute_ms/worker_1': 2.0}, 2)
-    [202.0, 3.0]
-    """
+    """Each worker's own time per step (between steps + compute, ms; NaN where a part is missing)."""
     return [
         metrics.get(BETWEEN_KEY.format(i=w), math.nan)
         + metrics.get(COMPUTE_KEY.format(i=w), math.nan)
@@ -67,23 +53,17 @@ def own_times(metrics: dict[str, float], num_workers: int) -> list[float]:
 
 
 def slowest(own_ms: Sequence[float]) -> tuple[int, float, float] | None:
-    """(worker, its time, the other workers' median) when one worker holds the job back: its time is
-    more than `RATIO` times the other workers' median and at least `MIN_EXTRA_MS` more; else None.
+    """(worker, its time, the other workers' median) when one worker holds the job back, else None.
 
-    >>> slowest([3.0, 205.0, 2.5])
-    (1, 205.0, 2.75)
-    >>> slowest([3.0, 4.0, 3.5]), slowest([0.1, 0.9, 0.2]), slowest([5.0])  # even; noise; one worker
-    (None, None, None)
-    >>> slowest([0.148, 0.152])  # 4 us apart: not a slow worker
+    >>> slowest([3.0, 205.0, 2.5]), slowest([3.0, 4.0, 3.5]), slowest([0.1, 0.9, 0.2])
+    ((1, 205.0, 2.75), None, None)
     """
     if len(own_ms) < 2 or not all(math.isfinite(t) for t in own_ms):
         return None
     worst = max(range(len(own_ms)), key=lambda w: own_ms[w])
-    t = own_ms[worst]
     others = statistics.median([v for w, v in enumerate(own_ms) if w != worst])
-    if t > RATIO * others and t - others >= MIN_EXTRA_MS:
-        return worst, t, others
-    return None
+    t = own_ms[worst]
+    return (worst, t, others) if t > RATIO * others and t - others >= MIN_EXTRA_MS else None
 
 
 class SlowWorkerWatch:
@@ -102,7 +82,7 @@ class SlowWorkerWatch:
     """
 
     def __init__(self, hold_s: float | None = None):
-        self.hold_s = HOLD_S if hold_s is None else hold_s
+        self.hold_s = HOLD_S if hold_s is None else hold_s  # read late: a test sets HOLD_S
         self._worker: int | None = None
         self._since = 0.0
         self.said = False
@@ -110,20 +90,19 @@ class SlowWorkerWatch:
     def update(
         self, own_ms: Sequence[float], between_ms: Sequence[float], t_s: float
     ) -> str | None:
-        """Feed one logged step (each worker's own time and time between steps, ms; its wall time, s)."""
+        """Feed one logged step: each worker's own time and time between steps (ms), wall time (s)."""
         found = slowest(own_ms)
         if found is None or found[0] != self._worker:
-            self._worker, self._since = (found[0], t_s) if found else (None, t_s)
+            self._worker, self._since = (found[0] if found else None), t_s
             return None
         if self.said or t_s - self._since < self.hold_s:
             return None
         self.said = True
         w, t, median = found
-        between = between_ms[w]
         return (
-            f"keras-sync: worker {w} holds the job back: for {t_s - self._since:.0f} s it took {t:.0f} ms a "
-            f"step to reach the gradient all-reduce ({between:.0f} ms between steps, compute "
-            f"{t - between:.0f} ms) "
-            f"against the other workers' median of {median:.0f} ms, and they wait for it. Its times are "
-            f"{BETWEEN_KEY.format(i=w)} and {COMPUTE_KEY.format(i=w)} in MLflow."
+            f"keras-sync: worker {w} holds the job back: for {t_s - self._since:.0f} s it took "
+            f"{t:.0f} ms a step to reach the gradient all-reduce ({between_ms[w]:.0f} ms between "
+            f"steps, compute {t - between_ms[w]:.0f} ms) against the other workers' median of "
+            f"{median:.0f} ms, and they wait for it. Its times are {BETWEEN_KEY.format(i=w)} and "
+            f"{COMPUTE_KEY.format(i=w)} in MLflow."
         )

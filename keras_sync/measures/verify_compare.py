@@ -1,15 +1,15 @@
 """The maths of `keras-sync verify`: do a distributed run and its one-device reference train alike,
 and if not, why. Pure functions on the two recordings (`keras_sync.training.verify_record`).
 
-The update's norm ``|w_t+1 - w_t|`` is compared, not the replicas' gradient norms: each replica's
-gradient is that of its share of the batch, and the norm of their mean is not the mean of norms.
+The update's norm ``|w_t+1 - w_t|`` is compared, not the replicas' gradient norms: the norm of
+the replicas' mean gradient is not the mean of their norms.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 #: Unit roundoff of the formats a step may compute in (IEEE float32, float16; bfloat16).
@@ -19,38 +19,28 @@ QUANTITIES = ("examples", "lr", "loss", "update")
 
 
 def tolerance(steps: int, precision: str = "float32") -> float:
-    """The relative difference two correct runs may show after ``steps`` steps: ``64 * eps * (steps + 1)``.
+    """The relative difference two correct runs may show after ``steps`` steps: ``64 eps (steps + 1)``.
 
-    A sum of n terms in another order differs by up to ~n * eps (Higham 2002, sec. 4.2); the
+    A sum of n terms in another order differs by up to ~n eps (Higham 2002, sec. 4.2); the
     all-reduce reorders the batch's sum every step and the error carries over, so the bound grows
     with the steps; 64 covers the sums inside a step.
 
-    >>> f"{tolerance(20):.1e}"
-    '1.6e-04'
-    >>> f"{tolerance(20, 'bfloat16'):.2f}"
-    '10.50'
-    >>> tolerance(20, 'bfloat16') > tolerance(20, 'float16') > tolerance(20)
-    True
+    >>> f"{tolerance(20):.1e}", f"{tolerance(20, 'bfloat16'):.2f}"
+    ('1.6e-04', '10.50')
     """
     return 64 * EPS[precision] * (steps + 1)
 
 
 def precision_of(policy: str) -> str:
-    """The compute format of a Keras dtype policy name.
-
-    >>> precision_of("mixed_bfloat16"), precision_of("mixed_float16"), precision_of("float32")
-    ('bfloat16', 'float16', 'float32')
-    """
+    """The compute format of a Keras dtype policy name (``mixed_bfloat16`` -> ``bfloat16``)."""
     return "bfloat16" if "bfloat16" in policy else "float16" if "float16" in policy else "float32"
 
 
 def close(a: float, b: float, tol: float) -> bool:
-    """Whether two values agree to ``tol``, relative to the larger (absolute below 1).
+    """Whether two values agree to ``tol``, relative to the larger (absolute below 1; NaN == NaN).
 
-    >>> close(1.0, 1.0 + 1e-6, 1e-5), close(100.0, 101.0, 1e-3), close(0.0, 1e-7, 1e-5)
-    (True, False, True)
-    >>> close(float("nan"), float("nan"), 1e-5), close(float("nan"), 1.0, 1e-5)
-    (True, False)
+    >>> close(1.0, 1.0 + 1e-6, 1e-5), close(100.0, 101.0, 1e-3), close(float("nan"), 1.0, 1e-5)
+    (True, False, False)
     """
     if math.isnan(a) or math.isnan(b):
         return math.isnan(a) and math.isnan(b)
@@ -69,55 +59,44 @@ class Parting:
 
 @dataclass(frozen=True)
 class Verdict:
-    """The comparison: ``same``, the likely ``cause`` (None when same), the ``partings`` (first
-    steps where the runs differ), ``layers`` (name, largest weight difference), the ``tolerance``."""
+    """The comparison: the likely ``cause`` (None when ``same``), the ``partings`` (where the runs
+    differ), ``layers`` (name, largest weight difference; largest first) and the ``tolerance``."""
 
     same: bool
     cause: str | None
-    partings: list[Parting] = field(default_factory=list)
-    layers: list[tuple[str, float]] = field(default_factory=list)
-    tolerance: float = 0.0
-    steps: int = 0
+    partings: list[Parting]
+    layers: list[tuple[str, float]]
+    tolerance: float
+    steps: int
 
-
-def partings(
-    subject: Sequence[Mapping[str, float]], reference: Sequence[Mapping[str, float]], tol: float
-) -> list[Parting]:
-    """Every (step, quantity) where the two runs differ beyond ``tol``, step by step.
-
-    >>> a = [{"examples": 8, "lr": 0.1, "loss": 1.0, "update": 0.5}] * 2
-    >>> b = [{"examples": 8, "lr": 0.1, "loss": 1.0, "update": 0.5}, {"examples": 8, "lr": 0.1, "loss": 1.2, "update": 0.5}]
-    >>> partings(a, b, 1e-5)
-    [Parting(step=1, quantity='loss', subject=1.0, reference=1.2)]
-    """
-    out = []
-    for step, (s, r) in enumerate(zip(subject, reference)):
-        for q in QUANTITIES:
-            if not close(float(s[q]), float(r[q]), tol):
-                out.append(Parting(step, q, float(s[q]), float(r[q])))
-    return out
+    @property
+    def last_line(self) -> str:
+        """``verify: same as one device (...)`` or ``verify: different from one device: <cause> (...)``."""
+        largest = self.layers[0][1] if self.layers else 0.0
+        figures = (
+            f"{self.steps} steps, largest weight difference {largest:.2g}, "
+            f"tolerance {self.tolerance:.1e}"
+        )
+        if self.same:
+            return f"verify: same as one device ({figures})"
+        return f"verify: different from one device: {self.cause} ({figures})"
 
 
 def gradient_scale(
     subject: Mapping[str, float], reference: Mapping[str, float], replicas: int
 ) -> str | None:
-    """ "N times too large" / "N times too small" when the first updates' norms differ by the replica
-    count: a loss not divided by the replicas, summed by the all-reduce (plain SGD; Adam divides it out).
+    """ "N times too large" / "N times too small" when the first updates' norms differ by the
+    replica count: a loss not divided by the replicas, summed by the all-reduce (plain SGD).
 
-    >>> gradient_scale({"update": 2.0, "lr": 0.1}, {"update": 1.0, "lr": 0.1}, 2)
-    '2 times too large'
-    >>> gradient_scale({"update": 0.25, "lr": 0.1}, {"update": 1.0, "lr": 0.1}, 4)
-    '4 times too small'
-    >>> gradient_scale({"update": 1.1, "lr": 0.1}, {"update": 1.0, "lr": 0.1}, 2) is None
-    True
+    >>> gradient_scale({"update": 0.25}, {"update": 1.0}, 4), gradient_scale({"update": 1.1}, {"update": 1.0}, 2)
+    ('4 times too small', None)
     """
     s, r = float(subject["update"]), float(reference["update"])
     if replicas < 2 or not (s > 0 and r > 0):
         return None
-    ratio = s / r
-    if abs(ratio / replicas - 1) < 0.05:
+    if abs(s / r / replicas - 1) < 0.05:
         return f"{replicas} times too large"
-    if abs(ratio * replicas - 1) < 0.05:
+    if abs(s / r * replicas - 1) < 0.05:
         return f"{replicas} times too small"
     return None
 
@@ -129,54 +108,52 @@ def likely_cause(
     facts: Mapping[str, Any],
     replicas: int,
 ) -> str:
-    """The likely cause of a difference, from what the runs measured first and the recording's
-    ``facts`` about the model (batch_norm, random_layers, add_loss, custom_train_step, precision...).
+    """The likely cause of a difference, from the first quantities that differ and the recording's
+    ``facts`` about the model (batch_norm, random_layers, add_loss, custom_train_step, precision).
 
-    >>> p = [Parting(0, "examples", 16, 8)]
-    >>> likely_cause(p, [], [], {}, 2)[:26]
+    >>> likely_cause([Parting(0, "examples", 16, 8)], [], [], {}, 2)[:26]
     'examples per step differ: '
-    >>> s, r = [{"update": 2.0, "lr": 0.1}], [{"update": 1.0, "lr": 0.1}]
+    >>> s, r = [{"update": 2.0}], [{"update": 1.0}]
     >>> likely_cause([Parting(0, "update", 2.0, 1.0)], s, r, {"custom_train_step": True}, 2)[:42]
     'the gradient is 2 times too large (the cus'
-    >>> likely_cause([Parting(0, "loss", 1.0, 1.1)], s, s, {"random_layers": ["dropout"]}, 2)[:23]
-    'random ops draw differe'
     """
-    by_quantity = {p.quantity: p for p in reversed(first)}  # the first of each
-    if p := by_quantity.get("examples"):
+    first_of = {p.quantity: p for p in reversed(first)}
+    if p := first_of.get("examples"):
         return (
-            f"examples per step differ: {p.subject:g} distributed, {p.reference:g} on one device at step "
-            f"{p.step} (data sharded twice, a dataset's own batch, or an uneven last batch)"
+            f"examples per step differ: {p.subject:g} distributed, {p.reference:g} on one device "
+            f"at step {p.step} (data sharded twice, a dataset's own batch, or an uneven last batch)"
         )
-    if p := by_quantity.get("lr"):
+    if p := first_of.get("lr"):
         return (
-            f"the learning rate applied differs: {p.subject:g} distributed, {p.reference:g} on one device at "
-            f"step {p.step} (a schedule or rate set outside keras-sync's scaling)"
+            f"the learning rate applied differs: {p.subject:g} distributed, {p.reference:g} on one "
+            f"device at step {p.step} (a schedule or rate set outside keras-sync's scaling)"
         )
-    scale = gradient_scale(subject[0], reference[0], replicas) if subject and reference else None
     causes = []
-    if scale is not None:
-        why = (
-            "the custom train_step's loss is not divided by the replica count and "
-            f"runtime.train_step_gradients is {facts.get('train_step_gradients', 'sum')}, so the replicas' "
-            "gradients are summed"
-            if facts.get("custom_train_step")
-            else "a loss reduction of sum, or a custom train_step, sums the replicas' gradients"
-        )
+    if subject and reference and (scale := gradient_scale(subject[0], reference[0], replicas)):
+        if facts.get("custom_train_step"):
+            why = (
+                "the custom train_step's loss is not divided by the replica count and "
+                f"runtime.train_step_gradients is {facts.get('train_step_gradients', 'sum')}, so "
+                "the replicas' gradients are summed"
+            )
+        else:
+            why = "a loss reduction of sum, or a custom train_step, sums the replicas' gradients"
         causes.append(f"the gradient is {scale} ({why})")
     if facts.get("batch_norm") and not facts.get("sync_batch_norm"):
         causes.append(
-            f"BatchNorm batch statistics: {facts['batch_norm']} BatchNormalization layer(s) normalise "
-            "each replica's share of the batch, not the global batch (set runtime.sync_batch_norm: true)"
+            f"BatchNorm batch statistics: {facts['batch_norm']} BatchNormalization layer(s) "
+            "normalise each replica's share of the batch, not the global batch (set "
+            "runtime.sync_batch_norm: true)"
         )
     if facts.get("random_layers"):
         causes.append(
-            f"random ops draw different numbers on each replica ({', '.join(facts['random_layers'])}: "
-            "Dropout, random augmentation), so the runs are equal in distribution, not in value"
+            f"random ops draw different numbers on each replica ({', '.join(facts['random_layers'])}"
+            ": Dropout, random augmentation), so the runs are equal in distribution, not in value"
         )
     if facts.get("add_loss"):
         causes.append(
-            f"an add_loss term that sums over the batch ({facts['add_loss']} term(s)): each replica's "
-            "share is divided by the replica count again, so it counts 1/N of one device's"
+            f"an add_loss term that sums over the batch ({facts['add_loss']} term(s)): each "
+            "replica's share is divided by the replica count again, so it counts 1/N of one device's"
         )
     if facts.get("precision", "float32") != "float32":
         causes.append(f"mixed-precision ops ({facts['precision']}) beyond their tolerance")
@@ -187,8 +164,9 @@ def likely_cause(
         return causes[0]
     if first and first[0].step == 0 and first[0].quantity == "loss":
         return (
-            "the first loss differs before any update, from the same weights: the batches differ (a data "
-            "order or generator that verify could not make deterministic) or a non-deterministic op"
+            "the first loss differs before any update, from the same weights: the batches differ "
+            "(a data order or generator that verify could not make deterministic) or a "
+            "non-deterministic op"
         )
     shown = ", ".join(f"{p.quantity} at step {p.step}" for p in first[:3]) or "the final weights"
     return f"no known cause fits; what differed: {shown}"
@@ -207,17 +185,21 @@ def verdict(
     >>> v = verdict(run, run, {"dense": (1e-7, 0.9)}, {}, 2)
     >>> v.same, v.cause, f"{v.tolerance:.1e}"
     (True, None, '3.1e-05')
-    >>> verdict(run, run, {"dense": (0.2, 0.9)}, {}, 2).cause
-    'no known cause fits; what differed: the final weights'
+    >>> verdict(run, run[:1] + [{**run[0], "loss": 1.2}] * 2, {"dense": (0.2, 0.9)}, {}, 2).partings[0]
+    Parting(step=1, quantity='loss', subject=1.0, reference=1.2)
     """
     steps = min(len(subject), len(reference))
     tol = tolerance(steps, facts.get("precision", "float32"))
-    parts = partings(subject[:steps], reference[:steps], tol)
+    parts = [
+        Parting(step, q, float(s[q]), float(r[q]))
+        for step, (s, r) in enumerate(zip(subject[:steps], reference[:steps]))
+        for q in QUANTITIES
+        if not close(float(s[q]), float(r[q]), tol)
+    ]
     if len(subject) != len(reference):
         parts.append(Parting(steps, "steps", float(len(subject)), float(len(reference))))
     ranked = sorted(((name, d) for name, (d, _) in layers.items()), key=lambda item: -item[1])
-    off = [name for name, (d, w) in layers.items() if d > tol * max(1.0, w)]
-    same = not parts and not off
+    same = not parts and all(d <= tol * max(1.0, w) for d, w in layers.values())
     first = [p for p in parts if p.step == parts[0].step] if parts else []
     cause = None if same else likely_cause(first, subject, reference, facts, replicas)
     return Verdict(same, cause, parts, ranked, tol, steps)
