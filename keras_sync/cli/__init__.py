@@ -11,10 +11,10 @@ import click
 
 from keras_sync import __version__
 from keras_sync.cli import env, init, launch, plan, schema, sync_spool, ui, validate, verify
-from keras_sync.cli._base import SyncGroup
+from keras_sync.cli._base import CONTEXT, SyncGroup
 
 
-@click.group(cls=SyncGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=SyncGroup, context_settings=CONTEXT)
 @click.version_option(__version__, "--version", "-V", prog_name="keras-sync")
 def cli() -> None:
     """Make a Keras 3 training script distributed from a YAML file.

@@ -8,6 +8,11 @@ import click
 
 from keras_sync.errors import KerasSyncError
 
+#: Every command: -h as --help, defaults shown.
+CONTEXT = {"help_option_names": ["-h", "--help"], "show_default": True}
+#: A command that runs SCRIPT [ARGS...]: the options after SCRIPT are the script's.
+SCRIPT_CONTEXT = {**CONTEXT, "ignore_unknown_options": True, "allow_interspersed_args": False}
+
 
 class UserError(click.ClickException):
     """A user's mistake on its way to the terminal: printed as is (no 'Error:' prefix), exit 2."""

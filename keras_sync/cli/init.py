@@ -11,9 +11,7 @@ from keras_sync.config import STRATEGY_KINDS
 
 
 @click.command("init")
-@click.argument(
-    "directory", required=False, default=".", type=click.Path(file_okay=False, path_type=str)
-)
+@click.argument("directory", required=False, default=".", type=click.Path(file_okay=False))
 @click.option(
     "--strategy",
     "kind",

@@ -7,44 +7,26 @@ from typing import Any
 
 import click
 
-from keras_sync.cli._base import UserError
+from keras_sync.cli._base import SCRIPT_CONTEXT, UserError
 from keras_sync.errors import KerasSyncError
 
 
-@click.command(
-    "launch",
-    context_settings={
-        "ignore_unknown_options": True,
-        "allow_interspersed_args": False,
-        "help_option_names": ["-h", "--help"],
-    },
-)
+@click.command("launch", context_settings=SCRIPT_CONTEXT)
 @click.option(
-    "--workers",
-    "-n",
-    type=click.IntRange(min=1),
-    default=2,
-    show_default=True,
-    help="Number of worker processes.",
+    "--workers", "-n", type=click.IntRange(min=1), default=2, help="Number of worker processes."
 )
-@click.option(
-    "--config",
-    type=click.Path(path_type=str),
-    help="keras-sync YAML file (sets $KERAS_SYNC_CONFIG).",
-)
+@click.option("--config", type=click.Path(), help="keras-sync YAML file (sets $KERAS_SYNC_CONFIG).")
 @click.option(
     "--grace-period",
     "grace_period_s",
     type=click.FloatRange(min=0),
     default=5.0,
-    show_default=True,
     help="Seconds between SIGTERM and SIGKILL when a worker fails or on Ctrl-C.",
 )
 @click.option(
     "--max-restarts",
     type=click.IntRange(min=0),
     default=0,
-    show_default=True,
     help="When a worker fails, stop the others and start the whole job again, up to N times.",
 )
 @click.option(
@@ -53,7 +35,7 @@ from keras_sync.errors import KerasSyncError
     help="Run the workers in a network namespace of their own (Linux, as root): no other host can reach "
     "them, and they reach no network but their own loopback (use a sqlite or file tracking URI).",
 )
-@click.argument("script", type=click.Path(path_type=str))
+@click.argument("script", type=click.Path())
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def command(script: str, args: tuple[str, ...], **options: Any) -> None:
     """Run SCRIPT [ARGS...] as --workers processes on 127.0.0.1, each with its own TF_CONFIG.

@@ -8,7 +8,7 @@ import click
 
 from keras_sync.config import STRATEGY_KINDS
 
-# flag name -> config key path; a given flag wins over env, file and default.
+#: flag -> the config key it overrides (a flag wins over env, file and default).
 _FLAG_KEYS = {
     "strategy": "strategy.kind",
     "per_replica_batch": "batch.per_replica",
@@ -20,7 +20,7 @@ _FLAG_KEYS = {
 
 
 @click.command("plan")
-@click.argument("config", required=False, type=click.Path(path_type=str))
+@click.argument("config", required=False, type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print JSON: every value with its source.")
 @click.option(
     "--strategy",
@@ -47,12 +47,8 @@ def command(config: str | None, as_json: bool, **flags: object) -> None:
     from keras_sync.config import load_config
 
     overrides = {_FLAG_KEYS[name]: value for name, value in flags.items() if value is not None}
-    # One batch flag replaces either batch of the file (both flags: load_config names the clash).
-    for given, other in (
-        ("batch.global", "batch.per_replica"),
-        ("batch.per_replica", "batch.global"),
-    ):
-        if given in overrides and other not in overrides:
-            overrides[other] = None
+    batches = {"batch.global", "batch.per_replica"}
+    if len(batches & overrides.keys()) == 1:  # it replaces either batch of the file (both: a clash)
+        overrides.update(dict.fromkeys(batches - overrides.keys()))
     plan = make_plan(load_config(config, overrides=overrides))
     click.echo(json.dumps(plan.to_dict(), indent=2) if as_json else plan.format())

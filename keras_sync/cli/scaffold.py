@@ -1,5 +1,4 @@
-"""What `keras-sync init` writes: a commented ``keras_sync.yaml`` and a ``train.py`` that runs as
-is, from the templates shipped in the package. Every target is checked before any is written."""
+"""What `keras-sync init` writes, from the templates shipped in the package."""
 
 from __future__ import annotations
 
@@ -51,9 +50,7 @@ def init_project(
 ) -> list[Path]:
     """Write ``keras_sync.yaml`` and ``train.py`` into `directory` (created if needed); their paths.
 
-    Raises:
-        UsageError: a target exists without `force` (nothing is written), or the directory is a
-            file or cannot be written.
+    Every target is checked before any is written: without `force`, nothing is overwritten.
     """
     root = Path(directory)
     if root.exists() and not root.is_dir():

@@ -12,7 +12,7 @@ _EVERY_S = 5.0
 
 
 @click.command("sync-spool")
-@click.argument("path", type=click.Path(path_type=str))
+@click.argument("path", type=click.Path())
 @click.option(
     "--tracking-uri",
     help="Where to send them (default: the URI recorded in the spool, "
@@ -23,7 +23,6 @@ _EVERY_S = 5.0
     "timeout_s",
     type=click.FloatRange(min=0),
     default=600.0,
-    show_default=True,
     help="Seconds to retry requests that fail (no answer, HTTP 5xx) before giving up; what is left "
     "stays in the spool. 0: try each request once.",
 )

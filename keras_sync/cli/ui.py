@@ -22,17 +22,11 @@ _STOP_TIMEOUT_S = 10.0
 
 
 @click.command("ui")
-@click.argument("config", required=False, type=click.Path(path_type=str))
+@click.argument("config", required=False, type=click.Path())
 @click.option(
     "--tracking-uri", help="The store to show; wins over $MLFLOW_TRACKING_URI and the config."
 )
-@click.option(
-    "--port",
-    type=click.IntRange(1, 65535),
-    default=5000,
-    show_default=True,
-    help="Port on 127.0.0.1.",
-)
+@click.option("--port", type=click.IntRange(1, 65535), default=5000, help="Port on 127.0.0.1.")
 @click.option("--no-browser", is_flag=True, help="Do not open a browser.")
 def command(config: str | None, tracking_uri: str | None, port: int, no_browser: bool) -> None:
     """Serve the MLflow UI for CONFIG's tracking store on 127.0.0.1 until Ctrl-C.
@@ -81,7 +75,7 @@ def command(config: str | None, tracking_uri: str | None, port: int, no_browser:
     # Stop the server on Ctrl-C and SIGTERM, also when started with SIGINT ignored (a background
     # job of a non-interactive shell inherits that, and Ctrl-C would then do nothing).
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _interrupt)
+        signal.signal(sig, signal.default_int_handler)  # raises KeyboardInterrupt
     try:
         if _wait_ready(url, server) and not no_browser:
             import webbrowser
@@ -105,14 +99,13 @@ def command(config: str | None, tracking_uri: str | None, port: int, no_browser:
 
 def _local_store(uri: str) -> Path | None:
     """The file or directory of a local store (sqlite:///x.db, file:///dir, a plain path), else None."""
-    parsed = urlparse(uri)
-    if parsed.scheme == "sqlite":
+    if uri.startswith("sqlite:///"):
         path = unquote(uri.removeprefix("sqlite:///").split("?")[0])
-        return Path(path) if uri.startswith("sqlite:///") and path != ":memory:" else None
+        return None if path == ":memory:" else Path(path)
+    parsed = urlparse(uri)
     if parsed.scheme == "file":
         return Path(unquote(parsed.path))
-    # a plain path (or a Windows drive letter); else another database or server, which
-    # mlflow server reports on itself
+    # A plain path (or a Windows drive letter); else another database or server: mlflow reports it.
     return Path(uri) if len(parsed.scheme) < 2 else None
 
 
@@ -123,10 +116,6 @@ def _store_beside_config(store: Path, source: str, config_file: str) -> Path | N
     relative = Path(store.name) if source == "default" else store
     candidate = (Path(config_file).resolve().parent / relative).resolve()
     return candidate if candidate.exists() and candidate != store.resolve() else None
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
 
 
 def _start_server(uri: str, port: int) -> tuple[subprocess.Popen[bytes], Path]:

@@ -8,7 +8,7 @@ from keras_sync.cli._base import UserError
 
 
 @click.command("validate")
-@click.argument("config", required=False, type=click.Path(dir_okay=True, path_type=str))
+@click.argument("config", required=False, type=click.Path())
 def command(config: str | None) -> None:
     """Check CONFIG (default: $KERAS_SYNC_CONFIG or ./keras_sync.yaml).
 

@@ -11,19 +11,13 @@ from pathlib import Path
 
 import click
 
-from keras_sync.cli._base import UserError
+from keras_sync.cli._base import SCRIPT_CONTEXT, UserError
 from keras_sync.config import VERIFY_RECORD_ENV, VERIFY_REPLAY_ENV, VERIFY_STEPS_ENV
 
 
-@click.command(
-    "verify", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False}
-)
+@click.command("verify", context_settings=SCRIPT_CONTEXT)
 @click.option(
-    "--steps",
-    type=click.IntRange(min=1),
-    default=20,
-    show_default=True,
-    help="Optimizer steps to train and compare.",
+    "--steps", type=click.IntRange(min=1), default=20, help="Optimizer steps to train and compare."
 )
 @click.option(
     "--workers",
@@ -32,26 +26,22 @@ from keras_sync.config import VERIFY_RECORD_ENV, VERIFY_REPLAY_ENV, VERIFY_STEPS
     help="Run the distributed half as N local workers, started as `keras-sync launch -n N` starts them "
     "(default: one process, as the config says).",
 )
-@click.option(
-    "--config",
-    type=click.Path(path_type=str),
-    help="keras-sync YAML file (sets $KERAS_SYNC_CONFIG).",
-)
+@click.option("--config", type=click.Path(), help="keras-sync YAML file (sets $KERAS_SYNC_CONFIG).")
 @click.option(
     "--compare",
     "recording",
-    type=click.Path(path_type=str),
+    type=click.Path(),
     metavar="FOLDER",
     help="Do not run the distributed half: compare FOLDER, recorded under your own launcher with "
     "KERAS_SYNC_VERIFY_RECORD=FOLDER, with the one-device reference run here.",
 )
 @click.option(
     "--keep",
-    type=click.Path(path_type=str),
+    type=click.Path(),
     metavar="FOLDER",
     help="Keep both recordings, the runs' output and the picture in FOLDER (default: a temporary folder).",
 )
-@click.argument("script", type=click.Path(path_type=str))
+@click.argument("script", type=click.Path())
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def command(
     steps: int,

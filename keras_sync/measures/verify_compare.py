@@ -73,32 +73,10 @@ class Verdict:
     def last_line(self) -> str:
         """``verify: same as one device (...)`` or ``verify: different from one device: <cause> (...)``."""
         largest = self.layers[0][1] if self.layers else 0.0
-        figures = (
-            f"{self.steps} steps, largest weight difference {largest:.2g}, "
-            f"tolerance {self.tolerance:.1e}"
-        )
+        figures = f"{self.steps} steps, largest weight difference {largest:.2g}, tolerance {self.tolerance:.1e}"
         if self.same:
             return f"verify: same as one device ({figures})"
         return f"verify: different from one device: {self.cause} ({figures})"
-
-
-def gradient_scale(
-    subject: Mapping[str, float], reference: Mapping[str, float], replicas: int
-) -> str | None:
-    """ "N times too large" / "N times too small" when the first updates' norms differ by the
-    replica count: a loss not divided by the replicas, summed by the all-reduce (plain SGD).
-
-    >>> gradient_scale({"update": 0.25}, {"update": 1.0}, 4), gradient_scale({"update": 1.1}, {"update": 1.0}, 2)
-    ('4 times too small', None)
-    """
-    s, r = float(subject["update"]), float(reference["update"])
-    if replicas < 2 or not (s > 0 and r > 0):
-        return None
-    if abs(s / r / replicas - 1) < 0.05:
-        return f"{replicas} times too large"
-    if abs(s / r * replicas - 1) < 0.05:
-        return f"{replicas} times too small"
-    return None
 
 
 def likely_cause(
@@ -116,6 +94,8 @@ def likely_cause(
     >>> s, r = [{"update": 2.0}], [{"update": 1.0}]
     >>> likely_cause([Parting(0, "update", 2.0, 1.0)], s, r, {"custom_train_step": True}, 2)[:42]
     'the gradient is 2 times too large (the cus'
+    >>> likely_cause([Parting(0, "update", 1.0, 4.0)], r, [{"update": 4.0}], {}, 4)[:34]
+    'the gradient is 4 times too small '
     """
     first_of = {p.quantity: p for p in reversed(first)}
     if p := first_of.get("examples"):
@@ -129,7 +109,10 @@ def likely_cause(
             f"device at step {p.step} (a schedule or rate set outside keras-sync's scaling)"
         )
     causes = []
-    if subject and reference and (scale := gradient_scale(subject[0], reference[0], replicas)):
+    # The first updates' norms differ by the replica count: a loss not divided by the replicas,
+    # summed by the all-reduce (plain SGD shows it; Adam divides it out).
+    s, r = (subject[0]["update"], reference[0]["update"]) if subject and reference else (0, 0)
+    if replicas > 1 and s > 0 and r > 0:
         if facts.get("custom_train_step"):
             why = (
                 "the custom train_step's loss is not divided by the replica count and "
@@ -138,7 +121,9 @@ def likely_cause(
             )
         else:
             why = "a loss reduction of sum, or a custom train_step, sums the replicas' gradients"
-        causes.append(f"the gradient is {scale} ({why})")
+        for size, ratio in (("large", s / r / replicas), ("small", s / r * replicas)):
+            if abs(ratio - 1) < 0.05:
+                causes.append(f"the gradient is {replicas} times too {size} ({why})")
     if facts.get("batch_norm") and not facts.get("sync_batch_norm"):
         causes.append(
             f"BatchNorm batch statistics: {facts['batch_norm']} BatchNormalization layer(s) "
@@ -185,8 +170,10 @@ def verdict(
     >>> v = verdict(run, run, {"dense": (1e-7, 0.9)}, {}, 2)
     >>> v.same, v.cause, f"{v.tolerance:.1e}"
     (True, None, '3.1e-05')
-    >>> verdict(run, run[:1] + [{**run[0], "loss": 1.2}] * 2, {"dense": (0.2, 0.9)}, {}, 2).partings[0]
+    >>> verdict(run, run[:1] + [{**run[0], "loss": 1.2}] * 2, {}, {}, 2).partings[0]
     Parting(step=1, quantity='loss', subject=1.0, reference=1.2)
+    >>> verdict(run, run, {"dense": (0.2, 0.9)}, {}, 2).cause
+    'no known cause fits; what differed: the final weights'
     """
     steps = min(len(subject), len(reference))
     tol = tolerance(steps, facts.get("precision", "float32"))
