@@ -319,12 +319,13 @@ class Sync:
         self._check_callbacks(model, kwargs.get("callbacks"), "fit")
         runtime.prepare_model(self.context(), model)  # steps_per_execution, jit_compile, BatchNorm
         given = kwargs.get("batch_size")  # the global batch, checked by _prepare
-        data, fit_kwargs = x, dict(kwargs)
+        data = x
         x, y, kwargs = self._prepare(model, "fit", x, y, kwargs)
         per_replica = given // self.num_replicas if given else None
-        pipe = self._pipeline()
         global_batch = given or self.global_batch_size
-        expected = pipe.expected_examples(self.input_facts, data, fit_kwargs, global_batch)
+        # With steps_per_epoch an epoch is that many steps, not one pass over the data.
+        steps_given = kwargs.get("steps_per_epoch") is not None
+        expected = None if steps_given else self.input_facts.examples_per_epoch
         self._resolve_pending_warmup(x, kwargs)
         from keras_sync import callbacks as ks_callbacks
 

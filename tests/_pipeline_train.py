@@ -206,7 +206,7 @@ def fit_all(sync, keras, tf, x, y) -> dict:
 def probes(sync, tf, x, y) -> dict:
     """What the pipeline reads from datasets and which policy they end with."""
     from keras_sync.errors import UsageError
-    from keras_sync.training.pipeline import batch_size_of, own_shard_policy
+    from keras_sync.training.dataset_graph import batch_size_of, own_shard_policy
 
     plain = tf.data.Dataset.from_tensor_slices((x, y))
     off = tf.data.Options()

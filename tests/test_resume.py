@@ -1,4 +1,4 @@
-"""Exact-resume bookkeeping (keras_sync.training.resume, no TensorFlow) and a one-process kill and resume.
+"""Exact-resume bookkeeping (keras_sync.training.backup_files, no TensorFlow) and a one-process kill and resume.
 
 The multi-worker kill tests are in tests/test_multi_worker.py.
 """
@@ -17,12 +17,12 @@ import pytest
 from _mwr import TRAIN, kill_and_resume, max_diff, result
 
 from keras_sync.errors import UsageError
-from keras_sync.training import resume
-from keras_sync.training.resume import ResumePoint, SaveSchedule, batches_to_skip, write_dir
+from keras_sync.training import backup_files
+from keras_sync.training.backup_files import ResumePoint, SaveSchedule, batches_to_skip, write_dir
 
 
 def test_doctests_pass() -> None:
-    assert doctest.testmod(resume).failed == 0
+    assert doctest.testmod(backup_files).failed == 0
 
 
 def test_integer_save_freq_counts_batches_across_epochs() -> None:
@@ -69,8 +69,8 @@ def test_step_not_multiple_of_steps_per_execution_is_refused_with_fix() -> None:
         batches_to_skip(ResumePoint(1, 3, 11), steps_per_execution=2)
 
 
-def test_resume_module_imports_no_tensorflow() -> None:
-    code = "import sys, keras_sync.training.resume; print('tensorflow' in sys.modules, 'keras' in sys.modules)"
+def test_backup_files_module_imports_no_tensorflow() -> None:
+    code = "import sys, keras_sync.training.backup_files; print('tensorflow' in sys.modules, 'keras' in sys.modules)"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout

@@ -38,7 +38,7 @@ def fit_callbacks(
     """
     from keras_sync.callbacks.backup import BackupAndRestore, backup_callbacks
     from keras_sync.training import run_checks, runtime
-    from keras_sync.training.job_run import job_state
+    from keras_sync.training.job_run import job_state, writer_for
 
     context = sync.context(per_replica_batch_size=per_replica_batch_size)
     out = [runtime.setup_callback(sync.config.runtime)]
@@ -47,7 +47,9 @@ def fit_callbacks(
     shared = job_state(sync).next_fit()
     # The backup first: a directory owned by another job, or only damaged backups, stop fit
     # before a run is opened.
-    backups = backup_callbacks(sync, shared=shared)
+    backups = backup_callbacks(
+        context, sync.strategy, open_writer=lambda: writer_for(sync), shared=shared
+    )
     if sync.config.mlflow.enabled:
         out += mlflow_callbacks(sync, context=context, shared=shared)
     out += backups + list(user_callbacks or [])

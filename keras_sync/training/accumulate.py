@@ -1,15 +1,10 @@
-"""Gradient accumulation that works under every strategy: one optimizer update every N micro-batches.
+"""Gradient accumulation under every strategy: one optimizer update every N micro-batches.
 
-Keras's own ``optimizer(gradient_accumulation_steps=N)`` puts the update (an all-reduce,
-``merge_call``) inside a `tf.cond` in the replica context, which `MirroredStrategy` refuses. Here
-the condition is taken in the cross-replica context, as Keras's `LossScaleOptimizer` does: each
-replica adds its local gradients to its own sums (one copy per replica, never all-reduced); every
-N-th micro-batch the replicas apply their mean, which Keras all-reduces as for any step. The
-optimizer's ``iterations`` counts updates, so schedules and warmup count updates too.
-
-The sums are not in the checkpoints: keras-sync's `BackupAndRestore` asks `pending` and saves a
-due backup at the first batch end that applied them, so a resume starts with empty sums exactly
-where the uninterrupted run stands.
+Keras's ``optimizer(gradient_accumulation_steps=N)`` all-reduces inside a `tf.cond` in the replica
+context, which `MirroredStrategy` refuses. Here, as in Keras's `LossScaleOptimizer`, the condition is
+taken in the cross-replica context: each replica sums its own gradients (never all-reduced), and
+every N-th micro-batch the replicas apply their mean, all-reduced as for any step. ``iterations``
+counts updates. The sums are not in the checkpoints: a backup waits for the batch that applies them.
 """
 
 from __future__ import annotations

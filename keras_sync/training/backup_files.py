@@ -1,13 +1,14 @@
-"""The files of a backup directory: which checkpoint is complete, and which job owns the directory.
+"""Backup bookkeeping without TensorFlow: where training stands, when to save, which checkpoint is
+complete, which job owns the directory. `keras_sync.callbacks.backup` writes and restores them.
 
-- **Complete or partial.** After each save the chief writes ``ckpt-N.manifest.json`` last: the
-  size and CRC-32 of every file of checkpoint N, and the run that wrote it. Only a checkpoint whose
-  files match its manifest is trusted; `choose` takes the newest, naming each newer one it skips.
+- **Position** ``(epoch, step)``: the epoch in progress and its batches already trained; ``(1, steps)``
+  is every batch of epoch 1 trained but not its end, so a resume runs only that end.
+- **Complete or partial.** After each save the chief writes ``ckpt-N.manifest.json`` last: size and
+  CRC-32 of every file of checkpoint N, and the run that wrote it. Only a checkpoint whose files
+  match its manifest is trusted.
 - **One job per directory.** `BackupLock` (``keras_sync_lock.json``) names the job training into
-  the directory while its `fit` runs; another live job is refused before training. A lock of a dead
-  process (same host) or not refreshed for `STALE_S` is stale: a relaunch takes it over.
-
-No TensorFlow here; `keras_sync.callbacks.backup` writes and restores the checkpoints.
+  it; another live job is refused before training. A lock of a dead process (same host) or not
+  refreshed for `STALE_S` is stale: a relaunch takes it over.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import json
 import os
 import re
 import socket
-import sys
 import threading
 import time
 import zlib
@@ -28,19 +28,91 @@ from keras_sync.errors import UsageError
 
 MANIFEST_SUFFIX = ".manifest.json"
 LOCK_FILE = "keras_sync_lock.json"
-#: A lock its holder has not refreshed for this long (it refreshes every `HEARTBEAT_S`) is stale.
-STALE_S = 30.0
+STALE_S = 30.0  # a lock its holder has not refreshed for this long (every HEARTBEAT_S) is stale
 HEARTBEAT_S = 5.0
 _CKPT = re.compile(r"^ckpt-(\d+)\.index$")
 
 
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a restored job continues: the epoch, its batches already trained, the optimizer step."""
+
+    epoch: int
+    step: int
+    iterations: int
+
+    @property
+    def mid_epoch(self) -> bool:
+        return self.step > 0
+
+
+class SaveSchedule:
+    """When to save: after every epoch, or after every ``save_freq`` batches (counted across epochs).
+
+    >>> s = SaveSchedule(3)
+    >>> [s.after_batch() for _ in range(5)]
+    [False, False, True, False, False]
+    >>> SaveSchedule("epoch").after_batch(0), SaveSchedule("epoch").after_epoch()
+    (False, True)
+    """
+
+    def __init__(self, save_freq: str | int):
+        if save_freq != "epoch" and (
+            isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1
+        ):
+            raise UsageError(
+                f"Invalid value for argument `save_freq`. Received: save_freq={save_freq!r}. "
+                "Expected 'epoch' or an integer number of batches >= 1."
+            )
+        self.save_freq = save_freq
+        self._since_save = 0
+
+    def after_batch(self, batches: int = 1) -> bool:
+        """Count ``batches`` trained; True when a save is due now."""
+        if not isinstance(self.save_freq, int):
+            return False
+        self._since_save += batches
+        if self._since_save < self.save_freq:
+            return False
+        self._since_save = 0
+        return True
+
+    def after_epoch(self) -> bool:
+        return self.save_freq == "epoch"
+
+
+def write_dir(backup_dir: str, *, is_chief: bool, task_id: int | None) -> str:
+    """Where this worker writes checkpoints: the chief ``backup_dir``, worker N a temporary
+    ``.worker_tmp_N`` in it (every worker takes part in a save; only the chief's copy is read).
+
+    >>> write_dir("/b", is_chief=True, task_id=0), write_dir("/b", is_chief=False, task_id=1)
+    ('/b', '/b/.worker_tmp_1')
+    """
+    return backup_dir if is_chief else os.path.join(backup_dir, f".worker_tmp_{task_id or 0}")
+
+
+def batches_to_skip(point: ResumePoint, steps_per_execution: int = 1) -> int:
+    """Batches of the resumed epoch trained before the interruption (saves end an execution).
+
+    >>> batches_to_skip(ResumePoint(epoch=1, step=6, iterations=14))
+    6
+    """
+    if point.step % steps_per_execution:
+        raise UsageError(
+            f"The backup was taken at step {point.step} of epoch {point.epoch}, which is not a multiple of "
+            f"steps_per_execution={steps_per_execution}. Resume with the steps_per_execution it was saved "
+            "with, or delete the backup directory to start over."
+        )
+    return point.step
+
+
+# -- checkpoints and their manifests ------------------------------------------------------------
+
+
 def _files_of(prefix: str) -> list[str]:
     folder, stem = os.path.split(prefix)
-    return sorted(
-        n
-        for n in os.listdir(folder or ".")
-        if n == f"{stem}.index" or n.startswith(f"{stem}.data-")
-    )
+    names = os.listdir(folder or ".")
+    return sorted(n for n in names if n == f"{stem}.index" or n.startswith(f"{stem}.data-"))
 
 
 def _crc(path: str) -> int:
@@ -54,19 +126,19 @@ def _crc(path: str) -> int:
 def write_manifest(prefix: str, record: dict[str, Any] | None = None) -> None:
     """Record the checkpoint at ``prefix`` (``DIR/ckpt-N``) as complete; drop manifests of deleted ones."""
     folder = os.path.dirname(prefix)
-    paths = {n: os.path.join(folder, n) for n in _files_of(prefix)}
-    files = {n: {"size": os.path.getsize(p), "crc32": _crc(p)} for n, p in paths.items()}
+    files = {}
+    for name in _files_of(prefix):
+        path = os.path.join(folder, name)
+        files[name] = {"size": os.path.getsize(path), "crc32": _crc(path)}
     body = dict(v=1, files=files, written=time.time(), host=socket.gethostname(), pid=os.getpid())
-    body["run"] = record
-    path = prefix + MANIFEST_SUFFIX
-    tmp = f"{path}.{os.getpid()}.tmp"
+    tmp = f"{prefix}{MANIFEST_SUFFIX}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
-        json.dump(body, f)
+        json.dump({**body, "run": record}, f)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    os.replace(tmp, prefix + MANIFEST_SUFFIX)
     for name in os.listdir(folder):  # manifests of checkpoints the manager deleted (max_to_keep)
-        index = os.path.join(folder, name[: -len(MANIFEST_SUFFIX)] + ".index")
+        index = os.path.join(folder, name.removesuffix(MANIFEST_SUFFIX) + ".index")
         if name.endswith(MANIFEST_SUFFIX) and not os.path.exists(index):
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(folder, name))
@@ -75,47 +147,42 @@ def write_manifest(prefix: str, record: dict[str, Any] | None = None) -> None:
 def checkpoints(backup_dir: str) -> list[str]:
     """The checkpoint prefixes in ``backup_dir`` (``DIR/ckpt-N``, by their ``.index``), newest first."""
     try:
-        names = os.listdir(backup_dir)
+        matches = [m for m in map(_CKPT.match, os.listdir(backup_dir)) if m]
     except OSError:
         return []
-    found = [(int(m.group(1)), m.group(0)[: -len(".index")]) for m in map(_CKPT.match, names) if m]
-    return [os.path.join(backup_dir, stem) for _, stem in sorted(found, reverse=True)]
-
-
-def newest_complete(backup_dir: str) -> int | None:
-    """The optimizer step of the newest checkpoint in ``backup_dir`` whose files match its manifest."""
-    for prefix in checkpoints(backup_dir):
-        if problem(prefix) is None:
-            return int(prefix.rsplit("-", 1)[1])
-    return None
-
-
-def checkpoint_bytes(backup_dir: str, number: int) -> int:
-    prefix = os.path.join(backup_dir, f"ckpt-{number}")
-    return sum(os.path.getsize(os.path.join(backup_dir, n)) for n in _files_of(prefix))
+    matches.sort(key=lambda m: -int(m.group(1)))
+    return [os.path.join(backup_dir, m.group(0).removesuffix(".index")) for m in matches]
 
 
 def problem(prefix: str) -> str | None:
     """Why the checkpoint at ``prefix`` cannot be trusted, or None when its files match its manifest."""
     try:
         with open(prefix + MANIFEST_SUFFIX) as f:
-            manifest = json.load(f)
-        files = manifest["files"]
+            files = json.load(f)["files"]
     except FileNotFoundError:
         return "incomplete: no manifest (its save was cut off)"
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"its manifest is unreadable ({type(e).__name__})"
-    folder = os.path.dirname(prefix)
     if sorted(files) != _files_of(prefix):
         return f"its files are {_files_of(prefix)}, its manifest lists {sorted(files)}"
     for name, want in files.items():
-        path = os.path.join(folder, name)
-        size = os.path.getsize(path)
-        if size != want["size"]:
+        path = os.path.join(os.path.dirname(prefix), name)
+        if (size := os.path.getsize(path)) != want["size"]:
             return f"{name} has {size} of {want['size']} bytes"
         if _crc(path) != want["crc32"]:
             return f"{name} is damaged (checksum differs)"
     return None
+
+
+def newest_complete(backup_dir: str) -> int | None:
+    """The optimizer step of the newest checkpoint in ``backup_dir`` whose files match its manifest."""
+    complete = (p for p in checkpoints(backup_dir) if problem(p) is None)
+    return next((int(p.rsplit("-", 1)[1]) for p in complete), None)
+
+
+def checkpoint_bytes(backup_dir: str, number: int) -> int:
+    prefix = os.path.join(backup_dir, f"ckpt-{number}")
+    return sum(os.path.getsize(os.path.join(backup_dir, n)) for n in _files_of(prefix))
 
 
 def manifest_run(prefix: str) -> dict[str, Any] | None:
@@ -141,11 +208,8 @@ class Choice:
 
 
 def choose(backup_dir: str) -> Choice:
-    """The checkpoints of ``backup_dir`` a restore may use; `UsageError` when all are damaged.
-
-    Saves cut off before their manifest are no backup (training starts over); damaged ones are
-    refused: resuming is what the user asked for.
-    """
+    """The checkpoints of ``backup_dir`` a restore may use. Saves cut off before their manifest are no
+    backup (training starts over); when only damaged ones are left, `UsageError`."""
     choice = Choice()
     for prefix in checkpoints(backup_dir):
         why = problem(prefix)
@@ -158,21 +222,6 @@ def choose(backup_dir: str) -> Choice:
     return choice
 
 
-_chosen: dict[str, Choice] = {}
-
-
-def chosen(backup_dir: str) -> Choice:
-    """The `choose` of ``backup_dir`` made at this `fit`'s start (`remember`), else a new one."""
-    return _chosen.get(os.path.abspath(backup_dir)) or choose(backup_dir)
-
-
-def remember(backup_dir: str, choice: Choice | None) -> None:
-    """Keep (or with None, forget) the choice of this `fit`: the run lookup and the restore agree."""
-    _chosen.pop(os.path.abspath(backup_dir), None)
-    if choice is not None:
-        _chosen[os.path.abspath(backup_dir)] = choice
-
-
 def no_usable_backup(backup_dir: str, skipped: list[tuple[str, str]]) -> UsageError:
     what = "; ".join(f"{os.path.basename(p)}: {why}" for p, why in skipped)
     return UsageError(
@@ -181,26 +230,7 @@ def no_usable_backup(backup_dir: str, skipped: list[tuple[str, str]]) -> UsageEr
     )
 
 
-def say_skipped(choice: Choice) -> None:
-    """One line per newer checkpoint a restore leaves out, naming it and what is wrong (chief only)."""
-    latest = choice.latest
-    instead = f"using {os.path.basename(latest)}" if latest else "no earlier complete backup"
-    for prefix, why in choice.skipped:
-        print(
-            f"keras-sync: skipped the backup {prefix} ({why}); {instead}",
-            file=sys.stderr,
-            flush=True,
-        )
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
+# -- the lock ------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -227,6 +257,16 @@ def read_lock(backup_dir: str) -> tuple[Holder, float] | None:
         return Holder(d.get("job_id"), str(d["host"]), int(d["pid"]), d.get("cluster")), age
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def live_other(found: tuple[Holder, float] | None, me: Holder, *, chief: bool) -> Holder | None:
@@ -261,11 +301,9 @@ class BackupLock:
     """The lock the chief holds on its backup directory while `fit` runs (refreshed every `HEARTBEAT_S`)."""
 
     def __init__(self, backup_dir: str, me: Holder):
+        self.backup_dir, self.me = backup_dir, me
         self.path = os.path.join(backup_dir, LOCK_FILE)
-        self.backup_dir = backup_dir
-        self.me = me
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def acquire(self) -> None:
         """Take the directory, or raise `UsageError` naming the live job that holds it."""
@@ -282,10 +320,7 @@ class BackupLock:
                 continue
             with os.fdopen(fd, "w") as f:
                 json.dump({**asdict(self.me), "since": time.time()}, f)
-            self._thread = threading.Thread(
-                target=self._beat, name="keras-sync-backup-lock", daemon=True
-            )
-            self._thread.start()
+            threading.Thread(target=self._beat, name="keras-sync-backup-lock", daemon=True).start()
             return
         raise refused(self.backup_dir, self.me)  # three races in a row: another job keeps taking it
 

@@ -1,38 +1,141 @@
-"""What a `tf.data` pipeline is made of, read from its graph: a ``shard`` op, the files it reads
-(`keras_sync.training.pipeline` decides sharding from these)."""
+"""What a batched `tf.data` pipeline holds, read from its graph: its batch size, its examples per
+pass, a ``shard`` op, the files it reads. `keras_sync.training.pipeline` decides from these."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
 from typing import Any
 
+from keras_sync.errors import UsageError
 
-def _walk(ds: Any) -> Any:
+# The source ops TensorFlow's FILE auto-sharding looks for (tensorflow/core/grappler/optimizers/data/auto_shard.cc).
+_READERS = ("TFRecordDataset", "TextLineDataset", "FixedLengthRecordDataset")
+_READER_OPS = {*_READERS, "TFRecordDatasetV2", "FixedLengthRecordDatasetV2", "ArrayRecordDataset"}
+_READER_CLASSES = {f"{name}V{v}" for name in _READERS for v in (1, 2)}
+
+
+def own_shard_policy(ds: Any) -> str:
+    """The auto-shard policy in the dataset's own options, lower case (``auto`` when not set)."""
+    policy = ds.options().experimental_distribute.auto_shard_policy
+    return getattr(policy, "name", str(policy)).lower()
+
+
+def with_policy(ds: Any, policy: str) -> Any:
+    """``ds`` with the auto-shard ``policy`` (``auto``, ``data``, ``file``, ``off``) in its options."""
+    import tensorflow as tf
+
+    wanted = getattr(tf.data.experimental.AutoShardPolicy, policy.upper())
+    if ds.options().experimental_distribute.auto_shard_policy == wanted:
+        return ds
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = wanted
+    return ds.with_options(options)
+
+
+def _specs(ds: Any) -> list[tuple[Any, int | None]]:
+    """(spec, rank) of every component of the dataset's elements."""
+    import tensorflow as tf
+
+    specs = tf.nest.flatten(ds.element_spec)
+    shapes = [getattr(spec, "shape", None) for spec in specs]
+    return [(s, None if h is None or h.rank is None else h.rank) for s, h in zip(specs, shapes)]
+
+
+def _first_dims(ds: Any) -> set[Any]:
+    return {spec.shape[0] for spec, rank in _specs(ds) if rank}
+
+
+def refuse_unbatched(ds: Any) -> None:
+    """A batch has a first dimension shared by every component; single examples often do not."""
+    ranks = [rank for _, rank in _specs(ds)]
+    firsts = _first_dims(ds)
+    if 0 in ranks or (None not in firsts and len(firsts) > 1):
+        raise UsageError(
+            "sync.fit received a tf.data.Dataset of single examples, not batches (element_spec="
+            f"{ds.element_spec}: no first dimension shared by every component); Keras trains on batches. "
+            "Fix: pass it through sync.distribute(dataset), which batches by the global batch, or end it "
+            "with .batch(n)."
+        )
+
+
+def _batch_op(ds: Any) -> Any:
+    """The nearest dataset up the pipeline that batches (has a ``_batch_size``), through one-input steps."""
+    for _ in range(200):
+        if getattr(ds, "_batch_size", None) is not None:
+            return ds
+        try:
+            (ds,) = ds._inputs()
+        except (AttributeError, NotImplementedError, ValueError):
+            return None
+    return None
+
+
+def batch_size_of(ds: Any) -> tuple[int | None, str]:
+    """(batch size, how it was found) of a batched dataset; (None, why not) when it cannot be told.
+
+    In order: the static first dimension of every component; TensorFlow's own reading of the
+    pipeline (what `tf.distribute` splits batches by); the nearest ``batch`` op up the pipeline
+    through element-wise steps such as ``map``.
+    """
+    import tensorflow as tf
+
+    from keras_sync.upstream.tf_runtime import pipeline_batch_size
+
+    dims = _first_dims(ds)
+    if len(dims) == 1 and None not in dims:
+        return int(dims.pop()), "static shape"
+    size = pipeline_batch_size(ds)
+    op = _batch_op(ds) if size is None else None
+    if op is not None:
+        size = tf.get_static_value(op._batch_size)
+    if size is not None:
+        return int(size), "its batch op"
+    return (
+        None,
+        "no static batch dimension and no batch op, e.g. from_generator or Ray Data's to_tf",
+    )
+
+
+def example_count(ds: Any, batch: int | None) -> int | None:
+    """The examples in one pass of a dataset batched by ``batch``, when the pipeline tells them exactly."""
+    import tensorflow as tf
+
+    batches = int(ds.cardinality())
+    if batches < 0 or batch is None:
+        return None
+    if _first_dims(ds) == {batch}:
+        return batches * batch  # every batch is full (static batch dimension)
+    op = _batch_op(ds)
+    if op is None or tf.get_static_value(op._batch_size) != batch:
+        return None
+    examples = int(op._input_dataset.cardinality())
+    if examples < 0:
+        return None
+    if tf.get_static_value(op._drop_remainder):
+        examples -= examples % batch
+    # Only when nothing between the batch op and the end filtered or repeated batches.
+    return examples if math.ceil(examples / batch) == batches else None
+
+
+def _walk(ds: Any) -> Iterator[Any]:
     """Every dataset of the pipeline that ends in ``ds`` (each once), through all inputs (zip, concatenate)."""
     seen: set[int] = set()
     todo = [ds]
     while todo and len(seen) < 1000:
         d = todo.pop()
-        if id(d) in seen:
-            continue
-        seen.add(id(d))
-        yield d
-        try:
-            todo.extend(d._inputs())
-        except (AttributeError, NotImplementedError):
-            pass
+        if id(d) not in seen:
+            seen.add(id(d))
+            yield d
+            try:
+                todo.extend(d._inputs())
+            except (AttributeError, NotImplementedError):
+                pass
 
 
 def has_shard_op(ds: Any) -> bool:
     """Whether the pipeline contains a ``shard`` op (the user split the data across workers)."""
     return any(type(d).__name__ in ("_ShardDataset", "ShardDataset") for d in _walk(ds))
-
-
-# The source ops TensorFlow's FILE auto-sharding looks for (tensorflow/core/grappler/optimizers/data/auto_shard.cc).
-_READERS = ("TFRecordDataset", "TextLineDataset", "FixedLengthRecordDataset")
-_READER_OPS = frozenset(
-    {*_READERS, "TFRecordDatasetV2", "FixedLengthRecordDatasetV2", "ArrayRecordDataset"}
-)
-_READER_CLASSES = frozenset(f"{name}V{v}" for name in _READERS for v in (1, 2))
 
 
 def file_count(ds: Any) -> int | None:

@@ -190,7 +190,7 @@ def restored_run(backup_dir: str | None) -> dict[str, Any] | None:
         return None
     from keras_sync.training import backup_files as _backup_files
 
-    latest = _backup_files.chosen(backup_dir).latest
+    latest = _backup_files.choose(backup_dir).latest
     if latest is None:
         return None
     from_backup = _backup_files.manifest_run(latest)

@@ -11,30 +11,22 @@ from keras_sync.errors import UsageError
 
 
 def check_writable(path: str | os.PathLike[str], key: str, value: str | None = None) -> None:
-    """Write a file in ``path`` (or, before it exists, a folder where it will be created) and
-    remove it; `UsageError` (one line) when this process cannot."""
-    path = os.fspath(path)
-    existing = os.path.abspath(path)
+    """Create and remove a folder in ``path`` (or, before it exists, in its nearest existing
+    parent); `UsageError` in one line when this process cannot."""
+    shown = os.fspath(path) if value is None else value
+    path = existing = os.path.abspath(path)
     while not os.path.exists(existing) and os.path.dirname(existing) != existing:
         existing = os.path.dirname(existing)
     try:
-        if existing == os.path.abspath(path):
-            if not os.path.isdir(path):
-                raise NotADirectoryError(20, "Not a directory", path)
-            fd, probe = tempfile.mkstemp(prefix=".keras_sync_write_check_", dir=path)
-            os.close(fd)
-            os.unlink(probe)
-        else:  # created when first written; nothing is left behind by the check
-            if not os.path.isdir(existing):
-                raise NotADirectoryError(20, "Not a directory", existing)
-            os.rmdir(tempfile.mkdtemp(prefix=".keras_sync_write_check_", dir=existing))
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(20, "Not a directory", existing)
+        os.rmdir(tempfile.mkdtemp(prefix=".keras_sync_write_check_", dir=existing))
     except OSError as e:
         it = "it" if value is None else f"its folder {path}"
-        what = f"write {it}" if existing == os.path.abspath(path) else f"create {it} in {existing}"
-        shown = path if value is None else value
+        what = f"write {it}" if existing == path else f"create {it} in {existing}"
         raise UsageError(
-            f"{key}={shown!r}: this process cannot {what} ({e.strerror}). Fix: choose a directory it can write, "
-            "or give it write permission there; nothing was trained."
+            f"{key}={shown!r}: this process cannot {what} ({e.strerror}). Fix: choose "
+            "a directory it can write, or give it write permission there; nothing was trained."
         ) from None
 
 
@@ -48,7 +40,6 @@ def check_config_paths(config: Any, *, is_chief: bool) -> None:
     from keras_sync.tracking import resolve_tracking_uri
 
     uri, _ = resolve_tracking_uri(config.mlflow.tracking_uri)
-    if uri.startswith("sqlite:///"):
-        db = uri[len("sqlite:///") :].split("?", 1)[0]
-        if db and db != ":memory:":
-            check_writable(os.path.dirname(os.path.abspath(db)), "mlflow.tracking_uri", uri)
+    db = uri.removeprefix("sqlite:///").split("?", 1)[0] if uri.startswith("sqlite:///") else ""
+    if db and db != ":memory:":
+        check_writable(os.path.dirname(os.path.abspath(db)), "mlflow.tracking_uri", uri)

@@ -1,22 +1,15 @@
 """The input pipeline behind `Sync.fit` and `Sync.distribute`: batching, sharding, validation split.
 
-The rules (the README's "Input data" section says the same):
-
-* **Sharding is decided by the data, not by the host.** Arrays are split across workers by
-  example (``data``) unless ``batch.shard_policy: off``. A `tf.data.Dataset` whose own options set
-  a policy other than ``AUTO`` keeps it (Ray Data and Ray's `prepare_dataset_shard` set ``OFF``:
-  the shard is already this worker's); any other dataset gets ``batch.shard_policy``.
-* **The global batch is the configured one.** A batched dataset whose batch is not the
-  configured global batch, or cannot be read, is rebatched to it (same examples, same order), so
-  the scaled learning rate matches the batch trained on.
-* **Files decide before training.** Under several workers ``auto`` (or ``file``) becomes ``file``
-  when the pipeline reads at least as many files as workers, else ``data`` (TensorFlow's FILE
-  sharding would fail at the first step).
-* **A worker's own part** (a ``shard`` op, ``OFF`` in its options, ``batch.shard_policy: off``)
-  is, under several workers, rebatched per replica and given to the strategy as this worker's
-  input: never sharded again, its steps counted from its own length.
-* **A `keras.utils.PyDataset`** is read by index, each batch once per epoch, then handled as a
-  batched dataset.
+* **Sharding is decided by the data, not by the host.** Arrays are split across workers by example
+  unless ``batch.shard_policy: off``. A dataset keeps a policy other than ``AUTO`` set in its own
+  options (Ray Data sets ``OFF``: it is already this worker's shard); any other gets
+  ``batch.shard_policy``. Under several workers ``auto`` (or ``file``) becomes ``file`` when the
+  pipeline reads at least as many files as workers, else ``data``.
+* **The global batch is the configured one.** A batched dataset whose batch differs, or cannot be
+  read, is rebatched to it (same examples, same order): the scaled learning rate fits the batch.
+* **A worker's own part** (a ``shard`` op, ``OFF`` in its options, ``batch.shard_policy: off``) is,
+  under several workers, rebatched per replica and given to the strategy as this worker's input.
+* **A `keras.utils.PyDataset` or a Python generator** is read by keras-sync (`py_dataset`).
 
 Pure helpers (`shard_choice`, `batch_layout`) need no TensorFlow; `keras-sync plan` uses them.
 """
@@ -26,21 +19,14 @@ from __future__ import annotations
 import logging
 import math
 import sys
+import types
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from keras_sync.errors import UsageError
-from keras_sync.training.dataset_graph import file_count, has_shard_op
-from keras_sync.training.py_dataset import (
-    PyDatasetEpochs,
-    generator_batches,
-    generator_source,
-    is_generator,
-    is_py_dataset,
-    py_dataset_batches,
-    py_dataset_source,
-)
+from keras_sync.training import dataset_graph as graph
+from keras_sync.training import py_dataset
 
 log = logging.getLogger("keras_sync")
 
@@ -70,24 +56,14 @@ def shard_choice(
     >>> shard_choice("dataset", configured="file", own="auto").policy
     'file'
     """
+    if kind == "arrays" and configured == "off":
+        return ShardChoice("off", "batch.shard_policy: off (each worker's arrays are its own part)")
     if kind == "arrays":
-        if configured == "off":
-            return ShardChoice(
-                "off", "batch.shard_policy: off (each worker's arrays are its own part)"
-            )
-        extra = (
-            "; batch.shard_policy: file needs files, arrays have none"
-            if configured == "file"
-            else ""
-        )
+        extra = "; batch.shard_policy: file needs files, arrays have none" * (configured == "file")
         return ShardChoice("data", f"arrays are split across workers by example{extra}")
     if own is not None and own != "auto":
-        ray = (
-            ", as Ray Data and prepare_dataset_shard do: it is already this worker's shard"
-            if own == "off"
-            else ""
-        )
-        return ShardChoice(own, f"set in the dataset's own options{ray}")
+        ray = ", as Ray Data and prepare_dataset_shard do: it is already this worker's shard"
+        return ShardChoice(own, f"set in the dataset's own options{ray * (own == 'off')}")
     if configured == "auto":
         return ShardChoice(
             "auto",
@@ -113,17 +89,16 @@ def batch_layout(global_batch: int, num_replicas: int, num_workers: int) -> str:
 
 @dataclass(frozen=True)
 class InputFacts:
-    """What the pipeline did with the training data of one `fit` (``Sync.input_facts``), for run-time checks.
+    """What the pipeline did with the training data of one `fit` (``Sync.input_facts``).
 
     Attributes:
-        source: ``arrays``, ``tf.data.Dataset``, ``keras.utils.PyDataset`` or ``distributed dataset``.
-        shard_policy: the policy TensorFlow applies across workers (``data``, ``file``, ``off``);
-            ``off`` with ``own_part`` means each worker trains its own part.
-        own_part: each worker's data is its own part (a ``shard`` op, ``OFF`` in its options,
-            ``batch.shard_policy: off``), distributed by keras-sync without sharding.
-        examples_per_epoch: the examples the job trains per epoch (all workers), when known.
-        worker_examples_per_epoch: this worker's examples per epoch, when known (its part, or
-            its share of a split input when the split is even).
+        source: ``arrays``, ``tf.data.Dataset``, ``keras.utils.PyDataset``, ``Python generator``
+            or ``distributed dataset``.
+        shard_policy: the policy across workers (``data``, ``file``, ``off``).
+        own_part: each worker trains its own part, distributed by keras-sync without sharding.
+        examples_per_epoch: the examples one epoch trains over all workers, when known before
+            training (the run-time check of examples per epoch compares with it).
+        worker_examples_per_epoch: this worker's, when known.
         steps_per_epoch: optimizer steps per epoch when known (before gradient accumulation).
     """
 
@@ -135,16 +110,22 @@ class InputFacts:
     steps_per_epoch: int | None = None
 
 
+def _steps(examples: int | None, batch: int, drop_remainder: bool) -> int | None:
+    if examples is None:
+        return None
+    return examples // batch if drop_remainder else math.ceil(examples / batch)
+
+
 @dataclass(eq=False)
 class InputPipeline:
     """Turns what a user passes to `fit`/`distribute` into what the strategy trains on.
 
-    Attributes: the session facts it needs: global batch, replica and worker counts, whether
-    this process is the chief, ``drop_remainder`` and ``shard_policy`` from the config, the scaled
-    learning rate (for the messages), and when arrays must become a dataset: always under
-    `multi_worker_mirrored` (Keras requires it), and for `fit` with a backup in a script that set
-    no TensorFlow seed (its seeded shuffle lets a resumed job replay the order; see `tf_seed_set`);
-    the strategy (a worker's own part becomes its input).
+    Its fields are the session's facts: the global batch, replica and worker counts, whether this
+    process is the chief, ``batch.drop_remainder`` and ``batch.shard_policy``, the scaled learning
+    rate (for the lines), the strategy (a worker's own part becomes its input), and when arrays become
+    a dataset: always under `multi_worker_mirrored` (Keras requires it), for a `fit` with a backup in
+    a script that set no TensorFlow seed (the seeded shuffle lets a resume replay the order), and for
+    a `keras-sync verify` reference of a multi-worker recording (``arrays_as_dataset``).
     """
 
     global_batch: int
@@ -157,13 +138,9 @@ class InputPipeline:
     replay_order: bool
     learning_rate: float = 0.0
     strategy: Any = None
-    #: Arrays become a dataset as under `multi_worker_mirrored`: a `keras-sync verify` reference of a
-    #: multi-worker recording trains the batches in its order (`keras_sync.training.verify_record`).
     arrays_as_dataset: bool = False
     #: What the last `prepare(method="fit", ...)` did with the training data (None before).
     facts: InputFacts | None = field(default=None, init=False)
-
-    # -- sync.distribute ---------------------------------------------------------------------
 
     def distribute(
         self, data: Any, *, shuffle: bool = False, seed: int = 1337
@@ -171,75 +148,71 @@ class InputPipeline:
         """(dataset batched by the global batch, steps per epoch or None) from arrays or examples."""
         import tensorflow as tf
 
-        is_dataset = isinstance(data, tf.data.Dataset)
-        if is_dataset:
-            ds = data
+        if isinstance(data, tf.data.Dataset):
+            ds, choice = data, self._choice(data)
         else:
             ds = tf.data.Dataset.from_tensor_slices(tuple(data) if isinstance(data, list) else data)
+            choice = self._choice(None)
         n = int(ds.cardinality())
         steps = _steps(n, self.global_batch, self.drop_remainder) if n > 0 else None
-        choice = self._choice(ds if is_dataset else None)
-        return self._batched(
-            ds, self.global_batch, shuffle=shuffle, seed=seed, choice=choice
-        ), steps
-
-    # -- sync.fit / evaluate / predict -------------------------------------------------------
+        return self._batched(ds, self.global_batch, shuffle, choice, seed), steps
 
     def prepare(
         self, method: str, x: Any, y: Any, kwargs: dict[str, Any], global_batch: int
     ) -> tuple[Any, Any, dict[str, Any]]:
         """(x, y, kwargs) for ``model.<method>``: arrays batched by ``global_batch``, datasets reconciled."""
-        if method == "fit":
+        fit = method == "fit"
+        if fit:
             kwargs = _validation_input(kwargs)
-        described = None
-        if is_generator(x):
-            described = generator_source(kwargs.get("steps_per_epoch"))
-            x = generator_batches(x, method, kwargs)
-        if is_py_dataset(x) or described:
-            ds, found, examples = py_dataset_batches(x)
-            if method == "fit":
-                kwargs.setdefault("shuffle", False)
-                kwargs["callbacks"] = [PyDatasetEpochs(x)] + list(kwargs.get("callbacks") or [])
-                source = "Python generator" if described else "keras.utils.PyDataset"
-                x = self.training_dataset(
-                    ds,
-                    found=(found, "its first batch"),
-                    examples=examples,
-                    source=source,
-                    described=described or py_dataset_source(x, x.num_batches),
+        batches = py_dataset.python_batches(x, method, kwargs)
+        if batches is not None:
+            ds, found, examples = py_dataset.py_dataset_batches(batches)
+            if not fit:
+                return ds, y, kwargs  # evaluate/predict: its batches as given, each read once
+            import keras
+
+            kwargs.setdefault("shuffle", False)
+            if batches is x:  # a PyDataset: its epoch hooks, as Keras's own reader calls them
+                hooks = keras.callbacks.LambdaCallback(
+                    on_epoch_begin=lambda *_: batches.on_epoch_begin(),
+                    on_epoch_end=lambda *_: batches.on_epoch_end(),
                 )
-            else:
-                x = ds  # evaluate/predict: its batches as given, each read once
+                kwargs["callbacks"] = [hooks, *(kwargs.get("callbacks") or [])]
+            source = "keras.utils.PyDataset" if batches is x else "Python generator"
+            described = py_dataset.describe(batches, kwargs.get("steps_per_epoch"))
+            x = self.training_dataset(
+                ds,
+                found=(found, "its first batch"),
+                examples=examples,
+                source=source,
+                described=described,
+            )
             return x, y, kwargs
         if is_dataset(x):
-            if method == "fit":
+            if fit:
                 # Keras ignores `shuffle` for datasets but warns about its default True on every fit.
                 kwargs.setdefault("shuffle", False)
                 x = self.training_dataset(x)
             return x, y, kwargs
-        if not (
+        from keras_sync.upstream.tf_runtime import global_seed_set
+
+        # A seeded script's own Keras shuffle of arrays draws the same order again after a resume.
+        if (
             self.multi_worker
-            or (
-                method == "fit"
-                and (self.arrays_as_dataset or self.replay_order and not tf_seed_set())
-            )
+            or fit
+            and (self.arrays_as_dataset or self.replay_order and not global_seed_set())
         ):
-            kwargs["batch_size"] = global_batch
-            if method == "fit":
-                n = _array_examples(x, kwargs.get("validation_split"))
-                self.facts = InputFacts(
-                    "arrays",
-                    "data",
-                    examples_per_epoch=n,
-                    steps_per_epoch=_steps(n, global_batch, False),
-                )
-                self._say(
-                    f"keras-sync: training data: arrays, batched by keras-sync; "
-                    f"{batch_layout(global_batch, self.num_replicas, self.num_workers)}",
-                    loud=False,
-                )
-            return x, y, kwargs
-        return self._arrays_to_dataset(method, x, y, kwargs, global_batch)
+            return self._arrays_to_dataset(fit, x, y, kwargs, global_batch)
+        kwargs["batch_size"] = global_batch
+        if fit:
+            n = _array_examples(x, kwargs.get("validation_split"))
+            steps = _steps(n, global_batch, False)
+            self.facts = InputFacts("arrays", "data", examples_per_epoch=n, steps_per_epoch=steps)
+            layout = batch_layout(global_batch, self.num_replicas, self.num_workers)
+            self._say(
+                f"keras-sync: training data: arrays, batched by keras-sync; {layout}", loud=False
+            )
+        return x, y, kwargs
 
     def training_dataset(
         self,
@@ -253,162 +226,114 @@ class InputPipeline:
     ) -> Any:
         """A batched dataset given to `fit`: its shard policy settled, rebatched to the global batch.
 
-        A dataset that is already each worker's own part (a ``shard`` op in the pipeline, ``OFF``
-        in its options, ``batch.shard_policy: off``) is, on several workers, given to the strategy
-        as each worker's input (`distribute_datasets_from_function`, per-replica batches): TensorFlow
-        neither shards it again nor counts its steps from a global batch it does not hold.
+        A worker's own part is, on several workers, given to the strategy as each worker's input
+        (`distribute_datasets_from_function`, per-replica batches): TensorFlow neither shards it
+        again nor counts its steps from a global batch it does not hold.
         """
         import tensorflow as tf
 
-        # a DistributedDataset: the user distributed it already
-        if not isinstance(ds, tf.data.Dataset):
+        if not isinstance(ds, tf.data.Dataset):  # distributed by the user already
             self.facts = InputFacts("distributed dataset", "as given")
             self._say(
                 "keras-sync: training data: an already distributed dataset, used as given",
                 loud=False,
             )
             return ds
-        _refuse_unbatched(ds)
+        graph.refuse_unbatched(ds)
         choice = choice or self._choice(ds)
-        shard_op = has_shard_op(ds)
-        own_part = self.num_workers > 1 and (choice.policy == "off" or shard_op)
+        own_part = self.num_workers > 1 and (choice.policy == "off" or graph.has_shard_op(ds))
         if own_part and choice.policy != "off":
             choice = ShardChoice(
                 "off", "a shard op in the pipeline: it is already this worker's part"
             )
-        found_size, how = found if found is not None else batch_size_of(ds)
+        size, how = found or graph.batch_size_of(ds)
         if examples is None:
-            examples = _example_count(ds, found_size)
-        # Under several workers an own part is read per replica: each worker trains global/workers of it per step.
-        target = self.global_batch // self.num_replicas if own_part else self.global_batch
-        loud = self.num_workers > 1
-        if found_size == self.global_batch and not own_part:
-            note = f"batched by {found_size} ({how}) = the global batch"
-        else:
-            ds, loud = _rebatch(ds, target, found_size, self.drop_remainder, examples), True
-            was = (
-                f"batched by {found_size} ({how})" if found_size else f"batch size unknown ({how})"
-            )
+            examples = graph.example_count(ds, size)
+        gb, workers = self.global_batch, self.num_workers
+        # An own part is read per replica: each worker trains global/workers of it per step.
+        target = gb // self.num_replicas if own_part else gb
+        note = f"batched by {size} ({how})" if size else f"batch size unknown ({how})"
+        rebatched = size != gb or own_part
+        if rebatched:
+            ds = ds.rebatch(target, drop_remainder=self.drop_remainder)
+            steps = _steps(examples, target, self.drop_remainder)
+            if steps is not None:  # a known length: progress bar, warmup in epochs
+                ds = ds.apply(tf.data.experimental.assert_cardinality(steps))
             to = (
-                f"rebatched to {target} per replica, its worker's share of the global batch {self.global_batch}"
+                f"{target} per replica, its worker's share of the global batch {gb}"
                 if own_part
-                else f"rebatched to the global batch {self.global_batch}"
+                else f"the global batch {gb}"
             )
-            note = f"{was}, {to}; the learning rate {self.learning_rate:g} is scaled for {self.global_batch}"
-            if found_size is None and self.is_chief:
+            note += (
+                f", rebatched to {to}; the learning rate {self.learning_rate:g} is scaled for {gb}"
+            )
+            if size is None and self.is_chief:
                 warnings.warn(
                     f"keras-sync: cannot tell the batch size of the dataset given to sync.fit ({how}); it was "
-                    f"rebatched to the configured global batch {self.global_batch}, so each step trains on "
-                    f"{self.global_batch} examples. If its elements are single examples rather than batches, "
-                    "pass it through sync.distribute(...) instead. To silence this, end the pipeline with "
-                    f".rebatch({self.global_batch}, drop_remainder=True), or give it a fixed batch dimension.",
+                    f"rebatched to the configured global batch {gb}, so each step trains on {gb} examples. "
+                    "If its elements are single examples rather than batches, pass it through "
+                    f"sync.distribute(...) instead. To silence this, end the pipeline with .rebatch({gb}, "
+                    "drop_remainder=True), or give it a fixed batch dimension.",
                     UserWarning,
                     stacklevel=4,
                 )
-        ds = _with_policy(ds, choice)
-        workers = self.num_workers
+        else:
+            note += " = the global batch"
+        ds = graph.with_policy(ds, choice.policy)
+        trained = examples
+        if examples is not None and rebatched and self.drop_remainder:
+            trained = examples - examples % gb
+        part = ""
         if own_part:
-            part = f"; each worker trains {self.global_batch // workers} examples of its own part per step"
+            part = f"; each worker trains {gb // workers} examples of its own part per step"
             batches = int(ds.cardinality())
             per_worker = self._across_workers(batches, -1 if examples is None else examples)
-            steps = batches // (self.num_replicas // workers) if batches >= 0 else None
-            same = len({b for b, _ in per_worker}) == 1 and batches >= 0
+            same = batches >= 0 and len({b for b, _ in per_worker}) == 1
             if batches >= 0 and not same:
+                lengths = ", ".join(str(b) for b, _ in per_worker)
                 part += (
-                    f"; the parts differ in length ({', '.join(str(b) for b, _ in per_worker)} batches of "
-                    f"{target}): each epoch ends when every worker's part has"
+                    f"; the parts differ in length ({lengths} batches of {target}): each epoch ends "
+                    "when every worker's part has"
                 )
-                steps = None
-            job = sum(e for _, e in per_worker) if all(e >= 0 for _, e in per_worker) else None
+            # Each part drops its own remainder: the job's count is then not known here.
+            known = all(e >= 0 for _, e in per_worker) and not self.drop_remainder
             self.facts = InputFacts(
                 source,
                 "off",
                 own_part=True,
-                examples_per_epoch=job,
+                examples_per_epoch=sum(e for _, e in per_worker) if known else None,
                 worker_examples_per_epoch=examples,
-                steps_per_epoch=steps,
+                steps_per_epoch=batches // (self.num_replicas // workers) if same else None,
             )
             ds = self._per_worker(ds, known_steps=same)
         else:
-            part = ""
-            steps = _steps(examples, self.global_batch, self.drop_remainder)
-            share = (
-                examples // workers
-                if examples is not None and examples % (workers * self.global_batch) == 0
-                else None
-            )
+            share = examples
+            if workers > 1:  # this worker's share, when the split is even
+                even = examples is not None and examples % (workers * gb) == 0
+                share = examples // workers if examples is not None and even else None
             self.facts = InputFacts(
                 source,
                 choice.policy,
-                examples_per_epoch=examples,
-                worker_examples_per_epoch=share if workers > 1 else examples,
-                steps_per_epoch=steps,
+                examples_per_epoch=trained,
+                worker_examples_per_epoch=share,
+                steps_per_epoch=_steps(examples, gb, self.drop_remainder),
             )
+        layout = batch_layout(gb, self.num_replicas, workers)
         self._say(
-            f"keras-sync: training data: {described or source} {note}; shard policy {choice.policy} ({choice.reason}){part}; "
-            f"{batch_layout(self.global_batch, self.num_replicas, self.num_workers)}",
-            loud=loud,
+            f"keras-sync: training data: {described or source} {note}; shard policy {choice.policy} "
+            f"({choice.reason}){part}; {layout}",
+            loud=workers > 1 or rebatched,
         )
         return ds
-
-    def expected_examples(
-        self, facts: InputFacts | None, x: Any, kwargs: dict[str, Any], global_batch: int
-    ) -> int | None:
-        """The examples one epoch of `fit` trains over all workers, when known before training.
-
-        ``facts``: what `prepare` found (a worker's own part is summed over the workers there; a
-        PyDataset counted by its batches). Otherwise arrays count their length (less a
-        ``validation_split``) and a `tf.data.Dataset` its examples when its pipeline tells them.
-        None when unknown, and with ``steps_per_epoch`` (an epoch is then that many steps). With
-        ``drop_remainder`` the last partial global batch is not counted; an own part drops its
-        remainder per worker, so its count is then unknown.
-        """
-        if kwargs.get("steps_per_epoch") is not None or x is None:
-            return None
-        drops = self.drop_remainder and (self.multi_worker or self.replay_order or is_dataset(x))
-        if facts is not None and (facts.own_part or facts.source == "keras.utils.PyDataset"):
-            n = facts.examples_per_epoch
-            if n is None or (drops and facts.own_part):
-                return None
-            return n - n % global_batch if drops else n
-        import tensorflow as tf
-
-        if is_dataset(x):
-            if not isinstance(x, tf.data.Dataset):
-                return None
-            found, _ = batch_size_of(x)
-            n = _example_count(x, found)
-            if n is None:
-                return None
-            if found != global_batch and drops:
-                n -= n % global_batch
-            if self.num_workers > 1 and own_shard_policy(x) == "off":
-                return sum(e for _, e in self._across_workers(0, n))  # each worker's own part
-            return n
-        if (
-            hasattr(x, "__getitem__")
-            and not isinstance(x, (list, tuple, dict))
-            and not hasattr(x, "shape")
-        ):
-            return None  # a PyDataset / Sequence: its length is in batches, not examples
-        try:
-            n = len(tf.nest.flatten(x)[0])
-        except TypeError:
-            return None
-        split = kwargs.get("validation_split")
-        if split and kwargs.get("validation_data") is None:
-            n = int(n * (1.0 - split))
-        return n - n % global_batch if drops else n
 
     def _per_worker(self, ds: Any, *, known_steps: bool) -> Any:
         """This worker's own part, batched per replica, as the strategy's input on this worker."""
         if int(ds.cardinality()) >= 0 and (
             not known_steps or self.num_replicas // self.num_workers > 1
         ):
-            # Keras takes a known length as the steps of every worker: parts of different lengths would
-            # leave one worker waiting in a collective for the others, and with several replicas per
-            # worker Keras would count per-replica batches. Unknown, the epoch ends when every part has
-            # (TensorFlow agrees across workers that all are out of data).
+            # Keras takes a known length as every worker's steps: parts of different lengths would leave
+            # one worker waiting in a collective, and with several replicas per worker Keras would count
+            # per-replica batches. Unknown, the epoch ends when every part has.
             ds = ds.filter(lambda *_: True)
         return self.strategy.distribute_datasets_from_function(lambda _context: ds)
 
@@ -421,108 +346,85 @@ class InputPipeline:
         # In a tf.function: eager, MultiWorkerMirroredStrategy.run warns of its overhead on every worker.
         @tf.function(autograph=False)
         def gather() -> Any:
-            return strategy.gather(
-                strategy.run(lambda: tf.constant([[batches, examples]], tf.int64)), axis=0
-            )
+            value = strategy.run(lambda: tf.constant([[batches, examples]], tf.int64))
+            return strategy.gather(value, axis=0)
 
         values = gather().numpy().tolist()
-        per_replica = self.num_replicas // self.num_workers
-        return [tuple(v) for v in values[::per_replica]]
+        return [tuple(v) for v in values[:: self.num_replicas // self.num_workers]]
 
     def _arrays_to_dataset(
-        self, method: str, x: Any, y: Any, kwargs: dict[str, Any], global_batch: int
+        self, fit: bool, x: Any, y: Any, kwargs: dict[str, Any], global_batch: int
     ) -> tuple[Any, Any, dict[str, Any]]:
         import tensorflow as tf
 
-        sample_weight = kwargs.pop("sample_weight", None)
-        shuffle = kwargs.pop("shuffle", True) if method == "fit" else False
-        split = kwargs.pop("validation_split", 0.0) if method == "fit" else 0.0
+        parts = tuple(p for p in (x, y, kwargs.pop("sample_weight", None)) if p is not None)
+        shuffle = kwargs.pop("shuffle", True) if fit else False
+        split = kwargs.pop("validation_split", 0.0) if fit else 0.0
         if split and kwargs.get("validation_data") is None:
-            # Same rule as Keras: the last `split` fraction of the arrays, before shuffling.
-            n = len(tf.nest.flatten(x)[0])
-            cut = int(n * (1.0 - split))
-            head = lambda a: tf.nest.map_structure(lambda t: t[:cut], a) if a is not None else None  # noqa: E731
-            tail = lambda a: tf.nest.map_structure(lambda t: t[cut:], a) if a is not None else None  # noqa: E731
-            kwargs["validation_data"] = self._arrays(
-                _parts(tail(x), tail(y), tail(sample_weight)), global_batch, False
-            )
-            x, y, sample_weight = head(x), head(y), head(sample_weight)
+            # Keras's rule: the last `split` fraction of the arrays, before shuffling.
+            cut = int(len(tf.nest.flatten(parts)[0]) * (1.0 - split))
+            kwargs["validation_data"] = tf.nest.map_structure(lambda t: t[cut:], parts)
+            parts = tf.nest.map_structure(lambda t: t[:cut], parts)
         vd = kwargs.get("validation_data")
         if isinstance(vd, tuple) and not is_dataset(vd[0]):
             kwargs["validation_data"] = self._arrays(vd, global_batch, False)
-        if method == "fit":
-            # shuffled here, with one seed for all workers; Keras would only warn
-            kwargs["shuffle"] = False
-            choice = self._choice(None)
-            n = len(tf.nest.flatten(x)[0])
-            if (
-                choice.policy == "off"
-                and self.num_workers > 1
-                and global_batch == self.global_batch
-            ):
-                # Each worker's arrays are its own part: read per replica, not sharded, steps from its own length.
-                ds = self._arrays(_parts(x, y, sample_weight), global_batch, shuffle)
-                return (
-                    self.training_dataset(
-                        ds,
-                        found=(global_batch, "keras-sync's batch"),
-                        examples=n,
-                        source="arrays",
-                        choice=choice,
-                    ),
-                    None,
-                    kwargs,
-                )
-            self.facts = InputFacts(
-                "arrays",
-                choice.policy,
-                examples_per_epoch=n,
-                steps_per_epoch=_steps(n, global_batch, self.drop_remainder),
-            )
-            self._say(
-                f"keras-sync: training data: arrays, shard policy {choice.policy} ({choice.reason}); "
-                f"{batch_layout(global_batch, self.num_replicas, self.num_workers)}",
-                loud=self.num_workers > 1,
-            )
-        return self._arrays(_parts(x, y, sample_weight), global_batch, shuffle), None, kwargs
+        ds = self._arrays(parts, global_batch, shuffle)
+        if not fit:
+            return ds, None, kwargs
+        kwargs["shuffle"] = (
+            False  # shuffled here, with one seed for all workers; Keras would only warn
+        )
+        choice = self._choice(None)
+        n = len(tf.nest.flatten(parts)[0])
+        if choice.policy == "off" and self.num_workers > 1 and global_batch == self.global_batch:
+            # Each worker's arrays are its own part: read per replica, not sharded, steps from its own length.
+            found = (global_batch, "keras-sync's batch")
+            ds = self.training_dataset(ds, found=found, examples=n, source="arrays", choice=choice)
+            return ds, None, kwargs
+        self.facts = InputFacts(
+            "arrays",
+            choice.policy,
+            examples_per_epoch=n - n % global_batch if self.drop_remainder else n,
+            steps_per_epoch=_steps(n, global_batch, self.drop_remainder),
+        )
+        self._say(
+            f"keras-sync: training data: arrays, shard policy {choice.policy} ({choice.reason}); "
+            f"{batch_layout(global_batch, self.num_replicas, self.num_workers)}",
+            loud=self.num_workers > 1,
+        )
+        return ds, None, kwargs
 
     def _arrays(self, parts: tuple, global_batch: int, shuffle: bool) -> Any:
         import tensorflow as tf
 
         ds = tf.data.Dataset.from_tensor_slices(parts if len(parts) > 1 else parts[0])
-        return self._batched(
-            ds, global_batch, shuffle=shuffle, seed=1337, choice=self._choice(None)
-        )
+        return self._batched(ds, global_batch, shuffle, self._choice(None))
 
     def _batched(
-        self, ds: Any, global_batch: int, *, shuffle: bool, seed: int, choice: ShardChoice
+        self, ds: Any, global_batch: int, shuffle: bool, choice: ShardChoice, seed: int = 1337
     ) -> Any:
         """``ds`` of single examples -> shuffled (one seed for every worker), batched, shard policy set."""
         if shuffle:
             n = int(ds.cardinality())
             ds = ds.shuffle(n if n > 0 else 10_000, seed=seed, reshuffle_each_iteration=True)
-        return _with_policy(ds.batch(global_batch, drop_remainder=self.drop_remainder), choice)
+        batched = ds.batch(global_batch, drop_remainder=self.drop_remainder)
+        return graph.with_policy(batched, choice.policy)
 
     def _choice(self, ds: Any | None) -> ShardChoice:
         if ds is None:
             return shard_choice("arrays", configured=self.shard_policy)
-        choice = shard_choice("dataset", configured=self.shard_policy, own=own_shard_policy(ds))
+        choice = shard_choice(
+            "dataset", configured=self.shard_policy, own=graph.own_shard_policy(ds)
+        )
         if self.num_workers <= 1 or choice.policy not in ("auto", "file"):
             return choice
-        # Decided here, before training: TensorFlow's FILE sharding fails at the first step when the
+        # Decided before training: TensorFlow's FILE sharding fails at the first step when the
         # pipeline reads fewer files than there are workers ("Could not apply FILE based sharding").
-        files = file_count(ds)
-        workers = self.num_workers
+        files, workers = graph.file_count(ds), self.num_workers
         if files is None:
-            if choice.policy == "file":
-                return ShardChoice(
-                    "data",
-                    "batch.shard_policy: file, but the pipeline reads no files: split by example",
-                )
             return ShardChoice(
                 "data",
-                "batch.shard_policy: auto and the pipeline reads no files: TensorFlow splits "
-                "it by example",
+                f"batch.shard_policy: {choice.policy} and the pipeline reads no files: split by example",
             )
         if files < workers:
             return ShardChoice(
@@ -537,155 +439,16 @@ class InputPipeline:
         )
 
     def _say(self, line: str, *, loud: bool) -> None:
-        """One line about the input on the chief: printed when it matters (several workers, a
-        changed batch), else only logged."""
+        """A line about the input: printed on the chief when it matters (several workers, a changed
+        batch), else only logged."""
         log.info("%s", line)
         if loud and self.is_chief:
             print(line, file=sys.stderr, flush=True)
 
 
-# -- tf.data helpers ---------------------------------------------------------------------------
-
-
-def tf_seed_set() -> bool:
-    """Whether the script set TensorFlow's global seed (`keras.utils.set_random_seed`, `tf.random.set_seed`).
-
-    Then Keras's own shuffle of arrays draws the same order in every run, and a resume replays it:
-    with a backup, arrays are left to Keras, so a seeded script trains the same weights with and
-    without ``fault_tolerance.backup_dir``. Unseeded, keras-sync shuffles with its own seed.
-    """
-    from keras_sync.upstream.tf_runtime import global_seed_set
-
-    return global_seed_set()
-
-
 def is_dataset(x: Any) -> bool:
     """Whether ``x`` is a `tf.data.Dataset` or a distributed dataset (not arrays)."""
-    import tensorflow as tf
-
-    return isinstance(x, (tf.data.Dataset, tf.distribute.DistributedDataset)) or hasattr(
-        x, "element_spec"
-    )
-
-
-def own_shard_policy(ds: Any) -> str:
-    """The auto-shard policy in the dataset's own options, lower case (``auto`` when not set)."""
-    policy = ds.options().experimental_distribute.auto_shard_policy
-    return getattr(policy, "name", str(policy)).lower()
-
-
-def _with_policy(ds: Any, choice: ShardChoice) -> Any:
-    import tensorflow as tf
-
-    wanted = getattr(tf.data.experimental.AutoShardPolicy, choice.policy.upper())
-    if ds.options().experimental_distribute.auto_shard_policy == wanted:
-        return ds
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = wanted
-    return ds.with_options(options)
-
-
-def batch_size_of(ds: Any) -> tuple[int | None, str]:
-    """(batch size, how it was found) of a batched dataset; (None, why not) when it cannot be told.
-
-    In order: the static first dimension of every component; TensorFlow's own reading of the
-    pipeline (`compute_batch_size`, what `tf.distribute` uses to split batches); the nearest
-    ``batch``/``padded_batch`` op up the pipeline through element-wise steps such as ``map``.
-    """
-    import tensorflow as tf
-
-    dims = {spec.shape[0] for spec in tf.nest.flatten(ds.element_spec) if _rank(spec)}
-    if len(dims) == 1 and None not in dims:
-        return int(dims.pop()), "static shape"
-    from keras_sync.upstream.tf_runtime import pipeline_batch_size
-
-    size = pipeline_batch_size(ds)
-    if size is not None:
-        return size, "its batch op"
-    op = _batch_op(ds)
-    if op is not None:
-        size = tf.get_static_value(op._batch_size)
-        if size is not None:
-            return int(size), "its batch op"
-    return (
-        None,
-        "no static batch dimension and no batch op, e.g. from_generator or Ray Data's to_tf",
-    )
-
-
-def _rank(spec: Any) -> int | None:
-    shape = getattr(spec, "shape", None)
-    return None if shape is None or shape.rank is None else shape.rank
-
-
-def _refuse_unbatched(ds: Any) -> None:
-    """A batch has a first dimension shared by every component; single examples often do not."""
-    import tensorflow as tf
-
-    ranks = [_rank(spec) for spec in tf.nest.flatten(ds.element_spec)]
-    firsts = {spec.shape[0] for spec, r in zip(tf.nest.flatten(ds.element_spec), ranks) if r}
-    if 0 in ranks or (None not in firsts and len(firsts) > 1):
-        raise UsageError(
-            "sync.fit received a tf.data.Dataset of single examples, not batches (element_spec="
-            f"{ds.element_spec}: no first dimension shared by every component); Keras trains on batches. "
-            "Fix: pass it through sync.distribute(dataset), which batches by the global batch, or end it "
-            "with .batch(n)."
-        )
-
-
-def _batch_op(ds: Any) -> Any:
-    """The nearest dataset up the pipeline that batches (has a ``_batch_size``), through one-input steps."""
-    for _ in range(200):
-        if getattr(ds, "_batch_size", None) is not None:
-            return ds
-        try:
-            inputs = ds._inputs()
-        except (AttributeError, NotImplementedError):
-            return None
-        if len(inputs) != 1:
-            return None
-        ds = inputs[0]
-    return None
-
-
-def _rebatch(
-    ds: Any, global_batch: int, found: int | None, drop_remainder: bool, examples: int | None
-) -> Any:
-    """``ds`` rebatched to ``global_batch``, keeping a known number of steps when the examples are known."""
-    import tensorflow as tf
-
-    out = ds.rebatch(global_batch, drop_remainder=drop_remainder)
-    steps = _steps(examples, global_batch, drop_remainder)
-    return out if steps is None else out.apply(tf.data.experimental.assert_cardinality(steps))
-
-
-def _example_count(ds: Any, found: int | None) -> int | None:
-    """The number of examples in one pass of a batched dataset, when the pipeline tells it exactly."""
-    import tensorflow as tf
-
-    batches = int(ds.cardinality())
-    if batches < 0 or found is None:
-        return None
-    dims = {spec.shape[0] for spec in tf.nest.flatten(ds.element_spec) if _rank(spec)}
-    if dims == {found}:
-        return batches * found  # every batch is full (static batch dimension)
-    op = _batch_op(ds)
-    if op is None or tf.get_static_value(op._batch_size) != found:
-        return None
-    examples = int(op._input_dataset.cardinality())
-    drop = bool(tf.get_static_value(op._drop_remainder))
-    if examples < 0:
-        return None
-    if drop:
-        examples -= examples % found
-    # Only when nothing between the batch op and the end filtered or repeated batches.
-    return examples if math.ceil(examples / found) == batches else None
-
-
-def _steps(examples: int | None, batch: int, drop_remainder: bool) -> int | None:
-    if examples is None:
-        return None
-    return examples // batch if drop_remainder else math.ceil(examples / batch)
+    return hasattr(x, "element_spec")
 
 
 def _array_examples(x: Any, validation_split: float | None) -> int | None:
@@ -696,10 +459,6 @@ def _array_examples(x: Any, validation_split: float | None) -> int | None:
     except TypeError:
         return None
     return int(n * (1.0 - validation_split)) if validation_split else n
-
-
-def _parts(x: Any, y: Any, sample_weight: Any) -> tuple:
-    return tuple(p for p in (x, y, sample_weight) if p is not None)
 
 
 def steps_of(x: Any, batch_size: int | None, validation_split: float | None) -> int | None:
@@ -716,10 +475,9 @@ def steps_of(x: Any, batch_size: int | None, validation_split: float | None) -> 
 def _validation_input(kwargs: dict[str, Any]) -> dict[str, Any]:
     """``validation_data`` read as the training data is: a PyDataset by index; a generator refused."""
     vd = kwargs.get("validation_data")
-    if is_py_dataset(vd):
-        # each evaluation reads every batch once
-        kwargs = dict(kwargs, validation_data=py_dataset_batches(vd)[0])
-    elif is_generator(vd):
+    if py_dataset.is_py_dataset(vd):
+        return dict(kwargs, validation_data=py_dataset.py_dataset_batches(vd)[0])
+    if isinstance(vd, types.GeneratorType):
         raise UsageError(
             "sync.fit received validation_data as a Python generator: Keras evaluates it again every epoch, "
             "each time replaying its first 2 batches and then reading new ones, so no two epochs validate on the "

@@ -1,18 +1,11 @@
 """Sparse gradients reach the optimizer with each row once, on one device and on N replicas alike.
 
-An embedding lookup's gradient is a `tf.IndexedSlices`: one slice per row looked up, so a row
-looked up twice (a token used twice in a batch) appears twice. The cross-replica all-reduce of
-such a gradient concatenates the replicas' slices, so on N replicas each row a step touches
-appears up to N times. An optimizer whose update is linear in the gradient (SGD) applies the sum
-of the duplicates, which is the dense gradient's row. One that is not (Adam, RMSprop, Adagrad:
-they square the gradient) applies ``g0^2 + g1^2`` where the dense gradient gives
-``(g0 + g1)^2``: training differs from one device, silently.
-
-`merging_update_step` wraps an optimizer's `update_step` (the public method each Keras optimizer
-implements, called once per variable with the all-reduced gradient): a sparse gradient is merged
-to one slice per row, the values of its duplicates summed, as TensorFlow 1's optimizers did
-(``_deduplicate_indexed_slices``). The update stays sparse. A gradient without duplicates
-passes through with the same values, so a step that had none trains bit for bit as before.
+An embedding's gradient is a `tf.IndexedSlices` with one slice per row looked up; the all-reduce
+concatenates the replicas' slices, so on N replicas a row can appear N times. SGD applies the sum,
+which is the dense row; Adam, RMSprop or Adagrad square each slice (``g0^2 + g1^2`` instead of
+``(g0 + g1)^2``) and silently train apart from one device. `merging_update_step` merges duplicate
+rows (values summed) before an optimizer's `update_step`, as TensorFlow 1's optimizers did; a
+gradient without duplicates passes with the same values.
 """
 
 from __future__ import annotations
