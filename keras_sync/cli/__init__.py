@@ -1,7 +1,4 @@
-"""The ``keras-sync`` command line: this module registers the commands, one module each.
-
-Nothing heavy is imported here: ``--help``, ``validate`` and ``schema`` load no TensorFlow.
-"""
+"""The ``keras-sync`` command line: registers the commands, one module each (no TensorFlow here)."""
 
 from __future__ import annotations
 

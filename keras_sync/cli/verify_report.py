@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -46,14 +47,12 @@ def layer_differences(subject_dir: Path, reference_dir: Path) -> dict[str, tuple
     with np.load(subject_dir / FINAL_FILE) as a, np.load(reference_dir / FINAL_FILE) as b:
         for key in sorted(set(a.files) & set(b.files)):
             x, y = a[key].astype(np.float64), b[key].astype(np.float64)
-            if x.shape != y.shape or not x.size:
+            if x.shape != y.shape:
                 continue
             layer = key.split(":", 1)[1].rpartition("/")[0] or key
+            diff, big = np.abs(x - y).max(initial=0.0), np.abs(x).max(initial=0.0)
             old = out.get(layer, (0.0, 0.0))
-            out[layer] = (
-                max(old[0], float(np.abs(x - y).max())),
-                max(old[1], float(np.abs(x).max())),
-            )
+            out[layer] = (max(old[0], float(diff)), max(old[1], float(big)))
     return out
 
 
@@ -113,11 +112,8 @@ def save(folder: Path, verdict: Verdict, subject: Run, reference: Run) -> list[P
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    left.plot(
-        [s["loss"] for s in subject["steps"]],
-        "-",
-        label=f"distributed ({subject['replicas']} replicas)",
-    )
+    distributed = f"distributed ({subject['replicas']} replicas)"
+    left.plot([s["loss"] for s in subject["steps"]], "-", label=distributed)
     left.plot([s["loss"] for s in reference["steps"]], "--", label="one device")
     left.set(title="loss per optimizer step", xlabel="step", ylabel="loss")
     left.legend()
@@ -127,18 +123,13 @@ def save(folder: Path, verdict: Verdict, subject: Run, reference: Run) -> list[P
     right.set(title="largest |weight difference| per layer", xscale="log")
     right.legend()
     cause = (verdict.cause or "").split(":")[0].split(" (")[0]
-    fig.suptitle(
-        f"verify: {'same as one device' if verdict.same else 'different from one device: ' + cause}"
-    )
+    title = "same as one device" if verdict.same else f"different from one device: {cause}"
+    fig.suptitle(f"verify: {title}")
     fig.tight_layout()
     fig.savefig(folder / "verify.png", dpi=90)
     plt.close(fig)
     comparison = {
-        "same": verdict.same,
-        "cause": verdict.cause,
-        "tolerance": verdict.tolerance,
-        "partings": [p.__dict__ for p in verdict.partings],
-        "layers": verdict.layers,
+        **dataclasses.asdict(verdict),
         "table": table(verdict, subject, reference),
         "last_line": verdict.last_line,
     }
@@ -158,11 +149,10 @@ def log_run(folder: Path, verdict: Verdict, subject: Run, reference: Run) -> str
     uri, _ = resolve_tracking_uri(settings.get("tracking_uri"))
     ensure_sqlite_store(uri)
     client = MlflowClient(uri)
-    experiment = client.get_experiment_by_name(settings["experiment"])
+    name = settings["experiment"]
+    experiment = client.get_experiment_by_name(name)
     run = client.create_run(
-        experiment.experiment_id
-        if experiment
-        else client.create_experiment(settings["experiment"]),
+        experiment.experiment_id if experiment else client.create_experiment(name),
         run_name=f"verify {subject['kind']} x{subject['replicas']}",
         tags={
             "keras_sync.verify": "same" if verdict.same else "different",
@@ -171,13 +161,8 @@ def log_run(folder: Path, verdict: Verdict, subject: Run, reference: Run) -> str
         },
     )
     rid = run.info.run_id
-    params = {
-        "replicas": subject["replicas"],
-        "kind": subject["kind"],
-        "global_batch": subject["global_batch"],
-        "steps": verdict.steps,
-        "tolerance": f"{verdict.tolerance:.3g}",
-    }
+    params = {key: subject[key] for key in ("replicas", "kind", "global_batch")}
+    params.update(steps=verdict.steps, tolerance=f"{verdict.tolerance:.3g}")
     metrics = [
         Metric(f"verify/{name}/{q}", float(s[q]), 0, i)
         for name, rec in (("distributed", subject), ("one_device", reference))
