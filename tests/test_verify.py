@@ -110,6 +110,44 @@ def test_a_reference_run_takes_the_recordings_one_device_settings(tmp_path: Path
     assert cfg.source_of("strategy.kind") == "env"
 
 
+# -- the comparison's maths (keras_sync/measures/verify_compare.py) ----------------------------------
+
+RUN = [{"examples": 8, "lr": 0.1, "loss": 1.0, "update": 0.5}] * 3
+
+
+def test_equal_runs_are_the_same_and_a_weight_difference_alone_has_no_known_cause() -> None:
+    from keras_sync.measures.verify_compare import verdict
+
+    v = verdict(RUN, RUN, {"dense": (1e-7, 0.9)}, {}, 2)
+    assert (v.same, v.cause, f"{v.tolerance:.1e}") == (True, None, "3.1e-05")
+    assert (
+        verdict(RUN, RUN, {"dense": (0.2, 0.9)}, {}, 2).cause
+        == "no known cause fits; what differed: the final weights"
+    )
+
+
+def test_a_loss_that_differs_is_a_parting_at_its_step() -> None:
+    from keras_sync.measures.verify_compare import Parting, verdict
+
+    other = RUN[:1] + [{**RUN[0], "loss": 1.2}] * 2
+    assert verdict(RUN, other, {}, {}, 2).partings[0] == Parting(1, "loss", 1.0, 1.2)
+
+
+def test_likely_cause_names_examples_first_then_the_gradient_scale() -> None:
+    from keras_sync.measures.verify_compare import Parting, likely_cause
+
+    assert likely_cause([Parting(0, "examples", 16, 8)], [], [], {}, 2).startswith(
+        "examples per step differ: "
+    )
+    s, r = [{"update": 2.0}], [{"update": 1.0}]
+    assert likely_cause([Parting(0, "update", 2.0, 1.0)], s, r, {"custom_train_step": True}, 2)[
+        :42
+    ] == ("the gradient is 2 times too large (the cus")
+    assert likely_cause([Parting(0, "update", 1.0, 4.0)], r, [{"update": 4.0}], {}, 4).startswith(
+        "the gradient is 4 times too small "
+    )
+
+
 # -- real runs: 2 simulated CPU replicas and 2 local workers --------------------------------------
 
 CONFIGS = {

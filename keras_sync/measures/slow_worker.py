@@ -67,19 +67,7 @@ def slowest(own_ms: Sequence[float]) -> tuple[int, float, float] | None:
 
 
 class SlowWorkerWatch:
-    """Says once when the same worker has held the job back at every logged step for `HOLD_S` s.
-
-    >>> watch = SlowWorkerWatch(hold_s=60)
-    >>> watch.update([3.0, 205.0, 2.5], [3.0, 203.0, 2.5], 0.0)
-    >>> watch.update([3.0, 3.0, 2.5], [1.0, 1.0, 1.0], 30.0)  # even again: the clock starts over
-    >>> watch.update([3.0, 205.0, 2.5], [1.0, 203.0, 1.0], 40.0)
-    >>> print(watch.update([3.0, 210.0, 2.5], [1.0, 208.0, 1.0], 101.0))  # doctest: +NORMALIZE_WHITESPACE
-    keras-sync: worker 1 holds the job back: for 61 s it took 210 ms a step to reach the gradient
-    all-reduce (208 ms between steps, compute 2 ms) against the other workers' median of 3 ms, and
-    they wait for it. Its times are sync/between_steps_ms/worker_1 and sync/compute_ms/worker_1 in
-    MLflow.
-    >>> watch.update([3.0, 210.0, 2.5], [1.0, 208.0, 1.0], 200.0)  # said once
-    """
+    """Says once when the same worker has held the job back at every logged step for `HOLD_S` s."""
 
     def __init__(self, hold_s: float | None = None):
         self.hold_s = HOLD_S if hold_s is None else hold_s  # read late: a test sets HOLD_S

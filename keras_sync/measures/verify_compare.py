@@ -87,16 +87,7 @@ def likely_cause(
     replicas: int,
 ) -> str:
     """The likely cause of a difference, from the first quantities that differ and the recording's
-    ``facts`` about the model (batch_norm, random_layers, add_loss, custom_train_step, precision).
-
-    >>> likely_cause([Parting(0, "examples", 16, 8)], [], [], {}, 2)[:26]
-    'examples per step differ: '
-    >>> s, r = [{"update": 2.0}], [{"update": 1.0}]
-    >>> likely_cause([Parting(0, "update", 2.0, 1.0)], s, r, {"custom_train_step": True}, 2)[:42]
-    'the gradient is 2 times too large (the cus'
-    >>> likely_cause([Parting(0, "update", 1.0, 4.0)], r, [{"update": 4.0}], {}, 4)[:34]
-    'the gradient is 4 times too small '
-    """
+    ``facts`` about the model (batch_norm, random_layers, add_loss, custom_train_step, precision)."""
     first_of = {p.quantity: p for p in reversed(first)}
     if p := first_of.get("examples"):
         return (
@@ -164,17 +155,7 @@ def verdict(
     facts: Mapping[str, Any],
     replicas: int,
 ) -> Verdict:
-    """Compare two recordings. ``layers``: layer -> (largest |weight difference|, largest |weight|).
-
-    >>> run = [{"examples": 8, "lr": 0.1, "loss": 1.0, "update": 0.5}] * 3
-    >>> v = verdict(run, run, {"dense": (1e-7, 0.9)}, {}, 2)
-    >>> v.same, v.cause, f"{v.tolerance:.1e}"
-    (True, None, '3.1e-05')
-    >>> verdict(run, run[:1] + [{**run[0], "loss": 1.2}] * 2, {}, {}, 2).partings[0]
-    Parting(step=1, quantity='loss', subject=1.0, reference=1.2)
-    >>> verdict(run, run, {"dense": (0.2, 0.9)}, {}, 2).cause
-    'no known cause fits; what differed: the final weights'
-    """
+    """Compare two recordings. ``layers``: layer -> (largest |weight difference|, largest |weight|)."""
     steps = min(len(subject), len(reference))
     tol = tolerance(steps, facts.get("precision", "float32"))
     parts = [
