@@ -82,11 +82,8 @@ def command(config: str | None, tracking_uri: str | None, port: int, no_browser:
 
             webbrowser.open(url)
         code = server.wait()
-        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-        raise UserError(
-            f"mlflow server exited with code {code}: {(lines or ['no output'])[-1]} "
-            f"(all of its output: {log})"
-        )
+        last = (log.read_text(errors="replace").strip().splitlines() or ["no output"])[-1].strip()
+        raise UserError(f"mlflow server exited with code {code}: {last} (all of its output: {log})")
     except KeyboardInterrupt:
         # SIGTERM to its process group (its web workers too), not SIGINT: it may ignore that.
         for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -99,9 +96,10 @@ def command(config: str | None, tracking_uri: str | None, port: int, no_browser:
 
 def _local_store(uri: str) -> Path | None:
     """The file or directory of a local store (sqlite:///x.db, file:///dir, a plain path), else None."""
-    if uri.startswith("sqlite:///"):
-        path = unquote(uri.removeprefix("sqlite:///").split("?")[0])
-        return None if path == ":memory:" else Path(path)
+    from keras_sync.tracking.sqlite_store import sqlite_path
+
+    if uri.startswith("sqlite:"):
+        return sqlite_path(uri)
     parsed = urlparse(uri)
     if parsed.scheme == "file":
         return Path(unquote(parsed.path))
