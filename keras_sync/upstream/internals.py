@@ -299,6 +299,7 @@ BARRIER = (
 GLOBAL_SEED = f"{_CONTEXT}:global_seed"
 PIPELINE_BATCH_SIZE = "tensorflow.python.data.experimental.ops.distribute:compute_batch_size"
 LOSS_SCALE_REDUCE = f"{_TF_OPTIMIZER}:TFOptimizer._all_reduce_sum_gradients"
+COUNTED_EPOCH = "keras.src.trainers.epoch_iterator:EpochIterator._enumerate_iterator"
 EPOCH_ITERATOR_RESET = "keras.src.trainers.epoch_iterator:EpochIterator.reset"
 SAME_DATA_ORDER = f"{_TRAINER}:TFEpochIterator._distributed_dataset"
 
@@ -367,6 +368,14 @@ REGISTRY: tuple[Internal, ...] = (
         "Keras ends an unknown-cardinality epoch by running a step past the end, which moves "
         "optimizer.iterations (keras-team/keras#23179); the one-step function is taken from its closure",
         _end_of_data,
+        fallback=True,
+    ),
+    Internal(
+        COUNTED_EPOCH,
+        "end_of_data",
+        "the step iterators Keras hands out, marked when their data has a known length (Keras stops "
+        "before its end, and the end-of-data fix is skipped)",
+        looks_up(COUNTED_EPOCH, "_num_batches", "_steps_seen"),
         fallback=True,
     ),
     # upstream/keras_fixes.py apply_iterator_release_fix: the iterator `reset` drops is kept until the next reset,
