@@ -347,8 +347,8 @@ class Sync:
         if self.num_workers > 1:
             saving.chief_writes_on(model)
         from keras_sync.cluster.collective_calls import collective
-        from keras_sync.cluster.interrupt import ctrl_c_ends_fit
         from keras_sync.cluster.lost_peer import raised_as_peer_lost
+        from keras_sync.cluster.preemption import ctrl_c_ends_fit
         from keras_sync.upstream.keras_fixes import fixed_keras
 
         # A restored backup resumes mid-epoch, data order included; a lost peer ends in one line, and

@@ -12,6 +12,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import multi_worker_util
 
 from keras_sync import cluster
+from keras_sync.config import load_config
 from keras_sync.errors import ClusterError
 
 request = json.loads(sys.argv[1])
@@ -19,7 +20,8 @@ out = {"tf_config": [], "slurm": None, "order": {}}
 
 for raw in request["tf_configs"]:
     os.environ["TF_CONFIG"] = raw
-    resolver = cluster.tf_config_cluster_resolver()
+    cluster.parse_tf_config(raw)  # what keras-sync accepts, TensorFlow's resolver reads alike
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     spec = resolver.cluster_spec().as_dict()
     out["tf_config"].append(
         {
@@ -33,7 +35,10 @@ del os.environ["TF_CONFIG"]
 
 saved = dict(os.environ)
 os.environ.update(request["slurm_env"])
-resolver = cluster.slurm_cluster_resolver(port_base=request["port_base"])
+strategy_config = load_config(
+    {"strategy": {"cluster": "slurm", "slurm": {"port_base": request["port_base"]}}}
+).strategy
+resolver = cluster.SlurmEnvironment(strategy_config).resolver()
 out["slurm"] = {
     "cluster": resolver.cluster_spec().as_dict(),
     "task_type": resolver.task_type,

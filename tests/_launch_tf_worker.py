@@ -28,12 +28,15 @@ if mode == "slurm":
     info = cluster.parse_slurm_env(port_base=int(sys.argv[2]))
     import tensorflow as tf
 
-    resolver = cluster.slurm_cluster_resolver(port_base=int(sys.argv[2]))
+    from keras_sync.config import load_config
+
+    slurm = {"cluster": "slurm", "slurm": {"port_base": int(sys.argv[2])}}
+    resolver = cluster.SlurmEnvironment(load_config({"strategy": slurm}).strategy).resolver()
 else:
     info = cluster.parse_tf_config(os.environ["TF_CONFIG"])
     import tensorflow as tf
 
-    resolver = cluster.tf_config_cluster_resolver()
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
 
 strategy = tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
 value = strategy.run(lambda: tf.constant(float(info.task_id + 1)))

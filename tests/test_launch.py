@@ -532,8 +532,9 @@ def test_private_network_leaves_no_worker_port_on_the_host_while_by_default_they
 
 def test_private_network_refused_in_one_line_where_no_namespace_can_be_made() -> None:
     code = (
-        "import os, sys\nos.geteuid = lambda: 1000\nfrom keras_sync.cluster import netns\n"
-        "try:\n    netns.refuse_unless_possible()\nexcept Exception as e:\n    print(e)\n"
+        "import os, sys\nos.geteuid = lambda: 1000\n"
+        "from keras_sync.launch import refuse_private_network_unless_possible\n"
+        "try:\n    refuse_private_network_unless_possible()\nexcept Exception as e:\n    print(e)\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60

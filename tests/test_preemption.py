@@ -126,7 +126,7 @@ def test_ctrl_c_out_of_fit_without_a_backup_is_one_line_and_a_second_one_skips_t
     # An exit hook that waits (as the MLflow delivery at exit does): the second Ctrl-C ends it at once.
     code = (
         "import atexit, threading\n"
-        "from keras_sync.cluster.interrupt import ctrl_c_ends_fit\n"
+        "from keras_sync.cluster.preemption import ctrl_c_ends_fit\n"
         "atexit.register(lambda: (print('exit waits', flush=True), threading.Event().wait(300)))\n"
         "with ctrl_c_ends_fit(None, is_chief=True, backup_dir=None):\n"
         "    raise KeyboardInterrupt\n"

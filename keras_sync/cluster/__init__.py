@@ -1,12 +1,9 @@
 """Where this process sits in a training cluster: TF_CONFIG, Slurm, a Kubernetes Indexed Job, or alone.
 
-The parsers here are pure (no TensorFlow), so `keras-sync plan` can show the
-cluster without paying for a TensorFlow import. Only `slurm_cluster_resolver`
-and the TensorFlow half of `check_tf_config_order` touch TensorFlow, lazily.
-
-Chief rule (TensorFlow's own, `multi_worker_util.is_chief`):
-the `chief` task if the cluster has one, else `worker` 0; an `evaluator` is
-not part of the training cluster and is a chief of its own.
+One `ClusterEnvironment` class per value of `strategy.cluster`. `detect` and `info` read the
+environment without TensorFlow (`keras-sync plan` stays light); `resolver` imports it. The chief is
+TensorFlow's (`multi_worker_util.is_chief`): the `chief` task, else `worker` 0; an `evaluator` is not
+part of the training cluster and is a chief of its own.
 """
 
 from __future__ import annotations
@@ -21,34 +18,24 @@ from typing import Any, Literal
 
 from keras_sync.errors import ClusterError
 
-# The jobs that train together (one all-reduce); `evaluator` and `ps` never join the collectives.
-TRAINING_JOBS = ("chief", "worker")
-_ALLOWED_JOBS = (*TRAINING_JOBS, "evaluator", "ps")
-_SLURM_PORT_BASE = 8888  # SlurmClusterResolver's default `port_base`: only without $SLURM_JOB_ID.
-# strategy.slurm.port_base: auto gives each (job, step) a slot of 16 ports in 10000-31775, below
-# Linux's ephemeral range (32768-60999) so an outgoing connection never holds a worker's port.
-# The slot count is a prime: consecutive job ids (and steps) land in different slots.
-_SLURM_AUTO_FIRST_PORT = 10000
-_SLURM_AUTO_SLOTS = 1361
+TRAINING_JOBS = ("chief", "worker")  # one all-reduce; `evaluator` and `ps` never join it
+INDEX_VAR = "JOB_COMPLETION_INDEX"  # set by Kubernetes in every pod of an Indexed Job (JobSet too)
+# strategy.slurm.port_base auto: each (job, step) gets a slot of 16 ports in 10000-31775, below
+# Linux's ephemeral range; the slot count is a prime, so neighbouring job ids and steps never share one.
 SLURM_AUTO_PORTS_PER_SLOT = 16
+_SLURM_AUTO_SLOTS = 1361
+_SLURM_VARS = (
+    "SLURM_PROCID",
+    "SLURM_STEP_NUM_TASKS",
+    "SLURM_STEP_NODELIST",
+    "SLURM_STEP_TASKS_PER_NODE",
+)
 
 
 @dataclass(frozen=True)
 class ClusterInfo:
-    """This process's place in the cluster, as read from the environment.
-
-    Attributes:
-        source: "tf_config", "slurm", "indexed_job" or "none" (a single process).
-        task_type: "chief", "worker" or "evaluator".
-        task_id: index of this task within `task_type`.
-        num_workers: number of training tasks (chief + workers).
-        is_chief: whether this task is the chief (see the module docstring).
-        worker_addresses: "host:port" of the training tasks, chief first.
-        flavor: who wrote the cluster description: "kubeflow" (TFJob, also
-            Vertex AI: `"environment": "cloud"`), "ray" (Ray Train) or "plain".
-            Only shown to people: how the data is sharded is decided by the data
-            (`keras_sync.training.pipeline`), never by who wrote TF_CONFIG.
-    """
+    """This process's place in the cluster. ``worker_addresses``: the training tasks, chief first;
+    ``flavor``: who wrote TF_CONFIG (TFJob or Vertex AI, Ray Train), for people only."""
 
     source: Literal["tf_config", "slurm", "indexed_job", "none"]
     task_type: str
@@ -64,14 +51,7 @@ SINGLE_PROCESS = ClusterInfo("none", "worker", 0, 1, True)
 
 @dataclass(frozen=True)
 class Role:
-    """This process's part in the training job: does it write (chief), which task is it, how many train.
-
-    Attributes:
-        is_chief: the one process with side effects (MLflow, files, printing).
-        task_type: "chief", "worker" or "evaluator"; None for a single process.
-        task_id: index within `task_type`; None for a single process.
-        num_workers: training tasks (chief + workers); 1 for a single process.
-    """
+    """This process's part in the job: the chief (the one with side effects), its task, how many train."""
 
     is_chief: bool
     task_type: str | None
@@ -87,8 +67,6 @@ def role(cluster: Mapping[str, Any] | None, task_type: str | None, task_id: int 
 
     >>> role({"chief": ["c:1"], "worker": ["w:1", "w:2"]}, "worker", 0)
     Role(is_chief=False, task_type='worker', task_id=0, num_workers=3)
-    >>> role(None, None, None) == SINGLE
-    True
     """
     if not cluster or task_type is None:
         return SINGLE
@@ -97,52 +75,40 @@ def role(cluster: Mapping[str, Any] | None, task_type: str | None, task_id: int 
 
 
 def strategy_role(strategy: Any) -> Role:
-    """The `Role` of this process in `strategy`'s cluster (`SINGLE` without one). No TensorFlow import:
-    reads the strategy's cluster resolver, which multi-worker strategies carry."""
+    """The `Role` of this process in `strategy`'s cluster resolver (`SINGLE` without one)."""
     resolver = getattr(strategy, "cluster_resolver", None)
     if resolver is None:
         return SINGLE
-    # {job: [addresses]} (or {job: {index: address}} when sparse)
-    spec = resolver.cluster_spec().as_dict()
-    return role(spec, resolver.task_type, resolver.task_id)
-
-
-def in_ray_worker(env: Mapping[str, str] | None = None) -> bool:
-    """True in a process Ray started (its raylet sets ``RAY_RAYLET_PID`` in every worker)."""
-    return "RAY_RAYLET_PID" in (os.environ if env is None else env)
-
-
-def killed_when_training_returns(env: Mapping[str, str] | None = None) -> bool:
-    """True where the job manager kills the process tree as soon as training returns, atexit unrun.
-
-    Ray Train ends each worker, and every process the worker started, once the train function
-    returns. What must reach MLflow is delivered before `Sync.fit` returns there.
-    """
-    return in_ray_worker(env)
+    return role(resolver.cluster_spec().as_dict(), resolver.task_type, resolver.task_id)
 
 
 def is_chief(cluster: Mapping[str, Any], task_type: str, task_id: int) -> bool:
-    """The chief rule of TensorFlow's `multi_worker_util.is_chief`.
-
-    >>> is_chief({"chief": ["a:1"], "worker": ["b:1"]}, "worker", 0)
-    False
-    >>> is_chief({"worker": ["a:1", "b:1"]}, "worker", 0)
-    True
-    >>> is_chief({"worker": ["a:1"]}, "evaluator", 0)
-    True
-    """
+    """The chief rule of TensorFlow's `multi_worker_util.is_chief`."""
     if task_type in ("chief", "evaluator"):
         return True
     return "chief" not in cluster and task_type == "worker" and task_id == 0
 
 
 def chief_task(cluster: Mapping[str, Any]) -> tuple[str, int]:
-    """The task `is_chief` names among the training jobs; TensorFlow's coordination service runs there too.
-
-    >>> chief_task({"chief": ["a:1"], "worker": ["b:1"]}), chief_task({"worker": ["a:1", "b:1"]})
-    (('chief', 0), ('worker', 0))
-    """
+    """The task `is_chief` names among the training jobs; TensorFlow's coordination service runs there."""
     return ("chief", 0) if cluster.get("chief") else ("worker", 0)
+
+
+def training_tasks(cluster: Mapping[str, Any]) -> dict[tuple[str, int], str]:
+    """Every training task ``(job, index)`` of ``{job: [address]}`` (or ``{job: {index: address}}``)
+    with its address, the chief first."""
+    out: dict[tuple[str, int], str] = {}
+    for job in TRAINING_JOBS:
+        tasks = cluster.get(job) or []
+        for i, address in tasks.items() if isinstance(tasks, dict) else enumerate(tasks):
+            out[(job, int(i))] = address
+    return out
+
+
+def killed_when_training_returns(env: Mapping[str, str] | None = None) -> bool:
+    """True in a Ray worker (its raylet sets ``RAY_RAYLET_PID``): Ray Train kills the worker's process
+    tree once the train function returns, atexit unrun, so the run is delivered before `fit` returns."""
+    return "RAY_RAYLET_PID" in (os.environ if env is None else env)
 
 
 def _error(what: str, received: Any, fix: str) -> ClusterError:
@@ -150,42 +116,14 @@ def _error(what: str, received: Any, fix: str) -> ClusterError:
     return ClusterError(f"{what}. Received: {shown}. {fix}")
 
 
-def _load_tf_config(raw: str) -> dict[str, Any]:
-    try:
-        data = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise _error(
-            f"TF_CONFIG is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}, char {e.pos})",
-            f"TF_CONFIG={raw!r}",
-            "Expected a JSON object such as "
-            '{"cluster": {"worker": ["host0:2222", "host1:2222"]}, "task": {"type": "worker", "index": 0}}; '
-            "fix the quoting where TF_CONFIG is set (shell quotes, the job spec).",
-        ) from None
+def _tf_config_cluster(data: Any, raw: str) -> dict[str, list[str]]:
+    """The `cluster` of a parsed TF_CONFIG, checked for what MultiWorkerMirroredStrategy can run."""
     if not isinstance(data, dict):
         raise _error(
             "TF_CONFIG must be a JSON object",
             f"TF_CONFIG={raw!r}",
             'Expected {"cluster": ..., "task": ...}.',
         )
-    return data
-
-
-def parse_tf_config(raw: str | None, *, env: Mapping[str, str] | None = None) -> ClusterInfo:
-    """Reads a TF_CONFIG value (Kubeflow TFJob, Ray Train, Vertex AI or hand-written).
-
-    Args:
-        raw: the TF_CONFIG string; None, "" or "{}" mean a single process.
-        env: the environment, only to recognise Ray workers (default `os.environ`).
-
-    Raises:
-        ClusterError: invalid JSON, `sparseCluster` or `ps` (not supported by
-            MultiWorkerMirroredStrategy), a missing task, an index out of range.
-    """
-    if raw is None or not raw.strip():
-        return SINGLE_PROCESS
-    data = _load_tf_config(raw)
-    if not data:
-        return SINGLE_PROCESS
     if "sparseCluster" in data:
         raise _error(
             "TF_CONFIG has `sparseCluster` (a TFJob with enableDynamicWorker), which is not supported by "
@@ -201,11 +139,11 @@ def parse_tf_config(raw: str | None, *, env: Mapping[str, str] | None = None) ->
             'Expected e.g. "cluster": {"worker": ["host0:2222", "host1:2222"]}; unset TF_CONFIG to train in one process.',
         )
     for job, addresses in cluster.items():
-        if job not in _ALLOWED_JOBS:
+        if job not in (*TRAINING_JOBS, "evaluator", "ps"):
             raise _error(
                 f"TF_CONFIG cluster has an unknown job `{job}`",
                 f"cluster={cluster!r}",
-                f"Expected only {', '.join(TRAINING_JOBS)} (and evaluator); rename the job.",
+                "Expected only chief, worker (and evaluator); rename the job.",
             )
         if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
             raise _error(
@@ -227,14 +165,32 @@ def parse_tf_config(raw: str | None, *, env: Mapping[str, str] | None = None) ->
                 f"cluster.{job}={cluster[job]!r}",
                 f"Fix: set `replicas: 1` for the {job.capitalize()} replica spec.",
             )
-    training = [a for job in TRAINING_JOBS for a in cluster.get(job, [])]
-    if not training:
+    if not any(cluster.get(job) for job in TRAINING_JOBS):
         raise _error(
             "TF_CONFIG cluster has no `chief` or `worker` tasks",
             f"cluster={cluster!r}",
             "Add a worker list.",
         )
+    return cluster
 
+
+def parse_tf_config(raw: str | None, *, env: Mapping[str, str] | None = None) -> ClusterInfo:
+    """Reads a TF_CONFIG value (None, "" or "{}": one process); ``env`` tells a Ray worker."""
+    if raw is None or not raw.strip():
+        return SINGLE_PROCESS
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise _error(
+            f"TF_CONFIG is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}, char {e.pos})",
+            f"TF_CONFIG={raw!r}",
+            "Expected a JSON object such as "
+            '{"cluster": {"worker": ["host0:2222", "host1:2222"]}, "task": {"type": "worker", "index": 0}}; '
+            "fix the quoting where TF_CONFIG is set (shell quotes, the job spec).",
+        ) from None
+    if not data:
+        return SINGLE_PROCESS
+    cluster = _tf_config_cluster(data, raw)
     task = data.get("task")
     if not isinstance(task, dict) or "type" not in task:
         raise _error(
@@ -257,54 +213,23 @@ def parse_tf_config(raw: str | None, *, env: Mapping[str, str] | None = None) ->
             f"task.index={task_id!r}",
             "Fix the task index.",
         )
-    if task_type != "evaluator" or task_type in cluster:
-        count = len(cluster.get(task_type, []))
-        if task_id >= count:
-            raise _error(
-                f"TF_CONFIG task.index is out of range for `{task_type}` ({count} task(s) in cluster.{task_type})",
-                f"task={task!r}",
-                f"Expected an index from 0 to {count - 1}; give each process its own index.",
-            )
-
-    env = os.environ if env is None else env
+    count = len(cluster.get(task_type, []))
+    if task_id >= count and (task_type != "evaluator" or task_type in cluster):
+        raise _error(
+            f"TF_CONFIG task.index is out of range for `{task_type}` ({count} task(s) in cluster.{task_type})",
+            f"task={task!r}",
+            f"Expected an index from 0 to {count - 1}; give each process its own index.",
+        )
     flavor: Literal["kubeflow", "ray", "plain"] = "plain"
     if str(data.get("environment", "")).lower() == "cloud":
         flavor = "kubeflow"
-    elif set(cluster) == {"worker"} and in_ray_worker(env):
-        # Ray Train's TensorflowConfig writes only a worker list.
-        flavor = "ray"
+    elif set(cluster) == {"worker"} and killed_when_training_returns(env):
+        flavor = "ray"  # Ray Train's TensorflowConfig writes only a worker list
+    here = role(cluster, task_type, task_id)
+    addresses = [a for job in TRAINING_JOBS for a in cluster.get(job, [])]
     return ClusterInfo(
-        source="tf_config",
-        task_type=task_type,
-        task_id=task_id,
-        num_workers=role(cluster, task_type, task_id).num_workers,
-        is_chief=role(cluster, task_type, task_id).is_chief,
-        worker_addresses=training,
-        flavor=flavor,
+        "tf_config", task_type, task_id, here.num_workers, here.is_chief, addresses, flavor
     )
-
-
-def tf_config_cluster_resolver(env: Mapping[str, str] | None = None) -> Any:
-    """TensorFlow's `TFConfigClusterResolver`, after TF_CONFIG passed `parse_tf_config`.
-
-    Validating first turns TensorFlow's late, terse failures (a KeyError deep in
-    the strategy, or a hang) into a `ClusterError` that says what to fix.
-    TensorFlow reads `os.environ["TF_CONFIG"]` itself.
-    """
-    parse_tf_config(os.environ.get("TF_CONFIG"), env=env)
-    import tensorflow as tf
-
-    return tf.distribute.cluster_resolver.TFConfigClusterResolver()
-
-
-# ---------------------------------------------------------------- Slurm
-
-_SLURM_VARS = (
-    "SLURM_PROCID",
-    "SLURM_STEP_NUM_TASKS",
-    "SLURM_STEP_NODELIST",
-    "SLURM_STEP_TASKS_PER_NODE",
-)
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
@@ -313,26 +238,7 @@ def expand_hostlist(hostlist: str) -> list[str]:
     >>> expand_hostlist("n[1-2],m5,o[08-10]")
     ['n1', 'n2', 'm5', 'o08', 'o09', 'o10']
     """
-    hosts: list[str] = []
-    for part in _hostlist_parts(hostlist):
-        m = re.fullmatch(r"([^\[\]]*)(?:\[([^\]]+)\])?", part)
-        if m is None or (not m.group(1) and m.group(2) is None):
-            raise ValueError(f"bad part {part[:80]!r}")
-        prefix, ranges = m.group(1), m.group(2)
-        if ranges is None:
-            hosts.append(prefix)
-            continue
-        for item in ranges.split(","):
-            lo, _, hi = item.partition("-")
-            for i in range(int(lo), int(hi or lo) + 1):
-                hosts.append(prefix + str(i).zfill(len(lo)))
-    return hosts
-
-
-def _hostlist_parts(hostlist: str) -> list[str]:
-    """The comma-separated parts of a hostlist, a comma inside [...] not separating (one pass: a
-    regex that retried at every '[' took time quadratic in the text)."""
-    parts: list[str] = []
+    parts: list[str] = []  # split at commas outside [...], in one pass (linear in the text)
     start, inside = 0, False
     for i, ch in enumerate(hostlist):
         if ch in "[]":
@@ -341,7 +247,19 @@ def _hostlist_parts(hostlist: str) -> list[str]:
             parts.append(hostlist[start:i])
             start = i + 1
     parts.append(hostlist[start:])
-    return [p for p in parts if p]
+    hosts: list[str] = []
+    for part in filter(None, parts):
+        m = re.fullmatch(r"([^\[\]]*)(?:\[([^\]]+)\])?", part)
+        if m is None or (not m.group(1) and m.group(2) is None):
+            raise ValueError(f"bad part {part[:80]!r}")
+        prefix, ranges = m.groups()
+        if ranges is None:
+            hosts.append(prefix)
+            continue
+        for item in ranges.split(","):
+            lo, _, hi = item.partition("-")
+            hosts.extend(prefix + str(i).zfill(len(lo)) for i in range(int(lo), int(hi or lo) + 1))
+    return hosts
 
 
 def expand_tasks_per_node(spec: str) -> list[int]:
@@ -360,42 +278,35 @@ def expand_tasks_per_node(spec: str) -> list[int]:
 
 
 def slurm_port_base(env: Mapping[str, str] | None = None) -> int:
-    """The first worker port of this Slurm job step when `strategy.slurm.port_base` is auto.
+    """The first worker port of a Slurm job step when `strategy.slurm.port_base` is auto: a slot of
+    its own per (job id, step id), the same on every node; without a job id, TensorFlow's 8888.
+    (TensorFlow puts every job on 8888: two sharing a node fail with "Could not start gRPC server".)
 
-    TensorFlow's `SlurmClusterResolver` puts every job on ports 8888, 8889, ...: two jobs (or two
-    steps of one job) that share a node then fail with "Could not start gRPC server". Auto gives
-    each (job id, step id) its own slot of 16 ports, so up to 16 tasks per node never collide with
-    a neighbouring job's; the same environment always gives the same ports, on every node.
-
-    >>> slurm_port_base({"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0"})
-    29712
-    >>> slurm_port_base({"SLURM_JOB_ID": "78", "SLURM_STEP_ID": "0"}) - 29712   # the next job
-    256
-    >>> slurm_port_base({"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "1"}) - 29712   # the job's next step
+    >>> slurm_port_base({"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "1"}) - slurm_port_base({"SLURM_JOB_ID": "77"})
     16
-    >>> slurm_port_base({})   # no job id (an srun look-alike): TensorFlow's default
-    8888
     """
     env = os.environ if env is None else env
     job, step = env.get("SLURM_JOB_ID", ""), env.get("SLURM_STEP_ID", "0")
     if not job.isdigit():
-        return _SLURM_PORT_BASE
+        return 8888
     key = (
         int(job) * SLURM_AUTO_PORTS_PER_SLOT
         + (int(step) if step.isdigit() else 0) % SLURM_AUTO_PORTS_PER_SLOT
     )
-    return _SLURM_AUTO_FIRST_PORT + (key % _SLURM_AUTO_SLOTS) * SLURM_AUTO_PORTS_PER_SLOT
+    return 10000 + (key % _SLURM_AUTO_SLOTS) * SLURM_AUTO_PORTS_PER_SLOT
+
+
+def fixed_slurm_port_base(strategy_config: Any) -> int | None:
+    """`strategy.slurm.port_base` as set: an int, or None for auto (`slurm_port_base`)."""
+    base = strategy_config.slurm.port_base
+    return base if isinstance(base, int) else None
 
 
 def parse_slurm_env(
     env: Mapping[str, str] | None = None, *, port_base: int | None = None
 ) -> ClusterInfo:
-    """Reads a Slurm job step (`srun`) the way `SlurmClusterResolver` does, without TensorFlow.
-
-    Every task is a `worker`; task i listens on its node at `port_base + i-th task on
-    that node`; nodes are taken in sorted order (TensorFlow sorts them too). ``port_base``
-    None: `slurm_port_base` of the environment (the config's auto).
-    """
+    """Reads a Slurm job step (`srun`) as `SlurmClusterResolver` does: every task a `worker`, nodes
+    in sorted order, task i on its node at ``port_base`` + its index there (None: `slurm_port_base`)."""
     env = os.environ if env is None else env
     missing = [v for v in _SLURM_VARS if v not in env]
     if missing:
@@ -405,95 +316,45 @@ def parse_slurm_env(
             "The SLURM_STEP_* variables exist only inside a job step: start the script with "
             "`srun python train.py`, not directly from the batch script.",
         )
+    values = {v: env[v] for v in _SLURM_VARS}
     try:
-        rank = int(env["SLURM_PROCID"])
-        num_tasks = int(env["SLURM_STEP_NUM_TASKS"])
-        hosts = expand_hostlist(env["SLURM_STEP_NODELIST"])
-        per_node = expand_tasks_per_node(env["SLURM_STEP_TASKS_PER_NODE"])
+        rank, num_tasks = int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"])
+        layout = dict(
+            zip(
+                expand_hostlist(env["SLURM_STEP_NODELIST"]),
+                expand_tasks_per_node(env["SLURM_STEP_TASKS_PER_NODE"]),
+            )
+        )
     except ValueError as e:
         raise _error(
             f"Slurm variables cannot be read ({e})",
-            {v: env[v] for v in _SLURM_VARS},
+            values,
             "They are set by srun; do not set them by hand unless you mimic srun exactly.",
         ) from None
-    layout = dict(zip(hosts, per_node))
-    if port_base is None:
-        port_base = slurm_port_base(env)
-    addresses = [f"{h}:{port_base + i}" for h, n in sorted(layout.items()) for i in range(n)]
+    base = slurm_port_base(env) if port_base is None else port_base
+    addresses = [f"{h}:{base + i}" for h, n in sorted(layout.items()) for i in range(n)]
     if len(addresses) != num_tasks or not 0 <= rank < num_tasks:
         raise _error(
             "Slurm variables disagree: the node list and tasks per node do not give SLURM_STEP_NUM_TASKS "
             "tasks, or SLURM_PROCID is out of range",
-            {v: env[v] for v in _SLURM_VARS},
+            values,
             "Run under srun with one task per worker process.",
         )
     return ClusterInfo("slurm", "worker", rank, num_tasks, rank == 0, addresses)
 
 
-def slurm_cluster_resolver(
-    *, port_base: int | None = None, env: Mapping[str, str] | None = None
-) -> Any:
-    """A TensorFlow cluster resolver for the current Slurm job step.
-
-    Uses `tf.distribute.cluster_resolver.SlurmClusterResolver`, which reads the
-    SLURM_* variables of `os.environ` (no `scontrol`, no DNS: host names go into
-    the cluster spec as they are). On a machine without GPUs its GPU bookkeeping
-    would give each task a GPU that does not exist (and zero GPUs per task makes
-    it drop every task), so there the result is frozen into a
-    `SimpleClusterResolver` that reports no accelerators.
-    """
-    if port_base is None:
-        port_base = slurm_port_base(env)
-    # clear errors before TensorFlow's RuntimeErrors
-    info = parse_slurm_env(env, port_base=port_base)
-    import tensorflow as tf
-
-    resolvers = tf.distribute.cluster_resolver
-    if tf.config.list_physical_devices("GPU"):
-        return resolvers.SlurmClusterResolver(port_base=port_base)
-    slurm = resolvers.SlurmClusterResolver(
-        port_base=port_base, gpus_per_node=info.num_workers, gpus_per_task=1, auto_set_gpu=False
-    )
-    spec = slurm.cluster_spec()
-    return resolvers.SimpleClusterResolver(
-        spec,
-        task_type=slurm.task_type,
-        task_id=slurm.task_id,
-        num_accelerators={},
-        rpc_layer="grpc",
-    )
-
-
-# ------------------------------------------------- Kubernetes Indexed Job / JobSet
-
-INDEX_VAR = "JOB_COMPLETION_INDEX"  # set by Kubernetes in every pod of an Indexed Job (JobSet too)
-
-
 def indexed_job_addresses(hosts: str, port: int, workers: int) -> list[str]:
     """Every worker's ``host:port``: ``hosts`` with ``{index}`` = 0..workers-1, ``:port`` added
-    unless the pattern names a port itself.
-
-    >>> indexed_job_addresses("train-{index}.train", 2222, 2)
-    ['train-0.train:2222', 'train-1.train:2222']
-    >>> indexed_job_addresses("127.0.0.1:2900{index}", 2222, 2)
-    ['127.0.0.1:29000', '127.0.0.1:29001']
-    """
-    out = []
-    for i in range(workers):
-        host = hosts.replace("{index}", str(i))
-        out.append(host if re.search(r":\d+$", host) else f"{host}:{port}")
-    return out
+    unless the pattern names a port itself."""
+    out = [hosts.replace("{index}", str(i)) for i in range(workers)]
+    return [h if re.search(r":\d+$", h) else f"{h}:{port}" for h in out]
 
 
 def parse_indexed_job(
     hosts: str | None, port: int, workers: int | None, env: Mapping[str, str] | None = None
 ) -> ClusterInfo:
     """This pod's place in a Kubernetes Indexed Job (or a JobSet's job): worker ``$JOB_COMPLETION_INDEX``
-    of ``workers``, worker 0 the chief, addresses from the ``hosts`` pattern (`strategy.indexed_job`).
-
-    With a headless Service named like the Job's pods' subdomain, pod i of Job ``train`` is
-    ``train-{i}.<service>``; a JobSet pod is ``<jobset>-<replicated job>-<job index>-{i}.<jobset>``.
-    """
+    of ``workers``, worker 0 the chief, addresses from the ``hosts`` pattern (`strategy.indexed_job`)."""
     env = os.environ if env is None else env
     if not hosts or not workers:
         raise _error(
@@ -516,53 +377,17 @@ def parse_indexed_job(
             "Set strategy.indexed_job.workers to the Job's `completions` (and `parallelism`), the same number.",
         )
     index = int(raw)
-    return ClusterInfo(
-        "indexed_job",
-        "worker",
-        index,
-        workers,
-        index == 0,
-        indexed_job_addresses(hosts, port, workers),
-    )
-
-
-def indexed_job_cluster_resolver(
-    hosts: str | None, port: int, workers: int | None, env: Mapping[str, str] | None = None
-) -> Any:
-    """A TensorFlow `SimpleClusterResolver` for this pod of an Indexed Job (see `parse_indexed_job`)."""
-    info = parse_indexed_job(hosts, port, workers, env)
-    import tensorflow as tf
-
-    gpus = len(tf.config.list_physical_devices("GPU"))
-    return tf.distribute.cluster_resolver.SimpleClusterResolver(
-        tf.train.ClusterSpec({"worker": info.worker_addresses}),
-        task_type="worker",
-        task_id=info.task_id,
-        num_accelerators={"GPU": gpus} if gpus else {},
-        rpc_layer="grpc",
-    )
-
-
-# ------------------------------------------------- One class per value of `strategy.cluster`
-
-
-def fixed_slurm_port_base(strategy_config: Any) -> int | None:
-    """`strategy.slurm.port_base` as set: an int, or None for auto (then `slurm_port_base` of the job's ids)."""
-    base = strategy_config.slurm.port_base
-    return base if isinstance(base, int) else None
+    addresses = indexed_job_addresses(hosts, port, workers)
+    return ClusterInfo("indexed_job", "worker", index, workers, index == 0, addresses)
 
 
 class ClusterEnvironment:
-    """Where this process sits in one kind of cluster: detected and read without TensorFlow.
-
-    Args:
-        strategy_config: the config's `strategy` section (``slurm``, ``indexed_job`` settings).
-        env: the environment (default `os.environ`).
-    """
+    """Where this process sits in one kind of cluster (the base: one process), read from ``env``
+    (default `os.environ`) and the config's `strategy` section."""
 
     name = "alone"
-    #: Where the place came from when `detect` is False, in words for `keras-sync plan`.
-    absent = "one process"
+    label = "one process"  # for `keras-sync plan`; `{flavor}` is ClusterInfo.flavor
+    absent = "one process"  # what `keras-sync plan` says when `detect` is False
 
     def __init__(self, strategy_config: Any = None, env: Mapping[str, str] | None = None):
         self.config = strategy_config
@@ -576,9 +401,6 @@ class ClusterEnvironment:
         """This process's place; raises `ClusterError` naming what to fix when it is inconsistent."""
         return SINGLE_PROCESS
 
-    def describe(self, info: ClusterInfo) -> str:
-        return self.absent
-
     def world_size(self) -> int:
         return self.info().num_workers
 
@@ -586,14 +408,28 @@ class ClusterEnvironment:
         return self.info().task_id
 
     def resolver(self) -> Any:
-        """The TensorFlow cluster resolver a strategy gets (None: TensorFlow reads TF_CONFIG)."""
+        """The TensorFlow cluster resolver a strategy gets (None: TensorFlow reads TF_CONFIG itself)."""
         return None
+
+
+def _worker_list_resolver(info: ClusterInfo) -> Any:
+    """A TensorFlow resolver for the workers `info` lists, with the GPUs this machine has."""
+    import tensorflow as tf
+
+    gpus = len(tf.config.list_physical_devices("GPU"))
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec({"worker": info.worker_addresses}),
+        task_type="worker",
+        task_id=info.task_id,
+        num_accelerators={"GPU": gpus} if gpus else {},
+        rpc_layer="grpc",
+    )
 
 
 class TFConfigEnvironment(ClusterEnvironment):
     """``TF_CONFIG``: Kubeflow TFJob, Ray Train, Vertex AI or hand-written."""
 
-    name, absent = "tf_config", "TF_CONFIG unset"
+    name, label, absent = "tf_config", "TF_CONFIG ({flavor})", "TF_CONFIG unset"
 
     def detect(self) -> bool:
         return self.info().source != "none"
@@ -601,14 +437,11 @@ class TFConfigEnvironment(ClusterEnvironment):
     def info(self) -> ClusterInfo:
         return parse_tf_config(self.env.get("TF_CONFIG"), env=self.env)
 
-    def describe(self, info: ClusterInfo) -> str:
-        return f"TF_CONFIG ({info.flavor})"
-
 
 class SlurmEnvironment(ClusterEnvironment):
     """A Slurm job step (``srun``): every task a worker, ports from `strategy.slurm.port_base`."""
 
-    name, absent = "slurm", "no Slurm job ($SLURM_PROCID unset)"
+    name, label, absent = "slurm", "Slurm", "no Slurm job ($SLURM_PROCID unset)"
 
     def detect(self) -> bool:
         return "SLURM_PROCID" in self.env
@@ -616,17 +449,22 @@ class SlurmEnvironment(ClusterEnvironment):
     def info(self) -> ClusterInfo:
         return parse_slurm_env(self.env, port_base=fixed_slurm_port_base(self.config))
 
-    def describe(self, info: ClusterInfo) -> str:
-        return "Slurm"
-
     def resolver(self) -> Any:
-        return slurm_cluster_resolver(port_base=fixed_slurm_port_base(self.config))
+        info = self.info()  # its errors say what to fix; TensorFlow's do not
+        import tensorflow as tf
+
+        # Without GPUs, TensorFlow's resolver would give each task a GPU that does not exist.
+        if not tf.config.list_physical_devices("GPU"):
+            return _worker_list_resolver(info)
+        base = fixed_slurm_port_base(self.config)  # TensorFlow's sets CUDA_VISIBLE_DEVICES per task
+        port_base = slurm_port_base(self.env) if base is None else base
+        return tf.distribute.cluster_resolver.SlurmClusterResolver(port_base=port_base)
 
 
 class IndexedJobEnvironment(ClusterEnvironment):
     """A pod of a Kubernetes Indexed Job or JobSet (`strategy.indexed_job`)."""
 
-    name, absent = "indexed_job", f"no Indexed Job (${INDEX_VAR} unset)"
+    name, label, absent = "indexed_job", "Indexed Job", f"no Indexed Job (${INDEX_VAR} unset)"
 
     def detect(self) -> bool:
         return INDEX_VAR in self.env
@@ -635,12 +473,8 @@ class IndexedJobEnvironment(ClusterEnvironment):
         job = self.config.indexed_job
         return parse_indexed_job(job.hosts, job.port, job.workers, self.env)
 
-    def describe(self, info: ClusterInfo) -> str:
-        return "Indexed Job"
-
     def resolver(self) -> Any:
-        job = self.config.indexed_job
-        return indexed_job_cluster_resolver(job.hosts, job.port, job.workers)
+        return _worker_list_resolver(self.info())
 
 
 #: The allowed values of `strategy.cluster` (`keras_sync.config` reads the names from here).
@@ -657,7 +491,7 @@ def read_cluster(
     if not source.detect():
         return SINGLE_PROCESS, source.absent
     info = source.info()
-    return info, source.describe(info)
+    return info, source.label.format(flavor=info.flavor)
 
 
 def cluster_resolver(strategy_config: Any) -> Any:
@@ -665,21 +499,7 @@ def cluster_resolver(strategy_config: Any) -> Any:
     return CLUSTER_SOURCES[strategy_config.cluster](strategy_config).resolver()
 
 
-# ------------------------------------------------- TF_CONFIG order (tensorflow#60706)
-
-_recorded: list[str | None] = []  # TF_CONFIG seen when keras_sync built a strategy
-
-
-def _cluster_key(raw: str | None) -> tuple[Any, ...] | None:
-    try:
-        data = json.loads(raw) if raw and raw.strip() else {}
-    except json.JSONDecodeError:
-        return ("invalid", raw)
-    if not isinstance(data, dict) or not data.get("cluster"):
-        return None
-    cluster = {k: list(v) for k, v in sorted(data["cluster"].items()) if v}
-    task = data.get("task") or {}
-    return (json.dumps(cluster, sort_keys=True), task.get("type"), task.get("index"))
+_recorded: list[str | None] = []  # the TF_CONFIG keras_sync built a strategy with
 
 
 def record_strategy_tf_config(raw: str | None) -> None:
@@ -687,44 +507,50 @@ def record_strategy_tf_config(raw: str | None) -> None:
     _recorded[:] = [raw]
 
 
-def _tf_context_cluster() -> tuple[Any, ...] | None:
-    """The cluster TensorFlow's eager context already joined, if TensorFlow is loaded."""
-    if "tensorflow" not in sys.modules:
+def _cluster_key(cluster: Any, task_type: Any, task_id: Any) -> tuple[Any, ...] | None:
+    if not cluster:
         return None
-    from keras_sync.upstream.multi_worker import joined_cluster
+    spec = {k: list(v) for k, v in sorted(cluster.items()) if v}
+    return (json.dumps(spec, sort_keys=True), task_type, task_id)
 
-    joined = joined_cluster()
-    if joined is None:
+
+def _tf_config_key(raw: str | None) -> tuple[Any, ...] | None:
+    try:
+        data = json.loads(raw) if raw and raw.strip() else {}
+    except json.JSONDecodeError:
+        return ("invalid", raw)
+    if not isinstance(data, dict):
         return None
-    cluster = {k: v for k, v in sorted(joined[0].items()) if v}
-    return (json.dumps(cluster, sort_keys=True), joined[1], joined[2])
+    task = data.get("task") or {}
+    return _cluster_key(data.get("cluster"), task.get("type"), task.get("index"))
 
 
 def check_tf_config_order(raw: str | None = None, *, env: Mapping[str, str] | None = None) -> None:
-    """Raises if TF_CONFIG differs from the cluster this process already built a strategy for.
-
-    TensorFlow reads TF_CONFIG once, when a strategy is built, and a process can
-    join only one cluster (tensorflow#60706): a TF_CONFIG set or changed later is
-    silently ignored and the job trains in the wrong cluster or hangs.
-    """
+    """Raises if TF_CONFIG differs from the cluster this process already built a strategy for:
+    TensorFlow would ignore it silently (tensorflow#60706)."""
     if raw is None:
         raw = (os.environ if env is None else env).get("TF_CONFIG")
-    now = _cluster_key(raw)
+    now = _tf_config_key(raw)
     fix = (
         "TensorFlow reads TF_CONFIG once, when the first strategy is built (tensorflow#60706). "
         "Fix: set TF_CONFIG in the environment before the process starts, or at least before "
         "`keras_sync.load()` and any TensorFlow work, and do not change it afterwards."
     )
-    if _recorded and _cluster_key(_recorded[0]) != now:
+    if _recorded and _tf_config_key(_recorded[0]) != now:
         raise _error(
             f"TF_CONFIG changed after keras_sync built a strategy in this process (it was {_recorded[0]!r})",
             f"TF_CONFIG={raw!r}",
             fix,
         )
-    joined = _tf_context_cluster()
-    if joined is not None and joined != now:
+    if "tensorflow" not in sys.modules:
+        return
+    from keras_sync.upstream.multi_worker import joined_cluster
+
+    joined = joined_cluster()
+    key = _cluster_key(*joined) if joined is not None else None
+    if key is not None and key != now:
         raise _error(
-            f"TensorFlow in this process already joined the cluster {joined[0]} as {joined[1]}:{joined[2]}, "
+            f"TensorFlow in this process already joined the cluster {key[0]} as {key[1]}:{key[2]}, "
             "which TF_CONFIG no longer describes",
             f"TF_CONFIG={raw!r}",
             fix,

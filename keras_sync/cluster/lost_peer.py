@@ -1,12 +1,10 @@
-"""Turn TensorFlow's "a peer is gone" errors into one line that names the peer and how to resume.
+"""A lost peer in one line: which worker is gone, at which address, and how to resume (exit code 75).
 
-When a worker dies or its host becomes unreachable, TensorFlow's coordination service (its
-heartbeats) or a collective ends every other worker with a ~50-line `UnavailableError` or
-`DeadlineExceededError` traceback: "The following tasks are unhealthy (stopped sending
-heartbeats): /job:worker/replica:0/task:1" on the side that still sees the service, only
-"Deadline Exceeded ... Heartbeat" on a worker cut off from it. `lost_peer_message` names the
-peer with its address from the cluster spec: the tasks the error names, else (an isolated worker)
-the coordination service's host, the chief. Pure Python; the error is matched by class name.
+When a worker dies or its host becomes unreachable, TensorFlow ends every other worker with a
+~50-line `UnavailableError` or `DeadlineExceededError`: "tasks are unhealthy (stopped sending
+heartbeats): /job:worker/replica:0/task:1" where the coordination service is still seen, only
+"Deadline Exceeded ... Heartbeat" on a worker cut off from it (then the lost peer is the service's
+host, the chief). Pure Python: the error is matched by class name and text.
 """
 
 from __future__ import annotations
@@ -18,14 +16,11 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from keras_sync.cluster import TRAINING_JOBS, chief_task
+from keras_sync.cluster import chief_task, training_tasks
 from keras_sync.errors import PeerLostError
 
-# Exit code of a worker that lost a peer: 75 = EX_TEMPFAIL ("temporary failure; retry").
-PEER_LOST_EXIT_CODE = PeerLostError.exit_code
-
-# FailedPreconditionError: what a peer answers once a foreign client (any host that reaches its port:
-# TensorFlow's server has no authentication) has reset its eager context or device incarnations.
+# FailedPreconditionError: what a peer answers once a foreign client (TensorFlow's server has no
+# authentication) has reset its eager context or device incarnations.
 _ERROR_CLASSES = (
     "UnavailableError",
     "DeadlineExceededError",
@@ -34,19 +29,10 @@ _ERROR_CLASSES = (
     "InternalError",
     "FailedPreconditionError",
 )
-_SIGNS = (
-    "unhealthy",
-    "heartbeat",
-    "collective ops is aborted",
-    "coordination service",
-    "socket closed",
-    "connection reset",
-    "failed to connect",
-    "stopped sending",
-    "has crashed",
-    "have crashed",
-    "from remote target",
-    "incarnation",
+_SIGNS = re.compile(
+    "unhealthy|heartbeat|collective ops is aborted|coordination service|socket closed|connection reset|"
+    "failed to connect|stopped sending|has crashed|have crashed|from remote target|incarnation",
+    re.I,
 )
 _TASK_RE = re.compile(r"/job:(\w+)(?:/replica:\d+)?/task:(\d+)")
 _UNHEALTHY_RE = re.compile(r"unhealthy[^:]*:\s*((?:\s*/job:\w+/replica:\d+/task:\d+,?)+)", re.I)
@@ -54,18 +40,7 @@ _UNHEALTHY_RE = re.compile(r"unhealthy[^:]*:\s*((?:\s*/job:\w+/replica:\d+/task:
 
 def is_lost_peer_error(exc: BaseException) -> bool:
     """True for TensorFlow errors that say a peer or the coordination service is unreachable."""
-    if type(exc).__name__ not in _ERROR_CLASSES:
-        return False
-    text = str(exc).lower()
-    return any(sign in text for sign in _SIGNS)
-
-
-def _tasks(cluster: Mapping[str, Sequence[str]]) -> dict[tuple[str, int], str]:
-    out: dict[tuple[str, int], str] = {}
-    for job in TRAINING_JOBS:
-        for i, addr in enumerate(cluster.get(job) or []):
-            out[(job, i)] = addr
-    return out
+    return type(exc).__name__ in _ERROR_CLASSES and _SIGNS.search(str(exc)) is not None
 
 
 def lost_peers(
@@ -81,16 +56,14 @@ def lost_peers(
     >>> lost_peers("Deadline Exceeded", c, ("worker", 0))  # the service's host, told nothing: everyone else
     [('worker', 1), ('worker', 2)]
     """
-    tasks = _tasks(cluster)
+    tasks = training_tasks(cluster)
     unhealthy = _UNHEALTHY_RE.search(text)
     named = _TASK_RE.findall(unhealthy.group(1) if unhealthy else text)
     peers = [t for t in dict.fromkeys((j, int(i)) for j, i in named) if t in tasks and t != me]
-    if peers:
-        return peers
     leader = chief_task(cluster)  # the coordination service's host
-    if me != leader and leader in tasks:
+    if not peers and me != leader and leader in tasks:
         return [leader]
-    return [t for t in tasks if t != me]
+    return peers or [t for t in tasks if t != me]
 
 
 def lost_peer_message(
@@ -102,7 +75,7 @@ def lost_peer_message(
     backup_known: bool = True,
 ) -> str:
     """The one line a worker ends with after losing a peer (without the ``keras-sync:`` prefix)."""
-    tasks = _tasks(cluster)
+    tasks = training_tasks(cluster)
     peers = lost_peers(text, cluster, me)
     who = ", ".join(f"/job:{j}/task:{i} ({tasks[(j, i)]})" for j, i in peers) or "a peer"
     if backup_dir:
@@ -113,61 +86,46 @@ def lost_peer_message(
         )
     else:
         resume = "with fault_tolerance.backup_dir set it resumes from the last backup"
+    low = text.lower()
+    if "stopped sending heartbeats" in low or "unhealthy" in low:
+        reason = "stopped sending heartbeats"
+    elif "heartbeat" in low:
+        reason = "heartbeat deadline exceeded"
+    elif "collective ops is aborted" in low:
+        reason = "collective aborted"
+    else:
+        reason = (text.strip().splitlines() or ["unavailable"])[0][:120]
     return (
         f"/job:{me[0]}/task:{me[1]} lost contact with {who}: the worker stopped, or its host or the network "
-        f"failed (TensorFlow: {_reason(text)}). Relaunch every worker to continue; {resume}."
+        f"failed (TensorFlow: {reason}). Relaunch every worker to continue; {resume}."
     )
 
 
-def _reason(text: str) -> str:
-    low = text.lower()
-    if "stopped sending heartbeats" in low or "unhealthy" in low:
-        return "stopped sending heartbeats"
-    if "heartbeat" in low:
-        return "heartbeat deadline exceeded"
-    if "collective ops is aborted" in low:
-        return "collective aborted"
-    first = text.strip().splitlines()[0] if text.strip() else "unavailable"
-    return first[:120]
-
-
-def from_tf_config(text: str, environ: Mapping[str, str] | None = None) -> str | None:
-    """`lost_peer_message` with the cluster from ``$TF_CONFIG``, or None without one."""
-    raw = (environ if environ is not None else os.environ).get("TF_CONFIG", "")
+def _cluster_and_task(strategy: Any) -> tuple[dict[str, Any], tuple[str, int]] | None:
+    """The cluster and this task, from the strategy's resolver, else from ``$TF_CONFIG``."""
+    resolver = getattr(strategy, "cluster_resolver", None)
     try:
-        data = json.loads(raw)
-        cluster = data["cluster"]
-        me = (str(data["task"]["type"]), int(data["task"]["index"]))
+        if resolver is not None:
+            me = (str(resolver.task_type), int(resolver.task_id))
+            return resolver.cluster_spec().as_dict(), me
+        data = json.loads(os.environ.get("TF_CONFIG", ""))
+        return data["cluster"], (str(data["task"]["type"]), int(data["task"]["index"]))
     except (ValueError, KeyError, TypeError):
         return None
-    return lost_peer_message(text, cluster, me, backup_known=False)
 
 
 @contextlib.contextmanager
 def raised_as_peer_lost(strategy: Any, backup_dir: str | None) -> Iterator[None]:
     """Around `fit`, `evaluate`, `predict`: a lost-peer TensorFlow error becomes `PeerLostError`
-    with the one-line message (the cluster from the strategy, else from ``$TF_CONFIG``)."""
+    with the one-line message (`keras_sync.errors` exits 75 with it when the script does not catch it)."""
     try:
         yield
     except Exception as e:
-        if isinstance(e, PeerLostError) or not is_lost_peer_error(e):
+        where = None if isinstance(e, PeerLostError) else _cluster_and_task(strategy)
+        if where is None or not is_lost_peer_error(e) or len(training_tasks(where[0])) < 2:
             raise
-        resolver = getattr(strategy, "cluster_resolver", None)
-        if resolver is None:
-            message = from_tf_config(str(e))
-            if message is None:
-                raise
-            raise PeerLostError(message) from e
-        try:
-            cluster = {
-                job: list(tasks.values()) if isinstance(tasks, dict) else list(tasks)
-                for job, tasks in resolver.cluster_spec().as_dict().items()
-            }
-            me = (str(resolver.task_type), int(resolver.task_id))
-        except (
-            Exception
-        ):  # pragma: no cover - a resolver without a cluster: keep TensorFlow's error
-            raise e from None
-        if len(_tasks(cluster)) < 2:
-            raise
-        raise PeerLostError(lost_peer_message(str(e), cluster, me, backup_dir=backup_dir)) from e
+        known = (
+            getattr(strategy, "cluster_resolver", None) is not None
+        )  # else backup_dir is unknown
+        message = lost_peer_message(str(e), *where, backup_dir=backup_dir, backup_known=known)
+        raise PeerLostError(message) from e

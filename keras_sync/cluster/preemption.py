@@ -1,30 +1,7 @@
-"""SIGTERM or Ctrl-C = save a backup at the current step on every worker, then exit with code 143 or 130.
+"""SIGTERM or Ctrl-C during `Sync.fit`: a backup at one step on every worker, then exit 143 or 130.
 
-Kubernetes eviction, Slurm preemption (``--signal``) and spot VMs send SIGTERM, wait a grace
-period, then SIGKILL; a person stops a job with Ctrl-C (SIGINT; `keras-sync launch` forwards it
-to every worker). With ``fault_tolerance.backup_dir`` set, keras-sync's `BackupAndRestore`
-turns either signal into a coordinated save (a second Ctrl-C exits at once, without it):
-
-* **One process** (any single-worker strategy): the handler only sets a flag; the next batch end
-  (or epoch end) saves the backup at that position and exits.
-* **Several workers** (`MultiWorkerMirroredStrategy`): every worker must take part in the save
-  at the same step. The worker that got the signal announces "save after step N+1" (N = the step
-  it just finished) in the coordination service's key-value store and waits until every worker
-  has acknowledged it; each worker learns it from a thread blocked on that key, so no collective
-  and no network call is added to a normal step. Workers differ by at most one step (each step
-  ends with an all-reduce), so none can be past N+1 when the announcement is acknowledged.
-  This is the protocol of TensorFlow's `PreemptionCheckpointHandler`, which Keras 3 dropped.
-
-A SIGTERM that arrives while TensorFlow runs a long C++ call (a collective) is handled when the
-call returns: Python runs signal handlers only between bytecodes of the main thread. If the save
-cannot happen within ``fault_tolerance.grace_period_s`` (a peer stopped answering, a long
-validation pass), a watchdog thread ends the process with the same code and a line that says no
-backup was written, before the scheduler's SIGKILL.
-
-Exit code: `PREEMPTED_EXIT_CODE` (143 = 128 + SIGTERM, TensorFlow's restartable code) or
-`INTERRUPTED_EXIT_CODE` (130 = 128 + SIGINT), after flushing what the run logged (the MLflow
-spool; the run ends KILLED). The handlers exist only between `PreemptionSaver.begin` and `end`,
-inside `Sync.fit`. No TensorFlow import at module import time.
+`BackupAndRestore` holds a `PreemptionSaver` from train begin to train end; without a backup,
+`ctrl_c_ends_fit` turns Ctrl-C into the same exit, in one line.
 """
 
 from __future__ import annotations
@@ -37,16 +14,15 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-PREEMPTED_EXIT_CODE = 143
+PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, TensorFlow's restartable code
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT: a person stopped the job (Ctrl-C)
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-_KEY = "keras_sync/preemption/{fit}/step"
-_ACK = "keras_sync/preemption/{fit}/ack/{task}"
-_NO_DEADLINE_MS = 2**31 - 1  # the watcher waits for the fit's end or a stop signal, however long
 _STOP = "stop"  # posted when a fit ends without a preemption, to release the watcher threads
+_fits = (
+    0  # fits started in this process: the same count on every worker, so it names one fit's keys
+)
 
 
 def signal_name(signum: int | None) -> str:
@@ -79,7 +55,7 @@ def exit_now(code: int, message: str | None = None) -> None:
 
 
 def exit_at_once(*_: Any) -> None:
-    """A second Ctrl-C: say so and end the process now, with code 130 (no backup, no wait for delivery)."""
+    """A second Ctrl-C: say so and end the process now, code 130 (no backup, no wait for delivery)."""
     with contextlib.suppress(Exception):
         print(
             "keras-sync: Ctrl-C again: exiting at once, without a backup at this step",
@@ -90,7 +66,7 @@ def exit_at_once(*_: Any) -> None:
 
 
 class StopSignalWatch:
-    """Catches SIGTERM and SIGINT between `install` and `uninstall`: records the first instead of dying.
+    """Records the first SIGTERM or SIGINT between `install` and `uninstall` instead of dying.
 
     A watchdog thread, woken by the signals themselves (`signal.set_wakeup_fd`, written by the C
     handler even while the main thread is inside TensorFlow), ends the process with the signal's
@@ -102,9 +78,8 @@ class StopSignalWatch:
         self.received_at: float | None = None
         self.signum: int | None = None  # the first stop signal received
         self._previous: dict[int, Any] = {}
-        self._installed = False
         self._done = threading.Event()
-        self._wake_r = self._wake_w = -1
+        self._wake_w = -1
         self._old_wakeup_fd = -1
 
     @property
@@ -118,35 +93,33 @@ class StopSignalWatch:
 
     def install(self) -> bool:
         """Handle SIGTERM and SIGINT from now on; False (nothing changed) outside the main thread."""
-        if self._installed or threading.current_thread() is not threading.main_thread():
-            return self._installed
-        self._previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
-        self._installed = True
-        try:
-            self._wake_r, self._wake_w = os.pipe()
-            os.set_blocking(self._wake_w, False)
-            self._old_wakeup_fd = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
-        except (ValueError, OSError):  # pragma: no cover - no pipes, or not the main thread
-            self._wake_r = -1
-        if self._wake_r >= 0:
-            threading.Thread(
-                target=self._watchdog, name="keras-sync-stop-signal-watchdog", daemon=True
-            ).start()
+        if self._previous or threading.current_thread() is not threading.main_thread():
+            return bool(self._previous)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._old_wakeup_fd = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        threading.Thread(
+            target=self._watchdog,
+            args=(wake_r,),
+            name="keras-sync-stop-signal-watchdog",
+            daemon=True,
+        ).start()
         return True
 
     def uninstall(self) -> None:
         """Give SIGTERM and SIGINT back to the handlers that were there before."""
-        if not self._installed:
+        if not self._previous:
             return
-        self._installed = False
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-        if self._wake_r >= 0:
-            signal.set_wakeup_fd(self._old_wakeup_fd)
-            os.close(self._wake_w)  # the watchdog's read returns b"" and it ends
+        self._previous = {}
+        signal.set_wakeup_fd(self._old_wakeup_fd)
+        os.close(self._wake_w)  # the watchdog's read returns b"" and it ends
 
     def done(self) -> None:
-        """The backup is saved (or not needed): the watchdog stands down (a second Ctrl-C still exits at once)."""
+        """The backup is saved (or not needed): the watchdog stands down (a second Ctrl-C still exits)."""
         self._done.set()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -154,8 +127,7 @@ class StopSignalWatch:
             self.signum = signum
             self.received_at = time.monotonic()
 
-    def _watchdog(self) -> None:
-        fd = self._wake_r
+    def _watchdog(self, fd: int) -> None:
         deadline: float | None = None
         first: int | None = None
         try:
@@ -175,7 +147,7 @@ class StopSignalWatch:
                 data = os.read(fd, 64)
                 if not data:
                     return
-                for sig in (b for b in data if b in STOP_SIGNALS):
+                for sig in (b for b in data if b in (signal.SIGTERM, signal.SIGINT)):
                     if first is None:
                         first, deadline = sig, time.monotonic() + self.grace_period_s
                     elif sig == signal.SIGINT:  # a person who pressed Ctrl-C again does not wait
@@ -184,174 +156,118 @@ class StopSignalWatch:
             os.close(fd)
 
 
-class ClusterAgreement:
-    """Agree on the step to save at across workers, through the coordination service's key-value store.
-
-    One instance per `fit` (``fit_index`` counts the fits of this process, the same on every worker).
-    """
-
-    def __init__(
-        self,
-        *,
-        fit_index: int,
-        task_index: int,
-        num_workers: int,
-        on_error: Callable[[BaseException], None] | None = None,
-    ):
-        from keras_sync.upstream import multi_worker as _multi_worker
-
-        self._kv = _multi_worker  # the coordination service's key-value store (set_key, get_key)
-        self._key = _KEY.format(fit=fit_index)
-        self._fit = fit_index
-        self._task = task_index
-        self._num_workers = num_workers
-        self.target: int | None = None  # the optimizer step after which every worker saves
-        self.signum: int | None = None  # the stop signal of the worker that announced it
-        self.stopped = False
-        self._on_error = on_error
-        self._thread = threading.Thread(
-            target=self._watch, name="keras-sync-preemption", daemon=True
-        )
-        self._thread.start()
-
-    def _watch(self) -> None:
-        try:
-            value = self._kv.get_key(self._key, _NO_DEADLINE_MS)  # blocks (GIL released) until set
-        except Exception as e:  # the cluster went away: the main thread hears about it too
-            if self._on_error is not None:
-                self._on_error(e)
-            return
-        if value == _STOP:
-            self.stopped = True
-            return
-        self._take(value)
-        # Set before acknowledging: the announcing worker trains step `target` only after every ack.
-        with contextlib.suppress(Exception):
-            self._kv.set_key(_ACK.format(fit=self._fit, task=self._task), "1")
-
-    def _take(self, value: str) -> None:
-        step, _, signum = value.partition(":")  # "<step>:<signal number>"
-        self.signum = int(signum) if signum else None
-        self.target = int(step)
-
-    def announce(self, step: int, deadline: float, signum: int | None = None) -> int | None:
-        """Ask every worker to save after optimizer step ``step + 1``; wait for their acks.
-
-        Returns the agreed step (another worker's, if it announced first), or None when the fit
-        is ending or the peers did not acknowledge before ``deadline`` (a `time.monotonic()`).
-        """
-        import tensorflow as tf
-
-        try:
-            self._kv.set_key(self._key, f"{step + 1}:{int(signum or signal.SIGTERM)}")
-        except tf.errors.AlreadyExistsError:
-            pass  # another worker announced first: its step is the one
-        value = self._kv.get_key(self._key, _ms_left(deadline))
-        if value == _STOP:
-            return None
-        for task in range(self._num_workers):
-            try:
-                self._kv.get_key(_ACK.format(fit=self._fit, task=task), _ms_left(deadline))
-            except tf.errors.DeadlineExceededError:
-                return None
-        self._take(value)
-        return self.target
-
-    def close(self) -> None:
-        """Release the watcher threads when the fit ends without a preemption."""
-        with contextlib.suppress(Exception):
-            self._kv.set_key(self._key, _STOP)
-
-
-def training_task(cluster: dict[str, Any], task_type: str, task_id: int) -> tuple[int, int]:
-    """(this task's index among the training tasks, their count): the chief first, then the workers.
-
-    >>> training_task({"chief": ["a:1"], "worker": ["b:1", "c:1"], "ps": ["d:1"]}, "worker", 1)
-    (2, 3)
-    >>> training_task({"worker": ["b:1", "c:1"]}, "worker", 0)
-    (0, 2)
-    """
-    chiefs = len(cluster.get("chief") or [])
-    workers = len(cluster.get("worker") or [])
-    return (int(task_id) + (chiefs if task_type == "worker" else 0), chiefs + workers)
-
-
 def _ms_left(deadline: float) -> int:
     return max(1, int((deadline - time.monotonic()) * 1000))
-
-
-_fits = (
-    0  # fits started in this process: the same count on every worker, so it names one fit's keys
-)
 
 
 class PreemptionSaver:
     """Decides, at each batch or epoch end of one `fit`, whether a SIGTERM or Ctrl-C asks for the save now.
 
-    Used by `keras_sync.BackupAndRestore` (``grace_period_s`` argument): `begin` at
-    train begin, `save_due` / `save_due_at_epoch_end` at every batch / epoch end, `end` at train end.
+    The signal handler only records the signal. Under several workers, the worker that got it posts
+    "save after step N+1" in the coordination service's key-value store and waits for every
+    worker's ack; each worker learns it from a thread blocked on that key, so a normal step pays
+    nothing (TensorFlow's `PreemptionCheckpointHandler` protocol, which Keras 3 dropped). Workers
+    differ by at most one step (each ends with an all-reduce), so none is past N+1 by then.
     """
 
     def __init__(self, grace_period_s: float):
         self.grace_period_s = grace_period_s
-        self.watch = StopSignalWatch(grace_period_s)
-        self.agreement: ClusterAgreement | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        """The state of one fit, fresh at every `begin`."""
+        self.watch = StopSignalWatch(self.grace_period_s)
+        self.target: int | None = None  # the optimizer step after which every worker saves
+        self._peer_signum: int | None = None  # the stop signal of the worker that announced it
+        self._workers = self._task = 0  # training tasks when several agree on the step, else 0
+        self._key = ""  # this fit's prefix in the coordination service's key-value store
         self._announced = False
 
     def begin(self, strategy: Any) -> None:
         global _fits
         _fits += 1
-        self.watch = StopSignalWatch(self.grace_period_s)
-        self._announced = False
-        self.agreement = None
+        self._reset()
         if not self.watch.install():
             return  # not the main thread: SIGTERM and SIGINT keep their previous meaning
         from keras_sync.upstream.strategy_facts import in_multi_worker_mode
 
         if in_multi_worker_mode(strategy):
+            from keras_sync.cluster import training_tasks
+
             resolver = strategy.cluster_resolver
-            task_index, num_workers = training_task(
-                resolver.cluster_spec().as_dict(), resolver.task_type, resolver.task_id
-            )
-            self.agreement = ClusterAgreement(
-                fit_index=_fits, task_index=task_index, num_workers=num_workers
-            )
+            tasks = list(training_tasks(resolver.cluster_spec().as_dict()))
+            self._task = tasks.index((resolver.task_type, int(resolver.task_id)))
+            self._workers, self._key = len(tasks), f"keras_sync/preemption/{_fits}"
+            threading.Thread(
+                target=self._watch, args=(self._key,), name="keras-sync-preemption", daemon=True
+            ).start()
+
+    def _watch(self, key: str) -> None:
+        from keras_sync.upstream import multi_worker
+
+        try:  # blocks, the GIL released, until a worker announces or the fit ends
+            value = multi_worker.get_key(f"{key}/step", 2**31 - 1)
+        except Exception:  # the cluster went away: the main thread hears about it too
+            return
+        if value == _STOP or key != self._key:
+            return
+        self._take(value)
+        # Set before acknowledging: the announcing worker trains step `target` only after every ack.
+        with contextlib.suppress(Exception):
+            multi_worker.set_key(f"{key}/ack/{self._task}", "1")
+
+    def _take(self, value: str) -> None:
+        step, _, signum = value.partition(":")  # "<step>:<signal number>"
+        self._peer_signum = int(signum) if signum else None
+        self.target = int(step)
 
     @property
     def signum(self) -> int | None:
         """The stop signal this process exits for: its own, else the one the announcing worker got."""
-        if self.watch.signum is not None:
-            return self.watch.signum
-        return self.agreement.signum if self.agreement is not None else None
+        return self.watch.signum if self.watch.signum is not None else self._peer_signum
 
     def save_due(self, step: Callable[[], int]) -> bool:
         """At a batch end: True when every worker saves now. ``step()`` reads the optimizer step."""
-        if self.agreement is None:
+        if not self._workers:
             return self.watch.pending
-        if self.agreement.target is None:
-            if not self.watch.pending or self._announced:
-                return False
-            self._announce(step())
+        if self.target is None:
+            if self.watch.pending and not self._announced:
+                self._announce(step())
             return False  # the agreed step is the next one
-        return step() >= self.agreement.target
+        return step() >= self.target
 
     def save_due_at_epoch_end(self, step: Callable[[], int]) -> bool:
-        """At an epoch end: True when this process saves now (one process only; workers save at the agreed step)."""
-        if self.agreement is None:
-            return self.watch.pending
-        if self.watch.pending and self.agreement.target is None and not self._announced:
-            self._announce(step())
-        return False
+        """At an epoch end: True when one process saves now (workers save at the agreed step)."""
+        due = self.save_due(step)
+        return due and not self._workers
 
     def _announce(self, step: int) -> None:
+        """Ask every worker to save after step ``step + 1`` and wait for their acks (another worker's
+        step if it announced first); no agreement when the peers do not ack within the grace."""
+        import tensorflow as tf
+
+        from keras_sync.upstream import multi_worker
+
         self._announced = True
-        assert self.agreement is not None
-        target = self.agreement.announce(step, self.watch.deadline(), self.watch.signum)
+        deadline, signum = self.watch.deadline(), self.watch.signum or signal.SIGTERM
+        try:
+            multi_worker.set_key(f"{self._key}/step", f"{step + 1}:{int(signum)}")
+        except tf.errors.AlreadyExistsError:
+            pass  # another worker announced first: its step is the one
+        value = multi_worker.get_key(f"{self._key}/step", _ms_left(deadline))
+        if value == _STOP:
+            return
+        for task in range(self._workers):
+            try:
+                multi_worker.get_key(f"{self._key}/ack/{task}", _ms_left(deadline))
+            except tf.errors.DeadlineExceededError:
+                return
+        self._take(value)
         # Ctrl-C reaches every worker (the launcher forwards it): the chief's closing line is enough.
-        if target is not None and self.watch.signum != signal.SIGINT:
+        if self.watch.signum != signal.SIGINT:
             print(
-                f"keras-sync: SIGTERM at optimizer step {step}: every worker saves a backup after step {target}, "
-                "then exits",
+                f"keras-sync: SIGTERM at optimizer step {step}: every worker saves a backup after step "
+                f"{self.target}, then exits",
                 file=sys.stderr,
                 flush=True,
             )
@@ -362,7 +278,40 @@ class PreemptionSaver:
         pending = self.watch.pending
         self.watch.done()
         self.watch.uninstall()
-        if self.agreement is not None and clean:
-            self.agreement.close()
-        self.agreement = None
+        if self._workers and clean:
+            from keras_sync.upstream import multi_worker
+
+            with contextlib.suppress(Exception):
+                multi_worker.set_key(f"{self._key}/step", _STOP)
+        self._workers = 0
         return pending
+
+
+def interrupted_message(step: int | None, backup_dir: str | None) -> str:
+    """The line a chief exits with after a Ctrl-C that no backup caught (without ``keras-sync:``)."""
+    at = f" at optimizer step {step}" if step is not None else ""
+    if backup_dir:
+        return (
+            f"Ctrl-C: training stopped{at} before keras-sync could save a backup at this step; exiting "
+            f"with code 130. A relaunch resumes from the newest backup in {backup_dir}, if there is one."
+        )
+    return (
+        f"Ctrl-C: training stopped{at}; exiting with code 130. Set fault_tolerance.backup_dir to save "
+        "a backup at the step Ctrl-C stops and resume from it."
+    )
+
+
+@contextlib.contextmanager
+def ctrl_c_ends_fit(model: Any, *, is_chief: bool, backup_dir: str | None) -> Iterator[None]:
+    """Around `model.fit`: a `KeyboardInterrupt` (no backup caught the Ctrl-C) ends the process with
+    one line (chief only) and code 130, not a traceback per worker. A second Ctrl-C then exits at once,
+    skipping the wait for MLflow delivery. Nothing is installed while `fit` runs."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        with contextlib.suppress(ValueError):  # not the main thread, which Ctrl-C never reaches
+            signal.signal(signal.SIGINT, exit_at_once)
+        step = None
+        with contextlib.suppress(Exception):
+            step = int(model.optimizer.iterations.numpy())
+        exit_now(INTERRUPTED_EXIT_CODE, interrupted_message(step, backup_dir) if is_chief else None)

@@ -1,33 +1,15 @@
-"""Run a training script as N local workers on 127.0.0.1, each with its own TF_CONFIG.
+"""Run a training script as N local workers on 127.0.0.1, each with its own TF_CONFIG (`keras-sync launch`).
 
-    keras-sync launch --workers 2 [--config FILE] [--max-restarts N] train.py [ARGS...]
-    python -m keras_sync.launch ...             (the same command line)
-
-Each worker runs `sys.executable SCRIPT ARGS` in its own session (its own process group), with
-`TF_CONFIG` naming all workers on free ports of 127.0.0.1, `KERAS_SYNC_CONFIG` set to the config
-file if given, and `PYTHONUNBUFFERED=1`. Output lines come back prefixed `[w0]`, `[w1]`, ...
-
-Stopping: when a worker exits non-zero the others get SIGTERM and, after `grace_period_s`, SIGKILL
-(a worker waiting in a collective for a dead peer ignores SIGTERM). Ctrl-C or SIGTERM to the
-launcher is forwarded the same way; a second one kills at once. At the end every worker's process
-group is killed, so no child a worker started outlives the launch.
-
-Restarts: with `max_restarts` N > 0 a failed try is followed by a new try of the whole job on fresh
-ports, up to N times. Every try has the same `KERAS_SYNC_JOB_ID`, so a job with a backup resumes
-and continues its one MLflow run; `KERAS_SYNC_RESTART_COUNT` tells the workers which try they are
-in (as torchrun's `TORCHELASTIC_RESTART_COUNT`). A signal to the launcher is never followed by a
-restart.
-
-Exposure: TensorFlow's gRPC server listens on 0.0.0.0 whatever TF_CONFIG says, so other hosts can
-reach the workers' ports; `private_network` runs them in a network namespace of their own
-(`keras_sync.cluster.netns`). Ports are found by binding 127.0.0.1:0 and closed just before the
-workers start, so another process could take one in between (the launch then fails; rerun).
+A worker that fails stops the others (SIGTERM, then SIGKILL after `grace_period_s`: a worker
+waiting in a collective ignores SIGTERM), and a signal to the launcher is forwarded the same way.
+Each worker leads its own session, so no child of a worker outlives the launch.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -42,19 +24,8 @@ from keras_sync.config import CONFIG_ENV
 from keras_sync.errors import UsageError
 
 JOB_ID_ENV = "KERAS_SYNC_JOB_ID"  # read by `keras_sync.config` as mlflow.job_id
-RESTART_COUNT_ENV = "KERAS_SYNC_RESTART_COUNT"  # the try's number (0, 1, ...), for the workers; keras-sync reads none
-
-_POLL_S = 0.05
+RESTART_COUNT_ENV = "KERAS_SYNC_RESTART_COUNT"  # the try's number (0, 1, ...), for the workers
 _print_lock = threading.Lock()
-
-
-def _reserve_ports(n: int) -> list[socket.socket]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)  # kept open until launch so the n ports are distinct
-    return socks
 
 
 def worker_tf_configs(ports: Sequence[int]) -> list[str]:
@@ -68,15 +39,13 @@ def worker_tf_configs(ports: Sequence[int]) -> list[str]:
 
 def _pump(stream: IO[bytes], prefix: str, out: IO[str]) -> None:
     for raw in iter(stream.readline, b""):
-        line = raw.decode("utf-8", errors="replace")
-        if not line.endswith("\n"):
-            line += "\n"
+        line = raw.decode("utf-8", errors="replace").rstrip("\n") + "\n"
         with _print_lock:
             try:
                 out.write(prefix + line)
                 out.flush()
             except (OSError, ValueError):
-                pass  # our output is gone (`| head`, closed stream): keep draining so the worker never blocks
+                pass  # our output is gone (`| head`): keep draining so the worker never blocks
     stream.close()
 
 
@@ -99,7 +68,7 @@ def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _validate(
+def _check_arguments(
     script: str, workers: object, config: str | None, grace_period_s: float, max_restarts: object
 ) -> None:
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -132,13 +101,9 @@ def _validate(
 def _refuse_config(
     script: str, workers: int, config: str | None, environ: Mapping[str, str], private: bool
 ) -> None:
-    """Refuse, before any worker starts, what the workers' config cannot do here: a one-process
-    kind (`mirrored`, ...) under several workers (as many jobs), or an HTTP tracking server under
-    ``private_network`` (unreachable from the namespace).
-
-    Reads the config by `keras_sync.load()`'s rule (``config``, else ``$KERAS_SYNC_CONFIG``, else
-    ``./keras_sync.yaml``); a config that does not load is left to the workers' own `load`.
-    """
+    """Refuse before any worker starts a one-process kind (`mirrored`, ...) under several workers,
+    or an HTTP tracking server under ``private_network``; a config that does not load is left to the
+    workers' own `load`."""
     from keras_sync.config import load_config
     from keras_sync.errors import KerasSyncError
 
@@ -181,40 +146,20 @@ def launch(
     env: Mapping[str, str] | None = None,
     private_network: bool = False,
 ) -> int:
-    """Runs `script` as `workers` local processes; returns the job's exit code.
-
-    Args:
-        script: path of the Python script every worker runs.
-        args: arguments passed to the script.
-        workers: number of worker processes (>= 1).
-        config: keras-sync YAML file, passed to workers as `KERAS_SYNC_CONFIG`.
-        grace_period_s: time between SIGTERM (or a forwarded SIGINT) and SIGKILL.
-        max_restarts: when a worker fails, stop the others and start the whole job again, up
-            to this many times (0: stop). Every try has the same `KERAS_SYNC_JOB_ID`, so a job
-            with a backup resumes and continues its MLflow run.
-        env: extra environment variables for the workers, on top of `os.environ`.
-        private_network: run the workers in a network namespace of their own, so no other host
-            can reach their ports (TensorFlow's servers listen on every interface and run what a
-            client sends); Linux as root, and the workers reach no network but their loopback
-            (`keras_sync.cluster.netns`).
-
-    Returns:
-        0 if every worker of a try exits 0; else the exit code of the first worker that
-        failed in the last try (128 + N for a death by signal N); 130 after Ctrl-C, 143 after SIGTERM.
+    """Runs `script` as `workers` local processes (`keras-sync launch`, whose options these are;
+    ``env``: extra variables for the workers). Returns 0 if every worker of a try exits 0, else the
+    code of the first worker that failed in the last try (128 + N for a death by signal N).
 
     Raises:
-        UsageError: a bad argument (workers < 1, a missing script or config), a config whose
-            strategy kind runs in one process (`mirrored`, ...) under several workers, or
+        UsageError: a bad argument, a one-process strategy kind under several workers, or
             ``private_network`` where no network namespace can be made.
     """
-    _validate(script, workers, config, grace_period_s, max_restarts)
+    _check_arguments(script, workers, config, grace_period_s, max_restarts)
     _refuse_config(script, workers, config, {**os.environ, **(env or {})}, private_network)
-    base_env = dict(os.environ)
-    base_env.pop("TF_CONFIG", None)
+    base_env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     base_env.update(env or {})
     base_env["PYTHONUNBUFFERED"] = "1"
-    # One job identity for every try: the MLflow run is found again by it (mlflow.job_id; a restored
-    # backup's recorded run wins, see training/job_run.py).
+    # One job identity for every try: the MLflow run is found again by it (mlflow.job_id).
     base_env.setdefault(JOB_ID_ENV, f"launch-{uuid.uuid4().hex[:12]}")
     if config is not None:
         base_env[CONFIG_ENV] = os.path.abspath(config)
@@ -228,27 +173,23 @@ def launch(
         stop.setdefault("signal", signum)
 
     previous: dict[int, object] = {}
-    network = None
-    if private_network:
-        from keras_sync.cluster.netns import PrivateNetwork
-
-        network = PrivateNetwork()
-    wrap = network.wrap if network is not None else list
+    network = PrivateNetwork() if private_network else None
+    command = [sys.executable, script, *args]
+    if network is not None:
+        command = network.wrap(command)
     try:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 previous[sig] = signal.signal(sig, on_signal)
         for attempt in range(max_restarts + 1):
             try_env = {**base_env, RESTART_COUNT_ENV: str(attempt)}
-            code, failed = _one_try(
-                wrap([sys.executable, script, *args]), workers, try_env, procs, stop, grace_period_s
-            )
+            code, failed = _one_try(command, workers, try_env, procs, stop, grace_period_s)
             if code == 0 or "signal" in stop or failed is None or attempt == max_restarts:
-                return code
+                break
             _say(
                 f"restart {attempt + 1}/{max_restarts} after worker {failed} exited with code {code}"
             )
-        return code  # pragma: no cover - the loop always returns
+        return code
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)  # type: ignore[arg-type]
@@ -259,7 +200,7 @@ def launch(
 def _one_try(
     command: list[str],
     workers: int,
-    base_env: dict[str, str],
+    env: dict[str, str],
     procs: list[subprocess.Popen[bytes]],
     stop: dict[str, int],
     grace_period_s: float,
@@ -267,16 +208,19 @@ def _one_try(
     """Starts the workers on fresh ports and supervises them: (exit code, index of the failed worker)."""
     procs.clear()
     pumps: list[threading.Thread] = []
-    socks: list[socket.socket] = []
+    # Held open until every port is chosen, so the n ports are distinct; closed before the workers
+    # start (another process could take one in between: the launch then fails, rerun it).
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(workers)]
     try:
-        socks = _reserve_ports(workers)
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
         configs = worker_tf_configs([s.getsockname()[1] for s in socks])
         for s in socks:
             s.close()
         for i, tf_config in enumerate(configs):
             p = subprocess.Popen(
                 command,
-                env={**base_env, "TF_CONFIG": tf_config},
+                env={**env, "TF_CONFIG": tf_config},
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -284,15 +228,15 @@ def _one_try(
             )
             procs.append(p)
             for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
-                t = threading.Thread(target=_pump, args=(stream, f"[w{i}] ", out), daemon=True)
-                t.start()
-                pumps.append(t)
+                pumps.append(
+                    threading.Thread(target=_pump, args=(stream, f"[w{i}] ", out), daemon=True)
+                )
+                pumps[-1].start()
         return _supervise(procs, stop, grace_period_s)
     finally:
         for s in socks:
             s.close()
-        # leftovers of workers that exited, or of a crash here
-        _signal_groups(procs, signal.SIGKILL)
+        _signal_groups(procs, signal.SIGKILL)  # what workers left behind, or a crash here
         for p in procs:
             p.wait()
         for t in pumps:
@@ -305,7 +249,7 @@ def _supervise(
     """Waits for the workers; on a failure or a signal, stops them all: (exit code, failed worker)."""
     result: int | None = None
     failed_worker: int | None = None
-    kill_at: float | None = None
+    kill_at = float("inf")
     while True:
         codes = [p.poll() for p in procs]
         if result is None and "signal" in stop:
@@ -317,32 +261,91 @@ def _supervise(
                 _say(f"got {signal.Signals(sig).name}; stopping {len(procs)} worker(s)")
             _signal_groups(procs, sig)
             kill_at = time.monotonic() + grace_period_s
-        if result is None:
-            failed = next(((i, c) for i, c in enumerate(codes) if c not in (None, 0)), None)
-            if failed is not None:
-                i, code = failed
-                result, failed_worker = _exit_code(code), i
-                running = sum(c is None for c in codes)
-                # Said even when no worker is left: the others may have ended between two polls
-                # (a peer that lost its chief ends within seconds; seen under load in CI).
-                others = [
-                    f"w{j} exited too, with code {_exit_code(c)}"
-                    for j, c in enumerate(codes)
-                    if j != i and c not in (None, 0)
-                ]
-                _say(
-                    "; ".join(
-                        [f"w{i} exited with code {result}", *others]
-                        + ([f"stopping the other {running} worker(s)"] if running else [])
-                    )
-                )
-                if running:
-                    _signal_groups(procs, signal.SIGTERM)
-                    kill_at = time.monotonic() + grace_period_s
-        if all(c is not None for c in codes):
+        failed = [(i, _exit_code(c)) for i, c in enumerate(codes) if c not in (None, 0)]
+        if result is None and failed:
+            # Every failed worker is named: the others may have ended between two polls.
+            (failed_worker, result), running = failed[0], codes.count(None)
+            said = [f"w{failed_worker} exited with code {result}"]
+            said += [f"w{j} exited too, with code {c}" for j, c in failed[1:]]
+            _say("; ".join(said + ([f"stopping the other {running} worker(s)"] if running else [])))
+            if running:
+                _signal_groups(procs, signal.SIGTERM)
+                kill_at = time.monotonic() + grace_period_s
+        if None not in codes:
             return (result, failed_worker) if result is not None else (0, None)
-        if kill_at is not None and time.monotonic() >= kill_at:
+        if time.monotonic() >= kill_at:
             _say(f"worker(s) still running after {grace_period_s:g} s; sending SIGKILL")
             _signal_groups(procs, signal.SIGKILL)
             kill_at = float("inf")
-        time.sleep(_POLL_S)
+        time.sleep(0.05)
+
+
+# Brings `lo` up (SIOCGIFFLAGS/SIOCSIFFLAGS, no `ip` binary needed), says so, then holds the
+# namespace until its stdin (the launcher's pipe) closes: a launcher killed with SIGKILL leaves nothing.
+_HOLDER = (
+    "import fcntl, socket, struct, sys\n"
+    "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+    "flags = struct.unpack('16sH14x', fcntl.ioctl(s, 0x8913, struct.pack('16sH14x', b'lo', 0)))[1]\n"
+    "fcntl.ioctl(s, 0x8914, struct.pack('16sH14x', b'lo', flags | 1))\n"
+    "print('ready', flush=True)\n"
+    "sys.stdin.buffer.read()\n"
+)
+
+
+def refuse_private_network_unless_possible() -> None:
+    """Say in one line why ``--private-network`` cannot work here (not Linux, not root, no util-linux)."""
+    missing = " and ".join(tool for tool in ("unshare", "nsenter") if shutil.which(tool) is None)
+    why = None
+    if not sys.platform.startswith("linux"):
+        why = f"network namespaces are Linux only (this is {sys.platform})"
+    elif os.geteuid() != 0:
+        why = f"creating a network namespace needs root or CAP_SYS_ADMIN (running as uid {os.geteuid()})"
+    elif missing:
+        why = f"{missing} (util-linux) not found on the PATH"
+    if why:
+        raise UsageError(
+            f"Invalid value for argument `private_network`. Received: private_network=True, but {why}. Fix: run "
+            "launch as root on Linux, or drop --private-network and keep the workers' ports behind a firewall or "
+            "on a trusted network."
+        )
+
+
+class PrivateNetwork:
+    """A network namespace for one launch's workers, where they listen and talk on its 127.0.0.1 only.
+
+    TensorFlow's gRPC server binds ``0.0.0.0:<port>`` whatever the cluster spec says and runs any
+    op a client sends. A holder process in a new namespace (``unshare --net``) brings its loopback up
+    and lives while the launcher does; each worker runs inside it (``nsenter``). Inside there is no
+    network but that loopback: a sqlite or file tracking store works, an HTTP server does not.
+    """
+
+    def __init__(self) -> None:
+        refuse_private_network_unless_possible()
+        self._holder = subprocess.Popen(
+            ["unshare", "--net", "--", sys.executable, "-c", _HOLDER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            start_new_session=True,
+        )
+        assert self._holder.stdout is not None and self._holder.stdin is not None
+        self._stdin = self._holder.stdin
+        if self._holder.stdout.readline().strip() != b"ready":
+            code = self._holder.wait()
+            raise UsageError(
+                f"Invalid value for argument `private_network`. Received: private_network=True, but `unshare --net` "
+                f"failed (exit code {code}; said above). Fix: drop --private-network, or allow network namespaces "
+                "here (a container needs CAP_SYS_ADMIN)."
+            )
+
+    def wrap(self, command: Sequence[str]) -> list[str]:
+        """``command`` run inside the namespace."""
+        return ["nsenter", f"--net=/proc/{self._holder.pid}/ns/net", "--", *command]
+
+    def close(self) -> None:
+        """End the holder; the namespace goes with the last process in it."""
+        self._stdin.close()
+        try:
+            self._holder.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # a holder that ignores its stdin
+            self._holder.kill()
+            self._holder.wait()
