@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from keras_sync.cli.scaffold import render_config
-from keras_sync.config import Config, _f, load_config
+from keras_sync.config import DOCS, Config, _f, load_config
 from keras_sync.config import reference as config_reference
 from keras_sync.config.kinds import STRATEGY_KINDS
 from keras_sync.config.reference import (
@@ -23,7 +23,7 @@ from keras_sync.config.reference import (
     drift,
     source_root,
 )
-from keras_sync.config.specs import Int
+from keras_sync.config.specs import integer
 from keras_sync.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +65,7 @@ def test_every_key_is_documented_in_the_docs_reference_with_its_doc_and_default(
             (line for line in block.splitlines() if line.startswith(f"| `{dotted}` |")), None
         )
         assert row is not None, f"{REFERENCE_PAGE} has no row for {dotted}"
-        assert f.metadata["doc"] in row.replace("\\|", "|")
+        assert DOCS[dotted] in row.replace("\\|", "|")
         assert f"`{config_reference.yaml_value(f.default)}`" in row
         kinds = f.metadata.get("kinds")
         if kinds and set(kinds) != set(
@@ -100,7 +100,7 @@ def test_each_kind_template_shows_the_keys_that_apply_with_their_docs(
             f"{dotted} in the {kind} template: expected shown={shown}"
         )
         if shown and dotted != "strategy.kind":
-            assert f.metadata["doc"] in " ".join(
+            assert DOCS[dotted] in " ".join(
                 line.strip().lstrip("# ") for line in text.splitlines()
             ), dotted
     path = tmp_path / "keras_sync.yaml"
@@ -160,7 +160,7 @@ def test_a_reference_page_without_the_markers_is_an_error_naming_them(tmp_path: 
 def test_a_key_without_a_doc_is_refused() -> None:
     @dataclasses.dataclass(frozen=True)
     class Section:
-        undocumented: int = _f(1, Int(), "")
+        undocumented: int = _f(1, integer(0))
 
     with pytest.raises(
         UsageError,

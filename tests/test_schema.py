@@ -14,7 +14,7 @@ import yaml
 from keras_sync.cli.scaffold import render_config
 from keras_sync.config import load_config
 from keras_sync.config.kinds import STRATEGY_KINDS
-from keras_sync.config.schema import config_schema
+from keras_sync.config.reference import config_schema
 from keras_sync.errors import ConfigError
 
 try:

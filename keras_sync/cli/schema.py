@@ -17,6 +17,6 @@ def command() -> None:
       # first line of keras_sync.yaml:
       # yaml-language-server: $schema=keras_sync.schema.json
     """
-    from keras_sync.config.schema import config_schema
+    from keras_sync.config.reference import config_schema
 
     click.echo(json.dumps(config_schema(), indent=2))

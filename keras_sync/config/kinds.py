@@ -1,8 +1,7 @@
 """The strategy kinds keras-sync knows: one entry each, and every question about a kind asks it.
 
-Pure Python: the config validates `strategy.*` against this table, `keras_sync.strategy` finds
-each kind's builder and device layout here, and the config reference writes each kind's
-``strategy:`` template section from its summary (which keys it shows: the fields' ``kinds``).
+Pure Python: the config validates `strategy.*` by it, `keras_sync.strategy` finds each kind's
+builder and device layout in it, and the reference writes each kind's template from its summary.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ class KindSpec:
 
     Args:
         name: the value of `strategy.kind`.
-        summary: what the kind does, one or two sentences (the template's comment above it).
+        summary: what the kind does (the template's comment above it).
         builder: the name of its builder in `keras_sync.strategy`; None for ``auto`` (resolved first).
         layout: where its replicas live on one worker, one of `LAYOUTS`.
         multi_process: one process per worker, joined in a cluster (collectives span processes).
@@ -53,17 +52,16 @@ KINDS: dict[str, KindSpec] = {
     for spec in (
         KindSpec(
             "auto",
-            "auto: a TPU if one is attached; multi_worker_mirrored when TF_CONFIG (or Slurm) names "
-            "several workers; mirrored with several GPUs or simulated CPU replicas; else default.",
-            builder=None,
-            layout=LAYOUT_LOCAL,
+            "auto: a TPU if one is attached; multi_worker_mirrored when TF_CONFIG (or Slurm) names several workers; mirrored with several GPUs or simulated CPU replicas; else default.",
+            None,
+            LAYOUT_LOCAL,
             accepts_devices=True,
         ),
         KindSpec(
             "default",
             "default: no distribution, TensorFlow's default device; plain Keras behaviour.",
-            builder="_build_default",
-            layout=LAYOUT_TENSORFLOW,
+            "_build_default",
+            LAYOUT_TENSORFLOW,
             one_process=True,
             simulated_cpus=False,
             scoped=False,
@@ -71,8 +69,8 @@ KINDS: dict[str, KindSpec] = {
         KindSpec(
             "one_device",
             "one_device: everything on one device (a good baseline to compare replicas against).",
-            builder="_build_one_device",
-            layout=LAYOUT_ONE,
+            "_build_one_device",
+            LAYOUT_ONE,
             one_process=True,
             accepts_devices=True,
             max_devices=1,
@@ -80,45 +78,37 @@ KINDS: dict[str, KindSpec] = {
         KindSpec(
             "mirrored",
             "mirrored: one replica per local device, gradients all-reduced every step.",
-            builder="_build_mirrored",
-            layout=LAYOUT_LOCAL,
+            "_build_mirrored",
+            LAYOUT_LOCAL,
             one_process=True,
             accepts_devices=True,
         ),
         KindSpec(
             "multi_worker_mirrored",
-            "multi_worker_mirrored: several processes (machines), each with its local "
-            "devices. Try it on one machine: keras-sync launch --workers 2 train.py",
-            builder="_build_multi_worker",
-            layout=LAYOUT_LOCAL,
+            "multi_worker_mirrored: several processes (machines), each with its local devices. Try it on one machine: keras-sync launch --workers 2 train.py",
+            "_build_multi_worker",
+            LAYOUT_LOCAL,
             multi_process=True,
         ),
         KindSpec(
             "tpu",
             "tpu: a Cloud TPU or a TPU VM.",
-            builder="_build_tpu",
-            layout=LAYOUT_TPU,
+            "_build_tpu",
+            LAYOUT_TPU,
             simulated_cpus=False,
             drop_remainder=True,
         ),
     )
 }
-
 STRATEGY_KINDS: tuple[str, ...] = tuple(KINDS)
 
 
 def kinds_where(**facts: object) -> tuple[str, ...]:
-    """The kinds whose spec has all the given facts, in table order.
+    """The kinds whose entry has all the given facts, in table order.
 
     >>> kinds_where(accepts_devices=True)
     ('auto', 'one_device', 'mirrored')
     >>> kinds_where(multi_process=True)
     ('multi_worker_mirrored',)
-    >>> kinds_where(one_process=True)
-    ('default', 'one_device', 'mirrored')
     """
-    return tuple(
-        name
-        for name, spec in KINDS.items()
-        if all(getattr(spec, key) == value for key, value in facts.items())
-    )
+    return tuple(n for n, s in KINDS.items() if all(getattr(s, k) == v for k, v in facts.items()))
