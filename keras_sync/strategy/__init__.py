@@ -7,10 +7,11 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from keras_sync.config import Config, StrategyConfig
 from keras_sync.config.kinds import KINDS, LAYOUT_ONE, LAYOUT_TENSORFLOW, LAYOUT_TPU, kinds_where
@@ -28,6 +29,11 @@ _TPU_ENV_VARS = (
 )
 #: Kinds whose job is one process, which is then its chief.
 ONE_PROCESS_KINDS = kinds_where(one_process=True)
+# keras-sync depends on no TensorFlow distribution: a project brings its own.
+INSTALL_TENSORFLOW_HINT = (
+    'pip install "keras-sync[cpu]" (tensorflow-cpu), "keras-sync[tensorflow]" (the standard build; '
+    'GPU with a system CUDA) or "keras-sync[and-cuda]" (GPU with CUDA from pip)'
+)
 
 
 @dataclass(frozen=True)
@@ -66,13 +72,12 @@ def refuse_one_process_kind(config: Config, workers: int, started_by: str, alone
     ``started_by`` says what names the workers; ``alone`` how to run the script as one process.
     """
     kind = config.strategy.kind
-    if workers <= 1 or not KINDS[kind].one_process:
-        return
-    joined = " or ".join(kinds_where(builder=None) + kinds_where(multi_process=True))
-    raise UsageError(
-        f"{started_by}, but strategy.kind is {kind!r} in {config.origin()}, a kind that runs in one "
-        f"process: each worker would train on its own. Fix: set strategy.kind: {joined}, or {alone}."
-    )
+    if workers > 1 and KINDS[kind].one_process:
+        joined = " or ".join(kinds_where(builder=None) + kinds_where(multi_process=True))
+        raise UsageError(
+            f"{started_by}, but strategy.kind is {kind!r} in {config.origin()}, a kind that runs in one "
+            f"process: each worker would train on its own. Fix: set strategy.kind: {joined}, or {alone}."
+        )
 
 
 def check_one_process(config: Config, environ: Mapping[str, str] | None = None) -> None:
@@ -83,8 +88,9 @@ def check_one_process(config: Config, environ: Mapping[str, str] | None = None) 
         workers, where = count_workers(config, os.environ if environ is None else environ)
     except KerasSyncError:  # a cluster description a one-process kind never reads
         return
-    started_by = f"{where} names {workers} workers"
-    refuse_one_process_kind(config, workers, started_by, "start one process only")
+    refuse_one_process_kind(
+        config, workers, f"{where} names {workers} workers", "start one process only"
+    )
 
 
 def detect(
@@ -107,9 +113,9 @@ def detect(
     if workers > 1:
         return Detection("multi_worker_mirrored", f"auto: {where} names {workers} workers")
     n_gpus = count_gpus_cheaply() if gpus is None else gpus
+    sim = config.strategy.simulated_cpu_replicas
     if n_gpus > 1:
         return Detection("mirrored", f"auto: {n_gpus} GPUs")
-    sim = config.strategy.simulated_cpu_replicas
     if sim > 1:
         return Detection("mirrored", f"auto: strategy.simulated_cpu_replicas={sim}")
     why = "one GPU" if n_gpus == 1 else "no GPU"
@@ -141,24 +147,41 @@ def device_layout(kind: str, cfg: StrategyConfig, *, gpus: int) -> DeviceLayout:
     spec = KINDS[kind]
     if spec.builder is None or spec.layout == LAYOUT_TPU:
         raise ValueError(f"device_layout: no local device layout for kind={kind!r}")
-    tf_default = DeviceLayout(("/gpu:0" if gpus else "/cpu:0",), "tensorflow")
+    layout = DeviceLayout(("/gpu:0" if gpus else "/cpu:0",), "tensorflow")
     if spec.layout == LAYOUT_TENSORFLOW:  # no device list, no simulated CPUs
-        return tf_default
+        return layout
     if cfg.simulated_cpu_replicas:
         layout = DeviceLayout(tuple(_cpu_names(cfg.simulated_cpu_replicas)), "simulated")
     elif cfg.devices and spec.accepts_devices:
         layout = DeviceLayout(tuple(cfg.devices), "strategy.devices")
     elif gpus and spec.layout != LAYOUT_ONE:
         layout = DeviceLayout(tuple(f"/gpu:{i}" for i in range(gpus)), "tensorflow")
-    else:
-        layout = tf_default
-    if spec.layout == LAYOUT_ONE:
-        return DeviceLayout(layout.devices[:1], layout.source)
-    return layout
+    return DeviceLayout(layout.devices[:1], layout.source) if spec.layout == LAYOUT_ONE else layout
 
 
 def _cpu_names(n: int) -> list[str]:
     return [f"/cpu:{i}" for i in range(n)]
+
+
+def canonical(name: str, *, where: str) -> str:
+    """A device name read one way: ``"/job:localhost/replica:0/task:0/device:CPU:1"``, ``"/cpu:1"``,
+    ``"cpu:1"`` and ``"CPU:1"`` all give ``"CPU:1"``; else `StrategyError` naming ``where``, the key
+    or argument the name came from (``"strategy.devices"``)."""
+    import tensorflow as tf
+
+    text = name.strip() if isinstance(name, str) else name
+    try:
+        # "CPU:1" alone is not a device spec; "/device:CPU:1" is ("/cpu:1" is TensorFlow's legacy form).
+        spec = tf.DeviceSpec.from_string(
+            text if "/" in text or ":" not in text else f"/device:{text}"
+        )
+    except (ValueError, TypeError):
+        expected = 'names such as "CPU:0" or "/device:GPU:1"'
+    else:
+        if spec.device_type and spec.device_index is not None:
+            return f"{spec.device_type.upper()}:{spec.device_index}"
+        expected = 'a type and an index, such as "CPU:0" or "GPU:1"'
+    raise StrategyError(f"Invalid device name in {where}. Received: {name!r}. Expected {expected}.")
 
 
 # Builders (import TensorFlow)
@@ -172,55 +195,31 @@ def configure_simulated_cpus(n: int) -> list[str]:
     current = tf.config.get_logical_device_configuration(cpus[0])
     # Names are built, not listed: listing starts the runtime, after which
     # MultiWorkerMirroredStrategy can no longer configure its collectives.
-    if current is not None and len(current) == n:
-        return _cpu_names(n)
-    try:
-        tf.config.set_logical_device_configuration(
-            cpus[0], [tf.config.LogicalDeviceConfiguration()] * n
-        )
-    except RuntimeError as exc:
-        raise StrategyError(
-            f"Cannot split the CPU into strategy.simulated_cpu_replicas={n} logical devices: "
-            "TensorFlow has already initialised its devices in this process. Call keras_sync.load() "
-            f"first, before creating any tensor, model or dataset. ({exc})"
-        ) from None
-    return _cpu_names(n)
-
-
-def _cross_device_ops(name: str, n_gpus: int) -> Any:
-    import tensorflow as tf
-
-    if name == "auto":
-        # With GPUs TensorFlow picks. On CPU its pick is collective all-reduce, whose instances
-        # collide between two MirroredStrategy objects in one process: ReductionToOneDevice.
-        return None if n_gpus else tf.distribute.ReductionToOneDevice()
-    if name == "nccl":
-        if n_gpus == 0:
-            raise StrategyError(
-                "strategy.cross_device_ops='nccl' needs GPUs, and TensorFlow sees none here. "
-                "Use 'hierarchical_copy', 'reduction_to_one' or 'auto'."
+    if current is None or len(current) != n:
+        try:
+            tf.config.set_logical_device_configuration(
+                cpus[0], [tf.config.LogicalDeviceConfiguration()] * n
             )
-        return tf.distribute.NcclAllReduce()
-    if name == "hierarchical_copy":
-        return tf.distribute.HierarchicalCopyAllReduce()
-    return tf.distribute.ReductionToOneDevice()
+        except RuntimeError as exc:
+            raise StrategyError(
+                f"Cannot split the CPU into strategy.simulated_cpu_replicas={n} logical devices: "
+                "TensorFlow has already initialised its devices in this process. Call keras_sync.load() "
+                f"first, before creating any tensor, model or dataset. ({exc})"
+            ) from None
+    return _cpu_names(n)
 
 
 def _local_devices(kind: str, cfg: StrategyConfig) -> tuple[DeviceLayout, int]:
     """`device_layout` made real (simulated CPUs split, listed devices checked), and the GPU count."""
     import tensorflow as tf
 
-    from keras_sync.strategy.devices import canonical
-
     if cfg.simulated_cpu_replicas:
         configure_simulated_cpus(cfg.simulated_cpu_replicas)
     n_gpus = 0 if cfg.simulated_cpu_replicas else len(tf.config.list_physical_devices("GPU"))
     layout = device_layout(kind, cfg, gpus=n_gpus)
     if layout.source == "strategy.devices":
-        known = {
-            canonical(d.name, where="TensorFlow's devices")
-            for d in tf.config.list_logical_devices()
-        }
+        logical = tf.config.list_logical_devices()
+        known = {canonical(d.name, where="TensorFlow's devices") for d in logical}
         for dev in layout.devices:
             if canonical(dev, where="strategy.devices") not in known:
                 raise StrategyError(
@@ -247,7 +246,21 @@ def _build_mirrored(config: Config) -> tf.distribute.Strategy:
     import tensorflow as tf
 
     layout, n_gpus = _local_devices("mirrored", config.strategy)
-    ops = _cross_device_ops(config.strategy.cross_device_ops, n_gpus)
+    name = config.strategy.cross_device_ops
+    if name == "nccl" and not n_gpus:
+        raise StrategyError(
+            "strategy.cross_device_ops='nccl' needs GPUs, and TensorFlow sees none here. "
+            "Use 'hierarchical_copy', 'reduction_to_one' or 'auto'."
+        )
+    classes = {
+        "auto": tf.distribute.ReductionToOneDevice,
+        "nccl": tf.distribute.NcclAllReduce,
+        "hierarchical_copy": tf.distribute.HierarchicalCopyAllReduce,
+        "reduction_to_one": tf.distribute.ReductionToOneDevice,
+    }
+    # auto: with GPUs TensorFlow picks. On CPU its pick is collective all-reduce, whose instances
+    # collide between two MirroredStrategy objects in one process: ReductionToOneDevice.
+    ops = None if name == "auto" and n_gpus else classes[name]()
     return tf.distribute.MirroredStrategy(devices=layout.explicit_devices, cross_device_ops=ops)
 
 
@@ -282,9 +295,7 @@ def _build_tpu(config: Config) -> tf.distribute.Strategy:
     tpu = config.strategy.tpu
     address = tpu.name or ""
     try:
-        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(
-            tpu=address, zone=tpu.zone, project=tpu.project
-        )
+        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(address, tpu.zone, tpu.project)
         if address not in ("", "local"):
             tf.config.experimental_connect_to_cluster(resolver)
         tf.tpu.experimental.initialize_tpu_system(resolver)
@@ -303,17 +314,11 @@ BUILDERS: dict[str, Callable[[Config], tf.distribute.Strategy]] = {
     name: globals()[spec.builder] for name, spec in KINDS.items() if spec.builder is not None
 }
 
-# keras-sync depends on no TensorFlow distribution: a project brings its own.
-INSTALL_TENSORFLOW_HINT = (
-    'pip install "keras-sync[cpu]" (tensorflow-cpu), "keras-sync[tensorflow]" (the standard build; '
-    'GPU with a system CUDA) or "keras-sync[and-cuda]" (GPU with CUDA from pip)'
-)
 
-
-def require_tensorflow() -> None:
-    """Raise `StrategyError` with the install command when no TensorFlow can be imported."""
-    import sys
-
+def build_strategy(
+    config: Config, environ: Mapping[str, str] | None = None
+) -> tuple[tf.distribute.Strategy, Detection]:
+    """Build the configured `tf.distribute.Strategy` (call before any other TensorFlow work)."""
     from keras_sync.upstream.tf_import import import_tensorflow
 
     try:
@@ -325,13 +330,5 @@ def require_tensorflow() -> None:
             f"TensorFlow is not installed in this environment ({sys.executable}); keras-sync uses "
             f"the TensorFlow of your project and installs none itself. Fix: {INSTALL_TENSORFLOW_HINT}."
         ) from None
-
-
-def build_strategy(
-    config: Config, environ: Mapping[str, str] | None = None
-) -> tuple[tf.distribute.Strategy, Detection]:
-    """Build the configured `tf.distribute.Strategy` (call before any other TensorFlow work)."""
-    require_tensorflow()
     detection = detect(config, environ)
-    strategy = BUILDERS[detection.kind](config)
-    return strategy, detection
+    return BUILDERS[detection.kind](config), detection

@@ -22,72 +22,56 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_TASK_RE = re.compile(r"/job:(\w+)/replica:\d+/task:(\d+)")
-
 
 def local_cpu_devices() -> list[str]:
-    """Names of the logical CPU devices configured in this process (``["CPU:0", ...]``).
-
-    Reads the logical-device configuration without initialising TensorFlow, so it
-    can be called before the strategy is built (after that, devices are frozen).
-    """
+    """Names of the logical CPU devices configured in this process (``["CPU:0", ...]``), read
+    without initialising TensorFlow: callable before the strategy is built."""
     import tensorflow as tf
 
     cpus = tf.config.list_physical_devices("CPU")
-    if not cpus:
-        return ["CPU:0"]
-    logical = tf.config.get_logical_device_configuration(cpus[0]) or [None]
+    logical = (tf.config.get_logical_device_configuration(cpus[0]) or [None]) if cpus else [None]
     return [f"CPU:{i}" for i in range(len(logical))]
 
 
+def _bad_argument(name: str, value: Any, expected: str) -> StrategyError:
+    return StrategyError(
+        f"Invalid value for argument `{name}`. Received: {name}={value!r}{expected}"
+    )
+
+
 def _normalize_devices(local_devices: list[str]) -> tuple[list[str], str]:
-    """``"/job:localhost/.../device:CPU:1"`` or ``"cpu:1"`` -> ``"CPU:1"``; one device type only.
+    """Each name as ``"CPU:1"`` (`keras_sync.strategy.canonical`), and their one device type."""
+    from keras_sync.strategy import canonical
 
-    Each name is read by `keras_sync.strategy.devices.canonical`.
-    """
     if isinstance(local_devices, str) or not local_devices:
-        raise StrategyError(
-            "Invalid value for argument `local_devices`. "
-            f"Received: local_devices={local_devices!r}. "
-            'Expected a non-empty list of device names such as ["CPU:0", "CPU:1"], '
-            "or None for TensorFlow's default (all GPUs, else CPU:0)."
+        raise _bad_argument(
+            "local_devices",
+            local_devices,
+            '. Expected a non-empty list of device names such as ["CPU:0", "CPU:1"], '
+            "or None for TensorFlow's default (all GPUs, else CPU:0).",
         )
-    from keras_sync.strategy.devices import canonical
-
     names = [canonical(d, where="argument `local_devices`") for d in local_devices]
     types = {n.split(":")[0] for n in names}
     if len(types) != 1:
-        raise StrategyError(
-            "Invalid value for argument `local_devices`. "
-            f"Received: local_devices={local_devices!r}, which mixes {sorted(types)}. "
-            "Expected devices of one type (all CPU or all GPU)."
-        )
+        msg = f", which mixes {sorted(types)}. Expected devices of one type (all CPU or all GPU)."
+        raise _bad_argument("local_devices", local_devices, msg)
     if len(set(names)) != len(names):
-        raise StrategyError(
-            f"Invalid value for argument `local_devices`. Received: local_devices={local_devices!r}, "
-            "which repeats a device. Expected each device once."
-        )
+        msg = ", which repeats a device. Expected each device once."
+        raise _bad_argument("local_devices", local_devices, msg)
     return names, types.pop()
-
-
-def _training_tasks(cluster: dict[str, Any]) -> dict[str, str]:
-    """``{"/job:worker/replica:0/task:1": "host:port"}`` for the chief and worker tasks."""
-    out: dict[str, str] = {}
-    for job in TRAINING_JOBS:
-        tasks = cluster.get(job) or []
-        items = tasks.items() if isinstance(tasks, dict) else enumerate(tasks)
-        for i, addr in items:
-            out[f"/job:{job}/replica:0/task:{int(i)}"] = addr
-    return out
 
 
 def _connect_timeout_error(
     error: Exception, tasks: dict[str, str], me: str, timeout_s: float
 ) -> ConnectTimeoutError:
-    named = [f"/job:{j}/replica:0/task:{t}" for j, t in _TASK_RE.findall(str(error))]
-    missing = [t for t in dict.fromkeys(named) if t in tasks and t != me]
-    if not missing:  # the message named no peer: every other task is a suspect
-        missing = [t for t in tasks if t != me]
+    named = [
+        f"/job:{j}/replica:0/task:{t}"
+        for j, t in re.findall(r"/job:(\w+)/replica:\d+/task:(\d+)", str(error))
+    ]
+    # A message that names no peer: every other task is a suspect.
+    missing = [t for t in dict.fromkeys(named) if t in tasks and t != me] or [
+        t for t in tasks if t != me
+    ]
     who = ", ".join(f"{t.replace('/replica:0', '')} ({tasks[t]})" for t in missing)
     return ConnectTimeoutError(
         f"Workers did not join the cluster within strategy.connect_timeout_s={timeout_s:g} s: "
@@ -105,6 +89,9 @@ def build_multi_worker_strategy(
 ) -> tf.distribute.MultiWorkerMirroredStrategy:
     """Build a `MultiWorkerMirroredStrategy`: one replica per (worker, local device).
 
+    Must run before TensorFlow initialises its runtime (before any op runs), as TensorFlow
+    requires for every multi-worker strategy.
+
     Args:
         communication: all-reduce implementation, ``"auto"``, ``"ring"`` or ``"nccl"``
             (case-insensitive).
@@ -116,43 +103,35 @@ def build_multi_worker_strategy(
             else CPU:0). Every worker must pass the same count.
         connect_timeout_s: seconds to wait for every chief/worker task to join
             before raising `ConnectTimeoutError`.
-
-    Must run before TensorFlow initialises its runtime (before any op runs), as
-    TensorFlow requires for every multi-worker strategy.
     """
     import tensorflow as tf
 
     from keras_sync.upstream import multi_worker as _mw
 
-    impls = {
-        name: getattr(tf.distribute.experimental.CommunicationImplementation, name.upper())
-        for name in COMMUNICATIONS
-    }
     key = communication.lower() if isinstance(communication, str) else communication
-    if key not in impls:
-        raise StrategyError(
-            f"Invalid value for argument `communication`. Received: communication={communication!r}. "
-            f"Expected one of {list(COMMUNICATIONS)}."
+    if key not in COMMUNICATIONS:
+        raise _bad_argument(
+            "communication", communication, f". Expected one of {list(COMMUNICATIONS)}."
         )
     if not isinstance(connect_timeout_s, (int, float)) or connect_timeout_s <= 0:
-        raise StrategyError(
-            "Invalid value for argument `connect_timeout_s`. "
-            f"Received: connect_timeout_s={connect_timeout_s!r}. Expected a number of seconds > 0."
+        raise _bad_argument(
+            "connect_timeout_s", connect_timeout_s, ". Expected a number of seconds > 0."
         )
     devices = _normalize_devices(local_devices) if local_devices is not None else None
-    options = tf.distribute.experimental.CommunicationOptions(implementation=impls[key])
-
+    implementation = getattr(tf.distribute.experimental.CommunicationImplementation, key.upper())
+    options = tf.distribute.experimental.CommunicationOptions(implementation=implementation)
     resolver = cluster_resolver or tf.distribute.cluster_resolver.TFConfigClusterResolver()
-    cluster = resolver.cluster_spec().as_dict()
-    tasks = _training_tasks(cluster)
+    tasks: dict[str, str] = {}  # "/job:worker/replica:0/task:1" -> "host:port", chief and workers
+    for job in TRAINING_JOBS:
+        listed = resolver.cluster_spec().as_dict().get(job) or []
+        for i, address in listed.items() if isinstance(listed, dict) else enumerate(listed):
+            tasks[f"/job:{job}/replica:0/task:{int(i)}"] = address
     strategy_cls = _mw.strategy_class()
-
     if len(tasks) <= 1:
         # No TF_CONFIG, or one training task: TF would still start a gRPC server on the
         # task's port and a coordination service; one worker needs neither.
         logger.info(
-            "MultiWorkerMirroredStrategy as a single worker: cluster has %d training task(s)",
-            len(tasks),
+            "MultiWorkerMirroredStrategy as a single worker: %d training task(s)", len(tasks)
         )
         local = tf.distribute.cluster_resolver.SimpleClusterResolver(
             tf.train.ClusterSpec({}),
@@ -161,15 +140,13 @@ def build_multi_worker_strategy(
             rpc_layer=resolver.rpc_layer,
         )
         return strategy_cls(local, options, devices)
-
     me = f"/job:{resolver.task_type}/replica:0/task:{resolver.task_id}"
-    configured, barrier = (
-        _mw.configure_coordination(
-            resolver.cluster_spec(), int(connect_timeout_s * 1000), TRAINING_JOBS
+    configured, barrier = False, False
+    if resolver.task_type in TRAINING_JOBS:
+        timeout_ms = int(connect_timeout_s * 1000)
+        configured, barrier = _mw.configure_coordination(
+            resolver.cluster_spec(), timeout_ms, TRAINING_JOBS
         )
-        if resolver.task_type in TRAINING_JOBS
-        else (False, False)
-    )
     if not configured:
         logger.warning(
             "Coordination service already configured or task %s is not a training task; "
