@@ -188,6 +188,8 @@ def test_all_errors_reported_at_once_in_line_order(tmp_path):
             1,
             "received null for both batch.per_replica and batch.global",
         ),
+        ("? [a, b]\n: 1\n", 1, "unknown key \"\\['a', 'b'\\]\""),
+        ("mlflow: {run_name: 2001-13-45}\n", 1, "cannot read '2001-13-45' .*; quote it"),
         (
             "strategy:\n  slurm: {port_base: eighty}\n",
             2,
@@ -223,6 +225,7 @@ def test_file_problems(tmp_path):
 
 
 def test_dict_source_errors_name_dict(tmp_path):
+    assert load_config({}, environ={}).source == "<dict>"
     with pytest.raises(ConfigError) as err:
         load_config({"batch": {"per_replicas": 3}}, environ={})
     assert str(err.value).startswith(

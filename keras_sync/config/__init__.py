@@ -145,6 +145,9 @@ _MWM = kinds_where(multi_process=True)
 _NAME = text(nullable=True)
 _COUNT = integer(1, nullable=True)
 _DEVICE_KINDS = tuple(k for k in kinds_where(accepts_devices=True) if k != "auto")
+# Comments the template prints above a section's keys.
+_BATCH_NOTE = "Give exactly one of per_replica / global (the other null); keras-sync derives the other from the replica count: global = per_replica x replicas."
+_RUNTIME_NOTE = "Applied by sync.fit to your compiled model; a key left at its default keeps what your model.compile(...) set."
 _PRECISION_HINTS = {"fp16": "mixed_float16", "float16": "mixed_float16", "half": "mixed_float16"}
 _PRECISION_HINTS |= {"bf16": "mixed_bfloat16", "bfloat16": "mixed_bfloat16"}
 
@@ -268,19 +271,12 @@ class Config:
     """The whole keras-sync config. Build it with `load_config`."""
 
     strategy: StrategyConfig = _sub(StrategyConfig)
-    batch: BatchConfig = _sub(
-        BatchConfig,
-        note="Give exactly one of per_replica / global (the other null); keras-sync derives the other from the replica count: global = per_replica x replicas.",
-    )
+    batch: BatchConfig = _sub(BatchConfig, note=_BATCH_NOTE)
     learning_rate: LearningRateConfig = _sub(LearningRateConfig)
     mlflow: MlflowConfig = _sub(MlflowConfig)
     fault_tolerance: FaultToleranceConfig = _sub(FaultToleranceConfig)
     checks: ChecksConfig = _sub(ChecksConfig)
-    runtime: RuntimeConfig = _sub(
-        RuntimeConfig,
-        commented=True,
-        note="Applied by sync.fit to your compiled model; a key left at its default keeps what your model.compile(...) set.",
-    )
+    runtime: RuntimeConfig = _sub(RuntimeConfig, note=_RUNTIME_NOTE, commented=True)
     source: str = _internal(default="<defaults>", repr=True)
     text: str | None = _internal(default=None)
     provenance: Mapping[str, str] = _internal(default_factory=dict)
@@ -331,9 +327,10 @@ def _build(cls: type, data: Any, path: str, issue: Callable[[str, str], None]) -
     if data is None:
         return cls()
     if not isinstance(data, dict):
+        where = path or "top level"
         issue(
             path,
-            f"received {type(data).__name__} {data!r} at the {path or 'top level'}, expected a mapping of keys",
+            f"received {type(data).__name__} {data!r} at the {where}, expected a mapping of keys",
         )
         return cls()
     by_key = {_yaml_key(f): f for f in _public_fields(cls)}
@@ -457,9 +454,8 @@ def load_config(
     text: str | None = None
     lines: dict[str, int] = {}
     if source is None:
-        source = env.get(CONFIG_ENV) or (
-            DEFAULT_CONFIG_FILE if Path(DEFAULT_CONFIG_FILE).is_file() else None
-        )
+        default_file = DEFAULT_CONFIG_FILE if Path(DEFAULT_CONFIG_FILE).is_file() else None
+        source = env.get(CONFIG_ENV) or default_file
     if source is None:
         file, data, origin = "<defaults>", {}, "default"
     elif isinstance(source, Mapping):
@@ -470,17 +466,11 @@ def load_config(
         text = read_text(Path(source))
         data, lines = parse_yaml(text, file)
         if data is None:
-            raise error(
-                file,
-                1,
-                "the file is empty; write at least one key, e.g. 'strategy: {kind: mirrored}', or delete the file to use the defaults",
-            )
+            msg = "the file is empty; write at least one key, e.g. 'strategy: {kind: mirrored}', or delete the file to use the defaults"
+            raise error(file, 1, msg)
     if not isinstance(data, dict):
-        raise error(
-            file,
-            lines.get("", 1),
-            f"received a {type(data).__name__} at the top level, expected a mapping with keys such as strategy, batch, learning_rate",
-        )
+        msg = f"received a {type(data).__name__} at the top level, expected a mapping with keys such as strategy, batch, learning_rate"
+        raise error(file, lines.get("", 1), msg)
     given = _flatten(data)
     provenance = dict.fromkeys(given, origin)
     verify = _verify_request(env)
@@ -503,10 +493,8 @@ def load_config(
     def issue(key_path: str, message: str) -> None:
         """An issue at the line of ``key_path``, else of its nearest parent in the file; a key set
         from the environment names its variable."""
-        var = next(
-            (n for n, d in ENV_KEYS.items() if d == key_path and provenance.get(d) == "env"), None
-        )
-        if var:
+        var = {d: n for n, d in ENV_KEYS.items()}.get(key_path)
+        if var and provenance.get(key_path) == "env":
             issues.append(ConfigIssue(f"${var}", None, key_path, f"{message}; fix or unset ${var}"))
             return
         parent = key_path

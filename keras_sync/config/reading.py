@@ -91,9 +91,8 @@ def read_text(path: Path) -> str:
     """The text of a config file; `ConfigError` when it is missing, too big or not UTF-8."""
     file = str(path)
     if not path.exists():
-        raise error(
-            file, None, "no such file; create one with 'keras-sync init' or pass the right path"
-        )
+        msg = "no such file; create one with 'keras-sync init' or pass the right path"
+        raise error(file, None, msg)
     if path.is_dir():
         raise error(
             file, None, f"is a directory, expected a YAML file (e.g. {path / 'keras_sync.yaml'})"
@@ -106,20 +105,13 @@ def read_text(path: Path) -> str:
         raise error(file, None, f"cannot read the file: {exc.strerror}") from None
     if len(raw) > MAX_FILE_BYTES:
         said = f"is {size:,} bytes," if size > MAX_FILE_BYTES else "is"
-        raise error(
-            file,
-            None,
-            f"the file {said} over the limit of {MAX_FILE_BYTES:,} bytes (1 MiB) for a config file; a keras-sync config is a few kilobytes: check that this is the file you meant",
-        )
+        msg = f"the file {said} over the limit of {MAX_FILE_BYTES:,} bytes (1 MiB) for a config file; a keras-sync config is a few kilobytes: check that this is the file you meant"
+        raise error(file, None, msg)
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        line = raw[: exc.start].count(b"\n") + 1
-        raise error(
-            file,
-            line,
-            f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); save the file as UTF-8 YAML",
-        ) from None
+        msg = f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); save the file as UTF-8 YAML"
+        raise error(file, raw[: exc.start].count(b"\n") + 1, msg) from None
 
 
 def parse_yaml(text: str, file: str) -> tuple[Any, dict[str, int]]:
@@ -184,10 +176,9 @@ def parse_yaml(text: str, file: str) -> tuple[Any, dict[str, int]]:
         try:
             return loader.construct_object(node, deep=True)
         except ValueError as exc:  # more digits than Python converts, a date that is none
-            if node.tag != "tag:yaml.org,2002:int":
-                msg = f"cannot read {node.value!r} ({exc}); quote it to keep it as text"
-                raise error(file, node.start_mark.line + 1, msg) from None
-            msg = f"a number of {len(node.value):,} digits, more than Python reads; the config's numbers are small: shorten it"
+            msg = f"cannot read {node.value!r} ({exc}); quote it to keep it as text"
+            if node.tag == "tag:yaml.org,2002:int":
+                msg = f"a number of {len(node.value):,} digits, more than Python reads; the config's numbers are small: shorten it"
             raise error(file, node.start_mark.line + 1, msg) from None
 
     try:
@@ -199,9 +190,8 @@ def parse_yaml(text: str, file: str) -> tuple[Any, dict[str, int]]:
         if isinstance(exc, yaml.constructor.ConstructorError):
             msg = f"YAML tag not allowed ({exc.problem}); keras-sync reads plain YAML only: remove the '!!' tag"
             raise error(file, line, msg) from None
-        raise error(
-            file, line, f"YAML syntax error: {getattr(exc, 'problem', None) or exc}"
-        ) from None
+        msg = f"YAML syntax error: {getattr(exc, 'problem', None) or exc}"
+        raise error(file, line, msg) from None
     finally:
         loader.dispose()
     if dups:
