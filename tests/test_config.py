@@ -239,7 +239,7 @@ def test_config_is_frozen():
         cfg.batch.per_replica = 3  # type: ignore[misc]
 
 
-# -- sizes: every limit refused in one line, before any work (keras_sync.config.limits) ----------
+# -- sizes: every limit refused in one line, before any work (keras_sync.config.reading) ---------
 
 
 #: case -> (file text, the one message after the file's path); each limit, refused in one line.

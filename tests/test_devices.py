@@ -1,11 +1,11 @@
-"""`keras_sync.strategy.canonical`: one reading of device names for strategy.devices and local_devices."""
+"""`keras_sync.strategy.multi_worker.canonical`: one reading of device names for strategy.devices and local_devices."""
 
 from __future__ import annotations
 
 import pytest
 
 from keras_sync.errors import StrategyError
-from keras_sync.strategy import canonical
+from keras_sync.strategy.multi_worker import canonical
 
 
 @pytest.mark.parametrize(

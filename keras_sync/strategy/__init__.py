@@ -163,27 +163,6 @@ def _cpu_names(n: int) -> list[str]:
     return [f"/cpu:{i}" for i in range(n)]
 
 
-def canonical(name: str, *, where: str) -> str:
-    """A device name read one way: ``"/job:localhost/replica:0/task:0/device:CPU:1"``, ``"/cpu:1"``,
-    ``"cpu:1"`` and ``"CPU:1"`` all give ``"CPU:1"``; else `StrategyError` naming ``where``, the key
-    or argument the name came from (``"strategy.devices"``)."""
-    import tensorflow as tf
-
-    text = name.strip() if isinstance(name, str) else name
-    try:
-        # "CPU:1" alone is not a device spec; "/device:CPU:1" is ("/cpu:1" is TensorFlow's legacy form).
-        spec = tf.DeviceSpec.from_string(
-            text if "/" in text or ":" not in text else f"/device:{text}"
-        )
-    except (ValueError, TypeError):
-        expected = 'names such as "CPU:0" or "/device:GPU:1"'
-    else:
-        if spec.device_type and spec.device_index is not None:
-            return f"{spec.device_type.upper()}:{spec.device_index}"
-        expected = 'a type and an index, such as "CPU:0" or "GPU:1"'
-    raise StrategyError(f"Invalid device name in {where}. Received: {name!r}. Expected {expected}.")
-
-
 # Builders (import TensorFlow)
 
 
@@ -212,6 +191,8 @@ def configure_simulated_cpus(n: int) -> list[str]:
 def _local_devices(kind: str, cfg: StrategyConfig) -> tuple[DeviceLayout, int]:
     """`device_layout` made real (simulated CPUs split, listed devices checked), and the GPU count."""
     import tensorflow as tf
+
+    from keras_sync.strategy.multi_worker import canonical
 
     if cfg.simulated_cpu_replicas:
         configure_simulated_cpus(cfg.simulated_cpu_replicas)

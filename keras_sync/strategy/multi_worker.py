@@ -4,7 +4,7 @@ Two things the stock constructor does not give: several local devices per worker
 workers x local devices replicas take part in every all-reduce), and a bounded wait for peers (a
 worker whose peer never starts blocks forever and ignores SIGTERM). Both need TensorFlow internals
 (`keras_sync.upstream.multi_worker`); a peer that does not join ends in `ConnectTimeoutError`
-naming its address.
+naming its address. `canonical` reads a device name for this builder and the others.
 """
 
 from __future__ import annotations
@@ -33,6 +33,27 @@ def local_cpu_devices() -> list[str]:
     return [f"CPU:{i}" for i in range(len(logical))]
 
 
+def canonical(name: str, *, where: str) -> str:
+    """A device name read one way: ``"/job:localhost/replica:0/task:0/device:CPU:1"``, ``"/cpu:1"``,
+    ``"cpu:1"`` and ``"CPU:1"`` all give ``"CPU:1"``; else `StrategyError` naming ``where``, the key
+    or argument the name came from (``"strategy.devices"``)."""
+    import tensorflow as tf
+
+    text = name.strip() if isinstance(name, str) else name
+    try:
+        # "CPU:1" alone is not a device spec; "/device:CPU:1" is ("/cpu:1" is TensorFlow's legacy form).
+        spec = tf.DeviceSpec.from_string(
+            text if "/" in text or ":" not in text else f"/device:{text}"
+        )
+    except (ValueError, TypeError):
+        expected = 'names such as "CPU:0" or "/device:GPU:1"'
+    else:
+        if spec.device_type and spec.device_index is not None:
+            return f"{spec.device_type.upper()}:{spec.device_index}"
+        expected = 'a type and an index, such as "CPU:0" or "GPU:1"'
+    raise StrategyError(f"Invalid device name in {where}. Received: {name!r}. Expected {expected}.")
+
+
 def _bad_argument(name: str, value: Any, expected: str) -> StrategyError:
     return StrategyError(
         f"Invalid value for argument `{name}`. Received: {name}={value!r}{expected}"
@@ -40,9 +61,7 @@ def _bad_argument(name: str, value: Any, expected: str) -> StrategyError:
 
 
 def _normalize_devices(local_devices: list[str]) -> tuple[list[str], str]:
-    """Each name as ``"CPU:1"`` (`keras_sync.strategy.canonical`), and their one device type."""
-    from keras_sync.strategy import canonical
-
+    """Each name as ``"CPU:1"`` (`canonical`), and their one device type."""
     if isinstance(local_devices, str) or not local_devices:
         raise _bad_argument(
             "local_devices",
