@@ -2,7 +2,7 @@
 `tests/_flaky_proxy.py` (HTTP 500/503 at once for a seeded share of requests, the rest delayed).
 
 Every point arrives once and the run ends FINISHED, at the end of the job and with one run of
-``keras-sync sync-spool``; the courier's own retries are per request (`keras_sync.tracking.retry`)."""
+``keras-sync sync-spool``; the courier's own retries are per request (`keras_sync.tracking.deliver`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""keras_sync.tracking.retry: each request retried alone, a backoff any success resets, the cause in words."""
+"""keras_sync.tracking.deliver.Retrier: each request retried alone, a backoff any success resets, the cause in words."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from keras_sync.tracking.retry import (
+from keras_sync.tracking.deliver import (
     FIRST_BACKOFF_S,
     HEALTHY_AFTER,
     MAX_BACKOFF_S,

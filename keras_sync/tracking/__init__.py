@@ -29,7 +29,7 @@ from typing import Any, Protocol, runtime_checkable
 from keras_sync.config import MlflowConfig
 from keras_sync.errors import TrackingError
 from keras_sync.tracking import waiting
-from keras_sync.tracking.clean import RecordCleaner
+from keras_sync.tracking.courier import replay_spool
 from keras_sync.tracking.records import (
     BEGIN,
     END,
@@ -41,9 +41,9 @@ from keras_sync.tracking.records import (
     STOP,
     TAGS,
     TEXT,
+    RecordCleaner,
 )
 from keras_sync.tracking.redact import redact_uri, secrets_of
-from keras_sync.tracking.replay import replay_spool
 from keras_sync.tracking.spool import SpoolDir
 from keras_sync.tracking.spooler import LOST_TAG, Spooler
 from keras_sync.tracking.uris import resolve_tracking_uri, run_url

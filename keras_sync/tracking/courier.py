@@ -1,31 +1,22 @@
-"""The courier: a child process that delivers one spool (`keras_sync.tracking.spool`) to MLflow.
+"""The courier: delivers one spool (`keras_sync.tracking.spool`) to MLflow, in order, in batches.
 
-Why a process and not a thread: MLflow's SQL store and HTTP client spend Python time on every
-metric point; in a thread of the training process that time holds the GIL, and the training loop
-waits for it after every step. The courier runs at normal priority: at a lower one, a machine
-whose cores are busy with other work starves it until the training ends.
-
-It talks to the training process through the spool directory only: it polls for new records,
-sends them in batches with `MlflowClient.log_batch`, writes ``delivered``, ``run.json`` and
-``status.json`` and deletes delivered segments. One courier serves its writer for the writer's
-whole life (every `fit` of a `Sync`). It ends when it has delivered the writer's last record
-(`keras_sync.tracking.records.is_last_record`), or, once its parent has died, after one last attempt to
-deliver what is left while the server answers (a restarted job or ``keras-sync sync-spool``
-delivers the rest); a spool whose run had ended and was all delivered is then removed. Each
-MLflow request that fails is retried on its own (`keras_sync.tracking.retry`), so a server that
-fails some requests still gets the others.
-
-Run as ``python -m keras_sync.tracking.courier_main SPOOL_DIR PARENT_PID`` with the tracking URI (credentials
-included) and the spool's header on its stdin, never on the command line or on disk.
+It runs as a child process of the writer (``python -m keras_sync.tracking.courier_main``): MLflow's
+client spends Python time on every point, which in a thread would hold the training's GIL. It
+polls the spool, sends batches through `keras_sync.tracking.deliver.RunSender`, writes
+``delivered``, ``run.json`` and ``status.json`` and deletes delivered segments. Its stdin brings
+the tracking URI (credentials included, never on disk or the command line) and the header, then
+the records the writer could not spool (a full disk); its stdout tells the writer where delivery
+stands, since those files may not be writable then. It ends after the writer's last record, or
+once its parent died, after a last attempt while the server answers. ``keras-sync sync-spool``
+(`replay_spool`) delivers what a spool holds after its process has ended.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import queue
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -34,7 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from keras_sync.tracking.deliver import RunSender, is_transient, refused_credentials
+from keras_sync.errors import TrackingError
+from keras_sync.tracking.deliver import Retrier, RunSender, is_transient, refused_credentials
 from keras_sync.tracking.records import (
     BEGIN,
     CREDENTIALS,
@@ -50,116 +42,23 @@ from keras_sync.tracking.records import (
     is_remote,
 )
 from keras_sync.tracking.redact import redact_text, secrets_of
-from keras_sync.tracking.retry import Retrier
 from keras_sync.tracking.spool import Position, SpoolDir
 
-#: Longest wait between two delivery attempts after MLflow refused a record (seconds); a request
-#: that fails for a while (no answer, HTTP 503) is retried on its own (`keras_sync.tracking.retry`).
+#: Longest wait between two delivery attempts after MLflow refused a record (seconds).
 MAX_BACKOFF_S = 30.0
-#: A courier whose process died keeps delivering while the server answered within this long (seconds).
+#: A courier whose parent died keeps delivering while the server answered within this long.
 ORPHAN_PATIENCE_S = 30.0
-#: How often the courier looks for new records; what it finds goes in one batch.
 POLL_S = 0.1
-#: Metric points wait up to this long to go in one `log_batch` (each call has a fixed cost: sent one
-#: step at a time, the calls cost as much as the values).
-#: Any other record (a run's start or end, params, a report) goes at once, with the points before it.
+#: Metric points wait up to this long to go in one `log_batch` (each call has a fixed cost); any
+#: other record goes at once, with the points before it.
 BATCH_S = 1.0
-#: A held report (`keras_sync.tracking.deliver.RunSender.hold_reports`) is drawn once no record came for
-#: this long: the fit that logged it ended and no other runs (a loop of fits draws only the last one).
+#: A held report is drawn once no record came for this long, or at the latest after the second.
 REPORT_QUIET_S = 2.0
-#: ... and at the latest after this long held: the picture of a long loop of fits is not older than this.
 REPORT_MAX_HOLD_S = 120.0
-#: Records read from the spool (or the handed-over records) per pass of `Delivery.deliver_available`.
-READ_RECORDS = 200
-#: What the courier runs as (``python -m``): its own module, which the package does not import.
-ENTRY_MODULE = "keras_sync.tracking.courier_main"
-PIPE_ENV = "KERAS_SYNC_COURIER_PIPES"
-
-
-def spawn(
-    spool: SpoolDir,
-    tracking_uri: str,
-    header: dict[str, Any] | None = None,
-    pipe_fds: tuple[int, int] | None = None,
-) -> subprocess.Popen[bytes]:
-    """Start a courier for ``spool`` (called by the writer, which restarts it if it dies).
-
-    ``header``: the spool's header, for a spool whose disk refused even that. ``pipe_fds``:
-    (records in, news out), the pipes of a writer whose spool cannot be written (`serve_pipes`).
-    """
-    env = dict(os.environ)
-    if pipe_fds is not None:
-        env[PIPE_ENV] = f"{pipe_fds[0]},{pipe_fds[1]}"
-    # The child must import this very keras_sync, installed or not.
-    root = str(
-        Path(__file__).resolve().parents[2]
-    )  # keras_sync/tracking/courier.py -> the directory holding keras_sync
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", ENTRY_MODULE, str(spool.path), str(os.getpid())],
-        stdin=subprocess.PIPE,
-        env=env,
-        close_fds=True,
-        pass_fds=pipe_fds or (),
-    )
-    # On stdin, not in the environment or on the command line: `ps` shows the command line, and Linux
-    # takes at most 128 KiB per argument or variable (a long run name in the header failed with E2BIG).
-    # From a thread: more than a pipe's 64 KiB waits until the courier has started and reads it.
-    handoff = json.dumps({"uri": tracking_uri, "header": header}).encode()
-    threading.Thread(
-        target=_hand_over, args=(proc.stdin, handoff), name="keras-sync-courier-stdin", daemon=True
-    ).start()
-    return proc
-
-
-def _hand_over(stdin: BinaryIO, data: bytes) -> None:
-    try:
-        stdin.write(data)
-    except OSError:
-        pass  # the courier died before reading it: the writer sees it gone and starts another
-    finally:
-        try:
-            stdin.close()
-        except OSError:
-            pass
-
-
-class Launcher:
-    """Starts couriers from a thread at the priority of the thread that created it (the training thread).
-
-    The writer's spooling thread runs niced, so that moving records to a file never competes with
-    training; a child inherits the nice value of the thread that forks it, and a process may not
-    lower its own. This thread is made by the writer's ``start()``, on the caller's thread, before
-    anything is niced; the spooling thread asks it to fork.
-    """
-
-    def __init__(self) -> None:
-        self._requests: queue.SimpleQueue[tuple[Callable[[], Any], list[Any], threading.Event]] = (
-            queue.SimpleQueue()
-        )
-        threading.Thread(
-            target=self._serve, name="keras-sync-courier-launcher", daemon=True
-        ).start()
-
-    def _serve(self) -> None:
-        while True:
-            fn, box, done = self._requests.get()
-            try:
-                box.append((True, fn()))
-            except BaseException as e:
-                box.append((False, e))
-            done.set()
-
-    def call(self, fn: Callable[[], Any]) -> Any:
-        """``fn()`` run on the launcher's thread; its result, or its exception raised here."""
-        box: list[Any] = []
-        done = threading.Event()
-        self._requests.put((fn, box, done))
-        done.wait()
-        ok, value = box[0]
-        if not ok:
-            raise value
-        return value
+#: Records read ahead from the spool: at most a `log_batch` of one-point records.
+READ_RECORDS = MAX_BATCH
+#: How long ``keras-sync sync-spool`` retries failing requests before it gives up (seconds).
+REPLAY_TIMEOUT_S = 600.0
 
 
 class Delivery:
@@ -170,22 +69,19 @@ class Delivery:
         spool: SpoolDir,
         tracking_uri: str | None = None,
         *,
-        max_batch: int = MAX_BATCH,
         header: dict[str, Any] | None = None,
         news: BinaryIO | None = None,
     ):
         header = spool.header() or header
         if header is None:
             raise ValueError(f"{spool.path} has no header.json")
-        self.spool = spool
-        # Where delivery stands, kept here: on a full disk the files that record it cannot be written.
-        self.pos: Position = spool.delivered()
+        self.spool, self._news = spool, news
+        self.pos: Position = spool.delivered()  # kept here: a full disk may refuse the file
         self.known_run = spool.run()
-        #: Records the writer could not spool (its disk is full), handed over its pipe: (number, record).
+        self._ahead: list[tuple[Position, dict[str, Any]]] = []  # read, not delivered yet
+        #: Records the writer could not spool, from its pipe: (number, record).
         self.held: deque[tuple[int, dict[str, Any]]] = deque()
         self.held_done = 0  # every held record numbered up to this one is in MLflow
-        self._news = news
-        self.reported = False
         self.uri = tracking_uri or header["tracking_uri"]
         self.secrets = secrets_of(self.uri, os.environ)
         self.shown_uri = redact_text(self.uri, self.secrets)
@@ -197,128 +93,124 @@ class Delivery:
             explicit=bool(header.get("explicit")),
             run_id=header.get("run_id"),
         )
-        # Found or created by an earlier courier of this spool (checked again before use).
-        self.sender.run_id = self.known_run.get("run_id")
-        held = spool.held_report()  # a report an earlier courier of this spool held, not drawn yet
-        if isinstance(held, dict) and held.get("run_id") and isinstance(held.get("rec"), dict):
+        self.sender.run_id = self.known_run.get("run_id")  # checked again before use
+        held = spool.held_report()  # one an earlier courier of this spool held
+        if held:
             self.sender.held_report = (held["run_id"], held["rec"])
         self.sender.on_held = lambda h: spool.set_held_report(
             None if h is None else {"run_id": h[0], "rec": h[1]}
         )
-        self.last_record_at = (
-            time.monotonic()
-        )  # when records were last sent (a held report waits for quiet)
-        self.max_batch = max_batch
+        self.reported = self.failing = False
         self.ended = False  # the writer's last record is delivered and nothing follows it
-        self.last_sent_at = 0.0  # monotonic time of the last call to MLflow (`BATCH_S`)
-        self.run_ended = (
-            False  # the run's end is delivered and no begin since (the writer may go on)
-        )
-        self.failing = False  # the status file says the last attempt failed
-        #: Asked between tries of a failing request: True ends the retries (the failure is raised).
+        self.run_ended = False  # the run's end is delivered and no begin since
+        self.last_record_at = time.monotonic()
+        self.last_sent_at = 0.0
+        self._answer_told = 0.0
+        #: Asked between tries of a failing request: True ends the retries.
         self.give_up: Callable[[], bool] = lambda: False
-        #: Called after each request that failed or delivered metric points (``keras-sync sync-spool``'s progress).
+        #: Called after each request that failed or delivered (``keras-sync sync-spool``'s progress).
         self.on_progress: Callable[[], None] | None = None
-        self._answer_told = (
-            0.0  # monotonic time the status last told of an answer while requests fail
-        )
         self.sender.retrier = Retrier(
             is_transient,
             give_up=lambda: self.give_up() or not self.spool.path.is_dir(),
             on_change=self._requests_changed,
         )
 
-    def deliver_available(self, hold_metrics: bool = False) -> int:
-        """Send everything spooled so far; return the metric points sent. Raises what MLflow raised.
+    def _next(self) -> list[tuple[Any, dict[str, Any]]]:
+        """Records not delivered: the spool's first (read ahead once), then the held ones."""
+        if len(self._ahead) < READ_RECORDS:
+            start = self._ahead[-1][0] if self._ahead else self.pos
+            self._ahead += self.spool.read(start, READ_RECORDS - len(self._ahead))
+        if self._ahead:
+            return list(self._ahead)
+        return [(h, rec) for h, rec in list(self.held)[:READ_RECORDS] if h > self.held_done]
 
-        ``hold_metrics``: when only metric points are waiting, fewer than a batch, send nothing yet.
+    def deliver_available(self, hold_metrics: bool = False) -> int:
+        """Send everything available; return the metric points sent. Raises what MLflow raised.
+
+        ``hold_metrics``: when only metric points are waiting, fewer than a batch, send nothing.
         """
         sent = 0
-        while True:
-            chunk: list[tuple[Any, dict[str, Any]]] = []
-            points = 0
-            # The spool first; what the writer could not spool comes after all of it.
-            source: list[tuple[Any, dict[str, Any]]] = list(
-                self.spool.read(self.pos, max_records=READ_RECORDS)
-            )
-            if not source:
-                source = [
-                    (h, rec) for h, rec in list(self.held)[:READ_RECORDS] if h > self.held_done
-                ]
-            if (
-                hold_metrics
-                and not sent
-                and len(source) < READ_RECORDS
-                and all(rec["k"] == METRICS for _, rec in source)
-                and sum(len(rec["d"]) for _, rec in source) < self.max_batch
-            ):
-                return 0
-            for pos, rec in source:
-                n = len(rec["d"]) if rec["k"] == METRICS else 0
-                # A "begin" (which picks the run) goes alone, and run.json names its run and its
-                # position before anything after it is sent: a courier killed between sending and
-                # moving the delivered position replays records into the run they went to.
-                if chunk and (
-                    points + n > self.max_batch or rec["k"] == BEGIN or chunk[0][1]["k"] == BEGIN
+        try:
+            while True:
+                source = self._next()
+                if (
+                    hold_metrics
+                    and not sent
+                    and len(source) < READ_RECORDS
+                    and all(rec["k"] == METRICS for _, rec in source)
+                    and sum(len(rec["d"]) for _, rec in source) < MAX_BATCH
                 ):
-                    break
-                chunk.append((pos, rec))
-                points += n
-            if not chunk:
-                return sent
-            self.last_record_at = time.monotonic()
-            records = [rec for _, rec in chunk]
-            spooled = isinstance(chunk[-1][0], tuple)
-            begin = chunk[0][0] if records[0]["k"] == BEGIN and spooled else None
-            if begin is not None:
-                known = self.known_run
-                if known.get("begin") == list(begin) and known.get("run_id") == self.sender.run_id:
-                    records = [
-                        {**records[0], "replayed": True}
-                    ]  # delivered before: its run, as it is now
-            run_before = self.sender.run_id
-            # The position moves after each request MLflow took, not only after the whole chunk: what a
-            # later try (a restarted courier, sync-spool) sends again starts after the last request that got through.
-            done = (
-                None
-                if begin is not None or records[0]["k"] == BEGIN
-                else (lambda i: self._move(chunk[i][0], run_before, None))
-            )
-            sent += self.sender.send(records, done=done)
-            self.last_sent_at = time.monotonic()
-            self._move(chunk[-1][0], run_before, begin, force_run=records[0]["k"] == BEGIN)
-            self.ended = is_last_record(chunk[-1][1]) and not self.pending()
-            for _, rec in chunk:  # a report drawn after the run's end leaves it ended
-                if rec["k"] in (END, STOP, BEGIN):
-                    self.run_ended = rec["k"] != BEGIN
+                    return 0
+                chunk: list[tuple[Any, dict[str, Any]]] = []
+                points = 0
+                for pos, rec in source:
+                    n = len(rec["d"]) if rec["k"] == METRICS else 0
+                    # A "begin" picks the run and goes alone: run.json names its run and position
+                    # before anything after it is sent, so a replay goes to the same run.
+                    if chunk and (points + n > MAX_BATCH or BEGIN in (rec["k"], chunk[0][1]["k"])):
+                        break
+                    chunk.append((pos, rec))
+                    points += n
+                if not chunk:
+                    return sent
+                sent += self._send(chunk)
+                if isinstance(chunk[-1][0], tuple):
+                    del self._ahead[: len(chunk)]
+        except BaseException:
+            self._ahead.clear()  # read again from where delivery stands
+            raise
+
+    def _send(self, chunk: list[tuple[Any, dict[str, Any]]]) -> int:
+        self.last_record_at = time.monotonic()
+        records = [rec for _, rec in chunk]
+        first = records[0]["k"] == BEGIN
+        begin = chunk[0][0] if first and isinstance(chunk[0][0], tuple) else None
+        known = self.known_run
+        if begin is not None and (known.get("begin"), known.get("run_id")) == (
+            list(begin),
+            self.sender.run_id,
+        ):  # sent before: to its run, as it is now
+            records = [{**records[0], "replayed": True}]
+        run_before = self.sender.run_id
+        # The position moves after each request MLflow took: a later try starts after it.
+        done = None if first else (lambda i: self._move(chunk[i][0], run_before))
+        sent = self.sender.send(records, done=done)
+        self.last_sent_at = time.monotonic()
+        self._move(chunk[-1][0], run_before, begin, force_run=first)
+        self.ended = is_last_record(records[-1]) and not self.pending()
+        for rec in records:  # a report drawn after the run's end leaves it ended
+            if rec["k"] in (END, STOP, BEGIN):
+                self.run_ended = rec["k"] != BEGIN
+        return sent
 
     def _move(
-        self, upto: Any, run_before: str | None, begin: Position | None, force_run: bool = False
+        self, upto: Any, run_before: str | None, begin: Position | None = None, force_run=False
     ) -> None:
-        """MLflow has every record up to ``upto`` (a spool position, or a held record's number): say so."""
+        """MLflow has every record up to ``upto`` (a spool position, or a held record's number)."""
         if self.failing and not self.sender.retrier.failing:
             # "ok" before the new position: a writer that sees delivery move must not read the
-            # old failure with it (close() would give up on a server that is back, run left RUNNING).
+            # old failure with it (close() would give up on a server that is back).
             self.report(None)
-        if (
-            self.sender.run_id != run_before
-            and self.known_run.get("run_id") != self.sender.run_id
-            or force_run
-        ):
-            self._set_run(begin)
+        run_id = self.sender.run_id
+        if force_run or (run_id != run_before and self.known_run.get("run_id") != run_id):
+            self.known_run = {"run_id": run_id, "experiment_id": self.sender.experiment_id}
+            if begin:
+                self.known_run["begin"] = list(begin)
+            with contextlib.suppress(OSError):
+                self.spool.set_run(self.known_run)
+            self._tell({"run": self.known_run})
         if isinstance(upto, tuple):
             if upto <= self.pos:
                 return
             self.pos = upto
-            try:
+            with contextlib.suppress(OSError):  # a full disk: told over the pipe
                 self.spool.mark_delivered(self.pos)
-            except OSError:  # a full disk: the position is kept here and told over the pipe
-                pass
         else:
             if upto <= self.held_done:
                 return
             self.held_done = upto
-            while self.held and self.held[0][0] <= self.held_done:
+            while self.held and self.held[0][0] <= upto:
                 self.held.popleft()
         self._tell({"pos": list(self.pos), "h": self.held_done})
         if self.on_progress is not None:
@@ -330,11 +222,6 @@ class Delivery:
             h > self.held_done for h, _ in list(self.held)
         )
 
-    def take(self, number: int, record: dict[str, Any]) -> None:
-        """A record the writer could not spool, numbered in its order (a restarted courier gets them again)."""
-        if number > self.held_done and (not self.held or number > self.held[-1][0]):
-            self.held.append((number, record))
-
     def _tell(self, news: dict[str, Any]) -> None:
         """Tell the writer over its pipe (when it has one): the files may not be writable."""
         if self._news is None:
@@ -345,22 +232,8 @@ class Delivery:
         except OSError:  # the writer is gone
             self._news = None
 
-    def _set_run(self, begin: Position | None) -> None:
-        run_id, exp_id = self.sender.run_id, self.sender.experiment_id
-        self.known_run = {
-            "run_id": run_id,
-            "experiment_id": exp_id,
-            **({"begin": list(begin)} if begin else {}),
-        }
-        try:
-            self.spool.set_run(str(run_id), exp_id, begin)
-        except OSError:
-            pass
-        self._tell({"run": self.known_run})
-
     def _requests_changed(self, retrier: Retrier) -> None:
-        """A request failed or was answered while others fail, or the server is healthy again: the
-        status says what happened (an answer at most once a second: the writer waits while MLflow answers)."""
+        """The status says what happened to the requests (an answer at most once a second)."""
         answered = retrier.failing and retrier.succeeded_in_a_row > 0
         if answered and time.monotonic() - self._answer_told < 1.0:
             return
@@ -370,80 +243,63 @@ class Delivery:
             self.on_progress()
 
     def report(self, error: BaseException | None, since: float | None = None) -> None:
-        self.failing = error is not None
-        self.reported = True
+        self.failing, self.reported = error is not None, True
         retrier = self.sender.retrier
-        if error is None:
-            status: dict[str, Any] = {"ok": True, "at": time.time()}
-        else:
-            transient = is_transient(error)
-            local = not is_remote(self.uri)
+        status: dict[str, Any] = {"ok": error is None, "at": time.time()}
+        if error is not None:
             text = redact_text(f"{type(error).__name__}: {error}", self.secrets)[:500]
-            cause = STORE_FAILING if local else REFUSED
-            if (
-                transient and not local
-            ):  # named from what happened to the requests, not from the last one
-                cause = (
-                    UNREACHABLE
-                    if retrier.unreachable() or not retrier.failing
-                    else FAILING_REQUESTS
-                )
+            cause = REFUSED if is_remote(self.uri) else STORE_FAILING
+            if is_transient(error) and is_remote(self.uri):  # named from all the requests
+                failing_some = retrier.failing and not retrier.unreachable()
+                cause = FAILING_REQUESTS if failing_some else UNREACHABLE
                 text = retrier.summary() or text
             http = refused_credentials(error)
-            if (
-                http is not None
-            ):  # the status alone: the body is the server's (or its proxy's) HTML page
-                cause, text = (
-                    CREDENTIALS,
-                    f"HTTP {http} {'Unauthorized' if http == 401 else 'Forbidden'}",
-                )
-            status = {
-                "ok": False,
-                "at": time.time(),
-                "since": since or retrier.failing_since or time.time(),
-                "error": text,
-                "cause": cause,
-                "uri": self.shown_uri,
-                "answered_at": retrier.answered_at,
-            }
-        try:
+            if http is not None:  # the status alone: the body is the server's HTML page
+                cause = CREDENTIALS
+                text = f"HTTP {http} {'Unauthorized' if http == 401 else 'Forbidden'}"
+            status.update(
+                since=since or retrier.failing_since or time.time(),
+                error=text,
+                cause=cause,
+                uri=self.shown_uri,
+                answered_at=retrier.answered_at,
+            )
+        with contextlib.suppress(OSError):
             self.spool.set_status(status)
-        except OSError:
-            pass
         self._tell({"status": status})
 
     def read_pipe(self, records: BinaryIO) -> None:
-        """Take the records a writer hands over its pipe until it closes it (a thread of the courier)."""
+        """Take the records a writer hands over its pipe, numbered in order, until it closes it."""
         for line in records:
             try:
                 msg = json.loads(line)
-                self.take(int(msg["h"]), msg["r"])
+                number, rec = int(msg["h"]), msg["r"]
             except (ValueError, KeyError, TypeError):
                 continue
+            if number > self.held_done and (not self.held or number > self.held[-1][0]):
+                self.held.append((number, rec))
 
     def serve(self, parent_pid: int | None) -> None:
-        """Deliver until the run's end is delivered, or the parent process is gone."""
+        """Deliver until the writer's last record is delivered, or the parent process is gone."""
         retry_at, backoff, failing_since = 0.0, 0.0, None
         held_since: float | None = None  # when the report held now was first seen held
         retrier = self.sender.retrier
 
+        def orphaned() -> bool:
+            return parent_pid is not None and os.getppid() != parent_pid
+
         def orphan_gives_up() -> bool:  # a dead parent's courier delivers while the server answers
             answered = retrier.answered_at
-            return (
-                parent_pid is not None
-                and os.getppid() != parent_pid
-                and (answered is None or time.time() - answered > ORPHAN_PATIENCE_S)
-            )
+            return orphaned() and (answered is None or time.time() - answered > ORPHAN_PATIENCE_S)
 
         self.give_up = orphan_gives_up
-        while (
-            self.spool.path.is_dir()
-        ):  # removed: its writer delivered it all, or it was cleaned up
-            orphan = parent_pid is not None and os.getppid() != parent_pid
+        while self.spool.path.is_dir():  # removed: all delivered, or cleaned up
+            orphan = orphaned()
             if time.monotonic() >= retry_at or orphan:
                 try:
+                    now = time.monotonic()
                     self.deliver_available(
-                        hold_metrics=not orphan and time.monotonic() - self.last_sent_at < BATCH_S
+                        hold_metrics=not orphan and now - self.last_sent_at < BATCH_S
                     )
                     now = time.monotonic()
                     if self.sender.held_report is None:
@@ -465,18 +321,10 @@ class Delivery:
                     self.report(e, failing_since)
                     backoff = min(max(backoff * 2, 0.5), MAX_BACKOFF_S)
                     retry_at = time.monotonic() + backoff
-                if self.sender.held_report is not None:
-                    pass  # not drawn yet (MLflow away): the spool keeps it
-                elif self.ended and not self.spool.held("writer"):
-                    self.spool.remove()  # its writer gave up waiting and left it: nothing is left to keep
-                elif (
-                    orphan
-                    and self.run_ended
-                    and not self.pending()
-                    and not self.spool.held("writer")
-                ):
-                    # Its process was killed without atexit (Ray Train V2's ray.kill) after MLflow had
-                    # it all (Sync.fit ends the run and waits for delivery): nothing left to keep.
+                # A spool whose writer left it all delivered (gave up waiting, or was killed
+                # without atexit after its run ended) is removed; a held report keeps it.
+                left = self.ended or (orphan and self.run_ended and not self.pending())
+                if self.sender.held_report is None and left and not self.spool.held("writer"):
                     self.spool.remove()
                 if self.ended or orphan:
                     return
@@ -497,32 +345,26 @@ class _Scrubbed:
 
 
 def main(argv: list[str]) -> int:
-    # Ctrl-C and SIGTERM are for the training process, which ends us by closing the run: Slurm's
-    # `scancel --signal=TERM` and `--signal=TERM@60` signal every process of a job step (this one
-    # too) while the trainer saves its backup and still has records for us to deliver.
+    """``courier_main SPOOL_DIR PARENT_PID``; stdin: the handoff line, then the held records."""
+    # SIGINT and SIGTERM are for the training process, which ends us by closing the run: Slurm
+    # signals every process of a job step while the trainer still has records for us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent = int(argv[2])  # not getppid(): the parent may have died before this line
     spool = SpoolDir(argv[1])
-    handoff = json.loads(sys.stdin.buffer.read() or b"{}")  # written by `spawn`
-    uri, header = handoff.get("uri"), handoff.get("header")
-    pipes = os.environ.pop(PIPE_ENV, None)
-    records_in, news_out = (int(fd) for fd in pipes.split(",")) if pipes else (None, None)
-    spool.wait_lock("deliver")  # one courier per spool (a crashed job's may still be finishing)
-    news = os.fdopen(news_out, "wb") if news_out is not None else None
-    delivery = Delivery(spool, uri, header=header, news=news)
+    records_in = sys.stdin.buffer
+    handoff = json.loads(records_in.readline() or b"{}")
+    news = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # what MLflow prints must not mix with the news
+    spool.lock("deliver", wait=True)  # one courier per spool (a crashed job's may be finishing)
+    delivery = Delivery(spool, handoff.get("uri"), header=handoff.get("header"), news=news)
     delivery.sender.hold_reports = True
-    if records_in is not None:
-        threading.Thread(
-            target=delivery.read_pipe, args=(os.fdopen(records_in, "rb"),), daemon=True
-        ).start()
+    threading.Thread(target=delivery.read_pipe, args=(records_in,), daemon=True).start()
     sys.stderr = sys.stdout = _Scrubbed(sys.stderr, delivery.secrets)
-    try:  # import MLflow before the first batch arrives; the store is opened (made) by the first delivery:
-        # a writer started early by `keras_sync.load` may be closed unused (a load that fails), and
-        # then no store is left behind.
+    try:  # import MLflow before the first batch arrives; the store is made by the first delivery
         from keras_sync.tracking.sqlite_store import warm_up
 
-        warm_up(uri)
+        warm_up(handoff.get("uri"))
     except Exception:
         pass
     try:
@@ -531,3 +373,86 @@ def main(argv: list[str]) -> int:
         if spool.path.is_dir():
             raise
     return 0  # the spool directory went away under us: nothing left to deliver
+
+
+def replay_spool(
+    spool_path: str | os.PathLike[str],
+    tracking_uri: str | None = None,
+    *,
+    timeout_s: float = REPLAY_TIMEOUT_S,
+    progress: Any = None,
+) -> int:
+    """Deliver what a spool directory holds; return the metric points sent.
+
+    Idempotent: the delivered position moves after every batch, and a step a metric already has
+    is not sent again. A fully delivered spool is removed. Backs ``keras-sync sync-spool DIR``.
+
+    Args:
+        spool_path: the spool directory (or a file in it).
+        tracking_uri: default: the spool's, kept without credentials (give it again if needed).
+        timeout_s: how long failing requests are retried (0: each is tried once); a refusal
+            (bad request, refused credentials) stops at once.
+        progress: ``progress(sent, total, failures)`` after each request that failed or delivered
+            points: points sent, points the spool held, what failed in words (or "").
+    """
+    path = Path(spool_path)
+    if path.is_file():  # a file of the spool names the spool too
+        path = path.parent
+    spool = SpoolDir(path)
+    received = f"Received: spool_path={str(spool_path)!r}"
+    if not path.is_dir():
+        raise TrackingError(
+            f"Invalid value for argument `spool_path`. {received}, which does not exist. Expected "
+            "a spool directory left by a writer (a fully delivered spool is removed, so there is "
+            "nothing left to send)."
+        )
+    if spool.header() is None:
+        raise TrackingError(
+            f"Invalid value for argument `spool_path`. {received}. Expected a keras-sync spool "
+            "directory (it holds header.json and *.jsonl segments)."
+        )
+    if not spool.lock("writer") or not spool.lock("deliver"):
+        spool.unlock("writer")
+        raise TrackingError(
+            f"Spool {path} is in use by a running keras-sync writer, which delivers it itself; "
+            "replay it after that process has ended."
+        )
+    delivery = Delivery(spool, tracking_uri)
+    deadline = time.monotonic() + max(0.0, timeout_s)
+    delivery.give_up = lambda: time.monotonic() >= deadline
+    spooled = spool.read(delivery.pos, max_records=10**9)
+    total = sum(len(rec["d"]) for _, rec in spooled if rec["k"] == METRICS)
+    sender = delivery.sender
+    if progress is not None:
+        delivery.on_progress = lambda: progress(sender.points_sent, total, sender.retrier.summary())
+    again = "Nothing delivered is sent twice; run `keras-sync sync-spool` again"
+    where = f"Could not deliver spool {path}"
+    try:
+        sent = delivery.deliver_available()
+        sender.release_report()  # one a courier held when its process ended
+    except Exception as e:
+        failures = sender.retrier.summary()
+        if refused_credentials(e) is not None:
+            raise TrackingError(
+                f"{where}: MLflow at {delivery.shown_uri} refused the credentials (HTTP "
+                f"{refused_credentials(e)}). Set MLFLOW_TRACKING_USERNAME and "
+                "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) and run `keras-sync "
+                "sync-spool` again; nothing delivered is sent twice."
+            ) from None
+        if is_transient(e) and failures:  # retried until the time was up: what happened
+            raise TrackingError(
+                f"{where} to MLflow at {delivery.shown_uri} within {timeout_s:g} s: {failures}; "
+                f"{total - sender.points_sent} of {total} metric point(s) are left in it. {again} "
+                "(a longer --timeout waits longer)."
+            ) from None
+        error = redact_text(str(e), delivery.secrets)[:500].rstrip(".")
+        raise TrackingError(
+            f"{where} to MLflow at {delivery.shown_uri}: {error}. {again} once MLflow there can "
+            "take them (or give --tracking-uri)."
+        ) from None
+    finally:
+        spool.unlock("deliver")
+        spool.unlock("writer")
+    if not delivery.pending():  # not spool.pending(): a full disk may keep the old position
+        spool.remove()
+    return sent

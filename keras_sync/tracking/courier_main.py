@@ -1,8 +1,7 @@
 """The courier's entry point: ``python -m keras_sync.tracking.courier_main SPOOL_DIR PARENT_PID``.
 
-A module of its own because ``keras_sync.tracking`` imports `keras_sync.tracking.courier`: run
-with ``-m`` itself, that module would be imported twice and Python would warn about it
-(``RuntimeWarning: 'keras_sync.tracking.courier' found in sys.modules``) on every fit's stderr.
+A module of its own: ``keras_sync.tracking`` imports `keras_sync.tracking.courier`, which run
+with ``-m`` itself would be imported twice (a RuntimeWarning on every fit's stderr).
 """
 
 import sys

@@ -1,12 +1,9 @@
-"""Sending spooled records to one MLflow run: find or create the run, batch, drop repeated steps.
+"""Sending records to one MLflow run through `MlflowClient`: find or create the run, batch, retry.
 
-The only keras-sync module that calls MLflow's tracking client. It carries out the writer's rule
-of which run its records go to (told in `keras_sync.tracking.MlflowWriter`; what a `Sync` gives
-the writer is told in `keras_sync.training.job_run`).
-
-Every metric point at a step that its key already has in the run is dropped, so no run ever
-holds two points at one (key, step): a batch re-sent after a crash, or the steps a restored job
-trains again after its backup, keep the first point.
+A point at a step its key already has in the run is dropped: a batch re-sent after a crash, or the
+steps a restored job trains again, keep the first point. Each request that fails transiently is
+retried on its own (`Retrier`), with a backoff any success resets, so a server that fails some
+requests still gets the others; MLflow's own retries are off for these calls (`fast_fail_env`).
 """
 
 from __future__ import annotations
@@ -14,9 +11,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import threading
+import time
+from collections import Counter
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 from keras_sync.tracking.environ import environ_restored
 from keras_sync.tracking.records import (
@@ -35,32 +35,44 @@ from keras_sync.tracking.records import (
     is_http,
     is_last_record,
 )
-from keras_sync.tracking.retry import Retrier
 
+T = TypeVar("T")
 _log = logging.getLogger("keras_sync.tracking")
-
-# MLflow reads its HTTP retry settings from the environment on every request. Retrying is ours
-# to do (per request, with a backoff any success resets: keras_sync.tracking.retry), so each of our
-# calls runs with MLflow's retries off and a short timeout (MLflow's own, minutes per call against a
-# dead server, would hold every other request behind one); the lock keeps two of our threads from
-# interleaving their save/restore.
+JOB_TAG = "keras_sync.job_id"
+FIRST_BACKOFF_S = 0.5
+MAX_BACKOFF_S = 30.0
+#: After a failure, this many successes in a row make the server healthy again.
+HEALTHY_AFTER = 20
+#: Kinds of failure that mean the server did not answer at all.
+NO_ANSWER = ("connection refused", "a timeout", "a dropped connection")
+_HTTP = re.compile(
+    r"too many (\d{3}) error responses|failed with error code (\d{3})|\bHTTP (\d{3})\b"
+)
+_TRANSIENT_CODES = {
+    "INTERNAL_ERROR",
+    "TEMPORARILY_UNAVAILABLE",
+    "REQUEST_LIMIT_EXCEEDED",
+    "DEADLINE_EXCEEDED",
+    "ABORTED",
+    "IO_ERROR",
+}
+_CREDENTIAL_CODES = {"UNAUTHENTICATED": 401, "CUSTOMER_UNAUTHORIZED": 401, "PERMISSION_DENIED": 403}
+# MLflow reads these on every request; the lock keeps two threads from interleaving save/restore.
 _ENV_LOCK = threading.Lock()
 _FAST_FAIL_ENV = {
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "0",
-    # set_terminated otherwise prints "View run ... at: <tracking URI>" to stdout, password included.
+    # set_terminated otherwise prints "View run ... at: <tracking URI>", password included.
     "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
 }
-JOB_TAG = "keras_sync.job_id"
 
 
 @contextlib.contextmanager
 def fast_fail_env(tracking_uri: str, timeout_s: int) -> Iterator[None]:
     """Run MLflow HTTP calls with no retries and a short timeout; restore the user's values after.
 
-    Also ``MLFLOW_TRACKING_URI`` for the call: MLflow 2.x resolves a server-served artifact URI
-    (``mlflow-artifacts:/...``) with the process-wide tracking URI, not the client's. Set only
-    during the call: the variable would also redirect a later `keras_sync.load()` of this process.
+    Also ``MLFLOW_TRACKING_URI``, for the call only: MLflow 2.x resolves ``mlflow-artifacts:/``
+    with the process-wide URI, and left set it would redirect a later `keras_sync.load()`.
     """
     if not is_http(tracking_uri):
         yield
@@ -78,33 +90,148 @@ def fast_fail_env(tracking_uri: str, timeout_s: int) -> Iterator[None]:
 def is_transient(exc: BaseException) -> bool:
     """True if a failed MLflow call may succeed later (server down, overloaded, store locked)."""
     code = getattr(exc, "error_code", None)
-    if code is None:
-        return True  # OSError, requests errors, sqlite "database is locked": try again
-    return code in {
-        "INTERNAL_ERROR",
-        "TEMPORARILY_UNAVAILABLE",
-        "REQUEST_LIMIT_EXCEEDED",
-        "DEADLINE_EXCEEDED",
-        "ABORTED",
-        "IO_ERROR",
-    }
-
-
-#: MLflow's error codes of a refused credential, as the HTTP status the server answered.
-_CREDENTIAL_CODES = {"UNAUTHENTICATED": 401, "CUSTOMER_UNAUTHORIZED": 401, "PERMISSION_DENIED": 403}
+    return code is None or code in _TRANSIENT_CODES
 
 
 def refused_credentials(exc: BaseException) -> int | None:
-    """401 or 403 when the tracking server refused the credentials (or their absence); else None.
-
-    MLflow raises these with the server's whole response body (an HTML page behind a proxy):
-    the status is all a person needs, so only it is kept.
-    """
+    """401 or 403 when the server refused the credentials, else None (the status is all a person
+    needs of MLflow's error, which holds the server's whole HTML page)."""
     return _CREDENTIAL_CODES.get(getattr(exc, "error_code", None) or "")
 
 
+def failure_kind(exc: BaseException) -> str:
+    """What a failed request met, in a few words.
+
+    >>> failure_kind(Exception("Max retries exceeded (Caused by ResponseError('too many 503 error responses'))"))
+    'HTTP 503'
+    >>> failure_kind(ConnectionRefusedError("[Errno 111] Connection refused"))
+    'connection refused'
+    """
+    text = str(exc)
+    m = _HTTP.search(text)
+    if m:
+        return f"HTTP {next(g for g in m.groups() if g)}"
+    low = text.lower()
+    if "connection refused" in low or "failed to establish a new connection" in low:
+        return "connection refused"
+    if "timeout" in low or "timed out" in low:
+        return "a timeout"
+    if "connection aborted" in low or "remotedisconnected" in low or "connection reset" in low:
+        return "a dropped connection"
+    return str(getattr(exc, "error_code", None) or type(exc).__name__)
+
+
+def in_words(requests: int, failures: Counter[str]) -> str:
+    """``"7 of 40 requests failed with HTTP 503"``; several kinds, most first, each with its count.
+
+    >>> in_words(40, Counter({"HTTP 503": 7, "HTTP 500": 5}))
+    '12 of 40 requests failed: HTTP 503 (7), HTTP 500 (5)'
+    """
+    n = sum(failures.values())
+    if len(failures) == 1:
+        return f"{n} of {requests} requests failed with {next(iter(failures))}"
+    kinds = ", ".join(f"{kind} ({count})" for kind, count in failures.most_common())
+    return f"{n} of {requests} requests failed: {kinds}"
+
+
+class Retrier:
+    """Retries each transient failure of a request until it succeeds or `give_up` says stop.
+
+    Args:
+        transient: whether a failed request may succeed later (else it is raised at once).
+        give_up: asked after each failure and while waiting; True raises the failure.
+        on_change: called after every failure, after every success while requests fail lately,
+            and when the server is healthy again (`HEALTHY_AFTER`).
+    """
+
+    def __init__(
+        self,
+        transient: Callable[[BaseException], bool],
+        *,
+        give_up: Callable[[], bool] = lambda: False,
+        on_change: Callable[[Retrier], None] | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
+        self.transient, self.give_up, self.on_change, self._sleep = (
+            transient,
+            give_up,
+            on_change,
+            sleep,
+        )
+        self.backoff = 0.0
+        self.requests = 0  # since the first failure of this episode
+        self.failures: Counter[str] = Counter()
+        self.succeeded_in_a_row = 0
+        self.failing_since: float | None = None  # wall time of the episode's first failure
+        self.answered_at: float | None = None  # wall time of the last success
+        self.last_error: BaseException | None = None
+
+    @property
+    def failing(self) -> bool:
+        return self.failing_since is not None
+
+    def unreachable(self) -> bool:
+        """Whether every request of this episode failed without an answer from the server."""
+        return (
+            self.failing
+            and set(self.failures) <= set(NO_ANSWER)
+            and self.requests == sum(self.failures.values())
+        )
+
+    def summary(self) -> str:
+        """What happened to the requests since they started failing ("" while healthy)."""
+        return in_words(self.requests, self.failures) if self.failures else ""
+
+    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        while True:
+            try:
+                result = fn(*args, **kwargs)
+            except Exception as e:
+                if not self.transient(e):
+                    raise  # a refusal is not this policy's to count or retry
+                self._failed(e)
+                if self.give_up() or not self._wait():
+                    raise
+                continue
+            self._succeeded()
+            return result
+
+    def _failed(self, exc: BaseException) -> None:
+        self.last_error = exc
+        if self.failing_since is None:
+            self.failing_since, self.requests = time.time(), 0
+        self.requests += 1
+        self.failures[failure_kind(exc)] += 1
+        self.succeeded_in_a_row = 0
+        self.backoff = min(max(self.backoff * 2, FIRST_BACKOFF_S), MAX_BACKOFF_S)
+        if self.on_change is not None:
+            self.on_change(self)
+
+    def _succeeded(self) -> None:
+        self.backoff = 0.0
+        self.answered_at = time.time()
+        self.requests += 1
+        self.succeeded_in_a_row += 1
+        if not self.failing:
+            return
+        if self.succeeded_in_a_row >= HEALTHY_AFTER:
+            self.failing_since, self.failures, self.requests = None, Counter(), 0
+        if self.on_change is not None:
+            self.on_change(self)
+
+    def _wait(self) -> bool:
+        """Sleep the backoff in short slices; False if `give_up` said stop meanwhile."""
+        left = self.backoff
+        while left > 1e-9:
+            self._sleep(min(left, 0.1))
+            left -= 0.1
+            if self.give_up():
+                return False
+        return True
+
+
 class RunSender:
-    """Sends spooled records to one MLflow run through `MlflowClient`.
+    """Sends records to one MLflow run through `MlflowClient`.
 
     Args:
         tracking_uri: where to send (credentials included; never written to disk).
@@ -123,7 +250,6 @@ class RunSender:
         *,
         explicit: bool = False,
         run_id: str | None = None,
-        request_timeout_s: int = 5,
     ):
         self.tracking_uri = tracking_uri
         self.experiment, self.run_name, self.job_id = experiment, run_name, job_id
@@ -132,35 +258,29 @@ class RunSender:
         self.experiment_id: str | None = None
         self._hint = run_id
         self._checked = False
-        self.request_timeout_s = request_timeout_s
         self._client: Any = None
         #: Per metric key, the highest step the run has; points at or below it are dropped.
         self.floors: dict[str, int] = {}
         self._floors_of: str | None = None  # the run whose steps `floors` holds
         self.dropped = 0
-        self.start_time_ms: int | None = None
-        #: Hold a `REPORT` (drawing it costs CPU time, that a fit started meanwhile would share the
-        #: cores with) instead of drawing it at once: the courier draws the held one when the spool is
-        #: idle, at the writer's last record, or never when a newer report of the run comes first (each
-        #: holds the whole run's history). A report marked ``now`` (the process is killed as soon as
-        #: `fit` returns) is drawn at once. ``keras-sync sync-spool`` does not hold.
-        self.hold_reports = False
-        #: (run id, record) of the held report; ``on_held`` is told of every change before the
-        #: position moves past the record (the courier keeps it in the spool's ``report.json``).
-        self.held_report: tuple[str, dict[str, Any]] | None = None
-        self.on_held: Any = None
-        #: Retries each MLflow call on its own until it succeeds (or its ``give_up`` says stop).
-        self.retrier = Retrier(is_transient)
-        #: Metric points MLflow has taken from this sender, request by request (a caller's progress).
         self.points_sent = 0
+        self.start_time_ms: int | None = None
+        #: Hold a `REPORT` (drawing costs CPU a fit started meanwhile would share) until
+        #: `release_report`; a newer report of the same picture replaces it. The courier holds.
+        self.hold_reports = False
+        #: (run id, record) of the held report; ``on_held`` is told of every change first.
+        self.held_report: tuple[str, dict[str, Any]] | None = None
+        self.on_held: Callable[[tuple[str, dict[str, Any]] | None], None] | None = None
+        self.retrier = Retrier(is_transient)
 
-    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """One MLflow call, retried alone on a transient failure (`retrier`)."""
-        return self.retrier.call(self._call_once, fn, *args, **kwargs)
+    def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """One MLflow call, retried alone on a transient failure."""
 
-    def _call_once(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        with fast_fail_env(self.tracking_uri, self.request_timeout_s):
-            return fn(*args, **kwargs)
+        def once() -> T:
+            with fast_fail_env(self.tracking_uri, 5):
+                return fn(*args, **kwargs)
+
+        return self.retrier.call(once)
 
     def client(self) -> Any:
         if self._client is None:
@@ -168,38 +288,24 @@ class RunSender:
 
             from keras_sync.tracking.sqlite_store import ensure_sqlite_store
 
-            ensure_sqlite_store(
-                self.tracking_uri
-            )  # a kill while MLflow builds it would leave it half-built
+            ensure_sqlite_store(self.tracking_uri)  # a kill while MLflow builds it: half-built
             self._client = MlflowClient(tracking_uri=self.tracking_uri)
         return self._client
 
-    def new_session(self, start_time_ms: int | None) -> None:
-        """A writer (re)started: check the run again before the next batch (it may have ended)."""
-        self._checked = False
-        if self.start_time_ms is None:
-            self.start_time_ms = start_time_ms
+    def ensure_run(self, reopen: bool = False, continuing: bool = False) -> None:
+        """Find, reopen or create the job's run.
 
-    def ensure_run(self, reopen: bool = False, continuing: bool = False) -> tuple[str, bool]:
-        """Return (run id, whether it changed now): find, reopen or create the job's run.
-
-        ``reopen``: the writer of this run logs again after ending it (``begin`` with ``reopen``):
-        the run this sender was writing is continued even if FINISHED.
-        ``continuing``: the records are the rest of a session whose run an earlier courier of the
-        spool chose (``self.run_id``, from run.json): they go to that run as it is, ended or not,
-        its status untouched (what follows a run's end: a "stop", a report, a replayed batch).
+        ``reopen``: the writer logs again after ending its run: that run is continued even if
+        FINISHED. ``continuing``: the records follow ones an earlier courier sent to ``run_id``
+        (from run.json): they go to that run as it is, ended or not.
         """
         if self.run_id is not None and self._checked:
-            return self.run_id, False
-        before = self.run_id
-        c = self.client()
+            return
         run = self._get_run(self.run_id) if continuing and self.run_id is not None else None
         continued = run is not None  # taken as it is: no status change
         for candidate in (self.run_id, self._hint) if run is None else ():
             if candidate is not None:
-                run = self._usable(
-                    self._get_run(candidate), reopen=reopen and candidate == self.run_id
-                )
+                run = self._usable(self._get_run(candidate), reopen and candidate == self.run_id)
                 if run is not None:
                     break
         if run is None and self.job_id is not None:
@@ -209,33 +315,23 @@ class RunSender:
             self.floors = {}
         else:
             if run.info.status != "RUNNING" and not continued:
-                self._call(c.update_run, run.info.run_id, status="RUNNING")
-            if (
-                run.info.run_id != self._floors_of
-            ):  # also a run id an earlier courier of this spool found
+                self._call(self.client().update_run, run.info.run_id, status="RUNNING")
+            if run.info.run_id != self._floors_of:
                 self.floors = self._logged_steps(run)
         self.run_id, self._checked, self._hint = run.info.run_id, True, None
-        self._floors_of = self.run_id
-        self.experiment_id = run.info.experiment_id
-        return self.run_id, self.run_id != before
+        self._floors_of, self.experiment_id = self.run_id, run.info.experiment_id
 
     def _create_run(self, exp_id: str) -> Any:
-        """Create the job's run; a retry first looks for the run a failed try may have made after all.
-
-        A gateway can lose the answer to a request the server carried out (a 502 or a timeout after
-        the run was made): sending ``create_run`` again would make a second run of the job.
-        """
-        c = self.client()
+        """Create the job's run; a retry first looks for the run a failed try may have made (a
+        gateway can lose the answer to a request the server carried out: no second run)."""
         tags = {JOB_TAG: self.job_id} if self.job_id is not None else None
         tried = False
 
         def attempt() -> Any:
             nonlocal tried
             made = self._find_job_run(exp_id) if tried and self.job_id is not None else None
-            if made is not None:
-                return made
             tried = True
-            return c.create_run(
+            return made or self.client().create_run(
                 exp_id, start_time=self.start_time_ms, run_name=self.run_name, tags=tags
             )
 
@@ -261,7 +357,7 @@ class RunSender:
         return run if run.info.lifecycle_stage == "active" else None
 
     def _usable(self, run: Any, reopen: bool = False) -> Any:
-        """The run, unless it is FINISHED and neither the job id was given explicitly nor ``reopen``."""
+        """The run, unless it is FINISHED and neither the job id was explicit nor ``reopen``."""
         if run is None or (run.info.status == "FINISHED" and not (self.explicit or reopen)):
             return None
         return run
@@ -290,30 +386,23 @@ class RunSender:
     def send(self, records: list[dict[str, Any]], done: Callable[[int], None] | None = None) -> int:
         """Deliver records in order; return how many metric points were sent.
 
-        ``done(i)``: called after each request MLflow took, with the index of the last record it now has whole.
+        ``done(i)``: called after each request MLflow took, with the index of the last record it
+        now has whole.
         """
         from mlflow.entities import Metric, Param, RunTag
 
-        if all(rec["k"] == STOP for rec in records):  # a writer that logged nothing: no run to make
-            self.release_report()  # (or one whose last report is held)
+        if all(rec["k"] == STOP for rec in records):  # a writer that logged nothing: no run
+            self.release_report()
             return 0
-        if records and records[0]["k"] != BEGIN:  # a "begin" sets the start time of a new run first
+        if records and records[0]["k"] != BEGIN:
             self.ensure_run(continuing=True)
-        c = self.client()
         metrics: list[Any] = []
         params: list[Any] = []
         tags: list[Any] = []
         floors = dict(self.floors)  # committed only when the batch is accepted
-        sent = dropped = 0
-        had = -1  # the last record MLflow has whole (told to ``done``)
+        sent = 0
 
-        def took(i: int) -> None:
-            nonlocal had
-            if done is not None and i > had:
-                had = i
-                done(i)
-
-        def flush(upto: int) -> None:  # the batch holds records up to ``upto``
+        def flush(upto: int) -> None:
             nonlocal sent
             if metrics or params or tags:
                 self._send_batch(metrics, params, tags)
@@ -323,81 +412,76 @@ class RunSender:
                 metrics.clear()
                 params.clear()
                 tags.clear()
-                took(upto)
+                if done is not None and upto >= 0:
+                    done(upto)
 
         for i, rec in enumerate(records):
             k = rec["k"]
-            flush_upto = i - 1
             if k == METRICS:
-                if len(metrics) + len(rec["d"]) + len(params) + len(tags) > MAX_BATCH:
-                    flush(flush_upto)
-                step = rec["s"]
+                if len(metrics) + len(params) + len(tags) + len(rec["d"]) > MAX_BATCH:
+                    flush(i - 1)
                 for key, v in rec["d"].items():
-                    if step > floors.get(key, step - 1):
-                        metrics.append(Metric(key, v, rec["ts"], step))
-                        floors[key] = step
+                    if rec["s"] > floors.get(key, rec["s"] - 1):
+                        metrics.append(Metric(key, v, rec["ts"], rec["s"]))
+                        floors[key] = rec["s"]
                     else:
-                        dropped += 1
-            elif k in (PARAMS, TAGS):
+                        self.dropped += 1
+                continue
+            if k in (PARAMS, TAGS):
                 if len(params) + len(tags) + len(rec["d"]) > MAX_BATCH_PARAMS_AND_TAGS:
-                    flush(flush_upto)
+                    flush(i - 1)
                 target, cls = (params, Param) if k == PARAMS else (tags, RunTag)
                 target.extend(cls(key, v) for key, v in rec["d"].items())
-            elif k == TEXT:
-                flush(flush_upto)
-                self._call(c.log_text, self.run_id, rec["text"], rec["f"])
-                took(i)
-            elif k in (FILE, MODEL):  # staged files and models: keras_sync.tracking.artifacts
-                flush(flush_upto)
-                from keras_sync.tracking import artifacts as _artifacts
+                continue
+            flush(i - 1)
+            if k == TEXT:
+                self._call(self.client().log_text, self.run_id, rec["text"], rec["f"])
+            elif k in (FILE, MODEL):
+                from keras_sync.tracking import artifacts
 
-                _artifacts.deliver(c, str(self.run_id), rec, self._call)
-                took(i)
+                artifacts.deliver(self.client(), str(self.run_id), rec, self._call)
             elif k == END:
-                flush(flush_upto)
                 if is_last_record(rec):
                     self.release_report()
                 self._call(
-                    c.set_terminated, self.run_id, status=rec["status"], end_time=rec.get("ts")
+                    self.client().set_terminated,
+                    self.run_id,
+                    status=rec["status"],
+                    end_time=rec.get("ts"),
                 )
-                took(i)
             elif k == STOP:  # the writer closed after ending the run: nothing to send
-                flush(flush_upto)
                 self.release_report()
-            elif k == REPORT:  # drawn here, not in the training process
-                flush(flush_upto)
+            elif k == REPORT:
                 if self.hold_reports and not rec.get("now") and self._hold_report(rec):
                     continue
-                self._deliver_report(rec)
+                self._draw_report(rec)
                 if self.held_report is not None and self._same_picture(rec):
                     self._set_held(None)  # the newer picture went: the held one is older
-                took(i)
             elif k == BEGIN:
-                flush(flush_upto)
-                self.new_session(rec.get("ts"))
-                if rec.get(
-                    "replayed"
-                ):  # sent before by a courier killed before it moved the position
+                self._checked = False  # a writer (re)started: check the run again
+                if self.start_time_ms is None:
+                    self.start_time_ms = rec.get("ts")
+                if rec.get("replayed"):  # sent before by a courier killed before it moved on
                     self.ensure_run(continuing=True)
                 else:
                     self.ensure_run(reopen=bool(rec.get("reopen")))
                 floors = dict(self.floors)  # the run may be another one now
+            if done is not None:
+                done(i)
         flush(len(records) - 1)
-        self.dropped += dropped
         return sent
 
     def _hold_report(self, rec: dict[str, Any]) -> bool:
-        """Hold ``rec`` instead of drawing it now (see `hold_reports`); False if it cannot be kept."""
+        """Hold ``rec`` instead of drawing it now; False if it cannot be kept (disk full)."""
         if self.held_report is not None and not self._same_picture(rec):
             self.release_report()  # another run's, or another file: drawn first
         try:
             self._set_held((str(self.run_id), rec))
-        except OSError:  # the spool's disk refuses report.json: drawn now, as without holding
+        except OSError:
             return False
         return True
 
     def _same_picture(self, rec: dict[str, Any]) -> bool:
-        """Whether ``rec`` draws the held report's file of the same run (a newer one: the history is the run's)."""
         held = self.held_report
         return (
             held is not None
@@ -411,22 +495,19 @@ class RunSender:
         self.held_report = held
 
     def release_report(self) -> None:
-        """Draw and upload the held report into its run, if any; raises what the upload raised (kept held)."""
+        """Draw and upload the held report into its run, if any; raises what the upload raised."""
         if self.held_report is None:
             return
         run_id, rec = self.held_report
-        self._deliver_report(rec, run_id)
+        self._draw_report(rec, run_id)
         try:
             self._set_held(None)
-        except OSError:  # report.json stays: a later courier draws it once more, into the same file
+        except OSError:  # report.json stays: a later courier draws it again, into the same file
             self.held_report = None
 
-    def _deliver_report(self, rec: dict[str, Any], run_id: str | None = None) -> None:
-        """Draw a `keras_sync.SyncReport` picture from its data and upload it (to ``run_id``, default the run).
-
-        A picture that cannot be drawn is skipped with a warning; an upload that fails raises
-        (retried with the batch, like any other record).
-        """
+    def _draw_report(self, rec: dict[str, Any], run_id: str | None = None) -> None:
+        """Draw a `keras_sync.SyncReport` picture and upload it; one that cannot be drawn is
+        skipped with a warning, an upload that fails raises."""
         import shutil
         import tempfile
         from pathlib import Path
@@ -458,7 +539,7 @@ class RunSender:
             if is_transient(e) or not params:
                 raise
             # A param logged before with another value is refused for good (params are
-            # immutable); send the rest without it rather than retry the batch forever.
+            # immutable): send the rest without it rather than retry the batch forever.
             self._call(c.log_batch, self.run_id, metrics=metrics, params=[], tags=tags)
             for p in params:
                 try:

@@ -1,36 +1,20 @@
-"""The spool: the one interface between a training process and the courier of its metrics.
+"""The spool: one run's directory of records, the only interface between a writer and its courier.
 
-A spool is a directory per run, ``<spool_dir>/<job id>/``. The training process appends
-records to numbered segment files and never waits for MLflow; the courier
-(`keras_sync.tracking.courier`) reads them in order, sends them, records how far it got and deletes
-the segments it has delivered. Nothing else passes between the two:
-
-=================  ===========================================================================
-``header.json``    experiment, run name, job id, whether the job id was given explicitly, the
+=================  ==========================================================================
+``header.json``    experiment, run name, job id (and whether it was given), run id hint, the
                    tracking URI without credentials (written once by the first writer)
-``NNNNNNNN.jsonl`` segments, one JSON record per line; a segment is complete once a later one
-                   exists (a writer starts a new one every `SEGMENT_BYTES` and at each start)
+``NNNNNNNN.jsonl`` segments of records (`keras_sync.tracking.records`), one JSON per line; a
+                   writer starts a new one every `SEGMENT_BYTES` and at each start
 ``delivered``      ``"<segment> <offset>"``: every record before it is in MLflow
 ``run.json``       the MLflow run id and experiment id, once the courier has the run
-``status.json``    the courier's last outcome: ``{"ok": true}`` or the error and its kind
+``status.json``    the courier's last outcome
+``report.json``    a sync report the courier holds, not drawn yet
 ``writer.lock``    held (flock) by the live writer; ``deliver.lock`` by the live courier
-``reserve``        16 KB the writer keeps free, for the records that end a run whose spool
-                   filled its disk (`keras_sync.tracking.handover`)
-=================  ===========================================================================
+``reserve``        16 KB the writer keeps free for the records that end a run on a full disk
+=================  ==========================================================================
 
-A spool whose disk refuses a write (full, over quota) takes nothing more from its writer: the
-rest goes to the live courier over a pipe, from memory (`keras_sync.tracking.handover`); the courier keeps
-where delivery stands in memory too and tells the writer over a second pipe, since
-``delivered``, ``run.json`` and ``status.json`` may not be writable then.
-
-The records in the segments (their kinds and fields), the causes of a failed delivery and
-MLflow's limits are the protocol's other half: `keras_sync.tracking.records`.
-
-The delivered position moves only after MLflow accepted a batch, so a crash in between re-sends
-a batch at worst; the courier drops points at steps a metric already has, so a re-send or a
-job that trains steps again after a restore never puts two points at one (key, step).
-
-Nothing here imports MLflow at import time.
+The delivered position moves only after MLflow took a batch, so a crash re-sends a batch at worst;
+the courier drops points at steps a metric already has, so a (key, step) never gets two points.
 """
 
 from __future__ import annotations
@@ -65,15 +49,12 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 class SpoolFull(OSError):
-    """`SpoolDir.append` could not write (disk full, quota, I/O error): what it did write is whole.
-
-    ``done``: how many of the records are in the spool (a torn line is cut off again);
-    ``pos``: the position just past the last of them. ``reason``: the operating system's words.
-    """
+    """`SpoolDir.append` could not write (disk full, quota): ``done`` records are in, whole, up to
+    ``pos``; ``reason`` is the operating system's words."""
 
     def __init__(self, error: OSError, done: int, pos: Position):
-        super().__init__(error.errno, error.strerror or str(error))
         self.reason = error.strerror or str(error)
+        super().__init__(error.errno, self.reason)
         self.done, self.pos = done, pos
 
 
@@ -86,32 +67,22 @@ class SpoolDir:
         self._fh: Any = None
         self._segment = 0
         self._header: dict[str, Any] | None = None
-        #: Set by `append` when it found the spool deleted under it and made it again (see `_remade`).
+        #: Set by `append` when it found the spool deleted under it and made it again.
         self.remade: str | None = None
 
-    # -- locks: one writer and one courier at a time --
-    def lock(self, role: str) -> bool:
-        """Take ``writer.lock`` or ``deliver.lock`` until `unlock`; False if a live process holds it."""
+    def lock(self, role: str, wait: bool = False) -> bool:
+        """Take ``writer.lock`` or ``deliver.lock``; False if a live process holds it (``wait``: wait)."""
         if fcntl is None or role in self._locks:
             return True
         self.path.mkdir(parents=True, exist_ok=True)
         fh = open(self.path / f"{role}.lock", "ab")
         try:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
             fh.close()
             return False
         self._locks[role] = fh
         return True
-
-    def wait_lock(self, role: str) -> None:
-        """Take the lock, waiting for its holder (a courier left by a crashed process) to end."""
-        if fcntl is None or role in self._locks:
-            return
-        self.path.mkdir(parents=True, exist_ok=True)
-        fh = open(self.path / f"{role}.lock", "ab")
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-        self._locks[role] = fh
 
     def held(self, role: str) -> bool:
         """True if another process holds the lock ``role`` now."""
@@ -122,7 +93,6 @@ class SpoolDir:
                 fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 return True
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
             return False
 
     def unlock(self, role: str) -> None:
@@ -130,52 +100,46 @@ class SpoolDir:
         if fh is not None:
             fh.close()
 
-    # -- the header, the run id and the courier's status --
+    def _read_json(self, name: str) -> Any:
+        try:
+            return json.loads((self.path / name).read_text())
+        except (OSError, ValueError):  # absent, or half-written
+            return None
+
+    def _write_json(self, name: str, value: Any) -> None:
+        _atomic_write(self.path / name, json.dumps(value))
+
     def write_header(self, header: dict[str, Any]) -> None:
         self._header = header
         if not (self.path / "header.json").exists():
-            _atomic_write(self.path / "header.json", json.dumps(header))
-
-    def _read_json(self, name: str, missing: Any) -> Any:
-        """The JSON file ``name`` of the spool, or ``missing`` when it is absent or half-written."""
-        try:
-            return json.loads((self.path / name).read_text())
-        except (OSError, ValueError):
-            return missing
+            self._write_json("header.json", header)
 
     def header(self) -> dict[str, Any] | None:
-        return self._read_json("header.json", None)
+        return self._read_json("header.json")
 
     def run(self) -> dict[str, Any]:
-        """``{"run_id": ..., "experiment_id": ...}`` once the courier knows the run, else ``{}``."""
-        return self._read_json("run.json", {})
+        """``{"run_id", "experiment_id", "begin"}`` once the courier knows the run, else ``{}``;
+        ``begin``: the position of the record that chose it."""
+        return self._read_json("run.json") or {}
 
-    def set_run(
-        self, run_id: str, experiment_id: str | None, begin: Position | None = None
-    ) -> None:
-        """Name the run the records go to; ``begin``: the position of the "begin" record that chose it."""
-        record: dict[str, Any] = {"run_id": run_id, "experiment_id": experiment_id}
-        if begin is not None:
-            record["begin"] = list(begin)
-        _atomic_write(self.path / "run.json", json.dumps(record))
+    def set_run(self, run: dict[str, Any]) -> None:
+        self._write_json("run.json", run)
 
     def status(self) -> dict[str, Any] | None:
-        return self._read_json("status.json", None)
+        return self._read_json("status.json")
+
+    def set_status(self, status: dict[str, Any]) -> None:
+        self._write_json("status.json", status)
 
     def held_report(self) -> dict[str, Any] | None:
-        """``{"run_id": ..., "rec": <report record>}``: a report the courier holds (delivered past it, not
-        drawn yet; `keras_sync.tracking.deliver.RunSender.hold_reports`), or None."""
-        return self._read_json("report.json", None)
+        """``{"run_id": ..., "rec": <report record>}``: a report the courier holds, or None."""
+        return self._read_json("report.json")
 
     def set_held_report(self, held: dict[str, Any] | None) -> None:
-        """Keep ``held`` (see `held_report`) in ``report.json``; None removes it. Raises OSError."""
         if held is None:
             (self.path / "report.json").unlink(missing_ok=True)
         else:
-            _atomic_write(self.path / "report.json", json.dumps(held))
-
-    def set_status(self, status: dict[str, Any]) -> None:
-        _atomic_write(self.path / "status.json", json.dumps(status))
+            self._write_json("report.json", held)
 
     # -- writing (the writer's thread only) --
     def segments(self) -> list[int]:
@@ -192,35 +156,31 @@ class SpoolDir:
         """Begin a new segment after every existing one (a writer never appends to an older one)."""
         self.close_segment()
         existing = self.segments()
-        n = max(existing[-1] if existing else 0, self._segment) + 1
-        # Unbuffered: a write the disk refuses fails here, not later in a flush at exit. Readable too:
-        # a segment deleted under its writer is copied back from its open file (`_remake`).
-        self._fh = open(self._segment_path(n), "a+b", buffering=0)
-        self._segment = n
+        self._segment = max(existing[-1] if existing else 0, self._segment) + 1
+        # Unbuffered: a refused write fails here, not in a flush at exit. Readable: see `_remake`.
+        self._fh = open(self._segment_path(self._segment), "a+b", buffering=0)
         return self._segment, 0
 
     def append(self, records: list[dict[str, Any]]) -> Position:
-        """Append records, flush them to the OS, return the position just past the last one.
+        """Append records; return the position just past the last. Raises `SpoolFull`.
 
-        A big batch is split over segments of about `SEGMENT_BYTES` (a writer that fell behind on
-        a busy machine appends thousands of records at once): the courier deletes whole
+        A big batch is split over segments of about `SEGMENT_BYTES`: the courier deletes whole
         segments, so the spool stays small however the records arrive.
         """
         lines = [json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in records]
-        i = done = 0
         if self._fh is not None and os.fstat(self._fh.fileno()).st_nlink == 0:
             self._remake()
-        pos = self.written()
+        i, pos = 0, self.written()
         while True:
             chunk: list[bytes] = []
             sent = 0  # bytes of this chunk the disk took
             try:
                 if self._fh is None or self._fh.tell() >= SEGMENT_BYTES:
                     pos = self.start_segment()
-                room, size = SEGMENT_BYTES - self._fh.tell(), 0
-                while i < len(lines) and (not chunk or size + len(lines[i]) <= room):
+                room = SEGMENT_BYTES - self._fh.tell()
+                while i < len(lines) and (not chunk or len(lines[i]) <= room):
                     chunk.append(lines[i])
-                    size += len(lines[i])
+                    room -= len(lines[i])
                     i += 1
                 view = memoryview(b"".join(chunk))
                 while view:
@@ -228,42 +188,31 @@ class SpoolDir:
                     sent += n
                     view = view[n:]
             except OSError as e:
-                # The disk took part of the chunk (a write stops where the disk fills): keep its whole
-                # lines, so a batch that arrives at once loses only what did not fit, and cut the torn
-                # line off, so a later append does not glue a record to it.
+                # Keep the whole lines the disk took and cut a torn one off, so a later append
+                # does not glue a record to it.
                 whole = kept = 0
-                for line in chunk:
-                    if kept + len(line) > sent:
-                        break
-                    kept += len(line)
+                while whole < len(chunk) and kept + len(chunk[whole]) <= sent:
+                    kept += len(chunk[whole])
                     whole += 1
-                if self._fh is not None:
-                    try:
-                        self._fh.truncate(pos[1] + kept)
-                        self._fh.seek(pos[1] + kept)
-                    except OSError:
-                        kept, whole = 0, 0
-                        try:
-                            self._fh.truncate(pos[1])
-                            self._fh.seek(pos[1])
-                        except OSError:
-                            pass
-                raise SpoolFull(e, done + whole, (pos[0], pos[1] + kept)) from e
-            done, pos = i, (self._segment, self._fh.tell())
+                try:
+                    self._fh.truncate(pos[1] + kept)
+                    self._fh.seek(pos[1] + kept)
+                except (OSError, AttributeError):
+                    whole = kept = 0
+                done = i - len(chunk) + whole
+                raise SpoolFull(e, done, (pos[0], pos[1] + kept)) from e
+            pos = self.written()
             if i >= len(lines):
                 return pos
 
     def _remake(self) -> None:
-        """The open segment was deleted (the spool directory removed by someone while the run logs):
-        make the directory again (header, writer lock) and copy the segment's records back from the
-        open file into a new segment, so the courier finds them. Earlier segments not yet delivered
-        are gone with the directory."""
-        size = self._fh.tell()
-        data = os.pread(self._fh.fileno(), size, 0)
+        """The open segment was deleted (someone removed the spool while the run logs): make the
+        directory again and copy the segment's records back from the open file."""
+        data = os.pread(self._fh.fileno(), self._fh.tell(), 0)
         self.close_segment()
         self.path.mkdir(parents=True, exist_ok=True)
         if self._header is not None:
-            _atomic_write(self.path / "header.json", json.dumps(self._header))
+            self._write_json("header.json", self._header)
         if "writer" in self._locks:
             self.unlock("writer")
             self.lock("writer")
@@ -274,14 +223,14 @@ class SpoolDir:
         self.remade = f"{len(data.splitlines())} record(s) of its open segment were written again"
 
     def written(self) -> Position:
-        return (self._segment, self._fh.tell()) if self._fh is not None else (self._segment, 0)
+        return self._segment, (self._fh.tell() if self._fh is not None else 0)
 
     def close_segment(self) -> None:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
 
-    # -- reading and pruning (the courier only) --
+    # -- reading and pruning (the courier) --
     def delivered(self) -> Position:
         try:
             seg, off = (self.path / "delivered").read_text().split()
@@ -290,11 +239,8 @@ class SpoolDir:
             return 0, 0
 
     def mark_delivered(self, pos: Position) -> None:
-        """Record that everything before ``pos`` is in MLflow; delete the segments wholly before it.
-
-        The segments go even when the position cannot be written (a full disk): they are in
-        MLflow, and deleting them is what frees the disk.
-        """
+        """Record that everything before ``pos`` is in MLflow; delete the segments wholly before it
+        (even when the position cannot be written: deleting them is what frees a full disk)."""
         try:
             _atomic_write(self.path / "delivered", f"{pos[0]} {pos[1]}")
         finally:
@@ -307,8 +253,7 @@ class SpoolDir:
     ) -> list[tuple[Position, dict[str, Any]]]:
         """Records from ``start`` on, in order, each with the position just past it.
 
-        A line without its newline is skipped: in the newest segment it is still being written;
-        in an older one, a crashed writer tore it.
+        A line without its newline is skipped: still being written, or torn by a crashed writer.
         """
         out: list[tuple[Position, dict[str, Any]]] = []
         segs = self.segments()
@@ -325,7 +270,7 @@ class SpoolDir:
                         offset += len(line)
                         try:
                             out.append(((n, offset), json.loads(line)))
-                        except ValueError:  # torn, then appended to by nobody: skip it
+                        except ValueError:  # torn, and no one appends to it: skip it
                             continue
                         if len(out) >= max_records:
                             return out
@@ -339,10 +284,7 @@ class SpoolDir:
         """True if records exist that are not delivered yet."""
         return bool(self.read(self.delivered(), max_records=1))
 
-    def size_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.path.glob("*") if p.is_file())
-
     def remove(self) -> None:
-        """Delete the whole spool (everything in it was delivered and its writer has ended)."""
+        """Delete the whole spool (all of it was delivered and its writer has ended)."""
         self.close_segment()
         shutil.rmtree(self.path, ignore_errors=True)

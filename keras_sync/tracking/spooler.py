@@ -1,74 +1,126 @@
 """The writer's background side: a thread moves queued records into the spool and keeps a courier
-process delivering it.
+process (`keras_sync.tracking.courier`) delivering it; a killed process loses one interval at most.
 
-The training thread only appends to `Spooler.queue`. Every `SPOOL_INTERVAL_S` (or when woken) the
-thread cleans the queued records, appends them to the spool, and starts the courier again if it
-died. What the spool refuses (its disk is full) is handed to the courier from memory
-(`keras_sync.tracking.handover`). The spool files are the only interface between the two
-processes, so a killed training process loses at most one interval of records.
+When the spool's disk refuses a write, that record and every later one are held in memory (at most
+`MAX_HELD_BYTES`) and handed to the courier over its stdin; its stdout says where delivery stands.
+What is held at close goes to the spool if it has room again, else the run ends FAILED, tagged
+`LOST_TAG` with the steps lost.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
+import queue
 import subprocess
+import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from concurrent.futures import Future
+from pathlib import Path
+from typing import IO, Any
 
 from keras_sync.errors import TrackingError
-from keras_sync.tracking import causes
-from keras_sync.tracking import courier as _courier
-from keras_sync.tracking.clean import RecordCleaner
-from keras_sync.tracking.handover import Handover
 from keras_sync.tracking.records import (
+    ALWAYS_KEPT,
     BEGIN,
+    BOOKKEEPING,
     CREDENTIALS,
     END,
     MAX_TAG_VALUE_LENGTH,
     METRICS,
+    STOP,
     STORE_FAILING,
     TAGS,
+    RecordCleaner,
+    cause_in_a_word,
+    cause_in_words,
     is_last_record,
 )
 from keras_sync.tracking.spool import Position, SpoolDir, SpoolFull
 
 _log = logging.getLogger("keras_sync.tracking")
 
-#: How often the thread moves queued records to the spool (seconds).
 SPOOL_INTERVAL_S = 0.2
-#: Kept free in the spool directory (the file ``reserve``) for the records that end a run whose
-#: spool filled its disk: which steps were lost, and the run's status.
+#: Kept free in the spool (the file ``reserve``) for the records that end a run on a full disk.
 RESERVE_BYTES = 16 * 1024
+#: Memory for records the spool could not take; beyond it, metric points are dropped (and named).
+MAX_HELD_BYTES = 64 * 1024 * 1024
 LOST_TAG = "keras_sync.metrics_lost"
+#: A wait for delivery gives up when the delivered position has not moved for this long (seconds).
+STALL_S = 30.0
+#: What the courier runs as (``python -m``): a module the package does not import.
+ENTRY_MODULE = "keras_sync.tracking.courier_main"
+
+
+def step_ranges(steps: list[int]) -> str:
+    """Steps as ranges, for a line a person reads.
+
+    >>> step_ranges([184, 185, 186, 190, 3])
+    '3, 184-186, 190'
+    """
+    out: list[list[int]] = []
+    for step in sorted(set(steps)):
+        if out and out[-1][1] == step - 1:
+            out[-1][1] = step
+        else:
+            out.append([step, step])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
+
+
+def answering(failed: dict[str, Any] | None, within_s: float = STALL_S) -> bool:
+    """Whether MLflow, though some requests fail, answered one within ``within_s``."""
+    at = failed.get("answered_at") if failed is not None else None
+    return isinstance(at, (int, float)) and time.time() - at < within_s
 
 
 def _lower_thread_priority() -> None:
-    """Nice the spooling thread a little (Linux threads have their own nice value): when the cores
-    are busy, the training goes first; moving records to a file is never urgent."""
+    """Nice the spooling thread (Linux threads have their own nice value): training goes first."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 5)
-    except (AttributeError, OSError):  # not Linux, or not permitted: run at normal priority
+    except (AttributeError, OSError):  # not Linux, or not permitted
         pass
+
+
+class _Launcher:
+    """Starts couriers from a thread made on the training thread, before anything is niced: a
+    child inherits the nice value of the thread that forks it, and may not lower its own."""
+
+    def __init__(self) -> None:
+        self._requests: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = (
+            queue.SimpleQueue()
+        )
+        threading.Thread(
+            target=self._serve, name="keras-sync-courier-launcher", daemon=True
+        ).start()
+
+    def _serve(self) -> None:
+        while True:
+            fn, future = self._requests.get()
+            try:
+                future.set_result(fn())
+            except BaseException as e:
+                future.set_exception(e)
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        future: Future[Any] = Future()
+        self._requests.put((fn, future))
+        return future.result()
 
 
 class Spooler:
     """Queue -> spool -> courier for one writer; the courier's news read back for the writer.
 
     ``on_run`` is called once from the thread when the run is known, or MLflow failed before it
-    was, once a run has begun (a writer started with its begin deferred may never begin one).
+    was, once a run has begun.
     """
 
     def __init__(
-        self,
-        spool: SpoolDir,
-        uri: str,
-        header: dict[str, Any],
-        cleaner: RecordCleaner,
+        self, spool: SpoolDir, uri: str, header: dict[str, Any], cleaner: RecordCleaner
     ) -> None:
         self.spool, self.uri, self.header = spool, uri, header
         self.shown_uri: str = header["tracking_uri"]
@@ -82,16 +134,22 @@ class Spooler:
         self.wake = threading.Event()
         self._spooled = threading.Condition()
         self.thread: threading.Thread | None = None
-        self._launcher: _courier.Launcher | None = None
+        self._launcher: _Launcher | None = None
         self.courier: subprocess.Popen[bytes] | None = None
         self.closing = self.dead = self._end_spooled = self._finished = False
-        self.handover = Handover()  # records the spool could not take (disk full), for the courier
         self.spool_error: str | None = None  # why the spool stopped taking records
         self._begin_ms: int | None = None
         self._status: dict[str, Any] | None = None
         self._run: dict[str, Any] = {}
         self._said_refused = False
         self._said_lock = threading.Lock()
+        # Records the spool refused, (number, record, size), until the courier has them in MLflow.
+        self.held: deque[tuple[int, dict[str, Any], int]] = deque()
+        self.held_last = self.held_bytes = 0
+        self.dropped: list[dict[str, Any]] = []  # over the memory bound: lost
+        self.news: dict[str, Any] = {}  # what the courier said over its stdout
+        self._to_courier = bytearray()
+        self._news_reader: threading.Thread | None = None
 
     # ---- the writer's side ----
     def start(self, begin_ms: int | None) -> None:
@@ -99,7 +157,7 @@ class Spooler:
         if self.thread is None:
             self._begin_ms = begin_ms
             self._begun |= begin_ms is not None
-            self._launcher = _courier.Launcher()  # here: the courier is not niced with the thread
+            self._launcher = _Launcher()  # here: not niced with the thread
             self.thread = threading.Thread(target=self._loop, name="keras-sync-mlflow", daemon=True)
             self.thread.start()
 
@@ -121,48 +179,48 @@ class Spooler:
             )
 
     def status(self) -> dict[str, Any] | None:
-        """The courier's last outcome: from its pipe when it has one (a full disk keeps the file old)."""
-        return self.handover.news.get("status") or self.spool.status()
+        """The courier's last outcome: from its pipe first (a full disk keeps the file old)."""
+        return self.news.get("status") or self.spool.status()
 
     def failure(self) -> dict[str, Any] | None:
         status = self.status()
         return status if status is not None and not status.get("ok") else None
 
     def run(self) -> dict[str, Any]:
-        """What the courier said of the run (``run_id``, ``experiment_id``); empty before it knows."""
+        """What the courier said of the run (``run_id``, ``experiment_id``); empty before."""
         if not self._run.get("run_id"):
-            self._run = self.spool.run() or self.handover.news.get("run", {})
+            self._run = self.spool.run() or self.news.get("run", {})
         return self._run
 
+    def acked(self) -> int:
+        """Every held record numbered up to this one is in MLflow."""
+        return int(self.news.get("h", 0))
+
     def progress(self) -> tuple[Position, int]:
-        """How far delivery got: the spool position, and the number of held records MLflow has."""
-        pos = self.spool.delivered()
-        news = self.handover.news
-        if "pos" in news:
-            pos = max(pos, (int(news["pos"][0]), int(news["pos"][1])))
-        return pos, self.handover.acked()
+        """How far delivery got: the spool position, and the held records MLflow has."""
+        pos = max(self.spool.delivered(), tuple(self.news.get("pos", (0, 0))))
+        return (int(pos[0]), int(pos[1])), self.acked()
 
     def target(self) -> tuple[Position, int]:
         """The progress at which MLflow has everything spooled or held so far."""
-        return self.spooled_pos, self.handover.last
+        return self.spooled_pos, self.held_last
 
     def reached(self, target: tuple[Position, int]) -> bool:
         pos, held = self.progress()
         return pos >= target[0] and held >= target[1]
 
+    def unacknowledged(self) -> list[dict[str, Any]]:
+        acked = self.acked()
+        return [rec for n, rec, _ in list(self.held) if n > acked]
+
     def pending(self) -> list[dict[str, Any]]:
         """Records MLflow does not have yet: spooled, held, or still queued (in this order)."""
         recs = [rec for _, rec in self.spool.read(self.progress()[0], max_records=10**9)]
-        return recs + self.handover.unacknowledged() + [rec for _, rec in self.queue]
+        return recs + self.unacknowledged() + [rec for _, rec in self.queue]
 
     def points_left(self) -> int:
         """Metric points queued, spooled or held that MLflow does not have yet."""
         return sum(len(rec.get("d", ())) for rec in self.pending() if rec.get("k") == METRICS)
-
-    def all_delivered(self) -> bool:
-        return not self.handover.unacknowledged() and not self.spool.read(
-            self.progress()[0], max_records=1
-        )
 
     def say_refused_once(self) -> bool:
         """If the credentials were refused, say so in one line (once); True if they were."""
@@ -170,68 +228,137 @@ class Spooler:
         if failed is None or failed.get("cause") != CREDENTIALS:
             return False
         with self._said_lock:
-            if self._said_refused:
-                return True
-            self._said_refused = True
-        _log.warning(causes.refused_line(self.uri, self.shown_uri, failed, self.spool.path))
+            said, self._said_refused = self._said_refused, True
+        if not said:
+            again = f"keras-sync sync-spool {self.spool.path}"
+            if self.shown_uri != self.uri:
+                again += " --tracking-uri URI"
+            _log.warning(
+                f"keras-sync: MLflow at {self.shown_uri} refused the credentials "
+                f"({failed.get('error')}); training goes on and the metrics are kept in "
+                f"{self.spool.path}. Set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD "
+                f"(or MLFLOW_TRACKING_TOKEN), then deliver them with: {again}"
+            )
         return True
 
     def cause(self) -> str:
-        """Why delivery is behind, in words."""
-        running = self.courier is not None and self.courier.poll() is None
-        return causes.cause(self.failure(), self.shown_uri, running, self.status() is not None)
+        """Why delivery is behind: the courier's last failure, or what the courier is doing."""
+        failed, uri = self.failure(), self.shown_uri
+        if failed is not None:
+            return f"{cause_in_words(failed.get('cause'), uri)} ({failed.get('error', '')})"
+        if self.courier is None or self.courier.poll() is not None:
+            return f"the courier process that delivers to {uri} is not running"
+        if self.status() is None:
+            return (
+                f"the courier process had not reached {uri} yet (it starts by importing "
+                "MLflow: seconds, more on a busy machine)"
+            )
+        return (
+            f"delivery to {uri} made no progress for {STALL_S:g} s (the courier process gets no "
+            "CPU time, or MLflow does not answer)"
+        )
 
     def undelivered_message(self, final: bool) -> str | None:
         """Why some records are not in MLflow, and where they are; None if everything arrived."""
         spooled = [rec for _, rec in self.spool.read(self.progress()[0], max_records=10**9)]
-        return causes.undelivered_message(
-            spooled,
-            self.handover.unacknowledged(),
-            [rec for _, rec in self.queue],
-            self.cause(),
-            spool=self.spool.path,
-            spool_error=self.spool_error,
-            credentials_hidden=self.shown_uri != self.uri,
-            final=final,
+        held = [rec for rec in self.unacknowledged() if rec["k"] not in BOOKKEEPING]
+        queued = [rec for _, rec in self.queue]
+        count = len(queued) + len(held) + sum(rec["k"] not in BOOKKEEPING for rec in spooled)
+        if count == 0:
+            return None
+        spool, why = self.spool.path, self.cause()
+        if held and not final:
+            steps = step_ranges([rec["s"] for rec in held if rec["k"] == METRICS]) or "none"
+            return (
+                f"keras-sync: {count} MLflow record(s) are not delivered yet: {why}. The spool "
+                f"{spool} cannot be written ({self.spool_error}), so {len(held)} of them (steps "
+                f"{steps}) wait in this process's memory: they are lost if it ends before MLflow "
+                "takes them."
+            )
+        every = (*spooled, *held, *queued)
+        points = sum(len(rec.get("d", ())) for rec in every if rec.get("k") == METRICS)
+        what = f"{count} MLflow record(s)" + (f" ({points} metric point(s))" if points else "")
+        if final:
+            where = f"Deliver them with: keras-sync sync-spool {spool}"
+            if self.shown_uri != self.uri:
+                where += " --tracking-uri URI (the spool keeps the URI without its credentials)"
+        else:
+            where = (
+                "Delivery goes on in the background while this process runs; what is left at "
+                f"exit stays there for `keras-sync sync-spool {spool}`"
+            )
+        return (
+            f"keras-sync: {what} are not delivered yet: {why}. They are kept in {spool}. {where}."
         )
 
-    def stop(self, delivered: bool, never_begun: bool) -> None:
-        """Stop the thread; a courier that delivered the run's end is given a moment to exit."""
+    def lost_text(self, records: list[dict[str, Any]]) -> str:
+        """What a full disk cost: the steps (and other records) of ``records`` and the dropped."""
+        both = records + self.dropped
+        steps = [rec["s"] for rec in both if rec["k"] == METRICS]
+        others = sum(rec["k"] not in (METRICS, BEGIN, STOP) for rec in both)
+        what = f"the points of steps {step_ranges(steps)}" if steps else "no metric points"
+        if others:
+            what += f" and {others} other record(s)"
+        return (
+            f"{what}: the spool {self.spool.path} could not be written ({self.spool_error}) while "
+            "MLflow did not take them"
+        )
+
+    def loss_tag(self) -> dict[str, Any] | None:
+        """The tag record naming what was dropped over the memory bound; None if nothing was."""
+        return {"k": TAGS, "d": {LOST_TAG: self.lost_text([])}} if self.dropped else None
+
+    def shut_down(self, delivered: bool, never_begun: bool) -> str | None:
+        """After the writer's last wait: stop the thread and the courier, put what only memory
+        holds into the spool, remove a spool MLflow has all of. Returns the warning to give."""
         self.closing = True
         self.wake.set()
         if self.thread is not None:
             self.thread.join(5.0)
         if delivered and self.courier is not None and not never_begun:
-            try:
+            try:  # a courier that delivered the run's end is given a moment to exit
                 self.courier.wait(5.0)
             except subprocess.TimeoutExpired:
                 pass
-        self.handover.pump()  # forget what the courier acknowledged last
-
-    def kill_courier(self) -> None:
-        """After close nothing runs in the background; the spool keeps what is left. SIGKILL: the
-        courier ignores SIGTERM (meant for the trainer when a scheduler signals a whole job step)."""
+        self._pump()
+        held = bool(self.unacknowledged() or self.dropped)
+        message = None if delivered or held else self.undelivered_message(final=True)
+        cause = self.cause()  # while the courier is still there to ask
+        if message and self.say_refused_once():
+            message = None  # said in its one line already
         if self.courier is not None and self.courier.poll() is None:
-            self.courier.kill()
+            self.courier.kill()  # after close nothing runs in the background (it ignores SIGTERM)
             self.courier.wait()
-        self.handover.settle()
-        self.handover.pump()
-        self.handover.disconnect()
+        self._settle()
+        self._pump()
+        self._disconnect()
+        self.run()  # read before the spool that holds it may be removed
+        if held and not delivered:
+            message = self._spill_held(cause) or self.undelivered_message(final=True)
+        self.spool.close_segment()
+        self.spool.unlock("writer")
+        alive = self.thread is not None and self.thread.is_alive()
+        done = never_begun or not (self.unacknowledged() or self.spool.read(self.progress()[0], 1))
+        if message is None and not alive and done:
+            self.spool.remove()  # everything is in MLflow: the spool has done its job
+            from keras_sync.tracking import artifacts
 
-    def spill_held(self, cause: str) -> str | None:
-        """After the courier stopped: put what MLflow did not take into the spool if the disk has room
-        again (None: all of it is there now); else end the spooled run FAILED with a tag naming what is
-        lost, and return the line to show."""
-        records = self.handover.unacknowledged()
+            artifacts.remove_staging_if_empty(self.spool.path)
+        return message
+
+    def _spill_held(self, cause: str) -> str | None:
+        """Put what MLflow did not take into the spool if the disk has room again (None: all of
+        it is there); else end the spooled run FAILED with a tag naming what is lost."""
+        records = self.unacknowledged()
         try:
             self.spooled_pos = self.spool.append(records)
             records = []
         except SpoolFull as e:
             self.spooled_pos = e.pos
             records = records[e.done :]
-        if not records and not self.handover.dropped:
+        if not records and not self.dropped:
             return None
-        lost = self.lost_text(*self.handover.lost_steps(records))
+        lost = self.lost_text(records)
         (self.spool.path / "reserve").unlink(missing_ok=True)  # room for the run's end
         end: list[dict[str, Any]] = [
             {"k": TAGS, "d": {LOST_TAG: lost[:MAX_TAG_VALUE_LENGTH]}},
@@ -240,44 +367,105 @@ class Spooler:
         try:
             self.spooled_pos = self.spool.append(end)
             after = (
-                f"the rest is in the spool: `keras-sync sync-spool {self.spool.path}` delivers it and "
-                f"ends the run FAILED with the tag {LOST_TAG}"
+                f"the rest is in the spool: `keras-sync sync-spool {self.spool.path}` delivers it "
+                f"and ends the run FAILED with the tag {LOST_TAG}"
             )
         except SpoolFull:
             after = f"nothing more fits in {self.spool.path}: the run stays RUNNING in MLflow"
         return f"keras-sync: MLflow lost {lost} ({cause}); {after}."
 
-    def lost_text(self, steps: list[int], others: int) -> str:
-        return causes.lost_text(steps, others, self.spool.path, self.spool_error)
+    # ---- the courier's pipes ----
+    def _hold(self, rec: dict[str, Any]) -> None:
+        size = len(json.dumps(rec)) + 32
+        if self.held_bytes + size > MAX_HELD_BYTES and rec["k"] not in ALWAYS_KEPT:
+            self.dropped.append(rec)
+            return
+        self.held_last += 1
+        self.held.append((self.held_last, rec, size))
+        self.held_bytes += size
+        if self.courier is not None:
+            self._to_courier += self._line(self.held_last, rec)
 
-    def loss_tag(self) -> dict[str, Any] | None:
-        """The tag record naming what was dropped over the memory bound; None if nothing was."""
-        if not self.handover.dropped:
-            return None
-        return {"k": TAGS, "d": {LOST_TAG: self.lost_text(*self.handover.lost_steps([]))}}
+    @staticmethod
+    def _line(number: int, rec: dict[str, Any]) -> bytes:
+        return json.dumps({"h": number, "r": rec}, separators=(",", ":")).encode() + b"\n"
 
-    def shut_down(self, delivered: bool, never_begun: bool) -> str | None:
-        """After the writer's last wait: stop the thread and the courier, put what only memory holds
-        into the spool, remove a spool MLflow has all of. Returns the warning to give, if any."""
-        self.stop(delivered, never_begun)
-        held = bool(self.handover.unacknowledged() or self.handover.dropped)
-        message = None if delivered or held else self.undelivered_message(final=True)
-        cause = self.cause()  # while the courier is still there to ask
-        if message and self.say_refused_once():
-            message = None  # said in its one line already
-        self.kill_courier()
-        self.run()  # read before the spool that holds it may be removed
-        if held and not delivered:
-            message = self.spill_held(cause) or self.undelivered_message(final=True)
-        self.spool.close_segment()
-        self.spool.unlock("writer")
-        alive = self.thread is not None and self.thread.is_alive()
-        if message is None and not alive and (never_begun or self.all_delivered()):
-            self.spool.remove()  # everything is in MLflow: the spool has done its job
-            from keras_sync.tracking import artifacts as _artifacts
+    def _pump(self) -> None:
+        """Forget what the courier acknowledged; write what its stdin takes now (never blocks)."""
+        acked = self.acked()
+        while self.held and self.held[0][0] <= acked:
+            self.held_bytes -= self.held.popleft()[2]
+        stdin = self.courier.stdin if self.courier is not None else None
+        if stdin is None or not self._to_courier:
+            return
+        try:
+            del self._to_courier[: os.write(stdin.fileno(), self._to_courier)]
+        except BlockingIOError:
+            pass
+        except (OSError, ValueError):  # gone: a new courier is handed everything not acknowledged
+            self._to_courier.clear()
 
-            _artifacts.remove_staging_if_empty(self.spool.path)
-        return message
+    def _spawn_courier(self) -> None:
+        env = dict(os.environ)  # the child imports this very keras_sync, installed or not
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        argv = [sys.executable, "-m", ENTRY_MODULE, str(self.spool.path), str(os.getpid())]
+        assert self._launcher is not None
+        try:
+            self.courier = self._launcher.call(
+                lambda: subprocess.Popen(
+                    argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0
+                )
+            )
+        except OSError as e:
+            _log.error(
+                "keras-sync cannot start its MLflow courier process (%s); records are kept in %s "
+                "(deliver them with: keras-sync sync-spool %s).",
+                e,
+                self.spool.path,
+                self.spool.path,
+            )
+            return
+        assert self.courier.stdin is not None and self.courier.stdout is not None
+        os.set_blocking(self.courier.stdin.fileno(), False)
+        # On stdin, not on the command line (`ps` shows it; Linux takes at most 128 KiB there).
+        handoff = json.dumps({"uri": self.uri, "header": self.header}).encode() + b"\n"
+        acked = self.acked()
+        held = (self._line(n, rec) for n, rec, _ in self.held if n > acked)
+        self._to_courier = bytearray(handoff + b"".join(held))
+        self._news_reader = threading.Thread(
+            target=self._read_news, args=(self.courier.stdout,), daemon=True
+        )
+        self._news_reader.start()
+        self._pump()
+
+    def _read_news(self, stdout: IO[bytes]) -> None:
+        for line in stdout:
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
+            news = dict(self.news)
+            # A restarted courier starts from what the files say: never let the position go back.
+            if "pos" in msg:
+                news["pos"] = max(tuple(msg["pos"]), tuple(news.get("pos", (0, 0))))
+            if "h" in msg:
+                news["h"] = max(int(msg["h"]), int(news.get("h", 0)))
+            news.update({k: msg[k] for k in ("status", "run") if k in msg})
+            self.news = news
+
+    def _settle(self) -> None:
+        """After the courier exited: wait until its last news is read."""
+        if self._news_reader is not None:
+            self._news_reader.join(2.0)
+
+    def _disconnect(self) -> None:
+        if self.courier is not None and self.courier.stdin is not None:
+            try:
+                self.courier.stdin.close()
+            except OSError:
+                pass
+        self._to_courier.clear()
 
     # ---- the thread ----
     def _loop(self) -> None:
@@ -289,15 +477,13 @@ class Spooler:
             while True:
                 self.wake.clear()  # before draining: a flush from now on is not lost
                 self._drain()
-                self.handover.pump()
+                self._pump()
                 closing = self.closing
-                ended = self.courier is not None and self.courier.poll() is not None
-                if ended and not self._finished:
-                    assert self.courier is not None
-                    self.handover.settle()  # its last word, before judging its exit
+                if self.courier is not None and self.courier.poll() is not None:
+                    self._settle()  # its last word, before judging its exit
                     if self._end_spooled and self.reached(self.target()):
                         self._finished = True  # it delivered the run's end and stopped
-                    elif not closing:
+                    elif not closing and not self._finished:
                         restarts += 1
                         _log.warning(
                             "keras-sync's MLflow courier process exited (code %s); restarting "
@@ -306,6 +492,7 @@ class Spooler:
                             self.spool.path,
                         )
                         respawn_at = time.monotonic() + min(0.5 * 2**restarts, 30.0)
+                        self._disconnect()
                         self.courier = None
                 if self.courier is None and not closing and time.monotonic() >= respawn_at:
                     self._spawn_courier()
@@ -317,7 +504,8 @@ class Spooler:
         except OSError as e:  # the spool directory itself failed (removed)
             self.dead = True
             _log.error(
-                "keras-sync cannot write its MLflow spool %s (%s); MLflow logging stops for this run.",
+                "keras-sync cannot write its MLflow spool %s (%s); MLflow logging stops for this "
+                "run.",
                 self.spool.path,
                 e,
             )
@@ -336,7 +524,7 @@ class Spooler:
                 "Spool %s is in use by another writer; this one writes %s.", busy, self.spool.path
             )
         (self.spool.path / "status.json").unlink(missing_ok=True)  # a predecessor's is not ours
-        try:  # a full disk from the start: the courier has the header from its environment
+        try:  # a full disk from the start: the courier has the header from its stdin
             self.spool.write_header(self.header)
             self.spooled_pos = self.spool.start_segment()
             reserve = self.spool.path / "reserve"
@@ -348,54 +536,22 @@ class Spooler:
             self._spool_or_hold([{"k": BEGIN, "ts": self._begin_ms}])
 
     def _check_store(self) -> None:
-        """A local sqlite store that cannot be created is known now, not after the courier imported MLflow."""
+        """A local sqlite store that cannot be created is known now, not after the courier's
+        MLflow import (the courier says the same once it tries: "ok" if fixed)."""
         from keras_sync.tracking.sqlite_store import check_creatable
 
         try:
             check_creatable(self.uri)
-        except TrackingError as e:  # the courier says the same once it tries ("ok" if fixed)
-            self.handover.news = {
-                **self.handover.news,
-                "status": {
-                    "ok": False,
-                    "at": time.time(),
-                    "error": f"TrackingError: {e}",
-                    "cause": STORE_FAILING,
-                    "uri": self.shown_uri,
-                },
-            }
-
-    def _spawn_courier(self) -> None:
-        try:
-            ends = self.handover.connect()  # its pipes: records the spool cannot take, its news
-        except OSError:
-            ends = None
-        assert self._launcher is not None
-        try:
-            self.courier = self._launcher.call(
-                lambda: _courier.spawn(self.spool, self.uri, header=self.header, pipe_fds=ends)
-            )
-        except OSError as e:
-            self.courier = None
-            self.handover.disconnect()
-            _log.error(
-                "keras-sync cannot start its MLflow courier process (%s); records are kept in %s "
-                "(deliver them with: keras-sync sync-spool %s).",
-                e,
-                self.spool.path,
-                self.spool.path,
-            )
-        finally:
-            for fd in ends or ():
-                os.close(fd)  # the courier's ends: its copies are its own
+        except TrackingError as e:
+            status = {"ok": False, "at": time.time(), "error": f"TrackingError: {e}"}
+            status.update(cause=STORE_FAILING, uri=self.shown_uri)
+            self.news = {**self.news, "status": status}
 
     def _tell_run(self) -> None:
         if self.on_run is None or not self._begun:
             return
         failed = self.failure()
-        at = failed.get("answered_at") if failed is not None else None
-        answering = isinstance(at, (int, float)) and time.time() - at < causes.STALL_S
-        if self.run().get("run_id") is not None or (failed is not None and not answering):
+        if self.run().get("run_id") is not None or (failed is not None and not answering(failed)):
             on_run, self.on_run = self.on_run, None
             try:
                 on_run()
@@ -403,7 +559,7 @@ class Spooler:
                 _log.debug("on_run failed: %s", e)
 
     def _watch_status(self) -> None:
-        """Log the courier's first failure and its recovery (in this process, where logging is set up)."""
+        """Log the courier's first failure and its recovery (here, where logging is set up)."""
         status = self.status()
         was_ok = self._status is None or self._status.get("ok")
         if status is not None and not status.get("ok") and status.get("cause") == CREDENTIALS:
@@ -413,7 +569,7 @@ class Spooler:
                 "keras-sync: MLflow at %s is %s (%s); records are kept in %s, retrying in the "
                 "background.",
                 self.shown_uri,
-                causes.cause_in_a_word(status.get("cause")),
+                cause_in_a_word(status.get("cause")),
                 status.get("error"),
                 self.spool.path,
             )
@@ -428,8 +584,7 @@ class Spooler:
         recs: list[dict[str, Any]] = []
         last = None
         while self.queue:
-            seq, rec = self.queue.popleft()
-            last = seq
+            last, rec = self.queue.popleft()
             cleaned = self._clean(rec)
             if cleaned is not None:
                 recs.append(cleaned)
@@ -442,17 +597,17 @@ class Spooler:
                 self._spooled.notify_all()
 
     def _spool_or_hold(self, recs: list[dict[str, Any]]) -> None:
-        """Append to the spool; what it refuses, and everything after, goes to the courier from memory."""
+        """Append to the spool; what it refuses, and everything after, goes to the courier."""
         if self.spool_error is None:
             try:
                 self.spooled_pos = self.spool.append(recs)
                 if self.spool.remade is not None:
                     _log.warning(
-                        "keras-sync: the MLflow spool %s was deleted while this run logged into it; "
-                        "keras-sync made it again and %s (the courier sends them again; MLflow keeps "
-                        "one point per step). Records of earlier segments not yet delivered went with "
-                        "it. Fix: leave mlflow.spool_dir alone while a job runs, or set it to a folder "
-                        "nothing cleans.",
+                        "keras-sync: the MLflow spool %s was deleted while this run logged into "
+                        "it; keras-sync made it again and %s (the courier sends them again; "
+                        "MLflow keeps one point per step). Records of earlier segments not yet "
+                        "delivered went with it. Fix: leave mlflow.spool_dir alone while a job "
+                        "runs, or set it to a folder nothing cleans.",
                         self.spool.path,
                         self.spool.remade,
                     )
@@ -463,16 +618,16 @@ class Spooler:
                 recs = recs[e.done :]
                 self._spool_failed(e.reason)
         for rec in recs:
-            self.handover.hold(rec)
+            self._hold(rec)
 
     def _spool_failed(self, reason: str) -> None:
         if self.spool_error is None:
             self.spool_error = reason
             _log.warning(
-                "keras-sync cannot write its MLflow spool %s (%s): from here on the records are kept "
-                "in memory (at most %d MB) and handed to the courier directly; none is lost while "
-                "MLflow takes them.",
+                "keras-sync cannot write its MLflow spool %s (%s): from here on the records are "
+                "kept in memory (at most %d MB) and handed to the courier directly; none is lost "
+                "while MLflow takes them.",
                 self.spool.path,
                 reason,
-                self.handover.max_bytes // 2**20,
+                MAX_HELD_BYTES // 2**20,
             )

@@ -1,6 +1,6 @@
-"""Waiting for delivery: while it makes progress, with one line at exit saying what is left.
+"""Waiting for delivery while it makes progress, with one line at exit saying what is left.
 
-Writers not closed by their user are closed at interpreter exit (`close_at_exit`), FAILED after
+Writers not closed by their user are closed at interpreter exit (`close_at_exit`): FAILED after
 an uncaught exception, KILLED after a preemption (`end_runs_at_exit_as`), else FINISHED.
 """
 
@@ -14,11 +14,10 @@ from collections.abc import Callable
 from typing import Any
 
 from keras_sync.errors import TrackingError
-from keras_sync.tracking.causes import STALL_S
-from keras_sync.tracking.spooler import Spooler
+from keras_sync.tracking.spooler import STALL_S, Spooler, answering
 
 RUN_STATUSES = ("FINISHED", "FAILED", "KILLED")
-#: ... or, before the courier's first attempt (it imports MLflow, may build a fresh store), this long.
+#: How long a wait allows before the courier's first attempt (it imports MLflow, may build a store).
 STARTUP_S = 120.0
 #: How long the exit waits for delivery before a line says what it waits for (seconds).
 EXIT_QUIET_S = 2.0
@@ -40,9 +39,8 @@ def check_status(status: str) -> None:
 def end_runs_at_exit_as(status: str) -> None:
     """Make the exit's close of open writers end their runs with ``status`` instead of FINISHED.
 
-    `keras_sync.cluster.preemption.exit_now` sets KILLED: a preempted job is not finished, and the
-    relaunch that restores its backup reopens that run (a FINISHED run is only reopened for an
-    explicit job id).
+    `keras_sync.cluster.preemption.exit_now` sets KILLED: the relaunch that restores the backup
+    reopens that run (a FINISHED run is only reopened for an explicit job id).
     """
     global _exit_status
     check_status(status)
@@ -51,8 +49,7 @@ def end_runs_at_exit_as(status: str) -> None:
 
 @atexit.register
 def close_at_exit() -> None:
-    """Close the writers left open, waiting while delivery makes progress (a preempted job: briefly,
-    its relaunch delivers the rest)."""
+    """Close the writers left open, waiting while delivery makes progress (briefly if preempted)."""
     # An uncaught exception has been printed by now, and left sys.last_type behind.
     failed = getattr(sys, "last_type", None) is not None
     status = "FAILED" if failed else (_exit_status or "FINISHED")
@@ -69,22 +66,20 @@ def wait_delivered(
 ) -> bool:
     """Wait until MLflow has everything spooled so far; True if it has.
 
-    Returns False at once when the courier's last attempt failed and MLflow answered nothing for
-    ``stall_s`` (a server that fails some requests and answers others is waited for), after
-    ``stall_s`` without progress (`STARTUP_S` before the courier's first attempt), or after
-    ``timeout_s`` (None: no limit besides those).
+    False at once when the courier's last attempt failed and MLflow answered nothing for
+    ``stall_s`` (a server that answers some requests is waited for), after ``stall_s`` without
+    progress (`STARTUP_S` before the courier's first attempt), or after ``timeout_s``.
     """
     target = sp.target()
-    start = last_move = time.monotonic()
-    deadline = start + timeout_s if timeout_s is not None else float("inf")
+    last_move = time.monotonic()
+    deadline = last_move + timeout_s if timeout_s is not None else float("inf")
     seen = sp.progress()
     while not sp.reached(target):
         failed = sp.failure()
         if (failed is not None and not answering(failed, stall_s)) or sp.dead:
             return False
         now = time.monotonic()
-        limit = STARTUP_S if sp.status() is None else stall_s
-        if now >= deadline or now - last_move > limit:
+        if now >= deadline or now - last_move > (STARTUP_S if sp.status() is None else stall_s):
             return False
         time.sleep(0.02)
         pos = sp.progress()
@@ -95,18 +90,9 @@ def wait_delivered(
     return True
 
 
-def answering(failed: dict[str, Any] | None, within_s: float = STALL_S) -> bool:
-    """Whether MLflow, though some requests fail, answered one within ``within_s`` (delivery goes on)."""
-    at = failed.get("answered_at") if failed is not None else None
-    return isinstance(at, (int, float)) and time.time() - at < within_s
-
-
 class ExitLine:
-    """The one line shown while the exit waits for delivery; on a terminal its count goes down in place.
-
-    Shown at once when metric points are left, else once the wait passes `EXIT_QUIET_S` (the sync
-    report being drawn, the run's end on a slow server): a short wait stays quiet, a long one says why.
-    """
+    """The one line shown while the exit waits for delivery; on a terminal its count goes down in
+    place. Shown at once when metric points are left, else once the wait passes `EXIT_QUIET_S`."""
 
     def __init__(self, sp: Spooler):
         self._sp = sp
@@ -117,7 +103,8 @@ class ExitLine:
         if left:
             self._show(left)
 
-    def _text(self, left: int) -> str:
+    def _show(self, left: int) -> None:
+        self._shown, self._last = True, time.monotonic()
         uri, spool = self._sp.shown_uri, self._sp.spool.path
         if left:
             what = f"{left} metric point(s) not in MLflow yet ({uri}); delivering them before exit"
@@ -126,22 +113,18 @@ class ExitLine:
                 f"waiting for MLflow ({uri}) to receive the run's last records (the sync report "
                 "picture, drawn now, and the run's end) before exit"
             )
-        return (
+        text = (
             f"keras-sync: {what}. They are kept in {spool}: Ctrl-C leaves them there for "
             f"`keras-sync sync-spool {spool}`"
         )
-
-    def _show(self, left: int) -> None:
-        self._shown, self._last = True, time.monotonic()
         end = "" if self._tty else "\n"
-        print(("\r" if self._tty else "") + self._text(left), end=end, file=sys.stderr, flush=True)
+        print(("\r" if self._tty else "") + text, end=end, file=sys.stderr, flush=True)
 
     def update(self) -> None:
         now = time.monotonic()
-        due = (not self._shown and now - self._start >= EXIT_QUIET_S) or (
+        if (not self._shown and now - self._start >= EXIT_QUIET_S) or (
             self._shown and self._tty and now - self._last >= 0.5
-        )
-        if due:
+        ):
             self._show(self._sp.points_left())
 
     def done(self) -> None:
