@@ -50,10 +50,8 @@ def keys(cls: type = Config, path: str = "") -> Iterator[tuple[str, Field, str]]
     for f in _public_fields(cls):
         dotted = f"{path}.{_yaml_key(f)}" if path else _yaml_key(f)
         if not DOCS.get(dotted, "").strip():
-            raise UsageError(
-                f"config key {dotted!r} has no doc: give its field in keras_sync/config/__init__.py "
-                "a description (in DOCS)"
-            )
+            fix = "give its field in keras_sync/config/__init__.py a description (in DOCS)"
+            raise UsageError(f"config key {dotted!r} has no doc: {fix}")
         yield dotted, f, DOCS[dotted]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import json
 import math
 import re
 from collections.abc import Callable
@@ -18,9 +19,7 @@ class FieldValueError(ValueError):
 
 
 def _show(value: Any) -> str:
-    if isinstance(value, bool) or value is None:
-        return {True: "true", False: "false", None: "null"}[value]
-    return repr(value)
+    return json.dumps(value) if isinstance(value, bool) or value is None else repr(value)
 
 
 @dataclass(frozen=True)

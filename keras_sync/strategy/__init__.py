@@ -88,9 +88,8 @@ def check_one_process(config: Config, environ: Mapping[str, str] | None = None) 
         workers, where = count_workers(config, os.environ if environ is None else environ)
     except KerasSyncError:  # a cluster description a one-process kind never reads
         return
-    refuse_one_process_kind(
-        config, workers, f"{where} names {workers} workers", "start one process only"
-    )
+    started_by = f"{where} names {workers} workers"
+    refuse_one_process_kind(config, workers, started_by, "start one process only")
 
 
 def detect(
