@@ -1,9 +1,4 @@
-"""Errors raised by keras-sync.
-
-Every error a user can cause derives from `KerasSyncError`; the CLI turns it into a one-line
-message and exit code 2, never a traceback. So does a script that does not catch it: the error is
-also a `SystemExit`, which Python ends the process with, printing no traceback.
-"""
+"""Errors raised by keras-sync: all derive from `KerasSyncError`, a one-line message, no traceback."""
 
 from __future__ import annotations
 
@@ -16,18 +11,16 @@ class _QuietExit(Exception, SystemExit):
     """An exception that also ends the script as a `SystemExit` when nobody catches it."""
 
 
-#: ``KERAS_SYNC_TRACEBACK=1`` (read at import): keras-sync errors are plain exceptions, with a traceback.
+#: ``KERAS_SYNC_TRACEBACK=1`` (read at import): plain exceptions, with a traceback.
 _BASE: type = Exception if os.environ.get("KERAS_SYNC_TRACEBACK") == "1" else _QuietExit
 
 
 class KerasSyncError(_BASE):
     """Base class of every error keras-sync raises for a user's mistake or environment.
 
-    ``except Exception`` and ``except KerasSyncError`` catch it as usual. Uncaught, it ends the
-    script as a `SystemExit`: Python reads `code`, which writes ``keras-sync: <message>`` on
-    stderr (once) and gives `exit_code`. With ``KERAS_SYNC_TRACEBACK=1`` in the environment it is
-    a plain exception: Python prints its traceback (exit code 1). No hook is installed:
-    `sys.excepthook` stays Python's own.
+    Caught as usual; uncaught, it ends the script as a `SystemExit` whose `code` writes
+    ``keras-sync: <message>`` on stderr and gives `exit_code` (no hook is installed). With
+    ``KERAS_SYNC_TRACEBACK=1`` it is a plain exception, with its traceback.
     """
 
     #: The process's exit code when the error ends it: 2, bad usage (as the CLI's).
@@ -40,13 +33,11 @@ class KerasSyncError(_BASE):
 
 
 def _ending(error: KerasSyncError) -> int:
-    """Say ``error`` once on stderr and give the exit code; a cluster error ends the process here.
+    """Say ``error`` once on stderr and give the exit code.
 
-    A connect timeout or a lost peer ends with `os._exit` (after the atexit handlers that flush
-    what the run logged, for a lost peer): TensorFlow's cluster teardown would otherwise print
-    pages about the missing peers, or wait for them. So does any error read by Python's top-level
-    exit handling (no Python frame left), as a normal exit could wait on TensorFlow's coordination
-    service for peers that are exiting too.
+    A cluster error, or any error read by Python's top-level exit handling, ends with `os._exit`
+    after the atexit handlers (not after a connect timeout: nothing ran yet): TensorFlow's
+    teardown would print pages about missing peers, or wait for them.
     """
     if not error.__dict__.get("_keras_sync_said"):
         error.__dict__["_keras_sync_said"] = True
@@ -88,12 +79,8 @@ class ConfigIssue:
 
 
 class ConfigError(KerasSyncError):
-    """The config (YAML file, dict or override) is invalid.
-
-    Carries every issue found (``issues``), so `keras-sync validate` can print
-    them all at once; ``str()`` gives one line per issue, as
-    ``FILE:LINE: key.path: message``.
-    """
+    """The config (YAML file, dict or override) is invalid: every issue found (``issues``), one
+    line each (``FILE:LINE: key.path: message``)."""
 
     def __init__(self, issues: list[ConfigIssue] | ConfigIssue):
         if isinstance(issues, ConfigIssue):
@@ -127,10 +114,7 @@ class ConnectTimeoutError(ClusterError):
 
 
 class PeerLostError(ClusterError):
-    """A worker lost contact with a peer mid-training (it stopped, or its host or the network failed).
-
-    A script that does not catch it ends with exit code `exit_code` (75, EX_TEMPFAIL: relaunch).
-    """
+    """A worker lost contact with a peer mid-training; uncaught, exit code 75 (EX_TEMPFAIL: relaunch)."""
 
     exit_code = 75
 

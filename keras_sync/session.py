@@ -8,13 +8,13 @@ import math
 import os
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from keras_sync.cluster import strategy_role
 from keras_sync.config import Config, load_config
 from keras_sync.config.kinds import KINDS
-from keras_sync.errors import UsageError
+from keras_sync.errors import KerasSyncError, UsageError
 from keras_sync.training import scaling
 
 log = logging.getLogger("keras_sync")
@@ -46,31 +46,22 @@ def load(
     from keras_sync.upstream import stack
 
     stack.check_backend()  # KERAS_BACKEND=jax/torch: one line here, not a false scope error at fit
-    # TensorFlow's C++ start-up INFO lines (CPU features, absl's pre-init banner) hide the user's own
-    # output; warnings and errors still show, and a value the user set wins.
+    # TensorFlow's C++ start-up INFO lines hide the user's output; a value the user set wins.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     from keras_sync.strategy import ONE_PROCESS_KINDS, check_one_process, detect
 
-    check_one_process(
-        cfg
-    )  # `mirrored` under a TF_CONFIG of 2 workers: 2 jobs, not one; refused before TensorFlow
+    check_one_process(cfg)  # `mirrored` under a TF_CONFIG of 2 workers, refused before TensorFlow
     kind = detect(cfg).kind
-    if _chief_before_tensorflow(cfg):  # TensorFlow's start takes seconds: say so first
-        print(
-            f"keras-sync: config: {cfg.origin()}; {_starting_line(cfg, kind)}",
-            file=sys.stderr,
-            flush=True,
-        )
+    line = _first_line(cfg, kind)
+    if line is not None:  # TensorFlow's start takes seconds: say so first
+        print(line, file=sys.stderr, flush=True)
     early_writer = None
     if cfg.mlflow.enabled and kind in ONE_PROCESS_KINDS:
         from keras_sync.training import paths as _paths
         from keras_sync.training.job_run import start_writer
 
-        _paths.check_config_paths(
-            cfg, is_chief=True
-        )  # a path it cannot write: its one line, before any writer
-        # Surely the chief: its courier imports MLflow while TensorFlow is imported below, not while
-        # the first fit trains (where it would compete with training).
+        _paths.check_config_paths(cfg, is_chief=True)  # its one line, before any writer
+        # Surely the chief: its courier imports MLflow while TensorFlow is imported, not in the fit.
         early_writer = start_writer(cfg)
     try:
         sync = _build(cfg, early_writer)
@@ -81,9 +72,7 @@ def load(
     from keras_sync.training import runtime
 
     runtime.set_dtype_policy(cfg, is_chief=sync.is_chief)  # before the user builds the model
-    if (
-        cfg.verify is not None
-    ):  # `keras-sync verify`: the same initial weights and data on both runs
+    if cfg.verify is not None:  # `keras-sync verify`: the same weights and data on both runs
         from keras_sync.training.verify_record import seed_everything
 
         seed_everything()
@@ -91,61 +80,44 @@ def load(
     return sync
 
 
-def _chief_before_tensorflow(cfg: Config) -> bool:
-    """Whether this process is the job's chief, read from the cluster's description (no TensorFlow)."""
+def _first_line(cfg: Config, kind: str) -> str | None:
+    """The chief's first line (the config, what the next seconds are spent on); None elsewhere."""
     from keras_sync.cluster import read_cluster
-    from keras_sync.errors import KerasSyncError
 
     try:
-        info, _ = read_cluster(cfg.strategy)
-    except (
-        KerasSyncError
-    ):  # building the strategy says what is wrong; the config line helps read it
-        return True
-    return info.is_chief
-
-
-def _starting_line(cfg: Config, kind: str) -> str:
-    """What the seconds after the config line are spent on, for the first line a user sees."""
+        info = read_cluster(cfg.strategy)[0]
+    except KerasSyncError:  # building the strategy says what is wrong; this line helps read it
+        info = None
+    if info is not None and not info.is_chief:
+        return None
     what = f"starting TensorFlow and the {kind} strategy"
-    if KINDS[kind].multi_process:
-        from keras_sync.cluster import read_cluster
-        from keras_sync.errors import KerasSyncError
-
-        try:
-            workers = read_cluster(cfg.strategy)[0].num_workers
-        except KerasSyncError:
-            workers = 0
-        if workers > 1:
-            what += f", then waiting for its {workers} workers to join (at most {cfg.strategy.connect_timeout_s:g} s)"
-    return what
+    workers = info.num_workers if info is not None and KINDS[kind].multi_process else 0
+    if workers > 1:
+        what += f", then waiting for its {workers} workers to join (at most {cfg.strategy.connect_timeout_s:g} s)"
+    return f"keras-sync: config: {cfg.origin()}; {what}"
 
 
 def _build(cfg: Config, early_writer: Any) -> Sync:
-    """The strategy, the `Sync` and what its process installs; ``early_writer`` (whose paths `load` checked
-    before starting it) becomes its writer."""
+    """The strategy and the `Sync`; ``early_writer`` (paths already checked) becomes its writer."""
     from keras_sync.strategy import build_strategy
 
     strategy, detection = build_strategy(cfg)
     from keras_sync.upstream.strategy_facts import in_multi_worker_mode
 
     if in_multi_worker_mode(strategy):
-        from keras_sync.cluster import collective_calls as _collective_calls
+        from keras_sync.cluster import collective_calls
 
-        # fit/evaluate/predict: a worker that calls one alone fails with one line; workers leave together
-        _collective_calls.configure(strategy, cfg.strategy.connect_timeout_s)
+        # fit/evaluate/predict: a worker that calls one alone fails in one line
+        collective_calls.configure(strategy, cfg.strategy.connect_timeout_s)
     sync = Sync(cfg, strategy, detection)
     from keras_sync.training import paths as _paths
 
-    if early_writer is None:  # checked before the early writer started, else
-        _paths.check_config_paths(
-            cfg, is_chief=sync.is_chief
-        )  # now, not at the first save or metric
+    if early_writer is None:  # now, not at the first save or metric
+        _paths.check_config_paths(cfg, is_chief=sync.is_chief)
     if sync.is_chief and cfg.mlflow.enabled:
         from keras_sync.training.job_run import writer_for
 
-        # The courier starts now if it did not above (it imports MLflow) while the user builds the
-        # model; the run itself (and a first run's store) is made when the first fit logs.
+        # The courier starts while the user builds the model; the run is made at the first log.
         writer_for(sync, early=True, started=early_writer)
     elif early_writer is not None:
         _drop_early_writer(early_writer)
@@ -153,7 +125,7 @@ def _build(cfg: Config, early_writer: Any) -> Sync:
 
 
 def _drop_early_writer(writer: Any) -> None:
-    """Close a writer that logged nothing (no run, no store) and leave no empty spool folder behind."""
+    """Close a writer that logged nothing and leave no empty spool folder behind."""
     writer.close()
     try:
         os.rmdir(os.path.dirname(os.path.abspath(writer.spool_path)))
@@ -243,10 +215,8 @@ class Sync:
         sched = GradualWarmup(
             self.base_learning_rate, self.learning_rate, warmup_steps=n, after=after
         )
-        if lr.warmup_epochs and not steps_known:
-            self._schedules.append(
-                sched
-            )  # fit() sets warmup_steps once it knows the steps per epoch
+        if lr.warmup_epochs and not steps_known:  # fit sets its steps once it knows the epoch's
+            self._schedules.append(sched)
         return sched
 
     # -- strategy ----------------------------------------------------------------------------
@@ -279,6 +249,7 @@ class Sync:
         return ds
 
     def _pipeline(self) -> Any:
+        from keras_sync.training import verify_record
         from keras_sync.training.pipeline import InputPipeline
 
         value = self.config.batch.drop_remainder
@@ -294,7 +265,7 @@ class Sync:
             learning_rate=self.learning_rate,
             strategy=self.strategy,
             arrays_as_dataset=self.config.verify is not None
-            and _verify_record().arrays_as_dataset(self.config),
+            and verify_record.arrays_as_dataset(self.config),
         )
 
     # -- Keras -------------------------------------------------------------------------------
@@ -309,15 +280,7 @@ class Sync:
         dataset is rebatched to the global batch (see `keras_sync.training.pipeline`). The MLflow run ends
         (FINISHED) when fit returns; the next fit of this `Sync` continues it.
         """
-        from keras_sync.training import runtime
-
-        self._check_model(
-            model, "fit"
-        )  # before anything touches it: a Keras 2 model is refused in one line
-        self._check_variables(model, "fit")
-        self._check_optimizers(model, "fit")
-        self._check_callbacks(model, kwargs.get("callbacks"), "fit")
-        runtime.prepare_model(self.context(), model)  # steps_per_execution, jit_compile, BatchNorm
+        self._ready(model, kwargs.get("callbacks"), "fit")
         given = kwargs.get("batch_size")  # the global batch, checked by _prepare
         data = x
         x, y, kwargs = self._prepare(model, "fit", x, y, kwargs)
@@ -339,40 +302,39 @@ class Sync:
             record=True,
         )
         from keras_sync.callbacks.backup import resumable_fit
+        from keras_sync.cluster.collective_calls import collective
+        from keras_sync.cluster.preemption import ctrl_c_ends_fit
         from keras_sync.training import saving
-        from keras_sync.training.job_run import run_ends_after_fit, shared_run_for
+        from keras_sync.training.job_run import (
+            end_run_after_fit,
+            run_ends_after_fit,
+            shared_run_for,
+        )
 
         # Keras' BackupAndRestore, TensorBoard, CSVLogger, ModelCheckpoint: the chief writes.
         saving.guard_callbacks(self.strategy, kwargs["callbacks"])
         if self.num_workers > 1:
             saving.chief_writes_on(model)
-        from keras_sync.cluster.collective_calls import collective
-        from keras_sync.cluster.lost_peer import raised_as_peer_lost
-        from keras_sync.cluster.preemption import ctrl_c_ends_fit
-        from keras_sync.upstream.keras_fixes import fixed_keras
-
-        # A restored backup resumes mid-epoch, data order included; a lost peer ends in one line, and
-        # Ctrl-C too (outermost: every other context has closed before the process exits).
-        # With mlflow.keras.autolog() on, autolog logs into keras-sync's run instead of its own.
+        # Ctrl-C is outermost: every other context has closed before the process exits. With
+        # mlflow.keras.autolog() on, autolog logs into keras-sync's run instead of its own.
         with (
             ctrl_c_ends_fit(
                 model, is_chief=self.is_chief, backup_dir=self.config.fault_tolerance.backup_dir
             ),
             shared_run_for(self),
             run_ends_after_fit(self),
-            raised_as_peer_lost(self.strategy, self.config.fault_tolerance.backup_dir),
-            fixed_keras(self.strategy),  # before resumable_fit: its probes read Keras's own classes
+            self._keras_call(),  # before resumable_fit: its probes read Keras's own classes
             resumable_fit(kwargs["callbacks"]),
-            _quiet_end_of_data(kwargs.get("steps_per_epoch")),
+            warnings.catch_warnings(),
             self._eval_losses(model),
             collective(model, "model.fit"),  # every worker at this fit, or one line
         ):
+            if kwargs.get("steps_per_epoch") is None:
+                # Data of unknown length ends each epoch by running out: Keras's advice to add
+                # .repeat() would break the epoch. With steps_per_epoch it is a real shortfall.
+                warnings.filterwarnings("ignore", "Your input ran out of data", UserWarning)
             history = type(model).fit(model, x, y, **kwargs)  # past the scope's direct_fit guard
-        from keras_sync.training.job_run import end_run_after_fit
-
-        end_run_after_fit(
-            self
-        )  # the run ends with fit, not at exit: Ray Train V2 kills its workers (no atexit)
+        end_run_after_fit(self)  # with fit, not at exit: Ray Train V2 kills its workers (no atexit)
         if self.config.verify is not None:
             from keras_sync.training import verify_record
 
@@ -390,7 +352,7 @@ class Sync:
         per_replica = per_replica_batch_size or self.per_replica_batch_size
         try:
             warmup: int | str = self.warmup_steps(self._steps_per_epoch)
-        except scaling.ScalingError:  # warmup in epochs with an epoch length the data does not tell
+        except scaling.ScalingError:  # warmup in epochs, epoch length unknown
             warmup = "unknown"
         return RunContext(
             kind=self.kind,
@@ -411,17 +373,13 @@ class Sync:
 
     def callbacks(self, model: Any, callbacks: Any = None) -> list[Any]:
         """For a `model.fit` you call yourself: prepare ``model`` as `fit` would and return the
-        callbacks `fit` adds (sync metrics and run params to MLflow on the chief, gradient
-        accumulation, custom `train_step` averaging), followed by ``callbacks`` and keras-sync's
-        run-time checks (`keras_sync.training.run_checks`).
+        callbacks `fit` adds, then ``callbacks`` and keras-sync's run-time checks.
 
-        Give the model built and compiled in `scope()`, and data batched by the global batch
-        (`distribute` does it). Keep the returned order. What `fit` does beyond this list is
-        yours to do: end the run with `close()` (else it ends at exit); pass ``steps_per_epoch``
-        to `lr_schedule` for ``learning_rate.warmup_epochs``. ``fault_tolerance.backup_dir`` is
-        refused here: its exact mid-epoch resume replaces Keras's epoch iterator for the length
-        of `fit`, so it needs `fit`. Your `model.fit` is Keras's own: the fixes of
-        `keras_sync.upstream.keras_fixes` apply for the length of `sync.fit`, `evaluate` and `predict` only.
+        Give the model built and compiled in `scope()` and data batched by the global batch
+        (`distribute`); keep the returned order. The rest is yours: end the run with `close()`,
+        pass ``steps_per_epoch`` to `lr_schedule` for a warmup in epochs. Refused with
+        ``fault_tolerance.backup_dir`` (its exact resume needs `fit`). The fixes of
+        `keras_sync.upstream.keras_fixes` apply to `sync.fit`, `evaluate` and `predict` only.
 
         Example:
             >>> model.fit(sync.distribute((x, y)), epochs=3, callbacks=sync.callbacks(model))  # doctest: +SKIP
@@ -435,21 +393,14 @@ class Sync:
                 "keras.callbacks.BackupAndRestore yourself."
             )
         from keras_sync import callbacks as ks_callbacks
-        from keras_sync.training import runtime
-        from keras_sync.upstream import keras_fixes as _keras_compat
-
-        self._check_model(model, "callbacks")
-        self._check_variables(model, "callbacks")
-        self._check_optimizers(model, "callbacks")
-        self._check_callbacks(model, callbacks, "callbacks")
-        runtime.prepare_model(self.context(), model)
-        _keras_compat.check_steps_per_execution(model, self.strategy)
+        from keras_sync.cluster.collective_calls import meets_peers
         from keras_sync.training import saving
+        from keras_sync.upstream.keras_fixes import check_steps_per_execution
 
+        self._ready(model, callbacks, "callbacks")
+        check_steps_per_execution(model, self.strategy)
         if self.num_workers > 1:  # model.save/save_weights, ModelCheckpoint: the chief writes
             saving.chief_writes_on(model)
-            from keras_sync.cluster.collective_calls import meets_peers
-
             meets_peers(model)  # its model.fit/evaluate/predict: every worker, or one line
         # Keras' BackupAndRestore, TensorBoard and CSVLogger: the chief writes the user's paths.
         return saving.guard_callbacks(
@@ -473,10 +424,9 @@ class Sync:
         """End this job's MLflow run now (FINISHED) and wait for delivery while it makes progress
         (at most ``timeout_s``, if given), as the process's exit would.
 
-        `fit` already ends the run when it returns (MLflow receives the rest in the background);
-        call this after a `model.fit` of your own (`callbacks`), or to have everything in MLflow
-        before the process goes on. A later `fit` of this `Sync` continues the run. What MLflow
-        has not received stays in the spool, and a warning says how to deliver it.
+        `fit` already ends the run when it returns; call this after a `model.fit` of your own, or
+        to have everything in MLflow before the process goes on. A later `fit` continues the run;
+        what MLflow has not received stays in the spool, and a warning says how to deliver it.
         """
         from keras_sync.training.job_run import close_writer
 
@@ -503,21 +453,19 @@ class Sync:
         with self._keras_call(), self._eval_losses(model):
             return model.evaluate(x, y, **kwargs)
 
-    def _keras_call(self) -> Any:
-        """Around Keras's `fit`, `evaluate` and `predict`: Keras fixed for this strategy, and a lost
-        peer as `PeerLostError` (one line, exit code 75, when the script does not catch it)."""
+    @contextlib.contextmanager
+    def _keras_call(self) -> Iterator[None]:
+        """Around Keras's `fit`, `evaluate` and `predict`: Keras fixed for this strategy, and a
+        lost peer as `PeerLostError`."""
         from keras_sync.cluster.lost_peer import raised_as_peer_lost
         from keras_sync.upstream.keras_fixes import fixed_keras
 
-        stack = contextlib.ExitStack()
-        stack.enter_context(
-            raised_as_peer_lost(self.strategy, self.config.fault_tolerance.backup_dir)
-        )
-        stack.enter_context(fixed_keras(self.strategy))
-        return stack
+        backup_dir = self.config.fault_tolerance.backup_dir
+        with raised_as_peer_lost(self.strategy, backup_dir), fixed_keras(self.strategy):
+            yield
 
     def _eval_losses(self, model: Any) -> Any:
-        """For `fit` and `evaluate`: the loss a test step tracks is one device's (`keras_sync.upstream.eval_loss`)."""
+        """For `fit` and `evaluate`: the loss a test step tracks is one device's."""
         if self.num_replicas <= 1:
             return contextlib.nullcontext()
         from keras_sync.upstream.eval_loss import unscaled_eval_losses
@@ -537,18 +485,15 @@ class Sync:
     def _prepare(
         self, model: Any, method: str, x: Any, y: Any, kwargs: dict[str, Any]
     ) -> tuple[Any, Any, dict[str, Any]]:
+        from keras_sync.cluster.collective_calls import meets_peers
+        from keras_sync.upstream.keras_fixes import check_steps_per_execution
+
         self._check_model(model, method)
         if self.num_workers > 1:  # its model.fit/evaluate/predict: every worker, or one line
-            from keras_sync.cluster.collective_calls import meets_peers
-
             meets_peers(model)
-        from keras_sync.upstream import keras_fixes as _keras_compat
-
-        _keras_compat.check_steps_per_execution(model, self.strategy)
+        check_steps_per_execution(model, self.strategy)
         kwargs = dict(kwargs)
-        if not self.is_chief:
-            # One progress bar per job, as Lightning and Accelerate show: the chief's. The other
-            # workers' bars interleave with it ([w0]/[w1] lines); their warnings and errors still print.
+        if not self.is_chief:  # one progress bar per job, the chief's; warnings still print
             kwargs["verbose"] = 0
         global_batch = self._batch_size_argument(kwargs.pop("batch_size", None), method)
         pipeline = self._pipeline()
@@ -595,6 +540,19 @@ class Sync:
             )
         return batch_size
 
+    def _ready(self, model: Any, callbacks: Any, method: str) -> None:
+        """Refuse in one line what cannot train here, then set the model up as `fit` runs it."""
+        from keras_sync.callbacks.backup import refuse_keras_backup
+        from keras_sync.training import runtime
+        from keras_sync.training.schedules import check_lr_callbacks
+
+        self._check_model(model, method)  # first: a Keras 2 model is refused in one line
+        self._check_variables(model, method)
+        self._check_optimizers(model, method)
+        refuse_keras_backup(self.config.fault_tolerance.backup_dir, callbacks, method)
+        check_lr_callbacks(model, callbacks, method)
+        runtime.prepare_model(self.context(), model)  # steps_per_execution, jit_compile, BatchNorm
+
     def _check_model(self, model: Any, method: str) -> None:
         if not hasattr(model, "fit") or not hasattr(model, "predict"):
             raise UsageError(
@@ -605,11 +563,7 @@ class Sync:
         if not isinstance(model, keras.Model):
             cls = type(model)
             where = f"{cls.__module__}.{cls.__qualname__}"
-            if cls.__module__.split(".")[0] in (
-                "tf_keras",
-                "tensorflow",
-                "keras",
-            ):  # keras.engine: Keras 2 alone
+            if cls.__module__.split(".")[0] in ("tf_keras", "tensorflow", "keras"):  # Keras 2
                 raise UsageError(
                     f"sync.{method} got a Keras 2 model ({where}: tf_keras, or tf.keras with TF_USE_LEGACY_KERAS=1), "
                     f"and keras-sync supports Keras 3 only (keras {keras.__version__} is installed). Fix: build the "
@@ -622,10 +576,15 @@ class Sync:
             return
         from keras_sync.upstream import internals as _internals
 
-        _internals.require(
-            "model_strategy"
-        )  # a Keras that moved it would make every model look unscoped
-        _keras_compat_check_call(model, method)
+        _internals.require("model_strategy")  # else every model would look unscoped
+        if getattr(type(model), "call", None) in (keras.Model.call, keras.layers.Layer.call):
+            name = type(model).__name__  # Keras builds a model under a strategy by calling it
+            raise UsageError(
+                f"{name} has no call() method, and under a distribution strategy Keras builds the model by calling it "
+                f"on a batch before sync.{method} trains (it fails with a long traceback inside Keras). Fix: define "
+                f"call(self, inputs) in {name}, returning what the model computes from inputs (e.g. the decoder's or "
+                "generator's output)."
+            )
         if getattr(model, "_distribute_strategy", None) is not self.strategy:
             raise UsageError(
                 f"The model was built outside sync.scope(), so sync.{method} cannot distribute it over "
@@ -633,12 +592,8 @@ class Sync:
             )
 
     def _check_variables(self, model: Any, method: str) -> None:
-        """Layers built outside the scope of a model assembled inside it, refused in one line with the fix.
-
-        A functional model's ``keras.Input``/``Dense`` lines left above ``with sync.scope():`` build
-        those layers' variables outside the strategy; Keras then fails in `fit` with a ~45-line
-        "colocate_vars_with must only be passed a variable created in this tf.distribute.Strategy.scope()".
-        """
+        """Refuse layers built outside the scope of a model assembled inside it (Keras fails with
+        "colocate_vars_with must only be passed a variable created in this ... scope()")."""
         if not KINDS[self.kind].scoped:
             return
         import tensorflow as tf
@@ -660,20 +615,14 @@ class Sync:
             )
 
     def _check_optimizers(self, model: Any, method: str) -> None:
-        """Keras optimizer options that crash under a tf.distribute strategy, refused in one line with the fix.
-
-        Keras 3 runs ``gradient_accumulation_steps`` and ``use_ema`` in an
-        ``ops.cond`` whose branches all-reduce (``merge_call``), which TensorFlow does not allow: plain
-        `MirroredStrategy` fails with a ~40-line "merge_call called while defining a new graph" traceback.
-        """
+        """Refuse optimizer options Keras runs in an ``ops.cond`` that all-reduces, which fails under
+        a strategy ("merge_call called while defining a new graph")."""
         if not KINDS[self.kind].scoped:
             return
         from keras_sync.training.train_step_trace import optimizers_of
 
         for opt in optimizers_of(model):
-            inner = getattr(
-                opt, "inner_optimizer", opt
-            )  # a LossScaleOptimizer's options are its inner optimizer's
+            inner = getattr(opt, "inner_optimizer", opt)  # a LossScaleOptimizer's options
             name = type(inner).__name__
             if getattr(inner, "gradient_accumulation_steps", None):
                 raise UsageError(
@@ -691,14 +640,6 @@ class Sync:
                     "optimizer; keep an average of the weights in a callback if you need one."
                 )
 
-    def _check_callbacks(self, model: Any, callbacks: Any, method: str) -> None:
-        """The user's callbacks that cannot work beside this config, refused before training."""
-        from keras_sync.callbacks.backup import refuse_keras_backup
-        from keras_sync.training.schedules import check_lr_callbacks
-
-        refuse_keras_backup(self.config.fault_tolerance.backup_dir, callbacks, method)
-        check_lr_callbacks(model, callbacks, method)
-
     def _resolve_pending_warmup(self, x: Any, kwargs: dict[str, Any]) -> None:
         if not self._schedules:
             return
@@ -713,46 +654,8 @@ class Sync:
                 "tell it (an infinite or unknown-size dataset). Pass steps_per_epoch to sync.fit, or use "
                 "learning_rate.warmup_steps."
             )
-        steps = math.ceil(
-            steps / self.gradient_accumulation_steps
-        )  # the schedule counts optimizer updates
+        steps = math.ceil(steps / self.gradient_accumulation_steps)  # optimizer updates
         self._steps_per_epoch = steps
         for sched in self._schedules:
             sched.warmup_steps = self.warmup_steps(steps)
         self._schedules.clear()
-
-
-@contextlib.contextmanager
-def _quiet_end_of_data(steps_per_epoch: Any) -> Any:
-    """Without ``steps_per_epoch``, data of unknown length ends each epoch by running out; Keras
-    then warns "Your input ran out of data; interrupting training ... use .repeat()", advice that
-    would break the epoch (every from_generator epoch). With ``steps_per_epoch`` running
-    out is a real shortfall and the warning stays."""
-    if steps_per_epoch is not None:
-        yield
-        return
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message="Your input ran out of data", category=UserWarning
-        )
-        yield
-
-
-def _verify_record() -> Any:
-    from keras_sync.training import verify_record
-
-    return verify_record
-
-
-def _keras_compat_check_call(model: Any, method: str) -> None:
-    """Refuse a model without `call()` (the keras-io VAE/GAN): Keras builds a model under a strategy by calling it."""
-    import keras
-
-    if getattr(type(model), "call", None) in (keras.Model.call, keras.layers.Layer.call):
-        name = type(model).__name__
-        raise UsageError(
-            f"{name} has no call() method, and under a distribution strategy Keras builds the model by calling it "
-            f"on a batch before sync.{method} trains (it fails with a long traceback inside Keras). Fix: define "
-            f"call(self, inputs) in {name}, returning what the model computes from inputs (e.g. the decoder's or "
-            "generator's output)."
-        )

@@ -1,10 +1,8 @@
 """Keras's epoch iterator, able to start an epoch at a saved step (exact mid-epoch resume).
 
 Keras's `BackupAndRestore` restarts an interrupted epoch at batch 0, and no public API starts one
-mid-way. Keras 3 `fit` builds its iterator from the module global ``TFEpochIterator``;
-`resumable_epoch_iterators` swaps it, for the length of one `fit`, for a subclass with
-`resume_at(epoch, step)`. The internals are probed as feature ``exact_resume``
-(`keras_sync.upstream.internals`), refused in one line when they moved.
+mid-way. `fit` builds its iterator from the module global ``TFEpochIterator``, swapped for the
+length of one `fit` (feature ``exact_resume``).
 """
 
 from __future__ import annotations
@@ -23,12 +21,10 @@ def _resumable_class(base: type) -> type:
     class ResumableEpochIterator(base):
         """Keras's epoch iterator, plus `resume_at(epoch, step)` for the first epoch it runs.
 
-        Resuming replays Keras's own iterator logic for the epochs already done, so the dataset
-        sees the same sequence of `iter()` calls (each reshuffles a seeded shuffle) and reads as
-        in the interrupted run; batches are read only where the pipeline carries over from one
-        epoch to the next (``steps_per_epoch`` given, or an unknown size). Then it drops the
-        batches of the resumed epoch already trained and yields the rest with their real step
-        numbers, so callbacks see batches ``step..end``.
+        The epochs done are replayed with Keras's own logic (the same `iter()` calls, so a seeded
+        shuffle reshuffles as before; batches read only where the pipeline carries over between
+        epochs); then the resumed epoch's trained batches are dropped and the rest yielded with
+        their real step numbers.
         """
 
         _ks_resume: tuple[int, int] | None = None
@@ -65,8 +61,8 @@ def _resumable_class(base: type) -> type:
 
 @contextlib.contextmanager
 def resumable_epoch_iterators(made: Callable[[Any], None]) -> Iterator[None]:
-    """For this span, every epoch iterator `fit` builds can `resume_at(epoch, step)`; ``made`` is
-    called with each one built (training's first, then validation's)."""
+    """For this span, every epoch iterator `fit` builds can `resume_at(epoch, step)`; ``made`` gets
+    each one built (training's first)."""
     _internals.require("exact_resume")
     trainer: Any = importlib.import_module(_TRAINER)
     original = trainer.TFEpochIterator

@@ -1,13 +1,9 @@
-"""`evaluate` reports one device's loss under N replicas, for Keras's `test_step` and a custom one alike.
+"""`evaluate` reports one device's loss under N replicas, for Keras's `test_step` and a custom one.
 
-Keras sums the replicas' gradients, so every loss it computes under a `tf.distribute` strategy is
-divided by the replica count (``keras.src.losses.loss.scale_loss_for_distribution``: a `Loss`
-object, `Model.compute_loss`, ``add_loss`` terms). Its own `test_step` multiplies the loss back
-before tracking it (``unscale_loss_for_distribution``); a `test_step` written as the Keras guides
-show (``self.compute_loss(...)`` into a `Mean` tracker) does not, and reports 1/N of one device's
-loss. A test step takes no gradient, so no division is needed there: while a model's test step
-traces, `unscaled_eval_losses` makes both functions identities. Keras's own step then tracks the
-same value as before, and a custom one tracks one device's.
+Keras divides every loss by the replica count for the gradient sum
+(``scale_loss_for_distribution``), and its own `test_step` multiplies it back; a custom one (as the
+guides write it) reports 1/N of the loss. No gradient is taken in a test step: while one traces,
+both functions are identities.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Every private Keras, TensorFlow and MLflow internal keras-sync relies on, each with a probe.
 
-Where Keras 3 has no public hook for what keras-sync fixes or measures, keras-sync reaches into
-the library; this table is the one list of those places. Each entry names the internal, the
-feature that needs it, the upstream issue or the reason, and a probe of the shape relied on.
-`require(feature)` raises `CompatibilityError` in one line (versions, what is missing, the fix)
-when a probe of the feature fails. An entry with ``fallback`` has a public path taken instead.
-
-No TensorFlow, Keras or MLflow import at module import time; a probe imports what it checks.
+Each entry names the internal, the feature that needs it, why (the upstream issue), and a probe
+of the shape relied on. `require(feature)` raises `CompatibilityError` in one line (versions, what
+is missing, the fix) when a probe of the feature fails; an entry with ``fallback`` has a public
+path taken instead. No TensorFlow, Keras or MLflow import at module import time.
 """
 
 from __future__ import annotations
@@ -96,6 +93,8 @@ FEATURES: dict[str, tuple[str, str]] = {
 #: ranges (tests/test_internals.py checks they agree); the cap is the next major version, as no
 #: known break sits below it. A newer release inside the range that moves an internal below is
 #: refused by the probes; the fix then pins the newest tested release (`_spec`).
+#: Each library: (floor, newest tested, first excluded), as pyproject.toml's ranges (a test checks
+#: they agree). A refusal's fix pins the newest tested release.
 RANGES = {
     "keras": ("3.10", "3.15", "4"),
     "tensorflow": ("2.17", "2.21", "3"),
@@ -105,27 +104,22 @@ _NAMES = {"keras": "Keras", "tensorflow": "TensorFlow", "mlflow": "MLflow"}
 TESTED = ", ".join(f"{_NAMES[name]} {lo}-{hi}" for name, (lo, hi, _) in RANGES.items())
 
 
-def _next_minor(version: str) -> str:
-    """``"3.15"`` -> ``"3.16"``."""
-    major, minor = version.split(".")[:2]
-    return f"{major}.{int(minor) + 1}"
-
-
-def _spec(library: str, floor: str | None = None, *, distribution: str | None = None) -> str:
-    """``keras>=3.10,<3.16``: the tested releases (or from ``floor``; ``distribution`` names the pip
-    package, e.g. tensorflow-cpu), what a refusal's fix installs."""
+def _spec(library: str, floor: str | None = None, distribution: str | None = None) -> str:
+    """``keras>=3.10,<3.16``: the tested releases (from ``floor`` if given)."""
     lo, newest, _ = RANGES[library]
-    return f"{distribution or library}>={floor or lo},<{_next_minor(newest)}"
+    major, minor = newest.split(".")
+    return f"{distribution or library}>={floor or lo},<{major}.{int(minor) + 1}"
 
 
-# The fix for each library. TensorFlow is not named by distribution: "tensorflow" would add a
-# second TensorFlow next to a project's tensorflow-cpu (or the reverse).
+# TensorFlow is not named by distribution: "tensorflow" would add a second one beside tensorflow-cpu.
 PIN = {
     "keras": f'pip install "{_spec("keras")}"',
     "tensorflow": f"install TensorFlow {RANGES['tensorflow'][0]}-{RANGES['tensorflow'][1]} of the distribution "
     f'you use (e.g. pip install "{_spec("tensorflow", distribution="tensorflow-cpu")}")',
     "mlflow": f'pip install "{_spec("mlflow")}"',
 }
+
+Probe = Callable[[], "str | None"]  # None when the shape matches, else what is missing
 
 
 @dataclass(frozen=True)
@@ -135,26 +129,23 @@ class Internal:
     name: str
     feature: str
     why: str
-    probe: Callable[[], str | None]  # None when the shape matches, else what is missing
+    probe: Probe
     fallback: bool = False
-    #: The first version of its library that has it (e.g. "3.12" for Keras), when newer than the
-    #: supported floor: older versions refuse only its feature, with this floor in the fix.
+    #: The first release of its library that has it, when newer than the floor.
     since: str | None = None
-    #: The private attribute names keras-sync reads or sets on the library's objects through this
-    #: entry (``model._initial_epoch``...); tests/test_internals.py checks that every private
-    #: attribute the package uses on an object not its own is listed by some entry.
+    #: The private attributes read or set through it (a test checks every one used is listed).
     attrs: tuple[str, ...] = ()
 
 
 def _release(version: str) -> tuple[int, ...]:
-    """``"3.10.0"`` -> (3, 10): the major.minor of a version string (pre-release tags ignored)."""
+    """``"3.10.0rc1"`` -> (3, 10)."""
     return tuple(
-        int("".join(ch for ch in part if ch.isdigit()) or 0) for part in version.split(".")[:2]
+        int("".join(c for c in part if c.isdigit()) or 0) for part in version.split(".")[:2]
     )
 
 
 def predates(internal: Internal) -> bool:
-    """Whether the installed library is older than ``internal.since`` (then its absence is expected)."""
+    """Whether the installed library is older than ``internal.since`` (its absence is expected)."""
     if internal.since is None:
         return False
     module = "mlflow" if internal.name.startswith("mlflow") else "keras"
@@ -163,7 +154,7 @@ def predates(internal: Internal) -> bool:
 
 
 def _get(path: str) -> Any:
-    """``"pkg.module:Class.attr"`` -> the object; raises AttributeError/ImportError if moved."""
+    """``"pkg.module:Class.attr"`` -> the object; ImportError/AttributeError when it moved."""
     module, _, attrs = path.partition(":")
     obj: Any = importlib.import_module(module)
     for a in attrs.split(".") if attrs else ():
@@ -180,8 +171,8 @@ def _names(code: CodeType) -> set[str]:
     return out
 
 
-def callable_with(path: str, *params: str) -> Callable[[], str | None]:
-    """Probe: ``path`` exists, is callable and its first parameters are ``params``."""
+def callable_with(path: str, *params: str) -> Probe:
+    """Probe: ``path`` is callable and its first parameters are ``params``."""
 
     def probe() -> str | None:
         obj = _get(path)
@@ -193,9 +184,8 @@ def callable_with(path: str, *params: str) -> Callable[[], str | None]:
     return probe
 
 
-def looks_up(paths: str | tuple[str, ...], *names: str) -> Callable[[], str | None]:
-    """Probe: the function at ``paths`` (or those of them that exist, taken together) still looks
-    up ``names`` by name, which is what keras-sync replaces or shadows."""
+def looks_up(paths: str | tuple[str, ...], *names: str) -> Probe:
+    """Probe: the functions at ``paths`` (those that exist, together) still look up ``names``."""
     paths = (paths,) if isinstance(paths, str) else paths
 
     def probe() -> str | None:
@@ -203,11 +193,10 @@ def looks_up(paths: str | tuple[str, ...], *names: str) -> Callable[[], str | No
         existing = []
         for path in paths:
             try:
-                fn = inspect.unwrap(_get(path))
+                found |= _names(inspect.unwrap(_get(path)).__code__)
             except (ImportError, AttributeError):
                 continue
             existing.append(path)
-            found |= _names(fn.__code__)
         if not existing:
             _get(paths[0])  # raises: reported as gone
         missing = [n for n in names if n not in found]
@@ -216,7 +205,7 @@ def looks_up(paths: str | tuple[str, ...], *names: str) -> Callable[[], str | No
     return probe
 
 
-def has_attrs(path: str, *attrs: str) -> Callable[[], str | None]:
+def has_attrs(path: str, *attrs: str) -> Probe:
     """Probe: the object at ``path`` has ``attrs``."""
 
     def probe() -> str | None:
@@ -227,32 +216,9 @@ def has_attrs(path: str, *attrs: str) -> Callable[[], str | None]:
     return probe
 
 
-def _is_mwms() -> str | None:
-    import tensorflow as tf
-
-    cls = _get(
-        "tensorflow.python.distribute.collective_all_reduce_strategy:CollectiveAllReduceStrategy"
-    )
-    return (
-        None
-        if cls is tf.distribute.MultiWorkerMirroredStrategy
-        else (
-            "`CollectiveAllReduceStrategy` is no longer `tf.distribute.MultiWorkerMirroredStrategy`"
-        )
-    )
-
-
-def _coordination_fields(*names: str) -> Callable[[], str | None]:
-    """Probe: the config TF builds in `configure_coordination_service` has the fields keras-sync sets."""
-
-    def probe() -> str | None:
-        fields = _get(
-            f"{_CONTEXT}:coordination_config_pb2.CoordinationServiceConfig"
-        ).DESCRIPTOR.fields_by_name
-        missing = [f for f in names if f not in fields]
-        return None if not missing else f"TensorFlow's coordination service config has no {missing}"
-
-    return probe
+def _all(*probes: Probe) -> Probe:
+    """Probe: every one of ``probes`` passes (the first failure is reported)."""
+    return lambda: next((m for m in (p() for p in probes) if m), None)
 
 
 def nested_code(path: str, name: str) -> CodeType | None:
@@ -270,67 +236,82 @@ def _end_of_data() -> str | None:
     return None
 
 
-def _monitors() -> str | None:
-    for module, cls in (("cpu", "CPU"), ("disk", "Disk"), ("network", "Network")):
-        missing = has_attrs(
-            f"{_SYSTEM}.{module}_monitor:{cls}Monitor",
-            "collect_metrics",
-            "aggregate_metrics",
-            "clear_metrics",
-        )()
-        if missing:
-            return missing
-    return None
+def _is_mwms() -> str | None:
+    import tensorflow as tf
+
+    if _get(f"{_CARS}:CollectiveAllReduceStrategy") is tf.distribute.MultiWorkerMirroredStrategy:
+        return None
+    return "`CollectiveAllReduceStrategy` is no longer `tf.distribute.MultiWorkerMirroredStrategy`"
+
+
+def _coordination_fields(*names: str) -> Probe:
+    """Probe: the config TF builds in `configure_coordination_service` has ``names``."""
+
+    def probe() -> str | None:
+        fields = _get(_COORDINATION).DESCRIPTOR.fields_by_name
+        missing = [f for f in names if f not in fields]
+        return None if not missing else f"TensorFlow's coordination service config has no {missing}"
+
+    return probe
 
 
 _TRAINER = "keras.src.backend.tensorflow.trainer"
+_TF_TRAINER = f"{_TRAINER}:TensorFlowTrainer"
+_EPOCH = "keras.src.trainers.epoch_iterator:EpochIterator"
 _CONTEXT = "tensorflow.python.eager.context"
+_COORDINATION = f"{_CONTEXT}:coordination_config_pb2.CoordinationServiceConfig"
 _CARS = "tensorflow.python.distribute.collective_all_reduce_strategy"
 _MW_UTIL = "tensorflow.python.distribute.multi_worker_util"
+_DATA_OPS = "tensorflow.python.data.ops"
 _SYSTEM = "mlflow.system_metrics.metrics"
-_TF_OPTIMIZER = "keras.src.backend.tensorflow.optimizer"
+_TF_OPTIMIZER = "keras.src.backend.tensorflow.optimizer:TFOptimizer"
 _KERAS_20585 = "keras-team/keras#20585 (Keras 3 fit under MultiWorkerMirroredStrategy)"
+_MULTI_DEVICE = f"{_DATA_OPS}.multi_device_iterator_ops"
+_RANDOM = "keras.src.backend.tensorflow.random"
+_RANDOM_OPS = ("normal", "uniform", "dropout", "randint", "truncated_normal", "categorical")
+_BACKUP = "keras.src.callbacks.backup_and_restore:BackupAndRestore"
+_LOSS = "keras.src.losses.loss"
+_BATCH_ATTRS = ("_batch_size", "_drop_remainder", "_input_dataset", "_inputs")
+_MONITOR_METHODS = ("collect_metrics", "aggregate_metrics", "clear_metrics")
+_MONITORS = (("cpu", "CPU"), ("disk", "Disk"), ("network", "Network"))
 
-MAKE_FUNCTION = f"{_TRAINER}:TensorFlowTrainer._make_function"
+MAKE_FUNCTION = f"{_TF_TRAINER}._make_function"
 END_OF_DATA = f"{MAKE_FUNCTION}.<locals>.function"
-BARRIER = (
-    f"{_CONTEXT}:coordination_config_pb2.CoordinationServiceConfig.cluster_register_with_barrier"
-)
+BARRIER = f"{_COORDINATION}.cluster_register_with_barrier"
 GLOBAL_SEED = f"{_CONTEXT}:global_seed"
 PIPELINE_BATCH_SIZE = "tensorflow.python.data.experimental.ops.distribute:compute_batch_size"
-LOSS_SCALE_REDUCE = f"{_TF_OPTIMIZER}:TFOptimizer._all_reduce_sum_gradients"
-COUNTED_EPOCH = "keras.src.trainers.epoch_iterator:EpochIterator._enumerate_iterator"
-EPOCH_ITERATOR_RESET = "keras.src.trainers.epoch_iterator:EpochIterator.reset"
+LOSS_SCALE_REDUCE = f"{_TF_OPTIMIZER}._all_reduce_sum_gradients"
+COUNTED_EPOCH = f"{_EPOCH}._enumerate_iterator"
+EPOCH_ITERATOR_RESET = f"{_EPOCH}.reset"
 SAME_DATA_ORDER = f"{_TRAINER}:TFEpochIterator._distributed_dataset"
+DEVICE_DATASET = f"{_MULTI_DEVICE}:_create_device_dataset"
+_SYMBOLIC_BUILD = f"{_TF_TRAINER}._maybe_symbolic_build"
+_REDUCE = f"{_TRAINER}:reduce_per_replica"
+_AUTOCONVERT = f"{_TF_TRAINER}._autoconvert_optionals"
+_INIT_COORDINATION = f"{_CONTEXT}:Context.configure_coordination_service"
+_LOCAL_DEVICES = f"{_CARS}:CollectiveAllReduceExtended._initialize_local_devices"
 
+# Each entry: the module that uses it, in the comment above it.
 REGISTRY: tuple[Internal, ...] = (
-    # upstream/keras_fixes.py: the two failures of keras-team/keras#20585, patched for multi-worker only.
+    # keras_fixes.multi_worker_patches: keras-team/keras#20585, fixes 1 and 2 (multi-worker only).
     Internal(
-        f"{_TRAINER}:reduce_per_replica",
+        _REDUCE,
         "multi_worker_fit",
         _KERAS_20585,
-        callable_with(f"{_TRAINER}:reduce_per_replica", "values", "strategy", "reduction"),
+        callable_with(_REDUCE, "values", "strategy", "reduction"),
     ),
     Internal(
-        f"{_TRAINER}:TensorFlowTrainer.make_train_function",
+        f"{_TF_TRAINER}.make_train_function",
         "multi_worker_fit",
         "reduce_per_replica is replaced as a module global, so the train function must look it up there",
         # Keras 3.10 builds the step in make_train_function, later ones in _make_function.
-        looks_up(
-            (
-                f"{_TRAINER}:TensorFlowTrainer.make_train_function",
-                f"{_TRAINER}:TensorFlowTrainer._make_function",
-            ),
-            "reduce_per_replica",
-        ),
+        looks_up((f"{_TF_TRAINER}.make_train_function", MAKE_FUNCTION), "reduce_per_replica"),
     ),
     Internal(
-        f"{_TRAINER}:TensorFlowTrainer._maybe_symbolic_build",
+        _SYMBOLIC_BUILD,
         "multi_worker_fit",
         _KERAS_20585,
-        callable_with(
-            f"{_TRAINER}:TensorFlowTrainer._maybe_symbolic_build", "self", "iterator", "data_batch"
-        ),
+        callable_with(_SYMBOLIC_BUILD, "self", "iterator", "data_batch"),
     ),
     Internal(
         f"{_TRAINER}:_is_tpu_strategy, _is_per_replica_instance, _is_scalar",
@@ -339,29 +320,25 @@ REGISTRY: tuple[Internal, ...] = (
         has_attrs(_TRAINER, "_is_tpu_strategy", "_is_per_replica_instance", "_is_scalar"),
         attrs=("_is_tpu_strategy", "_is_per_replica_instance", "_is_scalar"),
     ),
-    # upstream/keras_fixes.py fix 3: the one-step tf.function traced inline into the multi-step loop.
+    # keras_fixes fix 3: the one-step function traced inline into the multi-step loop.
     Internal(
-        f"{_TRAINER}:TensorFlowTrainer._autoconvert_optionals",
+        _AUTOCONVERT,
         "multi_worker_steps_per_execution",
         "keras-team/keras#19246 (steps_per_execution > 1 under MultiWorkerMirroredStrategy): the hook that "
         "receives the one-step tf.function, replaced by its Python function",
-        callable_with(f"{_TRAINER}:TensorFlowTrainer._autoconvert_optionals", "self", "step_func"),
+        callable_with(_AUTOCONVERT, "self", "step_func"),
         since="3.12",
     ),
     Internal(
-        f"{_TRAINER}:TensorFlowTrainer._make_function",
+        MAKE_FUNCTION,
         "multi_worker_steps_per_execution",
         "the multi-step loop must get its one-step function through _autoconvert_optionals",
         looks_up(
-            f"{_TRAINER}:TensorFlowTrainer._make_function",
-            "_autoconvert_optionals",
-            "function",
-            "steps_per_execution",
-            "while_loop",
+            MAKE_FUNCTION, "_autoconvert_optionals", "function", "steps_per_execution", "while_loop"
         ),
         since="3.12",
     ),
-    # upstream/keras_fixes.py apply_end_of_data_fix: no extra step past the end of an unknown-cardinality dataset.
+    # keras_fixes.end_of_data_patches: no step past the end of data of unknown length.
     Internal(
         END_OF_DATA,
         "end_of_data",
@@ -378,8 +355,7 @@ REGISTRY: tuple[Internal, ...] = (
         looks_up(COUNTED_EPOCH, "_num_batches", "_steps_seen"),
         fallback=True,
     ),
-    # upstream/keras_fixes.py apply_iterator_release_fix: the iterator `reset` drops is kept until the next reset,
-    # and every iterator the epoch iterator holds (these two attributes) is destroyed off the training thread.
+    # keras_fixes.iterator_release_patches: the iterator `reset` drops is kept until the next one.
     Internal(
         EPOCH_ITERATOR_RESET,
         "iterator_release",
@@ -389,17 +365,12 @@ REGISTRY: tuple[Internal, ...] = (
         attrs=("_current_iterator", "_epoch_iterator"),
         fallback=True,
     ),
-    # upstream/multi_worker.py: local devices per worker and the bounded join (no constructor argument for either).
+    # multi_worker.py: local devices per worker, the bounded join, the cluster already joined.
     Internal(
-        f"{_CARS}:CollectiveAllReduceExtended._initialize_local_devices",
+        _LOCAL_DEVICES,
         "multi_worker_strategy",
         "TF's hook that picks local devices (TODO b/126786766); no argument gives CPUs",
-        callable_with(
-            f"{_CARS}:CollectiveAllReduceExtended._initialize_local_devices",
-            "self",
-            "cluster_resolver",
-            "worker_device",
-        ),
+        callable_with(_LOCAL_DEVICES, "self", "cluster_resolver", "worker_device"),
     ),
     Internal(
         f"{_CARS}:CollectiveAllReduceExtended.__init__",
@@ -416,7 +387,7 @@ REGISTRY: tuple[Internal, ...] = (
     Internal(
         f"{_CARS}:CollectiveAllReduceExtended._in_multi_worker_mode",
         "multi_worker_strategy",
-        "_strategy_facts.in_multi_worker_mode: which strategies get the multi-worker fixes and collectives",
+        "strategy_facts.in_multi_worker_mode: which strategies get the multi-worker fixes",
         callable_with(f"{_CARS}:CollectiveAllReduceExtended._in_multi_worker_mode", "self"),
         attrs=("_in_multi_worker_mode",),
     ),
@@ -427,18 +398,13 @@ REGISTRY: tuple[Internal, ...] = (
         _is_mwms,
     ),
     Internal(
-        "tensorflow.python.eager.context:Context.configure_coordination_service",
+        _INIT_COORDINATION,
         "multi_worker_strategy",
         "no public API configures the coordination service (join timeout, tensorflow#60706)",
-        callable_with(
-            "tensorflow.python.eager.context:Context.configure_coordination_service",
-            "self",
-            "service_type",
-            "service_leader",
-        ),
+        callable_with(_INIT_COORDINATION, "self", "service_type", "service_leader"),
     ),
     Internal(
-        f"{_CONTEXT}:coordination_config_pb2.CoordinationServiceConfig",
+        _COORDINATION,
         "multi_worker_strategy",
         "the join timeout and the jobs that must join",
         _coordination_fields("coordinated_job_list", "cluster_register_timeout_in_ms"),
@@ -446,8 +412,7 @@ REGISTRY: tuple[Internal, ...] = (
     Internal(
         BARRIER,
         "multi_worker_strategy",
-        "every task, not only the chief, to time out at registration (without it a worker whose "
-        "chief never starts waits on TensorFlow's own terms)",
+        "every task, not only the chief, to time out at registration",
         _coordination_fields("cluster_register_with_barrier"),
         fallback=True,
     ),
@@ -459,207 +424,11 @@ REGISTRY: tuple[Internal, ...] = (
             _MW_UTIL, "is_chief", "worker_count", "normalize_cluster_spec", "coordination_leader"
         ),
     ),
-    # upstream/epoch_iterator.py: the epoch iterator fit builds, swapped for one that starts mid-epoch.
     Internal(
-        f"{_TRAINER}:TFEpochIterator",
-        "exact_resume",
-        "Keras's BackupAndRestore restarts an epoch at batch 0; no API starts one mid-way",
-        has_attrs(f"{_TRAINER}:TFEpochIterator", "_enumerate_iterator", "catch_stop_iteration"),
-        attrs=("_enumerate_iterator",),
-    ),
-    Internal(
-        "keras.src.trainers.epoch_iterator:EpochIterator.__init__",
-        "exact_resume",
-        "whether the data has a known number of batches (`_num_batches`), to replay the epochs done",
-        looks_up("keras.src.trainers.epoch_iterator:EpochIterator.__init__", "_num_batches"),
-        attrs=("_num_batches",),
-    ),
-    Internal(
-        f"{_TRAINER}:TensorFlowTrainer.fit",
-        "exact_resume",
-        "fit must build its iterator from the module global keras-sync swaps",
-        looks_up(f"{_TRAINER}:TensorFlowTrainer.fit", "TFEpochIterator"),
-    ),
-    Internal(
-        f"{_TRAINER}:TensorFlowTrainer.fit (model._initial_epoch)",
-        "exact_resume",
-        "the restored epoch is handed to fit as `model._initial_epoch`, which fit reads after on_train_begin "
-        "(Keras's own BackupAndRestore does the same)",
-        looks_up(f"{_TRAINER}:TensorFlowTrainer.fit", "_initial_epoch"),
-        attrs=("_initial_epoch",),
-    ),
-    # session.py, saving.py, cluster/collective_calls.py: the strategy a model was built under.
-    Internal(
-        f"{_TRAINER}:TensorFlowTrainer.__init__ (model._distribute_strategy)",
-        "model_strategy",
-        "`model.distribute_strategy` falls back to the current strategy, so only `_distribute_strategy` "
-        "tells a model built outside sync.scope()",
-        looks_up(f"{_TRAINER}:TensorFlowTrainer.__init__", "_distribute_strategy"),
-        attrs=("_distribute_strategy",),
-    ),
-    # saving.py: Keras's BackupAndRestore writes on the chief only.
-    Internal(
-        "keras.src.callbacks.backup_and_restore:BackupAndRestore._save_model, _weights_path",
-        "keras_backup_guard",
-        "its save is replaced on the workers that are not the chief",
-        lambda: (
-            has_attrs("keras.src.callbacks.backup_and_restore:BackupAndRestore", "_save_model")()
-            or looks_up(
-                "keras.src.callbacks.backup_and_restore:BackupAndRestore.__init__", "_weights_path"
-            )()
-        ),
-        attrs=("_save_model", "_weights_path"),
-    ),
-    # upstream/tf_import.py: the per-device datasets of TF's MultiDeviceIterator (Mirrored over 2+ devices) warn
-    # "Input of GeneratorDatasetOp::Dataset will not be optimized" once per run; they are made without
-    # the graph rewrites that cannot apply to them.
-    Internal(
-        "tensorflow.python.data.ops.multi_device_iterator_ops:_create_device_dataset",
-        "quiet_device_datasets",
-        "the per-device datasets are built there, with default options that ask for rewrites",
-        lambda: (
-            callable_with(
-                "tensorflow.python.data.ops.multi_device_iterator_ops:_create_device_dataset",
-                "prototype_ds",
-                "incarnation_id",
-            )()
-            or looks_up(
-                (
-                    "tensorflow.python.data.ops.multi_device_iterator_ops:MultiDeviceIterator.__init__",
-                    "tensorflow.python.data.ops.multi_device_iterator_ops:OwnedMultiDeviceIterator.__init__",
-                ),
-                "_create_device_dataset",
-            )()
-        ),
-        fallback=True,
-        attrs=("_create_device_dataset",),
-    ),
-    # upstream/replica_seeds.py: the seed of each Keras random op, folded with the replica id while a train step traces.
-    Internal(
-        "keras.src.backend.tensorflow.random:_cast_seed",
-        "replica_random_streams",
-        "every Keras random op turns its seed into TensorFlow's there; no public hook gives each replica its own",
-        looks_up(
-            tuple(
-                f"keras.src.backend.tensorflow.random:{name}"
-                for name in (
-                    "normal",
-                    "uniform",
-                    "dropout",
-                    "randint",
-                    "truncated_normal",
-                    "categorical",
-                )
-            ),
-            "_cast_seed",
-        ),
-    ),
-    # upstream/eval_loss.py: a custom test_step's compute_loss is not divided by the replica count while it traces.
-    Internal(
-        "keras.src.losses.loss:scale_loss_for_distribution, unscale_loss_for_distribution",
-        "evaluate_loss",
-        "Keras divides every loss by the replica count for the gradient sum, in test_step too, where no "
-        "gradient is taken; the two functions are made identities while a test step traces",
-        lambda: (
-            has_attrs(
-                "keras.src.losses.loss",
-                "scale_loss_for_distribution",
-                "unscale_loss_for_distribution",
-            )()
-            or looks_up("keras.src.losses.loss:reduce_values", "scale_loss_for_distribution")()
-        ),
-    ),
-    # upstream/keras_fixes.py: shapes from a dataset's element_spec, not from a batch of an extra iterator.
-    Internal(
-        SAME_DATA_ORDER,
-        "same_data_order",
-        "under a strategy Keras iterates the dataset once to read the first batch's shapes, which starts a pass "
-        "of a reshuffling dataset; keras-sync gives it the dataset's element_spec instead",
-        lambda: (
-            callable_with(
-                f"{_TRAINER}:TensorFlowTrainer._maybe_symbolic_build",
-                "self",
-                "iterator",
-                "data_batch",
-            )()
-            or looks_up(f"{_TRAINER}:TFEpochIterator.__init__", "_distributed_dataset")()
-        ),
-        fallback=True,
-        attrs=("_distributed_dataset",),
-    ),
-    # training/instrument.py: each replica's loss and local gradients exist only inside train_step.
-    Internal(
-        f"{_TRAINER}:TensorFlowTrainer.train_step",
-        "per_replica_metrics",
-        "the values before the all-reduce exist only inside train_step",
-        looks_up(f"{_TRAINER}:TensorFlowTrainer.train_step", "_compute_loss", "apply_gradients"),
-    ),
-    # callbacks/weight_divergence.py: each replica's copy of a weight lives in the tf.Variable a Keras
-    # Variable wraps.
-    Internal(
-        "keras.src.backend.tensorflow.core:Variable._initialize (variable._value)",
-        "per_replica_metrics",
-        "a Keras variable's per-replica copies are those of the tf.Variable it holds in `_value`",
-        looks_up("keras.src.backend.tensorflow.core:Variable._initialize", "_value"),
-        attrs=("_value",),
-    ),
-    # pipeline.py: the examples of one pass of a batched dataset, to give a rebatched one its length.
-    Internal(
-        "tensorflow.python.data.ops.batch_op:_BatchDataset",
-        "end_of_data",
-        "a batch op's size, remainder rule and input, read to count the examples exactly; without them "
-        "a rebatched dataset has an unknown length",
-        looks_up(
-            "tensorflow.python.data.ops.batch_op:_BatchDataset.__init__",
-            "_batch_size",
-            "_drop_remainder",
-            "_input_dataset",
-        ),
-        fallback=True,
-        attrs=("_batch_size", "_drop_remainder", "_input_dataset", "_inputs"),
-    ),
-    Internal(
-        PIPELINE_BATCH_SIZE,
-        "end_of_data",
-        "TensorFlow's own reading of a pipeline's batch size (what tf.distribute splits batches by); "
-        "without it the batch op is read instead",
-        callable_with(PIPELINE_BATCH_SIZE, "dataset"),
-        fallback=True,
-    ),
-    # training/dataset_graph.py: the function an interleave/flat_map applies, read for file-reader ops to count
-    # the files a pipeline reads (fewer files than workers: split by example, not by file).
-    Internal(
-        "tensorflow.python.data.ops: _InterleaveDataset, _ParallelInterleaveDataset, _FlatMapDataset "
-        "(_map_func)",
-        "file_count",
-        "the function of an interleave or flat_map is only kept there; without it a reader inside one is not "
-        "counted and TensorFlow's own auto-shard applies",
-        looks_up(
-            (
-                "tensorflow.python.data.ops.interleave_op:_InterleaveDataset.__init__",
-                "tensorflow.python.data.ops.interleave_op:_ParallelInterleaveDataset.__init__",
-                "tensorflow.python.data.ops.flat_map_op:_FlatMapDataset.__init__",
-            ),
-            "_map_func",
-        ),
-        fallback=True,
-        attrs=("_map_func",),
-    ),
-    # upstream/tf_runtime.py: with a backup, a seeded script's arrays keep Keras's own shuffle (same weights as without).
-    Internal(
-        GLOBAL_SEED,
-        "exact_resume",
-        "no public API tells whether tf.random.set_seed was called; without it arrays with a backup get "
-        "keras-sync's own seeded shuffle, whose order differs from a run without backup",
-        has_attrs(_CONTEXT, "global_seed"),
-        fallback=True,
-    ),
-    # upstream/multi_worker.py: the cluster TF already joined, to catch a TF_CONFIG changed afterwards.
-    Internal(
-        "tensorflow.python.eager.context:context_safe",
+        f"{_CONTEXT}:context_safe",
         "multi_worker_strategy",
         "tensorflow#60706 check; without it a late TF_CONFIG change is not caught",
-        has_attrs("tensorflow.python.eager.context", "context_safe"),
+        has_attrs(_CONTEXT, "context_safe"),
         fallback=True,
     ),
     Internal(
@@ -674,17 +443,167 @@ REGISTRY: tuple[Internal, ...] = (
         fallback=True,
         attrs=("_server_def", "_collective_ops_server_def"),
     ),
-    # training/loss_scale.py: the gradients keras-sync summed for LossScaleOptimizer's decision, not summed again.
+    # epoch_iterator.py: the epoch iterator fit builds, swapped for one that starts mid-epoch.
+    Internal(
+        f"{_TRAINER}:TFEpochIterator",
+        "exact_resume",
+        "Keras's BackupAndRestore restarts an epoch at batch 0; no API starts one mid-way",
+        has_attrs(f"{_TRAINER}:TFEpochIterator", "_enumerate_iterator", "catch_stop_iteration"),
+        attrs=("_enumerate_iterator",),
+    ),
+    Internal(
+        f"{_EPOCH}.__init__",
+        "exact_resume",
+        "whether the data has a known number of batches (`_num_batches`), to replay the epochs done",
+        looks_up(f"{_EPOCH}.__init__", "_num_batches"),
+        attrs=("_num_batches",),
+    ),
+    Internal(
+        f"{_TF_TRAINER}.fit",
+        "exact_resume",
+        "fit must build its iterator from the module global keras-sync swaps",
+        looks_up(f"{_TF_TRAINER}.fit", "TFEpochIterator"),
+    ),
+    Internal(
+        f"{_TF_TRAINER}.fit (model._initial_epoch)",
+        "exact_resume",
+        "the restored epoch is handed to fit as `model._initial_epoch`, as Keras's BackupAndRestore does",
+        looks_up(f"{_TF_TRAINER}.fit", "_initial_epoch"),
+        attrs=("_initial_epoch",),
+    ),
+    # tf_runtime.py: with a backup, a seeded script's arrays keep Keras's own shuffle.
+    Internal(
+        GLOBAL_SEED,
+        "exact_resume",
+        "no public API tells whether tf.random.set_seed was called; without it arrays with a backup "
+        "get keras-sync's own seeded shuffle",
+        has_attrs(_CONTEXT, "global_seed"),
+        fallback=True,
+    ),
+    # session.py, saving.py, collective_calls.py: the strategy a model was built under.
+    Internal(
+        f"{_TF_TRAINER}.__init__ (model._distribute_strategy)",
+        "model_strategy",
+        "`model.distribute_strategy` falls back to the current strategy, so only "
+        "`_distribute_strategy` tells a model built outside sync.scope()",
+        looks_up(f"{_TF_TRAINER}.__init__", "_distribute_strategy"),
+        attrs=("_distribute_strategy",),
+    ),
+    # saving.py: Keras's BackupAndRestore writes on the chief only.
+    Internal(
+        f"{_BACKUP}._save_model, _weights_path",
+        "keras_backup_guard",
+        "its save is replaced on the workers that are not the chief",
+        _all(has_attrs(_BACKUP, "_save_model"), looks_up(f"{_BACKUP}.__init__", "_weights_path")),
+        attrs=("_save_model", "_weights_path"),
+    ),
+    # keras_fixes.device_dataset_patches: per-device datasets without the rewrites that cannot apply.
+    Internal(
+        DEVICE_DATASET,
+        "quiet_device_datasets",
+        "the per-device datasets are built there, with default options that ask for rewrites",
+        _all(
+            callable_with(DEVICE_DATASET, "prototype_ds", "incarnation_id"),
+            looks_up(
+                (
+                    f"{_MULTI_DEVICE}:MultiDeviceIterator.__init__",
+                    f"{_MULTI_DEVICE}:OwnedMultiDeviceIterator.__init__",
+                ),
+                "_create_device_dataset",
+            ),
+        ),
+        fallback=True,
+        attrs=("_create_device_dataset",),
+    ),
+    # replica_seeds.py: each Keras random op's seed folded with the replica id while a step traces.
+    Internal(
+        f"{_RANDOM}:_cast_seed",
+        "replica_random_streams",
+        "every Keras random op turns its seed into TensorFlow's there; no public hook gives each replica its own",
+        looks_up(tuple(f"{_RANDOM}:{op}" for op in _RANDOM_OPS), "_cast_seed"),
+    ),
+    # eval_loss.py: a custom test_step's compute_loss is not divided by the replica count.
+    Internal(
+        f"{_LOSS}:scale_loss_for_distribution, unscale_loss_for_distribution",
+        "evaluate_loss",
+        "Keras divides every loss by the replica count for the gradient sum, in test_step too, where no "
+        "gradient is taken; the two functions are identities while a test step traces",
+        _all(
+            has_attrs(_LOSS, "scale_loss_for_distribution", "unscale_loss_for_distribution"),
+            looks_up(f"{_LOSS}:reduce_values", "scale_loss_for_distribution"),
+        ),
+    ),
+    # keras_fixes.same_data_order_patches: shapes from the element_spec, not from an extra iterator.
+    Internal(
+        SAME_DATA_ORDER,
+        "same_data_order",
+        "under a strategy Keras iterates the dataset once to read the first batch's shapes, which starts "
+        "a pass of a reshuffling dataset; keras-sync gives it the dataset's element_spec instead",
+        _all(
+            callable_with(_SYMBOLIC_BUILD, "self", "iterator", "data_batch"),
+            looks_up(f"{_TRAINER}:TFEpochIterator.__init__", "_distributed_dataset"),
+        ),
+        fallback=True,
+        attrs=("_distributed_dataset",),
+    ),
+    # training/instrument.py: each replica's loss and local gradients exist only inside train_step.
+    Internal(
+        f"{_TF_TRAINER}.train_step",
+        "per_replica_metrics",
+        "the values before the all-reduce exist only inside train_step",
+        looks_up(f"{_TF_TRAINER}.train_step", "_compute_loss", "apply_gradients"),
+    ),
+    # callbacks/weight_divergence.py: each replica's copy of a weight.
+    Internal(
+        "keras.src.backend.tensorflow.core:Variable._initialize (variable._value)",
+        "per_replica_metrics",
+        "a Keras variable's per-replica copies are those of the tf.Variable it holds in `_value`",
+        looks_up("keras.src.backend.tensorflow.core:Variable._initialize", "_value"),
+        attrs=("_value",),
+    ),
+    # pipeline.py: the examples of one pass of a batched dataset, to give a rebatched one its length.
+    Internal(
+        f"{_DATA_OPS}.batch_op:_BatchDataset",
+        "end_of_data",
+        "a batch op's size, remainder rule and input, read to count the examples exactly; without them "
+        "a rebatched dataset has an unknown length",
+        looks_up(f"{_DATA_OPS}.batch_op:_BatchDataset.__init__", *_BATCH_ATTRS[:3]),
+        fallback=True,
+        attrs=_BATCH_ATTRS,
+    ),
+    Internal(
+        PIPELINE_BATCH_SIZE,
+        "end_of_data",
+        "TensorFlow's own reading of a pipeline's batch size; without it the batch op is read instead",
+        callable_with(PIPELINE_BATCH_SIZE, "dataset"),
+        fallback=True,
+    ),
+    # training/dataset_graph.py: the function of an interleave/flat_map, read for file readers.
+    Internal(
+        f"{_DATA_OPS}: _InterleaveDataset, _ParallelInterleaveDataset, _FlatMapDataset (_map_func)",
+        "file_count",
+        "the function of an interleave or flat_map is only kept there; without it a reader inside one "
+        "is not counted and TensorFlow's own auto-shard applies",
+        looks_up(
+            (
+                f"{_DATA_OPS}.interleave_op:_InterleaveDataset.__init__",
+                f"{_DATA_OPS}.interleave_op:_ParallelInterleaveDataset.__init__",
+                f"{_DATA_OPS}.flat_map_op:_FlatMapDataset.__init__",
+            ),
+            "_map_func",
+        ),
+        fallback=True,
+        attrs=("_map_func",),
+    ),
+    # training/loss_scale.py: the gradients summed for LossScaleOptimizer's decision, not summed again.
     Internal(
         LOSS_SCALE_REDUCE,
         "loss_scale_reduce",
-        "Keras all-reduces inside the inner optimizer, after LossScaleOptimizer judged the local gradients; "
-        "keras-sync sums them first, and passes that sum through this all-reduce while its apply traces",
-        lambda: (
-            has_attrs(f"{_TF_OPTIMIZER}:TFOptimizer", "_all_reduce_sum_gradients")()
-            or looks_up(
-                f"{_TF_OPTIMIZER}:TFOptimizer._backend_update_step", "_all_reduce_sum_gradients"
-            )()
+        "Keras all-reduces inside the inner optimizer, after LossScaleOptimizer judged the local "
+        "gradients; keras-sync sums them first and passes that sum through this all-reduce",
+        _all(
+            has_attrs(_TF_OPTIMIZER, "_all_reduce_sum_gradients"),
+            looks_up(f"{_TF_OPTIMIZER}._backend_update_step", "_all_reduce_sum_gradients"),
         ),
         fallback=True,
         attrs=("_all_reduce_sum_gradients",),
@@ -694,7 +613,12 @@ REGISTRY: tuple[Internal, ...] = (
         f"{_SYSTEM}: CPUMonitor, DiskMonitor, NetworkMonitor",
         "system_metrics",
         "MLflow samples system metrics on its own clock only; keras-sync logs them at training steps",
-        _monitors,
+        _all(
+            *(
+                has_attrs(f"{_SYSTEM}.{m}_monitor:{c}Monitor", *_MONITOR_METHODS)
+                for m, c in _MONITORS
+            )
+        ),
     ),
 )
 
@@ -708,15 +632,11 @@ def check(internal: Internal) -> str | None:
 
 
 def versions(internal: Internal) -> str:
-    """``"Keras 3.15.1, TensorFlow 2.21.0"`` (or ``"MLflow 3.17.2"``): the library the internal belongs to."""
-    libraries = (
-        (("MLflow", "mlflow"),)
-        if internal.name.startswith("mlflow")
-        else (("Keras", "keras"), ("TensorFlow", "tensorflow"))
-    )
+    """``"Keras 3.15.1, TensorFlow 2.21.0"`` (or ``"MLflow 3.17.2"``): the internal's libraries."""
+    mlflow = internal.name.startswith("mlflow")
     return ", ".join(
-        f"{label} {getattr(importlib.import_module(m), '__version__', '?')}"
-        for label, m in libraries
+        f"{_NAMES[m]} {getattr(importlib.import_module(m), '__version__', '?')}"
+        for m in (("mlflow",) if mlflow else ("keras", "tensorflow"))
     )
 
 
@@ -726,32 +646,30 @@ def available(name: str) -> bool:
 
 
 def missing(feature: str) -> tuple[Internal, str] | None:
-    """The first internal (not a fallback) that ``feature`` needs and that has moved, with what is
-    missing; None when every probe of the feature passes."""
+    """The first internal (not a fallback) of ``feature`` that moved, with what is missing."""
     for internal in REGISTRY:
-        if internal.feature != feature or internal.fallback:
-            continue
-        what = check(internal)
-        if what is not None:
-            return internal, what
+        if internal.feature == feature and not internal.fallback:
+            what = check(internal)
+            if what is not None:
+                return internal, what
     return None
 
 
 def require(feature: str) -> None:
     """Raise `CompatibilityError` (one line) if an internal that ``feature`` needs has moved."""
     found = missing(feature)
-    if found is not None:
-        internal, what_is_missing = found
-        what, alternative = FEATURES[feature]
-        library = internal.name.split(".")[0]
-        if predates(internal):
-            raise CompatibilityError(
-                f"{what} needs {library.capitalize()} >= {internal.since} (found {versions(internal)}: {what_is_missing}; "
-                f"keras-sync needs it for {internal.why}). "
-                f'Fix: pip install "{_spec(library, internal.since)}", {alternative}.'
-            )
+    if found is None:
+        return
+    internal, gone = found
+    what, alternative = FEATURES[feature]
+    library = internal.name.split(".")[0]
+    if predates(internal):
         raise CompatibilityError(
-            f"{what} cannot work with {versions(internal)}: {what_is_missing} (keras-sync needs it for "
-            f"{internal.why}). keras-sync is tested with {TESTED}. "
-            f"Fix: {PIN[internal.name.split('.')[0]]}, {alternative}."
+            f"{what} needs {_NAMES[library]} >= {internal.since} (found {versions(internal)}: {gone}; "
+            f"keras-sync needs it for {internal.why}). "
+            f'Fix: pip install "{_spec(library, internal.since)}", {alternative}.'
         )
+    raise CompatibilityError(
+        f"{what} cannot work with {versions(internal)}: {gone} (keras-sync needs it for {internal.why}). "
+        f"keras-sync is tested with {TESTED}. Fix: {PIN[library]}, {alternative}."
+    )

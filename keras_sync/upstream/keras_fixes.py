@@ -1,10 +1,8 @@
-"""Fixes for upstream Keras bugs that break distributed `fit`, as patches for one `Sync` call.
+"""Fixes for upstream Keras bugs that break distributed `fit`, patched for one `Sync` call.
 
 Each fix cites its upstream issue and is decided by probing the internals it replaces
-(`keras_sync.upstream.internals`), not by the Keras version number: a Keras that moved one is
-refused with one line, or keeps its own behaviour where a fix has a fallback. `fixed_keras` applies
-the fixes a strategy needs for the length of one `Sync.fit`, `evaluate` or `predict`
-(`keras_sync.upstream.patching`). No TensorFlow or Keras import at module import time.
+(`keras_sync.upstream.internals`), not by the Keras version. `fixed_keras` applies the fixes a
+strategy needs for the length of one `Sync.fit`, `evaluate` or `predict`.
 """
 
 from __future__ import annotations
@@ -48,7 +46,7 @@ def fixes_for(strategy: Any) -> list[Patch]:
     patches = end_of_data_patches() + iterator_release_patches() + device_dataset_patches()
     if strategy is not None and _is_multi_worker(strategy):
         return patches + multi_worker_patches()
-    return patches + same_data_order_patches()
+    return patches + same_data_order_patches(multi_worker=False)
 
 
 @contextlib.contextmanager
@@ -61,25 +59,18 @@ def fixed_keras(strategy: Any) -> Any:
 def multi_worker_patches() -> list[Patch]:
     """Make Keras 3 `model.fit` work under a multi-worker `MultiWorkerMirroredStrategy`.
 
-    keras-team/keras#20585 (also tensorflow/tensorflow#72388): under MWMS with more than one
-    worker, `fit` fails twice in `keras/src/backend/tensorflow/trainer.py`:
+    keras-team/keras#20585 (tensorflow/tensorflow#72388), in `keras/src/backend/tensorflow/trainer.py`:
 
-    1. `TensorFlowTrainer._maybe_symbolic_build` all-reduces the first (tuple) data batch with
-       `strategy.reduce("MEAN", ..., axis=None)` only to learn its shapes, which fails for a
-       nested structure of `PerReplica`. It gets the dataset's element spec (as
-       `same_data_order_patches`), else the first local replica's batch: same shapes, no collective.
-    2. `reduce_per_replica` reduces the logs with `strategy.reduce("MEAN", v, axis=0)`; the logs
-       are scalars ("Invalid reduction dimension 0 for input with 0 dimensions"). Scalars are
-       reduced across replicas only (`axis=None`), the mean Keras reports on one machine.
-    3. keras-team/keras#19246: with ``steps_per_execution > 1`` Keras's multi-step function calls
-       the one-step `tf.function` inside a `tf.while_loop` and a `tf.cond`; with the multi-worker
-       collectives in it, running it fails with "You must feed a value for placeholder tensor
-       'while/.../cond/Placeholder_1'". Keras gets the one-step Python function instead of its
-       nested `tf.function` (`_autoconvert_optionals` receives it), traced inline into the
-       multi-step function. Only when its probes pass (feature ``multi_worker_steps_per_execution``);
-       `check_steps_per_execution` refuses ``steps_per_execution > 1`` when they do not.
+    1. `_maybe_symbolic_build` all-reduces the first batch only to learn its shapes, which fails
+       for a nested structure of `PerReplica`: it gets the element spec, else one replica's batch.
+    2. `reduce_per_replica` reduces scalar logs on axis 0 ("Invalid reduction dimension 0"):
+       scalars are reduced across replicas only, the mean Keras reports on one machine.
+    3. keras-team/keras#19246: with ``steps_per_execution > 1`` the one-step `tf.function` nested
+       in the multi-step loop fails ("You must feed a value for placeholder tensor"): Keras gets
+       the Python function instead, traced inline (when its probes pass; else
+       `check_steps_per_execution` refuses ``steps_per_execution > 1``).
 
-    Every patched function passes calls that are not under a multi-worker MWMS to Keras's own.
+    Calls not under a multi-worker MWMS go to Keras's own functions.
 
     Raises:
         CompatibilityError: the installed Keras no longer has the internals patched here.
@@ -92,9 +83,6 @@ def multi_worker_patches() -> list[Patch]:
     tf_trainer = _trainer()
     cls = tf_trainer.TensorFlowTrainer
     original_reduce = original(tf_trainer, "reduce_per_replica")
-    original_build = original(cls, "_maybe_symbolic_build")
-    # Probed here, outside the span: inside it the probe would read this patch, not Keras's code.
-    with_spec = _internals.available(_internals.SAME_DATA_ORDER)
 
     def reduce_per_replica(values: Any, strategy: Any, reduction: str) -> Any:
         tpu = tf_trainer._is_tpu_strategy(strategy)
@@ -109,38 +97,11 @@ def multi_worker_patches() -> list[Patch]:
 
         return tree.map_structure(_reduce, values)
 
-    def _maybe_symbolic_build(self: Any, iterator: Any = None, data_batch: Any = None) -> Any:
-        strategy = self._distribute_strategy
-        if iterator is not None and strategy is not None and _is_multi_worker(strategy):
-            spec = _first_batch_spec(iterator) if with_spec else None
-            if spec is not None:
-                return original_build(self, iterator=None, data_batch=spec)
-            import tensorflow as tf
-
-            def first_replica(x: Any) -> Any:
-                if isinstance(x, tf.distribute.DistributedValues):
-                    return strategy.experimental_local_results(x)[0]
-                return x
-
-            for *_, it in iterator:  # (step, it) in Keras 3.10, (begin, end, it) later
-                data_batch = tree.map_structure(first_replica, next(it))
-                break
-            iterator = None
-        return original_build(self, iterator=iterator, data_batch=data_batch)
-
     # `make_train_function` looks `reduce_per_replica` up in the module at trace time.
-    patches: list[Patch] = [
-        (tf_trainer, "reduce_per_replica", reduce_per_replica),
-        (cls, "_maybe_symbolic_build", _maybe_symbolic_build),
-    ]
-    if _internals.missing("multi_worker_steps_per_execution") is None:
-        patches.append(_multi_step_patch())
-    return patches
-
-
-def _multi_step_patch() -> Patch:
-    """Fix 3 of `multi_worker_patches`: the one-step function traced inline into the multi-step loop."""
-    cls = _trainer().TensorFlowTrainer
+    patches: list[Patch] = [(tf_trainer, "reduce_per_replica", reduce_per_replica)]
+    patches += same_data_order_patches(multi_worker=True)
+    if _internals.missing("multi_worker_steps_per_execution") is not None:
+        return patches  # fix 3 left out; check_steps_per_execution refuses spe > 1
     keras_own = original(cls, "_autoconvert_optionals")
 
     def _autoconvert_optionals(self: Any, step_func: Any) -> Any:
@@ -152,8 +113,7 @@ def _multi_step_patch() -> Patch:
             and strategy is not None
             and _is_multi_worker(strategy)
         ):
-            if self.jit_compile:
-                # The nested function carried jit_compile; the multi-step function Keras compiles without it.
+            if self.jit_compile:  # jit_compile was the nested function's
                 logger.warning(
                     "keras-sync: under multi_worker_mirrored with steps_per_execution=%s the train step "
                     "runs without XLA (keras-team/keras#19246 workaround).",
@@ -162,7 +122,7 @@ def _multi_step_patch() -> Patch:
             step_func = inner
         return keras_own(self, step_func)
 
-    return (cls, "_autoconvert_optionals", _autoconvert_optionals)
+    return [*patches, (cls, "_autoconvert_optionals", _autoconvert_optionals)]
 
 
 def _closure_value(function: Any, name: str) -> Any:
@@ -175,21 +135,14 @@ def _closure_value(function: Any, name: str) -> Any:
 
 
 def end_of_data_patches() -> list[Patch]:
-    """Stop Keras from running a step past the end of an unknown-cardinality dataset.
+    """Stop Keras from running a step past the end of data of unknown length.
 
-    With ``steps_per_execution == 1``, Keras 3.10-3.15 (`TensorFlowTrainer._make_function`)
-    learns that a dataset of unknown length (``from_generator``, ``rebatch``, ``filter``...) has
-    ended by running one more train step on ``iterator.get_next()`` and catching
-    ``OutOfRangeError``. The ops of that step that do not read the batch still run:
-    ``optimizer.iterations`` and every dropout seed move by one per epoch, so the learning-rate
-    schedule, warmup, accumulation boundaries and the step a backup records drift from the batches
-    trained, silently. Fixed on Keras master (keras-team/keras#23179: ``get_next_as_optional``
-    first, no step at the end).
-
-    The patch does what that fix does, around Keras's own one-step function (taken from the
-    closure of the function `_make_function` returns): ask the iterator for an optional batch,
-    raise StopIteration when there is none, else run the step. [] when this Keras already asks
-    for optionals, or its closure moved (probe: feature ``end_of_data``; it keeps its behaviour).
+    With ``steps_per_execution == 1`` Keras 3.10-3.15 learns that such data has ended by running
+    one more step and catching ``OutOfRangeError``; the ops that do not read the batch still run,
+    so ``optimizer.iterations`` and every seed move by one per epoch (keras-team/keras#23179).
+    Around Keras's one-step function (from the closure of `_make_function`'s result): ask for an
+    optional batch, raise StopIteration when there is none. Skipped for data whose length Keras
+    knows (it stops before the end). [] when this Keras has the fix, or its closure moved.
     """
     from keras_sync.upstream import internals as _internals
 
@@ -255,11 +208,8 @@ def _counted_by_keras(iterator: Any) -> bool:
 
 
 def _first_batch_spec(epoch_iterator: Any) -> Any:
-    """The specs of a batch of the epoch iterator's distributed dataset (one replica's), or None.
-
-    None when the iterator holds no distributed dataset or an element is not plain tensors (an
-    optional, sparse or ragged input): Keras then reads a batch as it always did.
-    """
+    """One replica's specs of a batch of the epoch iterator's dataset; None when an element is
+    not plain tensors (optional, sparse, ragged): Keras then reads a batch as it always did."""
     import tensorflow as tf
 
     dataset = getattr(epoch_iterator, "_distributed_dataset", None)
@@ -276,20 +226,22 @@ def _first_batch_spec(epoch_iterator: Any) -> Any:
     return None if any(leaf is None for leaf in tf.nest.flatten(specs)) else specs
 
 
-def same_data_order_patches() -> list[Patch]:
-    """Build the model from the dataset's element spec instead of reading a batch of an extra iterator.
+def same_data_order_patches(multi_worker: bool) -> list[Patch]:
+    """Build the model from the dataset's element spec, not from a batch of an extra iterator.
 
-    Under any `tf.distribute` strategy, Keras 3's `fit`, `evaluate` and `predict` start an
-    iterator over the data only to learn the first batch's shapes (`_maybe_symbolic_build`).
-    That starts a pass of the dataset: a ``shuffle`` that reshuffles each iteration then trains
-    every epoch on the order one device sees one epoch later, and a Python generator loses the
-    batches read ahead. The distributed dataset's ``element_spec`` has the shapes and dtypes;
-    elements that are not plain tensors keep Keras's way. [] when the probe fails (feature
-    ``same_data_order``).
+    Under a strategy Keras reads a first batch for its shapes (`_maybe_symbolic_build`), which
+    starts a pass of the dataset: a reshuffling ``shuffle`` then trains every epoch on the order
+    one device sees an epoch later, and a generator loses the batches read ahead. Under a
+    multi-worker MWMS, without a spec, the batch of the first local replica (fix 1 of
+    `multi_worker_patches`: Keras's all-reduce of the batch fails there).
     """
+    from keras import tree
+
     from keras_sync.upstream import internals as _internals
 
-    if not _internals.available(_internals.SAME_DATA_ORDER):
+    # Probed here, outside the span: inside it the probe would read this patch, not Keras's code.
+    with_spec = _internals.available(_internals.SAME_DATA_ORDER)
+    if not with_spec and not multi_worker:
         logger.info(
             "keras-sync: this Keras builds the model from a batch of the data; a reshuffling dataset "
             "trains in another order than on one device"
@@ -299,10 +251,23 @@ def same_data_order_patches() -> list[Patch]:
     keras_own = original(cls, "_maybe_symbolic_build")
 
     def _maybe_symbolic_build(self: Any, iterator: Any = None, data_batch: Any = None) -> Any:
-        if iterator is not None and self._distribute_strategy is not None:
-            spec = _first_batch_spec(iterator)
+        strategy = self._distribute_strategy
+        if iterator is not None and strategy is not None:
+            spec = _first_batch_spec(iterator) if with_spec else None
             if spec is not None:
                 iterator, data_batch = None, spec
+            elif multi_worker and _is_multi_worker(strategy):
+                import tensorflow as tf
+
+                def first_replica(x: Any) -> Any:
+                    if isinstance(x, tf.distribute.DistributedValues):
+                        return strategy.experimental_local_results(x)[0]
+                    return x
+
+                for *_, it in iterator:  # (step, it) in Keras 3.10, (begin, end, it) later
+                    data_batch = tree.map_structure(first_replica, next(it))
+                    break
+                iterator = None
         return keras_own(self, iterator=iterator, data_batch=data_batch)
 
     return [(cls, "_maybe_symbolic_build", _maybe_symbolic_build)]
@@ -315,31 +280,22 @@ _ITERATOR_ATTRS = ("_current_iterator", "_epoch_iterator", KEPT_ITERATOR)
 
 
 class _IteratorReleaser:
-    """Destroys the tf.data iterators Keras drops on threads of their own, so `fit` does not wait for them.
+    """Destroys the tf.data iterators Keras drops on threads of their own, so `fit` does not wait.
 
     Destroying a tf.data iterator joins its autotuning thread, which can wait out its optimisation
-    period (up to 60 s) when it wakes from the cancellation before TensorFlow marks it done; under
-    load that happens often, with the training thread blocked and no CPU used. Each iterator gets
-    a thread of its own (one after another adds the waits up). The threads are not daemons: a
-    daemon thread still inside TensorFlow when the interpreter finalises aborts the process.
-
-    `fit`, `evaluate` and `predict` keep the iterator of the step they run in a local, which still
-    holds it when the epoch iterator lets go. So what is handed over (a dropped generator is closed
-    and its frame's TensorFlow locals held instead) is held by one watcher thread until nothing
-    else refers to it, then destroyed on a thread of its own. The watcher stops waiting at
-    interpreter exit or after `HOLD_S`, and then only drops its own references, as Keras would.
-
-    At interpreter exit no thread is started (Python 3.12 refuses it, "can't create new thread at
-    interpreter shutdown", while `sys.is_finalizing()` is still False): the watcher drops what it
-    holds itself and a late `release` leaves the value to its caller.
+    period (up to 60 s) under load, with the training thread blocked. `fit` keeps the iterator of
+    the running step in a local, so what is handed over (a dropped generator is closed and its
+    frame's TensorFlow locals held instead) is held by one watcher thread until nothing else
+    refers to it, then destroyed on a thread of its own (not a daemon: one still inside TensorFlow
+    at interpreter exit aborts the process). At exit no thread is started (Python 3.12 refuses
+    it): what is held is dropped in place.
     """
 
     #: The longest an iterator is held waiting for the other references to it to go.
     HOLD_S = 600.0
 
     def __init__(self) -> None:
-        # Reentrant: `release` runs from `__del__`, which a garbage collection may call while this
-        # thread holds the lock.
+        # Reentrant: `release` runs from `__del__`, which a collection may call under the lock.
         self._lock = threading.RLock()
         self._held: list[Any] = []
         self._since: list[float] = []
@@ -347,7 +303,7 @@ class _IteratorReleaser:
         self._threads: set[threading.Thread] = set()
 
     def release(self, box: list[Any]) -> None:
-        """Take what ``box`` holds (the caller keeps no other reference) and destroy it off this thread."""
+        """Take what ``box`` holds (the caller keeps no other reference); destroy it off this thread."""
         if not any(v is not None for v in box):
             return
         if _at_exit():  # no new thread: the caller drops it
@@ -362,9 +318,7 @@ class _IteratorReleaser:
                 self._threads.add(self._watcher)
                 try:
                     self._watcher.start()
-                except (
-                    RuntimeError
-                ):  # 3.12: the exit began after the check above; let go, as Keras would
+                except RuntimeError:  # 3.12: the exit began after the check above; let go
                     self._threads.discard(self._watcher)
                     self._watcher = None
                     self._held.clear()
@@ -403,7 +357,7 @@ class _IteratorReleaser:
             time.sleep(pause)
 
     def _take_alone(self, force: bool) -> list[list[Any]]:
-        """Take out of the held list what nothing else refers to (or was held `HOLD_S`), each in a box of its own."""
+        """Take out what nothing else refers to (or was held `HOLD_S`), each in a box of its own."""
         now = time.monotonic()
         out: list[list[Any]] = []
         i = 0
@@ -439,19 +393,19 @@ RELEASER = _IteratorReleaser()
 
 
 def _at_exit() -> bool:
-    """The interpreter is exiting: the main thread is done (its non-daemon threads are being joined) or later."""
+    """The interpreter is exiting: the main thread is done (its threads are being joined) or later."""
     return sys.is_finalizing() or not threading.main_thread().is_alive()
 
 
 def _hold(held: list[Any], since: list[float], value: Any) -> None:
-    """Append ``value`` to ``held`` unless it is None or already there (each object is held once)."""
+    """Append ``value`` to ``held`` unless it is None or already there."""
     if value is not None and not any(v is value for v in held):
         held.append(value)
         since.append(time.monotonic())
 
 
 def _open_generators(held: list[Any], since: list[float]) -> None:
-    """Replace each generator in ``held`` by its frame's TensorFlow locals (closing it lets go of them)."""
+    """Replace each generator in ``held`` by its frame's TensorFlow locals, and close it."""
     for i in range(len(held) - 1, -1, -1):
         if inspect.isgenerator(held[i]):
             generator = held.pop(i)
@@ -477,7 +431,7 @@ def _is_tensorflow(value: Any) -> bool:
 
 
 class _ReleasedOffThread:
-    """An epoch iterator attribute whose replaced value goes to `RELEASER` instead of being dropped in place."""
+    """An epoch iterator attribute whose replaced value goes to `RELEASER`, not dropped in place."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -488,8 +442,7 @@ class _ReleasedOffThread:
         return obj.__dict__.get(self.name)
 
     def __set__(self, obj: Any, value: Any) -> None:
-        # The old value goes straight into the box: no local name here may hold it, or the last
-        # reference could be this frame's, dropped on the training thread after all.
+        # Straight into the box: a local name here could hold the last reference.
         box = [obj.__dict__.get(self.name)]
         if box[0] is value:
             return
@@ -500,15 +453,10 @@ class _ReleasedOffThread:
 def iterator_release_patches() -> list[Patch]:
     """Keep the distributed iterator an epoch iterator drops alive until its next `reset`.
 
-    Under any `tf.distribute` strategy, Keras 3's `fit`, `evaluate` and `predict` make a
-    distributed iterator only to read the first batch's shapes and drop it at once
-    (`EpochIterator.reset`). Its `MultiDeviceIterator` is then destroyed while its background
-    thread may still be reading the next batch, and that thread calls into the freed pipeline:
-    the process dies with SIGSEGV or "pure virtual method called" (plain Keras too). Kept until the
-    next `reset` of the same epoch iterator (or its end), the dropped iterator's threads have
-    finished their read when it is destroyed. Every iterator an epoch iterator replaces or leaves
-    behind is destroyed by `RELEASER`, off the training thread. [] when the probe fails (feature
-    ``iterator_release``).
+    Under a strategy Keras makes an iterator only to read the first batch's shapes and drops it
+    at once (`EpochIterator.reset`); its `MultiDeviceIterator` thread may still be reading, and
+    calls into the freed pipeline: SIGSEGV or "pure virtual method called" (plain Keras too).
+    Every iterator an epoch iterator replaces or leaves behind is destroyed by `RELEASER`.
     """
     from keras_sync.upstream import internals as _internals
 
@@ -542,12 +490,9 @@ def iterator_release_patches() -> list[Patch]:
 
 
 def device_dataset_patches() -> list[Patch]:
-    """Build TensorFlow's per-device datasets without the graph rewrites that cannot apply there.
-
-    `MirroredStrategy` over 2+ devices makes TensorFlow warn on every run that the per-device
-    datasets "will not be optimized"; their default optimizations are turned off instead. [] when
-    TF_CPP_MIN_LOG_LEVEL is 0 (every line asked for) or the internal moved (the line then shows).
-    """
+    """Build the per-device datasets of `MirroredStrategy` without default optimizations, which
+    cannot apply there and make TensorFlow warn "will not be optimized" on every run. [] when
+    TF_CPP_MIN_LOG_LEVEL is 0 (every line asked for)."""
     import os
 
     if os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0").strip() in ("", "0"):
@@ -573,15 +518,11 @@ def device_dataset_patches() -> list[Patch]:
 
 
 def check_steps_per_execution(model: Any, strategy: Any) -> None:
-    """Make sure `steps_per_execution > 1` can run under a multi-worker MWMS, or refuse it in one line.
-
-    keras-team/keras#19246: Keras's multi-step loop fails under a multi-worker
-    `MultiWorkerMirroredStrategy`; fix 3 of `multi_worker_patches` makes it train. When the
-    Keras internals that fix relies on have moved, ``steps_per_execution > 1`` is refused there.
-    Every other strategy (and one worker) trains any value with plain Keras.
+    """Refuse ``steps_per_execution > 1`` under a multi-worker MWMS in one line when fix 3 of
+    `multi_worker_patches` (keras-team/keras#19246) cannot apply.
 
     Raises:
-        CompatibilityError: a multi-worker MWMS, ``steps_per_execution > 1``, and the fix cannot be applied.
+        CompatibilityError: its internals moved.
     """
     steps = int(getattr(model, "steps_per_execution", 1) or 1)
     if steps <= 1 or not _is_multi_worker(strategy):

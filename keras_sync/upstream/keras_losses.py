@@ -1,11 +1,7 @@
 """Keras's loss-scaling functions, read to tell whether a custom `train_step` divides its loss.
 
-Under a `tf.distribute` strategy Keras divides each replica's loss by the replica count inside
-``keras.src.losses.loss`` (``scale_loss_for_distribution``; ``reduce_values`` with
-``reduction="sum"`` returns a sum that needs no division), and no public API says that a loss went
-through them: a custom `train_step` written as the guides show trains at N x the learning rate on N
-replicas (keras-team/keras#14104). `keras_sync.training.train_step_trace` marks what these return.
-`missing` is the probe; the caller refuses in one line when it names something.
+No public API says a loss went through them: a custom `train_step` as the guides write it trains
+at N x the learning rate on N replicas (keras-team/keras#14104).
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
-"""The private MLflow modules keras-sync reads, each behind a probe.
+"""The private MLflow modules keras-sync reads, each behind a probe; nothing here writes to a store.
 
-MLflow has no public API for three things keras-sync asks of it:
-
-- whether ``mlflow.keras.autolog()`` is on, its ``log_models`` setting, and turning it off for a
-  block (`mlflow.utils.autologging_utils`; MLflow documents no getter for autolog's state): needed
-  so one run holds both, and so no worker other than the chief opens a run of its own. When the probe
-  fails, `autologging` raises `CompatibilityError` in one line, and only for a process that has
-  imported ``mlflow.keras`` (autolog imports it).
-- the schema revision a new sqlite store is built at (`mlflow.store.db.utils`), to wait for a store
-  that another client is building in place rather than migrate it a second time beside it. Without
-  it, a store is used as found.
-- importing the SQL store and configuring its ORM mappers ahead of the first query
-  (`mlflow.store.tracking.sqlalchemy_store`, `mlflow.store.db.db_types`): a head start only.
-
-Nothing here writes to a store.
+- `mlflow.utils.autologging_utils`: whether ``mlflow.keras.autolog()`` is on (no documented
+  getter), so one run holds both; refused in one line when it moved.
+- `mlflow.store.db.utils`: the schema revision of a new sqlite store, to wait for a store another
+  client is building rather than migrate it twice (else a store is used as found).
+- `mlflow.store.tracking.sqlalchemy_store`: imported and its mappers configured ahead (a head start).
 """
 
 from __future__ import annotations

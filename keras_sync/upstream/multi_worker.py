@@ -1,10 +1,8 @@
 """TensorFlow's private multi-worker pieces: local devices per worker, the coordination service.
 
-No public API gives `MultiWorkerMirroredStrategy` several CPUs per worker (TF's own TODO
-b/126786766 in `CollectiveAllReduceExtended._initialize_local_devices`), bounds the wait for peers
-that never start (tensorflow#60706), or reaches the coordination service's key-value store. Each
-function here probes its internals (`keras_sync.upstream.internals`, feature
-``multi_worker_strategy``) and refuses in one line when they moved.
+No public API gives `MultiWorkerMirroredStrategy` several CPUs per worker (TF's TODO b/126786766),
+bounds the wait for peers that never start (tensorflow#60706), or reaches the coordination
+service's key-value store. Probed as feature ``multi_worker_strategy``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """Attributes of Keras and TensorFlow replaced for the length of a block, and put back after it.
 
-keras-sync is a guest in the user's process: what it changes in Keras or TensorFlow it changes
-for one `Sync.fit`, `evaluate` or `predict` (or one trace of a train step), and `patched` restores
-it on the way out, exceptions included. Spans may nest and run in several threads at once
-(`MirroredStrategy` traces each replica in a thread of its own): the first span sets the
-replacement, the last one to leave puts the original back.
+Spans may nest and run in several threads (`MirroredStrategy` traces each replica in its own):
+the first span sets the replacement, the last one to leave puts the original back.
 """
 
 from __future__ import annotations

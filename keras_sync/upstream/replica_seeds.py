@@ -1,19 +1,9 @@
 """Keras random ops draw their own numbers on each replica, as for the examples of one device's batch.
 
-Keras's random ops (``keras.random.*`` with a seed or a `SeedGenerator`, and through them
-Dropout, GaussianNoise and the random augmentation layers) are TensorFlow's stateless ops fed a
-seed that `SeedGenerator` keeps in a variable. Under a `tf.distribute` strategy that variable is
-mirrored, so every replica feeds the same seed and draws the same numbers: a GAN's latent
-vectors, a dropout mask or an augmentation repeat N times in the global batch, and the model
-trains on N times fewer distinct draws than on one device.
-
-`per_replica_seeds` folds the replica's id into the seed of each Keras random op traced in a
-replica context (``tf.random.experimental.stateless_fold_in``), inside
-``keras.src.backend.tensorflow.random`` where every such op turns its seed into TensorFlow's
-(``_cast_seed``: no public hook exists). Replica 0 keeps the seed, so one replica draws what
-one device draws; the others draw independent streams. The runs stay equal to one device in
-distribution, not in value. Random ops outside a replica context (a `tf.data` map, eager code)
-are untouched.
+Under a strategy a `SeedGenerator`'s variable is mirrored, so every replica draws the same dropout
+masks, noise and augmentations. `per_replica_seeds` folds the replica id into the seed of each
+Keras random op traced in a replica context, in ``_cast_seed`` (no public hook). Replica 0 keeps
+the seed; the others draw independent streams (equal to one device in distribution, not value).
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """The Keras backend and the installed TensorFlow distributions, read without importing either.
 
-keras-sync distributes with TensorFlow's strategies, so it needs Keras 3 on its ``tensorflow``
-backend. Keras picks its backend from ``$KERAS_BACKEND``, else the ``backend`` of
-``$KERAS_HOME/keras.json`` (``~/.keras/keras.json``), else ``tensorflow``; `keras_backend` reads
-the same places (once Keras is imported, its own answer). `tensorflow_distributions` lists every
-installed distribution that provides the ``tensorflow`` package: two of them (``tensorflow`` and
-``tensorflow-cpu``, say) write over each other's files, and which one wins is pip's order.
+keras-sync needs Keras 3 on its ``tensorflow`` backend; two distributions of the ``tensorflow``
+package (``tensorflow`` and ``tensorflow-cpu``) write over each other's files.
 """
 
 from __future__ import annotations

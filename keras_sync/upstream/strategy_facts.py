@@ -1,9 +1,4 @@
-"""Facts about a strategy that is already built (no TensorFlow import; reads the strategy's own fields).
-
-Here, apart from `keras_sync.strategy` (the factory), so that the modules that only ask about a
-built strategy (the Keras fixes, saving, the collectives check, the backup) need not import the
-factory, and the factory can import them without a circle.
-"""
+"""Facts about a built strategy (no TensorFlow import), apart from the factory to avoid a circle."""
 
 from __future__ import annotations
 

@@ -1,18 +1,8 @@
 """Import TensorFlow without its C++ start-up INFO lines, which TF_CPP_MIN_LOG_LEVEL does not stop.
 
-TensorFlow 2.21 logs through absl before absl is initialised, and such early lines ignore
-``TF_CPP_MIN_LOG_LEVEL``. On CPUs with AMX/AVX512-VNNI (where oneDNN is on by default) every
-import then prints, twice (two shared libraries)::
-
-    WARNING: All log messages before absl::InitializeLog() is called are written to STDERR
-    I0000 00:00:1796123769.122809    8780 port.cc:153] oneDNN custom operations are on. ...
-    I0000 00:00:1796123769.182773    8780 cpu_feature_guard.cc:227] This TensorFlow binary is ...
-
-(measured on TF 2.21.0, Intel Xeon with amx_bf16; the same TF on a CPU without AMX printed
-nothing). `import_tensorflow` holds file descriptor 2 while TensorFlow is imported and writes back
-every line but those INFO lines and absl's banner, when the log level asks for that (the user's
-``TF_CPP_MIN_LOG_LEVEL``, else keras-sync's default 1). Warnings, errors and a failed import's
-output are written back as they came.
+TensorFlow 2.21 logs through absl before absl is initialised ("WARNING: All log messages before
+absl::InitializeLog() ...", oneDNN and cpu_feature_guard INFO lines on CPUs with AMX/AVX512).
+`import_tensorflow` holds file descriptor 2 during the import and writes back every other line.
 """
 
 from __future__ import annotations

@@ -1,8 +1,4 @@
-"""TensorFlow's private reads outside the multi-worker strategy: the global seed, a pipeline's batch.
-
-Each has a fallback (`keras_sync.upstream.internals`): when its probe fails the caller gets None
-and takes the public path.
-"""
+"""TensorFlow's private reads with a public fallback: the global seed, a pipeline's batch size."""
 
 from __future__ import annotations
 
