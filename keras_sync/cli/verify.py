@@ -92,14 +92,14 @@ def command(
         if recording is None:
             launch = ["-m", "keras_sync.launch", "-n", str(workers)] if workers else []
             record = {VERIFY_RECORD_ENV: str(subject_dir), VERIFY_STEPS_ENV: str(steps)}
-            _run("distributed run", [*launch, script, *args], folder, {**env, **record})
+            _run("distributed run", [*launch, script, *args], {**env, **record})
         subject = report.load_recording(subject_dir, f"the distributed run ({subject_dir})")
         record = {
             VERIFY_RECORD_ENV: str(reference_dir),
             VERIFY_STEPS_ENV: str(len(subject["steps"])),
             VERIFY_REPLAY_ENV: str(subject_dir.resolve()),
         }
-        _run("one-device reference", [script, *args], folder, {**env, **record})
+        _run("one-device reference", [script, *args], {**env, **record})
         reference = report.load_recording(reference_dir, "the one-device reference")
         layers = report.layer_differences(subject_dir, reference_dir)
         result = verdict(
@@ -118,11 +118,12 @@ def command(
     sys.exit(0 if result.same else 1)
 
 
-def _run(what: str, args: list[str], folder: Path, env: dict[str, str]) -> None:
-    """Run one half into a fresh recording, its output in a log; a failure shows the log's end."""
-    shutil.rmtree(env[VERIFY_RECORD_ENV], ignore_errors=True)
+def _run(what: str, args: list[str], env: dict[str, str]) -> None:
+    """Run one half into a fresh recording, its output beside it (``<recording>.log``)."""
+    record = Path(env[VERIFY_RECORD_ENV])
+    shutil.rmtree(record, ignore_errors=True)
     click.echo(f"verify: {what}: {' '.join(args)}", err=True)
-    log = folder / f"{what.split()[0].replace('-', '_')}.log"  # distributed.log, one_device.log
+    log = record.with_suffix(".log")
     with log.open("w") as out:
         code = subprocess.call(
             [sys.executable, *args],

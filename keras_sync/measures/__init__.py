@@ -1,1 +1,1 @@
-"""The pure maths of the sync metrics (no TensorFlow): reductions, fingerprints, the slow worker."""
+"""Pure maths (no TensorFlow): metric reductions, fingerprints, the slow worker, verify's comparison."""
