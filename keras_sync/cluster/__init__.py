@@ -89,11 +89,6 @@ def is_chief(cluster: Mapping[str, Any], task_type: str, task_id: int) -> bool:
     return "chief" not in cluster and task_type == "worker" and task_id == 0
 
 
-def chief_task(cluster: Mapping[str, Any]) -> tuple[str, int]:
-    """The task `is_chief` names among the training jobs; TensorFlow's coordination service runs there."""
-    return ("chief", 0) if cluster.get("chief") else ("worker", 0)
-
-
 def training_tasks(cluster: Mapping[str, Any]) -> dict[tuple[str, int], str]:
     """Every training task ``(job, index)`` of ``{job: [address]}`` (or ``{job: {index: address}}``)
     with its address, the chief first."""

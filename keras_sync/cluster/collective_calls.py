@@ -1,12 +1,10 @@
 """Every worker at the same collective call, or one line saying which worker is elsewhere.
 
-Under `MultiWorkerMirroredStrategy`, ``fit``, ``evaluate`` and ``predict`` are collectives: a chief
+Under `MultiWorkerMirroredStrategy` ``fit``, ``evaluate`` and ``predict`` are collectives: a chief
 that calls ``model.predict`` alone waits for peers that never come, then dies with a page of
-``UnavailableError``. Before each top-level call, and once at exit after a successful run, each
-worker posts the call's name under its call number in TensorFlow's coordination service and reads
-every peer's post: another name, or none within ``strategy.connect_timeout_s``, is a `UsageError`.
-The exit post makes the workers leave together. Keras's classes are left as they are: the models
-keras-sync sees get their own checked methods (`meets_peers`).
+``UnavailableError``. Before each top-level call, and once at exit after a successful run (so the
+workers leave together), each worker posts the call's name in TensorFlow's coordination service and
+reads every peer's post.
 """
 
 from __future__ import annotations
@@ -57,14 +55,8 @@ def meet(
     *,
     on_wait: Callable[[str], None] | None = None,
 ) -> None:
-    """Wait until every worker has reached call number N with the same ``call`` name.
-
-    ``on_wait(peer)`` is called once if a peer has not posted within the first poll.
-
-    Raises:
-        UsageError: a peer reached another call (or the end of its script) instead, left the job,
-            or did not post within ``timeout_s``.
-    """
+    """Wait until every worker has reached call number N with the same ``call`` name, or raise
+    `UsageError` naming the peer. ``on_wait(peer)`` is called once if a peer is not there at once."""
     if not in_multi_worker_mode(strategy):
         return
     import tensorflow as tf
@@ -145,9 +137,7 @@ def meet(
 @contextlib.contextmanager
 def collective(model: Any, call: str) -> Iterator[None]:
     """Around one top-level ``call`` of ``model``: meet the peers first, count the call after it.
-
-    Nested calls (fit's validation ``evaluate``) and models not under a multi-worker strategy pass.
-    """
+    Nested calls (fit's validation ``evaluate``) and models not under a multi-worker strategy pass."""
     strategy = getattr(model, "_distribute_strategy", None)
     if getattr(_local, "depth", 0) or not in_multi_worker_mode(strategy):
         yield
@@ -165,11 +155,8 @@ def collective(model: Any, call: str) -> Iterator[None]:
 
 
 def meets_peers(model: Any) -> None:
-    """Give ``model`` its own ``fit``, ``evaluate`` and ``predict`` that meet the peers first.
-
-    Instance attributes: a method the model already has of its own (the scope's ``fit`` guard) is
-    wrapped, else the class's. Keras's classes are not changed.
-    """
+    """Give ``model`` its own ``fit``, ``evaluate`` and ``predict`` that meet the peers first,
+    wrapping the model's own method (the scope's ``fit`` guard) or the class's; Keras's classes stay."""
     ref = weakref.ref(model)
     for name in ("fit", "evaluate", "predict"):
         own = vars(model).get(name)

@@ -36,11 +36,8 @@ def exit_code(signum: int | None) -> int:
 
 
 def exit_now(code: int, message: str | None = None) -> None:
-    """Print ``keras-sync: <message>``, flush what the run logged (atexit hooks), end the process.
-
-    `os._exit`: interpreter shutdown under a multi-worker strategy can wait on TensorFlow's
-    coordination service for peers that are exiting too.
-    """
+    """Print ``keras-sync: <message>``, flush what the run logged (atexit hooks), end the process
+    (`os._exit`: shutdown under a multi-worker strategy can wait on peers that are exiting too)."""
     if message:
         print(f"keras-sync: {message}", file=sys.stderr, flush=True)
     tracking = sys.modules.get("keras_sync.tracking")
@@ -68,9 +65,9 @@ def exit_at_once(*_: Any) -> None:
 class StopSignalWatch:
     """Records the first SIGTERM or SIGINT between `install` and `uninstall` instead of dying.
 
-    A watchdog thread, woken by the signals themselves (`signal.set_wakeup_fd`, written by the C
-    handler even while the main thread is inside TensorFlow), ends the process with the signal's
-    exit code if `done` is not called within ``grace_period_s``, and at once on a second Ctrl-C.
+    Python runs signal handlers only when the main thread is back from TensorFlow, so a watchdog
+    thread, woken by the C handler (`signal.set_wakeup_fd`), ends the process with the signal's exit
+    code if `done` is not called within ``grace_period_s``, and at once on a second Ctrl-C.
     """
 
     def __init__(self, grace_period_s: float):

@@ -327,8 +327,7 @@ class PrivateNetwork:
             stdout=subprocess.PIPE,
             start_new_session=True,
         )
-        assert self._holder.stdout is not None and self._holder.stdin is not None
-        self._stdin = self._holder.stdin
+        assert self._holder.stdout is not None
         if self._holder.stdout.readline().strip() != b"ready":
             code = self._holder.wait()
             raise UsageError(
@@ -343,9 +342,5 @@ class PrivateNetwork:
 
     def close(self) -> None:
         """End the holder; the namespace goes with the last process in it."""
-        self._stdin.close()
-        try:
-            self._holder.wait(timeout=10)
-        except subprocess.TimeoutExpired:  # a holder that ignores its stdin
+        with self._holder:
             self._holder.kill()
-            self._holder.wait()
