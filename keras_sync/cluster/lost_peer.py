@@ -121,8 +121,10 @@ def raised_as_peer_lost(strategy: Any, backup_dir: str | None) -> Iterator[None]
     try:
         yield
     except Exception as e:
-        where = None if isinstance(e, PeerLostError) else _cluster_and_task(strategy)
-        if where is None or not is_lost_peer_error(e) or len(training_tasks(where[0])) < 2:
+        if isinstance(e, PeerLostError) or not is_lost_peer_error(e):
+            raise
+        where = _cluster_and_task(strategy)
+        if where is None or len(training_tasks(where[0])) < 2:
             raise
         known = (
             getattr(strategy, "cluster_resolver", None) is not None
