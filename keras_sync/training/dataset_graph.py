@@ -33,22 +33,20 @@ def with_policy(ds: Any, policy: str) -> Any:
     return ds.with_options(options)
 
 
-def _specs(ds: Any) -> list[tuple[Any, int | None]]:
-    """(spec, rank) of every component of the dataset's elements."""
+def _shapes(ds: Any) -> list[Any]:
+    """The shape of every component of the dataset's elements (None: no shape)."""
     import tensorflow as tf
 
-    specs = tf.nest.flatten(ds.element_spec)
-    shapes = [getattr(spec, "shape", None) for spec in specs]
-    return [(s, None if h is None or h.rank is None else h.rank) for s, h in zip(specs, shapes)]
+    return [getattr(spec, "shape", None) for spec in tf.nest.flatten(ds.element_spec)]
 
 
 def _first_dims(ds: Any) -> set[Any]:
-    return {spec.shape[0] for spec, rank in _specs(ds) if rank}
+    return {s[0] for s in _shapes(ds) if s is not None and s.rank}
 
 
 def refuse_unbatched(ds: Any) -> None:
     """A batch has a first dimension shared by every component; single examples often do not."""
-    ranks = [rank for _, rank in _specs(ds)]
+    ranks = [None if s is None else s.rank for s in _shapes(ds)]
     firsts = _first_dims(ds)
     if 0 in ranks or (None not in firsts and len(firsts) > 1):
         raise UsageError(

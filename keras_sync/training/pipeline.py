@@ -42,12 +42,8 @@ class ShardChoice:
 def shard_choice(
     kind: Literal["arrays", "dataset"], *, configured: str, own: str | None = None
 ) -> ShardChoice:
-    """The shard policy of an input: decided by the data and the config, never by the host.
-
-    Args:
-        kind: ``"arrays"`` (numpy arrays, batched by keras-sync) or ``"dataset"`` (a `tf.data.Dataset`).
-        configured: ``batch.shard_policy``.
-        own: the policy set in the dataset's own options (lower case), None for arrays.
+    """The shard policy of ``"arrays"`` or a ``"dataset"``, from ``batch.shard_policy`` and the one
+    set in the dataset's own options (``own``, lower case): decided by the data, never by the host.
 
     >>> shard_choice("arrays", configured="auto").policy
     'data'
@@ -91,15 +87,9 @@ def batch_layout(global_batch: int, num_replicas: int, num_workers: int) -> str:
 class InputFacts:
     """What the pipeline did with the training data of one `fit` (``Sync.input_facts``).
 
-    Attributes:
-        source: ``arrays``, ``tf.data.Dataset``, ``keras.utils.PyDataset``, ``Python generator``
-            or ``distributed dataset``.
-        shard_policy: the policy across workers (``data``, ``file``, ``off``).
-        own_part: each worker trains its own part, distributed by keras-sync without sharding.
-        examples_per_epoch: the examples one epoch trains over all workers, when known before
-            training (the run-time check of examples per epoch compares with it).
-        worker_examples_per_epoch: this worker's, when known.
-        steps_per_epoch: optimizer steps per epoch when known (before gradient accumulation).
+    ``examples_per_epoch``: what one epoch trains over all workers when known before training (the
+    run-time check compares with it); ``own_part``: each worker trains its own part, not sharded;
+    ``steps_per_epoch``: before gradient accumulation.
     """
 
     source: str
@@ -120,12 +110,9 @@ def _steps(examples: int | None, batch: int, drop_remainder: bool) -> int | None
 class InputPipeline:
     """Turns what a user passes to `fit`/`distribute` into what the strategy trains on.
 
-    Its fields are the session's facts: the global batch, replica and worker counts, whether this
-    process is the chief, ``batch.drop_remainder`` and ``batch.shard_policy``, the scaled learning
-    rate (for the lines), the strategy (a worker's own part becomes its input), and when arrays become
-    a dataset: always under `multi_worker_mirrored` (Keras requires it), for a `fit` with a backup in
-    a script that set no TensorFlow seed (the seeded shuffle lets a resume replay the order), and for
-    a `keras-sync verify` reference of a multi-worker recording (``arrays_as_dataset``).
+    Arrays become a dataset under `multi_worker_mirrored` (Keras requires it), for a `fit` with a
+    backup (``replay_order``) in a script that set no TensorFlow seed, and with ``arrays_as_dataset``
+    (a `keras-sync verify` reference of a multi-worker recording).
     """
 
     global_batch: int
@@ -280,9 +267,6 @@ class InputPipeline:
         else:
             note += " = the global batch"
         ds = graph.with_policy(ds, choice.policy)
-        trained = examples
-        if examples is not None and rebatched and self.drop_remainder:
-            trained = examples - examples % gb
         part = ""
         if own_part:
             part = f"; each worker trains {gb // workers} examples of its own part per step"
@@ -307,7 +291,9 @@ class InputPipeline:
             )
             ds = self._per_worker(ds, known_steps=same)
         else:
-            share = examples
+            trained = share = examples
+            if examples is not None and rebatched and self.drop_remainder:
+                trained = examples - examples % gb
             if workers > 1:  # this worker's share, when the split is even
                 even = examples is not None and examples % (workers * gb) == 0
                 share = examples // workers if examples is not None and even else None
@@ -439,8 +425,7 @@ class InputPipeline:
         )
 
     def _say(self, line: str, *, loud: bool) -> None:
-        """A line about the input: printed on the chief when it matters (several workers, a changed
-        batch), else only logged."""
+        """Logged; printed on the chief when ``loud`` (several workers, a changed batch)."""
         log.info("%s", line)
         if loud and self.is_chief:
             print(line, file=sys.stderr, flush=True)
