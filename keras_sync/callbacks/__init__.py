@@ -2,8 +2,8 @@
 
 Each callback stands alone: it is given a writer (the `keras_sync.tracking.Writer` protocol), the
 facts it needs (a frozen `RunContext`, or plain arguments) and, to share a step counter and
-flushes with the others, one `SharedState`. Given the same `SharedState`, they work in any order.
-`fit_callbacks` is the one place that builds the list `Sync.fit` and `Sync.callbacks` run.
+flushes with the others, one `SharedState`; with the same `SharedState` they work in any order.
+`fit_callbacks` builds the one list `Sync.fit` and `Sync.callbacks` run.
 """
 
 from __future__ import annotations
@@ -30,11 +30,10 @@ def fit_callbacks(
 ) -> list[Any]:
     """The callbacks of one `fit` of ``sync``, in their order.
 
-    The runtime setup first (once `fit` has built the model: gradient accumulation, custom
-    train steps), then the config's sync-metrics and backup callbacks, the user's, the run-time
-    checks (`keras_sync.training.run_checks`: they read what the others restored) and, with
-    ``record`` in a verify run, the recorder. ``per_replica_batch_size``: this fit's batch when
-    not the configured one.
+    The runtime setup, the sync-metrics callbacks (the chief writes), the backups, the user's, the
+    run-time checks (`keras_sync.training.run_checks`: they read what the backups restored) and,
+    with ``record`` in a verify run, the recorder. ``per_replica_batch_size``: this fit's batch
+    when not the configured one.
     """
     from keras_sync.callbacks.backup import BackupAndRestore, backup_callbacks
     from keras_sync.training import run_checks, runtime
@@ -42,55 +41,45 @@ def fit_callbacks(
 
     context = sync.context(per_replica_batch_size=per_replica_batch_size)
     out = [runtime.setup_callback(sync.config.runtime)]
-    # One shared state: the backup flushes the held sync metrics before it saves, whatever the
-    # order. The job's next one: this fit's steps and params continue the job's earlier fits'.
+    # One state for the fit, the job's next: the backup flushes the held metrics before it saves,
+    # and this fit's steps and params continue the job's earlier fits'.
     shared = job_state(sync).next_fit()
-    # The backup first: a directory owned by another job, or only damaged backups, stop fit
-    # before a run is opened.
+    # The backups are made first: a directory owned by another job, or only damaged backups, stop
+    # fit before a run is opened.
     backups = backup_callbacks(
         context, sync.strategy, open_writer=lambda: writer_for(sync), shared=shared
     )
     if sync.config.mlflow.enabled:
-        out += mlflow_callbacks(sync, context=context, shared=shared)
+        out += mlflow_callbacks(context, writer_for(sync), shared)
     out += backups + list(user_callbacks or [])
+    mine = [c for c in out if isinstance(c, BackupAndRestore)]
     out.append(
         run_checks.checks_callback(
-            sync,
-            global_batch=global_batch,
-            expected=expected,
-            data=data,
-            backups=[c for c in out if isinstance(c, BackupAndRestore)],
+            sync, global_batch=global_batch, expected=expected, data=data, backups=mine
         )
     )
     if record and sync.config.verify is not None:
         from keras_sync.training import verify_record
 
-        facts = sync.input_facts
+        source = getattr(sync.input_facts, "source", None)
         out.append(
             verify_record.callback(
-                sync.context(),
-                input_source=getattr(facts, "source", None),
-                base_batch_size=sync.base_batch_size,
+                sync.context(), input_source=source, base_batch_size=sync.base_batch_size
             )
         )
     return out
 
 
-def mlflow_callbacks(
-    sync: Sync, *, context: RunContext | None = None, shared: SharedState | None = None
-) -> list[Any]:
-    """The sync-metrics callbacks of ``sync``'s config; every worker runs them, the chief writes."""
+def mlflow_callbacks(context: RunContext, writer: Any, shared: SharedState) -> list[Any]:
+    """The sync-metrics callbacks the config of ``context`` asks for; every worker runs them, and
+    ``writer`` is None except on the chief."""
     from keras_sync.callbacks.allreduce_probe import AllReduceProbe
     from keras_sync.callbacks.fit_params import FitParams
     from keras_sync.callbacks.run_params import RunParams
     from keras_sync.callbacks.sync_metrics import SyncMetrics
     from keras_sync.callbacks.weight_divergence import WeightDivergence
-    from keras_sync.training.job_run import writer_for
 
-    cfg = sync.config.mlflow
-    context = context or sync.context()
-    shared = shared or SharedState()
-    writer = writer_for(sync)
+    cfg = context.config.mlflow
     out: list[Any] = [
         RunParams(writer, context, shared=shared),
         FitParams(
@@ -102,10 +91,8 @@ def mlflow_callbacks(
     ]
     if cfg.allreduce_probe:
         out.append(AllReduceProbe(writer, shared=shared))
-    out += [
-        SyncMetrics(writer, log_every_n_steps=cfg.log_every_n_steps, shared=shared),
-        WeightDivergence(writer, shared=shared),
-    ]
+    out.append(SyncMetrics(writer, log_every_n_steps=cfg.log_every_n_steps, shared=shared))
+    out.append(WeightDivergence(writer, shared=shared))
     if cfg.system_metrics:
         from keras_sync.callbacks.system_metrics import SystemMetrics
 

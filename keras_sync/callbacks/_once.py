@@ -1,4 +1,4 @@
-"""`OncePerRun`: the base of the callbacks that log through a writer once, at the first `fit`."""
+"""What the keras-sync callbacks share: `OncePerRun`, the argument check, the step to log at."""
 
 from __future__ import annotations
 
@@ -6,19 +6,30 @@ from typing import Any
 
 import keras
 
+from keras_sync.errors import UsageError
 from keras_sync.measures import reduce as _reduce
 from keras_sync.training.context import check_shared
+
+
+def check_int(name: str, value: Any, minimum: int) -> None:
+    """Raise `UsageError` unless ``value`` is an integer >= ``minimum`` (argument ``name``)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise UsageError(
+            f"Invalid value for argument `{name}`. Received: {name}={value!r}. "
+            f"Expected an integer >= {minimum}."
+        )
+
+
+def log_step(shared: Any, model: Any) -> int:
+    """The shared state's step, or the optimizer's without one (a callback used alone)."""
+    return shared.step if shared.step is not None else int(model.optimizer.iterations.numpy())
 
 
 class OncePerRun(keras.callbacks.Callback):
     """Call `log_once` at the start of the first `fit` this callback sees; never again.
 
-    Params go through `log_params`: only what the job's earlier fits did not log, and a changed
-    value under ``fit_<n>.<key>`` (`keras_sync.callbacks.SharedState.params_to_log`).
-
-    Args:
-        writer: a started writer with a ``log_params`` method (None: do nothing).
-        shared: the `keras_sync.callbacks.SharedState` of this fit (default: its own, a first fit).
+    `log_params` sends only what the job's earlier fits did not log, and a changed value under
+    ``fit_<n>.<key>`` (`keras_sync.callbacks.SharedState.params_to_log`).
     """
 
     def __init__(self, writer: Any = None, *, shared: Any = None):
@@ -34,10 +45,9 @@ class OncePerRun(keras.callbacks.Callback):
             self.writer.log_params(new)
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        if self.writer is None or self._done:
-            return
-        self._done = True
-        self.log_once()
+        if self.writer is not None and not self._done:
+            self._done = True
+            self.log_once()
 
     def log_once(self) -> None:
         raise NotImplementedError

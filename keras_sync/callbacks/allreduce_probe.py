@@ -8,18 +8,17 @@ from typing import Any
 
 import keras
 
-from keras_sync.errors import UsageError
+from keras_sync.callbacks._once import check_int, log_step
 from keras_sync.training.context import check_shared
 
 
 class AllReduceProbe(keras.callbacks.Callback):
     """At the start of the first `fit`, log ``sync/allreduce_ms`` and ``sync/allreduce_gbps``.
 
-    It all-reduces (sum) a float32 tensor with as many elements as the model has trainable
-    parameters: one warm-up call, then ``repeats`` timed calls; the median is logged at the job's
-    step when the fit's first batch ends. ``sync/allreduce_gbps`` is the algorithm bandwidth,
-    ``bytes * 8 / seconds / 1e9``. A collective: every worker runs it. Off by default
-    (``mlflow.allreduce_probe: true``).
+    It all-reduces (sum) a float32 tensor with one element per trainable parameter: one warm-up
+    call, then ``repeats`` timed ones; the median is logged when the fit's first batch ends, with
+    the algorithm bandwidth ``bytes * 8 / seconds / 1e9``. A collective: every worker runs it.
+    Off by default (``mlflow.allreduce_probe: true``).
 
     Args:
         writer: a started `keras_sync.tracking.MlflowWriter`, or None on non-writing workers.
@@ -30,35 +29,25 @@ class AllReduceProbe(keras.callbacks.Callback):
 
     def __init__(self, writer: Any = None, *, repeats: int = 5, shared: Any = None):
         super().__init__()
-        self.shared = check_shared(shared)
+        check_int("repeats", repeats, 1)
+        self.writer, self.repeats, self.shared = writer, repeats, check_shared(shared)
         self._measured: tuple[float, int] | None = None
-        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-            raise UsageError(
-                f"Invalid value for argument `repeats`. Received: repeats={repeats!r}. "
-                "Expected an integer >= 1."
-            )
-        self.writer = writer
-        self.repeats = repeats
         self._done = False
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        if self._done:
-            return
-        self._done = True
-        ms, nbytes = time_allreduce(self.model, self.repeats)
-        if self.writer is not None and ms is not None:
-            self._measured = (ms, nbytes)
+        if not self._done:
+            self._done = True
+            ms, nbytes = time_allreduce(self.model, self.repeats)
+            if self.writer is not None and ms is not None:
+                self._measured = (ms, nbytes)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         # Logged here, not at train begin: the job's step is known once its first step has begun.
-        if self._measured is None:
-            return
-        (ms, nbytes), self._measured = self._measured, None
-        step = self.shared.step
-        if step is None:
-            step = int(self.model.optimizer.iterations.numpy())
-        gbps = nbytes * 8 / (ms / 1000.0) / 1e9 if ms > 0 else 0.0
-        self.writer.log_metrics({"sync/allreduce_ms": ms, "sync/allreduce_gbps": gbps}, step=step)
+        if self._measured is not None:
+            (ms, nbytes), self._measured = self._measured, None
+            gbps = nbytes * 8 / (ms / 1000.0) / 1e9 if ms > 0 else 0.0
+            metrics = {"sync/allreduce_ms": ms, "sync/allreduce_gbps": gbps}
+            self.writer.log_metrics(metrics, step=log_step(self.shared, self.model))
 
 
 def time_allreduce(model: Any, repeats: int = 5) -> tuple[float | None, int]:

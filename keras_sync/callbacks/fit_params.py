@@ -9,8 +9,6 @@ from keras_sync.tracking import autolog as _autolog
 from keras_sync.tracking.source_tags import source_tags
 
 MODEL_SUMMARY_ARTIFACT = "model_summary.txt"
-#: Params that mlflow.keras.autolog() logs itself (under the same names) when it is on.
-AUTOLOG_PARAMS = ("epochs", "steps_per_epoch", "batch_size")
 
 
 class FitParams(OncePerRun):
@@ -24,8 +22,8 @@ class FitParams(OncePerRun):
     - the artifact ``model_summary.txt``;
     - the tags MLflow's `start_run` sets (``mlflow.user``, ``mlflow.source.*``).
 
-    With ``mlflow.keras.autolog()`` on, autolog logs the fit arguments, optimizer and summary
-    into the same run, so they are left out here (MLflow params are immutable).
+    With ``mlflow.keras.autolog()`` on, it logs all but ``per_replica_batch_size`` into the same
+    run itself, so they are left out here (MLflow params are immutable).
 
     Args:
         writer: a started `keras_sync.tracking.MlflowWriter` (None: do nothing).
@@ -48,45 +46,42 @@ class FitParams(OncePerRun):
         self.num_replicas = num_replicas
 
     def log_once(self) -> None:
-        autolog = _autolog.keras_autolog_active()
         self.writer.set_tags(source_tags())
         params: dict[str, Any] = {}
         if self.per_replica_batch_size is not None:
-            replicas = self.num_replicas or int(self.model.distribute_strategy.num_replicas_in_sync)
             params["per_replica_batch_size"] = self.per_replica_batch_size
+        if _autolog.keras_autolog_active():
+            self.log_params(params)
+            return
+        if self.per_replica_batch_size is not None:
+            replicas = self.num_replicas or int(self.model.distribute_strategy.num_replicas_in_sync)
             params["batch_size"] = self.per_replica_batch_size * replicas
-        params["epochs"] = self.params.get("epochs")
-        params["steps_per_epoch"] = self.params.get("steps")
-        if autolog:
-            params = {k: v for k, v in params.items() if k not in AUTOLOG_PARAMS}
-        else:
-            from keras_sync.training.instrument import has_default_train_step
+        params.update(epochs=self.params.get("epochs"), steps_per_epoch=self.params.get("steps"))
+        from keras_sync.training.instrument import has_default_train_step
 
-            if has_default_train_step(self.model):
-                params.update(optimizer_params(self.model.optimizer))
-            else:
-                self._optimizers_pending = True
-            self.writer.log_text_artifact(model_summary(self.model), MODEL_SUMMARY_ARTIFACT)
+        # A custom train_step may apply other optimizers: known after its first step.
+        self._optimizers_pending = not has_default_train_step(self.model)
+        if not self._optimizers_pending:
+            params.update(optimizer_params(self.model.optimizer))
+        lines: list[str] = []  # model.summary() as text, line for line as autolog stores it
+        self.model.summary(print_fn=lambda line, *args, **kwargs: lines.append(line))
+        self.writer.log_text_artifact("\n".join(lines), MODEL_SUMMARY_ARTIFACT)
         self.log_params(params)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        if not getattr(self, "_optimizers_pending", False):
-            return
-        self._optimizers_pending = False
-        self.log_params(applied_optimizer_params(self.model))
+        if getattr(self, "_optimizers_pending", False):
+            self._optimizers_pending = False
+            from keras_sync.training.train_step_trace import applied_optimizers
 
-
-def applied_optimizer_params(model: Any) -> dict[str, Any]:
-    """``optimizer_<key>`` for the one optimizer a custom `train_step` applied (``model.optimizer``
-    when the step was not seen), ``<attribute>_<key>`` for each of several."""
-    from keras_sync.training.train_step_trace import applied_optimizers
-
-    applied = applied_optimizers(model)
-    if len(applied) <= 1:
-        return optimizer_params(applied[0][1] if applied else model.optimizer)
-    return {
-        f"{name}_{k}": v for name, optimizer in applied for k, v in optimizer.get_config().items()
-    }
+            applied = applied_optimizers(self.model)
+            if len(applied) > 1:  # <attribute>_<key> for each of several
+                self.log_params(
+                    {f"{name}_{k}": v for name, opt in applied for k, v in opt.get_config().items()}
+                )
+            else:
+                self.log_params(
+                    optimizer_params(applied[0][1] if applied else self.model.optimizer)
+                )
 
 
 def optimizer_params(optimizer: Any) -> dict[str, Any]:
@@ -94,10 +89,3 @@ def optimizer_params(optimizer: Any) -> dict[str, Any]:
     if optimizer is None:
         return {}
     return {f"optimizer_{k}": v for k, v in optimizer.get_config().items()}
-
-
-def model_summary(model: Any) -> str:
-    """``model.summary()`` as text, line for line as autolog stores it."""
-    lines: list[str] = []
-    model.summary(print_fn=lambda line, *args, **kwargs: lines.append(line))
-    return "\n".join(lines)

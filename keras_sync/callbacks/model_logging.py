@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import warnings
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +21,10 @@ class ModelLogging(keras.callbacks.Callback):
     """At the end of every `fit`, log the model as the run's LoggedModel ``model`` (Keras flavour).
 
     Loadable as autolog's is (``mlflow.pyfunc.load_model(f"runs:/{run_id}/model")``), with a
-    signature and pinned ``keras`` and ``tensorflow`` requirements. The ``.keras`` file is staged
-    beside the MLflow spool and uploaded in order with the metrics, so an outage delays it without
-    losing it; `fit` waits at most ``flush_timeout_s`` for it and warns when it is still pending.
-    Only the worker given a writer (the chief) saves: Keras writes a ``.keras`` file from the
-    local copies, without a collective. With ``mlflow.keras.autolog()`` logging models into the
-    same run, this callback logs nothing.
+    signature and pinned ``keras`` and ``tensorflow`` requirements. The model is staged beside the
+    spool and uploaded in order with the metrics, so an outage delays it without losing it; `fit`
+    waits at most ``flush_timeout_s`` for it, then warns. Only the worker given a writer (the
+    chief) saves. With ``mlflow.keras.autolog()`` logging models into the same run, it logs nothing.
 
     Args:
         writer: a started `keras_sync.tracking.MlflowWriter`; None on the other workers.
@@ -36,23 +35,19 @@ class ModelLogging(keras.callbacks.Callback):
     def __init__(self, writer: Any = None, *, name: str = "model", flush_timeout_s: float = 60.0):
         super().__init__()
         _reduce.check_writer(writer, "log_artifact_file")
-        self.writer = writer
-        self.name = name
-        self.flush_timeout_s = float(flush_timeout_s)
+        self.writer, self.name, self.flush_timeout_s = writer, name, float(flush_timeout_s)
 
     def on_train_end(self, logs: dict | None = None) -> None:
         if self.writer is None:
             return
         if _autolog.autolog_logs_models():
             log.info(
-                "keras-sync: mlflow.keras.autolog() logs the model of this fit; mlflow.log_model leaves it to it."
+                "keras-sync: mlflow.keras.autolog() logs the model of this fit; not logged twice."
             )
             return
         optimizer = self.model.optimizer
         step = int(optimizer.iterations.numpy()) if optimizer is not None else 0
-        with tempfile.TemporaryDirectory(
-            prefix="keras-sync-model-", ignore_cleanup_errors=True
-        ) as tmp:
+        with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
             save_keras_model(self.model, Path(tmp) / self.name)
             self.writer.log_artifact_file(Path(tmp) / self.name, as_model=self.name, step=step)
         if not self.writer.flush(timeout_s=self.flush_timeout_s):
@@ -68,30 +63,44 @@ class ModelLogging(keras.callbacks.Callback):
 def save_keras_model(model: Any, path: Path) -> None:
     """``mlflow.keras.save_model`` with a signature and pinned requirements.
 
-    A model compiled with keras-sync's `GradualWarmup` is saved without its compile state: it
-    would load nowhere without ``import keras_sync``. Compile it again to continue training.
+    A model compiled with keras-sync's `GradualWarmup` is saved without its compile state, which
+    would load nowhere without ``import keras_sync``; compile it again to train on.
     """
     import mlflow.keras
     from mlflow.keras.utils import get_model_signature
 
     if uses_keras_sync_objects(model.get_compile_config() if model.compiled else None):
-        uncompiled = _uncompiled_copy(model)
-        if uncompiled is not None:
+        try:  # not keras.models.clone_model: it compiles the copy like the original
+            copy = type(model).from_config(model.get_config())
+            copy.set_weights(model.get_weights())
+            model = copy
             log.info(
                 "keras-sync: the logged model is saved without its optimizer (it uses keras-sync's "
                 "GradualWarmup); it loads anywhere Keras does. Compile it again to train on."
             )
-            model = uncompiled
-
+        except Exception as exc:
+            log.warning(
+                "keras-sync: the logged model keeps its optimizer, which uses keras-sync's "
+                "GradualWarmup, so loading it needs `import keras_sync` first (cloning it failed: %s).",
+                exc,
+            )
     try:
         signature = get_model_signature(model)
     except Exception as exc:
         log.info("keras-sync: no model signature (%s); logging the model without one.", exc)
         signature = None
+    # Pinned here: MLflow's default infers them in a child process that imports TensorFlow.
+    requirements = [f"keras=={keras.__version__}"]
+    for dist in ("tensorflow", "tensorflow-cpu", "tensorflow-gpu"):
+        try:
+            requirements.append(f"{dist}=={metadata.version(dist)}")
+            break
+        except metadata.PackageNotFoundError:
+            continue
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "saving without a signature" when shapes are unknown
         mlflow.keras.save_model(
-            model, str(path), signature=signature, pip_requirements=requirements()
+            model, str(path), signature=signature, pip_requirements=requirements
         )
 
 
@@ -111,33 +120,3 @@ def uses_keras_sync_objects(config: Any) -> bool:
     if isinstance(config, (list, tuple)):
         return any(uses_keras_sync_objects(v) for v in config)
     return False
-
-
-def _uncompiled_copy(model: Any) -> Any:
-    """The same architecture and weights, not compiled; None when Keras cannot clone the model."""
-    try:  # not keras.models.clone_model: it compiles the copy like the original
-        copy = type(model).from_config(model.get_config())
-        copy.set_weights(model.get_weights())
-        return copy
-    except Exception as exc:
-        log.warning(
-            "keras-sync: the logged model keeps its optimizer, which uses keras-sync's GradualWarmup, so "
-            "loading it needs `import keras_sync` first (cloning it failed: %s).",
-            exc,
-        )
-        return None
-
-
-def requirements() -> list[str]:
-    """Pinned ``keras`` and TensorFlow distribution of this environment (MLflow's default infers
-    them in a child process, a TensorFlow import at the end of every `fit`)."""
-    from importlib import metadata
-
-    out = [f"keras=={keras.__version__}"]
-    for dist in ("tensorflow", "tensorflow-cpu", "tensorflow-gpu"):
-        try:
-            out.append(f"{dist}=={metadata.version(dist)}")
-            break
-        except metadata.PackageNotFoundError:
-            continue
-    return out

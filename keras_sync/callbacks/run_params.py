@@ -14,11 +14,9 @@ from keras_sync.training.context import RunContext
 #: Tag naming where the config came from (a file path, ``<dict>`` or ``<defaults>``).
 CONFIG_SOURCE_TAG = "keras_sync.config_source"
 CONFIG_ARTIFACT = "keras_sync/config.yaml"
-#: Prefix of the params holding the resolved config, one per key: ``config.batch.per_replica``.
-CONFIG_PARAM_PREFIX = "config."
 #: Config keys that name a launch, not a setting: a relaunch continuing the run has another value,
-#: and MLflow refuses to change a param. The tag ``keras_sync.job_id`` names the job.
-_NOT_PARAMS = ("mlflow.job_id",)
+#: and MLflow refuses to change a param (the tag ``keras_sync.job_id`` names the job).
+_NOT_PARAMS = ("config.mlflow.job_id",)
 
 
 class RunParams(OncePerRun):
@@ -53,12 +51,21 @@ class RunParams(OncePerRun):
         ctx = self.context
         if ctx is not None and not isinstance(ctx, RunContext):
             ctx = ctx.context()
-        self.log_params({**run_params(self.model, ctx), **config_params(ctx)})
-        tags, text = config_tags(ctx)
-        if tags:
-            self.writer.set_tags(tags)
-        if text is not None:
-            self.writer.log_text_artifact(text, CONFIG_ARTIFACT)
+        params = run_params(self.model, ctx)
+        config = None if ctx is None else ctx.config
+        if config is not None:
+            params.update(_flat(config.to_dict(), "config."))
+            for key in _NOT_PARAMS:
+                params.pop(key, None)
+        self.log_params(params)
+        if config is not None:
+            text = config.text
+            if text is None:  # a dict or the defaults: store the resolved config instead
+                import yaml
+
+                text = yaml.safe_dump(config.to_dict(), sort_keys=False)
+            self.writer.set_tags({CONFIG_SOURCE_TAG: str(config.source)})
+            self.writer.log_text_artifact(redact_uri(text) or "", CONFIG_ARTIFACT)
 
 
 def run_params(model: Any, context: RunContext | None = None) -> dict[str, Any]:
@@ -69,11 +76,8 @@ def run_params(model: Any, context: RunContext | None = None) -> dict[str, Any]:
     try:
         devices = list(strategy.extended.worker_devices)
     except (RuntimeError, AttributeError):  # the default strategy has no replica devices
-        devices = [
-            d.name
-            for d in tf.config.list_logical_devices()
-            if d.device_type in ("CPU", "GPU", "TPU")
-        ][:1]
+        kinds = ("CPU", "GPU", "TPU")
+        devices = [d.name for d in tf.config.list_logical_devices() if d.device_type in kinds][:1]
     params: dict[str, Any] = {
         "sync.num_replicas": int(strategy.num_replicas_in_sync),
         "sync.tensorflow_version": tf.version.VERSION,
@@ -85,37 +89,14 @@ def run_params(model: Any, context: RunContext | None = None) -> dict[str, Any]:
     return {**params, **context.params()}
 
 
-def config_params(context: RunContext | None) -> dict[str, str]:
+def _flat(data: dict[str, Any], prefix: str) -> dict[str, str]:
     """The resolved config, one param per key: ``{"config.batch.per_replica": "32", ...}``."""
-    if context is None or context.config is None:
-        return {}
-
-    def flat(data: dict[str, Any], prefix: str) -> dict[str, str]:
-        out: dict[str, str] = {}
-        for key, value in data.items():
-            if isinstance(value, dict):
-                out.update(flat(value, f"{prefix}{key}."))
-                continue
+    out: dict[str, str] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
             if isinstance(value, list):
                 value = ",".join(map(str, value))
             out[f"{prefix}{key}"] = redact_uri("null" if value is None else str(value)) or ""
-        return out
-
-    params = flat(context.config.to_dict(), CONFIG_PARAM_PREFIX)
-    for key in _NOT_PARAMS:
-        params.pop(CONFIG_PARAM_PREFIX + key, None)
-    return params
-
-
-def config_tags(context: RunContext | None) -> tuple[dict[str, str], str | None]:
-    """The tag naming the config's source, and the text to store as artifact (None without a config)."""
-    if context is None or context.config is None:
-        return {}, None
-    cfg = context.config
-    text = cfg.text
-    if text is None:  # a dict or the defaults: store the resolved config instead
-        import yaml
-
-        text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-    text = redact_uri(text) or ""
-    return {CONFIG_SOURCE_TAG: str(cfg.source)}, text
+    return out

@@ -22,25 +22,17 @@ MAX_HOLD_MS = 500
 class SyncMetrics(keras.callbacks.Callback):
     """Log what synchronous data-parallel training is doing, every ``log_every_n_steps`` steps.
 
-    Each logged step gets ``sync/loss/replica_{i}`` and ``sync/grad_norm/replica_{i}`` (replica
-    ``i``'s own mean loss and local gradient norm, before the cross-replica mean),
-    ``sync/loss_spread``, ``sync/grad_norm_spread``, ``sync/step_time_ms``,
-    ``sync/examples_per_sec``, ``sync/examples_per_sec_per_replica``, ``sync/learning_rate``,
-    ``sync/loss_scale`` (mixed_float16); for a point that stands for several steps, their peaks
-    ``sync/window_max/loss``, ``sync/window_max/loss_spread``, ``sync/window_max/grad_norm`` and
-    ``sync/window_max/grad_norm_spread``; with 2 or more workers ``sync/between_steps_ms/worker_{i}``
-    and ``sync/compute_ms/worker_{i}`` (a worker slow for a minute is named in one line); and the
-    Keras logs under their own names (``val_*`` at each epoch's end; not while
-    ``mlflow.keras.autolog()`` logs them). docs/reference/metrics.md defines each one.
-
-    The MLflow ``step`` is the job's step (`keras_sync.callbacks.SharedState.job_step`).
-    ``i`` runs over all replicas of the job: under `multi_worker_mirrored` the values are
-    gathered from every worker (a collective: every worker runs this callback; the one given a
-    ``writer`` writes). The values wait in a ring inside the train step and are read every 32
-    steps (0.5 s at most with one worker), at each epoch's end, at train end and before a
-    keras-sync backup is saved (with Keras's own `BackupAndRestore`, call `emit()` before it
-    saves). A model that overrides `train_step` gets the same metrics: the gradients are measured
-    where they reach the optimizer, the loss is what its `GradientTape` differentiates.
+    Each logged step gets each replica's own loss and gradient norm before the all-reduce
+    (``sync/loss/replica_{i}``, ``sync/grad_norm/replica_{i}``), their spreads, the step time,
+    throughput, learning rate and loss scale; for a point standing for several steps their peaks
+    (``sync/window_max/*``); with 2 or more workers each worker's time between steps and compute
+    (a worker slow for a minute is named in one line); and the numeric Keras logs (``val_*`` at
+    epoch end; not while ``mlflow.keras.autolog()`` logs them). docs/reference/metrics.md defines
+    each one. ``i`` runs over all replicas of the job: under `multi_worker_mirrored` every worker
+    runs this callback (the values are gathered) and the one given a ``writer`` writes. The values
+    wait in a ring inside the train step, read every 32 steps (0.5 s at most with one worker), at
+    epoch and train end and before a keras-sync backup (with Keras's `BackupAndRestore`, call
+    `emit()` first). A custom `train_step` gets the same metrics.
 
     Args:
         writer: a started `keras_sync.tracking.MlflowWriter`; None on workers that only take
@@ -48,7 +40,8 @@ class SyncMetrics(keras.callbacks.Callback):
         log_every_n_steps: log every N optimizer steps (>= 1), or ``"auto"``: N from 1, 2, 5,
             10, 20, 50, ... so that logged steps are at least 0.1 s apart, plus each epoch's last.
         shared: the `keras_sync.callbacks.SharedState` of this fit's keras-sync callbacks: this
-            callback keeps its ``step``, registers `emit` as a flusher and records every point.
+            callback keeps its ``step`` (the MLflow step, `SharedState.job_step`), registers
+            `emit` as a flusher and records every point.
 
     Example:
         >>> model.fit(ds, epochs=3, callbacks=[SyncMetrics(writer, log_every_n_steps=10)])  # doctest: +SKIP

@@ -9,6 +9,7 @@ from typing import Any
 
 import keras
 
+from keras_sync.callbacks._once import check_int
 from keras_sync.errors import UsageError
 from keras_sync.measures import reduce as _reduce
 from keras_sync.tracking.report_plot import SyncHistory, render
@@ -22,17 +23,12 @@ WHEN = ("end", "epoch")
 class SyncReport(keras.callbacks.Callback):
     """Draw what the sync metrics say into ``sync_report.png``, at train end (and after each epoch).
 
-    Six charts: each replica's loss and gradient norm over the optimizer steps (the replicas on
-    the same axes), the grad-norm spread, the step times, the weight divergence after each epoch,
-    and a summary that names a slow worker (`keras_sync.measures.slow_worker`).
-
-    It draws what the other keras-sync callbacks log: give them all the same
-    `keras_sync.callbacks.SharedState` (they record every point there; the report flushes the
-    held steps before it draws), or give ``report.recorder`` to `SyncMetrics` and
-    `WeightDivergence` as their writer and put the report after them. At most ``max_points``
-    points per line are kept (long runs are thinned evenly). The worker given a writer (the
-    chief) draws; a `keras_sync.tracking.MlflowWriter` draws in its courier process. Each
-    drawing replaces the previous one.
+    Six charts: each replica's loss and gradient norm over the steps, the grad-norm spread, the
+    step times, the weight divergence, and a summary that names a slow worker. It draws what the
+    other keras-sync callbacks record in the same `keras_sync.callbacks.SharedState` (or, without
+    one, what goes through ``report.recorder`` given to them as their writer), at most
+    ``max_points`` per line. The worker given a writer draws (a `keras_sync.tracking.MlflowWriter`
+    in its courier process); each drawing replaces the previous one.
 
     Args:
         writer: a started `keras_sync.tracking.MlflowWriter`; None on the other workers.
@@ -57,13 +53,8 @@ class SyncReport(keras.callbacks.Callback):
                 f"Invalid value for argument `when`. Received: when={when!r}. "
                 f"Expected one of {', '.join(map(repr, WHEN))}."
             )
-        if isinstance(max_points, bool) or not isinstance(max_points, int) or max_points < 2:
-            raise UsageError(
-                f"Invalid value for argument `max_points`. Received: max_points={max_points!r}. "
-                "Expected an integer >= 2."
-            )
-        self.writer = writer
-        self.when = when
+        check_int("max_points", max_points, 2)
+        self.writer, self.when = writer, when
         self.history = SyncHistory(max_points=max_points)
         #: The writer to hand to the callbacks whose metrics it draws (None without a writer).
         self.recorder = None if writer is None else _Recorder(writer, self.history)
@@ -88,17 +79,15 @@ class SyncReport(keras.callbacks.Callback):
             self.writer.log_sync_report(self.history.to_dict(), ARTIFACT, fit_end=fit_end)
             return
         try:
-            with tempfile.TemporaryDirectory(
-                prefix="keras-sync-report-", ignore_cleanup_errors=True
-            ) as tmp:
+            with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
                 render(self.history, Path(tmp) / ARTIFACT)
                 self.writer.log_artifact_file(Path(tmp) / ARTIFACT)
         except Exception as exc:
-            what = f"{type(exc).__name__}: {exc}"
             log.warning(
-                "keras-sync: could not draw %s (%s); the metrics are logged as usual.",
+                "keras-sync: could not draw %s (%s: %s); the metrics are logged as usual.",
                 ARTIFACT,
-                what,
+                type(exc).__name__,
+                exc,
             )
 
 
@@ -106,8 +95,7 @@ class _Recorder:
     """A writer that keeps the sync metrics for the report and passes every call on to ``writer``."""
 
     def __init__(self, writer: Any, history: SyncHistory):
-        self._writer = writer
-        self._history = history
+        self._writer, self._history = writer, history
 
     def log_metrics(
         self, metrics: dict[str, float], step: int, timestamp_ms: int | None = None

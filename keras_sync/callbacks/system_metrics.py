@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 from typing import Any
@@ -15,11 +16,10 @@ from keras_sync.training.context import check_shared
 class SystemMetrics(keras.callbacks.Callback):
     """Sample MLflow's system monitors during `fit` and log them as ``system/*`` metrics.
 
-    MLflow's own `SystemMetricsMonitor` logs synchronously through its client (retrying for
-    minutes while the server is away). Here the same monitors (CPU, disk, network, GPU; they need
-    ``psutil``) are sampled in a daemon thread and their averages go through the keras-sync
-    writer: spooled, never blocking. The MLflow ``step`` is the training step of the sample (the
-    shared state's ``step``, which `SyncMetrics` keeps: without it nothing is logged).
+    MLflow's own `SystemMetricsMonitor` logs synchronously (retrying for minutes while the server
+    is away); here the same monitors (CPU, disk, network, GPU; they need ``psutil``) are sampled in
+    a thread and their averages go through the writer, at the shared state's ``step`` (kept by
+    `SyncMetrics`: without it nothing is logged).
 
     Args:
         writer: a started `keras_sync.tracking.MlflowWriter`; None logs nothing.
@@ -67,12 +67,10 @@ class SystemMetrics(keras.callbacks.Callback):
         from mlflow.system_metrics.metrics.network_monitor import NetworkMonitor
 
         monitors: list[Any] = [CPUMonitor(), DiskMonitor(), NetworkMonitor()]
-        try:
+        with contextlib.suppress(Exception):  # no GPU, or no library to read it
             from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor
 
             monitors.append(GPUMonitor())
-        except Exception:
-            pass
         return monitors
 
     def on_train_begin(self, logs: dict | None = None) -> None:
@@ -80,12 +78,10 @@ class SystemMetrics(keras.callbacks.Callback):
             return
         if self._monitors is None:
             self._monitors = self._make_monitors()
-        if not self._monitors:
-            return
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="keras-sync-system-metrics")
-        self._thread.daemon = True
-        self._thread.start()
+        if self._monitors:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
 
     def on_train_end(self, logs: dict | None = None) -> None:
         if self._thread is not None:
@@ -94,22 +90,18 @@ class SystemMetrics(keras.callbacks.Callback):
             self._thread = None
 
     def _run(self) -> None:
-        while True:
+        stopping = False
+        while not stopping:
             for m in self._monitors or []:
                 m.collect_metrics()
             stopping = self._stop.wait(self.interval_s)
-            self._log()
-            if stopping:
-                return
-
-    def _log(self) -> None:
-        step = self.shared.step
-        if step is None or step == self._last_step:
-            return  # before the first step, or no step since the last sample: keep one point per step
-        metrics: dict[str, float] = {}
-        for m in self._monitors or []:
-            metrics.update({f"system/{k}": float(v) for k, v in m.aggregate_metrics().items()})
-            m.clear_metrics()
-        if metrics:
-            self._last_step = step
-            self.writer.log_metrics(metrics, step=step)
+            step = self.shared.step
+            if step is None or step == self._last_step:
+                continue  # before the first step, or none since the last sample: one point per step
+            metrics: dict[str, float] = {}
+            for m in self._monitors or []:
+                metrics.update({f"system/{k}": float(v) for k, v in m.aggregate_metrics().items()})
+                m.clear_metrics()
+            if metrics:
+                self._last_step = step
+                self.writer.log_metrics(metrics, step=step)

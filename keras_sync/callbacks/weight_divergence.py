@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import functools
-import weakref
 from typing import Any
 
 import keras
 
+from keras_sync.callbacks._once import log_step
 from keras_sync.measures import reduce as _reduce
 from keras_sync.measures.fingerprints import Divergence, summarize
 from keras_sync.training.context import check_shared
@@ -18,15 +18,10 @@ class WeightDivergence(keras.callbacks.Callback):
 
     Synchronous training keeps every replica's copy of the weights equal, so both are 0 when
     healthy; anything else means an all-reduce or a custom update broke the sync. Every mirrored
-    variable (model weights and optimizer state) is compared; per-replica state (metric
-    accumulators, ON_READ variables) is left out.
-
-    Each replica reduces each of its copies to a fingerprint: a 32-bit checksum of the bits
-    (wrap-around sum: the same in any summation order), the mean and the root mean square; only
-    these 4 numbers per variable and replica are gathered, in one ``all_gather``. A change that
-    keeps a copy's checksum, mean and RMS (two elements swapped) is not seen. Under
-    `multi_worker_mirrored` every worker runs this callback (a collective); the one given a
-    ``writer`` writes.
+    variable (weights and optimizer state, not per-replica state) is compared through a
+    fingerprint per copy: a 32-bit wrap-around checksum of its bits, its mean and its RMS, gathered
+    in one ``all_gather`` (two swapped elements are not seen). Under `multi_worker_mirrored`
+    every worker runs it (a collective); the one given a ``writer`` writes.
 
     Args:
         writer: a started `keras_sync.tracking.MlflowWriter`, or None on a worker that must
@@ -45,20 +40,27 @@ class WeightDivergence(keras.callbacks.Callback):
         _reduce.check_writer(writer, "log_metrics")
         self.writer = writer
         self.shared = check_shared(shared)
+        self._gather: Any = None  # the traced comparison of this fit's model, made at its first use
+
+    def set_model(self, model: Any) -> None:
+        super().set_model(model)
+        self._gather = None
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        found = compare(self.model)
-        if self.writer is None or found is None:
+        if self._gather is None:
+            variables = mirrored_variables(self.model)
+            self._gather = _gather_fn(self.model, variables) if variables else False
+        if self._gather is False:
             return
-        step = self.shared.step
-        if step is None:
-            step = int(self.model.optimizer.iterations.numpy())
-        metrics = {
-            "sync/weight_divergence": found.value,
-            "sync/diverged_variables": float(found.diverged_variables),
-        }
-        self.writer.log_metrics(metrics, step=step)
-        self.shared.record(metrics, step)
+        found = summarize(self._gather().numpy().tolist())
+        if self.writer is not None:
+            step = log_step(self.shared, self.model)
+            metrics = {
+                "sync/weight_divergence": found.value,
+                "sync/diverged_variables": float(found.diverged_variables),
+            }
+            self.writer.log_metrics(metrics, step=step)
+            self.shared.record(metrics, step)
 
 
 def mirrored_variables(model: Any) -> list[Any]:
@@ -92,16 +94,14 @@ def compare(model: Any) -> Divergence | None:
     variables = mirrored_variables(model)
     if not variables:
         return None
-    gathered = _gather_fn(model, variables)().numpy()  # [replicas, variables, 4]
-    return summarize(gathered.tolist())
+    return summarize(_gather_fn(model, variables)().numpy().tolist())  # [replicas, variables, 4]
 
 
 def _fingerprints(values: list[Any]) -> Any:
-    """[checksum_hi, checksum_lo, mean, rms] of each of one replica's copies, float32, shape
-    [len(values), 4] (the columns of `keras_sync.measures.fingerprints`).
+    """[checksum_hi, checksum_lo, mean, rms] of each of one replica's copies, shape [len(values), 4].
 
-    7 ops per variable and replica (its flat view, its bits, two sums, one contraction); the rest
-    runs once on the stacked vectors: TensorFlow traces and places every op at the first epoch end.
+    Few ops per variable (flat view, bits, two sums, one contraction): every op is traced and
+    placed at the first epoch end; the rest runs once on the stacked vectors.
     """
     import tensorflow as tf
 
@@ -132,16 +132,10 @@ def _fingerprints(values: list[Any]) -> Any:
     return tf.stack([hi, lo, tf.stack(sums) / n, tf.sqrt(tf.stack(squares) / n)], axis=1)
 
 
-# One traced gather function per model (its variables do not change after the first fit).
-_fns: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-
-
 def _gather_fn(model: Any, variables: list[Any]) -> Any:
+    """A traced function: every replica's fingerprints of ``variables``, [replicas, variables, 4]."""
     import tensorflow as tf
 
-    cached = _fns.get(model)
-    if cached is not None:
-        return cached
     strategy = model.distribute_strategy
 
     def replica_fn() -> Any:
@@ -152,9 +146,7 @@ def _gather_fn(model: Any, variables: list[Any]) -> Any:
     def gather() -> Any:
         return strategy.experimental_local_results(strategy.run(replica_fn))[0]
 
-    # Through a partial: TensorFlow counts retraces per code object, so one function per model
-    # warned of "retracing" from the 5th model of a process on; a partial is its own key.
-    # autograph=False: the loops are over Python lists, converting them is costly.
-    fn = tf.function(functools.partial(gather), autograph=False)
-    _fns[model] = fn
-    return fn
+    # A partial is its own key: TensorFlow counts retraces per code object, and one function per
+    # model would warn of "retracing" from a process's 5th model on. The loops are over Python
+    # lists: autograph would only cost.
+    return tf.function(functools.partial(gather), autograph=False)

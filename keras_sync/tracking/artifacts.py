@@ -1,15 +1,10 @@
 """Artifact files and models that travel through the MLflow spool.
 
-The training process copies (or saves) them into a staging directory next to the spool,
-``<name>.files/``, and queues a record naming the staged path; the courier process (or
-``keras-sync sync-spool``) uploads them in order with the metrics and removes each staged copy
-once MLflow has it. So an artifact outlives an outage or a killed process exactly as a metric
-point does, and the caller may change or delete its own file at once.
-
-Records (`keras_sync.tracking.records`): `FILE` ``{"src": path, "dir": artifact_dir}`` (a file or a
-directory of files) and `MODEL` ``{"src": dir, "name": name, "step": step}`` (a directory written by an MLflow
-flavour's ``save_model``; it becomes a LoggedModel of the run, as ``mlflow.keras.log_model``
-would make it). MLflow is imported by the courier only.
+The training process copies them into ``<spool>.files/`` and queues a record naming the copy: `FILE`
+``{"src", "dir"}`` or `MODEL` ``{"src", "name", "step"}`` (a directory an MLflow flavour's
+``save_model`` wrote, logged as a LoggedModel of the run). The courier uploads them in order with
+the metrics and removes each copy once MLflow has it, so an artifact outlives an outage or a kill
+as a metric point does.
 """
 
 from __future__ import annotations
@@ -33,24 +28,15 @@ def staging_dir(spool_path: str | os.PathLike[str]) -> Path:
     return p.with_name(p.name.replace(".spool.jsonl", "") + ".files")
 
 
-def new_slot(spool_path: str | os.PathLike[str]) -> Path:
-    """A fresh, empty directory in the staging area (a model can be saved straight into it)."""
-    slot = staging_dir(spool_path) / uuid.uuid4().hex[:16]
-    slot.mkdir(parents=True)
-    return slot
-
-
 def stage(spool_path: str | os.PathLike[str], local_path: str | os.PathLike[str]) -> Path:
     """Copy a file (kept under its own name) or a directory into the staging area; return the copy."""
     src = Path(local_path)
-    slot = new_slot(spool_path)
+    slot = staging_dir(spool_path) / uuid.uuid4().hex[:16]
+    slot.mkdir(parents=True)
     if src.is_dir():
-        dst = slot / "dir"
-        shutil.copytree(src, dst)
-        return dst
-    dst = slot / src.name
-    shutil.copy2(src, dst)
-    return dst
+        shutil.copytree(src, slot / "dir")
+        return slot / "dir"
+    return Path(shutil.copy2(src, slot / src.name))
 
 
 def remove_staging_if_empty(spool_path: str | os.PathLike[str]) -> None:
@@ -62,11 +48,9 @@ def remove_staging_if_empty(spool_path: str | os.PathLike[str]) -> None:
 
 
 def deliver(client: Any, run_id: str, rec: dict[str, Any], call: Callable[..., Any]) -> None:
-    """Upload one staged record to the run, then remove its staged copy.
+    """Upload one staged record to the run through ``call(fn, *args)``, then remove its copy.
 
-    ``call(fn, *args)`` wraps every MLflow call (the courier's fast-fail settings). A staged
-    path that no longer exists was delivered by an earlier attempt that stopped before it could
-    record so: nothing is sent again.
+    A copy that no longer exists was delivered by an earlier attempt: nothing is sent again.
     """
     src = Path(rec["src"])
     if not src.exists():

@@ -1,24 +1,20 @@
 """Living beside `mlflow.keras.autolog()`: one run for both, no param logged twice with two values.
 
-Autolog patches `keras.Model.fit`: a `fit` without an active MLflow run gets a new run of its
-own. `Sync.fit` therefore makes keras-sync's run the active run (on the chief, for the length of
-`fit`), so autolog logs into it; keras-sync's own callbacks then leave out what autolog logs
-itself (fit arguments, optimizer params, the model summary, and the model when autolog's
-``log_models`` is on). Nothing here imports MLflow unless the user's code already has.
+Autolog gives a `fit` without an active MLflow run a run of its own, so `Sync.fit` makes
+keras-sync's run the active one (chief only, for the length of `fit`), and keras-sync's callbacks
+leave out what autolog logs itself (fit arguments, optimizer, summary, the model with
+``log_models``). Nothing here imports MLflow unless the user's code already has.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 from keras_sync.tracking.environ import environ_restored
-
-log = logging.getLogger("keras_sync")
 
 #: Tag set on a keras-sync run that mlflow.keras.autolog() logged into as well.
 AUTOLOG_TAG = "keras_sync.autolog"
@@ -27,7 +23,7 @@ RUN_WAIT_S = 120.0
 
 
 def keras_autolog_active() -> bool:
-    """True when ``mlflow.keras.autolog()`` is on in this process (False if MLflow was never imported)."""
+    """True when ``mlflow.keras.autolog()`` is on (False if MLflow was never imported)."""
     if "mlflow.keras" not in sys.modules:  # autolog imports it; never import MLflow just to ask
         return False
     from keras_sync.upstream.mlflow_internals import autologging
@@ -37,23 +33,22 @@ def keras_autolog_active() -> bool:
 
 def autolog_logs_models() -> bool:
     """True when autolog is on and logs the model at the end of each `fit` (its default)."""
-    if not keras_autolog_active():
-        return False
     from keras_sync.upstream.mlflow_internals import autologging
 
-    return bool(autologging().get_autologging_config("keras", "log_models", True))
+    return keras_autolog_active() and bool(
+        autologging().get_autologging_config("keras", "log_models", True)
+    )
 
 
 @contextlib.contextmanager
 def shared_run(writer: Any, tracking_uri: str, *, is_chief: bool = True) -> Iterator[None]:
     """Make ``writer``'s run MLflow's active run during the block when autolog is on.
 
-    Does nothing without autolog, or when the user has an active run already (autolog then
-    logs there, as the user asked). On the other workers of a multi-worker job autolog is off
-    during the block: it would open a run per worker and upload a model from each. The run
-    must exist first: this waits (at most `RUN_WAIT_S`) for the writer to create it.
+    Nothing changes without autolog, without a writer, or when the user has an active run (autolog
+    logs there, as asked). On the other workers autolog is off during the block: it would open a
+    run per worker. The run must exist first: this waits up to `RUN_WAIT_S` for the writer.
     """
-    if not keras_autolog_active():
+    if not keras_autolog_active() or (is_chief and writer is None):
         yield
         return
     if not is_chief:
@@ -62,17 +57,12 @@ def shared_run(writer: Any, tracking_uri: str, *, is_chief: bool = True) -> Iter
         with autologging().disable_autologging():
             yield
         return
-    if writer is None:
-        yield
-        return
     import mlflow
 
     if mlflow.active_run() is not None:
         yield
         return
-    writer.set_tags(
-        {AUTOLOG_TAG: "true"}
-    )  # something to deliver: the courier creates the run for it
+    writer.set_tags({AUTOLOG_TAG: "true"})  # something to deliver: the courier creates the run
     if not writer.flush(timeout_s=RUN_WAIT_S) or writer.run_id is None:
         warnings.warn(
             "keras-sync: its MLflow run could not be created in time, so mlflow.keras.autolog() "
@@ -83,19 +73,16 @@ def shared_run(writer: Any, tracking_uri: str, *, is_chief: bool = True) -> Iter
         yield
         return
     previous_uri = mlflow.get_tracking_uri()
-    # mlflow.set_tracking_uri also writes $MLFLOW_TRACKING_URI (MLflow 3): the user's value is put
-    # back exactly, else a later keras_sync.load() in this process reads it as theirs.
+    # mlflow.set_tracking_uri also writes $MLFLOW_TRACKING_URI, which a later keras_sync.load()
+    # would read as the user's: it is put back exactly.
     with environ_restored("MLFLOW_TRACKING_URI"):
-        mlflow.set_tracking_uri(
-            tracking_uri
-        )  # autolog logs through the fluent API: to keras-sync's store
+        mlflow.set_tracking_uri(tracking_uri)  # autolog logs through the fluent API
         try:
             mlflow.start_run(run_id=writer.run_id)
             try:
                 yield
             finally:
-                # The run is FINISHED until the next fit resumes it; keras-sync's writer ends it
-                # again, with the job's real end time and status, when the job ends.
+                # FINISHED until the next fit resumes it; the writer ends it for real at the job's end.
                 with contextlib.suppress(Exception):
                     mlflow.end_run()
         finally:

@@ -9,11 +9,7 @@ from collections.abc import Iterator
 
 @contextlib.contextmanager
 def environ_restored(*keys: str) -> Iterator[None]:
-    """Inside: change ``keys`` freely. After: each is the value it had, or absent if it was.
-
-    keras-sync sets MLflow's variables only around its own calls: ``MLFLOW_TRACKING_URI`` left in
-    the environment would redirect a later `keras_sync.load()` of the process (it overrides the
-    YAML) and every child it starts.
+    """Inside: change ``keys`` freely. After: each has the value it had, or is absent if it was.
 
     >>> os.environ.pop("KS_DOCTEST", None)
     >>> with environ_restored("KS_DOCTEST"):

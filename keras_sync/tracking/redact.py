@@ -1,11 +1,9 @@
 """Keep secrets out of everything keras-sync logs: URI credentials and secret-looking env values.
 
-Used for every param, tag, artifact and log line the MLflow writer produces, and wherever a
-tracking URI is shown (`keras-sync plan`, `env`, `ui`). The values are the user's (a run name, a
-param, an error message), of any length: every scan here takes time linear in the text. A regex
-that starts a match at every letter and looks ahead for ``://`` (or at every ``?`` for ``=``) is
-quadratic, and hung a fit on a long value; so each scan finds its fixed anchor first (``://``,
-a separator) and looks around it by a bounded amount.
+Applied to every param, tag, artifact and log line the writer produces, and wherever a tracking
+URI is shown. The values are the user's, of any length, so every scan is linear in the text: it
+finds a fixed anchor first (``://``, a query separator) and looks around it by a bounded amount,
+where a regex that looks ahead from every letter would be quadratic.
 """
 
 from __future__ import annotations
@@ -33,12 +31,8 @@ _NOT_SECRET_VALUES = {"", "0", "1", "true", "false", "none", "null", "yes", "no"
 
 
 def _userinfo_spans(text: str) -> Iterator[tuple[int, int]]:
-    """(start, end) of each ``user:password@`` that follows a ``scheme://`` in ``text``.
-
-    The same matches as ``([A-Za-z][A-Za-z0-9+.-]*://)[^/?#@\\s]*@``, found from each ``://``: a
-    scheme is read backwards from it (never past the previous match or ``/``), the userinfo
-    forwards up to the next ``/``, so no character is read more than a few times.
-    """
+    """(start, end) of each ``user:password@`` after a ``scheme://``: the matches of
+    ``([A-Za-z][A-Za-z0-9+.-]*://)[^/?#@\\s]*@``, found from each ``://``."""
     done = 0
     colon = text.find("://")
     while colon != -1:
@@ -57,12 +51,8 @@ def _userinfo_spans(text: str) -> Iterator[tuple[int, int]]:
 
 
 def _secret_query_spans(text: str) -> Iterator[tuple[int, int]]:
-    """(start, end) of each value of a query parameter named like a secret (``?token=...``).
-
-    The same values as ``[?&;][^=&#\\s]*(token|password|...)[^=&#\\s]*=([^&#;\\s]*)``: from a
-    separator, the key runs to the first ``=&#`` or space; it names a secret if any of its text
-    after the separator does (the first separator of the run sees the most of it).
-    """
+    """(start, end) of each value of a query parameter named like a secret (``?token=...``): the
+    values of ``[?&;][^=&#\\s]*(token|password|...)[^=&#\\s]*=([^&#;\\s]*)``."""
     pos = 0
     while True:
         sep = _QUERY_SEPARATOR.search(text, pos)
@@ -83,14 +73,11 @@ def _secret_query_spans(text: str) -> Iterator[tuple[int, int]]:
 
 
 def _replace_spans(text: str, spans: Iterator[tuple[int, int]], by: str) -> str:
-    out: list[str] = []
-    kept = 0
+    out, kept = [], 0
     for start, end in spans:
-        out.append(text[kept:start])
-        out.append(by)
+        out += [text[kept:start], by]
         kept = end
-    out.append(text[kept:])
-    return "".join(out)
+    return "".join([*out, text[kept:]])
 
 
 def redact_uri(uri: str | None) -> str | None:
