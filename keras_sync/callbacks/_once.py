@@ -11,12 +11,13 @@ from keras_sync.measures import reduce as _reduce
 from keras_sync.training.context import check_shared
 
 
-def check_int(name: str, value: Any, minimum: int) -> None:
-    """Raise `UsageError` unless ``value`` is an integer >= ``minimum`` (argument ``name``)."""
+def check_int(name: str, value: Any, minimum: int, alternative: str = "") -> None:
+    """Raise `UsageError` unless ``value`` is an integer >= ``minimum`` (argument ``name``);
+    ``alternative``: the other value allowed, for the message (``" or 'auto'"``)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise UsageError(
             f"Invalid value for argument `{name}`. Received: {name}={value!r}. "
-            f"Expected an integer >= {minimum}."
+            f"Expected an integer >= {minimum}{alternative}."
         )
 
 

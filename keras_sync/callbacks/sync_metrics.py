@@ -8,7 +8,7 @@ from typing import Any
 
 import keras
 
-from keras_sync.errors import UsageError
+from keras_sync.callbacks._once import check_int
 from keras_sync.measures import reduce as _reduce
 from keras_sync.measures import slow_worker as _slow_worker
 from keras_sync.training.context import check_shared
@@ -53,15 +53,8 @@ class SyncMetrics(keras.callbacks.Callback):
         self.shared = check_shared(shared)
         self.shared.add_flusher(self.emit)
         self.auto = log_every_n_steps == "auto"
-        if not self.auto and (
-            isinstance(log_every_n_steps, bool)
-            or not isinstance(log_every_n_steps, int)
-            or log_every_n_steps < 1
-        ):
-            raise UsageError(
-                f"Invalid value for argument `log_every_n_steps`. Received: "
-                f"log_every_n_steps={log_every_n_steps!r}. Expected an integer >= 1 or 'auto'."
-            )
+        if not self.auto:
+            check_int("log_every_n_steps", log_every_n_steps, 1, " or 'auto'")
         self.writer = writer
         # auto: every step is recorded and read as with 1 (every worker reads the probe at the same
         # steps); the chief alone thins what it writes to `stride`.
@@ -153,7 +146,7 @@ class SyncMetrics(keras.callbacks.Callback):
         prev = self.global_step or 0
         self.global_step = self.shared.step = prev + steps
         if _reduce.crossed_log_step(prev, self.global_step, self.every):
-            numbers = {k: v for k, v in (logs or {}).items() if isinstance(v, (int, float))}
+            numbers = _numbers(logs)
             now_ms = int(time.time() * 1000)
             # With steps_per_execution > 1 Keras calls this once per execution: every logged step of
             # it gets its own point from the ring (the execution's Keras logs go with the last one).
@@ -225,9 +218,11 @@ class SyncMetrics(keras.callbacks.Callback):
         self, step: int, rows: list, examples: float, logs: dict, busy_s: float, n: int, ts: int
     ) -> None:
         p = self._probe
-        metrics = _reduce.replica_metrics(
-            [float(r[p.LOSS]) for r in rows], [float(r[p.GRAD_NORM]) for r in rows]
-        )
+
+        def column(index: int) -> list[float]:
+            return [float(r[index]) for r in rows]
+
+        metrics = _reduce.replica_metrics(column(p.LOSS), column(p.GRAD_NORM))
         metrics["sync/step_time_ms"] = 1000.0 * busy_s / n
         since = float(examples - self._examples_at_log)
         self._examples_at_log = examples
@@ -240,9 +235,7 @@ class SyncMetrics(keras.callbacks.Callback):
             metrics["sync/loss_scale"] = scale
         if p.num_workers > 1:
             times = _slow_worker.worker_times(
-                [float(r[p.HOST_US]) for r in rows],
-                [float(r[p.COMPUTE_US]) for r in rows],
-                p.num_workers,
+                column(p.HOST_US), column(p.COMPUTE_US), p.num_workers
             )
             metrics.update(times)
             between = [
@@ -268,11 +261,7 @@ class SyncMetrics(keras.callbacks.Callback):
         self._write_held()
         if self.writer is None or self.global_step is None or not self._keras_logs:
             return
-        val = {
-            k: v
-            for k, v in (logs or {}).items()
-            if k.startswith("val_") and isinstance(v, (int, float))
-        }
+        val = {k: v for k, v in _numbers(logs).items() if k.startswith("val_")}
         if val:
             self.writer.log_metrics(val, step=self.global_step)
             self.shared.record(val, self.global_step)
@@ -283,9 +272,11 @@ class SyncMetrics(keras.callbacks.Callback):
             self.model.train_function = original
         self.emit()
         self._write_held()
-        if self.writer is None:
-            return
-        # Metrics are in MLflow when fit returns, unless delivery stalls or MLflow is away: then
-        # one warning names the cause and the spool.
-        if hasattr(self.writer, "end_of_fit"):
+        if self.writer is not None and hasattr(
+            self.writer, "end_of_fit"
+        ):  # delivered, or one warning names why
             self.writer.end_of_fit()
+
+
+def _numbers(logs: dict | None) -> dict[str, float]:
+    return {k: v for k, v in (logs or {}).items() if isinstance(v, (int, float))}

@@ -43,6 +43,8 @@ __all__ = [
 ]
 
 _JOB_ID = re.compile(r"^[\w.:/@+\-]{1,250}$")
+#: Records that do not reopen a run `end_run` ended (any other does, its steps continuing).
+_NOT_REOPENING = (records.END, records.STOP, records.REPORT)
 
 
 @runtime_checkable
@@ -191,13 +193,13 @@ class MlflowWriter:
         self._sp.on_run = lambda: callback(self)
 
     def undelivered_message(self, final: bool = True) -> str | None:
-        """Why some records are not in MLflow, and where they are; None if everything arrived."""
+        """Why some records are not in MLflow, and where; None if everything arrived."""
         return self._sp.undelivered_message(final)
 
     # ---- the caller's side: no I/O ----
     def start(self, defer_begin: bool = False) -> None:
-        """Start the spooling thread and the courier; returns at once. ``defer_begin``: the first
-        record logged begins the run (a writer that logs nothing makes none)."""
+        """Start the spooling thread and the courier at once; ``defer_begin``: the first record
+        logged begins the run (a writer that logs nothing makes none)."""
         if self._sp.thread is None:
             self._begin = "first" if defer_begin else None
             self._sp.start(None if defer_begin else _now_ms())
@@ -210,12 +212,8 @@ class MlflowWriter:
         if self._begin == "first" and rec["k"] != records.STOP:
             self._begin = None
             self._sp.put({"k": records.BEGIN, "ts": _now_ms()})
-        elif self._begin == "reopen" and rec["k"] not in (
-            records.END,
-            records.STOP,
-            records.REPORT,
-        ):
-            self._begin = None  # the run is RUNNING again, steps continuing
+        elif self._begin == "reopen" and rec["k"] not in _NOT_REOPENING:
+            self._begin = None
             self._sp.put({"k": records.BEGIN, "ts": _now_ms(), "reopen": True})
         self._sp.put(rec)
 
@@ -286,8 +284,7 @@ class MlflowWriter:
 
     # ---- waiting ----
     def flush_to_spool(self, timeout_s: float = 10.0) -> bool:
-        """Wait up to ``timeout_s`` until everything queued so far is in the spool (a backup calls
-        this first: a killed process then loses none of it)."""
+        """Wait up to ``timeout_s`` until all queued so far is in the spool (safe from a kill)."""
         return self._sp.flush_to_spool(timeout_s)
 
     def flush(

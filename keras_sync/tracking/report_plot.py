@@ -22,8 +22,8 @@ _SINGLE = {
     "sync/step_time_ms": "step_time_ms",
     "sync/weight_divergence": "divergence",
 }
-#: What `keras_sync.measures.fingerprints.summarize` measures: not the largest element-wise difference.
 _SUMMARY_STYLE = {"va": "top", "ha": "left", "family": "monospace", "fontsize": "medium"}
+#: What `keras_sync.measures.fingerprints.summarize` measures: not the largest element-wise difference.
 DIVERGENCE_TITLE = (
     "weight divergence: largest spread of a variable's mean\n"
     "or RMS, a lower bound of max |w_i - w_j| (0 = same bits)"
@@ -184,42 +184,28 @@ def draw(history: SyncHistory, *, title: str = "keras-sync: sync health") -> Any
     FigureCanvasAgg(fig)
     axes = fig.subplots(2, 3)
     fig.subplots_adjust(left=0.05, right=0.98, bottom=0.07, top=0.91, wspace=0.25, hspace=0.35)
-    replicas = sorted(set(history.loss) | set(history.grad_norm))
-    for ax, per, what in (
-        (axes[0][0], history.loss, "loss per replica (before the all-reduce)"),
-        (axes[0][1], history.grad_norm, "gradient norm per replica"),
-    ):
-        shown = [(r, per[r]) for r in replicas if r in per and per[r].steps]
-        for r, s in shown:
-            ax.plot(s.steps, s.values, label=f"replica {r}", linewidth=1.0, alpha=0.75)
-        if shown and len(shown) <= 16:
-            ax.legend(loc="upper right", fontsize="small", ncol=2 if len(shown) > 8 else 1)
-        if per is history.grad_norm and shown and all(v > 0 for _, s in shown for v in s.values):
-            ax.set_yscale("log")
-        _finish(ax, bool(shown), what, "optimizer step")
-    for ax, s, what, unit in (
-        (axes[0][2], history.spread, "grad-norm spread: (max - min) / mean", "spread"),
-        (axes[1][1], history.divergence, DIVERGENCE_TITLE, "spread (the weights' units)"),
-    ):
-        if s.steps:
-            marker = "o" if s is history.divergence else None
-            ax.plot(s.steps, s.values, color="tab:red", linewidth=1.0, marker=marker)
-        _finish(ax, bool(s.steps), what, "optimizer step", unit)
-    ax, times = axes[1][0], history.step_time_ms.values
+    charts = [
+        (axes[0][0], history.loss, "loss per replica (before the all-reduce)", None),
+        (axes[0][1], history.grad_norm, "gradient norm per replica", None),
+        (axes[0][2], {-1: history.spread}, "grad-norm spread: (max - min) / mean", "spread"),
+        (axes[1][1], {-1: history.divergence}, DIVERGENCE_TITLE, "spread (the weights' units)"),
+    ]
+    for ax, lines, what, unit in charts:
+        for i, s in sorted(lines.items()):
+            ax.plot(s.steps, s.values, label=f"replica {i}", linewidth=1.0, marker=unit and ".")
+        if 1 < len(lines) <= 16:
+            ax.legend(loc="upper right", fontsize="small")
+        _finish(ax, any(s.steps for s in lines.values()), what, "optimizer step", unit)
+    ax, times = axes[1][0], sorted(history.step_time_ms.values)
     if times:
-        median = sorted(times)[len(times) // 2]
         # A fit's first step includes tracing (seconds): drawn, it would squeeze the rest into one bar.
+        median = times[len(times) // 2]
         usual = [t for t in times if t <= 10 * median]
-        slow = [t for t in times if t > 10 * median]
-        ax.hist(usual, bins=min(50, max(5, len(usual) // 4)), color="tab:blue", alpha=0.8)
-        ax.axvline(median, color="black", linestyle="--", label=f"median {median:.3g} ms")
-        if slow:
-            note = f"{len(slow)} step(s) > 10x median not drawn (max {max(slow):.4g} ms)"
-            ax.plot([], [], " ", label=note)
-        ax.legend(loc="upper right", fontsize="small")
+        ax.hist(usual, bins=min(50, max(5, len(usual) // 4)), alpha=0.8)
+        ax.axvline(median, color="black", linestyle="--")
     _finish(ax, bool(times), "step time distribution", "ms per step", "logged steps")
     axes[1][2].axis("off")
-    summary = "\n".join(_summary(history, replicas))
+    summary = "\n".join(_summary(history))
     axes[1][2].text(0.0, 1.0, summary, transform=axes[1][2].transAxes, **_SUMMARY_STYLE)
     fig.suptitle(title)
     return fig
@@ -227,31 +213,25 @@ def draw(history: SyncHistory, *, title: str = "keras-sync: sync health") -> Any
 
 def _finish(ax: Any, drawn: bool, title: str, xlabel: str, ylabel: str | None = None) -> None:
     if not drawn:
-        ax.text(
-            0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes, color="gray"
-        )
+        ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes)
     ax.set_title(title)
     ax.set_xlabel(xlabel)
-    if ylabel:
-        ax.set_ylabel(ylabel)
+    ax.set_ylabel(ylabel or "")
 
 
-def _summary(history: SyncHistory, replicas: list[int]) -> list[str]:
+def _summary(history: SyncHistory) -> list[str]:
+    replicas = set(history.loss) | set(history.grad_norm)
     lines = [f"replicas: {len(replicas) or 'unknown'}"]
     times, spread = sorted(history.step_time_ms.values), sorted(history.spread.values)
-    last = [s.steps[-1] for s in history.loss.values() if s.steps] + history.step_time_ms.steps[-1:]
-    if last:
-        lines.append(f"last logged step: {max(last)}")
-    strides = {s.stride for s in (*history.loss.values(), history.step_time_ms) if s.steps}
-    if strides and max(strides) > 1:
-        lines.append(f"downsampled: 1 logged step in {max(strides)} drawn")
+    if times:
+        p95 = times[min(len(times) - 1, int(0.95 * len(times)))]
+        lines.append(f"step time: median {times[len(times) // 2]:.3g} ms, p95 {p95:.3g} ms")
+        if times[-1] > 10 * times[len(times) // 2]:
+            lines.append(f"  slowest {times[-1]:.4g} ms (not drawn: > 10x median)")
     if spread:
         lines.append(
             f"grad-norm spread: median {spread[len(spread) // 2]:.3g}, max {spread[-1]:.3g}"
         )
-    if times:
-        p95 = times[min(len(times) - 1, int(0.95 * len(times)))]
-        lines.append(f"step time: median {times[len(times) // 2]:.3g} ms, p95 {p95:.3g} ms")
     lines += slow_worker_lines(history)
     if history.divergence.values:
         worst = max(history.divergence.values)

@@ -29,9 +29,8 @@ _SETTLED_S = 20.0
 
 
 def warm_up(uri: str | None) -> list[str]:
-    """Do what opening ``uri`` costs before it is opened, touching no file: import MLflow, and for a
-    SQL store its store module (mappers configured), and for sqlite the schema's head.
-    Returns what was done, in order (``mlflow``, ``sql store``, ``schema head``)."""
+    """Do what opening ``uri`` costs before it is opened, touching no file: import MLflow, its SQL
+    store module, the sqlite schema's head; returns which were done, in order."""
     from mlflow import MlflowClient  # noqa: F401
 
     from keras_sync.upstream import mlflow_internals
@@ -62,10 +61,9 @@ def sqlite_path(uri: str) -> Path | None:
 def ensure_sqlite_store(uri: str, *, timeout_s: float = 300.0) -> bool:
     """Make sure the sqlite store of ``uri`` exists and is complete; True if this call created it.
 
-    Any other URI, or a store that exists, is left alone. The schema is built in
-    ``.<name>.keras-sync-creating-<pid>-<id>`` beside the target, then linked into place;
-    leftovers of killed builders are removed. A live builder's store, and one MLflow builds in
-    place (a user's own client), are waited for until their last migration, not built twice.
+    The schema is built in ``.<name>.keras-sync-creating-<pid>-<id>``, then linked into place;
+    killed builders' leftovers are removed. A live builder's store, and one MLflow builds in place
+    (a user's own client), are waited for until their last migration, not built twice.
     """
     path = sqlite_path(uri)
     if path is None:
