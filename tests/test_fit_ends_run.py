@@ -376,6 +376,11 @@ def test_a_fit_resumed_from_its_backup_logs_at_the_steps_it_trains_again(tmp_pat
     c = MlflowClient(uri)
     while c.get_experiment_by_name("e") is None and time.monotonic() < deadline:
         time.sleep(0.2)
+    # The courier creates the experiment, then the run: wait for the run too.
+    while not c.search_runs([c.get_experiment_by_name("e").experiment_id]):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     (run,) = c.search_runs([c.get_experiment_by_name("e").experiment_id])
     while len(c.get_metric_history(run.info.run_id, "loss")) < 29 and time.monotonic() < deadline:
         time.sleep(0.2)
