@@ -115,10 +115,8 @@ def _build(cfg: Config, early_writer: Any) -> Sync:
     if early_writer is None:  # now, not at the first save or metric
         _paths.check_config_paths(cfg, is_chief=sync.is_chief)
     if sync.is_chief and cfg.mlflow.enabled:
-        from keras_sync.training.job_run import writer_for
-
         # The courier starts while the user builds the model; the run is made at the first log.
-        writer_for(sync, early=True, started=early_writer)
+        sync.job_run.writer(early=True, started=early_writer)
     elif early_writer is not None:
         _drop_early_writer(early_writer)
     return sync
@@ -176,6 +174,10 @@ class Sync:
         self._warned_batch_size = False
         #: What the input pipeline did with the last fit's training data (`keras_sync.training.pipeline.InputFacts`).
         self.input_facts: Any = None
+        from keras_sync.training.job_run import JobRun
+
+        #: This job's MLflow run: the writer (chief only) and the state its fits share.
+        self.job_run = JobRun(config, self.is_chief)
 
     def __repr__(self) -> str:
         return (
@@ -229,7 +231,11 @@ class Sync:
         """
         from keras_sync.training.run_checks import scope_guarding_fit
 
-        return scope_guarding_fit(self)
+        return scope_guarding_fit(
+            self.strategy,
+            self.context(),
+            lambda: self.job_run.writer() if self.config.mlflow.enabled else None,
+        )
 
     def distribute(self, data: Any, *, shuffle: bool = False, seed: int = 1337) -> Any:
         """A `tf.data.Dataset` batched by the global batch, from arrays or a dataset of examples.
@@ -305,24 +311,17 @@ class Sync:
         from keras_sync.cluster.collective_calls import collective
         from keras_sync.cluster.preemption import ctrl_c_ends_fit
         from keras_sync.training import saving
-        from keras_sync.training.job_run import (
-            end_run_after_fit,
-            run_ends_after_fit,
-            shared_run_for,
-        )
 
-        # Keras' BackupAndRestore, TensorBoard, CSVLogger, ModelCheckpoint: the chief writes.
+        # Keras' BackupAndRestore, TensorBoard, CSVLogger: the chief writes (model.save: _prepare).
         saving.guard_callbacks(self.strategy, kwargs["callbacks"])
-        if self.num_workers > 1:
-            saving.chief_writes_on(model)
         # Ctrl-C is outermost: every other context has closed before the process exits. With
         # mlflow.keras.autolog() on, autolog logs into keras-sync's run instead of its own.
         with (
             ctrl_c_ends_fit(
                 model, is_chief=self.is_chief, backup_dir=self.config.fault_tolerance.backup_dir
             ),
-            shared_run_for(self),
-            run_ends_after_fit(self),
+            self.job_run.shared_run(),
+            self.job_run.ends_after_fit(),
             self._keras_call(),  # before resumable_fit: its probes read Keras's own classes
             resumable_fit(kwargs["callbacks"]),
             warnings.catch_warnings(),
@@ -334,7 +333,7 @@ class Sync:
                 # .repeat() would break the epoch. With steps_per_epoch it is a real shortfall.
                 warnings.filterwarnings("ignore", "Your input ran out of data", UserWarning)
             history = type(model).fit(model, x, y, **kwargs)  # past the scope's direct_fit guard
-        end_run_after_fit(self)  # with fit, not at exit: Ray Train V2 kills its workers (no atexit)
+        self.job_run.end_after_fit()  # with fit, not at exit: Ray Train V2 kills its workers
         if self.config.verify is not None:
             from keras_sync.training import verify_record
 
@@ -393,15 +392,13 @@ class Sync:
                 "keras.callbacks.BackupAndRestore yourself."
             )
         from keras_sync import callbacks as ks_callbacks
-        from keras_sync.cluster.collective_calls import meets_peers
         from keras_sync.training import saving
         from keras_sync.upstream.keras_fixes import check_steps_per_execution
 
         self._ready(model, callbacks, "callbacks")
         check_steps_per_execution(model, self.strategy)
-        if self.num_workers > 1:  # model.save/save_weights, ModelCheckpoint: the chief writes
-            saving.chief_writes_on(model)
-            meets_peers(model)  # its model.fit/evaluate/predict: every worker, or one line
+        if self.num_workers > 1:  # model.save, ModelCheckpoint: the chief writes; fit: every worker
+            saving.for_workers(model)
         # Keras' BackupAndRestore, TensorBoard and CSVLogger: the chief writes the user's paths.
         return saving.guard_callbacks(
             self.strategy,
@@ -415,9 +412,7 @@ class Sync:
         """This job's MLflow run id: on the chief once MLflow has created the run (the first `fit`
         or `callbacks` starts it); None on other workers, with ``mlflow.enabled: false``, or
         while MLflow has not answered (the metrics wait in the spool meanwhile)."""
-        from keras_sync.training.job_run import current_writer
-
-        writer = current_writer(self)
+        writer = self.job_run.current
         return writer.run_id if writer is not None else None
 
     def close(self, timeout_s: float | None = None) -> None:
@@ -428,9 +423,7 @@ class Sync:
         to have everything in MLflow before the process goes on. A later `fit` continues the run;
         what MLflow has not received stays in the spool, and a warning says how to deliver it.
         """
-        from keras_sync.training.job_run import close_writer
-
-        close_writer(self, timeout_s=timeout_s)
+        self.job_run.close(timeout_s=timeout_s)
 
     def save(self, model: Any, filepath: str | os.PathLike[str], **kwargs: Any) -> None:
         """Save ``model`` (``.keras``, legacy ``.h5``) or its weights (``*.weights.h5``): call it on
@@ -485,12 +478,12 @@ class Sync:
     def _prepare(
         self, model: Any, method: str, x: Any, y: Any, kwargs: dict[str, Any]
     ) -> tuple[Any, Any, dict[str, Any]]:
-        from keras_sync.cluster.collective_calls import meets_peers
+        from keras_sync.training import saving
         from keras_sync.upstream.keras_fixes import check_steps_per_execution
 
         self._check_model(model, method)
-        if self.num_workers > 1:  # its model.fit/evaluate/predict: every worker, or one line
-            meets_peers(model)
+        if self.num_workers > 1:  # model.fit/evaluate/predict: every worker; model.save: the chief
+            saving.for_workers(model)
         check_steps_per_execution(model, self.strategy)
         kwargs = dict(kwargs)
         if not self.is_chief:  # one progress bar per job, the chief's; warnings still print

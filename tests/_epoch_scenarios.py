@@ -214,7 +214,7 @@ def trained_examples(model):
     """Examples trained so far by every replica of every worker, from keras-sync's replica probe."""
     from keras_sync.training import instrument as _instrument
 
-    probe = _instrument._probes[model]
+    probe = _instrument.probe_of(model)
     rings = probe.read()
     rows = probe.row(rings, probe.count(rings))
     return int(sum(r[probe.EXAMPLES] for r in rows))

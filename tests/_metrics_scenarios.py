@@ -199,7 +199,7 @@ def mirrored(tracking_uri: str, server_config: str) -> None:
 def _probe_ring(model) -> int:
     from keras_sync.training import instrument as _instrument
 
-    return _instrument._probes[model].ring
+    return _instrument.probe_of(model).ring
 
 
 def single(tracking_uri: str) -> None:

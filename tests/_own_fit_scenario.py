@@ -69,9 +69,7 @@ callbacks = sync.callbacks(m)
 result["callbacks"] = [type(c).__name__ for c in callbacks]
 m.fit(sync.distribute((x, y)), epochs=2, verbose=0, callbacks=callbacks)
 # fit does not wait for MLflow (a first run's store may still be being built): the id once the run exists.
-from keras_sync.training.job_run import current_writer  # noqa: E402
-
-result["run_id"] = current_writer(sync).wait_for_run(300)
+result["run_id"] = sync.job_run.current.wait_for_run(300)
 sync.close()
 result["run_id_after_close"] = sync.run_id
 
@@ -229,7 +227,7 @@ with gan_sync.scope():
     gan.compile(keras.optimizers.SGD(0.02, momentum=0.9), keras.optimizers.SGD(0.03, momentum=0.8))
 gan_sync.fit(gan, x, y, epochs=1, verbose=0)
 # fit returns before MLflow has created the run on a busy machine (run_id is None until then): wait for it.
-result["gan_run_id"] = current_writer(gan_sync).wait_for_run(300)
+result["gan_run_id"] = gan_sync.job_run.current.wait_for_run(300)
 gan_sync.close()
 with open(out_path, "w") as f:
     json.dump(result, f)

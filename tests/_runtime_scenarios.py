@@ -232,10 +232,8 @@ def add_loss_checks(tracking_uri=None):
         )
         model = add_loss_model(ActivitySum, s)
         s.fit(model, X, Y, epochs=1, shuffle=False, verbose=0)
-        from keras_sync.training.job_run import _writers, close_writer
-
-        writer = _writers.get(s)
-        close_writer(s, timeout_s=300)
+        writer = s.job_run.current
+        s.close(timeout_s=300)
         out["run_id"] = writer.run_id if writer is not None else None
     s = load({**config(), "checks": {"on_violation": "error"}})
     model = add_loss_model(ActivitySum, s)
@@ -340,12 +338,8 @@ def spe(tracking_uri=None):
         "iterations": int(model.optimizer.iterations.numpy()),
     }
     if tracking_uri:
-        from keras_sync.training.job_run import _writers, close_writer
-
-        writer = _writers.get(s)  # the chief's (only the chief logs)
-        close_writer(
-            s, timeout_s=300
-        )  # the writer's thread creates the run: its id is known after close
+        writer = s.job_run.current  # the chief's (only the chief logs)
+        s.close(timeout_s=300)  # the writer's thread creates the run: its id is known after close
         out["run_id"] = writer.run_id if writer is not None else None
     return out
 
@@ -594,7 +588,7 @@ def step_dtypes(timed=True):
     with SYNC.scope():
         model.optimizer.build(model.trainable_variables)  # its variables exist before the trace
     _instrument.instrument(model, gradients="auto")
-    _instrument._probes[model].timed = timed
+    _instrument.probe_of(model).timed = timed
     ds = SYNC.strategy.experimental_distribute_dataset(SYNC.distribute((X, Y)))
     batch = next(iter(ds))
 

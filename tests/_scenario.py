@@ -69,10 +69,8 @@ class Results(dict):
 
 def close_run(sync: Any, timeout_s: float) -> str | None:
     """End the sync's MLflow run and return its id (the writer's thread creates the run lazily)."""
-    from keras_sync.training.job_run import _writers, close_writer
-
-    writer = _writers[sync]
-    close_writer(sync, timeout_s=timeout_s)
+    writer = sync.job_run.current
+    sync.close(timeout_s=timeout_s)
     return writer.run_id
 
 

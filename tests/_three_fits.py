@@ -47,9 +47,7 @@ def main() -> None:
             ):  # SyncMetrics logs the steps it holds once they are 0.5 s old: at the next
                 time.sleep(0.6)
             if step >= CRASH_AT:
-                from keras_sync.training.job_run import current_writer
-
-                current_writer(sync).flush_to_spool()  # what was logged is on disk, as after 0.2 s
+                sync.job_run.current.flush_to_spool()  # what was logged is on disk, as after 0.2 s
                 os._exit(9)
 
     def run_training(epochs: int, crash: bool) -> None:

@@ -40,16 +40,12 @@ def main() -> None:
     class Crash(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             if CRASH_AT is not None and int(self.model.optimizer.iterations.numpy()) >= CRASH_AT:
-                from keras_sync.training.job_run import _writers
-
-                _writers[sync].flush_to_spool()  # what was logged is on disk, as after 0.2 s
+                sync.job_run.current.flush_to_spool()  # what was logged is on disk, as after 0.2 s
                 os._exit(9)
 
     sync.fit(model, x, y, epochs=2, shuffle=False, verbose=0, callbacks=[Crash()])
-    from keras_sync.training.job_run import _writers, close_writer
-
-    writer = _writers[sync]
-    close_writer(sync, timeout_s=120)
+    writer = sync.job_run.current
+    sync.close(timeout_s=120)
     with open(OUT, "w") as fh:
         json.dump({"run_id": writer.run_id, "spool": str(writer.spool_path)}, fh)
 

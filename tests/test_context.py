@@ -132,13 +132,11 @@ def test_syncs_of_one_explicit_job_id_share_their_job_state_and_others_do_not(mo
     from keras_sync.config import load_config
 
     monkeypatch.delenv("KERAS_SYNC_JOB_ID", raising=False)
-    from keras_sync.training.job_run import job_state
+    from keras_sync.training.job_run import JobRun
 
-    class FakeSync:  # what job_state reads of a Sync
-        def __init__(self, job_id=None):
-            self.config = load_config({"mlflow": {"job_id": job_id}} if job_id else {})
+    def job_state(job_id=None):  # the JobState of a Sync of this config
+        return JobRun(load_config({"mlflow": {"job_id": job_id}} if job_id else {}), True).job
 
-    a, b = FakeSync("job-7"), FakeSync("job-7")
-    assert job_state(a) is job_state(b) and job_state(a) is job_state(a)
-    c, d = FakeSync(), FakeSync()
-    assert job_state(c) is not job_state(d) and job_state(c) is not job_state(a)
+    a = JobRun(load_config({"mlflow": {"job_id": "job-7"}}), True)
+    assert a.job is job_state("job-7") and a.job is a.job
+    assert job_state() is not job_state() and job_state() is not a.job

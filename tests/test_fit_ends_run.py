@@ -173,10 +173,9 @@ def test_ctrl_c_during_the_exit_wait_leaves_the_points_in_the_spool(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     script = textwrap.dedent(f"""
         import os, signal, time, numpy as np, keras_sync
-        from keras_sync.training.job_run import current_writer
         sync = keras_sync.load({{"strategy": {{"kind": "default"}}, "batch": {{"per_replica": 16}},
                                  "mlflow": {{"tracking_uri": {uri!r}, "experiment": "e", "log_every_n_steps": 1}}}})
-        writer = current_writer(sync)
+        writer = sync.job_run.current
         while writer._sp.courier is None:  # the spooling thread starts the courier in its first round
             time.sleep(0.01)
         os.kill(writer._sp.courier.pid, signal.SIGSTOP)  # it delivers nothing from now on

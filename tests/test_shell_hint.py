@@ -26,7 +26,7 @@ def _without_bin() -> str:
 
 def _stand_ins(source: str, uri: str = "sqlite:////tmp/x/mlflow.db") -> tuple[object, object]:
     writer = types.SimpleNamespace(run_url=lambda: None, shown_uri=uri)
-    return writer, types.SimpleNamespace(config=types.SimpleNamespace(source=source))
+    return writer, types.SimpleNamespace(source=source)  # a config
 
 
 def test_the_ui_hint_names_the_full_path_when_the_venv_is_not_on_the_path(monkeypatch, tmp_path):

@@ -21,8 +21,6 @@ def test_system_metrics_reach_the_run(tmp_path):
         sync = keras_sync.load({{"strategy": {{"kind": "default"}}, "batch": {{"per_replica": 16}},
                                  "mlflow": {{"tracking_uri": {uri!r}, "experiment": "sys", "system_metrics": True}}}})
         import keras
-        from keras_sync.training.job_run import close_writer
-
         class Slow(keras.callbacks.Callback):
             def on_train_batch_end(self, batch, logs=None):
                 time.sleep(0.05)
@@ -32,7 +30,7 @@ def test_system_metrics_reach_the_run(tmp_path):
             model.compile(optimizer="sgd", loss="mse")
         x = np.random.default_rng(0).normal(size=(1024, 4)).astype("float32")
         sync.fit(model, x, x[:, :1], epochs=1, verbose=0, callbacks=[Slow()])  # ~3 s
-        close_writer(sync)
+        sync.close()
     """)
     env = dict(
         os.environ,

@@ -37,25 +37,29 @@ def fit_callbacks(
     """
     from keras_sync.callbacks.backup import BackupAndRestore, backup_callbacks
     from keras_sync.training import run_checks, runtime
-    from keras_sync.training.job_run import job_state, writer_for
 
     context = sync.context(per_replica_batch_size=per_replica_batch_size)
     out = [runtime.setup_callback(sync.config.runtime)]
     # One state for the fit, the job's next: the backup flushes the held metrics before it saves,
     # and this fit's steps and params continue the job's earlier fits'.
-    shared = job_state(sync).next_fit()
+    shared = sync.job_run.job.next_fit()
     # The backups are made first: a directory owned by another job, or only damaged backups, stop
     # fit before a run is opened.
     backups = backup_callbacks(
-        context, sync.strategy, open_writer=lambda: writer_for(sync), shared=shared
+        context, sync.strategy, open_writer=sync.job_run.writer, shared=shared
     )
     if sync.config.mlflow.enabled:
-        out += mlflow_callbacks(context, writer_for(sync), shared)
+        out += mlflow_callbacks(context, sync.job_run.writer(), shared)
     out += backups + list(user_callbacks or [])
     mine = [c for c in out if isinstance(c, BackupAndRestore)]
     out.append(
         run_checks.checks_callback(
-            sync, global_batch=global_batch, expected=expected, data=data, backups=mine
+            context,
+            sync.job_run.writer() if sync.config.mlflow.enabled else None,
+            global_batch=global_batch,
+            expected=expected,
+            data=data,
+            backups=mine,
         )
     )
     if record and sync.config.verify is not None:

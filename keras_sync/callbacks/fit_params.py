@@ -71,7 +71,7 @@ class FitParams(OncePerRun):
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         if getattr(self, "_optimizers_pending", False):
             self._optimizers_pending = False
-            from keras_sync.training.train_step_trace import applied_optimizers
+            from keras_sync.training.instrument import applied_optimizers
 
             applied = applied_optimizers(self.model)
             if len(applied) > 1:  # <attribute>_<key> for each of several

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
 import os
 import sys
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,7 +23,6 @@ from keras_sync.errors import UsageError
 from keras_sync.upstream.strategy_facts import in_multi_worker_mode
 
 EXIT = "exit"
-_WRAPPED_MARK = "_keras_sync_meets_peers"
 # A worker waiting for a peer's post asks every 2 s whether the peer's process is still there (a
 # peer that exits without posting would otherwise cost the whole timeout); a probe that times out
 # counts as gone only after 3 in a row, so a busy peer is not taken for a gone one.
@@ -152,28 +149,6 @@ def collective(model: Any, call: str) -> Iterator[None]:
         raise
     finally:
         _local.depth = 0
-
-
-def meets_peers(model: Any) -> None:
-    """Give ``model`` its own ``fit``, ``evaluate`` and ``predict`` that meet the peers first,
-    wrapping the model's own method (the scope's ``fit`` guard) or the class's; Keras's classes stay."""
-    ref = weakref.ref(model)
-    for name in ("fit", "evaluate", "predict"):
-        own = vars(model).get(name)
-        if not getattr(own, _WRAPPED_MARK, False):
-            object.__setattr__(model, name, _meets_peers(ref, name, own))
-
-
-def _meets_peers(ref: Any, name: str, own: Callable[..., Any] | None) -> Callable[..., Any]:
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        model = ref()
-        method = own if own is not None else getattr(type(model), name).__get__(model)
-        with collective(model, f"model.{name}"):
-            return method(*args, **kwargs)
-
-    functools.update_wrapper(wrapper, own if own is not None else getattr(type(ref()), name))
-    setattr(wrapper, _WRAPPED_MARK, True)
-    return wrapper
 
 
 def configure(strategy: Any, timeout_s: float) -> None:

@@ -1,9 +1,7 @@
-"""What keras-sync's callbacks know about a run: a frozen `RunContext` and one `SharedState`.
+"""What keras-sync's callbacks know about a run: a frozen `RunContext` and one `SharedState` per fit.
 
-No callback reads another callback or a `Sync`'s private state: each gets the run's facts (a
-`RunContext`, fixed when `fit` starts) and, to share a step counter and flushes with the others,
-one `SharedState` per fit (taken from the job's `JobState`). Given the same `SharedState`, they
-work in any order. No TensorFlow, Keras or MLflow here.
+Each callback gets the run's facts and, to share a step counter and flushes with the others, the
+fit's `SharedState` (from the job's `JobState`); then they work in any order. No TensorFlow here.
 """
 
 from __future__ import annotations
@@ -39,51 +37,40 @@ class RunContext:
 
     def params(self) -> dict[str, Any]:
         """The ``sync.*`` MLflow params of these facts (`RunParams` adds versions and devices)."""
-        names = [
-            "num_replicas",
-            "num_workers",
-            "per_replica_batch_size",
-            "global_batch_size",
-            "gradient_accumulation_steps",
-            "effective_batch_size",
-            "base_learning_rate",
-            "learning_rate",
-            "lr_scaling",
-            "warmup_steps",
-        ]
+        skip = ("kind", "is_chief", "steps_per_epoch", "config")
+        names = [f.name for f in dataclasses.fields(self) if f.name not in skip]
         return {"sync.strategy": self.kind, **{f"sync.{n}": getattr(self, n) for n in names}}
 
 
 class SharedState:
     """The state keras-sync's callbacks share during one `fit`; give the same one to all of them.
 
-    - ``step``: the job's step after the last finished train step (set by `SyncMetrics`; None
-      before the first). Callbacks that log at other moments log at it: one x-axis for all.
-    - `job_step`: that step for a model's optimizer step (see there).
-    - `params_to_log`: the params of this fit that the job's run lacks.
-    - `flush`: runs the registered flushers (`SyncMetrics` logs its held steps), before a backup
-      is saved or a report drawn. A collective under `multi_worker_mirrored`.
-    - `record`: callbacks pass every point they log here; listeners (`SyncReport`) see them all.
+    ``step`` is the job's step after the last finished train step (set by `SyncMetrics`), the
+    x-axis of every callback. `flush` runs the registered flushers before a backup is saved or a
+    report drawn (a collective under `multi_worker_mirrored`); `record` passes every logged point
+    to the listeners (`SyncReport`).
+
+    Args:
+        fit: this fit's number in its job (1 for the first).
+        steps_before: the last step the job trained before this fit.
+        params: the params the job's run has (shared by its fits); None: none yet.
     """
 
     def __init__(
         self, *, fit: int = 1, steps_before: int = 0, params: dict[str, str] | None = None
     ) -> None:
         self.step: int | None = None
-        #: This fit's number in its job (1 for the first), the last step the job trained before it.
         self.fit, self.steps_before = fit, steps_before
         #: Added to the model's optimizer step to make the job's step (set by the first `job_step`
-        #: of the fit, or by a backup restore before it).
+        #: or by a backup restore).
         self.step_offset: int | None = None
         self._params = {} if params is None else params  # the job's: shared by its fits
         self._flushers: list[Callable[[], None]] = []
         self._listeners: list[Callable[[dict[str, float], int], None]] = []
 
     def job_step(self, model_step: int) -> int:
-        """The job's step for the model's optimizer step ``model_step``.
-
-        The first fit of a new model (step 0) continues after the job's earlier fits; a model
-        fitted again continues its own count. A restore sets ``step_offset`` to the saved one.
+        """The job's step for the model's optimizer step ``model_step``: a new model continues
+        after the job's earlier fits, a model fitted again its own count.
 
         >>> shared = SharedState(fit=2, steps_before=16)
         >>> shared.job_step(0), shared.job_step(5)     # a new model: after the 16 steps of fit 1
@@ -96,9 +83,8 @@ class SharedState:
         return self.step_offset + model_step
 
     def params_to_log(self, params: dict[str, Any]) -> dict[str, Any]:
-        """Of ``params``, those to send: new keys as given, changed values as ``fit_<n>.<key>``.
-
-        MLflow params are immutable; values are compared as MLflow stores them (their text).
+        """Of ``params``, those to send: new keys as given, changed values as ``fit_<n>.<key>``
+        (MLflow params are immutable; compared as the text MLflow stores).
 
         >>> first, third = SharedState(), SharedState(fit=3)
         >>> third._params = first._params

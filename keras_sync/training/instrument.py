@@ -1,38 +1,23 @@
-"""Measure each replica's own loss and gradient norm inside its `train_step`, at the optimizer.
+"""Measure each replica's own loss and gradient norm inside its `train_step`, before the all-reduce.
 
-Keras runs `train_step` once per replica under `strategy.run`; the values wanted exist only there,
-before the all-reduce. The model's `train_step` (Keras's or the user's) is wrapped: while it traces,
-`keras_sync.training.train_step_trace.capture` shims the optimizer's ``apply`` and the loss
-functions with pass-through functions that only remember the tensors they see, so Keras's own
-step stays bit-identical to plain Keras.
-
-Each replica writes ``[loss, grad_norm, examples_seen, learning_rate, step_count, loss_scale,
-compute_us]`` into row ``(step_count - 1) % ring`` of an int64 ``tf.Variable(synchronization=ON_READ,
-aggregation=NONE)`` (one copy per replica, never all-reduced; float32 values stored by their bits,
-so counts stay exact and nothing needs float64). The callbacks read the ring every few dozen
-steps; under several workers a read is a collective.
-
-``compute_us`` is timed by two ``tf.timestamp`` ops (not under XLA or on a TPU), from the step's
-first collective to the replica's gradients; the host's time between two steps is noted by
-`note_host` and gathered with the ring as column ``HOST_US``.
-
-Values are scaled to compare with one device: when the loss was divided by the replica count,
-loss and norm are multiplied back by N; the norm is also divided by a `LossScaleOptimizer`'s scale.
+The model's `train_step` is wrapped: while it traces, `train_step_trace.capture` shims the
+optimizer's ``apply`` and the loss functions with pass-through functions, so Keras's own step
+stays bit-identical to plain Keras. Each replica writes ``[loss, grad_norm, examples_seen,
+learning_rate, step_count, loss_scale, compute_us]`` into row ``(step_count - 1) % ring`` of an
+int64 ON_READ variable (one copy per replica, never all-reduced; float32 values stored by their
+bits, so counts stay exact). Loss and norm are scaled to compare with one device. The callbacks
+read the ring every few dozen steps; under several workers a read is a collective.
 """
 
 from __future__ import annotations
 
-import weakref
+import sys
 from collections.abc import Callable
 from typing import Any
 
 from keras_sync.cluster import strategy_role
 from keras_sync.training import train_step_trace as trace
 from keras_sync.upstream.strategy_facts import in_multi_worker_mode
-
-_MARK = "_keras_sync_instrumented"
-_probes: weakref.WeakKeyDictionary[Any, ReplicaProbe] = weakref.WeakKeyDictionary()
-_announced: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def has_default_train_step(model: Any) -> bool:
@@ -43,10 +28,11 @@ def has_default_train_step(model: Any) -> bool:
 
 
 class ReplicaProbe:
-    """The per-replica values of the last train steps, for one model.
+    """The per-replica values of the last train steps of one model; build it with `instrument`.
 
-    Build it with `instrument(model)`. ``gradients`` is the `runtime.train_step_gradients`
-    policy for a custom `train_step` (``None``: observe only, Keras's sum).
+    ``gradients`` is the `runtime.train_step_gradients` policy for a custom `train_step`
+    (``None``: observe only, Keras's sum); ``accumulator`` the
+    `keras_sync.training.accumulate.GradientAccumulator` of the model's optimizer, if any.
     """
 
     #: Columns of a ring row (as returned by `read`).
@@ -57,25 +43,20 @@ class ReplicaProbe:
     def __init__(
         self, model: Any, ring: int = 64, gradients: str | None = None, accumulator: Any = None
     ):
+        import numpy as np
         import tensorflow as tf
 
-        self.model = model
-        self.strategy = model.distribute_strategy
+        self.model, self.strategy = model, model.distribute_strategy
         self.num_replicas = int(self.strategy.num_replicas_in_sync)
         self.custom_step = not has_default_train_step(model)
-        self.gradients = gradients
-        #: The `keras_sync.training.accumulate.GradientAccumulator` the model optimizer's updates go
-        #: through (None: none).
-        self.accumulator = accumulator
-        self.per_replica_supported = True
+        self.gradients, self.accumulator = gradients, accumulator
         if not self.custom_step:
             from keras_sync.upstream import internals as _internals
 
             _internals.require("per_replica_metrics")  # what the shims shadow must still be called
         #: Rows of the ring: the steps a reader may fall behind (with room for steps_per_execution).
         self.ring = max(int(ring), 4 * int(getattr(model, "steps_per_execution", 1) or 1))
-        with self.strategy.scope():
-            # Outside the model: not a weight, never saved in its checkpoints.
+        with self.strategy.scope():  # outside the model: not a weight, never saved
             self.var = tf.Variable(
                 tf.zeros([self.ring + 1, self._WRITTEN], tf.int64),
                 trainable=False,
@@ -85,32 +66,41 @@ class ReplicaProbe:
             )
         self.multi_worker = in_multi_worker_mode(self.strategy)
         #: Workers (processes) of the job; the gathered replicas are worker 0's first.
-        self.num_workers = _num_workers(self.strategy) if self.multi_worker else 1
-        # tf.timestamp has no XLA kernel and no TPU one.
-        self.timed = "TPU" not in type(self.strategy).__name__
-        import numpy as np
-
+        self.num_workers = strategy_role(self.strategy).num_workers if self.multi_worker else 1
+        self.timed = "TPU" not in type(self.strategy).__name__  # tf.timestamp: no TPU kernel
         #: This worker's host time before each step (us, -1: not measured), by ring row.
         self.host: Any = np.full((self.ring + 1, 1), -1, np.int64)
         self._components = list(self.strategy.experimental_local_results(self.var))
         self._gather_fn: Callable[[Any], Any] | None = None
-        #: What the last trace of replica 0 saw (scaled_by, factor): for tests and `plan`-like reports.
+        #: What the last trace of replica 0 saw (scaled_by, factor[, per_optimizer]).
         self.last_trace: dict[str, Any] = {}
+        #: The attributes of the optimizers the traced step applied, in order.
+        self.applied: list[str] = []
+        self._announced = False
 
     def read(self) -> list[Any]:
         """Every replica's ring (a ``(ring + 1, 8)`` float64 numpy array), replica 0 first.
 
-        Row ``(c - 1) % ring`` holds ``[loss, grad_norm, examples_seen, learning_rate, c,
-        loss_scale, compute_us, host_us]`` (-1: not timed; ``host_us`` is its worker's) of the replica's ``c``-th train step since the probe was made (if not yet
-        overwritten); the last row's ``COUNT`` column is the count of steps so far. Under a
-        multi-worker strategy this is a collective: every worker must call it at the same step.
+        Row ``(c - 1) % ring`` holds the columns above (-1: not timed) of the replica's ``c``-th
+        train step; the last row's ``COUNT`` is the count of steps so far. Under a multi-worker
+        strategy this is a collective: every worker must call it at the same step.
         """
         import numpy as np
+        import tensorflow as tf
 
         if self.multi_worker:
-            return [_decode(r) for r in self._gather(self.host).numpy()]
+            return [_decode(r) for r in self._gather(tf.constant(self.host)).numpy()]
+        # The raw read op of each per-device component: ~3x faster than through the distributed variable.
         return [
-            _decode(np.concatenate([self._read_local(v), self.host], axis=1))
+            _decode(
+                np.concatenate(
+                    [
+                        tf.raw_ops.ReadVariableOp(resource=v.handle, dtype=v.dtype).numpy(),
+                        self.host,
+                    ],
+                    axis=1,
+                )
+            )
             for v in self._components
         ]
 
@@ -129,14 +119,6 @@ class ReplicaProbe:
         """Train steps run so far (the ring's step counter)."""
         return int(rings[0][-1][ReplicaProbe.COUNT]) if rings else 0
 
-    @staticmethod
-    def _read_local(component: Any) -> Any:
-        # The raw read op of the per-device component: ~3x faster than `.numpy()` through the
-        # distributed variable, on every logged step.
-        import tensorflow as tf
-
-        return tf.raw_ops.ReadVariableOp(resource=component.handle, dtype=component.dtype).numpy()
-
     def _gather(self, host: Any) -> Any:
         if self._gather_fn is None:
             import tensorflow as tf
@@ -144,21 +126,17 @@ class ReplicaProbe:
             var, strategy = self.var, self.strategy
 
             def replica_fn(host: Any) -> Any:
-                ctx = tf.distribute.get_replica_context()
-                return ctx.all_gather(
-                    tf.expand_dims(tf.concat([tf.identity(var), host], axis=1), 0), axis=0
-                )
+                row = tf.expand_dims(tf.concat([tf.identity(var), host], axis=1), 0)
+                return tf.distribute.get_replica_context().all_gather(row, axis=0)
 
-            @tf.function(autograph=False)  # no tensor-dependent Python: AutoGraph would only cost
+            @tf.function(autograph=False)
             def gather(host: Any) -> Any:
                 return strategy.experimental_local_results(strategy.run(replica_fn, args=(host,)))[
                     0
                 ]
 
             self._gather_fn = gather
-        import tensorflow as tf
-
-        return self._gather_fn(tf.constant(host))
+        return self._gather_fn(host)
 
     def step_fn(self, original: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """The instrumented `train_step`: ``original`` plus the writes of this replica's values."""
@@ -170,137 +148,94 @@ class ReplicaProbe:
             seen: dict[str, Any] = {}
             timed = probe.timed and not getattr(model, "jit_compile", False)
             weight = _example_weight(data, n)  # the step's first collective (n > 1)
-            t_sync = (
-                _stamp(
-                    [weight]
-                    if weight is not None
-                    else tf.nest.flatten(data, expand_composites=True)
-                )
-                if timed
-                else None
+            after = (
+                [weight] if weight is not None else tf.nest.flatten(data, expand_composites=True)
             )
-            # Read before the step: the rate this step applies (a schedule at the current
-            # iteration); a read only, so the update is unchanged.
-            # Every optimizer's: a custom step may apply others than model.optimizer (a GAN's two).
+            t_sync = _stamp(after) if timed else None
+            # Each optimizer's rate before the step (a read only): a GAN's step applies two.
             rates = {id(o): _learning_rate(o) for o in trace.optimizers_of(model)}
-            policy = probe.gradients or "sum"
             with trace.capture(
                 model,
                 seen,
                 custom_step=probe.custom_step,
-                policy=policy,
+                policy=probe.gradients or "sum",
                 num_replicas=n,
                 accumulator=probe.accumulator,
                 example_weight=weight,
                 stamp=_stamp if timed else None,
             ):
                 logs = original(data)
-            probe._announce(seen)
-            applied = seen.get("applied_ids") or [id(model.optimizer)]
-            lr = rates.get(applied[0], _learning_rate(model.optimizer))
+            probe._announce(seen["applies"])
+            first = seen["applies"][0]["id"] if seen["applies"] else id(model.optimizer)
+            lr = rates.get(first, _learning_rate(model.optimizer))
             loss, norm, scale = _replica_values(seen, n)
             buf = tf.identity(var)
             count = buf[ring, ReplicaProbe.COUNT] + 1
             row = tf.cast(tf.math.floormod(count - 1, ring), tf.int32)
-            # step count - 1 (zeros at first)
             prev = tf.cast(tf.math.floormod(count - 2, ring), tf.int32)
-            # A gather, not `buf[prev, ...]`: XLA needs a strided slice's bounds at compile time, so a
-            # slice at a computed row made the ring's value a constant input of the compiled step, and
-            # XLA (jit_compile, a TPU) compiled the step again at every step (tests/test_runtime.py).
+            # A gather, not `buf[prev, ...]`: XLA needs a strided slice's bounds at compile time, and
+            # recompiled the step at every step with a slice at a computed row.
             examples = tf.gather(buf[:, ReplicaProbe.EXAMPLES], prev) + tf.cast(
                 _batch_size(data), tf.int64
             )
             zero = tf.constant(0, tf.int64)
             compute = tf.constant(-1, tf.int64)
             if timed and seen.get("reached") is not None:
-                compute = tf.maximum(_micros(seen["reached"]) - _micros(t_sync), zero)
+                compute = tf.maximum(tf.cast((seen["reached"] - t_sync) * 1e6, tf.int64), zero)
+            values = [_bits(loss), _bits(norm), examples, _bits(lr), count, _bits(scale), compute]
+            counter = [zero, zero, zero, zero, count, zero, zero]
+            index = tf.stack([tf.stack([row]), tf.constant([ring])])
             var.assign(
                 tf.tensor_scatter_nd_update(
-                    buf,
-                    tf.stack([tf.stack([row]), tf.constant([ring])]),
-                    tf.stack(
-                        [
-                            tf.stack(
-                                [
-                                    _bits(loss),
-                                    _bits(norm),
-                                    examples,
-                                    _bits(lr),
-                                    count,
-                                    _bits(scale),
-                                    compute,
-                                ]
-                            ),
-                            tf.stack([zero, zero, zero, zero, count, zero, zero]),
-                        ]
-                    ),
+                    buf, index, tf.stack([tf.stack(values), tf.stack(counter)])
                 )
             )
             return logs
 
-        setattr(train_step, _MARK, True)
+        train_step.probe = self  # type: ignore[attr-defined]
         return train_step
 
-    def _announce(self, seen: dict[str, Any]) -> None:
-        if not seen.get("applied"):
+    def _announce(self, applies: list[dict[str, Any]]) -> None:
+        """Keep what replica 0's trace saw; on the chief, say once what keras-sync divides."""
+        if not applies:
             return
-        applies = seen["applies"]
-        self.last_trace = {"scaled_by": seen["scaled_by"], "factor": seen["factor"]}
-        if len({a["optimizer"] for a in applies}) > 1:
+        names = [a["optimizer"] for a in applies]
+        self.last_trace = {"scaled_by": applies[0]["scaled_by"], "factor": applies[0]["factor"]}
+        several = len(set(names)) > 1
+        if several:
             self.last_trace["per_optimizer"] = {
                 a["optimizer"]: [a["scaled_by"], a["factor"]] for a in applies
             }
-        trace.remember_applied(self.model, [a["optimizer"] for a in applies])
-        if self.model in _announced or not strategy_role(self.strategy).is_chief:
+        self.applied = list(dict.fromkeys(names))
+        if self._announced or not strategy_role(self.strategy).is_chief:
             return
-        _announced.add(self.model)
-        import sys
-
-        averaged = [
-            a["optimizer"]
-            for a in applies
-            if a["factor"] != 1.0 or a["scaled_by"] == trace.AT_SCALE_LOSS
-        ]
+        self._announced = True
+        at_scale = [a for a in applies if a["scaled_by"] == trace.AT_SCALE_LOSS]
+        averaged = [a["optimizer"] for a in applies if a["factor"] != 1.0 or a in at_scale]
         if averaged and self.gradients == "auto":
-            names = averaged if len({a["optimizer"] for a in applies}) > 1 else None
-            at_scale_loss = all(
-                a["scaled_by"] == trace.AT_SCALE_LOSS for a in applies if a["optimizer"] in averaged
+            line = trace.averaging_message(
+                self.model,
+                self.num_replicas,
+                averaged if several else None,
+                at_scale_loss=all(a in at_scale for a in applies if a["optimizer"] in averaged),
             )
-            print(
-                trace.averaging_message(
-                    self.model, self.num_replicas, names, at_scale_loss=at_scale_loss
-                ),
-                file=sys.stderr,
-                flush=True,
-            )
-        shares = sorted(
-            {
-                a["scaled_by"]
-                for a in applies
-                if a["scaled_by"] in ("a Keras loss", "tf.nn.compute_average_loss")
-            }
-        )
+            print(line, file=sys.stderr, flush=True)
+        kinds = ("a Keras loss", "tf.nn.compute_average_loss")
+        shares = sorted({a["scaled_by"] for a in applies if a["scaled_by"] in kinds})
         if self.custom_step and shares and self.num_replicas > 1:
-            print(
-                trace.share_message(self.model, self.num_replicas, shares[0]),
-                file=sys.stderr,
-                flush=True,
-            )
+            line = trace.share_message(self.model, self.num_replicas, shares[0])
+            print(line, file=sys.stderr, flush=True)
 
 
 def instrument(model: Any, gradients: str | None = None, accumulator: Any = None) -> ReplicaProbe:
     """Install the instrumented `train_step` on ``model`` (once) and return its probe.
 
-    ``gradients``: the `runtime.train_step_gradients` policy for a model that overrides
-    `train_step` (``auto``, ``average``, ``sum``); None keeps the current one (or observes only).
-    ``accumulator``: a `keras_sync.training.accumulate.GradientAccumulator` for the model's optimizer (None keeps
-    the current one).
-    The model keeps the wrapper after `fit` (a few cheap ops per step), so a second `fit` does
-    not retrace. Call this before `fit` builds its train function (Keras callbacks' `set_model`
-    is early enough); a train function built earlier is dropped so that `fit` rebuilds it.
+    ``gradients``, ``accumulator``: see `ReplicaProbe` (None keeps the current one). The model
+    keeps the wrapper after `fit`, so a second `fit` does not retrace. Call it before `fit` builds
+    its train function (a callback's `set_model`); a train function built earlier is dropped.
     """
-    probe = _probes.get(model)
-    if probe is not None and getattr(model.__dict__.get("train_step"), _MARK, False):
+    probe = probe_of(model)
+    if probe is not None:
         if gradients is not None and gradients != probe.gradients:
             probe.gradients = gradients
             model.train_function = None  # retrace with the new policy
@@ -315,13 +250,12 @@ def instrument(model: Any, gradients: str | None = None, accumulator: Any = None
     # object.__setattr__: a function is not state for Keras's attribute tracker.
     object.__setattr__(model, "train_step", probe.step_fn(original))
     model.train_function = None
-    _probes[model] = probe
     return probe
 
 
 def probe_of(model: Any) -> ReplicaProbe | None:
     """The `ReplicaProbe` `instrument` put on ``model``, if any."""
-    return _probes.get(model)
+    return getattr(vars(model).get("train_step"), "probe", None)
 
 
 def holds_unapplied_gradients(model: Any) -> bool:
@@ -330,32 +264,42 @@ def holds_unapplied_gradients(model: Any) -> bool:
     return accumulator is not None and accumulator.pending()
 
 
+def applied_optimizers(model: Any) -> list[tuple[str, Any]]:
+    """(attribute, optimizer) of each optimizer ``model``'s train step applies; [] before its first trace."""
+    out = []
+    for name in getattr(probe_of(model), "applied", []):
+        value = getattr(model, name, None) or vars(model).get("_" + name)
+        if value is not None and hasattr(value, "apply_gradients"):
+            out.append((name, value))
+    return out
+
+
 def _replica_values(seen: dict[str, Any], n: int) -> tuple[Any, Any, Any]:
     """(loss, grad norm, loss scale) of this replica as float32, scaled like one device's."""
     import tensorflow as tf
 
     nan = tf.constant(float("nan"), tf.float32)
+    custom, applies = seen["custom_step"], seen["applies"]
     # The loss was divided by n (by Keras or the user) unless keras-sync averages the gradients.
-    undo = float(n) if (not seen["custom_step"] or seen["scaled_by"] is not None) else 1.0
-    loss = seen.get("loss") if not seen["custom_step"] else seen.get("tape_loss")
+    divided = not custom or (applies and applies[0]["scaled_by"] is not None)
+    undo = float(n) if divided else 1.0
+    loss = seen.get("tape_loss" if custom else "loss")
     loss = tf.cast(loss, tf.float32) * undo if loss is not None else nan
-    grads = [_dense(g) for g in seen["grads"]]
     scale = seen.get("loss_scale")
-    if grads:
-        norm = tf.linalg.global_norm([tf.cast(g, tf.float32) for g in grads]) * undo
+    norm = nan
+    if seen["grads"]:
+        dense = [tf.cast(tf.convert_to_tensor(g), tf.float32) for g in seen["grads"]]
+        norm = tf.linalg.global_norm(dense) * undo
         if scale is not None:
             norm = norm / tf.cast(scale, tf.float32)
-    else:
-        norm = nan
     return loss, norm, (tf.cast(scale, tf.float32) if scale is not None else nan)
 
 
 def _example_weight(data: Any, n: int) -> Any:
-    """This replica's share of the step's examples times the replica count: 1.0 when the batch
-    splits evenly, else what makes the replicas' summed gradients those of the mean over the
-    global batch (a last batch of 11 on 2 replicas is split 6/5; Keras weighs both means alike).
+    """This replica's share of the step's examples times the replica count (None with one replica).
 
-    One scalar all-reduce per step; None with one replica.
+    1.0 when the batch splits evenly; else what makes the replicas' summed gradients those of
+    the mean over the global batch (Keras weighs a 6/5 split of a last batch alike).
     """
     if n <= 1:
         return None
@@ -372,23 +316,6 @@ def _stamp(after: list[Any]) -> Any:
 
     with tf.control_dependencies([t for t in after if t is not None]):
         return tf.timestamp()
-
-
-def _micros(seconds: Any) -> Any:
-    import tensorflow as tf
-
-    return tf.cast(seconds * 1e6, tf.int64)
-
-
-def _num_workers(strategy: Any) -> int:
-    resolver = getattr(strategy, "cluster_resolver", None)
-    if resolver is None:
-        return 1
-    from keras_sync.cluster import role
-
-    return role(
-        resolver.cluster_spec().as_dict(), resolver.task_type, int(resolver.task_id)
-    ).num_workers
 
 
 def _decode(ring: Any) -> Any:
@@ -424,9 +351,3 @@ def _batch_size(data: Any) -> Any:
         if t is not None and hasattr(t, "shape") and len(t.shape) > 0:
             return tf.shape(t)[0]
     return tf.constant(0)
-
-
-def _dense(g: Any) -> Any:
-    import tensorflow as tf
-
-    return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g

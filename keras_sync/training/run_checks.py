@@ -1,36 +1,28 @@
 """Run-time checks of every `Sync.fit`: what really trained, against what keras-sync set up.
 
-Rules that recognise an input (a ``batch`` op, a shard policy, a loss object) fix the cases they were
-written for; these checks look at what happened, so an input nobody tried is loud too:
-
-- ``examples_per_step``: every train step of an epoch took the global batch the learning rate was
-  scaled for, but the last (a partial batch);
-- ``examples_per_epoch``: the examples trained in an epoch, summed over replicas and workers, equal
-  the data's length when it is known before training (arrays, a dataset of known cardinality);
-- ``resume``: after a restored backup, the first step trains from the optimizer step restored;
-- ``learning_rate``: the learning rate of each optimizer the train step applies is the one keras-sync
-  scaled (when the config's ``learning_rate`` section was written); a custom `train_step`'s optimizers
-  (a GAN's two, not the unused one of its ``super().compile()``) are known once its first step is traced;
-- ``add_loss``: no `add_loss` term sums over the batch on several replicas (`keras_sync.training.add_loss_check`);
-- ``direct_fit``: ``model.fit`` called on a model compiled in ``sync.scope()`` without keras-sync's
-  callbacks (Keras's default batch, no scaling, no metrics): a guard on that model only.
-
-The counts come from the replica probe (`keras_sync.training.instrument`, already written every step), read once per
-epoch. A violation is one line on the chief and the MLflow tag ``keras_sync.check.<name>``; with
-``checks.on_violation: error`` the fit stops with that line (`CheckFailed`).
+Checks of what happened, so that an input no rule foresaw is loud too: ``examples_per_step``,
+``examples_per_epoch``, ``resume``, ``learning_rate``, ``add_loss`` and ``direct_fit`` (a plain
+``model.fit`` on a model compiled in ``sync.scope()``). A violation is one line on the chief and
+the MLflow tag ``keras_sync.check.<name>``; under ``checks.on_violation: error`` a `CheckFailed`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
+import logging
 import math
 import sys
-import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from keras_sync.errors import KerasSyncError
+from keras_sync.training.context import RunContext
+
+log = logging.getLogger("keras_sync")
+#: Examples per replica's share the ``add_loss`` check evaluates.
+PER_SHARE = 2
 
 
 class CheckFailed(KerasSyncError):
@@ -38,23 +30,21 @@ class CheckFailed(KerasSyncError):
 
 
 def step_problem(examples: int, steps: int, global_batch: int) -> str | None:
-    """What is wrong with an epoch of ``steps`` train steps over ``examples`` (None: every step but the
-    last took ``global_batch``, the last at most that).
+    """What is wrong with an epoch of ``steps`` train steps over ``examples`` (None: every step but
+    the last took ``global_batch``, the last at most that).
 
     >>> step_problem(331, 11, 32) is None, step_problem(320, 10, 32) is None
     (True, True)
     >>> step_problem(512, 16, 64)
     '16 train steps took 512 examples (32 per step), but the learning rate was scaled for a global batch of 64'
     """
-    if steps <= 0:
-        return None
-    if (steps - 1) * global_batch < examples <= steps * global_batch:
+    if steps <= 0 or (steps - 1) * global_batch < examples <= steps * global_batch:
         return None
     per = examples / steps
     per_text = f"{per:g}" if per == int(per) else f"{per:.1f}"
     return (
-        f"{steps} train steps took {examples} examples ({per_text} per step), but the learning rate was scaled "
-        f"for a global batch of {global_batch}"
+        f"{steps} train steps took {examples} examples ({per_text} per step), but the learning rate "
+        f"was scaled for a global batch of {global_batch}"
     )
 
 
@@ -81,8 +71,7 @@ def learning_rate_problem(
 ) -> str | None:
     """What is wrong when an optimizer applies ``applied`` and keras-sync scaled ``scaled``.
 
-    ``optimizer``: the model attribute that holds it, when a custom `train_step` applies other
-    optimizers than ``model.optimizer`` (a GAN's ``d_optimizer``); None: the compiled optimizer.
+    ``optimizer``: the model attribute that holds it when not ``model.optimizer`` (a GAN's).
 
     >>> learning_rate_problem(0.002, 0.002, global_batch=64, rule="linear") is None
     True
@@ -105,12 +94,125 @@ def learning_rate_problem(
     )
 
 
-class Reporter:
-    """Says a violation once per fit and check: one line on the chief, an MLflow tag, or an error."""
+def sums_over_batch(whole: float, shares: list[float]) -> bool:
+    """Whether a term's value on some examples is the sum of its values on their equal shares
+    (Keras divides each `add_loss` term by N: such a term then counts 1/N of one device's).
 
-    def __init__(self, sync: Any):
-        self.sync = sync
-        self.error = sync.config.checks.on_violation == "error"
+    >>> sums_over_batch(10.0, [4.0, 6.0])       # rate * ops.sum(x)
+    True
+    >>> sums_over_batch(5.0, [4.0, 6.0])        # ops.mean(x): the mean of the shares' means
+    False
+    >>> sums_over_batch(3.0, [3.0, 3.0]), sums_over_batch(0.0, [0.0, 0.0])  # a weight penalty; nothing
+    (False, False)
+    """
+    size = abs(whole) + sum(abs(s) for s in shares)
+    total = sum(shares)
+    return (
+        size > 0.0
+        and abs(whole - total) <= 1e-2 * size
+        and abs(whole - total / len(shares)) > 0.1 * size
+    )
+
+
+def add_loss_problem(model: Any, data: Any, n: int, global_batch: int) -> str | None:
+    """The ``add_loss`` finding on ``fit``'s ``data`` over ``n`` replicas (None: nothing to say).
+
+    The terms are evaluated (`stateless_call`, inference mode) on a few examples of the first
+    batch and on the N equal shares the replicas would get; a dataset is read only when a call on
+    zeros shows terms.
+    """
+    import tensorflow as tf
+
+    if n <= 1 or data is None or not getattr(model, "built", False):
+        return None
+    rows = PER_SHARE * n
+    try:
+        if isinstance(data, tf.data.Dataset):
+            spec = (
+                data.element_spec[0] if isinstance(data.element_spec, tuple) else data.element_spec
+            )
+            leaves = tf.nest.flatten(spec)
+            known = leaves and all(
+                isinstance(s, tf.TensorSpec) and s.shape.rank and None not in s.shape[1:]
+                for s in leaves
+            )
+            if known and not _terms(
+                model,
+                tf.nest.map_structure(lambda s: tf.zeros([rows, *s.shape[1:]], s.dtype), spec),
+            ):
+                return None  # no add_loss term: the data is not read
+        x = _first_rows(data, rows)
+        whole = _terms(model, x) if x is not None else []
+        if not whole:
+            return None
+        shares = [
+            _terms(
+                model,
+                tf.nest.map_structure(lambda a, r=r: a[r * PER_SHARE : (r + 1) * PER_SHARE], x),
+            )
+            for r in range(n)
+        ]
+    except Exception as exc:  # a model it cannot call this way is not judged
+        log.debug("keras-sync: check add_loss skipped: %s: %s", type(exc).__name__, exc)
+        return None
+    if any(len(s) != len(whole) for s in shares):
+        return None  # terms that depend on the batch's size: not comparable
+    found = [i for i, value in enumerate(whole) if sums_over_batch(value, [s[i] for s in shares])]
+    if not found:
+        return None
+    return (
+        f"add_loss term {', '.join(str(i + 1) for i in found)} of {len(whole)} (in the order of model.losses) "
+        f"sums over the batch (its value on {rows} examples is the sum, not the mean, of its values on the {n} "
+        f"replicas' shares), and each replica's add_loss terms are divided by the replica count (Keras's "
+        f"compute_loss; right for a mean or a weight penalty): on {n} replicas it counts 1/{n} of one device's. "
+        f"Fix: write it as a mean times the global batch, e.g. add_loss(rate * {global_batch} * "
+        "ops.mean(ops.sum(x, axis=-1))), which equals one device"
+    )
+
+
+def _first_rows(x: Any, rows: int) -> Any:
+    """The first ``rows`` inputs of ``fit``'s ``x`` (arrays, or a dataset's first batch); None for
+    other inputs (a `PyDataset`, a distributed dataset: not read twice)."""
+    import tensorflow as tf
+
+    if isinstance(x, tf.data.Dataset):
+        try:
+            x = next(iter(x.take(1)))
+        except (StopIteration, tf.errors.OpError):
+            return None
+        x = x[0] if isinstance(x, tuple) else x  # (x, y[, sample_weight])
+    elif (
+        hasattr(x, "__getitem__")
+        and not hasattr(x, "shape")
+        and not isinstance(x, (list, tuple, dict))
+    ):
+        return None  # a PyDataset / Sequence
+    leaves = tf.nest.flatten(x)
+    if not leaves or any(
+        len(getattr(leaf, "shape", ())) == 0 or leaf.shape[0] is None or leaf.shape[0] < rows
+        for leaf in leaves
+    ):
+        return None
+    return tf.nest.map_structure(lambda a: tf.convert_to_tensor(a[:rows]), x)
+
+
+def _terms(model: Any, x: Any) -> list[float]:
+    """Each `model.losses` term (summed to a scalar, as Keras does) of a side-effect-free call on ``x``."""
+    import keras
+
+    ops = keras.ops
+    kwargs = {"training": False} if "training" in inspect.signature(model.call).parameters else {}
+    trainable = [ops.convert_to_tensor(v) for v in model.trainable_variables]
+    non_trainable = [ops.convert_to_tensor(v) for v in model.non_trainable_variables]
+    _, _, losses = model.stateless_call(trainable, non_trainable, x, return_losses=True, **kwargs)
+    return [float(ops.convert_to_numpy(ops.sum(ops.cast(term, "float32")))) for term in losses]
+
+
+class Reporter:
+    """Says a violation once per check: one line on the chief and an MLflow tag, or an error."""
+
+    def __init__(self, context: RunContext, writer: Any = None):
+        self.context, self.writer = context, writer
         self.said: set[str] = set()
 
     def violation(self, name: str, message: str) -> None:
@@ -118,21 +220,17 @@ class Reporter:
             return
         self.said.add(name)
         line = f"keras-sync: check {name} failed: {message}."
-        if self.error:
+        if self.context.config.checks.on_violation == "error":
             raise CheckFailed(line.removeprefix("keras-sync: ") + " (checks.on_violation: error)")
-        if not self.sync.is_chief:
-            return
-        print(line + " (checks.on_violation: warn)", file=sys.stderr, flush=True)
-        if self.sync.config.mlflow.enabled:
-            from keras_sync.training.job_run import writer_for
-
-            writer = writer_for(self.sync)
-            if writer is not None:
-                writer.set_tags({f"keras_sync.check.{name}": message[:4900]})
+        if self.context.is_chief:
+            print(line + " (checks.on_violation: warn)", file=sys.stderr, flush=True)
+            if self.writer is not None:
+                self.writer.set_tags({f"keras_sync.check.{name}": message[:4900]})
 
 
 def checks_callback(
-    sync: Any,
+    context: RunContext,
+    writer: Any,
     *,
     global_batch: int,
     expected: int | None,
@@ -141,27 +239,28 @@ def checks_callback(
 ) -> Any:
     """The Keras callback of these checks for one `fit` (put it last: it reads what the others restored).
 
-    ``data``: `fit`'s ``x``, for the ``add_loss`` check (`keras_sync.training.add_loss_check`; None: not checked).
-    ``backups``: this fit's keras-sync `BackupAndRestore` callbacks, whose ``restored`` point the
-    resume check compares with the step training continues from.
+    ``writer``: the run's writer on the chief (None: no tag). ``data``: `fit`'s ``x`` for the
+    ``add_loss`` check. ``backups``: this fit's keras-sync `BackupAndRestore` callbacks, whose
+    ``restored`` point the resume check compares with the step training continues from.
     """
     import keras
 
     from keras_sync.training import instrument as _instrument
     from keras_sync.training.instrument import ReplicaProbe
 
-    reporter = Reporter(sync)
+    reporter, config = Reporter(context, writer), context.config
+    restore_fix = "something restored over it (e.g. keras.callbacks.BackupAndRestore next to fault_tolerance.backup_dir; keep one)"
 
     class RunChecks(keras.callbacks.Callback):
         def on_train_begin(self, logs: Any = None) -> None:
             self._first_batch = True
             self._resumed = next((b.restored for b in backups if b.restored is not None), None)
             self._skip_epoch = self._resumed is not None and self._resumed.mid_epoch
-            # Keras's own train_step applies model.optimizer; a custom one's optimizers are known once traced.
+            # Keras's own train_step applies model.optimizer; a custom one's are known once traced.
             self._rates_due = True
             if _instrument.has_default_train_step(self.model):
                 self._check_learning_rate()
-            self._add_loss_due = data is not None and sync.num_replicas > 1
+            self._add_loss_due = data is not None and context.num_replicas > 1
             if getattr(self.model, "built", False):  # else once the first step has built it
                 self._check_add_loss()
             self._probe: Any = _instrument.probe_of(self.model)
@@ -169,15 +268,13 @@ def checks_callback(
 
         def _check_learning_rate(self) -> None:
             self._rates_due = False
-            if not any(
-                sync.config.source_of(f"learning_rate.{k}") != "default"
+            if all(
+                config.source_of(f"learning_rate.{k}") == "default"
                 for k in ("base", "scaling", "base_batch_size")
             ):
                 return
-            from keras_sync.training.train_step_trace import applied_optimizers
-
-            # What the traced step applied, each on its own; model.optimizer only when nothing is known.
-            applied = applied_optimizers(self.model) or [
+            # What the traced step applied, each on its own; model.optimizer when nothing is known.
+            applied = _instrument.applied_optimizers(self.model) or [
                 ("optimizer", getattr(self.model, "optimizer", None))
             ]
             problems = []
@@ -185,21 +282,18 @@ def checks_callback(
                 rate = getattr(
                     getattr(optimizer, "inner_optimizer", optimizer), "_learning_rate", None
                 )
-                if (
-                    rate is None
-                    or isinstance(rate, keras.optimizers.schedules.LearningRateSchedule)
-                    or callable(rate)
-                ):
-                    continue  # a schedule: keras-sync's warmup, or the user's own (read as the user wrote it)
+                schedule = isinstance(rate, keras.optimizers.schedules.LearningRateSchedule)
+                if rate is None or schedule or callable(rate):
+                    continue  # a schedule: keras-sync's warmup, or the user's own
                 try:
                     rate = float(keras.ops.convert_to_numpy(rate))
                 except (TypeError, ValueError):
                     continue
                 problem = learning_rate_problem(
                     rate,
-                    sync.learning_rate,
-                    global_batch=sync.effective_batch_size,
-                    rule=sync.config.learning_rate.scaling,
+                    context.learning_rate or 0.0,
+                    global_batch=context.effective_batch_size or global_batch,
+                    rule=config.learning_rate.scaling,
                     optimizer=None if name == "optimizer" else name,
                 )
                 if problem:
@@ -208,14 +302,11 @@ def checks_callback(
                 reporter.violation("learning_rate", "; ".join(problems))
 
         def _check_add_loss(self) -> None:
-            if not self._add_loss_due:
-                return
-            self._add_loss_due = False
-            from keras_sync.training import add_loss_check as _add_loss_check
-
-            problem = _add_loss_check.problem(self.model, data, sync.num_replicas, global_batch)
-            if problem:
-                reporter.violation("add_loss", problem)
+            if self._add_loss_due:
+                self._add_loss_due = False
+                problem = add_loss_problem(self.model, data, context.num_replicas, global_batch)
+                if problem:
+                    reporter.violation("add_loss", problem)
 
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
             if self._rates_due:  # a custom train_step: its first step has been traced
@@ -226,18 +317,15 @@ def checks_callback(
             if not self._first_batch:
                 return
             self._first_batch = False
-            point = self._resumed
-            optimizer = getattr(self.model, "optimizer", None)
+            point, optimizer = self._resumed, getattr(self.model, "optimizer", None)
             if point is None or optimizer is None:
                 return
             now = int(optimizer.iterations.numpy())
             if now != point.iterations:
                 reporter.violation(
                     "resume",
-                    f"keras-sync restored optimizer step {point.iterations} (epoch "
-                    f"{point.epoch + 1}, after batch {point.step}), but training continues from "
-                    f"step {now}: something restored over it (e.g. keras.callbacks.BackupAndRestore "
-                    "next to fault_tolerance.backup_dir; keep one)",
+                    f"keras-sync restored optimizer step {point.iterations} (epoch {point.epoch + 1}, "
+                    f"after batch {point.step}), but training continues from step {now}: {restore_fix}",
                 )
 
         def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
@@ -245,24 +333,21 @@ def checks_callback(
             if point is not None and self._first_batch and epoch != point.epoch:
                 reporter.violation(
                     "resume",
-                    f"keras-sync restored epoch {point.epoch + 1}, but training continues "
-                    f"at epoch {epoch + 1}: something restored over it (e.g. "
-                    "keras.callbacks.BackupAndRestore next to fault_tolerance.backup_dir; keep one)",
+                    f"keras-sync restored epoch {point.epoch + 1}, but training continues at epoch "
+                    f"{epoch + 1}: {restore_fix}",
                 )
 
         def _totals(self) -> tuple[int, int]:
-            self._rings = rings = (
+            self._rings = (
                 self._probe.read()
             )  # a collective under multi-worker: every worker is here
-            count = ReplicaProbe.count(rings)
+            count = ReplicaProbe.count(self._rings)
             return count, self._examples_at(count)
 
         def _examples_at(self, count: int) -> int:
             """Examples trained by all replicas up to train step ``count`` (-1: no longer in the ring)."""
-            if count <= 0:
-                return 0
-            rows = self._probe.row(self._rings, count)
-            return int(sum(r[ReplicaProbe.EXAMPLES] for r in rows)) if rows else -1
+            rows = self._probe.row(self._rings, count) if count > 0 else []
+            return int(sum(r[ReplicaProbe.EXAMPLES] for r in rows)) if rows is not None else -1
 
         def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
             if self._probe is None or self._last is None:
@@ -272,8 +357,8 @@ def checks_callback(
             skip, self._skip_epoch = self._skip_epoch, False
             if examples < 0 or examples0 < 0:
                 return
-            steps, trained = count - count0, examples - examples0
-            problem = step_problem(trained, steps, global_batch)
+            trained = examples - examples0
+            problem = step_problem(trained, count - count0, global_batch)
             # Each step but the epoch's last, as far back as the ring reaches: a short batch mid-epoch.
             first = max(count0 + 1, count - self._probe.ring + 1)
             before = self._examples_at(first - 1) if first - 1 > count0 else examples0
@@ -287,95 +372,85 @@ def checks_callback(
                 before = now
             if problem:
                 reporter.violation("examples_per_step", f"epoch {epoch + 1}: {problem}")
-            if (
-                expected is not None and not skip and sync.config.verify is None
-            ):  # verify stops mid-epoch
-                problem = epoch_problem(trained, expected)
-                if problem:
-                    reporter.violation("examples_per_epoch", f"epoch {epoch + 1}: {problem}")
+            # verify stops mid-epoch
+            problem = epoch_problem(trained, expected) if expected is not None else None
+            if problem and not skip and config.verify is None:
+                reporter.violation("examples_per_epoch", f"epoch {epoch + 1}: {problem}")
 
     return RunChecks()
 
 
 @contextlib.contextmanager
-def scope_guarding_fit(sync: Any) -> Iterator[Any]:
-    """`Sync.scope`: the strategy's scope, in which each model compiled gets a ``direct_fit`` guard.
+def scope_guarding_fit(
+    strategy: Any, context: RunContext, writer: Callable[[], Any]
+) -> Iterator[Any]:
+    """`Sync.scope`: the strategy's scope, in which each model compiled gets methods of its own.
 
-    For the length of the block `keras.Model.compile` also puts the guard on the compiled model
-    itself (an instance attribute, not Keras's class): its plain ``model.fit`` then says, once,
-    that it runs without keras-sync. `Sync.fit` calls the class's `fit`, past the guard. The
-    model's own ``fit``, ``evaluate`` and ``predict`` run with Keras fixed for the strategy
-    (`keras_fixes.fixed_keras`), as `Sync.fit` does, for the length of each call. Under
-    several workers the model also gets the chief-only ``save`` (`saving.chief_writes_on`) and
-    ``fit``/``evaluate``/``predict`` that every worker must call (`collective_calls.meets_peers`).
+    Its ``fit``, ``evaluate`` and ``predict`` run with Keras fixed for the strategy
+    (`keras_fixes.fixed_keras`) for the length of each call, and a plain ``model.fit`` says once
+    that it runs without keras-sync (``direct_fit``; `Sync.fit` calls the class's `fit`). Under
+    several workers the model also gets `saving.for_workers`. ``writer``: gives the run's writer
+    for the violation's tag.
     """
     import keras
 
+    from keras_sync.training.saving import for_workers, wrap_own
+    from keras_sync.upstream.keras_fixes import fixed_keras
     from keras_sync.upstream.patching import original, patched
 
     keras_compile = original(keras.Model, "compile")
 
-    @functools.wraps(keras_compile)
+    def fixed(call: Callable[..., Any]) -> Callable[..., Any]:
+        def method(*args: Any, **kwargs: Any) -> Any:
+            with fixed_keras(strategy):
+                return call(*args, **kwargs)
+
+        return method
+
+    def guarded(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        return lambda call: _guarded_fit(name, fixed(call), context, writer)
+
     def compile(model: Any, *args: Any, **kwargs: Any) -> Any:
         result = keras_compile(model, *args, **kwargs)
-        if getattr(model, "_distribute_strategy", None) is sync.strategy:
-            ref = weakref.ref(model)
-            object.__setattr__(model, "fit", _guarded_fit(sync, ref))
-            for name in ("evaluate", "predict"):
-                object.__setattr__(model, name, _fixed_call(sync, ref, name))
-            if sync.num_workers > 1:  # model.save/save_weights: the chief writes the user's path
-                from keras_sync.cluster.collective_calls import meets_peers
-                from keras_sync.training.saving import chief_writes_on
-
-                chief_writes_on(model)
-                meets_peers(model)  # its fit/evaluate/predict: every worker, or one line
+        if getattr(model, "_distribute_strategy", None) is strategy:
+            wrap_own(model, "fit", guarded(type(model).__name__), "_keras_sync_in_scope")
+            for method in ("evaluate", "predict"):
+                wrap_own(model, method, fixed, "_keras_sync_in_scope")
+            if context.num_workers > 1:
+                for_workers(model)
         return result
 
-    with sync.strategy.scope() as strategy, patched([(keras.Model, "compile", compile)]):
-        yield strategy
+    compile = functools.wraps(keras_compile)(compile)
+    with strategy.scope() as scope, patched([(keras.Model, "compile", compile)]):
+        yield scope
 
 
-def _guarded_fit(sync: Any, model_ref: Any) -> Any:
-    """A model's own `fit`: says once when it runs without keras-sync, then runs the class's `fit`."""
+def _guarded_fit(
+    name: str, fixed: Callable[..., Any], context: RunContext, writer: Callable[[], Any]
+) -> Callable[..., Any]:
+    """A model's own `fit` in the scope: says once when it runs without keras-sync, then runs."""
     told = False
-    fixed_fit = _fixed_call(sync, model_ref, "fit")
 
     def fit(*args: Any, **kwargs: Any) -> Any:
         nonlocal told
-        model = model_ref()
-        callbacks = kwargs.get("callbacks") or []
-        # keras-sync's callbacks (sync.callbacks(model), or the public ones alone) mean the user runs
-        # their own fit on purpose, as the README shows; so does data they batched themselves (a
-        # dataset, sync.distribute): only arrays batched by Keras's own batch_size are the habit.
-        ours = any(type(c).__module__.startswith("keras_sync.") for c in callbacks)
-        data = args[0] if args else kwargs.get("x")
-        if not ours and not told and not _batched_by_user(data):
+        # keras-sync's callbacks or data the user batched (a dataset, sync.distribute) mean a
+        # fit of their own on purpose; only arrays batched by Keras's own batch_size are the habit.
+        ours = any(
+            type(c).__module__.startswith("keras_sync.") for c in kwargs.get("callbacks") or []
+        )
+        if not ours and not told and not _batched_by_user(args[0] if args else kwargs.get("x")):
             told = True
-            Reporter(sync).violation(
+            Reporter(context, writer()).violation(
                 "direct_fit",
-                f"model.fit called on {type(model).__name__}, built in sync.scope(), without keras-sync: Keras "
+                f"model.fit called on {name}, built in sync.scope(), without keras-sync: Keras "
                 f"batches arrays by its own batch_size (32 unless given), not by the configured global batch "
-                f"{sync.global_batch_size} that the learning rate {sync.learning_rate:g} was scaled for, and no "
-                "metrics go to MLflow. Fix: sync.fit(model, ...) with the same arguments, or "
+                f"{context.global_batch_size} that the learning rate {context.learning_rate:g} was scaled for, "
+                "and no metrics go to MLflow. Fix: sync.fit(model, ...) with the same arguments, or "
                 "model.fit(sync.distribute(...), callbacks=sync.callbacks(model))",
             )
-        return fixed_fit(*args, **kwargs)
+        return fixed(*args, **kwargs)
 
     return fit
-
-
-def _fixed_call(sync: Any, model_ref: Any, name: str) -> Any:
-    """A model's own ``evaluate`` or ``predict``: the class's, with Keras fixed for the strategy."""
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        from keras_sync.upstream.keras_fixes import fixed_keras
-
-        model = model_ref()
-        with fixed_keras(sync.strategy):
-            return getattr(type(model), name)(model, *args, **kwargs)
-
-    call.__name__ = call.__qualname__ = name
-    return call
 
 
 def _batched_by_user(data: Any) -> bool:

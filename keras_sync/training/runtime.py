@@ -1,16 +1,11 @@
 """The `runtime:` section applied to a run, with the user's own `model.compile(...)` line unchanged.
 
-- ``mixed_precision``: the global Keras dtype policy, set by `keras_sync.load()` before the model
-  is built. Keras's `compile` then wraps the optimizer in a `LossScaleOptimizer` for
-  ``mixed_float16``.
-- ``jit_compile``, ``steps_per_execution``: set on the compiled model before Keras builds its
-  train function. A key written in the config wins over compile's value (one line says so on the
-  chief); a key left at its default keeps compile's. XLA cannot compile a step over several
-  replicas on CPU devices: ``runtime.jit_compile: true`` is refused there, and a compile's own
-  ``jit_compile=True`` is turned off with one line.
-- ``gradient_accumulation_steps``: see `keras_sync.training.accumulate`.
-- ``sync_batch_norm``: every `BatchNormalization` layer computes its statistics over all replicas
-  (Keras's ``synchronized=True``). Off with several replicas, one line says they are per replica.
+``mixed_precision`` sets the global Keras dtype policy in `keras_sync.load()`. ``jit_compile`` and
+``steps_per_execution`` are set on the compiled model before Keras builds its train function: a
+key written in the config wins over compile's value (one line says so). XLA cannot compile a step
+over several replicas on CPU devices: ``jit_compile: true`` is refused there, and a compile's own
+``jit_compile=True`` is turned off with one line. ``sync_batch_norm`` makes every
+`BatchNormalization` compute its statistics over all replicas.
 """
 
 from __future__ import annotations
@@ -19,11 +14,6 @@ import sys
 from typing import Any
 
 from keras_sync.training.context import RunContext
-
-
-def _say(context: RunContext, line: str) -> None:
-    if context.is_chief:
-        print(f"keras-sync: {line}", file=sys.stderr, flush=True)
 
 
 def given(config: Any, key: str) -> bool:
@@ -36,31 +26,25 @@ def set_dtype_policy(config: Any, *, is_chief: bool) -> None:
     if not given(config, "mixed_precision"):
         return
     import keras
+    import tensorflow as tf
 
     name = config.runtime.mixed_precision
     keras.mixed_precision.set_dtype_policy("float32" if name == "none" else name)
-    if name == "mixed_float16" and is_chief:
-        fast, where = _fast_float16()
-        if not fast:
-            print(
-                f"keras-sync: runtime.mixed_precision: mixed_float16 on {where}, which has no fast float16: "
-                "training may be slower than float32; mixed_bfloat16 is the usual choice on CPU and TPU.",
-                file=sys.stderr,
-                flush=True,
-            )
-
-
-def _fast_float16() -> tuple[bool, str]:
-    import tensorflow as tf
-
-    gpus = tf.config.list_physical_devices("GPU")
-    if not gpus:
-        return False, "CPU"
-    for gpu in gpus:
+    if name != "mixed_float16" or not is_chief:
+        return
+    where = "CPU"
+    for gpu in tf.config.list_physical_devices("GPU"):
         cc = tf.config.experimental.get_device_details(gpu).get("compute_capability") or (0, 0)
-        if tuple(cc) < (7, 0):  # tensor cores (Volta) and later
-            return False, f"{gpu.name} (compute capability {cc[0]}.{cc[1]})"
-    return True, "GPU"
+        where = f"{gpu.name} (compute capability {cc[0]}.{cc[1]})" if tuple(cc) < (7, 0) else "GPU"
+        if where != "GPU":  # tensor cores (Volta) and later are fast in float16
+            break
+    if where != "GPU":
+        print(
+            f"keras-sync: runtime.mixed_precision: mixed_float16 on {where}, which has no fast float16: "
+            "training may be slower than float32; mixed_bfloat16 is the usual choice on CPU and TPU.",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def prepare_model(context: RunContext, model: Any) -> None:
@@ -68,38 +52,41 @@ def prepare_model(context: RunContext, model: Any) -> None:
     import keras
 
     config, rt = context.config, context.config.runtime
-    changed = False
+    name, before = type(model).__name__, (model.steps_per_execution, model.jit_compile)
     spe = int(model.steps_per_execution or 1)
     if given(config, "steps_per_execution") and spe != rt.steps_per_execution:
         if spe != 1:  # the user's compile chose a value
             _replacing(context, model, "steps_per_execution", spe, rt.steps_per_execution)
         model.steps_per_execution = rt.steps_per_execution
-        changed = True
-    if given(config, "jit_compile") and rt.jit_compile is True:
-        if _xla_fails(context, model):
-            from keras_sync.errors import UsageError
+    # Keras compiles strategy.run as one XLA cluster: over logical CPUs XLA reads variables of CPU:1
+    # from CPU:0; across CPU workers it has no collectives and aborts.
+    xla_fails = False
+    if context.num_replicas > 1:  # the default strategy has no worker_devices (RuntimeError)
+        devices = [
+            str(d) for d in getattr(model.distribute_strategy.extended, "worker_devices", ())
+        ]
+        xla_fails = bool(devices) and all("CPU" in d.upper() for d in devices)
+    if given(config, "jit_compile") and rt.jit_compile is True and xla_fails:
+        from keras_sync.errors import UsageError
 
-            # Keras compiles strategy.run as one XLA cluster: over logical CPUs XLA reads variables
-            # of CPU:1 from CPU:0; across CPU workers it has no collectives and aborts.
-            raise UsageError(
-                f"Invalid value for runtime.jit_compile. Received: true with {context.num_replicas} replicas on "
-                "CPU devices, where XLA cannot compile a distributed step (no XLA collectives on CPU; "
-                "variables on several devices). Expected false or auto; XLA works on one device, and on "
-                "GPUs or TPUs."
-            )
-    elif rt.jit_compile == "auto" and model.jit_compile is True and _xla_fails(context, model):
+        raise UsageError(
+            f"Invalid value for runtime.jit_compile. Received: true with {context.num_replicas} replicas on "
+            "CPU devices, where XLA cannot compile a distributed step (no XLA collectives on CPU; "
+            "variables on several devices). Expected false or auto; XLA works on one device, and on "
+            "GPUs or TPUs."
+        )
+    if rt.jit_compile == "auto" and model.jit_compile is True and xla_fails:
         # compile(jit_compile=True) itself: Keras's "auto" is False under a strategy.
-        if _once("xla", model):
-            _say(
-                context,
-                f"jit_compile=True of {type(model).__name__}'s compile is not applied: XLA cannot compile a "
-                f"step over {context.num_replicas} replicas on CPU devices (no XLA collectives on CPU; variables "
-                "on several devices), so the model trains without XLA. XLA works on one device, and on GPUs "
-                "or TPUs.",
-            )
+        _say_once(
+            context,
+            model,
+            "xla",
+            f"jit_compile=True of {name}'s compile is not applied: XLA cannot compile a step over "
+            f"{context.num_replicas} replicas on CPU devices (no XLA collectives on CPU; variables on "
+            "several devices), so the model trains without XLA. XLA works on one device, and on GPUs or TPUs.",
+        )
         model.jit_compile = False
-        changed = True
-    if (
+    elif (
         given(config, "jit_compile")
         and rt.jit_compile != "auto"
         and bool(model.jit_compile) != rt.jit_compile
@@ -107,51 +94,42 @@ def prepare_model(context: RunContext, model: Any) -> None:
         if model.jit_compile:  # on, by the user's compile (or Keras's auto on an accelerator)
             _replacing(context, model, "jit_compile", model.jit_compile, rt.jit_compile)
         model.jit_compile = rt.jit_compile
-        changed = True
+    changed = before != (model.steps_per_execution, model.jit_compile)
     norms = [x for x in all_layers(model) if isinstance(x, keras.layers.BatchNormalization)]
     if rt.sync_batch_norm:
         for layer in norms:
-            if not layer.synchronized:
-                layer.synchronized = (
-                    True  # read in BatchNormalization.call: the traced step uses it
-                )
-                changed = True
-    elif context.num_replicas > 1 and any(not x.synchronized for x in norms) and _once("bn", model):
-        _say(
+            changed = changed or not layer.synchronized
+            layer.synchronized = True  # read in BatchNormalization.call: the traced step uses it
+    elif context.num_replicas > 1 and any(not x.synchronized for x in norms):
+        _say_once(
             context,
-            f"{type(model).__name__} has {len(norms)} BatchNormalization layer(s) with per-replica "
-            f"statistics: each uses the {context.per_replica_batch_size} examples of its replica, not the "
-            f"global batch of {context.global_batch_size}. For statistics over all replicas set "
-            "runtime.sync_batch_norm: true.",
+            model,
+            "bn",
+            f"{name} has {len(norms)} BatchNormalization layer(s) with per-replica statistics: each "
+            f"uses the {context.per_replica_batch_size} examples of its replica, not the global batch of "
+            f"{context.global_batch_size}. For statistics over all replicas set runtime.sync_batch_norm: true.",
         )
     if changed:
         model.train_function = None  # Keras builds it again with the new settings
 
 
-def _xla_fails(context: RunContext, model: Any) -> bool:
-    """Whether XLA cannot compile this run's step: several replicas, all on CPU devices."""
-    if context.num_replicas <= 1:  # the default strategy has no worker_devices (RuntimeError)
-        return False
-    devices = [str(d) for d in getattr(model.distribute_strategy.extended, "worker_devices", ())]
-    return bool(devices) and all("CPU" in d.upper() for d in devices)
-
-
 def _replacing(context: RunContext, model: Any, key: str, old: Any, new: Any) -> None:
-    if _once(key, model):
-        _say(
-            context,
-            f"runtime.{key}: {new} (from {context.config.source}) replaces {key}={old} of "
-            f"{type(model).__name__}'s compile (a key written in the config wins over compile).",
-        )
+    _say_once(
+        context,
+        model,
+        key,
+        f"runtime.{key}: {new} (from {context.config.source}) replaces {key}={old} of "
+        f"{type(model).__name__}'s compile (a key written in the config wins over compile).",
+    )
 
 
-def _once(what: str, model: Any) -> bool:
-    """True the first time ``what`` is said about ``model`` (the record lives on the model)."""
+def _say_once(context: RunContext, model: Any, what: str, line: str) -> None:
+    """Print ``line`` on the chief the first time ``what`` is said about ``model`` (kept on the model)."""
     told = vars(model).setdefault("_keras_sync_told", set())
-    if what in told:
-        return False
-    told.add(what)
-    return True
+    if what not in told:
+        told.add(what)
+        if context.is_chief:
+            print(f"keras-sync: {line}", file=sys.stderr, flush=True)
 
 
 def all_layers(model: Any) -> list[Any]:
@@ -167,9 +145,8 @@ def all_layers(model: Any) -> list[Any]:
 
 
 def setup_callback(runtime: Any) -> Any:
-    """A Keras callback that, once `fit` has built the model, sets up gradient accumulation
-    (``runtime.gradient_accumulation_steps``), custom-step averaging and the weighting of
-    replicas by their examples (`keras_sync.training.instrument`)."""
+    """A Keras callback that, once `fit` has built the model, sets up gradient accumulation and the
+    custom-step averaging (`keras_sync.training.instrument`)."""
     import keras
 
     class RuntimeSetup(keras.callbacks.Callback):
@@ -182,8 +159,7 @@ def setup_callback(runtime: Any) -> Any:
             if steps > 1:
                 from keras_sync.training.accumulate import GradientAccumulator
 
-                probe = _instrument.probe_of(model)
-                accumulator = getattr(probe, "accumulator", None)
+                accumulator = getattr(_instrument.probe_of(model), "accumulator", None)
                 if accumulator is None or accumulator.steps != steps:
                     accumulator = GradientAccumulator(model, steps)
             _instrument.instrument(

@@ -126,7 +126,7 @@ def scale_learning_rate(
 def warmup_steps_from(
     *, warmup_steps: int = 0, warmup_epochs: float = 0.0, steps_per_epoch: int | None = None
 ) -> int:
-    """The warmup length in optimizer steps: given directly, or ``ceil(warmup_epochs x steps_per_epoch)``.
+    """The warmup length in optimizer steps: given, or ``ceil(warmup_epochs x steps_per_epoch)``.
 
     >>> warmup_steps_from(warmup_epochs=5, steps_per_epoch=100)
     500

@@ -11,9 +11,8 @@ from keras_sync.errors import UsageError
 
 @keras.saving.register_keras_serializable(package="keras_sync")
 class GradualWarmup(keras.optimizers.schedules.LearningRateSchedule):
-    """Linear warmup from ``start_lr`` to ``peak_lr`` over ``warmup_steps``, then ``peak_lr``
-    (or ``after``, a schedule that counts from the end of the warmup); the values of
-    `keras_sync.training.scaling.warmup_learning_rate` (Goyal et al. 2017, section 2.2).
+    """Linear warmup from ``start_lr`` to ``peak_lr`` over ``warmup_steps``, then ``peak_lr`` or
+    ``after``: `keras_sync.training.scaling.warmup_learning_rate` (Goyal et al. 2017, section 2.2).
 
     Args:
         start_lr: learning rate at step 0 (the unscaled base rate).
@@ -66,13 +65,8 @@ class GradualWarmup(keras.optimizers.schedules.LearningRateSchedule):
 
     def get_config(self) -> dict[str, Any]:
         after = self.after and keras.optimizers.schedules.serialize(self.after)
-        return dict(
-            start_lr=self.start_lr,
-            peak_lr=self.peak_lr,
-            warmup_steps=self.warmup_steps,
-            after=after,
-            name=self.name,
-        )
+        names = ("start_lr", "peak_lr", "warmup_steps", "name")
+        return {**{k: getattr(self, k) for k in names}, "after": after}
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> GradualWarmup:
@@ -82,33 +76,27 @@ class GradualWarmup(keras.optimizers.schedules.LearningRateSchedule):
         return cls(**config)
 
 
-#: Keras callbacks that set ``optimizer.learning_rate`` (which Keras refuses on a schedule).
-LR_SETTING_CALLBACKS = ("ReduceLROnPlateau", "LearningRateScheduler")
-
-
-def schedule_name(optimizer: Any) -> str | None:
-    """The class name of ``optimizer``'s learning-rate schedule; None when its rate is settable."""
-    opt = getattr(optimizer, "inner_optimizer", optimizer)  # LossScaleOptimizer (mixed_float16)
-    try:
-        rate = opt.get_config().get("learning_rate")
-    except Exception:  # an optimizer that cannot describe itself: Keras decides at run time
-        return None
-    if isinstance(rate, dict):
-        return str(rate.get("class_name") or "LearningRateSchedule")
-    return None
-
-
 def check_lr_callbacks(model: Any, callbacks: Any, method: str = "fit") -> None:
     """Refuse, before training, a callback that sets the learning rate of an optimizer that has a
     schedule (Keras would raise at the first epoch's end or begin)."""
     setters = [
         type(cb).__name__
         for cb in callbacks or ()
-        if isinstance(cb, tuple(getattr(keras.callbacks, n) for n in LR_SETTING_CALLBACKS))
+        if isinstance(
+            cb, (keras.callbacks.ReduceLROnPlateau, keras.callbacks.LearningRateScheduler)
+        )
     ]
-    name = schedule_name(getattr(model, "optimizer", None)) if setters else None
-    if name is None:
+    optimizer = getattr(model, "optimizer", None)
+    optimizer = getattr(
+        optimizer, "inner_optimizer", optimizer
+    )  # LossScaleOptimizer (mixed_float16)
+    try:
+        rate = optimizer.get_config().get("learning_rate") if setters and optimizer else None
+    except Exception:  # an optimizer that cannot describe itself: Keras decides at run time
         return
+    if not isinstance(rate, dict):
+        return
+    name = str(rate.get("class_name") or "LearningRateSchedule")
     ours = (
         " from sync.lr_schedule(), the learning_rate warmup"
         if name == GradualWarmup.__name__

@@ -1,16 +1,11 @@
 """`keras-sync verify`'s recording: the first optimizer steps of `sync.fit`, written to a folder.
 
-Under ``$KERAS_SYNC_VERIFY_RECORD=FOLDER`` (``config.verify``) `sync.fit` records its first
-``$KERAS_SYNC_VERIFY_STEPS`` optimizer steps (default 20), then the script ends (exit 0). The
-folder holds ``record.json`` (per optimizer step the loss, weighted by examples, the update's norm
-``|w_t+1 - w_t|``, the learning rate and the examples; what the model contains; replicas, workers,
-batch), ``initial.npz`` and ``final.npz`` (every weight by its path), and ``reference.json``: the
-config keys of the one-device reference (`reference_overrides`).
-
-A reference run (``$KERAS_SYNC_VERIFY_REPLAY``) starts from the recorded initial weights and
-records itself the same way. `load` seeds Python, NumPy and Keras, and keras-sync's pipeline
-shuffles with fixed seeds, so a script gives the same batches twice; what it cannot fix (an
-unseeded generator) shows as a first loss that differs. Only the chief writes.
+Under ``config.verify`` `sync.fit` records its first ``steps`` optimizer steps, then the script
+ends (exit 0). The chief writes ``record.json`` (per step the loss weighted by examples, the
+update's norm, the learning rate and the examples; the model's facts), ``initial.npz`` and
+``final.npz`` (every weight by its path) and the config keys of the one-device reference
+(`reference_overrides`). A reference run (``replay_dir``) starts from the recorded initial weights;
+`load` seeds Python, NumPy and Keras, so a script gives the same batches twice.
 """
 
 from __future__ import annotations
@@ -40,22 +35,107 @@ def seed_everything() -> None:
 def callback(context: RunContext, *, input_source: str | None, base_batch_size: int) -> Any:
     """The Keras callback that records this fit (add it last: it reads what the others restored)."""
     import keras
+    import numpy as np
+
+    from keras_sync.training.instrument import probe_of
+
+    request = context.config.verify
+
+    def weights(variables: Any) -> list[Any]:
+        return [np.array(v.numpy(), np.float64) for v in variables]
 
     class VerifyRecorder(keras.callbacks.Callback):
         def on_train_begin(self, logs: Any = None) -> None:
-            self.rec = _Recording(context, self.model, input_source, base_batch_size)
+            model = self.model
+            if request.replay_dir is not None:
+                _load_weights(model, Path(request.replay_dir) / INITIAL_FILE)
+            self.initial = {v.path: np.array(v.numpy()) for v in model.weights}
+            self.previous = weights(model.trainable_weights)
+            self.probe: Any = probe_of(model)
+            self.iterations = int(model.optimizer.iterations.numpy())
+            self.examples_seen: list[float] | None = None
+            self.steps: list[dict[str, float]] = []
+            self.micro: list[
+                tuple[float, float]
+            ] = []  # (loss, examples) of this update's micro-batches
+            self.lr = math.nan
 
         def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
-            if not self.rec.micro:
-                self.rec.lr = _learning_rate(self.model.optimizer)
+            if not self.micro:
+                try:
+                    rate = self.model.optimizer.learning_rate
+                    self.lr = float(rate.numpy() if hasattr(rate, "numpy") else rate)
+                except Exception:
+                    self.lr = math.nan
 
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-            if self.rec.batch_end():
+            p = self.probe
+            rings = p.read()  # a collective under multi_worker_mirrored: every worker reads here
+            row = p.row(rings, p.count(rings))
+            seen = [float(r[p.EXAMPLES]) for r in row] if row else [math.nan]
+            before = self.examples_seen or [0.0] * len(seen)
+            shares = [a - b for a, b in zip(seen, before)]
+            self.examples_seen = seen
+            losses = [float(r[p.LOSS]) for r in row] if row else [math.nan]
+            self.micro.append((_weighted(zip(losses, shares)), sum(shares)))
+            iterations = int(self.model.optimizer.iterations.numpy())
+            if iterations == self.iterations:
+                return  # accumulating: the update comes at a later micro-batch
+            self.iterations = iterations
+            now = weights(self.model.trainable_weights)
+            update = math.sqrt(sum(float(np.sum((a - b) ** 2)) for a, b in zip(now, self.previous)))
+            self.previous = now
+            examples = sum(e for _, e in self.micro)
+            step = {
+                "loss": _weighted(self.micro),
+                "update": update,
+                "lr": self.lr,
+                "examples": examples,
+            }
+            self.steps.append(step)
+            self.micro = []
+            if len(self.steps) >= request.steps:
                 self.model.stop_training = True
 
         def on_train_end(self, logs: Any = None) -> None:
-            if context.is_chief:
-                self.rec.write()
+            if not context.is_chief:
+                return
+            folder, model = Path(request.record_dir), self.model
+            folder.mkdir(parents=True, exist_ok=True)
+            np.savez(folder / INITIAL_FILE, **_keyed(self.initial))
+            np.savez(
+                folder / FINAL_FILE, **_keyed({v.path: np.array(v.numpy()) for v in model.weights})
+            )
+            facts = model_facts(context, model)
+            import resource
+
+            peak = resource.getrusage(
+                resource.RUSAGE_SELF
+            ).ru_maxrss  # KiB on Linux, bytes on macOS
+            mlflow = context.config.mlflow
+            record = {
+                "replicas": context.num_replicas,
+                "workers": context.num_workers,
+                "kind": context.kind,
+                "global_batch": context.global_batch_size,
+                "steps": self.steps,
+                "facts": facts,
+                "weights": [v.path for v in model.weights],
+                "mlflow": {
+                    "enabled": request.mlflow,
+                    "tracking_uri": mlflow.tracking_uri,
+                    "experiment": mlflow.experiment,
+                },
+                "peak_rss_mb": round(peak / (2**20 if sys.platform == "darwin" else 2**10), 1),
+                "input": input_source,
+                "arrays_as_dataset": KINDS[context.kind].multi_process,
+            }
+            _write_json(folder / RECORD_FILE, record)
+            if request.replay_dir is None:
+                from keras_sync.config import VERIFY_OVERRIDES_FILE
+
+                overrides = reference_overrides(context, facts, base_batch_size)
+                _write_json(folder / VERIFY_OVERRIDES_FILE, overrides)
 
     return VerifyRecorder()
 
@@ -72,96 +152,14 @@ def end_script(config: Any, *, is_chief: bool) -> None:
     raise SystemExit(0)
 
 
-class _Recording:
-    def __init__(self, context: RunContext, model: Any, input_source: Any, base_batch_size: int):
-        import numpy as np
-
-        from keras_sync.training.instrument import probe_of
-
-        self.context, self.model, self.request = context, model, context.config.verify
-        self.input_source, self.base_batch_size = input_source, base_batch_size
-        if self.request.replay_dir is not None:
-            _load_weights(model, Path(self.request.replay_dir) / INITIAL_FILE)
-        self.initial = {v.path: np.array(v.numpy()) for v in model.weights}
-        self.previous = [np.array(v.numpy(), np.float64) for v in model.trainable_weights]
-        self.probe: Any = probe_of(model)
-        self.iterations = int(model.optimizer.iterations.numpy())
-        self.examples_seen: list[float] | None = None
-        self.steps: list[dict[str, float]] = []
-        self.micro: list[
-            tuple[float, float]
-        ] = []  # (loss, examples) of this update's micro-batches
-        self.lr = math.nan
-
-    def batch_end(self) -> bool:
-        """Note a micro-batch; True when the requested steps are recorded."""
-        import numpy as np
-
-        p = self.probe
-        rings = p.read()  # a collective under multi_worker_mirrored: every worker reads here
-        row = p.row(rings, p.count(rings))
-        seen = [float(r[p.EXAMPLES]) for r in row] if row else [math.nan]
-        before = self.examples_seen or [0.0] * len(seen)
-        shares = [a - b for a, b in zip(seen, before)]
-        self.examples_seen = seen
-        losses = [float(r[p.LOSS]) for r in row] if row else [math.nan]
-        self.micro.append((_weighted(zip(losses, shares)), sum(shares)))
-        iterations = int(self.model.optimizer.iterations.numpy())
-        if iterations == self.iterations:
-            return False  # accumulating: the update comes at a later micro-batch
-        self.iterations = iterations
-        now = [np.array(v.numpy(), np.float64) for v in self.model.trainable_weights]
-        update = math.sqrt(sum(float(np.sum((a - b) ** 2)) for a, b in zip(now, self.previous)))
-        self.previous = now
-        examples = sum(e for _, e in self.micro)
-        loss = _weighted(self.micro)
-        self.steps.append({"loss": loss, "update": update, "lr": self.lr, "examples": examples})
-        self.micro = []
-        return len(self.steps) >= self.request.steps
-
-    def write(self) -> None:
-        import numpy as np
-
-        ctx, folder = self.context, Path(self.request.record_dir)
-        folder.mkdir(parents=True, exist_ok=True)
-        final = {v.path: np.array(v.numpy()) for v in self.model.weights}
-        np.savez(folder / INITIAL_FILE, **_keyed(self.initial))
-        np.savez(folder / FINAL_FILE, **_keyed(final))
-        facts = model_facts(ctx, self.model)
-        mlflow = ctx.config.mlflow
-        record = {
-            "replicas": ctx.num_replicas,
-            "workers": ctx.num_workers,
-            "kind": ctx.kind,
-            "global_batch": ctx.global_batch_size,
-            "steps": self.steps,
-            "facts": facts,
-            "weights": [v.path for v in self.model.weights],
-            "mlflow": {
-                "enabled": self.request.mlflow,
-                "tracking_uri": mlflow.tracking_uri,
-                "experiment": mlflow.experiment,
-            },
-            "peak_rss_mb": _peak_rss_mb(),
-            "input": self.input_source,
-            "arrays_as_dataset": KINDS[ctx.kind].multi_process,
-        }
-        _write_json(folder / RECORD_FILE, record)
-        if self.request.replay_dir is None:
-            from keras_sync.config import VERIFY_OVERRIDES_FILE
-
-            overrides = reference_overrides(ctx, facts, self.base_batch_size)
-            _write_json(folder / VERIFY_OVERRIDES_FILE, overrides)
-
-
 def arrays_as_dataset(config: Any) -> bool:
     """Whether this reference run replays a multi-worker recording, whose arrays became a tf.data
     dataset shuffled by keras-sync: the reference's arrays then do too, for the same batches."""
     replay = config.verify.replay_dir if config.verify is not None else None
-    if replay is None:
-        return False
     try:
-        return bool(json.loads((Path(replay) / RECORD_FILE).read_text()).get("arrays_as_dataset"))
+        return replay is not None and bool(
+            json.loads((Path(replay) / RECORD_FILE).read_text()).get("arrays_as_dataset")
+        )
     except (OSError, ValueError):
         return False
 
@@ -187,8 +185,11 @@ def reference_overrides(
 
 def depends_on_batch(facts: dict[str, Any]) -> list[str]:
     """What in the model computes over the batch a step sees (then the reference trains it whole)."""
-    names = (("BatchNorm", "batch_norm"), ("add_loss", "add_loss"))
-    return [what for what, key in names if facts.get(key)]
+    return [
+        what
+        for what, key in (("BatchNorm", "batch_norm"), ("add_loss", "add_loss"))
+        if facts.get(key)
+    ]
 
 
 def model_facts(context: RunContext, model: Any) -> dict[str, Any]:
@@ -199,10 +200,9 @@ def model_facts(context: RunContext, model: Any) -> dict[str, Any]:
     from keras_sync.training.instrument import has_default_train_step
     from keras_sync.training.runtime import all_layers
 
-    layers = all_layers(model)
-    L = keras.layers
-    norms = [x for x in layers if isinstance(x, L.BatchNormalization) and x.trainable]
-    random_types = (L.Dropout, L.GaussianNoise, L.GaussianDropout, L.AlphaDropout)
+    layers, kinds = all_layers(model), keras.layers
+    norms = [x for x in layers if isinstance(x, kinds.BatchNormalization) and x.trainable]
+    random_types = (kinds.Dropout, kinds.GaussianNoise, kinds.GaussianDropout, kinds.AlphaDropout)
     return {
         "batch_norm": len(norms),
         "sync_batch_norm": bool(norms) and all(x.synchronized for x in norms),
@@ -224,22 +224,6 @@ def _weighted(pairs: Any) -> float:
     pairs = list(pairs)
     total = sum(w for _, w in pairs)
     return sum(v * w for v, w in pairs) / total if total > 0 else math.nan
-
-
-def _peak_rss_mb() -> float:
-    """This process's peak resident memory (MB; Linux counts ru_maxrss in KiB, macOS in bytes)."""
-    import resource
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return round(peak / (2**20 if sys.platform == "darwin" else 2**10), 1)
-
-
-def _learning_rate(optimizer: Any) -> float:
-    try:
-        rate = optimizer.learning_rate
-        return float(rate.numpy() if hasattr(rate, "numpy") else rate)
-    except Exception:
-        return math.nan
 
 
 def _load_weights(model: Any, path: Path) -> None:
