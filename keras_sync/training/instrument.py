@@ -91,18 +91,10 @@ class ReplicaProbe:
         if self.multi_worker:
             return [_decode(r) for r in self._gather(tf.constant(self.host)).numpy()]
         # The raw read op of each per-device component: ~3x faster than through the distributed variable.
-        return [
-            _decode(
-                np.concatenate(
-                    [
-                        tf.raw_ops.ReadVariableOp(resource=v.handle, dtype=v.dtype).numpy(),
-                        self.host,
-                    ],
-                    axis=1,
-                )
-            )
-            for v in self._components
+        local = [
+            tf.raw_ops.ReadVariableOp(resource=v.handle, dtype=v.dtype) for v in self._components
         ]
+        return [_decode(np.concatenate([r.numpy(), self.host], axis=1)) for r in local]
 
     def note_host(self, count: int, micros: float) -> None:
         """This worker's time before its ``count``-th train step (host side, microseconds)."""
@@ -131,9 +123,8 @@ class ReplicaProbe:
 
             @tf.function(autograph=False)
             def gather(host: Any) -> Any:
-                return strategy.experimental_local_results(strategy.run(replica_fn, args=(host,)))[
-                    0
-                ]
+                gathered = strategy.run(replica_fn, args=(host,))
+                return strategy.experimental_local_results(gathered)[0]
 
             self._gather_fn = gather
         return self._gather_fn(host)

@@ -55,9 +55,8 @@ def callback(context: RunContext, *, input_source: str | None, base_batch_size: 
             self.iterations = int(model.optimizer.iterations.numpy())
             self.examples_seen: list[float] | None = None
             self.steps: list[dict[str, float]] = []
-            self.micro: list[
-                tuple[float, float]
-            ] = []  # (loss, examples) of this update's micro-batches
+            #: (loss, examples) of this update's micro-batches.
+            self.micro: list[tuple[float, float]] = []
             self.lr = math.nan
 
         def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
