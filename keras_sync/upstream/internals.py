@@ -281,7 +281,6 @@ BARRIER = f"{_COORDINATION}.cluster_register_with_barrier"
 GLOBAL_SEED = f"{_CONTEXT}:global_seed"
 PIPELINE_BATCH_SIZE = "tensorflow.python.data.experimental.ops.distribute:compute_batch_size"
 LOSS_SCALE_REDUCE = f"{_TF_OPTIMIZER}._all_reduce_sum_gradients"
-COUNTED_EPOCH = f"{_EPOCH}._enumerate_iterator"
 EPOCH_ITERATOR_RESET = f"{_EPOCH}.reset"
 SAME_DATA_ORDER = f"{_TRAINER}:TFEpochIterator._distributed_dataset"
 DEVICE_DATASET = f"{_MULTI_DEVICE}:_create_device_dataset"
@@ -345,14 +344,6 @@ REGISTRY: tuple[Internal, ...] = (
         "Keras ends an unknown-cardinality epoch by running a step past the end, which moves "
         "optimizer.iterations (keras-team/keras#23179); the one-step function is taken from its closure",
         _end_of_data,
-        fallback=True,
-    ),
-    Internal(
-        COUNTED_EPOCH,
-        "end_of_data",
-        "the step iterators Keras hands out, marked when their data has a known length (Keras stops "
-        "before its end, and the end-of-data fix is skipped)",
-        looks_up(COUNTED_EPOCH, "_num_batches", "_steps_seen"),
         fallback=True,
     ),
     # keras_fixes.iterator_release_patches: the iterator `reset` drops is kept until the next one.

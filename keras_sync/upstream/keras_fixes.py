@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import inspect
 import logging
 import sys
 import threading
 import time
-import weakref
 from typing import Any
 
 from keras_sync.upstream.patching import Patch, original, patched
@@ -141,8 +139,8 @@ def end_of_data_patches() -> list[Patch]:
     one more step and catching ``OutOfRangeError``; the ops that do not read the batch still run,
     so ``optimizer.iterations`` and every seed move by one per epoch (keras-team/keras#23179).
     Around Keras's one-step function (from the closure of `_make_function`'s result): ask for an
-    optional batch, raise StopIteration when there is none. Skipped for data whose length Keras
-    knows (it stops before the end). [] when this Keras has the fix, or its closure moved.
+    optional batch, raise StopIteration when there is none. [] when this Keras has the fix, or its
+    closure moved.
     """
     from keras_sync.upstream import internals as _internals
 
@@ -157,14 +155,6 @@ def end_of_data_patches() -> list[Patch]:
         return []  # this Keras has the upstream fix
     cls = _trainer().TensorFlowTrainer
     keras_own = original(cls, "_make_function")
-    epoch_cls = importlib.import_module("keras.src.trainers.epoch_iterator").EpochIterator
-    keras_enumerate = original(epoch_cls, "_enumerate_iterator")
-
-    def _enumerate_iterator(self: Any) -> Any:
-        known = self.data_adapter.num_batches is not None
-        for item in keras_enumerate(self):
-            _last_handed_out[0] = (weakref.ref(item[-1]), known)
-            yield item
 
     @functools.wraps(keras_own)  # the probes read Keras's code through __wrapped__
     def _make_function(self: Any, step_function: Any) -> Any:
@@ -177,11 +167,7 @@ def end_of_data_patches() -> list[Patch]:
         iterators = (tf.data.Iterator, tf.distribute.DistributedIterator)
 
         def function_stopping_at_end(iterator: Any) -> Any:
-            if (
-                int(self.steps_per_execution or 1) != 1
-                or not isinstance(iterator, iterators)
-                or _counted_by_keras(iterator)
-            ):
+            if int(self.steps_per_execution or 1) != 1 or not isinstance(iterator, iterators):
                 return function(iterator)
             batch = iterator.get_next_as_optional()
             if not batch.has_value():
@@ -190,21 +176,7 @@ def end_of_data_patches() -> list[Patch]:
 
         return function_stopping_at_end
 
-    patches: list[Patch] = [(cls, "_make_function", _make_function)]
-    if _internals.available(_internals.COUNTED_EPOCH):
-        patches.append((epoch_cls, "_enumerate_iterator", _enumerate_iterator))
-    return patches
-
-
-#: The step iterator Keras last handed out (weakly) and whether its data has a known length.
-_last_handed_out: list[tuple[Any, bool]] = [(lambda: None, False)]
-
-
-def _counted_by_keras(iterator: Any) -> bool:
-    """Keras knows how many batches ``iterator`` holds: it stops before the end, and the end-of-data
-    check (eager work on every step) is not needed."""
-    ref, known = _last_handed_out[0]
-    return known and ref() is iterator
+    return [(cls, "_make_function", _make_function)]
 
 
 def _first_batch_spec(epoch_iterator: Any) -> Any:
