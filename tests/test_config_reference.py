@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from keras_sync.cli.scaffold import render_config
+from keras_sync.cli.init import render_config
 from keras_sync.config import DOCS, Config, _f, load_config
 from keras_sync.config import reference as config_reference
 from keras_sync.config.kinds import STRATEGY_KINDS

@@ -45,7 +45,7 @@ def test_every_named_file_exists(path: str) -> None:
         ("keras_sync.cluster", "role"),
         ("keras_sync.config.reference", "main"),
         ("keras_sync.cli._base", "UserError"),
-        ("keras_sync.cli.run_plan", "PlanItem"),
+        ("keras_sync.cli.plan", "PlanItem"),
         ("keras_sync.training.context", "SharedState"),
         ("keras_sync.training.context", "RunContext"),
     ],

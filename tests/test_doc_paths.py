@@ -133,7 +133,7 @@ def test_every_keras_sync_file_path_in_the_docs_exists():
 
 
 def test_every_path_inside_a_part_in_the_docs_exists():
-    """`callbacks/sync_metrics.py`, `cli/run_plan.py`: a path that starts at one of the package's parts (paths into
+    """`callbacks/sync_metrics.py`, `cli/plan.py`: a path that starts at one of the package's parts (paths into
     TensorFlow, Keras or Ray sources, which docstrings cite, start elsewhere)."""
     parts = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
     missing = []

@@ -68,7 +68,7 @@ def test_template_shows_simulated_cpu_replicas_exactly_where_the_config_accepts_
 def test_plan_counts_workers_only_for_multi_process_kinds() -> None:
     import json
 
-    from keras_sync.cli.run_plan import make_plan
+    from keras_sync.cli.plan import make_plan
 
     two = json.dumps(
         {

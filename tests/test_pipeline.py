@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from keras_sync.cli.run_plan import make_plan
+from keras_sync.cli.plan import make_plan
 from keras_sync.config import load_config
 from keras_sync.training.pipeline import batch_layout, shard_choice
 

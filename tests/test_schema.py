@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from keras_sync.cli.scaffold import render_config
+from keras_sync.cli.init import render_config
 from keras_sync.config import load_config
 from keras_sync.config.kinds import STRATEGY_KINDS
 from keras_sync.config.reference import config_schema

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from keras_sync.cli.run_plan import make_plan
+from keras_sync.cli.plan import make_plan
 from keras_sync.config import load_config
 from keras_sync.config.kinds import KINDS, STRATEGY_KINDS
 from keras_sync.errors import ClusterError, UsageError

@@ -10,7 +10,6 @@ import contextlib
 import os
 import platform
 import sys
-from collections.abc import Mapping
 from importlib import metadata
 
 import click
@@ -52,7 +51,7 @@ def command(no_devices: bool) -> None:
         "GPUs (driver)": str(count_gpus_cheaply()),
         "CUDA_VISIBLE_DEVICES": env.get("CUDA_VISIBLE_DEVICES", "unset"),
         "TensorFlow devices": None if no_devices else _devices(),
-        "TF_CONFIG": _cluster(env),
+        "TF_CONFIG": _cluster(env["TF_CONFIG"]) if env.get("TF_CONFIG") else "unset",
         "MLFLOW_TRACKING_URI": redact_uri(env.get("MLFLOW_TRACKING_URI")) or "unset",
         CONFIG_ENV: env.get(CONFIG_ENV, "unset"),
     }
@@ -84,23 +83,18 @@ def _devices() -> str:
     return ", ".join(d.name.replace("/physical_device:", "") for d in physical) or "none"
 
 
-def _cluster(env: Mapping[str, str]) -> str:
+def _cluster(tf_config: str) -> str:
     """TF_CONFIG in words, with every address but a local one redacted."""
     from keras_sync.cluster import parse_tf_config
 
-    if not env.get("TF_CONFIG"):
-        return "unset"
     try:
-        info = parse_tf_config(env["TF_CONFIG"], env=env)
+        info = parse_tf_config(tf_config, env=os.environ)
     except Exception as exc:  # report it, do not fail: the bad TF_CONFIG may be the bug
         return f"invalid ({exc})"
+    hosts = [a.rpartition(":") for a in info.worker_addresses]
     local = ("127.0.0.1", "localhost", "[::1]")
-    addresses = ", ".join(
-        a if a.rpartition(":")[0] in local else "<host>:" + a.rpartition(":")[2]
-        for a in info.worker_addresses
-    )
-    role = "chief" if info.is_chief else "not chief"
+    addresses = ", ".join(f"{h if h in local else '<host>'}:{port}" for h, _, port in hosts)
     return (
         f"{info.num_workers} worker(s) [{addresses}], this task {info.task_type}:{info.task_id} "
-        f"({role}), written by {info.flavor}"
+        f"({'chief' if info.is_chief else 'not chief'}), written by {info.flavor}"
     )

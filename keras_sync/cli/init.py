@@ -4,10 +4,25 @@ from __future__ import annotations
 
 import shlex
 import sys
+from importlib import resources
+from pathlib import Path
 
 import click
 
-from keras_sync.config import STRATEGY_KINDS
+from keras_sync.cli._base import UserError
+from keras_sync.config import DEFAULT_CONFIG_FILE, STRATEGY_KINDS
+
+
+def _template(name: str) -> str:
+    return resources.files("keras_sync.templates").joinpath(name).read_text(encoding="utf-8")
+
+
+def render_config(kind: str = "auto", per_replica_batch: int = 32) -> str:
+    """The text of a commented ``keras_sync.yaml`` for strategy `kind` (one of `KINDS`)."""
+    # Plain replacement, not string.Template: the comments mention $MLFLOW_TRACKING_URI and friends.
+    strategy = _template(f"strategy_{kind}.yaml").rstrip("\n")
+    text = _template(DEFAULT_CONFIG_FILE).replace("${strategy}", strategy)
+    return text.replace("${per_replica}", str(per_replica_batch))
 
 
 @click.command("init")
@@ -35,7 +50,7 @@ def command(
     On a terminal it asks for the strategy and the batch; with --no-input, or when not on a
     terminal, it uses the defaults. Never overwrites a file without --force.
     """
-    from keras_sync.cli.scaffold import cpu_replicas_hint, init_project
+    from keras_sync.config.kinds import KINDS, LAYOUT_LOCAL
     from keras_sync.strategy import count_gpus_cheaply
     from keras_sync.tracking.shell_hint import console_command, python_command
 
@@ -47,12 +62,39 @@ def command(
             "Per-replica batch size", default=32, type=click.IntRange(min=1)
         )
     kind = (kind or "auto").lower()
-    written = init_project(
-        directory, kind=kind, per_replica_batch=per_replica_batch or 32, force=force
-    )
-    click.echo("\n".join(f"wrote {path}" for path in written))
-    if hint := cpu_replicas_hint(kind, written[0], gpus=count_gpus_cheaply()):
-        click.echo(hint)
+    root = Path(directory)
+    if root.exists() and not root.is_dir():
+        raise UserError(
+            f"Invalid value for argument `directory`. Received: {str(root)!r}, which is a file. "
+            "Expected a directory (it is created if missing)."
+        )
+    contents = {
+        root / DEFAULT_CONFIG_FILE: render_config(kind, per_replica_batch or 32),
+        root / "train.py": _template("train.py"),
+    }
+    # Every target is checked before any is written: without --force, nothing is overwritten.
+    if (existing := [p for p in contents if p.exists()]) and not force:
+        raise UserError(
+            f"Refusing to overwrite {' and '.join(map(str, existing))}: "
+            f"{'it exists' if len(existing) == 1 else 'they exist'}, so nothing was written. "
+            "Pass --force to overwrite, or choose another directory."
+        )
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        for path, text in contents.items():
+            path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise UserError(
+            f"Cannot write into {str(root)!r}: {exc.strerror or exc}. "
+            "Expected a writable directory; choose another one."
+        ) from None
+    click.echo("\n".join(f"wrote {path}" for path in contents))
+    spec = KINDS[kind]  # without a GPU, one replica per process unless the CPU is split
+    if not count_gpus_cheaply() and spec.simulated_cpus and spec.layout == LAYOUT_LOCAL:
+        click.echo(
+            "no GPU here, so 1 replica per process; for 2 on the CPU, set "
+            f"strategy.simulated_cpu_replicas: 2 in {root / DEFAULT_CONFIG_FILE}"
+        )
     click.echo(
         f"next: cd {shlex.quote(directory)} && {console_command()} plan && {python_command()} train.py"
     )

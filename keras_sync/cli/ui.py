@@ -17,9 +17,6 @@ import click
 
 from keras_sync.cli._base import UserError
 
-_READY_TIMEOUT_S = 60.0  # a fresh store's migrations and the server's start, on a busy machine
-_STOP_TIMEOUT_S = 10.0
-
 
 @click.command("ui")
 @click.argument("config", required=False, type=click.Path())
@@ -50,10 +47,11 @@ def command(config: str | None, tracking_uri: str | None, port: int, no_browser:
     store = _local_store(uri)
     if store is not None and not store.exists():
         # Training resolves the default (or a relative) store against its own folder, usually the
-        # config's: from another folder the same config finds it there.
-        beside = _store_beside_config(store, source, cfg.source)
-        if beside is None:  # mlflow server would create an empty store and show nothing
-            raise UserError(
+        # config's: from another folder the same config finds it there. An absolute path is that file.
+        relative = Path(store.name) if source == "default" else store
+        beside = (Path(cfg.source).resolve().parent / relative).resolve()
+        if cfg.source.startswith("<") or relative.is_absolute() or not beside.exists():
+            raise UserError(  # mlflow server would create an empty store and show nothing
                 f"No MLflow store at {store} ({redact_uri(uri)}): nothing has been logged there yet. "
                 "Expected the store of a training run: run keras-sync ui in the directory you trained "
                 "in, pass that run's config, or set MLFLOW_TRACKING_URI to its store."
@@ -69,7 +67,18 @@ def command(config: str | None, tracking_uri: str | None, port: int, no_browser:
                 "Expected a free port; pass another, e.g. --port 5001."
             ) from None
     url = f"http://127.0.0.1:{port}"
-    server, log = _start_server(uri, port)
+    # The server's advice (e.g. --host 0.0.0.0) fits `mlflow server`, not us: its output goes to a
+    # log. One worker and no job runner: it is ready in about half the time.
+    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri, "--host"]
+    cmd += ["127.0.0.1", "--port", str(port), "--workers", "1"]
+    env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
+    with tempfile.NamedTemporaryFile(
+        prefix=f"keras-sync-ui-{port}-", suffix=".log", delete=False
+    ) as out:
+        server = subprocess.Popen(
+            cmd, env=env, start_new_session=True, stdin=subprocess.DEVNULL, stdout=out, stderr=out
+        )
+    log = Path(out.name)
     click.echo(f"MLflow UI for {redact_uri(uri)} at {url} (Ctrl-C to stop)")
     click.echo(f"MLflow's own output goes to {log}")
     # Stop the server on Ctrl-C and SIGTERM, also when started with SIGINT ignored (a background
@@ -89,7 +98,7 @@ def command(config: str | None, tracking_uri: str | None, port: int, no_browser:
         for sig in (signal.SIGTERM, signal.SIGKILL):
             with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):
                 os.killpg(server.pid, sig)
-                server.wait(timeout=_STOP_TIMEOUT_S)
+                server.wait(timeout=10)
                 break
         click.echo("MLflow UI stopped.")
 
@@ -107,40 +116,11 @@ def _local_store(uri: str) -> Path | None:
     return Path(uri) if len(parsed.scheme) < 2 else None
 
 
-def _store_beside_config(store: Path, source: str, config_file: str) -> Path | None:
-    """The same store resolved against the config file's folder, if it exists there."""
-    if config_file.startswith("<") or (source != "default" and store.is_absolute()):
-        return None  # no file; or an absolute path in the config means that file, wherever ui runs
-    relative = Path(store.name) if source == "default" else store
-    candidate = (Path(config_file).resolve().parent / relative).resolve()
-    return candidate if candidate.exists() and candidate != store.resolve() else None
-
-
-def _start_server(uri: str, port: int) -> tuple[subprocess.Popen[bytes], Path]:
-    """``mlflow server`` on 127.0.0.1 in its own process group, its output in a new log file
-    (its advice, e.g. ``--host 0.0.0.0``, fits `mlflow server`, not us)."""
-    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
-    # One worker and no job runner: the server is ready in about half the time.
-    env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
-    prefix = f"keras-sync-ui-{port}-"
-    with tempfile.NamedTemporaryFile(prefix=prefix, suffix=".log", delete=False) as out:
-        server = subprocess.Popen(
-            cmd,
-            env=env,
-            start_new_session=True,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    return server, Path(out.name)
-
-
 def _wait_ready(url: str, server: subprocess.Popen[bytes]) -> bool:
-    """Poll the server's health page until it answers (then say "ready"), exits, or times out."""
+    """Poll the server's health page for up to 60 s (a fresh store's migrations on a busy machine)."""
     import urllib.request  # not on the path of `keras-sync --help`
 
-    deadline = time.monotonic() + _READY_TIMEOUT_S
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline and server.poll() is None:
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=1) as resp:

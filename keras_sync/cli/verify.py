@@ -1,18 +1,31 @@
-"""``keras-sync verify``: check that a distributed run trains exactly as one device would."""
+"""``keras-sync verify``: check that a distributed run trains exactly as one device would.
+
+It runs both halves, reads their recordings (`keras_sync.training.verify_record`), compares them
+(`keras_sync.measures.verify_compare`), prints the table and logs or keeps the comparison.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import click
 
 from keras_sync.cli._base import SCRIPT_CONTEXT, UserError
 from keras_sync.config import VERIFY_RECORD_ENV, VERIFY_REPLAY_ENV, VERIFY_STEPS_ENV
+from keras_sync.measures.verify_compare import Verdict, verdict
+
+#: How many parting steps and layers the table shows.
+ROWS = 5
+#: A recording's ``record.json``.
+Run = dict[str, Any]
 
 
 @click.command("verify", context_settings=SCRIPT_CONTEXT)
@@ -39,7 +52,8 @@ from keras_sync.config import VERIFY_RECORD_ENV, VERIFY_REPLAY_ENV, VERIFY_STEPS
     "--keep",
     type=click.Path(),
     metavar="FOLDER",
-    help="Keep both recordings, the runs' output and the picture in FOLDER (default: a temporary folder).",
+    help="Keep both recordings, the runs' output and the comparison (verify.json) in FOLDER "
+    "(default: a temporary folder).",
 )
 @click.argument("script", type=click.Path())
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
@@ -70,9 +84,6 @@ def command(
       KERAS_SYNC_VERIFY_RECORD=/shared/rec  (and KERAS_SYNC_VERIFY_STEPS=20)  your usual launch
       keras-sync verify --compare /shared/rec train.py [ARGS...]
     """
-    from keras_sync.cli import verify_report as report
-    from keras_sync.measures.verify_compare import verdict
-
     if not Path(script).is_file():
         raise UserError(
             f"verify: no such script: {script}. Expected the training script to check (a Python file)."
@@ -93,24 +104,25 @@ def command(
             launch = ["-m", "keras_sync.launch", "-n", str(workers)] if workers else []
             record = {VERIFY_RECORD_ENV: str(subject_dir), VERIFY_STEPS_ENV: str(steps)}
             _run("distributed run", [*launch, script, *args], {**env, **record})
-        subject = report.load_recording(subject_dir, f"the distributed run ({subject_dir})")
+        subject = _load(subject_dir, f"the distributed run ({subject_dir})")
         record = {
             VERIFY_RECORD_ENV: str(reference_dir),
             VERIFY_STEPS_ENV: str(len(subject["steps"])),
             VERIFY_REPLAY_ENV: str(subject_dir.resolve()),
         }
         _run("one-device reference", [script, *args], {**env, **record})
-        reference = report.load_recording(reference_dir, "the one-device reference")
-        layers = report.layer_differences(subject_dir, reference_dir)
+        reference = _load(reference_dir, "the one-device reference")
+        layers = _layer_differences(subject_dir, reference_dir)
         result = verdict(
             subject["steps"], reference["steps"], layers, subject["facts"], subject["replicas"]
         )
-        click.echo("\n".join(report.table(result, subject, reference)))
+        lines = _table(result, subject, reference)
+        click.echo("\n".join(lines))
+        comparison = {**dataclasses.asdict(result), "table": lines, "last_line": result.last_line}
+        (folder / "verify.json").write_text(json.dumps(comparison, indent=1))
         if subject["mlflow"].get("enabled"):
-            run_id = report.log_run(folder, result, subject, reference)
+            run_id = _log_run(folder / "verify.json", result, subject, reference)
             click.echo(f"MLflow: the comparison is run {run_id} (tag keras_sync.verify)")
-        elif keep:
-            report.save(folder, result, subject, reference)
         click.echo(result.last_line)
     finally:
         if not keep:
@@ -126,12 +138,131 @@ def _run(what: str, args: list[str], env: dict[str, str]) -> None:
     log = record.with_suffix(".log")
     with log.open("w") as out:
         code = subprocess.call(
-            [sys.executable, *args],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
+            [sys.executable, *args], env=env, stdout=out, stderr=out, stdin=subprocess.DEVNULL
         )
     if code != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
         raise UserError(f"verify: the {what} failed (exit {code}); its last lines:\n{tail}")
+
+
+def _load(folder: Path, what: str) -> Run:
+    """A recording's ``record.json``, or a one-line error naming the folder."""
+    from keras_sync.training.verify_record import RECORD_FILE
+
+    path = folder / RECORD_FILE
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(
+            f"verify: {what} wrote no recording ({path}: {getattr(exc, 'strerror', None) or exc}). "
+            "Expected a script that calls sync.fit (keras-sync's three lines) under "
+            "$KERAS_SYNC_VERIFY_RECORD."
+        ) from None
+    if not record.get("steps"):
+        raise UserError(
+            f"verify: {what} recorded no optimizer step ({path}); expected sync.fit to train at "
+            "least one"
+        )
+    return record
+
+
+def _layer_differences(subject: Path, reference: Path) -> dict[str, tuple[float, float]]:
+    """Each layer's largest |final weight difference| and largest |weight| (by layer path)."""
+    import numpy as np
+
+    from keras_sync.training.verify_record import FINAL_FILE
+
+    out: dict[str, tuple[float, float]] = {}
+    with np.load(subject / FINAL_FILE) as a, np.load(reference / FINAL_FILE) as b:
+        for key in sorted(set(a.files) & set(b.files)):
+            x, y = a[key].astype(np.float64), b[key].astype(np.float64)
+            if x.shape == y.shape:
+                layer = key.split(":", 1)[1].rpartition("/")[0] or key
+                diff, big = out.get(layer, (0.0, 0.0))
+                diff = max(diff, float(np.abs(x - y).max(initial=0.0)))
+                out[layer] = (diff, max(big, float(np.abs(x).max(initial=0.0))))
+    return out
+
+
+def _table(result: Verdict, subject: Run, reference: Run) -> list[str]:
+    """How each run trained, the first steps where they part, the layers that differ most."""
+    from keras_sync.training.verify_record import depends_on_batch
+
+    facts, workers, batch = subject["facts"], subject["workers"], subject["global_batch"]
+    micro = reference["facts"].get("accumulation", 1) // max(1, facts.get("accumulation", 1))
+    if micro > 1:
+        how = f"{micro} micro-batches of {reference['global_batch']} accumulated (one replica's memory)"
+    else:
+        how = f"the full global batch of {batch}"
+        if depends := depends_on_batch(facts):
+            how += f" ({' and '.join(depends)} depend(s) on the batch)"
+    on = f" on {workers} workers" if workers > 1 else ""
+    run = f"{subject['replicas']} replicas{on} ({subject['kind']}), global batch {batch}"
+    lines = [f"distributed: {run}; reference: one device, {how}"]
+    if subject.get("peak_rss_mb") and reference.get("peak_rss_mb"):
+        per = "the chief's process" if workers > 1 else "one process"
+        lines.append(
+            f"peak memory: distributed {subject['peak_rss_mb']:.0f} MB ({per}), one device "
+            f"{reference['peak_rss_mb']:.0f} MB"
+        )
+    source = subject.get("input")
+    left = f"nothing left that verify knows of (input: {source or 'unknown'})"
+    if source in ("Python generator", "keras.utils.PyDataset"):
+        left = f"not deterministic: a {source.rpartition('.')[2]}'s own randomness, if any"
+    lines += [
+        "determinism: seeds (Python, NumPy, Keras), initial weights and keras-sync's data order "
+        f"fixed; {left}",
+        f"tolerance: {result.tolerance:.1e} relative ({facts.get('precision', 'float32')} "
+        f"rounding over {result.steps} steps)",
+    ]
+    if not result.partings:
+        lines.append(
+            f"every step alike: loss, update norm, learning rate, examples ({result.steps} steps)"
+        )
+    else:
+        lines.append(f"{'step':>5}  {'quantity':<9} {'distributed':>13} {'one device':>13}")
+        for p in result.partings[:ROWS]:
+            lines.append(f"{p.step:>5}  {p.quantity:<9} {p.subject:>13.6g} {p.reference:>13.6g}")
+        if len(result.partings) > ROWS:
+            lines.append(f"       ... {len(result.partings) - ROWS} more")
+    lines.append(f"{'layer':<28} {'max |weight diff|':>18}")
+    return lines + [f"{name[:28]:<28} {diff:>18.3g}" for name, diff in result.layers[:ROWS]]
+
+
+def _log_run(comparison: Path, result: Verdict, subject: Run, reference: Run) -> str:
+    """Log the comparison to an MLflow run of its own (tag ``keras_sync.verify``); its id."""
+    from mlflow.entities import Metric, Param
+    from mlflow.tracking import MlflowClient
+
+    from keras_sync.tracking import resolve_tracking_uri
+    from keras_sync.tracking.sqlite_store import ensure_sqlite_store
+
+    uri, _ = resolve_tracking_uri(subject["mlflow"].get("tracking_uri"))
+    ensure_sqlite_store(uri)
+    client = MlflowClient(uri)
+    name = subject["mlflow"]["experiment"]
+    experiment = client.get_experiment_by_name(name)
+    run = client.create_run(
+        experiment.experiment_id if experiment else client.create_experiment(name),
+        run_name=f"verify {subject['kind']} x{subject['replicas']}",
+        tags={
+            "keras_sync.verify": "same" if result.same else "different",
+            "keras_sync.verify.cause": (result.cause or "")[:5000],
+            "keras_sync.verify.line": result.last_line[:5000],
+        },
+    )
+    rid = run.info.run_id
+    params = {key: subject[key] for key in ("replicas", "kind", "global_batch")}
+    params.update(steps=result.steps, tolerance=f"{result.tolerance:.3g}")
+    metrics = [
+        Metric(f"verify/{name}/{q}", float(s[q]), 0, i)
+        for name, rec in (("distributed", subject), ("one_device", reference))
+        for i, s in enumerate(rec["steps"][: result.steps])
+        for q in ("loss", "update", "lr", "examples")
+    ]
+    client.log_batch(rid, params=[Param(k, str(v)) for k, v in params.items()])
+    for start in range(0, len(metrics), 1000):  # MLflow's limit of metrics per batch
+        client.log_batch(rid, metrics=metrics[start : start + 1000])
+    client.log_artifact(rid, str(comparison))
+    client.set_terminated(rid, "FINISHED")
+    return rid

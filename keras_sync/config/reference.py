@@ -39,7 +39,7 @@ TEMPLATE_HEADER = f"""\
 #   keras-sync schema     JSON Schema for editor completion
 # Precedence: command-line flag > environment (TF_CONFIG, {", ".join(ENV_KEYS)}) > this file > default.
 """
-# Placeholders that `keras_sync.cli.scaffold.render_config` fills in.
+# Placeholders that `keras_sync.cli.init.render_config` fills in.
 STRATEGY_PLACEHOLDER = "${strategy}"
 TEMPLATE_VALUES = {"batch.per_replica": "${per_replica}"}
 SCHEMA_ID = f"https://keras-sync.invalid/schema/{__version__}/keras_sync.schema.json"
