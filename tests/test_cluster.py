@@ -30,6 +30,7 @@ from keras_sync.cluster import (
     record_strategy_tf_config,
     role,
     slurm_port_base,
+    training_tasks,
 )
 from keras_sync.errors import ClusterError
 from keras_sync.launch import launch
@@ -266,6 +267,24 @@ def test_slurm_auto_ports_follow_the_job_and_step_ids() -> None:
         parse_slurm_env({**_slurm_env(1), "SLURM_STEP_ID": "0"}, port_base=9000).worker_addresses[0]
         == "localhost:9000"
     )
+
+
+def test_slurm_auto_port_base_examples() -> None:
+    # The examples of slurm_port_base's docstring: the next job's slot, the next step's, no job id.
+    assert slurm_port_base({"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0"}) == 29712
+    assert slurm_port_base({"SLURM_JOB_ID": "78", "SLURM_STEP_ID": "0"}) - 29712 == 256
+    assert slurm_port_base({"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "1"}) - 29712 == 16
+    assert slurm_port_base({}) == 8888
+
+
+def test_training_tasks_are_the_chief_then_the_workers_without_ps_or_evaluator() -> None:
+    cluster = {"chief": ["a:1"], "worker": ["b:1", "c:1"], "ps": ["d:1"], "evaluator": ["e:1"]}
+    assert list(training_tasks(cluster).items()) == [
+        (("chief", 0), "a:1"),
+        (("worker", 0), "b:1"),
+        (("worker", 1), "c:1"),
+    ]
+    assert training_tasks({"worker": {"1": "c:1"}}) == {("worker", 1): "c:1"}  # sparse form
 
 
 def test_slurm_auto_ports_of_neighbouring_jobs_and_steps_do_not_overlap() -> None:
@@ -509,6 +528,15 @@ def test_indexed_job_pattern_may_name_the_port() -> None:
     assert indexed_job_addresses("js-workers-0-{index}.js:3000{index}", 2222, 2) == [
         "js-workers-0-0.js:30000",
         "js-workers-0-1.js:30001",
+    ]
+    # The examples of the docstring indexed_job_addresses had: the port added, or the pattern's own.
+    assert indexed_job_addresses("train-{index}.train", 2222, 2) == [
+        "train-0.train:2222",
+        "train-1.train:2222",
+    ]
+    assert indexed_job_addresses("127.0.0.1:2900{index}", 2222, 2) == [
+        "127.0.0.1:29000",
+        "127.0.0.1:29001",
     ]
 
 

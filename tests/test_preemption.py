@@ -148,6 +148,22 @@ def test_ctrl_c_out_of_fit_without_a_backup_is_one_line_and_a_second_one_skips_t
     )
 
 
+def test_ctrl_c_out_of_fit_with_a_backup_dir_names_where_the_relaunch_resumes() -> None:
+    code = (
+        "from keras_sync.cluster.preemption import ctrl_c_ends_fit\n"
+        "with ctrl_c_ends_fit(None, is_chief=True, backup_dir='/bk'):\n"
+        "    raise KeyboardInterrupt\n"
+    )
+    r = _python(code)
+    assert r.returncode == 130
+    assert r.stderr == (
+        "keras-sync: Ctrl-C: training stopped before keras-sync could save a backup at this step; "
+        "exiting with code 130. A relaunch resumes from the newest backup in /bk, if there is one.\n"
+    )
+    worker = _python(code.replace("is_chief=True", "is_chief=False"))
+    assert (worker.returncode, worker.stderr) == (130, "")  # one line per job: the chief's
+
+
 def test_lost_peer_doctests_pass() -> None:
     assert doctest.testmod(_lost_peer).failed == 0
 

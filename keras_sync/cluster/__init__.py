@@ -20,10 +20,6 @@ from keras_sync.errors import ClusterError
 
 TRAINING_JOBS = ("chief", "worker")  # one all-reduce; `evaluator` and `ps` never join it
 INDEX_VAR = "JOB_COMPLETION_INDEX"  # set by Kubernetes in every pod of an Indexed Job (JobSet too)
-# strategy.slurm.port_base auto: each (job, step) gets a slot of 16 ports in 10000-31775, below
-# Linux's ephemeral range; the slot count is a prime, so neighbouring job ids and steps never share one.
-SLURM_AUTO_PORTS_PER_SLOT = 16
-_SLURM_AUTO_SLOTS = 1361
 _SLURM_VARS = (
     "SLURM_PROCID",
     "SLURM_STEP_NUM_TASKS",
@@ -114,59 +110,51 @@ def _error(what: str, received: Any, fix: str) -> ClusterError:
 def _tf_config_cluster(data: Any, raw: str) -> dict[str, list[str]]:
     """The `cluster` of a parsed TF_CONFIG, checked for what MultiWorkerMirroredStrategy can run."""
     if not isinstance(data, dict):
-        raise _error(
-            "TF_CONFIG must be a JSON object",
-            f"TF_CONFIG={raw!r}",
-            'Expected {"cluster": ..., "task": ...}.',
-        )
+        raise _error("TF_CONFIG must be a JSON object", f"TF_CONFIG={raw!r}", _EXAMPLE)
     if "sparseCluster" in data:
         raise _error(
-            "TF_CONFIG has `sparseCluster` (a TFJob with enableDynamicWorker), which is not supported by "
-            "MultiWorkerMirroredStrategy: every worker must know every peer",
+            "TF_CONFIG has `sparseCluster` (a TFJob with enableDynamicWorker), which is not supported "
+            "by MultiWorkerMirroredStrategy: every worker must know every peer",
             f"sparseCluster={data['sparseCluster']!r}",
             "Fix: set `enableDynamicWorker: false` in the TFJob spec so it writes a full `cluster`.",
         )
     cluster = data.get("cluster")
     if not isinstance(cluster, dict) or not cluster:
-        raise _error(
-            "TF_CONFIG has no `cluster` (or it is not a non-empty object)",
-            f"cluster={cluster!r}",
-            'Expected e.g. "cluster": {"worker": ["host0:2222", "host1:2222"]}; unset TF_CONFIG to train in one process.',
-        )
+        fix = f"{_EXAMPLE}; unset TF_CONFIG to train in one process."
+        raise _error("TF_CONFIG has no `cluster` (a non-empty object)", f"cluster={cluster!r}", fix)
     for job, addresses in cluster.items():
         if job not in (*TRAINING_JOBS, "evaluator", "ps"):
+            fix = "Expected only chief, worker (and evaluator); rename the job."
             raise _error(
-                f"TF_CONFIG cluster has an unknown job `{job}`",
-                f"cluster={cluster!r}",
-                "Expected only chief, worker (and evaluator); rename the job.",
+                f"TF_CONFIG cluster has an unknown job `{job}`", f"cluster={cluster!r}", fix
             )
         if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
+            what = f"TF_CONFIG cluster.{job} must be a list of 'host:port' strings"
             raise _error(
-                f"TF_CONFIG cluster.{job} must be a list of 'host:port' strings",
-                f"cluster.{job}={addresses!r}",
-                f'Expected e.g. "{job}": ["host0:2222"].',
+                what, f"cluster.{job}={addresses!r}", f'Expected e.g. "{job}": ["h:2222"].'
             )
     if cluster.get("ps"):
         raise _error(
             "TF_CONFIG cluster has `ps` tasks, which are not supported by MultiWorkerMirroredStrategy "
             "(keras-sync does data-parallel all-reduce, not parameter servers)",
             f"cluster.ps={cluster['ps']!r}",
-            "Fix: remove the PS replicas (TFJob `PS:` replica spec) and run chief/worker replicas only.",
+            "Fix: remove the PS replicas (TFJob `PS:` replica spec); run chief/worker replicas only.",
         )
     for job in ("chief", "evaluator"):
         if len(cluster.get(job, [])) > 1:
-            raise _error(
-                f"TF_CONFIG cluster.{job} must have at most one task",
-                f"cluster.{job}={cluster[job]!r}",
-                f"Fix: set `replicas: 1` for the {job.capitalize()} replica spec.",
-            )
+            what = f"TF_CONFIG cluster.{job} must have at most one task"
+            fix = f"Fix: set `replicas: 1` for the {job.capitalize()} replica spec."
+            raise _error(what, f"cluster.{job}={cluster[job]!r}", fix)
     if not any(cluster.get(job) for job in TRAINING_JOBS):
-        raise _error(
-            "TF_CONFIG cluster has no `chief` or `worker` tasks",
-            f"cluster={cluster!r}",
-            "Add a worker list.",
-        )
+        what = "TF_CONFIG cluster has no `chief` or `worker` tasks"
+        raise _error(what, f"cluster={cluster!r}", "Add a worker list.")
     return cluster
+
+
+_EXAMPLE = (
+    'Expected a JSON object such as {"cluster": {"worker": ["host0:2222", "host1:2222"]}, '
+    '"task": {"type": "worker", "index": 0}}'
+)
 
 
 def parse_tf_config(raw: str | None, *, env: Mapping[str, str] | None = None) -> ClusterInfo:
@@ -176,52 +164,40 @@ def parse_tf_config(raw: str | None, *, env: Mapping[str, str] | None = None) ->
     try:
         data = json.loads(raw)
     except json.JSONDecodeError as e:
-        raise _error(
-            f"TF_CONFIG is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}, char {e.pos})",
-            f"TF_CONFIG={raw!r}",
-            "Expected a JSON object such as "
-            '{"cluster": {"worker": ["host0:2222", "host1:2222"]}, "task": {"type": "worker", "index": 0}}; '
-            "fix the quoting where TF_CONFIG is set (shell quotes, the job spec).",
-        ) from None
+        where = f"{e.msg} at line {e.lineno} column {e.colno}, char {e.pos}"
+        fix = f"{_EXAMPLE}; fix the quoting where TF_CONFIG is set (shell quotes, the job spec)."
+        raise _error(f"TF_CONFIG is not valid JSON ({where})", f"TF_CONFIG={raw!r}", fix) from None
     if not data:
         return SINGLE_PROCESS
     cluster = _tf_config_cluster(data, raw)
     task = data.get("task")
     if not isinstance(task, dict) or "type" not in task:
-        raise _error(
-            "TF_CONFIG has no `task` (this process's role)",
-            f"task={task!r}",
-            'Expected e.g. "task": {"type": "worker", "index": 0}, different on each process.',
-        )
+        fix = 'Expected e.g. "task": {"type": "worker", "index": 0}, different on each process.'
+        raise _error("TF_CONFIG has no `task` (this process's role)", f"task={task!r}", fix)
     task_type, task_id = task.get("type"), task.get("index")
     if task_type not in (*TRAINING_JOBS, "evaluator"):
-        raise _error(
+        what, fix = (
             "TF_CONFIG task.type is not a training role",
-            f"task.type={task_type!r}",
             "Expected one of chief, worker, evaluator.",
         )
+        raise _error(what, f"task.type={task_type!r}", fix)
     if isinstance(task_id, str) and task_id.isdigit():
         task_id = int(task_id)  # TFConfigClusterResolver does int(index) too
     if isinstance(task_id, bool) or not isinstance(task_id, int) or task_id < 0:
-        raise _error(
-            "TF_CONFIG task.index must be an integer >= 0",
-            f"task.index={task_id!r}",
-            "Fix the task index.",
-        )
+        what = "TF_CONFIG task.index must be an integer >= 0"
+        raise _error(what, f"task.index={task_id!r}", "Fix the task index.")
     count = len(cluster.get(task_type, []))
     if task_id >= count and (task_type != "evaluator" or task_type in cluster):
-        raise _error(
-            f"TF_CONFIG task.index is out of range for `{task_type}` ({count} task(s) in cluster.{task_type})",
-            f"task={task!r}",
-            f"Expected an index from 0 to {count - 1}; give each process its own index.",
-        )
+        what = f"TF_CONFIG task.index is out of range for `{task_type}` ({count} task(s) in cluster.{task_type})"
+        fix = f"Expected an index from 0 to {count - 1}; give each process its own index."
+        raise _error(what, f"task={task!r}", fix)
     flavor: Literal["kubeflow", "ray", "plain"] = "plain"
     if str(data.get("environment", "")).lower() == "cloud":
         flavor = "kubeflow"
     elif set(cluster) == {"worker"} and killed_when_training_returns(env):
         flavor = "ray"  # Ray Train's TensorflowConfig writes only a worker list
     here = role(cluster, task_type, task_id)
-    addresses = [a for job in TRAINING_JOBS for a in cluster.get(job, [])]
+    addresses = list(training_tasks(cluster).values())
     return ClusterInfo(
         "tf_config", task_type, task_id, here.num_workers, here.is_chief, addresses, flavor
     )
@@ -273,9 +249,11 @@ def expand_tasks_per_node(spec: str) -> list[int]:
 
 
 def slurm_port_base(env: Mapping[str, str] | None = None) -> int:
-    """The first worker port of a Slurm job step when `strategy.slurm.port_base` is auto: a slot of
-    its own per (job id, step id), the same on every node; without a job id, TensorFlow's 8888.
-    (TensorFlow puts every job on 8888: two sharing a node fail with "Could not start gRPC server".)
+    """The first worker port of a Slurm job step when `strategy.slurm.port_base` is auto; without a
+    job id, TensorFlow's 8888 (where two jobs sharing a node fail: "Could not start gRPC server").
+
+    Each (job, step) gets a slot of 16 ports in 10000-31775, below Linux's ephemeral range, the same
+    on every node; 1361 slots, a prime, so neighbouring job ids and steps never share one.
 
     >>> slurm_port_base({"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "1"}) - slurm_port_base({"SLURM_JOB_ID": "77"})
     16
@@ -284,11 +262,8 @@ def slurm_port_base(env: Mapping[str, str] | None = None) -> int:
     job, step = env.get("SLURM_JOB_ID", ""), env.get("SLURM_STEP_ID", "0")
     if not job.isdigit():
         return 8888
-    key = (
-        int(job) * SLURM_AUTO_PORTS_PER_SLOT
-        + (int(step) if step.isdigit() else 0) % SLURM_AUTO_PORTS_PER_SLOT
-    )
-    return 10000 + (key % _SLURM_AUTO_SLOTS) * SLURM_AUTO_PORTS_PER_SLOT
+    key = int(job) * 16 + (int(step) if step.isdigit() else 0) % 16
+    return 10000 + (key % 1361) * 16
 
 
 def fixed_slurm_port_base(strategy_config: Any) -> int | None:
@@ -314,24 +289,17 @@ def parse_slurm_env(
     values = {v: env[v] for v in _SLURM_VARS}
     try:
         rank, num_tasks = int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"])
-        layout = dict(
-            zip(
-                expand_hostlist(env["SLURM_STEP_NODELIST"]),
-                expand_tasks_per_node(env["SLURM_STEP_TASKS_PER_NODE"]),
-            )
-        )
+        hosts = expand_hostlist(env["SLURM_STEP_NODELIST"])
+        layout = dict(zip(hosts, expand_tasks_per_node(env["SLURM_STEP_TASKS_PER_NODE"])))
     except ValueError as e:
-        raise _error(
-            f"Slurm variables cannot be read ({e})",
-            values,
-            "They are set by srun; do not set them by hand unless you mimic srun exactly.",
-        ) from None
+        fix = "They are set by srun; do not set them by hand unless you mimic srun exactly."
+        raise _error(f"Slurm variables cannot be read ({e})", values, fix) from None
     base = slurm_port_base(env) if port_base is None else port_base
     addresses = [f"{h}:{base + i}" for h, n in sorted(layout.items()) for i in range(n)]
     if len(addresses) != num_tasks or not 0 <= rank < num_tasks:
         raise _error(
-            "Slurm variables disagree: the node list and tasks per node do not give SLURM_STEP_NUM_TASKS "
-            "tasks, or SLURM_PROCID is out of range",
+            "Slurm variables disagree: the node list and tasks per node do not give "
+            "SLURM_STEP_NUM_TASKS tasks, or SLURM_PROCID is out of range",
             values,
             "Run under srun with one task per worker process.",
         )
@@ -350,29 +318,28 @@ def parse_indexed_job(
 ) -> ClusterInfo:
     """This pod's place in a Kubernetes Indexed Job (or a JobSet's job): worker ``$JOB_COMPLETION_INDEX``
     of ``workers``, worker 0 the chief, addresses from the ``hosts`` pattern (`strategy.indexed_job`)."""
-    env = os.environ if env is None else env
+    raw = (os.environ if env is None else env).get(INDEX_VAR)
     if not hosts or not workers:
         raise _error(
             "strategy.cluster is indexed_job but strategy.indexed_job.hosts or .workers is not set",
             f"hosts={hosts!r}, workers={workers!r}",
-            "Set strategy.indexed_job.hosts (e.g. train-{index}.train) and .workers (the Job's completions).",
+            "Set strategy.indexed_job.hosts (e.g. train-{index}.train) and .workers (the Job's "
+            "completions).",
         )
-    raw = env.get(INDEX_VAR)
     if raw is None:
         raise _error(
             f"strategy.cluster is indexed_job but ${INDEX_VAR} is not set",
             f"{INDEX_VAR}=None",
-            "Kubernetes sets it in the pods of a Job with `completionMode: Indexed` (JobSet too); run the "
-            "script there, or set it by hand (0 to workers-1) to mimic one.",
+            "Kubernetes sets it in the pods of a Job with `completionMode: Indexed` (JobSet too); run "
+            "the script there, or set it by hand (0 to workers-1) to mimic one.",
         )
     if not raw.strip().isdigit() or int(raw) >= workers:
         raise _error(
             f"${INDEX_VAR} is not a worker index from 0 to strategy.indexed_job.workers-1={workers - 1}",
             f"{INDEX_VAR}={raw!r}",
-            "Set strategy.indexed_job.workers to the Job's `completions` (and `parallelism`), the same number.",
+            "Set strategy.indexed_job.workers to the Job's `completions` (and `parallelism`).",
         )
-    index = int(raw)
-    addresses = indexed_job_addresses(hosts, port, workers)
+    index, addresses = int(raw), indexed_job_addresses(hosts, port, workers)
     return ClusterInfo("indexed_job", "worker", index, workers, index == 0, addresses)
 
 
@@ -406,19 +373,19 @@ class ClusterEnvironment:
         """The TensorFlow cluster resolver a strategy gets (None: TensorFlow reads TF_CONFIG itself)."""
         return None
 
+    def _worker_list_resolver(self) -> Any:
+        """A TensorFlow resolver for the workers `info` lists, with the GPUs this machine has."""
+        info = self.info()
+        import tensorflow as tf
 
-def _worker_list_resolver(info: ClusterInfo) -> Any:
-    """A TensorFlow resolver for the workers `info` lists, with the GPUs this machine has."""
-    import tensorflow as tf
-
-    gpus = len(tf.config.list_physical_devices("GPU"))
-    return tf.distribute.cluster_resolver.SimpleClusterResolver(
-        tf.train.ClusterSpec({"worker": info.worker_addresses}),
-        task_type="worker",
-        task_id=info.task_id,
-        num_accelerators={"GPU": gpus} if gpus else {},
-        rpc_layer="grpc",
-    )
+        gpus = len(tf.config.list_physical_devices("GPU"))
+        return tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec({"worker": info.worker_addresses}),
+            task_type="worker",
+            task_id=info.task_id,
+            num_accelerators={"GPU": gpus} if gpus else {},
+            rpc_layer="grpc",
+        )
 
 
 class TFConfigEnvironment(ClusterEnvironment):
@@ -445,12 +412,12 @@ class SlurmEnvironment(ClusterEnvironment):
         return parse_slurm_env(self.env, port_base=fixed_slurm_port_base(self.config))
 
     def resolver(self) -> Any:
-        info = self.info()  # its errors say what to fix; TensorFlow's do not
+        self.info()  # its errors say what to fix; TensorFlow's do not
         import tensorflow as tf
 
         # Without GPUs, TensorFlow's resolver would give each task a GPU that does not exist.
         if not tf.config.list_physical_devices("GPU"):
-            return _worker_list_resolver(info)
+            return self._worker_list_resolver()
         base = fixed_slurm_port_base(self.config)  # TensorFlow's sets CUDA_VISIBLE_DEVICES per task
         port_base = slurm_port_base(self.env) if base is None else base
         return tf.distribute.cluster_resolver.SlurmClusterResolver(port_base=port_base)
@@ -469,7 +436,7 @@ class IndexedJobEnvironment(ClusterEnvironment):
         return parse_indexed_job(job.hosts, job.port, job.workers, self.env)
 
     def resolver(self) -> Any:
-        return _worker_list_resolver(self.info())
+        return self._worker_list_resolver()
 
 
 #: The allowed values of `strategy.cluster` (`keras_sync.config` reads the names from here).
@@ -494,7 +461,8 @@ def cluster_resolver(strategy_config: Any) -> Any:
     return CLUSTER_SOURCES[strategy_config.cluster](strategy_config).resolver()
 
 
-_recorded: list[str | None] = []  # the TF_CONFIG keras_sync built a strategy with
+# The TF_CONFIG keras_sync built a strategy with: TensorFlow joins one cluster per process.
+_recorded: list[str | None] = []
 
 
 def record_strategy_tf_config(raw: str | None) -> None:
@@ -503,10 +471,8 @@ def record_strategy_tf_config(raw: str | None) -> None:
 
 
 def _cluster_key(cluster: Any, task_type: Any, task_id: Any) -> tuple[Any, ...] | None:
-    if not cluster:
-        return None
-    spec = {k: list(v) for k, v in sorted(cluster.items()) if v}
-    return (json.dumps(spec, sort_keys=True), task_type, task_id)
+    spec = {k: list(v) for k, v in sorted((cluster or {}).items()) if v}
+    return (json.dumps(spec, sort_keys=True), task_type, task_id) if cluster else None
 
 
 def _tf_config_key(raw: str | None) -> tuple[Any, ...] | None:
@@ -528,15 +494,12 @@ def check_tf_config_order(raw: str | None = None, *, env: Mapping[str, str] | No
     now = _tf_config_key(raw)
     fix = (
         "TensorFlow reads TF_CONFIG once, when the first strategy is built (tensorflow#60706). "
-        "Fix: set TF_CONFIG in the environment before the process starts, or at least before "
-        "`keras_sync.load()` and any TensorFlow work, and do not change it afterwards."
+        "Fix: set TF_CONFIG before the process starts, or at least before `keras_sync.load()` and "
+        "any TensorFlow work, and do not change it afterwards."
     )
     if _recorded and _tf_config_key(_recorded[0]) != now:
-        raise _error(
-            f"TF_CONFIG changed after keras_sync built a strategy in this process (it was {_recorded[0]!r})",
-            f"TF_CONFIG={raw!r}",
-            fix,
-        )
+        what = f"TF_CONFIG changed after keras_sync built a strategy in this process (it was {_recorded[0]!r})"
+        raise _error(what, f"TF_CONFIG={raw!r}", fix)
     if "tensorflow" not in sys.modules:
         return
     from keras_sync.upstream.multi_worker import joined_cluster
@@ -544,9 +507,8 @@ def check_tf_config_order(raw: str | None = None, *, env: Mapping[str, str] | No
     joined = joined_cluster()
     key = _cluster_key(*joined) if joined is not None else None
     if key is not None and key != now:
-        raise _error(
+        what = (
             f"TensorFlow in this process already joined the cluster {key[0]} as {key[1]}:{key[2]}, "
-            "which TF_CONFIG no longer describes",
-            f"TF_CONFIG={raw!r}",
-            fix,
+            "which TF_CONFIG no longer describes"
         )
+        raise _error(what, f"TF_CONFIG={raw!r}", fix)

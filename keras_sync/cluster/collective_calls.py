@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import os
 import sys
 import threading
@@ -20,7 +21,6 @@ from typing import Any
 
 from keras_sync.cluster import strategy_role, training_tasks
 from keras_sync.errors import UsageError
-from keras_sync.upstream.strategy_facts import in_multi_worker_mode
 
 EXIT = "exit"
 # A worker waiting for a peer's post asks every 2 s whether the peer's process is still there (a
@@ -29,161 +29,149 @@ EXIT = "exit"
 _POLL_MS = 2000
 _PROBE_MS = 10_000
 _PROBE_TRIES = 3
-
-_lock = threading.Lock()
-_state: dict[str, Any] = {
-    "count": 0,
-    "returned": 0,
-    "failed": False,
-    "strategy": None,
-    "timeout_s": 300.0,
-}
-_local = threading.local()
+_ATTRIBUTE = "_keras_sync_peer_calls"  # where a multi-worker strategy keras_sync built holds its
+_strategies = itertools.count()  # strategies built in this process: alike on every worker
 
 
 class PeerElsewhereError(UsageError):
     """A peer posted another call than this worker's: the job cannot go on (both workers report it)."""
 
 
-def meet(
-    strategy: Any,
-    call: str,
-    timeout_s: float | None = None,
-    *,
-    on_wait: Callable[[str], None] | None = None,
-) -> None:
-    """Wait until every worker has reached call number N with the same ``call`` name, or raise
-    `UsageError` naming the peer. ``on_wait(peer)`` is called once if a peer is not there at once."""
-    if not in_multi_worker_mode(strategy):
-        return
-    import tensorflow as tf
+def _said(call: str) -> str:
+    return "reached the end of its script" if call == EXIT else f"called {call}"
 
-    from keras_sync.upstream import multi_worker
 
-    timeout_s = _state["timeout_s"] if timeout_s is None else timeout_s
-    with _lock:
-        n = _state["count"]
-        _state["count"] += 1
-    resolver = strategy.cluster_resolver
-    me = (resolver.task_type, int(resolver.task_id))
-    deadline = time.monotonic() + timeout_s
-    said = "reached the end of its script" if call == EXIT else f"called {call}"
-    fix = (
-        f"Under multi_worker_mirrored {call} is a collective: every worker must call it, in the same order. "
-        "Fix: make the call on every worker (not under `if sync.is_chief:`), and guard only what your own "
-        "code writes; or predict in a separate one-process script from a saved model."
-    )
-    try:
-        multi_worker.set_key(f"keras_sync/call/{n}/{me[0]}:{me[1]}", call)
-    except tf.errors.OpError:  # the coordination service's worker (the chief) has exited
-        raise UsageError(
-            f"{me[0]} {me[1]} {said}, but the job's coordination service is gone: the worker "
-            f"that hosts it has left the job. {fix}"
-        ) from None
-    for peer in training_tasks(resolver.cluster_spec().as_dict()):
-        if peer == me:
-            continue
-        name, slow = f"{peer[0]} {peer[1]}", 0
-        while True:
-            left_ms = int((deadline - time.monotonic()) * 1000)
-            try:
-                got = multi_worker.get_key(
-                    f"keras_sync/call/{n}/{peer[0]}:{peer[1]}", max(1, min(left_ms, _POLL_MS))
-                )
-                break
-            except tf.errors.DeadlineExceededError:
-                if on_wait is not None:
-                    on_wait(name)
-                    on_wait = None
-                if left_ms <= _POLL_MS:
-                    raise UsageError(
-                        f"{me[0]} {me[1]} {said}, but {name} did not reach that call within "
-                        f"strategy.connect_timeout_s={timeout_s:g} s. {fix}"
-                    ) from None
-            except tf.errors.OpError as e:
-                why = (
-                    "TensorFlow can no longer reach it"
-                    if isinstance(e, tf.errors.UnavailableError)
-                    else f"TensorFlow: {type(e).__name__}"
-                )
-                raise UsageError(
-                    f"{me[0]} {me[1]} {said}, but {name} has left the job ({why}). {fix}"
-                ) from None
-            # The probe of MultiWorkerMirroredStrategy's own health thread: an exited peer answers
-            # Unavailable (FailedPrecondition once restarted); a TensorFlow without it, anything else.
-            try:
-                multi_worker.peer_health(f"/job:{peer[0]}/replica:0/task:{peer[1]}", _PROBE_MS)
-                slow = 0
-            except (tf.errors.UnavailableError, tf.errors.FailedPreconditionError):
-                slow = _PROBE_TRIES
-            except tf.errors.DeadlineExceededError:
-                slow += 1
-            except Exception:
-                slow = 0
-            if slow >= _PROBE_TRIES:
-                raise UsageError(
-                    f"{me[0]} {me[1]} {said}, but {name} has left the job (its process no longer answers). {fix}"
-                )
-        if got != call:
-            got_said = "reached the end of its script" if got == EXIT else f"called {got}"
-            raise PeerElsewhereError(
-                f"{me[0]} {me[1]} {said}, but {name} {got_said} instead. {fix}"
+class PeerCalls:
+    """The collective calls of one multi-worker strategy, numbered alike on every worker; held by
+    the strategy itself, so it lives exactly as long as the `Sync` that built it."""
+
+    def __init__(self, strategy: Any, timeout_s: float):
+        self.strategy, self.timeout_s = strategy, timeout_s
+        self._prefix = f"keras_sync/call/{next(_strategies)}"
+        self._count = itertools.count()  # next() is atomic: one number per call, in call order
+        self.returned, self.failed = 0, False
+        self._local = (
+            threading.local()
+        )  # inside a call: a nested one (fit's validation evaluate) passes
+
+    def meet(self, call: str, on_wait: Callable[[str], None] | None = None) -> None:
+        """Wait until every worker has reached this call number with the same ``call`` name, or raise
+        `UsageError` naming the peer. ``on_wait(peer)`` is called once if a peer is not there at once."""
+        import tensorflow as tf
+
+        from keras_sync.upstream import multi_worker
+
+        key = f"{self._prefix}/{next(self._count)}"
+        resolver = self.strategy.cluster_resolver
+        me = (resolver.task_type, int(resolver.task_id))
+        deadline = time.monotonic() + self.timeout_s
+
+        def fail(what: str, error: type[UsageError] = UsageError) -> UsageError:
+            return error(
+                f"{me[0]} {me[1]} {_said(call)}, but {what}. Under multi_worker_mirrored {call} is a "
+                "collective: every worker must call it, in the same order. Fix: make the call on every "
+                "worker (not under `if sync.is_chief:`), and guard only what your own code writes; or "
+                "predict in a separate one-process script from a saved model."
             )
+
+        try:
+            multi_worker.set_key(f"{key}/{me[0]}:{me[1]}", call)
+        except tf.errors.OpError:  # the coordination service's worker (the chief) has exited
+            raise fail(
+                "the job's coordination service is gone: the worker that hosts it has left the job"
+            ) from None
+        for peer in training_tasks(resolver.cluster_spec().as_dict()):
+            if peer == me:
+                continue
+            name, slow = f"{peer[0]} {peer[1]}", 0
+            while True:
+                left_ms = int((deadline - time.monotonic()) * 1000)
+                try:
+                    wait_ms = max(1, min(left_ms, _POLL_MS))
+                    got = multi_worker.get_key(f"{key}/{peer[0]}:{peer[1]}", wait_ms)
+                    break
+                except tf.errors.DeadlineExceededError:
+                    if on_wait is not None:
+                        on_wait(name)
+                        on_wait = None
+                    if left_ms <= _POLL_MS:
+                        raise fail(
+                            f"{name} did not reach that call within "
+                            f"strategy.connect_timeout_s={self.timeout_s:g} s"
+                        ) from None
+                except tf.errors.OpError as e:
+                    why = f"TensorFlow: {type(e).__name__}"
+                    if isinstance(e, tf.errors.UnavailableError):
+                        why = "TensorFlow can no longer reach it"
+                    raise fail(f"{name} has left the job ({why})") from None
+                # The probe of MultiWorkerMirroredStrategy's own health thread: an exited peer answers
+                # Unavailable (FailedPrecondition once restarted); a TensorFlow without it, anything else.
+                try:
+                    multi_worker.peer_health(f"/job:{peer[0]}/replica:0/task:{peer[1]}", _PROBE_MS)
+                    slow = 0
+                except (tf.errors.UnavailableError, tf.errors.FailedPreconditionError):
+                    slow = _PROBE_TRIES
+                except tf.errors.DeadlineExceededError:
+                    slow += 1
+                except Exception:
+                    slow = 0
+                if slow >= _PROBE_TRIES:
+                    raise fail(f"{name} has left the job (its process no longer answers)")
+            if got != call:
+                raise fail(f"{name} {_said(got)} instead", PeerElsewhereError)
+
+    def meet_at_exit(self) -> None:
+        """The exit meeting, after a successful run only: otherwise the peers may be stuck in a
+        collective, or not there yet."""
+        if not self.returned or self.failed or getattr(sys, "last_value", None) is not None:
+            return
+
+        def say(peer: str) -> None:
+            print(
+                f"keras-sync: waiting for {peer} to finish its script (the workers leave together; "
+                "closing TensorFlow's input pipeline can take seconds)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+        try:
+            self.meet(EXIT, on_wait=say if strategy_role(self.strategy).is_chief else None)
+        except UsageError as e:
+            # A peer is in another call: that worker reports it; this one leaves with one line.
+            print(f"keras-sync: {str(e).split('. Under')[0]}.", file=sys.stderr, flush=True)
+            if isinstance(e, PeerElsewhereError):
+                # That peer fails now, and when it is the chief the coordination service goes with
+                # it: TensorFlow's teardown here would print pages of heartbeat errors or wait for a
+                # leader that is gone. Leave at once with the job's usage-error code 2.
+                sys.stdout.flush()
+                os._exit(2)
+
+
+def configure(strategy: Any, timeout_s: float) -> None:
+    """Give a multi-worker strategy keras_sync built its `PeerCalls` (``timeout_s``: how long `meet`
+    waits), and the exit meeting."""
+    calls = PeerCalls(strategy, timeout_s)
+    setattr(strategy, _ATTRIBUTE, calls)
+    atexit.register(calls.meet_at_exit)
 
 
 @contextlib.contextmanager
 def collective(model: Any, call: str) -> Iterator[None]:
     """Around one top-level ``call`` of ``model``: meet the peers first, count the call after it.
-    Nested calls (fit's validation ``evaluate``) and models not under a multi-worker strategy pass."""
-    strategy = getattr(model, "_distribute_strategy", None)
-    if getattr(_local, "depth", 0) or not in_multi_worker_mode(strategy):
+    Nested calls (fit's validation ``evaluate``) and models not under such a strategy pass."""
+    calls: PeerCalls | None = getattr(
+        getattr(model, "_distribute_strategy", None), _ATTRIBUTE, None
+    )
+    if calls is None or getattr(calls._local, "inside", False):
         yield
         return
-    meet(strategy, call)
-    _local.depth = 1
+    calls.meet(call)
+    calls._local.inside = True
     try:
         yield
-        _state["returned"] += 1
+        calls.returned += 1
     except BaseException:
-        _state["failed"] = True  # peers may still be inside this collective: no exit meeting
+        calls.failed = True  # peers may still be inside this collective: no exit meeting
         raise
     finally:
-        _local.depth = 0
-
-
-def configure(strategy: Any, timeout_s: float) -> None:
-    """The job's strategy and wait for `meet`; the exit meeting is registered once per process."""
-    with _lock:
-        first = _state["strategy"] is None
-        _state["strategy"], _state["timeout_s"] = strategy, timeout_s
-    if first:
-        atexit.register(_meet_at_exit)
-
-
-def _meet_at_exit() -> None:
-    if not _state["returned"] or _state["failed"] or getattr(sys, "last_value", None) is not None:
-        return  # not after a successful run: the peers may be stuck in a collective, or not there yet
-
-    def say(peer: str) -> None:
-        print(
-            f"keras-sync: waiting for {peer} to finish its script (the workers leave together; closing "
-            "TensorFlow's input pipeline can take seconds)",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    try:
-        meet(
-            _state["strategy"],
-            EXIT,
-            on_wait=say if strategy_role(_state["strategy"]).is_chief else None,
-        )
-    except UsageError as e:
-        # A peer is in another call: that worker reports it; this one leaves with one line.
-        print(f"keras-sync: {str(e).split('. Under')[0]}.", file=sys.stderr, flush=True)
-        if isinstance(e, PeerElsewhereError):
-            # That peer fails now, and when it is the chief the coordination service goes with it:
-            # TensorFlow's teardown here would print pages of heartbeat errors or wait for a leader
-            # that is gone. Leave at once with the job's usage-error code 2.
-            sys.stdout.flush()
-            os._exit(2)
+        calls._local.inside = False

@@ -34,6 +34,13 @@ _SIGNS = re.compile(
 )
 _TASK_RE = re.compile(r"/job:(\w+)(?:/replica:\d+)?/task:(\d+)")
 _UNHEALTHY_RE = re.compile(r"unhealthy[^:]*:\s*((?:\s*/job:\w+/replica:\d+/task:\d+,?)+)", re.I)
+# What TensorFlow's text says, in the words of the line (the first match wins).
+_REASONS = [
+    ("stopped sending heartbeats", "stopped sending heartbeats"),
+    ("unhealthy", "stopped sending heartbeats"),
+    ("heartbeat", "heartbeat deadline exceeded"),
+    ("collective ops is aborted", "collective aborted"),
+]
 
 
 def is_lost_peer_error(exc: BaseException) -> bool:
@@ -86,32 +93,12 @@ def lost_peer_message(
         )
     else:
         resume = "with fault_tolerance.backup_dir set it resumes from the last backup"
-    low = text.lower()
-    if "stopped sending heartbeats" in low or "unhealthy" in low:
-        reason = "stopped sending heartbeats"
-    elif "heartbeat" in low:
-        reason = "heartbeat deadline exceeded"
-    elif "collective ops is aborted" in low:
-        reason = "collective aborted"
-    else:
-        reason = (text.strip().splitlines() or ["unavailable"])[0][:120]
+    first_line = (text.strip().splitlines() or ["unavailable"])[0][:120]
+    reason = next((said for sign, said in _REASONS if sign in text.lower()), first_line)
     return (
-        f"/job:{me[0]}/task:{me[1]} lost contact with {who}: the worker stopped, or its host or the network "
-        f"failed (TensorFlow: {reason}). Relaunch every worker to continue; {resume}."
+        f"/job:{me[0]}/task:{me[1]} lost contact with {who}: the worker stopped, or its host or the "
+        f"network failed (TensorFlow: {reason}). Relaunch every worker to continue; {resume}."
     )
-
-
-def _cluster_and_task(strategy: Any) -> tuple[dict[str, Any], tuple[str, int]] | None:
-    """The cluster and this task, from the strategy's resolver, else from ``$TF_CONFIG``."""
-    resolver = getattr(strategy, "cluster_resolver", None)
-    try:
-        if resolver is not None:
-            me = (str(resolver.task_type), int(resolver.task_id))
-            return resolver.cluster_spec().as_dict(), me
-        data = json.loads(os.environ.get("TF_CONFIG", ""))
-        return data["cluster"], (str(data["task"]["type"]), int(data["task"]["index"]))
-    except Exception:  # no cluster to name: TensorFlow's own error stands
-        return None
 
 
 @contextlib.contextmanager
@@ -131,3 +118,18 @@ def raised_as_peer_lost(strategy: Any, backup_dir: str | None) -> Iterator[None]
         )  # else backup_dir is unknown
         message = lost_peer_message(str(e), *where, backup_dir=backup_dir, backup_known=known)
         raise PeerLostError(message) from e
+
+
+def _cluster_and_task(strategy: Any) -> tuple[dict[str, Any], tuple[str, int]] | None:
+    """The cluster and this task, from the strategy's resolver, else from ``$TF_CONFIG``."""
+    resolver = getattr(strategy, "cluster_resolver", None)
+    try:
+        if resolver is not None:
+            return resolver.cluster_spec().as_dict(), (
+                str(resolver.task_type),
+                int(resolver.task_id),
+            )
+        data = json.loads(os.environ.get("TF_CONFIG", ""))
+        return data["cluster"], (str(data["task"]["type"]), int(data["task"]["index"]))
+    except Exception:  # no cluster to name: TensorFlow's own error stands
+        return None

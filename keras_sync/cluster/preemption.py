@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import os
 import select
 import signal
@@ -20,9 +21,8 @@ from typing import Any
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, TensorFlow's restartable code
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT: a person stopped the job (Ctrl-C)
 _STOP = "stop"  # posted when a fit ends without a preemption, to release the watcher threads
-_fits = (
-    0  # fits started in this process: the same count on every worker, so it names one fit's keys
-)
+# Fits started in this process: the same count on every worker, so it names one fit's keys.
+_fit_numbers = itertools.count(1)
 
 
 def signal_name(signum: int | None) -> str:
@@ -35,11 +35,16 @@ def exit_code(signum: int | None) -> int:
     return INTERRUPTED_EXIT_CODE if signum == signal.SIGINT else PREEMPTED_EXIT_CODE
 
 
+def _say(message: str) -> None:
+    with contextlib.suppress(Exception):
+        print(f"keras-sync: {message}", file=sys.stderr, flush=True)
+
+
 def exit_now(code: int, message: str | None = None) -> None:
     """Print ``keras-sync: <message>``, flush what the run logged (atexit hooks), end the process
     (`os._exit`: shutdown under a multi-worker strategy can wait on peers that are exiting too)."""
     if message:
-        print(f"keras-sync: {message}", file=sys.stderr, flush=True)
+        _say(message)
     tracking = sys.modules.get("keras_sync.tracking")
     if code != 0 and tracking is not None:
         tracking.end_runs_at_exit_as("KILLED")  # not FINISHED: the relaunch continues the run
@@ -53,12 +58,7 @@ def exit_now(code: int, message: str | None = None) -> None:
 
 def exit_at_once(*_: Any) -> None:
     """A second Ctrl-C: say so and end the process now, code 130 (no backup, no wait for delivery)."""
-    with contextlib.suppress(Exception):
-        print(
-            "keras-sync: Ctrl-C again: exiting at once, without a backup at this step",
-            file=sys.stderr,
-            flush=True,
-        )
+    _say("Ctrl-C again: exiting at once, without a backup at this step")
     os._exit(INTERRUPTED_EXIT_CODE)
 
 
@@ -76,17 +76,12 @@ class StopSignalWatch:
         self.signum: int | None = None  # the first stop signal received
         self._previous: dict[int, Any] = {}
         self._done = threading.Event()
-        self._wake_w = -1
-        self._old_wakeup_fd = -1
+        self._wake_w = self._old_wakeup_fd = -1
 
     @property
     def pending(self) -> bool:
         """True once SIGTERM or SIGINT has arrived."""
         return self.received_at is not None
-
-    def deadline(self) -> float:
-        """`time.monotonic()` by which the save must be done."""
-        return (self.received_at or time.monotonic()) + self.grace_period_s
 
     def install(self) -> bool:
         """Handle SIGTERM and SIGINT from now on; False (nothing changed) outside the main thread."""
@@ -97,12 +92,8 @@ class StopSignalWatch:
         wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._old_wakeup_fd = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
-        threading.Thread(
-            target=self._watchdog,
-            args=(wake_r,),
-            name="keras-sync-stop-signal-watchdog",
-            daemon=True,
-        ).start()
+        name = "keras-sync-stop-signal-watchdog"
+        threading.Thread(target=self._watchdog, args=(wake_r,), name=name, daemon=True).start()
         return True
 
     def uninstall(self) -> None:
@@ -121,8 +112,7 @@ class StopSignalWatch:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.received_at is None:
-            self.signum = signum
-            self.received_at = time.monotonic()
+            self.signum, self.received_at = signum, time.monotonic()
 
     def _watchdog(self, fd: int) -> None:
         deadline: float | None = None
@@ -153,10 +143,6 @@ class StopSignalWatch:
             os.close(fd)
 
 
-def _ms_left(deadline: float) -> int:
-    return max(1, int((deadline - time.monotonic()) * 1000))
-
-
 class PreemptionSaver:
     """Decides, at each batch or epoch end of one `fit`, whether a SIGTERM or Ctrl-C asks for the save now.
 
@@ -181,9 +167,8 @@ class PreemptionSaver:
         self._announced = False
 
     def begin(self, strategy: Any) -> None:
-        global _fits
-        _fits += 1
         self._reset()
+        key = f"keras_sync/preemption/{next(_fit_numbers)}"
         if not self.watch.install():
             return  # not the main thread: SIGTERM and SIGINT keep their previous meaning
         from keras_sync.upstream.strategy_facts import in_multi_worker_mode
@@ -194,10 +179,9 @@ class PreemptionSaver:
             resolver = strategy.cluster_resolver
             tasks = list(training_tasks(resolver.cluster_spec().as_dict()))
             self._task = tasks.index((resolver.task_type, int(resolver.task_id)))
-            self._workers, self._key = len(tasks), f"keras_sync/preemption/{_fits}"
-            threading.Thread(
-                target=self._watch, args=(self._key,), name="keras-sync-preemption", daemon=True
-            ).start()
+            self._workers, self._key = len(tasks), key
+            name = "keras-sync-preemption"
+            threading.Thread(target=self._watch, args=(key,), name=name, daemon=True).start()
 
     def _watch(self, key: str) -> None:
         from keras_sync.upstream import multi_worker
@@ -235,8 +219,7 @@ class PreemptionSaver:
 
     def save_due_at_epoch_end(self, step: Callable[[], int]) -> bool:
         """At an epoch end: True when one process saves now (workers save at the agreed step)."""
-        due = self.save_due(step)
-        return due and not self._workers
+        return self.save_due(step) and not self._workers
 
     def _announce(self, step: int) -> None:
         """Ask every worker to save after step ``step + 1`` and wait for their acks (another worker's
@@ -246,27 +229,24 @@ class PreemptionSaver:
         from keras_sync.upstream import multi_worker
 
         self._announced = True
-        deadline, signum = self.watch.deadline(), self.watch.signum or signal.SIGTERM
-        try:
+        deadline = (self.watch.received_at or time.monotonic()) + self.grace_period_s
+        signum = self.watch.signum or signal.SIGTERM
+        with contextlib.suppress(tf.errors.AlreadyExistsError):  # another worker announced first
             multi_worker.set_key(f"{self._key}/step", f"{step + 1}:{int(signum)}")
-        except tf.errors.AlreadyExistsError:
-            pass  # another worker announced first: its step is the one
-        value = multi_worker.get_key(f"{self._key}/step", _ms_left(deadline))
-        if value == _STOP:
-            return
-        for task in range(self._workers):
-            try:
-                multi_worker.get_key(f"{self._key}/ack/{task}", _ms_left(deadline))
-            except tf.errors.DeadlineExceededError:
+        try:
+            value = multi_worker.get_key(f"{self._key}/step", _ms_left(deadline))
+            if value == _STOP:
                 return
+            for task in range(self._workers):
+                multi_worker.get_key(f"{self._key}/ack/{task}", _ms_left(deadline))
+        except tf.errors.DeadlineExceededError:
+            return
         self._take(value)
         # Ctrl-C reaches every worker (the launcher forwards it): the chief's closing line is enough.
         if self.watch.signum != signal.SIGINT:
-            print(
-                f"keras-sync: SIGTERM at optimizer step {step}: every worker saves a backup after step "
-                f"{self.target}, then exits",
-                file=sys.stderr,
-                flush=True,
+            _say(
+                f"SIGTERM at optimizer step {step}: every worker saves a backup after step "
+                f"{self.target}, then exits"
             )
 
     def end(self, *, clean: bool = True) -> bool:
@@ -284,18 +264,8 @@ class PreemptionSaver:
         return pending
 
 
-def interrupted_message(step: int | None, backup_dir: str | None) -> str:
-    """The line a chief exits with after a Ctrl-C that no backup caught (without ``keras-sync:``)."""
-    at = f" at optimizer step {step}" if step is not None else ""
-    if backup_dir:
-        return (
-            f"Ctrl-C: training stopped{at} before keras-sync could save a backup at this step; exiting "
-            f"with code 130. A relaunch resumes from the newest backup in {backup_dir}, if there is one."
-        )
-    return (
-        f"Ctrl-C: training stopped{at}; exiting with code 130. Set fault_tolerance.backup_dir to save "
-        "a backup at the step Ctrl-C stops and resume from it."
-    )
+def _ms_left(deadline: float) -> int:
+    return max(1, int((deadline - time.monotonic()) * 1000))
 
 
 @contextlib.contextmanager
@@ -308,7 +278,18 @@ def ctrl_c_ends_fit(model: Any, *, is_chief: bool, backup_dir: str | None) -> It
     except KeyboardInterrupt:
         with contextlib.suppress(ValueError):  # not the main thread, which Ctrl-C never reaches
             signal.signal(signal.SIGINT, exit_at_once)
-        step = None
+        at = ""
         with contextlib.suppress(Exception):
-            step = int(model.optimizer.iterations.numpy())
-        exit_now(INTERRUPTED_EXIT_CODE, interrupted_message(step, backup_dir) if is_chief else None)
+            at = f" at optimizer step {int(model.optimizer.iterations.numpy())}"
+        if backup_dir:
+            message = (
+                f"Ctrl-C: training stopped{at} before keras-sync could save a backup at this step; "
+                f"exiting with code 130. A relaunch resumes from the newest backup in {backup_dir}, "
+                "if there is one."
+            )
+        else:
+            message = (
+                f"Ctrl-C: training stopped{at}; exiting with code 130. Set fault_tolerance.backup_dir "
+                "to save a backup at the step Ctrl-C stops and resume from it."
+            )
+        exit_now(INTERRUPTED_EXIT_CODE, message if is_chief else None)

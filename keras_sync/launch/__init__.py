@@ -7,6 +7,7 @@ Each worker leads its own session, so no child of a worker outlives the launch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -18,7 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import IO
+from typing import IO, Any
 
 from keras_sync.config import CONFIG_ENV
 from keras_sync.errors import UsageError
@@ -30,22 +31,20 @@ _print_lock = threading.Lock()
 
 def worker_tf_configs(ports: Sequence[int]) -> list[str]:
     """The TF_CONFIG of each local worker: the same cluster, its own index."""
-    workers = [f"127.0.0.1:{p}" for p in ports]
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
     return [
-        json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}})
-        for i in range(len(workers))
+        json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})
+        for i in range(len(ports))
     ]
 
 
 def _pump(stream: IO[bytes], prefix: str, out: IO[str]) -> None:
     for raw in iter(stream.readline, b""):
         line = raw.decode("utf-8", errors="replace").rstrip("\n") + "\n"
-        with _print_lock:
-            try:
-                out.write(prefix + line)
-                out.flush()
-            except (OSError, ValueError):
-                pass  # our output is gone (`| head`): keep draining so the worker never blocks
+        with _print_lock, contextlib.suppress(OSError, ValueError):
+            # our output may be gone (`| head`): keep draining so the worker never blocks
+            out.write(prefix + line)
+            out.flush()
     stream.close()
 
 
@@ -57,45 +56,44 @@ def _say(message: str) -> None:
 
 def _signal_groups(procs: Sequence[subprocess.Popen[bytes]], sig: int) -> None:
     for p in procs:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(p.pid, sig)  # pid == pgid: each worker leads its own session
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def _exit_code(returncode: int) -> int:
-    """A shell-style exit code: a death by signal N becomes 128 + N."""
-    return 128 - returncode if returncode < 0 else returncode
 
 
 def _check_arguments(
     script: str, workers: object, config: str | None, grace_period_s: float, max_restarts: object
 ) -> None:
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise UsageError(
-            f"Invalid value for argument `workers`. Received: workers={workers!r}. "
-            "Expected an integer >= 1. Fix: pass e.g. --workers 2."
+    def invalid(name: str, received: object, expected: str) -> UsageError:
+        return UsageError(
+            f"Invalid value for argument `{name}`. Received: {name}={received}. Expected {expected}"
         )
+
+    def count(value: object, least: int) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+    if not count(workers, 1):
+        raise invalid("workers", repr(workers), "an integer >= 1. Fix: pass e.g. --workers 2.")
     if not os.path.isfile(script):
-        raise UsageError(
-            f"Invalid value for argument `script`. Received: script={script!r}, which is not a file. "
-            "Expected the path of a Python training script. Fix: check the path (relative to the current directory)."
+        fix = "Fix: check the path (relative to the current directory)."
+        raise invalid(
+            "script",
+            f"{script!r}, which is not a file",
+            f"the path of a Python training script. {fix}",
         )
     if config is not None and not os.path.isfile(config):
-        raise UsageError(
-            f"Invalid value for argument `config`. Received: config={config!r}, which is not a file. "
-            "Expected the path of a keras-sync YAML file. Fix: check the path, or run `keras-sync init`."
+        fix = "Fix: check the path, or run `keras-sync init`."
+        raise invalid(
+            "config",
+            f"{config!r}, which is not a file",
+            f"the path of a keras-sync YAML file. {fix}",
         )
-    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
-        raise UsageError(
-            f"Invalid value for argument `max_restarts`. Received: max_restarts={max_restarts!r}. "
-            "Expected an integer >= 0 (0 = no restart). Fix: pass e.g. --max-restarts 3."
+    if not count(max_restarts, 0):
+        fix = "Fix: pass e.g. --max-restarts 3."
+        raise invalid(
+            "max_restarts", repr(max_restarts), f"an integer >= 0 (0 = no restart). {fix}"
         )
     if grace_period_s < 0:
-        raise UsageError(
-            f"Invalid value for argument `grace_period_s`. Received: grace_period_s={grace_period_s!r}. "
-            "Expected a number of seconds >= 0."
-        )
+        raise invalid("grace_period_s", repr(grace_period_s), "a number of seconds >= 0.")
 
 
 def _refuse_config(
@@ -117,11 +115,9 @@ def _refuse_config(
         from keras_sync.strategy import refuse_one_process_kind
         from keras_sync.tracking.shell_hint import python_command
 
+        started = f"keras-sync launch --workers {workers} starts {workers} workers"
         refuse_one_process_kind(
-            cfg,
-            workers,
-            f"keras-sync launch --workers {workers} starts {workers} workers",
-            f"run it as one process: {python_command()} {script}",
+            cfg, workers, started, f"run it as one process: {python_command()} {script}"
         )
     uri = cfg.mlflow.tracking_uri or ""
     if private and cfg.mlflow.enabled and uri.lower().startswith(("http://", "https://")):
@@ -157,13 +153,11 @@ def launch(
     _check_arguments(script, workers, config, grace_period_s, max_restarts)
     _refuse_config(script, workers, config, {**os.environ, **(env or {})}, private_network)
     base_env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
-    base_env.update(env or {})
-    base_env["PYTHONUNBUFFERED"] = "1"
+    base_env.update({**(env or {}), "PYTHONUNBUFFERED": "1"})
     # One job identity for every try: the MLflow run is found again by it (mlflow.job_id).
     base_env.setdefault(JOB_ID_ENV, f"launch-{uuid.uuid4().hex[:12]}")
     if config is not None:
         base_env[CONFIG_ENV] = os.path.abspath(config)
-
     stop: dict[str, int] = {}  # "signal" -> the signal the launcher received
     procs: list[subprocess.Popen[bytes]] = []
 
@@ -172,15 +166,15 @@ def launch(
             _signal_groups(procs, signal.SIGKILL)
         stop.setdefault("signal", signum)
 
-    previous: dict[int, object] = {}
+    previous: dict[int, Any] = {}
     network = PrivateNetwork() if private_network else None
     command = [sys.executable, script, *args]
-    if network is not None:
-        command = network.wrap(command)
+    command = network.wrap(command) if network is not None else command
     try:
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                previous[sig] = signal.signal(sig, on_signal)
+            previous = {
+                sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
+            }
         for attempt in range(max_restarts + 1):
             try_env = {**base_env, RESTART_COUNT_ENV: str(attempt)}
             code, failed = _one_try(command, workers, try_env, procs, stop, grace_period_s)
@@ -192,7 +186,7 @@ def launch(
         return code
     finally:
         for number, handler in previous.items():
-            signal.signal(number, handler)  # type: ignore[arg-type]
+            signal.signal(number, handler)
         if network is not None:
             network.close()
 
@@ -210,13 +204,12 @@ def _one_try(
     pumps: list[threading.Thread] = []
     # Held open until every port is chosen, so the n ports are distinct; closed before the workers
     # start (another process could take one in between: the launch then fails, rerun it).
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(workers)]
-    try:
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.socket()) for _ in range(workers)]
         for s in socks:
             s.bind(("127.0.0.1", 0))
         configs = worker_tf_configs([s.getsockname()[1] for s in socks])
-        for s in socks:
-            s.close()
+    try:
         for i, tf_config in enumerate(configs):
             p = subprocess.Popen(
                 command,
@@ -234,8 +227,6 @@ def _one_try(
                 pumps[-1].start()
         return _supervise(procs, stop, grace_period_s)
     finally:
-        for s in socks:
-            s.close()
         _signal_groups(procs, signal.SIGKILL)  # what workers left behind, or a crash here
         for p in procs:
             p.wait()
@@ -261,7 +252,8 @@ def _supervise(
                 _say(f"got {signal.Signals(sig).name}; stopping {len(procs)} worker(s)")
             _signal_groups(procs, sig)
             kill_at = time.monotonic() + grace_period_s
-        failed = [(i, _exit_code(c)) for i, c in enumerate(codes) if c not in (None, 0)]
+        # A shell-style exit code: a death by signal N becomes 128 + N.
+        failed = [(i, 128 - c if c < 0 else c) for i, c in enumerate(codes) if c not in (None, 0)]
         if result is None and failed:
             # Every failed worker is named: the others may have ended between two polls.
             (failed_worker, result), running = failed[0], codes.count(None)
@@ -290,6 +282,9 @@ _HOLDER = (
     "print('ready', flush=True)\n"
     "sys.stdin.buffer.read()\n"
 )
+_NO_NAMESPACE = (
+    "Invalid value for argument `private_network`. Received: private_network=True, but {}. Fix: {}"
+)
 
 
 def refuse_private_network_unless_possible() -> None:
@@ -303,11 +298,11 @@ def refuse_private_network_unless_possible() -> None:
     elif missing:
         why = f"{missing} (util-linux) not found on the PATH"
     if why:
-        raise UsageError(
-            f"Invalid value for argument `private_network`. Received: private_network=True, but {why}. Fix: run "
-            "launch as root on Linux, or drop --private-network and keep the workers' ports behind a firewall or "
-            "on a trusted network."
+        fix = (
+            "run launch as root on Linux, or drop --private-network and keep the workers' ports "
+            "behind a firewall or on a trusted network."
         )
+        raise UsageError(_NO_NAMESPACE.format(why, fix))
 
 
 class PrivateNetwork:
@@ -329,12 +324,9 @@ class PrivateNetwork:
         )
         assert self._holder.stdout is not None
         if self._holder.stdout.readline().strip() != b"ready":
-            code = self._holder.wait()
-            raise UsageError(
-                f"Invalid value for argument `private_network`. Received: private_network=True, but `unshare --net` "
-                f"failed (exit code {code}; said above). Fix: drop --private-network, or allow network namespaces "
-                "here (a container needs CAP_SYS_ADMIN)."
-            )
+            why = f"`unshare --net` failed (exit code {self._holder.wait()}; said above)"
+            fix = "drop --private-network, or allow network namespaces here (a container needs CAP_SYS_ADMIN)."
+            raise UsageError(_NO_NAMESPACE.format(why, fix))
 
     def wrap(self, command: Sequence[str]) -> list[str]:
         """``command`` run inside the namespace."""
