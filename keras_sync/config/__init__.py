@@ -1,16 +1,16 @@
 """The keras-sync config: a tree of frozen dataclasses and the one loader that builds it.
 
-Each key is declared once, with `_f` (default, value spec, description): that declaration drives
+Each key is declared once with `_f` (default, value spec) and described in `DOCS`; that drives
 validation, the JSON Schema, the commented template and the reference. Precedence (printed by
-``keras-sync plan``): flag > environment (`ENV_KEYS`) > YAML file > default. Every problem is a
-`ConfigIssue` (``file:line``, key path, value, what is allowed); all of one source are raised
-together in one `ConfigError`.
+``keras-sync plan``): flag > environment (`ENV_KEYS`) > YAML file > default. All problems of one
+source are raised together in one `ConfigError`, each naming ``file:line``, key, value and fix.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
@@ -64,17 +64,16 @@ class VerifyRequest:
 
 
 def _f(default: Any, spec: Spec, key: str | None = None, kinds: Any = None) -> Any:
-    """A config key: its default and what it accepts (its description is in `DOCS`); ``key``: its
-    YAML name where it differs; ``kinds``: the strategy kinds it applies to (their templates show it)."""
+    """A config key: its default and what it accepts; ``key``: its YAML name where it differs;
+    ``kinds``: the strategy kinds it applies to (their templates show it)."""
     return field(default=default, metadata={"spec": spec, "key": key, "kinds": kinds})
 
 
 def _sub(cls: type, note: str = "", kinds: Any = None, commented: bool = False) -> Any:
     """A section. ``note``: a comment the template prints above its keys; ``commented``: the
     template shows it as comments (its defaults change nothing)."""
-    return field(
-        default_factory=cls, metadata={"note": note, "kinds": kinds, "commented": commented}
-    )
+    meta = {"note": note, "kinds": kinds, "commented": commented}
+    return field(default_factory=cls, metadata=meta)
 
 
 def _internal(repr: bool = False, **kw: Any) -> Any:
@@ -295,10 +294,7 @@ class Config:
         """Which config this is, in words: the file's absolute path, or why the defaults are used
         (`keras_sync.load` prints it, so a script run from elsewhere does not use them silently)."""
         if self.source == "<defaults>":
-            return (
-                f"no {DEFAULT_CONFIG_FILE} found in {Path.cwd()} and ${CONFIG_ENV} is unset: built-in "
-                "defaults (pass a path to keras_sync.load(), or run from the directory of the file)"
-            )
+            return f"no {DEFAULT_CONFIG_FILE} found in {Path.cwd()} and ${CONFIG_ENV} is unset: built-in defaults (pass a path to keras_sync.load(), or run from the directory of the file)"
         if self.source == "<dict>":
             return "a dict passed to keras_sync.load() (no file)"
         return str(Path(self.source).resolve())
@@ -316,8 +312,7 @@ def _to_dict(obj: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in _public_fields(type(obj)):
         value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            value = _to_dict(value)
+        value = _to_dict(value) if dataclasses.is_dataclass(value) else value
         out[_yaml_key(f)] = list(value) if isinstance(value, tuple) else value
     return out
 
@@ -327,11 +322,8 @@ def _build(cls: type, data: Any, path: str, issue: Callable[[str, str], None]) -
     if data is None:
         return cls()
     if not isinstance(data, dict):
-        where = path or "top level"
-        issue(
-            path,
-            f"received {type(data).__name__} {data!r} at the {where}, expected a mapping of keys",
-        )
+        msg = f"received {type(data).__name__} {data!r} at the {path}, expected a mapping of keys"
+        issue(path, msg)
         return cls()
     by_key = {_yaml_key(f): f for f in _public_fields(cls)}
     kwargs: dict[str, Any] = {}
@@ -357,18 +349,20 @@ def _check_consistency(
 ) -> Config:
     """The rules between keys; returns the config with per_replica cleared when global is given."""
     batch, lr, s, job = cfg.batch, cfg.learning_rate, cfg.strategy, cfg.strategy.indexed_job
+    kind = KINDS[s.kind]
     if given.get("batch.per_replica") is not None and given.get("batch.global") is not None:
         msg = f"received batch.per_replica={batch.per_replica} and batch.global={batch.global_}; give exactly one of them (set the other to null or remove it)"
         issue("batch.global", msg)
     elif given.get("batch.global") is not None:
         batch = dataclasses.replace(batch, per_replica=None)
     elif batch.per_replica is None:
-        msg = "received null for both batch.per_replica and batch.global; give exactly one"
-        issue("batch.per_replica", msg)
+        issue(
+            "batch.per_replica",
+            "received null for both batch.per_replica and batch.global; give exactly one",
+        )
     if lr.warmup_epochs and lr.warmup_steps:
         msg = f"received warmup_epochs={lr.warmup_epochs:g} and warmup_steps={lr.warmup_steps}; give one of them (set the other to 0)"
         issue("learning_rate.warmup_steps", msg)
-    kind = KINDS[s.kind]
     if s.devices and not kind.accepts_devices:
         msg = f"received devices={list(s.devices)} with kind={s.kind}; devices applies to {' and '.join(_DEVICE_KINDS)} only (remove it, or use simulated_cpu_replicas)"
         issue("strategy.devices", msg)
@@ -408,11 +402,11 @@ def _check_consistency(
 
 
 def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    """Every key path of nested dicts (sections too) with its value."""
     out: dict[str, Any] = {}
     for k, v in data.items() if isinstance(data, dict) else ():
         path = f"{prefix}.{k}" if prefix else str(k)
-        out.update(_flatten(v, path))
-        out[path] = v
+        out |= {path: v, **_flatten(v, path)}
     return out
 
 
@@ -451,41 +445,30 @@ def load_config(
         ConfigError: with every issue found, each naming file, line, key path, value and fix.
     """
     env = os.environ if environ is None else environ
+    if source is None:
+        found = DEFAULT_CONFIG_FILE if Path(DEFAULT_CONFIG_FILE).is_file() else None
+        source = env.get(CONFIG_ENV) or found
     text: str | None = None
     lines: dict[str, int] = {}
-    if source is None:
-        default_file = DEFAULT_CONFIG_FILE if Path(DEFAULT_CONFIG_FILE).is_file() else None
-        source = env.get(CONFIG_ENV) or default_file
     if source is None:
         file, data, origin = "<defaults>", {}, "default"
     elif isinstance(source, Mapping):
         check_data(source, "<dict>")
         file, data, origin = "<dict>", _plain(source), "dict"
     else:
-        file, origin = str(source), "file"
-        text = read_text(Path(source))
+        file, origin, text = str(source), "file", read_text(Path(source))
         data, lines = parse_yaml(text, file)
-        if data is None:
-            msg = "the file is empty; write at least one key, e.g. 'strategy: {kind: mirrored}', or delete the file to use the defaults"
-            raise error(file, 1, msg)
-    if not isinstance(data, dict):
-        msg = f"received a {type(data).__name__} at the top level, expected a mapping with keys such as strategy, batch, learning_rate"
-        raise error(file, lines.get("", 1), msg)
     given = _flatten(data)
     provenance = dict.fromkeys(given, origin)
-    verify = _verify_request(env)
-    sets = [
-        (dotted, v, "env", f"${name}")
-        for name, dotted in ENV_KEYS.items()
-        if (v := env.get(name, "").strip())
-    ]
+    sets = [(d, v, "env", f"${n}") for n, d in ENV_KEYS.items() if (v := env.get(n, "").strip())]
+    verify = _verify_request(env, mlflow=given.get("mlflow.enabled", True) is not False)
     if verify is not None:
-        verify = dataclasses.replace(verify, mlflow=given.get("mlflow.enabled", True) is not False)
-        sets += [(dotted, v, "env", "") for dotted, v in _verify_overrides(verify).items()]
+        sets += [
+            (d, v, "env", f"${VERIFY_RECORD_ENV}") for d, v in _verify_overrides(verify).items()
+        ]
     sets += [(dotted, v, "flag", "<overrides>") for dotted, v in (overrides or {}).items()]
     for dotted, value, how, name in sets:
-        if name:
-            check_data(_set({}, dotted, value), name)
+        check_data(_set({}, dotted, value), name)
         _set(data, dotted, value)
         provenance[dotted] = how
     issues: list[ConfigIssue] = []
@@ -508,7 +491,7 @@ def load_config(
     return dataclasses.replace(cfg, source=file, text=text, provenance=provenance, verify=verify)
 
 
-def _verify_request(env: Mapping[str, str]) -> VerifyRequest | None:
+def _verify_request(env: Mapping[str, str], mlflow: bool) -> VerifyRequest | None:
     """`keras-sync verify`'s request from the environment (its variables are read here only)."""
     record = env.get(VERIFY_RECORD_ENV, "").strip()
     if not record:
@@ -517,21 +500,17 @@ def _verify_request(env: Mapping[str, str]) -> VerifyRequest | None:
     if not raw.isdigit() or int(raw) < 1:
         msg = f"received {raw!r}, expected a number of optimizer steps >= 1 (e.g. 20); fix or unset ${VERIFY_STEPS_ENV}"
         raise error(f"${VERIFY_STEPS_ENV}", None, msg)
-    return VerifyRequest(record, int(raw), env.get(VERIFY_REPLAY_ENV, "").strip() or None)
+    return VerifyRequest(record, int(raw), env.get(VERIFY_REPLAY_ENV, "").strip() or None, mlflow)
 
 
 def _verify_overrides(verify: VerifyRequest) -> dict[str, Any]:
     """The keys a verify run sets: no MLflow run of its own (verify logs the comparison), and for the
     reference the one-device settings its recording chose (`keras_sync.training.verify_record`)."""
-    import json
-
-    out: dict[str, Any] = {"mlflow.enabled": False}
     if verify.replay_dir is None:
-        return out
+        return {"mlflow.enabled": False}
     path = Path(verify.replay_dir) / VERIFY_OVERRIDES_FILE
     try:
-        out.update(json.loads(path.read_text()))
+        return {"mlflow.enabled": False, **json.loads(path.read_text())}
     except (OSError, ValueError) as exc:
         msg = f"cannot read the recording's {path} ({exc}); expected a folder written by a run with ${VERIFY_RECORD_ENV}"
         raise error(f"${VERIFY_REPLAY_ENV}", None, msg) from None
-    return out

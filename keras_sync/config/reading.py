@@ -2,13 +2,13 @@
 
 The YAML file is read here and nowhere else: safe YAML without tags or aliases, keeping node marks
 for ``file:line``. The limits are far above a real config (a few kilobytes) and low enough that
-reading never runs out of time, memory or recursion (the YAML composer recurses once per level);
-they hold for every source: the file, a dict, overrides and environment variables.
+reading never runs out of time, memory or recursion; they hold for every source: the file, a dict,
+overrides and environment variables.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,84 +19,70 @@ MAX_DEPTH = 32
 MAX_KEYS = 10_000
 MAX_KEY_CHARS = 256
 MAX_STRING_BYTES = 64 * 1024
-_SHOWN_PATH_CHARS = 120  # a longer key path is shown by its two ends
+_DEPTH_PROBLEM = f"nested more than {MAX_DEPTH} levels deep, the limit for a config; its sections nest 3 levels (keras-sync schema shows them)"
 
 
 def error(file: str, line: int | None, message: str, key_path: str = "") -> ConfigError:
-    return ConfigError(ConfigIssue(file, line, key_path, message))
+    shown = key_path if len(key_path) <= 120 else f"{key_path[:60]}...{key_path[-60:]}"
+    return ConfigError(ConfigIssue(file, line, shown, message))
 
 
-class _Sizes:
-    """Counts the values of one source in order and refuses the first one over a limit."""
-
-    def __init__(self, file: str):
-        self.file, self.entries = file, 0
-
-    def node(
-        self, path: str, line: int | None, depth: int, entries: int, key: str | None, string: Any
-    ) -> None:
-        """One value: ``depth`` counts the collections around a collection, itself included (0 for a
-        scalar); ``entries``: the keys and list items it adds; ``key``: its name if it is a key;
-        ``string``: the value (only a string is measured)."""
-        self.entries += entries
-        if self.entries > MAX_KEYS:
+def check_data(data: Any, file: str, lines: Mapping[str, int] | None = None) -> None:
+    """Refuse the first value of ``data`` over a limit, in document order and without recursion;
+    ``lines``: the line of each key path, where known."""
+    entries = -1  # the top is no entry
+    stack: list[Iterator[tuple[str, Any, Any]]] = [iter([("", data, None)])]
+    while stack:
+        item = next(stack[-1], None)
+        if item is None:
+            stack.pop()
+            continue
+        path, value, key = item
+        entries += 1
+        if entries > MAX_KEYS:
             problem = f"more than {MAX_KEYS:,} keys and list items, the limit for a config; a keras-sync config has about 40: check that this is the file you meant"
         elif isinstance(key, str) and len(key) > MAX_KEY_CHARS:
             problem = f"a key of {len(key):,} characters, over the limit of {MAX_KEY_CHARS} for a key name; the config's keys are words such as run_name (keras-sync schema lists them)"
-        elif depth > MAX_DEPTH:
-            problem = f"nested more than {MAX_DEPTH} levels deep, the limit for a config; its sections nest 3 levels (keras-sync schema shows them)"
+        elif isinstance(value, (Mapping, list, tuple)) and len(stack) > MAX_DEPTH:
+            problem = _DEPTH_PROBLEM
         # At most 4 UTF-8 bytes a character: only a string that could be over is encoded.
         elif (
-            isinstance(string, str)
-            and len(string) * 4 > MAX_STRING_BYTES
-            and (size := len(string.encode("utf-8", "surrogatepass"))) > MAX_STRING_BYTES
+            isinstance(value, str)
+            and len(value) * 4 > MAX_STRING_BYTES
+            and (size := len(value.encode("utf-8", "surrogatepass"))) > MAX_STRING_BYTES
         ):
             problem = f"a string of {size:,} bytes, over the limit of {MAX_STRING_BYTES:,} bytes (64 KiB) for a config value; names, paths and URIs are shorter: shorten it"
+        elif isinstance(value, (Mapping, list, tuple)):
+            stack.append(_children(path, value))
+            continue
         else:
-            return
-        half = _SHOWN_PATH_CHARS // 2
-        shown = path if len(path) <= _SHOWN_PATH_CHARS else f"{path[:half]}...{path[-half:]}"
-        raise error(self.file, line, problem, shown)
+            continue
+        raise error(file, (lines or {}).get(path), problem, path)
 
 
-def check_data(data: Any, file: str) -> None:
-    """Refuse ``data`` (a dict of config values) over a limit, walking it without recursion."""
-    sizes = _Sizes(file)
-    stack: list[tuple[Any, str, int, int, str | None]] = [(data, "", 0, 0, None)]
-    while stack:
-        value, path, depth, entries, key = stack.pop()
-        collection = isinstance(value, (Mapping, list, tuple))
-        if collection and sizes.entries + entries + len(value) > MAX_KEYS:
-            entries += len(value)  # refused here, not walked one by one
-        sizes.node(path, None, depth + 1 if collection else 0, entries, key, value)
-        if isinstance(value, Mapping):
-            for k, v in reversed(list(value.items())):
-                name = _key_name(k)
-                stack.append((v, f"{path}.{name}" if path else name, depth + 1, 1, name))
-        elif collection:
-            items = reversed(list(enumerate(value)))
-            stack.extend((v, f"{path}[{i}]", depth + 1, 1, None) for i, v in items)
-
-
-def _key_name(key: Any) -> str:
-    if isinstance(key, str):
-        return key
-    try:
-        return repr(key)[: MAX_KEY_CHARS + 1]
-    except ValueError:  # an int of more than 4,300 digits
-        return f"<{type(key).__name__}>"
+def _children(path: str, value: Any) -> Iterator[tuple[str, Any, Any]]:
+    """The items of a collection as (key path, value, key name or None)."""
+    if not isinstance(value, Mapping):
+        yield from ((f"{path}[{i}]", v, None) for i, v in enumerate(value))
+        return
+    for key, v in value.items():
+        try:
+            name = key if isinstance(key, str) else repr(key)[: MAX_KEY_CHARS + 1]
+        except ValueError:  # an int of more than 4,300 digits
+            name = f"<{type(key).__name__}>"
+        yield f"{path}.{name}" if path else name, v, name
 
 
 def read_text(path: Path) -> str:
     """The text of a config file; `ConfigError` when it is missing, too big or not UTF-8."""
     file = str(path)
     if not path.exists():
-        msg = "no such file; create one with 'keras-sync init' or pass the right path"
-        raise error(file, None, msg)
-    if path.is_dir():
         raise error(
-            file, None, f"is a directory, expected a YAML file (e.g. {path / 'keras_sync.yaml'})"
+            file, None, "no such file; create one with 'keras-sync init' or pass the right path"
         )
+    if path.is_dir():
+        msg = f"is a directory, expected a YAML file (e.g. {path / 'keras_sync.yaml'})"
+        raise error(file, None, msg)
     try:
         with path.open("rb") as f:
             size = path.stat().st_size
@@ -114,11 +100,10 @@ def read_text(path: Path) -> str:
         raise error(file, raw[: exc.start].count(b"\n") + 1, msg) from None
 
 
-def parse_yaml(text: str, file: str) -> tuple[Any, dict[str, int]]:
-    """The data of a YAML text, and the 1-based line of every key path (``""``: the top)."""
+def parse_yaml(text: str, file: str) -> tuple[dict[str, Any], dict[str, int]]:
+    """The mapping of a YAML text, and the 1-based line of every key path and list item (``""``: the top)."""
     import yaml
 
-    sizes = _Sizes(file)
     paths: list[str] = []  # the key paths of the nodes being composed: the next one's ancestors
 
     class Loader(yaml.SafeLoader):
@@ -130,21 +115,16 @@ def parse_yaml(text: str, file: str) -> tuple[Any, dict[str, int]]:
                 a = event.anchor
                 msg = f"YAML alias *{a} not allowed; keras-sync reads plain YAML only: write the value out instead of *{a} (and drop the anchor &{a})"
                 raise error(file, line, msg)
-            path, key = paths[-1] if paths else "", None
-            scalar = isinstance(event, yaml.ScalarEvent)
+            path = paths[-1] if paths else ""
             if isinstance(parent, yaml.MappingNode):
+                name = index.value if isinstance(index, yaml.ScalarNode) else "?"
                 if index is None:  # this node is a key
-                    name = key = event.value if scalar else "?"
-                else:
-                    name = index.value if isinstance(index, yaml.ScalarNode) else "?"
+                    name = event.value if isinstance(event, yaml.ScalarEvent) else "?"
                 path = f"{path}.{name}" if path else name
             elif isinstance(parent, yaml.SequenceNode):
                 path = f"{path}[{index}]"
-            depth = 0 if scalar else len(paths) + 1
-            entries = int(key is not None or isinstance(parent, yaml.SequenceNode))
-            sizes.node(
-                path, line, depth, entries, key, event.value if scalar and key is None else None
-            )
+            if not isinstance(event, yaml.ScalarEvent) and len(paths) >= MAX_DEPTH:
+                raise error(file, line, _DEPTH_PROBLEM, path)
             paths.append(path)
             try:
                 return super().compose_node(parent, index)
@@ -156,8 +136,8 @@ def parse_yaml(text: str, file: str) -> tuple[Any, dict[str, int]]:
     loader = Loader(text)
 
     def data(node: Any, path: str) -> Any:
+        lines.setdefault(path, node.start_mark.line + 1)
         if node.tag == yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG:
-            lines.setdefault(path, node.start_mark.line + 1)
             out: dict[Any, Any] = {}
             for key_node, value_node in node.value:
                 key = data(key_node, path)
@@ -190,10 +170,18 @@ def parse_yaml(text: str, file: str) -> tuple[Any, dict[str, int]]:
         if isinstance(exc, yaml.constructor.ConstructorError):
             msg = f"YAML tag not allowed ({exc.problem}); keras-sync reads plain YAML only: remove the '!!' tag"
             raise error(file, line, msg) from None
-        msg = f"YAML syntax error: {getattr(exc, 'problem', None) or exc}"
-        raise error(file, line, msg) from None
+        raise error(
+            file, line, f"YAML syntax error: {getattr(exc, 'problem', None) or exc}"
+        ) from None
     finally:
         loader.dispose()
     if dups:
         raise ConfigError(dups)
+    if value is None:
+        msg = "the file is empty; write at least one key, e.g. 'strategy: {kind: mirrored}', or delete the file to use the defaults"
+        raise error(file, 1, msg)
+    if not isinstance(value, dict):
+        msg = f"received a {type(value).__name__} at the top level, expected a mapping with keys such as strategy, batch, learning_rate"
+        raise error(file, lines.get("", 1), msg)
+    check_data(value, file, lines)
     return value, lines

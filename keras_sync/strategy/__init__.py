@@ -1,7 +1,7 @@
 """The strategy factory: one small builder per `strategy.kind`, and what `auto` picks and why.
 
-`detect` and `device_layout` are cheap and import no TensorFlow (used by `keras-sync plan`);
-`build_strategy` imports TensorFlow and builds the real `tf.distribute.Strategy`.
+`detect` and `device_layout` import no TensorFlow (`keras-sync plan` uses them); `build_strategy`
+imports it and builds the real `tf.distribute.Strategy`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from keras_sync.errors import KerasSyncError, StrategyError, UsageError
 if TYPE_CHECKING:  # pragma: no cover
     import tensorflow as tf
 
-# Environment variables that Cloud TPU VMs, Colab and GKE set when a TPU is attached.
+# Set by Cloud TPU VMs, Colab and GKE when a TPU is attached.
 _TPU_ENV_VARS = (
     "TPU_NAME",
     "COLAB_TPU_ADDR",
@@ -29,11 +29,6 @@ _TPU_ENV_VARS = (
 )
 #: Kinds whose job is one process, which is then its chief.
 ONE_PROCESS_KINDS = kinds_where(one_process=True)
-# keras-sync depends on no TensorFlow distribution: a project brings its own.
-INSTALL_TENSORFLOW_HINT = (
-    'pip install "keras-sync[cpu]" (tensorflow-cpu), "keras-sync[tensorflow]" (the standard build; '
-    'GPU with a system CUDA) or "keras-sync[and-cuda]" (GPU with CUDA from pip)'
-)
 
 
 @dataclass(frozen=True)
@@ -66,17 +61,13 @@ def count_workers(config: Config, environ: Mapping[str, str]) -> tuple[int, str]
 
 
 def refuse_one_process_kind(config: Config, workers: int, started_by: str, alone: str) -> None:
-    """Raise `UsageError` when a one-process kind (`mirrored`, ...) is run as ``workers`` > 1
-    processes: each would train on its own, several jobs with one id instead of one.
-
-    ``started_by`` says what names the workers; ``alone`` how to run the script as one process.
-    """
+    """`UsageError` when a one-process kind (`mirrored`, ...) runs as ``workers`` > 1 processes:
+    each would train alone. ``started_by``: what names the workers; ``alone``: how to run one."""
     kind = config.strategy.kind
     if workers > 1 and KINDS[kind].one_process:
         joined = " or ".join(kinds_where(builder=None) + kinds_where(multi_process=True))
         raise UsageError(
-            f"{started_by}, but strategy.kind is {kind!r} in {config.origin()}, a kind that runs in one "
-            f"process: each worker would train on its own. Fix: set strategy.kind: {joined}, or {alone}."
+            f"{started_by}, but strategy.kind is {kind!r} in {config.origin()}, a kind that runs in one process: each worker would train on its own. Fix: set strategy.kind: {joined}, or {alone}."
         )
 
 
@@ -88,8 +79,9 @@ def check_one_process(config: Config, environ: Mapping[str, str] | None = None) 
         workers, where = count_workers(config, os.environ if environ is None else environ)
     except KerasSyncError:  # a cluster description a one-process kind never reads
         return
-    started_by = f"{where} names {workers} workers"
-    refuse_one_process_kind(config, workers, started_by, "start one process only")
+    refuse_one_process_kind(
+        config, workers, f"{where} names {workers} workers", "start one process only"
+    )
 
 
 def detect(
@@ -101,7 +93,7 @@ def detect(
     ``mirrored`` with more than one GPU or simulated CPU replicas; else the default strategy.
     """
     env = os.environ if environ is None else environ
-    kind = config.strategy.kind
+    kind, sim = config.strategy.kind, config.strategy.simulated_cpu_replicas
     if kind != "auto":
         return Detection(kind, f"strategy.kind is {kind!r} ({config.source_of('strategy.kind')})")
     if var := next((v for v in _TPU_ENV_VARS if env.get(v)), None):
@@ -112,7 +104,6 @@ def detect(
     if workers > 1:
         return Detection("multi_worker_mirrored", f"auto: {where} names {workers} workers")
     n_gpus = count_gpus_cheaply() if gpus is None else gpus
-    sim = config.strategy.simulated_cpu_replicas
     if n_gpus > 1:
         return Detection("mirrored", f"auto: {n_gpus} GPUs")
     if sim > 1:
@@ -137,32 +128,26 @@ class DeviceLayout:
 
 
 def device_layout(kind: str, cfg: StrategyConfig, *, gpus: int) -> DeviceLayout:
-    """The per-worker devices of a ``kind`` strategy, without importing TensorFlow.
-
-    The builders and `keras-sync plan` both call it, so the plan shows what a run will use.
-    ``gpus``: the GPUs visible (TensorFlow's count in a builder, the driver's in the plan).
-    Not for ``tpu``: the TPU system names its cores when it starts.
-    """
+    """The per-worker devices of a ``kind`` strategy, without importing TensorFlow (not for ``tpu``:
+    its system names its cores when it starts). The builders and `keras-sync plan` both call it.
+    ``gpus``: the GPUs visible (TensorFlow's count in a builder, the driver's in the plan)."""
     spec = KINDS[kind]
     if spec.builder is None or spec.layout == LAYOUT_TPU:
         raise ValueError(f"device_layout: no local device layout for kind={kind!r}")
-    layout = DeviceLayout(("/gpu:0" if gpus else "/cpu:0",), "tensorflow")
+    devices, source = ("/gpu:0" if gpus else "/cpu:0",), "tensorflow"
     if spec.layout == LAYOUT_TENSORFLOW:  # no device list, no simulated CPUs
-        return layout
-    if cfg.simulated_cpu_replicas:
-        layout = DeviceLayout(tuple(_cpu_names(cfg.simulated_cpu_replicas)), "simulated")
+        pass
+    elif cfg.simulated_cpu_replicas:
+        devices, source = tuple(_cpu_names(cfg.simulated_cpu_replicas)), "simulated"
     elif cfg.devices and spec.accepts_devices:
-        layout = DeviceLayout(tuple(cfg.devices), "strategy.devices")
+        devices, source = cfg.devices, "strategy.devices"
     elif gpus and spec.layout != LAYOUT_ONE:
-        layout = DeviceLayout(tuple(f"/gpu:{i}" for i in range(gpus)), "tensorflow")
-    return DeviceLayout(layout.devices[:1], layout.source) if spec.layout == LAYOUT_ONE else layout
+        devices = tuple(f"/gpu:{i}" for i in range(gpus))
+    return DeviceLayout(devices[:1] if spec.layout == LAYOUT_ONE else devices, source)
 
 
 def _cpu_names(n: int) -> list[str]:
     return [f"/cpu:{i}" for i in range(n)]
-
-
-# Builders (import TensorFlow)
 
 
 def configure_simulated_cpus(n: int) -> list[str]:
@@ -175,14 +160,11 @@ def configure_simulated_cpus(n: int) -> list[str]:
     # MultiWorkerMirroredStrategy can no longer configure its collectives.
     if current is None or len(current) != n:
         try:
-            tf.config.set_logical_device_configuration(
-                cpus[0], [tf.config.LogicalDeviceConfiguration()] * n
-            )
+            config = [tf.config.LogicalDeviceConfiguration()] * n
+            tf.config.set_logical_device_configuration(cpus[0], config)
         except RuntimeError as exc:
             raise StrategyError(
-                f"Cannot split the CPU into strategy.simulated_cpu_replicas={n} logical devices: "
-                "TensorFlow has already initialised its devices in this process. Call keras_sync.load() "
-                f"first, before creating any tensor, model or dataset. ({exc})"
+                f"Cannot split the CPU into strategy.simulated_cpu_replicas={n} logical devices: TensorFlow has already initialised its devices in this process. Call keras_sync.load() first, before creating any tensor, model or dataset. ({exc})"
             ) from None
     return _cpu_names(n)
 
@@ -198,13 +180,14 @@ def _local_devices(kind: str, cfg: StrategyConfig) -> tuple[DeviceLayout, int]:
     n_gpus = 0 if cfg.simulated_cpu_replicas else len(tf.config.list_physical_devices("GPU"))
     layout = device_layout(kind, cfg, gpus=n_gpus)
     if layout.source == "strategy.devices":
-        logical = tf.config.list_logical_devices()
-        known = {canonical(d.name, where="TensorFlow's devices") for d in logical}
+        known = {
+            canonical(d.name, where="TensorFlow's devices")
+            for d in tf.config.list_logical_devices()
+        }
         for dev in layout.devices:
             if canonical(dev, where="strategy.devices") not in known:
                 raise StrategyError(
-                    f"Invalid value for strategy.devices. Received: {dev!r}. Expected devices "
-                    f"TensorFlow sees here: {', '.join(sorted(known))}."
+                    f"Invalid value for strategy.devices. Received: {dev!r}. Expected devices TensorFlow sees here: {', '.join(sorted(known))}."
                 )
     return layout, n_gpus
 
@@ -218,8 +201,9 @@ def _build_default(config: Config) -> tf.distribute.Strategy:
 def _build_one_device(config: Config) -> tf.distribute.Strategy:
     import tensorflow as tf
 
-    layout, _ = _local_devices("one_device", config.strategy)
-    return tf.distribute.OneDeviceStrategy(layout.devices[0])
+    return tf.distribute.OneDeviceStrategy(
+        _local_devices("one_device", config.strategy)[0].devices[0]
+    )
 
 
 def _build_mirrored(config: Config) -> tf.distribute.Strategy:
@@ -229,18 +213,17 @@ def _build_mirrored(config: Config) -> tf.distribute.Strategy:
     name = config.strategy.cross_device_ops
     if name == "nccl" and not n_gpus:
         raise StrategyError(
-            "strategy.cross_device_ops='nccl' needs GPUs, and TensorFlow sees none here. "
-            "Use 'hierarchical_copy', 'reduction_to_one' or 'auto'."
+            "strategy.cross_device_ops='nccl' needs GPUs, and TensorFlow sees none here. Use 'hierarchical_copy', 'reduction_to_one' or 'auto'."
         )
-    classes = {
-        "auto": tf.distribute.ReductionToOneDevice,
-        "nccl": tf.distribute.NcclAllReduce,
-        "hierarchical_copy": tf.distribute.HierarchicalCopyAllReduce,
-        "reduction_to_one": tf.distribute.ReductionToOneDevice,
-    }
     # auto: with GPUs TensorFlow picks. On CPU its pick is collective all-reduce, whose instances
     # collide between two MirroredStrategy objects in one process: ReductionToOneDevice.
-    ops = None if name == "auto" and n_gpus else classes[name]()
+    ops = None
+    if name == "nccl":
+        ops = tf.distribute.NcclAllReduce()
+    elif name == "hierarchical_copy":
+        ops = tf.distribute.HierarchicalCopyAllReduce()
+    elif name == "reduction_to_one" or not n_gpus:
+        ops = tf.distribute.ReductionToOneDevice()
     return tf.distribute.MirroredStrategy(devices=layout.explicit_devices, cross_device_ops=ops)
 
 
@@ -255,8 +238,8 @@ def _build_multi_worker(config: Config) -> tf.distribute.Strategy:
     cluster.check_tf_config_order()  # tensorflow#60706: TF_CONFIG must be set before TF joins
     if cfg.simulated_cpu_replicas:
         configure_simulated_cpus(cfg.simulated_cpu_replicas)
-    # Only a list keras-sync names is passed on; the GPU count is not asked for before the
-    # cluster forms (it would start TensorFlow's runtime).
+    # Only a list keras-sync names is passed on: counting GPUs before the cluster forms would start
+    # TensorFlow's runtime.
     strategy = build_multi_worker_strategy(
         communication=cfg.communication,
         cluster_resolver=cluster.cluster_resolver(cfg),
@@ -283,9 +266,7 @@ def _build_tpu(config: Config) -> tf.distribute.Strategy:
     except Exception as exc:  # ValueError, NotFoundError, RuntimeError...: all mean "no TPU here"
         detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0].split(". ")[0][:160]
         raise StrategyError(
-            f"Cannot reach a TPU at strategy.tpu.name={address!r} (zone={tpu.zone}, project="
-            f"{tpu.project}): {type(exc).__name__}: {detail}. Set strategy.tpu.name to your TPU's "
-            "name or grpc:// address, or choose another strategy.kind."
+            f"Cannot reach a TPU at strategy.tpu.name={address!r} (zone={tpu.zone}, project={tpu.project}): {type(exc).__name__}: {detail}. Set strategy.tpu.name to your TPU's name or grpc:// address, or choose another strategy.kind."
         ) from None
 
 
@@ -307,8 +288,7 @@ def build_strategy(
         if e.name != "tensorflow":
             raise  # a broken TensorFlow: its own error says more than ours could
         raise StrategyError(
-            f"TensorFlow is not installed in this environment ({sys.executable}); keras-sync uses "
-            f"the TensorFlow of your project and installs none itself. Fix: {INSTALL_TENSORFLOW_HINT}."
+            f'TensorFlow is not installed in this environment ({sys.executable}); keras-sync uses the TensorFlow of your project and installs none itself. Fix: pip install "keras-sync[cpu]" (tensorflow-cpu), "keras-sync[tensorflow]" (the standard build; GPU with a system CUDA) or "keras-sync[and-cuda]" (GPU with CUDA from pip).'
         ) from None
     detection = detect(config, environ)
     return BUILDERS[detection.kind](config), detection
