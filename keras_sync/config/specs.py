@@ -10,16 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-# YAML 1.1 (PyYAML) turns these bare words into booleans: `kind: off` arrives as False.
-_YAML11_BOOLS = '. YAML 1.1 reads the bare words yes/no/on/off/true/false as booleans: quote the value, e.g. "off"'
-
 
 class FieldValueError(ValueError):
     """A value does not fit its spec; the message says what was received and what was expected."""
-
-
-def _show(value: Any) -> str:
-    return json.dumps(value) if isinstance(value, bool) or value is None else repr(value)
 
 
 @dataclass(frozen=True)
@@ -29,8 +22,7 @@ class Spec:
     Args:
         expected: the values in words, for errors, the template and the reference.
         schema: its JSON Schema.
-        parse: returns the value to keep, or raises `ValueError` (whose text ends the message)
-            or a `FieldValueError` (a whole message).
+        parse: returns the value to keep, or raises `ValueError` whose text ends the message.
         nullable: null is accepted too.
         values: the names a `choice` accepts.
     """
@@ -55,13 +47,9 @@ class Spec:
             if value is None:
                 raise ValueError()
             return self.parse(value)
-        except FieldValueError:
-            raise
         except ValueError as exc:
-            end = str(exc)
-            raise FieldValueError(
-                f"received {_show(value)}, expected {self.describe()}{end}"
-            ) from None
+            shown = json.dumps(value) if isinstance(value, bool) or value is None else repr(value)
+            raise FieldValueError(f"received {shown}, expected {self.describe()}{exc}") from None
 
 
 def integer(minimum: int, nullable: bool = False) -> Spec:
@@ -85,7 +73,7 @@ def number(minimum: float, exclusive: bool = False) -> Spec:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError()
         if not math.isfinite(value):
-            raise FieldValueError(f"received {value}, expected a finite number")
+            raise ValueError(", and finite")
         if value < minimum or (exclusive and value == minimum):
             raise ValueError()
         return float(value)
@@ -117,15 +105,20 @@ def choice(*values: str, false: str | None = None, hints: dict[str, str] | None 
     def parse(value: Any) -> str:
         if value is False and false is not None:
             return false
-        if isinstance(value, bool):
-            raise ValueError(_YAML11_BOOLS)
+        if isinstance(value, bool):  # YAML 1.1 (PyYAML) reads `kind: off` as False
+            raise ValueError(
+                '. YAML 1.1 reads the bare words yes/no/on/off/true/false as booleans: quote the value, e.g. "off"'
+            )
         if not isinstance(value, str):
             raise ValueError()
         normal = value.strip().lower().replace("-", "_")
         if normal in values:
             return normal
-        close = [(hints or {})[normal]] if normal in (hints or {}) else None
-        close = close or difflib.get_close_matches(normal, values, n=1)
+        close = (
+            [hints[normal]]
+            if hints and normal in hints
+            else difflib.get_close_matches(normal, values, n=1)
+        )
         raise ValueError(f"; did you mean {close[0]!r}?" if close else "")
 
     schema: dict[str, Any] = {"type": "string", "enum": list(values)}
@@ -155,11 +148,9 @@ def _bool(value: Any) -> bool:
 
 
 def _auto_or_bool(value: Any) -> str | bool:
-    if isinstance(value, bool):
-        return value
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
-    raise ValueError()
+    return _bool(value)
 
 
 def _devices(value: Any) -> tuple[str, ...]:

@@ -134,7 +134,8 @@ def device_layout(kind: str, cfg: StrategyConfig, *, gpus: int) -> DeviceLayout:
     spec = KINDS[kind]
     if spec.builder is None or spec.layout == LAYOUT_TPU:
         raise ValueError(f"device_layout: no local device layout for kind={kind!r}")
-    devices, source = ("/gpu:0" if gpus else "/cpu:0",), "tensorflow"
+    devices: tuple[str, ...] = ("/gpu:0" if gpus else "/cpu:0",)
+    source = "tensorflow"
     if spec.layout == LAYOUT_TENSORFLOW:  # no device list, no simulated CPUs
         pass
     elif cfg.simulated_cpu_replicas:

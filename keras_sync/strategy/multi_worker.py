@@ -56,8 +56,8 @@ def _bad_argument(name: str, value: Any, expected: str) -> StrategyError:
     )
 
 
-def _device_names(local_devices: list[str]) -> list[str]:
-    """Each name as ``"CPU:1"``, all of one type, none twice."""
+def _device_names(local_devices: list[str]) -> tuple[list[str], str]:
+    """Each name as ``"CPU:1"`` (all of one type, none twice), and that type."""
     if isinstance(local_devices, str) or not local_devices:
         expected = '. Expected a non-empty list of device names such as ["CPU:0", "CPU:1"], or None for TensorFlow\'s default (all GPUs, else CPU:0).'
         raise _bad_argument("local_devices", local_devices, expected)
@@ -69,7 +69,7 @@ def _device_names(local_devices: list[str]) -> list[str]:
     if len(set(names)) != len(names):
         msg = ", which repeats a device. Expected each device once."
         raise _bad_argument("local_devices", local_devices, msg)
-    return names
+    return names, types[0]
 
 
 def build_multi_worker_strategy(
