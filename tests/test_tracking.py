@@ -1155,7 +1155,9 @@ def test_run_identity_follows_the_backup_and_the_explicit_job_id(sqlite_uri, tmp
     # The same job again, killed after step 13 (last backup after step 10): a new run (the first
     # is finished), and the relaunch restores the backup and continues that new run.
     _, err = _fit(config, tmp_path, "crashed", crash_at=13)
-    record = json.loads((tmp_path / "backup" / "keras_sync_run.json").read_text())
+    from keras_sync.training import backup_files
+
+    record = backup_files.manifest_run(backup_files.choose(str(tmp_path / "backup")).latest)
     assert record["job_id"] and (tmp_path / "myspool").is_dir()
     assert record["run_id"] != first
     resumed, err = _fit(config, tmp_path, "resumed")

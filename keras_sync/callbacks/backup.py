@@ -110,17 +110,15 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._failed_save: str | None = None  # the cause of the last refused save, until one works
         self._deferred = False  # a scheduled save waits for gradient accumulation's next update
 
-    # -- restore -----------------------------------------------------------------------------
-
     def on_train_begin(self, logs: Any = None) -> None:
         import tensorflow as tf
 
-        model = self.model
+        model, strategy = self.model, self.model.distribute_strategy
         if model.optimizer is not None and not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)  # its variables must exist to restore
         self._position = tf.Variable([0, 0], dtype=tf.int64, trainable=False)
-        # The job's step minus the model's (`SharedState.step_offset`): a resumed fit logs at the steps
-        # it logged before. Restored on its own, so a backup without it still restores.
+        # The job's step minus the model's (`SharedState.step_offset`): a resumed fit logs at the
+        # steps it logged before. Restored on its own, so a backup without it still restores.
         self._step_offset = tf.Variable(-1, dtype=tf.int64, trainable=False)
         weights = {id(w) for w in model.weights}
         self._state = dict(
@@ -131,35 +129,28 @@ class BackupAndRestore(keras.callbacks.Callback):
             # Seed-generator states (Dropout...): not reached through the model's checkpoint.
             random=[v for v in model.variables if id(v) not in weights],
         )
-        role = strategy_role(model.distribute_strategy)
+        self._saved = tf.train.Checkpoint(**self._state, step_offset=self._step_offset)
+        role = strategy_role(strategy)
         self._is_chief = role.is_chief
         self._dir = files.write_dir(self.backup_dir, is_chief=role.is_chief, task_id=role.task_id)
         self._barrier_fn: Any = None
-        strategy = model.distribute_strategy
         if in_multi_worker_mode(strategy):
             # A tf.function: run eagerly, MultiWorkerMirroredStrategy warns of its overhead.
             self._barrier_fn = tf.function(
                 lambda: strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None),
                 autograph=False,
             )
-        if self._is_chief:
-            _drop_damaged_state_file(self.backup_dir)
-        saved = tf.train.Checkpoint(**self._state, step_offset=self._step_offset)
-        self._manager = tf.train.CheckpointManager(
-            saved, self._dir, max_to_keep=max(self.max_to_keep, 2)
-        )
         self.restored, self._resume_line, self._restore_metrics_from = None, None, None
         self._epoch = self._step = 0
         self._deferred = False
         if self._preemption is not None:
-            self._preemption.begin(model.distribute_strategy)
+            self._preemption.begin(strategy)
         choice, self.choice = self.choice or files.choose(self.backup_dir), None
         prefix = self._restore(choice)
         if prefix is None:
             return
         epoch, step = (int(v) for v in self._position.numpy())
-        point = files.ResumePoint(epoch=epoch, step=step, iterations=self._iterations())
-        self.restored = point
+        self.restored = point = files.ResumePoint(epoch, step, self._iterations())
         model._initial_epoch = epoch  # read by Keras fit right after on_train_begin
         self._epoch, self._step = epoch, step
         if self.epoch_iterator is not None:
@@ -168,13 +159,13 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._restore_metrics_from = prefix if point.mid_epoch else None
         elif point.mid_epoch:
             warnings.warn(
-                f"keras-sync BackupAndRestore: the backup in {self.backup_dir} was taken after batch {step} of "
-                f"epoch {epoch}, but this fit cannot skip batches (use sync.fit), so epoch {epoch} restarts at "
-                "batch 0 and the result will differ from an uninterrupted run.",
+                f"keras-sync BackupAndRestore: the backup in {self.backup_dir} was taken after batch "
+                f"{step} of epoch {epoch}, but this fit cannot skip batches (use sync.fit), so epoch "
+                f"{epoch} restarts at batch 0 and the result will differ from an uninterrupted run.",
                 UserWarning,
                 stacklevel=2,
             )
-        # Said once every callback's on_train_begin has run and the restored step is seen to hold.
+        # Said once every callback's on_train_begin has run and the restored state is seen to hold.
         self._resume_line = (
             f"keras-sync: resumed from the backup in {self.backup_dir}: epoch {epoch + 1}, after "
             f"batch {step} (optimizer step {point.iterations})"
@@ -187,12 +178,12 @@ class BackupAndRestore(keras.callbacks.Callback):
         skipped = list(choice.skipped)
         for prefix in choice.usable:
             try:
-                tf.train.Checkpoint(**self._state).restore(prefix).assert_existing_objects_matched()
+                status = tf.train.Checkpoint(**self._state).read(prefix)
+                status.assert_existing_objects_matched().expect_partial()
             except (tf.errors.OpError, ValueError, AssertionError) as e:
                 skipped.append((prefix, f"TensorFlow cannot read it back: {type(e).__name__}"))
                 continue
             self._say_skipped(skipped, f"using {os.path.basename(prefix)}")
-            self._step_offset.assign(-1)
             tf.train.Checkpoint(step_offset=self._step_offset).read(prefix).expect_partial()
             self.shared.step_offset = max(int(self._step_offset.numpy()), 0)
             return prefix
@@ -206,7 +197,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             _say(f"keras-sync: skipped the backup {prefix} ({why}); {instead}")
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
-        self._check_restored_state_held()
+        self._check_restored_state_held(epoch)
         self._epoch, self._step = epoch, (self._step if epoch == self._epoch else 0)
         if self._restore_metrics_from is not None:
             # Keras resets the metrics just before this hook: bring back the interrupted epoch's totals.
@@ -216,23 +207,28 @@ class BackupAndRestore(keras.callbacks.Callback):
             metrics.read(self._restore_metrics_from).expect_partial()
             self._restore_metrics_from = None
 
-    def _check_restored_state_held(self) -> None:
-        """Once after a restore: nothing restored other state over ours (see `refuse_keras_backup`)."""
+    def _check_restored_state_held(self, epoch: int | None = None) -> None:
+        """Once after a restore: training continues at the restored epoch and optimizer step, so
+        nothing restored other state over ours (a second backup-and-restore callback)."""
         line, self._resume_line = self._resume_line, None
-        if line is None or self.restored is None:
+        point = self.restored
+        if line is None or point is None:
             return
         now = self._iterations()
-        if now != self.restored.iterations:
+        if now != point.iterations:
+            what = f"optimizer step {point.iterations}, but another callback changed it to {now}"
+        elif epoch is not None and epoch != point.epoch:
+            what = f"epoch {point.epoch + 1}, but another callback changed it to epoch {epoch + 1}"
+        else:
+            what = ""
+        if what:
             raise UsageError(
-                f"keras-sync's backup in {self.backup_dir} restored optimizer step {self.restored.iterations}, but another "
-                f"callback changed it to {now} before training resumed (a second backup-and-restore callback?), so the "
-                "data position and the weights would not match. Fix: keep one backup: remove that callback, or remove "
-                "fault_tolerance.backup_dir."
+                f"keras-sync's backup in {self.backup_dir} restored {what} before training resumed (a "
+                "second backup-and-restore callback?), so the data position and the weights would not "
+                "match. Fix: keep one backup: remove that callback, or remove fault_tolerance.backup_dir."
             )
         if self._is_chief:
             _say(line)
-
-    # -- save --------------------------------------------------------------------------------
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         done, self._step = batch + 1 - self._step, batch + 1
@@ -266,41 +262,35 @@ class BackupAndRestore(keras.callbacks.Callback):
         return int(optimizer.iterations.numpy()) if optimizer is not None else 0
 
     def _save(self) -> bool:
-        """Back up now; False when the disk refused it (said once per cause)."""
+        """Back up now, on every worker (reading the variables is collective); False when the disk
+        refused it. The chief writes the manifest last: a checkpoint without one was cut off."""
         import tensorflow as tf
 
         self.shared.flush()
-        if self.writer is not None:
-            from keras_sync.training.job_run import record_run
-
-            record_run(
-                self.writer, self.backup_dir
-            )  # a relaunch that restores it continues the run
-            flush = getattr(self.writer, "flush_to_spool", None)  # optional in the Writer protocol
-            if flush is not None and not flush(timeout_s=10.0):
-                warnings.warn(
-                    "keras-sync: the MLflow spool did not take the queued metrics within 10 s; "
-                    "a crash now may lose the last steps' metrics.",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+        writer = self.writer
+        if writer is not None and hasattr(writer, "flush_to_spool"):  # optional in the protocol
+            writer.flush_to_spool(timeout_s=10.0)  # the steps the backup holds are logged first
         self._position.assign([self._epoch, self._step])
         self._step_offset.assign(self.shared.step_offset or 0)  # fixed by SyncMetrics' first step
         number = self._iterations()
-        if self._is_chief:  # a manifest of this number from before a fall-back no longer holds
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(self._dir, f"ckpt-{number}{files.MANIFEST_SUFFIX}"))
-        else:
-            os.makedirs(self._dir, exist_ok=True)
+        prefix = os.path.join(self._dir, f"ckpt-{number}")
+        with contextlib.suppress(OSError):  # a manifest of this number from before a fall-back
+            os.unlink(prefix + files.MANIFEST_SUFFIX)
         try:
-            prefix = self._manager.save(checkpoint_number=number)
+            os.makedirs(self._dir, exist_ok=True)
+            self._saved.write(prefix)
             if self._is_chief:
-                from keras_sync.training.job_run import run_record
-
-                # Last, atomically: a checkpoint without its manifest is a save that was cut off.
-                files.write_manifest(
-                    prefix, run_record(self.writer) if self.writer is not None else None
-                )
+                run = None
+                if writer is not None:  # a relaunch that restores this backup continues the run
+                    run = {
+                        "job_id": writer.job_id,
+                        "explicit": writer.job_id_explicit,
+                        "run_id": writer.run_id,
+                        "experiment": writer.experiment,
+                        "tracking_uri": writer.shown_uri,
+                    }
+                files.write_manifest(prefix, run)
+                files.prune(self._dir, number, max(self.max_to_keep, 2))
         except (tf.errors.OpError, OSError) as e:  # a full or unwritable disk: older backups hold
             self._save_failed(number, e)
             return False
@@ -327,20 +317,15 @@ class BackupAndRestore(keras.callbacks.Callback):
             return
         self._failed_save = cause
         newest = files.newest_complete(self.backup_dir)
-        room = ""
-        with contextlib.suppress(OSError):
-            room = f"; {shutil.disk_usage(self.backup_dir).free // 1024:,} KB free there"
-            if newest is not None:
-                room += f", a backup takes {files.checkpoint_bytes(self.backup_dir, newest) // 1024:,} KB"
         resume = (
-            f"a relaunch resumes from the newest backup, optimizer step {newest}"
-            if newest is not None
-            else "there is no backup to resume from yet"
+            "there is no backup to resume from yet"
+            if newest is None
+            else f"a relaunch resumes from the newest backup, optimizer step {newest}"
         )
         message = (
-            f"keras-sync: the backup at optimizer step {number} could not be written to {self.backup_dir} "
-            f"({cause}{room}); training goes on, and {resume}. Fix: free space there, or set "
-            "fault_tolerance.backup_dir to a folder this process can write on a disk with room. "
+            f"keras-sync: the backup at optimizer step {number} could not be written to "
+            f"{self.backup_dir} ({cause}); training goes on, and {resume}. Fix: free space there, or "
+            "set fault_tolerance.backup_dir to a folder this process can write on a disk with room. "
             "keras-sync tries again at each save and says when it works."
         )
         _say(message)
@@ -381,9 +366,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self._preemption is not None and self._preemption.end() and self._is_chief:
             from keras_sync.cluster.preemption import signal_name
 
+            name = signal_name(self._preemption.signum)
             _say(
-                f"keras-sync: {signal_name(self._preemption.signum)} arrived as training ended; training is "
-                "complete, so no backup was saved for it"
+                f"keras-sync: {name} arrived as training ended; training is complete, so no backup was saved for it"
             )
         if self.delete_checkpoint:
             # Every worker saves at the last epoch end: the chief deletes after all have written.
@@ -394,27 +379,6 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _barrier(self) -> None:
         if self._barrier_fn is not None:
             self._barrier_fn()
-
-
-def _drop_damaged_state_file(backup_dir: str) -> None:
-    """Remove TensorFlow's ``checkpoint`` state file if unreadable: `tf.train.CheckpointManager` would
-    refuse the directory, and the checkpoints are found by their own files."""
-    import tensorflow as tf
-
-    path = os.path.join(backup_dir, "checkpoint")
-    if not os.path.exists(path):
-        return
-    try:
-        tf.train.get_checkpoint_state(backup_dir)
-        return
-    except (tf.errors.OpError, ValueError) as e:
-        why = type(e).__name__
-    _say(
-        f"keras-sync: the checkpoint state file {path} is damaged ({why}); removed, the backups are found by "
-        "their own files"
-    )
-    with contextlib.suppress(OSError):
-        os.unlink(path)
 
 
 @contextlib.contextmanager

@@ -1,14 +1,11 @@
-"""Backup bookkeeping without TensorFlow: where training stands, when to save, which checkpoint is
-complete, which job owns the directory. `keras_sync.callbacks.backup` writes and restores them.
+"""Backup bookkeeping without TensorFlow: the position, when to save, which checkpoint is complete,
+which job owns the directory. `keras_sync.callbacks.backup` writes and restores them.
 
-- **Position** ``(epoch, step)``: the epoch in progress and its batches already trained; ``(1, steps)``
-  is every batch of epoch 1 trained but not its end, so a resume runs only that end.
-- **Complete or partial.** After each save the chief writes ``ckpt-N.manifest.json`` last: size and
-  CRC-32 of every file of checkpoint N, and the run that wrote it. Only a checkpoint whose files
-  match its manifest is trusted.
-- **One job per directory.** `BackupLock` (``keras_sync_lock.json``) names the job training into
-  it; another live job is refused before training. A lock of a dead process (same host) or not
-  refreshed for `STALE_S` is stale: a relaunch takes it over.
+After each save the chief writes ``ckpt-N.manifest.json`` last: size and CRC-32 of every file of
+checkpoint N, and the MLflow run that wrote it. Only a checkpoint whose files match its manifest is
+trusted, and a relaunch continues the run its manifest names. `BackupLock` (``keras_sync_lock.json``)
+names the job training into the directory; a lock of a dead process (same host) or not refreshed for
+`STALE_S` is stale, and a relaunch takes it over.
 """
 
 from __future__ import annotations
@@ -17,7 +14,6 @@ import contextlib
 import json
 import os
 import re
-import socket
 import threading
 import time
 import zlib
@@ -35,7 +31,10 @@ _CKPT = re.compile(r"^ckpt-(\d+)\.index$")
 
 @dataclass(frozen=True)
 class ResumePoint:
-    """Where a restored job continues: the epoch, its batches already trained, the optimizer step."""
+    """Where a restored job continues: the epoch, its batches already trained, the optimizer step.
+
+    ``(1, steps)`` is every batch of epoch 1 trained but not its end: a resume runs only that end.
+    """
 
     epoch: int
     step: int
@@ -69,10 +68,10 @@ class SaveSchedule:
 
     def after_batch(self, batches: int = 1) -> bool:
         """Count ``batches`` trained; True when a save is due now."""
-        if not isinstance(self.save_freq, int):
+        if self.save_freq == "epoch":
             return False
         self._since_save += batches
-        if self._since_save < self.save_freq:
+        if self._since_save < int(self.save_freq):
             return False
         self._since_save = 0
         return True
@@ -82,8 +81,8 @@ class SaveSchedule:
 
 
 def write_dir(backup_dir: str, *, is_chief: bool, task_id: int | None) -> str:
-    """Where this worker writes checkpoints: the chief ``backup_dir``, worker N a temporary
-    ``.worker_tmp_N`` in it (every worker takes part in a save; only the chief's copy is read).
+    """Where this worker writes: the chief ``backup_dir``, worker N a ``.worker_tmp_N`` it deletes
+    after each save (every worker takes part in a save; only the chief's copy is read).
 
     >>> write_dir("/b", is_chief=True, task_id=0), write_dir("/b", is_chief=False, task_id=1)
     ('/b', '/b/.worker_tmp_1')
@@ -99,9 +98,9 @@ def batches_to_skip(point: ResumePoint, steps_per_execution: int = 1) -> int:
     """
     if point.step % steps_per_execution:
         raise UsageError(
-            f"The backup was taken at step {point.step} of epoch {point.epoch}, which is not a multiple of "
-            f"steps_per_execution={steps_per_execution}. Resume with the steps_per_execution it was saved "
-            "with, or delete the backup directory to start over."
+            f"The backup was taken at step {point.step} of epoch {point.epoch}, which is not a "
+            f"multiple of steps_per_execution={steps_per_execution}. Resume with the "
+            "steps_per_execution it was saved with, or delete the backup directory to start over."
         )
     return point.step
 
@@ -123,25 +122,19 @@ def _crc(path: str) -> int:
     return crc
 
 
-def write_manifest(prefix: str, record: dict[str, Any] | None = None) -> None:
-    """Record the checkpoint at ``prefix`` (``DIR/ckpt-N``) as complete; drop manifests of deleted ones."""
+def write_manifest(prefix: str, run: dict[str, Any] | None = None) -> None:
+    """Record the checkpoint at ``prefix`` (``DIR/ckpt-N``) as complete, with the run that wrote it."""
     folder = os.path.dirname(prefix)
     files = {}
     for name in _files_of(prefix):
         path = os.path.join(folder, name)
         files[name] = {"size": os.path.getsize(path), "crc32": _crc(path)}
-    body = dict(v=1, files=files, written=time.time(), host=socket.gethostname(), pid=os.getpid())
     tmp = f"{prefix}{MANIFEST_SUFFIX}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
-        json.dump({**body, "run": record}, f)
+        json.dump({"v": 1, "files": files, "written": time.time(), "run": run}, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, prefix + MANIFEST_SUFFIX)
-    for name in os.listdir(folder):  # manifests of checkpoints the manager deleted (max_to_keep)
-        index = os.path.join(folder, name.removesuffix(MANIFEST_SUFFIX) + ".index")
-        if name.endswith(MANIFEST_SUFFIX) and not os.path.exists(index):
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(folder, name))
 
 
 def checkpoints(backup_dir: str) -> list[str]:
@@ -152,6 +145,21 @@ def checkpoints(backup_dir: str) -> list[str]:
         return []
     matches.sort(key=lambda m: -int(m.group(1)))
     return [os.path.join(backup_dir, m.group(0).removesuffix(".index")) for m in matches]
+
+
+def number_of(prefix: str) -> int:
+    """The optimizer step a checkpoint was saved at: ``N`` of ``DIR/ckpt-N``."""
+    return int(prefix.rsplit("-", 1)[1])
+
+
+def prune(backup_dir: str, saved: int, keep: int) -> None:
+    """Delete every checkpoint but the ``keep`` newest up to step ``saved`` (newer ones belong to a
+    run this one fell back from)."""
+    kept = [p for p in checkpoints(backup_dir) if number_of(p) <= saved][:keep]
+    for prefix in set(checkpoints(backup_dir)) - set(kept):
+        for name in [*_files_of(prefix), os.path.basename(prefix) + MANIFEST_SUFFIX]:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(backup_dir, name))
 
 
 def problem(prefix: str) -> str | None:
@@ -176,13 +184,7 @@ def problem(prefix: str) -> str | None:
 
 def newest_complete(backup_dir: str) -> int | None:
     """The optimizer step of the newest checkpoint in ``backup_dir`` whose files match its manifest."""
-    complete = (p for p in checkpoints(backup_dir) if problem(p) is None)
-    return next((int(p.rsplit("-", 1)[1]) for p in complete), None)
-
-
-def checkpoint_bytes(backup_dir: str, number: int) -> int:
-    prefix = os.path.join(backup_dir, f"ckpt-{number}")
-    return sum(os.path.getsize(os.path.join(backup_dir, n)) for n in _files_of(prefix))
+    return next((number_of(p) for p in checkpoints(backup_dir) if problem(p) is None), None)
 
 
 def manifest_run(prefix: str) -> dict[str, Any] | None:
@@ -225,8 +227,8 @@ def choose(backup_dir: str) -> Choice:
 def no_usable_backup(backup_dir: str, skipped: list[tuple[str, str]]) -> UsageError:
     what = "; ".join(f"{os.path.basename(p)}: {why}" for p, why in skipped)
     return UsageError(
-        f"fault_tolerance.backup_dir: no usable backup in {backup_dir} ({what}). Fix: restore that directory "
-        f"from a copy, or delete it to train from the start; nothing was trained."
+        f"fault_tolerance.backup_dir: no usable backup in {backup_dir} ({what}). Fix: restore that "
+        "directory from a copy, or delete it to train from the start; nothing was trained."
     )
 
 
@@ -241,10 +243,6 @@ class Holder:
     host: str
     pid: int
     cluster: str | None
-
-    def describe(self) -> str:
-        job = f"job {self.job_id}" if self.job_id else "a job without job id"
-        return f"{job} (pid {self.pid} on {self.host})"
 
 
 def read_lock(backup_dir: str) -> tuple[Holder, float] | None:
@@ -289,11 +287,12 @@ def live_other(found: tuple[Holder, float] | None, me: Holder, *, chief: bool) -
 
 
 def refused(backup_dir: str, other: Holder) -> UsageError:
+    job = f"job {other.job_id}" if other.job_id else "a job without job id"
     return UsageError(
-        f"fault_tolerance.backup_dir: {backup_dir} is in use by {other.describe()}, which is training into it "
-        f"now; two jobs in one backup directory would resume from each other's backups. Fix: give this job its "
-        f"own backup_dir, or wait for that job to end (if it is gone, delete {os.path.join(backup_dir, LOCK_FILE)}); "
-        "nothing was trained."
+        f"fault_tolerance.backup_dir: {backup_dir} is in use by {job} (pid {other.pid} on "
+        f"{other.host}), which is training into it now; two jobs in one backup directory would "
+        "resume from each other's backups. Fix: give this job its own backup_dir, or wait for that "
+        f"job to end (if it is gone, delete {os.path.join(backup_dir, LOCK_FILE)}); nothing was trained."
     )
 
 
@@ -308,18 +307,18 @@ class BackupLock:
     def acquire(self) -> None:
         """Take the directory, or raise `UsageError` naming the live job that holds it."""
         os.makedirs(self.backup_dir, exist_ok=True)
-        for _ in range(3):
+        for _ in range(3):  # a stale lock is removed, then taken
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 other = live_other(read_lock(self.backup_dir), self.me, chief=True)
                 if other is not None:
                     raise refused(self.backup_dir, other) from None
-                with contextlib.suppress(OSError):  # stale (or unreadable): taken over
+                with contextlib.suppress(OSError):
                     os.unlink(self.path)
                 continue
             with os.fdopen(fd, "w") as f:
-                json.dump({**asdict(self.me), "since": time.time()}, f)
+                json.dump(asdict(self.me), f)
             threading.Thread(target=self._beat, name="keras-sync-backup-lock", daemon=True).start()
             return
         raise refused(self.backup_dir, self.me)  # three races in a row: another job keeps taking it

@@ -1,6 +1,6 @@
 """One MLflow run per job, opened by the chief only.
 
-Which run: the one recorded with the backup a relaunch restores (`record_run`); else the run of
+Which run: the one recorded with the backup a relaunch restores (its manifest); else the run of
 ``mlflow.job_id`` / ``$KERAS_SYNC_JOB_ID`` (set by ``keras-sync launch``), created once and shared;
 else a new one. The fits of a job write one run, their steps continuing (`JobState`); `Sync.fit`
 ends the run when it returns, and the next `fit` of the same `Sync` reopens it.
@@ -9,17 +9,13 @@ ends the run when it returns, and the next `fit` of the same `Sync` reopens it.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shlex
 import sys
-from pathlib import Path
 from typing import Any
 
 from keras_sync.training.context import JobState
 
-#: The file in the backup directory that names the job's run (deleted with the backup).
-RUN_RECORD = "keras_sync_run.json"
 #: (job id, tracking URI, experiment) -> the JobState of that explicit job id's run in this process.
 _named_jobs: dict[tuple[Any, ...], JobState] = {}
 
@@ -154,58 +150,8 @@ def how_to_open(writer: Any, config: Any, run_id: str) -> str:
 
 
 def restored_run(backup_dir: str | None) -> dict[str, Any] | None:
-    """The run recorded with the backup a relaunch restores from ``backup_dir`` (its manifest's, else
-    ``keras_sync_run.json``'s; a damaged record is said in one line); else None."""
+    """The run named by the manifest of the backup a relaunch restores from ``backup_dir``; else None."""
     from keras_sync.training import backup_files as _backup_files
 
     latest = _backup_files.choose(backup_dir).latest if backup_dir else None
-    if not backup_dir or latest is None:
-        return None
-    from_backup = _backup_files.manifest_run(latest)
-    path = Path(backup_dir) / RUN_RECORD
-    try:
-        record = json.loads(path.read_text())
-        damaged = (
-            None
-            if isinstance(record, dict) and isinstance(record.get("job_id"), str)
-            else "not a run record"
-        )
-    except FileNotFoundError:
-        record, damaged = None, None  # a backup without MLflow, or from before runs were recorded
-    except (OSError, ValueError) as e:
-        record, damaged = None, type(e).__name__
-    if damaged is None:
-        return from_backup or record
-    found = (
-        f"the run {from_backup.get('run_id') or 'of job ' + from_backup['job_id']} named by the backup "
-        f"{os.path.basename(latest)} is continued"
-        if from_backup
-        else "a new run is started"
-    )
-    print(
-        f"keras-sync: the run record {path} is damaged ({damaged}); {found}",
-        file=sys.stderr,
-        flush=True,
-    )
-    return from_backup
-
-
-def run_record(writer: Any) -> dict[str, Any]:
-    """What names the run of ``writer``: job id (and whether the user gave it), run id, experiment, store."""
-    return {
-        "job_id": writer.job_id,
-        "explicit": writer.job_id_explicit,
-        "run_id": writer.run_id,
-        "experiment": writer.experiment,
-        "tracking_uri": writer.shown_uri,
-    }
-
-
-def record_run(writer: Any, backup_dir: str) -> None:
-    """Write the job id and run id of ``writer`` into ``backup_dir``, next to the backup (before every
-    save, chief only); a relaunch that restores that backup continues the run (`restored_run`)."""
-    path = Path(backup_dir) / RUN_RECORD
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{RUN_RECORD}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(run_record(writer)))
-    os.replace(tmp, path)
+    return _backup_files.manifest_run(latest) if latest else None
