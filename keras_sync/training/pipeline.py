@@ -1,17 +1,12 @@
 """The input pipeline behind `Sync.fit` and `Sync.distribute`: batching, sharding, validation split.
 
-* **Sharding is decided by the data, not by the host.** Arrays are split across workers by example
-  unless ``batch.shard_policy: off``. A dataset keeps a policy other than ``AUTO`` set in its own
-  options (Ray Data sets ``OFF``: it is already this worker's shard); any other gets
-  ``batch.shard_policy``. Under several workers ``auto`` (or ``file``) becomes ``file`` when the
-  pipeline reads at least as many files as workers, else ``data``.
-* **The global batch is the configured one.** A batched dataset whose batch differs, or cannot be
-  read, is rebatched to it (same examples, same order): the scaled learning rate fits the batch.
-* **A worker's own part** (a ``shard`` op, ``OFF`` in its options, ``batch.shard_policy: off``) is,
-  under several workers, rebatched per replica and given to the strategy as this worker's input.
-* **A `keras.utils.PyDataset` or a Python generator** is read by keras-sync (`py_dataset`).
-
-Pure helpers (`shard_choice`, `batch_layout`) need no TensorFlow; `keras-sync plan` uses them.
+Sharding is decided by the data, never by the host: arrays are split across workers by example
+unless ``batch.shard_policy: off``; a dataset keeps a policy other than ``AUTO`` set in its own
+options (Ray Data sets ``OFF``), any other gets ``batch.shard_policy``. A batched dataset whose
+batch differs from the configured global batch, or cannot be read, is rebatched to it. A worker's
+own part is, under several workers, read per replica as that worker's input. A `keras.utils.PyDataset`
+or a Python generator is read by keras-sync (`py_dataset`). `shard_choice` and `batch_layout` need
+no TensorFlow: `keras-sync plan` uses them.
 """
 
 from __future__ import annotations
@@ -85,12 +80,9 @@ def batch_layout(global_batch: int, num_replicas: int, num_workers: int) -> str:
 
 @dataclass(frozen=True)
 class InputFacts:
-    """What the pipeline did with the training data of one `fit` (``Sync.input_facts``).
-
-    ``examples_per_epoch``: what one epoch trains over all workers when known before training (the
-    run-time check compares with it); ``own_part``: each worker trains its own part, not sharded;
-    ``steps_per_epoch``: before gradient accumulation.
-    """
+    """What the pipeline did with the training data of one `fit` (``Sync.input_facts``):
+    ``examples_per_epoch`` over all workers when known (the run-time check compares with it),
+    ``own_part`` when each worker trains its own part, ``steps_per_epoch`` before accumulation."""
 
     source: str
     shard_policy: str
@@ -111,8 +103,7 @@ class InputPipeline:
     """Turns what a user passes to `fit`/`distribute` into what the strategy trains on.
 
     Arrays become a dataset under `multi_worker_mirrored` (Keras requires it), for a `fit` with a
-    backup (``replay_order``) in a script that set no TensorFlow seed, and with ``arrays_as_dataset``
-    (a `keras-sync verify` reference of a multi-worker recording).
+    backup (``replay_order``) in a script that set no TensorFlow seed, and with ``arrays_as_dataset``.
     """
 
     global_batch: int
@@ -133,16 +124,9 @@ class InputPipeline:
         self, data: Any, *, shuffle: bool = False, seed: int = 1337
     ) -> tuple[Any, int | None]:
         """(dataset batched by the global batch, steps per epoch or None) from arrays or examples."""
-        import tensorflow as tf
-
-        if isinstance(data, tf.data.Dataset):
-            ds, choice = data, self._choice(data)
-        else:
-            ds = tf.data.Dataset.from_tensor_slices(tuple(data) if isinstance(data, list) else data)
-            choice = self._choice(None)
-        n = int(ds.cardinality())
-        steps = _steps(n, self.global_batch, self.drop_remainder) if n > 0 else None
-        return self._batched(ds, self.global_batch, shuffle, choice, seed), steps
+        ds = self._batched(tuple(data) if isinstance(data, list) else data, shuffle, seed=seed)
+        steps = int(ds.cardinality())
+        return ds, steps if steps > 0 else None
 
     def prepare(
         self, method: str, x: Any, y: Any, kwargs: dict[str, Any], global_batch: int
@@ -212,11 +196,7 @@ class InputPipeline:
         choice: ShardChoice | None = None,
     ) -> Any:
         """A batched dataset given to `fit`: its shard policy settled, rebatched to the global batch.
-
-        A worker's own part is, on several workers, given to the strategy as each worker's input
-        (`distribute_datasets_from_function`, per-replica batches): TensorFlow neither shards it
-        again nor counts its steps from a global batch it does not hold.
-        """
+        A worker's own part goes to the strategy as that worker's input, in per-replica batches."""
         import tensorflow as tf
 
         if not isinstance(ds, tf.data.Dataset):  # distributed by the user already
@@ -281,15 +261,23 @@ class InputPipeline:
                 )
             # Each part drops its own remainder: the job's count is then not known here.
             known = all(e >= 0 for _, e in per_worker) and not self.drop_remainder
+            per_replica = self.num_replicas // workers
             self.facts = InputFacts(
                 source,
                 "off",
                 own_part=True,
                 examples_per_epoch=sum(e for _, e in per_worker) if known else None,
                 worker_examples_per_epoch=examples,
-                steps_per_epoch=batches // (self.num_replicas // workers) if same else None,
+                steps_per_epoch=batches // per_replica if same else None,
             )
-            ds = self._per_worker(ds, known_steps=same)
+            if batches >= 0 and (not same or per_replica > 1):
+                # Keras takes a known length as every worker's steps: parts of different lengths
+                # would leave one worker waiting in a collective, and with several replicas per
+                # worker Keras would count per-replica batches. Unknown, the epoch ends when every
+                # part has.
+                ds = ds.filter(lambda *_: True)
+            own = ds
+            ds = self.strategy.distribute_datasets_from_function(lambda _context: own)
         else:
             trained = share = examples
             if examples is not None and rebatched and self.drop_remainder:
@@ -304,24 +292,12 @@ class InputPipeline:
                 worker_examples_per_epoch=share,
                 steps_per_epoch=_steps(examples, gb, self.drop_remainder),
             )
-        layout = batch_layout(gb, self.num_replicas, workers)
         self._say(
             f"keras-sync: training data: {described or source} {note}; shard policy {choice.policy} "
-            f"({choice.reason}){part}; {layout}",
+            f"({choice.reason}){part}; {batch_layout(gb, self.num_replicas, workers)}",
             loud=workers > 1 or rebatched,
         )
         return ds
-
-    def _per_worker(self, ds: Any, *, known_steps: bool) -> Any:
-        """This worker's own part, batched per replica, as the strategy's input on this worker."""
-        if int(ds.cardinality()) >= 0 and (
-            not known_steps or self.num_replicas // self.num_workers > 1
-        ):
-            # Keras takes a known length as every worker's steps: parts of different lengths would leave
-            # one worker waiting in a collective, and with several replicas per worker Keras would count
-            # per-replica batches. Unknown, the epoch ends when every part has.
-            ds = ds.filter(lambda *_: True)
-        return self.strategy.distribute_datasets_from_function(lambda _context: ds)
 
     def _across_workers(self, batches: int, examples: int) -> list[tuple[int, int]]:
         """(batches, examples) of every worker's part, in worker order: one all-gather, on every worker."""
@@ -353,13 +329,13 @@ class InputPipeline:
             parts = tf.nest.map_structure(lambda t: t[:cut], parts)
         vd = kwargs.get("validation_data")
         if isinstance(vd, tuple) and not is_dataset(vd[0]):
-            kwargs["validation_data"] = self._arrays(vd, global_batch, False)
-        ds = self._arrays(parts, global_batch, shuffle)
+            kwargs["validation_data"] = self._batched(
+                vd if len(vd) > 1 else vd[0], False, global_batch
+            )
+        ds = self._batched(parts if len(parts) > 1 else parts[0], shuffle, global_batch)
         if not fit:
             return ds, None, kwargs
-        kwargs["shuffle"] = (
-            False  # shuffled here, with one seed for all workers; Keras would only warn
-        )
+        kwargs["shuffle"] = False  # shuffled here, with one seed for all workers
         choice = self._choice(None)
         n = len(tf.nest.flatten(parts)[0])
         if choice.policy == "off" and self.num_workers > 1 and global_batch == self.global_batch:
@@ -380,20 +356,21 @@ class InputPipeline:
         )
         return ds, None, kwargs
 
-    def _arrays(self, parts: tuple, global_batch: int, shuffle: bool) -> Any:
+    def _batched(
+        self, data: Any, shuffle: bool, global_batch: int | None = None, seed: int = 1337
+    ) -> Any:
+        """Arrays or a dataset of single examples -> shuffled (one seed for every worker), batched,
+        shard policy set."""
         import tensorflow as tf
 
-        ds = tf.data.Dataset.from_tensor_slices(parts if len(parts) > 1 else parts[0])
-        return self._batched(ds, global_batch, shuffle, self._choice(None))
-
-    def _batched(
-        self, ds: Any, global_batch: int, shuffle: bool, choice: ShardChoice, seed: int = 1337
-    ) -> Any:
-        """``ds`` of single examples -> shuffled (one seed for every worker), batched, shard policy set."""
+        if isinstance(data, tf.data.Dataset):
+            ds, choice = data, self._choice(data)
+        else:
+            ds, choice = tf.data.Dataset.from_tensor_slices(data), self._choice(None)
         if shuffle:
             n = int(ds.cardinality())
             ds = ds.shuffle(n if n > 0 else 10_000, seed=seed, reshuffle_each_iteration=True)
-        batched = ds.batch(global_batch, drop_remainder=self.drop_remainder)
+        batched = ds.batch(global_batch or self.global_batch, drop_remainder=self.drop_remainder)
         return graph.with_policy(batched, choice.policy)
 
     def _choice(self, ds: Any | None) -> ShardChoice:

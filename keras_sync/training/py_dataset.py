@@ -1,11 +1,7 @@
 """A `keras.utils.PyDataset` or a Python generator, read by keras-sync by index, each batch once per
-epoch, in order, as on one device.
-
-Keras's own readers train some batches twice and others never under a strategy: its
-`OrderedEnqueuer`, stopped with batches in flight, yields them first after the next ``start()``,
-which begins again at index 0; its generator adapter replays the batches it peeked at to every new
-iterator, and the strategy makes one and drops it.
-"""
+epoch, in order, as on one device. Under a strategy Keras's own readers train some batches twice and
+others never (its enqueuer restarts at index 0 with batches in flight; its generator adapter replays
+the batches it peeked at to every new iterator)."""
 
 from __future__ import annotations
 
@@ -24,8 +20,8 @@ def is_py_dataset(x: Any) -> bool:
 
 
 class GeneratorBatches:
-    """A Python generator's batches numbered in the order it yields them, the last ``keep`` kept: an
-    iterator that starts again at 0 reads the same batches, never new ones."""
+    """A Python generator's batches by index, the last ``keep`` kept: an iterator that starts again
+    at 0 reads the same batches, never new ones."""
 
     num_batches = None  # endless to the reader: a generator ends when it ends
     workers = 1
@@ -67,9 +63,7 @@ class GeneratorBatches:
 
 def python_batches(x: Any, method: str, kwargs: dict[str, Any]) -> GeneratorBatches | None:
     """``x`` read by keras-sync when it is a PyDataset (itself) or a generator; None for other data.
-
-    A generator is refused in one line where it cannot be read exactly.
-    """
+    A generator is refused in one line where it cannot be read exactly."""
     if is_py_dataset(x):
         return x
     if not isinstance(x, types.GeneratorType):  # what Keras's adapters test
@@ -120,7 +114,7 @@ def py_dataset_batches(pyds: Any) -> tuple[Any, int, int | None]:
     """(a `tf.data.Dataset` of the batches, the first batch's size, the examples per epoch).
 
     Batch ``i`` is read by index, ``pyds.workers`` at a time on threads (the map keeps the order).
-    The examples per epoch are ``(len - 1) x first + last``: they assume equal middle batches.
+    The examples per epoch, ``(len - 1) x first + last``, assume equal middle batches.
     """
     import numpy as np
     import tensorflow as tf
