@@ -23,6 +23,8 @@ def cli() -> None:
 
 
 for _module in (init, validate, plan, env, ui, schema, launch, sync_spool, verify):
+    # The listing shows each command's whole first paragraph, where click would cut it with "...".
+    _module.command.short_help = (_module.command.help or "").split("\n\n")[0]
     cli.add_command(_module.command)
 
 

@@ -26,16 +26,6 @@ class UserError(click.ClickException):
 class SyncGroup(click.Group):
     """A click group that turns `KerasSyncError` into `UserError` (never a traceback)."""
 
-    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        """List the commands with their whole first sentence (click would cut it with "...")."""
-        with formatter.section("Commands"):
-            formatter.write_dl(
-                [
-                    (n, self.commands[n].get_short_help_str(limit=10_000))
-                    for n in self.list_commands(ctx)
-                ]
-            )
-
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)

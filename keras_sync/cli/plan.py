@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -16,34 +16,28 @@ import click
 
 from keras_sync.config import STRATEGY_KINDS, Config
 
-#: flag -> the config key it overrides (a flag wins over env, file and default).
-_FLAG_KEYS = {
-    "strategy": "strategy.kind",
-    "per_replica_batch": "batch.per_replica",
-    "global_batch": "batch.global",
-    "base_lr": "learning_rate.base",
-    "simulated_cpu_replicas": "strategy.simulated_cpu_replicas",
-    "tracking_uri": "mlflow.tracking_uri",
+#: option -> the config key it overrides (a flag wins over env, file and default), and its type.
+_FLAGS: dict[str, tuple[str, Any]] = {
+    "strategy": ("strategy.kind", click.Choice(STRATEGY_KINDS, case_sensitive=False)),
+    "per_replica_batch": ("batch.per_replica", click.IntRange(min=1)),
+    "global_batch": ("batch.global", click.IntRange(min=1)),
+    "base_lr": ("learning_rate.base", float),
+    "simulated_cpu_replicas": ("strategy.simulated_cpu_replicas", click.IntRange(min=0)),
+    "tracking_uri": ("mlflow.tracking_uri", str),
 }
+
+
+def _override_options(command: Callable[..., None]) -> Callable[..., None]:
+    for name, (key, kind) in reversed(_FLAGS.items()):  # click lists the last one applied first
+        flag = "--" + name.replace("_", "-")
+        command = click.option(flag, type=kind, help=f"Override {key}.")(command)
+    return command
 
 
 @click.command("plan")
 @click.argument("config", required=False, type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print JSON: every value with its source.")
-@click.option(
-    "--strategy",
-    type=click.Choice(STRATEGY_KINDS, case_sensitive=False),
-    help="Override strategy.kind.",
-)
-@click.option("--per-replica-batch", type=click.IntRange(min=1), help="Override batch.per_replica.")
-@click.option("--global-batch", type=click.IntRange(min=1), help="Override batch.global.")
-@click.option("--base-lr", type=float, help="Override learning_rate.base.")
-@click.option(
-    "--simulated-cpu-replicas",
-    type=click.IntRange(min=0),
-    help="Override strategy.simulated_cpu_replicas.",
-)
-@click.option("--tracking-uri", help="Override mlflow.tracking_uri.")
+@_override_options
 def command(config: str | None, as_json: bool, **flags: object) -> None:
     """Show what a run with CONFIG would use, and where each value came from.
 
@@ -53,7 +47,7 @@ def command(config: str | None, as_json: bool, **flags: object) -> None:
     """
     from keras_sync.config import load_config
 
-    overrides = {_FLAG_KEYS[name]: value for name, value in flags.items() if value is not None}
+    overrides = {_FLAGS[name][0]: value for name, value in flags.items() if value is not None}
     batches = {"batch.global", "batch.per_replica"}
     if len(batches & overrides.keys()) == 1:  # it replaces either batch of the file (both: a clash)
         overrides.update(dict.fromkeys(batches - overrides.keys()))
@@ -103,12 +97,8 @@ def _show(value: Any) -> str:
 
 
 def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Plan:
-    """The plan of a run with `config` in the environment `environ` (default ``os.environ``).
-
-    Raises:
-        KerasSyncError: when the values do not fit together (e.g. a global batch that does not
-            divide by the replica count, or a malformed TF_CONFIG).
-    """
+    """The plan of a run with `config` in `environ` (default ``os.environ``); a `KerasSyncError`
+    when the values do not fit together (a global batch the replicas do not divide, a bad TF_CONFIG)."""
     from keras_sync import cluster, strategy, tracking
     from keras_sync.config.kinds import KINDS, LAYOUT_TPU
     from keras_sync.training import scaling
@@ -145,7 +135,8 @@ def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Pl
         if (base := cluster.fixed_slurm_port_base(config.strategy)) is not None:
             add("strategy.slurm.port_base", base)
         else:
-            note = f"auto: from $SLURM_JOB_ID={env.get('SLURM_JOB_ID')} and $SLURM_STEP_ID={env.get('SLURM_STEP_ID')}"
+            job, step = env.get("SLURM_JOB_ID"), env.get("SLURM_STEP_ID")
+            note = f"auto: from $SLURM_JOB_ID={job} and $SLURM_STEP_ID={step}"
             add("strategy.slurm.port_base", cluster.slurm_port_base(env), "derived", note)
 
     b = config.batch

@@ -37,6 +37,7 @@ def command(config: str | None, tracking_uri: str | None, port: int, no_browser:
     from keras_sync.config import load_config
     from keras_sync.tracking import redact_uri, resolve_tracking_uri
     from keras_sync.tracking.records import is_remote
+    from keras_sync.tracking.sqlite_store import sqlite_path
 
     overrides = {"mlflow.tracking_uri": tracking_uri} if tracking_uri else None
     cfg = load_config(config, overrides=overrides)
@@ -44,7 +45,13 @@ def command(config: str | None, tracking_uri: str | None, port: int, no_browser:
     if is_remote(uri):
         click.echo(f"The config points at a tracking server already: open {redact_uri(uri)}")
         return
-    store = _local_store(uri)
+    parsed = urlparse(uri)  # the file or directory of a local store, else None
+    if uri.startswith("sqlite:"):
+        store = sqlite_path(uri)
+    elif parsed.scheme == "file":
+        store = Path(unquote(parsed.path))
+    else:  # a plain path (or a Windows drive letter); another database or server: mlflow says so
+        store = Path(uri) if len(parsed.scheme) < 2 else None
     if store is not None and not store.exists():
         # Training resolves the default (or a relative) store against its own folder, usually the
         # config's: from another folder the same config finds it there. An absolute path is that file.
@@ -101,19 +108,6 @@ def command(config: str | None, tracking_uri: str | None, port: int, no_browser:
                 server.wait(timeout=10)
                 break
         click.echo("MLflow UI stopped.")
-
-
-def _local_store(uri: str) -> Path | None:
-    """The file or directory of a local store (sqlite:///x.db, file:///dir, a plain path), else None."""
-    from keras_sync.tracking.sqlite_store import sqlite_path
-
-    if uri.startswith("sqlite:"):
-        return sqlite_path(uri)
-    parsed = urlparse(uri)
-    if parsed.scheme == "file":
-        return Path(unquote(parsed.path))
-    # A plain path (or a Windows drive letter); else another database or server: mlflow reports it.
-    return Path(uri) if len(parsed.scheme) < 2 else None
 
 
 def _wait_ready(url: str, server: subprocess.Popen[bytes]) -> bool:

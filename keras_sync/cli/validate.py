@@ -25,9 +25,7 @@ def command(config: str | None) -> None:
         )
     b, lr, m = cfg.batch, cfg.learning_rate, cfg.mlflow
     batch = (
-        f"global batch {b.global_}"
-        if b.global_ is not None
-        else f"per-replica batch {b.per_replica}"
+        f"per-replica batch {b.per_replica}" if b.global_ is None else f"global batch {b.global_}"
     )
     target = f"mlflow experiment {m.experiment!r}" if m.enabled else "mlflow off"
     click.echo(

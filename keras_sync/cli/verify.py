@@ -20,7 +20,7 @@ import click
 
 from keras_sync.cli._base import SCRIPT_CONTEXT, UserError
 from keras_sync.config import VERIFY_RECORD_ENV, VERIFY_REPLAY_ENV, VERIFY_STEPS_ENV
-from keras_sync.measures.verify_compare import Verdict, verdict
+from keras_sync.measures.verify_compare import QUANTITIES, Verdict, verdict
 
 #: How many parting steps and layers the table shows.
 ROWS = 5
@@ -239,30 +239,25 @@ def _log_run(comparison: Path, result: Verdict, subject: Run, reference: Run) ->
 
     uri, _ = resolve_tracking_uri(subject["mlflow"].get("tracking_uri"))
     ensure_sqlite_store(uri)
-    client = MlflowClient(uri)
-    name = subject["mlflow"]["experiment"]
+    client, name = MlflowClient(uri), subject["mlflow"]["experiment"]
     experiment = client.get_experiment_by_name(name)
-    run = client.create_run(
-        experiment.experiment_id if experiment else client.create_experiment(name),
-        run_name=f"verify {subject['kind']} x{subject['replicas']}",
-        tags={
-            "keras_sync.verify": "same" if result.same else "different",
-            "keras_sync.verify.cause": (result.cause or "")[:5000],
-            "keras_sync.verify.line": result.last_line[:5000],
-        },
-    )
-    rid = run.info.run_id
+    tags = {
+        "keras_sync.verify": "same" if result.same else "different",
+        "keras_sync.verify.cause": (result.cause or "")[:5000],
+        "keras_sync.verify.line": result.last_line[:5000],
+    }
+    run_name = f"verify {subject['kind']} x{subject['replicas']}"
+    experiment_id = experiment.experiment_id if experiment else client.create_experiment(name)
+    rid = client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
     params = {key: subject[key] for key in ("replicas", "kind", "global_batch")}
     params.update(steps=result.steps, tolerance=f"{result.tolerance:.3g}")
-    metrics = [
-        Metric(f"verify/{name}/{q}", float(s[q]), 0, i)
-        for name, rec in (("distributed", subject), ("one_device", reference))
-        for i, s in enumerate(rec["steps"][: result.steps])
-        for q in ("loss", "update", "lr", "examples")
-    ]
     client.log_batch(rid, params=[Param(k, str(v)) for k, v in params.items()])
-    for start in range(0, len(metrics), 1000):  # MLflow's limit of metrics per batch
-        client.log_batch(rid, metrics=metrics[start : start + 1000])
+    for i, pair in enumerate(zip(subject["steps"], reference["steps"])):  # one batch per step
+        halves = zip(("distributed", "one_device"), pair)
+        metrics = [
+            Metric(f"verify/{h}/{q}", float(s[q]), 0, i) for h, s in halves for q in QUANTITIES
+        ]
+        client.log_batch(rid, metrics=metrics)
     client.log_artifact(rid, str(comparison))
     client.set_terminated(rid, "FINISHED")
     return rid

@@ -73,10 +73,9 @@ class Verdict:
     def last_line(self) -> str:
         """``verify: same as one device (...)`` or ``verify: different from one device: <cause> (...)``."""
         largest = self.layers[0][1] if self.layers else 0.0
-        figures = f"{self.steps} steps, largest weight difference {largest:.2g}, tolerance {self.tolerance:.1e}"
-        if self.same:
-            return f"verify: same as one device ({figures})"
-        return f"verify: different from one device: {self.cause} ({figures})"
+        how = "same as one device" if self.same else f"different from one device: {self.cause}"
+        figures = f"largest weight difference {largest:.2g}, tolerance {self.tolerance:.1e}"
+        return f"verify: {how} ({self.steps} steps, {figures})"
 
 
 def likely_cause(
@@ -133,11 +132,9 @@ def likely_cause(
         )
     if facts.get("precision", "float32") != "float32":
         causes.append(f"mixed-precision ops ({facts['precision']}) beyond their tolerance")
-    if len(causes) > 1:
-        others = "; ".join(c.split(":")[0].split(" (")[0] for c in causes[1:])
-        return f"{causes[0]} (also possible: {others})"
     if causes:
-        return causes[0]
+        others = "; ".join(c.split(":")[0].split(" (")[0] for c in causes[1:])
+        return f"{causes[0]} (also possible: {others})" if others else causes[0]
     if first and first[0].step == 0 and first[0].quantity == "loss":
         return (
             "the first loss differs before any update, from the same weights: the batches differ "
