@@ -69,8 +69,8 @@ class SharedState:
         self._listeners: list[Callable[[dict[str, float], int], None]] = []
 
     def job_step(self, model_step: int) -> int:
-        """The job's step for the model's optimizer step ``model_step``: a new model continues
-        after the job's earlier fits, a model fitted again its own count.
+        """The job's step for the model's optimizer step: a new model continues after the job's
+        earlier fits, a model fitted again its own count.
 
         >>> shared = SharedState(fit=2, steps_before=16)
         >>> shared.job_step(0), shared.job_step(5)     # a new model: after the 16 steps of fit 1
@@ -95,13 +95,10 @@ class SharedState:
         """
         out: dict[str, Any] = {}
         for key, value in params.items():
-            had = self._params.get(key)
-            if had is not None and had != str(value):
+            if self._params.get(key, str(value)) != str(value):
                 key = f"fit_{self.fit}.{key}"
-                had = self._params.get(key)
-            if had is None:
-                self._params[key] = str(value)
-                out[key] = value
+            if key not in self._params:
+                self._params[key], out[key] = str(value), value
         return out
 
     def add_flusher(self, fn: Callable[[], None]) -> None:
@@ -132,8 +129,7 @@ class JobState:
     """
 
     def __init__(self) -> None:
-        self.fits = 0
-        self.last_step = 0
+        self.fits = self.last_step = 0
         self.params: dict[str, str] = {}
         self._current: SharedState | None = None
 
@@ -148,14 +144,12 @@ class JobState:
 
 def check_shared(shared: Any) -> SharedState:
     """``shared`` itself, or a new `SharedState` for None; a clear error for anything else."""
-    if shared is None:
-        return SharedState()
-    if not isinstance(shared, SharedState):
-        from keras_sync.errors import UsageError
+    if shared is None or isinstance(shared, SharedState):
+        return shared or SharedState()
+    from keras_sync.errors import UsageError
 
-        raise UsageError(
-            f"Invalid value for argument `shared`. Received: shared={type(shared).__name__}. "
-            "Expected a keras_sync.callbacks.SharedState (the same one for all keras-sync callbacks "
-            "of a fit), or None."
-        )
-    return shared
+    raise UsageError(
+        f"Invalid value for argument `shared`. Received: shared={type(shared).__name__}. "
+        "Expected a keras_sync.callbacks.SharedState (the same one for all keras-sync callbacks "
+        "of a fit), or None."
+    )

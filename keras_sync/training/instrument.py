@@ -30,9 +30,8 @@ def has_default_train_step(model: Any) -> bool:
 class ReplicaProbe:
     """The per-replica values of the last train steps of one model; build it with `instrument`.
 
-    ``gradients`` is the `runtime.train_step_gradients` policy for a custom `train_step`
-    (``None``: observe only, Keras's sum); ``accumulator`` the
-    `keras_sync.training.accumulate.GradientAccumulator` of the model's optimizer, if any.
+    ``gradients``: the `runtime.train_step_gradients` policy of a custom `train_step` (None:
+    observe only, Keras's sum); ``accumulator``: the optimizer's `GradientAccumulator`, if any.
     """
 
     #: Columns of a ring row (as returned by `read`).
@@ -227,12 +226,10 @@ def instrument(model: Any, gradients: str | None = None, accumulator: Any = None
     """
     probe = probe_of(model)
     if probe is not None:
-        if gradients is not None and gradients != probe.gradients:
-            probe.gradients = gradients
-            model.train_function = None  # retrace with the new policy
-        if accumulator is not None and accumulator is not probe.accumulator:
-            probe.accumulator = accumulator
-            model.train_function = None
+        for attr, value in (("gradients", gradients), ("accumulator", accumulator)):
+            if value is not None and value != getattr(probe, attr):
+                setattr(probe, attr, value)
+                model.train_function = None  # retrace with the new setting
         return probe
     probe = ReplicaProbe(model, gradients=gradients, accumulator=accumulator)
     if probe.custom_step and probe.num_replicas > 1 and gradients == "auto":

@@ -1,6 +1,6 @@
 """One MLflow run per job, opened by the chief only.
 
-Which run: the one recorded with the backup a relaunch restores (its manifest); else the run of
+Which run: the one named by the manifest of the backup a relaunch restores; else the run of
 ``mlflow.job_id`` / ``$KERAS_SYNC_JOB_ID`` (set by ``keras-sync launch``), created once and shared;
 else a new one. The fits of a job write one run, their steps continuing (`JobState`); `Sync.fit`
 ends the run when it returns, and the next `fit` of the same `Sync` reopens it.
@@ -36,41 +36,39 @@ class JobRun:
         self.current: Any = None
 
     def writer(self, *, early: bool = False, started: Any = None) -> Any:
-        """The started `MlflowWriter` on the chief; None on other workers. ``early``: the run begins
+        """The started `MlflowWriter` on the chief, None on other workers. ``early``: the run begins
         with the first record; ``started``: a writer `start_writer` made before the `Sync` existed."""
-        if not self.is_chief:
-            return None
         ended = self.current
-        if ended is not None and not ended.closed:
-            return ended
+        if not self.is_chief or (ended is not None and not ended.closed):
+            return ended if self.is_chief else None
         if ended is None and started is not None and not started.closed:
             writer = started
-        elif ended is not None and ended.run_id is not None:  # continued, FINISHED or not
-            writer = start_writer(
-                self.config, early=early, continue_run=(ended.job_id, ended.run_id)
-            )
-        else:
-            writer = start_writer(self.config, early=early)
+        else:  # a fit ended the run: continue it (FINISHED or not)
+            known = ended is not None and ended.run_id is not None
+            again = (ended.job_id, ended.run_id) if known else None
+            writer = start_writer(self.config, early=early, continue_run=again)
         if ended is None:
             # Said from the writer's thread once the run exists (or MLflow failed): training does not wait.
             writer.when_run_known(lambda w: announce(w, self.config))
         self.current = writer
         return writer
 
+    def _open(self) -> Any:
+        return self.current if self.current is not None and not self.current.closed else None
+
     def end_after_fit(self, limit_s: float = 120.0) -> None:
-        """End the run when `fit` returns; wait while MLflow receives the rest only where the process
-        is killed as soon as training returns (elsewhere the courier delivers in the background)."""
+        """End the run when `fit` returns; wait for MLflow only where the process is killed as soon
+        as training returns (elsewhere the courier delivers in the background)."""
         from keras_sync.cluster import killed_when_training_returns
 
-        if self.current is not None and not self.current.closed:
+        if self._open() is not None:
             killed = killed_when_training_returns()
             self.current.end_run(timeout_s=limit_s, wait_for_report=killed, wait=killed)
 
     def ends_after_fit(self) -> Any:
         """While `Sync.fit` runs: the writer's end-of-fit wait is left to `end_after_fit`."""
-        if self.current is None or self.current.closed:
-            return contextlib.nullcontext()
-        return self.current.fit_ends_run()
+        writer = self._open()
+        return writer.fit_ends_run() if writer is not None else contextlib.nullcontext()
 
     def shared_run(self) -> Any:
         """A context manager: this run is MLflow's active run while mlflow.keras.autolog() is on."""
@@ -81,24 +79,27 @@ class JobRun:
         return _autolog.shared_run(self.current, uri, is_chief=self.is_chief)
 
     def close(self, timeout_s: float | None = None) -> None:
-        """End the run now (FINISHED), waiting while delivery progresses (at most ``timeout_s``).
-        The writer is kept: a later `writer` continues its run."""
-        if self.current is not None and not self.current.closed:
+        """End the run now (FINISHED), waiting while delivery progresses (at most ``timeout_s``);
+        a later `writer` continues it."""
+        if self._open() is not None:
             self.current.close(timeout_s=timeout_s)
 
 
 def start_writer(
     config: Any, *, early: bool = True, continue_run: tuple[str, str] | None = None
 ) -> Any:
-    """A started `MlflowWriter` for ``config``, on the run chosen as above (`keras_sync.load` starts
-    it before TensorFlow's import on a sure chief). ``continue_run``: (job id, run id) a fit ended."""
+    """A started `MlflowWriter` on the run chosen as above (`keras_sync.load` starts it before
+    TensorFlow's import on a sure chief). ``continue_run``: (job id, run id) a fit ended."""
     from keras_sync.cluster import killed_when_training_returns
     from keras_sync.tracking import MlflowWriter, resolve_tracking_uri
+    from keras_sync.training import backup_files
 
     cfg = config.mlflow
     uri, _ = resolve_tracking_uri(cfg.tracking_uri)
     job_id, explicit, run_id = cfg.job_id, True, None
-    restored = restored_run(config.fault_tolerance.backup_dir)
+    backup_dir = config.fault_tolerance.backup_dir
+    latest = backup_files.choose(backup_dir).latest if backup_dir else None
+    restored = backup_files.manifest_run(latest) if latest else None
     if continue_run is not None:
         job_id, run_id = continue_run
     elif restored is not None:  # wins over a job id: `keras-sync launch` makes a new one per launch
@@ -125,15 +126,15 @@ def announce(writer: Any, config: Any) -> None:
         return  # where the metrics wait and how to deliver them, in its one line
     where = f"MLflow at {writer.shown_uri}, experiment {writer.experiment!r}"
     if run_id is not None:
-        line = f"keras-sync: metrics go to {where}, run {run_id}; {how_to_open(writer, config, run_id)}"
+        line = f"metrics go to {where}, run {run_id}; {how_to_open(writer, config, run_id)}"
     else:
         failed = writer.failure()
         why = f"not reachable yet ({failed['error']})" if failed else "not created yet"
         line = (
-            f"keras-sync: metrics go to {where}; the run is {why}. They wait in {writer.spool_path} "
+            f"metrics go to {where}; the run is {why}. They wait in {writer.spool_path} "
             "and are delivered when MLflow answers."
         )
-    print(line, file=sys.stderr, flush=True)
+    print(f"keras-sync: {line}", file=sys.stderr, flush=True)
 
 
 def how_to_open(writer: Any, config: Any, run_id: str) -> str:
@@ -147,11 +148,3 @@ def how_to_open(writer: Any, config: Any, run_id: str) -> str:
         return f"view it with: {console_command()} ui {shlex.quote(os.path.abspath(config.source))}"
     mlflow = console_command("mlflow", "mlflow")
     return f"view it with: {mlflow} ui --backend-store-uri {shlex.quote(writer.shown_uri)}"
-
-
-def restored_run(backup_dir: str | None) -> dict[str, Any] | None:
-    """The run named by the manifest of the backup a relaunch restores from ``backup_dir``; else None."""
-    from keras_sync.training import backup_files as _backup_files
-
-    latest = _backup_files.choose(backup_dir).latest if backup_dir else None
-    return _backup_files.manifest_run(latest) if latest else None

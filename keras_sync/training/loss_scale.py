@@ -1,4 +1,4 @@
-"""Decisions one device takes on the summed gradients: the float16 loss-scale skip, and clipping.
+"""What one device decides on the summed gradients: the float16 loss-scale skip, clipping, sparse rows.
 
 Keras's `LossScaleOptimizer` (TensorFlow backend, with ``merge_call``) decides whether a step's
 gradients are finite from the first replica's *local* gradients, and Keras clips each replica's
@@ -9,6 +9,11 @@ gradient's sum that float16 rounds to inf (>= 65520), makes every replica skip (
 Keras halves the scale). The inner optimizer's private ``_all_reduce_sum_gradients`` passes the
 sum through while the apply traces; without it each replica hands over the sum on the first
 replica and zeros on the others, which Keras sums back exactly.
+
+An embedding's gradient is a `tf.IndexedSlices`; the all-reduce concatenates the replicas'
+slices, so a row can appear N times. Adam, RMSprop or Adagrad square each slice (``g0^2 + g1^2``,
+not ``(g0 + g1)^2``): `merging_update_step` sums duplicate rows before `update_step`, as
+TensorFlow 1's optimizers did.
 """
 
 from __future__ import annotations
@@ -23,8 +28,7 @@ _passes: bool | None = None  # whether Keras's inner all-reduce can pass a sum t
 
 
 def from_float16(grad: Any) -> bool:
-    """Whether ``grad`` (a replica's local gradient) was computed in float16: the gradient of a
-    float32 variable used by a float16 layer is a float16 gradient cast back."""
+    """Whether a replica's local ``grad`` was computed in float16 (a float16 gradient cast back)."""
     import tensorflow as tf
 
     t = grad.values if isinstance(grad, tf.IndexedSlices) else grad
@@ -38,14 +42,14 @@ def applies_here(optimizer: Any, num_replicas: int) -> bool:
     """Whether ``optimizer`` is a LossScaleOptimizer whose finite decision needs the summed gradients."""
     import tensorflow as tf
 
-    if num_replicas <= 1 or not hasattr(optimizer, "dynamic_scale"):
-        return False
     # Without merge_call Keras takes each replica's decision on its own: a path left unchanged.
     no_merge_call = getattr(
         tf.__internal__.distribute, "strategy_supports_no_merge_call", lambda: False
     )
     return (
-        hasattr(optimizer, "inner_optimizer")
+        num_replicas > 1
+        and hasattr(optimizer, "dynamic_scale")
+        and hasattr(optimizer, "inner_optimizer")
         and tf.distribute.has_strategy()
         and not no_merge_call()
     )
@@ -54,24 +58,8 @@ def applies_here(optimizer: Any, num_replicas: int) -> bool:
 def clips(optimizer: Any) -> bool:
     """Whether ``optimizer`` clips its gradients (``clipnorm``, ``global_clipnorm``, ``clipvalue``)."""
     inner = getattr(optimizer, "inner_optimizer", optimizer)
-    return any(
-        (getattr(inner, k, None) or 0) > 0 for k in ("clipnorm", "global_clipnorm", "clipvalue")
-    )
-
-
-def apply(
-    optimizer: Any,
-    apply_fn: Callable[..., Any],
-    grads: list[Any],
-    trainable_variables: Any,
-    half: list[bool],
-) -> Any:
-    """``apply_fn`` of a LossScaleOptimizer with one device's finite decision; ``half[i]``: whether
-    ``grads[i]`` was computed in float16. An IndexedSlices is summed as one device's dense sum."""
-    import tensorflow as tf
-
-    dense = [None if g is None else tf.convert_to_tensor(g) for g in grads]
-    return apply_summed(optimizer, apply_fn, dense, trainable_variables, half)
+    keys = ("clipnorm", "global_clipnorm", "clipvalue")
+    return any((getattr(inner, k, None) or 0) > 0 for k in keys)
 
 
 def apply_summed(
@@ -82,7 +70,8 @@ def apply_summed(
     half: list[bool] | None = None,
 ) -> Any:
     """``apply_fn`` on the gradients summed over the replicas, so the optimizer clips what one
-    device clips (and, with ``half``, skips what one device skips: see the module)."""
+    device clips and, with ``half`` (whether each gradient was float16; then every gradient is
+    summed dense, as one device's), skips what one device skips."""
     import tensorflow as tf
 
     from keras_sync.upstream import internals as _internals
@@ -91,6 +80,8 @@ def apply_summed(
     global _passes
     if _passes is None:
         _passes = _internals.available(_internals.LOSS_SCALE_REDUCE)
+    if half is not None:
+        grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
     ctx = tf.distribute.get_replica_context()
     present = [i for i, g in enumerate(grads) if g is not None]
     # An IndexedSlices stays one: its all-reduce gathers every replica's rows, clipped as one device's.
@@ -98,13 +89,12 @@ def apply_summed(
         ctx.all_reduce(tf.distribute.ReduceOp.SUM, [grads[i] for i in present]) if present else []
     )
     skip = tf.constant(False)
-    for i, s in zip(present, summed):
-        if half is not None:
-            skip = tf.logical_or(skip, tf.logical_not(tf.reduce_all(tf.math.is_finite(s))))
-            if half[i]:
-                skip = tf.logical_or(
-                    skip, tf.reduce_any(tf.abs(s) >= tf.cast(FLOAT16_OVERFLOW, s.dtype))
-                )
+    for i, s in zip(present, summed) if half is not None else ():
+        skip = tf.logical_or(skip, tf.logical_not(tf.reduce_all(tf.math.is_finite(s))))
+        if half is not None and half[i]:
+            skip = tf.logical_or(
+                skip, tf.reduce_any(tf.abs(s) >= tf.cast(FLOAT16_OVERFLOW, s.dtype))
+            )
     first = tf.equal(ctx.replica_id_in_sync_group, 0)
     out = list(grads)
     for i, s in zip(present, summed):
@@ -125,3 +115,33 @@ def apply_summed(
     # The sums pass Keras's own all-reduce unchanged while the replicas trace this apply.
     with patched([(inner, _REDUCE, lambda grads_and_vars: list(grads_and_vars))]):
         return apply_fn(out, trainable_variables)
+
+
+def merge_duplicate_rows(gradient: Any) -> Any:
+    """``gradient`` with each row of a `tf.IndexedSlices` once (values summed); anything else as is."""
+    import tensorflow as tf
+
+    if not isinstance(gradient, tf.IndexedSlices):
+        return gradient
+    rows, position = tf.unique(gradient.indices)
+    values = tf.math.unsorted_segment_sum(gradient.values, position, tf.shape(rows)[0])
+    return tf.IndexedSlices(values, rows, gradient.dense_shape)
+
+
+def merging_update_step(update_step: Callable[..., Any]) -> Callable[..., Any]:
+    """An `update_step` that merges a sparse gradient's duplicate rows before ``update_step`` sees it."""
+
+    def update_step_merging_rows(gradient: Any, variable: Any, learning_rate: Any) -> Any:
+        return update_step(merge_duplicate_rows(gradient), variable, learning_rate)
+
+    return update_step_merging_rows
+
+
+def with_inner(optimizers: list[Any]) -> list[Any]:
+    """The optimizers and those they wrap (a `LossScaleOptimizer`'s inner one updates the weights)."""
+    out: list[Any] = []
+    for optimizer in optimizers:
+        while optimizer is not None and not any(o is optimizer for o in out):
+            out.append(optimizer)
+            optimizer = getattr(optimizer, "inner_optimizer", None)
+    return out

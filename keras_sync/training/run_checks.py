@@ -1,9 +1,10 @@
 """Run-time checks of every `Sync.fit`: what really trained, against what keras-sync set up.
 
 Checks of what happened, so that an input no rule foresaw is loud too: ``examples_per_step``,
-``examples_per_epoch``, ``resume``, ``learning_rate``, ``add_loss`` and ``direct_fit`` (a plain
-``model.fit`` on a model compiled in ``sync.scope()``). A violation is one line on the chief and
-the MLflow tag ``keras_sync.check.<name>``; under ``checks.on_violation: error`` a `CheckFailed`.
+``examples_per_epoch``, ``learning_rate``, ``add_loss`` and ``direct_fit`` (a plain ``model.fit``
+on a model compiled in ``sync.scope()``). A violation is one line on the chief and the MLflow tag
+``keras_sync.check.<name>``; under ``checks.on_violation: error`` a `CheckFailed`. (A restore
+over keras-sync's backup is refused by the backup itself.)
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ class CheckFailed(KerasSyncError):
 
 
 def step_problem(examples: int, steps: int, global_batch: int) -> str | None:
-    """What is wrong with an epoch of ``steps`` train steps over ``examples`` (None: every step but
-    the last took ``global_batch``, the last at most that).
+    """What is wrong with an epoch of ``steps`` steps over ``examples`` (None: each step took
+    ``global_batch``, the last at most that).
 
     >>> step_problem(331, 11, 32) is None, step_problem(320, 10, 32) is None
     (True, True)
@@ -43,8 +44,8 @@ def step_problem(examples: int, steps: int, global_batch: int) -> str | None:
     per = examples / steps
     per_text = f"{per:g}" if per == int(per) else f"{per:.1f}"
     return (
-        f"{steps} train steps took {examples} examples ({per_text} per step), but the learning rate "
-        f"was scaled for a global batch of {global_batch}"
+        f"{steps} train steps took {examples} examples ({per_text} per step), but the learning "
+        f"rate was scaled for a global batch of {global_batch}"
     )
 
 
@@ -69,9 +70,8 @@ def epoch_problem(examples: int, expected: int) -> str | None:
 def learning_rate_problem(
     applied: float, scaled: float, *, global_batch: int, rule: str, optimizer: str | None = None
 ) -> str | None:
-    """What is wrong when an optimizer applies ``applied`` and keras-sync scaled ``scaled``.
-
-    ``optimizer``: the model attribute that holds it when not ``model.optimizer`` (a GAN's).
+    """What is wrong when an optimizer applies ``applied`` and keras-sync scaled ``scaled``
+    (``optimizer``: the model attribute holding it when not ``model.optimizer``, a GAN's).
 
     >>> learning_rate_problem(0.002, 0.002, global_batch=64, rule="linear") is None
     True
@@ -105,8 +105,7 @@ def sums_over_batch(whole: float, shares: list[float]) -> bool:
     >>> sums_over_batch(3.0, [3.0, 3.0]), sums_over_batch(0.0, [0.0, 0.0])  # a weight penalty; nothing
     (False, False)
     """
-    size = abs(whole) + sum(abs(s) for s in shares)
-    total = sum(shares)
+    size, total = abs(whole) + sum(abs(s) for s in shares), sum(shares)
     return (
         size > 0.0
         and abs(whole - total) <= 1e-2 * size
@@ -128,19 +127,17 @@ def add_loss_problem(model: Any, data: Any, n: int, global_batch: int) -> str | 
     rows = PER_SHARE * n
     try:
         if isinstance(data, tf.data.Dataset):
-            spec = (
-                data.element_spec[0] if isinstance(data.element_spec, tuple) else data.element_spec
-            )
+            spec = data.element_spec
+            spec = spec[0] if isinstance(spec, tuple) else spec
             leaves = tf.nest.flatten(spec)
-            known = leaves and all(
-                isinstance(s, tf.TensorSpec) and s.shape.rank and None not in s.shape[1:]
-                for s in leaves
-            )
-            if known and not _terms(
-                model,
-                tf.nest.map_structure(lambda s: tf.zeros([rows, *s.shape[1:]], s.dtype), spec),
+            if all(isinstance(s, tf.TensorSpec) and s.shape.rank for s in leaves) and not any(
+                None in s.shape[1:] for s in leaves
             ):
-                return None  # no add_loss term: the data is not read
+                zeros = tf.nest.map_structure(
+                    lambda s: tf.zeros([rows, *s.shape[1:]], s.dtype), spec
+                )
+                if not _terms(model, zeros):
+                    return None  # no add_loss term: the data is not read
         x = _first_rows(data, rows)
         whole = _terms(model, x) if x is not None else []
         if not whole:
@@ -171,8 +168,7 @@ def add_loss_problem(model: Any, data: Any, n: int, global_batch: int) -> str | 
 
 
 def _first_rows(x: Any, rows: int) -> Any:
-    """The first ``rows`` inputs of ``fit``'s ``x`` (arrays, or a dataset's first batch); None for
-    other inputs (a `PyDataset`, a distributed dataset: not read twice)."""
+    """The first ``rows`` inputs of arrays or of a dataset's first batch; None for other inputs."""
     import tensorflow as tf
 
     if isinstance(x, tf.data.Dataset):
@@ -186,11 +182,10 @@ def _first_rows(x: Any, rows: int) -> Any:
         and not hasattr(x, "shape")
         and not isinstance(x, (list, tuple, dict))
     ):
-        return None  # a PyDataset / Sequence
+        return None  # a PyDataset / Sequence: not read twice
     leaves = tf.nest.flatten(x)
     if not leaves or any(
-        len(getattr(leaf, "shape", ())) == 0 or leaf.shape[0] is None or leaf.shape[0] < rows
-        for leaf in leaves
+        len(getattr(a, "shape", ())) == 0 or a.shape[0] is None or a.shape[0] < rows for a in leaves
     ):
         return None
     return tf.nest.map_structure(lambda a: tf.convert_to_tensor(a[:rows]), x)
@@ -198,9 +193,8 @@ def _first_rows(x: Any, rows: int) -> Any:
 
 def _terms(model: Any, x: Any) -> list[float]:
     """Each `model.losses` term (summed to a scalar, as Keras does) of a side-effect-free call on ``x``."""
-    import keras
+    from keras import ops
 
-    ops = keras.ops
     kwargs = {"training": False} if "training" in inspect.signature(model.call).parameters else {}
     trainable = [ops.convert_to_tensor(v) for v in model.trainable_variables]
     non_trainable = [ops.convert_to_tensor(v) for v in model.non_trainable_variables]
@@ -208,24 +202,24 @@ def _terms(model: Any, x: Any) -> list[float]:
     return [float(ops.convert_to_numpy(ops.sum(ops.cast(term, "float32")))) for term in losses]
 
 
-class Reporter:
-    """Says a violation once per check: one line on the chief and an MLflow tag, or an error."""
+def reporter(context: RunContext, writer: Any = None) -> Callable[[str, str], None]:
+    """``say(name, message)``: a violation, once per check, as one line on the chief and an MLflow
+    tag, or a `CheckFailed` under ``checks.on_violation: error``."""
+    said: set[str] = set()
 
-    def __init__(self, context: RunContext, writer: Any = None):
-        self.context, self.writer = context, writer
-        self.said: set[str] = set()
-
-    def violation(self, name: str, message: str) -> None:
-        if name in self.said:
+    def say(name: str, message: str) -> None:
+        if name in said:
             return
-        self.said.add(name)
-        line = f"keras-sync: check {name} failed: {message}."
-        if self.context.config.checks.on_violation == "error":
-            raise CheckFailed(line.removeprefix("keras-sync: ") + " (checks.on_violation: error)")
-        if self.context.is_chief:
-            print(line + " (checks.on_violation: warn)", file=sys.stderr, flush=True)
-            if self.writer is not None:
-                self.writer.set_tags({f"keras_sync.check.{name}": message[:4900]})
+        said.add(name)
+        line = f"check {name} failed: {message}."
+        if context.config.checks.on_violation == "error":
+            raise CheckFailed(line + " (checks.on_violation: error)")
+        if context.is_chief:
+            print(f"keras-sync: {line} (checks.on_violation: warn)", file=sys.stderr, flush=True)
+            if writer is not None:
+                writer.set_tags({f"keras_sync.check.{name}": message[:4900]})
+
+    return say
 
 
 def checks_callback(
@@ -240,22 +234,19 @@ def checks_callback(
     """The Keras callback of these checks for one `fit` (put it last: it reads what the others restored).
 
     ``writer``: the run's writer on the chief (None: no tag). ``data``: `fit`'s ``x`` for the
-    ``add_loss`` check. ``backups``: this fit's keras-sync `BackupAndRestore` callbacks, whose
-    ``restored`` point the resume check compares with the step training continues from.
+    ``add_loss`` check. ``backups``: this fit's keras-sync `BackupAndRestore` callbacks (an epoch
+    resumed mid-way is not checked for its examples).
     """
     import keras
 
     from keras_sync.training import instrument as _instrument
     from keras_sync.training.instrument import ReplicaProbe
 
-    reporter, config = Reporter(context, writer), context.config
-    restore_fix = "something restored over it (e.g. keras.callbacks.BackupAndRestore next to fault_tolerance.backup_dir; keep one)"
+    say, config = reporter(context, writer), context.config
 
     class RunChecks(keras.callbacks.Callback):
         def on_train_begin(self, logs: Any = None) -> None:
-            self._first_batch = True
-            self._resumed = next((b.restored for b in backups if b.restored is not None), None)
-            self._skip_epoch = self._resumed is not None and self._resumed.mid_epoch
+            self._skip_epoch = any(b.restored is not None and b.restored.mid_epoch for b in backups)
             # Keras's own train_step applies model.optimizer; a custom one's are known once traced.
             self._rates_due = True
             if _instrument.has_default_train_step(self.model):
@@ -268,10 +259,8 @@ def checks_callback(
 
         def _check_learning_rate(self) -> None:
             self._rates_due = False
-            if all(
-                config.source_of(f"learning_rate.{k}") == "default"
-                for k in ("base", "scaling", "base_batch_size")
-            ):
+            keys = ("base", "scaling", "base_batch_size")
+            if all(config.source_of(f"learning_rate.{k}") == "default" for k in keys):
                 return
             # What the traced step applied, each on its own; model.optimizer when nothing is known.
             applied = _instrument.applied_optimizers(self.model) or [
@@ -282,8 +271,7 @@ def checks_callback(
                 rate = getattr(
                     getattr(optimizer, "inner_optimizer", optimizer), "_learning_rate", None
                 )
-                schedule = isinstance(rate, keras.optimizers.schedules.LearningRateSchedule)
-                if rate is None or schedule or callable(rate):
+                if rate is None or callable(rate):
                     continue  # a schedule: keras-sync's warmup, or the user's own
                 try:
                     rate = float(keras.ops.convert_to_numpy(rate))
@@ -296,46 +284,21 @@ def checks_callback(
                     rule=config.learning_rate.scaling,
                     optimizer=None if name == "optimizer" else name,
                 )
-                if problem:
-                    problems.append(problem)
+                problems += [problem] if problem else []
             if problems:
-                reporter.violation("learning_rate", "; ".join(problems))
+                say("learning_rate", "; ".join(problems))
 
         def _check_add_loss(self) -> None:
             if self._add_loss_due:
                 self._add_loss_due = False
                 problem = add_loss_problem(self.model, data, context.num_replicas, global_batch)
                 if problem:
-                    reporter.violation("add_loss", problem)
+                    say("add_loss", problem)
 
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
             if self._rates_due:  # a custom train_step: its first step has been traced
                 self._check_learning_rate()
             self._check_add_loss()
-
-        def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
-            if not self._first_batch:
-                return
-            self._first_batch = False
-            point, optimizer = self._resumed, getattr(self.model, "optimizer", None)
-            if point is None or optimizer is None:
-                return
-            now = int(optimizer.iterations.numpy())
-            if now != point.iterations:
-                reporter.violation(
-                    "resume",
-                    f"keras-sync restored optimizer step {point.iterations} (epoch {point.epoch + 1}, "
-                    f"after batch {point.step}), but training continues from step {now}: {restore_fix}",
-                )
-
-        def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
-            point = self._resumed
-            if point is not None and self._first_batch and epoch != point.epoch:
-                reporter.violation(
-                    "resume",
-                    f"keras-sync restored epoch {point.epoch + 1}, but training continues at epoch "
-                    f"{epoch + 1}: {restore_fix}",
-                )
 
         def _totals(self) -> tuple[int, int]:
             self._rings = (
@@ -371,11 +334,10 @@ def checks_callback(
                     )
                 before = now
             if problem:
-                reporter.violation("examples_per_step", f"epoch {epoch + 1}: {problem}")
-            # verify stops mid-epoch
+                say("examples_per_step", f"epoch {epoch + 1}: {problem}")
             problem = epoch_problem(trained, expected) if expected is not None else None
-            if problem and not skip and config.verify is None:
-                reporter.violation("examples_per_epoch", f"epoch {epoch + 1}: {problem}")
+            if problem and not skip and config.verify is None:  # verify stops mid-epoch
+                say("examples_per_epoch", f"epoch {epoch + 1}: {problem}")
 
     return RunChecks()
 
@@ -389,11 +351,11 @@ def scope_guarding_fit(
     Its ``fit``, ``evaluate`` and ``predict`` run with Keras fixed for the strategy
     (`keras_fixes.fixed_keras`) for the length of each call, and a plain ``model.fit`` says once
     that it runs without keras-sync (``direct_fit``; `Sync.fit` calls the class's `fit`). Under
-    several workers the model also gets `saving.for_workers`. ``writer``: gives the run's writer
-    for the violation's tag.
+    several workers the model also gets `saving.for_workers`. ``writer`` gives the run's writer.
     """
     import keras
 
+    from keras_sync.training import pipeline
     from keras_sync.training.saving import for_workers, wrap_own
     from keras_sync.upstream.keras_fixes import fixed_keras
     from keras_sync.upstream.patching import original, patched
@@ -407,56 +369,50 @@ def scope_guarding_fit(
 
         return method
 
-    def guarded(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        return lambda call: _guarded_fit(name, fixed(call), context, writer)
+    def guarded(name: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        told = False
+
+        def fit(*args: Any, **kwargs: Any) -> Any:
+            nonlocal told
+            # keras-sync's callbacks or data the user batched (a dataset, a PyDataset) mean a fit
+            # of their own on purpose; only arrays batched by Keras's own batch_size are the habit.
+            data = args[0] if args else kwargs.get("x")
+            ours = any(
+                type(c).__module__.startswith("keras_sync.") for c in kwargs.get("callbacks") or []
+            )
+            batched = data is not None and (
+                pipeline.is_dataset(data)
+                or hasattr(data, "__getitem__")
+                and hasattr(data, "num_batches")
+            )
+            if not (ours or told or batched):
+                told = True
+                reporter(context, writer())(
+                    "direct_fit",
+                    f"model.fit called on {name}, built in sync.scope(), without keras-sync: Keras "
+                    f"batches arrays by its own batch_size (32 unless given), not by the configured global batch "
+                    f"{context.global_batch_size} that the learning rate {context.learning_rate:g} was scaled for, "
+                    "and no metrics go to MLflow. Fix: sync.fit(model, ...) with the same arguments, or "
+                    "model.fit(sync.distribute(...), callbacks=sync.callbacks(model))",
+                )
+            return fixed(call)(*args, **kwargs)
+
+        return fit
 
     def compile(model: Any, *args: Any, **kwargs: Any) -> Any:
         result = keras_compile(model, *args, **kwargs)
+        # Not the public distribute_strategy: in the scope that is the strategy for any model.
         if getattr(model, "_distribute_strategy", None) is strategy:
-            wrap_own(model, "fit", guarded(type(model).__name__), "_keras_sync_in_scope")
+            fit = functools.partial(guarded, type(model).__name__)
+            wrap_own(model, "fit", fit, "_keras_sync_in_scope")
             for method in ("evaluate", "predict"):
                 wrap_own(model, method, fixed, "_keras_sync_in_scope")
             if context.num_workers > 1:
                 for_workers(model)
         return result
 
-    compile = functools.wraps(keras_compile)(compile)
-    with strategy.scope() as scope, patched([(keras.Model, "compile", compile)]):
+    with (
+        strategy.scope() as scope,
+        patched([(keras.Model, "compile", functools.wraps(keras_compile)(compile))]),
+    ):
         yield scope
-
-
-def _guarded_fit(
-    name: str, fixed: Callable[..., Any], context: RunContext, writer: Callable[[], Any]
-) -> Callable[..., Any]:
-    """A model's own `fit` in the scope: says once when it runs without keras-sync, then runs."""
-    told = False
-
-    def fit(*args: Any, **kwargs: Any) -> Any:
-        nonlocal told
-        # keras-sync's callbacks or data the user batched (a dataset, sync.distribute) mean a
-        # fit of their own on purpose; only arrays batched by Keras's own batch_size are the habit.
-        ours = any(
-            type(c).__module__.startswith("keras_sync.") for c in kwargs.get("callbacks") or []
-        )
-        if not ours and not told and not _batched_by_user(args[0] if args else kwargs.get("x")):
-            told = True
-            Reporter(context, writer()).violation(
-                "direct_fit",
-                f"model.fit called on {name}, built in sync.scope(), without keras-sync: Keras "
-                f"batches arrays by its own batch_size (32 unless given), not by the configured global batch "
-                f"{context.global_batch_size} that the learning rate {context.learning_rate:g} was scaled for, "
-                "and no metrics go to MLflow. Fix: sync.fit(model, ...) with the same arguments, or "
-                "model.fit(sync.distribute(...), callbacks=sync.callbacks(model))",
-            )
-        return fixed(*args, **kwargs)
-
-    return fit
-
-
-def _batched_by_user(data: Any) -> bool:
-    """Whether ``data`` comes batched (a dataset, a distributed dataset, a PyDataset), not as arrays."""
-    from keras_sync.training import pipeline
-
-    return data is not None and (
-        pipeline.is_dataset(data) or hasattr(data, "__getitem__") and hasattr(data, "num_batches")
-    )

@@ -39,11 +39,9 @@ def set_dtype_policy(config: Any, *, is_chief: bool) -> None:
         if where != "GPU":  # tensor cores (Volta) and later are fast in float16
             break
     if where != "GPU":
-        print(
-            f"keras-sync: runtime.mixed_precision: mixed_float16 on {where}, which has no fast float16: "
-            "training may be slower than float32; mixed_bfloat16 is the usual choice on CPU and TPU.",
-            file=sys.stderr,
-            flush=True,
+        _say(
+            f"runtime.mixed_precision: mixed_float16 on {where}, which has no fast float16: training "
+            "may be slower than float32; mixed_bfloat16 is the usual choice on CPU and TPU."
         )
 
 
@@ -51,21 +49,37 @@ def prepare_model(context: RunContext, model: Any) -> None:
     """Apply jit_compile, steps_per_execution and sync_batch_norm to ``model`` (before `fit`)."""
     import keras
 
-    config, rt = context.config, context.config.runtime
-    name, before = type(model).__name__, (model.steps_per_execution, model.jit_compile)
+    config, rt, name = context.config, context.config.runtime, type(model).__name__
+    told = vars(model).setdefault("_keras_sync_told", set())  # what was said about this model
+
+    def say_once(what: str, line: str) -> None:
+        if what not in told:
+            told.add(what)
+            if context.is_chief:
+                _say(line)
+
+    def replacing(key: str, old: Any, new: Any) -> None:
+        say_once(
+            key,
+            f"runtime.{key}: {new} (from {config.source}) replaces {key}={old} of {name}'s "
+            "compile (a key written in the config wins over compile).",
+        )
+
+    before = (model.steps_per_execution, model.jit_compile)
     spe = int(model.steps_per_execution or 1)
     if given(config, "steps_per_execution") and spe != rt.steps_per_execution:
         if spe != 1:  # the user's compile chose a value
-            _replacing(context, model, "steps_per_execution", spe, rt.steps_per_execution)
+            replacing("steps_per_execution", spe, rt.steps_per_execution)
         model.steps_per_execution = rt.steps_per_execution
     # Keras compiles strategy.run as one XLA cluster: over logical CPUs XLA reads variables of CPU:1
-    # from CPU:0; across CPU workers it has no collectives and aborts.
-    xla_fails = False
-    if context.num_replicas > 1:  # the default strategy has no worker_devices (RuntimeError)
-        devices = [
-            str(d) for d in getattr(model.distribute_strategy.extended, "worker_devices", ())
-        ]
-        xla_fails = bool(devices) and all("CPU" in d.upper() for d in devices)
+    # from CPU:0; across CPU workers it has no collectives and aborts. (The default strategy has
+    # no worker_devices.)
+    devices = (
+        [str(d) for d in getattr(model.distribute_strategy.extended, "worker_devices", ())]
+        if context.num_replicas > 1
+        else []
+    )
+    xla_fails = bool(devices) and all("CPU" in d.upper() for d in devices)
     if given(config, "jit_compile") and rt.jit_compile is True and xla_fails:
         from keras_sync.errors import UsageError
 
@@ -77,22 +91,17 @@ def prepare_model(context: RunContext, model: Any) -> None:
         )
     if rt.jit_compile == "auto" and model.jit_compile is True and xla_fails:
         # compile(jit_compile=True) itself: Keras's "auto" is False under a strategy.
-        _say_once(
-            context,
-            model,
+        say_once(
             "xla",
             f"jit_compile=True of {name}'s compile is not applied: XLA cannot compile a step over "
             f"{context.num_replicas} replicas on CPU devices (no XLA collectives on CPU; variables on "
-            "several devices), so the model trains without XLA. XLA works on one device, and on GPUs or TPUs.",
+            "several devices), so the model trains "
+            "without XLA. XLA works on one device, and on GPUs or TPUs.",
         )
         model.jit_compile = False
-    elif (
-        given(config, "jit_compile")
-        and rt.jit_compile != "auto"
-        and bool(model.jit_compile) != rt.jit_compile
-    ):
+    elif given(config, "jit_compile") and rt.jit_compile not in ("auto", bool(model.jit_compile)):
         if model.jit_compile:  # on, by the user's compile (or Keras's auto on an accelerator)
-            _replacing(context, model, "jit_compile", model.jit_compile, rt.jit_compile)
+            replacing("jit_compile", model.jit_compile, rt.jit_compile)
         model.jit_compile = rt.jit_compile
     changed = before != (model.steps_per_execution, model.jit_compile)
     norms = [x for x in all_layers(model) if isinstance(x, keras.layers.BatchNormalization)]
@@ -101,9 +110,7 @@ def prepare_model(context: RunContext, model: Any) -> None:
             changed = changed or not layer.synchronized
             layer.synchronized = True  # read in BatchNormalization.call: the traced step uses it
     elif context.num_replicas > 1 and any(not x.synchronized for x in norms):
-        _say_once(
-            context,
-            model,
+        say_once(
             "bn",
             f"{name} has {len(norms)} BatchNormalization layer(s) with per-replica statistics: each "
             f"uses the {context.per_replica_batch_size} examples of its replica, not the global batch of "
@@ -113,23 +120,8 @@ def prepare_model(context: RunContext, model: Any) -> None:
         model.train_function = None  # Keras builds it again with the new settings
 
 
-def _replacing(context: RunContext, model: Any, key: str, old: Any, new: Any) -> None:
-    _say_once(
-        context,
-        model,
-        key,
-        f"runtime.{key}: {new} (from {context.config.source}) replaces {key}={old} of "
-        f"{type(model).__name__}'s compile (a key written in the config wins over compile).",
-    )
-
-
-def _say_once(context: RunContext, model: Any, what: str, line: str) -> None:
-    """Print ``line`` on the chief the first time ``what`` is said about ``model`` (kept on the model)."""
-    told = vars(model).setdefault("_keras_sync_told", set())
-    if what not in told:
-        told.add(what)
-        if context.is_chief:
-            print(f"keras-sync: {line}", file=sys.stderr, flush=True)
+def _say(line: str) -> None:
+    print(f"keras-sync: {line}", file=sys.stderr, flush=True)
 
 
 def all_layers(model: Any) -> list[Any]:

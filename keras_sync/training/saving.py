@@ -48,7 +48,7 @@ def for_workers(model: Any) -> None:
     ``fit``/``evaluate``/``predict`` meet the peers first (every worker, or one line)."""
     from keras_sync.cluster.collective_calls import collective
 
-    strategy, ref = getattr(model, "_distribute_strategy", None), weakref.ref(model)
+    strategy, ref = model.distribute_strategy, weakref.ref(model)
 
     def chief_writes(call: Callable[..., Any]) -> Callable[..., Any]:
         def save(filepath: Any, *args: Any, **kwargs: Any) -> Any:
@@ -73,16 +73,11 @@ def for_workers(model: Any) -> None:
         wrap_own(model, name, meeting(name), "_keras_sync_meets_peers")
 
 
-def writes_user_paths(strategy: Any) -> bool:
-    """Whether this process writes the paths a user gives: the chief, or any single-worker strategy."""
-    return strategy is None or strategy_role(strategy).is_chief
-
-
 @contextlib.contextmanager
 def write_target(filepath: Any, strategy: Any) -> Iterator[Any]:
     """The path to write ``filepath`` to: itself on the chief, else a temporary file of the same
     name (Keras's extension checks hold), deleted when the block ends."""
-    if writes_user_paths(strategy):
+    if strategy is None or strategy_role(strategy).is_chief:
         yield filepath
         return
     tmp = tempfile.mkdtemp(prefix=TEMP_PREFIX)
@@ -109,7 +104,7 @@ def save(model: Any, filepath: Any, **kwargs: Any) -> None:
             "Expected a path such as 'model.keras' or 'model.weights.h5'."
         )
     name = "save_weights" if os.fspath(filepath).endswith(".weights.h5") else "save"
-    with write_target(filepath, getattr(model, "_distribute_strategy", None)) as target:
+    with write_target(filepath, getattr(model, "distribute_strategy", None)) as target:
         getattr(type(model), name)(model, target, **kwargs)
 
 
@@ -125,7 +120,7 @@ def guard_callbacks(strategy: Any, callbacks: list[Any]) -> list[Any]:
     `BackupAndRestore` on the other workers saves to a temporary file, writes no metadata and
     deletes nothing (all workers restore from ``backup_dir``).
     """
-    if writes_user_paths(strategy):
+    if strategy_role(strategy).is_chief:
         return callbacks
     import keras
 
@@ -143,8 +138,9 @@ def _write_elsewhere(cb: Any, attr: str) -> None:
     user_path = getattr(cb, _USER_PATH_MARK, None) or getattr(cb, attr)  # a callback reused
     setattr(cb, _USER_PATH_MARK, user_path)
     tmp = tempfile.mkdtemp(prefix=TEMP_PREFIX)
-    name = os.path.basename(os.fspath(user_path).rstrip("/")) or "logs"
-    setattr(cb, attr, os.path.join(tmp, name))
+    setattr(
+        cb, attr, os.path.join(tmp, os.path.basename(os.fspath(user_path).rstrip("/")) or "logs")
+    )
     train_end = type(cb).on_train_end
 
     def on_train_end(logs: Any = None) -> None:

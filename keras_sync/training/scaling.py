@@ -1,10 +1,7 @@
 """Batch-size and learning-rate scaling by replica count: pure maths, no TensorFlow.
 
-References:
-    Goyal et al. 2017, "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour",
-    arXiv:1706.02677 -- the linear scaling rule and gradual warmup.
-    Krizhevsky 2014, "One weird trick for parallelizing convolutional neural networks",
-    arXiv:1404.5997 -- the square-root scaling rule.
+Goyal et al. 2017 (arXiv:1706.02677): the linear rule and gradual warmup. Krizhevsky 2014
+(arXiv:1404.5997): the square-root rule.
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ from keras_sync.errors import ScalingError
 
 
 def global_batch_size(per_replica: int, replicas: int) -> int:
-    """The global batch: ``global = per_replica x replicas``.
+    """The global batch: ``per_replica x replicas``.
 
     >>> global_batch_size(32, 4)
     128
@@ -27,7 +24,7 @@ def global_batch_size(per_replica: int, replicas: int) -> int:
 
 
 def per_replica_batch_size(global_batch: int, replicas: int) -> int:
-    """The per-replica batch from a global one: ``per_replica = global / replicas``, which must divide.
+    """The per-replica batch: ``global / replicas``, which must divide.
 
     >>> per_replica_batch_size(256, 8)
     32
@@ -39,12 +36,12 @@ def per_replica_batch_size(global_batch: int, replicas: int) -> int:
     _check_positive_int("global", global_batch, "batch.global")
     _check_positive_int("replicas", replicas, "strategy")
     if global_batch % replicas:
-        lower = (global_batch // replicas) * replicas
+        lower = global_batch // replicas * replicas
         options = f"{lower} or {lower + replicas}" if lower else f"{replicas}"
         raise ScalingError(
-            f"Invalid value for batch.global. Received: global={global_batch} with {replicas} replicas. "
-            f"Expected a multiple of {replicas} so that every replica gets the same batch; "
-            f"use {options}, or set batch.per_replica instead."
+            f"Invalid value for batch.global. Received: global={global_batch} with {replicas} "
+            f"replicas. Expected a multiple of {replicas} so that every replica gets the same "
+            f"batch; use {options}, or set batch.per_replica instead."
         )
     return global_batch // replicas
 
@@ -54,20 +51,17 @@ def resolve_batch_sizes(
 ) -> tuple[int, int]:
     """(per-replica, global) from exactly one of the two.
 
-    >>> resolve_batch_sizes(32, None, 4)
-    (32, 128)
-    >>> resolve_batch_sizes(None, 128, 4)
-    (32, 128)
+    >>> resolve_batch_sizes(32, None, 4), resolve_batch_sizes(None, 128, 4)
+    ((32, 128), (32, 128))
     """
-    if (per_replica is None) == (global_batch is None):
-        raise ScalingError(
-            f"Received batch.per_replica={per_replica} and batch.global={global_batch}. "
-            "Expected exactly one of them; set the other to null."
-        )
-    if global_batch is None:
-        assert per_replica is not None  # the check above guarantees it
+    if per_replica is not None and global_batch is None:
         return per_replica, global_batch_size(per_replica, replicas)
-    return per_replica_batch_size(global_batch, replicas), global_batch
+    if per_replica is None and global_batch is not None:
+        return per_replica_batch_size(global_batch, replicas), global_batch
+    raise ScalingError(
+        f"Received batch.per_replica={per_replica} and batch.global={global_batch}. "
+        "Expected exactly one of them; set the other to null."
+    )
 
 
 def lr_formula(rule: str, base_lr: float, global_batch_size: int, base_batch_size: int) -> str:
@@ -76,11 +70,12 @@ def lr_formula(rule: str, base_lr: float, global_batch_size: int, base_batch_siz
     >>> lr_formula("sqrt", 0.1, 1024, 256)
     '0.1 x sqrt(1024/256)'
     """
-    if rule == "linear":
-        return f"{base_lr:g} x {global_batch_size}/{base_batch_size} (Goyal et al. 2017)"
-    if rule == "sqrt":
-        return f"{base_lr:g} x sqrt({global_batch_size}/{base_batch_size})"
-    return "not scaled"
+    ratio = f"{global_batch_size}/{base_batch_size}"
+    formulas = {
+        "linear": f"{base_lr:g} x {ratio} (Goyal et al. 2017)",
+        "sqrt": f"{base_lr:g} x sqrt({ratio})",
+    }
+    return formulas.get(rule, "not scaled")
 
 
 def scale_learning_rate(
@@ -88,10 +83,8 @@ def scale_learning_rate(
 ) -> float:
     """The peak learning rate for a global batch, scaled from one tuned at ``base_batch_size``.
 
-    Rules (``k = global_batch_size / base_batch_size``):
-        * ``linear`` (Goyal et al. 2017): ``lr = base_lr * k``
-        * ``sqrt`` (Krizhevsky 2014): ``lr = base_lr * sqrt(k)``
-        * ``none``: ``lr = base_lr``
+    With ``k = global_batch_size / base_batch_size``: ``linear`` (Goyal et al. 2017) gives
+    ``base_lr * k``, ``sqrt`` (Krizhevsky 2014) ``base_lr * sqrt(k)``, ``none`` ``base_lr``.
 
     >>> scale_learning_rate(0.1, global_batch_size=8192, base_batch_size=256, rule="linear")
     3.2
@@ -106,21 +99,21 @@ def scale_learning_rate(
         or not 0 < base_lr < math.inf
     ):
         raise ScalingError(
-            f"Invalid value for argument `base_lr` (learning_rate.base). Received: base_lr={base_lr!r}. "
-            "Expected a finite number > 0."
+            "Invalid value for argument `base_lr` (learning_rate.base). "
+            f"Received: base_lr={base_lr!r}. Expected a finite number > 0."
         )
     _check_positive_int("global_batch_size", global_batch_size, "batch")
     _check_positive_int("base_batch_size", base_batch_size, "learning_rate.base_batch_size")
     k = global_batch_size / base_batch_size
-    name = str(rule).lower()
-    if name in ("linear", "sqrt"):
-        return _clean(base_lr * (k if name == "linear" else math.sqrt(k)))
+    name, factors = str(rule).lower(), {"linear": k, "sqrt": math.sqrt(k)}
     if name == "none":
         return float(base_lr)
-    raise ScalingError(
-        f"Invalid value for argument `rule` (learning_rate.scaling). Received: rule={rule!r}. "
-        f"Expected one of {', '.join(LR_RULES)}."
-    )
+    if name not in factors:
+        raise ScalingError(
+            f"Invalid value for argument `rule` (learning_rate.scaling). Received: rule={rule!r}. "
+            f"Expected one of {', '.join(LR_RULES)}."
+        )
+    return _clean(base_lr * factors[name])
 
 
 def warmup_steps_from(
@@ -128,32 +121,28 @@ def warmup_steps_from(
 ) -> int:
     """The warmup length in optimizer steps: given, or ``ceil(warmup_epochs x steps_per_epoch)``.
 
-    >>> warmup_steps_from(warmup_epochs=5, steps_per_epoch=100)
-    500
-    >>> warmup_steps_from(warmup_steps=30)
-    30
+    >>> warmup_steps_from(warmup_epochs=5, steps_per_epoch=100), warmup_steps_from(warmup_steps=30)
+    (500, 30)
     """
     if warmup_steps and warmup_epochs:
         raise ScalingError(
-            f"Received learning_rate.warmup_steps={warmup_steps} and learning_rate.warmup_epochs={warmup_epochs}. "
-            "Expected one of them; set the other to 0."
+            f"Received learning_rate.warmup_steps={warmup_steps} and "
+            f"learning_rate.warmup_epochs={warmup_epochs}. Expected one of them; set the other to 0."
+        )
+    if warmup_epochs and not steps_per_epoch:
+        raise ScalingError(
+            f"learning_rate.warmup_epochs={warmup_epochs} needs the number of steps per epoch, "
+            "which is not known yet. Pass steps_per_epoch to lr_schedule(), call distribute() on "
+            "your training data first, or use learning_rate.warmup_steps instead."
         )
     if warmup_epochs:
-        if not steps_per_epoch:
-            raise ScalingError(
-                f"learning_rate.warmup_epochs={warmup_epochs} needs the number of steps per epoch, which is not "
-                "known yet. Pass steps_per_epoch to lr_schedule(), call distribute() on your training data first, "
-                "or use learning_rate.warmup_steps instead."
-            )
-        return max(1, math.ceil(warmup_epochs * steps_per_epoch))
+        return max(1, math.ceil(warmup_epochs * (steps_per_epoch or 0)))
     return int(warmup_steps)
 
 
 def warmup_learning_rate(step: int, *, start_lr: float, peak_lr: float, warmup_steps: int) -> float:
-    """The learning rate at ``step`` (0-based) under gradual warmup (Goyal et al. 2017, section 2.2).
-
-    ``lr(step) = start_lr + (peak_lr - start_lr) * step / warmup_steps`` below ``warmup_steps``,
-    then ``peak_lr``.
+    """The learning rate at ``step`` (0-based) under gradual warmup (Goyal et al. 2017, 2.2):
+    ``start_lr + (peak_lr - start_lr) * step / warmup_steps`` below ``warmup_steps``, then ``peak_lr``.
 
     >>> [warmup_learning_rate(s, start_lr=0.1, peak_lr=0.5, warmup_steps=4) for s in range(6)]
     [0.1, 0.2, 0.3, 0.4, 0.5, 0.5]
@@ -171,5 +160,6 @@ def _clean(x: float) -> float:
 def _check_positive_int(name: str, value: object, key: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ScalingError(
-            f"Invalid value for argument `{name}` ({key}). Received: {name}={value!r}. Expected an integer >= 1."
+            f"Invalid value for argument `{name}` ({key}). Received: {name}={value!r}. "
+            "Expected an integer >= 1."
         )

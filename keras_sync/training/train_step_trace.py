@@ -2,10 +2,10 @@
 
 Keras sums the replicas' gradients after its own losses divided each replica's loss by N; a custom
 `train_step` written as the Keras guides show skips that division and trains at N x the learning
-rate. While a replica traces its step, `capture` shims the functions it reaches (each remembers
-what it saw and calls the original) and decides per optimizer ``apply`` whether the loss was
-divided; `runtime.train_step_gradients` ``auto`` then divides an undivided one by N, ``average``
-always, ``sum`` never (Keras's behaviour).
+rate. While a replica traces, `capture` shims the functions it reaches (each notes what it saw and
+calls the original) and decides per optimizer ``apply`` whether the loss was divided;
+`runtime.train_step_gradients` ``auto`` then divides an undivided one by N, ``average`` always,
+``sum`` never (Keras's behaviour).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from typing import Any
 
 from keras_sync.training import loss_scale as _loss_scale
 
-POLICIES = ("auto", "average", "sum")
 #: What marks a loss keras-sync itself divided in a `LossScaleOptimizer.scale_loss` (mixed_float16).
 AT_SCALE_LOSS = "keras-sync, at scale_loss"
 _tls = threading.local()
@@ -144,10 +143,8 @@ def capture(
     """While one replica traces ``model.train_step``: fill ``record``, average a custom step's gradients.
 
     ``record`` gets ``loss`` (Keras's step) or ``tape_loss``, ``grads``, ``loss_scale``,
-    ``reached`` (``stamp`` of the first apply's gradients) and ``applies``: per ``apply`` the
+    ``reached`` (``stamp`` of the first apply's gradients) and per ``apply`` in ``applies`` the
     optimizer's ``id`` and attribute, ``scaled_by`` (what divided its loss) and ``factor``.
-    ``example_weight`` scales the gradients too (`weighs_by_examples`); an ``accumulator`` takes
-    its optimizer's updates.
     """
     names: dict[int, str] = {}
     for name in ["optimizer", *vars(model)]:
@@ -281,7 +278,7 @@ def _reading(getter: Any) -> Any:
 
 def _model_patches(model: Any, custom_step: bool) -> list[Any]:
     """Instance shims on ``model`` and its optimizers for one trace."""
-    from keras_sync.training.sparse_rows import merging_update_step, with_inner
+    from keras_sync.training.loss_scale import merging_update_step, with_inner
     from keras_sync.upstream.patching import original
 
     patches = []
@@ -297,7 +294,7 @@ def _model_patches(model: Any, custom_step: bool) -> list[Any]:
 
         patches.append((model, "_compute_loss", _compute_loss))
     for optimizer in with_inner(optimizers_of(model)):
-        # Each row of a sparse gradient once, after the all-reduce (see keras_sync.training.sparse_rows).
+        # Each row of a sparse gradient once, after the all-reduce (see keras_sync.training.loss_scale).
         patches.append(
             (optimizer, "update_step", merging_update_step(original(optimizer, "update_step")))
         )
@@ -337,17 +334,17 @@ def _applying(optimizer: Any, apply: Any) -> Any:
         import tensorflow as tf
 
         grads, n = list(grads), record["n"]
-        apply_fn = apply
+        apply_fn, half = apply, None
         if _loss_scale.applies_here(optimizer, n):  # one device's skip decision
             half = [g is not None and _loss_scale.from_float16(g) for g in grads]
+        if (
+            half is not None or n > 1 and _loss_scale.clips(optimizer)
+        ):  # clip the sum, as one device
 
             def apply_fn(grads: Any, trainable_variables: Any = None) -> Any:
-                return _loss_scale.apply(optimizer, apply, list(grads), trainable_variables, half)
-
-        elif n > 1 and _loss_scale.clips(optimizer):  # clip the sum, as one device
-
-            def apply_fn(grads: Any, trainable_variables: Any = None) -> Any:
-                return _loss_scale.apply_summed(optimizer, apply, list(grads), trainable_variables)
+                return _loss_scale.apply_summed(
+                    optimizer, apply, list(grads), trainable_variables, half
+                )
 
         present = [g for g in grads if g is not None]
         record["grads"].extend(present)

@@ -44,19 +44,24 @@ def callback(context: RunContext, *, input_source: str | None, base_batch_size: 
     def weights(variables: Any) -> list[Any]:
         return [np.array(v.numpy(), np.float64) for v in variables]
 
+    def by_path(model: Any) -> dict[str, Any]:
+        """npz keys in model order (the index keeps the order and makes keys unique)."""
+        return {f"{i:04d}:{v.path}": np.array(v.numpy()) for i, v in enumerate(model.weights)}
+
     class VerifyRecorder(keras.callbacks.Callback):
         def on_train_begin(self, logs: Any = None) -> None:
             model = self.model
             if request.replay_dir is not None:
                 _load_weights(model, Path(request.replay_dir) / INITIAL_FILE)
-            self.initial = {v.path: np.array(v.numpy()) for v in model.weights}
+            self.initial = by_path(model)
             self.previous = weights(model.trainable_weights)
             self.probe: Any = probe_of(model)
             self.iterations = int(model.optimizer.iterations.numpy())
             self.examples_seen: list[float] | None = None
             self.steps: list[dict[str, float]] = []
-            #: (loss, examples) of this update's micro-batches.
-            self.micro: list[tuple[float, float]] = []
+            self.micro: list[
+                tuple[float, float]
+            ] = []  # (loss, examples) of this update's micro-batches
             self.lr = math.nan
 
         def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
@@ -80,18 +85,18 @@ def callback(context: RunContext, *, input_source: str | None, base_batch_size: 
             iterations = int(self.model.optimizer.iterations.numpy())
             if iterations == self.iterations:
                 return  # accumulating: the update comes at a later micro-batch
-            self.iterations = iterations
-            now = weights(self.model.trainable_weights)
+            self.iterations, now = iterations, weights(self.model.trainable_weights)
             update = math.sqrt(sum(float(np.sum((a - b) ** 2)) for a, b in zip(now, self.previous)))
             self.previous = now
             examples = sum(e for _, e in self.micro)
-            step = {
-                "loss": _weighted(self.micro),
-                "update": update,
-                "lr": self.lr,
-                "examples": examples,
-            }
-            self.steps.append(step)
+            self.steps.append(
+                {
+                    "loss": _weighted(self.micro),
+                    "update": update,
+                    "lr": self.lr,
+                    "examples": examples,
+                }
+            )
             self.micro = []
             if len(self.steps) >= request.steps:
                 self.model.stop_training = True
@@ -99,15 +104,13 @@ def callback(context: RunContext, *, input_source: str | None, base_batch_size: 
         def on_train_end(self, logs: Any = None) -> None:
             if not context.is_chief:
                 return
-            folder, model = Path(request.record_dir), self.model
-            folder.mkdir(parents=True, exist_ok=True)
-            np.savez(folder / INITIAL_FILE, **_keyed(self.initial))
-            np.savez(
-                folder / FINAL_FILE, **_keyed({v.path: np.array(v.numpy()) for v in model.weights})
-            )
-            facts = model_facts(context, model)
             import resource
 
+            folder, model = Path(request.record_dir), self.model
+            folder.mkdir(parents=True, exist_ok=True)
+            np.savez(folder / INITIAL_FILE, **self.initial)
+            np.savez(folder / FINAL_FILE, **by_path(model))
+            facts = model_facts(context, model)
             peak = resource.getrusage(
                 resource.RUSAGE_SELF
             ).ru_maxrss  # KiB on Linux, bytes on macOS
@@ -156,11 +159,10 @@ def arrays_as_dataset(config: Any) -> bool:
     dataset shuffled by keras-sync: the reference's arrays then do too, for the same batches."""
     replay = config.verify.replay_dir if config.verify is not None else None
     try:
-        return replay is not None and bool(
-            json.loads((Path(replay) / RECORD_FILE).read_text()).get("arrays_as_dataset")
-        )
+        record = json.loads((Path(replay) / RECORD_FILE).read_text()) if replay else {}
     except (OSError, ValueError):
         return False
+    return bool(record.get("arrays_as_dataset"))
 
 
 def reference_overrides(
@@ -242,11 +244,6 @@ def _load_weights(model: Any, path: Path) -> None:
         )
     for v, a in zip(weights, values):
         v.assign(a)
-
-
-def _keyed(weights: dict[str, Any]) -> dict[str, Any]:
-    """npz keys in model order (the index keeps the order and makes keys unique)."""
-    return {f"{i:04d}:{path}": value for i, (path, value) in enumerate(weights.items())}
 
 
 def _write_json(path: Path, data: Any) -> None:
