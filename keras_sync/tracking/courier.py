@@ -26,21 +26,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from keras_sync.errors import TrackingError
+from keras_sync.tracking import records as r
 from keras_sync.tracking.deliver import Retrier, RunSender, is_transient, refused_credentials
-from keras_sync.tracking.records import (
-    BEGIN,
-    CREDENTIALS,
-    END,
-    FAILING_REQUESTS,
-    MAX_BATCH,
-    METRICS,
-    REFUSED,
-    STOP,
-    STORE_FAILING,
-    UNREACHABLE,
-    is_last_record,
-    is_remote,
-)
 from keras_sync.tracking.redact import redact_text, secrets_of
 from keras_sync.tracking.spool import Position, SpoolDir
 
@@ -56,7 +43,7 @@ BATCH_S = 1.0
 REPORT_QUIET_S = 2.0
 REPORT_MAX_HOLD_S = 120.0
 #: Records read ahead from the spool: at most a `log_batch` of one-point records.
-READ_RECORDS = MAX_BATCH
+READ_RECORDS = r.MAX_BATCH
 #: How long ``keras-sync sync-spool`` retries failing requests before it gives up (seconds).
 REPLAY_TIMEOUT_S = 600.0
 
@@ -85,7 +72,7 @@ class Delivery:
         self.uri = tracking_uri or header["tracking_uri"]
         self.secrets = secrets_of(self.uri, os.environ)
         self.shown_uri = redact_text(self.uri, self.secrets)
-        self.sender = RunSender(
+        self.sender = sender = RunSender(
             self.uri,
             header["experiment"],
             header.get("run_name"),
@@ -93,24 +80,23 @@ class Delivery:
             explicit=bool(header.get("explicit")),
             run_id=header.get("run_id"),
         )
-        self.sender.run_id = self.known_run.get("run_id")  # checked again before use
+        sender.run_id = self.known_run.get("run_id")  # checked again before use
         held = spool.held_report()  # one an earlier courier of this spool held
         if held:
-            self.sender.held_report = (held["run_id"], held["rec"])
-        self.sender.on_held = lambda h: spool.set_held_report(
-            None if h is None else {"run_id": h[0], "rec": h[1]}
+            sender.held_report = (held["run_id"], held["rec"])
+        sender.on_held = lambda h: spool.write_json(
+            "report.json", h and {"run_id": h[0], "rec": h[1]}
         )
         self.reported = self.failing = False
         self.ended = False  # the writer's last record is delivered and nothing follows it
         self.run_ended = False  # the run's end is delivered and no begin since
         self.last_record_at = time.monotonic()
-        self.last_sent_at = 0.0
-        self._answer_told = 0.0
+        self.last_sent_at = self._answer_told = 0.0
         #: Asked between tries of a failing request: True ends the retries.
         self.give_up: Callable[[], bool] = lambda: False
         #: Called after each request that failed or delivered (``keras-sync sync-spool``'s progress).
         self.on_progress: Callable[[], None] | None = None
-        self.sender.retrier = Retrier(
+        sender.retrier = Retrier(
             is_transient,
             give_up=lambda: self.give_up() or not self.spool.path.is_dir(),
             on_change=self._requests_changed,
@@ -138,17 +124,18 @@ class Delivery:
                     hold_metrics
                     and not sent
                     and len(source) < READ_RECORDS
-                    and all(rec["k"] == METRICS for _, rec in source)
-                    and sum(len(rec["d"]) for _, rec in source) < MAX_BATCH
+                    and all(rec["k"] == r.METRICS for _, rec in source)
+                    and sum(len(rec["d"]) for _, rec in source) < r.MAX_BATCH
                 ):
                     return 0
                 chunk: list[tuple[Any, dict[str, Any]]] = []
                 points = 0
                 for pos, rec in source:
-                    n = len(rec["d"]) if rec["k"] == METRICS else 0
+                    n = len(rec["d"]) if rec["k"] == r.METRICS else 0
                     # A "begin" picks the run and goes alone: run.json names its run and position
                     # before anything after it is sent, so a replay goes to the same run.
-                    if chunk and (points + n > MAX_BATCH or BEGIN in (rec["k"], chunk[0][1]["k"])):
+                    alone = r.BEGIN in (rec["k"], chunk[0][1]["k"]) if chunk else False
+                    if chunk and (points + n > r.MAX_BATCH or alone):
                         break
                     chunk.append((pos, rec))
                     points += n
@@ -164,24 +151,21 @@ class Delivery:
     def _send(self, chunk: list[tuple[Any, dict[str, Any]]]) -> int:
         self.last_record_at = time.monotonic()
         records = [rec for _, rec in chunk]
-        first = records[0]["k"] == BEGIN
+        first = records[0]["k"] == r.BEGIN
         begin = chunk[0][0] if first and isinstance(chunk[0][0], tuple) else None
-        known = self.known_run
-        if begin is not None and (known.get("begin"), known.get("run_id")) == (
-            list(begin),
-            self.sender.run_id,
-        ):  # sent before: to its run, as it is now
-            records = [{**records[0], "replayed": True}]
+        known = (self.known_run.get("begin"), self.known_run.get("run_id"))
+        if begin is not None and known == (list(begin), self.sender.run_id):
+            records = [{**records[0], "replayed": True}]  # sent before: to its run, as it is now
         run_before = self.sender.run_id
         # The position moves after each request MLflow took: a later try starts after it.
         done = None if first else (lambda i: self._move(chunk[i][0], run_before))
         sent = self.sender.send(records, done=done)
         self.last_sent_at = time.monotonic()
         self._move(chunk[-1][0], run_before, begin, force_run=first)
-        self.ended = is_last_record(records[-1]) and not self.pending()
+        self.ended = r.is_last_record(records[-1]) and not self.pending()
         for rec in records:  # a report drawn after the run's end leaves it ended
-            if rec["k"] in (END, STOP, BEGIN):
-                self.run_ended = rec["k"] != BEGIN
+            if rec["k"] in (r.END, r.STOP, r.BEGIN):
+                self.run_ended = rec["k"] != r.BEGIN
         return sent
 
     def _move(
@@ -198,7 +182,7 @@ class Delivery:
             if begin:
                 self.known_run["begin"] = list(begin)
             with contextlib.suppress(OSError):
-                self.spool.set_run(self.known_run)
+                self.spool.write_json("run.json", self.known_run)
             self._tell({"run": self.known_run})
         if isinstance(upto, tuple):
             if upto <= self.pos:
@@ -218,9 +202,8 @@ class Delivery:
 
     def pending(self) -> bool:
         """True if spooled or handed-over records are not in MLflow yet."""
-        return bool(self.spool.read(self.pos, max_records=1)) or any(
-            h > self.held_done for h, _ in list(self.held)
-        )
+        held = any(h > self.held_done for h, _ in list(self.held))
+        return held or bool(self.spool.read(self.pos, max_records=1))
 
     def _tell(self, news: dict[str, Any]) -> None:
         """Tell the writer over its pipe (when it has one): the files may not be writable."""
@@ -248,14 +231,14 @@ class Delivery:
         status: dict[str, Any] = {"ok": error is None, "at": time.time()}
         if error is not None:
             text = redact_text(f"{type(error).__name__}: {error}", self.secrets)[:500]
-            cause = REFUSED if is_remote(self.uri) else STORE_FAILING
-            if is_transient(error) and is_remote(self.uri):  # named from all the requests
+            cause = r.REFUSED if r.is_remote(self.uri) else r.STORE_FAILING
+            if is_transient(error) and r.is_remote(self.uri):  # named from all the requests
                 failing_some = retrier.failing and not retrier.unreachable()
-                cause = FAILING_REQUESTS if failing_some else UNREACHABLE
+                cause = r.FAILING_REQUESTS if failing_some else r.UNREACHABLE
                 text = retrier.summary() or text
             http = refused_credentials(error)
             if http is not None:  # the status alone: the body is the server's HTML page
-                cause = CREDENTIALS
+                cause = r.CREDENTIALS
                 text = f"HTTP {http} {'Unauthorized' if http == 401 else 'Forbidden'}"
             status.update(
                 since=since or retrier.failing_since or time.time(),
@@ -265,7 +248,7 @@ class Delivery:
                 answered_at=retrier.answered_at,
             )
         with contextlib.suppress(OSError):
-            self.spool.set_status(status)
+            self.spool.write_json("status.json", status)
         self._tell({"status": status})
 
     def read_pipe(self, records: BinaryIO) -> None:
@@ -297,15 +280,11 @@ class Delivery:
             orphan = orphaned()
             if time.monotonic() >= retry_at or orphan:
                 try:
+                    batching = not orphan and time.monotonic() - self.last_sent_at < BATCH_S
+                    self.deliver_available(hold_metrics=batching)
                     now = time.monotonic()
-                    self.deliver_available(
-                        hold_metrics=not orphan and now - self.last_sent_at < BATCH_S
-                    )
-                    now = time.monotonic()
-                    if self.sender.held_report is None:
-                        held_since = None
-                    elif held_since is None:
-                        held_since = now
+                    held = self.sender.held_report is not None
+                    held_since = (held_since or now) if held else None
                     if held_since is not None and (
                         self.ended
                         or orphan
@@ -400,16 +379,12 @@ def replay_spool(
         path = path.parent
     spool = SpoolDir(path)
     received = f"Received: spool_path={str(spool_path)!r}"
-    if not path.is_dir():
+    if not path.is_dir() or spool.header() is None:
+        what = "which does not exist" if not path.is_dir() else "which holds no header.json"
         raise TrackingError(
-            f"Invalid value for argument `spool_path`. {received}, which does not exist. Expected "
-            "a spool directory left by a writer (a fully delivered spool is removed, so there is "
-            "nothing left to send)."
-        )
-    if spool.header() is None:
-        raise TrackingError(
-            f"Invalid value for argument `spool_path`. {received}. Expected a keras-sync spool "
-            "directory (it holds header.json and *.jsonl segments)."
+            f"Invalid value for argument `spool_path`. {received}, {what}. Expected a keras-sync "
+            "spool directory left by a writer (header.json and *.jsonl segments; a fully "
+            "delivered spool is removed, so there is nothing left to send)."
         )
     if not spool.lock("writer") or not spool.lock("deliver"):
         spool.unlock("writer")
@@ -421,35 +396,35 @@ def replay_spool(
     deadline = time.monotonic() + max(0.0, timeout_s)
     delivery.give_up = lambda: time.monotonic() >= deadline
     spooled = spool.read(delivery.pos, max_records=10**9)
-    total = sum(len(rec["d"]) for _, rec in spooled if rec["k"] == METRICS)
+    total = sum(len(rec["d"]) for _, rec in spooled if rec["k"] == r.METRICS)
     sender = delivery.sender
     if progress is not None:
         delivery.on_progress = lambda: progress(sender.points_sent, total, sender.retrier.summary())
-    again = "Nothing delivered is sent twice; run `keras-sync sync-spool` again"
-    where = f"Could not deliver spool {path}"
+    where, again = f"Could not deliver spool {path}", "run `keras-sync sync-spool` again"
     try:
         sent = delivery.deliver_available()
         sender.release_report()  # one a courier held when its process ended
     except Exception as e:
-        failures = sender.retrier.summary()
-        if refused_credentials(e) is not None:
-            raise TrackingError(
-                f"{where}: MLflow at {delivery.shown_uri} refused the credentials (HTTP "
-                f"{refused_credentials(e)}). Set MLFLOW_TRACKING_USERNAME and "
-                "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) and run `keras-sync "
-                "sync-spool` again; nothing delivered is sent twice."
-            ) from None
-        if is_transient(e) and failures:  # retried until the time was up: what happened
-            raise TrackingError(
-                f"{where} to MLflow at {delivery.shown_uri} within {timeout_s:g} s: {failures}; "
-                f"{total - sender.points_sent} of {total} metric point(s) are left in it. {again} "
-                "(a longer --timeout waits longer)."
-            ) from None
-        error = redact_text(str(e), delivery.secrets)[:500].rstrip(".")
-        raise TrackingError(
-            f"{where} to MLflow at {delivery.shown_uri}: {error}. {again} once MLflow there can "
-            "take them (or give --tracking-uri)."
-        ) from None
+        failures, http = sender.retrier.summary(), refused_credentials(e)
+        if http is not None:
+            why = (
+                f"MLflow at {delivery.shown_uri} refused the credentials (HTTP {http}). Set "
+                "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) "
+                f"and {again}; nothing delivered is sent twice."
+            )
+        elif is_transient(e) and failures:  # retried until the time was up: what happened
+            why = (
+                f"to MLflow at {delivery.shown_uri} within {timeout_s:g} s: {failures}; "
+                f"{total - sender.points_sent} of {total} metric point(s) are left in it. Nothing "
+                f"delivered is sent twice; {again} (a longer --timeout waits longer)."
+            )
+        else:
+            error = redact_text(str(e), delivery.secrets)[:500].rstrip(".")
+            why = (
+                f"to MLflow at {delivery.shown_uri}: {error}. Nothing delivered is sent twice; "
+                f"{again} once MLflow there can take them (or give --tracking-uri)."
+            )
+        raise TrackingError(f"{where}{':' if http is not None else ''} {why}") from None
     finally:
         spool.unlock("deliver")
         spool.unlock("writer")

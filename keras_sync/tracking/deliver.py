@@ -18,23 +18,8 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+from keras_sync.tracking import records as r
 from keras_sync.tracking.environ import environ_restored
-from keras_sync.tracking.records import (
-    BEGIN,
-    END,
-    FILE,
-    MAX_BATCH,
-    MAX_BATCH_PARAMS_AND_TAGS,
-    METRICS,
-    MODEL,
-    PARAMS,
-    REPORT,
-    STOP,
-    TAGS,
-    TEXT,
-    is_http,
-    is_last_record,
-)
 
 T = TypeVar("T")
 _log = logging.getLogger("keras_sync.tracking")
@@ -74,7 +59,7 @@ def fast_fail_env(tracking_uri: str, timeout_s: int) -> Iterator[None]:
     Also ``MLFLOW_TRACKING_URI``, for the call only: MLflow 2.x resolves ``mlflow-artifacts:/``
     with the process-wide URI, and left set it would redirect a later `keras_sync.load()`.
     """
-    if not is_http(tracking_uri):
+    if not r.is_http(tracking_uri):
         yield
         return
     wanted = dict(
@@ -172,11 +157,8 @@ class Retrier:
 
     def unreachable(self) -> bool:
         """Whether every request of this episode failed without an answer from the server."""
-        return (
-            self.failing
-            and set(self.failures) <= set(NO_ANSWER)
-            and self.requests == sum(self.failures.values())
-        )
+        no_answer = set(self.failures) <= set(NO_ANSWER)
+        return self.failing and no_answer and self.requests == sum(self.failures.values())
 
     def summary(self) -> str:
         """What happened to the requests since they started failing ("" while healthy)."""
@@ -189,33 +171,27 @@ class Retrier:
             except Exception as e:
                 if not self.transient(e):
                     raise  # a refusal is not this policy's to count or retry
-                self._failed(e)
+                self.last_error = e
+                if self.failing_since is None:
+                    self.failing_since, self.requests = time.time(), 0
+                self.requests += 1
+                self.failures[failure_kind(e)] += 1
+                self.succeeded_in_a_row = 0
+                self.backoff = min(max(self.backoff * 2, FIRST_BACKOFF_S), MAX_BACKOFF_S)
+                self._changed()
                 if self.give_up() or not self._wait():
                     raise
                 continue
-            self._succeeded()
+            self.backoff, self.answered_at = 0.0, time.time()
+            self.requests += 1
+            self.succeeded_in_a_row += 1
+            if self.failing:
+                if self.succeeded_in_a_row >= HEALTHY_AFTER:
+                    self.failing_since, self.failures, self.requests = None, Counter(), 0
+                self._changed()
             return result
 
-    def _failed(self, exc: BaseException) -> None:
-        self.last_error = exc
-        if self.failing_since is None:
-            self.failing_since, self.requests = time.time(), 0
-        self.requests += 1
-        self.failures[failure_kind(exc)] += 1
-        self.succeeded_in_a_row = 0
-        self.backoff = min(max(self.backoff * 2, FIRST_BACKOFF_S), MAX_BACKOFF_S)
-        if self.on_change is not None:
-            self.on_change(self)
-
-    def _succeeded(self) -> None:
-        self.backoff = 0.0
-        self.answered_at = time.time()
-        self.requests += 1
-        self.succeeded_in_a_row += 1
-        if not self.failing:
-            return
-        if self.succeeded_in_a_row >= HEALTHY_AFTER:
-            self.failing_since, self.failures, self.requests = None, Counter(), 0
+    def _changed(self) -> None:
         if self.on_change is not None:
             self.on_change(self)
 
@@ -345,7 +321,7 @@ class RunSender:
             max_results=20,
             order_by=["attributes.start_time DESC"],
         )
-        return next((r for r in map(self._usable, found) if r is not None), None)
+        return next((run for run in map(self._usable, found) if run is not None), None)
 
     def _get_run(self, run_id: str) -> Any:
         try:
@@ -391,34 +367,30 @@ class RunSender:
         """
         from mlflow.entities import Metric, Param, RunTag
 
-        if all(rec["k"] == STOP for rec in records):  # a writer that logged nothing: no run
+        if all(rec["k"] == r.STOP for rec in records):  # a writer that logged nothing: no run
             self.release_report()
             return 0
-        if records and records[0]["k"] != BEGIN:
+        if records and records[0]["k"] != r.BEGIN:
             self.ensure_run(continuing=True)
         metrics: list[Any] = []
         params: list[Any] = []
         tags: list[Any] = []
         floors = dict(self.floors)  # committed only when the batch is accepted
-        sent = 0
+        sent = self.points_sent
 
         def flush(upto: int) -> None:
-            nonlocal sent
             if metrics or params or tags:
                 self._send_batch(metrics, params, tags)
-                sent += len(metrics)
                 self.points_sent += len(metrics)
                 self.floors.update(floors)
-                metrics.clear()
-                params.clear()
-                tags.clear()
+                del metrics[:], params[:], tags[:]
                 if done is not None and upto >= 0:
                     done(upto)
 
         for i, rec in enumerate(records):
             k = rec["k"]
-            if k == METRICS:
-                if len(metrics) + len(params) + len(tags) + len(rec["d"]) > MAX_BATCH:
+            if k == r.METRICS:
+                if len(metrics) + len(params) + len(tags) + len(rec["d"]) > r.MAX_BATCH:
                     flush(i - 1)
                 for key, v in rec["d"].items():
                     if rec["s"] > floors.get(key, rec["s"] - 1):
@@ -427,37 +399,32 @@ class RunSender:
                     else:
                         self.dropped += 1
                 continue
-            if k in (PARAMS, TAGS):
-                if len(params) + len(tags) + len(rec["d"]) > MAX_BATCH_PARAMS_AND_TAGS:
+            if k in (r.PARAMS, r.TAGS):
+                if len(params) + len(tags) + len(rec["d"]) > r.MAX_BATCH_PARAMS_AND_TAGS:
                     flush(i - 1)
-                target, cls = (params, Param) if k == PARAMS else (tags, RunTag)
+                target, cls = (params, Param) if k == r.PARAMS else (tags, RunTag)
                 target.extend(cls(key, v) for key, v in rec["d"].items())
                 continue
             flush(i - 1)
-            if k == TEXT:
+            if k == r.TEXT:
                 self._call(self.client().log_text, self.run_id, rec["text"], rec["f"])
-            elif k in (FILE, MODEL):
+            elif k in (r.FILE, r.MODEL):
                 from keras_sync.tracking import artifacts
 
                 artifacts.deliver(self.client(), str(self.run_id), rec, self._call)
-            elif k == END:
-                if is_last_record(rec):
+            elif k in (r.END, r.STOP):
+                if r.is_last_record(rec):
                     self.release_report()
-                self._call(
-                    self.client().set_terminated,
-                    self.run_id,
-                    status=rec["status"],
-                    end_time=rec.get("ts"),
-                )
-            elif k == STOP:  # the writer closed after ending the run: nothing to send
-                self.release_report()
-            elif k == REPORT:
+                if k == r.END:  # a STOP: the writer closed after ending the run, nothing to send
+                    end = self.client().set_terminated
+                    self._call(end, self.run_id, status=rec["status"], end_time=rec.get("ts"))
+            elif k == r.REPORT:
                 if self.hold_reports and not rec.get("now") and self._hold_report(rec):
                     continue
                 self._draw_report(rec)
-                if self.held_report is not None and self._same_picture(rec):
+                if self._same_picture(rec):
                     self._set_held(None)  # the newer picture went: the held one is older
-            elif k == BEGIN:
+            elif k == r.BEGIN:
                 self._checked = False  # a writer (re)started: check the run again
                 if self.start_time_ms is None:
                     self.start_time_ms = rec.get("ts")
@@ -469,7 +436,7 @@ class RunSender:
             if done is not None:
                 done(i)
         flush(len(records) - 1)
-        return sent
+        return self.points_sent - sent
 
     def _hold_report(self, rec: dict[str, Any]) -> bool:
         """Hold ``rec`` instead of drawing it now; False if it cannot be kept (disk full)."""
@@ -483,10 +450,11 @@ class RunSender:
 
     def _same_picture(self, rec: dict[str, Any]) -> bool:
         held = self.held_report
+        where = (rec.get("f"), rec.get("dir"))
         return (
             held is not None
             and held[0] == self.run_id
-            and (held[1].get("f"), held[1].get("dir")) == (rec.get("f"), rec.get("dir"))
+            and (held[1].get("f"), held[1].get("dir")) == where
         )
 
     def _set_held(self, held: tuple[str, dict[str, Any]] | None) -> None:
@@ -508,47 +476,42 @@ class RunSender:
     def _draw_report(self, rec: dict[str, Any], run_id: str | None = None) -> None:
         """Draw a `keras_sync.SyncReport` picture and upload it; one that cannot be drawn is
         skipped with a warning, an upload that fails raises."""
-        import shutil
         import tempfile
         from pathlib import Path
 
         from keras_sync.tracking.report_plot import SyncHistory, render
 
-        tmp = Path(tempfile.mkdtemp(prefix="keras-sync-report-"))
-        try:
-            path = tmp / rec["f"]
+        with tempfile.TemporaryDirectory(
+            prefix="keras-sync-report-", ignore_cleanup_errors=True
+        ) as tmp:
+            path = Path(tmp) / rec["f"]
             try:
                 render(SyncHistory.from_dict(rec["h"]), path)
             except Exception as e:
                 _log.warning(
-                    "keras-sync could not draw %s (%s: %s); the metrics are delivered as usual.",
-                    rec["f"],
-                    type(e).__name__,
-                    e,
+                    f"keras-sync could not draw {rec['f']} ({type(e).__name__}: {e}); the metrics "
+                    "are delivered as usual."
                 )
                 return
             self._call(self.client().log_artifact, run_id or self.run_id, str(path), rec.get("dir"))
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
 
     def _send_batch(self, metrics: list[Any], params: list[Any], tags: list[Any]) -> None:
-        c = self.client()
+        log_batch = self.client().log_batch
         try:
-            self._call(c.log_batch, self.run_id, metrics=metrics, params=params, tags=tags)
+            self._call(log_batch, self.run_id, metrics=metrics, params=params, tags=tags)
         except Exception as e:
             if is_transient(e) or not params:
                 raise
             # A param logged before with another value is refused for good (params are
             # immutable): send the rest without it rather than retry the batch forever.
-            self._call(c.log_batch, self.run_id, metrics=metrics, params=[], tags=tags)
+            self._call(log_batch, self.run_id, metrics=metrics, params=[], tags=tags)
             for p in params:
                 try:
-                    self._call(c.log_batch, self.run_id, params=[p])
+                    self._call(log_batch, self.run_id, params=[p])
                 except Exception as pe:
                     if is_transient(pe):
                         raise
                     _log.warning(
-                        "MLflow refused param %r (logged before with another value?); "
-                        "it is dropped, the rest of the batch was delivered.",
-                        p.key,
+                        f"MLflow refused param {p.key!r} (logged before with another value?); "
+                        "it is dropped, the rest of the batch was delivered."
                     )

@@ -1,17 +1,11 @@
 """The spool: one run's directory of records, the only interface between a writer and its courier.
 
-=================  ==========================================================================
-``header.json``    experiment, run name, job id (and whether it was given), run id hint, the
-                   tracking URI without credentials (written once by the first writer)
-``NNNNNNNN.jsonl`` segments of records (`keras_sync.tracking.records`), one JSON per line; a
-                   writer starts a new one every `SEGMENT_BYTES` and at each start
-``delivered``      ``"<segment> <offset>"``: every record before it is in MLflow
-``run.json``       the MLflow run id and experiment id, once the courier has the run
-``status.json``    the courier's last outcome
-``report.json``    a sync report the courier holds, not drawn yet
-``writer.lock``    held (flock) by the live writer; ``deliver.lock`` by the live courier
-``reserve``        16 KB the writer keeps free for the records that end a run on a full disk
-=================  ==========================================================================
+``header.json`` (experiment, run name, job id, run id hint, the tracking URI without credentials),
+``NNNNNNNN.jsonl`` segments of records (`keras_sync.tracking.records`, one JSON per line; a writer
+starts a new one every `SEGMENT_BYTES` and at each start), ``delivered`` (``"<segment> <offset>"``:
+every record before it is in MLflow), ``run.json`` (the run and experiment ids), ``status.json``
+(the courier's last outcome), ``report.json`` (a sync report the courier holds), ``writer.lock`` and
+``deliver.lock`` (flock of the live writer and courier), ``reserve`` (room kept for a run's end).
 
 The delivered position moves only after MLflow took a batch, so a crash re-sends a batch at worst;
 the courier drops points at steps a metric already has, so a (key, step) never gets two points.
@@ -36,16 +30,6 @@ SEGMENT_BYTES = 256 * 1024
 _SEGMENT = re.compile(r"^(\d{8})\.jsonl$")
 
 Position = tuple[int, int]  # (segment number, byte offset in it)
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)  # a full disk: leave no empty file behind
-        raise
 
 
 class SpoolFull(OSError):
@@ -100,46 +84,46 @@ class SpoolDir:
         if fh is not None:
             fh.close()
 
-    def _read_json(self, name: str) -> Any:
+    def read_json(self, name: str) -> Any:
+        """The JSON file ``name``; None if absent or half-written."""
         try:
             return json.loads((self.path / name).read_text())
-        except (OSError, ValueError):  # absent, or half-written
+        except (OSError, ValueError):
             return None
 
-    def _write_json(self, name: str, value: Any) -> None:
-        _atomic_write(self.path / name, json.dumps(value))
+    def write_json(self, name: str, value: Any) -> None:
+        """Replace ``name`` atomically (None: delete it); a full disk leaves no empty file."""
+        path = self.path / name
+        if value is None:
+            path.unlink(missing_ok=True)
+            return
+        tmp = path.with_name(f".{name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(value if isinstance(value, str) else json.dumps(value))
+            os.replace(tmp, path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
 
     def write_header(self, header: dict[str, Any]) -> None:
         self._header = header
         if not (self.path / "header.json").exists():
-            self._write_json("header.json", header)
+            self.write_json("header.json", header)
 
     def header(self) -> dict[str, Any] | None:
-        return self._read_json("header.json")
+        return self.read_json("header.json")
 
     def run(self) -> dict[str, Any]:
         """``{"run_id", "experiment_id", "begin"}`` once the courier knows the run, else ``{}``;
         ``begin``: the position of the record that chose it."""
-        return self._read_json("run.json") or {}
-
-    def set_run(self, run: dict[str, Any]) -> None:
-        self._write_json("run.json", run)
+        return self.read_json("run.json") or {}
 
     def status(self) -> dict[str, Any] | None:
-        return self._read_json("status.json")
-
-    def set_status(self, status: dict[str, Any]) -> None:
-        self._write_json("status.json", status)
+        return self.read_json("status.json")
 
     def held_report(self) -> dict[str, Any] | None:
         """``{"run_id": ..., "rec": <report record>}``: a report the courier holds, or None."""
-        return self._read_json("report.json")
-
-    def set_held_report(self, held: dict[str, Any] | None) -> None:
-        if held is None:
-            (self.path / "report.json").unlink(missing_ok=True)
-        else:
-            self._write_json("report.json", held)
+        return self.read_json("report.json")
 
     # -- writing (the writer's thread only) --
     def segments(self) -> list[int]:
@@ -155,8 +139,7 @@ class SpoolDir:
     def start_segment(self) -> Position:
         """Begin a new segment after every existing one (a writer never appends to an older one)."""
         self.close_segment()
-        existing = self.segments()
-        self._segment = max(existing[-1] if existing else 0, self._segment) + 1
+        self._segment = max([*self.segments(), self._segment]) + 1
         # Unbuffered: a refused write fails here, not in a flush at exit. Readable: see `_remake`.
         self._fh = open(self._segment_path(self._segment), "a+b", buffering=0)
         return self._segment, 0
@@ -212,7 +195,7 @@ class SpoolDir:
         self.close_segment()
         self.path.mkdir(parents=True, exist_ok=True)
         if self._header is not None:
-            self._write_json("header.json", self._header)
+            self.write_json("header.json", self._header)
         if "writer" in self._locks:
             self.unlock("writer")
             self.lock("writer")
@@ -242,7 +225,7 @@ class SpoolDir:
         """Record that everything before ``pos`` is in MLflow; delete the segments wholly before it
         (even when the position cannot be written: deleting them is what frees a full disk)."""
         try:
-            _atomic_write(self.path / "delivered", f"{pos[0]} {pos[1]}")
+            self.write_json("delivered", f"{pos[0]} {pos[1]}")
         finally:
             for n in self.segments():
                 if n < pos[0]:

@@ -13,18 +13,15 @@ import itertools
 import json
 import logging
 import os
-import queue
 import subprocess
 import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
 from pathlib import Path
 from typing import IO, Any
 
-from keras_sync.errors import TrackingError
 from keras_sync.tracking.records import (
     ALWAYS_KEPT,
     BEGIN,
@@ -33,8 +30,6 @@ from keras_sync.tracking.records import (
     END,
     MAX_TAG_VALUE_LENGTH,
     METRICS,
-    STOP,
-    STORE_FAILING,
     TAGS,
     RecordCleaner,
     cause_in_a_word,
@@ -78,40 +73,6 @@ def answering(failed: dict[str, Any] | None, within_s: float = STALL_S) -> bool:
     return isinstance(at, (int, float)) and time.time() - at < within_s
 
 
-def _lower_thread_priority() -> None:
-    """Nice the spooling thread (Linux threads have their own nice value): training goes first."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 5)
-    except (AttributeError, OSError):  # not Linux, or not permitted
-        pass
-
-
-class _Launcher:
-    """Starts couriers from a thread made on the training thread, before anything is niced: a
-    child inherits the nice value of the thread that forks it, and may not lower its own."""
-
-    def __init__(self) -> None:
-        self._requests: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = (
-            queue.SimpleQueue()
-        )
-        threading.Thread(
-            target=self._serve, name="keras-sync-courier-launcher", daemon=True
-        ).start()
-
-    def _serve(self) -> None:
-        while True:
-            fn, future = self._requests.get()
-            try:
-                future.set_result(fn())
-            except BaseException as e:
-                future.set_exception(e)
-
-    def call(self, fn: Callable[[], Any]) -> Any:
-        future: Future[Any] = Future()
-        self._requests.put((fn, future))
-        return future.result()
-
-
 class Spooler:
     """Queue -> spool -> courier for one writer; the courier's news read back for the writer.
 
@@ -134,7 +95,6 @@ class Spooler:
         self.wake = threading.Event()
         self._spooled = threading.Condition()
         self.thread: threading.Thread | None = None
-        self._launcher: _Launcher | None = None
         self.courier: subprocess.Popen[bytes] | None = None
         self.closing = self.dead = self._end_spooled = self._finished = False
         self.spool_error: str | None = None  # why the spool stopped taking records
@@ -157,15 +117,13 @@ class Spooler:
         if self.thread is None:
             self._begin_ms = begin_ms
             self._begun |= begin_ms is not None
-            self._launcher = _Launcher()  # here: not niced with the thread
             self.thread = threading.Thread(target=self._loop, name="keras-sync-mlflow", daemon=True)
             self.thread.start()
 
     def put(self, rec: dict[str, Any]) -> None:
         self._begun |= rec["k"] == BEGIN
-        seq = next(self._seq)
-        self.queue.append((seq, rec))
-        self.last_seq = seq
+        self.last_seq = next(self._seq)
+        self.queue.append((self.last_seq, rec))
 
     def flush_to_spool(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` until everything queued so far is in the spool."""
@@ -213,14 +171,17 @@ class Spooler:
         acked = self.acked()
         return [rec for n, rec, _ in list(self.held) if n > acked]
 
-    def pending(self) -> list[dict[str, Any]]:
-        """Records MLflow does not have yet: spooled, held, or still queued (in this order)."""
-        recs = [rec for _, rec in self.spool.read(self.progress()[0], max_records=10**9)]
-        return recs + self.unacknowledged() + [rec for _, rec in self.queue]
+    def _spooled_left(self) -> list[dict[str, Any]]:
+        return [rec for _, rec in self.spool.read(self.progress()[0], max_records=10**9)]
 
     def points_left(self) -> int:
         """Metric points queued, spooled or held that MLflow does not have yet."""
-        return sum(len(rec.get("d", ())) for rec in self.pending() if rec.get("k") == METRICS)
+        left = self._spooled_left() + self.unacknowledged() + [rec for _, rec in self.queue]
+        return sum(len(rec["d"]) for rec in left if rec["k"] == METRICS)
+
+    def _sync_spool_hint(self, spool: Path | None = None) -> str:
+        hint = f"keras-sync sync-spool {spool or self.spool.path}"
+        return hint + (" --tracking-uri URI" if self.shown_uri != self.uri else "")
 
     def say_refused_once(self) -> bool:
         """If the credentials were refused, say so in one line (once); True if they were."""
@@ -230,14 +191,11 @@ class Spooler:
         with self._said_lock:
             said, self._said_refused = self._said_refused, True
         if not said:
-            again = f"keras-sync sync-spool {self.spool.path}"
-            if self.shown_uri != self.uri:
-                again += " --tracking-uri URI"
             _log.warning(
                 f"keras-sync: MLflow at {self.shown_uri} refused the credentials "
                 f"({failed.get('error')}); training goes on and the metrics are kept in "
                 f"{self.spool.path}. Set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD "
-                f"(or MLFLOW_TRACKING_TOKEN), then deliver them with: {again}"
+                f"(or MLFLOW_TRACKING_TOKEN), then deliver them with: {self._sync_spool_hint()}"
             )
         return True
 
@@ -249,18 +207,12 @@ class Spooler:
         if self.courier is None or self.courier.poll() is not None:
             return f"the courier process that delivers to {uri} is not running"
         if self.status() is None:
-            return (
-                f"the courier process had not reached {uri} yet (it starts by importing "
-                "MLflow: seconds, more on a busy machine)"
-            )
-        return (
-            f"delivery to {uri} made no progress for {STALL_S:g} s (the courier process gets no "
-            "CPU time, or MLflow does not answer)"
-        )
+            return f"the courier process had not reached {uri} yet (it starts by importing MLflow)"
+        return f"delivery to {uri} made no progress for {STALL_S:g} s (a busy machine, or MLflow)"
 
     def undelivered_message(self, final: bool) -> str | None:
         """Why some records are not in MLflow, and where they are; None if everything arrived."""
-        spooled = [rec for _, rec in self.spool.read(self.progress()[0], max_records=10**9)]
+        spooled = self._spooled_left()
         held = [rec for rec in self.unacknowledged() if rec["k"] not in BOOKKEEPING]
         queued = [rec for _, rec in self.queue]
         count = len(queued) + len(held) + sum(rec["k"] not in BOOKKEEPING for rec in spooled)
@@ -275,13 +227,12 @@ class Spooler:
                 f"{steps}) wait in this process's memory: they are lost if it ends before MLflow "
                 "takes them."
             )
-        every = (*spooled, *held, *queued)
-        points = sum(len(rec.get("d", ())) for rec in every if rec.get("k") == METRICS)
+        points = sum(len(r["d"]) for r in (*spooled, *held, *queued) if r["k"] == METRICS)
         what = f"{count} MLflow record(s)" + (f" ({points} metric point(s))" if points else "")
         if final:
-            where = f"Deliver them with: keras-sync sync-spool {spool}"
+            where = f"Deliver them with: {self._sync_spool_hint()}"
             if self.shown_uri != self.uri:
-                where += " --tracking-uri URI (the spool keeps the URI without its credentials)"
+                where += " (the spool keeps the URI without its credentials)"
         else:
             where = (
                 "Delivery goes on in the background while this process runs; what is left at "
@@ -295,10 +246,9 @@ class Spooler:
         """What a full disk cost: the steps (and other records) of ``records`` and the dropped."""
         both = records + self.dropped
         steps = [rec["s"] for rec in both if rec["k"] == METRICS]
-        others = sum(rec["k"] not in (METRICS, BEGIN, STOP) for rec in both)
+        others = sum(rec["k"] not in (METRICS, *BOOKKEEPING) for rec in both)
         what = f"the points of steps {step_ranges(steps)}" if steps else "no metric points"
-        if others:
-            what += f" and {others} other record(s)"
+        what += f" and {others} other record(s)" if others else ""
         return (
             f"{what}: the spool {self.spool.path} could not be written ({self.spool_error}) while "
             "MLflow did not take them"
@@ -315,9 +265,10 @@ class Spooler:
         self.wake.set()
         if self.thread is not None:
             self.thread.join(5.0)
-        if delivered and self.courier is not None and not never_begun:
+        courier = self.courier
+        if delivered and courier is not None and not never_begun:
             try:  # a courier that delivered the run's end is given a moment to exit
-                self.courier.wait(5.0)
+                courier.wait(5.0)
             except subprocess.TimeoutExpired:
                 pass
         self._pump()
@@ -326,12 +277,14 @@ class Spooler:
         cause = self.cause()  # while the courier is still there to ask
         if message and self.say_refused_once():
             message = None  # said in its one line already
-        if self.courier is not None and self.courier.poll() is None:
-            self.courier.kill()  # after close nothing runs in the background (it ignores SIGTERM)
-            self.courier.wait()
-        self._settle()
-        self._pump()
-        self._disconnect()
+        if courier is not None:
+            if courier.poll() is None:
+                courier.kill()  # after close nothing runs in the background (it ignores SIGTERM)
+                courier.wait()
+            if self._news_reader is not None:
+                self._news_reader.join(2.0)  # its last news
+            self._pump()
+            self._disconnect()
         self.run()  # read before the spool that holds it may be removed
         if held and not delivered:
             message = self._spill_held(cause) or self.undelivered_message(final=True)
@@ -360,12 +313,13 @@ class Spooler:
             return None
         lost = self.lost_text(records)
         (self.spool.path / "reserve").unlink(missing_ok=True)  # room for the run's end
-        end: list[dict[str, Any]] = [
-            {"k": TAGS, "d": {LOST_TAG: lost[:MAX_TAG_VALUE_LENGTH]}},
-            {"k": END, "status": "FAILED", "ts": int(time.time() * 1000)},
-        ]
         try:
-            self.spooled_pos = self.spool.append(end)
+            self.spooled_pos = self.spool.append(
+                [
+                    {"k": TAGS, "d": {LOST_TAG: lost[:MAX_TAG_VALUE_LENGTH]}},
+                    {"k": END, "status": "FAILED", "ts": int(time.time() * 1000)},
+                ]
+            )
             after = (
                 f"the rest is in the spool: `keras-sync sync-spool {self.spool.path}` delivers it "
                 f"and ends the run FAILED with the tag {LOST_TAG}"
@@ -384,11 +338,7 @@ class Spooler:
         self.held.append((self.held_last, rec, size))
         self.held_bytes += size
         if self.courier is not None:
-            self._to_courier += self._line(self.held_last, rec)
-
-    @staticmethod
-    def _line(number: int, rec: dict[str, Any]) -> bytes:
-        return json.dumps({"h": number, "r": rec}, separators=(",", ":")).encode() + b"\n"
+            self._to_courier += _held_line(self.held_last, rec)
 
     def _pump(self) -> None:
         """Forget what the courier acknowledged; write what its stdin takes now (never blocks)."""
@@ -410,31 +360,27 @@ class Spooler:
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         argv = [sys.executable, "-m", ENTRY_MODULE, str(self.spool.path), str(os.getpid())]
-        assert self._launcher is not None
         try:
-            self.courier = self._launcher.call(
-                lambda: subprocess.Popen(
-                    argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0
-                )
+            courier = subprocess.Popen(
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0
             )
         except OSError as e:
+            path = self.spool.path
             _log.error(
-                "keras-sync cannot start its MLflow courier process (%s); records are kept in %s "
-                "(deliver them with: keras-sync sync-spool %s).",
-                e,
-                self.spool.path,
-                self.spool.path,
+                f"keras-sync cannot start its MLflow courier process ({e}); records are kept in "
+                f"{path} (deliver them with: keras-sync sync-spool {path})."
             )
             return
-        assert self.courier.stdin is not None and self.courier.stdout is not None
-        os.set_blocking(self.courier.stdin.fileno(), False)
+        self.courier = courier
+        assert courier.stdin is not None and courier.stdout is not None
+        os.set_blocking(courier.stdin.fileno(), False)
         # On stdin, not on the command line (`ps` shows it; Linux takes at most 128 KiB there).
         handoff = json.dumps({"uri": self.uri, "header": self.header}).encode() + b"\n"
         acked = self.acked()
-        held = (self._line(n, rec) for n, rec, _ in self.held if n > acked)
+        held = (_held_line(n, rec) for n, rec, _ in self.held if n > acked)
         self._to_courier = bytearray(handoff + b"".join(held))
         self._news_reader = threading.Thread(
-            target=self._read_news, args=(self.courier.stdout,), daemon=True
+            target=self._read_news, args=(courier.stdout,), daemon=True
         )
         self._news_reader.start()
         self._pump()
@@ -454,11 +400,6 @@ class Spooler:
             news.update({k: msg[k] for k in ("status", "run") if k in msg})
             self.news = news
 
-    def _settle(self) -> None:
-        """After the courier exited: wait until its last news is read."""
-        if self._news_reader is not None:
-            self._news_reader.join(2.0)
-
     def _disconnect(self) -> None:
         if self.courier is not None and self.courier.stdin is not None:
             try:
@@ -469,27 +410,25 @@ class Spooler:
 
     # ---- the thread ----
     def _loop(self) -> None:
-        _lower_thread_priority()
         restarts, respawn_at = 0, 0.0
         try:
             self._open_spool()
-            self._check_store()
             while True:
                 self.wake.clear()  # before draining: a flush from now on is not lost
                 self._drain()
                 self._pump()
                 closing = self.closing
                 if self.courier is not None and self.courier.poll() is not None:
-                    self._settle()  # its last word, before judging its exit
+                    if self._news_reader is not None:
+                        self._news_reader.join(2.0)  # its last word, before judging its exit
                     if self._end_spooled and self.reached(self.target()):
                         self._finished = True  # it delivered the run's end and stopped
                     elif not closing and not self._finished:
                         restarts += 1
                         _log.warning(
-                            "keras-sync's MLflow courier process exited (code %s); restarting "
-                            "it (records are kept in %s).",
-                            self.courier.returncode,
-                            self.spool.path,
+                            "keras-sync's MLflow courier process exited (code "
+                            f"{self.courier.returncode}); restarting it (records are kept in "
+                            f"{self.spool.path})."
                         )
                         respawn_at = time.monotonic() + min(0.5 * 2**restarts, 30.0)
                         self._disconnect()
@@ -504,10 +443,8 @@ class Spooler:
         except OSError as e:  # the spool directory itself failed (removed)
             self.dead = True
             _log.error(
-                "keras-sync cannot write its MLflow spool %s (%s); MLflow logging stops for this "
-                "run.",
-                self.spool.path,
-                e,
+                f"keras-sync cannot write its MLflow spool {self.spool.path} ({e}); MLflow "
+                "logging stops for this run."
             )
         finally:
             with self._spooled:
@@ -521,7 +458,7 @@ class Spooler:
             self.spool = SpoolDir(busy.with_name(f"{busy.name}.{os.getpid()}-{id(self):x}"))
             self.spool.lock("writer")
             _log.warning(
-                "Spool %s is in use by another writer; this one writes %s.", busy, self.spool.path
+                f"Spool {busy} is in use by another writer; this one writes {self.spool.path}."
             )
         (self.spool.path / "status.json").unlink(missing_ok=True)  # a predecessor's is not ours
         try:  # a full disk from the start: the courier has the header from its stdin
@@ -534,18 +471,6 @@ class Spooler:
             self._spool_failed(e.strerror or str(e))
         if self._begin_ms is not None:
             self._spool_or_hold([{"k": BEGIN, "ts": self._begin_ms}])
-
-    def _check_store(self) -> None:
-        """A local sqlite store that cannot be created is known now, not after the courier's
-        MLflow import (the courier says the same once it tries: "ok" if fixed)."""
-        from keras_sync.tracking.sqlite_store import check_creatable
-
-        try:
-            check_creatable(self.uri)
-        except TrackingError as e:
-            status = {"ok": False, "at": time.time(), "error": f"TrackingError: {e}"}
-            status.update(cause=STORE_FAILING, uri=self.shown_uri)
-            self.news = {**self.news, "status": status}
 
     def _tell_run(self) -> None:
         if self.on_run is None or not self._begun:
@@ -560,25 +485,24 @@ class Spooler:
 
     def _watch_status(self) -> None:
         """Log the courier's first failure and its recovery (here, where logging is set up)."""
-        status = self.status()
-        was_ok = self._status is None or self._status.get("ok")
-        if status is not None and not status.get("ok") and status.get("cause") == CREDENTIALS:
-            self.say_refused_once()
-        elif status is not None and not status.get("ok") and was_ok:
-            _log.warning(
-                "keras-sync: MLflow at %s is %s (%s); records are kept in %s, retrying in the "
-                "background.",
-                self.shown_uri,
-                cause_in_a_word(status.get("cause")),
-                status.get("error"),
-                self.spool.path,
-            )
-        elif status is not None and status.get("ok") and not was_ok:
-            _log.info(
-                "keras-sync: MLflow at %s is reachable again; the spool backlog is being delivered.",
-                self.shown_uri,
-            )
+        status, before = self.status(), self._status
         self._status = status
+        if status is None:
+            return
+        was_ok = before is None or before.get("ok")
+        if not status.get("ok") and status.get("cause") == CREDENTIALS:
+            self.say_refused_once()
+        elif not status.get("ok") and was_ok:
+            _log.warning(
+                f"keras-sync: MLflow at {self.shown_uri} is {cause_in_a_word(status.get('cause'))} "
+                f"({status.get('error')}); records are kept in {self.spool.path}, retrying in the "
+                "background."
+            )
+        elif status.get("ok") and not was_ok:
+            _log.info(
+                f"keras-sync: MLflow at {self.shown_uri} is reachable again; the spool backlog is "
+                "being delivered."
+            )
 
     def _drain(self) -> None:
         recs: list[dict[str, Any]] = []
@@ -601,22 +525,20 @@ class Spooler:
         if self.spool_error is None:
             try:
                 self.spooled_pos = self.spool.append(recs)
-                if self.spool.remade is not None:
-                    _log.warning(
-                        "keras-sync: the MLflow spool %s was deleted while this run logged into "
-                        "it; keras-sync made it again and %s (the courier sends them again; "
-                        "MLflow keeps one point per step). Records of earlier segments not yet "
-                        "delivered went with it. Fix: leave mlflow.spool_dir alone while a job "
-                        "runs, or set it to a folder nothing cleans.",
-                        self.spool.path,
-                        self.spool.remade,
-                    )
-                    self.spool.remade = None
-                return
+                recs = []
             except SpoolFull as e:
                 self.spooled_pos = e.pos
                 recs = recs[e.done :]
                 self._spool_failed(e.reason)
+            if self.spool.remade is not None:
+                _log.warning(
+                    f"keras-sync: the MLflow spool {self.spool.path} was deleted while this run "
+                    f"logged into it; keras-sync made it again and {self.spool.remade} (the "
+                    "courier sends them again; MLflow keeps one point per step). Records of "
+                    "earlier segments not yet delivered went with it. Fix: leave mlflow.spool_dir "
+                    "alone while a job runs, or set it to a folder nothing cleans."
+                )
+                self.spool.remade = None
         for rec in recs:
             self._hold(rec)
 
@@ -624,10 +546,11 @@ class Spooler:
         if self.spool_error is None:
             self.spool_error = reason
             _log.warning(
-                "keras-sync cannot write its MLflow spool %s (%s): from here on the records are "
-                "kept in memory (at most %d MB) and handed to the courier directly; none is lost "
-                "while MLflow takes them.",
-                self.spool.path,
-                reason,
-                MAX_HELD_BYTES // 2**20,
+                f"keras-sync cannot write its MLflow spool {self.spool.path} ({reason}): from "
+                f"here on the records are kept in memory (at most {MAX_HELD_BYTES // 2**20} MB) "
+                "and handed to the courier directly; none is lost while MLflow takes them."
             )
+
+
+def _held_line(number: int, rec: dict[str, Any]) -> bytes:
+    return json.dumps({"h": number, "r": rec}, separators=(",", ":")).encode() + b"\n"

@@ -79,19 +79,25 @@ def ensure_sqlite_store(uri: str, *, timeout_s: float = 300.0) -> bool:
                 os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
                 _build(tmp, path)
                 os.link(tmp, path)  # atomic; FileExistsError if another process published first
-                _log.debug("created the MLflow sqlite store %s", path)
                 return True
             except FileExistsError:  # published meanwhile: by a builder like this, or by MLflow
                 pass
             finally:
-                for leftover in (tmp, tmp.with_name(tmp.name + "-journal")):
-                    leftover.unlink(missing_ok=True)
+                _unlink(tmp, tmp.with_name(tmp.name + "-journal"))
     _wait_while_built_in_place(path, timeout_s)
     return False
 
 
 def _private_name(path: Path) -> Path:
     return path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def _unlink(*paths: Path) -> None:
+    for path in paths:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 def _wait_for_live_builders(path: Path, timeout_s: float) -> bool:
@@ -165,20 +171,19 @@ def _build(tmp: Path, path: Path) -> None:
     """MLflow's schema in ``tmp``, built by MLflow's public client in this process. MLflow's pool may
     keep an idle connection to the private name: no transaction, so no lock, never used again."""
     # MLflow's and alembic's INFO lines ("Creating initial MLflow database tables") kept quiet.
-    quiet = [logging.getLogger(name) for name in ("mlflow", "alembic")]
-    levels = [lg.level for lg in quiet]
+    levels = {name: logging.getLogger(name).level for name in ("mlflow", "alembic")}
     try:
         from mlflow import MlflowClient
 
-        for lg in quiet:
-            lg.setLevel(logging.WARNING)
+        for name in levels:
+            logging.getLogger(name).setLevel(logging.WARNING)
         MlflowClient(tracking_uri=f"sqlite:///{tmp}").search_experiments(max_results=1)
     except Exception as e:
         tail = (str(e).strip().splitlines() or [type(e).__name__])[-1]
         raise TrackingError(f"Could not create the MLflow store {str(path)!r}: {tail}") from None
     finally:
-        for lg, level in zip(quiet, levels):
-            lg.setLevel(level)
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
 
 
 def check_creatable(uri: str) -> None:
@@ -208,11 +213,7 @@ def check_creatable(uri: str) -> None:
             os.fsync(fh.fileno())
         room.unlink()
     except OSError as e:
-        for leftover in (tmp, room):
-            try:
-                leftover.unlink(missing_ok=True)
-            except OSError:
-                pass
+        _unlink(tmp, room)
         code = errno.errorcode.get(e.errno or 0, e.errno)
         raise TrackingError(
             f"The MLflow store {uri!r} cannot be created in {str(tmp.parent)!r}: "
