@@ -193,14 +193,14 @@ def test_all_errors_reported_at_once_in_line_order(tmp_path):
         (
             "strategy:\n  slurm: {port_base: eighty}\n",
             2,
-            "strategy.slurm.port_base: received 'eighty', expected 'auto' "
-            "or an integer >= 1 \\(the first port\\)",
+            "strategy.slurm.port_base: received 'eighty', expected 'auto' or an integer from 1 "
+            "to 65520 \\(the first of 16 ports\\)",
         ),
         (
             "strategy:\n  slurm: {port_base: 65530}\n",
             2,
-            "strategy.slurm.port_base: received 65530, expected a TCP port "
-            "from 1 to 65520 \\(task i on a node takes port_base \\+ i\\) or 'auto'",
+            "strategy.slurm.port_base: received 65530, expected 'auto' or an integer from 1 "
+            "to 65520 \\(the first of 16 ports\\)",
         ),
     ],
 )

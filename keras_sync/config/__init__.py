@@ -147,6 +147,8 @@ _DEVICE_KINDS = tuple(k for k in kinds_where(accepts_devices=True) if k != "auto
 # Comments the template prints above a section's keys.
 _BATCH_NOTE = "Give exactly one of per_replica / global (the other null); keras-sync derives the other from the replica count: global = per_replica x replicas."
 _RUNTIME_NOTE = "Applied by sync.fit to your compiled model; a key left at its default keeps what your model.compile(...) set."
+# Task i on a node listens on port_base + i: a slot of 16 ports.
+_PORT_BASE = word_or_int("auto", "the first of 16 ports", 65520)
 _PRECISION_HINTS = {"fp16": "mixed_float16", "float16": "mixed_float16", "half": "mixed_float16"}
 _PRECISION_HINTS |= {"bf16": "mixed_bfloat16", "bfloat16": "mixed_bfloat16"}
 
@@ -165,7 +167,9 @@ class IndexedJobConfig:
     """Workers of a Kubernetes Indexed Job or JobSet: worker i is `hosts` with {index} = i."""
 
     hosts: str | None = _f(None, _NAME, kinds=_MWM)
-    port: int = _f(2222, integer(1), kinds=_MWM)
+    port: int = _f(
+        2222, integer(1, maximum=65535, expected="a TCP port from 1 to 65535"), kinds=_MWM
+    )
     workers: int | None = _f(None, _COUNT, kinds=_MWM)
 
 
@@ -173,7 +177,7 @@ class IndexedJobConfig:
 class SlurmConfig:
     """Ports of a Slurm job step's workers: task i on a node listens on `port_base` + i."""
 
-    port_base: int | str = _f("auto", word_or_int("auto", "the first port"), kinds=_MWM)
+    port_base: int | str = _f("auto", _PORT_BASE, kinds=_MWM)
 
 
 @dataclass(frozen=True)
@@ -390,14 +394,6 @@ def _check_consistency(
         if job.hosts is not None and "{index}" not in job.hosts:
             msg = f"received {job.hosts!r}, which has no {{index}}; expected a pattern that gives each worker its own host, such as train-{{index}}.train"
             issue("strategy.indexed_job.hosts", msg)
-        if job.port > 65535:
-            issue(
-                "strategy.indexed_job.port",
-                f"received {job.port}, expected a TCP port from 1 to 65535",
-            )
-    if isinstance(s.slurm.port_base, int) and s.slurm.port_base > 65535 - 15:
-        msg = f"received {s.slurm.port_base}, expected a TCP port from 1 to 65520 (task i on a node takes port_base + i) or 'auto'"
-        issue("strategy.slurm.port_base", msg)
     return dataclasses.replace(cfg, batch=batch)
 
 

@@ -1,8 +1,5 @@
-"""The strategy kinds keras-sync knows: one entry each, and every question about a kind asks it.
-
-Pure Python: the config validates `strategy.*` by it, `keras_sync.strategy` finds each kind's
-builder and device layout in it, and the reference writes each kind's template from its summary.
-"""
+"""The strategy kinds keras-sync knows: one entry each, and every question about a kind asks it
+(config validation, the builders and device layouts of `keras_sync.strategy`, the templates)."""
 
 from __future__ import annotations
 
@@ -21,14 +18,12 @@ class KindSpec:
     """One strategy kind.
 
     Args:
-        name: the value of `strategy.kind`.
-        summary: what the kind does (the template's comment above it).
+        name: the value of `strategy.kind`; summary: what it does (its template's comment).
         builder: the name of its builder in `keras_sync.strategy`; None for ``auto`` (resolved first).
         layout: where its replicas live on one worker, one of `LAYOUTS`.
         multi_process: one process per worker, joined in a cluster (collectives span processes).
         one_process: the job is one process; several workers would each train alone (refused).
-        accepts_devices: `strategy.devices` may name its devices.
-        max_devices: at most this many `strategy.devices` (None: no limit).
+        accepts_devices, max_devices: `strategy.devices` may name (at most this many) devices.
         simulated_cpus: `strategy.simulated_cpu_replicas` may apply.
         drop_remainder: what ``batch.drop_remainder: auto`` means (TPUs need static shapes).
         scoped: a model must be built in `Sync.scope()` (the default strategy is everywhere).

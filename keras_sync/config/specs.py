@@ -52,18 +52,23 @@ class Spec:
             raise FieldValueError(f"received {shown}, expected {self.describe()}{exc}") from None
 
 
-def integer(minimum: int, nullable: bool = False) -> Spec:
-    """A whole number >= ``minimum``."""
+def integer(
+    minimum: int, nullable: bool = False, maximum: int | None = None, expected: str = ""
+) -> Spec:
+    """A whole number >= ``minimum`` (and <= ``maximum``); ``expected``: that in words."""
 
     def parse(value: Any) -> int:
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ValueError()
+        if maximum is not None and value > maximum:
+            raise ValueError()
         return value
 
     schema = {"type": "integer", "minimum": minimum}
-    return Spec(f"an integer >= {minimum}", schema, parse, nullable)
+    schema |= {} if maximum is None else {"maximum": maximum}
+    return Spec(expected or f"an integer >= {minimum}", schema, parse, nullable)
 
 
 def number(minimum: float, exclusive: bool = False) -> Spec:
@@ -127,18 +132,18 @@ def choice(*values: str, false: str | None = None, hints: dict[str, str] | None 
     return Spec("one of " + ", ".join(values), schema, parse, values=values)
 
 
-def word_or_int(word: str, unit: str) -> Spec:
-    """A fixed word (``epoch``, ``auto``) or a whole number >= 1 of ``unit``."""
+def word_or_int(word: str, unit: str, maximum: int | None = None) -> Spec:
+    """A fixed word (``epoch``, ``auto``) or a whole number of ``unit`` from 1 (to ``maximum``)."""
+    number = integer(1, maximum=maximum)
 
     def parse(value: Any) -> str | int:
         if isinstance(value, str) and value.strip().lower() == word:
             return word
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-            return value
-        raise ValueError()
+        return number.parse(value)
 
-    schema = {"anyOf": [{"const": word}, {"type": "integer", "minimum": 1}]}
-    return Spec(f"'{word}' or an integer >= 1 ({unit})", schema, parse)
+    until = ">= 1" if maximum is None else f"from 1 to {maximum}"
+    schema = {"anyOf": [{"const": word}, number.schema]}
+    return Spec(f"'{word}' or an integer {until} ({unit})", schema, parse)
 
 
 def _bool(value: Any) -> bool:
