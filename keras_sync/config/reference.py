@@ -154,8 +154,7 @@ def config_schema(cls: type = Config, path: str = "") -> dict[str, Any]:
         else:
             text = f"{describe_key(doc, f.metadata.get('kinds'))} ({spec.describe()})"
             default = list(f.default) if isinstance(f.default, tuple) else f.default
-            properties[_yaml_key(f)] = {
-                **spec.json_schema(),
+            properties[_yaml_key(f)] = spec.json_schema() | {
                 "description": text,
                 "default": default,
             }

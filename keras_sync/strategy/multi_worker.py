@@ -79,23 +79,11 @@ def build_multi_worker_strategy(
     local_devices: list[str] | None = None,
     connect_timeout_s: float = 300.0,
 ) -> tf.distribute.MultiWorkerMirroredStrategy:
-    """Build a `MultiWorkerMirroredStrategy`: one replica per (worker, local device).
-
-    Must run before TensorFlow initialises its runtime (before any op runs), as TensorFlow
-    requires for every multi-worker strategy.
-
-    Args:
-        communication: all-reduce implementation, ``"auto"``, ``"ring"`` or ``"nccl"``
-            (case-insensitive).
-        cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver`; default
-            reads `TF_CONFIG`. With no `TF_CONFIG` or a single training task the
-            strategy runs as one worker (no server, no port).
-        local_devices: devices each worker trains on, e.g. ``["CPU:0", "CPU:1"]``
-            (see `local_cpu_devices()`); None keeps TensorFlow's choice (all GPUs,
-            else CPU:0). Every worker must pass the same count.
-        connect_timeout_s: seconds to wait for every chief/worker task to join
-            before raising `ConnectTimeoutError`.
-    """
+    """A `MultiWorkerMirroredStrategy` with one replica per (worker, local device), built before
+    TensorFlow initialises its runtime. ``cluster_resolver`` defaults to `TF_CONFIG`'s (one training
+    task or none: a single worker, no server); ``local_devices`` (e.g. ``["CPU:0", "CPU:1"]``, the same
+    count on every worker) defaults to TensorFlow's choice; peers that do not join within
+    ``connect_timeout_s`` raise `ConnectTimeoutError`."""
     import tensorflow as tf
 
     from keras_sync.upstream import multi_worker as _mw
