@@ -157,6 +157,8 @@ def test_fit_returns_before_delivery_and_the_exit_delivers_every_step(tmp_path):
         f"view it with: {console_command()} ui {cfg}"
     ) in r.stderr, r.stderr[-3000:]
     assert "not created yet" not in r.stderr
+    # The courier's exit (its stderr is ours): no abort in interpreter shutdown.
+    assert "Fatal Python error" not in r.stderr, r.stderr[-3000:]
     lines = [ln for ln in r.stderr.splitlines() if "not in MLflow yet" in ln]
     assert len(lines) <= 1, lines
     if lines:
@@ -338,6 +340,8 @@ def test_three_fits_under_two_workers_reach_the_job_run(tmp_path):
         timeout=800,
     )
     assert r.returncode == 0 and "[w0] FITS DONE" in r.stdout, r.stderr[-3000:]
+    # The courier's exit (its output is the chief's): no abort in interpreter shutdown.
+    assert "Fatal Python error" not in r.stdout + r.stderr, (r.stdout + r.stderr)[-3000:]
     _the_run_holds_every_fit(uri, r.stdout + r.stderr)
 
 

@@ -331,7 +331,9 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent = int(argv[2])  # not getppid(): the parent may have died before this line
     spool = SpoolDir(argv[1])
-    records_in = sys.stdin.buffer
+    # A reader of our own: the thread blocked in it holds its lock, which finalizing sys.stdin
+    # at exit would wait for ("Fatal Python error: _enter_buffered_busy").
+    records_in = os.fdopen(os.dup(0), "rb")
     handoff = json.loads(records_in.readline() or b"{}")
     news = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # what MLflow prints must not mix with the news
