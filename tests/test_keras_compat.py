@@ -21,12 +21,22 @@ import numpy as np
 import pytest
 from _ports import free_ports
 
+from keras_sync.upstream import internals as _internals
 from keras_sync.upstream import keras_fixes as _keras_compat
 from keras_sync.upstream.patching import patched
 
 pytestmark = (
     pytest.mark.slow
 )  # starts TensorFlow processes; the fast lane is `pytest -m "not slow"`
+
+
+@pytest.fixture(autouse=True)
+def _fresh_probes():
+    # The probes run once per process; some tests here move internals, so each probes afresh.
+    _internals.check.cache_clear()
+    yield
+    _internals.check.cache_clear()
+
 
 WORKER = Path(__file__).with_name("_mw_worker.py")
 TOLERANCE = 1e-5

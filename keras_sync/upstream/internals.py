@@ -1,13 +1,14 @@
 """Every private Keras, TensorFlow and MLflow internal keras-sync relies on, each with a probe.
 
-Each entry names the internal, the feature that needs it, why (the upstream issue), and a probe
-of the shape relied on. `require(feature)` raises `CompatibilityError` in one line (versions, what
-is missing, the fix) when a probe of the feature fails; an entry with ``fallback`` has a public
-path taken instead. No TensorFlow, Keras or MLflow import at module import time.
+Each entry names the internal, the feature that needs it, why (the upstream issue) and a probe of
+the shape relied on. `require(feature)` raises a one-line `CompatibilityError` (versions, what is
+missing, the fix) when a probe fails; an entry with ``fallback`` has a public path instead. The
+probes run once per process (Keras's code does not change) and import nothing at module import.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from typing import Any
 
 from keras_sync.errors import CompatibilityError
 
-# What a refused feature is, in the words of the refusal, and what else the user can do.
+#: feature -> (what is refused, in the refusal's words; what else the user can do).
 FEATURES: dict[str, tuple[str, str]] = {
     "multi_worker_fit": (
         "`fit` under multi-worker multi_worker_mirrored",
@@ -35,18 +36,12 @@ FEATURES: dict[str, tuple[str, str]] = {
         "exact mid-epoch resume (fault_tolerance.backup_dir)",
         "or remove fault_tolerance.backup_dir",
     ),
-    "quiet_device_datasets": (
-        "TensorFlow's per-device datasets without the 'will not be optimized' warning",
-        "or ignore the line",
-    ),
+    "quiet_device_datasets": ("per-device datasets without a 'will not be optimized' line", ""),
     "per_replica_metrics": (
         "per-replica loss and gradient norm (sync/loss/replica_*, sync/grad_norm/replica_*)",
         "or set mlflow.enabled: false",
     ),
-    "end_of_data": (
-        "one optimizer step per batch on a dataset of unknown length",
-        "or give the dataset its length (dataset.apply(tf.data.experimental.assert_cardinality(n)))",
-    ),
+    "end_of_data": ("one optimizer step per batch on data of unknown length", ""),
     "system_metrics": (
         "MLflow system metrics (mlflow.system_metrics: true)",
         "or set mlflow.system_metrics: false",
@@ -59,40 +54,19 @@ FEATURES: dict[str, tuple[str, str]] = {
         "Keras's BackupAndRestore under multi-worker multi_worker_mirrored (the chief writes it)",
         "or use keras-sync's backup (fault_tolerance.backup_dir) instead",
     ),
-    "loss_scale_reduce": (
-        "one all-reduce of the gradients per step with mixed_float16 on several replicas (the "
-        "loss-scale decision of one device)",
-        "the gradients are all-reduced twice instead",
-    ),
-    "iterator_release": (
-        "keeping the iterator Keras drops after reading the first batch's shapes until its threads "
-        "are done (a process under a strategy can crash under load without it)",
-        "or train on one device (strategy.kind: default)",
-    ),
+    "loss_scale_reduce": ("one gradient all-reduce per step with mixed_float16", ""),
+    "iterator_release": ("keeping the iterator Keras drops after reading the shapes", ""),
     "replica_random_streams": (
-        "independent random draws on each replica (keras.random in a train step, Dropout, "
-        "random augmentation)",
+        "independent random draws on each replica (Dropout, keras.random in a train step)",
         "or train on one replica (strategy.kind: default)",
     ),
     "evaluate_loss": (
         "the loss a custom test_step reports under several replicas (one device's, not a share)",
         "or multiply the loss your test_step tracks by the replica count",
     ),
-    "same_data_order": (
-        "the data order of one device (Keras reads a batch for its shapes first, which starts an "
-        "extra pass of a reshuffling dataset)",
-        "the batches differ from one device's",
-    ),
-    "file_count": (
-        "counting the files a pipeline reads before training (fewer files than workers are split "
-        "by example, not by file)",
-        "or set batch.shard_policy: data",
-    ),
+    "same_data_order": ("the data order of one device (no extra pass for the shapes)", ""),
+    "file_count": ("counting the files a pipeline reads before training", ""),
 }
-#: Each library: (floor, newest tested, first excluded). The floor and the cap are pyproject.toml's
-#: ranges (tests/test_internals.py checks they agree); the cap is the next major version, as no
-#: known break sits below it. A newer release inside the range that moves an internal below is
-#: refused by the probes; the fix then pins the newest tested release (`_spec`).
 #: Each library: (floor, newest tested, first excluded), as pyproject.toml's ranges (a test checks
 #: they agree). A refusal's fix pins the newest tested release.
 RANGES = {
@@ -112,10 +86,11 @@ def _spec(library: str, floor: str | None = None, distribution: str | None = Non
 
 
 # TensorFlow is not named by distribution: "tensorflow" would add a second one beside tensorflow-cpu.
+_TF_RANGE = f"{RANGES['tensorflow'][0]}-{RANGES['tensorflow'][1]}"
 PIN = {
     "keras": f'pip install "{_spec("keras")}"',
-    "tensorflow": f"install TensorFlow {RANGES['tensorflow'][0]}-{RANGES['tensorflow'][1]} of the distribution "
-    f'you use (e.g. pip install "{_spec("tensorflow", distribution="tensorflow-cpu")}")',
+    "tensorflow": f"install TensorFlow {_TF_RANGE} of the distribution you use "
+    f'(e.g. pip install "{_spec("tensorflow", distribution="tensorflow-cpu")}")',
     "mlflow": f'pip install "{_spec("mlflow")}"',
 }
 
@@ -124,24 +99,24 @@ Probe = Callable[[], "str | None"]  # None when the shape matches, else what is 
 
 @dataclass(frozen=True)
 class Internal:
-    """One private internal: where it lives, who needs it, why, and how its shape is checked."""
+    """One private internal: where it lives, who needs it, why, and how its shape is checked.
+
+    ``since``: the first release of its library that has it, when newer than the floor.
+    ``attrs``: the private attributes read or set through it (a test checks each use is listed).
+    """
 
     name: str
     feature: str
     why: str
     probe: Probe
     fallback: bool = False
-    #: The first release of its library that has it, when newer than the floor.
     since: str | None = None
-    #: The private attributes read or set through it (a test checks every one used is listed).
     attrs: tuple[str, ...] = ()
 
 
 def _release(version: str) -> tuple[int, ...]:
     """``"3.10.0rc1"`` -> (3, 10)."""
-    return tuple(
-        int("".join(c for c in part if c.isdigit()) or 0) for part in version.split(".")[:2]
-    )
+    return tuple(int("".join(c for c in p if c.isdigit()) or 0) for p in version.split(".")[:2])
 
 
 def predates(internal: Internal) -> bool:
@@ -261,7 +236,8 @@ _EPOCH = "keras.src.trainers.epoch_iterator:EpochIterator"
 _CONTEXT = "tensorflow.python.eager.context"
 _COORDINATION = f"{_CONTEXT}:coordination_config_pb2.CoordinationServiceConfig"
 _CARS = "tensorflow.python.distribute.collective_all_reduce_strategy"
-_MW_UTIL = "tensorflow.python.distribute.multi_worker_util"
+_CARS_EXT = f"{_CARS}:CollectiveAllReduceExtended"
+_MW = "tensorflow.python.distribute.multi_worker_util"
 _DATA_OPS = "tensorflow.python.data.ops"
 _SYSTEM = "mlflow.system_metrics.metrics"
 _TF_OPTIMIZER = "keras.src.backend.tensorflow.optimizer:TFOptimizer"
@@ -272,7 +248,11 @@ _RANDOM_OPS = ("normal", "uniform", "dropout", "randint", "truncated_normal", "c
 _BACKUP = "keras.src.callbacks.backup_and_restore:BackupAndRestore"
 _LOSS = "keras.src.losses.loss"
 _BATCH_ATTRS = ("_batch_size", "_drop_remainder", "_input_dataset", "_inputs")
-_MONITOR_METHODS = ("collect_metrics", "aggregate_metrics", "clear_metrics")
+_INTERLEAVES = (
+    f"{_DATA_OPS}.interleave_op:_InterleaveDataset.__init__",
+    f"{_DATA_OPS}.interleave_op:_ParallelInterleaveDataset.__init__",
+    f"{_DATA_OPS}.flat_map_op:_FlatMapDataset.__init__",
+)
 _MONITORS = (("cpu", "CPU"), ("disk", "Disk"), ("network", "Network"))
 
 MAKE_FUNCTION = f"{_TF_TRAINER}._make_function"
@@ -287,8 +267,6 @@ DEVICE_DATASET = f"{_MULTI_DEVICE}:_create_device_dataset"
 _SYMBOLIC_BUILD = f"{_TF_TRAINER}._maybe_symbolic_build"
 _REDUCE = f"{_TRAINER}:reduce_per_replica"
 _AUTOCONVERT = f"{_TF_TRAINER}._autoconvert_optionals"
-_INIT_COORDINATION = f"{_CONTEXT}:Context.configure_coordination_service"
-_LOCAL_DEVICES = f"{_CARS}:CollectiveAllReduceExtended._initialize_local_devices"
 
 # Each entry: the module that uses it, in the comment above it.
 REGISTRY: tuple[Internal, ...] = (
@@ -297,12 +275,16 @@ REGISTRY: tuple[Internal, ...] = (
         _REDUCE,
         "multi_worker_fit",
         _KERAS_20585,
-        callable_with(_REDUCE, "values", "strategy", "reduction"),
+        _all(
+            callable_with(_REDUCE, "values", "strategy", "reduction"),
+            has_attrs(_TRAINER, "_is_tpu_strategy", "_is_per_replica_instance", "_is_scalar"),
+        ),
+        attrs=("_is_tpu_strategy", "_is_per_replica_instance", "_is_scalar"),
     ),
     Internal(
         f"{_TF_TRAINER}.make_train_function",
         "multi_worker_fit",
-        "reduce_per_replica is replaced as a module global, so the train function must look it up there",
+        "the train function must look reduce_per_replica up as a module global",
         # Keras 3.10 builds the step in make_train_function, later ones in _make_function.
         looks_up((f"{_TF_TRAINER}.make_train_function", MAKE_FUNCTION), "reduce_per_replica"),
     ),
@@ -312,28 +294,21 @@ REGISTRY: tuple[Internal, ...] = (
         _KERAS_20585,
         callable_with(_SYMBOLIC_BUILD, "self", "iterator", "data_batch"),
     ),
-    Internal(
-        f"{_TRAINER}:_is_tpu_strategy, _is_per_replica_instance, _is_scalar",
-        "multi_worker_fit",
-        "Keras's own tests for what the patched reduction may change",
-        has_attrs(_TRAINER, "_is_tpu_strategy", "_is_per_replica_instance", "_is_scalar"),
-        attrs=("_is_tpu_strategy", "_is_per_replica_instance", "_is_scalar"),
-    ),
     # keras_fixes fix 3: the one-step function traced inline into the multi-step loop.
     Internal(
         _AUTOCONVERT,
         "multi_worker_steps_per_execution",
         "keras-team/keras#19246 (steps_per_execution > 1 under MultiWorkerMirroredStrategy): the hook that "
         "receives the one-step tf.function, replaced by its Python function",
-        callable_with(_AUTOCONVERT, "self", "step_func"),
-        since="3.12",
-    ),
-    Internal(
-        MAKE_FUNCTION,
-        "multi_worker_steps_per_execution",
-        "the multi-step loop must get its one-step function through _autoconvert_optionals",
-        looks_up(
-            MAKE_FUNCTION, "_autoconvert_optionals", "function", "steps_per_execution", "while_loop"
+        _all(
+            callable_with(_AUTOCONVERT, "self", "step_func"),
+            looks_up(
+                MAKE_FUNCTION,
+                "_autoconvert_optionals",
+                "function",
+                "steps_per_execution",
+                "while_loop",
+            ),
         ),
         since="3.12",
     ),
@@ -350,55 +325,52 @@ REGISTRY: tuple[Internal, ...] = (
     Internal(
         EPOCH_ITERATOR_RESET,
         "iterator_release",
-        "Keras drops the distributed iterator it made to read the first batch's shapes; destroyed while its "
-        "MultiDeviceIterator thread reads, the process crashes (SIGSEGV / pure virtual method called)",
+        "Keras drops the iterator it made to read the first batch's shapes; destroyed while its "
+        "thread reads, the process crashes",
         looks_up(EPOCH_ITERATOR_RESET, "_current_iterator", "_epoch_iterator"),
         attrs=("_current_iterator", "_epoch_iterator"),
         fallback=True,
     ),
     # multi_worker.py: local devices per worker, the bounded join, the cluster already joined.
     Internal(
-        _LOCAL_DEVICES,
+        f"{_CARS}: CollectiveAllReduceStrategy, CollectiveAllReduceExtended",
         "multi_worker_strategy",
-        "TF's hook that picks local devices (TODO b/126786766); no argument gives CPUs",
-        callable_with(_LOCAL_DEVICES, "self", "cluster_resolver", "worker_device"),
-    ),
-    Internal(
-        f"{_CARS}:CollectiveAllReduceExtended.__init__",
-        "multi_worker_strategy",
-        "subclassed to pass the local devices",
-        callable_with(
-            f"{_CARS}:CollectiveAllReduceExtended.__init__",
-            "self",
-            "container_strategy",
-            "cluster_resolver",
-            "communication_options",
+        "subclassed to pass each worker's local devices (TF's TODO b/126786766)",
+        _all(
+            callable_with(
+                f"{_CARS_EXT}._initialize_local_devices",
+                "self",
+                "cluster_resolver",
+                "worker_device",
+            ),
+            callable_with(
+                f"{_CARS_EXT}.__init__",
+                "self",
+                "container_strategy",
+                "cluster_resolver",
+                "communication_options",
+            ),
+            callable_with(f"{_CARS_EXT}._in_multi_worker_mode", "self"),
+            _is_mwms,
         ),
-    ),
-    Internal(
-        f"{_CARS}:CollectiveAllReduceExtended._in_multi_worker_mode",
-        "multi_worker_strategy",
-        "strategy_facts.in_multi_worker_mode: which strategies get the multi-worker fixes",
-        callable_with(f"{_CARS}:CollectiveAllReduceExtended._in_multi_worker_mode", "self"),
         attrs=("_in_multi_worker_mode",),
     ),
     Internal(
-        f"{_CARS}:CollectiveAllReduceStrategy",
+        f"{_CONTEXT}:Context.configure_coordination_service",
         "multi_worker_strategy",
-        "subclassed so that isinstance(tf.distribute.MultiWorkerMirroredStrategy) holds",
-        _is_mwms,
-    ),
-    Internal(
-        _INIT_COORDINATION,
-        "multi_worker_strategy",
-        "no public API configures the coordination service (join timeout, tensorflow#60706)",
-        callable_with(_INIT_COORDINATION, "self", "service_type", "service_leader"),
-    ),
-    Internal(
-        _COORDINATION,
-        "multi_worker_strategy",
-        "the join timeout and the jobs that must join",
-        _coordination_fields("coordinated_job_list", "cluster_register_timeout_in_ms"),
+        "no public API bounds the join (tensorflow#60706)",
+        _all(
+            callable_with(
+                f"{_CONTEXT}:Context.configure_coordination_service",
+                "self",
+                "service_type",
+                "service_leader",
+            ),
+            _coordination_fields("coordinated_job_list", "cluster_register_timeout_in_ms"),
+            has_attrs(
+                _MW, "is_chief", "worker_count", "normalize_cluster_spec", "coordination_leader"
+            ),
+        ),
     ),
     Internal(
         BARRIER,
@@ -408,28 +380,16 @@ REGISTRY: tuple[Internal, ...] = (
         fallback=True,
     ),
     Internal(
-        f"{_MW_UTIL}:is_chief, worker_count, normalize_cluster_spec, coordination_leader",
+        f"{_CONTEXT}:context_safe, Context._server_def, Context._collective_ops_server_def",
         "multi_worker_strategy",
-        "TF's own chief rule and cluster maths, reused rather than copied",
-        has_attrs(
-            _MW_UTIL, "is_chief", "worker_count", "normalize_cluster_spec", "coordination_leader"
-        ),
-    ),
-    Internal(
-        f"{_CONTEXT}:context_safe",
-        "multi_worker_strategy",
-        "tensorflow#60706 check; without it a late TF_CONFIG change is not caught",
-        has_attrs(_CONTEXT, "context_safe"),
-        fallback=True,
-    ),
-    Internal(
-        f"{_CONTEXT}:Context.__init__ (_server_def, _collective_ops_server_def)",
-        "multi_worker_strategy",
-        "the cluster TensorFlow joined, for the same check",
-        looks_up(
-            (f"{_CONTEXT}:Context.__init__", f"{_CONTEXT}:Context.enable_collective_ops"),
-            "_server_def",
-            "_collective_ops_server_def",
+        "the cluster TensorFlow joined: without it a late TF_CONFIG change is not caught",
+        _all(
+            has_attrs(_CONTEXT, "context_safe"),
+            looks_up(
+                (f"{_CONTEXT}:Context.__init__", f"{_CONTEXT}:Context.enable_collective_ops"),
+                "_server_def",
+                "_collective_ops_server_def",
+            ),
         ),
         fallback=True,
         attrs=("_server_def", "_collective_ops_server_def"),
@@ -439,35 +399,25 @@ REGISTRY: tuple[Internal, ...] = (
         f"{_TRAINER}:TFEpochIterator",
         "exact_resume",
         "Keras's BackupAndRestore restarts an epoch at batch 0; no API starts one mid-way",
-        has_attrs(f"{_TRAINER}:TFEpochIterator", "_enumerate_iterator", "catch_stop_iteration"),
-        attrs=("_enumerate_iterator",),
-    ),
-    Internal(
-        f"{_EPOCH}.__init__",
-        "exact_resume",
-        "whether the data has a known number of batches (`_num_batches`), to replay the epochs done",
-        looks_up(f"{_EPOCH}.__init__", "_num_batches"),
-        attrs=("_num_batches",),
+        _all(
+            has_attrs(f"{_TRAINER}:TFEpochIterator", "_enumerate_iterator", "catch_stop_iteration"),
+            looks_up(f"{_EPOCH}.__init__", "_num_batches"),
+        ),
+        attrs=("_enumerate_iterator", "_num_batches"),
     ),
     Internal(
         f"{_TF_TRAINER}.fit",
         "exact_resume",
-        "fit must build its iterator from the module global keras-sync swaps",
-        looks_up(f"{_TF_TRAINER}.fit", "TFEpochIterator"),
-    ),
-    Internal(
-        f"{_TF_TRAINER}.fit (model._initial_epoch)",
-        "exact_resume",
-        "the restored epoch is handed to fit as `model._initial_epoch`, as Keras's BackupAndRestore does",
-        looks_up(f"{_TF_TRAINER}.fit", "_initial_epoch"),
+        "fit must build its iterator from the module global keras-sync swaps, and read the "
+        "restored epoch from `model._initial_epoch` as for Keras's BackupAndRestore",
+        looks_up(f"{_TF_TRAINER}.fit", "TFEpochIterator", "_initial_epoch"),
         attrs=("_initial_epoch",),
     ),
     # tf_runtime.py: with a backup, a seeded script's arrays keep Keras's own shuffle.
     Internal(
         GLOBAL_SEED,
         "exact_resume",
-        "no public API tells whether tf.random.set_seed was called; without it arrays with a backup "
-        "get keras-sync's own seeded shuffle",
+        "no public API tells whether tf.random.set_seed was called",
         has_attrs(_CONTEXT, "global_seed"),
         fallback=True,
     ),
@@ -475,8 +425,7 @@ REGISTRY: tuple[Internal, ...] = (
     Internal(
         f"{_TF_TRAINER}.__init__ (model._distribute_strategy)",
         "model_strategy",
-        "`model.distribute_strategy` falls back to the current strategy, so only "
-        "`_distribute_strategy` tells a model built outside sync.scope()",
+        "`model.distribute_strategy` falls back to the current strategy",
         looks_up(f"{_TF_TRAINER}.__init__", "_distribute_strategy"),
         attrs=("_distribute_strategy",),
     ),
@@ -488,7 +437,7 @@ REGISTRY: tuple[Internal, ...] = (
         _all(has_attrs(_BACKUP, "_save_model"), looks_up(f"{_BACKUP}.__init__", "_weights_path")),
         attrs=("_save_model", "_weights_path"),
     ),
-    # keras_fixes.device_dataset_patches: per-device datasets without the rewrites that cannot apply.
+    # keras_fixes.device_dataset_patches: per-device datasets without rewrites that cannot apply.
     Internal(
         DEVICE_DATASET,
         "quiet_device_datasets",
@@ -510,26 +459,25 @@ REGISTRY: tuple[Internal, ...] = (
     Internal(
         f"{_RANDOM}:_cast_seed",
         "replica_random_streams",
-        "every Keras random op turns its seed into TensorFlow's there; no public hook gives each replica its own",
+        "every Keras random op turns its seed into TensorFlow's there; no public hook exists",
         looks_up(tuple(f"{_RANDOM}:{op}" for op in _RANDOM_OPS), "_cast_seed"),
     ),
-    # eval_loss.py: a custom test_step's compute_loss is not divided by the replica count.
+    # eval_loss.py and train_step_trace.py: the loss scaling of a test step and a custom train_step.
     Internal(
         f"{_LOSS}:scale_loss_for_distribution, unscale_loss_for_distribution",
         "evaluate_loss",
-        "Keras divides every loss by the replica count for the gradient sum, in test_step too, where no "
-        "gradient is taken; the two functions are identities while a test step traces",
+        "Keras divides every loss by the replica count, in test_step too; the two functions are "
+        "identities while a test step traces",
         _all(
             has_attrs(_LOSS, "scale_loss_for_distribution", "unscale_loss_for_distribution"),
             looks_up(f"{_LOSS}:reduce_values", "scale_loss_for_distribution"),
         ),
     ),
-    # keras_fixes.same_data_order_patches: shapes from the element_spec, not from an extra iterator.
+    # keras_fixes.same_data_order_patches: shapes from the element_spec, not an extra iterator.
     Internal(
         SAME_DATA_ORDER,
         "same_data_order",
-        "under a strategy Keras iterates the dataset once to read the first batch's shapes, which starts "
-        "a pass of a reshuffling dataset; keras-sync gives it the dataset's element_spec instead",
+        "Keras reads a batch for the shapes, which starts a pass of a reshuffling dataset",
         _all(
             callable_with(_SYMBOLIC_BUILD, "self", "iterator", "data_batch"),
             looks_up(f"{_TRAINER}:TFEpochIterator.__init__", "_distributed_dataset"),
@@ -537,27 +485,23 @@ REGISTRY: tuple[Internal, ...] = (
         fallback=True,
         attrs=("_distributed_dataset",),
     ),
-    # training/instrument.py: each replica's loss and local gradients exist only inside train_step.
+    # training/instrument.py and callbacks/weight_divergence.py: values before the all-reduce.
     Internal(
-        f"{_TF_TRAINER}.train_step",
+        f"{_TF_TRAINER}.train_step, Variable._value",
         "per_replica_metrics",
-        "the values before the all-reduce exist only inside train_step",
-        looks_up(f"{_TF_TRAINER}.train_step", "_compute_loss", "apply_gradients"),
-    ),
-    # callbacks/weight_divergence.py: each replica's copy of a weight.
-    Internal(
-        "keras.src.backend.tensorflow.core:Variable._initialize (variable._value)",
-        "per_replica_metrics",
-        "a Keras variable's per-replica copies are those of the tf.Variable it holds in `_value`",
-        looks_up("keras.src.backend.tensorflow.core:Variable._initialize", "_value"),
+        "each replica's loss and gradients exist only inside train_step; a Keras variable's "
+        "per-replica copies are those of its `_value`",
+        _all(
+            looks_up(f"{_TF_TRAINER}.train_step", "_compute_loss", "apply_gradients"),
+            looks_up("keras.src.backend.tensorflow.core:Variable._initialize", "_value"),
+        ),
         attrs=("_value",),
     ),
     # pipeline.py: the examples of one pass of a batched dataset, to give a rebatched one its length.
     Internal(
         f"{_DATA_OPS}.batch_op:_BatchDataset",
         "end_of_data",
-        "a batch op's size, remainder rule and input, read to count the examples exactly; without them "
-        "a rebatched dataset has an unknown length",
+        "a batch op's size, remainder rule and input, to count the examples exactly",
         looks_up(f"{_DATA_OPS}.batch_op:_BatchDataset.__init__", *_BATCH_ATTRS[:3]),
         fallback=True,
         attrs=_BATCH_ATTRS,
@@ -565,7 +509,7 @@ REGISTRY: tuple[Internal, ...] = (
     Internal(
         PIPELINE_BATCH_SIZE,
         "end_of_data",
-        "TensorFlow's own reading of a pipeline's batch size; without it the batch op is read instead",
+        "TensorFlow's own reading of a pipeline's batch size",
         callable_with(PIPELINE_BATCH_SIZE, "dataset"),
         fallback=True,
     ),
@@ -573,25 +517,17 @@ REGISTRY: tuple[Internal, ...] = (
     Internal(
         f"{_DATA_OPS}: _InterleaveDataset, _ParallelInterleaveDataset, _FlatMapDataset (_map_func)",
         "file_count",
-        "the function of an interleave or flat_map is only kept there; without it a reader inside one "
-        "is not counted and TensorFlow's own auto-shard applies",
-        looks_up(
-            (
-                f"{_DATA_OPS}.interleave_op:_InterleaveDataset.__init__",
-                f"{_DATA_OPS}.interleave_op:_ParallelInterleaveDataset.__init__",
-                f"{_DATA_OPS}.flat_map_op:_FlatMapDataset.__init__",
-            ),
-            "_map_func",
-        ),
+        "an interleave's function is kept only there; without it TensorFlow's auto-shard applies",
+        looks_up(_INTERLEAVES, "_map_func"),
         fallback=True,
         attrs=("_map_func",),
     ),
-    # training/loss_scale.py: the gradients summed for LossScaleOptimizer's decision, not summed again.
+    # training/loss_scale.py: the gradients summed for LossScaleOptimizer's decision, not again.
     Internal(
         LOSS_SCALE_REDUCE,
         "loss_scale_reduce",
-        "Keras all-reduces inside the inner optimizer, after LossScaleOptimizer judged the local "
-        "gradients; keras-sync sums them first and passes that sum through this all-reduce",
+        "keras-sync sums the gradients before LossScaleOptimizer judges them, then passes that sum "
+        "through this all-reduce",
         _all(
             has_attrs(_TF_OPTIMIZER, "_all_reduce_sum_gradients"),
             looks_up(f"{_TF_OPTIMIZER}._backend_update_step", "_all_reduce_sum_gradients"),
@@ -603,19 +539,21 @@ REGISTRY: tuple[Internal, ...] = (
     Internal(
         f"{_SYSTEM}: CPUMonitor, DiskMonitor, NetworkMonitor",
         "system_metrics",
-        "MLflow samples system metrics on its own clock only; keras-sync logs them at training steps",
+        "MLflow samples system metrics on its own clock only",
         _all(
             *(
-                has_attrs(f"{_SYSTEM}.{m}_monitor:{c}Monitor", *_MONITOR_METHODS)
+                has_attrs(f"{_SYSTEM}.{m}_monitor:{c}Monitor", "collect_metrics", "clear_metrics")
                 for m, c in _MONITORS
-            )
+            ),
+            has_attrs(f"{_SYSTEM}.cpu_monitor:CPUMonitor", "aggregate_metrics"),
         ),
     ),
 )
 
 
+@functools.cache
 def check(internal: Internal) -> str | None:
-    """What is missing for ``internal`` on the installed versions, or None if its shape matches."""
+    """What is missing for ``internal`` here, or None if its shape matches (probed once)."""
     try:
         return internal.probe()
     except (ImportError, AttributeError) as e:
@@ -624,10 +562,9 @@ def check(internal: Internal) -> str | None:
 
 def versions(internal: Internal) -> str:
     """``"Keras 3.15.1, TensorFlow 2.21.0"`` (or ``"MLflow 3.17.2"``): the internal's libraries."""
-    mlflow = internal.name.startswith("mlflow")
+    names = ("mlflow",) if internal.name.startswith("mlflow") else ("keras", "tensorflow")
     return ", ".join(
-        f"{_NAMES[m]} {getattr(importlib.import_module(m), '__version__', '?')}"
-        for m in (("mlflow",) if mlflow else ("keras", "tensorflow"))
+        f"{_NAMES[m]} {getattr(importlib.import_module(m), '__version__', '?')}" for m in names
     )
 
 
@@ -654,13 +591,13 @@ def require(feature: str) -> None:
     internal, gone = found
     what, alternative = FEATURES[feature]
     library = internal.name.split(".")[0]
+    why = f"keras-sync needs it for {internal.why}"
     if predates(internal):
         raise CompatibilityError(
-            f"{what} needs {_NAMES[library]} >= {internal.since} (found {versions(internal)}: {gone}; "
-            f"keras-sync needs it for {internal.why}). "
-            f'Fix: pip install "{_spec(library, internal.since)}", {alternative}.'
+            f"{what} needs {_NAMES[library]} >= {internal.since} (found {versions(internal)}: "
+            f'{gone}; {why}). Fix: pip install "{_spec(library, internal.since)}", {alternative}.'
         )
     raise CompatibilityError(
-        f"{what} cannot work with {versions(internal)}: {gone} (keras-sync needs it for {internal.why}). "
-        f"keras-sync is tested with {TESTED}. Fix: {PIN[library]}, {alternative}."
+        f"{what} cannot work with {versions(internal)}: {gone} ({why}). keras-sync is tested "
+        f"with {TESTED}. Fix: {PIN[library]}, {alternative}."
     )
