@@ -461,7 +461,7 @@ class Sync:
         """For `fit` and `evaluate`: the loss a test step tracks is one device's."""
         if self.num_replicas <= 1:
             return contextlib.nullcontext()
-        from keras_sync.upstream.eval_loss import unscaled_eval_losses
+        from keras_sync.upstream.keras_losses import unscaled_eval_losses
 
         return unscaled_eval_losses(model)
 

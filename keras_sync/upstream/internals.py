@@ -462,7 +462,7 @@ REGISTRY: tuple[Internal, ...] = (
         "every Keras random op turns its seed into TensorFlow's there; no public hook exists",
         looks_up(tuple(f"{_RANDOM}:{op}" for op in _RANDOM_OPS), "_cast_seed"),
     ),
-    # eval_loss.py and train_step_trace.py: the loss scaling of a test step and a custom train_step.
+    # keras_losses.py (evaluate, train_step_trace.py): the loss scaling of a test step and a custom train_step.
     Internal(
         f"{_LOSS}:scale_loss_for_distribution, unscale_loss_for_distribution",
         "evaluate_loss",

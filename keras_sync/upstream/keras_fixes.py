@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Any
 
+from keras_sync.upstream import internals as _internals
 from keras_sync.upstream.patching import Patch, original, patched
 
 logger = logging.getLogger(__name__)
@@ -57,24 +58,19 @@ def fixed_keras(strategy: Any) -> Any:
 def multi_worker_patches() -> list[Patch]:
     """Make Keras 3 `model.fit` work under a multi-worker `MultiWorkerMirroredStrategy`.
 
-    keras-team/keras#20585 (tensorflow/tensorflow#72388), in `keras/src/backend/tensorflow/trainer.py`:
-
-    1. `_maybe_symbolic_build` all-reduces the first batch only to learn its shapes, which fails
-       for a nested structure of `PerReplica`: it gets the element spec, else one replica's batch.
+    keras-team/keras#20585 (tensorflow/tensorflow#72388), in Keras's TensorFlow trainer:
+    1. `_maybe_symbolic_build` all-reduces the first batch for its shapes, which fails for nested
+       `PerReplica`: it gets the element spec, else one replica's batch (`same_data_order_patches`).
     2. `reduce_per_replica` reduces scalar logs on axis 0 ("Invalid reduction dimension 0"):
        scalars are reduced across replicas only, the mean Keras reports on one machine.
-    3. keras-team/keras#19246: with ``steps_per_execution > 1`` the one-step `tf.function` nested
-       in the multi-step loop fails ("You must feed a value for placeholder tensor"): Keras gets
-       the Python function instead, traced inline (when its probes pass; else
-       `check_steps_per_execution` refuses ``steps_per_execution > 1``).
-
+    3. keras-team/keras#19246: with ``steps_per_execution > 1`` the one-step `tf.function` nested in
+       the multi-step loop fails ("You must feed a value for placeholder tensor"): Keras gets its
+       Python function, traced inline (if its probes fail, `check_steps_per_execution` refuses).
     Calls not under a multi-worker MWMS go to Keras's own functions.
 
     Raises:
         CompatibilityError: the installed Keras no longer has the internals patched here.
     """
-    from keras_sync.upstream import internals as _internals
-
     _internals.require("multi_worker_fit")
     from keras import tree
 
@@ -103,18 +99,17 @@ def multi_worker_patches() -> list[Patch]:
     keras_own = original(cls, "_autoconvert_optionals")
 
     def _autoconvert_optionals(self: Any, step_func: Any) -> Any:
-        strategy = self._distribute_strategy
         inner = getattr(step_func, "python_function", None)  # the function a `tf.function` wraps
+        strategy = self._distribute_strategy
         if (
             inner is not None
             and int(self.steps_per_execution or 1) > 1
-            and strategy is not None
             and _is_multi_worker(strategy)
         ):
             if self.jit_compile:  # jit_compile was the nested function's
                 logger.warning(
-                    "keras-sync: under multi_worker_mirrored with steps_per_execution=%s the train step "
-                    "runs without XLA (keras-team/keras#19246 workaround).",
+                    "keras-sync: under multi_worker_mirrored with steps_per_execution=%s the train "
+                    "step runs without XLA (keras-team/keras#19246 workaround).",
                     self.steps_per_execution,
                 )
             step_func = inner
@@ -206,12 +201,11 @@ def end_of_data_patches() -> list[Patch]:
 
 
 def _first_batch_spec(epoch_iterator: Any) -> Any:
-    """One replica's specs of a batch of the epoch iterator's dataset; None when an element is
-    not plain tensors (optional, sparse, ragged): Keras then reads a batch as it always did."""
+    """One replica's specs of a batch of the epoch iterator's dataset; None when an element is not
+    plain tensors (optional, sparse, ragged): Keras then reads a batch as it always did."""
     import tensorflow as tf
 
-    dataset = getattr(epoch_iterator, "_distributed_dataset", None)
-    spec = getattr(dataset, "element_spec", None)
+    spec = getattr(getattr(epoch_iterator, "_distributed_dataset", None), "element_spec", None)
     if spec is None:
         return None
 
@@ -228,21 +222,18 @@ def same_data_order_patches(multi_worker: bool) -> list[Patch]:
     """Build the model from the dataset's element spec, not from a batch of an extra iterator.
 
     Under a strategy Keras reads a first batch for its shapes (`_maybe_symbolic_build`), which
-    starts a pass of the dataset: a reshuffling ``shuffle`` then trains every epoch on the order
+    starts a pass of the dataset: a reshuffling ``shuffle`` then trains every epoch in the order
     one device sees an epoch later, and a generator loses the batches read ahead. Under a
-    multi-worker MWMS, without a spec, the batch of the first local replica (fix 1 of
-    `multi_worker_patches`: Keras's all-reduce of the batch fails there).
+    multi-worker MWMS without a spec: the first local replica's batch (Keras's all-reduce fails).
     """
     from keras import tree
-
-    from keras_sync.upstream import internals as _internals
 
     # Probed here, outside the span: inside it the probe would read this patch, not Keras's code.
     with_spec = _internals.available(_internals.SAME_DATA_ORDER)
     if not with_spec and not multi_worker:
         logger.info(
-            "keras-sync: this Keras builds the model from a batch of the data; a reshuffling dataset "
-            "trains in another order than on one device"
+            "keras-sync: this Keras builds the model from a batch of the data; a reshuffling "
+            "dataset trains in another order than on one device"
         )
         return []
     cls = _trainer().TensorFlowTrainer
@@ -277,155 +268,105 @@ KEPT_ITERATOR = "_keras_sync_dropped_iterator"
 _ITERATOR_ATTRS = ("_current_iterator", "_epoch_iterator", KEPT_ITERATOR)
 
 
-class _IteratorReleaser:
-    """Destroys the tf.data iterators Keras drops on threads of their own, so `fit` does not wait.
-
-    Destroying a tf.data iterator joins its autotuning thread, which can wait out its optimisation
-    period (up to 60 s) under load, with the training thread blocked. `fit` keeps the iterator of
-    the running step in a local, so what is handed over (a dropped generator is closed and its
-    frame's TensorFlow locals held instead) is held by one watcher thread until nothing else
-    refers to it, then destroyed on a thread of its own (not a daemon: one still inside TensorFlow
-    at interpreter exit aborts the process). At exit no thread is started (Python 3.12 refuses
-    it): what is held is dropped in place.
-    """
-
-    #: The longest an iterator is held waiting for the other references to it to go.
-    HOLD_S = 600.0
-
-    def __init__(self) -> None:
-        # Reentrant: `release` runs from `__del__`, which a collection may call under the lock.
-        self._lock = threading.RLock()
-        self._held: list[Any] = []
-        self._since: list[float] = []
-        self._watcher: threading.Thread | None = None
-        self._threads: set[threading.Thread] = set()
-
-    def release(self, box: list[Any]) -> None:
-        """Take what ``box`` holds (the caller keeps no other reference); destroy it off this thread."""
-        if not any(v is not None for v in box):
-            return
-        if _at_exit():  # no new thread: the caller drops it
-            return
-        with self._lock:
-            while box:
-                _hold(self._held, self._since, box.pop())
-            if self._watcher is None:
-                self._watcher = threading.Thread(
-                    target=self._watch, name="keras-sync-iterator-watch"
-                )
-                self._threads.add(self._watcher)
-                try:
-                    self._watcher.start()
-                except RuntimeError:  # 3.12: the exit began after the check above; let go
-                    self._threads.discard(self._watcher)
-                    self._watcher = None
-                    self._held.clear()
-                    self._since.clear()
-
-    def _watch(self) -> None:
-        pause = 0.005
-        while True:
-            with self._lock:
-                _open_generators(self._held, self._since)
-                # At exit the main thread is marked done before the interpreter joins this thread.
-                exiting = _at_exit()
-                alone = self._take_alone(force=exiting)
-                if not self._held and not alone:
-                    self._watcher = None
-                    self._threads.discard(threading.current_thread())
-                    return
-            while alone:
-                if exiting or _at_exit():
-                    alone.pop().clear()  # no new thread at exit: dropped here, one after another
-                    continue
-                box = alone.pop()
-                thread = threading.Thread(
-                    target=self._drop, args=(box,), name="keras-sync-iterator-release"
-                )
-                with self._lock:
-                    self._threads.add(thread)
-                try:
-                    thread.start()
-                except RuntimeError:  # 3.12: the exit began between the check above and here
-                    with self._lock:
-                        self._threads.discard(thread)
-                    box.clear()
-                del box, thread
-            pause = min(pause * 2, 0.1) if self._held else 0.005
-            time.sleep(pause)
-
-    def _take_alone(self, force: bool) -> list[list[Any]]:
-        """Take out what nothing else refers to (or was held `HOLD_S`), each in a box of its own."""
-        now = time.monotonic()
-        out: list[list[Any]] = []
-        i = 0
-        while i < len(self._held):
-            # Alone: the held list's slot and getrefcount's argument are its only references.
-            if force or now - self._since[i] > self.HOLD_S or sys.getrefcount(self._held[i]) <= 2:
-                out.append([self._held.pop(i)])
-                self._since.pop(i)
-            else:
-                i += 1
-        return out
-
-    def _drop(self, box: list[Any]) -> None:
-        box.clear()  # the destructors run here (TensorFlow releases the GIL while it waits)
-        with self._lock:
-            self._threads.discard(threading.current_thread())
-
-    def wait(self, timeout_s: float | None = None) -> bool:
-        """Wait until every iterator handed over is destroyed; True when none is left."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            with self._lock:
-                threads = list(self._threads)
-            if not threads:
-                return True
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return False
-            threads[0].join(left if left is None else min(left, 0.1))
-
-
-RELEASER = _IteratorReleaser()
-
-
 def _at_exit() -> bool:
     """The interpreter is exiting: the main thread is done (its threads are being joined) or later."""
     return sys.is_finalizing() or not threading.main_thread().is_alive()
 
 
-def _hold(held: list[Any], since: list[float], value: Any) -> None:
-    """Append ``value`` to ``held`` unless it is None or already there."""
-    if value is not None and not any(v is value for v in held):
-        held.append(value)
-        since.append(time.monotonic())
+class _IteratorReleaser:
+    """Destroys the tf.data iterators Keras drops on a thread of its own, so `fit` does not wait.
 
+    Destroying a tf.data iterator joins its autotuning thread, which can wait out its optimisation
+    period (up to 60 s) under load. `fit` keeps the running step's iterator in a local, so what is
+    handed over is held by one watcher thread until nothing else refers to it (or `HOLD_S`), then
+    destroyed there. A dropped generator is closed and its frame's TensorFlow locals held instead.
+    The watcher is not a daemon (one inside TensorFlow at interpreter exit aborts the process); at
+    exit no thread is started (Python 3.12 refuses it) and what is held is dropped at once.
+    """
 
-def _open_generators(held: list[Any], since: list[float]) -> None:
-    """Replace each generator in ``held`` by its frame's TensorFlow locals, and close it."""
-    for i in range(len(held) - 1, -1, -1):
-        if inspect.isgenerator(held[i]):
-            generator = held.pop(i)
-            since.pop(i)
+    HOLD_S = 600.0
+
+    def __init__(self) -> None:
+        # Reentrant: `release` runs from `__del__`, which a collection may call under the lock.
+        self._lock = threading.RLock()
+        self._held: list[list[Any]] = []  # [value, held since]
+        self._watcher: threading.Thread | None = None
+
+    def release(self, box: list[Any]) -> None:
+        """Take what ``box`` holds (the caller keeps no other reference); destroy it off this thread."""
+        if not any(v is not None for v in box) or _at_exit():  # at exit the caller drops it
+            return
+        with self._lock:
+            while box:
+                self._hold(box.pop())
+            if self._watcher is None:
+                self._watcher = threading.Thread(target=self._watch, name="keras-sync-iterators")
+                try:
+                    self._watcher.start()
+                except RuntimeError:  # 3.12: the exit began after the check above; let go
+                    self._watcher = None
+                    self._held.clear()
+
+    def _hold(self, value: Any) -> None:
+        if value is not None and not any(h[0] is value for h in self._held):
+            self._held.append([value, time.monotonic()])
+
+    def _watch(self) -> None:
+        pause = 0.005
+        while True:
+            with self._lock:
+                self._open_generators()
+                alone = self._take_alone(force=_at_exit())
+                if not self._held and not alone:
+                    self._watcher = None
+                    return
+            while alone:
+                alone.pop().clear()  # the destructors run here (TensorFlow releases the GIL)
+            pause = min(pause * 2, 0.1) if self._held else 0.005
+            time.sleep(pause)
+
+    def _take_alone(self, force: bool) -> list[list[Any]]:
+        """Take out what nothing else refers to (or was held `HOLD_S`), each in a box of its own."""
+        now, out = time.monotonic(), []
+        for slot in list(self._held):
+            # Alone: the slot and getrefcount's argument are its only references.
+            if force or now - slot[1] > self.HOLD_S or sys.getrefcount(slot[0]) <= 2:
+                self._held.remove(slot)
+                out.append([slot.pop(0)])
+        return out
+
+    def _open_generators(self) -> None:
+        """Replace each held generator by its frame's TensorFlow locals, and close it."""
+        for slot in [s for s in self._held if inspect.isgenerator(s[0])]:
+            self._held.remove(slot)
+            generator = slot.pop(0)
             frame = generator.gi_frame
-            inner = (
-                []
-                if frame is None
-                else [v for v in dict(frame.f_locals).values() if _is_tensorflow(v)]
-            )
-            del frame
+            values = [] if frame is None else list(dict(frame.f_locals).values())
+            inner = [v for v in values if type(v).__module__.startswith("tensorflow.")]
+            del frame, values
             try:
                 generator.close()
             except Exception:
                 pass
             del generator
             while inner:
-                _hold(held, since, inner.pop())
+                self._hold(inner.pop())
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait until every iterator handed over is destroyed; True when none is left."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                watcher = self._watcher
+            if watcher is None:
+                return True
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            watcher.join(0.1 if left is None else min(left, 0.1))
 
 
-def _is_tensorflow(value: Any) -> bool:
-    return type(value).__module__.startswith("tensorflow.")
+RELEASER = _IteratorReleaser()
 
 
 class _ReleasedOffThread:
@@ -435,33 +376,28 @@ class _ReleasedOffThread:
         self.name = name
 
     def __get__(self, obj: Any, owner: Any = None) -> Any:
-        if obj is None:
-            return self
-        return obj.__dict__.get(self.name)
+        return self if obj is None else obj.__dict__.get(self.name)
 
     def __set__(self, obj: Any, value: Any) -> None:
         # Straight into the box: a local name here could hold the last reference.
         box = [obj.__dict__.get(self.name)]
-        if box[0] is value:
-            return
-        obj.__dict__[self.name] = value
-        RELEASER.release(box)
+        if box[0] is not value:
+            obj.__dict__[self.name] = value
+            RELEASER.release(box)
 
 
 def iterator_release_patches() -> list[Patch]:
     """Keep the distributed iterator an epoch iterator drops alive until its next `reset`.
 
-    Under a strategy Keras makes an iterator only to read the first batch's shapes and drops it
-    at once (`EpochIterator.reset`); its `MultiDeviceIterator` thread may still be reading, and
-    calls into the freed pipeline: SIGSEGV or "pure virtual method called" (plain Keras too).
-    Every iterator an epoch iterator replaces or leaves behind is destroyed by `RELEASER`.
+    Under a strategy Keras makes an iterator only to read the first batch's shapes and drops it at
+    once (`EpochIterator.reset`); its `MultiDeviceIterator` thread may still be reading, and calls
+    into the freed pipeline: SIGSEGV or "pure virtual method called" (plain Keras too). Every
+    iterator an epoch iterator replaces or leaves behind is destroyed by `RELEASER`.
     """
-    from keras_sync.upstream import internals as _internals
-
     if not _internals.available(_internals.EPOCH_ITERATOR_RESET):
         logger.info(
-            "keras-sync: this Keras's EpochIterator.reset has moved; the iterator it drops is not kept "
-            "(a process may crash under load when a strategy's iterator is destroyed mid-read)"
+            "keras-sync: this Keras's EpochIterator.reset has moved; the iterator it drops is not "
+            "kept (a process may crash under load when a strategy's iterator is destroyed mid-read)"
         )
         return []
     import importlib
@@ -488,23 +424,19 @@ def iterator_release_patches() -> list[Patch]:
 
 
 def device_dataset_patches() -> list[Patch]:
-    """Build the per-device datasets of `MirroredStrategy` without default optimizations, which
-    cannot apply there and make TensorFlow warn "will not be optimized" on every run. [] when
-    TF_CPP_MIN_LOG_LEVEL is 0 (every line asked for)."""
+    """Build `MirroredStrategy`'s per-device datasets without default optimizations, which cannot
+    apply there and make TensorFlow warn "will not be optimized" on every run ([] when
+    TF_CPP_MIN_LOG_LEVEL is 0: every line asked for)."""
     import os
 
-    if os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0").strip() in ("", "0"):
-        return []
-    from keras_sync.upstream import internals as _internals
-
-    name = "tensorflow.python.data.ops.multi_device_iterator_ops:_create_device_dataset"
-    if not _internals.available(name):
+    level = os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0").strip()
+    if level in ("", "0") or not _internals.available(_internals.DEVICE_DATASET):
         return []
     import importlib
 
     import tensorflow as tf
 
-    module = importlib.import_module(name.partition(":")[0])
+    module = importlib.import_module(_internals.DEVICE_DATASET.partition(":")[0])
     tf_own = original(module, "_create_device_dataset")
 
     def _create_device_dataset(*args: object, **kwargs: object) -> object:
@@ -522,9 +454,5 @@ def check_steps_per_execution(model: Any, strategy: Any) -> None:
     Raises:
         CompatibilityError: its internals moved.
     """
-    steps = int(getattr(model, "steps_per_execution", 1) or 1)
-    if steps <= 1 or not _is_multi_worker(strategy):
-        return
-    from keras_sync.upstream import internals as _internals
-
-    _internals.require("multi_worker_steps_per_execution")
+    if int(getattr(model, "steps_per_execution", 1) or 1) > 1 and _is_multi_worker(strategy):
+        _internals.require("multi_worker_steps_per_execution")

@@ -1,18 +1,29 @@
-"""Keras's loss-scaling functions, read to tell whether a custom `train_step` divides its loss.
+"""Keras's loss-scaling functions (``keras.src.losses.loss``): read in a custom `train_step`,
+identities in a test step.
 
-No public API says a loss went through them: a custom `train_step` as the guides write it trains
-at N x the learning rate on N replicas (keras-team/keras#14104).
+Keras divides every loss by the replica count for the gradient sum (`scale_loss_for_distribution`).
+No public API says a loss went through it: a custom `train_step` as the guides write it trains at
+N x the learning rate on N replicas (keras-team/keras#14104), and a custom `test_step` reports 1/N
+of the loss (Keras's own multiplies it back). No gradient is taken in a test step: while one
+traces, both scaling functions are identities, so `evaluate` reports one device's loss.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import threading
+from collections.abc import Iterator
 from typing import Any
 
+from keras_sync.upstream.patching import original, patched
+
 MODULE = "keras.src.losses.loss"
-#: The functions of `MODULE` the trace marks; both must be there.
+#: The functions of `MODULE` the train-step trace marks; both must be there.
 NAMES = ("scale_loss_for_distribution", "reduce_values")
 UPSTREAM_ISSUE = "keras-team/keras#14104 (a custom train_step under a tf.distribute strategy)"
+_SCALING = ("scale_loss_for_distribution", "unscale_loss_for_distribution")
+_tls = threading.local()
 
 
 def module() -> Any:
@@ -27,3 +38,48 @@ def missing() -> list[str]:
     except ImportError:
         return [f"{MODULE}.{name}" for name in NAMES]
     return [f"{MODULE}.{name}" for name in NAMES if not callable(getattr(losses, name, None))]
+
+
+def _identity_in_test_step(name: str, keras_own: Any) -> Any:
+    def scale(value: Any) -> Any:
+        return value if getattr(_tls, "testing", False) else keras_own(value)
+
+    scale.__name__ = name
+    return scale
+
+
+@contextlib.contextmanager
+def _tracing_test_step() -> Iterator[None]:
+    losses = module()
+    patches = [(losses, n, _identity_in_test_step(n, original(losses, n))) for n in _SCALING]
+    was, _tls.testing = getattr(_tls, "testing", False), True
+    try:
+        with patched(patches):
+            yield
+    finally:
+        _tls.testing = was
+
+
+@contextlib.contextmanager
+def unscaled_eval_losses(model: Any) -> Iterator[None]:
+    """For this span, ``model``'s test step tracks losses not divided by the replica count.
+
+    The step is wrapped on the instance and unwrapped on exit; the test function traced inside
+    keeps the behaviour. One traced before without it is dropped so Keras traces again.
+    """
+    from keras_sync.upstream import internals as _internals
+
+    _internals.require("evaluate_loss")
+    step = model.test_step
+
+    def test_step(data: Any) -> Any:
+        object.__setattr__(model, "_keras_sync_eval_unscaled", True)
+        with _tracing_test_step():
+            return step(data)
+
+    if getattr(model, "test_function", None) is not None and not model.__dict__.get(
+        "_keras_sync_eval_unscaled"
+    ):
+        model.test_function = None
+    with patched([(model, "test_step", test_step)]):
+        yield
