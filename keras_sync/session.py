@@ -43,13 +43,14 @@ def load(
         >>> sync.fit(model, x, y, epochs=3)                        # doctest: +SKIP
     """
     cfg = config if isinstance(config, Config) else load_config(config, overrides=overrides)
+    from keras_sync.strategy import ONE_PROCESS_KINDS, build_strategy, check_one_process, detect
+    from keras_sync.training import paths, runtime
     from keras_sync.upstream import stack
+    from keras_sync.upstream.strategy_facts import in_multi_worker_mode
 
     stack.check_backend()  # KERAS_BACKEND=jax/torch: one line here, not a false scope error at fit
     # TensorFlow's C++ start-up INFO lines hide the user's output; a value the user set wins.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
-    from keras_sync.strategy import ONE_PROCESS_KINDS, check_one_process, detect
-
     check_one_process(cfg)  # `mirrored` under a TF_CONFIG of 2 workers, refused before TensorFlow
     kind = detect(cfg).kind
     line = _first_line(cfg, kind)
@@ -57,20 +58,29 @@ def load(
         print(line, file=sys.stderr, flush=True)
     early_writer = None
     if cfg.mlflow.enabled and kind in ONE_PROCESS_KINDS:
-        from keras_sync.training import paths as _paths
         from keras_sync.training.job_run import start_writer
 
-        _paths.check_config_paths(cfg, is_chief=True)  # its one line, before any writer
+        paths.check_config_paths(cfg, is_chief=True)  # its one line, before any writer
         # Surely the chief: its courier imports MLflow while TensorFlow is imported, not in the fit.
         early_writer = start_writer(cfg)
     try:
-        sync = _build(cfg, early_writer)
+        strategy, detection = build_strategy(cfg)
+        if in_multi_worker_mode(strategy):  # fit/evaluate/predict called alone: one line
+            from keras_sync.cluster import collective_calls
+
+            collective_calls.configure(strategy, cfg.strategy.connect_timeout_s)
+        sync = Sync(cfg, strategy, detection)
+        if early_writer is None:  # now, not at the first save or metric
+            paths.check_config_paths(cfg, is_chief=sync.is_chief)
+        if sync.is_chief and cfg.mlflow.enabled:
+            # The courier starts while the user builds the model; the run is made at the first log.
+            sync.job_run.writer(early=True, started=early_writer)
+        elif early_writer is not None:
+            _drop_early_writer(early_writer)
     except BaseException:
         if early_writer is not None:
             _drop_early_writer(early_writer)
         raise
-    from keras_sync.training import runtime
-
     runtime.set_dtype_policy(cfg, is_chief=sync.is_chief)  # before the user builds the model
     if cfg.verify is not None:  # `keras-sync verify`: the same weights and data on both runs
         from keras_sync.training.verify_record import seed_everything
@@ -97,38 +107,11 @@ def _first_line(cfg: Config, kind: str) -> str | None:
     return f"keras-sync: config: {cfg.origin()}; {what}"
 
 
-def _build(cfg: Config, early_writer: Any) -> Sync:
-    """The strategy and the `Sync`; ``early_writer`` (paths already checked) becomes its writer."""
-    from keras_sync.strategy import build_strategy
-
-    strategy, detection = build_strategy(cfg)
-    from keras_sync.upstream.strategy_facts import in_multi_worker_mode
-
-    if in_multi_worker_mode(strategy):
-        from keras_sync.cluster import collective_calls
-
-        # fit/evaluate/predict: a worker that calls one alone fails in one line
-        collective_calls.configure(strategy, cfg.strategy.connect_timeout_s)
-    sync = Sync(cfg, strategy, detection)
-    from keras_sync.training import paths as _paths
-
-    if early_writer is None:  # now, not at the first save or metric
-        _paths.check_config_paths(cfg, is_chief=sync.is_chief)
-    if sync.is_chief and cfg.mlflow.enabled:
-        # The courier starts while the user builds the model; the run is made at the first log.
-        sync.job_run.writer(early=True, started=early_writer)
-    elif early_writer is not None:
-        _drop_early_writer(early_writer)
-    return sync
-
-
 def _drop_early_writer(writer: Any) -> None:
     """Close a writer that logged nothing and leave no empty spool folder behind."""
     writer.close()
-    try:
+    with contextlib.suppress(OSError):  # not empty (other runs' spools), or gone
         os.rmdir(os.path.dirname(os.path.abspath(writer.spool_path)))
-    except OSError:  # not empty (other runs' spools), or gone
-        pass
 
 
 class Sync:
@@ -143,21 +126,18 @@ class Sync:
     """
 
     def __init__(self, config: Config, strategy: Any, detection: Any):
-        self.config = config
-        self.strategy = strategy
+        from keras_sync.training.job_run import JobRun
+
+        self.config, self.strategy = config, strategy
         self.kind: str = detection.kind
         self.kind_reason: str = detection.reason
         self.num_replicas: int = int(strategy.num_replicas_in_sync)
         role = strategy_role(strategy)
-        self.num_workers, self.is_chief, self.task = (
-            role.num_workers,
-            role.is_chief,
-            (role.task_type, role.task_id),
-        )
+        self.num_workers, self.is_chief = role.num_workers, role.is_chief
+        self.task = (role.task_type, role.task_id)
         self.per_replica_batch_size, self.global_batch_size = scaling.resolve_batch_sizes(
             config.batch.per_replica, config.batch.global_, self.num_replicas
         )
-        #: Micro-batches per optimizer update, and the examples of one update (global batch x that).
         self.gradient_accumulation_steps: int = config.runtime.gradient_accumulation_steps
         self.effective_batch_size: int = self.global_batch_size * self.gradient_accumulation_steps
         lr = config.learning_rate
@@ -169,13 +149,10 @@ class Sync:
             base_batch_size=self.base_batch_size,
             rule=lr.scaling,
         )
-        self._schedules: list[Any] = []
+        self._schedules: list[Any] = []  # warmups in epochs, waiting for fit's steps per epoch
         self._steps_per_epoch: int | None = None
         self._warned_batch_size = False
-        #: What the input pipeline did with the last fit's training data (`keras_sync.training.pipeline.InputFacts`).
         self.input_facts: Any = None
-        from keras_sync.training.job_run import JobRun
-
         #: This job's MLflow run: the writer (chief only) and the state its fits share.
         self.job_run = JobRun(config, self.is_chief)
 
@@ -185,8 +162,6 @@ class Sync:
             f"per_replica_batch={self.per_replica_batch_size}, global_batch={self.global_batch_size}, "
             f"learning_rate={self.learning_rate:g})"
         )
-
-    # -- learning rate -----------------------------------------------------------------------
 
     def warmup_steps(self, steps_per_epoch: int | None = None) -> int:
         """The warmup length in optimizer steps (0 when there is no warmup)."""
@@ -221,8 +196,6 @@ class Sync:
             self._schedules.append(sched)
         return sched
 
-    # -- strategy ----------------------------------------------------------------------------
-
     def scope(self) -> Any:
         """The strategy's scope: build and compile the model inside it.
 
@@ -231,11 +204,8 @@ class Sync:
         """
         from keras_sync.training.run_checks import scope_guarding_fit
 
-        return scope_guarding_fit(
-            self.strategy,
-            self.context(),
-            lambda: self.job_run.writer() if self.config.mlflow.enabled else None,
-        )
+        writer = self.job_run.writer if self.config.mlflow.enabled else lambda: None
+        return scope_guarding_fit(self.strategy, self.context(), writer)
 
     def distribute(self, data: Any, *, shuffle: bool = False, seed: int = 1337) -> Any:
         """A `tf.data.Dataset` batched by the global batch, from arrays or a dataset of examples.
@@ -250,21 +220,20 @@ class Sync:
         own options, else gets ``batch.shard_policy`` (see `keras_sync.training.pipeline`).
         """
         ds, steps = self._pipeline().distribute(data, shuffle=shuffle, seed=seed)
-        if steps:
-            self._steps_per_epoch = steps
+        self._steps_per_epoch = steps or self._steps_per_epoch
         return ds
 
     def _pipeline(self) -> Any:
         from keras_sync.training import verify_record
         from keras_sync.training.pipeline import InputPipeline
 
-        value = self.config.batch.drop_remainder
+        drop = self.config.batch.drop_remainder
         return InputPipeline(
             global_batch=self.global_batch_size,
             num_replicas=self.num_replicas,
             num_workers=self.num_workers,
             is_chief=self.is_chief,
-            drop_remainder=KINDS[self.kind].drop_remainder if value == "auto" else bool(value),
+            drop_remainder=KINDS[self.kind].drop_remainder if drop == "auto" else bool(drop),
             shard_policy=self.config.batch.shard_policy,
             multi_worker=KINDS[self.kind].multi_process,
             replay_order=bool(self.config.fault_tolerance.backup_dir),
@@ -274,8 +243,6 @@ class Sync:
             and verify_record.arrays_as_dataset(self.config),
         )
 
-    # -- Keras -------------------------------------------------------------------------------
-
     def fit(self, model: Any, x: Any = None, y: Any = None, **kwargs: Any) -> Any:
         """`model.fit` under this strategy: same arguments, same return value (a `History`).
 
@@ -283,43 +250,37 @@ class Sync:
         Keras reads it under a `tf.distribute` strategy; `fit` refuses one that differs from the
         configured batch unless ``learning_rate.scaling`` is none, so the rate fits the batch);
         under `multi_worker_mirrored` they become a `tf.data.Dataset`, as Keras requires. A batched
-        dataset is rebatched to the global batch (see `keras_sync.training.pipeline`). The MLflow run ends
-        (FINISHED) when fit returns; the next fit of this `Sync` continues it.
+        dataset is rebatched to the global batch (see `keras_sync.training.pipeline`). The MLflow
+        run ends (FINISHED) when fit returns; the next fit of this `Sync` continues it.
         """
-        self._ready(model, kwargs.get("callbacks"), "fit")
-        given = kwargs.get("batch_size")  # the global batch, checked by _prepare
-        data = x
-        x, y, kwargs = self._prepare(model, "fit", x, y, kwargs)
-        per_replica = given // self.num_replicas if given else None
-        global_batch = given or self.global_batch_size
-        # With steps_per_epoch an epoch is that many steps, not one pass over the data.
-        steps_given = kwargs.get("steps_per_epoch") is not None
-        expected = None if steps_given else self.input_facts.examples_per_epoch
-        self._resolve_pending_warmup(x, kwargs)
         from keras_sync import callbacks as ks_callbacks
-
-        kwargs["callbacks"] = ks_callbacks.fit_callbacks(
-            self,
-            kwargs.get("callbacks"),
-            global_batch=global_batch,
-            expected=expected,
-            data=data,
-            per_replica_batch_size=per_replica,
-            record=True,
-        )
         from keras_sync.callbacks.backup import resumable_fit
         from keras_sync.cluster.collective_calls import collective
         from keras_sync.cluster.preemption import ctrl_c_ends_fit
         from keras_sync.training import saving
 
+        self._ready(model, kwargs.get("callbacks"), "fit")
+        given, data = kwargs.get("batch_size"), x  # the global batch, checked by _prepare
+        x, y, kwargs = self._prepare(model, "fit", x, y, kwargs)
+        # With steps_per_epoch an epoch is that many steps, not one pass over the data.
+        steps_given = kwargs.get("steps_per_epoch")
+        self._resolve_pending_warmup(steps_given or self.input_facts.steps_per_epoch)
+        kwargs["callbacks"] = ks_callbacks.fit_callbacks(
+            self,
+            kwargs.get("callbacks"),
+            global_batch=given or self.global_batch_size,
+            expected=None if steps_given else self.input_facts.examples_per_epoch,
+            data=data,
+            per_replica_batch_size=given // self.num_replicas if given else None,
+            record=True,
+        )
         # Keras' BackupAndRestore, TensorBoard, CSVLogger: the chief writes (model.save: _prepare).
         saving.guard_callbacks(self.strategy, kwargs["callbacks"])
         # Ctrl-C is outermost: every other context has closed before the process exits. With
         # mlflow.keras.autolog() on, autolog logs into keras-sync's run instead of its own.
+        backup_dir = self.config.fault_tolerance.backup_dir
         with (
-            ctrl_c_ends_fit(
-                model, is_chief=self.is_chief, backup_dir=self.config.fault_tolerance.backup_dir
-            ),
+            ctrl_c_ends_fit(model, is_chief=self.is_chief, backup_dir=backup_dir),
             self.job_run.shared_run(),
             self.job_run.ends_after_fit(),
             self._keras_call(),  # before resumable_fit: its probes read Keras's own classes
@@ -328,7 +289,7 @@ class Sync:
             self._eval_losses(model),
             collective(model, "model.fit"),  # every worker at this fit, or one line
         ):
-            if kwargs.get("steps_per_epoch") is None:
+            if steps_given is None:
                 # Data of unknown length ends each epoch by running out: Keras's advice to add
                 # .repeat() would break the epoch. With steps_per_epoch it is a real shortfall.
                 warnings.filterwarnings("ignore", "Your input ran out of data", UserWarning)
@@ -384,28 +345,24 @@ class Sync:
             >>> model.fit(sync.distribute((x, y)), epochs=3, callbacks=sync.callbacks(model))  # doctest: +SKIP
             >>> sync.close()  # doctest: +SKIP
         """
-        if self.config.fault_tolerance.backup_dir:
+        backup_dir = self.config.fault_tolerance.backup_dir
+        if backup_dir:
             raise UsageError(
-                f"Sync.callbacks cannot resume mid-epoch: fault_tolerance.backup_dir is set "
-                f"({self.config.fault_tolerance.backup_dir!r}), and its exact resume replaces Keras's epoch iterator "
-                "for the length of fit. Use sync.fit(model, ...), or remove fault_tolerance.backup_dir and pass "
+                f"Sync.callbacks cannot resume mid-epoch: fault_tolerance.backup_dir is set ({backup_dir!r}), "
+                "and its exact resume replaces Keras's epoch iterator for the length of fit. Use "
+                "sync.fit(model, ...), or remove fault_tolerance.backup_dir and pass "
                 "keras.callbacks.BackupAndRestore yourself."
             )
         from keras_sync import callbacks as ks_callbacks
         from keras_sync.training import saving
-        from keras_sync.upstream.keras_fixes import check_steps_per_execution
 
         self._ready(model, callbacks, "callbacks")
-        check_steps_per_execution(model, self.strategy)
-        if self.num_workers > 1:  # model.save, ModelCheckpoint: the chief writes; fit: every worker
-            saving.for_workers(model)
+        self._for_workers(model)
         # Keras' BackupAndRestore, TensorBoard and CSVLogger: the chief writes the user's paths.
         return saving.guard_callbacks(
             self.strategy,
             ks_callbacks.fit_callbacks(self, callbacks, global_batch=self.global_batch_size),
         )
-
-    # -- the MLflow run ----------------------------------------------------------------------
 
     @property
     def run_id(self) -> str | None:
@@ -446,6 +403,16 @@ class Sync:
         with self._keras_call(), self._eval_losses(model):
             return model.evaluate(x, y, **kwargs)
 
+    def predict(self, model: Any, x: Any = None, **kwargs: Any) -> Any:
+        """`model.predict` under this strategy, with the same batching rules as `fit`.
+
+        Under `multi_worker_mirrored` it is a collective: call it on every worker; each gets all
+        the predictions. A worker that calls it alone fails with one line saying so.
+        """
+        x, _, kwargs = self._prepare(model, "predict", x, None, kwargs)
+        with self._keras_call():
+            return model.predict(x, **kwargs)
+
     @contextlib.contextmanager
     def _keras_call(self) -> Iterator[None]:
         """Around Keras's `fit`, `evaluate` and `predict`: Keras fixed for this strategy, and a
@@ -465,26 +432,20 @@ class Sync:
 
         return unscaled_eval_losses(model)
 
-    def predict(self, model: Any, x: Any = None, **kwargs: Any) -> Any:
-        """`model.predict` under this strategy, with the same batching rules as `fit`.
+    def _for_workers(self, model: Any) -> None:
+        """``model.save``, ModelCheckpoint: the chief writes; fit, evaluate, predict: every worker."""
+        from keras_sync.training import saving
+        from keras_sync.upstream.keras_fixes import check_steps_per_execution
 
-        Under `multi_worker_mirrored` it is a collective: call it on every worker; each gets all
-        the predictions. A worker that calls it alone fails with one line saying so.
-        """
-        x, _, kwargs = self._prepare(model, "predict", x, None, kwargs)
-        with self._keras_call():
-            return model.predict(x, **kwargs)
+        check_steps_per_execution(model, self.strategy)
+        if self.num_workers > 1:
+            saving.for_workers(model)
 
     def _prepare(
         self, model: Any, method: str, x: Any, y: Any, kwargs: dict[str, Any]
     ) -> tuple[Any, Any, dict[str, Any]]:
-        from keras_sync.training import saving
-        from keras_sync.upstream.keras_fixes import check_steps_per_execution
-
         self._check_model(model, method)
-        if self.num_workers > 1:  # model.fit/evaluate/predict: every worker; model.save: the chief
-            saving.for_workers(model)
-        check_steps_per_execution(model, self.strategy)
+        self._for_workers(model)
         kwargs = dict(kwargs)
         if not self.is_chief:  # one progress bar per job, the chief's; warnings still print
             kwargs["verbose"] = 0
@@ -539,23 +500,23 @@ class Sync:
         from keras_sync.training import runtime
         from keras_sync.training.schedules import check_lr_callbacks
 
-        self._check_model(model, method)  # first: a Keras 2 model is refused in one line
-        self._check_variables(model, method)
-        self._check_optimizers(model, method)
+        self._check_model(model, method, deep=True)  # first: a Keras 2 model is refused in one line
         refuse_keras_backup(self.config.fault_tolerance.backup_dir, callbacks, method)
         check_lr_callbacks(model, callbacks, method)
         runtime.prepare_model(self.context(), model)  # steps_per_execution, jit_compile, BatchNorm
 
-    def _check_model(self, model: Any, method: str) -> None:
-        if not hasattr(model, "fit") or not hasattr(model, "predict"):
-            raise UsageError(
-                f"sync.{method}(model, ...) expects a Keras model as first argument. Received: {type(model).__name__}."
-            )
+    def _check_model(self, model: Any, method: str, deep: bool = False) -> None:
+        """Refuse in one line a model this strategy cannot run; ``deep``: also its variables and
+        optimizer options (before training)."""
         import keras
 
         if not isinstance(model, keras.Model):
             cls = type(model)
             where = f"{cls.__module__}.{cls.__qualname__}"
+            if not hasattr(model, "fit") or not hasattr(model, "predict"):
+                raise UsageError(
+                    f"sync.{method}(model, ...) expects a Keras model as first argument. Received: {cls.__name__}."
+                )
             if cls.__module__.split(".")[0] in ("tf_keras", "tensorflow", "keras"):  # Keras 2
                 raise UsageError(
                     f"sync.{method} got a Keras 2 model ({where}: tf_keras, or tf.keras with TF_USE_LEGACY_KERAS=1), "
@@ -570,9 +531,9 @@ class Sync:
         from keras_sync.upstream import internals as _internals
 
         _internals.require("model_strategy")  # else every model would look unscoped
+        name = type(model).__name__
         if getattr(type(model), "call", None) in (keras.Model.call, keras.layers.Layer.call):
-            name = type(model).__name__  # Keras builds a model under a strategy by calling it
-            raise UsageError(
+            raise UsageError(  # Keras builds a model under a strategy by calling it
                 f"{name} has no call() method, and under a distribution strategy Keras builds the model by calling it "
                 f"on a batch before sync.{method} trains (it fails with a long traceback inside Keras). Fix: define "
                 f"call(self, inputs) in {name}, returning what the model computes from inputs (e.g. the decoder's or "
@@ -583,19 +544,20 @@ class Sync:
                 f"The model was built outside sync.scope(), so sync.{method} cannot distribute it over "
                 f"{self.num_replicas} replicas. Fix: create and compile the model inside `with sync.scope():`."
             )
+        if deep:
+            self._check_variables(model, method)
+            self._check_optimizers(model, method)
 
     def _check_variables(self, model: Any, method: str) -> None:
         """Refuse layers built outside the scope of a model assembled inside it (Keras fails with
         "colocate_vars_with must only be passed a variable created in this ... scope()")."""
-        if not KINDS[self.kind].scoped:
-            return
         import tensorflow as tf
 
-        extended = self.strategy.extended
+        in_scope = self.strategy.extended.variable_created_in_scope
         owners: dict[str, None] = {}
         for v in model.variables:
             value = getattr(v, "value", v)
-            if isinstance(value, tf.Variable) and not extended.variable_created_in_scope(value):
+            if isinstance(value, tf.Variable) and not in_scope(value):
                 owners.setdefault(v.path.rpartition("/")[0] or v.path, None)
         if owners:
             names = list(owners)
@@ -610,45 +572,38 @@ class Sync:
     def _check_optimizers(self, model: Any, method: str) -> None:
         """Refuse optimizer options Keras runs in an ``ops.cond`` that all-reduces, which fails under
         a strategy ("merge_call called while defining a new graph")."""
-        if not KINDS[self.kind].scoped:
-            return
         from keras_sync.training.train_step_trace import optimizers_of
 
         for opt in optimizers_of(model):
             inner = getattr(opt, "inner_optimizer", opt)  # a LossScaleOptimizer's options
-            name = type(inner).__name__
-            if getattr(inner, "gradient_accumulation_steps", None):
+            name, steps = type(inner).__name__, getattr(inner, "gradient_accumulation_steps", None)
+            fails = f"fails under a {self.kind} strategy in Keras"
+            if steps:
                 raise UsageError(
-                    f"sync.{method}: the model's optimizer {name}(gradient_accumulation_steps="
-                    f"{inner.gradient_accumulation_steps}) fails under a {self.kind} strategy in Keras (its "
+                    f"sync.{method}: the model's optimizer {name}(gradient_accumulation_steps={steps}) {fails} (its "
                     "accumulation runs in a cond that all-reduces: 'merge_call called while defining a new graph'). "
-                    f"Fix: remove it from the optimizer and set runtime.gradient_accumulation_steps: "
-                    f"{inner.gradient_accumulation_steps} in the keras-sync config (same update, on any replica count)."
+                    f"Fix: remove it from the optimizer and set runtime.gradient_accumulation_steps: {steps} in the "
+                    "keras-sync config (same update, on any replica count)."
                 )
             if getattr(inner, "use_ema", False):
                 raise UsageError(
-                    f"sync.{method}: the model's optimizer {name}(use_ema=True) fails under a {self.kind} strategy in "
-                    "Keras (its moving average is updated in a cond that all-reduces: 'merge_call called while "
-                    "defining a new graph'). Fix: remove use_ema (and ema_momentum/ema_overwrite_frequency) from the "
-                    "optimizer; keep an average of the weights in a callback if you need one."
+                    f"sync.{method}: the model's optimizer {name}(use_ema=True) {fails} (its moving average is "
+                    "updated in a cond that all-reduces: 'merge_call called while defining a new graph'). Fix: "
+                    "remove use_ema (and ema_momentum/ema_overwrite_frequency) from the optimizer; keep an average "
+                    "of the weights in a callback if you need one."
                 )
 
-    def _resolve_pending_warmup(self, x: Any, kwargs: dict[str, Any]) -> None:
+    def _resolve_pending_warmup(self, steps: int | None) -> None:
+        """Give the warmups in epochs their length, from the ``steps`` of one epoch of this fit."""
         if not self._schedules:
             return
-        from keras_sync.training.pipeline import steps_of
-
-        steps = kwargs.get("steps_per_epoch") or steps_of(
-            x, kwargs.get("batch_size"), kwargs.get("validation_split")
-        )
         if not steps:
             raise UsageError(
                 "learning_rate.warmup_epochs needs the number of steps per epoch, and the training data does not "
                 "tell it (an infinite or unknown-size dataset). Pass steps_per_epoch to sync.fit, or use "
                 "learning_rate.warmup_steps."
             )
-        steps = math.ceil(steps / self.gradient_accumulation_steps)  # optimizer updates
-        self._steps_per_epoch = steps
+        self._steps_per_epoch = math.ceil(steps / self.gradient_accumulation_steps)  # updates
         for sched in self._schedules:
-            sched.warmup_steps = self.warmup_steps(steps)
+            sched.warmup_steps = self.warmup_steps(self._steps_per_epoch)
         self._schedules.clear()
