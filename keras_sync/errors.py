@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from dataclasses import dataclass
@@ -28,39 +29,31 @@ class KerasSyncError(_BASE):
 
     @property
     def code(self) -> int:
-        """What Python's exit reads: the message line(s) on the first read, then `exit_code`."""
-        return _ending(self)
+        """What Python's exit reads: says the message once on stderr, then gives `exit_code`.
 
+        A cluster error, or one read by Python's top-level exit handling, ends with `os._exit`
+        after the atexit handlers (none after a connect timeout: nothing ran yet): TensorFlow's
+        teardown would print pages about missing peers, or wait for them.
+        """
+        if not self.__dict__.get("_keras_sync_said"):
+            self.__dict__["_keras_sync_said"] = True
+            for line in str(self).splitlines() or [type(self).__name__]:
+                print(f"keras-sync: {line}", file=sys.stderr)
+        try:
+            sys._getframe(1)  # this property's caller: none when Python's exit handling reads it
+            top_level = False
+        except ValueError:
+            top_level = True
+        if top_level or isinstance(self, (ConnectTimeoutError, PeerLostError)):
+            if not isinstance(self, ConnectTimeoutError):
+                import atexit
 
-def _ending(error: KerasSyncError) -> int:
-    """Say ``error`` once on stderr and give the exit code.
-
-    A cluster error, or any error read by Python's top-level exit handling, ends with `os._exit`
-    after the atexit handlers (not after a connect timeout: nothing ran yet): TensorFlow's
-    teardown would print pages about missing peers, or wait for them.
-    """
-    if not error.__dict__.get("_keras_sync_said"):
-        error.__dict__["_keras_sync_said"] = True
-        for line in str(error).splitlines() or [type(error).__name__]:
-            print(f"keras-sync: {line}", file=sys.stderr)
-    cluster = isinstance(error, (ConnectTimeoutError, PeerLostError))
-    try:
-        sys._getframe(2)  # the property's caller: none when Python's exit handling reads it
-        top_level = False
-    except ValueError:
-        top_level = True
-    if cluster or top_level:
-        if not isinstance(error, ConnectTimeoutError):  # nothing ran yet after a connect timeout
-            import atexit
-
-            atexit._run_exitfuncs()
-        for stream in (sys.stderr, sys.stdout):
-            try:
-                stream.flush()
-            except Exception:  # a closed stream: nothing left to flush
-                pass
-        os._exit(error.exit_code)
-    return error.exit_code
+                atexit._run_exitfuncs()
+            for stream in (sys.stderr, sys.stdout):
+                with contextlib.suppress(Exception):  # a closed stream: nothing left to flush
+                    stream.flush()
+            os._exit(self.exit_code)
+        return self.exit_code
 
 
 @dataclass(frozen=True)

@@ -196,6 +196,24 @@ def _all(*probes: Probe) -> Probe:
     return lambda: next((m for m in (p() for p in probes) if m), None)
 
 
+def shape(*specs: str) -> Probe:
+    """Probe from specs, each one of: ``"path(a, b)"`` (callable, its first parameters a and b),
+    ``"path | path uses a, b"`` (the functions' code, together, looks a and b up),
+    ``"path has a, b"`` (attributes)."""
+    probes = []
+    for spec in specs:
+        if spec.endswith(")"):
+            path, _, params = spec[:-1].partition("(")
+            probes.append(callable_with(path, *params.split(", ")))
+        elif " uses " in spec:
+            paths, _, names = spec.partition(" uses ")
+            probes.append(looks_up(tuple(paths.split(" | ")), *names.split(", ")))
+        else:
+            path, _, attrs = spec.partition(" has ")
+            probes.append(has_attrs(path, *attrs.split(", ")))
+    return _all(*probes)
+
+
 def nested_code(path: str, name: str) -> CodeType | None:
     """The code of the function ``name`` defined inside the function at ``path`` (None if none)."""
     for c in inspect.unwrap(_get(path)).__code__.co_consts:
@@ -237,7 +255,6 @@ _CONTEXT = "tensorflow.python.eager.context"
 _COORDINATION = f"{_CONTEXT}:coordination_config_pb2.CoordinationServiceConfig"
 _CARS = "tensorflow.python.distribute.collective_all_reduce_strategy"
 _CARS_EXT = f"{_CARS}:CollectiveAllReduceExtended"
-_MW = "tensorflow.python.distribute.multi_worker_util"
 _DATA_OPS = "tensorflow.python.data.ops"
 _SYSTEM = "mlflow.system_metrics.metrics"
 _TF_OPTIMIZER = "keras.src.backend.tensorflow.optimizer:TFOptimizer"
@@ -247,13 +264,6 @@ _RANDOM = "keras.src.backend.tensorflow.random"
 _RANDOM_OPS = ("normal", "uniform", "dropout", "randint", "truncated_normal", "categorical")
 _BACKUP = "keras.src.callbacks.backup_and_restore:BackupAndRestore"
 _LOSS = "keras.src.losses.loss"
-_BATCH_ATTRS = ("_batch_size", "_drop_remainder", "_input_dataset", "_inputs")
-_INTERLEAVES = (
-    f"{_DATA_OPS}.interleave_op:_InterleaveDataset.__init__",
-    f"{_DATA_OPS}.interleave_op:_ParallelInterleaveDataset.__init__",
-    f"{_DATA_OPS}.flat_map_op:_FlatMapDataset.__init__",
-)
-_MONITORS = (("cpu", "CPU"), ("disk", "Disk"), ("network", "Network"))
 
 MAKE_FUNCTION = f"{_TF_TRAINER}._make_function"
 END_OF_DATA = f"{MAKE_FUNCTION}.<locals>.function"
@@ -275,9 +285,9 @@ REGISTRY: tuple[Internal, ...] = (
         _REDUCE,
         "multi_worker_fit",
         _KERAS_20585,
-        _all(
-            callable_with(_REDUCE, "values", "strategy", "reduction"),
-            has_attrs(_TRAINER, "_is_tpu_strategy", "_is_per_replica_instance", "_is_scalar"),
+        shape(
+            f"{_REDUCE}(values, strategy, reduction)",
+            f"{_TRAINER} has _is_tpu_strategy, _is_per_replica_instance, _is_scalar",
         ),
         attrs=("_is_tpu_strategy", "_is_per_replica_instance", "_is_scalar"),
     ),
@@ -286,29 +296,23 @@ REGISTRY: tuple[Internal, ...] = (
         "multi_worker_fit",
         "the train function must look reduce_per_replica up as a module global",
         # Keras 3.10 builds the step in make_train_function, later ones in _make_function.
-        looks_up((f"{_TF_TRAINER}.make_train_function", MAKE_FUNCTION), "reduce_per_replica"),
+        shape(f"{_TF_TRAINER}.make_train_function | {MAKE_FUNCTION} uses reduce_per_replica"),
     ),
     Internal(
         _SYMBOLIC_BUILD,
         "multi_worker_fit",
         _KERAS_20585,
-        callable_with(_SYMBOLIC_BUILD, "self", "iterator", "data_batch"),
+        shape(f"{_SYMBOLIC_BUILD}(self, iterator, data_batch)"),
     ),
     # keras_fixes fix 3: the one-step function traced inline into the multi-step loop.
     Internal(
         _AUTOCONVERT,
         "multi_worker_steps_per_execution",
-        "keras-team/keras#19246 (steps_per_execution > 1 under MultiWorkerMirroredStrategy): the hook that "
-        "receives the one-step tf.function, replaced by its Python function",
-        _all(
-            callable_with(_AUTOCONVERT, "self", "step_func"),
-            looks_up(
-                MAKE_FUNCTION,
-                "_autoconvert_optionals",
-                "function",
-                "steps_per_execution",
-                "while_loop",
-            ),
+        "keras-team/keras#19246 (steps_per_execution > 1 under MultiWorkerMirroredStrategy): the "
+        "hook that receives the one-step tf.function, replaced by its Python function",
+        shape(
+            f"{_AUTOCONVERT}(self, step_func)",
+            f"{MAKE_FUNCTION} uses _autoconvert_optionals, function, steps_per_execution, while_loop",
         ),
         since="3.12",
     ),
@@ -327,7 +331,7 @@ REGISTRY: tuple[Internal, ...] = (
         "iterator_release",
         "Keras drops the iterator it made to read the first batch's shapes; destroyed while its "
         "thread reads, the process crashes",
-        looks_up(EPOCH_ITERATOR_RESET, "_current_iterator", "_epoch_iterator"),
+        shape(f"{EPOCH_ITERATOR_RESET} uses _current_iterator, _epoch_iterator"),
         attrs=("_current_iterator", "_epoch_iterator"),
         fallback=True,
     ),
@@ -337,20 +341,11 @@ REGISTRY: tuple[Internal, ...] = (
         "multi_worker_strategy",
         "subclassed to pass each worker's local devices (TF's TODO b/126786766)",
         _all(
-            callable_with(
-                f"{_CARS_EXT}._initialize_local_devices",
-                "self",
-                "cluster_resolver",
-                "worker_device",
+            shape(
+                f"{_CARS_EXT}._initialize_local_devices(self, cluster_resolver, worker_device)",
+                f"{_CARS_EXT}.__init__(self, container_strategy, cluster_resolver, communication_options)",
+                f"{_CARS_EXT}._in_multi_worker_mode(self)",
             ),
-            callable_with(
-                f"{_CARS_EXT}.__init__",
-                "self",
-                "container_strategy",
-                "cluster_resolver",
-                "communication_options",
-            ),
-            callable_with(f"{_CARS_EXT}._in_multi_worker_mode", "self"),
             _is_mwms,
         ),
         attrs=("_in_multi_worker_mode",),
@@ -360,16 +355,12 @@ REGISTRY: tuple[Internal, ...] = (
         "multi_worker_strategy",
         "no public API bounds the join (tensorflow#60706)",
         _all(
-            callable_with(
-                f"{_CONTEXT}:Context.configure_coordination_service",
-                "self",
-                "service_type",
-                "service_leader",
+            shape(
+                f"{_CONTEXT}:Context.configure_coordination_service(self, service_type, service_leader)",
+                "tensorflow.python.distribute.multi_worker_util has is_chief, worker_count, "
+                "normalize_cluster_spec, coordination_leader",
             ),
             _coordination_fields("coordinated_job_list", "cluster_register_timeout_in_ms"),
-            has_attrs(
-                _MW, "is_chief", "worker_count", "normalize_cluster_spec", "coordination_leader"
-            ),
         ),
     ),
     Internal(
@@ -383,13 +374,10 @@ REGISTRY: tuple[Internal, ...] = (
         f"{_CONTEXT}:context_safe, Context._server_def, Context._collective_ops_server_def",
         "multi_worker_strategy",
         "the cluster TensorFlow joined: without it a late TF_CONFIG change is not caught",
-        _all(
-            has_attrs(_CONTEXT, "context_safe"),
-            looks_up(
-                (f"{_CONTEXT}:Context.__init__", f"{_CONTEXT}:Context.enable_collective_ops"),
-                "_server_def",
-                "_collective_ops_server_def",
-            ),
+        shape(
+            f"{_CONTEXT} has context_safe",
+            f"{_CONTEXT}:Context.__init__ | {_CONTEXT}:Context.enable_collective_ops uses "
+            "_server_def, _collective_ops_server_def",
         ),
         fallback=True,
         attrs=("_server_def", "_collective_ops_server_def"),
@@ -399,9 +387,9 @@ REGISTRY: tuple[Internal, ...] = (
         f"{_TRAINER}:TFEpochIterator",
         "exact_resume",
         "Keras's BackupAndRestore restarts an epoch at batch 0; no API starts one mid-way",
-        _all(
-            has_attrs(f"{_TRAINER}:TFEpochIterator", "_enumerate_iterator", "catch_stop_iteration"),
-            looks_up(f"{_EPOCH}.__init__", "_num_batches"),
+        shape(
+            f"{_TRAINER}:TFEpochIterator has _enumerate_iterator, catch_stop_iteration",
+            f"{_EPOCH}.__init__ uses _num_batches",
         ),
         attrs=("_enumerate_iterator", "_num_batches"),
     ),
@@ -410,7 +398,7 @@ REGISTRY: tuple[Internal, ...] = (
         "exact_resume",
         "fit must build its iterator from the module global keras-sync swaps, and read the "
         "restored epoch from `model._initial_epoch` as for Keras's BackupAndRestore",
-        looks_up(f"{_TF_TRAINER}.fit", "TFEpochIterator", "_initial_epoch"),
+        shape(f"{_TF_TRAINER}.fit uses TFEpochIterator, _initial_epoch"),
         attrs=("_initial_epoch",),
     ),
     # tf_runtime.py: with a backup, a seeded script's arrays keep Keras's own shuffle.
@@ -418,7 +406,7 @@ REGISTRY: tuple[Internal, ...] = (
         GLOBAL_SEED,
         "exact_resume",
         "no public API tells whether tf.random.set_seed was called",
-        has_attrs(_CONTEXT, "global_seed"),
+        shape(f"{_CONTEXT} has global_seed"),
         fallback=True,
     ),
     # session.py, saving.py, collective_calls.py: the strategy a model was built under.
@@ -426,7 +414,7 @@ REGISTRY: tuple[Internal, ...] = (
         f"{_TF_TRAINER}.__init__ (model._distribute_strategy)",
         "model_strategy",
         "`model.distribute_strategy` falls back to the current strategy",
-        looks_up(f"{_TF_TRAINER}.__init__", "_distribute_strategy"),
+        shape(f"{_TF_TRAINER}.__init__ uses _distribute_strategy"),
         attrs=("_distribute_strategy",),
     ),
     # saving.py: Keras's BackupAndRestore writes on the chief only.
@@ -434,7 +422,7 @@ REGISTRY: tuple[Internal, ...] = (
         f"{_BACKUP}._save_model, _weights_path",
         "keras_backup_guard",
         "its save is replaced on the workers that are not the chief",
-        _all(has_attrs(_BACKUP, "_save_model"), looks_up(f"{_BACKUP}.__init__", "_weights_path")),
+        shape(f"{_BACKUP} has _save_model", f"{_BACKUP}.__init__ uses _weights_path"),
         attrs=("_save_model", "_weights_path"),
     ),
     # keras_fixes.device_dataset_patches: per-device datasets without rewrites that cannot apply.
@@ -442,15 +430,10 @@ REGISTRY: tuple[Internal, ...] = (
         DEVICE_DATASET,
         "quiet_device_datasets",
         "the per-device datasets are built there, with default options that ask for rewrites",
-        _all(
-            callable_with(DEVICE_DATASET, "prototype_ds", "incarnation_id"),
-            looks_up(
-                (
-                    f"{_MULTI_DEVICE}:MultiDeviceIterator.__init__",
-                    f"{_MULTI_DEVICE}:OwnedMultiDeviceIterator.__init__",
-                ),
-                "_create_device_dataset",
-            ),
+        shape(
+            f"{DEVICE_DATASET}(prototype_ds, incarnation_id)",
+            f"{_MULTI_DEVICE}:MultiDeviceIterator.__init__ | "
+            f"{_MULTI_DEVICE}:OwnedMultiDeviceIterator.__init__ uses _create_device_dataset",
         ),
         fallback=True,
         attrs=("_create_device_dataset",),
@@ -462,15 +445,15 @@ REGISTRY: tuple[Internal, ...] = (
         "every Keras random op turns its seed into TensorFlow's there; no public hook exists",
         looks_up(tuple(f"{_RANDOM}:{op}" for op in _RANDOM_OPS), "_cast_seed"),
     ),
-    # keras_losses.py (evaluate, train_step_trace.py): the loss scaling of a test step and a custom train_step.
+    # keras_losses.py (evaluate, train_step_trace.py): the loss scaling of a test or train step.
     Internal(
         f"{_LOSS}:scale_loss_for_distribution, unscale_loss_for_distribution",
         "evaluate_loss",
         "Keras divides every loss by the replica count, in test_step too; the two functions are "
         "identities while a test step traces",
-        _all(
-            has_attrs(_LOSS, "scale_loss_for_distribution", "unscale_loss_for_distribution"),
-            looks_up(f"{_LOSS}:reduce_values", "scale_loss_for_distribution"),
+        shape(
+            f"{_LOSS} has scale_loss_for_distribution, unscale_loss_for_distribution",
+            f"{_LOSS}:reduce_values uses scale_loss_for_distribution",
         ),
     ),
     # keras_fixes.same_data_order_patches: shapes from the element_spec, not an extra iterator.
@@ -478,9 +461,9 @@ REGISTRY: tuple[Internal, ...] = (
         SAME_DATA_ORDER,
         "same_data_order",
         "Keras reads a batch for the shapes, which starts a pass of a reshuffling dataset",
-        _all(
-            callable_with(_SYMBOLIC_BUILD, "self", "iterator", "data_batch"),
-            looks_up(f"{_TRAINER}:TFEpochIterator.__init__", "_distributed_dataset"),
+        shape(
+            f"{_SYMBOLIC_BUILD}(self, iterator, data_batch)",
+            f"{_TRAINER}:TFEpochIterator.__init__ uses _distributed_dataset",
         ),
         fallback=True,
         attrs=("_distributed_dataset",),
@@ -491,9 +474,9 @@ REGISTRY: tuple[Internal, ...] = (
         "per_replica_metrics",
         "each replica's loss and gradients exist only inside train_step; a Keras variable's "
         "per-replica copies are those of its `_value`",
-        _all(
-            looks_up(f"{_TF_TRAINER}.train_step", "_compute_loss", "apply_gradients"),
-            looks_up("keras.src.backend.tensorflow.core:Variable._initialize", "_value"),
+        shape(
+            f"{_TF_TRAINER}.train_step uses _compute_loss, apply_gradients",
+            "keras.src.backend.tensorflow.core:Variable._initialize uses _value",
         ),
         attrs=("_value",),
     ),
@@ -502,15 +485,18 @@ REGISTRY: tuple[Internal, ...] = (
         f"{_DATA_OPS}.batch_op:_BatchDataset",
         "end_of_data",
         "a batch op's size, remainder rule and input, to count the examples exactly",
-        looks_up(f"{_DATA_OPS}.batch_op:_BatchDataset.__init__", *_BATCH_ATTRS[:3]),
+        shape(
+            f"{_DATA_OPS}.batch_op:_BatchDataset.__init__ uses _batch_size, _drop_remainder, "
+            "_input_dataset"
+        ),
         fallback=True,
-        attrs=_BATCH_ATTRS,
+        attrs=("_batch_size", "_drop_remainder", "_input_dataset", "_inputs"),
     ),
     Internal(
         PIPELINE_BATCH_SIZE,
         "end_of_data",
         "TensorFlow's own reading of a pipeline's batch size",
-        callable_with(PIPELINE_BATCH_SIZE, "dataset"),
+        shape(f"{PIPELINE_BATCH_SIZE}(dataset)"),
         fallback=True,
     ),
     # training/dataset_graph.py: the function of an interleave/flat_map, read for file readers.
@@ -518,7 +504,11 @@ REGISTRY: tuple[Internal, ...] = (
         f"{_DATA_OPS}: _InterleaveDataset, _ParallelInterleaveDataset, _FlatMapDataset (_map_func)",
         "file_count",
         "an interleave's function is kept only there; without it TensorFlow's auto-shard applies",
-        looks_up(_INTERLEAVES, "_map_func"),
+        shape(
+            f"{_DATA_OPS}.interleave_op:_InterleaveDataset.__init__ | "
+            f"{_DATA_OPS}.interleave_op:_ParallelInterleaveDataset.__init__ | "
+            f"{_DATA_OPS}.flat_map_op:_FlatMapDataset.__init__ uses _map_func"
+        ),
         fallback=True,
         attrs=("_map_func",),
     ),
@@ -528,9 +518,9 @@ REGISTRY: tuple[Internal, ...] = (
         "loss_scale_reduce",
         "keras-sync sums the gradients before LossScaleOptimizer judges them, then passes that sum "
         "through this all-reduce",
-        _all(
-            has_attrs(_TF_OPTIMIZER, "_all_reduce_sum_gradients"),
-            looks_up(f"{_TF_OPTIMIZER}._backend_update_step", "_all_reduce_sum_gradients"),
+        shape(
+            f"{_TF_OPTIMIZER} has _all_reduce_sum_gradients",
+            f"{_TF_OPTIMIZER}._backend_update_step uses _all_reduce_sum_gradients",
         ),
         fallback=True,
         attrs=("_all_reduce_sum_gradients",),
@@ -540,12 +530,12 @@ REGISTRY: tuple[Internal, ...] = (
         f"{_SYSTEM}: CPUMonitor, DiskMonitor, NetworkMonitor",
         "system_metrics",
         "MLflow samples system metrics on its own clock only",
-        _all(
+        shape(
             *(
-                has_attrs(f"{_SYSTEM}.{m}_monitor:{c}Monitor", "collect_metrics", "clear_metrics")
-                for m, c in _MONITORS
+                f"{_SYSTEM}.{m.lower()}_monitor:{m}Monitor has collect_metrics, clear_metrics"
+                for m in ("CPU", "Disk", "Network")
             ),
-            has_attrs(f"{_SYSTEM}.cpu_monitor:CPUMonitor", "aggregate_metrics"),
+            f"{_SYSTEM}.cpu_monitor:CPUMonitor has aggregate_metrics",
         ),
     ),
 )

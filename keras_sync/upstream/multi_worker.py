@@ -40,10 +40,10 @@ def strategy_class() -> type:
 
     class MultiWorkerMirroredStrategy(cars.CollectiveAllReduceStrategy):
         def __init__(self, cluster_resolver, communication_options, local_devices):
-            tf.distribute.Strategy.__init__(
-                self,
-                _LocalDevicesExtended(self, cluster_resolver, communication_options, local_devices),
+            extended = _LocalDevicesExtended(
+                self, cluster_resolver, communication_options, local_devices
             )
+            tf.distribute.Strategy.__init__(self, extended)
 
     return MultiWorkerMirroredStrategy
 
@@ -52,17 +52,13 @@ def _context() -> Any:
     return importlib.import_module(_CONTEXT).context()
 
 
-def _configured(ctx: Any) -> bool:
-    return ctx.coordination_service is not None
-
-
 def configure_coordination(
     cluster_spec: Any, timeout_ms: int, jobs: tuple[str, ...]
 ) -> tuple[bool, bool]:
     """Configure the coordination service so every task of ``jobs`` must register within
     ``timeout_ms``; returns (configured, with the barrier). Not configured when one already is."""
     ctx = _context()
-    if _configured(ctx):
+    if ctx.coordination_service is not None:
         return False, False
     util = importlib.import_module("tensorflow.python.distribute.multi_worker_util")
     spec = util.normalize_cluster_spec(cluster_spec)
@@ -91,9 +87,8 @@ def set_key(key: str, value: str) -> None:
 def get_key(key: str, timeout_ms: int | None = None) -> str:
     """The value posted under ``key``, waiting for it; raises `tf.errors.DeadlineExceededError`
     after ``timeout_ms`` (None: waits as long as TensorFlow does)."""
-    if timeout_ms is None:
-        return _context().get_config_key_value(key)
-    return _context().get_config_key_value(key, timeout_ms)
+    args = () if timeout_ms is None else (timeout_ms,)
+    return _context().get_config_key_value(key, *args)
 
 
 def peer_health(task: str, timeout_ms: int) -> bool:
