@@ -67,7 +67,7 @@ def configure_coordination(
         service_leader=util.coordination_leader(spec),
         cluster_register_timeout_in_ms=timeout_ms,
     )
-    config = ctx.coordination_service
+    config: Any = ctx.coordination_service
     # Filled on the config TF just made: its protobuf module moved between TF releases.
     for name in jobs:
         if name in spec.jobs:
