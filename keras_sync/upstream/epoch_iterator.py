@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from keras_sync.upstream import internals as _internals
+from keras_sync.upstream.patching import original, patched
 
 _TRAINER = "keras.src.backend.tensorflow.trainer"
 
@@ -65,16 +66,12 @@ def resumable_epoch_iterators(made: Callable[[Any], None]) -> Iterator[None]:
     each one built (training's first)."""
     _internals.require("exact_resume")
     trainer: Any = importlib.import_module(_TRAINER)
-    original = trainer.TFEpochIterator
-    cls = _resumable_class(original)
+    cls = _resumable_class(original(trainer, "TFEpochIterator"))
 
     def make_iterator(*args: Any, **kwargs: Any) -> Any:
         iterator = cls(*args, **kwargs)
         made(iterator)
         return iterator
 
-    trainer.TFEpochIterator = make_iterator
-    try:
+    with patched([(trainer, "TFEpochIterator", make_iterator)]):
         yield
-    finally:
-        trainer.TFEpochIterator = original
