@@ -457,11 +457,8 @@ def load_config(
     given = _flatten(data)
     provenance = dict.fromkeys(given, origin)
     sets = [(d, v, "env", f"${n}") for n, d in ENV_KEYS.items() if (v := env.get(n, "").strip())]
-    verify = _verify_request(env, mlflow=given.get("mlflow.enabled", True) is not False)
-    if verify is not None:
-        sets += [
-            (d, v, "env", f"${VERIFY_RECORD_ENV}") for d, v in _verify_overrides(verify).items()
-        ]
+    verify, verify_keys = _verify(env, mlflow=given.get("mlflow.enabled", True) is not False)
+    sets += [(d, v, "env", f"${VERIFY_RECORD_ENV}") for d, v in verify_keys.items()]
     sets += [(dotted, v, "flag", "<overrides>") for dotted, v in (overrides or {}).items()]
     for dotted, value, how, name in sets:
         check_data(_set({}, dotted, value), name)
@@ -470,8 +467,7 @@ def load_config(
     issues: list[ConfigIssue] = []
 
     def issue(key_path: str, message: str) -> None:
-        """An issue at the line of ``key_path``, else of its nearest parent in the file; a key set
-        from the environment names its variable."""
+        """An issue at the line of ``key_path`` or its nearest parent; an environment key's names its variable."""
         var = {d: n for n, d in ENV_KEYS.items()}.get(key_path)
         if var and provenance.get(key_path) == "env":
             issues.append(ConfigIssue(f"${var}", None, key_path, f"{message}; fix or unset ${var}"))
@@ -487,26 +483,24 @@ def load_config(
     return dataclasses.replace(cfg, source=file, text=text, provenance=provenance, verify=verify)
 
 
-def _verify_request(env: Mapping[str, str], mlflow: bool) -> VerifyRequest | None:
-    """`keras-sync verify`'s request from the environment (its variables are read here only)."""
+def _verify(env: Mapping[str, str], mlflow: bool) -> tuple[VerifyRequest | None, dict[str, Any]]:
+    """`keras-sync verify`'s request from the environment (read here only), and the keys a verify run
+    sets: no MLflow run of its own (verify logs the comparison) and, for the one-device reference,
+    the settings its recording chose (`keras_sync.training.verify_record`)."""
     record = env.get(VERIFY_RECORD_ENV, "").strip()
     if not record:
-        return None
+        return None, {}
     raw = env.get(VERIFY_STEPS_ENV, "").strip() or "20"
     if not raw.isdigit() or int(raw) < 1:
         msg = f"received {raw!r}, expected a number of optimizer steps >= 1 (e.g. 20); fix or unset ${VERIFY_STEPS_ENV}"
         raise error(f"${VERIFY_STEPS_ENV}", None, msg)
-    return VerifyRequest(record, int(raw), env.get(VERIFY_REPLAY_ENV, "").strip() or None, mlflow)
-
-
-def _verify_overrides(verify: VerifyRequest) -> dict[str, Any]:
-    """The keys a verify run sets: no MLflow run of its own (verify logs the comparison), and for the
-    reference the one-device settings its recording chose (`keras_sync.training.verify_record`)."""
-    if verify.replay_dir is None:
-        return {"mlflow.enabled": False}
-    path = Path(verify.replay_dir) / VERIFY_OVERRIDES_FILE
-    try:
-        return {"mlflow.enabled": False, **json.loads(path.read_text())}
-    except (OSError, ValueError) as exc:
-        msg = f"cannot read the recording's {path} ({exc}); expected a folder written by a run with ${VERIFY_RECORD_ENV}"
-        raise error(f"${VERIFY_REPLAY_ENV}", None, msg) from None
+    replay = env.get(VERIFY_REPLAY_ENV, "").strip() or None
+    keys: dict[str, Any] = {"mlflow.enabled": False}
+    if replay is not None:
+        path = Path(replay) / VERIFY_OVERRIDES_FILE
+        try:
+            keys |= json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            msg = f"cannot read the recording's {path} ({exc}); expected a folder written by a run with ${VERIFY_RECORD_ENV}"
+            raise error(f"${VERIFY_REPLAY_ENV}", None, msg) from None
+    return VerifyRequest(record, int(raw), replay, mlflow), keys

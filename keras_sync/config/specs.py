@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+_YAML11_BOOLS = '. YAML 1.1 reads the bare words yes/no/on/off/true/false as booleans: quote the value, e.g. "off"'
+
 
 class FieldValueError(ValueError):
     """A value does not fit its spec; the message says what was received and what was expected."""
@@ -111,19 +113,14 @@ def choice(*values: str, false: str | None = None, hints: dict[str, str] | None 
         if value is False and false is not None:
             return false
         if isinstance(value, bool):  # YAML 1.1 (PyYAML) reads `kind: off` as False
-            raise ValueError(
-                '. YAML 1.1 reads the bare words yes/no/on/off/true/false as booleans: quote the value, e.g. "off"'
-            )
+            raise ValueError(_YAML11_BOOLS)
         if not isinstance(value, str):
             raise ValueError()
         normal = value.strip().lower().replace("-", "_")
         if normal in values:
             return normal
-        close = (
-            [hints[normal]]
-            if hints and normal in hints
-            else difflib.get_close_matches(normal, values, n=1)
-        )
+        hint = (hints or {}).get(normal)
+        close = [hint] if hint else difflib.get_close_matches(normal, values, n=1)
         raise ValueError(f"; did you mean {close[0]!r}?" if close else "")
 
     schema: dict[str, Any] = {"type": "string", "enum": list(values)}
