@@ -12,8 +12,8 @@ from keras_sync.training.context import check_shared
 
 
 def check_int(name: str, value: Any, minimum: int, alternative: str = "") -> None:
-    """Raise `UsageError` unless ``value`` is an integer >= ``minimum`` (argument ``name``);
-    ``alternative``: the other value allowed, for the message (``" or 'auto'"``)."""
+    """Raise `UsageError` unless ``value`` is an integer >= ``minimum``; ``alternative``: another
+    value allowed, for the message (``" or 'auto'"``)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise UsageError(
             f"Invalid value for argument `{name}`. Received: {name}={value!r}. "
@@ -27,7 +27,7 @@ def log_step(shared: Any, model: Any) -> int:
 
 
 class OncePerRun(keras.callbacks.Callback):
-    """Call `log_once` at the start of the first `fit` this callback sees; never again.
+    """Call `log_once` at the start of the first `fit` this callback sees, with a writer.
 
     `log_params` sends only what the job's earlier fits did not log, and a changed value under
     ``fit_<n>.<key>`` (`keras_sync.callbacks.SharedState.params_to_log`).
@@ -36,9 +36,7 @@ class OncePerRun(keras.callbacks.Callback):
     def __init__(self, writer: Any = None, *, shared: Any = None):
         super().__init__()
         _reduce.check_writer(writer, "log_params")
-        self.writer = writer
-        self.shared = check_shared(shared)
-        self._done = False
+        self.writer, self.shared, self._done = writer, check_shared(shared), False
 
     def log_params(self, params: dict[str, Any]) -> None:
         new = self.shared.params_to_log(params)

@@ -16,9 +16,9 @@ class AllReduceProbe(keras.callbacks.Callback):
     """At the start of the first `fit`, log ``sync/allreduce_ms`` and ``sync/allreduce_gbps``.
 
     It all-reduces (sum) a float32 tensor with one element per trainable parameter: one warm-up
-    call, then ``repeats`` timed ones; the median is logged when the fit's first batch ends, with
-    the algorithm bandwidth ``bytes * 8 / seconds / 1e9``. A collective: every worker runs it.
-    Off by default (``mlflow.allreduce_probe: true``).
+    call, then ``repeats`` timed ones; the median is logged when the fit's first batch ends (the
+    job's step is known then), with the algorithm bandwidth ``bytes * 8 / seconds / 1e9``. A
+    collective: every worker runs it. Off by default (``mlflow.allreduce_probe: true``).
 
     Args:
         writer: a started `keras_sync.tracking.MlflowWriter`, or None on non-writing workers.
@@ -31,7 +31,7 @@ class AllReduceProbe(keras.callbacks.Callback):
         super().__init__()
         check_int("repeats", repeats, 1)
         self.writer, self.repeats, self.shared = writer, repeats, check_shared(shared)
-        self._measured: tuple[float, int] | None = None
+        self._metrics: dict[str, float] | None = None
         self._done = False
 
     def on_train_begin(self, logs: dict | None = None) -> None:
@@ -39,14 +39,12 @@ class AllReduceProbe(keras.callbacks.Callback):
             self._done = True
             ms, nbytes = time_allreduce(self.model, self.repeats)
             if self.writer is not None and ms is not None:
-                self._measured = (ms, nbytes)
+                gbps = nbytes * 8 / (ms / 1000.0) / 1e9 if ms > 0 else 0.0
+                self._metrics = {"sync/allreduce_ms": ms, "sync/allreduce_gbps": gbps}
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        # Logged here, not at train begin: the job's step is known once its first step has begun.
-        if self._measured is not None:
-            (ms, nbytes), self._measured = self._measured, None
-            gbps = nbytes * 8 / (ms / 1000.0) / 1e9 if ms > 0 else 0.0
-            metrics = {"sync/allreduce_ms": ms, "sync/allreduce_gbps": gbps}
+        if self._metrics is not None:
+            metrics, self._metrics = self._metrics, None
             self.writer.log_metrics(metrics, step=log_step(self.shared, self.model))
 
 

@@ -44,22 +44,21 @@ class FitParams(OncePerRun):
         super().__init__(writer, shared=shared)
         self.per_replica_batch_size = per_replica_batch_size
         self.num_replicas = num_replicas
+        self._optimizers_pending = False  # a custom train_step: known after its first step
 
     def log_once(self) -> None:
+        from keras_sync.training.instrument import has_default_train_step
+
         self.writer.set_tags(source_tags())
-        params: dict[str, Any] = {}
-        if self.per_replica_batch_size is not None:
-            params["per_replica_batch_size"] = self.per_replica_batch_size
+        batch = self.per_replica_batch_size
+        params: dict[str, Any] = {} if batch is None else {"per_replica_batch_size": batch}
         if _autolog.keras_autolog_active():
             self.log_params(params)
             return
-        if self.per_replica_batch_size is not None:
-            replicas = self.num_replicas or int(self.model.distribute_strategy.num_replicas_in_sync)
-            params["batch_size"] = self.per_replica_batch_size * replicas
+        if batch is not None:
+            replicas = self.num_replicas or self.model.distribute_strategy.num_replicas_in_sync
+            params["batch_size"] = batch * int(replicas)
         params.update(epochs=self.params.get("epochs"), steps_per_epoch=self.params.get("steps"))
-        from keras_sync.training.instrument import has_default_train_step
-
-        # A custom train_step may apply other optimizers: known after its first step.
         self._optimizers_pending = not has_default_train_step(self.model)
         if not self._optimizers_pending:
             params.update(optimizer_params(self.model.optimizer))
@@ -69,14 +68,14 @@ class FitParams(OncePerRun):
         self.log_params(params)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        if getattr(self, "_optimizers_pending", False):
-            self._optimizers_pending = False
+        if self._optimizers_pending:
             from keras_sync.training.instrument import applied_optimizers
 
+            self._optimizers_pending = False
             applied = applied_optimizers(self.model)
             if len(applied) > 1:  # <attribute>_<key> for each of several
                 self.log_params(
-                    {f"{name}_{k}": v for name, opt in applied for k, v in opt.get_config().items()}
+                    {f"{name}_{k}": v for name, o in applied for k, v in o.get_config().items()}
                 )
             else:
                 self.log_params(

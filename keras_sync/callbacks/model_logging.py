@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import tempfile
 import warnings
@@ -69,19 +70,19 @@ def save_keras_model(model: Any, path: Path) -> None:
     import mlflow.keras
     from mlflow.keras.utils import get_model_signature
 
-    if uses_keras_sync_objects(model.get_compile_config() if model.compiled else None):
+    if model.compiled and uses_keras_sync_objects(model.get_compile_config()):
         try:  # not keras.models.clone_model: it compiles the copy like the original
             copy = type(model).from_config(model.get_config())
             copy.set_weights(model.get_weights())
             model = copy
             log.info(
-                "keras-sync: the logged model is saved without its optimizer (it uses keras-sync's "
-                "GradualWarmup); it loads anywhere Keras does. Compile it again to train on."
+                "keras-sync: the logged model is saved without its optimizer (it uses "
+                "keras-sync's GradualWarmup); compile it again to train on."
             )
         except Exception as exc:
             log.warning(
                 "keras-sync: the logged model keeps its optimizer, which uses keras-sync's "
-                "GradualWarmup, so loading it needs `import keras_sync` first (cloning it failed: %s).",
+                "GradualWarmup: loading it needs `import keras_sync` (cloning failed: %s).",
                 exc,
             )
     try:
@@ -107,16 +108,10 @@ def save_keras_model(model: Any, path: Path) -> None:
 def uses_keras_sync_objects(config: Any) -> bool:
     """True when a Keras config names a class from keras_sync (e.g. ``keras_sync>GradualWarmup``).
 
-    >>> uses_keras_sync_objects({"optimizer": {"config": {"learning_rate": {"module": "keras_sync.training.schedules"}}}})
+    >>> uses_keras_sync_objects({"optimizer": {"config": {"lr": {"module": "keras_sync.training"}}}})
     True
     >>> uses_keras_sync_objects({"optimizer": {"module": "keras.optimizers"}}), uses_keras_sync_objects(None)
     (False, False)
     """
-    if isinstance(config, dict):
-        module = config.get("module")
-        if isinstance(module, str) and (module == "keras_sync" or module.startswith("keras_sync.")):
-            return True
-        return any(uses_keras_sync_objects(v) for v in config.values())
-    if isinstance(config, (list, tuple)):
-        return any(uses_keras_sync_objects(v) for v in config)
-    return False
+    text = json.dumps(config, default=str)
+    return '"module": "keras_sync"' in text or '"module": "keras_sync.' in text

@@ -14,8 +14,7 @@ from keras_sync.training.context import RunContext
 #: Tag naming where the config came from (a file path, ``<dict>`` or ``<defaults>``).
 CONFIG_SOURCE_TAG = "keras_sync.config_source"
 CONFIG_ARTIFACT = "keras_sync/config.yaml"
-#: Config keys that name a launch, not a setting: a relaunch continuing the run has another value,
-#: and MLflow refuses to change a param (the tag ``keras_sync.job_id`` names the job).
+#: A relaunch continuing the run has another job id, and MLflow refuses to change a param.
 _NOT_PARAMS = ("config.mlflow.job_id",)
 
 
@@ -53,19 +52,18 @@ class RunParams(OncePerRun):
             ctx = ctx.context()
         params = run_params(self.model, ctx)
         config = None if ctx is None else ctx.config
-        if config is not None:
-            params.update(_flat(config.to_dict(), "config."))
-            for key in _NOT_PARAMS:
-                params.pop(key, None)
-        self.log_params(params)
-        if config is not None:
-            text = config.text
-            if text is None:  # a dict or the defaults: store the resolved config instead
-                import yaml
+        if config is None:
+            self.log_params(params)
+            return
+        params.update(_flat(config.to_dict(), "config."))
+        self.log_params({k: v for k, v in params.items() if k not in _NOT_PARAMS})
+        text = config.text
+        if text is None:  # a dict or the defaults: store the resolved config instead
+            import yaml
 
-                text = yaml.safe_dump(config.to_dict(), sort_keys=False)
-            self.writer.set_tags({CONFIG_SOURCE_TAG: str(config.source)})
-            self.writer.log_text_artifact(redact_uri(text) or "", CONFIG_ARTIFACT)
+            text = yaml.safe_dump(config.to_dict(), sort_keys=False)
+        self.writer.set_tags({CONFIG_SOURCE_TAG: str(config.source)})
+        self.writer.log_text_artifact(redact_uri(text) or "", CONFIG_ARTIFACT)
 
 
 def run_params(model: Any, context: RunContext | None = None) -> dict[str, Any]:
@@ -84,9 +82,8 @@ def run_params(model: Any, context: RunContext | None = None) -> dict[str, Any]:
         "sync.keras_version": keras.version(),
         "sync.devices": ",".join(devices) or "unknown",
     }
-    if context is None:
-        return {**params, "sync.strategy": type(strategy).__name__}
-    return {**params, **context.params()}
+    extra = {"sync.strategy": type(strategy).__name__} if context is None else context.params()
+    return {**params, **extra}
 
 
 def _flat(data: dict[str, Any], prefix: str) -> dict[str, str]:
@@ -95,8 +92,7 @@ def _flat(data: dict[str, Any], prefix: str) -> dict[str, str]:
     for key, value in data.items():
         if isinstance(value, dict):
             out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            if isinstance(value, list):
-                value = ",".join(map(str, value))
-            out[f"{prefix}{key}"] = redact_uri("null" if value is None else str(value)) or ""
+            continue
+        text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+        out[f"{prefix}{key}"] = redact_uri("null" if value is None else text) or ""
     return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from typing import Any
@@ -62,14 +63,10 @@ class SyncMetrics(keras.callbacks.Callback):
         # auto: every step is recorded and read as with 1 (every worker reads the probe at the same
         # steps); the chief alone thins what it writes to `stride`.
         self.every = 1 if self.auto else int(log_every_n_steps)
-        self.stride = 1
+        self.stride, self._num_replicas, self._keras_logs = 1, 1, True
         self._probe: Any = None
-        self._num_replicas = 1
-        self._t0 = 0.0
-        self._examples_at_log = 0.0
-        self._first_batch = 0
+        self._t0, self._examples_at_log, self._first_batch = 0.0, 0.0, 0
         self._count = 0  # train steps the probe has counted, as of the last finished batch
-        self._keras_logs = True
         self._slow = _slow_worker.SlowWorkerWatch()
         self._reset()
 
@@ -230,12 +227,10 @@ class SyncMetrics(keras.callbacks.Callback):
         since = float(examples - self._examples_at_log)
         self._examples_at_log = examples
         metrics.update(_reduce.throughput(since, busy_s, self._num_replicas))
-        lr = float(rows[0][p.LR])
-        if lr == lr:  # not NaN
-            metrics["sync/learning_rate"] = lr
-        scale = float(rows[0][p.LOSS_SCALE])
-        if scale == scale:  # a LossScaleOptimizer's dynamic loss scale (mixed_float16)
-            metrics["sync/loss_scale"] = scale
+        # NaN: no learning rate read, or no LossScaleOptimizer (mixed_float16's dynamic scale)
+        for key, index in (("sync/learning_rate", p.LR), ("sync/loss_scale", p.LOSS_SCALE)):
+            if not math.isnan(value := float(rows[0][index])):
+                metrics[key] = value
         if p.num_workers > 1:
             times = _slow_worker.worker_times(
                 column(p.HOST_US), column(p.COMPUTE_US), p.num_workers
@@ -275,10 +270,9 @@ class SyncMetrics(keras.callbacks.Callback):
             self.model.train_function = original
         self.emit()
         self._write_held()
-        if self.writer is not None and hasattr(
-            self.writer, "end_of_fit"
-        ):  # delivered, or one warning names why
-            self.writer.end_of_fit()
+        end_of_fit = getattr(self.writer, "end_of_fit", None)
+        if end_of_fit is not None:  # delivered, or one warning names why
+            end_of_fit()
 
 
 def _numbers(logs: dict | None) -> dict[str, float]:

@@ -23,12 +23,12 @@ WHEN = ("end", "epoch")
 class SyncReport(keras.callbacks.Callback):
     """Draw what the sync metrics say into ``sync_report.png``, at train end (and after each epoch).
 
-    Six charts: each replica's loss and gradient norm over the steps, the grad-norm spread, the
-    step times, the weight divergence, and a summary that names a slow worker. It draws what the
-    other keras-sync callbacks record in the same `keras_sync.callbacks.SharedState` (or, without
-    one, what goes through ``report.recorder`` given to them as their writer), at most
-    ``max_points`` per line. The worker given a writer draws (a `keras_sync.tracking.MlflowWriter`
-    in its courier process); each drawing replaces the previous one.
+    Each replica's loss and gradient norm over the steps, the weight divergence, and a summary
+    (step times, grad-norm spread) that names a slow worker. It draws what the other keras-sync
+    callbacks record in the same `keras_sync.callbacks.SharedState` (or, without one, what goes
+    through ``report.recorder`` given to them as their writer), at most ``max_points`` per line.
+    The worker given a writer draws (a `keras_sync.tracking.MlflowWriter` in its courier
+    process); each drawing replaces the previous one.
 
     Args:
         writer: a started `keras_sync.tracking.MlflowWriter`; None on the other workers.
@@ -84,10 +84,7 @@ class SyncReport(keras.callbacks.Callback):
                 self.writer.log_artifact_file(Path(tmp) / ARTIFACT)
         except Exception as exc:
             log.warning(
-                "keras-sync: could not draw %s (%s: %s); the metrics are logged as usual.",
-                ARTIFACT,
-                type(exc).__name__,
-                exc,
+                "keras-sync: could not draw %s (%r); metrics are logged as usual.", ARTIFACT, exc
             )
 
 

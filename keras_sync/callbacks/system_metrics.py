@@ -40,47 +40,19 @@ class SystemMetrics(keras.callbacks.Callback):
                 f"Invalid value for argument `interval_s`. Received: interval_s={interval_s!r}. "
                 "Expected a number of seconds > 0."
             )
-        self.writer = writer
-        self.shared = check_shared(shared)
-        self.interval_s = float(interval)
+        self.writer, self.shared, self.interval_s = writer, check_shared(shared), float(interval)
         self._monitors: list[Any] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._last_step: int | None = None
-
-    def _make_monitors(self) -> list[Any]:
-        try:
-            import psutil  # noqa: F401 - what MLflow's monitors need
-        except ImportError:
-            warnings.warn(
-                "keras-sync: mlflow.system_metrics is on but psutil is not installed, so no system "
-                "metrics are logged. Fix: pip install psutil",
-                UserWarning,
-                stacklevel=3,
-            )
-            return []
-        from keras_sync.upstream import internals as _internals
-
-        _internals.require("system_metrics")  # MLflow's private monitor classes, sampled here
-        from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor
-        from mlflow.system_metrics.metrics.disk_monitor import DiskMonitor
-        from mlflow.system_metrics.metrics.network_monitor import NetworkMonitor
-
-        monitors: list[Any] = [CPUMonitor(), DiskMonitor(), NetworkMonitor()]
-        with contextlib.suppress(Exception):  # no GPU, or no library to read it
-            from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor
-
-            monitors.append(GPUMonitor())
-        return monitors
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         if self.writer is None or (self._thread is not None and self._thread.is_alive()):
             return
         if self._monitors is None:
-            self._monitors = self._make_monitors()
+            self._monitors = _monitors()
         if self._monitors:
             self._stop.clear()
-            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread = threading.Thread(target=self._run, args=(self._monitors,), daemon=True)
             self._thread.start()
 
     def on_train_end(self, logs: dict | None = None) -> None:
@@ -89,19 +61,44 @@ class SystemMetrics(keras.callbacks.Callback):
             self._thread.join(timeout=self.interval_s + 5)
             self._thread = None
 
-    def _run(self) -> None:
-        stopping = False
+    def _run(self, monitors: list[Any]) -> None:
+        last_step, stopping = None, False
         while not stopping:
-            for m in self._monitors or []:
+            for m in monitors:
                 m.collect_metrics()
             stopping = self._stop.wait(self.interval_s)
             step = self.shared.step
-            if step is None or step == self._last_step:
+            if step is None or step == last_step:
                 continue  # before the first step, or none since the last sample: one point per step
             metrics: dict[str, float] = {}
-            for m in self._monitors or []:
+            for m in monitors:
                 metrics.update({f"system/{k}": float(v) for k, v in m.aggregate_metrics().items()})
                 m.clear_metrics()
             if metrics:
-                self._last_step = step
+                last_step = step
                 self.writer.log_metrics(metrics, step=step)
+
+
+def _monitors() -> list[Any]:
+    """MLflow's CPU, disk, network and (where one is readable) GPU monitors; none without psutil."""
+    try:
+        import psutil  # noqa: F401 - what MLflow's monitors need
+    except ImportError:
+        msg = "keras-sync: mlflow.system_metrics is on but psutil is not installed, so no system "
+        warnings.warn(
+            msg + "metrics are logged. Fix: pip install psutil", UserWarning, stacklevel=4
+        )
+        return []
+    from keras_sync.upstream import internals as _internals
+
+    _internals.require("system_metrics")  # MLflow's private monitor classes, sampled here
+    from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor
+    from mlflow.system_metrics.metrics.disk_monitor import DiskMonitor
+    from mlflow.system_metrics.metrics.network_monitor import NetworkMonitor
+
+    monitors: list[Any] = [CPUMonitor(), DiskMonitor(), NetworkMonitor()]
+    with contextlib.suppress(Exception):  # no GPU, or no library to read it
+        from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor
+
+        monitors.append(GPUMonitor())
+    return monitors

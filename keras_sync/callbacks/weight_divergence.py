@@ -18,10 +18,10 @@ class WeightDivergence(keras.callbacks.Callback):
 
     Synchronous training keeps every replica's copy of the weights equal, so both are 0 when
     healthy; anything else means an all-reduce or a custom update broke the sync. Every mirrored
-    variable (weights and optimizer state, not per-replica state) is compared through a
-    fingerprint per copy: a 32-bit wrap-around checksum of its bits, its mean and its RMS, gathered
-    in one ``all_gather`` (two swapped elements are not seen). Under `multi_worker_mirrored`
-    every worker runs it (a collective); the one given a ``writer`` writes.
+    variable (weights and optimizer state) is compared through a fingerprint per copy: a 32-bit
+    wrap-around checksum of its bits, its mean and its RMS, gathered in one ``all_gather`` (two
+    swapped elements are not seen). A collective: every worker runs it; the one given a ``writer``
+    writes.
 
     Args:
         writer: a started `keras_sync.tracking.MlflowWriter`, or None on a worker that must
@@ -29,17 +29,12 @@ class WeightDivergence(keras.callbacks.Callback):
         shared: the `keras_sync.callbacks.SharedState` of this fit's keras-sync callbacks: logs at
             its ``step`` and records its points there. Default: its own, and the optimizer's
             iteration count as the step.
-
-    Example:
-        >>> cb = WeightDivergence(writer)  # doctest: +SKIP
-        >>> model.fit(x, y, epochs=3, callbacks=[cb])  # doctest: +SKIP
     """
 
     def __init__(self, writer: Any = None, *, shared: Any = None):
         super().__init__()
         _reduce.check_writer(writer, "log_metrics")
-        self.writer = writer
-        self.shared = check_shared(shared)
+        self.writer, self.shared = writer, check_shared(shared)
         self._gather: Any = None  # the traced comparison of this fit's model, made at its first use
 
     def set_model(self, model: Any) -> None:
@@ -55,10 +50,8 @@ class WeightDivergence(keras.callbacks.Callback):
         found = summarize(self._gather().numpy().tolist())
         if self.writer is not None:
             step = log_step(self.shared, self.model)
-            metrics = {
-                "sync/weight_divergence": found.value,
-                "sync/diverged_variables": float(found.diverged_variables),
-            }
+            metrics = {"sync/weight_divergence": found.value}
+            metrics["sync/diverged_variables"] = float(found.diverged_variables)
             self.writer.log_metrics(metrics, step=step)
             self.shared.record(metrics, step)
 
@@ -87,10 +80,8 @@ def mirrored_variables(model: Any) -> list[Any]:
 
 
 def compare(model: Any) -> Divergence | None:
-    """Compare the replicas' copies of ``model``'s mirrored variables now (None if there are none).
-
-    A collective under `multi_worker_mirrored`: every worker must call it.
-    """
+    """Compare the replicas' copies of ``model``'s mirrored variables now (None if there are none);
+    a collective under `multi_worker_mirrored`."""
     variables = mirrored_variables(model)
     if not variables:
         return None
@@ -98,11 +89,8 @@ def compare(model: Any) -> Divergence | None:
 
 
 def _fingerprints(values: list[Any]) -> Any:
-    """[checksum_hi, checksum_lo, mean, rms] of each of one replica's copies, shape [len(values), 4].
-
-    Few ops per variable (flat view, bits, two sums, one contraction): every op is traced and
-    placed at the first epoch end; the rest runs once on the stacked vectors.
-    """
+    """[checksum_hi, checksum_lo, mean, rms] of each of one replica's copies, [len(values), 4];
+    few ops per variable (each is traced and placed), the rest once on the stacked vectors."""
     import tensorflow as tf
 
     flat, first = tf.constant([-1]), tf.constant(0)
@@ -146,7 +134,6 @@ def _gather_fn(model: Any, variables: list[Any]) -> Any:
     def gather() -> Any:
         return strategy.experimental_local_results(strategy.run(replica_fn))[0]
 
-    # A partial is its own key: TensorFlow counts retraces per code object, and one function per
-    # model would warn of "retracing" from a process's 5th model on. The loops are over Python
-    # lists: autograph would only cost.
+    # A partial is its own key: TensorFlow counts retraces per code object (a warning from a
+    # process's 5th model on). Autograph would only cost: the loops are over Python lists.
     return tf.function(functools.partial(gather), autograph=False)

@@ -1,11 +1,9 @@
 """MLflow tracking that never stalls training and loses nothing.
 
-`MlflowWriter` only queues records; a thread moves them to a spool directory (`spooler`) and a
-child process, the courier, delivers the spool to MLflow through its public client. A killed
-process loses at most a fraction of a second of records; a restarted job, or
-``keras-sync sync-spool DIR`` (`replay_spool`), delivers what was left, without duplicates.
-Params, tags and text artifacts are scrubbed of secrets first (`redact`). MLflow is imported in
-the courier, never by ``import keras_sync``.
+`MlflowWriter` only queues records; a thread (`keras_sync.tracking.spooler`) moves them to a spool
+directory and a courier process delivers the spool to MLflow through its public client. A killed
+process loses at most a fraction of a second; a restarted job, or ``keras-sync sync-spool DIR``
+(`replay_spool`), delivers what was left, once. Secrets are scrubbed first (`redact`).
 """
 
 from __future__ import annotations
@@ -45,16 +43,16 @@ __all__ = [
 _JOB_ID = re.compile(r"^[\w.:/@+\-]{1,250}$")
 #: Records that do not reopen a run `end_run` ended (any other does, its steps continuing).
 _NOT_REOPENING = (records.END, records.STOP, records.REPORT)
+_CLOSED = "MlflowWriter is closed; create a new writer to log more."
 
 
 @runtime_checkable
 class Writer(Protocol):
     """What the keras-sync callbacks write through: `MlflowWriter`, or an object of your own.
 
-    The callbacks call these on the chief only (other workers get ``writer=None``), from the
-    training thread, so each must return quickly. ``step`` is the job's optimizer step (1-based);
-    ``timestamp_ms`` the step's wall time. Used when present: ``flush_to_spool(timeout_s)``
-    (before a backup), ``end_of_fit()`` (after each `fit`) and ``end_run(status, timeout_s)``.
+    Called on the chief only (other workers get ``writer=None``), from the training thread, so
+    each must return quickly. ``step`` is the job's optimizer step (1-based). Used when present:
+    ``flush_to_spool(timeout_s)`` (before a backup), ``end_of_fit()`` and ``end_run(status, timeout_s)``.
     """
 
     def log_metrics(
@@ -156,6 +154,7 @@ class MlflowWriter:
         self._deferred_report: dict[str, Any] | None = None  # the fit-end report, after end_run
         waiting.live_writers.add(self)
 
+    # ---- what the courier knows ----
     @property
     def spool_path(self) -> Path:
         return self._sp.spool.path
@@ -168,9 +167,7 @@ class MlflowWriter:
     def run_url(self) -> str | None:
         """The run's page on a tracking server (without credentials); None for a local store."""
         run = self._sp.run()
-        if not run.get("run_id"):
-            return None
-        return run_url(self._uri, run.get("experiment_id"), run["run_id"])
+        return run_url(self._uri, run.get("experiment_id"), run["run_id"]) if self.run_id else None
 
     def wait_for_run(self, timeout_s: float) -> str | None:
         """Wait up to ``timeout_s`` for the run id, unless MLflow is known to be failing."""
@@ -188,7 +185,7 @@ class MlflowWriter:
         return self._sp.say_refused_once()
 
     def when_run_known(self, callback: Callable[[MlflowWriter], None]) -> None:
-        """Call ``callback(writer)`` once, from the spooling thread, when the run id is known or
+        """Call ``callback(self)`` once, from the spooling thread, when the run id is known or
         MLflow failed before it was."""
         self._sp.on_run = lambda: callback(self)
 
@@ -198,23 +195,23 @@ class MlflowWriter:
 
     # ---- the caller's side: no I/O ----
     def start(self, defer_begin: bool = False) -> None:
-        """Start the spooling thread and the courier at once; ``defer_begin``: the first record
-        logged begins the run (a writer that logs nothing makes none)."""
+        """Start the spooling thread and the courier; ``defer_begin``: the first record logged
+        begins the run (a writer that logs nothing makes none)."""
         if self._sp.thread is None:
             self._begin = "first" if defer_begin else None
             self._sp.start(None if defer_begin else _now_ms())
 
     def _put(self, rec: dict[str, Any]) -> None:
         if self._sp.closing:
-            raise TrackingError("MlflowWriter is closed; create a new writer to log more.")
+            raise TrackingError(_CLOSED)
         if self._sp.dead:
             return  # the spool failed and said so once; do not grow memory forever
-        if self._begin == "first" and rec["k"] != records.STOP:
+        if (self._begin == "first" and rec["k"] != records.STOP) or (
+            self._begin == "reopen" and rec["k"] not in _NOT_REOPENING
+        ):
+            begin = {"k": records.BEGIN, "ts": _now_ms()}
+            self._sp.put(begin if self._begin == "first" else {**begin, "reopen": True})
             self._begin = None
-            self._sp.put({"k": records.BEGIN, "ts": _now_ms()})
-        elif self._begin == "reopen" and rec["k"] not in _NOT_REOPENING:
-            self._begin = None
-            self._sp.put({"k": records.BEGIN, "ts": _now_ms(), "reopen": True})
         self._sp.put(rec)
 
     def log_metrics(
@@ -250,7 +247,7 @@ class MlflowWriter:
         from keras_sync.tracking.artifacts import stage
 
         if self._sp.closing or self.closed:
-            raise TrackingError("MlflowWriter is closed; create a new writer to log more.")
+            raise TrackingError(_CLOSED)
         staged = str(stage(self.spool_path, local_path))
         if as_model:
             self._put({"k": records.MODEL, "src": staged, "name": str(as_model), "step": int(step)})

@@ -1,14 +1,11 @@
-"""Artifact files and models that travel through the MLflow spool.
-
-The training process copies them into ``<spool>.files/`` and queues a record naming the copy: `FILE`
-``{"src", "dir"}`` or `MODEL` ``{"src", "name", "step"}`` (a directory an MLflow flavour's
-``save_model`` wrote, logged as a LoggedModel of the run). The courier uploads them in order with
-the metrics and removes each copy once MLflow has it, so an artifact outlives an outage or a kill
-as a metric point does.
+"""Artifact files and models that travel through the MLflow spool: copied into ``<spool>.files/``
+and named by a `FILE` or `MODEL` record; the courier uploads them in order with the metrics and
+removes each copy once MLflow has it, so an artifact outlives an outage or a kill.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import uuid
@@ -41,17 +38,13 @@ def stage(spool_path: str | os.PathLike[str], local_path: str | os.PathLike[str]
 
 def remove_staging_if_empty(spool_path: str | os.PathLike[str]) -> None:
     """Remove the staging directory once every staged artifact has been delivered."""
-    try:
+    with contextlib.suppress(OSError):  # absent, or still holding undelivered artifacts
         staging_dir(spool_path).rmdir()
-    except OSError:  # absent, or still holding undelivered artifacts
-        pass
 
 
 def deliver(client: Any, run_id: str, rec: dict[str, Any], call: Callable[..., Any]) -> None:
-    """Upload one staged record to the run through ``call(fn, *args)``, then remove its copy.
-
-    A copy that no longer exists was delivered by an earlier attempt: nothing is sent again.
-    """
+    """Upload one staged record through ``call(fn, *args)``, then remove its copy (a copy that
+    no longer exists was delivered by an earlier attempt)."""
     src = Path(rec["src"])
     if not src.exists():
         return
@@ -61,12 +54,9 @@ def deliver(client: Any, run_id: str, rec: dict[str, Any], call: Callable[..., A
         call(client.log_artifacts, run_id, str(src), rec.get("dir"))
     else:
         call(client.log_artifact, run_id, str(src), rec.get("dir"))
-    slot = src.parent
-    shutil.rmtree(slot, ignore_errors=True)
-    try:
-        slot.parent.rmdir()  # the staging directory, once it is empty
-    except OSError:
-        pass
+    shutil.rmtree(src.parent, ignore_errors=True)
+    with contextlib.suppress(OSError):  # the staging directory, once it is empty
+        src.parent.parent.rmdir()
 
 
 def _deliver_model(
@@ -89,9 +79,8 @@ def _deliver_model(
         )
         model_id = logged.model_id
         id_file.write_text(model_id)
-        call(
-            client.log_outputs, run_id, [LoggedModelOutput(model_id, step=int(rec.get("step", 0)))]
-        )
+        output = LoggedModelOutput(model_id, step=int(rec.get("step", 0)))
+        call(client.log_outputs, run_id, [output])
     logged = call(client.get_logged_model, model_id)
     # save_model ran before MLflow knew the model; record its identity as Model.log does.
     mlmodel = Model.load(str(src / "MLmodel"))

@@ -1,9 +1,7 @@
-"""Living beside `mlflow.keras.autolog()`: one run for both, no param logged twice with two values.
+"""Living beside `mlflow.keras.autolog()`: one run for both, no param logged twice.
 
-Autolog gives a `fit` without an active MLflow run a run of its own, so `Sync.fit` makes
-keras-sync's run the active one (chief only, for the length of `fit`), and keras-sync's callbacks
-leave out what autolog logs itself (fit arguments, optimizer, summary, the model with
-``log_models``). Nothing here imports MLflow unless the user's code already has.
+`Sync.fit` makes keras-sync's run the active one (chief only, for the length of `fit`), and the
+callbacks leave out what autolog logs itself. MLflow is imported only if the user's code has.
 """
 
 from __future__ import annotations
@@ -42,12 +40,8 @@ def autolog_logs_models() -> bool:
 
 @contextlib.contextmanager
 def shared_run(writer: Any, tracking_uri: str, *, is_chief: bool = True) -> Iterator[None]:
-    """Make ``writer``'s run MLflow's active run during the block when autolog is on.
-
-    Nothing changes without autolog, without a writer, or when the user has an active run (autolog
-    logs there, as asked). On the other workers autolog is off during the block: it would open a
-    run per worker. The run must exist first: this waits up to `RUN_WAIT_S` for the writer.
-    """
+    """Make ``writer``'s run MLflow's active run during the block when autolog is on (unless the
+    user has an active run); other workers turn autolog off (it would open a run per worker)."""
     if not keras_autolog_active() or (is_chief and writer is None):
         yield
         return
@@ -73,8 +67,7 @@ def shared_run(writer: Any, tracking_uri: str, *, is_chief: bool = True) -> Iter
         yield
         return
     previous_uri = mlflow.get_tracking_uri()
-    # mlflow.set_tracking_uri also writes $MLFLOW_TRACKING_URI, which a later keras_sync.load()
-    # would read as the user's: it is put back exactly.
+    # mlflow.set_tracking_uri also writes $MLFLOW_TRACKING_URI, which keras_sync.load() reads.
     with environ_restored("MLFLOW_TRACKING_URI"):
         mlflow.set_tracking_uri(tracking_uri)  # autolog logs through the fluent API
         try:

@@ -1,9 +1,7 @@
 """Keep secrets out of everything keras-sync logs: URI credentials and secret-looking env values.
 
-Applied to every param, tag, artifact and log line the writer produces, and wherever a tracking
-URI is shown. The values are the user's, of any length, so every scan is linear in the text: it
-finds a fixed anchor first (``://``, a query separator) and looks around it by a bounded amount,
-where a regex that looks ahead from every letter would be quadratic.
+The texts are the user's, of any length, so each scan finds a fixed anchor first (``://``, a
+query separator) and looks around it: the regexes that define the matches would be quadratic.
 """
 
 from __future__ import annotations
@@ -31,8 +29,7 @@ _NOT_SECRET_VALUES = {"", "0", "1", "true", "false", "none", "null", "yes", "no"
 
 
 def _userinfo_spans(text: str) -> Iterator[tuple[int, int]]:
-    """(start, end) of each ``user:password@`` after a ``scheme://``: the matches of
-    ``([A-Za-z][A-Za-z0-9+.-]*://)[^/?#@\\s]*@``, found from each ``://``."""
+    """(start, end) of each ``user:password@`` of ``([A-Za-z][A-Za-z0-9+.-]*://)[^/?#@\\s]*@``."""
     done = 0
     colon = text.find("://")
     while colon != -1:
@@ -51,8 +48,7 @@ def _userinfo_spans(text: str) -> Iterator[tuple[int, int]]:
 
 
 def _secret_query_spans(text: str) -> Iterator[tuple[int, int]]:
-    """(start, end) of each value of a query parameter named like a secret (``?token=...``): the
-    values of ``[?&;][^=&#\\s]*(token|password|...)[^=&#\\s]*=([^&#;\\s]*)``."""
+    """(start, end) of each value of ``[?&;][^=&#\\s]*(token|password|...)[^=&#\\s]*=([^&#;\\s]*)``."""
     pos = 0
     while True:
         sep = _QUERY_SEPARATOR.search(text, pos)
@@ -93,8 +89,8 @@ def redact_uri(uri: str | None) -> str | None:
 
 
 def secrets_of(tracking_uri: str | None, environ: Mapping[str, str]) -> list[str]:
-    """The secret strings to scrub: credentials in ``tracking_uri`` and values of env vars named like
-    TOKEN/PASSWORD/SECRET/API_KEY (3 characters or more), longest first."""
+    """Credentials in ``tracking_uri`` and values of env vars named like a secret (3 characters
+    or more), longest first: one secret may contain another."""
     found: set[str] = set()
     for name, value in environ.items():
         if _SECRET_ENV_NAME.search(name) and value.strip().lower() not in _NOT_SECRET_VALUES:
@@ -104,8 +100,7 @@ def secrets_of(tracking_uri: str | None, environ: Mapping[str, str]) -> list[str
         if m:
             found.update(p for p in m.group(1).split(":")[1:] if p)
         found.update(tracking_uri[start:end] for start, end in _secret_query_spans(tracking_uri))
-    found = {s for s in found if len(s) >= 3}
-    return sorted(found, key=len, reverse=True)  # longest first: one secret may contain another
+    return sorted((s for s in found if len(s) >= 3), key=len, reverse=True)
 
 
 def redact_text(text: str, secrets: list[str]) -> str:

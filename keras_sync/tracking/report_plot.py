@@ -1,7 +1,6 @@
 """The data of the sync report, bounded in memory, and its drawing as one PNG.
 
-Pure Python plus matplotlib, through its object API (the user's pyplot backend is left alone);
-no TensorFlow, Keras or MLflow.
+Pure Python plus matplotlib's object API (the user's pyplot backend is left alone).
 """
 
 from __future__ import annotations
@@ -17,12 +16,12 @@ from typing import Any
 _PER_INDEX = re.compile(
     r"^sync/(loss|grad_norm)/replica_(\d+)$|^sync/(between_steps|compute)_ms/worker_(\d+)$"
 )
+_PER_INDEX_NAMES = ("loss", "grad_norm", "between_steps", "compute")
 _SINGLE = {
     "sync/grad_norm_spread": "spread",
     "sync/step_time_ms": "step_time_ms",
     "sync/weight_divergence": "divergence",
 }
-_SUMMARY_STYLE = {"va": "top", "ha": "left", "family": "monospace", "fontsize": "medium"}
 #: What `keras_sync.measures.fingerprints.summarize` measures: not the largest element-wise difference.
 DIVERGENCE_TITLE = (
     "weight divergence: largest spread of a variable's mean\n"
@@ -87,7 +86,7 @@ class SyncHistory:
             if key in _SINGLE:
                 getattr(self, _SINGLE[key]).add(step, float(value))
             elif (m := _PER_INDEX.match(key)) is not None:
-                name, index = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
+                name, index = m.group(1) or m.group(3), m.group(2) or m.group(4)
                 per: dict[int, Series] = getattr(self, name)
                 per.setdefault(int(index), Series(self.max_points)).add(step, float(value))
 
@@ -103,7 +102,7 @@ class SyncHistory:
     def from_dict(cls, data: Mapping[str, Any]) -> SyncHistory:
         """The history `to_dict` gave (JSON turned its replica and worker numbers into strings)."""
         history = cls(max_points=int(data["max_points"]))
-        for name in ("loss", "grad_norm", "between_steps", "compute"):
+        for name in _PER_INDEX_NAMES:
             setattr(history, name, {int(i): Series(**s) for i, s in data.get(name, {}).items()})
         for name in _SINGLE.values():
             setattr(history, name, Series(**data[name]))
@@ -112,23 +111,16 @@ class SyncHistory:
     def slowest_worker(self) -> tuple[int, float, float, float] | None:
         """(worker, its median time between steps, its median compute, the other workers' median
         of the sum), ms, for a worker that holds the job back by the rule of
-        `keras_sync.measures.slow_worker.slowest`; None when none does, or with < 2 workers.
-
-        >>> h = SyncHistory()
-        >>> for step in range(1, 4):
-        ...     h.add({"sync/between_steps_ms/worker_0": 1.0, "sync/compute_ms/worker_0": 2.0,
-        ...            "sync/between_steps_ms/worker_1": 200.0, "sync/compute_ms/worker_1": 2.5}, step)
-        >>> h.slowest_worker()
-        (1, 200.0, 2.5, 3.0)
-        """
+        `keras_sync.measures.slow_worker.slowest`; None when none does, or with < 2 workers."""
         from keras_sync.measures.slow_worker import slowest
 
+        workers = sorted(set(self.between_steps) & set(self.compute))
         parts = {
-            w: tuple(
+            w: [
                 statistics.median(s[w].values or [math.nan])
                 for s in (self.between_steps, self.compute)
-            )
-            for w in sorted(set(self.between_steps) & set(self.compute))
+            ]
+            for w in workers
         }
         own = {w: a + b for w, (a, b) in parts.items() if math.isfinite(a + b)}
         found = slowest(list(own.values())) if len(own) >= 2 else None
@@ -139,16 +131,7 @@ class SyncHistory:
 
 
 def slow_worker_lines(history: SyncHistory) -> list[str]:
-    """The summary's lines on the workers' times: the slow worker, or that none is, with the rule.
-
-    >>> h = SyncHistory()
-    >>> h.add({"sync/between_steps_ms/worker_0": 0.1, "sync/compute_ms/worker_0": 0.048,
-    ...        "sync/between_steps_ms/worker_1": 0.1, "sync/compute_ms/worker_1": 0.052}, 1)
-    >>> print("\\n".join(slow_worker_lines(h)))
-    no worker is slow: none took over 1.5x
-      the other workers' median and 5 ms more
-      to reach the all-reduce
-    """
+    """The summary's lines on the workers' times: the slow worker, or that none is, with the rule."""
     from keras_sync.measures.slow_worker import MIN_EXTRA_MS, RATIO
 
     if len(set(history.between_steps) & set(history.compute)) < 2:
@@ -171,52 +154,37 @@ def slow_worker_lines(history: SyncHistory) -> list[str]:
 def render(
     history: SyncHistory, path: str | os.PathLike[str], *, title: str = "keras-sync: sync health"
 ) -> None:
-    """Draw ``history`` as a 2x3 grid of charts into the PNG file ``path``."""
+    """Draw ``history`` into the PNG file ``path``."""
     draw(history, title=title).savefig(path, format="png")
 
 
 def draw(history: SyncHistory, *, title: str = "keras-sync: sync health") -> Any:
-    """The report as a matplotlib `Figure` (not saved; no pyplot)."""
+    """The report as a matplotlib `Figure` of 2x2 panels (not saved; no pyplot)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(15, 8.5), dpi=100)
+    fig = Figure(figsize=(12, 8.5), dpi=100)
     FigureCanvasAgg(fig)
-    axes = fig.subplots(2, 3)
-    fig.subplots_adjust(left=0.05, right=0.98, bottom=0.07, top=0.91, wspace=0.25, hspace=0.35)
+    (loss, grad), (divergence, summary) = fig.subplots(2, 2)
+    fig.subplots_adjust(left=0.06, right=0.98, bottom=0.07, top=0.91, wspace=0.2, hspace=0.35)
     charts = [
-        (axes[0][0], history.loss, "loss per replica (before the all-reduce)", None),
-        (axes[0][1], history.grad_norm, "gradient norm per replica", None),
-        (axes[0][2], {-1: history.spread}, "grad-norm spread: (max - min) / mean", "spread"),
-        (axes[1][1], {-1: history.divergence}, DIVERGENCE_TITLE, "spread (the weights' units)"),
+        (loss, history.loss, "loss per replica (before the all-reduce)", None),
+        (grad, history.grad_norm, "gradient norm per replica", None),
+        (divergence, {-1: history.divergence}, DIVERGENCE_TITLE, "spread (the weights' units)"),
     ]
     for ax, lines, what, unit in charts:
         for i, s in sorted(lines.items()):
             ax.plot(s.steps, s.values, label=f"replica {i}", linewidth=1.0, marker=unit and ".")
         if 1 < len(lines) <= 16:
             ax.legend(loc="upper right", fontsize="small")
-        _finish(ax, any(s.steps for s in lines.values()), what, "optimizer step", unit)
-    ax, times = axes[1][0], sorted(history.step_time_ms.values)
-    if times:
-        # A fit's first step includes tracing (seconds): drawn, it would squeeze the rest into one bar.
-        median = times[len(times) // 2]
-        usual = [t for t in times if t <= 10 * median]
-        ax.hist(usual, bins=min(50, max(5, len(usual) // 4)), alpha=0.8)
-        ax.axvline(median, color="black", linestyle="--")
-    _finish(ax, bool(times), "step time distribution", "ms per step", "logged steps")
-    axes[1][2].axis("off")
-    summary = "\n".join(_summary(history))
-    axes[1][2].text(0.0, 1.0, summary, transform=axes[1][2].transAxes, **_SUMMARY_STYLE)
+        if not any(s.steps for s in lines.values()):
+            ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes)
+        ax.set(title=what, xlabel="optimizer step", ylabel=unit or "")
+    summary.axis("off")
+    text = "\n".join(_summary(history))
+    summary.text(0.0, 1.0, text, transform=summary.transAxes, va="top", family="monospace")
     fig.suptitle(title)
     return fig
-
-
-def _finish(ax: Any, drawn: bool, title: str, xlabel: str, ylabel: str | None = None) -> None:
-    if not drawn:
-        ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes)
-    ax.set_title(title)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel or "")
 
 
 def _summary(history: SyncHistory) -> list[str]:
@@ -226,12 +194,11 @@ def _summary(history: SyncHistory) -> list[str]:
     if times:
         p95 = times[min(len(times) - 1, int(0.95 * len(times)))]
         lines.append(f"step time: median {times[len(times) // 2]:.3g} ms, p95 {p95:.3g} ms")
-        if times[-1] > 10 * times[len(times) // 2]:
-            lines.append(f"  slowest {times[-1]:.4g} ms (not drawn: > 10x median)")
+        lines.append(f"  slowest {times[-1]:.4g} ms")
     if spread:
-        lines.append(
-            f"grad-norm spread: median {spread[len(spread) // 2]:.3g}, max {spread[-1]:.3g}"
-        )
+        median, top = spread[len(spread) // 2], spread[-1]
+        lines.append(f"grad-norm spread: median {median:.3g}, max {top:.3g}")
+        lines.append("  (max - min) / mean of the replicas' norms")
     lines += slow_worker_lines(history)
     if history.divergence.values:
         worst = max(history.divergence.values)

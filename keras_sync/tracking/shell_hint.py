@@ -1,9 +1,5 @@
-"""The command a next-step hint prints, written so that it runs as printed, the venv active or not.
-
-A hint such as "view it with: keras-sync ui FILE" fails in a shell whose PATH lacks this
-environment's scripts (the README calls ``.venv/bin/python`` without activating the venv) or holds
-another environment's. The bare name is given only when the PATH finds this environment's.
-"""
+"""The command a next-step hint prints, so that it runs as printed, the venv active or not:
+the bare name only when the PATH finds this environment's own."""
 
 from __future__ import annotations
 
@@ -15,8 +11,7 @@ from pathlib import Path
 
 
 def console_command(script: str = "keras-sync", module: str = "keras_sync") -> str:
-    """The shell words that run this environment's console ``script``: ``script`` when the PATH
-    finds this one, else its full path, else this interpreter with ``-m module`` (no script)."""
+    """``script`` when the PATH finds this environment's, else its full path, else ``python -m module``."""
     ours = Path(sys.executable).parent / script
     if not ours.is_file():
         return f"{python_command()} -m {module}"
@@ -30,8 +25,7 @@ def python_command() -> str:
     """``python`` when the PATH finds this interpreter, else its full path."""
     ours = Path(sys.executable)
     found = shutil.which("python")
-    # Beside this interpreter and the same program; not by the resolved path alone: a venv's
-    # python links to the base interpreter, which runs without the venv's packages.
+    # Same directory too: a venv's python links to the base one, which lacks the venv's packages.
     if (
         found is not None
         and os.path.dirname(os.path.abspath(found)) == os.path.dirname(os.path.abspath(ours))

@@ -1,9 +1,5 @@
-"""The tags MLflow's fluent `start_run` sets on a run it creates: who ran what, from which commit.
-
-keras-sync's courier creates runs through `MlflowClient`, which sets none of them; these are
-computed in the training process with MLflow's names and values. Git is asked through its
-command line, with a timeout.
-"""
+"""The tags MLflow's fluent `start_run` sets (who ran what, from which commit), which
+`MlflowClient`, used by the courier, does not; git is asked through its command line."""
 
 from __future__ import annotations
 
@@ -17,10 +13,8 @@ from keras_sync.tracking.redact import redact_uri
 
 
 def source_tags(argv: Sequence[str] | None = None, *, timeout_s: float = 5.0) -> dict[str, str]:
-    """``mlflow.user``, ``mlflow.source.name``/``type`` and, in a git checkout, ``mlflow.source.git.*``.
-
-    The source is ``argv[0]`` (``<console>`` without one); the git tags describe the checkout
-    holding it (else the working directory), a remote URL's credentials replaced by ``***``.
+    """``mlflow.user``, ``mlflow.source.name``/``type`` (``argv[0]``) and, in a git checkout
+    holding it (else the working directory), ``mlflow.source.git.*`` without credentials.
 
     >>> tags = source_tags(["/nonexistent/train.py"])
     >>> tags["mlflow.source.name"], tags["mlflow.source.type"]
@@ -32,8 +26,11 @@ def source_tags(argv: Sequence[str] | None = None, *, timeout_s: float = 5.0) ->
         user = getpass.getuser()
     except (KeyError, OSError):  # a uid without a passwd entry (containers)
         user = "unknown"
-    tags = {"mlflow.user": user, "mlflow.source.name": main or "<console>"}
-    tags["mlflow.source.type"] = "LOCAL"
+    tags = {
+        "mlflow.user": user,
+        "mlflow.source.name": main or "<console>",
+        "mlflow.source.type": "LOCAL",
+    }
     where = os.path.dirname(os.path.abspath(main)) if main and os.path.isfile(main) else os.getcwd()
 
     def git(*args: str) -> str | None:
