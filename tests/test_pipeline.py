@@ -335,7 +335,7 @@ def test_python_generators_it_cannot_read_exactly_are_refused_with_the_fix(runs)
 
 @pytest.mark.slow
 def test_a_python_generator_is_read_in_order_each_batch_once(runs):
-    # The chief of 2 workers says it (on one worker the line is an INFO log record: nothing was rebatched).
+    # The chief of 2 workers says it (on one worker nothing was rebatched: no line).
     assert runs["w0"]["lines"]["python_generator"][0].startswith(
         "keras-sync: training data: a Python generator, 16 batches per epoch (steps_per_epoch), read by keras-sync "
         "in order, each batch once, batched by 32 (its first batch) = the global batch"

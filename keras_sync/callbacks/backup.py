@@ -1,10 +1,6 @@
-"""Back up the training state and resume exactly where a killed job stopped, mid-epoch included.
-
-Keras's own `BackupAndRestore` restarts an interrupted epoch at batch 0 with an integer
-``save_freq``. This one restores everything that decides the next update: weights, optimizer
-state, random-generator states, the epoch, its batches already trained, its metric totals, and the
-position of the input pipeline.
-"""
+"""Back up the training state and resume exactly where a killed job stopped, mid-epoch included:
+weights, optimizer state, random-generator states, the epoch, its batches already trained, its metric
+totals and the input pipeline's position (Keras's own restarts an interrupted epoch at batch 0)."""
 
 from __future__ import annotations
 
@@ -35,14 +31,11 @@ class BackupAndRestore(keras.callbacks.Callback):
     """Back up the training state every epoch or every N batches; restore it when `fit` restarts.
 
     Saved with `tf.train.Checkpoint`: the model, its optimizer, the running epoch's metrics, the
-    random-seed states and the position ``(epoch, batches trained in it)``. On restart the state is
-    restored in ``on_train_begin`` (put this callback first); `Sync.fit` then skips the batches
-    already trained, so a seeded shuffle yields the order of an uninterrupted run. Passed to a plain
-    `model.fit`, a mid-epoch backup restarts its epoch at batch 0, as Keras does.
-
-    Under `MultiWorkerMirroredStrategy` every worker saves (reading the variables is collective);
-    only the chief writes ``backup_dir`` (the others a temporary directory they delete at once).
-    All workers restore from ``backup_dir``, on storage they share.
+    random-seed states and the position ``(epoch, batches trained in it)``, restored in
+    ``on_train_begin`` (put this callback first); `Sync.fit` then skips the batches already trained.
+    Passed to a plain `model.fit`, a mid-epoch backup restarts its epoch at batch 0, as Keras does.
+    Every worker saves (reading the variables is collective); only the chief writes ``backup_dir``,
+    which all workers restore from, on storage they share.
 
     Args:
         backup_dir: directory for the checkpoints; not shared with anything else.
@@ -258,7 +251,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._exit_preempted(saved)
 
     def _iterations(self) -> int:
-        optimizer = self.model.optimizer
+        optimizer = self.model.optimizer  # None after compile(optimizer=None) and an own train_step
         return int(optimizer.iterations.numpy()) if optimizer is not None else 0
 
     def _save(self) -> bool:
@@ -340,22 +333,22 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._barrier()  # no worker leaves while another still takes part in the save
         self._preemption.watch.done()
         name, code = signal_name(self._preemption.signum), exit_code(self._preemption.signum)
-        message = None
+        step, message = self._iterations(), None
         if self._is_chief and saved:
             message = (
                 f"{name}: saved a backup in {self.backup_dir} at epoch {self._epoch + 1}, after batch "
-                f"{self._step} (optimizer step {self._iterations()}); exiting with code {code}. "
-                "Relaunch the job to resume from there."
+                f"{self._step} (optimizer step {step}); exiting with code {code}. Relaunch the job to "
+                "resume from there."
             )
         elif self._is_chief:
             newest = files.newest_complete(self.backup_dir)
             where = (
-                "the start (no backup)"
-                if newest is None
-                else f"the newest backup, optimizer step {newest}"
+                f"the newest backup, optimizer step {newest}"
+                if newest is not None
+                else "the start (no backup)"
             )
             message = (
-                f"{name}: the backup at optimizer step {self._iterations()} could not be written to "
+                f"{name}: the backup at optimizer step {step} could not be written to "
                 f"{self.backup_dir} (said above); exiting with code {code}. A relaunch resumes from {where}."
             )
         exit_now(code, message)

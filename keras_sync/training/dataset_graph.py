@@ -70,12 +70,9 @@ def _batch_op(ds: Any) -> Any:
 
 
 def batch_size_of(ds: Any) -> tuple[int | None, str]:
-    """(batch size, how it was found) of a batched dataset; (None, why not) when it cannot be told.
-
-    In order: the static first dimension of every component; TensorFlow's own reading of the
-    pipeline (what `tf.distribute` splits batches by); the nearest ``batch`` op up the pipeline
-    through element-wise steps such as ``map``.
-    """
+    """(batch size, how it was found) of a batched dataset; (None, why not) when it cannot be told:
+    the static first dimension of every component, else TensorFlow's own reading of the pipeline,
+    else the nearest ``batch`` op up the pipeline through element-wise steps such as ``map``."""
     import tensorflow as tf
 
     from keras_sync.upstream.tf_runtime import pipeline_batch_size
@@ -84,15 +81,12 @@ def batch_size_of(ds: Any) -> tuple[int | None, str]:
     if len(dims) == 1 and None not in dims:
         return int(dims.pop()), "static shape"
     size = pipeline_batch_size(ds)
-    op = _batch_op(ds) if size is None else None
-    if op is not None:
+    if size is None and (op := _batch_op(ds)) is not None:
         size = tf.get_static_value(op._batch_size)
     if size is not None:
         return int(size), "its batch op"
-    return (
-        None,
-        "no static batch dimension and no batch op, e.g. from_generator or Ray Data's to_tf",
-    )
+    why = "no static batch dimension and no batch op, e.g. from_generator or Ray Data's to_tf"
+    return None, why
 
 
 def example_count(ds: Any, batch: int | None) -> int | None:
@@ -138,10 +132,8 @@ def has_shard_op(ds: Any) -> bool:
 
 def file_count(ds: Any) -> int | None:
     """The number of files the pipeline reads (the fewest, if it reads several sets); None: none.
-
-    A reader made from file names, or an ``interleave``/``flat_map`` whose function makes one:
-    the files are the elements of its input dataset, counted from its cardinality (or read).
-    """
+    A reader, or an ``interleave``/``flat_map`` whose function makes one, reads the file names of
+    its input dataset, counted from its cardinality (or read)."""
     counts = []
     for d in _walk(ds):
         if type(d).__name__ in _READER_CLASSES or _function_reads_files(d):

@@ -11,7 +11,6 @@ no TensorFlow: `keras-sync plan` uses them.
 
 from __future__ import annotations
 
-import logging
 import math
 import sys
 import types
@@ -22,8 +21,6 @@ from typing import Any, Literal
 from keras_sync.errors import UsageError
 from keras_sync.training import dataset_graph as graph
 from keras_sync.training import py_dataset
-
-log = logging.getLogger("keras_sync")
 
 
 @dataclass(frozen=True)
@@ -179,10 +176,6 @@ class InputPipeline:
             n = _array_examples(x, kwargs.get("validation_split"))
             steps = _steps(n, global_batch, False)
             self.facts = InputFacts("arrays", "data", examples_per_epoch=n, steps_per_epoch=steps)
-            layout = batch_layout(global_batch, self.num_replicas, self.num_workers)
-            self._say(
-                f"keras-sync: training data: arrays, batched by keras-sync; {layout}", loud=False
-            )
         return x, y, kwargs
 
     def training_dataset(
@@ -201,10 +194,6 @@ class InputPipeline:
 
         if not isinstance(ds, tf.data.Dataset):  # distributed by the user already
             self.facts = InputFacts("distributed dataset", "as given")
-            self._say(
-                "keras-sync: training data: an already distributed dataset, used as given",
-                loud=False,
-            )
             return ds
         graph.refuse_unbatched(ds)
         choice = choice or self._choice(ds)
@@ -292,11 +281,11 @@ class InputPipeline:
                 worker_examples_per_epoch=share,
                 steps_per_epoch=_steps(examples, gb, self.drop_remainder),
             )
-        self._say(
-            f"keras-sync: training data: {described or source} {note}; shard policy {choice.policy} "
-            f"({choice.reason}){part}; {batch_layout(gb, self.num_replicas, workers)}",
-            loud=workers > 1 or rebatched,
-        )
+        if workers > 1 or rebatched:
+            self._say(
+                f"keras-sync: training data: {described or source} {note}; shard policy "
+                f"{choice.policy} ({choice.reason}){part}; {batch_layout(gb, self.num_replicas, workers)}"
+            )
         return ds
 
     def _across_workers(self, batches: int, examples: int) -> list[tuple[int, int]]:
@@ -349,11 +338,11 @@ class InputPipeline:
             examples_per_epoch=n - n % global_batch if self.drop_remainder else n,
             steps_per_epoch=_steps(n, global_batch, self.drop_remainder),
         )
-        self._say(
-            f"keras-sync: training data: arrays, shard policy {choice.policy} ({choice.reason}); "
-            f"{batch_layout(global_batch, self.num_replicas, self.num_workers)}",
-            loud=self.num_workers > 1,
-        )
+        if self.num_workers > 1:
+            self._say(
+                f"keras-sync: training data: arrays, shard policy {choice.policy} ({choice.reason}); "
+                f"{batch_layout(global_batch, self.num_replicas, self.num_workers)}"
+            )
         return ds, None, kwargs
 
     def _batched(
@@ -401,10 +390,8 @@ class InputPipeline:
             f"{workers} workers: each worker reads its own files",
         )
 
-    def _say(self, line: str, *, loud: bool) -> None:
-        """Logged; printed on the chief when ``loud`` (several workers, a changed batch)."""
-        log.info("%s", line)
-        if loud and self.is_chief:
+    def _say(self, line: str) -> None:
+        if self.is_chief:
             print(line, file=sys.stderr, flush=True)
 
 
