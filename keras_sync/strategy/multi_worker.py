@@ -118,10 +118,10 @@ def build_multi_worker_strategy(
             resolver.cluster_spec(), timeout_ms, TRAINING_JOBS
         )
     if not (configured and barrier):
-        why = (
-            "no registration barrier: it bounds the chief's wait only" if configured else "not set"
-        )
-        logger.warning("keras-sync: strategy.connect_timeout_s for task %s: %s", me, why)
+        why = "bounds the chief's wait only (this TensorFlow has no registration barrier)"
+        if not configured:
+            why = "is not applied (the coordination service is already set up, or the task does not train)"
+        logger.warning("keras-sync: strategy.connect_timeout_s for task %s %s", me, why)
     try:
         return strategy_cls(resolver, options, devices)
     except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError) as e:
