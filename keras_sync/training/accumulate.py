@@ -14,6 +14,19 @@ from typing import Any
 from keras_sync.errors import UsageError
 
 
+def replica_local(initial: Any, name: str) -> Any:
+    """A variable with one copy per replica, never all-reduced nor trained (create it in the scope)."""
+    import tensorflow as tf
+
+    return tf.Variable(
+        initial,
+        name=name,
+        trainable=False,
+        synchronization=tf.VariableSynchronization.ON_READ,
+        aggregation=tf.VariableAggregation.NONE,
+    )
+
+
 class GradientAccumulator:
     """Per-replica gradient sums for the variables of ``model``, and the accumulating ``apply``."""
 
@@ -25,21 +38,12 @@ class GradientAccumulator:
         self._strategy = model.distribute_strategy
         self._vars = list(model.trainable_variables)
         self._index = {id(v): i for i, v in enumerate(self._vars)}
-        on_read = dict(
-            trainable=False,
-            synchronization=tf.VariableSynchronization.ON_READ,
-            aggregation=tf.VariableAggregation.NONE,
-        )
-        with model.distribute_strategy.scope():
+        with self._strategy.scope():
             self._sums = [
-                tf.Variable(
-                    tf.zeros(tuple(v.shape), v.dtype), name="keras_sync_gradient_sum", **on_read
-                )
+                replica_local(tf.zeros(tuple(v.shape), v.dtype), "keras_sync_gradient_sum")
                 for v in self._vars
             ]
-            self._micro = tf.Variable(
-                tf.constant(0, tf.int64), name="keras_sync_micro_batches", **on_read
-            )
+            self._micro = replica_local(tf.constant(0, tf.int64), "keras_sync_micro_batches")
 
     def pending(self) -> bool:
         """True between two updates: micro-batches have been summed but not applied yet."""

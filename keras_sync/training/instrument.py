@@ -17,6 +17,7 @@ from typing import Any
 
 from keras_sync.cluster import strategy_role
 from keras_sync.training import train_step_trace as trace
+from keras_sync.training.accumulate import replica_local
 from keras_sync.upstream.strategy_facts import in_multi_worker_mode
 
 
@@ -56,13 +57,8 @@ class ReplicaProbe:
         #: Rows of the ring: the steps a reader may fall behind (with room for steps_per_execution).
         self.ring = max(int(ring), 4 * int(getattr(model, "steps_per_execution", 1) or 1))
         with self.strategy.scope():  # outside the model: not a weight, never saved
-            self.var = tf.Variable(
-                tf.zeros([self.ring + 1, self._WRITTEN], tf.int64),
-                trainable=False,
-                synchronization=tf.VariableSynchronization.ON_READ,
-                aggregation=tf.VariableAggregation.NONE,
-                name="keras_sync_replica_stats",
-            )
+            zeros = tf.zeros([self.ring + 1, self._WRITTEN], tf.int64)
+            self.var = replica_local(zeros, "keras_sync_replica_stats")
         self.multi_worker = in_multi_worker_mode(self.strategy)
         #: Workers (processes) of the job; the gathered replicas are worker 0's first.
         self.num_workers = strategy_role(self.strategy).num_workers if self.multi_worker else 1
@@ -254,12 +250,10 @@ def holds_unapplied_gradients(model: Any) -> bool:
 
 def applied_optimizers(model: Any) -> list[tuple[str, Any]]:
     """(attribute, optimizer) of each optimizer ``model``'s train step applies; [] before its first trace."""
-    out = []
-    for name in getattr(probe_of(model), "applied", []):
-        value = getattr(model, name, None) or vars(model).get("_" + name)
-        if value is not None and hasattr(value, "apply_gradients"):
-            out.append((name, value))
-    return out
+    named = trace.named_optimizers(model)
+    return [
+        (name, named[name]) for name in getattr(probe_of(model), "applied", []) if name in named
+    ]
 
 
 def _replica_values(seen: dict[str, Any], n: int) -> tuple[Any, Any, Any]:

@@ -86,10 +86,9 @@ def check_lr_callbacks(model: Any, callbacks: Any, method: str = "fit") -> None:
             cb, (keras.callbacks.ReduceLROnPlateau, keras.callbacks.LearningRateScheduler)
         )
     ]
+    # A LossScaleOptimizer's (mixed_float16) learning rate is its inner optimizer's.
     optimizer = getattr(model, "optimizer", None)
-    optimizer = getattr(
-        optimizer, "inner_optimizer", optimizer
-    )  # LossScaleOptimizer (mixed_float16)
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
     try:
         rate = optimizer.get_config().get("learning_rate") if setters and optimizer else None
     except Exception:  # an optimizer that cannot describe itself: Keras decides at run time
@@ -97,11 +96,7 @@ def check_lr_callbacks(model: Any, callbacks: Any, method: str = "fit") -> None:
     if not isinstance(rate, dict):
         return
     name = str(rate.get("class_name") or "LearningRateSchedule")
-    ours = (
-        " from sync.lr_schedule(), the learning_rate warmup"
-        if name == GradualWarmup.__name__
-        else ""
-    )
+    ours = " from sync.lr_schedule(), the learning_rate warmup" if name == "GradualWarmup" else ""
     raise UsageError(
         f"callbacks of sync.{method}: {setters[0]} sets the optimizer's learning rate, but the optimizer was given a "
         f"schedule ({name}{ours}), whose rate Keras cannot set (it would stop with a TypeError after the first "

@@ -23,15 +23,21 @@ AT_SCALE_LOSS = "keras-sync, at scale_loss"
 _tls = threading.local()
 
 
-def optimizers_of(model: Any) -> list[Any]:
-    """The model's optimizer and any other optimizer it holds as an attribute (a GAN's two)."""
+def named_optimizers(model: Any) -> dict[str, Any]:
+    """The model's optimizer and any other optimizer it holds as an attribute (a GAN's two), by
+    attribute (``optimizer`` first, a leading ``_`` dropped)."""
     import keras
 
-    found: dict[int, Any] = {}
-    for value in [getattr(model, "optimizer", None), *vars(model).values()]:
-        if isinstance(value, keras.optimizers.Optimizer):
-            found.setdefault(id(value), value)
-    return list(found.values())
+    found: dict[str, Any] = {}
+    for name, value in [("optimizer", getattr(model, "optimizer", None)), *vars(model).items()]:
+        if isinstance(value, keras.optimizers.Optimizer) and value not in found.values():
+            found.setdefault(name.lstrip("_"), value)
+    return found
+
+
+def optimizers_of(model: Any) -> list[Any]:
+    """The optimizers of `named_optimizers`."""
+    return list(named_optimizers(model).values())
 
 
 def gradient_factor(
@@ -146,11 +152,7 @@ def capture(
     ``reached`` (``stamp`` of the first apply's gradients) and per ``apply`` in ``applies`` the
     optimizer's ``id`` and attribute, ``scaled_by`` (what divided its loss) and ``factor``.
     """
-    names: dict[int, str] = {}
-    for name in ["optimizer", *vars(model)]:
-        value = getattr(model, "optimizer", None) if name == "optimizer" else vars(model)[name]
-        if value is not None and hasattr(value, "apply_gradients"):
-            names.setdefault(id(value), name.lstrip("_"))
+    names = {id(o): name for name, o in named_optimizers(model).items()}
     record.update(
         grads=[],
         custom_step=custom_step,
