@@ -50,9 +50,6 @@ class SpoolDir:
         self._locks: dict[str, Any] = {}
         self._fh: Any = None
         self._segment = 0
-        self._header: dict[str, Any] | None = None
-        #: Set by `append` when it found the spool deleted under it and made it again.
-        self.remade: str | None = None
 
     def lock(self, role: str, wait: bool = False) -> bool:
         """Take ``writer.lock`` or ``deliver.lock``; False if a live process holds it (``wait``: wait)."""
@@ -106,7 +103,6 @@ class SpoolDir:
             raise
 
     def write_header(self, header: dict[str, Any]) -> None:
-        self._header = header
         if not (self.path / "header.json").exists():
             self.write_json("header.json", header)
 
@@ -140,8 +136,8 @@ class SpoolDir:
         """Begin a new segment after every existing one (a writer never appends to an older one)."""
         self.close_segment()
         self._segment = max([*self.segments(), self._segment]) + 1
-        # Unbuffered: a refused write fails here, not in a flush at exit. Readable: see `_remake`.
-        self._fh = open(self._segment_path(self._segment), "a+b", buffering=0)
+        # Unbuffered: a refused write fails here, not in a flush at exit.
+        self._fh = open(self._segment_path(self._segment), "ab", buffering=0)
         return self._segment, 0
 
     def append(self, records: list[dict[str, Any]]) -> Position:
@@ -152,7 +148,7 @@ class SpoolDir:
         """
         lines = [json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in records]
         if self._fh is not None and os.fstat(self._fh.fileno()).st_nlink == 0:
-            self._remake()
+            raise FileNotFoundError(f"{self.path} was deleted while this run logged into it")
         i, pos = 0, self.written()
         while True:
             chunk: list[bytes] = []
@@ -187,23 +183,6 @@ class SpoolDir:
             pos = self.written()
             if i >= len(lines):
                 return pos
-
-    def _remake(self) -> None:
-        """The open segment was deleted (someone removed the spool while the run logs): make the
-        directory again and copy the segment's records back from the open file."""
-        data = os.pread(self._fh.fileno(), self._fh.tell(), 0)
-        self.close_segment()
-        self.path.mkdir(parents=True, exist_ok=True)
-        if self._header is not None:
-            self.write_json("header.json", self._header)
-        if "writer" in self._locks:
-            self.unlock("writer")
-            self.lock("writer")
-        self.start_segment()
-        view = memoryview(data)
-        while view:
-            view = view[self._fh.write(view) :]
-        self.remade = f"{len(data.splitlines())} record(s) of its open segment were written again"
 
     def written(self) -> Position:
         return self._segment, (self._fh.tell() if self._fh is not None else 0)

@@ -530,15 +530,6 @@ class Spooler:
                 self.spooled_pos = e.pos
                 recs = recs[e.done :]
                 self._spool_failed(e.reason)
-            if self.spool.remade is not None:
-                _log.warning(
-                    f"keras-sync: the MLflow spool {self.spool.path} was deleted while this run "
-                    f"logged into it; keras-sync made it again and {self.spool.remade} (the "
-                    "courier sends them again; MLflow keeps one point per step). Records of "
-                    "earlier segments not yet delivered went with it. Fix: leave mlflow.spool_dir "
-                    "alone while a job runs, or set it to a folder nothing cleans."
-                )
-                self.spool.remade = None
         for rec in recs:
             self._hold(rec)
 
