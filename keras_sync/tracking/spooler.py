@@ -179,8 +179,8 @@ class Spooler:
         left = self._spooled_left() + self.unacknowledged() + [rec for _, rec in self.queue]
         return sum(len(rec["d"]) for rec in left if rec["k"] == METRICS)
 
-    def _sync_spool_hint(self, spool: Path | None = None) -> str:
-        hint = f"keras-sync sync-spool {spool or self.spool.path}"
+    def _sync_spool_hint(self) -> str:
+        hint = f"keras-sync sync-spool {self.spool.path}"
         return hint + (" --tracking-uri URI" if self.shown_uri != self.uri else "")
 
     def say_refused_once(self) -> bool:
