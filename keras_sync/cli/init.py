@@ -62,12 +62,7 @@ def command(
             "Per-replica batch size", default=32, type=click.IntRange(min=1)
         )
     kind = (kind or "auto").lower()
-    root = Path(directory)
-    if root.exists() and not root.is_dir():
-        raise UserError(
-            f"Invalid value for argument `directory`. Received: {str(root)!r}, which is a file. "
-            "Expected a directory (it is created if missing)."
-        )
+    root = Path(directory)  # click refuses a file
     contents = {
         root / DEFAULT_CONFIG_FILE: render_config(kind, per_replica_batch or 32),
         root / "train.py": _template("train.py"),

@@ -217,9 +217,7 @@ def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Pl
         note = "flag > $MLFLOW_TRACKING_URI > file > default"
         add("mlflow.tracking_uri", tracking.redact_uri(uri), uri_source, note)
         add("mlflow.experiment", m.experiment)
-        if m.job_id:
-            note = "runs with this job id share one MLflow run"
-        else:
-            note = "a new run; a relaunch that restores a backup continues its run"
-        add("mlflow.job_id", m.job_id, None, note)
+        shared = "runs with this job id share one MLflow run"
+        new = "a new run; a relaunch that restores a backup continues its run"
+        add("mlflow.job_id", m.job_id, None, shared if m.job_id else new)
     return Plan(config.source, items)
