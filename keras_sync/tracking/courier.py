@@ -1,14 +1,10 @@
-"""The courier: delivers one spool (`keras_sync.tracking.spool`) to MLflow, in order, in batches.
+"""The courier: a child process of the writer that delivers one spool to MLflow in order.
 
-It runs as a child process of the writer (``python -m keras_sync.tracking.courier_main``): MLflow's
-client spends Python time on every point, which in a thread would hold the training's GIL. It
-polls the spool, sends batches through `keras_sync.tracking.deliver.RunSender`, writes
-``delivered``, ``run.json`` and ``status.json`` and deletes delivered segments. Its stdin brings
-the tracking URI (credentials included, never on disk or the command line) and the header, then
-the records the writer could not spool (a full disk); its stdout tells the writer where delivery
-stands, since those files may not be writable then. It ends after the writer's last record, or
-once its parent died, after a last attempt while the server answers. ``keras-sync sync-spool``
-(`replay_spool`) delivers what a spool holds after its process has ended.
+Out of the training process because MLflow's client spends Python time on every point (the GIL).
+Its stdin brings the tracking URI (credentials never touch disk or the command line), the header,
+then records the writer could not spool (a full disk); its stdout tells the writer where delivery
+stands. It ends after the writer's last record, or, once its parent died, after a last attempt
+while the server answers. `replay_spool` (``keras-sync sync-spool``) delivers a left spool.
 """
 
 from __future__ import annotations

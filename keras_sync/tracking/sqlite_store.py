@@ -118,12 +118,9 @@ def _wait_for_live_builders(path: Path, timeout_s: float) -> bool:
 
 
 def _wait_while_built_in_place(path: Path, timeout_s: float) -> None:
-    """Wait while another client (a user's ``MlflowClient``, an ``mlflow server``) builds ``path``.
-
-    A second client opening a store mid-build runs the migrations again beside the first, and both
-    fail ("table ... already exists"). A store at its schema's head is used at once, and so is one
-    nobody has written for `_SETTLED_S`; one below the head whose schema has not moved for
-    `_SETTLED_S` (an older MLflow's, a killed builder's) is left to MLflow, which names it.
+    """Wait while another client (a user's ``MlflowClient``, an ``mlflow server``) builds ``path``:
+    a second client opening it mid-build would run the migrations again, and both fail. A store at
+    the schema's head, or one nobody wrote or migrated for `_SETTLED_S`, is left to MLflow.
     """
     from keras_sync.upstream.mlflow_internals import schema_head
 
