@@ -183,9 +183,12 @@ def end_of_data_patches() -> list[Patch]:
         def function_stopping_at_end(iterator: Any) -> Any:
             if int(self.steps_per_execution or 1) != 1 or not isinstance(iterator, iterators):
                 return function(iterator)
-            # Under several workers the step's collectives cannot run inside tf.cond's branch
-            # (an unfed placeholder), so there the check stays eager.
-            if self.run_eagerly or _is_multi_worker(self._distribute_strategy):
+            # MultiWorkerMirroredStrategy's collectives (one worker or several) cannot run in a
+            # tf.cond branch (an unfed placeholder; Keras's keras-team/keras#19246 workaround is
+            # the same trouble), so there the check stays eager.
+            if self.run_eagerly or isinstance(
+                self._distribute_strategy, tf.distribute.MultiWorkerMirroredStrategy
+            ):
                 batch = iterator.get_next_as_optional()
                 if not batch.has_value():
                     raise StopIteration
