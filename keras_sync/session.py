@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import os
 import sys
@@ -16,8 +15,6 @@ from keras_sync.config import Config, load_config
 from keras_sync.config.kinds import KINDS
 from keras_sync.errors import KerasSyncError, UsageError
 from keras_sync.training import scaling
-
-log = logging.getLogger("keras_sync")
 
 
 def load(
@@ -253,11 +250,9 @@ class Sync:
         dataset is rebatched to the global batch (see `keras_sync.training.pipeline`). The MLflow
         run ends (FINISHED) when fit returns; the next fit of this `Sync` continues it.
         """
-        from keras_sync import callbacks as ks_callbacks
         from keras_sync.callbacks.backup import resumable_fit
         from keras_sync.cluster.collective_calls import collective
         from keras_sync.cluster.preemption import ctrl_c_ends_fit
-        from keras_sync.training import saving
 
         self._ready(model, kwargs.get("callbacks"), "fit")
         given, data = kwargs.get("batch_size"), x  # the global batch, checked by _prepare
@@ -265,8 +260,7 @@ class Sync:
         # With steps_per_epoch an epoch is that many steps, not one pass over the data.
         steps_given = kwargs.get("steps_per_epoch")
         self._resolve_pending_warmup(steps_given or self.input_facts.steps_per_epoch)
-        kwargs["callbacks"] = ks_callbacks.fit_callbacks(
-            self,
+        kwargs["callbacks"] = self._fit_callbacks(
             kwargs.get("callbacks"),
             global_batch=given or self.global_batch_size,
             expected=None if steps_given else self.input_facts.examples_per_epoch,
@@ -274,8 +268,6 @@ class Sync:
             per_replica_batch_size=given // self.num_replicas if given else None,
             record=True,
         )
-        # Keras' BackupAndRestore, TensorBoard, CSVLogger: the chief writes (model.save: _prepare).
-        saving.guard_callbacks(self.strategy, kwargs["callbacks"])
         # Ctrl-C is outermost: every other context has closed before the process exits. With
         # mlflow.keras.autolog() on, autolog logs into keras-sync's run instead of its own.
         backup_dir = self.config.fault_tolerance.backup_dir
@@ -353,15 +345,18 @@ class Sync:
                 "sync.fit(model, ...), or remove fault_tolerance.backup_dir and pass "
                 "keras.callbacks.BackupAndRestore yourself."
             )
+        self._ready(model, callbacks, "callbacks")
+        self._for_workers(model)
+        return self._fit_callbacks(callbacks, global_batch=self.global_batch_size)
+
+    def _fit_callbacks(self, callbacks: Any, **kwargs: Any) -> list[Any]:
+        """keras-sync's callbacks around the user's, with Keras's own BackupAndRestore, TensorBoard
+        and CSVLogger writing the user's paths on the chief only."""
         from keras_sync import callbacks as ks_callbacks
         from keras_sync.training import saving
 
-        self._ready(model, callbacks, "callbacks")
-        self._for_workers(model)
-        # Keras' BackupAndRestore, TensorBoard and CSVLogger: the chief writes the user's paths.
         return saving.guard_callbacks(
-            self.strategy,
-            ks_callbacks.fit_callbacks(self, callbacks, global_batch=self.global_batch_size),
+            self.strategy, ks_callbacks.fit_callbacks(self, callbacks, **kwargs)
         )
 
     @property
