@@ -72,12 +72,10 @@ def load(
         if sync.is_chief and cfg.mlflow.enabled:
             # The courier starts while the user builds the model; the run is made at the first log.
             sync.job_run.writer(early=True, started=early_writer)
-        elif early_writer is not None:
+            early_writer = None  # the run's writer now
+    finally:
+        if early_writer is not None:  # not the chief's after all, or the build failed
             _drop_early_writer(early_writer)
-    except BaseException:
-        if early_writer is not None:
-            _drop_early_writer(early_writer)
-        raise
     runtime.set_dtype_policy(cfg, is_chief=sync.is_chief)  # before the user builds the model
     if cfg.verify is not None:  # `keras-sync verify`: the same weights and data on both runs
         from keras_sync.training.verify_record import seed_everything

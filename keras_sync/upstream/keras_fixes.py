@@ -35,23 +35,19 @@ def _is_multi_worker(strategy: Any) -> bool:
 
     from keras_sync.upstream.strategy_facts import in_multi_worker_mode
 
-    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and in_multi_worker_mode(
-        strategy
-    )
-
-
-def fixes_for(strategy: Any) -> list[Patch]:
-    """The patches one `fit`, `evaluate` or `predict` under ``strategy`` needs."""
-    patches = end_of_data_patches() + iterator_release_patches() + device_dataset_patches()
-    if strategy is not None and _is_multi_worker(strategy):
-        return patches + multi_worker_patches()
-    return patches + same_data_order_patches(multi_worker=False)
+    is_mwms = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+    return is_mwms and in_multi_worker_mode(strategy)
 
 
 @contextlib.contextmanager
 def fixed_keras(strategy: Any) -> Any:
     """For the length of the block, Keras runs with the fixes ``strategy`` needs; restored after."""
-    with patched(fixes_for(strategy)):
+    patches = end_of_data_patches() + iterator_release_patches() + device_dataset_patches()
+    if _is_multi_worker(strategy):
+        patches += multi_worker_patches()
+    else:
+        patches += same_data_order_patches(multi_worker=False)
+    with patched(patches):
         yield
 
 
