@@ -29,7 +29,7 @@ EXIT = "exit"
 _POLL_MS = 2000
 _PROBE_MS = 10_000
 _PROBE_TRIES = 3
-_ATTRIBUTE = "_keras_sync_peer_calls"  # where a multi-worker strategy keras_sync built holds its
+_ATTRIBUTE = "_keras_sync_peer_calls"  # the strategy attribute that holds its PeerCalls
 _strategies = itertools.count()  # strategies built in this process: alike on every worker
 
 
@@ -43,16 +43,14 @@ def _said(call: str) -> str:
 
 class PeerCalls:
     """The collective calls of one multi-worker strategy, numbered alike on every worker; held by
-    the strategy itself, so it lives exactly as long as the `Sync` that built it."""
+    the strategy (one per `Sync`), not by this module."""
 
     def __init__(self, strategy: Any, timeout_s: float):
         self.strategy, self.timeout_s = strategy, timeout_s
         self._prefix = f"keras_sync/call/{next(_strategies)}"
         self._count = itertools.count()  # next() is atomic: one number per call, in call order
         self.returned, self.failed = 0, False
-        self._local = (
-            threading.local()
-        )  # inside a call: a nested one (fit's validation evaluate) passes
+        self._local = threading.local()  # `inside`: a nested call (validation evaluate) passes
 
     def meet(self, call: str, on_wait: Callable[[str], None] | None = None) -> None:
         """Wait until every worker has reached this call number with the same ``call`` name, or raise
