@@ -107,6 +107,12 @@ def _error(what: str, received: Any, fix: str) -> ClusterError:
     return ClusterError(f"{what}. Received: {shown}. {fix}")
 
 
+_EXAMPLE = (
+    'Expected a JSON object such as {"cluster": {"worker": ["host0:2222", "host1:2222"]}, '
+    '"task": {"type": "worker", "index": 0}}'
+)
+
+
 def _tf_config_cluster(data: Any, raw: str) -> dict[str, list[str]]:
     """The `cluster` of a parsed TF_CONFIG, checked for what MultiWorkerMirroredStrategy can run."""
     if not isinstance(data, dict):
@@ -151,12 +157,6 @@ def _tf_config_cluster(data: Any, raw: str) -> dict[str, list[str]]:
     return cluster
 
 
-_EXAMPLE = (
-    'Expected a JSON object such as {"cluster": {"worker": ["host0:2222", "host1:2222"]}, '
-    '"task": {"type": "worker", "index": 0}}'
-)
-
-
 def parse_tf_config(raw: str | None, *, env: Mapping[str, str] | None = None) -> ClusterInfo:
     """Reads a TF_CONFIG value (None, "" or "{}": one process); ``env`` tells a Ray worker."""
     if raw is None or not raw.strip():
@@ -176,11 +176,8 @@ def parse_tf_config(raw: str | None, *, env: Mapping[str, str] | None = None) ->
         raise _error("TF_CONFIG has no `task` (this process's role)", f"task={task!r}", fix)
     task_type, task_id = task.get("type"), task.get("index")
     if task_type not in (*TRAINING_JOBS, "evaluator"):
-        what, fix = (
-            "TF_CONFIG task.type is not a training role",
-            "Expected one of chief, worker, evaluator.",
-        )
-        raise _error(what, f"task.type={task_type!r}", fix)
+        fix = "Expected one of chief, worker, evaluator."
+        raise _error("TF_CONFIG task.type is not a training role", f"task.type={task_type!r}", fix)
     if isinstance(task_id, str) and task_id.isdigit():
         task_id = int(task_id)  # TFConfigClusterResolver does int(index) too
     if isinstance(task_id, bool) or not isinstance(task_id, int) or task_id < 0:
