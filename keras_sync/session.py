@@ -347,15 +347,32 @@ class Sync:
         self._for_workers(model)
         return self._fit_callbacks(callbacks, global_batch=self.global_batch_size)
 
-    def _fit_callbacks(self, callbacks: Any, **kwargs: Any) -> list[Any]:
-        """keras-sync's callbacks around the user's, with Keras's own BackupAndRestore, TensorBoard
-        and CSVLogger writing the user's paths on the chief only."""
+    def _fit_callbacks(
+        self,
+        callbacks: Any,
+        *,
+        per_replica_batch_size: int | None = None,
+        record: bool = False,
+        **kwargs: Any,
+    ) -> list[Any]:
+        """keras-sync's callbacks around the user's (verify's recorder last, with ``record``), with
+        Keras's own BackupAndRestore, TensorBoard and CSVLogger writing the user's paths on the
+        chief only."""
         from keras_sync import callbacks as ks_callbacks
         from keras_sync.training import saving
 
-        return saving.guard_callbacks(
-            self.strategy, ks_callbacks.fit_callbacks(self, callbacks, **kwargs)
+        context = self.context(per_replica_batch_size=per_replica_batch_size)
+        out = ks_callbacks.fit_callbacks(
+            context, callbacks, job_run=self.job_run, strategy=self.strategy, **kwargs
         )
+        if record and self.config.verify is not None:
+            from keras_sync.training import verify_record
+
+            source, base = self.input_facts.source, self.base_batch_size
+            out.append(
+                verify_record.callback(self.context(), input_source=source, base_batch_size=base)
+            )
+        return saving.guard_callbacks(self.strategy, out)
 
     @property
     def run_id(self) -> str | None:

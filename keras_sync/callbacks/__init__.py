@@ -12,35 +12,33 @@ from typing import TYPE_CHECKING, Any
 from keras_sync.training.context import RunContext, SharedState
 
 if TYPE_CHECKING:
-    from keras_sync.session import Sync
+    from keras_sync.training.job_run import JobRun
 
 __all__ = ["RunContext", "SharedState", "fit_callbacks", "mlflow_callbacks"]
 
 
 def fit_callbacks(
-    sync: Sync,
+    context: RunContext,
     user_callbacks: Any,
     *,
+    job_run: JobRun,
+    strategy: Any,
     global_batch: int,
     expected: int | None = None,
     data: Any = None,
-    per_replica_batch_size: int | None = None,
-    record: bool = False,
 ) -> list[Any]:
-    """The callbacks of one `fit` of ``sync``, in order: the runtime setup, the sync metrics, the
-    backups, the user's, the run-time checks (they read what the backups restored) and, with
-    ``record`` in a verify run, the recorder. ``per_replica_batch_size``: this fit's batch when
-    not the configured one."""
+    """The callbacks of one `fit`, in order: the runtime setup, the sync metrics, the backups, the
+    user's and the run-time checks (they read what the backups restored). ``context``: this fit's
+    `RunContext`; ``job_run``: the job's writer and state."""
     from keras_sync.callbacks.backup import BackupAndRestore, backup_callbacks
     from keras_sync.training import run_checks, runtime
 
-    context = sync.context(per_replica_batch_size=per_replica_batch_size)
-    job_run, enabled = sync.job_run, sync.config.mlflow.enabled
+    enabled = context.config.mlflow.enabled
     # The job's next state: its steps and params continue the job's earlier fits'.
     shared = job_run.job.next_fit()
     # Backups first: another job's directory, or only damaged backups, stop fit before a run opens.
-    backups = backup_callbacks(context, sync.strategy, open_writer=job_run.writer, shared=shared)
-    out = [runtime.setup_callback(sync.config.runtime)]
+    backups = backup_callbacks(context, strategy, open_writer=job_run.writer, shared=shared)
+    out = [runtime.setup_callback(context.config.runtime)]
     if enabled:
         out += mlflow_callbacks(context, job_run.writer(), shared)
     out += backups + list(user_callbacks or [])
@@ -51,14 +49,6 @@ def fit_callbacks(
             context, writer, global_batch=global_batch, expected=expected, data=data, backups=mine
         )
     )
-    if record and sync.config.verify is not None:
-        from keras_sync.training import verify_record
-
-        source = getattr(sync.input_facts, "source", None)
-        recorder = verify_record.callback(
-            sync.context(), input_source=source, base_batch_size=sync.base_batch_size
-        )
-        out.append(recorder)
     return out
 
 

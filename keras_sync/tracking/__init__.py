@@ -48,11 +48,9 @@ _CLOSED = "MlflowWriter is closed; create a new writer to log more."
 
 @runtime_checkable
 class Writer(Protocol):
-    """What the keras-sync callbacks write through: `MlflowWriter`, or an object of your own.
-
-    Called on the chief only (other workers get ``writer=None``), from the training thread, so
-    each must return quickly. ``step`` is the job's optimizer step (1-based). Used when present:
-    ``flush_to_spool(timeout_s)`` (before a backup), ``end_of_fit()`` and ``end_run(status, timeout_s)``.
+    """What the keras-sync callbacks write through (on the chief, from the training thread, so
+    quickly): `MlflowWriter` or an object of your own; ``step`` is the job's optimizer step.
+    Used when present: ``flush_to_spool(timeout_s)``, ``end_of_fit()``, ``end_run(status, timeout_s)``.
     """
 
     def log_metrics(
@@ -367,9 +365,8 @@ class MlflowWriter:
         else:
             self._put({"k": records.STOP})
         self.start()
-        line, delivered = None, False
+        line = waiting.ExitLine(self._sp) if at_exit and not never_begun else None
         try:
-            line = waiting.ExitLine(self._sp) if at_exit and not never_begun else None
             delivered = never_begun or self.flush(timeout_s, progress=line.update if line else None)
         except KeyboardInterrupt:  # Ctrl-C at exit: the rest stays in the spool, and is said
             delivered = False
