@@ -18,6 +18,8 @@ from contextlib import closing
 from pathlib import Path
 from urllib.parse import unquote
 
+import psutil
+
 from keras_sync.errors import TrackingError
 
 _log = logging.getLogger("keras_sync.tracking")
@@ -107,7 +109,7 @@ def _wait_for_live_builders(path: Path, timeout_s: float) -> bool:
         live = False
         for p in path.parent.glob(f".{path.name}{_TMP_MARK}*"):
             pid = p.name[len(f".{path.name}{_TMP_MARK}") :].split("-", 1)[0]
-            if pid.isdigit() and _alive(int(pid)):
+            if pid.isdigit() and psutil.pid_exists(int(pid)):
                 live = live or not p.name.endswith(("-journal", "-room"))
             else:
                 p.unlink(missing_ok=True)
@@ -217,13 +219,3 @@ def check_creatable(uri: str) -> None:
             f"{e.strerror or e} (errno {code}). Make the folder writable by this user (or free "
             "disk space there), or set mlflow.tracking_uri to a store it can write."
         ) from None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -20,6 +20,8 @@ import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import psutil
+
 from keras_sync.errors import UsageError
 
 MANIFEST_SUFFIX = ".manifest.json"
@@ -257,16 +259,6 @@ def read_lock(backup_dir: str) -> tuple[Holder, float] | None:
         return None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
-
-
 def live_other(found: tuple[Holder, float] | None, me: Holder, *, chief: bool) -> Holder | None:
     """The lock's holder when it is another live job that ``me`` must not share the directory with.
 
@@ -277,7 +269,7 @@ def live_other(found: tuple[Holder, float] | None, me: Holder, *, chief: bool) -
         return None
     holder, age = found
     here = holder.host == me.host
-    if (here and (holder.pid == me.pid or not _alive(holder.pid))) or age > STALE_S:
+    if (here and (holder.pid == me.pid or not psutil.pid_exists(holder.pid))) or age > STALE_S:
         return None
     if holder.job_id is not None:
         same_job = holder.job_id == me.job_id
