@@ -365,8 +365,9 @@ class MlflowWriter:
         else:
             self._put({"k": records.STOP})
         self.start()
-        line = waiting.ExitLine(self._sp) if at_exit and not never_begun else None
-        try:
+        line = None
+        try:  # the line's first print is inside: a Ctrl-C may come as it is shown
+            line = waiting.ExitLine(self._sp) if at_exit and not never_begun else None
             delivered = never_begun or self.flush(timeout_s, progress=line.update if line else None)
         except KeyboardInterrupt:  # Ctrl-C at exit: the rest stays in the spool, and is said
             delivered = False
