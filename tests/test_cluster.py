@@ -310,6 +310,9 @@ def test_slurm_auto_ports_of_neighbouring_jobs_and_steps_do_not_overlap() -> Non
 def test_slurm_hostlist_and_tasks_per_node_like_tensorflow() -> None:
     assert expand_hostlist("gpu[01-02,07],login") == ["gpu01", "gpu02", "gpu07", "login"]
     assert expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    # The examples the docstrings had.
+    assert expand_hostlist("n[1-2],m5,o[08-10]") == ["n1", "n2", "m5", "o08", "o09", "o10"]
+    assert expand_tasks_per_node("3(x2),1") == [3, 3, 1]
     env = {
         "SLURM_PROCID": "0",
         "SLURM_STEP_NUM_TASKS": "3",

@@ -19,7 +19,7 @@ def _template(name: str) -> str:
 
 def render_config(kind: str = "auto", per_replica_batch: int = 32) -> str:
     """The text of a commented ``keras_sync.yaml`` for strategy `kind` (one of `KINDS`)."""
-    # Plain replacement, not string.Template: the comments mention $MLFLOW_TRACKING_URI and friends.
+    # Not string.Template: the comments mention $MLFLOW_TRACKING_URI and friends.
     strategy = _template(f"strategy_{kind}.yaml").rstrip("\n")
     text = _template(DEFAULT_CONFIG_FILE).replace("${strategy}", strategy)
     return text.replace("${per_replica}", str(per_replica_batch))
@@ -52,7 +52,6 @@ def command(
     """
     from keras_sync.config.kinds import KINDS, LAYOUT_LOCAL
     from keras_sync.strategy import count_gpus_cheaply
-    from keras_sync.tracking.shell_hint import console_command, python_command
 
     ask = not no_input and sys.stdin.isatty()
     if kind is None and ask:
@@ -90,6 +89,4 @@ def command(
             "no GPU here, so 1 replica per process; for 2 on the CPU, set "
             f"strategy.simulated_cpu_replicas: 2 in {root / DEFAULT_CONFIG_FILE}"
         )
-    click.echo(
-        f"next: cd {shlex.quote(directory)} && {console_command()} plan && {python_command()} train.py"
-    )
+    click.echo(f"next: cd {shlex.quote(directory)} && keras-sync plan && python train.py")

@@ -1,8 +1,5 @@
-"""``keras-sync plan``: what a run would do with this config, computed without training or TensorFlow.
-
-Every value says where it came from: ``flag``, ``env``, ``file``, ``default``, or
-``detected``/``derived`` (with a note on how).
-"""
+"""``keras-sync plan``: what a run would do with this config, without training or TensorFlow.
+Every value says where it came from: flag, env, file, default, or detected/derived (with a note)."""
 
 from __future__ import annotations
 
@@ -73,12 +70,12 @@ class Plan:
     items: list[PlanItem]
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able: ``{"config": file, "items": {key: {"value", "source", "note"}}}``."""
+        """``{"config": file, "items": {key: {"value", "source", "note"}}}``."""
         items = {i.key: {k: v for k, v in asdict(i).items() if k != "key"} for i in self.items}
         return {"config": self.config_file, "items": items}
 
     def format(self) -> str:
-        """An aligned text table: key, value, source, note."""
+        """An aligned table: key, value, source, note."""
         rows = [(i.key, _show(i.value), f"[{i.source}]", i.note) for i in self.items]
         widths = [max(len(row[c]) for row in rows) for c in range(3)]
         lines = [f"config: {self.config_file}"]
@@ -159,13 +156,12 @@ def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Pl
     )
     add("input.batched_datasets", f"rebatched to {global_batch}", "derived", note)
     if workers > 1:
-        layout_note = batch_layout(global_batch, replicas, workers)
-        add("batch.per_worker", global_batch // workers, "derived", layout_note)
+        note = batch_layout(global_batch, replicas, workers)
+        add("batch.per_worker", global_batch // workers, "derived", note)
 
     rt = config.runtime
-    acc = rt.gradient_accumulation_steps
+    acc, effective = rt.gradient_accumulation_steps, global_batch * rt.gradient_accumulation_steps
     add("runtime.gradient_accumulation_steps", acc)
-    effective = global_batch * acc
     note = f"{global_batch} x {acc} micro-batches per optimizer update"
     add("batch.effective", effective, "derived", note)
     for key in ("steps_per_execution", "jit_compile"):
@@ -192,12 +188,8 @@ def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Pl
         note = "steps = ceil(epochs x steps per epoch), known at fit"
         add("learning_rate.warmup_epochs", lr.warmup_epochs, None, note)
     else:
-        add(
-            "learning_rate.warmup_steps",
-            lr.warmup_steps,
-            None,
-            "" if lr.warmup_steps else "no warmup",
-        )
+        note = "" if lr.warmup_steps else "no warmup"
+        add("learning_rate.warmup_steps", lr.warmup_steps, None, note)
 
     backend, source = stack.keras_backend(env)
     note = f"from {source}" if source != "default" else "Keras's default"
@@ -205,19 +197,18 @@ def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Pl
         note += "; keras-sync needs tensorflow: keras_sync.load() refuses this"
     add("keras.backend", backend, "env" if source == "$KERAS_BACKEND" else "detected", note)
     dists = stack.tensorflow_distributions()
-    one = "the one distribution of the tensorflow package" if len(dists) == 1 else ""
-    add("tensorflow", stack.describe_tensorflow(dists), "detected", one)
+    note = "the one distribution of the tensorflow package" if len(dists) == 1 else ""
+    add("tensorflow", stack.describe_tensorflow(dists), "detected", note)
 
     m = config.mlflow
     add("mlflow.enabled", m.enabled)
-    if m.enabled:
-        # load_config applied flag > env > file; only the default is left to fill in.
+    if m.enabled:  # load_config applied flag > env > file; only the default is left to fill in
         uri, _ = tracking.resolve_tracking_uri(m.tracking_uri)
-        uri_source = config.source_of("mlflow.tracking_uri") if m.tracking_uri else "default"
+        source = config.source_of("mlflow.tracking_uri") if m.tracking_uri else "default"
         note = "flag > $MLFLOW_TRACKING_URI > file > default"
-        add("mlflow.tracking_uri", tracking.redact_uri(uri), uri_source, note)
+        add("mlflow.tracking_uri", tracking.redact_uri(uri), source, note)
         add("mlflow.experiment", m.experiment)
-        shared = "runs with this job id share one MLflow run"
+        note = "runs with this job id share one MLflow run"
         new = "a new run; a relaunch that restores a backup continues its run"
-        add("mlflow.job_id", m.job_id, None, shared if m.job_id else new)
+        add("mlflow.job_id", m.job_id, None, note if m.job_id else new)
     return Plan(config.source, items)

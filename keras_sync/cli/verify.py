@@ -1,8 +1,5 @@
-"""``keras-sync verify``: check that a distributed run trains exactly as one device would.
-
-It runs both halves, reads their recordings (`keras_sync.training.verify_record`), compares them
-(`keras_sync.measures.verify_compare`), prints the table and logs or keeps the comparison.
-"""
+"""``keras-sync verify``: run both halves, compare their recordings (`measures.verify_compare`),
+print the table, and log or keep the comparison."""
 
 from __future__ import annotations
 
@@ -22,10 +19,8 @@ from keras_sync.cli._base import SCRIPT_CONTEXT, UserError
 from keras_sync.config import VERIFY_RECORD_ENV, VERIFY_REPLAY_ENV, VERIFY_STEPS_ENV
 from keras_sync.measures.verify_compare import QUANTITIES, Verdict, verdict
 
-#: How many parting steps and layers the table shows.
-ROWS = 5
-#: A recording's ``record.json``.
-Run = dict[str, Any]
+ROWS = 5  # how many parting steps and layers the table shows
+Run = dict[str, Any]  # a recording's record.json
 
 
 @click.command("verify", context_settings=SCRIPT_CONTEXT)
@@ -131,7 +126,7 @@ def command(
 
 
 def _run(what: str, args: list[str], env: dict[str, str]) -> None:
-    """Run one half into a fresh recording, its output beside it (``<recording>.log``)."""
+    """Run one half into a fresh recording, its output in ``<recording>.log``."""
     record = Path(env[VERIFY_RECORD_ENV])
     shutil.rmtree(record, ignore_errors=True)
     click.echo(f"verify: {what}: {' '.join(args)}", err=True)
@@ -146,7 +141,6 @@ def _run(what: str, args: list[str], env: dict[str, str]) -> None:
 
 
 def _load(folder: Path, what: str) -> Run:
-    """A recording's ``record.json``, or a one-line error naming the folder."""
     from keras_sync.training.verify_record import RECORD_FILE
 
     path = folder / RECORD_FILE
@@ -190,12 +184,11 @@ def _table(result: Verdict, subject: Run, reference: Run) -> list[str]:
 
     facts, workers, batch = subject["facts"], subject["workers"], subject["global_batch"]
     micro = reference["facts"].get("accumulation", 1) // max(1, facts.get("accumulation", 1))
-    if micro > 1:
-        how = f"{micro} micro-batches of {reference['global_batch']} accumulated (one replica's memory)"
-    else:
+    how = f"{micro} micro-batches of {reference['global_batch']} accumulated (one replica's memory)"
+    if micro <= 1:
+        depends = depends_on_batch(facts)
         how = f"the full global batch of {batch}"
-        if depends := depends_on_batch(facts):
-            how += f" ({' and '.join(depends)} depend(s) on the batch)"
+        how += f" ({' and '.join(depends)} depend(s) on the batch)" if depends else ""
     on = f" on {workers} workers" if workers > 1 else ""
     run = f"{subject['replicas']} replicas{on} ({subject['kind']}), global batch {batch}"
     lines = [f"distributed: {run}; reference: one device, {how}"]
@@ -215,16 +208,18 @@ def _table(result: Verdict, subject: Run, reference: Run) -> list[str]:
         f"tolerance: {result.tolerance:.1e} relative ({facts.get('precision', 'float32')} "
         f"rounding over {result.steps} steps)",
     ]
-    if not result.partings:
+    parts = result.partings
+    if not parts:
         lines.append(
             f"every step alike: loss, update norm, learning rate, examples ({result.steps} steps)"
         )
     else:
         lines.append(f"{'step':>5}  {'quantity':<9} {'distributed':>13} {'one device':>13}")
-        for p in result.partings[:ROWS]:
-            lines.append(f"{p.step:>5}  {p.quantity:<9} {p.subject:>13.6g} {p.reference:>13.6g}")
-        if len(result.partings) > ROWS:
-            lines.append(f"       ... {len(result.partings) - ROWS} more")
+        lines += [
+            f"{p.step:>5}  {p.quantity:<9} {p.subject:>13.6g} {p.reference:>13.6g}"
+            for p in parts[:ROWS]
+        ]
+        lines += [f"       ... {len(parts) - ROWS} more"] if len(parts) > ROWS else []
     lines.append(f"{'layer':<28} {'max |weight diff|':>18}")
     return lines + [f"{name[:28]:<28} {diff:>18.3g}" for name, diff in result.layers[:ROWS]]
 
@@ -241,13 +236,13 @@ def _log_run(comparison: Path, result: Verdict, subject: Run, reference: Run) ->
     ensure_sqlite_store(uri)
     client, name = MlflowClient(uri), subject["mlflow"]["experiment"]
     experiment = client.get_experiment_by_name(name)
+    experiment_id = experiment.experiment_id if experiment else client.create_experiment(name)
     tags = {
         "keras_sync.verify": "same" if result.same else "different",
         "keras_sync.verify.cause": (result.cause or "")[:5000],
         "keras_sync.verify.line": result.last_line[:5000],
     }
     run_name = f"verify {subject['kind']} x{subject['replicas']}"
-    experiment_id = experiment.experiment_id if experiment else client.create_experiment(name)
     rid = client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
     params = {key: subject[key] for key in ("replicas", "kind", "global_batch")}
     params.update(steps=result.steps, tolerance=f"{result.tolerance:.3g}")

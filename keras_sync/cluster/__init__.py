@@ -1,9 +1,8 @@
 """Where this process sits in a training cluster: TF_CONFIG, Slurm, a Kubernetes Indexed Job, or alone.
 
-One `ClusterEnvironment` class per value of `strategy.cluster`. `detect` and `info` read the
-environment without TensorFlow (`keras-sync plan` stays light); `resolver` imports it. The chief is
-TensorFlow's (`multi_worker_util.is_chief`): the `chief` task, else `worker` 0; an `evaluator` is not
-part of the training cluster and is a chief of its own.
+One `ClusterEnvironment` per value of `strategy.cluster`: `detect` and `info` need no TensorFlow
+(`keras-sync plan` stays light), `resolver` imports it. The chief is TensorFlow's: the `chief`
+task, else `worker` 0; an `evaluator` is outside the training cluster and a chief of its own.
 """
 
 from __future__ import annotations
@@ -30,8 +29,8 @@ _SLURM_VARS = (
 
 @dataclass(frozen=True)
 class ClusterInfo:
-    """This process's place in the cluster. ``worker_addresses``: the training tasks, chief first;
-    ``flavor``: who wrote TF_CONFIG (TFJob or Vertex AI, Ray Train), for people only."""
+    """This process's place: ``worker_addresses`` are the training tasks, chief first; ``flavor``
+    says who wrote TF_CONFIG (TFJob or Vertex AI, Ray Train), for people only."""
 
     source: Literal["tf_config", "slurm", "indexed_job", "none"]
     task_type: str
@@ -97,8 +96,8 @@ def training_tasks(cluster: Mapping[str, Any]) -> dict[tuple[str, int], str]:
 
 
 def killed_when_training_returns(env: Mapping[str, str] | None = None) -> bool:
-    """True in a Ray worker (its raylet sets ``RAY_RAYLET_PID``): Ray Train kills the worker's process
-    tree once the train function returns, atexit unrun, so the run is delivered before `fit` returns."""
+    """True in a Ray worker (``RAY_RAYLET_PID`` set): Ray Train kills its process tree once the
+    train function returns, atexit unrun, so the run is delivered before `fit` returns."""
     return "RAY_RAYLET_PID" in (os.environ if env is None else env)
 
 
@@ -118,11 +117,13 @@ def _tf_config_cluster(data: Any, raw: str) -> dict[str, list[str]]:
     if not isinstance(data, dict):
         raise _error("TF_CONFIG must be a JSON object", f"TF_CONFIG={raw!r}", _EXAMPLE)
     if "sparseCluster" in data:
+        what = (
+            "TF_CONFIG has `sparseCluster` (TFJob enableDynamicWorker), which is not supported by "
+        )
         raise _error(
-            "TF_CONFIG has `sparseCluster` (a TFJob with enableDynamicWorker), which is not supported "
-            "by MultiWorkerMirroredStrategy: every worker must know every peer",
+            what + "MultiWorkerMirroredStrategy: every worker must know every peer",
             f"sparseCluster={data['sparseCluster']!r}",
-            "Fix: set `enableDynamicWorker: false` in the TFJob spec so it writes a full `cluster`.",
+            "Fix: set `enableDynamicWorker: false` in the TFJob spec.",
         )
     cluster = data.get("cluster")
     if not isinstance(cluster, dict) or not cluster:
@@ -131,20 +132,16 @@ def _tf_config_cluster(data: Any, raw: str) -> dict[str, list[str]]:
     for job, addresses in cluster.items():
         if job not in (*TRAINING_JOBS, "evaluator", "ps"):
             fix = "Expected only chief, worker (and evaluator); rename the job."
-            raise _error(
-                f"TF_CONFIG cluster has an unknown job `{job}`", f"cluster={cluster!r}", fix
-            )
+            raise _error(f"TF_CONFIG cluster has an unknown job `{job}`", f"cluster={cluster}", fix)
         if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
-            what = f"TF_CONFIG cluster.{job} must be a list of 'host:port' strings"
-            raise _error(
-                what, f"cluster.{job}={addresses!r}", f'Expected e.g. "{job}": ["h:2222"].'
-            )
+            what, fix = f"TF_CONFIG cluster.{job} must be a list", f'Expected "{job}": ["h:2222"].'
+            raise _error(what, f"cluster.{job}={addresses!r}", fix)
     if cluster.get("ps"):
         raise _error(
             "TF_CONFIG cluster has `ps` tasks, which are not supported by MultiWorkerMirroredStrategy "
-            "(keras-sync does data-parallel all-reduce, not parameter servers)",
+            "(data-parallel all-reduce, no parameter servers)",
             f"cluster.ps={cluster['ps']!r}",
-            "Fix: remove the PS replicas (TFJob `PS:` replica spec); run chief/worker replicas only.",
+            "Fix: remove the PS replicas (TFJob `PS:` replica spec).",
         )
     for job in ("chief", "evaluator"):
         if len(cluster.get(job, [])) > 1:
@@ -185,7 +182,7 @@ def parse_tf_config(raw: str | None, *, env: Mapping[str, str] | None = None) ->
         raise _error(what, f"task.index={task_id!r}", "Fix the task index.")
     count = len(cluster.get(task_type, []))
     if task_id >= count and (task_type != "evaluator" or task_type in cluster):
-        what = f"TF_CONFIG task.index is out of range for `{task_type}` ({count} task(s) in cluster.{task_type})"
+        what = f"TF_CONFIG task.index is out of range for `{task_type}` ({count} task(s))"
         fix = f"Expected an index from 0 to {count - 1}; give each process its own index."
         raise _error(what, f"task={task!r}", fix)
     flavor: Literal["kubeflow", "ray", "plain"] = "plain"
@@ -193,19 +190,14 @@ def parse_tf_config(raw: str | None, *, env: Mapping[str, str] | None = None) ->
         flavor = "kubeflow"
     elif set(cluster) == {"worker"} and killed_when_training_returns(env):
         flavor = "ray"  # Ray Train's TensorflowConfig writes only a worker list
-    here = role(cluster, task_type, task_id)
-    addresses = list(training_tasks(cluster).values())
+    here, addresses = role(cluster, task_type, task_id), list(training_tasks(cluster).values())
     return ClusterInfo(
         "tf_config", task_type, task_id, here.num_workers, here.is_chief, addresses, flavor
     )
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
-    """Expands a Slurm hostlist, keeping order, as TensorFlow's resolver does.
-
-    >>> expand_hostlist("n[1-2],m5,o[08-10]")
-    ['n1', 'n2', 'm5', 'o08', 'o09', 'o10']
-    """
+    """Expands a Slurm hostlist (``n[1-2],m5`` -> n1, n2, m5), keeping order, as TensorFlow does."""
     parts: list[str] = []  # split at commas outside [...], in one pass (linear in the text)
     start, inside = 0, False
     for i, ch in enumerate(hostlist):
@@ -231,11 +223,7 @@ def expand_hostlist(hostlist: str) -> list[str]:
 
 
 def expand_tasks_per_node(spec: str) -> list[int]:
-    """Expands SLURM_STEP_TASKS_PER_NODE.
-
-    >>> expand_tasks_per_node("3(x2),1")
-    [3, 3, 1]
-    """
+    """Expands SLURM_STEP_TASKS_PER_NODE (``3(x2),1`` -> 3, 3, 1)."""
     out: list[int] = []
     for part in spec.split(","):
         m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
@@ -246,15 +234,9 @@ def expand_tasks_per_node(spec: str) -> list[int]:
 
 
 def slurm_port_base(env: Mapping[str, str] | None = None) -> int:
-    """The first worker port of a Slurm job step when `strategy.slurm.port_base` is auto; without a
-    job id, TensorFlow's 8888 (where two jobs sharing a node fail: "Could not start gRPC server").
-
-    Each (job, step) gets a slot of 16 ports in 10000-31775, below Linux's ephemeral range, the same
-    on every node; 1361 slots, a prime, so neighbouring job ids and steps never share one.
-
-    >>> slurm_port_base({"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "1"}) - slurm_port_base({"SLURM_JOB_ID": "77"})
-    16
-    """
+    """The first worker port of a Slurm job step when `strategy.slurm.port_base` is auto (without a
+    job id, TensorFlow's 8888). Each (job, step) gets a slot of 16 ports in 10000-31775, below
+    Linux's ephemeral range; 1361 slots, a prime, so neighbouring jobs and steps never share one."""
     env = os.environ if env is None else env
     job, step = env.get("SLURM_JOB_ID", ""), env.get("SLURM_STEP_ID", "0")
     if not job.isdigit():
@@ -275,13 +257,11 @@ def parse_slurm_env(
     """Reads a Slurm job step (`srun`) as `SlurmClusterResolver` does: every task a `worker`, nodes
     in sorted order, task i on its node at ``port_base`` + its index there (None: `slurm_port_base`)."""
     env = os.environ if env is None else env
-    missing = [v for v in _SLURM_VARS if v not in env]
-    if missing:
+    if missing := [v for v in _SLURM_VARS if v not in env]:
         raise _error(
             f"Slurm variable(s) {', '.join(missing)} are not set",
             f"SLURM_JOB_ID={env.get('SLURM_JOB_ID')!r}",
-            "The SLURM_STEP_* variables exist only inside a job step: start the script with "
-            "`srun python train.py`, not directly from the batch script.",
+            "They exist only inside a job step: start the script with `srun python train.py`.",
         )
     values = {v: env[v] for v in _SLURM_VARS}
     try:
@@ -294,12 +274,9 @@ def parse_slurm_env(
     base = slurm_port_base(env) if port_base is None else port_base
     addresses = [f"{h}:{base + i}" for h, n in sorted(layout.items()) for i in range(n)]
     if len(addresses) != num_tasks or not 0 <= rank < num_tasks:
-        raise _error(
-            "Slurm variables disagree: the node list and tasks per node do not give "
-            "SLURM_STEP_NUM_TASKS tasks, or SLURM_PROCID is out of range",
-            values,
-            "Run under srun with one task per worker process.",
-        )
+        what = "Slurm variables disagree: the nodes and tasks per node do not give "
+        what += "SLURM_STEP_NUM_TASKS tasks, or SLURM_PROCID is out of range"
+        raise _error(what, values, "Run under srun with one task per worker process.")
     return ClusterInfo("slurm", "worker", rank, num_tasks, rank == 0, addresses)
 
 
@@ -320,22 +297,19 @@ def parse_indexed_job(
         raise _error(
             "strategy.cluster is indexed_job but strategy.indexed_job.hosts or .workers is not set",
             f"hosts={hosts!r}, workers={workers!r}",
-            "Set strategy.indexed_job.hosts (e.g. train-{index}.train) and .workers (the Job's "
-            "completions).",
+            "Set strategy.indexed_job.hosts (e.g. train-{index}.train) and .workers (completions).",
         )
     if raw is None:
         raise _error(
             f"strategy.cluster is indexed_job but ${INDEX_VAR} is not set",
             f"{INDEX_VAR}=None",
-            "Kubernetes sets it in the pods of a Job with `completionMode: Indexed` (JobSet too); run "
-            "the script there, or set it by hand (0 to workers-1) to mimic one.",
+            "Kubernetes sets it in the pods of a Job with `completionMode: Indexed` (JobSet too); "
+            "run the script there, or set it (0 to workers-1) to mimic one.",
         )
     if not raw.strip().isdigit() or int(raw) >= workers:
-        raise _error(
-            f"${INDEX_VAR} is not a worker index from 0 to strategy.indexed_job.workers-1={workers - 1}",
-            f"{INDEX_VAR}={raw!r}",
-            "Set strategy.indexed_job.workers to the Job's `completions` (and `parallelism`).",
-        )
+        what = f"${INDEX_VAR} is not a worker index from 0 to strategy.indexed_job.workers-1="
+        fix = "Set strategy.indexed_job.workers to the Job's `completions` (and `parallelism`)."
+        raise _error(f"{what}{workers - 1}", f"{INDEX_VAR}={raw!r}", fix)
     index, addresses = int(raw), indexed_job_addresses(hosts, port, workers)
     return ClusterInfo("indexed_job", "worker", index, workers, index == 0, addresses)
 
@@ -445,7 +419,7 @@ CLUSTER_SOURCES: dict[str, type[ClusterEnvironment]] = {
 def read_cluster(
     strategy_config: Any, env: Mapping[str, str] | None = None
 ) -> tuple[ClusterInfo, str]:
-    """This process's place in the cluster `strategy.cluster` names, and where that came from. No TensorFlow."""
+    """This process's place in the cluster `strategy.cluster` names, and where that came from."""
     source = CLUSTER_SOURCES[strategy_config.cluster](strategy_config, env)
     if not source.detect():
         return SINGLE_PROCESS, source.absent
@@ -468,7 +442,7 @@ def record_strategy_tf_config(raw: str | None) -> None:
 
 
 def _cluster_key(cluster: Any, task_type: Any, task_id: Any) -> tuple[Any, ...] | None:
-    spec = {k: list(v) for k, v in sorted((cluster or {}).items()) if v}
+    spec = {k: list(v) for k, v in (cluster or {}).items() if v}
     return (json.dumps(spec, sort_keys=True), task_type, task_id) if cluster else None
 
 
@@ -495,7 +469,7 @@ def check_tf_config_order(raw: str | None = None, *, env: Mapping[str, str] | No
         "any TensorFlow work, and do not change it afterwards."
     )
     if _recorded and _tf_config_key(_recorded[0]) != now:
-        what = f"TF_CONFIG changed after keras_sync built a strategy in this process (it was {_recorded[0]!r})"
+        what = f"TF_CONFIG changed after keras_sync built a strategy here (it was {_recorded[0]!r})"
         raise _error(what, f"TF_CONFIG={raw!r}", fix)
     if "tensorflow" not in sys.modules:
         return
@@ -505,7 +479,6 @@ def check_tf_config_order(raw: str | None = None, *, env: Mapping[str, str] | No
     key = _cluster_key(*joined) if joined is not None else None
     if key is not None and key != now:
         what = (
-            f"TensorFlow in this process already joined the cluster {key[0]} as {key[1]}:{key[2]}, "
-            "which TF_CONFIG no longer describes"
+            f"TensorFlow in this process already joined the cluster {key[0]} as {key[1]}:{key[2]}"
         )
-        raise _error(what, f"TF_CONFIG={raw!r}", fix)
+        raise _error(f"{what}, which TF_CONFIG no longer describes", f"TF_CONFIG={raw!r}", fix)

@@ -1,8 +1,7 @@
 """SIGTERM or Ctrl-C during `Sync.fit`: a backup at one step on every worker, then exit 143 or 130.
 
 `BackupAndRestore` holds a `PreemptionSaver` from train begin to train end; without a backup,
-`ctrl_c_ends_fit` turns Ctrl-C into the same exit, in one line.
-"""
+`ctrl_c_ends_fit` turns Ctrl-C into the same exit, in one line."""
 
 from __future__ import annotations
 
@@ -18,6 +17,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from keras_sync.cluster import training_tasks
+
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, TensorFlow's restartable code
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT: a person stopped the job (Ctrl-C)
 _STOP = "stop"  # posted when a fit ends without a preemption, to release the watcher threads
@@ -26,12 +27,10 @@ _fit_numbers = itertools.count(1)
 
 
 def signal_name(signum: int | None) -> str:
-    """How the lines name a stop signal: ``Ctrl-C`` for SIGINT, else ``SIGTERM``."""
     return "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
 
 
 def exit_code(signum: int | None) -> int:
-    """The exit code after a stop signal: 130 for SIGINT, else 143."""
     return INTERRUPTED_EXIT_CODE if signum == signal.SIGINT else PREEMPTED_EXIT_CODE
 
 
@@ -41,8 +40,8 @@ def _say(message: str) -> None:
 
 
 def exit_now(code: int, message: str | None = None) -> None:
-    """Print ``keras-sync: <message>``, flush what the run logged (atexit hooks), end the process
-    (`os._exit`: shutdown under a multi-worker strategy can wait on peers that are exiting too)."""
+    """Say ``message``, run the atexit hooks (the run's delivery), then `os._exit`: a normal
+    shutdown under a multi-worker strategy can wait on peers that are exiting too."""
     if message:
         _say(message)
     tracking = sys.modules.get("keras_sync.tracking")
@@ -57,7 +56,7 @@ def exit_now(code: int, message: str | None = None) -> None:
 
 
 def exit_at_once(*_: Any) -> None:
-    """A second Ctrl-C: say so and end the process now, code 130 (no backup, no wait for delivery)."""
+    """A second Ctrl-C: end the process now, code 130 (no backup, no wait for delivery)."""
     _say("Ctrl-C again: exiting at once, without a backup at this step")
     os._exit(INTERRUPTED_EXIT_CODE)
 
@@ -80,7 +79,6 @@ class StopSignalWatch:
 
     @property
     def pending(self) -> bool:
-        """True once SIGTERM or SIGINT has arrived."""
         return self.received_at is not None
 
     def install(self) -> bool:
@@ -97,7 +95,6 @@ class StopSignalWatch:
         return True
 
     def uninstall(self) -> None:
-        """Give SIGTERM and SIGINT back to the handlers that were there before."""
         if not self._previous:
             return
         for sig, handler in self._previous.items():
@@ -107,7 +104,7 @@ class StopSignalWatch:
         os.close(self._wake_w)  # the watchdog's read returns b"" and it ends
 
     def done(self) -> None:
-        """The backup is saved (or not needed): the watchdog stands down (a second Ctrl-C still exits)."""
+        """The watchdog stands down (a second Ctrl-C still exits)."""
         self._done.set()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -158,7 +155,6 @@ class PreemptionSaver:
         self._reset()
 
     def _reset(self) -> None:
-        """The state of one fit, fresh at every `begin`."""
         self.watch = StopSignalWatch(self.grace_period_s)
         self.target: int | None = None  # the optimizer step after which every worker saves
         self._peer_signum: int | None = None  # the stop signal of the worker that announced it
@@ -174,8 +170,6 @@ class PreemptionSaver:
         from keras_sync.upstream.strategy_facts import in_multi_worker_mode
 
         if in_multi_worker_mode(strategy):
-            from keras_sync.cluster import training_tasks
-
             resolver = strategy.cluster_resolver
             tasks = list(training_tasks(resolver.cluster_spec().as_dict()))
             self._task = tasks.index((resolver.task_type, int(resolver.task_id)))
@@ -222,8 +216,8 @@ class PreemptionSaver:
         return self.save_due(step) and not self._workers
 
     def _announce(self, step: int) -> None:
-        """Ask every worker to save after step ``step + 1`` and wait for their acks (another worker's
-        step if it announced first); no agreement when the peers do not ack within the grace."""
+        """Ask every worker to save after step ``step + 1`` (or the step another announced first) and
+        wait for their acks; no agreement when they do not ack within the grace."""
         import tensorflow as tf
 
         from keras_sync.upstream import multi_worker

@@ -27,6 +27,7 @@ from keras_sync.errors import UsageError
 JOB_ID_ENV = "KERAS_SYNC_JOB_ID"  # read by `keras_sync.config` as mlflow.job_id
 RESTART_COUNT_ENV = "KERAS_SYNC_RESTART_COUNT"  # the try's number (0, 1, ...), for the workers
 _print_lock = threading.Lock()
+Procs = list[subprocess.Popen[bytes]]
 
 
 def worker_tf_configs(ports: Sequence[int]) -> list[str]:
@@ -42,8 +43,7 @@ def _pump(stream: IO[bytes], prefix: str, out: IO[str]) -> None:
     for raw in iter(stream.readline, b""):
         line = raw.decode("utf-8", errors="replace").rstrip("\n") + "\n"
         with _print_lock, contextlib.suppress(OSError, ValueError):
-            # our output may be gone (`| head`): keep draining so the worker never blocks
-            out.write(prefix + line)
+            out.write(prefix + line)  # our output may be gone (`| head`): keep draining
             out.flush()
     stream.close()
 
@@ -54,54 +54,54 @@ def _say(message: str) -> None:
         sys.stderr.flush()
 
 
-def _signal_groups(procs: Sequence[subprocess.Popen[bytes]], sig: int) -> None:
+def _signal_groups(procs: Procs, sig: int) -> None:
     for p in procs:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(p.pid, sig)  # pid == pgid: each worker leads its own session
 
 
+def _invalid(name: str, received: object, expected: str) -> UsageError:
+    return UsageError(
+        f"Invalid value for argument `{name}`. Received: {name}={received}. Expected {expected}"
+    )
+
+
 def _check_arguments(
     script: str, workers: object, config: str | None, grace_period_s: float, max_restarts: object
 ) -> None:
-    def invalid(name: str, received: object, expected: str) -> UsageError:
-        return UsageError(
-            f"Invalid value for argument `{name}`. Received: {name}={received}. Expected {expected}"
-        )
-
     def count(value: object, least: int) -> bool:
         return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
     if not count(workers, 1):
-        raise invalid("workers", repr(workers), "an integer >= 1. Fix: pass e.g. --workers 2.")
+        raise _invalid("workers", repr(workers), "an integer >= 1. Fix: pass e.g. --workers 2.")
     if not os.path.isfile(script):
         fix = "Fix: check the path (relative to the current directory)."
-        raise invalid(
+        raise _invalid(
             "script",
             f"{script!r}, which is not a file",
             f"the path of a Python training script. {fix}",
         )
     if config is not None and not os.path.isfile(config):
         fix = "Fix: check the path, or run `keras-sync init`."
-        raise invalid(
+        raise _invalid(
             "config",
             f"{config!r}, which is not a file",
             f"the path of a keras-sync YAML file. {fix}",
         )
     if not count(max_restarts, 0):
         fix = "Fix: pass e.g. --max-restarts 3."
-        raise invalid(
+        raise _invalid(
             "max_restarts", repr(max_restarts), f"an integer >= 0 (0 = no restart). {fix}"
         )
     if grace_period_s < 0:
-        raise invalid("grace_period_s", repr(grace_period_s), "a number of seconds >= 0.")
+        raise _invalid("grace_period_s", repr(grace_period_s), "a number of seconds >= 0.")
 
 
 def _refuse_config(
     script: str, workers: int, config: str | None, environ: Mapping[str, str], private: bool
 ) -> None:
-    """Refuse before any worker starts a one-process kind (`mirrored`, ...) under several workers,
-    or an HTTP tracking server under ``private_network``; a config that does not load is left to the
-    workers' own `load`."""
+    """Refuse, before any worker starts, a one-process kind (`mirrored`, ...) under several workers or
+    an HTTP tracking server under ``private_network``; a config that does not load is the workers'."""
     from keras_sync.config import load_config
     from keras_sync.errors import KerasSyncError
 
@@ -111,14 +111,10 @@ def _refuse_config(
         cfg = load_config(config, environ=environ)
     except KerasSyncError:
         return
-    if workers > 1:
-        from keras_sync.strategy import refuse_one_process_kind
-        from keras_sync.tracking.shell_hint import python_command
+    from keras_sync.strategy import refuse_one_process_kind
 
-        started = f"keras-sync launch --workers {workers} starts {workers} workers"
-        refuse_one_process_kind(
-            cfg, workers, started, f"run it as one process: {python_command()} {script}"
-        )
+    started = f"keras-sync launch --workers {workers} starts {workers} workers"
+    refuse_one_process_kind(cfg, workers, started, f"run it as one process: python {script}")
     uri = cfg.mlflow.tracking_uri or ""
     if private and cfg.mlflow.enabled and uri.lower().startswith(("http://", "https://")):
         from keras_sync.tracking.redact import redact_uri
@@ -158,13 +154,13 @@ def launch(
     base_env.setdefault(JOB_ID_ENV, f"launch-{uuid.uuid4().hex[:12]}")
     if config is not None:
         base_env[CONFIG_ENV] = os.path.abspath(config)
-    stop: dict[str, int] = {}  # "signal" -> the signal the launcher received
-    procs: list[subprocess.Popen[bytes]] = []
+    stop: list[int] = []  # the signal the launcher received
+    procs: Procs = []
 
     def on_signal(signum: int, _frame: object) -> None:
-        if "signal" in stop:  # a second Ctrl-C: no more patience
+        if stop:  # a second Ctrl-C: no more patience
             _signal_groups(procs, signal.SIGKILL)
-        stop.setdefault("signal", signum)
+        stop.append(signum)
 
     previous: dict[int, Any] = {}
     network = PrivateNetwork() if private_network else None
@@ -178,7 +174,7 @@ def launch(
         for attempt in range(max_restarts + 1):
             try_env = {**base_env, RESTART_COUNT_ENV: str(attempt)}
             code, failed = _one_try(command, workers, try_env, procs, stop, grace_period_s)
-            if code == 0 or "signal" in stop or failed is None or attempt == max_restarts:
+            if code == 0 or stop or failed is None or attempt == max_restarts:
                 break
             _say(
                 f"restart {attempt + 1}/{max_restarts} after worker {failed} exited with code {code}"
@@ -195,14 +191,15 @@ def _one_try(
     command: list[str],
     workers: int,
     env: dict[str, str],
-    procs: list[subprocess.Popen[bytes]],
-    stop: dict[str, int],
+    procs: Procs,
+    stop: list[int],
     grace_period_s: float,
 ) -> tuple[int, int | None]:
-    """Starts the workers on fresh ports and supervises them: (exit code, index of the failed worker)."""
+    """Starts the workers on fresh ports, waits for them, and on a failure or a signal stops them
+    all: (exit code, index of the failed worker)."""
     procs.clear()
     pumps: list[threading.Thread] = []
-    # Held open until every port is chosen, so the n ports are distinct; closed before the workers
+    # Held open until every port is chosen, so the ports are distinct; closed before the workers
     # start (another process could take one in between: the launch then fails, rerun it).
     with contextlib.ExitStack() as held:
         socks = [held.enter_context(socket.socket()) for _ in range(workers)]
@@ -225,51 +222,51 @@ def _one_try(
                     threading.Thread(target=_pump, args=(stream, f"[w{i}] ", out), daemon=True)
                 )
                 pumps[-1].start()
-        return _supervise(procs, stop, grace_period_s)
+        result: int | None = None
+        failed_worker: int | None = None
+        kill_at = float("inf")
+        while True:
+            codes = [p.poll() for p in procs]
+            if result is None and stop:
+                result = 128 + stop[0]
+                if stop[0] == signal.SIGINT:
+                    _say(
+                        f"Ctrl-C: stopping {len(procs)} worker(s); Ctrl-C again to kill them at once"
+                    )
+                else:
+                    _say(f"got {signal.Signals(stop[0]).name}; stopping {len(procs)} worker(s)")
+                _signal_groups(procs, stop[0])
+                kill_at = time.monotonic() + grace_period_s
+            # A shell-style exit code: a death by signal N becomes 128 + N.
+            failed = [
+                (i, 128 - c if c < 0 else c) for i, c in enumerate(codes) if c not in (None, 0)
+            ]
+            if result is None and failed:
+                # Every failed worker is named: the others may have ended between two polls.
+                (failed_worker, result), running = failed[0], codes.count(None)
+                said = [f"w{failed_worker} exited with code {result}"]
+                said += [f"w{j} exited too, with code {c}" for j, c in failed[1:]]
+                _say(
+                    "; ".join(
+                        said + ([f"stopping the other {running} worker(s)"] if running else [])
+                    )
+                )
+                if running:
+                    _signal_groups(procs, signal.SIGTERM)
+                    kill_at = time.monotonic() + grace_period_s
+            if None not in codes:
+                return (0, None) if result is None else (result, failed_worker)
+            if time.monotonic() >= kill_at:
+                _say(f"worker(s) still running after {grace_period_s:g} s; sending SIGKILL")
+                _signal_groups(procs, signal.SIGKILL)
+                kill_at = float("inf")
+            time.sleep(0.05)
     finally:
         _signal_groups(procs, signal.SIGKILL)  # what workers left behind, or a crash here
         for p in procs:
             p.wait()
         for t in pumps:
             t.join(timeout=2.0)
-
-
-def _supervise(
-    procs: list[subprocess.Popen[bytes]], stop: dict[str, int], grace_period_s: float
-) -> tuple[int, int | None]:
-    """Waits for the workers; on a failure or a signal, stops them all: (exit code, failed worker)."""
-    result: int | None = None
-    failed_worker: int | None = None
-    kill_at = float("inf")
-    while True:
-        codes = [p.poll() for p in procs]
-        if result is None and "signal" in stop:
-            sig = stop["signal"]
-            result = 128 + sig
-            if sig == signal.SIGINT:
-                _say(f"Ctrl-C: stopping {len(procs)} worker(s); Ctrl-C again to kill them at once")
-            else:
-                _say(f"got {signal.Signals(sig).name}; stopping {len(procs)} worker(s)")
-            _signal_groups(procs, sig)
-            kill_at = time.monotonic() + grace_period_s
-        # A shell-style exit code: a death by signal N becomes 128 + N.
-        failed = [(i, 128 - c if c < 0 else c) for i, c in enumerate(codes) if c not in (None, 0)]
-        if result is None and failed:
-            # Every failed worker is named: the others may have ended between two polls.
-            (failed_worker, result), running = failed[0], codes.count(None)
-            said = [f"w{failed_worker} exited with code {result}"]
-            said += [f"w{j} exited too, with code {c}" for j, c in failed[1:]]
-            _say("; ".join(said + ([f"stopping the other {running} worker(s)"] if running else [])))
-            if running:
-                _signal_groups(procs, signal.SIGTERM)
-                kill_at = time.monotonic() + grace_period_s
-        if None not in codes:
-            return (result, failed_worker) if result is not None else (0, None)
-        if time.monotonic() >= kill_at:
-            _say(f"worker(s) still running after {grace_period_s:g} s; sending SIGKILL")
-            _signal_groups(procs, signal.SIGKILL)
-            kill_at = float("inf")
-        time.sleep(0.05)
 
 
 # Brings `lo` up (SIOCGIFFLAGS/SIOCSIFFLAGS, no `ip` binary needed), says so, then holds the
@@ -282,9 +279,13 @@ _HOLDER = (
     "print('ready', flush=True)\n"
     "sys.stdin.buffer.read()\n"
 )
-_NO_NAMESPACE = (
-    "Invalid value for argument `private_network`. Received: private_network=True, but {}. Fix: {}"
-)
+
+
+def _no_namespace(why: str, fix: str) -> UsageError:
+    received = f"private_network=True, but {why}"
+    return UsageError(
+        f"Invalid value for argument `private_network`. Received: {received}. Fix: {fix}"
+    )
 
 
 def refuse_private_network_unless_possible() -> None:
@@ -298,11 +299,8 @@ def refuse_private_network_unless_possible() -> None:
     elif missing:
         why = f"{missing} (util-linux) not found on the PATH"
     if why:
-        fix = (
-            "run launch as root on Linux, or drop --private-network and keep the workers' ports "
-            "behind a firewall or on a trusted network."
-        )
-        raise UsageError(_NO_NAMESPACE.format(why, fix))
+        fix = "run launch as root on Linux, or drop --private-network and keep the workers' ports "
+        raise _no_namespace(why, fix + "behind a firewall or on a trusted network.")
 
 
 class PrivateNetwork:
@@ -326,7 +324,7 @@ class PrivateNetwork:
         if self._holder.stdout.readline().strip() != b"ready":
             why = f"`unshare --net` failed (exit code {self._holder.wait()}; said above)"
             fix = "drop --private-network, or allow network namespaces here (a container needs CAP_SYS_ADMIN)."
-            raise UsageError(_NO_NAMESPACE.format(why, fix))
+            raise _no_namespace(why, fix)
 
     def wrap(self, command: Sequence[str]) -> list[str]:
         """``command`` run inside the namespace."""
