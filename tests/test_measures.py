@@ -20,3 +20,24 @@ def test_the_slow_worker_line_comes_once_after_the_same_worker_held_the_job_back
         "sync/compute_ms/worker_1 in MLflow."
     )
     assert watch.update([3.0, 210.0, 2.5], [1.0, 208.0, 1.0], 200.0) is None  # said once
+
+
+def test_window_peaks_keep_the_largest_value_of_unlogged_steps() -> None:
+    from keras_sync.measures.reduce import window_peaks
+
+    p = window_peaks(window_peaks(None, [0.5, 0.7], [1.0, 3.0]), [0.4, 9.0], [1.0, 1.0])
+    assert (
+        p["sync/window_max/loss"],
+        p["sync/window_max/loss_spread"],
+        p["sync/window_max/grad_norm"],
+    ) == (9.0, 8.6, 3.0)
+
+
+def test_worker_times_leave_out_what_was_not_measured() -> None:
+    from keras_sync.measures.slow_worker import worker_times
+
+    # an epoch's first step: no step before it
+    assert worker_times([-1, -1], [3000, 4000], 2) == {
+        "sync/compute_ms/worker_0": 3.0,
+        "sync/compute_ms/worker_1": 4.0,
+    }

@@ -1,8 +1,6 @@
 """``keras-sync env``: versions, devices and cluster, as a block to paste into a bug report.
-
-Versions come from package metadata (no import); only the device list imports TensorFlow.
-TF_CONFIG addresses and MLflow credentials are redacted: a report is posted in public.
-"""
+Versions come from package metadata; only the device list imports TensorFlow. Addresses and
+credentials are redacted: a report is posted in public."""
 
 from __future__ import annotations
 
@@ -28,9 +26,7 @@ _PACKAGES = {
 
 
 @click.command("env")
-@click.option(
-    "--no-devices", is_flag=True, help="Skip the device list (it imports TensorFlow, ~4 s)."
-)
+@click.option("--no-devices", is_flag=True, help="Skip the device list (it imports TensorFlow).")
 def command(no_devices: bool) -> None:
     """Print versions, devices and the TF_CONFIG summary (redacted) for a bug report."""
     from keras_sync.strategy import count_gpus_cheaply
@@ -56,9 +52,7 @@ def command(no_devices: bool) -> None:
         CONFIG_ENV: env.get(CONFIG_ENV, "unset"),
     }
     click.echo("Copy-and-paste the text below into your bug report.\n")
-    click.echo(
-        "\n".join(f"- {label}: {value}" for label, value in report.items() if value is not None)
-    )
+    click.echo("\n".join(f"- {key}: {value}" for key, value in report.items() if value is not None))
 
 
 def _version(dists: tuple[str, ...]) -> str:
@@ -84,7 +78,7 @@ def _devices() -> str:
 
 
 def _cluster(tf_config: str) -> str:
-    """TF_CONFIG in words, with every address but a local one redacted."""
+    """TF_CONFIG in words, every address but a local one redacted."""
     from keras_sync.cluster import parse_tf_config
 
     try:

@@ -46,12 +46,11 @@ def command(config: str | None, tracking_uri: str | None, port: int, no_browser:
         click.echo(f"The config points at a tracking server already: open {redact_uri(uri)}")
         return
     parsed = urlparse(uri)  # the file or directory of a local store, else None
+    store = Path(uri) if len(parsed.scheme) < 2 else None  # a path (or a Windows drive letter)
     if uri.startswith("sqlite:"):
         store = sqlite_path(uri)
     elif parsed.scheme == "file":
         store = Path(unquote(parsed.path))
-    else:  # a plain path (or a Windows drive letter); another database or server: mlflow says so
-        store = Path(uri) if len(parsed.scheme) < 2 else None
     if store is not None and not store.exists():
         # Training resolves the default (or a relative) store against its own folder, usually the
         # config's: from another folder the same config finds it there. An absolute path is that file.
@@ -69,9 +68,9 @@ def command(config: str | None, tracking_uri: str | None, port: int, no_browser:
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:
+            used = f"Invalid value for --port. Received: {port}, which is in use on 127.0.0.1."
             raise UserError(
-                f"Invalid value for --port. Received: {port}, which is in use on 127.0.0.1. "
-                "Expected a free port; pass another, e.g. --port 5001."
+                f"{used} Expected a free port; pass another, e.g. --port 5001."
             ) from None
     url = f"http://127.0.0.1:{port}"
     # The server's advice (e.g. --host 0.0.0.0) fits `mlflow server`, not us: its output goes to a
@@ -79,13 +78,12 @@ def command(config: str | None, tracking_uri: str | None, port: int, no_browser:
     cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri, "--host"]
     cmd += ["127.0.0.1", "--port", str(port), "--workers", "1"]
     env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
-    with tempfile.NamedTemporaryFile(
-        prefix=f"keras-sync-ui-{port}-", suffix=".log", delete=False
-    ) as out:
+    fd, log_name = tempfile.mkstemp(prefix=f"keras-sync-ui-{port}-", suffix=".log")
+    log = Path(log_name)
+    with open(fd, "wb") as out:
         server = subprocess.Popen(
             cmd, env=env, start_new_session=True, stdin=subprocess.DEVNULL, stdout=out, stderr=out
         )
-    log = Path(out.name)
     click.echo(f"MLflow UI for {redact_uri(uri)} at {url} (Ctrl-C to stop)")
     click.echo(f"MLflow's own output goes to {log}")
     # Stop the server on Ctrl-C and SIGTERM, also when started with SIGINT ignored (a background

@@ -1,10 +1,9 @@
 """Every worker at the same collective call, or one line saying which worker is elsewhere.
 
 Under `MultiWorkerMirroredStrategy` ``fit``, ``evaluate`` and ``predict`` are collectives: a chief
-that calls ``model.predict`` alone waits for peers that never come, then dies with a page of
-``UnavailableError``. Before each top-level call, and once at exit after a successful run (so the
-workers leave together), each worker posts the call's name in TensorFlow's coordination service and
-reads every peer's post.
+that calls ``model.predict`` alone would wait, then die with a page of ``UnavailableError``. Before
+each top-level call, and at exit after a successful run, each worker posts the call's name in
+TensorFlow's coordination service and reads every peer's post.
 """
 
 from __future__ import annotations
@@ -42,8 +41,7 @@ def _said(call: str) -> str:
 
 
 class PeerCalls:
-    """The collective calls of one multi-worker strategy, numbered alike on every worker; held by
-    the strategy (one per `Sync`), not by this module."""
+    """The collective calls of one multi-worker strategy, numbered alike on every worker."""
 
     def __init__(self, strategy: Any, timeout_s: float):
         self.strategy, self.timeout_s = strategy, timeout_s
@@ -53,8 +51,8 @@ class PeerCalls:
         self._local = threading.local()  # `inside`: a nested call (validation evaluate) passes
 
     def meet(self, call: str, on_wait: Callable[[str], None] | None = None) -> None:
-        """Wait until every worker has reached this call number with the same ``call`` name, or raise
-        `UsageError` naming the peer. ``on_wait(peer)`` is called once if a peer is not there at once."""
+        """Wait until every worker has reached this call number with the same ``call``, or raise
+        `UsageError` naming the peer; ``on_wait(peer)`` once if a peer is not there at once."""
         import tensorflow as tf
 
         from keras_sync.upstream import multi_worker
@@ -75,9 +73,10 @@ class PeerCalls:
         try:
             multi_worker.set_key(f"{key}/{me[0]}:{me[1]}", call)
         except tf.errors.OpError:  # the coordination service's worker (the chief) has exited
-            raise fail(
+            gone = (
                 "the job's coordination service is gone: the worker that hosts it has left the job"
-            ) from None
+            )
+            raise fail(gone) from None
         for peer in training_tasks(resolver.cluster_spec().as_dict()):
             if peer == me:
                 continue
@@ -93,10 +92,8 @@ class PeerCalls:
                         on_wait(name)
                         on_wait = None
                     if left_ms <= _POLL_MS:
-                        raise fail(
-                            f"{name} did not reach that call within "
-                            f"strategy.connect_timeout_s={self.timeout_s:g} s"
-                        ) from None
+                        late = f"{name} did not reach that call within strategy.connect_timeout_s"
+                        raise fail(f"{late}={self.timeout_s:g} s") from None
                 except tf.errors.OpError as e:
                     why = f"TensorFlow: {type(e).__name__}"
                     if isinstance(e, tf.errors.UnavailableError):
@@ -119,18 +116,15 @@ class PeerCalls:
                 raise fail(f"{name} {_said(got)} instead", PeerElsewhereError)
 
     def meet_at_exit(self) -> None:
-        """The exit meeting, after a successful run only: otherwise the peers may be stuck in a
-        collective, or not there yet."""
+        """The exit meeting, after a successful run only (else peers may be in a collective)."""
         if not self.returned or self.failed or getattr(sys, "last_value", None) is not None:
             return
 
         def say(peer: str) -> None:
-            print(
-                f"keras-sync: waiting for {peer} to finish its script (the workers leave together; "
-                "closing TensorFlow's input pipeline can take seconds)",
-                file=sys.stderr,
-                flush=True,
+            wait = (
+                f"keras-sync: waiting for {peer} to finish its script (the workers leave together;"
             )
+            print(f"{wait} closing TensorFlow's input pipeline can take seconds)", file=sys.stderr)
 
         try:
             self.meet(EXIT, on_wait=say if strategy_role(self.strategy).is_chief else None)
@@ -146,8 +140,7 @@ class PeerCalls:
 
 
 def configure(strategy: Any, timeout_s: float) -> None:
-    """Give a multi-worker strategy keras_sync built its `PeerCalls` (``timeout_s``: how long `meet`
-    waits), and the exit meeting."""
+    """Give a multi-worker strategy keras_sync built its `PeerCalls` and the exit meeting."""
     calls = PeerCalls(strategy, timeout_s)
     setattr(strategy, _ATTRIBUTE, calls)
     atexit.register(calls.meet_at_exit)
@@ -157,9 +150,8 @@ def configure(strategy: Any, timeout_s: float) -> None:
 def collective(model: Any, call: str) -> Iterator[None]:
     """Around one top-level ``call`` of ``model``: meet the peers first, count the call after it.
     Nested calls (fit's validation ``evaluate``) and models not under such a strategy pass."""
-    calls: PeerCalls | None = getattr(
-        getattr(model, "_distribute_strategy", None), _ATTRIBUTE, None
-    )
+    strategy = getattr(model, "_distribute_strategy", None)
+    calls: PeerCalls | None = getattr(strategy, _ATTRIBUTE, None)
     if calls is None or getattr(calls._local, "inside", False):
         yield
         return

@@ -19,13 +19,8 @@ from keras_sync.errors import PeerLostError
 
 # FailedPreconditionError: what a peer answers once a foreign client (TensorFlow's server has no
 # authentication) has reset its eager context or device incarnations.
-_ERROR_CLASSES = (
-    "UnavailableError",
-    "DeadlineExceededError",
-    "AbortedError",
-    "CancelledError",
-    "InternalError",
-    "FailedPreconditionError",
+_ERROR_CLASSES = re.compile(
+    "(Unavailable|DeadlineExceeded|Aborted|Cancelled|Internal|FailedPrecondition)Error"
 )
 _SIGNS = re.compile(
     "unhealthy|heartbeat|collective ops is aborted|coordination service|socket closed|connection reset|"
@@ -45,7 +40,10 @@ _REASONS = [
 
 def is_lost_peer_error(exc: BaseException) -> bool:
     """True for TensorFlow errors that say a peer or the coordination service is unreachable."""
-    return type(exc).__name__ in _ERROR_CLASSES and _SIGNS.search(str(exc)) is not None
+    return (
+        _ERROR_CLASSES.fullmatch(type(exc).__name__) is not None
+        and _SIGNS.search(str(exc)) is not None
+    )
 
 
 def lost_peers(
@@ -65,9 +63,7 @@ def lost_peers(
     unhealthy = _UNHEALTHY_RE.search(text)
     named = _TASK_RE.findall(unhealthy.group(1) if unhealthy else text)
     peers = [t for t in dict.fromkeys((j, int(i)) for j, i in named) if t in tasks and t != me]
-    leader = (
-        ("chief", 0) if cluster.get("chief") else ("worker", 0)
-    )  # the coordination service's host
+    leader = ("chief", 0) if cluster.get("chief") else ("worker", 0)  # the coordination service
     if not peers and me != leader and leader in tasks:
         return [leader]
     return peers or [t for t in tasks if t != me]
@@ -85,13 +81,12 @@ def lost_peer_message(
     tasks = training_tasks(cluster)
     peers = lost_peers(text, cluster, me)
     who = ", ".join(f"/job:{j}/task:{i} ({tasks[(j, i)]})" for j, i in peers) or "a peer"
-    if backup_dir:
-        resume = f"with fault_tolerance.backup_dir={backup_dir} it resumes from the last backup"
-    elif backup_known:
+    resume = f"with fault_tolerance.backup_dir={backup_dir} it resumes from the last backup"
+    if not backup_dir and backup_known:
         resume = (
             "set fault_tolerance.backup_dir to resume where it stopped instead of from the start"
         )
-    else:
+    elif not backup_dir:
         resume = "with fault_tolerance.backup_dir set it resumes from the last backup"
     first_line = (text.strip().splitlines() or ["unavailable"])[0][:120]
     reason = next((said for sign, said in _REASONS if sign in text.lower()), first_line)
@@ -125,10 +120,8 @@ def _cluster_and_task(strategy: Any) -> tuple[dict[str, Any], tuple[str, int]] |
     resolver = getattr(strategy, "cluster_resolver", None)
     try:
         if resolver is not None:
-            return resolver.cluster_spec().as_dict(), (
-                str(resolver.task_type),
-                int(resolver.task_id),
-            )
+            task = (str(resolver.task_type), int(resolver.task_id))
+            return resolver.cluster_spec().as_dict(), task
         data = json.loads(os.environ.get("TF_CONFIG", ""))
         return data["cluster"], (str(data["task"]["type"]), int(data["task"]["index"]))
     except Exception:  # no cluster to name: TensorFlow's own error stands

@@ -15,15 +15,10 @@ WIDTH = 4
 
 @dataclass(frozen=True)
 class Divergence:
-    """How far the replicas' copies of the mirrored variables are apart.
-
-    Attributes:
-        value: ``sync/weight_divergence``: 0.0 when every copy of every variable has the same
-            checksum; else the largest spread between replicas of a diverged variable's mean or
-            RMS, a lower bound of the largest element-wise difference (in the weights' units).
-        diverged_variables: ``sync/diverged_variables``: how many variables' copies differ.
-        variables: how many variables were compared.
-    """
+    """How far the replicas' copies of the mirrored variables are apart: ``value``
+    (``sync/weight_divergence``) is 0.0 when every copy has the same checksum, else the largest
+    spread between replicas of a diverged variable's mean or RMS (a lower bound of the largest
+    element-wise difference); ``diverged_variables`` of the ``variables`` compared differ."""
 
     value: float
     diverged_variables: int
@@ -40,9 +35,7 @@ def summarize(gathered: Sequence[Sequence[Sequence[float]]]) -> Divergence:
         return Divergence(0.0, 0, 0)
     value, diverged = 0.0, 0
     for rows in zip(*gathered):  # one variable: its row on every replica
-        if (
-            len({(row[CHECK_HI], row[CHECK_LO]) for row in rows}) > 1
-        ):  # else equal (2**-32 collision)
+        if len({(row[CHECK_HI], row[CHECK_LO]) for row in rows}) > 1:  # else equal (or 2**-32)
             diverged += 1
             for col in (MEAN, RMS):
                 value = max(value, max(row[col] for row in rows) - min(row[col] for row in rows))

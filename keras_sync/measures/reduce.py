@@ -9,8 +9,7 @@ from typing import Any
 
 from keras_sync.errors import UsageError
 
-#: ``log_every_n_steps: auto`` picks the smallest of these strides whose steps take at least
-#: `AUTO_INTERVAL_S` (round numbers keep the charts' steps regular).
+#: `log_every_n_steps: auto`: the smallest stride whose steps take `AUTO_INTERVAL_S` (round numbers).
 AUTO_STRIDES = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 AUTO_INTERVAL_S = 0.1
 #: The keys of `window_peaks`: each the largest value over the steps since the last logged point.
@@ -49,8 +48,8 @@ def crossed_log_step(prev_step: int, step: int, every: int) -> bool:
 
 
 def auto_stride(seconds_per_step: list[float], interval_s: float = AUTO_INTERVAL_S) -> int:
-    """The stride of ``log_every_n_steps: auto``, from the median time per step (so the first
-    step of a `fit`, which traces, does not move it).
+    """The stride of ``log_every_n_steps: auto``, from the median time per step (the first step,
+    which traces, does not move it).
 
     >>> auto_stride([0.002] * 31 + [4.0]), auto_stride([0.25, 0.3]), auto_stride([])
     (50, 1, 1)
@@ -72,13 +71,8 @@ def throughput(examples: float, seconds: float, num_replicas: int) -> dict[str, 
 def window_peaks(
     peaks: dict[str, float] | None, losses: Sequence[float], grad_norms: Sequence[float]
 ) -> dict[str, float]:
-    """Fold one step's per-replica values into the peaks of a window of unlogged steps (a new
-    dict), so a spike between two logged points still shows (NaN, not measured, is left out).
-
-    >>> p = window_peaks(window_peaks(None, [0.5, 0.7], [1.0, 3.0]), [0.4, 9.0], [1.0, 1.0])
-    >>> p["sync/window_max/loss"], p["sync/window_max/loss_spread"], p["sync/window_max/grad_norm"]
-    (9.0, 8.6, 3.0)
-    """
+    """Fold one step's per-replica values into the peaks of the unlogged steps (a new dict), so a
+    spike between two logged points still shows (NaN, not measured, is left out)."""
     losses = [float(v) for v in losses if not math.isnan(v)]
     norms = [float(v) for v in grad_norms if not math.isnan(v)]
     values = (

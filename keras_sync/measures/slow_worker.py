@@ -1,8 +1,7 @@
 """Which worker is slow: per-worker times and the rule that names the slowest.
 
-Each worker times its own part of a step (`keras_sync.training.instrument`): between two steps, on
-the host (callbacks, the user's code), and its compute up to the all-reduce. In synchronous
-training every worker waits for the last one; these say which one that is and where its time goes.
+Each worker times its part of a step (`training.instrument`): between two steps, on the host, and
+its compute up to the all-reduce, where every worker waits for the last one.
 """
 
 from __future__ import annotations
@@ -25,12 +24,8 @@ COMPUTE_KEY = "sync/compute_ms/worker_{i}"
 def worker_times(
     between_us: Sequence[float], computes_us: Sequence[float], num_workers: int
 ) -> dict[str, float]:
-    """`BETWEEN_KEY` and `COMPUTE_KEY` of one step per worker: the largest of its replicas' times,
-    given in microseconds (worker 0's replicas first; negative: not measured). None under 2 workers.
-
-    >>> worker_times([-1, -1], [3000, 4000], 2)  # an epoch's first step: no step before it
-    {'sync/compute_ms/worker_0': 3.0, 'sync/compute_ms/worker_1': 4.0}
-    """
+    """`BETWEEN_KEY` and `COMPUTE_KEY` per worker: the largest of its replicas' times, given in
+    microseconds (worker 0's replicas first; negative: not measured). Empty under 2 workers."""
     out: dict[str, float] = {}
     if num_workers < 2 or not between_us or len(between_us) % num_workers:
         return out
@@ -72,8 +67,7 @@ class SlowWorkerWatch:
     def __init__(self, hold_s: float | None = None):
         self.hold_s = HOLD_S if hold_s is None else hold_s  # read late: a test sets HOLD_S
         self._worker: int | None = None
-        self._since = 0.0
-        self.said = False
+        self._since, self.said = 0.0, False
 
     def update(
         self, own_ms: Sequence[float], between_ms: Sequence[float], t_s: float

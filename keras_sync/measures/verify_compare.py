@@ -1,9 +1,6 @@
 """The maths of `keras-sync verify`: do a distributed run and its one-device reference train alike,
-and if not, why. Pure functions on the two recordings (`keras_sync.training.verify_record`).
-
-The update's norm ``|w_t+1 - w_t|`` is compared, not the replicas' gradient norms: the norm of
-the replicas' mean gradient is not the mean of their norms.
-"""
+and if not, why. The update's norm ``|w_t+1 - w_t|`` is compared, not the replicas' gradient
+norms: the norm of their mean gradient is not the mean of their norms."""
 
 from __future__ import annotations
 
@@ -32,7 +29,7 @@ def tolerance(steps: int, precision: str = "float32") -> float:
 
 
 def precision_of(policy: str) -> str:
-    """The compute format of a Keras dtype policy name (``mixed_bfloat16`` -> ``bfloat16``)."""
+    """The compute format of a Keras dtype policy name."""
     return "bfloat16" if "bfloat16" in policy else "float16" if "float16" in policy else "float32"
 
 
