@@ -16,7 +16,6 @@ import time
 
 import pytest
 
-from keras_sync.tracking.shell_hint import console_command
 from keras_sync.tracking.spool import SpoolDir
 
 pytestmark = pytest.mark.slow
@@ -154,7 +153,7 @@ def test_fit_returns_before_delivery_and_the_exit_delivers_every_step(tmp_path):
     # The first run's line names the run and how to open it (the store was being built when fit began).
     assert (
         f"keras-sync: metrics go to MLflow at {uri}, experiment 'e', run {run.info.run_id}; "
-        f"view it with: {console_command()} ui {cfg}"
+        f"view it with: keras-sync ui {cfg}"
     ) in r.stderr, r.stderr[-3000:]
     assert "not created yet" not in r.stderr
     # The courier's exit (its stderr is ours): no abort in interpreter shutdown.

@@ -22,7 +22,6 @@ import pytest
 
 from keras_sync.errors import TrackingError
 from keras_sync.tracking import MlflowWriter, redact_uri, replay_spool, resolve_tracking_uri
-from keras_sync.tracking.shell_hint import console_command
 
 pytestmark = pytest.mark.timeout(
     900
@@ -427,6 +426,38 @@ def test_a_spool_deleted_while_the_run_logs_stops_logging_in_one_error_line(in_t
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         w.close(timeout_s=1)
+
+
+@slow
+def test_a_spool_deleted_after_a_full_disk_held_records_closes_with_one_error_line(
+    in_tmp, monkeypatch, caplog
+):
+    """A full disk left records in memory, then the spool was removed: close does not raise
+    (the spill of what memory holds fails too) and one error line names what is lost."""
+    from keras_sync.tracking.spool import SpoolFull
+
+    w = MlflowWriter(
+        tracking_uri="http://127.0.0.1:1", experiment=_exp(), spool_dir=in_tmp / "spool"
+    )
+    w.start()
+    assert w.flush_to_spool(timeout_s=60)
+    full = OSError(28, "No space left on device")
+
+    def refuse(records):
+        raise SpoolFull(full, 0, w._sp.spooled_pos)
+
+    monkeypatch.setattr(w._sp.spool, "append", refuse)
+    for s in range(1, 11):
+        w.log_metrics({"loss": 1.0 / s}, step=s)
+    assert w.flush_to_spool(timeout_s=60)
+    monkeypatch.undo()
+    shutil.rmtree(w.spool_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        w.close(timeout_s=1)
+    said = [r.getMessage() for r in caplog.records if "MLflow lost" in r.getMessage()]
+    assert len(said) == 1 and "the points of steps 1-10" in said[0], said
+    assert f"{w.spool_path} could not be written" in said[0] and "was deleted" in said[0], said
 
 
 @slow
@@ -1129,8 +1160,7 @@ def test_run_identity_follows_the_backup_and_the_explicit_job_id(sqlite_uri, tmp
     # (the scenario passes its config as a dict: no file for `keras-sync ui`, so MLflow's own command)
     assert (
         f"keras-sync: metrics go to MLflow at {sqlite_uri}, experiment {exp!r}, run {first}; "
-        f"view it with: {console_command('mlflow', 'mlflow')} ui --backend-store-uri {sqlite_uri}"
-        in err
+        f"view it with: mlflow ui --backend-store-uri {sqlite_uri}" in err
     ), err
     assert "not created yet" not in err
     assert _one_point_per_step(sqlite_uri, first) == steps

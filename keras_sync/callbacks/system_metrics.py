@@ -1,8 +1,7 @@
-"""`SystemMetrics`: CPU, memory, disk, network (and GPU) usage, logged through the keras-sync writer."""
+"""`SystemMetrics`: CPU, memory, disk and network usage, logged through the keras-sync writer."""
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import warnings
 from typing import Any
@@ -17,9 +16,10 @@ class SystemMetrics(keras.callbacks.Callback):
     """Sample MLflow's system monitors during `fit` and log them as ``system/*`` metrics.
 
     MLflow's own `SystemMetricsMonitor` logs synchronously (retrying for minutes while the server
-    is away); here the same monitors (CPU, disk, network, GPU; they need ``psutil``) are sampled in
-    a thread and their averages go through the writer, at the shared state's ``step`` (kept by
-    `SyncMetrics`: without it nothing is logged).
+    is away); here its CPU, disk and network monitors (they need ``psutil``) are sampled in a
+    thread and their averages go through the writer, at the shared state's ``step`` (kept by
+    `SyncMetrics`: without it nothing is logged). For GPUs, use
+    ``mlflow.enable_system_metrics_logging()``.
 
     Args:
         writer: a started `keras_sync.tracking.MlflowWriter`; None logs nothing.
@@ -80,7 +80,7 @@ class SystemMetrics(keras.callbacks.Callback):
 
 
 def _monitors() -> list[Any]:
-    """MLflow's CPU, disk, network and (where one is readable) GPU monitors; none without psutil."""
+    """MLflow's CPU, disk and network monitors; none without psutil."""
     try:
         import psutil  # noqa: F401 - what MLflow's monitors need
     except ImportError:
@@ -96,9 +96,4 @@ def _monitors() -> list[Any]:
     from mlflow.system_metrics.metrics.disk_monitor import DiskMonitor
     from mlflow.system_metrics.metrics.network_monitor import NetworkMonitor
 
-    monitors: list[Any] = [CPUMonitor(), DiskMonitor(), NetworkMonitor()]
-    with contextlib.suppress(Exception):  # no GPU, or no library to read it
-        from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor
-
-        monitors.append(GPUMonitor())
-    return monitors
+    return [CPUMonitor(), DiskMonitor(), NetworkMonitor()]

@@ -124,7 +124,7 @@ DOCS = {
     "mlflow.spool_dir": "where metrics wait for delivery to MLflow (relative to the cwd)",
     "mlflow.log_every_n_steps": "log step metrics every N optimizer steps; auto: at most 10 points a second, and each epoch's last step; a point for several steps adds their peaks (sync/window_max/*)",
     "mlflow.allreduce_probe": "time one all-reduce of the gradients' size at train start",
-    "mlflow.system_metrics": "MLflow's system metrics (CPU, memory, disk, network, GPU) as system/*, every 10 s",
+    "mlflow.system_metrics": "MLflow's system metrics (CPU, memory, disk, network) as system/*, every 10 s",
     "mlflow.log_model": "log the trained model (MLflow Keras flavour, chief only) at the end of each fit",
     "mlflow.sync_report": "sync_report.png, replicas overlaid: at the end of each fit, also after every epoch, or off",
     "fault_tolerance.backup_dir": "a directory turns on BackupAndRestore (exact resume after a kill); null = off",

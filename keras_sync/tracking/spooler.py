@@ -309,6 +309,10 @@ class Spooler:
         except SpoolFull as e:
             self.spooled_pos = e.pos
             records = records[e.done :]
+        except OSError as e:  # the spool itself is gone: nothing more can be kept
+            self.spool_error = str(e)
+            _log.error(f"keras-sync: MLflow lost {self.lost_text(records)} ({cause}).")
+            return None
         if not records and not self.dropped:
             return None
         lost = self.lost_text(records)

@@ -142,9 +142,6 @@ def how_to_open(writer: Any, config: Any, run_id: str) -> str:
     url = writer.run_url()
     if url:
         return f"open {url}"
-    from keras_sync.tracking.shell_hint import console_command
-
     if config.source not in ("<defaults>", "<dict>"):
-        return f"view it with: {console_command()} ui {shlex.quote(os.path.abspath(config.source))}"
-    mlflow = console_command("mlflow", "mlflow")
-    return f"view it with: {mlflow} ui --backend-store-uri {shlex.quote(writer.shown_uri)}"
+        return f"view it with: keras-sync ui {shlex.quote(os.path.abspath(config.source))}"
+    return f"view it with: mlflow ui --backend-store-uri {shlex.quote(writer.shown_uri)}"
