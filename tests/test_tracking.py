@@ -1564,123 +1564,22 @@ def _artifacts(uri: str, run_id: str) -> list[str]:
     return [a.path for a in MlflowClient(uri).list_artifacts(run_id)]
 
 
-def test_a_report_is_held_a_newer_one_replaces_it_and_a_new_courier_draws_the_held_one(
-    tmp_path, sqlite_uri, monkeypatch
+def test_a_spooled_report_is_drawn_into_its_run_by_the_courier_and_by_sync_spool(
+    tmp_path, sqlite_uri
 ):
-    # Drawing a report costs the courier ~0.7 s of CPU; in a loop of fits each fit's report was drawn
-    # while the next fit trained (2 cores shared). The courier holds it instead: a newer report of the
-    # same picture replaces it, the writer's last record draws it, and a courier that ends before (killed)
-    # leaves it in the spool's report.json for the next one or `keras-sync sync-spool`.
-    from keras_sync.tracking import report_plot
     from keras_sync.tracking.courier import Delivery
 
-    drawn: list[list[float]] = []
-    render = report_plot.render
-    monkeypatch.setattr(
-        report_plot,
-        "render",
-        lambda h, path, **kw: (drawn.append(list(h.step_time_ms.values)), render(h, path, **kw))[1],
-    )
-    spool = _report_spool(tmp_path, sqlite_uri, "held")
-    spool.append(
-        [
-            {"k": "begin", "ts": 1},
-            {"k": "m", "s": 1, "ts": 1, "d": {"loss": 1.0}},
-            {"k": "end", "status": "FINISHED", "last": False},
-            _report_of(11.0),
-            {"k": "begin", "ts": 2, "reopen": True},
-            {"k": "m", "s": 2, "ts": 2, "d": {"loss": 0.5}},
-            {"k": "end", "status": "FINISHED", "last": False},
-            _report_of(22.0),
-        ]
-    )
-    first = Delivery(spool, sqlite_uri)
-    first.sender.hold_reports = True
-    first.deliver_available()
-    run_id = first.sender.run_id
-    assert drawn == [] and _artifacts(sqlite_uri, run_id) == []
-    assert not first.pending() and spool.held_report()["rec"]["h"]["step_time_ms"]["values"] == [
-        22.0
-    ]
-    # The courier is killed here; the next one finds the held report and draws it at the writer's last record.
-    second = Delivery(spool, sqlite_uri)
-    second.sender.hold_reports = True
-    assert second.sender.held_report is not None
-    spool.append([{"k": "stop"}])
-    second.deliver_available()
-    assert drawn == [[22.0]]  # the newer one only
-    assert _artifacts(sqlite_uri, run_id) == ["sync_report.png"] and spool.held_report() is None
-    # A report marked `now` (the process is killed when `fit` returns) is drawn at once.
-    now = _report_spool(tmp_path, sqlite_uri, "now")
-    now.append(
-        [
-            {"k": "begin", "ts": 1},
-            {"k": "end", "status": "FINISHED", "last": False},
-            {**_report_of(33.0), "now": True},
-        ]
-    )
-    third = Delivery(now, sqlite_uri)
-    third.sender.hold_reports = True
-    third.deliver_available()
-    assert drawn == [[22.0], [33.0]] and _artifacts(sqlite_uri, third.sender.run_id) == [
-        "sync_report.png"
-    ]
-
-
-def test_a_held_report_is_drawn_once_the_spool_is_quiet_and_sync_spool_draws_a_left_one(
-    tmp_path, sqlite_uri, monkeypatch
-):
-    import threading
-
-    from keras_sync.tracking import courier, report_plot
-    from keras_sync.tracking.courier import Delivery
-
-    done, released = threading.Event(), threading.Event()
-    render = report_plot.render
-    monkeypatch.setattr(
-        report_plot, "render", lambda h, path, **kw: (render(h, path, **kw), done.set())[0]
-    )
-    monkeypatch.setattr(courier, "REPORT_QUIET_S", 0.2)
-    spool = _report_spool(tmp_path, sqlite_uri, "quiet")
-    spool.append(
-        [
-            {"k": "begin", "ts": 1},
-            {"k": "end", "status": "FINISHED", "last": False},
-            _report_of(5.0),
-        ]
-    )
+    spool = _report_spool(tmp_path, sqlite_uri, "drawn")
+    ended = [{"k": "begin", "ts": 1}, {"k": "end", "status": "FINISHED", "last": False}]
+    spool.append([*ended, _report_of(5.0)])
     delivery = Delivery(spool, sqlite_uri)
-    delivery.sender.hold_reports = True
-    keep = delivery.sender.on_held
-    delivery.sender.on_held = lambda held: (keep(held), held is None and released.set())
-    serving = threading.Thread(
-        target=delivery.serve, args=(os.getppid(),), daemon=True
-    )  # its parent: ours
-    serving.start()
-    assert released.wait(120) and done.is_set(), (
-        "the held report was not drawn once the spool was quiet"
-    )
-    assert (
-        _artifacts(sqlite_uri, delivery.sender.run_id) == ["sync_report.png"]
-        and spool.held_report() is None
-    )
-    spool.append([{"k": "stop"}])
-    serving.join(120)
-    assert not serving.is_alive()
-    # A courier that held a report and ended without drawing it (killed): sync-spool draws it.
+    delivery.deliver_available()
+    assert _artifacts(sqlite_uri, delivery.sender.run_id) == ["sync_report.png"]
+    # A spool left with a report in it (its courier killed): sync-spool draws it into the run.
     left = _report_spool(tmp_path, sqlite_uri, "left")
-    left.append(
-        [
-            {"k": "begin", "ts": 1},
-            {"k": "end", "status": "FINISHED", "last": False},
-            _report_of(6.0),
-        ]
-    )
-    killed = Delivery(left, sqlite_uri)
-    killed.sender.hold_reports = True
-    killed.deliver_available()
-    assert left.held_report() is not None
+    left.append([*ended, _report_of(6.0)])
     left.close_segment()
-    done.clear()
+    experiment = left.header()["experiment"]
     replay_spool(left.path, sqlite_uri)
-    assert done.is_set() and _artifacts(sqlite_uri, killed.sender.run_id) == ["sync_report.png"]
+    run = _run_of_job(sqlite_uri, experiment, "left")
+    assert _artifacts(sqlite_uri, run.info.run_id) == ["sync_report.png"]

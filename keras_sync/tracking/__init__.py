@@ -261,12 +261,12 @@ class MlflowWriter:
         if fit_end and self._ends_after_fit:
             self._deferred_report = rec
         else:
-            self._put(rec if fit_end else {**rec, "now": True})
+            self._put(rec)
 
-    def _put_deferred_report(self, now: bool = False) -> None:  # now: drawn at once, not when idle
+    def _put_deferred_report(self) -> None:
         rec, self._deferred_report = self._deferred_report, None
         if rec is not None:
-            self._put({**rec, "now": True} if now else rec)
+            self._put(rec)
 
     @contextlib.contextmanager
     def fit_ends_run(self) -> Iterator[None]:
@@ -337,7 +337,7 @@ class MlflowWriter:
             return False
         delivered = self.flush(timeout_s=timeout_s)
         if self._deferred_report is not None:
-            self._put_deferred_report(now=wait_for_report)
+            self._put_deferred_report()
             if wait_for_report and delivered:
                 delivered = self.flush(timeout_s=timeout_s)
             else:  # in the spool now: a restart or `keras-sync sync-spool` finds it after a kill

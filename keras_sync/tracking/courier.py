@@ -35,9 +35,6 @@ POLL_S = 0.1
 #: Metric points wait up to this long to go in one `log_batch` (each call has a fixed cost); any
 #: other record goes at once, with the points before it.
 BATCH_S = 1.0
-#: A held report is drawn once no record came for this long, or at the latest after the second.
-REPORT_QUIET_S = 2.0
-REPORT_MAX_HOLD_S = 120.0
 #: Records read ahead from the spool: at most a `log_batch` of one-point records.
 READ_RECORDS = r.MAX_BATCH
 #: How long ``keras-sync sync-spool`` retries failing requests before it gives up (seconds).
@@ -77,16 +74,9 @@ class Delivery:
             run_id=header.get("run_id"),
         )
         sender.run_id = self.known_run.get("run_id")  # checked again before use
-        held = spool.held_report()  # one an earlier courier of this spool held
-        if held:
-            sender.held_report = (held["run_id"], held["rec"])
-        sender.on_held = lambda h: spool.write_json(
-            "report.json", h and {"run_id": h[0], "rec": h[1]}
-        )
         self.reported = self.failing = False
         self.ended = False  # the writer's last record is delivered and nothing follows it
         self.run_ended = False  # the run's end is delivered and no begin since
-        self.last_record_at = time.monotonic()
         self.last_sent_at = self._answer_told = 0.0
         #: Asked between tries of a failing request: True ends the retries.
         self.give_up: Callable[[], bool] = lambda: False
@@ -145,7 +135,6 @@ class Delivery:
             raise
 
     def _send(self, chunk: list[tuple[Any, dict[str, Any]]]) -> int:
-        self.last_record_at = time.monotonic()
         records = [rec for _, rec in chunk]
         first = records[0]["k"] == r.BEGIN
         begin = chunk[0][0] if first and isinstance(chunk[0][0], tuple) else None
@@ -261,7 +250,6 @@ class Delivery:
     def serve(self, parent_pid: int | None) -> None:
         """Deliver until the writer's last record is delivered, or the parent process is gone."""
         retry_at, backoff, failing_since = 0.0, 0.0, None
-        held_since: float | None = None  # when the report held now was first seen held
         retrier = self.sender.retrier
 
         def orphaned() -> bool:
@@ -278,16 +266,6 @@ class Delivery:
                 try:
                     batching = not orphan and time.monotonic() - self.last_sent_at < BATCH_S
                     self.deliver_available(hold_metrics=batching)
-                    now = time.monotonic()
-                    held = self.sender.held_report is not None
-                    held_since = (held_since or now) if held else None
-                    if held_since is not None and (
-                        self.ended
-                        or orphan
-                        or now - held_since >= REPORT_MAX_HOLD_S
-                        or (now - self.last_record_at >= REPORT_QUIET_S and not self.pending())
-                    ):
-                        self.sender.release_report()
                     if (failing_since is not None or not self.reported) and not retrier.failing:
                         self.report(None)
                     backoff, failing_since = 0.0, None
@@ -297,9 +275,9 @@ class Delivery:
                     backoff = min(max(backoff * 2, 0.5), MAX_BACKOFF_S)
                     retry_at = time.monotonic() + backoff
                 # A spool whose writer left it all delivered (gave up waiting, or was killed
-                # without atexit after its run ended) is removed; a held report keeps it.
+                # without atexit after its run ended) is removed.
                 left = self.ended or (orphan and self.run_ended and not self.pending())
-                if self.sender.held_report is None and left and not self.spool.held("writer"):
+                if left and not self.spool.held("writer"):
                     self.spool.remove()
                 if self.ended or orphan:
                     return
@@ -335,7 +313,6 @@ def main(argv: list[str]) -> int:
     os.dup2(2, 1)  # what MLflow prints must not mix with the news
     spool.lock("deliver", wait=True)  # one courier per spool (a crashed job's may be finishing)
     delivery = Delivery(spool, handoff.get("uri"), header=handoff.get("header"), news=news)
-    delivery.sender.hold_reports = True
     threading.Thread(target=delivery.read_pipe, args=(records_in,), daemon=True).start()
     sys.stderr = sys.stdout = _Scrubbed(sys.stderr, delivery.secrets)
     try:  # import MLflow before the first batch arrives; the store is made by the first delivery
@@ -401,7 +378,6 @@ def replay_spool(
     where, again = f"Could not deliver spool {path}", "run `keras-sync sync-spool` again"
     try:
         sent = delivery.deliver_available()
-        sender.release_report()  # one a courier held when its process ended
     except Exception as e:
         failures, http = sender.retrier.summary(), refused_credentials(e)
         if http is not None:

@@ -1,9 +1,8 @@
 """Sending records to one MLflow run through `MlflowClient`: find or create the run, batch, retry.
 
-A point at a step its key already has in the run is dropped: a batch re-sent after a crash, or the
-steps a restored job trains again, keep the first point. Each request that fails transiently is
-retried on its own (`Retrier`), with a backoff any success resets, so a server that fails some
-requests still gets the others; MLflow's own retries are off for these calls (`fast_fail_env`).
+A point at a step its key already has in the run is dropped (a re-sent batch, a resumed job's
+steps). Each transient failure is retried alone (`Retrier`) with a backoff any success resets;
+MLflow's own retries are off for these calls (`fast_fail_env`).
 """
 
 from __future__ import annotations
@@ -54,11 +53,8 @@ _FAST_FAIL_ENV = {
 
 @contextlib.contextmanager
 def fast_fail_env(tracking_uri: str, timeout_s: int) -> Iterator[None]:
-    """Run MLflow HTTP calls with no retries and a short timeout; restore the user's values after.
-
-    Also ``MLFLOW_TRACKING_URI``, for the call only: MLflow 2.x resolves ``mlflow-artifacts:/``
-    with the process-wide URI, and left set it would redirect a later `keras_sync.load()`.
-    """
+    """Run MLflow HTTP calls with no retries, a short timeout and ``MLFLOW_TRACKING_URI`` set (MLflow
+    2.x resolves ``mlflow-artifacts:/`` with it); the user's values come back after."""
     if not r.is_http(tracking_uri):
         yield
         return
@@ -79,8 +75,7 @@ def is_transient(exc: BaseException) -> bool:
 
 
 def refused_credentials(exc: BaseException) -> int | None:
-    """401 or 403 when the server refused the credentials, else None (the status is all a person
-    needs of MLflow's error, which holds the server's whole HTML page)."""
+    """401 or 403 when the server refused the credentials, else None."""
     return _CREDENTIAL_CODES.get(getattr(exc, "error_code", None) or "")
 
 
@@ -241,17 +236,9 @@ class RunSender:
         self.dropped = 0
         self.points_sent = 0
         self.start_time_ms: int | None = None
-        #: Hold a `REPORT` (drawing costs CPU a fit started meanwhile would share) until
-        #: `release_report`; a newer report of the same picture replaces it. The courier holds.
-        self.hold_reports = False
-        #: (run id, record) of the held report; ``on_held`` is told of every change first.
-        self.held_report: tuple[str, dict[str, Any]] | None = None
-        self.on_held: Callable[[tuple[str, dict[str, Any]] | None], None] | None = None
         self.retrier = Retrier(is_transient)
 
     def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """One MLflow call, retried alone on a transient failure."""
-
         def once() -> T:
             with fast_fail_env(self.tracking_uri, 5):
                 return fn(*args, **kwargs)
@@ -269,12 +256,9 @@ class RunSender:
         return self._client
 
     def ensure_run(self, reopen: bool = False, continuing: bool = False) -> None:
-        """Find, reopen or create the job's run.
-
-        ``reopen``: the writer logs again after ending its run: that run is continued even if
-        FINISHED. ``continuing``: the records follow ones an earlier courier sent to ``run_id``
-        (from run.json): they go to that run as it is, ended or not.
-        """
+        """Find, reopen or create the job's run. ``reopen``: the writer logs again after ending its
+        run (continued even if FINISHED); ``continuing``: the records follow ones an earlier courier
+        sent to ``run_id`` (they go to that run as it is)."""
         if self.run_id is not None and self._checked:
             return
         run = self._get_run(self.run_id) if continuing and self.run_id is not None else None
@@ -298,8 +282,7 @@ class RunSender:
         self._floors_of, self.experiment_id = self.run_id, run.info.experiment_id
 
     def _create_run(self, exp_id: str) -> Any:
-        """Create the job's run; a retry first looks for the run a failed try may have made (a
-        gateway can lose the answer to a request the server carried out: no second run)."""
+        """Create the job's run; a retry first looks for the run a try whose answer was lost made."""
         tags = {JOB_TAG: self.job_id} if self.job_id is not None else None
         tried = False
 
@@ -351,7 +334,7 @@ class RunSender:
             return self._call(c.get_experiment_by_name, self.experiment).experiment_id
 
     def _logged_steps(self, run: Any) -> dict[str, int]:
-        """The highest step of every metric the run has (MLflow's public metric histories)."""
+        """The highest step of every metric the run has."""
         floors: dict[str, int] = {}
         for key in run.data.metrics:
             history = self._call(self.client().get_metric_history, run.info.run_id, key)
@@ -360,15 +343,11 @@ class RunSender:
         return floors
 
     def send(self, records: list[dict[str, Any]], done: Callable[[int], None] | None = None) -> int:
-        """Deliver records in order; return how many metric points were sent.
-
-        ``done(i)``: called after each request MLflow took, with the index of the last record it
-        now has whole.
-        """
+        """Deliver records in order; return the metric points sent. ``done(i)`` after each request
+        MLflow took: record ``i`` and those before it are in."""
         from mlflow.entities import Metric, Param, RunTag
 
         if all(rec["k"] == r.STOP for rec in records):  # a writer that logged nothing: no run
-            self.release_report()
             return 0
         if records and records[0]["k"] != r.BEGIN:
             self.ensure_run(continuing=True)
@@ -412,18 +391,11 @@ class RunSender:
                 from keras_sync.tracking import artifacts
 
                 artifacts.deliver(self.client(), str(self.run_id), rec, self._call)
-            elif k in (r.END, r.STOP):
-                if r.is_last_record(rec):
-                    self.release_report()
-                if k == r.END:  # a STOP: the writer closed after ending the run, nothing to send
-                    end = self.client().set_terminated
-                    self._call(end, self.run_id, status=rec["status"], end_time=rec.get("ts"))
+            elif k == r.END:  # (a STOP: the writer closed after ending the run, nothing to send)
+                end = self.client().set_terminated
+                self._call(end, self.run_id, status=rec["status"], end_time=rec.get("ts"))
             elif k == r.REPORT:
-                if self.hold_reports and not rec.get("now") and self._hold_report(rec):
-                    continue
                 self._draw_report(rec)
-                if self._same_picture(rec):
-                    self._set_held(None)  # the newer picture went: the held one is older
             elif k == r.BEGIN:
                 self._checked = False  # a writer (re)started: check the run again
                 if self.start_time_ms is None:
@@ -438,44 +410,8 @@ class RunSender:
         flush(len(records) - 1)
         return self.points_sent - sent
 
-    def _hold_report(self, rec: dict[str, Any]) -> bool:
-        """Hold ``rec`` instead of drawing it now; False if it cannot be kept (disk full)."""
-        if self.held_report is not None and not self._same_picture(rec):
-            self.release_report()  # another run's, or another file: drawn first
-        try:
-            self._set_held((str(self.run_id), rec))
-        except OSError:
-            return False
-        return True
-
-    def _same_picture(self, rec: dict[str, Any]) -> bool:
-        held = self.held_report
-        where = (rec.get("f"), rec.get("dir"))
-        return (
-            held is not None
-            and held[0] == self.run_id
-            and (held[1].get("f"), held[1].get("dir")) == where
-        )
-
-    def _set_held(self, held: tuple[str, dict[str, Any]] | None) -> None:
-        if self.on_held is not None:
-            self.on_held(held)
-        self.held_report = held
-
-    def release_report(self) -> None:
-        """Draw and upload the held report into its run, if any; raises what the upload raised."""
-        if self.held_report is None:
-            return
-        run_id, rec = self.held_report
-        self._draw_report(rec, run_id)
-        try:
-            self._set_held(None)
-        except OSError:  # report.json stays: a later courier draws it again, into the same file
-            self.held_report = None
-
-    def _draw_report(self, rec: dict[str, Any], run_id: str | None = None) -> None:
-        """Draw a `keras_sync.SyncReport` picture and upload it; one that cannot be drawn is
-        skipped with a warning, an upload that fails raises."""
+    def _draw_report(self, rec: dict[str, Any]) -> None:
+        """Draw a sync report picture and upload it; one that cannot be drawn is skipped, warned."""
         import tempfile
         from pathlib import Path
 
@@ -493,7 +429,7 @@ class RunSender:
                     "are delivered as usual."
                 )
                 return
-            self._call(self.client().log_artifact, run_id or self.run_id, str(path), rec.get("dir"))
+            self._call(self.client().log_artifact, self.run_id, str(path), rec.get("dir"))
 
     def _send_batch(self, metrics: list[Any], params: list[Any], tags: list[Any]) -> None:
         log_batch = self.client().log_batch
@@ -502,8 +438,7 @@ class RunSender:
         except Exception as e:
             if is_transient(e) or not params:
                 raise
-            # A param logged before with another value is refused for good (params are
-            # immutable): send the rest without it rather than retry the batch forever.
+            # A param logged before with another value is refused for good: send the rest.
             self._call(log_batch, self.run_id, metrics=metrics, params=[], tags=tags)
             for p in params:
                 try:

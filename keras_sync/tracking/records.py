@@ -15,9 +15,7 @@ kind        fields, and what the courier does with it
 `TEXT`      ``f`` artifact file, ``text``.
 `FILE`      ``src`` staged path, ``dir`` artifact dir (`keras_sync.tracking.artifacts`).
 `MODEL`     ``src`` staged directory, ``name``, ``step``: a model in MLflow's Keras flavour.
-`REPORT`    ``f`` artifact file, ``h`` history: the sync report, drawn by the courier. It is held
-            (in the spool's ``report.json``) until the spool is quiet, the writer's last record or
-            a newer report of the same file; ``now``: drawn at once.
+`REPORT`    ``f`` artifact file, ``h`` history: the sync report, drawn by the courier.
 `END`       ``status``, ``ts``: the run ended; ``last: false`` when the writer goes on.
 `STOP`      the writer closed; its run had ended before.
 ==========  ====================================================================================

@@ -1,11 +1,10 @@
 """The spool: one run's directory of records, the only interface between a writer and its courier.
 
 ``header.json`` (experiment, run name, job id, run id hint, the tracking URI without credentials),
-``NNNNNNNN.jsonl`` segments of records (`keras_sync.tracking.records`, one JSON per line; a writer
-starts a new one every `SEGMENT_BYTES` and at each start), ``delivered`` (``"<segment> <offset>"``:
-every record before it is in MLflow), ``run.json`` (the run and experiment ids), ``status.json``
-(the courier's last outcome), ``report.json`` (a sync report the courier holds), ``writer.lock`` and
-``deliver.lock`` (flock of the live writer and courier), ``reserve`` (room kept for a run's end).
+``NNNNNNNN.jsonl`` segments of records (`keras_sync.tracking.records`; a new one every
+`SEGMENT_BYTES` and at each start), ``delivered`` (``"<segment> <offset>"``: every record before it
+is in MLflow), ``run.json`` (the run and experiment ids), ``status.json`` (the courier's last
+outcome), ``writer.lock`` and ``deliver.lock`` (flocks), ``reserve`` (room kept for a run's end).
 
 The delivered position moves only after MLflow took a batch, so a crash re-sends a batch at worst;
 the courier drops points at steps a metric already has, so a (key, step) never gets two points.
@@ -116,10 +115,6 @@ class SpoolDir:
 
     def status(self) -> dict[str, Any] | None:
         return self.read_json("status.json")
-
-    def held_report(self) -> dict[str, Any] | None:
-        """``{"run_id": ..., "rec": <report record>}``: a report the courier holds, or None."""
-        return self.read_json("report.json")
 
     # -- writing (the writer's thread only) --
     def segments(self) -> list[int]:

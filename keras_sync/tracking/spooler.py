@@ -1,10 +1,8 @@
 """The writer's background side: a thread moves queued records into the spool and keeps a courier
-process (`keras_sync.tracking.courier`) delivering it; a killed process loses one interval at most.
-
-When the spool's disk refuses a write, that record and every later one are held in memory (at most
-`MAX_HELD_BYTES`) and handed to the courier over its stdin; its stdout says where delivery stands.
-What is held at close goes to the spool if it has room again, else the run ends FAILED, tagged
-`LOST_TAG` with the steps lost.
+process (`keras_sync.tracking.courier`) delivering it. Records a full disk refuses are held in
+memory (at most `MAX_HELD_BYTES`) and handed to the courier over its stdin; its stdout says where
+delivery stands. What is held at close goes to the spool if it has room again, else the run ends
+FAILED, tagged `LOST_TAG` with the steps lost.
 """
 
 from __future__ import annotations
@@ -75,10 +73,7 @@ def answering(failed: dict[str, Any] | None, within_s: float = STALL_S) -> bool:
 
 class Spooler:
     """Queue -> spool -> courier for one writer; the courier's news read back for the writer.
-
-    ``on_run`` is called once from the thread when the run is known, or MLflow failed before it
-    was, once a run has begun.
-    """
+    ``on_run``: called once from the thread when the run is known (or MLflow failed before)."""
 
     def __init__(
         self, spool: SpoolDir, uri: str, header: dict[str, Any], cleaner: RecordCleaner
@@ -113,7 +108,7 @@ class Spooler:
 
     # ---- the writer's side ----
     def start(self, begin_ms: int | None) -> None:
-        """Start the thread (it opens the spool, spooling a "begin" at ``begin_ms`` unless None)."""
+        """Start the thread (it spools a "begin" at ``begin_ms`` unless None)."""
         if self.thread is None:
             self._begin_ms = begin_ms
             self._begun |= begin_ms is not None
@@ -126,7 +121,6 @@ class Spooler:
         self.queue.append((self.last_seq, rec))
 
     def flush_to_spool(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` until everything queued so far is in the spool."""
         target = self.last_seq
         if self.thread is None or not self.thread.is_alive():
             return not self.queue
@@ -151,16 +145,15 @@ class Spooler:
         return self._run
 
     def acked(self) -> int:
-        """Every held record numbered up to this one is in MLflow."""
+        """The held records numbered up to this one are in MLflow."""
         return int(self.news.get("h", 0))
 
     def progress(self) -> tuple[Position, int]:
-        """How far delivery got: the spool position, and the held records MLflow has."""
+        """How far delivery got: the spool position and the held records' number."""
         pos = max(self.spool.delivered(), tuple(self.news.get("pos", (0, 0))))
         return (int(pos[0]), int(pos[1])), self.acked()
 
     def target(self) -> tuple[Position, int]:
-        """The progress at which MLflow has everything spooled or held so far."""
         return self.spooled_pos, self.held_last
 
     def reached(self, target: tuple[Position, int]) -> bool:
@@ -200,7 +193,7 @@ class Spooler:
         return True
 
     def cause(self) -> str:
-        """Why delivery is behind: the courier's last failure, or what the courier is doing."""
+        """Why delivery is behind, in words."""
         failed, uri = self.failure(), self.shown_uri
         if failed is not None:
             return f"{cause_in_words(failed.get('cause'), uri)} ({failed.get('error', '')})"
@@ -211,7 +204,7 @@ class Spooler:
         return f"delivery to {uri} made no progress for {STALL_S:g} s (a busy machine, or MLflow)"
 
     def undelivered_message(self, final: bool) -> str | None:
-        """Why some records are not in MLflow, and where they are; None if everything arrived."""
+        """Why some records are not in MLflow and where they are; None if all arrived."""
         spooled = self._spooled_left()
         held = [rec for rec in self.unacknowledged() if rec["k"] not in BOOKKEEPING]
         queued = [rec for _, rec in self.queue]
@@ -243,7 +236,7 @@ class Spooler:
         )
 
     def lost_text(self, records: list[dict[str, Any]]) -> str:
-        """What a full disk cost: the steps (and other records) of ``records`` and the dropped."""
+        """What a full disk cost: the steps and other records of ``records`` and the dropped."""
         both = records + self.dropped
         steps = [rec["s"] for rec in both if rec["k"] == METRICS]
         others = sum(rec["k"] not in (METRICS, *BOOKKEEPING) for rec in both)
@@ -255,12 +248,12 @@ class Spooler:
         )
 
     def loss_tag(self) -> dict[str, Any] | None:
-        """The tag record naming what was dropped over the memory bound; None if nothing was."""
+        """The tag record naming what was dropped over the memory bound, if any."""
         return {"k": TAGS, "d": {LOST_TAG: self.lost_text([])}} if self.dropped else None
 
     def shut_down(self, delivered: bool, never_begun: bool) -> str | None:
-        """After the writer's last wait: stop the thread and the courier, put what only memory
-        holds into the spool, remove a spool MLflow has all of. Returns the warning to give."""
+        """After the writer's last wait: stop the thread and the courier, spill what memory holds,
+        remove a spool MLflow has all of. Returns the warning to give."""
         self.closing = True
         self.wake.set()
         if self.thread is not None:
@@ -300,8 +293,8 @@ class Spooler:
         return message
 
     def _spill_held(self, cause: str) -> str | None:
-        """Put what MLflow did not take into the spool if the disk has room again (None: all of
-        it is there); else end the spooled run FAILED with a tag naming what is lost."""
+        """Spool what memory holds (None: all of it fit); else end the spooled run FAILED, tagged
+        with what is lost, and return the line saying so."""
         records = self.unacknowledged()
         try:
             self.spooled_pos = self.spool.append(records)
@@ -345,7 +338,7 @@ class Spooler:
             self._to_courier += _held_line(self.held_last, rec)
 
     def _pump(self) -> None:
-        """Forget what the courier acknowledged; write what its stdin takes now (never blocks)."""
+        """Forget what the courier acknowledged; write what its stdin takes now, never blocking."""
         acked = self.acked()
         while self.held and self.held[0][0] <= acked:
             self.held_bytes -= self.held.popleft()[2]
@@ -455,9 +448,8 @@ class Spooler:
                 self._spooled.notify_all()
 
     def _open_spool(self) -> None:
-        """Take the job's spool directory (or continue the one a crashed process left)."""
-        if not self.spool.lock("writer"):
-            # The same job id is logging elsewhere right now: this writer keeps its own spool.
+        """Take the job's spool directory (a crashed process's is continued)."""
+        if not self.spool.lock("writer"):  # the job id is logging elsewhere now: a spool of ours
             busy = self.spool.path
             self.spool = SpoolDir(busy.with_name(f"{busy.name}.{os.getpid()}-{id(self):x}"))
             self.spool.lock("writer")
@@ -488,7 +480,7 @@ class Spooler:
                 _log.debug("on_run failed: %s", e)
 
     def _watch_status(self) -> None:
-        """Log the courier's first failure and its recovery (here, where logging is set up)."""
+        """Log the courier's first failure and its recovery."""
         status, before = self.status(), self._status
         self._status = status
         if status is None:
@@ -525,7 +517,7 @@ class Spooler:
                 self._spooled.notify_all()
 
     def _spool_or_hold(self, recs: list[dict[str, Any]]) -> None:
-        """Append to the spool; what it refuses, and everything after, goes to the courier."""
+        """Append to the spool; what it refuses, and all after, goes to the courier directly."""
         if self.spool_error is None:
             try:
                 self.spooled_pos = self.spool.append(recs)
