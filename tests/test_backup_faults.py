@@ -436,7 +436,7 @@ def test_a_full_backup_disk_is_said_once_training_goes_on_and_the_relaunch_resum
             in failed[0]
         )
         assert not list(bk.glob("*_temp"))  # TensorFlow's half-written checkpoints are removed
-        assert _backup_files.newest_complete(str(bk)) == 9
+        assert _backup_files.choose(str(bk)).latest == str(bk / "ckpt-9")
         (bk / "filler").unlink()
         second = _train(tmp_path, "res", cfg)
     assert second.returncode == 0, second.stderr[-3000:]

@@ -31,26 +31,24 @@ class BackupAndRestore(keras.callbacks.Callback):
     """Back up the training state every epoch or every N batches; restore it when `fit` restarts.
 
     Saved with `tf.train.Checkpoint`: the model, its optimizer, the running epoch's metrics, the
-    random-seed states and the position ``(epoch, batches trained in it)``, restored in
-    ``on_train_begin`` (put this callback first); `Sync.fit` then skips the batches already trained.
-    Passed to a plain `model.fit`, a mid-epoch backup restarts its epoch at batch 0, as Keras does.
-    Every worker saves (reading the variables is collective); only the chief writes ``backup_dir``,
-    which all workers restore from, on storage they share.
+    random-seed states and the position (epoch, batches trained in it), restored in
+    ``on_train_begin`` (put this callback first); `Sync.fit` then skips the batches already trained,
+    a plain `model.fit` restarts the epoch at batch 0, as Keras does. Every worker saves (reading
+    the variables is collective); only the chief writes ``backup_dir``, on storage all share.
 
     Args:
         backup_dir: directory for the checkpoints; not shared with anything else.
         save_freq: ``"epoch"``, or an integer: save every that many batches.
         delete_checkpoint: delete the backup when training finishes. Defaults to True.
         max_to_keep: checkpoints kept (the newest), at least 2: a damaged newest one is skipped on
-            restore for the one before (its manifest, written last, tells complete from partial).
-            Defaults to 2.
+            restore for the one before. Defaults to 2.
         grace_period_s: a SIGTERM (or Ctrl-C) during `fit` saves a backup at the current step on
-            every worker, then exits with code 143 (130); if that cannot happen within this many
-            seconds, the process exits without it. None: both signals are left alone. Defaults to 25.
-        writer: the MLflow writer whose queued metrics go to its spool before each save, and whose
-            run is recorded with each backup.
+            every worker, then exits with code 143 (130), or without it after this many seconds.
+            None: both signals are left alone. Defaults to 25.
+        writer: the MLflow writer whose queued metrics are spooled before each save, and whose run
+            each backup records.
         shared: the `keras_sync.callbacks.SharedState` of this fit's keras-sync callbacks, flushed
-            before each save (so `SyncMetrics` logs the steps the backup holds first).
+            before each save.
 
     Example:
         >>> sync = keras_sync.load({"fault_tolerance": {"backup_dir": "/tmp/bk", "save_freq": 50}})  # doctest: +SKIP
@@ -99,9 +97,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.choice: files.Choice | None = None  # chosen before fit by `backup_callbacks`
         self.lock: files.BackupLock | None = None  # held on backup_dir for this fit
         self.epoch_iterator: Any = None  # fit's training iterator, set by `resumable_fit`
-        self._epoch = self._step = 0
         self._failed_save: str | None = None  # the cause of the last refused save, until one works
-        self._deferred = False  # a scheduled save waits for gradient accumulation's next update
 
     def on_train_begin(self, logs: Any = None) -> None:
         import tensorflow as tf
@@ -126,20 +122,22 @@ class BackupAndRestore(keras.callbacks.Callback):
         role = strategy_role(strategy)
         self._is_chief = role.is_chief
         self._dir = files.write_dir(self.backup_dir, is_chief=role.is_chief, task_id=role.task_id)
-        self._barrier_fn: Any = None
+        self._barrier: Callable[[], Any] = lambda: None
         if in_multi_worker_mode(strategy):
             # A tf.function: run eagerly, MultiWorkerMirroredStrategy warns of its overhead.
-            self._barrier_fn = tf.function(
+            self._barrier = tf.function(
                 lambda: strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None),
                 autograph=False,
             )
         self.restored, self._resume_line, self._restore_metrics_from = None, None, None
         self._epoch = self._step = 0
-        self._deferred = False
+        self._deferred = False  # a scheduled save waits for gradient accumulation's next update
         if self._preemption is not None:
             self._preemption.begin(strategy)
         choice, self.choice = self.choice or files.choose(self.backup_dir), None
         prefix = self._restore(choice)
+        #: The optimizer step of the newest complete backup, said when a save fails.
+        self._newest = None if prefix is None else files.number_of(prefix)
         if prefix is None:
             return
         epoch, step = (int(v) for v in self._position.numpy())
@@ -165,10 +163,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         )
 
     def _restore(self, choice: files.Choice) -> str | None:
-        """Restore the newest complete checkpoint TensorFlow reads back; its prefix, or None if none."""
+        """Restore the newest complete checkpoint TensorFlow reads back; its prefix, or None."""
         import tensorflow as tf
 
-        skipped = list(choice.skipped)
+        skipped, found = list(choice.skipped), None
         for prefix in choice.usable:
             try:
                 status = tf.train.Checkpoint(**self._state).read(prefix)
@@ -176,18 +174,16 @@ class BackupAndRestore(keras.callbacks.Callback):
             except (tf.errors.OpError, ValueError, AssertionError) as e:
                 skipped.append((prefix, f"TensorFlow cannot read it back: {type(e).__name__}"))
                 continue
-            self._say_skipped(skipped, f"using {os.path.basename(prefix)}")
             tf.train.Checkpoint(step_offset=self._step_offset).read(prefix).expect_partial()
             self.shared.step_offset = max(int(self._step_offset.numpy()), 0)
-            return prefix
-        if any(not why.startswith("incomplete") for _, why in skipped):
+            found = prefix
+            break
+        if found is None and any(not why.startswith("incomplete") for _, why in skipped):
             raise files.no_usable_backup(self.backup_dir, skipped)
-        self._say_skipped(skipped, "no earlier complete backup")
-        return None
-
-    def _say_skipped(self, skipped: list[tuple[str, str]], instead: str) -> None:
+        instead = f"using {os.path.basename(found)}" if found else "no earlier complete backup"
         for prefix, why in skipped if self._is_chief else ():
             _say(f"keras-sync: skipped the backup {prefix} ({why}); {instead}")
+        return found
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         self._check_restored_state_held(epoch)
@@ -201,19 +197,16 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._restore_metrics_from = None
 
     def _check_restored_state_held(self, epoch: int | None = None) -> None:
-        """Once after a restore: training continues at the restored epoch and optimizer step, so
-        nothing restored other state over ours (a second backup-and-restore callback)."""
+        """Once after a restore: training continues at the restored epoch and optimizer step (no
+        other callback restored its own state over ours)."""
         line, self._resume_line = self._resume_line, None
-        point = self.restored
-        if line is None or point is None:
+        if line is None or (point := self.restored) is None:
             return
-        now = self._iterations()
+        now, what = self._iterations(), ""
         if now != point.iterations:
             what = f"optimizer step {point.iterations}, but another callback changed it to {now}"
         elif epoch is not None and epoch != point.epoch:
             what = f"epoch {point.epoch + 1}, but another callback changed it to epoch {epoch + 1}"
-        else:
-            what = ""
         if what:
             raise UsageError(
                 f"keras-sync's backup in {self.backup_dir} restored {what} before training resumed (a "
@@ -225,21 +218,19 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         done, self._step = batch + 1 - self._step, batch + 1
-        scheduled = self._schedule.after_batch(max(done, 1)) or self._deferred
         preempted = self._preemption is not None and self._preemption.save_due(self._iterations)
-        self._save_if(scheduled, preempted)
+        self._save_if(self._schedule.after_batch(max(done, 1)), preempted)
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         self._epoch, self._step = epoch + 1, 0
-        scheduled = self._schedule.after_epoch() or self._deferred
-        preempted = self._preemption is not None and self._preemption.save_due_at_epoch_end(
-            self._iterations
-        )
-        self._save_if(scheduled, preempted)
+        saver = self._preemption
+        preempted = saver is not None and saver.save_due_at_epoch_end(self._iterations)
+        self._save_if(self._schedule.after_epoch(), preempted)
 
     def _save_if(self, scheduled: bool, preempted: bool) -> None:
         from keras_sync.training.instrument import holds_unapplied_gradients
 
+        scheduled = scheduled or self._deferred
         if (scheduled or preempted) and holds_unapplied_gradients(self.model):
             # Between two accumulated updates a backup would lose the sums: the save moves to the
             # first batch end that applies them (a SIGTERM's stays due by itself).
@@ -273,15 +264,13 @@ class BackupAndRestore(keras.callbacks.Callback):
             os.makedirs(self._dir, exist_ok=True)
             self._saved.write(prefix)
             if self._is_chief:
-                run = None
-                if writer is not None:  # a relaunch that restores this backup continues the run
-                    run = {
-                        "job_id": writer.job_id,
-                        "explicit": writer.job_id_explicit,
-                        "run_id": writer.run_id,
-                        "experiment": writer.experiment,
-                        "tracking_uri": writer.shown_uri,
-                    }
+                run = writer and {  # a relaunch that restores this backup continues the run
+                    "job_id": writer.job_id,
+                    "explicit": writer.job_id_explicit,
+                    "run_id": writer.run_id,
+                    "experiment": writer.experiment,
+                    "tracking_uri": writer.shown_uri,
+                }
                 files.write_manifest(prefix, run)
                 files.prune(self._dir, number, max(self.max_to_keep, 2))
         except (tf.errors.OpError, OSError) as e:  # a full or unwritable disk: older backups hold
@@ -296,7 +285,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             _say(
                 f"keras-sync: backups in {self.backup_dir} are written again (optimizer step {number})."
             )
-        self._failed_save = None
+        self._failed_save, self._newest = None, number
         return True
 
     def _save_failed(self, number: int, error: BaseException) -> None:
@@ -309,11 +298,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         if not self._is_chief or self._failed_save == cause:
             return
         self._failed_save = cause
-        newest = files.newest_complete(self.backup_dir)
         resume = (
             "there is no backup to resume from yet"
-            if newest is None
-            else f"a relaunch resumes from the newest backup, optimizer step {newest}"
+            if self._newest is None
+            else f"a relaunch resumes from the newest backup, optimizer step {self._newest}"
         )
         message = (
             f"keras-sync: the backup at optimizer step {number} could not be written to "
@@ -341,12 +329,9 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "resume from there."
             )
         elif self._is_chief:
-            newest = files.newest_complete(self.backup_dir)
-            where = (
-                f"the newest backup, optimizer step {newest}"
-                if newest is not None
-                else "the start (no backup)"
-            )
+            where = "the start (no backup)"
+            if self._newest is not None:
+                where = f"the newest backup, optimizer step {self._newest}"
             message = (
                 f"{name}: the backup at optimizer step {step} could not be written to "
                 f"{self.backup_dir} (said above); exiting with code {code}. A relaunch resumes from {where}."
@@ -368,10 +353,6 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._barrier()
             if self._is_chief:
                 shutil.rmtree(self.backup_dir, ignore_errors=True)
-
-    def _barrier(self) -> None:
-        if self._barrier_fn is not None:
-            self._barrier_fn()
 
 
 @contextlib.contextmanager

@@ -1,9 +1,8 @@
 """The keras-sync config: a tree of frozen dataclasses and the one loader that builds it.
 
 Each key is declared once with `_f` (default, value spec) and described in `DOCS`; that drives
-validation, the JSON Schema, the commented template and the reference. Precedence (printed by
-``keras-sync plan``): flag > environment (`ENV_KEYS`) > YAML file > default. All problems of one
-source are raised together in one `ConfigError`, each naming ``file:line``, key, value and fix.
+validation, the JSON Schema, the template and the reference. Precedence: flag > environment
+(`ENV_KEYS`) > YAML file > default. All problems are raised together in one `ConfigError`.
 """
 
 from __future__ import annotations
@@ -38,12 +37,11 @@ DEFAULT_CONFIG_FILE = "keras_sync.yaml"
 CONFIG_ENV = "KERAS_SYNC_CONFIG"
 #: Environment variables that set a config key (they win over the file, lose to a flag).
 ENV_KEYS = {"MLFLOW_TRACKING_URI": "mlflow.tracking_uri", "KERAS_SYNC_JOB_ID": "mlflow.job_id"}
-#: `keras-sync verify`: the folder `sync.fit` records its first steps to, the recording a
-#: one-device reference replays, and how many optimizer steps.
+#: `keras-sync verify`: where `sync.fit` records its first steps, the recording a one-device
+#: reference replays, how many optimizer steps, and the file of the reference's config overrides.
 VERIFY_RECORD_ENV = "KERAS_SYNC_VERIFY_RECORD"
 VERIFY_REPLAY_ENV = "KERAS_SYNC_VERIFY_REPLAY"
 VERIFY_STEPS_ENV = "KERAS_SYNC_VERIFY_STEPS"
-#: The file of a recording that holds the reference run's config overrides (dotted keys).
 VERIFY_OVERRIDES_FILE = "reference.json"
 #: `strategy.communication`: tf.distribute.experimental.CommunicationImplementation's names, lower case.
 COMMUNICATIONS = ("auto", "ring", "nccl")
@@ -53,8 +51,8 @@ LR_RULES = ("linear", "sqrt", "none")
 
 @dataclass(frozen=True)
 class VerifyRequest:
-    """What `keras-sync verify` asked of this process: record the first ``steps`` optimizer steps of
-    `sync.fit` to ``record_dir``; with ``replay_dir``, as the one-device reference of that recording."""
+    """What `keras-sync verify` asked of this process: record the first ``steps`` optimizer steps to
+    ``record_dir``; with ``replay_dir``, as the one-device reference of that recording."""
 
     record_dir: str
     steps: int = 20
@@ -64,20 +62,18 @@ class VerifyRequest:
 
 
 def _f(default: Any, spec: Spec, key: str | None = None, kinds: Any = None) -> Any:
-    """A config key: its default and what it accepts; ``key``: its YAML name where it differs;
-    ``kinds``: the strategy kinds it applies to (their templates show it)."""
+    """A config key: default, value spec, YAML name where it differs, the kinds it applies to."""
     return field(default=default, metadata={"spec": spec, "key": key, "kinds": kinds})
 
 
 def _sub(cls: type, note: str = "", kinds: Any = None, commented: bool = False) -> Any:
-    """A section. ``note``: a comment the template prints above its keys; ``commented``: the
-    template shows it as comments (its defaults change nothing)."""
+    """A section; ``note``: the template's comment above its keys; ``commented``: shown commented out."""
     meta = {"note": note, "kinds": kinds, "commented": commented}
     return field(default_factory=cls, metadata=meta)
 
 
 def _internal(repr: bool = False, **kw: Any) -> Any:
-    """A field of the built config that no source sets (where it came from, the verify request)."""
+    """A field of the built config that no source sets."""
     return field(compare=False, repr=repr, metadata={"internal": True}, **kw)
 
 
@@ -295,8 +291,7 @@ class Config:
         return _to_dict(self)
 
     def origin(self) -> str:
-        """Which config this is, in words: the file's absolute path, or why the defaults are used
-        (`keras_sync.load` prints it, so a script run from elsewhere does not use them silently)."""
+        """Which config this is, in words: the file's absolute path, or why the defaults are used."""
         if self.source == "<defaults>":
             return f"no {DEFAULT_CONFIG_FILE} found in {Path.cwd()} and ${CONFIG_ENV} is unset: built-in defaults (pass a path to keras_sync.load(), or run from the directory of the file)"
         if self.source == "<dict>":
@@ -351,7 +346,7 @@ def _build(cls: type, data: Any, path: str, issue: Callable[[str, str], None]) -
 def _check_consistency(
     cfg: Config, issue: Callable[[str, str], None], given: Mapping[str, Any]
 ) -> Config:
-    """The rules between keys; returns the config with per_replica cleared when global is given."""
+    """The rules between keys; per_replica is cleared when global is given."""
     batch, lr, s, job = cfg.batch, cfg.learning_rate, cfg.strategy, cfg.strategy.indexed_job
     kind = KINDS[s.kind]
     if given.get("batch.per_replica") is not None and given.get("batch.global") is not None:
@@ -467,7 +462,7 @@ def load_config(
     issues: list[ConfigIssue] = []
 
     def issue(key_path: str, message: str) -> None:
-        """An issue at the line of ``key_path`` or its nearest parent; an environment key's names its variable."""
+        """An issue at the line of ``key_path`` or its nearest parent, or at its variable."""
         var = {d: n for n, d in ENV_KEYS.items()}.get(key_path)
         if var and provenance.get(key_path) == "env":
             issues.append(ConfigIssue(f"${var}", None, key_path, f"{message}; fix or unset ${var}"))
@@ -484,9 +479,8 @@ def load_config(
 
 
 def _verify(env: Mapping[str, str], mlflow: bool) -> tuple[VerifyRequest | None, dict[str, Any]]:
-    """`keras-sync verify`'s request from the environment (read here only), and the keys a verify run
-    sets: no MLflow run of its own (verify logs the comparison) and, for the one-device reference,
-    the settings its recording chose (`keras_sync.training.verify_record`)."""
+    """`keras-sync verify`'s request from the environment, and the keys a verify run sets: no MLflow
+    run of its own and, for the one-device reference, the settings its recording chose."""
     record = env.get(VERIFY_RECORD_ENV, "").strip()
     if not record:
         return None, {}

@@ -15,19 +15,11 @@ LAYOUTS = (LAYOUT_TENSORFLOW, LAYOUT_LOCAL, LAYOUT_ONE, LAYOUT_TPU)
 
 @dataclass(frozen=True)
 class KindSpec:
-    """One strategy kind.
-
-    Args:
-        name: the value of `strategy.kind`; summary: what it does (its template's comment).
-        builder: the name of its builder in `keras_sync.strategy`; None for ``auto`` (resolved first).
-        layout: where its replicas live on one worker, one of `LAYOUTS`.
-        multi_process: one process per worker, joined in a cluster (collectives span processes).
-        one_process: the job is one process; several workers would each train alone (refused).
-        accepts_devices, max_devices: `strategy.devices` may name (at most this many) devices.
-        simulated_cpus: `strategy.simulated_cpu_replicas` may apply.
-        drop_remainder: what ``batch.drop_remainder: auto`` means (TPUs need static shapes).
-        scoped: a model must be built in `Sync.scope()` (the default strategy is everywhere).
-    """
+    """One strategy kind: its `strategy.kind` name, its template's comment, its builder in
+    `keras_sync.strategy` (None for ``auto``), its device layout (one of `LAYOUTS`), one process per
+    worker (``multi_process``) or one for the job (``one_process``), whether `strategy.devices`
+    (at most ``max_devices``) and simulated CPUs apply, what ``batch.drop_remainder: auto`` means,
+    and whether a model must be built in `Sync.scope()`."""
 
     name: str
     summary: str

@@ -1,10 +1,7 @@
-"""The config reference, written from the declarations in `keras_sync.config`: the commented
-``keras_sync.yaml`` of ``keras-sync init`` (``templates/keras_sync.yaml``, one
-``templates/strategy_<kind>.yaml`` per kind), the table of ``docs/reference/config.md`` and the JSON
-Schema of ``keras-sync schema``. A test fails when the files differ. After changing a config key::
-
-    python -m keras_sync.config.reference          # rewrite the files
-    python -m keras_sync.config.reference --check  # exit 1 and show a diff if they drifted
+"""The config reference, written from the declarations in `keras_sync.config`: the templates of
+``keras-sync init`` (``templates/``), the table of ``docs/reference/config.md`` and the JSON Schema
+of ``keras-sync schema``. After changing a config key, ``python -m keras_sync.config.reference``
+rewrites the files (``--check``: exit 1 with a diff if they drifted).
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
-"""Backup bookkeeping without TensorFlow: the position, when to save, which checkpoint is complete,
-which job owns the directory. `keras_sync.callbacks.backup` writes and restores them.
-
-After each save the chief writes ``ckpt-N.manifest.json`` last: size and CRC-32 of every file of
-checkpoint N, and the MLflow run that wrote it. Only a checkpoint whose files match its manifest is
-trusted, and a relaunch continues the run its manifest names. `BackupLock` (``keras_sync_lock.json``)
-names the job training into the directory; a lock of a dead process (same host) or not refreshed for
-`STALE_S` is stale, and a relaunch takes it over.
-"""
+"""Backup bookkeeping without TensorFlow: when to save, which checkpoint is complete, who owns the
+directory. After each save the chief writes ``ckpt-N.manifest.json`` last (size and CRC-32 of every
+file, and the MLflow run): only a checkpoint matching its manifest is trusted. `BackupLock`
+(``keras_sync_lock.json``) names the job training into the directory; a lock of a dead process
+(same host) or not refreshed for `STALE_S` is stale and taken over."""
 
 from __future__ import annotations
 
@@ -33,10 +29,7 @@ _CKPT = re.compile(r"^ckpt-(\d+)\.index$")
 
 @dataclass(frozen=True)
 class ResumePoint:
-    """Where a restored job continues: the epoch, its batches already trained, the optimizer step.
-
-    ``(1, steps)`` is every batch of epoch 1 trained but not its end: a resume runs only that end.
-    """
+    """Where a restored job continues: the epoch, its batches already trained, the optimizer step."""
 
     epoch: int
     step: int
@@ -53,8 +46,6 @@ class SaveSchedule:
     >>> s = SaveSchedule(3)
     >>> [s.after_batch() for _ in range(5)]
     [False, False, True, False, False]
-    >>> SaveSchedule("epoch").after_batch(0), SaveSchedule("epoch").after_epoch()
-    (False, True)
     """
 
     def __init__(self, save_freq: str | int):
@@ -83,21 +74,12 @@ class SaveSchedule:
 
 
 def write_dir(backup_dir: str, *, is_chief: bool, task_id: int | None) -> str:
-    """Where this worker writes: the chief ``backup_dir``, worker N a ``.worker_tmp_N`` it deletes
-    after each save (every worker takes part in a save; only the chief's copy is read).
-
-    >>> write_dir("/b", is_chief=True, task_id=0), write_dir("/b", is_chief=False, task_id=1)
-    ('/b', '/b/.worker_tmp_1')
-    """
+    """The chief writes ``backup_dir``; worker N a ``.worker_tmp_N`` it deletes after each save."""
     return backup_dir if is_chief else os.path.join(backup_dir, f".worker_tmp_{task_id or 0}")
 
 
 def batches_to_skip(point: ResumePoint, steps_per_execution: int = 1) -> int:
-    """Batches of the resumed epoch trained before the interruption (saves end an execution).
-
-    >>> batches_to_skip(ResumePoint(epoch=1, step=6, iterations=14))
-    6
-    """
+    """Batches of the resumed epoch trained before the interruption (saves end an execution)."""
     if point.step % steps_per_execution:
         raise UsageError(
             f"The backup was taken at step {point.step} of epoch {point.epoch}, which is not a "
@@ -105,9 +87,6 @@ def batches_to_skip(point: ResumePoint, steps_per_execution: int = 1) -> int:
             "steps_per_execution it was saved with, or delete the backup directory to start over."
         )
     return point.step
-
-
-# -- checkpoints and their manifests ------------------------------------------------------------
 
 
 def _files_of(prefix: str) -> list[str]:
@@ -126,11 +105,8 @@ def _crc(path: str) -> int:
 
 def write_manifest(prefix: str, run: dict[str, Any] | None = None) -> None:
     """Record the checkpoint at ``prefix`` (``DIR/ckpt-N``) as complete, with the run that wrote it."""
-    folder = os.path.dirname(prefix)
-    files = {}
-    for name in _files_of(prefix):
-        path = os.path.join(folder, name)
-        files[name] = {"size": os.path.getsize(path), "crc32": _crc(path)}
+    paths = {name: os.path.join(os.path.dirname(prefix), name) for name in _files_of(prefix)}
+    files = {n: {"size": os.path.getsize(p), "crc32": _crc(p)} for n, p in paths.items()}
     tmp = f"{prefix}{MANIFEST_SUFFIX}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         json.dump({"v": 1, "files": files, "written": time.time(), "run": run}, f)
@@ -155,8 +131,7 @@ def number_of(prefix: str) -> int:
 
 
 def prune(backup_dir: str, saved: int, keep: int) -> None:
-    """Delete every checkpoint but the ``keep`` newest up to step ``saved`` (newer ones belong to a
-    run this one fell back from)."""
+    """Keep the ``keep`` newest checkpoints up to step ``saved`` (newer ones were fallen back from)."""
     kept = [p for p in checkpoints(backup_dir) if number_of(p) <= saved][:keep]
     for prefix in set(checkpoints(backup_dir)) - set(kept):
         for name in [*_files_of(prefix), os.path.basename(prefix) + MANIFEST_SUFFIX]:
@@ -184,11 +159,6 @@ def problem(prefix: str) -> str | None:
     return None
 
 
-def newest_complete(backup_dir: str) -> int | None:
-    """The optimizer step of the newest checkpoint in ``backup_dir`` whose files match its manifest."""
-    return next((number_of(p) for p in checkpoints(backup_dir) if problem(p) is None), None)
-
-
 def manifest_run(prefix: str) -> dict[str, Any] | None:
     """The MLflow run record saved in the manifest of the checkpoint at ``prefix`` (None if none)."""
     try:
@@ -212,12 +182,11 @@ class Choice:
 
 
 def choose(backup_dir: str) -> Choice:
-    """The checkpoints of ``backup_dir`` a restore may use. Saves cut off before their manifest are no
-    backup (training starts over); when only damaged ones are left, `UsageError`."""
+    """The checkpoints a restore may use; `UsageError` when only damaged ones are left (saves cut off
+    before their manifest are no backup: training starts over)."""
     choice = Choice()
     for prefix in checkpoints(backup_dir):
-        why = problem(prefix)
-        if why is None:
+        if (why := problem(prefix)) is None:
             choice.usable.append(prefix)
         else:
             choice.skipped.append((prefix, why))
@@ -232,9 +201,6 @@ def no_usable_backup(backup_dir: str, skipped: list[tuple[str, str]]) -> UsageEr
         f"fault_tolerance.backup_dir: no usable backup in {backup_dir} ({what}). Fix: restore that "
         "directory from a copy, or delete it to train from the start; nothing was trained."
     )
-
-
-# -- the lock ------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -261,10 +227,8 @@ def read_lock(backup_dir: str) -> tuple[Holder, float] | None:
 
 def live_other(found: tuple[Holder, float] | None, me: Holder, *, chief: bool) -> Holder | None:
     """The lock's holder when it is another live job that ``me`` must not share the directory with.
-
-    The chief takes over a lock of its own job id held on another host (a relaunch); another
-    worker accepts its own job's chief (same job id, or same cluster).
-    """
+    The chief takes over its own job id's lock from another host (a relaunch); another worker
+    accepts its own job's chief (same job id, or same cluster)."""
     if found is None:
         return None
     holder, age = found

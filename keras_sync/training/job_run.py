@@ -98,8 +98,9 @@ def start_writer(
     uri, _ = resolve_tracking_uri(cfg.tracking_uri)
     job_id, explicit, run_id = cfg.job_id, True, None
     backup_dir = config.fault_tolerance.backup_dir
-    latest = backup_files.choose(backup_dir).latest if backup_dir else None
-    restored = backup_files.manifest_run(latest) if latest else None
+    # The newest manifest's run, unverified: `backup_callbacks` checks the files once per fit.
+    prefixes = backup_files.checkpoints(backup_dir) if backup_dir else []
+    restored = next(filter(None, map(backup_files.manifest_run, prefixes)), None)
     if continue_run is not None:
         job_id, run_id = continue_run
     elif restored is not None:  # wins over a job id: `keras-sync launch` makes a new one per launch

@@ -1,12 +1,8 @@
 """The input pipeline behind `Sync.fit` and `Sync.distribute`: batching, sharding, validation split.
 
-Sharding is decided by the data, never by the host: arrays are split across workers by example
-unless ``batch.shard_policy: off``; a dataset keeps a policy other than ``AUTO`` set in its own
-options (Ray Data sets ``OFF``), any other gets ``batch.shard_policy``. A batched dataset whose
-batch differs from the configured global batch, or cannot be read, is rebatched to it. A worker's
-own part is, under several workers, read per replica as that worker's input. A `keras.utils.PyDataset`
-or a Python generator is read by keras-sync (`py_dataset`). `shard_choice` and `batch_layout` need
-no TensorFlow: `keras-sync plan` uses them.
+Sharding is decided by the data, never by the host (`shard_choice`). A batched dataset whose batch
+differs from the global batch, or cannot be read, is rebatched to it; a worker's own part is read
+per replica as that worker's input. `shard_choice` and `batch_layout` need no TensorFlow.
 """
 
 from __future__ import annotations
@@ -34,13 +30,9 @@ class ShardChoice:
 def shard_choice(
     kind: Literal["arrays", "dataset"], *, configured: str, own: str | None = None
 ) -> ShardChoice:
-    """The shard policy of ``"arrays"`` or a ``"dataset"``, from ``batch.shard_policy`` and the one
-    set in the dataset's own options (``own``, lower case): decided by the data, never by the host.
+    """The shard policy of ``"arrays"`` (by example unless ``off``) or a ``"dataset"`` (the policy
+    of its own options, ``own``, unless ``auto``; else ``batch.shard_policy``).
 
-    >>> shard_choice("arrays", configured="auto").policy
-    'data'
-    >>> shard_choice("dataset", configured="auto", own="off").reason
-    "set in the dataset's own options, as Ray Data and prepare_dataset_shard do: it is already this worker's shard"
     >>> shard_choice("dataset", configured="file", own="auto").policy
     'file'
     """
@@ -77,9 +69,8 @@ def batch_layout(global_batch: int, num_replicas: int, num_workers: int) -> str:
 
 @dataclass(frozen=True)
 class InputFacts:
-    """What the pipeline did with the training data of one `fit` (``Sync.input_facts``):
-    ``examples_per_epoch`` over all workers when known (the run-time check compares with it),
-    ``own_part`` when each worker trains its own part, ``steps_per_epoch`` before accumulation."""
+    """What the pipeline did with the training data of one `fit` (``Sync.input_facts``); examples
+    per epoch over all workers when known, ``own_part`` when each worker trains its own part."""
 
     source: str
     shard_policy: str
@@ -97,11 +88,9 @@ def _steps(examples: int | None, batch: int, drop_remainder: bool) -> int | None
 
 @dataclass(eq=False)
 class InputPipeline:
-    """Turns what a user passes to `fit`/`distribute` into what the strategy trains on.
-
-    Arrays become a dataset under `multi_worker_mirrored` (Keras requires it), for a `fit` with a
-    backup (``replay_order``) in a script that set no TensorFlow seed, and with ``arrays_as_dataset``.
-    """
+    """Turns what a user passes to `fit`/`distribute` into what the strategy trains on. Arrays
+    become a dataset under `multi_worker_mirrored` (Keras requires it), for a `fit` with a backup
+    (``replay_order``) in a script that set no TensorFlow seed, and with ``arrays_as_dataset``."""
 
     global_batch: int
     num_replicas: int
@@ -408,17 +397,6 @@ def _array_examples(x: Any, validation_split: float | None) -> int | None:
     except TypeError:
         return None
     return int(n * (1.0 - validation_split)) if validation_split else n
-
-
-def steps_of(x: Any, batch_size: int | None, validation_split: float | None) -> int | None:
-    """Steps in one epoch of what `fit` trains on (a dataset's cardinality, or arrays / batch)."""
-    if is_dataset(x):
-        card = getattr(x, "cardinality", -1)
-        n = int(card() if callable(card) else card)
-        return n if n > 0 else None
-    if x is None or batch_size is None:
-        return None
-    return _steps(_array_examples(x, validation_split), batch_size, False)
 
 
 def _validation_input(kwargs: dict[str, Any]) -> dict[str, Any]:
