@@ -180,8 +180,8 @@ def end_of_data_patches() -> list[Patch]:
             if int(self.steps_per_execution or 1) != 1 or not isinstance(iterator, iterators):
                 return function(iterator)
             # MultiWorkerMirroredStrategy's collectives (one worker or several) cannot run in a
-            # tf.cond branch (an unfed placeholder; Keras's keras-team/keras#19246 workaround is
-            # the same trouble), so there the check stays eager.
+            # tf.cond branch: nested, they need an unfed placeholder (keras-team/keras#19246);
+            # traced inline, two workers train to other weights. There the check stays eager.
             if self.run_eagerly or isinstance(
                 self._distribute_strategy, tf.distribute.MultiWorkerMirroredStrategy
             ):
