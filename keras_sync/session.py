@@ -15,6 +15,7 @@ from keras_sync.config import Config, load_config
 from keras_sync.config.kinds import KINDS
 from keras_sync.errors import KerasSyncError, UsageError
 from keras_sync.training import scaling
+from keras_sync.upstream.strategy_facts import built_under
 
 
 def load(
@@ -549,7 +550,7 @@ class Sync:
                 f"call(self, inputs) in {name}, returning what the model computes from inputs (e.g. the decoder's or "
                 "generator's output)."
             )
-        if getattr(model, "_distribute_strategy", None) is not self.strategy:
+        if built_under(model) is not self.strategy:
             raise UsageError(
                 f"The model was built outside sync.scope(), so sync.{method} cannot distribute it over "
                 f"{self.num_replicas} replicas. Fix: create and compile the model inside `with sync.scope():`."

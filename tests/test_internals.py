@@ -129,6 +129,22 @@ def test_moved_keras_internal_refuses_multi_worker_fit_in_one_line(monkeypatch):
     )
 
 
+def test_backup_guard_refuses_a_keras_without_the_hooks_it_relies_on(monkeypatch, tmp_path):
+    import keras
+    from keras.src.callbacks import backup_and_restore
+
+    from keras_sync.upstream.backup_and_restore import non_chief_backup
+
+    cb = keras.callbacks.BackupAndRestore(str(tmp_path))
+    monkeypatch.delattr(backup_and_restore.BackupAndRestore, "_save_model")
+    with pytest.raises(
+        CompatibilityError,
+        match=r"Keras's BackupAndRestore under multi-worker .* cannot work with Keras .* has no "
+        r"\['_save_model'\].* Fix: pip install .*, or use keras-sync's backup \(fault_tolerance",
+    ):
+        non_chief_backup(cb)
+
+
 def test_changed_signature_is_named(monkeypatch):
     from keras.src.backend.tensorflow import trainer
 
@@ -305,6 +321,20 @@ def test_every_private_attribute_the_package_uses_is_listed_with_a_probe():
     assert not unlisted, (
         f"private attributes used but not in keras_sync/upstream/internals.py REGISTRY attrs: {unlisted}"
     )
+
+
+def test_private_attributes_are_read_only_inside_upstream():
+    # test_import_graph sees imports, not `obj._attr`: outside upstream/, a private attribute goes
+    # through an accessor there, beside its probe.
+    import keras_sync
+
+    package = Path(keras_sync.__file__).resolve().parent
+    outside = {
+        name: [w for w in where if not w.startswith("keras_sync/upstream/")]
+        for name, where in _private_uses(package).items()
+        if name not in _STDLIB_PRIVATE
+    }
+    assert {name: where for name, where in outside.items() if where} == {}
 
 
 def test_the_private_attribute_scan_can_fail(tmp_path):

@@ -256,10 +256,3 @@ def test_save_rejects_a_bad_path(bad: object) -> None:
 def test_write_target_is_the_users_path_without_a_multi_worker_strategy(tmp_path: Path) -> None:
     with saving.write_target(tmp_path / "m.keras", None) as target:
         assert target == tmp_path / "m.keras"
-
-
-def test_backup_guard_refuses_a_keras_without_the_hooks_it_relies_on() -> None:
-    with pytest.raises(
-        UsageError, match=r"has no `_save_model`/`_weights_path`.*Fix: use keras-sync's backup"
-    ):
-        saving._non_chief_backup(object())

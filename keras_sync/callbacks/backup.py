@@ -20,6 +20,7 @@ import keras
 from keras_sync.cluster import strategy_role
 from keras_sync.errors import UsageError
 from keras_sync.training import backup_files as files
+from keras_sync.upstream.epoch_iterator import set_initial_epoch
 from keras_sync.upstream.strategy_facts import in_multi_worker_mode
 
 
@@ -142,7 +143,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             return
         epoch, step = (int(v) for v in self._position.numpy())
         self.restored = point = files.ResumePoint(epoch, step, self._iterations())
-        model._initial_epoch = epoch  # read by Keras fit right after on_train_begin
+        set_initial_epoch(model, epoch)
         self._epoch, self._step = epoch, step
         if self.epoch_iterator is not None:
             spe = int(getattr(model, "steps_per_execution", 1) or 1)
@@ -340,7 +341,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_train_end(self, logs: Any = None) -> None:
         self._check_restored_state_held()  # restored after the last epoch: no epoch began
-        self.model._initial_epoch = None  # a later fit on this model starts at its own
+        set_initial_epoch(self.model, None)
         if self._preemption is not None and self._preemption.end() and self._is_chief:
             from keras_sync.cluster.preemption import signal_name
 

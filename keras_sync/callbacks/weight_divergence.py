@@ -11,6 +11,7 @@ from keras_sync.callbacks._once import log_step
 from keras_sync.measures import reduce as _reduce
 from keras_sync.measures.fingerprints import Divergence, summarize
 from keras_sync.training.context import check_shared
+from keras_sync.upstream.strategy_facts import distributed_variable
 
 
 class WeightDivergence(keras.callbacks.Callback):
@@ -65,7 +66,7 @@ def mirrored_variables(model: Any) -> list[Any]:
     if getattr(model, "optimizer", None) is not None:
         candidates += list(model.optimizer.variables)
     for v in candidates:
-        tv = getattr(v, "_value", v)  # a Keras variable wraps the tf.Variable
+        tv = distributed_variable(v)
         if not isinstance(tv, tf.distribute.DistributedValues) or id(tv) in seen:
             continue
         if not tv.shape.is_fully_defined() or tv.shape.num_elements() == 0:

@@ -20,6 +20,7 @@ from typing import Any
 
 from keras_sync.cluster import strategy_role, training_tasks
 from keras_sync.errors import UsageError
+from keras_sync.upstream.strategy_facts import built_under
 
 EXIT = "exit"
 # A worker waiting for a peer's post asks every 2 s whether the peer's process is still there (a
@@ -150,8 +151,7 @@ def configure(strategy: Any, timeout_s: float) -> None:
 def collective(model: Any, call: str) -> Iterator[None]:
     """Around one top-level ``call`` of ``model``: meet the peers first, count the call after it.
     Nested calls (fit's validation ``evaluate``) and models not under such a strategy pass."""
-    strategy = getattr(model, "_distribute_strategy", None)
-    calls: PeerCalls | None = getattr(strategy, _ATTRIBUTE, None)
+    calls: PeerCalls | None = getattr(built_under(model), _ATTRIBUTE, None)
     if calls is None or getattr(calls._local, "inside", False):
         yield
         return

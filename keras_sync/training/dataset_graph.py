@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from keras_sync.errors import UsageError
+from keras_sync.upstream.tf_runtime import batch_fields, dataset_inputs, map_function
 
 # The source ops TensorFlow's FILE auto-sharding looks for (tensorflow/core/grappler/optimizers/data/auto_shard.cc).
 _READERS = ("TFRecordDataset", "TextLineDataset", "FixedLengthRecordDataset")
@@ -57,15 +58,15 @@ def refuse_unbatched(ds: Any) -> None:
         )
 
 
-def _batch_op(ds: Any) -> Any:
-    """The nearest dataset up the pipeline that batches (has a ``_batch_size``), through one-input steps."""
+def _batch_op(ds: Any) -> tuple[int | None, bool, Any] | None:
+    """(size, drop_remainder, input) of the nearest batch op up the pipeline, through one-input steps."""
     for _ in range(200):
-        if getattr(ds, "_batch_size", None) is not None:
-            return ds
-        try:
-            (ds,) = ds._inputs()
-        except (AttributeError, NotImplementedError, ValueError):
+        if (fields := batch_fields(ds)) is not None:
+            return fields
+        inputs = dataset_inputs(ds)
+        if len(inputs) != 1:
             return None
+        ds = inputs[0]
     return None
 
 
@@ -73,8 +74,6 @@ def batch_size_of(ds: Any) -> tuple[int | None, str]:
     """(batch size, how it was found) of a batched dataset; (None, why not) when it cannot be told:
     the static first dimension of every component, else TensorFlow's own reading of the pipeline,
     else the nearest ``batch`` op up the pipeline through element-wise steps such as ``map``."""
-    import tensorflow as tf
-
     from keras_sync.upstream.tf_runtime import pipeline_batch_size
 
     dims = _first_dims(ds)
@@ -82,7 +81,7 @@ def batch_size_of(ds: Any) -> tuple[int | None, str]:
         return int(dims.pop()), "static shape"
     size = pipeline_batch_size(ds)
     if size is None and (op := _batch_op(ds)) is not None:
-        size = tf.get_static_value(op._batch_size)
+        size = op[0]
     if size is not None:
         return int(size), "its batch op"
     why = "no static batch dimension and no batch op, e.g. from_generator or Ray Data's to_tf"
@@ -91,20 +90,18 @@ def batch_size_of(ds: Any) -> tuple[int | None, str]:
 
 def example_count(ds: Any, batch: int | None) -> int | None:
     """The examples in one pass of a dataset batched by ``batch``, when the pipeline tells them exactly."""
-    import tensorflow as tf
-
     batches = int(ds.cardinality())
     if batches < 0 or batch is None:
         return None
     if _first_dims(ds) == {batch}:
         return batches * batch  # every batch is full (static batch dimension)
     op = _batch_op(ds)
-    if op is None or tf.get_static_value(op._batch_size) != batch:
+    if op is None or op[0] != batch or op[2] is None:
         return None
-    examples = int(op._input_dataset.cardinality())
+    examples = int(op[2].cardinality())
     if examples < 0:
         return None
-    if tf.get_static_value(op._drop_remainder):
+    if op[1]:
         examples -= examples % batch
     # Only when nothing between the batch op and the end filtered or repeated batches.
     return examples if math.ceil(examples / batch) == batches else None
@@ -119,10 +116,7 @@ def _walk(ds: Any) -> Iterator[Any]:
         if id(d) not in seen:
             seen.add(id(d))
             yield d
-            try:
-                todo.extend(d._inputs())
-            except (AttributeError, NotImplementedError):
-                pass
+            todo.extend(dataset_inputs(d))
 
 
 def has_shard_op(ds: Any) -> bool:
@@ -137,10 +131,9 @@ def file_count(ds: Any) -> int | None:
     counts = []
     for d in _walk(ds):
         if type(d).__name__ in _READER_CLASSES or _function_reads_files(d):
-            try:
-                names = d._inputs()[0]
-            except (AttributeError, IndexError, NotImplementedError):
+            if not (inputs := dataset_inputs(d)):
                 continue
+            names = inputs[0]
             n = int(names.cardinality())
             if n == -2:  # unknown (e.g. filtered names): count them, file names only
                 n = int(names.reduce(0, lambda c, _: c + 1))
@@ -150,7 +143,7 @@ def file_count(ds: Any) -> int | None:
 
 
 def _function_reads_files(ds: Any) -> bool:
-    func = getattr(getattr(ds, "_map_func", None), "function", None)
+    func = map_function(ds)
     if func is None:
         return False
     try:

@@ -359,6 +359,7 @@ def scope_guarding_fit(
     from keras_sync.training.saving import for_workers, wrap_own
     from keras_sync.upstream.keras_fixes import fixed_keras
     from keras_sync.upstream.patching import original, patched
+    from keras_sync.upstream.strategy_facts import built_under
 
     keras_compile = original(keras.Model, "compile")
 
@@ -401,8 +402,7 @@ def scope_guarding_fit(
 
     def compile(model: Any, *args: Any, **kwargs: Any) -> Any:
         result = keras_compile(model, *args, **kwargs)
-        # Not the public distribute_strategy: in the scope that is the strategy for any model.
-        if getattr(model, "_distribute_strategy", None) is strategy:
+        if built_under(model) is strategy:
             fit = functools.partial(guarded, type(model).__name__)
             wrap_own(model, "fit", fit, "_keras_sync_in_scope")
             for method in ("evaluate", "predict"):

@@ -124,9 +124,11 @@ def guard_callbacks(strategy: Any, callbacks: list[Any]) -> list[Any]:
         return callbacks
     import keras
 
+    from keras_sync.upstream.backup_and_restore import non_chief_backup
+
     for cb in callbacks:
         if type(cb) is keras.callbacks.BackupAndRestore:  # a subclass may save differently
-            _non_chief_backup(cb)
+            non_chief_backup(cb)
         for class_name, attr in USER_PATH_ATTRS:
             if isinstance(cb, getattr(keras.callbacks, class_name)):
                 _write_elsewhere(cb, attr)
@@ -150,17 +152,3 @@ def _write_elsewhere(cb: Any, attr: str) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
     cb.on_train_end = on_train_end
-
-
-def _non_chief_backup(cb: Any) -> None:
-    # Keras 3's BackupAndRestore saves in `_save_model` and deletes `backup_dir` in `on_train_end`.
-    if not callable(getattr(cb, "_save_model", None)) or not hasattr(cb, "_weights_path"):
-        from importlib.metadata import version
-
-        raise UsageError(
-            f"keras.callbacks.BackupAndRestore of Keras {version('keras')} has no `_save_model`/`_weights_path`, "
-            "so keras-sync cannot keep the workers that are not the chief from writing its backup. "
-            "Fix: use keras-sync's backup (fault_tolerance.backup_dir in the config) instead."
-        )
-    cb._save_model = lambda: cb.model.save_weights(cb._weights_path, overwrite=True)
-    cb.on_train_end = lambda logs=None: None

@@ -112,14 +112,14 @@ def check_probes() -> None:
 
     missing = keras_losses.missing()
     if not callable(getattr(tf.nn, "compute_average_loss", None)):
-        missing.append("tf.nn.compute_average_loss")
+        missing.append("no tf.nn.compute_average_loss")
     for cls in (tf.distribute.Strategy, tf.distribute.ReplicaContext):
         if _owner(cls, "num_replicas_in_sync") is None:
-            missing.append(f"tf.distribute.{cls.__name__}.num_replicas_in_sync")
+            missing.append(f"no tf.distribute.{cls.__name__}.num_replicas_in_sync")
     if missing:
         raise UsageError(
             "keras-sync cannot tell whether a custom train_step divides its loss by the replica count "
-            f"on this Keras/TensorFlow ({', '.join(missing)} not found; {keras_losses.UPSTREAM_ISSUE}). "
+            f"on this Keras/TensorFlow ({'; '.join(missing)}; {keras_losses.UPSTREAM_ISSUE}). "
             "Set runtime.train_step_gradients: average (your loss is a mean over the replica's batch) "
             "or sum (it is already divided by the replica count or global batch)."
         )

@@ -75,3 +75,9 @@ def resumable_epoch_iterators(made: Callable[[Any], None]) -> Iterator[None]:
 
     with patched([(trainer, "TFEpochIterator", make_iterator)]):
         yield
+
+
+def set_initial_epoch(model: Any, epoch: int | None) -> None:
+    """The epoch `fit` starts at, read right after `on_train_begin` as for Keras's BackupAndRestore
+    (None: a later fit starts at its own)."""
+    model._initial_epoch = epoch

@@ -263,7 +263,7 @@ _MULTI_DEVICE = f"{_DATA_OPS}.multi_device_iterator_ops"
 _RANDOM = "keras.src.backend.tensorflow.random"
 _RANDOM_OPS = ("normal", "uniform", "dropout", "randint", "truncated_normal", "categorical")
 _BACKUP = "keras.src.callbacks.backup_and_restore:BackupAndRestore"
-_LOSS = "keras.src.losses.loss"
+LOSS = "keras.src.losses.loss"
 
 MAKE_FUNCTION = f"{_TF_TRAINER}._make_function"
 END_OF_DATA = f"{MAKE_FUNCTION}.<locals>.function"
@@ -277,6 +277,7 @@ DEVICE_DATASET = f"{_MULTI_DEVICE}:_create_device_dataset"
 _SYMBOLIC_BUILD = f"{_TF_TRAINER}._maybe_symbolic_build"
 _REDUCE = f"{_TRAINER}:reduce_per_replica"
 _AUTOCONVERT = f"{_TF_TRAINER}._autoconvert_optionals"
+BATCH_OP = f"{_DATA_OPS}.batch_op:_BatchDataset"
 
 # Each entry: the module that uses it, in the comment above it.
 REGISTRY: tuple[Internal, ...] = (
@@ -409,7 +410,7 @@ REGISTRY: tuple[Internal, ...] = (
         shape(f"{_CONTEXT} has global_seed"),
         fallback=True,
     ),
-    # session.py, saving.py, collective_calls.py: the strategy a model was built under.
+    # strategy_facts.built_under: the strategy a model was built under.
     Internal(
         f"{_TF_TRAINER}.__init__ (model._distribute_strategy)",
         "model_strategy",
@@ -417,7 +418,7 @@ REGISTRY: tuple[Internal, ...] = (
         shape(f"{_TF_TRAINER}.__init__ uses _distribute_strategy"),
         attrs=("_distribute_strategy",),
     ),
-    # saving.py: Keras's BackupAndRestore writes on the chief only.
+    # backup_and_restore.py: Keras's BackupAndRestore writes on the chief only.
     Internal(
         f"{_BACKUP}._save_model, _weights_path",
         "keras_backup_guard",
@@ -447,13 +448,13 @@ REGISTRY: tuple[Internal, ...] = (
     ),
     # keras_losses.py (evaluate, train_step_trace.py): the loss scaling of a test or train step.
     Internal(
-        f"{_LOSS}:scale_loss_for_distribution, unscale_loss_for_distribution",
+        f"{LOSS}:scale_loss_for_distribution, unscale_loss_for_distribution",
         "evaluate_loss",
         "Keras divides every loss by the replica count, in test_step too; the two functions are "
         "identities while a test step traces",
         shape(
-            f"{_LOSS} has scale_loss_for_distribution, unscale_loss_for_distribution",
-            f"{_LOSS}:reduce_values uses scale_loss_for_distribution",
+            f"{LOSS} has scale_loss_for_distribution, unscale_loss_for_distribution, reduce_values",
+            f"{LOSS}:reduce_values uses scale_loss_for_distribution",
         ),
     ),
     # keras_fixes.same_data_order_patches: shapes from the element_spec, not an extra iterator.
@@ -468,7 +469,7 @@ REGISTRY: tuple[Internal, ...] = (
         fallback=True,
         attrs=("_distributed_dataset",),
     ),
-    # training/instrument.py and callbacks/weight_divergence.py: values before the all-reduce.
+    # training/instrument.py, strategy_facts.distributed_variable: values before the all-reduce.
     Internal(
         f"{_TF_TRAINER}.train_step, Variable._value",
         "per_replica_metrics",
@@ -480,9 +481,9 @@ REGISTRY: tuple[Internal, ...] = (
         ),
         attrs=("_value",),
     ),
-    # pipeline.py: the examples of one pass of a batched dataset, to give a rebatched one its length.
+    # tf_runtime.batch_fields: a batch op's fields, to count the examples of one pass exactly.
     Internal(
-        f"{_DATA_OPS}.batch_op:_BatchDataset",
+        BATCH_OP,
         "end_of_data",
         "a batch op's size, remainder rule and input, to count the examples exactly",
         shape(
@@ -499,7 +500,7 @@ REGISTRY: tuple[Internal, ...] = (
         shape(f"{PIPELINE_BATCH_SIZE}(dataset)"),
         fallback=True,
     ),
-    # training/dataset_graph.py: the function of an interleave/flat_map, read for file readers.
+    # tf_runtime.map_function: the function of an interleave/flat_map, read for file readers.
     Internal(
         f"{_DATA_OPS}: _InterleaveDataset, _ParallelInterleaveDataset, _FlatMapDataset (_map_func)",
         "file_count",

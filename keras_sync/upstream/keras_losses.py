@@ -16,28 +16,23 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from keras_sync.upstream import internals as _internals
 from keras_sync.upstream.patching import original, patched
 
-MODULE = "keras.src.losses.loss"
-#: The functions of `MODULE` the train-step trace marks; both must be there.
-NAMES = ("scale_loss_for_distribution", "reduce_values")
 UPSTREAM_ISSUE = "keras-team/keras#14104 (a custom train_step under a tf.distribute strategy)"
 _SCALING = ("scale_loss_for_distribution", "unscale_loss_for_distribution")
 _tls = threading.local()
 
 
 def module() -> Any:
-    """``keras.src.losses.loss``, whose `NAMES` the trace replaces while a replica traces its step."""
-    return importlib.import_module(MODULE)
+    """``keras.src.losses.loss``, whose scaling functions the trace replaces while a replica traces."""
+    return importlib.import_module(_internals.LOSS)
 
 
 def missing() -> list[str]:
-    """The dotted names of `NAMES` this Keras no longer has ([] when all are there)."""
-    try:
-        losses = module()
-    except ImportError:
-        return [f"{MODULE}.{name}" for name in NAMES]
-    return [f"{MODULE}.{name}" for name in NAMES if not callable(getattr(losses, name, None))]
+    """What the train-step trace needs from `module()` and this Keras no longer has (registry probe)."""
+    found = _internals.missing("evaluate_loss")
+    return [] if found is None else [found[1]]
 
 
 def _identity_in_test_step(name: str, keras_own: Any) -> Any:
@@ -67,8 +62,6 @@ def unscaled_eval_losses(model: Any) -> Iterator[None]:
     The step is wrapped on the instance and unwrapped on exit; the test function traced inside
     keeps the behaviour. One traced before without it is dropped so Keras traces again.
     """
-    from keras_sync.upstream import internals as _internals
-
     _internals.require("evaluate_loss")
     step = model.test_step
 

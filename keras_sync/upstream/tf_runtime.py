@@ -1,4 +1,4 @@
-"""TensorFlow's private reads with a public fallback: the global seed, a pipeline's batch size."""
+"""TensorFlow's private reads with a public fallback: the global seed, what a `tf.data` pipeline holds."""
 
 from __future__ import annotations
 
@@ -27,3 +27,31 @@ def pipeline_batch_size(ds: Any) -> int | None:
     except Exception:
         return None
     return size if size > 0 else None
+
+
+def dataset_inputs(ds: Any) -> list[Any]:
+    """The datasets ``ds`` reads ([] for a source, or when TensorFlow no longer tells)."""
+    try:
+        return list(ds._inputs())
+    except (AttributeError, NotImplementedError, ValueError):
+        return []
+
+
+def batch_fields(ds: Any) -> tuple[int | None, bool, Any] | None:
+    """(static batch size, drop_remainder, input dataset) of a batching op; None for another op."""
+    if getattr(ds, "_batch_size", None) is None or not _internals.available(_internals.BATCH_OP):
+        return None
+    import tensorflow as tf
+
+    drop = getattr(ds, "_drop_remainder", None)
+    size = tf.get_static_value(ds._batch_size)
+    return (
+        size,
+        drop is not None and bool(tf.get_static_value(drop)),
+        getattr(ds, "_input_dataset", None),
+    )
+
+
+def map_function(ds: Any) -> Any:
+    """The traced function of an ``interleave``/``flat_map`` (None for another op)."""
+    return getattr(getattr(ds, "_map_func", None), "function", None)
