@@ -76,7 +76,9 @@ def load(
             early_writer = None  # the run's writer now
     finally:
         if early_writer is not None:  # not the chief's after all, or the build failed
-            _drop_early_writer(early_writer)
+            early_writer.close()  # it logged nothing: no empty spool folder left either
+            with contextlib.suppress(OSError):  # not empty (other runs' spools), or gone
+                os.rmdir(os.path.dirname(os.path.abspath(early_writer.spool_path)))
     runtime.set_dtype_policy(cfg, is_chief=sync.is_chief)  # before the user builds the model
     if cfg.verify is not None:  # `keras-sync verify`: the same weights and data on both runs
         from keras_sync.training.verify_record import seed_everything
@@ -101,13 +103,6 @@ def _first_line(cfg: Config, kind: str) -> str | None:
     if workers > 1:
         what += f", then waiting for its {workers} workers to join (at most {cfg.strategy.connect_timeout_s:g} s)"
     return f"keras-sync: config: {cfg.origin()}; {what}"
-
-
-def _drop_early_writer(writer: Any) -> None:
-    """Close a writer that logged nothing and leave no empty spool folder behind."""
-    writer.close()
-    with contextlib.suppress(OSError):  # not empty (other runs' spools), or gone
-        os.rmdir(os.path.dirname(os.path.abspath(writer.spool_path)))
 
 
 class Sync:
@@ -517,18 +512,14 @@ class Sync:
         runtime.prepare_model(self.context(), model)  # steps_per_execution, jit_compile, BatchNorm
 
     def _check_model(self, model: Any, method: str, deep: bool = False) -> None:
-        """Refuse in one line a model this strategy cannot run; ``deep``: also its variables and
-        optimizer options (before training)."""
+        """Refuse a model this strategy cannot run; ``deep``: its variables and optimizers too."""
         import keras
 
         if not isinstance(model, keras.Model):
             cls = type(model)
             where = f"{cls.__module__}.{cls.__qualname__}"
-            if not hasattr(model, "fit") or not hasattr(model, "predict"):
-                raise UsageError(
-                    f"sync.{method}(model, ...) expects a Keras model as first argument. Received: {cls.__name__}."
-                )
-            if cls.__module__.split(".")[0] in ("tf_keras", "tensorflow", "keras"):  # Keras 2
+            keras2 = cls.__module__.split(".")[0] in ("tf_keras", "tensorflow", "keras")
+            if keras2 and hasattr(model, "fit"):
                 raise UsageError(
                     f"sync.{method} got a Keras 2 model ({where}: tf_keras, or tf.keras with TF_USE_LEGACY_KERAS=1), "
                     f"and keras-sync supports Keras 3 only (keras {keras.__version__} is installed). Fix: build the "
@@ -610,9 +601,8 @@ class Sync:
             return
         if not steps:
             raise UsageError(
-                "learning_rate.warmup_epochs needs the number of steps per epoch, and the training data does not "
-                "tell it (an infinite or unknown-size dataset). Pass steps_per_epoch to sync.fit, or use "
-                "learning_rate.warmup_steps."
+                "learning_rate.warmup_epochs needs the steps per epoch, which data of unknown size does not "
+                "tell. Fix: pass steps_per_epoch to sync.fit, or use learning_rate.warmup_steps."
             )
         self._steps_per_epoch = math.ceil(steps / self.gradient_accumulation_steps)  # updates
         for sched in self._schedules:

@@ -96,11 +96,12 @@ def test_every_feature_has_internals_and_every_internal_a_feature():
 
 def test_a_probe_can_fail():
     # The probes are not vacuous: each kind reports a shape that does not match.
-    assert "takes" in _internals.callable_with("json:dumps", "not_obj")()
-    assert "no longer uses" in _internals.looks_up("json:dumps", "no_such_name")()
-    assert "has no" in _internals.has_attrs("json", "no_such_attr")()
+    assert "takes" in _internals.shape("json:dumps(not_obj)")()
+    assert "no longer uses" in _internals.shape("json:dumps uses no_such_name")()
+    assert "has no" in _internals.shape("json has no_such_attr")()
+    assert "has no" in _internals.shape("json has dumps", lambda: "has no x")()
     gone = _internals.Internal(
-        "json:nope", "exact_resume", "test", _internals.has_attrs("json:nope")
+        "json:nope", "exact_resume", "test", _internals.shape("json:nope has x")
     )
     assert _internals.check(gone).startswith("`json:nope` is gone (AttributeError")
 

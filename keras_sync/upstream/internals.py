@@ -146,72 +146,48 @@ def _names(code: CodeType) -> set[str]:
     return out
 
 
-def callable_with(path: str, *params: str) -> Probe:
-    """Probe: ``path`` is callable and its first parameters are ``params``."""
-
-    def probe() -> str | None:
-        obj = _get(path)
+def _spec_fails(spec: str) -> str | None:
+    """What does not match one `shape` spec (None when it holds)."""
+    if spec.endswith(")"):
+        path, _, params = spec[:-1].partition("(")
+        obj, want = _get(path), params.split(", ")
         if not callable(obj):
             return f"`{path}` is not callable"
-        got = list(inspect.signature(obj).parameters)[: len(params)]
-        return None if got == list(params) else f"`{path}` takes {got}, not {list(params)}"
-
-    return probe
-
-
-def looks_up(paths: str | tuple[str, ...], *names: str) -> Probe:
-    """Probe: the functions at ``paths`` (those that exist, together) still look up ``names``."""
-    paths = (paths,) if isinstance(paths, str) else paths
-
-    def probe() -> str | None:
+        got = list(inspect.signature(obj).parameters)[: len(want)]
+        return None if got == want else f"`{path}` takes {got}, not {want}"
+    if " uses " in spec:
+        paths, _, names = spec.partition(" uses ")
         found: set[str] = set()
         existing = []
-        for path in paths:
+        for path in paths.split(" | "):
             try:
                 found |= _names(inspect.unwrap(_get(path)).__code__)
             except (ImportError, AttributeError):
                 continue
             existing.append(path)
         if not existing:
-            _get(paths[0])  # raises: reported as gone
-        missing = [n for n in names if n not in found]
+            _get(paths.split(" | ")[0])  # raises: reported as gone
+        missing = [n for n in names.split(", ") if n not in found]
         return None if not missing else f"`{' / '.join(existing)}` no longer uses {missing}"
+    path, _, attrs = spec.partition(" has ")
+    obj = _get(path)
+    missing = [a for a in attrs.split(", ") if not hasattr(obj, a)]
+    return None if not missing else f"`{path}` has no {missing}"
 
-    return probe
 
-
-def has_attrs(path: str, *attrs: str) -> Probe:
-    """Probe: the object at ``path`` has ``attrs``."""
+def shape(*specs: str | Probe) -> Probe:
+    """Probe: every spec holds (the first failure is reported). A spec is a probe or one of
+    ``"path(a, b)"`` (callable, its first parameters a and b), ``"path | path uses a, b"`` (the
+    functions' code, together, looks a and b up), ``"path has a, b"`` (attributes)."""
 
     def probe() -> str | None:
-        obj = _get(path)
-        missing = [a for a in attrs if not hasattr(obj, a)]
-        return None if not missing else f"`{path}` has no {missing}"
+        for spec in specs:
+            failed = spec() if callable(spec) else _spec_fails(spec)
+            if failed:
+                return failed
+        return None
 
     return probe
-
-
-def _all(*probes: Probe) -> Probe:
-    """Probe: every one of ``probes`` passes (the first failure is reported)."""
-    return lambda: next((m for m in (p() for p in probes) if m), None)
-
-
-def shape(*specs: str) -> Probe:
-    """Probe from specs, each one of: ``"path(a, b)"`` (callable, its first parameters a and b),
-    ``"path | path uses a, b"`` (the functions' code, together, looks a and b up),
-    ``"path has a, b"`` (attributes)."""
-    probes = []
-    for spec in specs:
-        if spec.endswith(")"):
-            path, _, params = spec[:-1].partition("(")
-            probes.append(callable_with(path, *params.split(", ")))
-        elif " uses " in spec:
-            paths, _, names = spec.partition(" uses ")
-            probes.append(looks_up(tuple(paths.split(" | ")), *names.split(", ")))
-        else:
-            path, _, attrs = spec.partition(" has ")
-            probes.append(has_attrs(path, *attrs.split(", ")))
-    return _all(*probes)
 
 
 def nested_code(path: str, name: str) -> CodeType | None:
@@ -341,12 +317,10 @@ REGISTRY: tuple[Internal, ...] = (
         f"{_CARS}: CollectiveAllReduceStrategy, CollectiveAllReduceExtended",
         "multi_worker_strategy",
         "subclassed to pass each worker's local devices (TF's TODO b/126786766)",
-        _all(
-            shape(
-                f"{_CARS_EXT}._initialize_local_devices(self, cluster_resolver, worker_device)",
-                f"{_CARS_EXT}.__init__(self, container_strategy, cluster_resolver, communication_options)",
-                f"{_CARS_EXT}._in_multi_worker_mode(self)",
-            ),
+        shape(
+            f"{_CARS_EXT}._initialize_local_devices(self, cluster_resolver, worker_device)",
+            f"{_CARS_EXT}.__init__(self, container_strategy, cluster_resolver, communication_options)",
+            f"{_CARS_EXT}._in_multi_worker_mode(self)",
             _is_mwms,
         ),
         attrs=("_in_multi_worker_mode",),
@@ -355,12 +329,10 @@ REGISTRY: tuple[Internal, ...] = (
         f"{_CONTEXT}:Context.configure_coordination_service",
         "multi_worker_strategy",
         "no public API bounds the join (tensorflow#60706)",
-        _all(
-            shape(
-                f"{_CONTEXT}:Context.configure_coordination_service(self, service_type, service_leader)",
-                "tensorflow.python.distribute.multi_worker_util has is_chief, worker_count, "
-                "normalize_cluster_spec, coordination_leader",
-            ),
+        shape(
+            f"{_CONTEXT}:Context.configure_coordination_service(self, service_type, service_leader)",
+            "tensorflow.python.distribute.multi_worker_util has is_chief, worker_count, "
+            "normalize_cluster_spec, coordination_leader",
             _coordination_fields("coordinated_job_list", "cluster_register_timeout_in_ms"),
         ),
     ),
@@ -444,7 +416,7 @@ REGISTRY: tuple[Internal, ...] = (
         f"{_RANDOM}:_cast_seed",
         "replica_random_streams",
         "every Keras random op turns its seed into TensorFlow's there; no public hook exists",
-        looks_up(tuple(f"{_RANDOM}:{op}" for op in _RANDOM_OPS), "_cast_seed"),
+        shape(" | ".join(f"{_RANDOM}:{op}" for op in _RANDOM_OPS) + " uses _cast_seed"),
     ),
     # keras_losses.py (evaluate, train_step_trace.py): the loss scaling of a test or train step.
     Internal(
