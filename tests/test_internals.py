@@ -66,7 +66,7 @@ def test_an_internal_newer_than_the_installed_library_refuses_its_feature_with_t
         keras_internal,
         feature="multi_worker_steps_per_execution",
         since="99.1",
-        probe=lambda: "TensorFlowTrainer has no attribute 'x'",
+        specs=(lambda: "TensorFlowTrainer has no attribute 'x'",),
     )
     monkeypatch.setattr(_internals, "REGISTRY", [newer])
     assert _internals.predates(newer)
@@ -100,9 +100,7 @@ def test_a_probe_can_fail():
     assert "no longer uses" in _internals.shape("json:dumps uses no_such_name")()
     assert "has no" in _internals.shape("json has no_such_attr")()
     assert "has no" in _internals.shape("json has dumps", lambda: "has no x")()
-    gone = _internals.Internal(
-        "json:nope", "exact_resume", "test", _internals.shape("json:nope has x")
-    )
+    gone = _internals.Internal("json:nope", "exact_resume", "test", ("json:nope has x",))
     assert _internals.check(gone).startswith("`json:nope` is gone (AttributeError")
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import CodeType
@@ -99,19 +100,22 @@ Probe = Callable[[], "str | None"]  # None when the shape matches, else what is 
 
 @dataclass(frozen=True)
 class Internal:
-    """One private internal: where it lives, who needs it, why, and how its shape is checked.
+    """One private internal: where it lives, who needs it, why, and the `shape` specs it must meet.
 
     ``since``: the first release of its library that has it, when newer than the floor.
-    ``attrs``: the private attributes read or set through it (a test checks each use is listed).
     """
 
     name: str
     feature: str
     why: str
-    probe: Probe
+    specs: tuple[str | Probe, ...]
     fallback: bool = False
     since: str | None = None
-    attrs: tuple[str, ...] = ()
+
+    @property
+    def attrs(self) -> set[str]:
+        """The private attributes its specs name (a test checks each use in the package is one)."""
+        return {a for s in self.specs if isinstance(s, str) for a in re.findall(r"\b_[a-z]\w*", s)}
 
 
 def _release(version: str) -> tuple[int, ...]:
@@ -262,24 +266,23 @@ REGISTRY: tuple[Internal, ...] = (
         _REDUCE,
         "multi_worker_fit",
         _KERAS_20585,
-        shape(
+        (
             f"{_REDUCE}(values, strategy, reduction)",
             f"{_TRAINER} has _is_tpu_strategy, _is_per_replica_instance, _is_scalar",
         ),
-        attrs=("_is_tpu_strategy", "_is_per_replica_instance", "_is_scalar"),
     ),
     Internal(
         f"{_TF_TRAINER}.make_train_function",
         "multi_worker_fit",
         "the train function must look reduce_per_replica up as a module global",
         # Keras 3.10 builds the step in make_train_function, later ones in _make_function.
-        shape(f"{_TF_TRAINER}.make_train_function | {MAKE_FUNCTION} uses reduce_per_replica"),
+        (f"{_TF_TRAINER}.make_train_function | {MAKE_FUNCTION} uses reduce_per_replica",),
     ),
     Internal(
         _SYMBOLIC_BUILD,
         "multi_worker_fit",
         _KERAS_20585,
-        shape(f"{_SYMBOLIC_BUILD}(self, iterator, data_batch)"),
+        (f"{_SYMBOLIC_BUILD}(self, iterator, data_batch)",),
     ),
     # keras_fixes fix 3: the one-step function traced inline into the multi-step loop.
     Internal(
@@ -287,7 +290,7 @@ REGISTRY: tuple[Internal, ...] = (
         "multi_worker_steps_per_execution",
         "keras-team/keras#19246 (steps_per_execution > 1 under MultiWorkerMirroredStrategy): the "
         "hook that receives the one-step tf.function, replaced by its Python function",
-        shape(
+        (
             f"{_AUTOCONVERT}(self, step_func)",
             f"{MAKE_FUNCTION} uses _autoconvert_optionals, function, steps_per_execution, while_loop",
         ),
@@ -299,7 +302,7 @@ REGISTRY: tuple[Internal, ...] = (
         "end_of_data",
         "Keras ends an unknown-cardinality epoch by running a step past the end, which moves "
         "optimizer.iterations (keras-team/keras#23179); the one-step function is taken from its closure",
-        _end_of_data,
+        (_end_of_data,),
         fallback=True,
     ),
     # keras_fixes.iterator_release_patches: the iterator `reset` drops is kept until the next one.
@@ -308,8 +311,7 @@ REGISTRY: tuple[Internal, ...] = (
         "iterator_release",
         "Keras drops the iterator it made to read the first batch's shapes; destroyed while its "
         "thread reads, the process crashes",
-        shape(f"{EPOCH_ITERATOR_RESET} uses _current_iterator, _epoch_iterator"),
-        attrs=("_current_iterator", "_epoch_iterator"),
+        (f"{EPOCH_ITERATOR_RESET} uses _current_iterator, _epoch_iterator",),
         fallback=True,
     ),
     # multi_worker.py: local devices per worker, the bounded join, the cluster already joined.
@@ -317,19 +319,18 @@ REGISTRY: tuple[Internal, ...] = (
         f"{_CARS}: CollectiveAllReduceStrategy, CollectiveAllReduceExtended",
         "multi_worker_strategy",
         "subclassed to pass each worker's local devices (TF's TODO b/126786766)",
-        shape(
+        (
             f"{_CARS_EXT}._initialize_local_devices(self, cluster_resolver, worker_device)",
             f"{_CARS_EXT}.__init__(self, container_strategy, cluster_resolver, communication_options)",
             f"{_CARS_EXT}._in_multi_worker_mode(self)",
             _is_mwms,
         ),
-        attrs=("_in_multi_worker_mode",),
     ),
     Internal(
         f"{_CONTEXT}:Context.configure_coordination_service",
         "multi_worker_strategy",
         "no public API bounds the join (tensorflow#60706)",
-        shape(
+        (
             f"{_CONTEXT}:Context.configure_coordination_service(self, service_type, service_leader)",
             "tensorflow.python.distribute.multi_worker_util has is_chief, worker_count, "
             "normalize_cluster_spec, coordination_leader",
@@ -340,46 +341,43 @@ REGISTRY: tuple[Internal, ...] = (
         BARRIER,
         "multi_worker_strategy",
         "every task, not only the chief, to time out at registration",
-        _coordination_fields("cluster_register_with_barrier"),
+        (_coordination_fields("cluster_register_with_barrier"),),
         fallback=True,
     ),
     Internal(
         f"{_CONTEXT}:context_safe, Context._server_def, Context._collective_ops_server_def",
         "multi_worker_strategy",
         "the cluster TensorFlow joined: without it a late TF_CONFIG change is not caught",
-        shape(
+        (
             f"{_CONTEXT} has context_safe",
             f"{_CONTEXT}:Context.__init__ | {_CONTEXT}:Context.enable_collective_ops uses "
             "_server_def, _collective_ops_server_def",
         ),
         fallback=True,
-        attrs=("_server_def", "_collective_ops_server_def"),
     ),
     # epoch_iterator.py: the epoch iterator fit builds, swapped for one that starts mid-epoch.
     Internal(
         f"{_TRAINER}:TFEpochIterator",
         "exact_resume",
         "Keras's BackupAndRestore restarts an epoch at batch 0; no API starts one mid-way",
-        shape(
+        (
             f"{_TRAINER}:TFEpochIterator has _enumerate_iterator, catch_stop_iteration",
             f"{_EPOCH}.__init__ uses _num_batches",
         ),
-        attrs=("_enumerate_iterator", "_num_batches"),
     ),
     Internal(
         f"{_TF_TRAINER}.fit",
         "exact_resume",
         "fit must build its iterator from the module global keras-sync swaps, and read the "
         "restored epoch from `model._initial_epoch` as for Keras's BackupAndRestore",
-        shape(f"{_TF_TRAINER}.fit uses TFEpochIterator, _initial_epoch"),
-        attrs=("_initial_epoch",),
+        (f"{_TF_TRAINER}.fit uses TFEpochIterator, _initial_epoch",),
     ),
     # tf_runtime.py: with a backup, a seeded script's arrays keep Keras's own shuffle.
     Internal(
         GLOBAL_SEED,
         "exact_resume",
         "no public API tells whether tf.random.set_seed was called",
-        shape(f"{_CONTEXT} has global_seed"),
+        (f"{_CONTEXT} has global_seed",),
         fallback=True,
     ),
     # strategy_facts.built_under: the strategy a model was built under.
@@ -387,36 +385,33 @@ REGISTRY: tuple[Internal, ...] = (
         f"{_TF_TRAINER}.__init__ (model._distribute_strategy)",
         "model_strategy",
         "`model.distribute_strategy` falls back to the current strategy",
-        shape(f"{_TF_TRAINER}.__init__ uses _distribute_strategy"),
-        attrs=("_distribute_strategy",),
+        (f"{_TF_TRAINER}.__init__ uses _distribute_strategy",),
     ),
     # backup_and_restore.py: Keras's BackupAndRestore writes on the chief only.
     Internal(
         f"{_BACKUP}._save_model, _weights_path",
         "keras_backup_guard",
         "its save is replaced on the workers that are not the chief",
-        shape(f"{_BACKUP} has _save_model", f"{_BACKUP}.__init__ uses _weights_path"),
-        attrs=("_save_model", "_weights_path"),
+        (f"{_BACKUP} has _save_model", f"{_BACKUP}.__init__ uses _weights_path"),
     ),
     # keras_fixes.device_dataset_patches: per-device datasets without rewrites that cannot apply.
     Internal(
         DEVICE_DATASET,
         "quiet_device_datasets",
         "the per-device datasets are built there, with default options that ask for rewrites",
-        shape(
+        (
             f"{DEVICE_DATASET}(prototype_ds, incarnation_id)",
             f"{_MULTI_DEVICE}:MultiDeviceIterator.__init__ | "
             f"{_MULTI_DEVICE}:OwnedMultiDeviceIterator.__init__ uses _create_device_dataset",
         ),
         fallback=True,
-        attrs=("_create_device_dataset",),
     ),
     # replica_seeds.py: each Keras random op's seed folded with the replica id while a step traces.
     Internal(
         f"{_RANDOM}:_cast_seed",
         "replica_random_streams",
         "every Keras random op turns its seed into TensorFlow's there; no public hook exists",
-        shape(" | ".join(f"{_RANDOM}:{op}" for op in _RANDOM_OPS) + " uses _cast_seed"),
+        (" | ".join(f"{_RANDOM}:{op}" for op in _RANDOM_OPS) + " uses _cast_seed",),
     ),
     # keras_losses.py (evaluate, train_step_trace.py): the loss scaling of a test or train step.
     Internal(
@@ -424,7 +419,7 @@ REGISTRY: tuple[Internal, ...] = (
         "evaluate_loss",
         "Keras divides every loss by the replica count, in test_step too; the two functions are "
         "identities while a test step traces",
-        shape(
+        (
             f"{LOSS} has scale_loss_for_distribution, unscale_loss_for_distribution, reduce_values",
             f"{LOSS}:reduce_values uses scale_loss_for_distribution",
         ),
@@ -434,12 +429,11 @@ REGISTRY: tuple[Internal, ...] = (
         SAME_DATA_ORDER,
         "same_data_order",
         "Keras reads a batch for the shapes, which starts a pass of a reshuffling dataset",
-        shape(
+        (
             f"{_SYMBOLIC_BUILD}(self, iterator, data_batch)",
             f"{_TRAINER}:TFEpochIterator.__init__ uses _distributed_dataset",
         ),
         fallback=True,
-        attrs=("_distributed_dataset",),
     ),
     # training/instrument.py, strategy_facts.distributed_variable: values before the all-reduce.
     Internal(
@@ -447,29 +441,28 @@ REGISTRY: tuple[Internal, ...] = (
         "per_replica_metrics",
         "each replica's loss and gradients exist only inside train_step; a Keras variable's "
         "per-replica copies are those of its `_value`",
-        shape(
+        (
             f"{_TF_TRAINER}.train_step uses _compute_loss, apply_gradients",
             "keras.src.backend.tensorflow.core:Variable._initialize uses _value",
         ),
-        attrs=("_value",),
     ),
     # tf_runtime.batch_fields: a batch op's fields, to count the examples of one pass exactly.
     Internal(
         BATCH_OP,
         "end_of_data",
         "a batch op's size, remainder rule and input, to count the examples exactly",
-        shape(
+        (
             f"{_DATA_OPS}.batch_op:_BatchDataset.__init__ uses _batch_size, _drop_remainder, "
-            "_input_dataset"
+            "_input_dataset",
+            f"{_DATA_OPS}.dataset_ops:DatasetV2 has _inputs",
         ),
         fallback=True,
-        attrs=("_batch_size", "_drop_remainder", "_input_dataset", "_inputs"),
     ),
     Internal(
         PIPELINE_BATCH_SIZE,
         "end_of_data",
         "TensorFlow's own reading of a pipeline's batch size",
-        shape(f"{PIPELINE_BATCH_SIZE}(dataset)"),
+        (f"{PIPELINE_BATCH_SIZE}(dataset)",),
         fallback=True,
     ),
     # tf_runtime.map_function: the function of an interleave/flat_map, read for file readers.
@@ -477,13 +470,12 @@ REGISTRY: tuple[Internal, ...] = (
         f"{_DATA_OPS}: _InterleaveDataset, _ParallelInterleaveDataset, _FlatMapDataset (_map_func)",
         "file_count",
         "an interleave's function is kept only there; without it TensorFlow's auto-shard applies",
-        shape(
+        (
             f"{_DATA_OPS}.interleave_op:_InterleaveDataset.__init__ | "
             f"{_DATA_OPS}.interleave_op:_ParallelInterleaveDataset.__init__ | "
-            f"{_DATA_OPS}.flat_map_op:_FlatMapDataset.__init__ uses _map_func"
+            f"{_DATA_OPS}.flat_map_op:_FlatMapDataset.__init__ uses _map_func",
         ),
         fallback=True,
-        attrs=("_map_func",),
     ),
     # training/loss_scale.py: the gradients summed for LossScaleOptimizer's decision, not again.
     Internal(
@@ -491,19 +483,18 @@ REGISTRY: tuple[Internal, ...] = (
         "loss_scale_reduce",
         "keras-sync sums the gradients before LossScaleOptimizer judges them, then passes that sum "
         "through this all-reduce",
-        shape(
+        (
             f"{_TF_OPTIMIZER} has _all_reduce_sum_gradients",
             f"{_TF_OPTIMIZER}._backend_update_step uses _all_reduce_sum_gradients",
         ),
         fallback=True,
-        attrs=("_all_reduce_sum_gradients",),
     ),
     # callbacks/system_metrics.py: MLflow's monitors, sampled at training steps.
     Internal(
         f"{_SYSTEM}: CPUMonitor, DiskMonitor, NetworkMonitor",
         "system_metrics",
         "MLflow samples system metrics on its own clock only",
-        shape(
+        (
             *(
                 f"{_SYSTEM}.{m.lower()}_monitor:{m}Monitor has collect_metrics, clear_metrics"
                 for m in ("CPU", "Disk", "Network")
@@ -518,7 +509,7 @@ REGISTRY: tuple[Internal, ...] = (
 def check(internal: Internal) -> str | None:
     """What is missing for ``internal`` here, or None if its shape matches (probed once)."""
     try:
-        return internal.probe()
+        return shape(*internal.specs)()
     except (ImportError, AttributeError) as e:
         return f"`{internal.name}` is gone ({type(e).__name__}: {e})"
 
