@@ -144,8 +144,8 @@ def main() -> int:
                 local_devices=_multi_worker.local_cpu_devices()
             )
             result["num_replicas"] = strategy.num_replicas_in_sync
-            spec = strategy.cluster_resolver.cluster_spec()
-            result["num_workers"] = sum(spec.num_tasks(job) for job in spec.jobs)
+            spec = strategy.cluster_resolver.cluster_spec()  # empty without TF_CONFIG: one worker
+            result["num_workers"] = sum(spec.num_tasks(job) for job in spec.jobs) or 1
             result.update(_fit(strategy))
         elif scenario == "load":
             # The public path: YAML-shaped dict -> keras_sync.load -> Sync.fit on arrays.
