@@ -164,14 +164,11 @@ class Sync:
         )
 
     def lr_schedule(self, steps_per_epoch: int | None = None, *, after: Any = None) -> Any:
-        """The learning rate to give the optimizer: the scaled peak as a float, or a serializable
-        `GradualWarmup` schedule from the base rate to the peak when a warmup is configured.
-
-        With ``learning_rate.warmup_epochs`` the number of steps is fixed by `fit` from the data,
-        unless ``steps_per_epoch`` is given here. ``after``: a Keras `LearningRateSchedule` that
-        takes over at the end of the warmup (counting from 0 there), e.g. a decay from the scaled
-        rate; without a warmup it is returned as it is. A schedule's rate cannot be set by
-        `ReduceLROnPlateau`/`LearningRateScheduler` (`sync.fit` refuses that pair in one line).
+        """The optimizer's learning rate: the scaled peak, or a `GradualWarmup` from the base rate
+        to it when a warmup is configured (its length in epochs fixed by `fit` from the data unless
+        ``steps_per_epoch`` is given). ``after``: a `LearningRateSchedule` taking over after the
+        warmup (from step 0), returned as it is without one. `ReduceLROnPlateau` and
+        `LearningRateScheduler` cannot set a schedule's rate (`sync.fit` refuses the pair).
         """
         lr = self.config.learning_rate
         if not lr.warmup_steps and not lr.warmup_epochs:
@@ -188,11 +185,8 @@ class Sync:
         return sched
 
     def scope(self) -> Any:
-        """The strategy's scope: build and compile the model inside it.
-
-        A model compiled in it says (once, in one line) when a plain ``model.fit`` trains it without
-        keras-sync (`keras_sync.training.run_checks`, check ``direct_fit``).
-        """
+        """The strategy's scope: build and compile the model inside it. A plain ``model.fit`` of a
+        model compiled in it says once that it trains without keras-sync (check ``direct_fit``)."""
         from keras_sync.training.run_checks import scope_guarding_fit
 
         writer = self.job_run.writer if self.config.mlflow.enabled else lambda: None
