@@ -52,20 +52,15 @@ def fixed_keras(strategy: Any) -> Any:
 
 
 def multi_worker_patches() -> list[Patch]:
-    """Make Keras 3 `model.fit` work under a multi-worker `MultiWorkerMirroredStrategy`.
+    """Make Keras 3 `model.fit` work under a multi-worker `MultiWorkerMirroredStrategy`
+    (keras-team/keras#20585); other calls go to Keras's own functions.
 
-    keras-team/keras#20585 (tensorflow/tensorflow#72388), in Keras's TensorFlow trainer:
-    1. `_maybe_symbolic_build` all-reduces the first batch for its shapes, which fails for nested
-       `PerReplica`: it gets the element spec, else one replica's batch (`same_data_order_patches`).
-    2. `reduce_per_replica` reduces scalar logs on axis 0 ("Invalid reduction dimension 0"):
-       scalars are reduced across replicas only, the mean Keras reports on one machine.
-    3. keras-team/keras#19246: with ``steps_per_execution > 1`` the one-step `tf.function` nested in
-       the multi-step loop fails ("You must feed a value for placeholder tensor"): Keras gets its
-       Python function, traced inline (if its probes fail, `check_steps_per_execution` refuses).
-    Calls not under a multi-worker MWMS go to Keras's own functions.
-
-    Raises:
-        CompatibilityError: the installed Keras no longer has the internals patched here.
+    1. `_maybe_symbolic_build` all-reduces a first batch, which fails for nested `PerReplica`: it
+       gets the element spec, else one replica's batch (`same_data_order_patches`).
+    2. `reduce_per_replica` reduces scalar logs on axis 0: they are averaged across replicas only.
+    3. keras-team/keras#19246: the one-step `tf.function` nested in the multi-step loop fails
+       ("You must feed a value for placeholder tensor"): Keras gets its Python function inline.
+    Raises `CompatibilityError` when the internals patched here moved.
     """
     _internals.require("multi_worker_fit")
     from keras import tree
@@ -273,14 +268,12 @@ def _at_exit() -> bool:
 
 
 class _IteratorReleaser:
-    """Destroys the tf.data iterators Keras drops on a thread of its own, so `fit` does not wait.
+    """Destroys the tf.data iterators Keras drops on a thread of its own, so `fit` does not wait
+    (destroying one joins its autotuning thread: up to 60 s under load).
 
-    Destroying a tf.data iterator joins its autotuning thread, which can wait out its optimisation
-    period (up to 60 s) under load. `fit` keeps the running step's iterator in a local, so what is
-    handed over is held by one watcher thread until nothing else refers to it (or `HOLD_S`), then
-    destroyed there. A dropped generator is closed and its frame's TensorFlow locals held instead.
-    The watcher is not a daemon (one inside TensorFlow at interpreter exit aborts the process); at
-    exit no thread is started (Python 3.12 refuses it) and what is held is dropped at once.
+    One watcher thread holds each until nothing else refers to it (`fit` keeps the running one in
+    a local) or `HOLD_S`; a generator is closed and its frame's TensorFlow locals held instead. Not
+    a daemon (one inside TensorFlow at exit aborts the process); at exit nothing is held.
     """
 
     HOLD_S = 600.0
