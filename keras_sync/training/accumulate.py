@@ -1,10 +1,9 @@
 """Gradient accumulation under every strategy: one optimizer update every N micro-batches.
 
-Keras's ``optimizer(gradient_accumulation_steps=N)`` all-reduces inside a `tf.cond` in the replica
-context, which `MirroredStrategy` refuses. Here, as in Keras's `LossScaleOptimizer`, the condition is
-taken in the cross-replica context: each replica sums its own gradients (never all-reduced), and
-every N-th micro-batch the replicas apply their mean, all-reduced as for any step. ``iterations``
-counts updates. The sums are not in the checkpoints: a backup waits for the batch that applies them.
+Keras's ``gradient_accumulation_steps`` all-reduces inside a `tf.cond` in the replica context, which
+`MirroredStrategy` refuses. Here each replica sums its own gradients, and every N-th micro-batch,
+decided in the cross-replica context as Keras's `LossScaleOptimizer` does, the replicas apply their
+mean. The sums are not in the checkpoints: a backup waits for the batch that applies them.
 """
 
 from __future__ import annotations
@@ -12,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from keras_sync.errors import UsageError
+from keras_sync.training.loss_scale import no_merge_call
 
 
 def replica_local(initial: Any, name: str) -> Any:
@@ -82,12 +82,7 @@ class GradientAccumulator:
             for i in idx:
                 self._sums[i].assign(tf.zeros_like(self._sums[i]))
 
-        # TensorFlow's own test (Keras's LossScaleOptimizer uses it): XLA on GPUs runs without
-        # merge_call, so the condition stays in the replica context.
-        no_merge_call = getattr(
-            tf.__internal__.distribute, "strategy_supports_no_merge_call", lambda: False
-        )
-        if no_merge_call():
+        if no_merge_call():  # the condition stays in the replica context
             ops.cond(is_update, update, lambda: None)
             return
 

@@ -1,8 +1,4 @@
-"""What keras-sync's callbacks know about a run: a frozen `RunContext` and one `SharedState` per fit.
-
-Each callback gets the run's facts and, to share a step counter and flushes with the others, the
-fit's `SharedState` (from the job's `JobState`); then they work in any order. No TensorFlow here.
-"""
+"""What keras-sync's callbacks know about a run: a frozen `RunContext` and one `SharedState` per fit."""
 
 from __future__ import annotations
 
@@ -45,10 +41,9 @@ class RunContext:
 class SharedState:
     """The state keras-sync's callbacks share during one `fit`; give the same one to all of them.
 
-    ``step`` is the job's step after the last finished train step (set by `SyncMetrics`), the
-    x-axis of every callback. `flush` runs the registered flushers before a backup is saved or a
-    report drawn (a collective under `multi_worker_mirrored`); `record` passes every logged point
-    to the listeners (`SyncReport`).
+    ``step``: the job's step after the last train step (set by `SyncMetrics`), every callback's
+    x-axis. `flush` runs the flushers before a backup or a report (a collective under several
+    workers); `record` passes every logged point to the listeners (`SyncReport`).
 
     Args:
         fit: this fit's number in its job (1 for the first).
@@ -61,8 +56,7 @@ class SharedState:
     ) -> None:
         self.step: int | None = None
         self.fit, self.steps_before = fit, steps_before
-        #: Added to the model's optimizer step to make the job's step (set by the first `job_step`
-        #: or by a backup restore).
+        #: Added to the model's optimizer step to make the job's step (first `job_step`, or a restore).
         self.step_offset: int | None = None
         self._params = {} if params is None else params  # the job's: shared by its fits
         self._flushers: list[Callable[[], None]] = []

@@ -1,12 +1,9 @@
 """Measure each replica's own loss and gradient norm inside its `train_step`, before the all-reduce.
 
-The model's `train_step` is wrapped: while it traces, `train_step_trace.capture` shims the
-optimizer's ``apply`` and the loss functions with pass-through functions, so Keras's own step
-stays bit-identical to plain Keras. Each replica writes ``[loss, grad_norm, examples_seen,
-learning_rate, step_count, loss_scale, compute_us]`` into row ``(step_count - 1) % ring`` of an
-int64 ON_READ variable (one copy per replica, never all-reduced; float32 values stored by their
-bits, so counts stay exact). Loss and norm are scaled to compare with one device. The callbacks
-read the ring every few dozen steps; under several workers a read is a collective.
+The model's `train_step` is wrapped; `train_step_trace.capture` shims what it reaches with
+pass-through functions while it traces. Each replica writes its row (loss, norm, examples, ...)
+into a ring of an int64 ON_READ variable (floats by their bits, so counts stay exact), read by the
+callbacks every few dozen steps (a collective under several workers).
 """
 
 from __future__ import annotations
@@ -106,6 +103,11 @@ class ReplicaProbe:
         """Train steps run so far (the ring's step counter)."""
         return int(rings[0][-1][ReplicaProbe.COUNT]) if rings else 0
 
+    def examples_at(self, rings: list[Any], count: int) -> int:
+        """Examples all replicas trained up to step ``count`` (-1: no longer in the ring)."""
+        rows = self.row(rings, count) if count > 0 else []
+        return -1 if rows is None else int(sum(r[self.EXAMPLES] for r in rows))
+
     def _gather(self, host: Any) -> Any:
         if self._gather_fn is None:
             import tensorflow as tf
@@ -133,10 +135,9 @@ class ReplicaProbe:
         def train_step(data: Any) -> Any:
             seen: dict[str, Any] = {}
             timed = probe.timed and not getattr(model, "jit_compile", False)
-            weight = _example_weight(data, n)  # the step's first collective (n > 1)
-            after = (
-                [weight] if weight is not None else tf.nest.flatten(data, expand_composites=True)
-            )
+            size = _batch_size(data)
+            weight = _example_weight(size, n)  # the step's first collective (n > 1)
+            after = [weight] if n > 1 else tf.nest.flatten(data, expand_composites=True)
             t_sync = _stamp(after) if timed else None
             # Each optimizer's rate before the step (a read only): a GAN's step applies two.
             rates = {id(o): _learning_rate(o) for o in trace.optimizers_of(model)}
@@ -153,29 +154,24 @@ class ReplicaProbe:
                 logs = original(data)
             probe._announce(seen["applies"])
             first = seen["applies"][0]["id"] if seen["applies"] else id(model.optimizer)
-            lr = rates.get(first, _learning_rate(model.optimizer))
             loss, norm, scale = _replica_values(seen, n)
+            lr = rates.get(first, _learning_rate(model.optimizer))
+            floats = tf.unstack(_bits(tf.stack([loss, norm, lr, scale])))
             buf = tf.identity(var)
             count = buf[ring, ReplicaProbe.COUNT] + 1
             row = tf.cast(tf.math.floormod(count - 1, ring), tf.int32)
             prev = tf.cast(tf.math.floormod(count - 2, ring), tf.int32)
-            # A gather, not `buf[prev, ...]`: XLA needs a strided slice's bounds at compile time, and
-            # recompiled the step at every step with a slice at a computed row.
-            examples = tf.gather(buf[:, ReplicaProbe.EXAMPLES], prev) + tf.cast(
-                _batch_size(data), tf.int64
-            )
-            zero = tf.constant(0, tf.int64)
-            compute = tf.constant(-1, tf.int64)
+            # A gather, not `buf[prev, ...]`: XLA recompiled the step at every step with a slice at a
+            # computed row (it needs a strided slice's bounds at compile time).
+            examples = tf.gather(buf[:, ReplicaProbe.EXAMPLES], prev) + tf.cast(size, tf.int64)
+            zero, compute = tf.constant(0, tf.int64), tf.constant(-1, tf.int64)
             if timed and seen.get("reached") is not None:
                 compute = tf.maximum(tf.cast((seen["reached"] - t_sync) * 1e6, tf.int64), zero)
-            values = [_bits(loss), _bits(norm), examples, _bits(lr), count, _bits(scale), compute]
+            values = [floats[0], floats[1], examples, floats[2], count, floats[3], compute]
             counter = [zero, zero, zero, zero, count, zero, zero]
             index = tf.stack([tf.stack([row]), tf.constant([ring])])
-            var.assign(
-                tf.tensor_scatter_nd_update(
-                    buf, index, tf.stack([tf.stack(values), tf.stack(counter)])
-                )
-            )
+            update = tf.stack([tf.stack(values), tf.stack(counter)])
+            var.assign(tf.tensor_scatter_nd_update(buf, index, update))
             return logs
 
         train_step.probe = self  # type: ignore[attr-defined]
@@ -198,27 +194,26 @@ class ReplicaProbe:
         self._announced = True
         at_scale = [a for a in applies if a["scaled_by"] == trace.AT_SCALE_LOSS]
         averaged = [a["optimizer"] for a in applies if a["factor"] != 1.0 or a in at_scale]
+        lines = []
         if averaged and self.gradients == "auto":
-            line = trace.averaging_message(
-                self.model,
-                self.num_replicas,
-                averaged if several else None,
-                at_scale_loss=all(a in at_scale for a in applies if a["optimizer"] in averaged),
+            only_at_scale = all(a in at_scale for a in applies if a["optimizer"] in averaged)
+            lines.append(
+                trace.averaging_message(
+                    self.model, self.num_replicas, averaged if several else None, only_at_scale
+                )
             )
-            print(line, file=sys.stderr, flush=True)
         kinds = ("a Keras loss", "tf.nn.compute_average_loss")
         shares = sorted({a["scaled_by"] for a in applies if a["scaled_by"] in kinds})
         if self.custom_step and shares and self.num_replicas > 1:
-            line = trace.share_message(self.model, self.num_replicas, shares[0])
+            lines.append(trace.share_message(self.model, self.num_replicas, shares[0]))
+        for line in lines:
             print(line, file=sys.stderr, flush=True)
 
 
 def instrument(model: Any, gradients: str | None = None, accumulator: Any = None) -> ReplicaProbe:
-    """Install the instrumented `train_step` on ``model`` (once) and return its probe.
-
-    ``gradients``, ``accumulator``: see `ReplicaProbe` (None keeps the current one). The model
-    keeps the wrapper after `fit`, so a second `fit` does not retrace. Call it before `fit` builds
-    its train function (a callback's `set_model`); a train function built earlier is dropped.
+    """Install the instrumented `train_step` on ``model`` (once; a second `fit` does not retrace)
+    and return its probe. ``gradients``, ``accumulator``: see `ReplicaProbe` (None keeps the
+    current one). Call it before `fit` builds its train function (a callback's `set_model`).
     """
     probe = probe_of(model)
     if probe is not None:
@@ -251,9 +246,7 @@ def holds_unapplied_gradients(model: Any) -> bool:
 def applied_optimizers(model: Any) -> list[tuple[str, Any]]:
     """(attribute, optimizer) of each optimizer ``model``'s train step applies; [] before its first trace."""
     named = trace.named_optimizers(model)
-    return [
-        (name, named[name]) for name in getattr(probe_of(model), "applied", []) if name in named
-    ]
+    return [(n, named[n]) for n in getattr(probe_of(model), "applied", []) if n in named]
 
 
 def _replica_values(seen: dict[str, Any], n: int) -> tuple[Any, Any, Any]:
@@ -263,37 +256,34 @@ def _replica_values(seen: dict[str, Any], n: int) -> tuple[Any, Any, Any]:
     nan = tf.constant(float("nan"), tf.float32)
     custom, applies = seen["custom_step"], seen["applies"]
     # The loss was divided by n (by Keras or the user) unless keras-sync averages the gradients.
-    divided = not custom or (applies and applies[0]["scaled_by"] is not None)
-    undo = float(n) if divided else 1.0
+    undo = float(n) if not custom or (applies and applies[0]["scaled_by"] is not None) else 1.0
     loss = seen.get("tape_loss" if custom else "loss")
-    loss = tf.cast(loss, tf.float32) * undo if loss is not None else nan
+    loss = nan if loss is None else tf.cast(loss, tf.float32) * undo
     scale = seen.get("loss_scale")
+    scale = nan if scale is None else tf.cast(scale, tf.float32)
     norm = nan
     if seen["grads"]:
         dense = [tf.cast(tf.convert_to_tensor(g), tf.float32) for g in seen["grads"]]
         norm = tf.linalg.global_norm(dense) * undo
-        if scale is not None:
-            norm = norm / tf.cast(scale, tf.float32)
-    return loss, norm, (tf.cast(scale, tf.float32) if scale is not None else nan)
+        if seen.get("loss_scale") is not None:
+            norm = norm / scale
+    return loss, norm, scale
 
 
-def _example_weight(data: Any, n: int) -> Any:
-    """This replica's share of the step's examples times the replica count (None with one replica).
-
-    1.0 when the batch splits evenly; else what makes the replicas' summed gradients those of
-    the mean over the global batch (Keras weighs a 6/5 split of a last batch alike).
-    """
+def _example_weight(size: Any, n: int) -> Any:
+    """This replica's share of the step's ``size`` examples times ``n`` (None with one replica): 1.0
+    on an even split, else what makes the summed gradients those of the global batch's mean."""
     if n <= 1:
         return None
     import tensorflow as tf
 
-    local = tf.cast(_batch_size(data), tf.float32)
+    local = tf.cast(size, tf.float32)
     total = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, local)
     return tf.math.divide_no_nan(local * float(n), total)
 
 
 def _stamp(after: list[Any]) -> Any:
-    """``tf.timestamp()`` (seconds, float64) once every tensor of ``after`` is computed."""
+    """``tf.timestamp()`` (seconds) once every tensor of ``after`` is computed."""
     import tensorflow as tf
 
     with tf.control_dependencies([t for t in after if t is not None]):

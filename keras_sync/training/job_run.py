@@ -1,9 +1,8 @@
 """One MLflow run per job, opened by the chief only.
 
-Which run: the one named by the manifest of the backup a relaunch restores; else the run of
-``mlflow.job_id`` / ``$KERAS_SYNC_JOB_ID`` (set by ``keras-sync launch``), created once and shared;
-else a new one. The fits of a job write one run, their steps continuing (`JobState`); `Sync.fit`
-ends the run when it returns, and the next `fit` of the same `Sync` reopens it.
+Which run: the one in the manifest of the backup a relaunch restores; else the run of
+``mlflow.job_id`` / ``$KERAS_SYNC_JOB_ID`` (``keras-sync launch``), created once; else a new one.
+A job's fits write one run, their steps continuing; the next `fit` reopens the run a fit ended.
 """
 
 from __future__ import annotations
@@ -21,11 +20,8 @@ _named_jobs: dict[tuple[Any, ...], JobState] = {}
 
 
 class JobRun:
-    """The MLflow run of one `Sync` (``sync.job_run``): its writer on the chief, and its `JobState`.
-
-    Every worker keeps the same `JobState` (the steps a worker logs decide its collective reads):
-    its own, or, with an explicit job id, the one of every `Sync` of this process with that id.
-    """
+    """The MLflow run of one `Sync`: its writer on the chief, and the `JobState` every worker keeps
+    (shared by the `Sync`s of this process with the same explicit job id)."""
 
     def __init__(self, config: Any, is_chief: bool):
         self.config, self.is_chief = config, is_chief
@@ -36,8 +32,8 @@ class JobRun:
         self.current: Any = None
 
     def writer(self, *, early: bool = False, started: Any = None) -> Any:
-        """The started `MlflowWriter` on the chief, None on other workers. ``early``: the run begins
-        with the first record; ``started``: a writer `start_writer` made before the `Sync` existed."""
+        """The started `MlflowWriter` on the chief, None elsewhere. ``early``: the run begins with the
+        first record; ``started``: a writer `start_writer` made before the `Sync` existed."""
         ended = self.current
         if not self.is_chief or (ended is not None and not ended.closed):
             return ended if self.is_chief else None
@@ -57,8 +53,7 @@ class JobRun:
         return self.current if self.current is not None and not self.current.closed else None
 
     def end_after_fit(self, limit_s: float = 120.0) -> None:
-        """End the run when `fit` returns; wait for MLflow only where the process is killed as soon
-        as training returns (elsewhere the courier delivers in the background)."""
+        """End the run when `fit` returns; wait for MLflow only where the process is killed then."""
         from keras_sync.cluster import killed_when_training_returns
 
         if self._open() is not None:
@@ -79,8 +74,7 @@ class JobRun:
         return _autolog.shared_run(self.current, uri, is_chief=self.is_chief)
 
     def close(self, timeout_s: float | None = None) -> None:
-        """End the run now (FINISHED), waiting while delivery progresses (at most ``timeout_s``);
-        a later `writer` continues it."""
+        """End the run now (FINISHED), waiting at most ``timeout_s``; a later `writer` continues it."""
         if self._open() is not None:
             self.current.close(timeout_s=timeout_s)
 
@@ -88,8 +82,7 @@ class JobRun:
 def start_writer(
     config: Any, *, early: bool = True, continue_run: tuple[str, str] | None = None
 ) -> Any:
-    """A started `MlflowWriter` on the run chosen as above (`keras_sync.load` starts it before
-    TensorFlow's import on a sure chief). ``continue_run``: (job id, run id) a fit ended."""
+    """A started `MlflowWriter` on the run chosen as above. ``continue_run``: (job id, run id) a fit ended."""
     from keras_sync.cluster import killed_when_training_returns
     from keras_sync.tracking import MlflowWriter, resolve_tracking_uri
     from keras_sync.training import backup_files

@@ -1,19 +1,9 @@
 """What one device decides on the summed gradients: the float16 loss-scale skip, clipping, sparse rows.
 
-Keras's `LossScaleOptimizer` (TensorFlow backend, with ``merge_call``) decides whether a step's
-gradients are finite from the first replica's *local* gradients, and Keras clips each replica's
-share before its all-reduce, so another replica's overflow reaches the weights and the sum of
-clipped shares is not the clipped sum. `apply_summed` all-reduces the gradients first and hands the
-sum to the optimizer; for a loss-scale step (``half`` given) a sum that is not finite, or a float16
-gradient's sum that float16 rounds to inf (>= 65520), makes every replica skip (NaN gradients, so
-Keras halves the scale). The inner optimizer's private ``_all_reduce_sum_gradients`` passes the
-sum through while the apply traces; without it each replica hands over the sum on the first
-replica and zeros on the others, which Keras sums back exactly.
-
-An embedding's gradient is a `tf.IndexedSlices`; the all-reduce concatenates the replicas'
-slices, so a row can appear N times. Adam, RMSprop or Adagrad square each slice (``g0^2 + g1^2``,
-not ``(g0 + g1)^2``): `merging_update_step` sums duplicate rows before `update_step`, as
-TensorFlow 1's optimizers did.
+Keras's `LossScaleOptimizer` decides finiteness from the first replica's local gradients and Keras
+clips each replica's share before the all-reduce; `apply_summed` hands the optimizer the sum instead.
+An embedding's all-reduced `tf.IndexedSlices` repeats a row per replica, which Adam squares per
+slice: `merging_update_step` sums duplicate rows first, as TensorFlow 1's optimizers did.
 """
 
 from __future__ import annotations
@@ -42,17 +32,20 @@ def applies_here(optimizer: Any, num_replicas: int) -> bool:
     """Whether ``optimizer`` is a LossScaleOptimizer whose finite decision needs the summed gradients."""
     import tensorflow as tf
 
-    # Without merge_call Keras takes each replica's decision on its own: a path left unchanged.
-    no_merge_call = getattr(
-        tf.__internal__.distribute, "strategy_supports_no_merge_call", lambda: False
-    )
     return (
         num_replicas > 1
         and hasattr(optimizer, "dynamic_scale")
         and hasattr(optimizer, "inner_optimizer")
         and tf.distribute.has_strategy()
-        and not no_merge_call()
+        and not no_merge_call()  # then Keras decides per replica: a path left unchanged
     )
+
+
+def no_merge_call() -> bool:
+    """TensorFlow's own test (Keras's `LossScaleOptimizer` uses it): XLA on GPUs runs without merge_call."""
+    import tensorflow as tf
+
+    return bool(getattr(tf.__internal__.distribute, "strategy_supports_no_merge_call", bool)())
 
 
 def clips(optimizer: Any) -> bool:
@@ -69,9 +62,13 @@ def apply_summed(
     trainable_variables: Any,
     half: list[bool] | None = None,
 ) -> Any:
-    """``apply_fn`` on the gradients summed over the replicas, so the optimizer clips what one
-    device clips and, with ``half`` (whether each gradient was float16; then every gradient is
-    summed dense, as one device's), skips what one device skips."""
+    """``apply_fn`` on the gradients summed over the replicas, so the optimizer clips what one device
+    clips; with ``half`` (whether each gradient was float16) every gradient is summed dense and a sum
+    that is not finite, or that float16 rounds to inf, makes every replica skip (NaN gradients).
+
+    Keras's private inner all-reduce passes the sums through while the apply traces; without it
+    each replica hands over the sum on the first replica and zeros elsewhere, which Keras sums back.
+    """
     import tensorflow as tf
 
     from keras_sync.upstream import internals as _internals
@@ -89,12 +86,10 @@ def apply_summed(
         ctx.all_reduce(tf.distribute.ReduceOp.SUM, [grads[i] for i in present]) if present else []
     )
     skip = tf.constant(False)
-    for i, s in zip(present, summed) if half is not None else ():
-        skip = tf.logical_or(skip, tf.logical_not(tf.reduce_all(tf.math.is_finite(s))))
-        if half is not None and half[i]:
-            skip = tf.logical_or(
-                skip, tf.reduce_any(tf.abs(s) >= tf.cast(FLOAT16_OVERFLOW, s.dtype))
-            )
+    for i, s in zip(present, summed):
+        if half is not None:
+            limit = tf.cast(FLOAT16_OVERFLOW if half[i] else float("inf"), s.dtype)
+            skip = skip | ~tf.reduce_all(tf.math.is_finite(s)) | tf.reduce_any(tf.abs(s) >= limit)
     first = tf.equal(ctx.replica_id_in_sync_group, 0)
     out = list(grads)
     for i, s in zip(present, summed):
@@ -130,11 +125,7 @@ def merge_duplicate_rows(gradient: Any) -> Any:
 
 def merging_update_step(update_step: Callable[..., Any]) -> Callable[..., Any]:
     """An `update_step` that merges a sparse gradient's duplicate rows before ``update_step`` sees it."""
-
-    def update_step_merging_rows(gradient: Any, variable: Any, learning_rate: Any) -> Any:
-        return update_step(merge_duplicate_rows(gradient), variable, learning_rate)
-
-    return update_step_merging_rows
+    return lambda gradient, variable, lr: update_step(merge_duplicate_rows(gradient), variable, lr)
 
 
 def with_inner(optimizers: list[Any]) -> list[Any]:

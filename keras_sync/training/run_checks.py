@@ -1,10 +1,8 @@
 """Run-time checks of every `Sync.fit`: what really trained, against what keras-sync set up.
 
-Checks of what happened, so that an input no rule foresaw is loud too: ``examples_per_step``,
-``examples_per_epoch``, ``learning_rate``, ``add_loss`` and ``direct_fit`` (a plain ``model.fit``
-on a model compiled in ``sync.scope()``). A violation is one line on the chief and the MLflow tag
-``keras_sync.check.<name>``; under ``checks.on_violation: error`` a `CheckFailed`. (A restore
-over keras-sync's backup is refused by the backup itself.)
+``examples_per_step``, ``examples_per_epoch``, ``learning_rate``, ``add_loss`` and ``direct_fit``
+(a plain ``model.fit`` on a model compiled in ``sync.scope()``). A violation is one line on the
+chief and the MLflow tag ``keras_sync.check.<name>``, or a `CheckFailed` under ``on_violation: error``.
 """
 
 from __future__ import annotations
@@ -75,22 +73,19 @@ def learning_rate_problem(
 
     >>> learning_rate_problem(0.002, 0.002, global_batch=64, rule="linear") is None
     True
-    >>> learning_rate_problem(0.001, 0.002, global_batch=64, rule="linear")[:67]
-    "the optimizer's learning rate is 0.001, but keras-sync scaled 0.002"
     >>> learning_rate_problem(0.001, 0.002, global_batch=64, rule="linear", optimizer="g_optimizer").split(". ")[-1]
     'Fix: create g_optimizer with learning_rate=sync.lr_schedule() (or sync.learning_rate)'
     """
     if math.isclose(applied, scaled, rel_tol=1e-6):
         return None
-    why = f"but keras-sync scaled {scaled:g} for the global batch {global_batch} (learning_rate.scaling: {rule})"
-    if optimizer is not None:
-        return (
-            f"{optimizer}'s learning rate is {applied:g}, {why}: the rate your script gives it is used as it is. "
-            f"Fix: create {optimizer} with learning_rate=sync.lr_schedule() (or sync.learning_rate)"
-        )
+    if optimizer is None:
+        who, given, fix = "the optimizer's", "of your compile line", "compile with the optimizer's"
+    else:
+        who, given, fix = f"{optimizer}'s", "your script gives it", f"create {optimizer} with"
     return (
-        f"the optimizer's learning rate is {applied:g}, {why}: the rate of your compile line is used as it is. "
-        "Fix: compile with the optimizer's learning_rate=sync.lr_schedule() (or sync.learning_rate)"
+        f"{who} learning rate is {applied:g}, but keras-sync scaled {scaled:g} for the global batch "
+        f"{global_batch} (learning_rate.scaling: {rule}): the rate {given} is used as it is. "
+        f"Fix: {fix} learning_rate=sync.lr_schedule() (or sync.learning_rate)"
     )
 
 
@@ -114,11 +109,10 @@ def sums_over_batch(whole: float, shares: list[float]) -> bool:
 
 
 def add_loss_problem(model: Any, data: Any, n: int, global_batch: int) -> str | None:
-    """The ``add_loss`` finding on ``fit``'s ``data`` over ``n`` replicas (None: nothing to say).
+    """The ``add_loss`` finding on `fit`'s ``data`` over ``n`` replicas (None: nothing to say).
 
-    The terms are evaluated (`stateless_call`, inference mode) on a few examples of the first
-    batch and on the N equal shares the replicas would get; a dataset is read only when a call on
-    zeros shows terms.
+    The terms of a side-effect-free call on a few examples of the first batch are compared with
+    their values on the N equal shares the replicas would get.
     """
     import tensorflow as tf
 
@@ -126,34 +120,20 @@ def add_loss_problem(model: Any, data: Any, n: int, global_batch: int) -> str | 
         return None
     rows = PER_SHARE * n
     try:
-        if isinstance(data, tf.data.Dataset):
-            spec = data.element_spec
-            spec = spec[0] if isinstance(spec, tuple) else spec
-            leaves = tf.nest.flatten(spec)
-            if all(isinstance(s, tf.TensorSpec) and s.shape.rank for s in leaves) and not any(
-                None in s.shape[1:] for s in leaves
-            ):
-                zeros = tf.nest.map_structure(
-                    lambda s: tf.zeros([rows, *s.shape[1:]], s.dtype), spec
-                )
-                if not _terms(model, zeros):
-                    return None  # no add_loss term: the data is not read
-        x = _first_rows(data, rows)
+        x = _first_rows(model, data, rows)
         whole = _terms(model, x) if x is not None else []
-        if not whole:
-            return None
         shares = [
             _terms(
                 model,
                 tf.nest.map_structure(lambda a, r=r: a[r * PER_SHARE : (r + 1) * PER_SHARE], x),
             )
-            for r in range(n)
+            for r in range(n if whole else 0)
         ]
     except Exception as exc:  # a model it cannot call this way is not judged
         log.debug("keras-sync: check add_loss skipped: %s: %s", type(exc).__name__, exc)
         return None
-    if any(len(s) != len(whole) for s in shares):
-        return None  # terms that depend on the batch's size: not comparable
+    if not whole or any(len(s) != len(whole) for s in shares):
+        return None  # no term, or terms that depend on the batch's size: not comparable
     found = [i for i, value in enumerate(whole) if sums_over_batch(value, [s[i] for s in shares])]
     if not found:
         return None
@@ -167,11 +147,21 @@ def add_loss_problem(model: Any, data: Any, n: int, global_batch: int) -> str | 
     )
 
 
-def _first_rows(x: Any, rows: int) -> Any:
-    """The first ``rows`` inputs of arrays or of a dataset's first batch; None for other inputs."""
+def _first_rows(model: Any, x: Any, rows: int) -> Any:
+    """The first ``rows`` inputs of arrays or of a dataset's first batch; None for other inputs, or
+    for a dataset whose spec's zeros show no term (then it is not read)."""
     import tensorflow as tf
 
     if isinstance(x, tf.data.Dataset):
+        spec = x.element_spec[0] if isinstance(x.element_spec, tuple) else x.element_spec
+        leaves = tf.nest.flatten(spec)
+        if all(
+            isinstance(s, tf.TensorSpec) and s.shape.rank and s.shape[1:].is_fully_defined()
+            for s in leaves
+        ):
+            zeros = tf.nest.map_structure(lambda s: tf.zeros([rows, *s.shape[1:]], s.dtype), spec)
+            if not _terms(model, zeros):
+                return None
         try:
             x = next(iter(x.take(1)))
         except (StopIteration, tf.errors.OpError):
@@ -179,20 +169,20 @@ def _first_rows(x: Any, rows: int) -> Any:
         x = x[0] if isinstance(x, tuple) else x  # (x, y[, sample_weight])
     elif (
         hasattr(x, "__getitem__")
-        and not hasattr(x, "shape")
         and not isinstance(x, (list, tuple, dict))
+        and not hasattr(x, "shape")
     ):
         return None  # a PyDataset / Sequence: not read twice
     leaves = tf.nest.flatten(x)
     if not leaves or any(
-        len(getattr(a, "shape", ())) == 0 or a.shape[0] is None or a.shape[0] < rows for a in leaves
+        len(getattr(a, "shape", ())) == 0 or (a.shape[0] or 0) < rows for a in leaves
     ):
         return None
     return tf.nest.map_structure(lambda a: tf.convert_to_tensor(a[:rows]), x)
 
 
 def _terms(model: Any, x: Any) -> list[float]:
-    """Each `model.losses` term (summed to a scalar, as Keras does) of a side-effect-free call on ``x``."""
+    """Each `model.losses` term (summed to a scalar, as Keras does) of a `stateless_call` on ``x``."""
     from keras import ops
 
     kwargs = {"training": False} if "training" in inspect.signature(model.call).parameters else {}
@@ -231,16 +221,14 @@ def checks_callback(
     data: Any = None,
     backups: Sequence[Any] = (),
 ) -> Any:
-    """The Keras callback of these checks for one `fit` (put it last: it reads what the others restored).
+    """The Keras callback of these checks for one `fit`; put it last (it reads what backups restored).
 
-    ``writer``: the run's writer on the chief (None: no tag). ``data``: `fit`'s ``x`` for the
-    ``add_loss`` check. ``backups``: this fit's keras-sync `BackupAndRestore` callbacks (an epoch
-    resumed mid-way is not checked for its examples).
+    ``writer``: the chief's run writer (None: no tag); ``data``: `fit`'s ``x`` (``add_loss``);
+    ``backups``: this fit's `BackupAndRestore`s (an epoch resumed mid-way is not counted).
     """
     import keras
 
     from keras_sync.training import instrument as _instrument
-    from keras_sync.training.instrument import ReplicaProbe
 
     say, config = reporter(context, writer), context.config
 
@@ -262,7 +250,6 @@ def checks_callback(
             keys = ("base", "scaling", "base_batch_size")
             if all(config.source_of(f"learning_rate.{k}") == "default" for k in keys):
                 return
-            # What the traced step applied, each on its own; model.optimizer when nothing is known.
             applied = _instrument.applied_optimizers(self.model) or [
                 ("optimizer", getattr(self.model, "optimizer", None))
             ]
@@ -273,12 +260,8 @@ def checks_callback(
                 )
                 if rate is None or callable(rate):
                     continue  # a schedule: keras-sync's warmup, or the user's own
-                try:
-                    rate = float(keras.ops.convert_to_numpy(rate))
-                except (TypeError, ValueError):
-                    continue
                 problem = learning_rate_problem(
-                    rate,
+                    float(keras.ops.convert_to_numpy(rate)),
                     context.learning_rate or 0.0,
                     global_batch=context.effective_batch_size or global_batch,
                     rule=config.learning_rate.scaling,
@@ -301,33 +284,26 @@ def checks_callback(
             self._check_add_loss()
 
         def _totals(self) -> tuple[int, int]:
-            self._rings = (
-                self._probe.read()
-            )  # a collective under multi-worker: every worker is here
-            count = ReplicaProbe.count(self._rings)
-            return count, self._examples_at(count)
-
-        def _examples_at(self, count: int) -> int:
-            """Examples trained by all replicas up to train step ``count`` (-1: no longer in the ring)."""
-            rows = self._probe.row(self._rings, count) if count > 0 else []
-            return int(sum(r[ReplicaProbe.EXAMPLES] for r in rows)) if rows is not None else -1
+            self._rings = self._probe.read()  # a collective under multi-worker: every worker reads
+            count = self._probe.count(self._rings)
+            return count, self._probe.examples_at(self._rings, count)
 
         def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-            if self._probe is None or self._last is None:
+            if self._last is None:
                 return
-            count, examples = self._totals()
-            (count0, examples0), self._last = self._last, (count, examples)
-            skip, self._skip_epoch = self._skip_epoch, False
+            (count0, examples0), (count, examples) = self._last, self._totals()
+            self._last, skip, self._skip_epoch = (count, examples), self._skip_epoch, False
             if examples < 0 or examples0 < 0:
                 return
-            trained = examples - examples0
-            problem = step_problem(trained, count - count0, global_batch)
+            problem = step_problem(examples - examples0, count - count0, global_batch)
             # Each step but the epoch's last, as far back as the ring reaches: a short batch mid-epoch.
             first = max(count0 + 1, count - self._probe.ring + 1)
-            before = self._examples_at(first - 1) if first - 1 > count0 else examples0
+            before = (
+                self._probe.examples_at(self._rings, first - 1) if first - 1 > count0 else examples0
+            )
             for c in range(first, count):
-                now = self._examples_at(c)
-                if problem is None and before >= 0 and now >= 0 and now - before != global_batch:
+                now = self._probe.examples_at(self._rings, c)
+                if problem is None and min(before, now) >= 0 and now - before != global_batch:
                     problem = (
                         f"train step {c - count0} took {now - before} examples, but the learning rate was "
                         f"scaled for a global batch of {global_batch} (only an epoch's last step may be short)"
@@ -335,7 +311,9 @@ def checks_callback(
                 before = now
             if problem:
                 say("examples_per_step", f"epoch {epoch + 1}: {problem}")
-            problem = epoch_problem(trained, expected) if expected is not None else None
+            problem = (
+                epoch_problem(examples - examples0, expected) if expected is not None else None
+            )
             if problem and not skip and config.verify is None:  # verify stops mid-epoch
                 say("examples_per_epoch", f"epoch {epoch + 1}: {problem}")
 
@@ -348,10 +326,9 @@ def scope_guarding_fit(
 ) -> Iterator[Any]:
     """`Sync.scope`: the strategy's scope, in which each model compiled gets methods of its own.
 
-    Its ``fit``, ``evaluate`` and ``predict`` run with Keras fixed for the strategy
-    (`keras_fixes.fixed_keras`) for the length of each call, and a plain ``model.fit`` says once
-    that it runs without keras-sync (``direct_fit``; `Sync.fit` calls the class's `fit`). Under
-    several workers the model also gets `saving.for_workers`. ``writer`` gives the run's writer.
+    ``fit``, ``evaluate`` and ``predict`` run under `keras_fixes.fixed_keras`; a plain ``model.fit``
+    says once that it runs without keras-sync (``direct_fit``; `Sync.fit` calls the class's `fit`).
+    Under several workers the model also gets `saving.for_workers`.
     """
     import keras
 

@@ -1,11 +1,8 @@
 """The `runtime:` section applied to a run, with the user's own `model.compile(...)` line unchanged.
 
-``mixed_precision`` sets the global Keras dtype policy in `keras_sync.load()`. ``jit_compile`` and
-``steps_per_execution`` are set on the compiled model before Keras builds its train function: a
-key written in the config wins over compile's value (one line says so). XLA cannot compile a step
-over several replicas on CPU devices: ``jit_compile: true`` is refused there, and a compile's own
-``jit_compile=True`` is turned off with one line. ``sync_batch_norm`` makes every
-`BatchNormalization` compute its statistics over all replicas.
+``mixed_precision`` sets the Keras dtype policy in `keras_sync.load()`; ``jit_compile`` and
+``steps_per_execution`` are set on the compiled model (a key written in the config wins over
+compile's, one line says so); XLA over several CPU replicas is refused or turned off.
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ from keras_sync.training.context import RunContext
 
 
 def given(config: Any, key: str) -> bool:
-    """Whether ``runtime.<key>`` was written in the config (file, dict or flag), not left at its default."""
+    """Whether ``runtime.<key>`` was written in the config (file, dict or flag)."""
     return config.source_of(f"runtime.{key}") != "default"
 
 
@@ -50,13 +47,13 @@ def prepare_model(context: RunContext, model: Any) -> None:
     import keras
 
     config, rt, name = context.config, context.config.runtime, type(model).__name__
+    n = context.num_replicas
     told = vars(model).setdefault("_keras_sync_told", set())  # what was said about this model
 
     def say_once(what: str, line: str) -> None:
-        if what not in told:
-            told.add(what)
-            if context.is_chief:
-                _say(line)
+        if what not in told and context.is_chief:
+            _say(line)
+        told.add(what)
 
     def replacing(key: str, old: Any, new: Any) -> None:
         say_once(
@@ -72,19 +69,14 @@ def prepare_model(context: RunContext, model: Any) -> None:
             replacing("steps_per_execution", spe, rt.steps_per_execution)
         model.steps_per_execution = rt.steps_per_execution
     # Keras compiles strategy.run as one XLA cluster: over logical CPUs XLA reads variables of CPU:1
-    # from CPU:0; across CPU workers it has no collectives and aborts. (The default strategy has
-    # no worker_devices.)
-    devices = (
-        [str(d) for d in getattr(model.distribute_strategy.extended, "worker_devices", ())]
-        if context.num_replicas > 1
-        else []
-    )
-    xla_fails = bool(devices) and all("CPU" in d.upper() for d in devices)
+    # from CPU:0; across CPU workers it has no collectives and aborts.
+    devices = getattr(model.distribute_strategy.extended, "worker_devices", ()) if n > 1 else ()
+    xla_fails = bool(devices) and all("CPU" in str(d).upper() for d in devices)
     if given(config, "jit_compile") and rt.jit_compile is True and xla_fails:
         from keras_sync.errors import UsageError
 
         raise UsageError(
-            f"Invalid value for runtime.jit_compile. Received: true with {context.num_replicas} replicas on "
+            f"Invalid value for runtime.jit_compile. Received: true with {n} replicas on "
             "CPU devices, where XLA cannot compile a distributed step (no XLA collectives on CPU; "
             "variables on several devices). Expected false or auto; XLA works on one device, and on "
             "GPUs or TPUs."
@@ -94,9 +86,8 @@ def prepare_model(context: RunContext, model: Any) -> None:
         say_once(
             "xla",
             f"jit_compile=True of {name}'s compile is not applied: XLA cannot compile a step over "
-            f"{context.num_replicas} replicas on CPU devices (no XLA collectives on CPU; variables on "
-            "several devices), so the model trains "
-            "without XLA. XLA works on one device, and on GPUs or TPUs.",
+            f"{n} replicas on CPU devices (no XLA collectives on CPU; variables on several devices), so "
+            "the model trains without XLA. XLA works on one device, and on GPUs or TPUs.",
         )
         model.jit_compile = False
     elif given(config, "jit_compile") and rt.jit_compile not in ("auto", bool(model.jit_compile)):
@@ -109,7 +100,7 @@ def prepare_model(context: RunContext, model: Any) -> None:
         for layer in norms:
             changed = changed or not layer.synchronized
             layer.synchronized = True  # read in BatchNormalization.call: the traced step uses it
-    elif context.num_replicas > 1 and any(not x.synchronized for x in norms):
+    elif n > 1 and any(not x.synchronized for x in norms):
         say_once(
             "bn",
             f"{name} has {len(norms)} BatchNormalization layer(s) with per-replica statistics: each "
@@ -137,8 +128,7 @@ def all_layers(model: Any) -> list[Any]:
 
 
 def setup_callback(runtime: Any) -> Any:
-    """A Keras callback that, once `fit` has built the model, sets up gradient accumulation and the
-    custom-step averaging (`keras_sync.training.instrument`)."""
+    """A Keras callback that sets up gradient accumulation and the replica probe once `fit` built the model."""
     import keras
 
     class RuntimeSetup(keras.callbacks.Callback):

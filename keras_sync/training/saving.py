@@ -1,10 +1,9 @@
-"""A model's own methods under several workers: the chief alone writes, every worker meets the others.
+"""Under several workers the chief alone writes, and every worker meets the others.
 
-Every worker runs the whole script, and two writers of one ``.keras`` file leave a file that does
-not load. TensorFlow's recipe: every worker saves (a read can be a collective), only the chief to
-the real path, the others to a temporary directory deleted at once. `guard_callbacks` does the
-same for Keras's `BackupAndRestore`, `TensorBoard` and `CSVLogger`. ``keras.saving.save_model``
-and callbacks keras-sync does not know write on every worker: guard them with ``sync.is_chief``.
+TensorFlow's recipe: every worker saves (a read can be a collective), only the chief to the real
+path, the others to a temporary directory deleted at once; `guard_callbacks` does the same for
+Keras's file-writing callbacks. ``keras.saving.save_model`` and callbacks keras-sync does not know
+write on every worker: guard them with ``sync.is_chief``.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ def wrap_own(
     model: Any, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]], mark: str
 ) -> None:
     """Give ``model`` its own ``name``: ``wrap(call)``, ``call`` running the method it has now (its
-    own, else its class's). Keras's classes are left as they are; done once per ``mark``."""
+    own, else its class's); once per ``mark``."""
     own = vars(model).get(name)
     if getattr(own, mark, False):
         return
@@ -88,11 +87,8 @@ def write_target(filepath: Any, strategy: Any) -> Iterator[Any]:
 
 
 def save(model: Any, filepath: Any, **kwargs: Any) -> None:
-    """Save ``model`` to ``filepath`` from every worker; only the chief writes ``filepath``.
-
-    Call it on every worker. ``*.weights.h5`` saves the weights (`model.save_weights`); any
-    other name saves the whole model (`model.save`: ``.keras``, or legacy ``.h5``).
-    """
+    """Save ``model`` to ``filepath`` (``*.weights.h5``: its weights) from every worker; only the
+    chief writes ``filepath``."""
     if not hasattr(model, "save") or not hasattr(model, "save_weights"):
         raise UsageError(
             f"Invalid value for argument `model` of sync.save. Received: {type(model).__name__}. "
@@ -108,18 +104,14 @@ def save(model: Any, filepath: Any, **kwargs: Any) -> None:
         getattr(type(model), name)(model, target, **kwargs)
 
 
-#: Keras callbacks that write files, and the attribute holding the user's path (pointed into a
-#: temporary directory on a worker that is not the chief, before `fit` hands it the model).
+#: Keras callbacks that write files, and the attribute of the user's path (a temporary one elsewhere).
 USER_PATH_ATTRS = (("TensorBoard", "log_dir"), ("CSVLogger", "filename"))
 _USER_PATH_MARK = "_keras_sync_user_path"
 
 
 def guard_callbacks(strategy: Any, callbacks: list[Any]) -> list[Any]:
-    """Make Keras's callbacks in ``callbacks`` write the user's paths on the chief only; returns the list.
-
-    `BackupAndRestore` on the other workers saves to a temporary file, writes no metadata and
-    deletes nothing (all workers restore from ``backup_dir``).
-    """
+    """Make Keras's callbacks in ``callbacks`` write the user's paths on the chief only; returns the
+    list (elsewhere `BackupAndRestore` saves to a temporary file and deletes nothing)."""
     if strategy_role(strategy).is_chief:
         return callbacks
     import keras

@@ -1,16 +1,15 @@
 """What a replica's `train_step` does while TensorFlow traces it, and the gradient average of a custom one.
 
-Keras sums the replicas' gradients after its own losses divided each replica's loss by N; a custom
-`train_step` written as the Keras guides show skips that division and trains at N x the learning
-rate. While a replica traces, `capture` shims the functions it reaches (each notes what it saw and
-calls the original) and decides per optimizer ``apply`` whether the loss was divided;
-`runtime.train_step_gradients` ``auto`` then divides an undivided one by N, ``average`` always,
-``sum`` never (Keras's behaviour).
+Keras sums the replicas' gradients after its losses divided each replica's loss by N; a custom
+`train_step` as the Keras guides write it skips that division. While a replica traces, `capture`
+shims what it reaches and decides per optimizer ``apply`` whether the loss was divided:
+`runtime.train_step_gradients` ``auto`` divides an undivided one by N, ``average`` always, ``sum`` never.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import threading
 from collections.abc import Iterator
@@ -24,8 +23,7 @@ _tls = threading.local()
 
 
 def named_optimizers(model: Any) -> dict[str, Any]:
-    """The model's optimizer and any other optimizer it holds as an attribute (a GAN's two), by
-    attribute (``optimizer`` first, a leading ``_`` dropped)."""
+    """The model's optimizers (a GAN's two) by attribute, ``optimizer`` first, a leading ``_`` dropped."""
     import keras
 
     found: dict[str, Any] = {}
@@ -36,7 +34,6 @@ def named_optimizers(model: Any) -> dict[str, Any]:
 
 
 def optimizers_of(model: Any) -> list[Any]:
-    """The optimizers of `named_optimizers`."""
     return list(named_optimizers(model).values())
 
 
@@ -45,12 +42,10 @@ def gradient_factor(
 ) -> float:
     """The factor keras-sync applies to the local gradients of a replica before Keras sums them.
 
-    >>> gradient_factor("auto", True, None, 4)         # a loss mean over the replica's batch
-    0.25
-    >>> gradient_factor("auto", True, "a Keras loss", 4), gradient_factor("sum", True, None, 4)
+    >>> gradient_factor("auto", True, None, 4), gradient_factor("auto", True, "a Keras loss", 4)
+    (0.25, 1.0)
+    >>> gradient_factor("sum", True, None, 4), gradient_factor("average", False, None, 4)
     (1.0, 1.0)
-    >>> gradient_factor("average", False, None, 4)     # Keras's own train_step already scales
-    1.0
     """
     if not custom_step or num_replicas <= 1 or policy == "sum":
         return 1.0
@@ -70,11 +65,7 @@ def weighs_by_examples(custom_step: bool, scaled_by: str | None) -> bool:
 
 
 def averaging_message(
-    model: Any,
-    num_replicas: int,
-    optimizers: list[str] | None = None,
-    *,
-    at_scale_loss: bool = False,
+    model: Any, num_replicas: int, optimizers: list[str] | None = None, at_scale_loss: bool = False
 ) -> str:
     """The line printed on the chief when keras-sync averages a custom train_step's gradients."""
     which = f" for {', '.join(optimizers)}" if optimizers else ""
@@ -189,30 +180,20 @@ def _mark(value: Any, what: str) -> Any:
     return value
 
 
-def _upstream_mark(targets: list[Any], marks: dict[Any, str]) -> str | None:
-    """The first marked tensor the graph of ``targets`` is computed from (None: none)."""
-    stack, visited = list(targets), set()
-    while stack:
+def _scaled_by(record: dict[str, Any], targets: list[Any]) -> str | None:
+    """What divided (or summed) the loss ``targets`` are computed from: the first marked tensor of
+    their graph (no targets, gradients not from a tape we saw: any mark so far); None: nothing."""
+    marks, stack, visited = record["marks"], list(targets), set()
+    what = None if targets else next(iter(marks.values()), None)
+    while stack and what is None:
         t = stack.pop()
         try:
             what, op = marks.get(t.ref()), t.op
         except (AttributeError, TypeError):
             continue
-        if what is not None:
-            return what
-        if op.name not in visited:
+        if what is None and op.name not in visited:
             visited.add(op.name)
             stack.extend(op.inputs)
-    return None
-
-
-def _scaled_by(record: dict[str, Any], grads: list[Any]) -> str | None:
-    """What divided (or summed) the loss these gradients come from; None when nothing did."""
-    targets = {id(t): t for g in grads if (t := record["targets"].get(id(g))) is not None}
-    if targets:
-        what = _upstream_mark(list(targets.values()), record["marks"])
-    else:  # gradients not from a tape we saw: any mark so far counts
-        what = next(iter(record["marks"].values()), None)
     return "num_replicas_in_sync" if what is None and record["read_n"] else what
 
 
@@ -309,16 +290,14 @@ def _model_patches(model: Any, custom_step: bool) -> list[Any]:
 
 
 def _scaling(scale_loss: Any) -> Any:
-    """A `LossScaleOptimizer.scale_loss` that divides an undivided loss by N *before* the backward
-    pass, as a Keras loss does: divided at the optimizer, float16 gradients overflowed at half the scale."""
+    """A `LossScaleOptimizer.scale_loss` that divides an undivided loss by N before the float16
+    backward pass, as a Keras loss does (divided later, the gradients overflow at half the scale)."""
 
     def scale_loss_shim(loss: Any) -> Any:
         out, record = scale_loss(loss), seen()
         if record is None or not record["custom_step"] or record["n"] <= 1:
             return out
-        what = _upstream_mark([loss], record["marks"]) or (
-            "num_replicas_in_sync" if record["read_n"] else None
-        )
+        what = _scaled_by(record, [loss])
         if record["policy"] == "sum" or (record["policy"] == "auto" and what is not None):
             return out
         import tensorflow as tf
@@ -335,19 +314,13 @@ def _applying(optimizer: Any, apply: Any) -> Any:
             return apply(grads, trainable_variables)
         import tensorflow as tf
 
-        grads, n = list(grads), record["n"]
-        apply_fn, half = apply, None
+        grads, n, apply_fn, half = list(grads), record["n"], apply, None
         if _loss_scale.applies_here(optimizer, n):  # one device's skip decision
             half = [g is not None and _loss_scale.from_float16(g) for g in grads]
         if (
             half is not None or n > 1 and _loss_scale.clips(optimizer)
         ):  # clip the sum, as one device
-
-            def apply_fn(grads: Any, trainable_variables: Any = None) -> Any:
-                return _loss_scale.apply_summed(
-                    optimizer, apply, list(grads), trainable_variables, half
-                )
-
+            apply_fn = functools.partial(_loss_scale.apply_summed, optimizer, apply, half=half)
         present = [g for g in grads if g is not None]
         record["grads"].extend(present)
         if record["stamp"] is not None and record["reached"] is None:
@@ -355,7 +328,8 @@ def _applying(optimizer: Any, apply: Any) -> Any:
             record["reached"] = record["stamp"](tf.nest.flatten(present, expand_composites=True))
         if hasattr(optimizer, "dynamic_scale"):  # a LossScaleOptimizer's grads are scaled
             record["loss_scale"] = optimizer.dynamic_scale
-        scaled_by = _scaled_by(record, grads)
+        targets = {id(t): t for g in grads if (t := record["targets"].get(id(g))) is not None}
+        scaled_by = _scaled_by(record, list(targets.values()))
         factor = (
             1.0
             if scaled_by == AT_SCALE_LOSS

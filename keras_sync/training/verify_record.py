@@ -1,11 +1,8 @@
 """`keras-sync verify`'s recording: the first optimizer steps of `sync.fit`, written to a folder.
 
-Under ``config.verify`` `sync.fit` records its first ``steps`` optimizer steps, then the script
-ends (exit 0). The chief writes ``record.json`` (per step the loss weighted by examples, the
-update's norm, the learning rate and the examples; the model's facts), ``initial.npz`` and
-``final.npz`` (every weight by its path) and the config keys of the one-device reference
-(`reference_overrides`). A reference run (``replay_dir``) starts from the recorded initial weights;
-`load` seeds Python, NumPy and Keras, so a script gives the same batches twice.
+The chief writes ``record.json`` (per step the example-weighted loss, the update's norm, the
+learning rate and the examples; the model's facts), ``initial.npz``/``final.npz`` (the weights by
+path) and the one-device reference's config keys; then the script ends (exit 0).
 """
 
 from __future__ import annotations
@@ -26,7 +23,7 @@ RECORD_FILE, INITIAL_FILE, FINAL_FILE = "record.json", "initial.npz", "final.npz
 
 
 def seed_everything() -> None:
-    """Seed Python, NumPy and Keras (called by `load` in a verify run, before the model is built)."""
+    """Seed Python, NumPy and Keras (`load` in a verify run, so a script gives the same batches twice)."""
     import keras
 
     keras.utils.set_random_seed(SEED)
@@ -44,19 +41,17 @@ def callback(context: RunContext, *, input_source: str | None, base_batch_size: 
     def weights(variables: Any) -> list[Any]:
         return [np.array(v.numpy(), np.float64) for v in variables]
 
-    def by_path(model: Any) -> dict[str, Any]:
-        """npz keys in model order (the index keeps the order and makes keys unique)."""
+    def by_path(model: Any) -> dict[str, Any]:  # the index keeps the order and makes keys unique
         return {f"{i:04d}:{v.path}": np.array(v.numpy()) for i, v in enumerate(model.weights)}
 
     class VerifyRecorder(keras.callbacks.Callback):
         def on_train_begin(self, logs: Any = None) -> None:
-            model = self.model
             if request.replay_dir is not None:
-                _load_weights(model, Path(request.replay_dir) / INITIAL_FILE)
-            self.initial = by_path(model)
-            self.previous = weights(model.trainable_weights)
-            self.probe: Any = probe_of(model)
-            self.iterations = int(model.optimizer.iterations.numpy())
+                _load_weights(self.model, Path(request.replay_dir) / INITIAL_FILE)
+            self.initial = by_path(self.model)
+            self.previous = weights(self.model.trainable_weights)
+            self.probe: Any = probe_of(self.model)
+            self.iterations = int(self.model.optimizer.iterations.numpy())
             self.examples_seen: list[float] | None = None
             self.steps: list[dict[str, float]] = []
             self.micro: list[
@@ -66,38 +61,26 @@ def callback(context: RunContext, *, input_source: str | None, base_batch_size: 
 
         def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
             if not self.micro:
-                try:
-                    rate = self.model.optimizer.learning_rate
-                    self.lr = float(rate.numpy() if hasattr(rate, "numpy") else rate)
-                except Exception:
-                    self.lr = math.nan
+                self.lr = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
 
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
             p = self.probe
             rings = p.read()  # a collective under multi_worker_mirrored: every worker reads here
-            row = p.row(rings, p.count(rings))
-            seen = [float(r[p.EXAMPLES]) for r in row] if row else [math.nan]
+            row = p.row(rings, p.count(rings)) or []
+            seen = [float(r[p.EXAMPLES]) for r in row] or [math.nan]
             before = self.examples_seen or [0.0] * len(seen)
             shares = [a - b for a, b in zip(seen, before)]
             self.examples_seen = seen
-            losses = [float(r[p.LOSS]) for r in row] if row else [math.nan]
+            losses = [float(r[p.LOSS]) for r in row] or [math.nan]
             self.micro.append((_weighted(zip(losses, shares)), sum(shares)))
             iterations = int(self.model.optimizer.iterations.numpy())
             if iterations == self.iterations:
                 return  # accumulating: the update comes at a later micro-batch
             self.iterations, now = iterations, weights(self.model.trainable_weights)
             update = math.sqrt(sum(float(np.sum((a - b) ** 2)) for a, b in zip(now, self.previous)))
-            self.previous = now
-            examples = sum(e for _, e in self.micro)
-            self.steps.append(
-                {
-                    "loss": _weighted(self.micro),
-                    "update": update,
-                    "lr": self.lr,
-                    "examples": examples,
-                }
-            )
-            self.micro = []
+            self.previous, examples = now, sum(e for _, e in self.micro)
+            loss, self.micro = _weighted(self.micro), []
+            self.steps.append({"loss": loss, "update": update, "lr": self.lr, "examples": examples})
             if len(self.steps) >= request.steps:
                 self.model.stop_training = True
 
@@ -155,8 +138,8 @@ def end_script(config: Any, *, is_chief: bool) -> None:
 
 
 def arrays_as_dataset(config: Any) -> bool:
-    """Whether this reference run replays a multi-worker recording, whose arrays became a tf.data
-    dataset shuffled by keras-sync: the reference's arrays then do too, for the same batches."""
+    """Whether this reference run replays a recording whose arrays became a dataset keras-sync
+    shuffled (multi-worker): the reference's then do too, for the same batches."""
     replay = config.verify.replay_dir if config.verify is not None else None
     try:
         record = json.loads((Path(replay) / RECORD_FILE).read_text()) if replay else {}
@@ -168,9 +151,8 @@ def arrays_as_dataset(config: Any) -> bool:
 def reference_overrides(
     context: RunContext, facts: dict[str, Any], base_batch_size: int
 ) -> dict[str, Any]:
-    """The config keys of the one-device reference: kind ``default``, the same global batch and
-    base learning-rate batch, and, when no layer depends on the batch, the batch as N micro-batches
-    with gradient accumulation (one replica's memory)."""
+    """The config keys of the one-device reference: the same global batch, as N micro-batches with
+    gradient accumulation (one replica's memory) when no layer depends on the batch."""
     n, batch = context.num_replicas, context.global_batch_size or 0
     micro = n if not depends_on_batch(facts) and batch % n == 0 else 1
     return {
@@ -221,7 +203,7 @@ def model_facts(context: RunContext, model: Any) -> dict[str, Any]:
 
 
 def _weighted(pairs: Any) -> float:
-    """The mean of (value, weight) pairs weighted by their weights (NaN without weight)."""
+    """The weighted mean of (value, weight) pairs (NaN without weight)."""
     pairs = list(pairs)
     total = sum(w for _, w in pairs)
     return sum(v * w for v, w in pairs) / total if total > 0 else math.nan
