@@ -1,9 +1,8 @@
 """Every private Keras, TensorFlow and MLflow internal keras-sync relies on, each with a probe.
 
-Each entry names the internal, the feature that needs it, why (the upstream issue) and a probe of
-the shape relied on. `require(feature)` raises a one-line `CompatibilityError` (versions, what is
-missing, the fix) when a probe fails; an entry with ``fallback`` has a public path instead. The
-probes run once per process (Keras's code does not change) and import nothing at module import.
+Each entry names the internal, the feature that needs it, why (the upstream issue) and the shape
+relied on. `require(feature)` raises a one-line `CompatibilityError` when a probe fails; an entry
+with ``fallback`` has a public path instead. Probes run once per process, on first use.
 """
 
 from __future__ import annotations

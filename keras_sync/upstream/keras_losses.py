@@ -1,11 +1,7 @@
-"""Keras's loss-scaling functions (``keras.src.losses.loss``): read in a custom `train_step`,
-identities in a test step.
-
-Keras divides every loss by the replica count for the gradient sum (`scale_loss_for_distribution`).
-No public API says a loss went through it: a custom `train_step` as the guides write it trains at
-N x the learning rate on N replicas (keras-team/keras#14104), and a custom `test_step` reports 1/N
-of the loss (Keras's own multiplies it back). No gradient is taken in a test step: while one
-traces, both scaling functions are identities, so `evaluate` reports one device's loss.
+"""Keras's loss scaling (``keras.src.losses.loss``): read in a custom `train_step`, identities in a
+test step. Keras divides every loss by the replica count and no public API says so: a custom
+`train_step` trains at N x the rate on N replicas (keras-team/keras#14104), a custom `test_step`
+reports 1/N of the loss. A test step takes no gradient, so `evaluate` reports one device's loss.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""The private MLflow modules keras-sync reads, each behind a probe; nothing here writes to a store.
-
-- `mlflow.utils.autologging_utils`: whether ``mlflow.keras.autolog()`` is on (no documented
-  getter), so one run holds both; refused in one line when it moved.
-- `mlflow.store.db.utils`: the schema revision of a new sqlite store, to wait for a store another
-  client is building rather than migrate it twice (else a store is used as found).
-- `mlflow.store.tracking.sqlalchemy_store`: imported and its mappers configured ahead (a head start).
+"""The private MLflow modules keras-sync reads (nothing here writes to a store): whether
+``mlflow.keras.autolog()`` is on (no documented getter; refused in one line when it moved), the
+schema revision of a new sqlite store (to wait for one another client is building, not migrate it
+twice), and MLflow's SQL store imported with its mappers configured ahead (a head start).
 """
 
 from __future__ import annotations

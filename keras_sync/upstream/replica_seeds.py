@@ -1,9 +1,8 @@
 """Keras random ops draw their own numbers on each replica, as for the examples of one device's batch.
 
-Under a strategy a `SeedGenerator`'s variable is mirrored, so every replica draws the same dropout
-masks, noise and augmentations. `per_replica_seeds` folds the replica id into the seed of each
-Keras random op traced in a replica context, in ``_cast_seed`` (no public hook). Replica 0 keeps
-the seed; the others draw independent streams (equal to one device in distribution, not value).
+A mirrored `SeedGenerator` gives every replica the same dropout masks and augmentations.
+`per_replica_seeds` folds the replica id into each op's seed in ``_cast_seed`` (no public hook):
+replica 0 keeps the seed, the others draw independent streams (one device's in distribution).
 """
 
 from __future__ import annotations

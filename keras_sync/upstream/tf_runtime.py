@@ -9,10 +9,7 @@ from keras_sync.upstream import internals as _internals
 
 
 def global_seed_set() -> bool:
-    """Whether the script called `tf.random.set_seed` (False when TensorFlow no longer tells).
-
-    No public API tells it.
-    """
+    """Whether the script called `tf.random.set_seed` (no public API tells; False if TF no longer does)."""
     if not _internals.available(_internals.GLOBAL_SEED):
         return False
     return importlib.import_module("tensorflow.python.eager.context").global_seed() is not None
