@@ -60,8 +60,8 @@ class SyncMetrics(keras.callbacks.Callback):
         if not self.auto:
             check_int("log_every_n_steps", log_every_n_steps, 1, " or 'auto'")
         self.writer = writer
-        # auto: every step is recorded and read as with 1 (every worker reads the probe at the same
-        # steps); the chief alone thins what it writes to `stride`.
+        # auto: every step is read as with 1 (every worker at the same steps); the chief alone
+        # thins what it writes to `stride`.
         self.every = 1 if self.auto else int(log_every_n_steps)
         self.stride, self._num_replicas, self._keras_logs = 1, 1, True
         self._probe: Any = None
@@ -71,22 +71,18 @@ class SyncMetrics(keras.callbacks.Callback):
         self._reset()
 
     def _reset(self) -> None:
-        #: The job's step after the last finished step (None before the first one).
-        self.global_step: int | None = None
+        self.global_step: int | None = None  # the job's step after the last finished one
         self._busy_s, self._steps_since_log = 0.0, 0
-        # Logged steps whose per-replica values are still in the probe's ring:
-        # (global step, probe count, Keras logs, busy seconds, steps in the interval, timestamp ms).
+        # Logged steps still in the probe's ring: (step, probe count, Keras logs, busy s, steps, ms).
         self._pending: list[tuple[int, int, dict, float, int, int]] = []
-        # auto: the last step read but not written, with the time and steps not yet in a point.
+        # auto: the last step read but not written, and the time and steps not yet in a point.
         self._held: tuple | None = None
         self._carry_s, self._carry_n = 0.0, 0
         self._returned: float | None = None  # when the train function last returned
-        # Peaks of the steps since the last written point, and how many.
-        self._window: dict[str, float] | None = None
+        self._window: dict[str, float] | None = None  # peaks since the last written point
         self._window_steps = 0
 
-    def set_model(self, model: Any) -> None:
-        # Runs before `fit` builds its train function: the moment to instrument train_step.
+    def set_model(self, model: Any) -> None:  # before `fit` builds its train function
         super().set_model(model)
         from keras_sync.training import instrument as _instrument
 
@@ -96,8 +92,7 @@ class SyncMetrics(keras.callbacks.Callback):
     def on_train_begin(self, logs: dict | None = None) -> None:
         from keras_sync.tracking import autolog as _autolog
 
-        # mlflow.keras.autolog() logs the Keras logs itself (per epoch, at step = epoch index):
-        # logged here too, one key would hold two points at some steps.
+        # mlflow.keras.autolog() logs the Keras logs itself: twice, a key would get two points.
         self._keras_logs = not _autolog.keras_autolog_active()
         self._reset()  # a fit that raised may have left steps and peaks unwritten
         self.shared.step = None
@@ -122,9 +117,7 @@ class SyncMetrics(keras.callbacks.Callback):
         return train_function
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
-        if self.global_step is None:
-            # Read once, after every on_train_begin (BackupAndRestore may have restored it), in
-            # micro-batches (keras-sync's gradient accumulation).
+        if self.global_step is None:  # after every on_train_begin (a backup may have restored it)
             accumulator = getattr(self._probe, "accumulator", None)
             updates = int(self.model.optimizer.iterations.numpy())
             model_step = updates * (accumulator.steps if accumulator else 1)
@@ -148,8 +141,8 @@ class SyncMetrics(keras.callbacks.Callback):
         if _reduce.crossed_log_step(prev, self.global_step, self.every):
             numbers = _numbers(logs)
             now_ms = int(time.time() * 1000)
-            # With steps_per_execution > 1 Keras calls this once per execution: every logged step of
-            # it gets its own point from the ring (the execution's Keras logs go with the last one).
+            # steps_per_execution > 1: each logged step of the execution gets its own point (its
+            # Keras logs go with the last one).
             logged = [s for s in range(prev + 1, self.global_step + 1) if s % self.every == 0]
             per_step = self._busy_s / self._steps_since_log
             since = self.global_step - self._steps_since_log  # the step of the previous point
@@ -162,8 +155,8 @@ class SyncMetrics(keras.callbacks.Callback):
             self._steps_since_log = self.global_step - logged[-1]
         if not self._pending:
             return
-        # Slow steps: a crash would lose held steps, so hold them MAX_HOLD_MS at most. Only without
-        # workers: there the read is a collective, and a clock gives no two workers the same decision.
+        # Slow steps are held MAX_HOLD_MS at most (a crash loses them); not with several workers,
+        # where the read is a collective and clocks would not decide alike.
         late = time.time() * 1000 - self._pending[0][5] >= MAX_HOLD_MS
         if self._count - self._pending[0][1] >= self._probe.ring // 2 or (
             late and not self._probe.multi_worker
@@ -196,7 +189,7 @@ class SyncMetrics(keras.callbacks.Callback):
             self._write(step, rows, examples, logs, busy_s, n_steps, ts)
 
     def _fold_window(self, rings: list[Any], count: int, n_steps: int) -> None:
-        """Fold the steps of a point's interval (those still in the ring) into the window's peaks."""
+        """Fold a point's steps still in the ring into the window's peaks."""
         p = self._probe
         for c in range(max(count - n_steps + 1, 1), count + 1):
             rows = p.row(rings, c)
@@ -209,7 +202,7 @@ class SyncMetrics(keras.callbacks.Callback):
                 self._window_steps += 1
 
     def _write_held(self) -> None:
-        """auto: write the last step read but not written (each epoch's last step gets a point)."""
+        """auto: write the last step read but not written (each epoch's last gets a point)."""
         if self._held is not None:
             held, self._held, self._carry_s, self._carry_n = self._held, None, 0.0, 0
             self._write(*held)

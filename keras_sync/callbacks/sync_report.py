@@ -25,9 +25,8 @@ class SyncReport(keras.callbacks.Callback):
 
     Each replica's loss and gradient norm over the steps, the weight divergence, and a summary
     (step times, grad-norm spread) that names a slow worker. It draws what the other keras-sync
-    callbacks record in the same `keras_sync.callbacks.SharedState` (or, without one, what goes
-    through ``report.recorder`` given to them as their writer), at most ``max_points`` per line.
-    The worker given a writer draws (a `keras_sync.tracking.MlflowWriter` in its courier
+    callbacks record in the same `keras_sync.callbacks.SharedState`, at most ``max_points`` per
+    line. The worker given a writer draws (a `keras_sync.tracking.MlflowWriter` in its courier
     process); each drawing replaces the previous one.
 
     Args:
@@ -56,8 +55,6 @@ class SyncReport(keras.callbacks.Callback):
         check_int("max_points", max_points, 2)
         self.writer, self.when = writer, when
         self.history = SyncHistory(max_points=max_points)
-        #: The writer to hand to the callbacks whose metrics it draws (None without a writer).
-        self.recorder = None if writer is None else _Recorder(writer, self.history)
         self.shared = check_shared(shared)
         if writer is not None:
             self.shared.add_listener(self.history.add)
@@ -86,19 +83,3 @@ class SyncReport(keras.callbacks.Callback):
             log.warning(
                 "keras-sync: could not draw %s (%r); metrics are logged as usual.", ARTIFACT, exc
             )
-
-
-class _Recorder:
-    """A writer that keeps the sync metrics for the report and passes every call on to ``writer``."""
-
-    def __init__(self, writer: Any, history: SyncHistory):
-        self._writer, self._history = writer, history
-
-    def log_metrics(
-        self, metrics: dict[str, float], step: int, timestamp_ms: int | None = None
-    ) -> None:
-        self._history.add(metrics, step)
-        self._writer.log_metrics(metrics, step=step, timestamp_ms=timestamp_ms)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._writer, name)

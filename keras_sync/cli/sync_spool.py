@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 import time
 
 import click
 
-#: At most one progress line per this many seconds (a terminal's line is rewritten in place instead).
+#: At most one progress line per this many seconds.
 _EVERY_S = 5.0
 
 
@@ -36,19 +35,15 @@ def command(path: str, tracking_uri: str | None, timeout_s: float) -> None:
     """
     from keras_sync.tracking import replay_spool
 
-    tty, said, last = sys.stdout.isatty(), "", 0.0
+    said, last = "", 0.0
 
     def progress(sent: int, total: int, failures: str) -> None:
         nonlocal said, last
         line = f"{path}: {sent} of {total} metric point(s) sent"
         line += f"; {failures} (each retried)" if failures else ""
-        if line != said and (tty or time.monotonic() - last >= _EVERY_S):
+        if line != said and time.monotonic() - last >= _EVERY_S:
             said, last = line, time.monotonic()
-            click.echo("\r" + line if tty else line, nl=not tty)
+            click.echo(line)
 
-    try:
-        sent = replay_spool(path, tracking_uri=tracking_uri, timeout_s=timeout_s, progress=progress)
-    finally:
-        if tty and said:
-            click.echo()
+    sent = replay_spool(path, tracking_uri=tracking_uri, timeout_s=timeout_s, progress=progress)
     click.echo(f"{path}: sent {sent} metric point(s) to MLflow")

@@ -183,8 +183,8 @@ class MlflowWriter:
         return self._sp.say_refused_once()
 
     def when_run_known(self, callback: Callable[[MlflowWriter], None]) -> None:
-        """Call ``callback(self)`` once, from the spooling thread, when the run id is known or
-        MLflow failed before it was."""
+        """Call ``callback(self)`` once, from the spooling thread, when the run id is known (or
+        MLflow failed first)."""
         self._sp.on_run = lambda: callback(self)
 
     def undelivered_message(self, final: bool = True) -> str | None:
@@ -194,7 +194,7 @@ class MlflowWriter:
     # ---- the caller's side: no I/O ----
     def start(self, defer_begin: bool = False) -> None:
         """Start the spooling thread and the courier; ``defer_begin``: the first record logged
-        begins the run (a writer that logs nothing makes none)."""
+        begins the run (none without one)."""
         if self._sp.thread is None:
             self._begin = "first" if defer_begin else None
             self._sp.start(None if defer_begin else _now_ms())
@@ -304,7 +304,7 @@ class MlflowWriter:
             warnings.warn(message, RuntimeWarning, stacklevel=4)
 
     def _put_end(self, status: str, **extra: Any) -> None:
-        """The run's end; records dropped over the memory bound make it FAILED, with a tag naming them."""
+        """The run's end: FAILED, tagged, if records were dropped over the memory bound."""
         tag = self._sp.loss_tag()
         if tag is not None:
             self._put(tag)
@@ -365,15 +365,11 @@ class MlflowWriter:
         else:
             self._put({"k": records.STOP})
         self.start()
-        line = None
         try:  # the line's first print is inside: a Ctrl-C may come as it is shown
             line = waiting.ExitLine(self._sp) if at_exit and not never_begun else None
             delivered = never_begun or self.flush(timeout_s, progress=line.update if line else None)
         except KeyboardInterrupt:  # Ctrl-C at exit: the rest stays in the spool, and is said
             delivered = False
-        finally:
-            if line is not None:
-                line.done()
         message = self._sp.shut_down(delivered, never_begun)
         if message:
             warnings.warn(message, RuntimeWarning, stacklevel=2)

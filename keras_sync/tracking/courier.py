@@ -1,10 +1,8 @@
-"""The courier: a child process of the writer that delivers one spool to MLflow in order.
-
-Out of the training process because MLflow's client spends Python time on every point (the GIL).
-Its stdin brings the tracking URI (credentials never touch disk or the command line), the header,
-then records the writer could not spool (a full disk); its stdout tells the writer where delivery
-stands. It ends after the writer's last record, or, once its parent died, after a last attempt
-while the server answers. `replay_spool` (``keras-sync sync-spool``) delivers a left spool.
+"""The courier: a child process of the writer (MLflow's client costs GIL time per point) that
+delivers one spool to MLflow in order. Its stdin brings the tracking URI (credentials never touch
+disk or the command line), the header, then records a full disk kept out of the spool; its stdout
+tells the writer where delivery stands. It ends after the writer's last record, or once its parent
+died and the server stopped answering. ``keras-sync sync-spool`` (`replay_spool`) delivers the rest.
 """
 
 from __future__ import annotations
@@ -158,9 +156,7 @@ class Delivery:
     ) -> None:
         """MLflow has every record up to ``upto`` (a spool position, or a held record's number)."""
         if self.failing and not self.sender.retrier.failing:
-            # "ok" before the new position: a writer that sees delivery move must not read the
-            # old failure with it (close() would give up on a server that is back).
-            self.report(None)
+            self.report(None)  # before the new position: close() must not see it with the failure
         run_id = self.sender.run_id
         if force_run or (run_id != run_before and self.known_run.get("run_id") != run_id):
             self.known_run = {"run_id": run_id, "experiment_id": self.sender.experiment_id}
@@ -191,7 +187,7 @@ class Delivery:
         return held or bool(self.spool.read(self.pos, max_records=1))
 
     def _tell(self, news: dict[str, Any]) -> None:
-        """Tell the writer over its pipe (when it has one): the files may not be writable."""
+        """Tell the writer over its pipe, if any (the files may not be writable)."""
         if self._news is None:
             return
         try:
@@ -201,7 +197,7 @@ class Delivery:
             self._news = None
 
     def _requests_changed(self, retrier: Retrier) -> None:
-        """The status says what happened to the requests (an answer at most once a second)."""
+        """Report the requests' outcome (an answer at most once a second)."""
         answered = retrier.failing and retrier.succeeded_in_a_row > 0
         if answered and time.monotonic() - self._answer_told < 1.0:
             return
@@ -237,7 +233,7 @@ class Delivery:
         self._tell({"status": status})
 
     def read_pipe(self, records: BinaryIO) -> None:
-        """Take the records a writer hands over its pipe, numbered in order, until it closes it."""
+        """Take the numbered records the writer hands over its pipe, until it closes it."""
         for line in records:
             try:
                 msg = json.loads(line)
@@ -285,7 +281,7 @@ class Delivery:
 
 
 class _Scrubbed:
-    """A text stream that scrubs secrets from what MLflow or SQLAlchemy print in this process."""
+    """A text stream that scrubs secrets from what MLflow or SQLAlchemy print here."""
 
     def __init__(self, stream: Any, secrets: list[str]):
         self._stream, self._secrets = stream, secrets
@@ -299,8 +295,8 @@ class _Scrubbed:
 
 def main(argv: list[str]) -> int:
     """``courier_main SPOOL_DIR PARENT_PID``; stdin: the handoff line, then the held records."""
-    # SIGINT and SIGTERM are for the training process, which ends us by closing the run: Slurm
-    # signals every process of a job step while the trainer still has records for us.
+    # SIGINT and SIGTERM are for the trainer, which ends us by closing the run (Slurm signals
+    # every process of a job step while the trainer still has records for us).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent = int(argv[2])  # not getppid(): the parent may have died before this line

@@ -1,27 +1,8 @@
 """The spool protocol: the records a writer appends, why a delivery failed, and MLflow's limits.
 
-A record is one JSON object per line of a spool segment (`keras_sync.tracking.spool`); its ``"k"``
-is its kind. The kinds keep their short spellings on disk (older spools still replay); code names
-them by the constants below.
-
-==========  ====================================================================================
-kind        fields, and what the courier does with it
-==========  ====================================================================================
-`BEGIN`     ``ts`` start (ms); ``reopen``: the writer logs again after ending its run; the courier
-            adds ``replayed`` to one it sent before. Picks the run; always sent alone.
-`METRICS`   ``s`` step, ``ts`` ms, ``d`` {key: value}; a point at a step its key has is dropped.
-`PARAMS`    ``d`` {key: text} (MLflow params are immutable: the first value stays).
-`TAGS`      ``d`` {key: text}.
-`TEXT`      ``f`` artifact file, ``text``.
-`FILE`      ``src`` staged path, ``dir`` artifact dir (`keras_sync.tracking.artifacts`).
-`MODEL`     ``src`` staged directory, ``name``, ``step``: a model in MLflow's Keras flavour.
-`REPORT`    ``f`` artifact file, ``h`` history: the sync report, drawn by the courier.
-`END`       ``status``, ``ts``: the run ended; ``last: false`` when the writer goes on.
-`STOP`      the writer closed; its run had ended before.
-==========  ====================================================================================
-
-The courier's last outcome (``status.json``) is ``{"ok": true}`` or ``{"ok": false, "cause": <one
-of CAUSES>, "error": ...}``.
+A record is one JSON object per line of a spool segment (`keras_sync.tracking.spool`); ``"k"`` is
+its kind (short spellings on disk, so older spools still replay). The courier's last outcome
+(``status.json``) is ``{"ok": true}`` or ``{"ok": false, "cause": <one of CAUSES>, "error": ...}``.
 """
 
 from __future__ import annotations
@@ -32,16 +13,17 @@ from typing import Any
 
 from keras_sync.tracking.redact import redact_text
 
-BEGIN = "begin"
-METRICS = "m"
-PARAMS = "p"
-TAGS = "t"
-TEXT = "a"
-FILE = "f"
-MODEL = "model"
-REPORT = "report"
-END = "end"
-STOP = "stop"
+# Each kind, its fields, and what the courier does with it:
+BEGIN = "begin"  # ts ms; reopen: logs after end_run; replayed: sent before. Picks the run, alone
+METRICS = "m"  # s step, ts ms, d {key: value}; a point at a step its key has is dropped
+PARAMS = "p"  # d {key: text}; MLflow params are immutable: the first value stays
+TAGS = "t"  # d {key: text}
+TEXT = "a"  # f artifact file, text
+FILE = "f"  # src staged path, dir artifact dir (`keras_sync.tracking.artifacts`)
+MODEL = "model"  # src staged directory, name, step: a model in MLflow's Keras flavour
+REPORT = "report"  # f artifact file, h history: the sync report, drawn by the courier
+END = "end"  # status, ts: the run ended; last: false when the writer goes on
+STOP = "stop"  # the writer closed; its run had ended before
 #: Kinds that carry nothing for MLflow: a count of what is left to deliver leaves them out.
 BOOKKEEPING = (BEGIN, STOP)
 #: Kinds kept in memory whatever the bound: small, and they end a run with the tag of what was lost.

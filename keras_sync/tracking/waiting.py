@@ -91,20 +91,17 @@ def wait_delivered(
 
 
 class ExitLine:
-    """The one line shown while the exit waits for delivery; on a terminal its count goes down in
-    place. Shown at once when metric points are left, else once the wait passes `EXIT_QUIET_S`."""
+    """The one line shown while the exit waits for delivery: at once when metric points are left,
+    else once the wait passes `EXIT_QUIET_S`."""
 
     def __init__(self, sp: Spooler):
-        self._sp = sp
-        self._shown = False
-        self._tty = bool(getattr(sys.stderr, "isatty", lambda: False)())
-        self._start = self._last = time.monotonic()
+        self._sp, self._start, self._shown = sp, time.monotonic(), False
         left = sp.points_left()
         if left:
             self._show(left)
 
     def _show(self, left: int) -> None:
-        self._shown, self._last = True, time.monotonic()
+        self._shown = True
         uri, spool = self._sp.shown_uri, self._sp.spool.path
         if left:
             what = f"{left} metric point(s) not in MLflow yet ({uri}); delivering them before exit"
@@ -113,20 +110,13 @@ class ExitLine:
                 f"waiting for MLflow ({uri}) to receive the run's last records (the sync report "
                 "picture, drawn now, and the run's end) before exit"
             )
-        text = (
+        print(
             f"keras-sync: {what}. They are kept in {spool}: Ctrl-C leaves them there for "
-            f"`keras-sync sync-spool {spool}`"
+            f"`keras-sync sync-spool {spool}`",
+            file=sys.stderr,
+            flush=True,
         )
-        end = "" if self._tty else "\n"
-        print(("\r" if self._tty else "") + text, end=end, file=sys.stderr, flush=True)
 
     def update(self) -> None:
-        now = time.monotonic()
-        if (not self._shown and now - self._start >= EXIT_QUIET_S) or (
-            self._shown and self._tty and now - self._last >= 0.5
-        ):
+        if not self._shown and time.monotonic() - self._start >= EXIT_QUIET_S:
             self._show(self._sp.points_left())
-
-    def done(self) -> None:
-        if self._shown and self._tty:
-            print(file=sys.stderr, flush=True)
