@@ -563,14 +563,6 @@ def test_bad_indexed_job_env(env: dict[str, str], message: str) -> None:
         parse_indexed_job("w-{index}", 2222, 2, env)
 
 
-def test_indexed_job_without_hosts_or_workers_says_which_keys() -> None:
-    with pytest.raises(
-        ClusterError,
-        match=r"indexed_job.hosts or .workers is not set. Received: hosts=None, workers=2",
-    ):
-        parse_indexed_job(None, 2222, 2, {INDEX_VAR: "0"})
-
-
 @pytest.mark.parametrize(
     ("indexed_job", "message"),
     [

@@ -536,7 +536,7 @@ def test_ctrl_c_without_backup_dir_is_one_line_and_exit_130(tmp_path: Path) -> N
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
     assert [line for line in err.splitlines() if "Ctrl-C" in line] == [
         "keras-sync: Ctrl-C: training stopped at optimizer step 3; exiting with code 130. Set "
-        "fault_tolerance.backup_dir to save a backup at the step Ctrl-C stops and resume from it."
+        "fault_tolerance.backup_dir to save a backup where Ctrl-C stops and resume there."
     ], err[-3000:]
 
 

@@ -288,17 +288,12 @@ def indexed_job_addresses(hosts: str, port: int, workers: int) -> list[str]:
 
 
 def parse_indexed_job(
-    hosts: str | None, port: int, workers: int | None, env: Mapping[str, str] | None = None
+    hosts: str, port: int, workers: int, env: Mapping[str, str] | None = None
 ) -> ClusterInfo:
     """This pod's place in a Kubernetes Indexed Job (or a JobSet's job): worker ``$JOB_COMPLETION_INDEX``
-    of ``workers``, worker 0 the chief, addresses from the ``hosts`` pattern (`strategy.indexed_job`)."""
+    of ``workers``, worker 0 the chief, addresses from the ``hosts`` pattern (`strategy.indexed_job`,
+    whose keys the config has checked)."""
     raw = (os.environ if env is None else env).get(INDEX_VAR)
-    if not hosts or not workers:
-        raise _error(
-            "strategy.cluster is indexed_job but strategy.indexed_job.hosts or .workers is not set",
-            f"hosts={hosts!r}, workers={workers!r}",
-            "Set strategy.indexed_job.hosts (e.g. train-{index}.train) and .workers (completions).",
-        )
     if raw is None:
         raise _error(
             f"strategy.cluster is indexed_job but ${INDEX_VAR} is not set",

@@ -275,15 +275,11 @@ def ctrl_c_ends_fit(model: Any, *, is_chief: bool, backup_dir: str | None) -> It
         at = ""
         with contextlib.suppress(Exception):
             at = f" at optimizer step {int(model.optimizer.iterations.numpy())}"
+        resume = (
+            "Set fault_tolerance.backup_dir to save a backup where Ctrl-C stops and resume there."
+        )
         if backup_dir:
-            message = (
-                f"Ctrl-C: training stopped{at} before keras-sync could save a backup at this step; "
-                f"exiting with code 130. A relaunch resumes from the newest backup in {backup_dir}, "
-                "if there is one."
-            )
-        else:
-            message = (
-                f"Ctrl-C: training stopped{at}; exiting with code 130. Set fault_tolerance.backup_dir "
-                "to save a backup at the step Ctrl-C stops and resume from it."
-            )
+            at += " before keras-sync could save a backup at this step"
+            resume = f"A relaunch resumes from the newest backup in {backup_dir}, if there is one."
+        message = f"Ctrl-C: training stopped{at}; exiting with code 130. {resume}"
         exit_now(INTERRUPTED_EXIT_CODE, message if is_chief else None)

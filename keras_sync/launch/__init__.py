@@ -60,41 +60,22 @@ def _signal_groups(procs: Procs, sig: int) -> None:
             os.killpg(p.pid, sig)  # pid == pgid: each worker leads its own session
 
 
-def _invalid(name: str, received: object, expected: str) -> UsageError:
-    return UsageError(
-        f"Invalid value for argument `{name}`. Received: {name}={received}. Expected {expected}"
-    )
-
-
-def _check_arguments(
-    script: str, workers: object, config: str | None, grace_period_s: float, max_restarts: object
-) -> None:
-    def count(value: object, least: int) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool) and value >= least
-
-    if not count(workers, 1):
-        raise _invalid("workers", repr(workers), "an integer >= 1. Fix: pass e.g. --workers 2.")
-    if not os.path.isfile(script):
-        fix = "Fix: check the path (relative to the current directory)."
-        raise _invalid(
+def _check_paths(script: str, config: str | None) -> None:
+    """The script and config exist (click checks the numbers of `keras-sync launch`)."""
+    for name, path, what, fix in (
+        (
             "script",
-            f"{script!r}, which is not a file",
-            f"the path of a Python training script. {fix}",
-        )
-    if config is not None and not os.path.isfile(config):
-        fix = "Fix: check the path, or run `keras-sync init`."
-        raise _invalid(
-            "config",
-            f"{config!r}, which is not a file",
-            f"the path of a keras-sync YAML file. {fix}",
-        )
-    if not count(max_restarts, 0):
-        fix = "Fix: pass e.g. --max-restarts 3."
-        raise _invalid(
-            "max_restarts", repr(max_restarts), f"an integer >= 0 (0 = no restart). {fix}"
-        )
-    if grace_period_s < 0:
-        raise _invalid("grace_period_s", repr(grace_period_s), "a number of seconds >= 0.")
+            script,
+            "a Python training script",
+            "check the path (relative to the current directory)",
+        ),
+        ("config", config, "a keras-sync YAML file", "check the path, or run `keras-sync init`"),
+    ):
+        if path is not None and not os.path.isfile(path):
+            raise UsageError(
+                f"Invalid value for argument `{name}`. Received: {name}={path!r}, which is not a file. "
+                f"Expected the path of {what}. Fix: {fix}."
+            )
 
 
 def _refuse_config(
@@ -143,10 +124,10 @@ def launch(
     code of the first worker that failed in the last try (128 + N for a death by signal N).
 
     Raises:
-        UsageError: a bad argument, a one-process strategy kind under several workers, or
-            ``private_network`` where no network namespace can be made.
+        UsageError: no such script or config, a one-process strategy kind under several workers,
+            or ``private_network`` where no network namespace can be made.
     """
-    _check_arguments(script, workers, config, grace_period_s, max_restarts)
+    _check_paths(script, config)
     _refuse_config(script, workers, config, {**os.environ, **(env or {})}, private_network)
     base_env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     base_env.update({**(env or {}), "PYTHONUNBUFFERED": "1"})
