@@ -53,12 +53,13 @@ def command(
     from keras_sync.config.kinds import KINDS, LAYOUT_LOCAL
     from keras_sync.strategy import count_gpus_cheaply
 
-    ask = not no_input and sys.stdin.isatty()
-    if kind is None and ask:
-        kind = click.prompt("Strategy kind", default="auto", type=click.Choice(STRATEGY_KINDS))
-    if per_replica_batch is None and ask:
-        per_replica_batch = click.prompt(
-            "Per-replica batch size", default=32, type=click.IntRange(min=1)
+    if not no_input and sys.stdin.isatty():
+        kind = kind or click.prompt(
+            "Strategy kind", default="auto", type=click.Choice(STRATEGY_KINDS)
+        )
+        batch = click.IntRange(min=1)
+        per_replica_batch = per_replica_batch or click.prompt(
+            "Per-replica batch size", 32, type=batch
         )
     kind = (kind or "auto").lower()
     root = Path(directory)  # click refuses a file

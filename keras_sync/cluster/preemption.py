@@ -216,8 +216,7 @@ class PreemptionSaver:
         return self.save_due(step) and not self._workers
 
     def _announce(self, step: int) -> None:
-        """Ask every worker to save after step ``step + 1`` (or the step another announced first) and
-        wait for their acks; no agreement when they do not ack within the grace."""
+        """Ask every worker to save after step ``step + 1`` (or another's step) and wait for the acks."""
         import tensorflow as tf
 
         from keras_sync.upstream import multi_worker

@@ -81,8 +81,7 @@ def _check_paths(script: str, config: str | None) -> None:
 def _refuse_config(
     script: str, workers: int, config: str | None, environ: Mapping[str, str], private: bool
 ) -> None:
-    """Refuse, before any worker starts, a one-process kind (`mirrored`, ...) under several workers or
-    an HTTP tracking server under ``private_network``; a config that does not load is the workers'."""
+    """Before any worker starts: no one-process kind under workers, no HTTP store in a namespace."""
     from keras_sync.config import load_config
     from keras_sync.errors import KerasSyncError
 
@@ -176,8 +175,7 @@ def _one_try(
     stop: list[int],
     grace_period_s: float,
 ) -> tuple[int, int | None]:
-    """Starts the workers on fresh ports, waits for them, and on a failure or a signal stops them
-    all: (exit code, index of the failed worker)."""
+    """Run the workers until all end; a failure or a signal stops them all: (code, failed worker)."""
     procs.clear()
     pumps: list[threading.Thread] = []
     # Held open until every port is chosen, so the ports are distinct; closed before the workers
