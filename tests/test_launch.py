@@ -152,7 +152,7 @@ def test_workers_that_end_between_two_polls_are_all_named(
         def poll(self) -> int:
             return self.returncode
 
-    code, failed = launch_module._supervise([Ended(-9), Ended(1)], {}, grace_period_s=1.0)
+    code, failed = launch_module._supervise([Ended(-9), Ended(1)], [], grace_period_s=1.0)
     assert (code, failed) == (137, 0)
     assert (
         "[launch] w0 exited with code 137; w1 exited too, with code 1\n" in capsys.readouterr().err

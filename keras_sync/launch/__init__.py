@@ -175,7 +175,7 @@ def _one_try(
     stop: list[int],
     grace_period_s: float,
 ) -> tuple[int, int | None]:
-    """Run the workers until all end; a failure or a signal stops them all: (code, failed worker)."""
+    """Starts the workers on fresh ports and supervises them: (exit code, failed worker)."""
     procs.clear()
     pumps: list[threading.Thread] = []
     # Held open until every port is chosen, so the ports are distinct; closed before the workers
@@ -201,51 +201,48 @@ def _one_try(
                     threading.Thread(target=_pump, args=(stream, f"[w{i}] ", out), daemon=True)
                 )
                 pumps[-1].start()
-        result: int | None = None
-        failed_worker: int | None = None
-        kill_at = float("inf")
-        while True:
-            codes = [p.poll() for p in procs]
-            if result is None and stop:
-                result = 128 + stop[0]
-                if stop[0] == signal.SIGINT:
-                    _say(
-                        f"Ctrl-C: stopping {len(procs)} worker(s); Ctrl-C again to kill them at once"
-                    )
-                else:
-                    _say(f"got {signal.Signals(stop[0]).name}; stopping {len(procs)} worker(s)")
-                _signal_groups(procs, stop[0])
-                kill_at = time.monotonic() + grace_period_s
-            # A shell-style exit code: a death by signal N becomes 128 + N.
-            failed = [
-                (i, 128 - c if c < 0 else c) for i, c in enumerate(codes) if c not in (None, 0)
-            ]
-            if result is None and failed:
-                # Every failed worker is named: the others may have ended between two polls.
-                (failed_worker, result), running = failed[0], codes.count(None)
-                said = [f"w{failed_worker} exited with code {result}"]
-                said += [f"w{j} exited too, with code {c}" for j, c in failed[1:]]
-                _say(
-                    "; ".join(
-                        said + ([f"stopping the other {running} worker(s)"] if running else [])
-                    )
-                )
-                if running:
-                    _signal_groups(procs, signal.SIGTERM)
-                    kill_at = time.monotonic() + grace_period_s
-            if None not in codes:
-                return (0, None) if result is None else (result, failed_worker)
-            if time.monotonic() >= kill_at:
-                _say(f"worker(s) still running after {grace_period_s:g} s; sending SIGKILL")
-                _signal_groups(procs, signal.SIGKILL)
-                kill_at = float("inf")
-            time.sleep(0.05)
+        return _supervise(procs, stop, grace_period_s)
     finally:
         _signal_groups(procs, signal.SIGKILL)  # what workers left behind, or a crash here
         for p in procs:
             p.wait()
         for t in pumps:
             t.join(timeout=2.0)
+
+
+def _supervise(procs: Procs, stop: list[int], grace_period_s: float) -> tuple[int, int | None]:
+    """Waits for the workers; on a failure or a signal, stops them all: (exit code, failed worker)."""
+    result: int | None = None
+    failed_worker: int | None = None
+    kill_at = float("inf")
+    while True:
+        codes = [p.poll() for p in procs]
+        if result is None and stop:
+            result = 128 + stop[0]
+            if stop[0] == signal.SIGINT:
+                _say(f"Ctrl-C: stopping {len(procs)} worker(s); Ctrl-C again to kill them at once")
+            else:
+                _say(f"got {signal.Signals(stop[0]).name}; stopping {len(procs)} worker(s)")
+            _signal_groups(procs, stop[0])
+            kill_at = time.monotonic() + grace_period_s
+        # A shell-style exit code: a death by signal N becomes 128 + N.
+        failed = [(i, 128 - c if c < 0 else c) for i, c in enumerate(codes) if c not in (None, 0)]
+        if result is None and failed:
+            # Every failed worker is named: the others may have ended between two polls.
+            (failed_worker, result), running = failed[0], codes.count(None)
+            said = [f"w{failed_worker} exited with code {result}"]
+            said += [f"w{j} exited too, with code {c}" for j, c in failed[1:]]
+            _say("; ".join(said + ([f"stopping the other {running} worker(s)"] if running else [])))
+            if running:
+                _signal_groups(procs, signal.SIGTERM)
+                kill_at = time.monotonic() + grace_period_s
+        if None not in codes:
+            return (0, None) if result is None else (result, failed_worker)
+        if time.monotonic() >= kill_at:
+            _say(f"worker(s) still running after {grace_period_s:g} s; sending SIGKILL")
+            _signal_groups(procs, signal.SIGKILL)
+            kill_at = float("inf")
+        time.sleep(0.05)
 
 
 # Brings `lo` up (SIOCGIFFLAGS/SIOCSIFFLAGS, no `ip` binary needed), says so, then holds the
