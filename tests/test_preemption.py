@@ -143,7 +143,7 @@ def test_ctrl_c_out_of_fit_without_a_backup_is_one_line_and_a_second_one_skips_t
     assert proc.returncode == 130
     assert err == (
         "keras-sync: Ctrl-C: training stopped; exiting with code 130. Set fault_tolerance.backup_dir to "
-        "save a backup at the step Ctrl-C stops and resume from it.\n"
+        "save a backup where Ctrl-C stops and resume there.\n"
         "keras-sync: Ctrl-C again: exiting at once, without a backup at this step\n"
     )
 
