@@ -141,7 +141,7 @@ def main() -> int:
                 _error(lambda: _multi_worker.build_multi_worker_strategy(local_devices=["banana"])),
             ]
             strategy = _multi_worker.build_multi_worker_strategy(
-                local_devices=_multi_worker.local_cpu_devices()
+                local_devices=[f"CPU:{i}" for i in range(cpus)]
             )
             result["num_replicas"] = strategy.num_replicas_in_sync
             spec = strategy.cluster_resolver.cluster_spec()  # empty without TF_CONFIG: one worker
@@ -173,7 +173,7 @@ def main() -> int:
                 result["error_type"] = type(e).__name__
                 result["error"] = str(e)
         elif scenario in ("unfixed_then_fixed", "fixed"):
-            devices = _multi_worker.local_cpu_devices() if cpus > 1 else None
+            devices = [f"CPU:{i}" for i in range(cpus)] if cpus > 1 else None
             strategy = _multi_worker.build_multi_worker_strategy(
                 local_devices=devices, connect_timeout_s=60
             )

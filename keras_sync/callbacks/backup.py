@@ -1,6 +1,5 @@
-"""Back up the training state and resume exactly where a killed job stopped, mid-epoch included:
-weights, optimizer state, random-generator states, the epoch, its batches already trained, its metric
-totals and the input pipeline's position (Keras's own restarts an interrupted epoch at batch 0)."""
+"""Back up the training state and resume exactly where a killed job stopped, mid-epoch included
+(Keras's own `BackupAndRestore` restarts an interrupted epoch at batch 0)."""
 
 from __future__ import annotations
 
@@ -198,8 +197,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._restore_metrics_from = None
 
     def _check_restored_state_held(self, epoch: int | None = None) -> None:
-        """Once after a restore: training continues at the restored epoch and optimizer step (no
-        other callback restored its own state over ours)."""
+        """Once after a restore: no other callback changed the restored epoch or optimizer step."""
         line, self._resume_line = self._resume_line, None
         if line is None or (point := self.restored) is None:
             return
@@ -247,8 +245,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         return int(optimizer.iterations.numpy()) if optimizer is not None else 0
 
     def _save(self) -> bool:
-        """Back up now, on every worker (reading the variables is collective); False when the disk
-        refused it. The chief writes the manifest last: a checkpoint without one was cut off."""
+        """Back up now, on every worker (reading the variables is collective); False if refused."""
         import tensorflow as tf
 
         self.shared.flush()
@@ -358,11 +355,8 @@ class BackupAndRestore(keras.callbacks.Callback):
 
 @contextlib.contextmanager
 def resumable_fit(callbacks: list[Any]) -> Iterator[None]:
-    """One `model.fit` whose epoch iterator can resume mid-epoch, when ``callbacks`` hold a backup.
-
-    Keras 3 `fit` builds its iterator from the module global ``TFEpochIterator``; it is swapped for
-    the length of the call only.
-    """
+    """One `model.fit` whose epoch iterator can resume mid-epoch, when ``callbacks`` hold a backup
+    (Keras's ``TFEpochIterator`` is swapped for the length of the call only)."""
     backup = next((c for c in callbacks if isinstance(c, BackupAndRestore)), None)
     if backup is None:
         yield
@@ -403,12 +397,9 @@ def refuse_keras_backup(backup_dir: str | None, callbacks: Any, method: str = "f
 def backup_callbacks(
     context: Any, strategy: Any, *, open_writer: Callable[[], Any], shared: Any = None
 ) -> list[Any]:
-    """The backup ``fault_tolerance.backup_dir`` asks for (or none), for the `RunContext` ``context``.
-
-    Before the MLflow run opens (``open_writer`` is called after): the chief locks the directory for
-    this fit, every other worker checks that its own job holds it, and the checkpoint to restore is
-    chosen; another live job's lock or only damaged backups end the fit here, in one line.
-    """
+    """The backup ``fault_tolerance.backup_dir`` asks for (or none). Before the MLflow run opens,
+    the chief locks the directory, every other worker checks that its own job holds it, and the
+    checkpoint to restore is chosen (verified once per fit)."""
     ft = context.config.fault_tolerance
     if not ft.backup_dir:
         return []

@@ -1,9 +1,7 @@
-"""The keras-sync config: a tree of frozen dataclasses and the one loader that builds it.
-
-Each key is declared once with `_f` (default, value spec) and described in `DOCS`; that drives
+"""The keras-sync config: a tree of frozen dataclasses and the one loader that builds it. Each
+key is declared once with `_f` (default, value spec) and described in `DOCS`: that drives
 validation, the JSON Schema, the template and the reference. Precedence: flag > environment
-(`ENV_KEYS`) > YAML file > default. All problems are raised together in one `ConfigError`.
-"""
+(`ENV_KEYS`) > YAML file > default. All problems are raised together in one `ConfigError`."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""A config source read into plain data, within size limits, with the line of every key.
-
-The YAML file is read here and nowhere else: safe YAML without tags or aliases, keeping node marks
-for ``file:line``. The limits are far above a real config (a few kilobytes) and low enough that
-reading never runs out of time, memory or recursion; they hold for every source: the file, a dict,
-overrides and environment variables.
-"""
+"""A config source read into plain data, within size limits, with the line of every key. The
+YAML file is read here and nowhere else (safe YAML, no tags or aliases). The limits, far above a
+real config, keep reading any source (file, dict, overrides, environment) within time, memory and
+recursion."""
 
 from __future__ import annotations
 
@@ -28,22 +25,18 @@ def error(file: str, line: int | None, message: str, key_path: str = "") -> Conf
 
 
 def check_data(data: Any, file: str, lines: Mapping[str, int] | None = None) -> None:
-    """Refuse the first value of ``data`` over a limit, in document order and without recursion;
-    ``lines``: the line of each key path, where known."""
+    """Refuse the first value of ``data`` over a limit, in document order."""
     entries = -1  # the top is no entry
-    stack: list[Iterator[tuple[str, Any, Any]]] = [iter([("", data, None)])]
-    while stack:
-        item = next(stack[-1], None)
-        if item is None:
-            stack.pop()
-            continue
-        path, value, key = item
+
+    def check(path: str, value: Any, key: Any, depth: int) -> None:
+        nonlocal entries
         entries += 1
+        nested = isinstance(value, (Mapping, list, tuple))
         if entries > MAX_KEYS:
             problem = f"more than {MAX_KEYS:,} keys and list items, the limit for a config; a keras-sync config has about 40: check that this is the file you meant"
         elif isinstance(key, str) and len(key) > MAX_KEY_CHARS:
             problem = f"a key of {len(key):,} characters, over the limit of {MAX_KEY_CHARS} for a key name; the config's keys are words such as run_name (keras-sync schema lists them)"
-        elif isinstance(value, (Mapping, list, tuple)) and len(stack) > MAX_DEPTH:
+        elif nested and depth > MAX_DEPTH:  # checked before recursing: at most MAX_DEPTH levels
             problem = _DEPTH_PROBLEM
         # At most 4 UTF-8 bytes a character: only a string that could be over is encoded.
         elif (
@@ -52,12 +45,13 @@ def check_data(data: Any, file: str, lines: Mapping[str, int] | None = None) -> 
             and (size := len(value.encode("utf-8", "surrogatepass"))) > MAX_STRING_BYTES
         ):
             problem = f"a string of {size:,} bytes, over the limit of {MAX_STRING_BYTES:,} bytes (64 KiB) for a config value; names, paths and URIs are shorter: shorten it"
-        elif isinstance(value, (Mapping, list, tuple)):
-            stack.append(_children(path, value))
-            continue
         else:
-            continue
+            for child in _children(path, value) if nested else ():
+                check(*child, depth + 1)
+            return
         raise error(file, (lines or {}).get(path), problem, path)
+
+    check("", data, None, 1)
 
 
 def _children(path: str, value: Any) -> Iterator[tuple[str, Any, Any]]:

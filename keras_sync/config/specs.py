@@ -19,15 +19,8 @@ class FieldValueError(ValueError):
 
 @dataclass(frozen=True)
 class Spec:
-    """What one config key accepts.
-
-    Args:
-        expected: the values in words, for errors, the template and the reference.
-        schema: its JSON Schema.
-        parse: returns the value to keep, or raises `ValueError` whose text ends the message.
-        nullable: null is accepted too.
-        values: the names a `choice` accepts.
-    """
+    """What one config key accepts: the values in words, its JSON Schema, ``parse`` (the value to
+    keep, or `ValueError` whose text ends the message), whether null is accepted, a choice's names."""
 
     expected: str
     schema: dict[str, Any]

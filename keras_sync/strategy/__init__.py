@@ -1,8 +1,5 @@
 """The strategy factory: one small builder per `strategy.kind`, and what `auto` picks and why.
-
-`detect` and `device_layout` import no TensorFlow (`keras-sync plan` uses them); `build_strategy`
-imports it and builds the real `tf.distribute.Strategy`.
-"""
+`detect` and `device_layout` import no TensorFlow (`keras-sync plan` uses them)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Build `tf.distribute.MultiWorkerMirroredStrategy` with several local devices and a join timeout.
-
-The stock constructor takes one device per worker on CPU and waits for peers forever (ignoring
-SIGTERM); both fixes use TensorFlow internals (`keras_sync.upstream.multi_worker`).
-"""
+"""Build `tf.distribute.MultiWorkerMirroredStrategy` with several local devices and a join timeout
+(the stock constructor takes one CPU device per worker and waits for peers forever); both fixes use
+TensorFlow internals (`keras_sync.upstream.multi_worker`)."""
 
 from __future__ import annotations
 
@@ -18,16 +16,6 @@ if TYPE_CHECKING:
     import tensorflow as tf
 
 logger = logging.getLogger(__name__)
-
-
-def local_cpu_devices() -> list[str]:
-    """The logical CPU devices of this process (``["CPU:0", ...]``), read without initialising
-    TensorFlow: callable before the strategy is built."""
-    import tensorflow as tf
-
-    cpus = tf.config.list_physical_devices("CPU")
-    logical = (tf.config.get_logical_device_configuration(cpus[0]) or [None]) if cpus else [None]
-    return [f"CPU:{i}" for i in range(len(logical))]
 
 
 def canonical(name: str, *, where: str) -> str:

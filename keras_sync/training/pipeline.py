@@ -1,9 +1,7 @@
 """The input pipeline behind `Sync.fit` and `Sync.distribute`: batching, sharding, validation split.
-
 Sharding is decided by the data, never by the host (`shard_choice`). A batched dataset whose batch
 differs from the global batch, or cannot be read, is rebatched to it; a worker's own part is read
-per replica as that worker's input. `shard_choice` and `batch_layout` need no TensorFlow.
-"""
+per replica as that worker's input. `shard_choice` and `batch_layout` need no TensorFlow."""
 
 from __future__ import annotations
 
@@ -137,12 +135,9 @@ class InputPipeline:
                 kwargs["callbacks"] = [hooks, *(kwargs.get("callbacks") or [])]
             source = "keras.utils.PyDataset" if batches is x else "Python generator"
             described = py_dataset.describe(batches, kwargs.get("steps_per_epoch"))
+            found_by = (found, "its first batch")
             x = self.training_dataset(
-                ds,
-                found=(found, "its first batch"),
-                examples=examples,
-                source=source,
-                described=described,
+                ds, found=found_by, examples=examples, source=source, described=described
             )
             return x, y, kwargs
         if is_dataset(x):
@@ -204,14 +199,9 @@ class InputPipeline:
             steps = _steps(examples, target, self.drop_remainder)
             if steps is not None:  # a known length: progress bar, warmup in epochs
                 ds = ds.apply(tf.data.experimental.assert_cardinality(steps))
-            to = (
-                f"{target} per replica, its worker's share of the global batch {gb}"
-                if own_part
-                else f"the global batch {gb}"
-            )
-            note += (
-                f", rebatched to {to}; the learning rate {self.learning_rate:g} is scaled for {gb}"
-            )
+            to = f"{target} per replica, its worker's share of the" if own_part else "the"
+            lr = f"the learning rate {self.learning_rate:g} is scaled for {gb}"
+            note += f", rebatched to {to} global batch {gb}; {lr}"
             if size is None and self.is_chief:
                 warnings.warn(
                     f"keras-sync: cannot tell the batch size of the dataset given to sync.fit ({how}); it was "
@@ -337,8 +327,7 @@ class InputPipeline:
     def _batched(
         self, data: Any, shuffle: bool, global_batch: int | None = None, seed: int = 1337
     ) -> Any:
-        """Arrays or a dataset of single examples -> shuffled (one seed for every worker), batched,
-        shard policy set."""
+        """Arrays or single examples, shuffled (one seed for all workers), batched, policy set."""
         import tensorflow as tf
 
         if isinstance(data, tf.data.Dataset):

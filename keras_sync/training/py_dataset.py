@@ -68,11 +68,8 @@ def python_batches(x: Any, method: str, kwargs: dict[str, Any]) -> GeneratorBatc
         return x
     if not isinstance(x, types.GeneratorType):  # what Keras's adapters test
         return None
-    if (
-        method == "fit"
-        and kwargs.get("steps_per_epoch") is None
-        and int(kwargs.get("epochs", 1)) > 1
-    ):
+    epochs = int(kwargs.get("epochs", 1))
+    if method == "fit" and kwargs.get("steps_per_epoch") is None and epochs > 1:
         raise UsageError(
             f"sync.fit received a Python generator with epochs={kwargs.get('epochs')} and no steps_per_epoch: "
             "its first epoch reads it to the end and the next ones have nothing left (Keras replays its first "
@@ -85,17 +82,14 @@ def python_batches(x: Any, method: str, kwargs: dict[str, Any]) -> GeneratorBatc
 def describe(batches: Any, steps_per_epoch: int | None) -> str:
     """How the training-data line names what `python_batches` returned."""
     if isinstance(batches, GeneratorBatches):
-        per_epoch = (
-            f"{steps_per_epoch} batches per epoch (steps_per_epoch)"
-            if steps_per_epoch
-            else "read to its end"
-        )
+        per_epoch = "read to its end"
+        if steps_per_epoch:
+            per_epoch = f"{steps_per_epoch} batches per epoch (steps_per_epoch)"
         return f"a Python generator, {per_epoch}, read by keras-sync in order, each batch once,"
     workers = int(getattr(batches, "workers", 1) or 1)
     processes = " (not processes)" * bool(getattr(batches, "use_multiprocessing", False))
     how = "one at a time" if workers <= 1 else f"{workers} at a time on threads{processes}"
-    n = batches.num_batches
-    length = f"of {n} batches" if n is not None else "without end"
+    length = "without end" if batches.num_batches is None else f"of {batches.num_batches} batches"
     return (
         f"keras.utils.PyDataset {length}, read by keras-sync by index, each once per epoch ({how}),"
     )
@@ -111,11 +105,8 @@ def _standardize(batch: Any) -> Any:
 
 
 def py_dataset_batches(pyds: Any) -> tuple[Any, int, int | None]:
-    """(a `tf.data.Dataset` of the batches, the first batch's size, the examples per epoch).
-
-    Batch ``i`` is read by index, ``pyds.workers`` at a time on threads (the map keeps the order).
-    The examples per epoch, ``(len - 1) x first + last``, assume equal middle batches.
-    """
+    """(a `tf.data.Dataset` of the batches read by index, ``pyds.workers`` at a time on threads,
+    the first batch's size, the examples per epoch assuming equal middle batches)."""
     import numpy as np
     import tensorflow as tf
 
