@@ -95,7 +95,5 @@ def kinds_where(**facts: object) -> tuple[str, ...]:
 
     >>> kinds_where(accepts_devices=True)
     ('auto', 'one_device', 'mirrored')
-    >>> kinds_where(multi_process=True)
-    ('multi_worker_mirrored',)
     """
     return tuple(n for n, s in KINDS.items() if all(getattr(s, k) == v for k, v in facts.items()))

@@ -351,22 +351,17 @@ class InputPipeline:
         # Decided before training: TensorFlow's FILE sharding fails at the first step when the
         # pipeline reads fewer files than there are workers ("Could not apply FILE based sharding").
         files, workers = graph.file_count(ds), self.num_workers
+        reads = f"the pipeline reads {files} file{'s' * (files != 1)} for {workers} workers"
         if files is None:
+            reason = f"batch.shard_policy: {choice.policy} and the pipeline reads no files"
+        elif files < workers:
+            reason = f"{reads}, too few to shard by file"
+        else:
             return ShardChoice(
-                "data",
-                f"batch.shard_policy: {choice.policy} and the pipeline reads no files: split by example",
+                "file",
+                f"batch.shard_policy: {choice.policy} and {reads}: each worker reads its own files",
             )
-        if files < workers:
-            return ShardChoice(
-                "data",
-                f"the pipeline reads {files} file{'s' * (files != 1)} for {workers} workers, "
-                "too few to shard by file: split by example",
-            )
-        return ShardChoice(
-            "file",
-            f"batch.shard_policy: {choice.policy} and the pipeline reads {files} files for "
-            f"{workers} workers: each worker reads its own files",
-        )
+        return ShardChoice("data", f"{reason}: split by example")
 
     def _say(self, line: str) -> None:
         if self.is_chief:
