@@ -229,6 +229,7 @@ def checks_callback(
     import keras
 
     from keras_sync.training import instrument as _instrument
+    from keras_sync.training.schedules import configured_rate
 
     say, config = reporter(context, writer), context.config
 
@@ -255,13 +256,11 @@ def checks_callback(
             ]
             problems = []
             for name, optimizer in applied:
-                rate = getattr(
-                    getattr(optimizer, "inner_optimizer", optimizer), "_learning_rate", None
-                )
-                if rate is None or callable(rate):
+                rate = configured_rate(optimizer)
+                if not isinstance(rate, (int, float)):
                     continue  # a schedule: keras-sync's warmup, or the user's own
                 problem = learning_rate_problem(
-                    float(keras.ops.convert_to_numpy(rate)),
+                    float(rate),
                     context.learning_rate or 0.0,
                     global_batch=context.effective_batch_size or global_batch,
                     rule=config.learning_rate.scaling,

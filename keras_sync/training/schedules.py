@@ -79,20 +79,9 @@ class GradualWarmup(keras.optimizers.schedules.LearningRateSchedule):
 def check_lr_callbacks(model: Any, callbacks: Any, method: str = "fit") -> None:
     """Refuse, before training, a callback that sets the learning rate of an optimizer that has a
     schedule (Keras would raise at the first epoch's end or begin)."""
-    setters = [
-        type(cb).__name__
-        for cb in callbacks or ()
-        if isinstance(
-            cb, (keras.callbacks.ReduceLROnPlateau, keras.callbacks.LearningRateScheduler)
-        )
-    ]
-    # A LossScaleOptimizer's (mixed_float16) learning rate is its inner optimizer's.
-    optimizer = getattr(model, "optimizer", None)
-    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
-    try:
-        rate = optimizer.get_config().get("learning_rate") if setters and optimizer else None
-    except Exception:  # an optimizer that cannot describe itself: Keras decides at run time
-        return
+    kinds = (keras.callbacks.ReduceLROnPlateau, keras.callbacks.LearningRateScheduler)
+    setters = [type(cb).__name__ for cb in callbacks or () if isinstance(cb, kinds)]
+    rate = configured_rate(getattr(model, "optimizer", None)) if setters else None
     if not isinstance(rate, dict):
         return
     name = str(rate.get("class_name") or "LearningRateSchedule")
@@ -104,3 +93,13 @@ def check_lr_callbacks(model: Any, callbacks: Any, method: str = "fit") -> None:
         "learning_rate.warmup_steps/warmup_epochs), or keep the warmup and give the decay as a schedule after it, "
         f"sync.lr_schedule(after=keras.optimizers.schedules.ExponentialDecay(...)), without {setters[0]}."
     )
+
+
+def configured_rate(optimizer: Any) -> Any:
+    """The learning rate ``optimizer`` was given, as its config has it (a float, a schedule's dict),
+    of the inner optimizer of a `LossScaleOptimizer`; None when it cannot describe itself."""
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
+    try:
+        return optimizer.get_config().get("learning_rate") if optimizer is not None else None
+    except Exception:  # an optimizer that cannot describe itself: Keras decides at run time
+        return None

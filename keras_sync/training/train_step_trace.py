@@ -143,7 +143,6 @@ def capture(
     ``reached`` (``stamp`` of the first apply's gradients) and per ``apply`` in ``applies`` the
     optimizer's ``id`` and attribute, ``scaled_by`` (what divided its loss) and ``factor``.
     """
-    names = {id(o): name for name, o in named_optimizers(model).items()}
     record.update(
         grads=[],
         custom_step=custom_step,
@@ -155,7 +154,6 @@ def capture(
         targets={},
         read_n=False,
         applies=[],
-        names=names,
         stamp=stamp,
         reached=None,
     )
@@ -270,22 +268,22 @@ def _model_patches(model: Any, custom_step: bool) -> list[Any]:
 
         def _compute_loss(*args: Any, **kwargs: Any) -> Any:
             loss = compute_loss(*args, **kwargs)
-            record = seen()
-            if record is not None:
+            if (record := seen()) is not None:
                 record["loss"] = loss
             return loss
 
         patches.append((model, "_compute_loss", _compute_loss))
-    for optimizer in with_inner(optimizers_of(model)):
+    named = named_optimizers(model)
+    for optimizer in with_inner(list(named.values())):
         # Each row of a sparse gradient once, after the all-reduce (see keras_sync.training.loss_scale).
+        update_step = merging_update_step(original(optimizer, "update_step"))
+        patches.append((optimizer, "update_step", update_step))
+    for name, optimizer in named.items():
         patches.append(
-            (optimizer, "update_step", merging_update_step(original(optimizer, "update_step")))
+            (optimizer, "apply", _applying(optimizer, name, original(optimizer, "apply")))
         )
-    for optimizer in optimizers_of(model):
-        patches.append((optimizer, "apply", _applying(optimizer, original(optimizer, "apply"))))
         if hasattr(optimizer, "dynamic_scale"):
-            scale_loss = _scaling(original(optimizer, "scale_loss"))
-            patches.append((optimizer, "scale_loss", scale_loss))
+            patches.append((optimizer, "scale_loss", _scaling(original(optimizer, "scale_loss"))))
     return patches
 
 
@@ -307,7 +305,7 @@ def _scaling(scale_loss: Any) -> Any:
     return scale_loss_shim
 
 
-def _applying(optimizer: Any, apply: Any) -> Any:
+def _applying(optimizer: Any, name: str, apply: Any) -> Any:
     def apply_shim(grads: Any, trainable_variables: Any = None) -> Any:
         record = seen()
         if record is None or getattr(_tls, "in_apply", False):
@@ -317,9 +315,7 @@ def _applying(optimizer: Any, apply: Any) -> Any:
         grads, n, apply_fn, half = list(grads), record["n"], apply, None
         if _loss_scale.applies_here(optimizer, n):  # one device's skip decision
             half = [g is not None and _loss_scale.from_float16(g) for g in grads]
-        if (
-            half is not None or n > 1 and _loss_scale.clips(optimizer)
-        ):  # clip the sum, as one device
+        if half is not None or n > 1 and _loss_scale.clips(optimizer):  # clip the sum as one device
             apply_fn = functools.partial(_loss_scale.apply_summed, optimizer, apply, half=half)
         present = [g for g in grads if g is not None]
         record["grads"].extend(present)
@@ -330,12 +326,8 @@ def _applying(optimizer: Any, apply: Any) -> Any:
             record["loss_scale"] = optimizer.dynamic_scale
         targets = {id(t): t for g in grads if (t := record["targets"].get(id(g))) is not None}
         scaled_by = _scaled_by(record, list(targets.values()))
-        factor = (
-            1.0
-            if scaled_by == AT_SCALE_LOSS
-            else gradient_factor(record["policy"], record["custom_step"], scaled_by, n)
-        )
-        name = record["names"].get(id(optimizer), type(optimizer).__name__)
+        factor = gradient_factor(record["policy"], record["custom_step"], scaled_by, n)
+        factor = 1.0 if scaled_by == AT_SCALE_LOSS else factor
         record["applies"].append(
             {"id": id(optimizer), "optimizer": name, "scaled_by": scaled_by, "factor": factor}
         )
