@@ -38,13 +38,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import signal
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -169,7 +169,6 @@ def child(a: argparse.Namespace) -> int:
             ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice()
         )
         scope, lr = strategy.scope(), 0.01
-    callbacks = make_callbacks(a)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(32 * a.steps, 8)).astype("float32")
     y = (x @ rng.normal(size=(8, 1))).astype("float32")
@@ -179,8 +178,9 @@ def child(a: argparse.Namespace) -> int:
             [keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)]
         )
         model.compile(optimizer=keras.optimizers.SGD(lr), loss="mse")
-    fit_args = {"epochs": 1, "shuffle": False, "verbose": 0, "callbacks": callbacks}
+    # The timed fit starts before the callbacks: `sync.fit` imports MLflow and creates its run too.
     c0, t0 = tree_cpu(os.getpid()), time.perf_counter()
+    fit_args = {"epochs": 1, "shuffle": False, "verbose": 0, "callbacks": make_callbacks(a)}
     if a.variant == "courier":
         sync.fit(model, x, y, **fit_args)
     else:
@@ -281,7 +281,6 @@ def run_one(case: str, variant: str, rnd: int, tmp: str, server: Server) -> dict
         if k not in ("MLFLOW_TRACKING_URI", "KERAS_SYNC_JOB_ID", "KERAS_SYNC_CONFIG", "TF_CONFIG")
     }
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     err = open(os.path.join(d, "stderr"), "w")
     p = subprocess.Popen(cmd, env=env, cwd=d, stdout=err, stderr=err)
     res: dict = {"case": case, "variant": variant, "round": rnd}
@@ -293,12 +292,16 @@ def run_one(case: str, variant: str, rnd: int, tmp: str, server: Server) -> dict
         except (OSError, ValueError):
             return 0
 
-    if event == "outage":
-        while p.poll() is None and reached() < steps // 4:
-            time.sleep(0.05)
+    def outage() -> None:
         server.stop()
         time.sleep(OUTAGE_S)
         res["restart_s"] = server.start()
+
+    outage_thread = threading.Thread(target=outage)  # the process's exit is timed meanwhile
+    if event == "outage":
+        while p.poll() is None and reached() < steps // 4:
+            time.sleep(0.05)
+        outage_thread.start()
     if event == "kill":
         while p.poll() is None and reached() < steps // 2:
             time.sleep(0.005)
@@ -313,21 +316,23 @@ def run_one(case: str, variant: str, rnd: int, tmp: str, server: Server) -> dict
             time.sleep(0.2)
         res["after_kill_s"] = time.perf_counter() - killed_at
     else:
-        if p.wait(timeout=1800) != 0:
+        _, status, usage = os.wait4(p.pid, 0)  # its CPU, with the children it reaped (the courier)
+        ended = time.time()
+        p.returncode = os.waitstatus_to_exitcode(status)
+        if p.returncode != 0:
             raise RuntimeError(
                 f"{experiment} failed: {open(os.path.join(d, 'stderr')).read()[-2000:]}"
             )
-        ended = time.time()
-        ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         out = json.load(open(os.path.join(d, "out.json")))
-        total = ru1.ru_utime + ru1.ru_stime - ru0.ru_utime - ru0.ru_stime
         res.update(
             fit_s=out["fit_s"],
-            cpu_s=total - out["cpu_at_fit_s"],
+            cpu_s=usage.ru_utime + usage.ru_stime - out["cpu_at_fit_s"],
             exit_s=ended - out["returned_at"],
             done_s=out["fit_s"] + ended - out["returned_at"],
         )
     err.close()
+    if outage_thread.is_alive():
+        outage_thread.join()
     res.update(read_mlflow(uri, experiment))
     if variant != "keras":
         ends = END_POINTS if variant == "courier" and event != "kill" else 0
