@@ -124,9 +124,9 @@ def end_of_data_patches() -> list[Patch]:
     With ``steps_per_execution == 1`` Keras 3.10-3.15 learns that such data has ended by running
     one more step and catching ``OutOfRangeError``; the ops that do not read the batch still run,
     so ``optimizer.iterations`` and every seed move by one per epoch (keras-team/keras#23179).
-    Around Keras's one-step function (from the closure of `_make_function`'s result), in one
-    `tf.function`: ask for an optional batch and run the step only when there is one; Keras's
-    epoch iterator gets StopIteration when there is none. [] when this Keras has the fix, or its
+    Around Keras's one-step function (from the closure of `_make_function`'s result): ask for an
+    optional batch and run the step only when there is one; Keras's epoch iterator gets
+    StopIteration when there is none. [] when this Keras has the fix, or its
     closure moved.
     """
     from keras_sync.upstream import internals as _internals
@@ -153,41 +153,15 @@ def end_of_data_patches() -> list[Patch]:
 
         iterators = (tf.data.Iterator, tf.distribute.DistributedIterator)
 
-        def step_or_nothing(iterator: Any) -> Any:
-            """The step's outputs as an optional, empty when the data has ended; the outputs ride
-            with a constant so that a step returning no logs still makes an optional."""
-            batch = iterator.get_next_as_optional()
-            spec: list[Any] = []
-
-            def step() -> Any:
-                outputs = tf.experimental.Optional.from_value(
-                    (one_step(batch.get_value()), tf.constant(0))
-                )
-                spec.append(outputs.element_spec)
-                return outputs
-
-            # tf.cond traces `step` first, so its spec is known when the empty branch is traced.
-            return tf.cond(batch.has_value(), step, lambda: tf.experimental.Optional.empty(spec[0]))
-
-        compiled = tf.function(step_or_nothing, reduce_retracing=True)
-
+        # The check is eager: run in one tf.function with the step inside a tf.cond, 2 replicas
+        # under load trained some pipelines to other weights (tests/test_pipeline.py).
         def function_stopping_at_end(iterator: Any) -> Any:
             if int(self.steps_per_execution or 1) != 1 or not isinstance(iterator, iterators):
                 return function(iterator)
-            # MultiWorkerMirroredStrategy's collectives (one worker or several) cannot run in a
-            # tf.cond branch: nested, they need an unfed placeholder (keras-team/keras#19246);
-            # traced inline, two workers train to other weights. There the check stays eager.
-            if self.run_eagerly or isinstance(
-                self._distribute_strategy, tf.distribute.MultiWorkerMirroredStrategy
-            ):
-                batch = iterator.get_next_as_optional()
-                if not batch.has_value():
-                    raise StopIteration
-                return one_step(batch.get_value())
-            outputs = compiled(iterator)
-            if not outputs.has_value():
+            batch = iterator.get_next_as_optional()
+            if not batch.has_value():
                 raise StopIteration
-            return outputs.get_value()[0]
+            return one_step(batch.get_value())
 
         return function_stopping_at_end
 
