@@ -47,6 +47,9 @@ import sys
 import tempfile
 import time
 
+#: The quiet spell `_wait_quiet` waits for (seconds).
+QUIET_S = 3.0
+
 CASES = {
     # name: (busy loops, steps, warm-up fit, log_every_n_steps (None: default), store, goal, timed fits)
     "busy": (2, 200, False, 1, "sqlite", 1.3, 1),
@@ -201,13 +204,11 @@ def _tree_cpu(pid: int) -> float:
 
 
 def _wait_quiet(pid: int, limit_s: float = 60.0) -> None:
-    """Wait until ``pid``'s tree has used under 5% of a core for longer than the courier holds a report.
+    """Wait until ``pid``'s tree has used under 5% of a core for ``QUIET_S`` seconds.
 
-    The courier draws a fit's report picture once no record came for `REPORT_QUIET_S`: a shorter
-    quiet spell let that drawing (0.35-0.9 CPU-s, measured) fall into the other process's fit.
+    The courier draws a fit's report picture when the report reaches it: a shorter quiet spell
+    could let that drawing fall into the other process's fit.
     """
-    from keras_sync.tracking.courier import REPORT_QUIET_S
-
     t0 = quiet_since = time.perf_counter()
     while time.perf_counter() - t0 < limit_s:
         c0 = _tree_cpu(pid)
@@ -215,7 +216,7 @@ def _wait_quiet(pid: int, limit_s: float = 60.0) -> None:
         now = time.perf_counter()
         if _tree_cpu(pid) - c0 >= 0.015:
             quiet_since = now
-        elif now - quiet_since > REPORT_QUIET_S + 1.0:
+        elif now - quiet_since > QUIET_S:
             return
 
 
