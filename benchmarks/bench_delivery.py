@@ -48,6 +48,8 @@ import threading
 import time
 import urllib.request
 
+from bench_sync_metrics import _tree_cpu as tree_cpu  # the same /proc reading
+
 #: Points keras-sync logs per step with ``log_every_n_steps: 1`` (loss and 10 ``sync/`` metrics).
 POINTS_PER_STEP = 11
 #: Points keras-sync logs once at a fit's end (``sync/weight_divergence``, ``sync/diverged_variables``).
@@ -189,19 +191,6 @@ def child(a: argparse.Namespace) -> int:
     with open(os.path.join(a.dir, "out.json"), "w") as fh:
         json.dump({"fit_s": took, "cpu_at_fit_s": c0, "returned_at": time.time()}, fh)
     return 0  # keras-sync's exit waits for what is left to deliver
-
-
-def tree_cpu(pid: int) -> float:
-    """CPU seconds of process ``pid`` and its children (the courier), from /proc."""
-    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
-    for p in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if p == str(pid) or stat[1] == str(pid):
-            total += (int(stat[11]) + int(stat[12])) / tick
-    return total
 
 
 def children_of(pid: int) -> list[int]:
