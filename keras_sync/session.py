@@ -263,7 +263,7 @@ class Sync:
             ctrl_c_ends_fit(model, is_chief=self.is_chief, backup_dir=backup_dir),
             self.job_run.shared_run(),
             self.job_run.ends_after_fit(),
-            self._keras_call(),  # before resumable_fit: its probes read Keras's own classes
+            self._keras_call(x),  # before resumable_fit: its probes read Keras's own classes
             resumable_fit(kwargs["callbacks"]),
             warnings.catch_warnings(),
             self._eval_losses(model),
@@ -414,14 +414,14 @@ class Sync:
             return model.predict(x, **kwargs)
 
     @contextlib.contextmanager
-    def _keras_call(self) -> Iterator[None]:
-        """Around Keras's `fit`, `evaluate` and `predict`: Keras fixed for this strategy, and a
-        lost peer as `PeerLostError`."""
+    def _keras_call(self, train_data: Any = None) -> Iterator[None]:
+        """Around Keras's `fit` (of ``train_data``), `evaluate` and `predict`: Keras fixed for this
+        strategy, and a lost peer as `PeerLostError`."""
         from keras_sync.cluster.lost_peer import raised_as_peer_lost
         from keras_sync.upstream.keras_fixes import fixed_keras
 
         backup_dir = self.config.fault_tolerance.backup_dir
-        with raised_as_peer_lost(self.strategy, backup_dir), fixed_keras(self.strategy):
+        with raised_as_peer_lost(self.strategy, backup_dir), fixed_keras(self.strategy, train_data):
             yield
 
     def _eval_losses(self, model: Any) -> Any:

@@ -53,6 +53,34 @@ def test_the_end_of_data_fix_applies_to_the_installed_keras():
         assert _internals.available(_internals.END_OF_DATA)
 
 
+def test_the_end_of_data_check_is_decided_at_each_call_of_a_cached_train_function():
+    # Keras stops at the end of known-length data by itself, so the check is skipped there; the
+    # train function that fit caches must still check when a later fit trains on unknown length.
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from keras_sync.upstream.keras_fixes import _end_known, fixed_keras
+
+    x, y = np.ones((64, 2), "float32"), np.ones((64, 1), "float32")
+    known = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    spec = (tf.TensorSpec((None, 2), tf.float32), tf.TensorSpec((None, 1), tf.float32))
+    unknown = tf.data.Dataset.from_generator(
+        lambda: ((x[i : i + 16], y[i : i + 16]) for i in range(0, 64, 16)), output_signature=spec
+    )
+    assert _end_known(known) and _end_known(x) and _end_known({"a": x})
+    assert _end_known(known.repeat()) and not _end_known(unknown)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    strategy = tf.distribute.get_strategy()
+    steps = []
+    for data in (known, unknown, x):
+        with fixed_keras(strategy, data):
+            model.fit(data, y if data is x else None, batch_size=16, epochs=2, verbose=0)
+        steps.append(int(model.optimizer.iterations.numpy()))
+    assert steps == [8, 16, 24]  # 4 batches per epoch; Keras alone makes the second 18
+
+
 def test_an_internal_newer_than_the_installed_library_refuses_its_feature_with_the_floor(
     monkeypatch,
 ):

@@ -8,6 +8,7 @@ strategy needs for the length of one `Sync.fit`, `evaluate` or `predict`.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import inspect
 import logging
@@ -39,16 +40,38 @@ def _is_multi_worker(strategy: Any) -> bool:
     return is_mwms and in_multi_worker_mode(strategy)
 
 
+# True while `fit` trains on data whose end Keras's epoch iterator knows (set by `fixed_keras`).
+_TRAIN_END_KNOWN = contextvars.ContextVar("keras_sync_train_end_known", default=False)
+
+
+def _end_known(data: Any) -> bool:
+    """Whether Keras stops at the last batch of ``data`` without reading past it: arrays, and
+    datasets of known or infinite cardinality (Keras counts their batches)."""
+    import tensorflow as tf
+
+    if isinstance(data, tf.data.Dataset):
+        return int(data.cardinality()) != int(tf.data.UNKNOWN_CARDINALITY)
+    leaves = tf.nest.flatten(data)
+    return bool(leaves) and all(
+        hasattr(leaf, "shape") and hasattr(leaf, "__len__") for leaf in leaves
+    )
+
+
 @contextlib.contextmanager
-def fixed_keras(strategy: Any) -> Any:
-    """For the length of the block, Keras runs with the fixes ``strategy`` needs; restored after."""
+def fixed_keras(strategy: Any, train_data: Any = None) -> Any:
+    """For the length of the block, Keras runs with the fixes ``strategy`` needs; restored after.
+    ``train_data``: what `fit` trains on; the end-of-data check is left out when Keras knows its end."""
     patches = end_of_data_patches() + iterator_release_patches() + device_dataset_patches()
     if _is_multi_worker(strategy):
         patches += multi_worker_patches()
     else:
         patches += same_data_order_patches(multi_worker=False)
-    with patched(patches):
-        yield
+    token = _TRAIN_END_KNOWN.set(train_data is not None and _end_known(train_data))
+    try:
+        with patched(patches):
+            yield
+    finally:
+        _TRAIN_END_KNOWN.reset(token)
 
 
 def multi_worker_patches() -> list[Patch]:
@@ -126,7 +149,9 @@ def end_of_data_patches() -> list[Patch]:
     so ``optimizer.iterations`` and every seed move by one per epoch (keras-team/keras#23179).
     Around Keras's one-step function (from the closure of `_make_function`'s result): ask for an
     optional batch and run the step only when there is one; Keras's epoch iterator gets
-    StopIteration when there is none. [] when this Keras has the fix, or its
+    StopIteration when there is none. The check costs a host round trip per step, so a train
+    function skips it, at each call, while `fixed_keras` says Keras knows where the data ends (a
+    cached train function serves fits of both kinds). [] when this Keras has the fix, or its
     closure moved.
     """
     from keras_sync.upstream import internals as _internals
@@ -152,11 +177,16 @@ def end_of_data_patches() -> list[Patch]:
         import tensorflow as tf
 
         iterators = (tf.data.Iterator, tf.distribute.DistributedIterator)
+        trains = step_function == self.train_step
 
         # The check is eager: run in one tf.function with the step inside a tf.cond, 2 replicas
         # under load trained some pipelines to other weights (tests/test_pipeline.py).
         def function_stopping_at_end(iterator: Any) -> Any:
-            if int(self.steps_per_execution or 1) != 1 or not isinstance(iterator, iterators):
+            if (
+                int(self.steps_per_execution or 1) != 1
+                or not isinstance(iterator, iterators)
+                or (trains and _TRAIN_END_KNOWN.get())
+            ):
                 return function(iterator)
             batch = iterator.get_next_as_optional()
             if not batch.has_value():
