@@ -294,12 +294,10 @@ def test_steps_per_execution_under_multi_worker_is_refused_in_one_line_when_the_
             types.SimpleNamespace(steps_per_execution=4), object()
         )
     assert str(info.value) == (
-        f"steps_per_execution > 1 under multi-worker multi_worker_mirrored cannot work with Keras "
+        f"steps_per_execution > 1 on several workers cannot work with Keras "
         f"{keras.__version__}, TensorFlow {tf.__version__}: `keras.src.backend.tensorflow.trainer:"
         "TensorFlowTrainer._autoconvert_optionals` is gone (AttributeError: type object 'TensorFlowTrainer' has no "
-        "attribute '_autoconvert_optionals') (keras-sync needs it for keras-team/keras#19246 (steps_per_execution "
-        "> 1 under MultiWorkerMirroredStrategy): the hook that receives the one-step tf.function, replaced by its "
-        "Python function). keras-sync is tested with Keras 3.10-3.15, TensorFlow 2.17-2.21, MLflow 2.22-3.17. "
+        "attribute '_autoconvert_optionals'). "
         'Fix: pip install "keras>=3.10,<3.16", or set runtime.steps_per_execution: 1.'
     )
 
@@ -367,7 +365,7 @@ def test_fixes_refuse_in_one_line_when_a_patched_internal_moved(monkeypatch):
     monkeypatch.delattr(trainer.TensorFlowTrainer, "_maybe_symbolic_build")
     with pytest.raises(
         CompatibilityError,
-        match=r"^`fit` under multi-worker multi_worker_mirrored cannot work with Keras .*"
+        match=r"^`fit` on several workers cannot work with Keras .*"
         r"TensorFlowTrainer._maybe_symbolic_build` is gone .*Fix: pip install .*\.$",
     ):
         _keras_compat.multi_worker_patches()
