@@ -25,8 +25,8 @@ def load(
 ) -> Sync:
     """Read the config, build the distribution strategy and scale batch size and learning rate.
 
-    Call it first, before any other TensorFlow work: simulated CPU replicas and the
-    multi-worker cluster can only be set up before TensorFlow initialises.
+    Call it before any other TensorFlow work: simulated CPU replicas and the multi-worker cluster
+    can only be set up before TensorFlow initialises.
 
     Args:
         config: path to a YAML file, a dict of the same shape, a `Config`, or None
@@ -47,8 +47,7 @@ def load(
     from keras_sync.upstream.strategy_facts import in_multi_worker_mode
 
     stack.check_backend()  # KERAS_BACKEND=jax/torch: one line here, not a false scope error at fit
-    # TensorFlow's C++ start-up INFO lines hide the user's output; a value the user set wins.
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # TF's start-up INFO lines; the user's wins
     check_one_process(cfg)  # `mirrored` under a TF_CONFIG of 2 workers, refused before TensorFlow
     kind = detect(cfg).kind
     line = _first_line(cfg, kind)
@@ -94,7 +93,7 @@ def _first_line(cfg: Config, kind: str) -> str | None:
 
     try:
         info = read_cluster(cfg.strategy)[0]
-    except KerasSyncError:  # building the strategy says what is wrong; this line helps read it
+    except KerasSyncError:  # building the strategy says what is wrong
         info = None
     if info is not None and not info.is_chief:
         return None
@@ -164,12 +163,10 @@ class Sync:
         )
 
     def lr_schedule(self, steps_per_epoch: int | None = None, *, after: Any = None) -> Any:
-        """The optimizer's learning rate: the scaled peak, or a `GradualWarmup` from the base rate
-        to it when a warmup is configured (its length in epochs fixed by `fit` from the data unless
-        ``steps_per_epoch`` is given). ``after``: a `LearningRateSchedule` taking over after the
-        warmup (from step 0), returned as it is without one. `ReduceLROnPlateau` and
-        `LearningRateScheduler` cannot set a schedule's rate (`sync.fit` refuses the pair).
-        """
+        """The optimizer's learning rate: the scaled peak, or a `GradualWarmup` from the base rate to
+        it when a warmup is configured (a length in epochs is fixed by `fit` unless
+        ``steps_per_epoch`` is given). ``after``: a `LearningRateSchedule` that takes over after the
+        warmup (returned as it is without one)."""
         lr = self.config.learning_rate
         if not lr.warmup_steps and not lr.warmup_epochs:
             return self.learning_rate if after is None else after
@@ -186,23 +183,21 @@ class Sync:
 
     def scope(self) -> Any:
         """The strategy's scope: build and compile the model inside it. A plain ``model.fit`` of a
-        model compiled in it says once that it trains without keras-sync (check ``direct_fit``)."""
+        model compiled in it says once that it trains without keras-sync."""
         from keras_sync.training.run_checks import scope_guarding_fit
 
         writer = self.job_run.writer if self.config.mlflow.enabled else lambda: None
         return scope_guarding_fit(self.strategy, self.context(), writer)
 
     def distribute(self, data: Any, *, shuffle: bool = False, seed: int = 1337) -> Any:
-        """A `tf.data.Dataset` batched by the global batch, from arrays or a dataset of examples.
+        """A `tf.data.Dataset` batched by the global batch, split across workers.
 
         Args:
             data: a numpy array, a tuple/dict of arrays (``(x, y)``), or an unbatched
-                `tf.data.Dataset` of single examples.
-            shuffle: shuffle the examples each epoch, with the same ``seed`` on every worker so
-                that sharding splits one order.
-
-        Arrays are split across workers by example; a dataset keeps a shard policy set in its
-        own options, else gets ``batch.shard_policy`` (see `keras_sync.training.pipeline`).
+                `tf.data.Dataset` of single examples (its own shard policy, else
+                ``batch.shard_policy``).
+            shuffle: shuffle the examples each epoch, in one order on every worker.
+            seed: the shuffle's seed.
         """
         ds, steps = self._pipeline().distribute(data, shuffle=shuffle, seed=seed)
         self._steps_per_epoch = steps or self._steps_per_epoch
@@ -231,12 +226,10 @@ class Sync:
     def fit(self, model: Any, x: Any = None, y: Any = None, **kwargs: Any) -> Any:
         """`model.fit` under this strategy: same arguments, same return value (a `History`).
 
-        Arrays are batched by the global batch (``batch_size``, if given, is the global batch, as
-        Keras reads it under a `tf.distribute` strategy; `fit` refuses one that differs from the
-        configured batch unless ``learning_rate.scaling`` is none, so the rate fits the batch);
-        under `multi_worker_mirrored` they become a `tf.data.Dataset`, as Keras requires. A batched
-        dataset is rebatched to the global batch (see `keras_sync.training.pipeline`). The MLflow
-        run ends (FINISHED) when fit returns; the next fit of this `Sync` continues it.
+        Arrays and batched datasets are batched by the global batch (``batch_size``, if given, is
+        the global batch, as Keras reads it under a strategy; with a scaled learning rate it must
+        be the configured one). The MLflow run ends (FINISHED) when fit returns; the next fit of
+        this `Sync` continues it.
         """
         from keras_sync.callbacks.backup import resumable_fit
         from keras_sync.cluster.collective_calls import collective
@@ -315,11 +308,9 @@ class Sync:
         """For a `model.fit` you call yourself: prepare ``model`` as `fit` would and return the
         callbacks `fit` adds, then ``callbacks`` and keras-sync's run-time checks.
 
-        Give the model built and compiled in `scope()` and data batched by the global batch
-        (`distribute`); keep the returned order. The rest is yours: end the run with `close()`,
-        pass ``steps_per_epoch`` to `lr_schedule` for a warmup in epochs. Refused with
-        ``fault_tolerance.backup_dir`` (its exact resume needs `fit`). The fixes of
-        `keras_sync.upstream.keras_fixes` apply to `sync.fit`, `evaluate` and `predict` only.
+        Give the model built and compiled in `scope()` and data batched by `distribute`; keep the
+        returned order; end the run with `close()`. Refused with ``fault_tolerance.backup_dir``
+        (its exact resume needs `fit`). Keras's fixes apply to `sync.fit`, `evaluate` and `predict`.
 
         Example:
             >>> model.fit(sync.distribute((x, y)), epochs=3, callbacks=sync.callbacks(model))  # doctest: +SKIP
@@ -328,10 +319,8 @@ class Sync:
         backup_dir = self.config.fault_tolerance.backup_dir
         if backup_dir:
             raise UsageError(
-                f"Sync.callbacks cannot resume mid-epoch: fault_tolerance.backup_dir is set ({backup_dir!r}), "
-                "and its exact resume replaces Keras's epoch iterator for the length of fit. Use "
-                "sync.fit(model, ...), or remove fault_tolerance.backup_dir and pass "
-                "keras.callbacks.BackupAndRestore yourself."
+                f"Sync.callbacks cannot resume mid-epoch: fault_tolerance.backup_dir is set ({backup_dir!r}). "
+                "Fix: call sync.fit(model, ...), or remove backup_dir and pass keras.callbacks.BackupAndRestore."
             )
         self._ready(model, callbacks, "callbacks")
         self._for_workers(model)
@@ -345,9 +334,7 @@ class Sync:
         record: bool = False,
         **kwargs: Any,
     ) -> list[Any]:
-        """keras-sync's callbacks around the user's (verify's recorder last, with ``record``), with
-        Keras's own BackupAndRestore, TensorBoard and CSVLogger writing the user's paths on the
-        chief only."""
+        """keras-sync's callbacks around the user's (verify's recorder last, with ``record``)."""
         from keras_sync import callbacks as ks_callbacks
         from keras_sync.training import saving
 
@@ -366,29 +353,20 @@ class Sync:
 
     @property
     def run_id(self) -> str | None:
-        """This job's MLflow run id: on the chief once MLflow has created the run (the first `fit`
-        or `callbacks` starts it); None on other workers, with ``mlflow.enabled: false``, or
-        while MLflow has not answered (the metrics wait in the spool meanwhile)."""
+        """This job's MLflow run id on the chief once MLflow has created the run (at the first
+        `fit` or `callbacks`); else None."""
         writer = self.job_run.current
         return writer.run_id if writer is not None else None
 
     def close(self, timeout_s: float | None = None) -> None:
         """End this job's MLflow run now (FINISHED) and wait for delivery while it makes progress
-        (at most ``timeout_s``, if given), as the process's exit would.
-
-        `fit` already ends the run when it returns; call this after a `model.fit` of your own, or
-        to have everything in MLflow before the process goes on. A later `fit` continues the run;
-        what MLflow has not received stays in the spool, and a warning says how to deliver it.
-        """
+        (at most ``timeout_s``), as the process's exit would: after a `model.fit` of your own, or
+        to have everything in MLflow now. A later `fit` continues the run."""
         self.job_run.close(timeout_s=timeout_s)
 
     def save(self, model: Any, filepath: str | os.PathLike[str], **kwargs: Any) -> None:
-        """Save ``model`` (``.keras``, legacy ``.h5``) or its weights (``*.weights.h5``): call it on
-        every worker; only the chief writes ``filepath``, the others a temporary copy they delete.
-
-        Under a multi-worker strategy ``model.save``/``save_weights`` already behave so (see
-        `keras_sync.training.saving`); this is the explicit form.
-        """
+        """Save ``model`` (``.keras``, ``.h5``) or its weights (``*.weights.h5``): call it on every
+        worker; only the chief writes ``filepath`` (as ``model.save`` under a multi-worker strategy)."""
         from keras_sync.training import saving
 
         saving.save(model, filepath, **kwargs)
@@ -457,23 +435,21 @@ class Sync:
         return prepared
 
     def _batch_size_argument(self, batch_size: int | None, method: str) -> int:
-        """The global batch of this call: ``batch_size`` as Keras reads it under a `tf.distribute`
-        strategy (the global batch), or the configured one when it is left out."""
+        """The global batch of this call: ``batch_size`` (the global batch, as Keras reads it under a
+        strategy), or the configured one."""
         if batch_size is None:
             return self.global_batch_size
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise UsageError(
                 f"Invalid value for argument `batch_size` of sync.{method}. Received: batch_size={batch_size!r}. "
-                "Expected the global batch size (an integer >= 1, as Keras reads it under a tf.distribute strategy), "
-                "or leave it out to use the configured global batch."
+                "Expected the global batch size (an integer >= 1), or leave it out to use the configured one."
             )
         if batch_size == self.global_batch_size or method != "fit":
             return batch_size  # evaluate/predict: the batch changes no weight
         if batch_size % self.num_replicas:
             raise UsageError(
                 f"Invalid value for argument `batch_size` of sync.fit. Received: batch_size={batch_size}. Expected "
-                f"the global batch, a multiple of the {self.num_replicas} replicas. Fix: leave batch_size out and set "
-                "batch.global (or batch.per_replica) in the config."
+                f"a multiple of the {self.num_replicas} replicas. Fix: leave batch_size out and set batch.global."
             )
         if self.config.learning_rate.scaling != "none":
             raise UsageError(
@@ -509,31 +485,26 @@ class Sync:
         """Refuse a model this strategy cannot run; ``deep``: its variables and optimizers too."""
         import keras
 
+        cls = type(model)
         if not isinstance(model, keras.Model):
-            cls = type(model)
             where = f"{cls.__module__}.{cls.__qualname__}"
             keras2 = cls.__module__.split(".")[0] in ("tf_keras", "tensorflow", "keras")
             if keras2 and hasattr(model, "fit"):
                 raise UsageError(
                     f"sync.{method} got a Keras 2 model ({where}: tf_keras, or tf.keras with TF_USE_LEGACY_KERAS=1), "
                     f"and keras-sync supports Keras 3 only (keras {keras.__version__} is installed). Fix: build the "
-                    "model with `import keras` rather than tf.keras/tf_keras, and unset TF_USE_LEGACY_KERAS."
+                    "model with `import keras`, and unset TF_USE_LEGACY_KERAS."
                 )
-            raise UsageError(
-                f"sync.{method}(model, ...) expects a Keras 3 model (a keras.Model) as first argument. Received: {where}."
-            )
+            raise UsageError(f"sync.{method}(model, ...) expects a keras.Model. Received: {where}.")
         if not KINDS[self.kind].scoped:
             return
         from keras_sync.upstream import internals as _internals
 
         _internals.require("model_strategy")  # else every model would look unscoped
-        name = type(model).__name__
-        if getattr(type(model), "call", None) in (keras.Model.call, keras.layers.Layer.call):
+        if getattr(cls, "call", None) in (keras.Model.call, keras.layers.Layer.call):
             raise UsageError(  # Keras builds a model under a strategy by calling it
-                f"{name} has no call() method, and under a distribution strategy Keras builds the model by calling it "
-                f"on a batch before sync.{method} trains (it fails with a long traceback inside Keras). Fix: define "
-                f"call(self, inputs) in {name}, returning what the model computes from inputs (e.g. the decoder's or "
-                "generator's output)."
+                f"{cls.__name__} has no call() method, and under a distribution strategy Keras builds the model by "
+                f"calling it. Fix: define call(self, inputs) in {cls.__name__}, returning the model's output."
             )
         if built_under(model) is not self.strategy:
             raise UsageError(
@@ -545,8 +516,8 @@ class Sync:
             self._check_optimizers(model, method)
 
     def _check_variables(self, model: Any, method: str) -> None:
-        """Refuse layers built outside the scope of a model assembled inside it (Keras fails with
-        "colocate_vars_with must only be passed a variable created in this ... scope()")."""
+        """Refuse layers built outside the scope of a model assembled inside it (Keras would fail
+        with "colocate_vars_with must only be passed a variable created in this ... scope()")."""
         import tensorflow as tf
 
         in_scope = self.strategy.extended.variable_created_in_scope
@@ -573,20 +544,18 @@ class Sync:
         for opt in optimizers_of(model):
             inner = getattr(opt, "inner_optimizer", opt)  # a LossScaleOptimizer's options
             name, steps = type(inner).__name__, getattr(inner, "gradient_accumulation_steps", None)
-            fails = f"fails under a {self.kind} strategy in Keras"
+            fails = f"sync.{method}: the model's optimizer {name}"
+            fails_in = f"fails under a {self.kind} strategy in Keras"
             if steps:
                 raise UsageError(
-                    f"sync.{method}: the model's optimizer {name}(gradient_accumulation_steps={steps}) {fails} (its "
-                    "accumulation runs in a cond that all-reduces: 'merge_call called while defining a new graph'). "
-                    f"Fix: remove it from the optimizer and set runtime.gradient_accumulation_steps: {steps} in the "
-                    "keras-sync config (same update, on any replica count)."
+                    f"{fails}(gradient_accumulation_steps={steps}) {fails_in}. Fix: remove it from the optimizer "
+                    f"and set runtime.gradient_accumulation_steps: {steps} in the keras-sync config (same update, "
+                    "on any replica count)."
                 )
             if getattr(inner, "use_ema", False):
                 raise UsageError(
-                    f"sync.{method}: the model's optimizer {name}(use_ema=True) {fails} (its moving average is "
-                    "updated in a cond that all-reduces: 'merge_call called while defining a new graph'). Fix: "
-                    "remove use_ema (and ema_momentum/ema_overwrite_frequency) from the optimizer; keep an average "
-                    "of the weights in a callback if you need one."
+                    f"{fails}(use_ema=True) {fails_in}. Fix: remove use_ema (and ema_momentum, "
+                    "ema_overwrite_frequency) from the optimizer."
                 )
 
     def _resolve_pending_warmup(self, steps: int | None) -> None:

@@ -77,7 +77,7 @@ def test_callbacks_refuse_a_backup_dir_in_one_line(result):
     assert result["backup_refusal"].startswith(
         "Sync.callbacks cannot resume mid-epoch: fault_tolerance.backup_dir is set ('bk')"
     )
-    assert "Use sync.fit(model, ...)" in result["backup_refusal"]
+    assert "Fix: call sync.fit(model, ...)" in result["backup_refusal"]
 
 
 def test_the_public_callbacks_give_the_same_points_in_any_order(result):

@@ -1,8 +1,7 @@
 """Fixes for upstream Keras bugs that break distributed `fit`, patched for one `Sync` call.
 
 Each fix cites its upstream issue and is decided by probing the internals it replaces
-(`keras_sync.upstream.internals`), not by the Keras version. `fixed_keras` applies the fixes a
-strategy needs for the length of one `Sync.fit`, `evaluate` or `predict`.
+(`keras_sync.upstream.internals`), not by the Keras version.
 """
 
 from __future__ import annotations
@@ -75,16 +74,10 @@ def fixed_keras(strategy: Any, train_data: Any = None) -> Any:
 
 
 def multi_worker_patches() -> list[Patch]:
-    """Make Keras 3 `model.fit` work under a multi-worker `MultiWorkerMirroredStrategy`
-    (keras-team/keras#20585); other calls go to Keras's own functions.
-
-    1. `_maybe_symbolic_build` all-reduces a first batch, which fails for nested `PerReplica`: it
-       gets the element spec, else one replica's batch (`same_data_order_patches`).
-    2. `reduce_per_replica` reduces scalar logs on axis 0: they are averaged across replicas only.
-    3. keras-team/keras#19246: the one-step `tf.function` nested in the multi-step loop fails
-       ("You must feed a value for placeholder tensor"): Keras gets its Python function inline.
-    Raises `CompatibilityError` when the internals patched here moved.
-    """
+    """Make Keras 3 `model.fit` work on several workers (keras-team/keras#20585): 1. the first
+    batch's all-reduce fails for nested `PerReplica` (`same_data_order_patches`); 2. scalar logs are
+    reduced on axis 0, now averaged; 3. keras-team/keras#19246: the one-step `tf.function` nested in
+    the multi-step loop fails ("You must feed a value for placeholder tensor"), now inlined."""
     _internals.require("multi_worker_fit")
     from keras import tree
 
@@ -114,19 +107,9 @@ def multi_worker_patches() -> list[Patch]:
 
     def _autoconvert_optionals(self: Any, step_func: Any) -> Any:
         inner = getattr(step_func, "python_function", None)  # the function a `tf.function` wraps
-        strategy = self._distribute_strategy
-        if (
-            inner is not None
-            and int(self.steps_per_execution or 1) > 1
-            and _is_multi_worker(strategy)
-        ):
-            if self.jit_compile:  # jit_compile was the nested function's
-                logger.warning(
-                    "keras-sync: under multi_worker_mirrored with steps_per_execution=%s the train "
-                    "step runs without XLA (keras-team/keras#19246 workaround).",
-                    self.steps_per_execution,
-                )
-            step_func = inner
+        spe = int(self.steps_per_execution or 1)
+        if inner is not None and spe > 1 and _is_multi_worker(self._distribute_strategy):
+            step_func = inner  # jit_compile was the nested function's: the step runs without XLA
         return keras_own(self, step_func)
 
     return [*patches, (cls, "_autoconvert_optionals", _autoconvert_optionals)]
@@ -199,8 +182,7 @@ def end_of_data_patches() -> list[Patch]:
 
 
 def _first_batch_spec(epoch_iterator: Any) -> Any:
-    """One replica's specs of a batch of the epoch iterator's dataset; None when an element is not
-    plain tensors (optional, sparse, ragged): Keras then reads a batch as it always did."""
+    """One replica's specs of a batch of the iterator's dataset; None unless all plain tensors."""
     import tensorflow as tf
 
     spec = getattr(getattr(epoch_iterator, "_distributed_dataset", None), "element_spec", None)
@@ -217,22 +199,14 @@ def _first_batch_spec(epoch_iterator: Any) -> Any:
 
 
 def same_data_order_patches(multi_worker: bool) -> list[Patch]:
-    """Build the model from the dataset's element spec, not from a batch of an extra iterator.
-
-    Under a strategy Keras reads a first batch for its shapes (`_maybe_symbolic_build`), which
-    starts a pass of the dataset: a reshuffling ``shuffle`` then trains every epoch in the order
-    one device sees an epoch later, and a generator loses the batches read ahead. Under a
-    multi-worker MWMS without a spec: the first local replica's batch (Keras's all-reduce fails).
-    """
+    """Build the model from the dataset's element spec, not from a batch of an extra iterator,
+    which starts a pass: a reshuffling dataset then trains in another order than one device, a
+    generator loses batches. On several workers without a spec: the first replica's batch."""
     from keras import tree
 
     # Probed here, outside the span: inside it the probe would read this patch, not Keras's code.
     with_spec = _internals.available(_internals.SAME_DATA_ORDER)
     if not with_spec and not multi_worker:
-        logger.info(
-            "keras-sync: this Keras builds the model from a batch of the data; a reshuffling "
-            "dataset trains in another order than on one device"
-        )
         return []
     cls = _trainer().TensorFlowTrainer
     keras_own = original(cls, "_maybe_symbolic_build")
@@ -350,16 +324,10 @@ class _IteratorReleaser:
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Wait until every iterator handed over is destroyed; True when none is left."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            with self._lock:
-                watcher = self._watcher
-            if watcher is None:
-                return True
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return False
-            watcher.join(0.1 if left is None else min(left, 0.1))
+        watcher = self._watcher
+        if watcher is not None:
+            watcher.join(timeout_s)
+        return self._watcher is None
 
 
 RELEASER = _IteratorReleaser()
@@ -383,18 +351,9 @@ class _ReleasedOffThread:
 
 
 def iterator_release_patches() -> list[Patch]:
-    """Keep the distributed iterator an epoch iterator drops alive until its next `reset`.
-
-    Under a strategy Keras makes an iterator only to read the first batch's shapes and drops it at
-    once (`EpochIterator.reset`); its `MultiDeviceIterator` thread may still be reading, and calls
-    into the freed pipeline: SIGSEGV or "pure virtual method called" (plain Keras too). Every
-    iterator an epoch iterator replaces or leaves behind is destroyed by `RELEASER`.
-    """
+    """Keep the iterator an epoch iterator's `reset` drops alive until the next one (its thread may
+    still read: SIGSEGV, in plain Keras too); every one it drops is destroyed by `RELEASER`."""
     if not _internals.available(_internals.EPOCH_ITERATOR_RESET):
-        logger.info(
-            "keras-sync: this Keras's EpochIterator.reset has moved; the iterator it drops is not "
-            "kept (a process may crash under load when a strategy's iterator is destroyed mid-read)"
-        )
         return []
     import importlib
 
@@ -420,9 +379,8 @@ def iterator_release_patches() -> list[Patch]:
 
 
 def device_dataset_patches() -> list[Patch]:
-    """Build `MirroredStrategy`'s per-device datasets without default optimizations, which cannot
-    apply there and make TensorFlow warn "will not be optimized" on every run ([] when
-    TF_CPP_MIN_LOG_LEVEL is 0: every line asked for)."""
+    """Per-device datasets without default optimizations, which cannot apply there and make TF warn
+    "will not be optimized" on every run (kept when TF_CPP_MIN_LOG_LEVEL is 0)."""
     import os
 
     level = os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0").strip()
@@ -444,11 +402,7 @@ def device_dataset_patches() -> list[Patch]:
 
 
 def check_steps_per_execution(model: Any, strategy: Any) -> None:
-    """Refuse ``steps_per_execution > 1`` under a multi-worker MWMS in one line when fix 3 of
-    `multi_worker_patches` (keras-team/keras#19246) cannot apply.
-
-    Raises:
-        CompatibilityError: its internals moved.
-    """
+    """Refuse ``steps_per_execution > 1`` on several workers when fix 3 of `multi_worker_patches`
+    cannot apply."""
     if int(getattr(model, "steps_per_execution", 1) or 1) > 1 and _is_multi_worker(strategy):
         _internals.require("multi_worker_steps_per_execution")
