@@ -217,7 +217,6 @@ class Sync:
             shard_policy=self.config.batch.shard_policy,
             multi_worker=KINDS[self.kind].multi_process,
             replay_order=bool(self.config.fault_tolerance.backup_dir),
-            learning_rate=self.learning_rate,
             strategy=self.strategy,
             arrays_as_dataset=self.config.verify is not None
             and verify_record.arrays_as_dataset(self.config),

@@ -8,7 +8,7 @@ Input kinds: arrays (and each worker's own arrays, batch.shard_policy: off); tf.
 64; keras.utils.PyDataset (batches of 16; batches of 32, workers=2, threads or processes); pipelines already split per worker (a shard op; AutoShardPolicy.OFF with a known and an
 unknown length); TFRecord files (1 file: fewer than the workers; 4 files, laid out so that TensorFlow's
 sharding by file trains one device's batch k at step k).
-Each writes OUT/<mode>[-w<task>].json: weights per input kind, the chief's input lines, probes.
+Each writes OUT/<mode>[-w<task>].json: weights per input kind, what the pipeline did (facts), probes.
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def inputs(tf, x, y, keras=None, workers=1, index=0, out="."):
 
 
 def fit_all(sync, keras, tf, x, y) -> dict:
-    out: dict = {"weights": {}, "lines": {}, "warnings": {}, "steps": {}, "facts": {}}
+    out: dict = {"weights": {}, "warnings": {}, "steps": {}, "facts": {}}
     workers, index = sync.num_workers, sync.task[1] or 0
     kinds = {
         "arrays": None,
@@ -193,9 +193,6 @@ def fit_all(sync, keras, tf, x, y) -> dict:
             dict(vars(sync.input_facts)) if getattr(sync, "input_facts", None) else None
         )
         out["steps"][kind] = int(m.optimizer.iterations.numpy())
-        out["lines"][kind] = [
-            ln for ln in err.getvalue().splitlines() if ln.startswith("keras-sync: training data")
-        ]
         out["warnings"][kind] = [str(w.message) for w in caught if "batch size" in str(w.message)]
         out.setdefault("ran_out", {})[kind] = [
             str(w.message) for w in caught if "ran out of data" in str(w.message)

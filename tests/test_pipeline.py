@@ -244,34 +244,15 @@ def test_every_pipeline_takes_one_optimizer_step_per_batch(runs, kind):
 
 
 @pytest.mark.slow
-def test_the_chief_says_what_it_did_with_each_input(runs):
-    mirrored, chief, other = runs["replicas"]["lines"], runs["w0"]["lines"], runs["w1"]["lines"]
-    assert mirrored["batch64"] == [
-        "keras-sync: training data: tf.data.Dataset batched by 64 (its batch op), rebatched to the global batch 32; "
-        "the learning rate 0.1 is scaled for 32; shard policy auto (batch.shard_policy: auto, by file when the pipeline "
-        "reads at least as many files as there are workers, else by example); global batch 32 = 16 per replica x 2 replicas"
-    ]
-    assert mirrored["arrays"] == []  # one process, Keras batches the arrays: nothing to say
-    assert chief["arrays"] == [
-        "keras-sync: training data: arrays, shard policy data (arrays are split across workers by example); "
-        "global batch 32 = 16 per worker x 2 workers = 16 per replica x 2 replicas"
-    ]
-    assert (
-        "16 per worker x 2 workers" in chief["batch64"][0]
-        and "rebatched to the global batch 32" in chief["batch64"][0]
-    )
-    assert all(lines == [] for lines in other.values())  # only the chief prints
-
-
-@pytest.mark.slow
 def test_unknown_batch_warns_once_on_the_chief(runs):
     for r in (runs["replicas"], runs["w0"]):
         (warning,) = r["warnings"]["generator64"]
         assert warning.startswith(
             "keras-sync: cannot tell the batch size of the dataset given to sync.fit (no static "
             "batch dimension and no batch op, e.g. from_generator or Ray Data's to_tf); it was "
-            "rebatched to the configured global batch 32"
+            "rebatched to the configured global batch 32. Fix: "
         )
+        assert "pass it through sync.distribute(...)" in warning
         assert r["warnings"]["batch64"] == [] and r["warnings"]["arrays"] == []
     assert runs["w1"]["warnings"]["generator64"] == []
 
@@ -335,37 +316,18 @@ def test_python_generators_it_cannot_read_exactly_are_refused_with_the_fix(runs)
 
 @pytest.mark.slow
 def test_a_python_generator_is_read_in_order_each_batch_once(runs):
-    # The chief of 2 workers says it (on one worker nothing was rebatched: no line).
-    assert runs["w0"]["lines"]["python_generator"][0].startswith(
-        "keras-sync: training data: a Python generator, 16 batches per epoch (steps_per_epoch), read by keras-sync "
-        "in order, each batch once, batched by 32 (its first batch) = the global batch"
-    )
     for r in (runs["replicas"], runs["w0"], runs["w1"]):
         assert r["facts"]["python_generator"]["source"] == "Python generator"
 
 
 @pytest.mark.slow
 def test_py_dataset_is_read_by_index_and_rebatched(runs):
-    line = (
-        "keras-sync: training data: keras.utils.PyDataset of 32 batches, read by keras-sync by index, each once per "
-        "epoch (one at a time), batched by 16 (its first batch), rebatched to the global batch 32; the learning rate "
-        "0.1 is scaled for 32; shard policy "
-    )
-    assert runs["replicas"]["lines"]["pydataset16"][0].startswith(line)
-    chief = runs["w0"]["lines"]["pydataset16"][0]
-    assert (
-        chief.startswith(line)
-        and "shard policy data (batch.shard_policy: auto and the pipeline reads no files" in chief
-    )
-    assert "(2 at a time on threads)" in runs["w0"]["lines"]["pydataset32_threads"][0]
-    assert (
-        "(2 at a time on threads (not processes))"
-        in runs["w0"]["lines"]["pydataset32_processes"][0]
-    )
     for r in (runs["replicas"], runs["w0"], runs["w1"]):
         assert r["facts"]["pydataset16"]["source"] == "keras.utils.PyDataset"
         assert r["facts"]["pydataset16"]["examples_per_epoch"] == 512
         assert r["facts"]["pydataset16"]["steps_per_epoch"] == 16
+    # Two workers, a pipeline that reads no files: split by example.
+    assert runs["w0"]["facts"]["pydataset16"]["shard_policy"] == "data"
 
 
 @pytest.mark.slow
@@ -373,23 +335,6 @@ def test_py_dataset_is_read_by_index_and_rebatched(runs):
     "kind", ["arrays_own_part", "user_shard", "own_off", "own_off_unknown_length"]
 )
 def test_a_workers_own_part_is_neither_sharded_again_nor_cut_short(runs, kind):
-    chief = runs["w0"]["lines"][kind][0]
-    assert (
-        "shard policy off (" in chief
-        and "each worker trains 16 examples of its own part per step" in chief
-    )
-    if kind != "own_off_unknown_length":
-        assert "rebatched to 16 per replica, its worker's share of the global batch 32" in chief
-    if kind == "user_shard":
-        assert "(a shard op in the pipeline: it is already this worker's part)" in chief
-    if kind == "arrays_own_part":
-        assert (
-            chief.startswith(
-                "keras-sync: training data: arrays batched by 32 (keras-sync's batch), rebatched to 16 "
-                "per replica"
-            )
-            and "(batch.shard_policy: off (each worker's arrays are its own part))" in chief
-        )
     for w in ("w0", "w1"):
         facts = runs[w]["facts"][kind]
         assert facts["own_part"] is True and facts["shard_policy"] == "off"
@@ -402,20 +347,12 @@ def test_a_workers_own_part_is_neither_sharded_again_nor_cut_short(runs, kind):
 
 @pytest.mark.slow
 def test_too_few_files_for_the_workers_are_split_by_example_before_training(runs):
-    one, four = runs["w0"]["lines"]["tfrecord1"][0], runs["w0"]["lines"]["tfrecord4"][0]
-    assert (
-        "shard policy data (the pipeline reads 1 file for 2 workers, too few to shard by file: split by example)"
-        in one
-    )
-    assert (
-        "shard policy file (batch.shard_policy: auto and the pipeline reads 4 files for 2 workers: each worker reads "
-        "its own files)"
-    ) in four
     assert (
         runs["w0"]["facts"]["tfrecord1"]["shard_policy"]
         == runs["w1"]["facts"]["tfrecord1"]["shard_policy"]
         == "data"
     )
+    assert runs["w0"]["facts"]["tfrecord4"]["shard_policy"] == "file"
     assert runs["w1"]["facts"]["tfrecord4"]["shard_policy"] == "file"
 
 
@@ -432,11 +369,6 @@ def test_py_dataset_without_a_length_is_refused_with_the_fix(runs):
 def test_own_parts_of_different_lengths_end_their_epochs_together(runs):
     # ds.shard(2, i) of 481 examples: 241 and 240, 16 and 15 per-replica batches. With those lengths as
     # Keras's steps worker 0 would wait alone in step 16's all-reduce; unknown, both end when all parts have.
-    chief = runs["w0"]["lines"]["user_shard_uneven"][0]
-    assert (
-        "the parts differ in length (16, 15 batches of 16): each epoch ends when every worker's part has"
-        in chief
-    )
     for w in ("w0", "w1"):
         assert runs[w]["steps"]["user_shard_uneven"] == 32
         facts = runs[w]["facts"]["user_shard_uneven"]

@@ -149,13 +149,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             self.epoch_iterator.resume_at(epoch, files.batches_to_skip(point, spe))
             self._restore_metrics_from = prefix if point.mid_epoch else None
         elif point.mid_epoch:
-            warnings.warn(
-                f"keras-sync BackupAndRestore: the backup in {self.backup_dir} was taken after batch "
-                f"{step} of epoch {epoch}, but this fit cannot skip batches (use sync.fit), so epoch "
-                f"{epoch} restarts at batch 0 and the result will differ from an uninterrupted run.",
-                UserWarning,
-                stacklevel=2,
-            )
+            msg = f"keras-sync BackupAndRestore: the backup in {self.backup_dir} is from batch {step} of epoch {epoch}, but a plain model.fit restarts epoch {epoch} at batch 0. Fix: train with sync.fit to resume exactly."
+            warnings.warn(msg, UserWarning, stacklevel=2)
         # Said once every callback's on_train_begin has run and the restored state is seen to hold.
         self._resume_line = (
             f"keras-sync: resumed from the backup in {self.backup_dir}: epoch {epoch + 1}, after "
@@ -208,9 +203,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             what = f"epoch {point.epoch + 1}, but another callback changed it to epoch {epoch + 1}"
         if what:
             raise UsageError(
-                f"keras-sync's backup in {self.backup_dir} restored {what} before training resumed (a "
-                "second backup-and-restore callback?), so the data position and the weights would not "
-                "match. Fix: keep one backup: remove that callback, or remove fault_tolerance.backup_dir."
+                f"keras-sync's backup in {self.backup_dir} restored {what} before training resumed. Fix: keep one backup: remove that callback, or remove fault_tolerance.backup_dir."
             )
         if self._is_chief:
             _say(line)
@@ -279,10 +272,6 @@ class BackupAndRestore(keras.callbacks.Callback):
                 shutil.rmtree(temp, ignore_errors=True)
             if not self._is_chief:
                 shutil.rmtree(self._dir, ignore_errors=True)
-        if self._failed_save is not None and self._is_chief:
-            _say(
-                f"keras-sync: backups in {self.backup_dir} are written again (optimizer step {number})."
-            )
         self._failed_save, self._newest = None, number
         return True
 
@@ -301,12 +290,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             if self._newest is None
             else f"a relaunch resumes from the newest backup, optimizer step {self._newest}"
         )
-        message = (
-            f"keras-sync: the backup at optimizer step {number} could not be written to "
-            f"{self.backup_dir} ({cause}); training goes on, and {resume}. Fix: free space there, or "
-            "set fault_tolerance.backup_dir to a folder this process can write on a disk with room. "
-            "keras-sync tries again at each save and says when it works."
-        )
+        message = f"keras-sync: the backup at optimizer step {number} could not be written to {self.backup_dir} ({cause}); training goes on, and {resume}. Fix: free space there, or set fault_tolerance.backup_dir to a writable folder on a disk with room."
         _say(message)
         if self.writer is not None:
             self.writer.set_tags({"keras_sync.backup_failed": message[:4900]})
@@ -327,25 +311,15 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "resume from there."
             )
         elif self._is_chief:
-            where = "the start (no backup)"
-            if self._newest is not None:
-                where = f"the newest backup, optimizer step {self._newest}"
-            message = (
-                f"{name}: the backup at optimizer step {step} could not be written to "
-                f"{self.backup_dir} (said above); exiting with code {code}. A relaunch resumes from {where}."
-            )
+            where = f"optimizer step {self._newest}" if self._newest is not None else "the start"
+            message = f"{name}: the backup at optimizer step {step} could not be written (said above); exiting with code {code}. A relaunch resumes from {where}."
         exit_now(code, message)
 
     def on_train_end(self, logs: Any = None) -> None:
         self._check_restored_state_held()  # restored after the last epoch: no epoch began
         set_initial_epoch(self.model, None)
-        if self._preemption is not None and self._preemption.end() and self._is_chief:
-            from keras_sync.cluster.preemption import signal_name
-
-            name = signal_name(self._preemption.signum)
-            _say(
-                f"keras-sync: {name} arrived as training ended; training is complete, so no backup was saved for it"
-            )
+        if self._preemption is not None:
+            self._preemption.end()
         if self.delete_checkpoint:
             # Every worker saves at the last epoch end: the chief deletes after all have written.
             self._barrier()
@@ -386,11 +360,7 @@ def refuse_keras_backup(backup_dir: str | None, callbacks: Any, method: str = "f
     if not backup_dir or not theirs:
         return
     raise UsageError(
-        f"callbacks of sync.{method}: keras.callbacks.BackupAndRestore({getattr(theirs[0], 'backup_dir', '?')!r}) "
-        f"cannot run beside keras-sync's own backup (fault_tolerance.backup_dir: {backup_dir!r}): after a relaunch "
-        "both would restore, Keras's state over keras-sync's, and training would continue from neither. Fix: remove "
-        "keras.callbacks.BackupAndRestore from callbacks (keras-sync's backup resumes mid-epoch exactly), or remove "
-        "fault_tolerance.backup_dir to keep Keras's."
+        f"callbacks of sync.{method}: keras.callbacks.BackupAndRestore({theirs[0].backup_dir!r}) cannot run beside keras-sync's own backup (fault_tolerance.backup_dir: {backup_dir!r}). Fix: remove keras.callbacks.BackupAndRestore from callbacks, or remove fault_tolerance.backup_dir to keep Keras's."
     )
 
 

@@ -64,10 +64,9 @@ class SaveSchedule:
         if self.save_freq == "epoch":
             return False
         self._since_save += batches
-        if self._since_save < int(self.save_freq):
-            return False
-        self._since_save = 0
-        return True
+        if due := self._since_save >= int(self.save_freq):
+            self._since_save = 0
+        return due
 
     def after_epoch(self) -> bool:
         return self.save_freq == "epoch"

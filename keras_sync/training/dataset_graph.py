@@ -51,10 +51,7 @@ def refuse_unbatched(ds: Any) -> None:
     firsts = _first_dims(ds)
     if 0 in ranks or (None not in firsts and len(firsts) > 1):
         raise UsageError(
-            "sync.fit received a tf.data.Dataset of single examples, not batches (element_spec="
-            f"{ds.element_spec}: no first dimension shared by every component); Keras trains on batches. "
-            "Fix: pass it through sync.distribute(dataset), which batches by the global batch, or end it "
-            "with .batch(n)."
+            f"sync.fit received a tf.data.Dataset of single examples, not batches (element_spec={ds.element_spec}). Fix: pass it through sync.distribute(dataset), which batches by the global batch, or end it with .batch(n)."
         )
 
 

@@ -6,7 +6,6 @@ per replica as that worker's input. `shard_choice` and `batch_layout` need no Te
 from __future__ import annotations
 
 import math
-import sys
 import types
 import warnings
 from dataclasses import dataclass, field
@@ -98,7 +97,6 @@ class InputPipeline:
     shard_policy: str
     multi_worker: bool
     replay_order: bool
-    learning_rate: float = 0.0
     strategy: Any = None
     arrays_as_dataset: bool = False
     #: What the last `prepare(method="fit", ...)` did with the training data (None before).
@@ -134,11 +132,8 @@ class InputPipeline:
                 )
                 kwargs["callbacks"] = [hooks, *(kwargs.get("callbacks") or [])]
             source = "keras.utils.PyDataset" if batches is x else "Python generator"
-            described = py_dataset.describe(batches, kwargs.get("steps_per_epoch"))
             found_by = (found, "its first batch")
-            x = self.training_dataset(
-                ds, found=found_by, examples=examples, source=source, described=described
-            )
+            x = self.training_dataset(ds, found=found_by, examples=examples, source=source)
             return x, y, kwargs
         if is_dataset(x):
             if fit:
@@ -169,8 +164,7 @@ class InputPipeline:
         found: tuple[int | None, str] | None = None,
         examples: int | None = None,
         source: str = "tf.data.Dataset",
-        described: str | None = None,
-        choice: ShardChoice | None = None,
+        policy: str | None = None,
     ) -> Any:
         """A batched dataset given to `fit`: its shard policy settled, rebatched to the global batch.
         A worker's own part goes to the strategy as that worker's input, in per-replica batches."""
@@ -180,92 +174,52 @@ class InputPipeline:
             self.facts = InputFacts("distributed dataset", "as given")
             return ds
         graph.refuse_unbatched(ds)
-        choice = choice or self._choice(ds)
-        own_part = self.num_workers > 1 and (choice.policy == "off" or graph.has_shard_op(ds))
-        if own_part and choice.policy != "off":
-            choice = ShardChoice(
-                "off", "a shard op in the pipeline: it is already this worker's part"
-            )
+        policy = policy or self._policy(ds)
+        own_part = self.num_workers > 1 and (policy == "off" or graph.has_shard_op(ds))
+        policy = "off" if own_part else policy
         size, how = found or graph.batch_size_of(ds)
         if examples is None:
             examples = graph.example_count(ds, size)
         gb, workers = self.global_batch, self.num_workers
         # An own part is read per replica: each worker trains global/workers of it per step.
         target = gb // self.num_replicas if own_part else gb
-        note = f"batched by {size} ({how})" if size else f"batch size unknown ({how})"
         rebatched = size != gb or own_part
         if rebatched:
             ds = ds.rebatch(target, drop_remainder=self.drop_remainder)
             steps = _steps(examples, target, self.drop_remainder)
             if steps is not None:  # a known length: progress bar, warmup in epochs
                 ds = ds.apply(tf.data.experimental.assert_cardinality(steps))
-            to = f"{target} per replica, its worker's share of the" if own_part else "the"
-            lr = f"the learning rate {self.learning_rate:g} is scaled for {gb}"
-            note += f", rebatched to {to} global batch {gb}; {lr}"
             if size is None and self.is_chief:
-                warnings.warn(
-                    f"keras-sync: cannot tell the batch size of the dataset given to sync.fit ({how}); it was "
-                    f"rebatched to the configured global batch {gb}, so each step trains on {gb} examples. "
-                    "If its elements are single examples rather than batches, pass it through "
-                    f"sync.distribute(...) instead. To silence this, end the pipeline with .rebatch({gb}, "
-                    "drop_remainder=True), or give it a fixed batch dimension.",
-                    UserWarning,
-                    stacklevel=4,
-                )
-        else:
-            note += " = the global batch"
-        ds = graph.with_policy(ds, choice.policy)
-        part = ""
-        if own_part:
-            part = f"; each worker trains {gb // workers} examples of its own part per step"
-            batches = int(ds.cardinality())
-            per_worker = self._across_workers(batches, -1 if examples is None else examples)
-            same = batches >= 0 and len({b for b, _ in per_worker}) == 1
-            if batches >= 0 and not same:
-                lengths = ", ".join(str(b) for b, _ in per_worker)
-                part += (
-                    f"; the parts differ in length ({lengths} batches of {target}): each epoch ends "
-                    "when every worker's part has"
-                )
-            # Each part drops its own remainder: the job's count is then not known here.
-            known = all(e >= 0 for _, e in per_worker) and not self.drop_remainder
-            per_replica = self.num_replicas // workers
-            self.facts = InputFacts(
-                source,
-                "off",
-                own_part=True,
-                examples_per_epoch=sum(e for _, e in per_worker) if known else None,
-                worker_examples_per_epoch=examples,
-                steps_per_epoch=batches // per_replica if same else None,
-            )
-            if batches >= 0 and (not same or per_replica > 1):
-                # Keras takes a known length as every worker's steps: parts of different lengths
-                # would leave one worker waiting in a collective, and with several replicas per
-                # worker Keras would count per-replica batches. Unknown, the epoch ends when every
-                # part has.
-                ds = ds.filter(lambda *_: True)
-            own = ds
-            ds = self.strategy.distribute_datasets_from_function(lambda _context: own)
-        else:
+                msg = f"keras-sync: cannot tell the batch size of the dataset given to sync.fit ({how}); it was rebatched to the configured global batch {gb}. Fix: if its elements are single examples, pass it through sync.distribute(...), else end it with .rebatch({gb}, drop_remainder=True)."
+                warnings.warn(msg, UserWarning, stacklevel=4)
+        ds = graph.with_policy(ds, policy)
+        if not own_part:
             trained = share = examples
             if examples is not None and rebatched and self.drop_remainder:
                 trained = examples - examples % gb
             if workers > 1:  # this worker's share, when the split is even
                 even = examples is not None and examples % (workers * gb) == 0
                 share = examples // workers if examples is not None and even else None
-            self.facts = InputFacts(
-                source,
-                choice.policy,
-                examples_per_epoch=trained,
-                worker_examples_per_epoch=share,
-                steps_per_epoch=_steps(examples, gb, self.drop_remainder),
-            )
-        if workers > 1 or rebatched:
-            self._say(
-                f"keras-sync: training data: {described or source} {note}; shard policy "
-                f"{choice.policy} ({choice.reason}){part}; {batch_layout(gb, self.num_replicas, workers)}"
-            )
-        return ds
+            steps = _steps(examples, gb, self.drop_remainder)
+            self.facts = InputFacts(source, policy, False, trained, share, steps)
+            return ds
+        batches = int(ds.cardinality())
+        per_worker = self._across_workers(batches, -1 if examples is None else examples)
+        same = batches >= 0 and len({b for b, _ in per_worker}) == 1
+        # Each part drops its own remainder: the job's count is then not known here.
+        known = all(e >= 0 for _, e in per_worker) and not self.drop_remainder
+        per_replica = self.num_replicas // workers
+        total = sum(e for _, e in per_worker) if known else None
+        steps = batches // per_replica if same else None
+        self.facts = InputFacts(source, "off", True, total, examples, steps)
+        if batches >= 0 and (not same or per_replica > 1):
+            # Keras takes a known length as every worker's steps: parts of different lengths
+            # would leave one worker waiting in a collective, and with several replicas per
+            # worker Keras would count per-replica batches. Unknown, the epoch ends when every
+            # part has.
+            ds = ds.filter(lambda *_: True)
+        own = ds
+        return self.strategy.distribute_datasets_from_function(lambda _context: own)
 
     def _across_workers(self, batches: int, examples: int) -> list[tuple[int, int]]:
         """(batches, examples) of every worker's part, in worker order: one all-gather, on every worker."""
@@ -304,24 +258,16 @@ class InputPipeline:
         if not fit:
             return ds, None, kwargs
         kwargs["shuffle"] = False  # shuffled here, with one seed for all workers
-        choice = self._choice(None)
+        policy = self._policy(None)
         n = len(tf.nest.flatten(parts)[0])
-        if choice.policy == "off" and self.num_workers > 1 and global_batch == self.global_batch:
+        if policy == "off" and self.num_workers > 1 and global_batch == self.global_batch:
             # Each worker's arrays are its own part: read per replica, not sharded, steps from its own length.
             found = (global_batch, "keras-sync's batch")
-            ds = self.training_dataset(ds, found=found, examples=n, source="arrays", choice=choice)
+            ds = self.training_dataset(ds, found=found, examples=n, source="arrays", policy=policy)
             return ds, None, kwargs
-        self.facts = InputFacts(
-            "arrays",
-            choice.policy,
-            examples_per_epoch=n - n % global_batch if self.drop_remainder else n,
-            steps_per_epoch=_steps(n, global_batch, self.drop_remainder),
-        )
-        if self.num_workers > 1:
-            self._say(
-                f"keras-sync: training data: arrays, shard policy {choice.policy} ({choice.reason}); "
-                f"{batch_layout(global_batch, self.num_replicas, self.num_workers)}"
-            )
+        trained = n - n % global_batch if self.drop_remainder else n
+        steps = _steps(n, global_batch, self.drop_remainder)
+        self.facts = InputFacts("arrays", policy, examples_per_epoch=trained, steps_per_epoch=steps)
         return ds, None, kwargs
 
     def _batched(
@@ -331,41 +277,27 @@ class InputPipeline:
         import tensorflow as tf
 
         if isinstance(data, tf.data.Dataset):
-            ds, choice = data, self._choice(data)
+            ds, policy = data, self._policy(data)
         else:
-            ds, choice = tf.data.Dataset.from_tensor_slices(data), self._choice(None)
+            ds, policy = tf.data.Dataset.from_tensor_slices(data), self._policy(None)
         if shuffle:
             n = int(ds.cardinality())
             ds = ds.shuffle(n if n > 0 else 10_000, seed=seed, reshuffle_each_iteration=True)
         batched = ds.batch(global_batch or self.global_batch, drop_remainder=self.drop_remainder)
-        return graph.with_policy(batched, choice.policy)
+        return graph.with_policy(batched, policy)
 
-    def _choice(self, ds: Any | None) -> ShardChoice:
+    def _policy(self, ds: Any | None) -> str:
+        """The shard policy of arrays (None) or a dataset; `auto` or `file` on several workers is
+        settled now by the files read: TensorFlow's FILE sharding fails at the first step when the
+        pipeline reads fewer files than there are workers."""
         if ds is None:
-            return shard_choice("arrays", configured=self.shard_policy)
-        choice = shard_choice(
-            "dataset", configured=self.shard_policy, own=graph.own_shard_policy(ds)
-        )
-        if self.num_workers <= 1 or choice.policy not in ("auto", "file"):
-            return choice
-        # Decided before training: TensorFlow's FILE sharding fails at the first step when the
-        # pipeline reads fewer files than there are workers ("Could not apply FILE based sharding").
-        files, workers = graph.file_count(ds), self.num_workers
-        reads = f"the pipeline reads {files} file{'s' * (files != 1)} for {workers} workers"
-        if files is None:
-            reason = f"batch.shard_policy: {choice.policy} and the pipeline reads no files"
-        elif files < workers:
-            reason = f"{reads}, too few to shard by file"
-        else:
-            return ShardChoice(
-                "file",
-                f"batch.shard_policy: {choice.policy} and {reads}: each worker reads its own files",
-            )
-        return ShardChoice("data", f"{reason}: split by example")
-
-    def _say(self, line: str) -> None:
-        if self.is_chief:
-            print(line, file=sys.stderr, flush=True)
+            return shard_choice("arrays", configured=self.shard_policy).policy
+        own = graph.own_shard_policy(ds)
+        policy = shard_choice("dataset", configured=self.shard_policy, own=own).policy
+        if self.num_workers <= 1 or policy not in ("auto", "file"):
+            return policy
+        files = graph.file_count(ds)
+        return "file" if files is not None and files >= self.num_workers else "data"
 
 
 def is_dataset(x: Any) -> bool:
@@ -390,9 +322,6 @@ def _validation_input(kwargs: dict[str, Any]) -> dict[str, Any]:
         return dict(kwargs, validation_data=py_dataset.py_dataset_batches(vd)[0])
     if isinstance(vd, types.GeneratorType):
         raise UsageError(
-            "sync.fit received validation_data as a Python generator: Keras evaluates it again every epoch, "
-            "each time replaying its first 2 batches and then reading new ones, so no two epochs validate on the "
-            "same data (one device or several). Fix: give validation_data as arrays, a keras.utils.PyDataset or a "
-            "tf.data.Dataset."
+            "sync.fit received validation_data as a Python generator: each epoch would validate on other data. Fix: give validation_data as arrays, a keras.utils.PyDataset or a tf.data.Dataset."
         )
     return kwargs

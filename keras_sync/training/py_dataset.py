@@ -47,16 +47,14 @@ class GeneratorBatches:
             if i in self._kept or i >= self._next:
                 return self._kept.get(i)
         raise UsageError(
-            f"keras-sync read batch {i} of a Python generator again after {self._next - i} newer ones (it keeps "
-            f"the last {self._keep}); Keras restarted its reader further back than that. Fix: give the data as a "
-            "keras.utils.PyDataset or a tf.data.Dataset (read by index or made again each epoch)."
+            f"keras-sync was asked for batch {i} of a Python generator again after {self._next - i} newer ones; it keeps the last {self._keep}. Fix: give the data as a keras.utils.PyDataset or a tf.data.Dataset."
         )
 
     def __getitem__(self, i: int) -> Any:
         batch = self.get(i)
         if batch is None:
             raise UsageError(
-                "the Python generator given to keras-sync yielded no batch. Fix: give it at least one."
+                "the Python generator given to sync.fit yielded no batch. Fix: give it at least one."
             )
         return batch
 
@@ -71,28 +69,9 @@ def python_batches(x: Any, method: str, kwargs: dict[str, Any]) -> GeneratorBatc
     epochs = int(kwargs.get("epochs", 1))
     if method == "fit" and kwargs.get("steps_per_epoch") is None and epochs > 1:
         raise UsageError(
-            f"sync.fit received a Python generator with epochs={kwargs.get('epochs')} and no steps_per_epoch: "
-            "its first epoch reads it to the end and the next ones have nothing left (Keras replays its first "
-            "2 batches). Fix: pass steps_per_epoch=<batches per epoch> (an endless generator), or give a "
-            "keras.utils.PyDataset or a tf.data.Dataset."
+            f"sync.fit received a Python generator with epochs={kwargs.get('epochs')} and no steps_per_epoch: the first epoch would read it to its end. Fix: pass steps_per_epoch=<batches per epoch> (an endless generator), or give a keras.utils.PyDataset or a tf.data.Dataset."
         )
     return GeneratorBatches(x)
-
-
-def describe(batches: Any, steps_per_epoch: int | None) -> str:
-    """How the training-data line names what `python_batches` returned."""
-    if isinstance(batches, GeneratorBatches):
-        per_epoch = "read to its end"
-        if steps_per_epoch:
-            per_epoch = f"{steps_per_epoch} batches per epoch (steps_per_epoch)"
-        return f"a Python generator, {per_epoch}, read by keras-sync in order, each batch once,"
-    workers = int(getattr(batches, "workers", 1) or 1)
-    processes = " (not processes)" * bool(getattr(batches, "use_multiprocessing", False))
-    how = "one at a time" if workers <= 1 else f"{workers} at a time on threads{processes}"
-    length = "without end" if batches.num_batches is None else f"of {batches.num_batches} batches"
-    return (
-        f"keras.utils.PyDataset {length}, read by keras-sync by index, each once per epoch ({how}),"
-    )
 
 
 def _standardize(batch: Any) -> Any:
@@ -119,10 +98,8 @@ def py_dataset_batches(pyds: Any) -> tuple[Any, int, int | None]:
             "or a num_batches property (None for an endless one, with steps_per_epoch in fit)."
         ) from None
     if n is not None and n < 1:
-        raise UsageError(
-            f"sync.fit received an empty keras.utils.PyDataset ({type(pyds).__name__}, 0 batches). "
-            "Fix: give it at least one batch."
-        )
+        msg = f"sync.fit received an empty keras.utils.PyDataset ({type(pyds).__name__}, 0 batches). Fix: give it at least one batch."
+        raise UsageError(msg)
     generator = isinstance(pyds, GeneratorBatches)
     first = _standardize(pyds[0])
     flat = [np.asarray(a) for a in tf.nest.flatten(first)]
