@@ -598,7 +598,7 @@ def test_ui_port_in_use_is_a_usage_error(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stderr == (
         f"Invalid value for --port. Received: {port}, which is in use on 127.0.0.1. "
-        "Expected a free port; pass another, e.g. --port 5001.\n"
+        "Fix: pass a free one, e.g. --port 5001.\n"
     )
 
 

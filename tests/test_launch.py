@@ -252,8 +252,8 @@ def test_cli_missing_script_is_one_line() -> None:
     proc = _run_cli("--workers", "2", "no_such_train.py")
     assert proc.returncode == 2
     assert proc.stderr == (
-        "Invalid value for argument `script`. Received: script='no_such_train.py', which is not a file. Expected "
-        "the path of a Python training script. Fix: check the path (relative to the current directory).\n"
+        "Invalid value for argument `script`. Received: script='no_such_train.py', which is not a "
+        "file. Fix: check the path (relative to the current directory).\n"
     )
 
 
@@ -328,7 +328,7 @@ def test_launch_rejects_a_config_that_is_not_a_file() -> None:
         launch(WORKER, ["print"], workers=2, config="missing.yaml")
     assert str(e.value) == (
         "Invalid value for argument `config`. Received: config='missing.yaml', which is not a file. "
-        "Expected the path of a keras-sync YAML file. Fix: check the path, or run `keras-sync init`."
+        "Fix: check the path (relative to the current directory)."
     )
 
 
@@ -537,9 +537,9 @@ def test_private_network_refused_in_one_line_where_no_namespace_can_be_made() ->
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
     ).stdout
     assert out == (
-        "Invalid value for argument `private_network`. Received: private_network=True, but creating a network "
-        "namespace needs root or CAP_SYS_ADMIN (running as uid 1000). Fix: run launch as root on Linux, or drop "
-        "--private-network and keep the workers' ports behind a firewall or on a trusted network.\n"
+        "Invalid value for argument `private_network`. Received: private_network=True, but a network "
+        "namespace needs root or CAP_SYS_ADMIN (uid 1000). Fix: run launch as root on Linux, or drop "
+        "--private-network and keep the workers' ports behind a firewall.\n"
     )
 
 
@@ -634,9 +634,8 @@ def test_private_network_refuses_an_http_tracking_server_before_any_worker_start
             env={"MLFLOW_TRACKING_URI": "http://alice:secret@10.0.0.1:5000"},
         )
     assert str(e.value) == (
-        "Invalid value for argument `private_network`. Received: private_network=True with mlflow.tracking_uri="
-        "'http://10.0.0.1:5000': in their own network namespace the workers reach no network but their loopback, "
-        "so not that server. Fix: use a sqlite or file store (e.g. sqlite:///mlflow.db) and deliver it later, set "
-        "mlflow.enabled: false, or drop --private-network and keep the ports behind a firewall."
+        "Invalid value for argument `private_network`. Received: private_network=True with "
+        "mlflow.tracking_uri='http://10.0.0.1:5000', which the namespace cannot reach. Fix: use a "
+        "sqlite or file store, set mlflow.enabled: false, or drop --private-network."
     )
     assert not list(tmp_path.iterdir())  # no worker started; the password is in no message

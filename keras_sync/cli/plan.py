@@ -95,7 +95,7 @@ def _show(value: Any) -> str:
 
 def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Plan:
     """The plan of a run with `config` in `environ` (default ``os.environ``); a `KerasSyncError`
-    when the values do not fit together (a global batch the replicas do not divide, a bad TF_CONFIG)."""
+    when the values do not fit together."""
     from keras_sync import cluster, strategy, tracking
     from keras_sync.config.kinds import KINDS, LAYOUT_TPU
     from keras_sync.training import scaling
@@ -151,9 +151,7 @@ def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Pl
     add("input.arrays", f"shard {arrays.policy}", "derived", arrays.reason)
     note = "a tf.data.Dataset whose options set a policy keeps it (Ray Data: off); else "
     add("input.datasets", f"own policy, else {datasets.policy}", "derived", note + datasets.reason)
-    note = (
-        "a dataset given to fit with another or an unknown batch is rebatched to the global batch"
-    )
+    note = "a dataset with another or an unknown batch is rebatched to the global batch"
     add("input.batched_datasets", f"rebatched to {global_batch}", "derived", note)
     if workers > 1:
         note = batch_layout(global_batch, replicas, workers)

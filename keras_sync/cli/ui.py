@@ -52,8 +52,7 @@ def command(config: str | None, tracking_uri: str | None, port: int, no_browser:
     elif parsed.scheme == "file":
         store = Path(unquote(parsed.path))
     if store is not None and not store.exists():
-        # Training resolves the default (or a relative) store against its own folder, usually the
-        # config's: from another folder the same config finds it there. An absolute path is that file.
+        # Training resolved the default (or a relative) store against its folder, usually the config's.
         relative = Path(store.name) if source == "default" else store
         beside = (Path(cfg.source).resolve().parent / relative).resolve()
         if cfg.source.startswith("<") or relative.is_absolute() or not beside.exists():
@@ -69,12 +68,9 @@ def command(config: str | None, tracking_uri: str | None, port: int, no_browser:
             sock.bind(("127.0.0.1", port))
         except OSError:
             used = f"Invalid value for --port. Received: {port}, which is in use on 127.0.0.1."
-            raise UserError(
-                f"{used} Expected a free port; pass another, e.g. --port 5001."
-            ) from None
+            raise UserError(f"{used} Fix: pass a free one, e.g. --port 5001.") from None
     url = f"http://127.0.0.1:{port}"
-    # The server's advice (e.g. --host 0.0.0.0) fits `mlflow server`, not us: its output goes to a
-    # log. One worker and no job runner: it is ready in about half the time.
+    # The server's advice (e.g. --host 0.0.0.0) fits `mlflow server`, not us: its output goes to a log.
     cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri, "--host"]
     cmd += ["127.0.0.1", "--port", str(port), "--workers", "1"]
     env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
@@ -86,8 +82,7 @@ def command(config: str | None, tracking_uri: str | None, port: int, no_browser:
         )
     click.echo(f"MLflow UI for {redact_uri(uri)} at {url} (Ctrl-C to stop)")
     click.echo(f"MLflow's own output goes to {log}")
-    # Stop the server on Ctrl-C and SIGTERM, also when started with SIGINT ignored (a background
-    # job of a non-interactive shell inherits that, and Ctrl-C would then do nothing).
+    # Ctrl-C and SIGTERM stop the server, also when SIGINT came ignored (a background job).
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.default_int_handler)  # raises KeyboardInterrupt
     try:
@@ -109,7 +104,7 @@ def command(config: str | None, tracking_uri: str | None, port: int, no_browser:
 
 
 def _wait_ready(url: str, server: subprocess.Popen[bytes]) -> bool:
-    """Poll the server's health page for up to 60 s (a fresh store's migrations on a busy machine)."""
+    """Poll the server's health page for up to 60 s."""
     import urllib.request  # not on the path of `keras-sync --help`
 
     deadline = time.monotonic() + 60

@@ -1,5 +1,4 @@
-"""``keras-sync verify``: run both halves, compare their recordings (`measures.verify_compare`),
-print the table, and log or keep the comparison."""
+"""``keras-sync verify``: run both halves, compare their recordings, print the table, log it."""
 
 from __future__ import annotations
 
@@ -31,7 +30,7 @@ Run = dict[str, Any]  # a recording's record.json
     "--workers",
     "-n",
     type=click.IntRange(min=2),
-    help="Run the distributed half as N local workers, started as `keras-sync launch -n N` starts them "
+    help="Run the distributed half as N local workers, as `keras-sync launch -n N` does "
     "(default: one process, as the config says).",
 )
 @click.option("--config", type=click.Path(), help="keras-sync YAML file (sets $KERAS_SYNC_CONFIG).")
@@ -40,15 +39,14 @@ Run = dict[str, Any]  # a recording's record.json
     "recording",
     type=click.Path(),
     metavar="FOLDER",
-    help="Do not run the distributed half: compare FOLDER, recorded under your own launcher with "
-    "KERAS_SYNC_VERIFY_RECORD=FOLDER, with the one-device reference run here.",
+    help="Compare FOLDER, recorded under your own launcher with KERAS_SYNC_VERIFY_RECORD=FOLDER, "
+    "with the one-device reference run here (no distributed run).",
 )
 @click.option(
     "--keep",
     type=click.Path(),
     metavar="FOLDER",
-    help="Keep both recordings, the runs' output and the comparison (verify.json) in FOLDER "
-    "(default: a temporary folder).",
+    help="Keep both recordings, the runs' output and verify.json in FOLDER (default: a temporary one).",
 )
 @click.argument("script", type=click.Path())
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
@@ -194,10 +192,10 @@ def _table(result: Verdict, subject: Run, reference: Run) -> list[str]:
     lines = [f"distributed: {run}; reference: one device, {how}"]
     if subject.get("peak_rss_mb") and reference.get("peak_rss_mb"):
         per = "the chief's process" if workers > 1 else "one process"
-        lines.append(
-            f"peak memory: distributed {subject['peak_rss_mb']:.0f} MB ({per}), one device "
-            f"{reference['peak_rss_mb']:.0f} MB"
+        peaks = (
+            f"{subject['peak_rss_mb']:.0f} MB ({per}), one device {reference['peak_rss_mb']:.0f}"
         )
+        lines.append(f"peak memory: distributed {peaks} MB")
     source = subject.get("input")
     left = f"nothing left that verify knows of (input: {source or 'unknown'})"
     if source in ("Python generator", "keras.utils.PyDataset"):
@@ -209,10 +207,9 @@ def _table(result: Verdict, subject: Run, reference: Run) -> list[str]:
         f"rounding over {result.steps} steps)",
     ]
     parts = result.partings
+    alike = f"every step alike: loss, update norm, learning rate, examples ({result.steps} steps)"
     if not parts:
-        lines.append(
-            f"every step alike: loss, update norm, learning rate, examples ({result.steps} steps)"
-        )
+        lines.append(alike)
     else:
         lines.append(f"{'step':>5}  {'quantity':<9} {'distributed':>13} {'one device':>13}")
         lines += [

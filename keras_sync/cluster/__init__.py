@@ -1,8 +1,8 @@
 """Where this process sits in a training cluster: TF_CONFIG, Slurm, a Kubernetes Indexed Job, or alone.
 
-One `ClusterEnvironment` per value of `strategy.cluster`: `detect` and `info` need no TensorFlow
-(`keras-sync plan` stays light), `resolver` imports it. The chief is TensorFlow's: the `chief`
-task, else `worker` 0; an `evaluator` is outside the training cluster and a chief of its own.
+One `ClusterEnvironment` per value of `strategy.cluster`: `detect` and `info` need no TensorFlow,
+`resolver` imports it. The chief is TensorFlow's: the `chief` task, else `worker` 0; an
+`evaluator` is outside the training cluster and a chief of its own.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ _SLURM_VARS = (
 @dataclass(frozen=True)
 class ClusterInfo:
     """This process's place: ``worker_addresses`` are the training tasks, chief first; ``flavor``
-    says who wrote TF_CONFIG (TFJob or Vertex AI, Ray Train), for people only."""
+    says who wrote TF_CONFIG, for people only."""
 
     source: Literal["tf_config", "slurm", "indexed_job", "none"]
     task_type: str
@@ -46,7 +46,7 @@ SINGLE_PROCESS = ClusterInfo("none", "worker", 0, 1, True)
 
 @dataclass(frozen=True)
 class Role:
-    """This process's part in the job: the chief (the one with side effects), its task, how many train."""
+    """This process's part in the job: chief or not, its task, how many workers train."""
 
     is_chief: bool
     task_type: str | None
@@ -58,14 +58,14 @@ SINGLE = Role(is_chief=True, task_type=None, task_id=None, num_workers=1)
 
 
 def role(cluster: Mapping[str, Any] | None, task_type: str | None, task_id: int | None) -> Role:
-    """The role of task (`task_type`, `task_id`) in `cluster` (``{job: [addresses]}``): the one rule.
+    """The role of task (`task_type`, `task_id`) in `cluster` (``{job: [addresses]}``).
 
     >>> role({"chief": ["c:1"], "worker": ["w:1", "w:2"]}, "worker", 0)
     Role(is_chief=False, task_type='worker', task_id=0, num_workers=3)
     """
     if not cluster or task_type is None:
         return SINGLE
-    workers = sum(len(cluster.get(job) or ()) for job in TRAINING_JOBS)
+    workers = len(training_tasks(cluster))
     return Role(is_chief(cluster, task_type, task_id or 0), task_type, task_id, max(workers, 1))
 
 
@@ -96,20 +96,16 @@ def training_tasks(cluster: Mapping[str, Any]) -> dict[tuple[str, int], str]:
 
 
 def killed_when_training_returns(env: Mapping[str, str] | None = None) -> bool:
-    """True in a Ray worker (``RAY_RAYLET_PID`` set): Ray Train kills its process tree once the
-    train function returns, atexit unrun, so the run is delivered before `fit` returns."""
+    """True in a Ray worker: Ray Train kills it once the train function returns, atexit unrun."""
     return "RAY_RAYLET_PID" in (os.environ if env is None else env)
 
 
 def _error(what: str, received: Any, fix: str) -> ClusterError:
-    shown = received if len(str(received)) < 300 else str(received)[:300] + "..."
-    return ClusterError(f"{what}. Received: {shown}. {fix}")
+    return ClusterError(f"{what}. Received: {str(received)[:300]}. {fix}")
 
 
-_EXAMPLE = (
-    'Expected a JSON object such as {"cluster": {"worker": ["host0:2222", "host1:2222"]}, '
-    '"task": {"type": "worker", "index": 0}}'
-)
+_EXAMPLE = 'Expected e.g. {"cluster": {"worker": ["h0:2222", "h1:2222"]}, "task": {"type": "worker", "index": 0}}'
+_MWMS = "not supported by MultiWorkerMirroredStrategy"
 
 
 def _tf_config_cluster(data: Any, raw: str) -> dict[str, list[str]]:
@@ -117,38 +113,35 @@ def _tf_config_cluster(data: Any, raw: str) -> dict[str, list[str]]:
     if not isinstance(data, dict):
         raise _error("TF_CONFIG must be a JSON object", f"TF_CONFIG={raw!r}", _EXAMPLE)
     if "sparseCluster" in data:
-        what = (
-            "TF_CONFIG has `sparseCluster` (TFJob enableDynamicWorker), which is not supported by "
+        what, fix = (
+            f"TF_CONFIG has `sparseCluster`, {_MWMS}",
+            "Fix: set `enableDynamicWorker: false`.",
         )
-        raise _error(
-            what + "MultiWorkerMirroredStrategy: every worker must know every peer",
-            f"sparseCluster={data['sparseCluster']!r}",
-            "Fix: set `enableDynamicWorker: false` in the TFJob spec.",
-        )
+        raise _error(what, f"sparseCluster={data['sparseCluster']!r}", fix)
     cluster = data.get("cluster")
     if not isinstance(cluster, dict) or not cluster:
-        fix = f"{_EXAMPLE}; unset TF_CONFIG to train in one process."
-        raise _error("TF_CONFIG has no `cluster` (a non-empty object)", f"cluster={cluster!r}", fix)
+        raise _error("TF_CONFIG has no `cluster`", f"cluster={cluster!r}", _EXAMPLE)
     for job, addresses in cluster.items():
         if job not in (*TRAINING_JOBS, "evaluator", "ps"):
-            fix = "Expected only chief, worker (and evaluator); rename the job."
+            fix = "Expected chief, worker or evaluator; rename the job."
             raise _error(f"TF_CONFIG cluster has an unknown job `{job}`", f"cluster={cluster}", fix)
         if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
             what, fix = f"TF_CONFIG cluster.{job} must be a list", f'Expected "{job}": ["h:2222"].'
             raise _error(what, f"cluster.{job}={addresses!r}", fix)
     if cluster.get("ps"):
-        raise _error(
-            "TF_CONFIG cluster has `ps` tasks, which are not supported by MultiWorkerMirroredStrategy "
-            "(data-parallel all-reduce, no parameter servers)",
-            f"cluster.ps={cluster['ps']!r}",
-            "Fix: remove the PS replicas (TFJob `PS:` replica spec).",
+        what, fix = (
+            f"TF_CONFIG cluster has `ps` tasks, which are {_MWMS}",
+            "Fix: remove the PS replicas.",
         )
+        raise _error(what, f"cluster.ps={cluster['ps']!r}", fix)
     for job in ("chief", "evaluator"):
         if len(cluster.get(job, [])) > 1:
-            what = f"TF_CONFIG cluster.{job} must have at most one task"
-            fix = f"Fix: set `replicas: 1` for the {job.capitalize()} replica spec."
+            what, fix = (
+                f"TF_CONFIG cluster.{job} must have at most one task",
+                "Fix: set `replicas: 1`.",
+            )
             raise _error(what, f"cluster.{job}={cluster[job]!r}", fix)
-    if not any(cluster.get(job) for job in TRAINING_JOBS):
+    if not training_tasks(cluster):
         what = "TF_CONFIG cluster has no `chief` or `worker` tasks"
         raise _error(what, f"cluster={cluster!r}", "Add a worker list.")
     return cluster
@@ -161,16 +154,15 @@ def parse_tf_config(raw: str | None, *, env: Mapping[str, str] | None = None) ->
     try:
         data = json.loads(raw)
     except json.JSONDecodeError as e:
-        where = f"{e.msg} at line {e.lineno} column {e.colno}, char {e.pos}"
-        fix = f"{_EXAMPLE}; fix the quoting where TF_CONFIG is set (shell quotes, the job spec)."
-        raise _error(f"TF_CONFIG is not valid JSON ({where})", f"TF_CONFIG={raw!r}", fix) from None
+        what = f"TF_CONFIG is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}, char {e.pos})"
+        raise _error(what, f"TF_CONFIG={raw!r}", _EXAMPLE + "; fix the quoting.") from None
     if not data:
         return SINGLE_PROCESS
     cluster = _tf_config_cluster(data, raw)
     task = data.get("task")
     if not isinstance(task, dict) or "type" not in task:
-        fix = 'Expected e.g. "task": {"type": "worker", "index": 0}, different on each process.'
-        raise _error("TF_CONFIG has no `task` (this process's role)", f"task={task!r}", fix)
+        fix = 'Expected e.g. "task": {"type": "worker", "index": 0}, its own on each process.'
+        raise _error("TF_CONFIG has no `task`", f"task={task!r}", fix)
     task_type, task_id = task.get("type"), task.get("index")
     if task_type not in (*TRAINING_JOBS, "evaluator"):
         fix = "Expected one of chief, worker, evaluator."
@@ -183,8 +175,7 @@ def parse_tf_config(raw: str | None, *, env: Mapping[str, str] | None = None) ->
     count = len(cluster.get(task_type, []))
     if task_id >= count and (task_type != "evaluator" or task_type in cluster):
         what = f"TF_CONFIG task.index is out of range for `{task_type}` ({count} task(s))"
-        fix = f"Expected an index from 0 to {count - 1}; give each process its own index."
-        raise _error(what, f"task={task!r}", fix)
+        raise _error(what, f"task={task!r}", f"Expected an index from 0 to {count - 1}.")
     flavor: Literal["kubeflow", "ray", "plain"] = "plain"
     if str(data.get("environment", "")).lower() == "cloud":
         flavor = "kubeflow"
@@ -234,9 +225,9 @@ def expand_tasks_per_node(spec: str) -> list[int]:
 
 
 def slurm_port_base(env: Mapping[str, str] | None = None) -> int:
-    """The first worker port of a Slurm job step when `strategy.slurm.port_base` is auto (without a
-    job id, TensorFlow's 8888). Each (job, step) gets a slot of 16 ports in 10000-31775, below
-    Linux's ephemeral range; 1361 slots, a prime, so neighbouring jobs and steps never share one."""
+    """The first worker port of a Slurm job step when `strategy.slurm.port_base` is auto (8888
+    without a job id): a slot of 16 ports per (job, step) in 10000-31775, below the ephemeral range;
+    1361 slots, a prime, so neighbouring jobs and steps never share one."""
     env = os.environ if env is None else env
     job, step = env.get("SLURM_JOB_ID", ""), env.get("SLURM_STEP_ID", "0")
     if not job.isdigit():
@@ -255,34 +246,34 @@ def parse_slurm_env(
     env: Mapping[str, str] | None = None, *, port_base: int | None = None
 ) -> ClusterInfo:
     """Reads a Slurm job step (`srun`) as `SlurmClusterResolver` does: every task a `worker`, nodes
-    in sorted order, task i on its node at ``port_base`` + its index there (None: `slurm_port_base`)."""
+    sorted, task i on its node at ``port_base`` + i (None: `slurm_port_base`)."""
     env = os.environ if env is None else env
     if missing := [v for v in _SLURM_VARS if v not in env]:
-        raise _error(
-            f"Slurm variable(s) {', '.join(missing)} are not set",
-            f"SLURM_JOB_ID={env.get('SLURM_JOB_ID')!r}",
-            "They exist only inside a job step: start the script with `srun python train.py`.",
+        what, fix = (
+            f"{', '.join(missing)} are not set",
+            "Fix: start it with `srun python train.py`.",
         )
+        raise _error(what, f"SLURM_JOB_ID={env.get('SLURM_JOB_ID')!r}", fix)
     values = {v: env[v] for v in _SLURM_VARS}
     try:
         rank, num_tasks = int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"])
         hosts = expand_hostlist(env["SLURM_STEP_NODELIST"])
         layout = dict(zip(hosts, expand_tasks_per_node(env["SLURM_STEP_TASKS_PER_NODE"])))
     except ValueError as e:
-        fix = "They are set by srun; do not set them by hand unless you mimic srun exactly."
-        raise _error(f"Slurm variables cannot be read ({e})", values, fix) from None
+        raise _error(
+            f"Slurm variables cannot be read ({e})", values, "Let srun set them."
+        ) from None
     base = slurm_port_base(env) if port_base is None else port_base
     addresses = [f"{h}:{base + i}" for h, n in sorted(layout.items()) for i in range(n)]
     if len(addresses) != num_tasks or not 0 <= rank < num_tasks:
-        what = "Slurm variables disagree: the nodes and tasks per node do not give "
-        what += "SLURM_STEP_NUM_TASKS tasks, or SLURM_PROCID is out of range"
+        what = "Slurm variables disagree on SLURM_STEP_NUM_TASKS, or SLURM_PROCID is out of range"
         raise _error(what, values, "Run under srun with one task per worker process.")
     return ClusterInfo("slurm", "worker", rank, num_tasks, rank == 0, addresses)
 
 
 def indexed_job_addresses(hosts: str, port: int, workers: int) -> list[str]:
-    """Every worker's ``host:port``: ``hosts`` with ``{index}`` = 0..workers-1, ``:port`` added
-    unless the pattern names a port itself."""
+    """Every worker's ``host:port`` from the pattern ``hosts`` (``{index}``), ``:port`` added
+    unless the pattern names one."""
     out = [hosts.replace("{index}", str(i)) for i in range(workers)]
     return [h if re.search(r":\d+$", h) else f"{h}:{port}" for h in out]
 
@@ -290,27 +281,37 @@ def indexed_job_addresses(hosts: str, port: int, workers: int) -> list[str]:
 def parse_indexed_job(
     hosts: str, port: int, workers: int, env: Mapping[str, str] | None = None
 ) -> ClusterInfo:
-    """This pod's place in a Kubernetes Indexed Job (or a JobSet's job): worker ``$JOB_COMPLETION_INDEX``
-    of ``workers``, worker 0 the chief, addresses from the ``hosts`` pattern (`strategy.indexed_job`,
-    whose keys the config has checked)."""
+    """This pod's place in a Kubernetes Indexed Job (or JobSet): worker ``$JOB_COMPLETION_INDEX``
+    of ``workers``, worker 0 the chief (`strategy.indexed_job`)."""
     raw = (os.environ if env is None else env).get(INDEX_VAR)
     if raw is None:
-        raise _error(
-            f"strategy.cluster is indexed_job but ${INDEX_VAR} is not set",
-            f"{INDEX_VAR}=None",
-            "Kubernetes sets it in the pods of a Job with `completionMode: Indexed` (JobSet too); "
-            "run the script there, or set it (0 to workers-1) to mimic one.",
-        )
+        what = f"strategy.cluster is indexed_job but ${INDEX_VAR} is not set"
+        fix = "Kubernetes sets it in an Indexed Job's pods; run there, or set it (0 to workers-1)."
+        raise _error(what, f"{INDEX_VAR}=None", fix)
     if not raw.strip().isdigit() or int(raw) >= workers:
-        what = f"${INDEX_VAR} is not a worker index from 0 to strategy.indexed_job.workers-1="
-        fix = "Set strategy.indexed_job.workers to the Job's `completions` (and `parallelism`)."
-        raise _error(f"{what}{workers - 1}", f"{INDEX_VAR}={raw!r}", fix)
+        what = f"${INDEX_VAR} is not a worker index from 0 to strategy.indexed_job.workers-1"
+        fix = "Set strategy.indexed_job.workers to the Job's `completions`."
+        raise _error(f"{what}={workers - 1}", f"{INDEX_VAR}={raw!r}", fix)
     index, addresses = int(raw), indexed_job_addresses(hosts, port, workers)
     return ClusterInfo("indexed_job", "worker", index, workers, index == 0, addresses)
 
 
+def _worker_list_resolver(info: ClusterInfo) -> Any:
+    """A TensorFlow resolver for the workers `info` lists, with this machine's GPUs."""
+    import tensorflow as tf
+
+    gpus = len(tf.config.list_physical_devices("GPU"))
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec({"worker": info.worker_addresses}),
+        task_type="worker",
+        task_id=info.task_id,
+        num_accelerators={"GPU": gpus} if gpus else {},
+        rpc_layer="grpc",
+    )
+
+
 class ClusterEnvironment:
-    """Where this process sits in one kind of cluster (the base: one process), read from ``env``
+    """Where this process sits in one kind of cluster (this base: one process), read from ``env``
     (default `os.environ`) and the config's `strategy` section."""
 
     name = "alone"
@@ -322,11 +323,10 @@ class ClusterEnvironment:
         self.env = os.environ if env is None else env
 
     def detect(self) -> bool:
-        """Whether this process runs in such a cluster (its variables are set)."""
         return True
 
     def info(self) -> ClusterInfo:
-        """This process's place; raises `ClusterError` naming what to fix when it is inconsistent."""
+        """This process's place; a `ClusterError` naming what to fix when it is inconsistent."""
         return SINGLE_PROCESS
 
     def world_size(self) -> int:
@@ -336,22 +336,8 @@ class ClusterEnvironment:
         return self.info().task_id
 
     def resolver(self) -> Any:
-        """The TensorFlow cluster resolver a strategy gets (None: TensorFlow reads TF_CONFIG itself)."""
+        """The TensorFlow cluster resolver (None: TensorFlow reads TF_CONFIG itself)."""
         return None
-
-    def _worker_list_resolver(self) -> Any:
-        """A TensorFlow resolver for the workers `info` lists, with the GPUs this machine has."""
-        info = self.info()
-        import tensorflow as tf
-
-        gpus = len(tf.config.list_physical_devices("GPU"))
-        return tf.distribute.cluster_resolver.SimpleClusterResolver(
-            tf.train.ClusterSpec({"worker": info.worker_addresses}),
-            task_type="worker",
-            task_id=info.task_id,
-            num_accelerators={"GPU": gpus} if gpus else {},
-            rpc_layer="grpc",
-        )
 
 
 class TFConfigEnvironment(ClusterEnvironment):
@@ -378,12 +364,12 @@ class SlurmEnvironment(ClusterEnvironment):
         return parse_slurm_env(self.env, port_base=fixed_slurm_port_base(self.config))
 
     def resolver(self) -> Any:
-        self.info()  # its errors say what to fix; TensorFlow's do not
+        info = self.info()  # its errors say what to fix; TensorFlow's do not
         import tensorflow as tf
 
         # Without GPUs, TensorFlow's resolver would give each task a GPU that does not exist.
         if not tf.config.list_physical_devices("GPU"):
-            return self._worker_list_resolver()
+            return _worker_list_resolver(info)
         base = fixed_slurm_port_base(self.config)  # TensorFlow's sets CUDA_VISIBLE_DEVICES per task
         port_base = slurm_port_base(self.env) if base is None else base
         return tf.distribute.cluster_resolver.SlurmClusterResolver(port_base=port_base)
@@ -402,7 +388,7 @@ class IndexedJobEnvironment(ClusterEnvironment):
         return parse_indexed_job(job.hosts, job.port, job.workers, self.env)
 
     def resolver(self) -> Any:
-        return self._worker_list_resolver()
+        return _worker_list_resolver(self.info())
 
 
 #: The allowed values of `strategy.cluster` (`keras_sync.config` reads the names from here).
@@ -436,16 +422,16 @@ def record_strategy_tf_config(raw: str | None) -> None:
     _recorded[:] = [raw]
 
 
-def _cluster_key(cluster: Any, task_type: Any, task_id: Any) -> tuple[Any, ...] | None:
+def _cluster_key(cluster: Any, task_type: Any, task_id: Any) -> str | None:
     spec = {k: list(v) for k, v in (cluster or {}).items() if v}
-    return (json.dumps(spec, sort_keys=True), task_type, task_id) if cluster else None
+    return json.dumps([spec, task_type, task_id], sort_keys=True) if cluster else None
 
 
-def _tf_config_key(raw: str | None) -> tuple[Any, ...] | None:
+def _tf_config_key(raw: str | None) -> str | None:
     try:
         data = json.loads(raw) if raw and raw.strip() else {}
     except json.JSONDecodeError:
-        return ("invalid", raw)
+        return raw
     if not isinstance(data, dict):
         return None
     task = data.get("task") or {}
@@ -457,23 +443,17 @@ def check_tf_config_order(raw: str | None = None, *, env: Mapping[str, str] | No
     TensorFlow would ignore it silently (tensorflow#60706)."""
     if raw is None:
         raw = (os.environ if env is None else env).get("TF_CONFIG")
-    now = _tf_config_key(raw)
-    fix = (
-        "TensorFlow reads TF_CONFIG once, when the first strategy is built (tensorflow#60706). "
-        "Fix: set TF_CONFIG before the process starts, or at least before `keras_sync.load()` and "
-        "any TensorFlow work, and do not change it afterwards."
-    )
+    now, received = _tf_config_key(raw), f"TF_CONFIG={raw!r}"
+    fix = "Fix: set TF_CONFIG before `keras_sync.load()` and any TensorFlow work, and keep it."
     if _recorded and _tf_config_key(_recorded[0]) != now:
         what = f"TF_CONFIG changed after keras_sync built a strategy here (it was {_recorded[0]!r})"
-        raise _error(what, f"TF_CONFIG={raw!r}", fix)
+        raise _error(what, received, fix)
     if "tensorflow" not in sys.modules:
         return
     from keras_sync.upstream.multi_worker import joined_cluster
 
     joined = joined_cluster()
-    key = _cluster_key(*joined) if joined is not None else None
-    if key is not None and key != now:
-        what = (
-            f"TensorFlow in this process already joined the cluster {key[0]} as {key[1]}:{key[2]}"
-        )
-        raise _error(f"{what}, which TF_CONFIG no longer describes", f"TF_CONFIG={raw!r}", fix)
+    if joined is not None and _cluster_key(*joined) != now:
+        cluster, job, index = joined
+        what = f"TensorFlow in this process already joined the cluster {cluster} as {job}:{index}"
+        raise _error(f"{what}, which TF_CONFIG no longer describes", received, fix)

@@ -1,7 +1,6 @@
 """Every worker at the same collective call, or one line saying which worker is elsewhere.
 
-Under `MultiWorkerMirroredStrategy` ``fit``, ``evaluate`` and ``predict`` are collectives: a chief
-that calls ``model.predict`` alone would wait, then die with a page of ``UnavailableError``. Before
+Under `MultiWorkerMirroredStrategy` ``fit``, ``evaluate`` and ``predict`` are collectives. Before
 each top-level call, and at exit after a successful run, each worker posts the call's name in
 TensorFlow's coordination service and reads every peer's post.
 """
@@ -23,9 +22,8 @@ from keras_sync.errors import UsageError
 from keras_sync.upstream.strategy_facts import built_under
 
 EXIT = "exit"
-# A worker waiting for a peer's post asks every 2 s whether the peer's process is still there (a
-# peer that exits without posting would otherwise cost the whole timeout); a probe that times out
-# counts as gone only after 3 in a row, so a busy peer is not taken for a gone one.
+# While waiting for a peer's post, ask every 2 s whether its process is still there; a probe that
+# times out counts as gone only after 3 in a row, so a busy peer is not taken for a gone one.
 _POLL_MS = 2000
 _PROBE_MS = 10_000
 _PROBE_TRIES = 3
@@ -34,7 +32,7 @@ _strategies = itertools.count()  # strategies built in this process: alike on ev
 
 
 class PeerElsewhereError(UsageError):
-    """A peer posted another call than this worker's: the job cannot go on (both workers report it)."""
+    """A peer posted another call than this worker's."""
 
 
 def _said(call: str) -> str:
@@ -52,8 +50,7 @@ class PeerCalls:
         self._local = threading.local()  # `inside`: a nested call (validation evaluate) passes
 
     def meet(self, call: str, on_wait: Callable[[str], None] | None = None) -> None:
-        """Wait until every worker has reached this call number with the same ``call``, or raise
-        `UsageError` naming the peer; ``on_wait(peer)`` once if a peer is not there at once."""
+        """Wait until every peer posted this ``call`` under this number; else `UsageError` naming it."""
         import tensorflow as tf
 
         from keras_sync.upstream import multi_worker
@@ -100,8 +97,8 @@ class PeerCalls:
                     if isinstance(e, tf.errors.UnavailableError):
                         why = "TensorFlow can no longer reach it"
                     raise fail(f"{name} has left the job ({why})") from None
-                # The probe of MultiWorkerMirroredStrategy's own health thread: an exited peer answers
-                # Unavailable (FailedPrecondition once restarted); a TensorFlow without it, anything else.
+                # MultiWorkerMirroredStrategy's own health probe: an exited peer answers Unavailable
+                # (FailedPrecondition once restarted).
                 try:
                     multi_worker.peer_health(f"/job:{peer[0]}/replica:0/task:{peer[1]}", _PROBE_MS)
                     slow = 0
@@ -117,15 +114,13 @@ class PeerCalls:
                 raise fail(f"{name} {_said(got)} instead", PeerElsewhereError)
 
     def meet_at_exit(self) -> None:
-        """The exit meeting, after a successful run only (else peers may be in a collective)."""
+        """The exit meeting, after a successful run only."""
         if not self.returned or self.failed or getattr(sys, "last_value", None) is not None:
             return
 
         def say(peer: str) -> None:
-            wait = (
-                f"keras-sync: waiting for {peer} to finish its script (the workers leave together;"
-            )
-            print(f"{wait} closing TensorFlow's input pipeline can take seconds)", file=sys.stderr)
+            why = "the workers leave together; closing TensorFlow's input pipeline can take seconds"
+            print(f"keras-sync: waiting for {peer} to finish its script ({why})", file=sys.stderr)
 
         try:
             self.meet(EXIT, on_wait=say if strategy_role(self.strategy).is_chief else None)
@@ -133,9 +128,8 @@ class PeerCalls:
             # A peer is in another call: that worker reports it; this one leaves with one line.
             print(f"keras-sync: {str(e).split('. Under')[0]}.", file=sys.stderr, flush=True)
             if isinstance(e, PeerElsewhereError):
-                # That peer fails now, and when it is the chief the coordination service goes with
-                # it: TensorFlow's teardown here would print pages of heartbeat errors or wait for a
-                # leader that is gone. Leave at once with the job's usage-error code 2.
+                # The peer fails now, maybe taking the coordination service with it: TensorFlow's
+                # teardown would print pages of errors. Leave at once with the usage-error code 2.
                 sys.stdout.flush()
                 os._exit(2)
 
@@ -149,8 +143,8 @@ def configure(strategy: Any, timeout_s: float) -> None:
 
 @contextlib.contextmanager
 def collective(model: Any, call: str) -> Iterator[None]:
-    """Around one top-level ``call`` of ``model``: meet the peers first, count the call after it.
-    Nested calls (fit's validation ``evaluate``) and models not under such a strategy pass."""
+    """Around one top-level ``call`` of ``model``: meet the peers first, count the call after it
+    (nested calls and models not under a multi-worker strategy pass)."""
     calls: PeerCalls | None = getattr(built_under(model), _ATTRIBUTE, None)
     if calls is None or getattr(calls._local, "inside", False):
         yield

@@ -1,8 +1,7 @@
 """A lost peer in one line: which worker is gone, at which address, and how to resume (exit code 75).
 
-TensorFlow ends the other workers with a ~50-line `UnavailableError` ("tasks are unhealthy ...:
-/job:worker/replica:0/task:1"), or only "Deadline Exceeded ... Heartbeat" on a worker cut off from
-the coordination service (then the lost peer is its host, the chief). Matched by class name and text.
+TensorFlow's `UnavailableError` ("tasks are unhealthy ...: /job:worker/replica:0/task:1"), or
+"Deadline Exceeded ... Heartbeat" on a worker cut off from the chief, matched by class and text.
 """
 
 from __future__ import annotations
@@ -17,8 +16,7 @@ from typing import Any
 from keras_sync.cluster import training_tasks
 from keras_sync.errors import PeerLostError
 
-# FailedPreconditionError: what a peer answers once a foreign client (TensorFlow's server has no
-# authentication) has reset its eager context or device incarnations.
+# FailedPreconditionError: a peer's answer once a foreign client has reset its device incarnations.
 _ERROR_CLASSES = re.compile(
     "(Unavailable|DeadlineExceeded|Aborted|Cancelled|Internal|FailedPrecondition)Error"
 )
@@ -81,13 +79,13 @@ def lost_peer_message(
     tasks = training_tasks(cluster)
     peers = lost_peers(text, cluster, me)
     who = ", ".join(f"/job:{j}/task:{i} ({tasks[(j, i)]})" for j, i in peers) or "a peer"
-    resume = f"with fault_tolerance.backup_dir={backup_dir} it resumes from the last backup"
-    if not backup_dir and backup_known:
+    resume = "with fault_tolerance.backup_dir set it resumes from the last backup"
+    if backup_dir:
+        resume = resume.replace(" set", f"={backup_dir}")
+    elif backup_known:
         resume = (
             "set fault_tolerance.backup_dir to resume where it stopped instead of from the start"
         )
-    elif not backup_dir:
-        resume = "with fault_tolerance.backup_dir set it resumes from the last backup"
     first_line = (text.strip().splitlines() or ["unavailable"])[0][:120]
     reason = next((said for sign, said in _REASONS if sign in text.lower()), first_line)
     return (
@@ -98,8 +96,7 @@ def lost_peer_message(
 
 @contextlib.contextmanager
 def raised_as_peer_lost(strategy: Any, backup_dir: str | None) -> Iterator[None]:
-    """Around `fit`, `evaluate`, `predict`: a lost-peer TensorFlow error becomes `PeerLostError`
-    with the one-line message (`keras_sync.errors` exits 75 with it when the script does not catch it)."""
+    """Around `fit`, `evaluate`, `predict`: a lost-peer TensorFlow error becomes `PeerLostError`."""
     try:
         yield
     except Exception as e:
@@ -108,9 +105,7 @@ def raised_as_peer_lost(strategy: Any, backup_dir: str | None) -> Iterator[None]
         where = _cluster_and_task(strategy)
         if where is None or len(training_tasks(where[0])) < 2:
             raise
-        known = (
-            getattr(strategy, "cluster_resolver", None) is not None
-        )  # else backup_dir is unknown
+        known = getattr(strategy, "cluster_resolver", None) is not None  # else backup_dir unknown
         message = lost_peer_message(str(e), *where, backup_dir=backup_dir, backup_known=known)
         raise PeerLostError(message) from e
 

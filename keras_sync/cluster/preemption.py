@@ -1,7 +1,8 @@
 """SIGTERM or Ctrl-C during `Sync.fit`: a backup at one step on every worker, then exit 143 or 130.
 
 `BackupAndRestore` holds a `PreemptionSaver` from train begin to train end; without a backup,
-`ctrl_c_ends_fit` turns Ctrl-C into the same exit, in one line."""
+`ctrl_c_ends_fit` turns Ctrl-C into the same exit, in one line.
+"""
 
 from __future__ import annotations
 
@@ -120,12 +121,11 @@ class StopSignalWatch:
                 if not select.select([fd], [], [], timeout)[0]:  # the grace period is over
                     deadline = None
                     if not self._done.is_set():
+                        grace = f"fault_tolerance.grace_period_s={self.grace_period_s:g} s"
                         exit_now(
                             exit_code(first),
-                            f"{signal_name(first)}: no backup could be saved within "
-                            f"fault_tolerance.grace_period_s={self.grace_period_s:g} s (TensorFlow did not "
-                            "return to Python: a peer stopped answering, or a long validation pass); exiting "
-                            "without it. Relaunch the job to resume from the last backup.",
+                            f"{signal_name(first)}: no backup could be saved within {grace}; "
+                            "exiting without it. Relaunch the job to resume from the last backup.",
                         )
                     continue
                 data = os.read(fd, 64)
@@ -143,11 +143,10 @@ class StopSignalWatch:
 class PreemptionSaver:
     """Decides, at each batch or epoch end of one `fit`, whether a SIGTERM or Ctrl-C asks for the save now.
 
-    The signal handler only records the signal. Under several workers, the worker that got it posts
-    "save after step N+1" in the coordination service's key-value store and waits for every
-    worker's ack; each worker learns it from a thread blocked on that key, so a normal step pays
-    nothing (TensorFlow's `PreemptionCheckpointHandler` protocol, which Keras 3 dropped). Workers
-    differ by at most one step (each ends with an all-reduce), so none is past N+1 by then.
+    Under several workers, the worker that got the signal posts "save after step N+1" in the
+    coordination service's key-value store and waits for every worker's ack; each worker learns it
+    from a thread blocked on that key, so a normal step pays nothing (TensorFlow's
+    `PreemptionCheckpointHandler` protocol). Workers differ by at most one step, so none is past N+1.
     """
 
     def __init__(self, grace_period_s: float):
@@ -264,8 +263,8 @@ def _ms_left(deadline: float) -> int:
 @contextlib.contextmanager
 def ctrl_c_ends_fit(model: Any, *, is_chief: bool, backup_dir: str | None) -> Iterator[None]:
     """Around `model.fit`: a `KeyboardInterrupt` (no backup caught the Ctrl-C) ends the process with
-    one line (chief only) and code 130, not a traceback per worker. A second Ctrl-C then exits at once,
-    skipping the wait for MLflow delivery. Nothing is installed while `fit` runs."""
+    one line (chief only) and code 130. A second Ctrl-C then exits at once, skipping the wait for
+    MLflow delivery. Nothing is installed while `fit` runs."""
     try:
         yield
     except KeyboardInterrupt:

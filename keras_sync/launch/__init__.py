@@ -1,8 +1,8 @@
 """Run a training script as N local workers on 127.0.0.1, each with its own TF_CONFIG (`keras-sync launch`).
 
-A worker that fails stops the others (SIGTERM, then SIGKILL after `grace_period_s`: a worker
-waiting in a collective ignores SIGTERM), and a signal to the launcher is forwarded the same way.
-Each worker leads its own session, so no child of a worker outlives the launch.
+A failing worker stops the others (SIGTERM, then SIGKILL after `grace_period_s`: a worker waiting
+in a collective ignores SIGTERM); a signal to the launcher is forwarded the same way. Each worker
+leads its own session, so no child of a worker outlives the launch.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
-from typing import IO, Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import IO
 
 from keras_sync.config import CONFIG_ENV
 from keras_sync.errors import UsageError
@@ -33,25 +33,24 @@ Procs = list[subprocess.Popen[bytes]]
 def worker_tf_configs(ports: Sequence[int]) -> list[str]:
     """The TF_CONFIG of each local worker: the same cluster, its own index."""
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
-    return [
-        json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})
-        for i in range(len(ports))
-    ]
+    tasks = [{"type": "worker", "index": i} for i in range(len(ports))]
+    return [json.dumps({"cluster": cluster, "task": task}) for task in tasks]
+
+
+def _write(out: IO[str], text: str) -> None:
+    with _print_lock, contextlib.suppress(OSError, ValueError):
+        out.write(text)  # our output may be gone (`| head`): keep draining
+        out.flush()
 
 
 def _pump(stream: IO[bytes], prefix: str, out: IO[str]) -> None:
     for raw in iter(stream.readline, b""):
-        line = raw.decode("utf-8", errors="replace").rstrip("\n") + "\n"
-        with _print_lock, contextlib.suppress(OSError, ValueError):
-            out.write(prefix + line)  # our output may be gone (`| head`): keep draining
-            out.flush()
+        _write(out, prefix + raw.decode("utf-8", errors="replace").rstrip("\n") + "\n")
     stream.close()
 
 
 def _say(message: str) -> None:
-    with _print_lock:
-        sys.stderr.write(f"[launch] {message}\n")
-        sys.stderr.flush()
+    _write(sys.stderr, f"[launch] {message}\n")
 
 
 def _signal_groups(procs: Procs, sig: int) -> None:
@@ -60,37 +59,25 @@ def _signal_groups(procs: Procs, sig: int) -> None:
             os.killpg(p.pid, sig)  # pid == pgid: each worker leads its own session
 
 
-def _check_paths(script: str, config: str | None) -> None:
-    """The script and config exist (click checks the numbers of `keras-sync launch`)."""
-    for name, path, what, fix in (
-        (
-            "script",
-            script,
-            "a Python training script",
-            "check the path (relative to the current directory)",
-        ),
-        ("config", config, "a keras-sync YAML file", "check the path, or run `keras-sync init`"),
-    ):
-        if path is not None and not os.path.isfile(path):
-            raise UsageError(
-                f"Invalid value for argument `{name}`. Received: {name}={path!r}, which is not a file. "
-                f"Expected the path of {what}. Fix: {fix}."
-            )
-
-
-def _refuse_config(
+def _refuse(
     script: str, workers: int, config: str | None, environ: Mapping[str, str], private: bool
 ) -> None:
-    """Before any worker starts: no one-process kind under workers, no HTTP store in a namespace."""
+    """Before any worker starts: missing files, a one-process kind, an HTTP store in a namespace."""
+    for name, path in (("script", script), ("config", config)):
+        if path is not None and not os.path.isfile(path):
+            raise UsageError(
+                f"Invalid value for argument `{name}`. Received: {name}={path!r}, which is not a "
+                "file. Fix: check the path (relative to the current directory)."
+            )
+    if workers <= 1 and not private:
+        return
     from keras_sync.config import load_config
     from keras_sync.errors import KerasSyncError
 
-    if workers <= 1 and not private:
-        return
     try:
         cfg = load_config(config, environ=environ)
     except KerasSyncError:
-        return
+        return  # every worker reports it
     from keras_sync.strategy import refuse_one_process_kind
 
     started = f"keras-sync launch --workers {workers} starts {workers} workers"
@@ -100,10 +87,9 @@ def _refuse_config(
         from keras_sync.tracking.redact import redact_uri
 
         raise UsageError(
-            f"Invalid value for argument `private_network`. Received: private_network=True with mlflow.tracking_uri="
-            f"{redact_uri(uri)!r}: in their own network namespace the workers reach no network but their loopback, "
-            "so not that server. Fix: use a sqlite or file store (e.g. sqlite:///mlflow.db) and deliver it later, set "
-            "mlflow.enabled: false, or drop --private-network and keep the ports behind a firewall."
+            "Invalid value for argument `private_network`. Received: private_network=True with "
+            f"mlflow.tracking_uri={redact_uri(uri)!r}, which the namespace cannot reach. Fix: use "
+            "a sqlite or file store, set mlflow.enabled: false, or drop --private-network."
         )
 
 
@@ -126,10 +112,10 @@ def launch(
         UsageError: no such script or config, a one-process strategy kind under several workers,
             or ``private_network`` where no network namespace can be made.
     """
-    _check_paths(script, config)
-    _refuse_config(script, workers, config, {**os.environ, **(env or {})}, private_network)
+    extra = dict(env or {})
+    _refuse(script, workers, config, {**os.environ, **extra}, private_network)
     base_env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
-    base_env.update({**(env or {}), "PYTHONUNBUFFERED": "1"})
+    base_env.update({**extra, "PYTHONUNBUFFERED": "1"})
     # One job identity for every try: the MLflow run is found again by it (mlflow.job_id).
     base_env.setdefault(JOB_ID_ENV, f"launch-{uuid.uuid4().hex[:12]}")
     if config is not None:
@@ -142,15 +128,12 @@ def launch(
             _signal_groups(procs, signal.SIGKILL)
         stop.append(signum)
 
-    previous: dict[int, Any] = {}
-    network = PrivateNetwork() if private_network else None
-    command = [sys.executable, script, *args]
-    command = network.wrap(command) if network is not None else command
-    try:
+    with contextlib.ExitStack() as stack:
+        prefix = stack.enter_context(_private_network()) if private_network else []
         if threading.current_thread() is threading.main_thread():
-            previous = {
-                sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
-            }
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                stack.callback(signal.signal, sig, signal.signal(sig, on_signal))
+        command = [*prefix, sys.executable, script, *args]
         for attempt in range(max_restarts + 1):
             try_env = {**base_env, RESTART_COUNT_ENV: str(attempt)}
             code, failed = _one_try(command, workers, try_env, procs, stop, grace_period_s)
@@ -159,12 +142,7 @@ def launch(
             _say(
                 f"restart {attempt + 1}/{max_restarts} after worker {failed} exited with code {code}"
             )
-        return code
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
-        if network is not None:
-            network.close()
+    return code
 
 
 def _one_try(
@@ -178,8 +156,7 @@ def _one_try(
     """Starts the workers on fresh ports and supervises them: (exit code, failed worker)."""
     procs.clear()
     pumps: list[threading.Thread] = []
-    # Held open until every port is chosen, so the ports are distinct; closed before the workers
-    # start (another process could take one in between: the launch then fails, rerun it).
+    # Held open until every port is chosen, so the ports are distinct.
     with contextlib.ExitStack() as held:
         socks = [held.enter_context(socket.socket()) for _ in range(workers)]
         for s in socks:
@@ -197,10 +174,9 @@ def _one_try(
             )
             procs.append(p)
             for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
-                pumps.append(
-                    threading.Thread(target=_pump, args=(stream, f"[w{i}] ", out), daemon=True)
-                )
-                pumps[-1].start()
+                thread = threading.Thread(target=_pump, args=(stream, f"[w{i}] ", out), daemon=True)
+                thread.start()
+                pumps.append(thread)
         return _supervise(procs, stop, grace_period_s)
     finally:
         _signal_groups(procs, signal.SIGKILL)  # what workers left behind, or a crash here
@@ -218,11 +194,11 @@ def _supervise(procs: Procs, stop: list[int], grace_period_s: float) -> tuple[in
     while True:
         codes = [p.poll() for p in procs]
         if result is None and stop:
-            result = 128 + stop[0]
+            result, n = 128 + stop[0], len(procs)
             if stop[0] == signal.SIGINT:
-                _say(f"Ctrl-C: stopping {len(procs)} worker(s); Ctrl-C again to kill them at once")
+                _say(f"Ctrl-C: stopping {n} worker(s); Ctrl-C again to kill them at once")
             else:
-                _say(f"got {signal.Signals(stop[0]).name}; stopping {len(procs)} worker(s)")
+                _say(f"got {signal.Signals(stop[0]).name}; stopping {n} worker(s)")
             _signal_groups(procs, stop[0])
             kill_at = time.monotonic() + grace_period_s
         # A shell-style exit code: a death by signal N becomes 128 + N.
@@ -255,58 +231,49 @@ _HOLDER = (
     "print('ready', flush=True)\n"
     "sys.stdin.buffer.read()\n"
 )
+_FIX = "run launch as root on Linux, or drop --private-network and keep the workers' ports behind a firewall."
 
 
-def _no_namespace(why: str, fix: str) -> UsageError:
-    received = f"private_network=True, but {why}"
+def _no_namespace(why: str, fix: str = _FIX) -> UsageError:
     return UsageError(
-        f"Invalid value for argument `private_network`. Received: {received}. Fix: {fix}"
+        "Invalid value for argument `private_network`. Received: private_network=True, but "
+        f"{why}. Fix: {fix}"
     )
 
 
 def refuse_private_network_unless_possible() -> None:
     """Say in one line why ``--private-network`` cannot work here (not Linux, not root, no util-linux)."""
     missing = " and ".join(tool for tool in ("unshare", "nsenter") if shutil.which(tool) is None)
-    why = None
     if not sys.platform.startswith("linux"):
-        why = f"network namespaces are Linux only (this is {sys.platform})"
-    elif os.geteuid() != 0:
-        why = f"creating a network namespace needs root or CAP_SYS_ADMIN (running as uid {os.geteuid()})"
-    elif missing:
-        why = f"{missing} (util-linux) not found on the PATH"
-    if why:
-        fix = "run launch as root on Linux, or drop --private-network and keep the workers' ports "
-        raise _no_namespace(why, fix + "behind a firewall or on a trusted network.")
+        raise _no_namespace(f"network namespaces are Linux only (this is {sys.platform})")
+    if os.geteuid() != 0:
+        uid = os.geteuid()
+        raise _no_namespace(f"a network namespace needs root or CAP_SYS_ADMIN (uid {uid})")
+    if missing:
+        raise _no_namespace(f"{missing} (util-linux) not found on the PATH")
 
 
-class PrivateNetwork:
-    """A network namespace for one launch's workers, where they listen and talk on its 127.0.0.1 only.
+@contextlib.contextmanager
+def _private_network() -> Iterator[list[str]]:
+    """A network namespace for one launch's workers; yields the prefix that runs a command in it.
 
-    TensorFlow's gRPC server binds ``0.0.0.0:<port>`` whatever the cluster spec says and runs any
-    op a client sends. A holder process in a new namespace (``unshare --net``) brings its loopback up
-    and lives while the launcher does; each worker runs inside it (``nsenter``). Inside there is no
-    network but that loopback: a sqlite or file tracking store works, an HTTP server does not.
+    TensorFlow's gRPC server binds ``0.0.0.0`` whatever the cluster spec says and runs any op a
+    client sends. Inside the namespace there is no network but its loopback: a sqlite or file
+    tracking store works, an HTTP server does not.
     """
-
-    def __init__(self) -> None:
-        refuse_private_network_unless_possible()
-        self._holder = subprocess.Popen(
-            ["unshare", "--net", "--", sys.executable, "-c", _HOLDER],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            start_new_session=True,
-        )
-        assert self._holder.stdout is not None
-        if self._holder.stdout.readline().strip() != b"ready":
-            why = f"`unshare --net` failed (exit code {self._holder.wait()}; said above)"
-            fix = "drop --private-network, or allow network namespaces here (a container needs CAP_SYS_ADMIN)."
-            raise _no_namespace(why, fix)
-
-    def wrap(self, command: Sequence[str]) -> list[str]:
-        """``command`` run inside the namespace."""
-        return ["nsenter", f"--net=/proc/{self._holder.pid}/ns/net", "--", *command]
-
-    def close(self) -> None:
-        """End the holder; the namespace goes with the last process in it."""
-        with self._holder:
-            self._holder.kill()
+    refuse_private_network_unless_possible()
+    holder = subprocess.Popen(
+        ["unshare", "--net", "--", sys.executable, "-c", _HOLDER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    with holder:  # the namespace goes with the last process in it
+        try:
+            assert holder.stdout is not None
+            if holder.stdout.readline().strip() != b"ready":
+                why = f"`unshare --net` failed (exit code {holder.wait()}; said above)"
+                raise _no_namespace(why, "drop it, or allow network namespaces (CAP_SYS_ADMIN).")
+            yield ["nsenter", f"--net=/proc/{holder.pid}/ns/net", "--"]
+        finally:
+            holder.kill()

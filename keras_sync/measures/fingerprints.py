@@ -1,8 +1,5 @@
-"""Pure logic of `WeightDivergence`: compare the replicas' fingerprints of each mirrored variable.
-
-A fingerprint is what one replica computes from its copy of a variable: a 32-bit checksum of the
-bits as two exact 16-bit halves, then the mean and the root mean square.
-"""
+"""Pure logic of `WeightDivergence`: compare the replicas' fingerprints of each mirrored variable
+(a 32-bit checksum of its bits as two exact 16-bit halves, then the mean and the RMS)."""
 
 from __future__ import annotations
 
@@ -15,10 +12,8 @@ WIDTH = 4
 
 @dataclass(frozen=True)
 class Divergence:
-    """How far the replicas' copies of the mirrored variables are apart: ``value``
-    (``sync/weight_divergence``) is 0.0 when every copy has the same checksum, else the largest
-    spread between replicas of a diverged variable's mean or RMS (a lower bound of the largest
-    element-wise difference); ``diverged_variables`` of the ``variables`` compared differ."""
+    """``value`` (``sync/weight_divergence``): 0.0 when every copy has the same checksum, else the
+    largest spread of a diverged variable's mean or RMS between replicas."""
 
     value: float
     diverged_variables: int

@@ -48,8 +48,7 @@ def crossed_log_step(prev_step: int, step: int, every: int) -> bool:
 
 
 def auto_stride(seconds_per_step: list[float], interval_s: float = AUTO_INTERVAL_S) -> int:
-    """The stride of ``log_every_n_steps: auto``, from the median time per step (the first step,
-    which traces, does not move it).
+    """The stride of ``log_every_n_steps: auto``, from the median time per step.
 
     >>> auto_stride([0.002] * 31 + [4.0]), auto_stride([0.25, 0.3]), auto_stride([])
     (50, 1, 1)
@@ -71,8 +70,8 @@ def throughput(examples: float, seconds: float, num_replicas: int) -> dict[str, 
 def window_peaks(
     peaks: dict[str, float] | None, losses: Sequence[float], grad_norms: Sequence[float]
 ) -> dict[str, float]:
-    """Fold one step's per-replica values into the peaks of the unlogged steps (a new dict), so a
-    spike between two logged points still shows (NaN, not measured, is left out)."""
+    """Fold one step's per-replica values into the peaks of the unlogged steps (a new dict; NaN
+    left out), so a spike between two logged points still shows."""
     losses = [float(v) for v in losses if not math.isnan(v)]
     norms = [float(v) for v in grad_norms if not math.isnan(v)]
     values = (
@@ -89,8 +88,7 @@ def window_peaks(
 
 
 def replica_metrics(losses: Sequence[float], grad_norms: Sequence[float]) -> dict[str, float]:
-    """The per-replica metrics (replica ``i`` of the whole job, worker 0's first; NaN left out),
-    and the loss and grad-norm spreads when every replica measured them."""
+    """The per-replica metrics (NaN left out), and the spreads when every replica measured them."""
     loss = {i: float(v) for i, v in enumerate(losses) if not math.isnan(v)}
     norm = {i: float(v) for i, v in enumerate(grad_norms) if not math.isnan(v)}
     out = {f"sync/loss/replica_{i}": v for i, v in loss.items()}

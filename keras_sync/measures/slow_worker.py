@@ -1,8 +1,5 @@
-"""Which worker is slow: per-worker times and the rule that names the slowest.
-
-Each worker times its part of a step (`training.instrument`): between two steps, on the host, and
-its compute up to the all-reduce, where every worker waits for the last one.
-"""
+"""Which worker is slow: per-worker times (between steps, and compute up to the all-reduce,
+from `training.instrument`) and the rule that names the slowest."""
 
 from __future__ import annotations
 
@@ -10,9 +7,8 @@ import math
 import statistics
 from collections.abc import Sequence
 
-#: A worker holds the job back when its own time to reach the all-reduce is more than RATIO times
-#: the other workers' median and at least MIN_EXTRA_MS more (sub-millisecond gaps are noise), at
-#: every logged step for HOLD_S seconds: then one line on the chief names it, once.
+#: A worker holds the job back when its time to the all-reduce is over RATIO times the others'
+#: median and MIN_EXTRA_MS more, at every logged step for HOLD_S s: one line on the chief, once.
 RATIO = 1.5
 MIN_EXTRA_MS = 5.0
 HOLD_S = 60.0
@@ -24,8 +20,8 @@ COMPUTE_KEY = "sync/compute_ms/worker_{i}"
 def worker_times(
     between_us: Sequence[float], computes_us: Sequence[float], num_workers: int
 ) -> dict[str, float]:
-    """`BETWEEN_KEY` and `COMPUTE_KEY` per worker: the largest of its replicas' times, given in
-    microseconds (worker 0's replicas first; negative: not measured). Empty under 2 workers."""
+    """`BETWEEN_KEY` and `COMPUTE_KEY` per worker (ms): the largest of its replicas' times in
+    microseconds (negative: not measured). Empty under 2 workers."""
     out: dict[str, float] = {}
     if num_workers < 2 or not between_us or len(between_us) % num_workers:
         return out
@@ -39,7 +35,7 @@ def worker_times(
 
 
 def own_times(metrics: dict[str, float], num_workers: int) -> list[float]:
-    """Each worker's own time per step (between steps + compute, ms; NaN where a part is missing)."""
+    """Each worker's own time per step (between steps + compute, ms; NaN if a part is missing)."""
     return [
         metrics.get(BETWEEN_KEY.format(i=w), math.nan)
         + metrics.get(COMPUTE_KEY.format(i=w), math.nan)
@@ -72,7 +68,7 @@ class SlowWorkerWatch:
     def update(
         self, own_ms: Sequence[float], between_ms: Sequence[float], t_s: float
     ) -> str | None:
-        """Feed one logged step: each worker's own time and time between steps (ms), wall time (s)."""
+        """One logged step: each worker's own and between-steps times (ms), the wall time (s)."""
         found = slowest(own_ms)
         if found is None or found[0] != self._worker:
             self._worker, self._since = (found[0] if found else None), t_s

@@ -1,6 +1,5 @@
 """The maths of `keras-sync verify`: do a distributed run and its one-device reference train alike,
-and if not, why. The update's norm ``|w_t+1 - w_t|`` is compared, not the replicas' gradient
-norms: the norm of their mean gradient is not the mean of their norms."""
+and if not, why (the update's norm ``|w_t+1 - w_t|`` is compared, not the gradients' norms)."""
 
 from __future__ import annotations
 
@@ -18,9 +17,8 @@ QUANTITIES = ("examples", "lr", "loss", "update")
 def tolerance(steps: int, precision: str = "float32") -> float:
     """The relative difference two correct runs may show after ``steps`` steps: ``64 eps (steps + 1)``.
 
-    A sum of n terms in another order differs by up to ~n eps (Higham 2002, sec. 4.2); the
-    all-reduce reorders the batch's sum every step and the error carries over, so the bound grows
-    with the steps; 64 covers the sums inside a step.
+    A sum reordered by the all-reduce differs by up to ~n eps (Higham 2002, sec. 4.2), carried over
+    steps; 64 covers the sums inside a step.
 
     >>> f"{tolerance(20):.1e}", f"{tolerance(20, 'bfloat16'):.2f}"
     ('1.6e-04', '10.50')
@@ -56,8 +54,8 @@ class Parting:
 
 @dataclass(frozen=True)
 class Verdict:
-    """The comparison: the likely ``cause`` (None when ``same``), the ``partings`` (where the runs
-    differ), ``layers`` (name, largest weight difference; largest first) and the ``tolerance``."""
+    """The comparison: ``cause`` (None when ``same``), ``partings``, ``layers`` (name, largest
+    weight difference; largest first), ``tolerance``."""
 
     same: bool
     cause: str | None
@@ -82,8 +80,7 @@ def likely_cause(
     facts: Mapping[str, Any],
     replicas: int,
 ) -> str:
-    """The likely cause of a difference, from the first quantities that differ and the recording's
-    ``facts`` about the model (batch_norm, random_layers, add_loss, custom_train_step, precision)."""
+    """The likely cause of a difference, from the first quantities that differ and the model's ``facts``."""
     first_of = {p.quantity: p for p in reversed(first)}
     if p := first_of.get("examples"):
         return (
@@ -96,8 +93,7 @@ def likely_cause(
             f"device at step {p.step} (a schedule or rate set outside keras-sync's scaling)"
         )
     causes = []
-    # The first updates' norms differ by the replica count: a loss not divided by the replicas,
-    # summed by the all-reduce (plain SGD shows it; Adam divides it out).
+    # The first updates' norms differ by the replica count: a loss summed over the replicas.
     s, r = (subject[0]["update"], reference[0]["update"]) if subject and reference else (0, 0)
     if replicas > 1 and s > 0 and r > 0:
         if facts.get("custom_train_step"):
