@@ -1,8 +1,7 @@
 """Keras callbacks that keras-sync adds to `Sync.fit`, and the public ones users can add themselves.
 
 Each callback stands alone: it gets a writer (the `keras_sync.tracking.Writer` protocol), the
-facts it needs (a frozen `RunContext`, or plain arguments) and the fit's one `SharedState`, so
-they work in any order. `fit_callbacks` builds the one list `Sync.fit` and `Sync.callbacks` run.
+facts it needs and the fit's one `SharedState`, so they work in any order.
 """
 
 from __future__ import annotations
@@ -28,8 +27,7 @@ def fit_callbacks(
     data: Any = None,
 ) -> list[Any]:
     """The callbacks of one `fit`, in order: the runtime setup, the sync metrics, the backups, the
-    user's and the run-time checks (they read what the backups restored). ``context``: this fit's
-    `RunContext`; ``job_run``: the job's writer and state."""
+    user's and the run-time checks (they read what the backups restored)."""
     from keras_sync.callbacks.backup import BackupAndRestore, backup_callbacks
     from keras_sync.training import run_checks, runtime
 

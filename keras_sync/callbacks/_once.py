@@ -27,11 +27,8 @@ def log_step(shared: Any, model: Any) -> int:
 
 
 class OncePerRun(keras.callbacks.Callback):
-    """Call `log_once` at the start of the first `fit` this callback sees, with a writer.
-
-    `log_params` sends only what the job's earlier fits did not log, and a changed value under
-    ``fit_<n>.<key>`` (`keras_sync.callbacks.SharedState.params_to_log`).
-    """
+    """Call `log_once` at the start of the first `fit` this callback sees, with a writer;
+    `log_params` sends only what the job's earlier fits did not (`SharedState.params_to_log`)."""
 
     def __init__(self, writer: Any = None, *, shared: Any = None):
         super().__init__()

@@ -15,10 +15,9 @@ from keras_sync.training.context import check_shared
 class AllReduceProbe(keras.callbacks.Callback):
     """At the start of the first `fit`, log ``sync/allreduce_ms`` and ``sync/allreduce_gbps``.
 
-    It all-reduces (sum) a float32 tensor with one element per trainable parameter: one warm-up
-    call, then ``repeats`` timed ones; the median is logged when the fit's first batch ends (the
-    job's step is known then), with the algorithm bandwidth ``bytes * 8 / seconds / 1e9``. A
-    collective: every worker runs it. Off by default (``mlflow.allreduce_probe: true``).
+    It sums a float32 tensor with one element per trainable parameter: a warm-up, then ``repeats``
+    timed calls; the median is logged after the first batch, with ``bytes * 8 / seconds / 1e9``.
+    Every worker runs it. Off by default (``mlflow.allreduce_probe: true``).
 
     Args:
         writer: a started `keras_sync.tracking.MlflowWriter`, or None on non-writing workers.

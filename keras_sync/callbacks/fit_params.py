@@ -12,18 +12,12 @@ MODEL_SUMMARY_ARTIFACT = "model_summary.txt"
 
 
 class FitParams(OncePerRun):
-    """Log, at the start of a `fit`, what autolog would.
+    """Log, at the start of a `fit`, what autolog would (unless autolog is on).
 
-    - params ``epochs``, ``steps_per_epoch`` (None when the data does not tell), ``batch_size``
-      (the global batch, as autolog logs it) and ``per_replica_batch_size``;
-    - ``optimizer_name`` and every entry of the optimizer's config as ``optimizer_<key>``. A
-      custom `train_step` that applies other optimizers (a GAN's ``d_optimizer``) gets those, as
-      ``<attribute>_<key>``, after its first step (when the trace has shown which apply);
-    - the artifact ``model_summary.txt``;
-    - the tags MLflow's `start_run` sets (``mlflow.user``, ``mlflow.source.*``).
-
-    With ``mlflow.keras.autolog()`` on, it logs all but ``per_replica_batch_size`` into the same
-    run itself, so they are left out here (MLflow params are immutable).
+    Params ``epochs``, ``steps_per_epoch``, ``batch_size`` (global), ``per_replica_batch_size``
+    and ``optimizer_<key>`` for the optimizer's config (``<attribute>_<key>`` for each optimizer
+    a custom `train_step` applies, after its first step); the artifact ``model_summary.txt``; the
+    tags MLflow's `start_run` sets (``mlflow.user``, ``mlflow.source.*``).
 
     Args:
         writer: a started `keras_sync.tracking.MlflowWriter` (None: do nothing).

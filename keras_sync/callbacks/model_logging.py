@@ -22,10 +22,8 @@ class ModelLogging(keras.callbacks.Callback):
     """At the end of every `fit`, log the model as the run's LoggedModel ``model`` (Keras flavour).
 
     Loadable as autolog's is (``mlflow.pyfunc.load_model(f"runs:/{run_id}/model")``), with a
-    signature and pinned ``keras`` and ``tensorflow`` requirements. The model is staged beside the
-    spool and uploaded in order with the metrics, so an outage delays it without losing it; `fit`
-    waits at most ``flush_timeout_s`` for it, then warns. Only the worker given a writer (the
-    chief) saves. With ``mlflow.keras.autolog()`` logging models into the same run, it logs nothing.
+    signature and pinned requirements; staged beside the spool, so an outage delays it without
+    losing it. The worker given a writer saves; nothing while ``mlflow.keras.autolog()`` logs models.
 
     Args:
         writer: a started `keras_sync.tracking.MlflowWriter`; None on the other workers.
@@ -42,9 +40,6 @@ class ModelLogging(keras.callbacks.Callback):
         if self.writer is None:
             return
         if _autolog.autolog_logs_models():
-            log.info(
-                "keras-sync: mlflow.keras.autolog() logs the model of this fit; not logged twice."
-            )
             return
         optimizer = self.model.optimizer
         step = int(optimizer.iterations.numpy()) if optimizer is not None else 0
@@ -62,11 +57,8 @@ class ModelLogging(keras.callbacks.Callback):
 
 
 def save_keras_model(model: Any, path: Path) -> None:
-    """``mlflow.keras.save_model`` with a signature and pinned requirements.
-
-    A model compiled with keras-sync's `GradualWarmup` is saved without its compile state, which
-    would load nowhere without ``import keras_sync``; compile it again to train on.
-    """
+    """``mlflow.keras.save_model`` with a signature and pinned requirements; a model compiled with
+    keras-sync's `GradualWarmup` is saved without its compile state (it would need keras_sync)."""
     import mlflow.keras
     from mlflow.keras.utils import get_model_signature
 
@@ -87,8 +79,7 @@ def save_keras_model(model: Any, path: Path) -> None:
             )
     try:
         signature = get_model_signature(model)
-    except Exception as exc:
-        log.info("keras-sync: no model signature (%s); logging the model without one.", exc)
+    except Exception:
         signature = None
     # Pinned here: MLflow's default infers them in a child process that imports TensorFlow.
     requirements = [f"keras=={keras.__version__}"]

@@ -21,11 +21,10 @@ _NOT_PARAMS = ("config.mlflow.job_id",)
 class RunParams(OncePerRun):
     """Log the training setup once, at the start of the first `fit` this callback sees.
 
-    Params: the ``sync.*`` facts of the context (`keras_sync.callbacks.RunContext.params`; without
-    one, what the model's strategy tells), ``sync.tensorflow_version``, ``sync.keras_version`` and
-    ``sync.devices``. With a context, every resolved config value but ``mlflow.job_id`` becomes a
-    param ``config.<key path>``, the file's text the artifact ``keras_sync/config.yaml`` and its
-    path the tag ``keras_sync.config_source``, with credentials in URIs replaced by ``***``.
+    Params ``sync.*`` (the context's facts, versions, devices) and, with a context,
+    ``config.<key path>`` for every resolved value but ``mlflow.job_id``; the config text as the
+    artifact ``keras_sync/config.yaml``, its path as the tag ``keras_sync.config_source``
+    (credentials in URIs replaced by ``***``).
 
     Args:
         writer: a started `keras_sync.tracking.MlflowWriter` (None: do nothing).
@@ -46,7 +45,7 @@ class RunParams(OncePerRun):
         self.context = context
 
     def log_once(self) -> None:
-        # A Sync is read now: steps_per_epoch and the warmup are known once fit has its data.
+        # A Sync is read now: steps_per_epoch is known once fit has its data.
         ctx = self.context
         if ctx is not None and not isinstance(ctx, RunContext):
             ctx = ctx.context()

@@ -26,17 +26,15 @@ class SyncMetrics(keras.callbacks.Callback):
     Each logged step gets ``sync/loss/replica_{i}`` and ``sync/grad_norm/replica_{i}`` (replica
     ``i``'s own loss and gradient norm, before the all-reduce), ``sync/loss_spread``,
     ``sync/grad_norm_spread``, ``sync/step_time_ms``, ``sync/examples_per_sec``,
-    ``sync/examples_per_sec_per_replica``, ``sync/learning_rate``, ``sync/loss_scale``
-    (mixed_float16); for a point standing for several steps their peaks ``sync/window_max/loss``,
+    ``sync/examples_per_sec_per_replica``, ``sync/learning_rate``, ``sync/loss_scale``; for a
+    point standing for several steps their peaks ``sync/window_max/loss``,
     ``sync/window_max/loss_spread``, ``sync/window_max/grad_norm`` and
     ``sync/window_max/grad_norm_spread``; with 2 or more workers ``sync/between_steps_ms/worker_{i}``
-    and ``sync/compute_ms/worker_{i}`` (a worker slow for a minute is named in one line); and the
-    numeric Keras logs (``val_*`` at epoch end; not while ``mlflow.keras.autolog()`` logs them).
-    docs/reference/metrics.md defines each one. Under `multi_worker_mirrored` every worker runs
-    this callback (the values are gathered) and the one given a ``writer`` writes. The values wait
-    in a ring inside the train step, read every 32 steps (0.5 s at most with one worker), at epoch
-    and train end and before a keras-sync backup (with Keras's `BackupAndRestore`, call `emit()`
-    first). A custom `train_step` gets the same metrics.
+    and ``sync/compute_ms/worker_{i}`` (a slow worker is named in one line); and the numeric Keras
+    logs. docs/reference/metrics.md defines each. Every worker runs it; the one given a ``writer``
+    writes. The values wait in a ring inside the train step, read every 32 steps (0.5 s at most
+    with one worker), at epoch and train end and before a keras-sync backup (with Keras's
+    `BackupAndRestore`, call `emit()` first).
 
     Args:
         writer: a started `keras_sync.tracking.MlflowWriter`; None on workers that only take
@@ -60,8 +58,7 @@ class SyncMetrics(keras.callbacks.Callback):
         if not self.auto:
             check_int("log_every_n_steps", log_every_n_steps, 1, " or 'auto'")
         self.writer = writer
-        # auto: every step is read as with 1 (every worker at the same steps); the chief alone
-        # thins what it writes to `stride`.
+        # auto: every step is read (every worker alike); the chief thins what it writes.
         self.every = 1 if self.auto else int(log_every_n_steps)
         self.stride, self._num_replicas, self._keras_logs = 1, 1, True
         self._probe: Any = None

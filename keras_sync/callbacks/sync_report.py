@@ -23,23 +23,15 @@ WHEN = ("end", "epoch")
 class SyncReport(keras.callbacks.Callback):
     """Draw what the sync metrics say into ``sync_report.png``, at train end (and after each epoch).
 
-    Each replica's loss and gradient norm over the steps, the weight divergence, and a summary
-    (step times, grad-norm spread) that names a slow worker. It draws what the other keras-sync
-    callbacks record in the same `keras_sync.callbacks.SharedState`, at most ``max_points`` per
-    line. The worker given a writer draws (a `keras_sync.tracking.MlflowWriter` in its courier
-    process); each drawing replaces the previous one.
+    Each replica's loss and gradient norm, the weight divergence, and a summary that names a slow
+    worker, from what the other keras-sync callbacks record in the same `SharedState`. The worker
+    given a writer draws; each drawing replaces the previous one.
 
     Args:
         writer: a started `keras_sync.tracking.MlflowWriter`; None on the other workers.
         when: ``"end"`` (at the end of each `fit`) or ``"epoch"`` (also after every epoch).
         max_points: points kept per line.
         shared: the `keras_sync.callbacks.SharedState` of this fit's keras-sync callbacks.
-
-    Example:
-        >>> shared = SharedState()  # doctest: +SKIP
-        >>> model.fit(x, y, callbacks=[SyncReport(writer, when="epoch", shared=shared),
-        ...                             SyncMetrics(writer, shared=shared),
-        ...                             WeightDivergence(writer, shared=shared)])  # doctest: +SKIP
     """
 
     def __init__(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import warnings
 from typing import Any
 
 import keras
@@ -15,10 +14,8 @@ from keras_sync.training.context import check_shared
 class SystemMetrics(keras.callbacks.Callback):
     """Sample MLflow's system monitors during `fit` and log them as ``system/*`` metrics.
 
-    MLflow's own `SystemMetricsMonitor` logs synchronously (retrying for minutes while the server
-    is away); here its CPU, disk and network monitors (they need ``psutil``) are sampled in a
-    thread and their averages go through the writer, at the shared state's ``step`` (kept by
-    `SyncMetrics`: without it nothing is logged). For GPUs, use
+    MLflow's CPU, disk and network monitors are sampled in a thread and their averages go through
+    the writer (never blocking on MLflow), at the ``step`` `SyncMetrics` keeps. For GPUs, use
     ``mlflow.enable_system_metrics_logging()``.
 
     Args:
@@ -80,15 +77,7 @@ class SystemMetrics(keras.callbacks.Callback):
 
 
 def _monitors() -> list[Any]:
-    """MLflow's CPU, disk and network monitors; none without psutil."""
-    try:
-        import psutil  # noqa: F401 - what MLflow's monitors need
-    except ImportError:
-        msg = "keras-sync: mlflow.system_metrics is on but psutil is not installed, so no system "
-        warnings.warn(
-            msg + "metrics are logged. Fix: pip install psutil", UserWarning, stacklevel=4
-        )
-        return []
+    """MLflow's CPU, disk and network monitors (psutil is a dependency)."""
     from keras_sync.upstream import internals as _internals
 
     _internals.require("system_metrics")  # MLflow's private monitor classes, sampled here

@@ -17,12 +17,9 @@ from keras_sync.upstream.strategy_facts import distributed_variable
 class WeightDivergence(keras.callbacks.Callback):
     """Log ``sync/weight_divergence`` and ``sync/diverged_variables`` at the end of every epoch.
 
-    Synchronous training keeps every replica's copy of the weights equal, so both are 0 when
-    healthy; anything else means an all-reduce or a custom update broke the sync. Every mirrored
-    variable (weights and optimizer state) is compared through a fingerprint per copy: a 32-bit
-    wrap-around checksum of its bits, its mean and its RMS, gathered in one ``all_gather`` (two
-    swapped elements are not seen). A collective: every worker runs it; the one given a ``writer``
-    writes.
+    Both are 0 when healthy: anything else means an all-reduce or a custom update broke the sync.
+    Every mirrored variable is compared through a fingerprint per copy (a wrap-around checksum of
+    its bits, its mean and RMS) in one ``all_gather``. Every worker runs it; one writes.
 
     Args:
         writer: a started `keras_sync.tracking.MlflowWriter`, or None on a worker that must

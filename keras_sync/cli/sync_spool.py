@@ -28,10 +28,9 @@ _EVERY_S = 5.0
 def command(path: str, tracking_uri: str | None, timeout_s: float) -> None:
     """Deliver the spool directory PATH to MLflow; safe to run again (nothing is sent twice).
 
-    A training process leaves a spool when MLflow was unreachable at its end; its warning names
-    PATH (under mlflow.spool_dir, default .keras_sync_spool). A delivered spool is removed.
-    Each request that fails is retried on its own, with a backoff any success resets, until the
-    spool is delivered or --timeout has passed; a line every few seconds shows the progress.
+    A training process leaves a spool (under mlflow.spool_dir) when MLflow was unreachable at its
+    end; its warning names PATH. Failing requests are retried until --timeout; a delivered spool
+    is removed.
     """
     from keras_sync.tracking import replay_spool
 

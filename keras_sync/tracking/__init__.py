@@ -1,33 +1,33 @@
 """MLflow tracking that never stalls training and loses nothing.
 
 `MlflowWriter` only queues records; a thread (`keras_sync.tracking.spooler`) moves them to a spool
-directory and a courier process delivers the spool to MLflow through its public client. A killed
-process loses at most a fraction of a second; a restarted job, or ``keras-sync sync-spool DIR``
-(`replay_spool`), delivers what was left, once. Secrets are scrubbed first (`redact`).
+directory and a courier process delivers it to MLflow. A restarted job, or ``keras-sync sync-spool
+DIR`` (`replay_spool`), delivers what a killed process left, once. Secrets are scrubbed first.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import re
+import sys
 import time
 import uuid
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from keras_sync.config import MlflowConfig
 from keras_sync.errors import TrackingError
-from keras_sync.tracking import records, waiting
+from keras_sync.tracking import records
 from keras_sync.tracking.courier import replay_spool
-from keras_sync.tracking.records import RecordCleaner
+from keras_sync.tracking.records import RecordCleaner, is_http
 from keras_sync.tracking.redact import redact_uri, secrets_of
 from keras_sync.tracking.spool import SpoolDir
-from keras_sync.tracking.spooler import LOST_TAG, Spooler
-from keras_sync.tracking.uris import resolve_tracking_uri, run_url
-from keras_sync.tracking.waiting import end_runs_at_exit_as
+from keras_sync.tracking.spooler import LOST_TAG, STALL_S, Spooler
 
 __all__ = [
     "LOST_TAG",
@@ -44,6 +44,29 @@ _JOB_ID = re.compile(r"^[\w.:/@+\-]{1,250}$")
 #: Records that do not reopen a run `end_run` ended (any other does, its steps continuing).
 _NOT_REOPENING = (records.END, records.STOP, records.REPORT)
 _CLOSED = "MlflowWriter is closed; create a new writer to log more."
+RUN_STATUSES = ("FINISHED", "FAILED", "KILLED")
+#: The longest a preempted process (its run ending KILLED) waits at exit for delivery (seconds).
+PREEMPTED_EXIT_WAIT_S = 10.0
+_live_writers: weakref.WeakSet[MlflowWriter] = weakref.WeakSet()
+_exit_status: str | None = None
+
+
+def resolve_tracking_uri(
+    configured: str | None, *, cwd: str | os.PathLike[str] | None = None
+) -> tuple[str, str]:
+    """``(configured, "config")``, or MLflow 3's default ``(sqlite:///<cwd>/mlflow.db, "default")``."""
+    if configured:
+        return configured, "config"
+    base = Path(cwd) if cwd is not None else Path.cwd()
+    return f"sqlite:///{base.resolve() / 'mlflow.db'}", "default"
+
+
+def run_url(tracking_uri: str, experiment_id: str | None, run_id: str) -> str | None:
+    """The MLflow UI page of a run on a tracking server (credentials removed); None for a local store."""
+    if not is_http(tracking_uri) or experiment_id is None:
+        return None
+    base = str(redact_uri(tracking_uri)).split("?", 1)[0].rstrip("/")
+    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
 
 
 @runtime_checkable
@@ -76,28 +99,47 @@ def _invalid(name: str, value: Any, expected: str) -> TrackingError:
     )
 
 
+def _check_status(status: str) -> None:
+    if status not in RUN_STATUSES:
+        raise _invalid("status", status, f"one of {', '.join(RUN_STATUSES)}")
+
+
 def _now_ms() -> int:
     return int(time.time() * 1000)
+
+
+def end_runs_at_exit_as(status: str) -> None:
+    """Make the exit's close of open writers end their runs with ``status`` instead of FINISHED
+    (a preempted process's KILLED run is reopened by its relaunch)."""
+    global _exit_status
+    _check_status(status)
+    _exit_status = status
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Close the writers left open: FAILED after an uncaught exception, else the exit status."""
+    status = "FAILED" if getattr(sys, "last_type", None) else (_exit_status or "FINISHED")
+    limit = PREEMPTED_EXIT_WAIT_S if status == "KILLED" else None
+    for w in list(_live_writers):
+        w.close(timeout_s=limit, status=status, at_exit=True)
 
 
 class MlflowWriter:
     """Log metrics, params, tags and files to one MLflow run without ever blocking the caller.
 
     `flush` and `close` wait while delivery makes progress; what is not delivered stays in
-    ``spool_path`` and a warning says why and how to deliver it. Which run: ``run_id`` if given
-    and usable, else the run tagged ``keras_sync.job_id`` = ``job_id`` (a FINISHED one only if
-    ``job_id_explicit``), else a new one. One point per (key, step): a step the run has is dropped.
+    ``spool_path`` and a warning says why and how to deliver it. One point per (key, step).
 
     Args:
         tracking_uri: MLflow tracking URI.
         experiment: experiment name; created if missing.
         run_name: name of a new run.
-        job_id: the job's id (see above); also names its spool directory.
-        job_id_explicit: whether the user gave ``job_id`` (``$KERAS_SYNC_JOB_ID``, ``mlflow.job_id``).
-        run_id: a run to continue (recorded with a backup).
+        job_id: the job's id: its run is the one tagged ``keras_sync.job_id``; names its spool.
+        job_id_explicit: whether the user gave ``job_id``: a FINISHED run with it is reopened.
+        run_id: a run to continue (recorded with a backup), tried first.
         spool_dir: parent directory of spools; default: that of ``mlflow.spool_dir``.
-        wait_at_end_of_fit: whether `end_of_fit` waits for delivery (where the process is killed
-            as soon as training returns); elsewhere the exit waits for what is left.
+        wait_at_end_of_fit: whether `end_of_fit` waits for delivery (else the exit does).
 
     Example:
         >>> w = MlflowWriter(tracking_uri="sqlite:///mlflow.db", experiment="demo")  # doctest: +SKIP
@@ -128,9 +170,8 @@ class MlflowWriter:
         try:
             root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise TrackingError(
-                f"Invalid value for argument `spool_dir`. Received: spool_dir={str(root)!r}, "
-                f"which cannot be created ({e.strerror}). Expected a writable directory."
+            raise _invalid(
+                "spool_dir", str(root), f"a writable directory (creating it failed: {e.strerror})"
             ) from None
         self.shown_uri = str(redact_uri(tracking_uri))
         self.experiment = experiment
@@ -143,16 +184,12 @@ class MlflowWriter:
         cleaner = RecordCleaner(secrets_of(tracking_uri, os.environ))
         self._uri = tracking_uri
         self._sp = Spooler(spool, tracking_uri, header, cleaner)
-        self.closed = False
-        self._warned = False
-        # The BEGIN the next record needs: "first" (start(defer_begin=True): nothing logged yet),
-        # "reopen" (after end_run: logging reopens the same run), or None.
+        self.closed = self._warned = self._ends_after_fit = False
+        # The BEGIN the next record needs: "first" (deferred), "reopen" (after end_run), or None.
         self._begin: str | None = None
-        self._ends_after_fit = False  # inside `fit_ends_run`
         self._deferred_report: dict[str, Any] | None = None  # the fit-end report, after end_run
-        waiting.live_writers.add(self)
+        _live_writers.add(self)
 
-    # ---- what the courier knows ----
     @property
     def spool_path(self) -> Path:
         return self._sp.spool.path
@@ -183,32 +220,29 @@ class MlflowWriter:
         return self._sp.say_refused_once()
 
     def when_run_known(self, callback: Callable[[MlflowWriter], None]) -> None:
-        """Call ``callback(self)`` once, from the spooling thread, when the run id is known (or
-        MLflow failed first)."""
+        """Call ``callback(self)`` once (spooling thread) when the run is known or MLflow failed."""
         self._sp.on_run = lambda: callback(self)
 
     def undelivered_message(self, final: bool = True) -> str | None:
         """Why some records are not in MLflow, and where; None if everything arrived."""
         return self._sp.undelivered_message(final)
 
-    # ---- the caller's side: no I/O ----
     def start(self, defer_begin: bool = False) -> None:
-        """Start the spooling thread and the courier; ``defer_begin``: the first record logged
-        begins the run (none without one)."""
+        """Start spooling; ``defer_begin``: the first record logged begins the run (none without)."""
         if self._sp.thread is None:
             self._begin = "first" if defer_begin else None
             self._sp.start(None if defer_begin else _now_ms())
 
-    def _put(self, rec: dict[str, Any]) -> None:
+    def _put(self, rec: dict[str, Any] | None) -> None:
         if self._sp.closing:
             raise TrackingError(_CLOSED)
-        if self._sp.dead:
-            return  # the spool failed and said so once; do not grow memory forever
+        if rec is None or self._sp.dead:
+            return  # a dead spool said so once; do not grow memory forever
         if (self._begin == "first" and rec["k"] != records.STOP) or (
             self._begin == "reopen" and rec["k"] not in _NOT_REOPENING
         ):
-            begin = {"k": records.BEGIN, "ts": _now_ms()}
-            self._sp.put(begin if self._begin == "first" else {**begin, "reopen": True})
+            reopen = {"reopen": True} if self._begin == "reopen" else {}
+            self._sp.put({"k": records.BEGIN, "ts": _now_ms(), **reopen})
             self._begin = None
         self._sp.put(rec)
 
@@ -239,9 +273,8 @@ class MlflowWriter:
         as_model: str | None = None,
         step: int = 0,
     ) -> None:
-        """Queue a file or directory to upload under ``artifact_path``; copied now, uploaded in
-        order with the metrics. ``as_model``: a directory an MLflow flavour's ``save_model``
-        wrote, logged as the run's LoggedModel of that name at ``step``."""
+        """Queue a file or directory (copied now) to upload under ``artifact_path``; ``as_model``:
+        a ``save_model`` directory, logged as the run's LoggedModel of that name at ``step``."""
         from keras_sync.tracking.artifacts import stage
 
         if self._sp.closing or self.closed:
@@ -255,18 +288,17 @@ class MlflowWriter:
     def log_sync_report(
         self, history: dict[str, Any], artifact_file: str, *, fit_end: bool = False
     ) -> None:
-        """Queue a `SyncHistory.to_dict()`; the courier draws it as the PNG ``artifact_file``.
-        ``fit_end`` inside `fit_ends_run`: queued after the run's end."""
+        """Queue a `SyncHistory.to_dict()` to draw as ``artifact_file`` (``fit_end``: after the end)."""
         rec = {"k": records.REPORT, "f": str(artifact_file), "h": history}
         if fit_end and self._ends_after_fit:
             self._deferred_report = rec
         else:
             self._put(rec)
 
-    def _put_deferred_report(self) -> None:
+    def _put_deferred_report(self) -> bool:
         rec, self._deferred_report = self._deferred_report, None
-        if rec is not None:
-            self._put(rec)
+        self._put(rec)
+        return rec is not None
 
     @contextlib.contextmanager
     def fit_ends_run(self) -> Iterator[None]:
@@ -277,18 +309,17 @@ class MlflowWriter:
         finally:
             self._ends_after_fit = False
 
-    # ---- waiting ----
     def flush_to_spool(self, timeout_s: float = 10.0) -> bool:
         """Wait up to ``timeout_s`` until all queued so far is in the spool (safe from a kill)."""
         return self._sp.flush_to_spool(timeout_s)
 
     def flush(
-        self, timeout_s: float | None = None, stall_s: float = waiting.STALL_S, progress: Any = None
+        self, timeout_s: float | None = None, stall_s: float = STALL_S, progress: Any = None
     ) -> bool:
         """Wait until MLflow has all queued so far, while delivery progresses; True if it has."""
         if not self.flush_to_spool(timeout_s=30.0 if timeout_s is None else timeout_s):
             return False
-        return waiting.wait_delivered(self._sp, timeout_s, stall_s, progress)
+        return self._sp.wait_delivered(timeout_s, stall_s, progress)
 
     def end_of_fit(self) -> None:
         """At the end of a `fit`: wait while delivery makes progress; else warn once, naming the cause."""
@@ -296,19 +327,18 @@ class MlflowWriter:
             self._warn_undelivered()
 
     def _warn_undelivered(self) -> None:
-        if self.say_refused_once():
+        if self.say_refused_once() or self._warned:
             return
         message = self.undelivered_message(final=False)
-        if message and not self._warned:
+        if message:
             self._warned = True
             warnings.warn(message, RuntimeWarning, stacklevel=4)
 
     def _put_end(self, status: str, **extra: Any) -> None:
-        """The run's end: FAILED, tagged, if records were dropped over the memory bound."""
+        """FAILED, tagged, if records were dropped over the memory bound."""
         tag = self._sp.loss_tag()
-        if tag is not None:
-            self._put(tag)
-            status = "FAILED"
+        self._put(tag)
+        status = "FAILED" if tag else status
         self._put({"k": records.END, "status": status, "ts": _now_ms(), **extra})
 
     def end_run(
@@ -319,12 +349,9 @@ class MlflowWriter:
         wait_for_report: bool = False,
         wait: bool = True,
     ) -> bool:
-        """End the run with ``status`` and wait while delivery progresses; True if MLflow has it all.
-
-        The writer stays open: the next record reopens the same run. The fit-end report is waited
-        for only with ``wait_for_report``; ``wait=False`` only queues the end and returns False.
-        """
-        waiting.check_status(status)
+        """End the run and wait while delivery progresses; True if MLflow has it all. The next
+        record reopens it; ``wait=False`` only queues the end; ``wait_for_report``: wait for it too."""
+        _check_status(status)
         if self.closed:
             return not self.spool_path.is_dir()
         if self._begin != "reopen":
@@ -336,8 +363,7 @@ class MlflowWriter:
             self._sp.wake.set()
             return False
         delivered = self.flush(timeout_s=timeout_s)
-        if self._deferred_report is not None:
-            self._put_deferred_report()
+        if self._put_deferred_report():
             if wait_for_report and delivered:
                 delivered = self.flush(timeout_s=timeout_s)
             else:  # in the spool now: a restart or `keras-sync sync-spool` finds it after a kill
@@ -349,14 +375,13 @@ class MlflowWriter:
     def close(
         self, timeout_s: float | None = 10.0, status: str = "FINISHED", *, at_exit: bool = False
     ) -> None:
-        """End the run with ``status``; wait for delivery while it progresses (at most ``timeout_s``).
-        What is left stays in the spool, and a `RuntimeWarning` says why and how to deliver it.
-        ``at_exit``: one line on stderr says what the wait is for."""
-        waiting.check_status(status)
+        """End the run; wait while delivery progresses (at most ``timeout_s``); a `RuntimeWarning`
+        says why what is left stays in the spool. ``at_exit``: a line says what the wait is for."""
+        _check_status(status)
         if self.closed:
             return
         self.closed = True
-        waiting.live_writers.discard(self)
+        _live_writers.discard(self)
         if self._begin != "reopen":
             self._put_deferred_report()  # a fit that raised before end_run: the report first
         never_begun = self._begin == "first"  # nothing logged: no run; the courier only goes
@@ -366,8 +391,8 @@ class MlflowWriter:
             self._put({"k": records.STOP})
         self.start()
         try:  # the line's first print is inside: a Ctrl-C may come as it is shown
-            line = waiting.ExitLine(self._sp) if at_exit and not never_begun else None
-            delivered = never_begun or self.flush(timeout_s, progress=line.update if line else None)
+            line = self._sp.exit_line() if at_exit and not never_begun else None
+            delivered = never_begun or self.flush(timeout_s, progress=line)
         except KeyboardInterrupt:  # Ctrl-C at exit: the rest stays in the spool, and is said
             delivered = False
         message = self._sp.shut_down(delivered, never_begun)

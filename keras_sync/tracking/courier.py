@@ -1,8 +1,7 @@
-"""The courier: a child process of the writer (MLflow's client costs GIL time per point) that
-delivers one spool to MLflow in order. Its stdin brings the tracking URI (credentials never touch
-disk or the command line), the header, then records a full disk kept out of the spool; its stdout
-tells the writer where delivery stands. It ends after the writer's last record, or once its parent
-died and the server stopped answering. ``keras-sync sync-spool`` (`replay_spool`) delivers the rest.
+"""The courier: a child process of the writer that delivers one spool to MLflow in order. Its
+stdin brings the tracking URI (credentials never touch disk), the header, then the records a full
+disk kept out of the spool; its stdout tells the writer where delivery stands. It ends after the
+writer's last record, or once its parent died and the server stopped answering.
 """
 
 from __future__ import annotations
@@ -40,7 +39,8 @@ REPLAY_TIMEOUT_S = 600.0
 
 
 class Delivery:
-    """Deliver a spool in order; used by the courier process and by ``keras-sync sync-spool``."""
+    """Deliver a spool, then the records handed over the pipe; owns how far delivery got: ``pos``
+    in the spool, ``held_done`` of the handed records."""
 
     def __init__(
         self,
@@ -57,13 +57,12 @@ class Delivery:
         self.pos: Position = spool.delivered()  # kept here: a full disk may refuse the file
         self.known_run = spool.run()
         self._ahead: list[tuple[Position, dict[str, Any]]] = []  # read, not delivered yet
-        #: Records the writer could not spool, from its pipe: (number, record).
-        self.held: deque[tuple[int, dict[str, Any]]] = deque()
-        self.held_done = 0  # every held record numbered up to this one is in MLflow
+        self.held: deque[tuple[int, dict[str, Any]]] = deque()  # (number, record) from the pipe
+        self.held_done = 0
         self.uri = tracking_uri or header["tracking_uri"]
         self.secrets = secrets_of(self.uri, os.environ)
         self.shown_uri = redact_text(self.uri, self.secrets)
-        self.sender = sender = RunSender(
+        self.sender = RunSender(
             self.uri,
             header["experiment"],
             header.get("run_name"),
@@ -71,16 +70,14 @@ class Delivery:
             explicit=bool(header.get("explicit")),
             run_id=header.get("run_id"),
         )
-        sender.run_id = self.known_run.get("run_id")  # checked again before use
+        self.sender.run_id = self.known_run.get("run_id")  # checked again before use
         self.reported = self.failing = False
         self.ended = False  # the writer's last record is delivered and nothing follows it
         self.run_ended = False  # the run's end is delivered and no begin since
         self.last_sent_at = self._answer_told = 0.0
-        #: Asked between tries of a failing request: True ends the retries.
-        self.give_up: Callable[[], bool] = lambda: False
-        #: Called after each request that failed or delivered (``keras-sync sync-spool``'s progress).
+        self.give_up: Callable[[], bool] = lambda: False  # True ends a failing request's retries
         self.on_progress: Callable[[], None] | None = None
-        sender.retrier = Retrier(
+        self.sender.retrier = Retrier(
             is_transient,
             give_up=lambda: self.give_up() or not self.spool.path.is_dir(),
             on_change=self._requests_changed,
@@ -96,33 +93,27 @@ class Delivery:
         return [(h, rec) for h, rec in list(self.held)[:READ_RECORDS] if h > self.held_done]
 
     def deliver_available(self, hold_metrics: bool = False) -> int:
-        """Send everything available; return the metric points sent. Raises what MLflow raised.
-
-        ``hold_metrics``: when only metric points are waiting, fewer than a batch, send nothing.
-        """
+        """Send what is available; return the metric points sent. ``hold_metrics``: nothing while
+        fewer than a batch of metric points alone wait."""
         sent = 0
         try:
             while True:
                 source = self._next()
-                if (
-                    hold_metrics
-                    and not sent
-                    and len(source) < READ_RECORDS
-                    and all(rec["k"] == r.METRICS for _, rec in source)
-                    and sum(len(rec["d"]) for _, rec in source) < r.MAX_BATCH
-                ):
+                points = [len(rec["d"]) if rec["k"] == r.METRICS else -1 for _, rec in source]
+                few_points = min(points, default=0) >= 0 and sum(points) < r.MAX_BATCH
+                if hold_metrics and not sent and len(source) < READ_RECORDS and few_points:
                     return 0
                 chunk: list[tuple[Any, dict[str, Any]]] = []
-                points = 0
-                for pos, rec in source:
-                    n = len(rec["d"]) if rec["k"] == r.METRICS else 0
+                n = 0
+                for (pos, rec), p in zip(source, points):
                     # A "begin" picks the run and goes alone: run.json names its run and position
                     # before anything after it is sent, so a replay goes to the same run.
-                    alone = r.BEGIN in (rec["k"], chunk[0][1]["k"]) if chunk else False
-                    if chunk and (points + n > r.MAX_BATCH or alone):
+                    if chunk and (
+                        n + max(p, 0) > r.MAX_BATCH or r.BEGIN in (rec["k"], chunk[0][1]["k"])
+                    ):
                         break
                     chunk.append((pos, rec))
-                    points += n
+                    n += max(p, 0)
                 if not chunk:
                     return sent
                 sent += self._send(chunk)
@@ -207,6 +198,7 @@ class Delivery:
             self.on_progress()
 
     def report(self, error: BaseException | None, since: float | None = None) -> None:
+        """Write ``status.json`` and tell the writer: ok, or why delivery fails (one of `r.CAUSES`)."""
         self.failing, self.reported = error is not None, True
         retrier = self.sender.retrier
         status: dict[str, Any] = {"ok": error is None, "at": time.time()}
@@ -270,8 +262,7 @@ class Delivery:
                     self.report(e, failing_since)
                     backoff = min(max(backoff * 2, 0.5), MAX_BACKOFF_S)
                     retry_at = time.monotonic() + backoff
-                # A spool whose writer left it all delivered (gave up waiting, or was killed
-                # without atexit after its run ended) is removed.
+                # A spool whose writer left (gave up, or was killed) and is all delivered goes.
                 left = self.ended or (orphan and self.run_ended and not self.pending())
                 if left and not self.spool.held("writer"):
                     self.spool.remove()
@@ -295,14 +286,12 @@ class _Scrubbed:
 
 def main(argv: list[str]) -> int:
     """``courier_main SPOOL_DIR PARENT_PID``; stdin: the handoff line, then the held records."""
-    # SIGINT and SIGTERM are for the trainer, which ends us by closing the run (Slurm signals
-    # every process of a job step while the trainer still has records for us).
+    # SIGINT and SIGTERM are for the trainer (Slurm signals every process of a job step).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent = int(argv[2])  # not getppid(): the parent may have died before this line
     spool = SpoolDir(argv[1])
-    # A reader of our own: the thread blocked in it holds its lock, which finalizing sys.stdin
-    # at exit would wait for ("Fatal Python error: _enter_buffered_busy").
+    # A reader of our own: finalizing a blocked sys.stdin at exit is a fatal error.
     records_in = os.fdopen(os.dup(0), "rb")
     handoff = json.loads(records_in.readline() or b"{}")
     news = os.fdopen(os.dup(1), "wb")
@@ -311,12 +300,10 @@ def main(argv: list[str]) -> int:
     delivery = Delivery(spool, handoff.get("uri"), header=handoff.get("header"), news=news)
     threading.Thread(target=delivery.read_pipe, args=(records_in,), daemon=True).start()
     sys.stderr = sys.stdout = _Scrubbed(sys.stderr, delivery.secrets)
-    try:  # import MLflow before the first batch arrives; the store is made by the first delivery
+    with contextlib.suppress(Exception):  # import MLflow before the first batch arrives
         from keras_sync.tracking.sqlite_store import warm_up
 
         warm_up(handoff.get("uri"))
-    except Exception:
-        pass
     try:
         delivery.serve(parent)
     except OSError:
@@ -334,28 +321,23 @@ def replay_spool(
 ) -> int:
     """Deliver what a spool directory holds; return the metric points sent.
 
-    Idempotent: the delivered position moves after every batch, and a step a metric already has
-    is not sent again. A fully delivered spool is removed. Backs ``keras-sync sync-spool DIR``.
+    Idempotent (nothing is sent twice); a fully delivered spool is removed.
 
     Args:
         spool_path: the spool directory (or a file in it).
-        tracking_uri: default: the spool's, kept without credentials (give it again if needed).
-        timeout_s: how long failing requests are retried (0: each is tried once); a refusal
-            (bad request, refused credentials) stops at once.
-        progress: ``progress(sent, total, failures)`` after each request that failed or delivered
-            points: points sent, points the spool held, what failed in words (or "").
+        tracking_uri: default: the spool's, kept without credentials.
+        timeout_s: how long failing requests are retried (0: once); a refusal stops at once.
+        progress: ``progress(sent, total, failures)`` after each request: points sent, points the
+            spool held, what failed in words (or "").
     """
     path = Path(spool_path)
-    if path.is_file():  # a file of the spool names the spool too
-        path = path.parent
+    path = path.parent if path.is_file() else path
     spool = SpoolDir(path)
-    received = f"Received: spool_path={str(spool_path)!r}"
     if not path.is_dir() or spool.header() is None:
         what = "which does not exist" if not path.is_dir() else "which holds no header.json"
         raise TrackingError(
-            f"Invalid value for argument `spool_path`. {received}, {what}. Expected a keras-sync "
-            "spool directory left by a writer (header.json and *.jsonl segments; a fully "
-            "delivered spool is removed, so there is nothing left to send)."
+            f"Invalid value for argument `spool_path`. Received: spool_path={str(spool_path)!r}, "
+            f"{what}. Expected a keras-sync spool directory (a delivered one is removed)."
         )
     if not spool.lock("writer") or not spool.lock("deliver"):
         spool.unlock("writer")
@@ -371,30 +353,30 @@ def replay_spool(
     sender = delivery.sender
     if progress is not None:
         delivery.on_progress = lambda: progress(sender.points_sent, total, sender.retrier.summary())
-    where, again = f"Could not deliver spool {path}", "run `keras-sync sync-spool` again"
+    again = "run `keras-sync sync-spool` again"
     try:
         sent = delivery.deliver_available()
     except Exception as e:
         failures, http = sender.retrier.summary(), refused_credentials(e)
         if http is not None:
             why = (
-                f"MLflow at {delivery.shown_uri} refused the credentials (HTTP {http}). Set "
+                f": MLflow at {delivery.shown_uri} refused the credentials (HTTP {http}). Set "
                 "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) "
                 f"and {again}; nothing delivered is sent twice."
             )
         elif is_transient(e) and failures:  # retried until the time was up: what happened
+            left = total - sender.points_sent
             why = (
-                f"to MLflow at {delivery.shown_uri} within {timeout_s:g} s: {failures}; "
-                f"{total - sender.points_sent} of {total} metric point(s) are left in it. Nothing "
-                f"delivered is sent twice; {again} (a longer --timeout waits longer)."
+                f" to MLflow at {delivery.shown_uri} within {timeout_s:g} s: {failures}; {left} of "
+                f"{total} metric point(s) are left in it; {again} (a longer --timeout waits longer)."
             )
         else:
             error = redact_text(str(e), delivery.secrets)[:500].rstrip(".")
             why = (
-                f"to MLflow at {delivery.shown_uri}: {error}. Nothing delivered is sent twice; "
-                f"{again} once MLflow there can take them (or give --tracking-uri)."
+                f" to MLflow at {delivery.shown_uri}: {error}; {again} once it can take them (or "
+                "give --tracking-uri)."
             )
-        raise TrackingError(f"{where}{':' if http is not None else ''} {why}") from None
+        raise TrackingError(f"Could not deliver spool {path}{why}") from None
     finally:
         spool.unlock("deliver")
         spool.unlock("writer")

@@ -2,7 +2,7 @@
 
 A point at a step its key already has in the run is dropped (a re-sent batch, a resumed job's
 steps). Each transient failure is retried alone (`Retrier`) with a backoff any success resets;
-MLflow's own retries are off for these calls (`fast_fail_env`).
+MLflow's own retries are off (`fast_fail_env`).
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ _FAST_FAIL_ENV = {
 
 @contextlib.contextmanager
 def fast_fail_env(tracking_uri: str, timeout_s: int) -> Iterator[None]:
-    """Run MLflow HTTP calls with no retries, a short timeout and ``MLFLOW_TRACKING_URI`` set (MLflow
-    2.x resolves ``mlflow-artifacts:/`` with it); the user's values come back after."""
+    """MLflow HTTP calls with no retries, a short timeout and ``MLFLOW_TRACKING_URI`` (MLflow 2.x
+    resolves ``mlflow-artifacts:/`` with it); the user's values come back after."""
     if not r.is_http(tracking_uri):
         yield
         return
@@ -115,14 +115,8 @@ def in_words(requests: int, failures: Counter[str]) -> str:
 
 
 class Retrier:
-    """Retries each transient failure of a request until it succeeds or `give_up` says stop.
-
-    Args:
-        transient: whether a failed request may succeed later (else it is raised at once).
-        give_up: asked after each failure and while waiting; True raises the failure.
-        on_change: called after every failure, after every success while requests fail lately,
-            and when the server is healthy again (`HEALTHY_AFTER`).
-    """
+    """Retries each ``transient`` failure of a request until it succeeds or `give_up` says stop;
+    ``on_change`` after every failure and every success while requests fail lately."""
 
     def __init__(
         self,
@@ -139,10 +133,10 @@ class Retrier:
             sleep,
         )
         self.backoff = 0.0
-        self.requests = 0  # since the first failure of this episode
+        self.requests = 0  # since the first failure
         self.failures: Counter[str] = Counter()
         self.succeeded_in_a_row = 0
-        self.failing_since: float | None = None  # wall time of the episode's first failure
+        self.failing_since: float | None = None  # wall time of the first failure
         self.answered_at: float | None = None  # wall time of the last success
         self.last_error: BaseException | None = None
 
@@ -151,7 +145,7 @@ class Retrier:
         return self.failing_since is not None
 
     def unreachable(self) -> bool:
-        """Whether every request of this episode failed without an answer from the server."""
+        """Whether every request since the first failure failed without an answer."""
         no_answer = set(self.failures) <= set(NO_ANSWER)
         return self.failing and no_answer and self.requests == sum(self.failures.values())
 
@@ -202,15 +196,8 @@ class Retrier:
 
 
 class RunSender:
-    """Sends records to one MLflow run through `MlflowClient`.
-
-    Args:
-        tracking_uri: where to send (credentials included; never written to disk).
-        experiment, run_name: of a run it creates.
-        job_id: the job's id; runs are found by the tag ``keras_sync.job_id``.
-        explicit: the job id was given by the user: a FINISHED run with it is reopened.
-        run_id: a run id recorded with the job's backup, tried first.
-    """
+    """Sends records to the job's MLflow run: ``run_id`` (a backup's) if usable, else the one
+    tagged ``keras_sync.job_id`` (a FINISHED one only if ``explicit``), else a new one."""
 
     def __init__(
         self,
@@ -256,9 +243,8 @@ class RunSender:
         return self._client
 
     def ensure_run(self, reopen: bool = False, continuing: bool = False) -> None:
-        """Find, reopen or create the job's run. ``reopen``: the writer logs again after ending its
-        run (continued even if FINISHED); ``continuing``: the records follow ones an earlier courier
-        sent to ``run_id`` (they go to that run as it is)."""
+        """Find, reopen or create the job's run. ``reopen``: continue it even if FINISHED;
+        ``continuing``: the records follow ones sent to ``run_id`` (they go to it as it is)."""
         if self.run_id is not None and self._checked:
             return
         run = self._get_run(self.run_id) if continuing and self.run_id is not None else None
@@ -343,8 +329,8 @@ class RunSender:
         return floors
 
     def send(self, records: list[dict[str, Any]], done: Callable[[int], None] | None = None) -> int:
-        """Deliver records in order; return the metric points sent. ``done(i)`` after each request
-        MLflow took: record ``i`` and those before it are in."""
+        """Deliver records in order; return the metric points sent. ``done(i)``: MLflow has
+        records up to ``i``."""
         from mlflow.entities import Metric, Param, RunTag
 
         if all(rec["k"] == r.STOP for rec in records):  # a writer that logged nothing: no run
@@ -413,23 +399,17 @@ class RunSender:
     def _draw_report(self, rec: dict[str, Any]) -> None:
         """Draw a sync report picture and upload it; one that cannot be drawn is skipped, warned."""
         import tempfile
-        from pathlib import Path
 
         from keras_sync.tracking.report_plot import SyncHistory, render
 
-        with tempfile.TemporaryDirectory(
-            prefix="keras-sync-report-", ignore_cleanup_errors=True
-        ) as tmp:
-            path = Path(tmp) / rec["f"]
+        with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
+            path = os.path.join(tmp, rec["f"])
             try:
                 render(SyncHistory.from_dict(rec["h"]), path)
             except Exception as e:
-                _log.warning(
-                    f"keras-sync could not draw {rec['f']} ({type(e).__name__}: {e}); the metrics "
-                    "are delivered as usual."
-                )
+                _log.warning(f"keras-sync could not draw {rec['f']} ({type(e).__name__}: {e}).")
                 return
-            self._call(self.client().log_artifact, self.run_id, str(path), rec.get("dir"))
+            self._call(self.client().log_artifact, self.run_id, path, rec.get("dir"))
 
     def _send_batch(self, metrics: list[Any], params: list[Any], tags: list[Any]) -> None:
         log_batch = self.client().log_batch
@@ -446,7 +426,4 @@ class RunSender:
                 except Exception as pe:
                     if is_transient(pe):
                         raise
-                    _log.warning(
-                        f"MLflow refused param {p.key!r} (logged before with another value?); "
-                        "it is dropped, the rest of the batch was delivered."
-                    )
+                    _log.warning(f"MLflow refused param {p.key!r} (logged before?); it is dropped.")

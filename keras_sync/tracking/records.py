@@ -34,13 +34,13 @@ FAILING_REQUESTS = "failing_requests"  # a server that answers some requests wit
 STORE_FAILING = "store_failing"  # a local store (sqlite, files) that raises
 REFUSED = "refused"  # a server that answers with an error
 CREDENTIALS = "credentials"  # HTTP 401/403: it does not fix itself
-#: Each cause: the words of a warning, and the word of the one-line log when it first happens.
-CAUSES: dict[str, tuple[str, str]] = {
-    UNREACHABLE: ("the tracking server {uri} is unreachable", "unreachable"),
-    FAILING_REQUESTS: ("the tracking server {uri} fails requests", "failing requests"),
-    STORE_FAILING: ("the local store {uri} fails", "failing"),
-    REFUSED: ("MLflow at {uri} refuses them", "refusing records"),
-    CREDENTIALS: ("MLflow at {uri} refused the credentials", "refusing the credentials"),
+#: Each cause in the words of a warning.
+CAUSES = {
+    UNREACHABLE: "the tracking server {uri} is unreachable",
+    FAILING_REQUESTS: "the tracking server {uri} fails requests",
+    STORE_FAILING: "the local store {uri} fails",
+    REFUSED: "MLflow at {uri} refuses them",
+    CREDENTIALS: "MLflow at {uri} refused the credentials",
 }
 
 MAX_BATCH = 1000  # metrics + params + tags per `log_batch`
@@ -67,12 +67,7 @@ def cause_in_words(cause: str | None, uri: str) -> str:
     >>> cause_in_words(CREDENTIALS, "http://127.0.0.1:5000")
     'MLflow at http://127.0.0.1:5000 refused the credentials'
     """
-    return CAUSES[cause][0].format(uri=uri) if cause in CAUSES else "MLflow fails"
-
-
-def cause_in_a_word(cause: str | None) -> str:
-    """The state of the store in a word or two, for ``MLflow at <uri> is <...>``."""
-    return CAUSES[cause][1] if cause in CAUSES else "refusing records"
+    return CAUSES.get(cause or "", "MLflow at {uri} fails").format(uri=uri)
 
 
 def is_http(uri: str) -> bool:

@@ -31,10 +31,8 @@ DIVERGENCE_TITLE = (
 
 @dataclasses.dataclass
 class Series:
-    """Points (step, value) of one metric, at most ``max_points`` of them however long the run.
-
-    Every ``stride``-th point offered is kept; when full, every other kept point is dropped and
-    the stride doubles, so the points stay evenly spread over the whole run.
+    """Points (step, value) of one metric, at most ``max_points``, evenly spread over the run:
+    every ``stride``-th point is kept; when full, every other one goes and the stride doubles.
 
     >>> s = Series(max_points=4)
     >>> for step in range(1, 11):
@@ -62,10 +60,7 @@ class Series:
 
 @dataclasses.dataclass
 class SyncHistory:
-    """What the report draws, fed with the metric dicts the sync callbacks log.
-
-    ``loss`` and ``grad_norm`` per replica; ``between_steps`` and ``compute`` (ms) per worker.
-    """
+    """What the report draws: ``loss`` and ``grad_norm`` per replica, times (ms) per worker."""
 
     max_points: int = 2000
     loss: dict[int, Series] = dataclasses.field(default_factory=dict)
@@ -109,9 +104,8 @@ class SyncHistory:
         return history
 
     def slowest_worker(self) -> tuple[int, float, float, float] | None:
-        """(worker, its median time between steps, its median compute, the other workers' median
-        of the sum), ms, for a worker that holds the job back by the rule of
-        `keras_sync.measures.slow_worker.slowest`; None when none does, or with < 2 workers."""
+        """(worker, median ms between steps, median compute ms, the others' median) of a worker
+        that holds the job back (`keras_sync.measures.slow_worker.slowest`), else None."""
         from keras_sync.measures.slow_worker import slowest
 
         workers = sorted(set(self.between_steps) & set(self.compute))

@@ -1,5 +1,5 @@
 """The tags MLflow's fluent `start_run` sets (who ran what, from which commit), which
-`MlflowClient`, used by the courier, does not; git is asked through its command line."""
+`MlflowClient` does not; git is asked through its command line."""
 
 from __future__ import annotations
 

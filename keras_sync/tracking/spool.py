@@ -1,13 +1,9 @@
 """The spool: one run's directory of records, the only interface between a writer and its courier.
 
-``header.json`` (experiment, run name, job id, run id hint, the tracking URI without credentials),
-``NNNNNNNN.jsonl`` segments of records (`keras_sync.tracking.records`; a new one every
-`SEGMENT_BYTES` and at each start), ``delivered`` (``"<segment> <offset>"``: every record before it
-is in MLflow), ``run.json`` (the run and experiment ids), ``status.json`` (the courier's last
-outcome), ``writer.lock`` and ``deliver.lock`` (flocks), ``reserve`` (room kept for a run's end).
-
-The delivered position moves only after MLflow took a batch, so a crash re-sends a batch at worst;
-the courier drops points at steps a metric already has, so a (key, step) never gets two points.
+``header.json``, ``NNNNNNNN.jsonl`` segments of records (`keras_sync.tracking.records`),
+``delivered`` (``"<segment> <offset>"``: every record before it is in MLflow; it moves only after
+MLflow took a batch), ``run.json``, ``status.json`` (the courier's last outcome), ``writer.lock``
+and ``deliver.lock`` (flocks), ``reserve`` (room kept for a run's end).
 """
 
 from __future__ import annotations
@@ -109,8 +105,7 @@ class SpoolDir:
         return self.read_json("header.json")
 
     def run(self) -> dict[str, Any]:
-        """``{"run_id", "experiment_id", "begin"}`` once the courier knows the run, else ``{}``;
-        ``begin``: the position of the record that chose it."""
+        """``{"run_id", "experiment_id", "begin"}`` (the position of the record that chose it)."""
         return self.read_json("run.json") or {}
 
     def status(self) -> dict[str, Any] | None:
@@ -128,19 +123,15 @@ class SpoolDir:
         return self.path / f"{n:08d}.jsonl"
 
     def start_segment(self) -> Position:
-        """Begin a new segment after every existing one (a writer never appends to an older one)."""
+        """Begin a new segment after every existing one (unbuffered: a refused write fails here)."""
         self.close_segment()
         self._segment = max([*self.segments(), self._segment]) + 1
-        # Unbuffered: a refused write fails here, not in a flush at exit.
         self._fh = open(self._segment_path(self._segment), "ab", buffering=0)
         return self._segment, 0
 
     def append(self, records: list[dict[str, Any]]) -> Position:
-        """Append records; return the position just past the last. Raises `SpoolFull`.
-
-        A big batch is split over segments of about `SEGMENT_BYTES`: the courier deletes whole
-        segments, so the spool stays small however the records arrive.
-        """
+        """Append records over segments of about `SEGMENT_BYTES` (the courier deletes whole ones);
+        return the position just past the last. Raises `SpoolFull`."""
         lines = [json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in records]
         if self._fh is not None and os.fstat(self._fh.fileno()).st_nlink == 0:
             raise FileNotFoundError(f"{self.path} was deleted while this run logged into it")
@@ -162,8 +153,7 @@ class SpoolDir:
                     sent += n
                     view = view[n:]
             except OSError as e:
-                # Keep the whole lines the disk took and cut a torn one off, so a later append
-                # does not glue a record to it.
+                # Keep the whole lines the disk took and cut a torn one off.
                 whole = kept = 0
                 while whole < len(chunk) and kept + len(chunk[whole]) <= sent:
                     kept += len(chunk[whole])
@@ -208,10 +198,8 @@ class SpoolDir:
     def read(
         self, start: Position, max_records: int = 1000
     ) -> list[tuple[Position, dict[str, Any]]]:
-        """Records from ``start`` on, in order, each with the position just past it.
-
-        A line without its newline is skipped: still being written, or torn by a crashed writer.
-        """
+        """Records from ``start`` on, each with the position just past it; a line without its
+        newline (being written, or torn by a crash) ends the segment's read."""
         out: list[tuple[Position, dict[str, Any]]] = []
         segs = self.segments()
         for i, n in enumerate(segs):
@@ -238,7 +226,6 @@ class SpoolDir:
         return out
 
     def pending(self) -> bool:
-        """True if records exist that are not delivered yet."""
         return bool(self.read(self.delivered(), max_records=1))
 
     def remove(self) -> None:

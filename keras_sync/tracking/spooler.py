@@ -1,8 +1,7 @@
 """The writer's background side: a thread moves queued records into the spool and keeps a courier
 process (`keras_sync.tracking.courier`) delivering it. Records a full disk refuses are held in
-memory (at most `MAX_HELD_BYTES`) and handed to the courier over its stdin; its stdout says where
-delivery stands. What is held at close goes to the spool if it has room again, else the run ends
-FAILED, tagged `LOST_TAG` with the steps lost.
+memory (at most `MAX_HELD_BYTES`) and handed to the courier over its stdin; what is still held at
+close is spilled to the spool, else the run ends FAILED, tagged `LOST_TAG`.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from keras_sync.tracking.records import (
     ALWAYS_KEPT,
@@ -30,7 +29,6 @@ from keras_sync.tracking.records import (
     METRICS,
     TAGS,
     RecordCleaner,
-    cause_in_a_word,
     cause_in_words,
     is_last_record,
 )
@@ -46,6 +44,10 @@ MAX_HELD_BYTES = 64 * 1024 * 1024
 LOST_TAG = "keras_sync.metrics_lost"
 #: A wait for delivery gives up when the delivered position has not moved for this long (seconds).
 STALL_S = 30.0
+#: How long a wait allows before the courier's first attempt.
+STARTUP_S = 120.0
+#: How long the exit waits for delivery before a line says what it waits for (seconds).
+EXIT_QUIET_S = 2.0
 #: What the courier runs as (``python -m``): a module the package does not import.
 ENTRY_MODULE = "keras_sync.tracking.courier_main"
 
@@ -65,22 +67,19 @@ def step_ranges(steps: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
 
 
-def answering(failed: dict[str, Any] | None, within_s: float = STALL_S) -> bool:
-    """Whether MLflow, though some requests fail, answered one within ``within_s``."""
-    at = failed.get("answered_at") if failed is not None else None
-    return isinstance(at, (int, float)) and time.time() - at < within_s
+def _held_line(number: int, rec: dict[str, Any]) -> bytes:
+    return json.dumps({"h": number, "r": rec}, separators=(",", ":")).encode() + b"\n"
 
 
 class Spooler:
-    """Queue -> spool -> courier for one writer; the courier's news read back for the writer.
-    ``on_run``: called once from the thread when the run is known (or MLflow failed before)."""
+    """Queue -> spool (or memory) -> courier for one writer; ``progress()``: how far delivery got,
+    as the courier told it (the ``delivered`` file may be old on a full disk)."""
 
     def __init__(
         self, spool: SpoolDir, uri: str, header: dict[str, Any], cleaner: RecordCleaner
     ) -> None:
-        self.spool, self.uri, self.header = spool, uri, header
+        self.spool, self.uri, self.header, self._clean = spool, uri, header, cleaner
         self.shown_uri: str = header["tracking_uri"]
-        self._clean = cleaner
         self.on_run: Callable[[], None] | None = None
         self._begun = False
         self.queue: deque[tuple[int, dict[str, Any]]] = deque()
@@ -91,27 +90,25 @@ class Spooler:
         self._spooled = threading.Condition()
         self.thread: threading.Thread | None = None
         self.courier: subprocess.Popen[bytes] | None = None
+        self._news_reader: threading.Thread | None = None
         self.closing = self.dead = self._end_spooled = self._finished = False
         self.spool_error: str | None = None  # why the spool stopped taking records
-        self._begin_ms: int | None = None
-        self._status: dict[str, Any] | None = None
-        self._run: dict[str, Any] = {}
-        self._said_refused = False
-        self._said_lock = threading.Lock()
+        self._status: dict[str, Any] | None = None  # the last status `_watch_status` saw
+        self._said_refused = threading.Lock()  # taken once: the refusal is said
         # Records the spool refused, (number, record, size), until the courier has them in MLflow.
         self.held: deque[tuple[int, dict[str, Any], int]] = deque()
         self.held_last = self.held_bytes = 0
         self.dropped: list[dict[str, Any]] = []  # over the memory bound: lost
-        self.news: dict[str, Any] = {}  # what the courier said over its stdout
+        self.news: dict[str, Any] = {"pos": (0, 0), "h": 0}  # what the courier said
         self._to_courier = bytearray()
-        self._news_reader: threading.Thread | None = None
 
     # ---- the writer's side ----
     def start(self, begin_ms: int | None) -> None:
-        """Start the thread (it spools a "begin" at ``begin_ms`` unless None)."""
+        """Start the thread; it spools a "begin" at ``begin_ms`` (unless None) before the queue."""
         if self.thread is None:
-            self._begin_ms = begin_ms
-            self._begun |= begin_ms is not None
+            if begin_ms is not None:
+                self._begun = True
+                self.queue.appendleft((0, {"k": BEGIN, "ts": begin_ms}))
             self.thread = threading.Thread(target=self._loop, name="keras-sync-mlflow", daemon=True)
             self.thread.start()
 
@@ -138,41 +135,83 @@ class Spooler:
         status = self.status()
         return status if status is not None and not status.get("ok") else None
 
+    def answering(self, within_s: float = STALL_S) -> bool:
+        """Whether MLflow, though some requests fail, answered one within ``within_s``."""
+        at = (self.failure() or {}).get("answered_at")
+        return isinstance(at, (int, float)) and time.time() - at < within_s
+
     def run(self) -> dict[str, Any]:
         """What the courier said of the run (``run_id``, ``experiment_id``); empty before."""
-        if not self._run.get("run_id"):
-            self._run = self.spool.run() or self.news.get("run", {})
-        return self._run
-
-    def acked(self) -> int:
-        """The held records numbered up to this one are in MLflow."""
-        return int(self.news.get("h", 0))
+        return self.news.get("run") or self.spool.run()
 
     def progress(self) -> tuple[Position, int]:
-        """How far delivery got: the spool position and the held records' number."""
-        pos = max(self.spool.delivered(), tuple(self.news.get("pos", (0, 0))))
-        return (int(pos[0]), int(pos[1])), self.acked()
-
-    def target(self) -> tuple[Position, int]:
-        return self.spooled_pos, self.held_last
-
-    def reached(self, target: tuple[Position, int]) -> bool:
-        pos, held = self.progress()
-        return pos >= target[0] and held >= target[1]
+        pos = max(self.spool.delivered(), self.news["pos"])
+        return (int(pos[0]), int(pos[1])), self.news["h"]
 
     def unacknowledged(self) -> list[dict[str, Any]]:
-        acked = self.acked()
-        return [rec for n, rec, _ in list(self.held) if n > acked]
+        return [rec for n, rec, _ in list(self.held) if n > self.news["h"]]
 
-    def _spooled_left(self) -> list[dict[str, Any]]:
-        return [rec for _, rec in self.spool.read(self.progress()[0], max_records=10**9)]
+    def _left(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+        """What MLflow does not have yet: spooled, held and queued records."""
+        spooled = [rec for _, rec in self.spool.read(self.progress()[0], max_records=10**9)]
+        return spooled, self.unacknowledged(), [rec for _, rec in self.queue]
 
     def points_left(self) -> int:
         """Metric points queued, spooled or held that MLflow does not have yet."""
-        left = self._spooled_left() + self.unacknowledged() + [rec for _, rec in self.queue]
-        return sum(len(rec["d"]) for rec in left if rec["k"] == METRICS)
+        return sum(len(rec["d"]) for part in self._left() for rec in part if rec["k"] == METRICS)
 
-    def _sync_spool_hint(self) -> str:
+    def wait_delivered(
+        self, timeout_s: float | None, stall_s: float = STALL_S, progress: Any = None
+    ) -> bool:
+        """Wait until MLflow has everything spooled so far, while it progresses; True if it has."""
+        target = self.spooled_pos, self.held_last
+        seen, last_move = self.progress(), time.monotonic()
+        deadline = last_move + (timeout_s if timeout_s is not None else float("inf"))
+        while not (seen[0] >= target[0] and seen[1] >= target[1]):
+            if self.dead or (self.failure() is not None and not self.answering(stall_s)):
+                return False
+            now = time.monotonic()
+            if now >= deadline or now - last_move > (
+                STARTUP_S if self.status() is None else stall_s
+            ):
+                return False
+            time.sleep(0.02)
+            if self.progress() != seen:
+                seen, last_move = self.progress(), time.monotonic()
+            if progress is not None:
+                progress()
+        return True
+
+    def exit_line(self) -> Callable[[], None]:
+        """Say what the exit waits for (at once if metric points are left); call it while waiting."""
+        start, shown = time.monotonic(), [False]
+
+        def show(left: int) -> None:
+            shown[0] = True
+            uri, spool = self.shown_uri, self.spool.path
+            what = (
+                f"{left} metric point(s) not in MLflow yet ({uri}); delivering them before exit"
+                if left
+                else f"waiting for MLflow ({uri}) to receive the run's last records (the sync "
+                "report picture, drawn now, and the run's end) before exit"
+            )
+            print(
+                f"keras-sync: {what}. They are kept in {spool}: Ctrl-C leaves them there for "
+                f"`keras-sync sync-spool {spool}`",
+                file=sys.stderr,
+                flush=True,
+            )
+
+        def update() -> None:
+            if not shown[0] and time.monotonic() - start >= EXIT_QUIET_S:
+                show(self.points_left())
+
+        if left := self.points_left():
+            show(left)
+        return update
+
+    # ---- why delivery is behind, in words ----
+    def _hint(self) -> str:
         hint = f"keras-sync sync-spool {self.spool.path}"
         return hint + (" --tracking-uri URI" if self.shown_uri != self.uri else "")
 
@@ -181,59 +220,41 @@ class Spooler:
         failed = self.failure()
         if failed is None or failed.get("cause") != CREDENTIALS:
             return False
-        with self._said_lock:
-            said, self._said_refused = self._said_refused, True
-        if not said:
+        if self._said_refused.acquire(blocking=False):
             _log.warning(
                 f"keras-sync: MLflow at {self.shown_uri} refused the credentials "
                 f"({failed.get('error')}); training goes on and the metrics are kept in "
                 f"{self.spool.path}. Set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD "
-                f"(or MLFLOW_TRACKING_TOKEN), then deliver them with: {self._sync_spool_hint()}"
+                f"(or MLFLOW_TRACKING_TOKEN), then deliver them with: {self._hint()}"
             )
         return True
 
     def cause(self) -> str:
-        """Why delivery is behind, in words."""
         failed, uri = self.failure(), self.shown_uri
         if failed is not None:
             return f"{cause_in_words(failed.get('cause'), uri)} ({failed.get('error', '')})"
         if self.courier is None or self.courier.poll() is not None:
             return f"the courier process that delivers to {uri} is not running"
         if self.status() is None:
-            return f"the courier process had not reached {uri} yet (it starts by importing MLflow)"
-        return f"delivery to {uri} made no progress for {STALL_S:g} s (a busy machine, or MLflow)"
+            return f"the courier process had not reached {uri} yet"
+        return f"delivery to {uri} made no progress for {STALL_S:g} s"
 
     def undelivered_message(self, final: bool) -> str | None:
         """Why some records are not in MLflow and where they are; None if all arrived."""
-        spooled = self._spooled_left()
-        held = [rec for rec in self.unacknowledged() if rec["k"] not in BOOKKEEPING]
-        queued = [rec for _, rec in self.queue]
-        count = len(queued) + len(held) + sum(rec["k"] not in BOOKKEEPING for rec in spooled)
+        spooled, held, queued = self._left()
+        count = sum(rec["k"] not in BOOKKEEPING for rec in (*spooled, *held, *queued))
         if count == 0:
             return None
-        spool, why = self.spool.path, self.cause()
+        what = f"keras-sync: {count} MLflow record(s) are not delivered yet: {self.cause()}."
         if held and not final:
             steps = step_ranges([rec["s"] for rec in held if rec["k"] == METRICS]) or "none"
             return (
-                f"keras-sync: {count} MLflow record(s) are not delivered yet: {why}. The spool "
-                f"{spool} cannot be written ({self.spool_error}), so {len(held)} of them (steps "
-                f"{steps}) wait in this process's memory: they are lost if it ends before MLflow "
-                "takes them."
+                f"{what} The spool {self.spool.path} cannot be written ({self.spool_error}): the "
+                f"points of steps {steps} wait in memory, lost if this process ends first."
             )
-        points = sum(len(r["d"]) for r in (*spooled, *held, *queued) if r["k"] == METRICS)
-        what = f"{count} MLflow record(s)" + (f" ({points} metric point(s))" if points else "")
         if final:
-            where = f"Deliver them with: {self._sync_spool_hint()}"
-            if self.shown_uri != self.uri:
-                where += " (the spool keeps the URI without its credentials)"
-        else:
-            where = (
-                "Delivery goes on in the background while this process runs; what is left at "
-                f"exit stays there for `keras-sync sync-spool {spool}`"
-            )
-        return (
-            f"keras-sync: {what} are not delivered yet: {why}. They are kept in {spool}. {where}."
-        )
+            return f"{what} They are kept in {self.spool.path}. Deliver them with: {self._hint()}."
+        return f"{what} They are kept in {self.spool.path} and delivered in the background."
 
     def lost_text(self, records: list[dict[str, Any]]) -> str:
         """What a full disk cost: the steps and other records of ``records`` and the dropped."""
@@ -242,18 +263,16 @@ class Spooler:
         others = sum(rec["k"] not in (METRICS, *BOOKKEEPING) for rec in both)
         what = f"the points of steps {step_ranges(steps)}" if steps else "no metric points"
         what += f" and {others} other record(s)" if others else ""
-        return (
-            f"{what}: the spool {self.spool.path} could not be written ({self.spool_error}) while "
-            "MLflow did not take them"
-        )
+        return f"{what}: the spool {self.spool.path} could not be written ({self.spool_error})"
 
     def loss_tag(self) -> dict[str, Any] | None:
         """The tag record naming what was dropped over the memory bound, if any."""
         return {"k": TAGS, "d": {LOST_TAG: self.lost_text([])}} if self.dropped else None
 
+    # ---- the end ----
     def shut_down(self, delivered: bool, never_begun: bool) -> str | None:
-        """After the writer's last wait: stop the thread and the courier, spill what memory holds,
-        remove a spool MLflow has all of. Returns the warning to give."""
+        """Stop the thread and the courier, spill what memory holds, remove a delivered spool;
+        return the warning to give."""
         self.closing = True
         self.wake.set()
         if self.thread is not None:
@@ -278,7 +297,7 @@ class Spooler:
                 self._news_reader.join(2.0)  # its last news
             self._pump()
             self._disconnect()
-        self.run()  # read before the spool that holds it may be removed
+        self.news["run"] = self.run()  # read before the spool that holds it may be removed
         if held and not delivered:
             message = self._spill_held(cause) or self.undelivered_message(final=True)
         self.spool.close_segment()
@@ -293,15 +312,13 @@ class Spooler:
         return message
 
     def _spill_held(self, cause: str) -> str | None:
-        """Spool what memory holds (None: all of it fit); else end the spooled run FAILED, tagged
-        with what is lost, and return the line saying so."""
+        """Spool what memory holds; else end the run FAILED, tagged, and return the line saying so."""
         records = self.unacknowledged()
         try:
             self.spooled_pos = self.spool.append(records)
             records = []
         except SpoolFull as e:
-            self.spooled_pos = e.pos
-            records = records[e.done :]
+            self.spooled_pos, records = e.pos, records[e.done :]
         except OSError as e:  # the spool itself is gone: nothing more can be kept
             self.spool_error = str(e)
             _log.error(f"keras-sync: MLflow lost {self.lost_text(records)} ({cause}).")
@@ -310,37 +327,21 @@ class Spooler:
             return None
         lost = self.lost_text(records)
         (self.spool.path / "reserve").unlink(missing_ok=True)  # room for the run's end
+        end: list[dict[str, Any]] = [
+            {"k": TAGS, "d": {LOST_TAG: lost[:MAX_TAG_VALUE_LENGTH]}},
+            {"k": END, "status": "FAILED", "ts": int(time.time() * 1000)},
+        ]
         try:
-            self.spooled_pos = self.spool.append(
-                [
-                    {"k": TAGS, "d": {LOST_TAG: lost[:MAX_TAG_VALUE_LENGTH]}},
-                    {"k": END, "status": "FAILED", "ts": int(time.time() * 1000)},
-                ]
-            )
-            after = (
-                f"the rest is in the spool: `keras-sync sync-spool {self.spool.path}` delivers it "
-                f"and ends the run FAILED with the tag {LOST_TAG}"
-            )
+            self.spooled_pos = self.spool.append(end)
+            after = f"`keras-sync sync-spool {self.spool.path}` delivers the rest (run FAILED)"
         except SpoolFull:
             after = f"nothing more fits in {self.spool.path}: the run stays RUNNING in MLflow"
         return f"keras-sync: MLflow lost {lost} ({cause}); {after}."
 
     # ---- the courier's pipes ----
-    def _hold(self, rec: dict[str, Any]) -> None:
-        size = len(json.dumps(rec)) + 32
-        if self.held_bytes + size > MAX_HELD_BYTES and rec["k"] not in ALWAYS_KEPT:
-            self.dropped.append(rec)
-            return
-        self.held_last += 1
-        self.held.append((self.held_last, rec, size))
-        self.held_bytes += size
-        if self.courier is not None:
-            self._to_courier += _held_line(self.held_last, rec)
-
     def _pump(self) -> None:
         """Forget what the courier acknowledged; write what its stdin takes now, never blocking."""
-        acked = self.acked()
-        while self.held and self.held[0][0] <= acked:
+        while self.held and self.held[0][0] <= self.news["h"]:
             self.held_bytes -= self.held.popleft()[2]
         stdin = self.courier.stdin if self.courier is not None else None
         if stdin is None or not self._to_courier:
@@ -362,10 +363,8 @@ class Spooler:
                 argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0
             )
         except OSError as e:
-            path = self.spool.path
             _log.error(
-                f"keras-sync cannot start its MLflow courier process ({e}); records are kept in "
-                f"{path} (deliver them with: keras-sync sync-spool {path})."
+                f"keras-sync cannot start its MLflow courier ({e}); deliver with: {self._hint()}"
             )
             return
         self.courier = courier
@@ -373,8 +372,7 @@ class Spooler:
         os.set_blocking(courier.stdin.fileno(), False)
         # On stdin, not on the command line (`ps` shows it; Linux takes at most 128 KiB there).
         handoff = json.dumps({"uri": self.uri, "header": self.header}).encode() + b"\n"
-        acked = self.acked()
-        held = (_held_line(n, rec) for n, rec, _ in self.held if n > acked)
+        held = (_held_line(n, rec) for n, rec, _ in self.held if n > self.news["h"])
         self._to_courier = bytearray(handoff + b"".join(held))
         self._news_reader = threading.Thread(
             target=self._read_news, args=(courier.stdout,), daemon=True
@@ -382,7 +380,7 @@ class Spooler:
         self._news_reader.start()
         self._pump()
 
-    def _read_news(self, stdout: IO[bytes]) -> None:
+    def _read_news(self, stdout: Any) -> None:
         for line in stdout:
             try:
                 msg = json.loads(line)
@@ -391,9 +389,8 @@ class Spooler:
             news = dict(self.news)
             # A restarted courier starts from what the files say: never let the position go back.
             if "pos" in msg:
-                news["pos"] = max(tuple(msg["pos"]), tuple(news.get("pos", (0, 0))))
-            if "h" in msg:
-                news["h"] = max(int(msg["h"]), int(news.get("h", 0)))
+                news["pos"] = max(tuple(msg["pos"]), news["pos"])
+            news["h"] = max(int(msg.get("h", 0)), news["h"])
             news.update({k: msg[k] for k in ("status", "run") if k in msg})
             self.news = news
 
@@ -418,14 +415,14 @@ class Spooler:
                 if self.courier is not None and self.courier.poll() is not None:
                     if self._news_reader is not None:
                         self._news_reader.join(2.0)  # its last word, before judging its exit
-                    if self._end_spooled and self.reached(self.target()):
+                    pos, held = self.progress()
+                    if self._end_spooled and pos >= self.spooled_pos and held >= self.held_last:
                         self._finished = True  # it delivered the run's end and stopped
                     elif not closing and not self._finished:
                         restarts += 1
                         _log.warning(
                             "keras-sync's MLflow courier process exited (code "
-                            f"{self.courier.returncode}); restarting it (records are kept in "
-                            f"{self.spool.path})."
+                            f"{self.courier.returncode}); restarting it."
                         )
                         respawn_at = time.monotonic() + min(0.5 * 2**restarts, 30.0)
                         self._disconnect()
@@ -465,14 +462,11 @@ class Spooler:
                 reserve.write_bytes(b"\0" * RESERVE_BYTES)
         except OSError as e:
             self._spool_failed(e.strerror or str(e))
-        if self._begin_ms is not None:
-            self._spool_or_hold([{"k": BEGIN, "ts": self._begin_ms}])
 
     def _tell_run(self) -> None:
         if self.on_run is None or not self._begun:
             return
-        failed = self.failure()
-        if self.run().get("run_id") is not None or (failed is not None and not answering(failed)):
+        if self.run().get("run_id") is not None or (self.failure() and not self.answering()):
             on_run, self.on_run = self.on_run, None
             try:
                 on_run()
@@ -480,24 +474,18 @@ class Spooler:
                 _log.debug("on_run failed: %s", e)
 
     def _watch_status(self) -> None:
-        """Log the courier's first failure and its recovery."""
+        """Log the courier's first failure (the credentials' in their own line)."""
         status, before = self.status(), self._status
         self._status = status
-        if status is None:
+        if status is None or status.get("ok"):
             return
-        was_ok = before is None or before.get("ok")
-        if not status.get("ok") and status.get("cause") == CREDENTIALS:
+        if status.get("cause") == CREDENTIALS:
             self.say_refused_once()
-        elif not status.get("ok") and was_ok:
+        elif before is None or before.get("ok"):
             _log.warning(
-                f"keras-sync: MLflow at {self.shown_uri} is {cause_in_a_word(status.get('cause'))} "
+                f"keras-sync: {cause_in_words(status.get('cause'), self.shown_uri)} "
                 f"({status.get('error')}); records are kept in {self.spool.path}, retrying in the "
                 "background."
-            )
-        elif status.get("ok") and not was_ok:
-            _log.info(
-                f"keras-sync: MLflow at {self.shown_uri} is reachable again; the spool backlog is "
-                "being delivered."
             )
 
     def _drain(self) -> None:
@@ -513,7 +501,7 @@ class Spooler:
             self._spool_or_hold(recs)
         if last is not None:
             with self._spooled:
-                self._spooled_seq = last
+                self._spooled_seq = max(last, self._spooled_seq)
                 self._spooled.notify_all()
 
     def _spool_or_hold(self, recs: list[dict[str, Any]]) -> None:
@@ -523,21 +511,23 @@ class Spooler:
                 self.spooled_pos = self.spool.append(recs)
                 recs = []
             except SpoolFull as e:
-                self.spooled_pos = e.pos
-                recs = recs[e.done :]
+                self.spooled_pos, recs = e.pos, recs[e.done :]
                 self._spool_failed(e.reason)
         for rec in recs:
-            self._hold(rec)
+            size = len(json.dumps(rec)) + 32
+            if self.held_bytes + size > MAX_HELD_BYTES and rec["k"] not in ALWAYS_KEPT:
+                self.dropped.append(rec)
+                continue
+            self.held_last += 1
+            self.held.append((self.held_last, rec, size))
+            self.held_bytes += size
+            if self.courier is not None:
+                self._to_courier += _held_line(self.held_last, rec)
 
     def _spool_failed(self, reason: str) -> None:
         if self.spool_error is None:
             self.spool_error = reason
             _log.warning(
-                f"keras-sync cannot write its MLflow spool {self.spool.path} ({reason}): from "
-                f"here on the records are kept in memory (at most {MAX_HELD_BYTES // 2**20} MB) "
-                "and handed to the courier directly; none is lost while MLflow takes them."
+                f"keras-sync cannot write its MLflow spool {self.spool.path} ({reason}): records "
+                f"are kept in memory (at most {MAX_HELD_BYTES // 2**20} MB) until MLflow takes them."
             )
-
-
-def _held_line(number: int, rec: dict[str, Any]) -> bytes:
-    return json.dumps({"h": number, "r": rec}, separators=(",", ":")).encode() + b"\n"

@@ -1,9 +1,8 @@
 """Create a fresh MLflow sqlite store so that a kill at any moment leaves no store or a whole one.
 
-MLflow builds its schema in place, one migration after another, the first time a client opens a
-``sqlite:///`` file that does not exist; a process killed meanwhile leaves a half-built file every
-later client fails on. So MLflow's public client builds the store under a private name beside the
-target, and ``os.link`` publishes it: atomic, and never over a store another process published.
+MLflow builds its schema in place, migration by migration; a kill meanwhile leaves a file every
+later client fails on. So the store is built under a private name beside the target and
+``os.link`` publishes it: atomic, and never over a store another process published.
 """
 
 from __future__ import annotations
@@ -31,8 +30,8 @@ _SETTLED_S = 20.0
 
 
 def warm_up(uri: str | None) -> list[str]:
-    """Do what opening ``uri`` costs before it is opened, touching no file: import MLflow, its SQL
-    store module, the sqlite schema's head; returns which were done, in order."""
+    """Import what opening ``uri`` needs (MLflow, its SQL store, the schema head), touching no
+    file; return which were done, in order."""
     from mlflow import MlflowClient  # noqa: F401
 
     from keras_sync.upstream import mlflow_internals
@@ -62,11 +61,7 @@ def sqlite_path(uri: str) -> Path | None:
 
 def ensure_sqlite_store(uri: str, *, timeout_s: float = 300.0) -> bool:
     """Make sure the sqlite store of ``uri`` exists and is complete; True if this call created it.
-
-    The schema is built in ``.<name>.keras-sync-creating-<pid>-<id>``, then linked into place;
-    killed builders' leftovers are removed. A live builder's store, and one MLflow builds in place
-    (a user's own client), are waited for until their last migration, not built twice.
-    """
+    A live builder's store, or one MLflow builds in place, is waited for; dead builders' files go."""
     path = sqlite_path(uri)
     if path is None:
         return False
@@ -76,8 +71,7 @@ def ensure_sqlite_store(uri: str, *, timeout_s: float = 300.0) -> bool:
         if not _wait_for_live_builders(path, timeout_s):
             tmp = _private_name(path)
             try:
-                # Made now, not when MLflow (seconds to import) opens it: a courier starting
-                # meanwhile sees a live builder and waits instead of building a second store.
+                # Made now: a courier starting meanwhile sees a live builder and waits.
                 os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
                 _build(tmp, path)
                 os.link(tmp, path)  # atomic; FileExistsError if another process published first
@@ -120,10 +114,8 @@ def _wait_for_live_builders(path: Path, timeout_s: float) -> bool:
 
 
 def _wait_while_built_in_place(path: Path, timeout_s: float) -> None:
-    """Wait while another client (a user's ``MlflowClient``, an ``mlflow server``) builds ``path``:
-    a second client opening it mid-build would run the migrations again, and both fail. A store at
-    the schema's head, or one nobody wrote or migrated for `_SETTLED_S`, is left to MLflow.
-    """
+    """Wait while another client builds ``path`` in place (opened mid-build, both would fail),
+    until it reaches the schema's head or settles for `_SETTLED_S`."""
     from keras_sync.upstream.mlflow_internals import schema_head
 
     head = schema_head()
@@ -167,9 +159,7 @@ def _schema_state(path: Path) -> tuple[str | None, int]:
 
 
 def _build(tmp: Path, path: Path) -> None:
-    """MLflow's schema in ``tmp``, built by MLflow's public client in this process. MLflow's pool may
-    keep an idle connection to the private name: no transaction, so no lock, never used again."""
-    # MLflow's and alembic's INFO lines ("Creating initial MLflow database tables") kept quiet.
+    """MLflow's schema in ``tmp``, built by MLflow's public client (its INFO lines kept quiet)."""
     levels = {name: logging.getLogger(name).level for name in ("mlflow", "alembic")}
     try:
         from mlflow import MlflowClient
@@ -186,12 +176,8 @@ def _build(tmp: Path, path: Path) -> None:
 
 
 def check_creatable(uri: str) -> None:
-    """Raise `TrackingError` with the cause if the sqlite store of ``uri`` is missing and cannot be made.
-
-    Cheap (no MLflow), so the writer asks it before its courier starts. MLflow's engine retries a
-    store it cannot open for minutes, then fails without the cause; the OS says it at once
-    (permission, disk full, read-only filesystem).
-    """
+    """Raise `TrackingError` with the OS's cause if the sqlite store of ``uri`` is missing and
+    cannot be made (MLflow retries for minutes, then fails without the cause)."""
     path = sqlite_path(uri)
     if path is None or path.exists():
         return
