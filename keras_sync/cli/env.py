@@ -1,6 +1,5 @@
 """``keras-sync env``: versions, devices and cluster, as a block to paste into a bug report.
-Versions come from package metadata; only the device list imports TensorFlow. Addresses and
-credentials are redacted: a report is posted in public."""
+Only the device list imports TensorFlow; addresses and credentials are redacted."""
 
 from __future__ import annotations
 
@@ -40,7 +39,6 @@ def command(no_devices: bool) -> None:
         "Python": f"{platform.python_version()} ({platform.python_implementation()}, {sys.executable})",
         "Platform": platform.platform(),
         "CPU cores": str(os.cpu_count()),
-        # Every distribution of the `tensorflow` package, not the first found: two overwrite each other.
         "TensorFlow": stack.describe_tensorflow(),
         **{label: _version(dists) for label, dists in _PACKAGES.items()},
         "Keras backend": backend if source == "default" else f"{backend} (from {source})",

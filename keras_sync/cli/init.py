@@ -18,8 +18,8 @@ def _template(name: str) -> str:
 
 
 def render_config(kind: str = "auto", per_replica_batch: int = 32) -> str:
-    """The text of a commented ``keras_sync.yaml`` for strategy `kind` (one of `KINDS`)."""
-    # Not string.Template: the comments mention $MLFLOW_TRACKING_URI and friends.
+    """The text of a commented ``keras_sync.yaml`` for strategy `kind` (not string.Template: the
+    comments mention $MLFLOW_TRACKING_URI)."""
     strategy = _template(f"strategy_{kind}.yaml").rstrip("\n")
     text = _template(DEFAULT_CONFIG_FILE).replace("${strategy}", strategy)
     return text.replace("${per_replica}", str(per_replica_batch))
@@ -54,10 +54,8 @@ def command(
     from keras_sync.strategy import count_gpus_cheaply
 
     if not no_input and sys.stdin.isatty():
-        kind = kind or click.prompt(
-            "Strategy kind", default="auto", type=click.Choice(STRATEGY_KINDS)
-        )
-        batch = click.IntRange(min=1)
+        choice, batch = click.Choice(STRATEGY_KINDS), click.IntRange(min=1)
+        kind = kind or click.prompt("Strategy kind", default="auto", type=choice)
         per_replica_batch = per_replica_batch or click.prompt(
             "Per-replica batch size", 32, type=batch
         )

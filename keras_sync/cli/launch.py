@@ -32,8 +32,8 @@ from keras_sync.errors import KerasSyncError
 @click.option(
     "--private-network",
     is_flag=True,
-    help="Run the workers in a network namespace of their own (Linux, as root): no other host can reach "
-    "them, and they reach no network but their own loopback (use a sqlite or file tracking URI).",
+    help="Run the workers in a network namespace of their own (Linux, as root): no other host "
+    "reaches them, nor they any network (use a sqlite or file tracking URI).",
 )
 @click.argument("script", type=click.Path())
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
@@ -46,13 +46,9 @@ def command(script: str, args: tuple[str, ...], **options: Any) -> None:
     Ctrl-C stops every worker (with a backup_dir, after a backup at one step) and exits 130;
     a second Ctrl-C kills them at once.
 
-    \b
-    Who can reach the workers: TensorFlow's servers listen on every interface
-    (0.0.0.0), not on 127.0.0.1, and run whatever a client sends them, without
-    authentication. Any host that can reach this machine's ports can reach the
-    workers while they run. Keep them behind a firewall or on a trusted network,
-    or pass --private-network. On a cluster, limit the workers' ports to the
-    job's own hosts (on Kubernetes, a NetworkPolicy).
+    TensorFlow's servers listen on every interface (0.0.0.0) and run whatever a client
+    sends them, without authentication: keep the workers behind a firewall or on a
+    trusted network, or pass --private-network.
     """
     from keras_sync.launch import launch
 

@@ -63,9 +63,7 @@ class PeerCalls:
         def fail(what: str, error: type[UsageError] = UsageError) -> UsageError:
             return error(
                 f"{me[0]} {me[1]} {_said(call)}, but {what}. Under multi_worker_mirrored {call} is a "
-                "collective: every worker must call it, in the same order. Fix: make the call on every "
-                "worker (not under `if sync.is_chief:`), and guard only what your own code writes; or "
-                "predict in a separate one-process script from a saved model."
+                "collective: every worker must call it, in the same order; not under `if sync.is_chief:`."
             )
 
         try:

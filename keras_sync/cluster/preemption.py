@@ -63,12 +63,9 @@ def exit_at_once(*_: Any) -> None:
 
 
 class StopSignalWatch:
-    """Records the first SIGTERM or SIGINT between `install` and `uninstall` instead of dying.
-
-    Python runs signal handlers only when the main thread is back from TensorFlow, so a watchdog
-    thread, woken by the C handler (`signal.set_wakeup_fd`), ends the process with the signal's exit
-    code if `done` is not called within ``grace_period_s``, and at once on a second Ctrl-C.
-    """
+    """Records the first SIGTERM or SIGINT between `install` and `uninstall` instead of dying; a
+    watchdog thread woken by `signal.set_wakeup_fd` (the main thread may be inside TensorFlow) exits
+    if `done` is not called within ``grace_period_s``, and at once on a second Ctrl-C."""
 
     def __init__(self, grace_period_s: float):
         self.grace_period_s = float(grace_period_s)
