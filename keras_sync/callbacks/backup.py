@@ -72,8 +72,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
         if not backup_dir or not isinstance(backup_dir, (str, os.PathLike)):
             raise UsageError(
-                f"Invalid value for argument `backup_dir`. Received: backup_dir={backup_dir!r}. "
-                "Expected the path of a directory used for nothing else."
+                f"Invalid value for argument `backup_dir`. Received: backup_dir={backup_dir!r}. Expected the path of a directory used for nothing else."
             )
         if grace_period_s is not None and (
             isinstance(grace_period_s, bool)
@@ -81,8 +80,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             or grace_period_s <= 0
         ):
             raise UsageError(
-                f"Invalid value for argument `grace_period_s`. Received: grace_period_s={grace_period_s!r}. "
-                "Expected a number of seconds > 0, or None to leave SIGTERM alone."
+                f"Invalid value for argument `grace_period_s`. Received: grace_period_s={grace_period_s!r}. Expected a number of seconds > 0, or None to leave SIGTERM alone."
             )
         self.backup_dir = os.fspath(backup_dir)
         self.save_freq = save_freq
@@ -152,10 +150,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             msg = f"keras-sync BackupAndRestore: the backup in {self.backup_dir} is from batch {step} of epoch {epoch}, but a plain model.fit restarts epoch {epoch} at batch 0. Fix: train with sync.fit to resume exactly."
             warnings.warn(msg, UserWarning, stacklevel=2)
         # Said once every callback's on_train_begin has run and the restored state is seen to hold.
-        self._resume_line = (
-            f"keras-sync: resumed from the backup in {self.backup_dir}: epoch {epoch + 1}, after "
-            f"batch {step} (optimizer step {point.iterations})"
-        )
+        self._resume_line = f"keras-sync: resumed from the backup in {self.backup_dir}: epoch {epoch + 1}, after batch {step} (optimizer step {point.iterations})"
 
     def _restore(self, choice: files.Choice) -> str | None:
         """Restore the newest complete checkpoint TensorFlow reads back; its prefix, or None."""
@@ -305,11 +300,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         name, code = signal_name(self._preemption.signum), exit_code(self._preemption.signum)
         step, message = self._iterations(), None
         if self._is_chief and saved:
-            message = (
-                f"{name}: saved a backup in {self.backup_dir} at epoch {self._epoch + 1}, after batch "
-                f"{self._step} (optimizer step {step}); exiting with code {code}. Relaunch the job to "
-                "resume from there."
-            )
+            message = f"{name}: saved a backup in {self.backup_dir} at epoch {self._epoch + 1}, after batch {self._step} (optimizer step {step}); exiting with code {code}. Relaunch the job to resume from there."
         elif self._is_chief:
             where = f"optimizer step {self._newest}" if self._newest is not None else "the start"
             message = f"{name}: the backup at optimizer step {step} could not be written (said above); exiting with code {code}. A relaunch resumes from {where}."

@@ -53,8 +53,7 @@ class SaveSchedule:
             isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1
         ):
             raise UsageError(
-                f"Invalid value for argument `save_freq`. Received: save_freq={save_freq!r}. "
-                "Expected 'epoch' or an integer number of batches >= 1."
+                f"Invalid value for argument `save_freq`. Received: save_freq={save_freq!r}. Expected 'epoch' or an integer number of batches >= 1."
             )
         self.save_freq = save_freq
         self._since_save = 0
@@ -81,9 +80,7 @@ def batches_to_skip(point: ResumePoint, steps_per_execution: int = 1) -> int:
     """Batches of the resumed epoch trained before the interruption (saves end an execution)."""
     if point.step % steps_per_execution:
         raise UsageError(
-            f"The backup was taken at step {point.step} of epoch {point.epoch}, which is not a "
-            f"multiple of steps_per_execution={steps_per_execution}. Resume with the "
-            "steps_per_execution it was saved with, or delete the backup directory to start over."
+            f"The backup was taken at step {point.step} of epoch {point.epoch}, which is not a multiple of steps_per_execution={steps_per_execution}. Resume with the steps_per_execution it was saved with, or delete the backup directory to start over."
         )
     return point.step
 
@@ -197,8 +194,7 @@ def choose(backup_dir: str) -> Choice:
 def no_usable_backup(backup_dir: str, skipped: list[tuple[str, str]]) -> UsageError:
     what = "; ".join(f"{os.path.basename(p)}: {why}" for p, why in skipped)
     return UsageError(
-        f"fault_tolerance.backup_dir: no usable backup in {backup_dir} ({what}). Fix: restore that "
-        "directory from a copy, or delete it to train from the start; nothing was trained."
+        f"fault_tolerance.backup_dir: no usable backup in {backup_dir} ({what}). Fix: restore that directory from a copy, or delete it to train from the start; nothing was trained."
     )
 
 
@@ -244,10 +240,7 @@ def live_other(found: tuple[Holder, float] | None, me: Holder, *, chief: bool) -
 def refused(backup_dir: str, other: Holder) -> UsageError:
     job = f"job {other.job_id}" if other.job_id else "a job without job id"
     return UsageError(
-        f"fault_tolerance.backup_dir: {backup_dir} is in use by {job} (pid {other.pid} on "
-        f"{other.host}), which is training into it now; two jobs in one backup directory would "
-        "resume from each other's backups. Fix: give this job its own backup_dir, or wait for that "
-        f"job to end (if it is gone, delete {os.path.join(backup_dir, LOCK_FILE)}); nothing was trained."
+        f"fault_tolerance.backup_dir: {backup_dir} is in use by {job} (pid {other.pid} on {other.host}), which is training into it now; two jobs in one backup directory would resume from each other's backups. Fix: give this job its own backup_dir, or wait for that job to end (if it is gone, delete {os.path.join(backup_dir, LOCK_FILE)}); nothing was trained."
     )
 
 

@@ -25,8 +25,7 @@ def check_writable(path: str | os.PathLike[str], key: str, value: str | None = N
         it = "it" if value is None else f"its folder {path}"
         what = f"write {it}" if existing == path else f"create {it} in {existing}"
         raise UsageError(
-            f"{key}={shown!r}: this process cannot {what} ({e.strerror}). Fix: choose "
-            "a directory it can write, or give it write permission there; nothing was trained."
+            f"{key}={shown!r}: this process cannot {what} ({e.strerror}). Fix: choose a directory it can write, or give it write permission there; nothing was trained."
         ) from None
 
 

@@ -93,9 +93,7 @@ def py_dataset_batches(pyds: Any) -> tuple[Any, int, int | None]:
         n = pyds.num_batches
     except NotImplementedError:
         raise UsageError(
-            f"sync.fit received a keras.utils.PyDataset without a length ({type(pyds).__name__} has neither __len__ "
-            "nor num_batches); keras-sync reads a PyDataset by index, each batch once per epoch. Fix: give it __len__, "
-            "or a num_batches property (None for an endless one, with steps_per_epoch in fit)."
+            f"sync.fit received a keras.utils.PyDataset without a length ({type(pyds).__name__} has neither __len__ nor num_batches); keras-sync reads a PyDataset by index, each batch once per epoch. Fix: give it __len__, or a num_batches property (None for an endless one, with steps_per_epoch in fit)."
         ) from None
     if n is not None and n < 1:
         msg = f"sync.fit received an empty keras.utils.PyDataset ({type(pyds).__name__}, 0 batches). Fix: give it at least one batch."
