@@ -119,7 +119,7 @@ class InputPipeline:
             kwargs = _validation_input(kwargs)
         batches = py_dataset.python_batches(x, method, kwargs)
         if batches is not None:
-            ds, found, examples = py_dataset.py_dataset_batches(batches)
+            ds, size, examples = py_dataset.py_dataset_batches(batches)
             if not fit:
                 return ds, y, kwargs  # evaluate/predict: its batches as given, each read once
             import keras
@@ -132,8 +132,7 @@ class InputPipeline:
                 )
                 kwargs["callbacks"] = [hooks, *(kwargs.get("callbacks") or [])]
             source = "keras.utils.PyDataset" if batches is x else "Python generator"
-            found_by = (found, "its first batch")
-            x = self.training_dataset(ds, found=found_by, examples=examples, source=source)
+            x = self.training_dataset(ds, size=size, examples=examples, source=source)
             return x, y, kwargs
         if is_dataset(x):
             if fit:
@@ -161,7 +160,7 @@ class InputPipeline:
         self,
         ds: Any,
         *,
-        found: tuple[int | None, str] | None = None,
+        size: int | None = None,
         examples: int | None = None,
         source: str = "tf.data.Dataset",
         policy: str | None = None,
@@ -177,7 +176,7 @@ class InputPipeline:
         policy = policy or self._policy(ds)
         own_part = self.num_workers > 1 and (policy == "off" or graph.has_shard_op(ds))
         policy = "off" if own_part else policy
-        size, how = found or graph.batch_size_of(ds)
+        size, how = graph.batch_size_of(ds) if size is None else (size, "given")
         if examples is None:
             examples = graph.example_count(ds, size)
         gb, workers = self.global_batch, self.num_workers
@@ -262,8 +261,9 @@ class InputPipeline:
         n = len(tf.nest.flatten(parts)[0])
         if policy == "off" and self.num_workers > 1 and global_batch == self.global_batch:
             # Each worker's arrays are its own part: read per replica, not sharded, steps from its own length.
-            found = (global_batch, "keras-sync's batch")
-            ds = self.training_dataset(ds, found=found, examples=n, source="arrays", policy=policy)
+            ds = self.training_dataset(
+                ds, size=global_batch, examples=n, source="arrays", policy=policy
+            )
             return ds, None, kwargs
         trained = n - n % global_batch if self.drop_remainder else n
         steps = _steps(n, global_batch, self.drop_remainder)
