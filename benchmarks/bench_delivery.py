@@ -1,6 +1,6 @@
 """What keras-sync's spool and courier buy against MLflow's own asynchronous logging plus a local file.
 
-    .venv/bin/python benchmarks/bench_delivery.py [--rounds 2] [--cases quiet_sqlite,quiet_http,busy,outage,kill]
+    .venv/bin/python benchmarks/bench_delivery.py [--rounds 2] [--cases quiet_sqlite,quiet_http,busy,outage,kill] [--quick]
 
 Three variants train the same model (2 simulated CPU replicas under MirroredStrategy, Dense
 8-16-1, per-replica batch 16, as bench_sync_metrics), each a fresh Python process:
@@ -31,6 +31,7 @@ CPU as ratios to ``keras`` of the same round; the points in MLflow at the end ag
 logged (``kill``: against the steps reached times `POINTS_PER_STEP`, and for ``async`` the points
 its local file holds); the run's status. Raw values of every round are printed. The load average
 at the start and end is printed: the machine may be shared. Traffic goes to 127.0.0.1 only.
+``--quick`` is a smoke run of every code path (`QUICK_CASES`): its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ import time
 import urllib.request
 
 from bench_sync_metrics import _tree_cpu as tree_cpu  # the same /proc reading
+from bench_sync_metrics import busy_loops
 
 #: Points keras-sync logs per step with ``log_every_n_steps: 1`` (loss and 10 ``sync/`` metrics).
 POINTS_PER_STEP = 11
@@ -66,6 +68,14 @@ CASES = {
     "outage": ("http", 0, 600, "outage", ("keras", "courier", "async")),
     "kill": ("http", 0, 600, "kill", ("courier", "async")),
 }
+#: --quick: 1 round of `QUICK_CASES` (quiet_http and busy take no path of their own), few steps, a
+#: short outage; outage and kill with keras-sync's variant only.
+QUICK_CASES = {
+    "quiet_sqlite": CASES["quiet_sqlite"][4],
+    "outage": ("courier",),
+    "kill": ("courier",),
+}
+QUICK_STEPS, QUICK_OUTAGE_S = 40, 1.0
 
 
 def make_callbacks(a: argparse.Namespace) -> list:
@@ -141,6 +151,10 @@ def make_callbacks(a: argparse.Namespace) -> list:
 
 def child(a: argparse.Namespace) -> int:
     """One training process: build, fit once with ``a.variant``; the timings go to ``out.json``."""
+    with open(
+        os.path.join(a.dir, "pid"), "w"
+    ) as fh:  # not the Popen's under a wrapper (test zygote)
+        fh.write(str(os.getpid()))
     import keras
     import numpy as np
 
@@ -294,7 +308,7 @@ def run_one(case: str, variant: str, rnd: int, tmp: str, server: Server) -> dict
     if event == "kill":
         while p.poll() is None and reached() < steps // 2:
             time.sleep(0.005)
-        couriers = children_of(p.pid)
+        couriers = children_of(int(open(os.path.join(d, "pid")).read()))
         p.kill()
         p.wait()
         killed_at = time.perf_counter()
@@ -335,7 +349,8 @@ def run_one(case: str, variant: str, rnd: int, tmp: str, server: Server) -> dict
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--cases", default=None, help="default: all")
+    ap.add_argument("--quick", action="store_true", help="a smoke run of every code path")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     for hidden in ("--variant", "--uri", "--dir", "--experiment"):
         ap.add_argument(hidden, help=argparse.SUPPRESS)
@@ -345,6 +360,13 @@ def main() -> int:
     args = ap.parse_args()
     if args.child:
         return child(args)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the `finally`s end the processes
+    if args.quick:
+        global OUTAGE_S
+        OUTAGE_S, args.rounds = QUICK_OUTAGE_S, 1
+        args.cases = args.cases or ",".join(QUICK_CASES)
+        for name, (store, busy_n, _, event, variants) in CASES.items():
+            CASES[name] = (store, busy_n, QUICK_STEPS, event, QUICK_CASES.get(name, variants))
 
     tmp = tempfile.mkdtemp(prefix="bench_delivery_")
     load0 = os.getloadavg()
@@ -356,13 +378,10 @@ def main() -> int:
     results = []
     try:
         for rnd in range(args.rounds):
-            for k, case in enumerate(args.cases.split(",")):
+            for k, case in enumerate((args.cases or ",".join(CASES)).split(",")):
                 variants = CASES[case][4]
                 shift = (rnd + k) % len(variants)
-                busy = [
-                    subprocess.Popen([sys.executable, "-c", "while True: pass"])
-                    for _ in range(CASES[case][1])
-                ]
+                busy = busy_loops(CASES[case][1])
                 try:
                     for variant in variants[shift:] + variants[:shift]:
                         res = run_one(case, variant, rnd, tmp, server)

@@ -5,7 +5,7 @@ that steps_per_execution removes is a large part of a step). Both settings run i
 alternating, several rounds; each round times the steps of one epoch between its first and last
 callback (tracing and the epoch's teardown are outside the clock), and the best round counts:
 
-    .venv/bin/python benchmarks/bench_steps_per_execution.py [--rounds 3] [--steps 400]
+    .venv/bin/python benchmarks/bench_steps_per_execution.py [--rounds 3] [--steps 400] [--quick]
 """
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=400, help="steps per timed epoch")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 1 round of 16 steps")
     args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.steps = 1, 16
 
     import keras_sync
 

@@ -1,6 +1,6 @@
 """What the sync metrics cost a user: whole `sync.fit` calls, as ratios to metrics off in the same run.
 
-    .venv/bin/python benchmarks/bench_sync_metrics.py [--pairs 3] [--cases busy,every_step,default,down]
+    .venv/bin/python benchmarks/bench_sync_metrics.py [--pairs 3] [--cases busy,every_step,default,down] [--quick]
 
 Each figure is measured with process pairs: one process trains with metrics
 off, the other with them on, each a fresh Python process with a fresh sqlite store, the model of
@@ -32,7 +32,8 @@ Cases (goals from the issue):
   as ``default`` otherwise; the issue keeps 0.95-1.10x.
 
 The machine this runs on may be shared: the load average at the start and end is printed, with
-every raw time.
+every raw time. ``--quick`` is a smoke run of every code path (1 pair of busy, default and down,
+`QUICK_STEPS` steps, 1 timed fit, no quiet spell): its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -49,6 +51,13 @@ import time
 
 #: The quiet spell `_wait_quiet` waits for (seconds).
 QUIET_S = 3.0
+QUICK_STEPS = 16
+#: A CPU-bound loop that ends when its stdin closes: when the benchmark ends, however it ends.
+BUSY_LOOP = (
+    "import os, threading\n"
+    "threading.Thread(target=lambda: (os.read(0, 1), os._exit(0)), daemon=True).start()\n"
+    "while True: pass\n"
+)
 
 CASES = {
     # name: (busy loops, steps, warm-up fit, log_every_n_steps (None: default), store, goal, timed fits)
@@ -57,6 +66,13 @@ CASES = {
     "default": (0, 1500, True, None, "sqlite", 1.05, 4),
     "down": (0, 1500, True, None, "down", 1.10, 4),
 }
+
+
+def busy_loops(n: int) -> list[subprocess.Popen]:
+    """``n`` processes spinning a core each, until they are killed or this process ends."""
+    return [
+        subprocess.Popen([sys.executable, "-c", BUSY_LOOP], stdin=subprocess.PIPE) for _ in range(n)
+    ]
 
 
 def child(args: argparse.Namespace) -> int:
@@ -123,7 +139,7 @@ def child(args: argparse.Namespace) -> int:
 
 def _lockstep(sync: object, model: object, x: object, y: object) -> int:
     """Fit once per ``go`` line on stdin, answering each with one JSON line; ``stop`` ends (see `run_lockstep`)."""
-    print("@bench ready", flush=True)
+    print("@bench " + json.dumps({"pid": os.getpid()}), flush=True)  # ready
     for line in sys.stdin:
         if line.strip() != "go":
             break
@@ -254,8 +270,8 @@ def run_lockstep(case: str, uris: dict, outs: dict) -> dict:
         raise RuntimeError(f"{case}/{metrics} ended ({procs[metrics].wait()}): {stderr}")
 
     try:
-        for metrics in procs:
-            answer(metrics)  # "ready": imported, built, warmed up
+        # "ready": imported, built, warmed up; its pid (not the Popen's under a wrapper: the test zygote)
+        pids = {metrics: json.loads(answer(metrics))["pid"] for metrics in procs}
         fits: dict = {"off": [], "on": []}
         cycle_cpu: dict = {"off": [], "on": []}
         rounds = []
@@ -263,17 +279,16 @@ def run_lockstep(case: str, uris: dict, outs: dict) -> dict:
             order = ("off", "on") if k % 2 == 0 else ("on", "off")
             got = {}
             for metrics in order:
-                other = procs["on" if metrics == "off" else "off"]
-                _wait_quiet(other.pid)
-                _wait_quiet(procs[metrics].pid)
-                c0 = _tree_cpu(procs[metrics].pid)
+                _wait_quiet(pids["on" if metrics == "off" else "off"])
+                _wait_quiet(pids[metrics])
+                c0 = _tree_cpu(pids[metrics])
                 procs[metrics].stdin.write("go\n")
                 procs[metrics].stdin.flush()
                 res = json.loads(answer(metrics))
-                _wait_quiet(procs[metrics].pid)
+                _wait_quiet(pids[metrics])
                 got[metrics] = res["fit_s"]
                 fits[metrics].append(res["fit_s"])
-                cycle_cpu[metrics].append(_tree_cpu(procs[metrics].pid) - c0)
+                cycle_cpu[metrics].append(_tree_cpu(pids[metrics]) - c0)
             rounds.append(got["on"] / got["off"])
         result = {"rounds": rounds, "fits": fits, "cycle_cpu": cycle_cpu}
         for metrics, p in procs.items():
@@ -318,7 +333,8 @@ def check_mlflow(uri: str, case: str) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", type=int, default=3)
-    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--cases", default=None, help="default: all (--quick: busy,default,down)")
+    ap.add_argument("--quick", action="store_true", help="a smoke run of every code path")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--metrics", choices=("on", "off"), help=argparse.SUPPRESS)
     ap.add_argument("--uri", help=argparse.SUPPRESS)
@@ -331,13 +347,20 @@ def main() -> int:
     args = ap.parse_args()
     if args.child:
         return child(args)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the `finally`s end the processes
+    if args.quick:
+        global QUIET_S
+        QUIET_S, args.pairs = 0.0, 1
+        args.cases = args.cases or "busy,default,down"
+        for name, (busy_n, _, warm, every, store, goal, _) in CASES.items():
+            CASES[name] = (busy_n, QUICK_STEPS, warm, every, store, goal, 1)
 
     tmp = tempfile.mkdtemp(prefix="bench_sync_metrics_")
     load0 = os.getloadavg()[0]
     rows = []
-    for case in args.cases.split(","):
+    for case in (args.cases or ",".join(CASES)).split(","):
         busy_n, steps, warm, every, store, goal, _ = CASES[case]
-        busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy_n)]
+        busy = busy_loops(busy_n)
         ratios, on_s, off_s, waits, checks, raw, cpu_ratios = [], [], [], [], [], {}, []
         try:
             for i in range(args.pairs):

@@ -1,6 +1,6 @@
 """Per-call cost of `MlflowWriter.log_metrics` against `mlflow.log_metric`, on a sqlite store.
 
-Run: ``.venv/bin/python benchmarks/bench_tracking_writer.py [--calls N] [--tracking-uri URI]``
+Run: ``.venv/bin/python benchmarks/bench_tracking_writer.py [--calls N] [--tracking-uri URI] [--quick]``
 
 Both sides log one metric per call to a store that is already migrated. The writer's calls only
 queue; the time until its background thread has delivered everything (``flush``) is printed
@@ -29,7 +29,10 @@ def main() -> None:
     ap.add_argument(
         "--tracking-uri", default=None, help="default: a fresh sqlite file in a temp dir"
     )
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 20 and 200 calls")
     args = ap.parse_args()
+    if args.quick:
+        args.calls, args.writer_calls = 20, 200
 
     tmp = tempfile.mkdtemp(prefix="bench_tracking_")
     os.chdir(tmp)

@@ -9,7 +9,7 @@ Compares, in one process with `MirroredStrategy` over 2 logical CPUs, after one 
 Each is called --repeats times after a warm-up call (tracing); the fastest call is compared
 (this machine stalls for seconds at random, and the fastest call is the cost without the stall):
 
-    .venv/bin/python benchmarks/bench_weight_divergence.py [--repeats 5] [--width 4096]
+    .venv/bin/python benchmarks/bench_weight_divergence.py [--repeats 5] [--width 4096] [--quick]
 """
 
 from __future__ import annotations
@@ -74,7 +74,10 @@ def main() -> int:
     parser.add_argument(
         "--width", type=int, default=4096, help="hidden width (4096: ~25M parameters)"
     )
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 1 repeat, width 64")
     args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.width = 1, 64
 
     import keras_sync
 
