@@ -24,7 +24,7 @@ def _fresh_probes():
 
 @pytest.mark.compat
 def test_every_required_probe_holds_on_the_installed_stack():
-    results = {i.name: (i.feature is None, _internals.check(i)) for i in _internals.REGISTRY}
+    results = {i.name: (i.refused is None, _internals.check(i)) for i in _internals.REGISTRY}
     print(
         {name: missing for name, (_, missing) in results.items() if missing}
     )  # fallbacks taken here
@@ -89,8 +89,9 @@ def test_an_internal_newer_than_the_installed_library_refuses_its_feature_with_t
 
     newer = _internals.Internal(
         "multi_worker_steps_per_execution",
-        lambda: "TensorFlowTrainer has no attribute 'x'",
-        name="keras.src.backend.tensorflow.trainer:TensorFlowTrainer.x",
+        "keras.src.backend.tensorflow.trainer:TensorFlowTrainer has no_such_attribute",
+        refused="steps_per_execution > 1 on several workers",
+        alternative="or set runtime.steps_per_execution: 1",
         since="99.1",
     )
     monkeypatch.setattr(_internals, "REGISTRY", [newer])
@@ -99,16 +100,19 @@ def test_an_internal_newer_than_the_installed_library_refuses_its_feature_with_t
         _internals.require("multi_worker_steps_per_execution")
     assert str(e.value) == (
         f"steps_per_execution > 1 on several workers cannot work with Keras "
-        f"{keras.__version__}, TensorFlow {tf.__version__}: TensorFlowTrainer has no attribute 'x'. "
+        f"{keras.__version__}, TensorFlow {tf.__version__}: `keras.src.backend.tensorflow.trainer:"
+        "TensorFlowTrainer` has no ['no_such_attribute']. "
         'Fix: pip install "keras>=99.1,<3.16", or set runtime.steps_per_execution: 1.'
     )
 
 
-def test_every_feature_has_internals_and_every_internal_a_feature():
-    used = {i.feature for i in _internals.REGISTRY} - {None}
-    assert used == set(_internals.FEATURES)
-    assert {i.name.split(".")[0] for i in _internals.REGISTRY} <= set(_internals.PIN)
-    for feature in _internals.FEATURES:
+def test_each_feature_is_one_entry_that_refuses_only_when_its_internals_moved():
+    names = [i.name for i in _internals.REGISTRY]
+    assert len(names) == len(set(names))  # one entry per feature or fallback
+    assert {i.library for i in _internals.REGISTRY} <= set(_internals.PIN)
+    features = [i.name for i in _internals.REGISTRY if i.refused is not None]
+    assert {"multi_worker_fit", "exact_resume", "model_strategy"} <= set(features)
+    for feature in features:
         found = _internals.missing(feature)
         if found is not None and _internals.predates(
             found[0]
@@ -122,7 +126,7 @@ def test_every_feature_has_internals_and_every_internal_a_feature():
 def test_a_probe_can_fail():
     # The probes are not vacuous: each kind reports a shape that does not match.
     def fails(*specs):
-        return _internals.check(_internals.Internal(None, *specs))
+        return _internals.check(_internals.Internal("test", *specs))
 
     assert "takes" in fails("json:dumps(not_obj)")
     assert "no longer uses" in fails("json:dumps uses no_such_name")
@@ -208,7 +212,7 @@ def test_moved_fallback_internal_refuses_nothing(monkeypatch):
 
     monkeypatch.delattr(context, "global_seed")
     entry = next(i for i in _internals.REGISTRY if i.name == _internals.GLOBAL_SEED)
-    assert entry.feature is None and _internals.check(entry) is not None
+    assert entry.refused is None and _internals.check(entry) is not None
     assert global_seed_set() is False  # the public path takes over
     _internals.require("exact_resume")
 

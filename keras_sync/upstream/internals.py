@@ -1,8 +1,8 @@
 """Every private Keras, TensorFlow and MLflow internal keras-sync relies on, each with a probe.
 
-An entry names the internal, the feature refused without it (None: a public fallback is taken),
-the specs its shape must meet and, in the comment above it, its user and upstream issue.
-`require(feature)` raises a one-line `CompatibilityError` when a probe fails (probed once).
+One entry per feature (or per fallback): the specs of the shape it relies on, the refusal when a
+probe fails (None: a public fallback is taken), and in the comment above it, its user and upstream
+issue. `require(feature)` raises the one-line `CompatibilityError`; probes run once per process.
 """
 
 from __future__ import annotations
@@ -17,37 +17,6 @@ from typing import Any
 
 from keras_sync.errors import CompatibilityError
 
-#: feature -> (what is refused, what else the user can do).
-FEATURES: dict[str, tuple[str, str]] = {
-    "multi_worker_fit": (
-        "`fit` on several workers",
-        "or train on one worker (strategy.kind: mirrored)",
-    ),
-    "multi_worker_steps_per_execution": (
-        "steps_per_execution > 1 on several workers",
-        "or set runtime.steps_per_execution: 1",
-    ),
-    "multi_worker_strategy": (
-        "multi_worker_mirrored with local devices and strategy.connect_timeout_s",
-        "or train on one worker (strategy.kind: mirrored)",
-    ),
-    "exact_resume": ("exact mid-epoch resume", "or remove fault_tolerance.backup_dir"),
-    "per_replica_metrics": ("per-replica loss and gradient norm", "or set mlflow.enabled: false"),
-    "system_metrics": ("MLflow system metrics", "or set mlflow.system_metrics: false"),
-    "model_strategy": ("telling which strategy built a model", "or set strategy.kind: default"),
-    "keras_backup_guard": (
-        "Keras's BackupAndRestore on several workers",
-        "or use keras-sync's backup (fault_tolerance.backup_dir)",
-    ),
-    "replica_random_streams": (
-        "independent random draws on each replica",
-        "or train on one replica (strategy.kind: default)",
-    ),
-    "evaluate_loss": (
-        "the loss a custom test_step reports on several replicas",
-        "or multiply the loss your test_step tracks by the replica count",
-    ),
-}
 #: Each library: (floor, newest tested, first excluded), as pyproject.toml's ranges (a test checks).
 RANGES = {
     "keras": ("3.10", "3.15", "4"),
@@ -75,16 +44,21 @@ Probe = Callable[[], "str | None"]  # None when the shape matches, else what is 
 
 
 class Internal:
-    """A private internal: the feature refused without it (None: a fallback is taken), the specs
-    its shape must meet, ``since``: the first release that has it when newer than the floor, and
-    ``name`` (by default the path its first spec probes)."""
+    """One feature's (or one fallback's) internals: the ``specs`` their shape must meet, what is
+    ``refused`` without them (None: a fallback is taken) and the user's ``alternative``, and
+    ``since``: the first release that has them, when newer than the floor."""
 
     def __init__(
-        self, feature: str | None, *specs: str | Probe, name: str = "", since: str | None = None
+        self,
+        name: str,
+        *specs: str | Probe,
+        refused: str | None = None,
+        alternative: str = "",
+        since: str | None = None,
     ):
-        self.feature, self.specs, self.since = feature, specs, since
-        self.name = name or re.split(r"\(| has | uses | \| ", str(specs[0]))[0]
-        self.library = self.name.split(".")[0]
+        self.name, self.specs, self.since = name, specs, since
+        self.refused, self.alternative = refused, alternative
+        self.library = next((s for s in specs if isinstance(s, str)), name).split(".")[0]
 
     @property
     def attrs(self) -> set[str]:
@@ -209,34 +183,34 @@ DEVICE_DATASET = f"{_MULTI_DEVICE}:_create_device_dataset"
 BATCH_OP = f"{_DATA_OPS}.batch_op:_BatchDataset"
 
 # Each entry: its user, and why it is needed (the upstream issue), in the comment above it.
+_ONE_WORKER = "or train on one worker (strategy.kind: mirrored)"
 REGISTRY: tuple[Internal, ...] = (
-    # keras_fixes.multi_worker_patches, fixes 1 and 2: keras-team/keras#20585 (Keras 3 fit under
-    # MultiWorkerMirroredStrategy); the train function looks reduce_per_replica up as a global
-    # (Keras 3.10 builds the step in make_train_function, later ones in _make_function).
+    # keras_fixes.multi_worker_patches 1, 2: keras-team/keras#20585 (fit under MWMS); the train
+    # function (Keras 3.10's make_train_function, later _make_function) reads a module global.
     Internal(
         "multi_worker_fit",
         f"{_REDUCE}(values, strategy, reduction)",
         f"{_TRAINER} has _is_tpu_strategy, _is_per_replica_instance, _is_scalar",
-    ),
-    Internal(
-        "multi_worker_fit",
         f"{_TF_TRAINER}.make_train_function | {MAKE_FUNCTION} uses reduce_per_replica",
+        f"{_SYMBOLIC_BUILD}(self, iterator, data_batch)",
+        refused="`fit` on several workers",
+        alternative=_ONE_WORKER,
     ),
-    Internal("multi_worker_fit", f"{_SYMBOLIC_BUILD}(self, iterator, data_batch)"),
-    # keras_fixes fix 3: keras-team/keras#19246 (steps_per_execution > 1 under MWMS); the hook that
-    # receives the one-step tf.function gets its Python function, traced inline into the loop.
+    # keras_fixes fix 3: keras-team/keras#19246 (steps_per_execution > 1 under MWMS), inlined step.
     Internal(
         "multi_worker_steps_per_execution",
         f"{_AUTOCONVERT}(self, step_func)",
         f"{MAKE_FUNCTION} uses _autoconvert_optionals, function, steps_per_execution, while_loop",
+        refused="steps_per_execution > 1 on several workers",
+        alternative="or set runtime.steps_per_execution: 1",
         since="3.12",
     ),
-    # keras_fixes.end_of_data_patches: keras-team/keras#23179, a step past the end of data of
-    # unknown length moves optimizer.iterations; the one-step function is taken from the closure.
-    Internal(None, _end_of_data, name=END_OF_DATA),
-    # keras_fixes.iterator_release_patches: the iterator `reset` drops, destroyed while its thread
-    # reads, crashes the process; it is kept until the next one.
-    Internal(None, f"{EPOCH_ITERATOR_RESET} uses _current_iterator, _epoch_iterator"),
+    # keras_fixes.end_of_data_patches: keras-team/keras#23179, no step past the end of data.
+    Internal(END_OF_DATA, _end_of_data),
+    # keras_fixes.iterator_release_patches: the iterator `reset` drops, destroyed mid-read, crashes.
+    Internal(
+        EPOCH_ITERATOR_RESET, f"{EPOCH_ITERATOR_RESET} uses _current_iterator, _epoch_iterator"
+    ),
     # multi_worker.py: each worker's local devices (TF's TODO b/126786766), the join bounded
     # (tensorflow#60706) for every task (the barrier), the cluster already joined.
     Internal(
@@ -245,40 +219,49 @@ REGISTRY: tuple[Internal, ...] = (
         f"{_CARS_EXT}.__init__(self, container_strategy, cluster_resolver, communication_options)",
         f"{_CARS_EXT}._in_multi_worker_mode(self)",
         _is_mwms,
-    ),
-    Internal(
-        "multi_worker_strategy",
         f"{_CONTEXT}:Context.configure_coordination_service(self, service_type, service_leader)",
         "tensorflow.python.distribute.multi_worker_util has is_chief, worker_count, "
         "normalize_cluster_spec, coordination_leader",
         _coordination_fields("coordinated_job_list", "cluster_register_timeout_in_ms"),
+        refused="multi_worker_mirrored with local devices and strategy.connect_timeout_s",
+        alternative=_ONE_WORKER,
     ),
-    Internal(None, _coordination_fields("cluster_register_with_barrier"), name=BARRIER),
+    Internal(BARRIER, _coordination_fields("cluster_register_with_barrier")),
     Internal(
-        None,
+        "joined_cluster",
         f"{_CONTEXT} has context_safe",
         f"{_CONTEXT}:Context.__init__ | {_CONTEXT}:Context.enable_collective_ops uses "
         "_server_def, _collective_ops_server_def",
     ),
-    # epoch_iterator.py: Keras's BackupAndRestore restarts an epoch at batch 0; fit's iterator, built
-    # from the module global swapped here, starts mid-epoch; `model._initial_epoch` as Keras's own.
+    # epoch_iterator.py: no API starts an epoch mid-way; `model._initial_epoch` as Keras's backup.
     Internal(
         "exact_resume",
         f"{_TRAINER}:TFEpochIterator has _enumerate_iterator, catch_stop_iteration",
         f"{_EPOCH}.__init__ uses _num_batches",
+        f"{_TF_TRAINER}.fit uses TFEpochIterator, _initial_epoch",
+        refused="exact mid-epoch resume",
+        alternative="or remove fault_tolerance.backup_dir",
     ),
-    Internal("exact_resume", f"{_TF_TRAINER}.fit uses TFEpochIterator, _initial_epoch"),
     # tf_runtime.py: whether tf.random.set_seed was called (no public API tells).
-    Internal(None, f"{_CONTEXT} has global_seed", name=GLOBAL_SEED),
+    Internal(GLOBAL_SEED, f"{_CONTEXT} has global_seed"),
     # strategy_facts.built_under: `model.distribute_strategy` falls back to the current strategy.
-    Internal("model_strategy", f"{_TF_TRAINER}.__init__ uses _distribute_strategy"),
+    Internal(
+        "model_strategy",
+        f"{_TF_TRAINER}.__init__ uses _distribute_strategy",
+        refused="telling which strategy built a model",
+        alternative="or set strategy.kind: default",
+    ),
     # backup_and_restore.py: Keras's BackupAndRestore writes on the chief only.
     Internal(
-        "keras_backup_guard", f"{_BACKUP} has _save_model", f"{_BACKUP}.__init__ uses _weights_path"
+        "keras_backup_guard",
+        f"{_BACKUP} has _save_model",
+        f"{_BACKUP}.__init__ uses _weights_path",
+        refused="Keras's BackupAndRestore on several workers",
+        alternative="or use keras-sync's backup (fault_tolerance.backup_dir)",
     ),
     # keras_fixes.device_dataset_patches: per-device datasets built without default rewrites.
     Internal(
-        None,
+        DEVICE_DATASET,
         f"{DEVICE_DATASET}(prototype_ds, incarnation_id)",
         f"{_MULTI_DEVICE}:MultiDeviceIterator.__init__ | "
         f"{_MULTI_DEVICE}:OwnedMultiDeviceIterator.__init__ uses _create_device_dataset",
@@ -287,49 +270,50 @@ REGISTRY: tuple[Internal, ...] = (
     Internal(
         "replica_random_streams",
         " | ".join(f"{_RANDOM}:{op}" for op in _RANDOM_OPS) + " uses _cast_seed",
+        refused="independent random draws on each replica",
+        alternative="or train on one replica (strategy.kind: default)",
     ),
     # keras_losses.py: Keras divides every loss by the replica count (keras-team/keras#14104).
     Internal(
         "evaluate_loss",
         f"{LOSS} has scale_loss_for_distribution, unscale_loss_for_distribution, reduce_values",
         f"{LOSS}:reduce_values uses scale_loss_for_distribution",
+        refused="the loss a custom test_step reports on several replicas",
+        alternative="or multiply the loss your test_step tracks by the replica count",
     ),
     # keras_fixes.same_data_order_patches: shapes from the element_spec, not an extra iterator.
     Internal(
-        None,
+        SAME_DATA_ORDER,
         f"{_SYMBOLIC_BUILD}(self, iterator, data_batch)",
         f"{_TRAINER}:TFEpochIterator.__init__ uses _distributed_dataset",
-        name=SAME_DATA_ORDER,
     ),
-    # training/instrument.py, strategy_facts.distributed_variable: each replica's loss and gradients
-    # exist only inside train_step; a Keras variable's per-replica copies are those of `_value`.
+    # training/instrument.py, strategy_facts: each replica's loss and gradients, before the reduce.
     Internal(
         "per_replica_metrics",
         f"{_TF_TRAINER}.train_step uses _compute_loss, apply_gradients",
         "keras.src.backend.tensorflow.core:Variable._initialize uses _value",
+        refused="per-replica loss and gradient norm",
+        alternative="or set mlflow.enabled: false",
     ),
-    # tf_runtime.py: a batch op's fields and TF's batch size, to count a pass's examples exactly.
+    # tf_runtime.py: a batch op's fields and TF's batch size, to count a pass's examples exactly;
+    # an interleave's function (its file readers) is kept only in `_map_func`.
     Internal(
-        None,
+        BATCH_OP,
         f"{BATCH_OP}.__init__ uses _batch_size, _drop_remainder, _input_dataset",
         f"{_DATA_OPS}.dataset_ops:DatasetV2 has _inputs",
-        name=BATCH_OP,
     ),
-    Internal(None, f"{PIPELINE_BATCH_SIZE}(dataset)"),
-    # tf_runtime.map_function: an interleave's function (for file readers) is kept only there.
+    Internal(PIPELINE_BATCH_SIZE, f"{PIPELINE_BATCH_SIZE}(dataset)"),
     Internal(
-        None,
+        "map_function",
         f"{_DATA_OPS}.interleave_op:_InterleaveDataset.__init__ | "
         f"{_DATA_OPS}.interleave_op:_ParallelInterleaveDataset.__init__ | "
         f"{_DATA_OPS}.flat_map_op:_FlatMapDataset.__init__ uses _map_func",
     ),
-    # training/loss_scale.py: the gradients summed before LossScaleOptimizer judges them, then
-    # passed through this all-reduce, not summed again.
+    # training/loss_scale.py: the gradients summed once, before LossScaleOptimizer judges them.
     Internal(
-        None,
+        LOSS_SCALE_REDUCE,
         f"{_TF_OPTIMIZER}._backend_update_step uses _all_reduce_sum_gradients",
         f"{_TF_OPTIMIZER} has _all_reduce_sum_gradients",
-        name=LOSS_SCALE_REDUCE,
     ),
     # callbacks/system_metrics.py: MLflow samples system metrics on its own clock only.
     Internal(
@@ -339,6 +323,8 @@ REGISTRY: tuple[Internal, ...] = (
             for m in ("CPU", "Disk", "Network")
         ),
         f"{_SYSTEM}.cpu_monitor:CPUMonitor has aggregate_metrics",
+        refused="MLflow system metrics",
+        alternative="or set mlflow.system_metrics: false",
     ),
 )
 
@@ -346,23 +332,35 @@ REGISTRY: tuple[Internal, ...] = (
 @functools.cache
 def check(internal: Internal) -> str | None:
     """What is missing for ``internal`` here (the first spec that fails), None if nothing."""
-    try:
-        return next(
-            filter(None, (s() if callable(s) else _spec_fails(s) for s in internal.specs)), None
-        )
-    except (ImportError, AttributeError, TypeError, ValueError) as e:
-        return f"`{internal.name}` is gone ({type(e).__name__}: {e})"
+    for spec in internal.specs:
+        try:
+            failed = spec() if callable(spec) else _spec_fails(spec)
+        except (ImportError, AttributeError, TypeError, ValueError) as e:
+            where = (
+                re.split(r"\(| has | uses | \| ", spec)[0]
+                if isinstance(spec, str)
+                else internal.name
+            )
+            failed = f"`{where}` is gone ({type(e).__name__}: {e})"
+        if failed:
+            return failed
+    return None
+
+
+def _entry(name: str) -> Internal:
+    return next(i for i in REGISTRY if i.name == name)
 
 
 def available(name: str) -> bool:
-    """Whether the internal registered as ``name`` has the expected shape here (for a fallback)."""
-    return check(next(i for i in REGISTRY if i.name == name)) is None
+    """Whether the internals registered as ``name`` have the expected shape here."""
+    return check(_entry(name)) is None
 
 
-def missing(feature: str) -> tuple[Internal, str] | None:
-    """The first internal of ``feature`` that moved, with what is missing."""
-    moved = ((i, check(i)) for i in REGISTRY if i.feature == feature)
-    return next(((i, what) for i, what in moved if what is not None), None)
+def missing(name: str) -> tuple[Internal, str] | None:
+    """The internals registered as ``name``, with what is missing, if they moved."""
+    internal = _entry(name)
+    what = check(internal)
+    return None if what is None else (internal, what)
 
 
 def require(feature: str) -> None:
@@ -371,12 +369,11 @@ def require(feature: str) -> None:
     if found is None:
         return
     internal, gone = found
-    what, alternative = FEATURES[feature]
     libraries = ("mlflow",) if internal.library == "mlflow" else ("keras", "tensorflow")
     found_here = ", ".join(
         f"{_NAMES[m]} {importlib.import_module(m).__version__}" for m in libraries
     )
     fix = _pin(internal.library, internal.since) if predates(internal) else PIN[internal.library]
     raise CompatibilityError(
-        f"{what} cannot work with {found_here}: {gone}. Fix: {fix}, {alternative}."
+        f"{internal.refused} cannot work with {found_here}: {gone}. Fix: {fix}, {internal.alternative}."
     )
