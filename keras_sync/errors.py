@@ -19,9 +19,8 @@ _BASE: type = Exception if os.environ.get("KERAS_SYNC_TRACEBACK") == "1" else _Q
 class KerasSyncError(_BASE):
     """Base class of every error keras-sync raises for a user's mistake or environment.
 
-    Caught as usual; uncaught, it ends the script as a `SystemExit` whose `code` writes
-    ``keras-sync: <message>`` on stderr and gives `exit_code` (no hook is installed). With
-    ``KERAS_SYNC_TRACEBACK=1`` it is a plain exception, with its traceback.
+    Uncaught, it ends the script as a `SystemExit` that writes ``keras-sync: <message>`` on stderr
+    and exits with `exit_code` (no hook is installed). ``KERAS_SYNC_TRACEBACK=1``: a plain exception.
     """
 
     #: The process's exit code when the error ends it: 2, bad usage (as the CLI's).
@@ -29,21 +28,14 @@ class KerasSyncError(_BASE):
 
     @property
     def code(self) -> int:
-        """What Python's exit reads: says the message once on stderr, then gives `exit_code`.
-
-        A cluster error, or one read by Python's top-level exit handling, ends with `os._exit`
-        after the atexit handlers (none after a connect timeout: nothing ran yet): TensorFlow's
-        teardown would print pages about missing peers, or wait for them.
-        """
+        """What Python's exit reads: says the message once on stderr, then gives `exit_code`; a
+        cluster error, or an uncaught one, ends with `os._exit` after the atexit handlers (none
+        after a connect timeout), as TensorFlow's teardown would wait for the missing peers."""
         if not self.__dict__.get("_keras_sync_said"):
             self.__dict__["_keras_sync_said"] = True
             for line in str(self).splitlines() or [type(self).__name__]:
                 print(f"keras-sync: {line}", file=sys.stderr)
-        try:
-            sys._getframe(1)  # this property's caller: none when Python's exit handling reads it
-            top_level = False
-        except ValueError:
-            top_level = True
+        top_level = sys._getframe().f_back is None  # read by Python's exit handling, not code
         if top_level or isinstance(self, (ConnectTimeoutError, PeerLostError)):
             if not isinstance(self, ConnectTimeoutError):
                 import atexit
@@ -76,22 +68,10 @@ class ConfigError(KerasSyncError):
     line each (``FILE:LINE: key.path: message``)."""
 
     def __init__(self, issues: list[ConfigIssue] | ConfigIssue):
-        if isinstance(issues, ConfigIssue):
-            issues = [issues]
-        self.issues: list[ConfigIssue] = list(issues)
+        self.issues = [issues] if isinstance(issues, ConfigIssue) else list(issues)
+        first = self.issues[0]  # ``file``, ``line``, ``key_path``: the first issue's
+        self.file, self.line, self.key_path = first.file, first.line, first.key_path
         super().__init__("\n".join(str(i) for i in self.issues))
-
-    @property
-    def file(self) -> str:
-        return self.issues[0].file
-
-    @property
-    def line(self) -> int | None:
-        return self.issues[0].line
-
-    @property
-    def key_path(self) -> str:
-        return self.issues[0].key_path
 
 
 class StrategyError(KerasSyncError):

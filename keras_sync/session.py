@@ -141,7 +141,6 @@ class Sync:
         )
         self._schedules: list[Any] = []  # warmups in epochs, waiting for fit's steps per epoch
         self._steps_per_epoch: int | None = None
-        self._warned_batch_size = False
         self.input_facts: Any = None
         #: This job's MLflow run: the writer (chief only) and the state its fits share.
         self.job_run = JobRun(config, self.is_chief)
@@ -452,20 +451,9 @@ class Sync:
             )
         if self.config.learning_rate.scaling != "none":
             raise UsageError(
-                f"sync.fit(batch_size={batch_size}): batch_size is the global batch (as Keras reads it under a "
-                f"tf.distribute strategy), but the learning rate {self.learning_rate:g} was scaled for the configured "
-                f"global batch {self.global_batch_size}. Fix: set batch.global: {batch_size} in the config (the rate "
-                "is then scaled for it), or leave batch_size out."
-            )
-        if not self._warned_batch_size:
-            self._warned_batch_size = True
-            warnings.warn(
-                f"sync.fit(batch_size={batch_size}): the global batch, as Keras reads it under a tf.distribute "
-                f"strategy ({batch_size // self.num_replicas} per replica x {self.num_replicas} replicas), not the "
-                f"configured {self.global_batch_size}; learning_rate.scaling is none, so the rate "
-                f"{self.learning_rate:g} is the same for both.",
-                UserWarning,
-                stacklevel=4,
+                f"sync.fit(batch_size={batch_size}): the learning rate {self.learning_rate:g} was scaled for the "
+                f"configured global batch {self.global_batch_size}. Fix: set batch.global: {batch_size} in the "
+                "config, or leave batch_size out."
             )
         return batch_size
 

@@ -1,8 +1,5 @@
-"""Keras's `BackupAndRestore` on a worker that is not the chief (feature ``keras_backup_guard``).
-
-Keras 3's callback saves in `_save_model` and deletes ``backup_dir`` in `on_train_end`; no public
-option keeps a worker from writing there.
-"""
+"""Keras's `BackupAndRestore` on a worker that is not the chief (feature ``keras_backup_guard``):
+no public option keeps it from saving in `_save_model` and deleting ``backup_dir`` at the end."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Keras's epoch iterator, able to start an epoch at a saved step (exact mid-epoch resume).
-
-Keras's `BackupAndRestore` restarts an interrupted epoch at batch 0, and no public API starts one
-mid-way. `fit` builds its iterator from the module global ``TFEpochIterator``, swapped for the
-length of one `fit` (feature ``exact_resume``).
-"""
+"""Keras's epoch iterator, able to start an epoch at a saved step (feature ``exact_resume``):
+`fit` builds it from the module global ``TFEpochIterator``, swapped for the length of one `fit`."""
 
 from __future__ import annotations
 
@@ -20,13 +16,9 @@ _TRAINER = "keras.src.backend.tensorflow.trainer"
 
 def _resumable_class(base: type) -> type:
     class ResumableEpochIterator(base):
-        """Keras's epoch iterator, plus `resume_at(epoch, step)` for the first epoch it runs.
-
-        The epochs done are replayed with Keras's own logic (the same `iter()` calls, so a seeded
-        shuffle reshuffles as before; batches read only where the pipeline carries over between
-        epochs); then the resumed epoch's trained batches are dropped and the rest yielded with
-        their real step numbers.
-        """
+        """Keras's epoch iterator, plus `resume_at(epoch, step)`: the epochs done are replayed by
+        Keras's own `iter()` calls (a seeded shuffle reshuffles as before), then the resumed
+        epoch's trained batches are dropped."""
 
         _ks_resume: tuple[int, int] | None = None
 
@@ -63,7 +55,7 @@ def _resumable_class(base: type) -> type:
 @contextlib.contextmanager
 def resumable_epoch_iterators(made: Callable[[Any], None]) -> Iterator[None]:
     """For this span, every epoch iterator `fit` builds can `resume_at(epoch, step)`; ``made`` gets
-    each one built (training's first)."""
+    each one."""
     _internals.require("exact_resume")
     trainer: Any = importlib.import_module(_TRAINER)
     cls = _resumable_class(original(trainer, "TFEpochIterator"))
@@ -78,6 +70,5 @@ def resumable_epoch_iterators(made: Callable[[Any], None]) -> Iterator[None]:
 
 
 def set_initial_epoch(model: Any, epoch: int | None) -> None:
-    """The epoch `fit` starts at, read right after `on_train_begin` as for Keras's BackupAndRestore
-    (None: a later fit starts at its own)."""
+    """The epoch `fit` starts at, read after `on_train_begin` as for Keras's BackupAndRestore."""
     model._initial_epoch = epoch

@@ -1,8 +1,5 @@
-"""Keras's loss scaling (``keras.src.losses.loss``): read in a custom `train_step`, identities in a
-test step. Keras divides every loss by the replica count and no public API says so: a custom
-`train_step` trains at N x the rate on N replicas (keras-team/keras#14104), a custom `test_step`
-reports 1/N of the loss. A test step takes no gradient, so `evaluate` reports one device's loss.
-"""
+"""Keras's loss scaling (``keras.src.losses.loss``): Keras divides every loss by the replica count
+(keras-team/keras#14104); read in a custom `train_step`, identities in a test step (no gradient)."""
 
 from __future__ import annotations
 
@@ -21,28 +18,24 @@ _tls = threading.local()
 
 
 def module() -> Any:
-    """``keras.src.losses.loss``, whose scaling functions the trace replaces while a replica traces."""
+    """``keras.src.losses.loss``, whose scaling functions the train-step trace replaces."""
     return importlib.import_module(_internals.LOSS)
 
 
 def missing() -> list[str]:
-    """What the train-step trace needs from `module()` and this Keras no longer has (registry probe)."""
+    """What the train-step trace needs from `module()` and this Keras no longer has."""
     found = _internals.missing("evaluate_loss")
     return [] if found is None else [found[1]]
-
-
-def _identity_in_test_step(name: str, keras_own: Any) -> Any:
-    def scale(value: Any) -> Any:
-        return value if getattr(_tls, "testing", False) else keras_own(value)
-
-    scale.__name__ = name
-    return scale
 
 
 @contextlib.contextmanager
 def _tracing_test_step() -> Iterator[None]:
     losses = module()
-    patches = [(losses, n, _identity_in_test_step(n, original(losses, n))) for n in _SCALING]
+
+    def identity_in_test_step(keras_own: Any) -> Any:
+        return lambda value: value if getattr(_tls, "testing", False) else keras_own(value)
+
+    patches = [(losses, n, identity_in_test_step(original(losses, n))) for n in _SCALING]
     was, _tls.testing = getattr(_tls, "testing", False), True
     try:
         with patched(patches):
@@ -53,11 +46,8 @@ def _tracing_test_step() -> Iterator[None]:
 
 @contextlib.contextmanager
 def unscaled_eval_losses(model: Any) -> Iterator[None]:
-    """For this span, ``model``'s test step tracks losses not divided by the replica count.
-
-    The step is wrapped on the instance and unwrapped on exit; the test function traced inside
-    keeps the behaviour. One traced before without it is dropped so Keras traces again.
-    """
+    """For this span, ``model``'s test step (wrapped on the instance) tracks losses not divided
+    by the replica count; a test function traced before without it is traced again."""
     _internals.require("evaluate_loss")
     step = model.test_step
 

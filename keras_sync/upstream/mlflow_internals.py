@@ -1,8 +1,6 @@
-"""The private MLflow modules keras-sync reads (nothing here writes to a store): whether
-``mlflow.keras.autolog()`` is on (no documented getter; refused in one line when it moved), the
-schema revision of a new sqlite store (to wait for one another client is building, not migrate it
-twice), and MLflow's SQL store imported with its mappers configured ahead (a head start).
-"""
+"""The private MLflow modules keras-sync reads, never writes: whether ``mlflow.keras.autolog()``
+is on (no documented getter), the schema revision of a new sqlite store (not migrated twice), and
+MLflow's SQL store imported ahead."""
 
 from __future__ import annotations
 
@@ -28,9 +26,8 @@ def autologging() -> Any:
         import mlflow
 
         raise CompatibilityError(
-            f"keras-sync cannot tell whether mlflow.keras.autolog() is on with MLflow "
-            f"{mlflow.__version__} ({_AUTOLOG} has no {', '.join(missing)}). "
-            f"Fix: {PIN['mlflow']}, or do not turn autolog on beside keras-sync."
+            f"keras-sync cannot tell whether mlflow.keras.autolog() is on with MLflow {mlflow.__version__}: "
+            f"{_AUTOLOG} has no {', '.join(missing)}. Fix: {PIN['mlflow']}, or leave autolog off."
         )
     return module
 
@@ -47,8 +44,8 @@ def schema_head() -> str | None:
 
 
 def preload_sql_store(uri: str) -> bool:
-    """Import MLflow's SQL store and configure its mappers if ``uri`` is one MLflow serves with it
-    (``sqlite:``, ``postgresql:``, ``mysql+pymysql:`` ...); True if done. Opens nothing."""
+    """Import MLflow's SQL store and configure its mappers if ``uri`` is a database MLflow serves
+    with it; True if done. Opens nothing."""
     try:
         from mlflow.store.db.db_types import DATABASE_ENGINES
     except ImportError:

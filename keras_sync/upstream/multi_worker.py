@@ -1,9 +1,6 @@
-"""TensorFlow's private multi-worker pieces: local devices per worker, the coordination service.
-
-No public API gives `MultiWorkerMirroredStrategy` several CPUs per worker (TF's TODO b/126786766),
-bounds the wait for peers that never start (tensorflow#60706), or reaches the coordination
-service's key-value store. Probed as feature ``multi_worker_strategy``.
-"""
+"""TensorFlow's private multi-worker pieces (feature ``multi_worker_strategy``): several local
+devices per worker (TF's TODO b/126786766), a bounded wait for peers that never start
+(tensorflow#60706), the coordination service's key-value store."""
 
 from __future__ import annotations
 
@@ -17,11 +14,8 @@ _CONTEXT = "tensorflow.python.eager.context"
 
 
 def strategy_class() -> type:
-    """`tf.distribute.MultiWorkerMirroredStrategy` built as ``cls(resolver, options, local_devices)``.
-
-    ``local_devices`` is None (TensorFlow's choice: all GPUs, else CPU:0) or ``(["CPU:0", ...],
-    "CPU")``: the devices each worker trains on. isinstance checks against the public class hold.
-    """
+    """`tf.distribute.MultiWorkerMirroredStrategy` built as ``cls(resolver, options, local_devices)``;
+    ``local_devices``: None (TensorFlow's choice) or ``(["CPU:0", ...], "CPU")``."""
     _internals.require("multi_worker_strategy")
     import tensorflow as tf
 
@@ -55,8 +49,8 @@ def _context() -> Any:
 def configure_coordination(
     cluster_spec: Any, timeout_ms: int, jobs: tuple[str, ...]
 ) -> tuple[bool, bool]:
-    """Configure the coordination service so every task of ``jobs`` must register within
-    ``timeout_ms``; returns (configured, with the barrier). Not configured when one already is."""
+    """Every task of ``jobs`` must register within ``timeout_ms``; returns (configured, with the
+    barrier), (False, False) when a coordination service already is."""
     ctx = _context()
     if ctx.coordination_service is not None:
         return False, False
@@ -67,8 +61,7 @@ def configure_coordination(
         service_leader=util.coordination_leader(spec),
         cluster_register_timeout_in_ms=timeout_ms,
     )
-    config: Any = ctx.coordination_service
-    # Filled on the config TF just made: its protobuf module moved between TF releases.
+    config: Any = ctx.coordination_service  # filled in place: its protobuf module moved in TF
     for name in jobs:
         if name in spec.jobs:
             config.coordinated_job_list.add(name=name, num_tasks=spec.num_tasks(name))
@@ -85,25 +78,20 @@ def set_key(key: str, value: str) -> None:
 
 
 def get_key(key: str, timeout_ms: int | None = None) -> str:
-    """The value posted under ``key``, waiting for it; raises `tf.errors.DeadlineExceededError`
-    after ``timeout_ms`` (None: waits as long as TensorFlow does)."""
+    """The value posted under ``key``, waiting at most ``timeout_ms`` (then DeadlineExceededError)."""
     args = () if timeout_ms is None else (timeout_ms,)
     return _context().get_config_key_value(key, *args)
 
 
-def peer_health(task: str, timeout_ms: int) -> bool:
-    """Ask ``task`` (``/job:worker/replica:0/task:1``) whether it is alive, as MWMS's own health
-    thread does; raises TensorFlow's error when it is not. False: TensorFlow has no such probe."""
-    ctx = _context()
-    if not hasattr(ctx, "check_collective_ops_peer_health"):
-        return False
-    ctx.check_collective_ops_peer_health(task, timeout_ms)
-    return True
+def peer_health(task: str, timeout_ms: int) -> None:
+    """Raise TensorFlow's error unless ``task`` (``/job:worker/replica:0/task:1``) is alive, as
+    MultiWorkerMirroredStrategy's own health thread asks."""
+    _context().check_collective_ops_peer_health(task, timeout_ms)
 
 
 def joined_cluster() -> tuple[dict[str, list[str]], str, int] | None:
     """(cluster, job, task index) this process's TensorFlow already joined; None if none (or the
-    fallback internals moved: then a TF_CONFIG changed late is not caught)."""
+    internals moved)."""
     context_safe = getattr(importlib.import_module(_CONTEXT), "context_safe", None)
     ctx = context_safe() if context_safe is not None else None
     server_def = ctx and (

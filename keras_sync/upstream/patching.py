@@ -1,8 +1,6 @@
 """Attributes of Keras and TensorFlow replaced for the length of a block, and put back after it.
-
-Spans may nest and run in several threads (`MirroredStrategy` traces each replica in its own):
-the first span sets the replacement, the last one to leave puts the original back.
-"""
+Spans may nest and run in several threads: the first sets the replacement, the last one to
+leave puts the original back."""
 
 from __future__ import annotations
 

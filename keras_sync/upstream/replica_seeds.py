@@ -1,9 +1,6 @@
-"""Keras random ops draw their own numbers on each replica, as for the examples of one device's batch.
-
-A mirrored `SeedGenerator` gives every replica the same dropout masks and augmentations.
-`per_replica_seeds` folds the replica id into each op's seed in ``_cast_seed`` (no public hook):
-replica 0 keeps the seed, the others draw independent streams (one device's in distribution).
-"""
+"""Keras random ops draw their own numbers on each replica: a mirrored `SeedGenerator` gives every
+replica the same dropout masks, so the replica id is folded into each op's seed in ``_cast_seed``
+(no public hook); replica 0 keeps the seed."""
 
 from __future__ import annotations
 
@@ -14,7 +11,6 @@ from typing import Any
 
 from keras_sync.upstream.patching import original, patched
 
-#: The module whose ``_cast_seed`` every Keras TensorFlow random op calls on its seed.
 MODULE = "keras.src.backend.tensorflow.random"
 
 
@@ -35,11 +31,8 @@ def _folded(cast_seed: Any) -> Any:
 
 @contextlib.contextmanager
 def per_replica_seeds() -> Iterator[None]:
-    """While this is entered (a train step's trace), Keras random ops in a replica context draw per replica.
-
-    Re-entrant and safe from several threads (`MirroredStrategy` traces its replicas in threads of
-    their own); Keras's own function is back once the last one leaves.
-    """
+    """While a train step traces, Keras random ops in a replica context draw per replica (re-entrant,
+    from several threads: `MirroredStrategy` traces each replica in its own)."""
     from keras_sync.upstream import internals as _internals
 
     _internals.require("replica_random_streams")

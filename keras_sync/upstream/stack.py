@@ -1,8 +1,5 @@
-"""The Keras backend and the installed TensorFlow distributions, read without importing either.
-
-keras-sync needs Keras 3 on its ``tensorflow`` backend; two distributions of the ``tensorflow``
-package (``tensorflow`` and ``tensorflow-cpu``) write over each other's files.
-"""
+"""The Keras backend (keras-sync needs ``tensorflow``) and the installed TensorFlow distributions
+(two of them write over each other's files), read without importing either."""
 
 from __future__ import annotations
 
@@ -30,7 +27,7 @@ def keras_backend(environ: Mapping[str, str] | None = None) -> tuple[str, str]:
     if keras is not None and environ is None:
         try:
             return str(keras.backend.backend()), "keras.backend.backend()"
-        except Exception:  # a half-imported Keras: fall back to what decides it
+        except Exception:  # a half-imported Keras: what decides it, below
             pass
     if env.get("KERAS_BACKEND"):
         return env["KERAS_BACKEND"], "$KERAS_BACKEND"

@@ -1,12 +1,10 @@
-"""Import TensorFlow without its C++ start-up INFO lines, which TF_CPP_MIN_LOG_LEVEL does not stop.
-
-TensorFlow 2.21 logs through absl before absl is initialised ("WARNING: All log messages before
-absl::InitializeLog() ...", oneDNN and cpu_feature_guard INFO lines on CPUs with AMX/AVX512).
-`import_tensorflow` holds file descriptor 2 during the import and writes back every other line.
-"""
+"""Import TensorFlow without the C++ INFO lines absl logs before it is initialised (oneDNN,
+cpu_feature_guard, "WARNING: All log messages before absl::InitializeLog() ..."), which
+TF_CPP_MIN_LOG_LEVEL does not stop: fd 2 is held during the import, the rest written back."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -19,7 +17,7 @@ _CONTINUATION = re.compile(rb"^(To enable the following instructions|other opera
 
 
 def quiet_lines(raw: bytes) -> bytes:
-    """``raw`` without TensorFlow's early INFO lines (and their continuation lines) and absl's banner."""
+    """``raw`` without TensorFlow's early INFO lines (with their continuations) and absl's banner."""
     out, dropping = [], False
     for line in raw.splitlines(keepends=True):
         bare = line.rstrip(b"\r\n")
@@ -35,17 +33,13 @@ def quiet_lines(raw: bytes) -> bytes:
 
 def import_tensorflow() -> None:
     """``import tensorflow``, without its start-up INFO lines unless TF_CPP_MIN_LOG_LEVEL is 0."""
-    if "tensorflow" in sys.modules or os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0").strip() in (
-        "",
-        "0",
-    ):
-        import tensorflow
-
-        return
-    try:
-        sys.stderr.flush()
-        saved = os.dup(2)
-    except (OSError, ValueError):  # no usable fd 2 (embedded interpreter): import as is
+    saved = None
+    level = os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0").strip()
+    if "tensorflow" not in sys.modules and level not in ("", "0"):
+        with contextlib.suppress(OSError, ValueError):  # no usable fd 2 (embedded interpreter)
+            sys.stderr.flush()
+            saved = os.dup(2)
+    if saved is None:
         import tensorflow
 
         return
@@ -54,10 +48,8 @@ def import_tensorflow() -> None:
         try:
             import tensorflow  # noqa: F401
         finally:
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 sys.stderr.flush()
-            except (OSError, ValueError):
-                pass
             os.dup2(saved, 2)
             os.close(saved)
             held.seek(0)

@@ -16,8 +16,7 @@ def global_seed_set() -> bool:
 
 
 def pipeline_batch_size(ds: Any) -> int | None:
-    """The batch size TensorFlow itself reads from a pipeline (what `tf.distribute` uses to split
-    batches, `input_lib._make_rebatch_fn`); None when it cannot tell."""
+    """The batch size TensorFlow's `tf.distribute` reads from a pipeline; None when it cannot tell."""
     try:
         module = importlib.import_module("tensorflow.python.data.experimental.ops.distribute")
         size = int(module.compute_batch_size(ds))
