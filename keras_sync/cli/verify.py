@@ -67,10 +67,10 @@ def command(
        layer depends on the batch, as N accumulated micro-batches: one replica's memory).
 
     Per step it compares the loss, the update's norm, the learning rate and the examples, and at the
-    end each layer's weights, to a tolerance that follows float32 rounding (wider under mixed
-    precision). It prints where the runs part, then `verify: same as one device (...)` or
-    `verify: different from one device: <cause> (...)`. Exit 0 same, 1 different, 2 usage error.
-    With MLflow on, the comparison goes to an MLflow run of its own (tag keras_sync.verify).
+    end each layer's weights, to a tolerance that follows the float rounding. It prints where the
+    runs part and `verify: same as one device (...)` or `verify: different from one device: <cause>`.
+    Exit 0 same, 1 different, 2 usage error. With MLflow on, the comparison is logged to a run of its
+    own (tag keras_sync.verify).
 
     \b
     On a cluster, record under your own launcher, then compare on one node:
@@ -92,7 +92,7 @@ def command(
     if config:
         env["KERAS_SYNC_CONFIG"] = config
     subject_dir, reference_dir = Path(recording or folder / "distributed"), folder / "one_device"
-    try:  # a KerasSyncError becomes a one-line error in the group; the folder goes either way
+    try:
         if recording is None:
             launch = ["-m", "keras_sync.launch", "-n", str(workers)] if workers else []
             record = {VERIFY_RECORD_ENV: str(subject_dir), VERIFY_STEPS_ENV: str(steps)}

@@ -311,8 +311,8 @@ def _worker_list_resolver(info: ClusterInfo) -> Any:
 
 
 class ClusterEnvironment:
-    """Where this process sits in one kind of cluster (this base: one process), read from ``env``
-    (default `os.environ`) and the config's `strategy` section."""
+    """Where this process sits in one kind of cluster (this base: one process), from ``env`` and the
+    config's `strategy` section."""
 
     name = "alone"
     label = "one process"  # for `keras-sync plan`; `{flavor}` is ClusterInfo.flavor
