@@ -55,6 +55,12 @@ def _one_keras_sync_for_every_process() -> None:
 
 _one_keras_sync_for_every_process()
 
+# A shell without job control starts a background job (`pytest ... &`, `( ... ) &` in a script) with
+# SIGINT ignored, and every process the suite starts would inherit that: the Ctrl-C tests need
+# Python's own handler, whatever started the suite.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 # Every process the suite starts (scenario scripts, workers, couriers, the CLI, mlflow server) runs
 # tests/_lean_site/sitecustomize.py first: Keras then does not import scikit-learn, pandas and matplotlib, ~2

@@ -82,10 +82,6 @@ def _children(pid: int) -> dict[int, str]:
     return found
 
 
-def _python_signals() -> None:  # Python's own SIGINT, even when pytest runs as a background job
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name
@@ -98,7 +94,6 @@ def test_bench_sync_metrics_stopped_mid_run_leaves_no_busy_loop(sig: int, tmp_pa
         env=_env(tmp_path, KERAS_SYNC_TEST_ZYGOTE=""),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        preexec_fn=_python_signals,
     )
     pidfds: dict[int, int] = {}
     try:

@@ -63,12 +63,8 @@ def _python(code: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 
 
 def test_stop_signal_watch_records_sigterm_and_sigint_and_gives_them_back() -> None:
-    # The child starts from Python's own handlers whatever pytest inherited: a shell without job
-    # control starts a background job (`pytest ... &`) with SIGINT ignored, which Python keeps.
     r = _python(
         "import os, signal, time\n"
-        "signal.signal(signal.SIGTERM, signal.SIG_DFL)\n"
-        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "from keras_sync.cluster.preemption import StopSignalWatch\n"
         "for sig in (signal.SIGTERM, signal.SIGINT):\n"
         "    w = StopSignalWatch(30)\n"
