@@ -1479,10 +1479,16 @@ def test_refused_credentials_are_said_once_in_one_line_and_training_goes_on(sqli
         again = _cli("sync-spool", spool, cwd=tmp_path)  # still refused: one line, the status only
     finally:
         server.shutdown()
-    assert again.returncode != 0 and again.stderr.strip().splitlines()[-1] == (
-        f"Could not deliver spool {spool}: MLflow at {uri} refused the credentials (HTTP 401). Set "
-        "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) and run `keras-sync "
-        "sync-spool` again; nothing delivered is sent twice."
+    assert again.returncode != 0 and re.fullmatch(
+        re.escape(
+            f"Could not deliver spool {spool}: MLflow at {uri} refused the credentials (HTTP 401 Unauthorized); "
+        )
+        + r"(\d+) of \1 metric point\(s\) are left in it; "
+        + re.escape(
+            "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN), then run "
+            "`keras-sync sync-spool` again."
+        ),
+        again.stderr.strip().splitlines()[-1],
     ), again.stderr
     # Before: the server's page in 4 messages (the first line, a warning, fit's end, exit).
     # Lines that speak of the refusal (not "401" alone: TensorFlow's start-up lines carry a timestamp and a pid whose

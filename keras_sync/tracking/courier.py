@@ -197,7 +197,7 @@ class Delivery:
         if self.on_progress is not None:
             self.on_progress()
 
-    def report(self, error: BaseException | None, since: float | None = None) -> None:
+    def report(self, error: BaseException | None, since: float | None = None) -> dict[str, Any]:
         """Write ``status.json`` and tell the writer: ok, or why delivery fails (one of `r.CAUSES`)."""
         self.failing, self.reported = error is not None, True
         retrier = self.sender.retrier
@@ -223,6 +223,7 @@ class Delivery:
         with contextlib.suppress(OSError):
             self.spool.write_json("status.json", status)
         self._tell({"status": status})
+        return status
 
     def read_pipe(self, records: BinaryIO) -> None:
         """Take the numbered records the writer hands over its pipe, until it closes it."""
@@ -353,30 +354,20 @@ def replay_spool(
     sender = delivery.sender
     if progress is not None:
         delivery.on_progress = lambda: progress(sender.points_sent, total, sender.retrier.summary())
-    again = "run `keras-sync sync-spool` again"
     try:
         sent = delivery.deliver_available()
     except Exception as e:
-        failures, http = sender.retrier.summary(), refused_credentials(e)
-        if http is not None:
-            why = (
-                f": MLflow at {delivery.shown_uri} refused the credentials (HTTP {http}). Set "
-                "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) "
-                f"and {again}; nothing delivered is sent twice."
+        status = delivery.report(e)
+        fix = "run `keras-sync sync-spool` again once MLflow takes them (a longer --timeout waits)"
+        if status["cause"] == r.CREDENTIALS:
+            fix = (
+                "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
+                "MLFLOW_TRACKING_TOKEN), then run `keras-sync sync-spool` again"
             )
-        elif is_transient(e) and failures:  # retried until the time was up: what happened
-            left = total - sender.points_sent
-            why = (
-                f" to MLflow at {delivery.shown_uri} within {timeout_s:g} s: {failures}; {left} of "
-                f"{total} metric point(s) are left in it; {again} (a longer --timeout waits longer)."
-            )
-        else:
-            error = redact_text(str(e), delivery.secrets)[:500].rstrip(".")
-            why = (
-                f" to MLflow at {delivery.shown_uri}: {error}; {again} once it can take them (or "
-                "give --tracking-uri)."
-            )
-        raise TrackingError(f"Could not deliver spool {path}{why}") from None
+        raise TrackingError(
+            f"Could not deliver spool {path}: {r.why_failing(status, delivery.shown_uri)}; "
+            f"{total - sender.points_sent} of {total} metric point(s) are left in it; {fix}."
+        ) from None
     finally:
         spool.unlock("deliver")
         spool.unlock("writer")

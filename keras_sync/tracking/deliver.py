@@ -384,8 +384,7 @@ class RunSender:
                 self._draw_report(rec)
             elif k == r.BEGIN:
                 self._checked = False  # a writer (re)started: check the run again
-                if self.start_time_ms is None:
-                    self.start_time_ms = rec.get("ts")
+                self.start_time_ms = self.start_time_ms or rec.get("ts")
                 if rec.get("replayed"):  # sent before by a courier killed before it moved on
                     self.ensure_run(continuing=True)
                 else:

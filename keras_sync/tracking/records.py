@@ -53,38 +53,26 @@ _BAD_KEY_CHARS = re.compile(r"[^\w.\- :/]")
 
 
 def is_last_record(rec: dict[str, Any]) -> bool:
-    """Whether a record is its writer's last (`MlflowWriter.close`): after it the courier ends.
-
-    >>> is_last_record({"k": END, "status": "FINISHED"}), is_last_record({"k": END, "last": False})
-    (True, False)
-    """
+    """Whether a record is its writer's last (`MlflowWriter.close`): after it the courier ends."""
     return rec["k"] == STOP or (rec["k"] == END and rec.get("last", True))
 
 
-def cause_in_words(cause: str | None, uri: str) -> str:
-    """Why delivery failed, for a warning.
+def why_failing(status: dict[str, Any], uri: str) -> str:
+    """Why delivery fails, from a failed status, for a message: the one wording of each cause.
 
-    >>> cause_in_words(CREDENTIALS, "http://127.0.0.1:5000")
-    'MLflow at http://127.0.0.1:5000 refused the credentials'
+    >>> why_failing({"cause": CREDENTIALS, "error": "HTTP 401 Unauthorized"}, "http://h:5000")
+    'MLflow at http://h:5000 refused the credentials (HTTP 401 Unauthorized)'
     """
-    return CAUSES.get(cause or "", "MLflow at {uri} fails").format(uri=uri)
+    words = CAUSES.get(status.get("cause") or "", "MLflow at {uri} fails").format(uri=uri)
+    return f"{words} ({status.get('error', '')})"
 
 
 def is_http(uri: str) -> bool:
-    """Whether MLflow is reached over HTTP(S) at ``uri``.
-
-    >>> is_http("https://mlflow.example"), is_http("databricks"), is_http("sqlite:///m.db")
-    (True, False, False)
-    """
     return uri.startswith(("http://", "https://"))
 
 
 def is_remote(uri: str) -> bool:
-    """Whether ``uri`` is a store elsewhere (a server or Databricks), not on this machine.
-
-    >>> is_remote("databricks://p"), is_remote("http://127.0.0.1:5000"), is_remote("file:///m")
-    (True, True, False)
-    """
+    """Whether ``uri`` is a store elsewhere (a server or Databricks), not on this machine."""
     return is_http(uri) or uri.startswith("databricks")
 
 

@@ -29,8 +29,8 @@ from keras_sync.tracking.records import (
     METRICS,
     TAGS,
     RecordCleaner,
-    cause_in_words,
     is_last_record,
+    why_failing,
 )
 from keras_sync.tracking.spool import Position, SpoolDir, SpoolFull
 
@@ -102,7 +102,6 @@ class Spooler:
         self.news: dict[str, Any] = {"pos": (0, 0), "h": 0}  # what the courier said
         self._to_courier = bytearray()
 
-    # ---- the writer's side ----
     def start(self, begin_ms: int | None) -> None:
         """Start the thread; it spools a "begin" at ``begin_ms`` (unless None) before the queue."""
         if self.thread is None:
@@ -210,7 +209,6 @@ class Spooler:
             show(left)
         return update
 
-    # ---- why delivery is behind, in words ----
     def _hint(self) -> str:
         hint = f"keras-sync sync-spool {self.spool.path}"
         return hint + (" --tracking-uri URI" if self.shown_uri != self.uri else "")
@@ -232,7 +230,7 @@ class Spooler:
     def cause(self) -> str:
         failed, uri = self.failure(), self.shown_uri
         if failed is not None:
-            return f"{cause_in_words(failed.get('cause'), uri)} ({failed.get('error', '')})"
+            return why_failing(failed, uri)
         if self.courier is None or self.courier.poll() is not None:
             return f"the courier process that delivers to {uri} is not running"
         if self.status() is None:
@@ -269,7 +267,6 @@ class Spooler:
         """The tag record naming what was dropped over the memory bound, if any."""
         return {"k": TAGS, "d": {LOST_TAG: self.lost_text([])}} if self.dropped else None
 
-    # ---- the end ----
     def shut_down(self, delivered: bool, never_begun: bool) -> str | None:
         """Stop the thread and the courier, spill what memory holds, remove a delivered spool;
         return the warning to give."""
@@ -338,7 +335,6 @@ class Spooler:
             after = f"nothing more fits in {self.spool.path}: the run stays RUNNING in MLflow"
         return f"keras-sync: MLflow lost {lost} ({cause}); {after}."
 
-    # ---- the courier's pipes ----
     def _pump(self) -> None:
         """Forget what the courier acknowledged; write what its stdin takes now, never blocking."""
         while self.held and self.held[0][0] <= self.news["h"]:
@@ -402,7 +398,6 @@ class Spooler:
                 pass
         self._to_courier.clear()
 
-    # ---- the thread ----
     def _loop(self) -> None:
         restarts, respawn_at = 0, 0.0
         try:
@@ -483,9 +478,8 @@ class Spooler:
             self.say_refused_once()
         elif before is None or before.get("ok"):
             _log.warning(
-                f"keras-sync: {cause_in_words(status.get('cause'), self.shown_uri)} "
-                f"({status.get('error')}); records are kept in {self.spool.path}, retrying in the "
-                "background."
+                f"keras-sync: {why_failing(status, self.shown_uri)}; records are kept in "
+                f"{self.spool.path}, retrying in the background."
             )
 
     def _drain(self) -> None:
