@@ -234,9 +234,7 @@ def same_data_order_patches(multi_worker: bool) -> list[Patch]:
     return [(cls, "_maybe_symbolic_build", _maybe_symbolic_build)]
 
 
-#: The attribute of a Keras epoch iterator that keeps the distributed iterator its last `reset` dropped.
-KEPT_ITERATOR = "_keras_sync_dropped_iterator"
-#: The epoch iterator's attributes that hold a tf.data iterator (or the generator that holds one).
+KEPT_ITERATOR = "_keras_sync_dropped_iterator"  # the iterator an epoch iterator's `reset` dropped
 _ITERATOR_ATTRS = ("_current_iterator", "_epoch_iterator", KEPT_ITERATOR)
 
 
@@ -246,13 +244,10 @@ def _at_exit() -> bool:
 
 
 class _IteratorReleaser:
-    """Destroys the tf.data iterators Keras drops on a thread of its own, so `fit` does not wait
-    (destroying one joins its autotuning thread: up to 60 s under load).
-
-    One watcher thread holds each until nothing else refers to it (`fit` keeps the running one in
-    a local) or `HOLD_S`; a generator is closed and its frame's TensorFlow locals held instead. Not
-    a daemon (one inside TensorFlow at exit aborts the process); at exit nothing is held.
-    """
+    """Destroys the tf.data iterators Keras drops on a watcher thread, so `fit` does not wait for
+    their autotuning threads: each is held until nothing else refers to it, or `HOLD_S`; a generator
+    is closed and its frame's TensorFlow locals held instead. Not a daemon (one inside TensorFlow at
+    exit aborts the process); at exit nothing is held."""
 
     HOLD_S = 600.0
 
