@@ -513,7 +513,7 @@ class HalvesStep(keras.Sequential):
         skip = tf.reduce_any([tf.reduce_any(tf.abs(g) >= 65520.0) for g in total])
         total = [tf.where(skip, tf.fill(tf.shape(g), float("nan")), g) for g in total]
         self.optimizer.apply_gradients(zip(total, self.trainable_weights))
-        return {}
+        return {"loss": loss}  # Keras's TF trainer refuses a step that returns no logs
 
 
 #: The first batch's second half is float16's inf: only the second replica's gradients are not finite.
