@@ -36,7 +36,8 @@ def test_averaging_message_names_the_model_the_factor_and_the_switch():
     class MyModel:
         pass
 
-    msg = _train_step_trace.averaging_message(MyModel(), 4)
+    applies = [{"optimizer": "optimizer", "scaled_by": None, "factor": 0.25}]
+    [msg] = _train_step_trace.trace_lines(MyModel(), 4, applies, "auto")
     assert "\n" not in msg
     assert msg.startswith(
         "keras-sync: MyModel.train_step does not divide its loss by the replica count"

@@ -1,9 +1,8 @@
 """Gradient accumulation under every strategy: one optimizer update every N micro-batches.
 
-Keras's ``gradient_accumulation_steps`` all-reduces inside a `tf.cond` in the replica context, which
-`MirroredStrategy` refuses. Here each replica sums its own gradients, and every N-th micro-batch,
-decided in the cross-replica context as Keras's `LossScaleOptimizer` does, the replicas apply their
-mean. The sums are not in the checkpoints: a backup waits for the batch that applies them.
+Keras's own all-reduces inside a `tf.cond` in the replica context, which `MirroredStrategy` refuses.
+Here each replica sums its own gradients, and every N-th micro-batch (decided in the cross-replica
+context, as Keras's `LossScaleOptimizer` does) they apply their mean. A backup waits for that batch.
 """
 
 from __future__ import annotations
@@ -33,10 +32,8 @@ class GradientAccumulator:
     def __init__(self, model: Any, steps: int):
         import tensorflow as tf
 
-        self.steps = int(steps)
-        self.optimizer = model.optimizer
-        self._strategy = model.distribute_strategy
-        self._vars = list(model.trainable_variables)
+        self.steps, self.optimizer = int(steps), model.optimizer
+        self._strategy, self._vars = model.distribute_strategy, list(model.trainable_variables)
         self._index = {id(v): i for i, v in enumerate(self._vars)}
         with self._strategy.scope():
             self._sums = [
@@ -61,9 +58,8 @@ class GradientAccumulator:
         except KeyError:
             raise UsageError(
                 "runtime.gradient_accumulation_steps: the train step applies gradients to a variable "
-                "that is not among model.trainable_variables when fit started; keras-sync accumulates "
-                "the gradients of model.optimizer for the model's own trainable variables only. Fix: "
-                "set gradient_accumulation_steps: 1 for this model."
+                "not among model.trainable_variables when fit started, which keras-sync cannot "
+                "accumulate. Fix: set gradient_accumulation_steps: 1 for this model."
             ) from None
         for i, g in zip(idx, grads):
             if g is not None:

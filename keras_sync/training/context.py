@@ -11,9 +11,8 @@ from typing import Any
 class RunContext:
     """The facts of one distributed `fit` that the callbacks log or use (see `Sync.context`).
 
-    ``steps_per_epoch`` is None when the data does not tell it; ``warmup_steps`` is
-    ``"unknown"`` when the warmup is in epochs and the epoch length is unknown; ``config`` is the
-    resolved `keras_sync.Config` (None for a context made without one).
+    ``steps_per_epoch``: None when the data does not tell it; ``warmup_steps``: ``"unknown"`` for a
+    warmup in epochs of unknown length; ``config``: the resolved `keras_sync.Config`, or None.
     """
 
     kind: str
@@ -54,8 +53,8 @@ class SharedState:
     def __init__(
         self, *, fit: int = 1, steps_before: int = 0, params: dict[str, str] | None = None
     ) -> None:
-        self.step: int | None = None
         self.fit, self.steps_before = fit, steps_before
+        self.step: int | None = None
         #: Added to the model's optimizer step to make the job's step (first `job_step`, or a restore).
         self.step_offset: int | None = None
         self._params = {} if params is None else params  # the job's: shared by its fits
@@ -144,6 +143,5 @@ def check_shared(shared: Any) -> SharedState:
 
     raise UsageError(
         f"Invalid value for argument `shared`. Received: shared={type(shared).__name__}. "
-        "Expected a keras_sync.callbacks.SharedState (the same one for all keras-sync callbacks "
-        "of a fit), or None."
+        "Expected a keras_sync.callbacks.SharedState (one for all callbacks of a fit), or None."
     )

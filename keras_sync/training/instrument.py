@@ -1,9 +1,7 @@
 """Measure each replica's own loss and gradient norm inside its `train_step`, before the all-reduce.
 
-The model's `train_step` is wrapped; `train_step_trace.capture` shims what it reaches with
-pass-through functions while it traces. Each replica writes its row (loss, norm, examples, ...)
-into a ring of an int64 ON_READ variable (floats by their bits, so counts stay exact), read by the
-callbacks every few dozen steps (a collective under several workers).
+Each replica writes its row (loss, norm, examples, ...) into a ring of an int64 ON_READ variable
+(floats by their bits, so counts stay exact), which the callbacks read every few dozen steps.
 """
 
 from __future__ import annotations
@@ -26,11 +24,7 @@ def has_default_train_step(model: Any) -> bool:
 
 
 class ReplicaProbe:
-    """The per-replica values of the last train steps of one model; build it with `instrument`.
-
-    ``gradients``: the `runtime.train_step_gradients` policy of a custom `train_step` (None:
-    observe only, Keras's sum); ``accumulator``: the optimizer's `GradientAccumulator`, if any.
-    """
+    """The per-replica values of the last train steps of one model; build it with `instrument`."""
 
     #: Columns of a ring row (as returned by `read`).
     LOSS, GRAD_NORM, EXAMPLES, LR, COUNT, LOSS_SCALE, COMPUTE_US, HOST_US = range(8)
@@ -68,15 +62,12 @@ class ReplicaProbe:
         self.last_trace: dict[str, Any] = {}
         #: The attributes of the optimizers the traced step applied, in order.
         self.applied: list[str] = []
-        self._announced = False
+        self._told = False
 
     def read(self) -> list[Any]:
-        """Every replica's ring (a ``(ring + 1, 8)`` float64 numpy array), replica 0 first.
-
-        Row ``(c - 1) % ring`` holds the columns above (-1: not timed) of the replica's ``c``-th
-        train step; the last row's ``COUNT`` is the count of steps so far. Under a multi-worker
-        strategy this is a collective: every worker must call it at the same step.
-        """
+        """Every replica's ring (``(ring + 1, 8)`` float64), replica 0 first: row ``(c - 1) % ring``
+        holds step ``c``'s columns (-1: not timed), the last row's ``COUNT`` the steps so far. A
+        collective under a multi-worker strategy: every worker calls it at the same step."""
         import numpy as np
         import tensorflow as tf
 
@@ -133,7 +124,6 @@ class ReplicaProbe:
         model, var, n, ring, probe = self.model, self.var, self.num_replicas, self.ring, self
 
         def train_step(data: Any) -> Any:
-            seen: dict[str, Any] = {}
             timed = probe.timed and not getattr(model, "jit_compile", False)
             size = _batch_size(data)
             weight = _example_weight(size, n)  # the step's first collective (n > 1)
@@ -141,16 +131,14 @@ class ReplicaProbe:
             t_sync = _stamp(after) if timed else None
             # Each optimizer's rate before the step (a read only): a GAN's step applies two.
             rates = {id(o): _learning_rate(o) for o in trace.optimizers_of(model)}
-            with trace.capture(
-                model,
-                seen,
-                custom_step=probe.custom_step,
-                policy=probe.gradients or "sum",
-                num_replicas=n,
-                accumulator=probe.accumulator,
-                example_weight=weight,
-                stamp=_stamp if timed else None,
-            ):
+            seen: dict[str, Any] = {
+                "custom_step": probe.custom_step,
+                "n": n,
+                "example_weight": weight,
+            }
+            seen.update(policy=probe.gradients or "sum", accumulator=probe.accumulator)
+            seen["stamp"] = _stamp if timed else None
+            with trace.capture(model, seen):
                 logs = original(data)
             probe._announce(seen["applies"])
             first = seen["applies"][0]["id"] if seen["applies"] else id(model.optimizer)
@@ -183,37 +171,23 @@ class ReplicaProbe:
             return
         names = [a["optimizer"] for a in applies]
         self.last_trace = {"scaled_by": applies[0]["scaled_by"], "factor": applies[0]["factor"]}
-        several = len(set(names)) > 1
-        if several:
+        if len(set(names)) > 1:
             self.last_trace["per_optimizer"] = {
                 a["optimizer"]: [a["scaled_by"], a["factor"]] for a in applies
             }
         self.applied = list(dict.fromkeys(names))
-        if self._announced or not strategy_role(self.strategy).is_chief:
-            return
-        self._announced = True
-        at_scale = [a for a in applies if a["scaled_by"] == trace.AT_SCALE_LOSS]
-        averaged = [a["optimizer"] for a in applies if a["factor"] != 1.0 or a in at_scale]
-        lines = []
-        if averaged and self.gradients == "auto":
-            only_at_scale = all(a in at_scale for a in applies if a["optimizer"] in averaged)
-            lines.append(
-                trace.averaging_message(
-                    self.model, self.num_replicas, averaged if several else None, only_at_scale
-                )
-            )
-        kinds = ("a Keras loss", "tf.nn.compute_average_loss")
-        shares = sorted({a["scaled_by"] for a in applies if a["scaled_by"] in kinds})
-        if self.custom_step and shares and self.num_replicas > 1:
-            lines.append(trace.share_message(self.model, self.num_replicas, shares[0]))
-        for line in lines:
-            print(line, file=sys.stderr, flush=True)
+        if self.custom_step and not self._told and strategy_role(self.strategy).is_chief:
+            self._told = True
+            for line in trace.trace_lines(self.model, self.num_replicas, applies, self.gradients):
+                print(line, file=sys.stderr, flush=True)
 
 
 def instrument(model: Any, gradients: str | None = None, accumulator: Any = None) -> ReplicaProbe:
-    """Install the instrumented `train_step` on ``model`` (once; a second `fit` does not retrace)
-    and return its probe. ``gradients``, ``accumulator``: see `ReplicaProbe` (None keeps the
-    current one). Call it before `fit` builds its train function (a callback's `set_model`).
+    """Install the instrumented `train_step` on ``model`` once (before `fit` builds its train
+    function) and return its probe.
+
+    ``gradients``: the `runtime.train_step_gradients` policy of a custom `train_step`;
+    ``accumulator``: the optimizer's `GradientAccumulator` (None for either keeps the current one).
     """
     probe = probe_of(model)
     if probe is not None:

@@ -35,13 +35,12 @@ class JobRun:
         """The started `MlflowWriter` on the chief, None elsewhere. ``early``: the run begins with the
         first record; ``started``: a writer `start_writer` made before the `Sync` existed."""
         ended = self.current
-        if not self.is_chief or (ended is not None and not ended.closed):
-            return ended if self.is_chief else None
+        if not self.is_chief or self._open() is not None:
+            return self._open()
         if ended is None and started is not None and not started.closed:
             writer = started
         else:  # a fit ended the run: continue it (FINISHED or not)
-            known = ended is not None and ended.run_id is not None
-            again = (ended.job_id, ended.run_id) if known else None
+            again = None if ended is None or ended.run_id is None else (ended.job_id, ended.run_id)
             writer = start_writer(self.config, early=early, continue_run=again)
         if ended is None:
             # Said from the writer's thread once the run exists (or MLflow failed): training does not wait.

@@ -1,9 +1,8 @@
 """What one device decides on the summed gradients: the float16 loss-scale skip, clipping, sparse rows.
 
-Keras's `LossScaleOptimizer` decides finiteness from the first replica's local gradients and Keras
-clips each replica's share before the all-reduce; `apply_summed` hands the optimizer the sum instead.
-An embedding's all-reduced `tf.IndexedSlices` repeats a row per replica, which Adam squares per
-slice: `merging_update_step` sums duplicate rows first, as TensorFlow 1's optimizers did.
+Keras decides finiteness from the first replica's gradients and clips each replica's share;
+`apply_summed` hands the optimizer the sum instead. An all-reduced `tf.IndexedSlices` repeats a row
+per replica, which Adam squares per slice: `merging_update_step` sums duplicate rows first.
 """
 
 from __future__ import annotations
@@ -63,11 +62,11 @@ def apply_summed(
     half: list[bool] | None = None,
 ) -> Any:
     """``apply_fn`` on the gradients summed over the replicas, so the optimizer clips what one device
-    clips; with ``half`` (whether each gradient was float16) every gradient is summed dense and a sum
-    that is not finite, or that float16 rounds to inf, makes every replica skip (NaN gradients).
+    clips; with ``half`` (whether each gradient was float16) a sum that is not finite, or that float16
+    rounds to inf, makes every replica skip (NaN gradients).
 
-    Keras's private inner all-reduce passes the sums through while the apply traces; without it
-    each replica hands over the sum on the first replica and zeros elsewhere, which Keras sums back.
+    Keras's private inner all-reduce passes the sums through; without it the first replica hands
+    over the sum and the others zeros, which Keras sums back.
     """
     import tensorflow as tf
 
@@ -124,7 +123,6 @@ def merge_duplicate_rows(gradient: Any) -> Any:
 
 
 def merging_update_step(update_step: Callable[..., Any]) -> Callable[..., Any]:
-    """An `update_step` that merges a sparse gradient's duplicate rows before ``update_step`` sees it."""
     return lambda gradient, variable, lr: update_step(merge_duplicate_rows(gradient), variable, lr)
 
 

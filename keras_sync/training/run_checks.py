@@ -1,8 +1,7 @@
-"""Run-time checks of every `Sync.fit`: what really trained, against what keras-sync set up.
-
-``examples_per_step``, ``examples_per_epoch``, ``learning_rate``, ``add_loss`` and ``direct_fit``
-(a plain ``model.fit`` on a model compiled in ``sync.scope()``). A violation is one line on the
-chief and the MLflow tag ``keras_sync.check.<name>``, or a `CheckFailed` under ``on_violation: error``.
+"""Run-time checks of every `Sync.fit` (``examples_per_step``, ``examples_per_epoch``,
+``learning_rate``, ``add_loss``, ``direct_fit``): what really trained, against what keras-sync set
+up. A violation is one line on the chief and the MLflow tag ``keras_sync.check.<name>``, or a
+`CheckFailed` under ``on_violation: error``.
 """
 
 from __future__ import annotations
@@ -109,11 +108,8 @@ def sums_over_batch(whole: float, shares: list[float]) -> bool:
 
 
 def add_loss_problem(model: Any, data: Any, n: int, global_batch: int) -> str | None:
-    """The ``add_loss`` finding on `fit`'s ``data`` over ``n`` replicas (None: nothing to say).
-
-    The terms of a side-effect-free call on a few examples of the first batch are compared with
-    their values on the N equal shares the replicas would get.
-    """
+    """The ``add_loss`` finding on `fit`'s ``data`` over ``n`` replicas (None: nothing to say): the
+    terms of a stateless call on a few examples of the first batch against those of their N shares."""
     import tensorflow as tf
 
     if n <= 1 or data is None or not getattr(model, "built", False):
@@ -137,13 +133,12 @@ def add_loss_problem(model: Any, data: Any, n: int, global_batch: int) -> str | 
     found = [i for i, value in enumerate(whole) if sums_over_batch(value, [s[i] for s in shares])]
     if not found:
         return None
+    terms = ", ".join(str(i + 1) for i in found)
     return (
-        f"add_loss term {', '.join(str(i + 1) for i in found)} of {len(whole)} (in the order of model.losses) "
-        f"sums over the batch (its value on {rows} examples is the sum, not the mean, of its values on the {n} "
-        f"replicas' shares), and each replica's add_loss terms are divided by the replica count (Keras's "
-        f"compute_loss; right for a mean or a weight penalty): on {n} replicas it counts 1/{n} of one device's. "
-        f"Fix: write it as a mean times the global batch, e.g. add_loss(rate * {global_batch} * "
-        "ops.mean(ops.sum(x, axis=-1))), which equals one device"
+        f"add_loss term {terms} of {len(whole)} (in the order of model.losses) sums over the batch, "
+        f"and Keras divides each replica's terms by the replica count: on {n} replicas it counts "
+        f"1/{n} of one device's. Fix: write it as a mean times the global batch, e.g. "
+        f"add_loss(rate * {global_batch} * ops.mean(ops.sum(x, axis=-1)))"
     )
 
 
@@ -233,54 +228,52 @@ def checks_callback(
 
     say, config = reporter(context, writer), context.config
 
+    def learning_rate(model: Any) -> str | None:
+        keys = ("base", "scaling", "base_batch_size")
+        if all(config.source_of(f"learning_rate.{k}") == "default" for k in keys):
+            return None
+        applied = _instrument.applied_optimizers(model) or [("optimizer", model.optimizer)]
+        problems = [
+            learning_rate_problem(
+                float(rate),
+                context.learning_rate or 0.0,
+                global_batch=context.effective_batch_size or global_batch,
+                rule=config.learning_rate.scaling,
+                optimizer=None if name == "optimizer" else name,
+            )
+            for name, optimizer in applied
+            # a schedule (keras-sync's warmup, or the user's own) is not compared
+            if isinstance(rate := configured_rate(optimizer), (int, float))
+        ]
+        return "; ".join(p for p in problems if p) or None
+
     class RunChecks(keras.callbacks.Callback):
         def on_train_begin(self, logs: Any = None) -> None:
             self._skip_epoch = any(b.restored is not None and b.restored.mid_epoch for b in backups)
-            # Keras's own train_step applies model.optimizer; a custom one's are known once traced.
-            self._rates_due = True
-            if _instrument.has_default_train_step(self.model):
-                self._check_learning_rate()
-            self._add_loss_due = data is not None and context.num_replicas > 1
-            if getattr(self.model, "built", False):  # else once the first step has built it
-                self._check_add_loss()
+            self._due = ["learning_rate"] + (
+                ["add_loss"] if data is not None and context.num_replicas > 1 else []
+            )
+            # A custom train_step's optimizers are known once traced, a model built by its first step.
+            self._run_due(
+                learning_rate=_instrument.has_default_train_step(self.model),
+                add_loss=getattr(self.model, "built", False),
+            )
             self._probe: Any = _instrument.probe_of(self.model)
             self._last = self._totals() if self._probe is not None else None
 
-        def _check_learning_rate(self) -> None:
-            self._rates_due = False
-            keys = ("base", "scaling", "base_batch_size")
-            if all(config.source_of(f"learning_rate.{k}") == "default" for k in keys):
-                return
-            applied = _instrument.applied_optimizers(self.model) or [
-                ("optimizer", getattr(self.model, "optimizer", None))
-            ]
-            problems = []
-            for name, optimizer in applied:
-                rate = configured_rate(optimizer)
-                if not isinstance(rate, (int, float)):
-                    continue  # a schedule: keras-sync's warmup, or the user's own
-                problem = learning_rate_problem(
-                    float(rate),
-                    context.learning_rate or 0.0,
-                    global_batch=context.effective_batch_size or global_batch,
-                    rule=config.learning_rate.scaling,
-                    optimizer=None if name == "optimizer" else name,
-                )
-                problems += [problem] if problem else []
-            if problems:
-                say("learning_rate", "; ".join(problems))
-
-        def _check_add_loss(self) -> None:
-            if self._add_loss_due:
-                self._add_loss_due = False
-                problem = add_loss_problem(self.model, data, context.num_replicas, global_batch)
+        def _run_due(self, **ready: bool) -> None:
+            for name in [n for n in self._due if ready.get(n, True)]:
+                self._due.remove(name)
+                if name == "learning_rate":
+                    problem = learning_rate(self.model)
+                else:
+                    problem = add_loss_problem(self.model, data, context.num_replicas, global_batch)
                 if problem:
-                    say("add_loss", problem)
+                    say(name, problem)
 
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-            if self._rates_due:  # a custom train_step: its first step has been traced
-                self._check_learning_rate()
-            self._check_add_loss()
+            if self._due:
+                self._run_due()
 
         def _totals(self) -> tuple[int, int]:
             self._rings = self._probe.read()  # a collective under multi-worker: every worker reads
@@ -298,7 +291,7 @@ def checks_callback(
             # Each step but the epoch's last, as far back as the ring reaches: a short batch mid-epoch.
             first = max(count0 + 1, count - self._probe.ring + 1)
             before = (
-                self._probe.examples_at(self._rings, first - 1) if first - 1 > count0 else examples0
+                self._probe.examples_at(self._rings, first - 1) if first > count0 + 1 else examples0
             )
             for c in range(first, count):
                 now = self._probe.examples_at(self._rings, c)
@@ -319,6 +312,19 @@ def checks_callback(
     return RunChecks()
 
 
+def _fit_on_purpose(args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether a plain ``model.fit`` is one of the user's own on purpose: with keras-sync's callbacks
+    or data the user batched (a dataset, a PyDataset), not arrays batched by Keras's batch_size."""
+    from keras_sync.training import pipeline
+
+    data = args[0] if args else kwargs.get("x")
+    batched = (
+        pipeline.is_dataset(data) or hasattr(data, "num_batches") and hasattr(data, "__getitem__")
+    )
+    callbacks = kwargs.get("callbacks") or []
+    return batched or any(type(c).__module__.startswith("keras_sync.") for c in callbacks)
+
+
 @contextlib.contextmanager
 def scope_guarding_fit(
     strategy: Any, context: RunContext, writer: Callable[[], Any]
@@ -331,7 +337,6 @@ def scope_guarding_fit(
     """
     import keras
 
-    from keras_sync.training import pipeline
     from keras_sync.training.saving import for_workers, wrap_own
     from keras_sync.upstream.keras_fixes import fixed_keras
     from keras_sync.upstream.patching import original, patched
@@ -339,50 +344,31 @@ def scope_guarding_fit(
 
     keras_compile = original(keras.Model, "compile")
 
-    def fixed(call: Callable[..., Any]) -> Callable[..., Any]:
-        def method(*args: Any, **kwargs: Any) -> Any:
-            with fixed_keras(strategy):
-                return call(*args, **kwargs)
+    def in_scope(model: str, method: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        told = method != "fit"
 
-        return method
-
-    def guarded(name: str, call: Callable[..., Any]) -> Callable[..., Any]:
-        told = False
-
-        def fit(*args: Any, **kwargs: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
             nonlocal told
-            # keras-sync's callbacks or data the user batched (a dataset, a PyDataset) mean a fit
-            # of their own on purpose; only arrays batched by Keras's own batch_size are the habit.
-            data = args[0] if args else kwargs.get("x")
-            ours = any(
-                type(c).__module__.startswith("keras_sync.") for c in kwargs.get("callbacks") or []
-            )
-            batched = data is not None and (
-                pipeline.is_dataset(data)
-                or hasattr(data, "__getitem__")
-                and hasattr(data, "num_batches")
-            )
-            if not (ours or told or batched):
+            if not told and not _fit_on_purpose(args, kwargs):
                 told = True
                 reporter(context, writer())(
                     "direct_fit",
-                    f"model.fit called on {name}, built in sync.scope(), without keras-sync: Keras "
-                    f"batches arrays by its own batch_size (32 unless given), not by the configured global batch "
-                    f"{context.global_batch_size} that the learning rate {context.learning_rate:g} was scaled for, "
-                    "and no metrics go to MLflow. Fix: sync.fit(model, ...) with the same arguments, or "
-                    "model.fit(sync.distribute(...), callbacks=sync.callbacks(model))",
+                    f"model.fit called on {model}, built in sync.scope(), without keras-sync: Keras "
+                    "batches arrays by its own batch_size (32 unless given), not by the global batch "
+                    f"{context.global_batch_size} the learning rate was scaled for. Fix: sync.fit(model, "
+                    "...), or model.fit(sync.distribute(...), callbacks=sync.callbacks(model))",
                 )
-            return fixed(call)(*args, **kwargs)
+            with fixed_keras(strategy):
+                return call(*args, **kwargs)
 
-        return fit
+        return run
 
     def compile(model: Any, *args: Any, **kwargs: Any) -> Any:
         result = keras_compile(model, *args, **kwargs)
         if built_under(model) is strategy:
-            fit = functools.partial(guarded, type(model).__name__)
-            wrap_own(model, "fit", fit, "_keras_sync_in_scope")
-            for method in ("evaluate", "predict"):
-                wrap_own(model, method, fixed, "_keras_sync_in_scope")
+            for method in ("fit", "evaluate", "predict"):
+                wrap = functools.partial(in_scope, type(model).__name__, method)
+                wrap_own(model, method, wrap, "_keras_sync_in_scope")
             if context.num_workers > 1:
                 for_workers(model)
         return result

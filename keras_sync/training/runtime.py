@@ -1,8 +1,8 @@
 """The `runtime:` section applied to a run, with the user's own `model.compile(...)` line unchanged.
 
 ``mixed_precision`` sets the Keras dtype policy in `keras_sync.load()`; ``jit_compile`` and
-``steps_per_execution`` are set on the compiled model (a key written in the config wins over
-compile's, one line says so); XLA over several CPU replicas is refused or turned off.
+``steps_per_execution`` written in the config win over compile's; XLA over several CPU replicas
+is refused or turned off.
 """
 
 from __future__ import annotations
@@ -29,16 +29,14 @@ def set_dtype_policy(config: Any, *, is_chief: bool) -> None:
     keras.mixed_precision.set_dtype_policy("float32" if name == "none" else name)
     if name != "mixed_float16" or not is_chief:
         return
-    where = "CPU"
-    for gpu in tf.config.list_physical_devices("GPU"):
-        cc = tf.config.experimental.get_device_details(gpu).get("compute_capability") or (0, 0)
-        where = f"{gpu.name} (compute capability {cc[0]}.{cc[1]})" if tuple(cc) < (7, 0) else "GPU"
-        if where != "GPU":  # tensor cores (Volta) and later are fast in float16
-            break
-    if where != "GPU":
+    gpus = tf.config.list_physical_devices("GPU")
+    details = tf.config.experimental.get_device_details
+    # Tensor cores (Volta, compute capability 7.0) and later are fast in float16.
+    old = [g.name for g in gpus if tuple(details(g).get("compute_capability") or (0, 0)) < (7, 0)]
+    if old or not gpus:
         _say(
-            f"runtime.mixed_precision: mixed_float16 on {where}, which has no fast float16: training "
-            "may be slower than float32; mixed_bfloat16 is the usual choice on CPU and TPU."
+            f"runtime.mixed_precision: mixed_float16 on {old[0] if old else 'CPU'}, which has no fast "
+            "float16, may train slower than float32. Use mixed_bfloat16 on CPU and TPU."
         )
 
 
@@ -46,8 +44,7 @@ def prepare_model(context: RunContext, model: Any) -> None:
     """Apply jit_compile, steps_per_execution and sync_batch_norm to ``model`` (before `fit`)."""
     import keras
 
-    config, rt, name = context.config, context.config.runtime, type(model).__name__
-    n = context.num_replicas
+    rt, n, name = context.config.runtime, context.num_replicas, type(model).__name__
     told = vars(model).setdefault("_keras_sync_told", set())  # what was said about this model
 
     def say_once(what: str, line: str) -> None:
@@ -55,57 +52,45 @@ def prepare_model(context: RunContext, model: Any) -> None:
             _say(line)
         told.add(what)
 
-    def replacing(key: str, old: Any, new: Any) -> None:
-        say_once(
-            key,
-            f"runtime.{key}: {new} (from {config.source}) replaces {key}={old} of {name}'s "
-            "compile (a key written in the config wins over compile).",
-        )
-
     before = (model.steps_per_execution, model.jit_compile)
-    spe = int(model.steps_per_execution or 1)
-    if given(config, "steps_per_execution") and spe != rt.steps_per_execution:
-        if spe != 1:  # the user's compile chose a value
-            replacing("steps_per_execution", spe, rt.steps_per_execution)
+    if given(context.config, "steps_per_execution"):
         model.steps_per_execution = rt.steps_per_execution
     # Keras compiles strategy.run as one XLA cluster: over logical CPUs XLA reads variables of CPU:1
     # from CPU:0; across CPU workers it has no collectives and aborts.
     devices = getattr(model.distribute_strategy.extended, "worker_devices", ()) if n > 1 else ()
     xla_fails = bool(devices) and all("CPU" in str(d).upper() for d in devices)
-    if given(config, "jit_compile") and rt.jit_compile is True and xla_fails:
+    if given(context.config, "jit_compile") and rt.jit_compile is True and xla_fails:
         from keras_sync.errors import UsageError
 
         raise UsageError(
-            f"Invalid value for runtime.jit_compile. Received: true with {n} replicas on "
-            "CPU devices, where XLA cannot compile a distributed step (no XLA collectives on CPU; "
-            "variables on several devices). Expected false or auto; XLA works on one device, and on "
-            "GPUs or TPUs."
+            f"Invalid value for runtime.jit_compile. Received: true with {n} replicas on CPU "
+            "devices, where XLA cannot compile a distributed step. Expected false or auto (XLA "
+            "works on one device, and on GPUs or TPUs)."
         )
     if rt.jit_compile == "auto" and model.jit_compile is True and xla_fails:
         # compile(jit_compile=True) itself: Keras's "auto" is False under a strategy.
         say_once(
             "xla",
             f"jit_compile=True of {name}'s compile is not applied: XLA cannot compile a step over "
-            f"{n} replicas on CPU devices (no XLA collectives on CPU; variables on several devices), so "
-            "the model trains without XLA. XLA works on one device, and on GPUs or TPUs.",
+            f"{n} replicas on CPU devices, so the model trains without XLA (it works on one "
+            "device, and on GPUs or TPUs).",
         )
         model.jit_compile = False
-    elif given(config, "jit_compile") and rt.jit_compile not in ("auto", bool(model.jit_compile)):
-        if model.jit_compile:  # on, by the user's compile (or Keras's auto on an accelerator)
-            replacing("jit_compile", model.jit_compile, rt.jit_compile)
+    elif given(context.config, "jit_compile") and rt.jit_compile != "auto":
         model.jit_compile = rt.jit_compile
     changed = before != (model.steps_per_execution, model.jit_compile)
     norms = [x for x in all_layers(model) if isinstance(x, keras.layers.BatchNormalization)]
     if rt.sync_batch_norm:
+        changed = changed or not all(x.synchronized for x in norms)
         for layer in norms:
-            changed = changed or not layer.synchronized
             layer.synchronized = True  # read in BatchNormalization.call: the traced step uses it
     elif n > 1 and any(not x.synchronized for x in norms):
         say_once(
             "bn",
-            f"{name} has {len(norms)} BatchNormalization layer(s) with per-replica statistics: each "
-            f"uses the {context.per_replica_batch_size} examples of its replica, not the global batch of "
-            f"{context.global_batch_size}. For statistics over all replicas set runtime.sync_batch_norm: true.",
+            f"{name} has {len(norms)} BatchNormalization layer(s) with per-replica statistics over "
+            f"the {context.per_replica_batch_size} examples of a replica, not the global batch of "
+            f"{context.global_batch_size}. For statistics over all replicas set "
+            "runtime.sync_batch_norm: true.",
         )
     if changed:
         model.train_function = None  # Keras builds it again with the new settings
@@ -136,16 +121,16 @@ def setup_callback(runtime: Any) -> Any:
             # After `fit` built the model and its optimizer, before it builds the train function.
             super().set_model(model)
             from keras_sync.training import instrument as _instrument
+            from keras_sync.training.accumulate import GradientAccumulator
 
-            steps, accumulator = runtime.gradient_accumulation_steps, None
-            if steps > 1:
-                from keras_sync.training.accumulate import GradientAccumulator
-
-                accumulator = getattr(_instrument.probe_of(model), "accumulator", None)
-                if accumulator is None or accumulator.steps != steps:
-                    accumulator = GradientAccumulator(model, steps)
+            steps = runtime.gradient_accumulation_steps
+            accumulator = getattr(_instrument.probe_of(model), "accumulator", None)
+            if steps > 1 and (accumulator is None or accumulator.steps != steps):
+                accumulator = GradientAccumulator(model, steps)
             _instrument.instrument(
-                model, gradients=runtime.train_step_gradients, accumulator=accumulator
+                model,
+                gradients=runtime.train_step_gradients,
+                accumulator=accumulator if steps > 1 else None,
             )
 
     return RuntimeSetup()

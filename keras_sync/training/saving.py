@@ -56,20 +56,17 @@ def for_workers(model: Any) -> None:
 
         return save
 
-    def meeting(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        def wrap(call: Callable[..., Any]) -> Callable[..., Any]:
-            def method(*args: Any, **kwargs: Any) -> Any:
-                with collective(ref(), f"model.{name}"):
-                    return call(*args, **kwargs)
+    def meeting(name: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        def method(*args: Any, **kwargs: Any) -> Any:
+            with collective(ref(), f"model.{name}"):
+                return call(*args, **kwargs)
 
-            return method
-
-        return wrap
+        return method
 
     for name in ("save", "save_weights"):
         wrap_own(model, name, chief_writes, "_keras_sync_chief_writes")
     for name in ("fit", "evaluate", "predict"):
-        wrap_own(model, name, meeting(name), "_keras_sync_meets_peers")
+        wrap_own(model, name, functools.partial(meeting, name), "_keras_sync_meets_peers")
 
 
 @contextlib.contextmanager
@@ -132,9 +129,8 @@ def _write_elsewhere(cb: Any, attr: str) -> None:
     user_path = getattr(cb, _USER_PATH_MARK, None) or getattr(cb, attr)  # a callback reused
     setattr(cb, _USER_PATH_MARK, user_path)
     tmp = tempfile.mkdtemp(prefix=TEMP_PREFIX)
-    setattr(
-        cb, attr, os.path.join(tmp, os.path.basename(os.fspath(user_path).rstrip("/")) or "logs")
-    )
+    name = os.path.basename(os.fspath(user_path).rstrip("/")) or "logs"
+    setattr(cb, attr, os.path.join(tmp, name))
     train_end = type(cb).on_train_end
 
     def on_train_end(logs: Any = None) -> None:

@@ -12,7 +12,7 @@ from keras_sync.errors import UsageError
 @keras.saving.register_keras_serializable(package="keras_sync")
 class GradualWarmup(keras.optimizers.schedules.LearningRateSchedule):
     """Linear warmup from ``start_lr`` to ``peak_lr`` over ``warmup_steps``, then ``peak_lr`` or
-    ``after``: `keras_sync.training.scaling.warmup_learning_rate` (Goyal et al. 2017, section 2.2).
+    ``after`` (`keras_sync.training.scaling.warmup_learning_rate`, Goyal et al. 2017, section 2.2).
 
     Args:
         start_lr: learning rate at step 0 (the unscaled base rate).
@@ -41,18 +41,15 @@ class GradualWarmup(keras.optimizers.schedules.LearningRateSchedule):
                 f"Invalid value for argument `warmup_steps`. Received: warmup_steps={warmup_steps}. "
                 "Expected an integer >= 1 (use the plain learning rate when there is no warmup)."
             )
-        self.start_lr = float(start_lr)
-        self.peak_lr = float(peak_lr)
-        self.warmup_steps = int(warmup_steps)
-        self.after = after
-        self.name = name
+        self.start_lr, self.peak_lr = float(start_lr), float(peak_lr)
+        self.warmup_steps, self.after, self.name = int(warmup_steps), after, name
 
     def __call__(self, step: Any = None) -> Any:
         if step is None:  # a Keras 2 (tf_keras) optimizer calls an unknown schedule without a step
             raise UsageError(
-                "sync.lr_schedule()'s warmup was called without a step, as a Keras 2 optimizer (tf_keras, or tf.keras "
-                "with TF_USE_LEGACY_KERAS=1) does; keras-sync supports Keras 3 only. Fix: build the model and its "
-                "optimizer with `import keras` rather than tf.keras/tf_keras, and unset TF_USE_LEGACY_KERAS."
+                "sync.lr_schedule()'s warmup was called without a step, as a Keras 2 optimizer (tf_keras, "
+                "TF_USE_LEGACY_KERAS=1) does; keras-sync supports Keras 3 only. Fix: build the model and "
+                "its optimizer with `import keras`, and unset TF_USE_LEGACY_KERAS."
             )
         ops = keras.ops
         step = ops.cast(step, "float32")
@@ -87,17 +84,16 @@ def check_lr_callbacks(model: Any, callbacks: Any, method: str = "fit") -> None:
     name = str(rate.get("class_name") or "LearningRateSchedule")
     ours = " from sync.lr_schedule(), the learning_rate warmup" if name == "GradualWarmup" else ""
     raise UsageError(
-        f"callbacks of sync.{method}: {setters[0]} sets the optimizer's learning rate, but the optimizer was given a "
-        f"schedule ({name}{ours}), whose rate Keras cannot set (it would stop with a TypeError after the first "
-        f"epoch). Fix: keep {setters[0]} and give the optimizer a float (sync.learning_rate; remove "
-        "learning_rate.warmup_steps/warmup_epochs), or keep the warmup and give the decay as a schedule after it, "
-        f"sync.lr_schedule(after=keras.optimizers.schedules.ExponentialDecay(...)), without {setters[0]}."
+        f"callbacks of sync.{method}: {setters[0]} sets the optimizer's learning rate, but the "
+        f"optimizer was given a schedule ({name}{ours}), whose rate Keras cannot set. Fix: keep "
+        f"{setters[0]} and give the optimizer a float (sync.learning_rate, no learning_rate.warmup_*), "
+        "or drop it and give the decay after the warmup: sync.lr_schedule(after=...)."
     )
 
 
 def configured_rate(optimizer: Any) -> Any:
-    """The learning rate ``optimizer`` was given, as its config has it (a float, a schedule's dict),
-    of the inner optimizer of a `LossScaleOptimizer`; None when it cannot describe itself."""
+    """The learning rate ``optimizer`` (or a `LossScaleOptimizer`'s inner one) was given, as its
+    config has it (a float, a schedule's dict); None when it cannot describe itself."""
     optimizer = getattr(optimizer, "inner_optimizer", optimizer)
     try:
         return optimizer.get_config().get("learning_rate") if optimizer is not None else None

@@ -1,9 +1,9 @@
 """What a replica's `train_step` does while TensorFlow traces it, and the gradient average of a custom one.
 
 Keras sums the replicas' gradients after its losses divided each replica's loss by N; a custom
-`train_step` as the Keras guides write it skips that division. While a replica traces, `capture`
-shims what it reaches and decides per optimizer ``apply`` whether the loss was divided:
-`runtime.train_step_gradients` ``auto`` divides an undivided one by N, ``average`` always, ``sum`` never.
+`train_step` as the Keras guides write it skips that division. `capture` shims what a tracing
+replica reaches and decides per optimizer ``apply`` whether the loss was divided
+(`runtime.train_step_gradients` ``auto``: divide an undivided one by N, ``average`` always, ``sum`` never).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from keras_sync.training import loss_scale as _loss_scale
 
 #: What marks a loss keras-sync itself divided in a `LossScaleOptimizer.scale_loss` (mixed_float16).
 AT_SCALE_LOSS = "keras-sync, at scale_loss"
+#: What divides a loss by the replica count and leaves the tracked loss one replica's share.
+SHARE_KINDS = ("a Keras loss", "tf.nn.compute_average_loss")
 _tls = threading.local()
 
 
@@ -47,7 +49,7 @@ def gradient_factor(
     >>> gradient_factor("sum", True, None, 4), gradient_factor("average", False, None, 4)
     (1.0, 1.0)
     """
-    if not custom_step or num_replicas <= 1 or policy == "sum":
+    if not custom_step or num_replicas <= 1 or policy == "sum" or scaled_by == AT_SCALE_LOSS:
         return 1.0
     return 1.0 / num_replicas if policy == "average" or scaled_by is None else 1.0
 
@@ -64,34 +66,30 @@ def weighs_by_examples(custom_step: bool, scaled_by: str | None) -> bool:
     return not custom_step or scaled_by in (None, "a Keras loss", AT_SCALE_LOSS)
 
 
-def averaging_message(
-    model: Any, num_replicas: int, optimizers: list[str] | None = None, at_scale_loss: bool = False
-) -> str:
-    """The line printed on the chief when keras-sync averages a custom train_step's gradients."""
-    which = f" for {', '.join(optimizers)}" if optimizers else ""
-    where = (
-        f"the loss by {num_replicas} in optimizer.scale_loss (before the float16 backward pass)"
-        if at_scale_loss
-        else f"them by {num_replicas} at the optimizer"
-    )
-    return (
-        f"keras-sync: {type(model).__name__}.train_step does not divide its loss{which} by the replica "
-        "count (that loss comes from no Keras loss object, compute_loss, tf.nn.compute_average_loss or "
-        f"num_replicas_in_sync), and Keras sums the gradients of the {num_replicas} replicas: keras-sync "
-        f"divides {where} so that a step equals one device's. If your loss is already divided by the "
-        "replica count or the global batch, set runtime.train_step_gradients: sum."
-    )
-
-
-def share_message(model: Any, num_replicas: int, scaled_by: str) -> str:
-    """The line printed on the chief when a custom train_step's loss is one replica's share."""
-    return (
-        f"keras-sync: {type(model).__name__}.train_step's loss is divided by the replica count "
-        f"({scaled_by}), as Keras needs for the gradient sum, so the loss the step returns or tracks "
-        f"(history, MLflow `loss`) is one replica's share: 1/{num_replicas} of the one-device value "
-        "(sync/loss/replica_<i> are multiplied back to one device's). To log the one-device value, "
-        "track loss * self.distribute_strategy.num_replicas_in_sync."
-    )
+def trace_lines(model: Any, n: int, applies: list[dict[str, Any]], policy: str | None) -> list[str]:
+    """The chief's lines on a custom train_step's loss: what keras-sync divides, what is one share."""
+    name, lines = type(model).__name__, []
+    divided = [a for a in applies if a["factor"] != 1.0 or a["scaled_by"] == AT_SCALE_LOSS]
+    if divided and policy == "auto":
+        names = dict.fromkeys(a["optimizer"] for a in divided)
+        which = f" for {', '.join(names)}" if len({a["optimizer"] for a in applies}) > 1 else ""
+        where = f"them by {n} at the optimizer"
+        if all(a["scaled_by"] == AT_SCALE_LOSS for a in applies if a["optimizer"] in names):
+            where = f"the loss by {n} in optimizer.scale_loss (before the float16 backward pass)"
+        lines.append(
+            f"keras-sync: {name}.train_step does not divide its loss{which} by the replica count, and "
+            f"Keras sums the {n} replicas' gradients: keras-sync divides {where}. If your loss is "
+            "already divided by the replica count or the global batch, set "
+            "runtime.train_step_gradients: sum."
+        )
+    shares = sorted({a["scaled_by"] for a in applies if a["scaled_by"] in SHARE_KINDS})
+    if shares and n > 1:
+        lines.append(
+            f"keras-sync: {name}.train_step's loss is divided by the replica count ({shares[0]}): "
+            f"the loss it returns (history, MLflow `loss`) is 1/{n} of the one-device value, one "
+            "replica's share. Track loss * self.distribute_strategy.num_replicas_in_sync to log that value."
+        )
+    return lines
 
 
 def check_probes() -> None:
@@ -126,44 +124,25 @@ def seen() -> dict[str, Any] | None:
 
 
 @contextlib.contextmanager
-def capture(
-    model: Any,
-    record: dict[str, Any],
-    *,
-    custom_step: bool,
-    policy: str,
-    num_replicas: int,
-    accumulator: Any = None,
-    example_weight: Any = None,
-    stamp: Any = None,
-) -> Iterator[None]:
+def capture(model: Any, record: dict[str, Any]) -> Iterator[None]:
     """While one replica traces ``model.train_step``: fill ``record``, average a custom step's gradients.
 
-    ``record`` gets ``loss`` (Keras's step) or ``tape_loss``, ``grads``, ``loss_scale``,
+    ``record`` holds ``custom_step``, ``policy``, ``n``, ``accumulator``, ``example_weight`` and
+    ``stamp``; it gets ``loss`` (Keras's step) or ``tape_loss``, ``grads``, ``loss_scale``,
     ``reached`` (``stamp`` of the first apply's gradients) and per ``apply`` in ``applies`` the
     optimizer's ``id`` and attribute, ``scaled_by`` (what divided its loss) and ``factor``.
     """
-    record.update(
-        grads=[],
-        custom_step=custom_step,
-        policy=policy,
-        n=num_replicas,
-        accumulator=accumulator,
-        example_weight=example_weight,
-        marks={},
-        targets={},
-        read_n=False,
-        applies=[],
-        stamp=stamp,
-        reached=None,
-    )
+    record.update(grads=[], marks={}, targets={}, read_n=False, applies=[], reached=None)
     from keras_sync.upstream.patching import patched
     from keras_sync.upstream.replica_seeds import per_replica_seeds
 
     _tls.seen = record
     try:
         # Keras random ops draw per replica too (see keras_sync.upstream.replica_seeds).
-        with patched(_global_patches() + _model_patches(model, custom_step)), per_replica_seeds():
+        with (
+            patched(_global_patches() + _model_patches(model, record["custom_step"])),
+            per_replica_seeds(),
+        ):
             yield
     finally:
         _tls.seen = None
@@ -327,7 +306,6 @@ def _applying(optimizer: Any, name: str, apply: Any) -> Any:
         targets = {id(t): t for g in grads if (t := record["targets"].get(id(g))) is not None}
         scaled_by = _scaled_by(record, list(targets.values()))
         factor = gradient_factor(record["policy"], record["custom_step"], scaled_by, n)
-        factor = 1.0 if scaled_by == AT_SCALE_LOSS else factor
         record["applies"].append(
             {"id": id(optimizer), "optimizer": name, "scaled_by": scaled_by, "factor": factor}
         )

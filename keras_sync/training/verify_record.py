@@ -54,9 +54,8 @@ def callback(context: RunContext, *, input_source: str | None, base_batch_size: 
             self.iterations = int(self.model.optimizer.iterations.numpy())
             self.examples_seen: list[float] | None = None
             self.steps: list[dict[str, float]] = []
-            self.micro: list[
-                tuple[float, float]
-            ] = []  # (loss, examples) of this update's micro-batches
+            # (loss, examples) of this update's micro-batches
+            self.micro: list[tuple[float, float]] = []
             self.lr = math.nan
 
         def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
@@ -93,11 +92,9 @@ def callback(context: RunContext, *, input_source: str | None, base_batch_size: 
             folder.mkdir(parents=True, exist_ok=True)
             np.savez(folder / INITIAL_FILE, **self.initial)
             np.savez(folder / FINAL_FILE, **by_path(model))
-            facts = model_facts(context, model)
-            peak = resource.getrusage(
-                resource.RUSAGE_SELF
-            ).ru_maxrss  # KiB on Linux, bytes on macOS
-            mlflow = context.config.mlflow
+            facts, mlflow = model_facts(context, model), context.config.mlflow
+            # KiB on Linux, bytes on macOS
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             record = {
                 "replicas": context.num_replicas,
                 "workers": context.num_workers,
@@ -222,7 +219,7 @@ def _load_weights(model: Any, path: Path) -> None:
     ):
         raise UsageError(
             f"verify: the reference's model ({len(weights)} weights) is not the recorded one "
-            f"({len(values)} weights in {path}); expected the same script and model on both runs"
+            f"({len(values)} weights in {path}). Run the same script and model on both runs."
         )
     for v, a in zip(weights, values):
         v.assign(a)
