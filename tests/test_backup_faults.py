@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -62,6 +63,15 @@ def _train(tmp: Path, name: str, cfg: dict, *extra: str) -> subprocess.Completed
         text=True,
         timeout=240,
     )
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list:
+    """The weights of the same seeded script without a backup, trained once for the module."""
+    tmp = tmp_path_factory.mktemp("ref")
+    ref = _train(tmp, "ref", _cfg(tmp, backup=False))
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    return result(tmp / "ref")["weights"]
 
 
 def _killed_at_22(tmp: Path, cfg: dict) -> None:
@@ -185,54 +195,28 @@ def test_an_unwritable_directory_is_named_with_the_key(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_damaged_newest_backup_is_skipped_and_the_run_of_the_older_one_continued(
-    tmp_path: Path,
+def test_damaged_backups_are_skipped_or_refused_and_the_run_is_continued_not_failed(
+    tmp_path: Path, reference: list
 ) -> None:
-    """A kill after step 22; then ckpt-21's .data truncated. The relaunch skips ckpt-21 in one line,
-    resumes from ckpt-18, trains the same weights as the same seeded script without a backup, and
-    continues the one MLflow run (named by ckpt-18's manifest)."""
-    ref = _train(tmp_path, "ref", _cfg(tmp_path, backup=False))
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    """One kill after step 22, then two damages of what it left (the backup restored between them).
+
+    No usable backup (ckpt-21's index garbled, ckpt-18's data emptied): the relaunch ends in one
+    line, exit 2, and the MLflow run is not failed. Only ckpt-21's .data truncated: the relaunch
+    skips ckpt-21 in one line, resumes from ckpt-18, trains the same weights as the same seeded
+    script without a backup, and continues the one MLflow run (named by ckpt-18's manifest).
+    """
     cfg = _cfg(tmp_path, mlflow=True)
     _killed_at_22(tmp_path, cfg)
     bk = tmp_path / "bk"
-    data = bk / "ckpt-21.data-00000-of-00001"
-    size = data.stat().st_size
-    data.write_bytes(data.read_bytes()[: size // 2])
-    second = _train(tmp_path, "res", cfg, "--kill-at", "22", "--marker", str(tmp_path / "killed"))
-    assert second.returncode == 0, second.stderr[-3000:]
-    lines = _keras_sync_lines(second.stderr)
-    assert (
-        f"keras-sync: skipped the backup {bk / 'ckpt-21'} (ckpt-21.data-00000-of-00001 has {size // 2} of "
-        f"{size} bytes); using ckpt-18"
-    ) in lines, "\n".join(lines)  # (every line: pytest shortens them)
-    assert "Traceback" not in second.stderr
-    assert result(tmp_path / "res")["start"] == {"iterations": 18, "epoch": 2}
-    assert (
-        max_diff(result(tmp_path / "ref")["weights"], result(tmp_path / "res")["weights"]) <= 1e-6
-    )
-    from _spools import deliver_leftovers
-    from mlflow import MlflowClient
+    shutil.copytree(bk, tmp_path / "bk-killed")
 
-    deliver_leftovers(tmp_path / "spool")
-    client = MlflowClient(cfg["mlflow"]["tracking_uri"])
-    runs = client.search_runs([client.get_experiment_by_name("faults").experiment_id])
-    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_no_usable_backup_ends_in_one_line_exit_2_and_the_run_is_not_failed(tmp_path: Path) -> None:
-    cfg = _cfg(tmp_path, mlflow=True)
-    _killed_at_22(tmp_path, cfg)
-    bk = tmp_path / "bk"
     (bk / "ckpt-21.index").write_bytes(b"\x00garbled" * 8)
     old = bk / "ckpt-18.data-00000-of-00001"
     old.write_bytes(b"")
-    second = _train(tmp_path, "res", cfg)
-    assert second.returncode == 2, second.stderr[-3000:]
-    assert "Traceback" not in second.stderr
-    assert _keras_sync_lines(second.stderr) == [
+    refused = _train(tmp_path, "refused", cfg)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "Traceback" not in refused.stderr
+    assert _keras_sync_lines(refused.stderr) == [
         f"keras-sync: fault_tolerance.backup_dir: no usable backup in {bk} (ckpt-21: ckpt-21.index has 64 of "
         f"{json.loads((bk / 'ckpt-21.manifest.json').read_text())['files']['ckpt-21.index']['size']} bytes; "
         f"ckpt-18: ckpt-18.data-00000-of-00001 has 0 of "
@@ -249,6 +233,27 @@ def test_no_usable_backup_ends_in_one_line_exit_2_and_the_run_is_not_failed(tmp_
         else []
     )
     assert "FAILED" not in statuses
+
+    shutil.rmtree(bk)
+    shutil.copytree(tmp_path / "bk-killed", bk)
+    data = bk / "ckpt-21.data-00000-of-00001"
+    size = data.stat().st_size
+    data.write_bytes(data.read_bytes()[: size // 2])
+    second = _train(tmp_path, "res", cfg, "--kill-at", "22", "--marker", str(tmp_path / "killed"))
+    assert second.returncode == 0, second.stderr[-3000:]
+    lines = _keras_sync_lines(second.stderr)
+    assert (
+        f"keras-sync: skipped the backup {bk / 'ckpt-21'} (ckpt-21.data-00000-of-00001 has {size // 2} of "
+        f"{size} bytes); using ckpt-18"
+    ) in lines, "\n".join(lines)  # (every line: pytest shortens them)
+    assert "Traceback" not in second.stderr
+    assert result(tmp_path / "res")["start"] == {"iterations": 18, "epoch": 2}
+    assert max_diff(reference, result(tmp_path / "res")["weights"]) <= 1e-6
+    from _spools import deliver_leftovers
+
+    deliver_leftovers(tmp_path / "spool")
+    runs = client.search_runs([client.get_experiment_by_name("faults").experiment_id])
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
 
 
 @pytest.mark.slow
@@ -362,7 +367,7 @@ def test_a_backup_dir_or_local_store_the_process_cannot_write_is_refused_at_load
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_full_backup_disk_is_said_once_training_goes_on_and_the_relaunch_resumes_from_the_last_good_backup(
-    tmp_path: Path,
+    tmp_path: Path, reference: list
 ) -> None:
     """backup_dir on a small tmpfs that fills up after step 10 (a file fills it while every worker waits):
     the saves of steps 12, 15, 18, 21 fail; one line says so, training goes on to the kill after step 22,
@@ -370,8 +375,6 @@ def test_a_full_backup_disk_is_said_once_training_goes_on_and_the_relaunch_resum
     the same script without a backup. Before: a 17-line ResourceExhaustedError traceback at step 12, exit 1."""
     from _mounts import tmpfs
 
-    ref = _train(tmp_path, "ref", _cfg(tmp_path, backup=False))
-    assert ref.returncode == 0, ref.stderr[-3000:]
     cfg = _cfg(tmp_path)
     with tmpfs(tmp_path / "bk", size="512k") as bk:
         go = tmp_path / "disk-full"
@@ -441,6 +444,4 @@ def test_a_full_backup_disk_is_said_once_training_goes_on_and_the_relaunch_resum
         second = _train(tmp_path, "res", cfg)
     assert second.returncode == 0, second.stderr[-3000:]
     assert result(tmp_path / "res")["start"]["iterations"] == 9
-    assert (
-        max_diff(result(tmp_path / "ref")["weights"], result(tmp_path / "res")["weights"]) <= 1e-6
-    )
+    assert max_diff(reference, result(tmp_path / "res")["weights"]) <= 1e-6

@@ -85,7 +85,7 @@ def _run(procs: list[subprocess.Popen], timeout: float = 420) -> None:
             if p.poll() is None:
                 p.kill()
     for i, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"worker {i} failed:\n{log[-4000:]}"
+        assert p.returncode == 0, f"process {i} failed:\n{log[-4000:]}"
 
 
 def _traced_writes(trace: Path, save_dir: Path) -> list[str]:
@@ -99,40 +99,54 @@ def _traced_writes(trace: Path, save_dir: Path) -> list[str]:
     return out
 
 
-def _check(save_dir: Path) -> dict:
+def _check(*save_dirs: Path) -> list[dict]:
+    """Load what each of ``save_dirs`` holds in one fresh process (not the one that wrote it)."""
     r = subprocess.run(
-        [sys.executable, str(CHECK), str(save_dir)],
+        [sys.executable, str(CHECK), *map(str, save_dirs)],
         env=_env(None),
         capture_output=True,
         text=True,
         timeout=180,
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return [json.loads(line) for line in r.stdout.strip().splitlines()[-len(save_dirs) :]]
 
 
-def _save_run(root: Path, tasks: list[int | None], workers: list[str]) -> dict:
-    """Run the save script as ``tasks`` (None: alone), then load what it saved in ROOT/user."""
-    save_dir, result_dir = root / "user", root / "results"
-    save_dir.mkdir()
-    result_dir.mkdir()
-    _run([_start(t, workers, save_dir, result_dir, root / f"w{t or 0}.strace") for t in tasks])
-    out = {"save_dir": save_dir, "root": root, "loaded": _check(save_dir)}
-    for i in range(len(tasks)):
-        out[f"w{i}"] = json.loads((result_dir / f"w{i}.json").read_text())
+def _start_run(root: Path, tasks: list[int | None], workers: list[str]) -> list[subprocess.Popen]:
+    """Start the save script as ``tasks`` (None: alone), saving into ROOT/user."""
+    (root / "user").mkdir()
+    (root / "results").mkdir()
+    return [
+        _start(t, workers, root / "user", root / "results", root / f"w{t or 0}.strace")
+        for t in tasks
+    ]
+
+
+def _read_run(root: Path, tasks: int, loaded: dict) -> dict:
+    out = {"save_dir": root / "user", "root": root, "loaded": loaded}
+    for i in range(tasks):
+        out[f"w{i}"] = json.loads((root / "results" / f"w{i}.json").read_text())
     return out
 
 
 @pytest.fixture(scope="module")
-def two_workers(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return _save_run(
-        tmp_path_factory.mktemp("save2"), [0, 1], [f"127.0.0.1:{p}" for p in free_ports(2)]
-    )
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
+    """Two workers and one worker alone, all at once; then one process loads what both saved."""
+    two, one = tmp_path_factory.mktemp("save2"), tmp_path_factory.mktemp("save1")
+    workers = [f"127.0.0.1:{p}" for p in free_ports(2)]
+    _run(_start_run(two, [0, 1], workers) + _start_run(one, [None], []))
+    loaded_two, loaded_one = _check(two / "user", one / "user")
+    return {2: _read_run(two, 2, loaded_two), 1: _read_run(one, 1, loaded_one)}
 
 
 @pytest.fixture(scope="module")
-def one_worker(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return _save_run(tmp_path_factory.mktemp("save1"), [None], [])
+def two_workers(runs: dict[int, dict]) -> dict:
+    return runs[2]
+
+
+@pytest.fixture(scope="module")
+def one_worker(runs: dict[int, dict]) -> dict:
+    return runs[1]
 
 
 def _close(a: object, b: object) -> float:
