@@ -1,20 +1,17 @@
-"""Exact-resume bookkeeping (keras_sync.training.backup_files, no TensorFlow) and a one-process kill and resume.
+"""Exact-resume bookkeeping (keras_sync.training.backup_files, no TensorFlow).
 
-The multi-worker kill tests are in tests/test_multi_worker.py.
+A one-process kill and resume is in tests/test_backup_faults.py, the multi-worker kills in
+tests/test_multi_worker.py.
 """
 
 from __future__ import annotations
 
 import doctest
-import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-import numpy as np
 import pytest
-from _mwr import TRAIN, kill_and_resume, max_diff, result
 
 from keras_sync.errors import UsageError
 from keras_sync.training import backup_files
@@ -85,49 +82,3 @@ def test_backup_callback_rejects_empty_backup_dir() -> None:
         UsageError, match=r"Invalid value for argument `backup_dir`\. Received: backup_dir=''\."
     ):
         BackupAndRestore("")
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(150)
-def test_one_process_default_strategy_sigkill_mid_epoch_resumes_exactly(tmp_path: Path) -> None:
-    """kind=default with arrays in a seeded script: Keras's own shuffle draws the same order again, so a
-    resume replays it, and the weights equal those of the same script without a backup.
-
-    The model has a Dropout layer: its seed state is in the backup too, so the resumed run draws
-    the masks the uninterrupted one drew (without it: weights far apart, seen in a user trial).
-    """
-    cfg = {
-        "strategy": {"kind": "default"},
-        "batch": {"global": 32},
-        "mlflow": {"enabled": False},
-        "learning_rate": {"base": 0.01},
-        "fault_tolerance": {"save_freq": 3},
-    }
-    a, b, second = kill_and_resume(
-        tmp_path, cfg, kill_at=22, timeout=120, args=("--dropout", "0.25")
-    )
-    assert b["start"] == {"iterations": 21, "epoch": 2}  # step 21 = epoch 2 after 5 of 8 batches
-    assert second.stdout.splitlines()[0] == "step 22 epoch 2 batch 5"
-    assert max_diff(a["weights"], b["weights"]) <= 1e-6
-    assert np.allclose(b["loss"], a["loss"][2:], rtol=1e-6, atol=0)
-    # The backup changes nothing but the ability to resume: the same seeded script without
-    # backup_dir trains the same weights (0.13 apart when a backup reshuffled the arrays itself).
-    plain = {k: v for k, v in cfg.items() if k != "fault_tolerance"}
-    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "KERAS_SYNC_CONFIG")}
-    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    r = subprocess.run(
-        [
-            sys.executable,
-            str(TRAIN),
-            json.dumps(plain),
-            str(tmp_path / "plain"),
-            "--dropout",
-            "0.25",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert max_diff(a["weights"], result(tmp_path / "plain")["weights"]) == 0.0
