@@ -43,8 +43,7 @@ def remove_staging_if_empty(spool_path: str | os.PathLike[str]) -> None:
 
 
 def deliver(client: Any, run_id: str, rec: dict[str, Any], call: Callable[..., Any]) -> None:
-    """Upload one staged record through ``call(fn, *args)``, then remove its copy (a copy that
-    no longer exists was delivered by an earlier attempt)."""
+    """Upload one staged record through ``call(fn, *args)``, then remove its copy (if there)."""
     src = Path(rec["src"])
     if not src.exists():
         return

@@ -40,8 +40,7 @@ def autolog_logs_models() -> bool:
 
 @contextlib.contextmanager
 def shared_run(writer: Any, tracking_uri: str, *, is_chief: bool = True) -> Iterator[None]:
-    """Make ``writer``'s run MLflow's active run during the block when autolog is on (unless the
-    user has an active run); other workers turn autolog off (it would open a run per worker)."""
+    """Make ``writer``'s run the active one while autolog is on; other workers turn autolog off."""
     if not keras_autolog_active() or (is_chief and writer is None):
         yield
         return

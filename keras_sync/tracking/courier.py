@@ -39,8 +39,7 @@ REPLAY_TIMEOUT_S = 600.0
 
 
 class Delivery:
-    """Deliver a spool, then the records handed over the pipe; owns how far delivery got: ``pos``
-    in the spool, ``held_done`` of the handed records."""
+    """Deliver a spool, then the handed-over records; owns ``pos`` and ``held_done``."""
 
     def __init__(
         self,
@@ -93,8 +92,7 @@ class Delivery:
         return [(h, rec) for h, rec in list(self.held)[:READ_RECORDS] if h > self.held_done]
 
     def deliver_available(self, hold_metrics: bool = False) -> int:
-        """Send what is available; return the metric points sent. ``hold_metrics``: nothing while
-        fewer than a batch of metric points alone wait."""
+        """Send what is available (``hold_metrics``: not a part batch of points alone)."""
         sent = 0
         try:
             while True:

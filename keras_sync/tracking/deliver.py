@@ -53,8 +53,7 @@ _FAST_FAIL_ENV = {
 
 @contextlib.contextmanager
 def fast_fail_env(tracking_uri: str, timeout_s: int) -> Iterator[None]:
-    """MLflow HTTP calls with no retries, a short timeout and ``MLFLOW_TRACKING_URI`` (MLflow 2.x
-    resolves ``mlflow-artifacts:/`` with it); the user's values come back after."""
+    """MLflow HTTP calls with no retries, a short timeout and ``MLFLOW_TRACKING_URI`` set."""
     if not r.is_http(tracking_uri):
         yield
         return
@@ -115,8 +114,7 @@ def in_words(requests: int, failures: Counter[str]) -> str:
 
 
 class Retrier:
-    """Retries each ``transient`` failure of a request until it succeeds or `give_up` says stop;
-    ``on_change`` after every failure and every success while requests fail lately."""
+    """Retries each ``transient`` failure of a request until it succeeds or `give_up` says stop."""
 
     def __init__(
         self,
@@ -196,8 +194,7 @@ class Retrier:
 
 
 class RunSender:
-    """Sends records to the job's MLflow run: ``run_id`` (a backup's) if usable, else the one
-    tagged ``keras_sync.job_id`` (a FINISHED one only if ``explicit``), else a new one."""
+    """Sends records to the job's run: ``run_id`` if usable, else the one tagged with its job id."""
 
     def __init__(
         self,
@@ -243,8 +240,7 @@ class RunSender:
         return self._client
 
     def ensure_run(self, reopen: bool = False, continuing: bool = False) -> None:
-        """Find, reopen or create the job's run. ``reopen``: continue it even if FINISHED;
-        ``continuing``: the records follow ones sent to ``run_id`` (they go to it as it is)."""
+        """Find, reopen (even FINISHED) or create the job's run; ``continuing``: as it is."""
         if self.run_id is not None and self._checked:
             return
         run = self._get_run(self.run_id) if continuing and self.run_id is not None else None
@@ -329,8 +325,7 @@ class RunSender:
         return floors
 
     def send(self, records: list[dict[str, Any]], done: Callable[[int], None] | None = None) -> int:
-        """Deliver records in order; return the metric points sent. ``done(i)``: MLflow has
-        records up to ``i``."""
+        """Deliver records in order; return the points sent; ``done(i)``: MLflow has up to ``i``."""
         from mlflow.entities import Metric, Param, RunTag
 
         if all(rec["k"] == r.STOP for rec in records):  # a writer that logged nothing: no run

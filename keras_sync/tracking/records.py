@@ -94,8 +94,7 @@ def clip(value: str, limit: int) -> str:
 
 
 class RecordCleaner:
-    """Makes records fit for MLflow before they are spooled: valid metric keys, numbers, secrets
-    scrubbed, values cut to MLflow's limits. Says once per metric key that it was rewritten."""
+    """Makes records fit for MLflow: valid metric keys, numbers, secrets scrubbed, values cut."""
 
     def __init__(self, secrets: Any) -> None:
         self._secrets = secrets

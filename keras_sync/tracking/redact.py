@@ -89,8 +89,7 @@ def redact_uri(uri: str | None) -> str | None:
 
 
 def secrets_of(tracking_uri: str | None, environ: Mapping[str, str]) -> list[str]:
-    """Credentials in ``tracking_uri`` and values of env vars named like a secret (3 characters
-    or more), longest first: one secret may contain another."""
+    """Credentials in ``tracking_uri`` and secret-named env values (3+ chars), longest first."""
     found: set[str] = set()
     for name, value in environ.items():
         if _SECRET_ENV_NAME.search(name) and value.strip().lower() not in _NOT_SECRET_VALUES:

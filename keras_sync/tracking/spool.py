@@ -28,8 +28,7 @@ Position = tuple[int, int]  # (segment number, byte offset in it)
 
 
 class SpoolFull(OSError):
-    """`SpoolDir.append` could not write (disk full, quota): ``done`` records are in, whole, up to
-    ``pos``; ``reason`` is the operating system's words."""
+    """A refused write: ``done`` records are in whole, up to ``pos``; ``reason``: the OS's words."""
 
     def __init__(self, error: OSError, done: int, pos: Position):
         self.reason = error.strerror or str(error)
@@ -130,8 +129,7 @@ class SpoolDir:
         return self._segment, 0
 
     def append(self, records: list[dict[str, Any]]) -> Position:
-        """Append records over segments of about `SEGMENT_BYTES` (the courier deletes whole ones);
-        return the position just past the last. Raises `SpoolFull`."""
+        """Append records (segments of about `SEGMENT_BYTES`); return the position past the last."""
         lines = [json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in records]
         if self._fh is not None and os.fstat(self._fh.fileno()).st_nlink == 0:
             raise FileNotFoundError(f"{self.path} was deleted while this run logged into it")
@@ -186,8 +184,7 @@ class SpoolDir:
             return 0, 0
 
     def mark_delivered(self, pos: Position) -> None:
-        """Record that everything before ``pos`` is in MLflow; delete the segments wholly before it
-        (even when the position cannot be written: deleting them is what frees a full disk)."""
+        """Everything before ``pos`` is in MLflow: delete the segments before it (frees a disk)."""
         try:
             self.write_json("delivered", f"{pos[0]} {pos[1]}")
         finally:
@@ -198,8 +195,7 @@ class SpoolDir:
     def read(
         self, start: Position, max_records: int = 1000
     ) -> list[tuple[Position, dict[str, Any]]]:
-        """Records from ``start`` on, each with the position just past it; a line without its
-        newline (being written, or torn by a crash) ends the segment's read."""
+        """Records from ``start`` on, each with the position past it; a torn last line is left."""
         out: list[tuple[Position, dict[str, Any]]] = []
         segs = self.segments()
         for i, n in enumerate(segs):

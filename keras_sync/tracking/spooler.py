@@ -72,8 +72,7 @@ def _held_line(number: int, rec: dict[str, Any]) -> bytes:
 
 
 class Spooler:
-    """Queue -> spool (or memory) -> courier for one writer; ``progress()``: how far delivery got,
-    as the courier told it (the ``delivered`` file may be old on a full disk)."""
+    """Queue -> spool (or memory) -> courier for one writer, and how far delivery got."""
 
     def __init__(
         self, spool: SpoolDir, uri: str, header: dict[str, Any], cleaner: RecordCleaner
@@ -268,8 +267,7 @@ class Spooler:
         return {"k": TAGS, "d": {LOST_TAG: self.lost_text([])}} if self.dropped else None
 
     def shut_down(self, delivered: bool, never_begun: bool) -> str | None:
-        """Stop the thread and the courier, spill what memory holds, remove a delivered spool;
-        return the warning to give."""
+        """Stop thread and courier, spill what memory holds, remove a delivered spool."""
         self.closing = True
         self.wake.set()
         if self.thread is not None:

@@ -30,8 +30,7 @@ _SETTLED_S = 20.0
 
 
 def warm_up(uri: str | None) -> list[str]:
-    """Import what opening ``uri`` needs (MLflow, its SQL store, the schema head), touching no
-    file; return which were done, in order."""
+    """Import what opening ``uri`` needs, touching no file; return which were done, in order."""
     from mlflow import MlflowClient  # noqa: F401
 
     from keras_sync.upstream import mlflow_internals
@@ -60,8 +59,7 @@ def sqlite_path(uri: str) -> Path | None:
 
 
 def ensure_sqlite_store(uri: str, *, timeout_s: float = 300.0) -> bool:
-    """Make sure the sqlite store of ``uri`` exists and is complete; True if this call created it.
-    A live builder's store, or one MLflow builds in place, is waited for; dead builders' files go."""
+    """Make sure the sqlite store of ``uri`` exists and is whole; True if this call created it."""
     path = sqlite_path(uri)
     if path is None:
         return False
@@ -114,8 +112,7 @@ def _wait_for_live_builders(path: Path, timeout_s: float) -> bool:
 
 
 def _wait_while_built_in_place(path: Path, timeout_s: float) -> None:
-    """Wait while another client builds ``path`` in place (opened mid-build, both would fail),
-    until it reaches the schema's head or settles for `_SETTLED_S`."""
+    """Wait while another client builds ``path`` in place, until at head or settled."""
     from keras_sync.upstream.mlflow_internals import schema_head
 
     head = schema_head()
@@ -176,8 +173,7 @@ def _build(tmp: Path, path: Path) -> None:
 
 
 def check_creatable(uri: str) -> None:
-    """Raise `TrackingError` with the OS's cause if the sqlite store of ``uri`` is missing and
-    cannot be made (MLflow retries for minutes, then fails without the cause)."""
+    """Raise `TrackingError` with the OS's cause if the store of ``uri`` cannot be created."""
     path = sqlite_path(uri)
     if path is None or path.exists():
         return
