@@ -57,9 +57,14 @@ def runs(tmp_path_factory):
         stderr=subprocess.STDOUT,
         text=True,
     )
+    try:
+        logs = {name: proc.communicate(timeout=480)[0] for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():  # one timed out: no stray process
+            if proc.poll() is None:
+                proc.kill()
     for name, proc in procs.items():
-        log, _ = proc.communicate(timeout=480)
-        assert proc.returncode == 0, f"scenario process {name} failed:\n{log[-4000:]}"
+        assert proc.returncode == 0, f"scenario process {name} failed:\n{logs[name][-4000:]}"
     results = {n: json.loads((out / f"{n}.json").read_text()) for n in (*COUNTS, "mw")}
     for n, r in results.items():
         bad = {k: v for k, v in r.items() if isinstance(v, dict) and "unexpected" in v}
