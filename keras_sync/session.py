@@ -50,15 +50,17 @@ def load(
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # TF's start-up INFO lines; the user's wins
     check_one_process(cfg)  # `mirrored` under a TF_CONFIG of 2 workers, refused before TensorFlow
     kind = detect(cfg).kind
+    one_process = kind in ONE_PROCESS_KINDS  # surely the chief
+    if one_process:
+        paths.check_config_paths(cfg, is_chief=True)  # its one line, before TensorFlow starts
     line = _first_line(cfg, kind)
     if line is not None:  # TensorFlow's start takes seconds: say so first
         print(line, file=sys.stderr, flush=True)
     early_writer = None
-    if cfg.mlflow.enabled and kind in ONE_PROCESS_KINDS:
+    if cfg.mlflow.enabled and one_process:
         from keras_sync.training.job_run import start_writer
 
-        paths.check_config_paths(cfg, is_chief=True)  # its one line, before any writer
-        # Surely the chief: its courier imports MLflow while TensorFlow is imported, not in the fit.
+        # The chief's courier imports MLflow while TensorFlow is imported, not in the fit.
         early_writer = start_writer(cfg)
     try:
         strategy, detection = build_strategy(cfg)
@@ -67,7 +69,7 @@ def load(
 
             collective_calls.configure(strategy, cfg.strategy.connect_timeout_s)
         sync = Sync(cfg, strategy, detection)
-        if early_writer is None:  # now, not at the first save or metric
+        if not one_process:  # now, not at the first save or metric
             paths.check_config_paths(cfg, is_chief=sync.is_chief)
         if sync.is_chief and cfg.mlflow.enabled:
             # The courier starts while the user builds the model; the run is made at the first log.
