@@ -57,7 +57,7 @@ class ReplicaProbe:
         #: This worker's host time before each step (us, -1: not measured), by ring row.
         self.host: Any = np.full((self.ring + 1, 1), -1, np.int64)
         self._components = list(self.strategy.experimental_local_results(self.var))
-        self._gather_fn: Callable[[Any], Any] | None = None
+        self._gather = _gather_fn(self.var, self.strategy)  # traced at its first call
         #: What the last trace of replica 0 saw (scaled_by, factor[, per_optimizer]).
         self.last_trace: dict[str, Any] = {}
         #: The attributes of the optimizers the traced step applied, in order.
@@ -98,24 +98,6 @@ class ReplicaProbe:
         """Examples all replicas trained up to step ``count`` (-1: no longer in the ring)."""
         rows = self.row(rings, count) if count > 0 else []
         return -1 if rows is None else int(sum(r[self.EXAMPLES] for r in rows))
-
-    def _gather(self, host: Any) -> Any:
-        if self._gather_fn is None:
-            import tensorflow as tf
-
-            var, strategy = self.var, self.strategy
-
-            def replica_fn(host: Any) -> Any:
-                row = tf.expand_dims(tf.concat([tf.identity(var), host], axis=1), 0)
-                return tf.distribute.get_replica_context().all_gather(row, axis=0)
-
-            @tf.function(autograph=False)
-            def gather(host: Any) -> Any:
-                gathered = strategy.run(replica_fn, args=(host,))
-                return strategy.experimental_local_results(gathered)[0]
-
-            self._gather_fn = gather
-        return self._gather_fn(host)
 
     def step_fn(self, original: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """The instrumented `train_step`: ``original`` plus the writes of this replica's values."""
@@ -221,6 +203,21 @@ def applied_optimizers(model: Any) -> list[tuple[str, Any]]:
     """(attribute, optimizer) of each optimizer ``model``'s train step applies; [] before its first trace."""
     named = trace.named_optimizers(model)
     return [(n, named[n]) for n in getattr(probe_of(model), "applied", []) if n in named]
+
+
+def _gather_fn(var: Any, strategy: Any) -> Callable[[Any], Any]:
+    """Every replica's ring with this worker's host column, gathered from all workers."""
+    import tensorflow as tf
+
+    def replica_fn(host: Any) -> Any:
+        row = tf.expand_dims(tf.concat([tf.identity(var), host], axis=1), 0)
+        return tf.distribute.get_replica_context().all_gather(row, axis=0)
+
+    @tf.function(autograph=False)
+    def gather(host: Any) -> Any:
+        return strategy.experimental_local_results(strategy.run(replica_fn, args=(host,)))[0]
+
+    return gather
 
 
 def _replica_values(seen: dict[str, Any], n: int) -> tuple[Any, Any, Any]:

@@ -119,7 +119,13 @@ def announce(writer: Any, config: Any) -> None:
         return  # where the metrics wait and how to deliver them, in its one line
     where = f"MLflow at {writer.shown_uri}, experiment {writer.experiment!r}"
     if run_id is not None:
-        line = f"metrics go to {where}, run {run_id}; {how_to_open(writer, config, run_id)}"
+        if url := writer.run_url():
+            how = f"open {url}"
+        elif config.source not in ("<defaults>", "<dict>"):
+            how = f"view it with: keras-sync ui {shlex.quote(os.path.abspath(config.source))}"
+        else:
+            how = f"view it with: mlflow ui --backend-store-uri {shlex.quote(writer.shown_uri)}"
+        line = f"metrics go to {where}, run {run_id}; {how}"
     else:
         failed = writer.failure()
         why = f"not reachable yet ({failed['error']})" if failed else "not created yet"
@@ -128,13 +134,3 @@ def announce(writer: Any, config: Any) -> None:
             "and are delivered when MLflow answers."
         )
     print(f"keras-sync: {line}", file=sys.stderr, flush=True)
-
-
-def how_to_open(writer: Any, config: Any, run_id: str) -> str:
-    """How to see the run: its page on a tracking server, else the command that serves the local store."""
-    url = writer.run_url()
-    if url:
-        return f"open {url}"
-    if config.source not in ("<defaults>", "<dict>"):
-        return f"view it with: keras-sync ui {shlex.quote(os.path.abspath(config.source))}"
-    return f"view it with: mlflow ui --backend-store-uri {shlex.quote(writer.shown_uri)}"

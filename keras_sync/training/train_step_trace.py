@@ -86,8 +86,8 @@ def trace_lines(model: Any, n: int, applies: list[dict[str, Any]], policy: str |
     if shares and n > 1:
         lines.append(
             f"keras-sync: {name}.train_step's loss is divided by the replica count ({shares[0]}): "
-            f"the loss it returns (history, MLflow `loss`) is 1/{n} of the one-device value, one "
-            "replica's share. Track loss * self.distribute_strategy.num_replicas_in_sync to log that value."
+            f"the loss it returns (history, MLflow `loss`) is one replica's share: 1/{n} of the "
+            "one-device value. Track loss * self.distribute_strategy.num_replicas_in_sync to log that value."
         )
     return lines
 
