@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -127,6 +128,7 @@ def test_exit_says_what_it_waits_for_when_the_server_is_slow(tmp_path: Path) -> 
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        start_new_session=True,  # `mlflow server` runs uvicorn as a child: the kill ends both
     )
     try:
         deadline = time.monotonic() + 120
@@ -156,7 +158,7 @@ def test_exit_says_what_it_waits_for_when_the_server_is_slow(tmp_path: Path) -> 
             timeout=300,
         )
     finally:
-        server.kill()
+        os.killpg(server.pid, signal.SIGKILL)
         server.wait()
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split() == ["delivered"]
