@@ -198,7 +198,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             what = f"epoch {point.epoch + 1}, but another callback changed it to epoch {epoch + 1}"
         if what:
             raise UsageError(
-                f"keras-sync's backup in {self.backup_dir} restored {what} before training resumed. Fix: keep one backup: remove that callback, or remove fault_tolerance.backup_dir."
+                f"keras-sync's backup in {self.backup_dir} restored {what} before training resumed. Fix: keep one backup: remove the callback that changed it, or remove fault_tolerance.backup_dir."
             )
         if self._is_chief:
             _say(line)

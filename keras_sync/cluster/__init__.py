@@ -101,7 +101,9 @@ def killed_when_training_returns(env: Mapping[str, str] | None = None) -> bool:
 
 
 def _error(what: str, received: Any, fix: str) -> ClusterError:
-    return ClusterError(f"{what}. Received: {str(received)[:300]}. {fix}")
+    shown = str(received)
+    shown = shown if len(shown) <= 300 else shown[:300] + "..."
+    return ClusterError(f"{what}. Received: {shown}. {fix}")
 
 
 _EXAMPLE = 'Expected e.g. {"cluster": {"worker": ["h0:2222", "h1:2222"]}, "task": {"type": "worker", "index": 0}}'

@@ -63,7 +63,8 @@ class PeerCalls:
         def fail(what: str, error: type[UsageError] = UsageError) -> UsageError:
             return error(
                 f"{me[0]} {me[1]} {_said(call)}, but {what}. Under multi_worker_mirrored {call} is a "
-                "collective: every worker must call it, in the same order; not under `if sync.is_chief:`."
+                "collective: every worker must call it, in the same order. Fix: take the call out of "
+                "`if sync.is_chief:` or any branch only some workers take."
             )
 
         try:

@@ -273,7 +273,9 @@ def _private_network() -> Iterator[list[str]]:
             assert holder.stdout is not None
             if holder.stdout.readline().strip() != b"ready":
                 why = f"`unshare --net` failed (exit code {holder.wait()}; said above)"
-                raise _no_namespace(why, "drop it, or allow network namespaces (CAP_SYS_ADMIN).")
+                raise _no_namespace(
+                    why, "drop --private-network, or allow network namespaces here (CAP_SYS_ADMIN)."
+                )
             yield ["nsenter", f"--net=/proc/{holder.pid}/ns/net", "--"]
         finally:
             holder.kill()

@@ -174,8 +174,9 @@ class Spooler:
             ):
                 return False
             time.sleep(0.02)
-            if self.progress() != seen:
-                seen, last_move = self.progress(), time.monotonic()
+            now_at = self.progress()
+            if now_at != seen:
+                seen, last_move = now_at, time.monotonic()
             if progress is not None:
                 progress()
         return True

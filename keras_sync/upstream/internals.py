@@ -34,7 +34,7 @@ def _pin(library: str, floor: str | None = None) -> str:
     pip = f'pip install "{dist}>={floor or lo},<{major}.{int(minor) + 1}"'
     # "tensorflow" would add a second distribution beside tensorflow-cpu.
     if library == "tensorflow":
-        return f"install TensorFlow {lo}-{newest} of the distribution you use (e.g. {pip})"
+        return f"install TensorFlow {floor or lo}-{newest} of the distribution you use (e.g. {pip})"
     return pip
 
 

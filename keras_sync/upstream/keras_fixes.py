@@ -45,7 +45,7 @@ _TRAIN_END_KNOWN = contextvars.ContextVar("keras_sync_train_end_known", default=
 
 def _end_known(data: Any) -> bool:
     """Whether Keras stops at the last batch of ``data`` without reading past it: arrays, and
-    datasets of known or infinite cardinality (Keras counts their batches)."""
+    datasets of known cardinality (Keras counts their batches) or infinite (they never end)."""
     import tensorflow as tf
 
     if isinstance(data, tf.data.Dataset):
