@@ -40,7 +40,7 @@ FEATURES = 8
 
 def _hold_until_signal(step: int, limit_s: float = 900) -> None:
     # keras-sync's SIGTERM/SIGINT handler (installed by fit with a backup_dir) is a bound method of
-    # keras_sync.cluster.preemption.StopSignalWatch: its `pending` turns True when a signal has arrived.
+    # keras_sync.cluster.preemption.PreemptionSaver: its `pending` turns True when a signal has arrived.
     watch = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
     print(f"holding after step {step}", flush=True)
     deadline = time.monotonic() + limit_s

@@ -62,12 +62,12 @@ def _python(code: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_stop_signal_watch_records_sigterm_and_sigint_and_gives_them_back() -> None:
+def test_preemption_saver_records_sigterm_and_sigint_and_gives_them_back() -> None:
     r = _python(
         "import os, signal, time\n"
-        "from keras_sync.cluster.preemption import StopSignalWatch\n"
+        "from keras_sync.cluster.preemption import PreemptionSaver\n"
         "for sig in (signal.SIGTERM, signal.SIGINT):\n"
-        "    w = StopSignalWatch(30)\n"
+        "    w = PreemptionSaver(30)\n"
         "    assert w.install()\n"
         "    os.kill(os.getpid(), sig); time.sleep(0.2)\n"
         "    print('pending', w.pending, w.signum == sig)\n"
@@ -88,8 +88,8 @@ def test_watchdog_exits_143_with_a_line_when_no_save_comes_within_the_grace() ->
     start = time.monotonic()
     r = _python(
         "import os, signal, threading\n"
-        "from keras_sync.cluster.preemption import StopSignalWatch\n"
-        "StopSignalWatch(1.5).install()\n"
+        "from keras_sync.cluster.preemption import PreemptionSaver\n"
+        "PreemptionSaver(1.5).install()\n"
         "os.kill(os.getpid(), signal.SIGTERM)\n"
         "threading.Event().wait(60)  # a main thread that never reaches the save\n"
     )
@@ -106,8 +106,8 @@ def test_a_second_ctrl_c_exits_130_at_once_while_the_first_waits_for_its_save() 
     # woken by the signal itself, ends the process on the second Ctrl-C, long before the grace.
     r = _python(
         "import os, signal, threading, time\n"
-        "from keras_sync.cluster.preemption import StopSignalWatch\n"
-        "StopSignalWatch(600).install()\n"
+        "from keras_sync.cluster.preemption import PreemptionSaver\n"
+        "PreemptionSaver(600).install()\n"
         "os.kill(os.getpid(), signal.SIGINT); time.sleep(0.3)\n"
         "print('first Ctrl-C recorded', flush=True)\n"
         "threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()\n"

@@ -296,7 +296,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
         assert self._preemption is not None
         self._barrier()  # no worker leaves while another still takes part in the save
-        self._preemption.watch.done()
+        self._preemption.done()
         name, code = signal_name(self._preemption.signum), exit_code(self._preemption.signum)
         step, message = self._iterations(), None
         if self._is_chief and saved:

@@ -1,9 +1,5 @@
-"""``keras-sync env``: versions, devices and cluster, as a block to paste into a bug report.
-Only the device list imports TensorFlow; addresses and credentials are redacted."""
-
 from __future__ import annotations
 
-import contextlib
 import os
 import platform
 import sys
@@ -13,15 +9,6 @@ import click
 
 from keras_sync import __version__
 from keras_sync.config import CONFIG_ENV
-
-#: label -> the distributions that provide it: the first one installed wins.
-_PACKAGES = {
-    "Keras": ("keras",),
-    "MLflow": ("mlflow", "mlflow-skinny"),
-    "NumPy": ("numpy",),
-    "PyYAML": ("pyyaml",),
-    "click": ("click",),
-}
 
 
 @click.command("env")
@@ -40,7 +27,9 @@ def command(no_devices: bool) -> None:
         "Platform": platform.platform(),
         "CPU cores": str(os.cpu_count()),
         "TensorFlow": stack.describe_tensorflow(),
-        **{label: _version(dists) for label, dists in _PACKAGES.items()},
+        **{
+            name: _version(name.lower()) for name in ("Keras", "MLflow", "NumPy", "PyYAML", "click")
+        },
         "Keras backend": backend if source == "default" else f"{backend} (from {source})",
         "GPUs (driver)": str(count_gpus_cheaply()),
         "CUDA_VISIBLE_DEVICES": env.get("CUDA_VISIBLE_DEVICES", "unset"),
@@ -53,12 +42,11 @@ def command(no_devices: bool) -> None:
     click.echo("\n".join(f"- {key}: {value}" for key, value in report.items() if value is not None))
 
 
-def _version(dists: tuple[str, ...]) -> str:
-    for dist in dists:
-        with contextlib.suppress(metadata.PackageNotFoundError):
-            version = metadata.version(dist)
-            return version if dist == dists[0] else f"{version} ({dist})"
-    return "not installed"
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def _devices() -> str:

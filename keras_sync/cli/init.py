@@ -1,5 +1,3 @@
-"""``keras-sync init``: write a commented keras_sync.yaml and a train.py that runs as is."""
-
 from __future__ import annotations
 
 import shlex
@@ -53,18 +51,13 @@ def command(
     from keras_sync.config.kinds import KINDS, LAYOUT_LOCAL
     from keras_sync.strategy import count_gpus_cheaply
 
+    batch = per_replica_batch
     if not no_input and sys.stdin.isatty():
-        choice, batch = click.Choice(STRATEGY_KINDS), click.IntRange(min=1)
-        kind = kind or click.prompt("Strategy kind", default="auto", type=choice)
-        per_replica_batch = per_replica_batch or click.prompt(
-            "Per-replica batch size", 32, type=batch
-        )
-    kind = (kind or "auto").lower()
-    root = Path(directory)  # click refuses a file
-    contents = {
-        root / DEFAULT_CONFIG_FILE: render_config(kind, per_replica_batch or 32),
-        root / "train.py": _template("train.py"),
-    }
+        kind = kind or click.prompt("Strategy kind", "auto", type=click.Choice(STRATEGY_KINDS))
+        batch = batch or click.prompt("Per-replica batch size", 32, type=click.IntRange(min=1))
+    root, kind, batch = Path(directory), (kind or "auto").lower(), batch or 32
+    config = root / DEFAULT_CONFIG_FILE
+    contents = {config: render_config(kind, batch), root / "train.py": _template("train.py")}
     # Every target is checked before any is written: without --force, nothing is overwritten.
     if (existing := [p for p in contents if p.exists()]) and not force:
         raise UserError(
@@ -86,6 +79,6 @@ def command(
     if not count_gpus_cheaply() and spec.simulated_cpus and spec.layout == LAYOUT_LOCAL:
         click.echo(
             "no GPU here, so 1 replica per process; for 2 on the CPU, set "
-            f"strategy.simulated_cpu_replicas: 2 in {root / DEFAULT_CONFIG_FILE}"
+            f"strategy.simulated_cpu_replicas: 2 in {config}"
         )
     click.echo(f"next: cd {shlex.quote(directory)} && keras-sync plan && python train.py")

@@ -1,5 +1,3 @@
-"""``keras-sync launch`` (also ``python -m keras_sync.launch``): a script as N local workers."""
-
 from __future__ import annotations
 
 import sys

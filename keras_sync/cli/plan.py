@@ -1,12 +1,9 @@
-"""``keras-sync plan``: what a run would do with this config, without training or TensorFlow.
-Every value says where it came from: flag, env, file, default, or detected/derived (with a note)."""
-
 from __future__ import annotations
 
 import json
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import click
@@ -71,18 +68,16 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         """``{"config": file, "items": {key: {"value", "source", "note"}}}``."""
-        items = {i.key: {k: v for k, v in asdict(i).items() if k != "key"} for i in self.items}
+        items = {i.key: {"value": i.value, "source": i.source, "note": i.note} for i in self.items}
         return {"config": self.config_file, "items": items}
 
     def format(self) -> str:
         """An aligned table: key, value, source, note."""
         rows = [(i.key, _show(i.value), f"[{i.source}]", i.note) for i in self.items]
         widths = [max(len(row[c]) for row in rows) for c in range(3)]
-        lines = [f"config: {self.config_file}"]
-        for row in rows:
-            cells = [cell.ljust(width) for cell, width in zip(row, widths)]
-            lines.append(("  " + "  ".join(cells) + "  " + row[3]).rstrip())
-        return "\n".join(lines)
+        cells = ("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows)
+        lines = [f"  {line}  {row[3]}".rstrip() for line, row in zip(cells, rows)]
+        return "\n".join([f"config: {self.config_file}", *lines])
 
 
 def _show(value: Any) -> str:
@@ -129,7 +124,7 @@ def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Pl
     add("workers", workers, "env" if workers > 1 else "default", where)
     add("replicas", replicas, "derived", note)
     if spec.multi_process and config.strategy.cluster == "slurm" and workers > 1:
-        if (base := cluster.fixed_slurm_port_base(config.strategy)) is not None:
+        if isinstance(base := config.strategy.slurm.port_base, int):
             add("strategy.slurm.port_base", base)
         else:
             job, step = env.get("SLURM_JOB_ID"), env.get("SLURM_STEP_ID")

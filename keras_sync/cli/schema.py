@@ -1,5 +1,3 @@
-"""``keras-sync schema``: print the JSON Schema of keras_sync.yaml for editors."""
-
 from __future__ import annotations
 
 import json

@@ -1,5 +1,3 @@
-"""``keras-sync ui``: the MLflow UI over the store the config points at, on 127.0.0.1."""
-
 from __future__ import annotations
 
 import contextlib

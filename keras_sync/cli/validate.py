@@ -1,5 +1,3 @@
-"""``keras-sync validate``: check a config file and print every problem at once."""
-
 from __future__ import annotations
 
 import click

@@ -1,9 +1,8 @@
-"""``keras-sync verify``: run both halves, compare their recordings, print the table, log it."""
-
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -89,8 +88,7 @@ def command(
     folder = Path(keep or tempfile.mkdtemp(prefix="keras-sync-verify-"))
     folder.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in (VERIFY_REPLAY_ENV, "TF_CONFIG")}
-    if config:
-        env["KERAS_SYNC_CONFIG"] = config
+    env.update({"KERAS_SYNC_CONFIG": config} if config else {})
     subject_dir, reference_dir = Path(recording or folder / "distributed"), folder / "one_device"
     try:
         if recording is None:
@@ -98,17 +96,14 @@ def command(
             record = {VERIFY_RECORD_ENV: str(subject_dir), VERIFY_STEPS_ENV: str(steps)}
             _run("distributed run", [*launch, script, *args], {**env, **record})
         subject = _load(subject_dir, f"the distributed run ({subject_dir})")
-        record = {
-            VERIFY_RECORD_ENV: str(reference_dir),
-            VERIFY_STEPS_ENV: str(len(subject["steps"])),
-            VERIFY_REPLAY_ENV: str(subject_dir.resolve()),
-        }
+        replay, done = str(subject_dir.resolve()), str(len(subject["steps"]))
+        record = {VERIFY_RECORD_ENV: str(reference_dir), VERIFY_REPLAY_ENV: replay}
+        record[VERIFY_STEPS_ENV] = done
         _run("one-device reference", [script, *args], {**env, **record})
         reference = _load(reference_dir, "the one-device reference")
         layers = _layer_differences(subject_dir, reference_dir)
-        result = verdict(
-            subject["steps"], reference["steps"], layers, subject["facts"], subject["replicas"]
-        )
+        facts, replicas = subject["facts"], subject["replicas"]
+        result = verdict(subject["steps"], reference["steps"], layers, facts, replicas)
         lines = _table(result, subject, reference)
         click.echo("\n".join(lines))
         comparison = {**dataclasses.asdict(result), "table": lines, "last_line": result.last_line}
@@ -152,8 +147,7 @@ def _load(folder: Path, what: str) -> Run:
         ) from None
     if not record.get("steps"):
         raise UserError(
-            f"verify: {what} recorded no optimizer step ({path}); expected sync.fit to train at "
-            "least one"
+            f"verify: {what} recorded no optimizer step ({path}); expected sync.fit to train at least one"
         )
     return record
 
@@ -184,9 +178,10 @@ def _table(result: Verdict, subject: Run, reference: Run) -> list[str]:
     micro = reference["facts"].get("accumulation", 1) // max(1, facts.get("accumulation", 1))
     how = f"{micro} micro-batches of {reference['global_batch']} accumulated (one replica's memory)"
     if micro <= 1:
-        depends = depends_on_batch(facts)
-        how = f"the full global batch of {batch}"
-        how += f" ({' and '.join(depends)} depend(s) on the batch)" if depends else ""
+        depends = " and ".join(depends_on_batch(facts))
+        how = f"the full global batch of {batch}" + (
+            f" ({depends} depend(s) on the batch)" if depends else ""
+        )
     on = f" on {workers} workers" if workers > 1 else ""
     run = f"{subject['replicas']} replicas{on} ({subject['kind']}), global batch {batch}"
     lines = [f"distributed: {run}; reference: one device, {how}"]
@@ -200,16 +195,16 @@ def _table(result: Verdict, subject: Run, reference: Run) -> list[str]:
     left = f"nothing left that verify knows of (input: {source or 'unknown'})"
     if source in ("Python generator", "keras.utils.PyDataset"):
         left = f"not deterministic: a {source.rpartition('.')[2]}'s own randomness, if any"
+    precision = facts.get("precision", "float32")
     lines += [
-        "determinism: seeds (Python, NumPy, Keras), initial weights and keras-sync's data order "
-        f"fixed; {left}",
-        f"tolerance: {result.tolerance:.1e} relative ({facts.get('precision', 'float32')} "
-        f"rounding over {result.steps} steps)",
+        f"determinism: seeds (Python, NumPy, Keras), initial weights and keras-sync's data order fixed; {left}",
+        f"tolerance: {result.tolerance:.1e} relative ({precision} rounding over {result.steps} steps)",
     ]
     parts = result.partings
-    alike = f"every step alike: loss, update norm, learning rate, examples ({result.steps} steps)"
     if not parts:
-        lines.append(alike)
+        lines.append(
+            f"every step alike: loss, update norm, learning rate, examples ({result.steps} steps)"
+        )
     else:
         lines.append(f"{'step':>5}  {'quantity':<9} {'distributed':>13} {'one device':>13}")
         lines += [
@@ -223,33 +218,28 @@ def _table(result: Verdict, subject: Run, reference: Run) -> list[str]:
 
 def _log_run(comparison: Path, result: Verdict, subject: Run, reference: Run) -> str:
     """Log the comparison to an MLflow run of its own (tag ``keras_sync.verify``); its id."""
-    from mlflow.entities import Metric, Param
-    from mlflow.tracking import MlflowClient
+    import mlflow
 
     from keras_sync.tracking import resolve_tracking_uri
     from keras_sync.tracking.sqlite_store import ensure_sqlite_store
 
     uri, _ = resolve_tracking_uri(subject["mlflow"].get("tracking_uri"))
     ensure_sqlite_store(uri)
-    client, name = MlflowClient(uri), subject["mlflow"]["experiment"]
-    experiment = client.get_experiment_by_name(name)
-    experiment_id = experiment.experiment_id if experiment else client.create_experiment(name)
-    tags = {
-        "keras_sync.verify": "same" if result.same else "different",
-        "keras_sync.verify.cause": (result.cause or "")[:5000],
-        "keras_sync.verify.line": result.last_line[:5000],
-    }
-    run_name = f"verify {subject['kind']} x{subject['replicas']}"
-    rid = client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
-    params = {key: subject[key] for key in ("replicas", "kind", "global_batch")}
-    params.update(steps=result.steps, tolerance=f"{result.tolerance:.3g}")
-    client.log_batch(rid, params=[Param(k, str(v)) for k, v in params.items()])
-    for i, pair in enumerate(zip(subject["steps"], reference["steps"])):  # one batch per step
-        halves = zip(("distributed", "one_device"), pair)
-        metrics = [
-            Metric(f"verify/{h}/{q}", float(s[q]), 0, i) for h, s in halves for q in QUANTITIES
-        ]
-        client.log_batch(rid, metrics=metrics)
-    client.log_artifact(rid, str(comparison))
-    client.set_terminated(rid, "FINISHED")
-    return rid
+    mlflow.set_tracking_uri(uri)
+    logging.getLogger("mlflow").setLevel(logging.WARNING)  # not its "Creating a new experiment"
+    mlflow.set_experiment(subject["mlflow"]["experiment"])
+    tags = {"keras_sync.verify": "same" if result.same else "different"}
+    tags.update({"keras_sync.verify.cause": (result.cause or "")[:5000]})
+    tags.update({"keras_sync.verify.line": result.last_line[:5000]})
+    with mlflow.start_run(
+        run_name=f"verify {subject['kind']} x{subject['replicas']}", tags=tags
+    ) as run:
+        mlflow.log_params({key: subject[key] for key in ("replicas", "kind", "global_batch")})
+        mlflow.log_params({"steps": result.steps, "tolerance": f"{result.tolerance:.3g}"})
+        for i, pair in enumerate(zip(subject["steps"], reference["steps"])):
+            halves = zip(("distributed", "one_device"), pair)
+            mlflow.log_metrics(
+                {f"verify/{h}/{q}": float(s[q]) for h, s in halves for q in QUANTITIES}, step=i
+            )
+        mlflow.log_artifact(str(comparison))
+    return str(run.info.run_id)

@@ -29,8 +29,7 @@ _SLURM_VARS = (
 
 @dataclass(frozen=True)
 class ClusterInfo:
-    """This process's place: ``worker_addresses`` are the training tasks, chief first; ``flavor``
-    says who wrote TF_CONFIG, for people only."""
+    """This process's place; ``worker_addresses`` chief first; ``flavor``: who wrote TF_CONFIG."""
 
     source: Literal["tf_config", "slurm", "indexed_job", "none"]
     task_type: str
@@ -65,8 +64,8 @@ def role(cluster: Mapping[str, Any] | None, task_type: str | None, task_id: int 
     """
     if not cluster or task_type is None:
         return SINGLE
-    workers = len(training_tasks(cluster))
-    return Role(is_chief(cluster, task_type, task_id or 0), task_type, task_id, max(workers, 1))
+    workers = max(len(training_tasks(cluster)), 1)
+    return Role(is_chief(cluster, task_type, task_id or 0), task_type, task_id, workers)
 
 
 def strategy_role(strategy: Any) -> Role:
@@ -85,8 +84,7 @@ def is_chief(cluster: Mapping[str, Any], task_type: str, task_id: int) -> bool:
 
 
 def training_tasks(cluster: Mapping[str, Any]) -> dict[tuple[str, int], str]:
-    """Every training task ``(job, index)`` of ``{job: [address]}`` (or ``{job: {index: address}}``)
-    with its address, the chief first."""
+    """``{(job, index): address}`` of the training tasks, chief first (``{job: {index: address}}`` too)."""
     out: dict[tuple[str, int], str] = {}
     for job in TRAINING_JOBS:
         tasks = cluster.get(job) or []
@@ -102,8 +100,7 @@ def killed_when_training_returns(env: Mapping[str, str] | None = None) -> bool:
 
 def _error(what: str, received: Any, fix: str) -> ClusterError:
     shown = str(received)
-    shown = shown if len(shown) <= 300 else shown[:300] + "..."
-    return ClusterError(f"{what}. Received: {shown}. {fix}")
+    return ClusterError(f"{what}. Received: {shown[:300]}{'...' * (len(shown) > 300)}. {fix}")
 
 
 _EXAMPLE = 'Expected e.g. {"cluster": {"worker": ["h0:2222", "h1:2222"]}, "task": {"type": "worker", "index": 0}}'
@@ -117,9 +114,9 @@ def _tf_config_cluster(data: Any, raw: str) -> dict[str, list[str]]:
     if "sparseCluster" in data:
         what, fix = (
             f"TF_CONFIG has `sparseCluster`, {_MWMS}",
-            "Fix: set `enableDynamicWorker: false`.",
+            "Fix: set `enableDynamicWorker: false`",
         )
-        raise _error(what, f"sparseCluster={data['sparseCluster']!r}", fix)
+        raise _error(what, f"sparseCluster={data['sparseCluster']!r}", fix + ".")
     cluster = data.get("cluster")
     if not isinstance(cluster, dict) or not cluster:
         raise _error("TF_CONFIG has no `cluster`", f"cluster={cluster!r}", _EXAMPLE)
@@ -131,18 +128,12 @@ def _tf_config_cluster(data: Any, raw: str) -> dict[str, list[str]]:
             what, fix = f"TF_CONFIG cluster.{job} must be a list", f'Expected "{job}": ["h:2222"].'
             raise _error(what, f"cluster.{job}={addresses!r}", fix)
     if cluster.get("ps"):
-        what, fix = (
-            f"TF_CONFIG cluster has `ps` tasks, which are {_MWMS}",
-            "Fix: remove the PS replicas.",
-        )
-        raise _error(what, f"cluster.ps={cluster['ps']!r}", fix)
+        what = f"TF_CONFIG cluster has `ps` tasks, which are {_MWMS}"
+        raise _error(what, f"cluster.ps={cluster['ps']!r}", "Fix: remove the PS replicas.")
     for job in ("chief", "evaluator"):
         if len(cluster.get(job, [])) > 1:
-            what, fix = (
-                f"TF_CONFIG cluster.{job} must have at most one task",
-                "Fix: set `replicas: 1`.",
-            )
-            raise _error(what, f"cluster.{job}={cluster[job]!r}", fix)
+            what = f"TF_CONFIG cluster.{job} must have at most one task"
+            raise _error(what, f"cluster.{job}={cluster[job]!r}", "Fix: set `replicas: 1`.")
     if not training_tasks(cluster):
         what = "TF_CONFIG cluster has no `chief` or `worker` tasks"
         raise _error(what, f"cluster={cluster!r}", "Add a worker list.")
@@ -167,11 +158,11 @@ def parse_tf_config(raw: str | None, *, env: Mapping[str, str] | None = None) ->
         raise _error("TF_CONFIG has no `task`", f"task={task!r}", fix)
     task_type, task_id = task.get("type"), task.get("index")
     if task_type not in (*TRAINING_JOBS, "evaluator"):
-        fix = "Expected one of chief, worker, evaluator."
-        raise _error("TF_CONFIG task.type is not a training role", f"task.type={task_type!r}", fix)
+        what = "TF_CONFIG task.type is not a training role"
+        raise _error(what, f"task.type={task_type!r}", "Expected one of chief, worker, evaluator.")
     if isinstance(task_id, str) and task_id.isdigit():
         task_id = int(task_id)  # TFConfigClusterResolver does int(index) too
-    if isinstance(task_id, bool) or not isinstance(task_id, int) or task_id < 0:
+    if type(task_id) is not int or task_id < 0:
         what = "TF_CONFIG task.index must be an integer >= 0"
         raise _error(what, f"task.index={task_id!r}", "Fix the task index.")
     count = len(cluster.get(task_type, []))
@@ -238,12 +229,6 @@ def slurm_port_base(env: Mapping[str, str] | None = None) -> int:
     return 10000 + (key % 1361) * 16
 
 
-def fixed_slurm_port_base(strategy_config: Any) -> int | None:
-    """`strategy.slurm.port_base` as set: an int, or None for auto (`slurm_port_base`)."""
-    base = strategy_config.slurm.port_base
-    return base if isinstance(base, int) else None
-
-
 def parse_slurm_env(
     env: Mapping[str, str] | None = None, *, port_base: int | None = None
 ) -> ClusterInfo:
@@ -251,20 +236,17 @@ def parse_slurm_env(
     sorted, task i on its node at ``port_base`` + i (None: `slurm_port_base`)."""
     env = os.environ if env is None else env
     if missing := [v for v in _SLURM_VARS if v not in env]:
-        what, fix = (
-            f"{', '.join(missing)} are not set",
-            "Fix: start it with `srun python train.py`.",
-        )
-        raise _error(what, f"SLURM_JOB_ID={env.get('SLURM_JOB_ID')!r}", fix)
+        what = f"{', '.join(missing)} are not set"
+        received = f"SLURM_JOB_ID={env.get('SLURM_JOB_ID')!r}"
+        raise _error(what, received, "Fix: start it with `srun python train.py`.")
     values = {v: env[v] for v in _SLURM_VARS}
     try:
         rank, num_tasks = int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"])
         hosts = expand_hostlist(env["SLURM_STEP_NODELIST"])
         layout = dict(zip(hosts, expand_tasks_per_node(env["SLURM_STEP_TASKS_PER_NODE"])))
     except ValueError as e:
-        raise _error(
-            f"Slurm variables cannot be read ({e})", values, "Let srun set them."
-        ) from None
+        what = f"Slurm variables cannot be read ({e})"
+        raise _error(what, values, "Let srun set them.") from None
     base = slurm_port_base(env) if port_base is None else port_base
     addresses = [f"{h}:{base + i}" for h, n in sorted(layout.items()) for i in range(n)]
     if len(addresses) != num_tasks or not 0 <= rank < num_tasks:
@@ -274,8 +256,7 @@ def parse_slurm_env(
 
 
 def indexed_job_addresses(hosts: str, port: int, workers: int) -> list[str]:
-    """Every worker's ``host:port`` from the pattern ``hosts`` (``{index}``), ``:port`` added
-    unless the pattern names one."""
+    """Every worker's ``host:port`` from the pattern ``hosts`` (``{index}``); ``:port`` if it has none."""
     out = [hosts.replace("{index}", str(i)) for i in range(workers)]
     return [h if re.search(r":\d+$", h) else f"{h}:{port}" for h in out]
 
@@ -291,9 +272,9 @@ def parse_indexed_job(
         fix = "Kubernetes sets it in an Indexed Job's pods; run there, or set it (0 to workers-1)."
         raise _error(what, f"{INDEX_VAR}=None", fix)
     if not raw.strip().isdigit() or int(raw) >= workers:
-        what = f"${INDEX_VAR} is not a worker index from 0 to strategy.indexed_job.workers-1"
+        what = f"${INDEX_VAR} is not a worker index from 0 to strategy.indexed_job.workers-1={workers - 1}"
         fix = "Set strategy.indexed_job.workers to the Job's `completions`."
-        raise _error(f"{what}={workers - 1}", f"{INDEX_VAR}={raw!r}", fix)
+        raise _error(what, f"{INDEX_VAR}={raw!r}", fix)
     index, addresses = int(raw), indexed_job_addresses(hosts, port, workers)
     return ClusterInfo("indexed_job", "worker", index, workers, index == 0, addresses)
 
@@ -314,11 +295,10 @@ def _worker_list_resolver(info: ClusterInfo) -> Any:
 
 class ClusterEnvironment:
     """Where this process sits in one kind of cluster (this base: one process), from ``env`` and the
-    config's `strategy` section."""
+    config's `strategy` section; ``label`` (`{flavor}`: ClusterInfo's) and ``absent`` (`detect` is
+    False) are what `keras-sync plan` shows."""
 
-    name = "alone"
-    label = "one process"  # for `keras-sync plan`; `{flavor}` is ClusterInfo.flavor
-    absent = "one process"  # what `keras-sync plan` says when `detect` is False
+    name, label, absent = "alone", "one process", "one process"
 
     def __init__(self, strategy_config: Any = None, env: Mapping[str, str] | None = None):
         self.config = strategy_config
@@ -362,19 +342,23 @@ class SlurmEnvironment(ClusterEnvironment):
     def detect(self) -> bool:
         return "SLURM_PROCID" in self.env
 
+    def port_base(self) -> int:
+        """`strategy.slurm.port_base`, or `slurm_port_base` when it is auto."""
+        base = self.config.slurm.port_base
+        return base if isinstance(base, int) else slurm_port_base(self.env)
+
     def info(self) -> ClusterInfo:
-        return parse_slurm_env(self.env, port_base=fixed_slurm_port_base(self.config))
+        return parse_slurm_env(self.env, port_base=self.port_base())
 
     def resolver(self) -> Any:
         info = self.info()  # its errors say what to fix; TensorFlow's do not
         import tensorflow as tf
 
-        # Without GPUs, TensorFlow's resolver would give each task a GPU that does not exist.
+        # Without GPUs, TensorFlow's resolver would give each task a GPU that does not exist;
+        # with them, it sets CUDA_VISIBLE_DEVICES per task.
         if not tf.config.list_physical_devices("GPU"):
             return _worker_list_resolver(info)
-        base = fixed_slurm_port_base(self.config)  # TensorFlow's sets CUDA_VISIBLE_DEVICES per task
-        port_base = slurm_port_base(self.env) if base is None else base
-        return tf.distribute.cluster_resolver.SlurmClusterResolver(port_base=port_base)
+        return tf.distribute.cluster_resolver.SlurmClusterResolver(port_base=self.port_base())
 
 
 class IndexedJobEnvironment(ClusterEnvironment):

@@ -24,9 +24,7 @@ from keras_sync.upstream.strategy_facts import built_under
 EXIT = "exit"
 # While waiting for a peer's post, ask every 2 s whether its process is still there; a probe that
 # times out counts as gone only after 3 in a row, so a busy peer is not taken for a gone one.
-_POLL_MS = 2000
-_PROBE_MS = 10_000
-_PROBE_TRIES = 3
+_POLL_MS, _PROBE_MS, _PROBE_TRIES = 2000, 10_000, 3
 _ATTRIBUTE = "_keras_sync_peer_calls"  # the strategy attribute that holds its PeerCalls
 _strategies = itertools.count()  # strategies built in this process: alike on every worker
 
@@ -70,19 +68,18 @@ class PeerCalls:
         try:
             multi_worker.set_key(f"{key}/{me[0]}:{me[1]}", call)
         except tf.errors.OpError:  # the coordination service's worker (the chief) has exited
-            gone = (
-                "the job's coordination service is gone: the worker that hosts it has left the job"
-            )
-            raise fail(gone) from None
-        for peer in training_tasks(resolver.cluster_spec().as_dict()):
-            if peer == me:
-                continue
-            name, slow = f"{peer[0]} {peer[1]}", 0
-            while True:
+            gone = "the job's coordination service is gone: the worker that hosts it has left"
+            raise fail(gone + " the job") from None
+        for job, index in training_tasks(resolver.cluster_spec().as_dict()):
+            name, slow = f"{job} {index}", 0
+            while (job, index) != me:
                 left_ms = int((deadline - time.monotonic()) * 1000)
                 try:
-                    wait_ms = max(1, min(left_ms, _POLL_MS))
-                    got = multi_worker.get_key(f"{key}/{peer[0]}:{peer[1]}", wait_ms)
+                    got = multi_worker.get_key(
+                        f"{key}/{job}:{index}", max(1, min(left_ms, _POLL_MS))
+                    )
+                    if got != call:
+                        raise fail(f"{name} {_said(got)} instead", PeerElsewhereError)
                     break
                 except tf.errors.DeadlineExceededError:
                     if on_wait is not None:
@@ -99,7 +96,7 @@ class PeerCalls:
                 # MultiWorkerMirroredStrategy's own health probe: an exited peer answers Unavailable
                 # (FailedPrecondition once restarted).
                 try:
-                    multi_worker.peer_health(f"/job:{peer[0]}/replica:0/task:{peer[1]}", _PROBE_MS)
+                    multi_worker.peer_health(f"/job:{job}/replica:0/task:{index}", _PROBE_MS)
                     slow = 0
                 except (tf.errors.UnavailableError, tf.errors.FailedPreconditionError):
                     slow = _PROBE_TRIES
@@ -109,8 +106,6 @@ class PeerCalls:
                     slow = 0
                 if slow >= _PROBE_TRIES:
                     raise fail(f"{name} has left the job (its process no longer answers)")
-            if got != call:
-                raise fail(f"{name} {_said(got)} instead", PeerElsewhereError)
 
     def meet_at_exit(self) -> None:
         """The exit meeting, after a successful run only."""

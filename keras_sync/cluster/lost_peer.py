@@ -79,13 +79,10 @@ def lost_peer_message(
     tasks = training_tasks(cluster)
     peers = lost_peers(text, cluster, me)
     who = ", ".join(f"/job:{j}/task:{i} ({tasks[(j, i)]})" for j, i in peers) or "a peer"
-    resume = "with fault_tolerance.backup_dir set it resumes from the last backup"
-    if backup_dir:
-        resume = resume.replace(" set", f"={backup_dir}")
-    elif backup_known:
-        resume = (
-            "set fault_tolerance.backup_dir to resume where it stopped instead of from the start"
-        )
+    resume = "set fault_tolerance.backup_dir to resume where it stopped instead of from the start"
+    if backup_dir or not backup_known:
+        given = f"={backup_dir}" if backup_dir else " set"
+        resume = f"with fault_tolerance.backup_dir{given} it resumes from the last backup"
     first_line = (text.strip().splitlines() or ["unavailable"])[0][:120]
     reason = next((said for sign, said in _REASONS if sign in text.lower()), first_line)
     return (

@@ -10,7 +10,6 @@ import atexit
 import contextlib
 import itertools
 import os
-import select
 import signal
 import sys
 import threading
@@ -23,8 +22,7 @@ from keras_sync.cluster import training_tasks
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, TensorFlow's restartable code
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT: a person stopped the job (Ctrl-C)
 _STOP = "stop"  # posted when a fit ends without a preemption, to release the watcher threads
-# Fits started in this process: the same count on every worker, so it names one fit's keys.
-_fit_numbers = itertools.count(1)
+_fit_numbers = itertools.count(1)  # the same on every worker, so it names one fit's keys
 
 
 def signal_name(signum: int | None) -> str:
@@ -57,27 +55,47 @@ def exit_now(code: int, message: str | None = None) -> None:
 
 
 def exit_at_once(*_: Any) -> None:
-    """A second Ctrl-C: end the process now, code 130 (no backup, no wait for delivery)."""
+    """A second Ctrl-C: exit 130 now, without a backup or the wait for delivery."""
     _say("Ctrl-C again: exiting at once, without a backup at this step")
     os._exit(INTERRUPTED_EXIT_CODE)
 
 
-class StopSignalWatch:
-    """Records the first SIGTERM or SIGINT between `install` and `uninstall` instead of dying; a
-    watchdog thread woken by `signal.set_wakeup_fd` (the main thread may be inside TensorFlow) exits
-    if `done` is not called within ``grace_period_s``, and at once on a second Ctrl-C."""
+class PreemptionSaver:
+    """A SIGTERM or Ctrl-C during one `fit`: when to save the backup, and the exit if it never comes.
+
+    Between `install` and `uninstall` the first stop signal is recorded instead of ending the
+    process; a watchdog thread woken by `signal.set_wakeup_fd` (the main thread may be inside
+    TensorFlow) exits if `done` is not called within ``grace_period_s``, and at once on a second
+    Ctrl-C. Under several workers, the worker that got the signal posts "save after step N+1" in the
+    coordination service's key-value store and waits for every worker's ack; each worker learns it
+    from a thread blocked on that key, so a normal step pays nothing (TensorFlow's
+    `PreemptionCheckpointHandler` protocol). Workers differ by at most one step, so none is past N+1.
+    """
 
     def __init__(self, grace_period_s: float):
         self.grace_period_s = float(grace_period_s)
-        self.received_at: float | None = None
-        self.signum: int | None = None  # the first stop signal received
-        self._previous: dict[int, Any] = {}
-        self._done = threading.Event()
+        self._previous: dict[int, Any] = {}  # the handlers `install` replaced
         self._wake_w = self._old_wakeup_fd = -1
+        self._reset()
+
+    def _reset(self) -> None:
+        self.received_at: float | None = None
+        self._own_signum: int | None = None  # the first stop signal this process received
+        self._done = threading.Event()
+        self.target: int | None = None  # the optimizer step after which every worker saves
+        self._peer_signum: int | None = None  # the stop signal of the worker that announced it
+        self._workers = self._task = 0  # training tasks when several agree on the step, else 0
+        self._key = ""  # this fit's prefix in the coordination service's key-value store
+        self._announced = False
 
     @property
     def pending(self) -> bool:
         return self.received_at is not None
+
+    @property
+    def signum(self) -> int | None:
+        """The stop signal this process exits for: its own, else the one the announcing worker got."""
+        return self._own_signum if self._own_signum is not None else self._peer_signum
 
     def install(self) -> bool:
         """Handle SIGTERM and SIGINT from now on; False (nothing changed) outside the main thread."""
@@ -107,61 +125,35 @@ class StopSignalWatch:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.received_at is None:
-            self.signum, self.received_at = signum, time.monotonic()
+            self._own_signum, self.received_at = signum, time.monotonic()
 
     def _watchdog(self, fd: int) -> None:
-        deadline: float | None = None
         first: int | None = None
         try:
-            while True:
-                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-                if not select.select([fd], [], [], timeout)[0]:  # the grace period is over
-                    deadline = None
-                    if not self._done.is_set():
-                        grace = f"fault_tolerance.grace_period_s={self.grace_period_s:g} s"
-                        exit_now(
-                            exit_code(first),
-                            f"{signal_name(first)}: no backup could be saved within {grace}; "
-                            "exiting without it. Relaunch the job to resume from the last backup.",
-                        )
-                    continue
-                data = os.read(fd, 64)
-                if not data:
-                    return
+            while data := os.read(fd, 64):  # b"": `uninstall` closed the pipe
                 for sig in (b for b in data if b in (signal.SIGTERM, signal.SIGINT)):
                     if first is None:
-                        first, deadline = sig, time.monotonic() + self.grace_period_s
+                        first = sig
+                        args = (sig, self._done)
+                        threading.Thread(target=self._expire, args=args, daemon=True).start()
                     elif sig == signal.SIGINT:  # a person who pressed Ctrl-C again does not wait
                         exit_at_once()
         finally:
             os.close(fd)
 
-
-class PreemptionSaver:
-    """Decides, at each batch or epoch end of one `fit`, whether a SIGTERM or Ctrl-C asks for the save now.
-
-    Under several workers, the worker that got the signal posts "save after step N+1" in the
-    coordination service's key-value store and waits for every worker's ack; each worker learns it
-    from a thread blocked on that key, so a normal step pays nothing (TensorFlow's
-    `PreemptionCheckpointHandler` protocol). Workers differ by at most one step, so none is past N+1.
-    """
-
-    def __init__(self, grace_period_s: float):
-        self.grace_period_s = grace_period_s
-        self._reset()
-
-    def _reset(self) -> None:
-        self.watch = StopSignalWatch(self.grace_period_s)
-        self.target: int | None = None  # the optimizer step after which every worker saves
-        self._peer_signum: int | None = None  # the stop signal of the worker that announced it
-        self._workers = self._task = 0  # training tasks when several agree on the step, else 0
-        self._key = ""  # this fit's prefix in the coordination service's key-value store
-        self._announced = False
+    def _expire(self, signum: int, done: threading.Event) -> None:
+        if not done.wait(self.grace_period_s):
+            grace = f"fault_tolerance.grace_period_s={self.grace_period_s:g} s"
+            exit_now(
+                exit_code(signum),
+                f"{signal_name(signum)}: no backup could be saved within {grace}; "
+                "exiting without it. Relaunch the job to resume from the last backup.",
+            )
 
     def begin(self, strategy: Any) -> None:
         self._reset()
         key = f"keras_sync/preemption/{next(_fit_numbers)}"
-        if not self.watch.install():
+        if not self.install():
             return  # not the main thread: SIGTERM and SIGINT keep their previous meaning
         from keras_sync.upstream.strategy_facts import in_multi_worker_mode
 
@@ -192,17 +184,12 @@ class PreemptionSaver:
         self._peer_signum = int(signum) if signum else None
         self.target = int(step)
 
-    @property
-    def signum(self) -> int | None:
-        """The stop signal this process exits for: its own, else the one the announcing worker got."""
-        return self.watch.signum if self.watch.signum is not None else self._peer_signum
-
     def save_due(self, step: Callable[[], int]) -> bool:
         """At a batch end: True when every worker saves now. ``step()`` reads the optimizer step."""
         if not self._workers:
-            return self.watch.pending
+            return self.pending
         if self.target is None:
-            if self.watch.pending and not self._announced:
+            if self.pending and not self._announced:
                 self._announce(step())
             return False  # the agreed step is the next one
         return step() >= self.target
@@ -212,27 +199,31 @@ class PreemptionSaver:
         return self.save_due(step) and not self._workers
 
     def _announce(self, step: int) -> None:
-        """Ask every worker to save after step ``step + 1`` (or another's step) and wait for the acks."""
+        """Ask every worker to save after step ``step + 1`` (or another's step); wait for the acks."""
         import tensorflow as tf
 
         from keras_sync.upstream import multi_worker
 
         self._announced = True
-        deadline = (self.watch.received_at or time.monotonic()) + self.grace_period_s
-        signum = self.watch.signum or signal.SIGTERM
+        deadline = (self.received_at or time.monotonic()) + self.grace_period_s
+
+        def ms_left() -> int:
+            return max(1, int((deadline - time.monotonic()) * 1000))
+
+        signum = self._own_signum or signal.SIGTERM
         with contextlib.suppress(tf.errors.AlreadyExistsError):  # another worker announced first
             multi_worker.set_key(f"{self._key}/step", f"{step + 1}:{int(signum)}")
         try:
-            value = multi_worker.get_key(f"{self._key}/step", _ms_left(deadline))
+            value = multi_worker.get_key(f"{self._key}/step", ms_left())
             if value == _STOP:
                 return
             for task in range(self._workers):
-                multi_worker.get_key(f"{self._key}/ack/{task}", _ms_left(deadline))
+                multi_worker.get_key(f"{self._key}/ack/{task}", ms_left())
         except tf.errors.DeadlineExceededError:
             return
         self._take(value)
         # Ctrl-C reaches every worker (the launcher forwards it): the chief's closing line is enough.
-        if self.watch.signum != signal.SIGINT:
+        if self._own_signum != signal.SIGINT:
             _say(
                 f"SIGTERM at optimizer step {step}: every worker saves a backup after step "
                 f"{self.target}, then exits"
@@ -241,9 +232,9 @@ class PreemptionSaver:
     def end(self, *, clean: bool = True) -> bool:
         """Stand down at train end (idempotent). True when a stop signal came but training finished
         before a save. ``clean=False`` after `fit` raised: the peers may be gone, so no network call."""
-        pending = self.watch.pending
-        self.watch.done()
-        self.watch.uninstall()
+        pending = self.pending
+        self.done()
+        self.uninstall()
         if self._workers and clean:
             from keras_sync.upstream import multi_worker
 
@@ -253,15 +244,10 @@ class PreemptionSaver:
         return pending
 
 
-def _ms_left(deadline: float) -> int:
-    return max(1, int((deadline - time.monotonic()) * 1000))
-
-
 @contextlib.contextmanager
 def ctrl_c_ends_fit(model: Any, *, is_chief: bool, backup_dir: str | None) -> Iterator[None]:
     """Around `model.fit`: a `KeyboardInterrupt` (no backup caught the Ctrl-C) ends the process with
-    one line (chief only) and code 130. A second Ctrl-C then exits at once, skipping the wait for
-    MLflow delivery. Nothing is installed while `fit` runs."""
+    one line (chief only) and code 130; a second Ctrl-C then skips the wait for MLflow delivery."""
     try:
         yield
     except KeyboardInterrupt:

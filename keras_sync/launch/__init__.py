@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import IO
 
 from keras_sync.config import CONFIG_ENV
-from keras_sync.errors import UsageError
+from keras_sync.errors import KerasSyncError, UsageError
 
 JOB_ID_ENV = "KERAS_SYNC_JOB_ID"  # read by `keras_sync.config` as mlflow.job_id
 RESTART_COUNT_ENV = "KERAS_SYNC_RESTART_COUNT"  # the try's number (0, 1, ...), for the workers
@@ -33,8 +33,10 @@ Procs = list[subprocess.Popen[bytes]]
 def worker_tf_configs(ports: Sequence[int]) -> list[str]:
     """The TF_CONFIG of each local worker: the same cluster, its own index."""
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
-    tasks = [{"type": "worker", "index": i} for i in range(len(ports))]
-    return [json.dumps({"cluster": cluster, "task": task}) for task in tasks]
+    return [
+        json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})
+        for i in range(len(ports))
+    ]
 
 
 def _write(out: IO[str], text: str) -> None:
@@ -59,40 +61,6 @@ def _signal_groups(procs: Procs, sig: int) -> None:
             os.killpg(p.pid, sig)  # pid == pgid: each worker leads its own session
 
 
-def _refuse(
-    script: str, workers: int, config: str | None, environ: Mapping[str, str], private: bool
-) -> None:
-    """Before any worker starts: missing files, a one-process kind, an HTTP store in a namespace."""
-    for name, path in (("script", script), ("config", config)):
-        if path is not None and not os.path.isfile(path):
-            raise UsageError(
-                f"Invalid value for argument `{name}`. Received: {name}={path!r}, which is not a "
-                "file. Fix: check the path (relative to the current directory)."
-            )
-    if workers <= 1 and not private:
-        return
-    from keras_sync.config import load_config
-    from keras_sync.errors import KerasSyncError
-
-    try:
-        cfg = load_config(config, environ=environ)
-    except KerasSyncError:
-        return  # every worker reports it
-    from keras_sync.strategy import refuse_one_process_kind
-
-    started = f"keras-sync launch --workers {workers} starts {workers} workers"
-    refuse_one_process_kind(cfg, workers, started, f"run it as one process: python {script}")
-    uri = cfg.mlflow.tracking_uri or ""
-    if private and cfg.mlflow.enabled and uri.lower().startswith(("http://", "https://")):
-        from keras_sync.tracking.redact import redact_uri
-
-        raise UsageError(
-            "Invalid value for argument `private_network`. Received: private_network=True with "
-            f"mlflow.tracking_uri={redact_uri(uri)!r}, which the namespace cannot reach. Fix: use "
-            "a sqlite or file store, set mlflow.enabled: false, or drop --private-network."
-        )
-
-
 def launch(
     script: str,
     args: list[str],
@@ -112,10 +80,16 @@ def launch(
         UsageError: no such script or config, a one-process strategy kind under several workers,
             or ``private_network`` where no network namespace can be made.
     """
-    extra = dict(env or {})
-    _refuse(script, workers, config, {**os.environ, **extra}, private_network)
+    for name, path in (("script", script), ("config", config)):
+        if path is not None and not os.path.isfile(path):
+            raise UsageError(
+                f"Invalid value for argument `{name}`. Received: {name}={path!r}, which is not a "
+                "file. Fix: check the path (relative to the current directory)."
+            )
     base_env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
-    base_env.update({**extra, "PYTHONUNBUFFERED": "1"})
+    base_env.update({**(env or {}), "PYTHONUNBUFFERED": "1"})
+    if workers > 1 or private_network:
+        _refuse_before_start(script, workers, config, base_env, private_network)
     # One job identity for every try: the MLflow run is found again by it (mlflow.job_id).
     base_env.setdefault(JOB_ID_ENV, f"launch-{uuid.uuid4().hex[:12]}")
     if config is not None:
@@ -135,8 +109,8 @@ def launch(
                 stack.callback(signal.signal, sig, signal.signal(sig, on_signal))
         command = [*prefix, sys.executable, script, *args]
         for attempt in range(max_restarts + 1):
-            try_env = {**base_env, RESTART_COUNT_ENV: str(attempt)}
-            code, failed = _one_try(command, workers, try_env, procs, stop, grace_period_s)
+            with _started(command, workers, {**base_env, RESTART_COUNT_ENV: str(attempt)}, procs):
+                code, failed = _supervise(procs, stop, grace_period_s)
             if code == 0 or stop or failed is None or attempt == max_restarts:
                 break
             _say(
@@ -145,23 +119,39 @@ def launch(
     return code
 
 
-def _one_try(
-    command: list[str],
-    workers: int,
-    env: dict[str, str],
-    procs: Procs,
-    stop: list[int],
-    grace_period_s: float,
-) -> tuple[int, int | None]:
-    """Starts the workers on fresh ports and supervises them: (exit code, failed worker)."""
-    procs.clear()
-    pumps: list[threading.Thread] = []
-    # Held open until every port is chosen, so the ports are distinct.
-    with contextlib.ExitStack() as held:
+def _refuse_before_start(
+    script: str, workers: int, config: str | None, environ: dict[str, str], private: bool
+) -> None:
+    """A one-process kind under several workers, or an HTTP tracking store in a namespace."""
+    from keras_sync.config import load_config
+    from keras_sync.strategy import refuse_one_process_kind
+    from keras_sync.tracking.redact import redact_uri
+
+    try:
+        cfg = load_config(config, environ=environ)
+    except KerasSyncError:
+        return  # every worker reports it
+    started = f"keras-sync launch --workers {workers} starts {workers} workers"
+    refuse_one_process_kind(cfg, workers, started, f"run it as one process: python {script}")
+    uri = cfg.mlflow.tracking_uri or ""
+    if private and cfg.mlflow.enabled and uri.lower().startswith(("http://", "https://")):
+        raise UsageError(
+            "Invalid value for argument `private_network`. Received: private_network=True with "
+            f"mlflow.tracking_uri={redact_uri(uri)!r}, which the namespace cannot reach. Fix: use "
+            "a sqlite or file store, set mlflow.enabled: false, or drop --private-network."
+        )
+
+
+@contextlib.contextmanager
+def _started(command: list[str], workers: int, env: dict[str, str], procs: Procs) -> Iterator[None]:
+    """The workers in ``procs``, on fresh ports, their output prefixed; all killed at the end."""
+    with contextlib.ExitStack() as held:  # every port held until all are chosen: they differ
         socks = [held.enter_context(socket.socket()) for _ in range(workers)]
         for s in socks:
             s.bind(("127.0.0.1", 0))
         configs = worker_tf_configs([s.getsockname()[1] for s in socks])
+    procs.clear()
+    pumps: list[threading.Thread] = []
     try:
         for i, tf_config in enumerate(configs):
             p = subprocess.Popen(
@@ -174,10 +164,10 @@ def _one_try(
             )
             procs.append(p)
             for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
-                thread = threading.Thread(target=_pump, args=(stream, f"[w{i}] ", out), daemon=True)
-                thread.start()
-                pumps.append(thread)
-        return _supervise(procs, stop, grace_period_s)
+                pump = threading.Thread(target=_pump, args=(stream, f"[w{i}] ", out), daemon=True)
+                pump.start()
+                pumps.append(pump)
+        yield
     finally:
         _signal_groups(procs, signal.SIGKILL)  # what workers left behind, or a crash here
         for p in procs:
@@ -194,11 +184,12 @@ def _supervise(procs: Procs, stop: list[int], grace_period_s: float) -> tuple[in
     while True:
         codes = [p.poll() for p in procs]
         if result is None and stop:
-            result, n = 128 + stop[0], len(procs)
-            if stop[0] == signal.SIGINT:
-                _say(f"Ctrl-C: stopping {n} worker(s); Ctrl-C again to kill them at once")
-            else:
-                _say(f"got {signal.Signals(stop[0]).name}; stopping {n} worker(s)")
+            result, ctrl_c = 128 + stop[0], stop[0] == signal.SIGINT
+            name = "Ctrl-C" if ctrl_c else signal.Signals(stop[0]).name
+            _say(
+                f"{name}: stopping {len(procs)} worker(s)"
+                + "; Ctrl-C again to kill them at once" * ctrl_c
+            )
             _signal_groups(procs, stop[0])
             kill_at = time.monotonic() + grace_period_s
         # A shell-style exit code: a death by signal N becomes 128 + N.
@@ -236,8 +227,7 @@ _FIX = "run launch as root on Linux, or drop --private-network and keep the work
 
 def _no_namespace(why: str, fix: str = _FIX) -> UsageError:
     return UsageError(
-        "Invalid value for argument `private_network`. Received: private_network=True, but "
-        f"{why}. Fix: {fix}"
+        f"Invalid value for argument `private_network`. Received: private_network=True, but {why}. Fix: {fix}"
     )
 
 
@@ -247,20 +237,15 @@ def refuse_private_network_unless_possible() -> None:
     if not sys.platform.startswith("linux"):
         raise _no_namespace(f"network namespaces are Linux only (this is {sys.platform})")
     if os.geteuid() != 0:
-        uid = os.geteuid()
-        raise _no_namespace(f"a network namespace needs root or CAP_SYS_ADMIN (uid {uid})")
+        raise _no_namespace(f"a network namespace needs root or CAP_SYS_ADMIN (uid {os.geteuid()})")
     if missing:
         raise _no_namespace(f"{missing} (util-linux) not found on the PATH")
 
 
 @contextlib.contextmanager
 def _private_network() -> Iterator[list[str]]:
-    """A network namespace for one launch's workers; yields the prefix that runs a command in it.
-
-    TensorFlow's gRPC server binds ``0.0.0.0`` whatever the cluster spec says and runs any op a
-    client sends. Inside the namespace there is no network but its loopback: a sqlite or file
-    tracking store works, an HTTP server does not.
-    """
+    """A network namespace for one launch's workers (TensorFlow's servers bind ``0.0.0.0``); yields
+    the prefix that runs a command in it. Its only network is a loopback: no HTTP tracking server."""
     refuse_private_network_unless_possible()
     holder = subprocess.Popen(
         ["unshare", "--net", "--", sys.executable, "-c", _HOLDER],
@@ -273,9 +258,8 @@ def _private_network() -> Iterator[list[str]]:
             assert holder.stdout is not None
             if holder.stdout.readline().strip() != b"ready":
                 why = f"`unshare --net` failed (exit code {holder.wait()}; said above)"
-                raise _no_namespace(
-                    why, "drop --private-network, or allow network namespaces here (CAP_SYS_ADMIN)."
-                )
+                fix = "drop --private-network, or allow network namespaces here (CAP_SYS_ADMIN)."
+                raise _no_namespace(why, fix)
             yield ["nsenter", f"--net=/proc/{holder.pid}/ns/net", "--"]
         finally:
             holder.kill()

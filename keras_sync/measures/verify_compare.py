@@ -83,45 +83,36 @@ def likely_cause(
     """The likely cause of a difference, from the first quantities that differ and the model's ``facts``."""
     first_of = {p.quantity: p for p in reversed(first)}
     if p := first_of.get("examples"):
-        return (
-            f"examples per step differ: {p.subject:g} distributed, {p.reference:g} on one device "
-            f"at step {p.step} (data sharded twice, a dataset's own batch, or an uneven last batch)"
-        )
+        why = "data sharded twice, a dataset's own batch, or an uneven last batch"
+        return f"examples per step differ: {p.subject:g} distributed, {p.reference:g} on one device at step {p.step} ({why})"
     if p := first_of.get("lr"):
-        return (
-            f"the learning rate applied differs: {p.subject:g} distributed, {p.reference:g} on one "
-            f"device at step {p.step} (a schedule or rate set outside keras-sync's scaling)"
-        )
+        why = "a schedule or rate set outside keras-sync's scaling"
+        return f"the learning rate applied differs: {p.subject:g} distributed, {p.reference:g} on one device at step {p.step} ({why})"
     causes = []
     # The first updates' norms differ by the replica count: a loss summed over the replicas.
     s, r = (subject[0]["update"], reference[0]["update"]) if subject and reference else (0, 0)
-    if replicas > 1 and s > 0 and r > 0:
-        if facts.get("custom_train_step"):
-            why = (
-                "the custom train_step's loss is not divided by the replica count and "
-                f"runtime.train_step_gradients is {facts.get('train_step_gradients', 'sum')}, so "
-                "the replicas' gradients are summed"
-            )
-        else:
-            why = "a loss reduction of sum, or a custom train_step, sums the replicas' gradients"
-        for size, ratio in (("large", s / r / replicas), ("small", s / r * replicas)):
-            if abs(ratio - 1) < 0.05:
-                causes.append(f"the gradient is {replicas} times too {size} ({why})")
+    why = "a loss reduction of sum, or a custom train_step, sums the replicas' gradients"
+    if facts.get("custom_train_step"):
+        rule = facts.get("train_step_gradients", "sum")
+        why = f"the custom train_step's loss is not divided by the replica count and runtime.train_step_gradients is {rule}, so the replicas' gradients are summed"
+    ratio = s / r if s > 0 and r > 0 else 0.0
+    for size, factor in (("large", 1 / replicas), ("small", replicas)):
+        if replicas > 1 and abs(ratio * factor - 1) < 0.05:
+            causes.append(f"the gradient is {replicas} times too {size} ({why})")
     if facts.get("batch_norm") and not facts.get("sync_batch_norm"):
+        n = facts["batch_norm"]
         causes.append(
-            f"BatchNorm batch statistics: {facts['batch_norm']} BatchNormalization layer(s) "
-            "normalise each replica's share of the batch, not the global batch (set "
-            "runtime.sync_batch_norm: true)"
+            f"BatchNorm batch statistics: {n} BatchNormalization layer(s) normalise each replica's share of the batch, not the global batch (set runtime.sync_batch_norm: true)"
         )
     if facts.get("random_layers"):
+        layers = ", ".join(facts["random_layers"])
         causes.append(
-            f"random ops draw different numbers on each replica ({', '.join(facts['random_layers'])}"
-            ": Dropout, random augmentation), so the runs are equal in distribution, not in value"
+            f"random ops draw different numbers on each replica ({layers}: Dropout, random augmentation), so the runs are equal in distribution, not in value"
         )
     if facts.get("add_loss"):
+        n = facts["add_loss"]
         causes.append(
-            f"an add_loss term that sums over the batch ({facts['add_loss']} term(s)): each "
-            "replica's share is divided by the replica count again, so it counts 1/N of one device's"
+            f"an add_loss term that sums over the batch ({n} term(s)): each replica's share is divided by the replica count again, so it counts 1/N of one device's"
         )
     if facts.get("precision", "float32") != "float32":
         causes.append(f"mixed-precision ops ({facts['precision']}) beyond their tolerance")
@@ -129,11 +120,8 @@ def likely_cause(
         others = "; ".join(c.split(":")[0].split(" (")[0] for c in causes[1:])
         return f"{causes[0]} (also possible: {others})" if others else causes[0]
     if first and first[0].step == 0 and first[0].quantity == "loss":
-        return (
-            "the first loss differs before any update, from the same weights: the batches differ "
-            "(a data order or generator that verify could not make deterministic) or a "
-            "non-deterministic op"
-        )
+        why = "a data order or generator that verify could not make deterministic"
+        return f"the first loss differs before any update, from the same weights: the batches differ ({why}) or a non-deterministic op"
     shown = ", ".join(f"{p.quantity} at step {p.step}" for p in first[:3]) or "the final weights"
     return f"no known cause fits; what differed: {shown}"
 
