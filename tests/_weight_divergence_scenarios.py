@@ -164,6 +164,21 @@ if MODE == "mirrored":  # a sweep: several models in one process, each compared 
         "per_variable": (many_ops - few_ops) / (many - few),
     }
 
+    # sync.fit builds its callbacks anew at each fit: one model's comparison is still traced once.
+    from keras_sync.training.instrument import probe_of
+
+    with sync.scope():
+        again = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+        again.compile(optimizer="sgd", loss="mse")
+    logged = Recorder()
+    for _ in range(2):
+        sync.fit(again, x, y, epochs=1, verbose=0, callbacks=[WeightDivergence(logged)])
+    kept = probe_of(again).weight_gather
+    result["two_fits"] = {
+        "points": len(logged.logged),
+        "traces": kept[1].experimental_get_tracing_count() if kept else None,
+    }
+
 if MODE == "mirrored":
     path = OUT
 else:

@@ -102,6 +102,12 @@ def test_many_models_in_one_process_compare_without_a_retracing_warning(mirrored
 
 
 @pytest.mark.slow
+def test_each_fit_of_one_model_calls_one_traced_comparison(mirrored: dict) -> None:
+    # Traced and placed again at every sync.fit, it cost more than all the sync metrics of a fit.
+    assert mirrored["two_fits"] == {"points": 2, "traces": 1}
+
+
+@pytest.mark.slow
 def test_the_comparison_adds_few_ops_per_variable(mirrored: dict) -> None:
     # TensorFlow traces, places and optimizes every op of the comparison at the first epoch end: 64 ops
     # per variable (2 replicas) took 15.7 s of CPU for a model of 248 variables; 14 take 2.4 s.

@@ -41,8 +41,7 @@ class WeightDivergence(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if self._gather is None:
-            variables = mirrored_variables(self.model)
-            self._gather = _gather_fn(self.model, variables) if variables else False
+            self._gather = _traced_gather(self.model)
         if self._gather is False:
             return
         found = summarize(self._gather().numpy().tolist())
@@ -84,6 +83,24 @@ def compare(model: Any) -> Divergence | None:
     if not variables:
         return None
     return summarize(_gather_fn(model, variables)().numpy().tolist())  # [replicas, variables, 4]
+
+
+def _traced_gather(model: Any) -> Any:
+    """``model``'s traced comparison (False: nothing to compare), kept on its replica probe so
+    that each fit of the same model and variables calls one trace instead of tracing again."""
+    from keras_sync.training.instrument import probe_of
+
+    variables = mirrored_variables(model)
+    if not variables:
+        return False
+    probe, key = probe_of(model), tuple(id(v) for v in variables)
+    kept = getattr(probe, "weight_gather", None)
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    gather = _gather_fn(model, variables)
+    if probe is not None:
+        probe.weight_gather = (key, gather)  # holds the variables: their ids stay theirs
+    return gather
 
 
 def _fingerprints(values: list[Any]) -> Any:

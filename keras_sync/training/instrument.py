@@ -63,6 +63,8 @@ class ReplicaProbe:
         #: The attributes of the optimizers the traced step applied, in order.
         self.applied: list[str] = []
         self._told = False
+        #: `WeightDivergence`'s traced comparison of this model: (variable ids, function).
+        self.weight_gather: tuple[tuple[int, ...], Any] | None = None
 
     def read(self) -> list[Any]:
         """Every replica's ring (``(ring + 1, 8)`` float64), replica 0 first: row ``(c - 1) % ring``
