@@ -80,7 +80,7 @@ def load(
             early_writer.close()  # it logged nothing: no empty spool folder left either
             with contextlib.suppress(OSError):  # not empty (other runs' spools), or gone
                 os.rmdir(os.path.dirname(os.path.abspath(early_writer.spool_path)))
-    runtime.set_dtype_policy(cfg, is_chief=sync.is_chief)  # before the user builds the model
+    runtime.set_dtype_policy(cfg)  # before the user builds the model
     if cfg.verify is not None:  # `keras-sync verify`: the same weights and data on both runs
         from keras_sync.training.verify_record import seed_everything
 
@@ -271,7 +271,7 @@ class Sync:
         if self.config.verify is not None:
             from keras_sync.training import verify_record
 
-            verify_record.end_script(self.config, is_chief=self.is_chief)  # all verify needs
+            verify_record.end_script()  # all verify needs
         return history
 
     def context(self, *, per_replica_batch_size: int | None = None) -> Any:

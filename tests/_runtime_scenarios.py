@@ -70,9 +70,7 @@ def load(cfg):
     from keras_sync.training import runtime
 
     config = load_config(cfg)
-    runtime.set_dtype_policy(
-        config, is_chief=SYNC.is_chief
-    )  # what keras_sync.load does (runtime.mixed_precision)
+    runtime.set_dtype_policy(config)  # what keras_sync.load does (runtime.mixed_precision)
     return Sync(
         config, SYNC.strategy, types.SimpleNamespace(kind=SYNC.kind, reason=SYNC.kind_reason)
     )
@@ -544,23 +542,6 @@ def mixed_custom():
             "updates": int(opt.iterations.numpy()),
             "scale": float(opt.dynamic_scale.numpy()),
         }
-    if (
-        N > 1 or WORKERS
-    ):  # without the private pass-through (a Keras that moved it): the sum on the first replica, zeros elsewhere
-        from keras_sync.training import loss_scale as _loss_scale
-
-        _loss_scale._passes = False
-        try:
-            s = load(config(mixed_precision="mixed_float16"))
-            model = make(keras.Sequential, s)
-            s.fit(model, X, Y, epochs=4, shuffle=False, verbose=0)
-            out["keras_reduced_twice"] = {
-                "weights": flat(model),
-                "updates": int(model.optimizer.iterations.numpy()),
-                "scale": float(model.optimizer.dynamic_scale.numpy()),
-            }
-        finally:
-            _loss_scale._passes = None
     return out
 
 

@@ -528,7 +528,6 @@ def test_mixed_precision_on_two_replicas(runs):
     assert res["mixed_bfloat16"]["optimizer"] == "SGD" and np.all(
         np.isnan(res["mixed_bfloat16"]["loss_scale"])
     )
-    assert "mixed_float16 on CPU, which has no fast float16" in runs["logs"]["two"]
 
 
 @pytest.mark.slow
@@ -561,13 +560,6 @@ def _mixed_float16_equals_one_device(one, two, layout):
         one["keras"]["updates"],
         one["keras"]["scale"],
     )
-    # Without the private pass-through of the sum (a Keras that moved it) the result is the same.
-    reduced_twice = two.pop("keras_reduced_twice")
-    assert (reduced_twice["updates"], reduced_twice["scale"]) == (
-        two["keras"]["updates"],
-        two["keras"]["scale"],
-    )
-    assert _diff(reduced_twice["weights"], two["keras"]["weights"]) <= 1e-7
     diffs = {name: _diff(two[name]["weights"], one[name]["weights"]) for name in two}
     print(
         "mixed_float16,",

@@ -52,19 +52,17 @@ class GradientAccumulator:
         import tensorflow as tf
         from keras import ops
 
-        tvs = list(trainable_variables) if trainable_variables is not None else self._vars
-        try:
-            idx = [self._index[id(v)] for v in tvs]
-        except KeyError:
+        tvs = self._vars if trainable_variables is None else list(trainable_variables)
+        if any(id(v) not in self._index for v in tvs):
             raise UsageError(
                 "runtime.gradient_accumulation_steps: the train step applies gradients to a variable "
-                "not among model.trainable_variables when fit started, which keras-sync cannot "
-                "accumulate. Fix: set gradient_accumulation_steps: 1 for this model."
-            ) from None
+                "not among model.trainable_variables when fit started. Fix: set "
+                "gradient_accumulation_steps: 1 for this model."
+            )
+        idx = [self._index[id(v)] for v in tvs]
         for i, g in zip(idx, grads):
-            if g is not None:
-                dense = tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
-                self._sums[i].assign_add(tf.cast(dense, self._sums[i].dtype))
+            if g is not None:  # an IndexedSlices is summed dense
+                self._sums[i].assign_add(tf.cast(tf.convert_to_tensor(g), self._sums[i].dtype))
         micro = self._micro.assign_add(1)
         is_update = tf.equal(tf.math.floormod(micro, self.steps), 0)
         present = [g is not None for g in grads]

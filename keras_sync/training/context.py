@@ -62,30 +62,13 @@ class SharedState:
         self._listeners: list[Callable[[dict[str, float], int], None]] = []
 
     def job_step(self, model_step: int) -> int:
-        """The job's step for the model's optimizer step: a new model continues after the job's
-        earlier fits, a model fitted again its own count.
-
-        >>> shared = SharedState(fit=2, steps_before=16)
-        >>> shared.job_step(0), shared.job_step(5)     # a new model: after the 16 steps of fit 1
-        (16, 21)
-        >>> SharedState(fit=2, steps_before=16).job_step(16)  # the same model fitted again
-        16
-        """
+        """The job's step of the model's optimizer step (a new model continues after earlier fits)."""
         if self.step_offset is None:
             self.step_offset = max(0, self.steps_before - model_step)
         return self.step_offset + model_step
 
     def params_to_log(self, params: dict[str, Any]) -> dict[str, Any]:
-        """Of ``params``, those to send: new keys as given, changed values as ``fit_<n>.<key>``
-        (MLflow params are immutable; compared as the text MLflow stores).
-
-        >>> first, third = SharedState(), SharedState(fit=3)
-        >>> third._params = first._params
-        >>> first.params_to_log({"epochs": 1, "optimizer_name": "SGD"})
-        {'epochs': 1, 'optimizer_name': 'SGD'}
-        >>> third.params_to_log({"epochs": 2, "optimizer_name": "SGD"})
-        {'fit_3.epochs': 2}
-        """
+        """Of ``params``, the new ones, a changed value as ``fit_<n>.<key>`` (MLflow's are immutable)."""
         out: dict[str, Any] = {}
         for key, value in params.items():
             if self._params.get(key, str(value)) != str(value):
@@ -112,14 +95,7 @@ class SharedState:
 
 
 class JobState:
-    """What the fits of one job in this process share: the last step trained, the params logged.
-
-    >>> job = JobState()
-    >>> first = job.next_fit(); first.step = first.job_step(0) + 16   # 16 steps of a new model
-    >>> second = job.next_fit()
-    >>> second.fit, second.job_step(0) + 1   # a new model again: its first step
-    (2, 17)
-    """
+    """What the fits of one job in this process share: the last step trained, the params logged."""
 
     def __init__(self) -> None:
         self.fits = self.last_step = 0
@@ -136,7 +112,7 @@ class JobState:
 
 
 def check_shared(shared: Any) -> SharedState:
-    """``shared`` itself, or a new `SharedState` for None; a clear error for anything else."""
+    """``shared`` itself, or a new `SharedState` for None; a `UsageError` for anything else."""
     if shared is None or isinstance(shared, SharedState):
         return shared or SharedState()
     from keras_sync.errors import UsageError

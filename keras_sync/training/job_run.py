@@ -20,36 +20,30 @@ _named_jobs: dict[tuple[Any, ...], JobState] = {}
 
 
 class JobRun:
-    """The MLflow run of one `Sync`: its writer on the chief, and the `JobState` every worker keeps
-    (shared by the `Sync`s of this process with the same explicit job id)."""
+    """The MLflow run of one `Sync`: its writer on the chief, and the `JobState` every worker keeps."""
 
     def __init__(self, config: Any, is_chief: bool):
-        self.config, self.is_chief = config, is_chief
-        cfg = config.mlflow
+        self.config, self.is_chief, cfg = config, is_chief, config.mlflow
         key = (cfg.job_id, cfg.tracking_uri, cfg.experiment)
         self.job = _named_jobs.setdefault(key, JobState()) if cfg.job_id else JobState()
-        #: The writer this job logs with (open, or closed after `close`), None before the first.
-        self.current: Any = None
+        self.current: Any = None  # the last writer (open, or closed after `close`)
 
     def writer(self, *, early: bool = False, started: Any = None) -> Any:
-        """The started `MlflowWriter` on the chief, None elsewhere. ``early``: the run begins with the
-        first record; ``started``: a writer `start_writer` made before the `Sync` existed."""
+        """The started `MlflowWriter` on the chief (``started``: one made before the `Sync`), else None."""
         ended = self.current
         if not self.is_chief or self._open() is not None:
             return self._open()
         if ended is None and started is not None and not started.closed:
-            writer = started
+            self.current = started
         else:  # a fit ended the run: continue it (FINISHED or not)
             again = None if ended is None or ended.run_id is None else (ended.job_id, ended.run_id)
-            writer = start_writer(self.config, early=early, continue_run=again)
-        if ended is None:
-            # Said from the writer's thread once the run exists (or MLflow failed): training does not wait.
-            writer.when_run_known(lambda w: announce(w, self.config))
-        self.current = writer
-        return writer
+            self.current = start_writer(self.config, early=early, continue_run=again)
+        if ended is None:  # said once the run exists, from the writer's thread
+            self.current.when_run_known(lambda w: announce(w, self.config))
+        return self.current
 
     def _open(self) -> Any:
-        return self.current if self.current is not None and not self.current.closed else None
+        return None if self.current is None or self.current.closed else self.current
 
     def end_after_fit(self, limit_s: float = 120.0) -> None:
         """End the run when `fit` returns; wait for MLflow only where the process is killed then."""
@@ -86,10 +80,8 @@ def start_writer(
     from keras_sync.tracking import MlflowWriter, resolve_tracking_uri
     from keras_sync.training import backup_files
 
-    cfg = config.mlflow
-    uri, _ = resolve_tracking_uri(cfg.tracking_uri)
+    cfg, backup_dir = config.mlflow, config.fault_tolerance.backup_dir
     job_id, explicit, run_id = cfg.job_id, True, None
-    backup_dir = config.fault_tolerance.backup_dir
     # The newest manifest's run, unverified: `backup_callbacks` checks the files once per fit.
     prefixes = backup_files.checkpoints(backup_dir) if backup_dir else []
     restored = next(filter(None, map(backup_files.manifest_run, prefixes)), None)
@@ -99,7 +91,7 @@ def start_writer(
         job_id, run_id = restored["job_id"], restored.get("run_id")
         explicit = bool(restored.get("explicit"))
     writer = MlflowWriter(
-        tracking_uri=uri,
+        tracking_uri=resolve_tracking_uri(cfg.tracking_uri)[0],
         experiment=cfg.experiment,
         run_name=cfg.run_name,
         job_id=job_id,

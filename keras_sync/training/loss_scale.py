@@ -12,19 +12,16 @@ from typing import Any
 
 #: The smallest magnitude float16 rounds to inf: its largest finite value 65504 plus half a step (16).
 FLOAT16_OVERFLOW = 65520.0
-_REDUCE = "_all_reduce_sum_gradients"
-_passes: bool | None = None  # whether Keras's inner all-reduce can pass a sum through (probed once)
 
 
 def from_float16(grad: Any) -> bool:
     """Whether a replica's local ``grad`` was computed in float16 (a float16 gradient cast back)."""
     import tensorflow as tf
 
-    t = grad.values if isinstance(grad, tf.IndexedSlices) else grad
-    try:
-        return t.op.type == "Cast" and t.op.inputs[0].dtype == tf.float16
-    except (AttributeError, IndexError):
-        return False
+    op = getattr(
+        grad.values if isinstance(grad, tf.IndexedSlices) else grad, "op", None
+    )  # eager: none
+    return op is not None and op.type == "Cast" and op.inputs[0].dtype == tf.float16
 
 
 def applies_here(optimizer: Any, num_replicas: int) -> bool:
@@ -61,21 +58,10 @@ def apply_summed(
     trainable_variables: Any,
     half: list[bool] | None = None,
 ) -> Any:
-    """``apply_fn`` on the gradients summed over the replicas, so the optimizer clips what one device
-    clips; with ``half`` (whether each gradient was float16) a sum that is not finite, or that float16
-    rounds to inf, makes every replica skip (NaN gradients).
-
-    Keras's private inner all-reduce passes the sums through; without it the first replica hands
-    over the sum and the others zeros, which Keras sums back.
-    """
+    """``apply_fn`` on the first replica's sum (the others' zeros), so the optimizer clips and skips as
+    one device does; with ``half`` (float16 gradients) a sum not finite in float16 skips (NaNs)."""
     import tensorflow as tf
 
-    from keras_sync.upstream import internals as _internals
-    from keras_sync.upstream.patching import patched
-
-    global _passes
-    if _passes is None:
-        _passes = _internals.available(_internals.LOSS_SCALE_REDUCE)
     if half is not None:
         grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
     ctx = tf.distribute.get_replica_context()
@@ -92,9 +78,7 @@ def apply_summed(
     first = tf.equal(ctx.replica_id_in_sync_group, 0)
     out = list(grads)
     for i, s in zip(present, summed):
-        if _passes:
-            mine = s
-        elif isinstance(s, tf.IndexedSlices):
+        if isinstance(s, tf.IndexedSlices):
             mine = tf.IndexedSlices(
                 s.values * tf.cast(first, s.values.dtype), s.indices, s.dense_shape
             )
@@ -103,12 +87,7 @@ def apply_summed(
         if half is not None:
             mine = tf.where(skip, tf.fill(tf.shape(s), tf.constant(float("nan"), s.dtype)), mine)
         out[i] = mine
-    if not _passes:
-        return apply_fn(out, trainable_variables)
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    # The sums pass Keras's own all-reduce unchanged while the replicas trace this apply.
-    with patched([(inner, _REDUCE, lambda grads_and_vars: list(grads_and_vars))]):
-        return apply_fn(out, trainable_variables)
+    return apply_fn(out, trainable_variables)
 
 
 def merge_duplicate_rows(gradient: Any) -> Any:

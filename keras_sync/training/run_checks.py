@@ -1,7 +1,7 @@
-"""Run-time checks of every `Sync.fit` (``examples_per_step``, ``examples_per_epoch``,
-``learning_rate``, ``add_loss``, ``direct_fit``): what really trained, against what keras-sync set
-up. A violation is one line on the chief and the MLflow tag ``keras_sync.check.<name>``, or a
-`CheckFailed` under ``on_violation: error``.
+"""Run-time checks of every `Sync.fit`: what really trained against what keras-sync set up
+(``examples_per_step``, ``examples_per_epoch``, ``learning_rate``, ``add_loss``, ``direct_fit``).
+A violation is one line on the chief and the MLflow tag ``keras_sync.check.<name>``, or a
+`CheckFailed` under ``checks.on_violation: error``.
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ class CheckFailed(KerasSyncError):
 
 
 def step_problem(examples: int, steps: int, global_batch: int) -> str | None:
-    """What is wrong with an epoch of ``steps`` steps over ``examples`` (None: each step took
-    ``global_batch``, the last at most that).
+    """What is wrong when ``steps`` steps took ``examples`` (each the global batch, the last at most).
 
     >>> step_problem(331, 11, 32) is None, step_problem(320, 10, 32) is None
     (True, True)
@@ -38,16 +37,14 @@ def step_problem(examples: int, steps: int, global_batch: int) -> str | None:
     """
     if steps <= 0 or (steps - 1) * global_batch < examples <= steps * global_batch:
         return None
-    per = examples / steps
-    per_text = f"{per:g}" if per == int(per) else f"{per:.1f}"
     return (
-        f"{steps} train steps took {examples} examples ({per_text} per step), but the learning "
-        f"rate was scaled for a global batch of {global_batch}"
+        f"{steps} train steps took {examples} examples ({round(examples / steps, 1):g} per step), "
+        f"but the learning rate was scaled for a global batch of {global_batch}"
     )
 
 
 def epoch_problem(examples: int, expected: int) -> str | None:
-    """What is wrong with an epoch that trained ``examples`` of data of ``expected`` examples.
+    """What is wrong when an epoch trained ``examples`` of data of ``expected`` examples.
 
     >>> epoch_problem(331, 331) is None
     True
@@ -67,8 +64,7 @@ def epoch_problem(examples: int, expected: int) -> str | None:
 def learning_rate_problem(
     applied: float, scaled: float, *, global_batch: int, rule: str, optimizer: str | None = None
 ) -> str | None:
-    """What is wrong when an optimizer applies ``applied`` and keras-sync scaled ``scaled``
-    (``optimizer``: the model attribute holding it when not ``model.optimizer``, a GAN's).
+    """What is wrong when ``optimizer`` (None: ``model.optimizer``) applies a rate not the scaled one.
 
     >>> learning_rate_problem(0.002, 0.002, global_batch=64, rule="linear") is None
     True
@@ -89,8 +85,7 @@ def learning_rate_problem(
 
 
 def sums_over_batch(whole: float, shares: list[float]) -> bool:
-    """Whether a term's value on some examples is the sum of its values on their equal shares
-    (Keras divides each `add_loss` term by N: such a term then counts 1/N of one device's).
+    """Whether a term's value on some examples is the sum of its values on their equal shares.
 
     >>> sums_over_batch(10.0, [4.0, 6.0])       # rate * ops.sum(x)
     True
@@ -108,13 +103,11 @@ def sums_over_batch(whole: float, shares: list[float]) -> bool:
 
 
 def add_loss_problem(model: Any, data: Any, n: int, global_batch: int) -> str | None:
-    """The ``add_loss`` finding on `fit`'s ``data`` over ``n`` replicas (None: nothing to say): the
-    terms of a stateless call on a few examples of the first batch against those of their N shares."""
+    """The ``add_loss`` finding: a few examples' terms against those of their ``n`` shares."""
     import tensorflow as tf
 
-    rows = PER_SHARE * n
     try:
-        x = _first_rows(model, data, rows)
+        x = _first_rows(model, data, PER_SHARE * n)
         whole = _terms(model, x) if x is not None else []
         shares = [
             _terms(
@@ -131,39 +124,30 @@ def add_loss_problem(model: Any, data: Any, n: int, global_batch: int) -> str | 
     found = [i for i, value in enumerate(whole) if sums_over_batch(value, [s[i] for s in shares])]
     if not found:
         return None
-    terms = ", ".join(str(i + 1) for i in found)
     return (
-        f"add_loss term {terms} of {len(whole)} (in the order of model.losses) sums over the batch, "
-        f"and Keras divides each replica's terms by the replica count: on {n} replicas it counts "
-        f"1/{n} of one device's. Fix: write it as a mean times the global batch, e.g. "
-        f"add_loss(rate * {global_batch} * ops.mean(ops.sum(x, axis=-1)))"
+        f"add_loss term {', '.join(str(i + 1) for i in found)} of {len(whole)} (in the order of "
+        f"model.losses) sums over the batch: on {n} replicas it counts 1/{n} of one device's. Fix: "
+        f"write it as a mean times the global batch, e.g. add_loss(rate * {global_batch} * "
+        "ops.mean(ops.sum(x, axis=-1)))"
     )
 
 
 def _first_rows(model: Any, x: Any, rows: int) -> Any:
-    """The first ``rows`` inputs of arrays or of a dataset's first batch; None for other inputs, or
-    for a dataset whose spec's zeros show no term (then it is not read)."""
+    """The first ``rows`` inputs of arrays or a dataset (not read if zeros show no term), else None."""
     import tensorflow as tf
 
     if isinstance(x, tf.data.Dataset):
         spec = x.element_spec[0] if isinstance(x.element_spec, tuple) else x.element_spec
-        leaves = tf.nest.flatten(spec)
         if all(
             isinstance(s, tf.TensorSpec) and s.shape.rank and s.shape[1:].is_fully_defined()
-            for s in leaves
+            for s in tf.nest.flatten(spec)
         ):
             zeros = tf.nest.map_structure(lambda s: tf.zeros([rows, *s.shape[1:]], s.dtype), spec)
             if not _terms(model, zeros):
                 return None
         x = next(iter(x.take(1)))  # an empty or failing dataset: not judged (the caller)
         x = x[0] if isinstance(x, tuple) else x  # (x, y[, sample_weight])
-    elif (
-        hasattr(x, "__getitem__")
-        and not isinstance(x, (list, tuple, dict))
-        and not hasattr(x, "shape")
-    ):
-        return None  # a PyDataset / Sequence: not read twice
-    leaves = tf.nest.flatten(x)
+    leaves = tf.nest.flatten(x)  # a PyDataset or a generator: one leaf without a shape, not read
     if not leaves or any(
         len(getattr(a, "shape", ())) == 0 or (a.shape[0] or 0) < rows for a in leaves
     ):
@@ -183,8 +167,7 @@ def _terms(model: Any, x: Any) -> list[float]:
 
 
 def reporter(context: RunContext, writer: Any = None) -> Callable[[str, str], None]:
-    """``say(name, message)``: a violation, once per check, as one line on the chief and an MLflow
-    tag, or a `CheckFailed` under ``checks.on_violation: error``."""
+    """``say(name, message)``: a violation, once per check, as the module docstring says."""
     said: set[str] = set()
 
     def say(name: str, message: str) -> None:
@@ -211,23 +194,21 @@ def checks_callback(
     data: Any = None,
     backups: Sequence[Any] = (),
 ) -> Any:
-    """The Keras callback of these checks for one `fit`; put it last (it reads what backups restored).
-
-    ``writer``: the chief's run writer (None: no tag); ``data``: `fit`'s ``x`` (``add_loss``);
-    ``backups``: this fit's `BackupAndRestore`s (an epoch resumed mid-way is not counted).
-    """
+    """The Keras callback of these checks for one `fit` on ``data``; put it last (after ``backups``:
+    an epoch they resume mid-way is not counted)."""
     import keras
 
-    from keras_sync.training import instrument as _instrument
+    from keras_sync.training import instrument
     from keras_sync.training.schedules import configured_rate
 
-    say, config = reporter(context, writer), context.config
+    say, config, n = reporter(context, writer), context.config, context.num_replicas
+    keys = ("base", "scaling", "base_batch_size")
+    lr_set = any(config.source_of(f"learning_rate.{k}") != "default" for k in keys)
 
     def learning_rate(model: Any) -> str | None:
-        keys = ("base", "scaling", "base_batch_size")
-        if all(config.source_of(f"learning_rate.{k}") == "default" for k in keys):
+        if not lr_set:
             return None
-        applied = _instrument.applied_optimizers(model) or [("optimizer", model.optimizer)]
+        applied = instrument.applied_optimizers(model) or [("optimizer", model.optimizer)]
         problems = [
             learning_rate_problem(
                 float(rate),
@@ -242,65 +223,62 @@ def checks_callback(
         ]
         return "; ".join(p for p in problems if p) or None
 
+    checks = {
+        "learning_rate": learning_rate,
+        "add_loss": lambda model: add_loss_problem(model, data, n, global_batch),
+    }
+
     class RunChecks(keras.callbacks.Callback):
         def on_train_begin(self, logs: Any = None) -> None:
-            self._skip_epoch = any(b.restored is not None and b.restored.mid_epoch for b in backups)
-            self._due = ["learning_rate"] + (
-                ["add_loss"] if data is not None and context.num_replicas > 1 else []
-            )
+            self.skip_epoch = any(b.restored is not None and b.restored.mid_epoch for b in backups)
+            self.due = ["learning_rate"] + (["add_loss"] if data is not None and n > 1 else [])
             # A custom train_step's optimizers are known once traced, a model built by its first step.
-            self._run_due(
-                learning_rate=_instrument.has_default_train_step(self.model),
+            self.run_due(
+                learning_rate=instrument.has_default_train_step(self.model),
                 add_loss=getattr(self.model, "built", False),
             )
-            self._probe: Any = _instrument.probe_of(self.model)
-            self._last = self._totals() if self._probe is not None else None
+            self.probe: Any = instrument.probe_of(self.model)
+            self.last = self.totals() if self.probe is not None else None
 
-        def _run_due(self, **ready: bool) -> None:
-            for name in [n for n in self._due if ready.get(n, True)]:
-                self._due.remove(name)
-                if name == "learning_rate":
-                    problem = learning_rate(self.model)
-                else:
-                    problem = add_loss_problem(self.model, data, context.num_replicas, global_batch)
-                if problem:
+        def run_due(self, **ready: bool) -> None:
+            for name in [name for name in self.due if ready.get(name, True)]:
+                self.due.remove(name)
+                if problem := checks[name](self.model):
                     say(name, problem)
 
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-            if self._due:
-                self._run_due()
+            if self.due:
+                self.run_due()
 
-        def _totals(self) -> tuple[int, int]:
-            self._rings = self._probe.read()  # a collective under multi-worker: every worker reads
-            count = self._probe.count(self._rings)
-            return count, self._probe.examples_at(self._rings, count)
+        def totals(self) -> tuple[int, int]:
+            self.rings = self.probe.read()  # a collective under multi-worker: every worker reads
+            count = self.probe.count(self.rings)
+            return count, self.probe.examples_at(self.rings, count)
 
         def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-            if self._last is None:
+            if self.last is None:
                 return
-            (count0, examples0), (count, examples) = self._last, self._totals()
-            self._last, skip, self._skip_epoch = (count, examples), self._skip_epoch, False
+            (count0, examples0), (count, examples) = self.last, self.totals()
+            self.last, skip, self.skip_epoch = (count, examples), self.skip_epoch, False
             if examples < 0 or examples0 < 0:
                 return
             problem = step_problem(examples - examples0, count - count0, global_batch)
             # Each step but the epoch's last, as far back as the ring reaches: a short batch mid-epoch.
-            first = max(count0 + 1, count - self._probe.ring + 1)
-            before = (
-                self._probe.examples_at(self._rings, first - 1) if first > count0 + 1 else examples0
-            )
-            for c in range(first, count):
-                now = self._probe.examples_at(self._rings, c)
+            start = max(count0, count - self.probe.ring)
+            seen = [
+                examples0 if c == count0 else self.probe.examples_at(self.rings, c)
+                for c in range(start, count)
+            ]
+            for c, (before, now) in enumerate(zip(seen, seen[1:]), start + 1 - count0):
                 if problem is None and min(before, now) >= 0 and now - before != global_batch:
                     problem = (
-                        f"train step {c - count0} took {now - before} examples, but the learning rate was "
-                        f"scaled for a global batch of {global_batch} (only an epoch's last step may be short)"
+                        f"train step {c} took {now - before} examples, but the learning rate was "
+                        f"scaled for a global batch of {global_batch} (only an epoch's last step may "
+                        "be short)"
                     )
-                before = now
             if problem:
                 say("examples_per_step", f"epoch {epoch + 1}: {problem}")
-            problem = (
-                epoch_problem(examples - examples0, expected) if expected is not None else None
-            )
+            problem = None if expected is None else epoch_problem(examples - examples0, expected)
             if problem and not skip and config.verify is None:  # verify stops mid-epoch
                 say("examples_per_epoch", f"epoch {epoch + 1}: {problem}")
 
@@ -308,8 +286,7 @@ def checks_callback(
 
 
 def _fit_on_purpose(args: Any, kwargs: dict[str, Any]) -> bool:
-    """Whether a plain ``model.fit`` is one of the user's own on purpose: with keras-sync's callbacks
-    or data the user batched (a dataset, a PyDataset), not arrays batched by Keras's batch_size."""
+    """Whether a plain ``model.fit`` is on purpose: with keras-sync's callbacks or batched data."""
     from keras_sync.training import pipeline
 
     data = args[0] if args else kwargs.get("x")
@@ -324,12 +301,7 @@ def _fit_on_purpose(args: Any, kwargs: dict[str, Any]) -> bool:
 def scope_guarding_fit(
     strategy: Any, context: RunContext, writer: Callable[[], Any]
 ) -> Iterator[Any]:
-    """`Sync.scope`: the strategy's scope, in which each model compiled gets methods of its own.
-
-    ``fit``, ``evaluate`` and ``predict`` run under `keras_fixes.fixed_keras`; a plain ``model.fit``
-    says once that it runs without keras-sync (``direct_fit``; `Sync.fit` calls the class's `fit`).
-    Under several workers the model also gets `saving.for_workers`.
-    """
+    """`Sync.scope`: each model compiled in it gets ``fit``/``evaluate``/``predict`` of its own."""
     import keras
 
     from keras_sync.training.saving import for_workers, wrap_own

@@ -18,26 +18,13 @@ def given(config: Any, key: str) -> bool:
     return config.source_of(f"runtime.{key}") != "default"
 
 
-def set_dtype_policy(config: Any, *, is_chief: bool) -> None:
-    """Set the Keras dtype policy of ``runtime.mixed_precision`` (when given); warn about slow float16."""
-    if not given(config, "mixed_precision"):
-        return
-    import keras
-    import tensorflow as tf
+def set_dtype_policy(config: Any) -> None:
+    """Set the Keras dtype policy of ``runtime.mixed_precision`` when the config gives it."""
+    if given(config, "mixed_precision"):
+        import keras
 
-    name = config.runtime.mixed_precision
-    keras.mixed_precision.set_dtype_policy("float32" if name == "none" else name)
-    if name != "mixed_float16" or not is_chief:
-        return
-    gpus = tf.config.list_physical_devices("GPU")
-    details = tf.config.experimental.get_device_details
-    # Tensor cores (Volta, compute capability 7.0) and later are fast in float16.
-    old = [g.name for g in gpus if tuple(details(g).get("compute_capability") or (0, 0)) < (7, 0)]
-    if old or not gpus:
-        _say(
-            f"runtime.mixed_precision: mixed_float16 on {old[0] if old else 'CPU'}, which has no fast "
-            "float16, may train slower than float32. Use mixed_bfloat16 on CPU and TPU."
-        )
+        name = config.runtime.mixed_precision
+        keras.mixed_precision.set_dtype_policy("float32" if name == "none" else name)
 
 
 def prepare_model(context: RunContext, model: Any) -> None:
@@ -49,7 +36,7 @@ def prepare_model(context: RunContext, model: Any) -> None:
 
     def say_once(what: str, line: str) -> None:
         if what not in told and context.is_chief:
-            _say(line)
+            print(f"keras-sync: {line}", file=sys.stderr, flush=True)
         told.add(what)
 
     before = (model.steps_per_execution, model.jit_compile)
@@ -59,16 +46,16 @@ def prepare_model(context: RunContext, model: Any) -> None:
     # from CPU:0; across CPU workers it has no collectives and aborts.
     devices = getattr(model.distribute_strategy.extended, "worker_devices", ()) if n > 1 else ()
     xla_fails = bool(devices) and all("CPU" in str(d).upper() for d in devices)
-    if given(context.config, "jit_compile") and rt.jit_compile is True and xla_fails:
+    if rt.jit_compile is True and xla_fails:
         from keras_sync.errors import UsageError
 
         raise UsageError(
             f"Invalid value for runtime.jit_compile. Received: true with {n} replicas on CPU "
-            "devices, where XLA cannot compile a distributed step. Expected false or auto (XLA "
-            "works on one device, and on GPUs or TPUs)."
+            "devices, where XLA cannot compile a distributed step. Expected false or auto."
         )
-    if rt.jit_compile == "auto" and model.jit_compile is True and xla_fails:
-        # compile(jit_compile=True) itself: Keras's "auto" is False under a strategy.
+    if rt.jit_compile != "auto":
+        model.jit_compile = rt.jit_compile
+    elif model.jit_compile is True and xla_fails:  # compile's own (Keras's "auto" is False here)
         say_once(
             "xla",
             f"jit_compile=True of {name}'s compile is not applied: XLA cannot compile a step over "
@@ -76,8 +63,6 @@ def prepare_model(context: RunContext, model: Any) -> None:
             "device, and on GPUs or TPUs).",
         )
         model.jit_compile = False
-    elif given(context.config, "jit_compile") and rt.jit_compile != "auto":
-        model.jit_compile = rt.jit_compile
     changed = before != (model.steps_per_execution, model.jit_compile)
     norms = [x for x in all_layers(model) if isinstance(x, keras.layers.BatchNormalization)]
     if rt.sync_batch_norm:
@@ -96,10 +81,6 @@ def prepare_model(context: RunContext, model: Any) -> None:
         model.train_function = None  # Keras builds it again with the new settings
 
 
-def _say(line: str) -> None:
-    print(f"keras-sync: {line}", file=sys.stderr, flush=True)
-
-
 def all_layers(model: Any) -> list[Any]:
     """Every layer of ``model``, nested ones included, each once."""
     out, stack, seen = [], list(getattr(model, "layers", [])), set()
@@ -113,21 +94,20 @@ def all_layers(model: Any) -> list[Any]:
 
 
 def setup_callback(runtime: Any) -> Any:
-    """A Keras callback that sets up gradient accumulation and the replica probe once `fit` built the model."""
+    """A Keras callback that sets up accumulation and the replica probe once `fit` built the model."""
     import keras
+
+    from keras_sync.training import instrument
+    from keras_sync.training.accumulate import GradientAccumulator
 
     class RuntimeSetup(keras.callbacks.Callback):
         def set_model(self, model: Any) -> None:
-            # After `fit` built the model and its optimizer, before it builds the train function.
             super().set_model(model)
-            from keras_sync.training import instrument as _instrument
-            from keras_sync.training.accumulate import GradientAccumulator
-
             steps = runtime.gradient_accumulation_steps
-            accumulator = getattr(_instrument.probe_of(model), "accumulator", None)
+            accumulator = getattr(instrument.probe_of(model), "accumulator", None)
             if steps > 1 and (accumulator is None or accumulator.steps != steps):
                 accumulator = GradientAccumulator(model, steps)
-            _instrument.instrument(
+            instrument.instrument(
                 model,
                 gradients=runtime.train_step_gradients,
                 accumulator=accumulator if steps > 1 else None,

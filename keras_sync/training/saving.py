@@ -1,9 +1,8 @@
 """Under several workers the chief alone writes, and every worker meets the others.
 
-TensorFlow's recipe: every worker saves (a read can be a collective), only the chief to the real
-path, the others to a temporary directory deleted at once; `guard_callbacks` does the same for
-Keras's file-writing callbacks. ``keras.saving.save_model`` and callbacks keras-sync does not know
-write on every worker: guard them with ``sync.is_chief``.
+TensorFlow's recipe: every worker saves (a read can be a collective), the chief to the real path,
+the others to a temporary directory deleted at once. ``keras.saving.save_model`` and callbacks
+keras-sync does not know write on every worker: guard them with ``sync.is_chief``.
 """
 
 from __future__ import annotations
@@ -26,8 +25,7 @@ TEMP_PREFIX = "keras_sync_worker_save_"
 def wrap_own(
     model: Any, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]], mark: str
 ) -> None:
-    """Give ``model`` its own ``name``: ``wrap(call)``, ``call`` running the method it has now (its
-    own, else its class's); once per ``mark``."""
+    """Give ``model`` its own ``name``: ``wrap`` of the method it has now, once per ``mark``."""
     own = vars(model).get(name)
     if getattr(own, mark, False):
         return
@@ -43,8 +41,7 @@ def wrap_own(
 
 
 def for_workers(model: Any) -> None:
-    """Under several workers: ``save``/``save_weights`` write the user's path on the chief only,
-    ``fit``/``evaluate``/``predict`` meet the peers first (every worker, or one line)."""
+    """``save``/``save_weights`` write on the chief only, ``fit``/``evaluate``/``predict`` meet peers."""
     from keras_sync.cluster.collective_calls import collective
 
     strategy, ref = model.distribute_strategy, weakref.ref(model)
@@ -71,8 +68,7 @@ def for_workers(model: Any) -> None:
 
 @contextlib.contextmanager
 def write_target(filepath: Any, strategy: Any) -> Iterator[Any]:
-    """The path to write ``filepath`` to: itself on the chief, else a temporary file of the same
-    name (Keras's extension checks hold), deleted when the block ends."""
+    """``filepath`` on the chief, else a temporary file of the same name, deleted after the block."""
     if strategy is None or strategy_role(strategy).is_chief:
         yield filepath
         return
@@ -84,8 +80,7 @@ def write_target(filepath: Any, strategy: Any) -> Iterator[Any]:
 
 
 def save(model: Any, filepath: Any, **kwargs: Any) -> None:
-    """Save ``model`` to ``filepath`` (``*.weights.h5``: its weights) from every worker; only the
-    chief writes ``filepath``."""
+    """Save ``model`` (``*.weights.h5``: its weights) from every worker; the chief to ``filepath``."""
     if not hasattr(model, "save") or not hasattr(model, "save_weights"):
         raise UsageError(
             f"Invalid value for argument `model` of sync.save. Received: {type(model).__name__}. "
@@ -103,12 +98,10 @@ def save(model: Any, filepath: Any, **kwargs: Any) -> None:
 
 #: Keras callbacks that write files, and the attribute of the user's path (a temporary one elsewhere).
 USER_PATH_ATTRS = (("TensorBoard", "log_dir"), ("CSVLogger", "filename"))
-_USER_PATH_MARK = "_keras_sync_user_path"
 
 
 def guard_callbacks(strategy: Any, callbacks: list[Any]) -> list[Any]:
-    """Make Keras's callbacks in ``callbacks`` write the user's paths on the chief only; returns the
-    list (elsewhere `BackupAndRestore` saves to a temporary file and deletes nothing)."""
+    """``callbacks``, Keras's among them writing the user's paths on the chief only (else temporary)."""
     if strategy_role(strategy).is_chief:
         return callbacks
     import keras
@@ -120,23 +113,17 @@ def guard_callbacks(strategy: Any, callbacks: list[Any]) -> list[Any]:
             non_chief_backup(cb)
         for class_name, attr in USER_PATH_ATTRS:
             if isinstance(cb, getattr(keras.callbacks, class_name)):
-                _write_elsewhere(cb, attr)
+                # A callback reused: its user's path is the one kept from the first time.
+                user_path = vars(cb).setdefault("_keras_sync_user_path", getattr(cb, attr))
+                tmp = tempfile.mkdtemp(prefix=TEMP_PREFIX)
+                name = os.path.basename(os.fspath(user_path).rstrip("/")) or "logs"
+                setattr(cb, attr, os.path.join(tmp, name))
+                cb.on_train_end = functools.partial(_train_end_then_delete, cb, tmp)
     return callbacks
 
 
-def _write_elsewhere(cb: Any, attr: str) -> None:
-    """Point ``cb.<attr>`` into a fresh temporary directory, deleted after the callback's train end."""
-    user_path = getattr(cb, _USER_PATH_MARK, None) or getattr(cb, attr)  # a callback reused
-    setattr(cb, _USER_PATH_MARK, user_path)
-    tmp = tempfile.mkdtemp(prefix=TEMP_PREFIX)
-    name = os.path.basename(os.fspath(user_path).rstrip("/")) or "logs"
-    setattr(cb, attr, os.path.join(tmp, name))
-    train_end = type(cb).on_train_end
-
-    def on_train_end(logs: Any = None) -> None:
-        try:
-            train_end(cb, logs)  # closes the file or the event writers first
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-
-    cb.on_train_end = on_train_end
+def _train_end_then_delete(cb: Any, tmp: str, logs: Any = None) -> None:
+    try:
+        type(cb).on_train_end(cb, logs)  # closes the file or the event writers first
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -71,11 +71,8 @@ def lr_formula(rule: str, base_lr: float, global_batch_size: int, base_batch_siz
     '0.1 x sqrt(1024/256)'
     """
     ratio = f"{global_batch_size}/{base_batch_size}"
-    formulas = {
-        "linear": f"{base_lr:g} x {ratio} (Goyal et al. 2017)",
-        "sqrt": f"{base_lr:g} x sqrt({ratio})",
-    }
-    return formulas.get(rule, "not scaled")
+    linear, sqrt = f"{base_lr:g} x {ratio} (Goyal et al. 2017)", f"{base_lr:g} x sqrt({ratio})"
+    return {"linear": linear, "sqrt": sqrt}.get(rule, "not scaled")
 
 
 def scale_learning_rate(
@@ -104,16 +101,14 @@ def scale_learning_rate(
         )
     _check_positive_int("global_batch_size", global_batch_size, "batch")
     _check_positive_int("base_batch_size", base_batch_size, "learning_rate.base_batch_size")
-    k = global_batch_size / base_batch_size
-    name, factors = str(rule).lower(), {"linear": k, "sqrt": math.sqrt(k)}
-    if name == "none":
-        return float(base_lr)
+    k, name = global_batch_size / base_batch_size, str(rule).lower()
+    factors = {"linear": k, "sqrt": math.sqrt(k), "none": 1.0}
     if name not in factors:
         raise ScalingError(
             f"Invalid value for argument `rule` (learning_rate.scaling). Received: rule={rule!r}. "
             f"Expected one of {', '.join(LR_RULES)}."
         )
-    return _clean(base_lr * factors[name])
+    return float(base_lr) if name == "none" else _clean(base_lr * factors[name])
 
 
 def warmup_steps_from(

@@ -47,15 +47,13 @@ class GradualWarmup(keras.optimizers.schedules.LearningRateSchedule):
     def __call__(self, step: Any = None) -> Any:
         if step is None:  # a Keras 2 (tf_keras) optimizer calls an unknown schedule without a step
             raise UsageError(
-                "sync.lr_schedule()'s warmup was called without a step, as a Keras 2 optimizer (tf_keras, "
-                "TF_USE_LEGACY_KERAS=1) does; keras-sync supports Keras 3 only. Fix: build the model and "
-                "its optimizer with `import keras`, and unset TF_USE_LEGACY_KERAS."
+                "sync.lr_schedule()'s warmup was called without a step, as a Keras 2 optimizer "
+                "(tf_keras) does; keras-sync supports Keras 3 only. Fix: build the model and its "
+                "optimizer with `import keras`, and unset TF_USE_LEGACY_KERAS."
             )
         ops = keras.ops
-        step = ops.cast(step, "float32")
-        warm = ops.convert_to_tensor(float(self.warmup_steps), "float32")
-        frac = ops.minimum(step, warm) / warm
-        warm_lr = self.start_lr + (self.peak_lr - self.start_lr) * frac
+        step, warm = ops.cast(step, "float32"), ops.cast(self.warmup_steps, "float32")
+        warm_lr = self.start_lr + (self.peak_lr - self.start_lr) * ops.minimum(step, warm) / warm
         if self.after is None:
             return warm_lr
         return ops.where(step < warm, warm_lr, ops.cast(self.after(step - warm), "float32"))
@@ -74,8 +72,7 @@ class GradualWarmup(keras.optimizers.schedules.LearningRateSchedule):
 
 
 def check_lr_callbacks(model: Any, callbacks: Any, method: str = "fit") -> None:
-    """Refuse, before training, a callback that sets the learning rate of an optimizer that has a
-    schedule (Keras would raise at the first epoch's end or begin)."""
+    """Refuse before training a callback that sets the rate of an optimizer given a schedule."""
     kinds = (keras.callbacks.ReduceLROnPlateau, keras.callbacks.LearningRateScheduler)
     setters = [type(cb).__name__ for cb in callbacks or () if isinstance(cb, kinds)]
     rate = configured_rate(getattr(model, "optimizer", None)) if setters else None
@@ -92,10 +89,9 @@ def check_lr_callbacks(model: Any, callbacks: Any, method: str = "fit") -> None:
 
 
 def configured_rate(optimizer: Any) -> Any:
-    """The learning rate ``optimizer`` (or a `LossScaleOptimizer`'s inner one) was given, as its
-    config has it (a float, a schedule's dict); None when it cannot describe itself."""
+    """The learning rate ``optimizer`` (or its inner one) was given (float, schedule dict, None)."""
     optimizer = getattr(optimizer, "inner_optimizer", optimizer)
     try:
-        return optimizer.get_config().get("learning_rate") if optimizer is not None else None
-    except Exception:  # an optimizer that cannot describe itself: Keras decides at run time
+        return optimizer.get_config().get("learning_rate")
+    except Exception:  # None, or a schedule without get_config: Keras decides at run time
         return None

@@ -23,7 +23,7 @@ RECORD_FILE, INITIAL_FILE, FINAL_FILE = "record.json", "initial.npz", "final.npz
 
 
 def seed_everything() -> None:
-    """Seed Python, NumPy and Keras (`load` in a verify run, so a script gives the same batches twice)."""
+    """Seed Python, NumPy and Keras, so a script gives the same batches on both runs."""
     import keras
 
     keras.utils.set_random_seed(SEED)
@@ -38,8 +38,8 @@ def callback(context: RunContext, *, input_source: str | None, base_batch_size: 
 
     request = context.config.verify
 
-    def weights(variables: Any) -> list[Any]:
-        return [np.array(v.numpy(), np.float64) for v in variables]
+    def trainable(model: Any) -> list[Any]:
+        return [np.array(v.numpy(), np.float64) for v in model.trainable_weights]
 
     def by_path(model: Any) -> dict[str, Any]:  # the index keeps the order and makes keys unique
         return {f"{i:04d}:{v.path}": np.array(v.numpy()) for i, v in enumerate(model.weights)}
@@ -48,18 +48,16 @@ def callback(context: RunContext, *, input_source: str | None, base_batch_size: 
         def on_train_begin(self, logs: Any = None) -> None:
             if request.replay_dir is not None:
                 _load_weights(self.model, Path(request.replay_dir) / INITIAL_FILE)
-            self.initial = by_path(self.model)
-            self.previous = weights(self.model.trainable_weights)
+            self.initial, self.previous = by_path(self.model), trainable(self.model)
             self.probe: Any = probe_of(self.model)
             self.iterations = int(self.model.optimizer.iterations.numpy())
-            self.examples_seen: list[float] | None = None
+            self.seen: list[float] | None = None  # each replica's examples so far
             self.steps: list[dict[str, float]] = []
-            # (loss, examples) of this update's micro-batches
-            self.micro: list[tuple[float, float]] = []
+            self.sums = (0.0, 0.0)  # (loss x examples, examples) of this update's micro-batches
             self.lr = math.nan
 
         def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
-            if not self.micro:
+            if self.sums == (0.0, 0.0):  # an update's first micro-batch
                 self.lr = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
 
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
@@ -67,19 +65,19 @@ def callback(context: RunContext, *, input_source: str | None, base_batch_size: 
             rings = p.read()  # a collective under multi_worker_mirrored: every worker reads here
             row = p.row(rings, p.count(rings)) or []
             seen = [float(r[p.EXAMPLES]) for r in row] or [math.nan]
-            before = self.examples_seen or [0.0] * len(seen)
-            shares = [a - b for a, b in zip(seen, before)]
-            self.examples_seen = seen
+            shares = [a - b for a, b in zip(seen, self.seen or [0.0] * len(seen))]
             losses = [float(r[p.LOSS]) for r in row] or [math.nan]
-            self.micro.append((_weighted(zip(losses, shares)), sum(shares)))
+            self.seen, (loss, examples) = seen, self.sums
+            self.sums = (loss + sum(x * n for x, n in zip(losses, shares)), examples + sum(shares))
             iterations = int(self.model.optimizer.iterations.numpy())
             if iterations == self.iterations:
                 return  # accumulating: the update comes at a later micro-batch
-            self.iterations, now = iterations, weights(self.model.trainable_weights)
+            now = trainable(self.model)
             update = math.sqrt(sum(float(np.sum((a - b) ** 2)) for a, b in zip(now, self.previous)))
-            self.previous, examples = now, sum(e for _, e in self.micro)
-            loss, self.micro = _weighted(self.micro), []
+            loss, examples = self.sums
+            loss = loss / examples if examples > 0 else math.nan
             self.steps.append({"loss": loss, "update": update, "lr": self.lr, "examples": examples})
+            self.iterations, self.previous, self.sums = iterations, now, (0.0, 0.0)
             if len(self.steps) >= request.steps:
                 self.model.stop_training = True
 
@@ -93,8 +91,7 @@ def callback(context: RunContext, *, input_source: str | None, base_batch_size: 
             np.savez(folder / INITIAL_FILE, **self.initial)
             np.savez(folder / FINAL_FILE, **by_path(model))
             facts, mlflow = model_facts(context, model), context.config.mlflow
-            # KiB on Linux, bytes on macOS
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, B on macOS
             record = {
                 "replicas": context.num_replicas,
                 "workers": context.num_workers,
@@ -102,7 +99,6 @@ def callback(context: RunContext, *, input_source: str | None, base_batch_size: 
                 "global_batch": context.global_batch_size,
                 "steps": self.steps,
                 "facts": facts,
-                "weights": [v.path for v in model.weights],
                 "mlflow": {
                     "enabled": request.mlflow,
                     "tracking_uri": mlflow.tracking_uri,
@@ -122,23 +118,15 @@ def callback(context: RunContext, *, input_source: str | None, base_batch_size: 
     return VerifyRecorder()
 
 
-def end_script(config: Any, *, is_chief: bool) -> None:
-    """After the recorded fit: the script ends here (exit 0), every worker alike."""
-    if is_chief:
-        print(
-            f"keras-sync: verify: recorded {config.verify.record_dir}; the script stops here",
-            file=sys.stderr,
-            flush=True,
-        )
+def end_script() -> None:
+    """After the recorded fit the script ends here (exit 0), every worker alike."""
     sys.stdout.flush()
     raise SystemExit(0)
 
 
 def arrays_as_dataset(config: Any) -> bool:
-    """Whether this reference run replays a recording whose arrays became a dataset keras-sync
-    shuffled (multi-worker): the reference's then do too, for the same batches."""
+    """Whether the recording this reference replays made arrays a dataset (then the reference too)."""
     replay = config.verify.replay_dir if config.verify is not None else None
-    # The CLI read this recording before it started the reference run.
     record = json.loads((Path(replay) / RECORD_FILE).read_text()) if replay else {}
     return bool(record.get("arrays_as_dataset"))
 
@@ -146,8 +134,7 @@ def arrays_as_dataset(config: Any) -> bool:
 def reference_overrides(
     context: RunContext, facts: dict[str, Any], base_batch_size: int
 ) -> dict[str, Any]:
-    """The config keys of the one-device reference: the same global batch, as N micro-batches with
-    gradient accumulation (one replica's memory) when no layer depends on the batch."""
+    """The one-device reference's config: the global batch, as N accumulated micro-batches if it can."""
     n, batch = context.num_replicas, context.global_batch_size or 0
     micro = n if not depends_on_batch(facts) and batch % n == 0 else 1
     return {
@@ -195,13 +182,6 @@ def model_facts(context: RunContext, model: Any) -> dict[str, Any]:
         "precision": precision_of(keras.config.dtype_policy().name),
         "accumulation": context.gradient_accumulation_steps,
     }
-
-
-def _weighted(pairs: Any) -> float:
-    """The weighted mean of (value, weight) pairs (NaN without weight)."""
-    pairs = list(pairs)
-    total = sum(w for _, w in pairs)
-    return sum(v * w for v, w in pairs) / total if total > 0 else math.nan
 
 
 def _load_weights(model: Any, path: Path) -> None:

@@ -162,7 +162,6 @@ _CARS = "tensorflow.python.distribute.collective_all_reduce_strategy"
 _CARS_EXT = f"{_CARS}:CollectiveAllReduceExtended"
 _DATA_OPS = "tensorflow.python.data.ops"
 _SYSTEM = "mlflow.system_metrics.metrics"
-_TF_OPTIMIZER = "keras.src.backend.tensorflow.optimizer:TFOptimizer"
 _MULTI_DEVICE = f"{_DATA_OPS}.multi_device_iterator_ops"
 _RANDOM = "keras.src.backend.tensorflow.random"
 _RANDOM_OPS = ("normal", "uniform", "dropout", "randint", "truncated_normal", "categorical")
@@ -176,7 +175,6 @@ END_OF_DATA = f"{MAKE_FUNCTION}.<locals>.function"
 BARRIER = f"{_COORDINATION}.cluster_register_with_barrier"
 GLOBAL_SEED = f"{_CONTEXT}:global_seed"
 PIPELINE_BATCH_SIZE = "tensorflow.python.data.experimental.ops.distribute:compute_batch_size"
-LOSS_SCALE_REDUCE = f"{_TF_OPTIMIZER}._all_reduce_sum_gradients"
 EPOCH_ITERATOR_RESET = f"{_EPOCH}.reset"
 SAME_DATA_ORDER = f"{_TRAINER}:TFEpochIterator._distributed_dataset"
 DEVICE_DATASET = f"{_MULTI_DEVICE}:_create_device_dataset"
@@ -308,12 +306,6 @@ REGISTRY: tuple[Internal, ...] = (
         f"{_DATA_OPS}.interleave_op:_InterleaveDataset.__init__ | "
         f"{_DATA_OPS}.interleave_op:_ParallelInterleaveDataset.__init__ | "
         f"{_DATA_OPS}.flat_map_op:_FlatMapDataset.__init__ uses _map_func",
-    ),
-    # training/loss_scale.py: the gradients summed once, before LossScaleOptimizer judges them.
-    Internal(
-        LOSS_SCALE_REDUCE,
-        f"{_TF_OPTIMIZER}._backend_update_step uses _all_reduce_sum_gradients",
-        f"{_TF_OPTIMIZER} has _all_reduce_sum_gradients",
     ),
     # callbacks/system_metrics.py: MLflow samples system metrics on its own clock only.
     Internal(
