@@ -67,9 +67,8 @@ class ReplicaProbe:
         self.weight_gather: tuple[tuple[int, ...], Any] | None = None
 
     def read(self) -> list[Any]:
-        """Every replica's ring (``(ring + 1, 8)`` float64), replica 0 first: row ``(c - 1) % ring``
-        holds step ``c``'s columns (-1: not timed), the last row's ``COUNT`` the steps so far. A
-        collective under a multi-worker strategy: every worker calls it at the same step."""
+        """Every replica's ring (``(ring + 1, 8)`` float64), replica 0 first; the last row's
+        ``COUNT`` is the steps so far. A collective under multi-worker: every worker calls it."""
         import numpy as np
         import tensorflow as tf
 
@@ -115,13 +114,13 @@ class ReplicaProbe:
             t_sync = _stamp(after) if timed else None
             # Each optimizer's rate before the step (a read only): a GAN's step applies two.
             rates = {id(o): _learning_rate(o) for o in trace.optimizers_of(model)}
-            seen: dict[str, Any] = {
-                "custom_step": probe.custom_step,
-                "n": n,
-                "example_weight": weight,
-            }
+            seen: dict[str, Any] = dict(
+                custom_step=probe.custom_step,
+                n=n,
+                example_weight=weight,
+                stamp=_stamp if timed else None,
+            )
             seen.update(policy=probe.gradients or "sum", accumulator=probe.accumulator)
-            seen["stamp"] = _stamp if timed else None
             with trace.capture(model, seen):
                 logs = original(data)
             probe._announce(seen["applies"])
@@ -167,12 +166,8 @@ class ReplicaProbe:
 
 
 def instrument(model: Any, gradients: str | None = None, accumulator: Any = None) -> ReplicaProbe:
-    """Install the instrumented `train_step` on ``model`` once (before `fit` builds its train
-    function) and return its probe.
-
-    ``gradients``: the `runtime.train_step_gradients` policy of a custom `train_step`;
-    ``accumulator``: the optimizer's `GradientAccumulator` (None for either keeps the current one).
-    """
+    """Install the instrumented `train_step` on ``model`` once, before `fit` builds its train
+    function; ``gradients`` (`runtime.train_step_gradients`) or ``accumulator`` None: unchanged."""
     probe = probe_of(model)
     if probe is not None:
         for attr, value in (("gradients", gradients), ("accumulator", accumulator)):
@@ -264,10 +259,9 @@ def _stamp(after: list[Any]) -> Any:
 
 
 def _decode(ring: Any) -> Any:
-    """The int64 ring -> float64 numpy (host side): float columns back from their bits."""
+    """The int64 ring -> float64 numpy, float columns back from their bits."""
     import numpy as np
 
-    ring = np.asarray(ring, dtype=np.int64)
     out = ring.astype(np.float64)
     for col in ReplicaProbe._FLOAT_COLUMNS:
         out[:, col] = ring[:, col].astype(np.uint32).view(np.float32)

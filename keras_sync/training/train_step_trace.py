@@ -25,7 +25,7 @@ _tls = threading.local()
 
 
 def named_optimizers(model: Any) -> dict[str, Any]:
-    """The model's optimizers (a GAN's two) by attribute, ``optimizer`` first, a leading ``_`` dropped."""
+    """The model's optimizers (a GAN's two) by attribute name, ``optimizer`` first."""
     import keras
 
     found: dict[str, Any] = {}
@@ -125,13 +125,8 @@ def seen() -> dict[str, Any] | None:
 
 @contextlib.contextmanager
 def capture(model: Any, record: dict[str, Any]) -> Iterator[None]:
-    """While one replica traces ``model.train_step``: fill ``record``, average a custom step's gradients.
-
-    ``record`` holds ``custom_step``, ``policy``, ``n``, ``accumulator``, ``example_weight`` and
-    ``stamp``; it gets ``loss`` (Keras's step) or ``tape_loss``, ``grads``, ``loss_scale``,
-    ``reached`` (``stamp`` of the first apply's gradients) and per ``apply`` in ``applies`` the
-    optimizer's ``id`` and attribute, ``scaled_by`` (what divided its loss) and ``factor``.
-    """
+    """While one replica traces ``model.train_step``: fill ``record`` (what the step computed, per
+    ``apply`` what divided its loss), and average a custom step's gradients."""
     record.update(grads=[], marks={}, targets={}, read_n=False, applies=[], reached=None)
     from keras_sync.upstream.patching import patched
     from keras_sync.upstream.replica_seeds import per_replica_seeds
@@ -158,8 +153,7 @@ def _mark(value: Any, what: str) -> Any:
 
 
 def _scaled_by(record: dict[str, Any], targets: list[Any]) -> str | None:
-    """What divided (or summed) the loss ``targets`` are computed from: the first marked tensor of
-    their graph (no targets, gradients not from a tape we saw: any mark so far); None: nothing."""
+    """What divided (or summed) the loss ``targets`` come from (no targets: any mark so far)."""
     marks, stack, visited = record["marks"], list(targets), set()
     what = None if targets else next(iter(marks.values()), None)
     while stack and what is None:
@@ -268,7 +262,7 @@ def _model_patches(model: Any, custom_step: bool) -> list[Any]:
 
 def _scaling(scale_loss: Any) -> Any:
     """A `LossScaleOptimizer.scale_loss` that divides an undivided loss by N before the float16
-    backward pass, as a Keras loss does (divided later, the gradients overflow at half the scale)."""
+    backward pass, as a Keras loss does (after it, the gradients overflow at half the scale)."""
 
     def scale_loss_shim(loss: Any) -> Any:
         out, record = scale_loss(loss), seen()
