@@ -158,10 +158,11 @@ def test_fit_returns_before_delivery_and_the_exit_delivers_every_step(tmp_path):
     assert "not created yet" not in r.stderr
     # The courier's exit (its stderr is ours): no abort in interpreter shutdown.
     assert "Fatal Python error" not in r.stderr, r.stderr[-3000:]
-    lines = [ln for ln in r.stderr.splitlines() if "not in MLflow yet" in ln]
+    lines = [ln for ln in r.stderr.splitlines() if "waiting for MLflow" in ln]
     assert len(lines) <= 1, lines
     if lines:
-        assert "Ctrl-C leaves them there for `keras-sync sync-spool " in lines[0], lines[0]
+        assert "before exit. Ctrl-C leaves them in " in lines[0], lines[0]
+        assert " for `keras-sync sync-spool " in lines[0], lines[0]
 
 
 def test_ctrl_c_during_the_exit_wait_leaves_the_points_in_the_spool(tmp_path):
@@ -207,7 +208,7 @@ def test_ctrl_c_during_the_exit_wait_leaves_the_points_in_the_spool(tmp_path):
         err = []
         for line in proc.stderr:
             err.append(line)
-            if "not in MLflow yet" in line:
+            if "metric point(s) before exit" in line:
                 proc.send_signal(signal.SIGINT)  # Ctrl-C while the exit waits
                 break
         err += proc.stderr.readlines()
@@ -215,13 +216,10 @@ def test_ctrl_c_during_the_exit_wait_leaves_the_points_in_the_spool(tmp_path):
     finally:
         watchdog.cancel()
     text = "".join(err)
-    (line,) = [ln for ln in err if "not in MLflow yet" in ln]
+    (line,) = [ln for ln in err if "metric point(s) before exit" in ln]
     spools = [p for p in (tmp_path / ".keras_sync_spool").iterdir() if p.is_dir()]
     assert len(spools) == 1
-    assert (
-        f"They are kept in {spools[0]}: Ctrl-C leaves them there for `keras-sync sync-spool {spools[0]}`"
-        in line
-    )
+    assert f"Ctrl-C leaves them in {spools[0]} for `keras-sync sync-spool {spools[0]}`" in line
     assert f"Deliver them with: keras-sync sync-spool {spools[0]}" in text, text[-3000:]
     assert "Traceback" not in text, text[-3000:]
     from pathlib import Path

@@ -163,6 +163,7 @@ def test_exit_says_what_it_waits_for_when_the_server_is_slow(tmp_path: Path) -> 
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split() == ["delivered"]
     assert (
-        f"keras-sync: waiting for MLflow (http://127.0.0.1:{proxy}) to receive the run's last records (the "
-        "sync report picture, drawn now, and the run's end) before exit."
+        f"keras-sync: waiting for MLflow (http://127.0.0.1:{proxy}) to receive the run's last records "
+        f"before exit. Ctrl-C leaves them in {tmp_path / 'spool'}/"
     ) in r.stderr, r.stderr[-3000:]
+    assert " for `keras-sync sync-spool " in r.stderr, r.stderr[-3000:]

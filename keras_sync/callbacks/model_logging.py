@@ -37,23 +37,14 @@ class ModelLogging(keras.callbacks.Callback):
         self.writer, self.name, self.flush_timeout_s = writer, name, float(flush_timeout_s)
 
     def on_train_end(self, logs: dict | None = None) -> None:
-        if self.writer is None:
-            return
-        if _autolog.autolog_logs_models():
+        if self.writer is None or _autolog.autolog_logs_models():
             return
         optimizer = self.model.optimizer
         step = int(optimizer.iterations.numpy()) if optimizer is not None else 0
         with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
             save_keras_model(self.model, Path(tmp) / self.name)
             self.writer.log_artifact_file(Path(tmp) / self.name, as_model=self.name, step=step)
-        if not self.writer.flush(timeout_s=self.flush_timeout_s):
-            warnings.warn(
-                f"keras-sync: the trained model is not in MLflow yet; it is kept beside "
-                f"{getattr(self.writer, 'spool_path', 'the spool')} and uploaded in the background "
-                "while this process lives, or later with `keras-sync sync-spool PATH`.",
-                UserWarning,
-                stacklevel=2,
-            )
+        self.writer.flush(timeout_s=self.flush_timeout_s)  # the writer warns of what is left
 
 
 def save_keras_model(model: Any, path: Path) -> None:
@@ -67,10 +58,6 @@ def save_keras_model(model: Any, path: Path) -> None:
             copy = type(model).from_config(model.get_config())
             copy.set_weights(model.get_weights())
             model = copy
-            log.info(
-                "keras-sync: the logged model is saved without its optimizer (it uses "
-                "keras-sync's GradualWarmup); compile it again to train on."
-            )
         except Exception as exc:
             log.warning(
                 "keras-sync: the logged model keeps its optimizer, which uses keras-sync's "

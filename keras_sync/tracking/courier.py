@@ -75,7 +75,7 @@ class Delivery:
         self.run_ended = False  # the run's end is delivered and no begin since
         self.last_sent_at = self._answer_told = 0.0
         self.give_up: Callable[[], bool] = lambda: False  # True ends a failing request's retries
-        self.on_progress: Callable[[], None] | None = None
+        self.on_progress: Callable[[], None] = lambda: None
         self.sender.retrier = Retrier(
             is_transient,
             give_up=lambda: self.give_up() or not self.spool.path.is_dir(),
@@ -130,7 +130,7 @@ class Delivery:
             records = [{**records[0], "replayed": True}]  # sent before: to its run, as it is now
         run_before = self.sender.run_id
         # The position moves after each request MLflow took: a later try starts after it.
-        done = None if first else (lambda i: self._move(chunk[i][0], run_before))
+        done = (lambda i: None) if first else (lambda i: self._move(chunk[i][0], run_before))
         sent = self.sender.send(records, done=done)
         self.last_sent_at = time.monotonic()
         self._move(chunk[-1][0], run_before, begin, force_run=first)
@@ -167,8 +167,7 @@ class Delivery:
             while self.held and self.held[0][0] <= upto:
                 self.held.popleft()
         self._tell({"pos": list(self.pos), "h": self.held_done})
-        if self.on_progress is not None:
-            self.on_progress()
+        self.on_progress()
 
     def pending(self) -> bool:
         """True if spooled or handed-over records are not in MLflow yet."""
@@ -192,8 +191,7 @@ class Delivery:
             return
         self._answer_told = time.monotonic() if answered else 0.0
         self.report(retrier.last_error if retrier.failing else None)
-        if self.on_progress is not None:
-            self.on_progress()
+        self.on_progress()
 
     def report(self, error: BaseException | None, since: float | None = None) -> dict[str, Any]:
         """Write ``status.json`` and tell the writer: ok, or why delivery fails (one of `r.CAUSES`)."""

@@ -27,8 +27,12 @@ FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 30.0
 #: After a failure, this many successes in a row make the server healthy again.
 HEALTHY_AFTER = 20
-#: Kinds of failure that mean the server did not answer at all.
-NO_ANSWER = ("connection refused", "a timeout", "a dropped connection")
+#: Kinds of failure that mean the server did not answer at all, and the words that tell them.
+_NO_ANSWER = {
+    "connection refused": ("connection refused", "failed to establish a new connection"),
+    "a timeout": ("timeout", "timed out"),
+    "a dropped connection": ("connection aborted", "remotedisconnected", "connection reset"),
+}
 _HTTP = re.compile(
     r"too many (\d{3}) error responses|failed with error code (\d{3})|\bHTTP (\d{3})\b"
 )
@@ -86,18 +90,11 @@ def failure_kind(exc: BaseException) -> str:
     >>> failure_kind(ConnectionRefusedError("[Errno 111] Connection refused"))
     'connection refused'
     """
-    text = str(exc)
-    m = _HTTP.search(text)
-    if m:
+    if m := _HTTP.search(str(exc)):
         return f"HTTP {next(g for g in m.groups() if g)}"
-    low = text.lower()
-    if "connection refused" in low or "failed to establish a new connection" in low:
-        return "connection refused"
-    if "timeout" in low or "timed out" in low:
-        return "a timeout"
-    if "connection aborted" in low or "remotedisconnected" in low or "connection reset" in low:
-        return "a dropped connection"
-    return str(getattr(exc, "error_code", None) or type(exc).__name__)
+    low = str(exc).lower()
+    kind = next((kind for kind, words in _NO_ANSWER.items() if any(w in low for w in words)), None)
+    return kind or str(getattr(exc, "error_code", None) or type(exc).__name__)
 
 
 def in_words(requests: int, failures: Counter[str]) -> str:
@@ -121,15 +118,11 @@ class Retrier:
         transient: Callable[[BaseException], bool],
         *,
         give_up: Callable[[], bool] = lambda: False,
-        on_change: Callable[[Retrier], None] | None = None,
+        on_change: Callable[[Retrier], None] = lambda retrier: None,
         sleep: Callable[[float], None] = time.sleep,
     ):
-        self.transient, self.give_up, self.on_change, self._sleep = (
-            transient,
-            give_up,
-            on_change,
-            sleep,
-        )
+        self.transient, self.give_up = transient, give_up
+        self.on_change, self._sleep = on_change, sleep
         self.backoff = 0.0
         self.requests = 0  # since the first failure
         self.failures: Counter[str] = Counter()
@@ -144,7 +137,7 @@ class Retrier:
 
     def unreachable(self) -> bool:
         """Whether every request since the first failure failed without an answer."""
-        no_answer = set(self.failures) <= set(NO_ANSWER)
+        no_answer = set(self.failures) <= set(_NO_ANSWER)
         return self.failing and no_answer and self.requests == sum(self.failures.values())
 
     def summary(self) -> str:
@@ -165,7 +158,7 @@ class Retrier:
                 self.failures[failure_kind(e)] += 1
                 self.succeeded_in_a_row = 0
                 self.backoff = min(max(self.backoff * 2, FIRST_BACKOFF_S), MAX_BACKOFF_S)
-                self._changed()
+                self.on_change(self)
                 if self.give_up() or not self._wait():
                     raise
                 continue
@@ -175,12 +168,8 @@ class Retrier:
             if self.failing:
                 if self.succeeded_in_a_row >= HEALTHY_AFTER:
                     self.failing_since, self.failures, self.requests = None, Counter(), 0
-                self._changed()
+                self.on_change(self)
             return result
-
-    def _changed(self) -> None:
-        if self.on_change is not None:
-            self.on_change(self)
 
     def _wait(self) -> bool:
         """Sleep the backoff in short slices; False if `give_up` said stop meanwhile."""
@@ -206,19 +195,16 @@ class RunSender:
         explicit: bool = False,
         run_id: str | None = None,
     ):
-        self.tracking_uri = tracking_uri
-        self.experiment, self.run_name, self.job_id = experiment, run_name, job_id
-        self.explicit = explicit
+        self.tracking_uri, self.experiment, self.run_name = tracking_uri, experiment, run_name
+        self.job_id, self.explicit, self._hint = job_id, explicit, run_id
         self.run_id: str | None = None
         self.experiment_id: str | None = None
-        self._hint = run_id
         self._checked = False
         self._client: Any = None
         #: Per metric key, the highest step the run has; points at or below it are dropped.
         self.floors: dict[str, int] = {}
         self._floors_of: str | None = None  # the run whose steps `floors` holds
-        self.dropped = 0
-        self.points_sent = 0
+        self.dropped = self.points_sent = 0
         self.start_time_ms: int | None = None
         self.retrier = Retrier(is_transient)
 
@@ -324,7 +310,9 @@ class RunSender:
                 floors[key] = max(m.step for m in history)
         return floors
 
-    def send(self, records: list[dict[str, Any]], done: Callable[[int], None] | None = None) -> int:
+    def send(
+        self, records: list[dict[str, Any]], done: Callable[[int], None] = lambda i: None
+    ) -> int:
         """Deliver records in order; return the points sent; ``done(i)``: MLflow has up to ``i``."""
         from mlflow.entities import Metric, Param, RunTag
 
@@ -344,7 +332,7 @@ class RunSender:
                 self.points_sent += len(metrics)
                 self.floors.update(floors)
                 del metrics[:], params[:], tags[:]
-                if done is not None and upto >= 0:
+                if upto >= 0:
                     done(upto)
 
         for i, rec in enumerate(records):
@@ -385,8 +373,7 @@ class RunSender:
                 else:
                     self.ensure_run(reopen=bool(rec.get("reopen")))
                 floors = dict(self.floors)  # the run may be another one now
-            if done is not None:
-                done(i)
+            done(i)
         flush(len(records) - 1)
         return self.points_sent - sent
 

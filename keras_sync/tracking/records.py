@@ -1,8 +1,8 @@
 """The spool protocol: the records a writer appends, why a delivery failed, and MLflow's limits.
 
-A record is one JSON object per line of a spool segment (`keras_sync.tracking.spool`); ``"k"`` is
-its kind (short spellings on disk, so older spools still replay). The courier's last outcome
-(``status.json``) is ``{"ok": true}`` or ``{"ok": false, "cause": <one of CAUSES>, "error": ...}``.
+A record is one JSON object per line of a spool segment; ``"k"`` is its kind (short spellings on
+disk, so older spools still replay). The courier's last outcome (``status.json``) is
+``{"ok": true}`` or ``{"ok": false, "cause": <one of CAUSES>, "error": ...}``.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def is_http(uri: str) -> bool:
 
 def is_remote(uri: str) -> bool:
     """Whether ``uri`` is a store elsewhere (a server or Databricks), not on this machine."""
-    return is_http(uri) or uri.startswith("databricks")
+    return uri.startswith(("http://", "https://", "databricks"))
 
 
 def metric_key(key: str) -> str:
@@ -105,15 +105,14 @@ class RecordCleaner:
         if rec["k"] == METRICS:
             out = {}
             for key, v in rec["d"].items():
-                clean = self._keys.get(key)
-                if clean is None:
+                if key not in self._keys:
                     clean = self._keys[key] = metric_key(key)
                     if clean != key:
                         _log.warning(
                             "Metric key %r is not valid in MLflow; logged as %r.", key, clean
                         )
                 try:
-                    out[clean] = float(v)
+                    out[self._keys[key]] = float(v)
                 except (TypeError, ValueError):
                     _log.warning("Metric %r=%r is not a number; dropped.", key, v)
             rec["d"] = out
@@ -121,11 +120,11 @@ class RecordCleaner:
         if rec["k"] in (PARAMS, TAGS):
             limit = MAX_PARAM_VALUE_LENGTH if rec["k"] == PARAMS else MAX_TAG_VALUE_LENGTH
             rec["d"] = {
-                clip(redact_text(k, self._secrets), MAX_KEY_LENGTH): clip(
-                    redact_text(v, self._secrets), limit
-                )
-                for k, v in rec["d"].items()
+                self._scrub(k, MAX_KEY_LENGTH): self._scrub(v, limit) for k, v in rec["d"].items()
             }
         elif rec["k"] == TEXT:
             rec["text"] = redact_text(rec["text"], self._secrets)
         return rec
+
+    def _scrub(self, text: str, limit: int) -> str:
+        return clip(redact_text(text, self._secrets), limit)

@@ -8,17 +8,13 @@ and ``deliver.lock`` (flocks), ``reserve`` (room kept for a run's end).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import shutil
 from pathlib import Path
 from typing import Any
-
-try:
-    import fcntl
-except ImportError:  # Windows: no advisory locks; one writer per spool is then on the user
-    fcntl = None  # type: ignore[assignment]
 
 #: A writer starts a new segment once the current one is this big; delivered segments are deleted.
 SEGMENT_BYTES = 256 * 1024
@@ -47,7 +43,7 @@ class SpoolDir:
 
     def lock(self, role: str, wait: bool = False) -> bool:
         """Take ``writer.lock`` or ``deliver.lock``; False if a live process holds it (``wait``: wait)."""
-        if fcntl is None or role in self._locks:
+        if role in self._locks:
             return True
         self.path.mkdir(parents=True, exist_ok=True)
         fh = open(self.path / f"{role}.lock", "ab")
@@ -61,7 +57,7 @@ class SpoolDir:
 
     def held(self, role: str) -> bool:
         """True if another process holds the lock ``role`` now."""
-        if fcntl is None or not (self.path / f"{role}.lock").exists():
+        if not (self.path / f"{role}.lock").exists():
             return False
         with open(self.path / f"{role}.lock", "ab") as fh:
             try:
@@ -97,7 +93,7 @@ class SpoolDir:
             raise
 
     def write_header(self, header: dict[str, Any]) -> None:
-        if not (self.path / "header.json").exists():
+        if self.header() is None:
             self.write_json("header.json", header)
 
     def header(self) -> dict[str, Any] | None:

@@ -6,6 +6,7 @@ close is spilled to the spool, else the run ends FAILED, tagged `LOST_TAG`.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -90,9 +91,8 @@ class Spooler:
         self.thread: threading.Thread | None = None
         self.courier: subprocess.Popen[bytes] | None = None
         self._news_reader: threading.Thread | None = None
-        self.closing = self.dead = self._end_spooled = self._finished = False
+        self.closing = self.dead = self._end_spooled = self._was_failing = False
         self.spool_error: str | None = None  # why the spool stopped taking records
-        self._status: dict[str, Any] | None = None  # the last status `_watch_status` saw
         self._said_refused = threading.Lock()  # taken once: the refusal is said
         # Records the spool refused, (number, record, size), until the courier has them in MLflow.
         self.held: deque[tuple[int, dict[str, Any], int]] = deque()
@@ -146,6 +146,10 @@ class Spooler:
         pos = max(self.spool.delivered(), self.news["pos"])
         return (int(pos[0]), int(pos[1])), self.news["h"]
 
+    def _caught_up(self, target: tuple[Position, int]) -> bool:
+        pos, held = self.progress()
+        return pos >= target[0] and held >= target[1]
+
     def unacknowledged(self) -> list[dict[str, Any]]:
         return [rec for n, rec, _ in list(self.held) if n > self.news["h"]]
 
@@ -165,17 +169,14 @@ class Spooler:
         target = self.spooled_pos, self.held_last
         seen, last_move = self.progress(), time.monotonic()
         deadline = last_move + (timeout_s if timeout_s is not None else float("inf"))
-        while not (seen[0] >= target[0] and seen[1] >= target[1]):
+        while not self._caught_up(target):
             if self.dead or (self.failure() is not None and not self.answering(stall_s)):
                 return False
-            now = time.monotonic()
-            if now >= deadline or now - last_move > (
-                STARTUP_S if self.status() is None else stall_s
-            ):
+            now, limit = time.monotonic(), STARTUP_S if self.status() is None else stall_s
+            if now >= deadline or now - last_move > limit:
                 return False
             time.sleep(0.02)
-            now_at = self.progress()
-            if now_at != seen:
+            if (now_at := self.progress()) != seen:
                 seen, last_move = now_at, time.monotonic()
             if progress is not None:
                 progress()
@@ -187,16 +188,10 @@ class Spooler:
 
         def show(left: int) -> None:
             shown[0] = True
-            uri, spool = self.shown_uri, self.spool.path
-            what = (
-                f"{left} metric point(s) not in MLflow yet ({uri}); delivering them before exit"
-                if left
-                else f"waiting for MLflow ({uri}) to receive the run's last records (the sync "
-                "report picture, drawn now, and the run's end) before exit"
-            )
+            what = f"{left} metric point(s)" if left else "the run's last records"
             print(
-                f"keras-sync: {what}. They are kept in {spool}: Ctrl-C leaves them there for "
-                f"`keras-sync sync-spool {spool}`",
+                f"keras-sync: waiting for MLflow ({self.shown_uri}) to receive {what} before "
+                f"exit. Ctrl-C leaves them in {self.spool.path} for `{self._hint()}`",
                 file=sys.stderr,
                 flush=True,
             )
@@ -244,12 +239,6 @@ class Spooler:
         if count == 0:
             return None
         what = f"keras-sync: {count} MLflow record(s) are not delivered yet: {self.cause()}."
-        if held and not final:
-            steps = step_ranges([rec["s"] for rec in held if rec["k"] == METRICS]) or "none"
-            return (
-                f"{what} The spool {self.spool.path} cannot be written ({self.spool_error}): the "
-                f"points of steps {steps} wait in memory, lost if this process ends first."
-            )
         if final:
             return f"{what} They are kept in {self.spool.path}. Deliver them with: {self._hint()}."
         return f"{what} They are kept in {self.spool.path} and delivered in the background."
@@ -275,10 +264,8 @@ class Spooler:
             self.thread.join(5.0)
         courier = self.courier
         if delivered and courier is not None and not never_begun:
-            try:  # a courier that delivered the run's end is given a moment to exit
+            with contextlib.suppress(subprocess.TimeoutExpired):  # it delivered the run's end
                 courier.wait(5.0)
-            except subprocess.TimeoutExpired:
-                pass
         self._pump()
         held = bool(self.unacknowledged() or self.dropped)
         message = None if delivered or held else self.undelivered_message(final=True)
@@ -391,10 +378,8 @@ class Spooler:
 
     def _disconnect(self) -> None:
         if self.courier is not None and self.courier.stdin is not None:
-            try:
+            with contextlib.suppress(OSError):
                 self.courier.stdin.close()
-            except OSError:
-                pass
         self._to_courier.clear()
 
     def _loop(self) -> None:
@@ -409,10 +394,11 @@ class Spooler:
                 if self.courier is not None and self.courier.poll() is not None:
                     if self._news_reader is not None:
                         self._news_reader.join(2.0)  # its last word, before judging its exit
-                    pos, held = self.progress()
-                    if self._end_spooled and pos >= self.spooled_pos and held >= self.held_last:
-                        self._finished = True  # it delivered the run's end and stopped
-                    elif not closing and not self._finished:
+                    # A courier that delivered the writer's last record ended its job.
+                    ended = self._end_spooled and self._caught_up(
+                        (self.spooled_pos, self.held_last)
+                    )
+                    if not closing and not ended:
                         restarts += 1
                         _log.warning(
                             "keras-sync's MLflow courier process exited (code "
@@ -424,7 +410,6 @@ class Spooler:
                 if self.courier is None and not closing and time.monotonic() >= respawn_at:
                     self._spawn_courier()
                 self._watch_status()
-                self._tell_run()
                 if closing:
                     return
                 self.wake.wait(SPOOL_INTERVAL_S)
@@ -457,29 +442,22 @@ class Spooler:
         except OSError as e:
             self._spool_failed(e.strerror or str(e))
 
-    def _tell_run(self) -> None:
-        if self.on_run is None or not self._begun:
-            return
-        if self.run().get("run_id") is not None or (self.failure() and not self.answering()):
-            on_run, self.on_run = self.on_run, None
-            try:
-                on_run()
-            except Exception as e:
-                _log.debug("on_run failed: %s", e)
-
     def _watch_status(self) -> None:
-        """Log the courier's first failure (the credentials' in their own line)."""
-        status, before = self.status(), self._status
-        self._status = status
-        if status is None or status.get("ok"):
-            return
-        if status.get("cause") == CREDENTIALS:
+        """Say the courier's first failure (the credentials' in their own line); tell the run."""
+        failed = self.failure()
+        if failed is not None and failed.get("cause") == CREDENTIALS:
             self.say_refused_once()
-        elif before is None or before.get("ok"):
+        elif failed is not None and not self._was_failing:
             _log.warning(
-                f"keras-sync: {why_failing(status, self.shown_uri)}; records are kept in "
+                f"keras-sync: {why_failing(failed, self.shown_uri)}; records are kept in "
                 f"{self.spool.path}, retrying in the background."
             )
+        self._was_failing = failed is not None
+        known = self.run().get("run_id") is not None or (failed and not self.answering())
+        if self.on_run is not None and self._begun and known:
+            on_run, self.on_run = self.on_run, None
+            with contextlib.suppress(Exception):  # a line for the user, never the thread's end
+                on_run()
 
     def _drain(self) -> None:
         recs: list[dict[str, Any]] = []

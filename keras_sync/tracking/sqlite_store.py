@@ -7,6 +7,7 @@ later client fails on. So the store is built under a private name beside the tar
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -88,10 +89,8 @@ def _private_name(path: Path) -> Path:
 
 def _unlink(*paths: Path) -> None:
     for path in paths:
-        try:
+        with contextlib.suppress(OSError):
             path.unlink(missing_ok=True)
-        except OSError:
-            pass
 
 
 def _wait_for_live_builders(path: Path, timeout_s: float) -> bool:
@@ -112,30 +111,19 @@ def _wait_for_live_builders(path: Path, timeout_s: float) -> bool:
 
 
 def _wait_while_built_in_place(path: Path, timeout_s: float) -> None:
-    """Wait while another client builds ``path`` in place, until at head or settled."""
+    """Wait while another client builds ``path`` in place: below the head and still changing."""
     from keras_sync.upstream.mlflow_internals import schema_head
 
-    head = schema_head()
-    if head is None:
-        return
-    deadline = time.monotonic() + timeout_s
-    last, moved_at = None, time.monotonic()
-    journal = path.with_name(path.name + "-journal")
-    while True:
-        state = _schema_state(path)
-        if state[0] == head:
-            return
+    head, journal = schema_head(), path.with_name(path.name + "-journal")
+    last, moved_at, deadline = None, time.monotonic(), time.monotonic() + timeout_s
+    while head is not None and (state := _schema_state(path))[0] != head:
         if state != last:
             last, moved_at = state, time.monotonic()
-        try:
-            idle_s = time.time() - max(p.stat().st_mtime for p in (path, journal) if p.exists())
-        except (OSError, ValueError):
-            idle_s = 0.0
-        if (
-            (idle_s >= _SETTLED_S and not journal.exists())
-            or time.monotonic() - moved_at >= _SETTLED_S
-            or time.monotonic() >= deadline
-        ):
+        with contextlib.suppress(OSError):  # the journal went between the two calls
+            written = max(p.stat().st_mtime for p in (path, journal) if p.exists())
+            if time.time() - written >= _SETTLED_S and not journal.exists():
+                return
+        if time.monotonic() - moved_at >= _SETTLED_S or time.monotonic() >= deadline:
             return
         time.sleep(0.05)
 
