@@ -789,7 +789,7 @@ def test_courier_says_ok_before_it_moves_the_delivered_position(tmp_path, sqlite
     spool.append([{"k": "begin", "ts": 1}, {"k": "m", "s": 1, "ts": 1, "d": {"loss": 0.5}}])
     spool.close_segment()
     delivery = Delivery(spool, sqlite_uri)
-    delivery.report(ConnectionError("server away"), since=1.0)
+    delivery.report(ConnectionError("server away"))
     seen = []
     mark = spool.mark_delivered
     spool.mark_delivered = lambda pos: (seen.append(spool.status()), mark(pos))  # type: ignore[method-assign]

@@ -58,21 +58,19 @@ def mirrored_variables(model: Any) -> list[Any]:
     import tensorflow as tf
 
     out, seen = [], set()
-    candidates = list(model.variables)
-    if getattr(model, "optimizer", None) is not None:
-        candidates += list(model.optimizer.variables)
-    for v in candidates:
+    optimizer = getattr(model, "optimizer", None)
+    for v in [*model.variables, *(optimizer.variables if optimizer is not None else [])]:
         tv = distributed_variable(v)
-        if not isinstance(tv, tf.distribute.DistributedValues) or id(tv) in seen:
-            continue
-        if not tv.shape.is_fully_defined() or tv.shape.num_elements() == 0:
-            continue
-        if getattr(tv, "synchronization", None) == tf.VariableSynchronization.ON_READ:
-            continue
-        if not (tv.dtype.is_floating or tv.dtype.is_integer or tv.dtype.is_bool):
-            continue  # complex or string: nothing Keras trains
-        seen.add(id(tv))
-        out.append(tv)
+        if (
+            isinstance(tv, tf.distribute.DistributedValues)
+            and id(tv) not in seen
+            and tv.shape.is_fully_defined()
+            and tv.shape.num_elements()
+            and getattr(tv, "synchronization", None) != tf.VariableSynchronization.ON_READ
+            and (tv.dtype.is_floating or tv.dtype.is_integer or tv.dtype.is_bool)  # not complex
+        ):
+            seen.add(id(tv))
+            out.append(tv)
     return out
 
 

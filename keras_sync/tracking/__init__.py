@@ -1,9 +1,7 @@
-"""MLflow tracking that never stalls training and loses nothing.
-
-`MlflowWriter` only queues records; a thread (`keras_sync.tracking.spooler`) moves them to a spool
-directory and a courier process delivers it to MLflow. A restarted job, or ``keras-sync sync-spool
-DIR`` (`replay_spool`), delivers what a killed process left, once. Secrets are scrubbed first.
-"""
+"""MLflow tracking that never stalls training and loses nothing: `MlflowWriter` only queues
+records; a thread (`keras_sync.tracking.spooler`) moves them to a spool directory and a courier
+process delivers it. A restarted job, or ``keras-sync sync-spool DIR``, delivers what a killed
+process left, once."""
 
 from __future__ import annotations
 
@@ -327,19 +325,18 @@ class MlflowWriter:
             self._warn_undelivered()
 
     def _warn_undelivered(self) -> None:
-        if self.say_refused_once() or self._warned:
-            return
-        message = self.undelivered_message(final=False)
-        if message:
-            self._warned = True
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
+        if not (self.say_refused_once() or self._warned):
+            message = self.undelivered_message(final=False)
+            self._warned = message is not None
+            if message:
+                warnings.warn(message, RuntimeWarning, stacklevel=4)
 
     def _put_end(self, status: str, **extra: Any) -> None:
         """FAILED, tagged, if records were dropped over the memory bound."""
-        tag = self._sp.loss_tag()
-        self._put(tag)
-        status = "FAILED" if tag else status
-        self._put({"k": records.END, "status": status, "ts": _now_ms(), **extra})
+        self._put(tag := self._sp.loss_tag())
+        self._put(
+            {"k": records.END, "status": "FAILED" if tag else status, "ts": _now_ms(), **extra}
+        )
 
     def end_run(
         self,

@@ -95,28 +95,19 @@ class Delivery:
         """Send what is available (``hold_metrics``: not a part batch of points alone)."""
         sent = 0
         try:
-            while True:
-                source = self._next()
+            while source := self._next():
                 points = [len(rec["d"]) if rec["k"] == r.METRICS else -1 for _, rec in source]
-                few_points = min(points, default=0) >= 0 and sum(points) < r.MAX_BATCH
+                few_points = min(points) >= 0 and sum(points) < r.MAX_BATCH
                 if hold_metrics and not sent and len(source) < READ_RECORDS and few_points:
                     return 0
-                chunk: list[tuple[Any, dict[str, Any]]] = []
-                n = 0
-                for (pos, rec), p in zip(source, points):
-                    # A "begin" picks the run and goes alone: run.json names its run and position
-                    # before anything after it is sent, so a replay goes to the same run.
-                    if chunk and (
-                        n + max(p, 0) > r.MAX_BATCH or r.BEGIN in (rec["k"], chunk[0][1]["k"])
-                    ):
-                        break
-                    chunk.append((pos, rec))
-                    n += max(p, 0)
-                if not chunk:
-                    return sent
+                # A "begin" picks the run and goes alone: run.json names its run and position
+                # before anything after it is sent, so a replay goes to the same run.
+                cut = next((i for i, (_, rec) in enumerate(source) if rec["k"] == r.BEGIN), None)
+                chunk = source[: cut or 1] if cut is not None else source
                 sent += self._send(chunk)
                 if isinstance(chunk[-1][0], tuple):
                     del self._ahead[: len(chunk)]
+            return sent
         except BaseException:
             self._ahead.clear()  # read again from where delivery stands
             raise
@@ -193,29 +184,22 @@ class Delivery:
         self.report(retrier.last_error if retrier.failing else None)
         self.on_progress()
 
-    def report(self, error: BaseException | None, since: float | None = None) -> dict[str, Any]:
+    def report(self, error: BaseException | None) -> dict[str, Any]:
         """Write ``status.json`` and tell the writer: ok, or why delivery fails (one of `r.CAUSES`)."""
         self.failing, self.reported = error is not None, True
-        retrier = self.sender.retrier
-        status: dict[str, Any] = {"ok": error is None, "at": time.time()}
+        retrier, remote = self.sender.retrier, r.is_remote(self.uri)
+        status: dict[str, Any] = {"ok": error is None}
         if error is not None:
             text = redact_text(f"{type(error).__name__}: {error}", self.secrets)[:500]
-            cause = r.REFUSED if r.is_remote(self.uri) else r.STORE_FAILING
-            if is_transient(error) and r.is_remote(self.uri):  # named from all the requests
+            cause = r.REFUSED if remote else r.STORE_FAILING
+            if is_transient(error) and remote:  # named from all the requests
                 failing_some = retrier.failing and not retrier.unreachable()
                 cause = r.FAILING_REQUESTS if failing_some else r.UNREACHABLE
                 text = retrier.summary() or text
-            http = refused_credentials(error)
-            if http is not None:  # the status alone: the body is the server's HTML page
+            if (http := refused_credentials(error)) is not None:  # not the server's HTML page
                 cause = r.CREDENTIALS
                 text = f"HTTP {http} {'Unauthorized' if http == 401 else 'Forbidden'}"
-            status.update(
-                since=since or retrier.failing_since or time.time(),
-                error=text,
-                cause=cause,
-                uri=self.shown_uri,
-                answered_at=retrier.answered_at,
-            )
+            status.update(error=text, cause=cause, answered_at=retrier.answered_at)
         with contextlib.suppress(OSError):
             self.spool.write_json("status.json", status)
         self._tell({"status": status})
@@ -234,8 +218,7 @@ class Delivery:
 
     def serve(self, parent_pid: int | None) -> None:
         """Deliver until the writer's last record is delivered, or the parent process is gone."""
-        retry_at, backoff, failing_since = 0.0, 0.0, None
-        retrier = self.sender.retrier
+        retry_at, backoff, retrier = 0.0, 0.0, self.sender.retrier
 
         def orphaned() -> bool:
             return parent_pid is not None and os.getppid() != parent_pid
@@ -251,12 +234,11 @@ class Delivery:
                 try:
                     batching = not orphan and time.monotonic() - self.last_sent_at < BATCH_S
                     self.deliver_available(hold_metrics=batching)
-                    if (failing_since is not None or not self.reported) and not retrier.failing:
+                    if (self.failing or not self.reported) and not retrier.failing:
                         self.report(None)
-                    backoff, failing_since = 0.0, None
+                    backoff = 0.0
                 except Exception as e:
-                    failing_since = failing_since or time.time()
-                    self.report(e, failing_since)
+                    self.report(e)
                     backoff = min(max(backoff * 2, 0.5), MAX_BACKOFF_S)
                     retry_at = time.monotonic() + backoff
                 # A spool whose writer left (gave up, or was killed) and is all delivered goes.
