@@ -108,20 +108,19 @@ class SyncHistory:
         that holds the job back (`keras_sync.measures.slow_worker.slowest`), else None."""
         from keras_sync.measures.slow_worker import slowest
 
-        workers = sorted(set(self.between_steps) & set(self.compute))
-        parts = {
+        medians = {
             w: [
                 statistics.median(s[w].values or [math.nan])
                 for s in (self.between_steps, self.compute)
             ]
-            for w in workers
+            for w in sorted(set(self.between_steps) & set(self.compute))
         }
-        own = {w: a + b for w, (a, b) in parts.items() if math.isfinite(a + b)}
+        own = {w: a + b for w, (a, b) in medians.items() if math.isfinite(a + b)}
         found = slowest(list(own.values())) if len(own) >= 2 else None
         if found is None:
             return None
         worst = list(own)[found[0]]
-        return worst, parts[worst][0], parts[worst][1], found[2]
+        return worst, medians[worst][0], medians[worst][1], found[2]
 
 
 def slow_worker_lines(history: SyncHistory) -> list[str]:
