@@ -412,12 +412,8 @@ class Sync:
     def _check_batch_size(self, batch_size: Any, method: str) -> None:
         """``batch_size`` is the global batch, as Keras reads it under a strategy."""
         fit = method == "fit"
-        if (
-            isinstance(batch_size, bool)
-            or not isinstance(batch_size, int)
-            or batch_size < 1
-            or (fit and batch_size % self.num_replicas)
-        ):
+        whole = isinstance(batch_size, int) and not isinstance(batch_size, bool) and batch_size >= 1
+        if not whole or (fit and batch_size % self.num_replicas):
             multiple = f", a multiple of the {self.num_replicas} replicas" if fit else ""
             raise UsageError(
                 f"Invalid value for argument `batch_size` of sync.{method}. Received: batch_size={batch_size!r}. "

@@ -174,8 +174,7 @@ def _coordination_fields(*names: str) -> Probe:
 
 _ONE_WORKER = "or train on one worker (strategy.kind: mirrored)"
 REGISTRY: tuple[Internal, ...] = (
-    # keras_fixes.multi_worker_patches 1, 2: keras-team/keras#20585 (fit under MWMS); the train
-    # function (Keras 3.10's make_train_function, later _make_function) reads a module global.
+    # keras_fixes.multi_worker_patches 1, 2: keras-team/keras#20585 (fit under MWMS).
     Internal(
         "multi_worker_fit",
         f"{_TRAINER}:reduce_per_replica(values, strategy, reduction)",
@@ -198,8 +197,7 @@ REGISTRY: tuple[Internal, ...] = (
     Internal(END_OF_DATA, f"{MAKE_FUNCTION}(self, step_function)", _end_of_data),
     # keras_fixes.iterator_release_patches: the iterator `reset` drops, destroyed mid-read, crashes.
     Internal(EPOCH_ITERATOR_RESET, f"{_EPOCH}.reset uses _current_iterator, _epoch_iterator"),
-    # multi_worker.py: each worker's local devices (TF's TODO b/126786766), the join bounded
-    # (tensorflow#60706) for every task (the barrier), the cluster already joined.
+    # multi_worker.py: local devices (TF's TODO b/126786766), a bounded join (tensorflow#60706).
     Internal(
         "multi_worker_strategy",
         f"{_CARS}:CollectiveAllReduceExtended._initialize_local_devices(self, cluster_resolver, "
@@ -290,8 +288,7 @@ REGISTRY: tuple[Internal, ...] = (
         refused="per-replica loss and gradient norm",
         alternative="or set mlflow.enabled: false",
     ),
-    # tf_runtime.py: a batch op's fields, TF's batch size and an interleave's function (its file
-    # readers, kept only in `_map_func`), to count a pass's examples exactly.
+    # tf_runtime.py: batch ops, TF's batch size and file readers, to count a pass's examples.
     Internal(
         DATASET_GRAPH,
         f"{_DATA_OPS}.batch_op:_BatchDataset.__init__ uses _batch_size, _drop_remainder, "
@@ -338,11 +335,13 @@ def check(internal: Internal) -> str | None:
     return None
 
 
-def missing(name: str) -> tuple[Internal, str] | None:
-    """The internals registered as ``name``, with what is missing, if they moved."""
-    internal = next(i for i in REGISTRY if i.name == name)
-    what = check(internal)
-    return None if what is None else (internal, what)
+def _entry(name: str) -> Internal:
+    return next(i for i in REGISTRY if i.name == name)
+
+
+def missing(name: str) -> str | None:
+    """What the internals registered as ``name`` lack here, None if nothing."""
+    return check(_entry(name))
 
 
 def available(name: str) -> bool:
@@ -352,10 +351,9 @@ def available(name: str) -> bool:
 
 def require(feature: str) -> None:
     """Raise `CompatibilityError` (one line) if an internal that ``feature`` needs has moved."""
-    found = missing(feature)
-    if found is None:
+    internal, gone = _entry(feature), missing(feature)
+    if gone is None:
         return
-    internal, gone = found
     libraries = ("mlflow",) if internal.library == "mlflow" else ("keras", "tensorflow")
     versions = ", ".join(f"{_NAMES[m]} {importlib.import_module(m).__version__}" for m in libraries)
     fix = _pin(internal.library, internal.since) if predates(internal) else PIN[internal.library]

@@ -93,7 +93,7 @@ def multi_worker_patches() -> list[Patch]:
     # `make_train_function` looks `reduce_per_replica` up in the module at trace time.
     patches: list[Patch] = [(tf_trainer, "reduce_per_replica", reduce_per_replica)]
     patches += same_data_order_patches(multi_worker=True)
-    if _internals.missing("multi_worker_steps_per_execution") is not None:
+    if not _internals.available("multi_worker_steps_per_execution"):
         return patches  # fix 3 left out; check_steps_per_execution refuses spe > 1
     keras_own = original(cls, "_autoconvert_optionals")
 
