@@ -179,18 +179,15 @@ def _table(result: Verdict, subject: Run, reference: Run) -> list[str]:
     how = f"{micro} micro-batches of {reference['global_batch']} accumulated (one replica's memory)"
     if micro <= 1:
         depends = " and ".join(depends_on_batch(facts))
-        how = f"the full global batch of {batch}" + (
-            f" ({depends} depend(s) on the batch)" if depends else ""
-        )
+        how = f"the full global batch of {batch}"
+        how += f" ({depends} depend(s) on the batch)" if depends else ""
     on = f" on {workers} workers" if workers > 1 else ""
     run = f"{subject['replicas']} replicas{on} ({subject['kind']}), global batch {batch}"
     lines = [f"distributed: {run}; reference: one device, {how}"]
     if subject.get("peak_rss_mb") and reference.get("peak_rss_mb"):
         per = "the chief's process" if workers > 1 else "one process"
-        peaks = (
-            f"{subject['peak_rss_mb']:.0f} MB ({per}), one device {reference['peak_rss_mb']:.0f}"
-        )
-        lines.append(f"peak memory: distributed {peaks} MB")
+        mine, one = subject["peak_rss_mb"], reference["peak_rss_mb"]
+        lines.append(f"peak memory: distributed {mine:.0f} MB ({per}), one device {one:.0f} MB")
     source = subject.get("input")
     left = f"nothing left that verify knows of (input: {source or 'unknown'})"
     if source in ("Python generator", "keras.utils.PyDataset"):
@@ -228,18 +225,18 @@ def _log_run(comparison: Path, result: Verdict, subject: Run, reference: Run) ->
     mlflow.set_tracking_uri(uri)
     logging.getLogger("mlflow").setLevel(logging.WARNING)  # not its "Creating a new experiment"
     mlflow.set_experiment(subject["mlflow"]["experiment"])
-    tags = {"keras_sync.verify": "same" if result.same else "different"}
-    tags.update({"keras_sync.verify.cause": (result.cause or "")[:5000]})
-    tags.update({"keras_sync.verify.line": result.last_line[:5000]})
-    with mlflow.start_run(
-        run_name=f"verify {subject['kind']} x{subject['replicas']}", tags=tags
-    ) as run:
+    tags = {
+        "keras_sync.verify": "same" if result.same else "different",
+        "keras_sync.verify.cause": (result.cause or "")[:5000],
+        "keras_sync.verify.line": result.last_line[:5000],
+    }
+    name = f"verify {subject['kind']} x{subject['replicas']}"
+    with mlflow.start_run(run_name=name, tags=tags) as run:
         mlflow.log_params({key: subject[key] for key in ("replicas", "kind", "global_batch")})
         mlflow.log_params({"steps": result.steps, "tolerance": f"{result.tolerance:.3g}"})
         for i, pair in enumerate(zip(subject["steps"], reference["steps"])):
             halves = zip(("distributed", "one_device"), pair)
-            mlflow.log_metrics(
-                {f"verify/{h}/{q}": float(s[q]) for h, s in halves for q in QUANTITIES}, step=i
-            )
+            metrics = {f"verify/{h}/{q}": float(s[q]) for h, s in halves for q in QUANTITIES}
+            mlflow.log_metrics(metrics, step=i)
         mlflow.log_artifact(str(comparison))
     return str(run.info.run_id)

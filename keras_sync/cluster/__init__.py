@@ -299,13 +299,14 @@ class ClusterEnvironment:
     False) are what `keras-sync plan` shows."""
 
     name, label, absent = "alone", "one process", "one process"
+    variable: str | None = None  # the environment variable whose presence `detect`s this cluster
 
     def __init__(self, strategy_config: Any = None, env: Mapping[str, str] | None = None):
         self.config = strategy_config
         self.env = os.environ if env is None else env
 
     def detect(self) -> bool:
-        return True
+        return self.variable is None or self.variable in self.env
 
     def info(self) -> ClusterInfo:
         """This process's place; a `ClusterError` naming what to fix when it is inconsistent."""
@@ -338,9 +339,7 @@ class SlurmEnvironment(ClusterEnvironment):
     """A Slurm job step (``srun``): every task a worker, ports from `strategy.slurm.port_base`."""
 
     name, label, absent = "slurm", "Slurm", "no Slurm job ($SLURM_PROCID unset)"
-
-    def detect(self) -> bool:
-        return "SLURM_PROCID" in self.env
+    variable = "SLURM_PROCID"
 
     def port_base(self) -> int:
         """`strategy.slurm.port_base`, or `slurm_port_base` when it is auto."""
@@ -365,9 +364,7 @@ class IndexedJobEnvironment(ClusterEnvironment):
     """A pod of a Kubernetes Indexed Job or JobSet (`strategy.indexed_job`)."""
 
     name, label, absent = "indexed_job", "Indexed Job", f"no Indexed Job (${INDEX_VAR} unset)"
-
-    def detect(self) -> bool:
-        return INDEX_VAR in self.env
+    variable = INDEX_VAR
 
     def info(self) -> ClusterInfo:
         job = self.config.indexed_job

@@ -33,10 +33,8 @@ Procs = list[subprocess.Popen[bytes]]
 def worker_tf_configs(ports: Sequence[int]) -> list[str]:
     """The TF_CONFIG of each local worker: the same cluster, its own index."""
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
-    return [
-        json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})
-        for i in range(len(ports))
-    ]
+    tasks = [{"type": "worker", "index": i} for i in range(len(ports))]
+    return [json.dumps({"cluster": cluster, "task": task}) for task in tasks]
 
 
 def _write(out: IO[str], text: str) -> None:

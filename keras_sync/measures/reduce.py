@@ -74,12 +74,8 @@ def window_peaks(
     left out), so a spike between two logged points still shows."""
     losses = [float(v) for v in losses if not math.isnan(v)]
     norms = [float(v) for v in grad_norms if not math.isnan(v)]
-    values = (
-        max(losses, default=math.nan),
-        loss_spread(losses),
-        max(norms, default=math.nan),
-        grad_norm_spread(norms),
-    )
+    values = [max(losses, default=math.nan), loss_spread(losses)]
+    values += [max(norms, default=math.nan), grad_norm_spread(norms)]
     out = dict(peaks or {})
     for key, v in zip(WINDOW_KEYS, values):
         if not math.isnan(v):
