@@ -1,17 +1,9 @@
-"""keras-sync: make a Keras 3 training script distributed with a YAML file and three lines.
-
-    import keras, keras_sync
-    sync = keras_sync.load("keras_sync.yaml")
-    with sync.scope():
-        model = make_model()
-        model.compile(optimizer=keras.optimizers.SGD(sync.lr_schedule()), loss="mse")
-    sync.fit(model, x, y, epochs=3)
-
-Importing this package loads no TensorFlow, Keras or MLflow; they load on first use.
-"""
+"""keras-sync: make a Keras 3 training script distributed with a YAML file and three lines
+(`keras_sync.load`, `Sync.scope`, `Sync.fit`). Importing it loads no TensorFlow, Keras or MLflow."""
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from keras_sync.config import Config, load_config
@@ -81,6 +73,4 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'keras_sync' has no attribute {name!r}")
-    import importlib
-
     return getattr(importlib.import_module(module), name)

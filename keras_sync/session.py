@@ -52,16 +52,13 @@ def load(
     kind = detect(cfg).kind
     one_process = kind in ONE_PROCESS_KINDS  # surely the chief
     if one_process:
-        paths.check_config_paths(cfg, is_chief=True)  # its one line, before TensorFlow starts
-    line = _first_line(cfg, kind)
-    if line is not None:  # TensorFlow's start takes seconds: say so first
-        print(line, file=sys.stderr, flush=True)
+        paths.check_config_paths(cfg, is_chief=True)  # before TensorFlow starts
+    _say_first_line(cfg, kind)
     early_writer = None
     if cfg.mlflow.enabled and one_process:
         from keras_sync.training.job_run import start_writer
 
-        # The chief's courier imports MLflow while TensorFlow is imported, not in the fit.
-        early_writer = start_writer(cfg)
+        early_writer = start_writer(cfg)  # its courier imports MLflow while TensorFlow imports
     try:
         strategy, detection = build_strategy(cfg)
         if in_multi_worker_mode(strategy):  # fit/evaluate/predict called alone: one line
@@ -69,15 +66,14 @@ def load(
 
             collective_calls.configure(strategy, cfg.strategy.connect_timeout_s)
         sync = Sync(cfg, strategy, detection)
-        if not one_process:  # now, not at the first save or metric
+        if not one_process:
             paths.check_config_paths(cfg, is_chief=sync.is_chief)
-        if sync.is_chief and cfg.mlflow.enabled:
-            # The courier starts while the user builds the model; the run is made at the first log.
+        if sync.is_chief and cfg.mlflow.enabled:  # the run is made at the first log
             sync.job_run.writer(early=True, started=early_writer)
-            early_writer = None  # the run's writer now
+            early_writer = None
     finally:
-        if early_writer is not None:  # not the chief's after all, or the build failed
-            early_writer.close()  # it logged nothing: no empty spool folder left either
+        if early_writer is not None:  # the build failed: no empty spool folder left
+            early_writer.close()
             with contextlib.suppress(OSError):  # not empty (other runs' spools), or gone
                 os.rmdir(os.path.dirname(os.path.abspath(early_writer.spool_path)))
     runtime.set_dtype_policy(cfg)  # before the user builds the model
@@ -85,12 +81,12 @@ def load(
         from keras_sync.training.verify_record import seed_everything
 
         seed_everything()
-    stack.check_backend()  # what the imported Keras really uses (a keras.json the rule above misread)
+    stack.check_backend()  # what the imported Keras really uses (a keras.json the rule misread)
     return sync
 
 
-def _first_line(cfg: Config, kind: str) -> str | None:
-    """The chief's first line (the config, what the next seconds are spent on); None elsewhere."""
+def _say_first_line(cfg: Config, kind: str) -> None:
+    """On the chief: the config and what TensorFlow's seconds-long start is spent on."""
     from keras_sync.cluster import read_cluster
 
     try:
@@ -98,12 +94,12 @@ def _first_line(cfg: Config, kind: str) -> str | None:
     except KerasSyncError:  # building the strategy says what is wrong
         info = None
     if info is not None and not info.is_chief:
-        return None
+        return
     what = f"starting TensorFlow and the {kind} strategy"
     workers = info.num_workers if info is not None and KINDS[kind].multi_process else 0
     if workers > 1:
         what += f", then waiting for its {workers} workers to join (at most {cfg.strategy.connect_timeout_s:g} s)"
-    return f"keras-sync: config: {cfg.origin()}; {what}"
+    print(f"keras-sync: config: {cfg.origin()}; {what}", file=sys.stderr, flush=True)
 
 
 class Sync:
@@ -120,9 +116,7 @@ class Sync:
     def __init__(self, config: Config, strategy: Any, detection: Any):
         from keras_sync.training.job_run import JobRun
 
-        self.config, self.strategy = config, strategy
-        self.kind: str = detection.kind
-        self.kind_reason: str = detection.reason
+        self.config, self.strategy, self.kind = config, strategy, detection.kind
         self.num_replicas: int = int(strategy.num_replicas_in_sync)
         role = strategy_role(strategy)
         self.num_workers, self.is_chief = role.num_workers, role.is_chief
@@ -144,8 +138,7 @@ class Sync:
         self._schedules: list[Any] = []  # warmups in epochs, waiting for fit's steps per epoch
         self._steps_per_epoch: int | None = None
         self.input_facts: Any = None
-        #: This job's MLflow run: the writer (chief only) and the state its fits share.
-        self.job_run = JobRun(config, self.is_chief)
+        self.job_run = JobRun(config, self.is_chief)  # the writer (chief) and the fits' state
 
     def __repr__(self) -> str:
         return (
@@ -165,9 +158,8 @@ class Sync:
 
     def lr_schedule(self, steps_per_epoch: int | None = None, *, after: Any = None) -> Any:
         """The optimizer's learning rate: the scaled peak, or a `GradualWarmup` from the base rate to
-        it when a warmup is configured (a length in epochs is fixed by `fit` unless
-        ``steps_per_epoch`` is given). ``after``: a `LearningRateSchedule` that takes over after the
-        warmup (returned as it is without one)."""
+        it (a warmup in epochs gets its length from `fit` unless ``steps_per_epoch`` is given).
+        ``after``: a `LearningRateSchedule` that takes over after the warmup (returned without one)."""
         lr = self.config.learning_rate
         if not lr.warmup_steps and not lr.warmup_epochs:
             return self.learning_rate if after is None else after
@@ -208,15 +200,15 @@ class Sync:
         from keras_sync.training import verify_record
         from keras_sync.training.pipeline import InputPipeline
 
-        drop = self.config.batch.drop_remainder
+        drop, kind = self.config.batch.drop_remainder, KINDS[self.kind]
         return InputPipeline(
             global_batch=self.global_batch_size,
             num_replicas=self.num_replicas,
             num_workers=self.num_workers,
             is_chief=self.is_chief,
-            drop_remainder=KINDS[self.kind].drop_remainder if drop == "auto" else bool(drop),
+            drop_remainder=kind.drop_remainder if drop == "auto" else bool(drop),
             shard_policy=self.config.batch.shard_policy,
-            multi_worker=KINDS[self.kind].multi_process,
+            multi_worker=kind.multi_process,
             replay_order=bool(self.config.fault_tolerance.backup_dir),
             strategy=self.strategy,
             arrays_as_dataset=self.config.verify is not None
@@ -256,10 +248,9 @@ class Sync:
             ctrl_c_ends_fit(model, is_chief=self.is_chief, backup_dir=backup_dir),
             self.job_run.shared_run(),
             self.job_run.ends_after_fit(),
-            self._keras_call(x),  # before resumable_fit: its probes read Keras's own classes
+            self._keras_call(model, x),  # before resumable_fit: its probes read Keras's own classes
             resumable_fit(kwargs["callbacks"]),
             warnings.catch_warnings(),
-            self._eval_losses(model),
             collective(model, "model.fit"),  # every worker at this fit, or one line
         ):
             if steps_given is None:
@@ -277,8 +268,8 @@ class Sync:
     def context(self, *, per_replica_batch_size: int | None = None) -> Any:
         """The facts of this run for the callbacks, as a frozen `keras_sync.callbacks.RunContext`.
 
-        ``per_replica_batch_size``: the batch of this `fit` when not the configured one. Steps per
-        epoch (and a warmup given in epochs) are those of the data last given to `fit`/`distribute`.
+        ``per_replica_batch_size``: this `fit`'s batch when not the configured one. Steps per epoch
+        (and a warmup in epochs) are those of the data last given to `fit`/`distribute`.
         """
         from keras_sync.training.context import RunContext
 
@@ -287,17 +278,14 @@ class Sync:
             warmup: int | str = self.warmup_steps(self._steps_per_epoch)
         except scaling.ScalingError:  # warmup in epochs, epoch length unknown
             warmup = "unknown"
+        same = ("kind", "num_replicas", "num_workers", "is_chief", "gradient_accumulation_steps")
         return RunContext(
-            kind=self.kind,
-            num_replicas=self.num_replicas,
-            num_workers=self.num_workers,
-            is_chief=self.is_chief,
+            **{
+                name: getattr(self, name) for name in (*same, "base_learning_rate", "learning_rate")
+            },
             per_replica_batch_size=per_replica,
             global_batch_size=per_replica * self.num_replicas,
-            gradient_accumulation_steps=self.gradient_accumulation_steps,
             effective_batch_size=per_replica * self.num_replicas * self.gradient_accumulation_steps,
-            base_learning_rate=self.base_learning_rate,
-            learning_rate=self.learning_rate,
             lr_scaling=self.config.learning_rate.scaling,
             warmup_steps=warmup,
             steps_per_epoch=self._steps_per_epoch,
@@ -323,7 +311,6 @@ class Sync:
                 "Fix: call sync.fit(model, ...), or remove backup_dir and pass keras.callbacks.BackupAndRestore."
             )
         self._ready(model, callbacks, "callbacks")
-        self._for_workers(model)
         return self._fit_callbacks(callbacks, global_batch=self.global_batch_size)
 
     def _fit_callbacks(
@@ -332,19 +319,15 @@ class Sync:
         *,
         per_replica_batch_size: int | None = None,
         record: bool = False,
-        **kwargs: Any,
+        **kw: Any,
     ) -> list[Any]:
         """keras-sync's callbacks around the user's (verify's recorder last, with ``record``)."""
-        from keras_sync import callbacks as ks_callbacks
-        from keras_sync.training import saving
+        from keras_sync.callbacks import fit_callbacks
+        from keras_sync.training import saving, verify_record
 
         context = self.context(per_replica_batch_size=per_replica_batch_size)
-        out = ks_callbacks.fit_callbacks(
-            context, callbacks, job_run=self.job_run, strategy=self.strategy, **kwargs
-        )
+        out = fit_callbacks(context, callbacks, job_run=self.job_run, strategy=self.strategy, **kw)
         if record and self.config.verify is not None:
-            from keras_sync.training import verify_record
-
             source, base = self.input_facts.source, self.base_batch_size
             out.append(
                 verify_record.callback(self.context(), input_source=source, base_batch_size=base)
@@ -378,7 +361,7 @@ class Sync:
         calls it alone fails with one line saying so).
         """
         x, y, kwargs = self._prepare(model, "evaluate", x, y, kwargs)
-        with self._keras_call(), self._eval_losses(model):
+        with self._keras_call(model):
             return model.evaluate(x, y, **kwargs)
 
     def predict(self, model: Any, x: Any = None, **kwargs: Any) -> Any:
@@ -388,76 +371,64 @@ class Sync:
         the predictions. A worker that calls it alone fails with one line saying so.
         """
         x, _, kwargs = self._prepare(model, "predict", x, None, kwargs)
-        with self._keras_call():
+        with self._keras_call(model):
             return model.predict(x, **kwargs)
 
     @contextlib.contextmanager
-    def _keras_call(self, train_data: Any = None) -> Iterator[None]:
+    def _keras_call(self, model: Any, train_data: Any = None) -> Iterator[None]:
         """Around Keras's `fit` (of ``train_data``), `evaluate` and `predict`: Keras fixed for this
-        strategy, and a lost peer as `PeerLostError`."""
+        strategy, a test step's loss one device's, a lost peer as `PeerLostError`."""
         from keras_sync.cluster.lost_peer import raised_as_peer_lost
         from keras_sync.upstream.keras_fixes import fixed_keras
-
-        backup_dir = self.config.fault_tolerance.backup_dir
-        with raised_as_peer_lost(self.strategy, backup_dir), fixed_keras(self.strategy, train_data):
-            yield
-
-    def _eval_losses(self, model: Any) -> Any:
-        """For `fit` and `evaluate`: the loss a test step tracks is one device's."""
-        if self.num_replicas <= 1:
-            return contextlib.nullcontext()
         from keras_sync.upstream.keras_losses import unscaled_eval_losses
 
-        return unscaled_eval_losses(model)
-
-    def _for_workers(self, model: Any) -> None:
-        """``model.save``, ModelCheckpoint: the chief writes; fit, evaluate, predict: every worker."""
-        from keras_sync.training import saving
-        from keras_sync.upstream.keras_fixes import check_steps_per_execution
-
-        check_steps_per_execution(model, self.strategy)
-        if self.num_workers > 1:
-            saving.for_workers(model)
+        backup_dir = self.config.fault_tolerance.backup_dir
+        with (
+            raised_as_peer_lost(self.strategy, backup_dir),
+            fixed_keras(self.strategy, train_data),
+            unscaled_eval_losses(model) if self.num_replicas > 1 else contextlib.nullcontext(),
+        ):
+            yield
 
     def _prepare(
         self, model: Any, method: str, x: Any, y: Any, kwargs: dict[str, Any]
     ) -> tuple[Any, Any, dict[str, Any]]:
-        self._check_model(model, method)
-        self._for_workers(model)
+        """Check ``model`` (`fit`: done by `_ready`), then batch ``x``/``y`` by the global batch."""
+        if method != "fit":
+            self._check_model(model, method)
+            self._for_workers(model)
         kwargs = dict(kwargs)
         if not self.is_chief:  # one progress bar per job, the chief's; warnings still print
             kwargs["verbose"] = 0
-        global_batch = self._batch_size_argument(kwargs.pop("batch_size", None), method)
+        batch_size = kwargs.pop("batch_size", None)
+        if batch_size is not None:
+            self._check_batch_size(batch_size, method)
         pipeline = self._pipeline()
-        prepared = pipeline.prepare(method, x, y, kwargs, global_batch)
+        prepared = pipeline.prepare(method, x, y, kwargs, batch_size or self.global_batch_size)
         if method == "fit":
             self.input_facts = pipeline.facts
         return prepared
 
-    def _batch_size_argument(self, batch_size: int | None, method: str) -> int:
-        """The global batch of this call: ``batch_size`` (the global batch, as Keras reads it under a
-        strategy), or the configured one."""
-        if batch_size is None:
-            return self.global_batch_size
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    def _check_batch_size(self, batch_size: Any, method: str) -> None:
+        """``batch_size`` is the global batch, as Keras reads it under a strategy."""
+        fit = method == "fit"
+        whole = isinstance(batch_size, int) and not isinstance(batch_size, bool) and batch_size >= 1
+        if not whole or (fit and batch_size % self.num_replicas):
+            multiple = f", a multiple of the {self.num_replicas} replicas" if fit else ""
             raise UsageError(
                 f"Invalid value for argument `batch_size` of sync.{method}. Received: batch_size={batch_size!r}. "
-                "Expected the global batch size (an integer >= 1), or leave it out to use the configured one."
+                f"Expected the global batch size (an integer >= 1{multiple}), or leave it out to use batch.global."
             )
-        if batch_size == self.global_batch_size or method != "fit":
-            return batch_size  # evaluate/predict: the batch changes no weight
-        if batch_size % self.num_replicas:
-            raise UsageError(
-                f"Invalid value for argument `batch_size` of sync.fit. Received: batch_size={batch_size}. Expected "
-                f"a multiple of the {self.num_replicas} replicas. Fix: leave batch_size out and set batch.global."
-            )
-        if self.config.learning_rate.scaling != "none":
+        if (
+            fit
+            and batch_size != self.global_batch_size
+            and self.config.learning_rate.scaling != "none"
+        ):
             raise UsageError(
                 f"sync.fit(batch_size={batch_size}): the learning rate {self.learning_rate:g} was scaled for the "
                 f"configured global batch {self.global_batch_size}. Fix: set batch.global: {batch_size} in the "
                 "config, or leave batch_size out."
             )
-        return batch_size
 
     def _ready(self, model: Any, callbacks: Any, method: str) -> None:
         """Refuse in one line what cannot train here, then set the model up as `fit` runs it."""
@@ -469,6 +440,16 @@ class Sync:
         refuse_keras_backup(self.config.fault_tolerance.backup_dir, callbacks, method)
         check_lr_callbacks(model, callbacks, method)
         runtime.prepare_model(self.context(), model)  # steps_per_execution, jit_compile, BatchNorm
+        self._for_workers(model)
+
+    def _for_workers(self, model: Any) -> None:
+        """``model.save``, ModelCheckpoint: the chief writes; fit, evaluate, predict: every worker."""
+        from keras_sync.training import saving
+        from keras_sync.upstream.keras_fixes import check_steps_per_execution
+
+        check_steps_per_execution(model, self.strategy)
+        if self.num_workers > 1:
+            saving.for_workers(model)
 
     def _check_model(self, model: Any, method: str, deep: bool = False) -> None:
         """Refuse a model this strategy cannot run; ``deep``: its variables and optimizers too."""
@@ -501,22 +482,24 @@ class Sync:
                 f"{self.num_replicas} replicas. Fix: create and compile the model inside `with sync.scope():`."
             )
         if deep:
-            self._check_variables(model, method)
-            self._check_optimizers(model, method)
+            self._check_variables_and_optimizers(model, method)
 
-    def _check_variables(self, model: Any, method: str) -> None:
-        """Refuse layers built outside the scope of a model assembled inside it (Keras would fail
-        with "colocate_vars_with must only be passed a variable created in this ... scope()")."""
+    def _check_variables_and_optimizers(self, model: Any, method: str) -> None:
+        """Refuse layers built outside the scope (Keras fails on "colocate_vars_with") and optimizer
+        options Keras runs in an all-reducing ``ops.cond`` (it fails on "merge_call")."""
         import tensorflow as tf
 
+        from keras_sync.training.train_step_trace import optimizers_of
+
         in_scope = self.strategy.extended.variable_created_in_scope
-        owners: dict[str, None] = {}
-        for v in model.variables:
-            value = getattr(v, "value", v)
-            if isinstance(value, tf.Variable) and not in_scope(value):
-                owners.setdefault(v.path.rpartition("/")[0] or v.path, None)
-        if owners:
-            names = list(owners)
+        values = [(v, getattr(v, "value", v)) for v in model.variables]
+        outside = [
+            v.path.rpartition("/")[0] or v.path
+            for v, value in values
+            if isinstance(value, tf.Variable) and not in_scope(value)
+        ]
+        names = list(dict.fromkeys(outside))  # each layer once, in order
+        if names:
             shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
             raise UsageError(
                 f"sync.{method}: layers of {type(model).__name__} were built outside sync.scope() ({shown}), only the "
@@ -524,12 +507,6 @@ class Sync:
                 "train them under it. Fix: build the whole model (every layer, from keras.Input on) inside "
                 "`with sync.scope():`."
             )
-
-    def _check_optimizers(self, model: Any, method: str) -> None:
-        """Refuse optimizer options Keras runs in an ``ops.cond`` that all-reduces, which fails under
-        a strategy ("merge_call called while defining a new graph")."""
-        from keras_sync.training.train_step_trace import optimizers_of
-
         for opt in optimizers_of(model):
             inner = getattr(opt, "inner_optimizer", opt)  # a LossScaleOptimizer's options
             name, steps = type(inner).__name__, getattr(inner, "gradient_accumulation_steps", None)

@@ -116,11 +116,10 @@ def test_each_feature_is_one_entry_that_refuses_only_when_its_internals_moved():
     features = [i.name for i in _internals.REGISTRY if i.refused is not None]
     assert {"multi_worker_fit", "exact_resume", "model_strategy"} <= set(features)
     for feature in features:
-        found = _internals.missing(feature)
-        if found is not None and _internals.predates(
-            found[0]
-        ):  # a feature of a newer Keras than this one
-            with pytest.raises(CompatibilityError, match=f'"keras>={found[0].since},'):
+        entry = next(i for i in _internals.REGISTRY if i.name == feature)
+        if _internals.missing(feature) is not None and _internals.predates(entry):
+            # a feature of a newer Keras than this one
+            with pytest.raises(CompatibilityError, match=f'"keras>={entry.since},'):
                 _internals.require(feature)
         else:
             _internals.require(feature)  # all present here: no refusal

@@ -1,8 +1,8 @@
 """Every private Keras, TensorFlow and MLflow internal keras-sync relies on, each with a probe.
 
-One entry per feature (or per fallback): the specs of the shape it relies on, the refusal when a
-probe fails (None: a public fallback is taken), and in the comment above it, its user and upstream
-issue. `require(feature)` raises the one-line `CompatibilityError`; probes run once per process.
+One `Internal` per feature (or fallback): the specs of the shape it relies on and the refusal when a
+probe fails (None: a public fallback is taken); its user and upstream issue in the comment above it.
+`require(feature)` raises the one-line `CompatibilityError`; probes run once per process.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ def _pin(library: str, floor: str | None = None) -> str:
     major, minor = newest.split(".")
     dist = "tensorflow-cpu" if library == "tensorflow" else library
     pip = f'pip install "{dist}>={floor or lo},<{major}.{int(minor) + 1}"'
+    if library != "tensorflow":
+        return pip
     # "tensorflow" would add a second distribution beside tensorflow-cpu.
-    if library == "tensorflow":
-        return f"install TensorFlow {floor or lo}-{newest} of the distribution you use (e.g. {pip})"
-    return pip
+    return f"install TensorFlow {floor or lo}-{newest} of the distribution you use (e.g. {pip})"
 
 
 PIN = {library: _pin(library) for library in RANGES}
@@ -44,9 +44,9 @@ Probe = Callable[[], "str | None"]  # None when the shape matches, else what is 
 
 
 class Internal:
-    """One feature's (or one fallback's) internals: the ``specs`` their shape must meet, what is
-    ``refused`` without them (None: a fallback is taken) and the user's ``alternative``, and
-    ``since``: the first release that has them, when newer than the floor."""
+    """One feature's internals: the ``specs`` their shape must meet, what is ``refused`` without
+    them (None: a fallback is taken) and the ``alternative``; ``since``: the first release that
+    has them, when newer than the floor."""
 
     def __init__(
         self,
@@ -74,8 +74,9 @@ def predates(internal: Internal) -> bool:
     """Whether the installed library is older than ``internal.since`` (its absence is expected)."""
     if internal.since is None:
         return False
-    installed = importlib.import_module(internal.library).__version__
-    return _release(installed) < _release(internal.since)
+    return _release(importlib.import_module(internal.library).__version__) < _release(
+        internal.since
+    )
 
 
 def _get(path: str) -> Any:
@@ -92,15 +93,21 @@ def _names(code: CodeType) -> set[str]:
     return set(code.co_names).union(*(_names(c) for c in code.co_consts if isinstance(c, CodeType)))
 
 
+def _code(path: str) -> CodeType | None:
+    try:
+        return inspect.unwrap(_get(path)).__code__
+    except (ImportError, AttributeError):
+        return None
+
+
 def _spec_fails(spec: str) -> str | None:
     """What does not match a spec: ``"path(a, b)"`` (its first parameters), ``"path | path uses a,
     b"`` (the functions' code, together, looks a and b up), ``"path has a, b"`` (attributes)."""
     if spec.endswith(")"):
         path, _, params = spec[:-1].partition("(")
         want, got = params.split(", "), list(inspect.signature(_get(path)).parameters)
-        return (
-            None if got[: len(want)] == want else f"`{path}` takes {got[: len(want)]}, not {want}"
-        )
+        got = got[: len(want)]
+        return None if got == want else f"`{path}` takes {got}, not {want}"
     if " uses " in spec:
         paths, _, names = spec.partition(" uses ")
         codes = {path: _code(path) for path in paths.split(" | ")}
@@ -109,23 +116,35 @@ def _spec_fails(spec: str) -> str | None:
             _get(paths.split(" | ")[0])  # raises: reported as gone
         found = set().union(*(_names(code) for code in codes.values() if code is not None))
         missing = [n for n in names.split(", ") if n not in found]
-        return None if not missing else f"`{' / '.join(existing)}` no longer uses {missing}"
+        return f"`{' / '.join(existing)}` no longer uses {missing}" if missing else None
     path, _, attrs = spec.partition(" has ")
     missing = [a for a in attrs.split(", ") if not hasattr(_get(path), a)]
-    return None if not missing else f"`{path}` has no {missing}"
-
-
-def _code(path: str) -> CodeType | None:
-    try:
-        return inspect.unwrap(_get(path)).__code__
-    except (ImportError, AttributeError):
-        return None
+    return f"`{path}` has no {missing}" if missing else None
 
 
 def nested_code(path: str, name: str) -> CodeType | None:
     """The code of the function ``name`` defined inside the function at ``path`` (None if none)."""
     consts = inspect.unwrap(_get(path)).__code__.co_consts
     return next((c for c in consts if isinstance(c, CodeType) and c.co_name == name), None)
+
+
+_TRAINER = "keras.src.backend.tensorflow.trainer"
+_TF_TRAINER = f"{_TRAINER}:TensorFlowTrainer"
+_EPOCH = "keras.src.trainers.epoch_iterator:EpochIterator"
+_CONTEXT = "tensorflow.python.eager.context"
+_COORDINATION = f"{_CONTEXT}:coordination_config_pb2.CoordinationServiceConfig"
+_CARS = "tensorflow.python.distribute.collective_all_reduce_strategy"
+_DATA_OPS = "tensorflow.python.data.ops"
+_SYSTEM = "mlflow.system_metrics.metrics"
+_MULTI_DEVICE = f"{_DATA_OPS}.multi_device_iterator_ops"
+_SYMBOLIC_BUILD = f"{_TF_TRAINER}._maybe_symbolic_build(self, iterator, data_batch)"
+LOSS = "keras.src.losses.loss"
+MAKE_FUNCTION = f"{_TF_TRAINER}._make_function"
+DEVICE_DATASET = f"{_MULTI_DEVICE}:_create_device_dataset"
+# Fallback entries, by name: a public path (or nothing) is taken when their probe fails.
+END_OF_DATA, BARRIER, GLOBAL_SEED = "end_of_data", "coordination_barrier", "global_seed"
+EPOCH_ITERATOR_RESET, SAME_DATA_ORDER = "iterator_reset", "same_data_order"
+DATASET_GRAPH = "dataset_graph"
 
 
 def _end_of_data() -> str | None:
@@ -148,74 +167,44 @@ def _coordination_fields(*names: str) -> Probe:
 
     def probe() -> str | None:
         missing = [f for f in names if f not in _get(_COORDINATION).DESCRIPTOR.fields_by_name]
-        return None if not missing else f"TensorFlow's coordination service config has no {missing}"
+        return f"TensorFlow's coordination service config has no {missing}" if missing else None
 
     return probe
 
 
-_TRAINER = "keras.src.backend.tensorflow.trainer"
-_TF_TRAINER = f"{_TRAINER}:TensorFlowTrainer"
-_EPOCH = "keras.src.trainers.epoch_iterator:EpochIterator"
-_CONTEXT = "tensorflow.python.eager.context"
-_COORDINATION = f"{_CONTEXT}:coordination_config_pb2.CoordinationServiceConfig"
-_CARS = "tensorflow.python.distribute.collective_all_reduce_strategy"
-_CARS_EXT = f"{_CARS}:CollectiveAllReduceExtended"
-_DATA_OPS = "tensorflow.python.data.ops"
-_SYSTEM = "mlflow.system_metrics.metrics"
-_MULTI_DEVICE = f"{_DATA_OPS}.multi_device_iterator_ops"
-_RANDOM = "keras.src.backend.tensorflow.random"
-_RANDOM_OPS = ("normal", "uniform", "dropout", "randint", "truncated_normal", "categorical")
-_BACKUP = "keras.src.callbacks.backup_and_restore:BackupAndRestore"
-_SYMBOLIC_BUILD = f"{_TF_TRAINER}._maybe_symbolic_build"
-_REDUCE = f"{_TRAINER}:reduce_per_replica"
-_AUTOCONVERT = f"{_TF_TRAINER}._autoconvert_optionals"
-LOSS = "keras.src.losses.loss"
-MAKE_FUNCTION = f"{_TF_TRAINER}._make_function"
-END_OF_DATA = f"{MAKE_FUNCTION}.<locals>.function"
-BARRIER = f"{_COORDINATION}.cluster_register_with_barrier"
-GLOBAL_SEED = f"{_CONTEXT}:global_seed"
-PIPELINE_BATCH_SIZE = "tensorflow.python.data.experimental.ops.distribute:compute_batch_size"
-EPOCH_ITERATOR_RESET = f"{_EPOCH}.reset"
-SAME_DATA_ORDER = f"{_TRAINER}:TFEpochIterator._distributed_dataset"
-DEVICE_DATASET = f"{_MULTI_DEVICE}:_create_device_dataset"
-BATCH_OP = f"{_DATA_OPS}.batch_op:_BatchDataset"
-
-# Each entry: its user, and why it is needed (the upstream issue), in the comment above it.
 _ONE_WORKER = "or train on one worker (strategy.kind: mirrored)"
 REGISTRY: tuple[Internal, ...] = (
-    # keras_fixes.multi_worker_patches 1, 2: keras-team/keras#20585 (fit under MWMS); the train
-    # function (Keras 3.10's make_train_function, later _make_function) reads a module global.
+    # keras_fixes.multi_worker_patches 1, 2: keras-team/keras#20585 (fit under MWMS).
     Internal(
         "multi_worker_fit",
-        f"{_REDUCE}(values, strategy, reduction)",
+        f"{_TRAINER}:reduce_per_replica(values, strategy, reduction)",
         f"{_TRAINER} has _is_tpu_strategy, _is_per_replica_instance, _is_scalar",
         f"{_TF_TRAINER}.make_train_function | {MAKE_FUNCTION} uses reduce_per_replica",
-        f"{_SYMBOLIC_BUILD}(self, iterator, data_batch)",
+        _SYMBOLIC_BUILD,
         refused="`fit` on several workers",
         alternative=_ONE_WORKER,
     ),
     # keras_fixes fix 3: keras-team/keras#19246 (steps_per_execution > 1 under MWMS), inlined step.
     Internal(
         "multi_worker_steps_per_execution",
-        f"{_AUTOCONVERT}(self, step_func)",
+        f"{_TF_TRAINER}._autoconvert_optionals(self, step_func)",
         f"{MAKE_FUNCTION} uses _autoconvert_optionals, function, steps_per_execution, while_loop",
         refused="steps_per_execution > 1 on several workers",
         alternative="or set runtime.steps_per_execution: 1",
         since="3.12",
     ),
     # keras_fixes.end_of_data_patches: keras-team/keras#23179, no step past the end of data.
-    Internal(END_OF_DATA, _end_of_data),
+    Internal(END_OF_DATA, f"{MAKE_FUNCTION}(self, step_function)", _end_of_data),
     # keras_fixes.iterator_release_patches: the iterator `reset` drops, destroyed mid-read, crashes.
-    Internal(
-        EPOCH_ITERATOR_RESET, f"{EPOCH_ITERATOR_RESET} uses _current_iterator, _epoch_iterator"
-    ),
-    # multi_worker.py: each worker's local devices (TF's TODO b/126786766), the join bounded
-    # (tensorflow#60706) for every task (the barrier), the cluster already joined.
+    Internal(EPOCH_ITERATOR_RESET, f"{_EPOCH}.reset uses _current_iterator, _epoch_iterator"),
+    # multi_worker.py: local devices (TF's TODO b/126786766), a bounded join (tensorflow#60706).
     Internal(
         "multi_worker_strategy",
-        f"{_CARS_EXT}._initialize_local_devices(self, cluster_resolver, worker_device)",
-        f"{_CARS_EXT}.__init__(self, container_strategy, cluster_resolver, communication_options)",
-        f"{_CARS_EXT}._in_multi_worker_mode(self)",
+        f"{_CARS}:CollectiveAllReduceExtended._initialize_local_devices(self, cluster_resolver, "
+        "worker_device)",
+        f"{_CARS}:CollectiveAllReduceExtended.__init__(self, container_strategy, cluster_resolver, "
+        "communication_options)",
+        f"{_CARS}:CollectiveAllReduceExtended._in_multi_worker_mode(self)",
         _is_mwms,
         f"{_CONTEXT}:Context.configure_coordination_service(self, service_type, service_leader)",
         "tensorflow.python.distribute.multi_worker_util has is_chief, worker_count, "
@@ -224,7 +213,9 @@ REGISTRY: tuple[Internal, ...] = (
         refused="multi_worker_mirrored with local devices and strategy.connect_timeout_s",
         alternative=_ONE_WORKER,
     ),
-    Internal(BARRIER, _coordination_fields("cluster_register_with_barrier")),
+    Internal(
+        BARRIER, f"{_CONTEXT} has context", _coordination_fields("cluster_register_with_barrier")
+    ),
     Internal(
         "joined_cluster",
         f"{_CONTEXT} has context_safe",
@@ -252,14 +243,14 @@ REGISTRY: tuple[Internal, ...] = (
     # backup_and_restore.py: Keras's BackupAndRestore writes on the chief only.
     Internal(
         "keras_backup_guard",
-        f"{_BACKUP} has _save_model",
-        f"{_BACKUP}.__init__ uses _weights_path",
+        "keras.src.callbacks.backup_and_restore:BackupAndRestore has _save_model",
+        "keras.src.callbacks.backup_and_restore:BackupAndRestore.__init__ uses _weights_path",
         refused="Keras's BackupAndRestore on several workers",
         alternative="or use keras-sync's backup (fault_tolerance.backup_dir)",
     ),
     # keras_fixes.device_dataset_patches: per-device datasets built without default rewrites.
     Internal(
-        DEVICE_DATASET,
+        "device_dataset",
         f"{DEVICE_DATASET}(prototype_ds, incarnation_id)",
         f"{_MULTI_DEVICE}:MultiDeviceIterator.__init__ | "
         f"{_MULTI_DEVICE}:OwnedMultiDeviceIterator.__init__ uses _create_device_dataset",
@@ -267,7 +258,11 @@ REGISTRY: tuple[Internal, ...] = (
     # replica_seeds.py: each Keras random op's seed folded with the replica id (no public hook).
     Internal(
         "replica_random_streams",
-        " | ".join(f"{_RANDOM}:{op}" for op in _RANDOM_OPS) + " uses _cast_seed",
+        " | ".join(
+            f"keras.src.backend.tensorflow.random:{op}"
+            for op in ("normal", "uniform", "dropout", "randint", "truncated_normal", "categorical")
+        )
+        + " uses _cast_seed",
         refused="independent random draws on each replica",
         alternative="or train on one replica (strategy.kind: default)",
     ),
@@ -282,7 +277,7 @@ REGISTRY: tuple[Internal, ...] = (
     # keras_fixes.same_data_order_patches: shapes from the element_spec, not an extra iterator.
     Internal(
         SAME_DATA_ORDER,
-        f"{_SYMBOLIC_BUILD}(self, iterator, data_batch)",
+        _SYMBOLIC_BUILD,
         f"{_TRAINER}:TFEpochIterator.__init__ uses _distributed_dataset",
     ),
     # training/instrument.py, strategy_facts: each replica's loss and gradients, before the reduce.
@@ -293,16 +288,13 @@ REGISTRY: tuple[Internal, ...] = (
         refused="per-replica loss and gradient norm",
         alternative="or set mlflow.enabled: false",
     ),
-    # tf_runtime.py: a batch op's fields and TF's batch size, to count a pass's examples exactly;
-    # an interleave's function (its file readers) is kept only in `_map_func`.
+    # tf_runtime.py: batch ops, TF's batch size and file readers, to count a pass's examples.
     Internal(
-        BATCH_OP,
-        f"{BATCH_OP}.__init__ uses _batch_size, _drop_remainder, _input_dataset",
+        DATASET_GRAPH,
+        f"{_DATA_OPS}.batch_op:_BatchDataset.__init__ uses _batch_size, _drop_remainder, "
+        "_input_dataset",
         f"{_DATA_OPS}.dataset_ops:DatasetV2 has _inputs",
-    ),
-    Internal(PIPELINE_BATCH_SIZE, f"{PIPELINE_BATCH_SIZE}(dataset)"),
-    Internal(
-        "map_function",
+        "tensorflow.python.data.experimental.ops.distribute:compute_batch_size(dataset)",
         f"{_DATA_OPS}.interleave_op:_InterleaveDataset.__init__ | "
         f"{_DATA_OPS}.interleave_op:_ParallelInterleaveDataset.__init__ | "
         f"{_DATA_OPS}.flat_map_op:_FlatMapDataset.__init__ uses _map_func",
@@ -318,6 +310,14 @@ REGISTRY: tuple[Internal, ...] = (
         refused="MLflow system metrics",
         alternative="or set mlflow.system_metrics: false",
     ),
+    # mlflow_internals.autologging: whether mlflow.keras.autolog() is on (no documented getter).
+    Internal(
+        "autolog_state",
+        "mlflow.utils.autologging_utils has autologging_is_disabled, get_autologging_config, "
+        "disable_autologging",
+        refused="telling whether mlflow.keras.autolog() is on",
+        alternative="or leave autolog off",
+    ),
 )
 
 
@@ -328,11 +328,7 @@ def check(internal: Internal) -> str | None:
         try:
             failed = spec() if callable(spec) else _spec_fails(spec)
         except (ImportError, AttributeError, TypeError, ValueError) as e:
-            where = (
-                re.split(r"\(| has | uses | \| ", spec)[0]
-                if isinstance(spec, str)
-                else internal.name
-            )
+            where = internal.name if callable(spec) else re.split(r"\(| has | uses | \| ", spec)[0]
             failed = f"`{where}` is gone ({type(e).__name__}: {e})"
         if failed:
             return failed
@@ -343,29 +339,24 @@ def _entry(name: str) -> Internal:
     return next(i for i in REGISTRY if i.name == name)
 
 
+def missing(name: str) -> str | None:
+    """What the internals registered as ``name`` lack here, None if nothing."""
+    return check(_entry(name))
+
+
 def available(name: str) -> bool:
     """Whether the internals registered as ``name`` have the expected shape here."""
-    return check(_entry(name)) is None
-
-
-def missing(name: str) -> tuple[Internal, str] | None:
-    """The internals registered as ``name``, with what is missing, if they moved."""
-    internal = _entry(name)
-    what = check(internal)
-    return None if what is None else (internal, what)
+    return missing(name) is None
 
 
 def require(feature: str) -> None:
     """Raise `CompatibilityError` (one line) if an internal that ``feature`` needs has moved."""
-    found = missing(feature)
-    if found is None:
+    internal, gone = _entry(feature), missing(feature)
+    if gone is None:
         return
-    internal, gone = found
     libraries = ("mlflow",) if internal.library == "mlflow" else ("keras", "tensorflow")
-    found_here = ", ".join(
-        f"{_NAMES[m]} {importlib.import_module(m).__version__}" for m in libraries
-    )
+    versions = ", ".join(f"{_NAMES[m]} {importlib.import_module(m).__version__}" for m in libraries)
     fix = _pin(internal.library, internal.since) if predates(internal) else PIN[internal.library]
     raise CompatibilityError(
-        f"{internal.refused} cannot work with {found_here}: {gone}. Fix: {fix}, {internal.alternative}."
+        f"{internal.refused} cannot work with {versions}: {gone}. Fix: {fix}, {internal.alternative}."
     )

@@ -1,16 +1,13 @@
-"""Fixes for upstream Keras bugs that break distributed `fit`, patched for one `Sync` call.
-
-Each fix cites its upstream issue and is decided by probing the internals it replaces
-(`keras_sync.upstream.internals`), not by the Keras version.
-"""
+"""Fixes for upstream Keras bugs that break distributed `fit`, patched for one `Sync` call; each
+cites its upstream issue and is decided by probing what it replaces, not by the Keras version."""
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import functools
+import importlib
 import inspect
-import logging
 import sys
 import threading
 import time
@@ -19,14 +16,10 @@ from typing import Any
 from keras_sync.upstream import internals as _internals
 from keras_sync.upstream.patching import Patch, original, patched
 
-logger = logging.getLogger(__name__)
-
 _TRAINER = "keras.src.backend.tensorflow.trainer"
 
 
 def _trainer() -> Any:
-    import importlib
-
     return importlib.import_module(_TRAINER)
 
 
@@ -44,8 +37,8 @@ _TRAIN_END_KNOWN = contextvars.ContextVar("keras_sync_train_end_known", default=
 
 
 def _end_known(data: Any) -> bool:
-    """Whether Keras stops at the last batch of ``data`` without reading past it: arrays, and
-    datasets of known cardinality (Keras counts their batches) or infinite (they never end)."""
+    """Whether Keras stops at the last batch of ``data`` without reading past it: arrays, datasets of
+    known cardinality, infinite ones (they never end)."""
     import tensorflow as tf
 
     if isinstance(data, tf.data.Dataset):
@@ -58,8 +51,8 @@ def _end_known(data: Any) -> bool:
 
 @contextlib.contextmanager
 def fixed_keras(strategy: Any, train_data: Any = None) -> Any:
-    """For the length of the block, Keras runs with the fixes ``strategy`` needs; restored after.
-    ``train_data``: what `fit` trains on; the end-of-data check is left out when Keras knows its end."""
+    """For the block, Keras runs with the fixes ``strategy`` needs; ``train_data``: what `fit` trains
+    on (the end-of-data check is left out when Keras knows its end)."""
     patches = end_of_data_patches() + iterator_release_patches() + device_dataset_patches()
     if _is_multi_worker(strategy):
         patches += multi_worker_patches()
@@ -74,10 +67,9 @@ def fixed_keras(strategy: Any, train_data: Any = None) -> Any:
 
 
 def multi_worker_patches() -> list[Patch]:
-    """Make Keras 3 `model.fit` work on several workers (keras-team/keras#20585): 1. the first
-    batch's all-reduce fails for nested `PerReplica` (`same_data_order_patches`); 2. scalar logs are
-    reduced on axis 0, now averaged; 3. keras-team/keras#19246: the one-step `tf.function` nested in
-    the multi-step loop fails ("You must feed a value for placeholder tensor"), now inlined."""
+    """Keras 3 `fit` on several workers (keras-team/keras#20585): 1. the first batch's all-reduce of
+    nested `PerReplica` (`same_data_order_patches`); 2. scalar logs reduced on axis 0, now averaged;
+    3. keras-team/keras#19246: the one-step `tf.function` nested in the multi-step loop, inlined."""
     _internals.require("multi_worker_fit")
     from keras import tree
 
@@ -101,7 +93,7 @@ def multi_worker_patches() -> list[Patch]:
     # `make_train_function` looks `reduce_per_replica` up in the module at trace time.
     patches: list[Patch] = [(tf_trainer, "reduce_per_replica", reduce_per_replica)]
     patches += same_data_order_patches(multi_worker=True)
-    if _internals.missing("multi_worker_steps_per_execution") is not None:
+    if not _internals.available("multi_worker_steps_per_execution"):
         return patches  # fix 3 left out; check_steps_per_execution refuses spe > 1
     keras_own = original(cls, "_autoconvert_optionals")
 
@@ -115,35 +107,14 @@ def multi_worker_patches() -> list[Patch]:
     return [*patches, (cls, "_autoconvert_optionals", _autoconvert_optionals)]
 
 
-def _closure_value(function: Any, name: str) -> Any:
-    """The value a nested function closes over under ``name`` (None if it does not)."""
-    code = getattr(function, "__code__", None)
-    names = code.co_freevars if code is not None else ()
-    if name not in names or function.__closure__ is None:
-        return None
-    return function.__closure__[names.index(name)].cell_contents
-
-
 def end_of_data_patches() -> list[Patch]:
-    """Stop Keras from running a step past the end of data of unknown length.
-
-    With ``steps_per_execution == 1`` Keras 3.10-3.15 learns that such data has ended by running
-    one more step and catching ``OutOfRangeError``; the ops that do not read the batch still run,
-    so ``optimizer.iterations`` and every seed move by one per epoch (keras-team/keras#23179).
-    Around Keras's one-step function (from the closure of `_make_function`'s result): ask for an
-    optional batch and run the step only when there is one; Keras's epoch iterator gets
-    StopIteration when there is none. The check costs a host round trip per step, so a train
-    function skips it, at each call, while `fixed_keras` says Keras knows where the data ends (a
-    cached train function serves fits of both kinds). [] when this Keras has the fix, or its
-    closure moved.
-    """
-    from keras_sync.upstream import internals as _internals
-
+    """No step past the end of data of unknown length (keras-team/keras#23179): with
+    ``steps_per_execution == 1`` Keras runs one more step to learn the end, and its ops that do not
+    read the batch move ``optimizer.iterations`` and every seed. The step now runs only on an
+    optional batch that has a value. The check costs a host round trip, so a train function skips it
+    while `fixed_keras` says Keras knows the end (decided per call: a cached train function serves
+    fits of both kinds). [] when this Keras has the fix, or its closure moved."""
     if not _internals.available(_internals.END_OF_DATA):
-        logger.info(
-            "keras-sync: this Keras's train function has moved; an unknown-cardinality dataset may "
-            "advance optimizer.iterations once per epoch (keras-team/keras#23179)"
-        )
         return []
     keras_function = _internals.nested_code(_internals.MAKE_FUNCTION, "function")
     if keras_function is not None and "get_next_as_optional" in keras_function.co_names:
@@ -154,9 +125,8 @@ def end_of_data_patches() -> list[Patch]:
     @functools.wraps(keras_own)  # the probes read Keras's code through __wrapped__
     def _make_function(self: Any, step_function: Any) -> Any:
         function = keras_own(self, step_function)
-        one_step = _closure_value(function, "one_step_on_data")
-        if one_step is None:
-            return function
+        cell = function.__code__.co_freevars.index("one_step_on_data")  # probed by END_OF_DATA
+        one_step = function.__closure__[cell].cell_contents
         import tensorflow as tf
 
         iterators = (tf.data.Iterator, tf.distribute.DistributedIterator)
@@ -199,9 +169,9 @@ def _first_batch_spec(epoch_iterator: Any) -> Any:
 
 
 def same_data_order_patches(multi_worker: bool) -> list[Patch]:
-    """Build the model from the dataset's element spec, not from a batch of an extra iterator,
-    which starts a pass: a reshuffling dataset then trains in another order than one device, a
-    generator loses batches. On several workers without a spec: the first replica's batch."""
+    """Build the model from the dataset's element spec, not a batch of an extra iterator (it starts
+    a pass: a reshuffling dataset trains in another order, a generator loses batches). On several
+    workers without a spec: the first replica's batch."""
     from keras import tree
 
     # Probed here, outside the span: inside it the probe would read this patch, not Keras's code.
@@ -244,10 +214,10 @@ def _at_exit() -> bool:
 
 
 class _IteratorReleaser:
-    """Destroys the tf.data iterators Keras drops on a watcher thread, so `fit` does not wait for
-    their autotuning threads: each is held until nothing else refers to it, or `HOLD_S`; a generator
-    is closed and its frame's TensorFlow locals held instead. Not a daemon (one inside TensorFlow at
-    exit aborts the process); at exit nothing is held."""
+    """Destroys the tf.data iterators Keras drops on a watcher thread (`fit` does not wait for their
+    autotuning threads), each once nothing else refers to it, or after `HOLD_S`; a generator is
+    closed and its frame's TensorFlow locals held instead. Not a daemon: one inside TensorFlow at
+    exit aborts the process."""
 
     HOLD_S = 600.0
 
@@ -258,7 +228,7 @@ class _IteratorReleaser:
         self._watcher: threading.Thread | None = None
 
     def release(self, box: list[Any]) -> None:
-        """Take what ``box`` holds (the caller keeps no other reference); destroy it off this thread."""
+        """Take what ``box`` holds (its only reference); destroy it off this thread."""
         if not any(v is not None for v in box) or _at_exit():  # at exit the caller drops it
             return
         with self._lock:
@@ -309,10 +279,8 @@ class _IteratorReleaser:
             values = [] if frame is None else list(dict(frame.f_locals).values())
             inner = [v for v in values if type(v).__module__.startswith("tensorflow.")]
             del frame, values
-            try:
+            with contextlib.suppress(Exception):
                 generator.close()
-            except Exception:
-                pass
             del generator
             while inner:
                 self._hold(inner.pop())
@@ -350,8 +318,6 @@ def iterator_release_patches() -> list[Patch]:
     still read: SIGSEGV, in plain Keras too); every one it drops is destroyed by `RELEASER`."""
     if not _internals.available(_internals.EPOCH_ITERATOR_RESET):
         return []
-    import importlib
-
     cls = importlib.import_module("keras.src.trainers.epoch_iterator").EpochIterator
     keras_reset = original(cls, "reset")
     keras_del = vars(cls).get("__del__")
@@ -379,10 +345,8 @@ def device_dataset_patches() -> list[Patch]:
     import os
 
     level = os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0").strip()
-    if level in ("", "0") or not _internals.available(_internals.DEVICE_DATASET):
+    if level in ("", "0") or not _internals.available("device_dataset"):
         return []
-    import importlib
-
     import tensorflow as tf
 
     module = importlib.import_module(_internals.DEVICE_DATASET.partition(":")[0])
@@ -397,7 +361,6 @@ def device_dataset_patches() -> list[Patch]:
 
 
 def check_steps_per_execution(model: Any, strategy: Any) -> None:
-    """Refuse ``steps_per_execution > 1`` on several workers when fix 3 of `multi_worker_patches`
-    cannot apply."""
+    """Refuse ``steps_per_execution > 1`` on several workers when fix 3 cannot apply."""
     if int(getattr(model, "steps_per_execution", 1) or 1) > 1 and _is_multi_worker(strategy):
         _internals.require("multi_worker_steps_per_execution")

@@ -24,24 +24,8 @@ def module() -> Any:
 
 def missing() -> list[str]:
     """What the train-step trace needs from `module()` and this Keras no longer has."""
-    found = _internals.missing("evaluate_loss")
-    return [] if found is None else [found[1]]
-
-
-@contextlib.contextmanager
-def _tracing_test_step() -> Iterator[None]:
-    losses = module()
-
-    def identity_in_test_step(keras_own: Any) -> Any:
-        return lambda value: value if getattr(_tls, "testing", False) else keras_own(value)
-
-    patches = [(losses, n, identity_in_test_step(original(losses, n))) for n in _SCALING]
-    was, _tls.testing = getattr(_tls, "testing", False), True
-    try:
-        with patched(patches):
-            yield
-    finally:
-        _tls.testing = was
+    gone = _internals.missing("evaluate_loss")
+    return [] if gone is None else [gone]
 
 
 @contextlib.contextmanager
@@ -49,12 +33,21 @@ def unscaled_eval_losses(model: Any) -> Iterator[None]:
     """For this span, ``model``'s test step (wrapped on the instance) tracks losses not divided
     by the replica count; a test function traced before without it is traced again."""
     _internals.require("evaluate_loss")
-    step = model.test_step
+    losses, step = module(), model.test_step
+
+    def identity_in_test_step(keras_own: Any) -> Any:
+        return lambda value: value if getattr(_tls, "testing", False) else keras_own(value)
+
+    scaling = [(losses, n, identity_in_test_step(original(losses, n))) for n in _SCALING]
 
     def test_step(data: Any) -> Any:
         object.__setattr__(model, "_keras_sync_eval_unscaled", True)
-        with _tracing_test_step():
-            return step(data)
+        was, _tls.testing = getattr(_tls, "testing", False), True
+        try:
+            with patched(scaling):
+                return step(data)
+        finally:
+            _tls.testing = was
 
     if getattr(model, "test_function", None) is not None and not model.__dict__.get(
         "_keras_sync_eval_unscaled"

@@ -8,28 +8,13 @@ import functools
 import importlib
 from typing import Any
 
-from keras_sync.errors import CompatibilityError
-from keras_sync.upstream.internals import PIN
-
-_AUTOLOG = "mlflow.utils.autologging_utils"
-_AUTOLOG_NAMES = ("autologging_is_disabled", "get_autologging_config", "disable_autologging")
+from keras_sync.upstream import internals as _internals
 
 
 def autologging() -> Any:
     """MLflow's autologging module, checked to have the three functions keras-sync calls."""
-    try:
-        module = importlib.import_module(_AUTOLOG)
-        missing = [n for n in _AUTOLOG_NAMES if not callable(getattr(module, n, None))]
-    except ImportError as e:
-        missing = [f"{_AUTOLOG} ({e})"]
-    if missing:
-        import mlflow
-
-        raise CompatibilityError(
-            f"keras-sync cannot tell whether mlflow.keras.autolog() is on with MLflow {mlflow.__version__}: "
-            f"{_AUTOLOG} has no {', '.join(missing)}. Fix: {PIN['mlflow']}, or leave autolog off."
-        )
-    return module
+    _internals.require("autolog_state")
+    return importlib.import_module("mlflow.utils.autologging_utils")
 
 
 @functools.lru_cache(maxsize=1)

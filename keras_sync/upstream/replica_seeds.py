@@ -9,14 +9,22 @@ import importlib
 from collections.abc import Iterator
 from typing import Any
 
+from keras_sync.upstream import internals as _internals
 from keras_sync.upstream.patching import original, patched
 
 MODULE = "keras.src.backend.tensorflow.random"
 
 
-def _folded(cast_seed: Any) -> Any:
+@contextlib.contextmanager
+def per_replica_seeds() -> Iterator[None]:
+    """While a train step traces, Keras random ops in a replica context draw per replica (re-entrant,
+    from several threads: `MirroredStrategy` traces each replica in its own)."""
+    _internals.require("replica_random_streams")
+    module = importlib.import_module(MODULE)
+    keras_own = original(module, "_cast_seed")
+
     def _cast_seed(seed: Any) -> Any:
-        seed = cast_seed(seed)
+        seed = keras_own(seed)
         import tensorflow as tf
 
         context = tf.distribute.get_replica_context()
@@ -26,16 +34,5 @@ def _folded(cast_seed: Any) -> Any:
         folded = tf.random.experimental.stateless_fold_in(seed, replica)
         return tf.where(tf.equal(replica, 0), seed, tf.cast(folded, seed.dtype))
 
-    return _cast_seed
-
-
-@contextlib.contextmanager
-def per_replica_seeds() -> Iterator[None]:
-    """While a train step traces, Keras random ops in a replica context draw per replica (re-entrant,
-    from several threads: `MirroredStrategy` traces each replica in its own)."""
-    from keras_sync.upstream import internals as _internals
-
-    _internals.require("replica_random_streams")
-    module = importlib.import_module(MODULE)
-    with patched([(module, "_cast_seed", _folded(original(module, "_cast_seed")))]):
+    with patched([(module, "_cast_seed", _cast_seed)]):
         yield
