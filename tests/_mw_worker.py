@@ -132,12 +132,6 @@ def main() -> int:
         elif scenario == "single":
             # No TF_CONFIG: one worker over this process's logical CPUs.
             result["bad_args"] = [
-                _error(lambda: _multi_worker.build_multi_worker_strategy(communication="mpi")),
-                _error(
-                    lambda: _multi_worker.build_multi_worker_strategy(
-                        local_devices=["CPU:0", "GPU:0"]
-                    )
-                ),
                 _error(lambda: _multi_worker.build_multi_worker_strategy(local_devices=["banana"])),
             ]
             strategy = _multi_worker.build_multi_worker_strategy(

@@ -117,7 +117,7 @@ def test_a_checkpoint_is_trusted_only_when_its_files_match_its_manifest(tmp_path
     Path(new + ".data-00000-of-00001").write_bytes(b"y" * 100)
     assert _backup_files.problem(new) == "ckpt-21.data-00000-of-00001 is damaged (checksum differs)"
     choice = _backup_files.choose(str(tmp_path))
-    assert choice.latest == old and [Path(p).name for p, _ in choice.skipped] == ["ckpt-21"]
+    assert choice.usable[0] == old and [Path(p).name for p, _ in choice.skipped] == ["ckpt-21"]
     assert _backup_files.manifest_run(old) == {"job_id": "j"}
 
 
@@ -137,7 +137,7 @@ def test_only_damaged_checkpoints_are_refused_in_one_line_naming_the_directory(
 
 def test_a_save_cut_off_before_its_manifest_is_no_backup(tmp_path: Path) -> None:
     _fake_checkpoint(tmp_path, 3)
-    assert _backup_files.choose(str(tmp_path)).latest is None
+    assert _backup_files.choose(str(tmp_path)).usable == []
 
 
 def test_a_second_job_is_refused_while_the_first_holds_the_lock(tmp_path: Path) -> None:
@@ -467,7 +467,7 @@ def test_a_full_backup_disk_is_said_once_training_goes_on_and_the_relaunch_resum
             in failed[0]
         )
         assert not list(bk.glob("*_temp"))  # TensorFlow's half-written checkpoints are removed
-        assert _backup_files.choose(str(bk)).latest == str(bk / "ckpt-9")
+        assert _backup_files.choose(str(bk)).usable[0] == str(bk / "ckpt-9")
         (bk / "filler").unlink()
         second = _train(tmp_path, "res", cfg)
     assert second.returncode == 0, second.stderr[-3000:]

@@ -576,7 +576,8 @@ def test_bad_indexed_job_env(env: dict[str, str], message: str) -> None:
         ),
         (
             {"hosts": "w-0", "workers": 2},
-            r"strategy.indexed_job.hosts: received 'w-0', which has no \{index\}",
+            r"strategy.indexed_job.hosts: received 'w-0', expected a host pattern with \{index\} "
+            r"\(one host per worker\), e.g. train-\{index\}.train",
         ),
         (
             {"hosts": "w-{index}", "workers": 2, "port": 70000},

@@ -1170,7 +1170,7 @@ def test_run_identity_follows_the_backup_and_the_explicit_job_id(sqlite_uri, tmp
     _, err = _fit(config, tmp_path, "crashed", crash_at=13)
     from keras_sync.training import backup_files
 
-    record = backup_files.manifest_run(backup_files.choose(str(tmp_path / "backup")).latest)
+    record = backup_files.manifest_run(backup_files.choose(str(tmp_path / "backup")).usable[0])
     assert record["job_id"] and (tmp_path / "myspool").is_dir()
     assert record["run_id"] != first
     resumed, err = _fit(config, tmp_path, "resumed")

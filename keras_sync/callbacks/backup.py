@@ -71,17 +71,12 @@ class BackupAndRestore(keras.callbacks.Callback):
         from keras_sync.training.context import check_shared
 
         if not backup_dir or not isinstance(backup_dir, (str, os.PathLike)):
-            raise UsageError(
-                f"Invalid value for argument `backup_dir`. Received: backup_dir={backup_dir!r}. Expected the path of a directory used for nothing else."
-            )
-        if grace_period_s is not None and (
-            isinstance(grace_period_s, bool)
-            or not isinstance(grace_period_s, (int, float))
-            or grace_period_s <= 0
-        ):
-            raise UsageError(
-                f"Invalid value for argument `grace_period_s`. Received: grace_period_s={grace_period_s!r}. Expected a number of seconds > 0, or None to leave SIGTERM alone."
-            )
+            msg = f"Invalid value for argument `backup_dir`. Received: backup_dir={backup_dir!r}. Expected the path of a directory used for nothing else."
+            raise UsageError(msg)
+        seconds = isinstance(grace_period_s, (int, float)) and not isinstance(grace_period_s, bool)
+        if grace_period_s is not None and not (seconds and grace_period_s > 0):
+            msg = f"Invalid value for argument `grace_period_s`. Received: grace_period_s={grace_period_s!r}. Expected a number of seconds > 0, or None to leave SIGTERM alone."
+            raise UsageError(msg)
         self.backup_dir = os.fspath(backup_dir)
         self.save_freq = save_freq
         self._schedule = files.SaveSchedule(save_freq)
@@ -104,8 +99,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if model.optimizer is not None and not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)  # its variables must exist to restore
         self._position = tf.Variable([0, 0], dtype=tf.int64, trainable=False)
-        # The job's step minus the model's (`SharedState.step_offset`): a resumed fit logs at the
-        # steps it logged before. Restored on its own, so a backup without it still restores.
+        # `SharedState.step_offset`, so a resumed fit logs at its old steps; restored on its own.
         self._step_offset = tf.Variable(-1, dtype=tf.int64, trainable=False)
         weights = {id(w) for w in model.weights}
         self._state = dict(
@@ -121,8 +115,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._is_chief = role.is_chief
         self._dir = files.write_dir(self.backup_dir, is_chief=role.is_chief, task_id=role.task_id)
         self._barrier: Callable[[], Any] = lambda: None
-        if in_multi_worker_mode(strategy):
-            # A tf.function: run eagerly, MultiWorkerMirroredStrategy warns of its overhead.
+        if in_multi_worker_mode(strategy):  # a tf.function: eager, MWMS warns of its overhead
             self._barrier = tf.function(
                 lambda: strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None),
                 autograph=False,
@@ -132,8 +125,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._deferred = False  # a scheduled save waits for gradient accumulation's next update
         if self._preemption is not None:
             self._preemption.begin(strategy)
-        choice, self.choice = self.choice or files.choose(self.backup_dir), None
-        prefix = self._restore(choice)
+        prefix = self._restore(self.choice or files.choose(self.backup_dir))
+        self.choice = None
         #: The optimizer step of the newest complete backup, said when a save fails.
         self._newest = None if prefix is None else files.number_of(prefix)
         if prefix is None:
@@ -168,8 +161,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self.shared.step_offset = max(int(self._step_offset.numpy()), 0)
             found = prefix
             break
-        if found is None and any(not why.startswith("incomplete") for _, why in skipped):
-            raise files.no_usable_backup(self.backup_dir, skipped)
+        files.refuse_damaged(self.backup_dir, [found] if found else [], skipped)
         instead = f"using {os.path.basename(found)}" if found else "no earlier complete backup"
         for prefix, why in skipped if self._is_chief else ():
             _say(f"keras-sync: skipped the backup {prefix} ({why}); {instead}")
@@ -197,21 +189,20 @@ class BackupAndRestore(keras.callbacks.Callback):
         elif epoch is not None and epoch != point.epoch:
             what = f"epoch {point.epoch + 1}, but another callback changed it to epoch {epoch + 1}"
         if what:
-            raise UsageError(
-                f"keras-sync's backup in {self.backup_dir} restored {what} before training resumed. Fix: keep one backup: remove the callback that changed it, or remove fault_tolerance.backup_dir."
-            )
+            msg = f"keras-sync's backup in {self.backup_dir} restored {what} before training resumed. Fix: keep one backup: remove the callback that changed it, or remove fault_tolerance.backup_dir."
+            raise UsageError(msg)
         if self._is_chief:
             _say(line)
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         done, self._step = batch + 1 - self._step, batch + 1
-        preempted = self._preemption is not None and self._preemption.save_due(self._iterations)
-        self._save_if(self._schedule.after_batch(max(done, 1)), preempted)
+        due = self._preemption is not None and self._preemption.save_due(self._iterations)
+        self._save_if(self._schedule.after_batch(max(done, 1)), due)
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         self._epoch, self._step = epoch + 1, 0
-        saver = self._preemption
-        preempted = saver is not None and saver.save_due_at_epoch_end(self._iterations)
+        p = self._preemption
+        preempted = p is not None and p.save_due_at_epoch_end(self._iterations)
         self._save_if(self._schedule.after_epoch(), preempted)
 
     def _save_if(self, scheduled: bool, preempted: bool) -> None:
@@ -219,12 +210,11 @@ class BackupAndRestore(keras.callbacks.Callback):
 
         scheduled = scheduled or self._deferred
         if (scheduled or preempted) and holds_unapplied_gradients(self.model):
-            # Between two accumulated updates a backup would lose the sums: the save moves to the
-            # first batch end that applies them (a SIGTERM's stays due by itself).
+            # A backup between accumulated updates would lose the sums: saved at the next update.
             self._deferred = scheduled
             return
         self._deferred = False
-        saved = self._save() if scheduled or preempted else False
+        saved = (scheduled or preempted) and self._save()
         if preempted:
             self._exit_preempted(saved)
 
@@ -260,7 +250,9 @@ class BackupAndRestore(keras.callbacks.Callback):
                 files.write_manifest(prefix, run)
                 files.prune(self._dir, number, max(self.max_to_keep, 2))
         except (tf.errors.OpError, OSError) as e:  # a full or unwritable disk: older backups hold
-            self._save_failed(number, e)
+            # TensorFlow's "...; No space left on device [Op:SaveV2]"
+            said = str(getattr(e, "message", e)).split(" [Op:", 1)[0].rsplit("; ", 1)[-1].strip()
+            self._save_failed(number, getattr(e, "strerror", None) or said or type(e).__name__)
             return False
         finally:
             for temp in glob.glob(os.path.join(self._dir, "ckpt-*_temp")):  # half-written
@@ -270,25 +262,16 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._failed_save, self._newest = None, number
         return True
 
-    def _save_failed(self, number: int, error: BaseException) -> None:
+    def _save_failed(self, number: int, cause: str) -> None:
         """One line per cause for a save the disk refused; training goes on with the older backups."""
-        if isinstance(error, OSError) and error.strerror:
-            cause = error.strerror
-        else:  # TensorFlow's "...; No space left on device [Op:SaveV2]"
-            text = str(getattr(error, "message", error)).split(" [Op:", 1)[0]
-            cause = text.rsplit("; ", 1)[-1].strip() or type(error).__name__
         if not self._is_chief or self._failed_save == cause:
             return
         self._failed_save = cause
-        resume = (
-            "there is no backup to resume from yet"
-            if self._newest is None
-            else f"a relaunch resumes from the newest backup, optimizer step {self._newest}"
-        )
-        message = f"keras-sync: the backup at optimizer step {number} could not be written to {self.backup_dir} ({cause}); training goes on, and {resume}. Fix: free space there, or set fault_tolerance.backup_dir to a writable folder on a disk with room."
-        _say(message)
-        if self.writer is not None:
-            self.writer.set_tags({"keras_sync.backup_failed": message[:4900]})
+        resume = "there is no backup to resume from yet"
+        if self._newest is not None:
+            resume = f"a relaunch resumes from the newest backup, optimizer step {self._newest}"
+        msg = f"keras-sync: the backup at optimizer step {number} could not be written to {self.backup_dir} ({cause}); training goes on, and {resume}. Fix: free space there, or set fault_tolerance.backup_dir to a writable folder on a disk with room."
+        _say(msg)
 
     def _exit_preempted(self, saved: bool) -> None:
         """After the coordinated save: every worker waits for the others, then exits (143 or 130)."""
@@ -298,12 +281,12 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._barrier()  # no worker leaves while another still takes part in the save
         self._preemption.done()
         name, code = signal_name(self._preemption.signum), exit_code(self._preemption.signum)
-        step, message = self._iterations(), None
+        message = None
         if self._is_chief and saved:
-            message = f"{name}: saved a backup in {self.backup_dir} at epoch {self._epoch + 1}, after batch {self._step} (optimizer step {step}); exiting with code {code}. Relaunch the job to resume from there."
+            message = f"{name}: saved a backup in {self.backup_dir} at epoch {self._epoch + 1}, after batch {self._step} (optimizer step {self._iterations()}); exiting with code {code}. Relaunch the job to resume from there."
         elif self._is_chief:
             where = f"optimizer step {self._newest}" if self._newest is not None else "the start"
-            message = f"{name}: the backup at optimizer step {step} could not be written (said above); exiting with code {code}. A relaunch resumes from {where}."
+            message = f"{name}: the backup at optimizer step {self._iterations()} could not be written (said above); exiting with code {code}. A relaunch resumes from {where}."
         exit_now(code, message)
 
     def on_train_end(self, logs: Any = None) -> None:
@@ -320,8 +303,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
 @contextlib.contextmanager
 def resumable_fit(callbacks: list[Any]) -> Iterator[None]:
-    """One `model.fit` whose epoch iterator can resume mid-epoch, when ``callbacks`` hold a backup
-    (Keras's ``TFEpochIterator`` is swapped for the length of the call only)."""
+    """One `model.fit` whose epoch iterator can resume mid-epoch, when ``callbacks`` hold a backup."""
     backup = next((c for c in callbacks if isinstance(c, BackupAndRestore)), None)
     if backup is None:
         yield
@@ -337,30 +319,25 @@ def resumable_fit(callbacks: list[Any]) -> Iterator[None]:
             yield
     finally:
         backup.epoch_iterator = None
-        lock, backup.lock = backup.lock, None
-        if lock is not None:
-            lock.release()
+        if backup.lock is not None:
+            backup.lock.release()
+            backup.lock = None
         if backup._preemption is not None:  # a fit that raised: SIGTERM and SIGINT as before
             backup._preemption.end(clean=False)
 
 
 def refuse_keras_backup(backup_dir: str | None, callbacks: Any, method: str = "fit") -> None:
-    """Refuse Keras's own `BackupAndRestore` beside ``fault_tolerance.backup_dir``: both would restore
-    after a relaunch, Keras's weights (its last epoch end) over keras-sync's mid-epoch position."""
+    """Refuse Keras's `BackupAndRestore` beside ``fault_tolerance.backup_dir`` (both would restore)."""
     theirs = [cb for cb in callbacks or () if isinstance(cb, keras.callbacks.BackupAndRestore)]
-    if not backup_dir or not theirs:
-        return
-    raise UsageError(
-        f"callbacks of sync.{method}: keras.callbacks.BackupAndRestore({theirs[0].backup_dir!r}) cannot run beside keras-sync's own backup (fault_tolerance.backup_dir: {backup_dir!r}). Fix: remove keras.callbacks.BackupAndRestore from callbacks, or remove fault_tolerance.backup_dir to keep Keras's."
-    )
+    if backup_dir and theirs:
+        msg = f"callbacks of sync.{method}: keras.callbacks.BackupAndRestore({theirs[0].backup_dir!r}) cannot run beside keras-sync's own backup (fault_tolerance.backup_dir: {backup_dir!r}). Fix: remove keras.callbacks.BackupAndRestore from callbacks, or remove fault_tolerance.backup_dir to keep Keras's."
+        raise UsageError(msg)
 
 
 def backup_callbacks(
     context: Any, strategy: Any, *, open_writer: Callable[[], Any], shared: Any = None
 ) -> list[Any]:
-    """The backup ``fault_tolerance.backup_dir`` asks for (or none). Before the MLflow run opens,
-    the chief locks the directory, every other worker checks that its own job holds it, and the
-    checkpoint to restore is chosen (verified once per fit)."""
+    """The backup ``fault_tolerance.backup_dir`` asks for, its directory locked, its restore chosen."""
     ft = context.config.fault_tolerance
     if not ft.backup_dir:
         return []
@@ -376,12 +353,9 @@ def backup_callbacks(
         lock.acquire()
     elif (other := files.live_other(files.read_lock(ft.backup_dir), me, chief=False)) is not None:
         raise files.refused(ft.backup_dir, other)
+    writer = open_writer() if context.config.mlflow.enabled else None
     backup = BackupAndRestore(
-        ft.backup_dir,
-        ft.save_freq,
-        grace_period_s=ft.grace_period_s,
-        writer=open_writer() if context.config.mlflow.enabled else None,
-        shared=shared,
+        ft.backup_dir, ft.save_freq, grace_period_s=ft.grace_period_s, writer=writer, shared=shared
     )
     backup.choice, backup.lock = choice, lock
     return [backup]

@@ -1,6 +1,5 @@
-"""The keras-sync config: a tree of frozen dataclasses and the one loader that builds it. Each
-key is declared once with `_f` (default, value spec) and described in `DOCS`: that drives
-validation, the JSON Schema, the template and the reference. Precedence: flag > environment
+"""The keras-sync config: a tree of frozen dataclasses and its one loader. Each key is declared once
+with `_f` (default, value spec) and described in `DOCS`. Precedence: flag > environment
 (`ENV_KEYS`) > YAML file > default. All problems are raised together in one `ConfigError`."""
 
 from __future__ import annotations
@@ -15,20 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from keras_sync.cluster import CLUSTER_SOURCES
+from keras_sync.config import specs
 from keras_sync.config.kinds import KINDS, STRATEGY_KINDS, kinds_where
 from keras_sync.config.reading import check_data, error, parse_yaml, read_text
-from keras_sync.config.specs import (
-    AUTO_OR_BOOL,
-    BOOL,
-    DEVICES,
-    FieldValueError,
-    Spec,
-    choice,
-    integer,
-    number,
-    text,
-    word_or_int,
-)
+from keras_sync.config.specs import Spec, choice, integer, number, text
 from keras_sync.errors import ConfigError, ConfigIssue
 
 DEFAULT_CONFIG_FILE = "keras_sync.yaml"
@@ -49,8 +38,7 @@ LR_RULES = ("linear", "sqrt", "none")
 
 @dataclass(frozen=True)
 class VerifyRequest:
-    """What `keras-sync verify` asked of this process: record the first ``steps`` optimizer steps to
-    ``record_dir``; with ``replay_dir``, as the one-device reference of that recording."""
+    """What `keras-sync verify` asks: record ``steps`` optimizer steps to ``record_dir`` (or replay)."""
 
     record_dir: str
     steps: int = 20
@@ -75,15 +63,9 @@ def _internal(repr: bool = False, **kw: Any) -> Any:
     return field(compare=False, repr=repr, metadata={"internal": True}, **kw)
 
 
-#: Every key's description: the one text the template, the reference and the JSON Schema show.
+#: Every key's description: the one text the template, the reference and the JSON Schema show
+#: (a section's: the first line of its class's docstring).
 DOCS = {
-    "strategy": "distribution strategy",
-    "batch": "batch sizes",
-    "learning_rate": "learning-rate scaling and warmup",
-    "mlflow": "MLflow tracking",
-    "fault_tolerance": "backup and resume",
-    "checks": "run-time checks of every fit",
-    "runtime": "how the train step runs",
     "strategy.kind": "which strategy; auto picks by the hardware and TF_CONFIG",
     "strategy.devices": "e.g. ['/gpu:0', '/gpu:1']; empty = all GPUs (one_device: the first), else the CPU",
     "strategy.simulated_cpu_replicas": "> 0: split the CPU into N logical devices, one replica each (per worker)",
@@ -91,9 +73,6 @@ DOCS = {
     "strategy.communication": "collective implementation: auto, ring or nccl",
     "strategy.cluster": "where the workers are: tf_config ($TF_CONFIG), slurm (srun's environment) or indexed_job (a Kubernetes Indexed Job or JobSet: $JOB_COMPLETION_INDEX and strategy.indexed_job)",
     "strategy.connect_timeout_s": "seconds to wait for all workers to join, then fail naming the missing ones",
-    "strategy.tpu": "TPU address",
-    "strategy.indexed_job": "worker addresses when cluster is indexed_job",
-    "strategy.slurm": "worker ports when cluster is slurm",
     "strategy.tpu.name": "'local' on a TPU VM, else the TPU's name or grpc:// address",
     "strategy.tpu.zone": "GCE zone of the TPU (Cloud TPU only)",
     "strategy.tpu.project": "GCP project of the TPU (Cloud TPU only)",
@@ -142,7 +121,8 @@ _DEVICE_KINDS = tuple(k for k in kinds_where(accepts_devices=True) if k != "auto
 _BATCH_NOTE = "Give exactly one of per_replica / global (the other null); keras-sync derives the other from the replica count: global = per_replica x replicas."
 _RUNTIME_NOTE = "Applied by sync.fit to your compiled model; a key left at its default keeps what your model.compile(...) set."
 # Task i on a node listens on port_base + i: a slot of 16 ports.
-_PORT_BASE = word_or_int("auto", "the first of 16 ports", 65520)
+_PORT_BASE = specs.word_or_int("auto", "the first of 16 ports", 65520)
+_HOSTS = "a host pattern with {index} (one host per worker), e.g. train-{index}.train"
 _PRECISION_HINTS = {"fp16": "mixed_float16", "float16": "mixed_float16", "half": "mixed_float16"}
 _PRECISION_HINTS |= {"bf16": "mixed_bfloat16", "bfloat16": "mixed_bfloat16"}
 
@@ -160,7 +140,7 @@ class TPUConfig:
 class IndexedJobConfig:
     """Workers of a Kubernetes Indexed Job or JobSet: worker i is `hosts` with {index} = i."""
 
-    hosts: str | None = _f(None, _NAME, kinds=_MWM)
+    hosts: str | None = _f(None, text(True, r".*\{index\}.*", _HOSTS), kinds=_MWM)
     port: int = _f(
         2222, integer(1, maximum=65535, expected="a TCP port from 1 to 65535"), kinds=_MWM
     )
@@ -179,7 +159,7 @@ class StrategyConfig:
     """Which `tf.distribute` strategy to build, and its options."""
 
     kind: str = _f("auto", choice(*STRATEGY_KINDS))
-    devices: tuple[str, ...] = _f((), DEVICES, kinds=_DEVICE_KINDS)
+    devices: tuple[str, ...] = _f((), specs.DEVICES, kinds=_DEVICE_KINDS)
     simulated_cpu_replicas: int = _f(0, integer(0), kinds=kinds_where(simulated_cpus=True))
     cross_device_ops: str = _f(
         "auto", choice("auto", "nccl", "hierarchical_copy", "reduction_to_one"), kinds=("mirrored",)
@@ -198,7 +178,7 @@ class BatchConfig:
 
     per_replica: int | None = _f(32, _COUNT)
     global_: int | None = _f(None, _COUNT, key="global")
-    drop_remainder: str | bool = _f("auto", AUTO_OR_BOOL)
+    drop_remainder: str | bool = _f("auto", specs.AUTO_OR_BOOL)
     shard_policy: str = _f("auto", choice("auto", "data", "file", "off", false="off"))
 
 
@@ -217,7 +197,7 @@ class LearningRateConfig:
 class MlflowConfig:
     """Where sync metrics go."""
 
-    enabled: bool = _f(True, BOOL)
+    enabled: bool = _f(True, specs.BOOL)
     tracking_uri: str | None = _f(None, _NAME)
     experiment: str = _f("keras-sync", text())
     run_name: str | None = _f(None, _NAME)
@@ -225,10 +205,10 @@ class MlflowConfig:
         None, text(True, r"[\w.:/@+\-]{1,250}", "1-250 letters, digits or _.:/@+-")
     )
     spool_dir: str = _f(".keras_sync_spool", text())
-    log_every_n_steps: int | str = _f("auto", word_or_int("auto", "steps"))
-    allreduce_probe: bool = _f(False, BOOL)
-    system_metrics: bool = _f(False, BOOL)
-    log_model: bool = _f(False, BOOL)
+    log_every_n_steps: int | str = _f("auto", specs.word_or_int("auto", "steps"))
+    allreduce_probe: bool = _f(False, specs.BOOL)
+    system_metrics: bool = _f(False, specs.BOOL)
+    log_model: bool = _f(False, specs.BOOL)
     sync_report: str = _f("end", choice("end", "epoch", "off", false="off"))
 
 
@@ -237,7 +217,7 @@ class FaultToleranceConfig:
     """Backup and exact resume after a worker is killed."""
 
     backup_dir: str | None = _f(None, _NAME)
-    save_freq: str | int = _f("epoch", word_or_int("epoch", "batches"))
+    save_freq: str | int = _f("epoch", specs.word_or_int("epoch", "batches"))
     grace_period_s: float = _f(25.0, number(0, exclusive=True))
 
 
@@ -249,10 +229,10 @@ class RuntimeConfig:
         "none",
         choice("none", "mixed_float16", "mixed_bfloat16", false="none", hints=_PRECISION_HINTS),
     )
-    jit_compile: str | bool = _f("auto", AUTO_OR_BOOL)
+    jit_compile: str | bool = _f("auto", specs.AUTO_OR_BOOL)
     steps_per_execution: int = _f(1, integer(1))
     gradient_accumulation_steps: int = _f(1, integer(1))
-    sync_batch_norm: bool = _f(False, BOOL)
+    sync_batch_norm: bool = _f(False, specs.BOOL)
     train_step_gradients: str = _f("auto", choice("auto", "average", "sum"))
 
 
@@ -336,7 +316,7 @@ def _build(cls: type, data: Any, path: str, issue: Callable[[str, str], None]) -
         else:
             try:
                 kwargs[f.name] = f.metadata["spec"].check(value)
-            except FieldValueError as exc:
+            except specs.FieldValueError as exc:
                 issue(key_path, str(exc))
     return cls(**kwargs)
 
@@ -353,10 +333,8 @@ def _check_consistency(
     elif given.get("batch.global") is not None:
         batch = dataclasses.replace(batch, per_replica=None)
     elif batch.per_replica is None:
-        issue(
-            "batch.per_replica",
-            "received null for both batch.per_replica and batch.global; give exactly one",
-        )
+        msg = "received null for both batch.per_replica and batch.global; give exactly one (e.g. per_replica: 32)"
+        issue("batch.per_replica", msg)
     if lr.warmup_epochs and lr.warmup_steps:
         msg = f"received warmup_epochs={lr.warmup_epochs:g} and warmup_steps={lr.warmup_steps}; give one of them (set the other to 0)"
         issue("learning_rate.warmup_steps", msg)
@@ -364,9 +342,7 @@ def _check_consistency(
         msg = f"received devices={list(s.devices)} with kind={s.kind}; devices applies to {' and '.join(_DEVICE_KINDS)} only (remove it, or use simulated_cpu_replicas)"
         issue("strategy.devices", msg)
     if kind.max_devices is not None and len(s.devices) > kind.max_devices:
-        msg = (
-            f"received {len(s.devices)} devices for kind={s.kind}; give at most {kind.max_devices}"
-        )
+        msg = f"received {len(s.devices)} devices for kind={s.kind}; give at most {kind.max_devices} (remove the others)"
         issue("strategy.devices", msg)
     if s.devices and s.simulated_cpu_replicas:
         msg = "received both devices and simulated_cpu_replicas; give one (simulated replicas make their own logical CPU devices)"
@@ -384,9 +360,6 @@ def _check_consistency(
             if getattr(job, key) is None:
                 msg = "received null with strategy.cluster=indexed_job; set it (hosts: a pattern such as train-{index}.train; workers: the Job's completions)"
                 issue(f"strategy.indexed_job.{key}", msg)
-        if job.hosts is not None and "{index}" not in job.hosts:
-            msg = f"received {job.hosts!r}, which has no {{index}}; expected a pattern that gives each worker its own host, such as train-{{index}}.train"
-            issue("strategy.indexed_job.hosts", msg)
     return dataclasses.replace(cfg, batch=batch)
 
 
@@ -477,8 +450,7 @@ def load_config(
 
 
 def _verify(env: Mapping[str, str], mlflow: bool) -> tuple[VerifyRequest | None, dict[str, Any]]:
-    """`keras-sync verify`'s request from the environment, and the keys a verify run sets: no MLflow
-    run of its own and, for the one-device reference, the settings its recording chose."""
+    """`keras-sync verify`'s request from the environment, and the config keys a verify run sets."""
     record = env.get(VERIFY_RECORD_ENV, "").strip()
     if not record:
         return None, {}

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 # Where a kind's replicas live on one worker (`keras_sync.strategy.device_layout`).
 LAYOUT_TENSORFLOW = "tensorflow"  # no device list: TensorFlow's default device, no simulated CPUs
@@ -15,11 +16,7 @@ LAYOUTS = (LAYOUT_TENSORFLOW, LAYOUT_LOCAL, LAYOUT_ONE, LAYOUT_TPU)
 
 @dataclass(frozen=True)
 class KindSpec:
-    """One strategy kind: its `strategy.kind` name, its template's comment, its builder in
-    `keras_sync.strategy` (None for ``auto``), its device layout (one of `LAYOUTS`), one process per
-    worker (``multi_process``) or one for the job (``one_process``), whether `strategy.devices`
-    (at most ``max_devices``) and simulated CPUs apply, what ``batch.drop_remainder: auto`` means,
-    and whether a model must be built in `Sync.scope()`."""
+    """One strategy kind: name, template comment, builder, device layout (`LAYOUTS`) and its facts."""
 
     name: str
     summary: str
@@ -34,57 +31,32 @@ class KindSpec:
     scoped: bool = True
 
 
+# The comment of each kind's template section.
+_SUMMARIES = {
+    "auto": "auto: a TPU if one is attached; multi_worker_mirrored when TF_CONFIG (or Slurm) names several workers; mirrored with several GPUs or simulated CPU replicas; else default.",
+    "default": "default: no distribution, TensorFlow's default device; plain Keras behaviour.",
+    "one_device": "one_device: everything on one device (a good baseline to compare replicas against).",
+    "mirrored": "mirrored: one replica per local device, gradients all-reduced every step.",
+    "multi_worker_mirrored": "multi_worker_mirrored: several processes (machines), each with its local devices. Try it on one machine: keras-sync launch --workers 2 train.py",
+    "tpu": "tpu: a Cloud TPU or a TPU VM.",
+}
+
+
+def _kind(name: str, layout: str, **facts: Any) -> KindSpec:
+    """A table entry: its summary from `_SUMMARIES`, its builder ``_build_<name>`` (none for auto)."""
+    builder = None if name == "auto" else f"_build_{name}"
+    return KindSpec(name, _SUMMARIES[name], builder, layout, **facts)
+
+
 KINDS: dict[str, KindSpec] = {
     spec.name: spec
     for spec in (
-        KindSpec(
-            "auto",
-            "auto: a TPU if one is attached; multi_worker_mirrored when TF_CONFIG (or Slurm) names several workers; mirrored with several GPUs or simulated CPU replicas; else default.",
-            None,
-            LAYOUT_LOCAL,
-            accepts_devices=True,
-        ),
-        KindSpec(
-            "default",
-            "default: no distribution, TensorFlow's default device; plain Keras behaviour.",
-            "_build_default",
-            LAYOUT_TENSORFLOW,
-            one_process=True,
-            simulated_cpus=False,
-            scoped=False,
-        ),
-        KindSpec(
-            "one_device",
-            "one_device: everything on one device (a good baseline to compare replicas against).",
-            "_build_one_device",
-            LAYOUT_ONE,
-            one_process=True,
-            accepts_devices=True,
-            max_devices=1,
-        ),
-        KindSpec(
-            "mirrored",
-            "mirrored: one replica per local device, gradients all-reduced every step.",
-            "_build_mirrored",
-            LAYOUT_LOCAL,
-            one_process=True,
-            accepts_devices=True,
-        ),
-        KindSpec(
-            "multi_worker_mirrored",
-            "multi_worker_mirrored: several processes (machines), each with its local devices. Try it on one machine: keras-sync launch --workers 2 train.py",
-            "_build_multi_worker",
-            LAYOUT_LOCAL,
-            multi_process=True,
-        ),
-        KindSpec(
-            "tpu",
-            "tpu: a Cloud TPU or a TPU VM.",
-            "_build_tpu",
-            LAYOUT_TPU,
-            simulated_cpus=False,
-            drop_remainder=True,
-        ),
+        _kind("auto", LAYOUT_LOCAL, accepts_devices=True),
+        _kind("default", LAYOUT_TENSORFLOW, one_process=True, simulated_cpus=False, scoped=False),
+        _kind("one_device", LAYOUT_ONE, one_process=True, accepts_devices=True, max_devices=1),
+        _kind("mirrored", LAYOUT_LOCAL, one_process=True, accepts_devices=True),
+        _kind("multi_worker_mirrored", LAYOUT_LOCAL, multi_process=True),
+        _kind("tpu", LAYOUT_TPU, simulated_cpus=False, drop_remainder=True),
     )
 }
 STRATEGY_KINDS: tuple[str, ...] = tuple(KINDS)

@@ -1,11 +1,9 @@
-"""A config source read into plain data, within size limits, with the line of every key. The
-YAML file is read here and nowhere else (safe YAML, no tags or aliases). The limits, far above a
-real config, keep reading any source (file, dict, overrides, environment) within time, memory and
-recursion."""
+"""A config source read into plain data with the line of every key, within size limits far above a
+real config. The YAML file is read here and nowhere else (safe YAML, no tags or aliases)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,52 +26,39 @@ def check_data(data: Any, file: str, lines: Mapping[str, int] | None = None) -> 
     """Refuse the first value of ``data`` over a limit, in document order."""
     entries = -1  # the top is no entry
 
-    def check(path: str, value: Any, key: Any, depth: int) -> None:
+    def check(path: str, value: Any, key: str | None, depth: int) -> None:
         nonlocal entries
         entries += 1
         nested = isinstance(value, (Mapping, list, tuple))
+        size = len(value.encode("utf-8", "surrogatepass")) if isinstance(value, str) else 0
         if entries > MAX_KEYS:
             problem = f"more than {MAX_KEYS:,} keys and list items, the limit for a config; a keras-sync config has about 40: check that this is the file you meant"
-        elif isinstance(key, str) and len(key) > MAX_KEY_CHARS:
+        elif key is not None and len(key) > MAX_KEY_CHARS:
             problem = f"a key of {len(key):,} characters, over the limit of {MAX_KEY_CHARS} for a key name; the config's keys are words such as run_name (keras-sync schema lists them)"
         elif nested and depth > MAX_DEPTH:  # checked before recursing: at most MAX_DEPTH levels
             problem = _DEPTH_PROBLEM
-        # At most 4 UTF-8 bytes a character: only a string that could be over is encoded.
-        elif (
-            isinstance(value, str)
-            and len(value) * 4 > MAX_STRING_BYTES
-            and (size := len(value.encode("utf-8", "surrogatepass"))) > MAX_STRING_BYTES
-        ):
+        elif size > MAX_STRING_BYTES:
             problem = f"a string of {size:,} bytes, over the limit of {MAX_STRING_BYTES:,} bytes (64 KiB) for a config value; names, paths and URIs are shorter: shorten it"
+        elif isinstance(value, Mapping):
+            for k, v in value.items():
+                name = k if isinstance(k, str) else repr(k)[: MAX_KEY_CHARS + 1]
+                check(f"{path}.{name}" if path else name, v, name, depth + 1)
+            return
         else:
-            for child in _children(path, value) if nested else ():
-                check(*child, depth + 1)
+            for i, v in enumerate(value if nested else ()):
+                check(f"{path}[{i}]", v, None, depth + 1)
             return
         raise error(file, (lines or {}).get(path), problem, path)
 
     check("", data, None, 1)
 
 
-def _children(path: str, value: Any) -> Iterator[tuple[str, Any, Any]]:
-    """The items of a collection as (key path, value, key name or None)."""
-    if not isinstance(value, Mapping):
-        yield from ((f"{path}[{i}]", v, None) for i, v in enumerate(value))
-        return
-    for key, v in value.items():
-        try:
-            name = key if isinstance(key, str) else repr(key)[: MAX_KEY_CHARS + 1]
-        except ValueError:  # an int of more than 4,300 digits
-            name = f"<{type(key).__name__}>"
-        yield f"{path}.{name}" if path else name, v, name
-
-
 def read_text(path: Path) -> str:
     """The text of a config file; `ConfigError` when it is missing, too big or not UTF-8."""
     file = str(path)
     if not path.exists():
-        raise error(
-            file, None, "no such file; create one with 'keras-sync init' or pass the right path"
-        )
+        msg = "no such file; create one with 'keras-sync init' or pass the right path"
+        raise error(file, None, msg)
     if path.is_dir():
         msg = f"is a directory, expected a YAML file (e.g. {path / 'keras_sync.yaml'})"
         raise error(file, None, msg)
@@ -138,9 +123,7 @@ def parse_yaml(text: str, file: str) -> tuple[dict[str, Any], dict[str, int]]:
                 key = str(key) if isinstance(key, (list, dict)) else key
                 key_path, line = f"{path}.{key}" if path else str(key), key_node.start_mark.line + 1
                 if key in out:
-                    msg = (
-                        f"duplicate key {key!r} (first at line {lines[key_path]}); keep one of them"
-                    )
+                    msg = f"duplicate key {key!r} (first at line {lines[key_path]}); keep one of them, delete the other"
                     dups.append(ConfigIssue(file, line, key_path, msg))
                 lines.setdefault(key_path, line)
                 out[key] = data(value_node, key_path)
@@ -164,9 +147,8 @@ def parse_yaml(text: str, file: str) -> tuple[dict[str, Any], dict[str, int]]:
         if isinstance(exc, yaml.constructor.ConstructorError):
             msg = f"YAML tag not allowed ({exc.problem}); keras-sync reads plain YAML only: remove the '!!' tag"
             raise error(file, line, msg) from None
-        raise error(
-            file, line, f"YAML syntax error: {getattr(exc, 'problem', None) or exc}"
-        ) from None
+        msg = f"YAML syntax error: {getattr(exc, 'problem', None) or exc}"
+        raise error(file, line, msg) from None
     finally:
         loader.dispose()
     if dups:

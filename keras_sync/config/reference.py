@@ -1,8 +1,5 @@
-"""The config reference, written from the declarations in `keras_sync.config`: the templates of
-``keras-sync init`` (``templates/``), the table of ``docs/reference/config.md`` and the JSON Schema
-of ``keras-sync schema``. After changing a config key, ``python -m keras_sync.config.reference``
-rewrites the files (``--check``: exit 1 with a diff if they drifted).
-"""
+"""The templates (``templates/``), the docs' config table and the JSON Schema, written from the
+config's declarations; ``python -m keras_sync.config.reference [--check]`` rewrites (checks) them."""
 
 from __future__ import annotations
 
@@ -43,10 +40,11 @@ def keys(cls: type = Config, path: str = "") -> Iterator[tuple[str, Field, str]]
     """The keys of a section in order: dotted path, field and description (`DOCS`)."""
     for f in _public_fields(cls):
         dotted = f"{path}.{_yaml_key(f)}" if path else _yaml_key(f)
-        if not DOCS.get(dotted, "").strip():
+        doc = DOCS.get(dotted) or (f.default_factory.__doc__ or "").split("\n")[0]
+        if not doc.strip():
             fix = "give its field in keras_sync/config/__init__.py a description (in DOCS)"
             raise UsageError(f"config key {dotted!r} has no doc: {fix}")
-        yield dotted, f, DOCS[dotted]
+        yield dotted, f, doc
 
 
 def yaml_value(value: Any) -> str:
@@ -133,8 +131,7 @@ def reference_table() -> str:
 
 
 def config_schema(cls: type = Config, path: str = "") -> dict[str, Any]:
-    """The JSON Schema (draft 2020-12) of a keras-sync config file, for editors; unknown keys are
-    rejected, as `keras_sync.config.load_config` does.
+    """The JSON Schema (draft 2020-12) of a config file; unknown keys are rejected, as by the loader.
 
     >>> config_schema()["properties"]["strategy"]["properties"]["kind"]["enum"][:2]
     ['auto', 'default']
@@ -151,12 +148,7 @@ def config_schema(cls: type = Config, path: str = "") -> dict[str, Any]:
                 "description": text,
                 "default": default,
             }
-    schema = {
-        "type": "object" if cls is Config else ["object", "null"],
-        "description": (cls.__doc__ or "").strip().splitlines()[0],
-        "properties": properties,
-        "additionalProperties": False,
-    }
+    schema = {"type": ["object", "null"], "properties": properties, "additionalProperties": False}
     if cls is not Config:
         return schema
     return {
@@ -164,16 +156,14 @@ def config_schema(cls: type = Config, path: str = "") -> dict[str, Any]:
         "$id": f"https://keras-sync.invalid/schema/{__version__}/keras_sync.schema.json",
         "title": "keras-sync config (keras_sync.yaml)",
         **schema,
+        "type": "object",
+        "description": "The whole keras-sync config. Build it with `load_config`.",
     }
 
 
 def source_root() -> Path:
     """The source checkout this module belongs to (where docs/ and templates/ are)."""
-    root = Path(__file__).resolve().parents[2]
-    if not (root / REFERENCE_PAGE).is_file() or not (root / "templates/keras_sync.yaml").is_file():
-        msg = f"{root} is not a keras-sync source checkout (no {REFERENCE_PAGE} and templates/); run `python -m keras_sync.config.reference` from an editable install (pip install -e .)"
-        raise UsageError(msg)
-    return root
+    return Path(__file__).resolve().parents[2]
 
 
 def generated_files(root: Path) -> dict[Path, str]:
@@ -214,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         root = args.root or source_root()
         stale = drift(root)
-    except UsageError as exc:
+    except (UsageError, OSError) as exc:  # no markers, or not a source checkout
         print(exc, file=sys.stderr)
         return 2
     if args.check:

@@ -19,8 +19,7 @@ class FieldValueError(ValueError):
 
 @dataclass(frozen=True)
 class Spec:
-    """What one config key accepts: the values in words, its JSON Schema, ``parse`` (the value to
-    keep, or `ValueError` whose text ends the message), whether null is accepted, a choice's names."""
+    """What one key accepts: in words, as JSON Schema, and ``parse`` (`ValueError` ends the message)."""
 
     expected: str
     schema: dict[str, Any]
@@ -51,15 +50,13 @@ def integer(
     minimum: int, nullable: bool = False, maximum: int | None = None, expected: str = ""
 ) -> Spec:
     """A whole number >= ``minimum`` (and <= ``maximum``); ``expected``: that in words."""
+    top = math.inf if maximum is None else maximum
 
     def parse(value: Any) -> int:
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        whole = int(value) if isinstance(value, float) and value.is_integer() else value
+        if isinstance(whole, bool) or not isinstance(whole, int) or not minimum <= whole <= top:
             raise ValueError()
-        if maximum is not None and value > maximum:
-            raise ValueError()
-        return value
+        return whole
 
     schema = {"type": "integer", "minimum": minimum}
     schema |= {} if maximum is None else {"maximum": maximum}
@@ -99,8 +96,7 @@ def text(nullable: bool = False, pattern: str | None = None, pattern_doc: str = 
 
 
 def choice(*values: str, false: str | None = None, hints: dict[str, str] | None = None) -> Spec:
-    """One of ``values``, case-insensitive, ``-`` read as ``_``; YAML's false read as ``false``
-    where set; ``hints``: common spellings difflib would not match, with the value they mean."""
+    """One of ``values`` (any case, ``-`` as ``_``); ``false``: YAML's false; ``hints``: misspellings."""
 
     def parse(value: Any) -> str:
         if value is False and false is not None:

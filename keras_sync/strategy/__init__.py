@@ -18,12 +18,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import tensorflow as tf
 
 # Set by Cloud TPU VMs, Colab and GKE when a TPU is attached.
-_TPU_ENV_VARS = (
-    "TPU_NAME",
-    "COLAB_TPU_ADDR",
-    "TPU_ACCELERATOR_TYPE",
-    "KUBE_GOOGLE_CLOUD_TPU_ENDPOINTS",
-)
+_TPU_ENV = ("TPU_NAME", "COLAB_TPU_ADDR", "TPU_ACCELERATOR_TYPE", "KUBE_GOOGLE_CLOUD_TPU_ENDPOINTS")
 #: Kinds whose job is one process, which is then its chief.
 ONE_PROCESS_KINDS = kinds_where(one_process=True)
 
@@ -58,14 +53,12 @@ def count_workers(config: Config, environ: Mapping[str, str]) -> tuple[int, str]
 
 
 def refuse_one_process_kind(config: Config, workers: int, started_by: str, alone: str) -> None:
-    """`UsageError` when a one-process kind (`mirrored`, ...) runs as ``workers`` > 1 processes:
-    each would train alone. ``started_by``: what names the workers; ``alone``: how to run one."""
+    """Refuse a one-process kind (`mirrored`, ...) run as ``workers`` > 1 processes."""
     kind = config.strategy.kind
     if workers > 1 and KINDS[kind].one_process:
         joined = " or ".join(kinds_where(builder=None) + kinds_where(multi_process=True))
-        raise UsageError(
-            f"{started_by}, but strategy.kind is {kind!r} in {config.origin()}, a kind that runs in one process: each worker would train on its own. Fix: set strategy.kind: {joined}, or {alone}."
-        )
+        msg = f"{started_by}, but strategy.kind is {kind!r} in {config.origin()}, a kind that runs in one process: each worker would train on its own. Fix: set strategy.kind: {joined}, or {alone}."
+        raise UsageError(msg)
 
 
 def check_one_process(config: Config, environ: Mapping[str, str] | None = None) -> None:
@@ -84,16 +77,12 @@ def check_one_process(config: Config, environ: Mapping[str, str] | None = None) 
 def detect(
     config: Config, environ: Mapping[str, str] | None = None, *, gpus: int | None = None
 ) -> Detection:
-    """Resolve `strategy.kind: auto` (other kinds are returned as they are), with the reason.
-
-    Order: a reachable TPU; ``multi_worker_mirrored`` when the cluster names more than one worker;
-    ``mirrored`` with more than one GPU or simulated CPU replicas; else the default strategy.
-    """
+    """Resolve `strategy.kind: auto` (a TPU, workers, GPUs, simulated replicas, else default), why."""
     env = os.environ if environ is None else environ
     kind, sim = config.strategy.kind, config.strategy.simulated_cpu_replicas
     if kind != "auto":
         return Detection(kind, f"strategy.kind is {kind!r} ({config.source_of('strategy.kind')})")
-    if var := next((v for v in _TPU_ENV_VARS if env.get(v)), None):
+    if var := next((v for v in _TPU_ENV if env.get(v)), None):
         return Detection("tpu", f"auto: ${var} is set")
     if Path("/dev/accel0").exists() or Path("/dev/vfio/0").exists():
         return Detection("tpu", "auto: a TPU device (/dev/accel0) is present")
@@ -111,9 +100,7 @@ def detect(
 
 @dataclass(frozen=True)
 class DeviceLayout:
-    """The devices one worker trains on, one replica each, and who names them: ``"simulated"``
-    (logical CPUs), ``"strategy.devices"`` (the config's list) or ``"tensorflow"`` (no list is
-    passed: TensorFlow takes all GPUs, else the CPU, and ``devices`` shows that pick)."""
+    """One worker's devices (one replica each) and who names them: simulated, config or tensorflow."""
 
     devices: tuple[str, ...]
     source: str
@@ -125,22 +112,18 @@ class DeviceLayout:
 
 
 def device_layout(kind: str, cfg: StrategyConfig, *, gpus: int) -> DeviceLayout:
-    """The per-worker devices of a ``kind`` strategy, without importing TensorFlow (not for ``tpu``:
-    its system names its cores when it starts). The builders and `keras-sync plan` both call it.
-    ``gpus``: the GPUs visible (TensorFlow's count in a builder, the driver's in the plan)."""
+    """The per-worker devices of a ``kind`` (not tpu), without TensorFlow; ``gpus``: the GPUs visible."""
     spec = KINDS[kind]
     if spec.builder is None or spec.layout == LAYOUT_TPU:
         raise ValueError(f"device_layout: no local device layout for kind={kind!r}")
-    devices: tuple[str, ...] = ("/gpu:0" if gpus else "/cpu:0",)
-    source = "tensorflow"
-    if spec.layout == LAYOUT_TENSORFLOW:  # no device list, no simulated CPUs
-        pass
-    elif cfg.simulated_cpu_replicas:
+    local = spec.layout != LAYOUT_TENSORFLOW  # the default strategy: no list, no simulated CPUs
+    if local and cfg.simulated_cpu_replicas:
         devices, source = tuple(_cpu_names(cfg.simulated_cpu_replicas)), "simulated"
-    elif cfg.devices and spec.accepts_devices:
+    elif local and cfg.devices and spec.accepts_devices:
         devices, source = cfg.devices, "strategy.devices"
-    elif gpus and spec.layout != LAYOUT_ONE:
-        devices = tuple(f"/gpu:{i}" for i in range(gpus))
+    else:
+        gpu_names = tuple(f"/gpu:{i}" for i in range(gpus if local else min(gpus, 1)))
+        devices, source = gpu_names or ("/cpu:0",), "tensorflow"
     return DeviceLayout(devices[:1] if spec.layout == LAYOUT_ONE else devices, source)
 
 
@@ -154,16 +137,14 @@ def configure_simulated_cpus(n: int) -> list[str]:
 
     cpus = tf.config.list_physical_devices("CPU")
     current = tf.config.get_logical_device_configuration(cpus[0])
-    # Names are built, not listed: listing starts the runtime, after which
-    # MultiWorkerMirroredStrategy can no longer configure its collectives.
+    # Names are built, not listed: listing starts the runtime (MWMS could not configure then).
     if current is None or len(current) != n:
         try:
             config = [tf.config.LogicalDeviceConfiguration()] * n
             tf.config.set_logical_device_configuration(cpus[0], config)
         except RuntimeError as exc:
-            raise StrategyError(
-                f"Cannot split the CPU into strategy.simulated_cpu_replicas={n} logical devices: TensorFlow has already initialised its devices in this process. Call keras_sync.load() first, before creating any tensor, model or dataset. ({exc})"
-            ) from None
+            msg = f"Cannot split the CPU into strategy.simulated_cpu_replicas={n} logical devices: TensorFlow has already initialised its devices in this process. Call keras_sync.load() first, before creating any tensor, model or dataset. ({exc})"
+            raise StrategyError(msg) from None
     return _cpu_names(n)
 
 
@@ -178,15 +159,12 @@ def _local_devices(kind: str, cfg: StrategyConfig) -> tuple[DeviceLayout, int]:
     n_gpus = 0 if cfg.simulated_cpu_replicas else len(tf.config.list_physical_devices("GPU"))
     layout = device_layout(kind, cfg, gpus=n_gpus)
     if layout.source == "strategy.devices":
-        known = {
-            canonical(d.name, where="TensorFlow's devices")
-            for d in tf.config.list_logical_devices()
-        }
+        seen = tf.config.list_logical_devices()
+        known = {canonical(d.name, where="TensorFlow's devices") for d in seen}
         for dev in layout.devices:
             if canonical(dev, where="strategy.devices") not in known:
-                raise StrategyError(
-                    f"Invalid value for strategy.devices. Received: {dev!r}. Expected devices TensorFlow sees here: {', '.join(sorted(known))}."
-                )
+                msg = f"Invalid value for strategy.devices. Received: {dev!r}. Expected devices TensorFlow sees here: {', '.join(sorted(known))}."
+                raise StrategyError(msg)
     return layout, n_gpus
 
 
@@ -199,9 +177,8 @@ def _build_default(config: Config) -> tf.distribute.Strategy:
 def _build_one_device(config: Config) -> tf.distribute.Strategy:
     import tensorflow as tf
 
-    return tf.distribute.OneDeviceStrategy(
-        _local_devices("one_device", config.strategy)[0].devices[0]
-    )
+    layout, _ = _local_devices("one_device", config.strategy)
+    return tf.distribute.OneDeviceStrategy(layout.devices[0])
 
 
 def _build_mirrored(config: Config) -> tf.distribute.Strategy:
@@ -210,11 +187,9 @@ def _build_mirrored(config: Config) -> tf.distribute.Strategy:
     layout, n_gpus = _local_devices("mirrored", config.strategy)
     name = config.strategy.cross_device_ops
     if name == "nccl" and not n_gpus:
-        raise StrategyError(
-            "strategy.cross_device_ops='nccl' needs GPUs, and TensorFlow sees none here. Use 'hierarchical_copy', 'reduction_to_one' or 'auto'."
-        )
-    # auto: with GPUs TensorFlow picks. On CPU its pick is collective all-reduce, whose instances
-    # collide between two MirroredStrategy objects in one process: ReductionToOneDevice.
+        msg = "strategy.cross_device_ops='nccl' needs GPUs, and TensorFlow sees none here. Use 'hierarchical_copy', 'reduction_to_one' or 'auto'."
+        raise StrategyError(msg)
+    # auto on CPU: TensorFlow's collective all-reduce collides between two strategies in a process.
     ops = None
     if name == "nccl":
         ops = tf.distribute.NcclAllReduce()
@@ -225,7 +200,7 @@ def _build_mirrored(config: Config) -> tf.distribute.Strategy:
     return tf.distribute.MirroredStrategy(devices=layout.explicit_devices, cross_device_ops=ops)
 
 
-def _build_multi_worker(config: Config) -> tf.distribute.Strategy:
+def _build_multi_worker_mirrored(config: Config) -> tf.distribute.Strategy:
     from keras_sync import cluster
     from keras_sync.strategy.multi_worker import build_multi_worker_strategy
     from keras_sync.upstream import internals
@@ -236,8 +211,7 @@ def _build_multi_worker(config: Config) -> tf.distribute.Strategy:
     cluster.check_tf_config_order()  # tensorflow#60706: TF_CONFIG must be set before TF joins
     if cfg.simulated_cpu_replicas:
         configure_simulated_cpus(cfg.simulated_cpu_replicas)
-    # Only a list keras-sync names is passed on: counting GPUs before the cluster forms would start
-    # TensorFlow's runtime.
+    # No GPU count: counting before the cluster forms would start TensorFlow's runtime.
     strategy = build_multi_worker_strategy(
         communication=cfg.communication,
         cluster_resolver=cluster.cluster_resolver(cfg),
@@ -263,9 +237,8 @@ def _build_tpu(config: Config) -> tf.distribute.Strategy:
         return tf.distribute.TPUStrategy(resolver)
     except Exception as exc:  # ValueError, NotFoundError, RuntimeError...: all mean "no TPU here"
         detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0].split(". ")[0][:160]
-        raise StrategyError(
-            f"Cannot reach a TPU at strategy.tpu.name={address!r} (zone={tpu.zone}, project={tpu.project}): {type(exc).__name__}: {detail}. Set strategy.tpu.name to your TPU's name or grpc:// address, or choose another strategy.kind."
-        ) from None
+        msg = f"Cannot reach a TPU at strategy.tpu.name={address!r} (zone={tpu.zone}, project={tpu.project}): {type(exc).__name__}: {detail}. Set strategy.tpu.name to your TPU's name or grpc:// address, or choose another strategy.kind."
+        raise StrategyError(msg) from None
 
 
 # kind -> builder, from the kinds table: a new kind is an entry there and its builder here.
@@ -285,8 +258,7 @@ def build_strategy(
     except ModuleNotFoundError as e:
         if e.name != "tensorflow":
             raise  # a broken TensorFlow: its own error says more than ours could
-        raise StrategyError(
-            f'TensorFlow is not installed in this environment ({sys.executable}); keras-sync uses the TensorFlow of your project and installs none itself. Fix: pip install "keras-sync[cpu]" (tensorflow-cpu), "keras-sync[tensorflow]" (the standard build; GPU with a system CUDA) or "keras-sync[and-cuda]" (GPU with CUDA from pip).'
-        ) from None
+        msg = f'TensorFlow is not installed in this environment ({sys.executable}); keras-sync uses the TensorFlow of your project and installs none itself. Fix: pip install "keras-sync[cpu]" (tensorflow-cpu), "keras-sync[tensorflow]" (the standard build; GPU with a system CUDA) or "keras-sync[and-cuda]" (GPU with CUDA from pip).'
+        raise StrategyError(msg) from None
     detection = detect(config, environ)
     return BUILDERS[detection.kind](config), detection

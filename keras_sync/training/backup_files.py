@@ -1,8 +1,6 @@
-"""Backup bookkeeping without TensorFlow: when to save, which checkpoint is complete, who owns the
-directory. After each save the chief writes ``ckpt-N.manifest.json`` last (size and CRC-32 of every
-file, and the MLflow run): only a checkpoint matching its manifest is trusted. `BackupLock`
-(``keras_sync_lock.json``) names the job training into the directory; a lock of a dead process
-(same host) or not refreshed for `STALE_S` is stale and taken over."""
+"""Backup bookkeeping without TensorFlow: when to save, which checkpoint is complete (its files
+match ``ckpt-N.manifest.json``, written last), who owns the directory (`BackupLock`: a lock of a
+dead process on this host, or not refreshed for `STALE_S`, is stale and taken over)."""
 
 from __future__ import annotations
 
@@ -13,8 +11,8 @@ import re
 import threading
 import time
 import zlib
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import Any, NamedTuple
 
 import psutil
 
@@ -52,19 +50,16 @@ class SaveSchedule:
         if save_freq != "epoch" and (
             isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1
         ):
-            raise UsageError(
-                f"Invalid value for argument `save_freq`. Received: save_freq={save_freq!r}. Expected 'epoch' or an integer number of batches >= 1."
-            )
+            msg = f"Invalid value for argument `save_freq`. Received: save_freq={save_freq!r}. Expected 'epoch' or an integer number of batches >= 1."
+            raise UsageError(msg)
         self.save_freq = save_freq
         self._since_save = 0
 
     def after_batch(self, batches: int = 1) -> bool:
         """Count ``batches`` trained; True when a save is due now."""
-        if self.save_freq == "epoch":
-            return False
         self._since_save += batches
-        if due := self._since_save >= int(self.save_freq):
-            self._since_save = 0
+        due = self.save_freq != "epoch" and self._since_save >= int(self.save_freq)
+        self._since_save = 0 if due else self._since_save
         return due
 
     def after_epoch(self) -> bool:
@@ -79,9 +74,8 @@ def write_dir(backup_dir: str, *, is_chief: bool, task_id: int | None) -> str:
 def batches_to_skip(point: ResumePoint, steps_per_execution: int = 1) -> int:
     """Batches of the resumed epoch trained before the interruption (saves end an execution)."""
     if point.step % steps_per_execution:
-        raise UsageError(
-            f"The backup was taken at step {point.step} of epoch {point.epoch}, which is not a multiple of steps_per_execution={steps_per_execution}. Resume with the steps_per_execution it was saved with, or delete the backup directory to start over."
-        )
+        msg = f"The backup was taken at step {point.step} of epoch {point.epoch}, which is not a multiple of steps_per_execution={steps_per_execution}. Resume with the steps_per_execution it was saved with, or delete the backup directory to start over."
+        raise UsageError(msg)
     return point.step
 
 
@@ -165,37 +159,27 @@ def manifest_run(prefix: str) -> dict[str, Any] | None:
     return run if isinstance(run, dict) and isinstance(run.get("job_id"), str) else None
 
 
-@dataclass
-class Choice:
+class Choice(NamedTuple):
     """What a restore may use: the complete checkpoints newest first, and those skipped (with why)."""
 
-    usable: list[str] = field(default_factory=list)
-    skipped: list[tuple[str, str]] = field(default_factory=list)
-
-    @property
-    def latest(self) -> str | None:
-        return self.usable[0] if self.usable else None
+    usable: list[str]
+    skipped: list[tuple[str, str]]
 
 
 def choose(backup_dir: str) -> Choice:
-    """The checkpoints a restore may use; `UsageError` when only damaged ones are left (saves cut off
-    before their manifest are no backup: training starts over)."""
-    choice = Choice()
-    for prefix in checkpoints(backup_dir):
-        if (why := problem(prefix)) is None:
-            choice.usable.append(prefix)
-        else:
-            choice.skipped.append((prefix, why))
-    if not choice.usable and any(not why.startswith("incomplete") for _, why in choice.skipped):
-        raise no_usable_backup(backup_dir, choice.skipped)
-    return choice
+    """The checkpoints a restore may use (`refuse_damaged` if none)."""
+    checked = [(prefix, problem(prefix)) for prefix in checkpoints(backup_dir)]
+    usable, skipped = [p for p, why in checked if why is None], [(p, w) for p, w in checked if w]
+    refuse_damaged(backup_dir, usable, skipped)
+    return Choice(usable, skipped)
 
 
-def no_usable_backup(backup_dir: str, skipped: list[tuple[str, str]]) -> UsageError:
-    what = "; ".join(f"{os.path.basename(p)}: {why}" for p, why in skipped)
-    return UsageError(
-        f"fault_tolerance.backup_dir: no usable backup in {backup_dir} ({what}). Fix: restore that directory from a copy, or delete it to train from the start; nothing was trained."
-    )
+def refuse_damaged(backup_dir: str, usable: list[str], skipped: list[tuple[str, str]]) -> None:
+    """`UsageError` when nothing is usable but something is damaged (a cut-off save is no backup)."""
+    if not usable and any(not why.startswith("incomplete") for _, why in skipped):
+        what = "; ".join(f"{os.path.basename(p)}: {why}" for p, why in skipped)
+        msg = f"fault_tolerance.backup_dir: no usable backup in {backup_dir} ({what}). Fix: restore that directory from a copy, or delete it to train from the start; nothing was trained."
+        raise UsageError(msg)
 
 
 @dataclass(frozen=True)
@@ -221,9 +205,7 @@ def read_lock(backup_dir: str) -> tuple[Holder, float] | None:
 
 
 def live_other(found: tuple[Holder, float] | None, me: Holder, *, chief: bool) -> Holder | None:
-    """The lock's holder when it is another live job that ``me`` must not share the directory with.
-    The chief takes over its own job id's lock from another host (a relaunch); another worker
-    accepts its own job's chief (same job id, or same cluster)."""
+    """The lock's holder if another live job (a worker accepts its job's chief, a relaunch its lock)."""
     if found is None:
         return None
     holder, age = found
@@ -239,9 +221,8 @@ def live_other(found: tuple[Holder, float] | None, me: Holder, *, chief: bool) -
 
 def refused(backup_dir: str, other: Holder) -> UsageError:
     job = f"job {other.job_id}" if other.job_id else "a job without job id"
-    return UsageError(
-        f"fault_tolerance.backup_dir: {backup_dir} is in use by {job} (pid {other.pid} on {other.host}), which is training into it now; two jobs in one backup directory would resume from each other's backups. Fix: give this job its own backup_dir, or wait for that job to end (if it is gone, delete {os.path.join(backup_dir, LOCK_FILE)}); nothing was trained."
-    )
+    msg = f"fault_tolerance.backup_dir: {backup_dir} is in use by {job} (pid {other.pid} on {other.host}), which is training into it now; two jobs in one backup directory would resume from each other's backups. Fix: give this job its own backup_dir, or wait for that job to end (if it is gone, delete {os.path.join(backup_dir, LOCK_FILE)}); nothing was trained."
+    return UsageError(msg)
 
 
 class BackupLock:

@@ -50,9 +50,8 @@ def refuse_unbatched(ds: Any) -> None:
     ranks = [None if s is None else s.rank for s in _shapes(ds)]
     firsts = _first_dims(ds)
     if 0 in ranks or (None not in firsts and len(firsts) > 1):
-        raise UsageError(
-            f"sync.fit received a tf.data.Dataset of single examples, not batches (element_spec={ds.element_spec}). Fix: pass it through sync.distribute(dataset), which batches by the global batch, or end it with .batch(n)."
-        )
+        msg = f"sync.fit received a tf.data.Dataset of single examples, not batches (element_spec={ds.element_spec}). Fix: pass it through sync.distribute(dataset), which batches by the global batch, or end it with .batch(n)."
+        raise UsageError(msg)
 
 
 def _batch_op(ds: Any) -> tuple[int | None, bool, Any] | None:
@@ -68,9 +67,7 @@ def _batch_op(ds: Any) -> tuple[int | None, bool, Any] | None:
 
 
 def batch_size_of(ds: Any) -> tuple[int | None, str]:
-    """(batch size, how it was found) of a batched dataset; (None, why not) when it cannot be told:
-    the static first dimension of every component, else TensorFlow's own reading of the pipeline,
-    else the nearest ``batch`` op up the pipeline through element-wise steps such as ``map``."""
+    """(batch size, how found: static shape or the batch op up the pipeline), or (None, why not)."""
     from keras_sync.upstream.tf_runtime import pipeline_batch_size
 
     dims = _first_dims(ds)
@@ -122,9 +119,7 @@ def has_shard_op(ds: Any) -> bool:
 
 
 def file_count(ds: Any) -> int | None:
-    """The number of files the pipeline reads (the fewest, if it reads several sets); None: none.
-    A reader, or an ``interleave``/``flat_map`` whose function makes one, reads the file names of
-    its input dataset, counted from its cardinality (or read)."""
+    """The fewest files a reader (or interleave/flat_map making one) of the pipeline reads, or None."""
     counts = []
     for d in _walk(ds):
         if type(d).__name__ in _READER_CLASSES or _function_reads_files(d):

@@ -11,8 +11,7 @@ from keras_sync.errors import UsageError
 
 
 def check_writable(path: str | os.PathLike[str], key: str, value: str | None = None) -> None:
-    """Create and remove a folder in ``path`` (or, before it exists, in its nearest existing
-    parent); `UsageError` in one line when this process cannot."""
+    """Refuse in one line a ``path`` (or its nearest existing parent) this process cannot write."""
     shown = os.fspath(path) if value is None else value
     path = existing = os.path.abspath(path)
     while not os.path.exists(existing) and os.path.dirname(existing) != existing:
@@ -24,9 +23,8 @@ def check_writable(path: str | os.PathLike[str], key: str, value: str | None = N
     except OSError as e:
         it = "it" if value is None else f"its folder {path}"
         what = f"write {it}" if existing == path else f"create {it} in {existing}"
-        raise UsageError(
-            f"{key}={shown!r}: this process cannot {what} ({e.strerror}). Fix: choose a directory it can write, or give it write permission there; nothing was trained."
-        ) from None
+        msg = f"{key}={shown!r}: this process cannot {what} ({e.strerror}). Fix: choose a directory it can write, or give it write permission there; nothing was trained."
+        raise UsageError(msg) from None
 
 
 def check_config_paths(config: Any, *, is_chief: bool) -> None:

@@ -1,7 +1,6 @@
-"""The input pipeline behind `Sync.fit` and `Sync.distribute`: batching, sharding, validation split.
-Sharding is decided by the data, never by the host (`shard_choice`). A batched dataset whose batch
-differs from the global batch, or cannot be read, is rebatched to it; a worker's own part is read
-per replica as that worker's input. `shard_choice` and `batch_layout` need no TensorFlow."""
+"""The input pipeline behind `Sync.fit` and `Sync.distribute`: batching, sharding (decided by the
+data, never by the host), validation split. A batched dataset is rebatched to the global batch; a
+worker's own part is read per replica as that worker's input."""
 
 from __future__ import annotations
 
@@ -27,12 +26,7 @@ class ShardChoice:
 def shard_choice(
     kind: Literal["arrays", "dataset"], *, configured: str, own: str | None = None
 ) -> ShardChoice:
-    """The shard policy of ``"arrays"`` (by example unless ``off``) or a ``"dataset"`` (the policy
-    of its own options, ``own``, unless ``auto``; else ``batch.shard_policy``).
-
-    >>> shard_choice("dataset", configured="file", own="auto").policy
-    'file'
-    """
+    """The shard policy of ``"arrays"`` or a ``"dataset"`` (its own unless auto), and why."""
     if kind == "arrays" and configured == "off":
         return ShardChoice("off", "batch.shard_policy: off (each worker's arrays are its own part)")
     if kind == "arrays":
@@ -66,8 +60,7 @@ def batch_layout(global_batch: int, num_replicas: int, num_workers: int) -> str:
 
 @dataclass(frozen=True)
 class InputFacts:
-    """What the pipeline did with the training data of one `fit` (``Sync.input_facts``); examples
-    per epoch over all workers when known, ``own_part`` when each worker trains its own part."""
+    """What the pipeline did with one `fit`'s training data (``Sync.input_facts``)."""
 
     source: str
     shard_policy: str
@@ -85,9 +78,7 @@ def _steps(examples: int | None, batch: int, drop_remainder: bool) -> int | None
 
 @dataclass(eq=False)
 class InputPipeline:
-    """Turns what a user passes to `fit`/`distribute` into what the strategy trains on. Arrays
-    become a dataset under `multi_worker_mirrored` (Keras requires it), for a `fit` with a backup
-    (``replay_order``) in a script that set no TensorFlow seed, and with ``arrays_as_dataset``."""
+    """Turns what a user passes to `fit`/`distribute` into what the strategy trains on."""
 
     global_batch: int
     num_replicas: int
@@ -122,10 +113,9 @@ class InputPipeline:
             ds, size, examples = py_dataset.py_dataset_batches(batches)
             if not fit:
                 return ds, y, kwargs  # evaluate/predict: its batches as given, each read once
-            import keras
-
-            kwargs.setdefault("shuffle", False)
             if batches is x:  # a PyDataset: its epoch hooks, as Keras's own reader calls them
+                import keras
+
                 hooks = keras.callbacks.LambdaCallback(
                     on_epoch_begin=lambda *_: batches.on_epoch_begin(),
                     on_epoch_end=lambda *_: batches.on_epoch_end(),
@@ -133,27 +123,23 @@ class InputPipeline:
                 kwargs["callbacks"] = [hooks, *(kwargs.get("callbacks") or [])]
             source = "keras.utils.PyDataset" if batches is x else "Python generator"
             x = self.training_dataset(ds, size=size, examples=examples, source=source)
-            return x, y, kwargs
-        if is_dataset(x):
-            if fit:
-                # Keras ignores `shuffle` for datasets but warns about its default True on every fit.
-                kwargs.setdefault("shuffle", False)
-                x = self.training_dataset(x)
-            return x, y, kwargs
-        from keras_sync.upstream.tf_runtime import global_seed_set
+        elif is_dataset(x):
+            x = self.training_dataset(x) if fit else x
+        else:
+            from keras_sync.upstream.tf_runtime import global_seed_set
 
-        # A seeded script's own Keras shuffle of arrays draws the same order again after a resume.
-        if (
-            self.multi_worker
-            or fit
-            and (self.arrays_as_dataset or self.replay_order and not global_seed_set())
-        ):
-            return self._arrays_to_dataset(fit, x, y, kwargs, global_batch)
-        kwargs["batch_size"] = global_batch
-        if fit:
-            n = _array_examples(x, kwargs.get("validation_split"))
-            steps = _steps(n, global_batch, False)
-            self.facts = InputFacts("arrays", "data", examples_per_epoch=n, steps_per_epoch=steps)
+            # A seeded script's own Keras shuffle of arrays draws the same order again after a resume.
+            replay = self.replay_order and not global_seed_set()
+            if self.multi_worker or fit and (self.arrays_as_dataset or replay):
+                return self._arrays_to_dataset(fit, x, y, kwargs, global_batch)
+            kwargs["batch_size"] = global_batch
+            if fit:
+                n = _array_examples(x, kwargs.get("validation_split"))
+                steps = _steps(n, global_batch, False)
+                self.facts = InputFacts("arrays", "data", False, n, None, steps)
+            return x, y, kwargs
+        if fit:  # Keras ignores `shuffle` for datasets but warns about its default True every fit
+            kwargs.setdefault("shuffle", False)
         return x, y, kwargs
 
     def training_dataset(
@@ -165,8 +151,7 @@ class InputPipeline:
         source: str = "tf.data.Dataset",
         policy: str | None = None,
     ) -> Any:
-        """A batched dataset given to `fit`: its shard policy settled, rebatched to the global batch.
-        A worker's own part goes to the strategy as that worker's input, in per-replica batches."""
+        """A batched dataset for `fit`: policy settled, rebatched; an own part read per replica."""
         import tensorflow as tf
 
         if not isinstance(ds, tf.data.Dataset):  # distributed by the user already
@@ -212,22 +197,18 @@ class InputPipeline:
         steps = batches // per_replica if same else None
         self.facts = InputFacts(source, "off", True, total, examples, steps)
         if batches >= 0 and (not same or per_replica > 1):
-            # Keras takes a known length as every worker's steps: parts of different lengths
-            # would leave one worker waiting in a collective, and with several replicas per
-            # worker Keras would count per-replica batches. Unknown, the epoch ends when every
-            # part has.
+            # A known length is every worker's steps to Keras (parts of different lengths would
+            # hang a collective; per replica it counts batches): unknown, all parts end together.
             ds = ds.filter(lambda *_: True)
-        own = ds
-        return self.strategy.distribute_datasets_from_function(lambda _context: own)
+        return self.strategy.distribute_datasets_from_function(lambda _: ds)
 
     def _across_workers(self, batches: int, examples: int) -> list[tuple[int, int]]:
-        """(batches, examples) of every worker's part, in worker order: one all-gather, on every worker."""
+        """(batches, examples) of every worker's part, in worker order: one all-gather."""
         import tensorflow as tf
 
         strategy = self.strategy
 
-        # In a tf.function: eager, MultiWorkerMirroredStrategy.run warns of its overhead on every worker.
-        @tf.function(autograph=False)
+        @tf.function(autograph=False)  # eager, MultiWorkerMirroredStrategy.run warns of overhead
         def gather() -> Any:
             value = strategy.run(lambda: tf.constant([[batches, examples]], tf.int64))
             return strategy.gather(value, axis=0)
@@ -276,10 +257,9 @@ class InputPipeline:
         """Arrays or single examples, shuffled (one seed for all workers), batched, policy set."""
         import tensorflow as tf
 
-        if isinstance(data, tf.data.Dataset):
-            ds, policy = data, self._policy(data)
-        else:
-            ds, policy = tf.data.Dataset.from_tensor_slices(data), self._policy(None)
+        own = isinstance(data, tf.data.Dataset)
+        ds = data if own else tf.data.Dataset.from_tensor_slices(data)
+        policy = self._policy(ds if own else None)
         if shuffle:
             n = int(ds.cardinality())
             ds = ds.shuffle(n if n > 0 else 10_000, seed=seed, reshuffle_each_iteration=True)
@@ -287,9 +267,7 @@ class InputPipeline:
         return graph.with_policy(batched, policy)
 
     def _policy(self, ds: Any | None) -> str:
-        """The shard policy of arrays (None) or a dataset; `auto` or `file` on several workers is
-        settled now by the files read: TensorFlow's FILE sharding fails at the first step when the
-        pipeline reads fewer files than there are workers."""
+        """The shard policy of arrays (None) or a dataset; auto/file settled by the files read."""
         if ds is None:
             return shard_choice("arrays", configured=self.shard_policy).policy
         own = graph.own_shard_policy(ds)
@@ -321,7 +299,6 @@ def _validation_input(kwargs: dict[str, Any]) -> dict[str, Any]:
     if py_dataset.is_py_dataset(vd):
         return dict(kwargs, validation_data=py_dataset.py_dataset_batches(vd)[0])
     if isinstance(vd, types.GeneratorType):
-        raise UsageError(
-            "sync.fit received validation_data as a Python generator: each epoch would validate on other data. Fix: give validation_data as arrays, a keras.utils.PyDataset or a tf.data.Dataset."
-        )
+        msg = "sync.fit received validation_data as a Python generator: each epoch would validate on other data. Fix: give validation_data as arrays, a keras.utils.PyDataset or a tf.data.Dataset."
+        raise UsageError(msg)
     return kwargs

@@ -1,7 +1,5 @@
-"""A `keras.utils.PyDataset` or a Python generator, read by keras-sync by index, each batch once per
-epoch, in order, as on one device. Under a strategy Keras's own readers train some batches twice and
-others never (its enqueuer restarts at index 0 with batches in flight; its generator adapter replays
-the batches it peeked at to every new iterator)."""
+"""A `keras.utils.PyDataset` or a Python generator read by index, each batch once per epoch, in
+order, as on one device (Keras's own readers train some batches twice under a strategy)."""
 
 from __future__ import annotations
 
@@ -14,14 +12,11 @@ from keras_sync.errors import UsageError
 
 def is_py_dataset(x: Any) -> bool:
     """Whether ``x`` is a `keras.utils.PyDataset` (or a legacy `keras.utils.Sequence`, the same class)."""
-    return any(
-        c.__name__ == "PyDataset" and c.__module__.startswith("keras") for c in type(x).__mro__
-    )
+    return any(c.__name__ == "PyDataset" and "keras" in c.__module__ for c in type(x).__mro__)
 
 
 class GeneratorBatches:
-    """A Python generator's batches by index, the last ``keep`` kept: an iterator that starts again
-    at 0 reads the same batches, never new ones."""
+    """A Python generator's batches by index, the last ``keep`` kept: a restarted reader rereads them."""
 
     num_batches = None  # endless to the reader: a generator ends when it ends
     workers = 1
@@ -36,41 +31,34 @@ class GeneratorBatches:
     def get(self, i: int) -> Any:
         """Batch ``i``, or None past the generator's end."""
         with self._lock:
-            while self._next <= i and not self._ended:
-                try:
-                    self._kept[self._next] = next(self._generator)
-                except StopIteration:
-                    self._ended = True
-                    break
+            while self._next <= i and not self._ended:  # None: the generator's end
+                self._kept[self._next] = next(self._generator, None)
+                self._ended = self._kept[self._next] is None
+                self._kept.pop(self._next - self._keep, None)
                 self._next += 1
-                self._kept.pop(self._next - 1 - self._keep, None)
             if i in self._kept or i >= self._next:
                 return self._kept.get(i)
-        raise UsageError(
-            f"keras-sync was asked for batch {i} of a Python generator again after {self._next - i} newer ones; it keeps the last {self._keep}. Fix: give the data as a keras.utils.PyDataset or a tf.data.Dataset."
-        )
+        msg = f"keras-sync was asked for batch {i} of a Python generator again after {self._next - i} newer ones; it keeps the last {self._keep}. Fix: give the data as a keras.utils.PyDataset or a tf.data.Dataset."
+        raise UsageError(msg)
 
     def __getitem__(self, i: int) -> Any:
         batch = self.get(i)
         if batch is None:
-            raise UsageError(
-                "the Python generator given to sync.fit yielded no batch. Fix: give it at least one."
-            )
+            msg = "the Python generator given to sync.fit yielded no batch. Fix: give it at least one."
+            raise UsageError(msg)
         return batch
 
 
 def python_batches(x: Any, method: str, kwargs: dict[str, Any]) -> GeneratorBatches | None:
-    """``x`` read by keras-sync when it is a PyDataset (itself) or a generator; None for other data.
-    A generator is refused in one line where it cannot be read exactly."""
+    """``x`` as batches read by index (PyDataset, generator) or None; some generators are refused."""
     if is_py_dataset(x):
         return x
     if not isinstance(x, types.GeneratorType):  # what Keras's adapters test
         return None
     epochs = int(kwargs.get("epochs", 1))
     if method == "fit" and kwargs.get("steps_per_epoch") is None and epochs > 1:
-        raise UsageError(
-            f"sync.fit received a Python generator with epochs={kwargs.get('epochs')} and no steps_per_epoch: the first epoch would read it to its end. Fix: pass steps_per_epoch=<batches per epoch> (an endless generator), or give a keras.utils.PyDataset or a tf.data.Dataset."
-        )
+        msg = f"sync.fit received a Python generator with epochs={kwargs.get('epochs')} and no steps_per_epoch: the first epoch would read it to its end. Fix: pass steps_per_epoch=<batches per epoch> (an endless generator), or give a keras.utils.PyDataset or a tf.data.Dataset."
+        raise UsageError(msg)
     return GeneratorBatches(x)
 
 
@@ -84,17 +72,15 @@ def _standardize(batch: Any) -> Any:
 
 
 def py_dataset_batches(pyds: Any) -> tuple[Any, int, int | None]:
-    """(a `tf.data.Dataset` of the batches read by index, ``pyds.workers`` at a time on threads,
-    the first batch's size, the examples per epoch assuming equal middle batches)."""
+    """(a `tf.data.Dataset` of the batches read by index, the first batch's size, examples per epoch)."""
     import numpy as np
     import tensorflow as tf
 
     try:
         n = pyds.num_batches
     except NotImplementedError:
-        raise UsageError(
-            f"sync.fit received a keras.utils.PyDataset without a length ({type(pyds).__name__} has neither __len__ nor num_batches); keras-sync reads a PyDataset by index, each batch once per epoch. Fix: give it __len__, or a num_batches property (None for an endless one, with steps_per_epoch in fit)."
-        ) from None
+        msg = f"sync.fit received a keras.utils.PyDataset without a length ({type(pyds).__name__} has neither __len__ nor num_batches); keras-sync reads a PyDataset by index, each batch once per epoch. Fix: give it __len__, or a num_batches property (None for an endless one, with steps_per_epoch in fit)."
+        raise UsageError(msg) from None
     if n is not None and n < 1:
         msg = f"sync.fit received an empty keras.utils.PyDataset ({type(pyds).__name__}, 0 batches). Fix: give it at least one batch."
         raise UsageError(msg)
