@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import keras
@@ -12,10 +9,9 @@ import keras
 from keras_sync.callbacks._once import check_int
 from keras_sync.errors import UsageError
 from keras_sync.measures import reduce as _reduce
-from keras_sync.tracking.report_plot import SyncHistory, render
+from keras_sync.tracking.report_plot import SyncHistory, upload
 from keras_sync.training.context import check_shared
 
-log = logging.getLogger("keras_sync")
 ARTIFACT = "sync_report.png"
 WHEN = ("end", "epoch")
 
@@ -67,11 +63,4 @@ class SyncReport(keras.callbacks.Callback):
         if hasattr(self.writer, "log_sync_report"):  # MlflowWriter: its courier process draws it
             self.writer.log_sync_report(self.history.to_dict(), ARTIFACT, fit_end=fit_end)
             return
-        try:
-            with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
-                render(self.history, Path(tmp) / ARTIFACT)
-                self.writer.log_artifact_file(Path(tmp) / ARTIFACT)
-        except Exception as exc:
-            log.warning(
-                "keras-sync: could not draw %s (%r); metrics are logged as usual.", ARTIFACT, exc
-            )
+        upload(self.history, ARTIFACT, self.writer.log_artifact_file)

@@ -29,9 +29,8 @@ class SystemMetrics(keras.callbacks.Callback):
         super().__init__()
         from mlflow.environment_variables import MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL
 
-        interval = interval_s
-        if interval is None:
-            interval = MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL.get() or 10.0
+        default = MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL.get() or 10.0
+        interval = default if interval_s is None else interval_s
         if not interval > 0:
             raise UsageError(
                 f"Invalid value for argument `interval_s`. Received: interval_s={interval_s!r}. "

@@ -49,9 +49,7 @@ class Delivery:
         header: dict[str, Any] | None = None,
         news: BinaryIO | None = None,
     ):
-        header = spool.header() or header
-        if header is None:
-            raise ValueError(f"{spool.path} has no header.json")
+        header = spool.header() or header or {}
         self.spool, self._news = spool, news
         self.pos: Position = spool.delivered()  # kept here: a full disk may refuse the file
         self.known_run = spool.run()

@@ -364,7 +364,11 @@ class RunSender:
                 end = self.client().set_terminated
                 self._call(end, self.run_id, status=rec["status"], end_time=rec.get("ts"))
             elif k == r.REPORT:
-                self._draw_report(rec)
+                from keras_sync.tracking.report_plot import SyncHistory, upload
+
+                log = self.client().log_artifact
+                history = SyncHistory.from_dict(rec["h"])
+                upload(history, rec["f"], lambda p: self._call(log, self.run_id, p, rec.get("dir")))
             elif k == r.BEGIN:
                 self._checked = False  # a writer (re)started: check the run again
                 self.start_time_ms = self.start_time_ms or rec.get("ts")
@@ -376,21 +380,6 @@ class RunSender:
             done(i)
         flush(len(records) - 1)
         return self.points_sent - sent
-
-    def _draw_report(self, rec: dict[str, Any]) -> None:
-        """Draw a sync report picture and upload it; one that cannot be drawn is skipped, warned."""
-        import tempfile
-
-        from keras_sync.tracking.report_plot import SyncHistory, render
-
-        with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
-            path = os.path.join(tmp, rec["f"])
-            try:
-                render(SyncHistory.from_dict(rec["h"]), path)
-            except Exception as e:
-                _log.warning(f"keras-sync could not draw {rec['f']} ({type(e).__name__}: {e}).")
-                return
-            self._call(self.client().log_artifact, self.run_id, path, rec.get("dir"))
 
     def _send_batch(self, metrics: list[Any], params: list[Any], tags: list[Any]) -> None:
         log_batch = self.client().log_batch

@@ -6,11 +6,13 @@ Pure Python plus matplotlib's object API (the user's pyplot backend is left alon
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import re
 import statistics
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Callable, Mapping
 from typing import Any
 
 _PER_INDEX = re.compile(
@@ -149,6 +151,20 @@ def render(
 ) -> None:
     """Draw ``history`` into the PNG file ``path``."""
     draw(history, title=title).savefig(path, format="png")
+
+
+def upload(history: SyncHistory, artifact_file: str, log_file: Callable[[str], Any]) -> None:
+    """Draw ``history`` as a temporary ``artifact_file`` and hand its path to ``log_file``; one that
+    cannot be drawn is skipped with a warning (the metrics are logged as usual)."""
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
+        path = os.path.join(tmp, artifact_file)
+        try:
+            render(history, path)
+        except Exception as e:
+            message = f"keras-sync could not draw {artifact_file} ({type(e).__name__}: {e})."
+            logging.getLogger("keras_sync").warning(message)
+            return
+        log_file(path)
 
 
 def draw(history: SyncHistory, *, title: str = "keras-sync: sync health") -> Any:

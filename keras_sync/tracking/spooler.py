@@ -184,24 +184,20 @@ class Spooler:
 
     def exit_line(self) -> Callable[[], None]:
         """Say what the exit waits for (at once if metric points are left); call it while waiting."""
-        start, shown = time.monotonic(), [False]
-
-        def show(left: int) -> None:
-            shown[0] = True
-            what = f"{left} metric point(s)" if left else "the run's last records"
-            print(
-                f"keras-sync: waiting for MLflow ({self.shown_uri}) to receive {what} before "
-                f"exit. Ctrl-C leaves them in {self.spool.path} for `{self._hint()}`",
-                file=sys.stderr,
-                flush=True,
-            )
+        start, left, shown = time.monotonic(), self.points_left(), [False]
+        what = f"{left} metric point(s)" if left else "the run's last records"
 
         def update() -> None:
-            if not shown[0] and time.monotonic() - start >= EXIT_QUIET_S:
-                show(self.points_left())
+            if not shown[0] and (left or time.monotonic() - start >= EXIT_QUIET_S):
+                shown[0] = True
+                print(
+                    f"keras-sync: waiting for MLflow ({self.shown_uri}) to receive {what} before "
+                    f"exit. Ctrl-C leaves them in {self.spool.path} for `{self._hint()}`",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
-        if left := self.points_left():
-            show(left)
+        update()
         return update
 
     def _hint(self) -> str:
