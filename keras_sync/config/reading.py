@@ -95,13 +95,11 @@ def parse_yaml(text: str, file: str) -> tuple[dict[str, Any], dict[str, int]]:
                 msg = f"YAML alias *{a} not allowed; keras-sync reads plain YAML only: write the value out instead of *{a} (and drop the anchor &{a})"
                 raise error(file, line, msg)
             path = paths[-1] if paths else ""
-            if isinstance(parent, yaml.MappingNode):
-                name = index.value if isinstance(index, yaml.ScalarNode) else "?"
-                if index is None:  # this node is a key
-                    name = event.value if isinstance(event, yaml.ScalarEvent) else "?"
-                path = f"{path}.{name}" if path else name
-            elif isinstance(parent, yaml.SequenceNode):
+            if isinstance(parent, yaml.SequenceNode):
                 path = f"{path}[{index}]"
+            elif parent is not None:  # a value (a key nests only when complex: "?")
+                name = index.value if isinstance(index, yaml.ScalarNode) else "?"
+                path = f"{path}.{name}" if path else name
             if not isinstance(event, yaml.ScalarEvent) and len(paths) >= MAX_DEPTH:
                 raise error(file, line, _DEPTH_PROBLEM, path)
             paths.append(path)

@@ -47,9 +47,8 @@ class SaveSchedule:
     """
 
     def __init__(self, save_freq: str | int):
-        if save_freq != "epoch" and (
-            isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1
-        ):
+        batches = isinstance(save_freq, int) and not isinstance(save_freq, bool) and save_freq > 0
+        if save_freq != "epoch" and not batches:
             msg = f"Invalid value for argument `save_freq`. Received: save_freq={save_freq!r}. Expected 'epoch' or an integer number of batches >= 1."
             raise UsageError(msg)
         self.save_freq = save_freq

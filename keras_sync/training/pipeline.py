@@ -162,8 +162,7 @@ class InputPipeline:
         own_part = self.num_workers > 1 and (policy == "off" or graph.has_shard_op(ds))
         policy = "off" if own_part else policy
         size, how = graph.batch_size_of(ds) if size is None else (size, "given")
-        if examples is None:
-            examples = graph.example_count(ds, size)
+        examples = graph.example_count(ds, size) if examples is None else examples
         gb, workers = self.global_batch, self.num_workers
         # An own part is read per replica: each worker trains global/workers of it per step.
         target = gb // self.num_replicas if own_part else gb
@@ -222,13 +221,14 @@ class InputPipeline:
         import tensorflow as tf
 
         parts = tuple(p for p in (x, y, kwargs.pop("sample_weight", None)) if p is not None)
+        n = len(tf.nest.flatten(parts)[0])
         shuffle = kwargs.pop("shuffle", True) if fit else False
         split = kwargs.pop("validation_split", 0.0) if fit else 0.0
         if split and kwargs.get("validation_data") is None:
             # Keras's rule: the last `split` fraction of the arrays, before shuffling.
-            cut = int(len(tf.nest.flatten(parts)[0]) * (1.0 - split))
-            kwargs["validation_data"] = tf.nest.map_structure(lambda t: t[cut:], parts)
-            parts = tf.nest.map_structure(lambda t: t[:cut], parts)
+            n = int(n * (1.0 - split))
+            kwargs["validation_data"] = tf.nest.map_structure(lambda t: t[n:], parts)
+            parts = tf.nest.map_structure(lambda t: t[:n], parts)
         vd = kwargs.get("validation_data")
         if isinstance(vd, tuple) and not is_dataset(vd[0]):
             kwargs["validation_data"] = self._batched(
@@ -239,7 +239,6 @@ class InputPipeline:
             return ds, None, kwargs
         kwargs["shuffle"] = False  # shuffled here, with one seed for all workers
         policy = self._policy(None)
-        n = len(tf.nest.flatten(parts)[0])
         if policy == "off" and self.num_workers > 1 and global_batch == self.global_batch:
             # Each worker's arrays are its own part: read per replica, not sharded, steps from its own length.
             ds = self.training_dataset(
