@@ -107,39 +107,6 @@ _EXAMPLE = 'Expected e.g. {"cluster": {"worker": ["h0:2222", "h1:2222"]}, "task"
 _MWMS = "not supported by MultiWorkerMirroredStrategy"
 
 
-def _tf_config_cluster(data: Any, raw: str) -> dict[str, list[str]]:
-    """The `cluster` of a parsed TF_CONFIG, checked for what MultiWorkerMirroredStrategy can run."""
-    if not isinstance(data, dict):
-        raise _error("TF_CONFIG must be a JSON object", f"TF_CONFIG={raw!r}", _EXAMPLE)
-    if "sparseCluster" in data:
-        what, fix = (
-            f"TF_CONFIG has `sparseCluster`, {_MWMS}",
-            "Fix: set `enableDynamicWorker: false`",
-        )
-        raise _error(what, f"sparseCluster={data['sparseCluster']!r}", fix + ".")
-    cluster = data.get("cluster")
-    if not isinstance(cluster, dict) or not cluster:
-        raise _error("TF_CONFIG has no `cluster`", f"cluster={cluster!r}", _EXAMPLE)
-    for job, addresses in cluster.items():
-        if job not in (*TRAINING_JOBS, "evaluator", "ps"):
-            fix = "Expected chief, worker or evaluator; rename the job."
-            raise _error(f"TF_CONFIG cluster has an unknown job `{job}`", f"cluster={cluster}", fix)
-        if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
-            what, fix = f"TF_CONFIG cluster.{job} must be a list", f'Expected "{job}": ["h:2222"].'
-            raise _error(what, f"cluster.{job}={addresses!r}", fix)
-    if cluster.get("ps"):
-        what = f"TF_CONFIG cluster has `ps` tasks, which are {_MWMS}"
-        raise _error(what, f"cluster.ps={cluster['ps']!r}", "Fix: remove the PS replicas.")
-    for job in ("chief", "evaluator"):
-        if len(cluster.get(job, [])) > 1:
-            what = f"TF_CONFIG cluster.{job} must have at most one task"
-            raise _error(what, f"cluster.{job}={cluster[job]!r}", "Fix: set `replicas: 1`.")
-    if not training_tasks(cluster):
-        what = "TF_CONFIG cluster has no `chief` or `worker` tasks"
-        raise _error(what, f"cluster={cluster!r}", "Add a worker list.")
-    return cluster
-
-
 def parse_tf_config(raw: str | None, *, env: Mapping[str, str] | None = None) -> ClusterInfo:
     """Reads a TF_CONFIG value (None, "" or "{}": one process); ``env`` tells a Ray worker."""
     if raw is None or not raw.strip():
@@ -151,15 +118,45 @@ def parse_tf_config(raw: str | None, *, env: Mapping[str, str] | None = None) ->
         raise _error(what, f"TF_CONFIG={raw!r}", _EXAMPLE + "; fix the quoting.") from None
     if not data:
         return SINGLE_PROCESS
-    cluster = _tf_config_cluster(data, raw)
+    if not isinstance(data, dict):
+        raise _error("TF_CONFIG must be a JSON object", f"TF_CONFIG={raw!r}", _EXAMPLE)
+    if "sparseCluster" in data:
+        fix = "Fix: set `enableDynamicWorker: false`."
+        received = f"sparseCluster={data['sparseCluster']!r}"
+        raise _error(f"TF_CONFIG has `sparseCluster`, {_MWMS}", received, fix)
+    cluster = data.get("cluster")
+    if not isinstance(cluster, dict) or not cluster:
+        raise _error("TF_CONFIG has no `cluster`", f"cluster={cluster!r}", _EXAMPLE)
+    for job, addresses in cluster.items():
+        if job not in (*TRAINING_JOBS, "evaluator", "ps"):
+            fix = "Expected chief, worker or evaluator; rename the job."
+            raise _error(f"TF_CONFIG cluster has an unknown job `{job}`", f"cluster={cluster}", fix)
+        if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
+            fix = f'Expected "{job}": ["h:2222"].'
+            raise _error(
+                f"TF_CONFIG cluster.{job} must be a list", f"cluster.{job}={addresses!r}", fix
+            )
+    if cluster.get("ps"):
+        what = f"TF_CONFIG cluster has `ps` tasks, which are {_MWMS}"
+        raise _error(what, f"cluster.ps={cluster['ps']!r}", "Fix: remove the PS replicas.")
+    for job in ("chief", "evaluator"):
+        if len(cluster.get(job, [])) > 1:
+            what = f"TF_CONFIG cluster.{job} must have at most one task"
+            raise _error(what, f"cluster.{job}={cluster[job]!r}", "Fix: set `replicas: 1`.")
+    if not training_tasks(cluster):
+        what = "TF_CONFIG cluster has no `chief` or `worker` tasks"
+        raise _error(what, f"cluster={cluster!r}", "Add a worker list.")
     task = data.get("task")
     if not isinstance(task, dict) or "type" not in task:
         fix = 'Expected e.g. "task": {"type": "worker", "index": 0}, its own on each process.'
         raise _error("TF_CONFIG has no `task`", f"task={task!r}", fix)
     task_type, task_id = task.get("type"), task.get("index")
     if task_type not in (*TRAINING_JOBS, "evaluator"):
-        what = "TF_CONFIG task.type is not a training role"
-        raise _error(what, f"task.type={task_type!r}", "Expected one of chief, worker, evaluator.")
+        what, fix = (
+            "TF_CONFIG task.type is not a training role",
+            "Expected one of chief, worker, evaluator.",
+        )
+        raise _error(what, f"task.type={task_type!r}", fix)
     if isinstance(task_id, str) and task_id.isdigit():
         task_id = int(task_id)  # TFConfigClusterResolver does int(index) too
     if type(task_id) is not int or task_id < 0:
@@ -236,17 +233,19 @@ def parse_slurm_env(
     sorted, task i on its node at ``port_base`` + i (None: `slurm_port_base`)."""
     env = os.environ if env is None else env
     if missing := [v for v in _SLURM_VARS if v not in env]:
-        what = f"{', '.join(missing)} are not set"
-        received = f"SLURM_JOB_ID={env.get('SLURM_JOB_ID')!r}"
-        raise _error(what, received, "Fix: start it with `srun python train.py`.")
+        fix = "Fix: start it with `srun python train.py`."
+        raise _error(
+            f"{', '.join(missing)} are not set", f"SLURM_JOB_ID={env.get('SLURM_JOB_ID')!r}", fix
+        )
     values = {v: env[v] for v in _SLURM_VARS}
     try:
         rank, num_tasks = int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"])
         hosts = expand_hostlist(env["SLURM_STEP_NODELIST"])
         layout = dict(zip(hosts, expand_tasks_per_node(env["SLURM_STEP_TASKS_PER_NODE"])))
     except ValueError as e:
-        what = f"Slurm variables cannot be read ({e})"
-        raise _error(what, values, "Let srun set them.") from None
+        raise _error(
+            f"Slurm variables cannot be read ({e})", values, "Let srun set them."
+        ) from None
     base = slurm_port_base(env) if port_base is None else port_base
     addresses = [f"{h}:{base + i}" for h, n in sorted(layout.items()) for i in range(n)]
     if len(addresses) != num_tasks or not 0 <= rank < num_tasks:
@@ -279,24 +278,9 @@ def parse_indexed_job(
     return ClusterInfo("indexed_job", "worker", index, workers, index == 0, addresses)
 
 
-def _worker_list_resolver(info: ClusterInfo) -> Any:
-    """A TensorFlow resolver for the workers `info` lists, with this machine's GPUs."""
-    import tensorflow as tf
-
-    gpus = len(tf.config.list_physical_devices("GPU"))
-    return tf.distribute.cluster_resolver.SimpleClusterResolver(
-        tf.train.ClusterSpec({"worker": info.worker_addresses}),
-        task_type="worker",
-        task_id=info.task_id,
-        num_accelerators={"GPU": gpus} if gpus else {},
-        rpc_layer="grpc",
-    )
-
-
 class ClusterEnvironment:
-    """Where this process sits in one kind of cluster (this base: one process), from ``env`` and the
-    config's `strategy` section; ``label`` (`{flavor}`: ClusterInfo's) and ``absent`` (`detect` is
-    False) are what `keras-sync plan` shows."""
+    """Where this process sits in one kind of cluster (this base: one process); ``label`` and
+    ``absent`` (`detect` is False) are what `keras-sync plan` shows."""
 
     name, label, absent = "alone", "one process", "one process"
     variable: str | None = None  # the environment variable whose presence `detect`s this cluster
@@ -319,8 +303,20 @@ class ClusterEnvironment:
         return self.info().task_id
 
     def resolver(self) -> Any:
-        """The TensorFlow cluster resolver (None: TensorFlow reads TF_CONFIG itself)."""
-        return None
+        """The TensorFlow cluster resolver: for the workers `info` lists, with this machine's GPUs
+        (None: one process, or TensorFlow reads TF_CONFIG itself)."""
+        if self.variable is None:
+            return None
+        import tensorflow as tf
+
+        info, gpus = self.info(), len(tf.config.list_physical_devices("GPU"))
+        return tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec({"worker": info.worker_addresses}),
+            task_type="worker",
+            task_id=info.task_id,
+            num_accelerators={"GPU": gpus} if gpus else {},
+            rpc_layer="grpc",
+        )
 
 
 class TFConfigEnvironment(ClusterEnvironment):
@@ -342,7 +338,6 @@ class SlurmEnvironment(ClusterEnvironment):
     variable = "SLURM_PROCID"
 
     def port_base(self) -> int:
-        """`strategy.slurm.port_base`, or `slurm_port_base` when it is auto."""
         base = self.config.slurm.port_base
         return base if isinstance(base, int) else slurm_port_base(self.env)
 
@@ -350,13 +345,13 @@ class SlurmEnvironment(ClusterEnvironment):
         return parse_slurm_env(self.env, port_base=self.port_base())
 
     def resolver(self) -> Any:
-        info = self.info()  # its errors say what to fix; TensorFlow's do not
+        self.info()  # its errors say what to fix; TensorFlow's do not
         import tensorflow as tf
 
         # Without GPUs, TensorFlow's resolver would give each task a GPU that does not exist;
         # with them, it sets CUDA_VISIBLE_DEVICES per task.
         if not tf.config.list_physical_devices("GPU"):
-            return _worker_list_resolver(info)
+            return super().resolver()
         return tf.distribute.cluster_resolver.SlurmClusterResolver(port_base=self.port_base())
 
 
@@ -369,9 +364,6 @@ class IndexedJobEnvironment(ClusterEnvironment):
     def info(self) -> ClusterInfo:
         job = self.config.indexed_job
         return parse_indexed_job(job.hosts, job.port, job.workers, self.env)
-
-    def resolver(self) -> Any:
-        return _worker_list_resolver(self.info())
 
 
 #: The allowed values of `strategy.cluster` (`keras_sync.config` reads the names from here).
@@ -405,7 +397,7 @@ def record_strategy_tf_config(raw: str | None) -> None:
     _recorded[:] = [raw]
 
 
-def _cluster_key(cluster: Any, task_type: Any, task_id: Any) -> str | None:
+def _cluster_key(cluster: Any, task_type: Any = None, task_id: Any = None) -> str | None:
     spec = {k: list(v) for k, v in (cluster or {}).items() if v}
     return json.dumps([spec, task_type, task_id], sort_keys=True) if cluster else None
 

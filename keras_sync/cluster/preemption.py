@@ -39,8 +39,7 @@ def _say(message: str) -> None:
 
 
 def exit_now(code: int, message: str | None = None) -> None:
-    """Say ``message``, run the atexit hooks (the run's delivery), then `os._exit`: a normal
-    shutdown under a multi-worker strategy can wait on peers that are exiting too."""
+    """Say ``message``, run the atexit hooks (the run's delivery), then `os._exit` (peers may be gone)."""
     if message:
         _say(message)
     tracking = sys.modules.get("keras_sync.tracking")
@@ -63,13 +62,9 @@ def exit_at_once(*_: Any) -> None:
 class PreemptionSaver:
     """A SIGTERM or Ctrl-C during one `fit`: when to save the backup, and the exit if it never comes.
 
-    Between `install` and `uninstall` the first stop signal is recorded instead of ending the
-    process; a watchdog thread woken by `signal.set_wakeup_fd` (the main thread may be inside
-    TensorFlow) exits if `done` is not called within ``grace_period_s``, and at once on a second
-    Ctrl-C. Under several workers, the worker that got the signal posts "save after step N+1" in the
-    coordination service's key-value store and waits for every worker's ack; each worker learns it
-    from a thread blocked on that key, so a normal step pays nothing (TensorFlow's
-    `PreemptionCheckpointHandler` protocol). Workers differ by at most one step, so none is past N+1.
+    A watchdog woken by `signal.set_wakeup_fd` exits if `done` is not called within
+    ``grace_period_s``. Under several workers the one signalled posts "save after step N+1" in the
+    coordination service and waits for every ack (TensorFlow's `PreemptionCheckpointHandler` protocol).
     """
 
     def __init__(self, grace_period_s: float):
@@ -181,8 +176,7 @@ class PreemptionSaver:
 
     def _take(self, value: str) -> None:
         step, _, signum = value.partition(":")  # "<step>:<signal number>"
-        self._peer_signum = int(signum) if signum else None
-        self.target = int(step)
+        self._peer_signum, self.target = int(signum) if signum else None, int(step)
 
     def save_due(self, step: Callable[[], int]) -> bool:
         """At a batch end: True when every worker saves now. ``step()`` reads the optimizer step."""
@@ -230,8 +224,7 @@ class PreemptionSaver:
             )
 
     def end(self, *, clean: bool = True) -> bool:
-        """Stand down at train end (idempotent). True when a stop signal came but training finished
-        before a save. ``clean=False`` after `fit` raised: the peers may be gone, so no network call."""
+        """Stand down at train end; True when a signal came but no save. ``clean=False``: no network."""
         pending = self.pending
         self.done()
         self.uninstall()
@@ -246,8 +239,7 @@ class PreemptionSaver:
 
 @contextlib.contextmanager
 def ctrl_c_ends_fit(model: Any, *, is_chief: bool, backup_dir: str | None) -> Iterator[None]:
-    """Around `model.fit`: a `KeyboardInterrupt` (no backup caught the Ctrl-C) ends the process with
-    one line (chief only) and code 130; a second Ctrl-C then skips the wait for MLflow delivery."""
+    """Around `model.fit`: a `KeyboardInterrupt` ends the process with one line (chief) and code 130."""
     try:
         yield
     except KeyboardInterrupt:
