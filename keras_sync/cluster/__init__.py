@@ -20,11 +20,9 @@ from keras_sync.errors import ClusterError
 TRAINING_JOBS = ("chief", "worker")  # one all-reduce; `evaluator` and `ps` never join it
 INDEX_VAR = "JOB_COMPLETION_INDEX"  # set by Kubernetes in every pod of an Indexed Job (JobSet too)
 _SLURM_VARS = (
-    "SLURM_PROCID",
-    "SLURM_STEP_NUM_TASKS",
-    "SLURM_STEP_NODELIST",
-    "SLURM_STEP_TASKS_PER_NODE",
+    "SLURM_PROCID SLURM_STEP_NUM_TASKS SLURM_STEP_NODELIST SLURM_STEP_TASKS_PER_NODE".split()
 )
+Env = Mapping[str, str] | None  # the environment variables to read (None: os.environ)
 
 
 @dataclass(frozen=True)
@@ -93,7 +91,7 @@ def training_tasks(cluster: Mapping[str, Any]) -> dict[tuple[str, int], str]:
     return out
 
 
-def killed_when_training_returns(env: Mapping[str, str] | None = None) -> bool:
+def killed_when_training_returns(env: Env = None) -> bool:
     """True in a Ray worker: Ray Train kills it once the train function returns, atexit unrun."""
     return "RAY_RAYLET_PID" in (os.environ if env is None else env)
 
@@ -107,73 +105,68 @@ _EXAMPLE = 'Expected e.g. {"cluster": {"worker": ["h0:2222", "h1:2222"]}, "task"
 _MWMS = "not supported by MultiWorkerMirroredStrategy"
 
 
-def parse_tf_config(raw: str | None, *, env: Mapping[str, str] | None = None) -> ClusterInfo:
+def parse_tf_config(raw: str | None, *, env: Env = None) -> ClusterInfo:
     """Reads a TF_CONFIG value (None, "" or "{}": one process); ``env`` tells a Ray worker."""
+
+    def bad(what: str, key: str, value: Any, fix: str) -> ClusterError:
+        return _error(f"TF_CONFIG {what}", f"{key}={value!r}", fix)
+
     if raw is None or not raw.strip():
         return SINGLE_PROCESS
     try:
         data = json.loads(raw)
     except json.JSONDecodeError as e:
-        what = f"TF_CONFIG is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}, char {e.pos})"
-        raise _error(what, f"TF_CONFIG={raw!r}", _EXAMPLE + "; fix the quoting.") from None
+        what = f"is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}, char {e.pos})"
+        raise bad(what, "TF_CONFIG", raw, _EXAMPLE + "; fix the quoting.") from None
     if not data:
         return SINGLE_PROCESS
     if not isinstance(data, dict):
-        raise _error("TF_CONFIG must be a JSON object", f"TF_CONFIG={raw!r}", _EXAMPLE)
+        raise bad("must be a JSON object", "TF_CONFIG", raw, _EXAMPLE)
     if "sparseCluster" in data:
         fix = "Fix: set `enableDynamicWorker: false`."
-        received = f"sparseCluster={data['sparseCluster']!r}"
-        raise _error(f"TF_CONFIG has `sparseCluster`, {_MWMS}", received, fix)
-    cluster = data.get("cluster")
-    if not isinstance(cluster, dict) or not cluster:
-        raise _error("TF_CONFIG has no `cluster`", f"cluster={cluster!r}", _EXAMPLE)
+        raise bad(f"has `sparseCluster`, {_MWMS}", "sparseCluster", data["sparseCluster"], fix)
+    if not isinstance(cluster := data.get("cluster"), dict) or not cluster:
+        raise bad("has no `cluster`", "cluster", cluster, _EXAMPLE)
     for job, addresses in cluster.items():
         if job not in (*TRAINING_JOBS, "evaluator", "ps"):
             fix = "Expected chief, worker or evaluator; rename the job."
-            raise _error(f"TF_CONFIG cluster has an unknown job `{job}`", f"cluster={cluster}", fix)
+            raise bad(f"cluster has an unknown job `{job}`", "cluster", cluster, fix)
         if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
             fix = f'Expected "{job}": ["h:2222"].'
-            raise _error(
-                f"TF_CONFIG cluster.{job} must be a list", f"cluster.{job}={addresses!r}", fix
-            )
+            raise bad(f"cluster.{job} must be a list", f"cluster.{job}", addresses, fix)
     if cluster.get("ps"):
-        what = f"TF_CONFIG cluster has `ps` tasks, which are {_MWMS}"
-        raise _error(what, f"cluster.ps={cluster['ps']!r}", "Fix: remove the PS replicas.")
+        fix = "Fix: remove the PS replicas."
+        raise bad(f"cluster has `ps` tasks, which are {_MWMS}", "cluster.ps", cluster["ps"], fix)
     for job in ("chief", "evaluator"):
         if len(cluster.get(job, [])) > 1:
-            what = f"TF_CONFIG cluster.{job} must have at most one task"
-            raise _error(what, f"cluster.{job}={cluster[job]!r}", "Fix: set `replicas: 1`.")
-    if not training_tasks(cluster):
-        what = "TF_CONFIG cluster has no `chief` or `worker` tasks"
-        raise _error(what, f"cluster={cluster!r}", "Add a worker list.")
-    task = data.get("task")
-    if not isinstance(task, dict) or "type" not in task:
+            what = f"cluster.{job} must have at most one task"
+            raise bad(what, f"cluster.{job}", cluster[job], "Fix: set `replicas: 1`.")
+    if not (tasks := training_tasks(cluster)):
+        what = "cluster has no `chief` or `worker` tasks"
+        raise bad(what, "cluster", cluster, "Add a worker list.")
+    if not isinstance(task := data.get("task"), dict) or "type" not in task:
         fix = 'Expected e.g. "task": {"type": "worker", "index": 0}, its own on each process.'
-        raise _error("TF_CONFIG has no `task`", f"task={task!r}", fix)
-    task_type, task_id = task.get("type"), task.get("index")
+        raise bad("has no `task`", "task", task, fix)
+    task_type, task_id = task["type"], task.get("index")
     if task_type not in (*TRAINING_JOBS, "evaluator"):
-        what, fix = (
-            "TF_CONFIG task.type is not a training role",
-            "Expected one of chief, worker, evaluator.",
-        )
-        raise _error(what, f"task.type={task_type!r}", fix)
+        fix = "Expected one of chief, worker, evaluator."
+        raise bad("task.type is not a training role", "task.type", task_type, fix)
     if isinstance(task_id, str) and task_id.isdigit():
         task_id = int(task_id)  # TFConfigClusterResolver does int(index) too
     if type(task_id) is not int or task_id < 0:
-        what = "TF_CONFIG task.index must be an integer >= 0"
-        raise _error(what, f"task.index={task_id!r}", "Fix the task index.")
+        what = "task.index must be an integer >= 0"
+        raise bad(what, "task.index", task_id, "Fix the task index.")
     count = len(cluster.get(task_type, []))
     if task_id >= count and (task_type != "evaluator" or task_type in cluster):
-        what = f"TF_CONFIG task.index is out of range for `{task_type}` ({count} task(s))"
-        raise _error(what, f"task={task!r}", f"Expected an index from 0 to {count - 1}.")
-    flavor: Literal["kubeflow", "ray", "plain"] = "plain"
-    if str(data.get("environment", "")).lower() == "cloud":
-        flavor = "kubeflow"
-    elif set(cluster) == {"worker"} and killed_when_training_returns(env):
+        what = f"task.index is out of range for `{task_type}` ({count} task(s))"
+        raise bad(what, "task", task, f"Expected an index from 0 to {count - 1}.")
+    cloud = str(data.get("environment", "")).lower() == "cloud"
+    flavor: Literal["kubeflow", "ray", "plain"] = "kubeflow" if cloud else "plain"
+    if not cloud and set(cluster) == {"worker"} and killed_when_training_returns(env):
         flavor = "ray"  # Ray Train's TensorflowConfig writes only a worker list
-    here, addresses = role(cluster, task_type, task_id), list(training_tasks(cluster).values())
+    chief = is_chief(cluster, task_type, task_id)
     return ClusterInfo(
-        "tf_config", task_type, task_id, here.num_workers, here.is_chief, addresses, flavor
+        "tf_config", task_type, task_id, len(tasks), chief, [*tasks.values()], flavor
     )
 
 
@@ -214,7 +207,7 @@ def expand_tasks_per_node(spec: str) -> list[int]:
     return out
 
 
-def slurm_port_base(env: Mapping[str, str] | None = None) -> int:
+def slurm_port_base(env: Env = None) -> int:
     """The first worker port of a Slurm job step when `strategy.slurm.port_base` is auto (8888
     without a job id): a slot of 16 ports per (job, step) in 10000-31775, below the ephemeral range;
     1361 slots, a prime, so neighbouring jobs and steps never share one."""
@@ -226,17 +219,16 @@ def slurm_port_base(env: Mapping[str, str] | None = None) -> int:
     return 10000 + (key % 1361) * 16
 
 
-def parse_slurm_env(
-    env: Mapping[str, str] | None = None, *, port_base: int | None = None
-) -> ClusterInfo:
+def parse_slurm_env(env: Env = None, *, port_base: int | None = None) -> ClusterInfo:
     """Reads a Slurm job step (`srun`) as `SlurmClusterResolver` does: every task a `worker`, nodes
     sorted, task i on its node at ``port_base`` + i (None: `slurm_port_base`)."""
     env = os.environ if env is None else env
     if missing := [v for v in _SLURM_VARS if v not in env]:
-        fix = "Fix: start it with `srun python train.py`."
-        raise _error(
-            f"{', '.join(missing)} are not set", f"SLURM_JOB_ID={env.get('SLURM_JOB_ID')!r}", fix
+        what, received = (
+            f"{', '.join(missing)} are not set",
+            f"SLURM_JOB_ID={env.get('SLURM_JOB_ID')!r}",
         )
+        raise _error(what, received, "Fix: start it with `srun python train.py`.")
     values = {v: env[v] for v in _SLURM_VARS}
     try:
         rank, num_tasks = int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"])
@@ -260,9 +252,7 @@ def indexed_job_addresses(hosts: str, port: int, workers: int) -> list[str]:
     return [h if re.search(r":\d+$", h) else f"{h}:{port}" for h in out]
 
 
-def parse_indexed_job(
-    hosts: str, port: int, workers: int, env: Mapping[str, str] | None = None
-) -> ClusterInfo:
+def parse_indexed_job(hosts: str, port: int, workers: int, env: Env = None) -> ClusterInfo:
     """This pod's place in a Kubernetes Indexed Job (or JobSet): worker ``$JOB_COMPLETION_INDEX``
     of ``workers``, worker 0 the chief (`strategy.indexed_job`)."""
     raw = (os.environ if env is None else env).get(INDEX_VAR)
@@ -285,7 +275,7 @@ class ClusterEnvironment:
     name, label, absent = "alone", "one process", "one process"
     variable: str | None = None  # the environment variable whose presence `detect`s this cluster
 
-    def __init__(self, strategy_config: Any = None, env: Mapping[str, str] | None = None):
+    def __init__(self, strategy_config: Any = None, env: Env = None):
         self.config = strategy_config
         self.env = os.environ if env is None else env
 
@@ -372,9 +362,7 @@ CLUSTER_SOURCES: dict[str, type[ClusterEnvironment]] = {
 }
 
 
-def read_cluster(
-    strategy_config: Any, env: Mapping[str, str] | None = None
-) -> tuple[ClusterInfo, str]:
+def read_cluster(strategy_config: Any, env: Env = None) -> tuple[ClusterInfo, str]:
     """This process's place in the cluster `strategy.cluster` names, and where that came from."""
     source = CLUSTER_SOURCES[strategy_config.cluster](strategy_config, env)
     if not source.detect():
@@ -413,7 +401,7 @@ def _tf_config_key(raw: str | None) -> str | None:
     return _cluster_key(data.get("cluster"), task.get("type"), task.get("index"))
 
 
-def check_tf_config_order(raw: str | None = None, *, env: Mapping[str, str] | None = None) -> None:
+def check_tf_config_order(raw: str | None = None, *, env: Env = None) -> None:
     """Raises if TF_CONFIG differs from the cluster this process already built a strategy for:
     TensorFlow would ignore it silently (tensorflow#60706)."""
     if raw is None:

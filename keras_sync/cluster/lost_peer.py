@@ -17,7 +17,7 @@ from keras_sync.cluster import training_tasks
 from keras_sync.errors import PeerLostError
 
 # FailedPreconditionError: a peer's answer once a foreign client has reset its device incarnations.
-_ERROR_CLASSES = re.compile(
+_ERRORS = re.compile(
     "(Unavailable|DeadlineExceeded|Aborted|Cancelled|Internal|FailedPrecondition)Error"
 )
 _SIGNS = re.compile(
@@ -38,16 +38,13 @@ _REASONS = [
 
 def is_lost_peer_error(exc: BaseException) -> bool:
     """True for TensorFlow errors that say a peer or the coordination service is unreachable."""
-    return (
-        _ERROR_CLASSES.fullmatch(type(exc).__name__) is not None
-        and _SIGNS.search(str(exc)) is not None
-    )
+    return bool(_ERRORS.fullmatch(type(exc).__name__) and _SIGNS.search(str(exc)))
 
 
 def lost_peers(
     text: str, cluster: Mapping[str, Sequence[str]], me: tuple[str, int]
 ) -> list[tuple[str, int]]:
-    """The tasks this worker lost, from an error's text.
+    """The tasks this worker lost, from an error's text (none named: the service's host, else all).
 
     >>> c = {"worker": ["10.0.0.1:1", "10.0.0.2:2", "10.0.0.3:3"]}
     >>> lost_peers("tasks are unhealthy (stopped sending heartbeats):\\n/job:worker/replica:0/task:2", c, ("worker", 0))
@@ -97,10 +94,8 @@ def raised_as_peer_lost(strategy: Any, backup_dir: str | None) -> Iterator[None]
     try:
         yield
     except Exception as e:
-        if isinstance(e, PeerLostError) or not is_lost_peer_error(e):
-            raise
-        where = _cluster_and_task(strategy)
-        if where is None or len(training_tasks(where[0])) < 2:
+        where = None if isinstance(e, PeerLostError) else _cluster_and_task(strategy)
+        if where is None or len(training_tasks(where[0])) < 2 or not is_lost_peer_error(e):
             raise
         known = getattr(strategy, "cluster_resolver", None) is not None  # else backup_dir unknown
         message = lost_peer_message(str(e), *where, backup_dir=backup_dir, backup_known=known)

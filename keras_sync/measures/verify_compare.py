@@ -12,6 +12,8 @@ from typing import Any
 EPS = {"float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}
 #: The quantities compared at every step, in the order a cause is looked for.
 QUANTITIES = ("examples", "lr", "loss", "update")
+Steps = Sequence[Mapping[str, float]]  # a recording's per-step values
+Facts = Mapping[str, Any]  # what the recording knows of the model and the run
 
 
 def tolerance(steps: int, precision: str = "float32") -> float:
@@ -74,13 +76,10 @@ class Verdict:
 
 
 def likely_cause(
-    first: Sequence[Parting],
-    subject: Sequence[Mapping[str, float]],
-    reference: Sequence[Mapping[str, float]],
-    facts: Mapping[str, Any],
-    replicas: int,
+    first: Sequence[Parting], subject: Steps, reference: Steps, facts: Facts, n: int
 ) -> str:
-    """The likely cause of a difference, from the first quantities that differ and the model's ``facts``."""
+    """The likely cause of a difference, from the first quantities that differ, the model's ``facts``
+    and the replica count ``n``."""
     first_of = {p.quantity: p for p in reversed(first)}
     if p := first_of.get("examples"):
         why = "data sharded twice, a dataset's own batch, or an uneven last batch"
@@ -96,23 +95,20 @@ def likely_cause(
         rule = facts.get("train_step_gradients", "sum")
         why = f"the custom train_step's loss is not divided by the replica count and runtime.train_step_gradients is {rule}, so the replicas' gradients are summed"
     ratio = s / r if s > 0 and r > 0 else 0.0
-    for size, factor in (("large", 1 / replicas), ("small", replicas)):
-        if replicas > 1 and abs(ratio * factor - 1) < 0.05:
-            causes.append(f"the gradient is {replicas} times too {size} ({why})")
+    for size, factor in (("large", 1 / n), ("small", n)):
+        if n > 1 and abs(ratio * factor - 1) < 0.05:
+            causes.append(f"the gradient is {n} times too {size} ({why})")
     if facts.get("batch_norm") and not facts.get("sync_batch_norm"):
-        n = facts["batch_norm"]
         causes.append(
-            f"BatchNorm batch statistics: {n} BatchNormalization layer(s) normalise each replica's share of the batch, not the global batch (set runtime.sync_batch_norm: true)"
+            f"BatchNorm batch statistics: {facts['batch_norm']} BatchNormalization layer(s) normalise each replica's share of the batch, not the global batch (set runtime.sync_batch_norm: true)"
         )
     if facts.get("random_layers"):
-        layers = ", ".join(facts["random_layers"])
         causes.append(
-            f"random ops draw different numbers on each replica ({layers}: Dropout, random augmentation), so the runs are equal in distribution, not in value"
+            f"random ops draw different numbers on each replica ({', '.join(facts['random_layers'])}: Dropout, random augmentation), so the runs are equal in distribution, not in value"
         )
     if facts.get("add_loss"):
-        n = facts["add_loss"]
         causes.append(
-            f"an add_loss term that sums over the batch ({n} term(s)): each replica's share is divided by the replica count again, so it counts 1/N of one device's"
+            f"an add_loss term that sums over the batch ({facts['add_loss']} term(s)): each replica's share is divided by the replica count again, so it counts 1/N of one device's"
         )
     if facts.get("precision", "float32") != "float32":
         causes.append(f"mixed-precision ops ({facts['precision']}) beyond their tolerance")
@@ -127,13 +123,13 @@ def likely_cause(
 
 
 def verdict(
-    subject: Sequence[Mapping[str, float]],
-    reference: Sequence[Mapping[str, float]],
+    subject: Steps,
+    reference: Steps,
     layers: Mapping[str, tuple[float, float]],
-    facts: Mapping[str, Any],
-    replicas: int,
+    facts: Facts,
+    n: int,
 ) -> Verdict:
-    """Compare two recordings. ``layers``: layer -> (largest |weight difference|, largest |weight|)."""
+    """Compare two recordings of ``n`` replicas; ``layers``: layer -> (largest |weight diff|, |weight|)."""
     steps = min(len(subject), len(reference))
     tol = tolerance(steps, facts.get("precision", "float32"))
     parts = [
@@ -147,5 +143,5 @@ def verdict(
     ranked = sorted(((name, d) for name, (d, _) in layers.items()), key=lambda item: -item[1])
     same = not parts and all(d <= tol * max(1.0, w) for d, w in layers.values())
     first = [p for p in parts if p.step == parts[0].step] if parts else []
-    cause = None if same else likely_cause(first, subject, reference, facts, replicas)
+    cause = None if same else likely_cause(first, subject, reference, facts, n)
     return Verdict(same, cause, parts, ranked, tol, steps)
