@@ -20,7 +20,10 @@ from keras_sync.errors import ClusterError
 TRAINING_JOBS = ("chief", "worker")  # one all-reduce; `evaluator` and `ps` never join it
 INDEX_VAR = "JOB_COMPLETION_INDEX"  # set by Kubernetes in every pod of an Indexed Job (JobSet too)
 _SLURM_VARS = (
-    "SLURM_PROCID SLURM_STEP_NUM_TASKS SLURM_STEP_NODELIST SLURM_STEP_TASKS_PER_NODE".split()
+    "SLURM_PROCID",
+    "SLURM_STEP_NUM_TASKS",
+    "SLURM_STEP_NODELIST",
+    "SLURM_STEP_TASKS_PER_NODE",
 )
 Env = Mapping[str, str] | None  # the environment variables to read (None: os.environ)
 
