@@ -167,10 +167,8 @@ def parse_tf_config(raw: str | None, *, env: Env = None) -> ClusterInfo:
     flavor: Literal["kubeflow", "ray", "plain"] = "kubeflow" if cloud else "plain"
     if not cloud and set(cluster) == {"worker"} and killed_when_training_returns(env):
         flavor = "ray"  # Ray Train's TensorflowConfig writes only a worker list
-    chief = is_chief(cluster, task_type, task_id)
-    return ClusterInfo(
-        "tf_config", task_type, task_id, len(tasks), chief, [*tasks.values()], flavor
-    )
+    chief, addresses = is_chief(cluster, task_type, task_id), list(tasks.values())
+    return ClusterInfo("tf_config", task_type, task_id, len(tasks), chief, addresses, flavor)
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
@@ -227,20 +225,17 @@ def parse_slurm_env(env: Env = None, *, port_base: int | None = None) -> Cluster
     sorted, task i on its node at ``port_base`` + i (None: `slurm_port_base`)."""
     env = os.environ if env is None else env
     if missing := [v for v in _SLURM_VARS if v not in env]:
-        what, received = (
-            f"{', '.join(missing)} are not set",
-            f"SLURM_JOB_ID={env.get('SLURM_JOB_ID')!r}",
-        )
-        raise _error(what, received, "Fix: start it with `srun python train.py`.")
+        received = f"SLURM_JOB_ID={env.get('SLURM_JOB_ID')!r}"
+        fix = "Fix: start it with `srun python train.py`."
+        raise _error(f"{', '.join(missing)} are not set", received, fix)
     values = {v: env[v] for v in _SLURM_VARS}
     try:
         rank, num_tasks = int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"])
         hosts = expand_hostlist(env["SLURM_STEP_NODELIST"])
         layout = dict(zip(hosts, expand_tasks_per_node(env["SLURM_STEP_TASKS_PER_NODE"])))
     except ValueError as e:
-        raise _error(
-            f"Slurm variables cannot be read ({e})", values, "Let srun set them."
-        ) from None
+        what = f"Slurm variables cannot be read ({e})"
+        raise _error(what, values, "Let srun set them.") from None
     base = slurm_port_base(env) if port_base is None else port_base
     addresses = [f"{h}:{base + i}" for h, n in sorted(layout.items()) for i in range(n)]
     if len(addresses) != num_tasks or not 0 <= rank < num_tasks:
