@@ -90,17 +90,14 @@ def test_gan_optimizer_at_its_own_rate_is_named(run):
     ]
 
 
-def test_compile_jit_compile_true_on_cpu_replicas_trains_without_xla_in_one_line(run):
+def test_compile_jit_compile_true_on_cpu_replicas_trains_without_xla(run):
     """keras-io "Image classification from scratch": its compile line has jit_compile=True.
 
     On 2 CPU replicas XLA fails ("Trying to access resource ... CPU:1 from device CPU:0"); the model
-    trains without XLA, and one line says so.
+    trains without XLA.
     """
     r = case(run, "image_jit")
-    assert r["said"] == [
-        "keras-sync: jit_compile=True of Functional's compile is not applied: XLA cannot compile a step over 2 "
-        "replicas on CPU devices, so the model trains without XLA (it works on one device, and on GPUs or TPUs)."
-    ]
+    assert r["said"] == []
     assert not r["traceback"] and r["jit_compile"] is False
     assert math.isfinite(r["loss"][0]) and r["moved"] > 0
 

@@ -31,7 +31,6 @@ def applies_here(optimizer: Any, num_replicas: int) -> bool:
     return (
         num_replicas > 1
         and hasattr(optimizer, "dynamic_scale")
-        and hasattr(optimizer, "inner_optimizer")
         and tf.distribute.has_strategy()
         and not no_merge_call()  # then Keras decides per replica: a path left unchanged
     )
@@ -90,19 +89,18 @@ def apply_summed(
     return apply_fn(out, trainable_variables)
 
 
-def merge_duplicate_rows(gradient: Any) -> Any:
-    """``gradient`` with each row of a `tf.IndexedSlices` once (values summed); anything else as is."""
+def merging_update_step(update_step: Callable[..., Any]) -> Callable[..., Any]:
+    """``update_step`` with each row of a `tf.IndexedSlices` gradient once (values summed)."""
     import tensorflow as tf
 
-    if not isinstance(gradient, tf.IndexedSlices):
-        return gradient
-    rows, position = tf.unique(gradient.indices)
-    values = tf.math.unsorted_segment_sum(gradient.values, position, tf.shape(rows)[0])
-    return tf.IndexedSlices(values, rows, gradient.dense_shape)
+    def step(gradient: Any, variable: Any, lr: Any) -> Any:
+        if isinstance(gradient, tf.IndexedSlices):
+            rows, position = tf.unique(gradient.indices)
+            values = tf.math.unsorted_segment_sum(gradient.values, position, tf.shape(rows)[0])
+            gradient = tf.IndexedSlices(values, rows, gradient.dense_shape)
+        return update_step(gradient, variable, lr)
 
-
-def merging_update_step(update_step: Callable[..., Any]) -> Callable[..., Any]:
-    return lambda gradient, variable, lr: update_step(merge_duplicate_rows(gradient), variable, lr)
+    return step
 
 
 def with_inner(optimizers: list[Any]) -> list[Any]:

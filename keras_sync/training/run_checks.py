@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import logging
 import math
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -18,9 +17,8 @@ from typing import Any
 from keras_sync.errors import KerasSyncError
 from keras_sync.training.context import RunContext
 
-log = logging.getLogger("keras_sync")
-#: Examples per replica's share the ``add_loss`` check evaluates.
-PER_SHARE = 2
+#: Examples the ``add_loss`` check evaluates, then twice over.
+ROWS = 2
 
 
 class CheckFailed(KerasSyncError):
@@ -103,29 +101,23 @@ def sums_over_batch(whole: float, shares: list[float]) -> bool:
 
 
 def add_loss_problem(model: Any, data: Any, n: int, global_batch: int) -> str | None:
-    """The ``add_loss`` finding: a few examples' terms against those of their ``n`` shares."""
+    """The ``add_loss`` finding: the terms on a few examples against those on them twice over."""
     import tensorflow as tf
 
     try:
-        x = _first_rows(model, data, PER_SHARE * n)
-        whole = _terms(model, x) if x is not None else []
-        shares = [
-            _terms(
-                model,
-                tf.nest.map_structure(lambda a, r=r: a[r * PER_SHARE : (r + 1) * PER_SHARE], x),
-            )
-            for r in range(n if whole else 0)
-        ]
-    except Exception as exc:  # a model it cannot call this way is not judged
-        log.debug("keras-sync: check add_loss skipped: %s: %s", type(exc).__name__, exc)
+        x = _first_rows(model, data, ROWS)
+        once = _terms(model, x) if x is not None else []
+        doubled = tf.nest.map_structure(lambda a: tf.concat([a, a], 0), x) if once else None
+        twice = _terms(model, doubled) if once else []
+    except Exception:  # a model or data it cannot call this way is not judged
         return None
-    if not whole or any(len(s) != len(whole) for s in shares):
+    if not once or len(twice) != len(once):
         return None  # no term, or terms that depend on the batch's size: not comparable
-    found = [i for i, value in enumerate(whole) if sums_over_batch(value, [s[i] for s in shares])]
+    found = [i for i, (a, b) in enumerate(zip(once, twice)) if sums_over_batch(b, [a, a])]
     if not found:
         return None
     return (
-        f"add_loss term {', '.join(str(i + 1) for i in found)} of {len(whole)} (in the order of "
+        f"add_loss term {', '.join(str(i + 1) for i in found)} of {len(once)} (in the order of "
         f"model.losses) sums over the batch: on {n} replicas it counts 1/{n} of one device's. Fix: "
         f"write it as a mean times the global batch, e.g. add_loss(rate * {global_batch} * "
         "ops.mean(ops.sum(x, axis=-1)))"
@@ -311,10 +303,10 @@ def scope_guarding_fit(
 
     keras_compile = original(keras.Model, "compile")
 
-    def in_scope(model: str, method: str, call: Callable[..., Any]) -> Callable[..., Any]:
+    def in_scope(model: str, method: str) -> Callable[..., Any]:
         told = method != "fit"
 
-        def run(*args: Any, **kwargs: Any) -> Any:
+        def run(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             nonlocal told
             if not told and not _fit_on_purpose(args, kwargs):
                 told = True
@@ -334,8 +326,9 @@ def scope_guarding_fit(
         result = keras_compile(model, *args, **kwargs)
         if built_under(model) is strategy:
             for method in ("fit", "evaluate", "predict"):
-                wrap = functools.partial(in_scope, type(model).__name__, method)
-                wrap_own(model, method, wrap, "_keras_sync_in_scope")
+                wrap_own(
+                    model, method, in_scope(type(model).__name__, method), "_keras_sync_in_scope"
+                )
             if context.num_workers > 1:
                 for_workers(model)
         return result

@@ -31,14 +31,7 @@ def prepare_model(context: RunContext, model: Any) -> None:
     """Apply jit_compile, steps_per_execution and sync_batch_norm to ``model`` (before `fit`)."""
     import keras
 
-    rt, n, name = context.config.runtime, context.num_replicas, type(model).__name__
-    told = vars(model).setdefault("_keras_sync_told", set())  # what was said about this model
-
-    def say_once(what: str, line: str) -> None:
-        if what not in told and context.is_chief:
-            print(f"keras-sync: {line}", file=sys.stderr, flush=True)
-        told.add(what)
-
+    rt, n = context.config.runtime, context.num_replicas
     before = (model.steps_per_execution, model.jit_compile)
     if given(context.config, "steps_per_execution"):
         model.steps_per_execution = rt.steps_per_execution
@@ -55,13 +48,7 @@ def prepare_model(context: RunContext, model: Any) -> None:
         )
     if rt.jit_compile != "auto":
         model.jit_compile = rt.jit_compile
-    elif model.jit_compile is True and xla_fails:  # compile's own (Keras's "auto" is False here)
-        say_once(
-            "xla",
-            f"jit_compile=True of {name}'s compile is not applied: XLA cannot compile a step over "
-            f"{n} replicas on CPU devices, so the model trains without XLA (it works on one "
-            "device, and on GPUs or TPUs).",
-        )
+    elif xla_fails:  # compile's own jit_compile=True cannot run here either
         model.jit_compile = False
     changed = before != (model.steps_per_execution, model.jit_compile)
     norms = [x for x in all_layers(model) if isinstance(x, keras.layers.BatchNormalization)]
@@ -69,14 +56,17 @@ def prepare_model(context: RunContext, model: Any) -> None:
         changed = changed or not all(x.synchronized for x in norms)
         for layer in norms:
             layer.synchronized = True  # read in BatchNormalization.call: the traced step uses it
-    elif n > 1 and any(not x.synchronized for x in norms):
-        say_once(
-            "bn",
-            f"{name} has {len(norms)} BatchNormalization layer(s) with per-replica statistics over "
-            f"the {context.per_replica_batch_size} examples of a replica, not the global batch of "
-            f"{context.global_batch_size}. For statistics over all replicas set "
-            "runtime.sync_batch_norm: true.",
-        )
+    elif n > 1 and any(not x.synchronized for x in norms) and "_keras_sync_told" not in vars(model):
+        vars(model)["_keras_sync_told"] = True  # once per model
+        if context.is_chief:
+            print(
+                f"keras-sync: {type(model).__name__} has {len(norms)} BatchNormalization layer(s) "
+                f"with per-replica statistics over the {context.per_replica_batch_size} examples "
+                f"of a replica, not the global batch of {context.global_batch_size}. For "
+                "statistics over all replicas set runtime.sync_batch_norm: true.",
+                file=sys.stderr,
+                flush=True,
+            )
     if changed:
         model.train_function = None  # Keras builds it again with the new settings
 

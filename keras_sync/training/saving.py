@@ -22,20 +22,19 @@ from keras_sync.errors import UsageError
 TEMP_PREFIX = "keras_sync_worker_save_"
 
 
-def wrap_own(
-    model: Any, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]], mark: str
-) -> None:
-    """Give ``model`` its own ``name``: ``wrap`` of the method it has now, once per ``mark``."""
+def wrap_own(model: Any, name: str, around: Callable[..., Any], mark: str) -> None:
+    """Give ``model`` its own ``name``: ``around(call, *args, **kwargs)``, ``call`` the method it
+    has now; once per ``mark``."""
     own = vars(model).get(name)
     if getattr(own, mark, False):
         return
     ref = weakref.ref(model)
 
-    def call(*args: Any, **kwargs: Any) -> Any:
-        model = ref()
-        return (own or getattr(type(model), name).__get__(model))(*args, **kwargs)
+    @functools.wraps(own or getattr(type(model), name))
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        call = own or getattr(type(ref()), name).__get__(ref())
+        return around(call, *args, **kwargs)
 
-    wrapper = functools.wraps(own or getattr(type(model), name))(wrap(call))
     setattr(wrapper, mark, True)  # functools.wraps copied the marks of the wrapped one
     object.__setattr__(model, name, wrapper)  # a function is not state for Keras's tracker
 
@@ -46,19 +45,13 @@ def for_workers(model: Any) -> None:
 
     strategy, ref = model.distribute_strategy, weakref.ref(model)
 
-    def chief_writes(call: Callable[..., Any]) -> Callable[..., Any]:
-        def save(filepath: Any, *args: Any, **kwargs: Any) -> Any:
-            with write_target(filepath, strategy) as target:
-                return call(target, *args, **kwargs)
+    def chief_writes(call: Callable[..., Any], filepath: Any, *args: Any, **kwargs: Any) -> Any:
+        with write_target(filepath, strategy) as target:
+            return call(target, *args, **kwargs)
 
-        return save
-
-    def meeting(name: str, call: Callable[..., Any]) -> Callable[..., Any]:
-        def method(*args: Any, **kwargs: Any) -> Any:
-            with collective(ref(), f"model.{name}"):
-                return call(*args, **kwargs)
-
-        return method
+    def meeting(name: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        with collective(ref(), f"model.{name}"):
+            return call(*args, **kwargs)
 
     for name in ("save", "save_weights"):
         wrap_own(model, name, chief_writes, "_keras_sync_chief_writes")

@@ -49,19 +49,15 @@ def per_replica_batch_size(global_batch: int, replicas: int) -> int:
 def resolve_batch_sizes(
     per_replica: int | None, global_batch: int | None, replicas: int
 ) -> tuple[int, int]:
-    """(per-replica, global) from exactly one of the two.
+    """(per-replica, global) from the one of the two the config gives (it allows exactly one).
 
     >>> resolve_batch_sizes(32, None, 4), resolve_batch_sizes(None, 128, 4)
     ((32, 128), (32, 128))
     """
-    if per_replica is not None and global_batch is None:
-        return per_replica, global_batch_size(per_replica, replicas)
-    if per_replica is None and global_batch is not None:
+    if global_batch is not None:
         return per_replica_batch_size(global_batch, replicas), global_batch
-    raise ScalingError(
-        f"Received batch.per_replica={per_replica} and batch.global={global_batch}. "
-        "Expected exactly one of them; set the other to null."
-    )
+    assert per_replica is not None  # the config checked it
+    return per_replica, global_batch_size(per_replica, replicas)
 
 
 def lr_formula(rule: str, base_lr: float, global_batch_size: int, base_batch_size: int) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -108,12 +107,12 @@ def callback(context: RunContext, *, input_source: str | None, base_batch_size: 
                 "input": input_source,
                 "arrays_as_dataset": KINDS[context.kind].multi_process,
             }
-            _write_json(folder / RECORD_FILE, record)
+            (folder / RECORD_FILE).write_text(json.dumps(record, indent=1, default=float))
             if request.replay_dir is None:
                 from keras_sync.config import VERIFY_OVERRIDES_FILE
 
                 overrides = reference_overrides(context, facts, base_batch_size)
-                _write_json(folder / VERIFY_OVERRIDES_FILE, overrides)
+                (folder / VERIFY_OVERRIDES_FILE).write_text(json.dumps(overrides, indent=1))
 
     return VerifyRecorder()
 
@@ -152,7 +151,7 @@ def depends_on_batch(facts: dict[str, Any]) -> list[str]:
     """What in the model computes over the batch a step sees (then the reference trains it whole)."""
     return [
         what
-        for what, key in (("BatchNorm", "batch_norm"), ("add_loss", "add_loss"))
+        for key, what in (("batch_norm", "BatchNorm"), ("add_loss", "add_loss"))
         if facts.get(key)
     ]
 
@@ -201,9 +200,3 @@ def _load_weights(model: Any, path: Path) -> None:
         )
     for v, a in zip(weights, values):
         v.assign(a)
-
-
-def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=float))
-    os.replace(tmp, path)
