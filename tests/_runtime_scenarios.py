@@ -71,9 +71,7 @@ def load(cfg):
 
     config = load_config(cfg)
     runtime.set_dtype_policy(config)  # what keras_sync.load does (runtime.mixed_precision)
-    return Sync(
-        config, SYNC.strategy, types.SimpleNamespace(kind=SYNC.kind, reason=SYNC.kind_reason)
-    )
+    return Sync(config, SYNC.strategy, types.SimpleNamespace(kind=SYNC.kind))
 
 
 import keras  # noqa: E402  (after load: devices and cluster are set up by then)
