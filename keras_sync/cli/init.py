@@ -16,8 +16,7 @@ def _template(name: str) -> str:
 
 
 def render_config(kind: str = "auto", per_replica_batch: int = 32) -> str:
-    """The text of a commented ``keras_sync.yaml`` for strategy `kind` (not string.Template: the
-    comments mention $MLFLOW_TRACKING_URI)."""
+    """The text of a commented ``keras_sync.yaml`` (not string.Template: it mentions $VARS)."""
     strategy = _template(f"strategy_{kind}.yaml").rstrip("\n")
     text = _template(DEFAULT_CONFIG_FILE).replace("${strategy}", strategy)
     return text.replace("${per_replica}", str(per_replica_batch))

@@ -89,8 +89,7 @@ def _show(value: Any) -> str:
 
 
 def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Plan:
-    """The plan of a run with `config` in `environ` (default ``os.environ``); a `KerasSyncError`
-    when the values do not fit together."""
+    """The plan of a run with `config` in `environ` (default ``os.environ``)."""
     from keras_sync import cluster, strategy, tracking
     from keras_sync.config.kinds import KINDS, LAYOUT_TPU
     from keras_sync.training import scaling

@@ -209,9 +209,7 @@ def expand_tasks_per_node(spec: str) -> list[int]:
 
 
 def slurm_port_base(env: Env = None) -> int:
-    """The first worker port of a Slurm job step when `strategy.slurm.port_base` is auto (8888
-    without a job id): a slot of 16 ports per (job, step) in 10000-31775, below the ephemeral range;
-    1361 slots, a prime, so neighbouring jobs and steps never share one."""
+    """Auto `strategy.slurm.port_base`: one of 1361 (prime) 16-port slots in 10000-31775 per job step."""
     env = os.environ if env is None else env
     job, step = env.get("SLURM_JOB_ID", ""), env.get("SLURM_STEP_ID", "0")
     if not job.isdigit():
@@ -221,8 +219,7 @@ def slurm_port_base(env: Env = None) -> int:
 
 
 def parse_slurm_env(env: Env = None, *, port_base: int | None = None) -> ClusterInfo:
-    """Reads a Slurm job step (`srun`) as `SlurmClusterResolver` does: every task a `worker`, nodes
-    sorted, task i on its node at ``port_base`` + i (None: `slurm_port_base`)."""
+    """Reads a Slurm job step as `SlurmClusterResolver` does: task i of a node at ``port_base`` + i."""
     env = os.environ if env is None else env
     if missing := [v for v in _SLURM_VARS if v not in env]:
         received = f"SLURM_JOB_ID={env.get('SLURM_JOB_ID')!r}"
@@ -251,8 +248,7 @@ def indexed_job_addresses(hosts: str, port: int, workers: int) -> list[str]:
 
 
 def parse_indexed_job(hosts: str, port: int, workers: int, env: Env = None) -> ClusterInfo:
-    """This pod's place in a Kubernetes Indexed Job (or JobSet): worker ``$JOB_COMPLETION_INDEX``
-    of ``workers``, worker 0 the chief (`strategy.indexed_job`)."""
+    """This pod's place in an Indexed Job or JobSet: worker ``$JOB_COMPLETION_INDEX``, 0 the chief."""
     raw = (os.environ if env is None else env).get(INDEX_VAR)
     if raw is None:
         what = f"strategy.cluster is indexed_job but ${INDEX_VAR} is not set"
@@ -267,8 +263,8 @@ def parse_indexed_job(hosts: str, port: int, workers: int, env: Env = None) -> C
 
 
 class ClusterEnvironment:
-    """Where this process sits in one kind of cluster (this base: one process); ``label`` and
-    ``absent`` (`detect` is False) are what `keras-sync plan` shows."""
+    """Where this process sits in one kind of cluster (this base: alone); `keras-sync plan` shows
+    ``label``, or ``absent`` when `detect` is False."""
 
     name, label, absent = "alone", "one process", "one process"
     variable: str | None = None  # the environment variable whose presence `detect`s this cluster
@@ -291,8 +287,7 @@ class ClusterEnvironment:
         return self.info().task_id
 
     def resolver(self) -> Any:
-        """The TensorFlow cluster resolver: for the workers `info` lists, with this machine's GPUs
-        (None: one process, or TensorFlow reads TF_CONFIG itself)."""
+        """A TensorFlow resolver for `info`'s workers and this machine's GPUs (None: alone)."""
         if self.variable is None:
             return None
         import tensorflow as tf
@@ -400,8 +395,7 @@ def _tf_config_key(raw: str | None) -> str | None:
 
 
 def check_tf_config_order(raw: str | None = None, *, env: Env = None) -> None:
-    """Raises if TF_CONFIG differs from the cluster this process already built a strategy for:
-    TensorFlow would ignore it silently (tensorflow#60706)."""
+    """Raises if TF_CONFIG left the cluster this process joined: TensorFlow ignores it silently."""
     if raw is None:
         raw = (os.environ if env is None else env).get("TF_CONFIG")
     now, received = _tf_config_key(raw), f"TF_CONFIG={raw!r}"

@@ -137,8 +137,7 @@ def configure(strategy: Any, timeout_s: float) -> None:
 
 @contextlib.contextmanager
 def collective(model: Any, call: str) -> Iterator[None]:
-    """Around one top-level ``call`` of ``model``: meet the peers first, count the call after it
-    (nested calls and models not under a multi-worker strategy pass)."""
+    """Around one top-level ``call`` of ``model``: meet the peers first, count the call after it."""
     calls: PeerCalls | None = getattr(built_under(model), _ATTRIBUTE, None)
     if calls is None or getattr(calls._local, "inside", False):
         yield

@@ -60,12 +60,8 @@ def exit_at_once(*_: Any) -> None:
 
 
 class PreemptionSaver:
-    """A SIGTERM or Ctrl-C during one `fit`: when to save the backup, and the exit if it never comes.
-
-    A watchdog woken by `signal.set_wakeup_fd` exits if `done` is not called within
-    ``grace_period_s``. Under several workers the one signalled posts "save after step N+1" in the
-    coordination service and waits for every ack (TensorFlow's `PreemptionCheckpointHandler` protocol).
-    """
+    """A SIGTERM or Ctrl-C during one `fit`: when every worker saves (after the signalled worker's
+    step + 1, agreed in the coordination service), and the exit if `done` comes too late."""
 
     def __init__(self, grace_period_s: float):
         self.grace_period_s = float(grace_period_s)

@@ -70,14 +70,7 @@ def launch(
     env: Mapping[str, str] | None = None,
     private_network: bool = False,
 ) -> int:
-    """Runs `script` as `workers` local processes (`keras-sync launch`, whose options these are;
-    ``env``: extra variables for the workers). Returns 0 if every worker of a try exits 0, else the
-    code of the first worker that failed in the last try (128 + N for a death by signal N).
-
-    Raises:
-        UsageError: no such script or config, a one-process strategy kind under several workers,
-            or ``private_network`` where no network namespace can be made.
-    """
+    """`keras-sync launch` (``env``: extra variables); the first failed worker's exit code, or 0."""
     for name, path in (("script", script), ("config", config)):
         if path is not None and not os.path.isfile(path):
             raise UsageError(
@@ -242,8 +235,7 @@ def refuse_private_network_unless_possible() -> None:
 
 @contextlib.contextmanager
 def _private_network() -> Iterator[list[str]]:
-    """A network namespace for one launch's workers (TensorFlow's servers bind ``0.0.0.0``); yields
-    the prefix that runs a command in it. Its only network is a loopback: no HTTP tracking server."""
+    """A network namespace with only a loopback; yields the prefix that runs a command in it."""
     refuse_private_network_unless_possible()
     holder = subprocess.Popen(
         ["unshare", "--net", "--", sys.executable, "-c", _HOLDER],

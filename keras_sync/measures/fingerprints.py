@@ -12,8 +12,7 @@ WIDTH = 4
 
 @dataclass(frozen=True)
 class Divergence:
-    """``value`` (``sync/weight_divergence``): 0.0 when every copy has the same checksum, else the
-    largest spread of a diverged variable's mean or RMS between replicas."""
+    """``value``: 0.0 when all checksums agree, else the largest spread of a diverged mean or RMS."""
 
     value: float
     diverged_variables: int

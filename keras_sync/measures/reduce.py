@@ -70,8 +70,7 @@ def throughput(examples: float, seconds: float, num_replicas: int) -> dict[str, 
 def window_peaks(
     peaks: dict[str, float] | None, losses: Sequence[float], grad_norms: Sequence[float]
 ) -> dict[str, float]:
-    """Fold one step's per-replica values into the peaks of the unlogged steps (a new dict; NaN
-    left out), so a spike between two logged points still shows."""
+    """Fold one step's per-replica values (NaN left out) into a new dict of the unlogged peaks."""
     losses = [float(v) for v in losses if not math.isnan(v)]
     norms = [float(v) for v in grad_norms if not math.isnan(v)]
     values = [max(losses, default=math.nan), loss_spread(losses)]

@@ -20,8 +20,7 @@ COMPUTE_KEY = "sync/compute_ms/worker_{i}"
 def worker_times(
     between_us: Sequence[float], computes_us: Sequence[float], num_workers: int
 ) -> dict[str, float]:
-    """`BETWEEN_KEY` and `COMPUTE_KEY` per worker (ms): the largest of its replicas' times in
-    microseconds (negative: not measured). Empty under 2 workers."""
+    """`BETWEEN_KEY` and `COMPUTE_KEY` per worker (ms): its replicas' largest time (us; < 0: none)."""
     out: dict[str, float] = {}
     if num_workers < 2 or not between_us or len(between_us) % num_workers:
         return out

@@ -56,8 +56,7 @@ class Parting:
 
 @dataclass(frozen=True)
 class Verdict:
-    """The comparison: ``cause`` (None when ``same``), ``partings``, ``layers`` (name, largest
-    weight difference; largest first), ``tolerance``."""
+    """The comparison; ``layers``: (name, largest weight difference), largest first."""
 
     same: bool
     cause: str | None
@@ -78,8 +77,7 @@ class Verdict:
 def likely_cause(
     first: Sequence[Parting], subject: Steps, reference: Steps, facts: Facts, n: int
 ) -> str:
-    """The likely cause of a difference, from the first quantities that differ, the model's ``facts``
-    and the replica count ``n``."""
+    """The likely cause of a difference: the first ones, the model's ``facts``, ``n`` replicas."""
     first_of = {p.quantity: p for p in reversed(first)}
     if p := first_of.get("examples"):
         why = "data sharded twice, a dataset's own batch, or an uneven last batch"
