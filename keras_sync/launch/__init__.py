@@ -27,6 +27,7 @@ from keras_sync.errors import KerasSyncError, UsageError
 JOB_ID_ENV = "KERAS_SYNC_JOB_ID"  # read by `keras_sync.config` as mlflow.job_id
 RESTART_COUNT_ENV = "KERAS_SYNC_RESTART_COUNT"  # the try's number (0, 1, ...), for the workers
 _print_lock = threading.Lock()
+_FIX = "run launch as root on Linux, or drop --private-network and keep the workers' ports behind a firewall."
 Procs = list[subprocess.Popen[bytes]]
 
 
@@ -53,6 +54,10 @@ def _say(message: str) -> None:
     _write(sys.stderr, f"[launch] {message}\n")
 
 
+def _invalid(arg: str, got: str, fix: str = _FIX) -> UsageError:
+    return UsageError(f"Invalid value for argument `{arg}`. Received: {arg}={got}. Fix: {fix}")
+
+
 def _signal_groups(procs: Procs, sig: int) -> None:
     for p in procs:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -73,10 +78,8 @@ def launch(
     """`keras-sync launch` (``env``: extra variables); the first failed worker's exit code, or 0."""
     for name, path in (("script", script), ("config", config)):
         if path is not None and not os.path.isfile(path):
-            raise UsageError(
-                f"Invalid value for argument `{name}`. Received: {name}={path!r}, which is not a "
-                "file. Fix: check the path (relative to the current directory)."
-            )
+            fix = "check the path (relative to the current directory)."
+            raise _invalid(name, f"{path!r}, which is not a file", fix)
     base_env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     base_env.update({**(env or {}), "PYTHONUNBUFFERED": "1"})
     if workers > 1 or private_network:
@@ -126,11 +129,9 @@ def _refuse_before_start(
     refuse_one_process_kind(cfg, workers, started, f"run it as one process: python {script}")
     uri = cfg.mlflow.tracking_uri or ""
     if private and cfg.mlflow.enabled and uri.lower().startswith(("http://", "https://")):
-        raise UsageError(
-            "Invalid value for argument `private_network`. Received: private_network=True with "
-            f"mlflow.tracking_uri={redact_uri(uri)!r}, which the namespace cannot reach. Fix: use "
-            "a sqlite or file store, set mlflow.enabled: false, or drop --private-network."
-        )
+        why = f"with mlflow.tracking_uri={redact_uri(uri)!r}, which the namespace cannot reach"
+        fix = "use a sqlite or file store, set mlflow.enabled: false, or drop --private-network."
+        raise _invalid("private_network", f"True {why}", fix)
 
 
 @contextlib.contextmanager
@@ -213,24 +214,20 @@ _HOLDER = (
     "print('ready', flush=True)\n"
     "sys.stdin.buffer.read()\n"
 )
-_FIX = "run launch as root on Linux, or drop --private-network and keep the workers' ports behind a firewall."
-
-
-def _no_namespace(why: str, fix: str = _FIX) -> UsageError:
-    return UsageError(
-        f"Invalid value for argument `private_network`. Received: private_network=True, but {why}. Fix: {fix}"
-    )
 
 
 def refuse_private_network_unless_possible() -> None:
     """Say in one line why ``--private-network`` cannot work here (not Linux, not root, no util-linux)."""
     missing = " and ".join(tool for tool in ("unshare", "nsenter") if shutil.which(tool) is None)
     if not sys.platform.startswith("linux"):
-        raise _no_namespace(f"network namespaces are Linux only (this is {sys.platform})")
-    if os.geteuid() != 0:
-        raise _no_namespace(f"a network namespace needs root or CAP_SYS_ADMIN (uid {os.geteuid()})")
-    if missing:
-        raise _no_namespace(f"{missing} (util-linux) not found on the PATH")
+        why = f"network namespaces are Linux only (this is {sys.platform})"
+    elif os.geteuid() != 0:
+        why = f"a network namespace needs root or CAP_SYS_ADMIN (uid {os.geteuid()})"
+    elif missing:
+        why = f"{missing} (util-linux) not found on the PATH"
+    else:
+        return
+    raise _invalid("private_network", f"True, but {why}")
 
 
 @contextlib.contextmanager
@@ -247,9 +244,9 @@ def _private_network() -> Iterator[list[str]]:
         try:
             assert holder.stdout is not None
             if holder.stdout.readline().strip() != b"ready":
-                why = f"`unshare --net` failed (exit code {holder.wait()}; said above)"
+                why = f"True, but `unshare --net` failed (exit code {holder.wait()}; said above)"
                 fix = "drop --private-network, or allow network namespaces here (CAP_SYS_ADMIN)."
-                raise _no_namespace(why, fix)
+                raise _invalid("private_network", why, fix)
             yield ["nsenter", f"--net=/proc/{holder.pid}/ns/net", "--"]
         finally:
             holder.kill()
