@@ -73,11 +73,9 @@ class PeerCalls:
         for job, index in training_tasks(resolver.cluster_spec().as_dict()):
             name, slow = f"{job} {index}", 0
             while (job, index) != me:
-                left_ms = int((deadline - time.monotonic()) * 1000)
+                left_ms = max(1, int((deadline - time.monotonic()) * 1000))
                 try:
-                    got = multi_worker.get_key(
-                        f"{key}/{job}:{index}", max(1, min(left_ms, _POLL_MS))
-                    )
+                    got = multi_worker.get_key(f"{key}/{job}:{index}", min(left_ms, _POLL_MS))
                     if got != call:
                         raise fail(f"{name} {_said(got)} instead", PeerElsewhereError)
                     break
