@@ -15,8 +15,9 @@ class FitParams(OncePerRun):
     """Log, at the start of a `fit`, what autolog would (unless autolog is on).
 
     Params ``epochs``, ``steps_per_epoch``, ``batch_size`` (global), ``per_replica_batch_size``
-    and ``optimizer_<key>`` for every entry of ``model.optimizer``'s config; the artifact
-    ``model_summary.txt``; the tags MLflow's `start_run` sets (``mlflow.user``, ``mlflow.source.*``).
+    and ``optimizer_<key>`` for the optimizer's config (``<attribute>_<key>`` for each optimizer
+    a custom `train_step` applies, after its first step); the artifact ``model_summary.txt``; the
+    tags MLflow's `start_run` sets (``mlflow.user``, ``mlflow.source.*``).
 
     Args:
         writer: a started `keras_sync.tracking.MlflowWriter` (None: do nothing).
@@ -37,8 +38,11 @@ class FitParams(OncePerRun):
         super().__init__(writer, shared=shared)
         self.per_replica_batch_size = per_replica_batch_size
         self.num_replicas = num_replicas
+        self._optimizers_pending = False  # a custom train_step: known after its first step
 
     def log_once(self) -> None:
+        from keras_sync.training.instrument import has_default_train_step
+
         self.writer.set_tags(source_tags())
         batch = self.per_replica_batch_size
         params: dict[str, Any] = {} if batch is None else {"per_replica_batch_size": batch}
@@ -49,7 +53,8 @@ class FitParams(OncePerRun):
             replicas = self.num_replicas or self.model.distribute_strategy.num_replicas_in_sync
             params["batch_size"] = batch * int(replicas)
         params.update(epochs=self.params.get("epochs"), steps_per_epoch=self.params.get("steps"))
-        if self.model.optimizer is not None:
+        self._optimizers_pending = not has_default_train_step(self.model)
+        if not self._optimizers_pending and self.model.optimizer is not None:
             params.update(
                 {f"optimizer_{k}": v for k, v in self.model.optimizer.get_config().items()}
             )
@@ -57,3 +62,20 @@ class FitParams(OncePerRun):
         self.model.summary(print_fn=lambda line, *args, **kwargs: lines.append(line))
         self.writer.log_text_artifact("\n".join(lines), MODEL_SUMMARY_ARTIFACT)
         self.log_params(params)
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if self._optimizers_pending:
+            from keras_sync.training.instrument import applied_optimizers
+
+            self._optimizers_pending = False
+            applied = applied_optimizers(self.model) or [("optimizer", self.model.optimizer)]
+            if len(applied) == 1:  # one: optimizer_<key>; several: <attribute>_<key> for each
+                applied = [("optimizer", applied[0][1])]
+            self.log_params(
+                {
+                    f"{name}_{k}": v
+                    for name, o in applied
+                    if o is not None
+                    for k, v in o.get_config().items()
+                }
+            )
