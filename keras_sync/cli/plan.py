@@ -104,7 +104,8 @@ def make_plan(config: Config, *, environ: Mapping[str, str] | None = None) -> Pl
 
     det = strategy.detect(config, environ=env)
     spec = KINDS[det.kind]
-    workers, where = strategy.count_workers(config, env)
+    info, where = cluster.read_cluster(config.strategy, env)
+    workers = info.num_workers
     if not spec.multi_process:
         workers, where = 1, f"{det.kind} runs in one process"
     if spec.layout == LAYOUT_TPU:

@@ -44,14 +44,6 @@ def count_gpus_cheaply() -> int:
     return min(n, len([v for v in visible.split(",") if v.strip()])) if visible else n
 
 
-def count_workers(config: Config, environ: Mapping[str, str]) -> tuple[int, str]:
-    """Number of training workers from the cluster source, and where that came from."""
-    from keras_sync import cluster
-
-    info, where = cluster.read_cluster(config.strategy, environ)
-    return info.num_workers, where
-
-
 def refuse_one_process_kind(config: Config, workers: int, started_by: str, alone: str) -> None:
     """Refuse a one-process kind (`mirrored`, ...) run as ``workers`` > 1 processes."""
     kind = config.strategy.kind
@@ -65,13 +57,14 @@ def check_one_process(config: Config, environ: Mapping[str, str] | None = None) 
     """`refuse_one_process_kind` for the cluster this process was started in (TF_CONFIG, Slurm, ...)."""
     if not KINDS[config.strategy.kind].one_process:
         return
+    from keras_sync.cluster import read_cluster
+
     try:
-        workers, where = count_workers(config, os.environ if environ is None else environ)
+        info, where = read_cluster(config.strategy, os.environ if environ is None else environ)
     except KerasSyncError:  # a cluster description a one-process kind never reads
         return
-    refuse_one_process_kind(
-        config, workers, f"{where} names {workers} workers", "start one process only"
-    )
+    n = info.num_workers
+    refuse_one_process_kind(config, n, f"{where} names {n} workers", "start one process only")
 
 
 def detect(
@@ -86,9 +79,11 @@ def detect(
         return Detection("tpu", f"auto: ${var} is set")
     if Path("/dev/accel0").exists() or Path("/dev/vfio/0").exists():
         return Detection("tpu", "auto: a TPU device (/dev/accel0) is present")
-    workers, where = count_workers(config, env)
-    if workers > 1:
-        return Detection("multi_worker_mirrored", f"auto: {where} names {workers} workers")
+    from keras_sync.cluster import read_cluster
+
+    info, where = read_cluster(config.strategy, env)
+    if info.num_workers > 1:
+        return Detection("multi_worker_mirrored", f"auto: {where} names {info.num_workers} workers")
     n_gpus = count_gpus_cheaply() if gpus is None else gpus
     if n_gpus > 1:
         return Detection("mirrored", f"auto: {n_gpus} GPUs")
@@ -118,17 +113,14 @@ def device_layout(kind: str, cfg: StrategyConfig, *, gpus: int) -> DeviceLayout:
         raise ValueError(f"device_layout: no local device layout for kind={kind!r}")
     local = spec.layout != LAYOUT_TENSORFLOW  # the default strategy: no list, no simulated CPUs
     if local and cfg.simulated_cpu_replicas:
-        devices, source = tuple(_cpu_names(cfg.simulated_cpu_replicas)), "simulated"
+        devices = tuple(f"/cpu:{i}" for i in range(cfg.simulated_cpu_replicas))
+        source = "simulated"
     elif local and cfg.devices and spec.accepts_devices:
         devices, source = cfg.devices, "strategy.devices"
     else:
         gpu_names = tuple(f"/gpu:{i}" for i in range(gpus if local else min(gpus, 1)))
         devices, source = gpu_names or ("/cpu:0",), "tensorflow"
     return DeviceLayout(devices[:1] if spec.layout == LAYOUT_ONE else devices, source)
-
-
-def _cpu_names(n: int) -> list[str]:
-    return [f"/cpu:{i}" for i in range(n)]
 
 
 def configure_simulated_cpus(n: int) -> list[str]:
@@ -145,7 +137,7 @@ def configure_simulated_cpus(n: int) -> list[str]:
         except RuntimeError as exc:
             msg = f"Cannot split the CPU into strategy.simulated_cpu_replicas={n} logical devices: TensorFlow has already initialised its devices in this process. Call keras_sync.load() first, before creating any tensor, model or dataset. ({exc})"
             raise StrategyError(msg) from None
-    return _cpu_names(n)
+    return [f"/cpu:{i}" for i in range(n)]
 
 
 def _local_devices(kind: str, cfg: StrategyConfig) -> tuple[DeviceLayout, int]:
@@ -190,13 +182,12 @@ def _build_mirrored(config: Config) -> tf.distribute.Strategy:
         msg = "strategy.cross_device_ops='nccl' needs GPUs, and TensorFlow sees none here. Use 'hierarchical_copy', 'reduction_to_one' or 'auto'."
         raise StrategyError(msg)
     # auto on CPU: TensorFlow's collective all-reduce collides between two strategies in a process.
-    ops = None
-    if name == "nccl":
-        ops = tf.distribute.NcclAllReduce()
-    elif name == "hierarchical_copy":
-        ops = tf.distribute.HierarchicalCopyAllReduce()
-    elif name == "reduction_to_one" or not n_gpus:
-        ops = tf.distribute.ReductionToOneDevice()
+    name = "reduction_to_one" if name == "auto" and not n_gpus else name
+    ops = {
+        "nccl": tf.distribute.NcclAllReduce,
+        "hierarchical_copy": tf.distribute.HierarchicalCopyAllReduce,
+        "reduction_to_one": tf.distribute.ReductionToOneDevice,
+    }.get(name, lambda: None)()
     return tf.distribute.MirroredStrategy(devices=layout.explicit_devices, cross_device_ops=ops)
 
 

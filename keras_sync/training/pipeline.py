@@ -35,13 +35,10 @@ def shard_choice(
     if own is not None and own != "auto":
         ray = ", as Ray Data and prepare_dataset_shard do: it is already this worker's shard"
         return ShardChoice(own, f"set in the dataset's own options{ray * (own == 'off')}")
-    if configured == "auto":
-        return ShardChoice(
-            "auto",
-            "batch.shard_policy: auto, by file when the pipeline reads at least as many files "
-            "as there are workers, else by example",
-        )
-    return ShardChoice(configured, f"batch.shard_policy: {configured}")
+    auto = ", by file when the pipeline reads at least as many files as there are workers, else by example"
+    return ShardChoice(
+        configured, f"batch.shard_policy: {configured}{auto * (configured == 'auto')}"
+    )
 
 
 def batch_layout(global_batch: int, num_replicas: int, num_workers: int) -> str:
