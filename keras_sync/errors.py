@@ -23,21 +23,19 @@ class KerasSyncError(_BASE):
     and exits with `exit_code` (no hook is installed). ``KERAS_SYNC_TRACEBACK=1``: a plain exception.
     """
 
-    #: The process's exit code when the error ends it: 2, bad usage (as the CLI's).
-    exit_code = 2
+    exit_code = 2  # bad usage, as the CLI's
 
     @property
     def code(self) -> int:
-        """What Python's exit reads: says the message once on stderr, then gives `exit_code`; a
-        cluster error, or an uncaught one, ends with `os._exit` after the atexit handlers (none
-        after a connect timeout), as TensorFlow's teardown would wait for the missing peers."""
+        """What Python's exit reads: the message once on stderr, then `exit_code`; a cluster or an
+        uncaught error ends with `os._exit` (TensorFlow's teardown would wait for missing peers)."""
         if not self.__dict__.get("_keras_sync_said"):
             self.__dict__["_keras_sync_said"] = True
             for line in str(self).splitlines() or [type(self).__name__]:
                 print(f"keras-sync: {line}", file=sys.stderr)
         top_level = sys._getframe().f_back is None  # read by Python's exit handling, not code
         if top_level or isinstance(self, (ConnectTimeoutError, PeerLostError)):
-            if not isinstance(self, ConnectTimeoutError):
+            if not isinstance(self, ConnectTimeoutError):  # its atexit handlers would wait too
                 import atexit
 
                 atexit._run_exitfuncs()

@@ -15,7 +15,7 @@ from keras_sync.config import Config, load_config
 from keras_sync.config.kinds import KINDS
 from keras_sync.errors import KerasSyncError, UsageError
 from keras_sync.training import scaling
-from keras_sync.upstream.strategy_facts import built_under
+from keras_sync.upstream.strategy_facts import built_under, in_multi_worker_mode
 
 
 def load(
@@ -44,7 +44,6 @@ def load(
     from keras_sync.strategy import ONE_PROCESS_KINDS, build_strategy, check_one_process, detect
     from keras_sync.training import paths, runtime
     from keras_sync.upstream import stack
-    from keras_sync.upstream.strategy_facts import in_multi_worker_mode
 
     stack.check_backend()  # KERAS_BACKEND=jax/torch: one line here, not a false scope error at fit
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # TF's start-up INFO lines; the user's wins

@@ -112,7 +112,7 @@ def test_an_internal_newer_than_the_installed_library_refuses_its_feature_with_t
 def test_each_feature_is_one_entry_that_refuses_only_when_its_internals_moved():
     names = [i.name for i in _internals.REGISTRY]
     assert len(names) == len(set(names))  # one entry per feature or fallback
-    assert {i.library for i in _internals.REGISTRY} <= set(_internals.PIN)
+    assert {i.library for i in _internals.REGISTRY} <= set(_internals.RANGES)
     features = [i.name for i in _internals.REGISTRY if i.refused is not None]
     assert {"multi_worker_fit", "exact_resume", "model_strategy"} <= set(features)
     for feature in features:
@@ -250,7 +250,7 @@ def test_the_ranges_cap_at_the_next_major_version_unless_a_break_is_written_besi
             ceiling,
         )
     # The refusals' fix still pins the newest tested release, not the open range.
-    assert _internals.PIN["keras"] == 'pip install "keras>=3.10,<3.16"'
+    assert _internals._pin("keras") == 'pip install "keras>=3.10,<3.16"'
 
 
 def test_the_newest_ci_lane_installs_unpinned_releases_and_records_them():
@@ -342,7 +342,13 @@ def test_every_private_attribute_the_package_uses_is_listed_with_a_probe():
     package = Path(keras_sync.__file__).resolve().parent  # the whole package, every subpackage
     uses = _private_uses(package)
     assert "_initial_epoch" in uses and "_distribute_strategy" in uses  # the scan finds real uses
-    listed = {a for i in _internals.REGISTRY for a in i.attrs}
+    listed = {  # the private attributes the entries' specs name
+        a
+        for i in _internals.REGISTRY
+        for s in i.specs
+        if isinstance(s, str)
+        for a in re.findall(r"\b_[a-z]\w*", s)
+    }
     unlisted = {
         name: where
         for name, where in uses.items()

@@ -14,7 +14,14 @@ from keras_sync.upstream.patching import original, patched
 _TRAINER = "keras.src.backend.tensorflow.trainer"
 
 
-def _resumable_class(base: type) -> type:
+@contextlib.contextmanager
+def resumable_epoch_iterators(made: Callable[[Any], None]) -> Iterator[None]:
+    """For this span, every epoch iterator `fit` builds can `resume_at(epoch, step)`; ``made`` gets
+    each one."""
+    _internals.require("exact_resume")
+    trainer: Any = importlib.import_module(_TRAINER)
+    base: Any = original(trainer, "TFEpochIterator")
+
     class ResumableEpochIterator(base):
         """Keras's epoch iterator, plus `resume_at(epoch, step)`: the epochs done are replayed by
         Keras's own `iter()` calls (a seeded shuffle reshuffles as before), then the resumed
@@ -49,19 +56,8 @@ def _resumable_class(base: type) -> type:
             for _ in range(self.steps_per_execution):
                 next(it)
 
-    return ResumableEpochIterator
-
-
-@contextlib.contextmanager
-def resumable_epoch_iterators(made: Callable[[Any], None]) -> Iterator[None]:
-    """For this span, every epoch iterator `fit` builds can `resume_at(epoch, step)`; ``made`` gets
-    each one."""
-    _internals.require("exact_resume")
-    trainer: Any = importlib.import_module(_TRAINER)
-    cls = _resumable_class(original(trainer, "TFEpochIterator"))
-
     def make_iterator(*args: Any, **kwargs: Any) -> Any:
-        iterator = cls(*args, **kwargs)
+        iterator = ResumableEpochIterator(*args, **kwargs)
         made(iterator)
         return iterator
 

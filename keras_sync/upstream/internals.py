@@ -38,8 +38,6 @@ def _pin(library: str, floor: str | None = None) -> str:
     return f"install TensorFlow {floor or lo}-{newest} of the distribution you use (e.g. {pip})"
 
 
-PIN = {library: _pin(library) for library in RANGES}
-
 Probe = Callable[[], "str | None"]  # None when the shape matches, else what is missing
 
 
@@ -59,11 +57,6 @@ class Internal:
         self.name, self.specs, self.since = name, specs, since
         self.refused, self.alternative = refused, alternative
         self.library = next((s for s in specs if isinstance(s, str)), name).split(".")[0]
-
-    @property
-    def attrs(self) -> set[str]:
-        """The private attributes its specs name (a test checks each use in the package is one)."""
-        return {a for s in self.specs if isinstance(s, str) for a in re.findall(r"\b_[a-z]\w*", s)}
 
 
 def _release(version: str) -> tuple[int, ...]:
@@ -356,7 +349,7 @@ def require(feature: str) -> None:
         return
     libraries = ("mlflow",) if internal.library == "mlflow" else ("keras", "tensorflow")
     versions = ", ".join(f"{_NAMES[m]} {importlib.import_module(m).__version__}" for m in libraries)
-    fix = _pin(internal.library, internal.since) if predates(internal) else PIN[internal.library]
+    fix = _pin(internal.library, internal.since if predates(internal) else None)
     raise CompatibilityError(
         f"{internal.refused} cannot work with {versions}: {gone}. Fix: {fix}, {internal.alternative}."
     )

@@ -19,10 +19,6 @@ from keras_sync.upstream.patching import Patch, original, patched
 _TRAINER = "keras.src.backend.tensorflow.trainer"
 
 
-def _trainer() -> Any:
-    return importlib.import_module(_TRAINER)
-
-
 def _is_multi_worker(strategy: Any) -> bool:
     import tensorflow as tf
 
@@ -73,7 +69,7 @@ def multi_worker_patches() -> list[Patch]:
     _internals.require("multi_worker_fit")
     from keras import tree
 
-    tf_trainer = _trainer()
+    tf_trainer = importlib.import_module(_TRAINER)
     cls = tf_trainer.TensorFlowTrainer
     original_reduce = original(tf_trainer, "reduce_per_replica")
 
@@ -119,7 +115,7 @@ def end_of_data_patches() -> list[Patch]:
     keras_function = _internals.nested_code(_internals.MAKE_FUNCTION, "function")
     if keras_function is not None and "get_next_as_optional" in keras_function.co_names:
         return []  # this Keras has the upstream fix
-    cls = _trainer().TensorFlowTrainer
+    cls = importlib.import_module(_TRAINER).TensorFlowTrainer
     keras_own = original(cls, "_make_function")
 
     @functools.wraps(keras_own)  # the probes read Keras's code through __wrapped__
@@ -178,7 +174,7 @@ def same_data_order_patches(multi_worker: bool) -> list[Patch]:
     with_spec = _internals.available(_internals.SAME_DATA_ORDER)
     if not with_spec and not multi_worker:
         return []
-    cls = _trainer().TensorFlowTrainer
+    cls = importlib.import_module(_TRAINER).TensorFlowTrainer
     keras_own = original(cls, "_maybe_symbolic_build")
 
     def _maybe_symbolic_build(self: Any, iterator: Any = None, data_batch: Any = None) -> Any:

@@ -77,15 +77,13 @@ def set_key(key: str, value: str) -> None:
     _context().set_config_key_value(key, value)
 
 
-def get_key(key: str, timeout_ms: int | None = None) -> str:
+def get_key(key: str, timeout_ms: int) -> str:
     """The value posted under ``key``, waiting at most ``timeout_ms`` (then DeadlineExceededError)."""
-    args = () if timeout_ms is None else (timeout_ms,)
-    return _context().get_config_key_value(key, *args)
+    return _context().get_config_key_value(key, timeout_ms)
 
 
 def peer_health(task: str, timeout_ms: int) -> None:
-    """Raise TensorFlow's error unless ``task`` (``/job:worker/replica:0/task:1``) is alive, as
-    MultiWorkerMirroredStrategy's own health thread asks."""
+    """Raise TensorFlow's error unless ``task`` (``/job:worker/replica:0/task:1``) is alive."""
     _context().check_collective_ops_peer_health(task, timeout_ms)
 
 

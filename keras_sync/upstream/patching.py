@@ -20,19 +20,12 @@ _held: dict[tuple[int, str], list[Any]] = {}
 
 
 def _set(owner: Any, name: str, value: Any) -> None:
-    if isinstance(owner, (type, types.ModuleType)):
-        setattr(owner, name, value)
-    else:  # a Keras object: a plain attribute, not state for its tracker
-        object.__setattr__(owner, name, value)
-
-
-def _restore(owner: Any, name: str, value: Any) -> None:
-    if value is not _MISSING:
-        _set(owner, name, value)
-    elif isinstance(owner, (type, types.ModuleType)):
-        delattr(owner, name)
+    """Set ``owner.name`` (delete it for _MISSING); on a Keras object a plain, untracked attribute."""
+    plain = isinstance(owner, (type, types.ModuleType))
+    if value is _MISSING:
+        (delattr if plain else object.__delattr__)(owner, name)
     else:
-        object.__delattr__(owner, name)
+        (setattr if plain else object.__setattr__)(owner, name, value)
 
 
 def original(owner: Any, name: str) -> Any:
@@ -74,4 +67,4 @@ def patched(patches: Iterable[Patch]) -> Iterator[None]:
                 slot[0] -= 1
                 if slot[0] == 0:
                     del _held[key]
-                    _restore(slot[1], key[1], slot[2])
+                    _set(slot[1], key[1], slot[2])

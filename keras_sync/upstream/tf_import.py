@@ -54,7 +54,6 @@ def import_tensorflow() -> None:
             os.close(saved)
             held.seek(0)
             raw = held.read()
-            failed = "tensorflow" not in sys.modules
-            text = raw if failed else quiet_lines(raw)
+            text = quiet_lines(raw) if "tensorflow" in sys.modules else raw  # failed: every line
             if text:
                 os.write(2, text)
