@@ -18,9 +18,8 @@ def from_float16(grad: Any) -> bool:
     """Whether a replica's local ``grad`` was computed in float16 (a float16 gradient cast back)."""
     import tensorflow as tf
 
-    op = getattr(
-        grad.values if isinstance(grad, tf.IndexedSlices) else grad, "op", None
-    )  # eager: none
+    tensor = grad.values if isinstance(grad, tf.IndexedSlices) else grad
+    op = getattr(tensor, "op", None)  # an eager tensor has none
     return op is not None and op.type == "Cast" and op.inputs[0].dtype == tf.float16
 
 

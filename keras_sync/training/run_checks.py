@@ -35,9 +35,11 @@ def step_problem(examples: int, steps: int, global_batch: int) -> str | None:
     """
     if steps <= 0 or (steps - 1) * global_batch < examples <= steps * global_batch:
         return None
+    per = examples / steps
+    per_text = f"{per:g}" if per == int(per) else f"{per:.1f}"
     return (
-        f"{steps} train steps took {examples} examples ({round(examples / steps, 1):g} per step), "
-        f"but the learning rate was scaled for a global batch of {global_batch}"
+        f"{steps} train steps took {examples} examples ({per_text} per step), but the learning "
+        f"rate was scaled for a global batch of {global_batch}"
     )
 
 

@@ -191,9 +191,7 @@ def _load_weights(model: Any, path: Path) -> None:
     with np.load(path) as saved:
         values = [saved[k] for k in sorted(saved.files)]
     weights = model.weights
-    if len(values) != len(weights) or any(
-        tuple(v.shape) != a.shape for v, a in zip(weights, values)
-    ):
+    if [tuple(v.shape) for v in weights] != [a.shape for a in values]:
         raise UsageError(
             f"verify: the reference's model ({len(weights)} weights) is not the recorded one "
             f"({len(values)} weights in {path}). Run the same script and model on both runs."
