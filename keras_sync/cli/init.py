@@ -69,10 +69,8 @@ def command(
         for path, text in contents.items():
             path.write_text(text, encoding="utf-8")
     except OSError as exc:
-        raise UserError(
-            f"Cannot write into {str(root)!r}: {exc.strerror or exc}. "
-            "Expected a writable directory; choose another one."
-        ) from None
+        fix = "Expected a writable directory; choose another one."
+        raise UserError(f"Cannot write into {str(root)!r}: {exc.strerror or exc}. {fix}") from None
     click.echo("\n".join(f"wrote {path}" for path in contents))
     spec = KINDS[kind]  # without a GPU, one replica per process unless the CPU is split
     if not count_gpus_cheaply() and spec.simulated_cpus and spec.layout == LAYOUT_LOCAL:

@@ -140,15 +140,12 @@ def _load(folder: Path, what: str) -> Run:
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise UserError(
-            f"verify: {what} wrote no recording ({path}: {getattr(exc, 'strerror', None) or exc}). "
-            "Expected a script that calls sync.fit (keras-sync's three lines) under "
-            "$KERAS_SYNC_VERIFY_RECORD."
-        ) from None
+        why = f"{path}: {getattr(exc, 'strerror', None) or exc}"
+        expected = "Expected a script that calls sync.fit under $KERAS_SYNC_VERIFY_RECORD."
+        raise UserError(f"verify: {what} wrote no recording ({why}). {expected}") from None
     if not record.get("steps"):
-        raise UserError(
-            f"verify: {what} recorded no optimizer step ({path}); expected sync.fit to train at least one"
-        )
+        expected = "Expected sync.fit to train at least one."
+        raise UserError(f"verify: {what} recorded no optimizer step ({path}). {expected}")
     return record
 
 
