@@ -56,6 +56,18 @@ def test_compare_of_a_folder_without_a_recording_names_it(tmp_path: Path) -> Non
     assert "Traceback" not in result.stderr
 
 
+def test_compare_of_a_recording_without_steps_names_it(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text("")
+    (tmp_path / "rec").mkdir()
+    (tmp_path / "rec" / "record.json").write_text('{"steps": []}')
+    result = run("verify", "--compare", "rec", "train.py", cwd=tmp_path)
+    assert (result.returncode, result.stderr) == (
+        2,
+        "verify: the distributed run (rec) recorded no optimizer step (rec/record.json). "
+        "Expected sync.fit to train at least one.\n",
+    )
+
+
 def test_a_script_that_fails_is_a_usage_error_with_its_last_lines(tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text("raise SystemExit('no data here')\n")
     result = run("verify", "train.py", cwd=tmp_path)
