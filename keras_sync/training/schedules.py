@@ -65,10 +65,8 @@ class GradualWarmup(keras.optimizers.schedules.LearningRateSchedule):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> GradualWarmup:
-        config = dict(config)
-        if config.get("after") is not None:
-            config["after"] = keras.optimizers.schedules.deserialize(config["after"])
-        return cls(**config)
+        after = config.get("after")
+        return cls(**{**config, "after": after and keras.optimizers.schedules.deserialize(after)})
 
 
 def check_lr_callbacks(model: Any, callbacks: Any, method: str = "fit") -> None:
