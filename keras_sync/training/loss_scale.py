@@ -56,9 +56,14 @@ def apply_summed(
     trainable_variables: Any,
     half: list[bool] | None = None,
 ) -> Any:
-    """``apply_fn`` on the first replica's sum (the others' zeros), so the optimizer clips and skips as
-    one device does; with ``half`` (float16 gradients) a sum not finite in float16 skips (NaNs)."""
+    """``apply_fn`` on the replicas' summed gradients, so the optimizer clips and skips as one device
+    does; with ``half`` (float16 gradients) a sum not finite in float16 skips (NaNs). The sums pass
+    Keras's own all-reduce (`keras_fixes.sums_pass_through`); without that, the first replica hands
+    over the sum and the others zeros, which Keras sums again."""
     import tensorflow as tf
+
+    from keras_sync.upstream.keras_fixes import sums_pass_through
+    from keras_sync.upstream.patching import patched
 
     if half is not None:
         grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
@@ -73,10 +78,13 @@ def apply_summed(
         if half is not None:
             limit = tf.cast(FLOAT16_OVERFLOW if half[i] else float("inf"), s.dtype)
             skip = skip | ~tf.reduce_all(tf.math.is_finite(s)) | tf.reduce_any(tf.abs(s) >= limit)
+    passing = sums_pass_through(optimizer)
     first = tf.equal(ctx.replica_id_in_sync_group, 0)
     out = list(grads)
     for i, s in zip(present, summed):
-        if isinstance(s, tf.IndexedSlices):
+        if passing is not None:
+            mine = s
+        elif isinstance(s, tf.IndexedSlices):
             mine = tf.IndexedSlices(
                 s.values * tf.cast(first, s.values.dtype), s.indices, s.dense_shape
             )
@@ -85,7 +93,8 @@ def apply_summed(
         if half is not None:
             mine = tf.where(skip, tf.fill(tf.shape(s), tf.constant(float("nan"), s.dtype)), mine)
         out[i] = mine
-    return apply_fn(out, trainable_variables)
+    with patched(passing or []):
+        return apply_fn(out, trainable_variables)
 
 
 def merging_update_step(update_step: Callable[..., Any]) -> Callable[..., Any]:

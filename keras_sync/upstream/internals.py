@@ -134,10 +134,11 @@ _SYMBOLIC_BUILD = f"{_TF_TRAINER}._maybe_symbolic_build(self, iterator, data_bat
 LOSS = "keras.src.losses.loss"
 MAKE_FUNCTION = f"{_TF_TRAINER}._make_function"
 DEVICE_DATASET = f"{_MULTI_DEVICE}:_create_device_dataset"
+_TF_OPTIMIZER = "keras.src.backend.tensorflow.optimizer:TFOptimizer"
 # Fallback entries, by name: a public path (or nothing) is taken when their probe fails.
 END_OF_DATA, BARRIER, GLOBAL_SEED = "end_of_data", "coordination_barrier", "global_seed"
 EPOCH_ITERATOR_RESET, SAME_DATA_ORDER = "iterator_reset", "same_data_order"
-DATASET_GRAPH = "dataset_graph"
+DATASET_GRAPH, SUMS_PASS_THROUGH = "dataset_graph", "sums_pass_through"
 
 
 def _end_of_data() -> str | None:
@@ -291,6 +292,12 @@ REGISTRY: tuple[Internal, ...] = (
         f"{_DATA_OPS}.interleave_op:_InterleaveDataset.__init__ | "
         f"{_DATA_OPS}.interleave_op:_ParallelInterleaveDataset.__init__ | "
         f"{_DATA_OPS}.flat_map_op:_FlatMapDataset.__init__ uses _map_func",
+    ),
+    # keras_fixes.sums_pass_through: gradients summed once, before the optimizer clips or skips.
+    Internal(
+        SUMS_PASS_THROUGH,
+        f"{_TF_OPTIMIZER}._backend_update_step uses _all_reduce_sum_gradients",
+        f"{_TF_OPTIMIZER} has _all_reduce_sum_gradients",
     ),
     # callbacks/system_metrics.py: MLflow samples system metrics on its own clock only.
     Internal(

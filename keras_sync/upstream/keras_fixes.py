@@ -356,6 +356,15 @@ def device_dataset_patches() -> list[Patch]:
     return [(module, "_create_device_dataset", _create_device_dataset)]
 
 
+def sums_pass_through(optimizer: Any) -> list[Patch] | None:
+    """The patch that lets summed gradients pass the optimizer's own all-reduce unchanged while a
+    replica traces its apply (one all-reduce, not two); None when this Keras moved it."""
+    if not _internals.available(_internals.SUMS_PASS_THROUGH):
+        return None
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    return [(inner, "_all_reduce_sum_gradients", lambda grads_and_vars: list(grads_and_vars))]
+
+
 def check_steps_per_execution(model: Any, strategy: Any) -> None:
     """Refuse ``steps_per_execution > 1`` on several workers when fix 3 cannot apply."""
     if int(getattr(model, "steps_per_execution", 1) or 1) > 1 and _is_multi_worker(strategy):
