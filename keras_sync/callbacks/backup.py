@@ -281,13 +281,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._barrier()  # no worker leaves while another still takes part in the save
         self._preemption.done()
         name, code = signal_name(self._preemption.signum), exit_code(self._preemption.signum)
-        message = None
-        if self._is_chief and saved:
+        where = f"optimizer step {self._newest}" if self._newest is not None else "the start"
+        message = f"{name}: the backup at optimizer step {self._iterations()} could not be written (said above); exiting with code {code}. A relaunch resumes from {where}."
+        if saved:
             message = f"{name}: saved a backup in {self.backup_dir} at epoch {self._epoch + 1}, after batch {self._step} (optimizer step {self._iterations()}); exiting with code {code}. Relaunch the job to resume from there."
-        elif self._is_chief:
-            where = f"optimizer step {self._newest}" if self._newest is not None else "the start"
-            message = f"{name}: the backup at optimizer step {self._iterations()} could not be written (said above); exiting with code {code}. A relaunch resumes from {where}."
-        exit_now(code, message)
+        exit_now(code, message if self._is_chief else None)
 
     def on_train_end(self, logs: Any = None) -> None:
         self._check_restored_state_held()  # restored after the last epoch: no epoch began

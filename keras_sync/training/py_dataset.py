@@ -28,7 +28,7 @@ class GeneratorBatches:
         self._ended = False
         self._lock = threading.Lock()
 
-    def get(self, i: int) -> Any:
+    def __getitem__(self, i: int) -> Any:
         """Batch ``i``, or None past the generator's end."""
         with self._lock:
             while self._next <= i and not self._ended:  # None: the generator's end
@@ -40,13 +40,6 @@ class GeneratorBatches:
                 return self._kept.get(i)
         msg = f"keras-sync was asked for batch {i} of a Python generator again after {self._next - i} newer ones; it keeps the last {self._keep}. Fix: give the data as a keras.utils.PyDataset or a tf.data.Dataset."
         raise UsageError(msg)
-
-    def __getitem__(self, i: int) -> Any:
-        batch = self.get(i)
-        if batch is None:
-            msg = "the Python generator given to sync.fit yielded no batch. Fix: give it at least one."
-            raise UsageError(msg)
-        return batch
 
 
 def python_batches(x: Any, method: str, kwargs: dict[str, Any]) -> GeneratorBatches | None:
@@ -81,15 +74,17 @@ def py_dataset_batches(pyds: Any) -> tuple[Any, int, int | None]:
     except NotImplementedError:
         msg = f"sync.fit received a keras.utils.PyDataset without a length ({type(pyds).__name__} has neither __len__ nor num_batches); keras-sync reads a PyDataset by index, each batch once per epoch. Fix: give it __len__, or a num_batches property (None for an endless one, with steps_per_epoch in fit)."
         raise UsageError(msg) from None
-    if n is not None and n < 1:
-        msg = f"sync.fit received an empty keras.utils.PyDataset ({type(pyds).__name__}, 0 batches). Fix: give it at least one batch."
-        raise UsageError(msg)
     generator = isinstance(pyds, GeneratorBatches)
-    first = _standardize(pyds[0])
+    first = pyds[0] if n is None or n > 0 else None
+    if first is None:
+        what = "Python generator" if generator else f"keras.utils.PyDataset ({type(pyds).__name__})"
+        msg = f"sync.fit received an empty {what}, 0 batches. Fix: give it at least one batch."
+        raise UsageError(msg)
+    first = _standardize(first)
     flat = [np.asarray(a) for a in tf.nest.flatten(first)]
 
     def read(i: Any) -> list[Any]:
-        batch = pyds.get(int(i)) if generator else pyds[int(i)]
+        batch = pyds[int(i)]
         if batch is None:  # past a generator's end: a False flag and empty parts
             return [np.bool_(False)] + [np.zeros((0,) + a.shape[1:], a.dtype) for a in flat]
         return [np.bool_(True)] + [np.asarray(a) for a in tf.nest.flatten(_standardize(batch))]
