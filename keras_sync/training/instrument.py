@@ -119,8 +119,9 @@ class ReplicaProbe:
                 n=n,
                 example_weight=weight,
                 stamp=_stamp if timed else None,
+                policy=probe.gradients or "sum",
+                accumulator=probe.accumulator,
             )
-            seen.update(policy=probe.gradients or "sum", accumulator=probe.accumulator)
             with trace.capture(model, seen):
                 logs = original(data)
             probe._announce(seen["applies"])

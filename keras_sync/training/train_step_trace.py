@@ -125,8 +125,13 @@ def seen() -> dict[str, Any] | None:
 
 @contextlib.contextmanager
 def capture(model: Any, record: dict[str, Any]) -> Iterator[None]:
-    """While one replica traces ``model.train_step``: fill ``record`` (what the step computed, per
-    ``apply`` what divided its loss), and average a custom step's gradients."""
+    """While one replica traces ``model.train_step``: fill ``record``, average a custom step's gradients.
+
+    ``record`` holds ``custom_step``, ``policy``, ``n``, ``accumulator``, ``example_weight`` and
+    ``stamp``; it gets ``loss`` (Keras's step) or ``tape_loss``, ``grads``, ``loss_scale``,
+    ``reached`` and, per ``apply`` in ``applies``, the optimizer's ``id`` and attribute,
+    ``scaled_by`` (what divided its loss) and ``factor``.
+    """
     record.update(grads=[], marks={}, targets={}, read_n=False, applies=[], reached=None)
     from keras_sync.upstream.patching import patched
     from keras_sync.upstream.replica_seeds import per_replica_seeds
@@ -262,7 +267,7 @@ def _model_patches(model: Any, custom_step: bool) -> list[Any]:
 
 def _scaling(scale_loss: Any) -> Any:
     """A `LossScaleOptimizer.scale_loss` that divides an undivided loss by N before the float16
-    backward pass, as a Keras loss does (after it, the gradients overflow at half the scale)."""
+    backward pass, as a Keras loss does (divided later, the gradients overflow at half the scale)."""
 
     def scale_loss_shim(loss: Any) -> Any:
         out, record = scale_loss(loss), seen()
