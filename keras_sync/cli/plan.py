@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,17 +21,9 @@ _FLAGS: dict[str, tuple[str, Any]] = {
 }
 
 
-def _override_options(command: Callable[..., None]) -> Callable[..., None]:
-    for name, (key, kind) in reversed(_FLAGS.items()):  # click lists the last one applied first
-        flag = "--" + name.replace("_", "-")
-        command = click.option(flag, type=kind, help=f"Override {key}.")(command)
-    return command
-
-
 @click.command("plan")
 @click.argument("config", required=False, type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print JSON: every value with its source.")
-@_override_options
 def command(config: str | None, as_json: bool, **flags: object) -> None:
     """Show what a run with CONFIG would use, and where each value came from.
 
@@ -47,6 +39,11 @@ def command(config: str | None, as_json: bool, **flags: object) -> None:
         overrides.update(dict.fromkeys(batches - overrides.keys()))
     plan = make_plan(load_config(config, overrides=overrides))
     click.echo(json.dumps(plan.to_dict(), indent=2) if as_json else plan.format())
+
+
+for _name, (_key, _type) in _FLAGS.items():  # the override flags, after --json
+    _flag = "--" + _name.replace("_", "-")
+    command.params.append(click.Option([_flag], type=_type, help=f"Override {_key}."))
 
 
 @dataclass(frozen=True)

@@ -93,13 +93,10 @@ def command(
     try:
         if recording is None:
             launch = ["-m", "keras_sync.launch", "-n", str(workers)] if workers else []
-            record = {VERIFY_RECORD_ENV: str(subject_dir), VERIFY_STEPS_ENV: str(steps)}
-            _run("distributed run", [*launch, script, *args], {**env, **record})
+            _run("distributed run", [*launch, script, *args], env, subject_dir, steps)
         subject = _load(subject_dir, f"the distributed run ({subject_dir})")
-        replay, done = str(subject_dir.resolve()), str(len(subject["steps"]))
-        record = {VERIFY_RECORD_ENV: str(reference_dir), VERIFY_REPLAY_ENV: replay}
-        record[VERIFY_STEPS_ENV] = done
-        _run("one-device reference", [script, *args], {**env, **record})
+        replay = {**env, VERIFY_REPLAY_ENV: str(subject_dir.resolve())}
+        _run("one-device reference", [script, *args], replay, reference_dir, len(subject["steps"]))
         reference = _load(reference_dir, "the one-device reference")
         layers = _layer_differences(subject_dir, reference_dir)
         facts, replicas = subject["facts"], subject["replicas"]
@@ -118,11 +115,11 @@ def command(
     sys.exit(0 if result.same else 1)
 
 
-def _run(what: str, args: list[str], env: dict[str, str]) -> None:
-    """Run one half into a fresh recording, its output in ``<recording>.log``."""
-    record = Path(env[VERIFY_RECORD_ENV])
+def _run(what: str, args: list[str], env: dict[str, str], record: Path, steps: int) -> None:
+    """Run one half for ``steps`` steps into a fresh recording, its output in ``<record>.log``."""
     shutil.rmtree(record, ignore_errors=True)
     click.echo(f"verify: {what}: {' '.join(args)}", err=True)
+    env = {**env, VERIFY_RECORD_ENV: str(record), VERIFY_STEPS_ENV: str(steps)}
     log = record.with_suffix(".log")
     with log.open("w") as out:
         code = subprocess.call(

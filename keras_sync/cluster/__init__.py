@@ -386,12 +386,10 @@ def _cluster_key(cluster: Any, task_type: Any = None, task_id: Any = None) -> st
 def _tf_config_key(raw: str | None) -> str | None:
     try:
         data = json.loads(raw) if raw and raw.strip() else {}
-    except json.JSONDecodeError:
+        task = data.get("task") or {}
+        return _cluster_key(data.get("cluster"), task.get("type"), task.get("index"))
+    except (ValueError, AttributeError):  # not JSON, or not an object: compared as written
         return raw
-    if not isinstance(data, dict):
-        return None
-    task = data.get("task") or {}
-    return _cluster_key(data.get("cluster"), task.get("type"), task.get("index"))
 
 
 def check_tf_config_order(raw: str | None = None, *, env: Env = None) -> None:

@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from typing import IO
 
+from keras_sync.cluster.preemption import exit_code, signal_name
 from keras_sync.config import CONFIG_ENV
 from keras_sync.errors import KerasSyncError, UsageError
 
@@ -176,12 +177,9 @@ def _supervise(procs: Procs, stop: list[int], grace_period_s: float) -> tuple[in
     while True:
         codes = [p.poll() for p in procs]
         if result is None and stop:
-            result, ctrl_c = 128 + stop[0], stop[0] == signal.SIGINT
-            name = "Ctrl-C" if ctrl_c else signal.Signals(stop[0]).name
-            _say(
-                f"{name}: stopping {len(procs)} worker(s)"
-                + "; Ctrl-C again to kill them at once" * ctrl_c
-            )
+            result, name = exit_code(stop[0]), signal_name(stop[0])  # only SIGINT, SIGTERM come
+            again = "; Ctrl-C again to kill them at once" if name == "Ctrl-C" else ""
+            _say(f"{name}: stopping {len(procs)} worker(s){again}")
             _signal_groups(procs, stop[0])
             kill_at = time.monotonic() + grace_period_s
         # A shell-style exit code: a death by signal N becomes 128 + N.
