@@ -22,8 +22,6 @@ def worker_times(
 ) -> dict[str, float]:
     """`BETWEEN_KEY` and `COMPUTE_KEY` per worker (ms): its replicas' largest time (us; < 0: none)."""
     out: dict[str, float] = {}
-    if num_workers < 2 or not between_us or len(between_us) % num_workers:
-        return out
     per = len(between_us) // num_workers
     for w in range(num_workers):
         for key, times in ((BETWEEN_KEY, between_us), (COMPUTE_KEY, computes_us)):
