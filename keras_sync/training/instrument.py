@@ -58,8 +58,6 @@ class ReplicaProbe:
         self.host: Any = np.full((self.ring + 1, 1), -1, np.int64)
         self._components = list(self.strategy.experimental_local_results(self.var))
         self._gather = _gather_fn(self.var, self.strategy)  # traced at its first call
-        #: What the last trace of replica 0 saw (scaled_by, factor[, per_optimizer]).
-        self.last_trace: dict[str, Any] = {}
         #: The attributes of the optimizers the traced step applied, in order.
         self.applied: list[str] = []
         self._told = False
@@ -150,16 +148,10 @@ class ReplicaProbe:
         return train_step
 
     def _announce(self, applies: list[dict[str, Any]]) -> None:
-        """Keep what replica 0's trace saw; on the chief, say once what keras-sync divides."""
+        """Keep the optimizers replica 0's trace applied; on the chief, say once what keras-sync divides."""
         if not applies:
             return
-        names = [a["optimizer"] for a in applies]
-        self.last_trace = {"scaled_by": applies[0]["scaled_by"], "factor": applies[0]["factor"]}
-        if len(set(names)) > 1:
-            self.last_trace["per_optimizer"] = {
-                a["optimizer"]: [a["scaled_by"], a["factor"]] for a in applies
-            }
-        self.applied = list(dict.fromkeys(names))
+        self.applied = list(dict.fromkeys(a["optimizer"] for a in applies))
         if self.custom_step and not self._told and strategy_role(self.strategy).is_chief:
             self._told = True
             for line in trace.trace_lines(self.model, self.num_replicas, applies, self.gradients):

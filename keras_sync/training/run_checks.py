@@ -281,14 +281,12 @@ def checks_callback(
 
 def _fit_on_purpose(args: Any, kwargs: dict[str, Any]) -> bool:
     """Whether a plain ``model.fit`` is on purpose: with keras-sync's callbacks or batched data."""
-    from keras_sync.training import pipeline
+    from keras_sync.training.pipeline import is_dataset
+    from keras_sync.training.py_dataset import is_py_dataset
 
-    data = args[0] if args else kwargs.get("x")
-    batched = (
-        pipeline.is_dataset(data) or hasattr(data, "num_batches") and hasattr(data, "__getitem__")
-    )
-    callbacks = kwargs.get("callbacks") or []
-    return batched or any(type(c).__module__.startswith("keras_sync.") for c in callbacks)
+    data, callbacks = args[0] if args else kwargs.get("x"), kwargs.get("callbacks") or []
+    ours = any(type(c).__module__.startswith("keras_sync.") for c in callbacks)
+    return is_dataset(data) or is_py_dataset(data) or ours
 
 
 @contextlib.contextmanager

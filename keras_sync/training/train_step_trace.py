@@ -237,7 +237,6 @@ def _reading(getter: Any) -> Any:
 
 def _model_patches(model: Any, custom_step: bool) -> list[Any]:
     """Instance shims on ``model`` and its optimizers for one trace."""
-    from keras_sync.training.loss_scale import merging_update_step, with_inner
     from keras_sync.upstream.patching import original
 
     patches = []
@@ -252,9 +251,9 @@ def _model_patches(model: Any, custom_step: bool) -> list[Any]:
 
         patches.append((model, "_compute_loss", _compute_loss))
     named = named_optimizers(model)
-    for optimizer in with_inner(list(named.values())):
+    for optimizer in _loss_scale.with_inner(list(named.values())):
         # Each row of a sparse gradient once, after the all-reduce (see keras_sync.training.loss_scale).
-        update_step = merging_update_step(original(optimizer, "update_step"))
+        update_step = _loss_scale.merging_update_step(original(optimizer, "update_step"))
         patches.append((optimizer, "update_step", update_step))
     for name, optimizer in named.items():
         patches.append(
