@@ -9,14 +9,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import tensorflow as tf
+from keras import ops
+
 from keras_sync.errors import UsageError
 from keras_sync.training.loss_scale import no_merge_call
 
 
 def replica_local(initial: Any, name: str) -> Any:
     """A variable with one copy per replica, never all-reduced nor trained (create it in the scope)."""
-    import tensorflow as tf
-
     return tf.Variable(
         initial,
         name=name,
@@ -30,8 +31,6 @@ class GradientAccumulator:
     """Per-replica gradient sums for the variables of ``model``, and the accumulating ``apply``."""
 
     def __init__(self, model: Any, steps: int):
-        import tensorflow as tf
-
         self.steps, self.optimizer = int(steps), model.optimizer
         self._strategy, self._vars = model.distribute_strategy, list(model.trainable_variables)
         self._index = {id(v): i for i, v in enumerate(self._vars)}
@@ -49,9 +48,6 @@ class GradientAccumulator:
 
     def apply(self, apply_fn: Any, grads: list[Any], trainable_variables: Any) -> None:
         """Add ``grads`` to this replica's sums; on every N-th call, ``apply_fn`` their mean."""
-        import tensorflow as tf
-        from keras import ops
-
         tvs = self._vars if trainable_variables is None else list(trainable_variables)
         if any(id(v) not in self._index for v in tvs):
             raise UsageError(

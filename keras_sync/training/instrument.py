@@ -10,16 +10,19 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import keras
+import numpy as np
+import tensorflow as tf
+
 from keras_sync.cluster import strategy_role
 from keras_sync.training import train_step_trace as trace
 from keras_sync.training.accumulate import replica_local
+from keras_sync.upstream import internals as _internals
 from keras_sync.upstream.strategy_facts import in_multi_worker_mode
 
 
 def has_default_train_step(model: Any) -> bool:
     """True when the model uses Keras's own TensorFlow `train_step` (no override)."""
-    import keras
-
     return getattr(type(model), "train_step", None) is keras.Model.train_step
 
 
@@ -34,16 +37,11 @@ class ReplicaProbe:
     def __init__(
         self, model: Any, ring: int = 64, gradients: str | None = None, accumulator: Any = None
     ):
-        import numpy as np
-        import tensorflow as tf
-
         self.model, self.strategy = model, model.distribute_strategy
         self.num_replicas = int(self.strategy.num_replicas_in_sync)
         self.custom_step = not has_default_train_step(model)
         self.gradients, self.accumulator = gradients, accumulator
         if not self.custom_step:
-            from keras_sync.upstream import internals as _internals
-
             _internals.require("per_replica_metrics")  # what the shims shadow must still be called
         #: Rows of the ring: the steps a reader may fall behind (with room for steps_per_execution).
         self.ring = max(int(ring), 4 * int(getattr(model, "steps_per_execution", 1) or 1))
@@ -67,9 +65,6 @@ class ReplicaProbe:
     def read(self) -> list[Any]:
         """Every replica's ring (``(ring + 1, 8)`` float64), replica 0 first; the last row's
         ``COUNT`` is the steps so far. A collective under multi-worker: every worker calls it."""
-        import numpy as np
-        import tensorflow as tf
-
         if self.multi_worker:
             return [_decode(r) for r in self._gather(tf.constant(self.host)).numpy()]
         # The raw read op of each per-device component: ~3x faster than through the distributed variable.
@@ -100,8 +95,6 @@ class ReplicaProbe:
 
     def step_fn(self, original: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """The instrumented `train_step`: ``original`` plus the writes of this replica's values."""
-        import tensorflow as tf
-
         model, var, n, ring, probe = self.model, self.var, self.num_replicas, self.ring, self
 
         def train_step(data: Any) -> Any:
@@ -197,7 +190,6 @@ def applied_optimizers(model: Any) -> list[tuple[str, Any]]:
 
 def _gather_fn(var: Any, strategy: Any) -> Callable[[Any], Any]:
     """Every replica's ring with this worker's host column, gathered from all workers."""
-    import tensorflow as tf
 
     def replica_fn(host: Any) -> Any:
         row = tf.expand_dims(tf.concat([tf.identity(var), host], axis=1), 0)
@@ -212,8 +204,6 @@ def _gather_fn(var: Any, strategy: Any) -> Callable[[Any], Any]:
 
 def _replica_values(seen: dict[str, Any], n: int) -> tuple[Any, Any, Any]:
     """(loss, grad norm, loss scale) of this replica as float32, scaled like one device's."""
-    import tensorflow as tf
-
     nan = tf.constant(float("nan"), tf.float32)
     custom, applies = seen["custom_step"], seen["applies"]
     # The loss was divided by n (by Keras or the user) unless keras-sync averages the gradients.
@@ -236,8 +226,6 @@ def _example_weight(size: Any, n: int) -> Any:
     on an even split, else what makes the summed gradients those of the global batch's mean."""
     if n <= 1:
         return None
-    import tensorflow as tf
-
     local = tf.cast(size, tf.float32)
     total = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, local)
     return tf.math.divide_no_nan(local * float(n), total)
@@ -245,16 +233,12 @@ def _example_weight(size: Any, n: int) -> Any:
 
 def _stamp(after: list[Any]) -> Any:
     """``tf.timestamp()`` (seconds) once every tensor of ``after`` is computed."""
-    import tensorflow as tf
-
     with tf.control_dependencies([t for t in after if t is not None]):
         return tf.timestamp()
 
 
 def _decode(ring: Any) -> Any:
     """The int64 ring -> float64 numpy, float columns back from their bits."""
-    import numpy as np
-
     out = ring.astype(np.float64)
     for col in ReplicaProbe._FLOAT_COLUMNS:
         out[:, col] = ring[:, col].astype(np.uint32).view(np.float32)
@@ -262,14 +246,10 @@ def _decode(ring: Any) -> Any:
 
 
 def _bits(x: Any) -> Any:
-    import tensorflow as tf
-
     return tf.cast(tf.bitcast(tf.cast(x, tf.float32), tf.uint32), tf.int64)
 
 
 def _learning_rate(optimizer: Any) -> Any:
-    import tensorflow as tf
-
     try:
         return tf.cast(optimizer.learning_rate, tf.float32)
     except Exception:
@@ -277,8 +257,6 @@ def _learning_rate(optimizer: Any) -> Any:
 
 
 def _batch_size(data: Any) -> Any:
-    import tensorflow as tf
-
     for t in tf.nest.flatten(data):
         if t is not None and hasattr(t, "shape") and len(t.shape) > 0:
             return tf.shape(t)[0]

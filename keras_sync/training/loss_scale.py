@@ -10,14 +10,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import tensorflow as tf
+
+from keras_sync.upstream.keras_fixes import sums_pass_through
+from keras_sync.upstream.patching import patched
+
 #: The smallest magnitude float16 rounds to inf: its largest finite value 65504 plus half a step (16).
 FLOAT16_OVERFLOW = 65520.0
 
 
 def from_float16(grad: Any) -> bool:
     """Whether a replica's local ``grad`` was computed in float16 (a float16 gradient cast back)."""
-    import tensorflow as tf
-
     tensor = grad.values if isinstance(grad, tf.IndexedSlices) else grad
     op = getattr(tensor, "op", None)  # an eager tensor has none
     return op is not None and op.type == "Cast" and op.inputs[0].dtype == tf.float16
@@ -25,8 +28,6 @@ def from_float16(grad: Any) -> bool:
 
 def applies_here(optimizer: Any, num_replicas: int) -> bool:
     """Whether ``optimizer`` is a LossScaleOptimizer whose finite decision needs the summed gradients."""
-    import tensorflow as tf
-
     return (
         num_replicas > 1
         and hasattr(optimizer, "dynamic_scale")
@@ -37,8 +38,6 @@ def applies_here(optimizer: Any, num_replicas: int) -> bool:
 
 def no_merge_call() -> bool:
     """TensorFlow's own test (Keras's `LossScaleOptimizer` uses it): XLA on GPUs runs without merge_call."""
-    import tensorflow as tf
-
     return bool(getattr(tf.__internal__.distribute, "strategy_supports_no_merge_call", bool)())
 
 
@@ -60,11 +59,6 @@ def apply_summed(
     does; with ``half`` (float16 gradients) a sum not finite in float16 skips (NaNs). The sums pass
     Keras's own all-reduce (`keras_fixes.sums_pass_through`); without that, the first replica hands
     over the sum and the others zeros, which Keras sums again."""
-    import tensorflow as tf
-
-    from keras_sync.upstream.keras_fixes import sums_pass_through
-    from keras_sync.upstream.patching import patched
-
     if half is not None:
         grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
     ctx = tf.distribute.get_replica_context()
@@ -99,7 +93,6 @@ def apply_summed(
 
 def merging_update_step(update_step: Callable[..., Any]) -> Callable[..., Any]:
     """``update_step`` with each row of a `tf.IndexedSlices` gradient once (values summed)."""
-    import tensorflow as tf
 
     def step(gradient: Any, variable: Any, lr: Any) -> Any:
         if isinstance(gradient, tf.IndexedSlices):

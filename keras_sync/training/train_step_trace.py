@@ -15,7 +15,14 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import keras
+import tensorflow as tf
+
+from keras_sync.errors import UsageError
 from keras_sync.training import loss_scale as _loss_scale
+from keras_sync.upstream import keras_losses
+from keras_sync.upstream.patching import original, patched
+from keras_sync.upstream.replica_seeds import per_replica_seeds
 
 #: What marks a loss keras-sync itself divided in a `LossScaleOptimizer.scale_loss` (mixed_float16).
 AT_SCALE_LOSS = "keras-sync, at scale_loss"
@@ -26,8 +33,6 @@ _tls = threading.local()
 
 def named_optimizers(model: Any) -> dict[str, Any]:
     """The model's optimizers (a GAN's two) by attribute name, ``optimizer`` first."""
-    import keras
-
     found: dict[str, Any] = {}
     for name, value in [("optimizer", getattr(model, "optimizer", None)), *vars(model).items()]:
         if isinstance(value, keras.optimizers.Optimizer) and value not in found.values():
@@ -94,11 +99,6 @@ def trace_lines(model: Any, n: int, applies: list[dict[str, Any]], policy: str |
 
 def check_probes() -> None:
     """Refuse (one line) when this Keras/TensorFlow no longer has what `capture` shims."""
-    import tensorflow as tf
-
-    from keras_sync.errors import UsageError
-    from keras_sync.upstream import keras_losses
-
     missing = keras_losses.missing()
     if not callable(getattr(tf.nn, "compute_average_loss", None)):
         missing.append("no tf.nn.compute_average_loss")
@@ -133,9 +133,6 @@ def capture(model: Any, record: dict[str, Any]) -> Iterator[None]:
     ``scaled_by`` (what divided its loss) and ``factor``.
     """
     record.update(grads=[], marks={}, targets={}, read_n=False, applies=[], reached=None)
-    from keras_sync.upstream.patching import patched
-    from keras_sync.upstream.replica_seeds import per_replica_seeds
-
     _tls.seen = record
     try:
         # Keras random ops draw per replica too (see keras_sync.upstream.replica_seeds).
@@ -175,11 +172,6 @@ def _scaled_by(record: dict[str, Any], targets: list[Any]) -> str | None:
 
 def _global_patches() -> list[Any]:
     """Module and class shims that mark divided losses and note a tape's target (record in ours)."""
-    import tensorflow as tf
-
-    from keras_sync.upstream import keras_losses
-    from keras_sync.upstream.patching import original
-
     keras_loss = keras_losses.module()
     scale_fn = original(keras_loss, "scale_loss_for_distribution")
     reduce_fn = original(keras_loss, "reduce_values")
@@ -237,8 +229,6 @@ def _reading(getter: Any) -> Any:
 
 def _model_patches(model: Any, custom_step: bool) -> list[Any]:
     """Instance shims on ``model`` and its optimizers for one trace."""
-    from keras_sync.upstream.patching import original
-
     patches = []
     if not custom_step:
         compute_loss = original(model, "_compute_loss")
@@ -275,8 +265,6 @@ def _scaling(scale_loss: Any) -> Any:
         what = _scaled_by(record, [loss])
         if record["policy"] == "sum" or (record["policy"] == "auto" and what is not None):
             return out
-        import tensorflow as tf
-
         return _mark(out * tf.cast(1.0 / record["n"], out.dtype), AT_SCALE_LOSS)
 
     return scale_loss_shim
@@ -287,8 +275,6 @@ def _applying(optimizer: Any, name: str, apply: Any) -> Any:
         record = seen()
         if record is None or getattr(_tls, "in_apply", False):
             return apply(grads, trainable_variables)
-        import tensorflow as tf
-
         grads, n, apply_fn, half = list(grads), record["n"], apply, None
         if _loss_scale.applies_here(optimizer, n):  # one device's skip decision
             half = [g is not None and _loss_scale.from_float16(g) for g in grads]
@@ -325,8 +311,6 @@ def _applying(optimizer: Any, name: str, apply: Any) -> Any:
 
 
 def _scaled(g: Any, factor: Any) -> Any:
-    import tensorflow as tf
-
     if isinstance(g, tf.IndexedSlices):
         return tf.IndexedSlices(
             g.values * tf.cast(factor, g.values.dtype), g.indices, g.dense_shape
