@@ -104,7 +104,7 @@ class ReplicaProbe:
             after = [weight] if n > 1 else tf.nest.flatten(data, expand_composites=True)
             t_sync = _stamp(after) if timed else None
             # Each optimizer's rate before the step (a read only): a GAN's step applies two.
-            rates = {id(o): _learning_rate(o) for o in trace.optimizers_of(model)}
+            rates = {k: _learning_rate(o) for k, o in trace.named_optimizers(model).items()}
             seen: dict[str, Any] = dict(
                 custom_step=probe.custom_step,
                 n=n,
@@ -116,7 +116,7 @@ class ReplicaProbe:
             with trace.capture(model, seen):
                 logs = original(data)
             probe._announce(seen["applies"])
-            first = seen["applies"][0]["id"] if seen["applies"] else id(model.optimizer)
+            first = seen["applies"][0]["optimizer"] if seen["applies"] else "optimizer"
             loss, norm, scale = _replica_values(seen, n)
             lr = rates.get(first, _learning_rate(model.optimizer))
             floats = tf.unstack(_bits(tf.stack([loss, norm, lr, scale])))

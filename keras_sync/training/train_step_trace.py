@@ -129,8 +129,8 @@ def capture(model: Any, record: dict[str, Any]) -> Iterator[None]:
 
     ``record`` holds ``custom_step``, ``policy``, ``n``, ``accumulator``, ``example_weight`` and
     ``stamp``; it gets ``loss`` (Keras's step) or ``tape_loss``, ``grads``, ``loss_scale``,
-    ``reached`` and, per ``apply`` in ``applies``, the optimizer's ``id`` and attribute,
-    ``scaled_by`` (what divided its loss) and ``factor``.
+    ``reached`` and, per ``apply`` in ``applies``, the ``optimizer``'s attribute, ``scaled_by``
+    (what divided its loss) and ``factor``.
     """
     record.update(grads=[], marks={}, targets={}, read_n=False, applies=[], reached=None)
     _tls.seen = record
@@ -290,9 +290,7 @@ def _applying(optimizer: Any, name: str, apply: Any) -> Any:
         targets = {id(t): t for g in grads if (t := record["targets"].get(id(g))) is not None}
         scaled_by = _scaled_by(record, list(targets.values()))
         factor = gradient_factor(record["policy"], record["custom_step"], scaled_by, n)
-        record["applies"].append(
-            {"id": id(optimizer), "optimizer": name, "scaled_by": scaled_by, "factor": factor}
-        )
+        record["applies"].append({"optimizer": name, "scaled_by": scaled_by, "factor": factor})
         if factor != 1.0:
             grads = [_scaled(g, factor) for g in grads]
         weight = record["example_weight"]
