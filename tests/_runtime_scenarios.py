@@ -257,6 +257,15 @@ def make(cls, sync=None, optimizer=None, **compile_kwargs):
     return model
 
 
+def trace_of(probe):
+    """What replica 0's last trace decided: its first apply's, and each optimizer's when several."""
+    applies = probe.applies
+    out = {"scaled_by": applies[0]["scaled_by"], "factor": applies[0]["factor"]} if applies else {}
+    if len({a["optimizer"] for a in applies}) > 1:
+        out["per_optimizer"] = {a["optimizer"]: [a["scaled_by"], a["factor"]] for a in applies}
+    return out
+
+
 def custom_steps():
     from keras_sync.training import instrument as _instrument
 
@@ -278,7 +287,7 @@ def custom_steps():
         rows = [probe.row(rings, c) for c in range(max(1, steps - probe.ring + 1), steps + 1)]
         out[name] = {
             "weights": flat(model),
-            "trace": probe.last_trace,
+            "trace": trace_of(probe),
             "steps": steps,
             "loss": [[float(r[probe.LOSS]) for r in rs] for rs in rows],
             "grad_norm": [[float(r[probe.GRAD_NORM]) for r in rs] for rs in rows],
@@ -286,7 +295,7 @@ def custom_steps():
     model = make(SumLossStep)
     probe = _instrument.instrument(model)
     SYNC.fit(model, X, Y, epochs=2, shuffle=False, verbose=0)
-    out["sum_loss"] = {"weights": flat(model), "trace": probe.last_trace}
+    out["sum_loss"] = {"weights": flat(model), "trace": trace_of(probe)}
     keras.utils.set_random_seed(0)
     with SYNC.scope():
         gan = TwoOptimizers()
@@ -295,7 +304,7 @@ def custom_steps():
         )
     probe = _instrument.instrument(gan)
     SYNC.fit(gan, X, Y, epochs=2, shuffle=False, verbose=0)
-    out["two_optimizers"] = {"weights": flat(gan), "trace": probe.last_trace}
+    out["two_optimizers"] = {"weights": flat(gan), "trace": trace_of(probe)}
     for name, layer in (("add_loss_sum", ActivitySum), ("add_loss_mean", ActivityMean)):
         model = add_loss_model(layer)
         SYNC.fit(model, X, Y, epochs=2, shuffle=False, verbose=0)

@@ -56,8 +56,8 @@ class ReplicaProbe:
         self.host: Any = np.full((self.ring + 1, 1), -1, np.int64)
         self._components = list(self.strategy.experimental_local_results(self.var))
         self._gather = _gather_fn(self.var, self.strategy)  # traced at its first call
-        #: The attributes of the optimizers the traced step applied, in order.
-        self.applied: list[str] = []
+        #: Each optimizer ``apply`` of the last trace of replica 0 (see `train_step_trace.capture`).
+        self.applies: list[dict[str, Any]] = []
         self._told = False
         #: `WeightDivergence`'s traced comparison of this model: (variable ids, function).
         self.weight_gather: tuple[tuple[int, ...], Any] | None = None
@@ -141,10 +141,10 @@ class ReplicaProbe:
         return train_step
 
     def _announce(self, applies: list[dict[str, Any]]) -> None:
-        """Keep the optimizers replica 0's trace applied; on the chief, say once what keras-sync divides."""
+        """Keep what replica 0's trace applied; on the chief, say once what keras-sync divides."""
         if not applies:
             return
-        self.applied = list(dict.fromkeys(a["optimizer"] for a in applies))
+        self.applies = applies
         if self.custom_step and not self._told and strategy_role(self.strategy).is_chief:
             self._told = True
             for line in trace.trace_lines(self.model, self.num_replicas, applies, self.gradients):
@@ -184,8 +184,8 @@ def holds_unapplied_gradients(model: Any) -> bool:
 
 def applied_optimizers(model: Any) -> list[tuple[str, Any]]:
     """(attribute, optimizer) of each optimizer ``model``'s train step applies; [] before its first trace."""
-    named = trace.named_optimizers(model)
-    return [(n, named[n]) for n in getattr(probe_of(model), "applied", []) if n in named]
+    named, applies = trace.named_optimizers(model), getattr(probe_of(model), "applies", [])
+    return [(n, named[n]) for n in dict.fromkeys(a["optimizer"] for a in applies) if n in named]
 
 
 def _gather_fn(var: Any, strategy: Any) -> Callable[[Any], Any]:
