@@ -98,17 +98,15 @@ class JobState:
     """What the fits of one job in this process share: the last step trained, the params logged."""
 
     def __init__(self) -> None:
-        self.fits = self.last_step = 0
         self.params: dict[str, str] = {}
-        self._current: SharedState | None = None
+        self._last = SharedState(fit=0, params=self.params)  # before the first fit
 
     def next_fit(self) -> SharedState:
         """The `SharedState` of the job's next `fit` (the one before it has ended, or raised)."""
-        if self._current is not None:
-            self.last_step = max(self.last_step, self._current.step or 0)
-        self.fits += 1
-        self._current = SharedState(fit=self.fits, steps_before=self.last_step, params=self.params)
-        return self._current
+        last = self._last
+        steps = max(last.steps_before, last.step or 0)
+        self._last = SharedState(fit=last.fit + 1, steps_before=steps, params=self.params)
+        return self._last
 
 
 def check_shared(shared: Any) -> SharedState:

@@ -45,13 +45,13 @@ class JobRun:
     def _open(self) -> Any:
         return None if self.current is None or self.current.closed else self.current
 
-    def end_after_fit(self, limit_s: float = 120.0) -> None:
+    def end_after_fit(self) -> None:
         """End the run when `fit` returns; wait for MLflow only where the process is killed then."""
-        from keras_sync.cluster import killed_when_training_returns
-
-        if self._open() is not None:
-            killed = killed_when_training_returns()
-            self.current.end_run(timeout_s=limit_s, wait_for_report=killed, wait=killed)
+        if (writer := self._open()) is not None:
+            killed = (
+                writer.wait_at_end_of_fit
+            )  # `killed_when_training_returns`, as `start_writer` set
+            writer.end_run(wait_for_report=killed, wait=killed)
 
     def ends_after_fit(self) -> Any:
         """While `Sync.fit` runs: the writer's end-of-fit wait is left to `end_after_fit`."""

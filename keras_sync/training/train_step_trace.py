@@ -98,14 +98,8 @@ def trace_lines(model: Any, n: int, applies: list[dict[str, Any]], policy: str |
 
 
 def check_probes() -> None:
-    """Refuse (one line) when this Keras/TensorFlow no longer has what `capture` shims."""
-    missing = keras_losses.missing()
-    if not callable(getattr(tf.nn, "compute_average_loss", None)):
-        missing.append("no tf.nn.compute_average_loss")
-    for cls in (tf.distribute.Strategy, tf.distribute.ReplicaContext):
-        if _owner(cls, "num_replicas_in_sync") is None:
-            missing.append(f"no tf.distribute.{cls.__name__}.num_replicas_in_sync")
-    if missing:
+    """Refuse (one line) when this Keras no longer has the internals `capture` shims."""
+    if missing := keras_losses.missing():
         raise UsageError(
             "keras-sync cannot tell whether a custom train_step divides its loss by the replica count "
             f"on this Keras/TensorFlow ({'; '.join(missing)}; {keras_losses.UPSTREAM_ISSUE}). "
