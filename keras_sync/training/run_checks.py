@@ -279,6 +279,16 @@ def checks_callback(
     return RunChecks()
 
 
+def _fit_on_purpose(args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether a plain ``model.fit`` is on purpose: with keras-sync's callbacks or batched data."""
+    from keras_sync.training.pipeline import is_dataset
+    from keras_sync.training.py_dataset import is_py_dataset
+
+    data, callbacks = args[0] if args else kwargs.get("x"), kwargs.get("callbacks") or []
+    ours = any(type(c).__module__.startswith("keras_sync.") for c in callbacks)
+    return is_dataset(data) or is_py_dataset(data) or ours
+
+
 @contextlib.contextmanager
 def scope_guarding_fit(
     strategy: Any, context: RunContext, writer: Callable[[], Any]
@@ -286,8 +296,6 @@ def scope_guarding_fit(
     """`Sync.scope`: each model compiled in it gets ``fit``/``evaluate``/``predict`` of its own."""
     import keras
 
-    from keras_sync.training.pipeline import is_dataset
-    from keras_sync.training.py_dataset import is_py_dataset
     from keras_sync.training.saving import for_workers, wrap_own
     from keras_sync.upstream.keras_fixes import fixed_keras
     from keras_sync.upstream.patching import original, patched
@@ -300,10 +308,7 @@ def scope_guarding_fit(
 
         def run(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             nonlocal told
-            # On purpose: with batched data (a dataset, a PyDataset) or keras-sync's callbacks.
-            data, callbacks = args[0] if args else kwargs.get("x"), kwargs.get("callbacks") or []
-            ours = any(type(c).__module__.startswith("keras_sync.") for c in callbacks)
-            if not told and not (is_dataset(data) or is_py_dataset(data) or ours):
+            if not told and not _fit_on_purpose(args, kwargs):
                 told = True
                 reporter(context, writer())(
                     "direct_fit",
