@@ -34,9 +34,7 @@ class ReplicaProbe:
     _WRITTEN = 7  # columns the train step writes; HOST_US comes from the host
     _FLOAT_COLUMNS = (0, 1, 3, 5)
 
-    def __init__(
-        self, model: Any, ring: int = 64, gradients: str | None = None, accumulator: Any = None
-    ):
+    def __init__(self, model: Any, gradients: str | None, accumulator: Any):
         self.model, self.strategy = model, model.distribute_strategy
         self.num_replicas = int(self.strategy.num_replicas_in_sync)
         self.custom_step = not has_default_train_step(model)
@@ -44,7 +42,7 @@ class ReplicaProbe:
         if not self.custom_step:
             _internals.require("per_replica_metrics")  # what the shims shadow must still be called
         #: Rows of the ring: the steps a reader may fall behind (with room for steps_per_execution).
-        self.ring = max(int(ring), 4 * int(getattr(model, "steps_per_execution", 1) or 1))
+        self.ring = max(64, 4 * int(getattr(model, "steps_per_execution", 1) or 1))
         with self.strategy.scope():  # outside the model: not a weight, never saved
             zeros = tf.zeros([self.ring + 1, self._WRITTEN], tf.int64)
             self.var = replica_local(zeros, "keras_sync_replica_stats")
@@ -104,7 +102,8 @@ class ReplicaProbe:
             after = [weight] if n > 1 else tf.nest.flatten(data, expand_composites=True)
             t_sync = _stamp(after) if timed else None
             # Each optimizer's rate before the step (a read only): a GAN's step applies two.
-            rates = {k: _learning_rate(o) for k, o in trace.named_optimizers(model).items()}
+            named = trace.named_optimizers(model)
+            rates = {k: tf.cast(o.learning_rate, tf.float32) for k, o in named.items()}
             seen: dict[str, Any] = dict(
                 custom_step=probe.custom_step,
                 n=n,
@@ -118,7 +117,7 @@ class ReplicaProbe:
             probe._announce(seen["applies"])
             first = seen["applies"][0]["optimizer"] if seen["applies"] else "optimizer"
             loss, norm, scale = _replica_values(seen, n)
-            lr = rates.get(first, _learning_rate(model.optimizer))
+            lr = rates.get(first, tf.constant(float("nan"), tf.float32))  # no optimizer: no rate
             floats = tf.unstack(_bits(tf.stack([loss, norm, lr, scale])))
             buf = tf.identity(var)
             count = buf[ring, ReplicaProbe.COUNT] + 1
@@ -161,7 +160,7 @@ def instrument(model: Any, gradients: str | None = None, accumulator: Any = None
                 setattr(probe, attr, value)
                 model.train_function = None  # retrace with the new setting
         return probe
-    probe = ReplicaProbe(model, gradients=gradients, accumulator=accumulator)
+    probe = ReplicaProbe(model, gradients, accumulator)
     if probe.custom_step and probe.num_replicas > 1 and gradients == "auto":
         trace.check_probes()
     original = type(model).train_step.__get__(model)
@@ -247,13 +246,6 @@ def _decode(ring: Any) -> Any:
 
 def _bits(x: Any) -> Any:
     return tf.cast(tf.bitcast(tf.cast(x, tf.float32), tf.uint32), tf.int64)
-
-
-def _learning_rate(optimizer: Any) -> Any:
-    try:
-        return tf.cast(optimizer.learning_rate, tf.float32)
-    except Exception:
-        return tf.constant(float("nan"), tf.float32)
 
 
 def _batch_size(data: Any) -> Any:

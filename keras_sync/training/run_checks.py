@@ -231,8 +231,8 @@ def checks_callback(
                 learning_rate=instrument.has_default_train_step(self.model),
                 add_loss=getattr(self.model, "built", False),
             )
-            self.probe: Any = instrument.probe_of(self.model)
-            self.last = self.totals() if self.probe is not None else None
+            self.probe: Any = instrument.probe_of(self.model)  # the runtime setup callback's
+            self.last = self.totals()
 
         def run_due(self, **ready: bool) -> None:
             for name in [name for name in self.due if ready.get(name, True)]:
@@ -250,12 +250,8 @@ def checks_callback(
             return count, self.probe.examples_at(self.rings, count)
 
         def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-            if self.last is None:
-                return
             (count0, examples0), (count, examples) = self.last, self.totals()
             self.last, skip, self.skip_epoch = (count, examples), self.skip_epoch, False
-            if examples < 0 or examples0 < 0:
-                return
             problem = step_problem(examples - examples0, count - count0, global_batch)
             # Each step but the epoch's last, as far back as the ring reaches: a short batch mid-epoch.
             start = max(count0, count - self.probe.ring)
