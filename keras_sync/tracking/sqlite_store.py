@@ -66,7 +66,7 @@ def ensure_sqlite_store(uri: str, *, timeout_s: float = 300.0) -> bool:
         return False
     path = path.absolute()
     if not path.exists():
-        check_creatable(uri)
+        _check_creatable(uri, path)
         if not _wait_for_live_builders(path, timeout_s):
             tmp = _private_name(path)
             try:
@@ -160,32 +160,25 @@ def _build(tmp: Path, path: Path) -> None:
             logging.getLogger(name).setLevel(level)
 
 
-def check_creatable(uri: str) -> None:
-    """Raise `TrackingError` with the OS's cause if the store of ``uri`` cannot be created."""
-    path = sqlite_path(uri)
-    if path is None or path.exists():
-        return
-    path = path.absolute()
+def _check_creatable(uri: str, path: Path) -> None:
+    """Raise `TrackingError` with the OS's cause if the store ``path`` cannot be created."""
     if not path.parent.is_dir():
         raise TrackingError(
             f"The MLflow store {uri!r} cannot be created: its folder {str(path.parent)!r} does not exist. "
             "Create the folder, or set mlflow.tracking_uri to a path in an existing folder."
         )
-    tmp = _private_name(path)
-    room = tmp.with_name(tmp.name + "-room")
+    room = Path(f"{_private_name(path)}-room")
     try:
-        os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-        os.unlink(tmp)
-        with open(room, "wb") as fh:  # a full disk lets an empty file be created
+        with open(room, "xb") as fh:  # a full disk lets an empty file be created: fill the room
             fh.write(b"\0" * _ROOM_BYTES)
             fh.flush()
             os.fsync(fh.fileno())
-        room.unlink()
     except OSError as e:
-        _unlink(tmp, room)
         code = errno.errorcode.get(e.errno or 0, e.errno)
         raise TrackingError(
-            f"The MLflow store {uri!r} cannot be created in {str(tmp.parent)!r}: "
+            f"The MLflow store {uri!r} cannot be created in {str(path.parent)!r}: "
             f"{e.strerror or e} (errno {code}). Make the folder writable by this user (or free "
             "disk space there), or set mlflow.tracking_uri to a store it can write."
         ) from None
+    finally:
+        _unlink(room)
