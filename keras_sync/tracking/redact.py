@@ -14,8 +14,8 @@ _REDACTED = "***"
 
 _LETTERS = frozenset(string.ascii_letters)
 _SCHEME_CHARS = _LETTERS | frozenset(string.digits + "+.-")
-#: What may follow ``scheme://`` up to the ``@`` of credentials (RFC 3986 userinfo, loosely).
-_USERINFO_END = re.compile(r"[^/?#@\s]*@")
+#: ``://`` and what may follow it up to the ``@`` of credentials (RFC 3986 userinfo, loosely).
+_USERINFO = re.compile(r"://[^/?#@\s]*@")
 _QUERY_SEPARATOR = re.compile(r"[?&;]")
 _QUERY_KEY_END = re.compile(r"[=&#\s]")
 _QUERY_VALUE_END = re.compile(r"[&#;\s]")
@@ -30,21 +30,12 @@ _NOT_SECRET_VALUES = {"", "0", "1", "true", "false", "none", "null", "yes", "no"
 
 def _userinfo_spans(text: str) -> Iterator[tuple[int, int]]:
     """(start, end) of each ``user:password@`` of ``([A-Za-z][A-Za-z0-9+.-]*://)[^/?#@\\s]*@``."""
-    done = 0
-    colon = text.find("://")
-    while colon != -1:
-        start = colon
-        while start > done and text[start - 1] in _SCHEME_CHARS:
-            start -= 1
-        while start < colon and text[start] not in _LETTERS:
-            start += 1  # a scheme begins with a letter
-        m = _USERINFO_END.match(text, colon + 3) if start < colon else None
-        if m is None:
-            colon = text.find("://", colon + 1)
-            continue
-        yield colon + 3, m.end()
-        done = m.end()
-        colon = text.find("://", done)
+    for m in _USERINFO.finditer(text):
+        start = m.start()
+        while start > 0 and text[start - 1] in _SCHEME_CHARS:
+            start -= 1  # not past an earlier match: it ends with "@"
+        if not _LETTERS.isdisjoint(text[start : m.start()]):  # a scheme begins with a letter
+            yield m.start() + 3, m.end()
 
 
 def _secret_query_spans(text: str) -> Iterator[tuple[int, int]]:
