@@ -1,4 +1,4 @@
-"""`keras_sync.tracking.environ.environ_restored`: variables come back exactly, after an error too."""
+"""`keras_sync.tracking.deliver.environ_restored`: variables come back exactly, after an error too."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from keras_sync.tracking import environ as _env
-from keras_sync.tracking.environ import environ_restored
+from keras_sync.tracking import deliver as _env
+from keras_sync.tracking.deliver import environ_restored
 
 
 def test_doctest() -> None:

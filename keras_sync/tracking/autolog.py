@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from keras_sync.tracking.environ import environ_restored
+from keras_sync.tracking.deliver import environ_restored
 
 #: Tag set on a keras-sync run that mlflow.keras.autolog() logged into as well.
 AUTOLOG_TAG = "keras_sync.autolog"

@@ -2,7 +2,7 @@
 
 A point at a step its key already has in the run is dropped (a re-sent batch, a resumed job's
 steps). Each transient failure is retried alone (`Retrier`) with a backoff any success resets;
-MLflow's own retries are off (`fast_fail_env`).
+MLflow's own retries are off (`fast_fail_env`, its variables put back by `environ_restored`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from keras_sync.tracking import records as r
-from keras_sync.tracking.environ import environ_restored
 
 T = TypeVar("T")
 _log = logging.getLogger("keras_sync.tracking")
@@ -53,6 +52,27 @@ _FAST_FAIL_ENV = {
     # set_terminated otherwise prints "View run ... at: <tracking URI>", password included.
     "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
 }
+
+
+@contextlib.contextmanager
+def environ_restored(*keys: str) -> Iterator[None]:
+    """Inside: change ``keys`` freely. After: each has the value it had, or is absent if it was.
+
+    >>> os.environ.pop("KS_DOCTEST", None)
+    >>> with environ_restored("KS_DOCTEST"):
+    ...     os.environ["KS_DOCTEST"] = "1"
+    >>> "KS_DOCTEST" in os.environ
+    False
+    """
+    saved = {k: os.environ.get(k) for k in keys}
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @contextlib.contextmanager

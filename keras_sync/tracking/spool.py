@@ -79,11 +79,8 @@ class SpoolDir:
             return None
 
     def write_json(self, name: str, value: Any) -> None:
-        """Replace ``name`` atomically (None: delete it); a full disk leaves no empty file."""
+        """Replace ``name`` atomically; a full disk leaves no empty file."""
         path = self.path / name
-        if value is None:
-            path.unlink(missing_ok=True)
-            return
         tmp = path.with_name(f".{name}.{os.getpid()}.tmp")
         try:
             tmp.write_text(value if isinstance(value, str) else json.dumps(value))
