@@ -183,7 +183,7 @@ class Delivery:
         self.on_progress()
 
     def report(self, error: BaseException | None) -> dict[str, Any]:
-        """Write ``status.json`` and tell the writer: ok, or why delivery fails (one of `r.CAUSES`)."""
+        """Tell the writer: ok, or why delivery fails (one of `r.CAUSES`)."""
         self.failing, self.reported = error is not None, True
         retrier, remote = self.sender.retrier, r.is_remote(self.uri)
         status: dict[str, Any] = {"ok": error is None}
@@ -198,8 +198,6 @@ class Delivery:
                 cause = r.CREDENTIALS
                 text = f"HTTP {http} {'Unauthorized' if http == 401 else 'Forbidden'}"
             status.update(error=text, cause=cause, answered_at=retrier.answered_at)
-        with contextlib.suppress(OSError):
-            self.spool.write_json("status.json", status)
         self._tell({"status": status})
         return status
 

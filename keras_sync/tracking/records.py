@@ -1,7 +1,7 @@
 """The spool protocol: the records a writer appends, why a delivery failed, and MLflow's limits.
 
 A record is one JSON object per line of a spool segment; ``"k"`` is its kind (short spellings on
-disk, so older spools still replay). The courier's last outcome (``status.json``) is
+disk, so older spools still replay). The courier's last outcome, told to the writer, is
 ``{"ok": true}`` or ``{"ok": false, "cause": <one of CAUSES>, "error": ...}``.
 """
 

@@ -2,8 +2,8 @@
 
 ``header.json``, ``NNNNNNNN.jsonl`` segments of records (`keras_sync.tracking.records`),
 ``delivered`` (``"<segment> <offset>"``: every record before it is in MLflow; it moves only after
-MLflow took a batch), ``run.json``, ``status.json`` (the courier's last outcome), ``writer.lock``
-and ``deliver.lock`` (flocks), ``reserve`` (room kept for a run's end).
+MLflow took a batch), ``run.json``, ``writer.lock`` and ``deliver.lock`` (flocks), ``reserve``
+(room kept for a run's end).
 """
 
 from __future__ import annotations
@@ -99,9 +99,6 @@ class SpoolDir:
     def run(self) -> dict[str, Any]:
         """``{"run_id", "experiment_id", "begin"}`` (the position of the record that chose it)."""
         return self.read_json("run.json") or {}
-
-    def status(self) -> dict[str, Any] | None:
-        return self.read_json("status.json")
 
     # -- writing (the writer's thread only) --
     def segments(self) -> list[int]:

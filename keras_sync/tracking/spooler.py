@@ -126,8 +126,8 @@ class Spooler:
             )
 
     def status(self) -> dict[str, Any] | None:
-        """The courier's last outcome: from its pipe first (a full disk keeps the file old)."""
-        return self.news.get("status") or self.spool.status()
+        """The courier's last outcome, None before its first."""
+        return self.news.get("status")
 
     def failure(self) -> dict[str, Any] | None:
         status = self.status()
@@ -428,7 +428,6 @@ class Spooler:
             _log.warning(
                 f"Spool {busy} is in use by another writer; this one writes {self.spool.path}."
             )
-        (self.spool.path / "status.json").unlink(missing_ok=True)  # a predecessor's is not ours
         try:  # a full disk from the start: the courier has the header from its stdin
             self.spool.write_header(self.header)
             self.spooled_pos = self.spool.start_segment()
