@@ -21,6 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 from keras_sync.config import MlflowConfig
 from keras_sync.errors import TrackingError
 from keras_sync.tracking import records
+from keras_sync.tracking.artifacts import stage
 from keras_sync.tracking.courier import replay_spool
 from keras_sync.tracking.records import RecordCleaner, is_http
 from keras_sync.tracking.redact import redact_uri, secrets_of
@@ -273,8 +274,6 @@ class MlflowWriter:
     ) -> None:
         """Queue a file or directory (copied now) to upload under ``artifact_path``; ``as_model``:
         a ``save_model`` directory, logged as the run's LoggedModel of that name at ``step``."""
-        from keras_sync.tracking.artifacts import stage
-
         if self._sp.closing or self.closed:
             raise TrackingError(_CLOSED)
         staged = str(stage(self.spool_path, local_path))

@@ -23,6 +23,7 @@ from keras_sync.tracking import records as r
 from keras_sync.tracking.deliver import Retrier, RunSender, is_transient, refused_credentials
 from keras_sync.tracking.redact import redact_text, secrets_of
 from keras_sync.tracking.spool import Position, SpoolDir
+from keras_sync.tracking.sqlite_store import warm_up
 
 #: Longest wait between two delivery attempts after MLflow refused a record (seconds).
 MAX_BACKOFF_S = 30.0
@@ -276,8 +277,6 @@ def main(argv: list[str]) -> int:
     threading.Thread(target=delivery.read_pipe, args=(records_in,), daemon=True).start()
     sys.stderr = sys.stdout = _Scrubbed(sys.stderr, delivery.secrets)
     with contextlib.suppress(Exception):  # import MLflow before the first batch arrives
-        from keras_sync.tracking.sqlite_store import warm_up
-
         warm_up(handoff.get("uri"))
     try:
         delivery.serve(parent)

@@ -17,7 +17,10 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+from keras_sync.tracking import artifacts
 from keras_sync.tracking import records as r
+from keras_sync.tracking.report_plot import SyncHistory, upload
+from keras_sync.tracking.sqlite_store import ensure_sqlite_store
 
 T = TypeVar("T")
 _log = logging.getLogger("keras_sync.tracking")
@@ -239,8 +242,6 @@ class RunSender:
         if self._client is None:
             from mlflow import MlflowClient
 
-            from keras_sync.tracking.sqlite_store import ensure_sqlite_store
-
             ensure_sqlite_store(self.tracking_uri)  # a kill while MLflow builds it: half-built
             self._client = MlflowClient(tracking_uri=self.tracking_uri)
         return self._client
@@ -377,15 +378,11 @@ class RunSender:
             if k == r.TEXT:
                 self._call(self.client().log_text, self.run_id, rec["text"], rec["f"])
             elif k in (r.FILE, r.MODEL):
-                from keras_sync.tracking import artifacts
-
                 artifacts.deliver(self.client(), str(self.run_id), rec, self._call)
             elif k == r.END:  # (a STOP: the writer closed after ending the run, nothing to send)
                 end = self.client().set_terminated
                 self._call(end, self.run_id, status=rec["status"], end_time=rec.get("ts"))
             elif k == r.REPORT:
-                from keras_sync.tracking.report_plot import SyncHistory, upload
-
                 log = self.client().log_artifact
                 history = SyncHistory.from_dict(rec["h"])
                 upload(history, rec["f"], lambda p: self._call(log, self.run_id, p, rec.get("dir")))

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from keras_sync.tracking import artifacts
 from keras_sync.tracking.records import (
     ALWAYS_KEPT,
     BEGIN,
@@ -285,8 +286,6 @@ class Spooler:
         done = never_begun or not (self.unacknowledged() or self.spool.read(self.progress()[0], 1))
         if message is None and not alive and done:
             self.spool.remove()  # everything is in MLflow: the spool has done its job
-            from keras_sync.tracking import artifacts
-
             artifacts.remove_staging_if_empty(self.spool.path)
         return message
 
