@@ -36,12 +36,12 @@ def fit_callbacks(
     shared = job_run.job.next_fit()
     # Backups first: another job's directory, or only damaged backups, stop fit before a run opens.
     backups = backup_callbacks(context, strategy, open_writer=job_run.writer, shared=shared)
+    writer = job_run.writer() if enabled else None
     out = [runtime.setup_callback(context.config.runtime)]
     if enabled:
-        out += mlflow_callbacks(context, job_run.writer(), shared)
+        out += mlflow_callbacks(context, writer, shared)
     out += backups + list(user_callbacks or [])
     mine = [c for c in out if isinstance(c, BackupAndRestore)]
-    writer = job_run.writer() if enabled else None
     out.append(
         run_checks.checks_callback(
             context, writer, global_batch=global_batch, expected=expected, data=data, backups=mine

@@ -55,7 +55,7 @@ class SyncMetrics(keras.callbacks.Callback):
         self.writer = writer
         # auto: every step is read (every worker alike); the chief thins what it writes.
         self.every = 1 if self.auto else int(log_every_n_steps)
-        self.stride, self._num_replicas, self._keras_logs = 1, 1, True
+        self.stride, self._keras_logs = 1, True
         self._probe: Any = None
         self._t0, self._examples_at_log, self._first_batch = 0.0, 0.0, 0
         self._count = 0  # train steps the probe has counted, as of the last finished batch
@@ -79,7 +79,6 @@ class SyncMetrics(keras.callbacks.Callback):
         from keras_sync.training import instrument as _instrument
 
         self._probe = _instrument.instrument(model)
-        self._num_replicas = self._probe.num_replicas
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         from keras_sync.tracking import autolog as _autolog
@@ -211,7 +210,7 @@ class SyncMetrics(keras.callbacks.Callback):
         metrics["sync/step_time_ms"] = 1000.0 * busy_s / n
         since = float(examples - self._examples_at_log)
         self._examples_at_log = examples
-        metrics.update(_reduce.throughput(since, busy_s, self._num_replicas))
+        metrics.update(_reduce.throughput(since, busy_s, p.num_replicas))
         # NaN: no learning rate read, or no LossScaleOptimizer (mixed_float16's dynamic scale)
         for key, index in (("sync/learning_rate", p.LR), ("sync/loss_scale", p.LOSS_SCALE)):
             if not math.isnan(value := float(rows[0][index])):

@@ -181,7 +181,6 @@ class MlflowWriter:
         header.update(explicit=self.job_id_explicit, tracking_uri=self.shown_uri, run_id=run_id)
         spool = SpoolDir(root.resolve() / re.sub(r"[^\w.\-]", "_", self.job_id))
         cleaner = RecordCleaner(secrets_of(tracking_uri, os.environ))
-        self._uri = tracking_uri
         self._sp = Spooler(spool, tracking_uri, header, cleaner)
         self.closed = self._warned = self._ends_after_fit = False
         # The BEGIN the next record needs: "first" (deferred), "reopen" (after end_run), or None.
@@ -200,8 +199,8 @@ class MlflowWriter:
 
     def run_url(self) -> str | None:
         """The run's page on a tracking server (without credentials); None for a local store."""
-        run = self._sp.run()
-        return run_url(self._uri, run.get("experiment_id"), run["run_id"]) if self.run_id else None
+        run = self._sp.run()  # its experiment_id comes with its run_id
+        return run_url(self._sp.uri, run.get("experiment_id"), run.get("run_id", ""))
 
     def wait_for_run(self, timeout_s: float) -> str | None:
         """Wait up to ``timeout_s`` for the run id, unless MLflow is known to be failing."""

@@ -154,14 +154,14 @@ class Spooler:
     def unacknowledged(self) -> list[dict[str, Any]]:
         return [rec for n, rec, _ in list(self.held) if n > self.news["h"]]
 
-    def _left(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    def _left(self) -> list[dict[str, Any]]:
         """What MLflow does not have yet: spooled, held and queued records."""
         spooled = [rec for _, rec in self.spool.read(self.progress()[0], max_records=10**9)]
-        return spooled, self.unacknowledged(), [rec for _, rec in self.queue]
+        return spooled + self.unacknowledged() + [rec for _, rec in self.queue]
 
     def points_left(self) -> int:
         """Metric points queued, spooled or held that MLflow does not have yet."""
-        return sum(len(rec["d"]) for part in self._left() for rec in part if rec["k"] == METRICS)
+        return sum(len(rec["d"]) for rec in self._left() if rec["k"] == METRICS)
 
     def wait_delivered(
         self, timeout_s: float | None, stall_s: float = STALL_S, progress: Any = None
@@ -231,8 +231,7 @@ class Spooler:
 
     def undelivered_message(self, final: bool) -> str | None:
         """Why some records are not in MLflow and where they are; None if all arrived."""
-        spooled, held, queued = self._left()
-        count = sum(rec["k"] not in BOOKKEEPING for rec in (*spooled, *held, *queued))
+        count = sum(rec["k"] not in BOOKKEEPING for rec in self._left())
         if count == 0:
             return None
         what = f"keras-sync: {count} MLflow record(s) are not delivered yet: {self.cause()}."
