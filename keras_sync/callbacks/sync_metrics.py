@@ -23,13 +23,18 @@ MAX_HOLD_MS = 500
 class SyncMetrics(keras.callbacks.Callback):
     """Log what synchronous data-parallel training is doing, every ``log_every_n_steps`` steps.
 
-    Each replica's own loss and gradient norm before the all-reduce (``sync/loss/replica_{i}``,
-    ``sync/grad_norm/replica_{i}``), their spreads, the step time, throughput, learning rate and
-    loss scale, the peaks of a point standing for several steps, each worker's times (a slow
-    worker is named in one line) and the numeric Keras logs: docs/reference/metrics.md lists
-    them. Every worker runs it; the one given a ``writer`` writes. The values wait in a ring inside
-    the train step, read every 32 steps (0.5 s at most with one worker), at epoch and train end
-    and before a keras-sync backup (with Keras's `BackupAndRestore`, call `emit()` first).
+    Each logged step gets ``sync/loss/replica_{i}`` and ``sync/grad_norm/replica_{i}`` (replica
+    ``i``'s own loss and gradient norm, before the all-reduce), ``sync/loss_spread``,
+    ``sync/grad_norm_spread``, ``sync/step_time_ms``, ``sync/examples_per_sec``,
+    ``sync/examples_per_sec_per_replica``, ``sync/learning_rate``, ``sync/loss_scale``; for a
+    point standing for several steps their peaks ``sync/window_max/loss``,
+    ``sync/window_max/loss_spread``, ``sync/window_max/grad_norm`` and
+    ``sync/window_max/grad_norm_spread``; with 2 or more workers ``sync/between_steps_ms/worker_{i}``
+    and ``sync/compute_ms/worker_{i}`` (a slow worker is named in one line); and the numeric Keras
+    logs. docs/reference/metrics.md defines each. Every worker runs it; the one given a ``writer``
+    writes. The values wait in a ring inside the train step, read every 32 steps (0.5 s at most
+    with one worker), at epoch and train end and before a keras-sync backup (with Keras's
+    `BackupAndRestore`, call `emit()` first).
 
     Args:
         writer: a started `keras_sync.tracking.MlflowWriter`; None on workers that only take
