@@ -225,6 +225,7 @@ class Sync:
         from keras_sync.callbacks.backup import resumable_fit
         from keras_sync.cluster.collective_calls import collective
         from keras_sync.cluster.preemption import ctrl_c_ends_fit
+        from keras_sync.training import verify_record
 
         self._ready(model, kwargs.get("callbacks"), "fit")
         given, data = kwargs.get("batch_size"), x  # the global batch, checked by _prepare
@@ -232,14 +233,18 @@ class Sync:
         # With steps_per_epoch an epoch is that many steps, not one pass over the data.
         steps_given = kwargs.get("steps_per_epoch")
         self._resolve_pending_warmup(steps_given or self.input_facts.steps_per_epoch)
-        kwargs["callbacks"] = self._fit_callbacks(
+        kwargs["callbacks"] = callbacks = self._fit_callbacks(
             kwargs.get("callbacks"),
             global_batch=given or self.global_batch_size,
             expected=None if steps_given else self.input_facts.examples_per_epoch,
             data=data,
             per_replica_batch_size=given // self.num_replicas if given else None,
-            record=True,
         )
+        if self.config.verify is not None:  # the recorder last: it reads what the others restored
+            source, base = self.input_facts.source, self.base_batch_size
+            callbacks.append(
+                verify_record.callback(self.context(), input_source=source, base_batch_size=base)
+            )
         # Ctrl-C is outermost: every other context has closed before the process exits. With
         # mlflow.keras.autolog() on, autolog logs into keras-sync's run instead of its own.
         backup_dir = self.config.fault_tolerance.backup_dir
@@ -248,7 +253,7 @@ class Sync:
             self.job_run.shared_run(),
             self.job_run.ends_after_fit(),
             self._keras_call(model, x),  # before resumable_fit: its probes read Keras's own classes
-            resumable_fit(kwargs["callbacks"]),
+            resumable_fit(callbacks),
             warnings.catch_warnings(),
             collective(model, "model.fit"),  # every worker at this fit, or one line
         ):
@@ -259,8 +264,6 @@ class Sync:
             history = type(model).fit(model, x, y, **kwargs)  # past the scope's direct_fit guard
         self.job_run.end_after_fit()  # with fit, not at exit: Ray Train V2 kills its workers
         if self.config.verify is not None:
-            from keras_sync.training import verify_record
-
             verify_record.end_script()  # all verify needs
         return history
 
@@ -279,9 +282,7 @@ class Sync:
             warmup = "unknown"
         same = ("kind", "num_replicas", "num_workers", "is_chief", "gradient_accumulation_steps")
         return RunContext(
-            **{
-                name: getattr(self, name) for name in (*same, "base_learning_rate", "learning_rate")
-            },
+            **{n: getattr(self, n) for n in (*same, "base_learning_rate", "learning_rate")},
             per_replica_batch_size=per_replica,
             global_batch_size=per_replica * self.num_replicas,
             effective_batch_size=per_replica * self.num_replicas * self.gradient_accumulation_steps,
@@ -313,24 +314,14 @@ class Sync:
         return self._fit_callbacks(callbacks, global_batch=self.global_batch_size)
 
     def _fit_callbacks(
-        self,
-        callbacks: Any,
-        *,
-        per_replica_batch_size: int | None = None,
-        record: bool = False,
-        **kw: Any,
+        self, callbacks: Any, *, per_replica_batch_size: int | None = None, **kw: Any
     ) -> list[Any]:
-        """keras-sync's callbacks around the user's (verify's recorder last, with ``record``)."""
+        """keras-sync's callbacks around the user's, Keras's writers guarded on other workers."""
         from keras_sync.callbacks import fit_callbacks
-        from keras_sync.training import saving, verify_record
+        from keras_sync.training import saving
 
         context = self.context(per_replica_batch_size=per_replica_batch_size)
         out = fit_callbacks(context, callbacks, job_run=self.job_run, strategy=self.strategy, **kw)
-        if record and self.config.verify is not None:
-            source, base = self.input_facts.source, self.base_batch_size
-            out.append(
-                verify_record.callback(self.context(), input_source=source, base_batch_size=base)
-            )
         return saving.guard_callbacks(self.strategy, out)
 
     @property

@@ -115,12 +115,6 @@ def _spec_fails(spec: str) -> str | None:
     return f"`{path}` has no {missing}" if missing else None
 
 
-def nested_code(path: str, name: str) -> CodeType | None:
-    """The code of the function ``name`` defined inside the function at ``path`` (None if none)."""
-    consts = inspect.unwrap(_get(path)).__code__.co_consts
-    return next((c for c in consts if isinstance(c, CodeType) and c.co_name == name), None)
-
-
 _TRAINER = "keras.src.backend.tensorflow.trainer"
 _TF_TRAINER = f"{_TRAINER}:TensorFlowTrainer"
 _EPOCH = "keras.src.trainers.epoch_iterator:EpochIterator"
@@ -132,7 +126,7 @@ _SYSTEM = "mlflow.system_metrics.metrics"
 _MULTI_DEVICE = f"{_DATA_OPS}.multi_device_iterator_ops"
 _SYMBOLIC_BUILD = f"{_TF_TRAINER}._maybe_symbolic_build(self, iterator, data_batch)"
 LOSS = "keras.src.losses.loss"
-MAKE_FUNCTION = f"{_TF_TRAINER}._make_function"
+_MAKE_FUNCTION = f"{_TF_TRAINER}._make_function"
 DEVICE_DATASET = f"{_MULTI_DEVICE}:_create_device_dataset"
 _TF_OPTIMIZER = "keras.src.backend.tensorflow.optimizer:TFOptimizer"
 # Fallback entries, by name: a public path (or nothing) is taken when their probe fails.
@@ -142,9 +136,10 @@ DATASET_GRAPH, SUMS_PASS_THROUGH = "dataset_graph", "sums_pass_through"
 
 
 def _end_of_data() -> str | None:
-    code = nested_code(MAKE_FUNCTION, "function")
-    if code is None or "one_step_on_data" not in code.co_freevars:
-        return f"`{MAKE_FUNCTION}` no longer returns a `function` closing over `one_step_on_data`"
+    consts = inspect.unwrap(_get(_MAKE_FUNCTION)).__code__.co_consts
+    codes = [c for c in consts if isinstance(c, CodeType) and c.co_name == "function"]
+    if not codes or "one_step_on_data" not in codes[0].co_freevars:
+        return f"`{_MAKE_FUNCTION}` no longer returns a `function` closing over `one_step_on_data`"
     return None
 
 
@@ -173,7 +168,7 @@ REGISTRY: tuple[Internal, ...] = (
         "multi_worker_fit",
         f"{_TRAINER}:reduce_per_replica(values, strategy, reduction)",
         f"{_TRAINER} has _is_tpu_strategy, _is_per_replica_instance, _is_scalar",
-        f"{_TF_TRAINER}.make_train_function | {MAKE_FUNCTION} uses reduce_per_replica",
+        f"{_TF_TRAINER}.make_train_function | {_MAKE_FUNCTION} uses reduce_per_replica",
         _SYMBOLIC_BUILD,
         refused="`fit` on several workers",
         alternative=_ONE_WORKER,
@@ -182,13 +177,13 @@ REGISTRY: tuple[Internal, ...] = (
     Internal(
         "multi_worker_steps_per_execution",
         f"{_TF_TRAINER}._autoconvert_optionals(self, step_func)",
-        f"{MAKE_FUNCTION} uses _autoconvert_optionals, function, steps_per_execution, while_loop",
+        f"{_MAKE_FUNCTION} uses _autoconvert_optionals, function, steps_per_execution, while_loop",
         refused="steps_per_execution > 1 on several workers",
         alternative="or set runtime.steps_per_execution: 1",
         since="3.12",
     ),
     # keras_fixes.end_of_data_patches: keras-team/keras#23179, no step past the end of data.
-    Internal(END_OF_DATA, f"{MAKE_FUNCTION}(self, step_function)", _end_of_data),
+    Internal(END_OF_DATA, f"{_MAKE_FUNCTION}(self, step_function)", _end_of_data),
     # keras_fixes.iterator_release_patches: the iterator `reset` drops, destroyed mid-read, crashes.
     Internal(EPOCH_ITERATOR_RESET, f"{_EPOCH}.reset uses _current_iterator, _epoch_iterator"),
     # multi_worker.py: local devices (TF's TODO b/126786766), a bounded join (tensorflow#60706).

@@ -8,6 +8,7 @@ import contextvars
 import functools
 import importlib
 import inspect
+import os
 import sys
 import threading
 import time
@@ -15,14 +16,13 @@ from typing import Any
 
 from keras_sync.upstream import internals as _internals
 from keras_sync.upstream.patching import Patch, original, patched
+from keras_sync.upstream.strategy_facts import in_multi_worker_mode
 
 _TRAINER = "keras.src.backend.tensorflow.trainer"
 
 
 def _is_multi_worker(strategy: Any) -> bool:
     import tensorflow as tf
-
-    from keras_sync.upstream.strategy_facts import in_multi_worker_mode
 
     is_mwms = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
     return is_mwms and in_multi_worker_mode(strategy)
@@ -109,12 +109,9 @@ def end_of_data_patches() -> list[Patch]:
     read the batch move ``optimizer.iterations`` and every seed. The step now runs only on an
     optional batch that has a value. The check costs a host round trip, so a train function skips it
     while `fixed_keras` says Keras knows the end (decided per call: a cached train function serves
-    fits of both kinds). [] when this Keras has the fix, or its closure moved."""
+    fits of both kinds). [] when its closure moved."""
     if not _internals.available(_internals.END_OF_DATA):
         return []
-    keras_function = _internals.nested_code(_internals.MAKE_FUNCTION, "function")
-    if keras_function is not None and "get_next_as_optional" in keras_function.co_names:
-        return []  # this Keras has the upstream fix
     cls = importlib.import_module(_TRAINER).TensorFlowTrainer
     keras_own = original(cls, "_make_function")
 
@@ -316,7 +313,6 @@ def iterator_release_patches() -> list[Patch]:
         return []
     cls = importlib.import_module("keras.src.trainers.epoch_iterator").EpochIterator
     keras_reset = original(cls, "reset")
-    keras_del = vars(cls).get("__del__")
 
     @functools.wraps(keras_reset)
     def reset(self: Any) -> Any:
@@ -326,8 +322,6 @@ def iterator_release_patches() -> list[Patch]:
 
     def __del__(self: Any) -> None:
         RELEASER.release([self.__dict__.pop(name, None) for name in _ITERATOR_ATTRS])
-        if keras_del is not None:
-            keras_del(self)
 
     return [(cls, name, _ReleasedOffThread(name)) for name in _ITERATOR_ATTRS] + [
         (cls, "__del__", __del__),
@@ -338,8 +332,6 @@ def iterator_release_patches() -> list[Patch]:
 def device_dataset_patches() -> list[Patch]:
     """Per-device datasets without default optimizations, which cannot apply there and make TF warn
     "will not be optimized" on every run (kept when TF_CPP_MIN_LOG_LEVEL is 0)."""
-    import os
-
     level = os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0").strip()
     if level in ("", "0") or not _internals.available("device_dataset"):
         return []

@@ -33,11 +33,9 @@ def preload_sql_store(uri: str) -> bool:
     with it; True if done. Opens nothing."""
     try:
         from mlflow.store.db.db_types import DATABASE_ENGINES
-    except ImportError:
-        return False
-    if "://" not in uri or uri.split(":", 1)[0].split("+", 1)[0] not in DATABASE_ENGINES:
-        return False
-    try:
+
+        if "://" not in uri or uri.split(":", 1)[0].split("+", 1)[0] not in DATABASE_ENGINES:
+            return False
         import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
         from sqlalchemy.orm import configure_mappers
 

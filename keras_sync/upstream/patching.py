@@ -50,8 +50,6 @@ def patched(patches: Iterable[Patch]) -> Iterator[None]:
         with _lock:
             for owner, name, replacement in patches:
                 key = (id(owner), name)
-                if key in entered:
-                    continue
                 slot = _held.get(key)
                 if slot is None:
                     _held[key] = [1, owner, vars(owner).get(name, _MISSING)]
