@@ -10,7 +10,7 @@ import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from keras_sync.cluster import strategy_role
+from keras_sync.cluster import read_cluster, strategy_role
 from keras_sync.config import Config, load_config
 from keras_sync.config.kinds import KINDS
 from keras_sync.errors import KerasSyncError, UsageError
@@ -86,8 +86,6 @@ def load(
 
 def _say_first_line(cfg: Config, kind: str) -> None:
     """On the chief: the config and what TensorFlow's seconds-long start is spent on."""
-    from keras_sync.cluster import read_cluster
-
     try:
         info = read_cluster(cfg.strategy)[0]
     except KerasSyncError:  # building the strategy says what is wrong
@@ -345,21 +343,16 @@ class Sync:
         saving.save(model, filepath, **kwargs)
 
     def evaluate(self, model: Any, x: Any = None, y: Any = None, **kwargs: Any) -> Any:
-        """`model.evaluate` under this strategy, with the same batching rules as `fit`.
-
-        Under `multi_worker_mirrored` it is a collective: call it on every worker (a worker that
-        calls it alone fails with one line saying so).
-        """
+        """`model.evaluate` under this strategy, batched as in `fit`; under `multi_worker_mirrored`
+        a collective: call it on every worker (a worker calling it alone fails in one line)."""
         x, y, kwargs = self._prepare(model, "evaluate", x, y, kwargs)
         with self._keras_call(model):
             return model.evaluate(x, y, **kwargs)
 
     def predict(self, model: Any, x: Any = None, **kwargs: Any) -> Any:
-        """`model.predict` under this strategy, with the same batching rules as `fit`.
-
-        Under `multi_worker_mirrored` it is a collective: call it on every worker; each gets all
-        the predictions. A worker that calls it alone fails with one line saying so.
-        """
+        """`model.predict` under this strategy, batched as in `fit`; under `multi_worker_mirrored`
+        a collective: call it on every worker, each gets all the predictions (a worker calling it
+        alone fails in one line)."""
         x, _, kwargs = self._prepare(model, "predict", x, None, kwargs)
         with self._keras_call(model):
             return model.predict(x, **kwargs)
@@ -383,42 +376,35 @@ class Sync:
     def _prepare(
         self, model: Any, method: str, x: Any, y: Any, kwargs: dict[str, Any]
     ) -> tuple[Any, Any, dict[str, Any]]:
-        """Check ``model`` (`fit`: done by `_ready`), then batch ``x``/``y`` by the global batch."""
-        if method != "fit":
+        """Check ``model`` (`fit`: done by `_ready`) and ``batch_size`` (the global batch, as Keras
+        reads it under a strategy), then batch ``x``/``y`` by the global batch."""
+        fit = method == "fit"
+        if not fit:
             self._check_model(model, method)
             self._for_workers(model)
         kwargs = dict(kwargs)
         if not self.is_chief:  # one progress bar per job, the chief's; warnings still print
             kwargs["verbose"] = 0
         batch_size = kwargs.pop("batch_size", None)
-        if batch_size is not None:
-            self._check_batch_size(batch_size, method)
-        pipeline = self._pipeline()
-        prepared = pipeline.prepare(method, x, y, kwargs, batch_size or self.global_batch_size)
-        if method == "fit":
-            self.input_facts = pipeline.facts
-        return prepared
-
-    def _check_batch_size(self, batch_size: Any, method: str) -> None:
-        """``batch_size`` is the global batch, as Keras reads it under a strategy."""
-        fit = method == "fit"
         whole = isinstance(batch_size, int) and not isinstance(batch_size, bool) and batch_size >= 1
-        if not whole or (fit and batch_size % self.num_replicas):
+        if batch_size is not None and (not whole or (fit and batch_size % self.num_replicas)):
             multiple = f", a multiple of the {self.num_replicas} replicas" if fit else ""
             raise UsageError(
                 f"Invalid value for argument `batch_size` of sync.{method}. Received: batch_size={batch_size!r}. "
                 f"Expected the global batch size (an integer >= 1{multiple}), or leave it out to use batch.global."
             )
-        if (
-            fit
-            and batch_size != self.global_batch_size
-            and self.config.learning_rate.scaling != "none"
-        ):
+        scaled = self.config.learning_rate.scaling != "none"
+        if fit and scaled and batch_size not in (None, self.global_batch_size):
             raise UsageError(
                 f"sync.fit(batch_size={batch_size}): the learning rate {self.learning_rate:g} was scaled for the "
                 f"configured global batch {self.global_batch_size}. Fix: set batch.global: {batch_size} in the "
                 "config, or leave batch_size out."
             )
+        pipeline = self._pipeline()
+        prepared = pipeline.prepare(method, x, y, kwargs, batch_size or self.global_batch_size)
+        if fit:
+            self.input_facts = pipeline.facts
+        return prepared
 
     def _ready(self, model: Any, callbacks: Any, method: str) -> None:
         """Refuse in one line what cannot train here, then set the model up as `fit` runs it."""
@@ -482,12 +468,11 @@ class Sync:
         from keras_sync.training.train_step_trace import optimizers_of
 
         in_scope = self.strategy.extended.variable_created_in_scope
-        values = [(v, getattr(v, "value", v)) for v in model.variables]
-        outside = [
+        outside = (
             v.path.rpartition("/")[0] or v.path
-            for v, value in values
-            if isinstance(value, tf.Variable) and not in_scope(value)
-        ]
+            for v in model.variables
+            if isinstance(value := getattr(v, "value", v), tf.Variable) and not in_scope(value)
+        )
         names = list(dict.fromkeys(outside))  # each layer once, in order
         if names:
             shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")

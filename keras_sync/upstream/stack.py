@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -25,10 +26,8 @@ def keras_backend(environ: Mapping[str, str] | None = None) -> tuple[str, str]:
     env = os.environ if environ is None else environ
     keras = sys.modules.get("keras")
     if keras is not None and environ is None:
-        try:
+        with contextlib.suppress(Exception):  # a half-imported Keras: what decides it, below
             return str(keras.backend.backend()), "keras.backend.backend()"
-        except Exception:  # a half-imported Keras: what decides it, below
-            pass
     if env.get("KERAS_BACKEND"):
         return env["KERAS_BACKEND"], "$KERAS_BACKEND"
     home = env.get("KERAS_HOME") or os.path.join(os.path.expanduser("~"), ".keras")
