@@ -6,6 +6,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from keras_sync.errors import UsageError
+
 
 @dataclasses.dataclass(frozen=True)
 class RunContext:
@@ -113,8 +115,6 @@ def check_shared(shared: Any) -> SharedState:
     """``shared`` itself, or a new `SharedState` for None; a `UsageError` for anything else."""
     if shared is None or isinstance(shared, SharedState):
         return shared or SharedState()
-    from keras_sync.errors import UsageError
-
     raise UsageError(
         f"Invalid value for argument `shared`. Received: shared={type(shared).__name__}. "
         "Expected a keras_sync.callbacks.SharedState (one for all callbacks of a fit), or None."

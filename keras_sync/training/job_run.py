@@ -13,6 +13,9 @@ import shlex
 import sys
 from typing import Any
 
+from keras_sync.cluster import killed_when_training_returns
+from keras_sync.tracking import MlflowWriter, autolog, resolve_tracking_uri
+from keras_sync.training import backup_files
 from keras_sync.training.context import JobState
 
 #: (job id, tracking URI, experiment) -> the JobState of that explicit job id's run in this process.
@@ -60,11 +63,8 @@ class JobRun:
 
     def shared_run(self) -> Any:
         """A context manager: this run is MLflow's active run while mlflow.keras.autolog() is on."""
-        from keras_sync.tracking import autolog as _autolog
-        from keras_sync.tracking import resolve_tracking_uri
-
         uri, _ = resolve_tracking_uri(self.config.mlflow.tracking_uri)
-        return _autolog.shared_run(self.current, uri, is_chief=self.is_chief)
+        return autolog.shared_run(self.current, uri, is_chief=self.is_chief)
 
     def close(self, timeout_s: float | None = None) -> None:
         """End the run now (FINISHED), waiting at most ``timeout_s``; a later `writer` continues it."""
@@ -76,10 +76,6 @@ def start_writer(
     config: Any, *, early: bool = True, continue_run: tuple[str, str] | None = None
 ) -> Any:
     """A started `MlflowWriter` on the run chosen as above. ``continue_run``: (job id, run id) a fit ended."""
-    from keras_sync.cluster import killed_when_training_returns
-    from keras_sync.tracking import MlflowWriter, resolve_tracking_uri
-    from keras_sync.training import backup_files
-
     cfg, backup_dir = config.mlflow, config.fault_tolerance.backup_dir
     job_id, explicit, run_id = cfg.job_id, True, None
     # The newest manifest's run, unverified: `backup_callbacks` checks the files once per fit.

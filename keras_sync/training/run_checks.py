@@ -16,6 +16,12 @@ from typing import Any
 
 from keras_sync.errors import KerasSyncError
 from keras_sync.training.context import RunContext
+from keras_sync.training.pipeline import is_dataset
+from keras_sync.training.py_dataset import is_py_dataset
+from keras_sync.training.saving import for_workers, wrap_own
+from keras_sync.upstream.keras_fixes import fixed_keras
+from keras_sync.upstream.patching import original, patched
+from keras_sync.upstream.strategy_facts import built_under
 
 #: Examples the ``add_loss`` check evaluates, then twice over.
 ROWS = 2
@@ -277,9 +283,6 @@ def checks_callback(
 
 def _fit_on_purpose(args: Any, kwargs: dict[str, Any]) -> bool:
     """Whether a plain ``model.fit`` is on purpose: with keras-sync's callbacks or batched data."""
-    from keras_sync.training.pipeline import is_dataset
-    from keras_sync.training.py_dataset import is_py_dataset
-
     data, callbacks = args[0] if args else kwargs.get("x"), kwargs.get("callbacks") or []
     ours = any(type(c).__module__.startswith("keras_sync.") for c in callbacks)
     return is_dataset(data) or is_py_dataset(data) or ours
@@ -291,11 +294,6 @@ def scope_guarding_fit(
 ) -> Iterator[Any]:
     """`Sync.scope`: each model compiled in it gets ``fit``/``evaluate``/``predict`` of its own."""
     import keras
-
-    from keras_sync.training.saving import for_workers, wrap_own
-    from keras_sync.upstream.keras_fixes import fixed_keras
-    from keras_sync.upstream.patching import original, patched
-    from keras_sync.upstream.strategy_facts import built_under
 
     keras_compile = original(keras.Model, "compile")
 

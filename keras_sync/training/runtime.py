@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from keras_sync.errors import UsageError
 from keras_sync.training.context import RunContext
 
 
@@ -40,8 +41,6 @@ def prepare_model(context: RunContext, model: Any) -> None:
     devices = getattr(model.distribute_strategy.extended, "worker_devices", ()) if n > 1 else ()
     xla_fails = bool(devices) and all("CPU" in str(d).upper() for d in devices)
     if rt.jit_compile is True and xla_fails:
-        from keras_sync.errors import UsageError
-
         raise UsageError(
             f"Invalid value for runtime.jit_compile. Received: true with {n} replicas on CPU "
             "devices, where XLA cannot compile a distributed step. Expected false or auto."

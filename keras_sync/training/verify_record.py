@@ -13,8 +13,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from keras_sync.config import VERIFY_OVERRIDES_FILE
 from keras_sync.config.kinds import KINDS
+from keras_sync.errors import UsageError
+from keras_sync.measures.verify_compare import precision_of
 from keras_sync.training.context import RunContext
+from keras_sync.training.runtime import all_layers
 
 #: The seed `load` gives Python, NumPy and Keras in a verify run.
 SEED = 1337
@@ -109,8 +113,6 @@ def callback(context: RunContext, *, input_source: str | None, base_batch_size: 
             }
             (folder / RECORD_FILE).write_text(json.dumps(record, indent=1, default=float))
             if request.replay_dir is None:
-                from keras_sync.config import VERIFY_OVERRIDES_FILE
-
                 overrides = reference_overrides(context, facts, base_batch_size)
                 (folder / VERIFY_OVERRIDES_FILE).write_text(json.dumps(overrides, indent=1))
 
@@ -160,9 +162,7 @@ def model_facts(context: RunContext, model: Any) -> dict[str, Any]:
     """What in the model makes replicas differ from one device (`keras_sync.measures.verify_compare`)."""
     import keras
 
-    from keras_sync.measures.verify_compare import precision_of
     from keras_sync.training.instrument import has_default_train_step
-    from keras_sync.training.runtime import all_layers
 
     layers, kinds = all_layers(model), keras.layers
     norms = [x for x in layers if isinstance(x, kinds.BatchNormalization) and x.trainable]
@@ -185,8 +185,6 @@ def model_facts(context: RunContext, model: Any) -> dict[str, Any]:
 
 def _load_weights(model: Any, path: Path) -> None:
     import numpy as np
-
-    from keras_sync.errors import UsageError
 
     with np.load(path) as saved:
         values = [saved[k] for k in sorted(saved.files)]
