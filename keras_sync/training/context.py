@@ -100,14 +100,13 @@ class JobState:
     """What the fits of one job in this process share: the last step trained, the params logged."""
 
     def __init__(self) -> None:
-        self.params: dict[str, str] = {}
-        self._last = SharedState(fit=0, params=self.params)  # before the first fit
+        self._last = SharedState(fit=0)  # before the first fit; its params are the job's
 
     def next_fit(self) -> SharedState:
         """The `SharedState` of the job's next `fit` (the one before it has ended, or raised)."""
         last = self._last
         steps = max(last.steps_before, last.step or 0)
-        self._last = SharedState(fit=last.fit + 1, steps_before=steps, params=self.params)
+        self._last = SharedState(fit=last.fit + 1, steps_before=steps, params=last._params)
         return self._last
 
 

@@ -51,9 +51,7 @@ class JobRun:
     def end_after_fit(self) -> None:
         """End the run when `fit` returns; wait for MLflow only where the process is killed then."""
         if (writer := self._open()) is not None:
-            killed = (
-                writer.wait_at_end_of_fit
-            )  # `killed_when_training_returns`, as `start_writer` set
+            killed = writer.wait_at_end_of_fit  # as `start_writer` asked the cluster
             writer.end_run(wait_for_report=killed, wait=killed)
 
     def ends_after_fit(self) -> Any:

@@ -72,14 +72,10 @@ def prepare_model(context: RunContext, model: Any) -> None:
 
 def all_layers(model: Any) -> list[Any]:
     """Every layer of ``model``, nested ones included, each once."""
-    out, stack, seen = [], list(getattr(model, "layers", [])), set()
-    while stack:
-        layer = stack.pop()
-        if id(layer) not in seen:
-            seen.add(id(layer))
-            out.append(layer)
-            stack.extend(getattr(layer, "layers", []) or [])
-    return out
+    found: dict[int, Any] = {}
+    for layer in getattr(model, "layers", None) or []:
+        found.update({id(x): x for x in [layer, *all_layers(layer)]})
+    return list(found.values())
 
 
 def setup_callback(runtime: Any) -> Any:
@@ -97,9 +93,7 @@ def setup_callback(runtime: Any) -> Any:
             if steps > 1 and (accumulator is None or accumulator.steps != steps):
                 accumulator = GradientAccumulator(model, steps)
             instrument.instrument(
-                model,
-                gradients=runtime.train_step_gradients,
-                accumulator=accumulator if steps > 1 else None,
+                model, runtime.train_step_gradients, accumulator if steps > 1 else None
             )
 
     return RuntimeSetup()

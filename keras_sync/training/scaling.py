@@ -86,11 +86,8 @@ def scale_learning_rate(
     >>> scale_learning_rate(0.1, global_batch_size=1024, base_batch_size=256, rule="none")
     0.1
     """
-    if (
-        isinstance(base_lr, bool)
-        or not isinstance(base_lr, (int, float))
-        or not 0 < base_lr < math.inf
-    ):
+    number = isinstance(base_lr, (int, float)) and not isinstance(base_lr, bool)
+    if not (number and 0 < base_lr < math.inf):
         raise ScalingError(
             "Invalid value for argument `base_lr` (learning_rate.base). "
             f"Received: base_lr={base_lr!r}. Expected a finite number > 0."
