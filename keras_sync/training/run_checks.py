@@ -319,10 +319,9 @@ def scope_guarding_fit(
     def compile(model: Any, *args: Any, **kwargs: Any) -> Any:
         result = keras_compile(model, *args, **kwargs)
         if built_under(model) is strategy:
+            name = type(model).__name__  # not the model: the wrappers it holds keep no cycle
             for method in ("fit", "evaluate", "predict"):
-                wrap_own(
-                    model, method, in_scope(type(model).__name__, method), "_keras_sync_in_scope"
-                )
+                wrap_own(model, method, in_scope(name, method), "_keras_sync_in_scope")
             if context.num_workers > 1:
                 for_workers(model)
         return result
