@@ -88,8 +88,6 @@ def _section_lines(cls: type, path: str, indent: str, kind: str | None = None) -
             lines.append(f"{indent}{key}: {kind or f.default}")
             continue
         line = f"{indent}{key}: {TEMPLATE_VALUES.get(dotted, yaml_value(f.default))}"
-        if spec.values and not all(v in doc for v in spec.values):
-            doc = f"{doc}; one of {', '.join(spec.values)}"
         inline = f"{line.ljust(COMMENT_COLUMN - 1)} # {doc}"
         lines += [inline] if len(inline) <= MAX_WIDTH else [*_wrap(doc, indent), line]
     return lines
@@ -144,21 +142,19 @@ def config_schema(cls: type = Config, path: str = "") -> dict[str, Any]:
         else:
             text = f"{describe_key(doc, f.metadata.get('kinds'))} ({spec.describe()})"
             default = list(f.default) if isinstance(f.default, tuple) else f.default
-            properties[_yaml_key(f)] = spec.json_schema() | {
-                "description": text,
-                "default": default,
-            }
+            schema = spec.json_schema() | {"description": text, "default": default}
+            properties[_yaml_key(f)] = schema
     schema = {"type": ["object", "null"], "properties": properties, "additionalProperties": False}
-    if cls is not Config:
-        return schema
-    return {
-        "$schema": "https://json-schema.org/draft/2020-12/schema",
-        "$id": f"https://keras-sync.invalid/schema/{__version__}/keras_sync.schema.json",
-        "title": "keras-sync config (keras_sync.yaml)",
-        **schema,
-        "type": "object",
-        "description": "The whole keras-sync config. Build it with `load_config`.",
-    }
+    if cls is Config:  # the file itself, never null
+        schema = {
+            "$schema": "https://json-schema.org/draft/2020-12/schema",
+            "$id": f"https://keras-sync.invalid/schema/{__version__}/keras_sync.schema.json",
+            "title": "keras-sync config (keras_sync.yaml)",
+            "description": Config.__doc__,
+            **schema,
+            "type": "object",
+        }
+    return schema
 
 
 def source_root() -> Path:

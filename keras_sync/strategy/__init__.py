@@ -123,13 +123,12 @@ def device_layout(kind: str, cfg: StrategyConfig, *, gpus: int) -> DeviceLayout:
     return DeviceLayout(devices[:1] if spec.layout == LAYOUT_ONE else devices, source)
 
 
-def configure_simulated_cpus(n: int) -> list[str]:
+def configure_simulated_cpus(n: int) -> None:
     """Split the CPU into ``n`` logical devices; must run before TensorFlow initialises."""
     import tensorflow as tf
 
     cpus = tf.config.list_physical_devices("CPU")
     current = tf.config.get_logical_device_configuration(cpus[0])
-    # Names are built, not listed: listing starts the runtime (MWMS could not configure then).
     if current is None or len(current) != n:
         try:
             config = [tf.config.LogicalDeviceConfiguration()] * n
@@ -137,7 +136,6 @@ def configure_simulated_cpus(n: int) -> list[str]:
         except RuntimeError as exc:
             msg = f"Cannot split the CPU into strategy.simulated_cpu_replicas={n} logical devices: TensorFlow has already initialised its devices in this process. Call keras_sync.load() first, before creating any tensor, model or dataset. ({exc})"
             raise StrategyError(msg) from None
-    return [f"/cpu:{i}" for i in range(n)]
 
 
 def _local_devices(kind: str, cfg: StrategyConfig) -> tuple[DeviceLayout, int]:

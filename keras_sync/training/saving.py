@@ -75,15 +75,11 @@ def write_target(filepath: Any, strategy: Any) -> Iterator[Any]:
 def save(model: Any, filepath: Any, **kwargs: Any) -> None:
     """Save ``model`` (``*.weights.h5``: its weights) from every worker; the chief to ``filepath``."""
     if not hasattr(model, "save") or not hasattr(model, "save_weights"):
-        raise UsageError(
-            f"Invalid value for argument `model` of sync.save. Received: {type(model).__name__}. "
-            "Expected a Keras model."
-        )
+        msg = f"Invalid value for argument `model` of sync.save. Received: {type(model).__name__}. Expected a Keras model."
+        raise UsageError(msg)
     if not isinstance(filepath, (str, os.PathLike)) or not os.fspath(filepath):
-        raise UsageError(
-            f"Invalid value for argument `filepath` of sync.save. Received: filepath={filepath!r}. "
-            "Expected a path such as 'model.keras' or 'model.weights.h5'."
-        )
+        msg = f"Invalid value for argument `filepath` of sync.save. Received: filepath={filepath!r}. Expected a path such as 'model.keras' or 'model.weights.h5'."
+        raise UsageError(msg)
     name = "save_weights" if os.fspath(filepath).endswith(".weights.h5") else "save"
     with write_target(filepath, getattr(model, "distribute_strategy", None)) as target:
         getattr(type(model), name)(model, target, **kwargs)
