@@ -19,7 +19,6 @@ class GeneratorBatches:
     """A Python generator's batches by index, the last ``keep`` kept: a restarted reader rereads them."""
 
     num_batches = None  # endless to the reader: a generator ends when it ends
-    workers = 1
 
     def __init__(self, generator: Any, keep: int = 256) -> None:
         self._generator, self._keep = generator, keep
