@@ -244,8 +244,6 @@ class BackupAndRestore(keras.callbacks.Callback):
                     "job_id": writer.job_id,
                     "explicit": writer.job_id_explicit,
                     "run_id": writer.run_id,
-                    "experiment": writer.experiment,
-                    "tracking_uri": writer.shown_uri,
                 }
                 files.write_manifest(prefix, run)
                 files.prune(self._dir, number, max(self.max_to_keep, 2))

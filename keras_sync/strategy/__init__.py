@@ -124,7 +124,9 @@ def device_layout(kind: str, cfg: StrategyConfig, *, gpus: int) -> DeviceLayout:
 
 
 def configure_simulated_cpus(n: int) -> None:
-    """Split the CPU into ``n`` logical devices; must run before TensorFlow initialises."""
+    """Split the CPU into ``n`` logical devices (0: leave it); must run before TensorFlow initialises."""
+    if not n:
+        return
     import tensorflow as tf
 
     cpus = tf.config.list_physical_devices("CPU")
@@ -144,8 +146,7 @@ def _local_devices(kind: str, cfg: StrategyConfig) -> tuple[DeviceLayout, int]:
 
     from keras_sync.strategy.multi_worker import canonical
 
-    if cfg.simulated_cpu_replicas:
-        configure_simulated_cpus(cfg.simulated_cpu_replicas)
+    configure_simulated_cpus(cfg.simulated_cpu_replicas)
     n_gpus = 0 if cfg.simulated_cpu_replicas else len(tf.config.list_physical_devices("GPU"))
     layout = device_layout(kind, cfg, gpus=n_gpus)
     if layout.source == "strategy.devices":
@@ -198,8 +199,7 @@ def _build_multi_worker_mirrored(config: Config) -> tf.distribute.Strategy:
     cfg = config.strategy
     internals.require("multi_worker_strategy")  # the private TF internals the builder uses
     cluster.check_tf_config_order()  # tensorflow#60706: TF_CONFIG must be set before TF joins
-    if cfg.simulated_cpu_replicas:
-        configure_simulated_cpus(cfg.simulated_cpu_replicas)
+    configure_simulated_cpus(cfg.simulated_cpu_replicas)
     # No GPU count: counting before the cluster forms would start TensorFlow's runtime.
     strategy = build_multi_worker_strategy(
         communication=cfg.communication,

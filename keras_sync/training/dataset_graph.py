@@ -138,9 +138,6 @@ def _function_reads_files(ds: Any) -> bool:
     func = map_function(ds)
     if func is None:
         return False
-    try:
-        graph = func.graph.as_graph_def()
-    except Exception:
-        return False
+    graph = func.graph.as_graph_def()
     ops = {n.op for n in graph.node} | {n.op for f in graph.library.function for n in f.node_def}
     return bool(ops & _READER_OPS)
