@@ -55,13 +55,11 @@ def refuse_one_process_kind(config: Config, workers: int, started_by: str, alone
 
 def check_one_process(config: Config, environ: Mapping[str, str] | None = None) -> None:
     """`refuse_one_process_kind` for the cluster this process was started in (TF_CONFIG, Slurm, ...)."""
-    if not KINDS[config.strategy.kind].one_process:
-        return
     from keras_sync.cluster import read_cluster
 
     try:
         info, where = read_cluster(config.strategy, os.environ if environ is None else environ)
-    except KerasSyncError:  # a cluster description a one-process kind never reads
+    except KerasSyncError:  # said by what reads it for real (one-process kinds never do)
         return
     n = info.num_workers
     refuse_one_process_kind(config, n, f"{where} names {n} workers", "start one process only")
