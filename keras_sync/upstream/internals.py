@@ -65,11 +65,8 @@ def _release(version: str) -> tuple[int, ...]:
 
 def predates(internal: Internal) -> bool:
     """Whether the installed library is older than ``internal.since`` (its absence is expected)."""
-    if internal.since is None:
-        return False
-    return _release(importlib.import_module(internal.library).__version__) < _release(
-        internal.since
-    )
+    installed = importlib.import_module(internal.library).__version__
+    return internal.since is not None and _release(installed) < _release(internal.since)
 
 
 def _get(path: str) -> Any:

@@ -168,8 +168,7 @@ def same_data_order_patches(multi_worker: bool) -> list[Patch]:
     from keras import tree
 
     # Probed here, outside the span: inside it the probe would read this patch, not Keras's code.
-    with_spec = _internals.available(_internals.SAME_DATA_ORDER)
-    if not with_spec and not multi_worker:
+    if not multi_worker and not _internals.available(_internals.SAME_DATA_ORDER):
         return []
     cls = importlib.import_module(_TRAINER).TensorFlowTrainer
     keras_own = original(cls, "_maybe_symbolic_build")
@@ -177,7 +176,7 @@ def same_data_order_patches(multi_worker: bool) -> list[Patch]:
     def _maybe_symbolic_build(self: Any, iterator: Any = None, data_batch: Any = None) -> Any:
         strategy = self._distribute_strategy
         if iterator is not None and strategy is not None:
-            spec = _first_batch_spec(iterator) if with_spec else None
+            spec = _first_batch_spec(iterator)  # None if Keras no longer keeps the dataset there
             if spec is not None:
                 iterator, data_batch = None, spec
             elif multi_worker and _is_multi_worker(strategy):
