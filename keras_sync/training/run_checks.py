@@ -23,9 +23,6 @@ from keras_sync.upstream.keras_fixes import fixed_keras
 from keras_sync.upstream.patching import original, patched
 from keras_sync.upstream.strategy_facts import built_under
 
-#: Examples the ``add_loss`` check evaluates, then twice over.
-ROWS = 2
-
 
 class CheckFailed(KerasSyncError):
     """A run-time check failed under ``checks.on_violation: error``."""
@@ -113,7 +110,7 @@ def add_loss_problem(model: Any, data: Any, n: int, global_batch: int) -> str | 
     import tensorflow as tf
 
     try:
-        x = _first_rows(model, data, ROWS)
+        x = _first_rows(model, data, rows=2)
         once = _terms(model, x) if x is not None else []
         doubled = tf.nest.map_structure(lambda a: tf.concat([a, a], 0), x) if once else None
         twice = _terms(model, doubled) if once else []
