@@ -44,12 +44,18 @@ class SystemMetrics(keras.callbacks.Callback):
     def on_train_begin(self, logs: dict | None = None) -> None:
         if self.writer is None or (self._thread is not None and self._thread.is_alive()):
             return
-        if self._monitors is None:
-            self._monitors = _monitors()
-        if self._monitors:
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._run, args=(self._monitors,), daemon=True)
-            self._thread.start()
+        if self._monitors is None:  # MLflow's private monitor classes, sampled here
+            from keras_sync.upstream import internals as _internals
+
+            _internals.require("system_metrics")
+            from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor
+            from mlflow.system_metrics.metrics.disk_monitor import DiskMonitor
+            from mlflow.system_metrics.metrics.network_monitor import NetworkMonitor
+
+            self._monitors = [CPUMonitor(), DiskMonitor(), NetworkMonitor()]
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, args=(self._monitors,), daemon=True)
+        self._thread.start()
 
     def on_train_end(self, logs: dict | None = None) -> None:
         if self._thread is not None:
@@ -73,15 +79,3 @@ class SystemMetrics(keras.callbacks.Callback):
             if metrics:
                 last_step = step
                 self.writer.log_metrics(metrics, step=step)
-
-
-def _monitors() -> list[Any]:
-    """MLflow's CPU, disk and network monitors (psutil is a dependency)."""
-    from keras_sync.upstream import internals as _internals
-
-    _internals.require("system_metrics")  # MLflow's private monitor classes, sampled here
-    from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor
-    from mlflow.system_metrics.metrics.disk_monitor import DiskMonitor
-    from mlflow.system_metrics.metrics.network_monitor import NetworkMonitor
-
-    return [CPUMonitor(), DiskMonitor(), NetworkMonitor()]

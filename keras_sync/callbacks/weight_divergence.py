@@ -9,7 +9,7 @@ import keras
 
 from keras_sync.callbacks._once import log_step
 from keras_sync.measures import reduce as _reduce
-from keras_sync.measures.fingerprints import Divergence, summarize
+from keras_sync.measures.fingerprints import summarize
 from keras_sync.training.context import check_shared
 from keras_sync.upstream.strategy_facts import distributed_variable
 
@@ -72,15 +72,6 @@ def mirrored_variables(model: Any) -> list[Any]:
             seen.add(id(tv))
             out.append(tv)
     return out
-
-
-def compare(model: Any) -> Divergence | None:
-    """Compare the replicas' copies of ``model``'s mirrored variables now (None if there are none);
-    a collective under `multi_worker_mirrored`."""
-    variables = mirrored_variables(model)
-    if not variables:
-        return None
-    return summarize(_gather_fn(model, variables)().numpy().tolist())  # [replicas, variables, 4]
 
 
 def _traced_gather(model: Any) -> Any:

@@ -22,7 +22,7 @@ _MODEL_ID_SUFFIX = ".model_id"
 def staging_dir(spool_path: str | os.PathLike[str]) -> Path:
     """The directory holding the staged artifacts of the spool ``spool_path``."""
     p = Path(spool_path)
-    return p.with_name(p.name.replace(".spool.jsonl", "") + ".files")
+    return p.with_name(p.name + ".files")
 
 
 def stage(spool_path: str | os.PathLike[str], local_path: str | os.PathLike[str]) -> Path:
@@ -34,12 +34,6 @@ def stage(spool_path: str | os.PathLike[str], local_path: str | os.PathLike[str]
         shutil.copytree(src, slot / "dir")
         return slot / "dir"
     return Path(shutil.copy2(src, slot / src.name))
-
-
-def remove_staging_if_empty(spool_path: str | os.PathLike[str]) -> None:
-    """Remove the staging directory once every staged artifact has been delivered."""
-    with contextlib.suppress(OSError):  # absent, or still holding undelivered artifacts
-        staging_dir(spool_path).rmdir()
 
 
 def deliver(client: Any, run_id: str, rec: dict[str, Any], call: Callable[..., Any]) -> None:

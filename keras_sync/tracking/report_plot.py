@@ -146,20 +146,13 @@ def slow_worker_lines(history: SyncHistory) -> list[str]:
     ]
 
 
-def render(
-    history: SyncHistory, path: str | os.PathLike[str], *, title: str = "keras-sync: sync health"
-) -> None:
-    """Draw ``history`` into the PNG file ``path``."""
-    draw(history, title=title).savefig(path, format="png")
-
-
 def upload(history: SyncHistory, artifact_file: str, log_file: Callable[[str], Any]) -> None:
     """Draw ``history`` as a temporary ``artifact_file`` and hand its path to ``log_file``; one that
     cannot be drawn is skipped with a warning (the metrics are logged as usual)."""
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
         path = os.path.join(tmp, artifact_file)
         try:
-            render(history, path)
+            draw(history).savefig(path, format="png")
         except Exception as e:
             message = f"keras-sync could not draw {artifact_file} ({type(e).__name__}: {e})."
             logging.getLogger("keras_sync").warning(message)

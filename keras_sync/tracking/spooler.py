@@ -285,7 +285,8 @@ class Spooler:
         done = never_begun or not (self.unacknowledged() or self.spool.read(self.progress()[0], 1))
         if message is None and not alive and done:
             self.spool.remove()  # everything is in MLflow: the spool has done its job
-            artifacts.remove_staging_if_empty(self.spool.path)
+            with contextlib.suppress(OSError):  # absent, or holding undelivered artifacts
+                artifacts.staging_dir(self.spool.path).rmdir()
         return message
 
     def _spill_held(self, cause: str) -> str | None:
