@@ -7,6 +7,7 @@ from typing import Any
 from keras_sync.callbacks._once import OncePerRun
 from keras_sync.tracking import autolog as _autolog
 from keras_sync.tracking.source_tags import source_tags
+from keras_sync.training.instrument import applied_optimizers, has_default_train_step
 
 MODEL_SUMMARY_ARTIFACT = "model_summary.txt"
 
@@ -41,8 +42,6 @@ class FitParams(OncePerRun):
         self._optimizers_pending = False  # a custom train_step: known after its first step
 
     def log_once(self) -> None:
-        from keras_sync.training.instrument import has_default_train_step
-
         self.writer.set_tags(source_tags())
         batch = self.per_replica_batch_size
         params: dict[str, Any] = {} if batch is None else {"per_replica_batch_size": batch}
@@ -65,8 +64,6 @@ class FitParams(OncePerRun):
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         if self._optimizers_pending:
-            from keras_sync.training.instrument import applied_optimizers
-
             self._optimizers_pending = False
             applied = applied_optimizers(self.model) or [("optimizer", self.model.optimizer)]
             if len(applied) == 1:  # one: optimizer_<key>; several: <attribute>_<key> for each

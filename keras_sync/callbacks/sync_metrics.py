@@ -12,6 +12,8 @@ import keras
 from keras_sync.callbacks._once import check_int
 from keras_sync.measures import reduce as _reduce
 from keras_sync.measures import slow_worker as _slow_worker
+from keras_sync.tracking import autolog as _autolog
+from keras_sync.training import instrument as _instrument
 from keras_sync.training.context import check_shared
 
 _TIMED = "_keras_sync_timed"  # on our wrapper of the train function: the function it wraps
@@ -81,13 +83,9 @@ class SyncMetrics(keras.callbacks.Callback):
 
     def set_model(self, model: Any) -> None:  # before `fit` builds its train function
         super().set_model(model)
-        from keras_sync.training import instrument as _instrument
-
         self._probe = _instrument.instrument(model)
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        from keras_sync.tracking import autolog as _autolog
-
         # mlflow.keras.autolog() logs the Keras logs itself: twice, a key would get two points.
         self._keras_logs = not _autolog.keras_autolog_active()
         self._reset()  # a fit that raised may have left steps and peaks unwritten

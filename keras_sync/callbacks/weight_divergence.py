@@ -11,6 +11,7 @@ from keras_sync.callbacks._once import log_step
 from keras_sync.measures import reduce as _reduce
 from keras_sync.measures.fingerprints import summarize
 from keras_sync.training.context import check_shared
+from keras_sync.training.instrument import probe_of
 from keras_sync.upstream.strategy_facts import distributed_variable
 
 
@@ -77,8 +78,6 @@ def mirrored_variables(model: Any) -> list[Any]:
 def _traced_gather(model: Any) -> Any:
     """``model``'s traced comparison (False: nothing to compare), kept on its replica probe so
     that each fit of the same model and variables calls one trace instead of tracing again."""
-    from keras_sync.training.instrument import probe_of
-
     variables = mirrored_variables(model)
     if not variables:
         return False

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from keras_sync.tracking.deliver import environ_restored
+from keras_sync.upstream.mlflow_internals import autologging
 
 #: Tag set on a keras-sync run that mlflow.keras.autolog() logged into as well.
 AUTOLOG_TAG = "keras_sync.autolog"
@@ -24,15 +25,11 @@ def keras_autolog_active() -> bool:
     """True when ``mlflow.keras.autolog()`` is on (False if MLflow was never imported)."""
     if "mlflow.keras" not in sys.modules:  # autolog imports it; never import MLflow just to ask
         return False
-    from keras_sync.upstream.mlflow_internals import autologging
-
     return not autologging().autologging_is_disabled("keras")
 
 
 def autolog_logs_models() -> bool:
     """True when autolog is on and logs the model at the end of each `fit` (its default)."""
-    from keras_sync.upstream.mlflow_internals import autologging
-
     return keras_autolog_active() and bool(
         autologging().get_autologging_config("keras", "log_models", True)
     )
@@ -45,8 +42,6 @@ def shared_run(writer: Any, tracking_uri: str, *, is_chief: bool = True) -> Iter
         yield
         return
     if not is_chief:
-        from keras_sync.upstream.mlflow_internals import autologging
-
         with autologging().disable_autologging():
             yield
         return

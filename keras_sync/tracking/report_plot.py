@@ -15,6 +15,8 @@ import tempfile
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from keras_sync.measures.slow_worker import MIN_EXTRA_MS, RATIO, slowest
+
 _PER_INDEX = re.compile(
     r"^sync/(loss|grad_norm)/replica_(\d+)$|^sync/(between_steps|compute)_ms/worker_(\d+)$"
 )
@@ -108,8 +110,6 @@ class SyncHistory:
     def slowest_worker(self) -> tuple[int, float, float, float] | None:
         """(worker, median ms between steps, median compute ms, the others' median) of a worker
         that holds the job back (`keras_sync.measures.slow_worker.slowest`), else None."""
-        from keras_sync.measures.slow_worker import slowest
-
         medians = {
             w: [
                 statistics.median(s[w].values or [math.nan])
@@ -127,8 +127,6 @@ class SyncHistory:
 
 def slow_worker_lines(history: SyncHistory) -> list[str]:
     """The summary's lines on the workers' times: the slow worker, or that none is, with the rule."""
-    from keras_sync.measures.slow_worker import MIN_EXTRA_MS, RATIO
-
     if len(set(history.between_steps) & set(history.compute)) < 2:
         return []
     slow = history.slowest_worker()

@@ -21,6 +21,7 @@ from urllib.parse import unquote
 import psutil
 
 from keras_sync.errors import TrackingError
+from keras_sync.upstream import mlflow_internals
 
 _log = logging.getLogger("keras_sync.tracking")
 _TMP_MARK = ".keras-sync-creating-"
@@ -33,8 +34,6 @@ _SETTLED_S = 20.0
 def warm_up(uri: str | None) -> list[str]:
     """Import what opening ``uri`` needs, touching no file; return which were done, in order."""
     from mlflow import MlflowClient  # noqa: F401
-
-    from keras_sync.upstream import mlflow_internals
 
     done = ["mlflow"]
     if uri is None or not mlflow_internals.preload_sql_store(uri):
@@ -112,9 +111,7 @@ def _wait_for_live_builders(path: Path, timeout_s: float) -> bool:
 
 def _wait_while_built_in_place(path: Path, timeout_s: float) -> None:
     """Wait while another client builds ``path`` in place: below the head and still changing."""
-    from keras_sync.upstream.mlflow_internals import schema_head
-
-    head, journal = schema_head(), path.with_name(path.name + "-journal")
+    head, journal = mlflow_internals.schema_head(), path.with_name(path.name + "-journal")
     last, moved_at, deadline = None, time.monotonic(), time.monotonic() + timeout_s
     while head is not None and (state := _schema_state(path))[0] != head:
         if state != last:
