@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import keras
+import tensorflow as tf
+import yaml
 
 from keras_sync.callbacks._once import OncePerRun
 from keras_sync.errors import UsageError
@@ -49,7 +51,21 @@ class RunParams(OncePerRun):
         ctx = self.context
         if ctx is not None and not isinstance(ctx, RunContext):
             ctx = ctx.context()
-        params = run_params(self.model, ctx)
+        strategy = self.model.distribute_strategy
+        try:
+            devices = list(strategy.extended.worker_devices)
+        except (RuntimeError, AttributeError):  # the default strategy has no replica devices
+            kinds = ("CPU", "GPU", "TPU")
+            devices = [d.name for d in tf.config.list_logical_devices() if d.device_type in kinds][
+                :1
+            ]
+        params: dict[str, Any] = {
+            "sync.num_replicas": int(strategy.num_replicas_in_sync),
+            "sync.tensorflow_version": tf.version.VERSION,
+            "sync.keras_version": keras.version(),
+            "sync.devices": ",".join(devices) or "unknown",
+            **({"sync.strategy": type(strategy).__name__} if ctx is None else ctx.params()),
+        }
         config = None if ctx is None else ctx.config
         if config is None:
             self.log_params(params)
@@ -58,31 +74,9 @@ class RunParams(OncePerRun):
         self.log_params({k: v for k, v in params.items() if k not in _NOT_PARAMS})
         text = config.text
         if text is None:  # a dict or the defaults: store the resolved config instead
-            import yaml
-
             text = yaml.safe_dump(config.to_dict(), sort_keys=False)
         self.writer.set_tags({CONFIG_SOURCE_TAG: str(config.source)})
         self.writer.log_text_artifact(redact_uri(text) or "", CONFIG_ARTIFACT)
-
-
-def run_params(model: Any, context: RunContext | None = None) -> dict[str, Any]:
-    """The ``sync.*`` params of a run, from ``context`` if given, else from the model's strategy."""
-    import tensorflow as tf
-
-    strategy = model.distribute_strategy
-    try:
-        devices = list(strategy.extended.worker_devices)
-    except (RuntimeError, AttributeError):  # the default strategy has no replica devices
-        kinds = ("CPU", "GPU", "TPU")
-        devices = [d.name for d in tf.config.list_logical_devices() if d.device_type in kinds][:1]
-    params: dict[str, Any] = {
-        "sync.num_replicas": int(strategy.num_replicas_in_sync),
-        "sync.tensorflow_version": tf.version.VERSION,
-        "sync.keras_version": keras.version(),
-        "sync.devices": ",".join(devices) or "unknown",
-    }
-    extra = {"sync.strategy": type(strategy).__name__} if context is None else context.params()
-    return {**params, **extra}
 
 
 def _flat(data: dict[str, Any], prefix: str) -> dict[str, str]:
