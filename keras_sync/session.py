@@ -457,12 +457,10 @@ class Sync:
                 f"The model was built outside sync.scope(), so sync.{method} cannot distribute it over "
                 f"{self.num_replicas} replicas. Fix: create and compile the model inside `with sync.scope():`."
             )
-        if deep:
-            self._check_variables_and_optimizers(model, method)
-
-    def _check_variables_and_optimizers(self, model: Any, method: str) -> None:
-        """Refuse layers built outside the scope (Keras fails on "colocate_vars_with") and optimizer
-        options Keras runs in an all-reducing ``ops.cond`` (it fails on "merge_call")."""
+        if not deep:
+            return
+        # Layers built outside the scope (Keras fails on "colocate_vars_with") and optimizer options
+        # Keras runs in an all-reducing ``ops.cond`` (it fails on "merge_call").
         import tensorflow as tf
 
         from keras_sync.training.train_step_trace import optimizers_of
@@ -477,7 +475,7 @@ class Sync:
         if names:
             shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
             raise UsageError(
-                f"sync.{method}: layers of {type(model).__name__} were built outside sync.scope() ({shown}), only the "
+                f"sync.{method}: layers of {cls.__name__} were built outside sync.scope() ({shown}), only the "
                 f"model was assembled inside: their variables are not the {self.kind} strategy's, and Keras cannot "
                 "train them under it. Fix: build the whole model (every layer, from keras.Input on) inside "
                 "`with sync.scope():`."
