@@ -14,6 +14,7 @@ import keras
 
 from keras_sync.measures import reduce as _reduce
 from keras_sync.tracking import autolog as _autolog
+from keras_sync.upstream.mlflow_internals import autologging
 
 log = logging.getLogger("keras_sync")
 
@@ -37,7 +38,11 @@ class ModelLogging(keras.callbacks.Callback):
         self.writer, self.name, self.flush_timeout_s = writer, name, float(flush_timeout_s)
 
     def on_train_end(self, logs: dict | None = None) -> None:
-        if self.writer is None or _autolog.autolog_logs_models():
+        # Autolog on logs the model at the end of each fit (its default).
+        if self.writer is None or (
+            _autolog.keras_autolog_active()
+            and autologging().get_autologging_config("keras", "log_models", True)
+        ):
             return
         optimizer = self.model.optimizer
         step = int(optimizer.iterations.numpy()) if optimizer is not None else 0

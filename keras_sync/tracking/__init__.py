@@ -331,9 +331,11 @@ class MlflowWriter:
 
     def _put_end(self, status: str, **extra: Any) -> None:
         """FAILED, tagged, if records were dropped over the memory bound."""
-        self._put(tag := self._sp.loss_tag())
+        lost = self._sp.lost_text([]) if self._sp.dropped else None
+        if lost:
+            self._put({"k": records.TAGS, "d": {LOST_TAG: lost}})
         self._put(
-            {"k": records.END, "status": "FAILED" if tag else status, "ts": _now_ms(), **extra}
+            {"k": records.END, "status": "FAILED" if lost else status, "ts": _now_ms(), **extra}
         )
 
     def end_run(

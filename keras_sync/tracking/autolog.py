@@ -28,13 +28,6 @@ def keras_autolog_active() -> bool:
     return not autologging().autologging_is_disabled("keras")
 
 
-def autolog_logs_models() -> bool:
-    """True when autolog is on and logs the model at the end of each `fit` (its default)."""
-    return keras_autolog_active() and bool(
-        autologging().get_autologging_config("keras", "log_models", True)
-    )
-
-
 @contextlib.contextmanager
 def shared_run(writer: Any, tracking_uri: str, *, is_chief: bool = True) -> Iterator[None]:
     """Make ``writer``'s run the active one while autolog is on; other workers turn autolog off."""

@@ -248,10 +248,6 @@ class Spooler:
         what += f" and {others} other record(s)" if others else ""
         return f"{what}: the spool {self.spool.path} could not be written ({self.spool_error})"
 
-    def loss_tag(self) -> dict[str, Any] | None:
-        """The tag record naming what was dropped over the memory bound, if any."""
-        return {"k": TAGS, "d": {LOST_TAG: self.lost_text([])}} if self.dropped else None
-
     def shut_down(self, delivered: bool, never_begun: bool) -> str | None:
         """Stop thread and courier, spill what memory holds, remove a delivered spool."""
         self.closing = True
