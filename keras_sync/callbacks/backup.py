@@ -10,7 +10,6 @@ import os
 import shutil
 import socket
 import sys
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -139,9 +138,6 @@ class BackupAndRestore(keras.callbacks.Callback):
             spe = int(getattr(model, "steps_per_execution", 1) or 1)
             self.epoch_iterator.resume_at(epoch, files.batches_to_skip(point, spe))
             self._restore_metrics_from = prefix if point.mid_epoch else None
-        elif point.mid_epoch:
-            msg = f"keras-sync BackupAndRestore: the backup in {self.backup_dir} is from batch {step} of epoch {epoch}, but a plain model.fit restarts epoch {epoch} at batch 0. Fix: train with sync.fit to resume exactly."
-            warnings.warn(msg, UserWarning, stacklevel=2)
         # Said once every callback's on_train_begin has run and the restored state is seen to hold.
         self._resume_line = f"keras-sync: resumed from the backup in {self.backup_dir}: epoch {epoch + 1}, after batch {step} (optimizer step {point.iterations})"
 

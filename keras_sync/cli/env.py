@@ -52,9 +52,6 @@ def _version(dist: str) -> str:
 def _devices() -> str:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TF's start-up chatter out of the report
     try:
-        from keras_sync.upstream.tf_import import import_tensorflow
-
-        import_tensorflow()
         import tensorflow as tf
 
         physical = tf.config.list_physical_devices()

@@ -238,10 +238,8 @@ def build_strategy(
     config: Config, environ: Mapping[str, str] | None = None
 ) -> tuple[tf.distribute.Strategy, Detection]:
     """Build the configured `tf.distribute.Strategy` (call before any other TensorFlow work)."""
-    from keras_sync.upstream.tf_import import import_tensorflow
-
     try:
-        import_tensorflow()  # without the early absl INFO lines that ignore TF_CPP_MIN_LOG_LEVEL
+        import tensorflow  # noqa: F401
     except ModuleNotFoundError as e:
         if e.name != "tensorflow":
             raise  # a broken TensorFlow: its own error says more than ours could

@@ -157,21 +157,11 @@ class MlflowWriter:
         spool_dir: str | os.PathLike[str] | None = None,
         wait_at_end_of_fit: bool = True,
     ):
-        if not tracking_uri or not isinstance(tracking_uri, str):
-            raise _invalid("tracking_uri", tracking_uri, "a non-empty URI string")
-        if not experiment or not isinstance(experiment, str):
-            raise _invalid("experiment", experiment, "a non-empty name")
         if job_id is not None and not _JOB_ID.match(str(job_id)):
             raise _invalid(
                 "job_id", job_id, "1-250 letters, digits or `_.:/@+-` (no quotes or spaces)"
             )
         root = Path(spool_dir or MlflowConfig().spool_dir)
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise _invalid(
-                "spool_dir", str(root), f"a writable directory (creating it failed: {e.strerror})"
-            ) from None
         self.shown_uri = str(redact_uri(tracking_uri))
         self.experiment = experiment
         self.job_id = job_id or f"run-{uuid.uuid4().hex[:12]}"

@@ -120,11 +120,9 @@ _COORDINATION = f"{_CONTEXT}:coordination_config_pb2.CoordinationServiceConfig"
 _CARS = "tensorflow.python.distribute.collective_all_reduce_strategy"
 _DATA_OPS = "tensorflow.python.data.ops"
 _SYSTEM = "mlflow.system_metrics.metrics"
-_MULTI_DEVICE = f"{_DATA_OPS}.multi_device_iterator_ops"
 _SYMBOLIC_BUILD = f"{_TF_TRAINER}._maybe_symbolic_build(self, iterator, data_batch)"
 LOSS = "keras.src.losses.loss"
 _MAKE_FUNCTION = f"{_TF_TRAINER}._make_function"
-DEVICE_DATASET = f"{_MULTI_DEVICE}:_create_device_dataset"
 _TF_OPTIMIZER = "keras.src.backend.tensorflow.optimizer:TFOptimizer"
 # Fallback entries, by name: a public path (or nothing) is taken when their probe fails.
 END_OF_DATA, BARRIER, GLOBAL_SEED = "end_of_data", "coordination_barrier", "global_seed"
@@ -233,13 +231,6 @@ REGISTRY: tuple[Internal, ...] = (
         "keras.src.callbacks.backup_and_restore:BackupAndRestore.__init__ uses _weights_path",
         refused="Keras's BackupAndRestore on several workers",
         alternative="or use keras-sync's backup (fault_tolerance.backup_dir)",
-    ),
-    # keras_fixes.device_dataset_patches: per-device datasets built without default rewrites.
-    Internal(
-        "device_dataset",
-        f"{DEVICE_DATASET}(prototype_ds, incarnation_id)",
-        f"{_MULTI_DEVICE}:MultiDeviceIterator.__init__ | "
-        f"{_MULTI_DEVICE}:OwnedMultiDeviceIterator.__init__ uses _create_device_dataset",
     ),
     # replica_seeds.py: each Keras random op's seed folded with the replica id (no public hook).
     Internal(

@@ -8,7 +8,6 @@ import contextvars
 import functools
 import importlib
 import inspect
-import os
 import sys
 import threading
 import time
@@ -49,7 +48,7 @@ def _end_known(data: Any) -> bool:
 def fixed_keras(strategy: Any, train_data: Any = None) -> Any:
     """For the block, Keras runs with the fixes ``strategy`` needs; ``train_data``: what `fit` trains
     on (the end-of-data check is left out when Keras knows its end)."""
-    patches = end_of_data_patches() + iterator_release_patches() + device_dataset_patches()
+    patches = end_of_data_patches() + iterator_release_patches()
     if _is_multi_worker(strategy):
         patches += multi_worker_patches()
     else:
@@ -326,25 +325,6 @@ def iterator_release_patches() -> list[Patch]:
         (cls, "__del__", __del__),
         (cls, "reset", reset),
     ]
-
-
-def device_dataset_patches() -> list[Patch]:
-    """Per-device datasets without default optimizations, which cannot apply there and make TF warn
-    "will not be optimized" on every run (kept when TF_CPP_MIN_LOG_LEVEL is 0)."""
-    level = os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0").strip()
-    if level in ("", "0") or not _internals.available("device_dataset"):
-        return []
-    import tensorflow as tf
-
-    module = importlib.import_module(_internals.DEVICE_DATASET.partition(":")[0])
-    tf_own = original(module, "_create_device_dataset")
-
-    def _create_device_dataset(*args: object, **kwargs: object) -> object:
-        options = tf.data.Options()
-        options.experimental_optimization.apply_default_optimizations = False
-        return tf_own(*args, **kwargs).with_options(options)
-
-    return [(module, "_create_device_dataset", _create_device_dataset)]
 
 
 def sums_pass_through(optimizer: Any) -> list[Patch] | None:
