@@ -1,5 +1,7 @@
 """The tags MLflow's fluent `start_run` sets (who ran what, from which commit), which
-`MlflowClient` does not; git is asked through its command line."""
+`MlflowClient` does not; git is asked through its command line. Not MLflow's own
+`mlflow.tracking.context.registry.resolve_tags`: before its newest 3.x releases it records the
+commit alone, without the branch and the remote URL."""
 
 from __future__ import annotations
 
