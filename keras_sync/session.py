@@ -46,7 +46,6 @@ def load(
     from keras_sync.upstream import stack
 
     stack.check_backend()  # KERAS_BACKEND=jax/torch: one line here, not a false scope error at fit
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # TF's start-up INFO lines; the user's wins
     check_one_process(cfg)  # `mirrored` under a TF_CONFIG of 2 workers, refused before TensorFlow
     kind = detect(cfg).kind
     one_process = kind in ONE_PROCESS_KINDS  # surely the chief
