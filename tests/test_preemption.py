@@ -484,6 +484,14 @@ class Running:
         return code, self.out.read_text(), self.err.read_text()
 
 
+def _per_worker(text: str, last: int = 30) -> str:
+    """The last lines of each prefix (``[launch]``, ``[w0]``, ``[w1]``): a failure shows every worker."""
+    lines: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        lines.setdefault(line.partition(" ")[0], []).append(line)
+    return "\n".join(line for kept in lines.values() for line in kept[-last:])
+
+
 def _run_status(uri: str) -> tuple[str, list[int]]:
     from mlflow import MlflowClient
 
@@ -553,22 +561,21 @@ def test_ctrl_c_to_launch_saves_on_both_workers_in_one_line_each_side_and_the_re
     )
     first.wait_for_lines({"[w0] holding after step 12", "[w1] holding after step 12"})
     first.ctrl_c()
-    code, _, err = first.finish()
-    assert code == 130, err[-3000:]
-    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    code, out, err = first.finish()
+    why = f"{_per_worker(out)}\n{_per_worker(err)}"
+    assert code == 130, why
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, why
     # Both held after step 12: the first to see its Ctrl-C at a batch end (13) announces step 14 to all.
     # The launcher says it stops the job, the chief what it saved; worker 1 says nothing.
     assert [line for line in err.splitlines() if "Ctrl-C" in line and "sync-spool" not in line] == [
         "[launch] Ctrl-C: stopping 2 worker(s); Ctrl-C again to kill them at once",
         f"[w0] keras-sync: Ctrl-C: saved a backup in {tmp_path / 'res2_backup'} at epoch 2, after batch 4 (optimizer "
         "step 14); exiting with code 130. Relaunch the job to resume from there.",
-    ], err[-3000:]
-    assert not [line for line in err.splitlines() if line.startswith("[w1] keras-sync:")], err[
-        -3000:
-    ]
+    ], why
+    assert not [line for line in err.splitlines() if line.startswith("[w1] keras-sync:")], why
     assert _run_status(uri)[0] == "KILLED"
     second = _train(tmp_path, "res2", *hold, mlflow_uri=uri, workers=2)
-    assert second.returncode == 0, second.stderr[-3000:]
+    assert second.returncode == 0, _per_worker(second.stderr)
     deliver_leftovers(tmp_path / "spool")
     assert _run_status(uri) == ("FINISHED", list(range(1, 31)))
     for task in (0, 1):
