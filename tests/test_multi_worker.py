@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from _mwr import max_diff, result
 from _ports import free_ports
+from _spools import deliver_leftovers
 
 pytestmark = (
     pytest.mark.slow
@@ -233,6 +234,9 @@ def _kill_and_resume(
         assert killed.returncode == 137, killed.stderr[-3000:]  # SIGKILL: 128 + 9
         assert f"[launch] w{kill_task} exited with code 137" in killed.stderr
         assert not out.exists()
+        if mlflow_uri:  # the chief's courier outlived the kill: it delivered all, ended the run
+            assert deliver_leftovers(tmp / ".keras_sync_spool") == []
+            assert [run.info.status for run in _runs(mlflow_uri)] == ["FAILED"]
         if k:
             relaunches.append(killed)
     last = _launch(tmp, TRAIN, *args)
@@ -254,6 +258,13 @@ def _kill_and_resume(
         "stdout": last.stdout,
         "relaunches": relaunches,
     }
+
+
+def _runs(uri: str) -> list:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    return client.search_runs([client.get_experiment_by_name("resume").experiment_id])
 
 
 def _assert_exact(resumed: dict, reference: dict, *, epoch: int, iterations: int) -> None:
@@ -301,10 +312,10 @@ def test_sigkill_non_chief_then_chief_mid_epoch_resumes_exactly_each_time(
     # a backup, before a kill), appear once.
     from mlflow import MlflowClient
 
-    client = MlflowClient(uri)
-    runs = client.search_runs([client.get_experiment_by_name("resume").experiment_id])
-    assert len(runs) == 1
-    steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "sync/loss/replica_1")]
+    runs = _runs(uri)
+    assert [run.info.status for run in runs] == ["FINISHED"]  # the FAILED run, continued
+    history = MlflowClient(uri).get_metric_history(runs[0].info.run_id, "sync/loss/replica_1")
+    steps = [m.step for m in history]
     assert sorted(steps) == list(range(1, resumed["w0"]["iterations"] + 1))
 
 

@@ -1072,23 +1072,31 @@ def test_killed_courier_is_restarted_and_nothing_is_lost_or_duplicated(in_tmp, s
 
 @slow
 def test_crashed_process_leaves_no_courier_behind(sqlite_uri, tmp_path):
-    # The courier sees its parent die, delivers what it finds, and exits.
+    # Killed with its process group, as `keras-sync launch` kills a worker stuck in a collective (no
+    # test zygote: the courier is then the writer's own child). The courier, in its own session, sees
+    # its parent die, delivers what it finds, ends the run and exits.
     code = (
         "import os, time, psutil\n"
         "from keras_sync.tracking import MlflowWriter\n"
-        f"w = MlflowWriter(tracking_uri={sqlite_uri!r}, experiment='crash', spool_dir={str(tmp_path)!r})\n"
+        f"w = MlflowWriter(tracking_uri={sqlite_uri!r}, experiment='crash', job_id='j', spool_dir={str(tmp_path)!r})\n"
         "w.start()\n"
         "w.log_metrics({'loss': 1.0}, step=0)\n"
         "while not w.flush(timeout_s=60): pass\n"
         "for s in range(1, 50): w.log_metrics({'loss': 1.0}, step=s)\n"
         "w.flush_to_spool()\n"
         "print([p.pid for p in psutil.Process().children()], w.run_id, flush=True)\n"
-        "os._exit(9)\n"
+        "os.killpg(0, 9)\n"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=800, cwd=tmp_path
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=800,
+        cwd=tmp_path,
+        start_new_session=True,
+        env={**os.environ, "KERAS_SYNC_TEST_ZYGOTE": ""},
     )
-    assert out.returncode == 9, out.stderr
+    assert out.returncode == -9, out.stderr
     # Nothing but MLflow's own lines from the courier (its stderr is the user's): once, `-m` on a
     # module its package imports printed a RuntimeWarning at every courier's start.
     assert "Warning" not in out.stderr, out.stderr
@@ -1097,6 +1105,7 @@ def test_crashed_process_leaves_no_courier_behind(sqlite_uri, tmp_path):
     assert len(pids) == 1
     assert _wait_for(lambda: all(_gone(p) for p in pids), 300)
     assert _history(sqlite_uri, run_id) == list(range(50))  # it delivered what the crash left
+    assert _run_of_job(sqlite_uri, "crash", "j").info.status == "FAILED"  # not RUNNING forever
 
 
 # ---- which run a `sync.fit` job writes to ----

@@ -2,7 +2,7 @@
 
 A failing worker stops the others (SIGTERM, then SIGKILL after `grace_period_s`: a worker waiting
 in a collective ignores SIGTERM); a signal to the launcher is forwarded the same way. Each worker
-leads its own session, so no child of a worker outlives the launch.
+leads its own session, so no child of a worker outlives the launch but the MLflow courier (its own).
 """
 
 from __future__ import annotations

@@ -231,6 +231,9 @@ class Delivery:
                 try:
                     batching = not orphan and time.monotonic() - self.last_sent_at < BATCH_S
                     self.deliver_available(hold_metrics=batching)
+                    if orphan and not (self.run_ended or self.pending()) and self.sender.run_id:
+                        # The writer died with its run open (killed): FAILED, as a relaunch finds it.
+                        self._send([(self.pos, {"k": r.END, "status": "FAILED"})])
                     if (self.failing or not self.reported) and not retrier.failing:
                         self.report(None)
                     backoff = 0.0

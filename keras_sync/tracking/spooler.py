@@ -265,9 +265,8 @@ class Spooler:
         if message and self.say_refused_once():
             message = None  # said in its one line already
         if courier is not None:
-            if courier.poll() is None:
-                courier.kill()  # after close nothing runs in the background (it ignores SIGTERM)
-                courier.wait()
+            courier.kill()  # after close nothing runs in the background (it ignores SIGTERM)
+            courier.wait()
             if self._news_reader is not None:
                 self._news_reader.join(2.0)  # its last news
             self._pump()
@@ -332,8 +331,9 @@ class Spooler:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         argv = [sys.executable, "-m", ENTRY_MODULE, str(self.spool.path), str(os.getpid())]
         try:
+            # Its own session: a kill of the trainer's process group (`keras-sync launch`) spares it.
             courier = subprocess.Popen(
-                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True
             )
         except OSError as e:
             _log.error(
