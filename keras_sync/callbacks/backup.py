@@ -272,7 +272,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         from keras_sync.cluster.preemption import exit_code, exit_now, signal_name
 
         assert self._preemption is not None
-        self._barrier()  # no worker leaves while another still takes part in the save
+        self._preemption.leave_together()  # none leaves while another still takes part in the save
         self._preemption.done()
         name, code = signal_name(self._preemption.signum), exit_code(self._preemption.signum)
         where = f"optimizer step {self._newest}" if self._newest is not None else "the start"

@@ -219,6 +219,18 @@ class PreemptionSaver:
                 f"{self.target}, then exits"
             )
 
+    def leave_together(self) -> None:
+        """After the save: every worker says it saved and waits for the others, so that none exits
+        while a peer still reads its buffers (a collective barrier can end on one worker first)."""
+        if not self._workers:
+            return
+        from keras_sync.upstream import multi_worker
+
+        with contextlib.suppress(Exception):  # a peer gone, or the grace over: exit all the same
+            multi_worker.set_key(f"{self._key}/saved/{self._task}", "1")
+            for task in range(self._workers):
+                multi_worker.get_key(f"{self._key}/saved/{task}", int(self.grace_period_s * 1000))
+
     def end(self, *, clean: bool = True) -> bool:
         """Stand down at train end; True when a signal came but no save. ``clean=False``: no network."""
         pending = self.pending
