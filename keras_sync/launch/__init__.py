@@ -83,7 +83,8 @@ def launch(
             raise _invalid(name, f"{path!r}, which is not a file", fix)
     base_env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     base_env.update({**(env or {}), "PYTHONUNBUFFERED": "1"})
-    base_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # N workers' INFO lines interleaved, unless set
+    # N workers' INFO lines interleaved, unless the environment sets it.
+    base_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     if workers > 1 or private_network:
         _refuse_before_start(script, workers, config, base_env, private_network)
     # One job identity for every try: the MLflow run is found again by it (mlflow.job_id).
