@@ -197,6 +197,7 @@ def same_data_order_patches(multi_worker: bool) -> list[Patch]:
 
 KEPT_ITERATOR = "_keras_sync_dropped_iterator"  # the iterator an epoch iterator's `reset` dropped
 _ITERATOR_ATTRS = ("_current_iterator", "_epoch_iterator", KEPT_ITERATOR)
+_DESTROYER = "keras-sync-iterator-drop"  # the name of each thread that destroys one iterator
 
 
 def _at_exit() -> bool:
@@ -205,10 +206,12 @@ def _at_exit() -> bool:
 
 
 class _IteratorReleaser:
-    """Destroys the tf.data iterators Keras drops on a watcher thread (`fit` does not wait for their
-    autotuning threads), each once nothing else refers to it, or after `HOLD_S`; a generator is
-    closed and its frame's TensorFlow locals held instead. Not a daemon: one inside TensorFlow at
-    exit aborts the process."""
+    """Destroys the tf.data iterators Keras drops off the training thread (`fit` does not wait for
+    their autotuning threads): a watcher holds each until nothing else refers to it, or `HOLD_S`,
+    then destroys it on a thread of its own, since one destruction can take seconds and one after
+    another they add up; a generator is closed and its frame's TensorFlow locals held instead. No
+    daemons: one inside TensorFlow at exit aborts the process. At exit what is held is dropped on
+    the watcher (no thread can start then)."""
 
     HOLD_S = 600.0
 
@@ -247,9 +250,18 @@ class _IteratorReleaser:
                     self._watcher = None
                     return
             while alone:
-                alone.pop().clear()  # the destructors run here (TensorFlow releases the GIL)
+                self._destroy(alone.pop())
             pause = min(pause * 2, 0.1) if self._held else 0.005
             time.sleep(pause)
+
+    @staticmethod
+    def _destroy(box: list[Any]) -> None:
+        """Empty ``box`` (the only reference) on a thread of its own, or here at exit."""
+        if not _at_exit():
+            with contextlib.suppress(RuntimeError):  # 3.12: the exit began after the check
+                threading.Thread(target=box.clear, name=_DESTROYER).start()
+                return
+        box.clear()  # the destructors run here (TensorFlow releases the GIL)
 
     def _take_alone(self, force: bool) -> list[list[Any]]:
         """Take out what nothing else refers to (or was held `HOLD_S`), each in a box of its own."""
@@ -276,12 +288,17 @@ class _IteratorReleaser:
             while inner:
                 self._hold(inner.pop())
 
-    def wait(self, timeout_s: float | None = None) -> bool:
+    def wait(self, timeout_s: float) -> bool:
         """Wait until every iterator handed over is destroyed; True when none is left."""
+        deadline = time.monotonic() + timeout_s
         watcher = self._watcher
         if watcher is not None:
             watcher.join(timeout_s)
-        return self._watcher is None
+        for thread in threading.enumerate():
+            if thread.name == _DESTROYER:
+                thread.join(max(0.0, deadline - time.monotonic()))
+        alive = any(t.name == _DESTROYER and t.is_alive() for t in threading.enumerate())
+        return self._watcher is None and not alive
 
 
 RELEASER = _IteratorReleaser()
