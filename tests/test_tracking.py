@@ -851,6 +851,43 @@ def test_metric_points_wait_for_a_batch_and_anything_else_takes_them_along(tmp_p
     assert delivery.deliver_available() == 1
 
 
+def test_the_courier_delivers_held_points_when_the_writer_wakes_it(
+    tmp_path, sqlite_uri, monkeypatch
+):
+    """Between batches the courier sleeps (`courier.BATCH_S`) instead of polling the spool; the
+    writer's wake line (a record that is not a point, or a flush) has it deliver at once."""
+    from keras_sync.tracking import courier
+    from keras_sync.tracking.records import WAKE_LINE
+    from keras_sync.tracking.spool import SpoolDir
+
+    monkeypatch.setattr(courier, "BATCH_S", 600.0)  # without the wake: nothing for 10 minutes
+    spool = SpoolDir(tmp_path / "spool")
+    spool.path.mkdir()
+    spool.write_header(
+        {"v": 2, "experiment": _exp(), "run_name": None, "job_id": "wake", "explicit": False}
+        | {"tracking_uri": sqlite_uri, "run_id": None}
+    )
+    spool.start_segment()
+    spool.append([{"k": "begin", "ts": 1}])
+    delivery = courier.Delivery(spool, sqlite_uri)
+    read, write = os.pipe()
+    threading.Thread(target=delivery.read_pipe, args=(os.fdopen(read, "rb"),), daemon=True).start()
+    serving = threading.Thread(target=delivery.serve, args=(None,), daemon=True)
+    serving.start()
+    assert _wait_for(lambda: delivery.sender.run_id is not None, 120)  # the begin: at once
+    spool.append([{"k": "m", "s": s, "ts": 1, "d": {"loss": 1.0 / s}} for s in (1, 2)])
+    time.sleep(1.0)
+    assert delivery.sender.points_sent == 0  # held for a batch
+    os.write(write, WAKE_LINE)  # a flush waits
+    assert _wait_for(lambda: delivery.sender.points_sent == 2, 120)
+    spool.append([{"k": "end", "status": "FINISHED", "ts": 2}])
+    os.write(write, WAKE_LINE)  # a record that is not a point
+    serving.join(120)
+    assert not serving.is_alive()
+    assert _history(sqlite_uri, delivery.sender.run_id) == [1, 2]
+    os.close(write)
+
+
 # ---- real mlflow server, with outages ----
 
 

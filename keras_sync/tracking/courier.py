@@ -1,7 +1,8 @@
 """The courier: a child process of the writer that delivers one spool to MLflow in order. Its
 stdin brings the tracking URI (credentials never touch disk), the header, then the records a full
-disk kept out of the spool; its stdout tells the writer where delivery stands. It ends after the
-writer's last record, or once its parent died and the server stopped answering.
+disk kept out of the spool and the writer's wake-ups; its stdout tells the writer where delivery
+stands. It ends after the writer's last record, or once its parent died and the server stopped
+answering.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from keras_sync.tracking.sqlite_store import warm_up
 MAX_BACKOFF_S = 30.0
 #: A courier whose parent died keeps delivering while the server answered within this long.
 ORPHAN_PATIENCE_S = 30.0
-POLL_S = 0.1
 #: Metric points wait up to this long to go in one `log_batch` (each call has a fixed cost); any
-#: other record goes at once, with the points before it.
+#: other record goes at once, with the points before it. The courier looks at the spool this often,
+#: and when the writer wakes it (`keras_sync.tracking.records.WAKE_LINE`).
 BATCH_S = 1.0
 #: Records read ahead from the spool: at most a `log_batch` of one-point records.
 READ_RECORDS = r.MAX_BATCH
@@ -74,6 +75,8 @@ class Delivery:
         self.run_ended = False  # the run's end is delivered and no begin since
         self.last_sent_at = self._answer_told = 0.0
         self.give_up: Callable[[], bool] = lambda: False  # True ends a failing request's retries
+        self.woken = threading.Event()  # a line from the writer, or its pipe closed
+        self.hurry = False  # the writer asked for delivery now
         self.on_progress: Callable[[], None] = lambda: None
         self.sender.retrier = Retrier(
             is_transient,
@@ -203,15 +206,20 @@ class Delivery:
         return status
 
     def read_pipe(self, records: BinaryIO) -> None:
-        """Take the numbered records the writer hands over its pipe, until it closes it."""
+        """Take what the writer sends over its pipe (numbered records, wake-ups) until it closes it."""
         for line in records:
-            try:
-                msg = json.loads(line)
-                number, rec = int(msg["h"]), msg["r"]
-            except (ValueError, KeyError, TypeError):
-                continue
-            if number > self.held_done and (not self.held or number > self.held[-1][0]):
-                self.held.append((number, rec))
+            if line == r.WAKE_LINE:
+                self.hurry = True
+            else:
+                try:
+                    msg = json.loads(line)
+                    number, rec = int(msg["h"]), msg["r"]
+                except (ValueError, KeyError, TypeError):
+                    continue
+                if number > self.held_done and (not self.held or number > self.held[-1][0]):
+                    self.held.append((number, rec))
+            self.woken.set()
+        self.woken.set()  # the writer closed it, or died
 
     def serve(self, parent_pid: int | None) -> None:
         """Deliver until the writer's last record is delivered, or the parent process is gone."""
@@ -226,10 +234,12 @@ class Delivery:
 
         self.give_up = orphan_gives_up
         while self.spool.path.is_dir():  # removed: all delivered, or cleaned up
-            orphan = orphaned()
-            if time.monotonic() >= retry_at or orphan:
+            orphan, now = orphaned(), time.monotonic()
+            if now >= retry_at or orphan:
+                self.woken.clear()  # before reading the spool: a later wake-up is not lost
+                hurry, self.hurry = self.hurry, False
                 try:
-                    batching = not orphan and time.monotonic() - self.last_sent_at < BATCH_S
+                    batching = not (orphan or hurry) and now - self.last_sent_at < BATCH_S
                     self.deliver_available(hold_metrics=batching)
                     if orphan and not (self.run_ended or self.pending()) and self.sender.run_id:
                         # The writer died with its run open (killed): FAILED, as a relaunch finds it.
@@ -247,7 +257,10 @@ class Delivery:
                     self.spool.remove()
                 if self.ended or orphan:
                     return
-            time.sleep(POLL_S)
+            # Until a retry, else until held points are due (or BATCH_S from now), unless woken.
+            batch_due = self.last_sent_at + BATCH_S
+            due = retry_at if retry_at > now else batch_due if batch_due > now else now + BATCH_S
+            self.woken.wait(due - time.monotonic())
 
 
 class _Scrubbed:

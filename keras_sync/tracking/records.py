@@ -28,6 +28,9 @@ STOP = "stop"  # the writer closed; its run had ended before
 BOOKKEEPING = (BEGIN, STOP)
 #: Kinds kept in memory whatever the bound: small, and they end a run with the tag of what was lost.
 ALWAYS_KEPT = (BEGIN, END, STOP, TAGS)
+#: The line a writer sends its courier on its stdin to have the spool delivered now (it spooled a
+#: record other than metric points, or a flush waits); points alone wait for the next batch.
+WAKE_LINE = b'{"wake":1}\n'
 
 UNREACHABLE = "unreachable"  # a tracking server that does not answer
 FAILING_REQUESTS = "failing_requests"  # a server that answers some requests with errors (HTTP 503)

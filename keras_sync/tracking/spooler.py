@@ -30,6 +30,7 @@ from keras_sync.tracking.records import (
     MAX_TAG_VALUE_LENGTH,
     METRICS,
     TAGS,
+    WAKE_LINE,
     RecordCleaner,
     is_last_record,
     why_failing,
@@ -93,6 +94,7 @@ class Spooler:
         self.courier: subprocess.Popen[bytes] | None = None
         self._news_reader: threading.Thread | None = None
         self.closing = self.dead = self._end_spooled = self._was_failing = False
+        self.hurry = False  # a wait for delivery: the courier is woken at the next drain
         self.spool_error: str | None = None  # why the spool stopped taking records
         self._said_refused = threading.Lock()  # taken once: the refusal is said
         # Records the spool refused, (number, record, size), until the courier has them in MLflow.
@@ -168,6 +170,8 @@ class Spooler:
     ) -> bool:
         """Wait until MLflow has everything spooled so far, while it progresses; True if it has."""
         target = self.spooled_pos, self.held_last
+        self.hurry = True  # the courier sends the points it holds for a batch now
+        self.wake.set()
         seen, last_move = self.progress(), time.monotonic()
         deadline = last_move + (timeout_s if timeout_s is not None else float("inf"))
         while not self._caught_up(target):
@@ -460,6 +464,10 @@ class Spooler:
                 self._end_spooled |= is_last_record(cleaned)
         if recs:
             self._spool_or_hold(recs)
+        # The courier looks at the spool every BATCH_S; a record that is not a point goes now.
+        hurry, self.hurry = self.hurry or any(rec["k"] != METRICS for rec in recs), False
+        if hurry and self.courier is not None:
+            self._to_courier += WAKE_LINE
         if last is not None:
             with self._spooled:
                 self._spooled_seq = max(last, self._spooled_seq)
