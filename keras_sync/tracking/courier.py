@@ -33,7 +33,7 @@ ORPHAN_PATIENCE_S = 30.0
 #: Metric points wait up to this long to go in one `log_batch` (each call has a fixed cost); any
 #: other record goes at once, with the points before it. The courier looks at the spool this often,
 #: and when the writer wakes it (`keras_sync.tracking.records.WAKE_LINE`).
-BATCH_S = 1.0
+BATCH_S = 2.0
 #: Records read ahead from the spool: at most a `log_batch` of one-point records.
 READ_RECORDS = r.MAX_BATCH
 #: How long ``keras-sync sync-spool`` retries failing requests before it gives up (seconds).
