@@ -30,6 +30,7 @@ from keras_sync.tracking.sqlite_store import warm_up
 MAX_BACKOFF_S = 30.0
 #: A courier whose parent died keeps delivering while the server answered within this long.
 ORPHAN_PATIENCE_S = 30.0
+ORPHAN_POLL_S = 0.1
 #: Metric points wait up to this long to go in one `log_batch` (each call has a fixed cost); any
 #: other record goes at once, with the points before it. The courier looks at the spool this often,
 #: and when the writer wakes it (`keras_sync.tracking.records.WAKE_LINE`).
@@ -77,6 +78,7 @@ class Delivery:
         self.give_up: Callable[[], bool] = lambda: False  # True ends a failing request's retries
         self.woken = threading.Event()  # a line from the writer, or its pipe closed
         self.hurry = False  # the writer asked for delivery now
+        self.pipe_open = True  # closed: the writer is gone or going (the parent may not be yet)
         self.on_progress: Callable[[], None] = lambda: None
         self.sender.retrier = Retrier(
             is_transient,
@@ -219,7 +221,8 @@ class Delivery:
                 if number > self.held_done and (not self.held or number > self.held[-1][0]):
                     self.held.append((number, rec))
             self.woken.set()
-        self.woken.set()  # the writer closed it, or died
+        self.pipe_open = False
+        self.woken.set()
 
     def serve(self, parent_pid: int | None) -> None:
         """Deliver until the writer's last record is delivered, or the parent process is gone."""
@@ -257,10 +260,12 @@ class Delivery:
                     self.spool.remove()
                 if self.ended or orphan:
                     return
-            # Until a retry, else until held points are due (or BATCH_S from now), unless woken.
+            # Until a retry, else until held points are due (or BATCH_S from now), unless woken;
+            # once the pipe closed, the parent's end is looked for every ORPHAN_POLL_S.
             batch_due = self.last_sent_at + BATCH_S
             due = retry_at if retry_at > now else batch_due if batch_due > now else now + BATCH_S
-            self.woken.wait(due - time.monotonic())
+            wait = due - time.monotonic()
+            self.woken.wait(wait if self.pipe_open else min(wait, ORPHAN_POLL_S))
 
 
 class _Scrubbed:
