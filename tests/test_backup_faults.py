@@ -228,12 +228,24 @@ def test_damaged_backups_are_skipped_or_refused_and_the_run_is_continued_not_fai
     """One kill after step 22, then two damages of what it left (the backup restored between them).
 
     No usable backup (ckpt-21's index garbled, ckpt-18's data emptied): the relaunch ends in one
-    line, exit 2, and the MLflow run is not failed. Only ckpt-21's .data truncated: the relaunch
-    skips ckpt-21 in one line, resumes from ckpt-18, trains the same weights as the same seeded
-    script without a backup, and continues the one MLflow run (named by ckpt-18's manifest).
+    line, exit 2, and leaves the MLflow run as the kill left it (FAILED, which a relaunch continues).
+    Only ckpt-21's .data truncated: the relaunch skips ckpt-21 in one line, resumes from ckpt-18,
+    trains the same weights as the same seeded script without a backup, and continues the one MLflow
+    run (named by ckpt-18's manifest).
     """
+    from _spools import deliver_leftovers
+    from mlflow import MlflowClient
+
     cfg = _cfg(tmp_path, mlflow=True)
+    client = MlflowClient(cfg["mlflow"]["tracking_uri"])
+
+    def statuses() -> list[str]:
+        deliver_leftovers(tmp_path / "spool")  # once every courier has ended (the killed one's too)
+        experiment = client.get_experiment_by_name("faults")
+        return [r.info.status for r in client.search_runs([experiment.experiment_id])]
+
     _killed_at_22(tmp_path, cfg)
+    assert statuses() == ["FAILED"]  # the killed process's courier ends its open run
     bk = tmp_path / "bk"
     shutil.copytree(bk, tmp_path / "bk-killed")
 
@@ -250,16 +262,7 @@ def test_damaged_backups_are_skipped_or_refused_and_the_run_is_continued_not_fai
         f"{json.loads((bk / 'ckpt-18.manifest.json').read_text())['files'][old.name]['size']} bytes). Fix: restore "
         "that directory from a copy, or delete it to train from the start; nothing was trained."
     ]
-    from mlflow import MlflowClient
-
-    client = MlflowClient(cfg["mlflow"]["tracking_uri"])
-    experiment = client.get_experiment_by_name("faults")
-    statuses = (
-        [r.info.status for r in client.search_runs([experiment.experiment_id])]
-        if experiment
-        else []
-    )
-    assert "FAILED" not in statuses
+    assert statuses() == ["FAILED"]  # the refusal leaves the run as the kill left it: continuable
 
     shutil.rmtree(bk)
     shutil.copytree(tmp_path / "bk-killed", bk)
@@ -276,11 +279,7 @@ def test_damaged_backups_are_skipped_or_refused_and_the_run_is_continued_not_fai
     assert "Traceback" not in second.stderr
     assert result(tmp_path / "res")["start"] == {"iterations": 18, "epoch": 2}
     assert max_diff(reference, result(tmp_path / "res")["weights"]) <= 1e-6
-    from _spools import deliver_leftovers
-
-    deliver_leftovers(tmp_path / "spool")
-    runs = client.search_runs([client.get_experiment_by_name("faults").experiment_id])
-    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    assert statuses() == ["FINISHED"]
 
 
 @pytest.mark.slow
