@@ -294,11 +294,10 @@ class _IteratorReleaser:
         watcher = self._watcher
         if watcher is not None:
             watcher.join(timeout_s)
-        for thread in threading.enumerate():
-            if thread.name == _DESTROYER:
-                thread.join(max(0.0, deadline - time.monotonic()))
-        alive = any(t.name == _DESTROYER and t.is_alive() for t in threading.enumerate())
-        return self._watcher is None and not alive
+        destroyers = [t for t in threading.enumerate() if t.name == _DESTROYER]
+        for thread in destroyers:  # no more start once the watcher has ended
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return self._watcher is None and not any(t.is_alive() for t in destroyers)
 
 
 RELEASER = _IteratorReleaser()
