@@ -5,8 +5,9 @@ MODE: ``every_worker`` (sync.predict, model.predict and sync.evaluate on every w
 keras.Model's fit/evaluate/predict, then the chief
 alone works on for CHIEF_EXTRA_S: longer than TensorFlow's heartbeat timeout, so a worker that
 left at once would be reported unhealthy), ``chief_only`` (``if sync.is_chief: model.predict``), or
-``worker_vanishes`` (worker 1 leaves with ``os._exit`` once the chief's fit returned, skipping its
-exit meeting; the chief records when its script ended).
+``worker_vanishes`` (worker 1 leaves with ``os._exit`` as soon as its `sync.fit` returns, skipping its
+exit meeting; it exits 3 if the chief's fit had not ended by then; the chief records when its
+script ended).
 Worker i writes OUT_DIR/w<i>.json with what it computed.
 """
 
@@ -42,7 +43,17 @@ def main() -> int:
         keras.utils.set_random_seed(0)
         model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
         model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
-    sync.fit(model, x, y, epochs=1, verbose=0)
+    done = os.path.join(out_dir, "chief_fit_ended")
+    callbacks = []
+    if mode == "worker_vanishes" and sync.is_chief:
+        # The chief is past its last collective but still inside fit for a while.
+        def end(logs):
+            time.sleep(2.0)
+            os.makedirs(out_dir, exist_ok=True)
+            open(done, "w").close()
+
+        callbacks.append(keras.callbacks.LambdaCallback(on_train_end=end))
+    sync.fit(model, x, y, epochs=1, verbose=0, callbacks=callbacks)
     task = sync.task[1] or 0
     out: dict = {"task": task}
     if mode == "every_worker":
@@ -58,17 +69,10 @@ def main() -> int:
         if sync.is_chief:
             time.sleep(CHIEF_EXTRA_S)
     elif mode == "worker_vanishes":
-        # Worker 1 leaves once the chief's fit has returned: fit's last collective is done on worker 1
-        # before the chief has pulled worker 1's part of it, so leaving at once could break the chief's
-        # last collective (CI saw "lost contact" once): a worker that crashed, not one that left after fit.
-        done = os.path.join(out_dir, "chief_fit_returned")
+        # sync.fit returns on a worker once every worker's fit has ended: leaving at once cannot
+        # break a peer that still fetches this worker's part of fit's last collective.
         if not sync.is_chief:
-            deadline = time.monotonic() + 300
-            while not os.path.exists(done) and time.monotonic() < deadline:
-                time.sleep(0.05)
             os._exit(0 if os.path.exists(done) else 3)
-        os.makedirs(out_dir, exist_ok=True)
-        open(done, "w").close()
         out["ended"] = time.time()
     elif mode == "chief_only" and sync.is_chief:
         started = time.monotonic()

@@ -95,7 +95,8 @@ def test_chief_only_predict_ends_with_one_line(tmp_path: Path) -> None:
 def test_a_worker_that_vanished_after_fit_does_not_hold_the_chief_for_the_connect_timeout(
     tmp_path: Path,
 ) -> None:
-    # Worker 1 leaves with os._exit (no exit meeting). The chief's exit meeting asks the peer's
+    # Worker 1 leaves with os._exit as soon as its sync.fit returns, which is once the chief's fit
+    # has ended (else it exits 3). It skips the exit meeting. The chief's exit meeting asks the peer's
     # process whether it is there (TensorFlow's collective peer-health probe) every 2 s, instead of
     # waiting strategy.connect_timeout_s for a post that never comes.
     r = _launch(tmp_path, "worker_vanishes")

@@ -16,6 +16,7 @@ from typing import Any
 import keras
 
 from keras_sync.cluster import strategy_role
+from keras_sync.cluster.collective_calls import peer_calls
 from keras_sync.errors import UsageError
 from keras_sync.training import backup_files as files
 from keras_sync.upstream.epoch_iterator import set_initial_epoch
@@ -113,12 +114,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         role = strategy_role(strategy)
         self._is_chief = role.is_chief
         self._dir = files.write_dir(self.backup_dir, is_chief=role.is_chief, task_id=role.task_id)
-        self._barrier: Callable[[], Any] = lambda: None
-        if in_multi_worker_mode(strategy):  # a tf.function: eager, MWMS warns of its overhead
-            self._barrier = tf.function(
-                lambda: strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None),
-                autograph=False,
-            )
+        self._calls = peer_calls(strategy) if in_multi_worker_mode(strategy) else None
         self.restored, self._resume_line, self._restore_metrics_from = None, None, None
         self._epoch = self._step = 0
         self._deferred = False  # a scheduled save waits for gradient accumulation's next update
@@ -286,10 +282,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         set_initial_epoch(self.model, None)
         if self._preemption is not None:
             self._preemption.end()
+        # Every worker saves at the last epoch end: the chief deletes once all have written, and
+        # keeps the backups if a worker is gone or late.
         if self.delete_checkpoint:
-            # Every worker saves at the last epoch end: the chief deletes after all have written.
-            self._barrier()
-            if self._is_chief:
+            all_saved = self._calls is None or self._calls.all_done("the deletion of the backups")
+            if all_saved and self._is_chief:
                 shutil.rmtree(self.backup_dir, ignore_errors=True)
 
 

@@ -2,7 +2,9 @@
 
 Under `MultiWorkerMirroredStrategy` ``fit``, ``evaluate`` and ``predict`` are collectives. Before
 each top-level call, and at exit after a successful run, each worker posts the call's name in
-TensorFlow's coordination service and reads every peer's post.
+TensorFlow's coordination service and reads every peer's post. After each call the workers meet
+again, as they do before deleting the backups and before a preemption exit: a worker whose last
+collective has ended may still serve a buffer a peer is fetching, so none leaves before all are done.
 """
 
 from __future__ import annotations
@@ -47,7 +49,13 @@ class PeerCalls:
         self.returned, self.failed = 0, False
         self._local = threading.local()  # `inside`: a nested call (validation evaluate) passes
 
-    def meet(self, call: str, on_wait: Callable[[str], None] | None = None) -> None:
+    def meet(
+        self,
+        call: str,
+        on_wait: Callable[[str], None] | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> None:
         """Wait until every peer posted this ``call`` under this number; else `UsageError` naming it."""
         import tensorflow as tf
 
@@ -56,7 +64,8 @@ class PeerCalls:
         key = f"{self._prefix}/{next(self._count)}"
         resolver = self.strategy.cluster_resolver
         me = (resolver.task_type, int(resolver.task_id))
-        deadline = time.monotonic() + self.timeout_s
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
 
         def fail(what: str, error: type[UsageError] = UsageError) -> UsageError:
             return error(
@@ -85,7 +94,7 @@ class PeerCalls:
                         on_wait = None
                     if left_ms <= _POLL_MS:
                         late = f"{name} did not reach that call within strategy.connect_timeout_s"
-                        raise fail(f"{late}={self.timeout_s:g} s") from None
+                        raise fail(f"{late}={timeout_s:g} s") from None
                 except tf.errors.OpError as e:
                     why = f"TensorFlow: {type(e).__name__}"
                     if isinstance(e, tf.errors.UnavailableError):
@@ -104,6 +113,15 @@ class PeerCalls:
                     slow = 0
                 if slow >= _PROBE_TRIES:
                     raise fail(f"{name} has left the job (its process no longer answers)")
+
+    def all_done(self, what: str, timeout_s: float | None = None) -> bool:
+        """Every peer is done with ``what`` (posted it), or False, silently: one is gone or late.
+        The caller goes on either way; a gone peer reports its own failure."""
+        try:
+            self.meet(what, timeout_s=timeout_s)
+            return True
+        except UsageError:
+            return False
 
     def meet_at_exit(self) -> None:
         """The exit meeting, after a successful run only."""
@@ -126,6 +144,11 @@ class PeerCalls:
                 os._exit(2)
 
 
+def peer_calls(strategy: Any) -> PeerCalls | None:
+    """The `PeerCalls` of a multi-worker strategy keras_sync built; None for any other."""
+    return getattr(strategy, _ATTRIBUTE, None)
+
+
 def configure(strategy: Any, timeout_s: float) -> None:
     """Give a multi-worker strategy keras_sync built its `PeerCalls` and the exit meeting."""
     calls = PeerCalls(strategy, timeout_s)
@@ -136,7 +159,7 @@ def configure(strategy: Any, timeout_s: float) -> None:
 @contextlib.contextmanager
 def collective(model: Any, call: str) -> Iterator[None]:
     """Around one top-level ``call`` of ``model``: meet the peers first, count the call after it."""
-    calls: PeerCalls | None = getattr(built_under(model), _ATTRIBUTE, None)
+    calls = peer_calls(built_under(model))
     if calls is None or getattr(calls._local, "inside", False):
         yield
         return
@@ -144,9 +167,10 @@ def collective(model: Any, call: str) -> Iterator[None]:
     calls._local.inside = True
     try:
         yield
-        calls.returned += 1
     except BaseException:
         calls.failed = True  # peers may still be inside this collective: no exit meeting
         raise
     finally:
         calls._local.inside = False
+    calls.returned += 1
+    calls.all_done(f"the end of {call}")

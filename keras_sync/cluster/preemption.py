@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from keras_sync.cluster import training_tasks
+from keras_sync.cluster.collective_calls import PeerCalls, peer_calls
 
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, TensorFlow's restartable code
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT: a person stopped the job (Ctrl-C)
@@ -76,6 +77,7 @@ class PreemptionSaver:
         self.target: int | None = None  # the optimizer step after which every worker saves
         self._peer_signum: int | None = None  # the stop signal of the worker that announced it
         self._workers = self._task = 0  # training tasks when several agree on the step, else 0
+        self._calls: PeerCalls | None = None  # the strategy's meetings, with several workers
         self._key = ""  # this fit's prefix in the coordination service's key-value store
         self._announced = False
 
@@ -153,6 +155,7 @@ class PreemptionSaver:
             tasks = list(training_tasks(resolver.cluster_spec().as_dict()))
             self._task = tasks.index((resolver.task_type, int(resolver.task_id)))
             self._workers, self._key = len(tasks), key
+            self._calls = peer_calls(strategy)
             name = "keras-sync-preemption"
             threading.Thread(target=self._watch, args=(key,), name=name, daemon=True).start()
 
@@ -220,16 +223,10 @@ class PreemptionSaver:
             )
 
     def leave_together(self) -> None:
-        """After the save: every worker says it saved and waits for the others, so that none exits
-        while a peer still reads its buffers (a collective barrier can end on one worker first)."""
-        if not self._workers:
-            return
-        from keras_sync.upstream import multi_worker
-
-        with contextlib.suppress(Exception):  # a peer gone, or the grace over: exit all the same
-            multi_worker.set_key(f"{self._key}/saved/{self._task}", "1")
-            for task in range(self._workers):
-                multi_worker.get_key(f"{self._key}/saved/{task}", int(self.grace_period_s * 1000))
+        """After the save: wait (up to the grace period) until every worker has saved, so that none
+        exits while a peer still reads its buffers."""
+        if self._workers and self._calls is not None:
+            self._calls.all_done("the preemption save", timeout_s=self.grace_period_s)
 
     def end(self, *, clean: bool = True) -> bool:
         """Stand down at train end; True when a signal came but no save. ``clean=False``: no network."""
