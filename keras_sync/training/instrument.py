@@ -215,6 +215,8 @@ def _replica_values(seen: dict[str, Any], n: int) -> tuple[Any, Any, Any]:
     if seen["grads"]:
         dense = [tf.cast(tf.convert_to_tensor(g), tf.float32) for g in seen["grads"]]
         norm = tf.linalg.global_norm(dense) * undo
+        if seen.get("weighted"):  # Keras's step: backprop started from the example weight
+            norm = tf.math.divide_no_nan(norm, seen["example_weight"])
         if seen.get("loss_scale") is not None:
             norm = norm / scale
     return loss, norm, scale

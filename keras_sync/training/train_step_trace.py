@@ -123,8 +123,9 @@ def capture(model: Any, record: dict[str, Any]) -> Iterator[None]:
 
     ``record`` holds ``custom_step``, ``policy``, ``n``, ``accumulator``, ``example_weight`` and
     ``stamp``; it gets ``loss`` (Keras's step) or ``tape_loss``, ``grads``, ``loss_scale``,
-    ``reached`` and, per ``apply`` in ``applies``, the ``optimizer``'s attribute, ``scaled_by``
-    (what divided its loss) and ``factor``.
+    ``reached``, ``weighted`` (Keras's step: the gradients backprop computed from the example
+    weight) and, per ``apply`` in ``applies``, the ``optimizer``'s attribute, ``scaled_by`` (what
+    divided its loss) and ``factor``.
     """
     record.update(grads=[], marks={}, targets={}, read_n=False, applies=[], reached=None)
     _tls.seen = record
@@ -187,7 +188,14 @@ def _global_patches() -> list[Any]:
     def gradient(tape: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
         record = seen()
         scalar = getattr(target, "shape", None) is not None and len(target.shape) == 0
-        result = gradient_fn(tape, target, *args, **kwargs)
+        if record is not None and scalar and _seeds_loss_gradient(record, args, kwargs):
+            # Keras's own step: backprop starts from the example weight, one scalar op instead
+            # of one multiply per gradient at the optimizer.
+            kwargs["output_gradients"] = tf.cast(record["example_weight"], target.dtype)
+            result = gradient_fn(tape, target, *args, **kwargs)
+            record["weighted"] = {id(g): g for g in tf.nest.flatten(result) if g is not None}
+        else:
+            result = gradient_fn(tape, target, *args, **kwargs)
         if record is not None and scalar:
             record.setdefault("tape_loss", target)
             for g in tf.nest.flatten(result):
@@ -207,6 +215,19 @@ def _global_patches() -> list[Any]:
             getter = original(owner, "num_replicas_in_sync").fget
             patches.append((owner, "num_replicas_in_sync", property(_reading(getter))))
     return patches
+
+
+def _seeds_loss_gradient(record: dict[str, Any], args: Any, kwargs: Any) -> bool:
+    """True for the gradient of the loss in Keras's own `train_step` (the first after its
+    ``_compute_loss``), when the replicas' gradients are weighted by their share of examples."""
+    return (
+        not record["custom_step"]
+        and record["example_weight"] is not None
+        and record.get("loss") is not None
+        and "weighted" not in record
+        and len(args) <= 1
+        and kwargs.get("output_gradients") is None
+    )
 
 
 def _reading(getter: Any) -> Any:
@@ -289,7 +310,8 @@ def _applying(optimizer: Any, name: str, apply: Any) -> Any:
             grads = [_scaled(g, factor) for g in grads]
         weight = record["example_weight"]
         if weight is not None and weighs_by_examples(record["custom_step"], scaled_by):
-            grads = [_scaled(g, weight) for g in grads]
+            weighted = record.get("weighted", {})
+            grads = [g if id(g) in weighted else _scaled(g, weight) for g in grads]
         accumulator = record["accumulator"]
         _tls.in_apply = True
         try:
