@@ -559,12 +559,16 @@ def test_replay_after_crash_before_the_position_was_written_duplicates_nothing(i
     shutil.copytree(spool, in_tmp / "copy", ignore=shutil.ignore_patterns("*.lock"))
     replay_spool(spool, uri)
     assert not spool.exists()  # delivered: removed
+    # The writer was killed with its run open: the replay ends it FAILED, as a relaunch finds it.
+    run = _run_of_job(uri, exp, "crash")
+    assert run.info.status == "FAILED"
     # The copy is the spool as it was before the batch, as if a courier died after MLflow took
     # the batch and before it moved the delivered position.
     spool = in_tmp / "copy"
     assert replay_spool(spool, uri) == 0  # every step is in the run already
     run = _run_of_job(uri, exp, "crash")
     assert _history(uri, run.info.run_id) == list(range(100))
+    assert run.info.status == "FAILED"
     assert not spool.exists()  # delivered: removed
 
 
@@ -622,6 +626,9 @@ def test_leftovers_of_an_ended_run_go_to_that_run_not_a_new_one(tmp_path, sqlite
     )  # both steps are in the run already
     spool.append([{"k": "stop"}])  # the writer closed after ending the run; its courier was killed
     Delivery(spool, sqlite_uri).deliver_available()
+    # With nothing left to deliver, a courier or replay does not take the ended run for the open
+    # run of a killed writer.
+    Delivery(spool, sqlite_uri).end_open_run()
     assert _run_of_job(sqlite_uri, exp, "from-backup").info.run_id == run.info.run_id
     after = MlflowClient(sqlite_uri).get_run(run.info.run_id)
     assert after.info.status == "FINISHED" and after.info.end_time == run.info.end_time

@@ -164,6 +164,16 @@ class Delivery:
         self._tell({"pos": list(self.pos), "h": self.held_done})
         self.on_progress()
 
+    def end_open_run(self) -> None:
+        """Once all is delivered, end the run of a writer that died with it open (killed) FAILED,
+        as a relaunch finds it; a run another process has ended since is left as it is."""
+        run_id = self.sender.run_id
+        if self.run_ended or self.pending() or run_id is None:
+            return
+        run = self.sender.get_run(run_id)
+        if run is not None and run.info.status == "RUNNING":
+            self._send([(self.pos, {"k": r.END, "status": "FAILED"})])
+
     def pending(self) -> bool:
         """True if spooled or handed-over records are not in MLflow yet."""
         held = any(h > self.held_done for h, _ in list(self.held))
@@ -244,9 +254,8 @@ class Delivery:
                 try:
                     batching = not (orphan or hurry) and now - self.last_sent_at < BATCH_S
                     self.deliver_available(hold_metrics=batching)
-                    if orphan and not (self.run_ended or self.pending()) and self.sender.run_id:
-                        # The writer died with its run open (killed): FAILED, as a relaunch finds it.
-                        self._send([(self.pos, {"k": r.END, "status": "FAILED"})])
+                    if orphan:
+                        self.end_open_run()
                     if (self.failing or not self.reported) and not retrier.failing:
                         self.report(None)
                     backoff = 0.0
@@ -350,6 +359,7 @@ def replay_spool(
         delivery.on_progress = lambda: progress(sender.points_sent, total, sender.retrier.summary())
     try:
         sent = delivery.deliver_available()
+        delivery.end_open_run()  # no writer holds the spool: one that left its run open was killed
     except Exception as e:
         status = delivery.report(e)
         fix = "run `keras-sync sync-spool` again once MLflow takes them (a longer --timeout waits)"

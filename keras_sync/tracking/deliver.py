@@ -250,11 +250,11 @@ class RunSender:
         """Find, reopen (even FINISHED) or create the job's run; ``continuing``: as it is."""
         if self.run_id is not None and self._checked:
             return
-        run = self._get_run(self.run_id) if continuing and self.run_id is not None else None
+        run = self.get_run(self.run_id) if continuing and self.run_id is not None else None
         continued = run is not None  # taken as it is: no status change
         for candidate in (self.run_id, self._hint) if run is None else ():
             if candidate is not None:
-                run = self._usable(self._get_run(candidate), reopen and candidate == self.run_id)
+                run = self._usable(self.get_run(candidate), reopen and candidate == self.run_id)
                 if run is not None:
                     break
         if run is None and self.job_id is not None:
@@ -295,7 +295,8 @@ class RunSender:
         )
         return next((run for run in map(self._usable, found) if run is not None), None)
 
-    def _get_run(self, run_id: str) -> Any:
+    def get_run(self, run_id: str) -> Any:
+        """The run if it exists and is not deleted, else None; a transient failure raises."""
         try:
             run = self._call(self.client().get_run, run_id)
         except Exception as e:
