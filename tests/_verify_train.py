@@ -2,7 +2,7 @@
 
 Usage: python _verify_train.py CASE [noshuffle] [frozen_bn]   (the config: $KERAS_SYNC_CONFIG)
 
-CASE: dense (arrays), dataset (a batched tf.data pipeline), custom_sum (a custom train_step whose
+CASE: dense (arrays), uneven (dense on 21 examples: an uneven last batch), dataset (a batched tf.data pipeline), custom_sum (a custom train_step whose
 loss is not divided), batchnorm, dropout, add_loss (a term that sums over the batch), mobilenet
 (keras.applications.MobileNetV2 on 32x32 images). Plain SGD: an update's size shows the gradient's.
 """
@@ -27,6 +27,8 @@ if CASE == "mobilenet":
 else:
     x = rng.normal(size=(512, 6)).astype("float32")
     y = (x @ rng.normal(size=(6, 1))).astype("float32")
+if CASE == "uneven":  # 21 examples at a global batch of 8: updates of 8, 8 and 5
+    x, y = x[:21], y[:21]
 
 
 class SummedStep(keras.Model):

@@ -172,6 +172,7 @@ CASES = [
     for where in CONFIGS
     for case, extra in (
         ("dense", {}),
+        ("uneven", {}),
         ("dataset", {}),
         ("custom_sum", {"runtime": {"train_step_gradients": "sum"}}),
         ("batchnorm", {}),
@@ -272,6 +273,18 @@ def test_a_plain_model_is_the_same_as_one_device(verified, where: str, case: str
     )
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("where", WHERE)
+def test_an_uneven_last_batch_is_compared_with_the_whole_batch_on_one_device(
+    verified, where: str
+) -> None:
+    # Accumulated micro-batches of 4 would not line up with the replicas' split of 5 examples (3 + 2).
+    result = verified[2][f"{where}-uneven"]
+    assert _last(result).startswith("verify: same as one device ("), result.stdout + result.stderr
+    assert result.returncode == 0
+    assert "the full global batch of 8 (an update of 5 examples, not 8)" in result.stdout
+
+
 #: case -> how the last line names its cause.
 CAUSES = {
     "custom_sum": "the gradient is 2 times too large (the custom train_step's loss is not divided",
@@ -297,7 +310,7 @@ def test_batch_norm_per_replica_is_named_and_sync_batch_norm_is_the_same(
     result = verified[2][f"{where}-batchnorm"]
     assert result.returncode == 1, result.stdout + result.stderr
     assert _last(result).startswith("verify: different from one device: BatchNorm batch statistics")
-    assert "the full global batch of 8 (BatchNorm depend(s) on the batch)" in result.stdout
+    assert "the full global batch of 8 (BatchNorm depends on the batch)" in result.stdout
     synced = verified[2][f"{where}-syncbn"]
     assert _last(synced).startswith("verify: same as one device ("), synced.stdout + synced.stderr
     assert synced.returncode == 0

@@ -166,15 +166,15 @@ def _layer_differences(subject: Path, reference: Path) -> dict[str, tuple[float,
 
 def _table(result: Verdict, subject: Run, reference: Run) -> list[str]:
     """How each run trained, the first steps where they part, the layers that differ most."""
-    from keras_sync.training.verify_record import depends_on_batch
+    from keras_sync.training.verify_record import whole_batch_reasons
 
     facts, workers, batch = subject["facts"], subject["workers"], subject["global_batch"]
     micro = reference["facts"].get("accumulation", 1) // max(1, facts.get("accumulation", 1))
     how = f"{micro} micro-batches of {reference['global_batch']} accumulated (one replica's memory)"
     if micro <= 1:
-        depends = " and ".join(depends_on_batch(facts))
-        how = f"the full global batch of {batch}"
-        how += f" ({depends} depend(s) on the batch)" if depends else ""
+        full = batch * facts.get("accumulation", 1)
+        reasons = "; ".join(whole_batch_reasons(facts, subject["steps"], full))
+        how = f"the full global batch of {batch}" + (f" ({reasons})" if reasons else "")
     on = f" on {workers} workers" if workers > 1 else ""
     run = f"{subject['replicas']} replicas{on} ({subject['kind']}), global batch {batch}"
     lines = [f"distributed: {run}; reference: one device, {how}"]

@@ -113,7 +113,7 @@ def callback(context: RunContext, *, input_source: str | None, base_batch_size: 
             }
             (folder / RECORD_FILE).write_text(json.dumps(record, indent=1, default=float))
             if request.replay_dir is None:
-                overrides = reference_overrides(context, facts, base_batch_size)
+                overrides = reference_overrides(context, facts, base_batch_size, self.steps)
                 (folder / VERIFY_OVERRIDES_FILE).write_text(json.dumps(overrides, indent=1))
 
     return VerifyRecorder()
@@ -133,11 +133,12 @@ def arrays_as_dataset(config: Any) -> bool:
 
 
 def reference_overrides(
-    context: RunContext, facts: dict[str, Any], base_batch_size: int
+    context: RunContext, facts: dict[str, Any], base_batch_size: int, steps: list[dict[str, Any]]
 ) -> dict[str, Any]:
     """The one-device reference's config: the global batch, as N accumulated micro-batches if it can."""
     n, batch = context.num_replicas, context.global_batch_size or 0
-    micro = n if not depends_on_batch(facts) and batch % n == 0 else 1
+    whole = whole_batch_reasons(facts, steps, batch * context.gradient_accumulation_steps)
+    micro = n if not whole and batch % n == 0 else 1
     return {
         "strategy.kind": "default",
         "strategy.simulated_cpu_replicas": 0,
@@ -149,13 +150,19 @@ def reference_overrides(
     }
 
 
-def depends_on_batch(facts: dict[str, Any]) -> list[str]:
-    """What in the model computes over the batch a step sees (then the reference trains it whole)."""
-    return [
-        what
+def whole_batch_reasons(facts: dict[str, Any], steps: list[dict[str, Any]], full: int) -> list[str]:
+    """Why the reference trains each global batch whole: what in the model computes over the batch a
+    step sees, or an update of fewer than ``full`` examples (accumulated micro-batches of the
+    reference would no longer line up with the distributed steps)."""
+    reasons = [
+        f"{what} depends on the batch"
         for key, what in (("batch_norm", "BatchNorm"), ("add_loss", "add_loss"))
         if facts.get(key)
     ]
+    uneven = [int(s["examples"]) for s in steps if s["examples"] < full]
+    if uneven:
+        reasons.append(f"an update of {uneven[0]} examples, not {full}")
+    return reasons
 
 
 def model_facts(context: RunContext, model: Any) -> dict[str, Any]:
