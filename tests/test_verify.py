@@ -180,7 +180,7 @@ CASES = [
         ("dropout", {}),
         ("add_loss", {}),
     )
-]
+] + [("mirrored-spe", "mirrored", {"runtime": {"steps_per_execution": 2}}, ("dense",), False)]
 
 
 def _config(tmp: Path, name: str, where: str, extra: dict, mlflow: bool = False) -> Path:
@@ -282,7 +282,18 @@ def test_an_uneven_last_batch_is_compared_with_the_whole_batch_on_one_device(
     result = verified[2][f"{where}-uneven"]
     assert _last(result).startswith("verify: same as one device ("), result.stdout + result.stderr
     assert result.returncode == 0
-    assert "the full global batch of 8 (an update of 5 examples, not 8)" in result.stdout
+    assert "the full global batch of 8 (a batch of 5 examples, not 8)" in result.stdout
+
+
+@pytest.mark.slow
+def test_several_steps_per_execution_are_compared_with_the_whole_batch_on_one_device(
+    verified,
+) -> None:
+    # Accumulated micro-batches would put half the examples in each recorded execution.
+    result = verified[2]["mirrored-spe"]
+    assert _last(result).startswith("verify: same as one device ("), result.stdout + result.stderr
+    assert result.returncode == 0
+    assert "the full global batch of 8 (2 steps per execution)" in result.stdout
 
 
 #: case -> how the last line names its cause.

@@ -172,8 +172,7 @@ def _table(result: Verdict, subject: Run, reference: Run) -> list[str]:
     micro = reference["facts"].get("accumulation", 1) // max(1, facts.get("accumulation", 1))
     how = f"{micro} micro-batches of {reference['global_batch']} accumulated (one replica's memory)"
     if micro <= 1:
-        full = batch * facts.get("accumulation", 1)
-        reasons = "; ".join(whole_batch_reasons(facts, subject["steps"], full))
+        reasons = "; ".join(whole_batch_reasons(facts, subject["steps"], batch))
         how = f"the full global batch of {batch}" + (f" ({reasons})" if reasons else "")
     on = f" on {workers} workers" if workers > 1 else ""
     run = f"{subject['replicas']} replicas{on} ({subject['kind']}), global batch {batch}"

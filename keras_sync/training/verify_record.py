@@ -137,8 +137,7 @@ def reference_overrides(
 ) -> dict[str, Any]:
     """The one-device reference's config: the global batch, as N accumulated micro-batches if it can."""
     n, batch = context.num_replicas, context.global_batch_size or 0
-    whole = whole_batch_reasons(facts, steps, batch * context.gradient_accumulation_steps)
-    micro = n if not whole and batch % n == 0 else 1
+    micro = n if not whole_batch_reasons(facts, steps, batch) and batch % n == 0 else 1
     return {
         "strategy.kind": "default",
         "strategy.simulated_cpu_replicas": 0,
@@ -150,18 +149,22 @@ def reference_overrides(
     }
 
 
-def whole_batch_reasons(facts: dict[str, Any], steps: list[dict[str, Any]], full: int) -> list[str]:
+def whole_batch_reasons(
+    facts: dict[str, Any], steps: list[dict[str, Any]], batch: int
+) -> list[str]:
     """Why the reference trains each global batch whole: what in the model computes over the batch a
-    step sees, or an update of fewer than ``full`` examples (accumulated micro-batches of the
-    reference would no longer line up with the distributed steps)."""
+    step sees, or what would make accumulated micro-batches no longer line up with the recorded
+    steps: several steps per execution, or a recorded step that is not whole batches of ``batch``."""
     reasons = [
         f"{what} depends on the batch"
         for key, what in (("batch_norm", "BatchNorm"), ("add_loss", "add_loss"))
         if facts.get(key)
     ]
-    uneven = [int(s["examples"]) for s in steps if s["examples"] < full]
+    if facts.get("steps_per_execution", 1) > 1:
+        reasons.append(f"{facts['steps_per_execution']} steps per execution")
+    uneven = [int(s["examples"]) % batch for s in steps if batch and s["examples"] % batch]
     if uneven:
-        reasons.append(f"an update of {uneven[0]} examples, not {full}")
+        reasons.append(f"a batch of {uneven[0]} examples, not {batch}")
     return reasons
 
 
@@ -187,6 +190,7 @@ def model_facts(context: RunContext, model: Any) -> dict[str, Any]:
         "train_step_gradients": context.config.runtime.train_step_gradients,
         "precision": precision_of(keras.config.dtype_policy().name),
         "accumulation": context.gradient_accumulation_steps,
+        "steps_per_execution": int(getattr(model, "steps_per_execution", 1) or 1),
     }
 
 
