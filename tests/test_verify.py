@@ -180,7 +180,16 @@ CASES = [
         ("dropout", {}),
         ("add_loss", {}),
     )
-] + [("mirrored-spe", "mirrored", {"runtime": {"steps_per_execution": 2}}, ("dense",), False)]
+] + [
+    ("mirrored-spe", "mirrored", {"runtime": {"steps_per_execution": 2}}, ("dense",), False),
+    (
+        "mirrored-spe-uneven",
+        "mirrored",
+        {"runtime": {"steps_per_execution": 3}},
+        ("uneven",),
+        False,
+    ),
+]
 
 
 def _config(tmp: Path, name: str, where: str, extra: dict, mlflow: bool = False) -> Path:
@@ -294,6 +303,16 @@ def test_several_steps_per_execution_are_compared_with_the_whole_batch_on_one_de
     assert _last(result).startswith("verify: same as one device ("), result.stdout + result.stderr
     assert result.returncode == 0
     assert "the full global batch of 8 (2 steps per execution)" in result.stdout
+
+
+@pytest.mark.slow
+def test_an_uneven_batch_inside_an_execution_weighs_each_step_by_its_own_examples(verified) -> None:
+    # One execution trains 8, 8 and 5 examples; the replicas split the 5 as 3 + 2, not 11 + 10.
+    result = verified[2]["mirrored-spe-uneven"]
+    assert _last(result).startswith("verify: same as one device ("), result.stdout + result.stderr
+    assert result.returncode == 0
+    assert "(3 steps per execution; a batch of 5 examples, not 8)" in result.stdout
+    assert "every step alike: loss, update norm" in result.stdout
 
 
 #: case -> how the last line names its cause.

@@ -55,6 +55,7 @@ def callback(context: RunContext, *, input_source: str | None, base_batch_size: 
             self.probe: Any = probe_of(self.model)
             self.iterations = int(self.model.optimizer.iterations.numpy())
             self.seen: list[float] | None = None  # each replica's examples so far
+            self.count = 0  # the train steps read so far
             self.steps: list[dict[str, float]] = []
             self.sums = (0.0, 0.0)  # (loss x examples, examples) of this update's micro-batches
             self.lr = math.nan
@@ -66,12 +67,17 @@ def callback(context: RunContext, *, input_source: str | None, base_batch_size: 
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
             p = self.probe
             rings = p.read()  # a collective under multi_worker_mirrored: every worker reads here
-            row = p.row(rings, p.count(rings)) or []
-            seen = [float(r[p.EXAMPLES]) for r in row] or [math.nan]
-            shares = [a - b for a, b in zip(seen, self.seen or [0.0] * len(seen))]
-            losses = [float(r[p.LOSS]) for r in row] or [math.nan]
-            self.seen, (loss, examples) = seen, self.sums
-            self.sums = (loss + sum(x * n for x, n in zip(losses, shares)), examples + sum(shares))
+            count, (loss, examples) = p.count(rings), self.sums
+            # Every step since the last call (several under steps_per_execution), each replica's
+            # loss weighed by the examples it trained in that step.
+            for step in range(self.count + 1, count + 1):
+                row = p.row(rings, step) or []
+                seen = [float(r[p.EXAMPLES]) for r in row] or [math.nan]
+                shares = [a - b for a, b in zip(seen, self.seen or [0.0] * len(seen))]
+                losses = [float(r[p.LOSS]) for r in row] or [math.nan]
+                loss += sum(x * n for x, n in zip(losses, shares))
+                examples, self.seen = examples + sum(shares), seen
+            self.count, self.sums = count, (loss, examples)
             iterations = int(self.model.optimizer.iterations.numpy())
             if iterations == self.iterations:
                 return  # accumulating: the update comes at a later micro-batch
