@@ -162,10 +162,8 @@ class Sync:
         from keras_sync.training.schedules import GradualWarmup
 
         steps_known = steps_per_epoch or self._steps_per_epoch
-        n = self.warmup_steps(steps_known) if (lr.warmup_steps or steps_known) else 1
-        sched = GradualWarmup(
-            self.base_learning_rate, self.learning_rate, warmup_steps=n, after=after
-        )
+        warmup = self.warmup_steps(steps_known) if (lr.warmup_steps or steps_known) else 1
+        sched = GradualWarmup(self.base_learning_rate, self.learning_rate, warmup, after=after)
         if lr.warmup_epochs and not steps_known:  # fit sets its steps once it knows the epoch's
             self._schedules.append(sched)
         return sched
@@ -242,12 +240,11 @@ class Sync:
             callbacks.append(
                 verify_record.callback(self.context(), input_source=source, base_batch_size=base)
             )
-        # Ctrl-C is outermost: every other context has closed before the process exits. With
-        # mlflow.keras.autolog() on, autolog logs into keras-sync's run instead of its own.
+        # Ctrl-C is outermost: every other context has closed before the process exits.
         backup_dir = self.config.fault_tolerance.backup_dir
         with (
             ctrl_c_ends_fit(model, is_chief=self.is_chief, backup_dir=backup_dir),
-            self.job_run.shared_run(),
+            self.job_run.shared_run(),  # mlflow.keras.autolog() logs into this run, not its own
             self.job_run.ends_after_fit(),
             self._keras_call(model, x),  # before resumable_fit: its probes read Keras's own classes
             resumable_fit(callbacks),
@@ -462,7 +459,7 @@ class Sync:
         # Keras runs in an all-reducing ``ops.cond`` (it fails on "merge_call").
         import tensorflow as tf
 
-        from keras_sync.training.train_step_trace import optimizers_of
+        from keras_sync.training.train_step_trace import named_optimizers
 
         in_scope = self.strategy.extended.variable_created_in_scope
         outside = (
@@ -479,7 +476,7 @@ class Sync:
                 "train them under it. Fix: build the whole model (every layer, from keras.Input on) inside "
                 "`with sync.scope():`."
             )
-        for opt in optimizers_of(model):
+        for opt in named_optimizers(model).values():
             inner = getattr(opt, "inner_optimizer", opt)  # a LossScaleOptimizer's options
             name, steps = type(inner).__name__, getattr(inner, "gradient_accumulation_steps", None)
             fails = f"sync.{method}: the model's optimizer {name}"

@@ -120,7 +120,6 @@ _DEVICE_KINDS = tuple(k for k in kinds_where(accepts_devices=True) if k != "auto
 # Comments the template prints above a section's keys.
 _BATCH_NOTE = "Give exactly one of per_replica / global (the other null); keras-sync derives the other from the replica count: global = per_replica x replicas."
 _RUNTIME_NOTE = "Applied by sync.fit to your compiled model; a key left at its default keeps what your model.compile(...) set."
-# Task i on a node listens on port_base + i: a slot of 16 ports.
 _PORT_BASE = specs.word_or_int("auto", "the first of 16 ports", 65520)
 _HOSTS = "a host pattern with {index} (one host per worker), e.g. train-{index}.train"
 _PRECISION_HINTS = {"fp16": "mixed_float16", "float16": "mixed_float16", "half": "mixed_float16"}

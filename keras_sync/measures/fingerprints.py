@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 CHECK_HI, CHECK_LO, MEAN, RMS = range(4)
-WIDTH = 4
 
 
 @dataclass(frozen=True)

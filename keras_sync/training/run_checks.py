@@ -56,11 +56,9 @@ def epoch_problem(examples: int, expected: int) -> str | None:
     """
     if examples == expected:
         return None
-    what = (
-        f"{expected - examples} were not trained"
-        if examples < expected
-        else f"{examples - expected} more than the data (some trained twice)"
-    )
+    what = f"{expected - examples} were not trained"
+    if examples > expected:
+        what = f"{examples - expected} more than the data (some trained twice)"
     return f"the epoch trained {examples} examples (all replicas and workers), but the data has {expected}: {what}"
 
 

@@ -40,10 +40,6 @@ def named_optimizers(model: Any) -> dict[str, Any]:
     return found
 
 
-def optimizers_of(model: Any) -> list[Any]:
-    return list(named_optimizers(model).values())
-
-
 def gradient_factor(
     policy: str, custom_step: bool, scaled_by: str | None, num_replicas: int
 ) -> float:
@@ -102,7 +98,7 @@ def check_probes() -> None:
     if missing := keras_losses.missing():
         raise UsageError(
             "keras-sync cannot tell whether a custom train_step divides its loss by the replica count "
-            f"on this Keras/TensorFlow ({'; '.join(missing)}; {keras_losses.UPSTREAM_ISSUE}). "
+            f"on this Keras/TensorFlow ({missing}; {keras_losses.UPSTREAM_ISSUE}). "
             "Set runtime.train_step_gradients: average (your loss is a mean over the replica's batch) "
             "or sum (it is already divided by the replica count or global batch)."
         )

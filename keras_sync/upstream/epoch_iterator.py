@@ -11,15 +11,13 @@ from typing import Any
 from keras_sync.upstream import internals as _internals
 from keras_sync.upstream.patching import original, patched
 
-_TRAINER = "keras.src.backend.tensorflow.trainer"
-
 
 @contextlib.contextmanager
 def resumable_epoch_iterators(made: Callable[[Any], None]) -> Iterator[None]:
     """For this span, every epoch iterator `fit` builds can `resume_at(epoch, step)`; ``made`` gets
     each one."""
     _internals.require("exact_resume")
-    trainer: Any = importlib.import_module(_TRAINER)
+    trainer: Any = importlib.import_module(_internals.TRAINER)
     base: Any = original(trainer, "TFEpochIterator")
 
     class ResumableEpochIterator(base):

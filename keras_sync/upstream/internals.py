@@ -112,12 +112,12 @@ def _spec_fails(spec: str) -> str | None:
     return f"`{path}` has no {missing}" if missing else None
 
 
-_TRAINER = "keras.src.backend.tensorflow.trainer"
-_TF_TRAINER = f"{_TRAINER}:TensorFlowTrainer"
+TRAINER = "keras.src.backend.tensorflow.trainer"
+_TF_TRAINER = f"{TRAINER}:TensorFlowTrainer"
 _EPOCH = "keras.src.trainers.epoch_iterator:EpochIterator"
-_CONTEXT = "tensorflow.python.eager.context"
-_COORDINATION = f"{_CONTEXT}:coordination_config_pb2.CoordinationServiceConfig"
-_CARS = "tensorflow.python.distribute.collective_all_reduce_strategy"
+CONTEXT = "tensorflow.python.eager.context"
+_COORDINATION = f"{CONTEXT}:coordination_config_pb2.CoordinationServiceConfig"
+CARS = "tensorflow.python.distribute.collective_all_reduce_strategy"
 _DATA_OPS = "tensorflow.python.data.ops"
 _SYSTEM = "mlflow.system_metrics.metrics"
 _SYMBOLIC_BUILD = f"{_TF_TRAINER}._maybe_symbolic_build(self, iterator, data_batch)"
@@ -141,7 +141,7 @@ def _end_of_data() -> str | None:
 def _is_mwms() -> str | None:
     import tensorflow as tf
 
-    if _get(f"{_CARS}:CollectiveAllReduceStrategy") is tf.distribute.MultiWorkerMirroredStrategy:
+    if _get(f"{CARS}:CollectiveAllReduceStrategy") is tf.distribute.MultiWorkerMirroredStrategy:
         return None
     return "`CollectiveAllReduceStrategy` is no longer `tf.distribute.MultiWorkerMirroredStrategy`"
 
@@ -161,8 +161,8 @@ REGISTRY: tuple[Internal, ...] = (
     # keras_fixes.multi_worker_patches 1, 2: keras-team/keras#20585 (fit under MWMS).
     Internal(
         "multi_worker_fit",
-        f"{_TRAINER}:reduce_per_replica(values, strategy, reduction)",
-        f"{_TRAINER} has _is_tpu_strategy, _is_per_replica_instance, _is_scalar",
+        f"{TRAINER}:reduce_per_replica(values, strategy, reduction)",
+        f"{TRAINER} has _is_tpu_strategy, _is_per_replica_instance, _is_scalar",
         f"{_TF_TRAINER}.make_train_function | {_MAKE_FUNCTION} uses reduce_per_replica",
         _SYMBOLIC_BUILD,
         refused="`fit` on several workers",
@@ -184,13 +184,13 @@ REGISTRY: tuple[Internal, ...] = (
     # multi_worker.py: local devices (TF's TODO b/126786766), a bounded join (tensorflow#60706).
     Internal(
         "multi_worker_strategy",
-        f"{_CARS}:CollectiveAllReduceExtended._initialize_local_devices(self, cluster_resolver, "
+        f"{CARS}:CollectiveAllReduceExtended._initialize_local_devices(self, cluster_resolver, "
         "worker_device)",
-        f"{_CARS}:CollectiveAllReduceExtended.__init__(self, container_strategy, cluster_resolver, "
+        f"{CARS}:CollectiveAllReduceExtended.__init__(self, container_strategy, cluster_resolver, "
         "communication_options)",
-        f"{_CARS}:CollectiveAllReduceExtended._in_multi_worker_mode(self)",
+        f"{CARS}:CollectiveAllReduceExtended._in_multi_worker_mode(self)",
         _is_mwms,
-        f"{_CONTEXT}:Context.configure_coordination_service(self, service_type, service_leader)",
+        f"{CONTEXT}:Context.configure_coordination_service(self, service_type, service_leader)",
         "tensorflow.python.distribute.multi_worker_util has is_chief, worker_count, "
         "normalize_cluster_spec, coordination_leader",
         _coordination_fields("coordinated_job_list", "cluster_register_timeout_in_ms"),
@@ -198,25 +198,25 @@ REGISTRY: tuple[Internal, ...] = (
         alternative=_ONE_WORKER,
     ),
     Internal(
-        BARRIER, f"{_CONTEXT} has context", _coordination_fields("cluster_register_with_barrier")
+        BARRIER, f"{CONTEXT} has context", _coordination_fields("cluster_register_with_barrier")
     ),
     Internal(
         "joined_cluster",
-        f"{_CONTEXT} has context_safe",
-        f"{_CONTEXT}:Context.__init__ | {_CONTEXT}:Context.enable_collective_ops uses "
+        f"{CONTEXT} has context_safe",
+        f"{CONTEXT}:Context.__init__ | {CONTEXT}:Context.enable_collective_ops uses "
         "_server_def, _collective_ops_server_def",
     ),
     # epoch_iterator.py: no API starts an epoch mid-way; `model._initial_epoch` as Keras's backup.
     Internal(
         "exact_resume",
-        f"{_TRAINER}:TFEpochIterator has _enumerate_iterator, catch_stop_iteration",
+        f"{TRAINER}:TFEpochIterator has _enumerate_iterator, catch_stop_iteration",
         f"{_EPOCH}.__init__ uses _num_batches",
         f"{_TF_TRAINER}.fit uses TFEpochIterator, _initial_epoch",
         refused="exact mid-epoch resume",
         alternative="or remove fault_tolerance.backup_dir",
     ),
     # tf_runtime.py: whether tf.random.set_seed was called (no public API tells).
-    Internal(GLOBAL_SEED, f"{_CONTEXT} has global_seed"),
+    Internal(GLOBAL_SEED, f"{CONTEXT} has global_seed"),
     # strategy_facts.built_under: `model.distribute_strategy` falls back to the current strategy.
     Internal(
         "model_strategy",
@@ -255,7 +255,7 @@ REGISTRY: tuple[Internal, ...] = (
     Internal(
         SAME_DATA_ORDER,
         _SYMBOLIC_BUILD,
-        f"{_TRAINER}:TFEpochIterator.__init__ uses _distributed_dataset",
+        f"{TRAINER}:TFEpochIterator.__init__ uses _distributed_dataset",
     ),
     # training/instrument.py, strategy_facts: each replica's loss and gradients, before the reduce.
     Internal(

@@ -17,8 +17,6 @@ from keras_sync.upstream import internals as _internals
 from keras_sync.upstream.patching import Patch, original, patched
 from keras_sync.upstream.strategy_facts import in_multi_worker_mode
 
-_TRAINER = "keras.src.backend.tensorflow.trainer"
-
 
 def _is_multi_worker(strategy: Any) -> bool:
     import tensorflow as tf
@@ -68,7 +66,7 @@ def multi_worker_patches() -> list[Patch]:
     _internals.require("multi_worker_fit")
     from keras import tree
 
-    tf_trainer = importlib.import_module(_TRAINER)
+    tf_trainer = importlib.import_module(_internals.TRAINER)
     cls = tf_trainer.TensorFlowTrainer
     original_reduce = original(tf_trainer, "reduce_per_replica")
 
@@ -111,7 +109,7 @@ def end_of_data_patches() -> list[Patch]:
     fits of both kinds). [] when its closure moved."""
     if not _internals.available(_internals.END_OF_DATA):
         return []
-    cls = importlib.import_module(_TRAINER).TensorFlowTrainer
+    cls = importlib.import_module(_internals.TRAINER).TensorFlowTrainer
     keras_own = original(cls, "_make_function")
 
     @functools.wraps(keras_own)  # the probes read Keras's code through __wrapped__
@@ -169,7 +167,7 @@ def same_data_order_patches(multi_worker: bool) -> list[Patch]:
     # Probed here, outside the span: inside it the probe would read this patch, not Keras's code.
     if not multi_worker and not _internals.available(_internals.SAME_DATA_ORDER):
         return []
-    cls = importlib.import_module(_TRAINER).TensorFlowTrainer
+    cls = importlib.import_module(_internals.TRAINER).TensorFlowTrainer
     keras_own = original(cls, "_maybe_symbolic_build")
 
     def _maybe_symbolic_build(self: Any, iterator: Any = None, data_batch: Any = None) -> Any:

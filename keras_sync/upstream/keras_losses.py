@@ -22,10 +22,9 @@ def module() -> Any:
     return importlib.import_module(_internals.LOSS)
 
 
-def missing() -> list[str]:
-    """What the train-step trace needs from `module()` and this Keras no longer has."""
-    gone = _internals.missing("evaluate_loss")
-    return [] if gone is None else [gone]
+def missing() -> str | None:
+    """What the train-step trace needs from `module()` and this Keras no longer has (None: nothing)."""
+    return _internals.missing("evaluate_loss")
 
 
 @contextlib.contextmanager
@@ -49,9 +48,7 @@ def unscaled_eval_losses(model: Any) -> Iterator[None]:
         finally:
             _tls.testing = was
 
-    if getattr(model, "test_function", None) is not None and not model.__dict__.get(
-        "_keras_sync_eval_unscaled"
-    ):
+    if not model.__dict__.get("_keras_sync_eval_unscaled"):  # a test function traced without it
         model.test_function = None
     with patched([(model, "test_step", test_step)]):
         yield

@@ -9,9 +9,6 @@ from typing import Any
 
 from keras_sync.upstream import internals as _internals
 
-_CARS = "tensorflow.python.distribute.collective_all_reduce_strategy"
-_CONTEXT = "tensorflow.python.eager.context"
-
 
 def strategy_class() -> type:
     """`tf.distribute.MultiWorkerMirroredStrategy` built as ``cls(resolver, options, local_devices)``;
@@ -19,7 +16,7 @@ def strategy_class() -> type:
     _internals.require("multi_worker_strategy")
     import tensorflow as tf
 
-    cars: Any = importlib.import_module(_CARS)
+    cars: Any = importlib.import_module(_internals.CARS)
 
     class _LocalDevicesExtended(cars.CollectiveAllReduceExtended):
         def __init__(self, container, cluster_resolver, communication_options, local_devices):
@@ -43,7 +40,7 @@ def strategy_class() -> type:
 
 
 def _context() -> Any:
-    return importlib.import_module(_CONTEXT).context()
+    return importlib.import_module(_internals.CONTEXT).context()
 
 
 def configure_coordination(
@@ -90,7 +87,7 @@ def peer_health(task: str, timeout_ms: int) -> None:
 def joined_cluster() -> tuple[dict[str, list[str]], str, int] | None:
     """(cluster, job, task index) this process's TensorFlow already joined; None if none (or the
     internals moved)."""
-    context_safe = getattr(importlib.import_module(_CONTEXT), "context_safe", None)
+    context_safe = getattr(importlib.import_module(_internals.CONTEXT), "context_safe", None)
     ctx = context_safe() if context_safe is not None else None
     server_def = ctx and (
         getattr(ctx, "_collective_ops_server_def", None) or getattr(ctx, "_server_def", None)

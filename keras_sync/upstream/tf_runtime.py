@@ -35,15 +35,14 @@ def dataset_inputs(ds: Any) -> list[Any]:
 
 def batch_fields(ds: Any) -> tuple[int | None, bool, Any] | None:
     """(static batch size, drop_remainder, input dataset) of a batching op; None for another op."""
-    if getattr(ds, "_batch_size", None) is None or not _internals.available(
-        _internals.DATASET_GRAPH
-    ):
+    size = getattr(ds, "_batch_size", None)
+    if size is None or not _internals.available(_internals.DATASET_GRAPH):
         return None
     import tensorflow as tf
 
     drop = getattr(ds, "_drop_remainder", None)
     static_drop = drop is not None and bool(tf.get_static_value(drop))
-    return tf.get_static_value(ds._batch_size), static_drop, getattr(ds, "_input_dataset", None)
+    return tf.get_static_value(size), static_drop, getattr(ds, "_input_dataset", None)
 
 
 def map_function(ds: Any) -> Any:
