@@ -11,14 +11,18 @@ from keras_sync.measures import reduce as _reduce
 from keras_sync.training.context import check_shared
 
 
+def invalid(name: str, value: Any, expected: str) -> UsageError:
+    """The error of a callback argument: what was received, and what was ``expected``."""
+    return UsageError(
+        f"Invalid value for argument `{name}`. Received: {name}={value!r}. Expected {expected}."
+    )
+
+
 def check_int(name: str, value: Any, minimum: int, alternative: str = "") -> None:
     """Raise `UsageError` unless ``value`` is an integer >= ``minimum``; ``alternative``: another
     value allowed, for the message (``" or 'auto'"``)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise UsageError(
-            f"Invalid value for argument `{name}`. Received: {name}={value!r}. "
-            f"Expected an integer >= {minimum}{alternative}."
-        )
+        raise invalid(name, value, f"an integer >= {minimum}{alternative}")
 
 
 def log_step(shared: Any, model: Any) -> int:

@@ -53,10 +53,8 @@ class FitParams(OncePerRun):
             params["batch_size"] = batch * int(replicas)
         params.update(epochs=self.params.get("epochs"), steps_per_epoch=self.params.get("steps"))
         self._optimizers_pending = not has_default_train_step(self.model)
-        if not self._optimizers_pending and self.model.optimizer is not None:
-            params.update(
-                {f"optimizer_{k}": v for k, v in self.model.optimizer.get_config().items()}
-            )
+        if not self._optimizers_pending:
+            params.update(_config_params([("optimizer", self.model.optimizer)]))
         lines: list[str] = []  # model.summary() as text, line for line as autolog stores it
         self.model.summary(print_fn=lambda line, *args, **kwargs: lines.append(line))
         self.writer.log_text_artifact("\n".join(lines), MODEL_SUMMARY_ARTIFACT)
@@ -68,11 +66,11 @@ class FitParams(OncePerRun):
             applied = applied_optimizers(self.model) or [("optimizer", self.model.optimizer)]
             if len(applied) == 1:  # one: optimizer_<key>; several: <attribute>_<key> for each
                 applied = [("optimizer", applied[0][1])]
-            self.log_params(
-                {
-                    f"{name}_{k}": v
-                    for name, o in applied
-                    if o is not None
-                    for k, v in o.get_config().items()
-                }
-            )
+            self.log_params(_config_params(applied))
+
+
+def _config_params(named: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``<name>_<key>`` for each key of each named optimizer's config (None: no optimizer)."""
+    return {
+        f"{name}_{k}": v for name, o in named if o is not None for k, v in o.get_config().items()
+    }

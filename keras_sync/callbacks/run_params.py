@@ -56,9 +56,8 @@ class RunParams(OncePerRun):
             devices = list(strategy.extended.worker_devices)
         except (RuntimeError, AttributeError):  # the default strategy has no replica devices
             kinds = ("CPU", "GPU", "TPU")
-            devices = [d.name for d in tf.config.list_logical_devices() if d.device_type in kinds][
-                :1
-            ]
+            logical = [d.name for d in tf.config.list_logical_devices() if d.device_type in kinds]
+            devices = logical[:1]
         params: dict[str, Any] = {
             "sync.num_replicas": int(strategy.num_replicas_in_sync),
             "sync.tensorflow_version": tf.version.VERSION,

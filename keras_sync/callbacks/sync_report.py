@@ -6,8 +6,7 @@ from typing import Any
 
 import keras
 
-from keras_sync.callbacks._once import check_int
-from keras_sync.errors import UsageError
+from keras_sync.callbacks._once import check_int, invalid
 from keras_sync.measures import reduce as _reduce
 from keras_sync.tracking.report_plot import SyncHistory, upload
 from keras_sync.training.context import check_shared
@@ -36,10 +35,7 @@ class SyncReport(keras.callbacks.Callback):
         super().__init__()
         _reduce.check_writer(writer, "log_artifact_file")
         if when not in WHEN:
-            raise UsageError(
-                f"Invalid value for argument `when`. Received: when={when!r}. "
-                f"Expected one of {', '.join(map(repr, WHEN))}."
-            )
+            raise invalid("when", when, f"one of {', '.join(map(repr, WHEN))}")
         check_int("max_points", max_points, 2)
         self.writer, self.when = writer, when
         self.history = SyncHistory(max_points=max_points)

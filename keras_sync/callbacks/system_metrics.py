@@ -7,7 +7,7 @@ from typing import Any
 
 import keras
 
-from keras_sync.errors import UsageError
+from keras_sync.callbacks._once import invalid
 from keras_sync.training.context import check_shared
 
 
@@ -32,10 +32,7 @@ class SystemMetrics(keras.callbacks.Callback):
         default = MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL.get() or 10.0
         interval = default if interval_s is None else interval_s
         if not interval > 0:
-            raise UsageError(
-                f"Invalid value for argument `interval_s`. Received: interval_s={interval_s!r}. "
-                "Expected a number of seconds > 0."
-            )
+            raise invalid("interval_s", interval_s, "a number of seconds > 0")
         self.writer, self.shared, self.interval_s = writer, check_shared(shared), float(interval)
         self._monitors: list[Any] | None = None
         self._stop = threading.Event()

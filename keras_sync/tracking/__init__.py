@@ -23,7 +23,6 @@ from keras_sync.errors import TrackingError
 from keras_sync.tracking import records
 from keras_sync.tracking.artifacts import stage
 from keras_sync.tracking.courier import replay_spool
-from keras_sync.tracking.records import RecordCleaner, is_http
 from keras_sync.tracking.redact import redact_uri, secrets_of
 from keras_sync.tracking.spool import SpoolDir
 from keras_sync.tracking.spooler import LOST_TAG, STALL_S, Spooler
@@ -62,7 +61,7 @@ def resolve_tracking_uri(
 
 def run_url(tracking_uri: str, experiment_id: str | None, run_id: str) -> str | None:
     """The MLflow UI page of a run on a tracking server (credentials removed); None for a local store."""
-    if not is_http(tracking_uri) or experiment_id is None:
+    if not records.is_http(tracking_uri) or experiment_id is None:
         return None
     base = str(redact_uri(tracking_uri)).split("?", 1)[0].rstrip("/")
     return f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
@@ -170,7 +169,7 @@ class MlflowWriter:
         header = {"v": 2, "experiment": experiment, "run_name": run_name, "job_id": self.job_id}
         header.update(explicit=self.job_id_explicit, tracking_uri=self.shown_uri, run_id=run_id)
         spool = SpoolDir(root.resolve() / re.sub(r"[^\w.\-]", "_", self.job_id))
-        cleaner = RecordCleaner(secrets_of(tracking_uri, os.environ))
+        cleaner = records.RecordCleaner(secrets_of(tracking_uri, os.environ))
         self._sp = Spooler(spool, tracking_uri, header, cleaner)
         self.closed = self._warned = self._ends_after_fit = False
         # The BEGIN the next record needs: "first" (deferred), "reopen" (after end_run), or None.

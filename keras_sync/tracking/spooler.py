@@ -21,20 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from keras_sync.tracking import artifacts
-from keras_sync.tracking.records import (
-    ALWAYS_KEPT,
-    BEGIN,
-    BOOKKEEPING,
-    CREDENTIALS,
-    END,
-    MAX_TAG_VALUE_LENGTH,
-    METRICS,
-    TAGS,
-    WAKE_LINE,
-    RecordCleaner,
-    is_last_record,
-    why_failing,
-)
+from keras_sync.tracking import records as r
 from keras_sync.tracking.spool import Position, SpoolDir, SpoolFull
 
 _log = logging.getLogger("keras_sync.tracking")
@@ -78,7 +65,7 @@ class Spooler:
     """Queue -> spool (or memory) -> courier for one writer, and how far delivery got."""
 
     def __init__(
-        self, spool: SpoolDir, uri: str, header: dict[str, Any], cleaner: RecordCleaner
+        self, spool: SpoolDir, uri: str, header: dict[str, Any], cleaner: r.RecordCleaner
     ) -> None:
         self.spool, self.uri, self.header, self._clean = spool, uri, header, cleaner
         self.shown_uri: str = header["tracking_uri"]
@@ -109,12 +96,12 @@ class Spooler:
         if self.thread is None:
             if begin_ms is not None:
                 self._begun = True
-                self.queue.appendleft((0, {"k": BEGIN, "ts": begin_ms}))
+                self.queue.appendleft((0, {"k": r.BEGIN, "ts": begin_ms}))
             self.thread = threading.Thread(target=self._loop, name="keras-sync-mlflow", daemon=True)
             self.thread.start()
 
     def put(self, rec: dict[str, Any]) -> None:
-        self._begun |= rec["k"] == BEGIN
+        self._begun |= rec["k"] == r.BEGIN
         self.last_seq = next(self._seq)
         self.queue.append((self.last_seq, rec))
 
@@ -161,10 +148,6 @@ class Spooler:
         spooled = [rec for _, rec in self.spool.read(self.progress()[0], max_records=10**9)]
         return spooled + self.unacknowledged() + [rec for _, rec in self.queue]
 
-    def points_left(self) -> int:
-        """Metric points queued, spooled or held that MLflow does not have yet."""
-        return sum(len(rec["d"]) for rec in self._left() if rec["k"] == METRICS)
-
     def wait_delivered(
         self, timeout_s: float | None, stall_s: float = STALL_S, progress: Any = None
     ) -> bool:
@@ -189,7 +172,8 @@ class Spooler:
 
     def exit_line(self) -> Callable[[], None]:
         """Say what the exit waits for (at once if metric points are left); call it while waiting."""
-        start, left, shown = time.monotonic(), self.points_left(), [False]
+        left = sum(len(rec["d"]) for rec in self._left() if rec["k"] == r.METRICS)
+        start, shown = time.monotonic(), [False]
         what = f"{left} metric point(s)" if left else "the run's last records"
 
         def update() -> None:
@@ -212,7 +196,7 @@ class Spooler:
     def say_refused_once(self) -> bool:
         """If the credentials were refused, say so in one line (once); True if they were."""
         failed = self.failure()
-        if failed is None or failed.get("cause") != CREDENTIALS:
+        if failed is None or failed.get("cause") != r.CREDENTIALS:
             return False
         if self._said_refused.acquire(blocking=False):
             _log.warning(
@@ -226,7 +210,7 @@ class Spooler:
     def cause(self) -> str:
         failed, uri = self.failure(), self.shown_uri
         if failed is not None:
-            return why_failing(failed, uri)
+            return r.why_failing(failed, uri)
         if self.courier is None or self.courier.poll() is not None:
             return f"the courier process that delivers to {uri} is not running"
         if self.status() is None:
@@ -235,7 +219,7 @@ class Spooler:
 
     def undelivered_message(self, final: bool) -> str | None:
         """Why some records are not in MLflow and where they are; None if all arrived."""
-        count = sum(rec["k"] not in BOOKKEEPING for rec in self._left())
+        count = sum(rec["k"] not in r.BOOKKEEPING for rec in self._left())
         if count == 0:
             return None
         what = f"keras-sync: {count} MLflow record(s) are not delivered yet: {self.cause()}."
@@ -246,8 +230,8 @@ class Spooler:
     def lost_text(self, records: list[dict[str, Any]]) -> str:
         """What a full disk cost: the steps and other records of ``records`` and the dropped."""
         both = records + self.dropped
-        steps = [rec["s"] for rec in both if rec["k"] == METRICS]
-        others = sum(rec["k"] not in (METRICS, *BOOKKEEPING) for rec in both)
+        steps = [rec["s"] for rec in both if rec["k"] == r.METRICS]
+        others = sum(rec["k"] not in (r.METRICS, *r.BOOKKEEPING) for rec in both)
         what = f"the points of steps {step_ranges(steps)}" if steps else "no metric points"
         what += f" and {others} other record(s)" if others else ""
         return f"{what}: the spool {self.spool.path} could not be written ({self.spool_error})"
@@ -305,8 +289,8 @@ class Spooler:
         lost = self.lost_text(records)
         (self.spool.path / "reserve").unlink(missing_ok=True)  # room for the run's end
         end: list[dict[str, Any]] = [
-            {"k": TAGS, "d": {LOST_TAG: lost[:MAX_TAG_VALUE_LENGTH]}},
-            {"k": END, "status": "FAILED", "ts": int(time.time() * 1000)},
+            {"k": r.TAGS, "d": {LOST_TAG: lost[: r.MAX_TAG_VALUE_LENGTH]}},
+            {"k": r.END, "status": "FAILED", "ts": int(time.time() * 1000)},
         ]
         try:
             self.spooled_pos = self.spool.append(end)
@@ -439,11 +423,11 @@ class Spooler:
     def _watch_status(self) -> None:
         """Say the courier's first failure (the credentials' in their own line); tell the run."""
         failed = self.failure()
-        if failed is not None and failed.get("cause") == CREDENTIALS:
+        if failed is not None and failed.get("cause") == r.CREDENTIALS:
             self.say_refused_once()
         elif failed is not None and not self._was_failing:
             _log.warning(
-                f"keras-sync: {why_failing(failed, self.shown_uri)}; records are kept in "
+                f"keras-sync: {r.why_failing(failed, self.shown_uri)}; records are kept in "
                 f"{self.spool.path}, retrying in the background."
             )
         self._was_failing = failed is not None
@@ -461,13 +445,13 @@ class Spooler:
             cleaned = self._clean(rec)
             if cleaned is not None:
                 recs.append(cleaned)
-                self._end_spooled |= is_last_record(cleaned)
+                self._end_spooled |= r.is_last_record(cleaned)
         if recs:
             self._spool_or_hold(recs)
         # The courier looks at the spool every BATCH_S; a record that is not a point goes now.
-        hurry, self.hurry = self.hurry or any(rec["k"] != METRICS for rec in recs), False
+        hurry, self.hurry = self.hurry or any(rec["k"] != r.METRICS for rec in recs), False
         if hurry and self.courier is not None:
-            self._to_courier += WAKE_LINE
+            self._to_courier += r.WAKE_LINE
         if last is not None:
             with self._spooled:
                 self._spooled_seq = max(last, self._spooled_seq)
@@ -484,7 +468,7 @@ class Spooler:
                 self._spool_failed(e.reason)
         for rec in recs:
             size = len(json.dumps(rec)) + 32
-            if self.held_bytes + size > MAX_HELD_BYTES and rec["k"] not in ALWAYS_KEPT:
+            if self.held_bytes + size > MAX_HELD_BYTES and rec["k"] not in r.ALWAYS_KEPT:
                 self.dropped.append(rec)
                 continue
             self.held_last += 1
