@@ -3,7 +3,8 @@
 Usage: python _verify_train.py CASE [noshuffle] [frozen_bn]   (the config: $KERAS_SYNC_CONFIG)
 
 CASE: dense (arrays), uneven (dense on 21 examples: an uneven last batch), dataset (a batched tf.data pipeline), custom_sum (a custom train_step whose
-loss is not divided), batchnorm, dropout, add_loss (a term that sums over the batch), mobilenet
+loss is not divided), batchnorm, dropout, add_loss (a term that sums over the batch), masked (a
+GRU on padded sequences, its loss a mean over the unpadded tokens), mobilenet
 (keras.applications.MobileNetV2 on 32x32 images). Plain SGD: an update's size shows the gradient's.
 """
 
@@ -29,6 +30,10 @@ else:
     y = (x @ rng.normal(size=(6, 1))).astype("float32")
 if CASE == "uneven":  # 21 examples at a global batch of 8: updates of 8, 8 and 5
     x, y = x[:21], y[:21]
+if CASE == "masked":  # padded sequences of 2 to 10 tokens: each replica's batch has its own count
+    lengths = rng.integers(2, 11, size=128)
+    x = np.where(np.arange(10) < lengths[:, None], rng.integers(1, 30, size=(128, 10)), 0)
+    y = (x * 7) % 5
 
 
 class SummedStep(keras.Model):
@@ -52,6 +57,11 @@ class SumPenalty(keras.layers.Layer):
 
 
 def build():
+    if CASE == "masked":  # a per-token loss, averaged by Keras over the unpadded tokens
+        inputs = keras.Input((10,), dtype="int32")
+        h = keras.layers.Embedding(30, 8, mask_zero=True)(inputs)
+        h = keras.layers.GRU(8, return_sequences=True)(h)
+        return keras.Model(inputs, keras.layers.Dense(5)(h))
     inputs = keras.Input((6,))
     h = keras.layers.Dense(16, activation="relu")(inputs)
     if CASE == "batchnorm":
@@ -79,7 +89,11 @@ with sync.scope():
         )
     else:
         model = build()
-        model.compile(optimizer=keras.optimizers.SGD(sync.lr_schedule()), loss="mse")
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        model.compile(
+            optimizer=keras.optimizers.SGD(sync.lr_schedule()),
+            loss=loss if CASE == "masked" else "mse",
+        )
 if CASE == "dataset":
     import tensorflow as tf
 

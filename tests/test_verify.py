@@ -179,6 +179,7 @@ CASES = [
         ("syncbn", {"runtime": {"sync_batch_norm": True}}),
         ("dropout", {}),
         ("add_loss", {}),
+        ("masked", {}),
     )
 ] + [
     ("mirrored-spe", "mirrored", {"runtime": {"steps_per_execution": 2}}, ("dense",), False),
@@ -312,6 +313,20 @@ def test_an_uneven_batch_inside_an_execution_weighs_each_step_by_its_own_example
     assert _last(result).startswith("verify: same as one device ("), result.stdout + result.stderr
     assert result.returncode == 0
     assert "(3 steps per execution; a batch of 5 examples, not 8)" in result.stdout
+    assert "every step alike: loss, update norm" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", WHERE)
+def test_a_masked_loss_is_the_mean_over_the_tokens_of_the_whole_global_batch(
+    verified, where: str
+) -> None:
+    # Each replica's loss is a mean over its own unpadded tokens; one device's, over the global
+    # batch's. Accumulated micro-batches would share the replicas' error, so the reference is whole.
+    result = verified[2][f"{where}-masked"]
+    assert _last(result).startswith("verify: same as one device ("), result.stdout + result.stderr
+    assert result.returncode == 0
+    assert "the full global batch of 8 (a masked loss depends on the batch)" in result.stdout
     assert "every step alike: loss, update norm" in result.stdout
 
 

@@ -57,6 +57,8 @@ class ReplicaProbe:
         #: Each optimizer ``apply`` of the last trace of replica 0 (see `train_step_trace.capture`).
         self.applies: list[dict[str, Any]] = []
         self._told = False
+        #: Whether the traced step's loss was a mean over masked entries (see train_step_trace).
+        self.masked_loss = False
         #: `WeightDivergence`'s traced comparison of this model: (variable ids, function).
         self.weight_gather: tuple[tuple[int, ...], Any] | None = None
 
@@ -115,6 +117,7 @@ class ReplicaProbe:
             with trace.capture(model, seen):
                 logs = original(data)
             probe._announce(seen["applies"])
+            probe.masked_loss = probe.masked_loss or bool(seen.get("masked"))
             first = seen["applies"][0]["optimizer"] if seen["applies"] else "optimizer"
             loss, norm, scale = _replica_values(seen, n)
             lr = rates.get(first, tf.constant(float("nan"), tf.float32))  # no optimizer: no rate

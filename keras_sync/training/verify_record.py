@@ -163,7 +163,11 @@ def whole_batch_reasons(
     steps: several steps per execution, or a recorded step that is not whole batches of ``batch``."""
     reasons = [
         f"{what} depends on the batch"
-        for key, what in (("batch_norm", "BatchNorm"), ("add_loss", "add_loss"))
+        for key, what in (
+            ("batch_norm", "BatchNorm"),
+            ("add_loss", "add_loss"),
+            ("masked_loss", "a masked loss"),
+        )
         if facts.get(key)
     ]
     if facts.get("steps_per_execution", 1) > 1:
@@ -178,7 +182,7 @@ def model_facts(context: RunContext, model: Any) -> dict[str, Any]:
     """What in the model makes replicas differ from one device (`keras_sync.measures.verify_compare`)."""
     import keras
 
-    from keras_sync.training.instrument import has_default_train_step
+    from keras_sync.training.instrument import has_default_train_step, probe_of
 
     layers, kinds = all_layers(model), keras.layers
     norms = [x for x in layers if isinstance(x, kinds.BatchNormalization) and x.trainable]
@@ -197,6 +201,7 @@ def model_facts(context: RunContext, model: Any) -> dict[str, Any]:
         "precision": precision_of(keras.config.dtype_policy().name),
         "accumulation": context.gradient_accumulation_steps,
         "steps_per_execution": int(getattr(model, "steps_per_execution", 1) or 1),
+        "masked_loss": bool(getattr(probe_of(model), "masked_loss", False)),
     }
 
 

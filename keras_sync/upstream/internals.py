@@ -128,6 +128,7 @@ _TF_OPTIMIZER = "keras.src.backend.tensorflow.optimizer:TFOptimizer"
 END_OF_DATA, BARRIER, GLOBAL_SEED = "end_of_data", "coordination_barrier", "global_seed"
 EPOCH_ITERATOR_RESET, SAME_DATA_ORDER = "iterator_reset", "same_data_order"
 DATASET_GRAPH, SUMS_PASS_THROUGH = "dataset_graph", "sums_pass_through"
+MASKED_LOSS = "masked_loss"
 
 
 def _end_of_data() -> str | None:
@@ -250,6 +251,12 @@ REGISTRY: tuple[Internal, ...] = (
         f"{LOSS}:reduce_values uses scale_loss_for_distribution",
         refused="the loss a custom test_step reports on several replicas",
         alternative="or multiply the loss your test_step tracks by the replica count",
+    ),
+    # train_step_trace: a masked loss's mean over the tokens of the whole step, not of one replica.
+    Internal(
+        MASKED_LOSS,
+        f"{LOSS}:reduce_weighted_values(values, sample_weight, mask, reduction, dtype)",
+        f"{LOSS}:Loss.__call__ uses reduce_weighted_values",
     ),
     # keras_fixes.same_data_order_patches: shapes from the element_spec, not an extra iterator.
     Internal(
