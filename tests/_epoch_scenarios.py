@@ -1,4 +1,4 @@
-"""Epoch scenarios: an uneven last batch, `batch_size` given to fit, the run-time invariant checks.
+"""Epoch scenarios: an uneven last batch, a masked loss, `batch_size` given to fit, the run-time invariant checks.
 
 Usage: python _epoch_scenarios.py devices OUT_DIR   (writes OUT_DIR/2.json, then OUT_DIR/1.json)
        keras-sync launch --workers 2 _epoch_scenarios.py mw OUT_DIR   (the chief writes OUT_DIR/mw.json)
@@ -106,6 +106,36 @@ def uneven_last_batch():
         "mae": h.history["mae"],
         "evaluate": ev,
         "checks": checks_said(err),
+    }
+
+
+def masked_sequences():
+    """A GRU on padded sequences, its loss Keras's mean over the unpadded tokens: replicas with
+    unequal padding weighed by their tokens (101 sequences: the last batch of 5 splits 3/2)."""
+    lengths = np.random.default_rng(1).integers(2, 11, size=141)
+    tokens = np.random.default_rng(2).integers(1, 30, size=(141, 10))
+    seqs = np.where(np.arange(10) < lengths[:, None], tokens, 0).astype("int32")
+    labels = (seqs * 7) % 5
+    keras.utils.set_random_seed(0)
+    with sync.scope():
+        inputs = keras.Input((10,), dtype="int32")
+        h = keras.layers.Embedding(30, 8, mask_zero=True)(inputs)
+        h = keras.layers.GRU(8, return_sequences=True)(h)
+        model = keras.Model(inputs, keras.layers.Dense(5)(h))
+        model.compile(
+            optimizer=keras.optimizers.SGD(sync.lr_schedule(), momentum=0.9),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    val = (seqs[101:], labels[101:])
+    h = sync.fit(
+        model, seqs[:101], labels[:101], epochs=2, shuffle=False, verbose=0, validation_data=val
+    )
+    ev = sync.evaluate(model, *val, verbose=0, return_dict=True)
+    return {
+        "weights": flat(model),
+        "loss": h.history["loss"],
+        "val_loss": h.history["val_loss"],
+        "evaluate": ev["loss"],
     }
 
 
@@ -253,6 +283,7 @@ def stopped_mid_epoch():
 
 
 record("uneven_last_batch", uneven_last_batch)
+record("masked_sequences", masked_sequences)
 if MULTI_WORKER:
     record("own_parts", own_parts)
     if sync.is_chief:
@@ -263,6 +294,7 @@ for N in (2, 1):  # rebinds the module's N, results and sync that the cases read
         results = Results(n=N)
         sync = session()
         record("uneven_last_batch", uneven_last_batch)
+        record("masked_sequences", masked_sequences)
     record("batch_size_global", batch_size_global)
     record("examples_per_step", examples_per_step)
     record("stopped_mid_epoch", stopped_mid_epoch)

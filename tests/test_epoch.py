@@ -93,6 +93,16 @@ def test_uneven_last_batch_equals_one_device(runs, n):
         )
 
 
+@pytest.mark.parametrize("n", (2, "mw"))
+def test_a_masked_loss_equals_one_device_in_fit_and_evaluate(runs, n):
+    """Each replica's loss is a mean over its own unpadded tokens; weighed by its examples alone,
+    the weights ended 7e-3 off one device's."""
+    one, two = runs[1]["masked_sequences"], runs[n]["masked_sequences"]
+    assert float(np.abs(np.array(one["weights"]) - np.array(two["weights"])).max()) <= 1e-5
+    for key in ("loss", "val_loss", "evaluate"):
+        assert rel(one[key], two[key]) <= 1e-5, (key, one[key], two[key])
+
+
 def test_no_check_fires_on_a_correct_fit(runs):
     assert runs["mw"]["uneven_last_batch"]["checks"] == []
     for n in COUNTS:

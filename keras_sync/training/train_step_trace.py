@@ -20,7 +20,6 @@ import tensorflow as tf
 
 from keras_sync.errors import UsageError
 from keras_sync.training import loss_scale as _loss_scale
-from keras_sync.upstream import internals as _internals
 from keras_sync.upstream import keras_losses
 from keras_sync.upstream.patching import original, patched
 from keras_sync.upstream.replica_seeds import per_replica_seeds
@@ -168,7 +167,6 @@ def _global_patches() -> list[Any]:
     scale_fn = original(keras_loss, "scale_loss_for_distribution")
     reduce_fn = original(keras_loss, "reduce_values")
     average_fn = original(tf.nn, "compute_average_loss")
-    weighted_fn = original(keras_loss, "reduce_weighted_values")
     gradient_fn = original(tf.GradientTape, "gradient")
 
     def scale_loss_for_distribution(value: Any) -> Any:
@@ -179,22 +177,6 @@ def _global_patches() -> list[Any]:
     ) -> Any:
         out = reduce_fn(values, sample_weight, reduction)
         return _mark(out, "a Keras loss with reduction='sum'") if reduction == "sum" else out
-
-    def reduce_weighted_values(
-        values: Any,
-        sample_weight: Any = None,
-        mask: Any = None,
-        reduction: Any = "sum_over_batch_size",
-        dtype: Any = None,
-    ) -> Any:
-        out = weighted_fn(values, sample_weight, mask, reduction, dtype)
-        record = seen()
-        if record is None or record["example_weight"] is None or mask is None:
-            return out
-        if reduction not in ("mean", "sum_over_batch_size"):
-            return out
-        record["masked"] = True
-        return out * tf.cast(_masked_share(mask, record), out.dtype)
 
     def compute_average_loss(*args: Any, **kwargs: Any) -> Any:
         return _mark(average_fn(*args, **kwargs), "tf.nn.compute_average_loss")
@@ -223,8 +205,7 @@ def _global_patches() -> list[Any]:
         (tf.nn, "compute_average_loss", compute_average_loss),
         (tf.GradientTape, "gradient", gradient),
     ]
-    if _internals.available(_internals.MASKED_LOSS):
-        patches.append((keras_loss, "reduce_weighted_values", reduce_weighted_values))
+    patches += keras_losses.masked_means_weighed(_masked_weight)
     for cls in (tf.distribute.Strategy, tf.distribute.ReplicaContext):
         owner = _owner(cls, "num_replicas_in_sync")
         if owner is not None:
@@ -233,14 +214,12 @@ def _global_patches() -> list[Any]:
     return patches
 
 
-def _masked_share(mask: Any, record: dict[str, Any]) -> Any:
-    """What turns a replica's masked mean (over its own unmasked entries) into its share of the
-    mean over the whole step's: the replicas' losses, weighed by their share of the examples, then
-    sum to one device's loss on the global batch, whatever each replica's count of padding."""
-    valid = tf.reduce_sum(tf.cast(mask, tf.float32))
-    total = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, valid)
-    weight = tf.cast(record["example_weight"], tf.float32)
-    return tf.math.divide_no_nan(valid * float(record["n"]), weight * total)
+def _masked_weight() -> tuple[Any, int] | None:
+    record = seen()
+    if record is None or record["example_weight"] is None:
+        return None
+    record["masked"] = True
+    return record["example_weight"], record["n"]
 
 
 def _seeds_loss_gradient(record: dict[str, Any], args: Any, kwargs: Any) -> bool:
